@@ -1,0 +1,85 @@
+"""The attention-backend interface, the per-step metadata every backend starts from, and the scoped
+forward context through which attention layers read that metadata.
+
+A step's batch is one flat run of tokens from many requests: request ``r`` owns tokens
+``query_start_loc[r]:query_start_loc[r+1]``, which sit at the end of its ``seq_lens[r]``-token context.
+Backends turn this common description into whatever their kernels need, once per step (``build``), and every
+layer then calls ``forward`` with that same metadata.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass
+class CommonAttentionInputs:
+    """What the model runner knows about a step, as host arrays."""
+
+    query_start_loc: np.ndarray  # [R + 1] int64
+    seq_lens: np.ndarray         # [R] int64: context length after this step (computed + scheduled)
+    block_table: np.ndarray      # [R, max_blocks] int64 (rows padded with 0)
+    slot_mapping: torch.Tensor   # [T] int64: cache slot of each scheduled token
+    block_size: int
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def build(self, common: CommonAttentionInputs) -> Any:
+        """Per-step metadata for this backend (built once, shared by every layer)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: Any, scale: float) -> torch.Tensor:
+        """Write k/v into ``kv_cache`` at the step's slots, then attend. q: [T, H, D]; k, v: [T, KVH, D];
+        kv_cache: [2, num_blocks, block_size, KVH, D]; returns [T, H * D]."""
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+
+
+def register_backend(name: str) -> Callable[[Callable[[], AttentionBackend]], Callable[[], AttentionBackend]]:
+    def wrap(factory: Callable[[], AttentionBackend]) -> Callable[[], AttentionBackend]:
+        _BACKENDS[name] = factory
+        return factory
+    return wrap
+
+
+def get_backend(name: str) -> AttentionBackend:
+    import pagellm.attention.torch_ref  # noqa: F401  (registers the reference backend)
+
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; supported: {', '.join(sorted(_BACKENDS))}")
+    return _BACKENDS[name]()
+
+
+@dataclass
+class ForwardContext:
+    backend: AttentionBackend
+    metadata: Any
+
+
+_context: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("pagellm_forward", default=None)
+
+
+@contextlib.contextmanager
+def forward_context(backend: AttentionBackend, metadata: Any) -> Iterator[None]:
+    """Make ``metadata`` visible to every attention layer for the duration of one forward pass."""
+    token = _context.set(ForwardContext(backend, metadata))
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+def current_forward_context() -> ForwardContext:
+    ctx = _context.get()
+    if ctx is None:
+        raise RuntimeError("attention ran outside forward_context(); the model runner sets it for each step")
+    return ctx

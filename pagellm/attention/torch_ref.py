@@ -1,0 +1,120 @@
+"""Paged attention in plain PyTorch: the reference backend and the oracle for every faster kernel.
+
+K/V of the step's tokens are written into the paged cache first; attention then always reads K/V back from the
+cache through the block table, so prefix hits, chunked prefill and decode are one code path.
+Rows with one query token (decodes) are batched: their blocks are gathered into a padded [B, KVH, L, D] tensor,
+and grouped-query heads are folded into the query axis so one SDPA call serves them all. Rows with several query
+tokens (prompt chunks, draft verification) run one SDPA call each with a causal mask offset by their cached
+context. The split is an implementation detail of this kernel; the scheduler and runner know nothing of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagellm.attention.base import CommonAttentionInputs, register_backend
+
+
+@dataclass
+class ChunkRow:
+    start: int                  # first token of the row in the flat batch
+    end: int
+    block_ids: torch.Tensor     # blocks covering the row's context
+    seq_len: int
+    mask: torch.Tensor | None   # [n, seq_len] bool; None when the row has no cached context (plain causal)
+
+
+@dataclass
+class TorchRefMetadata:
+    slot_mapping: torch.Tensor
+    num_tokens: int
+    decode_tokens: torch.Tensor | None        # [B] flat indices of single-token rows
+    decode_block_table: torch.Tensor | None   # [B, nb]
+    decode_mask: torch.Tensor | None          # [B, 1, 1, nb * block_size] bool
+    chunks: list[ChunkRow]
+
+
+class TorchRefBackend:
+    name = "torch_ref"
+
+    def build(self, common: CommonAttentionInputs) -> TorchRefMetadata:
+        q_lens = np.diff(common.query_start_loc)
+        single = np.flatnonzero(q_lens == 1)
+        decode_tokens = decode_table = decode_mask = None
+        if len(single):
+            lens = common.seq_lens[single]
+            nb = int(-(-lens.max() // common.block_size))
+            decode_tokens = torch.from_numpy(common.query_start_loc[single])
+            decode_table = torch.from_numpy(np.ascontiguousarray(common.block_table[single, :nb]))
+            span = torch.arange(nb * common.block_size)
+            decode_mask = (span[None, :] < torch.from_numpy(lens)[:, None]).view(len(single), 1, 1, -1)
+        chunks = [self._chunk(common, int(r)) for r in np.flatnonzero(q_lens > 1)]
+        return TorchRefMetadata(common.slot_mapping, int(common.query_start_loc[-1]), decode_tokens,
+                                decode_table, decode_mask, chunks)
+
+    @staticmethod
+    def _chunk(common: CommonAttentionInputs, row: int) -> ChunkRow:
+        start, end = int(common.query_start_loc[row]), int(common.query_start_loc[row + 1])
+        seq_len = int(common.seq_lens[row])
+        nb = -(-seq_len // common.block_size)
+        block_ids = torch.from_numpy(np.ascontiguousarray(common.block_table[row, :nb]))
+        mask = None
+        n = end - start
+        if seq_len != n:
+            positions = torch.arange(seq_len - n, seq_len)
+            mask = torch.arange(seq_len)[None, :] <= positions[:, None]
+        return ChunkRow(start, end, block_ids, seq_len, mask)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: TorchRefMetadata, scale: float) -> torch.Tensor:
+        write_kv(kv_cache, k, v, metadata.slot_mapping)
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        out = torch.empty(metadata.num_tokens, num_heads * head_dim, dtype=q.dtype)
+        if metadata.decode_tokens is not None:
+            out[metadata.decode_tokens] = _decode_attention(q[metadata.decode_tokens], kv_cache, metadata, scale)
+        for chunk in metadata.chunks:
+            out[chunk.start:chunk.end] = _chunk_attention(q[chunk.start:chunk.end], kv_cache, chunk, scale)
+        return out
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[B, nb] block ids → [B, KVH, nb * block_size, D] keys or values."""
+    blocks = cache[block_table]  # [B, nb, bs, KVH, D]
+    batch, _, _, kv_heads, head_dim = blocks.shape
+    return blocks.view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+
+
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: TorchRefMetadata, scale: float) -> torch.Tensor:
+    batch, num_heads, head_dim = q.shape
+    keys = _gather(kv_cache[0], md.decode_block_table)
+    values = _gather(kv_cache[1], md.decode_block_table)
+    kv_heads = keys.shape[1]
+    # Query heads h = kv_head * group + g share kv_head: fold the group into the query axis.
+    grouped = q.view(batch, kv_heads, num_heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=md.decode_mask, scale=scale)
+    return out.reshape(batch, num_heads * head_dim)
+
+
+def _chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, chunk: ChunkRow, scale: float) -> torch.Tensor:
+    n, num_heads, head_dim = q.shape
+    keys = _gather(kv_cache[0], chunk.block_ids[None])[0, :, :chunk.seq_len]
+    values = _gather(kv_cache[1], chunk.block_ids[None])[0, :, :chunk.seq_len]
+    group = num_heads // keys.shape[0]
+    keys = keys.repeat_interleave(group, dim=0)
+    values = values.repeat_interleave(group, dim=0)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=chunk.mask,
+                                         is_causal=chunk.mask is None, scale=scale)
+    return out.transpose(0, 1).reshape(n, num_heads * head_dim)
+
+
+register_backend("torch_ref")(TorchRefBackend)

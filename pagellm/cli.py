@@ -1,0 +1,101 @@
+"""``pagellm generate`` and ``pagellm chat``: offline generation from the command line.
+
+Engine flags are generated from the config fields (name, type, default and help text), so every engine option
+is a flag without being listed twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from typing import Any, Sequence
+
+from pagellm import envs
+from pagellm.config import flat_fields
+
+
+def _flag_type(field: dataclasses.Field) -> Any:
+    hint = str(field.type)
+    if "bool" in hint:
+        return None
+    if "int" in hint:
+        return int
+    if "float" in hint:
+        return float
+    return str
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for field in flat_fields():
+        if field.name == "model":
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        kind = _flag_type(field)
+        if kind is None:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                               help=f"{field.metadata['help']} (default: {field.default})")
+        else:
+            group.add_argument(flag, type=kind, default=None, help=f"{field.metadata['help']} "
+                                                                   f"(default: {field.default})")
+    group.add_argument("--speculative-config", default=None,
+                       help='Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = [f.name for f in flat_fields() if f.name != "model"] + ["speculative_config"]
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: paged-KV LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("generate", "complete prompts"), ("chat", "answer chat messages via the template")):
+        cmd = sub.add_parser(name, help=help_text)
+        cmd.add_argument("prompts", nargs="*", help="prompts (or user messages for chat)")
+        cmd.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+        cmd.add_argument("--chat", action="store_true", help="apply the chat template (generate only)")
+        cmd.add_argument("--model", default=None, help="HF directory or .gguf file (default: built-in SmolLM2)")
+        _add_sampling_args(cmd)
+        add_engine_args(cmd)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    from pagellm import LLM, SamplingParams
+
+    prompts = list(args.prompt) + list(args.prompts)
+    if not prompts:
+        print("pagellm: give at least one prompt (positional or --prompt)", file=sys.stderr)
+        return 2
+    try:
+        llm = LLM(args.model, **engine_kwargs(args))
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.sample_seed, stop=args.stop)
+        if args.command == "chat" or args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+    except ValueError as exc:
+        print(f"pagellm: {exc}", file=sys.stderr)
+        return 2
+    for prompt, out in zip(prompts, outputs):
+        print(f"### {prompt}\n{out.outputs[0].text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Engine configuration: frozen sub-configs composed into one ``EngineConfig``.
+
+Each component takes only the sub-config it uses. Every field carries its help text in ``metadata["help"]``;
+the CLI generates its flags from these fields. Validation raises ``ValueError`` that names the fix. Values found
+at run time (number of KV blocks, EOS ids, the model's context length) live in runtime objects, never here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+GiB = 1024**3
+
+
+def _help(text: str, **kwargs: Any) -> Any:
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to run and in which precision."""
+
+    model: str | None = _help(
+        "Hugging Face model directory or .gguf file; empty for the built-in SmolLM2-135M-Instruct.", default=None
+    )
+    dtype: str = _help("Weights and KV dtype: auto (bfloat16 on CPUs with AVX-512 BF16/AMX), float32, bfloat16.",
+                       default="auto")
+    max_model_len: int | None = _help(
+        "Longest sequence (prompt + output) a request may reach; default: the model's context length.", default=None
+    )
+    seed: int = _help("Seed of the sampler for requests that set no seed of their own.", default=0)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "fp32", "float", "bfloat16", "bf16"):
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use auto, float32 or bfloat16")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = _help("Tokens per KV-cache block.", default=16)
+    kv_cache_memory: int = _help("Bytes of memory for the KV cache (all layers).", default=2 * GiB)
+    enable_prefix_caching: bool = _help("Reuse KV blocks of identical prompt prefixes across requests.",
+                                        default=True)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The token-budget scheduler."""
+
+    max_num_seqs: int = _help("Most requests running in one step.", default=256)
+    max_num_batched_tokens: int | None = _help(
+        "Token budget of one step (default 2048; with chunked prefill off, at least max_model_len).", default=None
+    )
+    enable_chunked_prefill: bool = _help("Split long prompts across steps to fill the token budget.",
+                                         default=True)
+    scheduling_policy: str = _help("fcfs (first come, first served) or priority (lower value first).",
+                                   default="fcfs")
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r}; use 'fcfs' or 'priority'")
+
+    def token_budget(self, max_model_len: int) -> int:
+        """The per-step token budget once the model's context length is known."""
+        if self.max_num_batched_tokens is not None:
+            budget = self.max_num_batched_tokens
+        else:
+            budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        if not self.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(
+                f"with chunked prefill off, max_num_batched_tokens ({budget}) must be >= max_model_len "
+                f"({max_model_len}): raise it, lower max_model_len, or enable chunked prefill"
+            )
+        return budget
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (only size 1 runs today; the layers already take the parallel state)."""
+
+    tensor_parallel_size: int = _help("Number of tensor-parallel workers.", default=1)
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: which proposer drafts tokens, and how many."""
+
+    method: str | None = _help("Proposer: none or ngram (prompt lookup).", default=None)
+    num_speculative_tokens: int = _help("Draft tokens proposed per step.", default=0)
+    prompt_lookup_min: int = _help("Smallest n-gram the ngram proposer matches.", default=2)
+    prompt_lookup_max: int = _help("Largest n-gram the ngram proposer matches.", default=4)
+
+    def __post_init__(self) -> None:
+        if self.method not in (None, "ngram"):
+            raise ValueError(f"speculative method {self.method!r} is not supported; use 'ngram' or leave unset")
+        if self.method is not None and self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1 when a speculative method is set")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        return self.num_speculative_tokens if self.method else 0
+
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig:
+        """From a dict or a JSON string as vLLM spells it: ``{"method": "ngram", "num_speculative_tokens": 3}``."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value or cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON ({exc}); e.g. "
+                                 '\'{"method": "ngram", "num_speculative_tokens": 3}\'') from exc
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(value) - known
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; valid: {sorted(known)}")
+        return cls(**value)
+
+
+# Flat engine arguments map onto these sections; the speculative section is one JSON argument.
+_SECTIONS: dict[str, type] = {
+    "model_config": ModelConfig,
+    "cache_config": CacheConfig,
+    "scheduler_config": SchedulerConfig,
+    "parallel_config": ParallelConfig,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, sliced by component."""
+
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat, vLLM-style keyword arguments (``max_num_seqs=64``, ``dtype="float32"``, ...)."""
+        speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
+        owners = flat_field_owners()
+        per_section: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        for key, value in kwargs.items():
+            if key not in owners:
+                close = difflib.get_close_matches(key, owners, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                valid = ", ".join(sorted([*owners, "speculative_config"]))
+                raise ValueError(f"unknown engine argument {key!r}{hint}; valid ones: {valid}")
+            per_section[owners[key]][key] = value
+        sections = {name: _SECTIONS[name](**values) for name, values in per_section.items()}
+        return cls(speculative_config=speculative, **sections)
+
+
+def flat_field_owners() -> dict[str, str]:
+    """Map each flat engine-argument name to the sub-config section that owns it."""
+    return {f.name: section for section, klass in _SECTIONS.items() for f in dataclasses.fields(klass)}
+
+
+def flat_fields() -> list[dataclasses.Field]:
+    """Every engine argument as a dataclass field (for generating CLI flags)."""
+    return [f for klass in _SECTIONS.values() for f in dataclasses.fields(klass)]

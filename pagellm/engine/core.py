@@ -1,0 +1,60 @@
+"""EngineCore: the scheduler, the KV memory and the executor, stepped as one loop.
+
+``step()`` = ``schedule()`` → ``execute_model()`` → ``update_from_output()``; it returns token-id deltas and a
+plain stats object. The core knows nothing of text; requests arrive tokenized and validated against the limits
+only the core knows (context length, vocabulary).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pagellm.config import EngineConfig
+from pagellm.engine.input_processor import check_prompt
+from pagellm.engine.wire import EngineCoreOutput, EngineCoreRequest
+from pagellm.executor.base import Executor
+from pagellm.executor.uniproc import UniProcExecutor
+from pagellm.metrics.stats import SchedulerStats
+from pagellm.request import Request
+from pagellm.sched.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        self.executor = executor or UniProcExecutor(config)
+        self.runtime = self.executor.runtime
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.runtime.num_blocks,
+                                   self.runtime.max_model_len,
+                                   config.speculative_config.num_lookahead_tokens)
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        check_prompt(req.prompt_token_ids, self.runtime.max_model_len, self.runtime.vocab_size)
+        params = req.sampling_params
+        room = self.runtime.max_model_len - len(req.prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self.scheduler.add_request(Request(
+            req.request_id, req.prompt_token_ids, params, frozenset(req.eos_token_ids), req.arrival_time,
+            req.priority, req.cache_salt, max_tokens))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> tuple[list[EngineCoreOutput], SchedulerStats]:
+        if not self.scheduler.has_unfinished_requests():
+            return [], self.scheduler.make_stats()
+        sched_out = self.scheduler.schedule()
+        runner_out = self.executor.execute_model(sched_out)
+        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        return outputs, self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

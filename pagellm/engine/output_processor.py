@@ -1,0 +1,87 @@
+"""Frontend output side: token-id deltas from the core become ``RequestOutput``s.
+
+Per request it keeps the incremental detokenizer (stop strings, held-back partial matches) and the timing. A stop
+string can only be seen here, so when one matches the request is reported finished and its id is returned for the
+caller to abort in the core.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from pagellm.engine.detokenizer import IncrementalDetokenizer
+from pagellm.engine.wire import EngineCoreOutput, EngineCoreRequest
+from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagellm.request import FinishReason
+from pagellm.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    detokenizer: IncrementalDetokenizer
+    metrics: RequestMetrics
+    token_ids: list[int]
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def make_output(self, delta: bool) -> RequestOutput:
+        finished = self.finish_reason is not None
+        text = self.detokenizer.get_next_output_text(finished, delta)
+        completion = CompletionOutput(0, text, list(self.token_ids), self.finish_reason, self.stop_reason)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion], finished,
+                             self.metrics, self.num_cached_tokens)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+
+    def add_request(self, req: EngineCoreRequest, prompt: str | None) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer.backend, req.prompt_token_ids, req.sampling_params)
+        self.requests[req.request_id] = RequestState(
+            req.request_id, prompt, req.prompt_token_ids, detok, RequestMetrics(req.arrival_time), [])
+
+    def abort(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput],
+                        delta: bool = False) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's deltas; returns the updated outputs and the ids to abort in the core (stop strings)."""
+        now = time.time()
+        results: list[RequestOutput] = []
+        to_abort: list[str] = []
+        for out in outputs:
+            state = self.requests.get(out.request_id)
+            if state is None:
+                continue
+            if state.metrics.first_token_time is None and out.new_token_ids:
+                state.metrics.first_token_time = now
+                state.num_cached_tokens = out.num_cached_tokens
+            if self._apply(state, out):
+                to_abort.append(out.request_id)
+            if state.finish_reason is not None:
+                state.metrics.finished_time = now
+                del self.requests[out.request_id]
+            results.append(state.make_output(delta))
+        return results, to_abort
+
+    @staticmethod
+    def _apply(state: RequestState, out: EngineCoreOutput) -> bool:
+        """Add the new tokens; True when a stop string ended a request the core still runs."""
+        state.token_ids.extend(out.new_token_ids)
+        stop = state.detokenizer.update(out.new_token_ids)
+        if stop is not None:
+            state.finish_reason, state.stop_reason = str(FinishReason.STOP), stop
+            return not out.finished
+        if out.finished:
+            state.finish_reason, state.stop_reason = str(out.finish_reason), out.stop_reason
+        return False

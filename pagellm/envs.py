@@ -1,0 +1,31 @@
+"""Every environment variable pagellm reads, typed, read in one place.
+
+Values are read when accessed (not at import), so tests can set them with ``monkeypatch``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where converted weights (GGUF → safetensors) are kept: ``PAGELLM_CACHE_DIR``,
+    else ``$XDG_CACHE_HOME/pagellm``, else ``~/.cache/pagellm``."""
+    explicit = os.environ.get("PAGELLM_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "pagellm"
+
+
+def num_threads() -> int | None:
+    """``PAGELLM_NUM_THREADS``: torch intra-op threads; ``None`` leaves torch's default."""
+    value = os.environ.get("PAGELLM_NUM_THREADS")
+    return int(value) if value else None
+
+
+def log_level() -> str:
+    """``PAGELLM_LOG_LEVEL``: the level of pagellm's loggers (default INFO)."""
+    return os.environ.get("PAGELLM_LOG_LEVEL", "INFO").upper()

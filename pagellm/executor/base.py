@@ -1,0 +1,17 @@
+"""The executor interface: how the engine core reaches its workers (in-process today; multiprocess TP/PP and Ray
+executors implement the same three members)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagellm.worker.worker import RuntimeInfo
+
+
+class Executor(Protocol):
+    runtime: RuntimeInfo
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...

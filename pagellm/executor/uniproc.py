@@ -1,0 +1,19 @@
+"""One worker in the engine core's own process."""
+
+from __future__ import annotations
+
+from pagellm.config import EngineConfig
+from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagellm.worker.worker import RuntimeInfo, Worker
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.worker = Worker(config.model_config, config.cache_config, config.speculative_config)
+        self.runtime: RuntimeInfo = self.worker.runtime
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(sched)
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,126 @@
+"""``LLM``: the offline facade. It owns a tokenizer, an in-process engine core and the output processor, and
+turns a batch of prompts into ``RequestOutput``s in input order, with a progress bar."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from pagellm.config import EngineConfig
+from pagellm.engine.client import InprocClient
+from pagellm.engine.input_processor import InputProcessor, PromptType
+from pagellm.engine.output_processor import OutputProcessor
+from pagellm.metrics.stats import SchedulerStats
+from pagellm.model.loader import resolve_model_dir
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+from pagellm.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate offline: ``LLM(model=None, **engine_args).generate(prompts, sampling_params)``.
+
+    ``model`` is a Hugging Face directory or a .gguf file (None: the built-in SmolLM2-135M-Instruct). Engine
+    arguments keep vLLM's names: ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
+    ``enable_prefix_caching``, ``enable_chunked_prefill``, ``dtype``, ``seed``; plus ``kv_cache_memory`` (bytes)
+    and ``scheduling_policy`` ("fcfs" or "priority").
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **engine_args)
+        self.tokenizer = Tokenizer.from_dir(resolve_model_dir(model))
+        self.engine = InprocClient(self.config)
+        runtime = self.engine.runtime
+        self.input_processor = InputProcessor(self.tokenizer, runtime.max_model_len, runtime.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self.last_stats: list[SchedulerStats] = []
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Prompts are strings or token-id lists (or one of either); outputs come back in input order."""
+        batch = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params, len(batch), "sampling_params")
+        priorities = _per_prompt(list(priority) if priority is not None else 0, len(batch), "priority")
+        ids = self._add_requests(batch, params, priorities)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of ``{"role", "content"}`` dicts) or a list of them, via the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],
+                      priorities: list[int]) -> list[str]:
+        requests = []
+        for prompt, param, prio in zip(prompts, params, priorities):
+            if param.n != 1:
+                raise ValueError("n > 1 is not supported by LLM.generate yet; repeat the prompt instead")
+            requests.append((self.input_processor.process(str(next(self._ids)), prompt, param, prio),
+                             prompt if isinstance(prompt, str) else None))
+        for request, text in requests:  # all validated before any is queued
+            self.output_processor.add_request(request, text)
+            self.engine.add_request(request)
+        return [r.request_id for r, _ in requests]
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        generated = 0
+        self.last_stats = []
+        while self.output_processor.has_unfinished_requests():
+            step = self.engine.get_output()
+            if step.stats is not None:
+                self.last_stats.append(step.stats)
+            outputs, to_abort = self.output_processor.process_outputs(step.outputs)
+            self.engine.abort_requests(to_abort)
+            for out in outputs:
+                if out.finished:
+                    finished[out.request_id] = out
+                    generated += len(out.outputs[0].token_ids)
+                    bar.update(1)
+            if use_tqdm:
+                bar.set_postfix_str(f"output {generated / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s",
+                                    refresh=False)
+        bar.close()
+        return [finished[i] for i in ids]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # type: ignore[arg-type]
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _per_prompt(value: Any, count: int, name: str) -> list:
+    if value is None:
+        value = SamplingParams()
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries for {count} prompts; pass one, or one per prompt")
+        return list(value)
+    return [value] * count

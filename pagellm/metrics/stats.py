@@ -1,0 +1,40 @@
+"""Plain stats objects produced by the engine core each step; exporters (logs, Prometheus) read them.
+
+No exporter library is imported here, so the core stays free of metrics dependencies.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SpecDecodingStats(msgspec.Struct, omit_defaults=True):
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        while len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
+            self.num_accepted_tokens_per_pos.append(0)
+        for pos in range(num_accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True):
+    """One step's view: gauges are current values, the rest count events during the step."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0          # tokens looked up
+    prefix_cache_hits: int = 0             # tokens found
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0             # prompt tokens computed (prefix hits excluded)
+    num_generation_tokens: int = 0         # tokens sampled and kept
+    num_scheduled_tokens: int = 0
+    kv_cache_evictions: int = 0
+    spec_decoding: SpecDecodingStats | None = None

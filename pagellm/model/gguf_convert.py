@@ -1,0 +1,385 @@
+"""Turn a llama.cpp GGUF file into a Hugging Face-style model directory.
+
+Contract: ``convert_gguf_to_hf(gguf_path, out_dir)`` writes into ``out_dir``
+
+- ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` when the
+  float32 weights pass ``MAX_SHARD_BYTES``): every tensor dequantized to float32 under its Hugging Face name, with
+  llama.cpp's rotary row permutation of q/k undone, so the weights are exactly what transformers' own GGUF
+  loader produces;
+- ``config.json`` (``LlamaForCausalLM`` or ``Qwen2ForCausalLM``), ``generation_config.json`` (bos/eos ids);
+- ``tokenizer.json`` + ``tokenizer_config.json`` (chat template, special tokens, ``add_bos_token``).
+
+It writes in place and is not atomic: the caller (``loader.resolve_model_dir``) converts into a temporary
+directory and renames it. Unsupported files raise ``ValueError`` naming what is supported. Bump
+``CONVERTER_VERSION`` whenever the output changes, so cached conversions are redone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+CONVERTER_VERSION = 1
+MAX_SHARD_BYTES = 4 * 1024**3
+
+# general.architecture -> (HF architecture class, HF model_type).
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+}
+# llama.cpp's converter reorders q/k rows only for these (its LlamaModel); Qwen2 is written unpermuted.
+_PERMUTED_ARCHITECTURES = frozenset({"llama"})
+
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# rope_freqs is llama 3.1's rotary scaling, which becomes config.rope_scaling; attn_rot_embd is a cache that
+# old converters wrote and that the model recomputes.
+_SKIPPED_TENSORS = frozenset({"rope_freqs", "attn_rot_embd"})
+
+# Pre-tokenizer rules transformers' GGUF tokenizer does not know. SmolLM's vocabulary was trained with every
+# digit split apart (llama.cpp's "smollm" pre-type puts `\p{N}` first), before the GPT-2 byte-level regex.
+_DIGIT_SPLIT_PRE_TYPES = frozenset({"smollm"})
+
+# Instruct GGUFs sometimes name the base model's eos; the chat template's turn terminator is what ends a reply.
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+
+_REQUIRED = object()
+
+
+def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
+    """Write the Hugging Face directory for ``gguf_path`` into ``out_dir`` (created if missing)."""
+    import gguf
+
+    start = time.perf_counter()
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    reader = gguf.GGUFReader(str(gguf_path))
+    meta = _read_metadata(reader)
+    arch = _architecture(meta, gguf_path)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    config = _hf_config(meta, arch, tensors)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_weights(tensors, config, arch, out_dir)
+    _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "generation_config.json", _generation_config(meta))
+    _write_tokenizer(gguf_path, meta, out_dir)
+    logger.info("converted %s (%s, %d tensors) in %.1fs", gguf_path, arch, len(tensors), time.perf_counter() - start)
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face parameter name for a llama.cpp tensor name, or ``None`` for tensors HF does not store."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    parts = stem.split(".")
+    kind = parts[-1]
+    if kind in _SKIPPED_TENSORS:
+        return None
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and kind in _BLOCK_TENSORS:
+        return f"model.layers.{parts[1]}.{_BLOCK_TENSORS[kind]}.{suffix}"
+    if len(parts) == 1 and kind in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[kind]}.{suffix}"
+    raise ValueError(
+        f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in pagellm's converter; only plain "
+        f"{sorted(SUPPORTED_ARCHITECTURES)} models are supported (convert the original checkpoint instead)"
+    )
+
+
+def unpermute_rotary_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation.
+
+    HF's rotary embedding pairs dimension ``i`` with ``i + d/2`` inside each head ("rotate half"); llama.cpp
+    pairs ``2i`` with ``2i + 1``. Its converter therefore reorders the rows of each head from
+    ``[half0 | half1]`` to interleaved ``(h0[0], h1[0], h0[1], h1[1], ...)``:
+    ``w.reshape(n_head, 2, d/2, ...).swapaxes(1, 2)``. Undoing it reads the interleaved pairs back out:
+    ``w.reshape(n_head, d/2, 2, ...).swapaxes(1, 2)``. Works for weights and biases alike.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"cannot undo rotary permutation: {rows} rows do not split into {n_head} heads of pairs")
+    pairs = weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:])
+    return pairs.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _read_metadata(reader: Any) -> dict[str, Any]:
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def _architecture(meta: dict[str, Any], gguf_path: Path) -> str:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{gguf_path}: GGUF architecture {arch!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _arch_value(meta: dict[str, Any], arch: str, key: str, default: Any = _REQUIRED) -> Any:
+    full_key = f"{arch}.{key}"
+    if full_key in meta:
+        return meta[full_key]
+    if default is _REQUIRED:
+        raise ValueError(f"GGUF metadata {full_key!r} is missing; the file is truncated or not from llama.cpp")
+    return default
+
+
+def _shortest_float(value: float) -> float:
+    # GGUF stores float32: 1e-5 comes back as 9.999999747e-06. The shortest decimal that round-trips through
+    # float32 is what the original config said, and is the same number once a float32 model uses it.
+    return float(str(np.float32(value)))
+
+
+def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict[str, Any]:
+    def get(key: str, default: Any = _REQUIRED) -> Any:
+        return _arch_value(meta, arch, key, default)
+
+    hidden = int(get("embedding_length"))
+    n_head = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // n_head))
+    rope_theta = _shortest_float(get("rope.freq_base", 10000.0))
+    hf_class, model_type = SUPPORTED_ARCHITECTURES[arch]
+    config: dict[str, Any] = {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(get("attention.head_count_kv", n_head)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _shortest_float(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": rope_theta,
+        "max_position_embeddings": int(get("context_length")),
+        # The embedding's row count is the model's vocabulary, whatever the tokenizer lists.
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "torch_dtype": "float32",
+    }
+    if arch == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        config["mlp_bias"] = False
+    config.update(_special_ids(meta))
+    rope_scaling = _rope_scaling(meta, arch, tensors, head_dim, rope_theta)
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+def _special_ids(meta: dict[str, Any]) -> dict[str, int]:
+    names = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "padding_token_id"}
+    return {
+        hf_key: int(meta[f"tokenizer.ggml.{gguf_key}"])
+        for hf_key, gguf_key in names.items()
+        if f"tokenizer.ggml.{gguf_key}" in meta
+    }
+
+
+def _rope_scaling(
+    meta: dict[str, Any], arch: str, tensors: dict[str, Any], head_dim: int, rope_theta: float
+) -> dict[str, Any] | None:
+    kind = _arch_value(meta, arch, "rope.scaling.type", "none")
+    if kind != "none":
+        scaling: dict[str, Any] = {"rope_type": kind, "factor": float(_arch_value(meta, arch, "rope.scaling.factor"))}
+        original = _arch_value(meta, arch, "rope.scaling.original_context_length", None)
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+    if "rope_freqs.weight" in tensors:
+        divisors = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float64)
+        return _llama3_rope_scaling(divisors, head_dim, rope_theta)
+    return None
+
+
+def _llama3_rope_scaling(divisors: np.ndarray, head_dim: int, rope_theta: float) -> dict[str, Any]:
+    """Recover HF's llama3 ``rope_scaling`` from llama.cpp's per-frequency divisors (``rope_freqs``).
+
+    GGUF keeps only the resulting divisors. Every Llama 3.x release uses low/high frequency factors 1 and 4
+    around an 8192-token original context, so the factor is the largest divisor; recompute the curve from
+    those numbers and refuse the file if it differs, rather than run a silently wrong rotary embedding.
+    """
+    scaling = {
+        "rope_type": "llama3",
+        "factor": _shortest_float(divisors.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    if not np.allclose(llama3_rope_divisors(scaling, head_dim, rope_theta), divisors, rtol=1e-4):
+        raise ValueError(
+            "GGUF rope_freqs do not follow Llama 3's rope scaling; convert the original HF checkpoint instead"
+        )
+    return scaling
+
+
+def llama3_rope_divisors(scaling: dict[str, Any], head_dim: int, rope_theta: float) -> np.ndarray:
+    """How much llama3 scaling divides each rotary frequency by: 1 for short wavelengths, ``factor`` for
+    wavelengths longer than the original context allows, and a smooth blend between the two."""
+    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelength = 2 * math.pi / inv_freq
+    original = scaling["original_max_position_embeddings"]
+    low, high, factor = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
+    smooth = (original / wavelength - low) / (high - low)
+    divisors = 1.0 / ((1.0 - smooth) / factor + smooth)
+    divisors = np.where(wavelength < original / high, 1.0, divisors)
+    return np.where(wavelength > original / low, factor, divisors)
+
+
+def _write_weights(tensors: dict[str, Any], config: dict[str, Any], arch: str, out_dir: Path) -> None:
+    named = [(hf_tensor_name(name), tensor) for name, tensor in tensors.items()]
+    planned = [(hf_name, tensor) for hf_name, tensor in named if hf_name is not None]
+    shards = _plan_shards(planned)
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    permuted = arch in _PERMUTED_ARCHITECTURES
+    weight_map: dict[str, str] = {}
+    for index, shard in enumerate(shards, start=1):
+        filename = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        arrays = {hf_name: _hf_array(tensor, hf_name, heads if permuted else {}) for hf_name, tensor in shard}
+        _save_safetensors(arrays, out_dir / filename)
+        weight_map.update(dict.fromkeys(arrays, filename))
+        del arrays  # one shard of float32 in memory at a time
+    if len(shards) > 1:
+        index_doc = {"metadata": {"total_size": _float32_bytes(planned)}, "weight_map": weight_map}
+        _write_json(out_dir / "model.safetensors.index.json", index_doc)
+
+
+def _plan_shards(planned: list[tuple[str, Any]]) -> list[list[tuple[str, Any]]]:
+    shards: list[list[tuple[str, Any]]] = [[]]
+    size = 0
+    for item in planned:
+        item_bytes = _float32_bytes([item])
+        if shards[-1] and size + item_bytes > MAX_SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += item_bytes
+    return shards
+
+
+def _float32_bytes(planned: list[tuple[str, Any]]) -> int:
+    return sum(4 * int(np.prod([int(d) for d in tensor.shape])) for _, tensor in planned)
+
+
+def _hf_array(tensor: Any, hf_name: str, heads: dict[str, int]) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    # GGUF lists dimensions fastest-varying first; numpy (and HF) list them slowest first.
+    values = values.reshape([int(d) for d in reversed(tensor.shape)])
+    projection = hf_name.split(".")[-2]
+    if projection in heads:
+        values = unpermute_rotary_rows(values, heads[projection])
+    return np.ascontiguousarray(values)
+
+
+def _save_safetensors(arrays: dict[str, np.ndarray], path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    save_file(arrays, str(path), metadata={"format": "pt"})
+
+
+def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
+    ids = _special_ids(meta)
+    eos = [ids["eos_token_id"]] if "eos_token_id" in ids else []
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        if key in meta:
+            eos.append(int(meta[key]))
+    eos.extend(_end_of_turn_ids(meta))
+    eos = list(dict.fromkeys(eos))
+    generation: dict[str, Any] = {k: v for k, v in ids.items() if k != "eos_token_id"}
+    if eos:
+        generation["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return generation
+
+
+def _end_of_turn_ids(meta: dict[str, Any]) -> list[int]:
+    template = meta.get("tokenizer.chat_template") or ""
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    types = meta.get("tokenizer.ggml.token_type") or []
+    control = {token: index for index, (token, kind) in enumerate(zip(tokens, types)) if kind == 3}
+    return [control[token] for token in _END_OF_TURN_TOKENS if token in control and token in template]
+
+
+def _write_tokenizer(gguf_path: Path, meta: dict[str, Any], out_dir: Path) -> None:
+    if "tokenizer.ggml.tokens" not in meta:
+        raise ValueError(f"{gguf_path} has no tokenizer (tokenizer.ggml.tokens); pagellm needs one to serve text")
+    backend = _gguf_backend_tokenizer(gguf_path)
+    if meta.get("tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE_TYPES:
+        from tokenizers import pre_tokenizers
+
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    tokenizer_config = _tokenizer_config(meta)
+    backend.post_processor = _special_token_template(meta, tokenizer_config)
+    backend.save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+
+
+def _gguf_backend_tokenizer(gguf_path: Path) -> Any:
+    """transformers' own GGUF tokenizer conversion (vocabulary, merges, control tokens), read offline."""
+    from transformers import AutoTokenizer
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+    )
+    return hf_tokenizer.backend_tokenizer
+
+
+def _tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def token(key: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[int(index)] if index is not None and int(index) < len(tokens) else None
+
+    # llama.cpp adds BOS to sentencepiece ("llama") vocabularies unless the file says otherwise.
+    default_bos = meta.get("tokenizer.ggml.model") == "llama"
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", default_bos)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(_arch_value(meta, meta["general.architecture"], "context_length", 2048)),
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+    return {key: value for key, value in config.items() if value is not None}
+
+
+def _special_token_template(meta: dict[str, Any], tokenizer_config: dict[str, Any]) -> Any:
+    """BOS/EOS insertion baked into tokenizer.json, so every consumer of the file adds the same specials."""
+    from tokenizers import processors
+
+    prefix, suffix, specials = [], [], {}
+    if tokenizer_config["add_bos_token"] and "bos_token" in tokenizer_config:
+        prefix = [tokenizer_config["bos_token"]]
+        specials[prefix[0]] = int(meta["tokenizer.ggml.bos_token_id"])
+    if tokenizer_config["add_eos_token"] and "eos_token" in tokenizer_config:
+        suffix = [tokenizer_config["eos_token"]]
+        specials[suffix[0]] = int(meta["tokenizer.ggml.eos_token_id"])
+    single = [*prefix, "$A:0", *suffix]
+    pair = [*single, *prefix, "$B:1", *suffix]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=list(specials.items()))
+
+
+def _write_json(path: Path, document: dict[str, Any]) -> None:
+    path.write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

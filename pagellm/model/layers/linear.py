@@ -1,0 +1,88 @@
+"""Linear layers that own their sharding and their weight loading.
+
+Column-parallel layers split output features across tensor-parallel ranks, row-parallel layers split input
+features and all-reduce their outputs. Each parameter carries a ``weight_loader(param, loaded, shard_id)`` that
+copies this rank's slice of a checkpoint tensor into place, so model files never slice weights themselves.
+Merged layers (QKV, gate+up) fuse several checkpoint tensors into one matrix: one GEMM instead of several.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.distributed.groups import SINGLE, ParallelState
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:  # noqa: ANN001
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor for {what} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x Wᵀ + b with W's rows (output features) split across ranks; outputs stay sharded."""
+
+    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool, dtype: torch.dtype,
+                 parallel: ParallelState = SINGLE) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.shard_sizes = [parallel.shard(size, "output features") for size in out_sizes]
+        self.offsets = [sum(self.shard_sizes[:i]) for i in range(len(out_sizes))]
+        out = sum(self.shard_sizes)
+        self.weight = _param((out, in_features), dtype, self._load)
+        self.bias = _param((out,), dtype, self._load) if bias else None
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        size = self.shard_sizes[shard_id]
+        rank_slice = loaded.narrow(0, self.parallel.tp_rank * size, size)
+        _copy(param.data.narrow(0, self.offsets[shard_id], size), rank_slice.to(param.dtype), "column shard")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections as one matrix; checkpoint shards ``"q"``, ``"k"``, ``"v"``."""
+
+    SHARDS = {"q": 0, "k": 1, "v": 2}
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 dtype: torch.dtype, parallel: ParallelState = SINGLE) -> None:
+        kv = num_kv_heads * head_dim
+        super().__init__(hidden, [num_heads * head_dim, kv, kv], bias, dtype, parallel)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str = 0) -> None:
+        super()._load(param, loaded, self.SHARDS[shard_id] if isinstance(shard_id, str) else shard_id)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard W_shardᵀ) + b with W's columns (input features) split across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 parallel: ParallelState = SINGLE) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.in_shard = parallel.shard(in_features, "input features")
+        self.weight = _param((out_features, self.in_shard), dtype, self._load)
+        self.bias = _param((out_features,), dtype, self._load_bias) if bias else None
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        rank_slice = loaded.narrow(1, self.parallel.tp_rank * self.in_shard, self.in_shard)
+        _copy(param.data, rank_slice.to(param.dtype), "row shard")
+
+    def _load_bias(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        _copy(param.data, loaded.to(param.dtype), "bias")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.parallel.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

@@ -1,0 +1,140 @@
+"""The Llama family in one file: Llama 2/3 (with Llama-3 rope scaling), Mistral, Qwen2 (q/k/v bias) and SmolLM2.
+
+The forward pass takes one flat batch of tokens (prompt chunks and decode tokens of many requests mixed) with
+their positions; attention reads everything else from the forward context. ``compute_logits`` runs the LM head
+only on the hidden states the runner selects (the tokens that are sampled).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.distributed.groups import SINGLE, ParallelState
+from pagellm.model.arch import ArchConfig
+from pagellm.model.layers.attention import Attention
+from pagellm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagellm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagellm.model.layers.norm import RMSNorm
+from pagellm.model.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, parallel: ParallelState) -> None:
+        super().__init__()
+        self.num_heads = parallel.shard(cfg.num_heads, "attention heads")
+        self.num_kv_heads = parallel.shard(cfg.num_kv_heads, "key/value heads")
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.attention_bias, dtype, parallel)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype, parallel)
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one GEMM."""
+
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype,
+                                                 parallel)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype, parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, parallel: ParallelState) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, rotary, dtype, parallel)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(cfg, dtype, parallel)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype, parallel)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        return self.norm(x, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment → (our parameter name fragment, shard id)
+    STACKED = {
+        ".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"), ".v_proj.": (".qkv_proj.", "v"),
+        ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState = SINGLE) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg, dtype, parallel)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into place through each parameter's own loader."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        missing = {name for name in params if not (self.cfg.tie_word_embeddings and name == "lm_head.weight")}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.cfg.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            target, shard = self._target(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[target]
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                param.data.copy_(tensor.to(param.dtype))
+            else:
+                loader(param, tensor, shard) if shard is not None else loader(param, tensor)
+            missing.discard(target)
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors for: {', '.join(sorted(missing)[:8])}")
+
+    def _target(self, name: str) -> tuple[str, str | int | None]:
+        for fragment, (ours, shard) in self.STACKED.items():
+            if fragment in name:
+                return name.replace(fragment, ours), shard
+        return name, None

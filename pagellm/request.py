@@ -1,0 +1,113 @@
+"""Request state inside the engine core: tokens, progress, status and finish reasons.
+
+A request's ``num_computed_tokens`` chases ``num_tokens`` (prompt + output) plus any draft tokens; that single
+counter is the whole scheduling state (no prefill/decode phases). No torch here.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, NewType
+
+if TYPE_CHECKING:
+    from pagellm.sampling_params import SamplingParams
+
+RequestId = NewType("RequestId", str)
+BlockHash = NewType("BlockHash", bytes)
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended; ``str()`` gives the OpenAI spelling."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """One generation request as the scheduler and KV manager see it."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        max_tokens: int | None = None,
+    ) -> None:
+        self.request_id = RequestId(request_id)
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        # The engine resolves max_tokens=None to what max_model_len leaves.
+        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.spec_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit length of the first schedule; -1 until scheduled
+        self.num_preemptions = 0
+        self.block_hashes: list[BlockHash] = []
+        self.stop_reason: int | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

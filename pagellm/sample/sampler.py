@@ -1,0 +1,192 @@
+"""Batched token sampling: logits [B, V] → token ids [B].
+
+Contract:
+- Greedy rows (temperature 0) take the argmax of the raw logits.
+- Random rows, in this order: divide by temperature; keep the top-k logits; keep the nucleus (smallest prefix of
+  the sorted distribution whose mass reaches top-p; the top token always survives); drop tokens whose
+  probability is below ``min_p`` × the largest probability; sample.
+- Sampling uses the exponential race ``argmax(p / q)``, ``q ~ Exp(1)``, which draws from ``p`` exactly (the
+  ``argmin`` of independent ``Exp(p_i)`` clocks is category ``i`` with probability ``p_i``) and, unlike
+  ``torch.multinomial``, needs no host sync and no normalised ``p``.
+- Ties are broken towards the lower token id everywhere: argmax returns the first maximum, and the sort used by
+  top-k/top-p is stable.
+- A seeded row's noise depends only on ``(seed, output_position)``: it comes from a generator re-seeded for that
+  row, so the row samples the same token wherever it sits in whatever batch, and after preemption/recompute.
+  Unseeded rows share the batch generator (or torch's default one).
+- Fast paths: an all-greedy batch never touches a generator; no sort happens unless some row uses top-k/top-p.
+- No Python loop over the vocabulary; the only per-row loop is over seeded rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.sampling_params import SamplingParams
+
+# Exp(1) draws of exactly 0 would turn a masked (p = 0) token into 0/0 = NaN, which argmax treats as the maximum.
+_MIN_NOISE = torch.finfo(torch.float32).tiny
+_MASK_64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingTensors:
+    """Per-step sampling inputs for the B rows being sampled, built by the model runner."""
+
+    temperature: torch.Tensor  # [B] float32; rows with temperature 0 are greedy
+    top_k: torch.Tensor | None  # [B] int64, 0 = off; None when no row uses it
+    top_p: torch.Tensor | None  # [B] float32, 1.0 = off; None when no row uses it
+    min_p: torch.Tensor | None  # [B] float32, 0.0 = off; None when no row uses it
+    seeds: list[tuple[int, int, int]]  # (row, seed, output_position) for random rows with a per-request seed
+    all_greedy: bool
+    all_random: bool
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams],
+                    output_positions: Sequence[int]) -> SamplingTensors:
+        """Build the tensors for ``params[i]`` sampling its output token number ``output_positions[i]``.
+
+        Greedy rows get temperature 0 and every filter off, so the random branch can treat them uniformly.
+        """
+        if len(params) != len(output_positions):
+            raise ValueError(f"need one output position per row: got {len(params)} params and "
+                             f"{len(output_positions)} positions.")
+        greedy = [p.is_greedy for p in params]
+        temperature = [0.0 if g else p.temperature for p, g in zip(params, greedy)]
+        top_k = [0 if g else p.top_k for p, g in zip(params, greedy)]
+        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        seeds = [(row, p.seed, pos) for row, (p, g, pos) in enumerate(zip(params, greedy, output_positions))
+                 if not g and p.seed is not None]
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32),
+            top_k=torch.tensor(top_k, dtype=torch.int64) if any(k > 0 for k in top_k) else None,
+            top_p=torch.tensor(top_p, dtype=torch.float32) if any(p < 1.0 for p in top_p) else None,
+            min_p=torch.tensor(min_p, dtype=torch.float32) if any(p > 0.0 for p in min_p) else None,
+            seeds=seeds,
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+        )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SamplingTensors:
+        """The same tensors on ``device`` (a no-op for tensors already there)."""
+        def move(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.to(device, non_blocking=non_blocking)
+        return SamplingTensors(self.temperature.to(device, non_blocking=non_blocking), move(self.top_k),
+                               move(self.top_p), move(self.min_p), self.seeds, self.all_greedy,
+                               self.all_random)
+
+
+# ---- masks (each returns a bool tensor: True = drop) ------------------------------------------------------------
+
+def top_k_mask_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Drop mask in *sorted* (descending) order keeping the first ``top_k[b]`` entries; 0 keeps all.
+
+    Working on sorted positions keeps exactly k tokens even when logits tie at the boundary.
+    """
+    vocab = sorted_logits.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    positions = torch.arange(vocab, device=sorted_logits.device)
+    return positions.unsqueeze(0) >= k.unsqueeze(1)
+
+
+def top_p_mask_sorted(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Drop mask in *sorted* order: keep position i while the mass strictly before it is below ``top_p[b]``.
+
+    That is the smallest prefix whose mass reaches top_p, and position 0 (mass before it = 0) always survives.
+    Rows with top_p >= 1 keep everything, so float rounding in the cumulative sum can never drop their tail.
+    """
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = mass_before >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    return drop & (top_p < 1.0).unsqueeze(1)
+
+
+def min_p_mask(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop mask in vocabulary order: tokens whose probability is below ``min_p[b]`` × the row's max."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return probs < threshold
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    """Logits with tokens outside the top-k and then outside the top-p nucleus set to -inf (one sort)."""
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    if top_k is not None:
+        sorted_logits = sorted_logits.masked_fill(top_k_mask_sorted(sorted_logits, top_k), float("-inf"))
+    if top_p is not None:
+        sorted_logits = sorted_logits.masked_fill(top_p_mask_sorted(sorted_logits, top_p), float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def random_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Each row's sampling distribution after temperature, top-k, top-p and min-p; dropped tokens are exactly 0.
+
+    After min-p a row sums to less than 1; the exponential race does not need it renormalised.
+
+    Greedy rows are computed at temperature 1 (their result is discarded); dividing by their 0 would make NaNs.
+    """
+    temperature = torch.where(t.temperature > 0, t.temperature, 1.0)
+    scaled = logits / temperature.unsqueeze(1)
+    scaled = apply_top_k_top_p(scaled, t.top_k, t.top_p)
+    probs = scaled.softmax(dim=-1)
+    if t.min_p is not None:
+        probs = probs.masked_fill(min_p_mask(probs, t.min_p), 0.0)
+    return probs
+
+
+# ---- noise -------------------------------------------------------------------------------------------------------
+
+def mix_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (request seed, output position) via the splitmix64 finaliser.
+
+    Mixing (rather than seed + position) keeps nearby seeds at nearby positions from sharing noise streams.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK_64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return (z ^ (z >> 31)) >> 1
+
+
+class Sampler:
+    """Turns logits into token ids (see the module docstring for the semantics)."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator  # batch-wide noise for unseeded rows; None = torch's default generator
+        self._seeded: dict[torch.device, torch.Generator] = {}  # reused and re-seeded per seeded row
+
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """logits [B, V] (any float dtype) → token ids [B] int64."""
+        if logits.dim() != 2 or logits.shape[0] != t.temperature.shape[0]:
+            raise ValueError(f"logits must be [B, V] with B = {t.temperature.shape[0]} rows, "
+                             f"got shape {tuple(logits.shape)}.")
+        if t.all_greedy:
+            return logits.argmax(dim=-1)
+        logits = logits.float()
+        t = t.to(logits.device, non_blocking=True)
+        probs = random_probs(logits, t)
+        sampled = (probs / self._exponential_noise(probs, t.seeds)).argmax(dim=-1)
+        if t.all_random:
+            return sampled
+        return torch.where(t.temperature > 0, sampled, logits.argmax(dim=-1))
+
+    def _exponential_noise(self, probs: torch.Tensor, seeds: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Exp(1) noise shaped like ``probs``; seeded rows are overwritten with their own reproducible draws."""
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        if seeds:
+            generator = self._seeded_generator(probs.device)
+            for row, seed, position in seeds:
+                generator.manual_seed(mix_seed(seed, position))
+                noise[row].exponential_(generator=generator)
+        return noise.clamp_min_(_MIN_NOISE)
+
+    def _seeded_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._seeded.get(device)
+        if generator is None:
+            generator = self._seeded[device] = torch.Generator(device=device)
+        return generator

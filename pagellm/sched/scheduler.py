@@ -1,0 +1,248 @@
+"""The scheduler: one token-budget rule, no phases.
+
+Every request has ``num_computed_tokens`` chasing ``num_tokens_with_spec`` (prompt + output + draft tokens). Each
+step hands out ``budget`` tokens, running requests first, then waiting ones, under ``max_num_seqs``. Chunked
+prefill, prefix-cache hits, resumed preemptions and draft tokens all follow from that rule. When the KV pool runs
+short, the last running request is preempted (recompute): under FCFS the newest one, under ``priority`` the
+lowest-priority one (the running list is kept sorted for that policy). ``num_computed_tokens`` advances when a
+request is scheduled; ``update_from_output`` rolls back rejected drafts and applies token-level stop rules.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+from pagellm.config import CacheConfig, SchedulerConfig
+from pagellm.kv.block import KVBlock
+from pagellm.kv.manager import KVCacheManager
+from pagellm.metrics.stats import SchedulerStats, SpecDecodingStats
+from pagellm.request import Request, RequestStatus
+from pagellm.sched.output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+                                  SchedulerOutput)
+from pagellm.sched.queue import make_queue
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+        num_lookahead_tokens: int = 0,
+    ) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.budget = config.token_budget(max_model_len)
+        self.chunked_prefill = config.enable_chunked_prefill
+        self.by_priority = config.scheduling_policy == "priority"
+        self.max_model_len = max_model_len
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.waiting = make_queue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._dropped_req_ids: set[str] = set()  # workers must forget these at the next step
+        self._stats = SchedulerStats()
+        self._spec_stats = SpecDecodingStats()
+        self._evictions_seen = 0
+
+    # ----------------------------------------------------------------------------------------- requests in/out
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------------------------------- scheduling
+    def schedule(self) -> SchedulerOutput:
+        if self.by_priority:
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+        scheduled: dict[str, int] = {}
+        cached_reqs: list[CachedRequestData] = []
+        spec: dict[str, list[int]] = {}
+        budget, preempted = self._schedule_running(self.budget, scheduled, cached_reqs, spec)
+        new_reqs: list[NewRequestData] = []
+        if not preempted:  # no room for newcomers while running requests are being pushed out
+            self._schedule_waiting(budget, scheduled, new_reqs)
+        for request_id, num_tokens in scheduled.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        total = sum(scheduled.values())
+        self._stats.num_scheduled_tokens += total
+        dropped, self._dropped_req_ids = self._dropped_req_ids, set()
+        return SchedulerOutput(new_reqs, cached_reqs, scheduled, total, spec, sorted(dropped))
+
+    def _schedule_running(
+        self, budget: int, scheduled: dict[str, int], cached_reqs: list[CachedRequestData],
+        spec: dict[str, list[int]],
+    ) -> tuple[int, bool]:
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget,
+                          self.max_model_len - request.num_computed_tokens)
+            if num_new <= 0:
+                index += 1
+                continue
+            new_blocks, preempted_now = self._allocate_or_preempt(request, num_new)
+            preempted |= preempted_now
+            if new_blocks is None:
+                break  # ``request`` itself was the last one and got preempted
+            cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
+                                                 request.num_computed_tokens))
+            num_drafts = num_new - (request.num_tokens - request.num_computed_tokens)
+            if num_drafts > 0:
+                spec[request.request_id] = request.spec_token_ids[:num_drafts]
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+            index += 1
+        return budget, preempted
+
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[list[KVBlock] | None, bool]:
+        """Allocate slots for ``request``, preempting from the end of the running list until they fit."""
+        preempted = False
+        while True:
+            blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead_tokens)
+            if blocks is not None:
+                return blocks, preempted
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted = True
+            if victim is request:
+                return None, preempted
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self._stats.num_preemptions += 1
+        self._dropped_req_ids.add(request.request_id)
+        self.waiting.add_front(request)
+        logger.debug("preempted %s", request.request_id)
+
+    def _schedule_waiting(self, budget: int, scheduled: dict[str, int], new_reqs: list[NewRequestData]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if not self.chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, hit_blocks, self.num_lookahead_tokens) is None:
+                break
+            self.waiting.pop()
+            self._admit(request, num_hit)
+            new_reqs.append(NewRequestData(
+                request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
+                request.sampling_params, self.kv.block_ids(request.request_id), num_hit,
+                sorted(_suppressed_tokens(request)),
+            ))
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+
+    def _admit(self, request: Request, num_hit: int) -> None:
+        self.running.append(request)
+        self._dropped_req_ids.discard(request.request_id)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        self._stats.prefix_cache_queries += request.num_tokens
+        self._stats.prefix_cache_hits += num_hit
+        self._stats.num_prompt_tokens += request.num_tokens - num_hit
+
+    # ------------------------------------------------------------------------------------------- outputs
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for request_id, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            drafts = sched_out.spec_token_ids.get(request_id)
+            if drafts:
+                request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+                self._spec_stats.observe(len(drafts), len(sampled) - 1)
+            request.spec_token_ids = runner_out.draft_token_ids.get(request_id, [])
+            new_tokens = self._append_tokens(request, sampled)
+            if new_tokens or request.is_finished:
+                outputs.append(EngineCoreOutput(request_id, new_tokens, request.status.finish_reason,
+                                                request.stop_reason, request.num_cached_tokens))
+        return outputs
+
+    def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:
+        kept: list[int] = []
+        for token in sampled:
+            request.append_output_token(token)
+            kept.append(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                break
+        self._stats.num_generation_tokens += len(kept)
+        return kept
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if params.stop_token_ids and token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.spec_token_ids = []
+        self.kv.free(request)
+        self._dropped_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # ------------------------------------------------------------------------------------------- stats
+    def make_stats(self) -> SchedulerStats:
+        """Gauges now, plus the counters accumulated since the last call."""
+        stats, self._stats = self._stats, SchedulerStats()
+        stats.num_running_reqs = len(self.running)
+        stats.num_waiting_reqs = len(self.waiting)
+        stats.kv_cache_usage = self.kv.usage
+        evictions = self.kv.pool.num_evictions
+        stats.kv_cache_evictions, self._evictions_seen = evictions - self._evictions_seen, evictions
+        if self._spec_stats.num_drafts:
+            stats.spec_decoding, self._spec_stats = self._spec_stats, SpecDecodingStats()
+        return stats
+
+
+def _suppressed_tokens(request: Request) -> set[int]:
+    """Tokens the sampler must not pick while fewer than ``min_tokens`` tokens were generated."""
+    params = request.sampling_params
+    if params.min_tokens <= request.num_output_tokens:
+        return set()
+    stops = set(params.stop_token_ids or ())
+    return stops if params.ignore_eos else stops | set(request.eos_token_ids)

@@ -1,0 +1,140 @@
+"""The text side of a model: encode, decode and chat templates, as the frontend needs them.
+
+Contract: ``Tokenizer.from_dir(model_dir)`` wraps transformers' fast tokenizer for a local Hugging Face-style
+directory (``loader.resolve_model_dir`` makes one from any model source), so encoding and chat templates behave
+exactly as transformers does. ``backend`` exposes the underlying ``tokenizers.Tokenizer`` for incremental
+detokenization (``tokenizers.decoders.DecodeStream``). ``eos_token_ids`` is every id that ends a reply: the union
+of generation_config.json's and config.json's ``eos_token_id`` and the tokenizer's eos token.
+
+Bad chat input (no template, empty or malformed messages, a template that rejects them) raises ``ValueError``.
+No torch here, and transformers is imported only inside ``from_dir``, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import tokenizers
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+
+class Tokenizer:
+    """A model's tokenizer: ids in and out, chat rendering, and the special ids the engine needs."""
+
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int]) -> None:
+        self._hf = hf_tokenizer
+        self.eos_token_ids: frozenset[int] = eos_token_ids
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.vocab_size: int = len(hf_tokenizer)
+        self.chat_template: str | None = _default_template(hf_tokenizer.chat_template)
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> Tokenizer:
+        """Load the tokenizer files of a local model directory (never the hub)."""
+        from transformers import AutoTokenizer
+
+        model_dir = Path(model_dir)
+        if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+            raise ValueError(
+                f"{model_dir} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
+                "pass a model directory that includes its tokenizer"
+            )
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        if not hf_tokenizer.is_fast:
+            raise ValueError(f"{model_dir}: only fast (tokenizer.json) tokenizers are supported; add tokenizer.json")
+        eos_ids = _config_eos_ids(model_dir)
+        if hf_tokenizer.eos_token_id is not None:
+            eos_ids.add(int(hf_tokenizer.eos_token_id))
+        return cls(hf_tokenizer, frozenset(eos_ids))
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (for ``DecodeStream`` incremental detokenization)."""
+        return self._hf.backend_tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds what the model expects (e.g. BOS)."""
+        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``."""
+        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text the chat template makes of ``messages`` (OpenAI-style ``{"role", "content"}`` dicts)."""
+        if self.chat_template is None:
+            raise ValueError(
+                "this model has no chat template; send a plain prompt (completions) instead of messages, "
+                "or use a model whose tokenizer_config.json has a chat_template"
+            )
+        _check_messages(messages)
+        from jinja2 import TemplateError
+
+        try:
+            return self._hf.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
+        except TemplateError as error:  # templates reject bad conversations with raise_exception(...)
+            raise ValueError(f"the chat template rejected the messages: {error}") from error
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of the rendered chat prompt."""
+        text = self.render_chat(messages, add_generation_prompt, chat_template_kwargs)
+        # The template already writes every special token the model wants (BOS included), as transformers'
+        # own apply_chat_template assumes; adding them again would double the BOS.
+        return self.encode(text, add_special_tokens=False)
+
+
+def _default_template(template: str | dict[str, str] | None) -> str | None:
+    # Some tokenizers carry several named templates (e.g. "default", "tool_use"); chat uses "default".
+    if isinstance(template, dict):
+        return template.get("default")
+    return template or None
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    for position, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{position}] must be a dict with a string 'role' (e.g. 'user'), got {message!r}")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ValueError(
+                f"messages[{position}]['content'] must be a string or a list of content parts, "
+                f"got {type(content).__name__}"
+            )
+
+
+def _config_eos_ids(model_dir: Path) -> set[int]:
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(item) for item in value)
+    return ids

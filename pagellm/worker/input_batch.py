@@ -1,0 +1,89 @@
+"""Per-request state the model runner keeps across steps, and the flat inputs it builds for one step.
+
+The scheduler sends each request in full once; afterwards only new block ids and counts arrive, and the runner
+appends the tokens it samples itself. ``build_step_inputs`` lays the step's requests out as one flat token batch
+(prompt chunks, decode tokens and draft tokens of many requests side by side) with positions, KV slots and a block
+table, and marks which rows produce logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagellm.sampling_params import SamplingParams
+from pagellm.sched.output import SchedulerOutput
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]          # prompt + every output token sampled so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    suppressed_token_ids: list[int] = field(default_factory=list)  # banned until min_tokens outputs exist
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class StepInputs:
+    req_ids: list[str]
+    input_ids: torch.Tensor       # [T]
+    positions: torch.Tensor       # [T]
+    slot_mapping: torch.Tensor    # [T]
+    query_start_loc: np.ndarray   # [R + 1]
+    seq_lens: np.ndarray          # [R]
+    block_table: np.ndarray       # [R, max_blocks]
+    logits_indices: torch.Tensor  # flat token indices whose logits are needed
+    logits_start: list[int]       # per request: its first row in the logits (or -1 when it samples nothing)
+    drafts: list[list[int]]       # per request: draft tokens verified this step
+
+
+def build_step_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput,
+                      block_size: int) -> StepInputs:
+    req_ids = list(sched.num_scheduled_tokens)
+    counts = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+    query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
+    np.cumsum(counts, out=query_start_loc[1:])
+    starts = np.fromiter((states[r].num_computed_tokens for r in req_ids), dtype=np.int64, count=len(req_ids))
+    seq_lens = starts + counts
+    max_blocks = int(-(-seq_lens.max() // block_size)) if len(req_ids) else 0
+    block_table = np.zeros((len(req_ids), max_blocks), dtype=np.int64)
+    tokens: list[int] = []
+    logits_indices: list[int] = []
+    logits_start: list[int] = []
+    all_drafts: list[list[int]] = []
+    for row, req_id in enumerate(req_ids):
+        state = states[req_id]
+        start, count = int(starts[row]), int(counts[row])
+        drafts = sched.spec_token_ids.get(req_id, [])
+        tokens.extend(state.token_ids[start:start + count - len(drafts)])
+        tokens.extend(drafts)
+        table = state.block_ids[:max_blocks]
+        block_table[row, :len(table)] = table
+        all_drafts.append(drafts)
+        if start + count - len(drafts) >= len(state.token_ids):  # reaches the newest token: sample
+            logits_start.append(len(logits_indices))
+            last = int(query_start_loc[row + 1])
+            logits_indices.extend(range(last - len(drafts) - 1, last))
+        else:
+            logits_start.append(-1)
+    positions = _positions(starts, counts, int(query_start_loc[-1]))
+    slots = block_table[np.repeat(np.arange(len(req_ids)), counts), positions // block_size] * block_size \
+        + positions % block_size
+    return StepInputs(req_ids, torch.tensor(tokens, dtype=torch.int64), torch.from_numpy(positions),
+                      torch.from_numpy(slots), query_start_loc, seq_lens, block_table,
+                      torch.tensor(logits_indices, dtype=torch.int64), logits_start, all_drafts)
+
+
+def _positions(starts: np.ndarray, counts: np.ndarray, total: int) -> np.ndarray:
+    """Concatenated ranges ``[start, start + count)`` for each request, without a Python loop."""
+    offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(starts, counts) + offsets

@@ -1,0 +1,134 @@
+"""The model runner: turns a ``SchedulerOutput`` into one forward pass and the sampled tokens.
+
+It keeps per-request state across steps (applying the scheduler's deltas), builds the flat step inputs, opens
+the forward context for attention, computes logits only for the rows that sample, samples, verifies draft tokens
+(greedy: the accepted prefix is where drafts equal the target's argmax, plus one corrected/bonus token), and
+asks the proposer for the next drafts.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from pagellm.attention.base import AttentionBackend, CommonAttentionInputs, forward_context
+from pagellm.model.llama import LlamaForCausalLM
+from pagellm.sample.sampler import Sampler, SamplingTensors
+from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagellm.spec.base import Proposer
+from pagellm.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, block_size: int,
+                 proposer: Proposer, seed: int) -> None:
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.proposer = proposer
+        self.sampler = Sampler(torch.Generator().manual_seed(seed))
+        self.states: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+
+    def bind_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
+        """Allocate one [2, num_blocks, block_size, kv_heads, head_dim] cache per attention layer."""
+        self.kv_caches = []
+        for attn in self.model.attention_layers():
+            cache = torch.zeros(2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, dtype=dtype)
+            attn.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply_deltas(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput([], [])
+        inputs = build_step_inputs(self.states, sched, self.block_size)
+        common = CommonAttentionInputs(inputs.query_start_loc, inputs.seq_lens, inputs.block_table,
+                                       inputs.slot_mapping, self.block_size)
+        with forward_context(self.backend, self.backend.build(common)):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        sampled = self._sample(inputs, logits)
+        return ModelRunnerOutput(inputs.req_ids, sampled, self._propose(inputs.req_ids, sampled))
+
+    def _apply_deltas(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self.states.pop(req_id, None)
+        for new in sched.new_reqs:
+            self.states[new.req_id] = CachedRequestState(
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, list(new.block_ids),
+                new.num_computed_tokens, list(new.stop_token_ids))
+        for cached in sched.cached_reqs:
+            state = self.states[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> list[list[int]]:
+        """Sample one token per sampling request (after verifying its drafts, if any)."""
+        rows, params, positions = [], [], []
+        for req_id, first, drafts in zip(inputs.req_ids, inputs.logits_start, inputs.drafts):
+            if first < 0:
+                continue
+            state = self.states[req_id]
+            rows.append(first + len(drafts))  # the row after the last draft: the bonus / next token
+            params.append(state.sampling_params)
+            positions.append(state.num_output_tokens + len(drafts))
+            self._suppress(logits, state, first, len(drafts))
+        bonus = self._sample_rows(logits, rows, params, positions)
+        argmax = logits.argmax(dim=-1).tolist() if any(inputs.drafts) else []
+        out: list[list[int]] = []
+        next_bonus = iter(bonus)
+        for req_id, first, drafts in zip(inputs.req_ids, inputs.logits_start, inputs.drafts):
+            if first < 0:
+                out.append([])
+                continue
+            accepted = _accept_greedy(drafts, argmax[first:first + len(drafts)])
+            tokens = drafts[:accepted] + [argmax[first + accepted] if accepted < len(drafts) else next(next_bonus)]
+            if accepted < len(drafts):
+                next(next_bonus)
+            self.states[req_id].token_ids.extend(tokens)
+            out.append(tokens)
+        return out
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list[int], params: list, positions: list[int]) -> list[int]:
+        if not rows:
+            return []
+        selected = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows)]
+        return self.sampler(selected, SamplingTensors.from_params(params, positions)).tolist()
+
+    @staticmethod
+    def _suppress(logits: torch.Tensor, state: CachedRequestState, first: int, num_drafts: int) -> None:
+        """Ban EOS/stop tokens on the rows that sample outputs numbered below ``min_tokens``."""
+        if not state.suppressed_token_ids:
+            return
+        banned = torch.tensor(state.suppressed_token_ids)
+        for offset in range(num_drafts + 1):
+            if state.num_output_tokens + offset < state.sampling_params.min_tokens:
+                logits[first + offset, banned] = float("-inf")
+
+    def _propose(self, req_ids: list[str], sampled: list[list[int]]) -> dict[str, list[int]]:
+        if not self.proposer.num_lookahead_tokens:
+            return {}
+        drafts: dict[str, list[int]] = {}
+        for req_id, tokens in zip(req_ids, sampled):
+            state = self.states[req_id]
+            if tokens and state.sampling_params.is_greedy:  # drafts are verified greedily only
+                proposal = self.proposer.propose(state.token_ids, self.proposer.num_lookahead_tokens)
+                if proposal:
+                    drafts[req_id] = proposal
+        return drafts
+
+
+def _accept_greedy(drafts: Sequence[int], target: Sequence[int]) -> int:
+    """How many leading drafts equal the target model's argmax at their positions."""
+    accepted = 0
+    for draft, best in zip(drafts, target):
+        if draft != best:
+            break
+        accepted += 1
+    return accepted

@@ -1,0 +1,82 @@
+"""A worker owns one device's tensors: it sets up threads and seeds, loads the model, sizes and allocates the
+KV cache, and runs the model runner. ``RuntimeInfo`` reports what it found (context length, number of blocks)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagellm import envs
+from pagellm.attention.base import get_backend
+from pagellm.config import CacheConfig, ModelConfig, SpeculativeConfig
+from pagellm.distributed.groups import SINGLE, ParallelState
+from pagellm.model.arch import ArchConfig
+from pagellm.model.loader import iter_weights, load_hf_config, resolve_dtype, resolve_model_dir
+from pagellm.model.registry import build_model
+from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagellm.spec.base import make_proposer
+from pagellm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+
+
+class Worker:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, spec_config: SpeculativeConfig,
+                 parallel: ParallelState = SINGLE) -> None:
+        threads = envs.num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        torch.manual_seed(model_config.seed)
+        start = time.perf_counter()
+        model_dir = resolve_model_dir(model_config.model)
+        arch = ArchConfig.from_hf(load_hf_config(model_dir))
+        self.dtype = resolve_dtype(model_config.dtype)
+        model = build_model(arch, self.dtype, parallel)
+        model.load_weights(iter_weights(model_dir))
+        model.eval()
+        max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
+        num_blocks = kv_cache_blocks(cache_config, arch, self.dtype, max_model_len)
+        self.runner = ModelRunner(model, get_backend("torch_ref"), cache_config.block_size,
+                                  make_proposer(spec_config), model_config.seed)
+        self.runner.bind_kv_cache(num_blocks, self.dtype)
+        self.runtime = RuntimeInfo(max_model_len, num_blocks, cache_config.block_size, arch.vocab_size)
+        logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens", model_dir, arch.architecture,
+                    self.dtype, time.perf_counter() - start, num_blocks, cache_config.block_size)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(sched)
+
+
+def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
+    limit = arch.max_position_embeddings
+    if arch.sliding_window and arch.sliding_window < limit:
+        limit = arch.sliding_window  # attention here is full-context; cap where the model's window begins
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len={requested} exceeds the model's context length {limit}; lower it")
+    return requested
+
+
+def kv_cache_blocks(cache: CacheConfig, arch: ArchConfig, dtype: torch.dtype, max_model_len: int) -> int:
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    block_bytes = cache.block_size * arch.kv_bytes_per_token(dtype_bytes)
+    num_blocks = cache.kv_cache_memory // block_bytes
+    needed = -(-max_model_len // cache.block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"kv_cache_memory={cache.kv_cache_memory} bytes holds {num_blocks} blocks ({num_blocks * cache.block_size}"
+            f" tokens), fewer than one max_model_len={max_model_len} request needs ({needed} blocks): raise "
+            f"kv_cache_memory to at least {needed * block_bytes} or lower max_model_len")
+    return num_blocks

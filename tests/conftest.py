@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny random Llama-family models built in code and saved as Hugging Face directories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+TINY_VOCAB = 320  # 256 byte tokens + specials + spare ids
+
+
+def _byte_tokenizer():
+    """A real byte-level BPE tokenizer (no merges) with chat special tokens, wrapped for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_vocab = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(sorted(byte_vocab))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                  additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tok
+
+
+def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a tiny random float32 model (``arch`` in llama, qwen2, mistral) with a tokenizer under ``path``."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=256, eos_token_id=257)
+    common.update(overrides)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    model = model_cls(config_cls(**common)).to(torch.float32).eval()
+    with torch.no_grad():  # random init leaves biases at zero; make them matter
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.5)
+    model.save_pretrained(path)
+    _byte_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    cache: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", seed: int = 0, **overrides) -> Path:
+        key = (arch, seed, repr(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, seed, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory("qwen2")

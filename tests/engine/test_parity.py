@@ -1,0 +1,147 @@
+"""Greedy parity with transformers on tiny random models, in every scheduling mode.
+
+Our engine's greedy tokens must equal ``transformers`` ``generate()`` token for token (float32). Where a float tie
+flips a token, both candidates must be within each other's top-2 at that step; the sequences are compared no
+further after such a flip. No other slack.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from pagellm import LLM, SamplingParams
+
+MAX_TOKENS = 24
+PROMPT_LENS = [3, 7, 16, 17, 31, 33, 48, 64, 90, 121]
+
+
+def _prompts(seed: int, shared_prefix: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, 256, (shared_prefix,), generator=gen).tolist()
+    return [prefix + torch.randint(0, 256, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+_REFERENCE_CACHE: dict[tuple, tuple[list[int], torch.Tensor]] = {}
+
+
+def hf_reference(model_dir: Path, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and per-step logits for one prompt (cached per model and prompt)."""
+    key = (str(model_dir), tuple(prompt))
+    if key not in _REFERENCE_CACHE:
+        model = _hf_model(model_dir)
+        ids = torch.tensor([prompt])
+        # An explicit mask: otherwise generate() takes prompt tokens equal to the pad id for padding.
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        tokens = out.sequences[0, len(prompt):].tolist()
+        _REFERENCE_CACHE[key] = (tokens, torch.stack(out.logits, dim=1)[0].float())
+    return _REFERENCE_CACHE[key]
+
+
+_HF_MODELS: dict[str, transformers.PreTrainedModel] = {}
+
+
+def _hf_model(model_dir: Path) -> transformers.PreTrainedModel:
+    if str(model_dir) not in _HF_MODELS:
+        _HF_MODELS[str(model_dir)] = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32).eval()
+    return _HF_MODELS[str(model_dir)]
+
+
+def assert_greedy_parity(model_dir: Path, prompts: list[list[int]], ours: list[list[int]]) -> None:
+    flips = 0
+    for prompt, got in zip(prompts, ours):
+        ref, logits = hf_reference(model_dir, prompt)
+        assert len(got) == len(ref) == MAX_TOKENS
+        for step, (a, b) in enumerate(zip(got, ref)):
+            if a == b:
+                continue
+            top2 = logits[step].topk(2).indices.tolist()
+            assert a in top2 and b in top2, f"step {step}: ours {a}, transformers {b}, top-2 {top2}"
+            flips += 1
+            break
+    assert flips <= len(prompts) // 4, f"{flips} float-tie flips out of {len(prompts)} prompts is not a tie"
+
+
+def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outputs)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+MODES = {
+    "chunked": dict(max_num_batched_tokens=40),
+    "unchunked": dict(enable_chunked_prefill=False),
+    "no-prefix-cache": dict(enable_prefix_caching=False, max_num_batched_tokens=64),
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("mode", ["chunked", "unchunked", "no-prefix-cache"])
+def test_greedy_parity_modes(tiny_model_factory, arch: str, mode: str) -> None:
+    model_dir = tiny_model_factory(arch)
+    llm = LLM(str(model_dir), dtype="float32", **MODES[mode])
+    prompts = _prompts(seed=1)
+    assert_greedy_parity(model_dir, prompts, run(llm, prompts))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_parity_prefix_cache_hits(tiny_model_factory, arch: str) -> None:
+    model_dir = tiny_model_factory(arch)
+    llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=128)
+    prompts = _prompts(seed=2, shared_prefix=37)
+    first = run(llm, prompts)
+    hits_first = sum(s.prefix_cache_hits for s in llm.last_stats)
+    second = run(llm, prompts)  # every prompt now hits its own blocks
+    hits_second = sum(s.prefix_cache_hits for s in llm.last_stats)
+    assert hits_first > 0, "prompts sharing a 37-token prefix must hit the cache within one batch"
+    assert hits_second > hits_first
+    assert_greedy_parity(model_dir, prompts, first)
+    assert second == first
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_parity_under_preemption(tiny_model_factory, arch: str) -> None:
+    model_dir = tiny_model_factory(arch)
+    # 2 layers x 2 KV heads x 16 dims x 2 (K and V) x 4 bytes = 512 B per token: 24 blocks of 16 tokens.
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=24 * 16 * 512, max_model_len=160)
+    prompts = _prompts(seed=3)
+    ours = run(llm, prompts)
+    assert sum(s.num_preemptions for s in llm.last_stats) > 0, "the pool was meant to force preemptions"
+    assert_greedy_parity(model_dir, prompts, ours)
+    assert llm.engine.core.scheduler.kv.num_free_blocks == llm.engine.core.scheduler.kv.pool.num_blocks
+
+
+def test_greedy_parity_llama3_rope_scaling(tiny_model_factory) -> None:
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32, "rope_theta": 500000.0}
+    model_dir = tiny_model_factory("llama", seed=5, rope_parameters=rope)
+    llm = LLM(str(model_dir), dtype="float32")
+    prompts = _prompts(seed=4)
+    assert_greedy_parity(model_dir, prompts, run(llm, prompts))
+
+
+def test_greedy_parity_mistral_tied_embeddings(tiny_model_factory) -> None:
+    model_dir = tiny_model_factory("mistral", seed=6, tie_word_embeddings=True)
+    llm = LLM(str(model_dir), dtype="float32")
+    prompts = _prompts(seed=5)
+    assert_greedy_parity(model_dir, prompts, run(llm, prompts))
+
+
+def test_ngram_speculation_is_lossless(tiny_model_factory) -> None:
+    model_dir = tiny_model_factory("llama")
+    # Repetitive prompts give the n-gram proposer material to draft from.
+    base = _prompts(seed=7)
+    prompts = [p + p[:20] + p for p in base[:6]]
+    plain = run(LLM(str(model_dir), dtype="float32"), prompts)
+    spec_llm = LLM(str(model_dir), dtype="float32", speculative_config={"method": "ngram",
+                                                                         "num_speculative_tokens": 3})
+    speculative = run(spec_llm, prompts)
+    drafts = [s.spec_decoding for s in spec_llm.last_stats if s.spec_decoding is not None]
+    assert sum(d.num_draft_tokens for d in drafts) > 0, "the proposer never drafted"
+    assert speculative == plain
