@@ -33,8 +33,13 @@ class ModelConfig:
         "Longest sequence (prompt + output) a request may reach; default: the model's context length.", default=None
     )
     seed: int = _help("Seed of the sampler for requests that set no seed of their own.", default=0)
+    attention_backend: str = _help(
+        "Attention kernels: auto (cpu_paged when its C++ kernel compiles, else torch_ref), cpu_paged, torch_ref.",
+        default="auto")
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "cpu_paged", "torch_ref"):
+            raise ValueError(f"attention_backend={self.attention_backend!r}; use auto, cpu_paged or torch_ref")
         if self.dtype not in ("auto", "float32", "fp32", "float", "bfloat16", "bf16"):
             raise ValueError(f"dtype={self.dtype!r} is not supported; use auto, float32 or bfloat16")
         if self.max_model_len is not None and self.max_model_len < 1:

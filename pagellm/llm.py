@@ -65,7 +65,10 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}`` dicts) or a list of them, via the chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore
+        if not messages:  # else an empty list would silently become an empty batch
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts "
+                             "(or a list of such conversations)")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)  # type: ignore
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

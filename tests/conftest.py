@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
+
+# Tiny models run as fast on one thread, and one thread cannot spin against a busy neighbour on a shared 2-core box.
+os.environ.setdefault("PAGELLM_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["PAGELLM_NUM_THREADS"]))
 
 TINY_VOCAB = 320  # 256 byte tokens + specials + spare ids
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,8 +55,15 @@ def register_backend(name: str) -> Callable[[Callable[[], AttentionBackend]], Ca
 
 
 def get_backend(name: str) -> AttentionBackend:
-    import pagellm.attention.torch_ref  # noqa: F401  (registers the reference backend)
+    """A backend by name; ``auto`` takes the C++ CPU kernel when it builds here and the reference otherwise."""
+    import pagellm.attention.cpu_paged  # noqa: F401  (registers both backends)
 
+    if name == "auto":
+        try:
+            return _BACKENDS["cpu_paged"]()
+        except Exception as exc:  # no compiler, or a build error: the reference path still serves correctly
+            logger.warning("cpu_paged attention unavailable (%s); using torch_ref", exc)
+            return _BACKENDS["torch_ref"]()
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; supported: {', '.join(sorted(_BACKENDS))}")
     return _BACKENDS[name]()

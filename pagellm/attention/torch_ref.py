@@ -36,6 +36,7 @@ class TorchRefMetadata:
     decode_block_table: torch.Tensor | None   # [B, nb]
     decode_mask: torch.Tensor | None          # [B, 1, 1, nb * block_size] bool
     chunks: list[ChunkRow]
+    decode_seq_lens: torch.Tensor | None = None  # [B] context lengths of single-token rows (kernels use it)
 
 
 class TorchRefBackend:

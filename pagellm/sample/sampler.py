@@ -5,12 +5,13 @@ Contract:
 - Random rows, in this order: divide by temperature; keep the top-k logits; keep the nucleus (smallest prefix of
   the sorted distribution whose mass reaches top-p; the top token always survives); drop tokens whose
   probability is below ``min_p`` × the largest probability; sample.
-- Sampling uses the exponential race ``argmax(p / q)``, ``q ~ Exp(1)``, which draws from ``p`` exactly (the
-  ``argmin`` of independent ``Exp(p_i)`` clocks is category ``i`` with probability ``p_i``) and, unlike
-  ``torch.multinomial``, needs no host sync and no normalised ``p``.
+- Sampling inverts each row's cumulative distribution at one uniform draw ``u ~ U(0, 1)`` per row: the first
+  token whose cumulative mass exceeds ``u`` × the row's total. That draws from ``p`` exactly, needs no normalised
+  ``p``, and costs one random number per row (noise per vocabulary entry, as in the exponential race, costs
+  more than the model's forward pass at large batches on a CPU).
 - Ties are broken towards the lower token id everywhere: argmax returns the first maximum, and the sort used by
   top-k/top-p is stable.
-- A seeded row's noise depends only on ``(seed, output_position)``: it comes from a generator re-seeded for that
+- A seeded row's draw depends only on ``(seed, output_position)``: it comes from a generator re-seeded for that
   row, so the row samples the same token wherever it sits in whatever batch, and after preemption/recompute.
   Unseeded rows share the batch generator (or torch's default one).
 - Fast paths: an all-greedy batch never touches a generator; no sort happens unless some row uses top-k/top-p.
@@ -26,8 +27,6 @@ import torch
 
 from pagellm.sampling_params import SamplingParams
 
-# Exp(1) draws of exactly 0 would turn a masked (p = 0) token into 0/0 = NaN, which argmax treats as the maximum.
-_MIN_NOISE = torch.finfo(torch.float32).tiny
 _MASK_64 = (1 << 64) - 1
 
 
@@ -127,17 +126,27 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
 def random_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Each row's sampling distribution after temperature, top-k, top-p and min-p; dropped tokens are exactly 0.
 
-    After min-p a row sums to less than 1; the exponential race does not need it renormalised.
+    After min-p a row sums to less than 1; inverse-CDF sampling does not need it renormalised.
 
     Greedy rows are computed at temperature 1 (their result is discarded); dividing by their 0 would make NaNs.
     """
     temperature = torch.where(t.temperature > 0, t.temperature, 1.0)
-    scaled = logits / temperature.unsqueeze(1)
+    scaled = logits if bool((temperature == 1.0).all()) else logits / temperature.unsqueeze(1)
     scaled = apply_top_k_top_p(scaled, t.top_k, t.top_p)
     probs = scaled.softmax(dim=-1)
     if t.min_p is not None:
         probs = probs.masked_fill(min_p_mask(probs, t.min_p), 0.0)
     return probs
+
+
+def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """For each row, the first token whose cumulative mass exceeds ``uniforms[b]`` × the row's total mass.
+
+    Tokens with zero probability add nothing to the cumulative sum, so they can never be picked.
+    """
+    cdf = probs.cumsum(dim=-1)
+    targets = (uniforms * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 # ---- noise -------------------------------------------------------------------------------------------------------
@@ -170,20 +179,20 @@ class Sampler:
         logits = logits.float()
         t = t.to(logits.device, non_blocking=True)
         probs = random_probs(logits, t)
-        sampled = (probs / self._exponential_noise(probs, t.seeds)).argmax(dim=-1)
+        sampled = sample_inverse_cdf(probs, self._uniforms(probs, t.seeds))
         if t.all_random:
             return sampled
         return torch.where(t.temperature > 0, sampled, logits.argmax(dim=-1))
 
-    def _exponential_noise(self, probs: torch.Tensor, seeds: list[tuple[int, int, int]]) -> torch.Tensor:
-        """Exp(1) noise shaped like ``probs``; seeded rows are overwritten with their own reproducible draws."""
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+    def _uniforms(self, probs: torch.Tensor, seeds: list[tuple[int, int, int]]) -> torch.Tensor:
+        """One U(0, 1) draw per row; seeded rows are overwritten with their own reproducible draws."""
+        uniforms = torch.rand(probs.shape[0], generator=self.generator, device=probs.device)
         if seeds:
             generator = self._seeded_generator(probs.device)
             for row, seed, position in seeds:
                 generator.manual_seed(mix_seed(seed, position))
-                noise[row].exponential_(generator=generator)
-        return noise.clamp_min_(_MIN_NOISE)
+                uniforms[row] = torch.rand((), generator=generator, device=probs.device)
+        return uniforms
 
     def _seeded_generator(self, device: torch.device) -> torch.Generator:
         generator = self._seeded.get(device)

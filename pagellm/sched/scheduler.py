@@ -123,7 +123,8 @@ class Scheduler:
         """Allocate slots for ``request``, preempting from the end of the running list until they fit."""
         preempted = False
         while True:
-            blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead_tokens)
+            lookahead = self._lookahead(request.num_computed_tokens + num_new)
+            blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
             if blocks is not None:
                 return blocks, preempted
             victim = self.running[-1]
@@ -131,6 +132,12 @@ class Scheduler:
             preempted = True
             if victim is request:
                 return None, preempted
+
+    def _lookahead(self, num_tokens_after_step: int) -> int:
+        """Slots to reserve for next step's drafts, none past ``max_model_len`` (no draft is scheduled there):
+        otherwise a request near ``max_model_len`` could need more blocks than the pool has and preempt itself
+        forever."""
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - num_tokens_after_step))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -152,7 +159,7 @@ class Scheduler:
             if not self.chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, hit_blocks, self.num_lookahead_tokens) is None:
+            if self.kv.allocate_slots(request, num_new, hit_blocks, self._lookahead(num_hit + num_new)) is None:
                 break
             self.waiting.pop()
             self._admit(request, num_hit)

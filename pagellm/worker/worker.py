@@ -47,7 +47,7 @@ class Worker:
         model.eval()
         max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
         num_blocks = kv_cache_blocks(cache_config, arch, self.dtype, max_model_len)
-        self.runner = ModelRunner(model, get_backend("torch_ref"), cache_config.block_size,
+        self.runner = ModelRunner(model, get_backend(model_config.attention_backend), cache_config.block_size,
                                   make_proposer(spec_config), model_config.seed)
         self.runner.bind_kv_cache(num_blocks, self.dtype)
         self.runtime = RuntimeInfo(max_model_len, num_blocks, cache_config.block_size, arch.vocab_size)

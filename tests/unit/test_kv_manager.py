@@ -74,7 +74,8 @@ def test_prefix_hit_lengths(tokens, expected_hit_blocks):
 
 def test_hit_is_shared_and_ref_counted_while_the_first_request_runs():
     kv = KVCacheManager(10, BS)
-    prefill(kv, req("a", PROMPT))
+    a = req("a", PROMPT)
+    prefill(kv, a)
     b = req("b", PROMPT[:33] + [5, 5])
     hits, num_hit = kv.get_computed_blocks(b)
     assert num_hit == 32
@@ -83,7 +84,7 @@ def test_hit_is_shared_and_ref_counted_while_the_first_request_runs():
     assert kv.block_ids("b") == [0, 1, 3]
     assert [kv.pool.blocks[i].ref_cnt for i in range(4)] == [2, 2, 1, 1]
     assert kv.num_free_blocks == 6
-    kv.free(req("a", PROMPT))   # the same request id frees a's blocks
+    kv.free(a)
     assert [kv.pool.blocks[i].ref_cnt for i in range(4)] == [1, 1, 0, 1]
     assert ids(kv.pool.free_queue) == [4, 5, 6, 7, 8, 9, 2]
     kv.free(b)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagellm.sample.sampler import (Sampler, SamplingTensors, apply_top_k_top_p, min_p_mask, mix_seed,
+                                    sample_inverse_cdf,
                                     random_probs)
 from pagellm.sampling_params import SamplingParams
 
@@ -226,11 +227,11 @@ def test_seeded_row_is_independent_of_batch_and_row_index() -> None:
     assert len(set(tokens_a)) > 15  # different output positions give different draws
 
 
-def test_seeded_noise_depends_on_seed_and_position_only() -> None:
+def test_seeded_draws_depend_on_seed_and_position_only() -> None:
     sampler = Sampler(torch.Generator().manual_seed(0))
     probs = torch.full((4, 64), 1 / 64)
-    noise = sampler._exponential_noise(probs, [(0, 7, 3), (1, 7, 4), (2, 8, 3)])
-    again = Sampler(torch.Generator().manual_seed(1))._exponential_noise(probs[:1], [(0, 7, 3)])
+    noise = sampler._uniforms(probs, [(0, 7, 3), (1, 7, 4), (2, 8, 3)])
+    again = Sampler(torch.Generator().manual_seed(1))._uniforms(probs[:1], [(0, 7, 3)])
     assert torch.equal(noise[0], again[0])  # same (seed, position), different batch generator and batch size
     assert not torch.equal(noise[0], noise[1])  # next position
     assert not torch.equal(noise[0], noise[2])  # other seed
@@ -250,3 +251,11 @@ def test_mix_seed_separates_nearby_inputs_and_fits_manual_seed() -> None:
     assert len(values) == 33 * 30
     assert all(0 <= v < 2 ** 63 for v in values)
     assert mix_seed(1, 0) != mix_seed(0, 1)
+
+
+def test_inverse_cdf_never_picks_zero_probability_tokens() -> None:
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0, 0.25]])
+    uniforms = torch.tensor([0.0, 0.999999])
+    assert sample_inverse_cdf(probs, uniforms).tolist() == [1, 4]
+    edges = sample_inverse_cdf(probs[:1].expand(3, -1), torch.tensor([0.49, 0.5, 0.99]))
+    assert edges.tolist() == [1, 3, 3]

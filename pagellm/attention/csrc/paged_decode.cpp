@@ -1,0 +1,138 @@
+// Paged decode attention on the CPU: one query token per request, K/V read straight from the paged cache.
+//
+// For each (request, kv head) the grouped query heads walk the request's blocks once with an online softmax
+// (running max, running sum, running weighted V), so each K/V byte is read once and nothing is gathered or padded.
+// Accumulation is in float32 whatever the cache dtype. The plain-PyTorch twin and oracle is
+// pagellm/attention/torch_ref.py (_decode_attention).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+template <typename T>
+void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* blocks, int64_t seq_len,
+                int64_t block_size, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t kv_head,
+                float scale, T* out) {
+  // q and out point at this kv head's first query head; query heads of the group are contiguous.
+  std::vector<float> qf(group * head_dim), acc(group * head_dim, 0.f), row(head_dim);
+  std::vector<float> running_max(group, -std::numeric_limits<float>::infinity()), running_sum(group, 0.f);
+  std::vector<float> scores(group * block_size);
+  for (int64_t g = 0; g < group; ++g) load_row(q + g * head_dim, qf.data() + g * head_dim, head_dim);
+  const int64_t token_stride = kv_heads * head_dim;
+  for (int64_t start = 0; start < seq_len; start += block_size) {
+    const int64_t n = std::min(block_size, seq_len - start);
+    const int64_t base = (blocks[start / block_size] * block_size) * token_stride + kv_head * head_dim;
+    for (int64_t t = 0; t < n; ++t) {
+      load_row(k_cache + base + t * token_stride, row.data(), head_dim);
+      for (int64_t g = 0; g < group; ++g)
+        scores[g * block_size + t] = dot(qf.data() + g * head_dim, row.data(), head_dim) * scale;
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = scores.data() + g * block_size;
+      float block_max = s[0];
+      for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, s[t]);
+      const float new_max = std::max(running_max[g], block_max);
+      const float correction = std::exp(running_max[g] - new_max);
+      float block_sum = 0.f;
+      for (int64_t t = 0; t < n; ++t) {
+        s[t] = std::exp(s[t] - new_max);
+        block_sum += s[t];
+      }
+      running_sum[g] = running_sum[g] * correction + block_sum;
+      running_max[g] = new_max;
+      float* a = acc.data() + g * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      load_row(v_cache + base + t * token_stride, row.data(), head_dim);
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * block_size + t];
+        float* a = acc.data() + g * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.f / running_sum[g];
+    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] * inv);
+  }
+}
+
+template <typename T>
+void decode_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                const torch::Tensor& block_table, const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = heads / kv_heads, max_blocks = block_table.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* bt = block_table.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads;
+      const int64_t offset = (b * heads + h * group) * head_dim;
+      decode_one<T>(qp + offset, kp, vp, bt + b * max_blocks, lens[b], block_size, kv_heads, group, head_dim, h,
+                    static_cast<float>(scale), op + offset);
+    }
+  });
+}
+
+}  // namespace
+
+// q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D] (contiguous); block_table: [B, max_blocks]
+// int64; seq_lens: [B] int64 (context length including the query token). Returns [B, H, D].
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_table, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  q = q.contiguous();
+  block_table = block_table.to(torch::kInt64).contiguous();
+  seq_lens = seq_lens.to(torch::kInt64).contiguous();
+  auto out = torch::empty_like(q);
+  if (q.scalar_type() == torch::kBFloat16) {
+    decode_all<c10::BFloat16>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
+  } else if (q.scalar_type() == torch::kFloat32) {
+    decode_all<float>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+}
