@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -87,6 +88,91 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* b
   }
 }
 
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// The vector path: 16 float lanes, K/V rows converted on load, scores and exp for 16 tokens at a time.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// e^x for x <= 0 (scores minus their running max): x = n ln2 + r, e^r by a degree-6 polynomial (rel. err ~1e-7).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.0f / 720);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+template <typename T>
+void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* blocks, int64_t seq_len,
+                    int64_t block_size, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t kv_head,
+                    float scale, T* out) {
+  const int64_t nv = head_dim / 16;
+  std::vector<float> qf(group * head_dim), acc(group * head_dim, 0.f), running_sum(group, 0.f);
+  std::vector<float> running_max(group, -std::numeric_limits<float>::infinity());
+  alignas(64) float scores[16 * 16];  // [group][16 tokens], group <= 16
+  for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_float(q[i]) * scale;
+  const int64_t token_stride = kv_heads * head_dim;
+  int64_t n = 0;
+  for (int64_t start = 0; start < seq_len; start += n) {  // tiles of up to 16 tokens inside one block
+    const int64_t in_block = start % block_size;
+    n = std::min({int64_t(16), seq_len - start, block_size - in_block});
+    const int64_t base = (blocks[start / block_size] * block_size + in_block) * token_stride + kv_head * head_dim;
+    for (int64_t t = 0; t < n; ++t) {
+      const T* k = k_cache + base + t * token_stride;
+      __m512 krow[16];  // head_dim <= 256
+      for (int64_t v = 0; v < nv; ++v) krow[v] = load16(k + v * 16);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qf.data() + g * head_dim;
+        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qg), krow[0]);
+        for (int64_t v = 1; v < nv; ++v) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qg + v * 16), krow[v], sum);
+        scores[g * 16 + t] = _mm512_reduce_add_ps(sum);
+      }
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, scores + g * 16);
+      const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(s));
+      const float correction = std::exp(running_max[g] - new_max);
+      const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+      _mm512_store_ps(scores + g * 16, p);
+      running_sum[g] = running_sum[g] * correction + _mm512_reduce_add_ps(p);
+      running_max[g] = new_max;
+      float* a = acc.data() + g * head_dim;
+      for (int64_t v = 0; v < nv; ++v)
+        _mm512_storeu_ps(a + v * 16, _mm512_mul_ps(_mm512_loadu_ps(a + v * 16), _mm512_set1_ps(correction)));
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const T* vrow = v_cache + base + t * token_stride;
+      for (int64_t v = 0; v < nv; ++v) {
+        const __m512 val = load16(vrow + v * 16);
+        for (int64_t g = 0; g < group; ++g) {
+          float* a = acc.data() + g * head_dim + v * 16;
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * 16 + t]), val, _mm512_loadu_ps(a)));
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.f / running_sum[g];
+    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] * inv);
+  }
+}
+#endif
+
 template <typename T>
 void decode_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                 const torch::Tensor& block_table, const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
@@ -99,12 +185,22 @@ void decode_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
   const int64_t* bt = block_table.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, h = item % kv_heads;
-      const int64_t offset = (b * heads + h * group) * head_dim;
-      decode_one<T>(qp + offset, kp, vp, bt + b * max_blocks, lens[b], block_size, kv_heads, group, head_dim, h,
-                    static_cast<float>(scale), op + offset);
+  // One work item per request, all its kv heads in turn: a block's heads are contiguous, so the block is streamed
+  // from memory once and revisited from cache.
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t offset = (b * heads + h * group) * head_dim;
+#if defined(__AVX512F__)
+        if (head_dim % 16 == 0 && head_dim <= 256 && group <= 16) {
+          decode_one_vec<T>(qp + offset, kp, vp, bt + b * max_blocks, lens[b], block_size, kv_heads, group,
+                            head_dim, h, static_cast<float>(scale), op + offset);
+          continue;
+        }
+#endif
+        decode_one<T>(qp + offset, kp, vp, bt + b * max_blocks, lens[b], block_size, kv_heads, group, head_dim,
+                      h, static_cast<float>(scale), op + offset);
+      }
     }
   });
 }
