@@ -76,10 +76,12 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", type=int, default=4 << 30,
+                        help="bytes; 4 GiB holds the whole float32 workload without preemption")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
     prompts = make_prompts(args.num_prompts, args.input_len, vocab=49152)
-    engine_args = {"max_num_seqs": args.max_num_seqs}
+    engine_args = {"max_num_seqs": args.max_num_seqs, "kv_cache_memory": args.kv_cache_memory}
     if args.max_num_batched_tokens:
         engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
     results = []

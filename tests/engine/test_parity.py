@@ -78,11 +78,12 @@ MODES = {
     "chunked": dict(max_num_batched_tokens=40),
     "unchunked": dict(enable_chunked_prefill=False),
     "no-prefix-cache": dict(enable_prefix_caching=False, max_num_batched_tokens=64),
+    "torch-ref-attention": dict(attention_backend="torch_ref", max_num_batched_tokens=64),
 }
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("mode", ["chunked", "unchunked", "no-prefix-cache"])
+@pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_parity_modes(tiny_model_factory, arch: str, mode: str) -> None:
     model_dir = tiny_model_factory(arch)
     llm = LLM(str(model_dir), dtype="float32", **MODES[mode])

@@ -1,0 +1,283 @@
+"""Request and response bodies of the OpenAI API, as pydantic models, plus pagellm's extra sampling fields.
+
+Contract:
+- Requests are validated strictly (no string-to-number coercion) and unknown fields are rejected, as OpenAI does;
+  validation errors become HTTP 400 naming the field (see ``errors.py``).
+- OpenAI parameters the engine cannot honour yet (penalties, logprobs, logit_bias, tools, ...) are accepted by the
+  schema only so that a non-default value can be refused with a clear 400 by ``unsupported()``: never ignored.
+- ``to_sampling_params`` maps a request onto ``SamplingParams`` field for field; its ``ValueError`` is a 400.
+- Responses carry OpenAI's field names and ``object`` strings so the ``openai`` SDK parses them unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagellm.sampling_params import SamplingParams
+
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by completions and chat completions."""
+
+    model: Optional[str] = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    seed: Optional[Int64] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # pagellm (vLLM) extensions, sent by the SDK through extra_body
+    top_k: Optional[int] = Field(None, ge=-1, le=2**31 - 1)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    min_tokens: int = Field(0, ge=0, le=2**31 - 1)
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[TokenId]] = None
+    priority: Int64 = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(field, why) for every parameter set to a value the engine cannot honour yet."""
+        found = []
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                found.append((name, f"{name} is not supported yet; omit it or send 0"))
+        if self.logit_bias:
+            found.append(("logit_bias", "logit_bias is not supported yet; omit it"))
+        return found
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: Optional[int]) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+# ---- completions ------------------------------------------------------------------------------------------------
+
+class CompletionRequest(SamplingRequest):
+    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    max_tokens: Optional[Count] = 16
+    echo: bool = False
+    logprobs: Optional[int] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        found = super().unsupported()
+        if self.logprobs is not None:
+            found.append(("logprobs", "logprobs are not supported yet (the engine does not compute them); "
+                                      "omit logprobs"))
+        if self.best_of not in (None, 1, self.n):
+            found.append(("best_of", "best_of other than n is not supported yet; omit it"))
+        if self.suffix:
+            found.append(("suffix", "suffix (insertion) is not supported; omit it"))
+        return found
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self.sampling_params(self.max_tokens)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+    system_fingerprint: Optional[str] = None
+
+
+# ---- chat completions -------------------------------------------------------------------------------------------
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    """A conversation turn; extra keys (``tool_calls``, ...) pass through to the chat template."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+
+    def to_template_dict(self, position: int) -> dict[str, Any]:
+        """The message as the chat template sees it: content parts joined into one string."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            for part in self.content:
+                if part.type != "text" or part.text is None:
+                    raise ValueError(f"messages[{position}].content: only text parts are supported, "
+                                     f"got a {part.type!r} part")
+            message["content"] = "\n".join(part.text or "" for part in self.content)
+        return message
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[Count] = None
+    max_completion_tokens: Optional[Count] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[dict[str, Any]] = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        found = super().unsupported()
+        if self.logprobs or self.top_logprobs:
+            name = "logprobs" if self.logprobs else "top_logprobs"
+            found.append((name, "logprobs are not supported yet (the engine does not compute them); "
+                                "omit logprobs and top_logprobs"))
+        if self.tools or self.tool_choice not in (None, "none"):
+            found.append(("tools", "tool calling is not supported yet; omit tools and tool_choice"))
+        if self.response_format and self.response_format.get("type") != "text":
+            found.append(("response_format", "structured output is not supported yet; use response_format "
+                                             "{'type': 'text'} or omit it"))
+        return found
+
+    def to_sampling_params(self) -> SamplingParams:
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.sampling_params(limit)
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+
+
+class ChatDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[UsageInfo] = None
+    system_fingerprint: Optional[str] = None
+
+
+# ---- models, tokenizer ------------------------------------------------------------------------------------------
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagellm"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(OpenAIModel):
+    """Either ``prompt`` (plain text) or ``messages`` (rendered through the chat template)."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: Optional[str] = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
