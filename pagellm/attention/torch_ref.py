@@ -44,18 +44,8 @@ class TorchRefBackend:
 
     def build(self, common: CommonAttentionInputs) -> TorchRefMetadata:
         q_lens = np.diff(common.query_start_loc)
-        single = np.flatnonzero(q_lens == 1)
-        decode_tokens = decode_table = decode_mask = None
-        if len(single):
-            lens = common.seq_lens[single]
-            nb = int(-(-lens.max() // common.block_size))
-            decode_tokens = torch.from_numpy(common.query_start_loc[single])
-            decode_table = torch.from_numpy(np.ascontiguousarray(common.block_table[single, :nb]))
-            span = torch.arange(nb * common.block_size)
-            decode_mask = (span[None, :] < torch.from_numpy(lens)[:, None]).view(len(single), 1, 1, -1)
         chunks = [self._chunk(common, int(r)) for r in np.flatnonzero(q_lens > 1)]
-        return TorchRefMetadata(common.slot_mapping, int(common.query_start_loc[-1]), decode_tokens,
-                                decode_table, decode_mask, chunks)
+        return TorchRefMetadata(common.slot_mapping, int(common.query_start_loc[-1]), *decode_rows(common), chunks)
 
     @staticmethod
     def _chunk(common: CommonAttentionInputs, row: int) -> ChunkRow:
@@ -80,6 +70,21 @@ class TorchRefBackend:
         for chunk in metadata.chunks:
             out[chunk.start:chunk.end] = _chunk_attention(q[chunk.start:chunk.end], kv_cache, chunk, scale)
         return out
+
+
+def decode_rows(common: CommonAttentionInputs) -> tuple:
+    """Flat token indices, block table [B, nb] and padding mask [B, 1, 1, nb * bs] of the single-token rows."""
+    q_lens = np.diff(common.query_start_loc)
+    single = np.flatnonzero(q_lens == 1)
+    if not len(single):
+        return None, None, None
+    lens = common.seq_lens[single]
+    nb = int(-(-lens.max() // common.block_size))
+    tokens = torch.from_numpy(common.query_start_loc[single])
+    table = torch.from_numpy(np.ascontiguousarray(common.block_table[single, :nb]))
+    span = torch.arange(nb * common.block_size)
+    mask = (span[None, :] < torch.from_numpy(lens)[:, None]).view(len(single), 1, 1, -1)
+    return tokens, table, mask
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

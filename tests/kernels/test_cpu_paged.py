@@ -50,7 +50,10 @@ def _dense_reference(q, cache, common, row_tokens, heads, kv_heads, scale):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 1)])
+# Shapes cover the kernel's register-resident fixed shapes (head_dim 64/128), its generic vector walk (other
+# multiples of 16) and block sizes that split the 16-token tiles.
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
+                         [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 32, 8), (8, 1, 16, 1), (12, 2, 48, 4)])
 def test_decode_kernel_matches_reference(dtype, tol, heads, kv_heads, head_dim, block_size) -> None:
     ctx_lens = [1, 5, block_size, block_size + 1, 97, 3 * block_size]
     q, k, v, cache, common = _random_step([1] * len(ctx_lens), ctx_lens, heads, kv_heads, head_dim, block_size,
@@ -88,3 +91,16 @@ def test_chunk_rows_match_dense_causal_attention() -> None:
     mask = torch.arange(32)[None, :] <= torch.arange(20, 32)[:, None]
     dense = F.scaled_dot_product_attention(q.transpose(0, 1), keys, vals, attn_mask=mask, scale=0.25)
     torch.testing.assert_close(out, dense.transpose(0, 1).reshape(12, -1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_batched_chunk_groups_match_reference(dtype, tol) -> None:
+    """Prompt chunks of similar and very different lengths, with and without cached context, batched by group."""
+    q_lens, ctx_lens = [5, 8, 9, 16, 3, 40, 1], [5, 40, 9, 48, 3, 100, 17]
+    q, k, v, cache, common = _random_step(q_lens, ctx_lens, 6, 3, 64, 16, dtype, seed=5)
+    ref, fast = TorchRefBackend(), CpuPagedBackend()
+    metadata = fast.build(common)
+    assert len(metadata.groups) == 3  # lengths {3, 5} | {8, 9, 16} | {40}: the longest at most twice the shortest
+    expected = ref.forward(q, k, v, cache.clone(), ref.build(common), 0.125)
+    got = fast.forward(q, k, v, cache.clone(), metadata, 0.125)
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)

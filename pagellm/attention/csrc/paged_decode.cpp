@@ -171,6 +171,83 @@ void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int64_
     for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] * inv);
   }
 }
+
+// The same walk with the head size and group size known at compile time: q and the running weighted V stay in
+// registers (G x NV vectors) instead of memory. Used for the common shapes; others take decode_one_vec.
+template <typename T, int NV, int G>
+void decode_one_fixed(const T* q, const T* k_cache, const T* v_cache, const int64_t* blocks, int64_t seq_len,
+                      int64_t block_size, int64_t kv_heads, int64_t kv_head, float scale, T* out) {
+  constexpr int64_t head_dim = NV * 16;
+  __m512 qv[G][NV], acc[G][NV];
+  float running_max[G], running_sum[G];
+  alignas(64) float scores[G][16];
+  for (int g = 0; g < G; ++g) {
+    running_max[g] = -std::numeric_limits<float>::infinity();
+    running_sum[g] = 0.f;
+    for (int v = 0; v < NV; ++v) {
+      qv[g][v] = _mm512_mul_ps(load16(q + g * head_dim + v * 16), _mm512_set1_ps(scale));
+      acc[g][v] = _mm512_setzero_ps();
+    }
+  }
+  const int64_t token_stride = kv_heads * head_dim;
+  int64_t n = 0;
+  for (int64_t start = 0; start < seq_len; start += n) {
+    const int64_t in_block = start % block_size;
+    n = std::min({int64_t(16), seq_len - start, block_size - in_block});
+    const int64_t base = (blocks[start / block_size] * block_size + in_block) * token_stride + kv_head * head_dim;
+    for (int64_t t = 0; t < n; ++t) {
+      const T* k = k_cache + base + t * token_stride;
+      __m512 krow[NV];
+      for (int v = 0; v < NV; ++v) krow[v] = load16(k + v * 16);
+      for (int g = 0; g < G; ++g) {
+        __m512 sum = _mm512_mul_ps(qv[g][0], krow[0]);
+        for (int v = 1; v < NV; ++v) sum = _mm512_fmadd_ps(qv[g][v], krow[v], sum);
+        scores[g][t] = _mm512_reduce_add_ps(sum);
+      }
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    for (int g = 0; g < G; ++g) {
+      const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, scores[g]);
+      const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(s));
+      const __m512 correction = _mm512_set1_ps(std::exp(running_max[g] - new_max));
+      const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+      _mm512_store_ps(scores[g], p);
+      running_sum[g] = running_sum[g] * _mm512_cvtss_f32(correction) + _mm512_reduce_add_ps(p);
+      running_max[g] = new_max;
+      for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], correction);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const T* vrow = v_cache + base + t * token_stride;
+      __m512 weight[G];
+      for (int g = 0; g < G; ++g) weight[g] = _mm512_set1_ps(scores[g][t]);
+      for (int v = 0; v < NV; ++v) {
+        const __m512 val = load16(vrow + v * 16);
+        for (int g = 0; g < G; ++g) acc[g][v] = _mm512_fmadd_ps(weight[g], val, acc[g][v]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    alignas(64) float row[head_dim];
+    const __m512 inv = _mm512_set1_ps(1.f / running_sum[g]);
+    for (int v = 0; v < NV; ++v) _mm512_store_ps(row + v * 16, _mm512_mul_ps(acc[g][v], inv));
+    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<T>(row[d]);
+  }
+}
+
+// Runs the fixed-shape walk when (head_dim / 16, group) is one of the instantiated shapes; false otherwise.
+template <typename T>
+bool decode_fixed_shape(int64_t nv, int64_t group, const T* q, const T* k, const T* v, const int64_t* blocks,
+                        int64_t seq_len, int64_t block_size, int64_t kv_heads, int64_t kv_head, float scale, T* out) {
+#define PAGELLM_SHAPE(NV_, G_)                                                                              \
+  if (nv == NV_ && group == G_) {                                                                           \
+    decode_one_fixed<T, NV_, G_>(q, k, v, blocks, seq_len, block_size, kv_heads, kv_head, scale, out);      \
+    return true;                                                                                            \
+  }
+  PAGELLM_SHAPE(4, 1) PAGELLM_SHAPE(4, 2) PAGELLM_SHAPE(4, 3) PAGELLM_SHAPE(4, 4) PAGELLM_SHAPE(4, 8)
+  PAGELLM_SHAPE(8, 1) PAGELLM_SHAPE(8, 2) PAGELLM_SHAPE(8, 4) PAGELLM_SHAPE(8, 8)
+#undef PAGELLM_SHAPE
+  return false;
+}
 #endif
 
 template <typename T>
@@ -192,6 +269,11 @@ void decode_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
       for (int64_t h = 0; h < kv_heads; ++h) {
         const int64_t offset = (b * heads + h * group) * head_dim;
 #if defined(__AVX512F__)
+        if (head_dim % 16 == 0 && decode_fixed_shape<T>(head_dim / 16, group, qp + offset, kp, vp,
+                                                          bt + b * max_blocks, lens[b], block_size, kv_heads, h,
+                                                          static_cast<float>(scale), op + offset)) {
+          continue;
+        }
         if (head_dim % 16 == 0 && head_dim <= 256 && group <= 16) {
           decode_one_vec<T>(qp + offset, kp, vp, bt + b * max_blocks, lens[b], block_size, kv_heads, group,
                             head_dim, h, static_cast<float>(scale), op + offset);
