@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench serve clean
 
 install: $(STAMP)
 
@@ -24,6 +24,12 @@ test: install
 
 demo: install
 	$(PY) -m pagellm.cli chat --max-tokens 96 "What is the capital of France? Answer in one sentence."
+
+# The OpenAI-compatible server on the built-in model (http://127.0.0.1:8000/v1); HOST, PORT and SERVE_ARGS pass through.
+HOST ?= 127.0.0.1
+PORT ?= 8000
+serve: install
+	$(PY) -m pagellm.cli serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 bench: install
 	$(PY) benchmarks/throughput.py

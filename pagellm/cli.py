@@ -1,4 +1,5 @@
-"""``pagellm generate`` and ``pagellm chat``: offline generation from the command line.
+"""``pagellm generate`` and ``pagellm chat`` (offline generation) and ``pagellm serve`` (the OpenAI-compatible
+HTTP server) from the command line.
 
 Engine flags are generated from the config fields (name, type, default and help text), so every engine option
 is a flag without being listed twice.
@@ -69,12 +70,48 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--model", default=None, help="HF directory or .gguf file (default: built-in SmolLM2)")
         _add_sampling_args(cmd)
         add_engine_args(cmd)
+    _add_serve_parser(sub)
     return parser
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    cmd = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    cmd.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                     help="HF directory or .gguf file (default: built-in SmolLM2)")
+    cmd.add_argument("--model", default=None, help="same as the positional MODEL")
+    cmd.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    cmd.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    cmd.add_argument("--served-model-name", action="append", default=None,
+                     help="model name clients send (repeatable: the server answers to each, and responses "
+                          "carry the name asked for; default: the model argument)")
+    cmd.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGELLM_API_KEY)")
+    cmd.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
+                     help="log every HTTP request (default: off)")
+    add_engine_args(cmd)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pagellm.config import EngineConfig
+    from pagellm.server.launch import run_server
+
+    if args.model and args.model_path and args.model != args.model_path:
+        print("pagellm: give the model once (positional MODEL or --model)", file=sys.stderr)
+        return 2
+    try:
+        config = EngineConfig.from_kwargs(model=args.model or args.model_path, **engine_kwargs(args))
+        return run_server(config, args.host, args.port, args.served_model_name,
+                          args.api_key or envs.api_key(), args.access_log)
+    except ValueError as exc:
+        print(f"pagellm: {exc}", file=sys.stderr)
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
     from pagellm import LLM, SamplingParams
 
     prompts = list(args.prompt) + list(args.prompts)

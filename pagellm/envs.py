@@ -29,3 +29,8 @@ def num_threads() -> int | None:
 def log_level() -> str:
     """``PAGELLM_LOG_LEVEL``: the level of pagellm's loggers (default INFO)."""
     return os.environ.get("PAGELLM_LOG_LEVEL", "INFO").upper()
+
+
+def api_key() -> str | None:
+    """``PAGELLM_API_KEY``: the key ``pagellm serve`` requires as a Bearer token (``--api-key`` wins)."""
+    return os.environ.get("PAGELLM_API_KEY") or None

@@ -28,11 +28,16 @@ class RequestState:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_tokens_sent: int = 0  # delta mode: token ids already returned
 
     def make_output(self, delta: bool) -> RequestOutput:
+        """The request's output so far; with ``delta``, only the text and token ids not returned before."""
         finished = self.finish_reason is not None
         text = self.detokenizer.get_next_output_text(finished, delta)
-        completion = CompletionOutput(0, text, list(self.token_ids), self.finish_reason, self.stop_reason)
+        token_ids = self.token_ids[self.num_tokens_sent:] if delta else list(self.token_ids)
+        if delta:
+            self.num_tokens_sent = len(self.token_ids)
+        completion = CompletionOutput(0, text, token_ids, self.finish_reason, self.stop_reason)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion], finished,
                              self.metrics, self.num_cached_tokens)
 

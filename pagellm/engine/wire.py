@@ -1,14 +1,29 @@
-"""Typed messages between the frontend and the engine core: tokenized requests in, token-id deltas out."""
+"""Typed messages between the frontend and the engine core: tokenized requests in, token-id deltas out.
+
+In process (``InprocClient``) these structs are passed as objects. Across processes (``core_proc`` ↔
+``MPClient``) each ZMQ message is one msgpack-encoded struct:
+
+- frontend → core: one ``EngineCoreInput`` (``AddRequests``, ``AbortRequests`` or ``UtilityCall``), tagged so the
+  core decodes the union in one step; messages are applied in the order they were sent.
+- core → frontend: first one ``EngineCoreHandshake`` (the ``RuntimeInfo``, or the start-up error), then only
+  ``EngineCoreOutputs``: one per step, plus one per utility reply or refused request, plus a last one carrying
+  ``engine_error`` when the core is about to exit because of an error.
+"""
 
 from __future__ import annotations
+
+from typing import Literal, Union
 
 import msgspec
 
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.sampling_params import SamplingParams
 from pagellm.sched.output import EngineCoreOutput
+from pagellm.worker.worker import RuntimeInfo
 
-__all__ = ["EngineCoreRequest", "EngineCoreOutput", "EngineCoreOutputs"]
+__all__ = ["EngineCoreRequest", "EngineCoreOutput", "EngineCoreOutputs", "AddRequests", "AbortRequests",
+           "UtilityCall", "UtilityMethod", "UtilityResult", "RequestError", "EngineCoreInput",
+           "EngineCoreHandshake", "UTILITY_RESULT_TYPES"]
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -21,6 +36,55 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
 
 
+class RequestError(msgspec.Struct, array_like=True):
+    """The core refused one request (it was never queued); ``error_type`` is the exception's class name."""
+
+    request_id: str
+    error_type: str
+    message: str
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The reply to one ``UtilityCall``: ``result`` is the msgpack of a ``UTILITY_RESULT_TYPES[method]`` value."""
+
+    call_id: int
+    result: bytes = b""
+    error: str | None = None
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats | None = None
+    errors: list[RequestError] = []
+    utility_results: list[UtilityResult] = []
+    engine_error: str | None = None  # the core hit this error and is exiting; every request is lost
+
+
+class AddRequests(msgspec.Struct, tag="add", array_like=True):
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+UtilityMethod = Literal["get_stats", "reset_prefix_cache", "num_free_blocks"]
+# What each utility returns (the frontend decodes ``UtilityResult.result`` with it).
+UTILITY_RESULT_TYPES: dict[str, type] = {"get_stats": SchedulerStats, "reset_prefix_cache": bool,
+                                         "num_free_blocks": int}
+
+
+class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
+    call_id: int
+    method: UtilityMethod
+
+
+EngineCoreInput = Union[AddRequests, AbortRequests, UtilityCall]
+
+
+class EngineCoreHandshake(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The core's first message: its ``RuntimeInfo`` when it started, else why it could not."""
+
+    runtime: RuntimeInfo | None = None
+    error_type: str | None = None
+    error: str | None = None

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from pagellm.sampling_params import SamplingParams
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# Sibling i of an n-sample request uses seed + i (n <= 128), which must still fit the wire's int64.
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 129)]
 Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
@@ -38,7 +40,7 @@ class SamplingRequest(OpenAIModel):
     n: int = Field(1, ge=1, le=128)
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
-    seed: Optional[Int64] = None
+    seed: Optional[Seed] = None
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None

@@ -1,0 +1,329 @@
+"""``AsyncLLM``: the asyncio frontend engine the server uses, over an engine core in its own process.
+
+Contract:
+- ``AsyncLLM.from_config(config)`` loads the tokenizer, starts the core (``client.MPClient``) and waits for its
+  ``RuntimeInfo`` (``runtime``); a start-up ``ValueError`` (bad config, KV cache too small) is re-raised as is.
+- ``generate(prompt, params, request_id)`` is an async generator of **delta** ``RequestOutput``s: each carries
+  only the text and token ids that are new since the previous one; the last one has ``finished=True``. A bad
+  prompt raises ``ValueError`` on the first ``__anext__``, before anything reaches the core. Tokenization,
+  detokenization, stop strings and timing are the ``InputProcessor``/``OutputProcessor`` that ``LLM`` uses; a stop
+  string aborts the request in the core.
+- Outputs report the caller's ``request_id``; internally each core request gets a unique id, so callers may
+  reuse ids. ``abort(request_id)`` aborts every live request with that id (its streams end with ``"abort"``).
+- ``n > 1`` runs ``n`` sibling requests (sibling ``i`` gets ``seed + i`` when a seed is set; the siblings share
+  the prompt's KV blocks through the prefix cache). Each yielded output holds one ``CompletionOutput`` whose
+  ``index`` is the sibling index; a sibling's last delta has its ``finish_reason`` set, and ``finished`` is True
+  only on the last output of the whole call.
+- When the consumer stops iterating (``break`` + close, ``GeneratorExit``, ``CancelledError``), the live requests
+  of that call are aborted in the core, so their KV blocks come back.
+- A dead core (crash, kill) fails every pending ``generate`` and every later call with ``EngineDeadError``;
+  ``check_health()`` raises it; ``errored`` turns True. ``shutdown()`` stops the core; later calls raise it too.
+- ``get_stats()`` returns the latest gauges (running, waiting, KV usage) and the counters accumulated since start.
+
+Threads: core outputs are handled on the client's output thread (detokenization included) under ``_lock`` and
+handed to each stream's event loop with ``call_soon_threadsafe``, so an engine may serve several event loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Union
+
+import msgspec
+
+from pagellm.config import EngineConfig
+from pagellm.engine.client import MPClient
+from pagellm.engine.exceptions import EngineDeadError
+from pagellm.engine.input_processor import InputProcessor, PromptType
+from pagellm.engine.output_processor import OutputProcessor, RequestState
+from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, RequestError
+from pagellm.metrics.stats import SchedulerStats, SpecDecodingStats
+from pagellm.model.loader import resolve_model_dir
+from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagellm.sampling_params import SamplingParams
+from pagellm.tokenizer import Tokenizer
+from pagellm.worker.worker import RuntimeInfo
+
+logger = logging.getLogger(__name__)
+
+_StreamItem = Union[RequestOutput, BaseException]
+
+
+class _RequestStream:
+    """The outputs of one ``generate`` call, handed from any thread to the caller's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: list[_StreamItem] = []
+        self._ready = asyncio.Event()
+
+    def put(self, item: _StreamItem) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._put, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+    def _put(self, item: _StreamItem) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def take(self) -> list[_StreamItem]:
+        await self._ready.wait()
+        self._ready.clear()
+        items, self._items = self._items, []
+        return items
+
+
+@dataclass
+class _Tracked:
+    """One core request of a ``generate`` call (one sibling when n > 1)."""
+
+    request_id: str  # the caller's id
+    index: int
+    stream: _RequestStream
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+class AsyncLLM:
+    """Frontend engine for the server (see the module docstring for the contract)."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, startup_timeout_s: float = 600.0) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.output_processor = OutputProcessor(tokenizer)
+        self._lock = threading.Lock()
+        self._tracked: dict[str, _Tracked] = {}            # core request id → its call
+        self._by_request_id: dict[str, set[str]] = {}       # caller's id → live core request ids
+        self._ids = itertools.count()
+        self._stats = SchedulerStats()
+        self._dead_reason: str | None = None
+        self._shut_down = False
+        self.client = MPClient(config, self._on_outputs, self._on_dead, startup_timeout_s)
+        self.runtime: RuntimeInfo = self.client.runtime
+        self.input_processor = InputProcessor(tokenizer, self.runtime.max_model_len, self.runtime.vocab_size)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, startup_timeout_s: float = 600.0) -> AsyncLLM:
+        tokenizer = Tokenizer.from_dir(resolve_model_dir(config.model_config.model))
+        return cls(config, tokenizer, startup_timeout_s)
+
+    # ------------------------------------------------------------------------------------------- requests
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Delta outputs of one prompt (n siblings when ``params.n > 1``); see the module docstring."""
+        requests = self._make_requests(prompt, params, request_id, priority)
+        stream = _RequestStream(asyncio.get_running_loop())
+        self._register(request_id, requests, prompt if isinstance(prompt, str) else None, stream)
+        try:
+            self.client.add_requests(requests)
+            done: set[int] = set()
+            while len(done) < len(requests):
+                for item in _coalesce(await stream.take()):
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item.outputs[0].finished:
+                        done.add(item.outputs[0].index)
+                    item.finished = len(done) == len(requests)
+                    yield item
+        finally:
+            self._drop([r.request_id for r in requests], notify=False)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort every live request with this caller id; their ``generate`` streams end with ``"abort"``."""
+        with self._lock:
+            ids = list(self._by_request_id.get(request_id, ()))
+        self._drop(ids, notify=True)
+
+    def _make_requests(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                       priority: int) -> list[EngineCoreRequest]:
+        self._raise_if_dead()
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {request_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        base = self.input_processor.process(request_id, prompt, params, priority)
+        if params.n == 1:
+            return [msgspec.structs.replace(base, request_id=self._unique_id(request_id))]
+        return [msgspec.structs.replace(base, request_id=self._unique_id(request_id),
+                                        sampling_params=_sibling_params(params, index))
+                for index in range(params.n)]
+
+    def _unique_id(self, request_id: str) -> str:
+        # The suffix after the last "-" is unique per core request, so the whole id is unique.
+        return f"{request_id}-{next(self._ids)}"
+
+    def _register(self, request_id: str, requests: list[EngineCoreRequest], prompt: str | None,
+                  stream: _RequestStream) -> None:
+        with self._lock:
+            self._raise_if_dead()  # under the lock: _on_dead either sees these requests or we see it
+            for index, request in enumerate(requests):
+                self.output_processor.add_request(request, prompt)
+                self._tracked[request.request_id] = _Tracked(request_id, index, stream, prompt,
+                                                             request.prompt_token_ids)
+                self._by_request_id.setdefault(request_id, set()).add(request.request_id)
+
+    def _untrack(self, core_id: str) -> _Tracked:
+        tracked = self._tracked.pop(core_id)
+        siblings = self._by_request_id[tracked.request_id]
+        siblings.discard(core_id)
+        if not siblings:
+            del self._by_request_id[tracked.request_id]
+        self.output_processor.abort(core_id)
+        return tracked
+
+    def _drop(self, core_ids: list[str], notify: bool) -> None:
+        """Forget live requests and abort them in the core; ``notify`` ends their streams with "abort"."""
+        with self._lock:
+            live = [i for i in core_ids if i in self._tracked]
+            for core_id in live:
+                state = self.output_processor.requests.get(core_id)
+                tracked = self._untrack(core_id)
+                if notify:
+                    tracked.stream.put(_aborted_output(tracked, state))
+        self.client.abort_requests(live)
+
+    # ------------------------------------------------------------------------------------------- core side
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        """Runs on the client's output thread: detokenize, route deltas to their streams, abort stop strings."""
+        with self._lock:
+            if outputs.stats is not None:
+                _accumulate(self._stats, outputs.stats)
+            for error in outputs.errors:
+                self._fail(error)
+            results, to_abort = self.output_processor.process_outputs(outputs.outputs, delta=True)
+            for out in results:
+                self._route(out)
+        self.client.abort_requests(to_abort)
+
+    def _route(self, out: RequestOutput) -> None:
+        core_id = out.request_id
+        tracked = self._untrack(core_id) if out.finished else self._tracked[core_id]
+        completion = out.outputs[0]
+        completion.index = tracked.index
+        out.request_id = tracked.request_id
+        tracked.stream.put(out)
+
+    def _fail(self, error: RequestError) -> None:
+        if error.request_id not in self._tracked:
+            return
+        tracked = self._untrack(error.request_id)
+        if error.error_type == "ValueError":
+            tracked.stream.put(ValueError(error.message))
+        else:
+            tracked.stream.put(RuntimeError(f"the engine core refused the request: {error.error_type}: "
+                                            f"{error.message}"))
+
+    def _on_dead(self, error: EngineDeadError) -> None:
+        with self._lock:
+            self._dead_reason = str(error)
+            streams = {id(t.stream): t.stream for t in self._tracked.values()}
+            for core_id in list(self._tracked):
+                self._untrack(core_id)
+        for stream in streams.values():
+            stream.put(EngineDeadError(str(error)))
+
+    # ------------------------------------------------------------------------------------------- engine
+    @property
+    def is_running(self) -> bool:
+        return self._dead_reason is None and not self._shut_down
+
+    @property
+    def errored(self) -> bool:
+        """True when the core died on its own (not after ``shutdown()``)."""
+        return self._dead_reason is not None and not self._shut_down
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead_reason
+
+    async def check_health(self) -> None:
+        self._raise_if_dead()
+
+    def _raise_if_dead(self) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        if self._shut_down:
+            raise EngineDeadError("the engine was shut down")
+
+    async def get_stats(self) -> SchedulerStats:
+        """Current gauges (running, waiting, KV usage) and every counter summed since the engine started."""
+        fresh = await self.client.call_utility("get_stats")
+        with self._lock:
+            _accumulate(self._stats, fresh)
+            return msgspec.msgpack.decode(msgspec.msgpack.encode(self._stats), type=SchedulerStats)
+
+    async def get_num_free_blocks(self) -> int:
+        """Free KV blocks now (``runtime.num_blocks`` when no request holds any)."""
+        return await self.client.call_utility("num_free_blocks")
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.client.call_utility("reset_prefix_cache")
+
+    def shutdown(self) -> None:
+        """Stop the core process; pending and later requests fail with ``EngineDeadError``."""
+        self._shut_down = True
+        self.client.shutdown()
+
+
+def _sibling_params(params: SamplingParams, index: int) -> SamplingParams:
+    seed = None if params.seed is None else params.seed + index
+    return msgspec.structs.replace(params, n=1, seed=seed)
+
+
+def _aborted_output(tracked: _Tracked, state: RequestState | None) -> RequestOutput:
+    metrics = state.metrics if state is not None else RequestMetrics(time.time())
+    metrics.finished_time = time.time()
+    completion = CompletionOutput(tracked.index, "", [], "abort")
+    return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids, [completion], True,
+                         metrics, state.num_cached_tokens if state is not None else 0)
+
+
+def _coalesce(items: list[_StreamItem]) -> list[_StreamItem]:
+    """Merge the queued deltas of each sibling into one, so a slow consumer gets fewer, larger deltas."""
+    merged: dict[int, RequestOutput] = {}
+    for item in items:
+        if isinstance(item, BaseException):
+            return [*merged.values(), item]
+        previous = merged.get(item.outputs[0].index)
+        if previous is None:
+            merged[item.outputs[0].index] = item
+            continue
+        old, new = previous.outputs[0], item.outputs[0]
+        old.text += new.text
+        old.token_ids.extend(new.token_ids)
+        old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+        previous.finished = item.finished
+    return list(merged.values())
+
+
+_GAUGES = frozenset({"num_running_reqs", "num_waiting_reqs", "kv_cache_usage"})
+
+
+def _accumulate(total: SchedulerStats, step: SchedulerStats) -> None:
+    """Gauges take the step's value; every other number (a per-step counter) is summed."""
+    for name in SchedulerStats.__struct_fields__:
+        value = getattr(step, name)
+        if name in _GAUGES:
+            setattr(total, name, value)
+        elif name == "spec_decoding":
+            if value is not None:
+                total.spec_decoding = _add_spec(total.spec_decoding or SpecDecodingStats(), value)
+        else:
+            setattr(total, name, getattr(total, name) + value)
+
+
+def _add_spec(total: SpecDecodingStats, step: SpecDecodingStats) -> SpecDecodingStats:
+    total.num_drafts += step.num_drafts
+    total.num_draft_tokens += step.num_draft_tokens
+    total.num_accepted_tokens += step.num_accepted_tokens
+    per_pos = total.num_accepted_tokens_per_pos
+    per_pos.extend([0] * (len(step.num_accepted_tokens_per_pos) - len(per_pos)))
+    for pos, count in enumerate(step.num_accepted_tokens_per_pos):
+        per_pos[pos] += count
+    return total

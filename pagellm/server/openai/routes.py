@@ -1,0 +1,174 @@
+"""The FastAPI app: OpenAI routes under ``/v1`` plus ``/health``, ``/version``, ``/stats``, ``/tokenize``,
+``/detokenize``.
+
+Contract:
+- ``build_app(engine, model_names, api_key)`` builds the app over an ``EngineClient``; it starts nothing.
+- With ``api_key`` every ``/v1`` route needs ``Authorization: Bearer <key>``, else 401 in OpenAI's error shape.
+- ``GET /health`` is 200 while the engine core lives and 503 once it is dead; ``GET /stats`` is the engine's
+  latest ``SchedulerStats`` with every field present (running/waiting requests, KV-cache usage, ...).
+- A client that goes away loses its requests: a stream's generator is cancelled by the server on disconnect, and a
+  non-streamed request is cancelled by a watcher on the connection; either way the engine aborts the request and
+  frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, Optional
+
+import anyio
+import msgspec
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+import pagellm
+from pagellm.server.openai.errors import APIError, install_error_handlers
+from pagellm.server.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                            DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                                            TokenizeResponse)
+from pagellm.server.openai.serving_chat import OpenAIServingChat
+from pagellm.server.openai.serving_completion import OpenAIServingCompletion
+from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optional[str] = None,
+              model_root: Optional[str] = None) -> FastAPI:
+    if not model_names:
+        raise ValueError("give at least one served model name")
+    app = FastAPI(title="pagellm", version=pagellm.__version__, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.include_router(_v1_router(engine, model_names, api_key, model_root))
+    app.include_router(_admin_router(engine, model_names))
+    return app
+
+
+def _v1_router(engine: EngineClient, model_names: Sequence[str], api_key: Optional[str],
+               model_root: Optional[str]) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_bearer_auth(api_key))] if api_key else [])
+    completion = OpenAIServingCompletion(engine, model_names)
+    chat = OpenAIServingChat(engine, model_names)
+    max_model_len = completion.max_model_len
+
+    @router.get("/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, root=model_root, max_model_len=max_model_len)
+                               for name in model_names])
+
+    @router.post("/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        job = completion.prepare(body)
+        if body.stream:
+            return _EventStream(completion.stream(job))
+        return await _json_unless_disconnected(raw, completion.create(job))
+
+    @router.post("/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        job = chat.prepare(body)
+        if body.stream:
+            return _EventStream(chat.stream(job))
+        return await _json_unless_disconnected(raw, chat.create(job))
+
+    return router
+
+
+def _admin_router(engine: EngineClient, model_names: Sequence[str]) -> APIRouter:
+    router = APIRouter()
+    serving = OpenAIServing(engine, model_names)
+
+    @router.get("/health")
+    async def health() -> Response:
+        await engine.check_health()  # EngineDeadError → 503
+        return Response(status_code=200)
+
+    @router.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": pagellm.__version__}
+
+    @router.get("/stats")
+    async def stats() -> dict[str, Any]:
+        current = await engine.get_stats()
+        return {name: msgspec.to_builtins(getattr(current, name)) for name in current.__struct_fields__}
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("send exactly one of prompt or messages", 400, param="prompt")
+        if body.messages is not None:
+            messages = [m.to_template_dict(i) for i, m in enumerate(body.messages)]
+            tokens = serving.tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+        else:
+            tokens = serving.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(count=len(tokens), max_model_len=serving.max_model_len, tokens=tokens)
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.check_model(body.model)
+        bad = [t for t in body.tokens if t >= serving.vocab_size]
+        if bad:
+            raise APIError(f"token ids must be in [0, {serving.vocab_size}); got {bad[0]}", 400, param="tokens")
+        return DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
+
+    return router
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose generator is always closed, at once, when the response ends or the client leaves.
+
+    Starlette cancels the send loop on disconnect but leaves the generator to the garbage collector; closing it
+    here (shielded from that cancellation) is what aborts the engine request deterministically.
+    """
+
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+        self._events = events
+
+    async def stream_response(self, send: Any) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._events.aclose()  # type: ignore[attr-defined]
+
+
+def _bearer_auth(api_key: str) -> Any:
+    expected = api_key.encode()
+
+    async def check(request: Request) -> None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise APIError("You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.", 401,
+                           code="invalid_api_key")
+        if not hmac.compare_digest(token.strip().encode(), expected):
+            raise APIError("Incorrect API key provided.", 401, code="invalid_api_key")
+
+    return check
+
+
+async def _json_unless_disconnected(request: Request, work: Awaitable[Any]) -> Response:
+    """Await ``work`` (a response model) unless the client disconnects first; then cancel it (aborting)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        logger.info("client disconnected; its request was aborted")
+        return Response(status_code=499)
+    return JSONResponse(task.result().model_dump(mode="json"))
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

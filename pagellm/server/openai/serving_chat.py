@@ -1,0 +1,103 @@
+"""``POST /v1/chat/completions``: messages → the model's chat template → assistant replies, streamed or whole.
+
+Contract:
+- The conversation is rendered with the tokenizer's chat template (text content parts are joined; other parts
+  are refused with a 400) and checked against ``max_model_len`` before anything is queued.
+- ``max_completion_tokens`` wins over the older ``max_tokens``; neither means "up to the context length".
+- Streaming: the first chunk of every choice carries ``delta.role = "assistant"`` (and empty content), then
+  content deltas; the chunk that finishes a choice carries its ``finish_reason``. With
+  ``stream_options.include_usage`` a last chunk carries the usage and no choices; then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+from pagellm.server.openai.errors import sse_error
+from pagellm.server.openai.protocol import (ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk,
+                                            ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
+                                            ChatResponseMessage, UsageInfo)
+from pagellm.server.openai.serving_engine import OpenAIServing, random_id
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Job:
+    request: ChatCompletionRequest
+    request_id: str
+    model: str
+    prompt: list[int]
+    params: SamplingParams
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def usage(self, choices: dict[int, _Choice]) -> UsageInfo:
+        completion_tokens = sum(c.num_tokens for c in choices.values())
+        return UsageInfo(prompt_tokens=len(self.prompt), completion_tokens=completion_tokens,
+                         total_tokens=len(self.prompt) + completion_tokens)
+
+
+class OpenAIServingChat(OpenAIServing):
+
+    def prepare(self, request: ChatCompletionRequest) -> _Job:
+        """Validate and render the conversation (raises APIError / ValueError → 4xx before anything is queued)."""
+        model, params = self.check_request(request)
+        messages = [m.to_template_dict(i) for i, m in enumerate(request.messages)]
+        prompt = self.tokenizer.apply_chat_template(messages, request.add_generation_prompt,
+                                                    request.chat_template_kwargs)
+        return _Job(request, random_id("chatcmpl"), model, self.check_prompt(prompt), params)
+
+    async def create(self, job: _Job) -> ChatCompletionResponse:
+        choices: dict[int, _Choice] = {}
+        async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority):
+            _accumulate(choices.setdefault(output.outputs[0].index, _Choice()), output)
+        result = [ChatCompletionChoice(index=i, message=ChatResponseMessage(content=c.text),
+                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                  for i, c in sorted(choices.items())]
+        return ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=result,
+                                      usage=job.usage(choices))
+
+    async def stream(self, job: _Job) -> AsyncIterator[str]:
+        choices: dict[int, _Choice] = {}
+        try:
+            # The role goes first, before any token exists, as OpenAI does: clients see the reply has begun.
+            yield _chunk(job, [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+                               for i in range(job.request.n)])
+            async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority):
+                index = output.outputs[0].index
+                choice = choices.setdefault(index, _Choice())
+                text = _accumulate(choice, output)
+                if text or choice.finish_reason:
+                    delta = ChatDelta(content=text) if text else ChatDelta()
+                    yield _chunk(job, [ChatChunkChoice(index=index, delta=delta, finish_reason=choice.finish_reason,
+                                                       stop_reason=choice.stop_reason)])
+            if job.request.include_usage:
+                yield _chunk(job, [], job.usage(choices))
+        except Exception as exc:
+            yield sse_error(exc)
+        yield "data: [DONE]\n\n"
+
+
+def _accumulate(choice: _Choice, output: RequestOutput) -> str:
+    completion = output.outputs[0]
+    choice.text += completion.text
+    choice.num_tokens += len(completion.token_ids)
+    if completion.finish_reason is not None:
+        choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
+    return completion.text
+
+
+def _chunk(job: _Job, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+    body = ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model, choices=choices,
+                               usage=usage)
+    return f"data: {body.model_dump_json()}\n\n"

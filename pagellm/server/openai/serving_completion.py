@@ -1,0 +1,121 @@
+"""``POST /v1/completions``: prompts (text, token ids, or lists of either) → completions, streamed or whole.
+
+Contract:
+- Each prompt is tokenized and checked before anything is queued; choice ``index`` is ``prompt_index * n +
+  sample_index`` as OpenAI numbers them. ``echo`` prepends the prompt text (in the first chunk when streaming).
+- Usage: ``prompt_tokens`` counts each prompt once, ``completion_tokens`` every generated token of every choice.
+- Streaming sends ``data: {chunk}`` events and ``data: [DONE]``; with ``stream_options.include_usage`` a last
+  chunk carries the usage and no choices. An engine error after the stream started is sent as an error event.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+from pagellm.server.openai.errors import APIError, sse_error
+from pagellm.server.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
+from pagellm.server.openai.serving_engine import OpenAIServing, random_id
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    started: bool = False
+
+
+@dataclass
+class _Job:
+    """One completion request after validation."""
+
+    request: CompletionRequest
+    request_id: str
+    model: str
+    prompts: list[list[int]]
+    prompt_texts: list[str]
+    params: SamplingParams
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def choice_index(self, prompt_index: int, output: RequestOutput) -> int:
+        return prompt_index * self.request.n + output.outputs[0].index
+
+    def usage(self, choices: dict[int, _Choice]) -> UsageInfo:
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        completion_tokens = sum(c.num_tokens for c in choices.values())
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+
+    def prepare(self, request: CompletionRequest) -> _Job:
+        """Validate and tokenize (raises APIError / ValueError → 4xx before anything is queued)."""
+        model, params = self.check_request(request)
+        raw = request.prompt
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+            raw = [raw]  # type: ignore[list-item]
+        if not raw:
+            raise APIError("prompt must not be empty", 400, param="prompt")
+        prompts, texts = [], []
+        for position, item in enumerate(raw):
+            ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)  # type: ignore[arg-type]
+            prompts.append(self.check_prompt(ids, position if len(raw) > 1 else None))
+            if request.echo:
+                texts.append(item if isinstance(item, str) else self.tokenizer.decode(ids))
+        return _Job(request, random_id("cmpl"), model, prompts, texts, params)
+
+    async def create(self, job: _Job) -> CompletionResponse:
+        choices: dict[int, _Choice] = {}
+        stream = self.generate(job.prompts, job.params, job.request_id, job.request.priority)
+        async for prompt_index, output in stream:
+            self._accumulate(choices.setdefault(job.choice_index(prompt_index, output), _Choice()), output)
+        result = []
+        for index in sorted(choices):
+            choice = choices[index]
+            prefix = job.prompt_texts[index // job.request.n] if job.request.echo else ""
+            result.append(CompletionChoice(index=index, text=prefix + choice.text,
+                                           finish_reason=choice.finish_reason, stop_reason=choice.stop_reason))
+        return CompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=result,
+                                  usage=job.usage(choices))
+
+    async def stream(self, job: _Job) -> AsyncIterator[str]:
+        choices: dict[int, _Choice] = {}
+        try:
+            stream = self.generate(job.prompts, job.params, job.request_id, job.request.priority)
+            async for prompt_index, output in stream:
+                index = job.choice_index(prompt_index, output)
+                choice = choices.setdefault(index, _Choice())
+                text = self._accumulate(choice, output)
+                if job.request.echo and not choice.started:
+                    text = job.prompt_texts[prompt_index] + text
+                if text or choice.finish_reason:
+                    choice.started = True
+                    yield self._chunk(job, [CompletionChoice(index=index, text=text,
+                                                             finish_reason=choice.finish_reason,
+                                                             stop_reason=choice.stop_reason)])
+            if job.request.include_usage:
+                yield self._chunk(job, [], job.usage(choices))
+        except Exception as exc:
+            yield sse_error(exc)
+        yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _accumulate(choice: _Choice, output: RequestOutput) -> str:
+        completion = output.outputs[0]
+        choice.text += completion.text
+        choice.num_tokens += len(completion.token_ids)
+        if completion.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
+        return completion.text
+
+    @staticmethod
+    def _chunk(job: _Job, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+        body = CompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=choices,
+                                  usage=usage)
+        return f"data: {body.model_dump_json()}\n\n"

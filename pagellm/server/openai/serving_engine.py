@@ -1,0 +1,132 @@
+"""What completions and chat share: the engine interface, model-name and prompt checks, fan-out over prompts.
+
+Contract:
+- ``EngineClient`` is the slice of ``AsyncLLM`` the server uses; the server never imports the engine class itself
+  (``launch.py`` builds it), so the app can be built over any object with these methods.
+- ``check_request`` refuses (400/404) before anything is queued: unknown model, unsupported parameters, sampling
+  values ``SamplingParams`` rejects, prompts that are empty, too long for ``max_model_len`` or out of vocabulary.
+- ``generate`` runs one engine request per prompt and yields ``(prompt_index, RequestOutput)`` deltas as they
+  arrive. Closing it (client gone, error) cancels every engine request, which aborts them and frees their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Optional, Protocol, Union
+
+from pagellm.engine.input_processor import check_prompt
+from pagellm.metrics.stats import SchedulerStats
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+from pagellm.server.openai.errors import APIError
+from pagellm.server.openai.protocol import SamplingRequest
+from pagellm.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DONE = object()
+
+
+class EngineClient(Protocol):
+    """The engine as the server sees it (``pagellm.engine.async_engine.AsyncLLM``)."""
+
+    tokenizer: Tokenizer
+    runtime: Any  # max_model_len, num_blocks, vocab_size
+
+    def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def check_health(self) -> None: ...
+
+    async def get_stats(self) -> SchedulerStats: ...
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIServing:
+    """Base of the completion and chat handlers."""
+
+    def __init__(self, engine: EngineClient, model_names: Sequence[str]) -> None:
+        self.engine = engine
+        self.tokenizer: Tokenizer = engine.tokenizer
+        self.model_names = list(model_names)
+        self.max_model_len: int = engine.runtime.max_model_len
+        self.vocab_size: int = engine.runtime.vocab_size
+
+    def check_model(self, name: Optional[str]) -> str:
+        """The model name to answer with; 404 (as OpenAI does) for a model this server does not serve."""
+        if name is None or name == "" or name in self.model_names:
+            return name or self.model_names[0]
+        raise APIError(f"The model `{name}` does not exist (this server serves {', '.join(self.model_names)})",
+                       404, param="model", code="model_not_found")
+
+    def check_request(self, request: SamplingRequest) -> tuple[str, SamplingParams]:
+        model = self.check_model(request.model)
+        for field, why in request.unsupported():
+            raise APIError(why, 400, param=field, code="unsupported_parameter")
+        return model, request.to_sampling_params()  # type: ignore[attr-defined]
+
+    def check_prompt(self, token_ids: list[int], position: Optional[int] = None) -> list[int]:
+        try:
+            check_prompt(token_ids, self.max_model_len, self.vocab_size)
+        except ValueError as exc:
+            where = "" if position is None else f"prompt {position}: "
+            raise APIError(f"{where}{exc}", 400, param="prompt",
+                           code="context_length_exceeded" if len(token_ids) >= self.max_model_len else None)
+        return token_ids
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                       priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Deltas of every prompt's request, interleaved as they arrive (see the module docstring)."""
+        if len(prompts) == 1:
+            stream = self.engine.generate(prompts[0], params, request_id, priority)
+            try:
+                async for output in stream:
+                    yield 0, output
+            finally:
+                await _close(stream)
+            return
+        async for item in self._generate_many(prompts, params, request_id, priority):
+            yield item
+
+    async def _generate_many(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                             priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def pump(index: int, prompt: list[int]) -> None:
+            try:
+                async for output in self.engine.generate(prompt, params, f"{request_id}-{index}", priority):
+                    queue.put_nowait((index, output))
+            except Exception as exc:  # handed to the consumer, which raises it
+                queue.put_nowait(exc)
+            finally:
+                queue.put_nowait(_DONE)
+
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is _DONE:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close(stream: AsyncIterator[RequestOutput]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()

@@ -1,0 +1,314 @@
+"""``AsyncLLM`` over a real engine-core process on a tiny model: parity with ``LLM``, delta streaming, concurrency,
+aborts (consumer gone, ``abort()``, stop strings) giving every KV block back, reused ids, ``n > 1`` siblings,
+start-up errors, a killed core, and a clean shutdown.
+
+One engine serves the module (starting a core process costs a few seconds); each test runs its coroutine on one
+module-wide event loop. Nothing sleeps for a fixed time: waits poll a condition under a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+from pagellm.config import EngineConfig
+from pagellm.engine.async_engine import AsyncLLM
+from pagellm.engine.exceptions import EngineDeadError
+from pagellm.outputs import RequestOutput
+
+KV_BYTES_PER_TOKEN = 512  # tiny llama: 2 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes
+SMALL_KV = 256 * 16 * KV_BYTES_PER_TOKEN
+PROMPTS = ["hi", "the quick brown fox", "a", "0123456789 counting", "zz top"]
+TIMEOUT_S = 30.0
+
+
+def greedy(max_tokens: int, **overrides: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **overrides)
+
+
+def engine_config(model_dir: Path, **overrides: Any) -> EngineConfig:
+    args: dict[str, Any] = dict(model=str(model_dir), dtype="float32", kv_cache_memory=SMALL_KV)
+    args.update(overrides)
+    return EngineConfig.from_kwargs(**args)
+
+
+@pytest.fixture(scope="module")
+def run() -> Iterator[Callable[[Awaitable[Any]], Any]]:
+    with asyncio.Runner() as runner:
+        yield lambda coro: runner.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: Path) -> Iterator[AsyncLLM]:
+    eng = AsyncLLM.from_config(engine_config(tiny_llama))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama: Path) -> LLM:
+    return LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV)
+
+
+async def collect(gen: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    return [out async for out in gen]
+
+
+async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def all_blocks_free(engine: AsyncLLM) -> bool:
+    return await engine.get_num_free_blocks() == engine.runtime.num_blocks
+
+
+def joined(deltas: list[RequestOutput]) -> tuple[str, list[int]]:
+    return "".join(d.outputs[0].text for d in deltas), [t for d in deltas for t in d.outputs[0].token_ids]
+
+
+def assert_delta_stream(deltas: list[RequestOutput], request_id: str) -> None:
+    assert deltas and all(d.request_id == request_id for d in deltas)
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert all(d.outputs[0].finish_reason is None for d in deltas[:-1])
+    assert deltas[-1].outputs[0].finish_reason is not None
+
+
+# ---------------------------------------------------------------------------------------------- serving
+
+
+def test_runtime_and_tokenizer(engine: AsyncLLM, llm: LLM) -> None:
+    assert engine.runtime == llm.engine.runtime
+    assert engine.tokenizer.encode("hi") == llm.tokenizer.encode("hi")
+    assert engine.is_running and not engine.errored and engine.client.process.is_alive()
+
+
+def test_greedy_matches_llm_and_deltas_concatenate(engine: AsyncLLM, llm: LLM, run: Any) -> None:
+    params = [greedy(12, ignore_eos=True), greedy(5), greedy(20, ignore_eos=True), greedy(1), greedy(9)]
+    expected = llm.generate(PROMPTS, params, use_tqdm=False)
+
+    async def main() -> list[list[RequestOutput]]:
+        return await asyncio.gather(*(collect(engine.generate(p, sp, f"r{i}"))
+                                      for i, (p, sp) in enumerate(zip(PROMPTS, params))))
+
+    for i, (deltas, full) in enumerate(zip(run(main()), expected)):
+        assert_delta_stream(deltas, f"r{i}")
+        text, token_ids = joined(deltas)
+        assert (text, token_ids) == (full.outputs[0].text, full.outputs[0].token_ids)
+        assert deltas[-1].outputs[0].finish_reason == full.outputs[0].finish_reason
+        assert deltas[-1].prompt == PROMPTS[i] and deltas[-1].prompt_token_ids == full.prompt_token_ids
+        m = deltas[-1].metrics
+        assert m.arrival_time <= m.first_token_time <= m.finished_time
+    assert run(all_blocks_free(engine))
+
+
+def test_token_id_prompts_and_stop_strings(engine: AsyncLLM, llm: LLM, run: Any) -> None:
+    text = llm.generate("hi", greedy(24, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    stop = next(ch for i, ch in enumerate(text) if i > 2 and ch.isascii() and ch.isalnum() and text.index(ch) == i)
+    params = greedy(24, ignore_eos=True, stop=[stop])
+    expected = llm.generate("hi", params, use_tqdm=False)[0].outputs[0]
+    deltas = run(collect(engine.generate(llm.tokenizer.encode("hi"), params, "ids")))
+    assert_delta_stream(deltas, "ids")
+    assert deltas[0].prompt is None
+    assert joined(deltas) == (expected.text, expected.token_ids)
+    assert deltas[-1].outputs[0].finish_reason == "stop" and deltas[-1].outputs[0].stop_reason == stop
+    assert run(all_blocks_free(engine))  # the stop string aborted the request in the core
+
+
+def test_many_concurrent_requests(engine: AsyncLLM, run: Any) -> None:
+    async def main() -> list[list[RequestOutput]]:
+        return await asyncio.gather(*(collect(engine.generate(f"p{i}", greedy(1 + i % 7, ignore_eos=True),
+                                                              f"c{i}")) for i in range(40)))
+
+    results = run(main())
+    assert [len(joined(d)[1]) for d in results] == [1 + i % 7 for i in range(40)]
+    stats = run(engine.get_stats())
+    assert stats.num_running_reqs == stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0.0
+    assert stats.num_generation_tokens >= sum(1 + i % 7 for i in range(40))
+    assert run(all_blocks_free(engine))
+
+
+# ---------------------------------------------------------------------------------------------- aborts
+
+
+def test_consumer_that_breaks_frees_its_blocks(engine: AsyncLLM, run: Any) -> None:
+    async def main() -> None:
+        seen = 0
+        async for out in engine.generate("x" * 100, greedy(400, ignore_eos=True), "breaker"):
+            seen += len(out.outputs[0].token_ids)
+            if seen >= 2:
+                assert await engine.get_num_free_blocks() < engine.runtime.num_blocks
+                break
+        await wait_until(lambda: all_blocks_free(engine))
+        stats = await engine.get_stats()
+        assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0
+
+    run(main())
+    assert not engine.output_processor.has_unfinished_requests()
+
+
+def test_cancelled_consumer_frees_its_blocks(engine: AsyncLLM, run: Any) -> None:
+    async def main() -> None:
+        first = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in engine.generate("y" * 50, greedy(400, ignore_eos=True), "cancelled"):
+                first.set()
+
+        task = asyncio.create_task(consume())
+        await first.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(lambda: all_blocks_free(engine))  # the abort was sent in the generator's finally
+
+    run(main())
+
+
+def test_abort_by_id_ends_every_stream_with_that_id(engine: AsyncLLM, run: Any) -> None:
+    async def main() -> list[list[RequestOutput]]:
+        started = [asyncio.Event(), asyncio.Event()]
+
+        async def consume(i: int) -> list[RequestOutput]:
+            outs = []
+            async for out in engine.generate(f"same prompt {i}", greedy(400, ignore_eos=True), "same"):
+                outs.append(out)
+                started[i].set()
+            return outs
+
+        tasks = [asyncio.create_task(consume(i)) for i in range(2)]
+        await asyncio.gather(*(e.wait() for e in started))
+        await engine.abort("same")
+        return await asyncio.gather(*tasks)
+
+    for outs in run(main()):
+        assert_delta_stream(outs, "same")
+        assert outs[-1].outputs[0].finish_reason == "abort" and len(joined(outs)[1]) < 400
+    assert run(all_blocks_free(engine))
+
+
+def test_reused_request_ids(engine: AsyncLLM, llm: LLM, run: Any) -> None:
+    prompts = ["one", "two", "three"]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(6, ignore_eos=True), use_tqdm=False)]
+
+    async def main() -> list[list[RequestOutput]]:
+        return await asyncio.gather(*(collect(engine.generate(p, greedy(6, ignore_eos=True), "dup"))
+                                      for p in prompts))
+
+    for _ in range(2):  # the same id again, after the first ones finished
+        results = run(main())
+        assert [joined(d)[1] for d in results] == expected
+        assert all(d.request_id == "dup" for outs in results for d in outs)
+
+
+# ---------------------------------------------------------------------------------------------- n > 1
+
+
+def test_n_siblings_share_the_prompt_blocks(engine: AsyncLLM, run: Any) -> None:
+    prompt = "a prompt long enough to fill two sixteen-token blocks, and then some"
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    run(engine.reset_prefix_cache())
+    before = run(engine.get_stats())
+    outs = run(collect(engine.generate(prompt, params, "fan")))
+    after = run(engine.get_stats())
+    by_index: dict[int, list[RequestOutput]] = {0: [], 1: []}
+    for out in outs:
+        assert out.request_id == "fan" and len(out.outputs) == 1
+        by_index[out.outputs[0].index].append(out)
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    for deltas in by_index.values():
+        assert deltas[-1].outputs[0].finish_reason == "length"
+        assert all(d.outputs[0].finish_reason is None for d in deltas[:-1])
+        assert len(joined(deltas)[1]) == 8
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    assert hits >= 32 and max(d[-1].num_cached_tokens for d in by_index.values()) >= 32
+    # Sibling i samples as a lone request with seed 7 + i would.
+    for i in range(2):
+        alone = run(collect(engine.generate(prompt, SamplingParams(temperature=1.0, seed=7 + i, max_tokens=8,
+                                                                   ignore_eos=True), "alone")))
+        assert joined(alone) == joined(by_index[i])
+    assert run(all_blocks_free(engine))
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(("prompt", "match"), [("x" * 600, "the prompt has 600 tokens but max_model_len is 512"),
+                                               ("", "the prompt is empty"),
+                                               ([1, 320], r"must be in \[0, 320\)")])
+def test_bad_prompts_raise_before_queueing(engine: AsyncLLM, run: Any, prompt: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        run(collect(engine.generate(prompt, greedy(2), "bad")))
+    assert not engine.output_processor.has_unfinished_requests()
+    stats = run(engine.get_stats())
+    assert stats.num_waiting_reqs == stats.num_running_reqs == 0
+
+
+def test_startup_error_is_a_value_error(tiny_llama: Path) -> None:
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=r"kv_cache_memory=100000 bytes.*raise kv_cache_memory to at least"):
+        AsyncLLM.from_config(engine_config(tiny_llama, kv_cache_memory=100_000))
+    assert set(multiprocessing.active_children()) <= before  # the failed core was reaped
+
+
+def test_killed_core_fails_pending_and_new_requests(tiny_llama: Path, run: Any) -> None:
+    eng = AsyncLLM.from_config(engine_config(tiny_llama))
+    try:
+        async def main() -> None:
+            started = asyncio.Event()
+
+            async def consume() -> None:
+                async for _ in eng.generate("k" * 40, greedy(400, ignore_eos=True), "doomed"):
+                    started.set()
+
+            task = asyncio.create_task(consume())
+            await started.wait()
+            os.kill(eng.client.process.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match=r"died \(exit code -9\)"):
+                await asyncio.wait_for(task, 10)
+            assert eng.errored and not eng.is_running
+            with pytest.raises(EngineDeadError):
+                await eng.check_health()
+            with pytest.raises(EngineDeadError):
+                await collect(eng.generate("new", greedy(2), "new"))
+            with pytest.raises(EngineDeadError):
+                await eng.get_stats()
+
+        run(main())
+    finally:
+        eng.shutdown()
+    assert not os.path.exists(eng.client.ipc_dir) and eng.client.process not in multiprocessing.active_children()
+
+
+def test_shutdown_leaves_nothing_behind(engine: AsyncLLM, run: Any) -> None:
+    """Last test of the module: it stops the shared engine."""
+    async def main() -> None:
+        started = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in engine.generate("s" * 40, greedy(400, ignore_eos=True), "pending"):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        engine.shutdown()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await task
+        with pytest.raises(EngineDeadError):
+            await collect(engine.generate("late", greedy(2), "late"))
+
+    process = engine.client.process
+    run(main())
+    assert not process.is_alive() and process.exitcode == 0
+    assert not os.path.exists(engine.client.ipc_dir)
+    assert not engine.is_running and not engine.errored
+    assert not multiprocessing.active_children()

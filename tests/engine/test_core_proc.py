@@ -1,0 +1,141 @@
+"""The engine core in its own process, driven through ``MPClient`` with raw ``EngineCoreRequest``s: it serves,
+refuses one bad request without dying, answers utility calls, reports a crash, and never outlives its parent.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagellm import SamplingParams
+from pagellm.config import EngineConfig
+from pagellm.engine import core_proc
+from pagellm.engine.client import MPClient
+from pagellm.engine.exceptions import EngineDeadError
+from pagellm.engine.wire import (AddRequests, EngineCoreHandshake, EngineCoreOutputs, EngineCoreRequest,
+                                 UtilityCall)
+from pagellm.metrics.stats import SchedulerStats
+
+SMALL_KV = 256 * 16 * 512  # 256 blocks of the tiny llama
+TIMEOUT_S = 20.0
+
+
+def config(model_dir: Path) -> EngineConfig:
+    return EngineConfig.from_kwargs(model=str(model_dir), dtype="float32", kv_cache_memory=SMALL_KV)
+
+
+def request(request_id: str, prompt: list[int], max_tokens: int = 4) -> EngineCoreRequest:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return EngineCoreRequest(request_id, prompt, params, [257], time.time())
+
+
+def is_alive(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's reaper may be slow, or absent, in a container)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_core_process_serves_refuses_and_answers(tiny_llama: Path) -> None:
+    received: queue.Queue[EngineCoreOutputs] = queue.Queue()
+    deaths: list[EngineDeadError] = []
+    client = MPClient(config(tiny_llama), received.put, deaths.append)
+    assert client.runtime.num_blocks == 256 and client.runtime.vocab_size == 320
+    try:
+        # The bad request is refused by the core itself (the frontend would have caught it); the good one runs.
+        client.add_requests([request("bad", [1, 999]), request("ok", [1, 2, 3], max_tokens=5)])
+        client.add_requests([request("ok", [4, 5])])  # a duplicate id of a live request
+        errors, tokens, finish = {}, [], None
+        while finish is None:
+            out = received.get(timeout=TIMEOUT_S)
+            errors.update({e.request_id: e for e in out.errors})
+            for o in out.outputs:
+                assert o.request_id == "ok"
+                tokens += o.new_token_ids
+                finish = o.finish_reason
+        assert errors["bad"].error_type == "ValueError" and "must be in [0, 320)" in errors["bad"].message
+        assert len(tokens) == 5 and str(finish) == "length"
+        if "ok" in errors:  # refused as a duplicate, unless it arrived after the first "ok" finished
+            assert "already in use" in errors["ok"].message
+        assert client.call_utility_sync("num_free_blocks", TIMEOUT_S) == 256
+        stats = client.call_utility_sync("get_stats", TIMEOUT_S)
+        assert isinstance(stats, SchedulerStats) and stats.num_running_reqs == 0
+        assert client.call_utility_sync("reset_prefix_cache", TIMEOUT_S) is True
+        assert client.is_healthy and not deaths
+    finally:
+        client.shutdown()
+    assert not client.process.is_alive() and client.process.exitcode == 0
+    assert not os.path.exists(client.ipc_dir)
+    assert len(deaths) == 1 and "shut down" in str(deaths[0]) and not client.is_healthy
+    with pytest.raises(EngineDeadError):
+        client.add_requests([request("late", [1])])
+    with pytest.raises(EngineDeadError):
+        client.call_utility_sync("get_stats", TIMEOUT_S)
+
+
+def test_a_crashing_loop_reports_its_error(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In process: ``_serve`` answers the handshake, then sends the loop's error before giving up."""
+    def boom(self: Any) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(core_proc.EngineCoreLoop, "run", boom)
+    inputs: queue.Queue[Any] = queue.Queue()
+    outputs: queue.Queue[Any] = queue.Queue()
+    assert core_proc._serve(config(tiny_llama), inputs, outputs) == 1
+    handshake, report = outputs.get_nowait(), outputs.get_nowait()
+    assert isinstance(handshake, EngineCoreHandshake) and handshake.runtime is not None
+    assert isinstance(report, EngineCoreOutputs) and report.engine_error == "RuntimeError: boom"
+
+
+def test_loop_applies_inputs_in_order(tiny_llama: Path) -> None:
+    """In process: an add then a utility call queued together; the utility sees the request queued."""
+    emitted: list[EngineCoreOutputs] = []
+    inputs: queue.Queue[Any] = queue.Queue()
+    from pagellm.engine.core import EngineCore
+
+    core = EngineCore(config(tiny_llama))
+    loop = core_proc.EngineCoreLoop(core, inputs, emitted.append)
+    inputs.put(AddRequests([request("a", [1, 2, 3])]))
+    inputs.put(None)  # a signal wake-up: ignored
+    inputs.put(UtilityCall(7, "get_stats"))
+    loop.apply_inputs(block=True)
+    assert core.has_unfinished_requests()
+    (result,) = emitted[0].utility_results
+    assert result.call_id == 7 and result.error is None and result.result
+
+
+def test_core_exits_when_its_parent_dies(tiny_llama: Path) -> None:
+    script = textwrap.dedent(f"""
+        import signal
+        from pagellm.config import EngineConfig
+        from pagellm.engine.client import MPClient
+        config = EngineConfig.from_kwargs(model={str(tiny_llama)!r}, dtype="float32", kv_cache_memory={SMALL_KV})
+        client = MPClient(config, lambda outputs: None, lambda error: None)
+        print(client.process.pid, client.ipc_dir, flush=True)
+        signal.pause()
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        line = parent.stdout.readline() if parent.stdout else ""
+        assert line, "the parent failed to start its engine core"
+        pid_text, ipc_dir = line.split()
+        core_pid = int(pid_text)
+        assert is_alive(core_pid) and os.path.isdir(ipc_dir)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + TIMEOUT_S
+    while is_alive(core_pid):
+        assert time.monotonic() < deadline, "the engine core outlived its parent"
+        time.sleep(0.05)
+    assert not os.path.exists(ipc_dir)

@@ -1,0 +1,84 @@
+"""Helpers for black-box server tests: a ``pagellm serve`` subprocess, polling waits (never fixed sleeps)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+STARTUP_TIMEOUT_S = 120.0
+# A small KV pool (~2k blocks on the tiny model) keeps each server's memory low; plenty for 64 streams.
+ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "16000000", "--max-model-len", "512"]
+
+
+class ServerProcess:
+    def __init__(self, model: Path, extra_args: list[str], log_path: Path) -> None:
+        self.model = model
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pagellm.cli", "serve", str(model), "--port", str(self.port), *ENGINE_FLAGS,
+               *extra_args]
+        env = {**os.environ, "PAGELLM_NUM_THREADS": "1", "PAGELLM_LOG_LEVEL": "INFO"}
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-5000:]}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log()[-5000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def child_pids(self) -> list[int]:
+        pids = []
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        return pids
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def engine_idle(base_url: str) -> bool:
+    stats = httpx.get(f"{base_url}/stats", timeout=5).json()
+    return stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0 and stats["kv_cache_usage"] == 0

@@ -1,0 +1,52 @@
+"""``--api-key``: every ``/v1`` route needs the Bearer key (401 in OpenAI's shape otherwise); ops routes stay open."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import openai
+import pytest
+from server_utils import ServerProcess
+
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def auth_server(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> ServerProcess:
+    return start_server(tiny_llama, "--api-key", KEY)
+
+
+def test_right_key_works(auth_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{auth_server.base_url}/v1", api_key=KEY, max_retries=0)
+    assert client.models.list().data[0].id == str(auth_server.model)
+    out = client.completions.create(model=str(auth_server.model), prompt="a", max_tokens=2)
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                                     {"Authorization": "Basic " + KEY}])
+@pytest.mark.parametrize("method,route", [("GET", "/v1/models"), ("POST", "/v1/completions"),
+                                          ("POST", "/v1/chat/completions")])
+def test_missing_or_wrong_key_is_401(auth_server: ServerProcess, headers: dict, method: str, route: str) -> None:
+    response = httpx.request(method, auth_server.base_url + route, headers=headers, json={"prompt": "x"})
+    assert response.status_code == 401
+    error = response.json()["error"]
+    assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
+
+
+def test_sdk_sees_authentication_error(auth_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{auth_server.base_url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+
+
+def test_ops_routes_stay_open(auth_server: ServerProcess) -> None:
+    assert httpx.get(f"{auth_server.base_url}/health").status_code == 200
+    assert httpx.get(f"{auth_server.base_url}/stats").status_code == 200
+
+
+def test_no_key_configured_means_open(server: ServerProcess) -> None:
+    response = httpx.get(f"{server.base_url}/v1/models", headers={"Authorization": "Bearer anything"})
+    assert response.status_code == 200

@@ -1,0 +1,115 @@
+"""Every bad request gets a 4xx in OpenAI's error shape, and the server keeps serving afterwards."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from server_utils import ServerProcess, engine_idle, wait_until
+
+CHAT = [{"role": "user", "content": "hi"}]
+COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": CHAT, "max_tokens": 2, **fields}
+
+
+BAD_REQUESTS = [
+    # (route, body, status, a fragment the message must contain, param)
+    ("completions", {**COMPLETION, "temperature": 3}, 400, "temperature", "temperature"),
+    ("completions", {**COMPLETION, "temperature": "hot"}, 400, "temperature", "temperature"),
+    ("completions", {**COMPLETION, "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+    ("completions", {**COMPLETION, "max_tokens": "5"}, 400, "max_tokens", "max_tokens"),
+    ("completions", {**COMPLETION, "n": 0}, 400, "n", "n"),
+    ("completions", {**COMPLETION, "top_p": 0}, 400, "top_p", "top_p"),
+    ("completions", {**COMPLETION, "top_k": -5}, 400, "top_k", "top_k"),
+    ("completions", {**COMPLETION, "stop": [""]}, 400, "stop", None),
+    ("completions", {**COMPLETION, "min_tokens": 5}, 400, "min_tokens", None),
+    ("completions", {**COMPLETION, "presence_penalty": 0.5}, 400, "not supported yet", "presence_penalty"),
+    ("completions", {**COMPLETION, "frequency_penalty": -1}, 400, "not supported yet", "frequency_penalty"),
+    ("completions", {**COMPLETION, "logprobs": 2}, 400, "not supported yet", "logprobs"),
+    ("completions", {**COMPLETION, "logit_bias": {"5": 1.0}}, 400, "not supported yet", "logit_bias"),
+    ("completions", {**COMPLETION, "no_such_field": 1}, 400, "no_such_field", "no_such_field"),
+    ("completions", {**COMPLETION, "model": "gpt-4"}, 404, "gpt-4", "model"),
+    ("completions", {**COMPLETION, "prompt": "x" * 600}, 400, "max_model_len is 512", "prompt"),
+    ("completions", {**COMPLETION, "prompt": ""}, 400, "empty", "prompt"),
+    ("completions", {**COMPLETION, "prompt": []}, 400, "empty", "prompt"),
+    ("completions", {**COMPLETION, "prompt": [1, 99999]}, 400, "token ids", "prompt"),
+    ("completions", {"model": "tiny"}, 400, "prompt", "prompt"),
+    ("chat/completions", _chat(messages=[]), 400, "messages", "messages"),
+    ("chat/completions", _chat(messages=[{"role": "wizard", "content": "x"}]), 400, "role", "messages.0.role"),
+    ("chat/completions", _chat(messages=[{"content": "x"}]), 400, "role", "messages.0.role"),
+    ("chat/completions", _chat(messages="hello"), 400, "messages", "messages"),
+    ("chat/completions", _chat(messages=[{"role": "user", "content": "x" * 600}]), 400,
+     "max_model_len is 512", "prompt"),
+    ("chat/completions", _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+     400, "text parts", None),
+    ("chat/completions", _chat(logprobs=True), 400, "not supported yet", "logprobs"),
+    ("chat/completions", _chat(top_logprobs=3), 400, "not supported yet", "top_logprobs"),
+    ("chat/completions", _chat(tools=[{"type": "function"}]), 400, "not supported yet", "tools"),
+    ("chat/completions", _chat(presence_penalty=1.0), 400, "not supported yet", "presence_penalty"),
+    ("chat/completions", _chat(max_completion_tokens=-1), 400, "max_completion_tokens", "max_completion_tokens"),
+    ("chat/completions", _chat(stream="yes"), 400, "stream", "stream"),
+    ("chat/completions", _chat(stream=True, stream_options={"include_usage": "x"}), 400, "include_usage",
+     "stream_options.include_usage"),
+    ("chat/completions", _chat(model="other"), 404, "other", "model"),
+]
+
+
+@pytest.mark.parametrize("route,body,status,fragment,param", BAD_REQUESTS,
+                         ids=[f"{r}-{i}" for i, (r, *_) in enumerate(BAD_REQUESTS)])
+def test_bad_request_gets_openai_error(server: ServerProcess, route: str, body: dict, status: int, fragment: str,
+                                       param: str | None) -> None:
+    response = httpx.post(f"{server.base_url}/v1/{route}", json=body, timeout=10)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert fragment in error["message"] and error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"", b'"text"'])
+def test_malformed_bodies(server: ServerProcess, content: bytes) -> None:
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", content=content,
+                          headers={"content-type": "application/json"}, timeout=10)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_route_and_method(server: ServerProcess) -> None:
+    assert httpx.get(f"{server.base_url}/v1/nothing").json()["error"]["message"]
+    assert httpx.get(f"{server.base_url}/v1/completions").status_code == 405
+
+
+def test_sdk_raises_typed_errors(server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="not supported yet"):
+        client.chat.completions.create(model="tiny", messages=CHAT, frequency_penalty=1.0)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-3.5-turbo-instruct", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="512"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "y" * 1000}],
+                                       stream=True)
+
+
+def test_bad_requests_do_not_disturb_a_running_stream(server: ServerProcess) -> None:
+    body = _chat(max_tokens=200, ignore_eos=True, stream=True, stream_options={"include_usage": True})
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{server.base_url}/v1/chat/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")
+            for route, bad, status, *_ in BAD_REQUESTS:
+                assert http.post(f"{server.base_url}/v1/{route}", json=bad).status_code == status
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 200
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    out = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3,
+                                         extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    wait_until(lambda: engine_idle(server.base_url), 20, "the engine to go idle")
