@@ -172,6 +172,19 @@ void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int64_
   }
 }
 
+// Ask for the next block's rows of this head while the current one is processed: a request's blocks sit anywhere
+// in the pool, so the hardware prefetcher cannot guess the jump.
+template <typename T>
+inline void prefetch_block(const T* k_cache, const T* v_cache, int64_t base, int64_t rows, int64_t token_stride,
+                           int64_t head_dim) {
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t byte = 0; byte < head_dim * int64_t(sizeof(T)); byte += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(k_cache + base + t * token_stride) + byte, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v_cache + base + t * token_stride) + byte, _MM_HINT_T0);
+    }
+  }
+}
+
 // The same walk with the head size and group size known at compile time: q and the running weighted V stay in
 // registers (G x NV vectors) instead of memory. Used for the common shapes; others take decode_one_vec.
 template <typename T, int NV, int G>
@@ -195,6 +208,10 @@ void decode_one_fixed(const T* q, const T* k_cache, const T* v_cache, const int6
     const int64_t in_block = start % block_size;
     n = std::min({int64_t(16), seq_len - start, block_size - in_block});
     const int64_t base = (blocks[start / block_size] * block_size + in_block) * token_stride + kv_head * head_dim;
+    const int64_t next = (start / block_size + 1) * block_size;  // first token of the next block
+    if (in_block + n == block_size && next < seq_len)
+      prefetch_block(k_cache, v_cache, blocks[next / block_size] * block_size * token_stride + kv_head * head_dim,
+                     std::min(block_size, seq_len - next), token_stride, head_dim);
     for (int64_t t = 0; t < n; ++t) {
       const T* k = k_cache + base + t * token_stride;
       __m512 krow[NV];
