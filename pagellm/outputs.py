@@ -6,12 +6,28 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability under the model's raw logits at one output position."""
+
+    logprob: float
+    rank: int            # 1 = most likely; 1 + the number of tokens with a strictly greater logprob
+    decoded_token: str   # the token's own text (special tokens included)
+
+
+@dataclass
 class CompletionOutput:
+    """One sample. ``logprobs`` (only when ``SamplingParams.logprobs`` is set) has one dict per token in
+    ``token_ids``: the top-``logprobs`` tokens in rank order, then the sampled token when it is not among them.
+    ``cumulative_logprob`` is the sum of the sampled tokens' logprobs over the whole output so far (also in
+    delta mode)."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None   # "stop", "length" or "abort"; None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -9,6 +9,7 @@ Contract:
   (possibly empty); numeric fields are coerced to ``float``/``int``.
 - Bad values raise ``ValueError`` naming the field, the value and the valid range, so the server can map it to
   HTTP 400 verbatim.
+- ``logprobs`` is ``None`` (off) or an integer in ``[0, MAX_LOGPROBS]``.
 - ``max_tokens=None`` means "up to the model's context length"; the engine resolves it (it knows
   ``max_model_len``), this module does not.
 """
@@ -24,6 +25,8 @@ import msgspec
 # Below this temperature a request is treated as greedy: dividing logits by ~0 only amplifies float noise, and
 # the argmax is what the user means.
 _GREEDY_EPS = 1e-5
+# The most top alternatives a request may ask for per generated token (OpenAI's limit).
+MAX_LOGPROBS = 20
 
 
 class SamplingType(enum.IntEnum):
@@ -54,6 +57,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # Accepted for API compatibility; `tokenizers` (fast) decoders have no such switch, so it has no effect.
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    # Per generated token, return the log-probability (raw logits, before any sampling transform) of the sampled
+    # token and of the ``logprobs`` most likely tokens; 0 = only the sampled token's, None = no logprobs at all.
+    logprobs: int | None = None
 
     GREEDY_EPS: ClassVar[float] = _GREEDY_EPS
 
@@ -92,9 +98,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {value!r}.")
             setattr(self, name, float(value))
-        for name in ("n", "top_k", "min_tokens", "seed", "max_tokens"):
+        for name in ("n", "top_k", "min_tokens", "seed", "max_tokens", "logprobs"):
             value = getattr(self, name)
-            if value is None and name in ("seed", "max_tokens"):
+            if value is None and name in ("seed", "max_tokens", "logprobs"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer, got {value!r}.")
@@ -121,6 +127,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             raise ValueError(f"top_k must be -1, 0 (both off) or a positive integer, got {self.top_k}.")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}.")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (0 = only the sampled token, None = off), "
+                             f"got {self.logprobs}.")
 
     def _validate_lengths(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -297,6 +297,9 @@ def _coalesce(items: list[_StreamItem]) -> list[_StreamItem]:
         old, new = previous.outputs[0], item.outputs[0]
         old.text += new.text
         old.token_ids.extend(new.token_ids)
+        if old.logprobs is not None and new.logprobs is not None:
+            old.logprobs.extend(new.logprobs)
+        old.cumulative_logprob = new.cumulative_logprob
         old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
         previous.finished = item.finished
     return list(merged.values())

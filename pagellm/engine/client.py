@@ -11,7 +11,8 @@ over two ZMQ ``ipc://`` sockets in a private temp directory. Contract:
 - One output thread reads the core's messages in order and hands each ``EngineCoreOutputs`` to ``on_outputs``;
   utility replies resolve their futures after every earlier output was handed over. The same thread watches the
   process sentinel: when the core dies (crash, kill, or shutdown) ``on_dead`` gets one ``EngineDeadError``,
-  pending utility calls fail with it, ``is_healthy`` turns False and every later send raises it.
+  pending utility calls fail with it, ``is_healthy`` turns False and every later send raises it. A crash is
+  logged as an ERROR; a core that exits cleanly on SIGTERM not sent by ``shutdown()`` only at INFO.
 - ``shutdown()`` sends SIGTERM, kills after a timeout, and removes the socket files; it also runs at interpreter
   exit. The child exits by itself if this process dies.
 """
@@ -228,6 +229,8 @@ class MPClient:
         self.process.join(SHUTDOWN_TIMEOUT_S)
         if self._closing:
             self._mark_dead("the engine was shut down")
+        elif self.process.exitcode == 0 and engine_error is None:  # SIGTERM, e.g. to the whole process group
+            self._mark_dead("the engine core process was stopped (SIGTERM, exit code 0)", logging.INFO)
         else:
             reason = f"the engine core process died (exit code {self.process.exitcode})"
             self._mark_dead(f"{reason}: {engine_error}" if engine_error else reason)
@@ -254,13 +257,13 @@ class MPClient:
             except concurrent.futures.InvalidStateError:  # cancelled meanwhile
                 pass
 
-    def _mark_dead(self, reason: str) -> None:
+    def _mark_dead(self, reason: str, level: int = logging.ERROR) -> None:
         with self._send_lock:
             if self._dead is not None:
                 return
             self._dead = reason
         if not self._closing:
-            logger.error("%s", reason)
+            logger.log(level, "%s", reason)
         calls, self._calls = self._calls, {}
         for _, future in calls.values():
             _set_exception(future, EngineDeadError(reason))

@@ -2,7 +2,10 @@
 
 Per request it keeps the incremental detokenizer (stop strings, held-back partial matches) and the timing. A stop
 string can only be seen here, so when one matches the request is reported finished and its id is returned for the
-caller to abort in the core.
+caller to abort in the core. For requests that asked for logprobs it turns the core's per-token ``TokenLogprobs``
+into one ``{token_id: Logprob}`` dict per generated token (the top-k in rank order, then the sampled token when
+it is not among them) and keeps the running ``cumulative_logprob``; token texts are decoded one id at a time
+(special tokens kept) and cached per processor.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from dataclasses import dataclass
 
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.wire import EngineCoreOutput, EngineCoreRequest
-from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagellm.sched.output import TokenLogprobs
 from pagellm.request import FinishReason
 from pagellm.tokenizer import Tokenizer
 
@@ -29,15 +33,21 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_tokens_sent: int = 0  # delta mode: token ids already returned
+    logprobs: list[dict[int, Logprob]] | None = None  # one dict per token in token_ids; None = not asked
+    cumulative_logprob: float | None = None
 
     def make_output(self, delta: bool) -> RequestOutput:
-        """The request's output so far; with ``delta``, only the text and token ids not returned before."""
+        """The request's output so far; with ``delta``, only the text, token ids and logprobs not returned
+        before (``cumulative_logprob`` is always the running total)."""
         finished = self.finish_reason is not None
         text = self.detokenizer.get_next_output_text(finished, delta)
-        token_ids = self.token_ids[self.num_tokens_sent:] if delta else list(self.token_ids)
+        start = self.num_tokens_sent if delta else 0
+        token_ids = self.token_ids[start:]
+        logprobs = None if self.logprobs is None else self.logprobs[start:]
         if delta:
             self.num_tokens_sent = len(self.token_ids)
-        completion = CompletionOutput(0, text, token_ids, self.finish_reason, self.stop_reason)
+        completion = CompletionOutput(0, text, token_ids, self.finish_reason, self.stop_reason, logprobs,
+                                      self.cumulative_logprob)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion], finished,
                              self.metrics, self.num_cached_tokens)
 
@@ -46,11 +56,14 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
+        self._token_texts: dict[int, str] = {}  # token id → its own text, for logprobs
 
     def add_request(self, req: EngineCoreRequest, prompt: str | None) -> None:
         detok = IncrementalDetokenizer(self.tokenizer.backend, req.prompt_token_ids, req.sampling_params)
-        self.requests[req.request_id] = RequestState(
-            req.request_id, prompt, req.prompt_token_ids, detok, RequestMetrics(req.arrival_time), [])
+        state = RequestState(req.request_id, prompt, req.prompt_token_ids, detok, RequestMetrics(req.arrival_time), [])
+        if req.sampling_params.logprobs is not None:
+            state.logprobs, state.cumulative_logprob = [], 0.0
+        self.requests[req.request_id] = state
 
     def abort(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -71,6 +84,8 @@ class OutputProcessor:
             if state.metrics.first_token_time is None and out.new_token_ids:
                 state.metrics.first_token_time = now
                 state.num_cached_tokens = out.num_cached_tokens
+            if state.logprobs is not None:
+                self._add_logprobs(state, out.new_token_ids, out.new_logprobs)
             if self._apply(state, out):
                 to_abort.append(out.request_id)
             if state.finish_reason is not None:
@@ -78,6 +93,28 @@ class OutputProcessor:
                 del self.requests[out.request_id]
             results.append(state.make_output(delta))
         return results, to_abort
+
+    def _add_logprobs(self, state: RequestState, token_ids: list[int], new: TokenLogprobs | None) -> None:
+        """Append one dict per new token (``new`` has one entry per token) and grow the cumulative sum."""
+        if new is None or not token_ids:
+            return
+        assert state.logprobs is not None and state.cumulative_logprob is not None
+        text = self._token_text
+        for i, token in enumerate(token_ids):
+            entry = {tid: Logprob(value, rank, text(tid))
+                     for rank, (tid, value) in enumerate(zip(new.top_ids[i], new.top_logprobs[i]), start=1)}
+            if token not in entry:
+                entry[token] = Logprob(new.sampled_logprobs[i], new.sampled_ranks[i], text(token))
+            state.logprobs.append(entry)
+        state.cumulative_logprob += sum(new.sampled_logprobs[:len(token_ids)])
+
+    def _token_text(self, token_id: int) -> str:
+        """One token decoded on its own, special tokens kept (a lone partial UTF-8 byte decodes to U+FFFD)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.backend.decode([token_id],
+                                                                               skip_special_tokens=False)
+        return text
 
     @staticmethod
     def _apply(state: RequestState, out: EngineCoreOutput) -> bool:

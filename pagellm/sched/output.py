@@ -42,10 +42,35 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         return self.total_num_scheduled_tokens == 0
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of one request's new tokens: parallel lists with one entry per token, in output order.
+
+    Values are ``log_softmax`` of the raw logits (before temperature, top-k/top-p/min-p and min_tokens bans).
+    ``top_ids[i]`` / ``top_logprobs[i]`` are the request's top-``logprobs`` tokens at position i, most likely
+    first (so their ranks are 1..k); ``sampled_ranks[i]`` is 1 + the number of tokens strictly more likely.
+    """
+
+    sampled_logprobs: list[float]
+    sampled_ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+    def __len__(self) -> int:
+        return len(self.sampled_logprobs)
+
+    def head(self, n: int) -> TokenLogprobs:
+        """The first ``n`` tokens' entries (all of them when ``n`` >= the length)."""
+        if n >= len(self):
+            return self
+        return TokenLogprobs(self.sampled_logprobs[:n], self.sampled_ranks[:n], self.top_ids[:n],
+                             self.top_logprobs[:n])
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     req_ids: list[str]
     sampled_token_ids: list[list[int]]      # per request: [] mid-prompt, 1 token, or accepted drafts + 1
     draft_token_ids: dict[str, list[int]] = {}  # proposals to verify next step
+    logprobs: dict[str, TokenLogprobs] = {}     # for requests that asked: one entry per sampled token
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -56,6 +81,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    new_logprobs: TokenLogprobs | None = None   # one entry per new token when the request asked for logprobs
 
     @property
     def finished(self) -> bool:

@@ -5,6 +5,9 @@ Contract:
 - One INFO line says when the server is ready, with its URL.
 - SIGTERM or SIGINT: uvicorn stops accepting, lets open requests finish (a few seconds at most), then the engine
   core is shut down and ``run_server`` returns 0. A second SIGINT forces the exit.
+- The engine core dying on its own (crash, OOM kill): requests keep failing fast with 503 for a short grace, then
+  one ERROR line names the cause, the server stops and ``run_server`` returns 1, so a supervisor restarts it. A core
+  that stops because the whole process group got the stop signal is a clean shutdown (returns 0).
 """
 
 from __future__ import annotations
@@ -19,36 +22,38 @@ from typing import Any, Optional
 import uvicorn
 
 from pagellm.config import EngineConfig
+from pagellm.engine.exceptions import EngineDeadError
 from pagellm.server.openai.routes import build_app
+from pagellm.server.openai.serving_engine import EngineClient
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GRACEFUL_SHUTDOWN_S = 5
+_DEAD_ENGINE_GRACE_S = 2.0  # after the core dies, keep answering 503 this long (a stop signal may still come)
+_HEALTH_POLL_S = 0.1
 
 
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                served_model_names: Optional[Sequence[str]] = None, api_key: Optional[str] = None,
                access_log: bool = False) -> int:
-    """Serve until SIGTERM/SIGINT; returns the process exit code."""
+    """Serve until SIGTERM/SIGINT (returns 0) or until the engine core dies on its own (returns 1)."""
     sock = _bind(host, port)
     model = config.model_config.model
     names = list(served_model_names or [model or DEFAULT_MODEL_NAME])
     try:
-        _run(_serve(config, sock, names, api_key, access_log))
+        return _run(_serve(config, sock, names, api_key, access_log))
     finally:
         sock.close()
-    return 0
 
 
-def _run(main: Coroutine[Any, Any, None]) -> None:
+def _run(main: Coroutine[Any, Any, int]) -> int:
     try:
         import uvloop
     except ImportError:  # uvicorn[standard] brings it; plain asyncio still works
-        asyncio.run(main)
-        return
+        return asyncio.run(main)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(main)
+        return runner.run(main)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -65,7 +70,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def _serve(config: EngineConfig, sock: socket.socket, names: list[str], api_key: Optional[str],
-                 access_log: bool) -> None:
+                 access_log: bool) -> int:
     from pagellm.engine.async_engine import AsyncLLM
 
     engine = AsyncLLM.from_config(config)
@@ -79,11 +84,42 @@ async def _serve(config: EngineConfig, sock: socket.socket, names: list[str], ap
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _note_signal)
         ready = asyncio.create_task(_announce_when_ready(server, sock, names, api_key is not None))
+        watchdog = asyncio.create_task(_stop_when_engine_dies(engine, server))
         await server.serve(sockets=[sock])
         ready.cancel()
+        watchdog.cancel()
+        (crashed,) = await asyncio.gather(watchdog, return_exceptions=True)
+        return 1 if crashed is True else 0  # else cancelled (CancelledError) or False: a clean stop
     finally:
         logger.info("shutting down the engine")
         engine.shutdown()
+
+
+async def _stop_when_engine_dies(engine: EngineClient, server: uvicorn.Server) -> bool:
+    """Stop the server once the engine core is dead; True when that was a crash rather than a stop signal.
+
+    Meanwhile every request gets a 503. A core stopped by the signal that also reaches this process (SIGTERM to
+    the process group, Ctrl+C) is not a crash: uvicorn's handler sets ``should_exit`` within the grace.
+    """
+    reason = await _wait_for_death(engine)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _DEAD_ENGINE_GRACE_S
+    while not server.should_exit and loop.time() < deadline:
+        await asyncio.sleep(_HEALTH_POLL_S / 2)
+    if server.should_exit:
+        return False
+    logger.error("the engine core died (%s); stopping the server with exit code 1", reason)
+    server.should_exit = True
+    return True
+
+
+async def _wait_for_death(engine: EngineClient) -> str:
+    while True:
+        try:
+            await engine.check_health()
+        except EngineDeadError as exc:
+            return str(exc)
+        await asyncio.sleep(_HEALTH_POLL_S)
 
 
 def _note_signal(sig: int, _frame: object) -> None:

@@ -3,7 +3,9 @@
 It keeps per-request state across steps (applying the scheduler's deltas), builds the flat step inputs, opens
 the forward context for attention, computes logits only for the rows that sample, samples, verifies draft tokens
 (greedy: the accepted prefix is where drafts equal the target's argmax, plus one corrected/bonus token), and
-asks the proposer for the next drafts.
+asks the proposer for the next drafts. For requests that ask for logprobs, it takes ``log_softmax`` of their raw
+logit rows (before min_tokens bans) and reports, per sampled token, its logprob, rank and the top alternatives
+(``sample/logprobs.py``); a step where no request asks does no logprob work at all.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import torch
 
 from pagellm.attention.base import AttentionBackend, CommonAttentionInputs, forward_context
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.sample.logprobs import gather_logprobs, raw_logprobs, split_logprobs
 from pagellm.sample.sampler import Sampler, SamplingTensors
-from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagellm.spec.base import Proposer
 from pagellm.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
 
@@ -53,8 +56,35 @@ class ModelRunner:
         with forward_context(self.backend, self.backend.build(common)):
             hidden = self.model(inputs.input_ids, inputs.positions)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        wanted = self._logprob_requests(inputs)
+        raw = raw_logprobs(logits, _candidate_rows(inputs, wanted)) if wanted else None  # before any ban
         sampled = self._sample(inputs, logits)
-        return ModelRunnerOutput(inputs.req_ids, sampled, self._propose(inputs.req_ids, sampled))
+        logprobs = self._logprobs(raw, inputs, wanted, sampled) if raw is not None else {}
+        return ModelRunnerOutput(inputs.req_ids, sampled, self._propose(inputs.req_ids, sampled), logprobs)
+
+    def _logprob_requests(self, inputs: StepInputs) -> list[int]:
+        """Batch indices of the requests that sample this step and asked for logprobs."""
+        return [j for j, (req_id, first) in enumerate(zip(inputs.req_ids, inputs.logits_start))
+                if first >= 0 and self.states[req_id].sampling_params.logprobs is not None]
+
+    def _logprobs(self, raw: torch.Tensor, inputs: StepInputs, wanted: list[int],
+                  sampled: list[list[int]]) -> dict[str, TokenLogprobs]:
+        """Per asking request, the entries of its sampled tokens; ``raw`` holds each request's draft rows + 1
+        (see ``_candidate_rows``), of which the accepted drafts and the bonus token use the leading ones."""
+        rows: list[int] = []
+        ids: list[int] = []
+        counts: list[int] = []
+        ks: list[int] = []
+        base = 0
+        for j in wanted:
+            tokens = sampled[j]
+            rows.extend(range(base, base + len(tokens)))
+            ids.extend(tokens)
+            counts.append(len(tokens))
+            ks.append(self.states[inputs.req_ids[j]].sampling_params.logprobs or 0)
+            base += len(inputs.drafts[j]) + 1
+        values = gather_logprobs(raw, rows, ids, max(ks))
+        return {inputs.req_ids[j]: lp for j, lp in zip(wanted, split_logprobs(values, counts, ks))}
 
     def _apply_deltas(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
@@ -122,6 +152,15 @@ class ModelRunner:
                 if proposal:
                     drafts[req_id] = proposal
         return drafts
+
+
+def _candidate_rows(inputs: StepInputs, wanted: list[int]) -> list[int]:
+    """The logit rows of the ``wanted`` requests: for each, one per draft plus the bonus row, in batch order."""
+    rows: list[int] = []
+    for j in wanted:
+        first = inputs.logits_start[j]
+        rows.extend(range(first, first + len(inputs.drafts[j]) + 1))
+    return rows
 
 
 def _accept_greedy(drafts: Sequence[int], target: Sequence[int]) -> int:

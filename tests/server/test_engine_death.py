@@ -1,4 +1,5 @@
-"""Killing the engine core process: ``/health`` turns 503 and every request fails fast with a 5xx (no hang)."""
+"""Killing the engine core process: ``/health`` turns 503, every request fails fast with a 5xx (no hang), and the
+server exits non-zero; a stop signal that reaches the core too is a clean exit."""
 
 from __future__ import annotations
 
@@ -52,4 +53,20 @@ def test_killed_core_gives_503_fast(doomed_server: ServerProcess) -> None:
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=10)
     with pytest.raises(openai.InternalServerError):
         client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3)
-    assert doomed_server.proc.poll() is None  # the frontend stays up to say so
+    # Then it stops, so a supervisor restarts it: non-zero exit, one ERROR line naming the cause.
+    wait_until(lambda: doomed_server.proc.poll() is not None, 30, "the server to exit")
+    assert doomed_server.proc.returncode == 1
+    assert "ERROR pagellm.server.launch: the engine core died (the engine core process died (exit code -9))" \
+        in doomed_server.log()
+
+
+def test_stop_signal_to_server_and_core_is_clean(start_server: Callable[..., ServerProcess],
+                                                   tiny_llama: Path) -> None:
+    """SIGTERM to the whole process group (both processes at once) is a shutdown, not an engine crash."""
+    server = start_server(tiny_llama, "--served-model-name", "tiny")
+    core = _engine_core_pid(server)
+    os.kill(core, signal.SIGTERM)
+    os.kill(server.proc.pid, signal.SIGTERM)
+    wait_until(lambda: server.proc.poll() is not None, 30, "the server to exit")
+    assert server.proc.returncode == 0
+    assert "ERROR" not in server.log()

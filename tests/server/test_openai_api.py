@@ -135,6 +135,22 @@ def test_n_and_seed(client: openai.OpenAI) -> None:
     assert [by_index[0], by_index[1]] == [c.message.content for c in first.choices]
 
 
+def test_n_siblings_are_seeded_and_reproducible(client: openai.OpenAI) -> None:
+    """n samples are the engine's siblings: sibling i samples with seed + i, so they differ but repeat."""
+    kwargs = dict(model="tiny", max_tokens=12, temperature=1.0, extra_body=NO_EOS)
+    first = client.completions.create(prompt="Once upon", n=2, seed=42, **kwargs)
+    again = client.completions.create(prompt="Once upon", n=2, seed=42, **kwargs)
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert texts[0] != texts[1]
+    assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts
+    lone = client.completions.create(prompt="Once upon", seed=43, **kwargs)
+    assert lone.choices[0].text == texts[1]
+    batch = client.completions.create(prompt=["Other", "Once upon"], n=2, seed=42, **kwargs)
+    by_index = {c.index: c.text for c in batch.choices}
+    assert sorted(by_index) == [0, 1, 2, 3] and [by_index[2], by_index[3]] == texts
+    assert batch.usage.completion_tokens == 4 * 12
+
+
 def test_stop_strings_and_max_tokens(client: openai.OpenAI) -> None:
     base = client.completions.create(model="tiny", prompt="abc", max_tokens=20, temperature=0, extra_body=NO_EOS)
     text = base.choices[0].text

@@ -3,8 +3,9 @@
 Contract:
 - Requests are validated strictly (no string-to-number coercion) and unknown fields are rejected, as OpenAI does;
   validation errors become HTTP 400 naming the field (see ``errors.py``).
-- OpenAI parameters the engine cannot honour yet (penalties, logprobs, logit_bias, tools, ...) are accepted by the
-  schema only so that a non-default value can be refused with a clear 400 by ``unsupported()``: never ignored.
+- OpenAI parameters the engine cannot honour yet (penalties, prompt logprobs, logit_bias, tools, ...) are accepted
+  by the schema only so that a non-default value can be refused with a clear 400 by ``unsupported()``: never
+  ignored.
 - ``to_sampling_params`` maps a request onto ``SamplingParams`` field for field; its ``ValueError`` is a 400.
 - Responses carry OpenAI's field names and ``object`` strings so the ``openai`` SDK parses them unchanged.
 """
@@ -16,12 +17,13 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 # Sibling i of an n-sample request uses seed + i (n <= 128), which must still fit the wire's int64.
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 129)]
 Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
@@ -72,7 +74,7 @@ class SamplingRequest(OpenAIModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: Optional[int]) -> SamplingParams:
+    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -87,6 +89,7 @@ class SamplingRequest(OpenAIModel):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            logprobs=logprobs,
         )
 
 
@@ -96,15 +99,15 @@ class CompletionRequest(SamplingRequest):
     prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
     max_tokens: Optional[Count] = 16
     echo: bool = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[NumLogprobs] = None
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         found = super().unsupported()
-        if self.logprobs is not None:
-            found.append(("logprobs", "logprobs are not supported yet (the engine does not compute them); "
-                                      "omit logprobs"))
+        if self.logprobs is not None and self.echo:
+            found.append(("logprobs", "logprobs of the prompt (echo with logprobs) are not supported yet; "
+                                      "omit echo or logprobs"))
         if self.best_of not in (None, 1, self.n):
             found.append(("best_of", "best_of other than n is not supported yet; omit it"))
         if self.suffix:
@@ -112,13 +115,23 @@ class CompletionRequest(SamplingRequest):
         return found
 
     def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(self.max_tokens)
+        return self.sampling_params(self.max_tokens, self.logprobs)
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: per generated token its text, its logprob, the top alternatives (text →
+    logprob, the sampled token always included) and its character offset in the choice's text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[Literal["stop", "length", "abort"]] = None
     stop_reason: Optional[Union[int, str]] = None
 
@@ -172,7 +185,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: Optional[Count] = None
     max_completion_tokens: Optional[Count] = None
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[NumLogprobs] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
     parallel_tool_calls: Optional[bool] = None
@@ -182,10 +195,8 @@ class ChatCompletionRequest(SamplingRequest):
 
     def unsupported(self) -> list[tuple[str, str]]:
         found = super().unsupported()
-        if self.logprobs or self.top_logprobs:
-            name = "logprobs" if self.logprobs else "top_logprobs"
-            found.append((name, "logprobs are not supported yet (the engine does not compute them); "
-                                "omit logprobs and top_logprobs"))
+        if self.top_logprobs is not None and not self.logprobs:
+            found.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         if self.tools or self.tool_choice not in (None, "none"):
             found.append(("tools", "tool calling is not supported yet; omit tools and tool_choice"))
         if self.response_format and self.response_format.get("type") != "text":
@@ -195,7 +206,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     def to_sampling_params(self) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(limit)
+        return self.sampling_params(limit, (self.top_logprobs or 0) if self.logprobs else None)
 
 
 class ChatResponseMessage(BaseModel):
@@ -203,10 +214,24 @@ class ChatResponseMessage(BaseModel):
     content: Optional[str] = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[Literal["stop", "length", "abort"]] = None
     stop_reason: Optional[Union[int, str]] = None
 
@@ -229,7 +254,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[Literal["stop", "length", "abort"]] = None
     stop_reason: Optional[Union[int, str]] = None
 

@@ -7,6 +7,8 @@ Contract:
 - Streaming: the first chunk of every choice carries ``delta.role = "assistant"`` (and empty content), then
   content deltas; the chunk that finishes a choice carries its ``finish_reason``. With
   ``stream_options.include_usage`` a last chunk carries the usage and no choices; then ``data: [DONE]``.
+- ``logprobs: true`` (with ``top_logprobs: k`` alternatives) fills ``choices[i].logprobs.content`` (see
+  ``logprobs.py``); a stream sends each token's logprobs with the chunk that carries its text (or the next one).
 """
 
 from __future__ import annotations
@@ -15,21 +17,14 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.errors import sse_error
+from pagellm.server.openai.logprobs import chat_logprobs
 from pagellm.server.openai.protocol import (ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk,
-                                            ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
+                                            ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
                                             ChatResponseMessage, UsageInfo)
+from pagellm.server.openai.serving_engine import ChoiceState as _Choice
 from pagellm.server.openai.serving_engine import OpenAIServing, random_id
-
-
-@dataclass
-class _Choice:
-    text: str = ""
-    num_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -60,8 +55,8 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, job: _Job) -> ChatCompletionResponse:
         choices: dict[int, _Choice] = {}
         async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority):
-            _accumulate(choices.setdefault(output.outputs[0].index, _Choice()), output)
-        result = [ChatCompletionChoice(index=i, message=ChatResponseMessage(content=c.text),
+            choices.setdefault(output.outputs[0].index, _Choice()).add(output)
+        result = [ChatCompletionChoice(index=i, message=ChatResponseMessage(content=c.text), logprobs=_logprobs(job, c),
                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                   for i, c in sorted(choices.items())]
         return ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=result,
@@ -76,10 +71,11 @@ class OpenAIServingChat(OpenAIServing):
             async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority):
                 index = output.outputs[0].index
                 choice = choices.setdefault(index, _Choice())
-                text = _accumulate(choice, output)
+                text = choice.add(output)
                 if text or choice.finish_reason:
                     delta = ChatDelta(content=text) if text else ChatDelta()
-                    yield _chunk(job, [ChatChunkChoice(index=index, delta=delta, finish_reason=choice.finish_reason,
+                    yield _chunk(job, [ChatChunkChoice(index=index, delta=delta, logprobs=_logprobs(job, choice),
+                                                       finish_reason=choice.finish_reason,
                                                        stop_reason=choice.stop_reason)])
             if job.request.include_usage:
                 yield _chunk(job, [], job.usage(choices))
@@ -88,13 +84,11 @@ class OpenAIServingChat(OpenAIServing):
         yield "data: [DONE]\n\n"
 
 
-def _accumulate(choice: _Choice, output: RequestOutput) -> str:
-    completion = output.outputs[0]
-    choice.text += completion.text
-    choice.num_tokens += len(completion.token_ids)
-    if completion.finish_reason is not None:
-        choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
-    return completion.text
+def _logprobs(job: _Job, choice: _Choice) -> ChatLogprobs | None:
+    """The logprobs of the choice's tokens not sent yet (None when the request did not ask for them)."""
+    if job.params.logprobs is None:
+        return None
+    return chat_logprobs(*choice.take_logprobs(), num_top=job.params.logprobs)
 
 
 def _chunk(job: _Job, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:

@@ -4,6 +4,8 @@ Contract:
 - Each prompt is tokenized and checked before anything is queued; choice ``index`` is ``prompt_index * n +
   sample_index`` as OpenAI numbers them. ``echo`` prepends the prompt text (in the first chunk when streaming).
 - Usage: ``prompt_tokens`` counts each prompt once, ``completion_tokens`` every generated token of every choice.
+- ``logprobs: k`` fills ``choices[i].logprobs`` (see ``logprobs.py``); a stream sends each token's logprobs with
+  the chunk that carries its text (or the next one, when a token adds no text yet).
 - Streaming sends ``data: {chunk}`` events and ``data: [DONE]``; with ``stream_options.include_usage`` a last
   chunk carries the usage and no choices. An engine error after the stream started is sent as an error event.
 """
@@ -17,17 +19,11 @@ from dataclasses import dataclass, field
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.errors import APIError, sse_error
-from pagellm.server.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
+from pagellm.server.openai.logprobs import completion_logprobs
+from pagellm.server.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                            CompletionResponse, UsageInfo)
+from pagellm.server.openai.serving_engine import ChoiceState as _Choice
 from pagellm.server.openai.serving_engine import OpenAIServing, random_id
-
-
-@dataclass
-class _Choice:
-    text: str = ""
-    num_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    started: bool = False
 
 
 @dataclass
@@ -74,12 +70,12 @@ class OpenAIServingCompletion(OpenAIServing):
         choices: dict[int, _Choice] = {}
         stream = self.generate(job.prompts, job.params, job.request_id, job.request.priority)
         async for prompt_index, output in stream:
-            self._accumulate(choices.setdefault(job.choice_index(prompt_index, output), _Choice()), output)
+            choices.setdefault(job.choice_index(prompt_index, output), _Choice()).add(output)
         result = []
         for index in sorted(choices):
             choice = choices[index]
             prefix = job.prompt_texts[index // job.request.n] if job.request.echo else ""
-            result.append(CompletionChoice(index=index, text=prefix + choice.text,
+            result.append(CompletionChoice(index=index, text=prefix + choice.text, logprobs=_logprobs(job, choice),
                                            finish_reason=choice.finish_reason, stop_reason=choice.stop_reason))
         return CompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=result,
                                   usage=job.usage(choices))
@@ -91,12 +87,12 @@ class OpenAIServingCompletion(OpenAIServing):
             async for prompt_index, output in stream:
                 index = job.choice_index(prompt_index, output)
                 choice = choices.setdefault(index, _Choice())
-                text = self._accumulate(choice, output)
+                text = choice.add(output)
                 if job.request.echo and not choice.started:
                     text = job.prompt_texts[prompt_index] + text
                 if text or choice.finish_reason:
                     choice.started = True
-                    yield self._chunk(job, [CompletionChoice(index=index, text=text,
+                    yield self._chunk(job, [CompletionChoice(index=index, text=text, logprobs=_logprobs(job, choice),
                                                              finish_reason=choice.finish_reason,
                                                              stop_reason=choice.stop_reason)])
             if job.request.include_usage:
@@ -106,16 +102,16 @@ class OpenAIServingCompletion(OpenAIServing):
         yield "data: [DONE]\n\n"
 
     @staticmethod
-    def _accumulate(choice: _Choice, output: RequestOutput) -> str:
-        completion = output.outputs[0]
-        choice.text += completion.text
-        choice.num_tokens += len(completion.token_ids)
-        if completion.finish_reason is not None:
-            choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
-        return completion.text
-
-    @staticmethod
     def _chunk(job: _Job, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
         body = CompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=choices,
                                   usage=usage)
         return f"data: {body.model_dump_json()}\n\n"
+
+
+def _logprobs(job: _Job, choice: _Choice) -> CompletionLogprobs | None:
+    """The logprobs of the choice's tokens not sent yet (None when the request did not ask for them)."""
+    if job.params.logprobs is None:
+        return None
+    result = completion_logprobs(*choice.take_logprobs(), offset=choice.text_offset)
+    choice.text_offset += sum(len(token) for token in result.tokens)
+    return result

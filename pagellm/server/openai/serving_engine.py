@@ -1,12 +1,16 @@
-"""What completions and chat share: the engine interface, model-name and prompt checks, fan-out over prompts.
+"""What completions and chat share: the engine interface, model-name and prompt checks, fan-out over prompts,
+the state of one choice.
 
 Contract:
 - ``EngineClient`` is the slice of ``AsyncLLM`` the server uses; the server never imports the engine class itself
   (``launch.py`` builds it), so the app can be built over any object with these methods.
 - ``check_request`` refuses (400/404) before anything is queued: unknown model, unsupported parameters, sampling
   values ``SamplingParams`` rejects, prompts that are empty, too long for ``max_model_len`` or out of vocabulary.
-- ``generate`` runs one engine request per prompt and yields ``(prompt_index, RequestOutput)`` deltas as they
-  arrive. Closing it (client gone, error) cancels every engine request, which aborts them and frees their blocks.
+- ``generate`` makes one engine call per prompt, ``n`` passed through (the engine's siblings: seed + i, the
+  prompt's KV blocks shared), and yields ``(prompt_index, RequestOutput)`` deltas as they arrive; each holds one
+  sample whose ``index`` is the sibling index. Closing it (client gone, error) cancels every engine request, which
+  aborts them and frees their blocks.
+- ``ChoiceState`` adds up one choice's deltas; the logprobs it holds are those not yet sent (``take_logprobs``).
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Union
 
 from pagellm.engine.input_processor import check_prompt
 from pagellm.metrics.stats import SchedulerStats
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import Logprob, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.errors import APIError
 from pagellm.server.openai.protocol import SamplingRequest
@@ -48,6 +53,37 @@ class EngineClient(Protocol):
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class ChoiceState:
+    """One choice (a prompt's sample) as its deltas arrive."""
+
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    started: bool = False  # something was streamed
+    text_offset: int = 0   # completions logprobs: where the next unsent token starts in the text
+    token_ids: list[int] = field(default_factory=list)        # the tokens whose logprobs are not sent yet
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+
+    def add(self, output: RequestOutput) -> str:
+        """Take one delta; returns its new text."""
+        completion = output.outputs[0]
+        self.text += completion.text
+        self.num_tokens += len(completion.token_ids)
+        if completion.logprobs is not None:
+            self.token_ids += completion.token_ids
+            self.logprobs += completion.logprobs
+        if completion.finish_reason is not None:
+            self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
+        return completion.text
+
+    def take_logprobs(self) -> tuple[list[int], list[dict[int, Logprob]]]:
+        taken = self.token_ids, self.logprobs
+        self.token_ids, self.logprobs = [], []
+        return taken
 
 
 class OpenAIServing:

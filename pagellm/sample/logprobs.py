@@ -1,0 +1,56 @@
+"""Per-token logprobs for the requests that ask for them, batched over the step.
+
+Contract:
+- Values are ``log_softmax`` (float32) of the model's *raw* logits: taken before temperature, top-k/top-p/min-p
+  or min_tokens bans touch them, so they describe the model, not the sampler (vLLM / OpenAI semantics).
+- One call handles every (logit row, sampled token) pair of the step: one ``topk`` for the largest k asked, one
+  gather, one comparison count for the ranks, and one move to Python lists per result.
+- ``rank`` = 1 + the number of vocabulary entries with a strictly greater logprob (1 = the most likely token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagellm.sched.output import TokenLogprobs
+
+
+def raw_logprobs(logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """``log_softmax`` in float32 of ``logits[rows]`` ([len(rows), V]); a new tensor, safe from later in-place
+    edits of ``logits``."""
+    selected = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, dtype=torch.int64)]
+    return torch.log_softmax(selected.float(), dim=-1)
+
+
+def gather_logprobs(logprobs: torch.Tensor, rows: Sequence[int], token_ids: Sequence[int],
+                    max_k: int) -> tuple[list[float], list[int], list[list[int]], list[list[float]]]:
+    """For each pair ``(logprobs[rows[i]], token_ids[i])``: the token's logprob and rank, and the row's top
+    ``max_k`` ids and logprobs (most likely first)."""
+    index = torch.tensor(rows, dtype=torch.int64, device=logprobs.device)
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=logprobs.device).unsqueeze(1)
+    selected = logprobs.index_select(0, index)
+    sampled = selected.gather(1, ids)
+    ranks = (selected > sampled).sum(dim=1) + 1
+    if max_k > 0:
+        top_values, top_ids = selected.topk(max_k, dim=1)
+        top_lists, top_id_lists = top_values.tolist(), top_ids.tolist()
+    else:
+        top_lists, top_id_lists = [[] for _ in rows], [[] for _ in rows]
+    return sampled.squeeze(1).tolist(), ranks.tolist(), top_id_lists, top_lists
+
+
+def split_logprobs(values: tuple[list[float], list[int], list[list[int]], list[list[float]]],
+                   counts: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
+    """Cut ``gather_logprobs``' flat results into consecutive runs of ``counts[j]`` tokens, keeping ``ks[j]``
+    alternatives per token for run j."""
+    sampled, ranks, top_ids, top_values = values
+    out: list[TokenLogprobs] = []
+    start = 0
+    for count, k in zip(counts, ks):
+        end = start + count
+        out.append(TokenLogprobs(sampled[start:end], ranks[start:end], [ids[:k] for ids in top_ids[start:end]],
+                                 [v[:k] for v in top_values[start:end]]))
+        start = end
+    return out

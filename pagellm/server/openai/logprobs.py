@@ -1,0 +1,46 @@
+"""The engine's per-token logprobs (``CompletionOutput.logprobs``) in OpenAI's two response shapes.
+
+Contract:
+- Each engine entry is one generated token's ``{token_id: Logprob}``: the top-k alternatives in rank order, then
+  the sampled token when it is not among them.
+- Completions (``completion_logprobs``): ``tokens`` / ``token_logprobs`` are the sampled tokens' texts and
+  logprobs, ``top_logprobs`` maps every entry's text to its logprob (so up to k + 1 items, the sampled token always
+  there, as OpenAI documents), ``text_offset`` is each token's start in the choice's text, counted from ``offset``
+  (a stream passes the length sent so far) by adding up the token texts.
+- Chat (``chat_logprobs``): one item per token with its text, logprob and UTF-8 ``bytes``, and exactly the top-k
+  alternatives in ``top_logprobs``.
+"""
+
+from __future__ import annotations
+
+from pagellm.outputs import Logprob
+from pagellm.server.openai.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+
+Entries = list[dict[int, Logprob]]
+
+
+def completion_logprobs(token_ids: list[int], entries: Entries, offset: int = 0) -> CompletionLogprobs:
+    result = CompletionLogprobs()
+    for token_id, entry in zip(token_ids, entries):
+        sampled = entry[token_id]
+        result.tokens.append(sampled.decoded_token)
+        result.token_logprobs.append(sampled.logprob)
+        result.top_logprobs.append({p.decoded_token: p.logprob for p in entry.values()})
+        result.text_offset.append(offset)
+        offset += len(sampled.decoded_token)
+    return result
+
+
+def chat_logprobs(token_ids: list[int], entries: Entries, num_top: int) -> ChatLogprobs:
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        sampled = entry[token_id]
+        top = [_top(p) for p in list(entry.values())[:num_top]]
+        content.append(ChatTokenLogprob(token=sampled.decoded_token, logprob=sampled.logprob,
+                                        bytes=list(sampled.decoded_token.encode()), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def _top(logprob: Logprob) -> TopLogprob:
+    return TopLogprob(token=logprob.decoded_token, logprob=logprob.logprob,
+                      bytes=list(logprob.decoded_token.encode()))

@@ -1,0 +1,88 @@
+"""OpenAI logprobs through the ``openai`` SDK: the values the offline ``LLM`` computes, in both response shapes,
+streamed and whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+import httpx
+import openai
+import pytest
+from server_utils import ServerProcess
+
+from pagellm import LLM, SamplingParams
+from pagellm.outputs import CompletionOutput
+
+NO_EOS = {"ignore_eos": True}
+CHAT = [{"role": "user", "content": "Tell me."}]
+MAX_TOKENS = 10
+TOP = 3
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama: Path) -> LLM:
+    return LLM(str(tiny_llama), dtype="float32", max_model_len=512, kv_cache_memory=16_000_000)
+
+
+def _reference(llm: LLM, prompt: str | list[int]) -> CompletionOutput:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == MAX_TOKENS
+    return out
+
+
+def test_completion_logprobs_match_offline(client: openai.OpenAI, offline: LLM) -> None:
+    prompt = "The quick brown"
+    ref = _reference(offline, prompt)
+    sampled = [entry[t] for t, entry in zip(ref.token_ids, ref.logprobs)]
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=TOP,
+                  extra_body=NO_EOS)
+    whole = client.completions.create(**kwargs)
+    lp = whole.choices[0].logprobs
+    assert lp.tokens == [s.decoded_token for s in sampled]
+    assert lp.token_logprobs == pytest.approx([s.logprob for s in sampled], abs=1e-4)
+    for top, entry in zip(lp.top_logprobs, ref.logprobs):
+        assert top == pytest.approx({p.decoded_token: p.logprob for p in entry.values()}, abs=1e-4)
+        assert 1 <= len(top) <= TOP + 1  # texts may repeat (partial UTF-8 bytes all decode to U+FFFD)
+    offsets = [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert lp.text_offset == offsets
+    assert whole.usage.completion_tokens == MAX_TOKENS
+
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body=NO_EOS)
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_match_offline(server: ServerProcess, client: openai.OpenAI, offline: LLM) -> None:
+    prompt_ids = httpx.post(f"{server.base_url}/tokenize", json={"messages": CHAT}).json()["tokens"]
+    ref = _reference(offline, prompt_ids)
+    kwargs = dict(model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
+                  top_logprobs=TOP, extra_body=NO_EOS)
+    whole = client.chat.completions.create(**kwargs)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == MAX_TOKENS
+    for item, token, entry in zip(content, ref.token_ids, ref.logprobs):
+        assert item.token == entry[token].decoded_token and item.bytes == list(item.token.encode())
+        assert item.logprob == pytest.approx(entry[token].logprob, abs=1e-4)
+        expected_top = [p for p in entry.values()][:TOP]
+        assert [t.token for t in item.top_logprobs] == [p.decoded_token for p in expected_top]
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx([p.logprob for p in expected_top], abs=1e-4)
+
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    streamed = sum((c.choices[0].logprobs.content for c in chunks if c.choices and c.choices[0].logprobs), [])
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+
+    only_sampled = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, temperature=0,
+                                                  logprobs=True, extra_body=NO_EOS)
+    assert all(item.top_logprobs == [] for item in only_sampled.choices[0].logprobs.content)
+    plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, extra_body=NO_EOS)
+    assert plain.choices[0].logprobs is None
