@@ -82,7 +82,7 @@ class LLM:
                              prompt if isinstance(prompt, str) else None))
         for request, text in requests:  # all validated before any is queued
             self.output_processor.add_request(request, text)
-            self.engine.add_request(request)
+            self.engine.add_requests([request])
         return [r.request_id for r, _ in requests]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -1,6 +1,9 @@
-"""Clients of the engine core.
+"""Clients of the engine core, one interface (``EngineCoreClient``) with two implementations.
 
-``InprocClient`` runs the core in the caller's process and steps it on demand (used by ``LLM``).
+Both take tokenized ``EngineCoreRequest``s with ``add_requests``, abort with ``abort_requests``, report the core's
+``runtime`` and stop with ``shutdown``. They differ only in how outputs come back: ``InprocClient`` runs the core in
+the caller's process and hands out one step's outputs per ``get_output()`` call (pull; used by ``LLM``), while
+``MPClient`` pushes each step's outputs to an ``on_outputs`` callback from its reader thread (used by ``AsyncLLM``).
 
 ``MPClient`` runs the core in its own process (``core_proc.run_engine_core``, spawn start method) and talks to it
 over two ZMQ ``ipc://`` sockets in a private temp directory. Contract:
@@ -30,7 +33,7 @@ import os
 import shutil
 import tempfile
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import msgspec
 import zmq
@@ -50,6 +53,16 @@ SHUTDOWN_TIMEOUT_S = 5.0  # SIGTERM, then SIGKILL after this long
 _POLL_MS = 1000           # the output thread re-checks for shutdown this often even when nothing arrives
 
 
+class EngineCoreClient(Protocol):
+    runtime: RuntimeInfo
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None: ...
+
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
 class InprocClient:
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
@@ -58,8 +71,9 @@ class InprocClient:
     def runtime(self) -> RuntimeInfo:
         return self.core.runtime
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self.core.add_request(request)
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        for request in requests:
+            self.core.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
