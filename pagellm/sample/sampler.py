@@ -131,9 +131,11 @@ def random_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     Greedy rows are computed at temperature 1 (their result is discarded); dividing by their 0 would make NaNs.
     """
     temperature = torch.where(t.temperature > 0, t.temperature, 1.0)
-    scaled = logits if bool((temperature == 1.0).all()) else logits / temperature.unsqueeze(1)
-    scaled = apply_top_k_top_p(scaled, t.top_k, t.top_p)
-    probs = scaled.softmax(dim=-1)
+    if t.top_k is None and t.top_p is None and bool((temperature == 1.0).all()):
+        probs = logits.softmax(dim=-1, dtype=torch.float32)  # one pass, even from bfloat16 logits
+    else:
+        scaled = apply_top_k_top_p(logits.float() / temperature.unsqueeze(1), t.top_k, t.top_p)
+        probs = scaled.softmax(dim=-1)
     if t.min_p is not None:
         probs = probs.masked_fill(min_p_mask(probs, t.min_p), 0.0)
     return probs
@@ -170,13 +172,12 @@ class Sampler:
         self._seeded: dict[torch.device, torch.Generator] = {}  # reused and re-seeded per seeded row
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-        """logits [B, V] (any float dtype) → token ids [B] int64."""
+        """logits [B, V] (any float dtype; probabilities are always computed in float32) → token ids [B] int64."""
         if logits.dim() != 2 or logits.shape[0] != t.temperature.shape[0]:
             raise ValueError(f"logits must be [B, V] with B = {t.temperature.shape[0]} rows, "
                              f"got shape {tuple(logits.shape)}.")
         if t.all_greedy:
             return logits.argmax(dim=-1)
-        logits = logits.float()
         t = t.to(logits.device, non_blocking=True)
         probs = random_probs(logits, t)
         sampled = sample_inverse_cdf(probs, self._uniforms(probs, t.seeds))

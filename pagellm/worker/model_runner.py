@@ -55,7 +55,7 @@ class ModelRunner:
                                        inputs.slot_mapping, self.block_size)
         with forward_context(self.backend, self.backend.build(common)):
             hidden = self.model(inputs.input_ids, inputs.positions)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # model dtype; samplers upcast
         wanted = self._logprob_requests(inputs)
         raw = raw_logprobs(logits, _candidate_rows(inputs, wanted)) if wanted else None  # before any ban
         sampled = self._sample(inputs, logits)
