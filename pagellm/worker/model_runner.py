@@ -112,15 +112,16 @@ class ModelRunner:
         bonus = self._sample_rows(logits, rows, params, positions)
         argmax = logits.argmax(dim=-1).tolist() if any(inputs.drafts) else []
         out: list[list[int]] = []
-        next_bonus = iter(bonus)
+        bonus_tokens = iter(bonus)
         for req_id, first, drafts in zip(inputs.req_ids, inputs.logits_start, inputs.drafts):
             if first < 0:
                 out.append([])
                 continue
+            bonus_token = next(bonus_tokens)
             accepted = _accept_greedy(drafts, argmax[first:first + len(drafts)])
-            tokens = drafts[:accepted] + [argmax[first + accepted] if accepted < len(drafts) else next(next_bonus)]
-            if accepted < len(drafts):
-                next(next_bonus)
+            # A rejected draft is replaced by the target's own choice there; all accepted earns the bonus token.
+            last = argmax[first + accepted] if accepted < len(drafts) else bonus_token
+            tokens = drafts[:accepted] + [last]
             self.states[req_id].token_ids.extend(tokens)
             out.append(tokens)
         return out
