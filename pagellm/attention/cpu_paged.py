@@ -41,12 +41,13 @@ def load_kernel() -> ModuleType:
 
 
 def _machine_tag() -> str:
-    """A short digest of the CPU's feature flags and torch's version, to key compiled kernels by."""
+    """A short digest of the CPU's feature flags, torch's version and the kernel source, to key builds by."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.machine()
-    return hashlib.sha256(f"{flags}|{torch.__version__}".encode()).hexdigest()[:12]
+    source = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()  # checkouts with different sources never share a build
+    return hashlib.sha256(f"{flags}|{torch.__version__}|{source}".encode()).hexdigest()[:12]
 
 
 @dataclass
