@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench serve clean
+.PHONY: install test demo bench serve peers clean
 
 install: $(STAMP)
 
@@ -33,6 +33,11 @@ serve: install
 
 bench: install
 	$(PY) benchmarks/throughput.py
+
+# The peers benchmarks/compare.py runs beside pagellm (vLLM, native llama.cpp server, a bf16 GGUF) into .peers/;
+# idempotent, skips what is there. Then: $(PY) benchmarks/compare.py (see docs/benchmarks.md).
+peers: install
+	PAGELLM_PYTHON=$(PY) bash scripts/peers.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

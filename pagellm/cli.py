@@ -1,5 +1,5 @@
-"""``pagellm generate`` and ``pagellm chat`` (offline generation) and ``pagellm serve`` (the OpenAI-compatible
-HTTP server) from the command line.
+"""``pagellm generate`` and ``pagellm chat`` (offline generation), ``pagellm serve`` (the OpenAI-compatible
+HTTP server) and ``pagellm bench serve|throughput|latency`` (benchmarks, see pagellm/bench/) from the command line.
 
 Engine flags are generated from the config fields (name, type, default and help text), so every engine option
 is a flag without being listed twice.
@@ -71,7 +71,23 @@ def build_parser() -> argparse.ArgumentParser:
         _add_sampling_args(cmd)
         add_engine_args(cmd)
     _add_serve_parser(sub)
+    _add_bench_parser(sub)
     return parser
+
+
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    import importlib
+
+    bench = sub.add_parser("bench", help="benchmark a server (serve) or the engine in-process (throughput, latency)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    for name, help_text in (("serve", "load an OpenAI-compatible server and report latency and throughput"),
+                            ("throughput", "offline throughput in-process (optionally vs transformers)"),
+                            ("latency", "per-batch and per-token latency in-process")):
+        module = importlib.import_module(f"pagellm.bench.{name}")
+        cmd = kinds.add_parser(name, help=help_text, description=module.__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_cli_args(cmd)
+        cmd.set_defaults(bench_main=module.main)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -112,6 +128,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "bench":
+        try:
+            return args.bench_main(args)
+        except ValueError as exc:
+            print(f"pagellm: {exc}", file=sys.stderr)
+            return 2
     from pagellm import LLM, SamplingParams
 
     prompts = list(args.prompt) + list(args.prompts)
