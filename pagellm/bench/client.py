@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import httpx
 
@@ -82,11 +82,11 @@ async def send(http: httpx.AsyncClient, req: BenchRequest, opts: ClientOptions) 
             if response.status_code != 200:
                 raw = await response.aread()
                 raise RuntimeError(f"HTTP {response.status_code}: {raw.decode(errors='replace')[:300]}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in _sse_lines(response):
+                if not line.startswith(b"data:"):
                     continue
                 payload = line[5:].strip()
-                if payload == "[DONE]":
+                if payload == b"[DONE]":
                     break
                 chunk = json.loads(payload)
                 if "error" in chunk:
@@ -116,6 +116,19 @@ async def send(http: httpx.AsyncClient, req: BenchRequest, opts: ClientOptions) 
     if not result.success:
         result.error = "the stream carried no tokens"
     return result
+
+
+async def _sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:
+    """Lines of an SSE body split on b"\n" only: ``aiter_lines`` also splits on U+2028, U+0085 and friends, which
+    servers may leave unescaped inside a JSON string (random token ids decode to anything)."""
+    buffer = b""
+    async for data in response.aiter_bytes():
+        buffer += data
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r")
+    if buffer:
+        yield buffer
 
 
 def _output_tokens(usage_tokens: int | None, text: str, chunks: int, opts: ClientOptions) -> int:

@@ -140,9 +140,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"{r['system']:>12}: {r['num_requests']} requests in {r['elapsed_s']:.2f} s, "
               f"{r['request_throughput']:.2f} req/s, {r['output_throughput']:.1f} output tok/s, "
               f"{r['total_token_throughput']:.1f} total tok/s")
-    if len(results) == 2:
+    by_system = {r["system"]: r["output_throughput"] for r in results}
+    if len(by_system) == 2:
         print(f"ratio pagellm / transformers (output tok/s): "
-              f"{results[0]['output_throughput'] / results[1]['output_throughput']:.2f}x")
+              f"{by_system['pagellm'] / by_system['transformers']:.2f}x")
     if args.result_json:
         with open(args.result_json, "w") as fh:
             json.dump({"config": {k: v for k, v in vars(args).items() if k != "bench_main"}, "results": results},
