@@ -125,7 +125,7 @@ def offline_commands(args: argparse.Namespace, ctx: systems.Context, out: Path) 
                     {"PAGELLM_NUM_THREADS": str(ctx.threads)}),
         "transformers": (py + ["--backend", "transformers", "--num-prompts", str(args.hf_offline_num_prompts),
                                "--hf-batch-size", "32", "--result-json", str(out / "offline-transformers.json"),
-                               *shape], {}),
+                               *shape], {"PAGELLM_NUM_THREADS": str(ctx.threads)}),
     }
     vllm = systems.PEERS / "vllm" / "bin" / "vllm"
     if vllm.exists():
@@ -181,6 +181,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--offline-timeout", type=float, default=1800)
     parser.add_argument("--machine", default=platform.node() or "machine", help="name in the results file")
     parser.add_argument("--notes", default="", help="a line for the results file (e.g. machine load)")
+    parser.add_argument("--from-json", default=None, metavar="RESULTS_JSON",
+                        help="only redraw the report and charts from an earlier run's results.json")
     args = parser.parse_args()
     if len(args.num_prompts) == 1:
         args.num_prompts *= len(args.concurrency)
@@ -192,10 +194,26 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def redraw(results_json: Path) -> None:
+    """Rewrite the markdown and charts of an earlier run (its arguments, results and machine name)."""
+    from pagellm.model.loader import default_model_path, resolve_model_dir
+
+    data = json.loads(results_json.read_text())
+    args = argparse.Namespace(**data["args"])
+    ctx = systems.Context(resolve_model_dir(None), default_model_path(), args.dtype, args.threads,
+                          max(args.concurrency))
+    out = results_json.parent
+    md = write_report(out.parent / f"{out.name}.md", out, args, ctx, data["served"], data["offline"],
+                      data["skipped"], command=data.get("command"))
+    print(f"wrote {md}")
+
+
 def main() -> None:
     from pagellm.model.loader import default_model_path, resolve_model_dir
 
     args = parse_args()
+    if args.from_json:
+        return redraw(Path(args.from_json))
     ctx = systems.Context(resolve_model_dir(None), default_model_path(), args.dtype, args.threads,
                           max(args.concurrency), context_per_stream=args.input_len + args.output_len + 64)
     stem = f"{datetime.date.today().isoformat()}-{args.machine}"
@@ -211,9 +229,10 @@ def main() -> None:
             continue
         served.append(bench_system(system, port, args, ctx, out / "logs"))
     offline = run_offline(args, ctx, out) if args.offline_num_prompts else {}
+    command = shlex.join(["python", "benchmarks/compare.py", *sys.argv[1:]])
     (out / "results.json").write_text(json.dumps({"args": vars(args), "served": served, "offline": offline,
-                                                  "skipped": skipped}, indent=1, default=str))
-    md = write_report(RESULTS / f"{stem}.md", out, args, ctx, served, offline, skipped)
+                                                  "skipped": skipped, "command": command}, indent=1, default=str))
+    md = write_report(RESULTS / f"{stem}.md", out, args, ctx, served, offline, skipped, command)
     print(f"wrote {md}")
 
 

@@ -23,6 +23,13 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def _tidy(command: str, ctx: Any) -> str:
+    """Commands as a reader would type them: repository-relative paths, `$MODEL_DIR` for the converted model."""
+    repo = str(Path(__file__).resolve().parents[1]) + "/"
+    return (command.replace(str(ctx.model_dir), "$MODEL_DIR").replace(sys.executable, ".venv/bin/python")
+            .replace(repo, ""))
+
+
 def _serve_rows(served: list[dict[str, Any]]) -> list[str]:
     rows = ["| system | concurrency | requests ok / failed | output tok/s | TTFT p50 (ms) | TTFT p95 (ms) | "
             "TPOT p50 (ms) | TPOT p95 (ms) | server CPU % | peak RSS (MB) | time to ready (s) |",
@@ -77,7 +84,7 @@ def _target_rows(served: list[dict[str, Any]], offline: dict[str, dict[str, Any]
 
 
 def write_report(md_path: Path, out: Path, args: argparse.Namespace, ctx: Any, served: list[dict[str, Any]],
-                 offline: dict[str, dict[str, Any]], skipped: dict[str, str]) -> Path:
+                 offline: dict[str, dict[str, Any]], skipped: dict[str, str], command: str | None = None) -> Path:
     charts = plot.plot_serve([{"label": r["system"], "runs": r["runs"]} for r in served if r["runs"]], str(out))
     measured = {k: v["output_throughput"] for k, v in offline.items() if "output_throughput" in v}
     if measured:
@@ -91,17 +98,17 @@ def write_report(md_path: Path, out: Path, args: argparse.Namespace, ctx: Any, s
              f"{args.input_len} in / {args.output_len} out, EOS ignored, temperature 1.0, streamed completions.",
              "", "The machine is shared with other engineers' test runs: figures are noisy (10–40 % between runs "
              "here); compare systems within this file only." + (f" {args.notes}" if args.notes else ""), "",
-             f"Command: `{shlex.join([sys.executable.split('/')[-1], 'benchmarks/compare.py', *sys.argv[1:]])}`", "",
+             f"Command: `{command or shlex.join(['python', 'benchmarks/compare.py', *sys.argv[1:]])}`", "",
              "## Serving (`pagellm bench serve`, same sweep for every system)", "", *_serve_rows(served), "",
              "Server CPU % is the mean over the run of the whole process tree (100 = one core); peak RSS is over the "
              "server's whole life (tree sum).", "", "## Offline throughput", "",
              "| system | output tok/s | command |", "|---|---:|---|"]
     for name, rec in offline.items():
         value = f"{rec['output_throughput']:.1f}" if "output_throughput" in rec else f"failed: {rec.get('error')}"
-        lines.append(f"| {name} | {value} | `{rec['command'].replace(str(ctx.model_dir), '$MODEL_DIR')}` |")
+        lines.append(f"| {name} | {value} | `{_tidy(rec['command'], ctx)}` |")
     lines += ["", "llama.cpp has no offline batch mode in this harness.", "", f"## Targets (issue 4; c={target_c})",
               "", *_target_rows(served, offline, target_c), "", "## Flags each system got", ""]
-    lines += [f"- **{r['system']}**: {r['note']}" for r in served]
+    lines += [f"- **{r['system']}**: {_tidy(r['note'], ctx)}" for r in served]
     lines += [f"- **{name}**: skipped, {why}" for name, why in skipped.items()]
     lines += ["", "## Charts", ""] + [f"![{Path(c).stem}]({out.name}/{Path(c).name})" for c in charts]
     md_path.write_text("\n".join(lines) + "\n")

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.ticker  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
 
@@ -67,12 +68,15 @@ def plot_sweep(results: Sequence[dict[str, Any]], out_dir: str) -> str | None:
     by_concurrency = all(run["max_concurrency"] for r in results for run in r["runs"])
     for result in results:
         runs = result["runs"]
-        xs = [run["max_concurrency"] if by_concurrency else float(run["request_rate"]) for run in runs]
+        xs = _xs(result, by_concurrency)
         for ax, metric in zip(axes, ("output_throughput", "p95_ttft_ms", "p95_tpot_ms")):
             ax.plot(xs, [run["metrics"].get(metric, np.nan) for run in runs], marker="o", label=result["label"])
     for ax, title in zip(axes, ("output tokens/s", "TTFT p95 (ms)", "TPOT p95 (ms)")):
         ax.set_xlabel("max concurrency" if by_concurrency else "request rate (req/s)")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({x for r in results for x in _xs(r, by_concurrency)}))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -81,6 +85,10 @@ def plot_sweep(results: Sequence[dict[str, Any]], out_dir: str) -> str | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _xs(result: dict[str, Any], by_concurrency: bool) -> list[float]:
+    return [run["max_concurrency"] if by_concurrency else float(run["request_rate"]) for run in result["runs"]]
 
 
 def plot_serve(results: Sequence[dict[str, Any]], out_dir: str) -> list[str]:

@@ -88,6 +88,10 @@ def run_transformers(model: str | None, requests: list[datasets.BenchRequest], t
 
     from pagellm.model.loader import resolve_model_dir
 
+    from pagellm import envs
+
+    if envs.num_threads():  # the same thread count as the engine gets (PAGELLM_NUM_THREADS)
+        torch.set_num_threads(envs.num_threads())
     model_dir = resolve_model_dir(model)
     torch_dtype = torch.float32 if dtype in ("auto", "float32") else getattr(torch, dtype)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
