@@ -5,6 +5,11 @@ small calls per step. Here rows of similar length are grouped (the longest at mo
 into one [rows, heads, q_len, D] batch with a mask that encodes each row's causal offset and length, and served
 by one SDPA call per group. Padding query slots attend to key 0 only (their outputs are dropped), so no row is
 ever fully masked.
+
+Rows that start at position 0 (a whole prompt, or its first chunk: no cached context) are grouped apart: their
+keys are exactly the step's own k/v, so they need neither the cache gather nor a mask, and SDPA runs its causal
+kernel (``is_causal``). Padding slots sit after each row's last token, so causality alone keeps real queries from
+seeing them.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ from pagellm.attention.base import CommonAttentionInputs
 class ChunkGroup:
     token_index: torch.Tensor   # [G, Lq] flat token index of each query slot (padding repeats a valid token)
     valid: torch.Tensor         # [G, Lq] bool: slot holds a real query token
-    block_table: torch.Tensor   # [G, nb]
-    mask: torch.Tensor          # [G, 1, Lq, nb * block_size] bool
+    block_table: torch.Tensor | None  # [G, nb]; None for rows without cached context (keys from the step's k/v)
+    mask: torch.Tensor | None         # [G, 1, Lq, nb * block_size] bool; None: plain causal over the step's k/v
 
 
 def group_rows(q_lens: np.ndarray, rows: np.ndarray, ratio: float = 2.0) -> list[np.ndarray]:
@@ -36,6 +41,16 @@ def group_rows(q_lens: np.ndarray, rows: np.ndarray, ratio: float = 2.0) -> list
             groups.append(ordered[start:end])
             start = end
     return groups
+
+
+def build_fresh_group(common: CommonAttentionInputs, rows: np.ndarray) -> ChunkGroup:
+    """A group of rows whose whole context is this step's tokens (``seq_len == q_len``)."""
+    starts = common.query_start_loc[rows]
+    q_lens = common.query_start_loc[rows + 1] - starts
+    slot = np.arange(int(q_lens.max()))[None, :]
+    valid = slot < q_lens[:, None]
+    token_index = np.where(valid, starts[:, None] + slot, starts[:, None])
+    return ChunkGroup(torch.from_numpy(token_index), torch.from_numpy(valid), None, None)
 
 
 def build_group(common: CommonAttentionInputs, rows: np.ndarray) -> ChunkGroup:
@@ -56,16 +71,20 @@ def build_group(common: CommonAttentionInputs, rows: np.ndarray) -> ChunkGroup:
                       torch.from_numpy(mask).unsqueeze(1))
 
 
-def group_attention(q: torch.Tensor, kv_cache: torch.Tensor, group: ChunkGroup, scale: float) -> torch.Tensor:
+def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, group: ChunkGroup,
+                    scale: float) -> torch.Tensor:
     """Outputs [G, Lq, H * D] for one group (padding slots included; the caller keeps the valid ones)."""
     rows, lq = group.token_index.shape
     num_heads, head_dim = q.shape[1], q.shape[2]
     queries = q[group.token_index].transpose(1, 2)                        # [G, H, Lq, D]
-    keys = _gather(kv_cache[0], group.block_table)
-    values = _gather(kv_cache[1], group.block_table)
+    if group.block_table is None:                                         # no cached context: the step's own k/v
+        keys, values = k[group.token_index].transpose(1, 2), v[group.token_index].transpose(1, 2)
+    else:
+        keys, values = _gather(kv_cache[0], group.block_table), _gather(kv_cache[1], group.block_table)
     repeat = num_heads // keys.shape[1]
     keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scale)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scale,
+                                         is_causal=group.mask is None)
     return out.transpose(1, 2).reshape(rows, lq, num_heads * head_dim)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pagellm.attention.base import CommonAttentionInputs, register_backend
-from pagellm.attention.chunk_batch import ChunkGroup, build_group, group_attention, group_rows
+from pagellm.attention.chunk_batch import ChunkGroup, build_fresh_group, build_group, group_attention, group_rows
 from pagellm.attention.torch_ref import TorchRefBackend, TorchRefMetadata, decode_rows, write_kv
 from pagellm.ops.build import load_library
 
@@ -74,8 +74,9 @@ class CpuPagedBackend(TorchRefBackend):
         q_lens = np.diff(common.query_start_loc)
         tokens, table, mask = decode_rows(common)
         seq_lens = torch.from_numpy(common.seq_lens[q_lens == 1]) if tokens is not None else None
-        multi = np.flatnonzero(q_lens > 1)
-        groups = [build_group(common, rows) for rows in group_rows(q_lens, multi)] if len(multi) else []
+        fresh = (q_lens > 1) & (common.seq_lens == q_lens)   # no cached context: causal over the step's k/v
+        groups = [build_fresh_group(common, rows) for rows in _grouped(q_lens, fresh)]
+        groups += [build_group(common, rows) for rows in _grouped(q_lens, (q_lens > 1) & ~fresh)]
         return CpuPagedMetadata(common.slot_mapping, int(common.query_start_loc[-1]), tokens, table, mask, [],
                                 seq_lens, groups)
 
@@ -91,13 +92,18 @@ class CpuPagedBackend(TorchRefBackend):
             decoded = self._decode(q[metadata.decode_tokens], kv_cache, metadata, scale)
             out[metadata.decode_tokens] = decoded.view(-1, num_heads * head_dim)
         for group in metadata.groups:
-            batched = group_attention(q, kv_cache, group, scale)
+            batched = group_attention(q, k, v, kv_cache, group, scale)
             out[group.token_index[group.valid]] = batched[group.valid]
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: TorchRefMetadata, scale: float) -> torch.Tensor:
         return self.kernel.paged_decode_attention(q, kv_cache[0], kv_cache[1], md.decode_block_table,
                                                   md.decode_seq_lens, scale)
+
+
+def _grouped(q_lens: np.ndarray, selected: np.ndarray) -> list[np.ndarray]:
+    rows = np.flatnonzero(selected)
+    return group_rows(q_lens, rows) if len(rows) else []
 
 
 register_backend("cpu_paged")(CpuPagedBackend)
