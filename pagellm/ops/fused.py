@@ -39,6 +39,10 @@ def _lib() -> ctypes.CDLL | None:
     return lib
 
 
+def available() -> bool:
+    return _lib() is not None
+
+
 def _bf16_rows(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.bfloat16 and t.dim() == 2 and t.is_contiguous() for t in tensors)
 
