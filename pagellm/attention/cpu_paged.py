@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pagellm.attention.base import CommonAttentionInputs, register_backend
-from pagellm.attention.chunk_batch import ChunkGroup, build_fresh_group, build_group, group_attention, group_rows
+from pagellm.attention.chunk_batch import ChunkGroup, build_group, group_attention, group_rows
 from pagellm.attention.torch_ref import TorchRefBackend, TorchRefMetadata, decode_rows, write_kv
 from pagellm.ops.build import load_library
 
@@ -75,7 +75,7 @@ class CpuPagedBackend(TorchRefBackend):
         tokens, table, mask = decode_rows(common)
         seq_lens = torch.from_numpy(common.seq_lens[q_lens == 1]) if tokens is not None else None
         fresh = (q_lens > 1) & (common.seq_lens == q_lens)   # no cached context: causal over the step's k/v
-        groups = [build_fresh_group(common, rows) for rows in _grouped(q_lens, fresh)]
+        groups = [build_group(common, rows, fresh=True) for rows in _grouped(q_lens, fresh)]
         groups += [build_group(common, rows) for rows in _grouped(q_lens, (q_lens > 1) & ~fresh)]
         return CpuPagedMetadata(common.slot_mapping, int(common.query_start_loc[-1]), tokens, table, mask, [],
                                 seq_lens, groups)

@@ -101,9 +101,9 @@ def test_batched_chunk_groups_match_reference(dtype, tol) -> None:
     ref, fast = TorchRefBackend(), CpuPagedBackend()
     metadata = fast.build(common)
     # Rows without cached context (lengths 5, 9, 3) group apart from the others (8, 16, 40), each set cut so the
-    # longest row is at most twice the shortest: {3, 5} | {9} (causal, no mask) and {8, 16} | {40} (masked).
+    # longest row is at most twice the shortest: {3, 5} | {9} (bf16: causal over the step's k/v) and {8, 16} | {40}.
     assert [g.token_index.shape for g in metadata.groups] == [(2, 5), (1, 9), (2, 16), (1, 40)]
-    assert [g.mask is None for g in metadata.groups] == [True, True, False, False]
+    assert [g.fresh for g in metadata.groups] == [True, True, False, False]
     expected = ref.forward(q, k, v, cache.clone(), ref.build(common), 0.125)
     got = fast.forward(q, k, v, cache.clone(), metadata, 0.125)
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
