@@ -6,7 +6,9 @@ after the window opened, logs::
     Engine: prompt 812.3 tok/s, generation 402.5 tok/s | running 32, waiting 4 | KV cache 41.2% |
     prefix-cache hit rate 37.5% | preemptions 0 [| spec decode: acceptance 61.0%, 1.83 accepted tokens per draft]
 
-Rates are over the window (which opens at its first event, so an idle spell never dilutes them), the hit rate is
+Rates are over the window, which opens at its first event and closes at the last event before an idle spell
+longer than the interval (so idle time never dilutes them; such a burst is logged over its own span when it lasted
+at least a second). The hit rate is
 over the prompt tokens looked up in the window ("-" when none), gauges are the latest values. The speculative part
 appears only when drafts were verified. An idle engine records nothing, so it logs nothing.
 """
@@ -23,6 +25,7 @@ from pagellm.metrics.stats import IterationStats, SchedulerStats
 logger = logging.getLogger("pagellm.stats")
 
 DEFAULT_INTERVAL_S = 5.0
+MIN_RATE_SPAN_S = 1.0  # a burst shorter than this before an idle spell is not logged (its rate would be noise)
 
 
 class LogStatsSink:
@@ -37,6 +40,7 @@ class LogStatsSink:
 
     def _reset(self, start: float | None) -> None:
         self._start = start  # None: the window opens at the next event
+        self._last = start or 0.0
         self.prompt_tokens = self.generation_tokens = 0
         self.prefix_queries = self.prefix_hits = self.preemptions = 0
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted = 0
@@ -44,8 +48,11 @@ class LogStatsSink:
     def record(self, scheduler: SchedulerStats | None, iteration: IterationStats | None) -> None:
         with self._lock:
             now = self._clock()
+            if self._start is not None and now - self._last > self.interval_s:
+                self._close_idle_window()
             if self._start is None:
                 self._start = now
+            self._last = now
             if scheduler is not None:
                 self._add_scheduler(scheduler)
             if iteration is not None:
@@ -53,7 +60,13 @@ class LogStatsSink:
                 self.generation_tokens += iteration.num_generation_tokens
             if now - self._start >= self.interval_s and self._busy():
                 self._log("%s", self.format_line(now - self._start))
-                self._reset(now)
+                self._reset(None)
+
+    def _close_idle_window(self) -> None:
+        """The engine went idle mid-window: log that burst over its own span (if long enough to give a rate)."""
+        if self._last - self._start >= MIN_RATE_SPAN_S and self._busy():  # type: ignore[operator]
+            self._log("%s", self.format_line(self._last - self._start))  # type: ignore[operator]
+        self._reset(None)
 
     def _add_scheduler(self, stats: SchedulerStats) -> None:
         self._gauges = stats
