@@ -144,7 +144,7 @@ def test_grafana_dashboard_and_docs_use_real_series(metrics_server: ServerProces
     sample_names = {name for name, _ in scrape(metrics_server.base_url)}
     dashboard = json.loads((ROOT / "deploy/grafana/pagellm.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    used = {m for e in exprs for m in re.findall(r"pagellm:[a-z_:]+", e)}
+    used = {m for e in exprs for m in re.findall(r"pagellm:[a-z0-9_:]+", e)}
     assert used and used <= sample_names, used - sample_names
     docs = (ROOT / "docs/metrics.md").read_text()
     for family, kind in kinds.items():
