@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import platform
-from typing import Any
+from typing import Any, Sequence
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
@@ -73,10 +73,10 @@ class PrometheusSink:
             self._cache_info(cache_config, num_blocks)
 
     # ------------------------------------------------------------------------------------------- series
-    def _gauge(self, name: str, doc: str, extra: list[str] = (), mode: str = "mostrecent") -> Gauge:  # type: ignore
+    def _gauge(self, name: str, doc: str, extra: Sequence[str] = (), mode: str = "mostrecent") -> Gauge:
         return Gauge(PREFIX + name, doc, ["model_name", *extra], registry=self.registry, multiprocess_mode=mode)
 
-    def _counter(self, name: str, doc: str, extra: list[str] = ()) -> Counter:  # type: ignore[assignment]
+    def _counter(self, name: str, doc: str, extra: Sequence[str] = ()) -> Counter:
         return Counter(PREFIX + name, doc, ["model_name", *extra], registry=self.registry)
 
     def _histogram(self, name: str, doc: str, buckets: list[float]) -> Histogram:

@@ -66,4 +66,5 @@ def test_dashboard_charts_fill_while_serving(start_server: Callable[..., ServerP
     finally:
         stop.set()
         load.join(60)
+        server.stop()
     assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000

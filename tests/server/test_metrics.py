@@ -23,8 +23,10 @@ REQUEST_HISTOGRAMS = ["e2e_request_latency_seconds", "request_queue_time_seconds
 
 
 @pytest.fixture(scope="module")
-def metrics_server(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> ServerProcess:
-    return start_server(tiny_llama, "--served-model-name", MODEL)
+def metrics_server(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> Iterator[ServerProcess]:
+    server = start_server(tiny_llama, "--served-model-name", MODEL)
+    yield server
+    server.stop()  # not left running (idle) for the rest of the session
 
 
 def _complete(server: ServerProcess, prompt: list[int], max_tokens: int, **extra: object) -> dict:

@@ -67,6 +67,7 @@ def test_one_span_per_request_with_parent_and_attributes(receiver: tuple[Receive
                         headers={"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"}).json()
     plain = httpx.post(f"{server.base_url}/v1/completions", json={**body, "max_tokens": 2}, timeout=60).json()
     wait_until(lambda: len(collector.spans) >= 2, 30, "two spans")
+    assert server.stop() == 0
     assert len(collector.spans) == 2  # one per request, nothing else
     by_id = {_attrs(s)["gen_ai.request.id"]: s for s in collector.spans}
     span, root = by_id[traced["id"]], by_id[plain["id"]]

@@ -217,3 +217,20 @@ def test_tracing_sink_span_attributes_and_traceparent_parent():
     assert abs(a["gen_ai.latency.time_in_queue"] - 0.2) < 1e-9 and abs(a["gen_ai.latency.time_to_first_token"] - 0.6) < 1e-9
     assert a["gen_ai.latency.e2e"] == 2.0 and tuple(a["gen_ai.response.finish_reasons"]) == ("length",)
     sink.shutdown()
+
+
+def test_otlp_exporter_protocol_follows_the_standard_variable(monkeypatch):
+    import pytest
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+
+    from pagellm.metrics.tracing import make_otlp_exporter
+
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+    assert isinstance(make_otlp_exporter("http://127.0.0.1:4317"), Grpc)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    assert isinstance(make_otlp_exporter("http://127.0.0.1:4318/v1/traces"), Http)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
+    with pytest.raises(ValueError, match="grpc or http/protobuf"):
+        make_otlp_exporter("http://127.0.0.1:4318")
