@@ -34,7 +34,10 @@ def _workload(base_url: str, stop: threading.Event) -> None:
             seed += 1
             body = {"model": "tiny-dash", "prompt": shared + random_prompt(8, seed=1000 + seed), "max_tokens": 24,
                     "ignore_eos": True, "n": 4}
-            http.post("/v1/completions", json=body)
+            try:
+                http.post("/v1/completions", json=body)
+            except httpx.HTTPError:  # a slow box may time one out; the load must go on
+                continue
 
 
 def test_dashboard_charts_fill_while_serving(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> None:
@@ -55,12 +58,12 @@ def test_dashboard_charts_fill_while_serving(start_server: Callable[..., ServerP
             errors: list[str] = []
             page.on("pageerror", lambda exc: errors.append(str(exc)))
             page.goto(f"{server.base_url}/dashboard")
-            page.wait_for_function(CHARTS_HAVE_DATA, timeout=60_000, polling=250)
+            page.wait_for_function(CHARTS_HAVE_DATA, timeout=120_000, polling=250)
             assert page.evaluate("window.pagellmDashboard.errors") == 0 and not errors, errors
             assert page.text_content("#model") == "tiny-dash"
             polls = page.evaluate("window.pagellmDashboard.polls")
             page.select_option("#window", "60")  # the screenshot shows the last minute
-            page.wait_for_function(f"window.pagellmDashboard.polls > {polls + 1}", timeout=10_000)
+            page.wait_for_function(f"window.pagellmDashboard.polls > {polls + 1}", timeout=30_000)
             page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
             browser.close()
     finally:
