@@ -1,7 +1,8 @@
 """Prometheus export: the frontend's stats sink that turns plain stats into ``pagellm:*`` series.
 
 Contract:
-- ``PrometheusSink(model_name, cache_config, ...)`` registers every series in its own ``CollectorRegistry`` (so
+- ``PrometheusSink(model_name, cache_config, ...)`` registers every series (only the build and cache-config info
+  with ``engine_series=False``, when stats are off and the sink is never fed) in its own ``CollectorRegistry`` (so
   several engines in one process never clash), each labelled ``model_name``; names mirror vLLM's with the
   ``pagellm:`` prefix, so a vLLM dashboard ports by renaming. ``docs/metrics.md`` lists them all.
 - ``record`` is called once per engine step with the core's ``SchedulerStats`` (gauges, prefix cache, preemptions,
@@ -57,16 +58,17 @@ class PrometheusSink:
     """Stats sink feeding Prometheus series (see the module docstring)."""
 
     def __init__(self, model_name: str, cache_config: Any = None, max_model_len: int = 4096,
-                 num_blocks: int = 0, registry: CollectorRegistry | None = None) -> None:
+                 num_blocks: int = 0, registry: CollectorRegistry | None = None, engine_series: bool = True) -> None:
         import pagellm
 
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         labels = {"model_name": model_name}
         self._labels = labels
-        self._make_gauges(labels)
-        self._make_counters(labels)
-        self._make_histograms(labels, max_model_len)
+        if engine_series:  # False (stats off): only the info series, rather than engine series stuck at zero
+            self._make_gauges(labels)
+            self._make_counters(labels)
+            self._make_histograms(labels, max_model_len)
         info = self._gauge("build_info", "pagellm build: version and Python", ["version", "python"])
         info.labels(version=pagellm.__version__, python=platform.python_version(), **labels).set(1)
         if cache_config is not None:

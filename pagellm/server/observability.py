@@ -37,7 +37,8 @@ class Observability:
 
 def build_observability(model_name: str, config: EngineConfig, runtime: Any, log_stats: bool = True,
                         otlp_traces_endpoint: Optional[str] = None, log_interval_s: float = 5.0) -> Observability:
-    prom = prometheus.PrometheusSink(model_name, config.cache_config, runtime.max_model_len, runtime.num_blocks)
+    prom = prometheus.PrometheusSink(model_name, config.cache_config, runtime.max_model_len, runtime.num_blocks,
+                                     engine_series=log_stats)
     history = StatsHistory()
     sinks: list[StatsSink] = [prom, LogStatsSink(log_interval_s), history] if log_stats else []
     tracing = None

@@ -162,6 +162,9 @@ def test_prometheus_sink_exact_values():
     assert abs(s[("pagellm:request_time_per_output_token_seconds_sum", ())] - 0.35) < 1e-9
     # A second sink in the same process has its own registry: no clash, its own zeros.
     assert _samples(PrometheusSink("m").render().decode())[("pagellm:prompt_tokens_total", ())] == 0
+    # Stats off: only the info series.
+    off = _samples(PrometheusSink("m", CacheConfig(), engine_series=False).render().decode())
+    assert {name for name, _ in off} == {"pagellm:build_info", "pagellm:cache_config_info"}
 
 
 _WORKER = textwrap.dedent("""
