@@ -1,5 +1,6 @@
 """The dashboard page in headless Chromium (Debian's ``chromium`` driven by Playwright; no browser download) while
-a workload runs: every chart receives non-zero data; a screenshot is saved under ``tests/artifacts/``."""
+a workload runs: every chart receives non-zero data; a screenshot is saved under ``tests/artifacts/``. The same
+load makes the server log its periodic stats line."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Callable
 
 import httpx
 from metrics_utils import random_prompt, require_binary
-from server_utils import ServerProcess
+from server_utils import ServerProcess, wait_until
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -66,6 +67,8 @@ def test_dashboard_charts_fill_while_serving(start_server: Callable[..., ServerP
             page.wait_for_function(f"window.pagellmDashboard.polls > {polls + 1}", timeout=30_000)
             page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
             browser.close()
+        # Under sustained load the server also logs its periodic stats line (every 5 s).
+        wait_until(lambda: "INFO pagellm.stats: Engine: prompt " in server.log(), 30, "the stats log line")
     finally:
         stop.set()
         load.join(60)
