@@ -8,6 +8,7 @@
 
   const percent = (v) => (v == null ? null : 100 * v);
   const ms = (v) => (v == null ? null : 1000 * v);
+  const clock = (t) => new Date(t * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", second: "2-digit" });
   const fmt = (v, digits = 1) => (v == null || Number.isNaN(v) ? "–" : Number(v).toFixed(digits));
 
   // Each chart: its element, its series (label, colour, how to read it from the payload), axis bounds.
@@ -36,7 +37,8 @@
     const opts = {
       width: el.clientWidth || 400, height: 210,
       scales: { x: { time: true }, y: spec.range ? { range: spec.range } : { range: (u, lo, hi) => [0, Math.max(1, hi * 1.1)] } },
-      axes: [axis, { ...axis, size: 56 }],
+      // One clock-time label per tick (uPlot's default adds a second, date row that crowds small charts).
+      axes: [{ ...axis, space: 70, values: (u, ticks) => ticks.map(clock) }, { ...axis, size: 56 }],
       series: [{}].concat(spec.series.map(([label, stroke]) => ({
         label, stroke, width: 2, fill: stroke + "22", spanGaps: false, points: { show: false } }))),
       legend: { live: true },
