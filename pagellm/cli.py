@@ -104,6 +104,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                      help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGELLM_API_KEY)")
     cmd.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                      help="log every HTTP request (default: off)")
+    cmd.add_argument("--disable-log-stats", action="store_true",
+                     help="turn engine stats off: no Prometheus engine series, no stats log line, no dashboard data")
+    cmd.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                     help="export one OpenTelemetry span per request to this OTLP endpoint (gRPC by default, e.g. "
+                          "http://127.0.0.1:4317; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for HTTP)")
     add_engine_args(cmd)
 
 
@@ -117,7 +122,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig.from_kwargs(model=args.model or args.model_path, **engine_kwargs(args))
         return run_server(config, args.host, args.port, args.served_model_name,
-                          args.api_key or envs.api_key(), args.access_log)
+                          args.api_key or envs.api_key(), args.access_log, not args.disable_log_stats,
+                          args.otlp_traces_endpoint)
     except ValueError as exc:
         print(f"pagellm: {exc}", file=sys.stderr)
         return 2
