@@ -6,6 +6,10 @@ Contract with the scheduler:
 - ``allocate_slots(...)`` gives a request room for ``num_new_tokens`` more tokens (plus lookahead slots for draft
   tokens), or returns ``None`` without changing anything when the pool cannot.
 - ``free(request)`` returns every block; blocks that carry a hash stay findable until reused.
+- After each of these, ``request.kv_slots`` is the number of token slots the request's blocks hold and
+  ``request.kv_next_full`` the token count at which its next not-yet-registered block becomes full. A step whose
+  tokens (and lookahead) fit in ``kv_slots`` and whose final tokens stay below ``kv_next_full`` needs nothing from
+  the manager: ``allocate_slots`` would allocate nothing and register nothing, so the scheduler skips the call.
 Only tokens that are final (never draft tokens) are hashed into the cache.
 """
 
@@ -15,6 +19,8 @@ from pagellm.kv.block import BlockId, KVBlock
 from pagellm.kv.block_pool import BlockPool
 from pagellm.kv.hashing import extend_block_hashes
 from pagellm.request import Request, RequestId
+
+_NEVER = 1 << 62  # kv_next_full when prefix caching is off: no block is ever registered
 
 
 def cdiv(a: int, b: int) -> int:
@@ -78,14 +84,19 @@ class KVCacheManager:
         held.extend(computed)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         held.extend(new_blocks)
+        request.kv_slots = len(held) * self.block_size
         if self.enable_caching:
             self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+            request.kv_next_full = (self.num_cached_blocks.get(request.request_id, 0) + 1) * self.block_size
+        else:
+            request.kv_next_full = _NEVER
         return new_blocks
 
     def free(self, request: Request) -> None:
         """Return all of a request's blocks, tail first, so its least shareable blocks are evicted first."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        request.kv_slots = request.kv_next_full = 0
         self.pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:

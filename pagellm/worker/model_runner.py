@@ -93,10 +93,11 @@ class ModelRunner:
             self.states[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, list(new.block_ids),
                 new.num_computed_tokens, list(new.stop_token_ids))
-        for cached in sched.cached_reqs:
-            state = self.states[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+        cached = sched.cached_reqs
+        for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens):
+            self.states[req_id].num_computed_tokens = num_computed
+        for req_id, block_ids in cached.new_block_ids.items():
+            self.states[req_id].block_ids.extend(block_ids)
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> list[list[int]]:
         """Sample one token per sampling request (after verifying its drafts, if any)."""
