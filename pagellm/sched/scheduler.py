@@ -119,8 +119,12 @@ class Scheduler:
                 continue
             end = num_computed + num_new
             lookahead = self._lookahead(end) if max_lookahead else 0
-            # Fast path (see KVCacheManager's contract): the step fits in held blocks and fills none of them.
-            if end + lookahead > request.kv_slots or min(end, num_tokens) >= request.kv_next_full:
+            # Fast path (see KVCacheManager's contract): the step fits in held blocks, so the manager is needed
+            # only when a block fills (to register it) and ``allocate_slots`` only when more blocks are needed.
+            if end + lookahead <= request.kv_slots:
+                if (end if end < num_tokens else num_tokens) >= request.kv_next_full:
+                    self.kv.cache_full_blocks(request, end if end < num_tokens else num_tokens)
+            else:
                 new_blocks, preempted_now = self._allocate_or_preempt(request, num_new)
                 preempted |= preempted_now
                 if new_blocks is None:
