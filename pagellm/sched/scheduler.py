@@ -112,7 +112,8 @@ class Scheduler:
             index += 1  # preemption only removes requests behind this one, so the index stays valid
             num_computed = request.num_computed_tokens
             num_tokens = len(request.all_token_ids)
-            num_new = min(num_tokens + len(request.spec_token_ids), max_len) - num_computed
+            num_new = num_tokens + len(request.spec_token_ids)
+            num_new = (num_new if num_new < max_len else max_len) - num_computed
             if num_new > budget:
                 num_new = budget
             if num_new <= 0:
