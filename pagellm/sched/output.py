@@ -1,8 +1,8 @@
 """Plain data passed between the scheduler and the workers each step.
 
 The scheduler sends deltas: a request's full data once (``NewRequestData``, also when it resumes after
-preemption), then only its counts and any new block ids (``CachedRequestData``: one struct of parallel lists for
-all running requests of the step, not one object per request, so a step costs no per-request allocations). Workers answer with the tokens they
+preemption), then only its counts and any new block ids (``CachedRequestData``: one struct of parallel lists
+for all running requests of the step, not one object per request, so a step costs no per-request allocations). Workers answer with the tokens they
 sampled and any draft tokens for the next step (``ModelRunnerOutput``).
 """
 
@@ -29,8 +29,8 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     """The running (already known) requests scheduled this step, in batch order, as parallel lists."""
 
     req_ids: list[str] = msgspec.field(default_factory=list)
-    num_computed_tokens: list[int] = msgspec.field(default_factory=list)  # before this step; lower than the
-    #                                                 worker thinks after rejected drafts
+    # Before this step, per request; lower than the worker thinks after rejected drafts.
+    num_computed_tokens: list[int] = msgspec.field(default_factory=list)
     new_block_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)  # only requests that got blocks
 
     def __len__(self) -> int:
