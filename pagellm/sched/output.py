@@ -2,8 +2,8 @@
 
 The scheduler sends deltas: a request's full data once (``NewRequestData``, also when it resumes after
 preemption), then only its counts and any new block ids (``CachedRequestData``: one struct of parallel lists
-for all running requests of the step, not one object per request, so a step costs no per-request allocations). Workers answer with the tokens they
-sampled and any draft tokens for the next step (``ModelRunnerOutput``).
+for all running requests of the step, not one object per request, so a step costs no per-request allocations).
+Workers answer with the tokens they sampled and any draft tokens for the next step (``ModelRunnerOutput``).
 """
 
 from __future__ import annotations
