@@ -48,7 +48,7 @@ class Worker:
         max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
         num_blocks = kv_cache_blocks(cache_config, arch, self.dtype, max_model_len)
         self.runner = ModelRunner(model, get_backend(model_config.attention_backend), cache_config.block_size,
-                                  make_proposer(spec_config), model_config.seed)
+                                  make_proposer(spec_config), model_config.seed, arch.vocab_size, model_dir)
         self.runner.bind_kv_cache(num_blocks, self.dtype)
         self.runtime = RuntimeInfo(max_model_len, num_blocks, cache_config.block_size, arch.vocab_size)
         logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens", model_dir, arch.architecture,
