@@ -195,12 +195,14 @@ class Scheduler:
                 self._spec_stats.observe(len(drafts), len(sampled) - 1)
             request.spec_token_ids = runner_out.draft_token_ids.get(request_id, [])
             new_tokens = self._append_tokens(request, sampled)
-            if new_tokens or request.is_finished:
+            prompt_logprobs = runner_out.prompt_logprobs.get(request_id)
+            if new_tokens or request.is_finished or prompt_logprobs is not None:
                 logprobs = runner_out.logprobs.get(request_id)
                 if logprobs is not None:  # a stop rule may have cut the accepted tokens: cut their logprobs too
                     logprobs = logprobs.head(len(new_tokens))
                 outputs.append(EngineCoreOutput(request_id, new_tokens, request.status.finish_reason,
-                                                request.stop_reason, request.num_cached_tokens, logprobs))
+                                                request.stop_reason, request.num_cached_tokens, logprobs,
+                                                prompt_logprobs))
         return outputs
 
     def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:

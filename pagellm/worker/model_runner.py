@@ -71,7 +71,42 @@ class ModelRunner:
         raw = raw_logprobs(logits, _candidate_rows(inputs, wanted)) if wanted else None  # before any ban
         sampled = self._sample(inputs, logits, masks)
         logprobs = self._logprobs(raw, inputs, wanted, sampled) if raw is not None else {}
-        return ModelRunnerOutput(inputs.req_ids, sampled, self._propose(inputs.req_ids, sampled), logprobs)
+        return ModelRunnerOutput(inputs.req_ids, sampled, self._propose(inputs.req_ids, sampled), logprobs,
+                                 self._prompt_logprobs(inputs, hidden))
+
+    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, TokenLogprobs]:
+        """For requests with ``prompt_logprobs``: the logprobs of the prompt tokens this step's positions predict
+        (position p scores prompt token p + 1), from their own logit rows."""
+        flat: list[int] = []
+        targets: list[int] = []
+        counts: list[int] = []
+        ks: list[int] = []
+        found: list[tuple[str, int]] = []
+        for j, req_id in enumerate(inputs.req_ids):
+            state = self.states[req_id]
+            k = state.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            first = int(inputs.query_start_loc[j])
+            count = int(inputs.query_start_loc[j + 1]) - first
+            start = int(inputs.seq_lens[j]) - count
+            end = min(start + count, state.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            flat.extend(range(first, first + end - start))
+            targets.extend(state.token_ids[start + 1:end + 1])
+            counts.append(end - start)
+            ks.append(k)
+            found.append((req_id, start + 1))
+        if not flat:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(flat, dtype=torch.int64)])
+        values = gather_logprobs(raw_logprobs(logits, range(len(flat))), range(len(flat)), targets, max(ks))
+        result = {}
+        for (req_id, start), entries in zip(found, split_logprobs(values, counts, ks)):
+            entries.start = start
+            result[req_id] = entries
+        return result
 
     def _logprob_requests(self, inputs: StepInputs) -> list[int]:
         """Batch indices of the requests that sample this step and asked for logprobs."""
