@@ -141,6 +141,32 @@ def random_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return probs
 
 
+def processed_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Each row's normalised sampling distribution [B, V] after temperature, top-k, top-p and min-p; greedy rows
+    get the one-hot of their argmax.
+
+    This is the entry point for anything that needs the distribution the sampler draws from (rejection sampling
+    of draft tokens, processed logprobs); ``logits`` should already carry the per-request processing of
+    ``logits_processors.apply_processing`` (penalties, bias, bans, grammar masks).
+    """
+    t = t.to(logits.device)
+    probs = random_probs(logits, t)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    if t.all_random:
+        return probs
+    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where((t.temperature > 0).unsqueeze(1), probs, one_hot)
+
+
+def processed_logprobs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """``log`` of the sampling distribution (dropped tokens are -inf). Greedy rows: ``log_softmax`` of the
+    processed logits (temperature 1, no filters), which keeps alternatives meaningful where one-hot would not."""
+    greedy_as_t1 = SamplingTensors(torch.where(t.temperature > 0, t.temperature, 1.0), t.top_k, t.top_p, t.min_p,
+                                   [], False, True)
+    probs = random_probs(logits, greedy_as_t1.to(logits.device))
+    return torch.log(probs / probs.sum(dim=-1, keepdim=True))
+
+
 def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """For each row, the first token whose cumulative mass exceeds ``uniforms[b]`` × the row's total mass.
 

@@ -27,7 +27,7 @@ from pagellm.attention.base import AttentionBackend, CommonAttentionInputs, forw
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.sample.logits_processors import LogitsProcessing, RowContext
 from pagellm.sample.logprobs import gather_logprobs, raw_logprobs, split_logprobs
-from pagellm.sample.sampler import Sampler, SamplingTensors
+from pagellm.sample.sampler import Sampler, SamplingTensors, processed_logprobs
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagellm.spec.base import Proposer
 from pagellm.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
@@ -69,7 +69,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # model dtype; samplers upcast
         wanted = self._logprob_requests(inputs)
         raw = raw_logprobs(logits, _candidate_rows(inputs, wanted)) if wanted else None  # before any ban
-        sampled = self._sample(inputs, logits, masks)
+        sampled, processed = self._sample(inputs, logits, masks)
+        if raw is not None:
+            self._use_processed_logprobs(raw, processed, inputs, wanted)
         logprobs = self._logprobs(raw, inputs, wanted, sampled) if raw is not None else {}
         return ModelRunnerOutput(inputs.req_ids, sampled, self._propose(inputs.req_ids, sampled), logprobs,
                                  self._prompt_logprobs(inputs, hidden))
@@ -147,8 +149,29 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor, masks: Future | None) -> list[list[int]]:
-        """Sample one token per sampling request (after verifying its drafts, if any)."""
+    def _use_processed_logprobs(self, raw: torch.Tensor, processed: torch.Tensor, inputs: StepInputs,
+                                wanted: list[int]) -> None:
+        """Overwrite, in ``raw``, the rows of requests that asked for ``processed_logprobs`` with the log of the
+        distribution they sample from (after processing, temperature and filters)."""
+        candidate_rows = _candidate_rows(inputs, wanted)
+        base, targets, sources, params = 0, [], [], []
+        for j in wanted:
+            width = len(inputs.drafts[j]) + 1
+            state_params = self.states[inputs.req_ids[j]].sampling_params
+            if state_params.processed_logprobs:
+                targets.extend(range(base, base + width))
+                sources.extend(candidate_rows[base:base + width])
+                params.extend([state_params] * width)
+            base += width
+        if targets:
+            tensors = SamplingTensors.from_params(params, [0] * len(params))
+            values = processed_logprobs(processed[torch.tensor(sources)].float(), tensors)
+            raw[torch.tensor(targets)] = values
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor,
+                masks: Future | None) -> tuple[list[list[int]], torch.Tensor]:
+        """Sample one token per sampling request (after verifying its drafts, if any); also returns the processed
+        logits (``logits`` itself when no row needed processing)."""
         contexts = self._row_contexts(inputs, logits.shape[0])
         if contexts is not None:
             logits = self.processing.apply(logits, contexts, masks)
@@ -178,7 +201,7 @@ class ModelRunner:
             if state.processing is not None:
                 state.processing.observe(tokens)
             out.append(tokens)
-        return out
+        return out, logits
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[int], params: list, positions: list[int]) -> list[int]:
         if not rows:
