@@ -9,7 +9,10 @@ Contract:
   next token; ``accept(tokens)`` advances it. A request rebuilt after preemption replays its output tokens, so
   its state does not depend on where or how often it ran.
 - JSON is generated compactly (no free whitespace): a random or small model otherwise spends its tokens on
-  whitespace that the grammar allows.
+  whitespace that the grammar allows. JSON string characters exclude control characters and UTF-16 surrogates:
+  xgrammar 0.2's length-bounded string rule lets raw U+0000-U+001F through (JSON forbids them unescaped), and
+  its character classes accept surrogate code points, whose UTF-8 form is invalid (a byte-level model can emit
+  them byte by byte; they would decode to U+FFFD and break ``maxLength``).
 - Masks are applied with xgrammar's CPU ``apply_token_bitmask_inplace`` on float32 logits, only on the rows
   that are constrained (``indices``); other rows pay nothing.
 """
@@ -30,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 # An object with any keys and values: what response_format {"type": "json_object"} asks for.
 _ANY_OBJECT_SCHEMA = '{"type": "object"}'
+# The character classes of xgrammar's JSON strings (length-bounded, then free), and what they become.
+_STRING_CHARS = {r'[^\"\\\r\n]': r'[^\0-\x1f\"\\\r\n\ud800-\udfff]',
+                 r'[^\0-\x1f\"\\\r\n]': r'[^\0-\x1f\"\\\r\n\ud800-\udfff]'}
 
 
 def validate(so: StructuredOutputsParams) -> None:
@@ -89,10 +95,12 @@ class GrammarCache:
         return compiled
 
     def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
-        if kind == "json":
-            return self._compiler.compile_json_schema(text, any_whitespace=False)
-        if kind == "json_object":
-            return self._compiler.compile_json_schema(_ANY_OBJECT_SCHEMA, any_whitespace=False)
+        if kind in ("json", "json_object"):
+            schema = text if kind == "json" else _ANY_OBJECT_SCHEMA
+            ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+            for old, new in _STRING_CHARS.items():
+                ebnf = ebnf.replace(old, new)
+            return self._compiler.compile_grammar(ebnf)
         if kind == "regex":
             return self._compiler.compile_regex(text)
         if kind == "choice":
