@@ -124,3 +124,20 @@ def test_streaming_n_interleaves_choices_by_index(client: openai.OpenAI) -> None
     assert all(len(c.choices) <= 1 for c in chunks) and set(indices) == {0, 1, 2}
     finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
     assert sorted(finished) == [0, 1, 2]
+
+
+def test_prompt_logprobs_extension_on_both_endpoints(server: ServerProcess, offline: LLM) -> None:
+    import httpx
+
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1}
+    got = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30).json()["choices"][0]
+    ref = offline.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+                           use_tqdm=False)[0].prompt_logprobs
+    assert ref is not None and got["prompt_logprobs"][0] is None and len(got["prompt_logprobs"]) == 4
+    for entry, expected in zip(got["prompt_logprobs"][1:], ref[1:]):
+        assert expected is not None
+        assert {int(k): v["logprob"] for k, v in entry.items()} == pytest.approx(
+            {k: v.logprob for k, v in expected.items()}, abs=1e-4)
+    chat = httpx.post(f"{server.base_url}/v1/chat/completions", json={
+        "model": "tiny", "messages": CHAT, "max_tokens": 1, "prompt_logprobs": 0}, timeout=30).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])

@@ -15,7 +15,8 @@ Contract:
 from __future__ import annotations
 
 from pagellm.outputs import Logprob
-from pagellm.server.openai.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from pagellm.server.openai.protocol import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob,
+                                            PromptLogprobs, TopLogprob)
 
 Entries = list[dict[int, Logprob]]
 
@@ -56,3 +57,12 @@ def chat_logprobs(token_ids: list[int], entries: Entries, num_top: int) -> ChatL
 def _top(logprob: Logprob) -> TopLogprob:
     return TopLogprob(token=logprob.decoded_token, logprob=logprob.logprob,
                       bytes=list(logprob.decoded_token.encode()))
+
+
+def prompt_logprobs_body(entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+    """The engine's ``RequestOutput.prompt_logprobs`` in vLLM's JSON shape (token ids as string keys)."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {str(tid): PromptLogprob(logprob=p.logprob, rank=p.rank, decoded_token=p.decoded_token)
+             for tid, p in entry.items()} for entry in entries]

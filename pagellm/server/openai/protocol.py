@@ -184,12 +184,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``prompt_logprobs`` item: one alternative at one prompt position."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# One entry per prompt token: None for the first, then token id (as a string) → its logprob.
+PromptLogprobs = list[Optional[dict[str, PromptLogprob]]]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[Literal["stop", "length", "abort"]] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class UsageInfo(BaseModel):
@@ -313,6 +326,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: Optional[str] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class ChatDelta(BaseModel):

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.errors import APIError, sse_error
-from pagellm.server.openai.logprobs import completion_logprobs, prompt_completion_logprobs
+from pagellm.server.openai.logprobs import (completion_logprobs, prompt_completion_logprobs,
+                                            prompt_logprobs_body)
 from pagellm.server.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                             CompletionResponse, UsageInfo)
 from pagellm.server.openai.serving_engine import ChoiceState as _Choice
@@ -85,8 +86,12 @@ class OpenAIServingCompletion(OpenAIServing):
             choice = choices[index]
             prefix = job.prompt_texts[index // job.request.n] if job.request.echo else ""
             logprobs = self._logprobs(job, choice, index // job.request.n, with_prompt=True)
+            prompt_lps = None
+            if job.request.prompt_logprobs is not None:
+                prompt_lps = prompt_logprobs_body(job.prompt_logprobs.get(index // job.request.n))
             result.append(CompletionChoice(index=index, text=prefix + choice.text, logprobs=logprobs,
-                                           finish_reason=choice.finish_reason, stop_reason=choice.stop_reason))
+                                           finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+                                           prompt_logprobs=prompt_lps))
         return CompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=result,
                                   usage=job.usage(choices))
 
