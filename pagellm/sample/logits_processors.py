@@ -200,12 +200,13 @@ class LogitsProcessing:
         """
         if not grammars:
             return None
-        assert self._grammars is not None  # a grammar exists, so the cache was built
-        bitmask = self._grammars.allocate_bitmask(num_rows)
+        cache = self._grammars
+        assert cache is not None  # a grammar exists, so the cache was built
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
 
         def fill() -> tuple[torch.Tensor, list[int]]:
+            bitmask = cache.allocate_bitmask(num_rows)  # on this thread: outside the runner's inference mode
             for row, grammar in grammars:
                 grammar.fill(bitmask, row)
             return bitmask, [row for row, _ in grammars]

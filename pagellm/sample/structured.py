@@ -6,7 +6,8 @@ Contract:
 - ``GrammarCache`` (one per worker) compiles constraints against the model's tokenizer, keyed by
   ``StructuredOutputsParams.key``, so requests with the same schema share one compiled grammar.
 - ``RequestGrammar`` is one request's matcher. ``fill(bitmask, row)`` writes the allowed-token bitmask for its
-  next token; ``accept(tokens)`` advances it. A request rebuilt after preemption replays its output tokens, so
+  next token (once the grammar has ended, only the stop tokens: a request with ``ignore_eos`` keeps emitting
+  EOS); ``accept(tokens)`` advances it. A request rebuilt after preemption replays its output tokens, so
   its state does not depend on where or how often it ran.
 - JSON is generated compactly (no free whitespace): a random or small model otherwise spends its tokens on
   whitespace that the grammar allows. JSON string characters exclude control characters and UTF-16 surrogates:
@@ -74,6 +75,10 @@ class GrammarCache:
                                                   stop_token_ids=sorted(stop_token_ids) or None)
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # What a finished grammar allows (EOS again, e.g. under ignore_eos): only the stop tokens.
+        self._stop_only = torch.zeros(xgr.get_bitmask_shape(1, vocab_size)[1], dtype=torch.int32)
+        for token in stop_token_ids:
+            self._stop_only[token // 32] |= _bit(token % 32)
         self._compiled: dict[tuple[str, str], xgr.CompiledGrammar] = {}
 
     @classmethod
@@ -109,7 +114,7 @@ class GrammarCache:
         return self._compiler.compile_grammar(text)
 
     def matcher(self, so: StructuredOutputsParams, output_token_ids: Sequence[int]) -> RequestGrammar:
-        return RequestGrammar(xgr.GrammarMatcher(self.compile(so)), output_token_ids)
+        return RequestGrammar(xgr.GrammarMatcher(self.compile(so)), output_token_ids, self._stop_only)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return xgr.allocate_token_bitmask(rows, self.vocab_size)
@@ -118,12 +123,17 @@ class GrammarCache:
 class RequestGrammar:
     """One request's position in its grammar."""
 
-    def __init__(self, matcher: xgr.GrammarMatcher, output_token_ids: Sequence[int]) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, output_token_ids: Sequence[int],
+                 stop_only: torch.Tensor) -> None:
         self._matcher = matcher
+        self._stop_only = stop_only
         self.accept(output_token_ids)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._matcher.is_terminated():  # the grammar is done and the request goes on (ignore_eos)
+            bitmask[row] = self._stop_only
+        else:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_ids: Sequence[int]) -> None:
         for token in token_ids:
@@ -135,6 +145,11 @@ class RequestGrammar:
     @property
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
+
+
+def _bit(position: int) -> int:
+    """Bit ``position`` of an int32 bitmask word, as the signed value torch stores."""
+    return (1 << position) - (1 << 32) if position == 31 else 1 << position
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

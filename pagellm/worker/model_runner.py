@@ -225,6 +225,9 @@ class ModelRunner:
             active = True
             history = state.token_ids[state.num_prompt_tokens:] if state.processing is not None \
                 and state.processing.bad_words else ()
+            # A grammar decides alone where the output ends: banning EOS after it is complete would leave nothing.
+            if state.processing is not None and state.processing.grammar is not None:
+                min_tokens = 0
             for offset in range(len(drafts) + 1):
                 banned = state.suppressed_token_ids if state.num_output_tokens + offset < min_tokens else ()
                 contexts[first + offset] = RowContext(state.processing, history, banned)

@@ -120,3 +120,14 @@ def test_greedy_constrained_is_deterministic_and_bans_still_apply(llm: LLM) -> N
                                                     logit_bias={ord("d"): -100.0}), use_tqdm=False)
     text = first[0].outputs[0].text
     assert text in ("cat", "cow")  # the bias removes "dog"'s first byte; the grammar still completes a choice
+
+
+def test_grammar_end_with_ignore_eos_or_min_tokens(llm: LLM) -> None:
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    kept = llm.generate(["Q:"], SamplingParams(temperature=0, structured_outputs=so, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    words = len(kept.text)
+    assert kept.text in ("yes", "no") and kept.token_ids[words:] == [257] * (8 - words)  # only EOS after the end
+    early = llm.generate(["Q:"], SamplingParams(temperature=0, structured_outputs=so, max_tokens=8, min_tokens=6),
+                         use_tqdm=False)[0].outputs[0]
+    assert early.text == kept.text and early.finish_reason == "stop"  # the grammar, not min_tokens, ends it
