@@ -6,9 +6,15 @@ Setups, each a batch of ``--batch`` requests (random prompts, ``--output-len`` t
   (c) as (a) with half the batch constrained by a JSON schema (a long integer array, so the grammar is active for
       every step; those requests stop at the length limit like the others).
 Rounds run a, b, c interleaved so machine noise hits all three alike; each figure is the best round. Prints output
-tokens/s per setup and the ratios b/a and c/a (targets: b >= 0.90, c >= 0.75). Usage:
+tokens/s per setup and the ratios b/a and c/a (targets: b >= 0.90, c >= 0.75).
+
+``--micro`` instead times only what sampling adds per decode step, on the model runner's own code: logits
+processing + sampling of a [batch, vocab] float32 logit matrix for a, b and c (c includes filling the grammar
+bitmasks of half the rows), interleaved over many repetitions (median). That part is what the setups differ in,
+and it is far less sensitive to a busy machine than a whole generation. Usage:
 
     .venv/bin/python benchmarks/sampling.py [--batch 64] [--output-len 64] [--rounds 3] [--dtype bfloat16]
+    .venv/bin/python benchmarks/sampling.py --micro [--batch 64] [--repeats 30]
 """
 
 from __future__ import annotations
@@ -45,6 +51,36 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
+def micro(batch: int, repeats: int) -> dict[str, float]:
+    """Median ms per step of processing + sampling alone, per setup (see the module docstring)."""
+    import statistics
+
+    from pagellm.model.loader import resolve_model_dir
+    from pagellm.sample.logits_processors import LogitsProcessing, RowContext
+    from pagellm.sample.sampler import Sampler, SamplingTensors
+
+    model_dir = resolve_model_dir(None)
+    vocab = 49152
+    processing = LogitsProcessing(vocab, model_dir)
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    history = torch.randint(100, vocab, (batch, 96), generator=torch.Generator().manual_seed(1)).tolist()
+    timings: dict[str, list[float]] = {name: [] for name in ("a_greedy", "b_sampling_penalties", "c_half_json")}
+    configs = setups(batch, 64)
+    states = {name: [processing.create(p, h[:32], h[32:]) for p, h in zip(params, history)]
+              for name, params in configs.items()}
+    for _ in range(repeats):
+        for name, params in configs.items():
+            logits = torch.randn(batch, vocab)
+            start = time.perf_counter()
+            grammars = [(i, s.grammar) for i, s in enumerate(states[name]) if s is not None and s.grammar]
+            masks = processing.start_masks(batch, grammars)
+            contexts = [RowContext(s, ()) for s in states[name]]
+            processed = processing.apply(logits, contexts, masks) if any(c.active for c in contexts) else logits
+            sampler(processed, SamplingTensors.from_params(params, [64] * batch)).tolist()
+            timings[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(values) for name, values in timings.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory or .gguf (default: the built-in model)")
@@ -53,7 +89,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--micro", action="store_true", help="time processing + sampling per step only")
+    parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
+    if args.micro:
+        figures = micro(args.batch, args.repeats)
+        print(json.dumps({"batch": args.batch, "ms_per_step": {k: round(v, 2) for k, v in figures.items()}}))
+        return
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.batch)
     vocab = llm.engine.runtime.vocab_size

@@ -1,7 +1,8 @@
 """Per-request logits processing before sampling: penalties, logit bias, token bans, grammar masks.
 
 Contract (the order is part of it; ``docs/sampling.md`` repeats it):
-1. ``repetition_penalty``, then ``presence_penalty`` / ``frequency_penalty`` (``penalties.py``);
+1. ``repetition_penalty``, then ``presence_penalty`` / ``frequency_penalty`` (``penalties.py``: sparse over
+   the tokens each request has seen);
 2. ``logit_bias`` added;
 3. bans set to -inf: tokens outside ``allowed_token_ids``, ``bad_words`` (a word's last token when the output
    ends with the rest of it), EOS and ``stop_token_ids`` while fewer than ``min_tokens`` outputs exist, and
@@ -11,7 +12,7 @@ Then the sampler applies temperature, top-k, top-p and min-p (``sampler.py``).
 - ``RequestProcessing`` is one request's state (built once, rebuilt after preemption from its tokens);
   ``observe`` feeds it each accepted token. Requests that ask for none of this have no state at all.
 - ``apply_processing`` works on every logit row of a step at once: each kind of processing is one batched tensor
-  op over the rows that need it (a stack of count rows, one ``index_put_`` for all biases, one for all bans, one
+  op over the rows that need it (one gather/scatter over all seen tokens, one ``index_put_`` for all biases, one for all bans, one
   bitmask apply); a step where no row needs processing returns the logits untouched, without a copy.
 - Rows are described by ``RowContext``; a request with draft tokens has one row per draft plus its bonus row,
   each with its own output position (min_tokens counts per position). Requests whose processing depends on the
@@ -28,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from pagellm.sample.penalties import TokenCounts, apply_penalties
+from pagellm.sample.penalties import TokenCounts, apply_penalties, gather_counts
 from pagellm.sample.structured import GrammarCache, RequestGrammar, apply_bitmask
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -57,7 +58,7 @@ class RequestProcessing:
             return None
         state = cls(params, bad_words=[list(w) for w in params.bad_words_token_ids or [] if w])
         if params.has_penalties:
-            state.counts = TokenCounts(vocab_size, prompt_ids, output_ids, params.repetition_penalty != 1.0)
+            state.counts = TokenCounts(prompt_ids, output_ids, params.repetition_penalty != 1.0)
         if params.logit_bias:
             state.bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.int64)
             state.bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
@@ -111,19 +112,19 @@ def _penalise(logits: torch.Tensor, rows: Sequence[RowContext]) -> torch.Tensor:
     if not which:
         return logits
     states = [rows[i].processing for i in which]
-    counts = torch.stack([s.counts.output for s in states])  # type: ignore[union-attr]
-    prompt = None
-    if any(s.counts.prompt is not None for s in states):  # type: ignore[union-attr]
-        vocab = logits.shape[-1]
-        prompt = torch.stack([s.counts.prompt if s.counts.prompt is not None  # type: ignore[union-attr]
-                              else torch.zeros(vocab, dtype=torch.bool) for s in states])
+    local_rows, ids, counts, in_prompt = gather_counts([s.counts for s in states])  # type: ignore[union-attr,misc]
     params = [s.params for s in states]  # type: ignore[union-attr]
-    index = torch.tensor(which, dtype=torch.int64)
-    penalised = apply_penalties(logits.index_select(0, index), counts, prompt,
-                                torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
-                                torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
-                                torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32))
-    return logits.index_copy_(0, index, penalised)
+    apply_penalties(logits, torch.tensor(which, dtype=torch.int64)[local_rows], ids, counts, in_prompt,
+                    _per_row(rows, which, [p.repetition_penalty for p in params], 1.0),
+                    _per_row(rows, which, [p.presence_penalty for p in params], 0.0),
+                    _per_row(rows, which, [p.frequency_penalty for p in params], 0.0))
+    return logits
+
+
+def _per_row(rows: Sequence[RowContext], which: list[int], values: list[float], default: float) -> torch.Tensor:
+    out = torch.full((len(rows),), default, dtype=torch.float32)
+    out[torch.tensor(which, dtype=torch.int64)] = torch.tensor(values, dtype=torch.float32)
+    return out
 
 
 def _add_bias(logits: torch.Tensor, rows: Sequence[RowContext]) -> None:

@@ -14,7 +14,9 @@ Contract:
 - A seeded row's draw depends only on ``(seed, output_position)``: it comes from a generator re-seeded for that
   row, so the row samples the same token wherever it sits in whatever batch, and after preemption/recompute.
   Unseeded rows share the batch generator (or torch's default one).
-- Fast paths: an all-greedy batch never touches a generator; no sort happens unless some row uses top-k/top-p.
+- Fast paths: an all-greedy batch never touches a generator; no sort happens unless some row uses top-k/top-p;
+  when every filtered row has a top-k of at most 1024, only ``topk`` candidates are sorted (same result as the
+  full stable sort, which still decides when a tie straddles the k-th place).
 - No Python loop over the vocabulary; the only per-row loop is over seeded rows.
 """
 
@@ -28,6 +30,8 @@ import torch
 from pagellm.sampling_params import SamplingParams
 
 _MASK_64 = (1 << 64) - 1
+# Up to this top_k, top-k/top-p pick candidates with ``topk`` instead of sorting the whole vocabulary.
+_SMALL_TOP_K = 1024
 
 
 @dataclass
@@ -115,12 +119,50 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     """Logits with tokens outside the top-k and then outside the top-p nucleus set to -inf (one sort)."""
     if top_k is None and top_p is None:
         return logits
+    if top_k is not None:
+        fast = _small_top_k(logits, top_k, top_p)
+        if fast is not None:
+            return fast
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     if top_k is not None:
         sorted_logits = sorted_logits.masked_fill(top_k_mask_sorted(sorted_logits, top_k), float("-inf"))
     if top_p is not None:
         sorted_logits = sorted_logits.masked_fill(top_p_mask_sorted(sorted_logits, top_p), float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _small_top_k(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor | None:
+    """``apply_top_k_top_p`` without sorting the vocabulary, when every filtered row has 0 < top_k <= 1024.
+
+    ``topk`` picks k + 1 candidates per row; they are re-sorted by (logit descending, id ascending), the same
+    order the stable full sort gives. If a row's k-th and (k+1)-th candidates tie, which tied token is in the
+    top k depends on ids outside the candidates, so the full sort decides instead (None).
+    """
+    filtered = top_k > 0 if top_p is None else (top_k > 0) | (top_p < 1.0)
+    vocab = logits.shape[-1]
+    if not bool(((top_k > 0) & (top_k <= _SMALL_TOP_K) | ~filtered).all()):
+        return None
+    rows = filtered.nonzero().squeeze(1)
+    k = top_k[rows]
+    take = min(int(k.max()) + 1, vocab)
+    values, ids = logits[rows].topk(take, dim=-1)
+    ids, by_id = ids.sort(dim=-1)
+    values = values.gather(1, by_id)
+    values, by_value = values.sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, by_value)
+    inside = k < take
+    kth = values.gather(1, (k - 1).clamp(max=take - 1).unsqueeze(1)).squeeze(1)
+    after = values.gather(1, k.clamp(max=take - 1).unsqueeze(1)).squeeze(1)
+    if bool((inside & (kth == after) & torch.isfinite(kth)).any()):
+        return None
+    values = values.masked_fill(top_k_mask_sorted(values, k), float("-inf"))
+    if top_p is not None:
+        values = values.masked_fill(top_p_mask_sorted(values, top_p[rows]), float("-inf"))
+    kept = torch.full((len(rows), vocab), float("-inf"), dtype=values.dtype, device=values.device)
+    kept.scatter_(1, ids, values)
+    if len(rows) == logits.shape[0]:
+        return kept
+    return logits.index_copy(0, rows, kept)
 
 
 def random_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

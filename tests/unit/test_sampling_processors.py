@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagellm.sample.logits_processors import RequestProcessing, RowContext, apply_processing, banned_words
-from pagellm.sample.penalties import TokenCounts, apply_penalties, apply_penalties_reference
+from pagellm.sample.penalties import TokenCounts, apply_penalties, apply_penalties_reference, gather_counts
 from pagellm.sample.sampler import SamplingTensors, processed_logprobs, processed_probs
 from pagellm.sample.structured import validate
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -27,10 +27,10 @@ def test_penalties_match_the_reference_row_by_row() -> None:
     cases = [([1, 2, 3, 3], [3, 4, 4, 4, 9], 1.3, 0.5, 0.25),
              ([7], [7, 7, 8], 1.0, -0.5, 1.5),   # presence/frequency only
              ([10, 11], [], 0.7, 0.0, 0.0)]      # repetition < 1 rewards, prompt only
-    counts = torch.stack([TokenCounts(V, p, o, True).output for p, o, *_ in cases])
-    prompt = torch.stack([TokenCounts(V, p, o, True).prompt for p, o, *_ in cases])  # type: ignore[misc]
-    out = apply_penalties(logits, counts, prompt, torch.tensor([c[2] for c in cases]),
-                          torch.tensor([c[3] for c in cases]), torch.tensor([c[4] for c in cases]))
+    rows, ids, counts, in_prompt = gather_counts([TokenCounts(p, o, True) for p, o, *_ in cases])
+    out = logits.clone()
+    apply_penalties(out, rows, ids, counts, in_prompt, torch.tensor([c[2] for c in cases]),
+                    torch.tensor([c[3] for c in cases]), torch.tensor([c[4] for c in cases]))
     for row, (p, o, rep, pres, freq) in enumerate(cases):
         expected = apply_penalties_reference(logits[row], p, o, rep, pres, freq)
         torch.testing.assert_close(out[row], expected, rtol=0, atol=1e-6)
@@ -47,8 +47,12 @@ def _rep(x: float, p: float) -> float:
 def test_counts_follow_observed_tokens() -> None:
     state = _state(SamplingParams(frequency_penalty=1.0), [1, 2], [5])
     state.observe([5, 6])
-    assert state.counts is not None and state.counts.prompt is None  # no repetition penalty: no prompt set
-    assert state.counts.output[[5, 6, 1]].tolist() == [2.0, 1.0, 0.0]
+    assert state.counts is not None
+    ids, counts, in_prompt = state.counts.view()  # no repetition penalty: prompt tokens are not tracked
+    assert ids.tolist() == [5, 6] and counts.tolist() == [2.0, 1.0] and not in_prompt.any()
+    many = TokenCounts([1, 1, 2], list(range(300)), True)  # grows past its first capacity
+    ids, counts, in_prompt = many.view()
+    assert ids.tolist()[:2] == [1, 2] and len(ids) == 300 and in_prompt.sum() == 2 and counts.sum() == 300
 
 
 def test_processing_order_and_untouched_rows() -> None:
@@ -133,3 +137,19 @@ def test_sampling_params_new_fields_validate() -> None:
     assert SamplingParams(frequency_penalty=0.1).depends_on_history
     assert not SamplingParams(logit_bias={1: 1.0}).depends_on_history  # stateless: drafts stay allowed
     assert SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")).depends_on_history
+
+
+def test_small_top_k_path_equals_the_full_sort(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagellm.sample import sampler
+
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(20):
+        logits = (torch.randn(6, 300, generator=gen) * 2).round() / 2  # coarse values: many ties
+        top_k = torch.randint(1, 40, (6,), generator=gen)
+        top_k[0] = 0 if trial % 2 else top_k[0]  # a row without top-k (only top-p) forces the full sort
+        top_p = torch.rand(6, generator=gen) * 0.5 + 0.5
+        fast = sampler.apply_top_k_top_p(logits, top_k, top_p if trial % 3 else None)
+        monkeypatch.setattr(sampler, "_SMALL_TOP_K", 0)
+        full = sampler.apply_top_k_top_p(logits, top_k, top_p if trial % 3 else None)
+        monkeypatch.undo()
+        assert torch.equal(fast, full), trial
