@@ -16,7 +16,7 @@ Contract:
   Unseeded rows share the batch generator (or torch's default one).
 - Fast paths: an all-greedy batch never touches a generator; no sort happens unless some row uses top-k/top-p;
   when every filtered row has a top-k of at most 1024, only ``topk`` candidates are sorted (same result as the
-  full stable sort, which still decides when a tie straddles the k-th place).
+  full stable sort, ties at the k-th place included).
 - No Python loop over the vocabulary; the only per-row loop is over seeded rows.
 """
 
@@ -134,27 +134,25 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
 def _small_top_k(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor | None:
     """``apply_top_k_top_p`` without sorting the vocabulary, when every filtered row has 0 < top_k <= 1024.
 
-    ``topk`` picks k + 1 candidates per row; they are re-sorted by (logit descending, id ascending), the same
-    order the stable full sort gives. If a row's k-th and (k+1)-th candidates tie, which tied token is in the
-    top k depends on ids outside the candidates, so the full sort decides instead (None).
+    ``topk`` picks k + 1 candidates per row; they are re-sorted by (logit descending, id ascending), the order
+    the stable full sort gives. When a row's k-th and (k+1)-th values tie (common in bfloat16), the tied tokens
+    with the lowest ids are the ones kept, found with one pass over the vocabulary (``_lowest_ids_at_tie``).
     """
     filtered = top_k > 0 if top_p is None else (top_k > 0) | (top_p < 1.0)
     vocab = logits.shape[-1]
     if not bool(((top_k > 0) & (top_k <= _SMALL_TOP_K) | ~filtered).all()):
         return None
     rows = filtered.nonzero().squeeze(1)
-    k = top_k[rows]
+    sub, k = logits[rows], top_k[rows]
     take = min(int(k.max()) + 1, vocab)
-    values, ids = logits[rows].topk(take, dim=-1)
+    values, ids = sub.topk(take, dim=-1)
+    kth = values.gather(1, (k - 1).clamp(max=take - 1).unsqueeze(1))
+    after = values.gather(1, k.clamp(max=take - 1).unsqueeze(1))
+    if bool(((k < take).unsqueeze(1) & (kth == after) & torch.isfinite(kth)).any()):
+        values, ids = _lowest_ids_at_tie(sub, k, kth, take)
     ids, by_id = ids.sort(dim=-1)
-    values = values.gather(1, by_id)
-    values, by_value = values.sort(dim=-1, descending=True, stable=True)
+    values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
     ids = ids.gather(1, by_value)
-    inside = k < take
-    kth = values.gather(1, (k - 1).clamp(max=take - 1).unsqueeze(1)).squeeze(1)
-    after = values.gather(1, k.clamp(max=take - 1).unsqueeze(1)).squeeze(1)
-    if bool((inside & (kth == after) & torch.isfinite(kth)).any()):
-        return None
     values = values.masked_fill(top_k_mask_sorted(values, k), float("-inf"))
     if top_p is not None:
         values = values.masked_fill(top_p_mask_sorted(values, top_p[rows]), float("-inf"))
@@ -163,6 +161,17 @@ def _small_top_k(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor 
     if len(rows) == logits.shape[0]:
         return kept
     return logits.index_copy(0, rows, kept)
+
+
+def _lowest_ids_at_tie(sub: torch.Tensor, k: torch.Tensor, kth: torch.Tensor,
+                       take: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k candidates when values tie at the k-th place: everything above the k-th value, then the tied
+    tokens in id order until k are chosen (the stable sort's choice); other entries become -inf."""
+    greater = sub > kth
+    need = k.unsqueeze(1) - greater.sum(dim=1, keepdim=True)
+    tied = sub == kth
+    keep = greater | (tied & (tied.cumsum(dim=1) <= need))
+    return sub.masked_fill(~keep, float("-inf")).topk(take, dim=-1)
 
 
 def random_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
