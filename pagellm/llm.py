@@ -1,5 +1,8 @@
 """``LLM``: the offline facade. It owns a tokenizer, an in-process engine core and the output processor, and
-turns a batch of prompts into ``RequestOutput``s in input order, with a progress bar."""
+turns a batch of prompts into ``RequestOutput``s in input order, with a progress bar.
+
+``n > 1`` and ``best_of`` run sibling requests (``engine/parallel_sampling.py``); each prompt's ``RequestOutput``
+holds its ``n`` ``CompletionOutput``s in index order (rank order for ``best_of > n``)."""
 
 from __future__ import annotations
 
@@ -7,12 +10,14 @@ import itertools
 import logging
 from typing import Any, Sequence, Union
 
+import msgspec
 from tqdm.auto import tqdm
 
 from pagellm.config import EngineConfig
 from pagellm.engine.client import InprocClient
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
+from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.model.loader import resolve_model_dir
 from pagellm.outputs import RequestOutput
@@ -54,8 +59,9 @@ class LLM:
         batch = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(batch), "sampling_params")
         priorities = _per_prompt(list(priority) if priority is not None else 0, len(batch), "priority")
-        ids = self._add_requests(batch, params, priorities)
-        return self._run(ids, use_tqdm)
+        groups = self._add_requests(batch, params, priorities)
+        finished = self._run([i for group in groups for i in group], use_tqdm)
+        return [self._merge([finished[i] for i in group], p) for group, p in zip(groups, params)]
 
     def chat(
         self,
@@ -73,19 +79,41 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],
-                      priorities: list[int]) -> list[str]:
+                      priorities: list[int]) -> list[list[str]]:
+        """Queue every prompt's siblings (all validated before any is queued); returns their ids per prompt."""
         requests = []
+        groups: list[list[str]] = []
         for prompt, param, prio in zip(prompts, params, priorities):
-            if param.n != 1:
-                raise ValueError("n > 1 is not supported by LLM.generate yet; repeat the prompt instead")
-            requests.append((self.input_processor.process(str(next(self._ids)), prompt, param, prio),
-                             prompt if isinstance(prompt, str) else None))
-        for request, text in requests:  # all validated before any is queued
+            base = self.input_processor.process(str(next(self._ids)), prompt, param, prio)
+            siblings = sibling_params(base.sampling_params)
+            group = [base.request_id] if len(siblings) == 1 else \
+                [f"{base.request_id}-{i}" for i in range(len(siblings))]
+            for request_id, sibling in zip(group, siblings):
+                requests.append((msgspec.structs.replace(base, request_id=request_id, sampling_params=sibling),
+                                 prompt if isinstance(prompt, str) else None))
+            groups.append(group)
+        for request, text in requests:
             self.output_processor.add_request(request, text)
             self.engine.add_requests([request])
-        return [r.request_id for r, _ in requests]
+        return groups
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    @staticmethod
+    def _merge(group: list[RequestOutput], params: SamplingParams) -> RequestOutput:
+        """One prompt's sibling outputs as one ``RequestOutput`` (the best ``n`` when ranking)."""
+        if len(group) == 1:
+            return group[0]
+        completions = []
+        for index, out in enumerate(group):
+            out.outputs[0].index = index
+            completions.append(out.outputs[0])
+        if needs_ranking(params):
+            completions = select_best(completions, params)
+        first = group[0]
+        first.request_id = first.request_id.rsplit("-", 1)[0]
+        first.outputs = completions
+        return first
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         generated = 0
@@ -105,7 +133,7 @@ class LLM:
                 bar.set_postfix_str(f"output {generated / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s",
                                     refresh=False)
         bar.close()
-        return [finished[i] for i in ids]
+        return finished
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()

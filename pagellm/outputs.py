@@ -53,6 +53,11 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """``prompt_logprobs`` (only when ``SamplingParams.prompt_logprobs`` is set) has one entry per prompt token:
+    None for the first (nothing predicts it), then ``{token_id: Logprob}`` with the top-k alternatives in rank
+    order and the prompt's own token; it is complete on the first output that carries it (in delta mode only
+    that one does)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -61,3 +66,4 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -12,6 +12,14 @@ Contract:
 - ``logprobs`` is ``None`` (off) or an integer in ``[0, MAX_LOGPROBS]``.
 - ``max_tokens=None`` means "up to the model's context length"; the engine resolves it (it knows
   ``max_model_len``), this module does not.
+- Penalties follow transformers (``repetition_penalty``, over prompt + output tokens) and OpenAI
+  (``presence_penalty``/``frequency_penalty``, over output tokens); ``logit_bias`` maps token ids to a bias in
+  [-100, 100]; ``bad_words`` are strings the frontend tokenizes into ``bad_words_token_ids``;
+  ``allowed_token_ids`` restricts every step to those ids. Token ids are checked against the vocabulary by the
+  frontend (``check_token_ids``), which knows it.
+- ``best_of`` (default ``n``) samples that many candidates and returns the ``n`` with the highest cumulative
+  logprob; ``structured_outputs`` constrains the output to a JSON schema, a regex, a choice or an EBNF grammar
+  (exactly one of them; see ``sample/structured.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +45,50 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
+    """Exactly one constraint on the output text (vLLM's ``structured_outputs``).
+
+    ``json`` is a JSON schema (a dict or its JSON text); ``json_object`` asks for any JSON object; ``regex`` a
+    regular expression the whole output matches; ``choice`` one of the listed strings; ``grammar`` an EBNF
+    grammar (xgrammar's dialect, GBNF-like, with a ``root`` rule).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, json_object, regex, choice or grammar; "
+                             f"got {given or 'none'}.")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal keys compile to the same grammar (the compile cache's key)."""
+        import json as _json
+
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
+            return "json", text
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", _json.dumps(self.choice)
+        return "grammar", self.grammar or ""
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     """Per-request sampling and output options (see the module docstring for the contract)."""
 
@@ -60,6 +112,22 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # Per generated token, return the log-probability (raw logits, before any sampling transform) of the sampled
     # token and of the ``logprobs`` most likely tokens; 0 = only the sampled token's, None = no logprobs at all.
     logprobs: int | None = None
+    # Per prompt token (from the second on), its logprob under the model plus the ``prompt_logprobs`` most
+    # likely tokens at that position; None = off. Requests that ask skip the prefix cache (every prompt
+    # position must be computed).
+    prompt_logprobs: int | None = None
+    # Logprobs of the processed distribution (after penalties, bans, bias, temperature, top-k/top-p/min-p)
+    # instead of the raw one.
+    processed_logprobs: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None  # filled by the frontend from ``bad_words``
+    allowed_token_ids: list[int] | None = None
+    best_of: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     GREEDY_EPS: ClassVar[float] = _GREEDY_EPS
 
@@ -69,6 +137,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         self._validate_sampling()
         self._validate_lengths()
         self._validate_stops()
+        self._validate_processing()
 
     # ---- derived views -------------------------------------------------------------------------------------
 
@@ -84,6 +153,31 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
     @property
+    def num_candidates(self) -> int:
+        """How many samples run: ``best_of`` when set, else ``n``."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def depends_on_history(self) -> bool:
+        """True when the processing of a step depends on earlier tokens (penalties, multi-token bad words,
+        grammar state): such requests never receive draft tokens."""
+        multi_bad = any(len(ids) > 1 for ids in self.bad_words_token_ids or [])
+        return self.has_penalties or multi_bad or self.structured_outputs is not None
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise ValueError naming the field when a token id is outside ``[0, vocab_size)``."""
+        for name, ids in (("logit_bias", list(self.logit_bias or {})), ("allowed_token_ids",
+                          self.allowed_token_ids or []), ("stop_token_ids", self.stop_token_ids or [])):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad[:5]}.")
+
+    @property
     def stop_strings(self) -> list[str]:
         """``stop`` as a list (it is always a list after ``__post_init__``; this keeps type checkers happy)."""
         return self.stop if isinstance(self.stop, list) else []
@@ -93,14 +187,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     def _coerce_numbers(self) -> None:
         # Python callers may pass ints for floats (temperature=0) or numpy scalars; msgspec only type-checks on
         # decode, so coerce here to keep downstream tensor construction uniform.
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {value!r}.")
             setattr(self, name, float(value))
-        for name in ("n", "top_k", "min_tokens", "seed", "max_tokens", "logprobs"):
+        for name in ("n", "top_k", "min_tokens", "seed", "max_tokens", "logprobs", "prompt_logprobs", "best_of"):
             value = getattr(self, name)
-            if value is None and name in ("seed", "max_tokens", "logprobs"):
+            if value is None and name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "best_of"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer, got {value!r}.")
@@ -115,6 +210,18 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            # OpenAI sends string keys ("50256"); msgspec gives ints after a round trip.
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}.") from None
+            if not self.logit_bias:
+                self.logit_bias = None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 
     def _validate_sampling(self) -> None:
         if self.n < 1:
@@ -130,6 +237,33 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (0 = only the sampled token, None = off), "
                              f"got {self.logprobs}.")
+
+    def _validate_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {value}.")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), "
+                             f"got {self.repetition_penalty}.")
+        for token, bias in (self.logit_bias or {}).items():
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}.")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (omit it to allow every token).")
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
+                raise ValueError(f"allowed_token_ids must be non-negative integers, got {self.allowed_token_ids}.")
+        if self.bad_words is not None and not all(isinstance(w, str) and w for w in self.bad_words):
+            raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}.")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (None = off), "
+                             f"got {self.prompt_logprobs}.")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}.")
+        if self.best_of is not None and self.best_of > 1 and self.is_greedy and self.best_of > self.n:
+            raise ValueError("best_of > n needs random sampling (temperature > 0): greedy candidates are "
+                             "all the same.")
 
     def _validate_lengths(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:

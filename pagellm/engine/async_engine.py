@@ -10,8 +10,9 @@ Contract:
   string aborts the request in the core.
 - Outputs report the caller's ``request_id``; internally each core request gets a unique id, so callers may
   reuse ids. ``abort(request_id)`` aborts every live request with that id (its streams end with ``"abort"``).
-- ``n > 1`` runs ``n`` sibling requests (sibling ``i`` gets ``seed + i`` when a seed is set; the siblings share
-  the prompt's KV blocks through the prefix cache). Each yielded output holds one ``CompletionOutput`` whose
+- ``n > 1`` (or ``best_of``) runs sibling requests (``parallel_sampling.py``: sibling ``i`` gets ``seed + i``
+  when a seed is set; the siblings share the prompt's KV blocks through the prefix cache). With ``best_of > n``
+  nothing is yielded until every sibling is done; then the best ``n`` come as one whole output each. Each yielded output holds one ``CompletionOutput`` whose
   ``index`` is the sibling index; a sibling's last delta has its ``finish_reason`` set, and ``finished`` is True
   only on the last output of the whole call.
 - When the consumer stops iterating (``break`` + close, ``GeneratorExit``, ``CancelledError``), the live requests
@@ -44,6 +45,7 @@ from pagellm.engine.client import MPClient
 from pagellm.engine.exceptions import EngineDeadError
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor, RequestState
+from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, RequestError
 from pagellm.metrics import tracing
 from pagellm.metrics.sink import NullStatsSink, StatsSink
@@ -130,6 +132,10 @@ class AsyncLLM:
         self._register(request_id, requests, prompt if isinstance(prompt, str) else None, stream)
         try:
             self.client.add_requests(requests)
+            if needs_ranking(params):
+                for item in await self._best_of(stream, params, len(requests)):
+                    yield item
+                return
             done: set[int] = set()
             while len(done) < len(requests):
                 for item in _coalesce(await stream.take()):
@@ -141,6 +147,25 @@ class AsyncLLM:
                     yield item
         finally:
             self._drop([r.request_id for r in requests], notify=False)
+
+    @staticmethod
+    async def _best_of(stream: _RequestStream, params: SamplingParams, count: int) -> list[RequestOutput]:
+        """Wait for all ``count`` siblings, then one whole output per chosen completion (rank order)."""
+        items: list[_StreamItem] = []
+        done: set[int] = set()
+        while len(done) < count:
+            for item in await stream.take():
+                if isinstance(item, BaseException):
+                    raise item
+                if item.outputs[0].finished:
+                    done.add(item.outputs[0].index)
+                items.append(item)
+        whole = [item for item in _coalesce(items) if isinstance(item, RequestOutput)]
+        best = select_best([item.outputs[0] for item in whole], params)
+        outputs = [_with_completion(whole[0], c) for c in best]
+        for output in outputs:
+            output.finished = output is outputs[-1]
+        return outputs
 
     async def abort(self, request_id: str) -> None:
         """Abort every live request with this caller id; their ``generate`` streams end with ``"abort"``."""
@@ -156,11 +181,8 @@ class AsyncLLM:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         base = self.input_processor.process(request_id, prompt, params, priority)
-        if params.n == 1:
-            return [msgspec.structs.replace(base, request_id=self._unique_id(request_id))]
-        return [msgspec.structs.replace(base, request_id=self._unique_id(request_id),
-                                        sampling_params=_sibling_params(params, index))
-                for index in range(params.n)]
+        return [msgspec.structs.replace(base, request_id=self._unique_id(request_id), sampling_params=sibling)
+                for sibling in sibling_params(base.sampling_params)]
 
     def _unique_id(self, request_id: str) -> str:
         # The suffix after the last "-" is unique per core request, so the whole id is unique.
@@ -291,9 +313,9 @@ class AsyncLLM:
         self.stats_sink.shutdown()
 
 
-def _sibling_params(params: SamplingParams, index: int) -> SamplingParams:
-    seed = None if params.seed is None else params.seed + index
-    return msgspec.structs.replace(params, n=1, seed=seed)
+def _with_completion(output: RequestOutput, completion: CompletionOutput) -> RequestOutput:
+    return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids, [completion], False,
+                         output.metrics, output.num_cached_tokens, prompt_logprobs=output.prompt_logprobs)
 
 
 def _aborted_output(tracked: _Tracked, state: RequestState | None) -> RequestOutput:
@@ -322,6 +344,7 @@ def _coalesce(items: list[_StreamItem]) -> list[_StreamItem]:
         old.cumulative_logprob = new.cumulative_logprob
         old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
         previous.finished = item.finished
+        previous.prompt_logprobs = previous.prompt_logprobs or item.prompt_logprobs
     return list(merged.values())
 
 

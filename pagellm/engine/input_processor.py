@@ -1,9 +1,19 @@
-"""Frontend input side: prompts (text or token ids) and chat messages become validated ``EngineCoreRequest``s."""
+"""Frontend input side: prompts (text or token ids) and chat messages become validated ``EngineCoreRequest``s.
+
+Besides the prompt it finishes the sampling parameters that need the tokenizer or the vocabulary: token ids
+(``logit_bias``, ``allowed_token_ids``, ``stop_token_ids``) are checked against the vocabulary, ``bad_words`` are
+tokenized into ``bad_words_token_ids`` (each word as written and with a leading space, as it appears mid-text),
+and a structured-output constraint is parsed so that a bad schema, regex or grammar is a ``ValueError`` here,
+before anything reaches the core.
+"""
 
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Sequence, Union
+
+import msgspec
 
 from pagellm.engine.wire import EngineCoreRequest
 from pagellm.sampling_params import SamplingParams
@@ -29,8 +39,29 @@ class InputProcessor:
                 cache_salt: str | None = None) -> EngineCoreRequest:
         token_ids = self.tokenize(prompt)
         check_prompt(token_ids, self.max_model_len, self.vocab_size)
+        params = self.prepare_params(params)
+        if params.prompt_logprobs is not None and cache_salt is None:
+            # Every prompt position must be computed to score it: a unique salt makes prefix-cache hits impossible.
+            cache_salt = f"prompt-logprobs-{uuid.uuid4().hex}"
         return EngineCoreRequest(request_id, token_ids, params, sorted(self.tokenizer.eos_token_ids), time.time(),
                                  priority, cache_salt)
+
+    def prepare_params(self, params: SamplingParams) -> SamplingParams:
+        """Check token ids and the structured-output constraint; tokenize bad words (ValueError names the fix)."""
+        params.check_token_ids(self.vocab_size)
+        if params.structured_outputs is not None:
+            from pagellm.sample.structured import validate  # xgrammar loads only when a request needs it
+
+            validate(params.structured_outputs)
+        if params.bad_words and params.bad_words_token_ids is None:
+            words: list[list[int]] = []
+            for word in params.bad_words:
+                for variant in (word, " " + word.lstrip()):
+                    ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                    if ids and ids not in words:
+                        words.append(ids)
+            params = msgspec.structs.replace(params, bad_words_token_ids=words)
+        return params
 
 
 def check_prompt(token_ids: Sequence[int], max_model_len: int, vocab_size: int) -> None:

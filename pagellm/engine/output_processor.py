@@ -37,6 +37,8 @@ class RequestState:
     logprobs: list[dict[int, Logprob]] | None = None  # one dict per token in token_ids; None = not asked
     cumulative_logprob: float | None = None
     stats: RequestStats | None = None  # timings and counts for metrics and traces
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None] + one per scored prompt token
+    prompt_logprobs_sent: bool = False
 
     def make_output(self, delta: bool) -> RequestOutput:
         """The request's output so far; with ``delta``, only the text, token ids and logprobs not returned
@@ -51,7 +53,15 @@ class RequestState:
         completion = CompletionOutput(0, text, token_ids, self.finish_reason, self.stop_reason, logprobs,
                                       self.cumulative_logprob)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion], finished,
-                             self.metrics, self.num_cached_tokens)
+                             self.metrics, self.num_cached_tokens, prompt_logprobs=self._take_prompt_logprobs(delta))
+
+    def _take_prompt_logprobs(self, delta: bool) -> list[dict[int, Logprob] | None] | None:
+        """The whole prompt's logprobs once every token is scored (in delta mode only the first time)."""
+        lps = self.prompt_logprobs
+        if lps is None or len(lps) < len(self.prompt_token_ids) or (delta and self.prompt_logprobs_sent):
+            return None
+        self.prompt_logprobs_sent = True
+        return lps
 
 
 class OutputProcessor:
@@ -66,6 +76,8 @@ class OutputProcessor:
                              stats=RequestStats(req.arrival_time, len(req.prompt_token_ids), req.sampling_params))
         if req.sampling_params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
+        if req.sampling_params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
         self.requests[req.request_id] = state
 
     def abort(self, request_id: str) -> None:
@@ -94,6 +106,8 @@ class OutputProcessor:
                 self._add_logprobs(state, out.new_token_ids, out.new_logprobs)
             assert state.stats is not None
             iteration.observe_tokens(state.stats, len(out.new_token_ids), out.times, now)
+            if state.prompt_logprobs is not None and out.new_prompt_logprobs is not None:
+                self._add_prompt_logprobs(state, out.new_prompt_logprobs)
             if self._apply(state, out):
                 to_abort.append(out.request_id)
             if state.finish_reason is not None:
@@ -108,14 +122,27 @@ class OutputProcessor:
         if new is None or not token_ids:
             return
         assert state.logprobs is not None and state.cumulative_logprob is not None
+        state.logprobs.extend(self._entries(token_ids, new))
+        state.cumulative_logprob += sum(new.sampled_logprobs[:len(token_ids)])
+
+    def _add_prompt_logprobs(self, state: RequestState, new: TokenLogprobs) -> None:
+        """Write the entries of prompt tokens ``new.start ...`` (overwriting any from before a preemption)."""
+        assert state.prompt_logprobs is not None
+        targets = state.prompt_token_ids[new.start:new.start + len(new)]
+        del state.prompt_logprobs[max(new.start, 1):]
+        state.prompt_logprobs.extend(self._entries(targets, new))
+
+    def _entries(self, token_ids: list[int], new: TokenLogprobs) -> list[dict[int, Logprob]]:
+        """One ``{token_id: Logprob}`` per token: the top-k in rank order, then the token itself if not among them."""
         text = self._token_text
+        entries = []
         for i, token in enumerate(token_ids):
             entry = {tid: Logprob(value, rank, text(tid))
                      for rank, (tid, value) in enumerate(zip(new.top_ids[i], new.top_logprobs[i]), start=1)}
             if token not in entry:
                 entry[token] = Logprob(new.sampled_logprobs[i], new.sampled_ranks[i], text(token))
-            state.logprobs.append(entry)
-        state.cumulative_logprob += sum(new.sampled_logprobs[:len(token_ids)])
+            entries.append(entry)
+        return entries
 
     def _token_text(self, token_id: int) -> str:
         """One token decoded on its own, special tokens kept (a lone partial UTF-8 byte decodes to U+FFFD)."""

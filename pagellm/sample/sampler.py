@@ -14,7 +14,9 @@ Contract:
 - A seeded row's draw depends only on ``(seed, output_position)``: it comes from a generator re-seeded for that
   row, so the row samples the same token wherever it sits in whatever batch, and after preemption/recompute.
   Unseeded rows share the batch generator (or torch's default one).
-- Fast paths: an all-greedy batch never touches a generator; no sort happens unless some row uses top-k/top-p.
+- Fast paths: an all-greedy batch never touches a generator; no sort happens unless some row uses top-k/top-p;
+  when every filtered row has a top-k of at most 1024, only ``topk`` candidates are sorted (same result as the
+  full stable sort, ties at the k-th place included).
 - No Python loop over the vocabulary; the only per-row loop is over seeded rows.
 """
 
@@ -28,6 +30,8 @@ import torch
 from pagellm.sampling_params import SamplingParams
 
 _MASK_64 = (1 << 64) - 1
+# Up to this top_k, top-k/top-p pick candidates with ``topk`` instead of sorting the whole vocabulary.
+_SMALL_TOP_K = 1024
 
 
 @dataclass
@@ -115,12 +119,59 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     """Logits with tokens outside the top-k and then outside the top-p nucleus set to -inf (one sort)."""
     if top_k is None and top_p is None:
         return logits
+    if top_k is not None:
+        fast = _small_top_k(logits, top_k, top_p)
+        if fast is not None:
+            return fast
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     if top_k is not None:
         sorted_logits = sorted_logits.masked_fill(top_k_mask_sorted(sorted_logits, top_k), float("-inf"))
     if top_p is not None:
         sorted_logits = sorted_logits.masked_fill(top_p_mask_sorted(sorted_logits, top_p), float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _small_top_k(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor | None:
+    """``apply_top_k_top_p`` without sorting the vocabulary, when every filtered row has 0 < top_k <= 1024.
+
+    ``topk`` picks k + 1 candidates per row; they are re-sorted by (logit descending, id ascending), the order
+    the stable full sort gives. When a row's k-th and (k+1)-th values tie (common in bfloat16), the tied tokens
+    with the lowest ids are the ones kept, found with one pass over the vocabulary (``_lowest_ids_at_tie``).
+    """
+    filtered = top_k > 0 if top_p is None else (top_k > 0) | (top_p < 1.0)
+    vocab = logits.shape[-1]
+    if not bool(((top_k > 0) & (top_k <= _SMALL_TOP_K) | ~filtered).all()):
+        return None
+    rows = filtered.nonzero().squeeze(1)
+    sub, k = logits[rows], top_k[rows]
+    take = min(int(k.max()) + 1, vocab)
+    values, ids = sub.topk(take, dim=-1)
+    kth = values.gather(1, (k - 1).clamp(max=take - 1).unsqueeze(1))
+    after = values.gather(1, k.clamp(max=take - 1).unsqueeze(1))
+    if bool(((k < take).unsqueeze(1) & (kth == after) & torch.isfinite(kth)).any()):
+        values, ids = _lowest_ids_at_tie(sub, k, kth, take)
+    ids, by_id = ids.sort(dim=-1)
+    values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, by_value)
+    values = values.masked_fill(top_k_mask_sorted(values, k), float("-inf"))
+    if top_p is not None:
+        values = values.masked_fill(top_p_mask_sorted(values, top_p[rows]), float("-inf"))
+    kept = torch.full((len(rows), vocab), float("-inf"), dtype=values.dtype, device=values.device)
+    kept.scatter_(1, ids, values)
+    if len(rows) == logits.shape[0]:
+        return kept
+    return logits.index_copy(0, rows, kept)
+
+
+def _lowest_ids_at_tie(sub: torch.Tensor, k: torch.Tensor, kth: torch.Tensor,
+                       take: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k candidates when values tie at the k-th place: everything above the k-th value, then the tied
+    tokens in id order until k are chosen (the stable sort's choice); other entries become -inf."""
+    greater = sub > kth
+    need = k.unsqueeze(1) - greater.sum(dim=1, keepdim=True)
+    tied = sub == kth
+    keep = greater | (tied & (tied.cumsum(dim=1) <= need))
+    return sub.masked_fill(~keep, float("-inf")).topk(take, dim=-1)
 
 
 def random_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -139,6 +190,32 @@ def random_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.min_p is not None:
         probs = probs.masked_fill(min_p_mask(probs, t.min_p), 0.0)
     return probs
+
+
+def processed_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Each row's normalised sampling distribution [B, V] after temperature, top-k, top-p and min-p; greedy rows
+    get the one-hot of their argmax.
+
+    This is the entry point for anything that needs the distribution the sampler draws from (rejection sampling
+    of draft tokens, processed logprobs); ``logits`` should already carry the per-request processing of
+    ``logits_processors.apply_processing`` (penalties, bias, bans, grammar masks).
+    """
+    t = t.to(logits.device)
+    probs = random_probs(logits, t)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    if t.all_random:
+        return probs
+    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where((t.temperature > 0).unsqueeze(1), probs, one_hot)
+
+
+def processed_logprobs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """``log`` of the sampling distribution (dropped tokens are -inf). Greedy rows: ``log_softmax`` of the
+    processed logits (temperature 1, no filters), which keeps alternatives meaningful where one-hot would not."""
+    greedy_as_t1 = SamplingTensors(torch.where(t.temperature > 0, t.temperature, 1.0), t.top_k, t.top_p, t.min_p,
+                                   [], False, True)
+    probs = random_probs(logits, greedy_as_t1.to(logits.device))
+    return torch.log(probs / probs.sum(dim=-1, keepdim=True))
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,9 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     sampled_ranks: list[int]
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
+    # Prompt logprobs only: the prompt index of the first entry's token (a request recomputed after preemption
+    # sends its prompt again from the start, and the frontend overwrites from here).
+    start: int = 0
 
     def __len__(self) -> int:
         return len(self.sampled_logprobs)
@@ -79,6 +82,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     sampled_token_ids: list[list[int]]      # per request: [] mid-prompt, 1 token, or accepted drafts + 1
     draft_token_ids: dict[str, list[int]] = {}  # proposals to verify next step
     logprobs: dict[str, TokenLogprobs] = {}     # for requests that asked: one entry per sampled token
+    prompt_logprobs: dict[str, TokenLogprobs] = {}  # prompt_logprobs requests: one entry per prompt token scored
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -91,6 +95,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     new_logprobs: TokenLogprobs | None = None   # one entry per new token when the request asked for logprobs
     times: RequestTimes | None = None           # core-side timings, on the request's first output tokens only
+    # prompt_logprobs: entries for the next prompt tokens (from the second on), in prompt order, chunk by chunk
+    new_prompt_logprobs: TokenLogprobs | None = None
 
     @property
     def finished(self) -> bool:

@@ -213,6 +213,7 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         requests, running = self.requests, RequestStatus.RUNNING
         spec_sent, drafts_out, logprobs_out = sched_out.spec_token_ids, runner_out.draft_token_ids, runner_out.logprobs
+        prompt_logprobs_out = runner_out.prompt_logprobs
         num_generated = 0
         for request_id, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
             request = requests.get(request_id)
@@ -227,10 +228,13 @@ class Scheduler:
                 request.spec_token_ids = drafts_out.get(request_id, [])
             elif request.spec_token_ids:
                 request.spec_token_ids = []
-            if not sampled:
-                continue  # mid-prompt: nothing to report
+            prompt_logprobs = prompt_logprobs_out.get(request_id) if prompt_logprobs_out else None
             first = not request.output_token_ids
-            if len(sampled) == 1:
+            if not sampled:
+                if prompt_logprobs is None:
+                    continue  # mid-prompt: nothing to report
+                new_tokens, first = [], False  # a prompt chunk scored for prompt_logprobs
+            elif len(sampled) == 1:
                 token = sampled[0]
                 request.output_token_ids.append(token)
                 request.all_token_ids.append(token)
@@ -248,7 +252,8 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 request_id, new_tokens, None if status is running else status.finish_reason, request.stop_reason,
                 request.num_cached_tokens, logprobs,
-                RequestTimes(request.queued_time, request.scheduled_time, time.time()) if first else None))
+                RequestTimes(request.queued_time, request.scheduled_time, time.time()) if first else None,
+                prompt_logprobs))
         self._stats.num_generation_tokens += num_generated
         return outputs
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagellm.sample.logits_processors import RequestProcessing
 from pagellm.sampling_params import SamplingParams
 from pagellm.sched.output import SchedulerOutput
 
@@ -26,6 +27,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     suppressed_token_ids: list[int] = field(default_factory=list)  # banned until min_tokens outputs exist
+    processing: RequestProcessing | None = None  # penalties / bias / bans / grammar state; None = none asked
 
     @property
     def num_output_tokens(self) -> int:

@@ -49,7 +49,7 @@ class Worker:
         max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
         num_blocks = kv_cache_blocks(cache_config, arch, self.dtype, max_model_len)
         self.runner = ModelRunner(model, get_backend(model_config.attention_backend), cache_config.block_size,
-                                  make_proposer(spec_config), model_config.seed)
+                                  make_proposer(spec_config), model_config.seed, arch.vocab_size, model_dir)
         self.runner.bind_kv_cache(num_blocks, self.dtype)
         if self.dtype == torch.bfloat16:  # build/load the native layer kernels now, not during the first request
             logger.info("native kernels: small-M GEMM %s, fused element-wise %s",

@@ -232,8 +232,8 @@ def test_bad_batches_queue_nothing(llm: LLM) -> None:
         llm.generate(["a", "b"], [greedy(2)] * 3, use_tqdm=False)
     with pytest.raises(ValueError, match="priority has 1 entries for 2 prompts"):
         llm.generate(["a", "b"], greedy(2), use_tqdm=False, priority=[0])
-    with pytest.raises(ValueError, match=r"n > 1 is not supported"):
-        llm.generate("a", SamplingParams(n=2), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"logit_bias: token ids must be in \[0, 320\)"):
+        llm.generate("a", SamplingParams(logit_bias={400: 1.0}), use_tqdm=False)
     with pytest.raises(ValueError, match="the prompt is empty"):
         llm.generate(["fine", ""], greedy(2), use_tqdm=False)  # the valid first prompt is not queued either
     assert_all_blocks_free(llm)

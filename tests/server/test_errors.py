@@ -29,11 +29,26 @@ BAD_REQUESTS = [
     ("completions", {**COMPLETION, "top_k": -5}, 400, "top_k", "top_k"),
     ("completions", {**COMPLETION, "stop": [""]}, 400, "stop", None),
     ("completions", {**COMPLETION, "min_tokens": 5}, 400, "min_tokens", None),
-    ("completions", {**COMPLETION, "presence_penalty": 0.5}, 400, "not supported yet", "presence_penalty"),
-    ("completions", {**COMPLETION, "frequency_penalty": -1}, 400, "not supported yet", "frequency_penalty"),
-    ("completions", {**COMPLETION, "logprobs": 2, "echo": True}, 400, "not supported yet", "logprobs"),
+    ("completions", {**COMPLETION, "presence_penalty": 2.5}, 400, "presence_penalty", "presence_penalty"),
+    ("completions", {**COMPLETION, "frequency_penalty": -3}, 400, "frequency_penalty", "frequency_penalty"),
+    ("completions", {**COMPLETION, "repetition_penalty": 0}, 400, "repetition_penalty", "repetition_penalty"),
     ("completions", {**COMPLETION, "logprobs": 21}, 400, "logprobs", "logprobs"),
-    ("completions", {**COMPLETION, "logit_bias": {"5": 1.0}}, 400, "not supported yet", "logit_bias"),
+    ("completions", {**COMPLETION, "logit_bias": {"5": 101}}, 400, "logit_bias values must be in [-100, 100]", None),
+    ("completions", {**COMPLETION, "logit_bias": {"five": 1}}, 400, "logit_bias keys must be token ids", None),
+    ("completions", {**COMPLETION, "logit_bias": {"99999": 1}}, 400, "logit_bias: token ids must be in [0, 320)",
+     None),
+    ("completions", {**COMPLETION, "allowed_token_ids": [400]}, 400, "allowed_token_ids: token ids", None),
+    ("completions", {**COMPLETION, "allowed_token_ids": []}, 400, "allowed_token_ids must not be empty", None),
+    ("completions", {**COMPLETION, "n": 3, "best_of": 2}, 400, "best_of must be >= n", None),
+    ("completions", {**COMPLETION, "best_of": 3, "stream": True}, 400, "best_of > n cannot be streamed", "best_of"),
+    ("completions", {**COMPLETION, "guided_json": {"type": "foo"}}, 400, "invalid structured_outputs.json", None),
+    ("completions", {**COMPLETION, "guided_json": "{not json"}, 400, "not valid JSON", None),
+    ("completions", {**COMPLETION, "guided_regex": "(ab"}, 400, "invalid structured_outputs.regex", None),
+    ("completions", {**COMPLETION, "guided_grammar": "root ::= undefined_rule"}, 400,
+     "invalid structured_outputs.grammar", None),
+    ("completions", {**COMPLETION, "guided_choice": []}, 400, "choice must be a non-empty list", None),
+    ("completions", {**COMPLETION, "guided_regex": "a", "guided_choice": ["b"]}, 400, "at most one", None),
+    ("completions", {**COMPLETION, "structured_outputs": {"xml": "<a/>"}}, 400, "unknown keys ['xml']", None),
     ("completions", {**COMPLETION, "no_such_field": 1}, 400, "no_such_field", "no_such_field"),
     ("completions", {**COMPLETION, "model": "gpt-4"}, 404, "gpt-4", "model"),
     ("completions", {**COMPLETION, "prompt": "x" * 600}, 400, "max_model_len is 512", "prompt"),
@@ -52,7 +67,13 @@ BAD_REQUESTS = [
     ("chat/completions", _chat(top_logprobs=3), 400, "needs logprobs: true", "top_logprobs"),
     ("chat/completions", _chat(logprobs=True, top_logprobs=-1), 400, "top_logprobs", "top_logprobs"),
     ("chat/completions", _chat(tools=[{"type": "function"}]), 400, "not supported yet", "tools"),
-    ("chat/completions", _chat(presence_penalty=1.0), 400, "not supported yet", "presence_penalty"),
+    ("chat/completions", _chat(presence_penalty=2.5), 400, "presence_penalty", "presence_penalty"),
+    ("chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400,
+     "json_schema needs", None),
+    ("chat/completions", _chat(response_format={"type": "yaml"}), 400, "response_format type must be", None),
+    ("chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}), 400,
+     "invalid structured_outputs.json", None),
     ("chat/completions", _chat(max_completion_tokens=-1), 400, "max_completion_tokens", "max_completion_tokens"),
     ("chat/completions", _chat(stream="yes"), 400, "stream", "stream"),
     ("chat/completions", _chat(stream=True, stream_options={"include_usage": "x"}), 400, "include_usage",
@@ -90,7 +111,8 @@ def test_unknown_route_and_method(server: ServerProcess) -> None:
 def test_sdk_raises_typed_errors(server: ServerProcess) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="not supported yet"):
-        client.chat.completions.create(model="tiny", messages=CHAT, frequency_penalty=1.0)
+        client.chat.completions.create(model="tiny", messages=CHAT, tools=[{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object"}}}])
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-3.5-turbo-instruct", prompt="x")
     with pytest.raises(openai.BadRequestError, match="512"):

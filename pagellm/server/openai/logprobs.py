@@ -6,7 +6,8 @@ Contract:
 - Completions (``completion_logprobs``): ``tokens`` / ``token_logprobs`` are the sampled tokens' texts and
   logprobs, ``top_logprobs`` maps every entry's text to its logprob (so up to k + 1 items, the sampled token always
   there, as OpenAI documents), ``text_offset`` is each token's start in the choice's text, counted from ``offset``
-  (a stream passes the length sent so far) by adding up the token texts.
+  (a stream passes the length sent so far) by adding up the token texts. With ``echo`` the prompt's tokens come
+  first (``prompt_completion_logprobs``), the first one with null logprob and alternatives.
 - Chat (``chat_logprobs``): one item per token with its text, logprob and UTF-8 ``bytes``, and exactly the top-k
   alternatives in ``top_logprobs``.
 """
@@ -14,13 +15,16 @@ Contract:
 from __future__ import annotations
 
 from pagellm.outputs import Logprob
-from pagellm.server.openai.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from pagellm.server.openai.protocol import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob,
+                                            PromptLogprobs, TopLogprob)
 
 Entries = list[dict[int, Logprob]]
 
 
-def completion_logprobs(token_ids: list[int], entries: Entries, offset: int = 0) -> CompletionLogprobs:
-    result = CompletionLogprobs()
+def completion_logprobs(token_ids: list[int], entries: Entries, offset: int = 0,
+                        result: CompletionLogprobs | None = None) -> CompletionLogprobs:
+    """``result``: append to these (the prompt's, with ``echo``)."""
+    result = result if result is not None else CompletionLogprobs()
     for token_id, entry in zip(token_ids, entries):
         sampled = entry[token_id]
         result.tokens.append(sampled.decoded_token)
@@ -29,6 +33,15 @@ def completion_logprobs(token_ids: list[int], entries: Entries, offset: int = 0)
         result.text_offset.append(offset)
         offset += len(sampled.decoded_token)
     return result
+
+
+def prompt_completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None],
+                               first_text: str) -> CompletionLogprobs:
+    """The prompt's part of an ``echo`` + ``logprobs`` choice: the first token (nothing predicts it) has a null
+    logprob and null alternatives, as OpenAI returns; ``first_text`` is its text."""
+    result = CompletionLogprobs(tokens=[first_text], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
+    rest = [entry for entry in entries[1:] if entry is not None]
+    return completion_logprobs(token_ids[1:], rest, len(first_text), result)
 
 
 def chat_logprobs(token_ids: list[int], entries: Entries, num_top: int) -> ChatLogprobs:
@@ -44,3 +57,12 @@ def chat_logprobs(token_ids: list[int], entries: Entries, num_top: int) -> ChatL
 def _top(logprob: Logprob) -> TopLogprob:
     return TopLogprob(token=logprob.decoded_token, logprob=logprob.logprob,
                       bytes=list(logprob.decoded_token.encode()))
+
+
+def prompt_logprobs_body(entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+    """The engine's ``RequestOutput.prompt_logprobs`` in vLLM's JSON shape (token ids as string keys)."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {str(tid): PromptLogprob(logprob=p.logprob, rank=p.rank, decoded_token=p.decoded_token)
+             for tid, p in entry.items()} for entry in entries]

@@ -3,9 +3,12 @@
 Contract:
 - Requests are validated strictly (no string-to-number coercion) and unknown fields are rejected, as OpenAI does;
   validation errors become HTTP 400 naming the field (see ``errors.py``).
-- OpenAI parameters the engine cannot honour yet (penalties, prompt logprobs, logit_bias, tools, ...) are accepted
-  by the schema only so that a non-default value can be refused with a clear 400 by ``unsupported()``: never
-  ignored.
+- OpenAI parameters the engine cannot honour (tools, suffix) are accepted by the schema only so that a
+  non-default value can be refused with a clear 400 by ``unsupported()``: never ignored.
+- Structured outputs arrive as vLLM spells them: ``structured_outputs`` ``{json|regex|choice|grammar}``, the
+  legacy ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, and on chat OpenAI's
+  ``response_format`` (``json_object`` or ``json_schema``); at most one of them per request.
+- ``logit_bias`` keys are token ids written as strings (OpenAI's JSON form).
 - ``to_sampling_params`` maps a request onto ``SamplingParams`` field for field; its ``ValueError`` is a 400.
 - Responses carry OpenAI's field names and ``object`` strings so the ``openai`` SDK parses them unchanged.
 """
@@ -17,7 +20,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagellm.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagellm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 # Sibling i of an n-sample request uses seed + i (n <= 128), which must still fit the wire's int64.
@@ -59,22 +62,65 @@ class SamplingRequest(OpenAIModel):
     priority: Int64 = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    bad_words: Optional[list[str]] = None
+    allowed_token_ids: Optional[list[TokenId]] = None
+    prompt_logprobs: Optional[NumLogprobs] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
     def unsupported(self) -> list[tuple[str, str]]:
-        """(field, why) for every parameter set to a value the engine cannot honour yet."""
-        found = []
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                found.append((name, f"{name} is not supported yet; omit it or send 0"))
-        if self.logit_bias:
-            found.append(("logit_bias", "logit_bias is not supported yet; omit it"))
-        return found
+        """(field, why) for every parameter set to a value the engine cannot honour."""
+        return []
+
+    def structured(self) -> Optional[StructuredOutputsParams]:
+        """The one structured-output constraint of the request, or None (ValueError when several are given)."""
+        given: dict[str, Any] = {}
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = dict(self.structured_outputs)
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                given[f"guided_{kind}"] = {kind: value}
+        given.update(self._response_format())
+        if len(given) > 1:
+            raise ValueError(f"give at most one structured-output constraint, got {', '.join(given)}")
+        if not given:
+            return None
+        (name, spec), = given.items()
+        unknown = set(spec) - set(StructuredOutputsParams.__struct_fields__)
+        if unknown:
+            raise ValueError(f"{name}: unknown keys {sorted(unknown)}; use one of json, regex, choice, grammar")
+        try:
+            return StructuredOutputsParams(**spec)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{name}: {exc}") from None
+
+    def _response_format(self) -> dict[str, Any]:
+        return {}
+
+    def _logit_bias(self) -> Optional[dict[int, float]]:
+        if not self.logit_bias:
+            return None
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids written as strings of integers, got {key!r}") \
+                    from None
+        return bias
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], best_of: Optional[int] = None,
+                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -89,7 +135,17 @@ class SamplingRequest(OpenAIModel):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self._logit_bias(),
+            bad_words=self.bad_words or None,
+            allowed_token_ids=self.allowed_token_ids,
+            best_of=best_of,
+            structured_outputs=self.structured(),
         )
 
 
@@ -100,22 +156,22 @@ class CompletionRequest(SamplingRequest):
     max_tokens: Optional[Count] = 16
     echo: bool = False
     logprobs: Optional[NumLogprobs] = None
-    best_of: Optional[int] = None
+    best_of: Optional[int] = Field(None, ge=1, le=128)
     suffix: Optional[str] = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         found = super().unsupported()
-        if self.logprobs is not None and self.echo:
-            found.append(("logprobs", "logprobs of the prompt (echo with logprobs) are not supported yet; "
-                                      "omit echo or logprobs"))
-        if self.best_of not in (None, 1, self.n):
-            found.append(("best_of", "best_of other than n is not supported yet; omit it"))
         if self.suffix:
             found.append(("suffix", "suffix (insertion) is not supported; omit it"))
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            found.append(("best_of", "best_of > n cannot be streamed (the best are known only at the end); "
+                                     "set stream=false or best_of=n"))
         return found
 
     def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        # echo + logprobs scores the prompt too (what evaluation harnesses use): prompt logprobs with the same k.
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self.sampling_params(self.max_tokens, self.logprobs, self.best_of, prompt_logprobs)
 
 
 class CompletionLogprobs(BaseModel):
@@ -128,12 +184,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``prompt_logprobs`` item: one alternative at one prompt position."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# One entry per prompt token: None for the first, then token id (as a string) → its logprob.
+PromptLogprobs = list[Optional[dict[str, PromptLogprob]]]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[Literal["stop", "length", "abort"]] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class UsageInfo(BaseModel):
@@ -199,10 +268,23 @@ class ChatCompletionRequest(SamplingRequest):
             found.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         if self.tools or self.tool_choice not in (None, "none"):
             found.append(("tools", "tool calling is not supported yet; omit tools and tool_choice"))
-        if self.response_format and self.response_format.get("type") != "text":
-            found.append(("response_format", "structured output is not supported yet; use response_format "
-                                             "{'type': 'text'} or omit it"))
         return found
+
+    def _response_format(self) -> dict[str, Any]:
+        """``response_format`` as a structured-output spec (OpenAI: text, json_object or json_schema)."""
+        fmt = self.response_format
+        if not fmt or fmt.get("type") == "text":
+            return {}
+        if fmt.get("type") == "json_object":
+            return {"response_format": {"json_object": True}}
+        if fmt.get("type") == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': "
+                                 "{...}}} with the schema as an object")
+            return {"response_format": {"json": spec["schema"]}}
+        raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', "
+                         f"got {fmt.get('type')!r}")
 
     def to_sampling_params(self) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -244,6 +326,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: Optional[str] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class ChatDelta(BaseModel):

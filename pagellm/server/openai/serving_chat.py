@@ -7,6 +7,8 @@ Contract:
 - Streaming: the first chunk of every choice carries ``delta.role = "assistant"`` (and empty content), then
   content deltas; the chunk that finishes a choice carries its ``finish_reason``. With
   ``stream_options.include_usage`` a last chunk carries the usage and no choices; then ``data: [DONE]``.
+- ``response_format`` (``json_object`` / ``json_schema``) and the vLLM structured-output fields constrain the
+  reply; ``prompt_logprobs: k`` (vLLM) adds the prompt's logprobs to the (non-streamed) response.
 - ``logprobs: true`` (with ``top_logprobs: k`` alternatives) fills ``choices[i].logprobs.content`` (see
   ``logprobs.py``); a stream sends each token's logprobs with the chunk that carries its text (or the next one).
 """
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.errors import sse_error
-from pagellm.server.openai.logprobs import chat_logprobs
+from pagellm.server.openai.logprobs import chat_logprobs, prompt_logprobs_body
 from pagellm.server.openai.protocol import (ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk,
                                             ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
                                             ChatResponseMessage, UsageInfo)
@@ -54,13 +56,15 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, job: _Job) -> ChatCompletionResponse:
         choices: dict[int, _Choice] = {}
+        prompt_logprobs = None
         async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority):
             choices.setdefault(output.outputs[0].index, _Choice()).add(output)
+            prompt_logprobs = prompt_logprobs or output.prompt_logprobs
         result = [ChatCompletionChoice(index=i, message=ChatResponseMessage(content=c.text), logprobs=_logprobs(job, c),
                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                   for i, c in sorted(choices.items())]
         return ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=result,
-                                      usage=job.usage(choices))
+                                      usage=job.usage(choices), prompt_logprobs=prompt_logprobs_body(prompt_logprobs))
 
     async def stream(self, job: _Job) -> AsyncIterator[str]:
         choices: dict[int, _Choice] = {}

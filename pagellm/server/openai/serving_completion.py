@@ -5,7 +5,10 @@ Contract:
   sample_index`` as OpenAI numbers them. ``echo`` prepends the prompt text (in the first chunk when streaming).
 - Usage: ``prompt_tokens`` counts each prompt once, ``completion_tokens`` every generated token of every choice.
 - ``logprobs: k`` fills ``choices[i].logprobs`` (see ``logprobs.py``); a stream sends each token's logprobs with
-  the chunk that carries its text (or the next one, when a token adds no text yet).
+  the chunk that carries its text (or the next one, when a token adds no text yet). With ``echo`` the prompt's
+  tokens and their logprobs come first (the form evaluation harnesses use to score a continuation, e.g. with
+  ``max_tokens: 1``); a stream sends them with the first chunk.
+- ``best_of > n`` returns the ``n`` candidates with the highest cumulative logprob (not streamable: 400).
 - Streaming sends ``data: {chunk}`` events and ``data: [DONE]``; with ``stream_options.include_usage`` a last
   chunk carries the usage and no choices. An engine error after the stream started is sent as an error event.
 """
@@ -19,7 +22,8 @@ from dataclasses import dataclass, field
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.errors import APIError, sse_error
-from pagellm.server.openai.logprobs import completion_logprobs
+from pagellm.server.openai.logprobs import (completion_logprobs, prompt_completion_logprobs,
+                                            prompt_logprobs_body)
 from pagellm.server.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                             CompletionResponse, UsageInfo)
 from pagellm.server.openai.serving_engine import ChoiceState as _Choice
@@ -37,6 +41,11 @@ class _Job:
     prompt_texts: list[str]
     params: SamplingParams
     created: int = field(default_factory=lambda: int(time.time()))
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)  # prompt index → its prompt logprobs (echo)
+
+    def note(self, prompt_index: int, output: RequestOutput) -> None:
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = output.prompt_logprobs
 
     def choice_index(self, prompt_index: int, output: RequestOutput) -> int:
         return prompt_index * self.request.n + output.outputs[0].index
@@ -70,13 +79,19 @@ class OpenAIServingCompletion(OpenAIServing):
         choices: dict[int, _Choice] = {}
         stream = self.generate(job.prompts, job.params, job.request_id, job.request.priority)
         async for prompt_index, output in stream:
+            job.note(prompt_index, output)
             choices.setdefault(job.choice_index(prompt_index, output), _Choice()).add(output)
         result = []
         for index in sorted(choices):
             choice = choices[index]
             prefix = job.prompt_texts[index // job.request.n] if job.request.echo else ""
-            result.append(CompletionChoice(index=index, text=prefix + choice.text, logprobs=_logprobs(job, choice),
-                                           finish_reason=choice.finish_reason, stop_reason=choice.stop_reason))
+            logprobs = self._logprobs(job, choice, index // job.request.n, with_prompt=True)
+            prompt_lps = None
+            if job.request.prompt_logprobs is not None:
+                prompt_lps = prompt_logprobs_body(job.prompt_logprobs.get(index // job.request.n))
+            result.append(CompletionChoice(index=index, text=prefix + choice.text, logprobs=logprobs,
+                                           finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+                                           prompt_logprobs=prompt_lps))
         return CompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=result,
                                   usage=job.usage(choices))
 
@@ -85,14 +100,17 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             stream = self.generate(job.prompts, job.params, job.request_id, job.request.priority)
             async for prompt_index, output in stream:
+                job.note(prompt_index, output)
                 index = job.choice_index(prompt_index, output)
                 choice = choices.setdefault(index, _Choice())
                 text = choice.add(output)
-                if job.request.echo and not choice.started:
+                first = not choice.started
+                if job.request.echo and first:
                     text = job.prompt_texts[prompt_index] + text
                 if text or choice.finish_reason:
                     choice.started = True
-                    yield self._chunk(job, [CompletionChoice(index=index, text=text, logprobs=_logprobs(job, choice),
+                    logprobs = self._logprobs(job, choice, prompt_index, with_prompt=first)
+                    yield self._chunk(job, [CompletionChoice(index=index, text=text, logprobs=logprobs,
                                                              finish_reason=choice.finish_reason,
                                                              stop_reason=choice.stop_reason)])
             if job.request.include_usage:
@@ -101,17 +119,24 @@ class OpenAIServingCompletion(OpenAIServing):
             yield sse_error(exc)
         yield "data: [DONE]\n\n"
 
+    def _logprobs(self, job: _Job, choice: _Choice, prompt_index: int,
+                  with_prompt: bool) -> CompletionLogprobs | None:
+        """The logprobs of the choice's tokens not sent yet (None when the request did not ask for them); with
+        ``echo`` and ``with_prompt`` (the first chunk), the prompt's tokens first."""
+        if job.params.logprobs is None:
+            return None
+        prompt: CompletionLogprobs | None = None
+        if job.request.echo and with_prompt:
+            ids = job.prompts[prompt_index]
+            prompt = prompt_completion_logprobs(ids, job.prompt_logprobs.get(prompt_index, [None]),
+                                                self.tokenizer.decode(ids[:1], skip_special_tokens=False))
+            choice.text_offset = sum(len(token) for token in prompt.tokens)
+        result = completion_logprobs(*choice.take_logprobs(), offset=choice.text_offset, result=prompt)
+        choice.text_offset = result.text_offset[-1] + len(result.tokens[-1]) if result.tokens else choice.text_offset
+        return result
+
     @staticmethod
     def _chunk(job: _Job, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
         body = CompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=choices,
                                   usage=usage)
         return f"data: {body.model_dump_json()}\n\n"
-
-
-def _logprobs(job: _Job, choice: _Choice) -> CompletionLogprobs | None:
-    """The logprobs of the choice's tokens not sent yet (None when the request did not ask for them)."""
-    if job.params.logprobs is None:
-        return None
-    result = completion_logprobs(*choice.take_logprobs(), offset=choice.text_offset)
-    choice.text_offset += sum(len(token) for token in result.tokens)
-    return result

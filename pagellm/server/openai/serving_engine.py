@@ -5,7 +5,8 @@ Contract:
 - ``EngineClient`` is the slice of ``AsyncLLM`` the server uses; the server never imports the engine class itself
   (``launch.py`` builds it), so the app can be built over any object with these methods.
 - ``check_request`` refuses (400/404) before anything is queued: unknown model, unsupported parameters, sampling
-  values ``SamplingParams`` rejects, prompts that are empty, too long for ``max_model_len`` or out of vocabulary.
+  values ``SamplingParams`` rejects, token ids outside the vocabulary, structured-output schemas, regexes or
+  grammars that do not parse, prompts that are empty, too long for ``max_model_len`` or out of vocabulary.
 - ``generate`` makes one engine call per prompt, ``n`` passed through (the engine's siblings: seed + i, the
   prompt's KV blocks shared), and yields ``(prompt_index, RequestOutput)`` deltas as they arrive; each holds one
   sample whose ``index`` is the sibling index. Closing it (client gone, error) cancels every engine request, which
@@ -107,7 +108,14 @@ class OpenAIServing:
         model = self.check_model(request.model)
         for field, why in request.unsupported():
             raise APIError(why, 400, param=field, code="unsupported_parameter")
-        return model, request.to_sampling_params()  # type: ignore[attr-defined]
+        params: SamplingParams = request.to_sampling_params()  # type: ignore[attr-defined]
+        # Checked here too (the engine checks again) so a stream never starts for a request that must fail.
+        params.check_token_ids(self.vocab_size)
+        if params.structured_outputs is not None:
+            from pagellm.sample.structured import validate
+
+            validate(params.structured_outputs)
+        return model, params
 
     def check_prompt(self, token_ids: list[int], position: Optional[int] = None) -> list[int]:
         try:

@@ -1,0 +1,124 @@
+"""What sampling features cost: decode throughput of one batch under three sampling setups, one process.
+
+Setups, each a batch of ``--batch`` requests (random prompts, ``--output-len`` tokens, EOS ignored):
+  (a) greedy;
+  (b) temperature 0.8 + top-p 0.9 + top-k 50 + repetition/presence/frequency penalties + a logit bias;
+  (c) as (a) with half the batch constrained by a JSON schema (a long integer array, so the grammar is active for
+      every step; those requests stop at the length limit like the others).
+Rounds run a, b, c interleaved so machine noise hits all three alike; each figure is the best round. Prints output
+tokens/s per setup and the ratios b/a and c/a (targets: b >= 0.90, c >= 0.75).
+
+``--micro`` instead times only what sampling adds per decode step, on the model runner's own code: logits
+processing + sampling of a [batch, vocab] float32 logit matrix for a, b and c (c includes filling the grammar
+bitmasks of half the rows), interleaved over many repetitions (median). That part is what the setups differ in,
+and it is far less sensitive to a busy machine than a whole generation. Usage:
+
+    .venv/bin/python benchmarks/sampling.py [--batch 64] [--output-len 64] [--rounds 3] [--dtype bfloat16]
+    .venv/bin/python benchmarks/sampling.py --micro [--batch 64] [--repeats 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from pagellm import LLM, SamplingParams
+from pagellm.sampling_params import StructuredOutputsParams
+
+SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 200,
+          "maxItems": 200}
+
+
+def setups(batch: int, output_len: int) -> dict[str, list[SamplingParams]]:
+    common = dict(max_tokens=output_len, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, **common)
+    full = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1, presence_penalty=0.3,
+                          frequency_penalty=0.3, logit_bias={100: 1.0, 200: -1.0}, seed=0, **common)
+    constrained = SamplingParams(temperature=0.0, max_tokens=output_len,
+                                 structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    return {"a_greedy": [greedy] * batch, "b_sampling_penalties": [full] * batch,
+            "c_half_json": [constrained if i % 2 == 0 else greedy for i in range(batch)]}
+
+
+def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def micro(batch: int, repeats: int) -> dict[str, float]:
+    """Median ms per step of processing + sampling alone, per setup (see the module docstring)."""
+    import statistics
+
+    from pagellm.model.loader import resolve_model_dir
+    from pagellm.sample.logits_processors import LogitsProcessing, RowContext
+    from pagellm.sample.sampler import Sampler, SamplingTensors
+
+    model_dir = resolve_model_dir(None)
+    vocab = 49152
+    processing = LogitsProcessing(vocab, model_dir)
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    history = torch.randint(100, vocab, (batch, 96), generator=torch.Generator().manual_seed(1)).tolist()
+    timings: dict[str, list[float]] = {name: [] for name in ("a_greedy", "b_sampling_penalties", "c_half_json")}
+    configs = setups(batch, 64)
+    # 32 prompt + 64 output tokens of history per request (a grammar starts at its beginning)
+    states = {name: [processing.create(p, h[:32], [] if p.structured_outputs else h[32:])
+                     for p, h in zip(params, history)] for name, params in configs.items()}
+    for _ in range(repeats):
+        for name, params in configs.items():
+            logits = torch.randn(batch, vocab)
+            start = time.perf_counter()
+            grammars = [(i, s.grammar) for i, s in enumerate(states[name]) if s is not None and s.grammar]
+            masks = processing.start_masks(batch, grammars)
+            contexts = [RowContext(s, ()) for s in states[name]]
+            processed = processing.apply(logits, contexts, masks) if any(c.active for c in contexts) else logits
+            sampler(processed, SamplingTensors.from_params(params, [64] * batch)).tolist()
+            timings[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(values) for name, values in timings.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory or .gguf (default: the built-in model)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--micro", action="store_true", help="time processing + sampling per step only")
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    if args.micro:
+        figures = micro(args.batch, args.repeats)
+        print(json.dumps({"batch": args.batch, "ms_per_step": {k: round(v, 2) for k, v in figures.items()}}))
+        return
+
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.batch)
+    vocab = llm.engine.runtime.vocab_size
+    prompts = torch.randint(100, vocab, (args.batch, args.prompt_len),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+    configs = setups(args.batch, args.output_len)
+    for params in configs.values():  # warm-up: kernels, grammar compile (cached afterwards)
+        llm.generate(prompts[:4], params[:4], use_tqdm=False)
+    best: dict[str, float] = {}
+    for round_index in range(args.rounds):
+        for name, params in configs.items():
+            elapsed, tokens = run_once(llm, prompts, params)
+            rate = tokens / elapsed
+            best[name] = max(best.get(name, 0.0), rate)
+            print(f"round {round_index}: {name:22s} {tokens} tokens in {elapsed:6.2f}s = {rate:8.1f} tok/s",
+                  flush=True)
+    base = best["a_greedy"]
+    summary = {name: round(rate, 1) for name, rate in best.items()}
+    summary["ratio_b_over_a"] = round(best["b_sampling_penalties"] / base, 3)
+    summary["ratio_c_over_a"] = round(best["c_half_json"] / base, 3)
+    print(json.dumps({"batch": args.batch, "output_len": args.output_len, "dtype": args.dtype, **summary}))
+
+
+if __name__ == "__main__":
+    main()
