@@ -2,8 +2,9 @@
 
 It keeps per-request state across steps (applying the scheduler's deltas), builds the flat step inputs, opens
 the forward context for attention, computes logits only for the rows that sample, samples, verifies draft tokens
-(greedy: the accepted prefix is where drafts equal the target's argmax, plus one corrected/bonus token), and
-asks the proposer for the next drafts. For requests that ask for logprobs, it takes ``log_softmax`` of their raw
+(``spec/verify.py``: greedy requests keep the target's argmax path, sampled ones go through lossless rejection
+sampling; either way one corrected or bonus token follows the accepted drafts), and asks the proposer for the
+next drafts (kept per request until verified, since verification needs their distributions). For requests that ask for logprobs, it takes ``log_softmax`` of their raw
 logit rows (before min_tokens bans) and reports, per sampled token, its logprob, rank and the top alternatives
 (``sample/logprobs.py``); a step where no request asks does no logprob work at all.
 """
@@ -11,8 +12,6 @@ logit rows (before min_tokens bans) and reports, per sampled token, its logprob,
 from __future__ import annotations
 
 import logging
-from typing import Sequence
-
 import torch
 
 from pagellm.attention.base import AttentionBackend, CommonAttentionInputs, forward_context
@@ -20,7 +19,8 @@ from pagellm.model.llama import LlamaForCausalLM
 from pagellm.sample.logprobs import gather_logprobs, raw_logprobs, split_logprobs
 from pagellm.sample.sampler import Sampler, SamplingTensors
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from pagellm.spec.base import Proposer
+from pagellm.spec.base import Draft, ProposalRequest, Proposer
+from pagellm.spec.verify import DraftedRow, verify
 from pagellm.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
         self.states: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        self.drafts: dict[str, Draft] = {}  # last step's proposals, by request (verified this step)
 
     def bind_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         """Allocate one [2, num_blocks, block_size, kv_heads, head_dim] cache per attention layer."""
@@ -89,6 +90,9 @@ class ModelRunner:
     def _apply_deltas(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
+            self.drafts.pop(req_id, None)
+        if sched.finished_req_ids:
+            self.proposer.release(sched.finished_req_ids)
         for new in sched.new_reqs:
             self.states[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, list(new.block_ids),
@@ -99,32 +103,36 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> list[list[int]]:
-        """Sample one token per sampling request (after verifying its drafts, if any)."""
-        rows, params, positions = [], [], []
-        for req_id, first, drafts in zip(inputs.req_ids, inputs.logits_start, inputs.drafts):
+        """Sample one token per request without drafts; verify the drafts of the others (``spec/verify.py``)."""
+        rows, params, positions, plain, drafted = [], [], [], [], []
+        for j, (req_id, first, drafts) in enumerate(zip(inputs.req_ids, inputs.logits_start, inputs.drafts)):
             if first < 0:
                 continue
             state = self.states[req_id]
-            rows.append(first + len(drafts))  # the row after the last draft: the bonus / next token
-            params.append(state.sampling_params)
-            positions.append(state.num_output_tokens + len(drafts))
             self._suppress(logits, state, first, len(drafts))
-        bonus = self._sample_rows(logits, rows, params, positions)
-        argmax = logits.argmax(dim=-1).tolist() if any(inputs.drafts) else []
-        out: list[list[int]] = []
-        bonus_tokens = iter(bonus)
-        for req_id, first, drafts in zip(inputs.req_ids, inputs.logits_start, inputs.drafts):
-            if first < 0:
-                out.append([])
+            if drafts:
+                drafted.append((j, self._drafted_row(state, first, drafts)))
                 continue
-            bonus_token = next(bonus_tokens)
-            accepted = _accept_greedy(drafts, argmax[first:first + len(drafts)])
-            # A rejected draft is replaced by the target's own choice there; all accepted earns the bonus token.
-            last = argmax[first + accepted] if accepted < len(drafts) else bonus_token
-            tokens = drafts[:accepted] + [last]
+            plain.append(j)
+            rows.append(first)
+            params.append(state.sampling_params)
+            positions.append(state.num_output_tokens)
+        out: list[list[int]] = [[] for _ in inputs.req_ids]
+        for j, token in zip(plain, self._sample_rows(logits, rows, params, positions)):
+            out[j] = [token]
+        if drafted:
+            for (j, _), result in zip(drafted, verify(logits, [row for _, row in drafted], self.sampler.generator)):
+                out[j] = result.tokens
+        for req_id, tokens in zip(inputs.req_ids, out):
             self.states[req_id].token_ids.extend(tokens)
-            out.append(tokens)
         return out
+
+    def _drafted_row(self, state: CachedRequestState, first: int, drafts: list[int]) -> DraftedRow:
+        """What verification needs about a request's drafts (the scheduler may have cut them short)."""
+        draft = self.drafts.get(state.req_id)
+        probs = draft.probs[:len(drafts)] if draft is not None and draft.probs is not None else None
+        parents = draft.parents[:len(drafts)] if draft is not None and draft.parents is not None else None
+        return DraftedRow(first, drafts, state.sampling_params, state.num_output_tokens, probs, parents)
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[int], params: list, positions: list[int]) -> list[int]:
         if not rows:
@@ -143,15 +151,22 @@ class ModelRunner:
                 logits[first + offset, banned] = float("-inf")
 
     def _propose(self, req_ids: list[str], sampled: list[list[int]]) -> dict[str, list[int]]:
+        """Ask the proposer for drafts for every request that just sampled; keep what verification needs."""
         if not self.proposer.num_lookahead_tokens:
             return {}
-        drafts: dict[str, list[int]] = {}
+        asks: list[ProposalRequest] = []
         for req_id, tokens in zip(req_ids, sampled):
-            state = self.states[req_id]
-            if tokens and state.sampling_params.is_greedy:  # drafts are verified greedily only
-                proposal = self.proposer.propose(state.token_ids, self.proposer.num_lookahead_tokens)
-                if proposal:
-                    drafts[req_id] = proposal
+            if tokens:
+                state = self.states[req_id]
+                asks.append(ProposalRequest(req_id, state.token_ids, state.sampling_params, state.num_output_tokens,
+                                            self.proposer.num_lookahead_tokens))
+        drafts: dict[str, list[int]] = {}
+        for ask, draft in zip(asks, self.proposer.propose(asks)):
+            if draft.tokens:
+                drafts[ask.req_id] = draft.tokens
+                self.drafts[ask.req_id] = draft  # kept until replaced: the scheduler may verify it steps later
+            else:
+                self.drafts.pop(ask.req_id, None)
         return drafts
 
 
@@ -163,12 +178,3 @@ def _candidate_rows(inputs: StepInputs, wanted: list[int]) -> list[int]:
         rows.extend(range(first, first + len(inputs.drafts[j]) + 1))
     return rows
 
-
-def _accept_greedy(drafts: Sequence[int], target: Sequence[int]) -> int:
-    """How many leading drafts equal the target model's argmax at their positions."""
-    accepted = 0
-    for draft, best in zip(drafts, target):
-        if draft != best:
-            break
-        accepted += 1
-    return accepted
