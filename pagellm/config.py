@@ -108,27 +108,40 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1")
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding: which proposer drafts tokens, and how many."""
+    """Speculative decoding: which proposer drafts tokens, and how many (see docs/speculative.md)."""
 
-    method: str | None = _help("Proposer: none or ngram (prompt lookup).", default=None)
+    method: str | None = _help("Proposer: none, ngram (prompt lookup) or draft_model (a smaller model, or the "
+                               "target's first draft_layers layers).", default=None)
     num_speculative_tokens: int = _help("Draft tokens proposed per step.", default=0)
     prompt_lookup_min: int = _help("Smallest n-gram the ngram proposer matches.", default=2)
     prompt_lookup_max: int = _help("Largest n-gram the ngram proposer matches.", default=4)
+    model: str | None = _help("draft_model: Hugging Face directory of the draft model (same tokenizer); unset "
+                              "for self-speculation with the target's first draft_layers layers.", default=None)
+    draft_layers: int | None = _help("draft_model without a model: how many leading target layers draft "
+                                     "(plus the final norm and LM head, weights shared).", default=None)
 
     def __post_init__(self) -> None:
-        if self.method not in (None, "ngram"):
-            raise ValueError(f"speculative method {self.method!r} is not supported; use 'ngram' or leave unset")
+        if self.method not in (None, *SPEC_METHODS):
+            raise ValueError(f"speculative method {self.method!r} is not supported; use one of "
+                             f"{', '.join(SPEC_METHODS)} or leave it unset")
         if self.method is not None and self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1 when a speculative method is set")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.method == "draft_model" and (self.model is None) == (self.draft_layers is None):
+            raise ValueError("draft_model needs exactly one of 'model' (a draft model directory) or "
+                             "'draft_layers' (self-speculation with the target's first layers)")
+        if self.draft_layers is not None and self.draft_layers < 1:
+            raise ValueError(f"draft_layers must be >= 1, got {self.draft_layers}")
 
     @property
     def num_lookahead_tokens(self) -> int:
         return self.num_speculative_tokens if self.method else 0
-
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig:

@@ -47,8 +47,11 @@ class Worker:
         model.eval()
         max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
         num_blocks = kv_cache_blocks(cache_config, arch, self.dtype, max_model_len)
-        self.runner = ModelRunner(model, get_backend(model_config.attention_backend), cache_config.block_size,
-                                  make_proposer(spec_config), model_config.seed)
+        backend = get_backend(model_config.attention_backend)
+        # Model-based proposers keep their own cache with as many blocks as the target's (their layers only).
+        proposer = make_proposer(spec_config, model, backend=backend, block_size=cache_config.block_size,
+                                 num_blocks=num_blocks, dtype=self.dtype, seed=model_config.seed)
+        self.runner = ModelRunner(model, backend, cache_config.block_size, proposer, model_config.seed)
         self.runner.bind_kv_cache(num_blocks, self.dtype)
         self.runtime = RuntimeInfo(max_model_len, num_blocks, cache_config.block_size, arch.vocab_size)
         logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens", model_dir, arch.architecture,

@@ -35,13 +35,24 @@ def _drafted(llm: LLM) -> tuple[int, int]:
 
 
 def assert_no_leaks(llm: LLM) -> None:
+    """Every target block is free; the worker (which hears of finished requests at the next step) holds draft
+    state and draft-cache blocks only for requests it still tracks, and the draft pool's accounting is exact."""
     kv = llm.engine.core.scheduler.kv
     assert kv.num_free_blocks == kv.pool.num_blocks
     runner = llm.engine.core.executor.worker.runner
-    assert not runner.drafts
+    assert set(runner.drafts) <= set(runner.states)
     pool = getattr(runner.proposer, "pool", None)
     if pool is not None:
-        assert pool.num_free == pool.num_blocks and not runner.proposer.req_blocks
+        held = runner.proposer.req_blocks
+        assert set(held) <= set(runner.states)
+        assert pool.num_free + sum(len(b) for b in held.values()) == pool.num_blocks
+        assert len({b for blocks in held.values() for b in blocks}) == sum(len(b) for b in held.values())
+    # One more request makes the worker forget the finished ones: only that request's state may remain.
+    llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    assert len(runner.states) <= 1 and set(runner.drafts) <= set(runner.states)
+    if pool is not None:
+        assert pool.num_free + sum(len(b) for b in runner.proposer.req_blocks.values()) == pool.num_blocks
+        assert set(runner.proposer.req_blocks) <= set(runner.states)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -61,4 +72,47 @@ def test_ngram_sampled_requests_verify_drafts(tiny_llama: Path) -> None:
     assert drafted > 0 and 0 <= accepted <= drafted  # a flat random model rarely agrees with n-gram drafts
     assert all(len(t) == 24 for t in first)
     assert _run(llm, _prompts(1), params) == first  # seeded requests reproduce
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "draft_model", "num_speculative_tokens": 3, "draft_layers": 1},
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+], ids=["self-spec", "ngram"])
+def test_greedy_identical_with_and_without_speculation(tiny_llama: Path, plain: LLM, spec: dict[str, Any]) -> None:
+    prompts = _prompts(2)
+    expected = _run(plain, prompts, GREEDY)
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV, speculative_config=spec)
+    assert _run(llm, prompts, GREEDY) == expected
+    drafted, accepted = _drafted(llm)
+    assert drafted > 0 and accepted > 0
+    assert _run(llm, prompts, GREEDY) == expected  # again, now from prefix-cache hits
+    assert sum(s.prefix_cache_hits for s in llm.last_stats) > 0
+    assert_no_leaks(llm)
+
+
+def test_self_speculation_with_every_layer_accepts_sampled_drafts(tiny_llama: Path) -> None:
+    """A draft that is the whole target proposes from the target's own distribution, so rejection sampling must
+    accept (nearly) every draft: this fails if the draft distributions are not threaded through verification."""
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV,
+              speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "draft_layers": 2})
+    params = SamplingParams(temperature=0.9, top_k=50, seed=3, max_tokens=16, ignore_eos=True)
+    outs = _run(llm, _prompts(3, n=4), params)
+    drafted, accepted = _drafted(llm)
+    assert all(len(t) == 16 for t in outs)
+    assert drafted > 20 and accepted >= 0.95 * drafted
+    assert _run(llm, _prompts(3, n=4), params) == outs
+    assert_no_leaks(llm)
+
+
+def test_draft_model_greedy_identical_under_preemption(tiny_llama: Path, plain: LLM,
+                                                                       tiny_model_factory) -> None:
+    draft_dir = tiny_model_factory("llama", seed=1)  # a different random model with the same vocabulary
+    prompts = _prompts(4)
+    expected = _run(plain, prompts, GREEDY)
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV // 8, max_num_seqs=6,
+              speculative_config={"method": "draft_model", "num_speculative_tokens": 4, "model": str(draft_dir)})
+    assert _run(llm, prompts, GREEDY) == expected
+    assert sum(s.num_preemptions for s in llm.last_stats) > 0, "the pool was meant to force preemptions"
+    assert _drafted(llm)[0] > 0
     assert_no_leaks(llm)
