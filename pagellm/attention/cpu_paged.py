@@ -1,6 +1,7 @@
 """The tuned CPU backend: decode rows run a C++ paged-attention kernel (``csrc/paged_decode.cpp``) that reads K/V
 straight from the paged cache with an online softmax, instead of gathering and padding them; rows with several
-query tokens are batched by similar length into one SDPA call per group (``chunk_batch.py``). The kernel is compiled on first use with the machine's C++ compiler
+query tokens are batched by similar length into one SDPA call per group (``chunk_batch.py``); draft-tree rows
+(speculative decoding) take the reference path with their ancestor mask. The kernel is compiled on first use with the machine's C++ compiler
 (``torch.utils.cpp_extension``) and cached; ``torch_ref`` is its test oracle and the fallback.
 """
 
@@ -21,7 +22,7 @@ import torch
 from pagellm import envs
 from pagellm.attention.base import CommonAttentionInputs, register_backend
 from pagellm.attention.chunk_batch import ChunkGroup, build_group, group_attention, group_rows
-from pagellm.attention.torch_ref import TorchRefBackend, TorchRefMetadata, decode_rows, write_kv
+from pagellm.attention.torch_ref import TorchRefBackend, TorchRefMetadata, chunk_attention, decode_rows, write_kv
 
 logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
@@ -65,9 +66,11 @@ class CpuPagedBackend(TorchRefBackend):
         q_lens = np.diff(common.query_start_loc)
         tokens, table, mask = decode_rows(common)
         seq_lens = torch.from_numpy(common.seq_lens[q_lens == 1]) if tokens is not None else None
-        multi = np.flatnonzero(q_lens > 1)
+        trees = common.tree_masks or {}
+        multi = np.array([r for r in np.flatnonzero(q_lens > 1) if int(r) not in trees], dtype=np.int64)
         groups = [build_group(common, rows) for rows in group_rows(q_lens, multi)] if len(multi) else []
-        return CpuPagedMetadata(common.slot_mapping, int(common.query_start_loc[-1]), tokens, table, mask, [],
+        chunks = [self._chunk(common, row) for row in sorted(trees)]  # draft trees: the reference path with a mask
+        return CpuPagedMetadata(common.slot_mapping, int(common.query_start_loc[-1]), tokens, table, mask, chunks,
                                 seq_lens, groups)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -84,6 +87,8 @@ class CpuPagedBackend(TorchRefBackend):
         for group in metadata.groups:
             batched = group_attention(q, kv_cache, group, scale)
             out[group.token_index[group.valid]] = batched[group.valid]
+        for chunk in metadata.chunks:
+            out[chunk.start:chunk.end] = chunk_attention(q[chunk.start:chunk.end], kv_cache, chunk, scale)
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: TorchRefMetadata, scale: float) -> torch.Tensor:

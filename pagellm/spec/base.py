@@ -28,6 +28,7 @@ class ProposalRequest:
     sampling_params: SamplingParams
     num_output_tokens: int
     max_tokens: int                   # draft at most this many
+    hidden: torch.Tensor | None = None  # the target's final hidden state where it sampled the newest token
 
 
 @dataclass

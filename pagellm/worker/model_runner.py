@@ -20,7 +20,8 @@ from pagellm.sample.logprobs import gather_logprobs, raw_logprobs, split_logprob
 from pagellm.sample.sampler import Sampler, SamplingTensors
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagellm.spec.base import Draft, ProposalRequest, Proposer
-from pagellm.spec.verify import DraftedRow, verify
+from pagellm.spec.tree import compact_kv, place_trees
+from pagellm.spec.verify import DraftedRow, Verified, verify
 from pagellm.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -52,16 +53,43 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput([], [])
         inputs = build_step_inputs(self.states, sched, self.block_size)
+        trees = self._trees(inputs)
         common = CommonAttentionInputs(inputs.query_start_loc, inputs.seq_lens, inputs.block_table,
-                                       inputs.slot_mapping, self.block_size)
+                                       inputs.slot_mapping, self.block_size,
+                                       place_trees(inputs.positions, inputs.query_start_loc, trees) or None)
         with forward_context(self.backend, self.backend.build(common)):
             hidden = self.model(inputs.input_ids, inputs.positions)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # model dtype; samplers upcast
+        hidden = hidden[inputs.logits_indices]
+        logits = self.model.compute_logits(hidden)  # model dtype; samplers upcast
         wanted = self._logprob_requests(inputs)
         raw = raw_logprobs(logits, _candidate_rows(inputs, wanted)) if wanted else None  # before any ban
-        sampled = self._sample(inputs, logits)
+        results = self._sample(inputs, logits)
+        if trees:
+            self._compact(inputs, trees, results)
+        sampled = [r.tokens if r else [] for r in results]
         logprobs = self._logprobs(raw, inputs, wanted, sampled) if raw is not None else {}
-        return ModelRunnerOutput(inputs.req_ids, sampled, self._propose(inputs.req_ids, sampled), logprobs)
+        return ModelRunnerOutput(inputs.req_ids, sampled, self._propose(inputs, results, hidden), logprobs)
+
+    def _trees(self, inputs: StepInputs) -> dict[int, list[int]]:
+        """Rows whose drafts this step form a tree: row → parents of the drafts scheduled."""
+        trees = {}
+        for row, (req_id, drafts) in enumerate(zip(inputs.req_ids, inputs.drafts)):
+            draft = self.drafts.get(req_id) if drafts else None
+            if draft is not None and draft.parents is not None:
+                trees[row] = draft.parents[:len(drafts)]
+        return trees
+
+    def _compact(self, inputs: StepInputs, trees: dict[int, list[int]], results: list[Verified | None]) -> None:
+        """Move the KV of each tree's accepted path to the slots right after its root."""
+        src: list[int] = []
+        dst: list[int] = []
+        for row, parents in trees.items():
+            root = int(inputs.query_start_loc[row + 1]) - len(parents) - 1
+            for j, node in enumerate(results[row].path):
+                if node != j:
+                    src.append(int(inputs.slot_mapping[root + 1 + node]))
+                    dst.append(int(inputs.slot_mapping[root + 1 + j]))
+        compact_kv(self.kv_caches, src, dst)
 
     def _logprob_requests(self, inputs: StepInputs) -> list[int]:
         """Batch indices of the requests that sample this step and asked for logprobs."""
@@ -102,8 +130,9 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> list[list[int]]:
-        """Sample one token per request without drafts; verify the drafts of the others (``spec/verify.py``)."""
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> list[Verified | None]:
+        """Sample one token per request without drafts; verify the drafts of the others (``spec/verify.py``).
+        None for requests that sample nothing this step (mid-prompt)."""
         rows, params, positions, plain, drafted = [], [], [], [], []
         for j, (req_id, first, drafts) in enumerate(zip(inputs.req_ids, inputs.logits_start, inputs.drafts)):
             if first < 0:
@@ -117,14 +146,15 @@ class ModelRunner:
             rows.append(first)
             params.append(state.sampling_params)
             positions.append(state.num_output_tokens)
-        out: list[list[int]] = [[] for _ in inputs.req_ids]
+        out: list[Verified | None] = [None] * len(inputs.req_ids)
         for j, token in zip(plain, self._sample_rows(logits, rows, params, positions)):
-            out[j] = [token]
+            out[j] = Verified([token], [])
         if drafted:
             for (j, _), result in zip(drafted, verify(logits, [row for _, row in drafted], self.sampler.generator)):
-                out[j] = result.tokens
-        for req_id, tokens in zip(inputs.req_ids, out):
-            self.states[req_id].token_ids.extend(tokens)
+                out[j] = result
+        for req_id, result in zip(inputs.req_ids, out):
+            if result is not None:
+                self.states[req_id].token_ids.extend(result.tokens)
         return out
 
     def _drafted_row(self, state: CachedRequestState, first: int, drafts: list[int]) -> DraftedRow:
@@ -150,16 +180,19 @@ class ModelRunner:
             if state.num_output_tokens + offset < state.sampling_params.min_tokens:
                 logits[first + offset, banned] = float("-inf")
 
-    def _propose(self, req_ids: list[str], sampled: list[list[int]]) -> dict[str, list[int]]:
-        """Ask the proposer for drafts for every request that just sampled; keep what verification needs."""
+    def _propose(self, inputs: StepInputs, results: list[Verified | None],
+                 hidden: torch.Tensor) -> dict[str, list[int]]:
+        """Ask the proposer for drafts for every request that just sampled; keep what verification needs.
+        Proposers that draft from the target's hidden state get the row that sampled the request's newest token."""
         if not self.proposer.num_lookahead_tokens:
             return {}
         asks: list[ProposalRequest] = []
-        for req_id, tokens in zip(req_ids, sampled):
-            if tokens:
+        for req_id, first, result in zip(inputs.req_ids, inputs.logits_start, results):
+            if result is not None:
                 state = self.states[req_id]
+                row = first + (result.path[-1] + 1 if result.path else 0)
                 asks.append(ProposalRequest(req_id, state.token_ids, state.sampling_params, state.num_output_tokens,
-                                            self.proposer.num_lookahead_tokens))
+                                            self.proposer.num_lookahead_tokens, hidden[row]))
         drafts: dict[str, list[int]] = {}
         for ask, draft in zip(asks, self.proposer.propose(asks)):
             if draft.tokens:

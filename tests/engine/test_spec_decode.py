@@ -116,3 +116,68 @@ def test_draft_model_greedy_identical_under_preemption(tiny_llama: Path, plain: 
     assert sum(s.num_preemptions for s in llm.last_stats) > 0, "the pool was meant to force preemptions"
     assert _drafted(llm)[0] > 0
     assert_no_leaks(llm)
+
+
+class _OracleTreeProposer:
+    """Test proposer: a static [3, 2, 2] tree whose siblings are random distractors except that, along the
+    target's true greedy continuation, the right token sits at a random sibling rank. Verification must find that
+    path through the tree mask, positions and KV compaction, or the output changes."""
+
+    def __init__(self, continuations: list[list[int]], seed: int) -> None:
+        from pagellm.spec.tree import static_tree
+
+        self.parents = static_tree([3, 2, 2])
+        self.num_lookahead_tokens = len(self.parents)
+        self.continuations = continuations
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def propose(self, requests):
+        from pagellm.spec.base import Draft
+
+        return [self._tree(r.token_ids) for r in requests]
+
+    def _tree(self, token_ids):
+        from pagellm.spec.base import Draft
+
+        full = next((c for c in self.continuations if _is_prefix(token_ids, c)), None)
+        tokens = torch.randint(0, 256, (len(self.parents),), generator=self.gen).tolist()
+        on_path = {-1}  # nodes whose tokens are the true continuation so far (the root always is)
+        for parent in [-1] + list(range(len(self.parents))):
+            kids = [n for n, p in enumerate(self.parents) if p == parent]
+            index = len(token_ids) + (0 if parent < 0 else _depth(self.parents, parent))
+            if parent not in on_path or not kids or full is None or index >= len(full):
+                continue
+            if torch.rand((), generator=self.gen) < 0.8:  # sometimes the truth is missing from the tree
+                pick = kids[int(torch.randint(0, len(kids), (), generator=self.gen))]
+                tokens[pick] = full[index]
+                on_path.add(pick)
+        return Draft(tokens, None, list(self.parents))
+
+    def release(self, req_ids):
+        pass
+
+
+def _depth(parents, node):
+    depth = 1
+    while parents[node] >= 0:
+        node, depth = parents[node], depth + 1
+    return depth
+
+
+def _is_prefix(token_ids, full):
+    return len(token_ids) <= len(full) and list(full[:len(token_ids)]) == list(token_ids)
+
+
+@pytest.mark.parametrize("backend", ["torch_ref", "cpu_paged"])
+def test_tree_verification_is_greedy_identical(tiny_llama: Path, plain: LLM, backend: str) -> None:
+    prompts = _prompts(5, n=4)
+    expected = _run(plain, prompts, GREEDY)
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV, attention_backend=backend,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 1})
+    proposer = _OracleTreeProposer([p + e for p, e in zip(prompts, expected)], seed=0)
+    llm.engine.core.executor.worker.runner.proposer = proposer
+    llm.engine.core.scheduler.num_lookahead_tokens = proposer.num_lookahead_tokens
+    assert _run(llm, prompts, GREEDY) == expected
+    drafted, accepted = _drafted(llm)
+    assert drafted > 0 and accepted > len(prompts) * 4
+    assert_no_leaks(llm)
