@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench serve clean
+.PHONY: install test demo bench serve draft-heads bench-spec clean
 
 install: $(STAMP)
 
@@ -33,6 +33,15 @@ serve: install
 
 bench: install
 	$(PY) benchmarks/throughput.py
+
+# Medusa draft heads for the built-in model by self-distillation on CPU (docs/speculative.md); TRAIN_ARGS pass through.
+DRAFT_HEADS ?= artifacts/smollm2-135m-medusa.safetensors
+draft-heads: install
+	$(PIP) install --quiet -e '.[train]'
+	$(PY) -m pagellm.cli train-draft --method medusa --out $(DRAFT_HEADS) $(TRAIN_ARGS)
+
+bench-spec: install
+	$(PY) benchmarks/spec_decode.py --medusa $(DRAFT_HEADS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

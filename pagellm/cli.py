@@ -1,5 +1,5 @@
-"""``pagellm generate`` and ``pagellm chat`` (offline generation) and ``pagellm serve`` (the OpenAI-compatible
-HTTP server) from the command line.
+"""``pagellm generate`` and ``pagellm chat`` (offline generation), ``pagellm serve`` (the OpenAI-compatible
+HTTP server) and ``pagellm train-draft`` (Medusa heads, ``spec/train.py``) from the command line.
 
 Engine flags are generated from the config fields (name, type, default and help text), so every engine option
 is a flag without being listed twice.
@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from pagellm import envs
 from pagellm.config import flat_fields
+from pagellm.spec import train as train_draft
 
 
 def _flag_type(field: dataclasses.Field) -> Any:
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_sampling_args(cmd)
         add_engine_args(cmd)
     _add_serve_parser(sub)
+    train_draft.add_parser(sub)
     return parser
 
 
@@ -112,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "train-draft":
+        return train_draft.main(args)
     from pagellm import LLM, SamplingParams
 
     prompts = list(args.prompt) + list(args.prompts)

@@ -70,4 +70,8 @@ def make_proposer(config: SpeculativeConfig, target: torch.nn.Module | None = No
         from pagellm.spec.draft import DraftModelProposer
 
         return DraftModelProposer.from_config(config, target, **runtime)
-    raise ValueError(f"unknown speculative method {config.method!r}; supported: ngram, draft_model")
+    if config.method == "medusa":
+        from pagellm.spec.medusa import MedusaProposer
+
+        return MedusaProposer.from_config(config, target, **runtime)
+    raise ValueError(f"unknown speculative method {config.method!r}; supported: ngram, draft_model, medusa")

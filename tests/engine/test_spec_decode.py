@@ -181,3 +181,41 @@ def test_tree_verification_is_greedy_identical(tiny_llama: Path, plain: LLM, bac
     drafted, accepted = _drafted(llm)
     assert drafted > 0 and accepted > len(prompts) * 4
     assert_no_leaks(llm)
+
+
+@pytest.fixture(scope="module")
+def medusa_file(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Medusa heads trained for the tiny model with the train-draft pipeline (a few steps, tiny prompts)."""
+    from pagellm.spec.train import generate_sequences, hidden_states, train_medusa
+
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV)
+    codes = ["def add(a, b):\n    ", "for i in range(10):\n", "hello there, how are you?"]
+    sequences = generate_sequences(llm, [[{"role": "user", "content": "hi"}]], codes, max_tokens=24)
+    assert all(len(seq) > n for seq, n in sequences)
+    hidden, tokens = hidden_states(tiny_llama, sequences)
+    lm_head = llm.engine.core.executor.worker.runner.model.lm_head.weight.float()
+    heads, losses = train_medusa(hidden, tokens, lm_head, num_heads=3, steps=30, batch=16, lr=1e-2, seed=0)
+    assert losses[-1] < losses[0]
+    path = tmp_path_factory.mktemp("medusa") / "heads.safetensors"
+    heads.save(path)
+    return path
+
+
+def test_medusa_targets_skip_sequence_breaks() -> None:
+    from pagellm.spec.train import targets_for
+
+    tokens = torch.tensor([5, 6, 7, -1, 8, 9])
+    assert targets_for(tokens, 2).tolist() == [[6, 7], [7, -1], [-1, -1], [-1, -1], [9, -1], [-1, -1]]
+
+
+@pytest.mark.parametrize("tree", [None, [2, 2, 1]], ids=["chain", "tree"])
+def test_medusa_greedy_identical(tiny_llama: Path, plain: LLM, medusa_file: Path, tree) -> None:
+    prompts = _prompts(6, n=4)
+    expected = _run(plain, prompts, GREEDY)
+    spec = {"method": "medusa", "num_speculative_tokens": 3, "model": str(medusa_file), "tree": tree}
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV, speculative_config=spec)
+    assert _run(llm, prompts, GREEDY) == expected
+    assert _drafted(llm)[0] > 0
+    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)
+    assert all(len(t) == 12 for t in _run(llm, prompts, sampled))
+    assert_no_leaks(llm)
