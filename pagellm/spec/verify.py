@@ -78,33 +78,36 @@ def _verify_sampled(logits: torch.Tensor, rows: list[DraftedRow],
     seeded = torch.Generator()
     uniforms = [uniforms_for(len(r.drafts) + 1, r.params.seed, r.output_position, generator, seeded) for r in rows]
     out: list[Verified | None] = [None] * len(rows)
-    chains = [i for i, r in enumerate(rows) if r.parents is None]
     for i, r in enumerate(rows):
         if r.parents is not None:
             path, final = rejection_sample_tree(probs[i], r.drafts, r.parents, _fit(r.probs, probs[i]), uniforms[i])
             out[i] = Verified([r.drafts[n] for n in path] + [final], path)
+    chains = [i for i, r in enumerate(rows) if r.parents is None]
     if chains:
-        k = max(len(rows[i].drafts) for i in chains)
-        vocab = logits.shape[-1]
-        target = torch.zeros(len(chains), k + 1, vocab)
-        drafts = torch.zeros(len(chains), k, dtype=torch.int64)
-        u = torch.zeros(len(chains), k + 1, 2)
-        use_q = any(rows[i].probs is not None for i in chains)
-        q = torch.zeros(len(chains), k, vocab) if use_q else None
-        for b, i in enumerate(chains):
-            n = len(rows[i].drafts)
-            target[b, :n + 1] = probs[i]
-            drafts[b, :n] = torch.tensor(rows[i].drafts)
-            u[b, :n + 1] = uniforms[i]
-            if q is not None:  # a point-mass row inside a batch that has distributions: write its one-hots
-                q[b, :n] = _fit(rows[i].probs, probs[i]) if rows[i].probs is not None else \
-                    torch.zeros(n, vocab).scatter_(1, drafts[b, :n, None], 1.0)
-        num = torch.tensor([len(rows[i].drafts) for i in chains])
-        tokens, accepted = rejection_sample_chain(target, drafts, num, q, u)
-        for b, i in enumerate(chains):
-            a = int(accepted[b])
-            out[i] = Verified(tokens[b, :a + 1].tolist(), list(range(a)))
+        verified = _verify_chains([rows[i] for i in chains], [probs[i] for i in chains], [uniforms[i] for i in chains])
+        for i, result in zip(chains, verified):
+            out[i] = result
     return out  # type: ignore[return-value]
+
+
+def _verify_chains(rows: list[DraftedRow], probs: list[torch.Tensor], uniforms: list[torch.Tensor]) -> list[Verified]:
+    """All chains in one batched call: pad to the longest chain (padding drafts are never accepted)."""
+    k = max(len(r.drafts) for r in rows)
+    vocab = probs[0].shape[-1]
+    target = torch.zeros(len(rows), k + 1, vocab)
+    drafts = torch.zeros(len(rows), k, dtype=torch.int64)
+    u = torch.zeros(len(rows), k + 1, 2)
+    q = torch.zeros(len(rows), k, vocab) if any(r.probs is not None for r in rows) else None
+    for b, r in enumerate(rows):
+        n = len(r.drafts)
+        target[b, :n + 1] = probs[b]
+        drafts[b, :n] = torch.tensor(r.drafts)
+        u[b, :n + 1] = uniforms[b]
+        if q is not None:  # in a batch that has distributions, a point-mass row writes its one-hots
+            q[b, :n] = _fit(r.probs, probs[b]) if r.probs is not None else \
+                torch.zeros(n, vocab).scatter_(1, drafts[b, :n, None], 1.0)
+    tokens, accepted = rejection_sample_chain(target, drafts, torch.tensor([len(r.drafts) for r in rows]), q, u)
+    return [Verified(tokens[b, :int(a) + 1].tolist(), list(range(int(a)))) for b, a in enumerate(accepted.tolist())]
 
 
 def _fit(draft_probs: torch.Tensor | None, target: torch.Tensor) -> torch.Tensor | None:
