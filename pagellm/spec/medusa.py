@@ -55,6 +55,9 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, hidden_size: int, dtype: torch.dtype) -> MedusaHeads:
+        if not Path(path).is_file():
+            raise ValueError(f"Medusa heads file {str(path)!r} does not exist; train one with "
+                             "`pagellm train-draft --method medusa --out FILE` (or `make draft-heads`)")
         tensors = load_file(str(path))
         num_heads = len({name.split(".")[1] for name in tensors if name.startswith("blocks.")})
         width = tensors["blocks.0.weight"].shape[1] if num_heads else 0

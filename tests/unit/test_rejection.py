@@ -106,3 +106,27 @@ def test_seeded_uniforms_depend_only_on_seed_and_position() -> None:
     b = uniforms_for(4, 7, 10, torch.Generator().manual_seed(99))
     assert torch.equal(a, b)
     assert not torch.equal(a, uniforms_for(4, 7, 11, None))
+
+
+def test_speculative_config_validation_names_the_fix() -> None:
+    from pagellm.config import SpeculativeConfig
+
+    assert SpeculativeConfig.parse('{"method": "medusa", "num_speculative_tokens": 3, "model": "h.safetensors", '
+                                   '"tree": [3, 2, 1]}').num_lookahead_tokens == 3 + 6 + 6
+    with pytest.raises(ValueError, match="exactly one of 'model'"):
+        SpeculativeConfig(method="draft_model", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="one per depth"):
+        SpeculativeConfig(method="medusa", num_speculative_tokens=2, model="h", tree=[2])
+    with pytest.raises(ValueError, match="use one of ngram, draft_model, medusa"):
+        SpeculativeConfig(method="eagle", num_speculative_tokens=2)
+
+
+def test_spec_stats_mean_acceptance_length() -> None:
+    from pagellm.metrics.stats import SpecDecodingStats
+
+    stats = SpecDecodingStats()
+    stats.observe(3, 2)
+    stats.observe(3, 0)
+    assert stats.num_accepted_tokens_per_pos == [1, 1, 0]
+    assert stats.mean_acceptance_length == 2.0
+    assert stats.acceptance_rate_per_pos == [0.5, 0.5, 0.0]
