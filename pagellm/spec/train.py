@@ -78,7 +78,7 @@ def hidden_states(model_dir: Path, sequences: list[tuple[list[int], int]]) -> tu
     is marked by token -1."""
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     hiddens, tokens = [], []
     for seq, prompt_len in sequences:
         ids = torch.tensor([seq])
