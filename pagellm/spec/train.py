@@ -168,7 +168,8 @@ def run(cfg: TrainConfig, command: str = "") -> Path:
     heads, losses = train_medusa(hidden, tokens, lm_head, cfg.num_heads, cfg.steps, cfg.batch, cfg.lr, cfg.seed)
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     heads.save(cfg.out, {"command": command, "final_loss": f"{losses[-1]:.4f}", "positions": str(len(tokens))})
-    plot_losses(losses, cfg.out.with_suffix(".png"), f"Medusa heads ({cfg.num_heads}) for {model_dir.name}")
+    name = Path(cfg.model).name if cfg.model else "SmolLM2-135M-Instruct (built in)"
+    plot_losses(losses, cfg.out.with_suffix(".png"), f"Medusa heads ({cfg.num_heads}) for {name}")
     logger.info("saved %s (and the loss curve %s) after %.0fs", cfg.out, cfg.out.with_suffix(".png"),
                 time.perf_counter() - start)
     return cfg.out
