@@ -4,14 +4,17 @@ It keeps per-request state across steps (applying the scheduler's deltas), build
 the forward context for attention, computes logits only for the rows that sample, samples, verifies draft tokens
 (``spec/verify.py``: greedy requests keep the target's argmax path, sampled ones go through lossless rejection
 sampling; either way one corrected or bonus token follows the accepted drafts), and asks the proposer for the
-next drafts (kept per request until verified, since verification needs their distributions). For requests that ask for logprobs, it takes ``log_softmax`` of their raw
-logit rows (before min_tokens bans) and reports, per sampled token, its logprob, rank and the top alternatives
-(``sample/logprobs.py``); a step where no request asks does no logprob work at all.
+next drafts (kept per request until verified, since verification needs their distributions); draft trees get
+depth positions and an ancestor mask, and their accepted path's KV is moved into place (``spec/tree.py``). For
+requests that ask for logprobs, it takes ``log_softmax`` of their raw logit rows (before min_tokens bans) and
+reports, per sampled token, its logprob, rank and the top alternatives (``sample/logprobs.py``); a step where no
+request asks does no logprob work at all.
 """
 
 from __future__ import annotations
 
 import logging
+
 import torch
 
 from pagellm.attention.base import AttentionBackend, CommonAttentionInputs, forward_context
@@ -37,7 +40,7 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
         self.states: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
-        self.drafts: dict[str, Draft] = {}  # last step's proposals, by request (verified this step)
+        self.drafts: dict[str, Draft] = {}  # proposals awaiting verification, by request
 
     def bind_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         """Allocate one [2, num_blocks, block_size, kv_heads, head_dim] cache per attention layer."""
