@@ -36,11 +36,14 @@ bench: install
 
 # Medusa draft heads for the built-in model by self-distillation on CPU (docs/speculative.md); TRAIN_ARGS pass through.
 DRAFT_HEADS ?= artifacts/smollm2-135m-medusa.safetensors
-draft-heads: install
+draft-heads: $(DRAFT_HEADS)
+
+$(DRAFT_HEADS): $(STAMP)
 	$(PIP) install --quiet -e '.[train]'
 	$(PY) -m pagellm.cli train-draft --method medusa --out $(DRAFT_HEADS) $(TRAIN_ARGS)
 
-bench-spec: install
+# Acceptance length and TPOT, no speculation vs each method (builds the Medusa heads first if missing).
+bench-spec: $(DRAFT_HEADS)
 	$(PY) benchmarks/spec_decode.py --medusa $(DRAFT_HEADS)
 
 clean:
