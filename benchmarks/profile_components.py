@@ -32,8 +32,6 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def instrument(llm: Any) -> None:
-    import torch.nn.functional as F
-
     import pagellm.model.layers.linear as linear
     import pagellm.worker.model_runner as model_runner
     from pagellm.model import llama
@@ -45,7 +43,7 @@ def instrument(llm: Any) -> None:
     model_runner.build_step_inputs = timed("runner.build_inputs", model_runner.build_step_inputs)
     runner.backend.build = timed("attention.metadata", runner.backend.build)
     runner.backend.forward = timed("attention (write KV + attend)", runner.backend.forward)
-    linear.F = type("TimedF", (), {"linear": staticmethod(timed("linear layers (GEMM)", F.linear))})
+    linear.linear = timed("linear layers (GEMM)", linear.linear)
     runner.model.compute_logits = timed("lm_head (GEMM)", runner.model.compute_logits)
     runner._sample = timed("sampling", runner._sample)
     runner.execute_model = timed("runner.execute_model (total)", runner.execute_model)
@@ -58,10 +56,12 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     args = parser.parse_args()
     from pagellm import LLM, SamplingParams
 
-    llm = LLM(dtype=args.dtype)
+    llm = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     prompts = make_prompts(args.num_prompts, args.input_len, vocab=49152)
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     llm.reset_prefix_cache()

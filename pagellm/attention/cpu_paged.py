@@ -1,54 +1,63 @@
 """The tuned CPU backend: decode rows run a C++ paged-attention kernel (``csrc/paged_decode.cpp``) that reads K/V
 straight from the paged cache with an online softmax, instead of gathering and padding them; rows with several
 query tokens are batched by similar length into one SDPA call per group (``chunk_batch.py``); draft-tree rows
-(speculative decoding) take the reference path with their ancestor mask. The kernel is compiled on first use with the machine's C++ compiler
-(``torch.utils.cpp_extension``) and cached; ``torch_ref`` is its test oracle and the fallback.
+(speculative decoding) take the reference path with their ancestor mask. The kernel is compiled on first use with
+the machine's C++ compiler (``pagellm/ops/build.py``: a plain C ABI loaded with ctypes, about a second to build)
+and cached; ``torch_ref`` is its test oracle and the fallback.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import torch
 
-from pagellm import envs
 from pagellm.attention.base import CommonAttentionInputs, register_backend
 from pagellm.attention.chunk_batch import ChunkGroup, build_group, group_attention, group_rows
 from pagellm.attention.torch_ref import TorchRefBackend, TorchRefMetadata, chunk_attention, decode_rows, write_kv
+from pagellm.ops.build import load_library
 
 logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 
 
+class DecodeKernel:
+    """The compiled kernel's entry points behind a tensor-level call (checks, dtype dispatch, output allocation)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns = {torch.bfloat16: lib.pagellm_paged_decode_bf16, torch.float32: lib.pagellm_paged_decode_f32}
+        for fn in self._fns.values():
+            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+            fn.restype = None
+
+    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_table: [B, max_blocks];
+        seq_lens: [B] (context length including the query token). Returns [B, H, D]."""
+        if q.dim() != 3 or k_cache.dim() != 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("paged_decode_attention needs q [B, H, D] and contiguous 4-D caches")
+        if q.dtype not in self._fns or k_cache.dtype != q.dtype or q.shape[1] % k_cache.shape[2]:
+            raise ValueError("paged_decode_attention needs float32 or bfloat16 q and caches of the same dtype, "
+                             "and heads a multiple of kv heads")
+        q = q.contiguous()
+        table = block_table.to(torch.int64).contiguous()
+        lens = seq_lens.to(torch.int64).contiguous()
+        out = torch.empty_like(q)
+        self._fns[q.dtype](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), lens.data_ptr(),
+                           q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2], table.shape[1],
+                           scale, out.data_ptr())
+        return out
+
+
 @functools.lru_cache(maxsize=1)
-def load_kernel() -> ModuleType:
-    """Compile (once per source version and machine) and import the C++ kernel."""
-    from torch.utils.cpp_extension import load
-
-    build_dir = envs.cache_dir() / "kernels" / _machine_tag()  # -march=native code is only valid on this CPU kind
-    build_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("MAX_JOBS", "2")
-    return load(name="pagellm_paged_decode", sources=[str(_SOURCE)], build_directory=str(build_dir),
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
-                extra_ldflags=["-fopenmp"], verbose=False)
-
-
-def _machine_tag() -> str:
-    """A short digest of the CPU's feature flags, torch's version and the kernel source, to key builds by."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.machine()
-    source = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()  # checkouts with different sources never share a build
-    return hashlib.sha256(f"{flags}|{torch.__version__}|{source}".encode()).hexdigest()[:12]
+def load_kernel() -> DecodeKernel:
+    """Compile (once per source version and machine kind, about a second) and load the C++ kernel."""
+    return DecodeKernel(load_library(_SOURCE))
 
 
 @dataclass
@@ -66,10 +75,15 @@ class CpuPagedBackend(TorchRefBackend):
         q_lens = np.diff(common.query_start_loc)
         tokens, table, mask = decode_rows(common)
         seq_lens = torch.from_numpy(common.seq_lens[q_lens == 1]) if tokens is not None else None
+        multi = q_lens > 1
         trees = common.tree_masks or {}
-        multi = np.array([r for r in np.flatnonzero(q_lens > 1) if int(r) not in trees], dtype=np.int64)
-        groups = [build_group(common, rows) for rows in group_rows(q_lens, multi)] if len(multi) else []
-        chunks = [self._chunk(common, row) for row in sorted(trees)]  # draft trees: the reference path with a mask
+        if trees:  # draft trees take the reference path with their ancestor mask
+            multi = multi.copy()
+            multi[list(trees)] = False
+        fresh = multi & (common.seq_lens == q_lens)   # no cached context: causal over the step's k/v
+        groups = [build_group(common, rows, fresh=True) for rows in _grouped(q_lens, fresh)]
+        groups += [build_group(common, rows) for rows in _grouped(q_lens, multi & ~fresh)]
+        chunks = [self._chunk(common, row) for row in sorted(trees)]
         return CpuPagedMetadata(common.slot_mapping, int(common.query_start_loc[-1]), tokens, table, mask, chunks,
                                 seq_lens, groups)
 
@@ -85,7 +99,7 @@ class CpuPagedBackend(TorchRefBackend):
             decoded = self._decode(q[metadata.decode_tokens], kv_cache, metadata, scale)
             out[metadata.decode_tokens] = decoded.view(-1, num_heads * head_dim)
         for group in metadata.groups:
-            batched = group_attention(q, kv_cache, group, scale)
+            batched = group_attention(q, k, v, kv_cache, group, scale)
             out[group.token_index[group.valid]] = batched[group.valid]
         for chunk in metadata.chunks:
             out[chunk.start:chunk.end] = chunk_attention(q[chunk.start:chunk.end], kv_cache, chunk, scale)
@@ -94,6 +108,11 @@ class CpuPagedBackend(TorchRefBackend):
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: TorchRefMetadata, scale: float) -> torch.Tensor:
         return self.kernel.paged_decode_attention(q, kv_cache[0], kv_cache[1], md.decode_block_table,
                                                   md.decode_seq_lens, scale)
+
+
+def _grouped(q_lens: np.ndarray, selected: np.ndarray) -> list[np.ndarray]:
+    rows = np.flatnonzero(selected)
+    return group_rows(q_lens, rows) if len(rows) else []
 
 
 register_backend("cpu_paged")(CpuPagedBackend)

@@ -5,7 +5,8 @@ cache through the block table, so prefix hits, chunked prefill and decode are on
 Rows with one query token (decodes) are batched: their blocks are gathered into a padded [B, KVH, L, D] tensor,
 and grouped-query heads are folded into the query axis so one SDPA call serves them all. Rows with several query
 tokens (prompt chunks, draft verification) run one SDPA call each with a causal mask offset by their cached
-context, or with the row's draft-tree mask (speculative decoding). The split is an implementation detail of this kernel; the scheduler and runner know nothing of it.
+context, or with the row's draft-tree mask (speculative decoding). The split is an implementation detail of
+this kernel; the scheduler and runner know nothing of it.
 """
 
 from __future__ import annotations

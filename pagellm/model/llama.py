@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import ArchConfig
+from pagellm.model.layers.activation import SiluAndMul
 from pagellm.model.layers.attention import Attention
 from pagellm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagellm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -51,10 +51,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype,
                                                  parallel)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype, parallel)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

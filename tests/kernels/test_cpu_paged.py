@@ -100,7 +100,10 @@ def test_batched_chunk_groups_match_reference(dtype, tol) -> None:
     q, k, v, cache, common = _random_step(q_lens, ctx_lens, 6, 3, 64, 16, dtype, seed=5)
     ref, fast = TorchRefBackend(), CpuPagedBackend()
     metadata = fast.build(common)
-    assert len(metadata.groups) == 3  # lengths {3, 5} | {8, 9, 16} | {40}: the longest at most twice the shortest
+    # Rows without cached context (lengths 5, 9, 3) group apart from the others (8, 16, 40), each set cut so the
+    # longest row is at most twice the shortest: {3, 5} | {9} (bf16: causal over the step's k/v) and {8, 16} | {40}.
+    assert [g.token_index.shape for g in metadata.groups] == [(2, 5), (1, 9), (2, 16), (1, 40)]
+    assert [g.fresh for g in metadata.groups] == [True, True, False, False]
     expected = ref.forward(q, k, v, cache.clone(), ref.build(common), 0.125)
     got = fast.forward(q, k, v, cache.clone(), metadata, 0.125)
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)

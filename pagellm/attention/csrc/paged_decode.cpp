@@ -3,9 +3,9 @@
 // For each (request, kv head) the grouped query heads walk the request's blocks once with an online softmax
 // (running max, running sum, running weighted V), so each K/V byte is read once and nothing is gathered or padded.
 // Accumulation is in float32 whatever the cache dtype. The plain-PyTorch twin and oracle is
-// pagellm/attention/torch_ref.py (_decode_attention).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+// pagellm/attention/torch_ref.py (_decode_attention). Plain C ABI (pointers and sizes, no torch headers, loaded
+// with ctypes by attention/cpu_paged.py) so that it builds in a second or two; see pagellm/ops/build.py.
+#include <omp.h>
 
 #include <cmath>
 #include <cstdint>
@@ -16,12 +16,29 @@
 
 namespace {
 
+struct BFloat16 {  // the bits of a bfloat16; arithmetic happens in float32
+  uint16_t x;
+};
+
 inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
+inline float to_float(BFloat16 x) {
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float out;
   std::memcpy(&out, &bits, sizeof(out));
   return out;
+}
+
+template <typename T>
+inline T from_float(float f);
+template <>
+inline float from_float<float>(float f) { return f; }
+template <>
+inline BFloat16 from_float<BFloat16>(float f) {  // round to nearest even, as torch does
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return BFloat16{static_cast<uint16_t>((u >> 16) | 0x40)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return BFloat16{static_cast<uint16_t>(u >> 16)};
 }
 
 template <typename T>
@@ -84,7 +101,7 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* b
   }
   for (int64_t g = 0; g < group; ++g) {
     const float inv = 1.f / running_sum[g];
-    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] * inv);
+    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = from_float<T>(acc[g * head_dim + d] * inv);
   }
 }
 
@@ -94,7 +111,7 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* b
 
 // The vector path: 16 float lanes, K/V rows converted on load, scores and exp for 16 tokens at a time.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
+inline __m512 load16(const BFloat16* p) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
@@ -168,7 +185,7 @@ void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int64_
   }
   for (int64_t g = 0; g < group; ++g) {
     const float inv = 1.f / running_sum[g];
-    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] * inv);
+    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = from_float<T>(acc[g * head_dim + d] * inv);
   }
 }
 
@@ -247,7 +264,7 @@ void decode_one_fixed(const T* q, const T* k_cache, const T* v_cache, const int6
     alignas(64) float row[head_dim];
     const __m512 inv = _mm512_set1_ps(1.f / running_sum[g]);
     for (int v = 0; v < NV; ++v) _mm512_store_ps(row + v * 16, _mm512_mul_ps(acc[g][v], inv));
-    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<T>(row[d]);
+    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = from_float<T>(row[d]);
   }
 }
 
@@ -268,66 +285,54 @@ bool decode_fixed_shape(int64_t nv, int64_t group, const T* q, const T* k, const
 #endif
 
 template <typename T>
-void decode_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                const torch::Tensor& block_table, const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
-  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads, max_blocks = block_table.size(1);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int64_t* bt = block_table.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
+void decode_all(const T* qp, const T* kp, const T* vp, const int64_t* bt, const int64_t* lens, int64_t batch,
+                int64_t heads, int64_t head_dim, int64_t block_size, int64_t kv_heads, int64_t max_blocks,
+                float scale, T* op) {
+  const int64_t group = heads / kv_heads;
   // One work item per request, all its kv heads in turn: a block's heads are contiguous, so the block is streamed
   // from memory once and revisited from cache.
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const int64_t offset = (b * heads + h * group) * head_dim;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t offset = (b * heads + h * group) * head_dim;
 #if defined(__AVX512F__)
-        if (head_dim % 16 == 0 && decode_fixed_shape<T>(head_dim / 16, group, qp + offset, kp, vp,
-                                                          bt + b * max_blocks, lens[b], block_size, kv_heads, h,
-                                                          static_cast<float>(scale), op + offset)) {
-          continue;
-        }
-        if (head_dim % 16 == 0 && head_dim <= 256 && group <= 16) {
-          decode_one_vec<T>(qp + offset, kp, vp, bt + b * max_blocks, lens[b], block_size, kv_heads, group,
-                            head_dim, h, static_cast<float>(scale), op + offset);
-          continue;
-        }
-#endif
-        decode_one<T>(qp + offset, kp, vp, bt + b * max_blocks, lens[b], block_size, kv_heads, group, head_dim,
-                      h, static_cast<float>(scale), op + offset);
+      if (head_dim % 16 == 0 && decode_fixed_shape<T>(head_dim / 16, group, qp + offset, kp, vp,
+                                                        bt + b * max_blocks, lens[b], block_size, kv_heads, h,
+                                                        scale, op + offset)) {
+        continue;
       }
+      if (head_dim % 16 == 0 && head_dim <= 256 && group <= 16) {
+        decode_one_vec<T>(qp + offset, kp, vp, bt + b * max_blocks, lens[b], block_size, kv_heads, group,
+                          head_dim, h, scale, op + offset);
+        continue;
+      }
+#endif
+      decode_one<T>(qp + offset, kp, vp, bt + b * max_blocks, lens[b], block_size, kv_heads, group, head_dim, h,
+                    scale, op + offset);
     }
-  });
+  }
 }
 
 }  // namespace
 
-// q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D] (contiguous); block_table: [B, max_blocks]
-// int64; seq_lens: [B] int64 (context length including the query token). Returns [B, H, D].
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_table, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
-  q = q.contiguous();
-  block_table = block_table.to(torch::kInt64).contiguous();
-  seq_lens = seq_lens.to(torch::kInt64).contiguous();
-  auto out = torch::empty_like(q);
-  if (q.scalar_type() == torch::kBFloat16) {
-    decode_all<c10::BFloat16>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
-  } else if (q.scalar_type() == torch::kFloat32) {
-    decode_all<float>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
-  } else {
-    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
-  }
-  return out;
+extern "C" {
+
+// q, out: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_table: [B, max_blocks] int64;
+// seq_lens: [B] int64 (context length including the query token). All contiguous; H a multiple of KVH.
+void pagellm_paged_decode_bf16(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_table,
+                               const int64_t* seq_lens, int64_t batch, int64_t heads, int64_t head_dim,
+                               int64_t block_size, int64_t kv_heads, int64_t max_blocks, float scale, void* out) {
+  decode_all<BFloat16>(static_cast<const BFloat16*>(q), static_cast<const BFloat16*>(k_cache),
+                       static_cast<const BFloat16*>(v_cache), block_table, seq_lens, batch, heads, head_dim,
+                       block_size, kv_heads, max_blocks, scale, static_cast<BFloat16*>(out));
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+void pagellm_paged_decode_f32(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_table,
+                              const int64_t* seq_lens, int64_t batch, int64_t heads, int64_t head_dim,
+                              int64_t block_size, int64_t kv_heads, int64_t max_blocks, float scale, void* out) {
+  decode_all<float>(static_cast<const float*>(q), static_cast<const float*>(k_cache),
+                    static_cast<const float*>(v_cache), block_table, seq_lens, batch, heads, head_dim, block_size,
+                    kv_heads, max_blocks, scale, static_cast<float*>(out));
 }
+
+}  // extern "C"

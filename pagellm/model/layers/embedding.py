@@ -12,6 +12,7 @@ from torch import nn
 
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.layers.linear import _copy, _param
+from pagellm.ops.gemm import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -42,4 +43,4 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.parallel.all_gather_last_dim(F.linear(hidden, self.weight))
+        return self.parallel.all_gather_last_dim(linear(hidden, self.weight))

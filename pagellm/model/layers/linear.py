@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed.groups import SINGLE, ParallelState
+from pagellm.ops.gemm import linear
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:  # noqa: ANN001
@@ -48,7 +48,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param.data.narrow(0, self.offsets[shard_id], size), rank_slice.to(param.dtype), "column shard")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -84,5 +84,5 @@ class RowParallelLinear(nn.Module):
         _copy(param.data, loaded.to(param.dtype), "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.parallel.all_reduce(F.linear(x, self.weight))
+        y = self.parallel.all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y

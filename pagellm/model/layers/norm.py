@@ -1,10 +1,15 @@
 """RMSNorm, computed in float32 like Hugging Face's Llama (so float32 runs match it bit for bit), with the
-residual add fused in: ``forward(x, residual)`` returns ``(norm(x + residual), x + residual)``."""
+residual add fused in: ``forward(x, residual)`` returns ``(norm(x + residual), x + residual)``.
+
+bfloat16 rows take one fused native pass (``pagellm/ops/fused.py``); ``forward_torch`` is the plain-PyTorch twin
+(and the path for every other dtype)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pagellm.ops.fused import add_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -20,6 +25,11 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = add_rms_norm(x, residual, self.weight, self.eps)
+        return fused if fused is not None else self.forward_torch(x, residual)
+
+    def forward_torch(self, x: torch.Tensor,
+                      residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
             x = x + residual
         return self._norm(x), x

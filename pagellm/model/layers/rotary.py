@@ -1,6 +1,7 @@
 """Rotary position embeddings (the "rotate half" layout of Hugging Face checkpoints), with the default,
 ``linear`` and Llama-3 frequency scalings. cos/sin are computed once for every position in float32, exactly as
-transformers computes them, and looked up by each token's position."""
+transformers computes them, and looked up by each token's position. bfloat16 q/k take one fused native pass
+(``pagellm/ops/fused.py``); ``forward_torch`` is the plain-PyTorch twin (and the path for every other dtype)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import math
 
 import torch
 from torch import nn
+
+from pagellm.ops.fused import rotary
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
@@ -54,6 +57,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; positions: [T]."""
+        fused = rotary(positions, q, k, self.cos, self.sin)
+        return fused if fused is not None else self.forward_torch(positions, q, k)
+
+    def forward_torch(self, positions: torch.Tensor, q: torch.Tensor,
+                      k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -1,0 +1,1 @@
+"""Native CPU kernels for model layers (plain C ABI, loaded with ctypes), each with a plain-PyTorch twin."""

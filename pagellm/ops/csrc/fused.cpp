@@ -1,0 +1,144 @@
+// Fused element-wise bfloat16 ops of the Llama block, one pass over memory each instead of several torch ops:
+//   add_rms_norm:  residual' = x + residual; out = weight * bf16(residual' * rsqrt(mean(residual'^2) + eps))
+//   silu_and_mul:  out = silu(gate) * up, with gate_up = [gate | up] along the last dimension
+//   rotary:        q', k' = x * cos + rotate_half(x) * sin for each head ("rotate half" layout), from q/k rows
+//                  that may be strided views into the fused qkv output, into contiguous outputs
+// Arithmetic is float32 with one bfloat16 rounding where torch's sequence rounds to the model dtype (RMSNorm keeps
+// transformers' rounding points). The plain-PyTorch twins and test oracles are in pagellm/model/layers/.
+// Plain C ABI; built and loaded by pagellm/ops/build.py. Rows are split across torch's OpenMP threads when a call
+// is big enough to pay for the fork.
+#include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float f32(uint16_t h) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16);
+}
+
+inline uint16_t bf16(float f) {  // round to nearest even, as torch does
+  uint32_t u = __builtin_bit_cast(uint32_t, f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+#if defined(__AVX512F__)
+// e^x for 16 floats (relative error ~1e-7): x = n ln2 + r, e^r by a degree-6 polynomial, times 2^n.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.0f / 720);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+inline __m512 load_bf16x16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// Round 16 floats to bfloat16 (nearest even; inputs here are never NaN).
+inline void store_bf16x16(uint16_t* p, __m512 v, __mmask16 m) {
+  __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+#endif
+
+constexpr int64_t kParallelElements = 1 << 15;  // below this a call runs on the calling thread
+
+}  // namespace
+
+extern "C" {
+
+// x, residual, out, residual_out: [rows, n]; residual may be null (then residual_out = x); weight: [n].
+void pagellm_add_rms_norm_bf16(const uint16_t* x, const uint16_t* residual, const uint16_t* weight, int64_t rows,
+                               int64_t n, float eps, uint16_t* out, uint16_t* residual_out) {
+#pragma omp parallel for schedule(static) if (rows * n >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* xr = x + r * n;
+    uint16_t* res = residual_out + r * n;
+    float sum = 0.f;
+    if (residual) {
+      const uint16_t* rr = residual + r * n;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < n; ++i) {
+        const uint16_t h = bf16(f32(xr[i]) + f32(rr[i]));  // torch rounds the sum to bf16 first
+        res[i] = h;
+        sum += f32(h) * f32(h);
+      }
+    } else {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < n; ++i) {
+        res[i] = xr[i];
+        sum += f32(xr[i]) * f32(xr[i]);
+      }
+    }
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+    uint16_t* o = out + r * n;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) o[i] = bf16(f32(weight[i]) * f32(bf16(f32(res[i]) * inv)));
+  }
+}
+
+// gate_up: [rows, 2 * n] (gate then up); out: [rows, n].
+void pagellm_silu_and_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t n, uint16_t* out) {
+#pragma omp parallel for schedule(static) if (rows * n >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* g = gate_up + r * 2 * n;
+    const uint16_t* u = g + n;
+    uint16_t* o = out + r * n;
+#if defined(__AVX512F__)
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1);
+      const __m512 gv = load_bf16x16(g + i, m);
+      const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(
+                                                 _mm512_setzero_ps(), gv))));
+      store_bf16x16(o + i, _mm512_mul_ps(silu, load_bf16x16(u + i, m)), m);
+    }
+#else
+    for (int64_t i = 0; i < n; ++i) o[i] = bf16(f32(g[i]) / (1.f + std::exp(-f32(g[i]))) * f32(u[i]));
+#endif
+  }
+}
+
+// q: rows of heads * head_dim starting every q_stride elements (likewise k); cos, sin: [max_pos, head_dim];
+// positions: [rows]; q_out: [rows, heads, head_dim], k_out: [rows, kv_heads, head_dim] contiguous.
+void pagellm_rotary_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
+                         const uint16_t* cos, const uint16_t* sin, const int64_t* positions, int64_t rows,
+                         int64_t heads, int64_t kv_heads, int64_t head_dim, uint16_t* q_out, uint16_t* k_out) {
+  const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (rows * (heads + kv_heads) * head_dim >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* c = cos + positions[r] * head_dim;
+    const uint16_t* s = sin + positions[r] * head_dim;
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+      const bool is_q = h < heads;
+      const uint16_t* src = is_q ? q + r * q_stride + h * head_dim : k + r * k_stride + (h - heads) * head_dim;
+      uint16_t* dst = is_q ? q_out + (r * heads + h) * head_dim : k_out + (r * kv_heads + h - heads) * head_dim;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float lo = f32(src[i]), hi = f32(src[i + half]);
+        dst[i] = bf16(lo * f32(c[i]) - hi * f32(s[i]));
+        dst[i + half] = bf16(hi * f32(c[i + half]) + lo * f32(s[i + half]));
+      }
+    }
+  }
+}
+
+}  // extern "C"

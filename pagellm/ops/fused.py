@@ -1,0 +1,93 @@
+"""Fused bfloat16 element-wise ops of the Llama block (``csrc/fused.cpp``): residual add + RMSNorm, SiLU·up, and
+rotary embeddings, one pass over memory and one call each instead of several torch ops.
+
+Each op serves bfloat16 tensors in the layouts documented below and returns ``None`` for anything else (other
+dtypes, layouts, or a machine where the library does not build), so the calling layer runs its plain-PyTorch
+twin, which is also the op's test oracle. float32 never takes these paths: float32 runs match transformers bit for
+bit through the torch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from pagellm.ops.build import load_library
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "fused.cpp"
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+@functools.lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL | None:
+    try:
+        lib = load_library(SOURCE)
+    except (RuntimeError, OSError) as exc:
+        logger.warning("fused element-wise kernels unavailable (%s); using torch ops", exc)
+        return None
+    lib.pagellm_add_rms_norm_bf16.argtypes = [_P, _P, _P, _I, _I, _F, _P, _P]
+    lib.pagellm_silu_and_mul_bf16.argtypes = [_P, _I, _I, _P]
+    lib.pagellm_rotary_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _P, _P]
+    for fn in (lib.pagellm_add_rms_norm_bf16, lib.pagellm_silu_and_mul_bf16, lib.pagellm_rotary_bf16):
+        fn.restype = None
+    return lib
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def _bf16_rows(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.bfloat16 and t.dim() == 2 and t.is_contiguous() for t in tensors)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(weight * norm(x + residual), x + residual)`` for contiguous bf16 [T, n] rows, else ``None``."""
+    if not _bf16_rows(x) or (residual is not None and not _bf16_rows(residual)) or weight.dtype != torch.bfloat16:
+        return None
+    lib = _lib()
+    if lib is None:
+        return None
+    out, res = torch.empty_like(x), torch.empty_like(x)
+    lib.pagellm_add_rms_norm_bf16(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                                  weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr(), res.data_ptr())
+    return out, res
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` where ``gate_up = [gate | up]`` is a contiguous bf16 [T, 2n], else ``None``."""
+    lib = _lib() if _bf16_rows(gate_up) else None
+    if lib is None:
+        return None
+    half = gate_up.shape[1] // 2
+    out = torch.empty(gate_up.shape[0], half, dtype=torch.bfloat16)
+    lib.pagellm_silu_and_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], half, out.data_ptr())
+    return out
+
+
+def _head_rows(t: torch.Tensor) -> bool:
+    """[T, heads, D] with heads and D packed (rows may be strided: views into the fused qkv output)."""
+    return t.dtype == torch.bfloat16 and t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rotated (q, k) as new contiguous tensors ("rotate half" layout), or ``None`` where the op does not apply."""
+    if not (_head_rows(q) and _head_rows(k) and _bf16_rows(cos, sin) and positions.dtype == torch.int64
+            and positions.is_contiguous() and q.shape[2] % 2 == 0):
+        return None
+    lib = _lib()
+    if lib is None:
+        return None
+    q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
+    lib.pagellm_rotary_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), cos.data_ptr(), sin.data_ptr(),
+                            positions.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2], q_out.data_ptr(),
+                            k_out.data_ptr())
+    return q_out, k_out

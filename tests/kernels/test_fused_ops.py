@@ -1,0 +1,76 @@
+"""The fused bfloat16 element-wise kernels (``pagellm/ops/csrc/fused.cpp``) against their layers' plain-PyTorch
+twins (``forward_torch``) and a float32 computation of the same formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagellm.model.layers.activation import SiluAndMul
+from pagellm.model.layers.norm import RMSNorm
+from pagellm.model.layers.rotary import RotaryEmbedding, rotate_half
+from pagellm.ops import fused
+
+pytestmark = pytest.mark.skipif(fused._lib() is None, reason="needs a C++ compiler")
+BF16 = torch.bfloat16
+
+
+def _close_bf16(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Within two bfloat16 roundings of the float32 result (the twin rounds more often than the kernel)."""
+    assert actual.dtype == BF16 and actual.shape == expected.shape
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=2 ** -7, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (3, 64), (70, 576), (5, 37)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm(rows: int, hidden: int, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(rows + hidden)
+    norm = RMSNorm(hidden, 1e-5, BF16)
+    norm.weight.data = torch.randn(hidden, generator=gen).to(BF16)
+    x = torch.randn(rows, hidden, generator=gen).mul(3).to(BF16)
+    residual = torch.randn(rows, hidden, generator=gen).to(BF16) if with_residual else None
+    out, res = norm(x, residual)
+    twin_out, twin_res = norm.forward_torch(x, residual)
+    assert torch.equal(res, twin_res)  # the residual sum is one bf16 rounding in both
+    _close_bf16(out, twin_out)
+    s = res.float()
+    _close_bf16(out, norm.weight.float() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 1536), (4, 40), (33, 1536), (2, 7)])
+def test_silu_and_mul(rows: int, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(rows * hidden)
+    gate_up = torch.randn(rows, 2 * hidden, generator=gen).mul(4).to(BF16)
+    act = SiluAndMul()
+    out = act(gate_up)
+    _close_bf16(out, act.forward_torch(gate_up))
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    _close_bf16(out, F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("rows,heads,kv_heads,head_dim", [(1, 9, 3, 64), (17, 4, 2, 32), (3, 2, 1, 6)])
+def test_rotary_from_fused_qkv_views(rows: int, heads: int, kv_heads: int, head_dim: int) -> None:
+    """q and k arrive as strided views into one qkv row, as the attention layer splits them."""
+    gen = torch.Generator().manual_seed(rows + heads)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, BF16)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(BF16)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(rows, heads, head_dim), k.view(rows, kv_heads, head_dim)
+    positions = torch.randint(0, 4096, (rows,), generator=gen)
+    q_out, k_out = rope(positions, q, k)
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    twin_q, twin_k = rope.forward_torch(positions, q, k)
+    _close_bf16(q_out, twin_q)
+    _close_bf16(k_out, twin_k)
+    cos, sin = rope.cos[positions].float().unsqueeze(1), rope.sin[positions].float().unsqueeze(1)
+    _close_bf16(q_out, q.float() * cos + rotate_half(q.float()) * sin)
+
+
+def test_other_dtypes_and_layouts_take_the_torch_twin() -> None:
+    x = torch.randn(2, 8)
+    assert fused.add_rms_norm(x, None, torch.ones(8), 1e-6) is None
+    assert fused.silu_and_mul(x) is None
+    assert fused.silu_and_mul(torch.randn(8, 2).to(BF16).t()) is None  # not contiguous
+    q = torch.randn(2, 2, 4)
+    assert fused.rotary(torch.zeros(2, dtype=torch.int64), q, q, torch.ones(8, 4), torch.ones(8, 4)) is None
