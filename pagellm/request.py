@@ -83,6 +83,8 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
         self.stop_reason: int | None = None
+        self.queued_time = 0.0      # wall clock, set by the scheduler (metrics: queue and prefill time)
+        self.scheduled_time = 0.0   # first admission into the running batch
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,6 +19,9 @@ Contract:
 - A dead core (crash, kill) fails every pending ``generate`` and every later call with ``EngineDeadError``;
   ``check_health()`` raises it; ``errored`` turns True. ``shutdown()`` stops the core; later calls raise it too.
 - ``get_stats()`` returns the latest gauges (running, waiting, KV usage) and the counters accumulated since start.
+- Stats: every batch of core outputs goes to ``stats_sink`` (``metrics.sink.StatsSink``; the null sink by default)
+  as the core's ``SchedulerStats`` plus the frontend's ``IterationStats``; aborted requests are counted there too.
+  A request's OpenTelemetry parent (``metrics.tracing.current_context()`` when ``generate`` starts) rides along.
 
 Threads: core outputs are handled on the client's output thread (detokenization included) under ``_lock`` and
 handed to each stream's event loop with ``call_soon_threadsafe``, so an engine may serve several event loops.
@@ -42,7 +45,9 @@ from pagellm.engine.exceptions import EngineDeadError
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor, RequestState
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, RequestError
-from pagellm.metrics.stats import SchedulerStats, SpecDecodingStats
+from pagellm.metrics import tracing
+from pagellm.metrics.sink import NullStatsSink, StatsSink
+from pagellm.metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
 from pagellm.model.loader import resolve_model_dir
 from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -93,8 +98,10 @@ class _Tracked:
 class AsyncLLM:
     """Frontend engine for the server (see the module docstring for the contract)."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, startup_timeout_s: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, startup_timeout_s: float = 600.0,
+                 stats_sink: StatsSink | None = None) -> None:
         self.config = config
+        self.stats_sink: StatsSink = stats_sink or NullStatsSink()
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
         self._lock = threading.Lock()
@@ -109,9 +116,10 @@ class AsyncLLM:
         self.input_processor = InputProcessor(tokenizer, self.runtime.max_model_len, self.runtime.vocab_size)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, startup_timeout_s: float = 600.0) -> AsyncLLM:
+    def from_config(cls, config: EngineConfig, startup_timeout_s: float = 600.0,
+                    stats_sink: StatsSink | None = None) -> AsyncLLM:
         tokenizer = Tokenizer.from_dir(resolve_model_dir(config.model_config.model))
-        return cls(config, tokenizer, startup_timeout_s)
+        return cls(config, tokenizer, startup_timeout_s, stats_sink)
 
     # ------------------------------------------------------------------------------------------- requests
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
@@ -162,8 +170,12 @@ class AsyncLLM:
                   stream: _RequestStream) -> None:
         with self._lock:
             self._raise_if_dead()  # under the lock: _on_dead either sees these requests or we see it
+            trace_context = tracing.current_context()
             for index, request in enumerate(requests):
                 self.output_processor.add_request(request, prompt)
+                stats = self.output_processor.requests[request.request_id].stats
+                assert stats is not None
+                stats.caller_id, stats.trace_context = request_id, trace_context
                 self._tracked[request.request_id] = _Tracked(request_id, index, stream, prompt,
                                                              request.prompt_token_ids)
                 self._by_request_id.setdefault(request_id, set()).add(request.request_id)
@@ -187,6 +199,8 @@ class AsyncLLM:
                 if notify:
                     tracked.stream.put(_aborted_output(tracked, state))
         self.client.abort_requests(live)
+        if live:
+            self.stats_sink.record(None, IterationStats(time.time(), num_aborted=len(live)))
 
     # ------------------------------------------------------------------------------------------- core side
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
@@ -196,10 +210,14 @@ class AsyncLLM:
                 _accumulate(self._stats, outputs.stats)
             for error in outputs.errors:
                 self._fail(error)
-            results, to_abort = self.output_processor.process_outputs(outputs.outputs, delta=True)
+            iteration = IterationStats()
+            results, to_abort = self.output_processor.process_outputs(outputs.outputs, delta=True,
+                                                                      iteration=iteration)
             for out in results:
                 self._route(out)
         self.client.abort_requests(to_abort)
+        if outputs.stats is not None or outputs.outputs:
+            self.stats_sink.record(outputs.stats, iteration)
 
     def _route(self, out: RequestOutput) -> None:
         core_id = out.request_id
@@ -254,6 +272,7 @@ class AsyncLLM:
     async def get_stats(self) -> SchedulerStats:
         """Current gauges (running, waiting, KV usage) and every counter summed since the engine started."""
         fresh = await self.client.call_utility("get_stats")
+        self.stats_sink.record(fresh, None)  # its counters (if any) happened between steps: count them too
         with self._lock:
             _accumulate(self._stats, fresh)
             return msgspec.msgpack.decode(msgspec.msgpack.encode(self._stats), type=SchedulerStats)
@@ -269,6 +288,7 @@ class AsyncLLM:
         """Stop the core process; pending and later requests fail with ``EngineDeadError``."""
         self._shut_down = True
         self.client.shutdown()
+        self.stats_sink.shutdown()
 
 
 def _sibling_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.wire import EngineCoreOutput, EngineCoreRequest
+from pagellm.metrics.stats import IterationStats, RequestStats
 from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.sched.output import TokenLogprobs
 from pagellm.request import FinishReason
@@ -35,6 +36,7 @@ class RequestState:
     num_tokens_sent: int = 0  # delta mode: token ids already returned
     logprobs: list[dict[int, Logprob]] | None = None  # one dict per token in token_ids; None = not asked
     cumulative_logprob: float | None = None
+    stats: RequestStats | None = None  # timings and counts for metrics and traces
 
     def make_output(self, delta: bool) -> RequestOutput:
         """The request's output so far; with ``delta``, only the text, token ids and logprobs not returned
@@ -60,7 +62,8 @@ class OutputProcessor:
 
     def add_request(self, req: EngineCoreRequest, prompt: str | None) -> None:
         detok = IncrementalDetokenizer(self.tokenizer.backend, req.prompt_token_ids, req.sampling_params)
-        state = RequestState(req.request_id, prompt, req.prompt_token_ids, detok, RequestMetrics(req.arrival_time), [])
+        state = RequestState(req.request_id, prompt, req.prompt_token_ids, detok, RequestMetrics(req.arrival_time), [],
+                             stats=RequestStats(req.arrival_time, len(req.prompt_token_ids), req.sampling_params))
         if req.sampling_params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self.requests[req.request_id] = state
@@ -71,10 +74,13 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput],
-                        delta: bool = False) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step's deltas; returns the updated outputs and the ids to abort in the core (stop strings)."""
+    def process_outputs(self, outputs: list[EngineCoreOutput], delta: bool = False,
+                        iteration: IterationStats | None = None) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's deltas; returns the updated outputs and the ids to abort in the core (stop strings).
+        ``iteration`` (when given) receives the step's token counts, timings and finished requests."""
         now = time.time()
+        iteration = iteration if iteration is not None else IterationStats()
+        iteration.time = now
         results: list[RequestOutput] = []
         to_abort: list[str] = []
         for out in outputs:
@@ -86,10 +92,13 @@ class OutputProcessor:
                 state.num_cached_tokens = out.num_cached_tokens
             if state.logprobs is not None:
                 self._add_logprobs(state, out.new_token_ids, out.new_logprobs)
+            assert state.stats is not None
+            iteration.observe_tokens(state.stats, len(out.new_token_ids), out.times, now)
             if self._apply(state, out):
                 to_abort.append(out.request_id)
             if state.finish_reason is not None:
                 state.metrics.finished_time = now
+                iteration.observe_finished(out.request_id, state.finish_reason, state.stats, now)
                 del self.requests[out.request_id]
             results.append(state.make_output(delta))
         return results, to_abort

@@ -1,9 +1,18 @@
-"""Plain stats objects produced by the engine core each step; exporters (logs, Prometheus) read them.
+"""Plain stats objects; exporters (the log line, Prometheus, traces, the dashboard) read them.
 
-No exporter library is imported here, so the core stays free of metrics dependencies.
+Two producers, one consumer side:
+- The engine core fills a ``SchedulerStats`` each step (gauges now + counters of the step) and stamps each request's
+  core-side times (``RequestTimes``: queued, first scheduled, first token) on the request's first output.
+- The frontend's output processor turns each step's outputs into an ``IterationStats``: the tokens it returned, the
+  time to first token and inter-token gaps it saw, and one ``FinishedRequestStats`` per request that ended.
+Both cross into ``metrics.sink.StatsSink`` implementations, which alone know about exporters. No exporter library is
+imported here, so the core stays free of metrics dependencies.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -46,5 +55,102 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_prompt_tokens: int = 0             # prompt tokens computed (prefix hits excluded)
     num_generation_tokens: int = 0         # tokens sampled and kept
     num_scheduled_tokens: int = 0
-    kv_cache_evictions: int = 0
+    kv_cache_evictions: int = 0            # cached blocks whose contents were dropped to make room
     spec_decoding: SpecDecodingStats | None = None
+
+
+class RequestTimes(msgspec.Struct, array_like=True):
+    """Core-side wall-clock times (``time.time()``) of one request, sent once with its first output tokens.
+
+    All three come from the core's clock, so the queue and prefill intervals never mix two processes' clocks.
+    """
+
+    queued: float            # added to the scheduler's waiting queue
+    scheduled: float         # first admitted into the running batch
+    first_token: float       # its first output token was produced
+
+
+@dataclass
+class RequestStats:
+    """What the frontend tracks per live request for metrics and traces (plain data, no exporter)."""
+
+    arrival_time: float
+    num_prompt_tokens: int
+    params: Any = None                    # the request's SamplingParams (for trace attributes)
+    caller_id: str | None = None          # the id the API caller sees, when it differs from the core id
+    trace_context: Any = None             # the OpenTelemetry parent context, when tracing is on
+    core_times: RequestTimes | None = None
+    first_token_time: float = 0.0         # frontend clock, 0 until the first token arrives
+    last_token_time: float = 0.0
+    num_generation_tokens: int = 0
+
+
+@dataclass
+class FinishedRequestStats:
+    """One request that ended on its own (stop or length), with every interval the histograms need."""
+
+    request_id: str
+    finish_reason: str
+    stats: RequestStats
+    finished_time: float
+
+    @property
+    def e2e_latency(self) -> float:
+        return self.finished_time - self.stats.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float:
+        return self.stats.first_token_time - self.stats.arrival_time
+
+    @property
+    def queue_time(self) -> float:
+        times = self.stats.core_times
+        return 0.0 if times is None else max(0.0, times.scheduled - times.queued)
+
+    @property
+    def prefill_time(self) -> float:
+        times = self.stats.core_times
+        return 0.0 if times is None else max(0.0, times.first_token - times.scheduled)
+
+    @property
+    def decode_time(self) -> float:
+        return max(0.0, self.stats.last_token_time - self.stats.first_token_time)
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean gap between output tokens after the first; None for a one-token output."""
+        n = self.stats.num_generation_tokens
+        return self.decode_time / (n - 1) if n > 1 else None
+
+
+@dataclass
+class IterationStats:
+    """What the frontend saw in one batch of core outputs (one engine step)."""
+
+    time: float = 0.0
+    num_prompt_tokens: int = 0                 # prompts of requests whose first token arrived now
+    num_generation_tokens: int = 0             # output tokens returned now
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)  # one per request that got tokens again
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+    num_aborted: int = 0                       # requests aborted (client gone, explicit abort)
+
+    def observe_tokens(self, stats: RequestStats, num_new_tokens: int, core_times: RequestTimes | None,
+                       now: float) -> None:
+        """One request's output in this step: its first token (TTFT) or a later one (an inter-token gap)."""
+        if core_times is not None:
+            stats.core_times = core_times
+        if num_new_tokens == 0:
+            return
+        if stats.num_generation_tokens == 0:
+            stats.first_token_time = now
+            self.time_to_first_tokens.append(now - stats.arrival_time)
+            self.num_prompt_tokens += stats.num_prompt_tokens
+        else:
+            self.inter_token_latencies.append(now - stats.last_token_time)
+        stats.last_token_time = now
+        stats.num_generation_tokens += num_new_tokens
+        self.num_generation_tokens += num_new_tokens
+
+    def observe_finished(self, request_id: str, finish_reason: str, stats: RequestStats, now: float) -> None:
+        self.finished.append(FinishedRequestStats(request_id, finish_reason, stats, now))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pagellm.metrics.stats import RequestTimes
 from pagellm.request import FinishReason
 from pagellm.sampling_params import SamplingParams
 
@@ -82,6 +83,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     new_logprobs: TokenLogprobs | None = None   # one entry per new token when the request asked for logprobs
+    times: RequestTimes | None = None           # core-side timings, on the request's first output tokens only
 
     @property
     def finished(self) -> bool:

@@ -11,12 +11,13 @@ request is scheduled; ``update_from_output`` rolls back rejected drafts and appl
 from __future__ import annotations
 
 import logging
+import time
 from typing import Iterable
 
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.kv.block import KVBlock
 from pagellm.kv.manager import KVCacheManager
-from pagellm.metrics.stats import SchedulerStats, SpecDecodingStats
+from pagellm.metrics.stats import RequestTimes, SchedulerStats, SpecDecodingStats
 from pagellm.request import Request, RequestStatus
 from pagellm.sched.output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                   SchedulerOutput)
@@ -54,6 +55,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        request.queued_time = time.time()
         self.waiting.add(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -178,6 +180,7 @@ class Scheduler:
         request.num_computed_tokens = num_hit
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit
+            request.scheduled_time = time.time()
         self._stats.prefix_cache_queries += request.num_tokens
         self._stats.prefix_cache_hits += num_hit
         self._stats.num_prompt_tokens += request.num_tokens - num_hit
@@ -200,7 +203,8 @@ class Scheduler:
                 if logprobs is not None:  # a stop rule may have cut the accepted tokens: cut their logprobs too
                     logprobs = logprobs.head(len(new_tokens))
                 outputs.append(EngineCoreOutput(request_id, new_tokens, request.status.finish_reason,
-                                                request.stop_reason, request.num_cached_tokens, logprobs))
+                                                request.stop_reason, request.num_cached_tokens, logprobs,
+                                                _first_output_times(request, len(new_tokens))))
         return outputs
 
     def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:
@@ -247,6 +251,13 @@ class Scheduler:
         if self._spec_stats.num_drafts:
             stats.spec_decoding, self._spec_stats = self._spec_stats, SpecDecodingStats()
         return stats
+
+
+def _first_output_times(request: Request, num_new_tokens: int) -> RequestTimes | None:
+    """The request's core-side timings when these are its first output tokens (sent once per request)."""
+    if num_new_tokens == 0 or request.num_output_tokens != num_new_tokens:
+        return None
+    return RequestTimes(request.queued_time, request.scheduled_time, time.time())
 
 
 def _suppressed_tokens(request: Request) -> set[int]:

@@ -3,6 +3,8 @@
 Contract:
 - The port is bound before the model loads, so a taken port fails at once, not after a long load.
 - One INFO line says when the server is ready, with its URL.
+- Stats (``server/observability.py``): ``/metrics``, ``/dashboard`` and an INFO stats line every few seconds while
+  busy, unless ``log_stats`` is False; one OTLP span per request when ``otlp_traces_endpoint`` is set.
 - SIGTERM or SIGINT: uvicorn stops accepting, lets open requests finish (a few seconds at most), then the engine
   core is shut down and ``run_server`` returns 0. A second SIGINT forces the exit.
 - The engine core dying on its own (crash, OOM kill): requests keep failing fast with 503 for a short grace, then
@@ -23,6 +25,7 @@ import uvicorn
 
 from pagellm.config import EngineConfig
 from pagellm.engine.exceptions import EngineDeadError
+from pagellm.server.observability import build_observability
 from pagellm.server.openai.routes import build_app
 from pagellm.server.openai.serving_engine import EngineClient
 
@@ -36,13 +39,14 @@ _HEALTH_POLL_S = 0.1
 
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                served_model_names: Optional[Sequence[str]] = None, api_key: Optional[str] = None,
-               access_log: bool = False) -> int:
+               access_log: bool = False, log_stats: bool = True,
+               otlp_traces_endpoint: Optional[str] = None) -> int:
     """Serve until SIGTERM/SIGINT (returns 0) or until the engine core dies on its own (returns 1)."""
     sock = _bind(host, port)
     model = config.model_config.model
     names = list(served_model_names or [model or DEFAULT_MODEL_NAME])
     try:
-        return _run(_serve(config, sock, names, api_key, access_log))
+        return _run(_serve(config, sock, names, api_key, access_log, log_stats, otlp_traces_endpoint))
     finally:
         sock.close()
 
@@ -70,12 +74,14 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def _serve(config: EngineConfig, sock: socket.socket, names: list[str], api_key: Optional[str],
-                 access_log: bool) -> int:
+                 access_log: bool, log_stats: bool = True, otlp_traces_endpoint: Optional[str] = None) -> int:
     from pagellm.engine.async_engine import AsyncLLM
 
     engine = AsyncLLM.from_config(config)
     try:
-        app = build_app(engine, names, api_key, model_root=config.model_config.model)
+        obs = build_observability(names[0], config, engine.runtime, log_stats, otlp_traces_endpoint)
+        engine.stats_sink = obs.sink
+        app = build_app(engine, names, api_key, model_root=config.model_config.model, observability=obs)
         server = uvicorn.Server(uvicorn.Config(
             app, http="httptools", log_level="warning", access_log=access_log, lifespan="off",
             timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S))

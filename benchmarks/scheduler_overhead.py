@@ -1,0 +1,113 @@
+"""Scheduler overhead per step: pagellm's ``schedule()`` + ``update_from_output()`` with a fake model output, at 64,
+256 and 1024 running requests, and vLLM's own v1 scheduler on the same synthetic trace when .peers/vllm exists.
+
+The trace (benchmarks/peers/sched_trace.py): shared block-aligned prefixes (prefix caching on) + unique suffixes,
+staggered output lengths, the system kept at N requests, a 2048-token budget: each step mixes decodes with
+prefill chunks. Only the two scheduler calls are timed (building the fake output and adding requests are not).
+vLLM's scheduler runs in a subprocess with the .peers/vllm interpreter (benchmarks/peers/vllm_scheduler_bench.py).
+
+    .venv/bin/python benchmarks/scheduler_overhead.py [--num-running 64 256 1024] [--steps 300] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE / "peers"), str(HERE.parent)]
+import sched_trace as trace  # noqa: E402
+
+from pagellm.config import CacheConfig, SchedulerConfig  # noqa: E402
+from pagellm.request import Request  # noqa: E402
+from pagellm.sampling_params import SamplingParams  # noqa: E402
+from pagellm.sched.output import ModelRunnerOutput  # noqa: E402
+from pagellm.sched.scheduler import Scheduler  # noqa: E402
+
+VLLM_PYTHON = HERE.parent / ".peers" / "vllm" / "bin" / "python"
+
+
+def fake_output(scheduler: Scheduler, sched_out) -> ModelRunnerOutput:
+    req_ids = list(sched_out.num_scheduled_tokens)
+    sampled = []
+    for rid in req_ids:
+        req = scheduler.requests[rid]
+        sampled.append([trace.SAMPLED_TOKEN] if req.num_computed_tokens >= req.num_tokens else [])
+    return ModelRunnerOutput(req_ids, sampled)
+
+
+def run_pagellm(num_running: int, warmup: int, steps: int) -> dict:
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=trace.TOKEN_BUDGET),
+                          CacheConfig(block_size=trace.BLOCK_SIZE, enable_prefix_caching=True),
+                          trace.num_blocks(num_running), max_model_len=2048)
+    next_id, times, running, tokens = 0, [], [], []
+    gc.collect()
+    for step in range(warmup + steps):
+        while scheduler.num_unfinished_requests < num_running:
+            params = SamplingParams(max_tokens=trace.output_len(next_id), ignore_eos=True)
+            scheduler.add_request(Request(f"r{next_id}", trace.prompt(next_id), params, arrival_time=time.time()))
+            next_id += 1
+        t0 = time.perf_counter()
+        out = scheduler.schedule()
+        t1 = time.perf_counter()
+        runner_out = fake_output(scheduler, out)
+        t2 = time.perf_counter()
+        scheduler.update_from_output(out, runner_out)
+        t3 = time.perf_counter()
+        if step >= warmup:
+            times.append((t1 - t0) + (t3 - t2))
+            running.append(len(out.num_scheduled_tokens))
+            tokens.append(out.total_num_scheduled_tokens)
+    us = sorted(t * 1e6 for t in times)
+    return {"system": "pagellm", "num_running": num_running, "steps": steps, "mean_us": statistics.mean(us),
+            "p50_us": us[len(us) // 2], "p95_us": us[int(len(us) * 0.95)],
+            "mean_scheduled_reqs": statistics.mean(running), "mean_scheduled_tokens": statistics.mean(tokens),
+            "requests_started": next_id}
+
+
+def run_vllm(sizes: list[int], warmup: int, steps: int) -> list[dict]:
+    from pagellm.model.loader import resolve_model_dir
+
+    cmd = [str(VLLM_PYTHON), str(HERE / "peers" / "vllm_scheduler_bench.py"), str(resolve_model_dir(None)),
+           "--num-running", *map(str, sizes), "--warmup", str(warmup), "--steps", str(steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                          env={"VLLM_TARGET_DEVICE": "cpu", "PATH": "/usr/bin:/bin"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM scheduler benchmark failed:\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-running", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--no-vllm", action="store_true", help="pagellm only")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    ours = [run_pagellm(n, args.warmup, args.steps) for n in args.num_running]
+    theirs: list[dict] = []
+    if not args.no_vllm and VLLM_PYTHON.exists():
+        theirs = run_vllm(args.num_running, args.warmup, args.steps)
+    elif not args.no_vllm:
+        print(f"vLLM not installed ({VLLM_PYTHON} missing; `make peers`): pagellm only")
+    print(f"{'running':>7} {'pagellm mean':>12} {'p50':>8} {'p95':>8} {'vLLM mean':>10} {'p50':>8} {'p95':>8} "
+          f"{'ratio (p50)':>11} {'tokens/step':>11}   (µs per step)")
+    for mine in ours:
+        other = next((t for t in theirs if t["num_running"] == mine["num_running"]), None)
+        vllm_cols = (f"{other['mean_us']:>10.0f} {other['p50_us']:>8.0f} {other['p95_us']:>8.0f} "
+                     f"{mine['p50_us'] / other['p50_us']:>11.3f}") if other else f"{'–':>10} {'':>8} {'':>8} {'':>11}"
+        print(f"{mine['num_running']:>7} {mine['mean_us']:>12.0f} {mine['p50_us']:>8.0f} {mine['p95_us']:>8.0f} "
+              f"{vllm_cols} {mine['mean_scheduled_tokens']:>11.0f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(ours + theirs, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""``pagellm bench serve``: load any OpenAI-compatible server with a dataset and report its latency and throughput.
+
+Requests arrive as a Poisson process at ``--request-rate`` per second (``inf``: all at once); ``--burstiness``
+below 1 makes arrivals burstier, above 1 more regular (gamma-distributed gaps with that shape, same mean).
+``--max-concurrency`` caps the requests in flight. Several rates or concurrencies make a sweep: one run per
+(rate, concurrency) pair, the same requests each time. Warm-up requests run first and are not counted.
+
+While a run lasts, the server's process tree is sampled for CPU utilisation and memory (``--server-pid``, or found
+by the port of a local ``--base-url``). The JSON result is ``{"config": ..., "runs": [{"request_rate",
+"max_concurrency", "metrics", "cpu", "requests"}]}`` (see ``metrics.compute_metrics`` for the metric names).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict
+from typing import Any, Sequence
+from urllib.parse import urlparse
+
+import httpx
+from tqdm import tqdm
+
+from pagellm.bench import datasets
+from pagellm.bench.client import ClientOptions, RequestResult, first_model, send
+from pagellm.bench.cpu import TreeSampler, find_listening_pid
+from pagellm.bench.metrics import compute_metrics, parse_slos
+
+logger = logging.getLogger(__name__)
+
+
+def add_dataset_args(parser: argparse.ArgumentParser, seed_flag: str = "--seed") -> None:
+    """Dataset flags; in-process commands pass ``--dataset-seed`` (their ``--seed`` is the engine's)."""
+    group = parser.add_argument_group("dataset")
+    group.add_argument("--dataset", choices=datasets.DATASETS, default="random")
+    group.add_argument("--num-prompts", type=int, default=100)
+    group.add_argument("--input-len", type=int, default=128, help="prompt tokens (random; suffix for prefix)")
+    group.add_argument("--output-len", type=int, default=128, help="output tokens per request (max_tokens)")
+    group.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary uniformly by ± this fraction")
+    group.add_argument("--num-prefixes", type=int, default=4, help="shared prefixes (prefix dataset)")
+    group.add_argument("--prefix-len", type=int, default=256, help="tokens per shared prefix (prefix dataset)")
+    group.add_argument("--vocab-size", type=int, default=49152, help="random token ids are drawn below this")
+    group.add_argument(seed_flag, dest="dataset_seed", type=int, default=0, help="dataset and arrival seed")
+
+
+def dataset_options(args: argparse.Namespace) -> datasets.DatasetOptions:
+    return datasets.DatasetOptions(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+                                   args.num_prefixes, args.prefix_len, args.vocab_size, args.dataset_seed)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
+    parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    add_dataset_args(parser)
+    load = parser.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
+                      help="requests per second, Poisson (default: inf, all at once); several values sweep")
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
+    load.add_argument("--max-concurrency", type=int, nargs="+", default=[0],
+                      help="requests in flight at most (0: no cap); several values sweep")
+    load.add_argument("--num-warmups", type=int, default=1, help="uncounted requests sent first")
+    load.add_argument("--temperature", type=float, default=1.0)
+    load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    load.add_argument("--close-connections", action="store_true",
+                      help="send 'Connection: close' (servers that drop reused connections under load)")
+    load.add_argument("--tokenizer", default=None,
+                      help="tokenizer to count output tokens when the server streams no usage (HF directory)")
+    report = parser.add_argument_group("report")
+    report.add_argument("--goodput", nargs="*", default=[], metavar="NAME:MS",
+                        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000")
+    report.add_argument("--percentiles", type=float, nargs="+", default=[50.0, 95.0, 99.0])
+    report.add_argument("--server-pid", type=int, default=None,
+                        help="pid of the server's root process for CPU sampling (default: found by port)")
+    report.add_argument("--label", default=None, help="a name for this system in the result and plots")
+    report.add_argument("--result-json", default=None, help="write the result here")
+    report.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into this folder")
+    report.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def arrival_gaps(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds to wait before each request: gamma(shape=burstiness, mean=1/rate); zeros for an infinite rate."""
+    if rate <= 0:
+        raise ValueError("--request-rate must be positive (inf for all at once)")
+    if burstiness <= 0:
+        raise ValueError("--burstiness must be positive")
+    if math.isinf(rate):
+        return [0.0] * num
+    rng = random.Random(seed)
+    return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(num)]
+
+
+async def run_once(http: httpx.AsyncClient, requests: Sequence[datasets.BenchRequest], opts: ClientOptions,
+                   rate: float, burstiness: float, max_concurrency: int, seed: int = 0,
+                   progress: bool = True) -> tuple[list[RequestResult], float]:
+    """Send every request on schedule; returns the results (request order) and the wall time in seconds."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
+    bar = tqdm(total=len(requests), disable=not progress, leave=False, unit="req")
+
+    async def one(req: datasets.BenchRequest) -> RequestResult:
+        if limit is None:
+            result = await send(http, req, opts)
+        else:
+            async with limit:
+                result = await send(http, req, opts)
+        bar.update(1)
+        return result
+
+    tasks = []
+    start = time.perf_counter()
+    for req, gap in zip(requests, arrival_gaps(len(requests), rate, burstiness, seed)):
+        if gap > 0:
+            await asyncio.sleep(gap)
+        tasks.append(asyncio.create_task(one(req)))
+    results = list(await asyncio.gather(*tasks))
+    duration = time.perf_counter() - start
+    bar.close()
+    return results, duration
+
+
+def _server_pid(args: argparse.Namespace) -> int | None:
+    if args.server_pid:
+        return args.server_pid
+    url = urlparse(args.base_url)
+    if url.hostname not in ("127.0.0.1", "localhost", "::1"):
+        return None
+    try:
+        return find_listening_pid(url.port or 80)
+    except Exception as exc:  # psutil may be denied the connection table; CPU is then simply not reported
+        logger.warning("cannot find the server's pid by port (%s); pass --server-pid for CPU figures", exc)
+        return None
+
+
+def _token_counter(path: str | None):
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _requests(args: argparse.Namespace, index: int) -> list[datasets.BenchRequest]:
+    """Run ``index``'s requests: a fresh seed per run, so a sweep's later runs miss the prefix cache as the first
+    did (except for what the dataset shares on purpose); index -1 is the warm-up."""
+    opts = dataset_options(args)
+    opts.seed = args.dataset_seed + 7919 * (index + 1)
+    requests = datasets.load(args.dataset, opts)
+    for req in requests:
+        req.ignore_eos = args.ignore_eos
+    return requests
+
+
+async def _run_all(args: argparse.Namespace) -> dict[str, Any]:
+    slos = parse_slos(args.goodput)
+    limits = httpx.Limits(max_connections=max(max(args.max_concurrency), 1) + 8 if min(args.max_concurrency) > 0
+                          else args.num_prompts + 8, max_keepalive_connections=0 if args.close_connections else None)
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(3600, connect=30),
+                                 limits=limits) as http:
+        model = args.model or await first_model(http)
+        opts = ClientOptions(model=model, temperature=args.temperature, close_connections=args.close_connections,
+                             count_tokens=_token_counter(args.tokenizer))
+        for req in _requests(args, -1)[:args.num_warmups]:
+            warm = datasets.BenchRequest(req.prompt, min(req.output_len, 8), req.prompt_len, req.messages)
+            result = await send(http, warm, opts)
+            if not result.success:
+                raise RuntimeError(f"warm-up request failed: {result.error}")
+        pid = _server_pid(args)
+        runs = []
+        pairs = [(rate, conc) for rate in args.request_rate for conc in args.max_concurrency]
+        for index, (rate, concurrency) in enumerate(pairs):
+            requests = _requests(args, index)
+            runs.append(await _one_run(http, opts, requests, rate, concurrency, pid, slos, args))
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "bench_main")}
+    config["request_rate"] = [r if math.isfinite(r) else "inf" for r in args.request_rate]
+    config["model"] = model
+    return {"label": args.label or model, "config": config, "runs": runs}
+
+
+async def _one_run(http: httpx.AsyncClient, opts: ClientOptions, requests: list[datasets.BenchRequest], rate: float,
+                   concurrency: int, pid: int | None, slos: dict[str, float], args: argparse.Namespace
+                   ) -> dict[str, Any]:
+    sampler = TreeSampler(pid).start() if pid else None
+    results, duration = await run_once(http, requests, opts, rate, args.burstiness, concurrency, args.dataset_seed,
+                                       not args.no_progress)
+    cpu = sampler.stop().as_dict() if sampler else None
+    metrics = compute_metrics(results, duration, slos, args.percentiles)
+    logger.info("rate %s concurrency %s: %.1f output tok/s", rate, concurrency, metrics["output_throughput"])
+    failures = [r.error for r in results if not r.success]
+    if failures:
+        logger.warning("%d requests failed; first error: %s", len(failures), failures[0])
+    return {"request_rate": rate if math.isfinite(rate) else "inf", "max_concurrency": concurrency,
+            "metrics": metrics, "cpu": cpu, "requests": [_request_record(r) for r in results]}
+
+
+def _request_record(result: RequestResult) -> dict[str, Any]:
+    record = asdict(result)
+    record.pop("text")
+    record.pop("start")
+    return record
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every (rate, concurrency) pair on its own copy of the dataset and return the JSON-able result."""
+    datasets.load(args.dataset, dataset_options(args))  # fail on bad options before touching the server
+    return asyncio.run(_run_all(args))
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [f"{'rate':>6} {'conc':>5} {'ok':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} "
+             f"{'TTFT p95':>9} {'TPOT p50':>9} {'TPOT p95':>9} {'ITL p95':>8} {'E2EL p95':>9} {'CPU %':>6}"]
+    for run_ in result["runs"]:
+        m, cpu = run_["metrics"], run_["cpu"] or {}
+        lines.append(
+            f"{run_['request_rate']!s:>6} {run_['max_concurrency'] or '-':>5} {m['completed']:>5} {m['failed']:>4} "
+            f"{m['request_throughput']:>7.2f} {m['output_throughput']:>9.1f} {m['median_ttft_ms']:>9.1f} "
+            f"{m.get('p95_ttft_ms', 0):>9.1f} {m['median_tpot_ms']:>9.1f} {m.get('p95_tpot_ms', 0):>9.1f} "
+            f"{m.get('p95_itl_ms', 0):>8.1f} {m.get('p95_e2el_ms', 0):>9.1f} "
+            f"{cpu.get('mean_cpu_percent', float('nan')):>6.0f}")
+        if "request_goodput" in m:
+            lines.append(f"       goodput {m['request_goodput']:.2f} req/s ({m['goodput_requests']} requests in SLO)")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
+    print(format_table(result))
+    if args.result_json:
+        with open(args.result_json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    if args.plot:
+        from pagellm.bench import plot
+
+        for path in plot.plot_serve([result], args.plot):
+            print(f"wrote {path}")
+    return 0 if all(r["metrics"]["failed"] == 0 for r in result["runs"]) else 1

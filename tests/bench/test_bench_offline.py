@@ -1,0 +1,45 @@
+"""``pagellm bench throughput`` (pagellm and the transformers baseline) and ``pagellm bench latency`` on a tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pagellm.cli import main
+
+TINY_ENGINE = ["--dtype", "float32", "--kv-cache-memory", "16000000", "--max-model-len", "256"]
+
+
+def test_throughput_runs_pagellm_and_transformers_on_the_same_requests(tiny_llama: Path, tmp_path: Path) -> None:
+    out = tmp_path / "throughput.json"
+    rc = main(["bench", "throughput", "--model", str(tiny_llama), *TINY_ENGINE, "--num-prompts", "4",
+               "--input-len", "8", "--output-len", "5", "--vocab-size", "256", "--backend", "pagellm",
+               "transformers", "--hf-batch-size", "2", "--result-json", str(out)])
+    assert rc == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["system"] for r in results] == ["pagellm", "transformers"]
+    for r in results:
+        assert (r["num_requests"], r["total_input_tokens"], r["total_output_tokens"]) == (4, 32, 20)
+        assert r["output_throughput"] == 20 / r["elapsed_s"]
+    assert results[0]["preemptions"] == 0 and results[1]["batch_size"] == 2
+
+
+def test_latency_reports_each_batch_size(tiny_llama: Path, tmp_path: Path) -> None:
+    out = tmp_path / "latency.json"
+    rc = main(["bench", "latency", "--model", str(tiny_llama), *TINY_ENGINE, "--batch-size", "1", "2",
+               "--input-len", "8", "--output-len", "4", "--num-iters", "2", "--num-warmup", "0",
+               "--vocab-size", "256", "--result-json", str(out)])
+    assert rc == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["batch_size"] for r in results] == [1, 2]
+    for r in results:
+        assert 0 < r["median_latency_ms"] <= r["p99_latency_ms"]
+        assert r["mean_prefill_ms"] > 0 and "decode_ms_per_token" in r
+        assert r["output_throughput"] == pytest.approx(r["batch_size"] * 4 / (r["mean_latency_ms"] / 1e3))
+
+
+def test_bench_reports_bad_options_as_usage_errors(capsys) -> None:
+    assert main(["bench", "serve", "--dataset", "random", "--num-prompts", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().err

@@ -1,0 +1,82 @@
+"""``pagellm bench serve`` against a live tiny-model ``pagellm serve``: metrics, JSON schema, plots, CPU sampling."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from server_utils import ServerProcess
+
+from pagellm.bench.cpu import TreeSampler, find_listening_pid
+from pagellm.cli import main
+
+RUN_KEYS = {"request_rate", "max_concurrency", "metrics", "cpu", "requests"}
+METRIC_KEYS = {"completed", "failed", "duration_s", "total_input_tokens", "total_output_tokens",
+               "request_throughput", "output_throughput", "total_token_throughput"} | {
+    f"{stat}_{name}_ms" for stat in ("mean", "median", "std", "p50", "p95", "p99")
+    for name in ("ttft", "tpot", "itl", "e2el")}
+REQUEST_KEYS = {"success", "error", "prompt_len", "output_len", "ttft", "latency", "itl"}
+CPU_KEYS = {"mean_cpu_percent", "peak_cpu_percent", "peak_rss_mb", "cpu_samples", "cpu_cores"}
+
+
+def _bench(server: ServerProcess, tmp_path: Path, *args: str) -> tuple[int, dict]:
+    out = tmp_path / "result.json"
+    rc = main(["bench", "serve", "--base-url", server.base_url, "--no-progress", "--vocab-size", "256",
+               "--result-json", str(out), *args])
+    return rc, json.loads(out.read_text())
+
+
+def test_random_sweep_reports_metrics_json_and_plots(bench_server: ServerProcess, tmp_path: Path) -> None:
+    plots = tmp_path / "plots"
+    rc, result = _bench(bench_server, tmp_path, "--num-prompts", "4", "--input-len", "8", "--output-len", "5",
+                        "--max-concurrency", "1", "2", "--goodput", "ttft:600000", "--plot", str(plots),
+                        "--server-pid", str(bench_server.proc.pid))
+    assert rc == 0
+    assert result["label"] == "tiny" and result["config"]["model"] == "tiny"
+    assert [(r["request_rate"], r["max_concurrency"]) for r in result["runs"]] == [("inf", 1), ("inf", 2)]
+    for run in result["runs"]:
+        assert set(run) == RUN_KEYS
+        m = run["metrics"]
+        assert METRIC_KEYS <= set(m)
+        assert (m["completed"], m["failed"]) == (4, 0)
+        assert (m["total_input_tokens"], m["total_output_tokens"]) == (32, 20)  # usage from the server
+        assert m["goodput_requests"] == 4
+        assert m["output_throughput"] == pytest.approx(20 / m["duration_s"])
+        assert 0 < m["median_ttft_ms"] <= m["p99_ttft_ms"] <= m["p99_e2el_ms"]
+        assert set(run["cpu"]) == CPU_KEYS
+        for req in run["requests"]:
+            assert set(req) == REQUEST_KEYS
+            assert req["success"] and req["output_len"] == 5 and req["prompt_len"] == 8
+            assert 0 < req["ttft"] <= req["latency"] and len(req["itl"]) <= 4
+    names = sorted(p.name for p in plots.iterdir())
+    assert names == ["latency_cdf_c1.png", "latency_cdf_c2.png", "sweep.png"]
+    assert all((plots / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
+
+
+@pytest.mark.parametrize("dataset", ["chat", "code"])
+def test_text_datasets_are_served(bench_server: ServerProcess, tmp_path: Path, dataset: str) -> None:
+    rc, result = _bench(bench_server, tmp_path, "--dataset", dataset, "--num-prompts", "2", "--output-len", "3",
+                        "--seed", "9", "--num-warmups", "0")  # short transcripts: the tiny context is 2048
+    assert rc == 0
+    (run,) = result["runs"]
+    assert (run["metrics"]["completed"], run["metrics"]["total_output_tokens"]) == (2, 6)
+    assert all(r["prompt_len"] > 20 for r in run["requests"])  # counted by the server, from real text
+
+
+def test_failed_requests_are_counted_not_raised(bench_server: ServerProcess, tmp_path: Path) -> None:
+    rc, result = _bench(bench_server, tmp_path, "--model", "no-such-model", "--num-warmups", "0",
+                        "--num-prompts", "3", "--output-len", "2")
+    assert rc == 1
+    m = result["runs"][0]["metrics"]
+    assert (m["completed"], m["failed"]) == (0, 3)
+    assert all("HTTP 404" in r["error"] for r in result["runs"][0]["requests"])
+
+
+def test_cpu_sampler_finds_the_server_and_sums_its_tree(bench_server: ServerProcess) -> None:
+    assert find_listening_pid(bench_server.port) == bench_server.proc.pid
+    sampler = TreeSampler(bench_server.proc.pid)
+    sampler.sample()
+    children = bench_server.child_pids()
+    assert children  # the engine core runs in a child process: the tree, not one process, is what counts
+    assert sampler.stats.num_samples == 1 and sampler.stats.peak_rss_mb > 50
