@@ -108,7 +108,7 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1")
 
 
-SPEC_METHODS = ("ngram", "draft_model", "medusa")
+SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle")
 
 
 @dataclass(frozen=True)
@@ -116,13 +116,14 @@ class SpeculativeConfig:
     """Speculative decoding: which proposer drafts tokens, and how many (see docs/speculative.md)."""
 
     method: str | None = _help("Proposer: none, ngram (prompt lookup), draft_model (a smaller model, or the "
-                               "target's first draft_layers layers) or medusa (trained heads).", default=None)
+                               "target's first draft_layers layers), medusa (trained heads) or eagle (a trained one-layer "
+                               "head on the target's hidden states).", default=None)
     num_speculative_tokens: int = _help("Draft tokens proposed per step.", default=0)
     prompt_lookup_min: int = _help("Smallest n-gram the ngram proposer matches.", default=2)
     prompt_lookup_max: int = _help("Largest n-gram the ngram proposer matches.", default=4)
     model: str | None = _help("draft_model: Hugging Face directory of the draft model (same tokenizer; unset "
-                              "for self-speculation with draft_layers); medusa: the heads' .safetensors file "
-                              "(pagellm train-draft).", default=None)
+                              "for self-speculation with draft_layers); medusa/eagle: the heads' .safetensors "
+                              "file (pagellm train-draft).", default=None)
     draft_layers: int | None = _help("draft_model without a model: how many leading target layers draft "
                                      "(plus the final norm and LM head, weights shared).", default=None)
 
@@ -145,6 +146,9 @@ class SpeculativeConfig:
             raise ValueError(f"draft_layers must be >= 1, got {self.draft_layers}")
         if self.method == "medusa" and self.model is None:
             raise ValueError("medusa needs 'model': the heads' .safetensors file from `pagellm train-draft`")
+        if self.method == "eagle" and self.model is None:
+            raise ValueError("eagle needs 'model': the head's .safetensors file from "
+                             "`pagellm train-draft --method eagle`")
         if self.tree is not None:
             if self.method != "medusa":
                 raise ValueError("'tree' is only supported with method 'medusa'")

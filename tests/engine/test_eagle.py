@@ -1,0 +1,87 @@
+"""EAGLE end to end on the tiny random Llama: a head trained for a few steps with the train-draft pipeline loads
+from its file, greedy output is token-identical with and without it, sampled requests run to completion with
+their draft distributions verified, no KV block leaks, and a missing or mismatched head file is a ValueError."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from tests.engine.test_spec_decode import GREEDY, SMALL_KV, _drafted, _prompts, _run, assert_no_leaks
+
+
+@pytest.fixture(scope="module")
+def eagle_file(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An EAGLE head trained for the tiny model with the train-draft pipeline (a few steps, tiny prompts)."""
+    from pagellm.spec.train import frozen_target, generate_sequences, hidden_states, train_eagle
+
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV)
+    codes = ["def add(a, b):\n    ", "for i in range(10):\n", "hello there, how are you?"]
+    sequences = generate_sequences(llm, [[{"role": "user", "content": "hi"}]], codes, max_tokens=24)
+    hidden, tokens = hidden_states(tiny_llama, sequences)
+    target = frozen_target(llm.engine.core.executor.worker.runner.model)
+    head, losses = train_eagle(hidden, tokens, target, steps=30, batch=4, lr=3e-3, seed=0, window=16)
+    assert losses[-1] < losses[0]
+    path = tmp_path_factory.mktemp("eagle") / "eagle.safetensors"
+    head.save(path, {"command": "test"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama: Path) -> LLM:
+    return LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV)
+
+
+def test_eagle_greedy_identical_and_sampled_runs(tiny_llama: Path, plain: LLM, eagle_file: Path) -> None:
+    prompts = _prompts(6, n=4)
+    expected = _run(plain, prompts, GREEDY)
+    spec = {"method": "eagle", "num_speculative_tokens": 3, "model": str(eagle_file)}
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV, speculative_config=spec)
+    assert _run(llm, prompts, GREEDY) == expected
+    drafted, accepted = _drafted(llm)
+    assert drafted > 0 and 0 <= accepted <= drafted
+    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)
+    first = _run(llm, prompts, sampled)
+    assert all(len(t) == 12 for t in first)
+    assert _run(llm, prompts, sampled) == first  # seeded requests reproduce, drafts or not
+    assert_no_leaks(llm)
+    runner = llm.engine.core.executor.worker.runner
+    assert set(runner.proposer.history) <= set(runner.states)  # finished requests' windows were released
+
+
+def test_eagle_window_follows_accepted_tokens(tiny_llama: Path, eagle_file: Path) -> None:
+    """The proposer's per-request window keeps only pairs whose token is still the request's token there."""
+    from pagellm.spec.base import ProposalRequest
+    from pagellm.spec.eagle import EagleProposer
+
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV)
+    target = llm.engine.core.executor.worker.runner.model
+    proposer = EagleProposer.from_config(
+        type("C", (), {"model": str(eagle_file), "num_speculative_tokens": 2})(), target, torch.float32)
+    h = torch.zeros(target.cfg.hidden_size)
+    ask = lambda toks: ProposalRequest("r", toks, GREEDY, 0, 2, h)  # noqa: E731
+    assert len(proposer.propose([ask([1, 2, 3])])[0].tokens) == 2
+    proposer.propose([ask([1, 2, 3, 4, 5])])
+    assert [(p, t) for p, t, _ in proposer.history["r"]] == [(2, 3), (4, 5)]
+    proposer.propose([ask([1, 2, 9, 4])])   # position 2 changed (preempted and resampled): its pair goes
+    assert [(p, t) for p, t, _ in proposer.history["r"]] == [(3, 4)]
+    proposer.release(["r"])
+    assert proposer.history == {}
+
+
+def test_eagle_file_errors(tiny_llama: Path, tmp_path: Path) -> None:
+    from pagellm.spec.medusa import MedusaHeads
+
+    with pytest.raises(ValueError, match="train-draft --method eagle"):
+        LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV,
+            speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": str(tmp_path / "no")})
+    medusa = tmp_path / "medusa.safetensors"
+    MedusaHeads(64, 2).save(medusa)
+    with pytest.raises(ValueError, match="not an EAGLE head.*train-draft --method eagle"):
+        LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV,
+            speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": str(medusa)})
+    with pytest.raises(ValueError, match="eagle needs 'model'"):
+        LLM(str(tiny_llama), speculative_config={"method": "eagle", "num_speculative_tokens": 2})
