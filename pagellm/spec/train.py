@@ -22,7 +22,6 @@ import argparse
 import itertools
 import logging
 import shlex
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -266,9 +265,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
+def command_line(cfg: TrainConfig) -> str:
+    """The full command (defaults spelled out) that reproduces ``cfg``, recorded in the file's metadata; built
+    from the parsed values because ``main`` may be called with an argv other than ``sys.argv``."""
+    argv = ["train-draft", "--method", cfg.method, "--out", str(cfg.out)] + (["--model", cfg.model] if cfg.model
+                                                                          else [])
+    if cfg.method == "medusa":
+        argv += ["--num-heads", str(cfg.num_heads)]
+    for flag, value in (("chat-prompts", cfg.chat_prompts), ("code-prompts", cfg.code_prompts),
+                        ("max-tokens", cfg.max_tokens), ("steps", cfg.steps), ("batch", cfg.batch),
+                        ("lr", cfg.lr), ("seed", cfg.seed)):
+        argv += [f"--{flag}", str(value)]
+    return "pagellm " + shlex.join(argv)
+
+
 def main(args: argparse.Namespace) -> int:
     cfg = TrainConfig(args.model, args.out, args.num_heads, args.chat_prompts, args.code_prompts, args.max_tokens,
                       args.steps, args.batch or (8 if args.method == "eagle" else 64), args.lr, args.seed,
                       args.method)
-    run(cfg, "pagellm " + shlex.join(sys.argv[1:]))
+    run(cfg, command_line(cfg))
     return 0

@@ -85,3 +85,19 @@ def test_eagle_file_errors(tiny_llama: Path, tmp_path: Path) -> None:
             speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": str(medusa)})
     with pytest.raises(ValueError, match="eagle needs 'model'"):
         LLM(str(tiny_llama), speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+
+
+def test_train_draft_cli_writes_a_loadable_eagle_head(tiny_llama: Path, tmp_path: Path) -> None:
+    from pagellm.cli import main
+    from pagellm.spec.medusa import describe
+
+    out = tmp_path / "head.safetensors"
+    assert main(["train-draft", "--method", "eagle", "--model", str(tiny_llama), "--out", str(out),
+                 "--chat-prompts", "1", "--code-prompts", "2", "--max-tokens", "12", "--steps", "5",
+                 "--batch", "2"]) == 0
+    assert out.with_suffix(".png").stat().st_size > 0
+    meta = describe(out)
+    assert meta["method"] == "eagle" and "--method eagle" in meta["command"]
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV,
+              speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": str(out)})
+    assert len(_run(llm, [[1, 2, 3, 4]], GREEDY)[0]) == GREEDY.max_tokens
