@@ -127,7 +127,7 @@ class SpeculativeConfig:
     draft_layers: int | None = _help("draft_model without a model: how many leading target layers draft "
                                      "(plus the final norm and LM head, weights shared).", default=None)
 
-    tree: list[int] | None = _help("medusa: draft a tree with tree[d] candidates per node at depth d (e.g. "
+    tree: list[int] | None = _help("medusa/eagle: draft a tree with tree[d] candidates per node at depth d (e.g. "
                                    "[3, 2, 1]); its depth must equal num_speculative_tokens. Unset: a chain.",
                                    default=None)
 
@@ -150,8 +150,8 @@ class SpeculativeConfig:
             raise ValueError("eagle needs 'model': the head's .safetensors file from "
                              "`pagellm train-draft --method eagle`")
         if self.tree is not None:
-            if self.method != "medusa":
-                raise ValueError("'tree' is only supported with method 'medusa'")
+            if self.method not in ("medusa", "eagle"):
+                raise ValueError("'tree' is only supported with methods 'medusa' and 'eagle'")
             if len(self.tree) != self.num_speculative_tokens or any(int(b) < 1 for b in self.tree):
                 raise ValueError(f"tree {self.tree} must list num_speculative_tokens={self.num_speculative_tokens}"
                                  " positive branching factors, one per depth")

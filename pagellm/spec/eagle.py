@@ -46,6 +46,7 @@ from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding
 from pagellm.sample.sampler import SamplingTensors, mix_seed, random_probs, sample_inverse_cdf
 from pagellm.spec.base import Draft, ProposalRequest
+from pagellm.spec.tree import static_tree
 
 logger = logging.getLogger(__name__)
 WINDOW = 16                  # true (hidden, token) pairs kept per request as the layer's context
@@ -133,20 +134,25 @@ def causal_blocks(segments: Sequence[int]) -> torch.Tensor:
 
 
 class EagleProposer:
-    def __init__(self, head: EagleHead, target: nn.Module, num_speculative_tokens: int, seed: int = 0) -> None:
+    def __init__(self, head: EagleHead, target: nn.Module, num_speculative_tokens: int,
+                 branching: Sequence[int] | None = None, seed: int = 0) -> None:
         self.head = head
         self.embed = target.model.embed_tokens
         self.norm = target.model.norm
         self.lm_head = target.lm_head
         self.k = num_speculative_tokens
-        self.num_lookahead_tokens = num_speculative_tokens
+        # a tree of single children is a chain, which keeps the draft distributions of sampled requests
+        self.branching = list(branching) if branching and any(b > 1 for b in branching) else None
+        self.parents = static_tree(self.branching) if self.branching else None
+        self.num_lookahead_tokens = len(self.parents) if self.parents else num_speculative_tokens
         self.history: dict[str, list[tuple[int, int, torch.Tensor]]] = {}  # (position of token, token, hidden)
         self.generator = torch.Generator().manual_seed(seed)
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, target: nn.Module, dtype: torch.dtype,
                     **_: Any) -> EagleProposer:
-        return cls(EagleHead.load(config.model, target.cfg, dtype), target, config.num_speculative_tokens)
+        head = EagleHead.load(config.model, target.cfg, dtype)
+        return cls(head, target, config.num_speculative_tokens, getattr(config, "tree", None))
 
     def _remember(self, request: ProposalRequest) -> list[tuple[int, int, torch.Tensor]]:
         """The request's window after adding its newest pair; pairs no longer in its tokens are dropped."""
@@ -157,27 +163,67 @@ class EagleProposer:
         self.history[request.req_id] = kept[-WINDOW:]
         return self.history[request.req_id]
 
+    def _wants_tree(self, request: ProposalRequest) -> bool:
+        """Trees only where their rows can be processed: no logprobs (whose rows a tree would scatter) and past
+        min_tokens (whose bans apply per chain position); the others get chains."""
+        params = request.sampling_params
+        return (self.branching is not None and params.logprobs is None
+                and request.num_output_tokens + len(self.branching) >= params.min_tokens)
+
     @torch.inference_mode()
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Draft]:
         usable = [r for r in requests if r.hidden is not None and r.max_tokens > 0 and len(r.token_ids) > 1]
+        windows = {r.req_id: self._remember(r) for r in usable}
+        trees = [r for r in usable if self._wants_tree(r)]
+        chains = [r for r in usable if not self._wants_tree(r)]
         drafts = {r.req_id: Draft([]) for r in requests}
-        if usable:
-            rows = [list(self._remember(r)) for r in usable]
-            steps = min(self.k, max(r.max_tokens for r in usable))
-            tokens: list[list[int]] = [[] for _ in usable]
-            probs: list[list[torch.Tensor]] = [[] for _ in usable]
-            for depth in range(steps):
-                predicted, logits = self._step(rows)
-                sampled, dists = self._sample(logits, usable, depth)
-                for b, (tok, dist) in enumerate(zip(sampled, dists)):
-                    tokens[b].append(tok)
-                    if dist is not None:
-                        probs[b].append(dist)
-                    rows[b].append((rows[b][-1][0] + 1, tok, predicted[b]))
-            for b, r in enumerate(usable):
-                n = min(r.max_tokens, steps)
-                drafts[r.req_id] = Draft(tokens[b][:n], torch.stack(probs[b][:n]) if probs[b] else None)
+        drafts.update(self._chains(chains, windows))
+        drafts.update(self._trees(trees, windows))
         return [drafts[r.req_id] for r in requests]
+
+    def _chains(self, requests: list[ProposalRequest], windows: dict[str, list]) -> dict[str, Draft]:
+        """k autoregressive steps, each feeding the head's predicted hidden state with the token drawn from it."""
+        if not requests:
+            return {}
+        rows = [list(windows[r.req_id]) for r in requests]
+        steps = min(len(self.branching) if self.branching else self.k, max(r.max_tokens for r in requests))
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        for depth in range(steps):
+            predicted, logits = self._step(rows)
+            sampled, dists = self._sample(logits, requests, depth)
+            for b, (tok, dist) in enumerate(zip(sampled, dists)):
+                tokens[b].append(tok)
+                if dist is not None:
+                    probs[b].append(dist)
+                rows[b].append((rows[b][-1][0] + 1, tok, predicted[b]))
+        out = {}
+        for b, r in enumerate(requests):
+            n = min(r.max_tokens, steps)
+            out[r.req_id] = Draft(tokens[b][:n], torch.stack(probs[b][:n]) if probs[b] else None)
+        return out
+
+    def _trees(self, requests: list[ProposalRequest], windows: dict[str, list]) -> dict[str, Draft]:
+        """The static tree, breadth-first as ``static_tree`` numbers it: a node's children are the head's top
+        candidates after the node's own path (window + ancestors), best first; point masses."""
+        if not requests:
+            return {}
+        tokens: list[list[int]] = [[] for _ in requests]
+        frontier = [(b, list(windows[r.req_id])) for b, r in enumerate(requests)]  # (request, path rows)
+        for width in self.branching:
+            predicted, logits = self._step([rows for _, rows in frontier])
+            top = logits.topk(width, dim=-1).indices.tolist()
+            children = []
+            for s, (b, rows) in enumerate(frontier):
+                for tok in top[s]:
+                    tokens[b].append(tok)
+                    children.append((b, rows + [(rows[-1][0] + 1, tok, predicted[s])]))
+            frontier = children
+        out = {}
+        for b, r in enumerate(requests):
+            n = min(len(tokens[b]), r.max_tokens)
+            out[r.req_id] = Draft(tokens[b][:n], None, self.parents[:n])
+        return out
 
     def _step(self, rows: list[list[tuple[int, int, torch.Tensor]]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer pass over every request's rows; the predicted hidden state and logits at each last row."""

@@ -35,10 +35,11 @@ def plain(tiny_llama: Path) -> LLM:
     return LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV)
 
 
-def test_eagle_greedy_identical_and_sampled_runs(tiny_llama: Path, plain: LLM, eagle_file: Path) -> None:
+@pytest.mark.parametrize("tree", [None, [2, 2, 1]], ids=["chain", "tree"])
+def test_eagle_greedy_identical_and_sampled_runs(tiny_llama: Path, plain: LLM, eagle_file: Path, tree) -> None:
     prompts = _prompts(6, n=4)
     expected = _run(plain, prompts, GREEDY)
-    spec = {"method": "eagle", "num_speculative_tokens": 3, "model": str(eagle_file)}
+    spec = {"method": "eagle", "num_speculative_tokens": 3, "model": str(eagle_file), "tree": tree}
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV, speculative_config=spec)
     assert _run(llm, prompts, GREEDY) == expected
     drafted, accepted = _drafted(llm)
@@ -70,6 +71,27 @@ def test_eagle_window_follows_accepted_tokens(tiny_llama: Path, eagle_file: Path
     assert [(p, t) for p, t, _ in proposer.history["r"]] == [(3, 4)]
     proposer.release(["r"])
     assert proposer.history == {}
+
+
+def test_eagle_tree_children_are_the_heads_top_candidates(tiny_llama: Path, eagle_file: Path) -> None:
+    """Tree nodes come breadth-first in static_tree's numbering; each node's children are the head's best
+    candidates after that node's own path, so the first-ranked path equals the greedy chain."""
+    from pagellm.spec.base import ProposalRequest
+    from pagellm.spec.eagle import EagleProposer
+    from pagellm.spec.tree import static_tree
+
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV)
+    target = llm.engine.core.executor.worker.runner.model
+    head = EagleProposer.from_config(
+        type("C", (), {"model": str(eagle_file), "num_speculative_tokens": 3, "tree": None})(), target,
+        torch.float32).head
+    h = torch.randn(target.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    ask = ProposalRequest("r", [5, 6, 7, 8], GREEDY, 0, 20, h)
+    chain = EagleProposer(head, target, 3).propose([ask])[0]
+    tree = EagleProposer(head, target, 3, [2, 2, 1]).propose([ask])[0]
+    assert tree.parents == static_tree([2, 2, 1]) and len(tree.tokens) == 10
+    assert [tree.tokens[0], tree.tokens[2], tree.tokens[6]] == chain.tokens  # rank-0 path: nodes 0, 2, 6
+    assert tree.tokens[0] != tree.tokens[1]
 
 
 def test_eagle_file_errors(tiny_llama: Path, tmp_path: Path) -> None:
