@@ -117,8 +117,12 @@ def test_speculative_config_validation_names_the_fix() -> None:
         SpeculativeConfig(method="draft_model", num_speculative_tokens=2)
     with pytest.raises(ValueError, match="one per depth"):
         SpeculativeConfig(method="medusa", num_speculative_tokens=2, model="h", tree=[2])
-    with pytest.raises(ValueError, match="use one of ngram, draft_model, medusa"):
+    with pytest.raises(ValueError, match="use one of ngram, draft_model, medusa, eagle"):
+        SpeculativeConfig(method="lookahead", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="eagle needs 'model'"):
         SpeculativeConfig(method="eagle", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="only supported with methods 'medusa' and 'eagle'"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=2, tree=[2, 1])
 
 
 def test_spec_stats_mean_acceptance_length() -> None:
