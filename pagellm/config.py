@@ -116,8 +116,8 @@ class SpeculativeConfig:
     """Speculative decoding: which proposer drafts tokens, and how many (see docs/speculative.md)."""
 
     method: str | None = _help("Proposer: none, ngram (prompt lookup), draft_model (a smaller model, or the "
-                               "target's first draft_layers layers), medusa (trained heads) or eagle (a trained one-layer "
-                               "head on the target's hidden states).", default=None)
+                               "target's first draft_layers layers), medusa (trained heads) or eagle (a trained "
+                               "one-layer head on the target's hidden states).", default=None)
     num_speculative_tokens: int = _help("Draft tokens proposed per step.", default=0)
     prompt_lookup_min: int = _help("Smallest n-gram the ngram proposer matches.", default=2)
     prompt_lookup_max: int = _help("Largest n-gram the ngram proposer matches.", default=4)
