@@ -204,7 +204,8 @@ def frozen_target(model: torch.nn.Module) -> FrozenTarget:
                         model.lm_head.weight.detach().float())
 
 
-def plot_losses(losses: list[float], path: Path, title: str) -> None:
+def plot_losses(losses: list[float], path: Path, title: str,
+                ylabel: str = "loss (cross-entropy + feature smooth-L1)") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -213,7 +214,7 @@ def plot_losses(losses: list[float], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(range(1, len(losses) + 1), losses, linewidth=1)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (cross-entropy + feature smooth-L1)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -236,15 +237,15 @@ def run(cfg: TrainConfig, command: str = "") -> Path:
     hidden, tokens = hidden_states(model_dir, sequences)
     if cfg.method == "eagle":
         heads, losses = train_eagle(hidden, tokens, target, cfg.steps, cfg.batch, cfg.lr, cfg.seed)
-        title = "EAGLE head"
+        title, ylabel = "EAGLE head", "loss (feature smooth-L1 + 0.1 cross-entropy)"
     else:
         heads, losses = train_medusa(hidden, tokens, target.lm_head, cfg.num_heads, cfg.steps, cfg.batch, cfg.lr,
                                      cfg.seed)
-        title = f"Medusa heads ({cfg.num_heads})"
+        title, ylabel = f"Medusa heads ({cfg.num_heads})", "loss (cross-entropy + feature smooth-L1)"
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     heads.save(cfg.out, {"command": command, "final_loss": f"{losses[-1]:.4f}", "positions": str(len(tokens))})
     name = Path(cfg.model).name if cfg.model else "SmolLM2-135M-Instruct (built in)"
-    plot_losses(losses, cfg.out.with_suffix(".png"), f"{title} for {name}")
+    plot_losses(losses, cfg.out.with_suffix(".png"), f"{title} for {name}", ylabel)
     logger.info("saved %s (and the loss curve %s) after %.0fs", cfg.out, cfg.out.with_suffix(".png"),
                 time.perf_counter() - start)
     return cfg.out
