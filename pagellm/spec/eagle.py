@@ -152,14 +152,15 @@ class EagleProposer:
     def from_config(cls, config: SpeculativeConfig, target: nn.Module, dtype: torch.dtype,
                     **_: Any) -> EagleProposer:
         head = EagleHead.load(config.model, target.cfg, dtype)
-        return cls(head, target, config.num_speculative_tokens, getattr(config, "tree", None))
+        return cls(head, target, config.num_speculative_tokens, config.tree)
 
     def _remember(self, request: ProposalRequest) -> list[tuple[int, int, torch.Tensor]]:
         """The request's window after adding its newest pair; pairs no longer in its tokens are dropped."""
         tokens = request.token_ids
         newest = len(tokens) - 1
         kept = [p for p in self.history.get(request.req_id, []) if p[0] < newest and tokens[p[0]] == p[1]]
-        kept.append((newest, int(tokens[newest]), request.hidden))
+        # a copy: the runner's row is a view of the whole step's hidden states, which it must not keep alive
+        kept.append((newest, int(tokens[newest]), request.hidden.clone()))
         self.history[request.req_id] = kept[-WINDOW:]
         return self.history[request.req_id]
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
+from pagellm.config import SpeculativeConfig
 from tests.engine.test_spec_decode import GREEDY, SMALL_KV, _drafted, _prompts, _run, assert_no_leaks
 
 
@@ -61,7 +62,7 @@ def test_eagle_window_follows_accepted_tokens(tiny_llama: Path, eagle_file: Path
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV)
     target = llm.engine.core.executor.worker.runner.model
     proposer = EagleProposer.from_config(
-        type("C", (), {"model": str(eagle_file), "num_speculative_tokens": 2})(), target, torch.float32)
+        SpeculativeConfig(method="eagle", num_speculative_tokens=2, model=str(eagle_file)), target, torch.float32)
     h = torch.zeros(target.cfg.hidden_size)
     ask = lambda toks: ProposalRequest("r", toks, GREEDY, 0, 2, h)  # noqa: E731
     assert len(proposer.propose([ask([1, 2, 3])])[0].tokens) == 2
@@ -83,7 +84,7 @@ def test_eagle_tree_children_are_the_heads_top_candidates(tiny_llama: Path, eagl
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV)
     target = llm.engine.core.executor.worker.runner.model
     head = EagleProposer.from_config(
-        type("C", (), {"model": str(eagle_file), "num_speculative_tokens": 3, "tree": None})(), target,
+        SpeculativeConfig(method="eagle", num_speculative_tokens=3, model=str(eagle_file)), target,
         torch.float32).head
     h = torch.randn(target.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     ask = ProposalRequest("r", [5, 6, 7, 8], GREEDY, 0, 20, h)
