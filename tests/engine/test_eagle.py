@@ -124,3 +124,26 @@ def test_train_draft_cli_writes_a_loadable_eagle_head(tiny_llama: Path, tmp_path
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV,
               speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": str(out)})
     assert len(_run(llm, [[1, 2, 3, 4]], GREEDY)[0]) == GREEDY.max_tokens
+
+
+def test_trained_head_is_accepted_on_its_training_prompts(tiny_llama: Path) -> None:
+    """Training and drafting agree on the head's inputs: a head trained on the target's own continuations has
+    its drafts accepted on those prompts (an untrained head is accepted about never), output still identical."""
+    from pagellm.spec.train import frozen_target, generate_sequences, hidden_states, train_eagle
+
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV)
+    codes = ["def add(a, b):\n    ", "for i in range(10):\n", "hello there, how are you?", "import os\n"]
+    sequences = generate_sequences(llm, [], codes, max_tokens=40)
+    hidden, tokens = hidden_states(tiny_llama, sequences)
+    head, _ = train_eagle(hidden, tokens, frozen_target(llm.engine.core.executor.worker.runner.model), steps=200,
+                          batch=4, lr=3e-3, seed=0, window=16)
+    path = tiny_llama.parent / "trained-eagle.safetensors"
+    head.save(path)
+    spec = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV,
+               speculative_config={"method": "eagle", "num_speculative_tokens": 3, "model": str(path)})
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    outs = spec.generate(codes, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [seq[n:] for seq, n in sequences]
+    stats = [s.spec_decoding for s in spec.last_stats if s.spec_decoding is not None]
+    drafts, accepted = sum(s.num_drafts for s in stats), sum(s.num_accepted_tokens for s in stats)
+    assert 1 + accepted / drafts >= 2.0, (drafts, accepted)
