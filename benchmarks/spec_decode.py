@@ -5,9 +5,11 @@ template), greedy, at batch 1 and 8, plus output throughput at batch 32. TPOT of
 ``(time for N tokens - time for 1 token) / (N - 1)``, both measured in this run with the prefix cache reset, so
 prefill is excluded. Every figure is compared with the no-speculation baseline measured in the same run.
 Methods: ngram, draft_model (self-speculation with the target's first ``--draft-layers`` layers), and, when
-``--medusa FILE`` is given (``make draft-heads``), Medusa as a chain and as a tree. Usage:
+``--medusa FILE`` is given (``make draft-heads``), Medusa as a chain and as a tree, and when ``--eagle FILE``
+is given (``pagellm train-draft --method eagle``), EAGLE as a chain and as a tree. Usage:
 
     .venv/bin/python benchmarks/spec_decode.py [--medusa artifacts/smollm2-135m-medusa.safetensors]
+        [--eagle artifacts/smollm2-135m-eagle.safetensors]
         [--dtype bfloat16] [--max-tokens 64] [--prompts 4] [--batches 1 8] [--throughput-batch 32]
 """
 
@@ -33,6 +35,10 @@ def methods(args: argparse.Namespace) -> dict[str, dict | None]:
         out["medusa chain"] = {"method": "medusa", "num_speculative_tokens": 3, "model": args.medusa}
         out["medusa tree"] = {"method": "medusa", "num_speculative_tokens": 3, "model": args.medusa,
                               "tree": [3, 2, 1]}
+    if args.eagle:
+        out["eagle chain"] = {"method": "eagle", "num_speculative_tokens": 4, "model": args.eagle}
+        out["eagle tree"] = {"method": "eagle", "num_speculative_tokens": 4, "model": args.eagle,
+                             "tree": [3, 2, 1, 1]}
     return out
 
 
@@ -88,6 +94,7 @@ def report(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--medusa", default=None, help="Medusa heads file (pagellm train-draft)")
+    parser.add_argument("--eagle", default=None, help="EAGLE head file (pagellm train-draft --method eagle)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--draft-layers", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
