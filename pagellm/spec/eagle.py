@@ -85,21 +85,20 @@ class EagleHead(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                allowed: torch.Tensor) -> torch.Tensor:
-        """Rows [N, H] of (token embedding, hidden state) at ``positions`` [N]; ``allowed`` [N, N] bool says which
-        rows each row attends to. Returns the layer's output (the residual stream, before the final norm)."""
+                segments: Sequence[int]) -> torch.Tensor:
+        """Rows [N, H] of (token embedding, hidden state) at ``positions`` [N], laid out as consecutive
+        ``segments`` (one per request or tree path), each attending causally within itself only. Returns the
+        layer's output (the residual stream, before the final norm)."""
         x = self.fc(torch.cat([embeds, hidden], dim=-1))
         h, residual = self.input_layernorm.forward_torch(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(h).split([q_size, kv_size, kv_size], dim=-1)
         q, k = self.rotary.forward_torch(positions, q.reshape(-1, self.num_heads, self.head_dim),
                                          k.reshape(-1, self.num_kv_heads, self.head_dim))
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         groups = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                              attn_mask=allowed, scale=self.head_dim ** -0.5)
-        h = self.o_proj(attn.transpose(0, 1).reshape(-1, q_size))
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim).repeat_interleave(groups, dim=1)
+        h = self.o_proj(segment_attention(q, k, v, segments, self.head_dim ** -0.5).reshape(-1, q_size))
         h, residual = self.post_attention_layernorm.forward_torch(h, residual)
         return self.down_proj(SiluAndMul.forward_torch(self.gate_up_proj(h))) + residual
 
@@ -126,11 +125,24 @@ class EagleHead(nn.Module):
         return head.eval()
 
 
-def causal_blocks(segments: Sequence[int]) -> torch.Tensor:
-    """[N, N] bool mask: causal within each consecutive segment of rows, nothing across segments."""
-    ids = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor(list(segments)))
-    idx = torch.arange(len(ids))
-    return (ids[:, None] == ids[None, :]) & (idx[:, None] >= idx[None, :])
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence[int],
+                      scale: float) -> torch.Tensor:
+    """Causal attention within each segment of consecutive rows ([N, heads, D] each): the segments are padded
+    to one length and batched, so memory grows with segments x length², not with N²."""
+    lengths = torch.tensor(list(segments))
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    offset = torch.arange(len(seg)) - (lengths.cumsum(0) - lengths)[seg]
+    width = int(lengths.max())
+
+    def padded(t: torch.Tensor) -> torch.Tensor:  # [S, heads, width, D]
+        out = t.new_zeros(len(lengths), width, *t.shape[1:])
+        out[seg, offset] = t
+        return out.transpose(1, 2)
+
+    idx = torch.arange(width)
+    allowed = (idx[:, None] >= idx[None, :]) & (idx[None, None, :] < lengths[:, None, None])  # [S, width, width]
+    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=allowed[:, None], scale=scale)
+    return out.transpose(1, 2)[seg, offset]
 
 
 class EagleProposer:
@@ -232,7 +244,7 @@ class EagleProposer:
         positions = torch.tensor([p[0] for p in flat])
         embeds = self.embed(torch.tensor([p[1] for p in flat]))
         hidden = torch.stack([p[2] for p in flat]).to(embeds.dtype)
-        out = self.head(embeds, hidden, positions, causal_blocks([len(seq) for seq in rows]))
+        out = self.head(embeds, hidden, positions, [len(seq) for seq in rows])
         last = torch.tensor([len(seq) for seq in rows]).cumsum(0) - 1
         predicted = self.norm.forward_torch(out[last])[0]
         return predicted, self.lm_head.logits(predicted)

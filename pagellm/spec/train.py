@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.norm import RMSNorm
-from pagellm.spec.eagle import EagleHead, causal_blocks
+from pagellm.spec.eagle import EagleHead
 from pagellm.spec.medusa import MedusaHeads
 
 logger = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ def train_eagle(hidden: torch.Tensor, tokens: torch.Tensor, target: FrozenTarget
             lengths.append(len(rows[-1]))
         idx = torch.cat(rows)
         positions = torch.cat([torch.arange(n) for n in lengths])
-        out = head(F.embedding(tokens[idx], target.embed), hidden[idx], positions, causal_blocks(lengths))
+        out = head(F.embedding(tokens[idx], target.embed), hidden[idx], positions, lengths)
         learn = torch.cat([torch.arange(n) < n - 1 for n in lengths])
         predicted = target.norm.forward_torch(out[learn])[0]
         reg = F.smooth_l1_loss(predicted, hidden[idx[learn] + 1])

@@ -147,3 +147,20 @@ def test_trained_head_is_accepted_on_its_training_prompts(tiny_llama: Path) -> N
     stats = [s.spec_decoding for s in spec.last_stats if s.spec_decoding is not None]
     drafts, accepted = sum(s.num_drafts for s in stats), sum(s.num_accepted_tokens for s in stats)
     assert 1 + accepted / drafts >= 2.0, (drafts, accepted)
+
+
+def test_segment_attention_matches_each_segment_alone() -> None:
+    """Batched padded segments give each segment exactly its own causal attention (float64 reference)."""
+    from pagellm.spec.eagle import segment_attention
+
+    gen = torch.Generator().manual_seed(0)
+    segments = [3, 1, 5]
+    q, k, v = (torch.randn(9, 2, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    out = segment_attention(q, k, v, segments, 0.5)
+    start = 0
+    for n in segments:
+        qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
+        scores = (qs @ ks.transpose(1, 2)) * 0.5
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        torch.testing.assert_close(out[start:start + n], (scores.softmax(-1) @ vs).transpose(0, 1))
+        start += n
