@@ -33,7 +33,7 @@ _MASK_64 = (1 << 64) - 1
 # Up to this top_k, top-k/top-p pick candidates with ``topk`` instead of sorting the whole vocabulary.
 _SMALL_TOP_K = 1024
 # Candidates taken past the largest k, so that tokens tied at the k-th value are usually all among them.
-_TIE_MARGIN = 32
+_TIE_MARGIN = 16
 
 
 @dataclass
