@@ -9,14 +9,17 @@ Contract:
   token whose cumulative mass exceeds ``u`` × the row's total. That draws from ``p`` exactly, needs no normalised
   ``p``, and costs one random number per row (noise per vocabulary entry, as in the exponential race, costs
   more than the model's forward pass at large batches on a CPU).
-- Ties are broken towards the lower token id everywhere: argmax returns the first maximum, and the sort used by
-  top-k/top-p is stable.
+- Ties are broken towards the lower token id everywhere: argmax returns the first maximum (``first_argmax``), and
+  the sort used by top-k/top-p is stable.
 - A seeded row's draw depends only on ``(seed, output_position)``: it comes from a generator re-seeded for that
   row, so the row samples the same token wherever it sits in whatever batch, and after preemption/recompute.
-  Unseeded rows share the batch generator (or torch's default one).
-- Fast paths: an all-greedy batch never touches a generator; no sort happens unless some row uses top-k/top-p;
-  when every filtered row has a top-k of at most 1024, only ``topk`` candidates are sorted (same result as the
-  full stable sort, ties at the k-th place included).
+  Unseeded rows share the batch generator (or torch's default one); every step draws one uniform per batch row.
+- Fast paths: an all-greedy batch never touches a generator; no sort happens unless some row uses top-k/top-p.
+  When every random row has a top-k of at most 1024 (``top_k_candidates``), one ``topk`` per row picks
+  candidates that enclose every token tied at the k-th value, and temperature, top-p, min-p and the draw work on
+  those candidates only, kept in id order: the kept sets are the full stable sort's, and the draw walks the same
+  tokens in the same order as a walk over the vocabulary would (probabilities equal up to float rounding).
+  Rows without a top-k (top-p only, plain temperature) take the full path for the whole batch.
 - No Python loop over the vocabulary; the only per-row loop is over seeded rows.
 """
 
