@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps test demo bench serve peers clean
+.PHONY: install system-deps test demo bench serve peers draft-heads bench-spec clean
 
 install: $(STAMP)
 
@@ -42,6 +42,17 @@ bench: install
 # idempotent, skips what is there. Then: $(PY) benchmarks/compare.py (see docs/benchmarks.md).
 peers: install
 	PAGELLM_PYTHON=$(PY) bash scripts/peers.sh
+
+# Medusa draft heads for the built-in model by self-distillation on CPU (docs/speculative.md); TRAIN_ARGS pass through.
+DRAFT_HEADS ?= artifacts/smollm2-135m-medusa.safetensors
+draft-heads: $(DRAFT_HEADS)
+
+$(DRAFT_HEADS): $(STAMP)
+	$(PY) -m pagellm.cli train-draft --method medusa --out $(DRAFT_HEADS) $(TRAIN_ARGS)
+
+# Acceptance length and TPOT, no speculation vs each method (builds the Medusa heads first if missing).
+bench-spec: $(DRAFT_HEADS)
+	$(PY) benchmarks/spec_decode.py --medusa $(DRAFT_HEADS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

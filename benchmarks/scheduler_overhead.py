@@ -7,13 +7,16 @@ prefill chunks. Only the two scheduler calls are timed (building the fake output
 vLLM's scheduler runs in a subprocess with the .peers/vllm interpreter (benchmarks/peers/vllm_scheduler_bench.py).
 
     .venv/bin/python benchmarks/scheduler_overhead.py [--num-running 64 256 1024] [--steps 300] [--json FILE]
+        [--profile [N]]   # cProfile the timed calls (pagellm only), print the N costliest functions
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
+import pstats
 import statistics
 import subprocess
 import sys
@@ -42,7 +45,7 @@ def fake_output(scheduler: Scheduler, sched_out) -> ModelRunnerOutput:
     return ModelRunnerOutput(req_ids, sampled)
 
 
-def run_pagellm(num_running: int, warmup: int, steps: int) -> dict:
+def run_pagellm(num_running: int, warmup: int, steps: int, profiler: cProfile.Profile | None = None) -> dict:
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=trace.TOKEN_BUDGET),
                           CacheConfig(block_size=trace.BLOCK_SIZE, enable_prefix_caching=True),
                           trace.num_blocks(num_running), max_model_len=2048)
@@ -53,13 +56,22 @@ def run_pagellm(num_running: int, warmup: int, steps: int) -> dict:
             params = SamplingParams(max_tokens=trace.output_len(next_id), ignore_eos=True)
             scheduler.add_request(Request(f"r{next_id}", trace.prompt(next_id), params, arrival_time=time.time()))
             next_id += 1
+        profiling = profiler is not None and step >= warmup
+        if profiling:
+            profiler.enable()
         t0 = time.perf_counter()
         out = scheduler.schedule()
         t1 = time.perf_counter()
+        if profiling:
+            profiler.disable()
         runner_out = fake_output(scheduler, out)
+        if profiling:
+            profiler.enable()
         t2 = time.perf_counter()
         scheduler.update_from_output(out, runner_out)
         t3 = time.perf_counter()
+        if profiling:
+            profiler.disable()
         if step >= warmup:
             times.append((t1 - t0) + (t3 - t2))
             running.append(len(out.num_scheduled_tokens))
@@ -90,7 +102,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--no-vllm", action="store_true", help="pagellm only")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--profile", type=int, nargs="?", const=25, default=None, metavar="N",
+                        help="cProfile pagellm's timed calls and print the N costliest functions (implies --no-vllm;"
+                             " the timings then include the profiler's overhead)")
     args = parser.parse_args()
+    if args.profile is not None:
+        for n in args.num_running:
+            profiler = cProfile.Profile()
+            run_pagellm(n, args.warmup, args.steps, profiler)
+            print(f"--- {n} running: {args.steps} steps, sorted by own time")
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+        return
     ours = [run_pagellm(n, args.warmup, args.steps) for n in args.num_running]
     theirs: list[dict] = []
     if not args.no_vllm and VLLM_PYTHON.exists():

@@ -1,5 +1,6 @@
 """``pagellm generate`` and ``pagellm chat`` (offline generation), ``pagellm serve`` (the OpenAI-compatible
-HTTP server) and ``pagellm bench serve|throughput|latency`` (benchmarks, see pagellm/bench/) from the command line.
+HTTP server), ``pagellm bench serve|throughput|latency`` (benchmarks, see pagellm/bench/) and
+``pagellm train-draft`` (Medusa heads, ``spec/train.py``) from the command line.
 
 Engine flags are generated from the config fields (name, type, default and help text), so every engine option
 is a flag without being listed twice.
@@ -15,6 +16,7 @@ from typing import Any, Sequence
 
 from pagellm import envs
 from pagellm.config import flat_fields
+from pagellm.spec import train as train_draft
 
 
 def _flag_type(field: dataclasses.Field) -> Any:
@@ -72,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_args(cmd)
     _add_serve_parser(sub)
     _add_bench_parser(sub)
+    train_draft.add_parser(sub)
     return parser
 
 
@@ -140,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             print(f"pagellm: {exc}", file=sys.stderr)
             return 2
+    if args.command == "train-draft":
+        return train_draft.main(args)
     from pagellm import LLM, SamplingParams
 
     prompts = list(args.prompt) + list(args.prompts)

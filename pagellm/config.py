@@ -108,27 +108,62 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1")
 
 
+SPEC_METHODS = ("ngram", "draft_model", "medusa")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding: which proposer drafts tokens, and how many."""
+    """Speculative decoding: which proposer drafts tokens, and how many (see docs/speculative.md)."""
 
-    method: str | None = _help("Proposer: none or ngram (prompt lookup).", default=None)
+    method: str | None = _help("Proposer: none, ngram (prompt lookup), draft_model (a smaller model, or the "
+                               "target's first draft_layers layers) or medusa (trained heads).", default=None)
     num_speculative_tokens: int = _help("Draft tokens proposed per step.", default=0)
     prompt_lookup_min: int = _help("Smallest n-gram the ngram proposer matches.", default=2)
     prompt_lookup_max: int = _help("Largest n-gram the ngram proposer matches.", default=4)
+    model: str | None = _help("draft_model: Hugging Face directory of the draft model (same tokenizer; unset "
+                              "for self-speculation with draft_layers); medusa: the heads' .safetensors file "
+                              "(pagellm train-draft).", default=None)
+    draft_layers: int | None = _help("draft_model without a model: how many leading target layers draft "
+                                     "(plus the final norm and LM head, weights shared).", default=None)
+
+    tree: list[int] | None = _help("medusa: draft a tree with tree[d] candidates per node at depth d (e.g. "
+                                   "[3, 2, 1]); its depth must equal num_speculative_tokens. Unset: a chain.",
+                                   default=None)
 
     def __post_init__(self) -> None:
-        if self.method not in (None, "ngram"):
-            raise ValueError(f"speculative method {self.method!r} is not supported; use 'ngram' or leave unset")
+        if self.method not in (None, *SPEC_METHODS):
+            raise ValueError(f"speculative method {self.method!r} is not supported; use one of "
+                             f"{', '.join(SPEC_METHODS)} or leave it unset")
         if self.method is not None and self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1 when a speculative method is set")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.method == "draft_model" and (self.model is None) == (self.draft_layers is None):
+            raise ValueError("draft_model needs exactly one of 'model' (a draft model directory) or "
+                             "'draft_layers' (self-speculation with the target's first layers)")
+        if self.draft_layers is not None and self.draft_layers < 1:
+            raise ValueError(f"draft_layers must be >= 1, got {self.draft_layers}")
+        if self.method == "medusa" and self.model is None:
+            raise ValueError("medusa needs 'model': the heads' .safetensors file from `pagellm train-draft`")
+        if self.tree is not None:
+            if self.method != "medusa":
+                raise ValueError("'tree' is only supported with method 'medusa'")
+            if len(self.tree) != self.num_speculative_tokens or any(int(b) < 1 for b in self.tree):
+                raise ValueError(f"tree {self.tree} must list num_speculative_tokens={self.num_speculative_tokens}"
+                                 " positive branching factors, one per depth")
 
     @property
     def num_lookahead_tokens(self) -> int:
-        return self.num_speculative_tokens if self.method else 0
-
+        """KV slots to reserve per request for drafts: the tree's node count, or the chain's length."""
+        if not self.method:
+            return 0
+        if self.tree is None:
+            return self.num_speculative_tokens
+        nodes, width = 0, 1
+        for branching in self.tree:
+            width *= branching
+            nodes += width
+        return nodes
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig:

@@ -84,6 +84,12 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self.stop_reason: int | None = None
         self.queued_time = 0.0      # wall clock, set by the scheduler (metrics: queue and prefill time)
+        # Set by the scheduler on arrival so the per-step stop test is one set look-up and one comparison:
+        self.stop_ids: frozenset[int] = frozenset()  # tokens that may end the request (EOS unless ignored, stops)
+        self.length_limit = 0                        # num_tokens at which max_tokens / max_model_len is reached
+        # Kept by the KV manager so the scheduler can skip it when a step needs nothing from it:
+        self.kv_slots = 0        # token slots in the blocks the request holds
+        self.kv_next_full = 0    # num_tokens at which the next unregistered block fills (prefix caching)
         self.scheduled_time = 0.0   # first admission into the running batch
 
     @property

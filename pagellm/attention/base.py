@@ -2,7 +2,8 @@
 forward context through which attention layers read that metadata.
 
 A step's batch is one flat run of tokens from many requests: request ``r`` owns tokens
-``query_start_loc[r]:query_start_loc[r+1]``, which sit at the end of its ``seq_lens[r]``-token context.
+``query_start_loc[r]:query_start_loc[r+1]``, which sit at the end of its ``seq_lens[r]``-token context and
+attend causally (or, for a draft-tree row, as its ``tree_masks`` entry says).
 Backends turn this common description into whatever their kernels need, once per step (``build``), and every
 layer then calls ``forward`` with that same metadata.
 """
@@ -30,6 +31,10 @@ class CommonAttentionInputs:
     block_table: np.ndarray      # [R, max_blocks] int64 (rows padded with 0)
     slot_mapping: torch.Tensor   # [T] int64: cache slot of each scheduled token
     block_size: int
+    # Rows holding a draft tree (speculative decoding): row → [q_len, q_len] bool mask among the row's own query
+    # tokens (True = may attend). Such a row sees its whole cached context plus what this mask allows, instead of
+    # the causal rule. Backends without a native tree kernel serve these rows with the reference path.
+    tree_masks: dict[int, torch.Tensor] | None = None
 
 
 class AttentionBackend(Protocol):

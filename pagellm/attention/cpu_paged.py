@@ -1,8 +1,9 @@
 """The tuned CPU backend: decode rows run a C++ paged-attention kernel (``csrc/paged_decode.cpp``) that reads K/V
 straight from the paged cache with an online softmax, instead of gathering and padding them; rows with several
-query tokens are batched by similar length into one SDPA call per group (``chunk_batch.py``). The kernel is compiled on
-first use with the machine's C++ compiler (``pagellm/ops/build.py``: a plain C ABI loaded with ctypes, about a
-second to build) and cached; ``torch_ref`` is its test oracle and the fallback.
+query tokens are batched by similar length into one SDPA call per group (``chunk_batch.py``); draft-tree rows
+(speculative decoding) take the reference path with their ancestor mask. The kernel is compiled on first use with
+the machine's C++ compiler (``pagellm/ops/build.py``: a plain C ABI loaded with ctypes, about a second to build)
+and cached; ``torch_ref`` is its test oracle and the fallback.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from pagellm.attention.base import CommonAttentionInputs, register_backend
 from pagellm.attention.chunk_batch import ChunkGroup, build_group, group_attention, group_rows
-from pagellm.attention.torch_ref import TorchRefBackend, TorchRefMetadata, decode_rows, write_kv
+from pagellm.attention.torch_ref import TorchRefBackend, TorchRefMetadata, chunk_attention, decode_rows, write_kv
 from pagellm.ops.build import load_library
 
 logger = logging.getLogger(__name__)
@@ -74,10 +75,16 @@ class CpuPagedBackend(TorchRefBackend):
         q_lens = np.diff(common.query_start_loc)
         tokens, table, mask = decode_rows(common)
         seq_lens = torch.from_numpy(common.seq_lens[q_lens == 1]) if tokens is not None else None
-        fresh = (q_lens > 1) & (common.seq_lens == q_lens)   # no cached context: causal over the step's k/v
+        multi = q_lens > 1
+        trees = common.tree_masks or {}
+        if trees:  # draft trees take the reference path with their ancestor mask
+            multi = multi.copy()
+            multi[list(trees)] = False
+        fresh = multi & (common.seq_lens == q_lens)   # no cached context: causal over the step's k/v
         groups = [build_group(common, rows, fresh=True) for rows in _grouped(q_lens, fresh)]
-        groups += [build_group(common, rows) for rows in _grouped(q_lens, (q_lens > 1) & ~fresh)]
-        return CpuPagedMetadata(common.slot_mapping, int(common.query_start_loc[-1]), tokens, table, mask, [],
+        groups += [build_group(common, rows) for rows in _grouped(q_lens, multi & ~fresh)]
+        chunks = [self._chunk(common, row) for row in sorted(trees)]
+        return CpuPagedMetadata(common.slot_mapping, int(common.query_start_loc[-1]), tokens, table, mask, chunks,
                                 seq_lens, groups)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -94,6 +101,8 @@ class CpuPagedBackend(TorchRefBackend):
         for group in metadata.groups:
             batched = group_attention(q, k, v, kv_cache, group, scale)
             out[group.token_index[group.valid]] = batched[group.valid]
+        for chunk in metadata.chunks:
+            out[chunk.start:chunk.end] = chunk_attention(q[chunk.start:chunk.end], kv_cache, chunk, scale)
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: TorchRefMetadata, scale: float) -> torch.Tensor:

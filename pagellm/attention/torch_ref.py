@@ -5,7 +5,8 @@ cache through the block table, so prefix hits, chunked prefill and decode are on
 Rows with one query token (decodes) are batched: their blocks are gathered into a padded [B, KVH, L, D] tensor,
 and grouped-query heads are folded into the query axis so one SDPA call serves them all. Rows with several query
 tokens (prompt chunks, draft verification) run one SDPA call each with a causal mask offset by their cached
-context. The split is an implementation detail of this kernel; the scheduler and runner know nothing of it.
+context, or with the row's draft-tree mask (speculative decoding). The split is an implementation detail of
+this kernel; the scheduler and runner know nothing of it.
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ class TorchRefBackend:
         block_ids = torch.from_numpy(np.ascontiguousarray(common.block_table[row, :nb]))
         mask = None
         n = end - start
-        if seq_len != n:
+        tree = common.tree_masks.get(row) if common.tree_masks else None
+        if tree is not None:  # the whole cached context, then the row's own ancestor-only mask
+            mask = torch.cat([torch.ones(n, seq_len - n, dtype=torch.bool), tree], dim=1)
+        elif seq_len != n:
             positions = torch.arange(seq_len - n, seq_len)
             mask = torch.arange(seq_len)[None, :] <= positions[:, None]
         return ChunkRow(start, end, block_ids, seq_len, mask)
@@ -68,7 +72,7 @@ class TorchRefBackend:
         if metadata.decode_tokens is not None:
             out[metadata.decode_tokens] = _decode_attention(q[metadata.decode_tokens], kv_cache, metadata, scale)
         for chunk in metadata.chunks:
-            out[chunk.start:chunk.end] = _chunk_attention(q[chunk.start:chunk.end], kv_cache, chunk, scale)
+            out[chunk.start:chunk.end] = chunk_attention(q[chunk.start:chunk.end], kv_cache, chunk, scale)
         return out
 
 
@@ -111,7 +115,7 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: TorchRefMetad
     return out.reshape(batch, num_heads * head_dim)
 
 
-def _chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, chunk: ChunkRow, scale: float) -> torch.Tensor:
+def chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, chunk: ChunkRow, scale: float) -> torch.Tensor:
     n, num_heads, head_dim = q.shape
     keys = _gather(kv_cache[0], chunk.block_ids[None])[0, :, :chunk.seq_len]
     values = _gather(kv_cache[1], chunk.block_ids[None])[0, :, :chunk.seq_len]

@@ -6,6 +6,11 @@ Contract with the scheduler:
 - ``allocate_slots(...)`` gives a request room for ``num_new_tokens`` more tokens (plus lookahead slots for draft
   tokens), or returns ``None`` without changing anything when the pool cannot.
 - ``free(request)`` returns every block; blocks that carry a hash stay findable until reused.
+- After each of these, ``request.kv_slots`` is the number of token slots the request's blocks hold and
+  ``request.kv_next_full`` the token count at which its next not-yet-registered block becomes full. For a step
+  whose tokens (and lookahead) fit in ``kv_slots``, ``allocate_slots`` would allocate nothing: the scheduler skips
+  it, calling only ``cache_full_blocks`` when the step's final tokens reach ``kv_next_full`` (most steps of a
+  decoding request need no manager call at all).
 Only tokens that are final (never draft tokens) are hashed into the cache.
 """
 
@@ -15,6 +20,8 @@ from pagellm.kv.block import BlockId, KVBlock
 from pagellm.kv.block_pool import BlockPool
 from pagellm.kv.hashing import extend_block_hashes
 from pagellm.request import Request, RequestId
+
+_NEVER = 1 << 62  # kv_next_full when prefix caching is off: no block is ever registered
 
 
 def cdiv(a: int, b: int) -> int:
@@ -63,29 +70,39 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
     ) -> list[KVBlock] | None:
         """Make room for ``num_new_tokens`` after the computed ones (and the prefix hits); None if out of blocks."""
-        computed = new_computed_blocks or []
-        held = self.req_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed) * self.block_size
-        needed_total = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
-        num_new_blocks = max(0, needed_total - len(held) - len(computed))
-        # Free hits are still counted in the free queue; touching them takes them out of it.
-        num_free_hits = sum(1 for b in computed if b.ref_cnt == 0)
-        if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
-            if not held:
-                del self.req_blocks[request.request_id]
-            return None
-        self.pool.touch(computed)
-        held.extend(computed)
-        new_blocks = self.pool.get_new_blocks(num_new_blocks)
-        held.extend(new_blocks)
+        rid, bs, pool = request.request_id, self.block_size, self.pool
+        held = self.req_blocks.get(rid)
+        if held is None:
+            held = self.req_blocks[rid] = []
+        num_hits = len(new_computed_blocks) if new_computed_blocks else 0
+        num_computed = request.num_computed_tokens + num_hits * bs
+        num_new_blocks = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, bs) - len(held) - num_hits
+        new_blocks: list[KVBlock] = []
+        if num_new_blocks > 0 or num_hits:
+            # Free hits are still counted in the free queue; touching them takes them out of it.
+            num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if new_computed_blocks else 0
+            if num_new_blocks > pool.free_queue.num_free_blocks - num_free_hits:
+                if not held:
+                    del self.req_blocks[rid]
+                return None
+            if new_computed_blocks:
+                pool.touch(new_computed_blocks)
+                held.extend(new_computed_blocks)
+            if num_new_blocks > 0:
+                new_blocks = pool.get_new_blocks(num_new_blocks)
+                held.extend(new_blocks)
+        request.kv_slots = len(held) * bs
         if self.enable_caching:
-            self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+            self.cache_full_blocks(request, min(num_computed + num_new_tokens, len(request.all_token_ids)))
+        else:
+            request.kv_next_full = _NEVER
         return new_blocks
 
     def free(self, request: Request) -> None:
         """Return all of a request's blocks, tail first, so its least shareable blocks are evicted first."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        request.kv_slots = request.kv_next_full = 0
         self.pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:
@@ -95,15 +112,16 @@ class KVCacheManager:
         extra = (request.cache_salt,) if request.cache_salt else None
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, extra)
 
-    def _cache_full_blocks(self, request: Request, num_final_tokens: int) -> None:
-        """Register the request's blocks that will be full of final tokens once this step runs."""
-        rid = request.request_id
+    def cache_full_blocks(self, request: Request, num_final_tokens: int) -> None:
+        """Register the request's blocks that will be full of final tokens once this step runs (prefix caching
+        on), each hashed once, and move ``request.kv_next_full`` past them."""
+        rid, bs = request.request_id, self.block_size
         start = self.num_cached_blocks.get(rid, 0)
-        end = num_final_tokens // self.block_size
-        if end <= start:
-            return
-        self._update_hashes(request)
-        blocks = self.req_blocks[rid]
-        for index in range(start, end):
-            self.pool.cache_full_block(blocks[index], request.block_hashes[index])
-        self.num_cached_blocks[rid] = end
+        end = num_final_tokens // bs
+        if end > start:
+            self._update_hashes(request)
+            blocks, hashes, cache = self.req_blocks[rid], request.block_hashes, self.pool.cache_full_block
+            for index in range(start, end):
+                cache(blocks[index], hashes[index])
+            self.num_cached_blocks[rid] = start = end
+        request.kv_next_full = (start + 1) * bs

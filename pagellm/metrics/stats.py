@@ -32,6 +32,16 @@ class SpecDecodingStats(msgspec.Struct, omit_defaults=True):
         for pos in range(num_accepted):
             self.num_accepted_tokens_per_pos[pos] += 1
 
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification step: the accepted drafts plus the corrected or bonus token."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def acceptance_rate_per_pos(self) -> list[float]:
+        """Per draft position (tree depth), the share of drafts whose token there was accepted."""
+        return [n / self.num_drafts for n in self.num_accepted_tokens_per_pos] if self.num_drafts else []
+
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
     """One step's view: gauges are current values, the rest count events during the step."""

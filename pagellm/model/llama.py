@@ -82,9 +82,10 @@ class LlamaModel(nn.Module):
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
+        """Final-norm hidden states after all layers, or after the first ``num_layers`` (self-speculation)."""
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             x, residual = layer(positions, x, residual)
         return self.norm(x, residual)[0]
 
@@ -104,8 +105,8 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, num_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)

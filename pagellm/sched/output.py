@@ -1,8 +1,9 @@
 """Plain data passed between the scheduler and the workers each step.
 
 The scheduler sends deltas: a request's full data once (``NewRequestData``, also when it resumes after
-preemption), then only its new block ids and counts (``CachedRequestData``). Workers answer with the tokens they
-sampled and any draft tokens for the next step (``ModelRunnerOutput``).
+preemption), then only its counts and any new block ids (``CachedRequestData``: one struct of parallel lists
+for all running requests of the step, not one object per request, so a step costs no per-request allocations).
+Workers answer with the tokens they sampled and any draft tokens for the next step (``ModelRunnerOutput``).
 """
 
 from __future__ import annotations
@@ -24,15 +25,21 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_token_ids: list[int] = []  # tokens to suppress while fewer than min_tokens were generated
 
 
-class CachedRequestData(msgspec.Struct, array_like=True):
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int      # before this step; lower than the worker thinks after rejected drafts
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The running (already known) requests scheduled this step, in batch order, as parallel lists."""
+
+    req_ids: list[str] = msgspec.field(default_factory=list)
+    # Before this step, per request; lower than the worker thinks after rejected drafts.
+    num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)  # only requests that got blocks
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_reqs: list[NewRequestData]
-    cached_reqs: list[CachedRequestData]
+    cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]   # per request, in batch order (new requests after running ones)
     total_num_scheduled_tokens: int
     spec_token_ids: dict[str, list[int]] = {}   # draft tokens scheduled for verification this step

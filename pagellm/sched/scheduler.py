@@ -56,6 +56,13 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         request.queued_time = time.time()
+        params = request.sampling_params
+        stops = frozenset(params.stop_token_ids or ())
+        request.stop_ids = stops if params.ignore_eos else stops | frozenset(request.eos_token_ids)
+        length_limit = self.max_model_len
+        if request.max_tokens is not None:
+            length_limit = min(length_limit, request.num_prompt_tokens + request.max_tokens)
+        request.length_limit = length_limit
         self.waiting.add(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -81,44 +88,58 @@ class Scheduler:
         if self.by_priority:
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         scheduled: dict[str, int] = {}
-        cached_reqs: list[CachedRequestData] = []
+        cached_reqs = CachedRequestData()
         spec: dict[str, list[int]] = {}
         budget, preempted = self._schedule_running(self.budget, scheduled, cached_reqs, spec)
         new_reqs: list[NewRequestData] = []
-        if not preempted:  # no room for newcomers while running requests are being pushed out
+        if not preempted and self.waiting:  # no room for newcomers while running requests are being pushed out
             self._schedule_waiting(budget, scheduled, new_reqs)
-        for request_id, num_tokens in scheduled.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
         total = sum(scheduled.values())
         self._stats.num_scheduled_tokens += total
         dropped, self._dropped_req_ids = self._dropped_req_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, scheduled, total, spec, sorted(dropped))
 
     def _schedule_running(
-        self, budget: int, scheduled: dict[str, int], cached_reqs: list[CachedRequestData],
-        spec: dict[str, list[int]],
+        self, budget: int, scheduled: dict[str, int], cached: CachedRequestData, spec: dict[str, list[int]],
     ) -> tuple[int, bool]:
+        """Hand ``budget`` to the running requests in order; the per-request body is the hot loop of a step."""
         preempted = False
+        running, max_len, max_lookahead = self.running, self.max_model_len, self.num_lookahead_tokens
+        req_ids, computed, new_block_ids = cached.req_ids, cached.num_computed_tokens, cached.new_block_ids
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget,
-                          self.max_model_len - request.num_computed_tokens)
+        while index < len(running) and budget > 0:
+            request = running[index]
+            index += 1  # preemption only removes requests behind this one, so the index stays valid
+            num_computed = request.num_computed_tokens
+            num_tokens = len(request.all_token_ids)
+            num_new = num_tokens + len(request.spec_token_ids)
+            num_new = (num_new if num_new < max_len else max_len) - num_computed
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0:
-                index += 1
                 continue
-            new_blocks, preempted_now = self._allocate_or_preempt(request, num_new)
-            preempted |= preempted_now
-            if new_blocks is None:
-                break  # ``request`` itself was the last one and got preempted
-            cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
-                                                 request.num_computed_tokens))
-            num_drafts = num_new - (request.num_tokens - request.num_computed_tokens)
-            if num_drafts > 0:
-                spec[request.request_id] = request.spec_token_ids[:num_drafts]
-            scheduled[request.request_id] = num_new
+            end = num_computed + num_new
+            lookahead = self._lookahead(end) if max_lookahead else 0
+            # Fast path (see KVCacheManager's contract): the step fits in held blocks, so the manager is needed
+            # only when a block fills (to register it) and ``allocate_slots`` only when more blocks are needed.
+            if end + lookahead <= request.kv_slots:
+                if (end if end < num_tokens else num_tokens) >= request.kv_next_full:
+                    self.kv.cache_full_blocks(request, end if end < num_tokens else num_tokens)
+            else:
+                new_blocks, preempted_now = self._allocate_or_preempt(request, num_new)
+                preempted |= preempted_now
+                if new_blocks is None:
+                    break  # ``request`` itself was the last one and got preempted
+                if new_blocks:
+                    new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            request_id = request.request_id
+            req_ids.append(request_id)
+            computed.append(num_computed)
+            if end > num_tokens:
+                spec[request_id] = request.spec_token_ids[:end - num_tokens]
+            scheduled[request_id] = num_new
+            request.num_computed_tokens = end
             budget -= num_new
-            index += 1
         return budget, preempted
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[list[KVBlock] | None, bool]:
@@ -171,6 +192,7 @@ class Scheduler:
                 sorted(_suppressed_tokens(request)),
             ))
             scheduled[request.request_id] = num_new
+            request.num_computed_tokens += num_new
             budget -= num_new
 
     def _admit(self, request: Request, num_hit: int) -> None:
@@ -187,40 +209,71 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------- outputs
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append the sampled tokens, apply stop rules, and report each request's news (hot loop of a step)."""
         outputs: list[EngineCoreOutput] = []
+        requests, running = self.requests, RequestStatus.RUNNING
+        spec_sent, drafts_out, logprobs_out = sched_out.spec_token_ids, runner_out.draft_token_ids, runner_out.logprobs
+        prompt_logprobs_out = runner_out.prompt_logprobs
+        num_generated = 0
         for request_id, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
-            request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(request_id)
+            if request is None or request.status is not running:
                 continue  # aborted or preempted while the step ran
-            drafts = sched_out.spec_token_ids.get(request_id)
-            if drafts:
-                request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
-                self._spec_stats.observe(len(drafts), len(sampled) - 1)
-            request.spec_token_ids = runner_out.draft_token_ids.get(request_id, [])
-            new_tokens = self._append_tokens(request, sampled)
-            prompt_logprobs = runner_out.prompt_logprobs.get(request_id)
-            if new_tokens or request.is_finished or prompt_logprobs is not None:
-                logprobs = runner_out.logprobs.get(request_id)
-                if logprobs is not None:  # a stop rule may have cut the accepted tokens: cut their logprobs too
-                    logprobs = logprobs.head(len(new_tokens))
-                outputs.append(EngineCoreOutput(request_id, new_tokens, request.status.finish_reason,
-                                                request.stop_reason, request.num_cached_tokens, logprobs,
-                                                _first_output_times(request, len(new_tokens)),
-                                                new_prompt_logprobs=prompt_logprobs))
+            if spec_sent:
+                drafts = spec_sent.get(request_id)
+                if drafts:
+                    request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+                    self._spec_stats.observe(len(drafts), len(sampled) - 1)
+            if drafts_out:
+                request.spec_token_ids = drafts_out.get(request_id, [])
+            elif request.spec_token_ids:
+                request.spec_token_ids = []
+            prompt_logprobs = prompt_logprobs_out.get(request_id) if prompt_logprobs_out else None
+            first = not request.output_token_ids
+            if not sampled:
+                if prompt_logprobs is None:
+                    continue  # mid-prompt: nothing to report
+                new_tokens, first = [], False  # a prompt chunk scored for prompt_logprobs
+            elif len(sampled) == 1:
+                token = sampled[0]
+                request.output_token_ids.append(token)
+                request.all_token_ids.append(token)
+                # One set look-up and one comparison rule out every stop; the exact rules run only if they hit.
+                if token in request.stop_ids or len(request.all_token_ids) >= request.length_limit:
+                    self._stop_if_done(request, token)
+                new_tokens = sampled
+            else:
+                new_tokens = self._append_tokens(request, sampled)
+            num_generated += len(new_tokens)
+            logprobs = logprobs_out.get(request_id) if logprobs_out else None
+            if logprobs is not None:  # a stop rule may have cut the accepted tokens: cut their logprobs too
+                logprobs = logprobs.head(len(new_tokens))
+            status = request.status
+            outputs.append(EngineCoreOutput(
+                request_id, new_tokens, None if status is running else status.finish_reason, request.stop_reason,
+                request.num_cached_tokens, logprobs,
+                RequestTimes(request.queued_time, request.scheduled_time, time.time()) if first else None,
+                prompt_logprobs))
+        self._stats.num_generation_tokens += num_generated
         return outputs
 
     def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:
+        """Several tokens (accepted drafts + 1): append one at a time, stopping at the first stop rule."""
         kept: list[int] = []
         for token in sampled:
             request.append_output_token(token)
             kept.append(token)
-            status = self._check_stop(request, token)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
+            if self._stop_if_done(request, token):
                 break
-        self._stats.num_generation_tokens += len(kept)
         return kept
+
+    def _stop_if_done(self, request: Request, token: int) -> bool:
+        status = self._check_stop(request, token)
+        if status is None:
+            return False
+        self.running.remove(request)
+        self._finish(request, status)
+        return True
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -253,13 +306,6 @@ class Scheduler:
         if self._spec_stats.num_drafts:
             stats.spec_decoding, self._spec_stats = self._spec_stats, SpecDecodingStats()
         return stats
-
-
-def _first_output_times(request: Request, num_new_tokens: int) -> RequestTimes | None:
-    """The request's core-side timings when these are its first output tokens (sent once per request)."""
-    if num_new_tokens == 0 or request.num_output_tokens != num_new_tokens:
-        return None
-    return RequestTimes(request.queued_time, request.scheduled_time, time.time())
 
 
 def _suppressed_tokens(request: Request) -> set[int]:

@@ -1,5 +1,8 @@
 """Prompt-lookup (n-gram) drafting: find the latest earlier occurrence of the context's last n tokens
-(longest n first) and propose the tokens that followed it. No model, no extra weights."""
+(longest n first) and propose the tokens that followed it. No model, no extra weights; drafts are point masses.
+
+Long contexts: the search for each n is one vectorised comparison over a sliding-window view (no copy), and
+only the trailing ``max_window`` tokens are searched, so a step costs O(window) whatever the context length."""
 
 from __future__ import annotations
 
@@ -8,18 +11,27 @@ from typing import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from pagellm.spec.base import Draft, ProposalRequest
+
 
 class NgramProposer:
-    def __init__(self, num_speculative_tokens: int, min_n: int, max_n: int) -> None:
+    def __init__(self, num_speculative_tokens: int, min_n: int, max_n: int, max_window: int = 8192) -> None:
         self.num_lookahead_tokens = num_speculative_tokens
         self.min_n = min_n
         self.max_n = max_n
+        self.max_window = max_window
 
-    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+    def propose(self, requests: Sequence[ProposalRequest]) -> list[Draft]:
+        return [Draft(self.propose_one(r.token_ids, r.max_tokens)) for r in requests]
+
+    def release(self, req_ids: Sequence[str]) -> None:
+        pass
+
+    def propose_one(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         k = min(self.num_lookahead_tokens, max_tokens)
         if k <= 0 or len(token_ids) <= self.min_n:
             return []
-        tokens = np.asarray(token_ids, dtype=np.int64)
+        tokens = np.asarray(token_ids[-self.max_window:], dtype=np.int64)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             start = _last_match(tokens, n)
             if start is not None:

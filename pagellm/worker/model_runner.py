@@ -2,10 +2,13 @@
 
 It keeps per-request state across steps (applying the scheduler's deltas), builds the flat step inputs, opens
 the forward context for attention, computes logits only for the rows that sample, samples, verifies draft tokens
-(greedy: the accepted prefix is where drafts equal the target's argmax, plus one corrected/bonus token), and
-asks the proposer for the next drafts. For requests that ask for logprobs, it takes ``log_softmax`` of their raw
-logit rows (before min_tokens bans) and reports, per sampled token, its logprob, rank and the top alternatives
-(``sample/logprobs.py``); a step where no request asks does no logprob work at all.
+(``spec/verify.py``: greedy requests keep the target's argmax path, sampled ones go through lossless rejection
+sampling; either way one corrected or bonus token follows the accepted drafts), and asks the proposer for the
+next drafts (kept per request until verified, since verification needs their distributions); draft trees get
+depth positions and an ancestor mask, and their accepted path's KV is moved into place (``spec/tree.py``). For
+requests that ask for logprobs, it takes ``log_softmax`` of their raw logit rows (before min_tokens bans) and
+reports, per sampled token, its logprob, rank and the top alternatives (``sample/logprobs.py``); a step where no
+request asks does no logprob work at all.
 
 Per-request logits processing (penalties, logit_bias, bans, min_tokens, grammars) lives in
 ``sample/logits_processors.py``; the runner only lays out one ``RowContext`` per logit row, starts the grammar
@@ -19,7 +22,6 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -29,7 +31,9 @@ from pagellm.sample.logits_processors import LogitsProcessing, RowContext
 from pagellm.sample.logprobs import gather_logprobs, raw_logprobs, split_logprobs
 from pagellm.sample.sampler import Sampler, SamplingTensors, processed_logprobs
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from pagellm.spec.base import Proposer
+from pagellm.spec.base import Draft, ProposalRequest, Proposer
+from pagellm.spec.tree import compact_kv, place_trees
+from pagellm.spec.verify import DraftedRow, Verified, verify
 from pagellm.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -46,6 +50,7 @@ class ModelRunner:
         self.processing = LogitsProcessing(vocab_size, model_dir)
         self.states: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        self.drafts: dict[str, Draft] = {}  # proposals awaiting verification, by request
 
     def bind_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         """Allocate one [2, num_blocks, block_size, kv_heads, head_dim] cache per attention layer."""
@@ -62,19 +67,46 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         inputs = build_step_inputs(self.states, sched, self.block_size)
         masks = self.processing.start_masks(len(inputs.logits_indices), self._grammar_rows(inputs))
+        trees = self._trees(inputs)
         common = CommonAttentionInputs(inputs.query_start_loc, inputs.seq_lens, inputs.block_table,
-                                       inputs.slot_mapping, self.block_size)
+                                       inputs.slot_mapping, self.block_size,
+                                       place_trees(inputs.positions, inputs.query_start_loc, trees) or None)
         with forward_context(self.backend, self.backend.build(common)):
             hidden = self.model(inputs.input_ids, inputs.positions)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # model dtype; samplers upcast
+        sampling_hidden = hidden[inputs.logits_indices]
+        logits = self.model.compute_logits(sampling_hidden)  # model dtype; samplers upcast
         wanted = self._logprob_requests(inputs)
         raw = raw_logprobs(logits, _candidate_rows(inputs, wanted)) if wanted else None  # before any ban
-        sampled, processed = self._sample(inputs, logits, masks)
+        results, processed = self._sample(inputs, logits, masks)
+        if trees:
+            self._compact(inputs, trees, results)
+        sampled = [r.tokens if r else [] for r in results]
         if raw is not None:
             self._use_processed_logprobs(raw, processed, inputs, wanted)
         logprobs = self._logprobs(raw, inputs, wanted, sampled) if raw is not None else {}
-        return ModelRunnerOutput(inputs.req_ids, sampled, self._propose(inputs.req_ids, sampled), logprobs,
-                                 self._prompt_logprobs(inputs, hidden))
+        return ModelRunnerOutput(inputs.req_ids, sampled, self._propose(inputs, results, sampling_hidden),
+                                 logprobs, self._prompt_logprobs(inputs, hidden))
+
+    def _trees(self, inputs: StepInputs) -> dict[int, list[int]]:
+        """Rows whose drafts this step form a tree: row → parents of the drafts scheduled."""
+        trees = {}
+        for row, (req_id, drafts) in enumerate(zip(inputs.req_ids, inputs.drafts)):
+            draft = self.drafts.get(req_id) if drafts else None
+            if draft is not None and draft.parents is not None:
+                trees[row] = draft.parents[:len(drafts)]
+        return trees
+
+    def _compact(self, inputs: StepInputs, trees: dict[int, list[int]], results: list[Verified | None]) -> None:
+        """Move the KV of each tree's accepted path to the slots right after its root."""
+        src: list[int] = []
+        dst: list[int] = []
+        for row, parents in trees.items():
+            root = int(inputs.query_start_loc[row + 1]) - len(parents) - 1
+            for j, node in enumerate(results[row].path):
+                if node != j:
+                    src.append(int(inputs.slot_mapping[root + 1 + node]))
+                    dst.append(int(inputs.slot_mapping[root + 1 + j]))
+        compact_kv(self.kv_caches, src, dst)
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, TokenLogprobs]:
         """For requests with ``prompt_logprobs``: the logprobs of the prompt tokens this step's positions predict
@@ -137,6 +169,9 @@ class ModelRunner:
     def _apply_deltas(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
+            self.drafts.pop(req_id, None)
+        if sched.finished_req_ids:
+            self.proposer.release(sched.finished_req_ids)
         for new in sched.new_reqs:
             state = self.states[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, list(new.block_ids),
@@ -144,10 +179,11 @@ class ModelRunner:
             # Rebuilt from the tokens when a preempted request resumes, so its state never depends on history.
             state.processing = self.processing.create(new.sampling_params, new.token_ids[:new.num_prompt_tokens],
                                                       new.token_ids[new.num_prompt_tokens:])
-        for cached in sched.cached_reqs:
-            state = self.states[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+        cached = sched.cached_reqs
+        for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens):
+            self.states[req_id].num_computed_tokens = num_computed
+        for req_id, block_ids in cached.new_block_ids.items():
+            self.states[req_id].block_ids.extend(block_ids)
 
     def _use_processed_logprobs(self, raw: torch.Tensor, processed: torch.Tensor, inputs: StepInputs,
                                 wanted: list[int]) -> None:
@@ -169,39 +205,45 @@ class ModelRunner:
             raw[torch.tensor(targets)] = values
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor,
-                masks: Future | None) -> tuple[list[list[int]], torch.Tensor]:
-        """Sample one token per sampling request (after verifying its drafts, if any); also returns the processed
-        logits (``logits`` itself when no row needed processing)."""
+                masks: Future | None) -> tuple[list[Verified | None], torch.Tensor]:
+        """Sample one token per request without drafts; verify the drafts of the others (``spec/verify.py``).
+        None for requests that sample nothing this step (mid-prompt). Also returns the processed logits
+        (``logits`` itself when no row needed processing)."""
         contexts = self._row_contexts(inputs, logits.shape[0])
         if contexts is not None:
             logits = self.processing.apply(logits, contexts, masks)
-        rows, params, positions = [], [], []
-        for req_id, first, drafts in zip(inputs.req_ids, inputs.logits_start, inputs.drafts):
+        rows, params, positions, plain, drafted = [], [], [], [], []
+        for j, (req_id, first, drafts) in enumerate(zip(inputs.req_ids, inputs.logits_start, inputs.drafts)):
             if first < 0:
                 continue
             state = self.states[req_id]
-            rows.append(first + len(drafts))  # the row after the last draft: the bonus / next token
+            if drafts:
+                drafted.append((j, self._drafted_row(state, first, drafts)))
+                continue
+            plain.append(j)
+            rows.append(first)
             params.append(state.sampling_params)
-            positions.append(state.num_output_tokens + len(drafts))
-        bonus = self._sample_rows(logits, rows, params, positions)
-        argmax = logits.argmax(dim=-1).tolist() if any(inputs.drafts) else []
-        out: list[list[int]] = []
-        bonus_tokens = iter(bonus)
-        for req_id, first, drafts in zip(inputs.req_ids, inputs.logits_start, inputs.drafts):
-            if first < 0:
-                out.append([])
-                continue
-            bonus_token = next(bonus_tokens)
-            accepted = _accept_greedy(drafts, argmax[first:first + len(drafts)])
-            # A rejected draft is replaced by the target's own choice there; all accepted earns the bonus token.
-            last = argmax[first + accepted] if accepted < len(drafts) else bonus_token
-            tokens = drafts[:accepted] + [last]
-            state = self.states[req_id]
-            state.token_ids.extend(tokens)
-            if state.processing is not None:
-                state.processing.observe(tokens)
-            out.append(tokens)
+            positions.append(state.num_output_tokens)
+        out: list[Verified | None] = [None] * len(inputs.req_ids)
+        for j, token in zip(plain, self._sample_rows(logits, rows, params, positions)):
+            out[j] = Verified([token], [])
+        if drafted:
+            for (j, _), result in zip(drafted, verify(logits, [row for _, row in drafted], self.sampler.generator)):
+                out[j] = result
+        for req_id, result in zip(inputs.req_ids, out):
+            if result is not None:
+                state = self.states[req_id]
+                state.token_ids.extend(result.tokens)
+                if state.processing is not None:
+                    state.processing.observe(result.tokens)
         return out, logits
+
+    def _drafted_row(self, state: CachedRequestState, first: int, drafts: list[int]) -> DraftedRow:
+        """What verification needs about a request's drafts (the scheduler may have cut them short)."""
+        draft = self.drafts.get(state.req_id)
+        probs = draft.probs[:len(drafts)] if draft is not None and draft.probs is not None else None
+        parents = draft.parents[:len(drafts)] if draft is not None and draft.parents is not None else None
+        return DraftedRow(first, drafts, state.sampling_params, state.num_output_tokens, probs, parents)
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[int], params: list, positions: list[int]) -> list[int]:
         if not rows:
@@ -242,19 +284,28 @@ class ModelRunner:
                 rows.append((first, processing.grammar))
         return rows
 
-    def _propose(self, req_ids: list[str], sampled: list[list[int]]) -> dict[str, list[int]]:
+    def _propose(self, inputs: StepInputs, results: list[Verified | None],
+                 hidden: torch.Tensor) -> dict[str, list[int]]:
+        """Ask the proposer for drafts for every request that just sampled; keep what verification needs.
+        Proposers that draft from the target's hidden state get the row that sampled the request's newest token."""
         if not self.proposer.num_lookahead_tokens:
             return {}
-        drafts: dict[str, list[int]] = {}
-        for req_id, tokens in zip(req_ids, sampled):
+        asks: list[ProposalRequest] = []
+        for req_id, first, result in zip(inputs.req_ids, inputs.logits_start, results):
             state = self.states[req_id]
-            # Drafts are verified greedily only, and never for requests whose processing depends on history
-            # (penalties, grammars): their draft rows could not be processed without replaying each draft.
-            params = state.sampling_params
-            if tokens and params.is_greedy and not params.depends_on_history:
-                proposal = self.proposer.propose(state.token_ids, self.proposer.num_lookahead_tokens)
-                if proposal:
-                    drafts[req_id] = proposal
+            # Requests whose processing depends on their history (penalties, grammars) get no drafts: their
+            # draft rows could not be processed without replaying each draft.
+            if result is not None and not state.sampling_params.depends_on_history:
+                row = first + (result.path[-1] + 1 if result.path else 0)
+                asks.append(ProposalRequest(req_id, state.token_ids, state.sampling_params, state.num_output_tokens,
+                                            self.proposer.num_lookahead_tokens, hidden[row]))
+        drafts: dict[str, list[int]] = {}
+        for ask, draft in zip(asks, self.proposer.propose(asks)):
+            if draft.tokens:
+                drafts[ask.req_id] = draft.tokens
+                self.drafts[ask.req_id] = draft  # kept until replaced: the scheduler may verify it steps later
+            else:
+                self.drafts.pop(ask.req_id, None)
         return drafts
 
 
@@ -265,13 +316,3 @@ def _candidate_rows(inputs: StepInputs, wanted: list[int]) -> list[int]:
         first = inputs.logits_start[j]
         rows.extend(range(first, first + len(inputs.drafts[j]) + 1))
     return rows
-
-
-def _accept_greedy(drafts: Sequence[int], target: Sequence[int]) -> int:
-    """How many leading drafts equal the target model's argmax at their positions."""
-    accepted = 0
-    for draft, best in zip(drafts, target):
-        if draft != best:
-            break
-        accepted += 1
-    return accepted

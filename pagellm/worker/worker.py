@@ -48,8 +48,12 @@ class Worker:
         model.eval()
         max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
         num_blocks = kv_cache_blocks(cache_config, arch, self.dtype, max_model_len)
-        self.runner = ModelRunner(model, get_backend(model_config.attention_backend), cache_config.block_size,
-                                  make_proposer(spec_config), model_config.seed, arch.vocab_size, model_dir)
+        backend = get_backend(model_config.attention_backend)
+        # Model-based proposers keep their own cache with as many blocks as the target's (their layers only).
+        proposer = make_proposer(spec_config, model, backend=backend, block_size=cache_config.block_size,
+                                 num_blocks=num_blocks, dtype=self.dtype, seed=model_config.seed)
+        self.runner = ModelRunner(model, backend, cache_config.block_size, proposer, model_config.seed,
+                                  arch.vocab_size, model_dir)
         self.runner.bind_kv_cache(num_blocks, self.dtype)
         if self.dtype == torch.bfloat16:  # build/load the native layer kernels now, not during the first request
             logger.info("native kernels: small-M GEMM %s, fused element-wise %s",

@@ -162,3 +162,15 @@ def test_stop_strings_and_max_tokens(llm: LLM, greedy: list[RequestOutput]) -> N
     assert completion.finish_reason == "length" and completion.stop_reason is None
     assert reference.text.startswith(completion.text) and completion.text
     assert_all_blocks_free(llm)  # the two stop-string requests were aborted in the core
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+                                  {"method": "draft_model", "num_speculative_tokens": 3, "draft_layers": 10}],
+                         ids=["ngram", "self-spec"])
+def test_speculative_greedy_is_token_identical(greedy: list[RequestOutput], spec: dict[str, Any]) -> None:
+    spec_llm = LLM(dtype="float32", speculative_config=spec)
+    outputs = spec_llm.chat([conversation(p) for p in USER_PROMPTS], greedy_params(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in greedy]
+    stats = [s.spec_decoding for s in spec_llm.last_stats if s.spec_decoding is not None]
+    assert sum(s.num_accepted_tokens for s in stats) > 0
+    assert_all_blocks_free(spec_llm)

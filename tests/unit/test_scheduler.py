@@ -41,6 +41,13 @@ def make_scheduler(
     )
 
 
+def per_request(cached: CachedRequestData) -> list[tuple[str, list[int], int]]:
+    """The step's running requests as (id, new block ids, computed tokens before the step), in batch order;
+    ``new_block_ids`` may only name requests of the step."""
+    assert set(cached.new_block_ids) <= set(cached.req_ids) and all(cached.new_block_ids.values())
+    return [(rid, cached.new_block_ids.get(rid, []), n) for rid, n in zip(cached.req_ids, cached.num_computed_tokens)]
+
+
 def make_request(
     rid: str, prompt, max_tokens: int = 16, eos=(), priority: int = 0, arrival: float = 0.0,
     salt: str | None = None, **params,
@@ -181,18 +188,18 @@ def test_chunked_prefill_step_details():
     out, outputs = step(sched)
     assert [(r.req_id, r.block_ids, r.num_computed_tokens, r.num_prompt_tokens) for r in out.new_reqs] == [
         ("A", [0, 1], 0, 50)]
-    assert out.cached_reqs == [] and outputs == []   # mid-prompt: nothing to report
+    assert per_request(out.cached_reqs) == [] and outputs == []   # mid-prompt: nothing to report
     assert sched.requests["A"].num_computed_tokens == 32
 
     out, outputs = step(sched)
-    assert out.cached_reqs == [CachedRequestData("A", [2, 3], 32)]
+    assert per_request(out.cached_reqs) == [("A", [2, 3], 32)]
     assert [(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.new_reqs] == [("B", [4], 0)]
     assert list(out.num_scheduled_tokens) == ["A", "B"]   # running first, then new
     assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs] == [
         ("A", [TOKEN], None), ("B", [TOKEN], None)]
 
     out, _ = step(sched)
-    assert out.cached_reqs == [CachedRequestData("A", [], 50), CachedRequestData("B", [], 10)]
+    assert per_request(out.cached_reqs) == [("A", [], 50), ("B", [], 10)]
     assert out.new_reqs == []
 
 
@@ -306,7 +313,7 @@ def test_fcfs_preempts_the_newest_and_resumes_it_first():
     # A needs a third block; none is free → C (newest) is preempted; its blocks return tail first.
     out, outputs = step(sched)
     assert out.num_scheduled_tokens == {"A": 1, "B": 1}
-    assert out.cached_reqs == [CachedRequestData("A", [5], 8), CachedRequestData("B", [], 6)]
+    assert per_request(out.cached_reqs) == [("A", [5], 8), ("B", [], 6)]
     assert out.new_reqs == []                       # no newcomers in a step that preempts
     assert out.finished_req_ids == ["C"]            # workers drop C's state
     c = [r for r in sched.waiting if r.request_id == "C"][0]
@@ -337,7 +344,7 @@ def test_fcfs_preempts_the_newest_and_resumes_it_first():
     assert scheduled_trace(trace) == [{"B": 1, "C": 1}] * 4 + [{"B": 1}] * 3 + [{"C": 4}] + [{"C": 1}] * 3
     assert [(r.req_id, r.block_ids, r.num_computed_tokens) for r in trace[7][0].new_reqs] == [("C", [4, 5, 1], 8)]
     assert [out.finished_req_ids for out, _ in trace] == [["D"], [], [], [], ["C"], [], [], ["B"], [], [], []]
-    assert trace[4][0].cached_reqs == [CachedRequestData("B", [1], 12)]
+    assert per_request(trace[4][0].cached_reqs) == [("B", [1], 12)]
     assert len(tokens_by_request(trace)["C"]) == 8
     assert c.output_token_ids == [TOKEN] * 10      # kept across both preemptions; max_tokens in all
     assert c.num_preemptions == 2 and sched.make_stats().num_preemptions == 1
@@ -353,7 +360,7 @@ def test_no_admission_in_a_step_that_preempts():
     sched.add_request(make_request("D", range(400, 403), max_tokens=1, priority=1))
     out, _ = step(sched)
     assert out.num_scheduled_tokens == {"A": 1} and out.new_reqs == []
-    assert out.cached_reqs == [CachedRequestData("A", [4], 8)] and out.finished_req_ids == ["C"]
+    assert per_request(out.cached_reqs) == [("A", [4], 8)] and out.finished_req_ids == ["C"]
     assert [r.request_id for r in sched.waiting] == ["D", "C"]   # priority order, not preemption order
     out, _ = step(sched)
     assert out.num_scheduled_tokens == {"A": 1, "D": 3}
@@ -528,7 +535,7 @@ def test_draft_tokens_are_scheduled_and_rejections_roll_back():
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"A": 4}               # the sampled token + 3 drafts
     assert out.spec_token_ids == {"A": [11, 12, 13]}
-    assert out.cached_reqs == [CachedRequestData("A", [2], 7)]
+    assert per_request(out.cached_reqs) == [("A", [2], 7)]
     blocks = sched.kv.pool.blocks
     assert blocks[1].block_hash == a.block_hashes[1]          # 104..106 + 50 are final
     assert blocks[2].block_hash is None                       # drafts are never cached
@@ -543,20 +550,20 @@ def test_draft_tokens_are_scheduled_and_rejections_roll_back():
 
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"A": 1} and out.spec_token_ids == {}
-    assert out.cached_reqs == [CachedRequestData("A", [], 9)]
+    assert per_request(out.cached_reqs) == [("A", [], 9)]
     sched.update_from_output(out, ModelRunnerOutput(["A"], [[61]], {"A": [1, 2]}))
     assert (a.num_tokens, a.num_computed_tokens) == (11, 10)
 
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"A": 3} and out.spec_token_ids == {"A": [1, 2]}
-    assert out.cached_reqs == [CachedRequestData("A", [3], 10)]
+    assert per_request(out.cached_reqs) == [("A", [3], 10)]
     sched.update_from_output(out, ModelRunnerOutput(["A"], [[70]]))   # all rejected
     assert (a.num_tokens, a.num_computed_tokens) == (12, 11)
     spec = sched.make_stats().spec_decoding
     assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (1, 2, 0)
 
     out = sched.schedule()
-    assert out.cached_reqs == [CachedRequestData("A", [], 11)]
+    assert per_request(out.cached_reqs) == [("A", [], 11)]
     sched.update_from_output(out, ModelRunnerOutput(["A"], [[71]], {"A": [1, 2, 3]}))
     out = sched.schedule()
     sched.update_from_output(out, ModelRunnerOutput(["A"], [[1, 2, 3, 72]]))   # all accepted

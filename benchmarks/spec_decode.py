@@ -1,0 +1,110 @@
+"""Speculative decoding: mean acceptance length and time per output token (TPOT), no speculation vs each method.
+
+Workloads: code (HumanEval prompts, raw completion) and chat (Chit Chat Challenge openings through the chat
+template), greedy, at batch 1 and 8, plus output throughput at batch 32. TPOT of a batch is
+``(time for N tokens - time for 1 token) / (N - 1)``, both measured in this run with the prefix cache reset, so
+prefill is excluded. Every figure is compared with the no-speculation baseline measured in the same run.
+Methods: ngram, draft_model (self-speculation with the target's first ``--draft-layers`` layers), and, when
+``--medusa FILE`` is given (``make draft-heads``), Medusa as a chain and as a tree. Usage:
+
+    .venv/bin/python benchmarks/spec_decode.py [--medusa artifacts/smollm2-135m-medusa.safetensors]
+        [--dtype bfloat16] [--max-tokens 64] [--prompts 4] [--batches 1 8] [--throughput-batch 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+from pagellm import LLM, SamplingParams
+from pagellm.spec.train import chat_prompts, code_prompts
+
+
+def methods(args: argparse.Namespace) -> dict[str, dict | None]:
+    out: dict[str, dict | None] = {
+        "none": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
+        f"self-spec {args.draft_layers}L": {"method": "draft_model", "num_speculative_tokens": 3,
+                                           "draft_layers": args.draft_layers},
+    }
+    if args.medusa:
+        out["medusa chain"] = {"method": "medusa", "num_speculative_tokens": 3, "model": args.medusa}
+        out["medusa tree"] = {"method": "medusa", "num_speculative_tokens": 3, "model": args.medusa,
+                              "tree": [3, 2, 1]}
+    return out
+
+
+def timed(llm: LLM, prompts: list, max_tokens: int, chat: bool) -> tuple[float, int, list]:
+    llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.chat(prompts, params, use_tqdm=False) if chat else llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs), llm.last_stats
+
+
+def acceptance(stats: list) -> float:
+    drafts = sum(s.spec_decoding.num_drafts for s in stats if s.spec_decoding)
+    accepted = sum(s.spec_decoding.num_accepted_tokens for s in stats if s.spec_decoding)
+    return 1.0 + accepted / drafts if drafts else 1.0
+
+
+def bench_method(name: str, spec: dict | None, workloads: dict, args: argparse.Namespace) -> list[dict]:
+    llm = LLM(dtype=args.dtype, speculative_config=spec)
+    llm.generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)
+    rows = []
+    for kind, (prompts, chat) in workloads.items():
+        for batch in args.batches:
+            batch_prompts = (prompts * batch)[:batch]
+            t1, _, _ = timed(llm, batch_prompts, 1, chat)
+            tn, tokens, stats = timed(llm, batch_prompts, args.max_tokens, chat)
+            rows.append({"method": name, "workload": kind, "batch": batch,
+                         "tpot_ms": 1000 * (tn - t1) / (args.max_tokens - 1),
+                         "mean_acceptance_length": acceptance(stats), "output_tok_s": tokens / tn})
+        print(json.dumps(rows[-1]), flush=True)
+    if args.throughput_batch:
+        prompts, chat = workloads["code"]
+        elapsed, tokens, stats = timed(llm, (prompts * args.throughput_batch)[:args.throughput_batch],
+                                       args.max_tokens, chat)
+        rows.append({"method": name, "workload": "code", "batch": args.throughput_batch,
+                     "output_tok_s": tokens / elapsed, "mean_acceptance_length": acceptance(stats)})
+    del llm
+    gc.collect()
+    return rows
+
+
+def report(rows: list[dict]) -> None:
+    base = {(r["workload"], r["batch"]): r for r in rows if r["method"] == "none"}
+    print(f"\n{'method':<16}{'workload':<9}{'batch':>6}{'accept len':>11}{'TPOT ms':>10}{'TPOT ratio':>11}"
+          f"{'tok/s':>9}{'tok/s ratio':>12}")
+    for r in rows:
+        b = base[(r["workload"], r["batch"])]
+        tpot = f"{r['tpot_ms']:10.1f}{r['tpot_ms'] / b['tpot_ms']:11.2f}" if "tpot_ms" in r else f"{'':>21}"
+        print(f"{r['method']:<16}{r['workload']:<9}{r['batch']:>6}{r['mean_acceptance_length']:>11.2f}{tpot}"
+              f"{r['output_tok_s']:>9.1f}{r['output_tok_s'] / b['output_tok_s']:>12.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--medusa", default=None, help="Medusa heads file (pagellm train-draft)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--draft-layers", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=4, help="distinct prompts per workload")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--throughput-batch", type=int, default=32, help="0 to skip")
+    parser.add_argument("--methods", nargs="*", default=None, help="subset of method names to run")
+    args = parser.parse_args()
+    # Prompts past the training set (train-draft uses the first 96 chats and 64 code prompts).
+    workloads = {"code": (code_prompts(164)[-args.prompts:], False),
+                 "chat": ([c for c in chat_prompts(400)[-args.prompts:]], True)}
+    rows: list[dict] = []
+    for name, spec in methods(args).items():
+        if args.methods is None or name in args.methods or name == "none":
+            rows.extend(bench_method(name, spec, workloads, args))
+    report(rows)
+
+
+if __name__ == "__main__":
+    main()
