@@ -9,12 +9,13 @@ Rounds run a, b, c interleaved so machine noise hits all three alike; each figur
 tokens/s per setup and the ratios b/a and c/a (targets: b >= 0.90, c >= 0.75).
 
 ``--micro`` instead times only what sampling adds per decode step, on the model runner's own code: logits
-processing + sampling of a [batch, vocab] float32 logit matrix for a, b and c (c includes filling the grammar
+processing + sampling of a [batch, vocab] logit matrix (in the model's dtype, bfloat16 by default, as the runner
+hands it over) for a, b and c (c includes filling the grammar
 bitmasks of half the rows), interleaved over many repetitions (median). That part is what the setups differ in,
 and it is far less sensitive to a busy machine than a whole generation. Usage:
 
     .venv/bin/python benchmarks/sampling.py [--batch 64] [--output-len 64] [--rounds 3] [--dtype bfloat16]
-    .venv/bin/python benchmarks/sampling.py --micro [--batch 64] [--repeats 30]
+    .venv/bin/python benchmarks/sampling.py --micro [--batch 64] [--repeats 30] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
-def micro(batch: int, repeats: int) -> dict[str, float]:
+def micro(batch: int, repeats: int, dtype: torch.dtype) -> dict[str, float]:
     """Median ms per step of processing + sampling alone, per setup (see the module docstring)."""
     import statistics
 
@@ -69,9 +70,10 @@ def micro(batch: int, repeats: int) -> dict[str, float]:
     # 32 prompt + 64 output tokens of history per request (a grammar starts at its beginning)
     states = {name: [processing.create(p, h[:32], [] if p.structured_outputs else h[32:])
                      for p, h in zip(params, history)] for name, params in configs.items()}
+    noise = torch.Generator().manual_seed(2)
     for _ in range(repeats):
         for name, params in configs.items():
-            logits = torch.randn(batch, vocab)
+            logits = (torch.randn(batch, vocab, generator=noise) * 3).to(dtype)
             start = time.perf_counter()
             grammars = [(i, s.grammar) for i, s in enumerate(states[name]) if s is not None and s.grammar]
             masks = processing.start_masks(batch, grammars)
@@ -94,8 +96,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     if args.micro:
-        figures = micro(args.batch, args.repeats)
-        print(json.dumps({"batch": args.batch, "ms_per_step": {k: round(v, 2) for k, v in figures.items()}}))
+        figures = micro(args.batch, args.repeats, getattr(torch, args.dtype))
+        print(json.dumps({"batch": args.batch, "dtype": args.dtype, "ms_per_step": {k: round(v, 2) for k, v in figures.items()}}))
         return
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.batch)
