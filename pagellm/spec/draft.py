@@ -27,7 +27,7 @@ import torch
 
 from pagellm.attention.base import AttentionBackend, CommonAttentionInputs, forward_context
 from pagellm.config import SpeculativeConfig
-from pagellm.sample.sampler import SamplingTensors, mix_seed, random_probs, sample_inverse_cdf
+from pagellm.sample.sampler import SamplingTensors, first_argmax, mix_seed, random_probs, sample_inverse_cdf
 from pagellm.spec.base import Draft, ProposalRequest
 
 logger = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class DraftModelProposer:
         distribution, which is returned for rejection sampling."""
         params = [r.sampling_params for r in requests]
         positions = [r.num_output_tokens + depth for r in requests]
-        argmax = logits.argmax(dim=-1)
+        argmax = first_argmax(logits)
         t = SamplingTensors.from_params(params, positions)
         if t.all_greedy:
             return argmax.tolist(), [None] * len(requests)

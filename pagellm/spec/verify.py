@@ -16,7 +16,7 @@ import torch
 
 from pagellm.sample.rejection import (accept_greedy, accept_greedy_tree, rejection_sample_chain,
                                       rejection_sample_tree, uniforms_for)
-from pagellm.sample.sampler import SamplingTensors, random_probs
+from pagellm.sample.sampler import SamplingTensors, first_argmax, random_probs
 from pagellm.sampling_params import SamplingParams
 
 
@@ -40,7 +40,7 @@ def verify(logits: torch.Tensor, rows: list[DraftedRow], generator: torch.Genera
     greedy = [r.params.is_greedy for r in rows]
     out: list[Verified | None] = [None] * len(rows)
     if any(greedy):
-        argmax = logits.argmax(dim=-1).tolist()
+        argmax = first_argmax(logits).tolist()
         for i, row in enumerate(rows):
             if greedy[i]:
                 out[i] = _verify_greedy(row, argmax[row.first:row.first + len(row.drafts) + 1])
