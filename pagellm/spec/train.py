@@ -132,14 +132,20 @@ def train_medusa(hidden: torch.Tensor, tokens: torch.Tensor, lm_head: torch.Tens
         ce = F.cross_entropy(F.linear(out[valid], lm_head), labels[rows][valid])
         reg = F.smooth_l1_loss(out[valid], feature_targets[rows][valid])
         loss = ce + reg
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-        losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
-            logger.info("step %d/%d: loss %.3f (ce %.3f, feature %.4f)", step + 1, steps, loss.item(), ce.item(),
-                        reg.item())
+        losses.append(_optimizer_step(optim, loss, ce, reg, step, steps))
     return heads.eval(), losses
+
+
+def _optimizer_step(optim: torch.optim.Optimizer, loss: torch.Tensor, ce: torch.Tensor, reg: torch.Tensor,
+                    step: int, steps: int) -> float:
+    """One update of the draft head; logs every 50 steps and the last. Returns the loss."""
+    optim.zero_grad()
+    loss.backward()
+    optim.step()
+    if step % 50 == 0 or step == steps - 1:
+        logger.info("step %d/%d: loss %.3f (ce %.3f, feature %.4f)", step + 1, steps, loss.item(), ce.item(),
+                    reg.item())
+    return loss.item()
 
 
 def segments(tokens: torch.Tensor) -> list[tuple[int, int]]:
@@ -187,13 +193,7 @@ def train_eagle(hidden: torch.Tensor, tokens: torch.Tensor, target: FrozenTarget
         reg = F.smooth_l1_loss(predicted, hidden[idx[learn] + 1])
         ce = F.cross_entropy(F.linear(predicted, target.lm_head), tokens[idx[learn] + 1])
         loss = reg + 0.1 * ce
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-        losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
-            logger.info("step %d/%d: loss %.3f (ce %.3f, feature %.4f)", step + 1, steps, loss.item(), ce.item(),
-                        reg.item())
+        losses.append(_optimizer_step(optim, loss, ce, reg, step, steps))
     return head.eval(), losses
 
 
