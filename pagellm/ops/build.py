@@ -39,10 +39,15 @@ def cpu_flags() -> str:
         return platform.machine()
 
 
+HEADERS = Path(__file__).parent / "csrc"  # shared headers (simd_exp.h), on every kernel's include path
+
+
 def build_tag(source: Path) -> str:
-    """A short digest of the CPU flags, the compiler flags and the source, to key builds by."""
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()
-    return hashlib.sha256(f"{cpu_flags()}|{' '.join(CXX_FLAGS)}|{digest}".encode()).hexdigest()[:12]
+    """A short digest of the CPU flags, the compiler flags, the source and the shared headers, to key builds by."""
+    digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(HEADERS.glob("*.h")):
+        digest.update(header.read_bytes())
+    return hashlib.sha256(f"{cpu_flags()}|{' '.join(CXX_FLAGS)}|{digest.hexdigest()}".encode()).hexdigest()[:12]
 
 
 def compiler() -> str:
@@ -62,7 +67,7 @@ def load_library(source: Path) -> ctypes.CDLL:
         with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".so.tmp", delete=False) as tmp:
             partial = Path(tmp.name)
         try:
-            subprocess.run([compiler(), *CXX_FLAGS, str(source), "-o", str(partial)], check=True,
+            subprocess.run([compiler(), *CXX_FLAGS, f"-I{HEADERS}", str(source), "-o", str(partial)], check=True,
                            capture_output=True, text=True)
             os.replace(partial, target)
         except subprocess.CalledProcessError as exc:

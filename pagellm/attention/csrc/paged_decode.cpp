@@ -14,6 +14,8 @@
 #include <limits>
 #include <vector>
 
+#include "simd_exp.h"  // ops/csrc: exp16
+
 namespace {
 
 struct BFloat16 {  // the bits of a bfloat16; arithmetic happens in float32
@@ -114,23 +116,6 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const BFloat16* p) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-// e^x for x <= 0 (scores minus their running max): x = n ln2 + r, e^r by a degree-6 polynomial (rel. err ~1e-7).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.0f / 720);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
 }
 
 template <typename T>
