@@ -37,12 +37,11 @@ VLLM_PYTHON = HERE.parent / ".peers" / "vllm" / "bin" / "python"
 
 
 def fake_output(scheduler: Scheduler, sched_out) -> ModelRunnerOutput:
-    req_ids = list(sched_out.num_scheduled_tokens)
-    sampled = []
-    for rid in req_ids:
-        req = scheduler.requests[rid]
-        sampled.append([trace.SAMPLED_TOKEN] if req.num_computed_tokens >= req.num_tokens else [])
-    return ModelRunnerOutput(req_ids, sampled)
+    """One token for each request whose step reaches its last token, none for a prompt chunk (the runner's rule)."""
+    before = sched_out.cached_reqs.num_computed_tokens + [r.num_computed_tokens for r in sched_out.new_reqs]
+    counts = [int(start + n >= scheduler.requests[rid].num_tokens)
+              for rid, start, n in zip(sched_out.req_ids, before, sched_out.num_scheduled_tokens)]
+    return ModelRunnerOutput(list(sched_out.req_ids), counts, [trace.SAMPLED_TOKEN] * sum(counts))
 
 
 def run_pagellm(num_running: int, warmup: int, steps: int, profiler: cProfile.Profile | None = None) -> dict:
@@ -74,7 +73,7 @@ def run_pagellm(num_running: int, warmup: int, steps: int, profiler: cProfile.Pr
             profiler.disable()
         if step >= warmup:
             times.append((t1 - t0) + (t3 - t2))
-            running.append(len(out.num_scheduled_tokens))
+            running.append(len(out.req_ids))
             tokens.append(out.total_num_scheduled_tokens)
     us = sorted(t * 1e6 for t in times)
     return {"system": "pagellm", "num_running": num_running, "steps": steps, "mean_us": statistics.mean(us),

@@ -6,24 +6,61 @@ prefill, prefix-cache hits, resumed preemptions and draft tokens all follow from
 short, the last running request is preempted (recompute): under FCFS the newest one, under ``priority`` the
 lowest-priority one (the running list is kept sorted for that policy). ``num_computed_tokens`` advances when a
 request is scheduled; ``update_from_output`` rolls back rejected drafts and applies token-level stop rules.
+
+Both per-request loops run over the numpy columns of ``RunningBatch``: ``_grant`` hands the budget out with one
+cumulative sum, and only the rows that need the KV manager (a block to allocate or one that fills,
+``_needs_kv``) or that may stop (``StopRules.candidates``) come back to per-request Python, in row order, so
+every KV call and every block id is what a plain loop over the requests would produce.
+``tests/unit/test_scheduler_fastpath.py`` runs the scheduler in lockstep with a twin that takes the per-request
+path for every row and hands the budget out one request at a time.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import time
+from dataclasses import dataclass
 from typing import Iterable
+
+import numpy as np
 
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.kv.block import KVBlock
 from pagellm.kv.manager import KVCacheManager
 from pagellm.metrics.stats import RequestTimes, SchedulerStats, SpecDecodingStats
 from pagellm.request import Request, RequestStatus
-from pagellm.sched.output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
-                                  SchedulerOutput)
+from pagellm.sched.output import (CachedRequestData, FirstOutput, ModelRunnerOutput, NewRequestData,
+                                  SchedulerOutput, StepOutput)
 from pagellm.sched.queue import make_queue
+from pagellm.sched.running import RunningBatch
+from pagellm.sched.stop import StopRules, suppressed_tokens
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Step:
+    """What ``update_from_output`` needs to know about the step ``schedule()`` produced."""
+
+    output: SchedulerOutput
+    rows: np.ndarray              # the RunningBatch row of each request of output.req_ids
+    num_spec: np.ndarray | None   # draft tokens scheduled per request (None: no drafts this step)
+    version: int                  # RunningBatch.version when schedule() returned
+
+
+@dataclass
+class _RunningPart:
+    """The running requests' share of a step."""
+
+    cached: CachedRequestData
+    num_scheduled: list[int]
+    rows: np.ndarray              # their RunningBatch rows
+    num_spec: np.ndarray | None
+    spec: dict[str, list[int]]
+    num_tokens: int
+    preempted: bool
 
 
 class Scheduler:
@@ -43,9 +80,13 @@ class Scheduler:
         self.num_lookahead_tokens = num_lookahead_tokens
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.waiting = make_queue(config.scheduling_policy)
-        self.running: list[Request] = []
+        self.running = RunningBatch()
         self.requests: dict[str, Request] = {}
+        self.stop_rules = StopRules(max_model_len)
         self._dropped_req_ids: set[str] = set()  # workers must forget these at the next step
+        self._needs_sort = False      # priority policy: requests were admitted since the running list was sorted
+        self._drafts_seen = False     # some request got draft tokens (until then no step has any)
+        self._step: _Step | None = None
         self._stats = SchedulerStats()
         self._spec_stats = SpecDecodingStats()
         self._evictions_seen = 0
@@ -56,13 +97,8 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         request.queued_time = time.time()
-        params = request.sampling_params
-        stops = frozenset(params.stop_token_ids or ())
-        request.stop_ids = stops if params.ignore_eos else stops | frozenset(request.eos_token_ids)
-        length_limit = self.max_model_len
-        if request.max_tokens is not None:
-            length_limit = min(length_limit, request.num_prompt_tokens + request.max_tokens)
-        request.length_limit = length_limit
+        self.stop_rules.add(request)
+        self.kv.hash_blocks(request)  # now rather than at its first look-up: the hashes depend only on its tokens
         self.waiting.add(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -71,7 +107,7 @@ class Scheduler:
             if request is None:
                 continue
             if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
+                self.running.remove_rows([self.running.index(request)])
             else:
                 self.waiting.remove(request)
             self._finish(request, RequestStatus.FINISHED_ABORTED)
@@ -83,78 +119,133 @@ class Scheduler:
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def num_computed_tokens(self, request_id: str) -> int:
+        """Tokens of the request in the KV cache (0 unless it is running)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.RUNNING:
+            return 0
+        return int(self.running.computed[self.running.index(request)])
+
     # ------------------------------------------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
-        if self.by_priority:
-            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
-        scheduled: dict[str, int] = {}
-        cached_reqs = CachedRequestData()
-        spec: dict[str, list[int]] = {}
-        budget, preempted = self._schedule_running(self.budget, scheduled, cached_reqs, spec)
+        if self.by_priority and self._needs_sort:
+            self._sort_running()
+        part = self._schedule_running(self.budget)
+        req_ids, num_scheduled = list(part.cached.req_ids), part.num_scheduled
         new_reqs: list[NewRequestData] = []
-        if not preempted and self.waiting:  # no room for newcomers while running requests are being pushed out
-            self._schedule_waiting(budget, scheduled, new_reqs)
-        total = sum(scheduled.values())
+        num_running, budget = len(self.running), self.budget - part.num_tokens
+        if not part.preempted and self.waiting:  # no room for newcomers while running requests are pushed out
+            budget = self._schedule_waiting(budget, req_ids, num_scheduled, new_reqs)
+        total = self.budget - budget
         self._stats.num_scheduled_tokens += total
         dropped, self._dropped_req_ids = self._dropped_req_ids, set()
-        return SchedulerOutput(new_reqs, cached_reqs, scheduled, total, spec, sorted(dropped))
+        out = SchedulerOutput(new_reqs, part.cached, req_ids, num_scheduled, total, part.spec, sorted(dropped))
+        rows, num_spec = part.rows, part.num_spec
+        if new_reqs:
+            rows = np.concatenate([rows, np.arange(num_running, len(self.running))])
+            if num_spec is not None:
+                num_spec = np.concatenate([num_spec, np.zeros(len(new_reqs), dtype=np.int64)])
+        self._step = _Step(out, rows, num_spec, self.running.version)
+        return out
 
-    def _schedule_running(
-        self, budget: int, scheduled: dict[str, int], cached: CachedRequestData, spec: dict[str, list[int]],
-    ) -> tuple[int, bool]:
-        """Hand ``budget`` to the running requests in order; the per-request body is the hot loop of a step."""
-        preempted = False
-        running, max_len, max_lookahead = self.running, self.max_model_len, self.num_lookahead_tokens
-        req_ids, computed, new_block_ids = cached.req_ids, cached.num_computed_tokens, cached.new_block_ids
-        index = 0
-        while index < len(running) and budget > 0:
-            request = running[index]
-            index += 1  # preemption only removes requests behind this one, so the index stays valid
-            num_computed = request.num_computed_tokens
-            num_tokens = len(request.all_token_ids)
-            num_new = num_tokens + len(request.spec_token_ids)
-            num_new = (num_new if num_new < max_len else max_len) - num_computed
-            if num_new > budget:
-                num_new = budget
-            if num_new <= 0:
-                continue
-            end = num_computed + num_new
-            lookahead = self._lookahead(end) if max_lookahead else 0
-            # Fast path (see KVCacheManager's contract): the step fits in held blocks, so the manager is needed
-            # only when a block fills (to register it) and ``allocate_slots`` only when more blocks are needed.
-            if end + lookahead <= request.kv_slots:
-                if (end if end < num_tokens else num_tokens) >= request.kv_next_full:
-                    self.kv.cache_full_blocks(request, end if end < num_tokens else num_tokens)
-            else:
-                new_blocks, preempted_now = self._allocate_or_preempt(request, num_new)
-                preempted |= preempted_now
-                if new_blocks is None:
-                    break  # ``request`` itself was the last one and got preempted
-                if new_blocks:
-                    new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
-            request_id = request.request_id
-            req_ids.append(request_id)
-            computed.append(num_computed)
-            if end > num_tokens:
-                spec[request_id] = request.spec_token_ids[:end - num_tokens]
-            scheduled[request_id] = num_new
-            request.num_computed_tokens = end
-            budget -= num_new
-        return budget, preempted
+    def _schedule_running(self, budget: int) -> _RunningPart:
+        """Hand ``budget`` to the running requests in order: vectorised over the batch's columns, with the KV
+        manager called only for the rows that need it (in row order, as a plain loop would call it)."""
+        batch, n, drafts = self.running, len(self.running), self._drafts_seen
+        if n == 0:
+            return _RunningPart(CachedRequestData(), [], np.zeros(0, dtype=np.int64), None, {}, 0, False)
+        computed, tokens = batch.computed[:n].copy(), batch.num_tokens[:n]
+        grant = self._grant(computed, tokens, batch.num_spec[:n] if drafts else None, budget)
+        end = computed + grant
+        final = np.minimum(end, tokens) if drafts else end  # draft tokens are never final
+        room = end + np.clip(self.max_model_len - end, 0, self.num_lookahead_tokens) if self.num_lookahead_tokens \
+            else end
+        new_block_ids: dict[str, list[int]] = {}
+        events = np.flatnonzero(self._needs_kv(grant, room, final, batch.kv_slots[:n], batch.kv_next_full[:n]))
+        if events.size:
+            self._serve_kv(events, computed, grant, room, final, new_block_ids)
+        m = len(batch)
+        grant, end = grant[:m], end[:m]
+        batch.computed[:m] = end
+        k = int(np.count_nonzero(grant))
+        if k == m or not grant[k:].any():  # the scheduled rows are the first k (the usual case)
+            rows = np.arange(k)
+            cached = CachedRequestData(batch.req_ids[:k], computed[:k].tolist(), new_block_ids)
+            num_scheduled = grant[:k].tolist()
+        else:
+            rows = np.flatnonzero(grant)
+            cached = CachedRequestData([batch.req_ids[i] for i in rows.tolist()], computed[rows].tolist(),
+                                       new_block_ids)
+            num_scheduled = grant[rows].tolist()
+        num_spec, spec = self._scheduled_drafts(rows, end - tokens[:m]) if drafts else (None, {})
+        return _RunningPart(cached, num_scheduled, rows, num_spec, spec, int(grant.sum()), m < n)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[list[KVBlock] | None, bool]:
+    def _grant(self, computed: np.ndarray, tokens: np.ndarray, num_spec: np.ndarray | None,
+               budget: int) -> np.ndarray:
+        """The budget rule over the running rows: each in order gets what it still needs (prompt chunk, sampled
+        token, drafts; never past max_model_len) until the budget runs out; a row that needs nothing gets 0.
+        Without drafts a running request never reaches max_model_len (it stops there) nor computes past its
+        tokens, so what it needs is ``tokens - computed``."""
+        if num_spec is None:
+            want = tokens - computed
+        else:
+            want = np.minimum(tokens + num_spec, self.max_model_len) - computed
+            np.maximum(want, 0, out=want)
+        used = np.cumsum(want)
+        if used[-1] <= budget:
+            return want
+        return np.clip(budget - used + want, 0, want)
+
+    @staticmethod
+    def _needs_kv(grant: np.ndarray, room: np.ndarray, final: np.ndarray, kv_slots: np.ndarray,
+                  kv_next_full: np.ndarray) -> np.ndarray:
+        """Scheduled rows whose step needs the KV manager: more slots (``room``: tokens after the step plus
+        lookahead) than their blocks hold, or final tokens that fill a block (see KVCacheManager's contract)."""
+        return (grant > 0) & ((room > kv_slots) | (final >= kv_next_full))
+
+    def _serve_kv(self, events: np.ndarray, computed: np.ndarray, grant: np.ndarray, room: np.ndarray,
+                  final: np.ndarray, new_block_ids: dict[str, list[int]]) -> None:
+        """The KV manager's part of the ``events`` rows' steps, in row order: one ``allocate_running`` call for
+        as many as the pool serves; when it runs short, the row it stopped at preempts from the end."""
+        batch = self.running
+        rows, rooms, finals = events.tolist(), room[events].tolist(), final[events].tolist()
+        while rows:
+            slots, next_full = self.kv.allocate_running([batch.requests[r] for r in rows], rooms, finals,
+                                                        new_block_ids)
+            served = rows[:len(slots)]
+            batch.kv_slots[served], batch.kv_next_full[served] = slots, next_full
+            if len(served) == len(rows):
+                return
+            row = rows[len(served)]
+            if not self._allocate_row(row, int(computed[row]), int(grant[row]), new_block_ids):
+                return  # the row itself was preempted, and every row after it
+            keep = bisect.bisect_left(rows, len(batch))  # rows preempted meanwhile are gone
+            rows, rooms, finals = (rows[len(served) + 1:keep], rooms[len(served) + 1:keep],
+                                   finals[len(served) + 1:keep])
+
+    def _allocate_row(self, row: int, num_computed: int, num_new: int, new_block_ids: dict[str, list[int]]) -> bool:
+        """One row's slots, preempting from the end of the running list while the pool is short; False when the
+        row's own request had to go."""
+        batch, request = self.running, self.running.requests[row]
+        blocks = self._allocate_or_preempt(request, num_computed, num_new)
+        if blocks is None:
+            return False
+        if blocks:
+            new_block_ids[request.request_id] = [b.block_id for b in blocks]
+        batch.kv_slots[row], batch.kv_next_full[row] = self.kv.slots_and_next_full(request.request_id)
+        return True
+
+    def _allocate_or_preempt(self, request: Request, num_computed: int, num_new: int) -> list[KVBlock] | None:
         """Allocate slots for ``request``, preempting from the end of the running list until they fit."""
-        preempted = False
+        lookahead = self._lookahead(num_computed + num_new)
         while True:
-            lookahead = self._lookahead(request.num_computed_tokens + num_new)
-            blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
+            blocks = self.kv.allocate_slots(request, num_computed, num_new, num_lookahead_tokens=lookahead)
             if blocks is not None:
-                return blocks, preempted
-            victim = self.running[-1]
+                return blocks
+            victim = self.running.requests[-1]
             self._preempt(victim)
-            preempted = True
             if victim is request:
-                return None, preempted
+                return None
 
     def _lookahead(self, num_tokens_after_step: int) -> int:
         """Slots to reserve for next step's drafts, none past ``max_model_len`` (no draft is scheduled there):
@@ -162,11 +253,29 @@ class Scheduler:
         forever."""
         return max(0, min(self.num_lookahead_tokens, self.max_model_len - num_tokens_after_step))
 
+    def _scheduled_drafts(self, rows: np.ndarray, past_final: np.ndarray) -> tuple[np.ndarray | None,
+                                                                                    dict[str, list[int]]]:
+        """Draft tokens scheduled per scheduled row (the tokens past its final ones), and the drafts by request."""
+        num_spec = np.maximum(past_final[rows], 0)
+        spec: dict[str, list[int]] = {}
+        for j in np.flatnonzero(num_spec).tolist():
+            request = self.running.requests[rows[j]]
+            spec[request.request_id] = request.spec_token_ids[:num_spec[j]]
+        return (num_spec if spec else None), spec
+
+    def _sort_running(self) -> None:
+        """Priority policy: lowest (priority, arrival_time) first; a stable sort, so ties keep their order."""
+        requests = self.running.requests
+        order = sorted(range(len(requests)), key=lambda i: (requests[i].priority, requests[i].arrival_time))
+        if order != list(range(len(order))):
+            self.running.reorder(order)
+        self._needs_sort = False
+
     def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
+        assert request is self.running.requests[-1], "only the last running request is preempted"
+        self.running.remove_rows([len(self.running) - 1])
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.num_preemptions += 1
         self._stats.num_preemptions += 1
@@ -174,7 +283,9 @@ class Scheduler:
         self.waiting.add_front(request)
         logger.debug("preempted %s", request.request_id)
 
-    def _schedule_waiting(self, budget: int, scheduled: dict[str, int], new_reqs: list[NewRequestData]) -> None:
+    def _schedule_waiting(self, budget: int, req_ids: list[str], num_scheduled: list[int],
+                          new_reqs: list[NewRequestData]) -> int:
+        """Admit waiting requests in queue order while budget and ``max_num_seqs`` allow; returns the budget left."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
@@ -182,24 +293,26 @@ class Scheduler:
             if not self.chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, hit_blocks, self._lookahead(num_hit + num_new)) is None:
+            if self.kv.allocate_slots(request, 0, num_new, hit_blocks, self._lookahead(num_hit + num_new)) is None:
                 break
             self.waiting.pop()
-            self._admit(request, num_hit)
             new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
                 request.sampling_params, self.kv.block_ids(request.request_id), num_hit,
-                sorted(_suppressed_tokens(request)),
+                sorted(suppressed_tokens(request)),
             ))
-            scheduled[request.request_id] = num_new
-            request.num_computed_tokens += num_new
+            self._admit(request, num_hit, num_new)
+            req_ids.append(request.request_id)
+            num_scheduled.append(num_new)
             budget -= num_new
+        return budget
 
-    def _admit(self, request: Request, num_hit: int) -> None:
-        self.running.append(request)
+    def _admit(self, request: Request, num_hit: int, num_new: int) -> None:
+        kv_slots, kv_next_full = self.kv.slots_and_next_full(request.request_id)
+        self.running.append(request, num_hit + num_new, kv_slots, kv_next_full)
+        self._needs_sort = True
         self._dropped_req_ids.discard(request.request_id)
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_hit
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit
             request.scheduled_time = time.time()
@@ -208,90 +321,167 @@ class Scheduler:
         self._stats.num_prompt_tokens += request.num_tokens - num_hit
 
     # ------------------------------------------------------------------------------------------- outputs
-    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Append the sampled tokens, apply stop rules, and report each request's news (hot loop of a step)."""
-        outputs: list[EngineCoreOutput] = []
-        requests, running = self.requests, RequestStatus.RUNNING
-        spec_sent, drafts_out, logprobs_out = sched_out.spec_token_ids, runner_out.draft_token_ids, runner_out.logprobs
-        prompt_logprobs_out = runner_out.prompt_logprobs
-        num_generated = 0
-        for request_id, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
-            request = requests.get(request_id)
-            if request is None or request.status is not running:
-                continue  # aborted or preempted while the step ran
-            if spec_sent:
-                drafts = spec_sent.get(request_id)
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> StepOutput:
+        """Append the sampled tokens, apply stop rules, and report each request's news (the other hot loop of a
+        step: vectorised, with per-request Python only for the requests ``_needs_look`` picks)."""
+        rows, num_spec, runner_out = self._rows_of(sched_out, runner_out)
+        batch, flat, sampled = self.running, runner_out.sampled_token_ids, runner_out.num_sampled
+        counts = np.array(sampled, dtype=np.int64)
+        if num_spec is not None:
+            self._roll_back_drafts(rows, num_spec, counts)
+        if self._drafts_seen or runner_out.draft_token_ids:
+            self._take_drafts(rows, runner_out)
+        before = batch.num_tokens[rows]
+        after = before + counts
+        batch.num_tokens[rows] = after
+        self._append_all(rows, counts, sampled, flat)
+        out = StepOutput()
+        kept, finished = self._look_at(np.flatnonzero(self._needs_look(after, batch.check_at[rows], counts, flat)),
+                                       rows, before, counts, flat, out)
+        self._report(out, runner_out, counts, kept)
+        if finished:
+            batch.remove_rows(finished)
+        self._stats.num_generation_tokens += len(out.new_token_ids)
+        return out
+
+    def _rows_of(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> tuple[
+            np.ndarray, np.ndarray | None, ModelRunnerOutput]:
+        """The batch row of each request the runner reports. Unless requests left the batch since ``schedule()``
+        (an abort between the two calls), these are the rows ``schedule()`` recorded; otherwise requests that left
+        are dropped from the runner's output."""
+        step = self._step
+        if step is not None and step.output is sched_out and step.version == self.running.version:
+            assert len(runner_out.req_ids) == len(step.rows), "the runner must report every scheduled request"
+            return step.rows, step.num_spec, runner_out
+        index = {rid: row for row, rid in enumerate(self.running.req_ids)}
+        rows, ids, counts, flat, num_spec, start = [], [], [], [], [], 0
+        for rid, count in zip(runner_out.req_ids, runner_out.num_sampled):
+            if rid in index:
+                rows.append(index[rid])
+                ids.append(rid)
+                counts.append(count)
+                flat.extend(runner_out.sampled_token_ids[start:start + count])
+                num_spec.append(len(sched_out.spec_token_ids.get(rid, ())))
+            start += count
+        present = ModelRunnerOutput(ids, counts, flat, {r: d for r, d in runner_out.draft_token_ids.items() if r in index},
+                                    {r: lp for r, lp in runner_out.logprobs.items() if r in index},
+                                    {r: lp for r, lp in runner_out.prompt_logprobs.items() if r in index})
+        return np.array(rows, dtype=np.int64), (np.array(num_spec) if any(num_spec) else None), present
+
+    def _roll_back_drafts(self, rows: np.ndarray, num_spec: np.ndarray, counts: np.ndarray) -> None:
+        """A row sampled its accepted drafts + 1: the rejected drafts were computed for nothing."""
+        drafted = np.flatnonzero(num_spec)
+        sent, accepted = num_spec[drafted], counts[drafted] - 1
+        self.running.computed[rows[drafted]] -= sent - accepted
+        for num_sent, num_accepted in zip(sent.tolist(), accepted.tolist()):
+            self._spec_stats.observe(num_sent, num_accepted)
+
+    def _take_drafts(self, rows: np.ndarray, runner_out: ModelRunnerOutput) -> None:
+        """Each reported request now holds the drafts proposed for it (none when the proposer gave none)."""
+        batch, drafts_out = self.running, runner_out.draft_token_ids
+        for row in rows[batch.num_spec[rows] > 0].tolist():
+            batch.requests[row].spec_token_ids = []
+        batch.num_spec[rows] = 0
+        if drafts_out:
+            self._drafts_seen = True
+            for row, rid in zip(rows.tolist(), runner_out.req_ids):
+                drafts = drafts_out.get(rid)
                 if drafts:
-                    request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
-                    self._spec_stats.observe(len(drafts), len(sampled) - 1)
-            if drafts_out:
-                request.spec_token_ids = drafts_out.get(request_id, [])
-            elif request.spec_token_ids:
-                request.spec_token_ids = []
-            prompt_logprobs = prompt_logprobs_out.get(request_id) if prompt_logprobs_out else None
-            first = not request.output_token_ids
-            if not sampled:
-                if prompt_logprobs is None:
-                    continue  # mid-prompt: nothing to report
-                new_tokens, first = [], False  # a prompt chunk scored for prompt_logprobs
-            elif len(sampled) == 1:
-                token = sampled[0]
-                request.output_token_ids.append(token)
-                request.all_token_ids.append(token)
-                # One set look-up and one comparison rule out every stop; the exact rules run only if they hit.
-                if token in request.stop_ids or len(request.all_token_ids) >= request.length_limit:
-                    self._stop_if_done(request, token)
-                new_tokens = sampled
-            else:
-                new_tokens = self._append_tokens(request, sampled)
-            num_generated += len(new_tokens)
-            logprobs = logprobs_out.get(request_id) if logprobs_out else None
-            if logprobs is not None:  # a stop rule may have cut the accepted tokens: cut their logprobs too
-                logprobs = logprobs.head(len(new_tokens))
-            status = request.status
-            outputs.append(EngineCoreOutput(
-                request_id, new_tokens, None if status is running else status.finish_reason, request.stop_reason,
-                request.num_cached_tokens, logprobs,
-                RequestTimes(request.queued_time, request.scheduled_time, time.time()) if first else None,
-                prompt_logprobs))
-        self._stats.num_generation_tokens += num_generated
-        return outputs
+                    batch.requests[row].spec_token_ids = drafts
+                    batch.num_spec[row] = len(drafts)
 
-    def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:
-        """Several tokens (accepted drafts + 1): append one at a time, stopping at the first stop rule."""
-        kept: list[int] = []
-        for token in sampled:
-            request.append_output_token(token)
-            kept.append(token)
-            if self._stop_if_done(request, token):
-                break
-        return kept
+    def _append_all(self, rows: np.ndarray, counts: np.ndarray, sampled: list[int], flat: list[int]) -> None:
+        """Append every sampled token to its request's token list (a stop rule may cut some off afterwards)."""
+        lists = self.running.token_lists[rows]
+        if not self._drafts_seen or counts.max(initial=0) <= 1:  # one token or none per request
+            for tokens, token in zip(itertools.compress(lists, sampled), flat):
+                tokens.append(token)
+            return
+        start = 0
+        for tokens, count in zip(lists, sampled):
+            tokens.extend(flat[start:start + count])
+            start += count
 
-    def _stop_if_done(self, request: Request, token: int) -> bool:
-        status = self._check_stop(request, token)
-        if status is None:
-            return False
-        self.running.remove(request)
-        self._finish(request, status)
-        return True
+    def _needs_look(self, after: np.ndarray, check_at: np.ndarray, counts: np.ndarray,
+                    flat: list[int]) -> np.ndarray:
+        """Which requests need per-request Python: their first output, their length limit, a token that may stop
+        them, or several tokens (a stop rule may cut them). The rest cannot stop and report nothing special."""
+        look = after >= check_at
+        if self._drafts_seen:
+            look |= counts > 1
+        hits = self.stop_rules.token_hits(counts, flat)
+        return look if hits is None else look | hits
 
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if params.stop_token_ids and token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
+    def _look_at(self, looked: np.ndarray, rows: np.ndarray, before: np.ndarray, counts: np.ndarray,
+                 flat: list[int], out: StepOutput) -> tuple[dict[int, int], list[int]]:
+        """Record first outputs and apply the exact stop rules to the ``looked`` requests (indices into the step);
+        returns the tokens kept by the requests a stop rule cut short, and the rows of those that finished."""
+        batch, kept, finished = self.running, {}, []
+        if not looked.size:
+            return kept, finished
+        starts = (np.cumsum(counts) - counts)[looked].tolist()
+        now = time.time()
+        for j, row, start, num_before, count in zip(looked.tolist(), rows[looked].tolist(), starts,
+                                                    before[looked].tolist(), counts[looked].tolist()):
+            if not count:
+                continue
+            request = batch.requests[row]
+            if num_before == request.num_prompt_tokens:
+                out.first[request.request_id] = FirstOutput(
+                    request.num_cached_tokens, RequestTimes(request.queued_time, request.scheduled_time, now))
+            batch.check_at[row] = request.length_limit
+            num_kept = self._check_tokens(request, flat[start:start + count], num_before)
+            if num_kept < count:
+                kept[j] = num_kept
+                batch.num_tokens[row] = num_before + num_kept
+            if request.status is not RequestStatus.RUNNING:
+                finished.append(row)
+                out.finish_reasons[request.request_id] = request.status.finish_reason
+                if request.stop_reason is not None:
+                    out.stop_reasons[request.request_id] = request.stop_reason
+        return kept, finished
+
+    def _check_tokens(self, request: Request, tokens: list[int], num_before: int) -> int:
+        """Apply the stop rules token by token; at the first that ends the request, drop the tokens after it and
+        finish it. Returns the number of tokens kept."""
+        for num_kept, token in enumerate(tokens, start=1):
+            status = self.stop_rules.check(request, token, num_before + num_kept)
+            if status is not None:
+                del request.all_token_ids[num_before + num_kept:]
+                self._finish(request, status)
+                return num_kept
+        return len(tokens)
+
+    def _report(self, out: StepOutput, runner_out: ModelRunnerOutput, counts: np.ndarray,
+                kept: dict[int, int]) -> None:
+        """Fill in the step's token deltas: every request that kept tokens (or got prompt logprobs), in batch order."""
+        ids, flat, sampled = runner_out.req_ids, runner_out.sampled_token_ids, runner_out.num_sampled
+        prompt_logprobs = runner_out.prompt_logprobs
+        if kept:  # a stop rule dropped tokens after it: keep each request's leading ones
+            starts = (np.cumsum(counts) - counts).tolist()
+            sampled = list(sampled)
+            for j, num_kept in kept.items():
+                sampled[j] = num_kept
+            flat = [t for start, n in zip(starts, sampled) for t in flat[start:start + n]]
+        if not prompt_logprobs and 0 not in sampled:  # every request sampled (the usual case)
+            out.req_ids, out.num_new_tokens, out.new_token_ids = list(ids), list(sampled), list(flat)
+        else:
+            picked = [j for j, n in enumerate(sampled) if n or ids[j] in prompt_logprobs]
+            out.req_ids, out.num_new_tokens = [ids[j] for j in picked], [sampled[j] for j in picked]
+            out.new_token_ids, out.prompt_logprobs = list(flat), dict(prompt_logprobs)
+        if runner_out.logprobs:
+            out.logprobs = dict(runner_out.logprobs)
+            for j, num_kept in kept.items():
+                if ids[j] in out.logprobs:
+                    out.logprobs[ids[j]] = out.logprobs[ids[j]].head(num_kept)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        """End ``request`` (the caller takes it out of the running batch or the waiting queue)."""
         request.status = status
         request.spec_token_ids = []
         self.kv.free(request)
         self._dropped_req_ids.add(request.request_id)
+        self.stop_rules.remove(request)
         del self.requests[request.request_id]
 
     # ------------------------------------------------------------------------------------------- stats
@@ -306,12 +496,3 @@ class Scheduler:
         if self._spec_stats.num_drafts:
             stats.spec_decoding, self._spec_stats = self._spec_stats, SpecDecodingStats()
         return stats
-
-
-def _suppressed_tokens(request: Request) -> set[int]:
-    """Tokens the sampler must not pick while fewer than ``min_tokens`` tokens were generated."""
-    params = request.sampling_params
-    if params.min_tokens <= request.num_output_tokens:
-        return set()
-    stops = set(params.stop_token_ids or ())
-    return stops if params.ignore_eos else stops | set(request.eos_token_ids)
