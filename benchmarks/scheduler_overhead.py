@@ -3,7 +3,9 @@
 
 The trace (benchmarks/peers/sched_trace.py): shared block-aligned prefixes (prefix caching on) + unique suffixes,
 staggered output lengths, the system kept at N requests, a 2048-token budget: each step mixes decodes with
-prefill chunks. Only the two scheduler calls are timed (building the fake output and adding requests are not).
+prefill chunks. The two scheduler calls are timed per step (building the fake output is not); ``add_request`` is
+timed apart and reported as µs per step (the arrivals of a step together), because it hashes the prompt's blocks
+(both pagellm and vLLM hash on arrival, and vLLM's figures leave that out too).
 vLLM's scheduler runs in a subprocess with the .peers/vllm interpreter (benchmarks/peers/vllm_scheduler_bench.py).
 
     .venv/bin/python benchmarks/scheduler_overhead.py [--num-running 64 256 1024] [--steps 300] [--json FILE]
@@ -48,12 +50,16 @@ def run_pagellm(num_running: int, warmup: int, steps: int, profiler: cProfile.Pr
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=trace.TOKEN_BUDGET),
                           CacheConfig(block_size=trace.BLOCK_SIZE, enable_prefix_caching=True),
                           trace.num_blocks(num_running), max_model_len=2048)
-    next_id, times, running, tokens = 0, [], [], []
+    next_id, times, adds, running, tokens = 0, [], [], [], []
     gc.collect()
     for step in range(warmup + steps):
+        add_time = 0.0
         while scheduler.num_unfinished_requests < num_running:
             params = SamplingParams(max_tokens=trace.output_len(next_id), ignore_eos=True)
-            scheduler.add_request(Request(f"r{next_id}", trace.prompt(next_id), params, arrival_time=time.time()))
+            request = Request(f"r{next_id}", trace.prompt(next_id), params, arrival_time=time.time())
+            t = time.perf_counter()
+            scheduler.add_request(request)
+            add_time += time.perf_counter() - t
             next_id += 1
         profiling = profiler is not None and step >= warmup
         if profiling:
@@ -73,11 +79,13 @@ def run_pagellm(num_running: int, warmup: int, steps: int, profiler: cProfile.Pr
             profiler.disable()
         if step >= warmup:
             times.append((t1 - t0) + (t3 - t2))
+            adds.append(add_time)
             running.append(len(out.req_ids))
             tokens.append(out.total_num_scheduled_tokens)
     us = sorted(t * 1e6 for t in times)
     return {"system": "pagellm", "num_running": num_running, "steps": steps, "mean_us": statistics.mean(us),
             "p50_us": us[len(us) // 2], "p95_us": us[int(len(us) * 0.95)],
+            "add_request_us_per_step": statistics.mean(adds) * 1e6,
             "mean_scheduled_reqs": statistics.mean(running), "mean_scheduled_tokens": statistics.mean(tokens),
             "requests_started": next_id}
 
@@ -119,13 +127,13 @@ def main() -> None:
     elif not args.no_vllm:
         print(f"vLLM not installed ({VLLM_PYTHON} missing; `make peers`): pagellm only")
     print(f"{'running':>7} {'pagellm mean':>12} {'p50':>8} {'p95':>8} {'vLLM mean':>10} {'p50':>8} {'p95':>8} "
-          f"{'ratio (p50)':>11} {'tokens/step':>11}   (µs per step)")
+          f"{'ratio (p50)':>11} {'tokens/step':>11} {'add_request':>11}   (µs per step)")
     for mine in ours:
         other = next((t for t in theirs if t["num_running"] == mine["num_running"]), None)
         vllm_cols = (f"{other['mean_us']:>10.0f} {other['p50_us']:>8.0f} {other['p95_us']:>8.0f} "
                      f"{mine['p50_us'] / other['p50_us']:>11.3f}") if other else f"{'–':>10} {'':>8} {'':>8} {'':>11}"
         print(f"{mine['num_running']:>7} {mine['mean_us']:>12.0f} {mine['p50_us']:>8.0f} {mine['p95_us']:>8.0f} "
-              f"{vllm_cols} {mine['mean_scheduled_tokens']:>11.0f}")
+              f"{vllm_cols} {mine['mean_scheduled_tokens']:>11.0f} {mine['add_request_us_per_step']:>11.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(ours + theirs, indent=1))
 

@@ -1,8 +1,8 @@
 """EngineCore: the scheduler, the KV memory and the executor, stepped as one loop.
 
 ``step()`` = ``schedule()`` → ``execute_model()`` → ``update_from_output()``; it returns the step's token-id deltas
-(one ``StepOutput``) and a plain stats object. The core knows nothing of text; requests arrive tokenized and validated against the limits
-only the core knows (context length, vocabulary).
+(one ``StepOutput``) and a plain stats object. The core knows nothing of text; requests arrive tokenized and
+validated against the limits only the core knows (context length, vocabulary).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ bytes), then the msgpack encoding of the extra keys (nothing when there are none
 cache-poisoning through crafted prompts) out of reach; the digest is truncated to 16 bytes.
 
 ``extend_block_hashes`` packs a whole run of new blocks into bytes in one call and hashes each block from a slice
-of them, so a prompt costs one ``struct.pack`` plus one SHA-256 per block, with no Python object per token.
+of them (a memoryview: no copy), so a prompt costs one ``struct.pack`` plus one SHA-256 per block, with no Python
+object per token.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def extend_block_hashes(
         data = _packer(block_size).pack(*token_ids[first * block_size:last * block_size])
         hashes.append(hashlib.sha256(parent + data + _suffix(extra_keys)).digest()[:16])  # type: ignore[arg-type]
         return
-    data = struct.pack(f"<{(last - first) * block_size}i", *token_ids[first * block_size:last * block_size])
+    data = memoryview(struct.pack(f"<{(last - first) * block_size}i",
+                                  *token_ids[first * block_size:last * block_size]))
     suffix, width, sha256 = _suffix(extra_keys), 4 * block_size, hashlib.sha256
     for offset in range(0, len(data), width):
         parent = sha256(parent + data[offset:offset + width] + suffix).digest()[:16]

@@ -109,28 +109,23 @@ class KVCacheManager:
         before the first request the pool cannot serve (changing nothing for it). Returns, per request served, its
         slots and next-full count (as ``slots_and_next_full``); the ids of new blocks go into ``new_block_ids``."""
         bs, pool, caching, cached_counts = self.block_size, self.pool, self.enable_caching, self.num_cached_blocks
-        free_queue, slots, next_full = pool.free_queue, [], []
+        free_queue, req_blocks, slots, next_full = pool.free_queue, self.req_blocks, [], []
         for request, room, final in zip(requests, rooms, finals):
             rid = request.request_id
-            held = self.req_blocks.get(rid)
-            if held is None:
-                held = self.req_blocks[rid] = []
+            held = req_blocks[rid]  # a running request's list exists from its admission on
             num_new_blocks = -(-room // bs) - len(held)
             if num_new_blocks > 0:
                 if num_new_blocks > free_queue.num_free_blocks:
-                    if not held:
-                        del self.req_blocks[rid]
                     break
                 blocks = pool.get_new_blocks(num_new_blocks)
-                held.extend(blocks)
+                held += blocks
                 new_block_ids[rid] = [b.block_id for b in blocks]
             slots.append(len(held) * bs)
             if not caching:
                 next_full.append(NEVER)
                 continue
-            num_cached = cached_counts.get(rid, 0)
-            next_full.append(self.cache_full_blocks(request, final) if final >= (num_cached + 1) * bs
-                             else (num_cached + 1) * bs)
+            upcoming = (cached_counts.get(rid, 0) + 1) * bs  # the token count that fills its next block
+            next_full.append(self.cache_full_blocks(request, final) if final >= upcoming else upcoming)
         return slots, next_full
 
     def slots_and_next_full(self, request_id: str) -> tuple[int, int]:

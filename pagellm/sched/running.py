@@ -69,9 +69,10 @@ class RunningBatch:
         row = len(self.requests)
         if row == self._columns.shape[1]:
             self._grow()
-        check_at = request.length_limit if request.num_output_tokens else request.num_prompt_tokens + 1
-        self._columns[:, row] = (computed, len(request.all_token_ids), len(request.spec_token_ids), kv_slots,
-                                 kv_next_full, check_at)
+        self.computed[row], self.num_tokens[row], self.num_spec[row] = (computed, len(request.all_token_ids),
+                                                                        len(request.spec_token_ids))
+        self.kv_slots[row], self.kv_next_full[row] = kv_slots, kv_next_full
+        self.check_at[row] = request.length_limit if request.num_output_tokens else request.num_prompt_tokens + 1
         self._lists[row] = request.all_token_ids
         self.requests.append(request)
         self.req_ids.append(request.request_id)
@@ -83,16 +84,13 @@ class RunningBatch:
 
     def remove_rows(self, rows: list[int]) -> None:
         """Remove the given rows (ascending, distinct); the others keep their order."""
-        n, first = len(self.requests), rows[0]
-        if rows == [n - 1]:  # the last row (a preemption): nothing moves
-            self._lists[first] = None
-        else:
-            keep = np.ones(n - first, dtype=bool)
-            keep[[row - first for row in rows]] = False
-            self._columns[:, first:n - len(rows)] = self._columns[:, first:n][:, keep]
-            self._lists[first:n - len(rows)] = self._lists[first:n][keep]
-            self._lists[n - len(rows):n] = None
-        for row in reversed(rows):
+        n = len(self.requests)
+        for row in reversed(rows):  # a step removes a few rows: shifting each is cheaper than a masked copy
+            if row < n - 1:
+                self._columns[:, row:n - 1] = self._columns[:, row + 1:n]
+                self._lists[row:n - 1] = self._lists[row + 1:n]
+            n -= 1
+            self._lists[n] = None
             del self.requests[row]
             del self.req_ids[row]
         self.version += 1

@@ -142,7 +142,8 @@ class Scheduler:
         out = SchedulerOutput(new_reqs, part.cached, req_ids, num_scheduled, total, part.spec, sorted(dropped))
         rows, num_spec = part.rows, part.num_spec
         if new_reqs:
-            rows = np.concatenate([rows, np.arange(num_running, len(self.running))])
+            rows = np.arange(len(self.running)) if len(rows) == num_running else \
+                np.concatenate([rows, np.arange(num_running, len(self.running))])
             if num_spec is not None:
                 num_spec = np.concatenate([num_spec, np.zeros(len(new_reqs), dtype=np.int64)])
         self._step = _Step(out, rows, num_spec, self.running.version)
@@ -154,7 +155,7 @@ class Scheduler:
         batch, n, drafts = self.running, len(self.running), self._drafts_seen
         if n == 0:
             return _RunningPart(CachedRequestData(), [], np.zeros(0, dtype=np.int64), None, {}, 0, False)
-        computed, tokens = batch.computed[:n].copy(), batch.num_tokens[:n]
+        computed, tokens = batch.computed[:n], batch.num_tokens[:n]  # views: computed is overwritten last
         grant = self._grant(computed, tokens, batch.num_spec[:n] if drafts else None, budget)
         end = computed + grant
         final = np.minimum(end, tokens) if drafts else end  # draft tokens are never final
@@ -166,7 +167,6 @@ class Scheduler:
             self._serve_kv(events, computed, grant, room, final, new_block_ids)
         m = len(batch)
         grant, end = grant[:m], end[:m]
-        batch.computed[:m] = end
         k = int(np.count_nonzero(grant))
         if k == m or not grant[k:].any():  # the scheduled rows are the first k (the usual case)
             rows = np.arange(k)
@@ -178,6 +178,7 @@ class Scheduler:
                                        new_block_ids)
             num_scheduled = grant[rows].tolist()
         num_spec, spec = self._scheduled_drafts(rows, end - tokens[:m]) if drafts else (None, {})
+        batch.computed[:m] = end
         return _RunningPart(cached, num_scheduled, rows, num_spec, spec, int(grant.sum()), m < n)
 
     def _grant(self, computed: np.ndarray, tokens: np.ndarray, num_spec: np.ndarray | None,
@@ -326,17 +327,18 @@ class Scheduler:
         step: vectorised, with per-request Python only for the requests ``_needs_look`` picks)."""
         rows, num_spec, runner_out = self._rows_of(sched_out, runner_out)
         batch, flat, sampled = self.running, runner_out.sampled_token_ids, runner_out.num_sampled
-        counts = np.array(sampled, dtype=np.int64)
+        at = slice(0, len(rows)) if len(rows) == len(batch) else rows  # usually the whole batch, in order
+        counts = np.fromiter(sampled, np.int64, len(sampled))
         if num_spec is not None:
             self._roll_back_drafts(rows, num_spec, counts)
         if self._drafts_seen or runner_out.draft_token_ids:
             self._take_drafts(rows, runner_out)
-        before = batch.num_tokens[rows]
+        before = batch.num_tokens[at].copy()  # ``at`` may be a slice (a view)
         after = before + counts
-        batch.num_tokens[rows] = after
-        self._append_all(rows, counts, sampled, flat)
+        batch.num_tokens[at] = after
+        self._append_all(batch.token_lists[at], counts, sampled, flat)
         out = StepOutput()
-        kept, finished = self._look_at(np.flatnonzero(self._needs_look(after, batch.check_at[rows], counts, flat)),
+        kept, finished = self._look_at(np.flatnonzero(self._needs_look(after, batch.check_at[at], counts, flat)),
                                        rows, before, counts, flat, out)
         self._report(out, runner_out, counts, kept)
         if finished:
@@ -363,7 +365,8 @@ class Scheduler:
                 flat.extend(runner_out.sampled_token_ids[start:start + count])
                 num_spec.append(len(sched_out.spec_token_ids.get(rid, ())))
             start += count
-        present = ModelRunnerOutput(ids, counts, flat, {r: d for r, d in runner_out.draft_token_ids.items() if r in index},
+        present = ModelRunnerOutput(ids, counts, flat,
+                                    {r: d for r, d in runner_out.draft_token_ids.items() if r in index},
                                     {r: lp for r, lp in runner_out.logprobs.items() if r in index},
                                     {r: lp for r, lp in runner_out.prompt_logprobs.items() if r in index})
         return np.array(rows, dtype=np.int64), (np.array(num_spec) if any(num_spec) else None), present
@@ -390,9 +393,8 @@ class Scheduler:
                     batch.requests[row].spec_token_ids = drafts
                     batch.num_spec[row] = len(drafts)
 
-    def _append_all(self, rows: np.ndarray, counts: np.ndarray, sampled: list[int], flat: list[int]) -> None:
+    def _append_all(self, lists: np.ndarray, counts: np.ndarray, sampled: list[int], flat: list[int]) -> None:
         """Append every sampled token to its request's token list (a stop rule may cut some off afterwards)."""
-        lists = self.running.token_lists[rows]
         if not self._drafts_seen or counts.max(initial=0) <= 1:  # one token or none per request
             for tokens, token in zip(itertools.compress(lists, sampled), flat):
                 tokens.append(token)
@@ -463,14 +465,15 @@ class Scheduler:
             for j, num_kept in kept.items():
                 sampled[j] = num_kept
             flat = [t for start, n in zip(starts, sampled) for t in flat[start:start + n]]
+        # The runner's lists are fresh each step and nothing changes them afterwards, so they are passed on as is.
         if not prompt_logprobs and 0 not in sampled:  # every request sampled (the usual case)
-            out.req_ids, out.num_new_tokens, out.new_token_ids = list(ids), list(sampled), list(flat)
+            out.req_ids, out.num_new_tokens, out.new_token_ids = ids, sampled, flat
         else:
             picked = [j for j, n in enumerate(sampled) if n or ids[j] in prompt_logprobs]
             out.req_ids, out.num_new_tokens = [ids[j] for j in picked], [sampled[j] for j in picked]
-            out.new_token_ids, out.prompt_logprobs = list(flat), dict(prompt_logprobs)
+            out.new_token_ids, out.prompt_logprobs = flat, prompt_logprobs
         if runner_out.logprobs:
-            out.logprobs = dict(runner_out.logprobs)
+            out.logprobs = dict(runner_out.logprobs) if kept else runner_out.logprobs
             for j, num_kept in kept.items():
                 if ids[j] in out.logprobs:
                     out.logprobs[ids[j]] = out.logprobs[ids[j]].head(num_kept)

@@ -260,7 +260,10 @@ def test_allocate_running_equals_allocate_slots_one_by_one():
         prompts = [prefix[:rng.randint(0, 12)] + [rng.randrange(20) for _ in range(rng.randint(1, 9))]
                    for _ in range(4)]
         mine = {kv: [req(f"r{i}", p) for i, p in enumerate(prompts)] for kv in (fast, plain)}
-        computed = [0] * len(prompts)
+        for kv in (fast, plain):   # admitted: each holds its first block
+            for r in mine[kv]:
+                assert kv.allocate_slots(r, 0, 1) is not None
+        computed = [1] * len(prompts)
         for _ in range(6):
             order = sorted(rng.sample(range(len(prompts)), rng.randint(1, len(prompts))))
             num_new = {i: rng.randint(1, 6) for i in order}

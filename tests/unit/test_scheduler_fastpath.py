@@ -51,17 +51,15 @@ class _PlainScheduler(Scheduler):
                                                                    new_block_ids):
                 break
 
-    def _append_all(self, rows, counts, sampled, flat):
-        self.running.num_tokens[rows] -= counts  # _check_tokens appends them one at a time
+    def _append_all(self, lists, counts, sampled, flat):
+        pass  # _check_tokens appends them one at a time
 
     def _needs_look(self, after, check_at, counts, flat):
         return np.ones(len(counts), dtype=bool)
 
     def _check_tokens(self, request, tokens, num_before):
-        row = self.running.index(request)
         for num_kept, token in enumerate(tokens, start=1):
             request.append_output_token(token)
-            self.running.num_tokens[row] += 1
             status = self.stop_rules.check(request, token, len(request.all_token_ids))
             if status is not None:
                 self._finish(request, status)
