@@ -14,7 +14,6 @@ object per token.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import struct
 from typing import Sequence
@@ -27,9 +26,14 @@ _encoder = msgspec.msgpack.Encoder()
 ROOT_HASH = BlockHash(hashlib.sha256(b"pagellm prefix cache: no parent").digest()[:16])
 
 
-@functools.lru_cache(maxsize=None)
+_packers: dict[int, struct.Struct] = {}  # block size → its compiled format
+
+
 def _packer(num_tokens: int) -> struct.Struct:
-    return struct.Struct(f"<{num_tokens}i")
+    packer = _packers.get(num_tokens)
+    if packer is None:
+        packer = _packers[num_tokens] = struct.Struct(f"<{num_tokens}i")
+    return packer
 
 
 def _suffix(extra_keys: tuple | None) -> bytes:

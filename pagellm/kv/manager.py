@@ -124,8 +124,10 @@ class KVCacheManager:
             if not caching:
                 next_full.append(NEVER)
                 continue
-            upcoming = (cached_counts.get(rid, 0) + 1) * bs  # the token count that fills its next block
-            next_full.append(self.cache_full_blocks(request, final) if final >= upcoming else upcoming)
+            num_cached = cached_counts.get(rid, 0)
+            if final >= (num_cached + 1) * bs:  # a block fills
+                num_cached = self._register(request, held, num_cached, final // bs)
+            next_full.append((num_cached + 1) * bs)
         return slots, next_full
 
     def slots_and_next_full(self, request_id: str) -> tuple[int, int]:
@@ -158,12 +160,17 @@ class KVCacheManager:
         start = self.num_cached_blocks.get(rid, 0)
         end = num_final_tokens // bs
         if end > start:
-            hashes = request.block_hashes
-            if len(hashes) < end:
-                extend_block_hashes(hashes, request.all_token_ids, bs, (request.cache_salt,) if request.cache_salt
-                                    else None)
-            blocks, cache = self.req_blocks[rid], self.pool.cache_full_block
-            for index in range(start, end):
-                cache(blocks[index], hashes[index])
-            self.num_cached_blocks[rid] = start = end
+            start = self._register(request, self.req_blocks[rid], start, end)
         return (start + 1) * bs
+
+    def _register(self, request: Request, blocks: list[KVBlock], start: int, end: int) -> int:
+        """Hash (if not done yet) and register the request's blocks ``start .. end - 1``; returns ``end``."""
+        hashes = request.block_hashes
+        if len(hashes) < end:
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size,
+                                (request.cache_salt,) if request.cache_salt else None)
+        cache = self.pool.cache_full_block
+        for index in range(start, end):
+            cache(blocks[index], hashes[index])
+        self.num_cached_blocks[request.request_id] = end
+        return end
