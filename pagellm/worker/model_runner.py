@@ -289,7 +289,8 @@ class ModelRunner:
     def _propose(self, inputs: StepInputs, results: list[Verified | None],
                  hidden: torch.Tensor) -> dict[str, list[int]]:
         """Ask the proposer for drafts for every request that just sampled; keep what verification needs.
-        Proposers that draft from the target's hidden state get the row that sampled the request's newest token."""
+        Proposers that draft from the target's hidden state get the row that sampled the request's newest token.
+        Nothing is drafted after a step of more than ``disable_by_batch_size`` requests (speculation off under load)."""
         if not self.proposer.num_lookahead_tokens:
             return {}
         if self.disable_by_batch_size is not None and len(inputs.req_ids) > self.disable_by_batch_size:
