@@ -32,22 +32,24 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 @functools.lru_cache(maxsize=1)
-def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The native entry point, or ``None`` where it cannot run (no AVX-512 BF16, no compiler)."""
+def _lib() -> ctypes.CDLL | None:
+    """The native library, or ``None`` where it cannot run (no AVX-512 BF16, no compiler)."""
     if "avx512_bf16" not in cpu_flags().split():
         return None
     try:
-        fn = load_library(SOURCE).pagellm_packed_linear_bf16
+        lib = load_library(SOURCE)
     except (RuntimeError, OSError) as exc:
         logger.warning("packed bfloat16 GEMM kernel unavailable (%s); using F.linear", exc)
         return None
-    fn.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
-    fn.restype = None
-    return fn
+    lib.pagellm_packed_linear_bf16.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
+    lib.pagellm_packed_linear_bf16.restype = None
+    lib.pagellm_packed_rows_bf16.argtypes = [_P, _I, _I, _P, _I, _P]
+    lib.pagellm_packed_rows_bf16.restype = ctypes.c_int
+    return lib
 
 
 def available() -> bool:
-    return _kernel() is not None
+    return _lib() is not None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -62,8 +64,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, W, bias)`` for bfloat16 ``x`` [..., K] and ``packed = pack(W)`` with ``W`` [n, K]."""
-    fn = _kernel()
-    assert fn is not None, "packed GEMM kernel is not available on this machine"
+    lib = _lib()
+    assert lib is not None, "packed GEMM kernel is not available on this machine"
     k = x.shape[-1]
     assert packed.shape[1] == (k + 1) >> 1 and packed.shape[0] * PANEL - n in range(PANEL), "packed weight misfit"
     rows = x if x.dim() == 2 else x.reshape(-1, k)
@@ -73,16 +75,20 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
     y = torch.empty((m, n), dtype=torch.bfloat16)
     if bias is not None and (bias.dtype != torch.bfloat16 or bias.stride(0) != 1):
         bias = bias.to(torch.bfloat16).contiguous()
-    fn(rows.data_ptr(), m, k, rows.stride(0), packed.data_ptr(), n, None if bias is None else bias.data_ptr(),
-       y.data_ptr(), n)
+    lib.pagellm_packed_linear_bf16(rows.data_ptr(), m, k, rows.stride(0), packed.data_ptr(), n,
+                                   None if bias is None else bias.data_ptr(), y.data_ptr(), n)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
-def rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
-    """Plain rows ``W[ids]`` (shape ``ids.shape + (k,)``) of a packed matrix: the embedding lookup."""
-    flat = ids.reshape(-1)
-    picked = packed[flat // PANEL, :, flat % PANEL, :]  # [len(ids), ceil(K/2), 2]
-    return picked.reshape(flat.shape[0], -1)[:, :k].reshape(*ids.shape, k)
+def rows(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Plain rows ``W[ids]`` (shape ``ids.shape + (k,)``) of a packed ``[n, k]`` matrix: the embedding lookup."""
+    lib = _lib()
+    assert lib is not None, "packed GEMM kernel is not available on this machine"
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty((flat.shape[0], k), dtype=torch.bfloat16)
+    if lib.pagellm_packed_rows_bf16(packed.data_ptr(), n, k, flat.data_ptr(), flat.shape[0], out.data_ptr()):
+        raise IndexError(f"row ids must lie in [0, {n})")
+    return out.view(*ids.shape, k)
 
 
 def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -133,4 +139,4 @@ def plain(weight: torch.Tensor) -> torch.Tensor:
 def weight_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``F.embedding(ids, W)`` for a plain or packed weight."""
     shape = packed_shape(weight)
-    return F.embedding(ids, weight) if shape is None else rows(weight, ids, shape[1])
+    return F.embedding(ids, weight) if shape is None else rows(weight, ids, *shape)

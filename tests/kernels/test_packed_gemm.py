@@ -105,7 +105,11 @@ def test_pack_layout_round_trips() -> None:
         assert packed.shape == (-(-n // 16), (k + 1) // 2, 16, 2)
         assert torch.equal(gemm.unpack(packed, n, k), w)
         ids = torch.randint(0, n, (3, 5), generator=gen)
-        assert torch.equal(gemm.rows(packed, ids, k), F.embedding(ids, w))
+        assert torch.equal(gemm.rows(packed, ids, n, k), F.embedding(ids, w))
+        many = torch.randint(0, n, (300,), generator=gen)  # the threaded gather
+        assert torch.equal(gemm.rows(packed, many, n, k), F.embedding(many, w))
+    with pytest.raises(IndexError, match=r"\[0, 49\)"):
+        gemm.rows(packed, torch.tensor([0, 49]), 49, 576)
     with pytest.raises(ValueError, match="2-D bfloat16"):
         gemm.pack(torch.zeros(4, 4))
 

@@ -251,4 +251,21 @@ void pagellm_packed_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t
   }
 }
 
+// out[r] = W[ids[r]] (k bf16 each) read back out of the packed layout: the embedding lookup of a tied LM head.
+// Returns 0, or -1 (nothing written) when an id is outside [0, n).
+int pagellm_packed_rows_bf16(const uint16_t* w, int64_t n, int64_t k, const int64_t* ids, int64_t count,
+                             uint16_t* out) {
+  for (int64_t r = 0; r < count; ++r)
+    if (ids[r] < 0 || ids[r] >= n) return -1;
+  const int64_t kpairs = (k + 1) / 2, panel_stride = kpairs * kPanelPair;
+#pragma omp parallel for schedule(static) if (count >= 256)
+  for (int64_t r = 0; r < count; ++r) {
+    const uint16_t* src = w + (ids[r] / kPanel) * panel_stride + (ids[r] % kPanel) * 2;
+    uint16_t* dst = out + r * k;
+    for (int64_t p = 0; p < k / 2; ++p) std::memcpy(dst + 2 * p, src + p * kPanelPair, 2 * sizeof(uint16_t));
+    if (k & 1) dst[k - 1] = src[(kpairs - 1) * kPanelPair];
+  }
+  return 0;
+}
+
 }  // extern "C"
