@@ -1,14 +1,16 @@
-"""bfloat16 GEMM on SmolLM2-135M's shapes: ``F.linear`` (oneDNN), the previous small-M kernel and the packed
-kernel (``pagellm/ops/gemm.py``), one run, interleaved repetitions, medians.
+"""bfloat16 GEMM on a model's shapes: ``F.linear`` (oneDNN), the previous small-M kernel and the packed kernel
+(``pagellm/ops/gemm.py``), one run, interleaved repetitions, medians.
 
-For each batch size M it runs the linear layers of 30 decoder layers (fused qkv 576→960, o 576→576, fused
-gate/up 576→3072, down 1536→576: distinct matrices, so at small M the weights come from DRAM as in a real step)
-and the LM head (576→49,152), and prints milliseconds, effective weight bandwidth (GB/s), arithmetic rate
-(GFLOP/s) and the packed kernel's speed-up over the others. The previous kernel
-(``pagellm/ops/csrc/small_gemm.cpp``, a dot-product formulation with horizontal reductions, dispatched at M ≤ 8)
-is built from git (``--old-rev``) and run up to ``--old-max-m`` rows.
+For each batch size M it runs the linear layers of ``--layers`` decoder layers (SmolLM2-135M, the default: 30
+layers of fused qkv 576→960, o 576→576, fused gate/up 576→3072, down 1536→576; distinct matrices, so at small M
+the weights come from DRAM as in a real step) and then the LM head (576→49,152), and prints milliseconds,
+effective weight bandwidth (GB/s), arithmetic rate (GFLOP/s) and the packed kernel's speed-up over the others.
+``--shapes llama3-8b`` runs one Llama-3-8B layer (4096→6144, 4096→4096, 4096→28672, 14336→4096) instead, without
+the LM head. The previous kernel (``pagellm/ops/csrc/small_gemm.cpp``, a dot-product formulation with horizontal
+reductions, dispatched at M ≤ 8) is built from git (``--old-rev``) and run up to ``--old-max-m`` rows.
 
     .venv/bin/python benchmarks/small_gemm.py [--m 1 2 4 ... 2048] [--reps 7] [--threads N] [--old-rev 0f51e58]
+        [--shapes smollm2|llama3-8b] [--layers N]
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ import torch.nn.functional as F  # noqa: E402
 from pagellm.ops import gemm  # noqa: E402
 from pagellm.ops.build import load_library  # noqa: E402
 
-SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out)
-VOCAB = 49152
-Fn = Callable[[torch.Tensor], torch.Tensor]
+SHAPES = {  # (in, out) of one decoder layer's matrices, LM head (in, out) or None, default layer count
+    "smollm2": ([(576, 960), (576, 576), (576, 3072), (1536, 576)], (576, 49152), 30),
+    "llama3-8b": ([(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)], None, 1),
+}
 
 
 def old_kernel(rev: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
@@ -99,7 +102,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 2048])
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: 30 for smollm2, 1 for 8B)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--old-rev", default="0f51e58", help="git revision holding the previous small-M kernel")
     parser.add_argument("--old-max-m", type=int, default=64, help="largest M to run the previous kernel at")
@@ -109,18 +113,21 @@ def main() -> None:
     if not gemm.available():
         raise SystemExit("the packed GEMM kernel is not available here (needs AVX-512 BF16 and a C++ compiler)")
     old = old_kernel(args.old_rev)
-    layers = [torch.randn(n, k).to(torch.bfloat16) for _ in range(args.layers) for k, n in SHAPES]
-    lm_head = [torch.randn(VOCAB, 576).to(torch.bfloat16)]
+    layer_shapes, head_shape, default_layers = SHAPES[args.shapes]
+    layers = [torch.randn(n, k).to(torch.bfloat16) for _ in range(args.layers or default_layers)
+              for k, n in layer_shapes]
+    groups = [("layers", layers)]
+    if head_shape is not None:
+        groups.append(("LM head", [torch.randn(head_shape[1], head_shape[0]).to(torch.bfloat16)]))
     print(f"threads {torch.get_num_threads()}, previous kernel {'from ' + args.old_rev if old else 'unavailable'}")
-    for label, weights in (("layers", layers), ("LM head", lm_head)):
+    for label, weights in groups:
         all_runs = methods(weights, old)
         weight_bytes = sum(w.numel() * 2 for w in weights)
         flops_per_row = 2 * sum(w.numel() for w in weights)
         for m in args.m:
             runs = {name: fn for name, fn in all_runs.items() if name != "old" or m <= args.old_max_m}
             xs = {k: torch.randn(m, k).to(torch.bfloat16) for k in {w.shape[1] for w in weights}}
-            reps = args.reps if m * weight_bytes < (1 << 40) else max(3, args.reps // 2)
-            print(row(label, m, measure(runs, xs, reps), weight_bytes, flops_per_row), flush=True)
+            print(row(label, m, measure(runs, xs, args.reps), weight_bytes, flops_per_row), flush=True)
 
 
 if __name__ == "__main__":
