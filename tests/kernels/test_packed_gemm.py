@@ -68,6 +68,23 @@ def test_packed_gemm_matches_f_linear(m: int, k: int, n: int, bias: bool, thread
     _assert_gemm_close(out, x, w, b)
 
 
+def test_packed_gemm_rows_do_not_depend_on_the_batch() -> None:
+    """Each output's summation order depends only on K, not on M, the row's place in the batch or the threads:
+    a row comes out bit for bit the same alone or in any batch (bfloat16 decode is batch-invariant here)."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 1100, generator=gen).to(BF16)
+    x = torch.randn(50, 1100, generator=gen).to(BF16)
+    packed = gemm.pack(w)
+    restore = _threads(2)
+    try:
+        together = gemm.packed_linear(x, packed, 200)
+    finally:
+        restore()
+    for i in (0, 7, 49):
+        assert torch.equal(gemm.packed_linear(x[i:i + 1], packed, 200), together[i:i + 1])
+    assert torch.equal(gemm.packed_linear(x[5:25], packed, 200), together[5:25])
+
+
 def test_packed_gemm_lm_head_shape() -> None:
     """A vocabulary-sized matrix split over both threads (the LM head), at decode and at prefill row counts."""
     gen = torch.Generator().manual_seed(1)
