@@ -6,8 +6,9 @@ kernel then streams each thread's contiguous run of panels at DRAM speed at smal
 float32 accumulators with no horizontal reductions at large M. ``packed_linear(x, packed, n, bias)`` is
 ``F.linear(x, W, bias)`` for any number of rows; it accumulates in float32 and rounds once to bfloat16, so it
 differs from ``F.linear`` on the plain weight only by rounding. Each output's summation order depends on K alone,
-so a row's result is bit for bit the same whatever the batch around it and the thread count. ``rows`` / ``unpack`` read plain rows back out of
-a packed matrix (the embedding lookup of a tied LM head, consumers that need the plain weight).
+so a row's result is bit for bit the same whatever the batch around it and the thread count. ``rows`` /
+``unpack`` read plain rows back out of a packed matrix (the embedding lookup of a tied LM head, consumers that
+need the plain weight).
 
 The kernel needs AVX-512 BF16 and a C++ compiler; ``available()`` says whether it runs here. Where it does not,
 nothing is packed and every layer keeps ``F.linear`` on the plain weight.

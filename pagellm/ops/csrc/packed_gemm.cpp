@@ -10,9 +10,12 @@
 // loads NR weight lines and broadcasts MR pairs of x (one 32-bit broadcast each), then issues MR*NR dot products:
 // no horizontal reductions, each accumulator is a finished run of 16 outputs. Each OpenMP thread owns an equal
 // contiguous run of panels (so at small M each streams its own slice of the weight at DRAM speed) and walks all
-// M rows over it. K is processed in blocks of KC pairs: a tile's weight block (NR panels x KC pairs) then stays
-// in L1/L2 while every row group of an M block passes over it, and partial sums live in a per-thread float32
-// buffer between K blocks. The plain-PyTorch twin and test oracle is `F.linear` (pagellm/ops/gemm.py).
+// M rows over it. K is processed in equal blocks of at most kKC pairs: a weight block (NR panels x KC pairs) then
+// stays in L2 while every row group of an M block passes over it, and partial sums live in a per-thread float32
+// buffer between K blocks. While the second and later row groups compute on a block, they prefetch the next
+// block from DRAM (see Tile::pf), so compute and memory overlap at M of a few dozen rows. Each output is summed
+// in the same order (k-pairs in sequence, K blocks in sequence) whatever M, its row group or the thread count, so
+// results are batch-invariant. The plain-PyTorch twin and test oracle is `F.linear` (pagellm/ops/gemm.py).
 #include <immintrin.h>
 #include <omp.h>
 
