@@ -225,7 +225,7 @@ def medusa_file(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     sequences = generate_sequences(llm, [[{"role": "user", "content": "hi"}]], codes, max_tokens=24)
     assert all(len(seq) > n for seq, n in sequences)
     hidden, tokens = hidden_states(tiny_llama, sequences)
-    lm_head = llm.engine.core.executor.worker.runner.model.lm_head.weight.float()
+    lm_head = llm.engine.core.executor.worker.runner.model.lm_head.plain_weight().float()
     heads, losses = train_medusa(hidden, tokens, lm_head, num_heads=3, steps=30, batch=16, lr=1e-2, seed=0)
     assert losses[-1] < losses[0]
     path = tmp_path_factory.mktemp("medusa") / "heads.safetensors"
