@@ -11,6 +11,10 @@ is given (``pagellm train-draft --method eagle``), EAGLE as a chain and as a tre
     .venv/bin/python benchmarks/spec_decode.py [--medusa artifacts/smollm2-135m-medusa.safetensors]
         [--eagle artifacts/smollm2-135m-eagle.safetensors]
         [--dtype bfloat16] [--max-tokens 64] [--prompts 4] [--batches 1 8] [--throughput-batch 32]
+        [--disable-by-batch-size none]
+
+Speculation switches itself off above ``disable_by_batch_size`` requests (default 4): ``--disable-by-batch-size
+none`` measures what drafting costs at every batch size.
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ def acceptance(stats: list) -> float:
 
 
 def bench_method(name: str, spec: dict | None, workloads: dict, args: argparse.Namespace) -> list[dict]:
+    if spec is not None and args.disable_by_batch_size != "default":
+        limit = None if args.disable_by_batch_size == "none" else int(args.disable_by_batch_size)
+        spec = {**spec, "disable_by_batch_size": limit}
     llm = LLM(dtype=args.dtype, speculative_config=spec)
     llm.generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)
     rows = []
@@ -102,6 +109,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--throughput-batch", type=int, default=32, help="0 to skip")
     parser.add_argument("--methods", nargs="*", default=None, help="subset of method names to run")
+    parser.add_argument("--disable-by-batch-size", default="default",
+                        help="speculative_config.disable_by_batch_size for every method: a number, 'none' (draft at "
+                             "any batch size) or 'default' (the engine's)")
     args = parser.parse_args()
     # Prompts past the training set (train-draft uses the first 96 chats and 64 code prompts).
     workloads = {"code": (code_prompts(164)[-args.prompts:], False),

@@ -109,6 +109,8 @@ class ParallelConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle")
+# Measured with benchmarks/spec_decode.py (docs/speculative.md): n-gram drafts on code stop paying above this batch.
+DISABLE_BY_BATCH_SIZE = 4
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,11 @@ class SpeculativeConfig:
     tree: list[int] | None = _help("medusa/eagle: draft a tree with tree[d] candidates per node at depth d (e.g. "
                                    "[3, 2, 1]); its depth must equal num_speculative_tokens. Unset: a chain.",
                                    default=None)
+    disable_by_batch_size: int | None = _help(
+        "Draft nothing (and reserve no draft KV slots) while more than this many requests run in a step: once the "
+        "step is compute-bound, verifying drafts costs more than they save. null: draft at any batch size. The "
+        "default is where n-gram drafts stopped paying on a 2-core CPU (docs/speculative.md).",
+        default=DISABLE_BY_BATCH_SIZE)
 
     def __post_init__(self) -> None:
         if self.method not in (None, *SPEC_METHODS):
@@ -149,6 +156,11 @@ class SpeculativeConfig:
         if self.method == "eagle" and self.model is None:
             raise ValueError("eagle needs 'model': the head's .safetensors file from "
                              "`pagellm train-draft --method eagle`")
+        if self.disable_by_batch_size is not None and (isinstance(self.disable_by_batch_size, bool)
+                                                       or not isinstance(self.disable_by_batch_size, int)
+                                                       or self.disable_by_batch_size < 1):
+            raise ValueError(f"disable_by_batch_size must be a positive number of requests (or null to draft at "
+                             f"any batch size), got {self.disable_by_batch_size!r}")
         if self.tree is not None:
             if self.method not in ("medusa", "eagle"):
                 raise ValueError("'tree' is only supported with methods 'medusa' and 'eagle'")

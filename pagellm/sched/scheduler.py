@@ -71,6 +71,7 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         num_lookahead_tokens: int = 0,
+        disable_by_batch_size: int | None = None,
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.budget = config.token_budget(max_model_len)
@@ -78,6 +79,10 @@ class Scheduler:
         self.by_priority = config.scheduling_policy == "priority"
         self.max_model_len = max_model_len
         self.num_lookahead_tokens = num_lookahead_tokens
+        # The worker drafts nothing after a step of more requests than this (SpeculativeConfig); slots for drafts
+        # are reserved only in steps that surely stay at or below it (``_step_lookahead``, set by ``schedule``).
+        self.disable_by_batch_size = disable_by_batch_size
+        self._step_lookahead = num_lookahead_tokens
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.waiting = make_queue(config.scheduling_policy)
         self.running = RunningBatch()
@@ -130,6 +135,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self.by_priority and self._needs_sort:
             self._sort_running()
+        self._step_lookahead = self._reservation()
         part = self._schedule_running(self.budget)
         req_ids, num_scheduled = list(part.cached.req_ids), part.num_scheduled
         new_reqs: list[NewRequestData] = []
@@ -159,8 +165,8 @@ class Scheduler:
         grant = self._grant(computed, tokens, batch.num_spec[:n] if drafts else None, budget)
         end = computed + grant
         final = np.minimum(end, tokens) if drafts else end  # draft tokens are never final
-        room = end + np.clip(self.max_model_len - end, 0, self.num_lookahead_tokens) if self.num_lookahead_tokens \
-            else end
+        lookahead = self._step_lookahead
+        room = end + np.clip(self.max_model_len - end, 0, lookahead) if lookahead else end
         new_block_ids: dict[str, list[int]] = {}
         events = np.flatnonzero(self._needs_kv(grant, room, final, batch.kv_slots[:n], batch.kv_next_full[:n]))
         if events.size:
@@ -248,11 +254,21 @@ class Scheduler:
             if victim is request:
                 return None
 
+    def _reservation(self) -> int:
+        """Draft slots to reserve per request this step: none unless even admitting every waiting request (up to
+        ``max_num_seqs``) keeps the step within ``disable_by_batch_size``, so no slot is reserved for drafts the
+        worker will not make. Where the step ends up smaller and drafts come anyway, scheduling them next step
+        allocates their slots like any other tokens'."""
+        limit = self.disable_by_batch_size
+        if limit is not None and min(len(self.running) + len(self.waiting), self.max_num_seqs) > limit:
+            return 0
+        return self.num_lookahead_tokens
+
     def _lookahead(self, num_tokens_after_step: int) -> int:
         """Slots to reserve for next step's drafts, none past ``max_model_len`` (no draft is scheduled there):
         otherwise a request near ``max_model_len`` could need more blocks than the pool has and preempt itself
         forever."""
-        return max(0, min(self.num_lookahead_tokens, self.max_model_len - num_tokens_after_step))
+        return max(0, min(self._step_lookahead, self.max_model_len - num_tokens_after_step))
 
     def _scheduled_drafts(self, rows: np.ndarray, past_final: np.ndarray) -> tuple[np.ndarray | None,
                                                                                     dict[str, list[int]]]:

@@ -41,7 +41,7 @@ from torch import nn
 from pagellm.config import SpeculativeConfig
 from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.activation import SiluAndMul
-from pagellm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagellm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, pack_weights
 from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding
 from pagellm.sample.sampler import SamplingTensors, mix_seed, random_probs, sample_inverse_cdf
@@ -122,6 +122,7 @@ class EagleHead(nn.Module):
             raise ValueError(f"{path} is not an EAGLE head for this target (hidden {cfg.hidden_size}, "
                              f"{cfg.num_heads}/{cfg.num_kv_heads} heads); mismatched tensors {wrong[:4]}; {fix}")
         head.load_state_dict({name: t.to(dtype) for name, t in tensors.items()})
+        pack_weights(head)  # bfloat16: its layers take the packed GEMM like the target's
         return head.eval()
 
 

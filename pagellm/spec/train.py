@@ -200,8 +200,8 @@ def train_eagle(hidden: torch.Tensor, tokens: torch.Tensor, target: FrozenTarget
 def frozen_target(model: torch.nn.Module) -> FrozenTarget:
     norm = RMSNorm(model.cfg.hidden_size, model.model.norm.eps, torch.float32)
     norm.weight.data.copy_(model.model.norm.weight.detach().float())
-    return FrozenTarget(model.cfg, model.model.embed_tokens.weight.detach().float(), norm,
-                        model.lm_head.weight.detach().float())
+    return FrozenTarget(model.cfg, model.model.embed_tokens.plain_weight().detach().float(), norm,
+                        model.lm_head.plain_weight().detach().float())
 
 
 def plot_losses(losses: list[float], path: Path, title: str,

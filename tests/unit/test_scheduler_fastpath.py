@@ -67,9 +67,10 @@ class _PlainScheduler(Scheduler):
         return len(tokens)
 
 
-def _make(cls: type[Scheduler], caching: bool, lookahead: int, num_blocks: int, policy: str) -> Scheduler:
+def _make(cls: type[Scheduler], caching: bool, lookahead: int, num_blocks: int, policy: str,
+          limit: int | None) -> Scheduler:
     return cls(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, scheduling_policy=policy),
-               CacheConfig(block_size=4, enable_prefix_caching=caching), num_blocks, 40, lookahead)
+               CacheConfig(block_size=4, enable_prefix_caching=caching), num_blocks, 40, lookahead, limit)
 
 
 def _requests(rng: random.Random) -> list[tuple]:
@@ -122,13 +123,15 @@ def _runner_output(sched: Scheduler, out, rng: random.Random, lookahead: int) ->
     return ModelRunnerOutput.from_rows(list(out.req_ids), rows, drafts)
 
 
-@pytest.mark.parametrize("seed,caching,lookahead,num_blocks,policy", [
-    (0, True, 2, 20, "fcfs"), (1, True, 0, 12, "fcfs"), (2, False, 2, 20, "fcfs"), (3, True, 0, 40, "fcfs"),
-    (4, True, 2, 14, "priority"), (5, True, 0, 40, "priority")])
-def test_fast_paths_match_the_plain_path(seed, caching, lookahead, num_blocks, policy):
+# limit: disable_by_batch_size (no draft slots reserved in steps that may hold more requests).
+@pytest.mark.parametrize("seed,caching,lookahead,num_blocks,policy,limit", [
+    (0, True, 2, 20, "fcfs", None), (1, True, 0, 12, "fcfs", None), (2, False, 2, 20, "fcfs", None),
+    (3, True, 0, 40, "fcfs", None), (4, True, 2, 14, "priority", None), (5, True, 0, 40, "priority", None),
+    (6, True, 3, 20, "fcfs", 3), (7, True, 3, 14, "priority", 3)])
+def test_fast_paths_match_the_plain_path(seed, caching, lookahead, num_blocks, policy, limit):
     rng = random.Random(seed)
     specs = _requests(rng)
-    fast, plain = (_make(cls, caching, lookahead, num_blocks, policy) for cls in (Scheduler, _PlainScheduler))
+    fast, plain = (_make(cls, caching, lookahead, num_blocks, policy, limit) for cls in (Scheduler, _PlainScheduler))
     steps = preemptions = mid_step_aborts = 0
     while specs or fast.has_unfinished_requests():
         steps += 1
