@@ -46,6 +46,14 @@ class BlockPool:
             block.ref_cnt = 1
         return taken
 
+    def get_new_block(self) -> KVBlock:
+        """``get_new_blocks(1)[0]``, without the list (a decoding request takes one block at a time)."""
+        block = self.free_queue.popleft()
+        if block.block_hash is not None:
+            self._evict(block)
+        block.ref_cnt = 1
+        return block
+
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference to blocks found in the prefix cache (pulling free ones out of the free queue)."""
         for block in blocks:

@@ -117,9 +117,14 @@ class KVCacheManager:
             if num_new_blocks > 0:
                 if num_new_blocks > free_queue.num_free_blocks:
                     break
-                blocks = pool.get_new_blocks(num_new_blocks)
-                held += blocks
-                new_block_ids[rid] = [b.block_id for b in blocks]
+                if num_new_blocks == 1:  # a decoding request entering its next block: most calls
+                    block = pool.get_new_block()
+                    held.append(block)
+                    new_block_ids[rid] = [block.block_id]
+                else:
+                    blocks = pool.get_new_blocks(num_new_blocks)
+                    held += blocks
+                    new_block_ids[rid] = [b.block_id for b in blocks]
             slots.append(len(held) * bs)
             if not caching:
                 next_full.append(NEVER)

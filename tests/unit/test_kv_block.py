@@ -165,6 +165,21 @@ class TestBlockPool:
         assert ids(pool.get_new_blocks(1)) == [2]
         assert ids(pool.free_queue) == [1, 0]
 
+    def test_one_block_at_a_time_matches_the_bulk_form(self):
+        """get_new_block (the decode path) takes the head, evicts what it cached, exactly as get_new_blocks(1)."""
+        pools = BlockPool(4, enable_caching=True), BlockPool(4, enable_caching=True)
+        for pool in pools:
+            taken = pool.get_new_blocks(4)
+            pool.cache_full_block(taken[2], H("h2"))
+            pool.free_blocks(taken[2:])
+        one, bulk = pools[0].get_new_block(), pools[1].get_new_blocks(1)[0]
+        assert (one.block_id, one.ref_cnt, one.block_hash) == (2, 1, None)
+        assert (bulk.block_id, bulk.ref_cnt, bulk.block_hash) == (2, 1, None)
+        assert [(ids(p.free_queue), p.cached, p.num_evictions) for p in pools] == [([3], {}, 1)] * 2
+        pools[0].get_new_block()
+        with pytest.raises(ValueError, match="no free KV blocks"):
+            pools[0].get_new_block()
+
     def test_ref_counts_with_sharing(self):
         pool = BlockPool(4, enable_caching=True)
         a0, a1 = pool.get_new_blocks(2)
