@@ -94,7 +94,8 @@ def run(model_dir: str, num_running: int, warmup: int, steps: int) -> dict:
     us = sorted(t * 1e6 for t in times)
     return {"system": "vLLM", "num_running": num_running, "steps": steps, "mean_us": statistics.mean(us),
             "p50_us": us[len(us) // 2], "p95_us": us[int(len(us) * 0.95)],
-            "arrivals_us_per_step": statistics.mean(adds) * 1e6, "mean_scheduled_reqs": statistics.mean(running), "mean_scheduled_tokens": statistics.mean(tokens),
+            "arrivals_us_per_step": statistics.mean(adds) * 1e6, "mean_scheduled_reqs": statistics.mean(running),
+            "mean_scheduled_tokens": statistics.mean(tokens),
             "requests_started": next_id}
 
 
