@@ -15,8 +15,9 @@ Columns (int64; the first ``len(self)`` entries are the rows):
 - ``check_at``: num_tokens at which ``update_from_output`` must look at the request in Python: its first output
   token (``num_prompt + 1``) until it has one, then its ``length_limit`` (max_tokens or max_model_len reached)
 
-``token_lists[i]`` is ``requests[i].all_token_ids`` (the same list object, in a numpy object array so the rows of
-a step can be picked in one operation). Rows keep their order; removing one shifts the later ones up. ``version``
+``token_lists[i]`` is ``requests[i].all_token_ids`` (the same list object; a plain list beside ``requests``, so
+removing a row moves pointers without touching the lists' reference counts). Rows keep their order; removing one
+shifts the later ones up. ``version``
 changes whenever rows are added, removed or reordered. No torch here.
 """
 
@@ -42,18 +43,14 @@ class RunningBatch:
     def __init__(self, capacity: int = 64) -> None:
         self.requests: list[Request] = []
         self.req_ids: list[str] = []
+        self.token_lists: list[list[int]] = []
         self.version = 0
         self._columns = np.zeros((len(_COLUMNS), capacity), dtype=np.int64)
-        self._lists = np.empty(capacity, dtype=object)
         self._bind()
 
     def _bind(self) -> None:
         for index, name in enumerate(_COLUMNS):
             setattr(self, name, self._columns[index])
-
-    @property
-    def token_lists(self) -> np.ndarray:
-        return self._lists[:len(self.requests)]
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -73,7 +70,7 @@ class RunningBatch:
                                                                         len(request.spec_token_ids))
         self.kv_slots[row], self.kv_next_full[row] = kv_slots, kv_next_full
         self.check_at[row] = request.length_limit if request.num_output_tokens else request.num_prompt_tokens + 1
-        self._lists[row] = request.all_token_ids
+        self.token_lists.append(request.all_token_ids)
         self.requests.append(request)
         self.req_ids.append(request.request_id)
         self.version += 1
@@ -88,18 +85,17 @@ class RunningBatch:
         for row in reversed(rows):  # a step removes a few rows: shifting each is cheaper than a masked copy
             if row < n - 1:
                 self._columns[:, row:n - 1] = self._columns[:, row + 1:n]
-                self._lists[row:n - 1] = self._lists[row + 1:n]
             n -= 1
-            self._lists[n] = None
             del self.requests[row]
             del self.req_ids[row]
+            del self.token_lists[row]
         self.version += 1
 
     def reorder(self, order: list[int]) -> None:
         """Put row ``order[i]`` at row ``i``."""
         n = len(self.requests)
         self._columns[:, :n] = self._columns[:, order]
-        self._lists[:n] = self._lists[order]
+        self.token_lists = [self.token_lists[i] for i in order]
         self.requests = [self.requests[i] for i in order]
         self.req_ids = [self.req_ids[i] for i in order]
         self.version += 1
@@ -108,7 +104,5 @@ class RunningBatch:
         capacity = 2 * self._columns.shape[1]
         columns = np.zeros((len(_COLUMNS), capacity), dtype=np.int64)
         columns[:, :self._columns.shape[1]] = self._columns
-        lists = np.empty(capacity, dtype=object)
-        lists[:len(self._lists)] = self._lists
-        self._columns, self._lists = columns, lists
+        self._columns = columns
         self._bind()

@@ -343,7 +343,8 @@ class Scheduler:
         step: vectorised, with per-request Python only for the requests ``_needs_look`` picks)."""
         rows, num_spec, runner_out = self._rows_of(sched_out, runner_out)
         batch, flat, sampled = self.running, runner_out.sampled_token_ids, runner_out.num_sampled
-        at = slice(0, len(rows)) if len(rows) == len(batch) else rows  # usually the whole batch, in order
+        whole = len(rows) == len(batch)  # the step's rows are the whole batch, in order (the usual case)
+        at = slice(0, len(rows)) if whole else rows
         counts = np.fromiter(sampled, np.int64, len(sampled))
         if num_spec is not None:
             self._roll_back_drafts(rows, num_spec, counts)
@@ -352,7 +353,8 @@ class Scheduler:
         before = batch.num_tokens[at].copy()  # ``at`` may be a slice (a view)
         after = before + counts
         batch.num_tokens[at] = after
-        self._append_all(batch.token_lists[at], counts, sampled, flat)
+        lists = batch.token_lists if whole else [batch.token_lists[row] for row in rows.tolist()]
+        self._append_all(lists, counts, sampled, flat)
         out = StepOutput()
         kept, finished = self._look_at(np.flatnonzero(self._needs_look(after, batch.check_at[at], counts, flat)),
                                        rows, before, counts, flat, out)
@@ -409,7 +411,7 @@ class Scheduler:
                     batch.requests[row].spec_token_ids = drafts
                     batch.num_spec[row] = len(drafts)
 
-    def _append_all(self, lists: np.ndarray, counts: np.ndarray, sampled: list[int], flat: list[int]) -> None:
+    def _append_all(self, lists: list[list[int]], counts: np.ndarray, sampled: list[int], flat: list[int]) -> None:
         """Append every sampled token to its request's token list (a stop rule may cut some off afterwards)."""
         if not self._drafts_seen or counts.max(initial=0) <= 1:  # one token or none per request
             for tokens, token in zip(itertools.compress(lists, sampled), flat):
