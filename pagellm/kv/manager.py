@@ -95,6 +95,7 @@ class KVCacheManager:
             if new_computed_blocks:
                 pool.touch(new_computed_blocks)
                 held.extend(new_computed_blocks)
+                self.num_cached_blocks[rid] = num_hits  # hits are registered already: none to register again
             if num_new_blocks > 0:
                 new_blocks = pool.get_new_blocks(num_new_blocks)
                 held.extend(new_blocks)
