@@ -6,11 +6,17 @@ template), greedy, at batch 1 and 8, plus output throughput at batch 32. TPOT of
 prefill is excluded. Every figure is compared with the no-speculation baseline measured in the same run.
 Methods: ngram, draft_model (self-speculation with the target's first ``--draft-layers`` layers), and, when
 ``--medusa FILE`` is given (``make draft-heads``), Medusa as a chain and as a tree, and when ``--eagle FILE``
-is given (``pagellm train-draft --method eagle``), EAGLE as a chain and as a tree. Usage:
+is given (``pagellm train-draft --method eagle``; ``--eagle default`` is the shipped head), EAGLE as a chain,
+a static tree and an EAGLE-2 dynamic tree (``--eagle-full-vocab`` adds the dynamic tree drafting over the full
+vocabulary instead of the head's draft vocabulary).
+
+Prompts are held out from ``train-draft``'s data: the last ``--prompts`` HumanEval problems (training uses the
+first 64 of 164) and Chit Chat Challenge conversations from number 6000 on (training uses the first few
+thousand at most). Usage:
 
     .venv/bin/python benchmarks/spec_decode.py [--medusa artifacts/smollm2-135m-medusa.safetensors]
-        [--eagle artifacts/smollm2-135m-eagle.safetensors]
-        [--dtype bfloat16] [--max-tokens 64] [--prompts 4] [--batches 1 8] [--throughput-batch 32]
+        [--eagle default] [--dtype bfloat16] [--max-tokens 64] [--prompts 4] [--batches 1 8]
+        [--throughput-batch 32] [--methods none "eagle dynamic"]
 """
 
 from __future__ import annotations
@@ -36,10 +42,19 @@ def methods(args: argparse.Namespace) -> dict[str, dict | None]:
         out["medusa tree"] = {"method": "medusa", "num_speculative_tokens": 3, "model": args.medusa,
                               "tree": [3, 2, 1]}
     if args.eagle:
-        out["eagle chain"] = {"method": "eagle", "num_speculative_tokens": 4, "model": args.eagle}
-        out["eagle tree"] = {"method": "eagle", "num_speculative_tokens": 4, "model": args.eagle,
-                             "tree": [3, 2, 1, 1]}
+        head = None if args.eagle == "default" else args.eagle
+        out["eagle chain"] = {"method": "eagle", "num_speculative_tokens": 4, "model": head}
+        out["eagle tree"] = {"method": "eagle", "num_speculative_tokens": 4, "model": head, "tree": [3, 2, 1, 1]}
+        out["eagle dynamic"] = {"method": "eagle", "model": head, **DYNAMIC}
+        if args.eagle_full_vocab:
+            out["eagle dyn fullV"] = {"method": "eagle", "model": head, **DYNAMIC, "draft_vocab_size": 0}
     return out
+
+
+# EAGLE-2's dynamic tree as benchmarked (and documented in docs/speculative.md)
+DYNAMIC = {"num_speculative_tokens": 5, "eagle_topk": 4, "num_draft_tokens": 12}
+HELD_OUT_CHAT = 6000     # first Chit Chat Challenge conversation the benchmark uses (of 7168)
+TRAINED_CODE = 64        # HumanEval problems train-draft trains on (the first ones)
 
 
 def timed(llm: LLM, prompts: list, max_tokens: int, chat: bool) -> tuple[float, int, list]:
@@ -94,7 +109,9 @@ def report(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--medusa", default=None, help="Medusa heads file (pagellm train-draft)")
-    parser.add_argument("--eagle", default=None, help="EAGLE head file (pagellm train-draft --method eagle)")
+    parser.add_argument("--eagle", default=None, help="EAGLE head file (pagellm train-draft --method eagle), or "
+                        "'default' for the head shipped for the built-in model")
+    parser.add_argument("--eagle-full-vocab", action="store_true", help="also: the dynamic tree over the full vocab")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--draft-layers", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -103,9 +120,10 @@ def main() -> None:
     parser.add_argument("--throughput-batch", type=int, default=32, help="0 to skip")
     parser.add_argument("--methods", nargs="*", default=None, help="subset of method names to run")
     args = parser.parse_args()
-    # Prompts past the training set (train-draft uses the first 96 chats and 64 code prompts).
-    workloads = {"code": (code_prompts(164)[-args.prompts:], False),
-                 "chat": ([c for c in chat_prompts(400)[-args.prompts:]], True)}
+    if not 1 <= args.prompts <= 164 - TRAINED_CODE:
+        parser.error(f"--prompts must be between 1 and {164 - TRAINED_CODE} (held-out HumanEval problems)")
+    workloads = {"code": (code_prompts(args.prompts, 164 - args.prompts), False),
+                 "chat": (chat_prompts(args.prompts, HELD_OUT_CHAT), True)}
     rows: list[dict] = []
     for name, spec in methods(args).items():
         if args.methods is None or name in args.methods or name == "none":

@@ -136,6 +136,9 @@ class SpeculativeConfig:
                                    "(SGLang's speculative_eagle_topk); needs num_draft_tokens.", default=None)
     num_draft_tokens: int | None = _help("eagle dynamic tree: how many of the drafted nodes (the most probable "
                                          "paths; the root not counted) are verified per step.", default=None)
+    prompt_lookup_tokens: int = _help("eagle trees: also merge the prompt-lookup (n-gram, prompt_lookup_min/max) "
+                                      "continuation of up to this many tokens into the tree as one more branch; "
+                                      "0: off.", default=0)
     draft_vocab_size: int | None = _help("eagle: score only the first N tokens of the head's draft vocabulary "
                                          "(most frequent first); 0: the full vocabulary; unset: the head's own.",
                                          default=None)
@@ -168,7 +171,13 @@ class SpeculativeConfig:
             for key in ("eagle_topk", "num_draft_tokens", "draft_vocab_size"):
                 if getattr(self, key) is not None:
                     raise ValueError(f"'{key}' is only supported with method 'eagle'")
+            if self.prompt_lookup_tokens:
+                raise ValueError("'prompt_lookup_tokens' is only supported with method 'eagle' (with a tree)")
             return
+        if self.prompt_lookup_tokens < 0 or (self.prompt_lookup_tokens and self.tree is None
+                                             and self.eagle_topk is None):
+            raise ValueError(f"prompt_lookup_tokens={self.prompt_lookup_tokens}: use 0 (off), or a positive count "
+                             "with a tree ('tree' or 'eagle_topk'), whose branch it joins")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0 (0: the full vocabulary), got {self.draft_vocab_size}")
         if self.eagle_topk is None:
@@ -188,18 +197,19 @@ class SpeculativeConfig:
 
     @property
     def num_lookahead_tokens(self) -> int:
-        """KV slots to reserve per request for drafts: the tree's node count, or the chain's length."""
+        """KV slots to reserve per request for drafts: the tree's node count (plus a prompt-lookup branch's), or
+        the chain's length."""
         if not self.method:
             return 0
         if self.eagle_topk is not None:
-            return int(self.num_draft_tokens)  # type: ignore[arg-type]
+            return int(self.num_draft_tokens) + self.prompt_lookup_tokens  # type: ignore[arg-type]
         if self.tree is None:
             return self.num_speculative_tokens
         nodes, width = 0, 1
         for branching in self.tree:
             width *= branching
             nodes += width
-        return nodes
+        return nodes + self.prompt_lookup_tokens
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig:

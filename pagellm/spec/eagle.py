@@ -4,7 +4,7 @@ hidden states and the sampled tokens, as a chain, a static tree, or an EAGLE-2 d
 **The head's context.** The runner hands the proposer, per request, the target's hidden state at every position
 its step computed and accepted (``ProposalRequest.hidden``: the prompt rows of a prefill, the root and the
 accepted drafts of a verification). Each such state and the token it produced form a *true pair*; the proposer
-keeps, per request, the layer's keys and values of the last ``WINDOW`` true pairs (a pair's k/v depend on that
+keeps, per request, the layer's keys and values of the last ``head.window`` true pairs (the training window) (a pair's k/v depend on that
 pair alone, so they never need recomputing), checked against the request's tokens each step (pairs whose token
 changed, e.g. after a preemption, are dropped) and released with the request. A drafting pass computes only its
 new rows, each attending to its request's window plus its own ancestors in the draft (``gathered_attention``),
@@ -19,6 +19,10 @@ so the cost per depth grows with the number of drafted nodes, not with the windo
   probability; at each depth the ``eagle_topk`` best-scoring nodes are expanded with their ``eagle_topk`` best
   children, and after ``k`` depths the ``num_draft_tokens`` best nodes of all drafted are kept
   (``tree.best_subtree``: a child never scores above its parent, so the kept nodes form a tree).
+
+``prompt_lookup_tokens`` merges one more branch into a tree: the prompt-lookup (n-gram) continuation
+(``spec/ngram.py``), following existing nodes while they match and appending the rest (EAGLE's head is weak at
+copying long spans from the prompt, which n-gram lookup does for free).
 
 Tree nodes are point masses (distinct tokens per parent), so sampled requests stay lossless under the tree
 rule; requests that ask for logprobs or are below ``min_tokens`` get chains. With a draft vocabulary
@@ -40,10 +44,11 @@ from pagellm.ops.gemm import linear
 from pagellm.sample.sampler import SamplingTensors, mix_seed, random_probs, sample_inverse_cdf
 from pagellm.spec.base import Draft, ProposalRequest
 from pagellm.spec.eagle_head import DEFAULT_HEAD, EagleHead, gathered_attention
+from pagellm.spec.ngram import NgramProposer
 from pagellm.spec.tree import best_subtree
 
 logger = logging.getLogger(__name__)
-WINDOW = 64                  # true pairs kept per request as the layer's context (the training window's length)
+WINDOW = 64                  # default training window: true pairs of context (the head file records its own)
 _EAGLE_SALT = 0xEA61E5EED    # draft draws must not reuse the verification draws of the same (seed, position)
 
 
@@ -86,7 +91,8 @@ class _Pass:
 class EagleProposer:
     def __init__(self, head: EagleHead, target: nn.Module, num_speculative_tokens: int,
                  branching: Sequence[int] | None = None, seed: int = 0, topk: int | None = None,
-                 num_draft_tokens: int | None = None, draft_vocab_size: int | None = None) -> None:
+                 num_draft_tokens: int | None = None, draft_vocab_size: int | None = None,
+                 lookup: NgramProposer | None = None) -> None:
         self.head = head
         self.embed = target.model.embed_tokens
         self.norm = target.model.norm
@@ -100,6 +106,9 @@ class EagleProposer:
             self.num_lookahead_tokens = sum(_prod(self.branching[:d + 1]) for d in range(len(self.branching)))
         else:
             self.num_lookahead_tokens = num_speculative_tokens
+        self.lookup = lookup if self.topk or self.branching else None
+        if self.lookup is not None:
+            self.num_lookahead_tokens += self.lookup.num_lookahead_tokens
         self.vocab_rows, self.lm_weight = _draft_lm_head(head, target.lm_head.weight, draft_vocab_size)
         self.vocab = target.lm_head.weight.shape[0]
         self.windows: dict[str, _Window] = {}
@@ -109,8 +118,10 @@ class EagleProposer:
     def from_config(cls, config: SpeculativeConfig, target: nn.Module, dtype: torch.dtype,
                     seed: int = 0, **_: Any) -> EagleProposer:
         head = EagleHead.load(config.model or DEFAULT_HEAD, target.cfg, dtype)
+        lookup = NgramProposer(config.prompt_lookup_tokens, config.prompt_lookup_min, config.prompt_lookup_max) \
+            if config.prompt_lookup_tokens else None
         return cls(head, target, config.num_speculative_tokens, config.tree, seed, config.eagle_topk,
-                   config.num_draft_tokens, config.draft_vocab_size)
+                   config.num_draft_tokens, config.draft_vocab_size, lookup)
 
     @property
     def history(self) -> dict[str, list[tuple[int, int]]]:
@@ -136,10 +147,10 @@ class EagleProposer:
 
     def _update_windows(self, requests: list[ProposalRequest]) -> tuple[list, list, tuple]:
         """Project every request's new true pairs in one call, append their k/v to its window (trimmed to
-        ``WINDOW``); returns the windows' k/v and (residual, q) of each request's newest pair."""
+        the head's window); returns the windows' k/v and (residual, q) of each request's newest pair."""
         embeds, hiddens, positions, counts = [], [], [], []
         for r in requests:
-            n = min(len(r.hidden), WINDOW, len(r.token_ids) - 1)
+            n = min(len(r.hidden), self.head.window, len(r.token_ids) - 1)
             first = len(r.token_ids) - n  # token positions first .. len - 1 pair with the last n hidden rows
             tokens = torch.as_tensor(list(r.token_ids[first:]), dtype=torch.int64)
             embeds.append(self.embed(tokens))
@@ -157,7 +168,7 @@ class EagleProposer:
             tokens = list(r.token_ids[len(r.token_ids) - n:])
             merged = _Window(window.positions + list(range(len(r.token_ids) - n, len(r.token_ids))),
                              window.tokens + tokens, torch.cat([window.k, kr]), torch.cat([window.v, vr]))
-            cut = max(len(merged.tokens) - WINDOW, 0)
+            cut = max(len(merged.tokens) - self.head.window, 0)
             self.windows[r.req_id] = _Window(merged.positions[cut:], merged.tokens[cut:], merged.k[cut:].clone(),
                                              merged.v[cut:].clone())
             out_k.append(self.windows[r.req_id].k)
@@ -310,7 +321,23 @@ class EagleProposer:
             order = list(range(min(len(nodes), limit)))
         renumber = {old: new for new, old in enumerate(order)}
         parents = [renumber[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in order]
-        return Draft([nodes[i].token for i in order], None, parents)
+        tokens = [nodes[i].token for i in order]
+        if self.lookup is not None:
+            _merge_branch(tokens, parents, self.lookup.propose_one(plan.request.token_ids, limit - len(tokens)))
+        return Draft(tokens, None, parents)
+
+
+def _merge_branch(tokens: list[int], parents: list[int], branch: list[int]) -> None:
+    """Merge a chain of tokens below the root into a tree (in place): follow existing nodes while they match,
+    then append the rest as new nodes, each numbered after its parent (so every prefix is still a tree)."""
+    current = -1
+    for token in branch:
+        child = next((i for i, p in enumerate(parents) if p == current and tokens[i] == token), None)
+        if child is None:
+            tokens.append(token)
+            parents.append(current)
+            child = len(tokens) - 1
+        current = child
 
 
 class _KVStore:

@@ -20,7 +20,7 @@ cheaper, and a draft distribution that is exactly zero outside the subset is sti
 sampling stays lossless. A file without it drafts over the whole vocabulary.
 
 Files are safetensors: the layer's tensors (bfloat16 when shipped), ``draft_vocab`` (int32), and metadata with
-the command that trained it. ``load`` rejects files that do not fit the target with a ValueError naming the fix.
+the training window (how many true pairs of context the proposer keeps) and the command that trained it. ``load`` rejects files that do not fit the target with a ValueError naming the fix.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -49,9 +50,10 @@ class EagleHead(nn.Module):
     """fc(concat(embed, hidden)) → one Llama decoder layer; shapes from the target's ``ArchConfig``."""
 
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype = torch.float32,
-                 draft_vocab: torch.Tensor | None = None) -> None:
+                 draft_vocab: torch.Tensor | None = None, window: int = 64) -> None:
         super().__init__()
         self.cfg = cfg
+        self.window = window  # true pairs of context it was trained on (and drafts with)
         hidden, self.num_heads, self.num_kv_heads, self.head_dim = (cfg.hidden_size, cfg.num_heads,
                                                                     cfg.num_kv_heads, cfg.head_dim)
         self.fc = nn.Linear(2 * hidden, hidden, bias=True, dtype=dtype)
@@ -109,7 +111,8 @@ class EagleHead(nn.Module):
              dtype: torch.dtype | None = None) -> None:
         """Write the head (its tensors cast to ``dtype`` when given) and its draft vocabulary."""
         meta = {"method": "eagle", "hidden_size": str(self.cfg.hidden_size), "num_heads": str(self.num_heads),
-                "num_kv_heads": str(self.num_kv_heads), "intermediate_size": str(self.cfg.intermediate_size)}
+                "num_kv_heads": str(self.num_kv_heads), "intermediate_size": str(self.cfg.intermediate_size),
+                "window": str(self.window)}
         tensors = {name: t.detach().to(dtype or t.dtype).contiguous() for name, t in self.state_dict().items()}
         if self.draft_vocab is not None:
             tensors["draft_vocab"] = self.draft_vocab.to(torch.int32).contiguous()
@@ -120,8 +123,10 @@ class EagleHead(nn.Module):
         if path is None or not Path(path).is_file():
             raise ValueError(f"EAGLE head file {str(path)!r} does not exist; {_FIX}")
         tensors = load_file(str(path))
+        with safe_open(str(path), "pt") as f:
+            window = int((f.metadata() or {}).get("window", 64))
         vocab = tensors.pop("draft_vocab", None)
-        head = cls(cfg, dtype, vocab)
+        head = cls(cfg, dtype, vocab, window)
         expected = {name: tuple(t.shape) for name, t in head.state_dict().items()}
         found = {name: tuple(t.shape) for name, t in tensors.items()}
         if found != expected:

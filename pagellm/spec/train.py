@@ -51,6 +51,8 @@ class TrainConfig:
     seed: int = 0
     method: str = "medusa"
     dtype: str = "bfloat16"
+    code_max_tokens: int | None = None  # greedy code continuations ignoring EOS (None: max_tokens, up to EOS)
+    code_samples: int = 0               # extra sampled continuations per code prompt
     eagle: dict[str, Any] = field(default_factory=dict)  # EagleRecipe overrides (spec/train_eagle.py)
 
 
@@ -121,16 +123,25 @@ def training_llm(model: str | None, dtype: str, **engine_args: Any):  # noqa: AN
     return llm
 
 
-def generate_sequences(llm, chats: list, codes: list[str], max_tokens: int) -> list[TrainSequence]:  # noqa: ANN001
-    """The target's greedy continuation of every prompt (one batched run), with its hidden states."""
+def generate_sequences(llm, chats: list, codes: list, max_tokens: int,  # noqa: ANN001
+                       code_max_tokens: int | None = None, code_samples: int = 0,
+                       sample_tokens: int = 256) -> list[TrainSequence]:
+    """The target's continuations, with their hidden states, in one batched run per kind: every prompt
+    greedily (``max_tokens``; code prompts ``code_max_tokens`` ignoring EOS, as the benchmark runs them, when
+    given), plus ``code_samples`` seeded samples per code prompt at temperature 0.8 (``sample_tokens`` each)."""
     from pagellm import SamplingParams
 
     recorder = llm.engine.core.executor.worker.runner.proposer
     if not isinstance(recorder, HiddenRecorder):
         raise ValueError("generate_sequences needs an LLM from training_llm()")
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    outs = (llm.chat(chats, params, use_tqdm=False) if chats else []) + \
-        (llm.generate(codes, params, use_tqdm=False) if codes else [])
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    code_greedy = greedy if code_max_tokens is None else \
+        SamplingParams(temperature=0.0, max_tokens=code_max_tokens, ignore_eos=True)
+    samples = [SamplingParams(temperature=0.8, max_tokens=sample_tokens, seed=i) for i in range(code_samples)]
+    outs = (llm.chat(chats, greedy, use_tqdm=False) if chats else []) + \
+        (llm.generate(codes, code_greedy, use_tqdm=False) if codes else [])
+    if codes and samples:
+        outs += llm.generate([c for c in codes for _ in samples], samples * len(codes), use_tqdm=False)
     sequences = []
     for o in outs:
         tokens = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
@@ -256,7 +267,7 @@ def run(cfg: TrainConfig, command: str = "") -> Path:
     start = time.perf_counter()
     llm = training_llm(cfg.model, cfg.dtype)
     sequences = generate_sequences(llm, chat_prompts(cfg.chat_prompts), code_prompts(cfg.code_prompts),
-                                   cfg.max_tokens)
+                                   cfg.max_tokens, cfg.code_max_tokens, cfg.code_samples)
     target = frozen_target(llm.engine.core.executor.worker.runner.model)
     del llm
     logger.info("generated %d sequences (%d tokens) in %.0fs", len(sequences),
@@ -293,7 +304,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, help="output .safetensors file (the PNG goes beside it)")
     p.add_argument("--dtype", default="bfloat16", help="the target's dtype while generating (the serving one)")
     for name, default in (("num-heads", 4), ("chat-prompts", None), ("code-prompts", 64), ("max-tokens", None),
-                          ("steps", None), ("seed", 0)):
+                          ("code-max-tokens", None), ("code-samples", None), ("steps", None), ("seed", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--batch", type=int, default=None,
                    help="medusa: positions per step (default 64); eagle: sequence windows per step (default 16)")
@@ -311,23 +322,30 @@ def command_line(cfg: TrainConfig) -> str:
     if cfg.method == "medusa":
         argv += ["--num-heads", str(cfg.num_heads)]
     for flag, value in (("dtype", cfg.dtype), ("chat-prompts", cfg.chat_prompts),
-                        ("code-prompts", cfg.code_prompts), ("max-tokens", cfg.max_tokens), ("steps", cfg.steps),
-                        ("batch", cfg.batch), ("lr", cfg.lr), ("seed", cfg.seed)):
-        argv += [f"--{flag}", str(value)]
+                        ("code-prompts", cfg.code_prompts), ("max-tokens", cfg.max_tokens),
+                        ("code-max-tokens", cfg.code_max_tokens), ("code-samples", cfg.code_samples),
+                        ("steps", cfg.steps), ("batch", cfg.batch), ("lr", cfg.lr), ("seed", cfg.seed)):
+        if value is not None:
+            argv += [f"--{flag}", str(value)]
     for key, value in cfg.eagle.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
     return "pagellm " + shlex.join(argv)
 
 
+# Defaults per method: chat prompts, max tokens, code max tokens, code samples, steps, batch, lr. EAGLE's fit
+# the 30-minute budget on the 2-core machine: ~7.5 minutes generating 210k tokens, ~18 minutes training.
+_DEFAULTS = {"eagle": (1536, 192, 512, 4, 2600, 16, 2e-3), "medusa": (96, 96, None, 0, 300, 64, 3e-3)}
+
+
 def main(args: argparse.Namespace) -> int:
     eagle = args.method == "eagle"
-    defaults = (256, 192, 1200, 16, 2e-3) if eagle else (96, 96, 300, 64, 3e-3)
-    chats, tokens, steps, batch, lr = (value if value is not None else default for value, default in
-                                       zip((args.chat_prompts, args.max_tokens, args.steps, args.batch, args.lr),
-                                           defaults))
+    given = (args.chat_prompts, args.max_tokens, args.code_max_tokens, args.code_samples, args.steps, args.batch,
+             args.lr)
+    chats, tokens, code_tokens, samples, steps, batch, lr = (value if value is not None else default for
+                                                            value, default in zip(given, _DEFAULTS[args.method]))
     recipe = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name, _ in _EAGLE_FLAGS}
     cfg = TrainConfig(args.model, args.out, args.num_heads, chats, args.code_prompts, tokens, steps, batch, lr,
-                      args.seed, args.method, args.dtype,
+                      args.seed, args.method, args.dtype, code_tokens, samples,
                       {k: v for k, v in recipe.items() if v is not None} if eagle else {})
     run(cfg, command_line(cfg))
     return 0

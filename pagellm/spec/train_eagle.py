@@ -1,7 +1,9 @@
 """Training an EAGLE head (``pagellm train-draft --method eagle``) on the target's own greedy continuations.
 
 Data: rows of (final hidden state at t, token at t + 1) over each continuation and the last ``prompt_context``
-prompt positions (``train.flatten``); a step takes ``batch`` random windows of ``window`` consecutive rows.
+prompt positions (``train.flatten``); a step takes ``batch`` random windows of ``window`` consecutive rows, and
+every row whose next row is in the window learns (windows ending at output rows with the prompt as context only
+learned less per step here: fewer rows learn).
 
 Loss at every row whose next row exists, for the head's prediction ``h'`` of the next row's hidden state ``h``:
 ``smooth_l1(h', h) + ce_weight * CE(softmax(W h), log_softmax(W h'))`` where ``W`` holds the target's LM-head
@@ -13,7 +15,8 @@ rows of the draft vocabulary (soft labels: the target's own distribution there, 
   prediction from row i - 1 instead of the true state, and row i attends exactly as the k-th draft depth does
   at inference: to the true pairs up to row i - k + 1, then the unrolled rows i - k + 2 .. i (one per pass).
   Pass k's loss weighs ``0.8 ** (k - 1)``.
-- AdamW, linear warm-up over the first 5 % of steps, cosine decay to 10 % of ``lr``, gradients clipped to 0.5.
+- AdamW on float32 weights (matrix products under bfloat16 autocast unless ``bf16`` is off), linear warm-up over
+  the first 5 % of steps, cosine decay to 10 % of ``lr``, gradients clipped to 0.5.
 """
 
 from __future__ import annotations
@@ -34,16 +37,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EagleRecipe:
-    steps: int = 1200
+    steps: int = 2600
     batch: int = 16               # windows per step
     lr: float = 2e-3
     seed: int = 0
     window: int = WINDOW          # rows per window (the proposer keeps as many true pairs)
-    unroll: int = 3               # passes per window (1: no training-time test)
+    unroll: int = 2               # passes per window (1: no training-time test)
     noise: float = 0.05           # uniform input noise, times each row's RMS
     ce_weight: float = 0.5        # soft cross-entropy weight against the feature regression
     draft_vocab_size: int = 8192  # 0: the full vocabulary
     prompt_context: int = 32      # prompt positions before each continuation that train too
+    bf16: bool = True             # bfloat16 autocast for the matrix products (~1.5-2x faster on AVX-512 BF16)
 
     def __post_init__(self) -> None:
         if self.unroll < 1 or self.window < 2 or self.batch < 1 or self.steps < 1:
@@ -80,15 +84,16 @@ def train_eagle(sequences: list[TrainSequence], target: FrozenTarget,
         raise ValueError("no training sequences with at least two continuation tokens; raise --max-tokens")
     vocab = draft_vocabulary(sequences, recipe.draft_vocab_size) if recipe.draft_vocab_size else None
     lm = target.lm_head[vocab] if vocab is not None else target.lm_head
-    head = EagleHead(target.cfg, torch.float32, vocab).train()
+    head = EagleHead(target.cfg, torch.float32, vocab, recipe.window).train()
     optim = torch.optim.AdamW(head.parameters(), lr=recipe.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: _lr_factor(s, recipe.steps))
     masks = unrolled_mask(recipe.window, recipe.unroll)
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(recipe.steps):
-        idx, valid = _windows(ranges, recipe, gen)
-        reg, ce, acc = _window_loss(head, target, lm, hidden, tokens, idx, valid, masks, recipe, gen)
+        idx, learn = _windows(ranges, recipe, gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.bf16):
+            reg, ce, acc = _window_loss(head, target, lm, hidden, tokens, idx, learn, masks, recipe, gen)
         losses.append(optimizer_step(optim, reg + recipe.ce_weight * ce, ce, reg, step, recipe.steps, 0.5))
         schedule.step()
         if step % 50 == 0 or step == recipe.steps - 1:
@@ -107,27 +112,27 @@ def _lr_factor(step: int, steps: int) -> float:
 
 def _windows(ranges: list[tuple[int, int]], recipe: EagleRecipe,
              gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """[S, T] row indices of ``batch`` random windows (padded with row 0) and which of them are real."""
-    picks = torch.randint(0, len(ranges), (recipe.batch,), generator=gen).tolist()
+    """[S, T] row indices of ``batch`` random windows (padded with row 0) and which rows learn (those whose
+    next row is in the window). Sequences are picked in proportion to their length, so every row is about as
+    likely to train (picking sequences uniformly would favour the many short chat answers over long code)."""
+    lengths = torch.tensor([float(end - first) for first, end in ranges])
+    picks = torch.multinomial(lengths, recipe.batch, replacement=True, generator=gen).tolist()
     idx = torch.zeros(recipe.batch, recipe.window, dtype=torch.int64)
-    valid = torch.zeros(recipe.batch, recipe.window, dtype=torch.bool)
+    learn = torch.zeros(recipe.batch, recipe.window, dtype=torch.bool)
     for s, i in enumerate(picks):
         first, end = ranges[i]
         first += int(torch.randint(0, max(end - first - recipe.window, 0) + 1, (1,), generator=gen))
         n = min(recipe.window, end - first)
         idx[s, :n] = torch.arange(first, first + n)
-        valid[s, :n] = True
-    return idx, valid
+        learn[s, :n - 1] = True
+    return idx, learn
 
 
 def _window_loss(head: EagleHead, target: FrozenTarget, lm: torch.Tensor, hidden: torch.Tensor,
-                 tokens: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, masks: torch.Tensor,
+                 tokens: torch.Tensor, idx: torch.Tensor, learn: torch.Tensor, masks: torch.Tensor,
                  recipe: EagleRecipe, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
     """The unrolled passes over one batch of windows: (feature loss, soft CE, top-1 agreement per pass)."""
     S, T = idx.shape
-    learn = valid.clone()
-    learn[:, :-1] &= valid[:, 1:]
-    learn[:, -1] = False
     nxt = (idx + 1).clamp(max=len(tokens) - 1)
     goal = hidden[nxt]                                                             # [S, T, H]
     with torch.no_grad():
