@@ -7,8 +7,9 @@ prefill is excluded. Every figure is compared with the no-speculation baseline m
 Methods: ngram, draft_model (self-speculation with the target's first ``--draft-layers`` layers), and, when
 ``--medusa FILE`` is given (``make draft-heads``), Medusa as a chain and as a tree, and when ``--eagle FILE``
 is given (``pagellm train-draft --method eagle``; ``--eagle default`` is the shipped head), EAGLE as a chain,
-a static tree and an EAGLE-2 dynamic tree (``--eagle-full-vocab`` adds the dynamic tree drafting over the full
-vocabulary instead of the head's draft vocabulary).
+a static tree, an EAGLE-2 dynamic tree, and that tree with a prompt-lookup branch merged in
+(``--eagle-full-vocab`` adds the dynamic tree drafting over the full vocabulary instead of the head's draft
+vocabulary).
 
 Prompts are held out from ``train-draft``'s data: the last ``--prompts`` HumanEval problems (training uses the
 first 64 of 164) and Chit Chat Challenge conversations from number 6000 on (training uses the first few
@@ -46,6 +47,7 @@ def methods(args: argparse.Namespace) -> dict[str, dict | None]:
         out["eagle chain"] = {"method": "eagle", "num_speculative_tokens": 4, "model": head}
         out["eagle tree"] = {"method": "eagle", "num_speculative_tokens": 4, "model": head, "tree": [3, 2, 1, 1]}
         out["eagle dynamic"] = {"method": "eagle", "model": head, **DYNAMIC}
+        out["eagle dyn+lookup"] = {"method": "eagle", "model": head, **DYNAMIC, "prompt_lookup_tokens": 4}
         if args.eagle_full_vocab:
             out["eagle dyn fullV"] = {"method": "eagle", "model": head, **DYNAMIC, "draft_vocab_size": 0}
     return out

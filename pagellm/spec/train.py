@@ -275,7 +275,7 @@ def run(cfg: TrainConfig, command: str = "") -> Path:
     if cfg.method == "eagle":
         recipe = EagleRecipe(steps=cfg.steps, batch=cfg.batch, lr=cfg.lr, seed=cfg.seed, **cfg.eagle)
         heads, losses = train_eagle(sequences, target, recipe)
-        title, ylabel = "EAGLE head", "loss (feature smooth-L1 + weighted soft cross-entropy)"
+        title, ylabel = "EAGLE head", "feature + weighted soft CE"
     else:
         hidden, tokens = flatten(sequences)
         heads, losses = train_medusa(hidden, tokens, target.lm_head, cfg.num_heads, cfg.steps, cfg.batch, cfg.lr,
