@@ -15,7 +15,6 @@ import functools
 import time
 from typing import Any, Callable
 
-from throughput import make_prompts
 
 TIMES: dict[str, float] = collections.defaultdict(float)
 
@@ -62,7 +61,10 @@ def main() -> None:
     from pagellm import LLM, SamplingParams
 
     llm = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    prompts = make_prompts(args.num_prompts, args.input_len, vocab=49152)
+    from pagellm.bench import datasets
+
+    opts = datasets.DatasetOptions(args.num_prompts, args.input_len, args.output_len, range_ratio=0.0)
+    prompts = [r.prompt for r in datasets.random_requests(opts)]
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     llm.reset_prefix_cache()
     instrument(llm)

@@ -1,60 +1,133 @@
-"""Small-M bfloat16 GEMM: the native kernel (``pagellm/ops/gemm.py``) against ``F.linear`` on SmolLM2-135M's
-shapes, one run, interleaved repetitions, medians.
+"""bfloat16 GEMM on a model's shapes: ``F.linear`` (oneDNN), the previous small-M kernel and the packed kernel
+(``pagellm/ops/gemm.py``), one run, interleaved repetitions, medians.
 
-For each batch size M it streams the linear layers of 30 decoder layers (q/k/v 576→960, o 576→576, gate/up
-576→3072, down 1536→576: distinct matrices, so weights come from DRAM as in a real step) and the LM head
-(576→49,152), and prints milliseconds, effective weight bandwidth and the speed-up. ``SMALL_M`` in
-``pagellm/ops/gemm.py`` is the largest M where the kernel wins.
+For each batch size M it runs the linear layers of ``--layers`` decoder layers (SmolLM2-135M, the default: 30
+layers of fused qkv 576→960, o 576→576, fused gate/up 576→3072, down 1536→576; distinct matrices, so at small M
+the weights come from DRAM as in a real step) and then the LM head (576→49,152), and prints milliseconds,
+effective weight bandwidth (GB/s), arithmetic rate (GFLOP/s) and the packed kernel's speed-up over the others.
+``--shapes llama3-8b`` runs one Llama-3-8B layer (4096→6144, 4096→4096, 4096→28672, 14336→4096) instead, without
+the LM head. The previous kernel (``pagellm/ops/csrc/small_gemm.cpp``, a dot-product formulation with horizontal
+reductions, dispatched at M ≤ 8) is built from git (``--old-rev``) and run up to ``--old-max-m`` rows.
 
-    .venv/bin/python benchmarks/small_gemm.py [--m 1 2 4 8 16 32] [--reps 9] [--threads N]
+    .venv/bin/python benchmarks/small_gemm.py [--m 1 2 4 ... 2048] [--reps 7] [--threads N] [--old-rev 0f51e58]
+        [--shapes smollm2|llama3-8b] [--layers N]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Callable
 
-import torch
-import torch.nn.functional as F
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's pagellm
 
-from pagellm.ops import gemm
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out)
+from pagellm.ops import gemm  # noqa: E402
+from pagellm.ops.build import load_library  # noqa: E402
+
+SHAPES = {  # (in, out) of one decoder layer's matrices, LM head (in, out) or None, default layer count
+    "smollm2": ([(576, 960), (576, 576), (576, 3072), (1536, 576)], (576, 49152), 30),
+    "llama3-8b": ([(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)], None, 1),
+}
+
+
+def old_kernel(rev: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """The small-M kernel as of ``rev`` (built from ``git show``), or ``None`` where git or the build fails."""
+    try:
+        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pagellm/ops/csrc/small_gemm.cpp"],
+                                check=True, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    path = Path(tempfile.mkdtemp()) / "small_gemm.cpp"
+    path.write_text(source)
+    fn = load_library(path).pagellm_linear_bf16
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_void_p]
+
+    def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+        fn(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.shape[0], None, y.data_ptr())
+        return y
+    return run
+
+
+def methods(plain: list[torch.Tensor], old: Callable | None) -> dict[str, Callable[[dict], None]]:
+    """Each method as a function of the inputs by K that runs every matrix once."""
+    packed = [(gemm.pack(w), w.shape[0], w.shape[1]) for w in plain]
+    out = {
+        "F.linear": lambda xs: [F.linear(xs[w.shape[1]], w) for w in plain],
+        "packed": lambda xs: [gemm.packed_linear(xs[k], p, n) for p, n, k in packed],
+    }
+    if old is not None:
+        out["old"] = lambda xs: [old(xs[w.shape[1]], w) for w in plain]
+    return out
+
+
+def measure(runs: dict[str, Callable[[dict], None]], xs: dict[int, torch.Tensor], reps: int) -> dict[str, float]:
+    """Median seconds per method, repetitions interleaved across methods (one warm-up each first)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for name, fn in runs.items():
+        fn(xs)
+    for _ in range(reps):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn(xs)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def row(label: str, m: int, med: dict[str, float], weight_bytes: int, flops_per_row: int) -> str:
+    cells = [f"{label:8} {m:5d}"]
+    for name in ("F.linear", "old", "packed"):
+        if name in med:
+            t = med[name]
+            cells.append(f"{name} {t * 1e3:8.2f} ms {weight_bytes / t / 1e9:5.1f} GB/s "
+                         f"{m * flops_per_row / t / 1e9:6.1f} GFLOP/s")
+        else:
+            cells.append(f"{name} {'-':>38}")
+    ratios = [f"×{med[name] / med['packed']:.2f} vs {name}" for name in ("F.linear", "old") if name in med]
+    return " | ".join(cells + [", ".join(ratios)])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 2048])
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: 30 for smollm2, 1 for 8B)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--old-rev", default="0f51e58", help="git revision holding the previous small-M kernel")
+    parser.add_argument("--old-max-m", type=int, default=64, help="largest M to run the previous kernel at")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if not gemm.available():
-        raise SystemExit("the small-M GEMM kernel is not available here (needs AVX-512 BF16 and a C++ compiler)")
-    layers = [[torch.randn(n, k).to(torch.bfloat16) for k, n in SHAPES] for _ in range(args.layers)]
-    lm_head = torch.randn(49152, 576).to(torch.bfloat16)
-    layer_bytes = sum(w.numel() * 2 for w in layers[0]) * args.layers
-    print(f"{'M':>3} | {'layers F.linear':>16} {'kernel':>16} {'×':>5} | {'LM head F.linear':>16} {'kernel':>9} {'×':>5}")
-    for m in args.m:
-        xs = {k: torch.randn(m, k).to(torch.bfloat16) for k, _ in SHAPES}
-        times: dict[str, list[float]] = {"torch": [], "kernel": [], "lm_torch": [], "lm_kernel": []}
-        for _ in range(args.reps):
-            for name, fn in (("torch", F.linear), ("kernel", gemm.small_m_linear)):
-                start = time.perf_counter()
-                for layer in layers:
-                    for w in layer:
-                        fn(xs[w.shape[1]], w)
-                times[name].append(time.perf_counter() - start)
-                start = time.perf_counter()
-                fn(xs[576], lm_head)
-                times["lm_" + name].append(time.perf_counter() - start)
-        med = {name: statistics.median(values) * 1e3 for name, values in times.items()}
-        print(f"{m:3d} | {med['torch']:7.2f} ms {layer_bytes / med['torch'] / 1e6:4.1f} GB/s "
-              f"{med['kernel']:7.2f} ms {layer_bytes / med['kernel'] / 1e6:4.1f} GB/s {med['torch'] / med['kernel']:5.2f} | "
-              f"{med['lm_torch']:13.2f} ms {med['lm_kernel']:6.2f} ms {med['lm_torch'] / med['lm_kernel']:5.2f}")
+        raise SystemExit("the packed GEMM kernel is not available here (needs AVX-512 BF16 and a C++ compiler)")
+    old = old_kernel(args.old_rev)
+    layer_shapes, head_shape, default_layers = SHAPES[args.shapes]
+    layers = [torch.randn(n, k).to(torch.bfloat16) for _ in range(args.layers or default_layers)
+              for k, n in layer_shapes]
+    groups = [("layers", layers)]
+    if head_shape is not None:
+        groups.append(("LM head", [torch.randn(head_shape[1], head_shape[0]).to(torch.bfloat16)]))
+    print(f"threads {torch.get_num_threads()}, previous kernel {'from ' + args.old_rev if old else 'unavailable'}")
+    for label, weights in groups:
+        all_runs = methods(weights, old)
+        weight_bytes = sum(w.numel() * 2 for w in weights)
+        flops_per_row = 2 * sum(w.numel() for w in weights)
+        for m in args.m:
+            runs = {name: fn for name, fn in all_runs.items() if name != "old" or m <= args.old_max_m}
+            xs = {k: torch.randn(m, k).to(torch.bfloat16) for k in {w.shape[1] for w in weights}}
+            print(row(label, m, measure(runs, xs, args.reps), weight_bytes, flops_per_row), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,10 @@ thousand at most). Usage:
 
     .venv/bin/python benchmarks/spec_decode.py [--medusa artifacts/smollm2-135m-medusa.safetensors]
         [--eagle default] [--dtype bfloat16] [--max-tokens 64] [--prompts 4] [--batches 1 8]
-        [--throughput-batch 32] [--methods none "eagle dynamic"]
+        [--throughput-batch 32] [--methods none "eagle dynamic"] [--disable-by-batch-size none]
+
+Speculation switches itself off above ``disable_by_batch_size`` requests (default 4): ``--disable-by-batch-size
+none`` measures what drafting costs at every batch size.
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ def acceptance(stats: list) -> float:
 
 
 def bench_method(name: str, spec: dict | None, workloads: dict, args: argparse.Namespace) -> list[dict]:
+    if spec is not None and args.disable_by_batch_size != "default":
+        limit = None if args.disable_by_batch_size == "none" else int(args.disable_by_batch_size)
+        spec = {**spec, "disable_by_batch_size": limit}
     llm = LLM(dtype=args.dtype, speculative_config=spec)
     llm.generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)
     rows = []
@@ -121,6 +127,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--throughput-batch", type=int, default=32, help="0 to skip")
     parser.add_argument("--methods", nargs="*", default=None, help="subset of method names to run")
+    parser.add_argument("--disable-by-batch-size", default="default",
+                        help="speculative_config.disable_by_batch_size for every method: a number, 'none' (draft at "
+                             "any batch size) or 'default' (the engine's)")
     args = parser.parse_args()
     if not 1 <= args.prompts <= 164 - TRAINED_CODE:
         parser.error(f"--prompts must be between 1 and {164 - TRAINED_CODE} (held-out HumanEval problems)")

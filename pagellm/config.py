@@ -109,6 +109,8 @@ class ParallelConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle")
+# Measured with benchmarks/spec_decode.py (docs/speculative.md): n-gram drafts on code stop paying above this batch.
+DISABLE_BY_BATCH_SIZE = 4
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,11 @@ class SpeculativeConfig:
     draft_vocab_size: int | None = _help("eagle: score only the first N tokens of the head's draft vocabulary "
                                          "(most frequent first); 0: the full vocabulary; unset: the head's own.",
                                          default=None)
+    disable_by_batch_size: int | None = _help(
+        "Draft nothing (and reserve no draft KV slots) while more than this many requests run in a step: once the "
+        "step is compute-bound, verifying drafts costs more than they save. null: draft at any batch size. The "
+        "default is where n-gram drafts stopped paying on a 2-core CPU (docs/speculative.md).",
+        default=DISABLE_BY_BATCH_SIZE)
 
     def __post_init__(self) -> None:
         if self.method not in (None, *SPEC_METHODS):
@@ -158,6 +165,11 @@ class SpeculativeConfig:
             raise ValueError(f"draft_layers must be >= 1, got {self.draft_layers}")
         if self.method == "medusa" and self.model is None:
             raise ValueError("medusa needs 'model': the heads' .safetensors file from `pagellm train-draft`")
+        if self.disable_by_batch_size is not None and (isinstance(self.disable_by_batch_size, bool)
+                                                       or not isinstance(self.disable_by_batch_size, int)
+                                                       or self.disable_by_batch_size < 1):
+            raise ValueError(f"disable_by_batch_size must be a positive number of requests (or null to draft at "
+                             f"any batch size), got {self.disable_by_batch_size!r}")
         if self.tree is not None:
             if self.method not in ("medusa", "eagle"):
                 raise ValueError("'tree' is only supported with methods 'medusa' and 'eagle'")

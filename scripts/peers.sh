@@ -99,7 +99,10 @@ convert_bf16_gguf() {
         || return 1
     mkdir -p "$PEERS/gguf"
     log "gguf: converting $model_dir to bfloat16 GGUF"
-    PYTHONPATH="$PEERS/llama.cpp/gguf-py" "$PAGELLM_PYTHON" "$converter" "$model_dir" --outtype bf16 \
+    # The converter reads a Llama vocabulary through sentencepiece first; vLLM's venv has it, pagellm's need not.
+    local converter_python="$PAGELLM_PYTHON"
+    [ -x "$PEERS/vllm/bin/python" ] && converter_python="$PEERS/vllm/bin/python"
+    PYTHONPATH="$PEERS/llama.cpp/gguf-py" "$converter_python" "$converter" "$model_dir" --outtype bf16 \
         --outfile "$out.tmp" >"$PEERS/gguf-convert.log" 2>&1 || { tail -20 "$PEERS/gguf-convert.log"; return 1; }
     mv "$out.tmp" "$out"
 }

@@ -1,9 +1,15 @@
-"""The tuned CPU backend: decode rows run a C++ paged-attention kernel (``csrc/paged_decode.cpp``) that reads K/V
-straight from the paged cache with an online softmax, instead of gathering and padding them; rows with several
-query tokens are batched by similar length into one SDPA call per group (``chunk_batch.py``); draft-tree rows
-(speculative decoding) take the reference path with their ancestor mask. The kernel is compiled on first use with
-the machine's C++ compiler (``pagellm/ops/build.py``: a plain C ABI loaded with ctypes, about a second to build)
-and cached; ``torch_ref`` is its test oracle and the fallback.
+"""The tuned CPU backend: one C++ call per layer serves the whole step (``csrc/paged_attention.cpp``), reading K/V
+straight from the paged cache with an online softmax in float32, nothing gathered, padded or masked densely.
+
+Each query token is described by the keys it may see: ``ctx_end`` (every key before it; a causal token's own
+position + 1) and, in a draft-tree row (speculative decoding), a bitmask over the row's own query tokens (its
+ancestors, ``CommonAttentionInputs.tree_masks``). So decodes, prompt chunks after a prefix-cache hit, speculative
+chains and draft trees are one interface. Inside the kernel, single-token rows and every float32 row walk the keys
+token by token (a float32 token's result is then the same whatever row it sits in: prefix-cache hits reproduce
+misses bit for bit); bfloat16 rows of at least ``FLASH_MIN_TOKENS`` tokens take flash tiles where the tokens x
+grouped heads of one request share each K/V load (AVX-512 BF16 dot products). The library is compiled on first
+use with the machine's C++ compiler (``pagellm/ops/build.py``: a plain C ABI loaded with ctypes, about two seconds
+to build) and cached; ``torch_ref`` is its test oracle and the fallback.
 """
 
 from __future__ import annotations
@@ -11,108 +17,103 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from pagellm.attention.base import CommonAttentionInputs, register_backend
-from pagellm.attention.chunk_batch import ChunkGroup, build_group, group_attention, group_rows
-from pagellm.attention.torch_ref import TorchRefBackend, TorchRefMetadata, chunk_attention, decode_rows, write_kv
+from pagellm.attention.torch_ref import write_kv
 from pagellm.ops.build import load_library
 
 logger = logging.getLogger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+# bfloat16 rows with at least this many query tokens take the flash tiles; shorter ones walk token by token.
+FLASH_MIN_TOKENS = 2
 
 
-class DecodeKernel:
+@dataclass
+class CpuPagedMetadata:
+    slot_mapping: torch.Tensor     # [T] cache slot of each token
+    num_tokens: int
+    query_start_loc: torch.Tensor  # [R + 1] int64
+    seq_lens: torch.Tensor         # [R] int64
+    block_table: torch.Tensor      # [R, max_blocks] int64, contiguous
+    ctx_end: torch.Tensor          # [T] int64: token t sees every key before ctx_end[t]
+    tree_bits: torch.Tensor | None  # [T, words] int64 bit patterns over the row's own tokens; None: no tree
+
+
+class PagedKernel:
     """The compiled kernel's entry points behind a tensor-level call (checks, dtype dispatch, output allocation)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = {torch.bfloat16: lib.pagellm_paged_decode_bf16, torch.float32: lib.pagellm_paged_decode_f32}
+        self._fns = {torch.bfloat16: lib.pagellm_paged_attention_bf16, torch.float32: lib.pagellm_paged_attention_f32}
         for fn in self._fns.values():
-            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+            fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_void_p]
             fn.restype = None
 
-    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_table: [B, max_blocks];
-        seq_lens: [B] (context length including the query token). Returns [B, H, D]."""
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: CpuPagedMetadata,
+                  scale: float, flash_min_tokens: int = FLASH_MIN_TOKENS) -> torch.Tensor:
+        """q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]. Returns [T, H * D]."""
         if q.dim() != 3 or k_cache.dim() != 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("paged_decode_attention needs q [B, H, D] and contiguous 4-D caches")
+            raise ValueError("paged attention needs q [T, H, D] and contiguous 4-D caches")
         if q.dtype not in self._fns or k_cache.dtype != q.dtype or q.shape[1] % k_cache.shape[2]:
-            raise ValueError("paged_decode_attention needs float32 or bfloat16 q and caches of the same dtype, "
+            raise ValueError("paged attention needs float32 or bfloat16 q and caches of the same dtype, "
                              "and heads a multiple of kv heads")
         q = q.contiguous()
-        table = block_table.to(torch.int64).contiguous()
-        lens = seq_lens.to(torch.int64).contiguous()
-        out = torch.empty_like(q)
-        self._fns[q.dtype](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), lens.data_ptr(),
-                           q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2], table.shape[1],
-                           scale, out.data_ptr())
+        tokens, heads, head_dim = q.shape
+        out = torch.empty(tokens, heads * head_dim, dtype=q.dtype)
+        bits = md.tree_bits
+        self._fns[q.dtype](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), md.block_table.data_ptr(),
+                           md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(), md.ctx_end.data_ptr(),
+                           None if bits is None else bits.data_ptr(), 0 if bits is None else bits.shape[1],
+                           md.seq_lens.shape[0], heads, head_dim, k_cache.shape[1], k_cache.shape[2],
+                           md.block_table.shape[1], flash_min_tokens, scale, out.data_ptr())
         return out
 
 
 @functools.lru_cache(maxsize=1)
-def load_kernel() -> DecodeKernel:
-    """Compile (once per source version and machine kind, about a second) and load the C++ kernel."""
-    return DecodeKernel(load_library(_SOURCE))
+def load_kernel() -> PagedKernel:
+    """Compile (once per source version and machine kind, about two seconds) and load the C++ kernel."""
+    return PagedKernel(load_library(_SOURCE))
 
 
-@dataclass
-class CpuPagedMetadata(TorchRefMetadata):
-    groups: list[ChunkGroup] = field(default_factory=list)  # multi-token rows, batched by similar length
+def build_metadata(common: CommonAttentionInputs) -> CpuPagedMetadata:
+    """Per-token visibility for the step: causal ``ctx_end``; tree rows see their cached context plus their mask."""
+    qsl, seq_lens = common.query_start_loc, common.seq_lens
+    q_lens = np.diff(qsl)
+    total = int(qsl[-1])
+    row_start = seq_lens - q_lens                       # position of each row's first query token
+    ctx_end = np.repeat(row_start - qsl[:-1], q_lens) + np.arange(total, dtype=np.int64) + 1
+    bits = None
+    if common.tree_masks:
+        words = max(-(-int(m.shape[0]) // 64) for m in common.tree_masks.values())
+        dense = np.zeros((total, words * 64), dtype=bool)
+        for row, mask in common.tree_masks.items():
+            start, end = int(qsl[row]), int(qsl[row + 1])
+            ctx_end[start:end] = row_start[row]
+            dense[start:end, :end - start] = mask.numpy()
+        bits = torch.from_numpy(np.packbits(dense, axis=1, bitorder="little").view(np.int64))
+    return CpuPagedMetadata(common.slot_mapping, total, torch.from_numpy(np.ascontiguousarray(qsl, dtype=np.int64)),
+                            torch.from_numpy(np.ascontiguousarray(seq_lens, dtype=np.int64)),
+                            torch.from_numpy(np.ascontiguousarray(common.block_table, dtype=np.int64)),
+                            torch.from_numpy(ctx_end), bits)
 
 
-class CpuPagedBackend(TorchRefBackend):
+class CpuPagedBackend:
     name = "cpu_paged"
 
     def __init__(self) -> None:
         self.kernel = load_kernel()
 
     def build(self, common: CommonAttentionInputs) -> CpuPagedMetadata:
-        q_lens = np.diff(common.query_start_loc)
-        tokens, table, mask = decode_rows(common)
-        seq_lens = torch.from_numpy(common.seq_lens[q_lens == 1]) if tokens is not None else None
-        multi = q_lens > 1
-        trees = common.tree_masks or {}
-        if trees:  # draft trees take the reference path with their ancestor mask
-            multi = multi.copy()
-            multi[list(trees)] = False
-        fresh = multi & (common.seq_lens == q_lens)   # no cached context: causal over the step's k/v
-        groups = [build_group(common, rows, fresh=True) for rows in _grouped(q_lens, fresh)]
-        groups += [build_group(common, rows) for rows in _grouped(q_lens, multi & ~fresh)]
-        chunks = [self._chunk(common, row) for row in sorted(trees)]
-        return CpuPagedMetadata(common.slot_mapping, int(common.query_start_loc[-1]), tokens, table, mask, chunks,
-                                seq_lens, groups)
+        return build_metadata(common)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: CpuPagedMetadata, scale: float) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.slot_mapping)
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        if not metadata.groups and metadata.decode_tokens is not None and \
-                len(metadata.decode_tokens) == metadata.num_tokens:
-            return self._decode(q, kv_cache, metadata, scale).view(-1, num_heads * head_dim)  # all decodes
-        out = torch.empty(metadata.num_tokens, num_heads * head_dim, dtype=q.dtype)
-        if metadata.decode_tokens is not None:
-            decoded = self._decode(q[metadata.decode_tokens], kv_cache, metadata, scale)
-            out[metadata.decode_tokens] = decoded.view(-1, num_heads * head_dim)
-        for group in metadata.groups:
-            batched = group_attention(q, k, v, kv_cache, group, scale)
-            out[group.token_index[group.valid]] = batched[group.valid]
-        for chunk in metadata.chunks:
-            out[chunk.start:chunk.end] = chunk_attention(q[chunk.start:chunk.end], kv_cache, chunk, scale)
-        return out
-
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: TorchRefMetadata, scale: float) -> torch.Tensor:
-        return self.kernel.paged_decode_attention(q, kv_cache[0], kv_cache[1], md.decode_block_table,
-                                                  md.decode_seq_lens, scale)
-
-
-def _grouped(q_lens: np.ndarray, selected: np.ndarray) -> list[np.ndarray]:
-    rows = np.flatnonzero(selected)
-    return group_rows(q_lens, rows) if len(rows) else []
+        return self.kernel.attention(q, kv_cache[0], kv_cache[1], metadata, scale)
 
 
 register_backend("cpu_paged")(CpuPagedBackend)

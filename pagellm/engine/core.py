@@ -26,9 +26,9 @@ class EngineCore:
         self.config = config
         self.executor = executor or UniProcExecutor(config)
         self.runtime = self.executor.runtime
+        spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.runtime.num_blocks,
-                                   self.runtime.max_model_len,
-                                   config.speculative_config.num_lookahead_tokens)
+                                   self.runtime.max_model_len, spec.num_lookahead_tokens, spec.disable_by_batch_size)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         check_prompt(req.prompt_token_ids, self.runtime.max_model_len, self.runtime.vocab_size)

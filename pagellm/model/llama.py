@@ -17,7 +17,7 @@ from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.activation import SiluAndMul
 from pagellm.model.layers.attention import Attention
 from pagellm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagellm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagellm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, pack_weights
 from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding
 
@@ -115,7 +115,8 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into place through each parameter's own loader."""
+        """Copy checkpoint tensors (Hugging Face names) into place through each parameter's own loader, then pack
+        the bfloat16 GEMM weights for the native kernel (``linear.pack_weights``)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         missing = {name for name in params if not (self.cfg.tie_word_embeddings and name == "lm_head.weight")}
         for name, tensor in weights:
@@ -133,6 +134,7 @@ class LlamaForCausalLM(nn.Module):
             missing.discard(target)
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {', '.join(sorted(missing)[:8])}")
+        pack_weights(self)
 
     def _target(self, name: str) -> tuple[str, str | int | None]:
         for fragment, (ours, shard) in self.STACKED.items():

@@ -43,9 +43,10 @@ HEADERS = Path(__file__).parent / "csrc"  # shared headers (simd_exp.h), on ever
 
 
 def build_tag(source: Path) -> str:
-    """A short digest of the CPU flags, the compiler flags, the source and the shared headers, to key builds by."""
+    """A short digest of the CPU flags, the compiler flags, the source, the shared headers and the headers next to
+    the source, to key builds by."""
     digest = hashlib.sha256(source.read_bytes())
-    for header in sorted(HEADERS.glob("*.h")):
+    for header in sorted({*HEADERS.glob("*.h"), *source.parent.glob("*.h")}):
         digest.update(header.read_bytes())
     return hashlib.sha256(f"{cpu_flags()}|{' '.join(CXX_FLAGS)}|{digest.hexdigest()}".encode()).hexdigest()[:12]
 

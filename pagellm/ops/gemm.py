@@ -1,11 +1,17 @@
-"""``linear(x, weight, bias)``: ``F.linear`` with a native path for bfloat16 inputs of a few rows.
+"""bfloat16 GEMM over weights packed once at load time (``csrc/packed_gemm.cpp``), with ``F.linear`` as its twin.
 
-At batch sizes of a few rows (decode at low concurrency) a linear layer streams its whole weight matrix for very
-little arithmetic, and ``F.linear`` there reaches only a fraction of the memory bandwidth. ``csrc/small_gemm.cpp``
-streams the weights with AVX-512 BF16 dot products across torch's threads instead. It serves bfloat16, 2-D,
-contiguous inputs of at most ``SMALL_M`` rows; everything else (and any machine where it does not build) takes
-``F.linear``, which is also its test oracle. Results are float32-accumulated and rounded once to bfloat16, so they
-differ from ``F.linear``'s only by bfloat16 rounding.
+``pack(weight)`` re-lays a bfloat16 ``[N, K]`` matrix as panels of 16 output columns with K in pairs,
+``[ceil(N/16), ceil(K/2), 16, 2]`` (zero padding), the operand layout of AVX-512 BF16 broadcast dot products: the
+kernel then streams each thread's contiguous run of panels at DRAM speed at small M and keeps register tiles of
+float32 accumulators with no horizontal reductions at large M. ``packed_linear(x, packed, n, bias)`` is
+``F.linear(x, W, bias)`` for any number of rows; it accumulates in float32 and rounds once to bfloat16, so it
+differs from ``F.linear`` on the plain weight only by rounding. Each output's summation order depends on K alone,
+so a row's result is bit for bit the same whatever the batch around it and the thread count. ``rows`` /
+``unpack`` read plain rows back out of a packed matrix (the embedding lookup of a tied LM head, consumers that
+need the plain weight).
+
+The kernel needs AVX-512 BF16 and a C++ compiler; ``available()`` says whether it runs here. Where it does not,
+nothing is packed and every layer keeps ``F.linear`` on the plain weight.
 """
 
 from __future__ import annotations
@@ -22,44 +28,117 @@ from pagellm.ops.build import cpu_flags, load_library
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "small_gemm.cpp"
-SMALL_M = 8  # rows up to which the kernel beats F.linear here (benchmarks/small_gemm.py measures the crossover)
+SOURCE = Path(__file__).parent / "csrc" / "packed_gemm.cpp"
+PANEL = 16  # output columns per panel (csrc/packed_gemm.cpp kPanel)
+_P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 @functools.lru_cache(maxsize=1)
-def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The native entry point, or ``None`` where it cannot run (no AVX-512 BF16, no compiler)."""
+def _lib() -> ctypes.CDLL | None:
+    """The native library, or ``None`` where it cannot run (no AVX-512 BF16, no compiler)."""
     if "avx512_bf16" not in cpu_flags().split():
         return None
     try:
-        fn = load_library(SOURCE).pagellm_linear_bf16
+        lib = load_library(SOURCE)
     except (RuntimeError, OSError) as exc:
-        logger.warning("small-M GEMM kernel unavailable (%s); using F.linear", exc)
+        logger.warning("packed bfloat16 GEMM kernel unavailable (%s); using F.linear", exc)
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = None
-    return fn
+    lib.pagellm_packed_linear_bf16.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
+    lib.pagellm_packed_linear_bf16.restype = None
+    lib.pagellm_packed_rows_bf16.argtypes = [_P, _I, _I, _P, _I, _P]
+    lib.pagellm_packed_rows_bf16.restype = ctypes.c_int
+    return lib
 
 
 def available() -> bool:
-    return _kernel() is not None
+    return _lib() is not None
 
 
-def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The native kernel itself (callers check ``available()`` and the shape rules first)."""
-    fn = _kernel()
-    assert fn is not None, "small-M GEMM kernel is not available on this machine"
-    m, k = x.shape
-    y = torch.empty(m, weight.shape[0], dtype=torch.bfloat16)
-    fn(x.data_ptr(), m, k, weight.data_ptr(), weight.shape[0], bias.data_ptr() if bias is not None else None,
-       y.data_ptr())
-    return y
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The packed copy of a bfloat16 ``[N, K]`` weight: ``[ceil(N/16), ceil(K/2), 16, 2]``, zero padded."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        raise ValueError(f"pack takes a 2-D bfloat16 weight, got {weight.dtype} of shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    n_pad, k_pad = -n % PANEL, k & 1
+    padded = F.pad(weight, (0, k_pad, 0, n_pad)) if n_pad or k_pad else weight
+    return padded.view((n + n_pad) // PANEL, PANEL, (k + k_pad) // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` for bfloat16 ``x`` [..., K] and ``packed = pack(W)`` with ``W`` [n, K]."""
+    lib = _lib()
+    assert lib is not None, "packed GEMM kernel is not available on this machine"
+    k = x.shape[-1]
+    assert packed.shape[1] == (k + 1) >> 1 and packed.shape[0] * PANEL - n in range(PANEL), "packed weight misfit"
+    rows = x if x.dim() == 2 else x.reshape(-1, k)
+    if rows.stride(-1) != 1 or rows.dtype != torch.bfloat16:
+        rows = rows.to(torch.bfloat16).contiguous()
+    m = rows.shape[0]
+    y = torch.empty((m, n), dtype=torch.bfloat16)
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.stride(0) != 1):
+        bias = bias.to(torch.bfloat16).contiguous()
+    lib.pagellm_packed_linear_bf16(rows.data_ptr(), m, k, rows.stride(0), packed.data_ptr(), n,
+                                   None if bias is None else bias.data_ptr(), y.data_ptr(), n)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def rows(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Plain rows ``W[ids]`` (shape ``ids.shape + (k,)``) of a packed ``[n, k]`` matrix: the embedding lookup."""
+    lib = _lib()
+    assert lib is not None, "packed GEMM kernel is not available on this machine"
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty((flat.shape[0], k), dtype=torch.bfloat16)
+    if lib.pagellm_packed_rows_bf16(packed.data_ptr(), n, k, flat.data_ptr(), flat.shape[0], out.data_ptr()):
+        raise IndexError(f"row ids must lie in [0, {n})")
+    return out.view(*ids.shape, k)
+
+
+def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The plain ``[n, k]`` matrix of a packed one (a new tensor)."""
+    panels, pairs = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(panels * PANEL, pairs * 2)[:n, :k].contiguous()
+
+
+# ---------------------------------------------------------------------------------------- packed parameters
+# A layer's weight Parameter is packed in place after loading (``pack_parameter``): its data becomes ``pack(W)``
+# and it records the plain shape as ``packed_shape``. A tied embedding and LM head share one Parameter, so both
+# see the one packed matrix. The functions below take either kind of weight.
+
+
+def packed_shape(weight: torch.Tensor) -> tuple[int, int] | None:
+    """``(N, K)`` of a packed weight Parameter, ``None`` for a plain one."""
+    return getattr(weight, "packed_shape", None)
+
+
+def pack_parameter(param: torch.nn.Parameter) -> bool:
+    """Pack a bfloat16 ``[N, K]`` Parameter in place where the kernel runs; ``False`` (left plain) otherwise."""
+    if packed_shape(param) is not None:
+        return True  # already packed (a tied weight reached twice)
+    if param.dtype != torch.bfloat16 or param.dim() != 2 or not available():
+        return False
+    n, k = param.shape
+    param.data = pack(param.data)
+    param.packed_shape = (n, k)  # type: ignore[attr-defined]
+    return True
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through the native kernel when ``x`` is a few contiguous bfloat16 rows."""
-    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= SMALL_M and _kernel() is not None \
-            and x.is_contiguous() and weight.is_contiguous():
-        return small_m_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    """``F.linear(x, W, bias)`` for a plain weight ``W`` or a packed one (then through the native kernel)."""
+    shape = packed_shape(weight)
+    if shape is None:
+        return F.linear(x, weight, bias)
+    if x.dtype == torch.bfloat16:
+        return packed_linear(x, weight, shape[0], bias)
+    return F.linear(x, unpack(weight, *shape).to(x.dtype), bias)
+
+
+def plain(weight: torch.Tensor) -> torch.Tensor:
+    """The plain ``[N, K]`` weight: the tensor itself, or a new unpacked copy of a packed one."""
+    shape = packed_shape(weight)
+    return weight if shape is None else unpack(weight, *shape)
+
+
+def weight_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``F.embedding(ids, W)`` for a plain or packed weight."""
+    shape = packed_shape(weight)
+    return F.embedding(ids, weight) if shape is None else rows(weight, ids, *shape)

@@ -34,6 +34,7 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         num_lookahead_tokens: int = 0,
+        disable_by_batch_size: int | None = None,
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.budget = config.token_budget(max_model_len)
@@ -41,6 +42,10 @@ class Scheduler:
         self.by_priority = config.scheduling_policy == "priority"
         self.max_model_len = max_model_len
         self.num_lookahead_tokens = num_lookahead_tokens
+        # The worker drafts nothing after a step of more requests than this (SpeculativeConfig); slots for drafts
+        # are reserved only in steps that surely stay at or below it (``_step_lookahead``, set by ``schedule``).
+        self.disable_by_batch_size = disable_by_batch_size
+        self._step_lookahead = num_lookahead_tokens
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.waiting = make_queue(config.scheduling_policy)
         self.running: list[Request] = []
@@ -87,6 +92,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self.by_priority:
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+        self._step_lookahead = self._reservation()
         scheduled: dict[str, int] = {}
         cached_reqs = CachedRequestData()
         spec: dict[str, list[int]] = {}
@@ -104,7 +110,7 @@ class Scheduler:
     ) -> tuple[int, bool]:
         """Hand ``budget`` to the running requests in order; the per-request body is the hot loop of a step."""
         preempted = False
-        running, max_len, max_lookahead = self.running, self.max_model_len, self.num_lookahead_tokens
+        running, max_len, max_lookahead = self.running, self.max_model_len, self._step_lookahead
         req_ids, computed, new_block_ids = cached.req_ids, cached.num_computed_tokens, cached.new_block_ids
         index = 0
         while index < len(running) and budget > 0:
@@ -156,11 +162,21 @@ class Scheduler:
             if victim is request:
                 return None, preempted
 
+    def _reservation(self) -> int:
+        """Draft slots to reserve per request this step: none unless even admitting every waiting request (up to
+        ``max_num_seqs``) keeps the step within ``disable_by_batch_size``, so no slot is reserved for drafts the
+        worker will not make. Where the step ends up smaller and drafts come anyway, scheduling them next step
+        allocates their slots like any other tokens'."""
+        limit = self.disable_by_batch_size
+        if limit is not None and min(len(self.running) + len(self.waiting), self.max_num_seqs) > limit:
+            return 0
+        return self.num_lookahead_tokens
+
     def _lookahead(self, num_tokens_after_step: int) -> int:
         """Slots to reserve for next step's drafts, none past ``max_model_len`` (no draft is scheduled there):
         otherwise a request near ``max_model_len`` could need more blocks than the pool has and preempt itself
         forever."""
-        return max(0, min(self.num_lookahead_tokens, self.max_model_len - num_tokens_after_step))
+        return max(0, min(self._step_lookahead, self.max_model_len - num_tokens_after_step))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from pagellm.config import SpeculativeConfig
+from pagellm.ops import gemm
 from pagellm.ops.gemm import linear
 from pagellm.sample.sampler import SamplingTensors, mix_seed, random_probs, sample_inverse_cdf
 from pagellm.spec.base import Draft, ProposalRequest
@@ -109,8 +110,8 @@ class EagleProposer:
         self.lookup = lookup if self.topk or self.branching else None
         if self.lookup is not None:
             self.num_lookahead_tokens += self.lookup.num_lookahead_tokens
-        self.vocab_rows, self.lm_weight = _draft_lm_head(head, target.lm_head.weight, draft_vocab_size)
-        self.vocab = target.lm_head.weight.shape[0]
+        self.vocab_rows, self.lm_weight = _draft_lm_head(head, target.lm_head, draft_vocab_size)
+        self.vocab = target.cfg.vocab_size
         self.windows: dict[str, _Window] = {}
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -362,18 +363,21 @@ class _KVStore:
         return self._cat
 
 
-def _draft_lm_head(head: EagleHead, weight: torch.Tensor,
+def _draft_lm_head(head: EagleHead, lm_head: nn.Module,
                    size: int | None) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The token ids the draft scores (None: every row) and the LM-head rows for them."""
+    """The token ids the draft scores (None: every row) and the LM-head weight for them: the target's own
+    (plain or packed) for the full vocabulary, else its rows for the subset, packed like the target's."""
     rows = head.draft_vocab
     if rows is None or size == 0:
-        return None, weight
+        return None, lm_head.weight
     if size is not None:
         if size > len(rows):
             raise ValueError(f"draft_vocab_size={size} exceeds the head's draft vocabulary of {len(rows)} tokens; "
                              "use at most that, or 0 for the full vocabulary")
         rows = rows[:size]
-    return rows, weight[rows].contiguous()
+    weight = nn.Parameter(lm_head.rows(rows).contiguous(), requires_grad=False)
+    gemm.pack_parameter(weight)  # bfloat16 where the native kernel runs; plain otherwise
+    return rows, weight
 
 
 def _prod(values: Sequence[int]) -> int:

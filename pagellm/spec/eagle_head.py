@@ -36,9 +36,10 @@ from torch import nn
 
 from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.activation import SiluAndMul
-from pagellm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagellm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, pack_weights
 from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding
+from pagellm.ops import gemm
 from pagellm.ops.gemm import linear
 
 # The head shipped for the built-in model, used when an eagle config names no file (source checkouts).
@@ -137,6 +138,8 @@ class EagleHead(nn.Module):
             raise ValueError(f"{path}: its draft vocabulary does not fit this target's {cfg.vocab_size} tokens; "
                              f"{_FIX}")
         head.load_state_dict({name: t.to(dtype) for name, t in tensors.items()})
+        pack_weights(head)  # bfloat16: its layers take the packed GEMM like the target's
+        gemm.pack_parameter(head.fc.weight)  # a plain nn.Linear (trainable), run through ``linear`` too
         return head.eval()
 
 

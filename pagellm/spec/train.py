@@ -119,7 +119,9 @@ def training_llm(model: str | None, dtype: str, **engine_args: Any):  # noqa: AN
 
     args = {"enable_prefix_caching": False, "enable_chunked_prefill": False, "max_num_seqs": 128, **engine_args}
     llm = LLM(model, dtype=dtype, **args)
-    llm.engine.core.executor.worker.runner.proposer = HiddenRecorder()
+    runner = llm.engine.core.executor.worker.runner
+    runner.proposer = HiddenRecorder()
+    runner.disable_by_batch_size = None  # record every step, however many requests it runs
     return llm
 
 
@@ -239,8 +241,8 @@ class FrozenTarget:
 def frozen_target(model: torch.nn.Module) -> FrozenTarget:
     norm = RMSNorm(model.cfg.hidden_size, model.model.norm.eps, torch.float32)
     norm.weight.data.copy_(model.model.norm.weight.detach().float())
-    return FrozenTarget(model.cfg, model.model.embed_tokens.weight.detach().float(), norm,
-                        model.lm_head.weight.detach().float())
+    return FrozenTarget(model.cfg, model.model.embed_tokens.plain_weight().detach().float(), norm,
+                        model.lm_head.plain_weight().detach().float())
 
 
 def plot_losses(losses: list[float], path: Path, title: str,

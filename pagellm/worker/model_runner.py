@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, block_size: int,
-                 proposer: Proposer, seed: int, vocab_size: int = 0, model_dir: Path | None = None) -> None:
+                 proposer: Proposer, seed: int, vocab_size: int = 0, model_dir: Path | None = None,
+                 disable_by_batch_size: int | None = None) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -51,6 +52,7 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.drafts: dict[str, Draft] = {}  # proposals awaiting verification, by request
+        self.disable_by_batch_size = disable_by_batch_size  # no drafting for steps of more requests than this
 
     def bind_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         """Allocate one [2, num_blocks, block_size, kv_heads, head_dim] cache per attention layer."""
@@ -288,8 +290,13 @@ class ModelRunner:
                  hidden: torch.Tensor) -> dict[str, list[int]]:
         """Ask the proposer for drafts for every request that just sampled; keep what verification needs.
         Proposers that draft from the target's hidden states get every row this step accepted (``hidden`` holds
-        the whole step's rows)."""
+        the whole step's rows). Nothing is drafted after a step of more than ``disable_by_batch_size`` requests
+        (speculation off under load)."""
         if not self.proposer.num_lookahead_tokens:
+            return {}
+        if self.disable_by_batch_size is not None and len(inputs.req_ids) > self.disable_by_batch_size:
+            for req_id in inputs.req_ids:  # the scheduler drops these requests' drafts when none come back
+                self.drafts.pop(req_id, None)
             return {}
         asks: list[ProposalRequest] = []
         for j, (req_id, result) in enumerate(zip(inputs.req_ids, results)):

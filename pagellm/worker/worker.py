@@ -53,10 +53,10 @@ class Worker:
         proposer = make_proposer(spec_config, model, backend=backend, block_size=cache_config.block_size,
                                  num_blocks=num_blocks, dtype=self.dtype, seed=model_config.seed)
         self.runner = ModelRunner(model, backend, cache_config.block_size, proposer, model_config.seed,
-                                  arch.vocab_size, model_dir)
+                                  arch.vocab_size, model_dir, spec_config.disable_by_batch_size)
         self.runner.bind_kv_cache(num_blocks, self.dtype)
         if self.dtype == torch.bfloat16:  # build/load the native layer kernels now, not during the first request
-            logger.info("native kernels: small-M GEMM %s, fused element-wise %s",
+            logger.info("native kernels: packed GEMM %s, fused element-wise %s",
                         "on" if gemm.available() else "off", "on" if fused.available() else "off")
         self.runtime = RuntimeInfo(max_model_len, num_blocks, cache_config.block_size, arch.vocab_size)
         logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens", model_dir, arch.architecture,

@@ -18,7 +18,7 @@ from pagellm.config import SpeculativeConfig
 from pagellm.spec.base import ProposalRequest
 from pagellm.spec.eagle import EagleProposer
 from pagellm.spec.tree import best_subtree, depths
-from tests.engine.test_spec_decode import GREEDY, SMALL_KV, _drafted, _prompts, _run, assert_no_leaks
+from tests.engine.test_spec_decode import ANY_BATCH, GREEDY, SMALL_KV, _drafted, _prompts, _run, assert_no_leaks
 
 SHAPES = {
     "chain": {"num_speculative_tokens": 3},
@@ -70,7 +70,7 @@ def test_eagle_greedy_identical_with_prefix_hits_and_sampled_runs(tiny_llama: Pa
     prompts = _prompts(6, n=4)
     expected = _run(plain, prompts, GREEDY)
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV,
-              speculative_config={"method": "eagle", "model": str(eagle_file), **SHAPES[shape]})
+              speculative_config={"method": "eagle", "model": str(eagle_file), **SHAPES[shape], **ANY_BATCH})
     assert _run(llm, prompts, GREEDY) == expected
     drafted, accepted = _drafted(llm)
     assert drafted > 0 and accepted > 0
@@ -91,7 +91,7 @@ def test_eagle_greedy_identical_under_preemption(tiny_llama: Path, plain: LLM, e
     prompts = _prompts(7)
     expected = _run(plain, prompts, GREEDY)
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV // 8, max_num_seqs=6,
-              speculative_config={"method": "eagle", "model": str(eagle_file), **SHAPES[shape]})
+              speculative_config={"method": "eagle", "model": str(eagle_file), **SHAPES[shape], **ANY_BATCH})
     assert _run(llm, prompts, GREEDY) == expected
     assert sum(s.num_preemptions for s in llm.last_stats) > 0, "the pool was meant to force preemptions"
     assert _drafted(llm)[1] > 0
@@ -130,7 +130,7 @@ def test_runner_hands_every_accepted_row_to_the_proposer(tiny_llama: Path, eagle
         length = len(o.prompt_token_ids) + len(o.outputs[0].token_ids)
         truth[tuple(o.prompt_token_ids)] = recorder.states(o.request_id, length - 1)
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV,
-              speculative_config={"method": "eagle", "model": str(eagle_file), **SHAPES[shape]})
+              speculative_config={"method": "eagle", "model": str(eagle_file), **SHAPES[shape], **ANY_BATCH})
     runner = llm.engine.core.executor.worker.runner
     spy = runner.proposer = _Spy(runner.proposer)
     multi_row_steps = 0
@@ -151,7 +151,7 @@ def _reference_draft(proposer: EagleProposer, target: torch.nn.Module, tokens: l
                      topk: int, budget: int) -> tuple[list[int], list[int]]:
     """EAGLE-2 by brute force: every node's output recomputed with ``EagleHead.forward`` (the plain twin) over
     the window's true pairs plus the node's path. topk 1 is the greedy chain."""
-    head, lm = proposer.head, target.lm_head.weight
+    head, lm = proposer.head, target.lm_head.plain_weight()
     vocab = head.draft_vocab if head.draft_vocab is not None else torch.arange(lm.shape[0])
     n = len(hidden)
     base = [(len(tokens) - n + i, tokens[len(tokens) - n + i], hidden[i]) for i in range(n)]

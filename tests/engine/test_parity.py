@@ -141,7 +141,8 @@ def test_ngram_speculation_is_lossless(tiny_model_factory) -> None:
     prompts = [p + p[:20] + p for p in base[:6]]
     plain = run(LLM(str(model_dir), dtype="float32"), prompts)
     spec_llm = LLM(str(model_dir), dtype="float32", speculative_config={"method": "ngram",
-                                                                         "num_speculative_tokens": 3})
+                                                                         "num_speculative_tokens": 3,
+                                                                         "disable_by_batch_size": None})
     speculative = run(spec_llm, prompts)
     drafts = [s.spec_decoding for s in spec_llm.last_stats if s.spec_decoding is not None]
     assert sum(d.num_draft_tokens for d in drafts) > 0, "the proposer never drafted"

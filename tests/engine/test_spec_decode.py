@@ -56,6 +56,7 @@ def assert_no_leaks(llm: LLM) -> None:
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+ANY_BATCH = {"disable_by_batch_size": None}  # draft in batches of any size (the tests below run 6 requests)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,8 @@ def plain(tiny_llama: Path) -> LLM:
 
 def test_ngram_sampled_requests_verify_drafts(tiny_llama: Path) -> None:
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                  **ANY_BATCH})
     params = SamplingParams(temperature=0.3, top_p=0.95, seed=5, max_tokens=24, ignore_eos=True)
     first = _run(llm, _prompts(1), params)
     drafted, accepted = _drafted(llm)
@@ -82,7 +84,7 @@ def test_ngram_sampled_requests_verify_drafts(tiny_llama: Path) -> None:
 def test_greedy_identical_with_and_without_speculation(tiny_llama: Path, plain: LLM, spec: dict[str, Any]) -> None:
     prompts = _prompts(2)
     expected = _run(plain, prompts, GREEDY)
-    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV, speculative_config=spec)
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV, speculative_config={**spec, **ANY_BATCH})
     assert _run(llm, prompts, GREEDY) == expected
     drafted, accepted = _drafted(llm)
     assert drafted > 0 and accepted > 0
@@ -111,10 +113,40 @@ def test_draft_model_greedy_identical_under_preemption(tiny_llama: Path, plain: 
     prompts = _prompts(4)
     expected = _run(plain, prompts, GREEDY)
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV // 8, max_num_seqs=6,
-              speculative_config={"method": "draft_model", "num_speculative_tokens": 4, "model": str(draft_dir)})
+              speculative_config={"method": "draft_model", "num_speculative_tokens": 4, "model": str(draft_dir),
+                                  **ANY_BATCH})
     assert _run(llm, prompts, GREEDY) == expected
     assert sum(s.num_preemptions for s in llm.last_stats) > 0, "the pool was meant to force preemptions"
     assert _drafted(llm)[0] > 0
+    assert_no_leaks(llm)
+
+
+def test_speculation_is_off_while_the_batch_is_large(tiny_llama: Path, plain: LLM) -> None:
+    """disable_by_batch_size=2: after a step of more than 2 requests nothing is drafted and no draft slot is
+    reserved; as requests finish and 2 remain, drafting resumes. Greedy output is unchanged and no block leaks."""
+    prompts = _prompts(2)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 12, 18, 24, 40, 48)]
+    expected = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                  "disable_by_batch_size": 2})
+    sched, steps = llm.engine.core.scheduler, []
+    schedule = sched.schedule
+
+    def recording_schedule():
+        out = schedule()
+        extra = sum(len(sched.kv.req_blocks[r]) - -(-sched.requests[r].num_computed_tokens // sched.kv.block_size)
+                    for r in out.num_scheduled_tokens)  # blocks held beyond the step's tokens: draft slots
+        steps.append((len(out.num_scheduled_tokens), sum(map(len, out.spec_token_ids.values())), extra))
+        return out
+
+    sched.schedule = recording_schedule
+    assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert all(previous[0] <= 2 for previous, (_, drafts, _) in zip(steps, steps[1:]) if drafts)
+    first_draft = next(i for i, (_, drafts, _) in enumerate(steps) if drafts)
+    assert steps[first_draft - 1][0] == 2 and all(batch > 2 for batch, _, _ in steps[:first_draft - 1])
+    assert all(extra == 0 for _, _, extra in steps[:first_draft - 1])  # no draft slot while drafting was off
+    assert sum(drafts for _, drafts, _ in steps) > 20              # drafting resumed for the last requests
     assert_no_leaks(llm)
 
 
@@ -193,7 +225,7 @@ def medusa_file(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     sequences = generate_sequences(llm, [[{"role": "user", "content": "hi"}]], codes, max_tokens=24)
     assert all(len(s.tokens) > s.prompt_len for s in sequences)
     hidden, tokens = flatten(sequences)
-    lm_head = llm.engine.core.executor.worker.runner.model.lm_head.weight.float()
+    lm_head = llm.engine.core.executor.worker.runner.model.lm_head.plain_weight().float()
     heads, losses = train_medusa(hidden, tokens, lm_head, num_heads=3, steps=30, batch=16, lr=1e-2, seed=0)
     assert losses[-1] < losses[0]
     path = tmp_path_factory.mktemp("medusa") / "heads.safetensors"

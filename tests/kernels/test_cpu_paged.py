@@ -1,15 +1,18 @@
-"""The C++ paged decode kernel against its plain-PyTorch twin (``attention/torch_ref.py``) and dense attention."""
+"""The C++ paged attention kernel against its plain-PyTorch twin (``attention/torch_ref.py``) and dense float64
+attention: decodes, prompt chunks (fresh and after a prefix hit), speculative chains and draft trees in one step."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pagellm.attention.base import CommonAttentionInputs
-from pagellm.attention.cpu_paged import CpuPagedBackend
+from pagellm.attention.cpu_paged import CpuPagedBackend, build_metadata, load_kernel
 from pagellm.attention.torch_ref import TorchRefBackend
+from pagellm.spec.tree import row_mask, static_tree
 
 
 def _random_step(q_lens: list[int], ctx_lens: list[int], heads: int, kv_heads: int, head_dim: int,
@@ -37,73 +40,124 @@ def _random_step(q_lens: list[int], ctx_lens: list[int], heads: int, kv_heads: i
     return q, k, v, cache, common
 
 
-def _dense_reference(q, cache, common, row_tokens, heads, kv_heads, scale):
-    """Attention of one decode row computed densely from the cache, in float64."""
-    row, token = row_tokens
-    ctx = int(common.seq_lens[row])
-    bs = common.block_size
-    idx = [int(common.block_table[row, p // bs]) * bs + p % bs for p in range(ctx)]
-    keys = cache[0].reshape(-1, kv_heads, q.shape[-1])[idx].double().repeat_interleave(heads // kv_heads, 1)
-    vals = cache[1].reshape(-1, kv_heads, q.shape[-1])[idx].double().repeat_interleave(heads // kv_heads, 1)
-    scores = torch.einsum("hd,thd->ht", q[token].double(), keys) * scale
-    return torch.einsum("ht,thd->hd", scores.softmax(-1), vals).reshape(-1)
+def _dense(q: torch.Tensor, cache: torch.Tensor, common: CommonAttentionInputs, scale: float) -> torch.Tensor:
+    """Every row in float64 from the (already written) cache: causal, or the row's tree mask after its context."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads, bs = cache.shape[3], common.block_size
+    trees = common.tree_masks or {}
+    out = []
+    for row in range(len(common.seq_lens)):
+        start, end = int(common.query_start_loc[row]), int(common.query_start_loc[row + 1])
+        n, ctx = end - start, int(common.seq_lens[row])
+        idx = [int(common.block_table[row, p // bs]) * bs + p % bs for p in range(ctx)]
+        keys = cache[0].reshape(-1, kv_heads, head_dim)[idx].double().repeat_interleave(heads // kv_heads, 1)
+        vals = cache[1].reshape(-1, kv_heads, head_dim)[idx].double().repeat_interleave(heads // kv_heads, 1)
+        own = trees[row] if row in trees else torch.ones(n, n, dtype=torch.bool).tril_()
+        allowed = torch.cat([torch.ones(n, ctx - n, dtype=torch.bool), own], dim=1)
+        scores = torch.einsum("qhd,thd->hqt", q[start:end].double(), keys) * scale
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out.append(torch.einsum("hqt,thd->qhd", scores.softmax(-1), vals).reshape(n, -1))
+    return torch.cat(out)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-# Shapes cover the kernel's register-resident fixed shapes (head_dim 64/128), its generic vector walk (other
-# multiples of 16) and block sizes that split the 16-token tiles.
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
-                         [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 32, 8), (8, 1, 16, 1), (12, 2, 48, 4)])
-def test_decode_kernel_matches_reference(dtype, tol, heads, kv_heads, head_dim, block_size) -> None:
+def _both(q, k, v, cache, common, scale):
+    """(torch_ref output, cpu_paged output, the cache after the step's K/V were written)."""
+    ref, fast = TorchRefBackend(), CpuPagedBackend()
+    ref_cache, fast_cache = cache.clone(), cache.clone()
+    expected = ref.forward(q, k, v, ref_cache, ref.build(common), scale)
+    got = fast.forward(q, k, v, fast_cache, fast.build(common), scale)
+    assert torch.equal(ref_cache, fast_cache)  # both wrote the new K/V into the same slots
+    return expected, got, fast_cache
+
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+# Shapes cover the flash tiles (head_dim 64/128, bf16), the walk's register-resident fixed shapes, its generic
+# vector walk (other multiples of 16), the scalar walk (head_dim 24) and block sizes that split the key tiles.
+SHAPES = [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 32, 8), (8, 1, 16, 1), (12, 2, 48, 4), (6, 3, 64, 32),
+          (4, 2, 24, 8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
+def test_decode_rows_match_reference(dtype, heads, kv_heads, head_dim, block_size) -> None:
     ctx_lens = [1, 5, block_size, block_size + 1, 97, 3 * block_size]
     q, k, v, cache, common = _random_step([1] * len(ctx_lens), ctx_lens, heads, kv_heads, head_dim, block_size,
                                           dtype, seed=heads + block_size)
     scale = head_dim ** -0.5
-    ref_cache, fast_cache = cache.clone(), cache.clone()
-    ref = TorchRefBackend()
-    fast = CpuPagedBackend()
-    expected = ref.forward(q, k, v, ref_cache, ref.build(common), scale)
-    got = fast.forward(q, k, v, fast_cache, fast.build(common), scale)
-    assert torch.equal(ref_cache, fast_cache)  # both wrote the new K/V into the same slots
+    expected, got, written = _both(q, k, v, cache, common, scale)
+    tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
-    for row in range(len(ctx_lens)):  # and both agree with dense float64 attention
-        dense = _dense_reference(q, fast_cache, common, (row, row), heads, kv_heads, scale)
-        torch.testing.assert_close(got[row].double(), dense, atol=tol, rtol=tol)
+    torch.testing.assert_close(got.double(), _dense(q, written, common, scale), atol=tol, rtol=tol)
 
 
-def test_mixed_batch_uses_kernel_for_decodes_and_reference_for_chunks() -> None:
-    q_lens, ctx_lens = [1, 7, 1, 20, 1], [40, 7, 3, 52, 129]
-    q, k, v, cache, common = _random_step(q_lens, ctx_lens, 6, 2, 32, 16, torch.float32, seed=3)
-    ref, fast = TorchRefBackend(), CpuPagedBackend()
-    expected = ref.forward(q, k, v, cache.clone(), ref.build(common), 0.2)
-    got = fast.forward(q, k, v, cache.clone(), fast.build(common), 0.2)
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+def _mixed_step(heads, kv_heads, head_dim, block_size, dtype, seed):
+    """Decodes, fresh prompts, chunks after cached context, chains and trees (one of 84 nodes: two mask words)."""
+    small, big = static_tree([3, 2]), static_tree([4, 4, 4, 1])[:84]
+    rows = [  # (query tokens, context length, tree parents or None)
+        (1, 40, None), (37, 37, None), (5, 61, None), (len(small) + 1, 30, small), (1, 3, None),
+        (70, 70, None), (22, 70, None), (3, 3, None), (85, 120, big), (5, 5 + block_size, None), (2, 17, None),
+    ]
+    q, k, v, cache, common = _random_step([r[0] for r in rows], [r[1] for r in rows], heads, kv_heads, head_dim,
+                                          block_size, dtype, seed)
+    trees = {i: row_mask(n, parents) for i, (n, _, parents) in enumerate(rows) if parents is not None}
+    return q, k, v, cache, dataclasses.replace(common, tree_masks=trees)
 
 
-def test_chunk_rows_match_dense_causal_attention() -> None:
-    """Reference path for multi-token rows: a prompt chunk after 20 cached tokens equals masked dense attention."""
-    q, k, v, cache, common = _random_step([12], [32], 4, 2, 16, 8, torch.float32, seed=4)
-    ref = TorchRefBackend()
-    out = ref.forward(q, k, v, cache, ref.build(common), 0.25)
-    idx = [int(common.block_table[0, p // 8]) * 8 + p % 8 for p in range(32)]
-    keys = cache[0].reshape(-1, 2, 16)[idx].repeat_interleave(2, 1).transpose(0, 1)
-    vals = cache[1].reshape(-1, 2, 16)[idx].repeat_interleave(2, 1).transpose(0, 1)
-    mask = torch.arange(32)[None, :] <= torch.arange(20, 32)[:, None]
-    dense = F.scaled_dot_product_attention(q.transpose(0, 1), keys, vals, attn_mask=mask, scale=0.25)
-    torch.testing.assert_close(out, dense.transpose(0, 1).reshape(12, -1), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-def test_batched_chunk_groups_match_reference(dtype, tol) -> None:
-    """Prompt chunks of similar and very different lengths, with and without cached context, batched by group."""
-    q_lens, ctx_lens = [5, 8, 9, 16, 3, 40, 1], [5, 40, 9, 48, 3, 100, 17]
-    q, k, v, cache, common = _random_step(q_lens, ctx_lens, 6, 3, 64, 16, dtype, seed=5)
-    ref, fast = TorchRefBackend(), CpuPagedBackend()
-    metadata = fast.build(common)
-    # Rows without cached context (lengths 5, 9, 3) group apart from the others (8, 16, 40), each set cut so the
-    # longest row is at most twice the shortest: {3, 5} | {9} (bf16: causal over the step's k/v) and {8, 16} | {40}.
-    assert [g.token_index.shape for g in metadata.groups] == [(2, 5), (1, 9), (2, 16), (1, 40)]
-    assert [g.fresh for g in metadata.groups] == [True, True, False, False]
-    expected = ref.forward(q, k, v, cache.clone(), ref.build(common), 0.125)
-    got = fast.forward(q, k, v, cache.clone(), metadata, 0.125)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
+def test_mixed_step_matches_reference_and_dense(dtype, heads, kv_heads, head_dim, block_size) -> None:
+    q, k, v, cache, common = _mixed_step(heads, kv_heads, head_dim, block_size, dtype, seed=heads * block_size)
+    scale = head_dim ** -0.5
+    expected, got, written = _both(q, k, v, cache, common, scale)
+    tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.double(), _dense(q, written, common, scale), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (16, 1, 64)])
+def test_bfloat16_flash_tiles_agree_with_the_token_walk(heads, kv_heads, head_dim) -> None:
+    """The two bfloat16 paths (flash tiles for multi-token rows, the walk for single tokens) agree on every row."""
+    q, k, v, cache, common = _mixed_step(heads, kv_heads, head_dim, 16, torch.bfloat16, seed=11)
+    kernel, md = load_kernel(), build_metadata(common)
+    CpuPagedBackend().forward(q, k, v, cache, md, 0.125)  # writes the step's K/V
+    flash = kernel.attention(q, cache[0], cache[1], md, 0.125, flash_min_tokens=2)
+    walk = kernel.attention(q, cache[0], cache[1], md, 0.125, flash_min_tokens=1 << 30)
+    torch.testing.assert_close(flash.float(), walk.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(flash.double(), _dense(q, cache, common, 0.125), atol=2e-2, rtol=2e-2)
+
+
+def test_float32_tokens_are_bitwise_independent_of_their_row() -> None:
+    """float32: a token's output is the same bits whether it is computed in a whole prompt, in a chunk after a
+    prefix hit, as a decode, or next to other requests (prefix-cache hits reproduce misses bit for bit)."""
+    heads, kv_heads, head_dim, bs = 9, 3, 64, 16
+    q, k, v, cache, common = _random_step([70], [70], heads, kv_heads, head_dim, bs, torch.float32, seed=21)
+    backend = CpuPagedBackend()
+    whole = backend.forward(q, k, v, cache, backend.build(common), 0.125)  # the miss: all 70 tokens at once
+    table = common.block_table
+    variants = {  # rows as (first token, count); context is everything before each row's last token
+        "chunk after a 48-token hit": [(48, 22)],
+        "three chunks side by side": [(0, 16), (16, 33), (49, 21)],
+        "decodes": [(p, 1) for p in (0, 15, 16, 47, 69)],
+        "a mixed step": [(60, 10), (20, 1), (0, 20)],
+    }
+    for name, rows in variants.items():
+        tokens = np.concatenate([np.arange(first, first + n) for first, n in rows])
+        qsl = np.concatenate([[0], np.cumsum([n for _, n in rows])]).astype(np.int64)
+        step = CommonAttentionInputs(qsl, np.array([first + n for first, n in rows], dtype=np.int64),
+                                     np.repeat(table, len(rows), axis=0), common.slot_mapping[tokens], bs)
+        idx = torch.from_numpy(tokens)
+        got = backend.forward(q[idx], k[idx], v[idx], cache, backend.build(step), 0.125)
+        assert torch.equal(got, whole[idx]), name
+
+
+def test_tree_metadata_packs_each_rows_mask() -> None:
+    parents = static_tree([2, 2])  # 6 nodes + root
+    q_lens, ctx_lens = [1, 7, 4], [9, 20, 4]
+    _, _, _, _, common = _random_step(q_lens, ctx_lens, 2, 1, 16, 4, torch.float32, seed=1)
+    mask = row_mask(7, parents)
+    md = build_metadata(dataclasses.replace(common, tree_masks={1: mask}))
+    # Tree tokens see the cached context (13 keys) and their own mask bits; other rows are causal, no bits.
+    assert md.ctx_end.tolist() == [9, *[13] * 7, 1, 2, 3, 4]
+    bits = md.tree_bits[:, 0].tolist()
+    assert bits[0] == 0 and bits[8:] == [0] * 4
+    assert bits[1:8] == [sum(1 << j for j in range(7) if mask[i, j]) for i in range(7)]

@@ -73,3 +73,17 @@ def test_compact_kv_moves_the_accepted_path() -> None:
     assert torch.equal(flat[:, 10], old[:, 11]) and torch.equal(flat[:, 11], old[:, 14])
     untouched = [s for s in range(4 * BS) if s not in (10, 11)]
     assert torch.equal(flat[:, untouched], old[:, untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chain_shaped_tree_attends_exactly_like_the_chain(dtype) -> None:
+    """A tree whose nodes each have one child is a chain: through cpu_paged its rows must equal the causal rows of
+    the same tokens bit for bit (both kernels see the same keys in the same tiles; only the mask's form differs)."""
+    q_lens, ctx_lens = [1, 6, 6, 40], [30, 21, 47, 70]  # a decode, two 1 + 5 chains (one across blocks), a chunk
+    q, k, v, cache, common = _random_step(q_lens, ctx_lens, HEADS, KV_HEADS, HEAD_DIM, BS, dtype, seed=9)
+    chain = static_tree([1, 1, 1, 1, 1])
+    impl = CpuPagedBackend()
+    causal = impl.forward(q, k, v, cache.clone(), impl.build(common), 0.25)
+    as_tree = dataclasses.replace(common, tree_masks={1: row_mask(6, chain), 2: row_mask(6, chain)})
+    tree = impl.forward(q, k, v, cache.clone(), impl.build(as_tree), 0.25)
+    assert torch.equal(tree, causal)

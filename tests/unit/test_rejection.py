@@ -181,6 +181,12 @@ def test_speculative_config_validation_names_the_fix() -> None:
         SpeculativeConfig(method="eagle", num_speculative_tokens=2, draft_vocab_size=-1)
     with pytest.raises(ValueError, match="only supported with methods 'medusa' and 'eagle'"):
         SpeculativeConfig(method="ngram", num_speculative_tokens=2, tree=[2, 1])
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2, '
+                                   '"disable_by_batch_size": null}').disable_by_batch_size is None
+    for bad in (0, -3, 2.5, True, "8"):
+        with pytest.raises(ValueError, match=r"disable_by_batch_size must be a positive number of requests \(or "
+                                             r"null to draft at any batch size\)"):
+            SpeculativeConfig(method="ngram", num_speculative_tokens=2, disable_by_batch_size=bad)
 
 
 def test_spec_stats_mean_acceptance_length() -> None:

@@ -32,12 +32,13 @@ def make_scheduler(
     max_model_len: int = 1024,
     caching: bool = True,
     lookahead: int = 0,
+    disable_by_batch_size: int | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
                         scheduling_policy=policy),
         CacheConfig(block_size=block_size, enable_prefix_caching=caching),
-        num_blocks, max_model_len, lookahead,
+        num_blocks, max_model_len, lookahead, disable_by_batch_size,
     )
 
 
@@ -603,6 +604,43 @@ def test_lookahead_slots_stop_at_max_model_len():
     assert out.new_reqs[0].block_ids == [0, 1]   # 7 + 3 slots would be 3 blocks, but no token goes past 8
     sched.update_from_output(out, fake_output(sched, out))
     assert_all_free(sched)
+
+
+def test_no_draft_slots_are_reserved_while_the_batch_is_too_large_to_draft():
+    """disable_by_batch_size=2: the worker drafts nothing after a step of 3 requests, so none of them gets lookahead
+    slots; once one finishes, the two left get theirs again (the same step without the limit reserves at once)."""
+    sched = make_scheduler(num_blocks=32, block_size=4, lookahead=3, disable_by_batch_size=2)
+    for rid, first, max_tokens in (("A", 100, 8), ("B", 200, 8), ("C", 300, 1)):
+        sched.add_request(make_request(rid, range(first, first + 7), max_tokens=max_tokens))
+    out = sched.schedule()
+    assert [r.block_ids for r in out.new_reqs] == [[0, 1], [2, 3], [4, 5]]   # 7 tokens each, nothing more
+    sched.update_from_output(out, fake_output(sched, out))                     # C is done (max_tokens=1)
+    out = sched.schedule()                                                       # A and B: 1 token + 3 slots each
+    assert per_request(out.cached_reqs) == [("A", [6], 7), ("B", [7], 7)]
+    sched.update_from_output(out, fake_output(sched, out))
+    run_to_completion(sched)
+    unlimited = make_scheduler(num_blocks=32, block_size=4, lookahead=3)
+    for rid, first in (("A", 100), ("B", 200), ("C", 300)):
+        unlimited.add_request(make_request(rid, range(first, first + 7), max_tokens=1))
+    assert [r.block_ids for r in unlimited.schedule().new_reqs] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+
+
+def test_drafts_after_a_step_without_reserved_slots_get_slots_when_scheduled():
+    """A waiting request that was not admitted after all kept the step within the limit, so the worker drafted
+    although the scheduler had reserved nothing: the drafts are then scheduled and allocated like other tokens."""
+    sched = make_scheduler(num_blocks=32, block_size=4, lookahead=3, disable_by_batch_size=1, chunked=False,
+                           budget=12, max_model_len=12)
+    sched.add_request(make_request("A", range(100, 107), max_tokens=4))
+    sched.add_request(make_request("B", range(200, 207), max_tokens=4))   # does not fit the budget with A
+    out = sched.schedule()
+    assert [(r.req_id, r.block_ids) for r in out.new_reqs] == [("A", [0, 1])]   # 2 requests known: no reservation
+    sched.update_from_output(out, fake_output(sched, out, drafts={"A": [1, 2, 3]}))  # a step of 1 drafts
+    out = sched.schedule()
+    assert out.spec_token_ids == {"A": [1, 2, 3]} and out.num_scheduled_tokens == {"A": 4, "B": 7}
+    assert per_request(out.cached_reqs) == [("A", [2], 7)]                     # 11 tokens: a third block
+    assert [(r.req_id, r.block_ids) for r in out.new_reqs] == [("B", [3, 4])]
+    sched.update_from_output(out, fake_output(sched, out))
+    run_to_completion(sched)
 
 
 def test_request_filling_the_whole_pool_finishes_with_lookahead():

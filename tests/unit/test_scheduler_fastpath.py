@@ -40,9 +40,9 @@ class _PlainScheduler(Scheduler):
         request.length_limit = 0  # every token goes through _check_stop
 
 
-def _make(cls: type[Scheduler], caching: bool, lookahead: int, num_blocks: int) -> Scheduler:
+def _make(cls: type[Scheduler], caching: bool, lookahead: int, num_blocks: int, limit: int | None) -> Scheduler:
     return cls(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24), CacheConfig(block_size=4,
-               enable_prefix_caching=caching), num_blocks, 40, lookahead)
+               enable_prefix_caching=caching), num_blocks, 40, lookahead, limit)
 
 
 def _requests(rng: random.Random) -> list[tuple]:
@@ -68,12 +68,14 @@ def _strip_times(outputs: list[EngineCoreOutput]) -> bytes:
                                     o.num_cached_tokens, o.times is not None) for o in outputs])
 
 
-@pytest.mark.parametrize("seed,caching,lookahead,num_blocks", [(0, True, 2, 20), (1, True, 0, 12),
-                                                               (2, False, 2, 20), (3, True, 0, 40)])
-def test_fast_paths_match_the_general_path(seed, caching, lookahead, num_blocks):
+# limit: disable_by_batch_size (no draft slots reserved in steps with more requests).
+@pytest.mark.parametrize("seed,caching,lookahead,num_blocks,limit", [(0, True, 2, 20, None), (1, True, 0, 12, None),
+                                                                     (2, False, 2, 20, None), (3, True, 0, 40, None),
+                                                                     (4, True, 3, 20, 3)])
+def test_fast_paths_match_the_general_path(seed, caching, lookahead, num_blocks, limit):
     rng = random.Random(seed)
     specs = _requests(rng)
-    fast, plain = (_make(cls, caching, lookahead, num_blocks) for cls in (Scheduler, _PlainScheduler))
+    fast, plain = (_make(cls, caching, lookahead, num_blocks, limit) for cls in (Scheduler, _PlainScheduler))
     steps = preemptions = 0
     while specs or fast.has_unfinished_requests():
         steps += 1

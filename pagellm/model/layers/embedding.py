@@ -2,17 +2,22 @@
 
 Each rank holds rows ``[rank * V/tp, (rank + 1) * V/tp)``. The embedding zeroes the ids it does not own and
 all-reduces; the LM head computes its slice of the logits and gathers them.
+
+The LM head's weight is packed for the bfloat16 GEMM after loading (``linear.pack_weights``). A tied LM head shares
+the embedding's Parameter, so the embedding then reads its rows out of the packed matrix (``ops.gemm.weight_rows``:
+a gather of the looked-up rows only) and the model keeps one copy of the table. An untied embedding stays plain.
+Code that needs plain rows of either (draft heads, training) uses ``rows(ids)`` or ``plain_weight()``, never
+``.weight`` directly.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed.groups import SINGLE, ParallelState
-from pagellm.model.layers.linear import _copy, _param
-from pagellm.ops.gemm import linear
+from pagellm.model.layers.linear import _copy, _loadable, _param
+from pagellm.ops import gemm
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -25,14 +30,22 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _param((self.shard, hidden), dtype, self._load)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
-        _copy(param.data, loaded.narrow(0, self.start, self.shard).to(param.dtype), "vocab shard")
+        _copy(_loadable(param), loaded.narrow(0, self.start, self.shard).to(param.dtype), "vocab shard")
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Plain rows ``W[ids]`` of this rank's shard (local row ids), whatever the weight's layout."""
+        return gemm.weight_rows(self.weight, ids)
+
+    def plain_weight(self) -> torch.Tensor:
+        """This rank's ``[V/tp, H]`` table in the plain layout (a new tensor when the weight is packed)."""
+        return gemm.plain(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return self.rows(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.shard)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.rows(local.masked_fill(outside, 0))
         return self.parallel.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
 
 
@@ -42,5 +55,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
+    def pack_weight(self) -> bool:
+        return gemm.pack_parameter(self.weight)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.parallel.all_gather_last_dim(linear(hidden, self.weight))
+        return self.parallel.all_gather_last_dim(gemm.linear(hidden, self.weight))

@@ -4,6 +4,10 @@ Column-parallel layers split output features across tensor-parallel ranks, row-p
 features and all-reduce their outputs. Each parameter carries a ``weight_loader(param, loaded, shard_id)`` that
 copies this rank's slice of a checkpoint tensor into place, so model files never slice weights themselves.
 Merged layers (QKV, gate+up) fuse several checkpoint tensors into one matrix: one GEMM instead of several.
+
+After loading, ``pack_weights(model)`` re-lays every bfloat16 weight that runs through ``ops.gemm.linear``
+(these layers and the LM head) in the packed layout of the native GEMM, in place: the model keeps one copy of
+each weight, and loaders refuse to write into a packed model. float32 weights stay plain (``F.linear``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from torch import nn
 
 from pagellm.distributed.groups import SINGLE, ParallelState
+from pagellm.ops import gemm
 from pagellm.ops.gemm import linear
 
 
@@ -21,6 +26,14 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter: 
     param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     param.weight_loader = loader  # type: ignore[attr-defined]
     return param
+
+
+def _loadable(param: nn.Parameter) -> torch.Tensor:
+    """The parameter's data to copy a checkpoint tensor into; a packed weight takes no more loads."""
+    if gemm.packed_shape(param) is not None:
+        raise ValueError("this weight is already packed for the bfloat16 kernel (weights are packed once, after "
+                         "loading); load the checkpoint into a newly built model")
+    return param.data
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -45,7 +58,10 @@ class ColumnParallelLinear(nn.Module):
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         size = self.shard_sizes[shard_id]
         rank_slice = loaded.narrow(0, self.parallel.tp_rank * size, size)
-        _copy(param.data.narrow(0, self.offsets[shard_id], size), rank_slice.to(param.dtype), "column shard")
+        _copy(_loadable(param).narrow(0, self.offsets[shard_id], size), rank_slice.to(param.dtype), "column shard")
+
+    def pack_weight(self) -> bool:
+        return gemm.pack_parameter(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -78,11 +94,25 @@ class RowParallelLinear(nn.Module):
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         rank_slice = loaded.narrow(1, self.parallel.tp_rank * self.in_shard, self.in_shard)
-        _copy(param.data, rank_slice.to(param.dtype), "row shard")
+        _copy(_loadable(param), rank_slice.to(param.dtype), "row shard")
 
     def _load_bias(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
-        _copy(param.data, loaded.to(param.dtype), "bias")
+        _copy(_loadable(param), loaded.to(param.dtype), "bias")
+
+    def pack_weight(self) -> bool:
+        return gemm.pack_parameter(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.parallel.all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
+
+
+def pack_weights(model: nn.Module) -> int:
+    """Pack the weight of every layer with a ``pack_weight`` hook (see the module docstring), once, after loading;
+    returns how many were packed (0 in float32 or where the native kernel does not run)."""
+    packed = 0
+    for module in model.modules():
+        hook = getattr(module, "pack_weight", None)
+        if hook is not None:
+            packed += bool(hook())
+    return packed

@@ -1,0 +1,274 @@
+// bfloat16 GEMM over a pre-packed weight: y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias), any M.
+//
+// Packed layout (made once at load time by pagellm/ops/gemm.py `pack`): W is cut into panels of 16 output
+// columns; a panel holds its K in pairs, [ceil(K/2)][16 columns][2], so one 64-byte line is the next k-pair of
+// all 16 columns, exactly the operand of one _mm512_dpbf16_ps. Panels are contiguous one after the other, so a
+// run of panels is one contiguous piece of memory. N is padded to a multiple of 16 and K to an even count with
+// zeros.
+//
+// The register tile is MR input rows x NR panels (NR * 16 output columns) of float32 accumulators. Per k-pair it
+// loads NR weight lines and broadcasts MR pairs of x (one 32-bit broadcast each), then issues MR*NR dot products:
+// no horizontal reductions, each accumulator is a finished run of 16 outputs. Each OpenMP thread owns an equal
+// contiguous run of panels (so at small M each streams its own slice of the weight at DRAM speed) and walks all
+// M rows over it. K is processed in equal blocks of at most kKC pairs: a weight block (NR panels x KC pairs) then
+// stays in L2 while every row group of an M block passes over it, and partial sums live in a per-thread float32
+// buffer between K blocks. While the second and later row groups compute on a block, they prefetch the next
+// block from DRAM (see Tile::pf), so compute and memory overlap at M of a few dozen rows. Each output is summed
+// in the same order (k-pairs in sequence, K blocks in sequence) whatever M, its row group or the thread count, so
+// results are batch-invariant. The plain-PyTorch twin and test oracle is `F.linear` (pagellm/ops/gemm.py).
+#include <immintrin.h>
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kPanel = 16;           // output columns per panel (one zmm of float32)
+constexpr int64_t kPanelPair = 32;   // bf16 elements per k-pair of a panel (64 bytes)
+constexpr int64_t kKC = 512;         // most k-pairs per K block (NR=4: 4 * 512 * 64 B = 128 KiB of weights)
+constexpr int64_t kMC = 192;         // rows per M block (x block at most 192 rows * 2 KiB per K block)
+constexpr int kPrefetchPairs = 16;   // software prefetch distance along a panel (1 KiB ahead)
+
+inline __m512i pair_at(const uint16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm512_set1_epi32(v);
+}
+
+inline __m512i half_pair_at(const uint16_t* p) {  // K odd: the last pair has one real element, the other is zero
+  return _mm512_set1_epi32(static_cast<int32_t>(*p));
+}
+
+inline __m512 load_bias(const uint16_t* bias, int64_t col, int cols) {
+  const __mmask16 m = cols >= kPanel ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << cols) - 1);
+  const __m256i h = _mm256_maskz_loadu_epi16(m, bias + col);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline void store_bf16(uint16_t* dst, __m512 v, int cols) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+  if (cols >= kPanel) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), h);
+  } else {
+    _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((1u << cols) - 1), h);
+  }
+}
+
+// How one K block's tile starts and ends: from zero or from the float32 partial sums, to the partials or to y.
+struct Tile {
+  const uint16_t* x;     // first row, at this K block's first pair
+  int64_t ldx;           // elements between rows of x
+  const uint16_t* w;     // first panel, at this K block's first pair
+  int64_t panel_stride;  // elements between panels (Kp/2 * 32)
+  int64_t pairs;         // k-pairs in this block (the last one may be a half pair, see `half_last`)
+  bool half_last;        // K odd and this block ends at K: the last pair's second x element is past the row
+  float* partial;        // [MR][NR * 16] float32 partial sums (row stride ldp), or null when K fits one block
+  int64_t ldp;
+  bool first, last;      // first K block (start from zero) / last K block (write y)
+  uint16_t* y;           // first row, first column of the tile
+  int64_t ldy;
+  const uint16_t* bias;  // at the tile's first column, or null
+  int cols;              // valid output columns of the tile (<= NR * 16; the rest is padding)
+  // While a later row group computes on weights already in L2, it pulls panels [pf_first, pf_end) of the next
+  // weight block (same panel stride) from DRAM into L2, one line per panel per k-pair, so that the next block's
+  // first row group does not wait on memory (M > 8; at M <= 8 a single pass streams and prefetches ahead).
+  const uint16_t* pf;    // the next block's first panel at its first pair, or null
+  int pf_first, pf_end;
+};
+
+template <int MR, int NR>
+void tile_kernel(const Tile& t) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j)
+      acc[i][j] = t.first ? _mm512_setzero_ps() : _mm512_loadu_ps(t.partial + i * t.ldp + j * kPanel);
+  const int64_t full = t.half_last ? t.pairs - 1 : t.pairs;
+  const uint16_t* w = t.w;
+  for (int64_t p = 0; p < full; ++p, w += kPanelPair) {
+    __m512bh b[NR];
+    for (int j = 0; j < NR; ++j) {
+      b[j] = (__m512bh)_mm512_loadu_si512(w + j * t.panel_stride);
+      _mm_prefetch(reinterpret_cast<const char*>(w + j * t.panel_stride + kPrefetchPairs * kPanelPair),
+                   _MM_HINT_T0);
+    }
+    if (t.pf)
+      for (int j = t.pf_first; j < t.pf_end; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(t.pf + j * t.panel_stride + p * kPanelPair), _MM_HINT_T1);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh a = (__m512bh)pair_at(t.x + i * t.ldx + 2 * p);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+    }
+  }
+  if (t.half_last) {
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh a = (__m512bh)half_pair_at(t.x + i * t.ldx + 2 * full);
+      for (int j = 0; j < NR; ++j)
+        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, (__m512bh)_mm512_loadu_si512(w + j * t.panel_stride));
+    }
+  }
+  if (!t.last) {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) _mm512_storeu_ps(t.partial + i * t.ldp + j * kPanel, acc[i][j]);
+    return;
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int cols = t.cols - j * kPanel;
+    if (cols <= 0) break;
+    const __m512 bias = t.bias ? load_bias(t.bias, j * kPanel, cols) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) store_bf16(t.y + i * t.ldy + j * kPanel, _mm512_add_ps(acc[i][j], bias), cols);
+  }
+}
+
+using TileFn = void (*)(const Tile&);
+
+// MR x NR register tiles: MR * NR <= 24 accumulators plus NR weight registers and one broadcast fit in 32 zmm.
+constexpr int kMaxMR = 8;
+constexpr int kMaxNR = 4;
+
+template <int MR>
+constexpr TileFn row_of_tiles(int nr) {
+  return nr == 1 ? tile_kernel<MR, 1> : nr == 2 ? tile_kernel<MR, 2> : nr == 3 ? tile_kernel<MR, 3>
+                                                                                 : tile_kernel<MR, (MR > 6 ? 3 : 4)>;
+}
+
+TileFn tile_fn(int mr, int nr) {
+  switch (mr) {
+    case 1: return row_of_tiles<1>(nr);
+    case 2: return row_of_tiles<2>(nr);
+    case 3: return row_of_tiles<3>(nr);
+    case 4: return row_of_tiles<4>(nr);
+    case 5: return row_of_tiles<5>(nr);
+    case 6: return row_of_tiles<6>(nr);
+    case 7: return row_of_tiles<7>(nr);
+    default: return row_of_tiles<8>(nr);
+  }
+}
+
+inline int max_nr(int mr) { return mr > 6 ? 3 : kMaxNR; }
+
+// Row groups of an M block: one group of m rows when m <= 8 (small M: every weight line used by every row in one
+// pass), else groups of 6 with the remainder folded into the last group(s) as 7 or 8 rows where it can be.
+int next_rows(int64_t left) {
+  if (left <= kMaxMR) return static_cast<int>(left);
+  if (left == 9) return 5;  // 5 + 4
+  return 6;
+}
+
+struct Problem {
+  const uint16_t* x;
+  int64_t m, k, ldx;
+  const uint16_t* w;
+  int64_t panels;  // ceil(n / 16)
+  int64_t n;
+  const uint16_t* bias;
+  uint16_t* y;
+  int64_t ldy;
+  int64_t kpairs, kc, panel_stride;  // k-pairs, k-pairs per K block, elements between panels
+};
+
+// One weight block of a thread's walk: panels [g, g + nr) over k-pairs [k0, k0 + kc).
+struct Block {
+  int64_t g;
+  int nr;
+  int64_t k0;
+};
+
+// All row groups of rows [m0, m0 + mb) over one weight block; `next` is the block after it (for prefetching).
+void run_block(const Problem& pb, const Block& b, const Block* next, int64_t m0, int64_t mb, float* partial) {
+  const int64_t pairs = pb.kpairs - b.k0 < pb.kc ? pb.kpairs - b.k0 : pb.kc;
+  int groups = 0;
+  for (int64_t i = 0; i < mb; i += next_rows(mb - i)) ++groups;
+  const int next_panels = next ? next->nr : 0;
+  const int per_group = groups > 1 ? (next_panels + groups - 2) / (groups - 1) : 0;
+  int group = 0;
+  for (int64_t i = 0; i < mb; ++group) {
+    const int mr = next_rows(mb - i);
+    const int nr_here = b.nr < max_nr(mr) ? b.nr : max_nr(mr);
+    for (int64_t gg = b.g; gg < b.g + b.nr; gg += nr_here) {
+      const int nrr = static_cast<int>(b.g + b.nr - gg < nr_here ? b.g + b.nr - gg : nr_here);
+      Tile t;
+      t.x = pb.x + (m0 + i) * pb.ldx + 2 * b.k0;
+      t.ldx = pb.ldx;
+      t.w = pb.w + gg * pb.panel_stride + b.k0 * kPanelPair;
+      t.panel_stride = pb.panel_stride;
+      t.pairs = pairs;
+      t.half_last = (pb.k & 1) && b.k0 + pairs == pb.kpairs;
+      t.ldp = kMaxNR * kPanel;
+      t.partial = partial ? partial + i * t.ldp + (gg - b.g) * kPanel : nullptr;
+      t.first = b.k0 == 0;
+      t.last = b.k0 + pairs == pb.kpairs;
+      t.y = pb.y + (m0 + i) * pb.ldy + gg * kPanel;
+      t.ldy = pb.ldy;
+      t.bias = pb.bias ? pb.bias + gg * kPanel : nullptr;
+      const int64_t cols = pb.n - gg * kPanel;
+      t.cols = static_cast<int>(cols < nrr * kPanel ? cols : nrr * kPanel);
+      const bool prefetching = per_group > 0 && group > 0 && gg == b.g;
+      t.pf = prefetching ? pb.w + next->g * pb.panel_stride + next->k0 * kPanelPair : nullptr;
+      t.pf_first = (group - 1) * per_group;
+      t.pf_end = t.pf_first + per_group < next_panels ? t.pf_first + per_group : next_panels;
+      tile_fn(mr, nrr)(t);
+    }
+    i += mr;
+  }
+}
+
+// One thread's share: panels [p0, p1), every row of x: M blocks, then panel groups, then K blocks.
+void run_panels(const Problem& pb, int64_t p0, int64_t p1) {
+  const bool blocked = pb.kpairs > pb.kc;
+  std::vector<float> partial;
+  if (blocked) partial.resize(static_cast<size_t>(kMC * kMaxNR * kPanel));
+  std::vector<Block> blocks;
+  for (int64_t g = p0; g < p1; g += kMaxNR)
+    for (int64_t k0 = 0; k0 < pb.kpairs; k0 += pb.kc)
+      blocks.push_back({g, static_cast<int>(p1 - g < kMaxNR ? p1 - g : kMaxNR), k0});
+  for (int64_t m0 = 0; m0 < pb.m; m0 += kMC) {
+    const int64_t mb = pb.m - m0 < kMC ? pb.m - m0 : kMC;
+    for (size_t b = 0; b < blocks.size(); ++b)
+      run_block(pb, blocks[b], b + 1 < blocks.size() ? &blocks[b + 1] : nullptr, m0, mb,
+                blocked ? partial.data() : nullptr);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x: [m, k] bf16 rows with stride ldx; w: packed (see the top of this file) for n outputs and k inputs; bias: [n]
+// or null; y: [m, n] with row stride ldy. Uses torch's OpenMP threads, each on an equal run of panels.
+void pagellm_packed_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
+                                const uint16_t* bias, uint16_t* y, int64_t ldy) {
+  const int64_t kpairs = (k + 1) / 2;
+  const int64_t kblocks = (kpairs + kKC - 1) / kKC;
+  const int64_t kc = (kpairs + kblocks - 1) / kblocks;  // equal K blocks: 288 pairs are one block, 768 two of 384
+  const Problem pb{x, m, k, ldx, w, (n + kPanel - 1) / kPanel, n, bias, y, ldy, kpairs, kc, kpairs * kPanelPair};
+  // Tiny problems stay on one thread: a fork costs more than they take.
+  const int64_t work = m * n * k;
+  const int threads = work < (int64_t{1} << 18) ? 1 : omp_get_max_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t p0 = pb.panels * t / nt, p1 = pb.panels * (t + 1) / nt;
+    if (p0 < p1) run_panels(pb, p0, p1);
+  }
+}
+
+// out[r] = W[ids[r]] (k bf16 each) read back out of the packed layout: the embedding lookup of a tied LM head.
+// Returns 0, or -1 (nothing written) when an id is outside [0, n).
+int pagellm_packed_rows_bf16(const uint16_t* w, int64_t n, int64_t k, const int64_t* ids, int64_t count,
+                             uint16_t* out) {
+  for (int64_t r = 0; r < count; ++r)
+    if (ids[r] < 0 || ids[r] >= n) return -1;
+  const int64_t kpairs = (k + 1) / 2, panel_stride = kpairs * kPanelPair;
+#pragma omp parallel for schedule(static) if (count >= 256)
+  for (int64_t r = 0; r < count; ++r) {
+    const uint16_t* src = w + (ids[r] / kPanel) * panel_stride + (ids[r] % kPanel) * 2;
+    uint16_t* dst = out + r * k;
+    for (int64_t p = 0; p < k / 2; ++p) std::memcpy(dst + 2 * p, src + p * kPanelPair, 2 * sizeof(uint16_t));
+    if (k & 1) dst[k - 1] = src[(kpairs - 1) * kPanelPair];
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,203 @@
+"""The packed bfloat16 GEMM (``pagellm/ops/csrc/packed_gemm.cpp``) against its twin ``F.linear``, the packed layout
+against the plain one, and the model's layers (fused q/k/v and gate/up, biases, a tied LM head and its embedding)
+once their weights are packed after loading.
+
+Tolerance. The kernel sums exact bf16 x bf16 products in float32 and rounds once to bfloat16; the oracle is the
+float32 ``F.linear`` of the same bf16 inputs. The two float32 sums differ only by summation order, at most about
+``2 K u32 sum|x w|`` (u32 = 2^-24, each order's error bound once), and rounding to bfloat16 adds at most half a bf16
+ulp, 2^-8 relative. ``_assert_gemm_close`` checks exactly that bound (times 2 for slack), elementwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagellm.model.arch import ArchConfig
+from pagellm.model.layers.linear import pack_weights
+from pagellm.model.llama import LlamaForCausalLM
+from pagellm.model.loader import iter_weights, load_hf_config
+from pagellm.ops import gemm
+
+pytestmark = pytest.mark.skipif(not gemm.available(), reason="needs AVX-512 BF16 and a C++ compiler")
+BF16 = torch.bfloat16
+
+
+def _assert_gemm_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """``out`` is F.linear(x, w, b) up to float32 summation order and one bfloat16 rounding (module docstring)."""
+    x32, w32 = x.float(), w.float()
+    ref = F.linear(x32, w32, b.float() if b is not None else None)
+    order = 2 * x.shape[-1] * 2.0 ** -24 * F.linear(x32.abs(), w32.abs())
+    bound = 2 * (ref.abs() * 2.0 ** -8 + order) + 1e-30
+    assert out.dtype == BF16 and out.shape == ref.shape
+    excess = ((out.float() - ref).abs() - bound).max().item()
+    assert excess <= 0, f"kernel differs from F.linear beyond bf16 rounding by {excess}"
+
+
+def _threads(n: int) -> Callable[[], None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return lambda: torch.set_num_threads(old)
+
+
+# M: one register tile (1..8 rows), 6-row groups with 7/8/9-row remainders, more than one 192-row M block.
+# K: one K block of whole pairs (576), an odd K (37, 5, 1), two K blocks (1100: 550 pairs) and two K blocks ending
+# in a half pair (2049). N: whole 16-column panels, partial last panels (7, 130, 49), fewer columns than a panel.
+CASES = [(m, 576, 960) for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 15, 64)] + [
+    (1, 37, 130), (3, 5, 3), (8, 1, 16), (11, 1100, 49), (2, 2049, 33), (20, 2049, 7), (200, 130, 200),
+    (385, 96, 70), (33, 1536, 576)]
+
+
+@pytest.mark.parametrize("m,k,n", CASES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_gemm_matches_f_linear(m: int, k: int, n: int, bias: bool, threads: int) -> None:
+    gen = torch.Generator().manual_seed(m * 10007 + k * 101 + n)
+    x = torch.randn(m, k, generator=gen).to(BF16)
+    w = torch.randn(n, k, generator=gen).to(BF16)
+    b = torch.randn(n, generator=gen).to(BF16) if bias else None
+    restore = _threads(threads)
+    try:
+        out = gemm.packed_linear(x, gemm.pack(w), n, b)
+    finally:
+        restore()
+    _assert_gemm_close(out, x, w, b)
+
+
+def test_packed_gemm_rows_do_not_depend_on_the_batch() -> None:
+    """Each output's summation order depends only on K, not on M, the row's place in the batch or the threads:
+    a row comes out bit for bit the same alone or in any batch (bfloat16 decode is batch-invariant here)."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 1100, generator=gen).to(BF16)
+    x = torch.randn(50, 1100, generator=gen).to(BF16)
+    packed = gemm.pack(w)
+    restore = _threads(2)
+    try:
+        together = gemm.packed_linear(x, packed, 200)
+    finally:
+        restore()
+    for i in (0, 7, 49):
+        assert torch.equal(gemm.packed_linear(x[i:i + 1], packed, 200), together[i:i + 1])
+    assert torch.equal(gemm.packed_linear(x[5:25], packed, 200), together[5:25])
+
+
+def test_packed_gemm_lm_head_shape() -> None:
+    """A vocabulary-sized matrix split over both threads (the LM head), at decode and at prefill row counts."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(49152 // 8 + 5, 576, generator=gen).to(BF16)
+    packed = gemm.pack(w)
+    restore = _threads(2)
+    try:
+        for m in (1, 32, 250):
+            x = torch.randn(m, 576, generator=gen).to(BF16)
+            _assert_gemm_close(gemm.packed_linear(x, packed, w.shape[0]), x, w, None)
+    finally:
+        restore()
+
+
+def test_packed_gemm_takes_strided_rows_and_leading_dims() -> None:
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 96, generator=gen).to(BF16)
+    packed = gemm.pack(w)
+    wide = torch.randn(5, 128, generator=gen).to(BF16)
+    _assert_gemm_close(gemm.packed_linear(wide[:, :96], packed, 40), wide[:, :96], w, None)  # row stride 128
+    x3 = torch.randn(2, 3, 96, generator=gen).to(BF16)
+    out = gemm.packed_linear(x3, packed, 40)
+    assert out.shape == (2, 3, 40)
+    _assert_gemm_close(out.reshape(6, 40), x3.reshape(6, 96), w, None)
+    columns = torch.randn(96, 4, generator=gen).to(BF16).t()  # last-dim stride 4: copied first
+    _assert_gemm_close(gemm.packed_linear(columns, packed, 40), columns, w, None)
+
+
+def test_pack_layout_round_trips() -> None:
+    """Padding to whole panels and pairs is invisible: unpack and row lookups give the plain matrix back exactly."""
+    gen = torch.Generator().manual_seed(3)
+    for n, k in ((100, 37), (16, 2), (1, 1), (49, 576)):
+        w = torch.randn(n, k, generator=gen).to(BF16)
+        packed = gemm.pack(w)
+        assert packed.shape == (-(-n // 16), (k + 1) // 2, 16, 2)
+        assert torch.equal(gemm.unpack(packed, n, k), w)
+        ids = torch.randint(0, n, (3, 5), generator=gen)
+        assert torch.equal(gemm.rows(packed, ids, n, k), F.embedding(ids, w))
+        many = torch.randint(0, n, (300,), generator=gen)  # the threaded gather
+        assert torch.equal(gemm.rows(packed, many, n, k), F.embedding(many, w))
+    with pytest.raises(IndexError, match=r"\[0, 49\)"):
+        gemm.rows(packed, torch.tensor([0, 49]), 49, 576)
+    with pytest.raises(ValueError, match="2-D bfloat16"):
+        gemm.pack(torch.zeros(4, 4))
+
+
+def test_linear_dispatch_keeps_f_linear_semantics() -> None:
+    """Plain weights (float32, or wherever nothing was packed) go to F.linear exactly; a packed one serves any M."""
+    gen = torch.Generator().manual_seed(0)
+    w32 = torch.randn(64, 96, generator=gen)
+    x32 = torch.randn(3, 96, generator=gen)
+    assert torch.equal(gemm.linear(x32, w32), F.linear(x32, w32))
+    param = torch.nn.Parameter(w32.clone(), requires_grad=False)
+    assert not gemm.pack_parameter(param) and gemm.packed_shape(param) is None  # float32 stays plain
+    param = torch.nn.Parameter(w32.to(BF16), requires_grad=False)
+    assert gemm.pack_parameter(param) and gemm.packed_shape(param) == (64, 96)
+    assert gemm.pack_parameter(param)  # packing twice (a tied weight) is a no-op
+    assert torch.equal(gemm.plain(param), w32.to(BF16))
+    for m in (1, 8, 40, 300):
+        x = torch.randn(m, 96, generator=gen).to(BF16)
+        _assert_gemm_close(gemm.linear(x, param), x, w32.to(BF16), None)
+    # float32 inputs against a packed weight still get F.linear's float32 result on the plain weight
+    assert torch.equal(gemm.linear(x32, param), F.linear(x32, w32.to(BF16).float()))
+
+
+@pytest.fixture(scope="module")
+def tied_qwen2(tiny_model_factory: Callable[..., Path]) -> Path:
+    """q/k/v biases, a tied LM head, and widths that are not whole panels (gate/up 2 x 100, vocab 333)."""
+    return tiny_model_factory("qwen2", tie_word_embeddings=True, hidden_size=72, intermediate_size=100,
+                              vocab_size=333)
+
+
+def _load(model_dir: Path, dtype: torch.dtype) -> tuple[LlamaForCausalLM, dict[str, torch.Tensor]]:
+    model = LlamaForCausalLM(ArchConfig.from_hf(load_hf_config(model_dir)), dtype)
+    model.load_weights(iter_weights(model_dir))
+    return model, {name: t.to(dtype) for name, t in iter_weights(model_dir)}
+
+
+def test_loaded_bf16_model_packs_every_gemm_weight_once(tied_qwen2: Path) -> None:
+    model, ckpt = _load(tied_qwen2, BF16)
+    layer = model.model.layers[0]
+    embed, head = model.model.embed_tokens, model.lm_head
+    assert head.weight is embed.weight and gemm.packed_shape(head.weight) == (333, 72)  # one shared table
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert gemm.packed_shape(linear.weight) is not None
+    prefix = "model.layers.0."
+    qkv = torch.cat([ckpt[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(gemm.plain(layer.self_attn.qkv_proj.weight), qkv)  # fused order survives packing
+    gate_up = torch.cat([ckpt[prefix + "mlp.gate_proj.weight"], ckpt[prefix + "mlp.up_proj.weight"]])
+    assert torch.equal(gemm.plain(layer.mlp.gate_up_proj.weight), gate_up)
+    table = ckpt["model.embed_tokens.weight"]
+    assert torch.equal(head.plain_weight(), table) and torch.equal(embed.plain_weight(), table)
+    ids = torch.tensor([0, 5, 332, 17, 16, 15])
+    assert torch.equal(embed(ids), F.embedding(ids, table)) and torch.equal(head.rows(ids), table[ids])
+
+    gen = torch.Generator().manual_seed(4)
+    for m in (1, 7, 70):
+        h = torch.randn(m, 72, generator=gen).to(BF16)
+        _assert_gemm_close(model.compute_logits(h), h, table, None)
+        qkv_bias = torch.cat([ckpt[prefix + f"self_attn.{p}_proj.bias"] for p in "qkv"])
+        _assert_gemm_close(layer.self_attn.qkv_proj(h), h, qkv, qkv_bias)
+        a = torch.randn(m, 100, generator=gen).to(BF16)
+        _assert_gemm_close(layer.mlp.down_proj(a), a, ckpt[prefix + "mlp.down_proj.weight"], None)
+
+
+def test_packed_model_refuses_a_second_load(tied_qwen2: Path) -> None:
+    model, _ = _load(tied_qwen2, BF16)
+    with pytest.raises(ValueError, match="already packed.*newly built model"):
+        model.load_weights(iter_weights(tied_qwen2))
+
+
+def test_float32_model_stays_plain(tied_qwen2: Path) -> None:
+    model, ckpt = _load(tied_qwen2, torch.float32)
+    assert pack_weights(model) == 0
+    assert all(gemm.packed_shape(p) is None for p in model.parameters())
+    assert torch.equal(model.lm_head.weight, ckpt["model.embed_tokens.weight"])
