@@ -245,6 +245,24 @@ def test_draft_vocabulary_restricts_drafts(tiny_llama: Path, eagle_file: Path) -
         _proposer(tiny_llama, eagle_file, draft_vocab_size=len(vocab) + 1)
 
 
+def test_bfloat16_drafting_reads_the_packed_target(tiny_llama: Path, eagle_file: Path) -> None:
+    """In bfloat16 the target's weights are packed at load (where the native GEMM runs): the draft LM head holds
+    exactly the target's rows of the draft vocabulary, packed like the head's own layers, and drafting runs."""
+    from pagellm.ops import gemm
+
+    llm = LLM(str(tiny_llama), dtype="bfloat16", kv_cache_memory=SMALL_KV,
+              speculative_config={"method": "eagle", "model": str(eagle_file), **SHAPES["dynamic"]})
+    runner = llm.engine.core.executor.worker.runner
+    proposer, target = runner.proposer, runner.model
+    assert (gemm.packed_shape(target.lm_head.weight) is not None) == gemm.available()
+    rows = target.lm_head.plain_weight()[proposer.vocab_rows]
+    assert torch.equal(gemm.plain(proposer.lm_weight), rows)
+    assert (gemm.packed_shape(proposer.lm_weight) is not None) == gemm.available()
+    assert (gemm.packed_shape(proposer.head.fc.weight) is not None) == gemm.available()
+    assert all(len(out) == GREEDY.max_tokens for out in _run(llm, _prompts(6, n=2), GREEDY))
+    assert _drafted(llm)[0] > 0
+
+
 def test_eagle_window_follows_accepted_tokens(tiny_llama: Path, eagle_file: Path) -> None:
     """The proposer's per-request window keeps only pairs whose token is still the request's token there."""
     proposer, target = _proposer(tiny_llama, eagle_file, num_speculative_tokens=2)
