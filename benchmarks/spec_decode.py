@@ -3,15 +3,22 @@
 Workloads: code (HumanEval prompts, raw completion) and chat (Chit Chat Challenge openings through the chat
 template), greedy, at batch 1 and 8, plus output throughput at batch 32. TPOT of a batch is
 ``(time for N tokens - time for 1 token) / (N - 1)``, both measured in this run with the prefix cache reset, so
-prefill is excluded. Every figure is compared with the no-speculation baseline measured in the same run.
+prefill is excluded; where the batch is smaller than ``--prompts`` (batch 1), every prompt runs in its own batch
+and the TPOTs are averaged. Every figure is compared with the no-speculation baseline measured in the same run.
 Methods: ngram, draft_model (self-speculation with the target's first ``--draft-layers`` layers), and, when
 ``--medusa FILE`` is given (``make draft-heads``), Medusa as a chain and as a tree, and when ``--eagle FILE``
-is given (``pagellm train-draft --method eagle``), EAGLE as a chain and as a tree. Usage:
+is given (``pagellm train-draft --method eagle``; ``--eagle default`` is the shipped head), EAGLE as a chain,
+a static tree, an EAGLE-2 dynamic tree, and that tree with a prompt-lookup branch merged in
+(``--eagle-full-vocab`` adds the dynamic tree drafting over the full vocabulary instead of the head's draft
+vocabulary).
+
+Prompts are held out from ``train-draft``'s data: the last ``--prompts`` HumanEval problems (training uses the
+first 64 of 164) and Chit Chat Challenge conversations from number 6000 on (training uses the first few
+thousand at most). Usage:
 
     .venv/bin/python benchmarks/spec_decode.py [--medusa artifacts/smollm2-135m-medusa.safetensors]
-        [--eagle artifacts/smollm2-135m-eagle.safetensors]
-        [--dtype bfloat16] [--max-tokens 64] [--prompts 4] [--batches 1 8] [--throughput-batch 32]
-        [--disable-by-batch-size none]
+        [--eagle default] [--dtype bfloat16] [--max-tokens 64] [--prompts 4] [--batches 1 8]
+        [--throughput-batch 32] [--methods none "eagle dynamic"] [--disable-by-batch-size none]
 
 Speculation switches itself off above ``disable_by_batch_size`` requests (default 4): ``--disable-by-batch-size
 none`` measures what drafting costs at every batch size.
@@ -40,10 +47,20 @@ def methods(args: argparse.Namespace) -> dict[str, dict | None]:
         out["medusa tree"] = {"method": "medusa", "num_speculative_tokens": 3, "model": args.medusa,
                               "tree": [3, 2, 1]}
     if args.eagle:
-        out["eagle chain"] = {"method": "eagle", "num_speculative_tokens": 4, "model": args.eagle}
-        out["eagle tree"] = {"method": "eagle", "num_speculative_tokens": 4, "model": args.eagle,
-                             "tree": [3, 2, 1, 1]}
+        head = None if args.eagle == "default" else args.eagle
+        out["eagle chain"] = {"method": "eagle", "num_speculative_tokens": 4, "model": head}
+        out["eagle tree"] = {"method": "eagle", "num_speculative_tokens": 4, "model": head, "tree": [3, 2, 1, 1]}
+        out["eagle dynamic"] = {"method": "eagle", "model": head, **DYNAMIC}
+        out["eagle dyn+lookup"] = {"method": "eagle", "model": head, **DYNAMIC, "prompt_lookup_tokens": 5}
+        if args.eagle_full_vocab:
+            out["eagle dyn fullV"] = {"method": "eagle", "model": head, **DYNAMIC, "draft_vocab_size": 0}
     return out
+
+
+# EAGLE-2's dynamic tree as benchmarked (and documented in docs/speculative.md)
+DYNAMIC = {"num_speculative_tokens": 6, "eagle_topk": 2, "num_draft_tokens": 8}
+HELD_OUT_CHAT = 6000     # first Chit Chat Challenge conversation the benchmark uses (of 7168)
+TRAINED_CODE = 64        # HumanEval problems train-draft trains on (the first ones)
 
 
 def timed(llm: LLM, prompts: list, max_tokens: int, chat: bool) -> tuple[float, int, list]:
@@ -52,6 +69,25 @@ def timed(llm: LLM, prompts: list, max_tokens: int, chat: bool) -> tuple[float, 
     start = time.perf_counter()
     outs = llm.chat(prompts, params, use_tqdm=False) if chat else llm.generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs), llm.last_stats
+
+
+def batches_of(prompts: list, batch: int) -> list[list]:
+    """Every distinct prompt once, in batches of ``batch`` (a batch larger than the prompts repeats them)."""
+    if batch >= len(prompts):
+        return [(prompts * batch)[:batch]]
+    return [prompts[i:i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
+
+
+def batch_figures(llm: LLM, batches: list[list], max_tokens: int, chat: bool) -> dict:
+    """TPOT averaged over ``batches`` (run one after another), acceptance and throughput over all of them."""
+    tpots, tokens, elapsed, stats = [], 0, 0.0, []
+    for prompts in batches:
+        t1, _, _ = timed(llm, prompts, 1, chat)
+        tn, n, batch_stats = timed(llm, prompts, max_tokens, chat)
+        tpots.append(1000 * (tn - t1) / (max_tokens - 1))
+        tokens, elapsed, stats = tokens + n, elapsed + tn, stats + batch_stats
+    return {"tpot_ms": sum(tpots) / len(tpots), "mean_acceptance_length": acceptance(stats),
+            "output_tok_s": tokens / elapsed}
 
 
 def acceptance(stats: list) -> float:
@@ -69,13 +105,9 @@ def bench_method(name: str, spec: dict | None, workloads: dict, args: argparse.N
     rows = []
     for kind, (prompts, chat) in workloads.items():
         for batch in args.batches:
-            batch_prompts = (prompts * batch)[:batch]
-            t1, _, _ = timed(llm, batch_prompts, 1, chat)
-            tn, tokens, stats = timed(llm, batch_prompts, args.max_tokens, chat)
             rows.append({"method": name, "workload": kind, "batch": batch,
-                         "tpot_ms": 1000 * (tn - t1) / (args.max_tokens - 1),
-                         "mean_acceptance_length": acceptance(stats), "output_tok_s": tokens / tn})
-        print(json.dumps(rows[-1]), flush=True)
+                         **batch_figures(llm, batches_of(prompts, batch), args.max_tokens, chat)})
+            print(json.dumps(rows[-1]), flush=True)
     if args.throughput_batch:
         prompts, chat = workloads["code"]
         elapsed, tokens, stats = timed(llm, (prompts * args.throughput_batch)[:args.throughput_batch],
@@ -101,7 +133,9 @@ def report(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--medusa", default=None, help="Medusa heads file (pagellm train-draft)")
-    parser.add_argument("--eagle", default=None, help="EAGLE head file (pagellm train-draft --method eagle)")
+    parser.add_argument("--eagle", default=None, help="EAGLE head file (pagellm train-draft --method eagle), or "
+                        "'default' for the head shipped for the built-in model")
+    parser.add_argument("--eagle-full-vocab", action="store_true", help="also: the dynamic tree over the full vocab")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--draft-layers", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -113,9 +147,10 @@ def main() -> None:
                         help="speculative_config.disable_by_batch_size for every method: a number, 'none' (draft at "
                              "any batch size) or 'default' (the engine's)")
     args = parser.parse_args()
-    # Prompts past the training set (train-draft uses the first 96 chats and 64 code prompts).
-    workloads = {"code": (code_prompts(164)[-args.prompts:], False),
-                 "chat": ([c for c in chat_prompts(400)[-args.prompts:]], True)}
+    if not 1 <= args.prompts <= 164 - TRAINED_CODE:
+        parser.error(f"--prompts must be between 1 and {164 - TRAINED_CODE} (held-out HumanEval problems)")
+    workloads = {"code": (code_prompts(args.prompts, 164 - args.prompts), False),
+                 "chat": (chat_prompts(args.prompts, HELD_OUT_CHAT), True)}
     rows: list[dict] = []
     for name, spec in methods(args).items():
         if args.methods is None or name in args.methods or name == "none":

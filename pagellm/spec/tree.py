@@ -103,3 +103,18 @@ def compact_kv(kv_caches: Sequence[torch.Tensor], src_slots: Sequence[int], dst_
     for cache in kv_caches:
         flat = cache.view(2, -1, *cache.shape[3:])
         flat[:, dst] = flat[:, src]
+
+
+def best_subtree(parents: Sequence[int], scores: Sequence[float], budget: int) -> list[int]:
+    """EAGLE-2's rerank: the ``budget`` best-scoring nodes of a drafted tree (ties: the earlier node), in
+    breadth-first order (by depth, then by their order in ``parents``), so renumbering them in that order gives
+    a valid tree whose every prefix is a tree.
+
+    ``parents`` must list parents before children and no node may score above its parent (path log
+    probabilities do): then a kept node's ancestors all rank before it and are kept too."""
+    ranked = sorted(range(len(parents)), key=lambda i: (-scores[i], i))[:max(budget, 0)]
+    kept = set(ranked)
+    if any(parents[i] >= 0 and parents[i] not in kept for i in kept):
+        raise ValueError("best_subtree needs every node to score no higher than its parent")
+    level = depths(parents)
+    return sorted(kept, key=lambda i: (level[i], i))

@@ -86,7 +86,7 @@ class ModelRunner:
         if raw is not None:
             self._use_processed_logprobs(raw, processed, inputs, wanted)
         logprobs = self._logprobs(raw, inputs, wanted, sampled) if raw is not None else {}
-        return ModelRunnerOutput.from_rows(inputs.req_ids, sampled, self._propose(inputs, results, sampling_hidden),
+        return ModelRunnerOutput.from_rows(inputs.req_ids, sampled, self._propose(inputs, results, hidden),
                                            logprobs, self._prompt_logprobs(inputs, hidden))
 
     def _trees(self, inputs: StepInputs) -> dict[int, list[int]]:
@@ -289,8 +289,9 @@ class ModelRunner:
     def _propose(self, inputs: StepInputs, results: list[Verified | None],
                  hidden: torch.Tensor) -> dict[str, list[int]]:
         """Ask the proposer for drafts for every request that just sampled; keep what verification needs.
-        Proposers that draft from the target's hidden state get the row that sampled the request's newest token.
-        Nothing is drafted after a step of more than ``disable_by_batch_size`` requests (speculation off under load)."""
+        Proposers that draft from the target's hidden states get every row this step accepted (``hidden`` holds
+        the whole step's rows). Nothing is drafted after a step of more than ``disable_by_batch_size`` requests
+        (speculation off under load)."""
         if not self.proposer.num_lookahead_tokens:
             return {}
         if self.disable_by_batch_size is not None and len(inputs.req_ids) > self.disable_by_batch_size:
@@ -298,14 +299,14 @@ class ModelRunner:
                 self.drafts.pop(req_id, None)
             return {}
         asks: list[ProposalRequest] = []
-        for req_id, first, result in zip(inputs.req_ids, inputs.logits_start, results):
+        for j, (req_id, result) in enumerate(zip(inputs.req_ids, results)):
             state = self.states[req_id]
             # Requests whose processing depends on their history (penalties, grammars) get no drafts: their
             # draft rows could not be processed without replaying each draft.
             if result is not None and not state.sampling_params.depends_on_history:
-                row = first + (result.path[-1] + 1 if result.path else 0)
                 asks.append(ProposalRequest(req_id, state.token_ids, state.sampling_params, state.num_output_tokens,
-                                            self.proposer.num_lookahead_tokens, hidden[row]))
+                                            self.proposer.num_lookahead_tokens, _accepted_hidden(hidden, inputs, j,
+                                                                                                 result)))
         drafts: dict[str, list[int]] = {}
         for ask, draft in zip(asks, self.proposer.propose(asks)):
             if draft.tokens:
@@ -314,6 +315,17 @@ class ModelRunner:
             else:
                 self.drafts.pop(ask.req_id, None)
         return drafts
+
+
+def _accepted_hidden(hidden: torch.Tensor, inputs: StepInputs, j: int, result: Verified) -> torch.Tensor:
+    """Request ``j``'s rows of ``hidden`` whose tokens it kept: every row of the step up to its root (the newest
+    token before this step's drafts), then the accepted drafts' rows (a chain's prefix, a tree's path)."""
+    start, end = int(inputs.query_start_loc[j]), int(inputs.query_start_loc[j + 1])
+    root = end - len(inputs.drafts[j]) - 1
+    if result.path == list(range(len(result.path))):  # a chain prefix (or no drafts): one contiguous view
+        return hidden[start:root + 1 + len(result.path)]
+    rows = list(range(start, root + 1)) + [root + 1 + node for node in result.path]
+    return hidden[torch.tensor(rows, dtype=torch.int64)]
 
 
 def _candidate_rows(inputs: StepInputs, wanted: list[int]) -> list[int]:

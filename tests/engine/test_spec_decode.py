@@ -218,13 +218,13 @@ def test_tree_verification_is_greedy_identical(tiny_llama: Path, plain: LLM, bac
 @pytest.fixture(scope="module")
 def medusa_file(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Medusa heads trained for the tiny model with the train-draft pipeline (a few steps, tiny prompts)."""
-    from pagellm.spec.train import generate_sequences, hidden_states, train_medusa
+    from pagellm.spec.train import flatten, generate_sequences, train_medusa, training_llm
 
-    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV)
+    llm = training_llm(str(tiny_llama), "float32", kv_cache_memory=SMALL_KV)
     codes = ["def add(a, b):\n    ", "for i in range(10):\n", "hello there, how are you?"]
     sequences = generate_sequences(llm, [[{"role": "user", "content": "hi"}]], codes, max_tokens=24)
-    assert all(len(seq) > n for seq, n in sequences)
-    hidden, tokens = hidden_states(tiny_llama, sequences)
+    assert all(len(s.tokens) > s.prompt_len for s in sequences)
+    hidden, tokens = flatten(sequences)
     lm_head = llm.engine.core.executor.worker.runner.model.lm_head.plain_weight().float()
     heads, losses = train_medusa(hidden, tokens, lm_head, num_heads=3, steps=30, batch=16, lr=1e-2, seed=0)
     assert losses[-1] < losses[0]

@@ -93,6 +93,46 @@ def test_tree_keeps_target_distribution(point_mass: bool) -> None:
             _assert_matches(after, p[node + 1])
 
 
+def _restricted(gen: torch.Generator, support: int) -> torch.Tensor:
+    """A draft distribution that is exactly zero outside its first ``support`` tokens (a reduced draft
+    vocabulary, as EAGLE heads draft with)."""
+    q = torch.zeros(V)
+    q[:support] = torch.softmax(torch.randn(support, generator=gen), dim=-1)
+    return q
+
+
+def test_chain_with_restricted_draft_support_keeps_target_distribution() -> None:
+    """Drafts drawn from q with zero mass on tokens the target likes: those tokens are never proposed, yet every
+    emitted position still follows p (the residual max(p - q, 0) carries their mass)."""
+    gen = torch.Generator().manual_seed(4)
+    p = torch.stack([_dist(gen), _dist(gen, 2.0), _dist(gen)])
+    q = torch.stack([_restricted(gen, 3), _restricted(gen, 2)])
+    drafts = torch.stack([torch.multinomial(q[i], TRIALS, replacement=True, generator=gen) for i in range(2)], 1)
+    assert int(drafts.max()) < 3
+    tokens, accepted = rejection_sample_chain(p.expand(TRIALS, 3, V), drafts, torch.full((TRIALS,), 2),
+                                              q.expand(TRIALS, 2, V), torch.rand(TRIALS, 3, 2, generator=gen))
+    first = tokens[:, 0].numpy()
+    _assert_matches(first, p[0])
+    assert (first >= 3).any()  # tokens outside the draft's support are still emitted (by the residual)
+    took_first = (accepted >= 1).numpy()
+    _assert_matches(tokens[took_first, 1].numpy(), p[1])
+    _assert_matches(tokens[(accepted == 2).numpy(), 2].numpy(), p[2])
+
+
+def test_tree_with_restricted_draft_support_keeps_target_distribution() -> None:
+    """Children drawn i.i.d. from a restricted q, verified in order against the running residual."""
+    gen = torch.Generator().manual_seed(5)
+    parents = [-1, -1]
+    p = torch.stack([_dist(gen, 2.0), _dist(gen), _dist(gen)])
+    q = _restricted(gen, 3)
+    firsts = []
+    for _ in range(TRIALS // 2):
+        children = torch.multinomial(q, 2, replacement=True, generator=gen).tolist()
+        path, final = rejection_sample_tree(p, children, parents, torch.stack([q, q]), torch.rand(3, 2, generator=gen))
+        firsts.append(children[path[0]] if path else final)
+    _assert_matches(np.array(firsts), p[0])
+
+
 def test_greedy_acceptance() -> None:
     assert accept_greedy([5, 6, 7], [5, 6, 1]) == 2
     assert accept_greedy([5, 6], [4, 6, 1]) == 0
@@ -109,7 +149,7 @@ def test_seeded_uniforms_depend_only_on_seed_and_position() -> None:
 
 
 def test_speculative_config_validation_names_the_fix() -> None:
-    from pagellm.config import SpeculativeConfig
+    from pagellm.config import EngineConfig, SpeculativeConfig
 
     assert SpeculativeConfig.parse('{"method": "medusa", "num_speculative_tokens": 3, "model": "h.safetensors", '
                                    '"tree": [3, 2, 1]}').num_lookahead_tokens == 3 + 6 + 6
@@ -119,8 +159,26 @@ def test_speculative_config_validation_names_the_fix() -> None:
         SpeculativeConfig(method="medusa", num_speculative_tokens=2, model="h", tree=[2])
     with pytest.raises(ValueError, match="use one of ngram, draft_model, medusa, eagle"):
         SpeculativeConfig(method="lookahead", num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="eagle needs 'model'"):
-        SpeculativeConfig(method="eagle", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="eagle needs 'model'"):  # only the built-in model has a default head
+        EngineConfig.from_kwargs(model="/some/model", speculative_config={"method": "eagle",
+                                                                          "num_speculative_tokens": 2})
+    assert EngineConfig.from_kwargs(speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+    dynamic = {"method": "eagle", "num_speculative_tokens": 3, "eagle_topk": 3}
+    assert SpeculativeConfig(**dynamic, num_draft_tokens=10).num_lookahead_tokens == 10
+    with pytest.raises(ValueError, match="eagle_topk needs num_draft_tokens.*between 1 and 21"):
+        SpeculativeConfig(**dynamic)
+    with pytest.raises(ValueError, match="between 1 and 21"):
+        SpeculativeConfig(**dynamic, num_draft_tokens=22)
+    with pytest.raises(ValueError, match="either 'tree'.*or 'eagle_topk'"):
+        SpeculativeConfig(**dynamic, num_draft_tokens=4, tree=[2, 2, 1])
+    with pytest.raises(ValueError, match="for a chain leave it unset"):
+        SpeculativeConfig(**{**dynamic, "eagle_topk": 1}, num_draft_tokens=3)
+    with pytest.raises(ValueError, match="set eagle_topk too"):
+        SpeculativeConfig(method="eagle", num_speculative_tokens=2, num_draft_tokens=4)
+    with pytest.raises(ValueError, match="only supported with method 'eagle'"):
+        SpeculativeConfig(method="medusa", num_speculative_tokens=2, model="h", draft_vocab_size=100)
+    with pytest.raises(ValueError, match="draft_vocab_size must be >= 0"):
+        SpeculativeConfig(method="eagle", num_speculative_tokens=2, draft_vocab_size=-1)
     with pytest.raises(ValueError, match="only supported with methods 'medusa' and 'eagle'"):
         SpeculativeConfig(method="ngram", num_speculative_tokens=2, tree=[2, 1])
     assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2, '
