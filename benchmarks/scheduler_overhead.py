@@ -3,10 +3,14 @@
 
 The trace (benchmarks/peers/sched_trace.py): shared block-aligned prefixes (prefix caching on) + unique suffixes,
 staggered output lengths, the system kept at N requests, a 2048-token budget: each step mixes decodes with
-prefill chunks. Only the two scheduler calls are timed (building the fake output and adding requests are not).
+prefill chunks. The two scheduler calls are timed per step (building the fake output is not). The step's
+arrivals (building each ``Request`` and ``add_request``) are timed apart and reported as µs per step: that is
+where both engines hash a prompt's blocks (vLLM's ``Request`` hashes them when built, pagellm's ``add_request``),
+so the step columns compare the same work and the arrivals column shows the hashing on each side.
 vLLM's scheduler runs in a subprocess with the .peers/vllm interpreter (benchmarks/peers/vllm_scheduler_bench.py).
 
     .venv/bin/python benchmarks/scheduler_overhead.py [--num-running 64 256 1024] [--steps 300] [--json FILE]
+        [--vllm-python .peers/vllm/bin/python]   # vLLM's interpreter (from a worktree: the main checkout's)
         [--profile [N]]   # cProfile the timed calls (pagellm only), print the N costliest functions
 """
 
@@ -37,24 +41,27 @@ VLLM_PYTHON = HERE.parent / ".peers" / "vllm" / "bin" / "python"
 
 
 def fake_output(scheduler: Scheduler, sched_out) -> ModelRunnerOutput:
-    req_ids = list(sched_out.num_scheduled_tokens)
-    sampled = []
-    for rid in req_ids:
-        req = scheduler.requests[rid]
-        sampled.append([trace.SAMPLED_TOKEN] if req.num_computed_tokens >= req.num_tokens else [])
-    return ModelRunnerOutput(req_ids, sampled)
+    """One token for each request whose step reaches its last token, none for a prompt chunk (the runner's rule)."""
+    before = sched_out.cached_reqs.num_computed_tokens + [r.num_computed_tokens for r in sched_out.new_reqs]
+    counts = [int(start + n >= scheduler.requests[rid].num_tokens)
+              for rid, start, n in zip(sched_out.req_ids, before, sched_out.num_scheduled_tokens)]
+    return ModelRunnerOutput(list(sched_out.req_ids), counts, [trace.SAMPLED_TOKEN] * sum(counts))
 
 
 def run_pagellm(num_running: int, warmup: int, steps: int, profiler: cProfile.Profile | None = None) -> dict:
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=trace.TOKEN_BUDGET),
                           CacheConfig(block_size=trace.BLOCK_SIZE, enable_prefix_caching=True),
                           trace.num_blocks(num_running), max_model_len=2048)
-    next_id, times, running, tokens = 0, [], [], []
+    next_id, times, adds, running, tokens = 0, [], [], [], []
     gc.collect()
     for step in range(warmup + steps):
+        add_time = 0.0
         while scheduler.num_unfinished_requests < num_running:
+            prompt = trace.prompt(next_id)
+            t = time.perf_counter()
             params = SamplingParams(max_tokens=trace.output_len(next_id), ignore_eos=True)
-            scheduler.add_request(Request(f"r{next_id}", trace.prompt(next_id), params, arrival_time=time.time()))
+            scheduler.add_request(Request(f"r{next_id}", prompt, params, arrival_time=time.time()))
+            add_time += time.perf_counter() - t
             next_id += 1
         profiling = profiler is not None and step >= warmup
         if profiling:
@@ -74,19 +81,21 @@ def run_pagellm(num_running: int, warmup: int, steps: int, profiler: cProfile.Pr
             profiler.disable()
         if step >= warmup:
             times.append((t1 - t0) + (t3 - t2))
-            running.append(len(out.num_scheduled_tokens))
+            adds.append(add_time)
+            running.append(len(out.req_ids))
             tokens.append(out.total_num_scheduled_tokens)
     us = sorted(t * 1e6 for t in times)
     return {"system": "pagellm", "num_running": num_running, "steps": steps, "mean_us": statistics.mean(us),
             "p50_us": us[len(us) // 2], "p95_us": us[int(len(us) * 0.95)],
+            "arrivals_us_per_step": statistics.mean(adds) * 1e6,
             "mean_scheduled_reqs": statistics.mean(running), "mean_scheduled_tokens": statistics.mean(tokens),
             "requests_started": next_id}
 
 
-def run_vllm(sizes: list[int], warmup: int, steps: int) -> list[dict]:
+def run_vllm(python: Path, sizes: list[int], warmup: int, steps: int) -> list[dict]:
     from pagellm.model.loader import resolve_model_dir
 
-    cmd = [str(VLLM_PYTHON), str(HERE / "peers" / "vllm_scheduler_bench.py"), str(resolve_model_dir(None)),
+    cmd = [str(python), str(HERE / "peers" / "vllm_scheduler_bench.py"), str(resolve_model_dir(None)),
            "--num-running", *map(str, sizes), "--warmup", str(warmup), "--steps", str(steps)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                           env={"VLLM_TARGET_DEVICE": "cpu", "PATH": "/usr/bin:/bin"})
@@ -101,6 +110,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--no-vllm", action="store_true", help="pagellm only")
+    parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON,
+                        help="the interpreter of vLLM's virtual env (default: this checkout's .peers/vllm)")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--profile", type=int, nargs="?", const=25, default=None, metavar="N",
                         help="cProfile pagellm's timed calls and print the N costliest functions (implies --no-vllm;"
@@ -115,20 +126,25 @@ def main() -> None:
         return
     ours = [run_pagellm(n, args.warmup, args.steps) for n in args.num_running]
     theirs: list[dict] = []
-    if not args.no_vllm and VLLM_PYTHON.exists():
-        theirs = run_vllm(args.num_running, args.warmup, args.steps)
+    if not args.no_vllm and args.vllm_python.exists():
+        theirs = run_vllm(args.vllm_python, args.num_running, args.warmup, args.steps)
     elif not args.no_vllm:
-        print(f"vLLM not installed ({VLLM_PYTHON} missing; `make peers`): pagellm only")
-    print(f"{'running':>7} {'pagellm mean':>12} {'p50':>8} {'p95':>8} {'vLLM mean':>10} {'p50':>8} {'p95':>8} "
-          f"{'ratio (p50)':>11} {'tokens/step':>11}   (µs per step)")
+        print(f"vLLM not installed ({args.vllm_python} missing; `make peers`): pagellm only")
+    print_table(ours, theirs)
+    if args.json:
+        Path(args.json).write_text(json.dumps(ours + theirs, indent=1))
+
+
+def print_table(ours: list[dict], theirs: list[dict]) -> None:
+    print(f"{'running':>7} {'pagellm mean':>12} {'p50':>8} {'p95':>8} {'arrivals':>8} {'vLLM mean':>10} {'p50':>8} "
+          f"{'p95':>8} {'arrivals':>8} {'ratio (p50)':>11} {'tokens/step':>11}   (µs per step)")
     for mine in ours:
         other = next((t for t in theirs if t["num_running"] == mine["num_running"]), None)
         vllm_cols = (f"{other['mean_us']:>10.0f} {other['p50_us']:>8.0f} {other['p95_us']:>8.0f} "
-                     f"{mine['p50_us'] / other['p50_us']:>11.3f}") if other else f"{'–':>10} {'':>8} {'':>8} {'':>11}"
+                     f"{other['arrivals_us_per_step']:>8.1f} {mine['p50_us'] / other['p50_us']:>11.3f}") if other \
+            else f"{'–':>10} {'':>8} {'':>8} {'':>8} {'':>11}"
         print(f"{mine['num_running']:>7} {mine['mean_us']:>12.0f} {mine['p50_us']:>8.0f} {mine['p95_us']:>8.0f} "
-              f"{vllm_cols} {mine['mean_scheduled_tokens']:>11.0f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(ours + theirs, indent=1))
+              f"{mine['arrivals_us_per_step']:>8.1f} {vllm_cols} {mine['mean_scheduled_tokens']:>11.0f}")
 
 
 if __name__ == "__main__":

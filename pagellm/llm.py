@@ -119,10 +119,10 @@ class LLM:
         generated = 0
         self.last_stats = []
         while self.output_processor.has_unfinished_requests():
-            step = self.engine.get_output()
-            if step.stats is not None:
-                self.last_stats.append(step.stats)
-            outputs, to_abort = self.output_processor.process_outputs(step.outputs)
+            message = self.engine.get_output()
+            if message.stats is not None:
+                self.last_stats.append(message.stats)
+            outputs, to_abort = self.output_processor.process_outputs(message.step)
             self.engine.abort_requests(to_abort)
             for out in outputs:
                 if out.finished:

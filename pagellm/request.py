@@ -1,7 +1,9 @@
 """Request state inside the engine core: tokens, progress, status and finish reasons.
 
 A request's ``num_computed_tokens`` chases ``num_tokens`` (prompt + output) plus any draft tokens; that single
-counter is the whole scheduling state (no prefill/decode phases). No torch here.
+counter is the whole scheduling state (no prefill/decode phases). It exists only while the request runs, so it
+lives with the other per-step counters in the scheduler's ``sched.running.RunningBatch``; a request that is not
+running has computed nothing. No torch here.
 """
 
 from __future__ import annotations
@@ -75,10 +77,8 @@ class Request:
         # The engine resolves max_tokens=None to what max_model_len leaves.
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.status = RequestStatus.WAITING
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + outputs; only ever appended to
         self.spec_token_ids: list[int] = []
-        self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit length of the first schedule; -1 until scheduled
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
@@ -87,9 +87,6 @@ class Request:
         # Set by the scheduler on arrival so the per-step stop test is one set look-up and one comparison:
         self.stop_ids: frozenset[int] = frozenset()  # tokens that may end the request (EOS unless ignored, stops)
         self.length_limit = 0                        # num_tokens at which max_tokens / max_model_len is reached
-        # Kept by the KV manager so the scheduler can skip it when a step needs nothing from it:
-        self.kv_slots = 0        # token slots in the blocks the request holds
-        self.kv_next_full = 0    # num_tokens at which the next unregistered block fills (prefix caching)
         self.scheduled_time = 0.0   # first admission into the running batch
 
     @property
@@ -97,8 +94,12 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -113,9 +114,7 @@ class Request:
         return self.status.is_finished
 
     def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens})")
+        return f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens})"

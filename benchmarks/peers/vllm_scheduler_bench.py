@@ -3,7 +3,9 @@
 Builds vLLM's own ``Scheduler`` in-process (no model, no workers: a KV pool of ``sched_trace.num_blocks`` blocks
 for one full-attention layer), keeps ``num_running`` requests in it, and times ``schedule()`` +
 ``update_from_output()`` with a fake runner output (one token for each request whose prompt is done, none for a
-prefill chunk). Prints one JSON line per size: {"num_running", "steps", "mean_us", "p50_us", "p95_us", ...}.
+prefill chunk), and apart from them the step's arrivals (building each ``Request``, which hashes its blocks, and
+``add_request``). Prints one JSON line per size: {"num_running", "steps", "mean_us", "p50_us", "p95_us",
+"arrivals_us_per_step", ...}.
 
     .peers/vllm/bin/python benchmarks/peers/vllm_scheduler_bench.py MODEL_DIR --num-running 64 256 1024
 """
@@ -40,7 +42,7 @@ def build_scheduler(model_dir: str, num_running: int):
                      log_stats=False)
 
 
-def make_request(i: int):
+def make_request(i: int, prompt: list[int]):
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -50,7 +52,7 @@ def make_request(i: int):
         init_none_hash(sha256)
         make_request.hasher = get_request_block_hasher(trace.BLOCK_SIZE, sha256)
     params = SamplingParams(max_tokens=trace.output_len(i), ignore_eos=True)
-    return Request(f"r{i}", trace.prompt(i), params, None, arrival_time=time.time(),
+    return Request(f"r{i}", prompt, params, None, arrival_time=time.time(),
                    block_hasher=make_request.hasher)
 
 
@@ -68,10 +70,14 @@ def fake_output(scheduler, out):
 
 def run(model_dir: str, num_running: int, warmup: int, steps: int) -> dict:
     scheduler = build_scheduler(model_dir, num_running)
-    next_id, times, running, tokens = 0, [], [], []
+    next_id, times, adds, running, tokens = 0, [], [], [], []
     for step in range(warmup + steps):
+        add_time = 0.0
         while len(scheduler.requests) < num_running:
-            scheduler.add_request(make_request(next_id))
+            prompt = trace.prompt(next_id)
+            t = time.perf_counter()
+            scheduler.add_request(make_request(next_id, prompt))  # building the Request hashes its blocks
+            add_time += time.perf_counter() - t
             next_id += 1
         t0 = time.perf_counter()
         out = scheduler.schedule()
@@ -82,12 +88,14 @@ def run(model_dir: str, num_running: int, warmup: int, steps: int) -> dict:
         t3 = time.perf_counter()
         if step >= warmup:
             times.append((t1 - t0) + (t3 - t2))
+            adds.append(add_time)
             running.append(len(out.num_scheduled_tokens))
             tokens.append(out.total_num_scheduled_tokens)
     us = sorted(t * 1e6 for t in times)
     return {"system": "vLLM", "num_running": num_running, "steps": steps, "mean_us": statistics.mean(us),
             "p50_us": us[len(us) // 2], "p95_us": us[int(len(us) * 0.95)],
-            "mean_scheduled_reqs": statistics.mean(running), "mean_scheduled_tokens": statistics.mean(tokens),
+            "arrivals_us_per_step": statistics.mean(adds) * 1e6, "mean_scheduled_reqs": statistics.mean(running),
+            "mean_scheduled_tokens": statistics.mean(tokens),
             "requests_started": next_id}
 
 

@@ -233,12 +233,12 @@ class AsyncLLM:
             for error in outputs.errors:
                 self._fail(error)
             iteration = IterationStats()
-            results, to_abort = self.output_processor.process_outputs(outputs.outputs, delta=True,
+            results, to_abort = self.output_processor.process_outputs(outputs.step, delta=True,
                                                                       iteration=iteration)
             for out in results:
                 self._route(out)
         self.client.abort_requests(to_abort)
-        if outputs.stats is not None or outputs.outputs:
+        if outputs.stats is not None or outputs.step.req_ids:
             self.stats_sink.record(outputs.stats, iteration)
 
     def _route(self, out: RequestOutput) -> None:

@@ -80,8 +80,8 @@ class InprocClient:
             self.core.abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
-        outputs, stats = self.core.step()
-        return EngineCoreOutputs(outputs, stats)
+        step, stats = self.core.step()
+        return EngineCoreOutputs(step, stats)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

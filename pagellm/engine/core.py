@@ -1,8 +1,8 @@
 """EngineCore: the scheduler, the KV memory and the executor, stepped as one loop.
 
-``step()`` = ``schedule()`` → ``execute_model()`` → ``update_from_output()``; it returns token-id deltas and a
-plain stats object. The core knows nothing of text; requests arrive tokenized and validated against the limits
-only the core knows (context length, vocabulary).
+``step()`` = ``schedule()`` → ``execute_model()`` → ``update_from_output()``; it returns the step's token-id deltas
+(one ``StepOutput``) and a plain stats object. The core knows nothing of text; requests arrive tokenized and
+validated against the limits only the core knows (context length, vocabulary).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import logging
 
 from pagellm.config import EngineConfig
 from pagellm.engine.input_processor import check_prompt
-from pagellm.engine.wire import EngineCoreOutput, EngineCoreRequest
+from pagellm.engine.wire import EngineCoreRequest, StepOutput
 from pagellm.executor.base import Executor
 from pagellm.executor.uniproc import UniProcExecutor
 from pagellm.metrics.stats import SchedulerStats
@@ -45,9 +45,9 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> tuple[list[EngineCoreOutput], SchedulerStats]:
+    def step(self) -> tuple[StepOutput, SchedulerStats]:
         if not self.scheduler.has_unfinished_requests():
-            return [], self.scheduler.make_stats()
+            return StepOutput(), self.scheduler.make_stats()
         sched_out = self.scheduler.schedule()
         runner_out = self.executor.execute_model(sched_out)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)

@@ -81,7 +81,7 @@ def _serve(config: EngineConfig, inputs: queue.Queue[EngineCoreInput | None], ou
         raise
     except BaseException as exc:
         logger.exception("engine core died")
-        outputs.put(EngineCoreOutputs([], engine_error=f"{type(exc).__name__}: {exc}"))
+        outputs.put(EngineCoreOutputs(engine_error=f"{type(exc).__name__}: {exc}"))
         return 1
     finally:
         core.shutdown()
@@ -106,8 +106,8 @@ class EngineCoreLoop:
         while True:
             self.apply_inputs(block=not self.core.has_unfinished_requests())
             if self.core.has_unfinished_requests():
-                outputs, stats = self.core.step()
-                self.emit(EngineCoreOutputs(outputs, stats))
+                step, stats = self.core.step()
+                self.emit(EngineCoreOutputs(step, stats))
 
     def apply_inputs(self, block: bool) -> None:
         """Apply every queued input; when ``block``, first wait for one (an idle core sleeps here)."""
@@ -127,7 +127,7 @@ class EngineCoreLoop:
         elif isinstance(message, AbortRequests):
             self.core.abort_requests(message.request_ids)
         else:
-            self.emit(EngineCoreOutputs([], utility_results=[self._call(message)]))
+            self.emit(EngineCoreOutputs(utility_results=[self._call(message)]))
 
     def _add(self, message: AddRequests) -> None:
         errors = []
@@ -138,7 +138,7 @@ class EngineCoreLoop:
                 logger.warning("refused request %s: %s", request.request_id, exc)
                 errors.append(RequestError(request.request_id, type(exc).__name__, str(exc)))
         if errors:
-            self.emit(EngineCoreOutputs([], errors=errors))
+            self.emit(EngineCoreOutputs(errors=errors))
 
     def _call(self, call: UtilityCall) -> UtilityResult:
         try:

@@ -1,4 +1,4 @@
-"""Frontend output side: token-id deltas from the core become ``RequestOutput``s.
+"""Frontend output side: token-id deltas from the core (one ``StepOutput`` per step) become ``RequestOutput``s.
 
 Per request it keeps the incremental detokenizer (stop strings, held-back partial matches) and the timing. A stop
 string can only be seen here, so when one matches the request is reported finished and its id is returned for the
@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from pagellm.engine.detokenizer import IncrementalDetokenizer
-from pagellm.engine.wire import EngineCoreOutput, EngineCoreRequest
+from pagellm.engine.wire import EngineCoreRequest, StepOutput
 from pagellm.metrics.stats import IterationStats, RequestStats
 from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.sched.output import TokenLogprobs
@@ -86,7 +86,7 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput], delta: bool = False,
+    def process_outputs(self, step: StepOutput, delta: bool = False,
                         iteration: IterationStats | None = None) -> tuple[list[RequestOutput], list[str]]:
         """Apply one step's deltas; returns the updated outputs and the ids to abort in the core (stop strings).
         ``iteration`` (when given) receives the step's token counts, timings and finished requests."""
@@ -95,25 +95,32 @@ class OutputProcessor:
         iteration.time = now
         results: list[RequestOutput] = []
         to_abort: list[str] = []
-        for out in outputs:
-            state = self.requests.get(out.request_id)
+        flat, start = step.new_token_ids, 0
+        for request_id, count in zip(step.req_ids, step.num_new_tokens):
+            new_token_ids = flat[start:start + count]
+            start += count
+            state = self.requests.get(request_id)
             if state is None:
                 continue
-            if state.metrics.first_token_time is None and out.new_token_ids:
+            first = step.first.get(request_id)
+            if first is not None:
+                state.num_cached_tokens = first.num_cached_tokens
+            if state.metrics.first_token_time is None and new_token_ids:
                 state.metrics.first_token_time = now
-                state.num_cached_tokens = out.num_cached_tokens
             if state.logprobs is not None:
-                self._add_logprobs(state, out.new_token_ids, out.new_logprobs)
+                self._add_logprobs(state, new_token_ids, step.logprobs.get(request_id))
             assert state.stats is not None
-            iteration.observe_tokens(state.stats, len(out.new_token_ids), out.times, now)
-            if state.prompt_logprobs is not None and out.new_prompt_logprobs is not None:
-                self._add_prompt_logprobs(state, out.new_prompt_logprobs)
-            if self._apply(state, out):
-                to_abort.append(out.request_id)
+            iteration.observe_tokens(state.stats, count, first.times if first is not None else None, now)
+            prompt_logprobs = step.prompt_logprobs.get(request_id)
+            if state.prompt_logprobs is not None and prompt_logprobs is not None:
+                self._add_prompt_logprobs(state, prompt_logprobs)
+            if self._apply(state, new_token_ids, step.finish_reasons.get(request_id),
+                           step.stop_reasons.get(request_id)):
+                to_abort.append(request_id)
             if state.finish_reason is not None:
                 state.metrics.finished_time = now
-                iteration.observe_finished(out.request_id, state.finish_reason, state.stats, now)
-                del self.requests[out.request_id]
+                iteration.observe_finished(request_id, state.finish_reason, state.stats, now)
+                del self.requests[request_id]
             results.append(state.make_output(delta))
         return results, to_abort
 
@@ -153,13 +160,14 @@ class OutputProcessor:
         return text
 
     @staticmethod
-    def _apply(state: RequestState, out: EngineCoreOutput) -> bool:
+    def _apply(state: RequestState, new_token_ids: list[int], finish_reason: FinishReason | None,
+               stop_reason: int | None) -> bool:
         """Add the new tokens; True when a stop string ended a request the core still runs."""
-        state.token_ids.extend(out.new_token_ids)
-        stop = state.detokenizer.update(out.new_token_ids)
+        state.token_ids.extend(new_token_ids)
+        stop = state.detokenizer.update(new_token_ids)
         if stop is not None:
             state.finish_reason, state.stop_reason = str(FinishReason.STOP), stop
-            return not out.finished
-        if out.finished:
-            state.finish_reason, state.stop_reason = str(out.finish_reason), out.stop_reason
+            return finish_reason is None
+        if finish_reason is not None:
+            state.finish_reason, state.stop_reason = str(finish_reason), stop_reason
         return False

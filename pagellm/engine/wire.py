@@ -6,8 +6,9 @@ In process (``InprocClient``) these structs are passed as objects. Across proces
 - frontend → core: one ``EngineCoreInput`` (``AddRequests``, ``AbortRequests`` or ``UtilityCall``), tagged so the
   core decodes the union in one step; messages are applied in the order they were sent.
 - core → frontend: first one ``EngineCoreHandshake`` (the ``RuntimeInfo``, or the start-up error), then only
-  ``EngineCoreOutputs``: one per step, plus one per utility reply or refused request, plus a last one carrying
-  ``engine_error`` when the core is about to exit because of an error.
+  ``EngineCoreOutputs``: one per step (its ``StepOutput``: every request's token-id deltas as parallel lists, see
+  ``sched/output.py``), plus one per utility reply or refused request, plus a last one carrying ``engine_error``
+  when the core is about to exit because of an error.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import msgspec
 
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.sampling_params import SamplingParams
-from pagellm.sched.output import EngineCoreOutput
+from pagellm.sched.output import StepOutput
 from pagellm.worker.worker import RuntimeInfo
 
-__all__ = ["EngineCoreRequest", "EngineCoreOutput", "EngineCoreOutputs", "AddRequests", "AbortRequests",
+__all__ = ["EngineCoreRequest", "StepOutput", "EngineCoreOutputs", "AddRequests", "AbortRequests",
            "UtilityCall", "UtilityMethod", "UtilityResult", "RequestError", "EngineCoreInput",
            "EngineCoreHandshake", "UTILITY_RESULT_TYPES"]
 
@@ -53,7 +54,7 @@ class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
-    outputs: list[EngineCoreOutput]
+    step: StepOutput = msgspec.field(default_factory=StepOutput)   # empty unless the message reports a step
     stats: SchedulerStats | None = None
     errors: list[RequestError] = []
     utility_results: list[UtilityResult] = []

@@ -50,6 +50,21 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def popleft_n(self, n: int) -> list[KVBlock]:
+        """Remove and return the first ``n`` blocks (``n`` <= ``num_free_blocks``), linking the list once."""
+        assert n <= self.num_free_blocks, f"asked for {n} blocks, only {self.num_free_blocks} free"
+        taken = []
+        block = self._head.next_free
+        for _ in range(n):
+            assert block is not None
+            taken.append(block)
+            block.prev_free, block.next_free, block = None, None, block.next_free
+        assert block is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        self.num_free_blocks -= n
+        return taken
+
     def remove(self, block: KVBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
         assert prev is not None and nxt is not None, f"{block} is not in the free list"
@@ -67,6 +82,19 @@ class FreeBlockQueue:
         block.next_free = self._tail
         self._tail.prev_free = block
         self.num_free_blocks += 1
+
+    def extend(self, blocks: list[KVBlock]) -> None:
+        """Append ``blocks`` at the tail in order, linking the list once."""
+        last = self._tail.prev_free
+        assert last is not None
+        for block in blocks:
+            assert block.prev_free is None and block.next_free is None, f"{block} is already in the free list"
+            last.next_free = block
+            block.prev_free = last
+            last = block
+        last.next_free = self._tail
+        self._tail.prev_free = last
+        self.num_free_blocks += len(blocks)
 
     def __iter__(self) -> Iterator[KVBlock]:
         block = self._head.next_free

@@ -39,13 +39,20 @@ class BlockPool:
         """Take blocks from the head of the free queue, evicting whatever they cached."""
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, only {self.num_free_blocks} free")
-        taken = []
-        for _ in range(num_blocks):
-            block = self.free_queue.popleft()
-            self._evict(block)
+        taken = self.free_queue.popleft_n(num_blocks)
+        for block in taken:
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
-            taken.append(block)
         return taken
+
+    def get_new_block(self) -> KVBlock:
+        """``get_new_blocks(1)[0]``, without the list (a decoding request takes one block at a time)."""
+        block = self.free_queue.popleft()
+        if block.block_hash is not None:
+            self._evict(block)
+        block.ref_cnt = 1
+        return block
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference to blocks found in the prefix cache (pulling free ones out of the free queue)."""
@@ -56,11 +63,14 @@ class BlockPool:
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; those that reach zero join the free queue's tail in order."""
+        freed = []
         for block in ordered_blocks:
-            block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"{block} freed twice"
-            if block.ref_cnt == 0:
-                self.free_queue.append(block)
+            ref_cnt = block.ref_cnt = block.ref_cnt - 1
+            if ref_cnt == 0:
+                freed.append(block)
+            else:
+                assert ref_cnt > 0, f"{block} freed twice"
+        self.free_queue.extend(freed)
 
     def cache_full_block(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Register a block whose contents are final. The first block with a given hash stays canonical."""

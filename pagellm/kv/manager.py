@@ -3,14 +3,18 @@
 Contract with the scheduler:
 - ``get_computed_blocks(request)`` finds the longest run of cached full blocks that prefix the request's tokens,
   leaving at least the last token to compute (its logits are needed).
-- ``allocate_slots(...)`` gives a request room for ``num_new_tokens`` more tokens (plus lookahead slots for draft
-  tokens), or returns ``None`` without changing anything when the pool cannot.
+- ``allocate_slots(request, num_computed, num_new, ...)`` gives a request that has ``num_computed`` tokens in its
+  blocks room for ``num_new`` more (plus lookahead slots for draft tokens), or returns ``None`` without changing
+  anything when the pool cannot.
 - ``free(request)`` returns every block; blocks that carry a hash stay findable until reused.
-- After each of these, ``request.kv_slots`` is the number of token slots the request's blocks hold and
-  ``request.kv_next_full`` the token count at which its next not-yet-registered block becomes full. For a step
-  whose tokens (and lookahead) fit in ``kv_slots``, ``allocate_slots`` would allocate nothing: the scheduler skips
-  it, calling only ``cache_full_blocks`` when the step's final tokens reach ``kv_next_full`` (most steps of a
-  decoding request need no manager call at all).
+- ``allocate_running(requests, rooms, finals, ...)`` is ``allocate_slots`` for many running requests in order
+  (one call per step instead of one per request), stopping before the first one the pool cannot serve.
+- ``slots_and_next_full(request_id)``: the number of token slots the request's blocks hold and the token count at
+  which its next not-yet-registered block becomes full. For a step whose tokens (and lookahead) fit in the slots,
+  ``allocate_slots`` would allocate nothing: the scheduler skips it, calling only ``cache_full_blocks`` when the
+  step's final tokens reach the second number (most steps of a decoding request need no manager call at all).
+- ``hash_blocks(request)`` hashes the request's full blocks ahead of time (the scheduler calls it on arrival);
+  look-ups and registration hash whatever is still missing themselves.
 Only tokens that are final (never draft tokens) are hashed into the cache.
 """
 
@@ -21,7 +25,7 @@ from pagellm.kv.block_pool import BlockPool
 from pagellm.kv.hashing import extend_block_hashes
 from pagellm.request import Request, RequestId
 
-_NEVER = 1 << 62  # kv_next_full when prefix caching is off: no block is ever registered
+NEVER = 1 << 62  # the next-full count when prefix caching is off: no block is ever registered
 
 
 def cdiv(a: int, b: int) -> int:
@@ -51,12 +55,13 @@ class KVCacheManager:
         """The cached blocks that prefix ``request`` and the number of tokens they hold."""
         if not self.enable_caching:
             return [], 0
-        self._update_hashes(request)
+        self.hash_blocks(request)
         # The last token is always computed so its logits exist; so at most (num_tokens - 1) tokens can hit.
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
+        cached = self.pool.cached
         for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
+            block = cached.get(block_hash)
             if block is None:
                 break
             hits.append(block)
@@ -65,17 +70,19 @@ class KVCacheManager:
     def allocate_slots(
         self,
         request: Request,
+        num_computed: int,
         num_new_tokens: int,
         new_computed_blocks: list[KVBlock] | None = None,
         num_lookahead_tokens: int = 0,
     ) -> list[KVBlock] | None:
-        """Make room for ``num_new_tokens`` after the computed ones (and the prefix hits); None if out of blocks."""
+        """Make room for ``num_new_tokens`` after the ``num_computed`` ones (and the prefix hits); None if out of
+        blocks."""
         rid, bs, pool = request.request_id, self.block_size, self.pool
         held = self.req_blocks.get(rid)
         if held is None:
             held = self.req_blocks[rid] = []
         num_hits = len(new_computed_blocks) if new_computed_blocks else 0
-        num_computed = request.num_computed_tokens + num_hits * bs
+        num_computed += num_hits * bs
         num_new_blocks = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, bs) - len(held) - num_hits
         new_blocks: list[KVBlock] = []
         if num_new_blocks > 0 or num_hits:
@@ -88,40 +95,88 @@ class KVCacheManager:
             if new_computed_blocks:
                 pool.touch(new_computed_blocks)
                 held.extend(new_computed_blocks)
+                self.num_cached_blocks[rid] = num_hits  # hits are registered already: none to register again
             if num_new_blocks > 0:
                 new_blocks = pool.get_new_blocks(num_new_blocks)
                 held.extend(new_blocks)
-        request.kv_slots = len(held) * bs
         if self.enable_caching:
             self.cache_full_blocks(request, min(num_computed + num_new_tokens, len(request.all_token_ids)))
-        else:
-            request.kv_next_full = _NEVER
         return new_blocks
+
+    def allocate_running(self, requests: list[Request], rooms: list[int], finals: list[int],
+                         new_block_ids: dict[str, list[int]]) -> tuple[list[int], list[int]]:
+        """``allocate_slots`` for each request in order, none with prefix hits: request ``i`` needs ``rooms[i]``
+        slots (computed + new + lookahead tokens) and will have ``finals[i]`` final tokens after the step. Stops
+        before the first request the pool cannot serve (changing nothing for it). Returns, per request served, its
+        slots and next-full count (as ``slots_and_next_full``); the ids of new blocks go into ``new_block_ids``."""
+        bs, pool, caching, cached_counts = self.block_size, self.pool, self.enable_caching, self.num_cached_blocks
+        free_queue, req_blocks, slots, next_full = pool.free_queue, self.req_blocks, [], []
+        for request, room, final in zip(requests, rooms, finals):
+            rid = request.request_id
+            held = req_blocks[rid]  # a running request's list exists from its admission on
+            num_new_blocks = -(-room // bs) - len(held)
+            if num_new_blocks > 0:
+                if num_new_blocks > free_queue.num_free_blocks:
+                    break
+                if num_new_blocks == 1:  # a decoding request entering its next block: most calls
+                    block = pool.get_new_block()
+                    held.append(block)
+                    new_block_ids[rid] = [block.block_id]
+                else:
+                    blocks = pool.get_new_blocks(num_new_blocks)
+                    held += blocks
+                    new_block_ids[rid] = [b.block_id for b in blocks]
+            slots.append(len(held) * bs)
+            if not caching:
+                next_full.append(NEVER)
+                continue
+            num_cached = cached_counts.get(rid, 0)
+            if final >= (num_cached + 1) * bs:  # a block fills
+                num_cached = self._register(request, held, num_cached, final // bs)
+            next_full.append((num_cached + 1) * bs)
+        return slots, next_full
+
+    def slots_and_next_full(self, request_id: str) -> tuple[int, int]:
+        """Token slots in the request's blocks, and the token count at which its next unregistered block fills."""
+        rid = RequestId(request_id)
+        slots = len(self.req_blocks.get(rid, ())) * self.block_size
+        if not self.enable_caching:
+            return slots, NEVER
+        return slots, (self.num_cached_blocks.get(rid, 0) + 1) * self.block_size
 
     def free(self, request: Request) -> None:
         """Return all of a request's blocks, tail first, so its least shareable blocks are evicted first."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        request.kv_slots = request.kv_next_full = 0
         self.pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
-    def _update_hashes(self, request: Request) -> None:
-        extra = (request.cache_salt,) if request.cache_salt else None
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, extra)
+    def hash_blocks(self, request: Request) -> None:
+        """Hash the request's full blocks not hashed yet (a no-op with prefix caching off)."""
+        if self.enable_caching and len(request.all_token_ids) >= (len(request.block_hashes) + 1) * self.block_size:
+            extra = (request.cache_salt,) if request.cache_salt else None
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, extra)
 
-    def cache_full_blocks(self, request: Request, num_final_tokens: int) -> None:
+    def cache_full_blocks(self, request: Request, num_final_tokens: int) -> int:
         """Register the request's blocks that will be full of final tokens once this step runs (prefix caching
-        on), each hashed once, and move ``request.kv_next_full`` past them."""
+        on), each hashed once; returns the token count at which its next unregistered block fills."""
         rid, bs = request.request_id, self.block_size
         start = self.num_cached_blocks.get(rid, 0)
         end = num_final_tokens // bs
         if end > start:
-            self._update_hashes(request)
-            blocks, hashes, cache = self.req_blocks[rid], request.block_hashes, self.pool.cache_full_block
-            for index in range(start, end):
-                cache(blocks[index], hashes[index])
-            self.num_cached_blocks[rid] = start = end
-        request.kv_next_full = (start + 1) * bs
+            start = self._register(request, self.req_blocks[rid], start, end)
+        return (start + 1) * bs
+
+    def _register(self, request: Request, blocks: list[KVBlock], start: int, end: int) -> int:
+        """Hash (if not done yet) and register the request's blocks ``start .. end - 1``; returns ``end``."""
+        hashes = request.block_hashes
+        if len(hashes) < end:
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size,
+                                (request.cache_salt,) if request.cache_salt else None)
+        cache = self.pool.cache_full_block
+        for index in range(start, end):
+            cache(blocks[index], hashes[index])
+        self.num_cached_blocks[request.request_id] = end
+        return end

@@ -1,9 +1,13 @@
-"""Plain data passed between the scheduler and the workers each step.
+"""Plain data passed between the scheduler, the workers and the frontend each step.
 
 The scheduler sends deltas: a request's full data once (``NewRequestData``, also when it resumes after
 preemption), then only its counts and any new block ids (``CachedRequestData``: one struct of parallel lists
 for all running requests of the step, not one object per request, so a step costs no per-request allocations).
-Workers answer with the tokens they sampled and any draft tokens for the next step (``ModelRunnerOutput``).
+``SchedulerOutput.req_ids`` / ``num_scheduled_tokens`` give the step's batch order (running requests, then new
+ones). Workers answer with the tokens they sampled, back to back in batch order with one count per request, and
+any draft tokens for the next step (``ModelRunnerOutput``). The scheduler reports the step to the frontend the same
+way (``StepOutput``): parallel lists for the requests with news, their new tokens back to back, and sparse maps
+for what only some requests have (a finish, logprobs, first-output times).
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_reqs: list[NewRequestData]
     cached_reqs: CachedRequestData
-    num_scheduled_tokens: dict[str, int]   # per request, in batch order (new requests after running ones)
+    req_ids: list[str]                     # the batch order: cached_reqs.req_ids, then the new requests
+    num_scheduled_tokens: list[int]        # parallel to req_ids
     total_num_scheduled_tokens: int
     spec_token_ids: dict[str, list[int]] = {}   # draft tokens scheduled for verification this step
     finished_req_ids: list[str] = []            # finished, aborted or preempted since the last step: drop state
@@ -48,6 +53,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    def scheduled(self) -> dict[str, int]:
+        """``{request id: tokens scheduled}`` in batch order (for inspection; the hot paths use the lists)."""
+        return dict(zip(self.req_ids, self.num_scheduled_tokens))
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -78,26 +87,68 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What the workers sampled, in the batch order of the ``SchedulerOutput`` they ran.
+
+    Request ``req_ids[i]`` sampled ``num_sampled[i]`` tokens (0 mid-prompt, 1, or accepted drafts + 1); the tokens
+    of all requests sit back to back in ``sampled_token_ids``.
+    """
+
     req_ids: list[str]
-    sampled_token_ids: list[list[int]]      # per request: [] mid-prompt, 1 token, or accepted drafts + 1
+    num_sampled: list[int]
+    sampled_token_ids: list[int]
     draft_token_ids: dict[str, list[int]] = {}  # proposals to verify next step
     logprobs: dict[str, TokenLogprobs] = {}     # for requests that asked: one entry per sampled token
     prompt_logprobs: dict[str, TokenLogprobs] = {}  # prompt_logprobs requests: one entry per prompt token scored
 
+    @classmethod
+    def from_rows(cls, req_ids: list[str], rows: list[list[int]], draft_token_ids: dict[str, list[int]] | None = None,
+                  logprobs: dict[str, TokenLogprobs] | None = None,
+                  prompt_logprobs: dict[str, TokenLogprobs] | None = None) -> ModelRunnerOutput:
+        """Built from one token list per request."""
+        return cls(req_ids, [len(row) for row in rows], [token for row in rows for token in row],
+                   draft_token_ids or {}, logprobs or {}, prompt_logprobs or {})
 
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One request's news from one step: token-id deltas and, at the end, why it finished."""
+    def rows(self) -> list[list[int]]:
+        """One token list per request (for inspection; the hot paths use the flat list)."""
+        return _split(self.sampled_token_ids, self.num_sampled)
 
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    new_logprobs: TokenLogprobs | None = None   # one entry per new token when the request asked for logprobs
-    times: RequestTimes | None = None           # core-side timings, on the request's first output tokens only
+
+class FirstOutput(msgspec.Struct, array_like=True):
+    """Sent once per request, with its first output tokens."""
+
+    num_cached_tokens: int    # prefix-cache hit length of its first schedule
+    times: RequestTimes       # core-side timings
+
+
+class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Every request's news from one step: token-id deltas and, at the end, why it finished.
+
+    Request ``req_ids[i]`` got ``num_new_tokens[i]`` tokens (0 only for a prompt chunk scored for
+    prompt_logprobs); the tokens of all requests sit back to back in ``new_token_ids``. The maps hold only the
+    requests they concern.
+    """
+
+    req_ids: list[str] = []
+    num_new_tokens: list[int] = []
+    new_token_ids: list[int] = []
+    finish_reasons: dict[str, FinishReason] = {}
+    stop_reasons: dict[str, int] = {}              # requests ended by one of their stop_token_ids
+    logprobs: dict[str, TokenLogprobs] = {}        # one entry per new token, for requests that asked
     # prompt_logprobs: entries for the next prompt tokens (from the second on), in prompt order, chunk by chunk
-    new_prompt_logprobs: TokenLogprobs | None = None
+    prompt_logprobs: dict[str, TokenLogprobs] = {}
+    first: dict[str, FirstOutput] = {}             # requests whose first output tokens are in this step
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def rows(self) -> list[list[int]]:
+        """One token list per request (for inspection; the frontend walks the flat list)."""
+        return _split(self.new_token_ids, self.num_new_tokens)
+
+
+def _split(flat: list[int], counts: list[int]) -> list[list[int]]:
+    rows, start = [], 0
+    for count in counts:
+        rows.append(flat[start:start + count])
+        start += count
+    return rows

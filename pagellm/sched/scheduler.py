@@ -6,27 +6,54 @@ prefill, prefix-cache hits, resumed preemptions and draft tokens all follow from
 short, the last running request is preempted (recompute): under FCFS the newest one, under ``priority`` the
 lowest-priority one (the running list is kept sorted for that policy). ``num_computed_tokens`` advances when a
 request is scheduled; ``update_from_output`` rolls back rejected drafts and applies token-level stop rules.
+
+Both per-request loops run over the numpy columns of ``RunningBatch``: ``_grant`` hands the budget out with one
+cumulative sum, and only the rows that need the KV manager (a block to allocate or one that fills,
+``_needs_kv``) come back to per-request Python, in row order, so every KV call and every block id is what a plain
+loop over the requests would produce. The output side (``update_from_output``: only the rows that may stop or get
+their first output come back to Python) is ``sched/intake.Intake``, which ``Scheduler`` inherits.
+``tests/unit/test_scheduler_fastpath.py`` runs the scheduler in lockstep with a twin that takes the per-request
+path for every row and hands the budget out one request at a time.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
+from dataclasses import dataclass
 from typing import Iterable
+
+import numpy as np
 
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.kv.block import KVBlock
 from pagellm.kv.manager import KVCacheManager
-from pagellm.metrics.stats import RequestTimes, SchedulerStats, SpecDecodingStats
+from pagellm.metrics.stats import SchedulerStats, SpecDecodingStats
 from pagellm.request import Request, RequestStatus
-from pagellm.sched.output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
-                                  SchedulerOutput)
+from pagellm.sched.intake import Intake, _Step
+from pagellm.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagellm.sched.queue import make_queue
+from pagellm.sched.running import RunningBatch
+from pagellm.sched.stop import StopRules, suppressed_tokens
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+@dataclass
+class _RunningPart:
+    """The running requests' share of a step."""
+
+    cached: CachedRequestData
+    num_scheduled: list[int]
+    rows: np.ndarray              # their RunningBatch rows
+    num_spec: np.ndarray | None
+    spec: dict[str, list[int]]
+    num_tokens: int
+    preempted: bool
+
+
+class Scheduler(Intake):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -48,9 +75,13 @@ class Scheduler:
         self._step_lookahead = num_lookahead_tokens
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.waiting = make_queue(config.scheduling_policy)
-        self.running: list[Request] = []
+        self.running = RunningBatch()
         self.requests: dict[str, Request] = {}
+        self.stop_rules = StopRules(max_model_len)
         self._dropped_req_ids: set[str] = set()  # workers must forget these at the next step
+        self._needs_sort = False      # priority policy: requests were admitted since the running list was sorted
+        self._drafts_seen = False     # some request got draft tokens (until then no step has any)
+        self._step: _Step | None = None
         self._stats = SchedulerStats()
         self._spec_stats = SpecDecodingStats()
         self._evictions_seen = 0
@@ -61,13 +92,8 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         request.queued_time = time.time()
-        params = request.sampling_params
-        stops = frozenset(params.stop_token_ids or ())
-        request.stop_ids = stops if params.ignore_eos else stops | frozenset(request.eos_token_ids)
-        length_limit = self.max_model_len
-        if request.max_tokens is not None:
-            length_limit = min(length_limit, request.num_prompt_tokens + request.max_tokens)
-        request.length_limit = length_limit
+        self.stop_rules.add(request)
+        self.kv.hash_blocks(request)  # now rather than at its first look-up: the hashes depend only on its tokens
         self.waiting.add(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -76,7 +102,7 @@ class Scheduler:
             if request is None:
                 continue
             if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
+                self.running.remove_rows([self.running.index(request)])
             else:
                 self.waiting.remove(request)
             self._finish(request, RequestStatus.FINISHED_ABORTED)
@@ -88,79 +114,135 @@ class Scheduler:
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def num_computed_tokens(self, request_id: str) -> int:
+        """Tokens of the request in the KV cache (0 unless it is running)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.RUNNING:
+            return 0
+        return int(self.running.computed[self.running.index(request)])
+
     # ------------------------------------------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
-        if self.by_priority:
-            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+        if self.by_priority and self._needs_sort:
+            self._sort_running()
         self._step_lookahead = self._reservation()
-        scheduled: dict[str, int] = {}
-        cached_reqs = CachedRequestData()
-        spec: dict[str, list[int]] = {}
-        budget, preempted = self._schedule_running(self.budget, scheduled, cached_reqs, spec)
+        part = self._schedule_running(self.budget)
+        req_ids, num_scheduled = list(part.cached.req_ids), part.num_scheduled
         new_reqs: list[NewRequestData] = []
-        if not preempted and self.waiting:  # no room for newcomers while running requests are being pushed out
-            self._schedule_waiting(budget, scheduled, new_reqs)
-        total = sum(scheduled.values())
+        num_running, budget = len(self.running), self.budget - part.num_tokens
+        if not part.preempted and self.waiting:  # no room for newcomers while running requests are pushed out
+            budget = self._schedule_waiting(budget, req_ids, num_scheduled, new_reqs)
+        total = self.budget - budget
         self._stats.num_scheduled_tokens += total
         dropped, self._dropped_req_ids = self._dropped_req_ids, set()
-        return SchedulerOutput(new_reqs, cached_reqs, scheduled, total, spec, sorted(dropped))
+        out = SchedulerOutput(new_reqs, part.cached, req_ids, num_scheduled, total, part.spec, sorted(dropped))
+        rows, num_spec = part.rows, part.num_spec
+        if new_reqs:
+            rows = np.arange(len(self.running)) if len(rows) == num_running else \
+                np.concatenate([rows, np.arange(num_running, len(self.running))])
+            if num_spec is not None:
+                num_spec = np.concatenate([num_spec, np.zeros(len(new_reqs), dtype=np.int64)])
+        self._step = _Step(out, rows, num_spec, self.running.version)
+        return out
 
-    def _schedule_running(
-        self, budget: int, scheduled: dict[str, int], cached: CachedRequestData, spec: dict[str, list[int]],
-    ) -> tuple[int, bool]:
-        """Hand ``budget`` to the running requests in order; the per-request body is the hot loop of a step."""
-        preempted = False
-        running, max_len, max_lookahead = self.running, self.max_model_len, self._step_lookahead
-        req_ids, computed, new_block_ids = cached.req_ids, cached.num_computed_tokens, cached.new_block_ids
-        index = 0
-        while index < len(running) and budget > 0:
-            request = running[index]
-            index += 1  # preemption only removes requests behind this one, so the index stays valid
-            num_computed = request.num_computed_tokens
-            num_tokens = len(request.all_token_ids)
-            num_new = num_tokens + len(request.spec_token_ids)
-            num_new = (num_new if num_new < max_len else max_len) - num_computed
-            if num_new > budget:
-                num_new = budget
-            if num_new <= 0:
-                continue
-            end = num_computed + num_new
-            lookahead = self._lookahead(end) if max_lookahead else 0
-            # Fast path (see KVCacheManager's contract): the step fits in held blocks, so the manager is needed
-            # only when a block fills (to register it) and ``allocate_slots`` only when more blocks are needed.
-            if end + lookahead <= request.kv_slots:
-                if (end if end < num_tokens else num_tokens) >= request.kv_next_full:
-                    self.kv.cache_full_blocks(request, end if end < num_tokens else num_tokens)
-            else:
-                new_blocks, preempted_now = self._allocate_or_preempt(request, num_new)
-                preempted |= preempted_now
-                if new_blocks is None:
-                    break  # ``request`` itself was the last one and got preempted
-                if new_blocks:
-                    new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
-            request_id = request.request_id
-            req_ids.append(request_id)
-            computed.append(num_computed)
-            if end > num_tokens:
-                spec[request_id] = request.spec_token_ids[:end - num_tokens]
-            scheduled[request_id] = num_new
-            request.num_computed_tokens = end
-            budget -= num_new
-        return budget, preempted
+    def _schedule_running(self, budget: int) -> _RunningPart:
+        """Hand ``budget`` to the running requests in order: vectorised over the batch's columns, with the KV
+        manager called only for the rows that need it (in row order, as a plain loop would call it)."""
+        batch, n, drafts = self.running, len(self.running), self._drafts_seen
+        if n == 0:
+            return _RunningPart(CachedRequestData(), [], np.zeros(0, dtype=np.int64), None, {}, 0, False)
+        computed, tokens = batch.computed[:n], batch.num_tokens[:n]  # views: computed is overwritten last
+        grant = self._grant(computed, tokens, batch.num_spec[:n] if drafts else None, budget)
+        end = computed + grant
+        final = np.minimum(end, tokens) if drafts else end  # draft tokens are never final
+        lookahead = self._step_lookahead
+        room = end + np.clip(self.max_model_len - end, 0, lookahead) if lookahead else end
+        new_block_ids: dict[str, list[int]] = {}
+        events = np.flatnonzero(self._needs_kv(grant, room, final, batch.kv_slots[:n], batch.kv_next_full[:n]))
+        if events.size:
+            self._serve_kv(events, computed, grant, room, final, new_block_ids)
+        m = len(batch)
+        grant, end = grant[:m], end[:m]
+        k = int(np.count_nonzero(grant))
+        if k == m or not grant[k:].any():  # the scheduled rows are the first k (the usual case)
+            rows = np.arange(k)
+            cached = CachedRequestData(batch.req_ids[:k], computed[:k].tolist(), new_block_ids)
+            num_scheduled = grant[:k].tolist()
+        else:
+            rows = np.flatnonzero(grant)
+            cached = CachedRequestData([batch.req_ids[i] for i in rows.tolist()], computed[rows].tolist(),
+                                       new_block_ids)
+            num_scheduled = grant[rows].tolist()
+        num_spec, spec = self._scheduled_drafts(rows, end - tokens[:m]) if drafts else (None, {})
+        batch.computed[:m] = end
+        return _RunningPart(cached, num_scheduled, rows, num_spec, spec, int(grant.sum()), m < n)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[list[KVBlock] | None, bool]:
+    def _grant(self, computed: np.ndarray, tokens: np.ndarray, num_spec: np.ndarray | None,
+               budget: int) -> np.ndarray:
+        """The budget rule over the running rows: each in order gets what it still needs (prompt chunk, sampled
+        token, drafts; never past max_model_len) until the budget runs out; a row that needs nothing gets 0.
+        Without drafts a running request never reaches max_model_len (it stops there) nor computes past its
+        tokens, so what it needs is ``tokens - computed``."""
+        if num_spec is None:
+            want = tokens - computed
+        else:
+            want = np.minimum(tokens + num_spec, self.max_model_len) - computed
+            np.maximum(want, 0, out=want)
+        used = np.cumsum(want)
+        if used[-1] <= budget:
+            return want
+        return np.clip(budget - used + want, 0, want)
+
+    @staticmethod
+    def _needs_kv(grant: np.ndarray, room: np.ndarray, final: np.ndarray, kv_slots: np.ndarray,
+                  kv_next_full: np.ndarray) -> np.ndarray:
+        """Scheduled rows whose step needs the KV manager: more slots (``room``: tokens after the step plus
+        lookahead) than their blocks hold, or final tokens that fill a block (see KVCacheManager's contract)."""
+        return (grant > 0) & ((room > kv_slots) | (final >= kv_next_full))
+
+    def _serve_kv(self, events: np.ndarray, computed: np.ndarray, grant: np.ndarray, room: np.ndarray,
+                  final: np.ndarray, new_block_ids: dict[str, list[int]]) -> None:
+        """The KV manager's part of the ``events`` rows' steps, in row order: one ``allocate_running`` call for
+        as many as the pool serves; when it runs short, the row it stopped at preempts from the end."""
+        batch = self.running
+        rows, rooms, finals = events.tolist(), room[events].tolist(), final[events].tolist()
+        while rows:
+            slots, next_full = self.kv.allocate_running([batch.requests[r] for r in rows], rooms, finals,
+                                                        new_block_ids)
+            served = rows[:len(slots)]
+            batch.kv_slots[served], batch.kv_next_full[served] = slots, next_full
+            if len(served) == len(rows):
+                return
+            row = rows[len(served)]
+            if not self._allocate_row(row, int(computed[row]), int(grant[row]), new_block_ids):
+                return  # the row itself was preempted, and every row after it
+            keep = bisect.bisect_left(rows, len(batch))  # rows preempted meanwhile are gone
+            rows, rooms, finals = (rows[len(served) + 1:keep], rooms[len(served) + 1:keep],
+                                   finals[len(served) + 1:keep])
+
+    def _allocate_row(self, row: int, num_computed: int, num_new: int, new_block_ids: dict[str, list[int]]) -> bool:
+        """One row's slots, preempting from the end of the running list while the pool is short; False when the
+        row's own request had to go."""
+        batch, request = self.running, self.running.requests[row]
+        blocks = self._allocate_or_preempt(request, num_computed, num_new)
+        if blocks is None:
+            return False
+        if blocks:
+            new_block_ids[request.request_id] = [b.block_id for b in blocks]
+        batch.kv_slots[row], batch.kv_next_full[row] = self.kv.slots_and_next_full(request.request_id)
+        return True
+
+    def _allocate_or_preempt(self, request: Request, num_computed: int, num_new: int) -> list[KVBlock] | None:
         """Allocate slots for ``request``, preempting from the end of the running list until they fit."""
-        preempted = False
+        lookahead = self._lookahead(num_computed + num_new)
         while True:
-            lookahead = self._lookahead(request.num_computed_tokens + num_new)
-            blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
+            blocks = self.kv.allocate_slots(request, num_computed, num_new, num_lookahead_tokens=lookahead)
             if blocks is not None:
-                return blocks, preempted
-            victim = self.running[-1]
+                return blocks
+            victim = self.running.requests[-1]
             self._preempt(victim)
-            preempted = True
             if victim is request:
-                return None, preempted
+                return None
 
     def _reservation(self) -> int:
         """Draft slots to reserve per request this step: none unless even admitting every waiting request (up to
@@ -178,11 +260,29 @@ class Scheduler:
         forever."""
         return max(0, min(self._step_lookahead, self.max_model_len - num_tokens_after_step))
 
+    def _scheduled_drafts(self, rows: np.ndarray, past_final: np.ndarray) -> tuple[np.ndarray | None,
+                                                                                    dict[str, list[int]]]:
+        """Draft tokens scheduled per scheduled row (the tokens past its final ones), and the drafts by request."""
+        num_spec = np.maximum(past_final[rows], 0)
+        spec: dict[str, list[int]] = {}
+        for j in np.flatnonzero(num_spec).tolist():
+            request = self.running.requests[rows[j]]
+            spec[request.request_id] = request.spec_token_ids[:num_spec[j]]
+        return (num_spec if spec else None), spec
+
+    def _sort_running(self) -> None:
+        """Priority policy: lowest (priority, arrival_time) first; a stable sort, so ties keep their order."""
+        requests = self.running.requests
+        order = sorted(range(len(requests)), key=lambda i: (requests[i].priority, requests[i].arrival_time))
+        if order != list(range(len(order))):
+            self.running.reorder(order)
+        self._needs_sort = False
+
     def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
+        assert request is self.running.requests[-1], "only the last running request is preempted"
+        self.running.remove_rows([len(self.running) - 1])
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.num_preemptions += 1
         self._stats.num_preemptions += 1
@@ -190,7 +290,9 @@ class Scheduler:
         self.waiting.add_front(request)
         logger.debug("preempted %s", request.request_id)
 
-    def _schedule_waiting(self, budget: int, scheduled: dict[str, int], new_reqs: list[NewRequestData]) -> None:
+    def _schedule_waiting(self, budget: int, req_ids: list[str], num_scheduled: list[int],
+                          new_reqs: list[NewRequestData]) -> int:
+        """Admit waiting requests in queue order while budget and ``max_num_seqs`` allow; returns the budget left."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
@@ -198,24 +300,26 @@ class Scheduler:
             if not self.chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, hit_blocks, self._lookahead(num_hit + num_new)) is None:
+            if self.kv.allocate_slots(request, 0, num_new, hit_blocks, self._lookahead(num_hit + num_new)) is None:
                 break
             self.waiting.pop()
-            self._admit(request, num_hit)
             new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
                 request.sampling_params, self.kv.block_ids(request.request_id), num_hit,
-                sorted(_suppressed_tokens(request)),
+                sorted(suppressed_tokens(request)),
             ))
-            scheduled[request.request_id] = num_new
-            request.num_computed_tokens += num_new
+            self._admit(request, num_hit, num_new)
+            req_ids.append(request.request_id)
+            num_scheduled.append(num_new)
             budget -= num_new
+        return budget
 
-    def _admit(self, request: Request, num_hit: int) -> None:
-        self.running.append(request)
+    def _admit(self, request: Request, num_hit: int, num_new: int) -> None:
+        kv_slots, kv_next_full = self.kv.slots_and_next_full(request.request_id)
+        self.running.append(request, num_hit + num_new, kv_slots, kv_next_full)
+        self._needs_sort = True
         self._dropped_req_ids.discard(request.request_id)
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_hit
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit
             request.scheduled_time = time.time()
@@ -223,91 +327,13 @@ class Scheduler:
         self._stats.prefix_cache_hits += num_hit
         self._stats.num_prompt_tokens += request.num_tokens - num_hit
 
-    # ------------------------------------------------------------------------------------------- outputs
-    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Append the sampled tokens, apply stop rules, and report each request's news (hot loop of a step)."""
-        outputs: list[EngineCoreOutput] = []
-        requests, running = self.requests, RequestStatus.RUNNING
-        spec_sent, drafts_out, logprobs_out = sched_out.spec_token_ids, runner_out.draft_token_ids, runner_out.logprobs
-        prompt_logprobs_out = runner_out.prompt_logprobs
-        num_generated = 0
-        for request_id, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
-            request = requests.get(request_id)
-            if request is None or request.status is not running:
-                continue  # aborted or preempted while the step ran
-            if spec_sent:
-                drafts = spec_sent.get(request_id)
-                if drafts:
-                    request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
-                    self._spec_stats.observe(len(drafts), len(sampled) - 1)
-            if drafts_out:
-                request.spec_token_ids = drafts_out.get(request_id, [])
-            elif request.spec_token_ids:
-                request.spec_token_ids = []
-            prompt_logprobs = prompt_logprobs_out.get(request_id) if prompt_logprobs_out else None
-            first = not request.output_token_ids
-            if not sampled:
-                if prompt_logprobs is None:
-                    continue  # mid-prompt: nothing to report
-                new_tokens, first = [], False  # a prompt chunk scored for prompt_logprobs
-            elif len(sampled) == 1:
-                token = sampled[0]
-                request.output_token_ids.append(token)
-                request.all_token_ids.append(token)
-                # One set look-up and one comparison rule out every stop; the exact rules run only if they hit.
-                if token in request.stop_ids or len(request.all_token_ids) >= request.length_limit:
-                    self._stop_if_done(request, token)
-                new_tokens = sampled
-            else:
-                new_tokens = self._append_tokens(request, sampled)
-            num_generated += len(new_tokens)
-            logprobs = logprobs_out.get(request_id) if logprobs_out else None
-            if logprobs is not None:  # a stop rule may have cut the accepted tokens: cut their logprobs too
-                logprobs = logprobs.head(len(new_tokens))
-            status = request.status
-            outputs.append(EngineCoreOutput(
-                request_id, new_tokens, None if status is running else status.finish_reason, request.stop_reason,
-                request.num_cached_tokens, logprobs,
-                RequestTimes(request.queued_time, request.scheduled_time, time.time()) if first else None,
-                prompt_logprobs))
-        self._stats.num_generation_tokens += num_generated
-        return outputs
-
-    def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:
-        """Several tokens (accepted drafts + 1): append one at a time, stopping at the first stop rule."""
-        kept: list[int] = []
-        for token in sampled:
-            request.append_output_token(token)
-            kept.append(token)
-            if self._stop_if_done(request, token):
-                break
-        return kept
-
-    def _stop_if_done(self, request: Request, token: int) -> bool:
-        status = self._check_stop(request, token)
-        if status is None:
-            return False
-        self.running.remove(request)
-        self._finish(request, status)
-        return True
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if params.stop_token_ids and token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
-
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        """End ``request`` (the caller takes it out of the running batch or the waiting queue)."""
         request.status = status
         request.spec_token_ids = []
         self.kv.free(request)
         self._dropped_req_ids.add(request.request_id)
+        self.stop_rules.remove(request)
         del self.requests[request.request_id]
 
     # ------------------------------------------------------------------------------------------- stats
@@ -322,12 +348,3 @@ class Scheduler:
         if self._spec_stats.num_drafts:
             stats.spec_decoding, self._spec_stats = self._spec_stats, SpecDecodingStats()
         return stats
-
-
-def _suppressed_tokens(request: Request) -> set[int]:
-    """Tokens the sampler must not pick while fewer than ``min_tokens`` tokens were generated."""
-    params = request.sampling_params
-    if params.min_tokens <= request.num_output_tokens:
-        return set()
-    stops = set(params.stop_token_ids or ())
-    return stops if params.ignore_eos else stops | set(request.eos_token_ids)

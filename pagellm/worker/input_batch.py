@@ -50,8 +50,8 @@ class StepInputs:
 
 def build_step_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput,
                       block_size: int) -> StepInputs:
-    req_ids = list(sched.num_scheduled_tokens)
-    counts = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+    req_ids = sched.req_ids
+    counts = np.array(sched.num_scheduled_tokens, dtype=np.int64)
     query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
     np.cumsum(counts, out=query_start_loc[1:])
     starts = np.fromiter((states[r].num_computed_tokens for r in req_ids), dtype=np.int64, count=len(req_ids))

@@ -66,7 +66,7 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._apply_deltas(sched)
         if sched.is_empty:
-            return ModelRunnerOutput([], [])
+            return ModelRunnerOutput([], [], [])
         inputs = build_step_inputs(self.states, sched, self.block_size)
         masks = self.processing.start_masks(len(inputs.logits_indices), self._grammar_rows(inputs))
         trees = self._trees(inputs)
@@ -86,8 +86,8 @@ class ModelRunner:
         if raw is not None:
             self._use_processed_logprobs(raw, processed, inputs, wanted)
         logprobs = self._logprobs(raw, inputs, wanted, sampled) if raw is not None else {}
-        return ModelRunnerOutput(inputs.req_ids, sampled, self._propose(inputs, results, hidden),
-                                 logprobs, self._prompt_logprobs(inputs, hidden))
+        return ModelRunnerOutput.from_rows(inputs.req_ids, sampled, self._propose(inputs, results, hidden),
+                                           logprobs, self._prompt_logprobs(inputs, hidden))
 
     def _trees(self, inputs: StepInputs) -> dict[int, list[int]]:
         """Rows whose drafts this step form a tree: row → parents of the drafts scheduled."""

@@ -59,10 +59,9 @@ def test_core_process_serves_refuses_and_answers(tiny_llama: Path) -> None:
         while finish is None:
             out = received.get(timeout=TIMEOUT_S)
             errors.update({e.request_id: e for e in out.errors})
-            for o in out.outputs:
-                assert o.request_id == "ok"
-                tokens += o.new_token_ids
-                finish = o.finish_reason
+            assert set(out.step.req_ids) <= {"ok"}
+            tokens += out.step.new_token_ids
+            finish = out.step.finish_reasons.get("ok")
         assert errors["bad"].error_type == "ValueError" and "must be in [0, 320)" in errors["bad"].message
         assert len(tokens) == 5 and str(finish) == "length"
         if "ok" in errors:  # refused as a duplicate, unless it arrived after the first "ok" finished

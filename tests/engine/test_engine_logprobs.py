@@ -155,14 +155,15 @@ def test_scheduler_cuts_logprobs_with_the_accepted_tokens() -> None:
         return TokenLogprobs([-float(i) for i in range(n)], [1] * n, [[i] for i in range(n)], [[0.0]] * n)
 
     out = sched.schedule()
-    first = sched.update_from_output(out, ModelRunnerOutput(["A"], [[50]], {"A": [11, 12, 13]}, {"A": lp(1)}))
-    assert first[0].new_logprobs == lp(1)
+    first = sched.update_from_output(out, ModelRunnerOutput.from_rows(["A"], [[50]], {"A": [11, 12, 13]},
+                                                                      {"A": lp(1)}))
+    assert first.logprobs == {"A": lp(1)}
     out = sched.schedule()
     assert out.spec_token_ids == {"A": [11, 12, 13]}
     # All three drafts are accepted, but max_tokens=3 keeps only two of the four tokens.
-    (last,) = sched.update_from_output(out, ModelRunnerOutput(["A"], [[11, 12, 13, 80]], {}, {"A": lp(4)}))
-    assert last.new_token_ids == [11, 12] and last.finished
-    assert last.new_logprobs == lp(2)
+    last = sched.update_from_output(out, ModelRunnerOutput.from_rows(["A"], [[11, 12, 13, 80]], {}, {"A": lp(4)}))
+    assert last.req_ids == ["A"] and last.new_token_ids == [11, 12] and "A" in last.finish_reasons
+    assert last.logprobs == {"A": lp(2)}
 
 
 def _spec_prompts() -> list[list[int]]:

@@ -135,9 +135,9 @@ def test_speculation_is_off_while_the_batch_is_large(tiny_llama: Path, plain: LL
 
     def recording_schedule():
         out = schedule()
-        extra = sum(len(sched.kv.req_blocks[r]) - -(-sched.requests[r].num_computed_tokens // sched.kv.block_size)
-                    for r in out.num_scheduled_tokens)  # blocks held beyond the step's tokens: draft slots
-        steps.append((len(out.num_scheduled_tokens), sum(map(len, out.spec_token_ids.values())), extra))
+        extra = sum(len(sched.kv.req_blocks[r]) - -(-sched.num_computed_tokens(r) // sched.kv.block_size)
+                    for r in out.req_ids)  # blocks held beyond the step's tokens: draft slots
+        steps.append((len(out.req_ids), sum(map(len, out.spec_token_ids.values())), extra))
         return out
 
     sched.schedule = recording_schedule

@@ -67,6 +67,24 @@ class TestFreeBlockQueue:
         assert ids(queue) == [0, 1, 3, 2]
         check_links(queue)
 
+    def test_popleft_n_and_extend_equal_one_at_a_time(self):
+        """The bulk forms (one relink per call) leave the list exactly as popleft / append one by one would."""
+        for n in (0, 1, 3, 5):
+            one, bulk = [KVBlock(i) for i in range(5)], [KVBlock(i) for i in range(5)]
+            q1, q2 = FreeBlockQueue(one), FreeBlockQueue(bulk)
+            taken = [q1.popleft() for _ in range(n)]
+            assert ids(q2.popleft_n(n)) == ids(taken)
+            assert ids(q1) == ids(q2) and len(q1) == len(q2)
+            for block in reversed(taken):
+                q1.append(block)
+            q2.extend([bulk[i] for i in reversed(ids(taken))])
+            assert ids(q1) == ids(q2)
+            check_links(q1)
+            check_links(q2)
+        queue = FreeBlockQueue([KVBlock(0), KVBlock(1)])
+        with pytest.raises(AssertionError):
+            queue.extend([queue._head.next_free])   # already in the list
+
     def test_mixed_operations(self):
         blocks = [KVBlock(i) for i in range(6)]
         queue = FreeBlockQueue(blocks)
@@ -146,6 +164,21 @@ class TestBlockPool:
         assert ids(pool.get_new_blocks(5)) == [3, 4, 5, 6, 7]
         assert ids(pool.get_new_blocks(1)) == [2]
         assert ids(pool.free_queue) == [1, 0]
+
+    def test_one_block_at_a_time_matches_the_bulk_form(self):
+        """get_new_block (the decode path) takes the head, evicts what it cached, exactly as get_new_blocks(1)."""
+        pools = BlockPool(4, enable_caching=True), BlockPool(4, enable_caching=True)
+        for pool in pools:
+            taken = pool.get_new_blocks(4)
+            pool.cache_full_block(taken[2], H("h2"))
+            pool.free_blocks(taken[2:])
+        one, bulk = pools[0].get_new_block(), pools[1].get_new_blocks(1)[0]
+        assert (one.block_id, one.ref_cnt, one.block_hash) == (2, 1, None)
+        assert (bulk.block_id, bulk.ref_cnt, bulk.block_hash) == (2, 1, None)
+        assert [(ids(p.free_queue), p.cached, p.num_evictions) for p in pools] == [([3], {}, 1)] * 2
+        pools[0].get_new_block()
+        with pytest.raises(ValueError, match="no free KV blocks"):
+            pools[0].get_new_block()
 
     def test_ref_counts_with_sharing(self):
         pool = BlockPool(4, enable_caching=True)
@@ -240,6 +273,34 @@ class TestBlockPool:
 
 # ------------------------------------------------------------------------------------------------- hashing
 class TestHashing:
+    def test_hashed_bytes_are_the_documented_layout(self):
+        """parent (a fixed root for a first block) + token ids as little-endian int32 + msgpack of the extra keys:
+        pinned, so that a change of the layout is a deliberate one."""
+        import hashlib
+        import struct
+
+        import msgspec
+
+        from pagellm.kv.hashing import ROOT_HASH
+
+        first = hash_block_tokens(None, [1, 2, 3, 4])
+        assert first == hashlib.sha256(ROOT_HASH + struct.pack("<4i", 1, 2, 3, 4)).digest()[:16]
+        salted = hash_block_tokens(first, [5, 6, 7, 8], ("s",))
+        assert salted == hashlib.sha256(first + struct.pack("<4i", 5, 6, 7, 8)
+                                        + msgspec.msgpack.encode(("s",))).digest()[:16]
+        chain: list[BlockHash] = []
+        extend_block_hashes(chain, [1, 2, 3, 4, 5, 6, 7, 8], 4, ("s",))
+        assert chain[1] == hash_block_tokens(chain[0], [5, 6, 7, 8], ("s",))
+
+    def test_token_ids_outside_int32_are_refused_not_wrapped(self):
+        import struct
+
+        for bad in (2 ** 31, -2 ** 31 - 1, 2 ** 32 + 1):
+            with pytest.raises(struct.error):
+                hash_block_tokens(None, [1, bad])
+            with pytest.raises(struct.error):
+                extend_block_hashes([], [1, 2, 3, bad], 4)
+
     def test_deterministic_16_bytes(self):
         h = hash_block_tokens(None, [1, 2, 3, 4])
         assert isinstance(h, bytes) and len(h) == 16

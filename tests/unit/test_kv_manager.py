@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pagellm.kv.hashing import extend_block_hashes
@@ -21,11 +23,10 @@ def ids(blocks) -> list[int]:
 
 
 def prefill(kv: KVCacheManager, request: Request, num_tokens: int | None = None) -> list[int]:
-    """Look up hits, allocate the rest of the prompt (or ``num_tokens``), mark it computed; return block ids."""
+    """Look up hits, allocate the rest of the prompt (or ``num_tokens``); return block ids."""
     hits, num_hit = kv.get_computed_blocks(request)
     num_new = (request.num_tokens - num_hit) if num_tokens is None else num_tokens
-    assert kv.allocate_slots(request, num_new, hits) is not None
-    request.num_computed_tokens = num_hit + num_new
+    assert kv.allocate_slots(request, 0, num_new, hits) is not None
     return kv.block_ids(request.request_id)
 
 
@@ -40,7 +41,7 @@ def test_first_request_gets_blocks_in_id_order_and_full_blocks_are_cached():
     kv = KVCacheManager(10, BS)
     a = req("a", PROMPT)
     assert kv.get_computed_blocks(a) == ([], 0)
-    new = kv.allocate_slots(a, 40)
+    new = kv.allocate_slots(a, 0, 40)
     assert ids(new) == [0, 1, 2]
     assert kv.block_ids("a") == [0, 1, 2]
     blocks = kv.pool.blocks
@@ -79,7 +80,7 @@ def test_hit_is_shared_and_ref_counted_while_the_first_request_runs():
     b = req("b", PROMPT[:33] + [5, 5])
     hits, num_hit = kv.get_computed_blocks(b)
     assert num_hit == 32
-    new = kv.allocate_slots(b, b.num_tokens - num_hit, hits)
+    new = kv.allocate_slots(b, 0, b.num_tokens - num_hit, hits)
     assert ids(new) == [3]
     assert kv.block_ids("b") == [0, 1, 3]
     assert [kv.pool.blocks[i].ref_cnt for i in range(4)] == [2, 2, 1, 1]
@@ -104,7 +105,7 @@ def test_free_returns_blocks_tail_first_and_they_stay_findable():
     again = req("again", PROMPT)
     hits, num_hit = kv.get_computed_blocks(again)
     assert (ids(hits), num_hit) == ([0, 1], 32)
-    new = kv.allocate_slots(again, 8, hits)
+    new = kv.allocate_slots(again, 0, 8, hits)
     assert ids(new) == [3]
     assert kv.block_ids("again") == [0, 1, 3]
     assert ids(kv.pool.free_queue) == [4, 5, 6, 7, 8, 9, 2]
@@ -155,10 +156,10 @@ def test_allocation_failure_has_no_side_effects():
     prefill(kv, req("a", PROMPT))        # 3 of 4 blocks
     b = req("b", list(range(2000, 2040)))
     before = (ids(kv.pool.free_queue), [blk.ref_cnt for blk in kv.pool.blocks])
-    assert kv.allocate_slots(b, 40) is None
+    assert kv.allocate_slots(b, 0, 40) is None
     assert kv.block_ids("b") == [] and "b" not in kv.req_blocks
     assert (ids(kv.pool.free_queue), [blk.ref_cnt for blk in kv.pool.blocks]) == before
-    assert kv.allocate_slots(b, 16) is not None   # one block does fit
+    assert kv.allocate_slots(b, 0, 16) is not None   # one block does fit
     assert kv.block_ids("b") == [3]
 
 
@@ -166,7 +167,7 @@ def test_running_request_keeps_its_blocks_when_growth_fails():
     kv = KVCacheManager(3, BS)
     a = req("a", PROMPT[:32])
     prefill(kv, a)                        # blocks 0, 1
-    assert kv.allocate_slots(a, 17) is None   # would need 2 more blocks, only 1 free
+    assert kv.allocate_slots(a, 32, 17) is None   # would need 2 more blocks, only 1 free
     assert kv.block_ids("a") == [0, 1]
     assert ids(kv.pool.free_queue) == [2]
 
@@ -181,7 +182,7 @@ def test_free_cached_hits_are_not_double_counted_as_free_space():
     too_big = req("too_big", list(range(48)) + [9] * 17)
     hits, num_hit = kv.get_computed_blocks(too_big)
     assert (ids(hits), num_hit) == ([0, 1, 2], 48)
-    assert kv.allocate_slots(too_big, 17, hits) is None
+    assert kv.allocate_slots(too_big, 0, 17, hits) is None
     assert ids(kv.pool.free_queue) == [3, 2, 1, 0]
     assert [b.ref_cnt for b in kv.pool.blocks] == [0, 0, 0, 0]
     assert "too_big" not in kv.req_blocks
@@ -189,7 +190,7 @@ def test_free_cached_hits_are_not_double_counted_as_free_space():
     # 48 cached + 16 more: 3 hits + 1 new block fit exactly.
     fits = req("fits", list(range(48)) + [9] * 16)
     hits, num_hit = kv.get_computed_blocks(fits)
-    assert ids(kv.allocate_slots(fits, 16, hits)) == [3]
+    assert ids(kv.allocate_slots(fits, 0, 16, hits)) == [3]
     assert kv.block_ids("fits") == [0, 1, 2, 3]
     assert kv.num_free_blocks == 0
 
@@ -197,9 +198,9 @@ def test_free_cached_hits_are_not_double_counted_as_free_space():
 def test_lookahead_slots_reserve_extra_blocks():
     kv = KVCacheManager(10, BS)
     a = req("a", PROMPT[:16])
-    assert ids(kv.allocate_slots(a, 16)) == [0]
+    assert ids(kv.allocate_slots(a, 0, 16)) == [0]
     b = req("b", list(range(2000, 2016)))
-    assert ids(kv.allocate_slots(b, 16, num_lookahead_tokens=3)) == [1, 2]
+    assert ids(kv.allocate_slots(b, 0, 16, num_lookahead_tokens=3)) == [1, 2]
     assert kv.pool.blocks[1].block_hash is not None   # the 16 prompt tokens are final
     assert kv.pool.blocks[2].block_hash is None       # lookahead slots are not
 
@@ -207,11 +208,10 @@ def test_lookahead_slots_reserve_extra_blocks():
 def test_chunks_cache_blocks_as_they_fill():
     kv = KVCacheManager(10, BS)
     a = req("a", PROMPT)
-    assert ids(kv.allocate_slots(a, 20)) == [0, 1]
+    assert ids(kv.allocate_slots(a, 0, 20)) == [0, 1]
     assert kv.pool.blocks[0].block_hash == a.block_hashes[0]
     assert kv.pool.blocks[1].block_hash is None       # only 4 of its 16 tokens are computed
-    a.num_computed_tokens = 20
-    assert ids(kv.allocate_slots(a, 20)) == [2]
+    assert ids(kv.allocate_slots(a, 20, 20)) == [2]
     assert kv.pool.blocks[1].block_hash == a.block_hashes[1]
     assert kv.pool.blocks[2].block_hash is None
     assert kv.num_cached_blocks["a"] == 2
@@ -223,7 +223,7 @@ def test_draft_tokens_are_never_cached():
     prefill(kv, a)                                    # block 0 holds 15 tokens
     a.append_output_token(1)                          # 16 final tokens; the last is not computed yet
     a.spec_token_ids = [2, 3, 4, 5, 6]
-    assert ids(kv.allocate_slots(a, 1 + 5)) == [1]    # 15 + 6 = 21 slots → 2 blocks
+    assert ids(kv.allocate_slots(a, 15, 1 + 5)) == [1]    # 15 + 6 = 21 slots → 2 blocks
     assert kv.pool.blocks[0].block_hash == a.block_hashes[0]
     assert kv.pool.blocks[1].block_hash is None       # holds only drafts
     assert len(a.block_hashes) == 1
@@ -234,8 +234,7 @@ def test_output_tokens_extend_the_cache():
     a = req("a", PROMPT[:15])
     prefill(kv, a)
     a.append_output_token(77)
-    assert kv.allocate_slots(a, 1) == []
-    a.num_computed_tokens = 16
+    assert kv.allocate_slots(a, 15, 1) == []
     assert kv.pool.blocks[0].block_hash is not None
     hits, num_hit = kv.get_computed_blocks(req("b", PROMPT[:15] + [77, 5]))
     assert (ids(hits), num_hit) == ([0], 16)
@@ -249,3 +248,48 @@ def test_reset_prefix_cache():
     kv.free(a)
     assert kv.reset_prefix_cache() is True
     assert kv.get_computed_blocks(req("b", PROMPT)) == ([], 0)
+
+
+def test_allocate_running_equals_allocate_slots_one_by_one():
+    """The scheduler's one-call form serves requests exactly as allocate_slots would one at a time (block ids,
+    registered blocks, slots, next-full counts), and stops before the first one the pool cannot serve."""
+    rng = random.Random(0)
+    prefix = [rng.randrange(20) for _ in range(12)]
+    for _ in range(30):
+        fast, plain = KVCacheManager(14, 4), KVCacheManager(14, 4)
+        prompts = [prefix[:rng.randint(0, 12)] + [rng.randrange(20) for _ in range(rng.randint(1, 9))]
+                   for _ in range(4)]
+        mine = {kv: [req(f"r{i}", p) for i, p in enumerate(prompts)] for kv in (fast, plain)}
+        for kv in (fast, plain):   # admitted: each holds its first block
+            for r in mine[kv]:
+                assert kv.allocate_slots(r, 0, 1) is not None
+        computed = [1] * len(prompts)
+        for _ in range(6):
+            order = sorted(rng.sample(range(len(prompts)), rng.randint(1, len(prompts))))
+            num_new = {i: rng.randint(1, 6) for i in order}
+            look = {i: rng.choice([0, 0, 3]) for i in order}
+            for kv in (fast, plain):   # tokens the runner sampled since the last round
+                for i in order:
+                    r = mine[kv][i]
+                    while r.num_tokens < computed[i] + 1:
+                        r.append_output_token(7)
+            rooms = [computed[i] + num_new[i] + look[i] for i in order]
+            finals = [min(computed[i] + num_new[i], mine[fast][i].num_tokens) for i in order]
+            fast_ids: dict[str, list[int]] = {}
+            slots, next_full = fast.allocate_running([mine[fast][i] for i in order], rooms, finals, fast_ids)
+            plain_ids, served = {}, 0
+            for i in order:
+                blocks = plain.allocate_slots(mine[plain][i], computed[i], num_new[i], None, look[i])
+                if blocks is None:
+                    break
+                if blocks:
+                    plain_ids[f"r{i}"] = ids(blocks)
+                assert (slots[served], next_full[served]) == plain.slots_and_next_full(f"r{i}")
+                served += 1
+            assert len(slots) == len(next_full) == served and fast_ids == plain_ids
+            assert {r: ids(b) for r, b in fast.req_blocks.items()} == {r: ids(b) for r, b in plain.req_blocks.items()}
+            assert {h: b.block_id for h, b in fast.pool.cached.items()} == \
+                {h: b.block_id for h, b in plain.pool.cached.items()}
+            assert fast.num_cached_blocks == plain.num_cached_blocks
+            for i in order[:served]:
+                computed[i] += num_new[i]

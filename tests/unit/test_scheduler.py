@@ -1,21 +1,23 @@
 """Exact tests of the token-budget scheduler, driven by a fake model output (no model, no torch).
 
 Each step: ``schedule()``, then a hand-built ``ModelRunnerOutput`` (one sampled token for every scheduled request
-that reached the end of its known tokens, ``[]`` for a request mid-prompt), then ``update_from_output()``.
+that reached the end of its known tokens, none for a request mid-prompt), then ``update_from_output()``, whose
+``StepOutput`` the tests read per request (``news``).
 """
 
 from __future__ import annotations
 
 import random
 from collections import Counter
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import pytest
 
 from pagellm.config import CacheConfig, SchedulerConfig
+from pagellm.metrics.stats import RequestTimes
 from pagellm.request import FinishReason, Request, RequestStatus
 from pagellm.sampling_params import SamplingParams
-from pagellm.sched.output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, SchedulerOutput)
+from pagellm.sched.output import CachedRequestData, ModelRunnerOutput, SchedulerOutput, StepOutput
 from pagellm.sched.scheduler import Scheduler
 
 TOKEN = 7  # what the fake model samples unless told otherwise
@@ -60,35 +62,60 @@ def make_request(
 TokenFn = Callable[[Request], int]
 
 
+class News(NamedTuple):
+    """One request's part of a ``StepOutput``."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    stop_reason: int | None
+    num_cached_tokens: int | None   # only with its first output tokens
+    times: RequestTimes | None      # likewise
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def news(out: StepOutput) -> list[News]:
+    first = {rid: (f.num_cached_tokens, f.times) for rid, f in out.first.items()}
+    return [News(rid, tokens, out.finish_reasons.get(rid), out.stop_reasons.get(rid), *first.get(rid, (None, None)))
+            for rid, tokens in zip(out.req_ids, out.rows())]
+
+
+def runner_output(req_ids: list[str], rows: list[list[int]], drafts: dict[str, list[int]] | None = None
+                  ) -> ModelRunnerOutput:
+    return ModelRunnerOutput.from_rows(req_ids, rows, drafts)
+
+
 def fake_output(
     sched: Scheduler, out: SchedulerOutput, token: int | TokenFn = TOKEN,
     drafts: dict[str, list[int]] | None = None,
 ) -> ModelRunnerOutput:
-    """One sampled token per request at the end of its known tokens; [] mid-prompt. Scheduled drafts rejected."""
-    req_ids, sampled = [], []
-    for rid in out.num_scheduled_tokens:
+    """One sampled token per request at the end of its known tokens; none mid-prompt. Scheduled drafts rejected."""
+    rows = []
+    for rid in out.req_ids:
         request = sched.requests[rid]
-        req_ids.append(rid)
-        if request.num_computed_tokens >= request.num_tokens:
-            sampled.append([token(request) if callable(token) else token])
+        if sched.num_computed_tokens(rid) >= request.num_tokens:
+            rows.append([token(request) if callable(token) else token])
         else:
-            sampled.append([])
-    return ModelRunnerOutput(req_ids, sampled, drafts or {})
+            rows.append([])
+    return runner_output(list(out.req_ids), rows, drafts)
 
 
 def step(
     sched: Scheduler, token: int | TokenFn = TOKEN, drafts: dict[str, list[int]] | None = None,
-) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+) -> tuple[SchedulerOutput, list[News]]:
     out = sched.schedule()
     check_invariants(sched)
-    outputs = sched.update_from_output(out, fake_output(sched, out, token, drafts))
+    outputs = news(sched.update_from_output(out, fake_output(sched, out, token, drafts)))
     check_invariants(sched)
     return out, outputs
 
 
 def run_to_completion(
     sched: Scheduler, token: int | TokenFn = TOKEN, max_steps: int = 500,
-) -> list[tuple[SchedulerOutput, list[EngineCoreOutput]]]:
+) -> list[tuple[SchedulerOutput, list[News]]]:
     """Step until every request is done, then check that every block is free again."""
     trace = []
     while sched.has_unfinished_requests():
@@ -103,7 +130,7 @@ def assert_all_free(sched: Scheduler) -> None:
     assert kv.num_free_blocks == kv.pool.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert kv.req_blocks == {}
-    assert sched.running == [] and len(sched.waiting) == 0 and sched.requests == {}
+    assert len(sched.running) == 0 and len(sched.waiting) == 0 and sched.requests == {}
 
 
 def check_invariants(sched: Scheduler) -> None:
@@ -128,23 +155,28 @@ def check_invariants(sched: Scheduler) -> None:
     assert len(running) <= sched.max_num_seqs
     assert set(kv.req_blocks) == set(running)
     assert sorted(running + waiting) == sorted(sched.requests)
-    for request in sched.running:
+    batch = sched.running
+    for row, request in enumerate(batch.requests):
         assert request.status == RequestStatus.RUNNING
         blocks = kv.req_blocks[request.request_id]
-        assert len(blocks) * kv.block_size >= request.num_computed_tokens
+        assert len(blocks) * kv.block_size >= batch.computed[row]
         for index, block in enumerate(blocks):  # a cached block holds exactly this request's tokens
             if block.block_hash is not None:
                 assert block.block_hash == request.block_hashes[index]
+        # the batch's columns mirror the request and the KV manager
+        assert batch.token_lists[row] is request.all_token_ids and batch.req_ids[row] == request.request_id
+        assert batch.num_tokens[row] == request.num_tokens and batch.num_spec[row] == len(request.spec_token_ids)
+        assert (batch.kv_slots[row], batch.kv_next_full[row]) == kv.slots_and_next_full(request.request_id)
     for request in sched.waiting:
         assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        assert request.num_computed_tokens == 0
+        assert sched.num_computed_tokens(request.request_id) == 0
 
 
 def scheduled_trace(trace) -> list[dict[str, int]]:
-    return [dict(out.num_scheduled_tokens) for out, _ in trace]
+    return [out.scheduled() for out, _ in trace]
 
 
-def final_outputs(trace) -> dict[str, EngineCoreOutput]:
+def final_outputs(trace) -> dict[str, News]:
     return {o.request_id: o for _, outputs in trace for o in outputs if o.finished}
 
 
@@ -174,7 +206,7 @@ def test_budget_split_with_chunked_prefill(budget, prompts, max_tokens, expected
         sched.add_request(make_request(rid, range(1000 * (i + 1), 1000 * (i + 1) + n), max_tokens=max_tokens))
     trace = run_to_completion(sched)
     assert scheduled_trace(trace) == expected
-    assert all(out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values()) <= budget
+    assert all(out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens) <= budget
                for out, _ in trace)
     finals = final_outputs(trace)
     assert {rid: o.finish_reason for rid, o in finals.items()} == {rid: FinishReason.LENGTH for rid in prompts}
@@ -190,12 +222,12 @@ def test_chunked_prefill_step_details():
     assert [(r.req_id, r.block_ids, r.num_computed_tokens, r.num_prompt_tokens) for r in out.new_reqs] == [
         ("A", [0, 1], 0, 50)]
     assert per_request(out.cached_reqs) == [] and outputs == []   # mid-prompt: nothing to report
-    assert sched.requests["A"].num_computed_tokens == 32
+    assert sched.num_computed_tokens("A") == 32
 
     out, outputs = step(sched)
     assert per_request(out.cached_reqs) == [("A", [2, 3], 32)]
     assert [(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.new_reqs] == [("B", [4], 0)]
-    assert list(out.num_scheduled_tokens) == ["A", "B"]   # running first, then new
+    assert out.req_ids == ["A", "B"]   # running first, then new
     assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs] == [
         ("A", [TOKEN], None), ("B", [TOKEN], None)]
 
@@ -240,7 +272,7 @@ def test_prefix_hit_skips_compute():
     prompt = list(range(500, 540))   # 40 tokens: 2 full blocks of 16 + 8
     sched.add_request(make_request("A", prompt, max_tokens=1))
     out, outputs = step(sched)
-    assert out.num_scheduled_tokens == {"A": 40}
+    assert out.scheduled() == {"A": 40}
     assert out.new_reqs[0].block_ids == [0, 1, 2]
     assert outputs[0].finish_reason == FinishReason.LENGTH and outputs[0].num_cached_tokens == 0
     stats = sched.make_stats()
@@ -248,7 +280,7 @@ def test_prefix_hit_skips_compute():
 
     sched.add_request(make_request("B", prompt, max_tokens=1))
     out, outputs = step(sched)
-    assert out.num_scheduled_tokens == {"B": 8}
+    assert out.scheduled() == {"B": 8}
     new = out.new_reqs[0]
     assert (new.num_computed_tokens, new.block_ids) == (32, [0, 1, 3])  # A's blocks came back tail first
     assert out.finished_req_ids == ["A"]
@@ -265,7 +297,7 @@ def test_prefix_hit_within_one_step_shares_blocks():
     sched.add_request(make_request("A", prompt, max_tokens=2))
     sched.add_request(make_request("B", prompt, max_tokens=2))
     out = sched.schedule()
-    assert out.num_scheduled_tokens == {"A": 40, "B": 8}
+    assert out.scheduled() == {"A": 40, "B": 8}
     assert [r.block_ids for r in out.new_reqs] == [[0, 1, 2], [0, 1, 3]]
     assert [sched.kv.pool.blocks[i].ref_cnt for i in range(4)] == [2, 2, 1, 1]
     check_invariants(sched)
@@ -313,13 +345,13 @@ def test_fcfs_preempts_the_newest_and_resumes_it_first():
 
     # A needs a third block; none is free → C (newest) is preempted; its blocks return tail first.
     out, outputs = step(sched)
-    assert out.num_scheduled_tokens == {"A": 1, "B": 1}
+    assert out.scheduled() == {"A": 1, "B": 1}
     assert per_request(out.cached_reqs) == [("A", [5], 8), ("B", [], 6)]
     assert out.new_reqs == []                       # no newcomers in a step that preempts
     assert out.finished_req_ids == ["C"]            # workers drop C's state
     c = [r for r in sched.waiting if r.request_id == "C"][0]
     assert [r.request_id for r in sched.waiting] == ["C", "D"]   # back at the FRONT
-    assert (c.status, c.num_computed_tokens, c.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
+    assert (c.status, sched.num_computed_tokens("C"), c.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
     assert c.output_token_ids == [TOKEN]            # its sampled tokens are kept
     assert sched.make_stats().num_preemptions == 1
     assert [o.request_id for o in outputs if o.finished] == ["A"]
@@ -327,7 +359,7 @@ def test_fcfs_preempts_the_newest_and_resumes_it_first():
     # A finished and freed [5, 1, 0]; C resumes first, hitting its own still-cached first block.
     assert [b.block_id for b in sched.kv.pool.free_queue] == [4, 5, 1, 0]
     out, _ = step(sched)
-    assert out.num_scheduled_tokens == {"B": 1, "C": 3, "D": 4}
+    assert out.scheduled() == {"B": 1, "C": 3, "D": 4}
     assert [(r.req_id, r.token_ids, r.num_prompt_tokens, r.block_ids, r.num_computed_tokens)
             for r in out.new_reqs] == [
         ("C", [300, 301, 302, 303, 304, 305, TOKEN], 6, [4, 5], 4),
@@ -360,11 +392,11 @@ def test_no_admission_in_a_step_that_preempts():
     step(sched)
     sched.add_request(make_request("D", range(400, 403), max_tokens=1, priority=1))
     out, _ = step(sched)
-    assert out.num_scheduled_tokens == {"A": 1} and out.new_reqs == []
+    assert out.scheduled() == {"A": 1} and out.new_reqs == []
     assert per_request(out.cached_reqs) == [("A", [4], 8)] and out.finished_req_ids == ["C"]
     assert [r.request_id for r in sched.waiting] == ["D", "C"]   # priority order, not preemption order
     out, _ = step(sched)
-    assert out.num_scheduled_tokens == {"A": 1, "D": 3}
+    assert out.scheduled() == {"A": 1, "D": 3}
     assert [(r.req_id, r.block_ids) for r in out.new_reqs] == [("D", [3])]
     run_to_completion(sched)
 
@@ -429,7 +461,7 @@ def test_abort_waiting_request():
     sched.abort_requests(["B", "unknown"])
     assert sched.num_unfinished_requests == 1 and [r.request_id for r in sched.waiting] == ["A"]
     out, _ = step(sched)
-    assert out.num_scheduled_tokens == {"A": 10}
+    assert out.scheduled() == {"A": 10}
     assert out.finished_req_ids == ["B"]
     assert_all_free(sched)
 
@@ -450,7 +482,7 @@ def test_abort_running_request_frees_blocks_at_once():
     # its full blocks stay cached for a later identical prompt
     sched.add_request(make_request("A2", range(40), max_tokens=1))
     out, _ = step(sched)
-    assert out.num_scheduled_tokens == {"A2": 8}
+    assert out.scheduled() == {"A2": 8}
 
 
 def test_abort_while_the_step_runs_drops_its_output():
@@ -459,7 +491,7 @@ def test_abort_while_the_step_runs_drops_its_output():
     sched.add_request(make_request("B", range(20, 30), max_tokens=5))
     out = sched.schedule()
     sched.abort_requests(["A"])
-    outputs = sched.update_from_output(out, fake_output_unchecked(out))
+    outputs = news(sched.update_from_output(out, fake_output_unchecked(out)))
     assert [o.request_id for o in outputs] == ["B"]
     check_invariants(sched)
     run_to_completion(sched)
@@ -467,8 +499,7 @@ def test_abort_while_the_step_runs_drops_its_output():
 
 def fake_output_unchecked(out: SchedulerOutput) -> ModelRunnerOutput:
     """Every scheduled request sampled a token (for prompts scheduled whole)."""
-    rids = list(out.num_scheduled_tokens)
-    return ModelRunnerOutput(rids, [[TOKEN] for _ in rids])
+    return runner_output(list(out.req_ids), [[TOKEN] for _ in out.req_ids])
 
 
 # ------------------------------------------------------------------------------------------ stop rules
@@ -529,46 +560,46 @@ def test_draft_tokens_are_scheduled_and_rejections_roll_back():
     sched.add_request(a)
 
     out = sched.schedule()
-    assert out.num_scheduled_tokens == {"A": 7} and out.new_reqs[0].block_ids == [0, 1]
-    sched.update_from_output(out, ModelRunnerOutput(["A"], [[50]], {"A": [11, 12, 13]}))
-    assert (a.num_tokens, a.num_computed_tokens, a.spec_token_ids) == (8, 7, [11, 12, 13])
+    assert out.scheduled() == {"A": 7} and out.new_reqs[0].block_ids == [0, 1]
+    sched.update_from_output(out, runner_output(["A"], [[50]], {"A": [11, 12, 13]}))
+    assert (a.num_tokens, sched.num_computed_tokens("A"), a.spec_token_ids) == (8, 7, [11, 12, 13])
 
     out = sched.schedule()
-    assert out.num_scheduled_tokens == {"A": 4}               # the sampled token + 3 drafts
+    assert out.scheduled() == {"A": 4}               # the sampled token + 3 drafts
     assert out.spec_token_ids == {"A": [11, 12, 13]}
     assert per_request(out.cached_reqs) == [("A", [2], 7)]
     blocks = sched.kv.pool.blocks
     assert blocks[1].block_hash == a.block_hashes[1]          # 104..106 + 50 are final
     assert blocks[2].block_hash is None                       # drafts are never cached
     check_invariants(sched)
-    outputs = sched.update_from_output(out, ModelRunnerOutput(["A"], [[11, 60]]))   # 1 of 3 accepted
+    outputs = news(sched.update_from_output(out, runner_output(["A"], [[11, 60]])))   # 1 of 3 accepted
     assert outputs[0].new_token_ids == [11, 60]
     assert a.output_token_ids == [50, 11, 60]
-    assert (a.num_tokens, a.num_computed_tokens, a.spec_token_ids) == (10, 9, [])
+    assert (a.num_tokens, sched.num_computed_tokens("A"), a.spec_token_ids) == (10, 9, [])
     spec = sched.make_stats().spec_decoding
     assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
             spec.num_accepted_tokens_per_pos) == (1, 3, 1, [1, 0, 0])
 
     out = sched.schedule()
-    assert out.num_scheduled_tokens == {"A": 1} and out.spec_token_ids == {}
+    assert out.scheduled() == {"A": 1} and out.spec_token_ids == {}
     assert per_request(out.cached_reqs) == [("A", [], 9)]
-    sched.update_from_output(out, ModelRunnerOutput(["A"], [[61]], {"A": [1, 2]}))
-    assert (a.num_tokens, a.num_computed_tokens) == (11, 10)
+    sched.update_from_output(out, runner_output(["A"], [[61]], {"A": [1, 2]}))
+    assert (a.num_tokens, sched.num_computed_tokens("A")) == (11, 10)
 
     out = sched.schedule()
-    assert out.num_scheduled_tokens == {"A": 3} and out.spec_token_ids == {"A": [1, 2]}
+    assert out.scheduled() == {"A": 3} and out.spec_token_ids == {"A": [1, 2]}
     assert per_request(out.cached_reqs) == [("A", [3], 10)]
-    sched.update_from_output(out, ModelRunnerOutput(["A"], [[70]]))   # all rejected
-    assert (a.num_tokens, a.num_computed_tokens) == (12, 11)
+    sched.update_from_output(out, runner_output(["A"], [[70]]))   # all rejected
+    assert (a.num_tokens, sched.num_computed_tokens("A")) == (12, 11)
     spec = sched.make_stats().spec_decoding
     assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (1, 2, 0)
 
     out = sched.schedule()
     assert per_request(out.cached_reqs) == [("A", [], 11)]
-    sched.update_from_output(out, ModelRunnerOutput(["A"], [[71]], {"A": [1, 2, 3]}))
+    sched.update_from_output(out, runner_output(["A"], [[71]], {"A": [1, 2, 3]}))
     out = sched.schedule()
-    sched.update_from_output(out, ModelRunnerOutput(["A"], [[1, 2, 3, 72]]))   # all accepted
-    assert (a.num_tokens, a.num_computed_tokens) == (17, 16)
+    sched.update_from_output(out, runner_output(["A"], [[1, 2, 3, 72]]))   # all accepted
+    assert (a.num_tokens, sched.num_computed_tokens("A")) == (17, 16)
     assert a.output_token_ids == [50, 11, 60, 61, 70, 71, 1, 2, 3, 72]
     run_to_completion(sched)
 
@@ -579,12 +610,12 @@ def test_budget_truncates_drafts():
     sched.add_request(a)
     assert scheduled_trace([step(sched) for _ in range(2)]) == [{"A": 3}, {"A": 3}]
     out = sched.schedule()
-    assert out.num_scheduled_tokens == {"A": 1}
-    sched.update_from_output(out, ModelRunnerOutput(["A"], [[50]], {"A": [11, 12, 13]}))
+    assert out.scheduled() == {"A": 1}
+    sched.update_from_output(out, runner_output(["A"], [[50]], {"A": [11, 12, 13]}))
     out = sched.schedule()
-    assert out.num_scheduled_tokens == {"A": 3} and out.spec_token_ids == {"A": [11, 12]}
-    sched.update_from_output(out, ModelRunnerOutput(["A"], [[11, 12, 99]]))
-    assert (a.num_tokens, a.num_computed_tokens) == (11, 10)
+    assert out.scheduled() == {"A": 3} and out.spec_token_ids == {"A": [11, 12]}
+    sched.update_from_output(out, runner_output(["A"], [[11, 12, 99]]))
+    assert (a.num_tokens, sched.num_computed_tokens("A")) == (11, 10)
     run_to_completion(sched)
 
 
@@ -636,7 +667,8 @@ def test_drafts_after_a_step_without_reserved_slots_get_slots_when_scheduled():
     assert [(r.req_id, r.block_ids) for r in out.new_reqs] == [("A", [0, 1])]   # 2 requests known: no reservation
     sched.update_from_output(out, fake_output(sched, out, drafts={"A": [1, 2, 3]}))  # a step of 1 drafts
     out = sched.schedule()
-    assert out.spec_token_ids == {"A": [1, 2, 3]} and out.num_scheduled_tokens == {"A": 4, "B": 7}
+    assert out.spec_token_ids == {"A": [1, 2, 3]}
+    assert dict(zip(out.req_ids, out.num_scheduled_tokens)) == {"A": 4, "B": 7}
     assert per_request(out.cached_reqs) == [("A", [2], 7)]                     # 11 tokens: a third block
     assert [(r.req_id, r.block_ids) for r in out.new_reqs] == [("B", [3, 4])]
     sched.update_from_output(out, fake_output(sched, out))
@@ -664,9 +696,9 @@ def test_stop_inside_accepted_drafts_discards_the_rest(eos, max_tokens, kept, re
     sched = make_scheduler(num_blocks=16, block_size=4)
     sched.add_request(make_request("A", range(100, 107), max_tokens=max_tokens, eos=eos))
     out = sched.schedule()
-    sched.update_from_output(out, ModelRunnerOutput(["A"], [[50]], {"A": [11, 12, 13]}))
+    sched.update_from_output(out, runner_output(["A"], [[50]], {"A": [11, 12, 13]}))
     out = sched.schedule()
-    outputs = sched.update_from_output(out, ModelRunnerOutput(["A"], [[11, 12, 13, 80]]))
+    outputs = news(sched.update_from_output(out, runner_output(["A"], [[11, 12, 13, 80]])))
     assert [(o.new_token_ids, o.finish_reason) for o in outputs] == [(kept, reason)]
     assert_all_free(sched)
 
@@ -678,9 +710,9 @@ def test_preemption_clears_drafts():
     out = sched.schedule()   # C is preempted before its drafts are verified
     assert out.finished_req_ids == ["C"] and out.spec_token_ids == {}
     assert c.spec_token_ids == [] and c.num_tokens_with_spec == 7
-    sched.update_from_output(out, ModelRunnerOutput(["A", "B"], [[TOKEN], [TOKEN]]))
+    sched.update_from_output(out, runner_output(["A", "B"], [[TOKEN], [TOKEN]]))
     out, _ = step(sched)     # C resumes with its 7 final tokens only
-    assert out.num_scheduled_tokens["C"] == 3 and out.spec_token_ids == {}
+    assert out.scheduled()["C"] == 3 and out.spec_token_ids == {}
     run_to_completion(sched)
 
 
@@ -689,10 +721,10 @@ def test_drafts_are_cut_at_max_model_len():
     a = make_request("A", range(100, 107), max_tokens=20)
     sched.add_request(a)
     out = sched.schedule()
-    sched.update_from_output(out, ModelRunnerOutput(["A"], [[50]], {"A": [11, 12, 13]}))
+    sched.update_from_output(out, runner_output(["A"], [[50]], {"A": [11, 12, 13]}))
     out = sched.schedule()
-    assert out.num_scheduled_tokens == {"A": 3} and out.spec_token_ids == {"A": [11, 12]}   # room for 10 tokens
-    outputs = sched.update_from_output(out, ModelRunnerOutput(["A"], [[11, 12, 99]]))
+    assert out.scheduled() == {"A": 3} and out.spec_token_ids == {"A": [11, 12]}   # room for 10 tokens
+    outputs = news(sched.update_from_output(out, runner_output(["A"], [[11, 12, 99]])))
     assert [(o.new_token_ids, o.finish_reason) for o in outputs] == [([11, 12], FinishReason.LENGTH)]
     assert a.num_tokens == 10
     assert_all_free(sched)
@@ -749,12 +781,12 @@ def run_stress(seed: int, policy: str = "fcfs", chunked: bool = True, budget: in
             aborted.add(victim)
         out = sched.schedule()
         check_invariants(sched)
-        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values()) <= budget
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens) <= budget
         req_ids, sampled, drafts = [], [], {}
-        for rid in out.num_scheduled_tokens:
+        for rid in out.req_ids:
             request = sched.requests[rid]
             req_ids.append(rid)
-            if request.num_computed_tokens < request.num_tokens:
+            if sched.num_computed_tokens(rid) < request.num_tokens:
                 sampled.append([])
                 continue
             spec = out.spec_token_ids.get(rid, [])
@@ -765,7 +797,7 @@ def run_stress(seed: int, policy: str = "fcfs", chunked: bool = True, budget: in
             victim = rng.choice(req_ids)
             sched.abort_requests([victim])
             aborted.add(victim)
-        for o in sched.update_from_output(out, ModelRunnerOutput(req_ids, sampled, drafts)):
+        for o in news(sched.update_from_output(out, runner_output(req_ids, sampled, drafts))):
             streamed.setdefault(o.request_id, []).extend(o.new_token_ids)
             if o.finished:
                 finish[o.request_id] = o.finish_reason

@@ -1,11 +1,14 @@
 """The scheduler's fast paths against their plain twin.
 
-``Scheduler`` skips ``KVCacheManager.allocate_slots`` for a running request whose step fits in the blocks it holds,
-and rules out stop conditions for a single sampled token with one set look-up and one length comparison. The twin
-below forces the general path every step (``allocate_slots`` for every scheduled request, ``_check_stop`` for every
-token). Both are driven in lockstep through random traces (shared prefixes, chunked prefill, drafts, preemptions,
-aborts, EOS / stop tokens / min_tokens / max_model_len); every step's SchedulerOutput, every EngineCoreOutput and
-every block table and the prefix-cache table must be identical.
+``Scheduler`` hands the token budget out with one cumulative sum over the running batch's columns, calls the KV
+manager only for the rows whose step needs it (a block to allocate or one that fills), serves those in one
+``allocate_running`` call, appends every sampled token in one pass, and looks at a request in Python only when it
+may stop or gets its first output. The twin below takes the plain path every step: the budget handed out one request
+at a time, ``allocate_slots`` for every scheduled request one by one, every token appended and checked one at a time
+against every stop rule, and (under the priority policy) the running list sorted every step. Both are driven in
+lockstep through random traces (shared prefixes, chunked prefill, drafts, preemptions, aborts before and in the
+middle of a step, EOS / stop tokens / min_tokens / max_model_len, priorities); every step's SchedulerOutput and
+StepOutput, the running batch's columns, every block table and the prefix-cache table must be identical.
 """
 
 from __future__ import annotations
@@ -13,36 +16,61 @@ from __future__ import annotations
 import random
 
 import msgspec
+import numpy as np
 import pytest
 
 from pagellm.config import CacheConfig, SchedulerConfig
-from pagellm.kv.manager import KVCacheManager
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
-from pagellm.sched.output import EngineCoreOutput, ModelRunnerOutput
+from pagellm.sched.output import ModelRunnerOutput, StepOutput
 from pagellm.sched.scheduler import Scheduler
 
 
-class _AlwaysAllocate(KVCacheManager):
-    def allocate_slots(self, request, *args, **kwargs):
-        blocks = super().allocate_slots(request, *args, **kwargs)
-        request.kv_slots = -1  # no step "fits": the scheduler calls allocate_slots again next time
-        return blocks
-
-
 class _PlainScheduler(Scheduler):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.kv = _AlwaysAllocate(self.kv.pool.num_blocks, self.kv.block_size, self.kv.enable_caching)
+    def schedule(self):
+        self._needs_sort = True  # sort every step
+        return super().schedule()
 
-    def add_request(self, request: Request) -> None:
-        super().add_request(request)
-        request.length_limit = 0  # every token goes through _check_stop
+    def _grant(self, computed, tokens, num_spec, budget):
+        grant = np.zeros_like(computed)
+        for row, request in enumerate(self.running.requests):
+            if budget <= 0:
+                break
+            want = min(len(request.all_token_ids) + len(request.spec_token_ids), self.max_model_len) - computed[row]
+            grant[row] = max(0, min(want, budget))
+            budget -= grant[row]
+        return grant
+
+    @staticmethod
+    def _needs_kv(grant, room, final, kv_slots, kv_next_full):
+        return grant > 0  # every scheduled request meets the KV manager
+
+    def _serve_kv(self, events, computed, grant, room, final, new_block_ids):
+        for row in events.tolist():
+            if row >= len(self.running) or not self._allocate_row(row, int(computed[row]), int(grant[row]),
+                                                                   new_block_ids):
+                break
+
+    def _append_all(self, lists, counts, sampled, flat):
+        pass  # _check_tokens appends them one at a time
+
+    def _needs_look(self, after, check_at, counts, flat):
+        return np.ones(len(counts), dtype=bool)
+
+    def _check_tokens(self, request, tokens, num_before):
+        for num_kept, token in enumerate(tokens, start=1):
+            request.append_output_token(token)
+            status = self.stop_rules.check(request, token, len(request.all_token_ids))
+            if status is not None:
+                self._finish(request, status)
+                return num_kept
+        return len(tokens)
 
 
-def _make(cls: type[Scheduler], caching: bool, lookahead: int, num_blocks: int, limit: int | None) -> Scheduler:
-    return cls(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24), CacheConfig(block_size=4,
-               enable_prefix_caching=caching), num_blocks, 40, lookahead, limit)
+def _make(cls: type[Scheduler], caching: bool, lookahead: int, num_blocks: int, policy: str,
+          limit: int | None) -> Scheduler:
+    return cls(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, scheduling_policy=policy),
+               CacheConfig(block_size=4, enable_prefix_caching=caching), num_blocks, 40, lookahead, limit)
 
 
 def _requests(rng: random.Random) -> list[tuple]:
@@ -53,63 +81,86 @@ def _requests(rng: random.Random) -> list[tuple]:
         max_tokens = rng.randint(1, 40 - len(prompt))
         params = dict(max_tokens=max_tokens, ignore_eos=rng.random() < 0.3,
                       min_tokens=rng.choice([0, 0, 2]) % (max_tokens + 1), stop_token_ids=rng.choice([None, [3, 4]]))
-        specs.append((f"r{i}", prompt, params, float(i)))
+        specs.append((f"r{i}", prompt, params, float(i), rng.randrange(3)))
     return specs
 
 
-def _cache_state(sched: Scheduler) -> tuple:
-    pool = sched.kv.pool
-    return ({h: b.block_id for h, b in pool.cached.items()}, [b.block_hash for b in pool.blocks],
-            dict(sched.kv.num_cached_blocks))
+def _state(sched: Scheduler) -> tuple:
+    """Everything the two schedulers must agree on, after checking the running batch's columns against the
+    requests and the KV manager they mirror."""
+    pool, batch, n = sched.kv.pool, sched.running, len(sched.running)
+    for row, request in enumerate(batch.requests):
+        assert batch.token_lists[row] is request.all_token_ids
+        assert batch.num_tokens[row] == request.num_tokens and batch.num_spec[row] == len(request.spec_token_ids)
+        assert (batch.kv_slots[row], batch.kv_next_full[row]) == sched.kv.slots_and_next_full(request.request_id)
+        assert batch.check_at[row] == (request.length_limit if request.num_output_tokens
+                                       else request.num_prompt_tokens + 1)
+    columns = [getattr(batch, name)[:n].tolist() for name in ("computed", "num_tokens", "num_spec", "check_at")]
+    return ({r: [b.block_id for b in bs] for r, bs in sched.kv.req_blocks.items()},
+            {h: b.block_id for h, b in pool.cached.items()}, [b.block_hash for b in pool.blocks],
+            dict(sched.kv.num_cached_blocks), batch.req_ids, columns,
+            [(r.request_id, r.all_token_ids, r.spec_token_ids, r.status) for r in sched.requests.values()])
 
 
-def _strip_times(outputs: list[EngineCoreOutput]) -> bytes:
-    return msgspec.msgpack.encode([(o.request_id, o.new_token_ids, o.finish_reason, o.stop_reason,
-                                    o.num_cached_tokens, o.times is not None) for o in outputs])
+def _strip_times(out: StepOutput) -> bytes:
+    return msgspec.msgpack.encode((out.req_ids, out.num_new_tokens, out.new_token_ids, out.finish_reasons,
+                                   out.stop_reasons, {r: f.num_cached_tokens for r, f in out.first.items()}))
 
 
-# limit: disable_by_batch_size (no draft slots reserved in steps with more requests).
-@pytest.mark.parametrize("seed,caching,lookahead,num_blocks,limit", [(0, True, 2, 20, None), (1, True, 0, 12, None),
-                                                                     (2, False, 2, 20, None), (3, True, 0, 40, None),
-                                                                     (4, True, 3, 20, 3)])
-def test_fast_paths_match_the_general_path(seed, caching, lookahead, num_blocks, limit):
+def _runner_output(sched: Scheduler, out, rng: random.Random, lookahead: int) -> ModelRunnerOutput:
+    """A runner's answer: one token per request that reached its last token (after accepting a random prefix of
+    its drafts), none mid-prompt; sometimes new drafts."""
+    rows, drafts = [], {}
+    before = out.cached_reqs.num_computed_tokens + [r.num_computed_tokens for r in out.new_reqs]
+    for rid, start, count in zip(out.req_ids, before, out.num_scheduled_tokens):
+        spec = out.spec_token_ids.get(rid, [])
+        if start + count - len(spec) < sched.requests[rid].num_tokens:
+            rows.append([])
+            continue
+        rows.append(spec[:rng.randint(0, len(spec))] + [rng.randrange(8)])
+        if lookahead and rng.random() < 0.3:
+            drafts[rid] = [rng.randrange(8) for _ in range(rng.randint(1, lookahead))]
+    return ModelRunnerOutput.from_rows(list(out.req_ids), rows, drafts)
+
+
+# limit: disable_by_batch_size (no draft slots reserved in steps that may hold more requests).
+@pytest.mark.parametrize("seed,caching,lookahead,num_blocks,policy,limit", [
+    (0, True, 2, 20, "fcfs", None), (1, True, 0, 12, "fcfs", None), (2, False, 2, 20, "fcfs", None),
+    (3, True, 0, 40, "fcfs", None), (4, True, 2, 14, "priority", None), (5, True, 0, 40, "priority", None),
+    (6, True, 3, 20, "fcfs", 3), (7, True, 3, 14, "priority", 3)])
+def test_fast_paths_match_the_plain_path(seed, caching, lookahead, num_blocks, policy, limit):
     rng = random.Random(seed)
     specs = _requests(rng)
-    fast, plain = (_make(cls, caching, lookahead, num_blocks, limit) for cls in (Scheduler, _PlainScheduler))
-    steps = preemptions = 0
+    fast, plain = (_make(cls, caching, lookahead, num_blocks, policy, limit) for cls in (Scheduler, _PlainScheduler))
+    steps = preemptions = mid_step_aborts = 0
     while specs or fast.has_unfinished_requests():
         steps += 1
         assert steps < 3000, "no progress"
         for _ in range(rng.randint(0, 3)):
             if specs:
-                rid, prompt, params, arrival = specs.pop(0)
+                rid, prompt, params, arrival, priority = specs.pop(0)
                 for sched in (fast, plain):
-                    sched.add_request(Request(rid, prompt, SamplingParams(**params), frozenset({0}), arrival))
+                    sched.add_request(Request(rid, prompt, SamplingParams(**params), frozenset({0}), arrival,
+                                              priority))
         if fast.requests and rng.random() < 0.05:
             victim = rng.choice(sorted(fast.requests))
             fast.abort_requests([victim])
             plain.abort_requests([victim])
         out, ref = fast.schedule(), plain.schedule()
         assert msgspec.msgpack.encode(out) == msgspec.msgpack.encode(ref)
-        assert {r: [b.block_id for b in bs] for r, bs in fast.kv.req_blocks.items()} == \
-            {r: [b.block_id for b in bs] for r, bs in plain.kv.req_blocks.items()}
-        assert _cache_state(fast) == _cache_state(plain)   # the same blocks registered in the prefix cache
-        req_ids, sampled, drafts = [], [], {}
-        for rid in out.num_scheduled_tokens:
-            request = fast.requests[rid]
-            req_ids.append(rid)
-            if request.num_computed_tokens < request.num_tokens:
-                sampled.append([])
-                continue
-            spec = out.spec_token_ids.get(rid, [])
-            sampled.append(spec[:rng.randint(0, len(spec))] + [rng.randrange(8)])
-            if lookahead and rng.random() < 0.3:
-                drafts[rid] = [rng.randrange(8) for _ in range(rng.randint(1, lookahead))]
-        runner_out = ModelRunnerOutput(req_ids, sampled, drafts)
+        assert _state(fast) == _state(plain)
+        runner_out = _runner_output(fast, out, rng, lookahead)
         copy = msgspec.msgpack.decode(msgspec.msgpack.encode(runner_out), type=ModelRunnerOutput)
+        if fast.running.requests and rng.random() < 0.05:  # an abort between schedule() and update_from_output()
+            victim = rng.choice(fast.running.req_ids)
+            fast.abort_requests([victim])
+            plain.abort_requests([victim])
+            mid_step_aborts += 1
         assert _strip_times(fast.update_from_output(out, runner_out)) == \
             _strip_times(plain.update_from_output(ref, copy))
+        assert _state(fast) == _state(plain)
         preemptions += fast.make_stats().num_preemptions
         plain.make_stats()
     assert not plain.has_unfinished_requests()
     assert preemptions > 0 or num_blocks == 40   # the small pools really ran short
+    assert mid_step_aborts > 0

@@ -1,0 +1,203 @@
+"""The scheduler's output side: ``update_from_output`` takes in a step's runner output.
+
+It appends the sampled tokens, rolls back rejected drafts, takes new drafts, applies the token-level stop rules and
+reports each request's news in one ``StepOutput``, vectorised over the ``RunningBatch`` columns of the step's rows:
+only the rows ``_needs_look`` picks (first output, length limit, several tokens, or a token that may stop some
+unfinished request) come back to per-request Python. ``Intake`` is a part of ``Scheduler`` (which inherits it and
+owns the state it reads: the running batch, the stop rules, the stats and ``_finish``); it is a module of its own
+only to keep the scheduler's two halves apart. ``tests/unit/test_scheduler_fastpath.py`` overrides its hooks
+(``_append_all``, ``_needs_look``, ``_check_tokens``) with a plain per-token twin.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from pagellm.metrics.stats import RequestTimes, SchedulerStats, SpecDecodingStats
+from pagellm.request import Request, RequestStatus
+from pagellm.sched.output import FirstOutput, ModelRunnerOutput, SchedulerOutput, StepOutput
+from pagellm.sched.running import RunningBatch
+from pagellm.sched.stop import StopRules
+
+
+@dataclass
+class _Step:
+    """What ``update_from_output`` needs to know about the step ``schedule()`` produced."""
+
+    output: SchedulerOutput
+    rows: np.ndarray              # the RunningBatch row of each request of output.req_ids
+    num_spec: np.ndarray | None   # draft tokens scheduled per request (None: no drafts this step)
+    version: int                  # RunningBatch.version when schedule() returned
+
+
+class Intake:
+    running: RunningBatch
+    stop_rules: StopRules
+    _step: _Step | None
+    _drafts_seen: bool
+    _stats: SchedulerStats
+    _spec_stats: SpecDecodingStats
+    _finish: Callable[[Request, RequestStatus], None]  # ends a request (Scheduler's)
+
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> StepOutput:
+        """Append the sampled tokens, apply stop rules, and report each request's news (the other hot loop of a
+        step: vectorised, with per-request Python only for the requests ``_needs_look`` picks)."""
+        rows, num_spec, runner_out = self._rows_of(sched_out, runner_out)
+        batch, flat, sampled = self.running, runner_out.sampled_token_ids, runner_out.num_sampled
+        whole = len(rows) == len(batch)  # the step's rows are the whole batch, in order (the usual case)
+        at = slice(0, len(rows)) if whole else rows
+        counts = np.fromiter(sampled, np.int64, len(sampled))
+        if num_spec is not None:
+            self._roll_back_drafts(rows, num_spec, counts)
+        if self._drafts_seen or runner_out.draft_token_ids:
+            self._take_drafts(rows, runner_out)
+        before = batch.num_tokens[at].copy()  # ``at`` may be a slice (a view)
+        after = before + counts
+        batch.num_tokens[at] = after
+        lists = batch.token_lists if whole else [batch.token_lists[row] for row in rows.tolist()]
+        self._append_all(lists, counts, sampled, flat)
+        out = StepOutput()
+        kept, finished = self._look_at(np.flatnonzero(self._needs_look(after, batch.check_at[at], counts, flat)),
+                                       rows, before, counts, flat, out)
+        self._report(out, runner_out, counts, kept)
+        if finished:
+            batch.remove_rows(finished)
+        self._stats.num_generation_tokens += len(out.new_token_ids)
+        return out
+
+    def _rows_of(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> tuple[
+            np.ndarray, np.ndarray | None, ModelRunnerOutput]:
+        """The batch row of each request the runner reports. Unless requests left the batch since ``schedule()``
+        (an abort between the two calls), these are the rows ``schedule()`` recorded; otherwise requests that left
+        are dropped from the runner's output."""
+        step = self._step
+        if step is not None and step.output is sched_out and step.version == self.running.version:
+            assert len(runner_out.req_ids) == len(step.rows), "the runner must report every scheduled request"
+            return step.rows, step.num_spec, runner_out
+        index = {rid: row for row, rid in enumerate(self.running.req_ids)}
+        rows, ids, counts, flat, num_spec, start = [], [], [], [], [], 0
+        for rid, count in zip(runner_out.req_ids, runner_out.num_sampled):
+            if rid in index:
+                rows.append(index[rid])
+                ids.append(rid)
+                counts.append(count)
+                flat.extend(runner_out.sampled_token_ids[start:start + count])
+                num_spec.append(len(sched_out.spec_token_ids.get(rid, ())))
+            start += count
+        present = ModelRunnerOutput(ids, counts, flat,
+                                    {r: d for r, d in runner_out.draft_token_ids.items() if r in index},
+                                    {r: lp for r, lp in runner_out.logprobs.items() if r in index},
+                                    {r: lp for r, lp in runner_out.prompt_logprobs.items() if r in index})
+        return np.array(rows, dtype=np.int64), (np.array(num_spec) if any(num_spec) else None), present
+
+    def _roll_back_drafts(self, rows: np.ndarray, num_spec: np.ndarray, counts: np.ndarray) -> None:
+        """A row sampled its accepted drafts + 1: the rejected drafts were computed for nothing."""
+        drafted = np.flatnonzero(num_spec)
+        sent, accepted = num_spec[drafted], counts[drafted] - 1
+        self.running.computed[rows[drafted]] -= sent - accepted
+        for num_sent, num_accepted in zip(sent.tolist(), accepted.tolist()):
+            self._spec_stats.observe(num_sent, num_accepted)
+
+    def _take_drafts(self, rows: np.ndarray, runner_out: ModelRunnerOutput) -> None:
+        """Each reported request now holds the drafts proposed for it (none when the proposer gave none)."""
+        batch, drafts_out = self.running, runner_out.draft_token_ids
+        for row in rows[batch.num_spec[rows] > 0].tolist():
+            batch.requests[row].spec_token_ids = []
+        batch.num_spec[rows] = 0
+        if drafts_out:
+            self._drafts_seen = True
+            for row, rid in zip(rows.tolist(), runner_out.req_ids):
+                drafts = drafts_out.get(rid)
+                if drafts:
+                    batch.requests[row].spec_token_ids = drafts
+                    batch.num_spec[row] = len(drafts)
+
+    def _append_all(self, lists: list[list[int]], counts: np.ndarray, sampled: list[int], flat: list[int]) -> None:
+        """Append every sampled token to its request's token list (a stop rule may cut some off afterwards)."""
+        if not self._drafts_seen or counts.max(initial=0) <= 1:  # one token or none per request
+            for tokens, token in zip(itertools.compress(lists, sampled), flat):
+                tokens.append(token)
+            return
+        start = 0
+        for tokens, count in zip(lists, sampled):
+            tokens.extend(flat[start:start + count])
+            start += count
+
+    def _needs_look(self, after: np.ndarray, check_at: np.ndarray, counts: np.ndarray,
+                    flat: list[int]) -> np.ndarray:
+        """Which requests need per-request Python: their first output, their length limit, a token that may stop
+        them, or several tokens (a stop rule may cut them). The rest cannot stop and report nothing special."""
+        look = after >= check_at
+        if self._drafts_seen:
+            look |= counts > 1
+        hits = self.stop_rules.token_hits(counts, flat)
+        return look if hits is None else look | hits
+
+    def _look_at(self, looked: np.ndarray, rows: np.ndarray, before: np.ndarray, counts: np.ndarray,
+                 flat: list[int], out: StepOutput) -> tuple[dict[int, int], list[int]]:
+        """Record first outputs and apply the exact stop rules to the ``looked`` requests (indices into the step);
+        returns the tokens kept by the requests a stop rule cut short, and the rows of those that finished."""
+        batch, kept, finished = self.running, {}, []
+        if not looked.size:
+            return kept, finished
+        starts = (np.cumsum(counts) - counts)[looked].tolist()
+        now = time.time()
+        for j, row, start, num_before, count in zip(looked.tolist(), rows[looked].tolist(), starts,
+                                                    before[looked].tolist(), counts[looked].tolist()):
+            if not count:
+                continue
+            request = batch.requests[row]
+            if num_before == request.num_prompt_tokens:
+                out.first[request.request_id] = FirstOutput(
+                    request.num_cached_tokens, RequestTimes(request.queued_time, request.scheduled_time, now))
+            batch.check_at[row] = request.length_limit
+            num_kept = self._check_tokens(request, flat[start:start + count], num_before)
+            if num_kept < count:
+                kept[j] = num_kept
+                batch.num_tokens[row] = num_before + num_kept
+            if request.status is not RequestStatus.RUNNING:
+                finished.append(row)
+                out.finish_reasons[request.request_id] = request.status.finish_reason
+                if request.stop_reason is not None:
+                    out.stop_reasons[request.request_id] = request.stop_reason
+        return kept, finished
+
+    def _check_tokens(self, request: Request, tokens: list[int], num_before: int) -> int:
+        """Apply the stop rules token by token; at the first that ends the request, drop the tokens after it and
+        finish it. Returns the number of tokens kept."""
+        for num_kept, token in enumerate(tokens, start=1):
+            status = self.stop_rules.check(request, token, num_before + num_kept)
+            if status is not None:
+                del request.all_token_ids[num_before + num_kept:]
+                self._finish(request, status)
+                return num_kept
+        return len(tokens)
+
+    def _report(self, out: StepOutput, runner_out: ModelRunnerOutput, counts: np.ndarray,
+                kept: dict[int, int]) -> None:
+        """Fill in the step's token deltas: every request that kept tokens (or got prompt logprobs), in batch order."""
+        ids, flat, sampled = runner_out.req_ids, runner_out.sampled_token_ids, runner_out.num_sampled
+        prompt_logprobs = runner_out.prompt_logprobs
+        if kept:  # a stop rule dropped tokens after it: keep each request's leading ones
+            starts = (np.cumsum(counts) - counts).tolist()
+            sampled = list(sampled)
+            for j, num_kept in kept.items():
+                sampled[j] = num_kept
+            flat = [t for start, n in zip(starts, sampled) for t in flat[start:start + n]]
+        # The runner's lists are fresh each step and nothing changes them afterwards, so they are passed on as is.
+        if not prompt_logprobs and 0 not in sampled:  # every request sampled (the usual case)
+            out.req_ids, out.num_new_tokens, out.new_token_ids = ids, sampled, flat
+        else:
+            picked = [j for j, n in enumerate(sampled) if n or ids[j] in prompt_logprobs]
+            out.req_ids, out.num_new_tokens = [ids[j] for j in picked], [sampled[j] for j in picked]
+            out.new_token_ids, out.prompt_logprobs = flat, prompt_logprobs
+        if runner_out.logprobs:
+            out.logprobs = dict(runner_out.logprobs) if kept else runner_out.logprobs
+            for j, num_kept in kept.items():
+                if ids[j] in out.logprobs:
+                    out.logprobs[ids[j]] = out.logprobs[ids[j]].head(num_kept)
