@@ -54,7 +54,7 @@ from pagellm.model.loader import resolve_model_dir
 from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
-from pagellm.worker.worker import RuntimeInfo
+from pagellm.worker.runtime import RuntimeInfo
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from pagellm.engine.exceptions import EngineDeadError
 from pagellm.engine.wire import (UTILITY_RESULT_TYPES, AbortRequests, AddRequests, EngineCoreHandshake,
                                  EngineCoreInput, EngineCoreOutputs, EngineCoreRequest, UtilityCall,
                                  UtilityMethod, UtilityResult)
-from pagellm.worker.worker import RuntimeInfo
+from pagellm.worker.runtime import RuntimeInfo
 
 logger = logging.getLogger(__name__)
 

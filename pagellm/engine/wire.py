@@ -20,7 +20,7 @@ import msgspec
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.sampling_params import SamplingParams
 from pagellm.sched.output import StepOutput
-from pagellm.worker.worker import RuntimeInfo
+from pagellm.worker.runtime import RuntimeInfo
 
 __all__ = ["EngineCoreRequest", "StepOutput", "EngineCoreOutputs", "AddRequests", "AbortRequests",
            "UtilityCall", "UtilityMethod", "UtilityResult", "RequestError", "EngineCoreInput",

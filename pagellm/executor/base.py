@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
-from pagellm.worker.worker import RuntimeInfo
+from pagellm.worker.runtime import RuntimeInfo
 
 
 class Executor(Protocol):

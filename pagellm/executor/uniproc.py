@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pagellm.config import EngineConfig
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
-from pagellm.worker.worker import RuntimeInfo, Worker
+from pagellm.worker.runtime import RuntimeInfo
+from pagellm.worker.worker import Worker
 
 
 class UniProcExecutor:

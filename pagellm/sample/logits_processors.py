@@ -25,15 +25,17 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from pagellm.sample.penalties import TokenCounts, apply_penalties, gather_counts
-from pagellm.sample.structured import GrammarCache, RequestGrammar, apply_bitmask
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 
-GrammarFactory = Callable[[StructuredOutputsParams, Sequence[int]], RequestGrammar]
+if TYPE_CHECKING:  # xgrammar (~1 s to import) loads only when a request asks for structured output
+    from pagellm.sample.structured import GrammarCache, RequestGrammar
+
+GrammarFactory = Callable[[StructuredOutputsParams, Sequence[int]], "RequestGrammar"]
 
 
 @dataclass
@@ -103,6 +105,7 @@ def apply_processing(logits: torch.Tensor, rows: Sequence[RowContext], bitmask: 
     _ban(logits, rows)
     _restrict(logits, rows)
     if bitmask is not None and grammar_rows:
+        from pagellm.sample.structured import apply_bitmask
         apply_bitmask(logits, bitmask, list(grammar_rows))
     return logits
 
@@ -191,6 +194,7 @@ class LogitsProcessing:
         if self._grammars is None:
             if self._model_dir is None:
                 raise ValueError("structured outputs need the model's tokenizer; this runner has no model_dir")
+            from pagellm.sample.structured import GrammarCache
             self._grammars = GrammarCache.from_model_dir(self._model_dir, self.vocab_size)
         return self._grammars.matcher(so, output_ids)
 

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from pagellm.attention.base import AttentionBackend, CommonAttentionInputs, forward_context
+from pagellm.attention.base import AttentionBackend, CommonAttentionInputs, forward_context, new_kv_cache
 from pagellm.config import SpeculativeConfig
 from pagellm.sample.sampler import SamplingTensors, first_argmax, mix_seed, random_probs, sample_inverse_cdf
 from pagellm.spec.base import Draft, ProposalRequest
@@ -72,8 +72,7 @@ class DraftModelProposer:
         self.backend = backend
         self.block_size = block_size
         self.attn = model.attention_layers()[:num_layers]
-        self.caches = [torch.zeros(2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype)
-                       for a in self.attn]
+        self.caches = [new_kv_cache(num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype) for a in self.attn]
         self.pool = DraftBlockPool(num_blocks)
         self.req_blocks: dict[str, list[int]] = {}
         self.fed: dict[str, list[int]] = {}

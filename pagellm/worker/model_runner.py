@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pagellm.attention.base import AttentionBackend, CommonAttentionInputs, forward_context
+from pagellm.attention.base import AttentionBackend, CommonAttentionInputs, forward_context, new_kv_cache
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.sample.logits_processors import LogitsProcessing, RowContext
 from pagellm.sample.logprobs import gather_logprobs, raw_logprobs, split_logprobs
@@ -58,7 +58,7 @@ class ModelRunner:
         """Allocate one [2, num_blocks, block_size, kv_heads, head_dim] cache per attention layer."""
         self.kv_caches = []
         for attn in self.model.attention_layers():
-            cache = torch.zeros(2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, dtype=dtype)
+            cache = new_kv_cache(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, dtype)
             attn.kv_cache = cache
             self.kv_caches.append(cache)
 

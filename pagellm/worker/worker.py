@@ -1,11 +1,11 @@
 """A worker owns one device's tensors: it sets up threads and seeds, loads the model, sizes and allocates the
-KV cache, and runs the model runner. ``RuntimeInfo`` reports what it found (context length, number of blocks)."""
+KV cache, and runs the model runner. ``RuntimeInfo`` (``runtime.py``) reports what it found (context length,
+number of blocks)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -20,16 +20,9 @@ from pagellm.ops import fused, gemm
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.spec.base import make_proposer
 from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.runtime import RuntimeInfo
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RuntimeInfo:
-    max_model_len: int
-    num_blocks: int
-    block_size: int
-    vocab_size: int
 
 
 class Worker:
