@@ -1,6 +1,6 @@
 """``RuntimeInfo``: what a worker found at start-up (context length, KV blocks), reported to the engine and the
-frontend. Values found at run time live here, never written back into the frozen configs. This module imports
-nothing heavy, so the API server process can use it without loading the model stack."""
+frontend. Values found at run time live here, never written back into the frozen configs. Plain data with no
+imports, so the wire structs and executors can name it without importing the worker."""
 
 from __future__ import annotations
 
