@@ -11,7 +11,8 @@ The math, for the pair ``(h_{t-1}, x_t)`` at position t (the target's final-norm
 
 The layer is split so drafting can cache its keys and values: ``project`` maps pairs to (residual, q, k, v) --
 a pair's k/v depend on that pair alone, so they never change once computed -- and ``finish`` turns the attention
-output into the layer's output. ``forward`` (training, and the twin drafting is tested against) runs both over
+output into the layer's output (drafting, without autograd, takes the fused bfloat16 element-wise ops; training
+keeps the plain twins). ``forward`` (training, and the twin drafting is tested against) runs both over
 consecutive segments with causal attention inside each (``segment_attention``).
 
 **Draft vocabulary.** ``draft_vocab`` (saved with the head, token ids by descending frequency in the target's own
@@ -103,7 +104,7 @@ class EagleHead(nn.Module):
         norm = self.post_attention_layernorm
         h, residual = norm(h, residual) if fused else norm.forward_torch(h, residual)
         gate_up = self.gate_up_proj(h)
-        act = (silu_and_mul(gate_up) if fused else None)
+        act = silu_and_mul(gate_up) if fused else None  # None: not bfloat16 rows, or training
         return self.down_proj(act if act is not None else SiluAndMul.forward_torch(gate_up)) + residual
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
