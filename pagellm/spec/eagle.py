@@ -7,7 +7,7 @@ accepted drafts of a verification). Each such state and the token it produced fo
 keeps, per request, the layer's keys and values of the last ``head.window`` true pairs (the training window) (a pair's k/v depend on that
 pair alone, so they never need recomputing), checked against the request's tokens each step (pairs whose token
 changed, e.g. after a preemption, are dropped) and released with the request. A drafting pass computes only its
-new rows, each attending to its request's window plus its own ancestors in the draft (``gathered_attention``),
+new rows, each attending to its request's window plus its own ancestors in the draft (``masked_attention``),
 so the cost per depth grows with the number of drafted nodes, not with the window.
 
 **Shapes.** Depth d's nodes are fed the head's predicted hidden state of their parent and their own token:
@@ -44,7 +44,7 @@ from pagellm.ops import gemm
 from pagellm.ops.gemm import linear
 from pagellm.sample.sampler import SamplingTensors, mix_seed, random_probs, sample_inverse_cdf
 from pagellm.spec.base import Draft, ProposalRequest
-from pagellm.spec.eagle_head import DEFAULT_HEAD, EagleHead, gathered_attention
+from pagellm.spec.eagle_head import DEFAULT_HEAD, EagleHead, masked_attention
 from pagellm.spec.ngram import NgramProposer
 from pagellm.spec.tree import best_subtree
 
@@ -248,15 +248,13 @@ class EagleProposer:
 
     def _attend_and_finish(self, residual: torch.Tensor, q: torch.Tensor, store: _KVStore,
                            keys: list[list[int]]) -> _Pass:
-        width = max(len(row) for row in keys)
-        index = torch.zeros(len(keys), width, dtype=torch.int64)
-        valid = torch.zeros(len(keys), width, dtype=torch.bool)
-        for i, row in enumerate(keys):
-            index[i, :len(row)] = torch.tensor(row)
-            valid[i, :len(row)] = True
+        rows = [i for i, row in enumerate(keys) for _ in row]
+        cols = [j for row in keys for j in row]
+        mask = torch.zeros(len(keys), store.rows, dtype=torch.bool)
+        mask[torch.tensor(rows), torch.tensor(cols)] = True  # one write: each query's window and ancestors
         k, v = store.tensors()
-        attended = gathered_attention(q, k, v, index, valid, self.head.head_dim ** -0.5)
-        predicted = self.norm.forward_torch(self.head.finish(residual, attended))[0]
+        attended = masked_attention(q, k, v, mask, self.head.head_dim ** -0.5)
+        predicted = self.norm(self.head.finish(residual, attended))[0]
         return _Pass(predicted, linear(predicted, self.lm_weight))
 
     def _children(self, plans: list[_Plan], frontier: list[tuple[int, int]], out: _Pass,

@@ -11,7 +11,8 @@ The math, for the pair ``(h_{t-1}, x_t)`` at position t (the target's final-norm
 
 The layer is split so drafting can cache its keys and values: ``project`` maps pairs to (residual, q, k, v) --
 a pair's k/v depend on that pair alone, so they never change once computed -- and ``finish`` turns the attention
-output into the layer's output. ``forward`` (training, and the twin drafting is tested against) runs both over
+output into the layer's output (drafting, without autograd, takes the fused bfloat16 element-wise ops; training
+keeps the plain twins). ``forward`` (training, and the twin drafting is tested against) runs both over
 consecutive segments with causal attention inside each (``segment_attention``).
 
 **Draft vocabulary.** ``draft_vocab`` (saved with the head, token ids by descending frequency in the target's own
@@ -40,6 +41,7 @@ from pagellm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear,
 from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding
 from pagellm.ops import gemm
+from pagellm.ops.fused import silu_and_mul
 from pagellm.ops.gemm import linear
 
 # The head shipped for the built-in model, used when an eagle config names no file (source checkouts).
@@ -85,19 +87,25 @@ class EagleHead(nn.Module):
     def project(self, embeds: torch.Tensor, hidden: torch.Tensor,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pairs [N, H] → (residual x [N, H], q [N, heads, D], k and v [N, kv_heads, D]), RoPE applied."""
+        fused = _inference()
         x = linear(torch.cat([embeds, hidden], dim=-1), self.fc.weight, self.fc.bias)
-        h, residual = self.input_layernorm.forward_torch(x)
+        h, residual = self.input_layernorm(x) if fused else self.input_layernorm.forward_torch(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(h).split([q_size, kv_size, kv_size], dim=-1)
-        q, k = self.rotary.forward_torch(positions, q.reshape(-1, self.num_heads, self.head_dim),
-                                         k.reshape(-1, self.num_kv_heads, self.head_dim))
+        rotary = self.rotary if fused else self.rotary.forward_torch
+        q, k = rotary(positions, q.reshape(-1, self.num_heads, self.head_dim),
+                      k.reshape(-1, self.num_kv_heads, self.head_dim))
         return residual, q, k, v.reshape(-1, self.num_kv_heads, self.head_dim)
 
     def finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Attention output [N, heads, D] → the layer's output (the residual stream, before the final norm)."""
+        fused = _inference()
         h = self.o_proj(attended.reshape(attended.shape[0], -1))
-        h, residual = self.post_attention_layernorm.forward_torch(h, residual)
-        return self.down_proj(SiluAndMul.forward_torch(self.gate_up_proj(h))) + residual
+        norm = self.post_attention_layernorm
+        h, residual = norm(h, residual) if fused else norm.forward_torch(h, residual)
+        gate_up = self.gate_up_proj(h)
+        act = silu_and_mul(gate_up) if fused else None  # None: not bfloat16 rows, or training
+        return self.down_proj(act if act is not None else SiluAndMul.forward_torch(gate_up)) + residual
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 segments: Sequence[int]) -> torch.Tensor:
@@ -143,6 +151,12 @@ class EagleHead(nn.Module):
         return head.eval()
 
 
+def _inference() -> bool:
+    """Drafting (no autograd) takes the fused bfloat16 element-wise ops (``ops/fused.py``, which fall back to the
+    plain twins for other dtypes); training, which needs gradients, always runs the plain-PyTorch twins."""
+    return not torch.is_grad_enabled()
+
+
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence[int],
                       scale: float) -> torch.Tensor:
     """Causal attention within each segment of consecutive rows ([N, heads, D] each): the segments are padded
@@ -163,12 +177,17 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
     return out.transpose(1, 2)[seg, offset]
 
 
-def gathered_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor,
-                       valid: torch.Tensor, scale: float) -> torch.Tensor:
-    """Each query row attends to its own list of cached rows: q [F, heads, D]; keys/values [M, kv_heads, D];
-    index [F, L] rows of keys per query (padding anywhere), valid [F, L]. Returns [F, heads, D]."""
-    groups = q.shape[1] // keys.shape[1]
-    k = keys[index].repeat_interleave(groups, dim=2).transpose(1, 2)     # [F, heads, L, D]
-    v = values[index].repeat_interleave(groups, dim=2).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale)
-    return out.squeeze(2)
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Each query row attends to the cached rows its mask allows: q [F, heads, D]; keys/values [M, kv_heads, D];
+    mask [F, M] bool (at least one True per row). Returns [F, heads, D]. The query heads of one kv head are
+    batched as rows of one attention call, so neither the keys are gathered per query nor repeated per group."""
+    rows, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    qg = q.reshape(rows, kv_heads, groups, dim).transpose(0, 1).reshape(kv_heads, rows * groups, dim)
+    allowed = mask.repeat_interleave(groups, dim=0)                       # [F * groups, M], rows as in qg
+    # 4-D [1, kv_heads, rows, D] operands: the fused CPU kernel serves them (3-D ones take the slower math path)
+    out = F.scaled_dot_product_attention(qg[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                                         attn_mask=allowed, scale=scale)[0]  # [kv_heads, F * groups, D]
+    return out.reshape(kv_heads, rows, groups, dim).transpose(0, 1).reshape(rows, heads, dim)

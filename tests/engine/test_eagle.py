@@ -389,6 +389,26 @@ def test_segment_attention_matches_each_segment_alone() -> None:
         start += n
 
 
+def test_masked_attention_gives_each_query_its_own_rows() -> None:
+    """Each draft query attends to exactly the cached rows its mask allows, every query head through its own kv
+    head (grouped-query attention: head h reads kv head h // groups); float64 reference per query and head."""
+    from pagellm.spec.eagle_head import masked_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 6, 4, generator=gen, dtype=torch.float64)        # 3 queries, 6 heads over 2 kv heads
+    k, v = (torch.randn(7, 2, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    rows = [[0, 1, 2], [0, 1, 2, 4], [5, 6]]                               # a window + ancestors, another plan
+    mask = torch.zeros(3, 7, dtype=torch.bool)
+    for i, allowed in enumerate(rows):
+        mask[i, allowed] = True
+    out = masked_attention(q, k, v, mask, 0.5)
+    for i, allowed in enumerate(rows):
+        for h in range(6):
+            keys, values = k[allowed, h // 3], v[allowed, h // 3]
+            weights = ((keys @ q[i, h]) * 0.5).softmax(-1)
+            torch.testing.assert_close(out[i, h], weights @ values)
+
+
 def test_unrolled_mask_attends_like_the_draft_depths() -> None:
     """Training pass k's row i sees the true pairs up to row i - k and one row of each later pass, ending
     with itself: what the k-th draft depth sees at inference."""
