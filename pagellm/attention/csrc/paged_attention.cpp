@@ -42,6 +42,12 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return acc;
 }
 
+// Where key ``pos``'s row for ``kv_head`` starts in a [num_blocks, block_size, kv_heads, head_dim] cache.
+inline int64_t key_offset(const int64_t* blocks, int64_t pos, int64_t block_size, int64_t token_stride,
+                          int64_t kv_head, int64_t head_dim) {
+  return (blocks[pos / block_size] * block_size + pos % block_size) * token_stride + kv_head * head_dim;
+}
+
 // The portable walk (any head_dim): one block at a time, invisible keys scored -inf.
 template <typename T>
 void walk_scalar(const T* q, const T* k_cache, const T* v_cache, const int64_t* blocks, const Visibility& vis,
@@ -56,7 +62,7 @@ void walk_scalar(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   const int64_t token_stride = kv_heads * head_dim;
   for (int64_t start = 0; start < vis.kend; start += block_size) {
     const int64_t n = std::min(block_size, vis.kend - start);
-    const int64_t base = (blocks[start / block_size] * block_size) * token_stride + kv_head * head_dim;
+    const int64_t base = key_offset(blocks, start, block_size, token_stride, kv_head, head_dim);
     bool any = false;
     for (int64_t t = 0; t < n; ++t) any |= (seen[t] = vis.visible(start + t));
     if (!any) continue;
@@ -127,8 +133,7 @@ void walk_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* blo
     n = tile_length(start, vis.kend, block_size);
     const __mmask16 valid = tile_mask(vis, start, n);
     if (!valid) continue;
-    const int64_t base =
-        (blocks[start / block_size] * block_size + start % block_size) * token_stride + kv_head * head_dim;
+    const int64_t base = key_offset(blocks, start, block_size, token_stride, kv_head, head_dim);
     for (int64_t t = 0; t < n; ++t) {
       const T* k = k_cache + base + t * token_stride;
       __m512 krow[16];  // head_dim <= 256
@@ -206,7 +211,7 @@ void walk_fixed(const T* q, const T* k_cache, const T* v_cache, const int64_t* b
     const __mmask16 valid = tile_mask(vis, start, n);
     if (!valid) continue;
     const int64_t in_block = start % block_size;
-    const int64_t base = (blocks[start / block_size] * block_size + in_block) * token_stride + kv_head * head_dim;
+    const int64_t base = key_offset(blocks, start, block_size, token_stride, kv_head, head_dim);
     const int64_t next = (start / block_size + 1) * block_size;  // first key of the next block
     if (in_block + n == block_size && next < vis.kend)
       prefetch_block(k_cache, v_cache, blocks[next / block_size] * block_size * token_stride + kv_head * head_dim,
