@@ -12,10 +12,15 @@ tokens/s per setup and the ratios b/a and c/a (targets: b >= 0.90, c >= 0.75).
 processing + sampling of a [batch, vocab] logit matrix (in the model's dtype, bfloat16 by default, as the runner
 hands it over) for a, b and c (c includes filling the grammar
 bitmasks of half the rows), interleaved over many repetitions (median). That part is what the setups differ in,
-and it is far less sensitive to a busy machine than a whole generation. Usage:
+and it is far less sensitive to a busy machine than a whole generation.
+
+``--kernel`` times the sampler alone on temperature-only rows (T = 1.0 and 0.7, the workload of the throughput and
+serving benchmarks) at batches 1, 32 and 256: the fused native call (``sample/native.py``) against its torch twin
+(softmax, cumsum, searchsorted), interleaved, median of ``--repeats``. Usage:
 
     .venv/bin/python benchmarks/sampling.py [--batch 64] [--output-len 64] [--rounds 3] [--dtype bfloat16]
     .venv/bin/python benchmarks/sampling.py --micro [--batch 64] [--repeats 30] [--dtype bfloat16]
+    .venv/bin/python benchmarks/sampling.py --kernel [--repeats 30] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -84,6 +89,35 @@ def micro(batch: int, repeats: int, dtype: torch.dtype) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in timings.items()}
 
 
+def kernel(repeats: int, dtype: torch.dtype) -> list[dict]:
+    """Median ms per sampler call, fused vs torch twin, for temperature-only batches (see the module docstring)."""
+    import statistics
+    from unittest import mock
+
+    from pagellm.sample import sampler as sampler_module
+    from pagellm.sample.sampler import Sampler, SamplingTensors
+
+    rows = []
+    noise = torch.Generator().manual_seed(3)
+    for batch in (1, 32, 256):
+        for temperature in (1.0, 0.7):
+            tensors = SamplingTensors.from_params([SamplingParams(temperature=temperature)] * batch, [0] * batch)
+            logits = (torch.randn(batch, 49152, generator=noise) * 3).to(dtype)
+            times: dict[str, list[float]] = {"fused": [], "torch": []}
+            for _ in range(repeats):
+                for name in times:
+                    with mock.patch.object(sampler_module.native, "sample_rows",
+                                           (lambda *args: None) if name == "torch"
+                                           else sampler_module.native.sample_rows):
+                        start = time.perf_counter()
+                        Sampler(torch.Generator().manual_seed(0))(logits, tensors)
+                        times[name].append((time.perf_counter() - start) * 1e3)
+            fused, twin = statistics.median(times["fused"]), statistics.median(times["torch"])
+            rows.append({"batch": batch, "temperature": temperature, "fused_ms": round(fused, 3),
+                         "torch_ms": round(twin, 3), "speedup": round(twin / fused, 1)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory or .gguf (default: the built-in model)")
@@ -93,8 +127,13 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--micro", action="store_true", help="time processing + sampling per step only")
+    parser.add_argument("--kernel", action="store_true", help="time the fused sampling call against its twin")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
+    if args.kernel:
+        for row in kernel(args.repeats, getattr(torch, args.dtype)):
+            print(json.dumps(row))
+        return
     if args.micro:
         figures = micro(args.batch, args.repeats, getattr(torch, args.dtype))
         print(json.dumps({"batch": args.batch, "dtype": args.dtype, "ms_per_step": {k: round(v, 2) for k, v in figures.items()}}))

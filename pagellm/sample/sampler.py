@@ -20,6 +20,8 @@ Contract:
   those candidates only, kept in id order: the kept sets are the full stable sort's, and the draw walks the same
   tokens in the same order as a walk over the vocabulary would (probabilities equal up to float rounding).
   Rows without a top-k (top-p only, plain temperature) take the full path for the whole batch.
+- Rows with temperature only (no top-k, top-p or min-p) take one fused native call (``native.sample_rows``: the
+  same inverse-CDF draw in two passes over each row, float rounding aside); the torch sequence is its twin.
 - No Python loop over the vocabulary; the only per-row loop is over seeded rows.
 """
 
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagellm.sample import native
 from pagellm.sampling_params import SamplingParams
 
 _MASK_64 = (1 << 64) - 1
@@ -339,6 +342,10 @@ class Sampler:
             if len(candidates.rows) == logits.shape[0]:
                 return picked
             return first_argmax(logits).index_copy_(0, candidates.rows, picked)
+        if t.top_k is None and t.top_p is None and t.min_p is None:
+            fused = native.sample_rows(logits, t.temperature, uniforms)  # greedy rows: their argmax
+            if fused is not None:
+                return fused
         sampled = sample_inverse_cdf(random_probs(logits, t), uniforms)
         if t.all_random:
             return sampled
