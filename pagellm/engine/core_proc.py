@@ -1,11 +1,12 @@
-"""The engine core in its own process: two IO threads around a busy loop.
+"""The engine core in its own process: a busy loop that sends its own outputs, fed by an input thread.
 
 Contract (``run_engine_core`` is the child's entry point; ``client.MPClient`` starts it with the spawn method):
 - The child builds ``EngineCore(config)`` itself. Its first message on the output socket is an
   ``EngineCoreHandshake``: the ``RuntimeInfo``, or the start-up error (class name and message), after which it
   exits with code 1.
-- The input thread decodes ``EngineCoreInput`` messages (ZMQ PULL) onto a queue; the output thread encodes
-  whatever the main thread queues (ZMQ PUSH). Sockets never cross threads.
+- The input thread decodes ``EngineCoreInput`` messages (ZMQ PULL) onto a queue; the main thread encodes and
+  sends its own outputs (ZMQ PUSH, no send limit, so a send never blocks): no thread hop per step, which on a
+  machine whose cores the model's threads fill costs a preemption each time. Sockets never cross threads.
 - The main thread loops: apply every queued input (adds, aborts, utility calls; blocking on the queue while no
   request is unfinished, so an idle core sleeps) → ``step()`` while requests are unfinished → queue the
   ``EngineCoreOutputs`` (token-id deltas and the step's ``SchedulerStats``).
@@ -25,7 +26,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import msgspec
 import zmq
@@ -42,7 +43,7 @@ PARENT_POLL_S = 1.0      # how often the watchdog checks that the parent still l
 OUTPUT_LINGER_MS = 2000  # how long queued outputs (a crash report) may take to leave after the loop ends
 EXIT_TIMEOUT_S = 5.0     # bound on each step of the exit sequence; past it the process exits hard
 
-_Message = Any  # EngineCoreHandshake | EngineCoreOutputs; None stops the output thread
+_Message = Any  # EngineCoreHandshake | EngineCoreOutputs
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
@@ -51,12 +52,9 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     wake_fd = _setup_process(parent_pid, ipc_dir)
     ctx = zmq.Context()
     inputs: queue.Queue[EngineCoreInput | None] = queue.Queue()
-    outputs: queue.Queue[_Message] = queue.Queue()
     threading.Thread(target=_input_loop, args=(ctx, input_addr, wake_fd, inputs), daemon=True,
                      name="core-input").start()
-    output_thread = threading.Thread(target=_output_loop, args=(ctx, output_addr, outputs), daemon=True,
-                                     name="core-output")
-    output_thread.start()
+    outputs = _Sender(ctx, output_addr)
     code = 1
     try:
         code = _serve(config, inputs, outputs)
@@ -64,10 +62,14 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
         code = exc.code if isinstance(exc.code, int) else 0
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the exit
-        _exit(ctx, outputs, output_thread, code)
+        _exit(ctx, outputs, code)
 
 
-def _serve(config: EngineConfig, inputs: queue.Queue[EngineCoreInput | None], outputs: queue.Queue[_Message]) -> int:
+class _Outputs(Protocol):
+    def put(self, message: _Message) -> None: ...
+
+
+def _serve(config: EngineConfig, inputs: queue.Queue[EngineCoreInput | None], outputs: _Outputs) -> int:
     try:
         core = EngineCore(config)
     except Exception as exc:  # reported to the parent, which re-raises it (ValueError stays ValueError)
@@ -176,17 +178,21 @@ def _input_loop(ctx: zmq.Context, addr: str, wake_fd: int, inputs: queue.Queue[E
         sock.close(linger=0)
 
 
-def _output_loop(ctx: zmq.Context, addr: str, outputs: queue.Queue[_Message]) -> None:
-    encoder = msgspec.msgpack.Encoder()
-    sock = ctx.socket(zmq.PUSH)
-    sock.connect(addr)
-    try:
-        while (message := outputs.get()) is not None:
-            sock.send(encoder.encode(message), copy=False)
-    except zmq.ContextTerminated:
-        pass
-    finally:
-        sock.close(linger=OUTPUT_LINGER_MS)
+class _Sender:
+    """The main thread's output socket: ``put`` encodes and sends one message (ZMQ queues it; never blocks)."""
+
+    def __init__(self, ctx: zmq.Context, addr: str) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._sock = ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.connect(addr)
+
+    def put(self, message: _Message) -> None:
+        self._sock.send(self._encoder.encode(message), copy=False)
+
+    def close(self) -> None:
+        """Close, leaving queued outputs (a crash report) up to ``OUTPUT_LINGER_MS`` to leave."""
+        self._sock.close(linger=OUTPUT_LINGER_MS)
 
 
 # ------------------------------------------------------------------------------------------------ process
@@ -226,14 +232,12 @@ def _watch_parent(parent_pid: int, ipc_dir: str) -> None:
     os._exit(1)
 
 
-def _exit(ctx: zmq.Context, outputs: queue.Queue[_Message], output_thread: threading.Thread, code: int) -> None:
+def _exit(ctx: zmq.Context, outputs: _Sender, code: int) -> None:
     """Flush queued outputs, close the sockets, and leave without running interpreter teardown."""
-    outputs.put(None)
-    output_thread.join(EXIT_TIMEOUT_S)
-    if not output_thread.is_alive():  # else a send is stuck: terminating the context could hang
-        term = threading.Thread(target=ctx.term, daemon=True)  # the input thread sees ETERM and closes
-        term.start()
-        term.join(EXIT_TIMEOUT_S)
+    outputs.close()
+    term = threading.Thread(target=ctx.term, daemon=True)  # waits out the linger; the input thread sees ETERM
+    term.start()
+    term.join(EXIT_TIMEOUT_S)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

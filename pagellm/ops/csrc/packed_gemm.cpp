@@ -8,9 +8,10 @@
 //
 // The register tile is MR input rows x NR panels (NR * 16 output columns) of float32 accumulators. Per k-pair it
 // loads NR weight lines and broadcasts MR pairs of x (one 32-bit broadcast each), then issues MR*NR dot products:
-// no horizontal reductions, each accumulator is a finished run of 16 outputs. Each OpenMP thread owns an equal
-// contiguous run of panels (so at small M each streams its own slice of the weight at DRAM speed) and walks all
-// M rows over it. K is processed in equal blocks of at most kKC pairs: a weight block (NR panels x KC pairs) then
+// no horizontal reductions, each accumulator is a finished run of 16 outputs. The OpenMP threads take contiguous
+// runs of panels (chunks, about 8 per thread) from a shared counter, so a thread the OS preempts delays only its
+// current chunk (at small M each chunk streams its slice of the weight at DRAM speed), and walk all M rows over
+// each. K is processed in equal blocks of at most kKC pairs: a weight block (NR panels x KC pairs) then
 // stays in L2 while every row group of an M block passes over it, and partial sums live in a per-thread float32
 // buffer between K blocks. While the second and later row groups compute on a block, they prefetch the next
 // block from DRAM (see Tile::pf), so compute and memory overlap at M of a few dozen rows. Each output is summed
@@ -19,6 +20,7 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -214,11 +216,10 @@ void run_block(const Problem& pb, const Block& b, const Block* next, int64_t m0,
   }
 }
 
-// One thread's share: panels [p0, p1), every row of x: M blocks, then panel groups, then K blocks.
-void run_panels(const Problem& pb, int64_t p0, int64_t p1) {
+// One chunk of a thread's work: panels [p0, p1), every row of x: M blocks, then panel groups, then K blocks.
+// ``partial`` is the thread's float32 buffer (used only when K takes several blocks).
+void run_panels(const Problem& pb, int64_t p0, int64_t p1, float* partial) {
   const bool blocked = pb.kpairs > pb.kc;
-  std::vector<float> partial;
-  if (blocked) partial.resize(static_cast<size_t>(kMC * kMaxNR * kPanel));
   std::vector<Block> blocks;
   for (int64_t g = p0; g < p1; g += kMaxNR)
     for (int64_t k0 = 0; k0 < pb.kpairs; k0 += pb.kc)
@@ -227,8 +228,16 @@ void run_panels(const Problem& pb, int64_t p0, int64_t p1) {
     const int64_t mb = pb.m - m0 < kMC ? pb.m - m0 : kMC;
     for (size_t b = 0; b < blocks.size(); ++b)
       run_block(pb, blocks[b], b + 1 < blocks.size() ? &blocks[b + 1] : nullptr, m0, mb,
-                blocked ? partial.data() : nullptr);
+                blocked ? partial : nullptr);
   }
+}
+
+// Panels per work chunk: threads take chunks from a shared counter, so when the OS preempts one thread (the API
+// server and the client share these cores) the others take over its unstarted chunks instead of waiting at the
+// barrier. About 8 chunks per thread, in whole panel groups (kMaxNR panels).
+int64_t chunk_panels(int64_t panels, int threads) {
+  const int64_t per = panels / (int64_t{8} * threads) / kMaxNR * kMaxNR;
+  return per > kMaxNR ? per : kMaxNR;
 }
 
 }  // namespace
@@ -236,7 +245,7 @@ void run_panels(const Problem& pb, int64_t p0, int64_t p1) {
 extern "C" {
 
 // x: [m, k] bf16 rows with stride ldx; w: packed (see the top of this file) for n outputs and k inputs; bias: [n]
-// or null; y: [m, n] with row stride ldy. Uses torch's OpenMP threads, each on an equal run of panels.
+// or null; y: [m, n] with row stride ldy. Uses torch's OpenMP threads, which take runs of panels from a counter.
 void pagellm_packed_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
                                 const uint16_t* bias, uint16_t* y, int64_t ldy) {
   const int64_t kpairs = (k + 1) / 2;
@@ -246,11 +255,17 @@ void pagellm_packed_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t
   // Tiny problems stay on one thread: a fork costs more than they take.
   const int64_t work = m * n * k;
   const int threads = work < (int64_t{1} << 18) ? 1 : omp_get_max_threads();
+  const int64_t chunk = chunk_panels(pb.panels, threads);
+  const int64_t chunks = (pb.panels + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(threads)
   {
-    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t p0 = pb.panels * t / nt, p1 = pb.panels * (t + 1) / nt;
-    if (p0 < p1) run_panels(pb, p0, p1);
+    std::vector<float> partial(pb.kpairs > pb.kc ? static_cast<size_t>(kMC * kMaxNR * kPanel) : 0);
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t p0 = c * chunk, p1 = p0 + chunk < pb.panels ? p0 + chunk : pb.panels;
+      run_panels(pb, p0, p1, partial.data());
+    }
   }
 }
 

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pagellm.sampling_params import SamplingParams
+from pagellm.server.openai.chunks import ChunkWriter
 from pagellm.server.openai.errors import sse_error
 from pagellm.server.openai.logprobs import chat_logprobs, prompt_logprobs_body
 from pagellm.server.openai.protocol import (ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk,
@@ -68,6 +69,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def stream(self, job: _Job) -> AsyncIterator[str]:
         choices: dict[int, _Choice] = {}
+        writer = ChunkWriter("chat", job.request_id, job.created, job.model)
         try:
             # The role goes first, before any token exists, as OpenAI does: clients see the reply has begun.
             yield _chunk(job, [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
@@ -77,6 +79,9 @@ class OpenAIServingChat(OpenAIServing):
                 choice = choices.setdefault(index, _Choice())
                 text = choice.add(output)
                 if text or choice.finish_reason:
+                    if job.params.logprobs is None:  # the common chunk: no pydantic model per token
+                        yield writer.text_choice(index, text, choice.finish_reason, choice.stop_reason)
+                        continue
                     delta = ChatDelta(content=text) if text else ChatDelta()
                     yield _chunk(job, [ChatChunkChoice(index=index, delta=delta, logprobs=_logprobs(job, choice),
                                                        finish_reason=choice.finish_reason,

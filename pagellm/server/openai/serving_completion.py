@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.server.openai.chunks import ChunkWriter
 from pagellm.server.openai.errors import APIError, sse_error
 from pagellm.server.openai.logprobs import (completion_logprobs, prompt_completion_logprobs,
                                             prompt_logprobs_body)
@@ -97,6 +98,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def stream(self, job: _Job) -> AsyncIterator[str]:
         choices: dict[int, _Choice] = {}
+        writer = ChunkWriter("completion", job.request_id, job.created, job.model)
         try:
             stream = self.generate(job.prompts, job.params, job.request_id, job.request.priority)
             async for prompt_index, output in stream:
@@ -109,6 +111,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     text = job.prompt_texts[prompt_index] + text
                 if text or choice.finish_reason:
                     choice.started = True
+                    if job.params.logprobs is None:  # the common chunk: no pydantic model per token
+                        yield writer.text_choice(index, text, choice.finish_reason, choice.stop_reason)
+                        continue
                     logprobs = self._logprobs(job, choice, prompt_index, with_prompt=first)
                     yield self._chunk(job, [CompletionChoice(index=index, text=text, logprobs=logprobs,
                                                              finish_reason=choice.finish_reason,
