@@ -11,6 +11,7 @@ only to keep the scheduler's two halves apart. ``tests/unit/test_scheduler_fastp
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from dataclasses import dataclass
@@ -35,6 +36,14 @@ class _Step:
     version: int                  # RunningBatch.version when schedule() returned
 
 
+def _counts(sampled: list[int]) -> np.ndarray:
+    """``sampled`` as an int64 array: through ``bytes`` (a C loop) when every count is below 256, the usual case."""
+    try:
+        return np.frombuffer(bytes(sampled), np.uint8).astype(np.int64)
+    except ValueError:
+        return np.fromiter(sampled, np.int64, len(sampled))
+
+
 class Intake:
     running: RunningBatch
     stop_rules: StopRules
@@ -51,7 +60,7 @@ class Intake:
         batch, flat, sampled = self.running, runner_out.sampled_token_ids, runner_out.num_sampled
         whole = len(rows) == len(batch)  # the step's rows are the whole batch, in order (the usual case)
         at = slice(0, len(rows)) if whole else rows
-        counts = np.fromiter(sampled, np.int64, len(sampled))
+        counts = _counts(sampled)
         if num_spec is not None:
             self._roll_back_drafts(rows, num_spec, counts)
         if self._drafts_seen or runner_out.draft_token_ids:
@@ -120,8 +129,7 @@ class Intake:
     def _append_all(self, lists: list[list[int]], counts: np.ndarray, sampled: list[int], flat: list[int]) -> None:
         """Append every sampled token to its request's token list (a stop rule may cut some off afterwards)."""
         if not self._drafts_seen or counts.max(initial=0) <= 1:  # one token or none per request
-            for tokens, token in zip(itertools.compress(lists, sampled), flat):
-                tokens.append(token)
+            collections.deque(map(list.append, itertools.compress(lists, sampled), flat), 0)  # a loop in C
             return
         start = 0
         for tokens, count in zip(lists, sampled):
