@@ -104,23 +104,24 @@ class KVCacheManager:
         return new_blocks
 
     def allocate_running(self, requests: list[Request], rooms: list[int], finals: list[int],
-                         new_block_ids: dict[str, list[int]]) -> tuple[list[int], list[int]]:
+                         new_block_ids: dict[str, list[int]]) -> int:
         """``allocate_slots`` for each request in order, none with prefix hits: request ``i`` needs ``rooms[i]``
         slots (computed + new + lookahead tokens) and will have ``finals[i]`` final tokens after the step. Stops
-        before the first request the pool cannot serve (changing nothing for it). Returns, per request served, its
-        slots and next-full count (as ``slots_and_next_full``); the ids of new blocks go into ``new_block_ids``."""
-        bs, pool, caching, cached_counts = self.block_size, self.pool, self.enable_caching, self.num_cached_blocks
-        free_queue, req_blocks, slots, next_full = pool.free_queue, self.req_blocks, [], []
-        take, register = pool.get_new_block, self._register
+        before the first request the pool cannot serve (changing nothing for it) and returns how many it served:
+        each now holds ``max(its blocks, ceil(rooms[i] / block_size))`` blocks, and if ``finals[i]`` reached its
+        next-full count its blocks up to ``finals[i] // block_size`` are registered (the scheduler updates its
+        columns from that rule). The ids of new blocks go into ``new_block_ids``."""
+        bs, pool, cached_counts = self.block_size, self.pool, self.num_cached_blocks
+        free_queue, req_blocks, take, register = pool.free_queue, self.req_blocks, pool.get_new_block, self._register
+        never = NEVER if not self.enable_caching else 0
+        served = 0
         for request, room, final in zip(requests, rooms, finals):
             rid = request.request_id
             held = req_blocks[rid]  # a running request's list exists from its admission on
-            num_held = len(held)
-            num_new_blocks = -(-room // bs) - num_held
+            num_new_blocks = -(-room // bs) - len(held)
             if num_new_blocks > 0:
                 if num_new_blocks > free_queue.num_free_blocks:
                     break
-                num_held += num_new_blocks
                 if num_new_blocks == 1:  # a decoding request entering its next block: most calls
                     block = take()
                     held.append(block)
@@ -129,15 +130,11 @@ class KVCacheManager:
                     blocks = pool.get_new_blocks(num_new_blocks)
                     held += blocks
                     new_block_ids[rid] = [b.block_id for b in blocks]
-            slots.append(num_held * bs)
-            if not caching:
-                next_full.append(NEVER)
-                continue
+            served += 1
             num_cached = cached_counts.get(rid, 0)
-            if final >= (num_cached + 1) * bs:  # a block fills
-                num_cached = register(request, held, num_cached, final // bs)
-            next_full.append((num_cached + 1) * bs)
-        return slots, next_full
+            if final >= (num_cached + 1) * bs + never:  # a block fills (never, with prefix caching off)
+                register(request, held, num_cached, final // bs)
+        return served
 
     def slots_and_next_full(self, request_id: str) -> tuple[int, int]:
         """Token slots in the request's blocks, and the token count at which its next unregistered block fills."""

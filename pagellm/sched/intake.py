@@ -37,7 +37,10 @@ class _Step:
 
 
 def _counts(sampled: list[int]) -> np.ndarray:
-    """``sampled`` as an int64 array: through ``bytes`` (a C loop) when every count is below 256, the usual case."""
+    """``sampled`` as an int64 array: ones when every count is 1 (a step of decodes), else through ``bytes`` (a C
+    loop) when every count is below 256."""
+    if sampled.count(1) == len(sampled):
+        return np.ones(len(sampled), dtype=np.int64)
     try:
         return np.frombuffer(bytes(sampled), np.uint8).astype(np.int64)
     except ValueError:
@@ -71,7 +74,7 @@ class Intake:
         lists = batch.token_lists if whole else [batch.token_lists[row] for row in rows.tolist()]
         self._append_all(lists, counts, sampled, flat)
         out = StepOutput()
-        kept, finished = self._look_at(np.flatnonzero(self._needs_look(after, batch.check_at[at], counts, flat)),
+        kept, finished = self._look_at(self._needs_look(after, batch.check_at[at], counts, flat).nonzero()[0],
                                        rows, before, counts, flat, out)
         self._report(out, runner_out, counts, kept)
         if finished:
@@ -106,7 +109,7 @@ class Intake:
 
     def _roll_back_drafts(self, rows: np.ndarray, num_spec: np.ndarray, counts: np.ndarray) -> None:
         """A row sampled its accepted drafts + 1: the rejected drafts were computed for nothing."""
-        drafted = np.flatnonzero(num_spec)
+        drafted = num_spec.nonzero()[0]
         sent, accepted = num_spec[drafted], counts[drafted] - 1
         self.running.computed[rows[drafted]] -= sent - accepted
         for num_sent, num_accepted in zip(sent.tolist(), accepted.tolist()):
@@ -153,7 +156,7 @@ class Intake:
         batch, kept, finished = self.running, {}, []
         if not looked.size:
             return kept, finished
-        starts = (np.cumsum(counts) - counts)[looked].tolist()
+        starts = (counts.cumsum() - counts)[looked].tolist()
         now = time.time()
         for j, row, start, num_before, count in zip(looked.tolist(), rows[looked].tolist(), starts,
                                                     before[looked].tolist(), counts[looked].tolist()):
@@ -192,7 +195,7 @@ class Intake:
         ids, flat, sampled = runner_out.req_ids, runner_out.sampled_token_ids, runner_out.num_sampled
         prompt_logprobs = runner_out.prompt_logprobs
         if kept:  # a stop rule dropped tokens after it: keep each request's leading ones
-            starts = (np.cumsum(counts) - counts).tolist()
+            starts = (counts.cumsum() - counts).tolist()
             sampled = list(sampled)
             for j, num_kept in kept.items():
                 sampled[j] = num_kept
