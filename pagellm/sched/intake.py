@@ -156,7 +156,10 @@ class Intake:
         batch, kept, finished = self.running, {}, []
         if not looked.size:
             return kept, finished
-        starts = (counts.cumsum() - counts)[looked].tolist()
+        if not self._drafts_seen and len(flat) == len(counts):  # one token each (see _append_all): no sum
+            starts = looked.tolist()
+        else:
+            starts = (counts.cumsum() - counts)[looked].tolist()
         now = time.time()
         for j, row, start, num_before, count in zip(looked.tolist(), rows[looked].tolist(), starts,
                                                     before[looked].tolist(), counts[looked].tolist()):
