@@ -44,10 +44,15 @@ class FreeBlockQueue:
             self.append(block)
 
     def popleft(self) -> KVBlock:
-        block = self._head.next_free
+        head = self._head
+        block = head.next_free
         if block is self._tail or block is None:
             raise ValueError("no free KV blocks left")
-        self.remove(block)
+        nxt = block.next_free
+        assert nxt is not None
+        head.next_free, nxt.prev_free = nxt, head  # ``remove(block)``, inlined: a decoding request's every block
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
         return block
 
     def popleft_n(self, n: int) -> list[KVBlock]:

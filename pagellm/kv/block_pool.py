@@ -49,8 +49,12 @@ class BlockPool:
     def get_new_block(self) -> KVBlock:
         """``get_new_blocks(1)[0]``, without the list (a decoding request takes one block at a time)."""
         block = self.free_queue.popleft()
-        if block.block_hash is not None:
-            self._evict(block)
+        block_hash = block.block_hash
+        if block_hash is not None:  # ``_evict``, inlined
+            if self.cached.get(block_hash) is block:
+                del self.cached[block_hash]
+                self.num_evictions += 1
+            block.block_hash = None
         block.ref_cnt = 1
         return block
 
@@ -73,7 +77,8 @@ class BlockPool:
         self.free_queue.extend(freed)
 
     def cache_full_block(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Register a block whose contents are final. The first block with a given hash stays canonical."""
+        """Register a block whose contents are final. The first block with a given hash stays canonical.
+        (``KVCacheManager._register`` inlines this.)"""
         if block.block_hash is not None:
             return
         block.block_hash = block_hash

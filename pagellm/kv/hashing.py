@@ -23,6 +23,7 @@ import msgspec
 from pagellm.request import BlockHash
 
 _encoder = msgspec.msgpack.Encoder()
+_sha256 = hashlib.sha256
 ROOT_HASH = BlockHash(hashlib.sha256(b"pagellm prefix cache: no parent").digest()[:16])
 
 
@@ -55,9 +56,12 @@ def extend_block_hashes(
     if last <= first:
         return
     parent: bytes = hashes[-1] if hashes else ROOT_HASH
-    if last == first + 1:  # one block (a decoding request filled one): no slicing, no loop
-        data = _packer(block_size).pack(*token_ids[first * block_size:last * block_size])
-        hashes.append(hashlib.sha256(parent + data + _suffix(extra_keys)).digest()[:16])  # type: ignore[arg-type]
+    if last == first + 1:  # one block (a decoding request filled one): no slicing, no loop, no helper call
+        packer = _packers.get(block_size) or _packer(block_size)
+        data = packer.pack(*token_ids[first * block_size:last * block_size])
+        if extra_keys:
+            data += _encoder.encode(extra_keys)
+        hashes.append(_sha256(parent + data).digest()[:16])  # type: ignore[arg-type]
         return
     data = memoryview(struct.pack(f"<{(last - first) * block_size}i",
                                   *token_ids[first * block_size:last * block_size]))

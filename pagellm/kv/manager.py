@@ -87,7 +87,7 @@ class KVCacheManager:
         new_blocks: list[KVBlock] = []
         if num_new_blocks > 0 or num_hits:
             # Free hits are still counted in the free queue; touching them takes them out of it.
-            num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if new_computed_blocks else 0
+            num_free_hits = [b.ref_cnt for b in new_computed_blocks].count(0) if new_computed_blocks else 0
             if num_new_blocks > pool.free_queue.num_free_blocks - num_free_hits:
                 if not held:
                     del self.req_blocks[rid]
@@ -104,13 +104,17 @@ class KVCacheManager:
         return new_blocks
 
     def allocate_running(self, requests: list[Request], rooms: list[int], finals: list[int],
-                         new_block_ids: dict[str, list[int]]) -> tuple[list[int], list[int]]:
+                         new_block_ids: dict[str, list[int]]) -> int:
         """``allocate_slots`` for each request in order, none with prefix hits: request ``i`` needs ``rooms[i]``
         slots (computed + new + lookahead tokens) and will have ``finals[i]`` final tokens after the step. Stops
-        before the first request the pool cannot serve (changing nothing for it). Returns, per request served, its
-        slots and next-full count (as ``slots_and_next_full``); the ids of new blocks go into ``new_block_ids``."""
-        bs, pool, caching, cached_counts = self.block_size, self.pool, self.enable_caching, self.num_cached_blocks
-        free_queue, req_blocks, slots, next_full = pool.free_queue, self.req_blocks, [], []
+        before the first request the pool cannot serve (changing nothing for it) and returns how many it served:
+        each now holds ``max(its blocks, ceil(rooms[i] / block_size))`` blocks, and if ``finals[i]`` reached its
+        next-full count its blocks up to ``finals[i] // block_size`` are registered (the scheduler updates its
+        columns from that rule). The ids of new blocks go into ``new_block_ids``."""
+        bs, pool, cached_counts = self.block_size, self.pool, self.num_cached_blocks
+        free_queue, req_blocks, take, register = pool.free_queue, self.req_blocks, pool.get_new_block, self._register
+        never = NEVER if not self.enable_caching else 0
+        served = 0
         for request, room, final in zip(requests, rooms, finals):
             rid = request.request_id
             held = req_blocks[rid]  # a running request's list exists from its admission on
@@ -119,22 +123,18 @@ class KVCacheManager:
                 if num_new_blocks > free_queue.num_free_blocks:
                     break
                 if num_new_blocks == 1:  # a decoding request entering its next block: most calls
-                    block = pool.get_new_block()
+                    block = take()
                     held.append(block)
                     new_block_ids[rid] = [block.block_id]
                 else:
                     blocks = pool.get_new_blocks(num_new_blocks)
                     held += blocks
                     new_block_ids[rid] = [b.block_id for b in blocks]
-            slots.append(len(held) * bs)
-            if not caching:
-                next_full.append(NEVER)
-                continue
+            served += 1
             num_cached = cached_counts.get(rid, 0)
-            if final >= (num_cached + 1) * bs:  # a block fills
-                num_cached = self._register(request, held, num_cached, final // bs)
-            next_full.append((num_cached + 1) * bs)
-        return slots, next_full
+            if final >= (num_cached + 1) * bs + never:  # a block fills (never, with prefix caching off)
+                register(request, held, num_cached, final // bs)
+        return served
 
     def slots_and_next_full(self, request_id: str) -> tuple[int, int]:
         """Token slots in the request's blocks, and the token count at which its next unregistered block fills."""
@@ -170,13 +170,18 @@ class KVCacheManager:
         return (start + 1) * bs
 
     def _register(self, request: Request, blocks: list[KVBlock], start: int, end: int) -> int:
-        """Hash (if not done yet) and register the request's blocks ``start .. end - 1``; returns ``end``."""
+        """Hash (if not done yet) and register the request's blocks ``start .. end - 1``; returns ``end``. A block
+        that already carries a hash keeps it; the first block registered with a hash stays canonical."""
         hashes = request.block_hashes
         if len(hashes) < end:
             extend_block_hashes(hashes, request.all_token_ids, self.block_size,
                                 (request.cache_salt,) if request.cache_salt else None)
-        cache = self.pool.cache_full_block
-        for index in range(start, end):
-            cache(blocks[index], hashes[index])
+        cached = self.pool.cached
+        for index in range(start, end):  # ``BlockPool.cache_full_block``, inlined
+            block = blocks[index]
+            if block.block_hash is None:
+                block.block_hash = block_hash = hashes[index]
+                if block_hash not in cached:
+                    cached[block_hash] = block
         self.num_cached_blocks[request.request_id] = end
         return end

@@ -11,6 +11,7 @@ only to keep the scheduler's two halves apart. ``tests/unit/test_scheduler_fastp
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from dataclasses import dataclass
@@ -35,6 +36,17 @@ class _Step:
     version: int                  # RunningBatch.version when schedule() returned
 
 
+def _counts(sampled: list[int]) -> np.ndarray:
+    """``sampled`` as an int64 array: ones when every count is 1 (a step of decodes), else through ``bytes`` (a C
+    loop) when every count is below 256."""
+    if sampled.count(1) == len(sampled):
+        return np.ones(len(sampled), dtype=np.int64)
+    try:
+        return np.frombuffer(bytes(sampled), np.uint8).astype(np.int64)
+    except ValueError:
+        return np.fromiter(sampled, np.int64, len(sampled))
+
+
 class Intake:
     running: RunningBatch
     stop_rules: StopRules
@@ -51,7 +63,7 @@ class Intake:
         batch, flat, sampled = self.running, runner_out.sampled_token_ids, runner_out.num_sampled
         whole = len(rows) == len(batch)  # the step's rows are the whole batch, in order (the usual case)
         at = slice(0, len(rows)) if whole else rows
-        counts = np.fromiter(sampled, np.int64, len(sampled))
+        counts = _counts(sampled)
         if num_spec is not None:
             self._roll_back_drafts(rows, num_spec, counts)
         if self._drafts_seen or runner_out.draft_token_ids:
@@ -62,7 +74,7 @@ class Intake:
         lists = batch.token_lists if whole else [batch.token_lists[row] for row in rows.tolist()]
         self._append_all(lists, counts, sampled, flat)
         out = StepOutput()
-        kept, finished = self._look_at(np.flatnonzero(self._needs_look(after, batch.check_at[at], counts, flat)),
+        kept, finished = self._look_at(self._needs_look(after, batch.check_at[at], counts, flat).nonzero()[0],
                                        rows, before, counts, flat, out)
         self._report(out, runner_out, counts, kept)
         if finished:
@@ -97,7 +109,7 @@ class Intake:
 
     def _roll_back_drafts(self, rows: np.ndarray, num_spec: np.ndarray, counts: np.ndarray) -> None:
         """A row sampled its accepted drafts + 1: the rejected drafts were computed for nothing."""
-        drafted = np.flatnonzero(num_spec)
+        drafted = num_spec.nonzero()[0]
         sent, accepted = num_spec[drafted], counts[drafted] - 1
         self.running.computed[rows[drafted]] -= sent - accepted
         for num_sent, num_accepted in zip(sent.tolist(), accepted.tolist()):
@@ -120,8 +132,7 @@ class Intake:
     def _append_all(self, lists: list[list[int]], counts: np.ndarray, sampled: list[int], flat: list[int]) -> None:
         """Append every sampled token to its request's token list (a stop rule may cut some off afterwards)."""
         if not self._drafts_seen or counts.max(initial=0) <= 1:  # one token or none per request
-            for tokens, token in zip(itertools.compress(lists, sampled), flat):
-                tokens.append(token)
+            collections.deque(map(list.append, itertools.compress(lists, sampled), flat), 0)  # a loop in C
             return
         start = 0
         for tokens, count in zip(lists, sampled):
@@ -145,7 +156,10 @@ class Intake:
         batch, kept, finished = self.running, {}, []
         if not looked.size:
             return kept, finished
-        starts = (np.cumsum(counts) - counts)[looked].tolist()
+        if not self._drafts_seen and len(flat) == len(counts):  # one token each (see _append_all): no sum
+            starts = looked.tolist()
+        else:
+            starts = (counts.cumsum() - counts)[looked].tolist()
         now = time.time()
         for j, row, start, num_before, count in zip(looked.tolist(), rows[looked].tolist(), starts,
                                                     before[looked].tolist(), counts[looked].tolist()):
@@ -184,7 +198,7 @@ class Intake:
         ids, flat, sampled = runner_out.req_ids, runner_out.sampled_token_ids, runner_out.num_sampled
         prompt_logprobs = runner_out.prompt_logprobs
         if kept:  # a stop rule dropped tokens after it: keep each request's leading ones
-            starts = (np.cumsum(counts) - counts).tolist()
+            starts = (counts.cumsum() - counts).tolist()
             sampled = list(sampled)
             for j, num_kept in kept.items():
                 sampled[j] = num_kept

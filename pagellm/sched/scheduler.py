@@ -156,26 +156,26 @@ class Scheduler(Intake):
         end = computed + grant
         final = np.minimum(end, tokens) if drafts else end  # draft tokens are never final
         lookahead = self._step_lookahead
-        room = end + np.clip(self.max_model_len - end, 0, lookahead) if lookahead else end
+        room = end + np.minimum(np.maximum(self.max_model_len - end, 0), lookahead) if lookahead else end
         new_block_ids: dict[str, list[int]] = {}
-        events = np.flatnonzero(self._needs_kv(grant, room, final, batch.kv_slots[:n], batch.kv_next_full[:n]))
+        events = self._needs_kv(grant, room, final, batch.kv_slots[:n], batch.kv_next_full[:n]).nonzero()[0]
         if events.size:
             self._serve_kv(events, computed, grant, room, final, new_block_ids)
         m = len(batch)
         grant, end = grant[:m], end[:m]
         k = int(np.count_nonzero(grant))
-        if k == m or not grant[k:].any():  # the scheduled rows are the first k (the usual case)
+        if k == m or not np.count_nonzero(grant[k:]):  # the scheduled rows are the first k (the usual case)
             rows = np.arange(k)
             cached = CachedRequestData(batch.req_ids[:k], computed[:k].tolist(), new_block_ids)
             num_scheduled = grant[:k].tolist()
         else:
-            rows = np.flatnonzero(grant)
+            rows = grant.nonzero()[0]
             cached = CachedRequestData([batch.req_ids[i] for i in rows.tolist()], computed[rows].tolist(),
                                        new_block_ids)
             num_scheduled = grant[rows].tolist()
         num_spec, spec = self._scheduled_drafts(rows, end - tokens[:m]) if drafts else (None, {})
         batch.computed[:m] = end
-        return _RunningPart(cached, num_scheduled, rows, num_spec, spec, int(grant.sum()), m < n)
+        return _RunningPart(cached, num_scheduled, rows, num_spec, spec, int(np.add.reduce(grant)), m < n)
 
     def _grant(self, computed: np.ndarray, tokens: np.ndarray, num_spec: np.ndarray | None,
                budget: int) -> np.ndarray:
@@ -188,10 +188,10 @@ class Scheduler(Intake):
         else:
             want = np.minimum(tokens + num_spec, self.max_model_len) - computed
             np.maximum(want, 0, out=want)
-        used = np.cumsum(want)
+        used = want.cumsum()  # the method: np.cumsum's Python wrapper costs more than the sum here
         if used[-1] <= budget:
             return want
-        return np.clip(budget - used + want, 0, want)
+        return np.minimum(np.maximum(budget - used + want, 0), want)
 
     @staticmethod
     def _needs_kv(grant: np.ndarray, room: np.ndarray, final: np.ndarray, kv_slots: np.ndarray,
@@ -205,20 +205,31 @@ class Scheduler(Intake):
         """The KV manager's part of the ``events`` rows' steps, in row order: one ``allocate_running`` call for
         as many as the pool serves; when it runs short, the row it stopped at preempts from the end."""
         batch = self.running
-        rows, rooms, finals = events.tolist(), room[events].tolist(), final[events].tolist()
+        rooms, finals = room[events], final[events]
+        rows, room_list, final_list = events.tolist(), rooms.tolist(), finals.tolist()
         while rows:
-            slots, next_full = self.kv.allocate_running([batch.requests[r] for r in rows], rooms, finals,
-                                                        new_block_ids)
-            served = rows[:len(slots)]
-            batch.kv_slots[served], batch.kv_next_full[served] = slots, next_full
-            if len(served) == len(rows):
+            served = self.kv.allocate_running([batch.requests[r] for r in rows], room_list, final_list,
+                                              new_block_ids)
+            self._served_columns(events[:served], rooms[:served], finals[:served])
+            if served == len(rows):
                 return
-            row = rows[len(served)]
+            row = rows[served]
             if not self._allocate_row(row, int(computed[row]), int(grant[row]), new_block_ids):
                 return  # the row itself was preempted, and every row after it
             keep = bisect.bisect_left(rows, len(batch))  # rows preempted meanwhile are gone
-            rows, rooms, finals = (rows[len(served) + 1:keep], rooms[len(served) + 1:keep],
-                                   finals[len(served) + 1:keep])
+            rows, room_list, final_list = (rows[served + 1:keep], room_list[served + 1:keep],
+                                           final_list[served + 1:keep])
+            events, rooms, finals = events[served + 1:keep], rooms[served + 1:keep], finals[served + 1:keep]
+
+    def _served_columns(self, rows: np.ndarray, rooms: np.ndarray, finals: np.ndarray) -> None:
+        """``kv_slots`` / ``kv_next_full`` of rows ``allocate_running`` served, from the rule it follows: a row holds
+        at least ``ceil(room / block_size)`` blocks after it, and when its final tokens reached its next-full count
+        its blocks up to ``final // block_size`` are registered (with prefix caching off ``kv_next_full`` is
+        ``NEVER``, which no count reaches)."""
+        batch, bs = self.running, self.kv.block_size
+        batch.kv_slots[rows] = np.maximum(batch.kv_slots[rows], -(-rooms // bs) * bs)
+        next_full = batch.kv_next_full[rows]
+        batch.kv_next_full[rows] = np.where(finals >= next_full, (finals // bs + 1) * bs, next_full)
 
     def _allocate_row(self, row: int, num_computed: int, num_new: int, new_block_ids: dict[str, list[int]]) -> bool:
         """One row's slots, preempting from the end of the running list while the pool is short; False when the
@@ -265,7 +276,7 @@ class Scheduler(Intake):
         """Draft tokens scheduled per scheduled row (the tokens past its final ones), and the drafts by request."""
         num_spec = np.maximum(past_final[rows], 0)
         spec: dict[str, list[int]] = {}
-        for j in np.flatnonzero(num_spec).tolist():
+        for j in num_spec.nonzero()[0].tolist():
             request = self.running.requests[rows[j]]
             spec[request.request_id] = request.spec_token_ids[:num_spec[j]]
         return (num_spec if spec else None), spec

@@ -276,7 +276,8 @@ def test_allocate_running_equals_allocate_slots_one_by_one():
             rooms = [computed[i] + num_new[i] + look[i] for i in order]
             finals = [min(computed[i] + num_new[i], mine[fast][i].num_tokens) for i in order]
             fast_ids: dict[str, list[int]] = {}
-            slots, next_full = fast.allocate_running([mine[fast][i] for i in order], rooms, finals, fast_ids)
+            before = [fast.slots_and_next_full(f"r{i}") for i in order]
+            num_served = fast.allocate_running([mine[fast][i] for i in order], rooms, finals, fast_ids)
             plain_ids, served = {}, 0
             for i in order:
                 blocks = plain.allocate_slots(mine[plain][i], computed[i], num_new[i], None, look[i])
@@ -284,9 +285,13 @@ def test_allocate_running_equals_allocate_slots_one_by_one():
                     break
                 if blocks:
                     plain_ids[f"r{i}"] = ids(blocks)
-                assert (slots[served], next_full[served]) == plain.slots_and_next_full(f"r{i}")
+                # the rule the scheduler updates its columns by (allocate_running's contract)
+                slots, next_full = before[served]
+                room, final = rooms[served], finals[served]
+                expected = (max(slots, -(-room // 4) * 4), (final // 4 + 1) * 4 if final >= next_full else next_full)
+                assert expected == plain.slots_and_next_full(f"r{i}") == fast.slots_and_next_full(f"r{i}")
                 served += 1
-            assert len(slots) == len(next_full) == served and fast_ids == plain_ids
+            assert num_served == served and fast_ids == plain_ids
             assert {r: ids(b) for r, b in fast.req_blocks.items()} == {r: ids(b) for r, b in plain.req_blocks.items()}
             assert {h: b.block_id for h, b in fast.pool.cached.items()} == \
                 {h: b.block_id for h, b in plain.pool.cached.items()}
