@@ -1,0 +1,146 @@
+// The bfloat16 Llama decoder stack in one call: embedding output -> the first `num_layers` decoder layers -> final
+// RMSNorm, for one flat batch of T tokens of mixed rows (decodes, prompt chunks, speculative chains and trees),
+// each layer writing its K/V rows into its paged cache and attending with the paged attention kernel.
+//
+// Per layer, exactly the sequence of native calls the Python layers make (pagellm/model/llama.py), on the same
+// kernels, in the same order, so the result is bit for bit the result of the Python path:
+//   h, res = add_rms_norm(x, res)            (first layer: res = x)
+//   qkv    = packed_gemm(h, W_qkv) + b_qkv
+//   q, k   = rotary(qkv[:, :q], qkv[:, q:q+kv])      (into contiguous rows)
+//   cache[slot[t]] = k[t], v[t]                      (write_kv)
+//   x      = packed_gemm(paged_attention(q), W_o)
+//   h, res = add_rms_norm(x, res)
+//   x      = packed_gemm(silu_and_mul(packed_gemm(h, W_gate_up)), W_down)
+// then out = add_rms_norm(x, res).out. What it saves is everything around the kernels: Python dispatch, torch
+// allocations (one grow-only per-thread workspace instead), views, index ops and ctypes marshalling per layer.
+// The plain-PyTorch twin and oracle is the Python layer stack. The kernels are compiled into this library from
+// their own sources (the #includes below; pagellm/ops/decoder_stack.py keys the build by all of them).
+#include "packed_gemm.cpp"  // pagellm_packed_linear_bf16
+#include "fused.cpp"        // pagellm_add_rms_norm_bf16, pagellm_silu_and_mul_bf16, pagellm_rotary_bf16
+#include "../../attention/csrc/paged_attention.cpp"  // pagellm::run_step
+
+#include <memory>
+
+namespace {
+
+// One decoder layer's weights (packed GEMM weights as made by pagellm/ops/gemm.py `pack`) and its caches.
+struct StackLayer {
+  const uint16_t* input_norm;  // [hidden]
+  const uint16_t* qkv;         // packed [(heads + 2 kv_heads) * head_dim, hidden]
+  const uint16_t* qkv_bias;    // [(heads + 2 kv_heads) * head_dim] or null
+  const uint16_t* o;           // packed [hidden, heads * head_dim]
+  const uint16_t* post_norm;   // [hidden]
+  const uint16_t* gate_up;     // packed [2 * intermediate, hidden]
+  const uint16_t* down;        // packed [hidden, intermediate]
+  uint16_t* k_cache;           // [num_blocks, block_size, kv_heads, head_dim]
+  uint16_t* v_cache;
+};
+
+struct StackShape {
+  int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
+  float eps, scale;
+};
+
+// The step's tokens and the attention metadata of attention/cpu_paged.py CpuPagedMetadata.
+struct StackStep {
+  int64_t tokens, rows, max_blocks, tree_words, flash_min_tokens;
+  const int64_t* positions;    // [T]
+  const int64_t* slots;        // [T] cache slot of each token
+  const int64_t* block_table;  // [rows, max_blocks]
+  const int64_t* query_start;  // [rows + 1]
+  const int64_t* seq_lens;     // [rows]
+  const int64_t* ctx_end;      // [T]
+  const uint64_t* tree_bits;   // [T, tree_words] or null
+};
+
+// Scratch rows for one step, carved out of a grow-only per-thread buffer (no allocation once it has grown).
+struct Scratch {
+  uint16_t *x, *res, *h, *wide, *q, *k, *attn, *act;
+};
+
+Scratch scratch_for(const StackShape& s, int64_t t) {
+  thread_local std::unique_ptr<uint16_t[]> buffer;
+  thread_local int64_t capacity = 0;
+  const int64_t qkv = (s.heads + 2 * s.kv_heads) * s.head_dim;
+  const int64_t wide = qkv > 2 * s.intermediate ? qkv : 2 * s.intermediate;  // qkv, then gate_up, share it
+  const int64_t per_token = 3 * s.hidden + wide + 2 * s.heads * s.head_dim + s.kv_heads * s.head_dim +
+                            s.intermediate + 32;  // + 32: 64-byte slack per array
+  const int64_t need = per_token * t;
+  if (need > capacity) {
+    buffer.reset(new uint16_t[need]);
+    capacity = need;
+  }
+  uint16_t* p = buffer.get();
+  auto take = [&p, t](int64_t width) {
+    uint16_t* out = p;
+    p += (width * t + 31) / 32 * 32;  // keep each array on a 64-byte boundary
+    return out;
+  };
+  Scratch sc;
+  sc.x = take(s.hidden);
+  sc.res = take(s.hidden);
+  sc.h = take(s.hidden);
+  sc.wide = take(wide);
+  sc.q = take(s.heads * s.head_dim);
+  sc.k = take(s.kv_heads * s.head_dim);
+  sc.attn = take(s.heads * s.head_dim);
+  sc.act = take(s.intermediate);
+  return sc;
+}
+
+// write_kv: each token's rotated k row and its v row (a view into the qkv output) into its cache slot.
+void write_kv(const StackShape& s, const StackStep& st, const uint16_t* k, const uint16_t* qkv, int64_t qkv_n,
+              uint16_t* k_cache, uint16_t* v_cache) {
+  const int64_t row = s.kv_heads * s.head_dim, v_off = (s.heads + s.kv_heads) * s.head_dim;
+  for (int64_t t = 0; t < st.tokens; ++t) {
+    std::memcpy(k_cache + st.slots[t] * row, k + t * row, row * sizeof(uint16_t));
+    std::memcpy(v_cache + st.slots[t] * row, qkv + t * qkv_n + v_off, row * sizeof(uint16_t));
+  }
+}
+
+void attention(const StackShape& s, const StackStep& st, const StackLayer& l, const uint16_t* q, uint16_t* out) {
+  const pagellm::Step step{st.rows, s.heads, s.head_dim, s.block_size, s.kv_heads, st.max_blocks, st.tree_words,
+                           st.flash_min_tokens, st.block_table, st.query_start, st.seq_lens, st.ctx_end,
+                           st.tree_bits, s.scale};
+  using pagellm::BFloat16;
+  pagellm::run_step<BFloat16>(step, reinterpret_cast<const BFloat16*>(q), reinterpret_cast<const BFloat16*>(l.k_cache),
+                              reinterpret_cast<const BFloat16*>(l.v_cache), reinterpret_cast<BFloat16*>(out), true);
+}
+
+void decoder_layer(const StackShape& s, const StackStep& st, const StackLayer& l, const uint16_t* cos,
+                   const uint16_t* sin, bool first, const Scratch& sc) {
+  const int64_t t = st.tokens, qd = s.heads * s.head_dim, kvd = s.kv_heads * s.head_dim, qkv_n = qd + 2 * kvd;
+  pagellm_add_rms_norm_bf16(sc.x, first ? nullptr : sc.res, l.input_norm, t, s.hidden, s.eps, sc.h, sc.res);
+  pagellm_packed_linear_bf16(sc.h, t, s.hidden, s.hidden, l.qkv, qkv_n, l.qkv_bias, sc.wide, qkv_n);
+  pagellm_rotary_bf16(sc.wide, qkv_n, sc.wide + qd, qkv_n, cos, sin, st.positions, t, s.heads, s.kv_heads,
+                      s.head_dim, sc.q, sc.k);
+  write_kv(s, st, sc.k, sc.wide, qkv_n, l.k_cache, l.v_cache);
+  attention(s, st, l, sc.q, sc.attn);
+  pagellm_packed_linear_bf16(sc.attn, t, qd, qd, l.o, s.hidden, nullptr, sc.x, s.hidden);
+  pagellm_add_rms_norm_bf16(sc.x, sc.res, l.post_norm, t, s.hidden, s.eps, sc.h, sc.res);
+  pagellm_packed_linear_bf16(sc.h, t, s.hidden, s.hidden, l.gate_up, 2 * s.intermediate, nullptr, sc.wide,
+                             2 * s.intermediate);
+  pagellm_silu_and_mul_bf16(sc.wide, t, s.intermediate, sc.act);
+  pagellm_packed_linear_bf16(sc.act, t, s.intermediate, s.intermediate, l.down, s.hidden, nullptr, sc.x, s.hidden);
+}
+
+}  // namespace
+
+extern "C" {
+
+// layers: [num_layers] (see StackLayer); x: [T, hidden] embedding rows (read only); cos, sin: [max_pos, head_dim];
+// final_norm: [hidden]; out: [T, hidden] final-norm hidden states. num_layers may be 0 (out = norm(x)).
+void pagellm_decoder_stack_bf16(const StackLayer* layers, int64_t num_layers, const StackShape* shape,
+                                const StackStep* step, const uint16_t* x, const uint16_t* cos, const uint16_t* sin,
+                                const uint16_t* final_norm, uint16_t* out) {
+  const StackShape& s = *shape;
+  const StackStep& st = *step;
+  if (st.tokens <= 0) return;
+  const Scratch sc = scratch_for(s, st.tokens);
+  std::memcpy(sc.x, x, st.tokens * s.hidden * sizeof(uint16_t));
+  for (int64_t i = 0; i < num_layers; ++i) decoder_layer(s, st, layers[i], cos, sin, i == 0, sc);
+  pagellm_add_rms_norm_bf16(sc.x, num_layers ? sc.res : nullptr, final_norm, st.tokens, s.hidden, s.eps, out,
+                            sc.res);
+}
+
+}  // extern "C"
