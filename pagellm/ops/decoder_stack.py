@@ -2,9 +2,11 @@
 ``num_layers`` Llama decoder layers (each writing its K/V rows into its paged cache and attending with the paged
 attention kernel), final RMSNorm, hidden states out.
 
-The library compiles the packed GEMM, the fused element-wise ops and the paged attention kernel into one shared
-object from their own sources and runs exactly their sequence of calls of the Python layers, so its output equals
-the Python path's bit for bit; the Python layers are its plain-PyTorch twin and test oracle. ``DecoderStack`` holds
+The library calls the packed GEMM (``gemm.py``), the fused element-wise ops (``fused.py``) and the paged attention
+kernel (``attention/cpu_paged.py``) through the addresses of their C entry points in their own libraries (so the
+stack builds in a fraction of a second and always runs the kernels' current code), in exactly the sequence of the
+Python layers, so its output equals the Python path's bit for bit; the Python layers are its plain-PyTorch twin
+and test oracle. ``DecoderStack`` holds
 the weights' addresses (made once per model) and takes per call the step's tokens, positions, caches and the
 ``CpuPagedMetadata`` fields. ``available()`` says whether the library runs here (AVX-512 BF16 and a compiler).
 """
@@ -19,16 +21,22 @@ from pathlib import Path
 
 import torch
 
-from pagellm.ops.build import cpu_flags, load_library
+from pagellm.ops import fused, gemm
+from pagellm.ops.build import load_library
 
 logger = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).parent / "csrc"
-_ATTN = Path(__file__).parent.parent / "attention" / "csrc"
-SOURCE = _CSRC / "decoder_stack.cpp"
-# Everything the source #includes besides ops/csrc/*.h (which build_tag hashes anyway): a change rebuilds.
-DEPS = (_CSRC / "packed_gemm.cpp", _CSRC / "fused.cpp", _ATTN / "paged_attention.cpp", *sorted(_ATTN.glob("*.h")))
+SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
+_ATTENTION = Path(__file__).parent.parent / "attention" / "csrc" / "paged_attention.cpp"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Kernels(ctypes.Structure):  # csrc StackKernels: the kernels' entry points
+    _fields_ = [(name, _P) for name in ("linear", "add_rms_norm", "silu_and_mul", "rotary", "attention")]
+
+
+def _address(fn: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
+    return ctypes.cast(fn, ctypes.c_void_p).value  # type: ignore[return-value]
 
 
 class _Layer(ctypes.Structure):  # csrc StackLayer
@@ -48,18 +56,23 @@ class _Step(ctypes.Structure):  # csrc StackStep
 
 
 @functools.lru_cache(maxsize=1)
-def _lib() -> ctypes.CDLL | None:
-    if "avx512_bf16" not in cpu_flags().split():
+def _lib() -> tuple[ctypes.CDLL, _Kernels] | None:
+    """The stack's library and the kernels it calls, or ``None`` where any of them does not run here."""
+    gemm_lib, fused_lib = gemm._lib(), fused._lib()
+    if gemm_lib is None or fused_lib is None:
         return None
     try:
-        lib = load_library(SOURCE, DEPS)
+        lib, attention = load_library(SOURCE), load_library(_ATTENTION)
     except (RuntimeError, OSError) as exc:
         logger.warning("native decoder stack unavailable (%s); using the Python layers", exc)
         return None
-    lib.pagellm_decoder_stack_bf16.argtypes = [ctypes.POINTER(_Layer), _I, ctypes.POINTER(_Shape),
-                                               ctypes.POINTER(_Step), _P, _P, _P, _P, _P]
+    kernels = _Kernels(_address(gemm_lib.pagellm_packed_linear_bf16),
+                       _address(fused_lib.pagellm_add_rms_norm_bf16), _address(fused_lib.pagellm_silu_and_mul_bf16),
+                       _address(fused_lib.pagellm_rotary_bf16), _address(attention.pagellm_paged_attention_bf16))
+    lib.pagellm_decoder_stack_bf16.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Layer), _I,
+                                               ctypes.POINTER(_Shape), ctypes.POINTER(_Step), _P, _P, _P, _P, _P]
     lib.pagellm_decoder_stack_bf16.restype = None
-    return lib
+    return lib, kernels
 
 
 def available() -> bool:
@@ -103,12 +116,12 @@ class DecoderStack:
 
     def __init__(self, layers: list[LayerWeights], shape: StackShape, final_norm: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor) -> None:
-        lib = _lib()
-        assert lib is not None, "native decoder stack is not available on this machine"
+        loaded = _lib()
+        assert loaded is not None, "native decoder stack is not available on this machine"
         tensors = [final_norm, cos, sin, *(t for w in layers for t in vars(w).values() if t is not None)]
         if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in tensors):
             raise ValueError("the native decoder stack takes contiguous bfloat16 weights")
-        self._fn = lib.pagellm_decoder_stack_bf16
+        self._fn, self._kernels = loaded[0].pagellm_decoder_stack_bf16, ctypes.byref(loaded[1])
         self._keep = tensors
         self.shape = shape
         self._final_norm, self._cos, self._sin = final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr()
@@ -151,6 +164,6 @@ class DecoderStack:
                      slots.data_ptr(), table.data_ptr(), md.query_start_loc.data_ptr(),  # type: ignore[attr-defined]
                      md.seq_lens.data_ptr(), md.ctx_end.data_ptr(), _ptr(bits))  # type: ignore[attr-defined]
         out = torch.empty_like(x)
-        self._fn(self._layers, len(caches), ctypes.byref(self._shape), ctypes.byref(step), x.data_ptr(), self._cos,
-                 self._sin, self._final_norm, out.data_ptr())
+        self._fn(self._kernels, self._layers, len(caches), ctypes.byref(self._shape), ctypes.byref(step),
+                 x.data_ptr(), self._cos, self._sin, self._final_norm, out.data_ptr())
         return out

@@ -2,7 +2,7 @@
 // RMSNorm, for one flat batch of T tokens of mixed rows (decodes, prompt chunks, speculative chains and trees),
 // each layer writing its K/V rows into its paged cache and attending with the paged attention kernel.
 //
-// Per layer, exactly the sequence of native calls the Python layers make (pagellm/model/llama.py), on the same
+// Per layer, exactly the sequence of native calls the Python layers make (pagellm/model/llama.py), to the same
 // kernels, in the same order, so the result is bit for bit the result of the Python path:
 //   h, res = add_rms_norm(x, res)            (first layer: res = x)
 //   qkv    = packed_gemm(h, W_qkv) + b_qkv
@@ -13,15 +13,32 @@
 //   x      = packed_gemm(silu_and_mul(packed_gemm(h, W_gate_up)), W_down)
 // then out = add_rms_norm(x, res).out. What it saves is everything around the kernels: Python dispatch, torch
 // allocations (one grow-only per-thread workspace instead), views, index ops and ctypes marshalling per layer.
-// The plain-PyTorch twin and oracle is the Python layer stack. The kernels are compiled into this library from
-// their own sources (the #includes below; pagellm/ops/decoder_stack.py keys the build by all of them).
-#include "packed_gemm.cpp"  // pagellm_packed_linear_bf16
-#include "fused.cpp"        // pagellm_add_rms_norm_bf16, pagellm_silu_and_mul_bf16, pagellm_rotary_bf16
-#include "../../attention/csrc/paged_attention.cpp"  // pagellm::run_step
-
+// The kernels are not compiled in here: the caller passes the addresses of their C entry points in their own
+// libraries (ops/csrc/packed_gemm.cpp, ops/csrc/fused.cpp, attention/csrc/paged_attention.cpp; see
+// pagellm/ops/decoder_stack.py), so this file builds in a fraction of a second and always runs the kernels'
+// current code. The plain-PyTorch twin and oracle is the Python layer stack.
+#include <cstdint>
+#include <cstring>
 #include <memory>
 
 namespace {
+
+// The kernels' C entry points (signatures as exported by their sources).
+struct StackKernels {
+  void (*linear)(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
+                 const uint16_t* bias, uint16_t* y, int64_t ldy);
+  void (*add_rms_norm)(const uint16_t* x, const uint16_t* residual, const uint16_t* weight, int64_t rows,
+                       int64_t n, float eps, uint16_t* out, uint16_t* residual_out);
+  void (*silu_and_mul)(const uint16_t* gate_up, int64_t rows, int64_t n, uint16_t* out);
+  void (*rotary)(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride, const uint16_t* cos,
+                 const uint16_t* sin, const int64_t* positions, int64_t rows, int64_t heads, int64_t kv_heads,
+                 int64_t head_dim, uint16_t* q_out, uint16_t* k_out);
+  void (*attention)(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_table,
+                    const int64_t* query_start, const int64_t* seq_lens, const int64_t* ctx_end,
+                    const uint64_t* tree_bits, int64_t tree_words, int64_t rows, int64_t heads, int64_t head_dim,
+                    int64_t block_size, int64_t kv_heads, int64_t max_blocks, int64_t flash_min_tokens, float scale,
+                    void* out);
+};
 
 // One decoder layer's weights (packed GEMM weights as made by pagellm/ops/gemm.py `pack`) and its caches.
 struct StackLayer {
@@ -98,49 +115,41 @@ void write_kv(const StackShape& s, const StackStep& st, const uint16_t* k, const
   }
 }
 
-void attention(const StackShape& s, const StackStep& st, const StackLayer& l, const uint16_t* q, uint16_t* out) {
-  const pagellm::Step step{st.rows, s.heads, s.head_dim, s.block_size, s.kv_heads, st.max_blocks, st.tree_words,
-                           st.flash_min_tokens, st.block_table, st.query_start, st.seq_lens, st.ctx_end,
-                           st.tree_bits, s.scale};
-  using pagellm::BFloat16;
-  pagellm::run_step<BFloat16>(step, reinterpret_cast<const BFloat16*>(q), reinterpret_cast<const BFloat16*>(l.k_cache),
-                              reinterpret_cast<const BFloat16*>(l.v_cache), reinterpret_cast<BFloat16*>(out), true);
-}
-
-void decoder_layer(const StackShape& s, const StackStep& st, const StackLayer& l, const uint16_t* cos,
-                   const uint16_t* sin, bool first, const Scratch& sc) {
+void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& st, const StackLayer& l,
+                   const uint16_t* cos, const uint16_t* sin, bool first, const Scratch& sc) {
   const int64_t t = st.tokens, qd = s.heads * s.head_dim, kvd = s.kv_heads * s.head_dim, qkv_n = qd + 2 * kvd;
-  pagellm_add_rms_norm_bf16(sc.x, first ? nullptr : sc.res, l.input_norm, t, s.hidden, s.eps, sc.h, sc.res);
-  pagellm_packed_linear_bf16(sc.h, t, s.hidden, s.hidden, l.qkv, qkv_n, l.qkv_bias, sc.wide, qkv_n);
-  pagellm_rotary_bf16(sc.wide, qkv_n, sc.wide + qd, qkv_n, cos, sin, st.positions, t, s.heads, s.kv_heads,
-                      s.head_dim, sc.q, sc.k);
+  f.add_rms_norm(sc.x, first ? nullptr : sc.res, l.input_norm, t, s.hidden, s.eps, sc.h, sc.res);
+  f.linear(sc.h, t, s.hidden, s.hidden, l.qkv, qkv_n, l.qkv_bias, sc.wide, qkv_n);
+  f.rotary(sc.wide, qkv_n, sc.wide + qd, qkv_n, cos, sin, st.positions, t, s.heads, s.kv_heads, s.head_dim, sc.q,
+           sc.k);
   write_kv(s, st, sc.k, sc.wide, qkv_n, l.k_cache, l.v_cache);
-  attention(s, st, l, sc.q, sc.attn);
-  pagellm_packed_linear_bf16(sc.attn, t, qd, qd, l.o, s.hidden, nullptr, sc.x, s.hidden);
-  pagellm_add_rms_norm_bf16(sc.x, sc.res, l.post_norm, t, s.hidden, s.eps, sc.h, sc.res);
-  pagellm_packed_linear_bf16(sc.h, t, s.hidden, s.hidden, l.gate_up, 2 * s.intermediate, nullptr, sc.wide,
-                             2 * s.intermediate);
-  pagellm_silu_and_mul_bf16(sc.wide, t, s.intermediate, sc.act);
-  pagellm_packed_linear_bf16(sc.act, t, s.intermediate, s.intermediate, l.down, s.hidden, nullptr, sc.x, s.hidden);
+  f.attention(sc.q, l.k_cache, l.v_cache, st.block_table, st.query_start, st.seq_lens, st.ctx_end, st.tree_bits,
+              st.tree_words, st.rows, s.heads, s.head_dim, s.block_size, s.kv_heads, st.max_blocks,
+              st.flash_min_tokens, s.scale, sc.attn);
+  f.linear(sc.attn, t, qd, qd, l.o, s.hidden, nullptr, sc.x, s.hidden);
+  f.add_rms_norm(sc.x, sc.res, l.post_norm, t, s.hidden, s.eps, sc.h, sc.res);
+  f.linear(sc.h, t, s.hidden, s.hidden, l.gate_up, 2 * s.intermediate, nullptr, sc.wide, 2 * s.intermediate);
+  f.silu_and_mul(sc.wide, t, s.intermediate, sc.act);
+  f.linear(sc.act, t, s.intermediate, s.intermediate, l.down, s.hidden, nullptr, sc.x, s.hidden);
 }
 
 }  // namespace
 
 extern "C" {
 
-// layers: [num_layers] (see StackLayer); x: [T, hidden] embedding rows (read only); cos, sin: [max_pos, head_dim];
-// final_norm: [hidden]; out: [T, hidden] final-norm hidden states. num_layers may be 0 (out = norm(x)).
-void pagellm_decoder_stack_bf16(const StackLayer* layers, int64_t num_layers, const StackShape* shape,
-                                const StackStep* step, const uint16_t* x, const uint16_t* cos, const uint16_t* sin,
-                                const uint16_t* final_norm, uint16_t* out) {
+// kernels: the entry points to call; layers: [num_layers] (see StackLayer); x: [T, hidden] embedding rows (read
+// only); cos, sin: [max_pos, head_dim]; final_norm: [hidden]; out: [T, hidden] final-norm hidden states.
+// num_layers may be 0 (out = norm(x)).
+void pagellm_decoder_stack_bf16(const StackKernels* kernels, const StackLayer* layers, int64_t num_layers,
+                                const StackShape* shape, const StackStep* step, const uint16_t* x,
+                                const uint16_t* cos, const uint16_t* sin, const uint16_t* final_norm, uint16_t* out) {
   const StackShape& s = *shape;
   const StackStep& st = *step;
   if (st.tokens <= 0) return;
   const Scratch sc = scratch_for(s, st.tokens);
   std::memcpy(sc.x, x, st.tokens * s.hidden * sizeof(uint16_t));
-  for (int64_t i = 0; i < num_layers; ++i) decoder_layer(s, st, layers[i], cos, sin, i == 0, sc);
-  pagellm_add_rms_norm_bf16(sc.x, num_layers ? sc.res : nullptr, final_norm, st.tokens, s.hidden, s.eps, out,
-                            sc.res);
+  for (int64_t i = 0; i < num_layers; ++i) decoder_layer(*kernels, s, st, layers[i], cos, sin, i == 0, sc);
+  kernels->add_rms_norm(sc.x, num_layers ? sc.res : nullptr, final_norm, st.tokens, s.hidden, s.eps, out, sc.res);
 }
 
 }  // extern "C"
