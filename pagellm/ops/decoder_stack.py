@@ -45,7 +45,8 @@ class _Layer(ctypes.Structure):  # csrc StackLayer
 
 
 class _Shape(ctypes.Structure):  # csrc StackShape
-    _fields_ = [(name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size")]
+    _fields_ = [(name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size",
+                                        "cache_slots", "max_positions")]
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
@@ -71,7 +72,7 @@ def _lib() -> tuple[ctypes.CDLL, _Kernels] | None:
                        _address(fused_lib.pagellm_rotary_bf16), _address(attention.pagellm_paged_attention_bf16))
     lib.pagellm_decoder_stack_bf16.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Layer), _I,
                                                ctypes.POINTER(_Shape), ctypes.POINTER(_Step), _P, _P, _P, _P, _P]
-    lib.pagellm_decoder_stack_bf16.restype = None
+    lib.pagellm_decoder_stack_bf16.restype = ctypes.c_int
     return lib, kernels
 
 
@@ -129,20 +130,21 @@ class DecoderStack:
         for slot, w in zip(self._layers, layers):
             for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down"):
                 setattr(slot, name, _ptr(getattr(w, name)))
-        self._shape = _Shape(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate, 0,
-                             shape.eps, shape.scale)
+        self._shape = _Shape(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate, 1, 0,
+                             cos.shape[0], shape.eps, shape.scale)
 
     def _bind_caches(self, caches: list[torch.Tensor]) -> None:
-        """Point the layers at their [2, num_blocks, block_size, kv_heads, head_dim] caches (checked)."""
+        """Point the layers at their [2, num_blocks, block_size, kv_heads, head_dim] caches (checked; one shape)."""
         s = self.shape
         for slot, cache in zip(self._layers, caches):
             if (cache.dtype != torch.bfloat16 or cache.dim() != 5 or not cache.is_contiguous()
-                    or tuple(cache.shape[3:]) != (s.kv_heads, s.head_dim)):
+                    or tuple(cache.shape[3:]) != (s.kv_heads, s.head_dim) or cache.shape != caches[0].shape):
                 raise ValueError("the native decoder stack needs contiguous bfloat16 [2, blocks, block_size, "
                                  f"{s.kv_heads}, {s.head_dim}] caches")
             slot.k_cache = cache.data_ptr()
             slot.v_cache = cache[1].data_ptr()
         self._shape.block_size = caches[0].shape[2] if caches else 1
+        self._shape.cache_slots = caches[0].shape[1] * caches[0].shape[2] if caches else 0
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor], md: object,
             flash_min_tokens: int) -> torch.Tensor:
@@ -164,6 +166,8 @@ class DecoderStack:
                      slots.data_ptr(), table.data_ptr(), md.query_start_loc.data_ptr(),  # type: ignore[attr-defined]
                      md.seq_lens.data_ptr(), md.ctx_end.data_ptr(), _ptr(bits))  # type: ignore[attr-defined]
         out = torch.empty_like(x)
-        self._fn(self._kernels, self._layers, len(caches), ctypes.byref(self._shape), ctypes.byref(step),
-                 x.data_ptr(), self._cos, self._sin, self._final_norm, out.data_ptr())
+        if self._fn(self._kernels, self._layers, len(caches), ctypes.byref(self._shape), ctypes.byref(step),
+                    x.data_ptr(), self._cos, self._sin, self._final_norm, out.data_ptr()):
+            raise IndexError(f"cache slots must lie in [0, {self._shape.cache_slots}) and positions in "
+                             f"[0, {self._shape.max_positions})")
         return out

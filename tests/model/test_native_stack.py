@@ -5,6 +5,7 @@ the native one must not run; and identical greedy tokens through the engine."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -150,6 +151,12 @@ def test_native_stack_rejects_misfit_inputs() -> None:
         stack.run(x, positions, caches + caches[:1], md, 2)
     with pytest.raises(ValueError, match="contiguous bfloat16"):
         stack.run(x, positions, [c.float() for c in caches], md, 2)
+    snapshot = [c.clone() for c in caches]
+    with pytest.raises(IndexError, match=r"cache slots must lie in \[0, 384\)"):
+        stack.run(x, positions, caches, dataclasses.replace(md, slot_mapping=md.slot_mapping + 384), 2)
+    with pytest.raises(IndexError, match=r"positions in \[0, 256\)"):
+        stack.run(x, positions + 256, caches, md, 2)
+    assert all(torch.equal(a, b) for a, b in zip(caches, snapshot))  # nothing written
 
 
 def _greedy(path: Path, monkeypatch: pytest.MonkeyPatch, native: bool, **kwargs) -> list[list[int]]:

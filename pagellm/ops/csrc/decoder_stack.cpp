@@ -55,6 +55,7 @@ struct StackLayer {
 
 struct StackShape {
   int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
+  int64_t cache_slots, max_positions;  // slots per cache (num_blocks * block_size), rows of cos/sin
   float eps, scale;
 };
 
@@ -139,17 +140,23 @@ extern "C" {
 
 // kernels: the entry points to call; layers: [num_layers] (see StackLayer); x: [T, hidden] embedding rows (read
 // only); cos, sin: [max_pos, head_dim]; final_norm: [hidden]; out: [T, hidden] final-norm hidden states.
-// num_layers may be 0 (out = norm(x)).
-void pagellm_decoder_stack_bf16(const StackKernels* kernels, const StackLayer* layers, int64_t num_layers,
-                                const StackShape* shape, const StackStep* step, const uint16_t* x,
-                                const uint16_t* cos, const uint16_t* sin, const uint16_t* final_norm, uint16_t* out) {
+// num_layers may be 0 (out = norm(x)). Returns 0, or -1 (nothing written) when a slot or a position is out of
+// range.
+int pagellm_decoder_stack_bf16(const StackKernels* kernels, const StackLayer* layers, int64_t num_layers,
+                               const StackShape* shape, const StackStep* step, const uint16_t* x,
+                               const uint16_t* cos, const uint16_t* sin, const uint16_t* final_norm, uint16_t* out) {
   const StackShape& s = *shape;
   const StackStep& st = *step;
-  if (st.tokens <= 0) return;
+  for (int64_t t = 0; t < st.tokens; ++t)
+    if ((num_layers > 0 && (st.slots[t] < 0 || st.slots[t] >= s.cache_slots)) || st.positions[t] < 0 ||
+        st.positions[t] >= s.max_positions)
+      return -1;
+  if (st.tokens <= 0) return 0;
   const Scratch sc = scratch_for(s, st.tokens);
   std::memcpy(sc.x, x, st.tokens * s.hidden * sizeof(uint16_t));
   for (int64_t i = 0; i < num_layers; ++i) decoder_layer(*kernels, s, st, layers[i], cos, sin, i == 0, sc);
   kernels->add_rms_norm(sc.x, num_layers ? sc.res : nullptr, final_norm, st.tokens, s.hidden, s.eps, out, sc.res);
+  return 0;
 }
 
 }  // extern "C"
