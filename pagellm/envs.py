@@ -26,6 +26,12 @@ def num_threads() -> int | None:
     return int(value) if value else None
 
 
+def native_decoder() -> bool:
+    """``PAGELLM_NATIVE_DECODER``: ``0`` keeps bfloat16 models on the Python decoder layers instead of the one-call
+    native stack (``pagellm/model/native_stack.py``); default on."""
+    return os.environ.get("PAGELLM_NATIVE_DECODER", "1") != "0"
+
+
 def log_level() -> str:
     """``PAGELLM_LOG_LEVEL``: the level of pagellm's loggers (default INFO)."""
     return os.environ.get("PAGELLM_LOG_LEVEL", "INFO").upper()

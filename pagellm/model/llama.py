@@ -20,6 +20,7 @@ from pagellm.model.layers.embedding import ParallelLMHead, VocabParallelEmbeddin
 from pagellm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, pack_weights
 from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding
+from pagellm.model.native_stack import run_native
 
 
 class LlamaAttention(nn.Module):
@@ -83,8 +84,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
-        """Final-norm hidden states after all layers, or after the first ``num_layers`` (self-speculation)."""
+        """Final-norm hidden states after all layers, or after the first ``num_layers`` (self-speculation).
+        bfloat16 steps on the cpu_paged backend run the layers as one native call (``model/native_stack.py``)."""
         x, residual = self.embed_tokens(input_ids), None
+        native = run_native(self, x, positions, num_layers)
+        if native is not None:
+            return native
         for layer in self.layers[:num_layers]:
             x, residual = layer(positions, x, residual)
         return self.norm(x, residual)[0]

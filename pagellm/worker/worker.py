@@ -16,7 +16,7 @@ from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import ArchConfig
 from pagellm.model.loader import iter_weights, load_hf_config, resolve_dtype, resolve_model_dir
 from pagellm.model.registry import build_model
-from pagellm.ops import fused, gemm
+from pagellm.ops import decoder_stack, fused, gemm
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.spec.base import make_proposer
 from pagellm.worker.model_runner import ModelRunner
@@ -49,8 +49,9 @@ class Worker:
                                   arch.vocab_size, model_dir, spec_config.disable_by_batch_size)
         self.runner.bind_kv_cache(num_blocks, self.dtype)
         if self.dtype == torch.bfloat16:  # build/load the native layer kernels now, not during the first request
-            logger.info("native kernels: packed GEMM %s, fused element-wise %s",
-                        "on" if gemm.available() else "off", "on" if fused.available() else "off")
+            logger.info("native kernels: packed GEMM %s, fused element-wise %s, decoder stack %s",
+                        "on" if gemm.available() else "off", "on" if fused.available() else "off",
+                        "on" if decoder_stack.available() and envs.native_decoder() else "off")
         self.runtime = RuntimeInfo(max_model_len, num_blocks, cache_config.block_size, arch.vocab_size)
         logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens", model_dir, arch.architecture,
                     self.dtype, time.perf_counter() - start, num_blocks, cache_config.block_size)

@@ -3,7 +3,8 @@
 //
 // Every query token sees the keys its Visibility names (paged_common.h): the keys before its ctx_end (causal rows:
 // up to itself) plus, in draft-tree rows, the row's own tokens its bitmask allows. Work items run in parallel:
-//  - the walk: one token of one row, all its kv heads in turn; for each (token, kv head) the grouped query heads
+//  - the walk: one token of one row, all its kv heads in turn (one kv head per item when few tokens walk, as at
+//    batch 1, so that every thread has work); for each (token, kv head) the grouped query heads
 //    walk the keys once with an online softmax (running max, running sum, running weighted V). Decode rows always
 //    take it, and every float32 row: a float32 token then takes exactly the instructions a decode of that token
 //    would, whatever its row looks like, so a prompt computed after a prefix-cache hit reproduces the same prompt
@@ -298,8 +299,9 @@ struct Step {
 };
 
 struct Item {
-  int64_t row, kv_head, first, count;  // kv_head < 0: the walk over all kv heads; else a flash tile
+  int64_t row, kv_head, first, count;  // kv_head < 0: the walk over all kv heads; else one kv head's walk or tile
   int64_t cost;
+  bool flash;
 };
 
 inline bool flash_fits(const Step& st, int64_t group, bool bf16) {
@@ -316,16 +318,27 @@ std::vector<Item> plan(const Step& st, bool bf16) {
   const int64_t group = st.heads / st.kv_heads;
   const bool flash = flash_fits(st, group, bf16);
   const int64_t tile = std::max<int64_t>(1, kTileQueries / group);
+  // Few walked tokens (small decode batches): one item per (token, kv head), so every thread has work. A kv
+  // head's walk is the same code either way, so the split changes no result.
+  int64_t walked = 0;
+  for (int64_t r = 0; r < st.rows; ++r) {
+    const int64_t n = st.query_start[r + 1] - st.query_start[r];
+    walked += flash && n >= st.flash_min_tokens ? 0 : n;
+  }
+  const bool per_head = walked < 4 * omp_get_max_threads();
   std::vector<Item> items;
   for (int64_t r = 0; r < st.rows; ++r) {
     const int64_t first = st.query_start[r], n = st.query_start[r + 1] - first, kend = st.seq_lens[r];
     if (flash && n >= st.flash_min_tokens) {
       for (int64_t t = 0; t < n; t += tile) {
         const int64_t count = std::min(tile, n - t);
-        for (int64_t h = 0; h < st.kv_heads; ++h) items.push_back({r, h, first + t, count, count * kend});
+        for (int64_t h = 0; h < st.kv_heads; ++h) items.push_back({r, h, first + t, count, count * kend, true});
       }
     } else {
-      for (int64_t t = 0; t < n; ++t) items.push_back({r, -1, first + t, 1, st.kv_heads * kend});
+      for (int64_t t = 0; t < n; ++t) {
+        if (!per_head) items.push_back({r, -1, first + t, 1, st.kv_heads * kend, false});
+        for (int64_t h = 0; per_head && h < st.kv_heads; ++h) items.push_back({r, h, first + t, 1, kend, false});
+      }
     }
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
@@ -360,11 +373,12 @@ void run_item(const Step& st, const Item& item, const T* q, const T* k, const T*
   for (int64_t i = 0; i < item.count; ++i)
     vis[i] = token_visibility(st.ctx_end, st.tree_bits, st.tree_words, item.first + i, win);
   const int64_t offset = item.first * st.heads * st.head_dim;
-  if (item.kv_head >= 0) {
+  if (item.flash) {
     flash_item(st, item, q + offset, k, v, blocks, vis, out + offset);
     return;
   }
-  for (int64_t h = 0; h < st.kv_heads; ++h) {
+  const int64_t h0 = item.kv_head < 0 ? 0 : item.kv_head, h1 = item.kv_head < 0 ? st.kv_heads : item.kv_head + 1;
+  for (int64_t h = h0; h < h1; ++h) {
     const int64_t head = offset + h * group * st.head_dim;
     walk<T>(q + head, k, v, blocks, vis[0], st.block_size, st.kv_heads, group, st.head_dim, h, st.scale,
             out + head);

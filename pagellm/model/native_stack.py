@@ -1,0 +1,90 @@
+"""When and how ``LlamaModel.forward`` runs its decoder layers as one native call (``pagellm/ops/decoder_stack.py``).
+
+The native path serves a forward pass when all of these hold, and returns ``None`` otherwise (the Python layers
+then run, unchanged: they are its twin and oracle, and the path of float32, tensor parallelism and every other
+attention backend):
+
+- ``PAGELLM_NATIVE_DECODER`` is not ``0`` and the library builds and runs here (AVX-512 BF16);
+- the model is bfloat16, single rank, and every GEMM weight of every layer is packed (``gemm.pack_parameter``),
+  with no o_proj bias (q/k/v bias, as in Qwen2, is served);
+- the forward context is the ``cpu_paged`` backend's (its metadata a ``CpuPagedMetadata``) and every layer to run
+  has a bfloat16 cache bound.
+
+The weights' addresses are gathered once per model (``stack_for``) and reused; the caches are read per call, as
+the self-speculative draft (``spec/draft.py``) rebinds them to its own around its passes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm import envs
+from pagellm.attention.base import current_forward_context
+from pagellm.attention.cpu_paged import FLASH_MIN_TOKENS, CpuPagedMetadata
+from pagellm.ops import decoder_stack, gemm
+from pagellm.ops.decoder_stack import DecoderStack, LayerWeights, StackShape
+
+
+def _layer_weights(layer: nn.Module) -> LayerWeights | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if any(gemm.packed_shape(m.weight) is None for m in linears):
+        return None
+    if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+        return None
+    return LayerWeights(layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
+                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+
+
+def build_stack(model: nn.Module) -> DecoderStack | None:
+    """The native stack of a ``LlamaModel``, or ``None`` where its weights do not fit the native call."""
+    if not decoder_stack.available() or model.norm.weight.dtype != torch.bfloat16 or not model.layers:
+        return None
+    first = model.layers[0]
+    if first.self_attn.qkv_proj.parallel.tp_size != 1:
+        return None
+    weights = [_layer_weights(layer) for layer in model.layers]
+    if any(w is None for w in weights):
+        return None
+    attn = first.self_attn.attn
+    eps = {layer.input_layernorm.eps for layer in model.layers} | {model.norm.eps}
+    shape = StackShape(model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                       first.mlp.down_proj.weight.packed_shape[1], eps.pop(), attn.scale)
+    rotary = first.self_attn.rotary
+    if eps or rotary.cos.dtype != torch.bfloat16 or attn.head_dim % 2:
+        return None
+    return DecoderStack(weights, shape, model.norm.weight, rotary.cos, rotary.sin)  # type: ignore[arg-type]
+
+
+_UNBUILT = object()
+
+
+def stack_for(model: nn.Module) -> DecoderStack | None:
+    """The model's native stack, built on first use and kept on the model."""
+    stack = model.__dict__.get("_native_stack", _UNBUILT)
+    if stack is _UNBUILT:
+        stack = build_stack(model)
+        model.__dict__["_native_stack"] = stack
+    return stack  # type: ignore[return-value]
+
+
+def run_native(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
+               num_layers: int | None) -> torch.Tensor | None:
+    """Final-norm hidden states of embedding rows ``x`` through the native stack, or ``None`` where it does not
+    serve this call (see the module docstring)."""
+    if x.dtype != torch.bfloat16 or not envs.native_decoder():
+        return None
+    try:
+        ctx = current_forward_context()
+    except RuntimeError:
+        return None  # the Python layers raise the error that names the fix
+    if not isinstance(ctx.metadata, CpuPagedMetadata):
+        return None
+    stack = stack_for(model)
+    if stack is None:
+        return None
+    caches = [layer.self_attn.attn.kv_cache for layer in model.layers[:num_layers]]
+    if any(c is None or c.dtype != torch.bfloat16 for c in caches):
+        return None
+    return stack.run(x, positions, caches, ctx.metadata, FLASH_MIN_TOKENS)

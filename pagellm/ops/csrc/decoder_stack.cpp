@@ -1,0 +1,162 @@
+// The bfloat16 Llama decoder stack in one call: embedding output -> the first `num_layers` decoder layers -> final
+// RMSNorm, for one flat batch of T tokens of mixed rows (decodes, prompt chunks, speculative chains and trees),
+// each layer writing its K/V rows into its paged cache and attending with the paged attention kernel.
+//
+// Per layer, exactly the sequence of native calls the Python layers make (pagellm/model/llama.py), to the same
+// kernels, in the same order, so the result is bit for bit the result of the Python path:
+//   h, res = add_rms_norm(x, res)            (first layer: res = x)
+//   qkv    = packed_gemm(h, W_qkv) + b_qkv
+//   q, k   = rotary(qkv[:, :q], qkv[:, q:q+kv])      (into contiguous rows)
+//   cache[slot[t]] = k[t], v[t]                      (write_kv)
+//   x      = packed_gemm(paged_attention(q), W_o)
+//   h, res = add_rms_norm(x, res)
+//   x      = packed_gemm(silu_and_mul(packed_gemm(h, W_gate_up)), W_down)
+// then out = add_rms_norm(x, res).out. What it saves is everything around the kernels: Python dispatch, torch
+// allocations (one grow-only per-thread workspace instead), views, index ops and ctypes marshalling per layer.
+// The kernels are not compiled in here: the caller passes the addresses of their C entry points in their own
+// libraries (ops/csrc/packed_gemm.cpp, ops/csrc/fused.cpp, attention/csrc/paged_attention.cpp; see
+// pagellm/ops/decoder_stack.py), so this file builds in a fraction of a second and always runs the kernels'
+// current code. The plain-PyTorch twin and oracle is the Python layer stack.
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+namespace {
+
+// The kernels' C entry points (signatures as exported by their sources).
+struct StackKernels {
+  void (*linear)(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
+                 const uint16_t* bias, uint16_t* y, int64_t ldy);
+  void (*add_rms_norm)(const uint16_t* x, const uint16_t* residual, const uint16_t* weight, int64_t rows,
+                       int64_t n, float eps, uint16_t* out, uint16_t* residual_out);
+  void (*silu_and_mul)(const uint16_t* gate_up, int64_t rows, int64_t n, uint16_t* out);
+  void (*rotary)(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride, const uint16_t* cos,
+                 const uint16_t* sin, const int64_t* positions, int64_t rows, int64_t heads, int64_t kv_heads,
+                 int64_t head_dim, uint16_t* q_out, uint16_t* k_out);
+  void (*attention)(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_table,
+                    const int64_t* query_start, const int64_t* seq_lens, const int64_t* ctx_end,
+                    const uint64_t* tree_bits, int64_t tree_words, int64_t rows, int64_t heads, int64_t head_dim,
+                    int64_t block_size, int64_t kv_heads, int64_t max_blocks, int64_t flash_min_tokens, float scale,
+                    void* out);
+};
+
+// One decoder layer's weights (packed GEMM weights as made by pagellm/ops/gemm.py `pack`) and its caches.
+struct StackLayer {
+  const uint16_t* input_norm;  // [hidden]
+  const uint16_t* qkv;         // packed [(heads + 2 kv_heads) * head_dim, hidden]
+  const uint16_t* qkv_bias;    // [(heads + 2 kv_heads) * head_dim] or null
+  const uint16_t* o;           // packed [hidden, heads * head_dim]
+  const uint16_t* post_norm;   // [hidden]
+  const uint16_t* gate_up;     // packed [2 * intermediate, hidden]
+  const uint16_t* down;        // packed [hidden, intermediate]
+  uint16_t* k_cache;           // [num_blocks, block_size, kv_heads, head_dim]
+  uint16_t* v_cache;
+};
+
+struct StackShape {
+  int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
+  int64_t cache_slots, max_positions;  // slots per cache (num_blocks * block_size), rows of cos/sin
+  float eps, scale;
+};
+
+// The step's tokens and the attention metadata of attention/cpu_paged.py CpuPagedMetadata.
+struct StackStep {
+  int64_t tokens, rows, max_blocks, tree_words, flash_min_tokens;
+  const int64_t* positions;    // [T]
+  const int64_t* slots;        // [T] cache slot of each token
+  const int64_t* block_table;  // [rows, max_blocks]
+  const int64_t* query_start;  // [rows + 1]
+  const int64_t* seq_lens;     // [rows]
+  const int64_t* ctx_end;      // [T]
+  const uint64_t* tree_bits;   // [T, tree_words] or null
+};
+
+// Scratch rows for one step, carved out of a grow-only per-thread buffer (no allocation once it has grown).
+struct Scratch {
+  uint16_t *x, *res, *h, *wide, *q, *k, *attn, *act;
+};
+
+Scratch scratch_for(const StackShape& s, int64_t t) {
+  thread_local std::unique_ptr<uint16_t[]> buffer;
+  thread_local int64_t capacity = 0;
+  const int64_t qkv = (s.heads + 2 * s.kv_heads) * s.head_dim;
+  const int64_t wide = qkv > 2 * s.intermediate ? qkv : 2 * s.intermediate;  // qkv, then gate_up, share it
+  const int64_t per_token = 3 * s.hidden + wide + 2 * s.heads * s.head_dim + s.kv_heads * s.head_dim +
+                            s.intermediate + 32;  // + 32: 64-byte slack per array
+  const int64_t need = per_token * t;
+  if (need > capacity) {
+    buffer.reset(new uint16_t[need]);
+    capacity = need;
+  }
+  uint16_t* p = buffer.get();
+  auto take = [&p, t](int64_t width) {
+    uint16_t* out = p;
+    p += (width * t + 31) / 32 * 32;  // keep each array on a 64-byte boundary
+    return out;
+  };
+  Scratch sc;
+  sc.x = take(s.hidden);
+  sc.res = take(s.hidden);
+  sc.h = take(s.hidden);
+  sc.wide = take(wide);
+  sc.q = take(s.heads * s.head_dim);
+  sc.k = take(s.kv_heads * s.head_dim);
+  sc.attn = take(s.heads * s.head_dim);
+  sc.act = take(s.intermediate);
+  return sc;
+}
+
+// write_kv: each token's rotated k row and its v row (a view into the qkv output) into its cache slot.
+void write_kv(const StackShape& s, const StackStep& st, const uint16_t* k, const uint16_t* qkv, int64_t qkv_n,
+              uint16_t* k_cache, uint16_t* v_cache) {
+  const int64_t row = s.kv_heads * s.head_dim, v_off = (s.heads + s.kv_heads) * s.head_dim;
+  for (int64_t t = 0; t < st.tokens; ++t) {
+    std::memcpy(k_cache + st.slots[t] * row, k + t * row, row * sizeof(uint16_t));
+    std::memcpy(v_cache + st.slots[t] * row, qkv + t * qkv_n + v_off, row * sizeof(uint16_t));
+  }
+}
+
+void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& st, const StackLayer& l,
+                   const uint16_t* cos, const uint16_t* sin, bool first, const Scratch& sc) {
+  const int64_t t = st.tokens, qd = s.heads * s.head_dim, kvd = s.kv_heads * s.head_dim, qkv_n = qd + 2 * kvd;
+  f.add_rms_norm(sc.x, first ? nullptr : sc.res, l.input_norm, t, s.hidden, s.eps, sc.h, sc.res);
+  f.linear(sc.h, t, s.hidden, s.hidden, l.qkv, qkv_n, l.qkv_bias, sc.wide, qkv_n);
+  f.rotary(sc.wide, qkv_n, sc.wide + qd, qkv_n, cos, sin, st.positions, t, s.heads, s.kv_heads, s.head_dim, sc.q,
+           sc.k);
+  write_kv(s, st, sc.k, sc.wide, qkv_n, l.k_cache, l.v_cache);
+  f.attention(sc.q, l.k_cache, l.v_cache, st.block_table, st.query_start, st.seq_lens, st.ctx_end, st.tree_bits,
+              st.tree_words, st.rows, s.heads, s.head_dim, s.block_size, s.kv_heads, st.max_blocks,
+              st.flash_min_tokens, s.scale, sc.attn);
+  f.linear(sc.attn, t, qd, qd, l.o, s.hidden, nullptr, sc.x, s.hidden);
+  f.add_rms_norm(sc.x, sc.res, l.post_norm, t, s.hidden, s.eps, sc.h, sc.res);
+  f.linear(sc.h, t, s.hidden, s.hidden, l.gate_up, 2 * s.intermediate, nullptr, sc.wide, 2 * s.intermediate);
+  f.silu_and_mul(sc.wide, t, s.intermediate, sc.act);
+  f.linear(sc.act, t, s.intermediate, s.intermediate, l.down, s.hidden, nullptr, sc.x, s.hidden);
+}
+
+}  // namespace
+
+extern "C" {
+
+// kernels: the entry points to call; layers: [num_layers] (see StackLayer); x: [T, hidden] embedding rows (read
+// only); cos, sin: [max_pos, head_dim]; final_norm: [hidden]; out: [T, hidden] final-norm hidden states.
+// num_layers may be 0 (out = norm(x)). Returns 0, or -1 (nothing written) when a slot or a position is out of
+// range.
+int pagellm_decoder_stack_bf16(const StackKernels* kernels, const StackLayer* layers, int64_t num_layers,
+                               const StackShape* shape, const StackStep* step, const uint16_t* x,
+                               const uint16_t* cos, const uint16_t* sin, const uint16_t* final_norm, uint16_t* out) {
+  const StackShape& s = *shape;
+  const StackStep& st = *step;
+  for (int64_t t = 0; t < st.tokens; ++t)
+    if ((num_layers > 0 && (st.slots[t] < 0 || st.slots[t] >= s.cache_slots)) || st.positions[t] < 0 ||
+        st.positions[t] >= s.max_positions)
+      return -1;
+  if (st.tokens <= 0) return 0;
+  const Scratch sc = scratch_for(s, st.tokens);
+  std::memcpy(sc.x, x, st.tokens * s.hidden * sizeof(uint16_t));
+  for (int64_t i = 0; i < num_layers; ++i) decoder_layer(*kernels, s, st, layers[i], cos, sin, i == 0, sc);
+  kernels->add_rms_norm(sc.x, num_layers ? sc.res : nullptr, final_norm, st.tokens, s.hidden, s.eps, out, sc.res);
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,173 @@
+"""The bfloat16 decoder stack in one native call (``csrc/decoder_stack.cpp``): embedding rows in, the first
+``num_layers`` Llama decoder layers (each writing its K/V rows into its paged cache and attending with the paged
+attention kernel), final RMSNorm, hidden states out.
+
+The library calls the packed GEMM (``gemm.py``), the fused element-wise ops (``fused.py``) and the paged attention
+kernel (``attention/cpu_paged.py``) through the addresses of their C entry points in their own libraries (so the
+stack builds in a fraction of a second and always runs the kernels' current code), in exactly the sequence of the
+Python layers, so its output equals the Python path's bit for bit; the Python layers are its plain-PyTorch twin
+and test oracle. ``DecoderStack`` holds
+the weights' addresses (made once per model) and takes per call the step's tokens, positions, caches and the
+``CpuPagedMetadata`` fields. ``available()`` says whether the library runs here (AVX-512 BF16 and a compiler).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagellm.ops import fused, gemm
+from pagellm.ops.build import load_library
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
+_ATTENTION = Path(__file__).parent.parent / "attention" / "csrc" / "paged_attention.cpp"
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Kernels(ctypes.Structure):  # csrc StackKernels: the kernels' entry points
+    _fields_ = [(name, _P) for name in ("linear", "add_rms_norm", "silu_and_mul", "rotary", "attention")]
+
+
+def _address(fn: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
+    return ctypes.cast(fn, ctypes.c_void_p).value  # type: ignore[return-value]
+
+
+class _Layer(ctypes.Structure):  # csrc StackLayer
+    _fields_ = [(name, _P) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down",
+                                        "k_cache", "v_cache")]
+
+
+class _Shape(ctypes.Structure):  # csrc StackShape
+    _fields_ = [(name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size",
+                                        "cache_slots", "max_positions")]
+    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class _Step(ctypes.Structure):  # csrc StackStep
+    _fields_ = [(name, _I) for name in ("tokens", "rows", "max_blocks", "tree_words", "flash_min_tokens")]
+    _fields_ += [(name, _P) for name in ("positions", "slots", "block_table", "query_start", "seq_lens", "ctx_end",
+                                         "tree_bits")]
+
+
+@functools.lru_cache(maxsize=1)
+def _lib() -> tuple[ctypes.CDLL, _Kernels] | None:
+    """The stack's library and the kernels it calls, or ``None`` where any of them does not run here."""
+    gemm_lib, fused_lib = gemm._lib(), fused._lib()
+    if gemm_lib is None or fused_lib is None:
+        return None
+    try:
+        lib, attention = load_library(SOURCE), load_library(_ATTENTION)
+    except (RuntimeError, OSError) as exc:
+        logger.warning("native decoder stack unavailable (%s); using the Python layers", exc)
+        return None
+    kernels = _Kernels(_address(gemm_lib.pagellm_packed_linear_bf16),
+                       _address(fused_lib.pagellm_add_rms_norm_bf16), _address(fused_lib.pagellm_silu_and_mul_bf16),
+                       _address(fused_lib.pagellm_rotary_bf16), _address(attention.pagellm_paged_attention_bf16))
+    lib.pagellm_decoder_stack_bf16.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Layer), _I,
+                                               ctypes.POINTER(_Shape), ctypes.POINTER(_Step), _P, _P, _P, _P, _P]
+    lib.pagellm_decoder_stack_bf16.restype = ctypes.c_int
+    return lib, kernels
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's bfloat16 weights; the four GEMM weights packed (``gemm.pack``)."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StackShape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _index(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+
+
+class DecoderStack:
+    """A model's decoder stack bound to the native call (weights' addresses made once; the tensors kept alive)."""
+
+    def __init__(self, layers: list[LayerWeights], shape: StackShape, final_norm: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor) -> None:
+        loaded = _lib()
+        assert loaded is not None, "native decoder stack is not available on this machine"
+        tensors = [final_norm, cos, sin, *(t for w in layers for t in vars(w).values() if t is not None)]
+        if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in tensors):
+            raise ValueError("the native decoder stack takes contiguous bfloat16 weights")
+        self._fn, self._kernels = loaded[0].pagellm_decoder_stack_bf16, ctypes.byref(loaded[1])
+        self._keep = tensors
+        self.shape = shape
+        self._final_norm, self._cos, self._sin = final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        self._layers = (_Layer * len(layers))()
+        for slot, w in zip(self._layers, layers):
+            for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down"):
+                setattr(slot, name, _ptr(getattr(w, name)))
+        self._shape = _Shape(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate, 1, 0,
+                             cos.shape[0], shape.eps, shape.scale)
+
+    def _bind_caches(self, caches: list[torch.Tensor]) -> None:
+        """Point the layers at their [2, num_blocks, block_size, kv_heads, head_dim] caches (checked; one shape)."""
+        s = self.shape
+        for slot, cache in zip(self._layers, caches):
+            if (cache.dtype != torch.bfloat16 or cache.dim() != 5 or not cache.is_contiguous()
+                    or tuple(cache.shape[3:]) != (s.kv_heads, s.head_dim) or cache.shape != caches[0].shape):
+                raise ValueError("the native decoder stack needs contiguous bfloat16 [2, blocks, block_size, "
+                                 f"{s.kv_heads}, {s.head_dim}] caches")
+            slot.k_cache = cache.data_ptr()
+            slot.v_cache = cache[1].data_ptr()
+        self._shape.block_size = caches[0].shape[2] if caches else 1
+        self._shape.cache_slots = caches[0].shape[1] * caches[0].shape[2] if caches else 0
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor], md: object,
+            flash_min_tokens: int) -> torch.Tensor:
+        """Final-norm hidden states [T, hidden] of embedding rows ``x`` after ``len(caches)`` layers; ``md`` is the
+        step's ``CpuPagedMetadata`` (slot_mapping, query_start_loc, seq_lens, block_table, ctx_end, tree_bits)."""
+        if len(caches) > len(self._layers):
+            raise ValueError(f"asked for {len(caches)} layers of a {len(self._layers)}-layer stack")
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.shape.hidden:
+            raise ValueError(f"the native decoder stack takes bfloat16 [T, {self.shape.hidden}] rows")
+        x = x.contiguous()
+        self._bind_caches(caches)
+        positions, slots = _index(positions), _index(md.slot_mapping)  # type: ignore[attr-defined]
+        if not positions.shape[0] == slots.shape[0] == x.shape[0]:
+            raise ValueError("the native decoder stack needs one position and one cache slot per token")
+        bits = md.tree_bits  # type: ignore[attr-defined]
+        table = md.block_table  # type: ignore[attr-defined]
+        step = _Step(x.shape[0], md.seq_lens.shape[0], table.shape[1],  # type: ignore[attr-defined]
+                     0 if bits is None else bits.shape[1], flash_min_tokens, positions.data_ptr(),
+                     slots.data_ptr(), table.data_ptr(), md.query_start_loc.data_ptr(),  # type: ignore[attr-defined]
+                     md.seq_lens.data_ptr(), md.ctx_end.data_ptr(), _ptr(bits))  # type: ignore[attr-defined]
+        out = torch.empty_like(x)
+        if self._fn(self._kernels, self._layers, len(caches), ctypes.byref(self._shape), ctypes.byref(step),
+                    x.data_ptr(), self._cos, self._sin, self._final_norm, out.data_ptr()):
+            raise IndexError(f"cache slots must lie in [0, {self._shape.cache_slots}) and positions in "
+                             f"[0, {self._shape.max_positions})")
+        return out
