@@ -22,7 +22,6 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
 
 import torch  # noqa: F401  (loads torch's libgomp before any kernel library; see the module docstring)
 
@@ -43,15 +42,12 @@ def cpu_flags() -> str:
 HEADERS = Path(__file__).parent / "csrc"  # shared headers (simd_exp.h), on every kernel's include path
 
 
-def build_tag(source: Path, deps: Sequence[Path] = ()) -> str:
-    """A short digest of the CPU flags, the compiler flags, the source, the shared headers, the headers next to
-    the source and ``deps`` (other files the source includes: sources, headers in other folders), to key builds
-    by."""
+def build_tag(source: Path) -> str:
+    """A short digest of the CPU flags, the compiler flags, the source, the shared headers and the headers next to
+    the source, to key builds by."""
     digest = hashlib.sha256(source.read_bytes())
     for header in sorted({*HEADERS.glob("*.h"), *source.parent.glob("*.h")}):
         digest.update(header.read_bytes())
-    for dep in sorted(set(deps)):
-        digest.update(dep.read_bytes())
     return hashlib.sha256(f"{cpu_flags()}|{' '.join(CXX_FLAGS)}|{digest.hexdigest()}".encode()).hexdigest()[:12]
 
 
@@ -62,10 +58,9 @@ def compiler() -> str:
     return cxx
 
 
-def load_library(source: Path, deps: Sequence[Path] = ()) -> ctypes.CDLL:
-    """The compiled library for ``source`` (built now if this machine kind has no build of this version);
-    ``deps``: the other files it includes, whose changes must rebuild it too (see ``build_tag``)."""
-    out_dir = envs.cache_dir() / "kernels" / build_tag(source, deps)
+def load_library(source: Path) -> ctypes.CDLL:
+    """The compiled library for ``source`` (built now if this machine kind has no build of this version)."""
+    out_dir = envs.cache_dir() / "kernels" / build_tag(source)
     target = out_dir / f"{source.stem}.so"
     if not target.exists():
         out_dir.mkdir(parents=True, exist_ok=True)
