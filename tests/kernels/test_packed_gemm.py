@@ -85,6 +85,25 @@ def test_packed_gemm_rows_do_not_depend_on_the_batch() -> None:
     assert torch.equal(gemm.packed_linear(x[5:25], packed, 200), together[5:25])
 
 
+@pytest.mark.parametrize("n", [576, 960, 49])
+def test_packed_gemm_threads_do_not_change_a_bit(n: int) -> None:
+    """Narrow layers (576 outputs: 9 chunks of 4 panels; 960: 15; 49: one chunk) cut their last chunk into one
+    piece per thread; every output is still summed in the same order, so one thread and two give the same bits."""
+    gen = torch.Generator().manual_seed(n)
+    w = torch.randn(n, 1536, generator=gen).to(BF16)
+    x = torch.randn(32, 1536, generator=gen).to(BF16)
+    packed = gemm.pack(w)
+    outs = []
+    for threads in (1, 2):
+        restore = _threads(threads)
+        try:
+            outs.append(gemm.packed_linear(x, packed, n))
+        finally:
+            restore()
+    assert torch.equal(outs[0], outs[1])
+    _assert_gemm_close(outs[1], x, w, None)
+
+
 def test_packed_gemm_lm_head_shape() -> None:
     """A vocabulary-sized matrix split over both threads (the LM head), at decode and at prefill row counts."""
     gen = torch.Generator().manual_seed(1)

@@ -9,8 +9,8 @@
 // The register tile is MR input rows x NR panels (NR * 16 output columns) of float32 accumulators. Per k-pair it
 // loads NR weight lines and broadcasts MR pairs of x (one 32-bit broadcast each), then issues MR*NR dot products:
 // no horizontal reductions, each accumulator is a finished run of 16 outputs. The OpenMP threads take contiguous
-// runs of panels (chunks, about 8 per thread) from a shared counter, so a thread the OS preempts delays only its
-// current chunk (at small M each chunk streams its slice of the weight at DRAM speed), and walk all M rows over
+// runs of panels (chunks, about 8 per thread; the last one cut in one piece per thread when the chunks do not
+// divide among the threads) from a shared counter, so a thread the OS preempts delays only its current chunk (at small M each chunk streams its slice of the weight at DRAM speed), and walk all M rows over
 // each. K is processed in equal blocks of at most kKC pairs: a weight block (NR panels x KC pairs) then
 // stays in L2 while every row group of an M block passes over it, and partial sums live in a per-thread float32
 // buffer between K blocks. While the second and later row groups compute on a block, they prefetch the next
@@ -240,6 +240,27 @@ int64_t chunk_panels(int64_t panels, int threads) {
   return per > kMaxNR ? per : kMaxNR;
 }
 
+// The work items: whole chunks, and when their count does not divide among the threads (a narrow layer: 576
+// outputs are 36 panels, 9 chunks of 4, so one of two threads would do 5), the last chunk cut into one piece per
+// thread, so that the threads end together. Item c covers panels [p0, p1) (empty for a piece past the end).
+struct Chunks {
+  int64_t chunk, whole, piece, items;
+  void range(int64_t c, int64_t panels, int64_t* p0, int64_t* p1) const {
+    *p0 = c < whole ? c * chunk : whole * chunk + (c - whole) * piece;
+    const int64_t end = *p0 + (c < whole ? chunk : piece);
+    *p1 = end < panels ? end : panels;
+    if (*p0 > panels) *p0 = panels;
+  }
+};
+
+Chunks make_chunks(int64_t panels, int threads) {
+  const int64_t chunk = chunk_panels(panels, threads);
+  const int64_t count = (panels + chunk - 1) / chunk;
+  if (threads <= 1 || count % threads == 0) return {chunk, count, chunk, count};
+  const int64_t tail = panels - (count - 1) * chunk;
+  return {chunk, count - 1, (tail + threads - 1) / threads, count - 1 + threads};
+}
+
 }  // namespace
 
 extern "C" {
@@ -255,16 +276,16 @@ void pagellm_packed_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t
   // Tiny problems stay on one thread: a fork costs more than they take.
   const int64_t work = m * n * k;
   const int threads = work < (int64_t{1} << 18) ? 1 : omp_get_max_threads();
-  const int64_t chunk = chunk_panels(pb.panels, threads);
-  const int64_t chunks = (pb.panels + chunk - 1) / chunk;
+  const Chunks chunks = make_chunks(pb.panels, threads);
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> partial(pb.kpairs > pb.kc ? static_cast<size_t>(kMC * kMaxNR * kPanel) : 0);
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks.items;
          c = next.fetch_add(1, std::memory_order_relaxed)) {
-      const int64_t p0 = c * chunk, p1 = p0 + chunk < pb.panels ? p0 + chunk : pb.panels;
-      run_panels(pb, p0, p1, partial.data());
+      int64_t p0, p1;
+      chunks.range(c, pb.panels, &p0, &p1);
+      if (p0 < p1) run_panels(pb, p0, p1, partial.data());
     }
   }
 }
