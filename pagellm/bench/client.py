@@ -1,8 +1,14 @@
 """One streamed OpenAI request (``/v1/completions`` or ``/v1/chat/completions``), timed chunk by chunk.
 
-``send`` never raises for a failed request: it returns a ``RequestResult`` with ``success=False`` and the error,
-so a benchmark counts failures instead of dying on the first one. Timings use ``time.perf_counter``:
-TTFT = first chunk with content; ITL = the gaps between later content chunks; latency = last byte.
+``connect`` opens a ``Server`` (an aiohttp session bound to a base URL); ``send`` never raises for a failed
+request: it returns a ``RequestResult`` with ``success=False`` and the error (HTTP status, an in-stream ``{"error":
+...}`` event, a dropped connection, a stream without tokens), so a benchmark counts failures instead of dying on the
+first one. Timings use ``time.perf_counter``, taken once per network read: TTFT = the first chunk with content;
+ITL = the gaps between later content chunks; latency = ``data: [DONE]`` or, without it, the end of the body.
+
+The client runs on the cores it measures, so each streamed chunk must cost little: aiohttp's C HTTP parser, one
+Python pass per network read (``SseLines`` splits at b"\\n" only: U+2028 and friends may sit unescaped inside a
+JSON string) and msgspec for the JSON.
 
 Output tokens come from the server's streamed ``usage`` (``stream_options.include_usage``); servers that do not
 stream usage (llama.cpp's) are counted with ``count_tokens`` (a tokenizer) when given, else one token per content
@@ -11,14 +17,18 @@ chunk (what those servers send).
 
 from __future__ import annotations
 
-import json
+import asyncio
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-import httpx
+import aiohttp
+import msgspec
 
 from pagellm.bench.datasets import BenchRequest
+
+_decode = msgspec.json.Decoder().decode
 
 
 @dataclass
@@ -49,6 +59,25 @@ class ClientOptions:
     count_tokens: Callable[[str], int] | None = None
 
 
+@dataclass
+class Server:
+    """An open HTTP session to one OpenAI-compatible server; request paths are appended to ``base_url``."""
+    session: aiohttp.ClientSession
+    base_url: str
+
+
+@asynccontextmanager
+async def connect(base_url: str, max_connections: int = 100, close_connections: bool = False
+                  ) -> AsyncIterator[Server]:
+    """A ``Server`` with at most ``max_connections`` sockets (0: no cap), no keep-alive if ``close_connections``.
+
+    No overall deadline: an hour per read and for a free connection, 30 s to connect."""
+    connector = aiohttp.TCPConnector(limit=max_connections, force_close=close_connections)
+    timeout = aiohttp.ClientTimeout(total=None, connect=3600, sock_connect=30, sock_read=3600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        yield Server(session, base_url.rstrip("/"))
+
+
 def request_body(req: BenchRequest, opts: ClientOptions) -> tuple[str, dict[str, Any]]:
     """The endpoint path and JSON body for ``req``."""
     body: dict[str, Any] = {"model": opts.model, "max_tokens": req.output_len, "temperature": opts.temperature,
@@ -61,6 +90,24 @@ def request_body(req: BenchRequest, opts: ClientOptions) -> tuple[str, dict[str,
     return "/v1/completions", {**body, "prompt": req.prompt}
 
 
+class SseLines:
+    """Reassembles SSE lines from network reads; splits at b"\\n" only (``str.splitlines`` would also split at
+    U+2028, U+0085 and friends, which servers may leave unescaped inside a JSON string) and drops a trailing \\r."""
+
+    def __init__(self) -> None:
+        self._tail = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The lines completed by ``data``; an unfinished last line waits for the next read."""
+        *lines, self._tail = (self._tail + data).split(b"\n") if self._tail else data.split(b"\n")
+        return [line[:-1] if line.endswith(b"\r") else line for line in lines]
+
+    def close(self) -> list[bytes]:
+        """The unfinished last line (a body may end without a newline)."""
+        tail, self._tail = self._tail, b""
+        return [tail.rstrip(b"\r")] if tail else []
+
+
 def _chunk_text(chunk: dict[str, Any]) -> str:
     parts = []
     for choice in chunk.get("choices") or []:
@@ -69,66 +116,79 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
     return "".join(parts)
 
 
-async def send(http: httpx.AsyncClient, req: BenchRequest, opts: ClientOptions) -> RequestResult:
+class _Stream:
+    """The events of one response: timings into ``result``, the text pieces, the streamed usage."""
+
+    def __init__(self, result: RequestResult) -> None:
+        self.result = result
+        self.last = result.start
+        self.chunks = 0
+        self.usage_tokens: int | None = None
+        self.texts: list[str] = []
+
+    def events(self, lines: list[bytes], now: float) -> bool:
+        """Handle the lines of one read (received at ``now``); True once ``data: [DONE]`` arrived."""
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return True
+            self._chunk(_decode(payload), now)
+        return False
+
+    def _chunk(self, chunk: Any, now: float) -> None:
+        if not isinstance(chunk, dict):
+            raise ValueError(f"a stream event is not a JSON object: {chunk!r:.100}")
+        if "error" in chunk:
+            error = chunk["error"]
+            raise RuntimeError(str(error.get("message", error) if isinstance(error, dict) else error))
+        text = _chunk_text(chunk)
+        if text:
+            if self.chunks == 0:
+                self.result.ttft = now - self.result.start
+            else:
+                self.result.itl.append(now - self.last)
+            self.chunks += 1
+            self.last = now
+            self.texts.append(text)
+        usage = chunk.get("usage")
+        if usage:
+            self.usage_tokens = usage.get("completion_tokens", self.usage_tokens)
+            self.result.prompt_len = usage.get("prompt_tokens") or self.result.prompt_len
+
+
+async def _receive(server: Server, path: str, body: dict[str, Any], headers: dict[str, str] | None,
+                   stream: _Stream) -> None:
+    async with server.session.post(server.base_url + path, json=body, headers=headers) as response:
+        if response.status != 200:
+            raw = await response.read()
+            raise RuntimeError(f"HTTP {response.status}: {raw.decode(errors='replace')[:300]}")
+        lines = SseLines()
+        async for data in response.content.iter_any():
+            if stream.events(lines.feed(data), time.perf_counter()):
+                return
+        stream.events(lines.close(), time.perf_counter())
+
+
+async def send(server: Server, req: BenchRequest, opts: ClientOptions) -> RequestResult:
     path, body = request_body(req, opts)
-    headers = {"Connection": "close"} if opts.close_connections else {}
+    headers = {"Connection": "close"} if opts.close_connections else None
     result = RequestResult(prompt_len=req.prompt_len or 0, start=time.perf_counter())
-    last = result.start
-    chunks = 0
-    usage_tokens: int | None = None
-    texts: list[str] = []
+    stream = _Stream(result)
     try:
-        async with http.stream("POST", path, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                raw = await response.aread()
-                raise RuntimeError(f"HTTP {response.status_code}: {raw.decode(errors='replace')[:300]}")
-            async for line in _sse_lines(response):
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    break
-                chunk = json.loads(payload)
-                if "error" in chunk:
-                    raise RuntimeError(str(chunk["error"].get("message", chunk["error"])))
-                now = time.perf_counter()
-                text = _chunk_text(chunk)
-                if text:
-                    if chunks == 0:
-                        result.ttft = now - result.start
-                    else:
-                        result.itl.append(now - last)
-                    chunks += 1
-                    last = now
-                    texts.append(text)
-                usage = chunk.get("usage")
-                if usage:
-                    usage_tokens = usage.get("completion_tokens", usage_tokens)
-                    result.prompt_len = usage.get("prompt_tokens") or result.prompt_len
-    except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+        await _receive(server, path, body, headers, stream)
+    except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         result.latency = time.perf_counter() - result.start
         return result
     result.latency = time.perf_counter() - result.start
-    result.text = "".join(texts)
-    result.output_len = _output_tokens(usage_tokens, result.text, chunks, opts)
-    result.success = chunks > 0 or result.output_len > 0
+    result.text = "".join(stream.texts)
+    result.output_len = _output_tokens(stream.usage_tokens, result.text, stream.chunks, opts)
+    result.success = stream.chunks > 0 or result.output_len > 0
     if not result.success:
         result.error = "the stream carried no tokens"
     return result
-
-
-async def _sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:
-    """Lines of an SSE body split on b"\n" only: ``aiter_lines`` also splits on U+2028, U+0085 and friends, which
-    servers may leave unescaped inside a JSON string (random token ids decode to anything)."""
-    buffer = b""
-    async for data in response.aiter_bytes():
-        buffer += data
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            yield line.rstrip(b"\r")
-    if buffer:
-        yield buffer
 
 
 def _output_tokens(usage_tokens: int | None, text: str, chunks: int, opts: ClientOptions) -> int:
@@ -139,11 +199,11 @@ def _output_tokens(usage_tokens: int | None, text: str, chunks: int, opts: Clien
     return chunks
 
 
-async def first_model(http: httpx.AsyncClient) -> str:
+async def first_model(server: Server) -> str:
     """The first model the server lists (what to send when the user names none)."""
-    response = await http.get("/v1/models")
-    response.raise_for_status()
-    data = response.json()["data"]
+    async with server.session.get(server.base_url + "/v1/models") as response:
+        response.raise_for_status()
+        data = (await response.json(content_type=None))["data"]
     if not data:
         raise ValueError("the server lists no models; pass --model")
     return data[0]["id"]

@@ -1,13 +1,13 @@
-"""The streaming client against a scripted server (httpx.MockTransport): chunk parsing, token counts, errors."""
+"""The streaming client against a scripted local aiohttp server: chunk parsing across reads, token counts, errors."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
-import httpx
+from aiohttp import web
 
-from pagellm.bench.client import ClientOptions, send
+from pagellm.bench.client import ClientOptions, SseLines, connect, first_model, send
 from pagellm.bench.datasets import BenchRequest
 
 
@@ -16,18 +16,47 @@ def _sse(*chunks: dict, done: bool = True) -> bytes:
     return body + (b"data: [DONE]\n\n" if done else b"")
 
 
-def _run(body: bytes, req: BenchRequest, status: int = 200, **opts) -> tuple:
+async def _serve(pieces: list[bytes], status: int, seen: list[dict]) -> web.AppRunner:
+    """A server answering each POST with ``pieces``, written (and drained) one by one: one network read each."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        seen.append({"path": request.path, "headers": dict(request.headers), **json.loads(await request.read())})
+        response = web.StreamResponse(status=status, headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for piece in pieces:
+            await response.write(piece)
+            await asyncio.sleep(0.001)  # lets the client read each piece on its own (the parser must not care)
+        await response.write_eof()
+        return response
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "served"}]})
+
+    app = web.Application()
+    app.add_routes([web.post("/v1/completions", stream), web.post("/v1/chat/completions", stream),
+                    web.get("/v1/models", models)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner
+
+
+def _run(body: bytes | list[bytes], req: BenchRequest, status: int = 200, **opts) -> tuple:
     seen: list[dict] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append({"path": request.url.path, **json.loads(request.content)})
-        return httpx.Response(status, content=body, headers={"content-type": "text/event-stream"})
-
     async def go():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://x") as http:
-            return await send(http, req, ClientOptions(model="m", **opts))
+        runner = await _serve(body if isinstance(body, list) else [body], status, seen)
+        host, port = runner.addresses[0][:2]
+        try:
+            async with connect(f"http://{host}:{port}/", close_connections=opts.get("close_connections", False)) \
+                    as server:
+                return await send(server, req, ClientOptions(model="m", **opts)), await first_model(server)
+        finally:
+            await runner.cleanup()
 
-    return asyncio.run(go()), seen
+    (result, model) = asyncio.run(go())
+    assert model == "served"
+    return result, seen
 
 
 def test_completion_stream_with_usage_and_a_line_separator_inside_the_text() -> None:
@@ -40,6 +69,25 @@ def test_completion_stream_with_usage_and_a_line_separator_inside_the_text() -> 
     assert 0 < result.ttft <= result.latency
     assert seen[0]["path"] == "/v1/completions" and seen[0]["prompt"] == [101, 102, 103, 104]
     assert seen[0]["ignore_eos"] is True and seen[0]["stream_options"] == {"include_usage": True}
+    assert seen[0]["headers"].get("Connection", "").lower() != "close"
+
+
+def test_events_split_across_reads_anywhere_are_reassembled() -> None:
+    body = _sse({"choices": [{"text": "x\u2028y"}]}, {"choices": [{"text": "z"}]},
+                {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 2}}).replace(b"\n\n", b"\r\n\r\n")
+    cut = body.index("\u2028".encode()) + 1  # inside the three UTF-8 bytes of U+2028
+    pieces = [body[:7], body[7:cut], body[cut:cut + 30], body[cut + 30:]]
+    result, _ = _run(pieces, BenchRequest([1, 2], output_len=2, prompt_len=2))
+    assert (result.success, result.text, result.output_len, len(result.itl)) == (True, "x\u2028yz", 2, 1)
+    splitter = SseLines()
+    lines = [line for i in range(len(body)) for line in splitter.feed(body[i:i + 1])] + splitter.close()
+    assert lines == body.decode().replace("\r\n", "\n").encode().split(b"\n")[:-1]  # byte by byte, same lines
+
+
+def test_a_body_without_done_or_final_newline_still_counts_its_last_event() -> None:
+    body = _sse({"choices": [{"text": "p"}]}, done=False) + b'data: {"choices": [{"text": "q"}]}'
+    result, _ = _run(body, BenchRequest("x", 2), close_connections=True)
+    assert (result.success, result.text, result.output_len) == (True, "pq", 2)
 
 
 def test_chat_stream_without_usage_counts_with_the_tokenizer_or_chunks() -> None:
@@ -49,14 +97,19 @@ def test_chat_stream_without_usage_counts_with_the_tokenizer_or_chunks() -> None
     result, seen = _run(body, req)
     assert seen[0]["path"] == "/v1/chat/completions" and seen[0]["messages"] == req.messages
     assert (result.success, result.text, result.output_len) == (True, "hi there", 2)  # one token per chunk
-    result, _ = _run(body, req, count_tokens=lambda text: len(text))
+    result, seen = _run(body, req, count_tokens=lambda text: len(text), close_connections=True)
     assert result.output_len == 8
+    assert seen[0]["headers"]["Connection"].lower() == "close"
 
 
 def test_http_errors_and_error_events_fail_the_request() -> None:
     result, _ = _run(b'{"error": "bad"}', BenchRequest("x", 2), status=400)
-    assert not result.success and result.error.startswith("RuntimeError: HTTP 400")
-    result, _ = _run(_sse({"error": {"message": "engine died"}}), BenchRequest("x", 2))
-    assert not result.success and "engine died" in result.error
+    assert not result.success and result.error.startswith("RuntimeError: HTTP 400") and "bad" in result.error
+    result, _ = _run(_sse({"choices": [{"text": "a"}]}, {"error": {"message": "engine died"}}), BenchRequest("x", 2))
+    assert not result.success and result.error == "RuntimeError: engine died" and result.latency > 0
+    result, _ = _run(_sse({"error": "plain text error"}), BenchRequest("x", 2))
+    assert not result.success and result.error == "RuntimeError: plain text error"
+    result, _ = _run(b"data: {not json\n\n", BenchRequest("x", 2))
+    assert not result.success and result.error.startswith("DecodeError")
     result, _ = _run(_sse(done=True), BenchRequest("x", 2))
     assert not result.success and result.error == "the stream carried no tokens"
