@@ -118,6 +118,43 @@ inline __mmask16 tile_mask(const Visibility& vis, int64_t start, int64_t n) {
   return static_cast<__mmask16>(vis.mask(start, n));
 }
 
+// Ask for a later block's rows of this head while the current one is processed: a request's blocks sit anywhere
+// in the pool, so the hardware prefetcher cannot guess the jump. The walk asks kPrefetchBlocks blocks ahead, into
+// L2 (the T1 hint): on Zen 4 that keeps more lines in flight than T0 prefetches into L1 one block ahead, whose
+// misses queue behind the walk's own loads (DRAM-bound microbenchmark, 30 layer caches, random block placement:
+// 0.44-0.46 -> 0.35-0.37 ms per layer at batch 32, 4.0-4.5 -> 2.7-3.0 ms at batch 256; docs/performance.md).
+// (Inlined for sure: a call inside the walk would spill the G x NV query and accumulator registers around it.)
+constexpr int64_t kPrefetchBlocks = 2;
+
+// Block b of the walk's blocks: this head's K and V rows of the keys before kend.
+template <typename T>
+__attribute__((always_inline)) inline void prefetch_block(const T* k_cache, const T* v_cache, const int64_t* blocks,
+                                                          int64_t b, int64_t kend, int64_t block_size,
+                                                          int64_t token_stride, int64_t kv_head, int64_t head_dim) {
+  const int64_t first = b * block_size, rows = std::min(block_size, kend - first);
+  const int64_t base = blocks[b] * block_size * token_stride + kv_head * head_dim;
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t byte = 0; byte < head_dim * int64_t(sizeof(T)); byte += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(k_cache + base + t * token_stride) + byte, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(v_cache + base + t * token_stride) + byte, _MM_HINT_T1);
+    }
+  }
+}
+
+// The walk's asks for one tile [start, start + n): at the first tile, blocks 1 .. kPrefetchBlocks - 1; at the tile
+// that ends a block, the block kPrefetchBlocks ahead (only blocks holding keys before kend).
+template <typename T>
+__attribute__((always_inline)) inline void prefetch_ahead(const T* k_cache, const T* v_cache, const int64_t* blocks,
+                                                          int64_t kend, int64_t start, int64_t n, int64_t block_size,
+                                                          int64_t token_stride, int64_t kv_head, int64_t head_dim) {
+  if (start == 0)
+    for (int64_t b = 1; b < kPrefetchBlocks && b * block_size < kend; ++b)
+      prefetch_block(k_cache, v_cache, blocks, b, kend, block_size, token_stride, kv_head, head_dim);
+  const int64_t ahead = start / block_size + kPrefetchBlocks;
+  if ((start + n) % block_size == 0 && ahead * block_size < kend)
+    prefetch_block(k_cache, v_cache, blocks, ahead, kend, block_size, token_stride, kv_head, head_dim);
+}
+
 // The vector walk: 16 float lanes, K/V rows converted on load, scores and exp for 16 keys at a time.
 template <typename T>
 void walk_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* blocks, const Visibility& vis,
@@ -135,6 +172,7 @@ void walk_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* blo
     const __mmask16 valid = tile_mask(vis, start, n);
     if (!valid) continue;
     const int64_t base = key_offset(blocks, start, block_size, token_stride, kv_head, head_dim);
+    prefetch_ahead(k_cache, v_cache, blocks, vis.kend, start, n, block_size, token_stride, kv_head, head_dim);
     for (int64_t t = 0; t < n; ++t) {
       const T* k = k_cache + base + t * token_stride;
       __m512 krow[16];  // head_dim <= 256
@@ -175,25 +213,6 @@ void walk_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* blo
   }
 }
 
-// Ask for a later block's rows of this head while the current one is processed: a request's blocks sit anywhere
-// in the pool, so the hardware prefetcher cannot guess the jump. The walk asks kPrefetchBlocks blocks ahead, into
-// L2 (the T1 hint): on Zen 4 that keeps more lines in flight than T0 prefetches into L1 one block ahead, whose
-// misses queue behind the walk's own loads (DRAM-bound microbenchmark, 30 layer caches, random block placement:
-// 0.44-0.46 -> 0.35-0.37 ms per layer at batch 32, 4.0-4.5 -> 2.7-3.0 ms at batch 256; docs/performance.md).
-// (Inlined for sure: a call inside the walk would spill the G x NV query and accumulator registers around it.)
-constexpr int64_t kPrefetchBlocks = 2;
-
-template <typename T>
-__attribute__((always_inline)) inline void prefetch_block(const T* k_cache, const T* v_cache, int64_t base,
-                                                          int64_t rows, int64_t token_stride, int64_t head_dim) {
-  for (int64_t t = 0; t < rows; ++t) {
-    for (int64_t byte = 0; byte < head_dim * int64_t(sizeof(T)); byte += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(k_cache + base + t * token_stride) + byte, _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(v_cache + base + t * token_stride) + byte, _MM_HINT_T1);
-    }
-  }
-}
-
 // The same walk with the head size and group size known at compile time: q and the running weighted V stay in
 // registers (G x NV vectors) instead of memory. Used for the common shapes; others take walk_vec.
 template <typename T, int NV, int G>
@@ -217,20 +236,8 @@ void walk_fixed(const T* q, const T* k_cache, const T* v_cache, const int64_t* b
     n = tile_length(start, vis.kend, block_size);
     const __mmask16 valid = tile_mask(vis, start, n);
     if (!valid) continue;
-    const int64_t in_block = start % block_size;
     const int64_t base = key_offset(blocks, start, block_size, token_stride, kv_head, head_dim);
-    if (start == 0) {  // the blocks the ask at each block's end below does not cover
-      for (int64_t d = 1; d < kPrefetchBlocks; ++d) {
-        const int64_t nx = d * block_size;
-        if (nx < vis.kend)
-          prefetch_block(k_cache, v_cache, blocks[nx / block_size] * block_size * token_stride + kv_head * head_dim,
-                         std::min(block_size, vis.kend - nx), token_stride, head_dim);
-      }
-    }
-    const int64_t next = (start / block_size + kPrefetchBlocks) * block_size;
-    if (in_block + n == block_size && next < vis.kend)
-      prefetch_block(k_cache, v_cache, blocks[next / block_size] * block_size * token_stride + kv_head * head_dim,
-                     std::min(block_size, vis.kend - next), token_stride, head_dim);
+    prefetch_ahead(k_cache, v_cache, blocks, vis.kend, start, n, block_size, token_stride, kv_head, head_dim);
     for (int64_t t = 0; t < n; ++t) {
       const T* k = k_cache + base + t * token_stride;
       __m512 krow[NV];
@@ -279,8 +286,9 @@ bool walk_fixed_shape(int64_t nv, int64_t group, const T* q, const T* k, const T
     walk_fixed<T, NV_, G_>(q, k, v, blocks, vis, block_size, kv_heads, kv_head, scale, out);           \
     return true;                                                                                       \
   }
-  PAGELLM_SHAPE(4, 1) PAGELLM_SHAPE(4, 2) PAGELLM_SHAPE(4, 3) PAGELLM_SHAPE(4, 4) PAGELLM_SHAPE(4, 8)
-  PAGELLM_SHAPE(8, 1) PAGELLM_SHAPE(8, 2) PAGELLM_SHAPE(8, 4) PAGELLM_SHAPE(8, 8)
+  PAGELLM_SHAPE(4, 1) PAGELLM_SHAPE(4, 2) PAGELLM_SHAPE(4, 3) PAGELLM_SHAPE(4, 4) PAGELLM_SHAPE(4, 6) PAGELLM_SHAPE(4, 7)
+  PAGELLM_SHAPE(4, 8)
+  PAGELLM_SHAPE(8, 1) PAGELLM_SHAPE(8, 2) PAGELLM_SHAPE(8, 4) PAGELLM_SHAPE(8, 6) PAGELLM_SHAPE(8, 7) PAGELLM_SHAPE(8, 8)
 #undef PAGELLM_SHAPE
   return false;
 }
