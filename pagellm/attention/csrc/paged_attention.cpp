@@ -400,7 +400,13 @@ void run_item(const Step& st, const Item& item, const T* q, const T* k, const T*
     return;
   }
   const int64_t h0 = item.kv_head < 0 ? 0 : item.kv_head, h1 = item.kv_head < 0 ? st.kv_heads : item.kv_head + 1;
+  const int64_t kend = vis[0].kend, token_stride = st.kv_heads * st.head_dim;
   for (int64_t h = h0; h < h1; ++h) {
+#if defined(__AVX512F__)
+    if (h + 1 < h1)  // the next head's first blocks, while this head walks
+      for (int64_t b = 0; b < kPrefetchBlocks && b * st.block_size < kend; ++b)
+        prefetch_block(k, v, blocks, b, kend, st.block_size, token_stride, h + 1, st.head_dim);
+#endif
     const int64_t head = offset + h * group * st.head_dim;
     walk<T>(q + head, k, v, blocks, vis[0], st.block_size, st.kv_heads, group, st.head_dim, h, st.scale,
             out + head);
