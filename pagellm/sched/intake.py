@@ -15,7 +15,7 @@ import collections
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -55,11 +55,31 @@ class Intake:
     _stats: SchedulerStats
     _spec_stats: SpecDecodingStats
     _finish: Callable[[Request, RequestStatus], None]  # ends a request (Scheduler's)
+    _native: Any  # sched/native.py's extension module, or None
 
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> StepOutput:
         """Append the sampled tokens, apply stop rules, and report each request's news (the other hot loop of a
         step: vectorised, with per-request Python only for the requests ``_needs_look`` picks)."""
         rows, num_spec, runner_out = self._rows_of(sched_out, runner_out)
+        batch, flat, sampled = self.running, runner_out.sampled_token_ids, runner_out.num_sampled
+        out = StepOutput()
+        if (self._native is not None and len(rows) == len(batch) and num_spec is None and not self._drafts_seen
+                and not runner_out.draft_token_ids):  # the whole batch in order, no drafts: one native call
+            looked = self._native.take_tokens(batch._columns, len(batch), sampled, flat, batch.token_lists,
+                                              self.stop_rules.tokens)
+            kept, finished = self._look_rows(looked, flat, out)
+        else:
+            kept, finished = self._take_tokens(rows, num_spec, runner_out, out)
+        self._report(out, runner_out, kept)
+        if finished:
+            batch.remove_rows(finished)
+        self._stats.num_generation_tokens += len(out.new_token_ids)
+        return out
+
+    def _take_tokens(self, rows: np.ndarray, num_spec: np.ndarray | None, runner_out: ModelRunnerOutput,
+                     out: StepOutput) -> tuple[dict[int, int], list[int]]:
+        """The numpy path of ``update_from_output`` (drafts, a step that is not the whole batch, or no native
+        fast path): returns what ``_look_at`` does."""
         batch, flat, sampled = self.running, runner_out.sampled_token_ids, runner_out.num_sampled
         whole = len(rows) == len(batch)  # the step's rows are the whole batch, in order (the usual case)
         at = slice(0, len(rows)) if whole else rows
@@ -73,14 +93,8 @@ class Intake:
         batch.num_tokens[at] = after
         lists = batch.token_lists if whole else [batch.token_lists[row] for row in rows.tolist()]
         self._append_all(lists, counts, sampled, flat)
-        out = StepOutput()
-        kept, finished = self._look_at(self._needs_look(after, batch.check_at[at], counts, flat).nonzero()[0],
-                                       rows, before, counts, flat, out)
-        self._report(out, runner_out, counts, kept)
-        if finished:
-            batch.remove_rows(finished)
-        self._stats.num_generation_tokens += len(out.new_token_ids)
-        return out
+        return self._look_at(self._needs_look(after, batch.check_at[at], counts, flat).nonzero()[0],
+                             rows, before, counts, flat, out)
 
     def _rows_of(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> tuple[
             np.ndarray, np.ndarray | None, ModelRunnerOutput]:
@@ -153,20 +167,26 @@ class Intake:
                  flat: list[int], out: StepOutput) -> tuple[dict[int, int], list[int]]:
         """Record first outputs and apply the exact stop rules to the ``looked`` requests (indices into the step);
         returns the tokens kept by the requests a stop rule cut short, and the rows of those that finished."""
-        batch, kept, finished = self.running, {}, []
         if not looked.size:
-            return kept, finished
+            return {}, []
         if not self._drafts_seen and len(flat) == len(counts):  # one token each (see _append_all): no sum
             starts = looked.tolist()
         else:
             starts = (counts.cumsum() - counts)[looked].tolist()
-        now = time.time()
-        for j, row, start, num_before, count in zip(looked.tolist(), rows[looked].tolist(), starts,
-                                                    before[looked].tolist(), counts[looked].tolist()):
+        return self._look_rows(zip(looked.tolist(), rows[looked].tolist(), starts, before[looked].tolist(),
+                                   counts[looked].tolist()), flat, out)
+
+    def _look_rows(self, looked: Iterable[tuple[int, int, int, int, int]], flat: list[int],
+                   out: StepOutput) -> tuple[dict[int, int], list[int]]:
+        """``_look_at`` for ``(index in the step, row, start in flat, num_tokens before, count)`` entries."""
+        batch, kept, finished = self.running, {}, []
+        now = None
+        for j, row, start, num_before, count in looked:
             if not count:
                 continue
             request = batch.requests[row]
             if num_before == request.num_prompt_tokens:
+                now = time.time() if now is None else now
                 out.first[request.request_id] = FirstOutput(
                     request.num_cached_tokens, RequestTimes(request.queued_time, request.scheduled_time, now))
             batch.check_at[row] = request.length_limit
@@ -192,13 +212,12 @@ class Intake:
                 return num_kept
         return len(tokens)
 
-    def _report(self, out: StepOutput, runner_out: ModelRunnerOutput, counts: np.ndarray,
-                kept: dict[int, int]) -> None:
+    def _report(self, out: StepOutput, runner_out: ModelRunnerOutput, kept: dict[int, int]) -> None:
         """Fill in the step's token deltas: every request that kept tokens (or got prompt logprobs), in batch order."""
         ids, flat, sampled = runner_out.req_ids, runner_out.sampled_token_ids, runner_out.num_sampled
         prompt_logprobs = runner_out.prompt_logprobs
         if kept:  # a stop rule dropped tokens after it: keep each request's leading ones
-            starts = (counts.cumsum() - counts).tolist()
+            starts = [0, *itertools.accumulate(sampled)]
             sampled = list(sampled)
             for j, num_kept in kept.items():
                 sampled[j] = num_kept

@@ -31,7 +31,9 @@ from pagellm.kv.block import KVBlock
 from pagellm.kv.manager import KVCacheManager
 from pagellm.metrics.stats import SchedulerStats, SpecDecodingStats
 from pagellm.request import Request, RequestStatus
+from pagellm.kv.hashing import ROOT_HASH, extend_block_hashes
 from pagellm.sched.intake import Intake, _Step
+from pagellm.sched.native import fastpath
 from pagellm.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagellm.sched.queue import make_queue
 from pagellm.sched.running import RunningBatch
@@ -85,6 +87,7 @@ class Scheduler(Intake):
         self._stats = SchedulerStats()
         self._spec_stats = SpecDecodingStats()
         self._evictions_seen = 0
+        self._native = fastpath()     # the step loops in C (sched/native.py); None: the numpy / Python paths
 
     # ----------------------------------------------------------------------------------------- requests in/out
     def add_request(self, request: Request) -> None:
@@ -151,6 +154,10 @@ class Scheduler(Intake):
         batch, n, drafts = self.running, len(self.running), self._drafts_seen
         if n == 0:
             return _RunningPart(CachedRequestData(), [], np.zeros(0, dtype=np.int64), None, {}, 0, False)
+        if self._native is not None and not drafts:
+            part = self._schedule_running_native(budget)
+            if part is not None:
+                return part
         computed, tokens = batch.computed[:n], batch.num_tokens[:n]  # views: computed is overwritten last
         grant = self._grant(computed, tokens, batch.num_spec[:n] if drafts else None, budget)
         end = computed + grant
@@ -176,6 +183,21 @@ class Scheduler(Intake):
         num_spec, spec = self._scheduled_drafts(rows, end - tokens[:m]) if drafts else (None, {})
         batch.computed[:m] = end
         return _RunningPart(cached, num_scheduled, rows, num_spec, spec, int(np.add.reduce(grant)), m < n)
+
+    def _schedule_running_native(self, budget: int) -> _RunningPart | None:
+        """``_schedule_running`` in one native call (no drafts held): the same budget rule, KV manager calls and
+        columns; None (nothing changed) when the pool cannot serve every row, which the numpy path then handles."""
+        batch, kv, new_block_ids = self.running, self.kv, {}
+        done = self._native.schedule_running(
+            batch._columns, len(batch), budget, self.max_model_len, self._step_lookahead, batch.requests,
+            batch.req_ids, kv.req_blocks, kv.num_cached_blocks, kv.pool, kv.pool.free_queue, kv.block_size,
+            kv.enable_caching, ROOT_HASH, extend_block_hashes, new_block_ids)
+        if done is None:
+            return None
+        num_tokens, req_ids, computed, num_scheduled, rows = done
+        rows = np.arange(len(req_ids)) if rows is None else np.array(rows, dtype=np.int64)
+        return _RunningPart(CachedRequestData(req_ids, computed, new_block_ids), num_scheduled, rows, None, {},
+                            num_tokens, False)
 
     def _grant(self, computed: np.ndarray, tokens: np.ndarray, num_spec: np.ndarray | None,
                budget: int) -> np.ndarray:

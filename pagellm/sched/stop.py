@@ -18,7 +18,7 @@ from pagellm.request import Request, RequestStatus
 class StopRules:
     def __init__(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
-        self._tokens: dict[int, int] = {}  # token → unfinished requests it may stop
+        self.tokens: dict[int, int] = {}  # token → unfinished requests it may stop
 
     def add(self, request: Request) -> None:
         """Set the request's ``stop_ids`` and ``length_limit`` and count its stop tokens."""
@@ -30,22 +30,22 @@ class StopRules:
             length_limit = min(length_limit, request.num_prompt_tokens + request.max_tokens)
         request.length_limit = length_limit
         for token in request.stop_ids:
-            self._tokens[token] = self._tokens.get(token, 0) + 1
+            self.tokens[token] = self.tokens.get(token, 0) + 1
 
     def remove(self, request: Request) -> None:
         for token in request.stop_ids:
-            left = self._tokens[token] - 1
+            left = self.tokens[token] - 1
             if left:
-                self._tokens[token] = left
+                self.tokens[token] = left
             else:
-                del self._tokens[token]
+                del self.tokens[token]
 
     def token_hits(self, counts: np.ndarray, flat_tokens: list[int]) -> np.ndarray | None:
         """Which requests got a stop token of some unfinished request: request ``i`` got ``counts[i]`` tokens, back to
         back in ``flat_tokens``. None when none did (the usual case, found by one set test)."""
-        if self._tokens.keys().isdisjoint(flat_tokens):
+        if self.tokens.keys().isdisjoint(flat_tokens):
             return None
-        hits = np.isin(np.array(flat_tokens, dtype=np.int64), np.fromiter(self._tokens, np.int64))
+        hits = np.isin(np.array(flat_tokens, dtype=np.int64), np.fromiter(self.tokens, np.int64))
         rows = np.zeros(len(counts), dtype=bool)
         rows[np.repeat(np.arange(len(counts)), counts)[hits]] = True
         return rows

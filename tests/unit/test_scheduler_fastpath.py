@@ -27,6 +27,10 @@ from pagellm.sched.scheduler import Scheduler
 
 
 class _PlainScheduler(Scheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._native = None  # every hook below is Python
+
     def schedule(self):
         self._needs_sort = True  # sort every step
         return super().schedule()
@@ -67,6 +71,32 @@ class _PlainScheduler(Scheduler):
         return len(tokens)
 
 
+class _NativeCounting(Scheduler):
+    """The scheduler with its native fast path, counting the steps that path took."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        assert self._native is not None, "the native scheduler fast path did not build (g++, libssl-dev)"
+        self.native_steps = self.native_intakes = 0
+
+    def _schedule_running_native(self, budget):
+        part = super()._schedule_running_native(budget)
+        self.native_steps += part is not None
+        return part
+
+    def _look_rows(self, looked, flat, out):
+        self.native_intakes += isinstance(looked, list)  # the native intake hands a list, _look_at a zip
+        return super()._look_rows(looked, flat, out)
+
+
+class _NumpyScheduler(Scheduler):
+    """The scheduler with its numpy fast paths only (where the native one does not build)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._native = None
+
+
 def _make(cls: type[Scheduler], caching: bool, lookahead: int, num_blocks: int, policy: str,
           limit: int | None) -> Scheduler:
     return cls(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, scheduling_policy=policy),
@@ -81,7 +111,7 @@ def _requests(rng: random.Random) -> list[tuple]:
         max_tokens = rng.randint(1, 40 - len(prompt))
         params = dict(max_tokens=max_tokens, ignore_eos=rng.random() < 0.3,
                       min_tokens=rng.choice([0, 0, 2]) % (max_tokens + 1), stop_token_ids=rng.choice([None, [3, 4]]))
-        specs.append((f"r{i}", prompt, params, float(i), rng.randrange(3)))
+        specs.append((f"r{i}", prompt, params, float(i), rng.randrange(3), "salt" if i % 4 == 3 else None))
     return specs
 
 
@@ -99,6 +129,8 @@ def _state(sched: Scheduler) -> tuple:
     return ({r: [b.block_id for b in bs] for r, bs in sched.kv.req_blocks.items()},
             {h: b.block_id for h, b in pool.cached.items()}, [b.block_hash for b in pool.blocks],
             dict(sched.kv.num_cached_blocks), batch.req_ids, columns,
+            [b.block_id for b in pool.free_queue], pool.num_free_blocks, pool.num_evictions,
+            [(b.block_id, b.ref_cnt) for b in pool.blocks],
             [(r.request_id, r.all_token_ids, r.spec_token_ids, r.status) for r in sched.requests.values()])
 
 
@@ -128,20 +160,21 @@ def _runner_output(sched: Scheduler, out, rng: random.Random, lookahead: int) ->
     (0, True, 2, 20, "fcfs", None), (1, True, 0, 12, "fcfs", None), (2, False, 2, 20, "fcfs", None),
     (3, True, 0, 40, "fcfs", None), (4, True, 2, 14, "priority", None), (5, True, 0, 40, "priority", None),
     (6, True, 3, 20, "fcfs", 3), (7, True, 3, 14, "priority", 3)])
-def test_fast_paths_match_the_plain_path(seed, caching, lookahead, num_blocks, policy, limit):
+@pytest.mark.parametrize("fast_cls", [_NativeCounting, _NumpyScheduler], ids=["native", "numpy"])
+def test_fast_paths_match_the_plain_path(seed, caching, lookahead, num_blocks, policy, limit, fast_cls):
     rng = random.Random(seed)
     specs = _requests(rng)
-    fast, plain = (_make(cls, caching, lookahead, num_blocks, policy, limit) for cls in (Scheduler, _PlainScheduler))
+    fast, plain = (_make(cls, caching, lookahead, num_blocks, policy, limit) for cls in (fast_cls, _PlainScheduler))
     steps = preemptions = mid_step_aborts = 0
     while specs or fast.has_unfinished_requests():
         steps += 1
         assert steps < 3000, "no progress"
         for _ in range(rng.randint(0, 3)):
             if specs:
-                rid, prompt, params, arrival, priority = specs.pop(0)
+                rid, prompt, params, arrival, priority, salt = specs.pop(0)
                 for sched in (fast, plain):
                     sched.add_request(Request(rid, prompt, SamplingParams(**params), frozenset({0}), arrival,
-                                              priority))
+                                              priority, salt))
         if fast.requests and rng.random() < 0.05:
             victim = rng.choice(sorted(fast.requests))
             fast.abort_requests([victim])
@@ -164,3 +197,5 @@ def test_fast_paths_match_the_plain_path(seed, caching, lookahead, num_blocks, p
     assert not plain.has_unfinished_requests()
     assert preemptions > 0 or num_blocks == 40   # the small pools really ran short
     assert mid_step_aborts > 0
+    if fast_cls is _NativeCounting and not lookahead:  # native: most steps (not those of a short pool, or drafts)
+        assert fast.native_steps > steps // 4 and fast.native_intakes > steps // 4, (fast.native_steps, steps)

@@ -1,0 +1,72 @@
+"""Compile a C++ source once per machine kind and source version into the user's cache, with no torch involved.
+
+A build lives under ``envs.cache_dir()/kernels/<tag>/`` where the tag hashes the CPU's feature flags
+(``-march=native`` code only runs on this CPU kind), the compiler flags, the source and the headers it may
+include. A build is written to a temporary name and renamed into place, so concurrent processes never load a
+half-written file. ``ops/build.py`` loads the model kernels (plain C ABI, ctypes) from here; ``sched/native.py``
+builds the scheduler's CPython extension the same way (``kv/`` and ``sched/`` import no torch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+from pagellm import envs
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_flags() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
+def build_tag(source: Path, flags: Sequence[str], headers: Sequence[Path] = ()) -> str:
+    """A short digest of the CPU flags, the compiler flags, the source, the given header folders' headers and the
+    headers next to the source, to key builds by."""
+    digest = hashlib.sha256(source.read_bytes())
+    for header in sorted({*(h for folder in headers for h in folder.glob("*.h")), *source.parent.glob("*.h")}):
+        digest.update(header.read_bytes())
+    return hashlib.sha256(f"{cpu_flags()}|{' '.join(flags)}|{digest.hexdigest()}".encode()).hexdigest()[:12]
+
+
+def compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+    return cxx
+
+
+def build(source: Path, flags: Sequence[str], filename: str, headers: Sequence[Path] = (),
+          link: Sequence[str] = ()) -> Path:
+    """The shared object built from ``source`` with ``flags`` (then ``link``, e.g. ``-lcrypto``), named ``filename``
+    in its build folder; compiled now if this machine kind has no build of this version."""
+    out_dir = envs.cache_dir() / "kernels" / build_tag(source, [*flags, *link], headers)
+    target = out_dir / filename
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".so.tmp", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        subprocess.run([compiler(), *flags, *(f"-I{h}" for h in headers), str(source), "-o", str(partial), *link],
+                       check=True, capture_output=True, text=True)
+        os.replace(partial, target)
+    except subprocess.CalledProcessError as exc:
+        raise RuntimeError(f"building {source.name} failed:\n{exc.stderr[-2000:]}") from exc
+    finally:
+        partial.unlink(missing_ok=True)
+    logger.info("built %s in %.1fs", target, time.perf_counter() - start)
+    return target

@@ -1,0 +1,497 @@
+// The scheduler's per-step loops over the running batch, as a CPython extension (pagellm/sched/native.py).
+//
+// Two calls per step replace the numpy column work and the per-row Python of the common step (no draft tokens,
+// the pool large enough for every row): ``schedule_running`` hands the token budget out over the RunningBatch
+// columns, serves the rows that need the KV manager (a new block, a block that fills: allocation from the free
+// queue with lazy eviction, chained SHA-256 block hashes, registration in the prefix-cache table) and builds the
+// step's lists; ``take_tokens`` appends the sampled tokens and picks the rows that need a stop rule or a first
+// output. They work on the very Python objects the Python paths use (KVBlock slots, the free queue's links, the
+// manager's dicts, the requests' token and hash lists), in the same order, so every block id, hash, free-list
+// position and dict entry is what the Python twin (KVCacheManager.allocate_running, Intake._append_all /
+// _needs_look) produces; tests/unit/test_scheduler_fastpath.py drives both in lockstep. Anything out of the
+// common case (drafts, a pool that runs short, a salted request's hash) is left to the Python paths.
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <openssl/sha.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// Byte offsets of KVBlock's __slots__ in its instances (found from the member descriptors by ``bind``).
+Py_ssize_t off_block_id = -1, off_ref_cnt, off_block_hash, off_prev_free, off_next_free;
+PyTypeObject *block_type = nullptr;
+PyObject *one = nullptr;                       // the int 1 (every new block's ref_cnt)
+PyObject *s_head, *s_tail, *s_num_free_blocks, *s_num_evictions, *s_request_id, *s_block_hashes,
+    *s_all_token_ids, *s_cache_salt, *s_cached;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return a >= 0 ? (a + b - 1) / b : -((-a) / b); }  // Python's -(-a // b)
+
+inline PyObject *&slot(PyObject *block, Py_ssize_t offset) {
+    return *reinterpret_cast<PyObject **>(reinterpret_cast<char *>(block) + offset);
+}
+
+inline void set_slot(PyObject *block, Py_ssize_t offset, PyObject *value) {  // value: borrowed
+    Py_INCREF(value);
+    Py_XSETREF(slot(block, offset), value);
+}
+
+bool member_offset(PyObject *type, const char *name, Py_ssize_t *offset) {
+    PyObject *descr = PyDict_GetItemString(reinterpret_cast<PyTypeObject *>(type)->tp_dict, name);
+    if (descr == nullptr || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+        PyErr_Format(PyExc_TypeError, "KVBlock.%s is not a __slots__ member", name);
+        return false;
+    }
+    *offset = reinterpret_cast<PyMemberDescrObject *>(descr)->d_member->offset;
+    return true;
+}
+
+// A view of a RunningBatch's int64 columns (rows of one 2-D C-contiguous array).
+struct Columns {
+    Py_buffer view{};
+    int64_t *base = nullptr;
+    Py_ssize_t stride = 0;  // elements per column
+    bool open(PyObject *array, Py_ssize_t num_columns) {
+        if (PyObject_GetBuffer(array, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) return false;
+        if (view.ndim != 2 || view.itemsize != 8 || view.shape[0] < num_columns || strcmp(view.format, "l") != 0) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_TypeError, "the running batch's columns must be a 2-D C-contiguous int64 array");
+            return false;
+        }
+        base = static_cast<int64_t *>(view.buf);
+        stride = view.shape[1];
+        return true;
+    }
+    int64_t *operator[](Py_ssize_t column) const { return base + column * stride; }
+    ~Columns() {
+        if (base != nullptr) PyBuffer_Release(&view);
+    }
+};
+
+enum Column { COMPUTED = 0, NUM_TOKENS = 1, NUM_SPEC = 2, KV_SLOTS = 3, KV_NEXT_FULL = 4, CHECK_AT = 5 };
+
+// The free queue's ends and count, read once per call and written back at the end.
+struct FreeQueue {
+    PyObject *queue, *head, *tail;
+    Py_ssize_t num_free;
+};
+
+// ``FreeBlockQueue.popleft`` + ``BlockPool.get_new_block``'s eviction (the caller checked that a block is free).
+PyObject *take_block(FreeQueue &fq, PyObject *cached, Py_ssize_t &evictions) {
+    PyObject *block = slot(fq.head, off_next_free);  // borrowed: the links hold it
+    PyObject *next = slot(block, off_next_free);
+    Py_INCREF(block);  // the caller's reference, from here on
+    set_slot(fq.head, off_next_free, next);
+    set_slot(next, off_prev_free, fq.head);
+    set_slot(block, off_prev_free, Py_None);
+    set_slot(block, off_next_free, Py_None);
+    fq.num_free -= 1;
+    PyObject *hash = slot(block, off_block_hash);
+    if (hash != Py_None) {
+        PyObject *canonical = PyDict_GetItemWithError(cached, hash);
+        if (canonical == block) {
+            if (PyDict_DelItem(cached, hash) < 0) {
+                Py_DECREF(block);
+                return nullptr;
+            }
+            evictions += 1;
+        } else if (canonical == nullptr && PyErr_Occurred()) {
+            Py_DECREF(block);
+            return nullptr;
+        }
+        set_slot(block, off_block_hash, Py_None);
+    }
+    set_slot(block, off_ref_cnt, one);
+    return block;
+}
+
+// ``extend_block_hashes`` for an unsalted request: append the hash of every full block of ``tokens`` past
+// ``hashes``. Returns 0, -1 on error, or 1 when the tokens do not fit the int32 layout (the caller then lets the
+// Python twin raise its error).
+int extend_hashes(PyObject *hashes, PyObject *tokens, Py_ssize_t block_size, PyObject *root) {
+    Py_ssize_t first = PyList_GET_SIZE(hashes), last = PyList_GET_SIZE(tokens) / block_size;
+    if (last <= first) return 0;
+    std::vector<unsigned char> message(16 + 4 * block_size);
+    PyObject *parent = first ? PyList_GET_ITEM(hashes, first - 1) : root;
+    if (!PyBytes_Check(parent) || PyBytes_GET_SIZE(parent) != 16) {
+        PyErr_SetString(PyExc_TypeError, "block hashes must be 16-byte bytes");
+        return -1;
+    }
+    memcpy(message.data(), PyBytes_AS_STRING(parent), 16);
+    unsigned char digest[SHA256_DIGEST_LENGTH];
+    for (Py_ssize_t b = first; b < last; ++b) {
+        int32_t *ids = reinterpret_cast<int32_t *>(message.data() + 16);
+        for (Py_ssize_t t = 0; t < block_size; ++t) {
+            PyObject *item = PyList_GET_ITEM(tokens, b * block_size + t);
+            int overflow = 0;
+            long long id = PyLong_Check(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : (overflow = 1, 0);
+            if (overflow || id < INT32_MIN || id > INT32_MAX) return 1;
+            int32_t narrow = static_cast<int32_t>(id);
+            memcpy(ids + t, &narrow, 4);  // little-endian on every machine this builds for (x86-64, arm64)
+        }
+        SHA256_CTX sha;  // the low-level calls: OpenSSL 3's one-shot SHA256() looks the algorithm up by name each call
+        SHA256_Init(&sha);
+        SHA256_Update(&sha, message.data(), message.size());
+        SHA256_Final(digest, &sha);
+        PyObject *hash = PyBytes_FromStringAndSize(reinterpret_cast<char *>(digest), 16);
+        if (hash == nullptr) return -1;
+        int rc = PyList_Append(hashes, hash);
+        Py_DECREF(hash);
+        if (rc < 0) return -1;
+        memcpy(message.data(), digest, 16);
+    }
+    return 0;
+}
+
+// The KV manager's state ``schedule_running`` works on.
+struct Manager {
+    PyObject *req_blocks, *num_cached_blocks, *cached, *hash_fallback, *root;
+    Py_ssize_t block_size;
+};
+
+// ``KVCacheManager._register``: hash (if not done yet) and register blocks ``start .. end - 1`` of ``request``.
+bool register_blocks(const Manager &m, PyObject *request, PyObject *rid, PyObject *held, Py_ssize_t start,
+                     Py_ssize_t end) {
+    PyObject *hashes = PyObject_GetAttr(request, s_block_hashes);
+    if (hashes == nullptr) return false;
+    bool ok = false;
+    if (!PyList_CheckExact(hashes)) {
+        PyErr_SetString(PyExc_TypeError, "request.block_hashes must be a list");
+    } else if (PyList_GET_SIZE(hashes) >= end) {
+        ok = true;
+    } else {
+        PyObject *tokens = PyObject_GetAttr(request, s_all_token_ids);
+        PyObject *salt = tokens ? PyObject_GetAttr(request, s_cache_salt) : nullptr;
+        if (salt != nullptr) {
+            int salted = PyObject_IsTrue(salt);
+            int rc = salted < 0 ? -1 : 1;
+            if (salted == 0 && PyList_CheckExact(tokens)) rc = extend_hashes(hashes, tokens, m.block_size, m.root);
+            if (rc == 1) {  // salted, or tokens the fast path does not take: the Python twin
+                PyObject *extra = salted ? PyTuple_Pack(1, salt) : Py_NewRef(Py_None);
+                PyObject *size = PyLong_FromSsize_t(m.block_size);
+                PyObject *res = extra && size ? PyObject_CallFunctionObjArgs(m.hash_fallback, hashes, tokens, size,
+                                                                             extra, nullptr) : nullptr;
+                rc = res ? 0 : -1;
+                Py_XDECREF(res);
+                Py_XDECREF(size);
+                Py_XDECREF(extra);
+            }
+            ok = rc == 0;
+            Py_DECREF(salt);
+        }
+        Py_XDECREF(tokens);
+    }
+    if (ok && PyList_GET_SIZE(hashes) < end) {
+        PyErr_SetString(PyExc_RuntimeError, "a block to register has no hash (its tokens are not all there)");
+        ok = false;
+    }
+    for (Py_ssize_t index = start; ok && index < end; ++index) {
+        PyObject *block = PyList_GET_ITEM(held, index);
+        if (slot(block, off_block_hash) != Py_None) continue;
+        PyObject *hash = PyList_GET_ITEM(hashes, index);
+        set_slot(block, off_block_hash, hash);
+        ok = PyDict_SetDefault(m.cached, hash, block) != nullptr;
+    }
+    Py_DECREF(hashes);
+    if (!ok) return false;
+    PyObject *count = PyLong_FromSsize_t(end);
+    if (count == nullptr) return false;
+    int rc = PyDict_SetItem(m.num_cached_blocks, rid, count);
+    Py_DECREF(count);
+    return rc == 0;
+}
+
+bool is_block(PyObject *obj) { return PyObject_TypeCheck(obj, block_type); }
+
+bool read_queue(PyObject *queue, FreeQueue &fq) {
+    fq.queue = queue;
+    PyObject *num = PyObject_GetAttr(queue, s_num_free_blocks);
+    if (num == nullptr) return false;
+    fq.num_free = PyLong_AsSsize_t(num);
+    Py_DECREF(num);
+    if (fq.num_free == -1 && PyErr_Occurred()) return false;
+    fq.head = PyObject_GetAttr(queue, s_head);  // the sentinels: the queue keeps them alive
+    fq.tail = PyObject_GetAttr(queue, s_tail);
+    Py_XDECREF(fq.head);
+    Py_XDECREF(fq.tail);
+    if (fq.head == nullptr || fq.tail == nullptr) return false;
+    if (!is_block(fq.head) || !is_block(fq.tail)) {
+        PyErr_SetString(PyExc_TypeError, "the free queue's sentinels must be KVBlocks (call bind first)");
+        return false;
+    }
+    return true;
+}
+
+bool add_to_attr(PyObject *obj, PyObject *name, Py_ssize_t delta) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == nullptr) return false;
+    Py_ssize_t now = PyLong_AsSsize_t(value);
+    Py_DECREF(value);
+    if (now == -1 && PyErr_Occurred()) return false;
+    PyObject *updated = PyLong_FromSsize_t(now + delta);
+    if (updated == nullptr) return false;
+    int rc = PyObject_SetAttr(obj, name, updated);
+    Py_DECREF(updated);
+    return rc == 0;
+}
+
+// Serve one row: ``KVCacheManager.allocate_running``'s loop body (the caller checked the pool has its blocks).
+bool serve_row(const Manager &m, FreeQueue &fq, Py_ssize_t &evictions, PyObject *request, PyObject *rid,
+               int64_t room, int64_t final, int64_t never, PyObject *new_block_ids) {
+    PyObject *held = PyDict_GetItemWithError(m.req_blocks, rid);
+    if (held == nullptr || !PyList_CheckExact(held)) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "running request %R holds no block list", rid);
+        return false;
+    }
+    const int64_t bs = m.block_size;
+    Py_ssize_t num_new = static_cast<Py_ssize_t>(ceil_div(room, bs)) - PyList_GET_SIZE(held);
+    if (num_new > 0) {
+        PyObject *ids = PyList_New(num_new);
+        if (ids == nullptr) return false;
+        for (Py_ssize_t i = 0; i < num_new; ++i) {
+            PyObject *block = take_block(fq, m.cached, evictions);
+            if (block == nullptr || PyList_Append(held, block) < 0) {
+                Py_XDECREF(block);
+                Py_DECREF(ids);
+                return false;
+            }
+            PyList_SET_ITEM(ids, i, Py_NewRef(slot(block, off_block_id)));
+            Py_DECREF(block);
+        }
+        int rc = PyDict_SetItem(new_block_ids, rid, ids);
+        Py_DECREF(ids);
+        if (rc < 0) return false;
+    }
+    PyObject *count = PyDict_GetItemWithError(m.num_cached_blocks, rid);
+    if (count == nullptr && PyErr_Occurred()) return false;
+    int64_t num_cached = count ? PyLong_AsLongLong(count) : 0;
+    if (num_cached == -1 && PyErr_Occurred()) return false;
+    if (final >= (num_cached + 1) * bs + never)
+        return register_blocks(m, request, rid, held, static_cast<Py_ssize_t>(num_cached),
+                               static_cast<Py_ssize_t>(final / bs));
+    return true;
+}
+
+PyObject *bind(PyObject *, PyObject *args) {
+    PyObject *type;
+    if (!PyArg_ParseTuple(args, "O!", &PyType_Type, &type)) return nullptr;
+    if (!member_offset(type, "block_id", &off_block_id) || !member_offset(type, "ref_cnt", &off_ref_cnt) ||
+        !member_offset(type, "block_hash", &off_block_hash) || !member_offset(type, "prev_free", &off_prev_free) ||
+        !member_offset(type, "next_free", &off_next_free)) {
+        off_block_id = -1;
+        return nullptr;
+    }
+    Py_INCREF(type);
+    Py_XSETREF(block_type, reinterpret_cast<PyTypeObject *>(type));
+    Py_RETURN_NONE;
+}
+
+// schedule_running(columns, n, budget, max_model_len, lookahead, requests, req_ids, req_blocks, num_cached_blocks,
+//                  pool, free_queue, block_size, caching, root_hash, hash_fallback, new_block_ids)
+//   -> None (nothing changed: the pool cannot serve every row; the Python path takes the step)
+//    | (num_tokens, req_ids, num_computed_tokens, num_scheduled, rows or None when the scheduled rows are 0..k-1)
+PyObject *schedule_running(PyObject *, PyObject *args) {
+    PyObject *array, *requests, *req_ids, *pool, *queue, *new_block_ids;
+    Py_ssize_t n, block_size;
+    long long budget, max_model_len, lookahead;
+    int caching;
+    Manager m{};
+    if (!PyArg_ParseTuple(args, "OnLLLO!O!O!O!OOnpO!OO!", &array, &n, &budget, &max_model_len, &lookahead,
+                          &PyList_Type, &requests, &PyList_Type, &req_ids, &PyDict_Type, &m.req_blocks, &PyDict_Type,
+                          &m.num_cached_blocks, &pool, &queue, &block_size, &caching, &PyBytes_Type, &m.root,
+                          &m.hash_fallback, &PyDict_Type, &new_block_ids))
+        return nullptr;
+    if (off_block_id < 0) return PyErr_Format(PyExc_RuntimeError, "bind(KVBlock) first");
+    if (n > PyList_GET_SIZE(requests) || n > PyList_GET_SIZE(req_ids) || block_size < 1)
+        return PyErr_Format(PyExc_ValueError, "%zd rows but %zd requests", n, PyList_GET_SIZE(requests));
+    m.block_size = block_size;
+    m.cached = PyObject_GetAttr(pool, s_cached);  // the pool keeps it alive
+    if (m.cached == nullptr) return nullptr;
+    Py_DECREF(m.cached);
+    if (!PyDict_Check(m.cached)) return PyErr_Format(PyExc_TypeError, "pool.cached must be a dict");
+    Columns cols;
+    if (!cols.open(array, 6)) return nullptr;
+    if (n > cols.stride) return PyErr_Format(PyExc_ValueError, "%zd rows in columns of %zd", n, cols.stride);
+    int64_t *computed = cols[COMPUTED], *tokens = cols[NUM_TOKENS], *kv_slots = cols[KV_SLOTS],
+            *next_full = cols[KV_NEXT_FULL];
+    const int64_t bs = block_size;
+    // Pass 1: the budget rule, and the blocks the rows that need the manager will take.
+    std::vector<int64_t> grant(n), room(n);
+    std::vector<unsigned char> event(n);
+    int64_t used = 0, total = 0, blocks_needed = 0;
+    Py_ssize_t scheduled = 0, events = 0;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        int64_t want = tokens[i] - computed[i];
+        int64_t g = budget - used;  // what the budget has left before this row
+        g = g > 0 ? g : 0;
+        g = g < want ? g : want;
+        used += want;
+        grant[i] = g;
+        total += g;
+        int64_t end = computed[i] + g, r = end;
+        if (lookahead) {
+            int64_t left = max_model_len - end;
+            left = left > 0 ? left : 0;
+            r += left < lookahead ? left : lookahead;
+        }
+        room[i] = r;
+        if (g != 0) scheduled += 1;
+        if (g > 0 && (r > kv_slots[i] || end >= next_full[i])) {
+            event[i] = 1;
+            events += 1;
+            if (r > kv_slots[i]) {
+                PyObject *held = PyDict_GetItemWithError(m.req_blocks, PyList_GET_ITEM(req_ids, i));
+                if (held == nullptr || !PyList_CheckExact(held)) {
+                    if (!PyErr_Occurred())
+                        PyErr_Format(PyExc_KeyError, "running request %R holds no block list",
+                                     PyList_GET_ITEM(req_ids, i));
+                    return nullptr;
+                }
+                int64_t more = ceil_div(r, bs) - PyList_GET_SIZE(held);
+                blocks_needed += more > 0 ? more : 0;
+            }
+        }
+    }
+    FreeQueue fq{};
+    if (events && !read_queue(queue, fq)) return nullptr;
+    if (events && blocks_needed > fq.num_free) Py_RETURN_NONE;
+    // Pass 2: serve the rows in order (as allocate_running would), then the columns and the step's lists.
+    Py_ssize_t evictions = 0, start_free = fq.num_free;
+    bool ok = true;
+    const int64_t never = caching ? 0 : (int64_t(1) << 62);
+    for (Py_ssize_t i = 0; ok && i < n; ++i) {
+        if (!event[i]) continue;
+        int64_t final = computed[i] + grant[i];
+        ok = serve_row(m, fq, evictions, PyList_GET_ITEM(requests, i), PyList_GET_ITEM(req_ids, i), room[i], final,
+                       never, new_block_ids);
+        int64_t slots = ceil_div(room[i], bs) * bs;
+        kv_slots[i] = kv_slots[i] > slots ? kv_slots[i] : slots;
+        if (final >= next_full[i]) next_full[i] = (final / bs + 1) * bs;
+    }
+    if (events && fq.num_free != start_free) {
+        PyObject *num = PyLong_FromSsize_t(fq.num_free);
+        ok = num != nullptr && PyObject_SetAttr(queue, s_num_free_blocks, num) == 0 && ok;
+        Py_XDECREF(num);
+    }
+    if (evictions) ok = add_to_attr(pool, s_num_evictions, evictions) && ok;
+    if (!ok) return nullptr;  // an error inside a Python object's method: state is as far as it got
+    PyObject *ids = PyList_New(scheduled), *before = PyList_New(scheduled), *counts = PyList_New(scheduled);
+    PyObject *rows = nullptr;
+    bool prefix = true;
+    for (Py_ssize_t i = 0, k = 0; ids && before && counts && i < n; ++i) {
+        if (grant[i] == 0) continue;
+        if (k != i) prefix = false;
+        PyList_SET_ITEM(ids, k, Py_NewRef(PyList_GET_ITEM(req_ids, i)));
+        PyList_SET_ITEM(before, k, PyLong_FromLongLong(computed[i]));
+        PyList_SET_ITEM(counts, k, PyLong_FromLongLong(grant[i]));
+        k += 1;
+    }
+    if (ids && before && counts && !prefix) {
+        rows = PyList_New(scheduled);
+        for (Py_ssize_t i = 0, k = 0; rows && i < n; ++i)
+            if (grant[i] != 0) PyList_SET_ITEM(rows, k++, PyLong_FromSsize_t(i));
+    }
+    for (Py_ssize_t i = 0; i < n; ++i) computed[i] += grant[i];
+    if (ids == nullptr || before == nullptr || counts == nullptr || (!prefix && rows == nullptr) ||
+        PyErr_Occurred()) {
+        Py_XDECREF(ids);
+        Py_XDECREF(before);
+        Py_XDECREF(counts);
+        Py_XDECREF(rows);
+        return nullptr;
+    }
+    return Py_BuildValue("(LNNNN)", static_cast<long long>(total), ids, before, counts,
+                         rows ? rows : Py_NewRef(Py_None));
+}
+
+// take_tokens(columns, n, sampled, flat, token_lists, stop_tokens) -> looked | None
+//   The step's rows are the batch's rows 0..n-1 in order and no request holds drafts. Appends each row's sampled
+//   tokens to its token list, advances num_tokens, and returns the rows that need per-request Python (their
+//   num_tokens reached check_at, or a new token is a key of ``stop_tokens``) as a list of (index in the step, row,
+//   start in flat, num_tokens before, count), the entries Intake._look_rows takes (index and row are equal here);
+//   rows that sampled nothing are not looked at.
+PyObject *take_tokens(PyObject *, PyObject *args) {
+    PyObject *array, *sampled, *flat, *lists, *stops;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OnO!O!O!O!", &array, &n, &PyList_Type, &sampled, &PyList_Type, &flat, &PyList_Type,
+                          &lists, &PyDict_Type, &stops))
+        return nullptr;
+    if (PyList_GET_SIZE(sampled) != n || PyList_GET_SIZE(lists) < n)
+        return PyErr_Format(PyExc_ValueError, "%zd rows, %zd counts", n, PyList_GET_SIZE(sampled));
+    Columns cols;
+    if (!cols.open(array, 6)) return nullptr;
+    if (n > cols.stride) return PyErr_Format(PyExc_ValueError, "%zd rows in columns of %zd", n, cols.stride);
+    int64_t *num_tokens = cols[NUM_TOKENS], *check_at = cols[CHECK_AT];
+    Py_ssize_t num_flat = PyList_GET_SIZE(flat), start = 0;
+    bool any_stops = PyDict_GET_SIZE(stops) > 0;
+    PyObject *looked = PyList_New(0);
+    if (looked == nullptr) return nullptr;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        Py_ssize_t count = PyLong_AsSsize_t(PyList_GET_ITEM(sampled, i));
+        if (count < 0 || start + count > num_flat) {
+            Py_DECREF(looked);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "token counts do not match the sampled tokens");
+            return nullptr;
+        }
+        if (count == 0) continue;
+        PyObject *list = PyList_GET_ITEM(lists, i);
+        bool hit = false;
+        for (Py_ssize_t t = start; t < start + count; ++t) {
+            PyObject *token = PyList_GET_ITEM(flat, t);
+            if (PyList_Append(list, token) < 0) {
+                Py_DECREF(looked);
+                return nullptr;
+            }
+            if (any_stops && !hit) {
+                int found = PyDict_Contains(stops, token);
+                if (found < 0) {
+                    Py_DECREF(looked);
+                    return nullptr;
+                }
+                hit = found;
+            }
+        }
+        int64_t before = num_tokens[i];
+        num_tokens[i] = before + count;
+        if (hit || num_tokens[i] >= check_at[i]) {
+            PyObject *entry = Py_BuildValue("(nnnLn)", i, i, start, static_cast<long long>(before), count);
+            if (entry == nullptr || PyList_Append(looked, entry) < 0) {
+                Py_XDECREF(entry);
+                Py_DECREF(looked);
+                return nullptr;
+            }
+            Py_DECREF(entry);
+        }
+        start += count;
+    }
+    return looked;
+}
+
+PyMethodDef methods[] = {
+    {"bind", bind, METH_VARARGS, "bind(KVBlock): learn the block type's slot layout"},
+    {"schedule_running", schedule_running, METH_VARARGS, "the running requests' share of a step (see the source)"},
+    {"take_tokens", take_tokens, METH_VARARGS, "append a step's sampled tokens; the rows to look at"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "pagellm_sched_fastpath", nullptr, -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_pagellm_sched_fastpath() {
+    one = PyLong_FromLong(1);
+    s_head = PyUnicode_InternFromString("_head");
+    s_tail = PyUnicode_InternFromString("_tail");
+    s_num_free_blocks = PyUnicode_InternFromString("num_free_blocks");
+    s_num_evictions = PyUnicode_InternFromString("num_evictions");
+    s_request_id = PyUnicode_InternFromString("request_id");
+    s_block_hashes = PyUnicode_InternFromString("block_hashes");
+    s_all_token_ids = PyUnicode_InternFromString("all_token_ids");
+    s_cache_salt = PyUnicode_InternFromString("cache_salt");
+    s_cached = PyUnicode_InternFromString("cached");
+    return PyModule_Create(&module);
+}
