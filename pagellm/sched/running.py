@@ -23,7 +23,7 @@ changes whenever rows are added, removed or reordered. No torch here.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -40,7 +40,11 @@ class RunningBatch:
     kv_next_full: np.ndarray
     check_at: np.ndarray
 
-    def __init__(self, capacity: int = 64) -> None:
+    def __init__(self, capacity: int = 64,
+                 compact: Callable[[np.ndarray, int, list[int]], None] | None = None) -> None:
+        """``compact(columns, n, rows)``: drops ``rows`` of the first ``n`` from every column (the native fast
+        path's ``compact_rows``); without it each removed row's tail is shifted in numpy."""
+        self._compact = compact
         self.requests: list[Request] = []
         self.req_ids: list[str] = []
         self.token_lists: list[list[int]] = []
@@ -82,8 +86,10 @@ class RunningBatch:
     def remove_rows(self, rows: list[int]) -> None:
         """Remove the given rows (ascending, distinct); the others keep their order."""
         n = len(self.requests)
+        if self._compact is not None:
+            self._compact(self._columns, n, rows)
         for row in reversed(rows):  # a step removes a few rows: shifting each is cheaper than a masked copy
-            if row < n - 1:
+            if row < n - 1 and self._compact is None:
                 self._columns[:, row:n - 1] = self._columns[:, row + 1:n]
             n -= 1
             del self.requests[row]

@@ -64,7 +64,11 @@ class Scheduler(Intake):
         max_model_len: int,
         num_lookahead_tokens: int = 0,
         disable_by_batch_size: int | None = None,
+        *,
+        fast_path: bool = True,
     ) -> None:
+        """``fast_path=False`` takes the numpy and Python paths even where the native fast path builds (its test
+        oracle)."""
         self.max_num_seqs = config.max_num_seqs
         self.budget = config.token_budget(max_model_len)
         self.chunked_prefill = config.enable_chunked_prefill
@@ -77,7 +81,8 @@ class Scheduler(Intake):
         self._step_lookahead = num_lookahead_tokens
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.waiting = make_queue(config.scheduling_policy)
-        self.running = RunningBatch()
+        self._native = fastpath() if fast_path else None  # the step loops in C (sched/native.py)
+        self.running = RunningBatch(compact=self._native.compact_rows if self._native is not None else None)
         self.requests: dict[str, Request] = {}
         self.stop_rules = StopRules(max_model_len)
         self._dropped_req_ids: set[str] = set()  # workers must forget these at the next step
@@ -87,7 +92,6 @@ class Scheduler(Intake):
         self._stats = SchedulerStats()
         self._spec_stats = SpecDecodingStats()
         self._evictions_seen = 0
-        self._native = fastpath()     # the step loops in C (sched/native.py); None: the numpy / Python paths
 
     # ----------------------------------------------------------------------------------------- requests in/out
     def add_request(self, request: Request) -> None:
@@ -314,7 +318,7 @@ class Scheduler(Intake):
     def _preempt(self, request: Request) -> None:
         assert request is self.running.requests[-1], "only the last running request is preempted"
         self.running.remove_rows([len(self.running) - 1])
-        self.kv.free(request)
+        self._free_kv(request)
         request.status = RequestStatus.PREEMPTED
         request.spec_token_ids = []
         request.num_preemptions += 1
@@ -328,27 +332,40 @@ class Scheduler(Intake):
         """Admit waiting requests in queue order while budget and ``max_num_seqs`` allow; returns the budget left."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit
-            if not self.chunked_prefill and num_new > budget:
+            got = self._allocate_new(request, budget)
+            if got is None:
                 break
-            num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, 0, num_new, hit_blocks, self._lookahead(num_hit + num_new)) is None:
-                break
+            num_hit, num_new, block_ids, kv_slots, kv_next_full = got
             self.waiting.pop()
             new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
-                request.sampling_params, self.kv.block_ids(request.request_id), num_hit,
-                sorted(suppressed_tokens(request)),
+                request.sampling_params, block_ids, num_hit, sorted(suppressed_tokens(request)),
             ))
-            self._admit(request, num_hit, num_new)
+            self._admit(request, num_hit, num_new, kv_slots, kv_next_full)
             req_ids.append(request.request_id)
             num_scheduled.append(num_new)
             budget -= num_new
         return budget
 
-    def _admit(self, request: Request, num_hit: int, num_new: int) -> None:
-        kv_slots, kv_next_full = self.kv.slots_and_next_full(request.request_id)
+    def _allocate_new(self, request: Request, budget: int) -> tuple[int, int, list[int], int, int] | None:
+        """A waiting request's prefix hits and first slots within ``budget``: (tokens hit, tokens to compute now,
+        its block ids, ``slots_and_next_full``), or None when it does not fit this step."""
+        kv = self.kv
+        if self._native is not None:
+            return self._native.admit(request, budget, self.chunked_prefill, self._step_lookahead,
+                                      self.max_model_len, kv.req_blocks, kv.num_cached_blocks, kv.pool,
+                                      kv.pool.free_queue, kv.block_size, kv.enable_caching, ROOT_HASH,
+                                      extend_block_hashes)
+        hit_blocks, num_hit = kv.get_computed_blocks(request)
+        num_new = request.num_tokens - num_hit
+        if not self.chunked_prefill and num_new > budget:
+            return None
+        num_new = min(num_new, budget)
+        if kv.allocate_slots(request, 0, num_new, hit_blocks, self._lookahead(num_hit + num_new)) is None:
+            return None
+        return (num_hit, num_new, kv.block_ids(request.request_id), *kv.slots_and_next_full(request.request_id))
+
+    def _admit(self, request: Request, num_hit: int, num_new: int, kv_slots: int, kv_next_full: int) -> None:
         self.running.append(request, num_hit + num_new, kv_slots, kv_next_full)
         self._needs_sort = True
         self._dropped_req_ids.discard(request.request_id)
@@ -360,11 +377,20 @@ class Scheduler(Intake):
         self._stats.prefix_cache_hits += num_hit
         self._stats.num_prompt_tokens += request.num_tokens - num_hit
 
+    def _free_kv(self, request: Request) -> None:
+        """``kv.free(request)`` (natively where the fast path is built)."""
+        if self._native is None:
+            self.kv.free(request)
+            return
+        blocks = self.kv.req_blocks.pop(request.request_id, [])
+        self.kv.num_cached_blocks.pop(request.request_id, None)
+        self._native.free_blocks(blocks, self.kv.pool.free_queue)
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """End ``request`` (the caller takes it out of the running batch or the waiting queue)."""
         request.status = status
         request.spec_token_ids = []
-        self.kv.free(request)
+        self._free_kv(request)
         self._dropped_req_ids.add(request.request_id)
         self.stop_rules.remove(request)
         del self.requests[request.request_id]

@@ -28,8 +28,7 @@ from pagellm.sched.scheduler import Scheduler
 
 class _PlainScheduler(Scheduler):
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._native = None  # every hook below is Python
+        super().__init__(*args, **kwargs, fast_path=False)  # every hook below is Python
 
     def schedule(self):
         self._needs_sort = True  # sort every step
@@ -93,8 +92,7 @@ class _NumpyScheduler(Scheduler):
     """The scheduler with its numpy fast paths only (where the native one does not build)."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._native = None
+        super().__init__(*args, **kwargs, fast_path=False)
 
 
 def _make(cls: type[Scheduler], caching: bool, lookahead: int, num_blocks: int, policy: str,

@@ -83,6 +83,10 @@ struct FreeQueue {
 // ``FreeBlockQueue.popleft`` + ``BlockPool.get_new_block``'s eviction (the caller checked that a block is free).
 PyObject *take_block(FreeQueue &fq, PyObject *cached, Py_ssize_t &evictions) {
     PyObject *block = slot(fq.head, off_next_free);  // borrowed: the links hold it
+    if (block == fq.tail) {
+        PyErr_SetString(PyExc_ValueError, "no free KV blocks left");
+        return nullptr;
+    }
     PyObject *next = slot(block, off_next_free);
     Py_INCREF(block);  // the caller's reference, from here on
     set_slot(fq.head, off_next_free, next);
@@ -343,17 +347,9 @@ PyObject *schedule_running(PyObject *, PyObject *args) {
         if (g > 0 && (r > kv_slots[i] || end >= next_full[i])) {
             event[i] = 1;
             events += 1;
-            if (r > kv_slots[i]) {
-                PyObject *held = PyDict_GetItemWithError(m.req_blocks, PyList_GET_ITEM(req_ids, i));
-                if (held == nullptr || !PyList_CheckExact(held)) {
-                    if (!PyErr_Occurred())
-                        PyErr_Format(PyExc_KeyError, "running request %R holds no block list",
-                                     PyList_GET_ITEM(req_ids, i));
-                    return nullptr;
-                }
-                int64_t more = ceil_div(r, bs) - PyList_GET_SIZE(held);
-                blocks_needed += more > 0 ? more : 0;
-            }
+            // kv_slots is the row's blocks times the block size (the column mirrors the manager), so the blocks
+            // it lacks follow without touching its block list.
+            if (r > kv_slots[i]) blocks_needed += ceil_div(r, bs) - kv_slots[i] / bs;
         }
     }
     FreeQueue fq{};
@@ -471,10 +467,246 @@ PyObject *take_tokens(PyObject *, PyObject *args) {
     return looked;
 }
 
+// ``FreeBlockQueue.remove`` (a free block found in the prefix cache).
+void unlink_block(FreeQueue &fq, PyObject *block) {
+    PyObject *prev = slot(block, off_prev_free), *next = slot(block, off_next_free);
+    set_slot(prev, off_next_free, next);  // prev and next stay alive: the queue links hold them
+    set_slot(next, off_prev_free, prev);
+    set_slot(block, off_prev_free, Py_None);
+    set_slot(block, off_next_free, Py_None);
+    fq.num_free -= 1;
+}
+
+bool write_free_count(const FreeQueue &fq) {
+    PyObject *num = PyLong_FromSsize_t(fq.num_free);
+    bool ok = num != nullptr && PyObject_SetAttr(fq.queue, s_num_free_blocks, num) == 0;
+    Py_XDECREF(num);
+    return ok;
+}
+
+// admit(request, budget, chunked_prefill, step_lookahead, max_model_len, req_blocks, num_cached_blocks, pool,
+//       free_queue, block_size, caching, root_hash, hash_fallback)
+//   -> None (the request does not fit this step: nothing changed but its block hashes)
+//    | (num_hit, num_new, block_ids, kv_slots, kv_next_full)
+//   A waiting request's admission, as Scheduler._schedule_waiting does it through the KV manager:
+//   ``hash_blocks``, ``get_computed_blocks``, the chunk rule, ``allocate_slots`` (touching the hits, new blocks from
+//   the free queue, registering the blocks the step fills), ``block_ids`` and ``slots_and_next_full``.
+PyObject *admit(PyObject *, PyObject *args) {
+    PyObject *request, *pool, *queue;
+    Py_ssize_t block_size;
+    long long budget, step_lookahead, max_model_len;
+    int chunked, caching;
+    Manager m{};
+    if (!PyArg_ParseTuple(args, "OLpLLO!O!OOnpO!O", &request, &budget, &chunked, &step_lookahead, &max_model_len,
+                          &PyDict_Type, &m.req_blocks, &PyDict_Type, &m.num_cached_blocks, &pool, &queue,
+                          &block_size, &caching, &PyBytes_Type, &m.root, &m.hash_fallback))
+        return nullptr;
+    if (off_block_id < 0) return PyErr_Format(PyExc_RuntimeError, "bind(KVBlock) first");
+    m.block_size = block_size;
+    const int64_t bs = block_size;
+    m.cached = PyObject_GetAttr(pool, s_cached);
+    if (m.cached == nullptr) return nullptr;
+    Py_DECREF(m.cached);
+    PyObject *rid = PyObject_GetAttr(request, s_request_id);
+    PyObject *tokens = rid ? PyObject_GetAttr(request, s_all_token_ids) : nullptr;
+    PyObject *hashes = tokens ? PyObject_GetAttr(request, s_block_hashes) : nullptr;
+    PyObject *result = nullptr, *held = nullptr;
+    std::vector<PyObject *> hits;  // borrowed: the prefix-cache table holds them
+    FreeQueue fq{};
+    if (hashes == nullptr || !PyList_CheckExact(tokens) || !PyList_CheckExact(hashes) || !PyDict_Check(m.cached)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "unexpected request or pool layout");
+        goto done;
+    }
+    if (!read_queue(queue, fq)) goto done;
+    {
+        const Py_ssize_t num_tokens = PyList_GET_SIZE(tokens);
+        int64_t num_hit = 0;
+        if (caching) {
+            if (num_tokens >= (PyList_GET_SIZE(hashes) + 1) * block_size) {  // ``hash_blocks``
+                PyObject *salt = PyObject_GetAttr(request, s_cache_salt);
+                if (salt == nullptr) goto done;
+                int salted = PyObject_IsTrue(salt);
+                int rc = salted < 0 ? -1 : 1;
+                if (salted == 0) rc = extend_hashes(hashes, tokens, block_size, m.root);
+                if (rc == 1) {
+                    PyObject *extra = salted ? PyTuple_Pack(1, salt) : Py_NewRef(Py_None);
+                    PyObject *size = PyLong_FromSsize_t(block_size);
+                    PyObject *res = extra && size ? PyObject_CallFunctionObjArgs(m.hash_fallback, hashes, tokens,
+                                                                                 size, extra, nullptr) : nullptr;
+                    rc = res ? 0 : -1;
+                    Py_XDECREF(res);
+                    Py_XDECREF(size);
+                    Py_XDECREF(extra);
+                }
+                Py_DECREF(salt);
+                if (rc != 0) goto done;
+            }
+            // ``get_computed_blocks``: the last token is always computed, so at most num_tokens - 1 tokens hit.
+            Py_ssize_t max_blocks = (num_tokens - 1) / block_size;
+            Py_ssize_t limit = PyList_GET_SIZE(hashes) < max_blocks ? PyList_GET_SIZE(hashes) : max_blocks;
+            for (Py_ssize_t b = 0; b < limit; ++b) {
+                PyObject *block = PyDict_GetItemWithError(m.cached, PyList_GET_ITEM(hashes, b));
+                if (block == nullptr) {
+                    if (PyErr_Occurred()) goto done;
+                    break;
+                }
+                hits.push_back(block);
+            }
+            num_hit = static_cast<int64_t>(hits.size()) * bs;
+        }
+        int64_t num_new = num_tokens - num_hit;
+        if (!chunked && num_new > budget) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        num_new = num_new < budget ? num_new : budget;
+        int64_t lookahead = max_model_len - (num_hit + num_new);
+        lookahead = lookahead < step_lookahead ? lookahead : step_lookahead;
+        lookahead = lookahead > 0 ? lookahead : 0;
+        // ``allocate_slots(request, 0, num_new, hits, lookahead)`` for a request that holds no blocks yet.
+        const Py_ssize_t num_hits = static_cast<Py_ssize_t>(hits.size());
+        Py_ssize_t num_new_blocks = static_cast<Py_ssize_t>(ceil_div(num_hit + num_new + lookahead, bs)) - num_hits;
+        Py_ssize_t num_free_hits = 0;
+        for (PyObject *block : hits) {
+            long ref = PyLong_AsLong(slot(block, off_ref_cnt));
+            if (ref == -1 && PyErr_Occurred()) goto done;
+            num_free_hits += ref == 0;
+        }
+        if ((num_new_blocks > 0 || num_hits) && num_new_blocks > fq.num_free - num_free_hits) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        held = PyList_New(0);
+        if (held == nullptr || PyDict_SetItem(m.req_blocks, rid, held) < 0) goto done;
+        Py_ssize_t evictions = 0;
+        for (PyObject *block : hits) {  // ``BlockPool.touch``
+            long ref = PyLong_AsLong(slot(block, off_ref_cnt));
+            if (ref == 0) unlink_block(fq, block);
+            PyObject *bumped = PyLong_FromLong(ref + 1);
+            if (bumped == nullptr) goto done;
+            set_slot(block, off_ref_cnt, bumped);
+            Py_DECREF(bumped);
+            if (PyList_Append(held, block) < 0) goto done;
+        }
+        if (num_hits) {
+            PyObject *count = PyLong_FromSsize_t(num_hits);
+            int rc = count ? PyDict_SetItem(m.num_cached_blocks, rid, count) : -1;
+            Py_XDECREF(count);
+            if (rc < 0) goto done;
+        }
+        for (Py_ssize_t i = 0; i < num_new_blocks; ++i) {
+            PyObject *block = take_block(fq, m.cached, evictions);
+            int rc = block ? PyList_Append(held, block) : -1;
+            Py_XDECREF(block);
+            if (rc < 0) goto done;
+        }
+        bool ok = write_free_count(fq) && (!evictions || add_to_attr(pool, s_num_evictions, evictions));
+        if (!ok) goto done;
+        int64_t num_cached = num_hits;
+        if (caching) {  // ``cache_full_blocks(request, min(num_hit + num_new, num_tokens))``
+            int64_t final = num_hit + num_new < num_tokens ? num_hit + num_new : num_tokens;
+            if (final / bs > num_cached) {
+                if (!register_blocks(m, request, rid, held, static_cast<Py_ssize_t>(num_cached),
+                                     static_cast<Py_ssize_t>(final / bs)))
+                    goto done;
+                num_cached = final / bs;
+            }
+        }
+        Py_ssize_t num_held = PyList_GET_SIZE(held);
+        PyObject *ids = PyList_New(num_held);
+        if (ids == nullptr) goto done;
+        for (Py_ssize_t i = 0; i < num_held; ++i)
+            PyList_SET_ITEM(ids, i, Py_NewRef(slot(PyList_GET_ITEM(held, i), off_block_id)));
+        int64_t next_full = caching ? (num_cached + 1) * bs : (int64_t(1) << 62);
+        result = Py_BuildValue("(LLNLL)", static_cast<long long>(num_hit), static_cast<long long>(num_new), ids,
+                               static_cast<long long>(num_held * bs), static_cast<long long>(next_full));
+    }
+done:
+    Py_XDECREF(held);
+    Py_XDECREF(hashes);
+    Py_XDECREF(tokens);
+    Py_XDECREF(rid);
+    return result;
+}
+
+// free_blocks(blocks, free_queue): ``KVCacheManager.free``'s pool part, ``BlockPool.free_blocks(reversed(blocks))``:
+// drop one reference from each block, tail first; those that reach zero join the free queue's tail in that order.
+PyObject *free_blocks(PyObject *, PyObject *args) {
+    PyObject *blocks, *queue;
+    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &blocks, &queue)) return nullptr;
+    if (off_block_id < 0) return PyErr_Format(PyExc_RuntimeError, "bind(KVBlock) first");
+    FreeQueue fq{};
+    if (!read_queue(queue, fq)) return nullptr;
+    PyObject *last = slot(fq.tail, off_prev_free);
+    Py_INCREF(last);
+    bool ok = true;
+    for (Py_ssize_t i = PyList_GET_SIZE(blocks) - 1; ok && i >= 0; --i) {
+        PyObject *block = PyList_GET_ITEM(blocks, i);
+        if (!is_block(block)) {
+            PyErr_SetString(PyExc_TypeError, "a request's blocks must be KVBlocks");
+            ok = false;
+            break;
+        }
+        long ref = PyLong_AsLong(slot(block, off_ref_cnt)) - 1;
+        if (ref < 0) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_AssertionError, "block %R freed twice", block);
+            ok = false;
+            break;
+        }
+        PyObject *count = PyLong_FromLong(ref);
+        if (count == nullptr) {
+            ok = false;
+            break;
+        }
+        set_slot(block, off_ref_cnt, count);
+        Py_DECREF(count);
+        if (ref) continue;
+        set_slot(last, off_next_free, block);  // ``FreeBlockQueue.extend``, one block at a time
+        set_slot(block, off_prev_free, last);
+        Py_SETREF(last, Py_NewRef(block));
+        fq.num_free += 1;
+    }
+    set_slot(last, off_next_free, fq.tail);
+    set_slot(fq.tail, off_prev_free, last);
+    Py_DECREF(last);
+    ok = write_free_count(fq) && ok;
+    if (!ok) return nullptr;
+    Py_RETURN_NONE;
+}
+
+// compact_rows(columns, n, rows): ``RunningBatch.remove_rows``'s column part: drop the given rows (ascending,
+// distinct, below n) from every column, the others keeping their order, in one pass per column.
+PyObject *compact_rows(PyObject *, PyObject *args) {
+    PyObject *array, *rows;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OnO!", &array, &n, &PyList_Type, &rows)) return nullptr;
+    Columns cols;
+    if (!cols.open(array, 6)) return nullptr;
+    const Py_ssize_t k = PyList_GET_SIZE(rows);
+    std::vector<Py_ssize_t> drop(k);
+    for (Py_ssize_t i = 0; i < k; ++i) {
+        drop[i] = PyLong_AsSsize_t(PyList_GET_ITEM(rows, i));
+        if (drop[i] == -1 && PyErr_Occurred()) return nullptr;
+        if (drop[i] < 0 || drop[i] >= n || drop[i] > cols.stride || (i && drop[i] <= drop[i - 1]))
+            return PyErr_Format(PyExc_ValueError, "rows must be ascending, distinct and below %zd", n);
+    }
+    for (Py_ssize_t c = 0; c < cols.view.shape[0]; ++c) {
+        int64_t *column = cols[c];
+        for (Py_ssize_t i = 0; i < k; ++i) {  // the run after drop[i] moves up by i + 1
+            Py_ssize_t from = drop[i] + 1, to = i + 1 < k ? drop[i + 1] : n;
+            memmove(column + from - (i + 1), column + from, static_cast<size_t>(to - from) * sizeof(int64_t));
+        }
+    }
+    Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"bind", bind, METH_VARARGS, "bind(KVBlock): learn the block type's slot layout"},
     {"schedule_running", schedule_running, METH_VARARGS, "the running requests' share of a step (see the source)"},
     {"take_tokens", take_tokens, METH_VARARGS, "append a step's sampled tokens; the rows to look at"},
+    {"admit", admit, METH_VARARGS, "a waiting request's prefix-cache look-up and first slots (see the source)"},
+    {"compact_rows", compact_rows, METH_VARARGS, "drop rows from the running batch's columns"},
+    {"free_blocks", free_blocks, METH_VARARGS, "return a request's blocks to the free queue, tail first"},
     {nullptr, nullptr, 0, nullptr},
 };
 
