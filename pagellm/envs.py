@@ -32,6 +32,12 @@ def native_decoder() -> bool:
     return os.environ.get("PAGELLM_NATIVE_DECODER", "1") != "0"
 
 
+def native_scheduler() -> bool:
+    """``PAGELLM_NATIVE_SCHEDULER``: ``0`` keeps the scheduler on its numpy and Python paths instead of the native
+    fast path (``pagellm/sched/native.py``); default on."""
+    return os.environ.get("PAGELLM_NATIVE_SCHEDULER", "1") != "0"
+
+
 def log_level() -> str:
     """``PAGELLM_LOG_LEVEL``: the level of pagellm's loggers (default INFO)."""
     return os.environ.get("PAGELLM_LOG_LEVEL", "INFO").upper()

@@ -10,11 +10,11 @@ import functools
 import importlib.machinery
 import importlib.util
 import logging
-import os
 import sysconfig
 from pathlib import Path
 from types import ModuleType
 
+from pagellm import envs
 from pagellm.kv.block import KVBlock
 from pagellm.native_build import build
 
@@ -28,7 +28,7 @@ FLAGS = ["-O2", "-fPIC", "-shared", "-std=c++17", "-fno-strict-aliasing", "-Wno-
 @functools.lru_cache(maxsize=1)
 def fastpath() -> ModuleType | None:
     """The extension module (bound to ``KVBlock``), or ``None`` when it is switched off or does not build."""
-    if os.environ.get("PAGELLM_NATIVE_SCHEDULER", "1") == "0":
+    if not envs.native_scheduler():
         return None
     try:
         include = Path(sysconfig.get_paths()["include"])
