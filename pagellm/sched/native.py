@@ -31,9 +31,9 @@ def fastpath() -> ModuleType | None:
     if not envs.native_scheduler():
         return None
     try:
-        include = Path(sysconfig.get_paths()["include"])
+        include = sysconfig.get_paths()["include"]  # in the flags, so in the build's key (not hashed file by file)
         suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-        path = build(SOURCE, FLAGS, NAME + suffix, [include], ["-lcrypto"])
+        path = build(SOURCE, [*FLAGS, f"-I{include}"], NAME + suffix, link=["-lcrypto"])
         spec = importlib.util.spec_from_file_location(NAME, path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)

@@ -157,6 +157,28 @@ struct Manager {
     Py_ssize_t block_size;
 };
 
+// ``extend_block_hashes(request.block_hashes, request.all_token_ids, block_size, (salt,) or None)``: natively for an
+// unsalted request, through the Python twin for a salted one (or tokens outside int32, whose error it raises).
+bool hash_full_blocks(const Manager &m, PyObject *request, PyObject *hashes, PyObject *tokens) {
+    PyObject *salt = PyObject_GetAttr(request, s_cache_salt);
+    if (salt == nullptr) return false;
+    int salted = PyObject_IsTrue(salt);
+    int rc = salted < 0 ? -1 : 1;
+    if (salted == 0 && PyList_CheckExact(tokens)) rc = extend_hashes(hashes, tokens, m.block_size, m.root);
+    if (rc == 1) {
+        PyObject *extra = salted ? PyTuple_Pack(1, salt) : Py_NewRef(Py_None);
+        PyObject *size = PyLong_FromSsize_t(m.block_size);
+        PyObject *res = extra && size ? PyObject_CallFunctionObjArgs(m.hash_fallback, hashes, tokens, size, extra,
+                                                                     nullptr) : nullptr;
+        rc = res ? 0 : -1;
+        Py_XDECREF(res);
+        Py_XDECREF(size);
+        Py_XDECREF(extra);
+    }
+    Py_DECREF(salt);
+    return rc == 0;
+}
+
 // ``KVCacheManager._register``: hash (if not done yet) and register blocks ``start .. end - 1`` of ``request``.
 bool register_blocks(const Manager &m, PyObject *request, PyObject *rid, PyObject *held, Py_ssize_t start,
                      Py_ssize_t end) {
@@ -169,24 +191,7 @@ bool register_blocks(const Manager &m, PyObject *request, PyObject *rid, PyObjec
         ok = true;
     } else {
         PyObject *tokens = PyObject_GetAttr(request, s_all_token_ids);
-        PyObject *salt = tokens ? PyObject_GetAttr(request, s_cache_salt) : nullptr;
-        if (salt != nullptr) {
-            int salted = PyObject_IsTrue(salt);
-            int rc = salted < 0 ? -1 : 1;
-            if (salted == 0 && PyList_CheckExact(tokens)) rc = extend_hashes(hashes, tokens, m.block_size, m.root);
-            if (rc == 1) {  // salted, or tokens the fast path does not take: the Python twin
-                PyObject *extra = salted ? PyTuple_Pack(1, salt) : Py_NewRef(Py_None);
-                PyObject *size = PyLong_FromSsize_t(m.block_size);
-                PyObject *res = extra && size ? PyObject_CallFunctionObjArgs(m.hash_fallback, hashes, tokens, size,
-                                                                             extra, nullptr) : nullptr;
-                rc = res ? 0 : -1;
-                Py_XDECREF(res);
-                Py_XDECREF(size);
-                Py_XDECREF(extra);
-            }
-            ok = rc == 0;
-            Py_DECREF(salt);
-        }
+        ok = tokens != nullptr && hash_full_blocks(m, request, hashes, tokens);
         Py_XDECREF(tokens);
     }
     if (ok && PyList_GET_SIZE(hashes) < end) {
@@ -523,23 +528,7 @@ PyObject *admit(PyObject *, PyObject *args) {
         int64_t num_hit = 0;
         if (caching) {
             if (num_tokens >= (PyList_GET_SIZE(hashes) + 1) * block_size) {  // ``hash_blocks``
-                PyObject *salt = PyObject_GetAttr(request, s_cache_salt);
-                if (salt == nullptr) goto done;
-                int salted = PyObject_IsTrue(salt);
-                int rc = salted < 0 ? -1 : 1;
-                if (salted == 0) rc = extend_hashes(hashes, tokens, block_size, m.root);
-                if (rc == 1) {
-                    PyObject *extra = salted ? PyTuple_Pack(1, salt) : Py_NewRef(Py_None);
-                    PyObject *size = PyLong_FromSsize_t(block_size);
-                    PyObject *res = extra && size ? PyObject_CallFunctionObjArgs(m.hash_fallback, hashes, tokens,
-                                                                                 size, extra, nullptr) : nullptr;
-                    rc = res ? 0 : -1;
-                    Py_XDECREF(res);
-                    Py_XDECREF(size);
-                    Py_XDECREF(extra);
-                }
-                Py_DECREF(salt);
-                if (rc != 0) goto done;
+                if (!hash_full_blocks(m, request, hashes, tokens)) goto done;
             }
             // ``get_computed_blocks``: the last token is always computed, so at most num_tokens - 1 tokens hit.
             Py_ssize_t max_blocks = (num_tokens - 1) / block_size;
