@@ -20,6 +20,8 @@ Only tokens that are final (never draft tokens) are hashed into the cache.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from pagellm.kv.block import BlockId, KVBlock
 from pagellm.kv.block_pool import BlockPool
 from pagellm.kv.hashing import extend_block_hashes
@@ -39,6 +41,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[RequestId, list[KVBlock]] = {}
         self.num_cached_blocks: dict[RequestId, int] = {}  # leading blocks of a request registered in the cache
+        # Returns a freed request's blocks to the pool as ``pool.free_blocks(reversed(blocks))`` does; the scheduler
+        # sets its native twin here (sched/native.py).
+        self.release_blocks: Callable[[list[KVBlock]], None] | None = None
 
     @property
     def usage(self) -> float:
@@ -148,7 +153,10 @@ class KVCacheManager:
         """Return all of a request's blocks, tail first, so its least shareable blocks are evicted first."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        if self.release_blocks is not None:
+            self.release_blocks(blocks)
+        else:
+            self.pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -88,10 +88,10 @@ class RunningBatch:
         n = len(self.requests)
         if self._compact is not None:
             self._compact(self._columns, n, rows)
-        for row in reversed(rows):  # a step removes a few rows: shifting each is cheaper than a masked copy
-            if row < n - 1 and self._compact is None:
-                self._columns[:, row:n - 1] = self._columns[:, row + 1:n]
-            n -= 1
+        else:
+            for end, row in enumerate(reversed(rows), start=1):  # shifting each row's tail beats a masked copy
+                self._columns[:, row:n - end] = self._columns[:, row + 1:n - end + 1]
+        for row in reversed(rows):
             del self.requests[row]
             del self.req_ids[row]
             del self.token_lists[row]

@@ -28,10 +28,10 @@ import numpy as np
 
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.kv.block import KVBlock
+from pagellm.kv.hashing import ROOT_HASH, extend_block_hashes
 from pagellm.kv.manager import KVCacheManager
 from pagellm.metrics.stats import SchedulerStats, SpecDecodingStats
 from pagellm.request import Request, RequestStatus
-from pagellm.kv.hashing import ROOT_HASH, extend_block_hashes
 from pagellm.sched.intake import Intake, _Step
 from pagellm.sched.native import fastpath
 from pagellm.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -83,6 +83,9 @@ class Scheduler(Intake):
         self.waiting = make_queue(config.scheduling_policy)
         self._native = fastpath() if fast_path else None  # the step loops in C (sched/native.py)
         self.running = RunningBatch(compact=self._native.compact_rows if self._native is not None else None)
+        if self._native is not None:
+            free_queue, release = self.kv.pool.free_queue, self._native.free_blocks
+            self.kv.release_blocks = lambda blocks: release(blocks, free_queue)
         self.requests: dict[str, Request] = {}
         self.stop_rules = StopRules(max_model_len)
         self._dropped_req_ids: set[str] = set()  # workers must forget these at the next step
@@ -318,7 +321,7 @@ class Scheduler(Intake):
     def _preempt(self, request: Request) -> None:
         assert request is self.running.requests[-1], "only the last running request is preempted"
         self.running.remove_rows([len(self.running) - 1])
-        self._free_kv(request)
+        self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.spec_token_ids = []
         request.num_preemptions += 1
@@ -377,20 +380,11 @@ class Scheduler(Intake):
         self._stats.prefix_cache_hits += num_hit
         self._stats.num_prompt_tokens += request.num_tokens - num_hit
 
-    def _free_kv(self, request: Request) -> None:
-        """``kv.free(request)`` (natively where the fast path is built)."""
-        if self._native is None:
-            self.kv.free(request)
-            return
-        blocks = self.kv.req_blocks.pop(request.request_id, [])
-        self.kv.num_cached_blocks.pop(request.request_id, None)
-        self._native.free_blocks(blocks, self.kv.pool.free_queue)
-
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """End ``request`` (the caller takes it out of the running batch or the waiting queue)."""
         request.status = status
         request.spec_token_ids = []
-        self._free_kv(request)
+        self.kv.free(request)
         self._dropped_req_ids.add(request.request_id)
         self.stop_rules.remove(request)
         del self.requests[request.request_id]
