@@ -92,6 +92,7 @@ def _serve(config: EngineConfig, inputs: queue.Queue[EngineCoreInput | None], ou
         return 1
     finally:
         core.shutdown()
+        gc.unfreeze()  # the heap is the collector's again (``_serve`` also runs in-process, in tests)
     return 0
 
 
