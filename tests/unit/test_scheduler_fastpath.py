@@ -197,3 +197,25 @@ def test_fast_paths_match_the_plain_path(seed, caching, lookahead, num_blocks, p
     assert mid_step_aborts > 0
     if fast_cls is _NativeCounting and not lookahead:  # native: most steps (not those of a short pool, or drafts)
         assert fast.native_steps > steps // 4 and fast.native_intakes > steps // 4, (fast.native_steps, steps)
+
+
+def test_native_calls_refuse_inputs_outside_their_contract():
+    """The native calls check what they index with (rows, counts, column layout) and raise instead of reading or
+    writing past the running batch's columns."""
+    from pagellm.sched.native import fastpath
+
+    native = fastpath()
+    assert native is not None, "the native scheduler fast path did not build (g++, libssl-dev)"
+    columns = np.arange(48, dtype=np.int64).reshape(6, 8)
+    with pytest.raises(ValueError, match="ascending"):
+        native.compact_rows(columns, 4, [2, 1])
+    with pytest.raises(ValueError, match="columns of 8"):
+        native.compact_rows(columns, 9, [0])
+    with pytest.raises(TypeError, match="int64"):
+        native.compact_rows(columns.astype(np.int32), 4, [0])
+    for counts, flat in (([1, 1], [5]), ([-1, 2], [5])):
+        with pytest.raises(ValueError, match="do not match"):
+            native.take_tokens(columns, 2, counts, flat, [[], []], {})
+    assert columns.tolist() == np.arange(48).reshape(6, 8).tolist()  # nothing was touched
+    native.compact_rows(columns, 4, [1, 2])
+    assert columns[0, :2].tolist() == [0, 3] and columns[5, :2].tolist() == [40, 43]

@@ -1,14 +1,15 @@
 // The scheduler's per-step loops over the running batch, as a CPython extension (pagellm/sched/native.py).
 //
-// Two calls per step replace the numpy column work and the per-row Python of the common step (no draft tokens,
-// the pool large enough for every row): ``schedule_running`` hands the token budget out over the RunningBatch
+// A few calls take the common step (no draft tokens, the pool large enough for every row) instead of the numpy
+// column work and the per-row Python: ``schedule_running`` hands the token budget out over the RunningBatch
 // columns, serves the rows that need the KV manager (a new block, a block that fills: allocation from the free
 // queue with lazy eviction, chained SHA-256 block hashes, registration in the prefix-cache table) and builds the
-// step's lists; ``take_tokens`` appends the sampled tokens and picks the rows that need a stop rule or a first
-// output. They work on the very Python objects the Python paths use (KVBlock slots, the free queue's links, the
-// manager's dicts, the requests' token and hash lists), in the same order, so every block id, hash, free-list
-// position and dict entry is what the Python twin (KVCacheManager.allocate_running, Intake._append_all /
-// _needs_look) produces; tests/unit/test_scheduler_fastpath.py drives both in lockstep. Anything out of the
+// step's lists; ``admit`` does a waiting request's prefix look-up and first slots; ``take_tokens`` appends the
+// sampled tokens and picks the rows that need a stop rule or a first output; ``free_blocks`` and ``compact_rows``
+// return a finished request's blocks and drop its row. They work on the very Python objects the Python paths use
+// (KVBlock slots, the free queue's links, the manager's dicts, the requests' token and hash lists), in the same
+// order, so every block id, hash, free-list position and dict entry is what the Python twins (KVCacheManager,
+// BlockPool, Intake) produce; tests/unit/test_scheduler_fastpath.py drives both in lockstep. Anything out of the
 // common case (drafts, a pool that runs short, a salted request's hash) is left to the Python paths.
 
 #define PY_SSIZE_T_CLEAN
@@ -57,7 +58,7 @@ struct Columns {
     Py_ssize_t stride = 0;  // elements per column
     bool open(PyObject *array, Py_ssize_t num_columns) {
         if (PyObject_GetBuffer(array, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) return false;
-        if (view.ndim != 2 || view.itemsize != 8 || view.shape[0] < num_columns || strcmp(view.format, "l") != 0) {
+        if (view.ndim != 2 || view.itemsize != 8 || view.shape[0] < num_columns || (strcmp(view.format, "l") != 0 && strcmp(view.format, "q") != 0)) {
             PyBuffer_Release(&view);
             PyErr_SetString(PyExc_TypeError, "the running batch's columns must be a 2-D C-contiguous int64 array");
             return false;
@@ -427,17 +428,23 @@ PyObject *take_tokens(PyObject *, PyObject *args) {
     if (!cols.open(array, 6)) return nullptr;
     if (n > cols.stride) return PyErr_Format(PyExc_ValueError, "%zd rows in columns of %zd", n, cols.stride);
     int64_t *num_tokens = cols[NUM_TOKENS], *check_at = cols[CHECK_AT];
-    Py_ssize_t num_flat = PyList_GET_SIZE(flat), start = 0;
+    Py_ssize_t num_flat = PyList_GET_SIZE(flat), start = 0, total = 0;
+    std::vector<Py_ssize_t> counts(n);
+    bool negative = false;
+    for (Py_ssize_t i = 0; i < n && !negative; ++i) {  // checked before anything changes
+        counts[i] = PyLong_AsSsize_t(PyList_GET_ITEM(sampled, i));
+        negative = counts[i] < 0;
+        total += counts[i];
+    }
+    if (PyErr_Occurred()) return nullptr;
+    if (negative || total != num_flat)
+        return PyErr_Format(PyExc_ValueError, "token counts (sum %zd) do not match the %zd sampled tokens", total,
+                            num_flat);
     bool any_stops = PyDict_GET_SIZE(stops) > 0;
     PyObject *looked = PyList_New(0);
     if (looked == nullptr) return nullptr;
     for (Py_ssize_t i = 0; i < n; ++i) {
-        Py_ssize_t count = PyLong_AsSsize_t(PyList_GET_ITEM(sampled, i));
-        if (count < 0 || start + count > num_flat) {
-            Py_DECREF(looked);
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "token counts do not match the sampled tokens");
-            return nullptr;
-        }
+        Py_ssize_t count = counts[i];
         if (count == 0) continue;
         PyObject *list = PyList_GET_ITEM(lists, i);
         bool hit = false;
@@ -671,12 +678,13 @@ PyObject *compact_rows(PyObject *, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OnO!", &array, &n, &PyList_Type, &rows)) return nullptr;
     Columns cols;
     if (!cols.open(array, 6)) return nullptr;
+    if (n > cols.stride) return PyErr_Format(PyExc_ValueError, "%zd rows in columns of %zd", n, cols.stride);
     const Py_ssize_t k = PyList_GET_SIZE(rows);
     std::vector<Py_ssize_t> drop(k);
     for (Py_ssize_t i = 0; i < k; ++i) {
         drop[i] = PyLong_AsSsize_t(PyList_GET_ITEM(rows, i));
         if (drop[i] == -1 && PyErr_Occurred()) return nullptr;
-        if (drop[i] < 0 || drop[i] >= n || drop[i] > cols.stride || (i && drop[i] <= drop[i - 1]))
+        if (drop[i] < 0 || drop[i] >= n || (i && drop[i] <= drop[i - 1]))
             return PyErr_Format(PyExc_ValueError, "rows must be ascending, distinct and below %zd", n);
     }
     for (Py_ssize_t c = 0; c < cols.view.shape[0]; ++c) {
