@@ -89,27 +89,29 @@ def serve_args(base_url: str, args: argparse.Namespace, concurrency: int, count:
 
 
 def bench_system(system: systems.System, port: int, args: argparse.Namespace, ctx: systems.Context,
-                 log_dir: Path) -> dict[str, Any]:
+                 log_dir: Path, round_: int = 1) -> dict[str, Any]:
     base_url = f"http://127.0.0.1:{port}"
+    label = f"{system.name} r{round_}" if args.rounds > 1 else system.name
     record: dict[str, Any] = {"system": system.name, "command": shlex.join(system.argv), "env": system.env,
                               "note": system.note, "runs": []}
-    with open(log_dir / f"{system.name.split()[0]}.log", "wb") as log:
+    suffix = f"-r{round_}" if args.rounds > 1 else ""
+    with open(log_dir / f"{system.name.split()[0]}{suffix}.log", "wb") as log:
         proc = subprocess.Popen(system.argv, env=systems.environment(system), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, cwd=systems.REPO)
         sampler = TreeSampler(proc.pid, interval=1.0).start()
         try:
             record["ready_s"] = wait_ready(base_url, proc, args.ready_timeout)
-            print(f"[{system.name}] ready in {record['ready_s']:.1f} s", flush=True)
+            print(f"[{label}] ready in {record['ready_s']:.1f} s", flush=True)
             for concurrency, count in zip(args.concurrency, args.num_prompts):
                 result = bench_serve.run(serve_args(base_url, args, concurrency, count, proc.pid, system, ctx))
                 record["runs"] += result["runs"]
                 m = result["runs"][0]["metrics"]
-                print(f"[{system.name}] c={concurrency}: {m['completed']} ok, {m['failed']} failed, "
+                print(f"[{label}] c={concurrency}: {m['completed']} ok, {m['failed']} failed, "
                       f"{m['output_throughput']:.1f} out tok/s, TTFT p95 {m['p95_ttft_ms']:.0f} ms, "
                       f"TPOT p95 {m['p95_tpot_ms']:.1f} ms", flush=True)
         except Exception as exc:  # a peer that fails is reported, the comparison goes on
             record["error"] = f"{type(exc).__name__}: {exc}"
-            print(f"[{system.name}] FAILED: {record['error']}", flush=True)
+            print(f"[{label}] FAILED: {record['error']}", flush=True)
         finally:
             stop(proc)
             record["peak_rss_mb"] = sampler.stop().peak_rss_mb
@@ -179,6 +181,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ready-timeout", type=float, default=600)
     parser.add_argument("--offline-timeout", type=float, default=1800)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="serve every system this many times, alternating (pagellm, peers, pagellm, ...); the "
+                             "targets then take each round's ratio and report their median (the machine drifts)")
     parser.add_argument("--machine", default=platform.node() or "machine", help="name in the results file")
     parser.add_argument("--notes", default="", help="a line for the results file (e.g. machine load)")
     parser.add_argument("--from-json", default=None, metavar="RESULTS_JSON",
@@ -199,7 +204,7 @@ def redraw(results_json: Path) -> None:
     from pagellm.model.loader import default_model_path, resolve_model_dir
 
     data = json.loads(results_json.read_text())
-    args = argparse.Namespace(**data["args"])
+    args = argparse.Namespace(**{"rounds": 1, **data["args"]})
     ctx = systems.Context(resolve_model_dir(None), default_model_path(), args.dtype, args.threads,
                           max(args.concurrency))
     out = results_json.parent
@@ -220,14 +225,16 @@ def main() -> None:
     out = RESULTS / stem
     (out / "logs").mkdir(parents=True, exist_ok=True)
     served, skipped = [], {}
-    for name in args.systems:
-        port = free_port()
-        system = systems.BUILDERS[name](ctx, port)
-        if system.missing_reason:
-            skipped[system.name] = system.missing_reason
-            print(f"[{system.name}] skipped: {system.missing_reason}", flush=True)
-            continue
-        served.append(bench_system(system, port, args, ctx, out / "logs"))
+    for round_ in range(1, args.rounds + 1):
+        for name in args.systems:
+            port = free_port()
+            system = systems.BUILDERS[name](ctx, port)
+            if system.missing_reason:
+                if round_ == 1:
+                    skipped[system.name] = system.missing_reason
+                    print(f"[{system.name}] skipped: {system.missing_reason}", flush=True)
+                continue
+            served.append({**bench_system(system, port, args, ctx, out / "logs", round_), "round": round_})
     offline = run_offline(args, ctx, out) if args.offline_num_prompts else {}
     command = shlex.join(["python", "benchmarks/compare.py", *sys.argv[1:]])
     (out / "results.json").write_text(json.dumps({"args": vars(args), "served": served, "offline": offline,

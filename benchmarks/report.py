@@ -7,6 +7,7 @@ import os
 import platform
 import shlex
 import sys
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -30,62 +31,84 @@ def _tidy(command: str, ctx: Any) -> str:
             .replace(repo, ""))
 
 
+def _rounds(served: list[dict[str, Any]]) -> list[int]:
+    return sorted({rec.get("round", 1) for rec in served}) or [1]
+
+
+def _label(rec: dict[str, Any], served: list[dict[str, Any]]) -> str:
+    return f"{rec['system']} r{rec.get('round', 1)}" if len(_rounds(served)) > 1 else rec["system"]
+
+
 def _serve_rows(served: list[dict[str, Any]]) -> list[str]:
     rows = ["| system | concurrency | requests ok / failed | output tok/s | TTFT p50 (ms) | TTFT p95 (ms) | "
             "TPOT p50 (ms) | TPOT p95 (ms) | server CPU % | peak RSS (MB) | time to ready (s) |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for rec in served:
+        label = _label(rec, served)
         if not rec["runs"]:
-            rows.append(f"| {rec['system']} | – | – | failed: {rec.get('error', 'no runs')} | | | | | | "
+            rows.append(f"| {label} | – | – | failed: {rec.get('error', 'no runs')} | | | | | | "
                         f"{rec.get('peak_rss_mb', 0):.0f} | {rec.get('ready_s', float('nan')):.1f} |")
         for run in rec["runs"]:
             m, cpu = run["metrics"], run["cpu"] or {}
             rows.append(
-                f"| {rec['system']} | {run['max_concurrency']} | {m['completed']} / {m['failed']} | "
+                f"| {label} | {run['max_concurrency']} | {m['completed']} / {m['failed']} | "
                 f"{m['output_throughput']:.1f} | {m['median_ttft_ms']:.0f} | {m['p95_ttft_ms']:.0f} | "
                 f"{m['median_tpot_ms']:.1f} | {m['p95_tpot_ms']:.1f} | {cpu.get('mean_cpu_percent', 0):.0f} | "
                 f"{rec.get('peak_rss_mb', 0):.0f} | {rec.get('ready_s', float('nan')):.1f} |")
     return rows
 
 
-def _run_at(served: list[dict[str, Any]], name: str, concurrency: int) -> dict[str, Any] | None:
+def _run_at(served: list[dict[str, Any]], name: str, concurrency: int, round_: int = 1) -> dict[str, Any] | None:
     for rec in served:
-        if rec["system"].startswith(name):
+        if rec["system"].startswith(name) and rec.get("round", 1) == round_:
             for run in rec["runs"]:
                 if run["max_concurrency"] == concurrency:
                     return run["metrics"]
     return None
 
 
+def _paired(served: list[dict[str, Any]], name: str, peer: str, conc: int, key: str) -> list[tuple[float, float]]:
+    """(ours, theirs) for ``key`` in every round where both systems measured it: ratios are taken within a round,
+    because the machine drifts between rounds."""
+    pairs = []
+    for round_ in _rounds(served):
+        ours, theirs = _run_at(served, name, conc, round_), _run_at(served, peer, conc, round_)
+        if ours and theirs and theirs[key]:
+            pairs.append((ours[key], theirs[key]))
+    return pairs
+
+
 def _target_rows(served: list[dict[str, Any]], offline: dict[str, dict[str, Any]], conc: int) -> list[str]:
     rows = ["| target | pagellm | peer | ratio | met |", "|---|---:|---:|---:|---|"]
 
-    def add(what: str, ours: float | None, theirs: float | None, goal: float, higher_better: bool) -> None:
-        if ours is None or theirs is None or theirs == 0:
-            rows.append(f"| {what} | {ours if ours is not None else 'n/a'} | {theirs if theirs is not None else 'n/a'}"
-                        f" | – | not measured |")
+    def add(what: str, pairs: list[tuple[float, float]], goal: float, higher_better: bool) -> None:
+        if not pairs:
+            rows.append(f"| {what} | n/a | n/a | – | not measured |")
             return
-        ratio = ours / theirs
+        ratios = [ours / theirs for ours, theirs in pairs]
+        ratio = statistics.median(ratios)
         met = ratio >= goal if higher_better else ratio <= goal
-        rows.append(f"| {what} | {ours:.1f} | {theirs:.1f} | {ratio:.2f}× | {'yes' if met else 'NO'} |")
+        ours, theirs = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+        each = f" (rounds: {', '.join(f'{r:.2f}' for r in ratios)})" if len(ratios) > 1 else ""
+        rows.append(f"| {what} | {ours:.1f} | {theirs:.1f} | {ratio:.2f}×{each} | {'yes' if met else 'NO'} |")
 
-    off_ours = offline.get("pagellm", {}).get("output_throughput")
-    add("offline output tok/s ≥ 2× vLLM", off_ours, offline.get("vLLM", {}).get("output_throughput"), 2.0, True)
-    ours, theirs = _run_at(served, "pagellm", conc), _run_at(served, "vLLM", conc)
+    off_ours, off_theirs = (offline.get(name, {}).get("output_throughput") for name in ("pagellm", "vLLM"))
+    add("offline output tok/s ≥ 2× vLLM", [(off_ours, off_theirs)] if off_ours and off_theirs else [], 2.0, True)
     for key, what, goal, higher in (("output_throughput", f"c={conc} output tok/s ≥ 1.5× vLLM", 1.5, True),
                                     ("p95_ttft_ms", f"c={conc} TTFT p95 ≤ 0.5× vLLM", 0.5, False),
                                     ("p95_tpot_ms", f"c={conc} TPOT p95 ≤ 0.7× vLLM", 0.7, False)):
-        add(what, ours and ours[key], theirs and theirs[key], goal, higher)
-    ours1, llama1 = _run_at(served, "pagellm", 1), _run_at(served, "llama.cpp", 1)
+        add(what, _paired(served, "pagellm", "vLLM", conc, key), goal, higher)
     llama_name = next((r["system"] for r in served if r["system"].startswith("llama.cpp")), "llama.cpp")
-    add(f"c=1 TPOT p50 ≤ {llama_name}", ours1 and ours1["median_tpot_ms"], llama1 and llama1["median_tpot_ms"], 1.0,
-        False)
+    add(f"c=1 TPOT p50 ≤ {llama_name}", _paired(served, "pagellm", "llama.cpp", 1, "median_tpot_ms"), 1.0, False)
+    if len(_rounds(served)) > 1:
+        rows += ["", "Each ratio is the median of the rounds' ratios (pagellm and the peer measured in the same "
+                 "round); the pagellm and peer columns are the medians of their rounds."]
     return rows
 
 
 def write_report(md_path: Path, out: Path, args: argparse.Namespace, ctx: Any, served: list[dict[str, Any]],
                  offline: dict[str, dict[str, Any]], skipped: dict[str, str], command: str | None = None) -> Path:
-    charts = plot.plot_serve([{"label": r["system"], "runs": r["runs"]} for r in served if r["runs"]], str(out))
+    charts = plot.plot_serve([{"label": _label(r, served), "runs": r["runs"]} for r in served if r["runs"]], str(out))
     measured = {k: v["output_throughput"] for k, v in offline.items() if "output_throughput" in v}
     if measured:
         charts.append(plot.plot_bars(measured, f"offline, {args.offline_num_prompts} prompts "
@@ -108,7 +131,8 @@ def write_report(md_path: Path, out: Path, args: argparse.Namespace, ctx: Any, s
         lines.append(f"| {name} | {value} | `{_tidy(rec['command'], ctx)}` |")
     lines += ["", "llama.cpp has no offline batch mode in this harness.", "", f"## Targets (issue 4; c={target_c})",
               "", *_target_rows(served, offline, target_c), "", "## Flags each system got", ""]
-    lines += [f"- **{r['system']}**: {_tidy(r['note'], ctx)}" for r in served]
+    notes = {r["system"]: r["note"] for r in served}  # one line per system, whatever the rounds
+    lines += [f"- **{name}**: {_tidy(note, ctx)}" for name, note in notes.items()]
     lines += [f"- **{name}**: skipped, {why}" for name, why in skipped.items()]
     lines += ["", "## Charts", ""] + [f"![{Path(c).stem}]({out.name}/{Path(c).name})" for c in charts]
     md_path.write_text("\n".join(lines) + "\n")

@@ -1,0 +1,50 @@
+"""benchmarks/report.py's target table over several rounds of benchmarks/compare.py: each ratio is taken between
+pagellm and the peer of the same round (the machine drifts between rounds), and the verdict is on their median."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import report  # noqa: E402
+
+
+def _record(system: str, round_: int, tok_s: float, ttft_p95: float, tpot_p95: float) -> dict:
+    metrics = {"output_throughput": tok_s, "p95_ttft_ms": ttft_p95, "p95_tpot_ms": tpot_p95, "median_tpot_ms": 1.0}
+    return {"system": system, "round": round_, "runs": [{"max_concurrency": 32, "metrics": metrics}]}
+
+
+def _row(rows: list[str], what: str) -> list[str]:
+    return [cell.strip() for cell in next(r for r in rows if what in r).strip("|").split("|")]
+
+
+def test_each_round_pairs_with_its_own_peer_and_the_verdict_is_on_the_median_ratio():
+    served = [_record("pagellm", 1, 500, 2000, 55), _record("vLLM", 1, 400, 2000, 70),   # 1.25x, 0.79x
+              _record("pagellm", 2, 480, 2000, 50), _record("vLLM", 2, 300, 2000, 90),   # 1.60x, 0.56x
+              _record("pagellm", 3, 520, 2000, 52), _record("vLLM", 3, 330, 2000, 76)]   # 1.58x, 0.68x
+    rows = report._target_rows(served, {}, 32)
+    output = _row(rows, "c=32 output")
+    assert output[3].startswith("1.58×") and "rounds: 1.25, 1.60, 1.58" in output[3] and output[4] == "yes"
+    assert output[1:3] == ["500.0", "330.0"]  # the medians of each system's rounds
+    tpot = _row(rows, "TPOT p95")
+    assert tpot[3].startswith("0.68×") and tpot[4] == "yes"
+    assert _row(rows, "TTFT p95")[4] == "NO"  # 1.00x against a 0.5x goal
+    assert _row(rows, "offline")[4] == "not measured" and _row(rows, "c=1 TPOT")[4] == "not measured"
+
+
+def test_a_round_without_the_peer_is_left_out_of_the_ratios():
+    served = [_record("pagellm", 1, 500, 2000, 55), _record("vLLM", 1, 400, 2000, 70),
+              _record("pagellm", 2, 900, 2000, 10)]  # the peer failed in round 2: no ratio from that round
+    output = _row(report._target_rows(served, {}, 32), "c=32 output")
+    assert output[3] == "1.25×" and output[4] == "NO"
+
+
+def test_a_single_round_reads_as_before():
+    served = [_record("pagellm", 1, 600, 1000, 49), _record("vLLM", 1, 400, 2500, 70)]
+    rows = report._target_rows(served, {"pagellm": {"output_throughput": 900.0},
+                                        "vLLM": {"output_throughput": 450.0}}, 32)
+    assert _row(rows, "offline") == ["offline output tok/s ≥ 2× vLLM", "900.0", "450.0", "2.00×", "yes"]
+    assert _row(rows, "output tok/s ≥ 1.5") == ["c=32 output tok/s ≥ 1.5× vLLM", "600.0", "400.0", "1.50×", "yes"]
+    assert _row(rows, "TTFT p95")[3:] == ["0.40×", "yes"]
+    assert not any("median of the rounds" in r for r in rows)
