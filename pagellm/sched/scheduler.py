@@ -84,8 +84,11 @@ class Scheduler(Intake):
         self._native = fastpath() if fast_path else None  # the step loops in C (sched/native.py)
         self.running = RunningBatch(compact=self._native.compact_rows if self._native is not None else None)
         if self._native is not None:
-            free_queue, release = self.kv.pool.free_queue, self._native.free_blocks
-            self.kv.release_blocks = lambda blocks: release(blocks, free_queue)
+            kv, release = self.kv, self._native.free_blocks
+            kv.release_blocks = lambda blocks: release(blocks, kv.pool.free_queue)
+            # The KV manager's state every native KV call takes, in its order (the objects, not copies).
+            self._kv_args = (kv.req_blocks, kv.num_cached_blocks, kv.pool, kv.pool.free_queue, kv.block_size,
+                             kv.enable_caching, ROOT_HASH, extend_block_hashes)
         self.requests: dict[str, Request] = {}
         self.stop_rules = StopRules(max_model_len)
         self._dropped_req_ids: set[str] = set()  # workers must forget these at the next step
@@ -194,11 +197,10 @@ class Scheduler(Intake):
     def _schedule_running_native(self, budget: int) -> _RunningPart | None:
         """``_schedule_running`` in one native call (no drafts held): the same budget rule, KV manager calls and
         columns; None (nothing changed) when the pool cannot serve every row, which the numpy path then handles."""
-        batch, kv, new_block_ids = self.running, self.kv, {}
-        done = self._native.schedule_running(
-            batch._columns, len(batch), budget, self.max_model_len, self._step_lookahead, batch.requests,
-            batch.req_ids, kv.req_blocks, kv.num_cached_blocks, kv.pool, kv.pool.free_queue, kv.block_size,
-            kv.enable_caching, ROOT_HASH, extend_block_hashes, new_block_ids)
+        batch, new_block_ids = self.running, {}
+        done = self._native.schedule_running(batch._columns, len(batch), budget, self.max_model_len,
+                                             self._step_lookahead, batch.requests, batch.req_ids, *self._kv_args,
+                                             new_block_ids)
         if done is None:
             return None
         num_tokens, req_ids, computed, num_scheduled, rows = done
@@ -353,12 +355,10 @@ class Scheduler(Intake):
     def _allocate_new(self, request: Request, budget: int) -> tuple[int, int, list[int], int, int] | None:
         """A waiting request's prefix hits and first slots within ``budget``: (tokens hit, tokens to compute now,
         its block ids, ``slots_and_next_full``), or None when it does not fit this step."""
-        kv = self.kv
         if self._native is not None:
             return self._native.admit(request, budget, self.chunked_prefill, self._step_lookahead,
-                                      self.max_model_len, kv.req_blocks, kv.num_cached_blocks, kv.pool,
-                                      kv.pool.free_queue, kv.block_size, kv.enable_caching, ROOT_HASH,
-                                      extend_block_hashes)
+                                      self.max_model_len, *self._kv_args)
+        kv = self.kv
         hit_blocks, num_hit = kv.get_computed_blocks(request)
         num_new = request.num_tokens - num_hit
         if not self.chunked_prefill and num_new > budget:
