@@ -47,9 +47,10 @@ def _threads(n: int) -> Callable[[], None]:
 # M: one register tile (1..8 rows), 6-row groups with 7/8/9-row remainders, more than one 192-row M block.
 # K: one K block of whole pairs (576), an odd K (37, 5, 1), two K blocks (1100: 550 pairs) and two K blocks ending
 # in a half pair (2049). N: whole 16-column panels, partial last panels (7, 130, 49), fewer columns than a panel.
+# At one or two rows panels go in groups of 8: groups ending in 5, 6 or 7 panels (200, 96, 230 outputs).
 CASES = [(m, 576, 960) for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 15, 64)] + [
     (1, 37, 130), (3, 5, 3), (8, 1, 16), (11, 1100, 49), (2, 2049, 33), (20, 2049, 7), (200, 130, 200),
-    (385, 96, 70), (33, 1536, 576)]
+    (385, 96, 70), (33, 1536, 576), (1, 1100, 200), (1, 576, 96), (2, 1100, 230)]
 
 
 @pytest.mark.parametrize("m,k,n", CASES)
@@ -82,16 +83,19 @@ def test_packed_gemm_rows_do_not_depend_on_the_batch() -> None:
         restore()
     for i in (0, 7, 49):
         assert torch.equal(gemm.packed_linear(x[i:i + 1], packed, 200), together[i:i + 1])
+    assert torch.equal(gemm.packed_linear(x[3:5], packed, 200), together[3:5])
     assert torch.equal(gemm.packed_linear(x[5:25], packed, 200), together[5:25])
 
 
+@pytest.mark.parametrize("m", [1, 32])
 @pytest.mark.parametrize("n", [576, 960, 49])
-def test_packed_gemm_threads_do_not_change_a_bit(n: int) -> None:
-    """Narrow layers (576 outputs: 9 chunks of 4 panels; 960: 15; 49: one chunk) cut their last chunk into one
-    piece per thread; every output is still summed in the same order, so one thread and two give the same bits."""
+def test_packed_gemm_threads_do_not_change_a_bit(n: int, m: int) -> None:
+    """Narrow layers (576 outputs: 9 chunks of 4 panels, or 5 of 8 at one row; 960: 15, or 8; 49: one chunk) cut
+    their last chunk into one piece per thread; every output is still summed in the same order, so one thread and
+    two give the same bits."""
     gen = torch.Generator().manual_seed(n)
     w = torch.randn(n, 1536, generator=gen).to(BF16)
-    x = torch.randn(32, 1536, generator=gen).to(BF16)
+    x = torch.randn(m, 1536, generator=gen).to(BF16)
     packed = gemm.pack(w)
     outs = []
     for threads in (1, 2):

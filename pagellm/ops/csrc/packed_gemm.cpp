@@ -8,7 +8,10 @@
 //
 // The register tile is MR input rows x NR panels (NR * 16 output columns) of float32 accumulators. Per k-pair it
 // loads NR weight lines and broadcasts MR pairs of x (one 32-bit broadcast each), then issues MR*NR dot products:
-// no horizontal reductions, each accumulator is a finished run of 16 outputs. The OpenMP threads take contiguous
+// no horizontal reductions, each accumulator is a finished run of 16 outputs. Each panel stream is prefetched
+// 2 KiB ahead into L2 (_MM_HINT_T1: prefetches into L1 compete with the tile's own loads for L1 miss slots; with
+// T1 the M = 1 pass over SmolLM2's layers streams 5-25 % faster, most when the machine's memory is contended).
+// The OpenMP threads take contiguous
 // runs of panels (chunks, about 8 per thread; the last one cut in one piece per thread when the chunks do not
 // divide among the threads) from a shared counter, so a thread the OS preempts delays only its current chunk (at small M each chunk streams its slice of the weight at DRAM speed), and walk all M rows over
 // each. K is processed in equal blocks of at most kKC pairs: a weight block (NR panels x KC pairs) then
@@ -31,7 +34,7 @@ constexpr int kPanel = 16;           // output columns per panel (one zmm of flo
 constexpr int64_t kPanelPair = 32;   // bf16 elements per k-pair of a panel (64 bytes)
 constexpr int64_t kKC = 512;         // most k-pairs per K block (NR=4: 4 * 512 * 64 B = 128 KiB of weights)
 constexpr int64_t kMC = 192;         // rows per M block (x block at most 192 rows * 2 KiB per K block)
-constexpr int kPrefetchPairs = 16;   // software prefetch distance along a panel (1 KiB ahead)
+constexpr int kPrefetchPairs = 32;   // software prefetch distance along a panel (2 KiB ahead), into L2
 
 inline __m512i pair_at(const uint16_t* p) {
   int32_t v;
@@ -93,7 +96,7 @@ void tile_kernel(const Tile& t) {
     for (int j = 0; j < NR; ++j) {
       b[j] = (__m512bh)_mm512_loadu_si512(w + j * t.panel_stride);
       _mm_prefetch(reinterpret_cast<const char*>(w + j * t.panel_stride + kPrefetchPairs * kPanelPair),
-                   _MM_HINT_T0);
+                   _MM_HINT_T1);
     }
     if (t.pf)
       for (int j = t.pf_first; j < t.pf_end; ++j)
@@ -126,11 +129,19 @@ void tile_kernel(const Tile& t) {
 using TileFn = void (*)(const Tile&);
 
 // MR x NR register tiles: MR * NR <= 24 accumulators plus NR weight registers and one broadcast fit in 32 zmm.
+// Panels are walked in groups of kMaxNR, or of kWideNR when M <= kWideRows: at one or two rows the tile is bound
+// by memory, and 8 panel streams at once keep more of it in flight than 4.
 constexpr int kMaxMR = 8;
 constexpr int kMaxNR = 4;
+constexpr int kWideNR = 8;
+constexpr int kWideRows = 2;
 
 template <int MR>
 constexpr TileFn row_of_tiles(int nr) {
+  if constexpr (MR <= kWideRows) {
+    if (nr > 4) return nr == 5 ? tile_kernel<MR, 5> : nr == 6 ? tile_kernel<MR, 6> : nr == 7 ? tile_kernel<MR, 7>
+                                                                                       : tile_kernel<MR, 8>;
+  }
   return nr == 1 ? tile_kernel<MR, 1> : nr == 2 ? tile_kernel<MR, 2> : nr == 3 ? tile_kernel<MR, 3>
                                                                                  : tile_kernel<MR, (MR > 6 ? 3 : 4)>;
 }
@@ -148,7 +159,8 @@ TileFn tile_fn(int mr, int nr) {
   }
 }
 
-inline int max_nr(int mr) { return mr > 6 ? 3 : kMaxNR; }
+inline int max_nr(int mr) { return mr > 6 ? 3 : mr <= kWideRows ? kWideNR : kMaxNR; }
+inline int group_width(int64_t m) { return m <= kWideRows ? kWideNR : kMaxNR; }
 
 // Row groups of an M block: one group of m rows when m <= 8 (small M: every weight line used by every row in one
 // pass), else groups of 6 with the remainder folded into the last group(s) as 7 or 8 rows where it can be.
@@ -168,6 +180,7 @@ struct Problem {
   uint16_t* y;
   int64_t ldy;
   int64_t kpairs, kc, panel_stride;  // k-pairs, k-pairs per K block, elements between panels
+  int width;                          // panels per group (group_width(m))
 };
 
 // One weight block of a thread's walk: panels [g, g + nr) over k-pairs [k0, k0 + kc).
@@ -197,7 +210,7 @@ void run_block(const Problem& pb, const Block& b, const Block* next, int64_t m0,
       t.panel_stride = pb.panel_stride;
       t.pairs = pairs;
       t.half_last = (pb.k & 1) && b.k0 + pairs == pb.kpairs;
-      t.ldp = kMaxNR * kPanel;
+      t.ldp = pb.width * kPanel;
       t.partial = partial ? partial + i * t.ldp + (gg - b.g) * kPanel : nullptr;
       t.first = b.k0 == 0;
       t.last = b.k0 + pairs == pb.kpairs;
@@ -221,9 +234,9 @@ void run_block(const Problem& pb, const Block& b, const Block* next, int64_t m0,
 void run_panels(const Problem& pb, int64_t p0, int64_t p1, float* partial) {
   const bool blocked = pb.kpairs > pb.kc;
   std::vector<Block> blocks;
-  for (int64_t g = p0; g < p1; g += kMaxNR)
+  for (int64_t g = p0; g < p1; g += pb.width)
     for (int64_t k0 = 0; k0 < pb.kpairs; k0 += pb.kc)
-      blocks.push_back({g, static_cast<int>(p1 - g < kMaxNR ? p1 - g : kMaxNR), k0});
+      blocks.push_back({g, static_cast<int>(p1 - g < pb.width ? p1 - g : pb.width), k0});
   for (int64_t m0 = 0; m0 < pb.m; m0 += kMC) {
     const int64_t mb = pb.m - m0 < kMC ? pb.m - m0 : kMC;
     for (size_t b = 0; b < blocks.size(); ++b)
@@ -234,10 +247,10 @@ void run_panels(const Problem& pb, int64_t p0, int64_t p1, float* partial) {
 
 // Panels per work chunk: threads take chunks from a shared counter, so when the OS preempts one thread (the API
 // server and the client share these cores) the others take over its unstarted chunks instead of waiting at the
-// barrier. About 8 chunks per thread, in whole panel groups (kMaxNR panels).
-int64_t chunk_panels(int64_t panels, int threads) {
-  const int64_t per = panels / (int64_t{8} * threads) / kMaxNR * kMaxNR;
-  return per > kMaxNR ? per : kMaxNR;
+// barrier. About 8 chunks per thread, in whole panel groups (`width` panels).
+int64_t chunk_panels(int64_t panels, int threads, int width) {
+  const int64_t per = panels / (int64_t{8} * threads) / width * width;
+  return per > width ? per : width;
 }
 
 // The work items: whole chunks, and when their count does not divide among the threads (a narrow layer: 576
@@ -253,8 +266,8 @@ struct Chunks {
   }
 };
 
-Chunks make_chunks(int64_t panels, int threads) {
-  const int64_t chunk = chunk_panels(panels, threads);
+Chunks make_chunks(int64_t panels, int threads, int width) {
+  const int64_t chunk = chunk_panels(panels, threads, width);
   const int64_t count = (panels + chunk - 1) / chunk;
   if (threads <= 1 || count % threads == 0) return {chunk, count, chunk, count};
   const int64_t tail = panels - (count - 1) * chunk;
@@ -272,15 +285,17 @@ void pagellm_packed_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t
   const int64_t kpairs = (k + 1) / 2;
   const int64_t kblocks = (kpairs + kKC - 1) / kKC;
   const int64_t kc = (kpairs + kblocks - 1) / kblocks;  // equal K blocks: 288 pairs are one block, 768 two of 384
-  const Problem pb{x, m, k, ldx, w, (n + kPanel - 1) / kPanel, n, bias, y, ldy, kpairs, kc, kpairs * kPanelPair};
+  const Problem pb{x, m, k, ldx, w, (n + kPanel - 1) / kPanel, n, bias, y, ldy, kpairs, kc, kpairs * kPanelPair,
+                   group_width(m)};
   // Tiny problems stay on one thread: a fork costs more than they take.
   const int64_t work = m * n * k;
   const int threads = work < (int64_t{1} << 18) ? 1 : omp_get_max_threads();
-  const Chunks chunks = make_chunks(pb.panels, threads);
+  const Chunks chunks = make_chunks(pb.panels, threads, pb.width);
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> partial(pb.kpairs > pb.kc ? static_cast<size_t>(kMC * kMaxNR * kPanel) : 0);
+    const int64_t rows = m < kMC ? m : kMC;
+    std::vector<float> partial(pb.kpairs > pb.kc ? static_cast<size_t>(rows * pb.width * kPanel) : 0);
     for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks.items;
          c = next.fetch_add(1, std::memory_order_relaxed)) {
       int64_t p0, p1;
