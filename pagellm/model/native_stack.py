@@ -66,6 +66,9 @@ def stack_for(model: nn.Module) -> DecoderStack | None:
     if stack is _UNBUILT:
         stack = build_stack(model)
         model.__dict__["_native_stack"] = stack
+        # The layers' attention modules, for reading their caches each call without slicing the ModuleList
+        # (which builds a new one) and three module look-ups per layer.
+        model.__dict__["_native_attns"] = tuple(layer.self_attn.attn for layer in model.layers)
     return stack  # type: ignore[return-value]
 
 
@@ -84,7 +87,7 @@ def run_native(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     stack = stack_for(model)
     if stack is None:
         return None
-    caches = [layer.self_attn.attn.kv_cache for layer in model.layers[:num_layers]]
+    caches = [attn.kv_cache for attn in model.__dict__["_native_attns"][:num_layers]]
     if any(c is None or c.dtype != torch.bfloat16 for c in caches):
         return None
     return stack.run(x, positions, caches, ctx.metadata, FLASH_MIN_TOKENS)

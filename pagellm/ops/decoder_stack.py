@@ -124,6 +124,7 @@ class DecoderStack:
             raise ValueError("the native decoder stack takes contiguous bfloat16 weights")
         self._fn, self._kernels = loaded[0].pagellm_decoder_stack_bf16, ctypes.byref(loaded[1])
         self._keep = tensors
+        self._bound: tuple[torch.Tensor, ...] = ()  # the caches the layers point at now (see _bind_caches)
         self.shape = shape
         self._final_norm, self._cos, self._sin = final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr()
         self._layers = (_Layer * len(layers))()
@@ -134,7 +135,12 @@ class DecoderStack:
                              cos.shape[0], shape.eps, shape.scale)
 
     def _bind_caches(self, caches: list[torch.Tensor]) -> None:
-        """Point the layers at their [2, num_blocks, block_size, kv_heads, head_dim] caches (checked; one shape)."""
+        """Point the layers at their [2, num_blocks, block_size, kv_heads, head_dim] caches (checked; one shape).
+        The same tensors as the last call's are bound already (the common case: only the self-speculative draft
+        binds others, around its passes)."""
+        if len(caches) == len(self._bound) and all(c is b for c, b in zip(caches, self._bound)):
+            return
+        self._bound = ()  # until every layer is bound (a refused cache leaves the layers half pointed)
         s = self.shape
         for slot, cache in zip(self._layers, caches):
             if (cache.dtype != torch.bfloat16 or cache.dim() != 5 or not cache.is_contiguous()
@@ -145,6 +151,7 @@ class DecoderStack:
             slot.v_cache = cache[1].data_ptr()
         self._shape.block_size = caches[0].shape[2] if caches else 1
         self._shape.cache_slots = caches[0].shape[1] * caches[0].shape[2] if caches else 0
+        self._bound = tuple(caches)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor], md: object,
             flash_min_tokens: int) -> torch.Tensor:

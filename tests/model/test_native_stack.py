@@ -123,6 +123,25 @@ def test_native_stack_equals_the_python_layers(monkeypatch: pytest.MonkeyPatch, 
         assert torch.equal(written, before) == (i >= layers)  # exactly the layers run wrote their K/V
 
 
+def test_native_stack_follows_its_caches_from_call_to_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stack binds the caches once and rebinds only when other tensors come (the self-speculative draft's):
+    each call writes into and reads from the caches it was given, also after a call whose caches were refused."""
+    model = _model(16, False)
+    ids, positions, common = _mixed_step(model.cfg.vocab_size)
+    backend = CpuPagedBackend()
+    first, second = _caches(model, seed=3), _caches(model, seed=4)
+    outs = [_forward(model, caches, backend, common, ids, positions, None) for caches in (first, second)]
+    with pytest.raises(ValueError, match="contiguous bfloat16"):
+        _forward(model, [first[0], first[1][:, :NUM_BLOCKS // 2], first[2]], backend, common, ids, positions, None)
+    outs.append(_forward(model, second, backend, common, ids, positions, None))  # the last bound, not the refused
+    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "0")
+    ref_first, ref_second = _caches(model, seed=3), _caches(model, seed=4)
+    refs = [_forward(model, caches, backend, common, ids, positions, None)
+            for caches in (ref_first, ref_second, ref_second)]
+    assert all(torch.equal(out, ref) for out, ref in zip(outs, refs))
+    assert all(torch.equal(a, b) for a, b in zip(first + second, ref_first + ref_second))
+
+
 def test_python_layers_serve_float32_and_other_backends(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _count_native(monkeypatch)
     fp32 = _model(16, False, torch.float32)
