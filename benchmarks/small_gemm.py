@@ -8,9 +8,11 @@ effective weight bandwidth (GB/s), arithmetic rate (GFLOP/s) and the packed kern
 ``--shapes llama3-8b`` runs one Llama-3-8B layer (4096→6144, 4096→4096, 4096→28672, 14336→4096) instead, without
 the LM head. The previous kernel (``pagellm/ops/csrc/small_gemm.cpp``, a dot-product formulation with horizontal
 reductions, dispatched at M ≤ 8) is built from git (``--old-rev``) and run up to ``--old-max-m`` rows.
+``--packed-rev REV`` also builds the packed kernel as of REV (same packed layout) and runs it beside this tree's,
+interleaved, with the ratio of the two: a change to the kernel measured in one process.
 
     .venv/bin/python benchmarks/small_gemm.py [--m 1 2 4 ... 2048] [--reps 7] [--threads N] [--old-rev 0f51e58]
-        [--shapes smollm2|llama3-8b] [--layers N]
+        [--old-max-m 64] [--packed-rev REV] [--shapes smollm2|llama3-8b] [--layers N]
 """
 
 from __future__ import annotations
@@ -60,7 +62,25 @@ def old_kernel(rev: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     return run
 
 
-def methods(plain: list[torch.Tensor], old: Callable | None) -> dict[str, Callable[[dict], None]]:
+def packed_at(rev: str) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
+    """``gemm.packed_linear`` with the packed kernel's source as of git revision ``rev``."""
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pagellm/ops/csrc/packed_gemm.cpp"],
+                            check=True, capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "packed_gemm.cpp"
+    path.write_text(source)
+    fn = load_library(path).pagellm_packed_linear_bf16
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+
+    def run(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), packed.data_ptr(), n, None, y.data_ptr(), n)
+        return y
+    return run
+
+
+def methods(plain: list[torch.Tensor], old: Callable | None,
+            packed_rev: Callable | None = None) -> dict[str, Callable[[dict], None]]:
     """Each method as a function of the inputs by K that runs every matrix once."""
     packed = [(gemm.pack(w), w.shape[0], w.shape[1]) for w in plain]
     out = {
@@ -69,6 +89,8 @@ def methods(plain: list[torch.Tensor], old: Callable | None) -> dict[str, Callab
     }
     if old is not None:
         out["old"] = lambda xs: [old(xs[w.shape[1]], w) for w in plain]
+    if packed_rev is not None:
+        out["packed@rev"] = lambda xs: [packed_rev(xs[k], p, n) for p, n, k in packed]
     return out
 
 
@@ -87,14 +109,15 @@ def measure(runs: dict[str, Callable[[dict], None]], xs: dict[int, torch.Tensor]
 
 def row(label: str, m: int, med: dict[str, float], weight_bytes: int, flops_per_row: int) -> str:
     cells = [f"{label:8} {m:5d}"]
-    for name in ("F.linear", "old", "packed"):
+    for name in ("F.linear", "old", "packed@rev", "packed"):
         if name in med:
             t = med[name]
             cells.append(f"{name} {t * 1e3:8.2f} ms {weight_bytes / t / 1e9:5.1f} GB/s "
                          f"{m * flops_per_row / t / 1e9:6.1f} GFLOP/s")
         else:
             cells.append(f"{name} {'-':>38}")
-    ratios = [f"×{med[name] / med['packed']:.2f} vs {name}" for name in ("F.linear", "old") if name in med]
+    ratios = [f"×{med[name] / med['packed']:.2f} vs {name}" for name in ("F.linear", "old", "packed@rev")
+              if name in med]
     return " | ".join(cells + [", ".join(ratios)])
 
 
@@ -107,21 +130,24 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--old-rev", default="0f51e58", help="git revision holding the previous small-M kernel")
     parser.add_argument("--old-max-m", type=int, default=64, help="largest M to run the previous kernel at")
+    parser.add_argument("--packed-rev", default=None, help="git revision of the packed kernel to run beside this one")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if not gemm.available():
         raise SystemExit("the packed GEMM kernel is not available here (needs AVX-512 BF16 and a C++ compiler)")
-    old = old_kernel(args.old_rev)
+    old = old_kernel(args.old_rev) if args.old_max_m > 0 else None
+    packed_rev = packed_at(args.packed_rev) if args.packed_rev else None
     layer_shapes, head_shape, default_layers = SHAPES[args.shapes]
     layers = [torch.randn(n, k).to(torch.bfloat16) for _ in range(args.layers or default_layers)
               for k, n in layer_shapes]
     groups = [("layers", layers)]
     if head_shape is not None:
         groups.append(("LM head", [torch.randn(head_shape[1], head_shape[0]).to(torch.bfloat16)]))
-    print(f"threads {torch.get_num_threads()}, previous kernel {'from ' + args.old_rev if old else 'unavailable'}")
+    print(f"threads {torch.get_num_threads()}, previous kernel {'from ' + args.old_rev if old else 'not run'}"
+          + (f", packed kernel also as of {args.packed_rev}" if packed_rev else ""))
     for label, weights in groups:
-        all_runs = methods(weights, old)
+        all_runs = methods(weights, old, packed_rev)
         weight_bytes = sum(w.numel() * 2 for w in weights)
         flops_per_row = 2 * sum(w.numel() for w in weights)
         for m in args.m:
