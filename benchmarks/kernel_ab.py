@@ -14,12 +14,9 @@ per decode step. The LM head (outside the stack) keeps this tree's GEMM on both 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,16 +27,8 @@ import numpy as np  # noqa: E402
 
 from pagellm import LLM, SamplingParams  # noqa: E402
 from pagellm.ops import decoder_stack  # noqa: E402
-from pagellm.ops.build import load_library  # noqa: E402
 from pagellm.ops.decoder_stack import DecoderStack, _address  # noqa: E402
-
-
-def library_at(rev: str, path: str) -> ctypes.CDLL:
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], check=True, capture_output=True,
-                            text=True).stdout
-    copy = Path(tempfile.mkdtemp()) / Path(path).name
-    copy.write_text(source)
-    return load_library(copy)
+from small_gemm import library_at  # noqa: E402  (benchmarks/, on the path as this script's folder)
 
 
 def main() -> None:

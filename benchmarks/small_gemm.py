@@ -42,16 +42,21 @@ SHAPES = {  # (in, out) of one decoder layer's matrices, LM head (in, out) or No
 }
 
 
+def library_at(rev: str, path: str) -> ctypes.CDLL:
+    """The kernel library built from ``path`` (relative to the checkout) as of git revision ``rev``."""
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], check=True, capture_output=True,
+                            text=True).stdout
+    copy = Path(tempfile.mkdtemp()) / Path(path).name
+    copy.write_text(source)
+    return load_library(copy)
+
+
 def old_kernel(rev: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """The small-M kernel as of ``rev`` (built from ``git show``), or ``None`` where git or the build fails."""
     try:
-        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pagellm/ops/csrc/small_gemm.cpp"],
-                                check=True, capture_output=True, text=True).stdout
+        fn = library_at(rev, "pagellm/ops/csrc/small_gemm.cpp").pagellm_linear_bf16
     except (OSError, subprocess.CalledProcessError):
         return None
-    path = Path(tempfile.mkdtemp()) / "small_gemm.cpp"
-    path.write_text(source)
-    fn = load_library(path).pagellm_linear_bf16
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_void_p]
 
@@ -64,11 +69,7 @@ def old_kernel(rev: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def packed_at(rev: str) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
     """``gemm.packed_linear`` with the packed kernel's source as of git revision ``rev``."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pagellm/ops/csrc/packed_gemm.cpp"],
-                            check=True, capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "packed_gemm.cpp"
-    path.write_text(source)
-    fn = load_library(path).pagellm_packed_linear_bf16
+    fn = library_at(rev, "pagellm/ops/csrc/packed_gemm.cpp").pagellm_packed_linear_bf16
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
 
