@@ -10,9 +10,8 @@
 // loads NR weight lines and broadcasts MR pairs of x (one 32-bit broadcast each), then issues MR*NR dot products:
 // no horizontal reductions, each accumulator is a finished run of 16 outputs. Each panel stream is prefetched
 // 2 KiB ahead into L2 (_MM_HINT_T1: prefetches into L1 compete with the tile's own loads for L1 miss slots; with
-// T1 the M = 1 pass over SmolLM2's layers streams 5-25 % faster, most when the machine's memory is contended).
-// The OpenMP threads take contiguous
-// runs of panels (chunks, about 8 per thread; the last one cut in one piece per thread when the chunks do not
+// T1 a batch-1 decode step in the engine took 0.85-0.94 of its time with T0; docs/performance.md, round 6).
+// The OpenMP threads take contiguous runs of panels (chunks, about 8 per thread; the last one cut in one piece per thread when the chunks do not
 // divide among the threads) from a shared counter, so a thread the OS preempts delays only its current chunk (at small M each chunk streams its slice of the weight at DRAM speed), and walk all M rows over
 // each. K is processed in equal blocks of at most kKC pairs: a weight block (NR panels x KC pairs) then
 // stays in L2 while every row group of an M block passes over it, and partial sums live in a per-thread float32
