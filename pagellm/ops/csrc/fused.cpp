@@ -36,20 +36,19 @@ inline __m512 load_bf16x16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
-// Round 16 floats to bfloat16 (nearest even; inputs here are never NaN).
-inline void store_bf16x16(uint16_t* p, __m512 v, __mmask16 m) {
-  __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
-}
-
-// The same rounding, kept as float32 (the value a bf16 store and reload would give).
+// Round 16 floats to bfloat16 (nearest even; inputs here are never NaN), kept as float32: the value a bf16 store
+// and reload would give.
 inline __m512 round_bf16x16(__m512 v) {
   __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
   return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+}
+
+// The same rounding, stored as bfloat16.
+inline void store_bf16x16(uint16_t* p, __m512 v, __mmask16 m) {
+  const __m512i u = _mm512_castps_si512(round_bf16x16(v));
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 }
 #endif
 

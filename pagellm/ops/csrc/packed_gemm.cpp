@@ -138,7 +138,7 @@ constexpr int kWideRows = 2;
 template <int MR>
 constexpr TileFn row_of_tiles(int nr) {
   if constexpr (MR <= kWideRows) {
-    if (nr > 4) return nr == 5 ? tile_kernel<MR, 5> : nr == 6 ? tile_kernel<MR, 6> : nr == 7 ? tile_kernel<MR, 7>
+    if (nr > kMaxNR) return nr == 5 ? tile_kernel<MR, 5> : nr == 6 ? tile_kernel<MR, 6> : nr == 7 ? tile_kernel<MR, 7>
                                                                                        : tile_kernel<MR, 8>;
   }
   return nr == 1 ? tile_kernel<MR, 1> : nr == 2 ? tile_kernel<MR, 2> : nr == 3 ? tile_kernel<MR, 3>
