@@ -65,12 +65,13 @@ class Intake:
         out = StepOutput()
         if (self._native is not None and len(rows) == len(batch) and num_spec is None and not self._drafts_seen
                 and not runner_out.draft_token_ids):  # the whole batch in order, no drafts: one native call
-            looked = self._native.take_tokens(batch._columns, len(batch), sampled, flat, batch.token_lists,
-                                              self.stop_rules.tokens)
-            kept, finished = self._look_rows(looked, flat, out)
+            looked, num_empty = self._native.take_tokens(batch._columns, len(batch), sampled, flat,
+                                                         batch.token_lists, self.stop_rules.tokens)
+            kept, finished = self._look_native(looked, flat, out)
+            self._report(out, runner_out, kept, all_sampled=not num_empty)
         else:
             kept, finished = self._take_tokens(rows, num_spec, runner_out, out)
-        self._report(out, runner_out, kept)
+            self._report(out, runner_out, kept)
         if finished:
             batch.remove_rows(finished)
         self._stats.num_generation_tokens += len(out.new_token_ids)
@@ -179,27 +180,51 @@ class Intake:
     def _look_rows(self, looked: Iterable[tuple[int, int, int, int, int]], flat: list[int],
                    out: StepOutput) -> tuple[dict[int, int], list[int]]:
         """``_look_at`` for ``(index in the step, row, start in flat, num_tokens before, count)`` entries."""
-        batch, kept, finished = self.running, {}, []
-        now = None
+        kept: dict[int, int] = {}
+        finished: list[int] = []
+        requests, now = self.running.requests, time.time()
         for j, row, start, num_before, count in looked:
-            if not count:
+            if count:
+                self._look_row(requests[row], j, row, flat[start:start + count], num_before, out, kept, finished, now)
+        return kept, finished
+
+    def _look_native(self, looked: list[tuple[int, int, int, int, bool]], flat: list[int],
+                     out: StepOutput) -> tuple[dict[int, int], list[int]]:
+        """``_look_rows`` for the native ``take_tokens``' entries ``(row, start in flat, num_tokens before, count,
+        hit)`` (the step is the whole batch in order, so a row is also its index in the step; every count is
+        positive). A row whose tokens hold no stop token of any unfinished request (``hit`` false) and stay below
+        its ``length_limit`` cannot stop: it only records its first output, without the per-token rules."""
+        kept: dict[int, int] = {}
+        finished: list[int] = []
+        requests, check_at, now = self.running.requests, self.running.check_at, time.time()
+        for row, start, num_before, count, hit in looked:
+            request = requests[row]
+            if hit or num_before + count >= request.length_limit:
+                self._look_row(request, row, row, flat[start:start + count], num_before, out, kept, finished, now)
                 continue
-            request = batch.requests[row]
-            if num_before == request.num_prompt_tokens:
-                now = time.time() if now is None else now
+            if num_before == len(request.prompt_token_ids):
                 out.first[request.request_id] = FirstOutput(
                     request.num_cached_tokens, RequestTimes(request.queued_time, request.scheduled_time, now))
-            batch.check_at[row] = request.length_limit
-            num_kept = self._check_tokens(request, flat[start:start + count], num_before)
-            if num_kept < count:
-                kept[j] = num_kept
-                batch.num_tokens[row] = num_before + num_kept
-            if request.status is not RequestStatus.RUNNING:
-                finished.append(row)
-                out.finish_reasons[request.request_id] = request.status.finish_reason
-                if request.stop_reason is not None:
-                    out.stop_reasons[request.request_id] = request.stop_reason
+            check_at[row] = request.length_limit
         return kept, finished
+
+    def _look_row(self, request: Request, j: int, row: int, tokens: list[int], num_before: int, out: StepOutput,
+                  kept: dict[int, int], finished: list[int], now: float) -> None:
+        """One looked-at row (index ``j`` in the step) that got ``tokens``: its first output, the exact stop rules,
+        and what they cut or ended (into ``kept`` and ``finished``)."""
+        if num_before == request.num_prompt_tokens:
+            out.first[request.request_id] = FirstOutput(
+                request.num_cached_tokens, RequestTimes(request.queued_time, request.scheduled_time, now))
+        self.running.check_at[row] = request.length_limit
+        num_kept = self._check_tokens(request, tokens, num_before)
+        if num_kept < len(tokens):
+            kept[j] = num_kept
+            self.running.num_tokens[row] = num_before + num_kept
+        if request.status is not RequestStatus.RUNNING:
+            finished.append(row)
+            out.finish_reasons[request.request_id] = request.status.finish_reason
+            if request.stop_reason is not None:
+                out.stop_reasons[request.request_id] = request.stop_reason
 
     def _check_tokens(self, request: Request, tokens: list[int], num_before: int) -> int:
         """Apply the stop rules token by token; at the first that ends the request, drop the tokens after it and
@@ -212,8 +237,10 @@ class Intake:
                 return num_kept
         return len(tokens)
 
-    def _report(self, out: StepOutput, runner_out: ModelRunnerOutput, kept: dict[int, int]) -> None:
-        """Fill in the step's token deltas: every request that kept tokens (or got prompt logprobs), in batch order."""
+    def _report(self, out: StepOutput, runner_out: ModelRunnerOutput, kept: dict[int, int],
+                all_sampled: bool | None = None) -> None:
+        """Fill in the step's token deltas: every request that kept tokens (or got prompt logprobs), in batch order.
+        ``all_sampled``: whether every request sampled a token, when the caller knows."""
         ids, flat, sampled = runner_out.req_ids, runner_out.sampled_token_ids, runner_out.num_sampled
         prompt_logprobs = runner_out.prompt_logprobs
         if kept:  # a stop rule dropped tokens after it: keep each request's leading ones
@@ -223,7 +250,9 @@ class Intake:
                 sampled[j] = num_kept
             flat = [t for start, n in zip(starts, sampled) for t in flat[start:start + n]]
         # The runner's lists are fresh each step and nothing changes them afterwards, so they are passed on as is.
-        if not prompt_logprobs and 0 not in sampled:  # every request sampled (the usual case)
+        if all_sampled is None:
+            all_sampled = 0 not in sampled
+        if not prompt_logprobs and all_sampled:  # every request sampled (the usual case)
             out.req_ids, out.num_new_tokens, out.new_token_ids = ids, sampled, flat
         else:
             picked = [j for j, n in enumerate(sampled) if n or ids[j] in prompt_logprobs]

@@ -55,6 +55,12 @@ class RunningBatch:
     def _bind(self) -> None:
         for index, name in enumerate(_COLUMNS):
             setattr(self, name, self._columns[index])
+        self._arange = np.arange(self._columns.shape[1])
+        self._arange.flags.writeable = False  # handed out in views: nobody may write through them
+
+    def first_rows(self, k: int) -> np.ndarray:
+        """``np.arange(k)`` (k at most the capacity), as a read-only view of one array made per capacity."""
+        return self._arange[:k]
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -67,14 +73,14 @@ class RunningBatch:
 
     def append(self, request: Request, computed: int, kv_slots: int, kv_next_full: int) -> int:
         """Add ``request`` as the last row; returns its row."""
-        row = len(self.requests)
+        row, tokens = len(self.requests), request.all_token_ids
         if row == self._columns.shape[1]:
             self._grow()
-        self.computed[row], self.num_tokens[row], self.num_spec[row] = (computed, len(request.all_token_ids),
-                                                                        len(request.spec_token_ids))
+        num_tokens, num_prompt = len(tokens), len(request.prompt_token_ids)
+        self.computed[row], self.num_tokens[row], self.num_spec[row] = computed, num_tokens, len(request.spec_token_ids)
         self.kv_slots[row], self.kv_next_full[row] = kv_slots, kv_next_full
-        self.check_at[row] = request.length_limit if request.num_output_tokens else request.num_prompt_tokens + 1
-        self.token_lists.append(request.all_token_ids)
+        self.check_at[row] = request.length_limit if num_tokens > num_prompt else num_prompt + 1
+        self.token_lists.append(tokens)
         self.requests.append(request)
         self.req_ids.append(request.request_id)
         self.version += 1

@@ -151,7 +151,7 @@ class Scheduler(Intake):
         out = SchedulerOutput(new_reqs, part.cached, req_ids, num_scheduled, total, part.spec, sorted(dropped))
         rows, num_spec = part.rows, part.num_spec
         if new_reqs:
-            rows = np.arange(len(self.running)) if len(rows) == num_running else \
+            rows = self.running.first_rows(len(self.running)) if len(rows) == num_running else \
                 np.concatenate([rows, np.arange(num_running, len(self.running))])
             if num_spec is not None:
                 num_spec = np.concatenate([num_spec, np.zeros(len(new_reqs), dtype=np.int64)])
@@ -182,7 +182,7 @@ class Scheduler(Intake):
         grant, end = grant[:m], end[:m]
         k = int(np.count_nonzero(grant))
         if k == m or not np.count_nonzero(grant[k:]):  # the scheduled rows are the first k (the usual case)
-            rows = np.arange(k)
+            rows = batch.first_rows(k)
             cached = CachedRequestData(batch.req_ids[:k], computed[:k].tolist(), new_block_ids)
             num_scheduled = grant[:k].tolist()
         else:
@@ -204,7 +204,7 @@ class Scheduler(Intake):
         if done is None:
             return None
         num_tokens, req_ids, computed, num_scheduled, rows = done
-        rows = np.arange(len(req_ids)) if rows is None else np.array(rows, dtype=np.int64)
+        rows = batch.first_rows(len(req_ids)) if rows is None else np.array(rows, dtype=np.int64)
         return _RunningPart(CachedRequestData(req_ids, computed, new_block_ids), num_scheduled, rows, None, {},
                             num_tokens, False)
 
@@ -344,7 +344,7 @@ class Scheduler(Intake):
             self.waiting.pop()
             new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
-                request.sampling_params, block_ids, num_hit, sorted(suppressed_tokens(request)),
+                request.sampling_params, block_ids, num_hit, suppressed_tokens(request),
             ))
             self._admit(request, num_hit, num_new, kv_slots, kv_next_full)
             req_ids.append(request.request_id)
@@ -376,9 +376,10 @@ class Scheduler(Intake):
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit
             request.scheduled_time = time.time()
-        self._stats.prefix_cache_queries += request.num_tokens
-        self._stats.prefix_cache_hits += num_hit
-        self._stats.num_prompt_tokens += request.num_tokens - num_hit
+        stats, num_tokens = self._stats, len(request.all_token_ids)
+        stats.prefix_cache_queries += num_tokens
+        stats.prefix_cache_hits += num_hit
+        stats.num_prompt_tokens += num_tokens - num_hit
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """End ``request`` (the caller takes it out of the running batch or the waiting queue)."""

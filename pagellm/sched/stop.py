@@ -66,10 +66,10 @@ class StopRules:
         return None
 
 
-def suppressed_tokens(request: Request) -> set[int]:
-    """Tokens the sampler must not pick while fewer than ``min_tokens`` tokens were generated."""
+def suppressed_tokens(request: Request) -> list[int]:
+    """Tokens the sampler must not pick while fewer than ``min_tokens`` tokens were generated, ascending."""
     params = request.sampling_params
-    if params.min_tokens <= request.num_output_tokens:
-        return set()
+    if params.min_tokens <= len(request.all_token_ids) - len(request.prompt_token_ids):
+        return []
     stops = set(params.stop_token_ids or ())
-    return stops if params.ignore_eos else stops | set(request.eos_token_ids)
+    return sorted(stops if params.ignore_eos else stops | set(request.eos_token_ids))

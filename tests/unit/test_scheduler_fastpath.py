@@ -83,9 +83,9 @@ class _NativeCounting(Scheduler):
         self.native_steps += part is not None
         return part
 
-    def _look_rows(self, looked, flat, out):
-        self.native_intakes += isinstance(looked, list)  # the native intake hands a list, _look_at a zip
-        return super()._look_rows(looked, flat, out)
+    def _look_native(self, looked, flat, out):
+        self.native_intakes += 1
+        return super()._look_native(looked, flat, out)
 
 
 class _NumpyScheduler(Scheduler):

@@ -410,12 +410,12 @@ PyObject *schedule_running(PyObject *, PyObject *args) {
                          rows ? rows : Py_NewRef(Py_None));
 }
 
-// take_tokens(columns, n, sampled, flat, token_lists, stop_tokens) -> looked | None
+// take_tokens(columns, n, sampled, flat, token_lists, stop_tokens) -> (looked, num_empty)
 //   The step's rows are the batch's rows 0..n-1 in order and no request holds drafts. Appends each row's sampled
 //   tokens to its token list, advances num_tokens, and returns the rows that need per-request Python (their
-//   num_tokens reached check_at, or a new token is a key of ``stop_tokens``) as a list of (index in the step, row,
-//   start in flat, num_tokens before, count), the entries Intake._look_rows takes (index and row are equal here);
-//   rows that sampled nothing are not looked at.
+//   num_tokens reached check_at, or a new token is a key of ``stop_tokens``) as a list of (row, start in flat,
+//   num_tokens before, count, hit), the entries Intake._look_native takes (``hit``: a new token is a stop token),
+//   and the number of rows that sampled nothing (those are not looked at).
 PyObject *take_tokens(PyObject *, PyObject *args) {
     PyObject *array, *sampled, *flat, *lists, *stops;
     Py_ssize_t n;
@@ -428,13 +428,14 @@ PyObject *take_tokens(PyObject *, PyObject *args) {
     if (!cols.open(array, 6)) return nullptr;
     if (n > cols.stride) return PyErr_Format(PyExc_ValueError, "%zd rows in columns of %zd", n, cols.stride);
     int64_t *num_tokens = cols[NUM_TOKENS], *check_at = cols[CHECK_AT];
-    Py_ssize_t num_flat = PyList_GET_SIZE(flat), start = 0, total = 0;
+    Py_ssize_t num_flat = PyList_GET_SIZE(flat), start = 0, total = 0, num_empty = 0;
     std::vector<Py_ssize_t> counts(n);
     bool negative = false;
     for (Py_ssize_t i = 0; i < n && !negative; ++i) {  // checked before anything changes
         counts[i] = PyLong_AsSsize_t(PyList_GET_ITEM(sampled, i));
         negative = counts[i] < 0;
         total += counts[i];
+        num_empty += counts[i] == 0;
     }
     if (PyErr_Occurred()) return nullptr;
     if (negative || total != num_flat)
@@ -443,7 +444,16 @@ PyObject *take_tokens(PyObject *, PyObject *args) {
     bool any_stops = PyDict_GET_SIZE(stops) > 0;
     PyObject *looked = PyList_New(0);
     if (looked == nullptr) return nullptr;
+    // The token lists are scattered over the heap and cold after a forward pass: each list object is prefetched
+    // kAhead rows ahead, and the end of its item array (where the append writes) kAhead / 2 rows ahead.
+    constexpr Py_ssize_t kAhead = 8;
+    for (Py_ssize_t i = 0; i < n && i < kAhead; ++i) __builtin_prefetch(PyList_GET_ITEM(lists, i), 1);
     for (Py_ssize_t i = 0; i < n; ++i) {
+        if (i + kAhead < n) __builtin_prefetch(PyList_GET_ITEM(lists, i + kAhead), 1);
+        if (i + kAhead / 2 < n) {
+            PyListObject *ahead = reinterpret_cast<PyListObject *>(PyList_GET_ITEM(lists, i + kAhead / 2));
+            __builtin_prefetch(ahead->ob_item + Py_SIZE(ahead), 1);
+        }
         Py_ssize_t count = counts[i];
         if (count == 0) continue;
         PyObject *list = PyList_GET_ITEM(lists, i);
@@ -466,7 +476,8 @@ PyObject *take_tokens(PyObject *, PyObject *args) {
         int64_t before = num_tokens[i];
         num_tokens[i] = before + count;
         if (hit || num_tokens[i] >= check_at[i]) {
-            PyObject *entry = Py_BuildValue("(nnnLn)", i, i, start, static_cast<long long>(before), count);
+            PyObject *entry = Py_BuildValue("(nnLnO)", i, start, static_cast<long long>(before), count,
+                                            hit ? Py_True : Py_False);
             if (entry == nullptr || PyList_Append(looked, entry) < 0) {
                 Py_XDECREF(entry);
                 Py_DECREF(looked);
@@ -476,7 +487,7 @@ PyObject *take_tokens(PyObject *, PyObject *args) {
         }
         start += count;
     }
-    return looked;
+    return Py_BuildValue("(Nn)", looked, num_empty);
 }
 
 // ``FreeBlockQueue.remove`` (a free block found in the prefix cache).
