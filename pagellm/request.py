@@ -68,7 +68,6 @@ class Request:
         max_tokens: int | None = None,
     ) -> None:
         self.request_id = RequestId(request_id)
-        self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.arrival_time = arrival_time
@@ -77,7 +76,10 @@ class Request:
         # The engine resolves max_tokens=None to what max_model_len leaves.
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.status = RequestStatus.WAITING
-        self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + outputs; only ever appended to
+        # Prompt + outputs; only ever appended to (outputs may be cut back by a stop rule, never the prompt). The
+        # prompt is not kept in a list of its own: freeing a finished request then drops each token once.
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.all_token_ids)
         self.spec_token_ids: list[int] = []
         self.num_cached_tokens = -1  # prefix-cache hit length of the first schedule; -1 until scheduled
         self.num_preemptions = 0
@@ -90,16 +92,16 @@ class Request:
         self.scheduled_time = 0.0   # first admission into the running batch
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[:self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+        return self.all_token_ids[self.num_prompt_tokens:]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - len(self.prompt_token_ids)
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from pagellm.metrics.stats import RequestTimes, SchedulerStats, SpecDecodingStats
-from pagellm.request import Request, RequestStatus
+from pagellm.request import FinishReason, Request, RequestStatus
 from pagellm.sched.output import FirstOutput, ModelRunnerOutput, SchedulerOutput, StepOutput
 from pagellm.sched.running import RunningBatch
 from pagellm.sched.stop import StopRules
@@ -192,20 +192,27 @@ class Intake:
                      out: StepOutput) -> tuple[dict[int, int], list[int]]:
         """``_look_rows`` for the native ``take_tokens``' entries ``(row, start in flat, num_tokens before, count,
         hit)`` (the step is the whole batch in order, so a row is also its index in the step; every count is
-        positive). A row whose tokens hold no stop token of any unfinished request (``hit`` false) and stay below
-        its ``length_limit`` cannot stop: it only records its first output, without the per-token rules."""
+        positive). A row whose tokens hold no stop token of any unfinished request (``hit`` false) cannot stop on a
+        token: below its ``length_limit`` it only records its first output, and one token that reaches the limit
+        ends it there (``StopRules.check``'s length rule), both without the per-token rules."""
         kept: dict[int, int] = {}
         finished: list[int] = []
         requests, check_at, now = self.running.requests, self.running.check_at, time.time()
         for row, start, num_before, count, hit in looked:
             request = requests[row]
-            if hit or num_before + count >= request.length_limit:
+            limit = request.length_limit
+            ends = num_before + count >= limit
+            if hit or (ends and count > 1):
                 self._look_row(request, row, row, flat[start:start + count], num_before, out, kept, finished, now)
                 continue
-            if num_before == len(request.prompt_token_ids):
+            if num_before == request.num_prompt_tokens:
                 out.first[request.request_id] = FirstOutput(
                     request.num_cached_tokens, RequestTimes(request.queued_time, request.scheduled_time, now))
-            check_at[row] = request.length_limit
+            check_at[row] = limit
+            if ends:
+                self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
+                finished.append(row)
+                out.finish_reasons[request.request_id] = FinishReason.LENGTH
         return kept, finished
 
     def _look_row(self, request: Request, j: int, row: int, tokens: list[int], num_before: int, out: StepOutput,

@@ -76,7 +76,7 @@ class RunningBatch:
         row, tokens = len(self.requests), request.all_token_ids
         if row == self._columns.shape[1]:
             self._grow()
-        num_tokens, num_prompt = len(tokens), len(request.prompt_token_ids)
+        num_tokens, num_prompt = len(tokens), request.num_prompt_tokens
         self.computed[row], self.num_tokens[row], self.num_spec[row] = computed, num_tokens, len(request.spec_token_ids)
         self.kv_slots[row], self.kv_next_full[row] = kv_slots, kv_next_full
         self.check_at[row] = request.length_limit if num_tokens > num_prompt else num_prompt + 1
