@@ -107,9 +107,10 @@ class RunningBatch:
         """Put row ``order[i]`` at row ``i``."""
         n = len(self.requests)
         self._columns[:, :n] = self._columns[:, order]
-        self.token_lists = [self.token_lists[i] for i in order]
-        self.requests = [self.requests[i] for i in order]
-        self.req_ids = [self.req_ids[i] for i in order]
+        # In place: the lists stay the same objects (callers may hold them across a step).
+        self.token_lists[:] = [self.token_lists[i] for i in order]
+        self.requests[:] = [self.requests[i] for i in order]
+        self.req_ids[:] = [self.req_ids[i] for i in order]
         self.version += 1
 
     def _grow(self) -> None:

@@ -335,13 +335,14 @@ class Scheduler(Intake):
     def _schedule_waiting(self, budget: int, req_ids: list[str], num_scheduled: list[int],
                           new_reqs: list[NewRequestData]) -> int:
         """Admit waiting requests in queue order while budget and ``max_num_seqs`` allow; returns the budget left."""
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting.peek()
+        waiting, rows, limit = self.waiting, self.running.requests, self.max_num_seqs
+        while budget > 0 and len(rows) < limit and waiting:
+            request = waiting.peek()
             got = self._allocate_new(request, budget)
             if got is None:
                 break
             num_hit, num_new, block_ids, kv_slots, kv_next_full = got
-            self.waiting.pop()
+            waiting.pop()
             new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
                 request.sampling_params, block_ids, num_hit, suppressed_tokens(request),
