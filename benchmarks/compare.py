@@ -21,6 +21,7 @@ import platform
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -118,23 +119,26 @@ def bench_system(system: systems.System, port: int, args: argparse.Namespace, ct
     return record
 
 
-def offline_commands(args: argparse.Namespace, ctx: systems.Context, out: Path) -> dict[str, tuple[list, dict]]:
+def offline_commands(args: argparse.Namespace, ctx: systems.Context, out: Path,
+                     suffix: str = "") -> dict[str, tuple[list, dict]]:
+    """Each system's offline command, writing its result to ``out/offline-<name><suffix>.json``."""
     shape = ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
     py = [ctx.pagellm_python, "-m", "pagellm.cli", "bench", "throughput", "--dtype", ctx.dtype]
     cmds = {
         "pagellm": (py + ["--num-prompts", str(args.offline_num_prompts), "--kv-cache-memory",
-                          str(systems.KV_GIB << 30), "--result-json", str(out / "offline-pagellm.json"), *shape],
-                    {"PAGELLM_NUM_THREADS": str(ctx.threads)}),
+                          str(systems.KV_GIB << 30), "--result-json", str(out / f"offline-pagellm{suffix}.json"),
+                          *shape], {"PAGELLM_NUM_THREADS": str(ctx.threads)}),
         "transformers": (py + ["--backend", "transformers", "--num-prompts", str(args.hf_offline_num_prompts),
-                               "--hf-batch-size", "32", "--result-json", str(out / "offline-transformers.json"),
-                               *shape], {"PAGELLM_NUM_THREADS": str(ctx.threads)}),
+                               "--hf-batch-size", "32", "--result-json",
+                               str(out / f"offline-transformers{suffix}.json"), *shape],
+                         {"PAGELLM_NUM_THREADS": str(ctx.threads)}),
     }
     vllm = systems.PEERS / "vllm" / "bin" / "vllm"
     if vllm.exists():
         cmds["vLLM"] = ([str(vllm), "bench", "throughput", "--model", str(ctx.model_dir), "--dtype", ctx.dtype,
                          "--dataset-name", "random", "--random-input-len", str(args.input_len),
                          "--random-output-len", str(args.output_len), "--num-prompts", str(args.offline_num_prompts),
-                         "--output-json", str(out / "offline-vLLM.json")], systems.vllm_env(ctx))
+                         "--output-json", str(out / f"offline-vLLM{suffix}.json")], systems.vllm_env(ctx))
     return cmds
 
 
@@ -146,24 +150,36 @@ def offline_throughput(name: str, path: Path, args: argparse.Namespace) -> float
 
 
 def run_offline(args: argparse.Namespace, ctx: systems.Context, out: Path) -> dict[str, dict[str, Any]]:
-    results = {}
-    for name, (argv, env) in offline_commands(args, ctx, out).items():
-        if name.lower() not in [s.lower() for s in args.systems]:
-            continue
-        print(f"[offline {name}] {shlex.join(argv)}", flush=True)
-        record: dict[str, Any] = {"command": shlex.join(argv), "env": env}
-        with open(out / "logs" / f"offline-{name}.log", "wb") as log:
-            proc = subprocess.run(argv, env=systems.environment(systems.System(name, argv, env)), stdout=log,
-                                  stderr=subprocess.STDOUT, timeout=args.offline_timeout, cwd=systems.REPO)
-        try:
-            if proc.returncode != 0:
-                raise RuntimeError(f"exit code {proc.returncode} (see logs/offline-{name}.log)")
-            record["output_throughput"] = offline_throughput(name, out / f"offline-{name}.json", args)
-            print(f"[offline {name}] {record['output_throughput']:.1f} out tok/s", flush=True)
-        except (RuntimeError, OSError, KeyError, ValueError) as exc:
-            record["error"] = str(exc)
-            print(f"[offline {name}] FAILED: {exc}", flush=True)
-        results[name] = record
+    """Every chosen system's offline run, ``args.offline_rounds`` times, alternating systems within each round.
+    A system's record holds its per-round figures (``rounds``: tok/s, or None for a failed round) and their median
+    (``output_throughput``); the report pairs pagellm and vLLM round by round."""
+    results: dict[str, dict[str, Any]] = {}
+    num_rounds = args.offline_rounds
+    for round_ in range(1, num_rounds + 1):
+        suffix = f"-r{round_}" if num_rounds > 1 else ""
+        for name, (argv, env) in offline_commands(args, ctx, out, suffix).items():
+            if name.lower() not in [s.lower() for s in args.systems]:
+                continue
+            label = f"offline {name} r{round_}" if num_rounds > 1 else f"offline {name}"
+            print(f"[{label}] {shlex.join(argv)}", flush=True)
+            record = results.setdefault(name, {"command": shlex.join(argv), "env": env, "rounds": []})
+            with open(out / "logs" / f"offline-{name}{suffix}.log", "wb") as log:
+                proc = subprocess.run(argv, env=systems.environment(systems.System(name, argv, env)), stdout=log,
+                                      stderr=subprocess.STDOUT, timeout=args.offline_timeout, cwd=systems.REPO)
+            try:
+                if proc.returncode != 0:
+                    raise RuntimeError(f"exit code {proc.returncode} (see logs/offline-{name}{suffix}.log)")
+                value = offline_throughput(name, out / f"offline-{name}{suffix}.json", args)
+                print(f"[{label}] {value:.1f} out tok/s", flush=True)
+            except (RuntimeError, OSError, KeyError, ValueError) as exc:
+                value = None
+                record["error"] = str(exc)
+                print(f"[{label}] FAILED: {exc}", flush=True)
+            record["rounds"].append(value)
+    for record in results.values():
+        measured = [v for v in record["rounds"] if v is not None]
+        if measured:
+            record["output_throughput"] = statistics.median(measured)
     return results
 
 
@@ -184,11 +200,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="serve every system this many times, alternating (pagellm, peers, pagellm, ...); the "
                              "targets then take each round's ratio and report their median (the machine drifts)")
+    parser.add_argument("--offline-only", action="store_true", help="skip the serving runs")
+    parser.add_argument("--offline-rounds", type=int, default=None,
+                        help="offline runs per system, alternating within each round (default: --rounds); the "
+                             "offline target then takes each round's ratio and reports their median")
     parser.add_argument("--machine", default=platform.node() or "machine", help="name in the results file")
     parser.add_argument("--notes", default="", help="a line for the results file (e.g. machine load)")
     parser.add_argument("--from-json", default=None, metavar="RESULTS_JSON",
                         help="only redraw the report and charts from an earlier run's results.json")
     args = parser.parse_args()
+    if args.offline_rounds is None:
+        args.offline_rounds = args.rounds
     if len(args.num_prompts) == 1:
         args.num_prompts *= len(args.concurrency)
     if len(args.num_prompts) != len(args.concurrency):
@@ -204,7 +226,7 @@ def redraw(results_json: Path) -> None:
     from pagellm.model.loader import default_model_path, resolve_model_dir
 
     data = json.loads(results_json.read_text())
-    args = argparse.Namespace(**{"rounds": 1, **data["args"]})
+    args = argparse.Namespace(**{"rounds": 1, "offline_rounds": 1, **data["args"]})
     ctx = systems.Context(resolve_model_dir(None), default_model_path(), args.dtype, args.threads,
                           max(args.concurrency))
     out = results_json.parent
@@ -225,7 +247,7 @@ def main() -> None:
     out = RESULTS / stem
     (out / "logs").mkdir(parents=True, exist_ok=True)
     served, skipped = [], {}
-    for round_ in range(1, args.rounds + 1):
+    for round_ in range(1, 0 if args.offline_only else args.rounds + 1):
         for name in args.systems:
             port = free_port()
             system = systems.BUILDERS[name](ctx, port)

@@ -48,3 +48,11 @@ def test_a_single_round_reads_as_before():
     assert _row(rows, "output tok/s ≥ 1.5") == ["c=32 output tok/s ≥ 1.5× vLLM", "600.0", "400.0", "1.50×", "yes"]
     assert _row(rows, "TTFT p95")[3:] == ["0.40×", "yes"]
     assert not any("median of the rounds" in r for r in rows)
+
+
+def test_offline_rounds_pair_within_a_round_and_a_failed_round_is_left_out():
+    offline = {"pagellm": {"output_throughput": 570.0, "rounds": [560.0, 580.0, 900.0]},
+               "vLLM": {"output_throughput": 455.0, "rounds": [460.0, 290.0, None]}}  # vLLM failed in round 3
+    row = _row(report._target_rows([], offline, 32), "offline")
+    assert row[3] == "1.61× (rounds: 1.22, 2.00)" and row[4] == "NO"  # median of 1.22 and 2.00
+    assert row[1:3] == ["570.0", "375.0"]  # medians of the paired rounds only
