@@ -12,6 +12,13 @@ vLLM's scheduler runs in a subprocess with the .peers/vllm interpreter (benchmar
     .venv/bin/python benchmarks/scheduler_overhead.py [--num-running 64 256 1024] [--steps 300] [--json FILE]
         [--vllm-python .peers/vllm/bin/python]   # vLLM's interpreter (from a worktree: the main checkout's)
         [--profile [N]]   # cProfile the timed calls (pagellm only), print the N costliest functions
+        [--baseline-rev REV]   # pagellm as of git revision REV beside this tree's, in one process (below)
+
+``--baseline-rev REV`` answers "did my change make the scheduler faster?" on a noisy machine: the ``pagellm``
+package as of REV is exported (``git archive``) under the name ``pagellm_base`` (its imports renamed, its native
+fast path built from its own source) and both schedulers replay the same trace in one process, one step each in
+turn (which goes first alternates), so both see the same spells of the machine. It prints each one's figures and
+the ratio of their medians; vLLM is not run.
 """
 
 from __future__ import annotations
@@ -19,13 +26,17 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import importlib
 import json
 import pstats
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE / "peers"), str(HERE.parent)]
@@ -92,6 +103,68 @@ def run_pagellm(num_running: int, warmup: int, steps: int, profiler: cProfile.Pr
             "requests_started": next_id}
 
 
+def package_at(rev: str) -> str:
+    """Export ``pagellm/`` as of git revision ``rev`` as the package ``pagellm_base`` (on sys.path); its name."""
+    root = Path(tempfile.mkdtemp(prefix="pagellm_base_"))
+    archive = subprocess.run(["git", "-C", str(HERE.parent), "archive", rev, "pagellm"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+    package = root / "pagellm"
+    for path in package.rglob("*.py"):
+        text = re.sub(r"\b(from|import) pagellm\b", r"\1 pagellm_base", path.read_text())
+        path.write_text(text)
+    package.rename(root / "pagellm_base")
+    sys.path.insert(0, str(root))
+    return "pagellm_base"
+
+
+def _side(package: str, num_running: int) -> SimpleNamespace:
+    """A scheduler of ``package`` (``pagellm`` or an exported ``pagellm_base``) set up for the trace."""
+    def load(name: str):
+        return importlib.import_module(f"{package}.{name}")
+
+    config = load("config")
+    scheduler = load("sched.scheduler").Scheduler(
+        config.SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=trace.TOKEN_BUDGET),
+        config.CacheConfig(block_size=trace.BLOCK_SIZE, enable_prefix_caching=True), trace.num_blocks(num_running),
+        max_model_len=2048)
+    return SimpleNamespace(scheduler=scheduler, request=load("request").Request,
+                           params=load("sampling_params").SamplingParams,
+                           output=load("sched.output").ModelRunnerOutput, next_id=0, times=[])
+
+
+def run_pair(num_running: int, warmup: int, steps: int, base: str) -> list[dict]:
+    """This tree's scheduler and ``base``'s on the same trace in one process, a step of each in turn."""
+    sides = [_side("pagellm", num_running), _side(base, num_running)]
+    gc.collect()
+    for step in range(warmup + steps):
+        for side in (sides if step % 2 == 0 else sides[::-1]):
+            scheduler = side.scheduler
+            while scheduler.num_unfinished_requests < num_running:
+                i = side.next_id
+                params = side.params(max_tokens=trace.output_len(i), ignore_eos=True)
+                scheduler.add_request(side.request(f"r{i}", trace.prompt(i), params, arrival_time=time.time()))
+                side.next_id += 1
+            t0 = time.perf_counter()
+            out = scheduler.schedule()
+            t1 = time.perf_counter()
+            before = out.cached_reqs.num_computed_tokens + [r.num_computed_tokens for r in out.new_reqs]
+            counts = [int(start + n >= scheduler.requests[rid].num_tokens)
+                      for rid, start, n in zip(out.req_ids, before, out.num_scheduled_tokens)]
+            runner_out = side.output(list(out.req_ids), counts, [trace.SAMPLED_TOKEN] * sum(counts))
+            t2 = time.perf_counter()
+            scheduler.update_from_output(out, runner_out)
+            t3 = time.perf_counter()
+            if step >= warmup:
+                side.times.append((t1 - t0) + (t3 - t2))
+    results = []
+    for name, side in zip(("this tree", "baseline"), sides):
+        us = sorted(t * 1e6 for t in side.times)
+        results.append({"system": name, "num_running": num_running, "mean_us": statistics.mean(us),
+                        "p50_us": us[len(us) // 2], "p95_us": us[int(len(us) * 0.95)]})
+    return results
+
+
 def run_vllm(python: Path, sizes: list[int], warmup: int, steps: int) -> list[dict]:
     from pagellm.model.loader import resolve_model_dir
 
@@ -116,7 +189,20 @@ def main() -> None:
     parser.add_argument("--profile", type=int, nargs="?", const=25, default=None, metavar="N",
                         help="cProfile pagellm's timed calls and print the N costliest functions (implies --no-vllm;"
                              " the timings then include the profiler's overhead)")
+    parser.add_argument("--baseline-rev", default=None, metavar="REV",
+                        help="time pagellm as of this git revision beside this tree's, steps alternated in one "
+                             "process (implies --no-vllm)")
     args = parser.parse_args()
+    if args.baseline_rev:
+        base = package_at(args.baseline_rev)
+        print(f"{'running':>7} {'this tree p50':>13} {'mean':>8} {'p95':>8} {args.baseline_rev[:12] + ' p50':>17} "
+              f"{'mean':>8} {'p95':>8} {'p50 ratio':>9}   (µs per step)")
+        for n in args.num_running:
+            ours, theirs = run_pair(n, args.warmup, args.steps, base)
+            print(f"{n:>7} {ours['p50_us']:>13.1f} {ours['mean_us']:>8.1f} {ours['p95_us']:>8.1f} "
+                  f"{theirs['p50_us']:>17.1f} {theirs['mean_us']:>8.1f} {theirs['p95_us']:>8.1f} "
+                  f"{ours['p50_us'] / theirs['p50_us']:>9.3f}")
+        return
     if args.profile is not None:
         for n in args.num_running:
             profiler = cProfile.Profile()
