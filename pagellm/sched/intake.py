@@ -26,7 +26,7 @@ from pagellm.sched.running import RunningBatch
 from pagellm.sched.stop import StopRules
 
 
-@dataclass
+@dataclass(slots=True)
 class _Step:
     """What ``update_from_output`` needs to know about the step ``schedule()`` produced."""
 

@@ -42,7 +42,7 @@ from pagellm.sched.stop import StopRules, suppressed_tokens
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class _RunningPart:
     """The running requests' share of a step."""
 
@@ -385,7 +385,8 @@ class Scheduler(Intake):
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """End ``request`` (the caller takes it out of the running batch or the waiting queue)."""
         request.status = status
-        request.spec_token_ids = []
+        if request.spec_token_ids:
+            request.spec_token_ids = []
         self.kv.free(request)
         self._dropped_req_ids.add(request.request_id)
         self.stop_rules.remove(request)
