@@ -131,15 +131,17 @@ def write_report(md_path: Path, out: Path, args: argparse.Namespace, ctx: Any, s
              "", "The machine is shared with other engineers' test runs: figures are noisy (10–40 % between runs "
              "here); compare systems within this file only." + (f" {args.notes}" if args.notes else ""), "",
              f"Command: `{command or shlex.join(['python', 'benchmarks/compare.py', *sys.argv[1:]])}`", "",
-             "## Serving (`pagellm bench serve`, same sweep for every system)", "", *_serve_rows(served), "",
-             "Server CPU % is the mean over the run of the whole process tree (100 = one core); peak RSS is over the "
-             "server's whole life (tree sum).", "", "## Offline throughput", "",
-             "| system | output tok/s | command |", "|---|---:|---|"]
+             "## Serving (`pagellm bench serve`, same sweep for every system)", "",
+             *(_serve_rows(served) + ["", "Server CPU % is the mean over the run of the whole process tree (100 = one "
+                                      "core); peak RSS is over the server's whole life (tree sum)."] if served
+               else ["Not run in this invocation (`--offline-only`)."]),
+             "", "## Offline throughput", "", "| system | output tok/s | command | environment |", "|---|---:|---|---|"]
     for name, rec in offline.items():
         value = f"{rec['output_throughput']:.1f}" if "output_throughput" in rec else f"failed: {rec.get('error')}"
         if len(rec.get("rounds", ())) > 1:  # the median, then each round's figure
             value += " (rounds: " + ", ".join("failed" if v is None else f"{v:.1f}" for v in rec["rounds"]) + ")"
-        lines.append(f"| {name} | {value} | `{_tidy(rec['command'], ctx)}` |")
+        env = " ".join(f"{k}={v}" for k, v in rec.get("env", {}).items())
+        lines.append(f"| {name} | {value} | `{_tidy(rec['command'], ctx)}` | {f'`{_tidy(env, ctx)}`' if env else '–'} |")
     lines += ["", "llama.cpp has no offline batch mode in this harness.", "", f"## Targets (issue 4; c={target_c})",
               "", *_target_rows(served, offline, target_c), "", "## Flags each system got", ""]
     notes = {r["system"]: r["note"] for r in served}  # one line per system, whatever the rounds

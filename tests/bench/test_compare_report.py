@@ -56,3 +56,20 @@ def test_offline_rounds_pair_within_a_round_and_a_failed_round_is_left_out():
     row = _row(report._target_rows([], offline, 32), "offline")
     assert row[3] == "1.61× (rounds: 1.22, 2.00)" and row[4] == "NO"  # median of 1.22 and 2.00
     assert row[1:3] == ["570.0", "375.0"]  # medians of the paired rounds only
+
+
+def test_an_offline_only_report_says_serving_was_not_run_and_lists_each_round(tmp_path):
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(offline_num_prompts=256, input_len=128, output_len=128, concurrency=[32], notes="")
+    ctx = SimpleNamespace(model_dir=tmp_path / "model", dtype="bfloat16", threads=2)
+    offline = {"pagellm": {"command": "pagellm bench throughput", "env": {"PAGELLM_NUM_THREADS": "2"},
+                           "rounds": [551.0, 540.1, None], "output_throughput": 545.55, "error": "exit code 1"},
+               "vLLM": {"command": "vllm bench throughput", "env": {}, "rounds": [415.2, 429.3, 440.0],
+                        "output_throughput": 429.3}}
+    md = report.write_report(tmp_path / "r.md", tmp_path / "r", args, ctx, [], offline, {}, command="compare.py")
+    text = md.read_text()
+    assert "Not run in this invocation (`--offline-only`)." in text
+    assert "| pagellm | 545.5 (rounds: 551.0, 540.1, failed) |" in text and "`PAGELLM_NUM_THREADS=2` |" in text
+    assert "| offline output tok/s ≥ 2× vLLM | 545.5 | 422.2 | 1.29× (rounds: 1.33, 1.26) | NO |" in text
+    assert (tmp_path / "r" / "offline.png").exists()
