@@ -141,7 +141,8 @@ def write_report(md_path: Path, out: Path, args: argparse.Namespace, ctx: Any, s
         if len(rec.get("rounds", ())) > 1:  # the median, then each round's figure
             value += " (rounds: " + ", ".join("failed" if v is None else f"{v:.1f}" for v in rec["rounds"]) + ")"
         env = " ".join(f"{k}={v}" for k, v in rec.get("env", {}).items())
-        lines.append(f"| {name} | {value} | `{_tidy(rec['command'], ctx)}` | {f'`{_tidy(env, ctx)}`' if env else '–'} |")
+        env = f"`{_tidy(env, ctx)}`" if env else "–"
+        lines.append(f"| {name} | {value} | `{_tidy(rec['command'], ctx)}` | {env} |")
     lines += ["", "llama.cpp has no offline batch mode in this harness.", "", f"## Targets (issue 4; c={target_c})",
               "", *_target_rows(served, offline, target_c), "", "## Flags each system got", ""]
     notes = {r["system"]: r["note"] for r in served}  # one line per system, whatever the rounds

@@ -47,6 +47,12 @@ def _counts(sampled: list[int]) -> np.ndarray:
         return np.fromiter(sampled, np.int64, len(sampled))
 
 
+def _first_output(out: StepOutput, request: Request, now: float) -> None:
+    """Record in ``out`` that ``request`` got its first output tokens at ``now``."""
+    out.first[request.request_id] = FirstOutput(
+        request.num_cached_tokens, RequestTimes(request.queued_time, request.scheduled_time, now))
+
+
 class Intake:
     running: RunningBatch
     stop_rules: StopRules
@@ -206,8 +212,7 @@ class Intake:
                 self._look_row(request, row, row, flat[start:start + count], num_before, out, kept, finished, now)
                 continue
             if num_before == request.num_prompt_tokens:
-                out.first[request.request_id] = FirstOutput(
-                    request.num_cached_tokens, RequestTimes(request.queued_time, request.scheduled_time, now))
+                _first_output(out, request, now)
             check_at[row] = limit
             if ends:
                 self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -220,8 +225,7 @@ class Intake:
         """One looked-at row (index ``j`` in the step) that got ``tokens``: its first output, the exact stop rules,
         and what they cut or ended (into ``kept`` and ``finished``)."""
         if num_before == request.num_prompt_tokens:
-            out.first[request.request_id] = FirstOutput(
-                request.num_cached_tokens, RequestTimes(request.queued_time, request.scheduled_time, now))
+            _first_output(out, request, now)
         self.running.check_at[row] = request.length_limit
         num_kept = self._check_tokens(request, tokens, num_before)
         if num_kept < len(tokens):

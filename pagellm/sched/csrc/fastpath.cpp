@@ -334,7 +334,7 @@ PyObject *schedule_running(PyObject *, PyObject *args) {
     std::vector<int64_t> grant(n), room(n);
     std::vector<Py_ssize_t> event_rows;
     int64_t used = 0, total = 0, blocks_needed = 0;
-    Py_ssize_t scheduled = 0, events = 0;
+    Py_ssize_t scheduled = 0;
     for (Py_ssize_t i = 0; i < n; ++i) {
         int64_t want = tokens[i] - computed[i];
         int64_t g = budget - used;  // what the budget has left before this row
@@ -353,12 +353,12 @@ PyObject *schedule_running(PyObject *, PyObject *args) {
         if (g != 0) scheduled += 1;
         if (g > 0 && (r > kv_slots[i] || end >= next_full[i])) {
             event_rows.push_back(i);
-            events += 1;
             // kv_slots is the row's blocks times the block size (the column mirrors the manager), so the blocks
             // it lacks follow without touching its block list.
             if (r > kv_slots[i]) blocks_needed += ceil_div(r, bs) - kv_slots[i] / bs;
         }
     }
+    const Py_ssize_t events = static_cast<Py_ssize_t>(event_rows.size());
     FreeQueue fq{};
     if (events && !read_queue(queue, fq)) return nullptr;
     if (events && blocks_needed > fq.num_free) Py_RETURN_NONE;
