@@ -36,71 +36,88 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE / "peers"), str(HERE.parent)]
 import sched_trace as trace  # noqa: E402
 
-from pagellm.config import CacheConfig, SchedulerConfig  # noqa: E402
-from pagellm.request import Request  # noqa: E402
-from pagellm.sampling_params import SamplingParams  # noqa: E402
-from pagellm.sched.output import ModelRunnerOutput  # noqa: E402
-from pagellm.sched.scheduler import Scheduler  # noqa: E402
-
 VLLM_PYTHON = HERE.parent / ".peers" / "vllm" / "bin" / "python"
 
 
-def fake_output(scheduler: Scheduler, sched_out) -> ModelRunnerOutput:
-    """One token for each request whose step reaches its last token, none for a prompt chunk (the runner's rule)."""
-    before = sched_out.cached_reqs.num_computed_tokens + [r.num_computed_tokens for r in sched_out.new_reqs]
-    counts = [int(start + n >= scheduler.requests[rid].num_tokens)
-              for rid, start, n in zip(sched_out.req_ids, before, sched_out.num_scheduled_tokens)]
-    return ModelRunnerOutput(list(sched_out.req_ids), counts, [trace.SAMPLED_TOKEN] * sum(counts))
+class Side:
+    """One scheduler of ``package`` (this tree's ``pagellm``, or an exported ``pagellm_base``) on the trace."""
 
+    def __init__(self, package: str, num_running: int) -> None:
+        def load(name: str):
+            return importlib.import_module(f"{package}.{name}")
 
-def run_pagellm(num_running: int, warmup: int, steps: int, profiler: cProfile.Profile | None = None) -> dict:
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=trace.TOKEN_BUDGET),
-                          CacheConfig(block_size=trace.BLOCK_SIZE, enable_prefix_caching=True),
-                          trace.num_blocks(num_running), max_model_len=2048)
-    next_id, times, adds, running, tokens = 0, [], [], [], []
-    gc.collect()
-    for step in range(warmup + steps):
-        add_time = 0.0
-        while scheduler.num_unfinished_requests < num_running:
-            prompt = trace.prompt(next_id)
+        config = load("config")
+        self.scheduler = load("sched.scheduler").Scheduler(
+            config.SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=trace.TOKEN_BUDGET),
+            config.CacheConfig(block_size=trace.BLOCK_SIZE, enable_prefix_caching=True),
+            trace.num_blocks(num_running), max_model_len=2048)
+        self.request, self.params = load("request").Request, load("sampling_params").SamplingParams
+        self.output = load("sched.output").ModelRunnerOutput
+        self.num_running, self.next_id = num_running, 0
+        self.times: list[float] = []
+
+    def fake_output(self, sched_out):
+        """One token for each request whose step reaches its last token, none for a prompt chunk (the runner's
+        rule)."""
+        before = sched_out.cached_reqs.num_computed_tokens + [r.num_computed_tokens for r in sched_out.new_reqs]
+        counts = [int(start + n >= self.scheduler.requests[rid].num_tokens)
+                  for rid, start, n in zip(sched_out.req_ids, before, sched_out.num_scheduled_tokens)]
+        return self.output(list(sched_out.req_ids), counts, [trace.SAMPLED_TOKEN] * sum(counts))
+
+    def step(self, profiler: cProfile.Profile | None = None):
+        """Top the system up to ``num_running`` requests, then one step; returns (seconds in the two scheduler
+        calls, seconds of arrivals, the step's SchedulerOutput). ``profiler`` sees the two calls only."""
+        scheduler, add_time = self.scheduler, 0.0
+        while scheduler.num_unfinished_requests < self.num_running:
+            prompt, i = trace.prompt(self.next_id), self.next_id
             t = time.perf_counter()
-            params = SamplingParams(max_tokens=trace.output_len(next_id), ignore_eos=True)
-            scheduler.add_request(Request(f"r{next_id}", prompt, params, arrival_time=time.time()))
+            params = self.params(max_tokens=trace.output_len(i), ignore_eos=True)
+            scheduler.add_request(self.request(f"r{i}", prompt, params, arrival_time=time.time()))
             add_time += time.perf_counter() - t
-            next_id += 1
-        profiling = profiler is not None and step >= warmup
-        if profiling:
+            self.next_id += 1
+        if profiler is not None:
             profiler.enable()
         t0 = time.perf_counter()
         out = scheduler.schedule()
         t1 = time.perf_counter()
-        if profiling:
+        if profiler is not None:
             profiler.disable()
-        runner_out = fake_output(scheduler, out)
-        if profiling:
+        runner_out = self.fake_output(out)
+        if profiler is not None:
             profiler.enable()
         t2 = time.perf_counter()
         scheduler.update_from_output(out, runner_out)
         t3 = time.perf_counter()
-        if profiling:
+        if profiler is not None:
             profiler.disable()
+        return (t1 - t0) + (t3 - t2), add_time, out
+
+
+def _percentiles(times: list[float]) -> dict:
+    us = sorted(t * 1e6 for t in times)
+    return {"mean_us": statistics.mean(us), "p50_us": us[len(us) // 2], "p95_us": us[int(len(us) * 0.95)]}
+
+
+def run_pagellm(num_running: int, warmup: int, steps: int, profiler: cProfile.Profile | None = None) -> dict:
+    side = Side("pagellm", num_running)
+    times, adds, running, tokens = [], [], [], []
+    gc.collect()
+    for step in range(warmup + steps):
+        took, add_time, out = side.step(profiler if step >= warmup else None)
         if step >= warmup:
-            times.append((t1 - t0) + (t3 - t2))
+            times.append(took)
             adds.append(add_time)
             running.append(len(out.req_ids))
             tokens.append(out.total_num_scheduled_tokens)
-    us = sorted(t * 1e6 for t in times)
-    return {"system": "pagellm", "num_running": num_running, "steps": steps, "mean_us": statistics.mean(us),
-            "p50_us": us[len(us) // 2], "p95_us": us[int(len(us) * 0.95)],
+    return {"system": "pagellm", "num_running": num_running, "steps": steps, **_percentiles(times),
             "arrivals_us_per_step": statistics.mean(adds) * 1e6,
             "mean_scheduled_reqs": statistics.mean(running), "mean_scheduled_tokens": statistics.mean(tokens),
-            "requests_started": next_id}
+            "requests_started": side.next_id}
 
 
 def package_at(rev: str) -> str:
@@ -113,56 +130,26 @@ def package_at(rev: str) -> str:
     for path in package.rglob("*.py"):
         text = re.sub(r"\b(from|import) pagellm\b", r"\1 pagellm_base", path.read_text())
         path.write_text(text)
+    for path in package.rglob("*.cpp"):  # a build of its own even where the source equals this tree's: CPython
+        with path.open("a") as source:   # shares one extension file's static state between its loads
+            source.write("\n// the pagellm_base copy of benchmarks/scheduler_overhead.py --baseline-rev\n")
     package.rename(root / "pagellm_base")
     sys.path.insert(0, str(root))
     return "pagellm_base"
 
 
-def _side(package: str, num_running: int) -> SimpleNamespace:
-    """A scheduler of ``package`` (``pagellm`` or an exported ``pagellm_base``) set up for the trace."""
-    def load(name: str):
-        return importlib.import_module(f"{package}.{name}")
-
-    config = load("config")
-    scheduler = load("sched.scheduler").Scheduler(
-        config.SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=trace.TOKEN_BUDGET),
-        config.CacheConfig(block_size=trace.BLOCK_SIZE, enable_prefix_caching=True), trace.num_blocks(num_running),
-        max_model_len=2048)
-    return SimpleNamespace(scheduler=scheduler, request=load("request").Request,
-                           params=load("sampling_params").SamplingParams,
-                           output=load("sched.output").ModelRunnerOutput, next_id=0, times=[])
-
-
-def run_pair(num_running: int, warmup: int, steps: int, base: str) -> list[dict]:
-    """This tree's scheduler and ``base``'s on the same trace in one process, a step of each in turn."""
-    sides = [_side("pagellm", num_running), _side(base, num_running)]
+def run_pair(num_running: int, warmup: int, steps: int, base: str) -> tuple[dict, dict]:
+    """This tree's scheduler and ``base``'s on the same trace in one process, a step of each in turn (which one
+    goes first alternates)."""
+    sides = [Side("pagellm", num_running), Side(base, num_running)]
     gc.collect()
     for step in range(warmup + steps):
         for side in (sides if step % 2 == 0 else sides[::-1]):
-            scheduler = side.scheduler
-            while scheduler.num_unfinished_requests < num_running:
-                i = side.next_id
-                params = side.params(max_tokens=trace.output_len(i), ignore_eos=True)
-                scheduler.add_request(side.request(f"r{i}", trace.prompt(i), params, arrival_time=time.time()))
-                side.next_id += 1
-            t0 = time.perf_counter()
-            out = scheduler.schedule()
-            t1 = time.perf_counter()
-            before = out.cached_reqs.num_computed_tokens + [r.num_computed_tokens for r in out.new_reqs]
-            counts = [int(start + n >= scheduler.requests[rid].num_tokens)
-                      for rid, start, n in zip(out.req_ids, before, out.num_scheduled_tokens)]
-            runner_out = side.output(list(out.req_ids), counts, [trace.SAMPLED_TOKEN] * sum(counts))
-            t2 = time.perf_counter()
-            scheduler.update_from_output(out, runner_out)
-            t3 = time.perf_counter()
+            took, _, _ = side.step()
             if step >= warmup:
-                side.times.append((t1 - t0) + (t3 - t2))
-    results = []
-    for name, side in zip(("this tree", "baseline"), sides):
-        us = sorted(t * 1e6 for t in side.times)
-        results.append({"system": name, "num_running": num_running, "mean_us": statistics.mean(us),
-                        "p50_us": us[len(us) // 2], "p95_us": us[int(len(us) * 0.95)]})
-    return results
+                side.times.append(took)
+    ours, theirs = (_percentiles(side.times) for side in sides)
+    return ours, theirs
 
 
 def run_vllm(python: Path, sizes: list[int], warmup: int, steps: int) -> list[dict]:
