@@ -24,7 +24,7 @@ from typing import Callable
 
 from pagellm.kv.block import BlockId, KVBlock
 from pagellm.kv.block_pool import BlockPool
-from pagellm.kv.hashing import extend_block_hashes
+from pagellm.kv.hashing import ROOT_HASH, extend_block_hashes
 from pagellm.request import Request, RequestId
 
 NEVER = 1 << 62  # the next-full count when prefix caching is off: no block is ever registered
@@ -44,6 +44,9 @@ class KVCacheManager:
         # Returns a freed request's blocks to the pool as ``pool.free_blocks(reversed(blocks))`` does; the scheduler
         # sets its native twin here (sched/native.py).
         self.release_blocks: Callable[[list[KVBlock]], None] | None = None
+        # ``extend_block_hashes`` for an unsalted request, ``(hashes, tokens, block_size, root) -> done``: the
+        # scheduler sets its native twin here; when it answers False (a token outside int32) the Python one runs.
+        self.native_hashes: Callable[[list, list[int], int, bytes], bool] | None = None
 
     @property
     def usage(self) -> float:
@@ -163,9 +166,12 @@ class KVCacheManager:
 
     def hash_blocks(self, request: Request) -> None:
         """Hash the request's full blocks not hashed yet (a no-op with prefix caching off)."""
-        if self.enable_caching and len(request.all_token_ids) >= (len(request.block_hashes) + 1) * self.block_size:
-            extra = (request.cache_salt,) if request.cache_salt else None
-            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, extra)
+        hashes, tokens = request.block_hashes, request.all_token_ids
+        if self.enable_caching and len(tokens) >= (len(hashes) + 1) * self.block_size:
+            if request.cache_salt:
+                extend_block_hashes(hashes, tokens, self.block_size, (request.cache_salt,))
+            elif self.native_hashes is None or not self.native_hashes(hashes, tokens, self.block_size, ROOT_HASH):
+                extend_block_hashes(hashes, tokens, self.block_size)
 
     def cache_full_blocks(self, request: Request, num_final_tokens: int) -> int:
         """Register the request's blocks that will be full of final tokens once this step runs (prefix caching

@@ -86,6 +86,7 @@ class Scheduler(Intake):
         if self._native is not None:
             kv, release = self.kv, self._native.free_blocks
             kv.release_blocks = lambda blocks: release(blocks, kv.pool.free_queue)
+            kv.native_hashes = self._native.extend_block_hashes
             # The KV manager's state every native KV call takes, in its order (the objects, not copies).
             self._kv_args = (kv.req_blocks, kv.num_cached_blocks, kv.pool, kv.pool.free_queue, kv.block_size,
                              kv.enable_caching, ROOT_HASH, extend_block_hashes)

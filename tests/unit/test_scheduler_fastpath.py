@@ -219,3 +219,27 @@ def test_native_calls_refuse_inputs_outside_their_contract():
     assert columns.tolist() == np.arange(48).reshape(6, 8).tolist()  # nothing was touched
     native.compact_rows(columns, 4, [1, 2])
     assert columns[0, :2].tolist() == [0, 3] and columns[5, :2].tolist() == [40, 43]
+
+
+def test_native_block_hashes_equal_the_python_ones_and_leave_bad_tokens_to_them():
+    """``extend_block_hashes`` of the native path (the scheduler hashes every arriving unsalted prompt with it) gives
+    the Python twin's chained hashes, from scratch and when extending; a token outside int32 makes it answer False
+    with the hashes as they were, so the Python twin raises its own error."""
+    from pagellm.kv.hashing import ROOT_HASH, extend_block_hashes
+    from pagellm.sched.native import fastpath
+
+    native = fastpath()
+    assert native is not None, "the native scheduler fast path did not build (g++, libssl-dev)"
+    rng = random.Random(7)
+    for block_size in (1, 4, 16):
+        tokens = [rng.randrange(-2**31, 2**31) for _ in range(5 * block_size + 3)]
+        ours, theirs = [], []
+        for end in (0, block_size - 1, 2 * block_size, len(tokens)):  # nothing new, one block, the rest
+            assert native.extend_block_hashes(ours, tokens[:end], block_size, ROOT_HASH) is True
+            extend_block_hashes(theirs, tokens[:end], block_size)
+            assert ours == theirs and len(ours) == end // block_size
+    hashes = []
+    assert native.extend_block_hashes(hashes, [1, 2, 3, 4, 5, 2**31, 7, 8], 4, ROOT_HASH) is False
+    assert hashes == []  # the first block's hash, appended before the bad token, was taken back
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), CacheConfig(block_size=4), 16, 64)
+    assert sched.kv.native_hashes is native.extend_block_hashes

@@ -719,7 +719,26 @@ PyObject *compact_rows(PyObject *, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+// extend_block_hashes(hashes, tokens, block_size, root) -> bool: ``kv.hashing.extend_block_hashes`` for an unsalted
+// request (``hashes`` and ``tokens`` lists, ``root`` the 16-byte root hash). False, with nothing appended, when a
+// token falls outside int32: the Python twin then raises its error.
+PyObject *extend_block_hashes(PyObject *, PyObject *args) {
+    PyObject *hashes, *tokens, *root;
+    Py_ssize_t block_size;
+    if (!PyArg_ParseTuple(args, "O!O!nO!", &PyList_Type, &hashes, &PyList_Type, &tokens, &block_size,
+                          &PyBytes_Type, &root))
+        return nullptr;
+    if (block_size < 1) return PyErr_Format(PyExc_ValueError, "block_size must be positive, not %zd", block_size);
+    if (PyBytes_GET_SIZE(root) != 16) return PyErr_Format(PyExc_ValueError, "the root hash must be 16 bytes");
+    const Py_ssize_t first = PyList_GET_SIZE(hashes);
+    const int rc = extend_hashes(hashes, tokens, block_size, root);
+    if (rc < 0) return nullptr;
+    if (rc == 1 && PyList_SetSlice(hashes, first, PY_SSIZE_T_MAX, nullptr) < 0) return nullptr;  // as it was
+    return PyBool_FromLong(rc == 0);
+}
+
 PyMethodDef methods[] = {
+    {"extend_block_hashes", extend_block_hashes, METH_VARARGS, "an unsalted request's new block hashes (see the source)"},
     {"bind", bind, METH_VARARGS, "bind(KVBlock): learn the block type's slot layout"},
     {"schedule_running", schedule_running, METH_VARARGS, "the running requests' share of a step (see the source)"},
     {"take_tokens", take_tokens, METH_VARARGS, "append a step's sampled tokens; the rows to look at"},
