@@ -378,10 +378,9 @@ class Scheduler(Intake):
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit
             request.scheduled_time = time.time()
-        stats, num_tokens = self._stats, len(request.all_token_ids)
-        stats.prefix_cache_queries += num_tokens
-        stats.prefix_cache_hits += num_hit
-        stats.num_prompt_tokens += num_tokens - num_hit
+        self._stats.prefix_cache_queries += request.num_tokens
+        self._stats.prefix_cache_hits += num_hit
+        self._stats.num_prompt_tokens += request.num_tokens - num_hit
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """End ``request`` (the caller takes it out of the running batch or the waiting queue)."""

@@ -69,7 +69,7 @@ class StopRules:
 def suppressed_tokens(request: Request) -> list[int]:
     """Tokens the sampler must not pick while fewer than ``min_tokens`` tokens were generated, ascending."""
     params = request.sampling_params
-    if params.min_tokens <= len(request.all_token_ids) - request.num_prompt_tokens:
+    if params.min_tokens <= request.num_output_tokens:
         return []
     stops = set(params.stop_token_ids or ())
     return sorted(stops if params.ignore_eos else stops | set(request.eos_token_ids))
