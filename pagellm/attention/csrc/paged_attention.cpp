@@ -8,7 +8,8 @@
 //    walk the keys once with an online softmax (running max, running sum, running weighted V). Decode rows always
 //    take it, and every float32 row: a float32 token then takes exactly the instructions a decode of that token
 //    would, whatever its row looks like, so a prompt computed after a prefix-cache hit reproduces the same prompt
-//    computed without one bit for bit.
+//    computed without one bit for bit. In bfloat16 (AVX-512 BF16, head_dim 64 or 128) the walk takes its keys in
+//    bf16 dot products (walk_bf16.h); float32 rows and other shapes widen K/V to float32 (walk_fixed, walk_vec).
 //  - the flash tile (flash_bf16.h, bfloat16 with AVX-512 BF16, head_dim 64 or 128): up to 48 query vectors (tokens
 //    x grouped heads) of one row and one kv head share each K/V tile, with bfloat16 dot products.
 // Accumulation is in float32 whatever the cache dtype. The plain-PyTorch twin and oracle is
@@ -25,6 +26,7 @@
 
 #include "flash_bf16.h"
 #include "paged_common.h"
+#include "walk_bf16.h"
 #include "simd_exp.h"  // ops/csrc: exp16
 
 namespace pagellm {
@@ -107,54 +109,6 @@ void walk_scalar(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
 }
 
 #if defined(__AVX512F__)
-// The tile of keys the walk takes next from ``start``: up to 16 keys inside one block. Tiles depend only on the
-// absolute position, so a token's tiles are the same in any row (see the header: float32 reproducibility).
-inline int64_t tile_length(int64_t start, int64_t kend, int64_t block_size) {
-  return std::min({int64_t(16), kend - start, block_size - start % block_size});
-}
-
-inline __mmask16 tile_mask(const Visibility& vis, int64_t start, int64_t n) {
-  if (start + n <= vis.ctx_end) return static_cast<__mmask16>((1u << n) - 1);
-  return static_cast<__mmask16>(vis.mask(start, n));
-}
-
-// Ask for a later block's rows of this head while the current one is processed: a request's blocks sit anywhere
-// in the pool, so the hardware prefetcher cannot guess the jump. The walk asks kPrefetchBlocks blocks ahead, into
-// L2 (the T1 hint): on Zen 4 that keeps more lines in flight than T0 prefetches into L1 one block ahead, whose
-// misses queue behind the walk's own loads (DRAM-bound microbenchmark, 30 layer caches, random block placement:
-// 0.44-0.46 -> 0.35-0.37 ms per layer at batch 32, 4.0-4.5 -> 2.7-3.0 ms at batch 256; docs/performance.md).
-// (Inlined for sure: a call inside the walk would spill the G x NV query and accumulator registers around it.)
-constexpr int64_t kPrefetchBlocks = 2;
-
-// Block b of the walk's blocks: this head's K and V rows of the keys before kend.
-template <typename T>
-__attribute__((always_inline)) inline void prefetch_block(const T* k_cache, const T* v_cache, const int64_t* blocks,
-                                                          int64_t b, int64_t kend, int64_t block_size,
-                                                          int64_t token_stride, int64_t kv_head, int64_t head_dim) {
-  const int64_t first = b * block_size, rows = std::min(block_size, kend - first);
-  const int64_t base = blocks[b] * block_size * token_stride + kv_head * head_dim;
-  for (int64_t t = 0; t < rows; ++t) {
-    for (int64_t byte = 0; byte < head_dim * int64_t(sizeof(T)); byte += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(k_cache + base + t * token_stride) + byte, _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(v_cache + base + t * token_stride) + byte, _MM_HINT_T1);
-    }
-  }
-}
-
-// The walk's asks for one tile [start, start + n): at the first tile, blocks 1 .. kPrefetchBlocks - 1; at the tile
-// that ends a block, the block kPrefetchBlocks ahead (only blocks holding keys before kend).
-template <typename T>
-__attribute__((always_inline)) inline void prefetch_ahead(const T* k_cache, const T* v_cache, const int64_t* blocks,
-                                                          int64_t kend, int64_t start, int64_t n, int64_t block_size,
-                                                          int64_t token_stride, int64_t kv_head, int64_t head_dim) {
-  if (start == 0)
-    for (int64_t b = 1; b < kPrefetchBlocks && b * block_size < kend; ++b)
-      prefetch_block(k_cache, v_cache, blocks, b, kend, block_size, token_stride, kv_head, head_dim);
-  const int64_t ahead = start / block_size + kPrefetchBlocks;
-  if ((start + n) % block_size == 0 && ahead * block_size < kend)
-    prefetch_block(k_cache, v_cache, blocks, ahead, kend, block_size, token_stride, kv_head, head_dim);
-}
-
 // The vector walk: 16 float lanes, K/V rows converted on load, scores and exp for 16 keys at a time.
 template <typename T>
 void walk_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* blocks, const Visibility& vis,
@@ -294,10 +248,36 @@ bool walk_fixed_shape(int64_t nv, int64_t group, const T* q, const T* k, const T
 }
 #endif
 
+// The bfloat16 walk (walk_bf16.h) for its shapes (head_dim 64 or 128, the group sizes below); false otherwise.
+inline bool walk_bf16_shape(int64_t, int64_t, const float*, const float*, const float*, const int64_t*,
+                            const Visibility&, int64_t, int64_t, int64_t, float, float*) {
+  return false;  // float32 rows keep the float32 walk (bitwise independent of their row)
+}
+inline bool walk_bf16_shape(int64_t head_dim, int64_t group, const BFloat16* q, const BFloat16* k,
+                            const BFloat16* v, const int64_t* blocks, const Visibility& vis, int64_t block_size,
+                            int64_t kv_heads, int64_t kv_head, float scale, BFloat16* out) {
+#if defined(__AVX512BF16__)
+#define PAGELLM_SHAPE(D_, G_)                                                                          \
+  if (head_dim == D_ && group == G_) {                                                                 \
+    walk_bf16<D_, G_>(q, k, v, blocks, vis, block_size, kv_heads, kv_head, scale, out);                \
+    return true;                                                                                       \
+  }
+  PAGELLM_SHAPE(64, 1) PAGELLM_SHAPE(64, 2) PAGELLM_SHAPE(64, 3) PAGELLM_SHAPE(64, 4) PAGELLM_SHAPE(64, 6)
+  PAGELLM_SHAPE(64, 7) PAGELLM_SHAPE(64, 8)
+  PAGELLM_SHAPE(128, 1) PAGELLM_SHAPE(128, 2) PAGELLM_SHAPE(128, 4) PAGELLM_SHAPE(128, 6)
+#undef PAGELLM_SHAPE
+#else
+  (void)head_dim, (void)group, (void)q, (void)k, (void)v, (void)blocks, (void)vis, (void)block_size;
+  (void)kv_heads, (void)kv_head, (void)scale, (void)out;
+#endif
+  return false;
+}
+
 // One token, one kv head: the fastest walk that serves the shape.
 template <typename T>
 void walk(const T* q, const T* k, const T* v, const int64_t* blocks, const Visibility& vis, int64_t block_size,
           int64_t kv_heads, int64_t group, int64_t head_dim, int64_t kv_head, float scale, T* out) {
+  if (walk_bf16_shape(head_dim, group, q, k, v, blocks, vis, block_size, kv_heads, kv_head, scale, out)) return;
 #if defined(__AVX512F__)
   if (head_dim % 16 == 0 &&
       walk_fixed_shape<T>(head_dim / 16, group, q, k, v, blocks, vis, block_size, kv_heads, kv_head, scale, out))
