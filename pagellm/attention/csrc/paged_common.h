@@ -140,15 +140,22 @@ __attribute__((always_inline)) inline void prefetch_block(const T* k_cache, cons
   }
 }
 
-// The walk's asks for one tile [start, start + n): at the first tile, blocks 1 .. kPrefetchBlocks - 1; at the tile
-// that ends a block, the block kPrefetchBlocks ahead (only blocks holding keys before kend).
+// A walk's first asks: blocks 1 .. kPrefetchBlocks - 1 (block 0 is asked for by the walk before, or not at all).
+template <typename T>
+__attribute__((always_inline)) inline void prefetch_first(const T* k_cache, const T* v_cache, const int64_t* blocks,
+                                                          int64_t kend, int64_t block_size, int64_t token_stride,
+                                                          int64_t kv_head, int64_t head_dim) {
+  for (int64_t b = 1; b < kPrefetchBlocks && b * block_size < kend; ++b)
+    prefetch_block(k_cache, v_cache, blocks, b, kend, block_size, token_stride, kv_head, head_dim);
+}
+
+// The float32 walks' asks for one tile [start, start + n): at the first tile, prefetch_first; at the tile that ends
+// a block, the block kPrefetchBlocks ahead (only blocks holding keys before kend).
 template <typename T>
 __attribute__((always_inline)) inline void prefetch_ahead(const T* k_cache, const T* v_cache, const int64_t* blocks,
                                                           int64_t kend, int64_t start, int64_t n, int64_t block_size,
                                                           int64_t token_stride, int64_t kv_head, int64_t head_dim) {
-  if (start == 0)
-    for (int64_t b = 1; b < kPrefetchBlocks && b * block_size < kend; ++b)
-      prefetch_block(k_cache, v_cache, blocks, b, kend, block_size, token_stride, kv_head, head_dim);
+  if (start == 0) prefetch_first(k_cache, v_cache, blocks, kend, block_size, token_stride, kv_head, head_dim);
   const int64_t ahead = start / block_size + kPrefetchBlocks;
   if ((start + n) % block_size == 0 && ahead * block_size < kend)
     prefetch_block(k_cache, v_cache, blocks, ahead, kend, block_size, token_stride, kv_head, head_dim);

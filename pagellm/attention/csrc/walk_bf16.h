@@ -57,8 +57,8 @@ __attribute__((always_inline)) inline void tile_softmax(__m512 s, __mmask16 vali
 }
 
 // acc[g] += P · V over the tile's n keys (V rows from ``v``, ``stride`` apart), key pairs interleaved for dpbf16.
-// Each pair also asks for the K and V rows of the same keys kPrefetchBlocks blocks ahead (``ahead`` of them, at
-// ``ahead_offset``): one request a key spreads the next blocks' misses over the walk, where asking for a whole
+// Each pair also asks for the K and V rows of the same keys kPrefetchBlocks blocks ahead (the first ``ahead`` keys
+// at k_ahead, v_ahead): one request a key spreads the next blocks' misses over the walk, where asking for a whole
 // block at its boundary queued them in a burst behind the walk's own loads.
 template <int D, int G>
 __attribute__((always_inline)) inline void tile_values(const BFloat16* v, int64_t n, int64_t stride,
@@ -105,8 +105,7 @@ void walk_bf16(const BFloat16* q, const BFloat16* k_cache, const BFloat16* v_cac
   const __m512 sc = _mm512_set1_ps(scale);
   const int64_t stride = kv_heads * D;
   auto offset = [&](int64_t pos) { return (blocks[pos / block_size] * block_size + pos % block_size) * stride; };
-  for (int64_t b = 1; b < kPrefetchBlocks && b * block_size < vis.kend; ++b)  // later blocks come key by key
-    prefetch_block(k_cache, v_cache, blocks, b, vis.kend, block_size, stride, kv_head, D);
+  prefetch_first(k_cache, v_cache, blocks, vis.kend, block_size, stride, kv_head, D);  // later ones key by key
   int64_t n = 0;
   for (int64_t start = 0; start < vis.kend; start += n) {
     n = tile_length(start, vis.kend, block_size);
