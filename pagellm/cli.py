@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 from pagellm import envs
 from pagellm.config import flat_fields
-from pagellm.spec import train as train_draft
+from pagellm.spec import train_cli as train_draft
 
 
 def _flag_type(field: dataclasses.Field) -> Any:

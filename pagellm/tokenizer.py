@@ -7,7 +7,12 @@ detokenization (``tokenizers.decoders.DecodeStream``). ``eos_token_ids`` is ever
 of generation_config.json's and config.json's ``eos_token_id`` and the tokenizer's eos token.
 
 Bad chat input (no template, empty or malformed messages, a template that rejects them) raises ``ValueError``.
-No torch here, and transformers is imported only inside ``from_dir``, so importing this module is cheap.
+No torch here, and transformers is imported only inside ``from_dir``, so importing this module is cheap. A
+directory whose ``tokenizer_config.json`` declares the generic fast tokenizer (what the GGUF converter writes and
+``PreTrainedTokenizerFast.save_pretrained`` records) of a Llama or Mistral model is loaded with that class
+directly: it is the tokenizer ``AutoTokenizer`` builds there (``tests/model/test_tokenizer.py`` holds the two equal
+for every served model type), and ``AutoTokenizer``'s model registry imports torch, over a second of the server's
+start-up. Everything else goes through ``AutoTokenizer``.
 """
 
 from __future__ import annotations
@@ -38,15 +43,20 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, model_dir: Path) -> Tokenizer:
         """Load the tokenizer files of a local model directory (never the hub)."""
-        from transformers import AutoTokenizer
-
         model_dir = Path(model_dir)
         if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
             raise ValueError(
                 f"{model_dir} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
                 "pass a model directory that includes its tokenizer"
             )
-        hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        if _declares_generic_fast(model_dir):
+            from transformers import PreTrainedTokenizerFast
+
+            hf_tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
+        else:
+            from transformers import AutoTokenizer
+
+            hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         if not hf_tokenizer.is_fast:
             raise ValueError(f"{model_dir}: only fast (tokenizer.json) tokenizers are supported; add tokenizer.json")
         eos_ids = _config_eos_ids(model_dir)
@@ -103,6 +113,25 @@ class Tokenizer:
         # The template already writes every special token the model wants (BOS included), as transformers'
         # own apply_chat_template assumes; adding them again would double the BOS.
         return self.encode(text, add_special_tokens=False)
+
+
+# The generic fast tokenizer's names (transformers 5 calls it TokenizersBackend, PreTrainedTokenizerFast its alias),
+# and the served model types for which AutoTokenizer keeps it (for qwen2 it builds Qwen2Tokenizer instead).
+_GENERIC_FAST = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+_GENERIC_FAST_MODEL_TYPES = frozenset({"llama", "mistral"})
+
+
+def _declares_generic_fast(model_dir: Path) -> bool:
+    """Whether ``AutoTokenizer`` would build the generic fast tokenizer for ``model_dir``: its tokenizer config names
+    it (and no custom code), and its model type has no tokenizer class of its own that AutoTokenizer prefers."""
+    try:
+        tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (isinstance(tokenizer_config, dict) and isinstance(config, dict)
+            and tokenizer_config.get("tokenizer_class") in _GENERIC_FAST and "auto_map" not in tokenizer_config
+            and config.get("model_type") in _GENERIC_FAST_MODEL_TYPES and (model_dir / "tokenizer.json").is_file())
 
 
 def _default_template(template: str | dict[str, str] | None) -> str | None:

@@ -1,8 +1,11 @@
 """``AsyncLLM``: the asyncio frontend engine the server uses, over an engine core in its own process.
 
 Contract:
-- ``AsyncLLM.from_config(config)`` loads the tokenizer, starts the core (``client.MPClient``) and waits for its
-  ``RuntimeInfo`` (``runtime``); a start-up ``ValueError`` (bad config, KV cache too small) is re-raised as is.
+- ``AsyncLLM.from_config(config)`` starts the core (``client.MPClient``), resolves the model and loads the
+  tokenizer while the core imports torch, compiles its kernels and loads the model (two processes, so the work
+  overlaps; on a cold start the core waits for this process's GGUF conversion, ``model/loader.py``), and waits for
+  its ``RuntimeInfo`` (``runtime``); a start-up ``ValueError`` (bad model or config, KV cache too small, no
+  tokenizer files) is re-raised as is, and the core is stopped.
 - ``generate(prompt, params, request_id)`` is an async generator of **delta** ``RequestOutput``s: each carries
   only the text and token ids that are new since the previous one; the last one has ``finished=True``. A bad
   prompt raises ``ValueError`` on the first ``__anext__``, before anything reaches the core. Tokenization,
@@ -36,7 +39,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Union
+from typing import AsyncIterator, Callable, Union
 
 import msgspec
 
@@ -100,12 +103,14 @@ class _Tracked:
 class AsyncLLM:
     """Frontend engine for the server (see the module docstring for the contract)."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, startup_timeout_s: float = 600.0,
-                 stats_sink: StatsSink | None = None) -> None:
+    tokenizer: Tokenizer
+    output_processor: OutputProcessor
+
+    def __init__(self, config: EngineConfig, load_tokenizer: Callable[[], Tokenizer],
+                 startup_timeout_s: float = 600.0, stats_sink: StatsSink | None = None) -> None:
+        """``load_tokenizer`` runs while the core starts (see ``MPClient``'s ``while_starting``)."""
         self.config = config
         self.stats_sink: StatsSink = stats_sink or NullStatsSink()
-        self.tokenizer = tokenizer
-        self.output_processor = OutputProcessor(tokenizer)
         self._lock = threading.Lock()
         self._tracked: dict[str, _Tracked] = {}            # core request id → its call
         self._by_request_id: dict[str, set[str]] = {}       # caller's id → live core request ids
@@ -113,15 +118,23 @@ class AsyncLLM:
         self._stats = SchedulerStats()
         self._dead_reason: str | None = None
         self._shut_down = False
-        self.client = MPClient(config, self._on_outputs, self._on_dead, startup_timeout_s)
+
+        def load_text_side() -> None:  # no output can arrive before the handshake, so none meets a half-made engine
+            self.tokenizer = load_tokenizer()
+            self.output_processor = OutputProcessor(self.tokenizer)
+
+        self.client = MPClient(config, self._on_outputs, self._on_dead, startup_timeout_s,
+                               while_starting=load_text_side)
         self.runtime: RuntimeInfo = self.client.runtime
-        self.input_processor = InputProcessor(tokenizer, self.runtime.max_model_len, self.runtime.vocab_size)
+        self.input_processor = InputProcessor(self.tokenizer, self.runtime.max_model_len, self.runtime.vocab_size)
 
     @classmethod
     def from_config(cls, config: EngineConfig, startup_timeout_s: float = 600.0,
                     stats_sink: StatsSink | None = None) -> AsyncLLM:
-        tokenizer = Tokenizer.from_dir(resolve_model_dir(config.model_config.model))
-        return cls(config, tokenizer, startup_timeout_s, stats_sink)
+        def load_tokenizer() -> Tokenizer:  # while the core starts; a GGUF conversion here is the core's to wait for
+            return Tokenizer.from_dir(resolve_model_dir(config.model_config.model))
+
+        return cls(config, load_tokenizer, startup_timeout_s, stats_sink)
 
     # ------------------------------------------------------------------------------------------- requests
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,

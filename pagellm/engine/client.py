@@ -8,7 +8,10 @@ the caller's process and hands out one step's outputs per ``get_output()`` call 
 ``MPClient`` runs the core in its own process (``core_proc.run_engine_core``, spawn start method) and talks to it
 over two ZMQ ``ipc://`` sockets in a private temp directory. Contract:
 - The constructor blocks until the core's handshake: it sets ``runtime``, or re-raises the core's start-up error
-  (``ValueError`` keeps its class and message; anything else becomes ``RuntimeError``).
+  (``ValueError`` keeps its class and message; anything else becomes ``RuntimeError``). ``while_starting``, if
+  given, runs in the caller's thread once the core process is started and before the wait (the frontend loads its
+  tokenizer there, beside the core's imports and model load); when it raises, the core is stopped and the error
+  re-raised.
 - Sends (``add_requests``, ``abort_requests``, ``call_utility*``) never block and may come from any thread; they
   are cheap enough to call from a ``finally`` of a cancelled coroutine.
 - One output thread reads the core's messages in order and hands each ``EngineCoreOutputs`` to ``on_outputs``;
@@ -33,19 +36,21 @@ import os
 import shutil
 import tempfile
 import threading
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import msgspec
 import zmq
 
 from pagellm.config import EngineConfig
-from pagellm.engine.core import EngineCore
 from pagellm.engine.core_proc import run_engine_core
 from pagellm.engine.exceptions import EngineDeadError
 from pagellm.engine.wire import (UTILITY_RESULT_TYPES, AbortRequests, AddRequests, EngineCoreHandshake,
                                  EngineCoreInput, EngineCoreOutputs, EngineCoreRequest, UtilityCall,
                                  UtilityMethod, UtilityResult)
 from pagellm.worker.runtime import RuntimeInfo
+
+if TYPE_CHECKING:  # InprocClient only: the server's frontend never imports torch
+    from pagellm.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +70,9 @@ class EngineCoreClient(Protocol):
 
 class InprocClient:
     def __init__(self, config: EngineConfig) -> None:
-        self.core = EngineCore(config)
+        from pagellm.engine.core import EngineCore
+
+        self.core: EngineCore = EngineCore(config)
 
     @property
     def runtime(self) -> RuntimeInfo:
@@ -97,7 +104,8 @@ class MPClient:
     """The engine core in a child process (see the module docstring for the contract)."""
 
     def __init__(self, config: EngineConfig, on_outputs: Callable[[EngineCoreOutputs], None],
-                 on_dead: Callable[[EngineDeadError], None], startup_timeout_s: float = 600.0) -> None:
+                 on_dead: Callable[[EngineDeadError], None], startup_timeout_s: float = 600.0,
+                 while_starting: Callable[[], None] | None = None) -> None:
         self._on_outputs = on_outputs
         self._on_dead = on_dead
         self._dead: str | None = None          # why the core is gone, once it is
@@ -125,6 +133,8 @@ class MPClient:
         self._atexit = functools.partial(_stop_process, self.process, self.ipc_dir)
         atexit.register(self._atexit)
         try:
+            if while_starting is not None:
+                while_starting()
             self.runtime: RuntimeInfo = self._handshake(startup_timeout_s)
         except BaseException:
             self.shutdown()

@@ -27,16 +27,18 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import msgspec
 import zmq
 
 from pagellm import envs
 from pagellm.config import EngineConfig
-from pagellm.engine.core import EngineCore
 from pagellm.engine.wire import (AbortRequests, AddRequests, EngineCoreHandshake, EngineCoreInput,
                                  EngineCoreOutputs, RequestError, UtilityCall, UtilityResult)
+
+if TYPE_CHECKING:  # the frontend imports this module to name the child's entry point: torch loads in the child
+    from pagellm.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,8 @@ class _Outputs(Protocol):
 
 def _serve(config: EngineConfig, inputs: queue.Queue[EngineCoreInput | None], outputs: _Outputs) -> int:
     try:
+        from pagellm.engine.core import EngineCore
+
         core = EngineCore(config)
     except Exception as exc:  # reported to the parent, which re-raises it (ValueError stays ValueError)
         logger.error("engine core failed to start: %s: %s", type(exc).__name__, exc)

@@ -7,7 +7,9 @@ tokenizer files), and everything downstream loads from that directory.
 - ``resolve_model_dir("x.gguf")`` converts the file once into ``envs.cache_dir()/converted/<name>-<key>``. The key
   hashes the file's absolute path, size and mtime (cheap: no full-file hash) and the converter version. The
   conversion is written to a temporary directory and renamed into place, so a crash never leaves a half cache
-  and a later call either finds a complete directory or converts again;
+  and a later call either finds a complete directory or converts again; a lock file (``envs.cache_dir()/locks``) makes a second
+  process (the server's engine core, which starts while the frontend resolves the model) wait for a conversion
+  under way instead of making its own;
 - ``resolve_model_dir("dir/")`` is the directory itself when it holds ``config.json``.
 
 There is no hub access: anything else is a ``ValueError`` saying what is accepted.
@@ -15,6 +17,7 @@ There is no hub access: anything else is a ``ValueError`` saying what is accepte
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
@@ -26,11 +29,12 @@ import time
 from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pagellm import envs
+
+if TYPE_CHECKING:  # torch loads only where tensors are made: resolve_model_dir serves the torch-free frontend
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +46,12 @@ _ACCEPTED_SOURCES = (
     "pass a local Hugging Face model directory (config.json + *.safetensors) or a .gguf file, or omit the model "
     "to use the built-in SmolLM2-135M-Instruct; pagellm has no hub access, so download models beforehand"
 )
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
+_DTYPES: dict[str, str] = {  # accepted name → torch dtype attribute
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
 }
 _BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
@@ -114,12 +118,14 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def resolve_dtype(dtype: str) -> torch.dtype:
     """The torch dtype for a user's dtype name; ``"auto"`` is bfloat16 where the CPU computes it natively."""
+    import torch
+
     name = dtype.strip().lower()
     if name == "auto":
         return torch.bfloat16 if _BF16_CPU_FLAGS & _cpu_flags() else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of: auto, {', '.join(_DTYPES)}")
-    return _DTYPES[name]
+    return getattr(torch, _DTYPES[name])
 
 
 @functools.cache
@@ -159,10 +165,24 @@ def _converted_gguf_dir(gguf_path: Path) -> Path:
     if (target / "config.json").is_file():
         logger.debug("using cached conversion %s", target)
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    locks = envs.cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one conversion at a time: the server's two processes both resolve it
+        if (target / "config.json").is_file():
+            logger.debug("using the conversion another process just made, %s", target)
+            return target
+        _convert(gguf_path, target)
+    return target
+
+
+def _convert(gguf_path: Path, target: Path) -> None:
+    from pagellm.model import gguf_convert
+
     if target.exists():  # only a hand-damaged cache gets here: publishing is an atomic rename
         logger.warning("removing incomplete cached conversion %s", target)
         shutil.rmtree(target, ignore_errors=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
     try:
         start = time.perf_counter()
@@ -172,7 +192,6 @@ def _converted_gguf_dir(gguf_path: Path) -> Path:
         logger.info("conversion done in %.1fs", time.perf_counter() - start)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def _cache_dir_for(gguf_path: Path, converter_version: int) -> Path:

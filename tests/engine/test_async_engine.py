@@ -260,6 +260,16 @@ def test_startup_error_is_a_value_error(tiny_llama: Path) -> None:
     assert set(multiprocessing.active_children()) <= before  # the failed core was reaped
 
 
+def test_tokenizer_error_stops_the_started_core(tiny_llama: Path, tmp_path: Path) -> None:
+    # The tokenizer loads while the core starts; when it fails, the core it started must not outlive the error.
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).symlink_to(tiny_llama / name)
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="no tokenizer files"):
+        AsyncLLM.from_config(engine_config(tmp_path))
+    assert set(multiprocessing.active_children()) <= before
+
+
 def test_killed_core_fails_pending_and_new_requests(tiny_llama: Path, run: Any) -> None:
     eng = AsyncLLM.from_config(engine_config(tiny_llama))
     try:

@@ -396,6 +396,31 @@ def test_conversion_is_cached(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, 
     assert second != first and len(calls) == 2
 
 
+def test_concurrent_resolves_convert_once(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The server's frontend and engine core resolve the model at the same time on a cold start: the second waits
+    # for the first's conversion (a lock file) instead of converting too.
+    import threading
+    import time
+
+    calls: list[Path] = []
+    real = gguf_convert.convert_gguf_to_hf
+
+    def slow(gguf_path: Path, out_dir: Path) -> None:
+        calls.append(gguf_path)
+        time.sleep(0.5)  # long enough that the other caller arrives while this one converts
+        real(gguf_path, out_dir)
+
+    monkeypatch.setattr(gguf_convert, "convert_gguf_to_hf", slow)
+    results: list[Path] = []
+    threads = [threading.Thread(target=lambda: results.append(resolve_model_dir(str(tiny_gguf)))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and len(results) == 2 and results[0] == results[1]
+    assert (results[0] / "config.json").is_file()
+
+
 def test_failed_conversion_leaves_no_cache(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     def crashing(gguf_path: Path, out_dir: Path) -> None:
         (out_dir / "config.json").write_text("{}")

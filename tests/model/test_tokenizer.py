@@ -177,3 +177,37 @@ def test_import_is_cheap() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_generic_fast_tokenizer_is_what_auto_tokenizer_builds(tiny_model_factory: Any, arch: str) -> None:
+    # from_dir loads a declared generic fast tokenizer without AutoTokenizer (whose registry imports torch) where
+    # AutoTokenizer would build that class too: either way it must be the very tokenizer AutoTokenizer makes of the
+    # directory, for every model type pagellm serves (qwen2 gets Qwen2Tokenizer from both).
+    from transformers import AutoTokenizer
+
+    model_dir = tiny_model_factory(arch)
+    ours, auto = Tokenizer.from_dir(model_dir)._hf, AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    assert type(ours) is type(auto)
+    assert ours.init_kwargs == auto.init_kwargs and len(ours) == len(auto)
+    for text in TEXTS:
+        assert ours.encode(text) == auto.encode(text)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == auto.apply_chat_template(messages, tokenize=False)
+
+
+def test_default_model_tokenizer_is_what_auto_tokenizer_builds(smollm: Tokenizer, default_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(default_dir), local_files_only=True)
+    assert type(smollm._hf) is type(auto) and smollm._hf.init_kwargs == auto.init_kwargs
+    for text in TEXTS:
+        assert smollm.encode(text) == auto.encode(text)
+
+
+def test_default_model_tokenizer_loads_without_torch(smollm: Tokenizer, default_dir: Path) -> None:
+    # The server's frontend loads this while the engine core starts: torch's import would be a second of start-up.
+    code = ("import sys; from pathlib import Path; from pagellm.tokenizer import Tokenizer; "
+            f"print(Tokenizer.from_dir(Path({str(default_dir)!r})).encode('Hello, world!'), 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == f"{smollm.encode('Hello, world!')} False"

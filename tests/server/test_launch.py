@@ -30,3 +30,13 @@ def test_taken_port_fails_fast(server: ServerProcess, tiny_llama: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "pagellm.cli", "serve", str(tiny_llama), "--port",
                              str(server.port), *ENGINE_FLAGS], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "pick another --port" in result.stderr
+
+
+def test_frontend_imports_no_torch() -> None:
+    # `pagellm serve` starts the engine core (which imports torch) before loading its tokenizer; the frontend's
+    # own imports up to that point stay torch-free, so the core starts about a second sooner.
+    code = ("import sys; import pagellm.cli; pagellm.cli.build_parser(); import pagellm.server.launch; "
+            "from pagellm.engine.async_engine import AsyncLLM; import pagellm; pagellm.SamplingParams; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
