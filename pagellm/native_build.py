@@ -3,7 +3,9 @@
 A build lives under ``envs.cache_dir()/kernels/<tag>/`` where the tag hashes the CPU's feature flags
 (``-march=native`` code only runs on this CPU kind), the compiler flags, the source and the headers it may
 include. A build is written to a temporary name and renamed into place, so concurrent processes never load a
-half-written file. ``ops/build.py`` loads the model kernels (plain C ABI, ctypes) from here; ``sched/native.py``
+half-written file; within a process, concurrent calls for one build compile it once (the others wait for it).
+``start_in_background`` runs build calls on threads, so a cold start compiles its kernels side by side and beside
+whatever else it does, and the first load of each kernel waits only for its own compile. ``ops/build.py`` loads the model kernels (plain C ABI, ctypes) from here; ``sched/native.py``
 builds the scheduler's CPython extension the same way (``kv/`` and ``sched/`` import no torch).
 """
 
@@ -16,13 +18,18 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from pagellm import envs
 
 logger = logging.getLogger(__name__)
+
+_locks: dict[Path, threading.Lock] = {}  # one per build target: concurrent callers compile it once
+_locks_guard = threading.Lock()
+_background_slots = threading.BoundedSemaphore(os.cpu_count() or 1)  # compiles running in background at once
 
 
 def cpu_flags() -> str:
@@ -56,6 +63,33 @@ def build(source: Path, flags: Sequence[str], filename: str, headers: Sequence[P
     target = out_dir / filename
     if target.exists():
         return target
+    with _locks_guard:
+        lock = _locks.setdefault(target, threading.Lock())
+    with lock:
+        if target.exists():  # another thread of this process built it meanwhile
+            return target
+        _compile(source, flags, headers, link, out_dir, target)
+    return target
+
+
+def start_in_background(builds: Sequence[Callable[[], object]]) -> None:
+    """Run each of ``builds`` (calls that end in ``build``) on a daemon thread of its own, at most as many at a time
+    as there are cores (over every call), in the given order. A failure is only logged at debug level: the kernel's
+    own load builds again and reports."""
+
+    def run(call: Callable[[], object]) -> None:
+        with _background_slots:
+            try:
+                call()
+            except Exception as exc:  # noqa: BLE001  (reported by the foreground build that follows)
+                logger.debug("background build failed: %s", exc)
+
+    for call in builds:
+        threading.Thread(target=run, args=(call,), daemon=True, name="pagellm-build").start()
+
+
+def _compile(source: Path, flags: Sequence[str], headers: Sequence[Path], link: Sequence[str], out_dir: Path,
+             target: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".so.tmp", delete=False) as tmp:
@@ -69,4 +103,3 @@ def build(source: Path, flags: Sequence[str], filename: str, headers: Sequence[P
     finally:
         partial.unlink(missing_ok=True)
     logger.info("built %s in %.1fs", target, time.perf_counter() - start)
-    return target

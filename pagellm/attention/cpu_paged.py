@@ -28,7 +28,7 @@ from pagellm.attention.torch_ref import write_kv
 from pagellm.ops.build import load_library
 
 logger = logging.getLogger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 # bfloat16 rows with at least this many query tokens take the flash tiles; shorter ones walk token by token.
 FLASH_MIN_TOKENS = 2
 
@@ -76,7 +76,7 @@ class PagedKernel:
 @functools.lru_cache(maxsize=1)
 def load_kernel() -> PagedKernel:
     """Compile (once per source version and machine kind, about two seconds) and load the C++ kernel."""
-    return PagedKernel(load_library(_SOURCE))
+    return PagedKernel(load_library(SOURCE))
 
 
 def build_metadata(common: CommonAttentionInputs) -> CpuPagedMetadata:

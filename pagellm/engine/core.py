@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from pagellm import envs, native_build
 from pagellm.config import EngineConfig
 from pagellm.engine.input_processor import check_prompt
 from pagellm.engine.wire import EngineCoreRequest, StepOutput
@@ -16,6 +17,7 @@ from pagellm.executor.base import Executor
 from pagellm.executor.uniproc import UniProcExecutor
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.request import Request
+from pagellm.sched.native import build_extension
 from pagellm.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -24,6 +26,8 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
+        if envs.native_scheduler():  # a cold start compiles the scheduler's extension while the model loads
+            native_build.start_in_background([build_extension])
         self.executor = executor or UniProcExecutor(config)
         self.runtime = self.executor.runtime
         spec = config.speculative_config

@@ -22,6 +22,11 @@ CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fPIC", 
 HEADERS = Path(__file__).parent / "csrc"  # shared headers (simd_exp.h), on every kernel's include path
 
 
+def build_library(source: Path) -> Path:
+    """The compiled library file for ``source`` (built now if this machine kind has no build of this version)."""
+    return build(source, CXX_FLAGS, f"{source.stem}.so", [HEADERS])
+
+
 def load_library(source: Path) -> ctypes.CDLL:
-    """The compiled library for ``source`` (built now if this machine kind has no build of this version)."""
-    return ctypes.CDLL(str(build(source, CXX_FLAGS, f"{source.stem}.so", [HEADERS])))
+    """The compiled library for ``source``, loaded (``build_library``, then ``dlopen``)."""
+    return ctypes.CDLL(str(build_library(source)))

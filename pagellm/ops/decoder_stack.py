@@ -27,7 +27,7 @@ from pagellm.ops.build import load_library
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
-_ATTENTION = Path(__file__).parent.parent / "attention" / "csrc" / "paged_attention.cpp"
+ATTENTION = Path(__file__).parent.parent / "attention" / "csrc" / "paged_attention.cpp"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -63,7 +63,7 @@ def _lib() -> tuple[ctypes.CDLL, _Kernels] | None:
     if gemm_lib is None or fused_lib is None:
         return None
     try:
-        lib, attention = load_library(SOURCE), load_library(_ATTENTION)
+        lib, attention = load_library(SOURCE), load_library(ATTENTION)
     except (RuntimeError, OSError) as exc:
         logger.warning("native decoder stack unavailable (%s); using the Python layers", exc)
         return None

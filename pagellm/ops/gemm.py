@@ -36,7 +36,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 @functools.lru_cache(maxsize=1)
 def _lib() -> ctypes.CDLL | None:
     """The native library, or ``None`` where it cannot run (no AVX-512 BF16, no compiler)."""
-    if "avx512_bf16" not in cpu_flags().split():
+    if not runs_here():
         return None
     try:
         lib = load_library(SOURCE)
@@ -48,6 +48,11 @@ def _lib() -> ctypes.CDLL | None:
     lib.pagellm_packed_rows_bf16.argtypes = [_P, _I, _I, _P, _I, _P]
     lib.pagellm_packed_rows_bf16.restype = ctypes.c_int
     return lib
+
+
+def runs_here() -> bool:
+    """Whether this CPU has the instructions the kernel is written in (AVX-512 BF16)."""
+    return "avx512_bf16" in cpu_flags().split()
 
 
 def available() -> bool:

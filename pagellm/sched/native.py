@@ -25,15 +25,21 @@ NAME = "pagellm_sched_fastpath"
 FLAGS = ["-O2", "-fPIC", "-shared", "-std=c++17", "-fno-strict-aliasing", "-Wno-deprecated-declarations"]
 
 
+def build_extension() -> Path:
+    """The extension's file, compiled now if this machine kind has no build of this version (``fastpath`` loads
+    it; the engine core also calls this early on a background thread, ``EngineCore``)."""
+    include = sysconfig.get_paths()["include"]  # in the flags, so in the build's key (not hashed file by file)
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    return build(SOURCE, [*FLAGS, f"-I{include}"], NAME + suffix, link=["-lcrypto"])
+
+
 @functools.lru_cache(maxsize=1)
 def fastpath() -> ModuleType | None:
     """The extension module (bound to ``KVBlock``), or ``None`` when it is switched off or does not build."""
     if not envs.native_scheduler():
         return None
     try:
-        include = sysconfig.get_paths()["include"]  # in the flags, so in the build's key (not hashed file by file)
-        suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-        path = build(SOURCE, [*FLAGS, f"-I{include}"], NAME + suffix, link=["-lcrypto"])
+        path = build_extension()
         spec = importlib.util.spec_from_file_location(NAME, path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)

@@ -4,12 +4,14 @@ number of blocks)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
 import torch
 
-from pagellm import envs
+from pagellm import envs, native_build
+from pagellm.attention import cpu_paged
 from pagellm.attention.base import get_backend
 from pagellm.config import CacheConfig, ModelConfig, SpeculativeConfig
 from pagellm.distributed.groups import SINGLE, ParallelState
@@ -17,6 +19,8 @@ from pagellm.model.arch import ArchConfig
 from pagellm.model.loader import iter_weights, load_hf_config, resolve_dtype, resolve_model_dir
 from pagellm.model.registry import build_model
 from pagellm.ops import decoder_stack, fused, gemm
+from pagellm.ops.build import build_library
+from pagellm.sample import native as sample_native
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.spec.base import make_proposer
 from pagellm.worker.model_runner import ModelRunner
@@ -33,9 +37,10 @@ class Worker:
             torch.set_num_threads(threads)
         torch.manual_seed(model_config.seed)
         start = time.perf_counter()
+        self.dtype = resolve_dtype(model_config.dtype)
+        _start_kernel_builds(self.dtype, model_config.attention_backend)
         model_dir = resolve_model_dir(model_config.model)
         arch = ArchConfig.from_hf(load_hf_config(model_dir))
-        self.dtype = resolve_dtype(model_config.dtype)
         model = build_model(arch, self.dtype, parallel)
         model.load_weights(iter_weights(model_dir))
         model.eval()
@@ -58,6 +63,19 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)
+
+
+def _start_kernel_builds(dtype: torch.dtype, attention_backend: str) -> None:
+    """Compile the native kernels this worker will load on background threads, the longest first (``native_build``):
+    a cold start then builds them side by side, and beside the model's resolution (a GGUF conversion, or waiting for
+    the frontend's) and the weights' loading, instead of one after another as each is first loaded."""
+    sources = [cpu_paged.SOURCE] if attention_backend in ("auto", "cpu_paged") else []
+    if dtype == torch.bfloat16 and gemm.runs_here():
+        sources += [decoder_stack.ATTENTION, gemm.SOURCE, fused.SOURCE]
+        if envs.native_decoder():
+            sources.append(decoder_stack.SOURCE)
+    sources.append(sample_native.SOURCE)
+    native_build.start_in_background([functools.partial(build_library, source) for source in dict.fromkeys(sources)])
 
 
 def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
