@@ -32,6 +32,7 @@ import functools
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import tempfile
@@ -306,12 +307,19 @@ def _set_exception(future: concurrent.futures.Future, exc: BaseException) -> Non
 
 def _stop_process(process: multiprocessing.process.BaseProcess, ipc_dir: str,
                   timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
-    """SIGTERM, SIGKILL after ``timeout``, reap; then remove the socket directory."""
-    if process.is_alive():
+    """SIGTERM, SIGKILL after ``timeout``, reap; then remove the socket directory. Whether the child is gone is read
+    from its sentinel, not from ``waitpid``: the output thread may reap it first, and then ``is_alive()`` (whose
+    ``waitpid`` fails) reports a dead child as alive."""
+    if not _gone(process, 0):
         process.terminate()
-        process.join(timeout)
-        if process.is_alive():
+        if not _gone(process, timeout):
             logger.warning("the engine core ignored SIGTERM for %.0fs; killing it", timeout)
             process.kill()
-            process.join()
+            _gone(process, None)
+    process.join(0)  # reap, unless another thread did
     shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _gone(process: multiprocessing.process.BaseProcess, timeout: float | None) -> bool:
+    """Whether ``process`` has exited, waiting up to ``timeout`` seconds (None: for as long as it takes)."""
+    return bool(multiprocessing.connection.wait([process.sentinel], timeout))
