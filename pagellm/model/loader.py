@@ -7,9 +7,9 @@ tokenizer files), and everything downstream loads from that directory.
 - ``resolve_model_dir("x.gguf")`` converts the file once into ``envs.cache_dir()/converted/<name>-<key>``. The key
   hashes the file's absolute path, size and mtime (cheap: no full-file hash) and the converter version. The
   conversion is written to a temporary directory and renamed into place, so a crash never leaves a half cache
-  and a later call either finds a complete directory or converts again; a lock file (``envs.cache_dir()/locks``) makes a second
-  process (the server's engine core, which starts while the frontend resolves the model) wait for a conversion
-  under way instead of making its own;
+  and a later call either finds a complete directory or converts again; a lock file (``envs.cache_dir()/locks``)
+  makes a second process (the server's engine core, which starts while the frontend resolves the model) wait for
+  a conversion under way instead of making its own;
 - ``resolve_model_dir("dir/")`` is the directory itself when it holds ``config.json``.
 
 There is no hub access: anything else is a ``ValueError`` saying what is accepted.
