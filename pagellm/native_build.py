@@ -5,8 +5,9 @@ A build lives under ``envs.cache_dir()/kernels/<tag>/`` where the tag hashes the
 include. A build is written to a temporary name and renamed into place, so concurrent processes never load a
 half-written file; within a process, concurrent calls for one build compile it once (the others wait for it).
 ``start_in_background`` runs build calls on threads, so a cold start compiles its kernels side by side and beside
-whatever else it does, and the first load of each kernel waits only for its own compile. ``ops/build.py`` loads the model kernels (plain C ABI, ctypes) from here; ``sched/native.py``
-builds the scheduler's CPython extension the same way (``kv/`` and ``sched/`` import no torch).
+whatever else it does, and the first load of each kernel waits only for its own compile. ``ops/build.py`` loads
+the model kernels (plain C ABI, ctypes) from here; ``sched/native.py`` builds the scheduler's CPython extension the
+same way (``kv/`` and ``sched/`` import no torch).
 """
 
 from __future__ import annotations
