@@ -5,7 +5,8 @@ A build lives under ``envs.cache_dir()/kernels/<tag>/`` where the tag hashes the
 include. A build is written to a temporary name and renamed into place, so concurrent processes never load a
 half-written file; within a process, concurrent calls for one build compile it once (the others wait for it).
 ``start_in_background`` runs build calls on threads, so a cold start compiles its kernels side by side and beside
-whatever else it does, and the first load of each kernel waits only for its own compile. ``ops/build.py`` loads
+whatever else it does, and the first load of each kernel waits only for its own compile; ``stop_compiles`` ends
+the runs in flight for a process on its way out. ``ops/build.py`` loads
 the model kernels (plain C ABI, ctypes) from here; ``sched/native.py`` builds the scheduler's CPython extension the
 same way (``kv/`` and ``sched/`` import no torch).
 """
@@ -17,6 +18,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -31,6 +33,8 @@ logger = logging.getLogger(__name__)
 _locks: dict[Path, threading.Lock] = {}  # one per build target: concurrent callers compile it once
 _locks_guard = threading.Lock()
 _background_slots = threading.BoundedSemaphore(os.cpu_count() or 1)  # compiles running in background at once
+_running: dict[subprocess.Popen, Path] = {}  # compiler runs in flight, and the partial file each writes
+_running_guard = threading.Lock()
 
 
 def cpu_flags() -> str:
@@ -89,18 +93,41 @@ def start_in_background(builds: Sequence[Callable[[], object]]) -> None:
         threading.Thread(target=run, args=(call,), daemon=True, name="pagellm-build").start()
 
 
+def stop_compiles() -> None:
+    """Kill the compiler runs still in flight and remove their partial files: for a process that exits while
+    background builds run (the engine core stopped during a cold start), so no compiler outlives it."""
+    with _running_guard:
+        running = list(_running.items())
+    for proc, partial in running:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # done meanwhile
+            pass
+        proc.wait()
+        partial.unlink(missing_ok=True)
+
+
 def _compile(source: Path, flags: Sequence[str], headers: Sequence[Path], link: Sequence[str], out_dir: Path,
              target: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".so.tmp", delete=False) as tmp:
         partial = Path(tmp.name)
+    argv = [compiler(), *flags, *(f"-I{h}" for h in headers), str(source), "-o", str(partial), *link]
     try:
-        subprocess.run([compiler(), *flags, *(f"-I{h}" for h in headers), str(source), "-o", str(partial), *link],
-                       check=True, capture_output=True, text=True)
+        # A session of its own, so stop_compiles can end the driver and the compiler it runs (cc1plus, as) alike.
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) as proc:
+            with _running_guard:
+                _running[proc] = partial
+            try:
+                _, stderr = proc.communicate()
+            finally:
+                with _running_guard:
+                    _running.pop(proc, None)
+        if proc.returncode != 0:
+            raise RuntimeError(f"building {source.name} failed:\n{stderr[-2000:]}")
         os.replace(partial, target)
-    except subprocess.CalledProcessError as exc:
-        raise RuntimeError(f"building {source.name} failed:\n{exc.stderr[-2000:]}") from exc
     finally:
         partial.unlink(missing_ok=True)
     logger.info("built %s in %.1fs", target, time.perf_counter() - start)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import msgspec
 import zmq
 
-from pagellm import envs
+from pagellm import envs, native_build
 from pagellm.config import EngineConfig
 from pagellm.engine.wire import (AbortRequests, AddRequests, EngineCoreHandshake, EngineCoreInput,
                                  EngineCoreOutputs, RequestError, UtilityCall, UtilityResult)
@@ -243,7 +243,9 @@ def _watch_parent(parent_pid: int, ipc_dir: str) -> None:
 
 
 def _exit(ctx: zmq.Context, outputs: _Sender, code: int) -> None:
-    """Flush queued outputs, close the sockets, and leave without running interpreter teardown."""
+    """Flush queued outputs, close the sockets, and leave without running interpreter teardown (and without the
+    background kernel compiles of a start-up cut short)."""
+    native_build.stop_compiles()
     outputs.close()
     term = threading.Thread(target=ctx.term, daemon=True)  # waits out the linger; the input thread sees ETERM
     term.start()
