@@ -9,7 +9,7 @@ tokenizer files), and everything downstream loads from that directory.
   conversion is written to a temporary directory and renamed into place, so a crash never leaves a half cache
   and a later call either finds a complete directory or converts again; a lock file (``envs.cache_dir()/locks``)
   makes a second process (the server's engine core, which starts while the frontend resolves the model) wait for
-  a conversion under way instead of making its own;
+  a conversion under way instead of making its own, and lets a conversion remove what a killed one left;
 - ``resolve_model_dir("dir/")`` is the directory itself when it holds ``config.json``.
 
 There is no hub access: anything else is a ``ValueError`` saying what is accepted.
@@ -183,6 +183,8 @@ def _convert(gguf_path: Path, target: Path) -> None:
     if target.exists():  # only a hand-damaged cache gets here: publishing is an atomic rename
         logger.warning("removing incomplete cached conversion %s", target)
         shutil.rmtree(target, ignore_errors=True)
+    for stale in target.parent.glob(f".tmp-{target.name}-*"):  # under the lock, only a killed conversion's
+        shutil.rmtree(stale, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
     try:
         start = time.perf_counter()

@@ -421,6 +421,17 @@ def test_concurrent_resolves_convert_once(tiny_gguf: Path, monkeypatch: pytest.M
     assert (results[0] / "config.json").is_file()
 
 
+def test_a_killed_conversions_staging_is_removed(tiny_gguf: Path, tmp_path: Path) -> None:
+    # A process killed mid-conversion leaves its staging directory; the next conversion (holding the lock, so no
+    # other is under way) removes it.
+    target = loader._cache_dir_for(tiny_gguf.resolve(), gguf_convert.CONVERTER_VERSION)
+    stale = target.parent / f".tmp-{target.name}-killed"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    assert resolve_model_dir(str(tiny_gguf)) == target
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
+
+
 def test_failed_conversion_leaves_no_cache(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     def crashing(gguf_path: Path, out_dir: Path) -> None:
         (out_dir / "config.json").write_text("{}")
