@@ -5,7 +5,11 @@ fills it if needed, and is not counted). Cold: a fresh, empty ``PAGELLM_CACHE_DI
 converted and every C++ kernel is built. Rounds alternate warm and cold; the server is stopped with SIGTERM after
 each. Issue 4's targets: <= 10 s warm, <= 30 s cold.
 
-    .venv/bin/python benchmarks/startup.py [--rounds 3] [--threads 2] [--model MODEL]
+    .venv/bin/python benchmarks/startup.py [--rounds 3] [--threads 2] [--model MODEL] [--baseline-rev REV]
+
+``--baseline-rev REV`` also starts ``pagellm`` as of git revision REV (``git archive`` of ``pagellm/`` into a
+temporary folder, run from there), alternating with this tree round by round (which goes first alternates), and
+prints each one's medians and their ratio: a start-up change measured against its base in the same spells.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from compare import free_port, wait_ready  # noqa: E402
 from peers import systems  # noqa: E402
 
 
-def time_to_ready(args: argparse.Namespace, cache_dir: str | None) -> float:
+def time_to_ready(args: argparse.Namespace, cache_dir: str | None, tree: Path = systems.REPO) -> float:
+    """Seconds from ``pagellm serve`` (the package under ``tree``) to ready."""
     port = free_port()
     argv = [sys.executable, "-m", "pagellm.cli", "serve", *([args.model] if args.model else []), "--dtype",
             args.dtype, "--port", str(port), "--kv-cache-memory", str(systems.KV_GIB << 30), "--disable-log-stats"]
@@ -32,7 +37,7 @@ def time_to_ready(args: argparse.Namespace, cache_dir: str | None) -> float:
     if cache_dir is not None:
         env["PAGELLM_CACHE_DIR"] = cache_dir
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, cwd=systems.REPO)
+                            start_new_session=True, cwd=tree)
     try:
         return wait_ready(f"http://127.0.0.1:{port}", proc, timeout=300)
     finally:
@@ -46,15 +51,36 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--model", default=None, help="default: the built-in model")
+    parser.add_argument("--baseline-rev", default=None, help="also start pagellm as of this git revision")
     args = parser.parse_args()
-    time_to_ready(args, None)  # fills the default cache, so that warm rounds are warm
-    warm, cold = [], []
-    for _ in range(args.rounds):
-        warm.append(time_to_ready(args, None))
-        with tempfile.TemporaryDirectory() as cache_dir:
-            cold.append(time_to_ready(args, cache_dir))
-    for name, times in (("warm", warm), ("cold", cold)):
-        print(f"{name}: median {statistics.median(times):.1f} s  (rounds: {', '.join(f'{t:.1f}' for t in times)})")
+    with tempfile.TemporaryDirectory() as exported:
+        trees = {"this tree": systems.REPO}
+        if args.baseline_rev:
+            trees[args.baseline_rev] = export(args.baseline_rev, Path(exported))
+        times = {(name, kind): [] for name in trees for kind in ("warm", "cold")}
+        for tree in trees.values():
+            time_to_ready(args, None, tree)  # fills the default cache, so that warm rounds are warm
+        for round_ in range(args.rounds):
+            for name, tree in (list(trees.items()) if round_ % 2 == 0 else list(trees.items())[::-1]):
+                times[name, "warm"].append(time_to_ready(args, None, tree))
+                with tempfile.TemporaryDirectory() as cache_dir:
+                    times[name, "cold"].append(time_to_ready(args, cache_dir, tree))
+    for kind in ("warm", "cold"):
+        for name in trees:
+            runs = times[name, kind]
+            label = f"{kind}" if len(trees) == 1 else f"{kind} ({name})"
+            print(f"{label}: median {statistics.median(runs):.1f} s  (rounds: {', '.join(f'{t:.1f}' for t in runs)})")
+        if args.baseline_rev:
+            ratio = statistics.median(times["this tree", kind]) / statistics.median(times[args.baseline_rev, kind])
+            print(f"{kind}: this tree / {args.baseline_rev} = {ratio:.2f}")
+
+
+def export(rev: str, root: Path) -> Path:
+    """``pagellm/`` as of git revision ``rev``, extracted under ``root`` (which is then the tree to run from)."""
+    archive = subprocess.run(["git", "-C", str(systems.REPO), "archive", rev, "pagellm"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+    return root
 
 
 if __name__ == "__main__":
