@@ -9,7 +9,9 @@ effective weight bandwidth (GB/s), arithmetic rate (GFLOP/s) and the packed kern
 the LM head. The previous kernel (``pagellm/ops/csrc/small_gemm.cpp``, a dot-product formulation with horizontal
 reductions, dispatched at M ≤ 8) is built from git (``--old-rev``) and run up to ``--old-max-m`` rows.
 ``--packed-rev REV`` also builds the packed kernel as of REV (same packed layout) and runs it beside this tree's,
-interleaved, with the ratio of the two: a change to the kernel measured in one process.
+interleaved, with the ratio of the two: a change to the kernel measured in one process. On a CPU with AMX the
+packed kernel runs on AMX tiles, and its AVX-512 path runs beside it as ``avx512`` (the same library, switched per
+call with ``gemm.use_amx``).
 
     .venv/bin/python benchmarks/small_gemm.py [--m 1 2 4 ... 2048] [--reps 7] [--threads N] [--old-rev 0f51e58]
         [--old-max-m 64] [--packed-rev REV] [--shapes smollm2|llama3-8b] [--layers N]
@@ -92,7 +94,18 @@ def methods(plain: list[torch.Tensor], old: Callable | None,
         out["old"] = lambda xs: [old(xs[w.shape[1]], w) for w in plain]
     if packed_rev is not None:
         out["packed@rev"] = lambda xs: [packed_rev(xs[k], p, n) for p, n, k in packed]
+    if gemm.amx():
+        out["avx512"] = lambda xs: _on_avx512(lambda: [gemm.packed_linear(xs[k], p, n) for p, n, k in packed])
     return out
+
+
+def _on_avx512(run: Callable[[], object]) -> None:
+    """``run`` on the packed kernel's AVX-512 path, then back to AMX."""
+    gemm.use_amx(False)
+    try:
+        run()
+    finally:
+        gemm.use_amx(True)
 
 
 def measure(runs: dict[str, Callable[[dict], None]], xs: dict[int, torch.Tensor], reps: int) -> dict[str, float]:
@@ -110,14 +123,14 @@ def measure(runs: dict[str, Callable[[dict], None]], xs: dict[int, torch.Tensor]
 
 def row(label: str, m: int, med: dict[str, float], weight_bytes: int, flops_per_row: int) -> str:
     cells = [f"{label:8} {m:5d}"]
-    for name in ("F.linear", "old", "packed@rev", "packed"):
+    for name in ("F.linear", "old", "packed@rev", "avx512", "packed"):
         if name in med:
             t = med[name]
             cells.append(f"{name} {t * 1e3:8.2f} ms {weight_bytes / t / 1e9:5.1f} GB/s "
                          f"{m * flops_per_row / t / 1e9:6.1f} GFLOP/s")
         else:
             cells.append(f"{name} {'-':>38}")
-    ratios = [f"×{med[name] / med['packed']:.2f} vs {name}" for name in ("F.linear", "old", "packed@rev")
+    ratios = [f"×{med[name] / med['packed']:.2f} vs {name}" for name in ("F.linear", "old", "packed@rev", "avx512")
               if name in med]
     return " | ".join(cells + [", ".join(ratios)])
 
@@ -145,7 +158,8 @@ def main() -> None:
     groups = [("layers", layers)]
     if head_shape is not None:
         groups.append(("LM head", [torch.randn(head_shape[1], head_shape[0]).to(torch.bfloat16)]))
-    print(f"threads {torch.get_num_threads()}, previous kernel {'from ' + args.old_rev if old else 'not run'}"
+    print(f"threads {torch.get_num_threads()}, packed kernel on {'AMX' if gemm.amx() else 'AVX-512'}, "
+          f"previous kernel {'from ' + args.old_rev if old else 'not run'}"
           + (f", packed kernel also as of {args.packed_rev}" if packed_rev else ""))
     for label, weights in groups:
         all_runs = methods(weights, old, packed_rev)

@@ -32,6 +32,12 @@ def native_decoder() -> bool:
     return os.environ.get("PAGELLM_NATIVE_DECODER", "1") != "0"
 
 
+def gemm_amx() -> bool:
+    """``PAGELLM_GEMM_AMX``: ``0`` keeps the packed bfloat16 GEMM on its AVX-512 path on CPUs with AMX instead of
+    the AMX tile path (``pagellm/ops/gemm.py``); default on."""
+    return os.environ.get("PAGELLM_GEMM_AMX", "1") != "0"
+
+
 def native_scheduler() -> bool:
     """``PAGELLM_NATIVE_SCHEDULER``: ``0`` keeps the scheduler on its numpy and Python paths instead of the native
     fast path (``pagellm/sched/native.py``); default on."""

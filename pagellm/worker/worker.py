@@ -55,7 +55,8 @@ class Worker:
         self.runner.bind_kv_cache(num_blocks, self.dtype)
         if self.dtype == torch.bfloat16:  # build/load the native layer kernels now, not during the first request
             logger.info("native kernels: packed GEMM %s, fused element-wise %s, decoder stack %s",
-                        "on" if gemm.available() else "off", "on" if fused.available() else "off",
+                        ("on (AMX)" if gemm.amx() else "on") if gemm.available() else "off",
+                        "on" if fused.available() else "off",
                         "on" if decoder_stack.available() and envs.native_decoder() else "off")
         self.runtime = RuntimeInfo(max_model_len, num_blocks, cache_config.block_size, arch.vocab_size)
         logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens", model_dir, arch.architecture,

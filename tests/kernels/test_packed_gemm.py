@@ -1,6 +1,7 @@
 """The packed bfloat16 GEMM (``pagellm/ops/csrc/packed_gemm.cpp``) against its twin ``F.linear``, the packed layout
 against the plain one, and the model's layers (fused q/k/v and gate/up, biases, a tied LM head and its embedding)
-once their weights are packed after loading.
+once their weights are packed after loading. The kernel's two paths, AVX-512 and AMX tiles (where the CPU has AMX),
+are each held to the twin and to batch and thread invariance (the ``isa`` fixture).
 
 Tolerance. The kernel sums exact bf16 x bf16 products in float32 and rounds once to bfloat16; the oracle is the
 float32 ``F.linear`` of the same bf16 inputs. The two float32 sums differ only by summation order, at most about
@@ -10,8 +11,11 @@ ulp, 2^-8 relative. ``_assert_gemm_close`` checks exactly that bound (times 2 fo
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -38,25 +42,41 @@ def _assert_gemm_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: t
     assert excess <= 0, f"kernel differs from F.linear beyond bf16 rounding by {excess}"
 
 
+@pytest.fixture(params=["avx512", "amx"])
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs a test on one of the kernel's paths; the AMX one only where this CPU has AMX (and the OS grants it)."""
+    default = gemm.amx()
+    if gemm.use_amx(request.param == "amx") != (request.param == "amx"):
+        gemm.use_amx(default)
+        pytest.skip("this CPU has no AMX-BF16")
+    yield request.param
+    gemm.use_amx(default)
+
+
 def _threads(n: int) -> Callable[[], None]:
     old = torch.get_num_threads()
     torch.set_num_threads(n)
     return lambda: torch.set_num_threads(old)
 
 
-# M: one register tile (1..8 rows), 6-row groups with 7/8/9-row remainders, more than one 192-row M block.
-# K: one K block of whole pairs (576), an odd K (37, 5, 1), two K blocks (1100: 550 pairs) and two K blocks ending
-# in a half pair (2049). N: whole 16-column panels, partial last panels (7, 130, 49), fewer columns than a panel.
-# At one or two rows panels go in groups of 8: groups ending in 5, 6 or 7 panels (200, 96, 230 outputs).
-CASES = [(m, 576, 960) for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 15, 64)] + [
+# AVX-512 path. M: one register tile (1..8 rows), 6-row groups with 7/8/9-row remainders, more than one 192-row M
+# block. K: one K block of whole pairs (576), an odd K (37, 5, 1), two K blocks (1100: 550 pairs) and two K blocks
+# ending in a half pair (2049). N: whole 16-column panels, partial last panels (7, 130, 49), fewer columns than a
+# panel. At one or two rows panels go in groups of 8: groups ending in 5, 6 or 7 panels (200, 96, 230 outputs).
+# AMX path. M: tiles of M rows read in place (1..15), whole 16-row tiles (64), a short last tile copied (17, 20, 33,
+# 200), more than one 256-row range (300: the second range 32 rows in place and 12 copied; 385). K: whole 16-pair
+# steps (576, 1536, 96), a short last step (1100: 550 pairs, 37, 130) and an odd K (2049, 5, 1). N: an odd panel
+# count (a last single panel: 49, 130, 200), partial panels; a y of 4 MiB and more is written non-temporally (64 x
+# 32800, with and without bias).
+CASES = [(m, 576, 960) for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 15, 16, 17, 64, 300)] + [
     (1, 37, 130), (3, 5, 3), (8, 1, 16), (11, 1100, 49), (2, 2049, 33), (20, 2049, 7), (200, 130, 200),
-    (385, 96, 70), (33, 1536, 576), (1, 1100, 200), (1, 576, 96), (2, 1100, 230)]
+    (385, 96, 70), (33, 1536, 576), (1, 1100, 200), (1, 576, 96), (2, 1100, 230), (64, 576, 32800)]
 
 
 @pytest.mark.parametrize("m,k,n", CASES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_packed_gemm_matches_f_linear(m: int, k: int, n: int, bias: bool, threads: int) -> None:
+def test_packed_gemm_matches_f_linear(m: int, k: int, n: int, bias: bool, threads: int, isa: str) -> None:
     gen = torch.Generator().manual_seed(m * 10007 + k * 101 + n)
     x = torch.randn(m, k, generator=gen).to(BF16)
     w = torch.randn(n, k, generator=gen).to(BF16)
@@ -69,12 +89,14 @@ def test_packed_gemm_matches_f_linear(m: int, k: int, n: int, bias: bool, thread
     _assert_gemm_close(out, x, w, b)
 
 
-def test_packed_gemm_rows_do_not_depend_on_the_batch() -> None:
+@pytest.mark.parametrize("k", [1100, 576])
+def test_packed_gemm_rows_do_not_depend_on_the_batch(k: int, isa: str) -> None:
     """Each output's summation order depends only on K, not on M, the row's place in the batch or the threads:
-    a row comes out bit for bit the same alone or in any batch (bfloat16 decode is batch-invariant here)."""
+    a row comes out bit for bit the same alone or in any batch (bfloat16 decode is batch-invariant here). On the
+    AMX path rows are read in place or copied, in tiles of M rows or of 16, by the batch's size: none of it shows."""
     gen = torch.Generator().manual_seed(5)
-    w = torch.randn(200, 1100, generator=gen).to(BF16)
-    x = torch.randn(50, 1100, generator=gen).to(BF16)
+    w = torch.randn(200, k, generator=gen).to(BF16)
+    x = torch.randn(50, k, generator=gen).to(BF16)
     packed = gemm.pack(w)
     restore = _threads(2)
     try:
@@ -89,7 +111,7 @@ def test_packed_gemm_rows_do_not_depend_on_the_batch() -> None:
 
 @pytest.mark.parametrize("m", [1, 32])
 @pytest.mark.parametrize("n", [576, 960, 49])
-def test_packed_gemm_threads_do_not_change_a_bit(n: int, m: int) -> None:
+def test_packed_gemm_threads_do_not_change_a_bit(n: int, m: int, isa: str) -> None:
     """Narrow layers (576 outputs: 9 chunks of 4 panels, or 5 of 8 at one row; 960: 15, or 8; 49: one chunk) cut
     their last chunk into one piece per thread; every output is still summed in the same order, so one thread and
     two give the same bits."""
@@ -108,7 +130,7 @@ def test_packed_gemm_threads_do_not_change_a_bit(n: int, m: int) -> None:
     _assert_gemm_close(outs[1], x, w, None)
 
 
-def test_packed_gemm_lm_head_shape() -> None:
+def test_packed_gemm_lm_head_shape(isa: str) -> None:
     """A vocabulary-sized matrix split over both threads (the LM head), at decode and at prefill row counts."""
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(49152 // 8 + 5, 576, generator=gen).to(BF16)
@@ -122,7 +144,7 @@ def test_packed_gemm_lm_head_shape() -> None:
         restore()
 
 
-def test_packed_gemm_takes_strided_rows_and_leading_dims() -> None:
+def test_packed_gemm_takes_strided_rows_and_leading_dims(isa: str) -> None:
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(40, 96, generator=gen).to(BF16)
     packed = gemm.pack(w)
@@ -224,3 +246,13 @@ def test_float32_model_stays_plain(tied_qwen2: Path) -> None:
     assert pack_weights(model) == 0
     assert all(gemm.packed_shape(p) is None for p in model.parameters())
     assert torch.equal(model.lm_head.weight, ckpt["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("setting", ["0", "1"])
+def test_amx_path_follows_the_environment(setting: str) -> None:
+    """``PAGELLM_GEMM_AMX=0`` keeps a process on the AVX-512 path; by default it takes AMX wherever the CPU has it."""
+    probe = "from pagellm.ops import gemm; print(gemm.amx())"
+    env = {**os.environ, "PAGELLM_GEMM_AMX": setting}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    has_amx = "amx_bf16" in gemm.cpu_flags().split()
+    assert out.stdout.strip() == str(setting == "1" and has_amx)

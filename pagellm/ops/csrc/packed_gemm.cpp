@@ -273,19 +273,52 @@ Chunks make_chunks(int64_t panels, int threads, int width) {
   return {chunk, count - 1, (tail + threads - 1) / threads, count - 1 + threads};
 }
 
+// One thread's share on the AVX-512 path: chunks from the shared counter, with its float32 partial-sum buffer.
+void run_avx512(const Problem& pb, const Chunks& chunks, std::atomic<int64_t>& next) {
+  const int64_t rows = pb.m < kMC ? pb.m : kMC;
+  std::vector<float> partial(pb.kpairs > pb.kc ? static_cast<size_t>(rows * pb.width * kPanel) : 0);
+  for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks.items;
+       c = next.fetch_add(1, std::memory_order_relaxed)) {
+    int64_t p0, p1;
+    chunks.range(c, pb.panels, &p0, &p1);
+    if (p0 < p1) run_panels(pb, p0, p1, partial.data());
+  }
+}
+
+}  // namespace
+
+#include "packed_gemm_amx.h"  // the AMX tile path, where the compiler targets AMX (uses Problem and the helpers above)
+
+namespace {
+// Which path this process runs (pagellm_packed_gemm_use_amx): one for its lifetime, so that rows stay
+// batch-invariant (the two paths sum inside a K step in different orders).
+std::atomic<bool> g_amx{false};
 }  // namespace
 
 extern "C" {
+
+// Turns the AMX path on (want > 0, where it is compiled in and the kernel grants the tile state) or off (want 0);
+// want < 0 only asks. Returns whether it is on. The Python side sets it once after loading (pagellm/ops/gemm.py).
+int pagellm_packed_gemm_use_amx(int want) {
+#ifdef PAGELLM_PACKED_GEMM_AMX
+  if (want >= 0) g_amx = want > 0 && amx::permitted();
+#else
+  (void)want;
+#endif
+  return g_amx ? 1 : 0;
+}
 
 // x: [m, k] bf16 rows with stride ldx; w: packed (see the top of this file) for n outputs and k inputs; bias: [n]
 // or null; y: [m, n] with row stride ldy. Uses torch's OpenMP threads, which take runs of panels from a counter.
 void pagellm_packed_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
                                 const uint16_t* bias, uint16_t* y, int64_t ldy) {
+  if (m <= 0) return;
   const int64_t kpairs = (k + 1) / 2;
   const int64_t kblocks = (kpairs + kKC - 1) / kKC;
   const int64_t kc = (kpairs + kblocks - 1) / kblocks;  // equal K blocks: 288 pairs are one block, 768 two of 384
+  const bool use_amx = g_amx.load(std::memory_order_relaxed);
   const Problem pb{x, m, k, ldx, w, (n + kPanel - 1) / kPanel, n, bias, y, ldy, kpairs, kc, kpairs * kPanelPair,
-                   group_width(m)};
+                   use_amx ? 2 : group_width(m)};
   // Tiny problems stay on one thread: a fork costs more than they take.
   const int64_t work = m * n * k;
   const int threads = work < (int64_t{1} << 18) ? 1 : omp_get_max_threads();
@@ -293,14 +326,10 @@ void pagellm_packed_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(threads)
   {
-    const int64_t rows = m < kMC ? m : kMC;
-    std::vector<float> partial(pb.kpairs > pb.kc ? static_cast<size_t>(rows * pb.width * kPanel) : 0);
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks.items;
-         c = next.fetch_add(1, std::memory_order_relaxed)) {
-      int64_t p0, p1;
-      chunks.range(c, pb.panels, &p0, &p1);
-      if (p0 < p1) run_panels(pb, p0, p1, partial.data());
-    }
+#ifdef PAGELLM_PACKED_GEMM_AMX
+    if (use_amx) amx::run(pb, chunks, next); else
+#endif
+    run_avx512(pb, chunks, next);
   }
 }
 

@@ -1,0 +1,220 @@
+// The packed bfloat16 GEMM on Intel AMX tiles: the same packed weight, the same y = x · Wᵀ (+ bias), for CPUs with
+// AMX-BF16 (included by packed_gemm.cpp after its Problem and store helpers; compiled only where -march=native has
+// AMX, used only where the kernel grants the process the tile data state).
+//
+// The packed layout is already AMX's B operand: 16 consecutive k-pairs of one panel are 16 lines of 64 bytes
+// (16 columns x 2), one B tile loaded with a 64-byte stride. An A tile is 16 rows of x, 32 elements (16 pairs)
+// each, read in place with x's row stride. One TDPBF16PS adds the 16 pairs of a 16 x 16 block of outputs into a
+// float32 C tile. Tiles: C 0-3 (two row tiles x two panels), A 4-5, B 6-7; per K step two A and two B loads feed
+// four products, each operand used twice.
+//
+// Every output is the C tile's float32 sum over the K steps in sequence, each step one TDPBF16PS over the same 16
+// pairs (a short last step of zero-padded copies), whatever M, the row's block or the thread: rows are
+// batch-invariant on this path as on the AVX-512 one. The two paths differ in the summation order inside a step, so a
+// process keeps one of them (pagellm_packed_gemm_use_amx, chosen once at load).
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PAGELLM_PACKED_GEMM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace {
+namespace amx {
+
+constexpr int kStepPairs = 16;                         // k-pairs per K step (the lines of one B tile)
+constexpr int64_t kStepElems = 2 * kStepPairs;         // x elements per K step (64 bytes of an A row)
+constexpr int64_t kBlockRows = 32;                     // rows per M block: two A tiles
+constexpr int64_t kTileBytes = kStepPairs * 64;        // one B tile: 16 lines of a panel
+constexpr int64_t kRangeRows = 256;                    // rows per work item (their x stays in L2 across panels)
+constexpr int64_t kStreamBytes = int64_t{4} << 20;     // a y of this size and more is written non-temporally
+
+// The process may use tile data only once the kernel grants it (Linux arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); asked once.
+inline bool permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) Config {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// A and C tiles hold `rows` rows (16, or M when M < 16 so that small batches are read in place), B tiles 16 lines.
+inline void configure(int rows) {
+  Config cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = static_cast<uint8_t>(t >= 6 ? kStepPairs : rows);
+  }
+  // GCC's _tile_loadconfig tells the compiler it reads only the first 8 bytes, which lets the stores above sink
+  // past it: a memory barrier keeps them before.
+  asm volatile("" ::: "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// A thread's buffers: x rows copied zero-padded (the rows of a short last tile, or every row when K is not a whole
+// number of steps), the short last K step of two panels, and the C tiles on their way to y.
+struct Scratch {
+  std::vector<uint16_t> a;                               // [rows][kpad]
+  alignas(64) uint16_t b_tail[2][kTileBytes / 2];
+  alignas(64) float c[kBlockRows * 2 * kPanel];          // [32 rows][2 panels x 16]
+};
+
+// The A operand of a range of rows: rows [m0, m0 + direct) read in place (whole tiles, K whole steps), the rest
+// [m0 + direct, m0 + rows) from a zero-padded copy made once per range.
+struct ARows {
+  int64_t m0, rows, direct;
+  const uint16_t* copy;
+  int64_t lda_copy;
+};
+
+inline ARows a_rows(const Problem& pb, int64_t m0, int64_t rows, int tile_rows, Scratch& s) {
+  const int64_t direct = pb.k % kStepElems == 0 ? rows / tile_rows * tile_rows : 0;
+  const int64_t kpad = (pb.k + kStepElems - 1) / kStepElems * kStepElems;
+  const int64_t left = rows - direct;
+  if (left > 0) {
+    s.a.assign(static_cast<size_t>((left + tile_rows - 1) / tile_rows * tile_rows * kpad), 0);
+    for (int64_t r = 0; r < left; ++r)
+      std::memcpy(s.a.data() + r * kpad, pb.x + (m0 + direct + r) * pb.ldx, static_cast<size_t>(pb.k) * 2);
+  }
+  return {m0, rows, direct, s.a.data(), kpad * 2};
+}
+
+// The C tiles of R row tiles x P panels, K steps in sequence; the last step reads B from `tail` (zero-padded
+// copies) when the K pairs are not whole steps.
+template <int R, int P>
+void tiles(const uint16_t* a, int64_t lda, int64_t a_tile, const uint16_t* b0, const uint16_t* b1, int64_t steps,
+           const Scratch* tail) {
+  _tile_zero(0);
+  if (P > 1) _tile_zero(1);
+  if (R > 1) _tile_zero(2);
+  if (R > 1 && P > 1) _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    const bool last_short = tail && s == steps - 1;
+    const uint16_t* bs0 = last_short ? tail->b_tail[0] : b0 + s * (kTileBytes / 2);
+    const uint16_t* bs1 = last_short ? tail->b_tail[1] : b1 + s * (kTileBytes / 2);
+    const uint16_t* as = a + s * kStepElems;
+    _tile_loadd(6, bs0, 64);
+    if (P > 1) _tile_loadd(7, bs1, 64);
+    _tile_loadd(4, as, lda);
+    _tile_dpbf16ps(0, 4, 6);
+    if (P > 1) _tile_dpbf16ps(1, 4, 7);
+    if (R > 1) {
+      _tile_loadd(5, as + a_tile, lda);
+      _tile_dpbf16ps(2, 5, 6);
+      if (P > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+template <int R, int P>
+void store_tiles(float* c) {
+  constexpr int64_t ldc = 2 * kPanel * sizeof(float);
+  _tile_stored(0, c, ldc);
+  if (P > 1) _tile_stored(1, c + kPanel, ldc);
+  if (R > 1) _tile_stored(2, c + 16 * 2 * kPanel, ldc);
+  if (R > 1 && P > 1) _tile_stored(3, c + 16 * 2 * kPanel + kPanel, ldc);
+}
+
+// Both panels' outputs of each row as one 64-byte store. A y larger than the caches (the LM head's logits at a few
+// dozen rows and more) is written around them (non-temporal): each row's line is otherwise a store miss, and
+// those stall the tile pipeline and evict the x rows the next blocks read (twice the time at 256 rows x 49152).
+inline void write_lines(const Problem& pb, int64_t m0, int64_t rows, int64_t g, const float* c) {
+  const __m512 bias_lo = pb.bias ? load_bias(pb.bias, g * kPanel, kPanel) : _mm512_setzero_ps();
+  const __m512 bias_hi = pb.bias ? load_bias(pb.bias, (g + 1) * kPanel, kPanel) : _mm512_setzero_ps();
+  const bool around = pb.m * pb.n * 2 >= kStreamBytes;
+  for (int64_t i = 0; i < rows; ++i) {
+    uint16_t* dst = pb.y + (m0 + i) * pb.ldy + g * kPanel;
+    const __m512 lo = _mm512_add_ps(_mm512_load_ps(c + i * 2 * kPanel), bias_lo);
+    const __m512 hi = _mm512_add_ps(_mm512_load_ps(c + i * 2 * kPanel + kPanel), bias_hi);
+    const __m512i line = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    if (around && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), line);
+    } else {
+      _mm512_storeu_si512(dst, line);
+    }
+  }
+}
+
+// Rows [m0, m0 + rows) (at most kBlockRows) times panels [g, g + panels) (one or two) into y.
+void block(const Problem& pb, const uint16_t* a, int64_t lda, int tile_rows, int64_t m0, int64_t rows, int64_t g,
+           int panels, Scratch& s) {
+  const int64_t steps = (pb.kpairs + kStepPairs - 1) / kStepPairs;
+  const int64_t tail_pairs = pb.kpairs % kStepPairs;
+  const uint16_t* b0 = pb.w + g * pb.panel_stride;
+  const uint16_t* b1 = b0 + pb.panel_stride;
+  if (tail_pairs) {  // the short last step: its pairs copied, the rest of the tile zero
+    for (int j = 0; j < panels; ++j) {
+      std::memset(s.b_tail[j], 0, sizeof(s.b_tail[j]));
+      std::memcpy(s.b_tail[j], b0 + j * pb.panel_stride + (steps - 1) * (kTileBytes / 2), tail_pairs * 64);
+    }
+  }
+  const Scratch* tail = tail_pairs ? &s : nullptr;
+  const int64_t a_tile = 16 * lda / 2;  // elements from the first A tile to the second (tile_rows is 16 then)
+  const bool two_rows = rows > tile_rows;
+  if (two_rows && panels > 1) {
+    tiles<2, 2>(a, lda, a_tile, b0, b1, steps, tail), store_tiles<2, 2>(s.c);
+  } else if (two_rows) {
+    tiles<2, 1>(a, lda, a_tile, b0, b1, steps, tail), store_tiles<2, 1>(s.c);
+  } else if (panels > 1) {
+    tiles<1, 2>(a, lda, a_tile, b0, b1, steps, tail), store_tiles<1, 2>(s.c);
+  } else {
+    tiles<1, 1>(a, lda, a_tile, b0, b1, steps, tail), store_tiles<1, 1>(s.c);
+  }
+  if (panels == 2 && pb.n - g * kPanel >= 2 * kPanel) {  // whole lines of 32 outputs
+    write_lines(pb, m0, rows, g, s.c);
+    return;
+  }
+  for (int j = 0; j < panels; ++j) {
+    const int64_t cols64 = pb.n - (g + j) * kPanel;
+    if (cols64 <= 0) break;
+    const int cols = static_cast<int>(cols64 < kPanel ? cols64 : kPanel);
+    const __m512 bias = pb.bias ? load_bias(pb.bias, (g + j) * kPanel, cols) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows; ++i)
+      store_bf16(pb.y + (m0 + i) * pb.ldy + (g + j) * kPanel,
+                 _mm512_add_ps(_mm512_load_ps(s.c + i * 2 * kPanel + j * kPanel), bias), cols);
+  }
+}
+
+// One piece of a thread's work: panels [p0, p1) times rows [m0, m0 + rows), panels two at a time (the pair's
+// weights stay in L1 or L2 while every row block passes over them), rows in blocks of 32 (the range's rows stay
+// in L2).
+void run_panels(const Problem& pb, int64_t p0, int64_t p1, int64_t m0, int64_t rows, int tile_rows, Scratch& s) {
+  const ARows a = a_rows(pb, m0, rows, tile_rows, s);
+  for (int64_t g = p0; g < p1; g += 2) {
+    const int panels = p1 - g > 1 ? 2 : 1;
+    for (int64_t i = 0; i < a.direct; i += kBlockRows)
+      block(pb, pb.x + (m0 + i) * pb.ldx, pb.ldx * 2, tile_rows, m0 + i,
+            a.direct - i < kBlockRows ? a.direct - i : kBlockRows, g, panels, s);
+    for (int64_t i = a.direct; i < rows; i += kBlockRows)
+      block(pb, a.copy + (i - a.direct) * (a.lda_copy / 2), a.lda_copy, tile_rows, m0 + i,
+            rows - i < kBlockRows ? rows - i : kBlockRows, g, panels, s);
+  }
+}
+
+// One thread's share: tiles configured for this M, chunks from the shared counter, the tile state released after.
+void run(const Problem& pb, const Chunks& chunks, std::atomic<int64_t>& next) {
+  const int tile_rows = static_cast<int>(pb.m < 16 ? pb.m : 16);
+  configure(tile_rows);
+  Scratch scratch;
+  const int64_t ranges = (pb.m + kRangeRows - 1) / kRangeRows;
+  for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks.items * ranges;
+       c = next.fetch_add(1, std::memory_order_relaxed)) {
+    int64_t p0, p1;
+    chunks.range(c % chunks.items, pb.panels, &p0, &p1);
+    const int64_t m0 = c / chunks.items * kRangeRows;
+    if (p0 < p1) run_panels(pb, p0, p1, m0, pb.m - m0 < kRangeRows ? pb.m - m0 : kRangeRows, tile_rows, scratch);
+  }
+  _mm_sfence();  // the non-temporal stores are visible before the threads meet
+  _tile_release();
+}
+
+}  // namespace amx
+}  // namespace
+#endif
