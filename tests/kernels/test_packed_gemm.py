@@ -63,12 +63,13 @@ def _threads(n: int) -> Callable[[], None]:
 # block. K: one K block of whole pairs (576), an odd K (37, 5, 1), two K blocks (1100: 550 pairs) and two K blocks
 # ending in a half pair (2049). N: whole 16-column panels, partial last panels (7, 130, 49), fewer columns than a
 # panel. At one or two rows panels go in groups of 8: groups ending in 5, 6 or 7 panels (200, 96, 230 outputs).
-# AMX path. M: tiles of M rows read in place (1..15), whole 16-row tiles (64), a short last tile copied (17, 20, 33,
-# 200), more than one 256-row range (300: the second range 32 rows in place and 12 copied; 385). K: whole 16-pair
+# AMX path. M: tiles of M rows read in place (1..15), whole 32-row blocks (64) and a last whole 16-row tile (16,
+# 48) in place, a rest of other sizes copied (17, 20, 24, 33, 200), more than one 256-row range (300: the second
+# range 32 rows in place and 12 copied; 385). K: whole 16-pair
 # steps (576, 1536, 96), a short last step (1100: 550 pairs, 37, 130) and an odd K (2049, 5, 1). N: an odd panel
 # count (a last single panel: 49, 130, 200), partial panels; a y of 4 MiB and more is written non-temporally (64 x
 # 32800, with and without bias).
-CASES = [(m, 576, 960) for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 15, 16, 17, 64, 300)] + [
+CASES = [(m, 576, 960) for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 15, 16, 17, 24, 48, 64, 300)] + [
     (1, 37, 130), (3, 5, 3), (8, 1, 16), (11, 1100, 49), (2, 2049, 33), (20, 2049, 7), (200, 130, 200),
     (385, 96, 70), (33, 1536, 576), (1, 1100, 200), (1, 576, 96), (2, 1100, 230), (64, 576, 32800)]
 
