@@ -58,12 +58,15 @@ def main() -> None:
         raise SystemExit("the native decoder stack does not serve this model here")
     lib, kernels = loaded
     stack = stacks[0]
-    fields = ("linear", "add_rms_norm", "rotary", "silu_and_mul")
+    fields = ("linear", "add_rms_norm", "rotary", "silu_and_mul", "linear_silu_mul")
     new = {name: getattr(kernels, name) for name in fields} | {"fn": stack._fn}
     old = dict(new)
     if args.gemm_rev:
-        old["linear"] = _address(library_at(args.gemm_rev, "pagellm/ops/csrc/packed_gemm.cpp")
-                                 .pagellm_packed_linear_bf16)
+        old_gemm = library_at(args.gemm_rev, "pagellm/ops/csrc/packed_gemm.cpp")
+        old["linear"] = _address(old_gemm.pagellm_packed_linear_bf16)
+        # a revision without the fused gate/up pass: the stack makes the two calls (null pointer)
+        fused_pass = getattr(old_gemm, "pagellm_packed_linear_silu_mul_bf16", None)
+        old["linear_silu_mul"] = _address(fused_pass) if fused_pass is not None else None
     if args.fused_rev:
         fused = library_at(args.fused_rev, "pagellm/ops/csrc/fused.cpp")
         for name in ("add_rms_norm", "rotary", "silu_and_mul"):

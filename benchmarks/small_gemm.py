@@ -45,11 +45,19 @@ SHAPES = {  # (in, out) of one decoder layer's matrices, LM head (in, out) or No
 
 
 def library_at(rev: str, path: str) -> ctypes.CDLL:
-    """The kernel library built from ``path`` (relative to the checkout) as of git revision ``rev``."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], check=True, capture_output=True,
-                            text=True).stdout
-    copy = Path(tempfile.mkdtemp()) / Path(path).name
-    copy.write_text(source)
+    """The kernel library built from ``path`` (relative to the checkout) as of git revision ``rev``, with the
+    headers beside it as of that revision (a quoted include finds them before the shared folder on the path)."""
+    def show(name: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{name}"], check=True, capture_output=True,
+                              text=True).stdout
+
+    folder = Path(tempfile.mkdtemp())
+    listing = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", rev, f"{Path(path).parent}/"],
+                             check=True, capture_output=True, text=True).stdout.split()
+    for header in (name for name in listing if name.endswith(".h")):
+        (folder / Path(header).name).write_text(show(header))
+    copy = folder / Path(path).name
+    copy.write_text(show(path))
     return load_library(copy)
 
 

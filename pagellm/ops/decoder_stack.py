@@ -32,7 +32,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Kernels(ctypes.Structure):  # csrc StackKernels: the kernels' entry points
-    _fields_ = [(name, _P) for name in ("linear", "add_rms_norm", "silu_and_mul", "rotary", "attention")]
+    _fields_ = [(name, _P) for name in ("linear", "add_rms_norm", "silu_and_mul", "rotary", "attention",
+                                        "linear_silu_mul")]
 
 
 def _address(fn: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
@@ -69,7 +70,8 @@ def _lib() -> tuple[ctypes.CDLL, _Kernels] | None:
         return None
     kernels = _Kernels(_address(gemm_lib.pagellm_packed_linear_bf16),
                        _address(fused_lib.pagellm_add_rms_norm_bf16), _address(fused_lib.pagellm_silu_and_mul_bf16),
-                       _address(fused_lib.pagellm_rotary_bf16), _address(attention.pagellm_paged_attention_bf16))
+                       _address(fused_lib.pagellm_rotary_bf16), _address(attention.pagellm_paged_attention_bf16),
+                       _address(gemm_lib.pagellm_packed_linear_silu_mul_bf16))
     lib.pagellm_decoder_stack_bf16.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Layer), _I,
                                                ctypes.POINTER(_Shape), ctypes.POINTER(_Step), _P, _P, _P, _P, _P]
     lib.pagellm_decoder_stack_bf16.restype = ctypes.c_int

@@ -52,6 +52,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.pagellm_packed_linear_bf16.restype = None
     lib.pagellm_packed_rows_bf16.argtypes = [_P, _I, _I, _P, _I, _P]
     lib.pagellm_packed_rows_bf16.restype = ctypes.c_int
+    lib.pagellm_packed_linear_silu_mul_bf16.argtypes = [_P, _I, _I, _I, _P, _I, _P, _I]
+    lib.pagellm_packed_linear_silu_mul_bf16.restype = ctypes.c_int
     lib.pagellm_packed_gemm_use_amx.argtypes = [ctypes.c_int]
     lib.pagellm_packed_gemm_use_amx.restype = ctypes.c_int
     lib.pagellm_packed_gemm_use_amx(int(envs.gemm_amx()))
@@ -108,6 +110,19 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
     lib.pagellm_packed_linear_bf16(rows.data_ptr(), m, k, rows.stride(0), packed.data_ptr(), n,
                                    None if bias is None else bias.data_ptr(), y.data_ptr(), n)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def packed_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, n2: int) -> torch.Tensor | None:
+    """``silu(g) * u`` of ``[g | u] = F.linear(x, W)`` for bfloat16 rows ``x`` [m, K] and ``packed = pack(W)`` with
+    ``W`` [n2, K] (gate rows, then up rows), in one pass: bit for bit ``fused.silu_and_mul(packed_linear(...))``.
+    ``None`` where the fused pass does not run (the AVX-512 path, or a gate width that is not whole panels)."""
+    lib = _lib()
+    assert lib is not None, "packed GEMM kernel is not available on this machine"
+    assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(-1) == 1 and packed.shape[1] == (x.shape[1] + 1) >> 1
+    y = torch.empty((x.shape[0], n2 // 2), dtype=torch.bfloat16)
+    done = lib.pagellm_packed_linear_silu_mul_bf16(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
+                                                   packed.data_ptr(), n2, y.data_ptr(), n2 // 2)
+    return y if done == 0 else None
 
 
 def rows(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int) -> torch.Tensor:

@@ -257,3 +257,30 @@ def test_amx_path_follows_the_environment(setting: str) -> None:
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     has_amx = "amx_bf16" in gemm.cpu_flags().split()
     assert out.stdout.strip() == str(setting == "1" and has_amx)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 24, 40, 300])
+@pytest.mark.parametrize("k", [576, 100])
+def test_gate_up_silu_in_one_pass_equals_the_two_calls(m: int, k: int, isa: str) -> None:
+    """The fused gate/up GEMM + SiLU·mul (the decoder stack's MLP on AMX) gives exactly the bits of the GEMM followed
+    by ``silu_and_mul``; the AVX-512 path and a gate width that is not whole panels decline it (the caller then
+    makes the two calls)."""
+    from pagellm.ops import fused
+
+    gen = torch.Generator().manual_seed(m + k)
+    inter = 160
+    w = (torch.randn(2 * inter, k, generator=gen) * 0.2).to(BF16)
+    x = torch.randn(m, k, generator=gen).to(BF16)
+    packed = gemm.pack(w)
+    restore = _threads(2)
+    try:
+        one_pass = gemm.packed_linear_silu_mul(x, packed, 2 * inter)
+        two_calls = fused.silu_and_mul(gemm.packed_linear(x, packed, 2 * inter))
+        odd = gemm.packed_linear_silu_mul(x, gemm.pack(w[:2 * 40]), 2 * 40)  # 40 gate columns: 2.5 panels
+    finally:
+        restore()
+    assert odd is None
+    if isa == "avx512":
+        assert one_pass is None
+        return
+    assert one_pass is not None and torch.equal(one_pass, two_calls)

@@ -10,7 +10,8 @@
 //   cache[slot[t]] = k[t], v[t]                      (write_kv)
 //   x      = packed_gemm(paged_attention(q), W_o)
 //   h, res = add_rms_norm(x, res)
-//   x      = packed_gemm(silu_and_mul(packed_gemm(h, W_gate_up)), W_down)
+//   x      = packed_gemm(silu_and_mul(packed_gemm(h, W_gate_up)), W_down)   (the inner two in one pass where
+//            the GEMM offers it: pagellm_packed_linear_silu_mul_bf16, the same bits)
 // then out = add_rms_norm(x, res).out. What it saves is everything around the kernels: Python dispatch, torch
 // allocations (one grow-only per-thread workspace instead), views, index ops and ctypes marshalling per layer.
 // The kernels are not compiled in here: the caller passes the addresses of their C entry points in their own
@@ -38,6 +39,9 @@ struct StackKernels {
                     const uint64_t* tree_bits, int64_t tree_words, int64_t rows, int64_t heads, int64_t head_dim,
                     int64_t block_size, int64_t kv_heads, int64_t max_blocks, int64_t flash_min_tokens, float scale,
                     void* out);
+  // gate/up GEMM and SiLU·mul in one pass where the GEMM can (0), else -1 and nothing written; may be null.
+  int (*linear_silu_mul)(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n2,
+                         uint16_t* y, int64_t ldy);
 };
 
 // One decoder layer's weights (packed GEMM weights as made by pagellm/ops/gemm.py `pack`) and its caches.
@@ -149,8 +153,12 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
               st.flash_min_tokens, s.scale, sc.attn);
   f.linear(sc.attn, t, qd, qd, l.o, s.hidden, nullptr, sc.x, s.hidden);
   f.add_rms_norm(sc.x, sc.res, l.post_norm, t, s.hidden, s.eps, sc.h, sc.res);
-  f.linear(sc.h, t, s.hidden, s.hidden, l.gate_up, 2 * s.intermediate, nullptr, sc.wide, 2 * s.intermediate);
-  f.silu_and_mul(sc.wide, t, s.intermediate, sc.act);
+  const int64_t gate_up = 2 * s.intermediate;
+  if (!f.linear_silu_mul || f.linear_silu_mul(sc.h, t, s.hidden, s.hidden, l.gate_up, gate_up, sc.act,
+                                              s.intermediate) != 0) {
+    f.linear(sc.h, t, s.hidden, s.hidden, l.gate_up, gate_up, nullptr, sc.wide, gate_up);
+    f.silu_and_mul(sc.wide, t, s.intermediate, sc.act);
+  }
   f.linear(sc.act, t, s.intermediate, s.intermediate, l.down, s.hidden, nullptr, sc.x, s.hidden);
 }
 

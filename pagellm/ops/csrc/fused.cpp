@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "silu.h"      // round_bf16x16, silu_mul16 (shared with the packed GEMM's gate/up epilogue)
 #include "simd_exp.h"  // exp16
 
 namespace {
@@ -36,16 +37,7 @@ inline __m512 load_bf16x16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
-// Round 16 floats to bfloat16 (nearest even; inputs here are never NaN), kept as float32: the value a bf16 store
-// and reload would give.
-inline __m512 round_bf16x16(__m512 v) {
-  __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
-}
-
-// The same rounding, stored as bfloat16.
+// round_bf16x16 (silu.h), stored as bfloat16.
 inline void store_bf16x16(uint16_t* p, __m512 v, __mmask16 m) {
   const __m512i u = _mm512_castps_si512(round_bf16x16(v));
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
@@ -127,10 +119,7 @@ void pagellm_silu_and_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t n,
 #if defined(__AVX512F__)
     for (int64_t i = 0; i < n; i += 16) {
       const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1);
-      const __m512 gv = load_bf16x16(g + i, m);
-      const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(
-                                                 _mm512_setzero_ps(), gv))));
-      store_bf16x16(o + i, _mm512_mul_ps(silu, load_bf16x16(u + i, m)), m);
+      store_bf16x16(o + i, silu_mul16(load_bf16x16(g + i, m), load_bf16x16(u + i, m)), m);
     }
 #else
     for (int64_t i = 0; i < n; ++i) o[i] = bf16(f32(g[i]) / (1.f + std::exp(-f32(g[i]))) * f32(u[i]));

@@ -327,10 +327,34 @@ void pagellm_packed_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t
 #pragma omp parallel num_threads(threads)
   {
 #ifdef PAGELLM_PACKED_GEMM_AMX
-    if (use_amx) amx::run(pb, chunks, next); else
+    if (use_amx) amx::run(pb, amx::Pairing{2, 1, false}, chunks, next); else
 #endif
     run_avx512(pb, chunks, next);
   }
+}
+
+// y[m, n2 / 2] = silu(gate) * up of x · Wᵀ for the packed gate/up weight W [n2, k] (gate rows first, then up
+// rows), in one pass: the gate/up product is never written. On the AMX path only, where n2 / 2 is whole panels;
+// returns 0, or -1 (nothing written) where it does not run, and the caller makes the two calls (this GEMM, then
+// silu_and_mul), which give the same bits.
+int pagellm_packed_linear_silu_mul_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w,
+                                        int64_t n2, uint16_t* y, int64_t ldy) {
+#ifdef PAGELLM_PACKED_GEMM_AMX
+  const int64_t half = n2 / 2;
+  if (!g_amx.load(std::memory_order_relaxed) || n2 % (2 * kPanel) != 0) return -1;
+  if (m <= 0) return 0;
+  const int64_t kpairs = (k + 1) / 2;
+  const Problem pb{x, m, k, ldx, w, half / kPanel, half, nullptr, y, ldy, kpairs, kpairs, kpairs * kPanelPair, 1};
+  const int threads = m * n2 * k < (int64_t{1} << 18) ? 1 : omp_get_max_threads();
+  const Chunks chunks = make_chunks(pb.panels, threads, pb.width);
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(threads)
+  amx::run(pb, amx::Pairing{1, half / kPanel, true}, chunks, next);
+  return 0;
+#else
+  (void)x, (void)m, (void)k, (void)ldx, (void)w, (void)n2, (void)y, (void)ldy;
+  return -1;
+#endif
 }
 
 // out[r] = W[ids[r]] (k bf16 each) read back out of the packed layout: the embedding lookup of a tied LM head.

@@ -19,6 +19,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "silu.h"  // round_bf16x16, silu_mul16: the gate/up epilogue, bit for bit the SiLU·mul kernel's
+
 namespace {
 namespace amx {
 
@@ -96,8 +98,8 @@ inline ARows a_rows(const Problem& pb, int64_t m0, int64_t rows, int tile_rows, 
 // Lines of the next panel pair's weights that a block pulls into L2 while it computes, spread over its K steps, so
 // that the pair after this one does not start by waiting on memory.
 struct Ahead {
-  const char* p;
-  int64_t lines;
+  const char* p[2];  // the next pair's panels (the second null when it has one)
+  int64_t lines;     // lines of each
 };
 
 template <int R, int P>
@@ -113,8 +115,14 @@ void tiles(const uint16_t* a, int64_t lda, int64_t a_tile, const uint16_t* b0, c
     const uint16_t* bs0 = last_short ? tail->b_tail[0] : b0 + s * (kTileBytes / 2);
     const uint16_t* bs1 = last_short ? tail->b_tail[1] : b1 + s * (kTileBytes / 2);
     const uint16_t* as = a + s * kStepElems;
-    for (int64_t i = 0; i < per_step && ahead.lines > 0; ++i, --ahead.lines, ahead.p += 64)
-      _mm_prefetch(ahead.p, _MM_HINT_T1);
+    for (int64_t i = 0; i < per_step && ahead.lines > 0; ++i, --ahead.lines) {
+      _mm_prefetch(ahead.p[0], _MM_HINT_T1);
+      ahead.p[0] += 64;
+      if (ahead.p[1]) {
+        _mm_prefetch(ahead.p[1], _MM_HINT_T1);
+        ahead.p[1] += 64;
+      }
+    }
     _tile_loadd(6, bs0, 64);
     if (P > 1) _tile_loadd(7, bs1, 64);
     _tile_loadd(4, as, lda);
@@ -157,17 +165,42 @@ inline void write_lines(const Problem& pb, int64_t m0, int64_t rows, int64_t g, 
   }
 }
 
-// Rows [m0, m0 + rows) (at most kBlockRows) times panels [g, g + panels) (one or two) into y.
-void block(const Problem& pb, const uint16_t* a, int64_t lda, int tile_rows, int64_t m0, int64_t rows, int64_t g,
-           int panels, Ahead ahead, Scratch& s) {
+// The value a GEMM output takes once stored as bfloat16 (store_bf16, write_lines) and read back.
+inline __m512 as_stored(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// y = silu(gate) * up for 16 columns of each row: the pair's first panel is a gate panel, its second the matching
+// up panel. Each is rounded to bfloat16 as the two-call path (GEMM, then silu_and_mul) stores it, and the SiLU·mul
+// and its rounding are that kernel's own code (silu.h), so the fused path gives the same bits.
+inline void write_silu(const Problem& pb, int64_t m0, int64_t rows, int64_t g, const float* c) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m512 gate = as_stored(_mm512_load_ps(c + i * 2 * kPanel));
+    const __m512 up = as_stored(_mm512_load_ps(c + i * 2 * kPanel + kPanel));
+    const __m512i out = _mm512_castps_si512(round_bf16x16(silu_mul16(gate, up)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.y + (m0 + i) * pb.ldy + g * kPanel),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(out, 16)));
+  }
+}
+
+// Which panels a block multiplies together: a pair is panels g and g + second; the next pair starts step panels on.
+// Plain GEMM: neighbours (step 2, second 1). Gate/up with SiLU·mul: gate panel g and up panel g + I/16 (step 1).
+struct Pairing {
+  int64_t step, second;
+  bool silu;
+};
+
+// Rows [m0, m0 + rows) (at most kBlockRows) times the pair at panel g (`panels`: one or two) into y.
+void block(const Problem& pb, const Pairing& pair, const uint16_t* a, int64_t lda, int tile_rows, int64_t m0,
+           int64_t rows, int64_t g, int panels, Ahead ahead, Scratch& s) {
   const int64_t steps = (pb.kpairs + kStepPairs - 1) / kStepPairs;
   const int64_t tail_pairs = pb.kpairs % kStepPairs;
   const uint16_t* b0 = pb.w + g * pb.panel_stride;
-  const uint16_t* b1 = b0 + pb.panel_stride;
+  const uint16_t* b1 = b0 + pair.second * pb.panel_stride;
   if (tail_pairs) {  // the short last step: its pairs copied, the rest of the tile zero
     for (int j = 0; j < panels; ++j) {
       std::memset(s.b_tail[j], 0, sizeof(s.b_tail[j]));
-      std::memcpy(s.b_tail[j], b0 + j * pb.panel_stride + (steps - 1) * (kTileBytes / 2), tail_pairs * 64);
+      std::memcpy(s.b_tail[j], (j ? b1 : b0) + (steps - 1) * (kTileBytes / 2), tail_pairs * 64);
     }
   }
   const Scratch* tail = tail_pairs ? &s : nullptr;
@@ -181,6 +214,10 @@ void block(const Problem& pb, const uint16_t* a, int64_t lda, int tile_rows, int
     tiles<1, 2>(a, lda, a_tile, b0, b1, steps, tail, ahead), store_tiles<1, 2>(s.c);
   } else {
     tiles<1, 1>(a, lda, a_tile, b0, b1, steps, tail, ahead), store_tiles<1, 1>(s.c);
+  }
+  if (pair.silu) {
+    write_silu(pb, m0, rows, g, s.c);
+    return;
   }
   if (panels == 2 && pb.n - g * kPanel >= 2 * kPanel) {  // whole lines of 32 outputs
     write_lines(pb, m0, rows, g, s.c);
@@ -197,37 +234,41 @@ void block(const Problem& pb, const uint16_t* a, int64_t lda, int tile_rows, int
   }
 }
 
-// One piece of a thread's work: panels [p0, p1) times rows [m0, m0 + rows), panels two at a time (the pair's
-// weights stay in L1 or L2 while every row block passes over them), rows in blocks of 32 (the range's rows stay
-// in L2).
-void run_panels(const Problem& pb, int64_t p0, int64_t p1, int64_t m0, int64_t rows, int tile_rows, Scratch& s) {
+// One piece of a thread's work: pairs starting in panels [p0, p1) times rows [m0, m0 + rows), a pair at a time
+// (its weights stay in L1 or L2 while every row block passes over them), rows in blocks of 32 (the range's rows
+// stay in L2).
+void run_panels(const Problem& pb, const Pairing& pair, int64_t p0, int64_t p1, int64_t m0, int64_t rows,
+                int tile_rows, Scratch& s) {
   const ARows a = a_rows(pb, m0, rows, tile_rows, s);
   const int64_t blocks = (a.direct + kBlockRows - 1) / kBlockRows + (rows - a.direct + kBlockRows - 1) / kBlockRows;
-  const int64_t pair_lines = 2 * pb.panel_stride * 2 / 64;
-  for (int64_t g = p0; g < p1; g += 2) {
-    const int panels = p1 - g > 1 ? 2 : 1;
+  const int64_t panel_lines = pb.panel_stride * 2 / 64;
+  for (int64_t g = p0; g < p1; g += pair.step) {
+    const int panels = pair.silu || p1 - g > 1 ? 2 : 1;
     // The next pair's lines (none after the chunk's last pair), a share to each of this pair's row blocks. Below
     // 16 rows a pair's few tile products leave no room for them: the hardware prefetcher keeps up alone (the LM
     // head at 4 rows took 1.2x as long with them).
-    const int64_t next_lines = tile_rows < 16 || g + 2 >= p1 ? 0 : p1 - g - 2 > 1 ? pair_lines : pair_lines / 2;
-    const char* next = reinterpret_cast<const char*>(pb.w + (g + 2) * pb.panel_stride);
+    const int64_t next = g + pair.step;
+    const int next_panels = next >= p1 ? 0 : pair.silu || p1 - next > 1 ? 2 : 1;
+    const int64_t lines = tile_rows < 16 ? 0 : panel_lines;
+    const char* first = reinterpret_cast<const char*>(pb.w + next * pb.panel_stride);
+    const char* second = reinterpret_cast<const char*>(pb.w + (next + pair.second) * pb.panel_stride);
     int64_t b = 0;
     const auto ahead = [&]() {
-      const int64_t from = next_lines * b / blocks, to = next_lines * (b + 1) / blocks;
+      const int64_t from = lines * b / blocks, to = lines * (b + 1) / blocks;
       ++b;
-      return Ahead{next + from * 64, to - from};
+      return Ahead{{first + from * 64, next_panels > 1 ? second + from * 64 : nullptr}, next_panels ? to - from : 0};
     };
     for (int64_t i = 0; i < a.direct; i += kBlockRows)
-      block(pb, pb.x + (m0 + i) * pb.ldx, pb.ldx * 2, tile_rows, m0 + i,
+      block(pb, pair, pb.x + (m0 + i) * pb.ldx, pb.ldx * 2, tile_rows, m0 + i,
             a.direct - i < kBlockRows ? a.direct - i : kBlockRows, g, panels, ahead(), s);
     for (int64_t i = a.direct; i < rows; i += kBlockRows)
-      block(pb, a.copy + (i - a.direct) * (a.lda_copy / 2), a.lda_copy, tile_rows, m0 + i,
+      block(pb, pair, a.copy + (i - a.direct) * (a.lda_copy / 2), a.lda_copy, tile_rows, m0 + i,
             rows - i < kBlockRows ? rows - i : kBlockRows, g, panels, ahead(), s);
   }
 }
 
 // One thread's share: tiles configured for this M, chunks from the shared counter, the tile state released after.
-void run(const Problem& pb, const Chunks& chunks, std::atomic<int64_t>& next) {
+void run(const Problem& pb, const Pairing& pair, const Chunks& chunks, std::atomic<int64_t>& next) {
   const int tile_rows = static_cast<int>(pb.m < 16 ? pb.m : 16);
   configure(tile_rows);
   Scratch scratch;
@@ -237,7 +278,8 @@ void run(const Problem& pb, const Chunks& chunks, std::atomic<int64_t>& next) {
     int64_t p0, p1;
     chunks.range(c % chunks.items, pb.panels, &p0, &p1);
     const int64_t m0 = c / chunks.items * kRangeRows;
-    if (p0 < p1) run_panels(pb, p0, p1, m0, pb.m - m0 < kRangeRows ? pb.m - m0 : kRangeRows, tile_rows, scratch);
+    if (p0 < p1)
+      run_panels(pb, pair, p0, p1, m0, pb.m - m0 < kRangeRows ? pb.m - m0 : kRangeRows, tile_rows, scratch);
   }
   _mm_sfence();  // the non-temporal stores are visible before the threads meet
   _tile_release();
