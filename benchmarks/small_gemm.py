@@ -79,7 +79,10 @@ def old_kernel(rev: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def packed_at(rev: str) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
     """``gemm.packed_linear`` with the packed kernel's source as of git revision ``rev``."""
-    fn = library_at(rev, "pagellm/ops/csrc/packed_gemm.cpp").pagellm_packed_linear_bf16
+    lib = library_at(rev, "pagellm/ops/csrc/packed_gemm.cpp")
+    if hasattr(lib, "pagellm_packed_gemm_use_amx"):  # the revision's kernel on the path this tree's runs
+        lib.pagellm_packed_gemm_use_amx(int(gemm.amx()))
+    fn = lib.pagellm_packed_linear_bf16
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
 
