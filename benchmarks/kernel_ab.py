@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 from pagellm import LLM, SamplingParams  # noqa: E402
 from pagellm.ops import decoder_stack  # noqa: E402
 from pagellm.ops.decoder_stack import DecoderStack, _address  # noqa: E402
-from small_gemm import library_at  # noqa: E402  (benchmarks/, on the path as this script's folder)
+from small_gemm import library_at, packed_gemm_at  # noqa: E402  (benchmarks/, on the path as this script's folder)
 
 
 def main() -> None:
@@ -62,7 +62,7 @@ def main() -> None:
     new = {name: getattr(kernels, name) for name in fields} | {"fn": stack._fn}
     old = dict(new)
     if args.gemm_rev:
-        old_gemm = library_at(args.gemm_rev, "pagellm/ops/csrc/packed_gemm.cpp")
+        old_gemm = packed_gemm_at(args.gemm_rev)
         old["linear"] = _address(old_gemm.pagellm_packed_linear_bf16)
         # a revision without the fused gate/up pass: the stack makes the two calls (null pointer)
         fused_pass = getattr(old_gemm, "pagellm_packed_linear_silu_mul_bf16", None)

@@ -77,12 +77,17 @@ def old_kernel(rev: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     return run
 
 
+def packed_gemm_at(rev: str) -> ctypes.CDLL:
+    """The packed GEMM library as of git revision ``rev``, on the path (AMX or AVX-512) this tree's kernel takes."""
+    lib = library_at(rev, "pagellm/ops/csrc/packed_gemm.cpp")
+    if hasattr(lib, "pagellm_packed_gemm_use_amx"):
+        lib.pagellm_packed_gemm_use_amx(int(gemm.amx()))
+    return lib
+
+
 def packed_at(rev: str) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
     """``gemm.packed_linear`` with the packed kernel's source as of git revision ``rev``."""
-    lib = library_at(rev, "pagellm/ops/csrc/packed_gemm.cpp")
-    if hasattr(lib, "pagellm_packed_gemm_use_amx"):  # the revision's kernel on the path this tree's runs
-        lib.pagellm_packed_gemm_use_amx(int(gemm.amx()))
-    fn = lib.pagellm_packed_linear_bf16
+    fn = packed_gemm_at(rev).pagellm_packed_linear_bf16
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
 
