@@ -64,14 +64,14 @@ def _threads(n: int) -> Callable[[], None]:
 # ending in a half pair (2049). N: whole 16-column panels, partial last panels (7, 130, 49), fewer columns than a
 # panel. At one or two rows panels go in groups of 8: groups ending in 5, 6 or 7 panels (200, 96, 230 outputs).
 # AMX path. M: tiles of M rows read in place (1..15), whole 32-row blocks (64) and a last whole 16-row tile (16,
-# 48) in place, a rest of other sizes copied (17, 20, 24, 33, 200), more than one 256-row range (300: the second
-# range 32 rows in place and 12 copied; 385). K: whole 16-pair
+# 48) in place, a rest of other sizes copied (17, 20, 24, 33, 200), more than one 256-row range of a work item
+# (300: the second range 32 rows in place and 12 copied; 385; 700 at K = 1536; 1000). K: whole 16-pair
 # steps (576, 1536, 96), a short last step (1100: 550 pairs, 37, 130) and an odd K (2049, 5, 1). N: an odd panel
 # count (a last single panel: 49, 130, 200), partial panels; a y of 4 MiB and more is written non-temporally (64 x
 # 32800, with and without bias).
-CASES = [(m, 576, 960) for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 15, 16, 17, 24, 48, 64, 300)] + [
+CASES = [(m, 576, 960) for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 15, 16, 17, 24, 48, 64, 300, 1000)] + [
     (1, 37, 130), (3, 5, 3), (8, 1, 16), (11, 1100, 49), (2, 2049, 33), (20, 2049, 7), (200, 130, 200),
-    (385, 96, 70), (33, 1536, 576), (1, 1100, 200), (1, 576, 96), (2, 1100, 230), (64, 576, 32800)]
+    (385, 96, 70), (33, 1536, 576), (700, 1536, 40), (1, 1100, 200), (1, 576, 96), (2, 1100, 230), (64, 576, 32800)]
 
 
 @pytest.mark.parametrize("m,k,n", CASES)
@@ -97,17 +97,17 @@ def test_packed_gemm_rows_do_not_depend_on_the_batch(k: int, isa: str) -> None:
     AMX path rows are read in place or copied, in tiles of M rows or of 16, by the batch's size: none of it shows."""
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(200, k, generator=gen).to(BF16)
-    x = torch.randn(50, k, generator=gen).to(BF16)
+    x = torch.randn(1000, k, generator=gen).to(BF16)  # AMX: more than one work item's range of rows
     packed = gemm.pack(w)
     restore = _threads(2)
     try:
         together = gemm.packed_linear(x, packed, 200)
     finally:
         restore()
-    for i in (0, 7, 49):
+    for i in (0, 7, 49, 999):
         assert torch.equal(gemm.packed_linear(x[i:i + 1], packed, 200), together[i:i + 1])
-    assert torch.equal(gemm.packed_linear(x[3:5], packed, 200), together[3:5])
-    assert torch.equal(gemm.packed_linear(x[5:25], packed, 200), together[5:25])
+    for lo, hi in ((3, 5), (5, 25), (0, 50), (900, 1000)):
+        assert torch.equal(gemm.packed_linear(x[lo:hi], packed, 200), together[lo:hi])
 
 
 @pytest.mark.parametrize("m", [1, 32])
