@@ -1,10 +1,11 @@
-"""Shared fixtures: tiny random Llama-family models built in code and saved as Hugging Face directories."""
+"""Shared fixtures: tiny random Llama-family models built in code and saved as Hugging Face directories, and the
+packed GEMM's path (``isa``)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -78,3 +79,17 @@ def tiny_llama(tiny_model_factory: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tiny_model_factory: Callable[..., Path]) -> Path:
     return tiny_model_factory("qwen2")
+
+
+@pytest.fixture(params=["avx512", "amx"])
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs a test on one of the packed GEMM's paths; the AMX one only where this CPU has AMX (and the OS grants
+    it)."""
+    from pagellm.ops import gemm
+
+    default = gemm.amx()
+    if gemm.use_amx(request.param == "amx") != (request.param == "amx"):
+        gemm.use_amx(default)
+        pytest.skip("this CPU has no AMX-BF16")
+    yield request.param
+    gemm.use_amx(default)

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 import torch
@@ -40,17 +40,6 @@ def _assert_gemm_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: t
     assert out.dtype == BF16 and out.shape == ref.shape
     excess = ((out.float() - ref).abs() - bound).max().item()
     assert excess <= 0, f"kernel differs from F.linear beyond bf16 rounding by {excess}"
-
-
-@pytest.fixture(params=["avx512", "amx"])
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Runs a test on one of the kernel's paths; the AMX one only where this CPU has AMX (and the OS grants it)."""
-    default = gemm.amx()
-    if gemm.use_amx(request.param == "amx") != (request.param == "amx"):
-        gemm.use_amx(default)
-        pytest.skip("this CPU has no AMX-BF16")
-    yield request.param
-    gemm.use_amx(default)
 
 
 def _threads(n: int) -> Callable[[], None]:
