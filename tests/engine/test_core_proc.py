@@ -23,6 +23,7 @@ from pagellm.engine.exceptions import EngineDeadError
 from pagellm.engine.wire import (AddRequests, EngineCoreHandshake, EngineCoreOutputs, EngineCoreRequest,
                                  UtilityCall)
 from pagellm.metrics.stats import SchedulerStats
+from tests.unit.test_native_build import running  # alive and not a zombie
 
 SMALL_KV = 256 * 16 * 512  # 256 blocks of the tiny llama
 TIMEOUT_S = 20.0
@@ -35,15 +36,6 @@ def config(model_dir: Path) -> EngineConfig:
 def request(request_id: str, prompt: list[int], max_tokens: int = 4) -> EngineCoreRequest:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return EngineCoreRequest(request_id, prompt, params, [257], time.time())
-
-
-def is_alive(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's reaper may be slow, or absent, in a container)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_core_process_serves_refuses_and_answers(tiny_llama: Path) -> None:
@@ -129,12 +121,12 @@ def test_core_exits_when_its_parent_dies(tiny_llama: Path) -> None:
         assert line, "the parent failed to start its engine core"
         pid_text, ipc_dir = line.split()
         core_pid = int(pid_text)
-        assert is_alive(core_pid) and os.path.isdir(ipc_dir)
+        assert running(core_pid) and os.path.isdir(ipc_dir)
     finally:
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + TIMEOUT_S
-    while is_alive(core_pid):
+    while running(core_pid):
         assert time.monotonic() < deadline, "the engine core outlived its parent"
         time.sleep(0.05)
     assert not os.path.exists(ipc_dir)

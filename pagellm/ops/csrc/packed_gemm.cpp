@@ -273,6 +273,11 @@ Chunks make_chunks(int64_t panels, int threads, int width) {
   return {chunk, count - 1, (tail + threads - 1) / threads, count - 1 + threads};
 }
 
+// Threads for a problem of m * n * k multiply-adds: tiny problems stay on one, a fork costs more than they take.
+int threads_for(int64_t work) {
+  return work < (int64_t{1} << 18) ? 1 : omp_get_max_threads();
+}
+
 // One thread's share on the AVX-512 path: chunks from the shared counter, with its float32 partial-sum buffer.
 void run_avx512(const Problem& pb, const Chunks& chunks, std::atomic<int64_t>& next) {
   const int64_t rows = pb.m < kMC ? pb.m : kMC;
@@ -319,9 +324,7 @@ void pagellm_packed_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t
   const bool use_amx = g_amx.load(std::memory_order_relaxed);
   const Problem pb{x, m, k, ldx, w, (n + kPanel - 1) / kPanel, n, bias, y, ldy, kpairs, kc, kpairs * kPanelPair,
                    use_amx ? 2 : group_width(m)};
-  // Tiny problems stay on one thread: a fork costs more than they take.
-  const int64_t work = m * n * k;
-  const int threads = work < (int64_t{1} << 18) ? 1 : omp_get_max_threads();
+  const int threads = threads_for(m * n * k);
   const Chunks chunks = make_chunks(pb.panels, threads, pb.width);
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(threads)
@@ -345,7 +348,7 @@ int pagellm_packed_linear_silu_mul_bf16(const uint16_t* x, int64_t m, int64_t k,
   if (m <= 0) return 0;
   const int64_t kpairs = (k + 1) / 2;
   const Problem pb{x, m, k, ldx, w, half / kPanel, half, nullptr, y, ldy, kpairs, kpairs, kpairs * kPanelPair, 1};
-  const int threads = m * n2 * k < (int64_t{1} << 18) ? 1 : omp_get_max_threads();
+  const int threads = threads_for(m * n2 * k);
   const Chunks chunks = make_chunks(pb.panels, threads, pb.width);
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(threads)

@@ -71,7 +71,7 @@ struct Scratch {
 // The A operand of a range of rows: rows [m0, m0 + direct) read in place (whole tiles, K whole steps), the rest
 // [m0 + direct, m0 + rows) from a zero-padded copy made once per range.
 struct ARows {
-  int64_t m0, rows, direct;
+  int64_t direct;
   const uint16_t* copy;
   int64_t lda_copy;
 };
@@ -90,11 +90,9 @@ inline ARows a_rows(const Problem& pb, int64_t m0, int64_t rows, int tile_rows, 
     for (int64_t r = 0; r < left; ++r)
       std::memcpy(s.a.data() + r * kpad, pb.x + (m0 + direct + r) * pb.ldx, static_cast<size_t>(pb.k) * 2);
   }
-  return {m0, rows, direct, s.a.data(), kpad * 2};
+  return {direct, s.a.data(), kpad * 2};
 }
 
-// The C tiles of R row tiles x P panels, K steps in sequence; the last step reads B from `tail` (zero-padded
-// copies) when the K pairs are not whole steps.
 // Lines of the next panel pair's weights that a block pulls into L2 while it computes, spread over its K steps, so
 // that the pair after this one does not start by waiting on memory.
 struct Ahead {
@@ -102,6 +100,8 @@ struct Ahead {
   int64_t lines;     // lines of each
 };
 
+// The C tiles of R row tiles x P panels, K steps in sequence; the last step reads B from `tail` (zero-padded
+// copies) when the K pairs are not whole steps.
 template <int R, int P>
 void tiles(const uint16_t* a, int64_t lda, int64_t a_tile, const uint16_t* b0, const uint16_t* b1, int64_t steps,
            const Scratch* tail, Ahead ahead) {
