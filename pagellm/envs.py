@@ -38,6 +38,12 @@ def gemm_amx() -> bool:
     return os.environ.get("PAGELLM_GEMM_AMX", "1") != "0"
 
 
+def attention_amx() -> bool:
+    """``PAGELLM_ATTENTION_AMX``: ``0`` keeps the bfloat16 flash tiles of prompt attention on AVX-512 BF16 on CPUs
+    with AMX instead of AMX tiles (``pagellm/attention/cpu_paged.py``); default on."""
+    return os.environ.get("PAGELLM_ATTENTION_AMX", "1") != "0"
+
+
 def native_scheduler() -> bool:
     """``PAGELLM_NATIVE_SCHEDULER``: ``0`` keeps the scheduler on its numpy and Python paths instead of the native
     fast path (``pagellm/sched/native.py``); default on."""

@@ -7,7 +7,8 @@ ancestors, ``CommonAttentionInputs.tree_masks``). So decodes, prompt chunks afte
 chains and draft trees are one interface. Inside the kernel, single-token rows and every float32 row walk the keys
 token by token (a float32 token's result is then the same whatever row it sits in: prefix-cache hits reproduce
 misses bit for bit); bfloat16 rows of at least ``FLASH_MIN_TOKENS`` tokens take flash tiles where the tokens x
-grouped heads of one request share each K/V load (AVX-512 BF16 dot products). The library is compiled on first
+grouped heads of one request share each K/V load (AVX-512 BF16 dot products, or AMX tiles where the CPU has
+AMX-BF16: ``PAGELLM_ATTENTION_AMX=0`` keeps AVX-512). The library is compiled on first
 use with the machine's C++ compiler (``pagellm/ops/build.py``: a plain C ABI loaded with ctypes, about two seconds
 to build) and cached; ``torch_ref`` is its test oracle and the fallback.
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagellm import envs
 from pagellm.attention.base import CommonAttentionInputs, register_backend
 from pagellm.attention.torch_ref import write_kv
 from pagellm.ops.build import load_library
@@ -52,6 +54,16 @@ class PagedKernel:
         for fn in self._fns.values():
             fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_void_p]
             fn.restype = None
+        self._use_amx = lib.pagellm_paged_attention_use_amx
+        self._use_amx.argtypes = [ctypes.c_int]
+        self._use_amx.restype = ctypes.c_int
+        self._use_amx(int(envs.attention_amx()))
+
+    def use_amx(self, want: bool | None = None) -> bool:
+        """Switch the flash tiles to AMX (where compiled in and granted) or AVX-512 BF16 (``want``), or only ask
+        (None); returns whether they run on AMX. For tests and A/B runs: a serving process keeps the path chosen at
+        load (``PAGELLM_ATTENTION_AMX``)."""
+        return bool(self._use_amx(-1 if want is None else int(want)))
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: CpuPagedMetadata,
                   scale: float, flash_min_tokens: int = FLASH_MIN_TOKENS) -> torch.Tensor:

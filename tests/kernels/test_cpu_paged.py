@@ -4,6 +4,9 @@ attention: decodes, prompt chunks (fresh and after a prefix hit), speculative ch
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -126,6 +129,41 @@ def test_bfloat16_flash_tiles_agree_with_the_token_walk(heads, kv_heads, head_di
     walk = kernel.attention(q, cache[0], cache[1], md, 0.125, flash_min_tokens=1 << 30)
     torch.testing.assert_close(flash.float(), walk.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(flash.double(), _dense(q, cache, common, 0.125), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (16, 1, 64, 16),
+                                                              (14, 2, 64, 16), (9, 3, 64, 4)])
+def test_flash_tiles_on_amx_agree_with_avx512(heads, kv_heads, head_dim, block_size) -> None:
+    """On CPUs with AMX-BF16 the flash tiles' products run on AMX tiles: every row (prompts, chunks after cached
+    context, chains, trees; tiles of 6 to 48 query vectors, key tiles cut by small blocks) agrees with the AVX-512
+    BF16 tiles and the dense float64 attention."""
+    q, k, v, cache, common = _mixed_step(heads, kv_heads, head_dim, block_size, torch.bfloat16, seed=5)
+    kernel, md = load_kernel(), build_metadata(common)
+    default = kernel.use_amx()
+    if not kernel.use_amx(True):
+        pytest.skip("this CPU has no AMX-BF16")
+    try:
+        CpuPagedBackend().forward(q, k, v, cache, md, 0.125)  # writes the step's K/V
+        amx = kernel.attention(q, cache[0], cache[1], md, 0.125)
+        kernel.use_amx(False)
+        avx = kernel.attention(q, cache[0], cache[1], md, 0.125)
+    finally:
+        kernel.use_amx(default)
+    assert not torch.equal(amx, avx)  # two paths ran (their float32 sums differ in order)
+    torch.testing.assert_close(amx.float(), avx.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(amx.double(), _dense(q, cache, common, 0.125), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("setting", ["0", "1"])
+def test_flash_tiles_follow_the_environment(setting: str) -> None:
+    """``PAGELLM_ATTENTION_AMX=0`` keeps the flash tiles on AVX-512 BF16; by default they take AMX wherever the CPU
+    has it."""
+    from pagellm.ops.build import cpu_flags
+
+    probe = "from pagellm.attention.cpu_paged import load_kernel; print(load_kernel().use_amx())"
+    env = {**os.environ, "PAGELLM_ATTENTION_AMX": setting}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(setting == "1" and "amx_bf16" in cpu_flags().split())
 
 
 def test_float32_tokens_are_bitwise_independent_of_their_row() -> None:

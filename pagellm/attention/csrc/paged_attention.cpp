@@ -425,4 +425,17 @@ PAGELLM_ENTRY(pagellm_paged_attention_bf16, pagellm::BFloat16, true)
 PAGELLM_ENTRY(pagellm_paged_attention_f32, float, false)
 #undef PAGELLM_ENTRY
 
+// Flash tiles on AMX (want > 0, where compiled in and the kernel grants the tile state) or AVX-512 BF16 (want 0);
+// want < 0 only asks. Returns whether AMX is on. The Python side sets it once after loading
+// (pagellm/attention/cpu_paged.py).
+int pagellm_paged_attention_use_amx(int want) {
+#if defined(PAGELLM_FLASH_AMX)
+  if (want >= 0) pagellm::flash_amx() = want > 0 && pagellm::amx_permitted();
+  return pagellm::flash_amx() ? 1 : 0;
+#else
+  (void)want;
+  return 0;
+#endif
+}
+
 }  // extern "C"
