@@ -10,19 +10,12 @@
 // fixed permuted order, undone when the output is written. Oracle: attention/torch_ref.py.
 #pragma once
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 
 #include "paged_common.h"
 #include "simd_exp.h"  // ops/csrc: exp16
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define PAGELLM_FLASH_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #if defined(__AVX512BF16__)
 namespace pagellm {
@@ -66,7 +59,6 @@ struct FlashTile {
   alignas(64) float s[kFlashQueries][kFlashKeys];
   alignas(64) __m512i p2[kFlashQueries];  // probabilities as bf16, keys in order (= key pairs as dwords)
   alignas(64) float o[kFlashQueries][D];
-  alignas(64) BFloat16 qbuf[kFlashQueries][D];  // AMX: the query vectors in rows, zero past the last one
   float m[kFlashQueries], l[kFlashQueries], corr[kFlashQueries];
   const BFloat16* krow[kFlashKeys];
   const BFloat16* vrow[kFlashKeys];
@@ -192,98 +184,6 @@ void pv_all(FlashTile<D>& tile, int nq, int npairs) {
   for (; first < nq; ++first) pv_rows<D, 1>(tile, first, npairs);
 }
 
-#if defined(PAGELLM_FLASH_AMX)
-// Whether flash tiles multiply on AMX in this process (pagellm_paged_attention_use_amx): set once at load.
-inline std::atomic<bool>& flash_amx() {
-  static std::atomic<bool> on{false};
-  return on;
-}
-
-// The process may use tile data only once the kernel grants it (Linux arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); asked once.
-inline bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows of 64 bytes: C tiles 0-3 (16 x 16 float32), A tile 4 (16 rows x 16 bf16 pairs), B tiles 6-7.
-inline void amx_configure() {
-  AmxConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  asm volatile("" ::: "memory");  // GCC's _tile_loadconfig declares an 8-byte read: keep the stores above before it
-  _tile_loadconfig(&cfg);
-}
-
-// Scores of all query vectors against the tile's 32 keys (both halves; keys past the tile's end have zero K^T and
-// are masked by the softmax), times scale, in 16-row blocks (the rows past nq score zero queries).
-template <int D>
-void qk_amx(FlashTile<D>& tile, int nq, float scale) {
-  constexpr int64_t kLine = 2 * 64;  // bytes from kt[p][h] to kt[p + 1][h]
-  for (int r = 0; r < nq; r += 16) {
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int step = 0; step < D / 32; ++step) {
-      _tile_loadd(4, tile.qbuf[r] + 32 * step, D * 2);
-      _tile_loadd(6, &tile.kt[16 * step][0], kLine);
-      _tile_loadd(7, &tile.kt[16 * step][1], kLine);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    _tile_stored(0, tile.s[r], kFlashKeys * 4);
-    _tile_stored(1, tile.s[r] + 16, kFlashKeys * 4);
-  }
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int qv = 0; qv < nq; ++qv) {
-    _mm512_store_ps(tile.s[qv], _mm512_mul_ps(_mm512_load_ps(tile.s[qv]), sc));
-    _mm512_store_ps(tile.s[qv] + 16, _mm512_mul_ps(_mm512_load_ps(tile.s[qv] + 16), sc));
-  }
-}
-
-// o = o * corr + P · V for all query vectors: the rescale in AVX-512, then per 16 rows one A tile of
-// probabilities and, per 16 head dimensions, o's C tile loaded, one TDPBF16PS, stored.
-template <int D>
-void pv_amx(FlashTile<D>& tile, int nq, int npairs) {
-  constexpr int DV = FlashTile<D>::DV;
-  for (int kp = npairs; kp < kFlashKeys / 2; ++kp)  // pairs past the tile's keys: zero, not the last tile's V
-    for (int v = 0; v < DV; ++v) tile.vp[kp][v] = _mm512_setzero_si512();
-  for (int qv = 0; qv < nq; ++qv) {
-    const __m512 c = _mm512_set1_ps(tile.corr[qv]);
-    for (int v = 0; v < DV; ++v) _mm512_store_ps(tile.o[qv] + 16 * v, _mm512_mul_ps(_mm512_load_ps(tile.o[qv] + 16 * v), c));
-  }
-  constexpr int64_t kVLine = DV * 64;  // bytes from vp[kp][v] to vp[kp + 1][v]
-  for (int r = 0; r < nq; r += 16) {
-    _tile_loadd(4, &tile.p2[r], 64);
-    for (int v = 0; v < DV; v += 4) {  // four C tiles at a time (D is a multiple of 64)
-      _tile_loadd(0, tile.o[r] + 16 * v, D * 4);
-      _tile_loadd(1, tile.o[r] + 16 * (v + 1), D * 4);
-      _tile_loadd(2, tile.o[r] + 16 * (v + 2), D * 4);
-      _tile_loadd(3, tile.o[r] + 16 * (v + 3), D * 4);
-      _tile_loadd(6, &tile.vp[0][v], kVLine);
-      _tile_loadd(7, &tile.vp[0][v + 1], kVLine);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(6, &tile.vp[0][v + 2], kVLine);
-      _tile_loadd(7, &tile.vp[0][v + 3], kVLine);
-      _tile_dpbf16ps(2, 4, 6);
-      _tile_dpbf16ps(3, 4, 7);
-      _tile_stored(0, tile.o[r] + 16 * v, D * 4);
-      _tile_stored(1, tile.o[r] + 16 * (v + 1), D * 4);
-      _tile_stored(2, tile.o[r] + 16 * (v + 2), D * 4);
-      _tile_stored(3, tile.o[r] + 16 * (v + 3), D * 4);
-    }
-  }
-}
-#endif
-
 // Undo the pair interleave (accumulator lane 4L + i of the low half holds dimension 8L + i, of the high half
 // 8L + 4 + i, per 32 dimensions), divide by the running sum and store as bf16.
 template <int D>
@@ -319,24 +219,6 @@ void flash_tile(const BFloat16* q, const BFloat16* k_cache, const BFloat16* v_ca
     tile.l[qv] = 0.f;
     for (int v = 0; v < D / 16; ++v) _mm512_store_ps(tile.o[qv] + 16 * v, _mm512_setzero_ps());
   }
-#if defined(PAGELLM_FLASH_AMX)
-  const bool amx = flash_amx().load(std::memory_order_relaxed);
-  if (amx) {  // the query vectors as A rows; the rows up to the next 16 zero, with zero probabilities and output
-    amx_configure();
-    const int padded = (nq + 15) / 16 * 16;
-    for (int qv = 0; qv < padded; ++qv) {
-      if (qv < nq) {
-        std::memcpy(tile.qbuf[qv], qrows[qv], D * sizeof(BFloat16));
-        continue;
-      }
-      std::memset(tile.qbuf[qv], 0, D * sizeof(BFloat16));
-      tile.p2[qv] = _mm512_setzero_si512();
-      for (int v = 0; v < D / 16; ++v) _mm512_store_ps(tile.o[qv] + 16 * v, _mm512_setzero_ps());
-    }
-  }
-#else
-  constexpr bool amx = false;
-#endif
   const int64_t token_stride = kv_heads * D;
   for (int64_t k0 = 0; k0 < kend; k0 += kFlashKeys) {
     const int nk = static_cast<int>(std::min<int64_t>(kFlashKeys, kend - k0));
@@ -347,26 +229,14 @@ void flash_tile(const BFloat16* q, const BFloat16* k_cache, const BFloat16* v_ca
       tile.vrow[key] = v_cache + offset;
     }
     pack_keys_values<D>(tile, nk);
-#if defined(PAGELLM_FLASH_AMX)
-    if (amx) qk_amx<D>(tile, nq, scale);
-    else
-#endif
     if (nk > 16) qk_all<D, 2>(tile, qrows, nq, scale);
     else qk_all<D, 1>(tile, qrows, nq, scale);
     for (int i = 0; i < m; ++i) {
       const uint32_t visible = vis[i].mask(k0, nk);
       for (int g = 0; g < group; ++g) softmax_row<D>(tile, static_cast<int>(i * group + g), visible);
     }
-#if defined(PAGELLM_FLASH_AMX)
-    if (amx) pv_amx<D>(tile, nq, (nk + 1) / 2);
-    else
-#endif
     pv_all<D>(tile, nq, (nk + 1) / 2);
   }
-#if defined(PAGELLM_FLASH_AMX)
-  if (amx) _tile_release();
-#endif
-  (void)amx;
   for (int qv = 0; qv < nq; ++qv)
     write_row<D>(tile.o[qv], tile.l[qv], out + (qv / group) * heads * D + (kv_head * group + qv % group) * D);
 }

@@ -24,6 +24,7 @@
 #include <limits>
 #include <vector>
 
+#include "flash_amx.h"
 #include "flash_bf16.h"
 #include "paged_common.h"
 #include "walk_bf16.h"
@@ -355,6 +356,17 @@ inline void flash_item(const Step& st, const Item& item, const BFloat16* q, cons
 #if defined(__AVX512BF16__)
   const int64_t group = st.heads / st.kv_heads;
   const int m = static_cast<int>(item.count);
+#if defined(PAGELLM_FLASH_AMX)
+  if (flash_amx().load(std::memory_order_relaxed)) {
+    if (st.head_dim == 64)
+      flash_tile_amx<64>(q, k, v, blocks, vis, m, group, st.heads, st.kv_heads, item.kv_head, st.block_size,
+                         st.scale, out);
+    else
+      flash_tile_amx<128>(q, k, v, blocks, vis, m, group, st.heads, st.kv_heads, item.kv_head, st.block_size,
+                          st.scale, out);
+    return;
+  }
+#endif
   if (st.head_dim == 64)
     flash_tile<64>(q, k, v, blocks, vis, m, group, st.heads, st.kv_heads, item.kv_head, st.block_size, st.scale,
                    out);

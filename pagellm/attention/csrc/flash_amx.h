@@ -1,0 +1,234 @@
+// The flash tiles on Intel AMX (CPUs with AMX-BF16): the same work items, visibility, online softmax in float32
+// and bf16 probabilities as flash_bf16.h, with both products on AMX tiles and the softmax laid out for them.
+//
+// Scores are computed transposed, S^T = K · Q^T: the A operand is the key tile's K rows as they are (copied out
+// of their blocks into one 32-row buffer), the B operand the item's query vectors transposed into bf16 pairs along
+// the head dimension (qt[pair][query], made once per item), so one TDPBF16PS gives 16 keys x 16 query vectors
+// over 32 head dimensions. With keys in rows and query vectors in lanes, the softmax of 16 query vectors is
+// vertical: running max, exp and sums are plain vector operations over the tile's keys (no horizontal reductions,
+// no scalar exp per query vector). The probabilities are rounded to bfloat16, paired by key and transposed into P
+// rows (p2[query][key pair]), the A operand of O += P · V, whose B operand is V interleaved in key pairs
+// (vp[key pair][d], as flash_bf16.h packs it), so the output's head dimensions come out in the flash tiles'
+// permuted order and write_row undoes it. The two paths differ only in the order float32 sums are added
+// (tests/kernels/test_cpu_paged.py compares them). Oracle: attention/torch_ref.py.
+#pragma once
+
+#include "flash_bf16.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PAGELLM_FLASH_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+
+namespace pagellm {
+
+// Whether flash tiles run on AMX in this process (pagellm_paged_attention_use_amx): set once at load.
+inline std::atomic<bool>& flash_amx() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+
+// The process may use tile data only once the kernel grants it (Linux arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); asked once.
+inline bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+constexpr int kGroups = kFlashQueries / 16;  // 16-query-vector groups of a work item
+
+template <int D>
+struct FlashAmxTile {
+  static constexpr int DP = D / 2, DV = D / 16;
+  alignas(64) uint32_t qt[kGroups][DP][16];          // Q^T: bf16 pairs along the head dimension, one lane a query
+  alignas(64) BFloat16 kbuf[kFlashKeys][D];           // the key tile's K rows (zero past its keys)
+  alignas(64) __m512i vp[kFlashKeys / 2][DV];         // V interleaved in key pairs (zero past its keys)
+  alignas(64) float st[kGroups][kFlashKeys][16];      // S^T, then the probabilities, per group
+  alignas(64) __m512i p2[kFlashQueries];              // P rows: a query vector's bf16 probabilities, key pairs
+  alignas(64) float o[kFlashQueries][D];
+  alignas(64) float m[kFlashQueries], l[kFlashQueries], corr[kFlashQueries];
+  alignas(64) uint32_t vis[kFlashQueries];            // visible keys of the tile, per query vector
+};
+
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows of 64 bytes: C 0-1 (16 x 16 float32), A 4-5, B 6-7.
+inline void amx_configure() {
+  AmxConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  asm volatile("" ::: "memory");  // GCC's _tile_loadconfig declares an 8-byte read: keep the stores above before it
+  _tile_loadconfig(&cfg);
+}
+
+// Q^T of the item's nq query vectors (zero lanes past nq), 32 head dimensions at a time: 16 rows of 16 pairs,
+// transposed.
+template <int D>
+void transpose_queries(FlashAmxTile<D>& tile, const BFloat16* const* qrows, int nq) {
+  for (int g = 0; g < kGroups && 16 * g < nq; ++g) {
+    for (int c = 0; c < D / 32; ++c) {
+      __m512i rows[16];
+      for (int i = 0; i < 16; ++i)
+        rows[i] = 16 * g + i < nq ? _mm512_loadu_si512(qrows[16 * g + i] + 32 * c) : _mm512_setzero_si512();
+      transpose16(rows);
+      for (int j = 0; j < 16; ++j) _mm512_store_si512(tile.qt[g][16 * c + j], rows[j]);
+    }
+  }
+}
+
+// The key tile's K rows into kbuf and V into key pairs (rows past nk zero).
+template <int D>
+void load_keys_values(FlashAmxTile<D>& tile, const BFloat16* const* krow, const BFloat16* const* vrow, int nk) {
+  for (int key = 0; key < kFlashKeys; ++key) {
+    if (key < nk) std::memcpy(tile.kbuf[key], krow[key], D * sizeof(BFloat16));
+    else std::memset(tile.kbuf[key], 0, D * sizeof(BFloat16));
+  }
+  const __m512i zero = _mm512_setzero_si512();
+  for (int kp = 0; kp < kFlashKeys / 2; ++kp) {
+    for (int c = 0; c < D / 32; ++c) {
+      const __m512i a = 2 * kp < nk ? _mm512_loadu_si512(vrow[2 * kp] + 32 * c) : zero;
+      const __m512i b = 2 * kp + 1 < nk ? _mm512_loadu_si512(vrow[2 * kp + 1] + 32 * c) : zero;
+      tile.vp[kp][2 * c] = _mm512_unpacklo_epi16(a, b);
+      tile.vp[kp][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+  }
+}
+
+// S^T of group g: keys 0-15 in C0 and 16-31 in C1, over D / 32 steps of 32 head dimensions.
+template <int D>
+void scores_amx(FlashAmxTile<D>& tile, int g) {
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int step = 0; step < D / 32; ++step) {
+    _tile_loadd(4, tile.kbuf[0] + 32 * step, D * 2);
+    _tile_loadd(5, tile.kbuf[16] + 32 * step, D * 2);
+    _tile_loadd(6, tile.qt[g][16 * step], 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+  }
+  _tile_stored(0, tile.st[g][0], 64);
+  _tile_stored(1, tile.st[g][16], 64);
+}
+
+// The online-softmax update of group g's 16 query vectors for this key tile (lanes past nq carry nothing), and
+// their probabilities as P rows in p2.
+template <int D>
+void softmax_group(FlashAmxTile<D>& tile, int g, int nk, float scale) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 sc = _mm512_set1_ps(scale);
+  const __m512i vis = _mm512_load_si512(tile.vis + 16 * g);
+  const __m512 m_old = _mm512_load_ps(tile.m + 16 * g);
+  __m512 mx = m_old;
+  for (int k = 0; k < nk; ++k) {  // scaled scores, invisible keys at -inf
+    const __mmask16 seen = _mm512_test_epi32_mask(vis, _mm512_set1_epi32(int32_t(1u << k)));
+    const __m512 x = _mm512_mask_mul_ps(ninf, seen, _mm512_load_ps(tile.st[g][k]), sc);
+    _mm512_store_ps(tile.st[g][k], x);
+    mx = _mm512_max_ps(mx, x);
+  }
+  // Lanes whose maximum grew rescale (from -inf: by ~0, their sums and outputs are still 0); the others keep 1.
+  const __m512 corr = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), _mm512_cmp_ps_mask(mx, m_old, _CMP_NEQ_OQ),
+                                         exp16(_mm512_sub_ps(m_old, mx)));
+  __m512 sum = _mm512_setzero_ps();
+  __m512i pairs[16];
+  for (int kp = 0; kp < kFlashKeys / 2; ++kp) {
+    __m512i word = _mm512_setzero_si512();
+    for (int half = 0; half < 2; ++half) {
+      const int k = 2 * kp + half;
+      if (k >= nk) break;
+      const __mmask16 seen = _mm512_test_epi32_mask(vis, _mm512_set1_epi32(int32_t(1u << k)));
+      const __m512 p = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(_mm512_load_ps(tile.st[g][k]), mx)));
+      sum = _mm512_add_ps(sum, p);
+      const __m512i bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));
+      word = _mm512_or_si512(word, half ? _mm512_slli_epi32(bits, 16) : bits);
+    }
+    pairs[kp] = word;  // lane q: (p[q][2 kp], p[q][2 kp + 1]) as bf16
+  }
+  transpose16(pairs);  // pairs[q]: query vector q's key pairs
+  for (int q = 0; q < 16; ++q) tile.p2[16 * g + q] = pairs[q];
+  _mm512_store_ps(tile.l + 16 * g, _mm512_fmadd_ps(_mm512_load_ps(tile.l + 16 * g), corr, sum));
+  _mm512_store_ps(tile.m + 16 * g, mx);
+  _mm512_store_ps(tile.corr + 16 * g, corr);
+}
+
+// o = o * corr + P · V for every query vector (rows of a group past nq: zero P, zero o).
+template <int D>
+void values_amx(FlashAmxTile<D>& tile, int nq) {
+  constexpr int DV = FlashAmxTile<D>::DV;
+  for (int qv = 0; qv < nq; ++qv) {
+    const __m512 c = _mm512_set1_ps(tile.corr[qv]);
+    for (int v = 0; v < DV; ++v)
+      _mm512_store_ps(tile.o[qv] + 16 * v, _mm512_mul_ps(_mm512_load_ps(tile.o[qv] + 16 * v), c));
+  }
+  constexpr int64_t kVLine = DV * 64;  // bytes from vp[kp][v] to vp[kp + 1][v]
+  for (int r = 0; r < nq; r += 16) {
+    _tile_loadd(4, &tile.p2[r], 64);
+    for (int v = 0; v < DV; v += 2) {
+      _tile_loadd(0, tile.o[r] + 16 * v, D * 4);
+      _tile_loadd(1, tile.o[r] + 16 * (v + 1), D * 4);
+      _tile_loadd(6, &tile.vp[0][v], kVLine);
+      _tile_loadd(7, &tile.vp[0][v + 1], kVLine);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_stored(0, tile.o[r] + 16 * v, D * 4);
+      _tile_stored(1, tile.o[r] + 16 * (v + 1), D * 4);
+    }
+  }
+}
+
+// flash_tile (flash_bf16.h) on AMX: the same arguments and result.
+template <int D>
+void flash_tile_amx(const BFloat16* q, const BFloat16* k_cache, const BFloat16* v_cache, const int64_t* blocks,
+                    const Visibility* vis, int m, int64_t group, int64_t heads, int64_t kv_heads, int64_t kv_head,
+                    int64_t block_size, float scale, BFloat16* out) {
+  static thread_local FlashAmxTile<D> tile;
+  const int nq = static_cast<int>(m * group);
+  const int padded = (nq + 15) / 16 * 16;
+  const BFloat16* qrows[kFlashQueries];
+  int64_t kend = 0;
+  for (int i = 0; i < m; ++i) kend = std::max(kend, vis[i].kend);
+  for (int qv = 0; qv < padded; ++qv) {
+    if (qv < nq) qrows[qv] = q + (qv / group) * heads * D + (kv_head * group + qv % group) * D;
+    tile.m[qv] = -std::numeric_limits<float>::infinity();
+    tile.l[qv] = 0.f;
+    tile.vis[qv] = 0;
+    for (int v = 0; v < D / 16; ++v) _mm512_store_ps(tile.o[qv] + 16 * v, _mm512_setzero_ps());
+  }
+  amx_configure();
+  transpose_queries<D>(tile, qrows, nq);
+  const int64_t token_stride = kv_heads * D;
+  const BFloat16* krow[kFlashKeys];
+  const BFloat16* vrow[kFlashKeys];
+  for (int64_t k0 = 0; k0 < kend; k0 += kFlashKeys) {
+    const int nk = static_cast<int>(std::min<int64_t>(kFlashKeys, kend - k0));
+    for (int key = 0; key < nk; ++key) {
+      const int64_t pos = k0 + key;
+      const int64_t offset = (blocks[pos / block_size] * block_size + pos % block_size) * token_stride + kv_head * D;
+      krow[key] = k_cache + offset;
+      vrow[key] = v_cache + offset;
+    }
+    load_keys_values<D>(tile, krow, vrow, nk);
+    for (int i = 0; i < m; ++i) {
+      const uint32_t visible = vis[i].mask(k0, nk);
+      for (int g = 0; g < group; ++g) tile.vis[i * group + g] = visible;
+    }
+    for (int g = 0; 16 * g < nq; ++g) {
+      scores_amx<D>(tile, g);
+      softmax_group<D>(tile, g, nk, scale);
+    }
+    values_amx<D>(tile, nq);
+  }
+  _tile_release();
+  for (int qv = 0; qv < nq; ++qv)
+    write_row<D>(tile.o[qv], tile.l[qv], out + (qv / group) * heads * D + (kv_head * group + qv % group) * D);
+}
+
+}  // namespace pagellm
+#endif
