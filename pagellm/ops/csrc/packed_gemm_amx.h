@@ -76,6 +76,10 @@ struct ARows {
   int64_t lda_copy;
 };
 
+inline uint16_t* aligned64(uint16_t* p) {
+  return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+}
+
 inline ARows a_rows(const Problem& pb, int64_t m0, int64_t rows, int tile_rows, Scratch& s) {
   // In place: whole 32-row blocks, and a last 16 rows that make one whole tile (or all M rows when M < 16). A rest
   // of other sizes is copied whole, so that it stays one block of two row tiles (24 rows: one pass over the
@@ -86,9 +90,13 @@ inline ARows a_rows(const Problem& pb, int64_t m0, int64_t rows, int tile_rows, 
   const int64_t kpad = (pb.k + kStepElems - 1) / kStepElems * kStepElems;
   const int64_t left = rows - direct;
   if (left > 0) {
-    s.a.assign(static_cast<size_t>((left + tile_rows - 1) / tile_rows * tile_rows * kpad), 0);
+    // 32 elements of slack: the copy starts on a 64-byte boundary (a vector's data is only 16-byte aligned, and a
+    // misaligned tile row spans two cache lines); kpad keeps every row on one.
+    s.a.assign(static_cast<size_t>((left + tile_rows - 1) / tile_rows * tile_rows * kpad + 32), 0);
+    uint16_t* copy = aligned64(s.a.data());
     for (int64_t r = 0; r < left; ++r)
-      std::memcpy(s.a.data() + r * kpad, pb.x + (m0 + direct + r) * pb.ldx, static_cast<size_t>(pb.k) * 2);
+      std::memcpy(copy + r * kpad, pb.x + (m0 + direct + r) * pb.ldx, static_cast<size_t>(pb.k) * 2);
+    return {direct, copy, kpad * 2};
   }
   return {direct, s.a.data(), kpad * 2};
 }
