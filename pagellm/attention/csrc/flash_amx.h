@@ -17,10 +17,9 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define PAGELLM_FLASH_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <atomic>
+
+#include "amx_tiles.h"  // ops/csrc: the tile grant and configuration
 
 namespace pagellm {
 
@@ -30,15 +29,7 @@ inline std::atomic<bool>& flash_amx() {
   return on;
 }
 
-// The process may use tile data only once the kernel grants it (Linux arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); asked once.
-inline bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return ok;
-}
+using pagellm_amx::permitted;
 
 constexpr int kGroups = kFlashQueries / 16;  // 16-query-vector groups of a work item
 
@@ -54,20 +45,6 @@ struct FlashAmxTile {
   alignas(64) float m[kFlashQueries], l[kFlashQueries], corr[kFlashQueries];
   alignas(64) uint32_t vis[kFlashQueries];            // visible keys of the tile, per query vector
 };
-
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows of 64 bytes: C 0-1 (16 x 16 float32), A 4-5, B 6-7.
-inline void amx_configure() {
-  AmxConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  asm volatile("" ::: "memory");  // GCC's _tile_loadconfig declares an 8-byte read: keep the stores above before it
-  _tile_loadconfig(&cfg);
-}
 
 // Q^T of the item's nq query vectors (zero lanes past nq), 32 head dimensions at a time: 16 rows of 16 pairs,
 // transposed.
@@ -201,7 +178,7 @@ void flash_tile_amx(const BFloat16* q, const BFloat16* k_cache, const BFloat16* 
     tile.vis[qv] = 0;
     for (int v = 0; v < D / 16; ++v) _mm512_store_ps(tile.o[qv] + 16 * v, _mm512_setzero_ps());
   }
-  amx_configure();
+  pagellm_amx::configure(16);  // every tile 16 rows of 64 bytes: C 0-1, A 4-5, B 6-7
   transpose_queries<D>(tile, qrows, nq);
   const int64_t token_stride = kv_heads * D;
   const BFloat16* krow[kFlashKeys];

@@ -442,7 +442,7 @@ PAGELLM_ENTRY(pagellm_paged_attention_f32, float, false)
 // (pagellm/attention/cpu_paged.py).
 int pagellm_paged_attention_use_amx(int want) {
 #if defined(PAGELLM_FLASH_AMX)
-  if (want >= 0) pagellm::flash_amx() = want > 0 && pagellm::amx_permitted();
+  if (want >= 0) pagellm::flash_amx() = want > 0 && pagellm::permitted();
   return pagellm::flash_amx() ? 1 : 0;
 #else
   (void)want;

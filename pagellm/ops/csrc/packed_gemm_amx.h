@@ -16,9 +16,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PAGELLM_PACKED_GEMM_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
+#include "amx_tiles.h"  // permitted, configure
 #include "silu.h"  // round_bf16x16, silu_mul16: the gate/up epilogue, bit for bit the SiLU·mul kernel's
 
 namespace {
@@ -31,34 +29,10 @@ constexpr int64_t kTileBytes = kStepPairs * 64;        // one B tile: 16 lines o
 constexpr int64_t kRangeRows = 256;                    // rows per work item (their x stays in L2 across panels)
 constexpr int64_t kStreamBytes = int64_t{256} << 10;    // a y of this size and more is written non-temporally
 
-// The process may use tile data only once the kernel grants it (Linux arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); asked once.
-inline bool permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) Config {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using pagellm_amx::permitted;
 
 // A and C tiles hold `rows` rows (16, or M when M < 16 so that small batches are read in place), B tiles 16 lines.
-inline void configure(int rows) {
-  Config cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = static_cast<uint8_t>(t >= 6 ? kStepPairs : rows);
-  }
-  // GCC's _tile_loadconfig tells the compiler it reads only the first 8 bytes, which lets the stores above sink
-  // past it: a memory barrier keeps them before.
-  asm volatile("" ::: "memory");
-  _tile_loadconfig(&cfg);
-}
+using pagellm_amx::configure;
 
 // A thread's buffers: x rows copied zero-padded (the rows of a short last tile, or every row when K is not a whole
 // number of steps), the short last K step of two panels, and the C tiles on their way to y.
