@@ -185,12 +185,7 @@ void flash_tile_amx(const BFloat16* q, const BFloat16* k_cache, const BFloat16* 
   const BFloat16* vrow[kFlashKeys];
   for (int64_t k0 = 0; k0 < kend; k0 += kFlashKeys) {
     const int nk = static_cast<int>(std::min<int64_t>(kFlashKeys, kend - k0));
-    for (int key = 0; key < nk; ++key) {
-      const int64_t pos = k0 + key;
-      const int64_t offset = (blocks[pos / block_size] * block_size + pos % block_size) * token_stride + kv_head * D;
-      krow[key] = k_cache + offset;
-      vrow[key] = v_cache + offset;
-    }
+    key_rows<D>(k_cache, v_cache, blocks, k0, nk, block_size, token_stride, kv_head, krow, vrow);
     load_keys_values<D>(tile, krow, vrow, nk);
     for (int i = 0; i < m; ++i) {
       const uint32_t visible = vis[i].mask(k0, nk);

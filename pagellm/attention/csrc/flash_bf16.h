@@ -202,6 +202,19 @@ inline void write_row(const float* o, float l, BFloat16* out) {
   }
 }
 
+// The K and V rows of kv head kv_head for keys [k0, k0 + nk) in the paged cache.
+template <int D>
+inline void key_rows(const BFloat16* k_cache, const BFloat16* v_cache, const int64_t* blocks, int64_t k0, int nk,
+                     int64_t block_size, int64_t token_stride, int64_t kv_head, const BFloat16** krow,
+                     const BFloat16** vrow) {
+  for (int key = 0; key < nk; ++key) {
+    const int64_t pos = k0 + key;
+    const int64_t offset = (blocks[pos / block_size] * block_size + pos % block_size) * token_stride + kv_head * D;
+    krow[key] = k_cache + offset;
+    vrow[key] = v_cache + offset;
+  }
+}
+
 // One work item: tokens [0, m) of a row (q, out: the first token's rows; token stride heads * D), kv head kv_head,
 // each token's visibility in vis[]. m * group <= kFlashQueries.
 template <int D>
@@ -222,12 +235,7 @@ void flash_tile(const BFloat16* q, const BFloat16* k_cache, const BFloat16* v_ca
   const int64_t token_stride = kv_heads * D;
   for (int64_t k0 = 0; k0 < kend; k0 += kFlashKeys) {
     const int nk = static_cast<int>(std::min<int64_t>(kFlashKeys, kend - k0));
-    for (int key = 0; key < nk; ++key) {
-      const int64_t pos = k0 + key;
-      const int64_t offset = (blocks[pos / block_size] * block_size + pos % block_size) * token_stride + kv_head * D;
-      tile.krow[key] = k_cache + offset;
-      tile.vrow[key] = v_cache + offset;
-    }
+    key_rows<D>(k_cache, v_cache, blocks, k0, nk, block_size, token_stride, kv_head, tile.krow, tile.vrow);
     pack_keys_values<D>(tile, nk);
     if (nk > 16) qk_all<D, 2>(tile, qrows, nq, scale);
     else qk_all<D, 1>(tile, qrows, nq, scale);
