@@ -54,10 +54,12 @@ class Worker:
                                   arch.vocab_size, model_dir, spec_config.disable_by_batch_size)
         self.runner.bind_kv_cache(num_blocks, self.dtype)
         if self.dtype == torch.bfloat16:  # build/load the native layer kernels now, not during the first request
-            logger.info("native kernels: packed GEMM %s, fused element-wise %s, decoder stack %s",
+            flash_amx = isinstance(backend, cpu_paged.CpuPagedBackend) and cpu_paged.load_kernel().use_amx()
+            logger.info("native kernels: packed GEMM %s, fused element-wise %s, decoder stack %s, flash tiles %s",
                         ("on (AMX)" if gemm.amx() else "on") if gemm.available() else "off",
                         "on" if fused.available() else "off",
-                        "on" if decoder_stack.available() and envs.native_decoder() else "off")
+                        "on" if decoder_stack.available() and envs.native_decoder() else "off",
+                        "on AMX" if flash_amx else "without AMX")
         self.runtime = RuntimeInfo(max_model_len, num_blocks, cache_config.block_size, arch.vocab_size)
         logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens", model_dir, arch.architecture,
                     self.dtype, time.perf_counter() - start, num_blocks, cache_config.block_size)
