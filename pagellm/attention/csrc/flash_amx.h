@@ -68,15 +68,7 @@ void load_keys_values(FlashAmxTile<D>& tile, const BFloat16* const* krow, const 
     if (key < nk) std::memcpy(tile.kbuf[key], krow[key], D * sizeof(BFloat16));
     else std::memset(tile.kbuf[key], 0, D * sizeof(BFloat16));
   }
-  const __m512i zero = _mm512_setzero_si512();
-  for (int kp = 0; kp < kFlashKeys / 2; ++kp) {
-    for (int c = 0; c < D / 32; ++c) {
-      const __m512i a = 2 * kp < nk ? _mm512_loadu_si512(vrow[2 * kp] + 32 * c) : zero;
-      const __m512i b = 2 * kp + 1 < nk ? _mm512_loadu_si512(vrow[2 * kp + 1] + 32 * c) : zero;
-      tile.vp[kp][2 * c] = _mm512_unpacklo_epi16(a, b);
-      tile.vp[kp][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
-    }
-  }
+  interleave_values<D>(vrow, nk, kFlashKeys / 2, tile.vp);  // every pair: the tile's B operand is all 16
 }
 
 // S^T of group g: keys 0-15 in C0 and 16-31 in C1, over D / 32 steps of 32 head dimensions.

@@ -64,6 +64,20 @@ struct FlashTile {
   const BFloat16* vrow[kFlashKeys];
 };
 
+// Key pairs [0, pairs) of V interleaved for dpbf16 (vp[key pair][d], see the top), a key past nk zero.
+template <int D>
+inline void interleave_values(const BFloat16* const* vrow, int nk, int pairs, __m512i (*vp)[D / 16]) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int kp = 0; kp < pairs; ++kp) {
+    for (int c = 0; c < D / 32; ++c) {
+      const __m512i a = 2 * kp < nk ? _mm512_loadu_si512(vrow[2 * kp] + 32 * c) : zero;
+      const __m512i b = 2 * kp + 1 < nk ? _mm512_loadu_si512(vrow[2 * kp + 1] + 32 * c) : zero;
+      vp[kp][2 * c] = _mm512_unpacklo_epi16(a, b);
+      vp[kp][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+  }
+}
+
 template <int D>
 void pack_keys_values(FlashTile<D>& tile, int nk) {
   const __m512i zero = _mm512_setzero_si512();
@@ -82,15 +96,7 @@ void pack_keys_values(FlashTile<D>& tile, int nk) {
       for (int j = 0; j < 16; ++j) tile.kt[16 * c + j][half] = rows[j];
     }
   }
-  for (int kp = 0; kp < (nk + 1) / 2; ++kp) {
-    const bool second = 2 * kp + 1 < nk;
-    for (int c = 0; c < D / 32; ++c) {
-      const __m512i a = _mm512_loadu_si512(tile.vrow[2 * kp] + 32 * c);
-      const __m512i b = second ? _mm512_loadu_si512(tile.vrow[2 * kp + 1] + 32 * c) : zero;
-      tile.vp[kp][2 * c] = _mm512_unpacklo_epi16(a, b);
-      tile.vp[kp][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
-    }
-  }
+  interleave_values<D>(tile.vrow, nk, (nk + 1) / 2, tile.vp);
 }
 
 // Scores of R query vectors against the tile's keys (HALVES = 1: keys 0-15 only), times scale.

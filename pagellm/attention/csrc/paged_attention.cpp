@@ -348,6 +348,22 @@ std::vector<Item> plan(const Step& st, bool bf16) {
   return items;
 }
 
+#if defined(__AVX512BF16__)
+// One flash work item on the path this process runs: AMX tiles where switched on, else AVX-512 BF16.
+template <int D>
+inline void flash_tile_on_path(const BFloat16* q, const BFloat16* k, const BFloat16* v, const int64_t* blocks,
+                               const Visibility* vis, int m, int64_t group, const Step& st, int64_t kv_head,
+                               BFloat16* out) {
+#if defined(PAGELLM_FLASH_AMX)
+  if (flash_amx().load(std::memory_order_relaxed)) {
+    flash_tile_amx<D>(q, k, v, blocks, vis, m, group, st.heads, st.kv_heads, kv_head, st.block_size, st.scale, out);
+    return;
+  }
+#endif
+  flash_tile<D>(q, k, v, blocks, vis, m, group, st.heads, st.kv_heads, kv_head, st.block_size, st.scale, out);
+}
+#endif
+
 // Flash tiles serve bfloat16 only (plan() never makes one for float32).
 inline void flash_item(const Step&, const Item&, const float*, const float*, const float*, const int64_t*,
                        const Visibility*, float*) {}
@@ -356,23 +372,10 @@ inline void flash_item(const Step& st, const Item& item, const BFloat16* q, cons
 #if defined(__AVX512BF16__)
   const int64_t group = st.heads / st.kv_heads;
   const int m = static_cast<int>(item.count);
-#if defined(PAGELLM_FLASH_AMX)
-  if (flash_amx().load(std::memory_order_relaxed)) {
-    if (st.head_dim == 64)
-      flash_tile_amx<64>(q, k, v, blocks, vis, m, group, st.heads, st.kv_heads, item.kv_head, st.block_size,
-                         st.scale, out);
-    else
-      flash_tile_amx<128>(q, k, v, blocks, vis, m, group, st.heads, st.kv_heads, item.kv_head, st.block_size,
-                          st.scale, out);
-    return;
-  }
-#endif
   if (st.head_dim == 64)
-    flash_tile<64>(q, k, v, blocks, vis, m, group, st.heads, st.kv_heads, item.kv_head, st.block_size, st.scale,
-                   out);
+    flash_tile_on_path<64>(q, k, v, blocks, vis, m, group, st, item.kv_head, out);
   else
-    flash_tile<128>(q, k, v, blocks, vis, m, group, st.heads, st.kv_heads, item.kv_head, st.block_size, st.scale,
-                    out);
+    flash_tile_on_path<128>(q, k, v, blocks, vis, m, group, st, item.kv_head, out);
 #else
   (void)st, (void)item, (void)q, (void)k, (void)v, (void)blocks, (void)vis, (void)out;
 #endif
