@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from pagellm.kv.manager import KVCacheManager
 from pagellm.metrics.stats import RequestTimes, SchedulerStats, SpecDecodingStats
 from pagellm.request import FinishReason, Request, RequestStatus
 from pagellm.sched.output import FirstOutput, ModelRunnerOutput, SchedulerOutput, StepOutput
@@ -55,7 +56,10 @@ def _first_output(out: StepOutput, request: Request, now: float) -> None:
 
 class Intake:
     running: RunningBatch
+    requests: dict[str, Request]
+    kv: KVCacheManager
     stop_rules: StopRules
+    _dropped_req_ids: set[str]
     _step: _Step | None
     _drafts_seen: bool
     _stats: SchedulerStats
@@ -200,24 +204,22 @@ class Intake:
         hit)`` (the step is the whole batch in order, so a row is also its index in the step; every count is
         positive). A row whose tokens hold no stop token of any unfinished request (``hit`` false) cannot stop on a
         token: below its ``length_limit`` it only records its first output, and one token that reaches the limit
-        ends it there (``StopRules.check``'s length rule), both without the per-token rules."""
+        ends it there (``StopRules.check``'s length rule), both without the per-token rules: the native
+        ``settle_rows`` does that part (``_finish`` included) up to the first other row; from there on every row takes
+        ``_look_row``."""
+        batch, kv = self.running, self.kv
+        first, finished, rest = self._native.settle_rows(
+            looked, batch._columns, batch.requests, batch.req_ids, self.requests, out.finish_reasons,
+            RequestStatus.FINISHED_LENGTH_CAPPED, FinishReason.LENGTH, self._dropped_req_ids, self.stop_rules.tokens,
+            kv.req_blocks, kv.num_cached_blocks, kv.pool.free_queue)
         kept: dict[int, int] = {}
-        finished: list[int] = []
-        requests, check_at, now = self.running.requests, self.running.check_at, time.time()
-        for row, start, num_before, count, hit in looked:
-            request = requests[row]
-            limit = request.length_limit
-            ends = num_before + count >= limit
-            if hit or (ends and count > 1):
-                self._look_row(request, row, row, flat[start:start + count], num_before, out, kept, finished, now)
-                continue
-            if num_before == request.num_prompt_tokens:
+        if first or rest:
+            now = time.time()
+            for request in first:
                 _first_output(out, request, now)
-            check_at[row] = limit
-            if ends:
-                self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
-                finished.append(row)
-                out.finish_reasons[request.request_id] = FinishReason.LENGTH
+            for row, start, num_before, count, _ in rest:
+                self._look_row(batch.requests[row], row, row, flat[start:start + count], num_before, out, kept,
+                               finished, now)
         return kept, finished
 
     def _look_row(self, request: Request, j: int, row: int, tokens: list[int], num_before: int, out: StepOutput,

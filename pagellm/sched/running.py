@@ -40,10 +40,10 @@ class RunningBatch:
     kv_next_full: np.ndarray
     check_at: np.ndarray
 
-    def __init__(self, capacity: int = 64,
-                 compact: Callable[[np.ndarray, int, list[int]], None] | None = None) -> None:
-        """``compact(columns, n, rows)``: drops ``rows`` of the first ``n`` from every column (the native fast
-        path's ``compact_rows``); without it each removed row's tail is shifted in numpy."""
+    def __init__(self, capacity: int = 64, compact: Callable[..., None] | None = None) -> None:
+        """``compact(columns, n, rows, *lists)``: drops ``rows`` of the first ``n`` from every column and list (the
+        native fast path's ``compact_rows``); without it each removed row's tail is shifted in numpy and its list
+        items deleted one by one."""
         self._compact = compact
         self.requests: list[Request] = []
         self.req_ids: list[str] = []
@@ -86,6 +86,11 @@ class RunningBatch:
         self.version += 1
         return row
 
+    def reserve(self, num_rows: int) -> None:
+        """Make sure the columns have ``num_rows`` rows (before native admissions write theirs)."""
+        while num_rows > self._columns.shape[1]:
+            self._grow()
+
     def index(self, request: Request) -> int:
         return self.requests.index(request)
 
@@ -93,14 +98,14 @@ class RunningBatch:
         """Remove the given rows (ascending, distinct); the others keep their order."""
         n = len(self.requests)
         if self._compact is not None:
-            self._compact(self._columns, n, rows)
+            self._compact(self._columns, n, rows, self.requests, self.req_ids, self.token_lists)
         else:
             for end, row in enumerate(reversed(rows), start=1):  # shifting each row's tail beats a masked copy
                 self._columns[:, row:n - end] = self._columns[:, row + 1:n - end + 1]
-        for row in reversed(rows):
-            del self.requests[row]
-            del self.req_ids[row]
-            del self.token_lists[row]
+            for row in reversed(rows):
+                del self.requests[row]
+                del self.req_ids[row]
+                del self.token_lists[row]
         self.version += 1
 
     def reorder(self, order: list[int]) -> None:

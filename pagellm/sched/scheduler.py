@@ -336,7 +336,19 @@ class Scheduler(Intake):
     def _schedule_waiting(self, budget: int, req_ids: list[str], num_scheduled: list[int],
                           new_reqs: list[NewRequestData]) -> int:
         """Admit waiting requests in queue order while budget and ``max_num_seqs`` allow; returns the budget left."""
-        waiting, rows, limit = self.waiting, self.running.requests, self.max_num_seqs
+        waiting, batch, limit = self.waiting, self.running, self.max_num_seqs
+        rows = batch.requests
+        if self._native is not None:  # the whole loop in one call (the loop below is its twin)
+            batch.reserve(min(limit, len(rows) + len(waiting)))
+            budget, admitted, queries, hits = self._native.admit_waiting(
+                waiting, budget, limit, self.chunked_prefill, self._step_lookahead, self.max_model_len,
+                batch._columns, rows, batch.req_ids, batch.token_lists, new_reqs, req_ids, num_scheduled,
+                self._dropped_req_ids, RequestStatus.RUNNING, NewRequestData, suppressed_tokens, *self._kv_args)
+            if admitted:
+                batch.version += 1
+                self._needs_sort = True
+                self._count_admitted(queries, hits)
+            return budget
         while budget > 0 and len(rows) < limit and waiting:
             request = waiting.peek()
             got = self._allocate_new(request, budget)
@@ -348,7 +360,8 @@ class Scheduler(Intake):
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
                 request.sampling_params, block_ids, num_hit, suppressed_tokens(request),
             ))
-            self._admit(request, num_hit, num_new, kv_slots, kv_next_full)
+            batch.append(request, num_hit + num_new, kv_slots, kv_next_full)
+            self._admitted(request, num_hit)
             req_ids.append(request.request_id)
             num_scheduled.append(num_new)
             budget -= num_new
@@ -356,10 +369,8 @@ class Scheduler(Intake):
 
     def _allocate_new(self, request: Request, budget: int) -> tuple[int, int, list[int], int, int] | None:
         """A waiting request's prefix hits and first slots within ``budget``: (tokens hit, tokens to compute now,
-        its block ids, ``slots_and_next_full``), or None when it does not fit this step."""
-        if self._native is not None:
-            return self._native.admit(request, budget, self.chunked_prefill, self._step_lookahead,
-                                      self.max_model_len, *self._kv_args)
+        its block ids, ``slots_and_next_full``), or None when it does not fit this step (the Python twin of the native
+        ``admit_waiting``'s KV part)."""
         kv = self.kv
         hit_blocks, num_hit = kv.get_computed_blocks(request)
         num_new = request.num_tokens - num_hit
@@ -370,17 +381,23 @@ class Scheduler(Intake):
             return None
         return (num_hit, num_new, kv.block_ids(request.request_id), *kv.slots_and_next_full(request.request_id))
 
-    def _admit(self, request: Request, num_hit: int, num_new: int, kv_slots: int, kv_next_full: int) -> None:
-        self.running.append(request, num_hit + num_new, kv_slots, kv_next_full)
+    def _admitted(self, request: Request, num_hit: int) -> None:
+        """The rest of an admission, once ``request`` is the running batch's last row (the native ``admit_waiting``
+        does the same)."""
         self._needs_sort = True
         self._dropped_req_ids.discard(request.request_id)
         request.status = RequestStatus.RUNNING
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit
             request.scheduled_time = time.time()
-        self._stats.prefix_cache_queries += request.num_tokens
+        self._count_admitted(request.num_tokens, num_hit)
+
+    def _count_admitted(self, num_tokens: int, num_hit: int) -> None:
+        """Prefix-cache and prompt-token stats for admitted requests of ``num_tokens`` tokens, ``num_hit`` of them
+        found in the cache."""
+        self._stats.prefix_cache_queries += num_tokens
         self._stats.prefix_cache_hits += num_hit
-        self._stats.num_prompt_tokens += request.num_tokens - num_hit
+        self._stats.num_prompt_tokens += num_tokens - num_hit
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """End ``request`` (the caller takes it out of the running batch or the waiting queue)."""

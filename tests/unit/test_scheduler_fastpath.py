@@ -216,9 +216,14 @@ def test_native_calls_refuse_inputs_outside_their_contract():
     for counts, flat in (([1, 1], [5]), ([-1, 2], [5])):
         with pytest.raises(ValueError, match="do not match"):
             native.take_tokens(columns, 2, counts, flat, [[], []], {})
+    names, ids = ["a", "b", "c", "d"], [10, 11, 12, 13]
+    with pytest.raises(ValueError, match="list of the 4 rows"):
+        native.compact_rows(columns, 4, [1], names, ids[:3])
     assert columns.tolist() == np.arange(48).reshape(6, 8).tolist()  # nothing was touched
-    native.compact_rows(columns, 4, [1, 2])
+    assert names == ["a", "b", "c", "d"] and ids == [10, 11, 12, 13]
+    native.compact_rows(columns, 4, [1, 2], names, ids)
     assert columns[0, :2].tolist() == [0, 3] and columns[5, :2].tolist() == [40, 43]
+    assert names == ["a", "d"] and ids == [10, 13]  # the lists lose the same rows
 
 
 def test_native_block_hashes_equal_the_python_ones_and_leave_bad_tokens_to_them():

@@ -4,12 +4,13 @@
 // column work and the per-row Python: ``schedule_running`` hands the token budget out over the RunningBatch
 // columns, serves the rows that need the KV manager (a new block, a block that fills: allocation from the free
 // queue with lazy eviction, chained SHA-256 block hashes, registration in the prefix-cache table) and builds the
-// step's lists; ``admit`` does a waiting request's prefix look-up and first slots; ``take_tokens`` appends the
-// sampled tokens and picks the rows that need a stop rule or a first output; ``free_blocks`` and ``compact_rows``
-// return a finished request's blocks and drop its row. They work on the very Python objects the Python paths use
-// (KVBlock slots, the free queue's links, the manager's dicts, the requests' token and hash lists), in the same
-// order, so every block id, hash, free-list position and dict entry is what the Python twins (KVCacheManager,
-// BlockPool, Intake) produce; tests/unit/test_scheduler_fastpath.py drives both in lockstep. Anything out of the
+// step's lists; ``admit_waiting`` admits waiting requests (prefix look-up, first slots, the batch's new row, the
+// step's NewRequestData); ``take_tokens`` appends the sampled tokens and picks the rows that need a stop rule or a
+// first output; ``settle_rows`` records those that no token can stop and ends those at their length limit (their
+// blocks back to the free queue); ``free_blocks`` and ``compact_rows`` return a finished request's blocks and drop
+// its row. They work on the very Python objects the Python paths use (KVBlock slots, the free queue's links, the
+// manager's dicts, the requests' token and hash lists), in the same order, so every block id, hash, free-list
+// position and dict entry is what the Python twins (KVCacheManager, BlockPool, Intake) produce; tests/unit/test_scheduler_fastpath.py drives both in lockstep. Anything out of the
 // common case (drafts, a pool that runs short, a salted request's hash) is left to the Python paths.
 
 #define PY_SSIZE_T_CLEAN
@@ -19,6 +20,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <ctime>
 #include <vector>
 
 namespace {
@@ -28,7 +30,8 @@ Py_ssize_t off_block_id = -1, off_ref_cnt, off_block_hash, off_prev_free, off_ne
 PyTypeObject *block_type = nullptr;
 PyObject *one = nullptr;                       // the int 1 (every new block's ref_cnt)
 PyObject *s_head, *s_tail, *s_num_free_blocks, *s_num_evictions, *s_request_id, *s_block_hashes,
-    *s_all_token_ids, *s_cache_salt, *s_cached;
+    *s_all_token_ids, *s_cache_salt, *s_cached, *s_spec_token_ids, *s_num_prompt_tokens, *s_length_limit, *s_pop,
+    *s_peek, *s_sampling_params, *s_min_tokens, *s_status, *s_num_cached_tokens, *s_scheduled_time, *s_stop_ids;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return a >= 0 ? (a + b - 1) / b : -((-a) / b); }  // Python's -(-a // b)
 
@@ -237,6 +240,14 @@ bool read_queue(PyObject *queue, FreeQueue &fq) {
     return true;
 }
 
+bool read_int(PyObject *obj, PyObject *name, long long &value) {
+    PyObject *attr = PyObject_GetAttr(obj, name);
+    if (attr == nullptr) return false;
+    value = PyLong_AsLongLong(attr);
+    Py_DECREF(attr);
+    return !(value == -1 && PyErr_Occurred());
+}
+
 bool add_to_attr(PyObject *obj, PyObject *name, Py_ssize_t delta) {
     PyObject *value = PyObject_GetAttr(obj, name);
     if (value == nullptr) return false;
@@ -251,8 +262,10 @@ bool add_to_attr(PyObject *obj, PyObject *name, Py_ssize_t delta) {
 }
 
 // Serve one row: ``KVCacheManager.allocate_running``'s loop body (the caller checked the pool has its blocks).
+// ``next_full`` is the row's kv_next_full column, ``(num_cached_blocks[rid] + 1) * block_size`` (the column mirrors
+// the manager), so the registered count needs no look-up; with prefix caching off nothing is ever registered.
 bool serve_row(const Manager &m, FreeQueue &fq, Py_ssize_t &evictions, PyObject *request, PyObject *rid,
-               int64_t room, int64_t final, int64_t never, PyObject *new_block_ids) {
+               int64_t room, int64_t final, int64_t next_full, bool caching, PyObject *new_block_ids) {
     PyObject *held = PyDict_GetItemWithError(m.req_blocks, rid);
     if (held == nullptr || !PyList_CheckExact(held)) {
         if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "running request %R holds no block list", rid);
@@ -277,12 +290,8 @@ bool serve_row(const Manager &m, FreeQueue &fq, Py_ssize_t &evictions, PyObject 
         Py_DECREF(ids);
         if (rc < 0) return false;
     }
-    PyObject *count = PyDict_GetItemWithError(m.num_cached_blocks, rid);
-    if (count == nullptr && PyErr_Occurred()) return false;
-    int64_t num_cached = count ? PyLong_AsLongLong(count) : 0;
-    if (num_cached == -1 && PyErr_Occurred()) return false;
-    if (final >= (num_cached + 1) * bs + never)
-        return register_blocks(m, request, rid, held, static_cast<Py_ssize_t>(num_cached),
+    if (caching && final >= next_full)
+        return register_blocks(m, request, rid, held, static_cast<Py_ssize_t>(next_full / bs - 1),
                                static_cast<Py_ssize_t>(final / bs));
     return true;
 }
@@ -365,7 +374,6 @@ PyObject *schedule_running(PyObject *, PyObject *args) {
     // Pass 2: serve the rows in order (as allocate_running would), then the columns and the step's lists.
     Py_ssize_t evictions = 0, start_free = fq.num_free;
     bool ok = true;
-    const int64_t never = caching ? 0 : (int64_t(1) << 62);
     // The rows' request and id objects are cold after a forward pass: each is prefetched a few events ahead.
     constexpr Py_ssize_t kAhead = 4;
     for (Py_ssize_t e = 0; e < events && e < kAhead; ++e) {
@@ -380,7 +388,7 @@ PyObject *schedule_running(PyObject *, PyObject *args) {
         const Py_ssize_t i = event_rows[e];
         int64_t final = computed[i] + grant[i];
         ok = serve_row(m, fq, evictions, PyList_GET_ITEM(requests, i), PyList_GET_ITEM(req_ids, i), room[i], final,
-                       never, new_block_ids);
+                       next_full[i], caching, new_block_ids);
         int64_t slots = ceil_div(room[i], bs) * bs;
         kv_slots[i] = kv_slots[i] > slots ? kv_slots[i] : slots;
         if (final >= next_full[i]) next_full[i] = (final / bs + 1) * bs;
@@ -518,33 +526,75 @@ bool write_free_count(const FreeQueue &fq) {
     return ok;
 }
 
-// admit(request, budget, chunked_prefill, step_lookahead, max_model_len, req_blocks, num_cached_blocks, pool,
-//       free_queue, block_size, caching, root_hash, hash_fallback)
-//   -> None (the request does not fit this step: nothing changed but its block hashes)
-//    | (num_hit, num_new, block_ids, kv_slots, kv_next_full)
-//   A waiting request's admission, as Scheduler._schedule_waiting does it through the KV manager:
-//   ``hash_blocks``, ``get_computed_blocks``, the chunk rule, ``allocate_slots`` (touching the hits, new blocks from
-//   the free queue, registering the blocks the step fills), ``block_ids`` and ``slots_and_next_full``.
-PyObject *admit(PyObject *, PyObject *args) {
-    PyObject *request, *pool, *queue;
-    Py_ssize_t block_size;
-    long long budget, step_lookahead, max_model_len;
-    int chunked, caching;
-    Manager m{};
-    if (!PyArg_ParseTuple(args, "OLpLLO!O!OOnpO!O", &request, &budget, &chunked, &step_lookahead, &max_model_len,
-                          &PyDict_Type, &m.req_blocks, &PyDict_Type, &m.num_cached_blocks, &pool, &queue,
-                          &block_size, &caching, &PyBytes_Type, &m.root, &m.hash_fallback))
-        return nullptr;
-    if (off_block_id < 0) return PyErr_Format(PyExc_RuntimeError, "bind(KVBlock) first");
-    m.block_size = block_size;
-    const int64_t bs = block_size;
-    m.cached = PyObject_GetAttr(pool, s_cached);
-    if (m.cached == nullptr) return nullptr;
-    Py_DECREF(m.cached);
+// The running batch's row of an admitted request (``RunningBatch.append``'s columns and lists).
+struct Row {
+    PyObject *columns, *requests, *req_ids, *token_lists;
+};
+
+bool append_row(const Row &batch, PyObject *request, PyObject *rid, PyObject *tokens, int64_t computed,
+                int64_t kv_slots, int64_t kv_next_full) {
+    Columns cols;
+    if (!cols.open(batch.columns, 6)) return false;
+    const Py_ssize_t row = PyList_GET_SIZE(batch.requests);
+    if (row >= cols.stride || PyList_GET_SIZE(batch.req_ids) != row || PyList_GET_SIZE(batch.token_lists) != row) {
+        PyErr_Format(PyExc_ValueError, "no room for row %zd in columns of %zd (grow the batch first)", row,
+                     cols.stride);
+        return false;
+    }
+    PyObject *spec = PyObject_GetAttr(request, s_spec_token_ids);
+    Py_ssize_t num_spec = spec ? PyObject_Size(spec) : -1;
+    Py_XDECREF(spec);
+    if (num_spec < 0) return false;
+    long long prompt = 0, limit = 0;
+    if (!read_int(request, s_num_prompt_tokens, prompt) || !read_int(request, s_length_limit, limit)) return false;
+    const int64_t num_tokens = PyList_GET_SIZE(tokens);
+    cols[COMPUTED][row] = computed;
+    cols[NUM_TOKENS][row] = num_tokens;
+    cols[NUM_SPEC][row] = num_spec;
+    cols[KV_SLOTS][row] = kv_slots;
+    cols[KV_NEXT_FULL][row] = kv_next_full;
+    cols[CHECK_AT][row] = num_tokens > prompt ? limit : prompt + 1;
+    return PyList_Append(batch.token_lists, tokens) == 0 && PyList_Append(batch.requests, request) == 0 &&
+           PyList_Append(batch.req_ids, rid) == 0;
+}
+
+// Everything one admission needs besides the request (``admit_waiting``'s arguments).
+struct Admission {
+    Manager m;
+    PyObject *pool, *queue;
+    int64_t step_lookahead, max_model_len;
+    bool chunked, caching;
+    Row batch;
+};
+
+// A request ``admit_request`` admitted: its id and token list (new references), hits, tokens to compute now and
+// block ids (a new list).
+struct Admitted {
+    PyObject *rid = nullptr, *tokens = nullptr, *block_ids = nullptr;
+    int64_t num_hit = 0, num_new = 0;
+    ~Admitted() {
+        Py_XDECREF(rid);
+        Py_XDECREF(tokens);
+        Py_XDECREF(block_ids);
+    }
+};
+
+// A waiting request's admission within ``budget``, as Scheduler._allocate_new + RunningBatch.append do it through
+// the KV manager: ``hash_blocks``, ``get_computed_blocks``, the chunk rule, ``allocate_slots`` (touching the hits,
+// new blocks from the free queue, registering the blocks the step fills), ``block_ids``; then the request joins the
+// running batch as its last row with ``slots_and_next_full`` (the caller made room in the columns). Returns 1 (done,
+// ``out`` filled), 0 (it does not fit this step: nothing changed but its block hashes) or -1 (an error).
+int admit_request(const Admission &a, PyObject *request, int64_t budget, Admitted &out) {
+    const Manager &m = a.m;
+    const Py_ssize_t block_size = m.block_size;
+    const int64_t bs = block_size, step_lookahead = a.step_lookahead, max_model_len = a.max_model_len;
+    const bool chunked = a.chunked, caching = a.caching;
+    PyObject *pool = a.pool, *queue = a.queue;
     PyObject *rid = PyObject_GetAttr(request, s_request_id);
     PyObject *tokens = rid ? PyObject_GetAttr(request, s_all_token_ids) : nullptr;
     PyObject *hashes = tokens ? PyObject_GetAttr(request, s_block_hashes) : nullptr;
-    PyObject *result = nullptr, *held = nullptr;
+    int result = -1;
+    PyObject *held = nullptr;
     std::vector<PyObject *> hits;  // borrowed: the prefix-cache table holds them
     FreeQueue fq{};
     if (hashes == nullptr || !PyList_CheckExact(tokens) || !PyList_CheckExact(hashes) || !PyDict_Check(m.cached)) {
@@ -574,7 +624,7 @@ PyObject *admit(PyObject *, PyObject *args) {
         }
         int64_t num_new = num_tokens - num_hit;
         if (!chunked && num_new > budget) {
-            result = Py_NewRef(Py_None);
+            result = 0;
             goto done;
         }
         num_new = num_new < budget ? num_new : budget;
@@ -591,7 +641,7 @@ PyObject *admit(PyObject *, PyObject *args) {
             num_free_hits += ref == 0;
         }
         if ((num_new_blocks > 0 || num_hits) && num_new_blocks > fq.num_free - num_free_hits) {
-            result = Py_NewRef(Py_None);
+            result = 0;
             goto done;
         }
         held = PyList_New(0);
@@ -636,8 +686,16 @@ PyObject *admit(PyObject *, PyObject *args) {
         for (Py_ssize_t i = 0; i < num_held; ++i)
             PyList_SET_ITEM(ids, i, Py_NewRef(slot(PyList_GET_ITEM(held, i), off_block_id)));
         int64_t next_full = caching ? (num_cached + 1) * bs : (int64_t(1) << 62);
-        result = Py_BuildValue("(LLNLL)", static_cast<long long>(num_hit), static_cast<long long>(num_new), ids,
-                               static_cast<long long>(num_held * bs), static_cast<long long>(next_full));
+        if (!append_row(a.batch, request, rid, tokens, num_hit + num_new, num_held * bs, next_full)) {
+            Py_DECREF(ids);
+            goto done;
+        }
+        out.block_ids = ids;
+        out.rid = Py_NewRef(rid);
+        out.tokens = Py_NewRef(tokens);
+        out.num_hit = num_hit;
+        out.num_new = num_new;
+        result = 1;
     }
 done:
     Py_XDECREF(held);
@@ -647,14 +705,132 @@ done:
     return result;
 }
 
-// free_blocks(blocks, free_queue): ``KVCacheManager.free``'s pool part, ``BlockPool.free_blocks(reversed(blocks))``:
-// drop one reference from each block, tail first; those that reach zero join the free queue's tail in that order.
-PyObject *free_blocks(PyObject *, PyObject *args) {
-    PyObject *blocks, *queue;
-    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &blocks, &queue)) return nullptr;
+// clock_gettime(CLOCK_REALTIME) as a float, what time.time() returns.
+PyObject *wall_clock() {
+    timespec now{};
+    clock_gettime(CLOCK_REALTIME, &now);
+    return PyFloat_FromDouble(static_cast<double>(now.tv_sec) + static_cast<double>(now.tv_nsec) * 1e-9);
+}
+
+// The tokens the sampler must suppress for a newly admitted request (``sched.stop.suppressed_tokens``): none once it
+// generated ``min_tokens`` tokens (read here), else what the Python function says.
+PyObject *suppressed(PyObject *request, PyObject *params, Py_ssize_t num_output, PyObject *fallback) {
+    long long min_tokens = 0;
+    if (!read_int(params, s_min_tokens, min_tokens)) return nullptr;
+    return min_tokens <= num_output ? PyList_New(0) : PyObject_CallOneArg(fallback, request);
+}
+
+// The rest of one admission (``Scheduler._schedule_waiting`` after ``_allocate_new``): the request leaves the
+// queue, its NewRequestData joins ``new_reqs`` and its share of the step the step's lists; ``_admitted``'s request
+// fields (status, first-admission hits and time) and dropped-id set. ``now``: the wall clock, read at the first
+// admission that needs it.
+bool record_admission(PyObject *waiting, PyObject *request, const Admitted &got, PyObject *new_request_type,
+                      PyObject *suppressed_fn, PyObject *new_reqs, PyObject *step_req_ids, PyObject *num_scheduled,
+                      PyObject *dropped, PyObject *running, PyObject *&now) {
+    PyObject *popped = PyObject_CallMethodNoArgs(waiting, s_pop);
+    if (popped == nullptr) return false;
+    Py_DECREF(popped);
+    PyObject *params = PyObject_GetAttr(request, s_sampling_params);
+    PyObject *num_prompt = params ? PyObject_GetAttr(request, s_num_prompt_tokens) : nullptr;
+    Py_ssize_t prompt = num_prompt ? PyLong_AsSsize_t(num_prompt) : -1;
+    PyObject *stop_ids = prompt >= 0 ? suppressed(request, params, PyList_GET_SIZE(got.tokens) - prompt,
+                                                  suppressed_fn) : nullptr;
+    PyObject *token_ids = stop_ids ? PyList_GetSlice(got.tokens, 0, PyList_GET_SIZE(got.tokens)) : nullptr;
+    PyObject *num_hit = token_ids ? PyLong_FromLongLong(got.num_hit) : nullptr;
+    PyObject *entry = nullptr;
+    if (num_hit != nullptr) {
+        PyObject *fields[] = {got.rid, token_ids, num_prompt, params, got.block_ids, num_hit, stop_ids};
+        entry = PyObject_Vectorcall(new_request_type, fields, 7, nullptr);
+    }
+    bool ok = entry != nullptr && PyList_Append(new_reqs, entry) == 0 && PySet_Discard(dropped, got.rid) >= 0 &&
+              PyObject_SetAttr(request, s_status, running) == 0;
+    Py_XDECREF(entry);
+    Py_XDECREF(stop_ids);
+    Py_XDECREF(token_ids);
+    Py_XDECREF(num_prompt);
+    Py_XDECREF(params);
+    if (ok) {  // the first admission's prefix hits and time (a resumed request keeps its first ones)
+        long long cached_tokens = 0;
+        ok = read_int(request, s_num_cached_tokens, cached_tokens);
+        if (ok && cached_tokens < 0) {
+            if (now == nullptr) now = wall_clock();
+            ok = now != nullptr && PyObject_SetAttr(request, s_num_cached_tokens, num_hit) == 0 &&
+                 PyObject_SetAttr(request, s_scheduled_time, now) == 0;
+        }
+    }
+    Py_XDECREF(num_hit);
+    PyObject *num_new = ok ? PyLong_FromLongLong(got.num_new) : nullptr;
+    ok = num_new != nullptr && PyList_Append(step_req_ids, got.rid) == 0 && PyList_Append(num_scheduled, num_new) == 0;
+    Py_XDECREF(num_new);
+    return ok;
+}
+
+// admit_waiting(waiting, budget, max_num_seqs, chunked_prefill, step_lookahead, max_model_len, columns, requests,
+//               req_ids, token_lists, new_reqs, step_req_ids, num_scheduled, dropped, running_status,
+//               new_request_type, suppressed_tokens, req_blocks, num_cached_blocks, pool, free_queue, block_size,
+//               caching, root_hash, hash_fallback)
+//   -> (budget left, requests admitted, prompt tokens of the admitted, their prefix-cache hit tokens)
+//   ``Scheduler._schedule_waiting``: admit waiting requests in queue order (``peek``/``pop``, either policy) while
+//   the budget and ``max_num_seqs`` allow, each through ``admit_request`` and ``record_admission``. The caller made
+//   room in the columns for every row it may add, and bumps the batch's version and the stats after.
+PyObject *admit_waiting(PyObject *, PyObject *args) {
+    PyObject *waiting, *new_reqs, *step_req_ids, *num_scheduled, *dropped, *running, *new_request_type, *suppressed_fn;
+    long long budget, max_rows, step_lookahead, max_model_len;
+    int chunked, caching;
+    Admission a{};
+    if (!PyArg_ParseTuple(args, "OLLpLLOO!O!O!O!O!O!O!OOOO!O!OOnpO!O", &waiting, &budget, &max_rows, &chunked,
+                          &step_lookahead, &max_model_len, &a.batch.columns, &PyList_Type, &a.batch.requests,
+                          &PyList_Type, &a.batch.req_ids, &PyList_Type, &a.batch.token_lists, &PyList_Type,
+                          &new_reqs, &PyList_Type, &step_req_ids, &PyList_Type, &num_scheduled, &PySet_Type,
+                          &dropped, &running, &new_request_type, &suppressed_fn, &PyDict_Type, &a.m.req_blocks,
+                          &PyDict_Type, &a.m.num_cached_blocks, &a.pool, &a.queue, &a.m.block_size, &caching,
+                          &PyBytes_Type, &a.m.root, &a.m.hash_fallback))
+        return nullptr;
     if (off_block_id < 0) return PyErr_Format(PyExc_RuntimeError, "bind(KVBlock) first");
-    FreeQueue fq{};
-    if (!read_queue(queue, fq)) return nullptr;
+    a.chunked = chunked;
+    a.caching = caching;
+    a.step_lookahead = step_lookahead;
+    a.max_model_len = max_model_len;
+    a.m.cached = PyObject_GetAttr(a.pool, s_cached);  // the pool keeps it alive
+    if (a.m.cached == nullptr) return nullptr;
+    Py_DECREF(a.m.cached);
+    long long admitted = 0, queries = 0, hits = 0;
+    PyObject *now = nullptr;
+    bool ok = true;
+    while (ok && budget > 0 && PyList_GET_SIZE(a.batch.requests) < max_rows) {
+        Py_ssize_t num_waiting = PyObject_Size(waiting);
+        if (num_waiting <= 0) {
+            ok = num_waiting == 0;
+            break;
+        }
+        PyObject *request = PyObject_CallMethodNoArgs(waiting, s_peek);
+        if (request == nullptr) {
+            ok = false;
+            break;
+        }
+        Admitted got;
+        int rc = admit_request(a, request, budget, got);
+        if (rc == 1)
+            ok = record_admission(waiting, request, got, new_request_type, suppressed_fn, new_reqs, step_req_ids,
+                                  num_scheduled, dropped, running, now);
+        Py_DECREF(request);
+        if (rc != 1) {
+            ok = rc == 0;
+            break;
+        }
+        admitted += 1;
+        queries += PyList_GET_SIZE(got.tokens);
+        hits += got.num_hit;
+        budget -= got.num_new;
+    }
+    Py_XDECREF(now);
+    if (!ok) return nullptr;  // an error inside a Python object's method: state is as far as it got
+    return Py_BuildValue("(LLLL)", budget, admitted, queries, hits);
+}
+
+// ``BlockPool.free_blocks(reversed(blocks))`` on ``fq``: drop one reference from each block, tail first; those that
+// reach zero join the free queue's tail in that order (the caller writes the free count back).
+bool release_blocks(PyObject *blocks, FreeQueue &fq) {
     PyObject *last = slot(fq.tail, off_prev_free);
     Py_INCREF(last);
     bool ok = true;
@@ -687,17 +863,170 @@ PyObject *free_blocks(PyObject *, PyObject *args) {
     set_slot(last, off_next_free, fq.tail);
     set_slot(fq.tail, off_prev_free, last);
     Py_DECREF(last);
+    return ok;
+}
+
+// free_blocks(blocks, free_queue): ``KVCacheManager.free``'s pool part, ``release_blocks``.
+PyObject *free_blocks(PyObject *, PyObject *args) {
+    PyObject *blocks, *queue;
+    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &blocks, &queue)) return nullptr;
+    if (off_block_id < 0) return PyErr_Format(PyExc_RuntimeError, "bind(KVBlock) first");
+    FreeQueue fq{};
+    if (!read_queue(queue, fq)) return nullptr;
+    bool ok = release_blocks(blocks, fq);
     ok = write_free_count(fq) && ok;
     if (!ok) return nullptr;
     Py_RETURN_NONE;
 }
 
-// compact_rows(columns, n, rows): ``RunningBatch.remove_rows``'s column part: drop the given rows (ascending,
-// distinct, below n) from every column, the others keeping their order, in one pass per column.
+// Where a request that ends on its length limit leaves its traces (``Scheduler._finish``'s state).
+struct Ending {
+    PyObject *by_id, *finish_reasons, *status, *reason, *dropped, *stop_tokens, *req_blocks, *num_cached_blocks;
+    FreeQueue fq;
+};
+
+// ``Scheduler._finish(request, status)`` and the finish reason ``Intake._look_native`` records: the request's status,
+// no drafts, ``KVCacheManager.free`` (its block list and registered count dropped, its blocks released), its id
+// among the dropped, its stop tokens uncounted (``StopRules.remove``), gone from the unfinished requests.
+bool end_request(Ending &e, PyObject *request, PyObject *rid) {
+    if (PyObject_SetAttr(request, s_status, e.status) < 0) return false;
+    PyObject *spec = PyObject_GetAttr(request, s_spec_token_ids);
+    int has_spec = spec ? PyObject_IsTrue(spec) : -1;
+    Py_XDECREF(spec);
+    if (has_spec < 0) return false;
+    if (has_spec) {
+        PyObject *none = PyList_New(0);
+        int rc = none ? PyObject_SetAttr(request, s_spec_token_ids, none) : -1;
+        Py_XDECREF(none);
+        if (rc < 0) return false;
+    }
+    PyObject *held = PyDict_GetItemWithError(e.req_blocks, rid);
+    if (held == nullptr && PyErr_Occurred()) return false;
+    Py_XINCREF(held);
+    bool ok = held == nullptr || (PyList_CheckExact(held) && PyDict_DelItem(e.req_blocks, rid) == 0);
+    if (ok) {
+        int cached = PyDict_Contains(e.num_cached_blocks, rid);
+        ok = cached == 0 || (cached == 1 && PyDict_DelItem(e.num_cached_blocks, rid) == 0);
+    }
+    if (ok && held != nullptr) ok = release_blocks(held, e.fq);
+    Py_XDECREF(held);
+    if (!ok || PySet_Add(e.dropped, rid) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a request's blocks must be a list");
+        return false;
+    }
+    PyObject *stop_ids = PyObject_GetAttr(request, s_stop_ids);
+    PyObject *iter = stop_ids ? PyObject_GetIter(stop_ids) : nullptr;
+    Py_XDECREF(stop_ids);
+    if (iter == nullptr) return false;
+    while (PyObject *token = PyIter_Next(iter)) {
+        PyObject *count = PyDict_GetItemWithError(e.stop_tokens, token);
+        long left = count ? PyLong_AsLong(count) - 1 : -1;
+        PyObject *updated = left > 0 ? PyLong_FromLong(left) : nullptr;
+        ok = left == 0 ? PyDict_DelItem(e.stop_tokens, token) == 0
+                       : updated != nullptr && PyDict_SetItem(e.stop_tokens, token, updated) == 0;
+        Py_XDECREF(updated);
+        if (!ok && !PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "stop token %R is not counted", token);
+        Py_DECREF(token);
+        if (!ok) break;
+    }
+    Py_DECREF(iter);
+    if (!ok || PyErr_Occurred()) return false;
+    return PyDict_DelItem(e.by_id, rid) == 0 && PyDict_SetItem(e.finish_reasons, rid, e.reason) == 0;
+}
+
+// settle_rows(looked, columns, requests, req_ids, by_id, finish_reasons, length_status, length_reason, dropped,
+//             stop_tokens, req_blocks, num_cached_blocks, free_queue) -> (first, finished, rest)
+//   ``Intake._look_native``'s rows that no token can stop: ``take_tokens``' entries ``(row, start, num_tokens before,
+//   count, hit)`` without a hit, and not several tokens reaching the length limit. Each such row's check_at becomes
+//   its length_limit; ``first`` lists the requests that got their first output; a row whose one token reaches its
+//   length_limit ends there (``end_request``, FINISHED_LENGTH_CAPPED) and its row joins ``finished``. From the first
+//   other entry on, every entry comes back in ``rest`` (for the exact stop rules in Python, in row order after the
+//   settled ones, so first outputs and finish reasons are recorded in row order as the Python path does).
+PyObject *settle_rows(PyObject *, PyObject *args) {
+    PyObject *looked, *array, *requests, *req_ids, *queue;
+    Ending e{};
+    if (!PyArg_ParseTuple(args, "O!OO!O!O!O!OOO!O!O!O!O", &PyList_Type, &looked, &array, &PyList_Type, &requests,
+                          &PyList_Type, &req_ids, &PyDict_Type, &e.by_id, &PyDict_Type, &e.finish_reasons, &e.status,
+                          &e.reason, &PySet_Type, &e.dropped, &PyDict_Type, &e.stop_tokens, &PyDict_Type,
+                          &e.req_blocks, &PyDict_Type, &e.num_cached_blocks, &queue))
+        return nullptr;
+    if (off_block_id < 0) return PyErr_Format(PyExc_RuntimeError, "bind(KVBlock) first");
+    Columns cols;
+    if (!cols.open(array, 6)) return nullptr;
+    const Py_ssize_t n = PyList_GET_SIZE(requests);
+    if (n > cols.stride || PyList_GET_SIZE(req_ids) != n)
+        return PyErr_Format(PyExc_ValueError, "%zd rows in columns of %zd", n, cols.stride);
+    int64_t *check_at = cols[CHECK_AT];
+    PyObject *first = PyList_New(0), *finished = PyList_New(0), *rest = PyList_New(0);
+    bool ok = first && finished && rest, queue_read = false;
+    for (Py_ssize_t j = 0; ok && j < PyList_GET_SIZE(looked); ++j) {
+        PyObject *entry = PyList_GET_ITEM(looked, j);
+        long long row = -1, before = 0, count = 0;
+        int hit = 1;
+        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 5) {
+            PyErr_SetString(PyExc_TypeError, "entries must be take_tokens' 5-tuples");
+            ok = false;
+            break;
+        }
+        row = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 0));
+        before = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 2));
+        count = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 3));
+        hit = PyObject_IsTrue(PyTuple_GET_ITEM(entry, 4));
+        if (PyErr_Occurred() || hit < 0 || row < 0 || row >= n) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "row %lld of %zd", row, n);
+            ok = false;
+            break;
+        }
+        PyObject *request = PyList_GET_ITEM(requests, row);
+        long long limit = 0, prompt = 0;
+        if (!read_int(request, s_length_limit, limit) || !read_int(request, s_num_prompt_tokens, prompt)) {
+            ok = false;
+            break;
+        }
+        const bool ends = before + count >= limit;
+        if (hit || (ends && count > 1)) {  // this entry and all after it, so the outputs keep row order
+            PyObject *tail = PyList_GetSlice(looked, j, PyList_GET_SIZE(looked));
+            ok = tail != nullptr;
+            Py_XSETREF(rest, tail);
+            break;
+        }
+        if (before == prompt && PyList_Append(first, request) < 0) {
+            ok = false;
+            break;
+        }
+        check_at[row] = limit;
+        if (!ends) continue;
+        if (!queue_read && !(queue_read = read_queue(queue, e.fq))) {
+            ok = false;
+            break;
+        }
+        ok = end_request(e, request, PyList_GET_ITEM(req_ids, row)) &&
+             PyList_Append(finished, PyTuple_GET_ITEM(entry, 0)) == 0;
+    }
+    if (queue_read) ok = write_free_count(e.fq) && ok;
+    if (!ok) {
+        Py_XDECREF(first);
+        Py_XDECREF(finished);
+        Py_XDECREF(rest);
+        return nullptr;
+    }
+    return Py_BuildValue("(NNN)", first, finished, rest);
+}
+
+// compact_rows(columns, n, rows, *lists): ``RunningBatch.remove_rows``: drop the given rows (ascending, distinct,
+// below n) from every column and from each list (of n items), the others keeping their order, in one pass per
+// column and list. The dropped items are released last, once every list is consistent again (releasing a request
+// may run arbitrary code).
 PyObject *compact_rows(PyObject *, PyObject *args) {
-    PyObject *array, *rows;
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "OnO!", &array, &n, &PyList_Type, &rows)) return nullptr;
+    const Py_ssize_t num_args = PyTuple_GET_SIZE(args);
+    if (num_args < 3) return PyErr_Format(PyExc_TypeError, "compact_rows(columns, n, rows, *lists)");
+    PyObject *array = PyTuple_GET_ITEM(args, 0), *rows = PyTuple_GET_ITEM(args, 2);
+    const Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 1));
+    if (n == -1 && PyErr_Occurred()) return nullptr;
+    if (!PyList_Check(rows)) return PyErr_Format(PyExc_TypeError, "rows must be a list");
+    for (Py_ssize_t a = 3; a < num_args; ++a)
+        if (!PyList_CheckExact(PyTuple_GET_ITEM(args, a)) || PyList_GET_SIZE(PyTuple_GET_ITEM(args, a)) != n)
+            return PyErr_Format(PyExc_ValueError, "every list must be a list of the %zd rows", n);
     Columns cols;
     if (!cols.open(array, 6)) return nullptr;
     if (n > cols.stride) return PyErr_Format(PyExc_ValueError, "%zd rows in columns of %zd", n, cols.stride);
@@ -716,6 +1045,19 @@ PyObject *compact_rows(PyObject *, PyObject *args) {
             memmove(column + from - (i + 1), column + from, static_cast<size_t>(to - from) * sizeof(int64_t));
         }
     }
+    std::vector<PyObject *> dropped;
+    dropped.reserve(static_cast<size_t>(k * (num_args - 3)));
+    for (Py_ssize_t a = 3; a < num_args; ++a) {
+        PyListObject *list = reinterpret_cast<PyListObject *>(PyTuple_GET_ITEM(args, a));
+        for (Py_ssize_t i = 0; i < k; ++i) {
+            dropped.push_back(list->ob_item[drop[i]]);
+            Py_ssize_t from = drop[i] + 1, to = i + 1 < k ? drop[i + 1] : n;
+            memmove(list->ob_item + from - (i + 1), list->ob_item + from,
+                    static_cast<size_t>(to - from) * sizeof(PyObject *));
+        }
+        Py_SET_SIZE(list, n - k);  // the list keeps its allocation, as ``del`` of one item at a time may
+    }
+    for (PyObject *item : dropped) Py_DECREF(item);
     Py_RETURN_NONE;
 }
 
@@ -742,9 +1084,10 @@ PyMethodDef methods[] = {
     {"bind", bind, METH_VARARGS, "bind(KVBlock): learn the block type's slot layout"},
     {"schedule_running", schedule_running, METH_VARARGS, "the running requests' share of a step (see the source)"},
     {"take_tokens", take_tokens, METH_VARARGS, "append a step's sampled tokens; the rows to look at"},
-    {"admit", admit, METH_VARARGS, "a waiting request's prefix-cache look-up and first slots (see the source)"},
+    {"admit_waiting", admit_waiting, METH_VARARGS, "admit waiting requests into the running batch (see the source)"},
     {"compact_rows", compact_rows, METH_VARARGS, "drop rows from the running batch's columns"},
     {"free_blocks", free_blocks, METH_VARARGS, "return a request's blocks to the free queue, tail first"},
+    {"settle_rows", settle_rows, METH_VARARGS, "first outputs and length limits of looked-at rows (see the source)"},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -763,5 +1106,16 @@ PyMODINIT_FUNC PyInit_pagellm_sched_fastpath() {
     s_all_token_ids = PyUnicode_InternFromString("all_token_ids");
     s_cache_salt = PyUnicode_InternFromString("cache_salt");
     s_cached = PyUnicode_InternFromString("cached");
+    s_spec_token_ids = PyUnicode_InternFromString("spec_token_ids");
+    s_num_prompt_tokens = PyUnicode_InternFromString("num_prompt_tokens");
+    s_length_limit = PyUnicode_InternFromString("length_limit");
+    s_pop = PyUnicode_InternFromString("pop");
+    s_peek = PyUnicode_InternFromString("peek");
+    s_sampling_params = PyUnicode_InternFromString("sampling_params");
+    s_min_tokens = PyUnicode_InternFromString("min_tokens");
+    s_status = PyUnicode_InternFromString("status");
+    s_num_cached_tokens = PyUnicode_InternFromString("num_cached_tokens");
+    s_scheduled_time = PyUnicode_InternFromString("scheduled_time");
+    s_stop_ids = PyUnicode_InternFromString("stop_ids");
     return PyModule_Create(&module);
 }
