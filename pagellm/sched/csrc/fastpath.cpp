@@ -10,8 +10,9 @@
 // blocks back to the free queue); ``free_blocks`` and ``compact_rows`` return a finished request's blocks and drop
 // its row. They work on the very Python objects the Python paths use (KVBlock slots, the free queue's links, the
 // manager's dicts, the requests' token and hash lists), in the same order, so every block id, hash, free-list
-// position and dict entry is what the Python twins (KVCacheManager, BlockPool, Intake) produce; tests/unit/test_scheduler_fastpath.py drives both in lockstep. Anything out of the
-// common case (drafts, a pool that runs short, a salted request's hash) is left to the Python paths.
+// position and dict entry is what the Python twins (KVCacheManager, BlockPool, Intake) produce;
+// tests/unit/test_scheduler_fastpath.py drives both in lockstep. Anything out of the common case (drafts, a pool
+// that runs short, a salted request's hash) is left to the Python paths.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
