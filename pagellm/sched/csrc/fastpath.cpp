@@ -529,13 +529,13 @@ bool write_free_count(const FreeQueue &fq) {
 
 // The running batch's row of an admitted request (``RunningBatch.append``'s columns and lists).
 struct Row {
-    PyObject *columns, *requests, *req_ids, *token_lists;
+    Columns *columns;  // opened once per call
+    PyObject *requests, *req_ids, *token_lists;
 };
 
 bool append_row(const Row &batch, PyObject *request, PyObject *rid, PyObject *tokens, int64_t computed,
                 int64_t kv_slots, int64_t kv_next_full) {
-    Columns cols;
-    if (!cols.open(batch.columns, 6)) return false;
+    const Columns &cols = *batch.columns;
     const Py_ssize_t row = PyList_GET_SIZE(batch.requests);
     if (row >= cols.stride || PyList_GET_SIZE(batch.req_ids) != row || PyList_GET_SIZE(batch.token_lists) != row) {
         PyErr_Format(PyExc_ValueError, "no room for row %zd in columns of %zd (grow the batch first)", row,
@@ -779,8 +779,9 @@ PyObject *admit_waiting(PyObject *, PyObject *args) {
     long long budget, max_rows, step_lookahead, max_model_len;
     int chunked, caching;
     Admission a{};
+    PyObject *array;
     if (!PyArg_ParseTuple(args, "OLLpLLOO!O!O!O!O!O!O!OOOO!O!OOnpO!O", &waiting, &budget, &max_rows, &chunked,
-                          &step_lookahead, &max_model_len, &a.batch.columns, &PyList_Type, &a.batch.requests,
+                          &step_lookahead, &max_model_len, &array, &PyList_Type, &a.batch.requests,
                           &PyList_Type, &a.batch.req_ids, &PyList_Type, &a.batch.token_lists, &PyList_Type,
                           &new_reqs, &PyList_Type, &step_req_ids, &PyList_Type, &num_scheduled, &PySet_Type,
                           &dropped, &running, &new_request_type, &suppressed_fn, &PyDict_Type, &a.m.req_blocks,
@@ -788,6 +789,9 @@ PyObject *admit_waiting(PyObject *, PyObject *args) {
                           &PyBytes_Type, &a.m.root, &a.m.hash_fallback))
         return nullptr;
     if (off_block_id < 0) return PyErr_Format(PyExc_RuntimeError, "bind(KVBlock) first");
+    Columns cols;
+    if (!cols.open(array, 6)) return nullptr;
+    a.batch.columns = &cols;
     a.chunked = chunked;
     a.caching = caching;
     a.step_lookahead = step_lookahead;
