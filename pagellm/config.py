@@ -62,13 +62,22 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
 
 
+# The default step budget, as vLLM picks its own on CPUs: offline (``LLM``, ``pagellm bench throughput``) larger steps
+# amortise each step's weight reads over more prompt tokens (4096 gave 3-4 % more output tok/s than 2048 on the
+# built-in model, docs/performance.md Round 12); a server's newcomers wait for the step that is running, so it keeps
+# steps shorter (``EngineConfig.for_serving``, applied by ``AsyncLLM``).
+OFFLINE_TOKEN_BUDGET = 4096
+SERVING_TOKEN_BUDGET = 2048
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The token-budget scheduler."""
 
     max_num_seqs: int = _help("Most requests running in one step.", default=256)
     max_num_batched_tokens: int | None = _help(
-        "Token budget of one step (default 2048; with chunked prefill off, at least max_model_len).", default=None
+        "Token budget of one step (default 4096 offline, 2048 in the servers; with chunked prefill off, at least "
+        "max_model_len).", default=None
     )
     enable_chunked_prefill: bool = _help("Split long prompts across steps to fill the token budget.",
                                          default=True)
@@ -88,13 +97,19 @@ class SchedulerConfig:
         if self.max_num_batched_tokens is not None:
             budget = self.max_num_batched_tokens
         else:
-            budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+            budget = OFFLINE_TOKEN_BUDGET if self.enable_chunked_prefill else max(OFFLINE_TOKEN_BUDGET, max_model_len)
         if not self.enable_chunked_prefill and budget < max_model_len:
             raise ValueError(
                 f"with chunked prefill off, max_num_batched_tokens ({budget}) must be >= max_model_len "
                 f"({max_model_len}): raise it, lower max_model_len, or enable chunked prefill"
             )
         return budget
+
+    def for_serving(self) -> SchedulerConfig:
+        """This config with the servers' default budget where none was given (chunked prefill on)."""
+        if self.max_num_batched_tokens is not None or not self.enable_chunked_prefill:
+            return self
+        return dataclasses.replace(self, max_num_batched_tokens=SERVING_TOKEN_BUDGET)
 
 
 @dataclass(frozen=True)
@@ -265,6 +280,10 @@ class EngineConfig:
         if spec.method == "eagle" and spec.model is None and self.model_config.model is not None:
             raise ValueError("eagle needs 'model': the head's .safetensors file from `pagellm train-draft --method "
                              "eagle` (only the built-in model has a shipped default head)")
+
+    def for_serving(self) -> EngineConfig:
+        """This config with the online-serving defaults filled in (``SchedulerConfig.for_serving``)."""
+        return dataclasses.replace(self, scheduler_config=self.scheduler_config.for_serving())
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -108,7 +108,9 @@ class AsyncLLM:
 
     def __init__(self, config: EngineConfig, load_tokenizer: Callable[[], Tokenizer],
                  startup_timeout_s: float = 600.0, stats_sink: StatsSink | None = None) -> None:
-        """``load_tokenizer`` runs while the core starts (see ``MPClient``'s ``while_starting``)."""
+        """``load_tokenizer`` runs while the core starts (see ``MPClient``'s ``while_starting``). ``config`` takes the
+        online-serving defaults where it leaves them open (``EngineConfig.for_serving``)."""
+        config = config.for_serving()
         self.config = config
         self.stats_sink: StatsSink = stats_sink or NullStatsSink()
         self._lock = threading.Lock()

@@ -90,6 +90,7 @@ def test_runtime_and_tokenizer(engine: AsyncLLM, llm: LLM) -> None:
     assert engine.runtime == llm.engine.runtime
     assert engine.tokenizer.encode("hi") == llm.tokenizer.encode("hi")
     assert engine.is_running and not engine.errored and engine.client.process.is_alive()
+    assert engine.config.scheduler_config.max_num_batched_tokens == 2048  # the servers' default step budget
 
 
 def test_greedy_matches_llm_and_deltas_concatenate(engine: AsyncLLM, llm: LLM, run: Any) -> None:

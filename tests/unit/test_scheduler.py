@@ -257,6 +257,21 @@ def test_chunked_prefill_off_needs_budget_for_max_model_len():
         make_scheduler(budget=32, max_model_len=64, chunked=False)
 
 
+def test_default_budget_offline_and_serving():
+    """Without ``max_num_batched_tokens`` a step holds 4096 tokens offline and 2048 in the servers (``for_serving``,
+    which AsyncLLM applies); a budget the user gave, or the chunked-prefill-off rule, is kept."""
+    def budget(config: SchedulerConfig) -> int:
+        return Scheduler(config, CacheConfig(block_size=16), num_blocks=1024, max_model_len=8192).budget
+
+    assert budget(SchedulerConfig()) == 4096
+    assert budget(SchedulerConfig().for_serving()) == 2048
+    assert budget(SchedulerConfig(max_num_batched_tokens=512).for_serving()) == 512
+    assert budget(SchedulerConfig(enable_chunked_prefill=False).for_serving()) == 8192  # max_model_len
+    sched = Scheduler(SchedulerConfig(), CacheConfig(block_size=16), num_blocks=1024, max_model_len=8192)
+    sched.add_request(make_request("A", [7] * 5000, max_tokens=1))
+    assert sched.schedule().num_scheduled_tokens == [4096]  # the first chunk of a long prompt
+
+
 def test_max_num_seqs_caps_running_requests():
     sched = make_scheduler(max_num_seqs=2)
     for rid in "ABC":
