@@ -63,7 +63,7 @@ class CacheConfig:
 
 
 # The default step budget, as vLLM picks its own on CPUs: offline (``LLM``, ``pagellm bench throughput``) larger steps
-# amortise each step's weight reads over more prompt tokens (4096 gave 3-4 % more output tok/s than 2048 on the
+# amortise each step's weight reads over more prompt tokens (4096 gave 1-4 % more output tok/s than 2048 on the
 # built-in model, docs/performance.md Round 12); a server's newcomers wait for the step that is running, so it keeps
 # steps shorter (``EngineConfig.for_serving``, applied by ``AsyncLLM``).
 OFFLINE_TOKEN_BUDGET = 4096
