@@ -11,7 +11,8 @@ Both per-request loops run over the numpy columns of ``RunningBatch``: ``_grant`
 cumulative sum, and only the rows that need the KV manager (a block to allocate or one that fills,
 ``_needs_kv``) come back to per-request Python, in row order, so every KV call and every block id is what a plain
 loop over the requests would produce. The output side (``update_from_output``: only the rows that may stop or get
-their first output come back to Python) is ``sched/intake.Intake``, which ``Scheduler`` inherits.
+their first output come back to Python) is ``sched/intake.Intake`` and the admission of waiting requests
+(``_schedule_waiting``) is ``sched/admission.Admission``; ``Scheduler`` inherits both.
 ``tests/unit/test_scheduler_fastpath.py`` runs the scheduler in lockstep with a twin that takes the per-request
 path for every row and hands the budget out one request at a time.
 """
@@ -32,12 +33,13 @@ from pagellm.kv.hashing import ROOT_HASH, extend_block_hashes
 from pagellm.kv.manager import KVCacheManager
 from pagellm.metrics.stats import SchedulerStats, SpecDecodingStats
 from pagellm.request import Request, RequestStatus
+from pagellm.sched.admission import Admission
 from pagellm.sched.intake import Intake, _Step
 from pagellm.sched.native import fastpath
 from pagellm.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagellm.sched.queue import make_queue
 from pagellm.sched.running import RunningBatch
-from pagellm.sched.stop import StopRules, suppressed_tokens
+from pagellm.sched.stop import StopRules
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ class _RunningPart:
     preempted: bool
 
 
-class Scheduler(Intake):
+class Scheduler(Intake, Admission):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -332,72 +334,6 @@ class Scheduler(Intake):
         self._dropped_req_ids.add(request.request_id)
         self.waiting.add_front(request)
         logger.debug("preempted %s", request.request_id)
-
-    def _schedule_waiting(self, budget: int, req_ids: list[str], num_scheduled: list[int],
-                          new_reqs: list[NewRequestData]) -> int:
-        """Admit waiting requests in queue order while budget and ``max_num_seqs`` allow; returns the budget left."""
-        waiting, batch, limit = self.waiting, self.running, self.max_num_seqs
-        rows = batch.requests
-        if self._native is not None:  # the whole loop in one call (the loop below is its twin)
-            batch.reserve(min(limit, len(rows) + len(waiting)))
-            budget, admitted, queries, hits = self._native.admit_waiting(
-                waiting, budget, limit, self.chunked_prefill, self._step_lookahead, self.max_model_len,
-                batch._columns, rows, batch.req_ids, batch.token_lists, new_reqs, req_ids, num_scheduled,
-                self._dropped_req_ids, RequestStatus.RUNNING, NewRequestData, suppressed_tokens, *self._kv_args)
-            if admitted:
-                batch.version += 1
-                self._needs_sort = True
-                self._count_admitted(queries, hits)
-            return budget
-        while budget > 0 and len(rows) < limit and waiting:
-            request = waiting.peek()
-            got = self._allocate_new(request, budget)
-            if got is None:
-                break
-            num_hit, num_new, block_ids, kv_slots, kv_next_full = got
-            waiting.pop()
-            new_reqs.append(NewRequestData(
-                request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
-                request.sampling_params, block_ids, num_hit, suppressed_tokens(request),
-            ))
-            batch.append(request, num_hit + num_new, kv_slots, kv_next_full)
-            self._admitted(request, num_hit)
-            req_ids.append(request.request_id)
-            num_scheduled.append(num_new)
-            budget -= num_new
-        return budget
-
-    def _allocate_new(self, request: Request, budget: int) -> tuple[int, int, list[int], int, int] | None:
-        """A waiting request's prefix hits and first slots within ``budget``: (tokens hit, tokens to compute now,
-        its block ids, ``slots_and_next_full``), or None when it does not fit this step (the Python twin of the native
-        ``admit_waiting``'s KV part)."""
-        kv = self.kv
-        hit_blocks, num_hit = kv.get_computed_blocks(request)
-        num_new = request.num_tokens - num_hit
-        if not self.chunked_prefill and num_new > budget:
-            return None
-        num_new = min(num_new, budget)
-        if kv.allocate_slots(request, 0, num_new, hit_blocks, self._lookahead(num_hit + num_new)) is None:
-            return None
-        return (num_hit, num_new, kv.block_ids(request.request_id), *kv.slots_and_next_full(request.request_id))
-
-    def _admitted(self, request: Request, num_hit: int) -> None:
-        """The rest of an admission, once ``request`` is the running batch's last row (the native ``admit_waiting``
-        does the same)."""
-        self._needs_sort = True
-        self._dropped_req_ids.discard(request.request_id)
-        request.status = RequestStatus.RUNNING
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit
-            request.scheduled_time = time.time()
-        self._count_admitted(request.num_tokens, num_hit)
-
-    def _count_admitted(self, num_tokens: int, num_hit: int) -> None:
-        """Prefix-cache and prompt-token stats for admitted requests of ``num_tokens`` tokens, ``num_hit`` of them
-        found in the cache."""
-        self._stats.prefix_cache_queries += num_tokens
-        self._stats.prefix_cache_hits += num_hit
-        self._stats.num_prompt_tokens += num_tokens - num_hit
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """End ``request`` (the caller takes it out of the running batch or the waiting queue)."""

@@ -1,0 +1,104 @@
+"""The scheduler's admission side: ``_schedule_waiting`` admits waiting requests into the running batch.
+
+Waiting requests are admitted in queue order while the step's token budget and ``max_num_seqs`` allow: each gets its
+prefix-cache hits and first KV slots (``_allocate_new``), joins the running batch as its last row, and its
+``NewRequestData`` joins the step. With the native fast path the whole loop is one call (``admit_waiting`` in
+``csrc/fastpath.cpp``) on the same objects; the Python loop here is its twin. ``Admission`` is a part of
+``Scheduler`` (which inherits it and owns the state it reads), a module of its own only to keep the scheduler's
+parts apart, like ``sched/intake.Intake``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from pagellm.kv.manager import KVCacheManager
+from pagellm.metrics.stats import SchedulerStats
+from pagellm.request import Request, RequestStatus
+from pagellm.sched.output import NewRequestData
+from pagellm.sched.queue import RequestQueue
+from pagellm.sched.running import RunningBatch
+from pagellm.sched.stop import suppressed_tokens
+
+
+class Admission:
+    waiting: RequestQueue
+    running: RunningBatch
+    kv: KVCacheManager
+    max_num_seqs: int
+    max_model_len: int
+    chunked_prefill: bool
+    _step_lookahead: int
+    _needs_sort: bool
+    _dropped_req_ids: set[str]
+    _stats: SchedulerStats
+    _native: Any  # sched/native.py's extension module, or None
+    _kv_args: tuple
+    _lookahead: Callable[[int], int]  # Scheduler's: draft slots to reserve after a step
+
+    def _schedule_waiting(self, budget: int, req_ids: list[str], num_scheduled: list[int],
+                          new_reqs: list[NewRequestData]) -> int:
+        """Admit waiting requests in queue order while budget and ``max_num_seqs`` allow; returns the budget left."""
+        waiting, batch, limit = self.waiting, self.running, self.max_num_seqs
+        rows = batch.requests
+        if self._native is not None:  # the whole loop in one call (the loop below is its twin)
+            batch.reserve(min(limit, len(rows) + len(waiting)))
+            budget, admitted, queries, hits = self._native.admit_waiting(
+                waiting, budget, limit, self.chunked_prefill, self._step_lookahead, self.max_model_len,
+                batch._columns, rows, batch.req_ids, batch.token_lists, new_reqs, req_ids, num_scheduled,
+                self._dropped_req_ids, RequestStatus.RUNNING, NewRequestData, suppressed_tokens, *self._kv_args)
+            if admitted:
+                batch.version += 1
+                self._needs_sort = True
+                self._count_admitted(queries, hits)
+            return budget
+        while budget > 0 and len(rows) < limit and waiting:
+            request = waiting.peek()
+            got = self._allocate_new(request, budget)
+            if got is None:
+                break
+            num_hit, num_new, block_ids, kv_slots, kv_next_full = got
+            waiting.pop()
+            new_reqs.append(NewRequestData(
+                request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
+                request.sampling_params, block_ids, num_hit, suppressed_tokens(request),
+            ))
+            batch.append(request, num_hit + num_new, kv_slots, kv_next_full)
+            self._admitted(request, num_hit)
+            req_ids.append(request.request_id)
+            num_scheduled.append(num_new)
+            budget -= num_new
+        return budget
+
+    def _allocate_new(self, request: Request, budget: int) -> tuple[int, int, list[int], int, int] | None:
+        """A waiting request's prefix hits and first slots within ``budget``: (tokens hit, tokens to compute now,
+        its block ids, ``slots_and_next_full``), or None when it does not fit this step (the Python twin of the native
+        ``admit_waiting``'s KV part)."""
+        kv = self.kv
+        hit_blocks, num_hit = kv.get_computed_blocks(request)
+        num_new = request.num_tokens - num_hit
+        if not self.chunked_prefill and num_new > budget:
+            return None
+        num_new = min(num_new, budget)
+        if kv.allocate_slots(request, 0, num_new, hit_blocks, self._lookahead(num_hit + num_new)) is None:
+            return None
+        return (num_hit, num_new, kv.block_ids(request.request_id), *kv.slots_and_next_full(request.request_id))
+
+    def _admitted(self, request: Request, num_hit: int) -> None:
+        """The rest of an admission, once ``request`` is the running batch's last row (the native ``admit_waiting``
+        does the same)."""
+        self._needs_sort = True
+        self._dropped_req_ids.discard(request.request_id)
+        request.status = RequestStatus.RUNNING
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+            request.scheduled_time = time.time()
+        self._count_admitted(request.num_tokens, num_hit)
+
+    def _count_admitted(self, num_tokens: int, num_hit: int) -> None:
+        """Prefix-cache and prompt-token stats for admitted requests of ``num_tokens`` tokens, ``num_hit`` of them
+        found in the cache."""
+        self._stats.prefix_cache_queries += num_tokens
+        self._stats.prefix_cache_hits += num_hit
+        self._stats.num_prompt_tokens += num_tokens - num_hit
