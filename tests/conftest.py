@@ -81,10 +81,10 @@ def tiny_qwen2(tiny_model_factory: Callable[..., Path]) -> Path:
     return tiny_model_factory("qwen2")
 
 
-@pytest.fixture(params=["avx512", "amx"])
+@pytest.fixture(params=["vector", "amx"])
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Runs a test on one of the packed GEMM's paths; the AMX one only where this CPU has AMX (and the OS grants
-    it)."""
+    """Runs a test on one of the packed GEMM's paths: its vector path (AVX-512 BF16, or AVX2 + FMA where the CPU has
+    no AVX-512 BF16), or AMX tiles, only where this CPU has AMX (and the OS grants it)."""
     from pagellm.ops import gemm
 
     default = gemm.amx()

@@ -8,7 +8,8 @@ stack builds in a fraction of a second and always runs the kernels' current code
 Python layers, so its output equals the Python path's bit for bit; the Python layers are its plain-PyTorch twin
 and test oracle. ``DecoderStack`` holds
 the weights' addresses (made once per model) and takes per call the step's tokens, positions, caches and the
-``CpuPagedMetadata`` fields. ``available()`` says whether the library runs here (AVX-512 BF16 and a compiler).
+``CpuPagedMetadata`` fields. ``available()`` says whether the library runs here (the packed GEMM's: AVX-512 BF16
+or AVX2 + FMA, and a compiler).
 """
 
 from __future__ import annotations

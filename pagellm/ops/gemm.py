@@ -10,8 +10,9 @@ so a row's result is bit for bit the same whatever the batch around it and the t
 ``unpack`` read plain rows back out of a packed matrix (the embedding lookup of a tied LM head, consumers that
 need the plain weight).
 
-The kernel needs AVX-512 BF16 and a C++ compiler; ``available()`` says whether it runs here. Where it does not,
-nothing is packed and every layer keeps ``F.linear`` on the plain weight. On CPUs with AMX-BF16 it multiplies on
+The kernel needs AVX-512 BF16, or AVX2 + FMA (``csrc/packed_gemm_avx2.h``: each half line widens to float32 and the
+products are float32 FMAs, for AMD Zen 2/3 and older Intel CPUs), and a C++ compiler; ``available()`` says whether
+it runs here. Where it does not, nothing is packed and every layer keeps ``F.linear`` on the plain weight. On CPUs with AMX-BF16 it multiplies on
 AMX tiles (``csrc/packed_gemm_amx.h``: the packed layout is already AMX's B operand), about 3x the AVX-512 rate at
 32 rows and 5-8x from 256 on; ``PAGELLM_GEMM_AMX=0`` keeps the AVX-512 path. A process keeps one path
 (``use_amx``, called once at load), since the two sum inside a K step in different orders and rows must not depend
@@ -61,8 +62,9 @@ def _lib() -> ctypes.CDLL | None:
 
 
 def runs_here() -> bool:
-    """Whether this CPU has the instructions the kernel is written in (AVX-512 BF16)."""
-    return "avx512_bf16" in cpu_flags().split()
+    """Whether this CPU has the instructions a path of the kernel is written in (AVX-512 BF16, or AVX2 + FMA)."""
+    flags = set(cpu_flags().split())
+    return "avx512_bf16" in flags or {"avx2", "fma"} <= flags
 
 
 def available() -> bool:

@@ -9,7 +9,8 @@
 //    take it, and every float32 row: a float32 token then takes exactly the instructions a decode of that token
 //    would, whatever its row looks like, so a prompt computed after a prefix-cache hit reproduces the same prompt
 //    computed without one bit for bit. In bfloat16 (AVX-512 BF16, head_dim 64 or 128) the walk takes its keys in
-//    bf16 dot products (walk_bf16.h); float32 rows and other shapes widen K/V to float32 (walk_fixed, walk_vec).
+//    bf16 dot products (walk_bf16.h); float32 rows and other shapes widen K/V to float32 (walk_fixed, walk_vec),
+//    and CPUs with AVX2 but no AVX-512 take the 8-lane walk_avx2.h (walk_scalar where none of these serves).
 //  - the flash tile (flash_bf16.h, bfloat16 with AVX-512 BF16, head_dim 64 or 128): up to 48 query vectors (tokens
 //    x grouped heads) of one row and one kv head share each K/V tile, with bfloat16 dot products.
 // Accumulation is in float32 whatever the cache dtype. The plain-PyTorch twin and oracle is
@@ -27,6 +28,7 @@
 #include "flash_amx.h"
 #include "flash_bf16.h"
 #include "paged_common.h"
+#include "walk_avx2.h"
 #include "walk_bf16.h"
 #include "simd_exp.h"  // ops/csrc: exp16
 
@@ -44,12 +46,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #pragma omp simd reduction(+ : acc)
   for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
   return acc;
-}
-
-// Where key ``pos``'s row for ``kv_head`` starts in a [num_blocks, block_size, kv_heads, head_dim] cache.
-inline int64_t key_offset(const int64_t* blocks, int64_t pos, int64_t block_size, int64_t token_stride,
-                          int64_t kv_head, int64_t head_dim) {
-  return (blocks[pos / block_size] * block_size + pos % block_size) * token_stride + kv_head * head_dim;
 }
 
 // The portable walk (any head_dim): one block at a time, invisible keys scored -inf.
@@ -285,6 +281,11 @@ void walk(const T* q, const T* k, const T* v, const int64_t* blocks, const Visib
     return;
   if (head_dim % 16 == 0 && head_dim <= 256 && group <= 16) {
     walk_vec<T>(q, k, v, blocks, vis, block_size, kv_heads, group, head_dim, kv_head, scale, out);
+    return;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (head_dim % 8 == 0 && head_dim <= kWalkMaxDim && group <= kWalkMaxGroup) {
+    walk_avx2<T>(q, k, v, blocks, vis, block_size, kv_heads, group, head_dim, kv_head, scale, out);
     return;
   }
 #endif

@@ -1,13 +1,13 @@
 // What the paged attention kernels share: the bfloat16 bits type, conversions, 16-lane loads, which keys a query
 // token may see (Visibility), and the token walks' key tiles and block prefetch. Included by paged_attention.cpp,
-// flash_bf16.h and walk_bf16.h; ops/build.py keys builds by the headers next to a source too.
+// flash_bf16.h, walk_bf16.h and walk_avx2.h; ops/build.py keys builds by the headers next to a source too.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -84,6 +84,12 @@ struct Visibility {
   }
 };
 
+// Where key ``pos``'s row for ``kv_head`` starts in a [num_blocks, block_size, kv_heads, head_dim] cache.
+inline int64_t key_offset(const int64_t* blocks, int64_t pos, int64_t block_size, int64_t token_stride,
+                          int64_t kv_head, int64_t head_dim) {
+  return (blocks[pos / block_size] * block_size + pos % block_size) * token_stride + kv_head * head_dim;
+}
+
 // The visibility of token ``token`` of a row whose query tokens start at key ``win``; ``bits`` is the step's
 // [T, words] tree-mask array (null when the step has no draft tree).
 inline Visibility token_visibility(const int64_t* ctx_end, const uint64_t* bits, int64_t words, int64_t token,
@@ -105,16 +111,16 @@ inline Visibility token_visibility(const int64_t* ctx_end, const uint64_t* bits,
   return vis;
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 // The tile of keys the walk takes next from ``start``: up to 16 keys inside one block. Tiles depend only on the
 // absolute position, so a token's tiles are the same in any row (paged_attention.cpp: float32 reproducibility).
 inline int64_t tile_length(int64_t start, int64_t kend, int64_t block_size) {
   return std::min({int64_t(16), kend - start, block_size - start % block_size});
 }
 
-inline __mmask16 tile_mask(const Visibility& vis, int64_t start, int64_t n) {
-  if (start + n <= vis.ctx_end) return static_cast<__mmask16>((1u << n) - 1);
-  return static_cast<__mmask16>(vis.mask(start, n));
+inline uint16_t tile_mask(const Visibility& vis, int64_t start, int64_t n) {  // lane bits (an AVX-512 mask)
+  if (start + n <= vis.ctx_end) return static_cast<uint16_t>((1u << n) - 1);
+  return static_cast<uint16_t>(vis.mask(start, n));
 }
 
 // Ask for a later block's rows of this head while the current one is processed: a request's blocks sit anywhere

@@ -122,7 +122,12 @@ void pagellm_silu_and_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t n,
       store_bf16x16(o + i, silu_mul16(load_bf16x16(g + i, m), load_bf16x16(u + i, m)), m);
     }
 #else
-    for (int64_t i = 0; i < n; ++i) o[i] = bf16(f32(g[i]) / (1.f + std::exp(-f32(g[i]))) * f32(u[i]));
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), round_bf16x8(silu_mul8(widen_bf16x8(g + i), widen_bf16x8(u + i))));
+#endif
+    for (; i < n; ++i) o[i] = bf16(f32(g[i]) / (1.f + std::exp(-f32(g[i]))) * f32(u[i]));
 #endif
   }
 }

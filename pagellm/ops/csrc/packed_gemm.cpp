@@ -2,7 +2,8 @@
 //
 // Packed layout (made once at load time by pagellm/ops/gemm.py `pack`): W is cut into panels of 16 output
 // columns; a panel holds its K in pairs, [ceil(K/2)][16 columns][2], so one 64-byte line is the next k-pair of
-// all 16 columns, exactly the operand of one _mm512_dpbf16_ps. Panels are contiguous one after the other, so a
+// all 16 columns, exactly the operand of one _mm512_dpbf16_ps (packed_gemm_avx512.h; packed_gemm_avx2.h widens it
+// to float32 for CPUs without AVX-512 BF16). Panels are contiguous one after the other, so a
 // run of panels is one contiguous piece of memory. N is padded to a multiple of 16 and K to an even count with
 // zeros.
 //
@@ -31,35 +32,6 @@ namespace {
 
 constexpr int kPanel = 16;           // output columns per panel (one zmm of float32)
 constexpr int64_t kPanelPair = 32;   // bf16 elements per k-pair of a panel (64 bytes)
-constexpr int64_t kKC = 512;         // most k-pairs per K block (NR=4: 4 * 512 * 64 B = 128 KiB of weights)
-constexpr int64_t kMC = 192;         // rows per M block (x block at most 192 rows * 2 KiB per K block)
-constexpr int kPrefetchPairs = 32;   // software prefetch distance along a panel (2 KiB ahead), into L2
-
-inline __m512i pair_at(const uint16_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return _mm512_set1_epi32(v);
-}
-
-inline __m512i half_pair_at(const uint16_t* p) {  // K odd: the last pair has one real element, the other is zero
-  return _mm512_set1_epi32(static_cast<int32_t>(*p));
-}
-
-inline __m512 load_bias(const uint16_t* bias, int64_t col, int cols) {
-  const __mmask16 m = cols >= kPanel ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << cols) - 1);
-  const __m256i h = _mm256_maskz_loadu_epi16(m, bias + col);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-inline void store_bf16(uint16_t* dst, __m512 v, int cols) {
-  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-  if (cols >= kPanel) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), h);
-  } else {
-    _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((1u << cols) - 1), h);
-  }
-}
-
 // How one K block's tile starts and ends: from zero or from the float32 partial sums, to the partials or to y.
 struct Tile {
   const uint16_t* x;     // first row, at this K block's first pair
@@ -80,94 +52,19 @@ struct Tile {
   // first row group does not wait on memory (M > 8; at M <= 8 a single pass streams and prefetches ahead).
   const uint16_t* pf;    // the next block's first panel at its first pair, or null
   int pf_first, pf_end;
+  const float* xf;       // AVX2 path: x widened to float32 (row stride ldxf, pairs whole), at this block's first pair
+  int64_t ldxf;
 };
 
-template <int MR, int NR>
-void tile_kernel(const Tile& t) {
-  __m512 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j)
-      acc[i][j] = t.first ? _mm512_setzero_ps() : _mm512_loadu_ps(t.partial + i * t.ldp + j * kPanel);
-  const int64_t full = t.half_last ? t.pairs - 1 : t.pairs;
-  const uint16_t* w = t.w;
-  for (int64_t p = 0; p < full; ++p, w += kPanelPair) {
-    __m512bh b[NR];
-    for (int j = 0; j < NR; ++j) {
-      b[j] = (__m512bh)_mm512_loadu_si512(w + j * t.panel_stride);
-      _mm_prefetch(reinterpret_cast<const char*>(w + j * t.panel_stride + kPrefetchPairs * kPanelPair),
-                   _MM_HINT_T1);
-    }
-    if (t.pf)
-      for (int j = t.pf_first; j < t.pf_end; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(t.pf + j * t.panel_stride + p * kPanelPair), _MM_HINT_T1);
-    for (int i = 0; i < MR; ++i) {
-      const __m512bh a = (__m512bh)pair_at(t.x + i * t.ldx + 2 * p);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
-    }
-  }
-  if (t.half_last) {
-    for (int i = 0; i < MR; ++i) {
-      const __m512bh a = (__m512bh)half_pair_at(t.x + i * t.ldx + 2 * full);
-      for (int j = 0; j < NR; ++j)
-        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, (__m512bh)_mm512_loadu_si512(w + j * t.panel_stride));
-    }
-  }
-  if (!t.last) {
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) _mm512_storeu_ps(t.partial + i * t.ldp + j * kPanel, acc[i][j]);
-    return;
-  }
-  for (int j = 0; j < NR; ++j) {
-    const int cols = t.cols - j * kPanel;
-    if (cols <= 0) break;
-    const __m512 bias = t.bias ? load_bias(t.bias, j * kPanel, cols) : _mm512_setzero_ps();
-    for (int i = 0; i < MR; ++i) store_bf16(t.y + i * t.ldy + j * kPanel, _mm512_add_ps(acc[i][j], bias), cols);
-  }
-}
+}  // namespace
 
-using TileFn = void (*)(const Tile&);
+#if defined(__AVX512BF16__)
+#include "packed_gemm_avx512.h"  // tile kernels, tile shapes and block sizes for AVX-512 BF16
+#else
+#include "packed_gemm_avx2.h"  // the same in AVX2 + FMA (bf16 widened to float32)
+#endif
 
-// MR x NR register tiles: MR * NR <= 24 accumulators plus NR weight registers and one broadcast fit in 32 zmm.
-// Panels are walked in groups of kMaxNR, or of kWideNR when M <= kWideRows: at one or two rows the tile is bound
-// by memory, and 8 panel streams at once keep more of it in flight than 4.
-constexpr int kMaxMR = 8;
-constexpr int kMaxNR = 4;
-constexpr int kWideNR = 8;
-constexpr int kWideRows = 2;
-
-template <int MR>
-constexpr TileFn row_of_tiles(int nr) {
-  if constexpr (MR <= kWideRows) {
-    if (nr > kMaxNR) return nr == 5 ? tile_kernel<MR, 5> : nr == 6 ? tile_kernel<MR, 6> : nr == 7 ? tile_kernel<MR, 7>
-                                                                                       : tile_kernel<MR, 8>;
-  }
-  return nr == 1 ? tile_kernel<MR, 1> : nr == 2 ? tile_kernel<MR, 2> : nr == 3 ? tile_kernel<MR, 3>
-                                                                                 : tile_kernel<MR, (MR > 6 ? 3 : 4)>;
-}
-
-TileFn tile_fn(int mr, int nr) {
-  switch (mr) {
-    case 1: return row_of_tiles<1>(nr);
-    case 2: return row_of_tiles<2>(nr);
-    case 3: return row_of_tiles<3>(nr);
-    case 4: return row_of_tiles<4>(nr);
-    case 5: return row_of_tiles<5>(nr);
-    case 6: return row_of_tiles<6>(nr);
-    case 7: return row_of_tiles<7>(nr);
-    default: return row_of_tiles<8>(nr);
-  }
-}
-
-inline int max_nr(int mr) { return mr > 6 ? 3 : mr <= kWideRows ? kWideNR : kMaxNR; }
-inline int group_width(int64_t m) { return m <= kWideRows ? kWideNR : kMaxNR; }
-
-// Row groups of an M block: one group of m rows when m <= 8 (small M: every weight line used by every row in one
-// pass), else groups of 6 with the remainder folded into the last group(s) as 7 or 8 rows where it can be.
-int next_rows(int64_t left) {
-  if (left <= kMaxMR) return static_cast<int>(left);
-  if (left == 9) return 5;  // 5 + 4
-  return 6;
-}
+namespace {
 
 struct Problem {
   const uint16_t* x;
@@ -180,6 +77,8 @@ struct Problem {
   int64_t ldy;
   int64_t kpairs, kc, panel_stride;  // k-pairs, k-pairs per K block, elements between panels
   int width;                          // panels per group (group_width(m))
+  const float* xf = nullptr;          // AVX2 path: x widened to float32 (widen_rows), row stride ldxf; else null
+  int64_t ldxf = 0;
 };
 
 // One weight block of a thread's walk: panels [g, g + nr) over k-pairs [k0, k0 + kc).
@@ -205,6 +104,8 @@ void run_block(const Problem& pb, const Block& b, const Block* next, int64_t m0,
       Tile t;
       t.x = pb.x + (m0 + i) * pb.ldx + 2 * b.k0;
       t.ldx = pb.ldx;
+      t.xf = pb.xf ? pb.xf + (m0 + i) * pb.ldxf + 2 * b.k0 : nullptr;
+      t.ldxf = pb.ldxf;
       t.w = pb.w + gg * pb.panel_stride + b.k0 * kPanelPair;
       t.panel_stride = pb.panel_stride;
       t.pairs = pairs;
@@ -278,8 +179,9 @@ int threads_for(int64_t work) {
   return work < (int64_t{1} << 18) ? 1 : omp_get_max_threads();
 }
 
-// One thread's share on the AVX-512 path: chunks from the shared counter, with its float32 partial-sum buffer.
-void run_avx512(const Problem& pb, const Chunks& chunks, std::atomic<int64_t>& next) {
+// One thread's share on the AVX-512 or AVX2 path: chunks from the shared counter, with its float32 partial-sum
+// buffer.
+void run_tiles(const Problem& pb, const Chunks& chunks, std::atomic<int64_t>& next) {
   const int64_t rows = pb.m < kMC ? pb.m : kMC;
   std::vector<float> partial(pb.kpairs > pb.kc ? static_cast<size_t>(rows * pb.width * kPanel) : 0);
   for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks.items;
@@ -322,17 +224,29 @@ void pagellm_packed_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t
   const int64_t kblocks = (kpairs + kKC - 1) / kKC;
   const int64_t kc = (kpairs + kblocks - 1) / kblocks;  // equal K blocks: 288 pairs are one block, 768 two of 384
   const bool use_amx = g_amx.load(std::memory_order_relaxed);
-  const Problem pb{x, m, k, ldx, w, (n + kPanel - 1) / kPanel, n, bias, y, ldy, kpairs, kc, kpairs * kPanelPair,
-                   use_amx ? 2 : group_width(m)};
+  Problem pb{x, m, k, ldx, w, (n + kPanel - 1) / kPanel, n, bias, y, ldy, kpairs, kc, kpairs * kPanelPair,
+             use_amx ? 2 : group_width(m)};
   const int threads = threads_for(m * n * k);
   const Chunks chunks = make_chunks(pb.panels, threads, pb.width);
   std::atomic<int64_t> next{0};
+#if !defined(__AVX512BF16__)
+  thread_local std::vector<float> widened;  // the calling thread's, grown to the largest call
+  if (widened.size() < static_cast<size_t>(m * 2 * kpairs)) widened.resize(static_cast<size_t>(m * 2 * kpairs));
+  float* const xf = widened.data();  // the region's other threads see their own `widened`: pass the pointer
+  pb.xf = xf;
+  pb.ldxf = 2 * kpairs;
+#endif
 #pragma omp parallel num_threads(threads)
   {
+#if !defined(__AVX512BF16__)
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    widen_rows(x, ldx, k, xf, pb.ldxf, m * t / nt, m * (t + 1) / nt);
+#pragma omp barrier
+#endif
 #ifdef PAGELLM_PACKED_GEMM_AMX
     if (use_amx) amx::run(pb, amx::Pairing{2, 1, false}, chunks, next); else
 #endif
-    run_avx512(pb, chunks, next);
+    run_tiles(pb, chunks, next);
   }
 }
 

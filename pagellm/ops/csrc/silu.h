@@ -1,7 +1,10 @@
-// SiLU(gate) * up for 16 floats and torch's bfloat16 rounding, shared by the SiLU·mul kernel (ops/csrc/fused.cpp)
-// and the packed GEMM's gate/up epilogue (ops/csrc/packed_gemm_amx.h), so the fused and the two-call paths give
-// the same bits. ops/build.py compiles every kernel with this folder on the include path.
+// SiLU(gate) * up for 16 floats (AVX-512) or 8 (AVX2 + FMA) and torch's bfloat16 rounding, shared by the SiLU·mul
+// kernel (ops/csrc/fused.cpp) and the packed GEMM (its gate/up epilogue, ops/csrc/packed_gemm_amx.h; its AVX2
+// stores, ops/csrc/packed_gemm_avx2.h), so the fused and the two-call paths give the same bits. ops/build.py
+// compiles every kernel with this folder on the include path.
 #pragma once
+
+#include <cstdint>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -21,5 +24,36 @@ static inline __m512 round_bf16x16(__m512 v) {
 static inline __m512 silu_mul16(__m512 g, __m512 u) {
   const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
   return _mm512_mul_ps(silu, u);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include "simd_exp.h"  // exp8
+
+// Eight bfloat16 values (16 bytes at p) as float32.
+static inline __m256 widen_bf16x8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Eight float32 lanes rounded to bfloat16 as torch rounds (nearest, ties to even; NaN stays a quiet NaN).
+static inline __m128i round_bf16x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  const __m256i magnitude = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000));
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i words = _mm256_blendv_epi8(rounded, quiet, nan);
+  const __m256i packed = _mm256_packus_epi32(words, words);  // per 128-bit lane: w0..3 w0..3 | w4..7 w4..7
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+// silu(g) * u = g / (1 + e^-g) * u on 8 lanes, in float32 (g and u already bfloat16 values).
+static inline __m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+  return _mm256_mul_ps(silu, u);
 }
 #endif

@@ -1,0 +1,148 @@
+// The AVX2 + FMA register tiles of the packed GEMM, for CPUs without AVX-512 BF16 (AMD Zen 2/3, Intel before
+// Cooper Lake); packed_gemm.cpp includes this instead of packed_gemm_avx512.h and uses the same names.
+//
+// The packed layout is the AVX-512 one: one 64-byte line is a k-pair of 16 columns, (k, k+1) in each 32-bit word.
+// A 32-byte half line widens to two float32 vectors without a shuffle: the even k is the word shifted left by 16,
+// the odd k is the word with its low half cleared. x is widened to float32 once per call (`widen_rows`, into
+// Tile::xf, its rows padded to whole pairs with zeros), so a tile broadcasts each x element straight from memory.
+// Each output is a chain of FMAs in k order (k, k+1, the next pair ...), K blocks in sequence, whatever M, the
+// tile shape or the thread count: rows are batch-invariant as on the AVX-512 path (the two paths differ in
+// rounding, and a machine runs one of them).
+//
+// Tile shapes (16 ymm registers): MR rows x NR panels keep 2 * MR * NR accumulators, a half line's two widened
+// vectors and one broadcast: MR <= 5 at NR = 1; two rows take two panels and one row four, so that a memory-bound
+// small-M call keeps several weight streams in flight. Blocks: kKC pairs of 4 panels is 96 KiB of weights and
+// kMC rows of them 192 KiB of widened x, together within Zen 3's 512 KiB L2.
+#pragma once
+
+#include "silu.h"  // widen_bf16x8, round_bf16x8
+
+namespace {
+
+constexpr int64_t kKC = 384;         // most k-pairs per K block
+constexpr int64_t kMC = 64;          // rows per M block
+constexpr int kPrefetchPairs = 32;   // software prefetch distance along a panel (2 KiB ahead), into L2
+constexpr int kHalf = 8;             // float32 lanes per ymm: a panel is two halves
+
+inline __m256 load_bias8(const uint16_t* bias, int cols) {
+  alignas(16) uint16_t tmp[kHalf] = {};
+  if (cols >= kHalf) return widen_bf16x8(bias);
+  std::memcpy(tmp, bias, static_cast<size_t>(cols) * sizeof(uint16_t));
+  return widen_bf16x8(tmp);
+}
+
+inline void store_bf16x8(uint16_t* dst, __m256 v, int cols) {
+  const __m128i h = round_bf16x8(v);
+  if (cols >= kHalf) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), h);
+  } else {
+    alignas(16) uint16_t tmp[kHalf];
+    _mm_store_si128(reinterpret_cast<__m128i*>(tmp), h);
+    std::memcpy(dst, tmp, static_cast<size_t>(cols) * sizeof(uint16_t));
+  }
+}
+
+// Rows [r0, r1) of bf16 x (row stride ldx, k columns) as float32 rows of ldxf columns, zero past k.
+void widen_rows(const uint16_t* x, int64_t ldx, int64_t k, float* xf, int64_t ldxf, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* src = x + r * ldx;
+    float* dst = xf + r * ldxf;
+    int64_t c = 0;
+    for (; c + kHalf <= k; c += kHalf) _mm256_storeu_ps(dst + c, widen_bf16x8(src + c));
+    for (; c < k; ++c) dst[c] = __builtin_bit_cast(float, static_cast<uint32_t>(src[c]) << 16);
+    for (; c < ldxf; ++c) dst[c] = 0.0f;
+  }
+}
+
+// The tile's end: its float32 sums to the partial buffer (more K blocks follow) or, with bias, to y as bf16.
+template <int MR, int NR>
+void finish_tile(const Tile& t, const __m256 (&acc)[MR][2 * NR]) {
+  if (!t.last) {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < 2 * NR; ++j) _mm256_storeu_ps(t.partial + i * t.ldp + j * kHalf, acc[i][j]);
+    return;
+  }
+  for (int j = 0; j < 2 * NR; ++j) {
+    const int cols = t.cols - j * kHalf;
+    if (cols <= 0) break;
+    const __m256 bias = t.bias ? load_bias8(t.bias + j * kHalf, cols) : _mm256_setzero_ps();
+    for (int i = 0; i < MR; ++i) store_bf16x8(t.y + i * t.ldy + j * kHalf, _mm256_add_ps(acc[i][j], bias), cols);
+  }
+}
+
+template <int MR, int NR>
+void tile_kernel(const Tile& t) {
+  __m256 acc[MR][2 * NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 2 * NR; ++j)
+      acc[i][j] = t.first ? _mm256_setzero_ps() : _mm256_loadu_ps(t.partial + i * t.ldp + j * kHalf);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const uint16_t* w = t.w;
+  for (int64_t p = 0; p < t.pairs; ++p, w += kPanelPair) {
+    for (int j = 0; j < NR; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(w + j * t.panel_stride + kPrefetchPairs * kPanelPair),
+                   _MM_HINT_T1);
+    if (t.pf)
+      for (int j = t.pf_first; j < t.pf_end; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(t.pf + j * t.panel_stride + p * kPanelPair), _MM_HINT_T1);
+    if constexpr (NR == 1) {  // both halves widened first: each x element is broadcast once
+      __m256 even[2], odd[2];
+      for (int j = 0; j < 2; ++j) {
+        const __m256i line = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * 2 * kHalf));
+        even[j] = _mm256_castsi256_ps(_mm256_slli_epi32(line, 16));
+        odd[j] = _mm256_castsi256_ps(_mm256_and_si256(line, high));
+      }
+      for (int i = 0; i < MR; ++i) {
+        const float* xi = t.xf + i * t.ldxf + 2 * p;
+        const __m256 x0 = _mm256_broadcast_ss(xi);
+        acc[i][0] = _mm256_fmadd_ps(x0, even[0], acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(x0, even[1], acc[i][1]);
+        const __m256 x1 = _mm256_broadcast_ss(xi + 1);
+        acc[i][0] = _mm256_fmadd_ps(x1, odd[0], acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(x1, odd[1], acc[i][1]);
+      }
+    } else {  // one or two rows over several panels: one half line at a time (registers)
+      for (int j = 0; j < 2 * NR; ++j) {
+        const __m256i line = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(w + (j / 2) * t.panel_stride + (j % 2) * 2 * kHalf));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(line, 16));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(line, high));
+        for (int i = 0; i < MR; ++i) {
+          const float* xi = t.xf + i * t.ldxf + 2 * p;
+          acc[i][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xi), even, acc[i][j]);
+          acc[i][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xi + 1), odd, acc[i][j]);
+        }
+      }
+    }
+  }
+  finish_tile<MR, NR>(t, acc);
+}
+
+using TileFn = void (*)(const Tile&);
+
+constexpr int kMaxMR = 5;
+constexpr int kMaxNR = 4;  // panels per group
+
+TileFn tile_fn(int mr, int nr) {
+  switch (mr) {
+    case 1: return nr == 1 ? tile_kernel<1, 1> : nr == 2 ? tile_kernel<1, 2> : nr == 3 ? tile_kernel<1, 3>
+                                                                                   : tile_kernel<1, 4>;
+    case 2: return nr == 1 ? tile_kernel<2, 1> : tile_kernel<2, 2>;
+    case 3: return tile_kernel<3, 1>;
+    case 4: return tile_kernel<4, 1>;
+    default: return tile_kernel<5, 1>;
+  }
+}
+
+inline int max_nr(int mr) { return mr == 1 ? 4 : mr == 2 ? 2 : 1; }
+inline int group_width(int64_t) { return kMaxNR; }
+
+// Row groups of an M block: one group of m rows when m <= 5, else groups of 5 with a remainder of 1 or 2 folded
+// into the last two groups (6 = 3 + 3, 7 = 4 + 3, 11 = 5 + 3 + 3).
+int next_rows(int64_t left) {
+  if (left <= kMaxMR) return static_cast<int>(left);
+  if (left == 6 || left == 7) return static_cast<int>(left) - 3;
+  return 5;
+}
+
+}  // namespace
