@@ -316,7 +316,9 @@ def _stop_process(process: multiprocessing.process.BaseProcess, ipc_dir: str,
             logger.warning("the engine core ignored SIGTERM for %.0fs; killing it", timeout)
             process.kill()
             _gone(process, None)
-    process.join(0)  # reap, unless another thread did
+    # Reap, unless another thread did. Not join(0): the sentinel reads closed while the child is still on its way
+    # out, before waitpid can collect it (seen under load), and a non-blocking join would leave it behind.
+    process.join(timeout)
     shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
