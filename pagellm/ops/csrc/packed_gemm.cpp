@@ -54,6 +54,7 @@ struct Tile {
   int pf_first, pf_end;
   const float* xf;       // AVX2 path: x widened to float32 (row stride ldxf, pairs whole), at this block's first pair
   int64_t ldxf;
+  const float* wf;       // AVX2 path from kWidenRows rows: this panel's block widened to float32 ([pairs][2][16]), or null
 };
 
 }  // namespace
@@ -89,16 +90,21 @@ struct Block {
 };
 
 // All row groups of rows [m0, m0 + mb) over one weight block; `next` is the block after it (for prefetching).
-void run_block(const Problem& pb, const Block& b, const Block* next, int64_t m0, int64_t mb, float* partial) {
+// ``scratch`` is the thread's buffer for the block widened to float32 (widen_block; null where the path has none).
+void run_block(const Problem& pb, const Block& b, const Block* next, int64_t m0, int64_t mb, float* partial,
+               float* scratch) {
   const int64_t pairs = pb.kpairs - b.k0 < pb.kc ? pb.kpairs - b.k0 : pb.kc;
+  const float* wide = scratch ? widen_block(pb.w + b.g * pb.panel_stride + b.k0 * kPanelPair, pb.panel_stride, b.nr,
+                                            pairs, pb.m, scratch)
+                              : nullptr;
   int groups = 0;
-  for (int64_t i = 0; i < mb; i += next_rows(mb - i)) ++groups;
+  for (int64_t i = 0; i < mb; i += next_rows(mb - i, wide)) ++groups;
   const int next_panels = next ? next->nr : 0;
   const int per_group = groups > 1 ? (next_panels + groups - 2) / (groups - 1) : 0;
   int group = 0;
   for (int64_t i = 0; i < mb; ++group) {
-    const int mr = next_rows(mb - i);
-    const int nr_here = b.nr < max_nr(mr) ? b.nr : max_nr(mr);
+    const int mr = next_rows(mb - i, wide);
+    const int nr_here = b.nr < max_nr(mr, wide) ? b.nr : max_nr(mr, wide);
     for (int64_t gg = b.g; gg < b.g + b.nr; gg += nr_here) {
       const int nrr = static_cast<int>(b.g + b.nr - gg < nr_here ? b.g + b.nr - gg : nr_here);
       Tile t;
@@ -123,15 +129,16 @@ void run_block(const Problem& pb, const Block& b, const Block* next, int64_t m0,
       t.pf = prefetching ? pb.w + next->g * pb.panel_stride + next->k0 * kPanelPair : nullptr;
       t.pf_first = (group - 1) * per_group;
       t.pf_end = t.pf_first + per_group < next_panels ? t.pf_first + per_group : next_panels;
-      tile_fn(mr, nrr)(t);
+      t.wf = wide ? wide + (gg - b.g) * pairs * 2 * kPanel : nullptr;
+      tile_fn(mr, nrr, wide)(t);
     }
     i += mr;
   }
 }
 
 // One chunk of a thread's work: panels [p0, p1), every row of x: M blocks, then panel groups, then K blocks.
-// ``partial`` is the thread's float32 buffer (used only when K takes several blocks).
-void run_panels(const Problem& pb, int64_t p0, int64_t p1, float* partial) {
+// ``partial`` is the thread's float32 buffer (used only when K takes several blocks), ``scratch`` its widened block.
+void run_panels(const Problem& pb, int64_t p0, int64_t p1, float* partial, float* scratch) {
   const bool blocked = pb.kpairs > pb.kc;
   std::vector<Block> blocks;
   for (int64_t g = p0; g < p1; g += pb.width)
@@ -141,7 +148,7 @@ void run_panels(const Problem& pb, int64_t p0, int64_t p1, float* partial) {
     const int64_t mb = pb.m - m0 < kMC ? pb.m - m0 : kMC;
     for (size_t b = 0; b < blocks.size(); ++b)
       run_block(pb, blocks[b], b + 1 < blocks.size() ? &blocks[b + 1] : nullptr, m0, mb,
-                blocked ? partial : nullptr);
+                blocked ? partial : nullptr, scratch);
   }
 }
 
@@ -180,15 +187,16 @@ int threads_for(int64_t work) {
 }
 
 // One thread's share on the AVX-512 or AVX2 path: chunks from the shared counter, with its float32 partial-sum
-// buffer.
+// buffer and (AVX2, from kWidenRows rows) its buffer for a weight block widened to float32.
 void run_tiles(const Problem& pb, const Chunks& chunks, std::atomic<int64_t>& next) {
   const int64_t rows = pb.m < kMC ? pb.m : kMC;
   std::vector<float> partial(pb.kpairs > pb.kc ? static_cast<size_t>(rows * pb.width * kPanel) : 0);
+  std::vector<float> scratch(widened_floats(pb.m, pb.width, pb.kc));
   for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks.items;
        c = next.fetch_add(1, std::memory_order_relaxed)) {
     int64_t p0, p1;
     chunks.range(c, pb.panels, &p0, &p1);
-    if (p0 < p1) run_panels(pb, p0, p1, partial.data());
+    if (p0 < p1) run_panels(pb, p0, p1, partial.data(), scratch.empty() ? nullptr : scratch.data());
   }
 }
 

@@ -9,10 +9,11 @@
 // tile shape or the thread count: rows are batch-invariant as on the AVX-512 path (the two paths differ in
 // rounding, and a machine runs one of them).
 //
-// Tile shapes (16 ymm registers): MR rows x NR panels keep 2 * MR * NR accumulators, a half line's two widened
-// vectors and one broadcast: MR <= 5 at NR = 1; two rows take two panels and one row four, so that a memory-bound
-// small-M call keeps several weight streams in flight. Blocks: kKC pairs of 4 panels is 96 KiB of weights and
-// kMC rows of them 192 KiB of widened x, together within Zen 3's 512 KiB L2.
+// Tile shapes (16 ymm registers): MR rows x NR panels keep 2 * MR * NR accumulators, the widened halves and one
+// broadcast: MR <= 5 at NR = 1; two rows take two panels and one row four, so that a memory-bound small-M call keeps
+// several weight streams in flight. From kWidenRows rows on the weight block is widened to float32 first and the
+// tiles are 6 rows x 1 panel (tile_kernel_wide, below). Blocks: kKC pairs of 4 panels is 96 KiB of weights (192 KiB
+// widened) and kMC rows of them 192 KiB of widened x, within Zen 3's 512 KiB L2.
 #pragma once
 
 #include "silu.h"  // widen_bf16x8, round_bf16x8
@@ -55,6 +56,7 @@ void widen_rows(const uint16_t* x, int64_t ldx, int64_t k, float* xf, int64_t ld
 }
 
 // The tile's end: its float32 sums to the partial buffer (more K blocks follow) or, with bias, to y as bf16.
+// (Takes a copy of the accumulators: with their own address passed on, GCC stores them in every k iteration.)
 template <int MR, int NR>
 void finish_tile(const Tile& t, const __m256 (&acc)[MR][2 * NR]) {
   if (!t.last) {
@@ -115,7 +117,106 @@ void tile_kernel(const Tile& t) {
       }
     }
   }
-  finish_tile<MR, NR>(t, acc);
+  __m256 sums[MR][2 * NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 2 * NR; ++j) sums[i][j] = acc[i][j];
+  finish_tile<MR, NR>(t, sums);
+}
+
+// From kWidenRows rows on, each weight block is widened to float32 once per M block (widen_block, into the
+// thread's scratch: [panel][pair][k, k+1][16 columns]) and the tiles take kWideMR rows over one panel with the
+// weights as they lie: two loads and kWideMR broadcasts feed 2 * kWideMR FMAs per k, with no widening in the loop
+// (the M-block's rows amortise the block's). The FMAs are the same, in the same order, as tile_kernel's, so a
+// row's bits do not depend on which kernel ran it.
+constexpr int64_t kWidenRows = 48;
+constexpr int kWideMR = 6;
+
+inline int64_t widened_floats(int64_t m, int width, int64_t kc) {
+  return m >= kWidenRows ? width * kc * 2 * kPanel : 0;
+}
+
+const float* widen_block(const uint16_t* w, int64_t panel_stride, int nr, int64_t pairs, int64_t m, float* scratch) {
+  if (m < kWidenRows) return nullptr;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int j = 0; j < nr; ++j) {
+    const uint16_t* src = w + j * panel_stride;
+    float* dst = scratch + j * pairs * 2 * kPanel;
+    for (int64_t p = 0; p < pairs; ++p, src += kPanelPair, dst += 2 * kPanel) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i line = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + h * 2 * kHalf));
+        _mm256_storeu_ps(dst + h * kHalf, _mm256_castsi256_ps(_mm256_slli_epi32(line, 16)));
+        _mm256_storeu_ps(dst + kPanel + h * kHalf, _mm256_castsi256_ps(_mm256_and_si256(line, high)));
+      }
+    }
+  }
+  return scratch;
+}
+
+// (No prefetch of the next block here: widen_block reads it in one sequential pass, which the hardware prefetcher
+// follows; a prefetch loop inside the k loop made GCC keep the accumulators in memory.)
+template <int MR>
+void tile_kernel_wide(const Tile& t) {
+  __m256 acc[MR][2];
+  const float* x[MR];
+  for (int i = 0; i < MR; ++i) {
+    x[i] = t.xf + i * t.ldxf;
+    for (int j = 0; j < 2; ++j)
+      acc[i][j] = t.first ? _mm256_setzero_ps() : _mm256_loadu_ps(t.partial + i * t.ldp + j * kHalf);
+  }
+  const float* wk = t.wf;
+  for (int64_t k = 0; k < 2 * t.pairs; ++k, wk += kPanel) {
+    const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + kHalf);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m256 a = _mm256_broadcast_ss(x[i] + k);
+      acc[i][0] = _mm256_fmadd_ps(a, w0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(a, w1, acc[i][1]);
+    }
+  }
+  __m256 sums[MR][2];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 2; ++j) sums[i][j] = acc[i][j];
+  finish_tile<MR, 1>(t, sums);
+}
+
+// The 6-row tile (every full row group) with its twelve accumulators as named variables: as an array GCC keeps
+// them in memory, storing every one in every k iteration (twice as slow). Same FMAs in the same order.
+template <>
+void tile_kernel_wide<6>(const Tile& t) {
+  const int64_t ld = t.ldxf;
+  const float* x0 = t.xf;
+  const float* x3 = t.xf + 3 * ld;
+  __m256 c0a, c0b, c1a, c1b, c2a, c2b, c3a, c3b, c4a, c4b, c5a, c5b;
+  if (t.first) {
+    c0a = c0b = c1a = c1b = c2a = c2b = c3a = c3b = c4a = c4b = c5a = c5b = _mm256_setzero_ps();
+  } else {
+    const float* q = t.partial;
+    const int64_t lp = t.ldp;
+    c0a = _mm256_loadu_ps(q), c0b = _mm256_loadu_ps(q + kHalf);
+    c1a = _mm256_loadu_ps(q + lp), c1b = _mm256_loadu_ps(q + lp + kHalf);
+    c2a = _mm256_loadu_ps(q + 2 * lp), c2b = _mm256_loadu_ps(q + 2 * lp + kHalf);
+    c3a = _mm256_loadu_ps(q + 3 * lp), c3b = _mm256_loadu_ps(q + 3 * lp + kHalf);
+    c4a = _mm256_loadu_ps(q + 4 * lp), c4b = _mm256_loadu_ps(q + 4 * lp + kHalf);
+    c5a = _mm256_loadu_ps(q + 5 * lp), c5b = _mm256_loadu_ps(q + 5 * lp + kHalf);
+  }
+  const float* wk = t.wf;
+  for (int64_t k = 0; k < 2 * t.pairs; ++k, wk += kPanel) {
+    const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + kHalf);
+    __m256 a = _mm256_broadcast_ss(x0 + k);
+    c0a = _mm256_fmadd_ps(a, w0, c0a), c0b = _mm256_fmadd_ps(a, w1, c0b);
+    a = _mm256_broadcast_ss(x0 + ld + k);
+    c1a = _mm256_fmadd_ps(a, w0, c1a), c1b = _mm256_fmadd_ps(a, w1, c1b);
+    a = _mm256_broadcast_ss(x0 + 2 * ld + k);
+    c2a = _mm256_fmadd_ps(a, w0, c2a), c2b = _mm256_fmadd_ps(a, w1, c2b);
+    a = _mm256_broadcast_ss(x3 + k);
+    c3a = _mm256_fmadd_ps(a, w0, c3a), c3b = _mm256_fmadd_ps(a, w1, c3b);
+    a = _mm256_broadcast_ss(x3 + ld + k);
+    c4a = _mm256_fmadd_ps(a, w0, c4a), c4b = _mm256_fmadd_ps(a, w1, c4b);
+    a = _mm256_broadcast_ss(x3 + 2 * ld + k);
+    c5a = _mm256_fmadd_ps(a, w0, c5a), c5b = _mm256_fmadd_ps(a, w1, c5b);
+  }
+  const __m256 sums[6][2] = {{c0a, c0b}, {c1a, c1b}, {c2a, c2b}, {c3a, c3b}, {c4a, c4b}, {c5a, c5b}};
+  finish_tile<6, 1>(t, sums);
 }
 
 using TileFn = void (*)(const Tile&);
@@ -123,7 +224,17 @@ using TileFn = void (*)(const Tile&);
 constexpr int kMaxMR = 5;
 constexpr int kMaxNR = 4;  // panels per group
 
-TileFn tile_fn(int mr, int nr) {
+TileFn tile_fn(int mr, int nr, const float* wide) {
+  if (wide) {
+    switch (mr) {
+      case 1: return tile_kernel_wide<1>;
+      case 2: return tile_kernel_wide<2>;
+      case 3: return tile_kernel_wide<3>;
+      case 4: return tile_kernel_wide<4>;
+      case 5: return tile_kernel_wide<5>;
+      default: return tile_kernel_wide<6>;
+    }
+  }
   switch (mr) {
     case 1: return nr == 1 ? tile_kernel<1, 1> : nr == 2 ? tile_kernel<1, 2> : nr == 3 ? tile_kernel<1, 3>
                                                                                    : tile_kernel<1, 4>;
@@ -134,15 +245,16 @@ TileFn tile_fn(int mr, int nr) {
   }
 }
 
-inline int max_nr(int mr) { return mr == 1 ? 4 : mr == 2 ? 2 : 1; }
+inline int max_nr(int mr, const float* wide) { return wide || mr > 2 ? 1 : mr == 1 ? 4 : 2; }
 inline int group_width(int64_t) { return kMaxNR; }
 
-// Row groups of an M block: one group of m rows when m <= 5, else groups of 5 with a remainder of 1 or 2 folded
-// into the last two groups (6 = 3 + 3, 7 = 4 + 3, 11 = 5 + 3 + 3).
-int next_rows(int64_t left) {
-  if (left <= kMaxMR) return static_cast<int>(left);
-  if (left == 6 || left == 7) return static_cast<int>(left) - 3;
-  return 5;
+// Row groups of an M block: one group of m rows when m <= MR (5, or 6 over a widened block), else groups of MR with
+// a short remainder folded into the last two groups (6 = 3 + 3, 7 = 4 + 3, 11 = 5 + 3 + 3 ...).
+int next_rows(int64_t left, const float* wide) {
+  const int most = wide ? kWideMR : kMaxMR;
+  if (left <= most) return static_cast<int>(left);
+  if (left < most + 3) return static_cast<int>(left) - 3;
+  return most;
 }
 
 }  // namespace

@@ -96,7 +96,7 @@ constexpr TileFn row_of_tiles(int nr) {
                                                                                  : tile_kernel<MR, (MR > 6 ? 3 : 4)>;
 }
 
-TileFn tile_fn(int mr, int nr) {
+TileFn tile_fn(int mr, int nr, const float* /*wide: no widened path here*/) {
   switch (mr) {
     case 1: return row_of_tiles<1>(nr);
     case 2: return row_of_tiles<2>(nr);
@@ -109,15 +109,19 @@ TileFn tile_fn(int mr, int nr) {
   }
 }
 
-inline int max_nr(int mr) { return mr > 6 ? 3 : mr <= kWideRows ? kWideNR : kMaxNR; }
+inline int max_nr(int mr, const float* = nullptr) { return mr > 6 ? 3 : mr <= kWideRows ? kWideNR : kMaxNR; }
 inline int group_width(int64_t m) { return m <= kWideRows ? kWideNR : kMaxNR; }
 
 // Row groups of an M block: one group of m rows when m <= 8 (small M: every weight line used by every row in one
 // pass), else groups of 6 with the remainder folded into the last group(s) as 7 or 8 rows where it can be.
-int next_rows(int64_t left) {
+int next_rows(int64_t left, const float* = nullptr) {
   if (left <= kMaxMR) return static_cast<int>(left);
   if (left == 9) return 5;  // 5 + 4
   return 6;
 }
+
+// The dot products take bf16 as it lies: no block is widened to float32 (packed_gemm_avx2.h widens).
+inline int64_t widened_floats(int64_t, int, int64_t) { return 0; }
+inline const float* widen_block(const uint16_t*, int64_t, int, int64_t, int64_t, float*) { return nullptr; }
 
 }  // namespace
