@@ -174,7 +174,7 @@ def main() -> None:
     groups = [("layers", layers)]
     if head_shape is not None:
         groups.append(("LM head", [torch.randn(head_shape[1], head_shape[0]).to(torch.bfloat16)]))
-    print(f"threads {torch.get_num_threads()}, packed kernel on {'AMX' if gemm.amx() else 'AVX-512'}, "
+    print(f"threads {torch.get_num_threads()}, packed kernel on {gemm.path()}, "
           f"previous kernel {'from ' + args.old_rev if old else 'not run'}"
           + (f", packed kernel also as of {args.packed_rev}" if packed_rev else ""))
     for label, weights in groups:

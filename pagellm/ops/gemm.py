@@ -71,6 +71,15 @@ def available() -> bool:
     return _lib() is not None
 
 
+def path() -> str:
+    """Which of the kernel's paths runs in this process: ``"AMX"``, ``"AVX-512 BF16"``, ``"AVX2"``, or ``"off"``."""
+    if _lib() is None:
+        return "off"
+    if amx():
+        return "AMX"
+    return "AVX-512 BF16" if "avx512_bf16" in cpu_flags().split() else "AVX2"
+
+
 def use_amx(want: bool) -> bool:
     """Switch the kernel to its AMX tile path (where compiled in and granted) or its AVX-512 one; returns whether
     AMX is on. For tests and A/B runs: a serving process keeps the path chosen at load (``PAGELLM_GEMM_AMX``)."""

@@ -56,7 +56,7 @@ class Worker:
         if self.dtype == torch.bfloat16:  # build/load the native layer kernels now, not during the first request
             flash_amx = isinstance(backend, cpu_paged.CpuPagedBackend) and cpu_paged.load_kernel().use_amx()
             logger.info("native kernels: packed GEMM %s, fused element-wise %s, decoder stack %s, flash tiles %s",
-                        ("on (AMX)" if gemm.amx() else "on") if gemm.available() else "off",
+                        f"on ({gemm.path()})" if gemm.available() else "off",
                         "on" if fused.available() else "off",
                         "on" if decoder_stack.available() and envs.native_decoder() else "off",
                         "on AMX" if flash_amx else "without AMX")

@@ -274,3 +274,11 @@ def test_gate_up_silu_in_one_pass_equals_the_two_calls(m: int, k: int, isa: str)
         assert one_pass is None
         return
     assert one_pass is not None and torch.equal(one_pass, two_calls)
+
+
+def test_path_names_the_kernel_that_runs(isa: str) -> None:
+    """The worker's log line and the GEMM benchmark name the path from ``gemm.path()``: AMX tiles when switched
+    on, else the vector path this CPU's instructions give (AVX-512 BF16 where it has them, AVX2 + FMA otherwise)."""
+    flags = set(gemm.cpu_flags().split())
+    vector = "AVX-512 BF16" if "avx512_bf16" in flags else "AVX2"
+    assert gemm.path() == ("AMX" if isa == "amx" else vector)

@@ -56,7 +56,6 @@ void widen_rows(const uint16_t* x, int64_t ldx, int64_t k, float* xf, int64_t ld
 }
 
 // The tile's end: its float32 sums to the partial buffer (more K blocks follow) or, with bias, to y as bf16.
-// (Takes a copy of the accumulators: with their own address passed on, GCC stores them in every k iteration.)
 template <int MR, int NR>
 void finish_tile(const Tile& t, const __m256 (&acc)[MR][2 * NR]) {
   if (!t.last) {
@@ -117,10 +116,7 @@ void tile_kernel(const Tile& t) {
       }
     }
   }
-  __m256 sums[MR][2 * NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < 2 * NR; ++j) sums[i][j] = acc[i][j];
-  finish_tile<MR, NR>(t, sums);
+  finish_tile<MR, NR>(t, acc);
 }
 
 // From kWidenRows rows on, each weight block is widened to float32 once per M block (widen_block, into the
@@ -152,8 +148,8 @@ const float* widen_block(const uint16_t* w, int64_t panel_stride, int nr, int64_
   return scratch;
 }
 
-// (No prefetch of the next block here: widen_block reads it in one sequential pass, which the hardware prefetcher
-// follows; a prefetch loop inside the k loop made GCC keep the accumulators in memory.)
+// The rest of an M block's rows (1 to 5) over a widened block. No prefetch of the next block in these tiles:
+// widen_block reads it in one sequential pass, which the hardware prefetcher follows.
 template <int MR>
 void tile_kernel_wide(const Tile& t) {
   __m256 acc[MR][2];
@@ -173,10 +169,7 @@ void tile_kernel_wide(const Tile& t) {
       acc[i][1] = _mm256_fmadd_ps(a, w1, acc[i][1]);
     }
   }
-  __m256 sums[MR][2];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < 2; ++j) sums[i][j] = acc[i][j];
-  finish_tile<MR, 1>(t, sums);
+  finish_tile<MR, 1>(t, acc);
 }
 
 // The 6-row tile (every full row group) with its twelve accumulators as named variables: as an array GCC keeps
