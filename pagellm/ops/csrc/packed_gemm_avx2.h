@@ -119,6 +119,64 @@ void tile_kernel(const Tile& t) {
   finish_tile<MR, NR>(t, acc);
 }
 
+// The 5-row tile (the narrow kernel's full row groups, 5 to 47 rows: decode batches) with named accumulators, for
+// the reason tile_kernel_wide<6> gives. Same FMAs in the same order as the template.
+template <>
+void tile_kernel<5, 1>(const Tile& t) {
+  const int64_t ld = t.ldxf;
+  const float* x0 = t.xf;
+  const float* x3 = t.xf + 3 * ld;
+  __m256 c0a, c0b, c1a, c1b, c2a, c2b, c3a, c3b, c4a, c4b;
+  if (t.first) {
+    c0a = c0b = c1a = c1b = c2a = c2b = c3a = c3b = c4a = c4b = _mm256_setzero_ps();
+  } else {
+    const float* q = t.partial;
+    const int64_t lp = t.ldp;
+    c0a = _mm256_loadu_ps(q), c0b = _mm256_loadu_ps(q + kHalf);
+    c1a = _mm256_loadu_ps(q + lp), c1b = _mm256_loadu_ps(q + lp + kHalf);
+    c2a = _mm256_loadu_ps(q + 2 * lp), c2b = _mm256_loadu_ps(q + 2 * lp + kHalf);
+    c3a = _mm256_loadu_ps(q + 3 * lp), c3b = _mm256_loadu_ps(q + 3 * lp + kHalf);
+    c4a = _mm256_loadu_ps(q + 4 * lp), c4b = _mm256_loadu_ps(q + 4 * lp + kHalf);
+  }
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const uint16_t* w = t.w;
+  for (int64_t p = 0; p < t.pairs; ++p, w += kPanelPair) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
+    if (t.pf)
+      for (int j = t.pf_first; j < t.pf_end; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(t.pf + j * t.panel_stride + p * kPanelPair), _MM_HINT_T1);
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2 * kHalf));
+    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
+    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+    const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(lo, high));
+    const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(hi, high));
+    const int64_t k = 2 * p;
+    __m256 a = _mm256_broadcast_ss(x0 + k);
+    c0a = _mm256_fmadd_ps(a, e0, c0a), c0b = _mm256_fmadd_ps(a, e1, c0b);
+    a = _mm256_broadcast_ss(x0 + k + 1);
+    c0a = _mm256_fmadd_ps(a, o0, c0a), c0b = _mm256_fmadd_ps(a, o1, c0b);
+    a = _mm256_broadcast_ss(x0 + ld + k);
+    c1a = _mm256_fmadd_ps(a, e0, c1a), c1b = _mm256_fmadd_ps(a, e1, c1b);
+    a = _mm256_broadcast_ss(x0 + ld + k + 1);
+    c1a = _mm256_fmadd_ps(a, o0, c1a), c1b = _mm256_fmadd_ps(a, o1, c1b);
+    a = _mm256_broadcast_ss(x0 + 2 * ld + k);
+    c2a = _mm256_fmadd_ps(a, e0, c2a), c2b = _mm256_fmadd_ps(a, e1, c2b);
+    a = _mm256_broadcast_ss(x0 + 2 * ld + k + 1);
+    c2a = _mm256_fmadd_ps(a, o0, c2a), c2b = _mm256_fmadd_ps(a, o1, c2b);
+    a = _mm256_broadcast_ss(x3 + k);
+    c3a = _mm256_fmadd_ps(a, e0, c3a), c3b = _mm256_fmadd_ps(a, e1, c3b);
+    a = _mm256_broadcast_ss(x3 + k + 1);
+    c3a = _mm256_fmadd_ps(a, o0, c3a), c3b = _mm256_fmadd_ps(a, o1, c3b);
+    a = _mm256_broadcast_ss(x3 + ld + k);
+    c4a = _mm256_fmadd_ps(a, e0, c4a), c4b = _mm256_fmadd_ps(a, e1, c4b);
+    a = _mm256_broadcast_ss(x3 + ld + k + 1);
+    c4a = _mm256_fmadd_ps(a, o0, c4a), c4b = _mm256_fmadd_ps(a, o1, c4b);
+  }
+  const __m256 sums[5][2] = {{c0a, c0b}, {c1a, c1b}, {c2a, c2b}, {c3a, c3b}, {c4a, c4b}};
+  finish_tile<5, 1>(t, sums);
+}
+
 // From kWidenRows rows on, each weight block is widened to float32 once per M block (widen_block, into the
 // thread's scratch: [panel][pair][k, k+1][16 columns]) and the tiles take kWideMR rows over one panel with the
 // weights as they lie: two loads and kWideMR broadcasts feed 2 * kWideMR FMAs per k, with no widening in the loop
