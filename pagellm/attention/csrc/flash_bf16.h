@@ -215,7 +215,7 @@ inline void key_rows(const BFloat16* k_cache, const BFloat16* v_cache, const int
                      const BFloat16** vrow) {
   for (int key = 0; key < nk; ++key) {
     const int64_t pos = k0 + key;
-    const int64_t offset = (blocks[pos / block_size] * block_size + pos % block_size) * token_stride + kv_head * D;
+    const int64_t offset = key_offset(blocks, pos, block_size, token_stride, kv_head, D);
     krow[key] = k_cache + offset;
     vrow[key] = v_cache + offset;
   }

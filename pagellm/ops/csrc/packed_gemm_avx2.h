@@ -26,8 +26,8 @@ constexpr int kPrefetchPairs = 32;   // software prefetch distance along a panel
 constexpr int kHalf = 8;             // float32 lanes per ymm: a panel is two halves
 
 inline __m256 load_bias8(const uint16_t* bias, int cols) {
-  alignas(16) uint16_t tmp[kHalf] = {};
   if (cols >= kHalf) return widen_bf16x8(bias);
+  alignas(16) uint16_t tmp[kHalf] = {};
   std::memcpy(tmp, bias, static_cast<size_t>(cols) * sizeof(uint16_t));
   return widen_bf16x8(tmp);
 }
@@ -55,6 +55,11 @@ void widen_rows(const uint16_t* x, int64_t ldx, int64_t k, float* xf, int64_t ld
   }
 }
 
+// A tile's starting sums for row i, half h: zero at the first K block, else the partial sums so far.
+inline __m256 tile_start(const Tile& t, int i, int h) {
+  return t.first ? _mm256_setzero_ps() : _mm256_loadu_ps(t.partial + i * t.ldp + h * kHalf);
+}
+
 // The tile's end: its float32 sums to the partial buffer (more K blocks follow) or, with bias, to y as bf16.
 template <int MR, int NR>
 void finish_tile(const Tile& t, const __m256 (&acc)[MR][2 * NR]) {
@@ -76,7 +81,7 @@ void tile_kernel(const Tile& t) {
   __m256 acc[MR][2 * NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < 2 * NR; ++j)
-      acc[i][j] = t.first ? _mm256_setzero_ps() : _mm256_loadu_ps(t.partial + i * t.ldp + j * kHalf);
+      acc[i][j] = tile_start(t, i, j);
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   const uint16_t* w = t.w;
   for (int64_t p = 0; p < t.pairs; ++p, w += kPanelPair) {
@@ -126,18 +131,9 @@ void tile_kernel<5, 1>(const Tile& t) {
   const int64_t ld = t.ldxf;
   const float* x0 = t.xf;
   const float* x3 = t.xf + 3 * ld;
-  __m256 c0a, c0b, c1a, c1b, c2a, c2b, c3a, c3b, c4a, c4b;
-  if (t.first) {
-    c0a = c0b = c1a = c1b = c2a = c2b = c3a = c3b = c4a = c4b = _mm256_setzero_ps();
-  } else {
-    const float* q = t.partial;
-    const int64_t lp = t.ldp;
-    c0a = _mm256_loadu_ps(q), c0b = _mm256_loadu_ps(q + kHalf);
-    c1a = _mm256_loadu_ps(q + lp), c1b = _mm256_loadu_ps(q + lp + kHalf);
-    c2a = _mm256_loadu_ps(q + 2 * lp), c2b = _mm256_loadu_ps(q + 2 * lp + kHalf);
-    c3a = _mm256_loadu_ps(q + 3 * lp), c3b = _mm256_loadu_ps(q + 3 * lp + kHalf);
-    c4a = _mm256_loadu_ps(q + 4 * lp), c4b = _mm256_loadu_ps(q + 4 * lp + kHalf);
-  }
+  __m256 c0a = tile_start(t, 0, 0), c0b = tile_start(t, 0, 1), c1a = tile_start(t, 1, 0), c1b = tile_start(t, 1, 1);
+  __m256 c2a = tile_start(t, 2, 0), c2b = tile_start(t, 2, 1), c3a = tile_start(t, 3, 0), c3b = tile_start(t, 3, 1);
+  __m256 c4a = tile_start(t, 4, 0), c4b = tile_start(t, 4, 1);
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   const uint16_t* w = t.w;
   for (int64_t p = 0; p < t.pairs; ++p, w += kPanelPair) {
@@ -215,7 +211,7 @@ void tile_kernel_wide(const Tile& t) {
   for (int i = 0; i < MR; ++i) {
     x[i] = t.xf + i * t.ldxf;
     for (int j = 0; j < 2; ++j)
-      acc[i][j] = t.first ? _mm256_setzero_ps() : _mm256_loadu_ps(t.partial + i * t.ldp + j * kHalf);
+      acc[i][j] = tile_start(t, i, j);
   }
   const float* wk = t.wf;
   for (int64_t k = 0; k < 2 * t.pairs; ++k, wk += kPanel) {
@@ -237,19 +233,9 @@ void tile_kernel_wide<6>(const Tile& t) {
   const int64_t ld = t.ldxf;
   const float* x0 = t.xf;
   const float* x3 = t.xf + 3 * ld;
-  __m256 c0a, c0b, c1a, c1b, c2a, c2b, c3a, c3b, c4a, c4b, c5a, c5b;
-  if (t.first) {
-    c0a = c0b = c1a = c1b = c2a = c2b = c3a = c3b = c4a = c4b = c5a = c5b = _mm256_setzero_ps();
-  } else {
-    const float* q = t.partial;
-    const int64_t lp = t.ldp;
-    c0a = _mm256_loadu_ps(q), c0b = _mm256_loadu_ps(q + kHalf);
-    c1a = _mm256_loadu_ps(q + lp), c1b = _mm256_loadu_ps(q + lp + kHalf);
-    c2a = _mm256_loadu_ps(q + 2 * lp), c2b = _mm256_loadu_ps(q + 2 * lp + kHalf);
-    c3a = _mm256_loadu_ps(q + 3 * lp), c3b = _mm256_loadu_ps(q + 3 * lp + kHalf);
-    c4a = _mm256_loadu_ps(q + 4 * lp), c4b = _mm256_loadu_ps(q + 4 * lp + kHalf);
-    c5a = _mm256_loadu_ps(q + 5 * lp), c5b = _mm256_loadu_ps(q + 5 * lp + kHalf);
-  }
+  __m256 c0a = tile_start(t, 0, 0), c0b = tile_start(t, 0, 1), c1a = tile_start(t, 1, 0), c1b = tile_start(t, 1, 1);
+  __m256 c2a = tile_start(t, 2, 0), c2b = tile_start(t, 2, 1), c3a = tile_start(t, 3, 0), c3b = tile_start(t, 3, 1);
+  __m256 c4a = tile_start(t, 4, 0), c4b = tile_start(t, 4, 1), c5a = tile_start(t, 5, 0), c5b = tile_start(t, 5, 1);
   const float* wk = t.wf;
   for (int64_t k = 0; k < 2 * t.pairs; ++k, wk += kPanel) {
     const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + kHalf);
