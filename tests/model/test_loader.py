@@ -256,6 +256,41 @@ def test_tiny_gguf_tokenizer_matches_source(tmp_path: Path, tiny_tokenizer: Back
     assert tokenizer.eos_token_ids == {2} and tokenizer.bos_token_id == 0
 
 
+def test_gguf_tokenizer_is_transformers_own(
+    tmp_path: Path, tiny_tokenizer: BackendTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The converter feeds its own parse of the metadata to transformers' GGUF tokenizer builder; the tokenizer it
+    writes must be the one it writes from transformers' ``AutoTokenizer`` route, which a transformers without that
+    builder takes."""
+    model = random_model(tiny_config("llama", tiny_tokenizer.get_vocab_size(), True))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, model, tiny_tokenizer, "llama")
+    convert_gguf_to_hf(path, tmp_path / "direct")
+
+    assert gguf_convert._tokenizer_builder() is not None  # the transformers installed here has the builder
+    routes: list[Path] = []
+    real_auto = gguf_convert._auto_backend_tokenizer
+    monkeypatch.setattr(gguf_convert, "_auto_backend_tokenizer", lambda p: routes.append(p) or real_auto(p))
+    monkeypatch.setattr(gguf_convert, "_tokenizer_builder", lambda: None)
+    convert_gguf_to_hf(path, tmp_path / "auto")
+    assert routes == [path]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        direct, auto = (json.loads((tmp_path / d / name).read_text()) for d in ("direct", "auto"))
+        assert direct == auto
+
+
+def test_metadata_reader_reads_what_gguf_reads(tmp_path: Path, tiny_tokenizer: BackendTokenizer) -> None:
+    """The plain-view reader (fast string slicing) gives gguf's own reader's metadata and tensors."""
+    model = random_model(tiny_config("llama", tiny_tokenizer.get_vocab_size(), True))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, model, tiny_tokenizer, "llama", f16=True)
+    ours_reader, gguf_reader = gguf_convert._reader_class()(str(path)), gguf.GGUFReader(str(path))
+    assert gguf_convert._read_metadata(ours_reader) == gguf_convert._read_metadata(gguf_reader)
+    assert [t.name for t in ours_reader.tensors] == [t.name for t in gguf_reader.tensors]
+    for ours, theirs in zip(ours_reader.tensors, gguf_reader.tensors):
+        assert ours.tensor_type == theirs.tensor_type and np.array_equal(ours.data, theirs.data)
+
+
 def test_unpermute_inverts_llama_cpp_permute() -> None:
     weight = np.arange(8 * 6 * 3, dtype=np.float32).reshape(48, 3)
     for n_head in (1, 2, 3, 6):
