@@ -35,11 +35,13 @@ using pagellm_amx::permitted;
 using pagellm_amx::configure;
 
 // A thread's buffers: x rows copied zero-padded (the rows of a short last tile, or every row when K is not a whole
-// number of steps), the short last K step of two panels, and the C tiles on their way to y.
+// number of steps), the short last K step of two panels, and the C tiles on their way to y: two of them, the one a
+// block stores into and the one its predecessor's rows are still being written from (Pending).
 struct Scratch {
   std::vector<uint16_t> a;                               // [rows][kpad]
   alignas(64) uint16_t b_tail[2][kTileBytes / 2];
-  alignas(64) float c[kBlockRows * 2 * kPanel];          // [32 rows][2 panels x 16]
+  alignas(64) float c[2][kBlockRows * 2 * kPanel];       // [32 rows][2 panels x 16], twice
+  int current = 0;                                       // the buffer the next block stores into
 };
 
 // The A operand of a range of rows: rows [m0, m0 + direct) read in place (whole tiles, K whole steps), the rest
@@ -75,6 +77,13 @@ inline ARows a_rows(const Problem& pb, int64_t m0, int64_t rows, int tile_rows, 
   return {direct, s.a.data(), kpad * 2};
 }
 
+// Which panels a block multiplies together: a pair is panels g and g + second; the next pair starts step panels on.
+// Plain GEMM: neighbours (step 2, second 1). Gate/up with SiLU·mul: gate panel g and up panel g + I/16 (step 1).
+struct Pairing {
+  int64_t step, second;
+  bool silu;
+};
+
 // Lines of the next panel pair's weights that a block pulls into L2 while it computes, spread over its K steps, so
 // that the pair after this one does not start by waiting on memory.
 struct Ahead {
@@ -82,12 +91,31 @@ struct Ahead {
   int64_t lines;     // lines of each
 };
 
+// A block's outputs in a C buffer, converted and written to y a few rows per K step of the next block (write_rows),
+// so the vector work overlaps that block's tile products instead of following its own: 1.02-1.18x the GFLOP/s on
+// SmolLM2's shapes at 32 to 2,048 rows (docs/performance.md, Round 14). Only the order of the stores changes, not a
+// bit of any output.
+struct Pending {
+  const Problem* pb = nullptr;  // null: nothing pending
+  const Pairing* pair = nullptr;
+  const float* c = nullptr;
+  int64_t m0 = 0, rows = 0, g = 0, done = 0;
+  int panels = 0;
+
+  void write(int64_t n);  // the next n rows (fewer at the end)
+  void finish() {
+    if (pb) write(rows - done);
+    pb = nullptr;
+  }
+};
+
 // The C tiles of R row tiles x P panels, K steps in sequence; the last step reads B from `tail` (zero-padded
-// copies) when the K pairs are not whole steps.
+// copies) when the K pairs are not whole steps. Each step also writes a share of the pending block's rows.
 template <int R, int P>
 void tiles(const uint16_t* a, int64_t lda, int64_t a_tile, const uint16_t* b0, const uint16_t* b1, int64_t steps,
-           const Scratch* tail, Ahead ahead) {
+           const Scratch* tail, Ahead ahead, Pending& pending) {
   const int64_t per_step = (ahead.lines + steps - 1) / steps;
+  const int64_t rows_per_step = pending.pb ? (pending.rows + steps - 1) / steps : 0;
   _tile_zero(0);
   if (P > 1) _tile_zero(1);
   if (R > 1) _tile_zero(2);
@@ -115,6 +143,7 @@ void tiles(const uint16_t* a, int64_t lda, int64_t a_tile, const uint16_t* b0, c
       _tile_dpbf16ps(2, 5, 6);
       if (P > 1) _tile_dpbf16ps(3, 5, 7);
     }
+    if (rows_per_step && pending.done < pending.rows) pending.write(rows_per_step);
   }
 }
 
@@ -132,11 +161,11 @@ void store_tiles(float* c) {
 // otherwise a store miss, and those stall the tile pipeline and evict the x rows the next blocks read (twice the
 // time at 256 rows x 49152; a 32 x 128-token prefill 0.90-0.95 -> 0.83-0.88 s with the bound lowered from 4 MiB,
 // decode steps unchanged).
-inline void write_lines(const Problem& pb, int64_t m0, int64_t rows, int64_t g, const float* c) {
+inline void write_lines(const Problem& pb, int64_t m0, int64_t r0, int64_t r1, int64_t g, const float* c) {
   const __m512 bias_lo = pb.bias ? load_bias(pb.bias, g * kPanel, kPanel) : _mm512_setzero_ps();
   const __m512 bias_hi = pb.bias ? load_bias(pb.bias, (g + 1) * kPanel, kPanel) : _mm512_setzero_ps();
   const bool around = pb.m * pb.n * 2 >= kStreamBytes;
-  for (int64_t i = 0; i < rows; ++i) {
+  for (int64_t i = r0; i < r1; ++i) {
     uint16_t* dst = pb.y + (m0 + i) * pb.ldy + g * kPanel;
     const __m512 lo = _mm512_add_ps(_mm512_load_ps(c + i * 2 * kPanel), bias_lo);
     const __m512 hi = _mm512_add_ps(_mm512_load_ps(c + i * 2 * kPanel + kPanel), bias_hi);
@@ -157,8 +186,8 @@ inline __m512 as_stored(__m512 v) {
 // y = silu(gate) * up for 16 columns of each row: the pair's first panel is a gate panel, its second the matching
 // up panel. Each is rounded to bfloat16 as the two-call path (GEMM, then silu_and_mul) stores it, and the SiLU·mul
 // and its rounding are that kernel's own code (silu.h), so the fused path gives the same bits.
-inline void write_silu(const Problem& pb, int64_t m0, int64_t rows, int64_t g, const float* c) {
-  for (int64_t i = 0; i < rows; ++i) {
+inline void write_silu(const Problem& pb, int64_t m0, int64_t r0, int64_t r1, int64_t g, const float* c) {
+  for (int64_t i = r0; i < r1; ++i) {
     const __m512 gate = as_stored(_mm512_load_ps(c + i * 2 * kPanel));
     const __m512 up = as_stored(_mm512_load_ps(c + i * 2 * kPanel + kPanel));
     const __m512i out = _mm512_castps_si512(round_bf16x16(silu_mul16(gate, up)));
@@ -167,16 +196,10 @@ inline void write_silu(const Problem& pb, int64_t m0, int64_t rows, int64_t g, c
   }
 }
 
-// Which panels a block multiplies together: a pair is panels g and g + second; the next pair starts step panels on.
-// Plain GEMM: neighbours (step 2, second 1). Gate/up with SiLU·mul: gate panel g and up panel g + I/16 (step 1).
-struct Pairing {
-  int64_t step, second;
-  bool silu;
-};
-
-// Rows [m0, m0 + rows) (at most kBlockRows) times the pair at panel g (`panels`: one or two) into y.
+// Rows [m0, m0 + rows) (at most kBlockRows) times the pair at panel g (`panels`: one or two) into a C buffer, left
+// pending (written during the next block, or by the caller's finish); the block before it is finished first.
 void block(const Problem& pb, const Pairing& pair, const uint16_t* a, int64_t lda, int tile_rows, int64_t m0,
-           int64_t rows, int64_t g, int panels, Ahead ahead, Scratch& s) {
+           int64_t rows, int64_t g, int panels, Ahead ahead, Scratch& s, Pending& pending) {
   const int64_t steps = (pb.kpairs + kStepPairs - 1) / kStepPairs;
   const int64_t tail_pairs = pb.kpairs % kStepPairs;
   const uint16_t* b0 = pb.w + g * pb.panel_stride;
@@ -190,21 +213,30 @@ void block(const Problem& pb, const Pairing& pair, const uint16_t* a, int64_t ld
   const Scratch* tail = tail_pairs ? &s : nullptr;
   const int64_t a_tile = 16 * lda / 2;  // elements from the first A tile to the second (tile_rows is 16 then)
   const bool two_rows = rows > tile_rows;
+  float* c = s.c[s.current];
   if (two_rows && panels > 1) {
-    tiles<2, 2>(a, lda, a_tile, b0, b1, steps, tail, ahead), store_tiles<2, 2>(s.c);
+    tiles<2, 2>(a, lda, a_tile, b0, b1, steps, tail, ahead, pending), pending.finish(), store_tiles<2, 2>(c);
   } else if (two_rows) {
-    tiles<2, 1>(a, lda, a_tile, b0, b1, steps, tail, ahead), store_tiles<2, 1>(s.c);
+    tiles<2, 1>(a, lda, a_tile, b0, b1, steps, tail, ahead, pending), pending.finish(), store_tiles<2, 1>(c);
   } else if (panels > 1) {
-    tiles<1, 2>(a, lda, a_tile, b0, b1, steps, tail, ahead), store_tiles<1, 2>(s.c);
+    tiles<1, 2>(a, lda, a_tile, b0, b1, steps, tail, ahead, pending), pending.finish(), store_tiles<1, 2>(c);
   } else {
-    tiles<1, 1>(a, lda, a_tile, b0, b1, steps, tail, ahead), store_tiles<1, 1>(s.c);
+    tiles<1, 1>(a, lda, a_tile, b0, b1, steps, tail, ahead, pending), pending.finish(), store_tiles<1, 1>(c);
   }
+  pending = Pending{&pb, &pair, c, m0, rows, g, 0, panels};
+  s.current ^= 1;
+  if (tile_rows < 16) pending.finish();  // below 16 rows there is too little to overlap (M = 4: 0.85-0.94x)
+}
+
+// Rows [r0, r1) of a block's outputs (C buffer c: rows [m0, m0 + rows) of the pair at panel g) into y.
+void write_rows(const Problem& pb, const Pairing& pair, int64_t m0, int64_t r0, int64_t r1, int64_t g, int panels,
+                const float* c) {
   if (pair.silu) {
-    write_silu(pb, m0, rows, g, s.c);
+    write_silu(pb, m0, r0, r1, g, c);
     return;
   }
   if (panels == 2 && pb.n - g * kPanel >= 2 * kPanel) {  // whole lines of 32 outputs
-    write_lines(pb, m0, rows, g, s.c);
+    write_lines(pb, m0, r0, r1, g, c);
     return;
   }
   for (int j = 0; j < panels; ++j) {
@@ -212,17 +244,23 @@ void block(const Problem& pb, const Pairing& pair, const uint16_t* a, int64_t ld
     if (cols64 <= 0) break;
     const int cols = static_cast<int>(cols64 < kPanel ? cols64 : kPanel);
     const __m512 bias = pb.bias ? load_bias(pb.bias, (g + j) * kPanel, cols) : _mm512_setzero_ps();
-    for (int64_t i = 0; i < rows; ++i)
+    for (int64_t i = r0; i < r1; ++i)
       store_bf16(pb.y + (m0 + i) * pb.ldy + (g + j) * kPanel,
-                 _mm512_add_ps(_mm512_load_ps(s.c + i * 2 * kPanel + j * kPanel), bias), cols);
+                 _mm512_add_ps(_mm512_load_ps(c + i * 2 * kPanel + j * kPanel), bias), cols);
   }
+}
+
+void Pending::write(int64_t n) {
+  const int64_t end = done + n < rows ? done + n : rows;
+  write_rows(*pb, *pair, m0, done, end, g, panels, c);
+  done = end;
 }
 
 // One piece of a thread's work: pairs starting in panels [p0, p1) times rows [m0, m0 + rows), a pair at a time
 // (its weights stay in L1 or L2 while every row block passes over them), rows in blocks of 32 (the range's rows
 // stay in L2).
 void run_panels(const Problem& pb, const Pairing& pair, int64_t p0, int64_t p1, int64_t m0, int64_t rows,
-                int tile_rows, Scratch& s) {
+                int tile_rows, Scratch& s, Pending& pending) {
   const ARows a = a_rows(pb, m0, rows, tile_rows, s);
   const int64_t blocks = (a.direct + kBlockRows - 1) / kBlockRows + (rows - a.direct + kBlockRows - 1) / kBlockRows;
   const int64_t panel_lines = pb.panel_stride * 2 / 64;
@@ -244,10 +282,10 @@ void run_panels(const Problem& pb, const Pairing& pair, int64_t p0, int64_t p1, 
     };
     for (int64_t i = 0; i < a.direct; i += kBlockRows)
       block(pb, pair, pb.x + (m0 + i) * pb.ldx, pb.ldx * 2, tile_rows, m0 + i,
-            a.direct - i < kBlockRows ? a.direct - i : kBlockRows, g, panels, ahead(), s);
+            a.direct - i < kBlockRows ? a.direct - i : kBlockRows, g, panels, ahead(), s, pending);
     for (int64_t i = a.direct; i < rows; i += kBlockRows)
       block(pb, pair, a.copy + (i - a.direct) * (a.lda_copy / 2), a.lda_copy, tile_rows, m0 + i,
-            rows - i < kBlockRows ? rows - i : kBlockRows, g, panels, ahead(), s);
+            rows - i < kBlockRows ? rows - i : kBlockRows, g, panels, ahead(), s, pending);
   }
 }
 
@@ -256,6 +294,7 @@ void run(const Problem& pb, const Pairing& pair, const Chunks& chunks, std::atom
   const int tile_rows = static_cast<int>(pb.m < 16 ? pb.m : 16);
   configure(tile_rows);
   Scratch scratch;
+  Pending pending;
   const int64_t ranges = (pb.m + kRangeRows - 1) / kRangeRows;
   for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks.items * ranges;
        c = next.fetch_add(1, std::memory_order_relaxed)) {
@@ -263,8 +302,9 @@ void run(const Problem& pb, const Pairing& pair, const Chunks& chunks, std::atom
     chunks.range(c % chunks.items, pb.panels, &p0, &p1);
     const int64_t m0 = c / chunks.items * kRangeRows;
     if (p0 < p1)
-      run_panels(pb, pair, p0, p1, m0, pb.m - m0 < kRangeRows ? pb.m - m0 : kRangeRows, tile_rows, scratch);
+      run_panels(pb, pair, p0, p1, m0, pb.m - m0 < kRangeRows ? pb.m - m0 : kRangeRows, tile_rows, scratch, pending);
   }
+  pending.finish();
   _mm_sfence();  // the non-temporal stores are visible before the threads meet
   _tile_release();
 }
