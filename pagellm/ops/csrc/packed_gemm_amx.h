@@ -196,8 +196,31 @@ inline void write_silu(const Problem& pb, int64_t m0, int64_t r0, int64_t r1, in
   }
 }
 
+// Rows [r0, r1) of a block's outputs (C buffer c: rows [m0, m0 + rows) of the pair at panel g) into y.
+void write_rows(const Problem& pb, const Pairing& pair, int64_t m0, int64_t r0, int64_t r1, int64_t g, int panels,
+                const float* c) {
+  if (pair.silu) {
+    write_silu(pb, m0, r0, r1, g, c);
+    return;
+  }
+  if (panels == 2 && pb.n - g * kPanel >= 2 * kPanel) {  // whole lines of 32 outputs
+    write_lines(pb, m0, r0, r1, g, c);
+    return;
+  }
+  for (int j = 0; j < panels; ++j) {
+    const int64_t cols64 = pb.n - (g + j) * kPanel;
+    if (cols64 <= 0) break;
+    const int cols = static_cast<int>(cols64 < kPanel ? cols64 : kPanel);
+    const __m512 bias = pb.bias ? load_bias(pb.bias, (g + j) * kPanel, cols) : _mm512_setzero_ps();
+    for (int64_t i = r0; i < r1; ++i)
+      store_bf16(pb.y + (m0 + i) * pb.ldy + (g + j) * kPanel,
+                 _mm512_add_ps(_mm512_load_ps(c + i * 2 * kPanel + j * kPanel), bias), cols);
+  }
+}
+
 // Rows [m0, m0 + rows) (at most kBlockRows) times the pair at panel g (`panels`: one or two) into a C buffer, left
-// pending (written during the next block, or by the caller's finish); the block before it is finished first.
+// pending (written during the next block, or by the caller's finish) once the block before it is finished; below 16
+// rows written at once.
 void block(const Problem& pb, const Pairing& pair, const uint16_t* a, int64_t lda, int tile_rows, int64_t m0,
            int64_t rows, int64_t g, int panels, Ahead ahead, Scratch& s, Pending& pending) {
   const int64_t steps = (pb.kpairs + kStepPairs - 1) / kStepPairs;
@@ -223,31 +246,12 @@ void block(const Problem& pb, const Pairing& pair, const uint16_t* a, int64_t ld
   } else {
     tiles<1, 1>(a, lda, a_tile, b0, b1, steps, tail, ahead, pending), pending.finish(), store_tiles<1, 1>(c);
   }
+  if (tile_rows < 16) {  // a few rows: too little to overlap, written at once
+    write_rows(pb, pair, m0, 0, rows, g, panels, c);
+    return;
+  }
   pending = Pending{&pb, &pair, c, m0, rows, g, 0, panels};
   s.current ^= 1;
-  if (tile_rows < 16) pending.finish();  // below 16 rows there is too little to overlap (M = 4: 0.85-0.94x)
-}
-
-// Rows [r0, r1) of a block's outputs (C buffer c: rows [m0, m0 + rows) of the pair at panel g) into y.
-void write_rows(const Problem& pb, const Pairing& pair, int64_t m0, int64_t r0, int64_t r1, int64_t g, int panels,
-                const float* c) {
-  if (pair.silu) {
-    write_silu(pb, m0, r0, r1, g, c);
-    return;
-  }
-  if (panels == 2 && pb.n - g * kPanel >= 2 * kPanel) {  // whole lines of 32 outputs
-    write_lines(pb, m0, r0, r1, g, c);
-    return;
-  }
-  for (int j = 0; j < panels; ++j) {
-    const int64_t cols64 = pb.n - (g + j) * kPanel;
-    if (cols64 <= 0) break;
-    const int cols = static_cast<int>(cols64 < kPanel ? cols64 : kPanel);
-    const __m512 bias = pb.bias ? load_bias(pb.bias, (g + j) * kPanel, cols) : _mm512_setzero_ps();
-    for (int64_t i = r0; i < r1; ++i)
-      store_bf16(pb.y + (m0 + i) * pb.ldy + (g + j) * kPanel,
-                 _mm512_add_ps(_mm512_load_ps(c + i * 2 * kPanel + j * kPanel), bias), cols);
-  }
 }
 
 void Pending::write(int64_t n) {
