@@ -31,6 +31,12 @@ def _lib() -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as exc:
         logger.warning("fused element-wise kernels unavailable (%s); using torch ops", exc)
         return None
+    return bind(lib)
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the C signatures of a build of ``csrc/fused.cpp``; returns ``lib`` (the tests also bind an AVX2-only
+    build)."""
     lib.pagellm_add_rms_norm_bf16.argtypes = [_P, _P, _P, _I, _I, _F, _P, _P]
     lib.pagellm_silu_and_mul_bf16.argtypes = [_P, _I, _I, _P]
     lib.pagellm_rotary_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _P, _P]

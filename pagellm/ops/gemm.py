@@ -49,6 +49,12 @@ def _lib() -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as exc:
         logger.warning("packed bfloat16 GEMM kernel unavailable (%s); using F.linear", exc)
         return None
+    return bind(lib)
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the C signatures of a build of ``csrc/packed_gemm.cpp`` and set its AMX switch (``PAGELLM_GEMM_AMX``);
+    returns ``lib``. ``_lib`` binds this machine's build; the tests also bind an AVX2-only build of the same source."""
     lib.pagellm_packed_linear_bf16.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
     lib.pagellm_packed_linear_bf16.restype = None
     lib.pagellm_packed_rows_bf16.argtypes = [_P, _I, _I, _P, _I, _P]
@@ -57,6 +63,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.pagellm_packed_linear_silu_mul_bf16.restype = ctypes.c_int
     lib.pagellm_packed_gemm_use_amx.argtypes = [ctypes.c_int]
     lib.pagellm_packed_gemm_use_amx.restype = ctypes.c_int
+    lib.pagellm_packed_gemm_vector_path.argtypes = []
+    lib.pagellm_packed_gemm_vector_path.restype = ctypes.c_char_p
     lib.pagellm_packed_gemm_use_amx(int(envs.gemm_amx()))
     return lib
 
@@ -73,11 +81,10 @@ def available() -> bool:
 
 def path() -> str:
     """Which of the kernel's paths runs in this process: ``"AMX"``, ``"AVX-512 BF16"``, ``"AVX2"``, or ``"off"``."""
-    if _lib() is None:
+    lib = _lib()
+    if lib is None:
         return "off"
-    if amx():
-        return "AMX"
-    return "AVX-512 BF16" if "avx512_bf16" in cpu_flags().split() else "AVX2"
+    return "AMX" if amx() else lib.pagellm_packed_gemm_vector_path().decode()
 
 
 def use_amx(want: bool) -> bool:

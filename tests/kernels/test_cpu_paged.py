@@ -3,7 +3,9 @@ attention: decodes, prompt chunks (fresh and after a prefix hit), speculative ch
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -12,8 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from pagellm import native_build
+from pagellm.attention import cpu_paged
 from pagellm.attention.base import CommonAttentionInputs
-from pagellm.attention.cpu_paged import CpuPagedBackend, build_metadata, load_kernel
+from pagellm.attention.cpu_paged import CpuPagedBackend, PagedKernel, build_metadata, load_kernel
+from pagellm.ops import build
 from pagellm.attention.torch_ref import TorchRefBackend
 from pagellm.spec.tree import row_mask, static_tree
 
@@ -82,9 +87,29 @@ SHAPES = [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 32, 8), (8, 1, 16, 1), (12, 2,
 # 64, 4) gives it key tiles cut by small blocks.
 
 
+@functools.cache
+def _avx2_kernel() -> PagedKernel:
+    """The kernel compiled for x86-64-v3 (AVX2, FMA, no AVX-512): the build an AVX2-only CPU makes."""
+    library = native_build.build(cpu_paged.SOURCE, build.AVX2_CXX_FLAGS, "paged_attention.so", [build.HEADERS])
+    return PagedKernel(ctypes.CDLL(str(library)))
+
+
+@pytest.fixture(params=["native", "avx2"])
+def kernel_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The kernel as this machine builds it, and, where that build is AVX-512, the AVX2-only build swapped in (its
+    token walk is walk_avx2.h, and it has no flash tiles: prompt rows take the walk), so the AVX2 paths are checked on
+    every CPU that can run them."""
+    if request.param == "avx2":
+        flags = set(build.cpu_flags().split())
+        if "avx512f" not in flags or not {"avx2", "fma"} <= flags:
+            pytest.skip("this machine's own build is the AVX2 one (native), or the CPU has no AVX2 + FMA")
+        monkeypatch.setattr(cpu_paged, "load_kernel", _avx2_kernel)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
-def test_decode_rows_match_reference(dtype, heads, kv_heads, head_dim, block_size) -> None:
+def test_decode_rows_match_reference(dtype, heads, kv_heads, head_dim, block_size, kernel_build) -> None:
     ctx_lens = [1, 5, block_size, block_size + 1, 97, 3 * block_size]
     q, k, v, cache, common = _random_step([1] * len(ctx_lens), ctx_lens, heads, kv_heads, head_dim, block_size,
                                           dtype, seed=heads + block_size)
@@ -110,7 +135,7 @@ def _mixed_step(heads, kv_heads, head_dim, block_size, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
-def test_mixed_step_matches_reference_and_dense(dtype, heads, kv_heads, head_dim, block_size) -> None:
+def test_mixed_step_matches_reference_and_dense(dtype, heads, kv_heads, head_dim, block_size, kernel_build) -> None:
     q, k, v, cache, common = _mixed_step(heads, kv_heads, head_dim, block_size, dtype, seed=heads * block_size)
     scale = head_dim ** -0.5
     expected, got, written = _both(q, k, v, cache, common, scale)

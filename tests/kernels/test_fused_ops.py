@@ -3,6 +3,9 @@ twins (``forward_torch``) and a float32 computation of the same formula."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,10 +13,29 @@ import torch.nn.functional as F
 from pagellm.model.layers.activation import SiluAndMul
 from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding, rotate_half
-from pagellm.ops import fused
+from pagellm import native_build
+from pagellm.ops import build, fused
 
 pytestmark = pytest.mark.skipif(fused._lib() is None, reason="needs a C++ compiler")
 BF16 = torch.bfloat16
+
+
+@functools.cache
+def _avx2_build() -> ctypes.CDLL:
+    """The kernels compiled for x86-64-v3 (AVX2, FMA, no AVX-512): the build an AVX2-only CPU makes."""
+    return fused.bind(ctypes.CDLL(str(native_build.build(fused.SOURCE, build.AVX2_CXX_FLAGS, "fused.so",
+                                                         [build.HEADERS]))))
+
+
+@pytest.fixture(params=["native", "avx2"])
+def kernel_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The kernels as this machine builds them, and, where that build is AVX-512, the AVX2-only build swapped in."""
+    if request.param == "avx2":
+        flags = set(build.cpu_flags().split())
+        if "avx512f" not in flags or not {"avx2", "fma"} <= flags:
+            pytest.skip("this machine's own build is the AVX2 one (native), or the CPU has no AVX2 + FMA")
+        monkeypatch.setattr(fused, "_lib", _avx2_build)
+    return request.param
 
 
 def _close_bf16(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -24,7 +46,7 @@ def _close_bf16(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (3, 64), (70, 576), (5, 37)])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_add_rms_norm(rows: int, hidden: int, with_residual: bool) -> None:
+def test_add_rms_norm(rows: int, hidden: int, with_residual: bool, kernel_build: str) -> None:
     gen = torch.Generator().manual_seed(rows + hidden)
     norm = RMSNorm(hidden, 1e-5, BF16)
     norm.weight.data = torch.randn(hidden, generator=gen).to(BF16)
@@ -39,7 +61,7 @@ def test_add_rms_norm(rows: int, hidden: int, with_residual: bool) -> None:
 
 
 @pytest.mark.parametrize("rows,hidden", [(1, 1536), (4, 40), (33, 1536), (2, 7)])
-def test_silu_and_mul(rows: int, hidden: int) -> None:
+def test_silu_and_mul(rows: int, hidden: int, kernel_build: str) -> None:
     gen = torch.Generator().manual_seed(rows * hidden)
     gate_up = torch.randn(rows, 2 * hidden, generator=gen).mul(4).to(BF16)
     act = SiluAndMul()
@@ -50,7 +72,8 @@ def test_silu_and_mul(rows: int, hidden: int) -> None:
 
 
 @pytest.mark.parametrize("rows,heads,kv_heads,head_dim", [(1, 9, 3, 64), (17, 4, 2, 32), (3, 2, 1, 6)])
-def test_rotary_from_fused_qkv_views(rows: int, heads: int, kv_heads: int, head_dim: int) -> None:
+def test_rotary_from_fused_qkv_views(rows: int, heads: int, kv_heads: int, head_dim: int,
+                                     kernel_build: str) -> None:
     """q and k arrive as strided views into one qkv row, as the attention layer splits them."""
     gen = torch.Generator().manual_seed(rows + heads)
     rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, BF16)

@@ -2,7 +2,8 @@
 against the plain one, and the model's layers (fused q/k/v and gate/up, biases, a tied LM head and its embedding)
 once their weights are packed after loading. The kernel's paths, its vector one (AVX-512 BF16, or AVX2 + FMA on
 CPUs without it) and AMX tiles (where the CPU has AMX), are each held to the twin and to batch and thread invariance
-(the ``isa`` fixture).
+(the ``isa`` fixture); on CPUs whose own build is AVX-512, an AVX2-only build of the same source (``-march=x86-64-v3``)
+is held to them too, so the AVX2 tiles are tested whatever CPU runs the suite.
 
 Tolerance. The kernel sums exact bf16 x bf16 products in float32 and rounds once to bfloat16; the oracle is the
 float32 ``F.linear`` of the same bf16 inputs. The two float32 sums differ only by summation order, at most about
@@ -12,11 +13,13 @@ ulp, 2^-8 relative. ``_assert_gemm_close`` checks exactly that bound (times 2 fo
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -26,7 +29,8 @@ from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.linear import pack_weights
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import iter_weights, load_hf_config
-from pagellm.ops import gemm
+from pagellm import native_build
+from pagellm.ops import build, gemm
 
 pytestmark = pytest.mark.skipif(not gemm.available(), reason="needs AVX-512 BF16 or AVX2 + FMA, and a C++ compiler")
 BF16 = torch.bfloat16
@@ -41,6 +45,37 @@ def _assert_gemm_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: t
     assert out.dtype == BF16 and out.shape == ref.shape
     excess = ((out.float() - ref).abs() - bound).max().item()
     assert excess <= 0, f"kernel differs from F.linear beyond bf16 rounding by {excess}"
+
+
+@functools.cache
+def _avx2_build() -> ctypes.CDLL:
+    """The packed GEMM compiled for x86-64-v3 (AVX2, FMA, no AVX-512): the build an AVX2-only CPU makes."""
+    library = native_build.build(gemm.SOURCE, build.AVX2_CXX_FLAGS, "packed_gemm.so", [build.HEADERS])
+    return gemm.bind(ctypes.CDLL(str(library)))
+
+
+@pytest.fixture(params=["vector", "amx", "avx2"])
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """This module's paths: conftest's two (``vector``, ``amx``), and ``avx2``, the AVX2-only build swapped in for
+    this machine's where its own is AVX-512 (where it is AVX2 already, ``vector`` is that build)."""
+    if request.param != "avx2":
+        yield from _on_path(request.param)
+        return
+    flags = set(gemm.cpu_flags().split())
+    if gemm.path() == "AVX2" or not {"avx2", "fma"} <= flags:
+        pytest.skip("this machine's own build is the AVX2 one (the vector path), or the CPU has no AVX2 + FMA")
+    monkeypatch.setattr(gemm, "_lib", _avx2_build)
+    assert gemm.path() == "AVX2"
+    yield "avx2"
+
+
+def _on_path(name: str) -> Iterator[str]:
+    default = gemm.amx()
+    if gemm.use_amx(name == "amx") != (name == "amx"):
+        gemm.use_amx(default)
+        pytest.skip("this CPU has no AMX-BF16")
+    yield name
+    gemm.use_amx(default)
 
 
 def _threads(n: int) -> Callable[[], None]:
@@ -270,7 +305,7 @@ def test_gate_up_silu_in_one_pass_equals_the_two_calls(m: int, k: int, isa: str)
     finally:
         restore()
     assert odd is None
-    if isa == "vector":
+    if isa != "amx":
         assert one_pass is None
         return
     assert one_pass is not None and torch.equal(one_pass, two_calls)
@@ -278,7 +313,8 @@ def test_gate_up_silu_in_one_pass_equals_the_two_calls(m: int, k: int, isa: str)
 
 def test_path_names_the_kernel_that_runs(isa: str) -> None:
     """The worker's log line and the GEMM benchmark name the path from ``gemm.path()``: AMX tiles when switched
-    on, else the vector path this CPU's instructions give (AVX-512 BF16 where it has them, AVX2 + FMA otherwise)."""
+    on, else the vector path the library was built with: AVX-512 BF16 where the CPU has it (-march=native), AVX2 +
+    FMA otherwise, or in the AVX2-only build."""
     flags = set(gemm.cpu_flags().split())
-    vector = "AVX-512 BF16" if "avx512_bf16" in flags else "AVX2"
+    vector = "AVX-512 BF16" if "avx512_bf16" in flags and isa != "avx2" else "AVX2"
     assert gemm.path() == ("AMX" if isa == "amx" else vector)

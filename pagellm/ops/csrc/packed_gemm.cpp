@@ -223,6 +223,15 @@ int pagellm_packed_gemm_use_amx(int want) {
   return g_amx ? 1 : 0;
 }
 
+// The vector path this build was compiled with (the AMX tiles, where switched on, run instead of it).
+const char* pagellm_packed_gemm_vector_path() {
+#if defined(__AVX512BF16__)
+  return "AVX-512 BF16";
+#else
+  return "AVX2";
+#endif
+}
+
 // x: [m, k] bf16 rows with stride ldx; w: packed (see the top of this file) for n outputs and k inputs; bias: [n]
 // or null; y: [m, n] with row stride ldy. Uses torch's OpenMP threads, which take runs of panels from a counter.
 void pagellm_packed_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
