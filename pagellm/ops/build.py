@@ -30,6 +30,11 @@ def build_library(source: Path) -> Path:
     return build(source, CXX_FLAGS, f"{source.stem}.so", [HEADERS])
 
 
+def build_avx2_library(source: Path) -> Path:
+    """The library for ``source`` as an AVX2-only CPU builds it (``AVX2_CXX_FLAGS``), on any CPU that runs AVX2."""
+    return build(source, AVX2_CXX_FLAGS, f"{source.stem}.so", [HEADERS])
+
+
 def load_library(source: Path) -> ctypes.CDLL:
     """The compiled library for ``source``, loaded (``build_library``, then ``dlopen``)."""
     return ctypes.CDLL(str(build_library(source)))

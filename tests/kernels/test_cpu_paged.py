@@ -14,12 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from pagellm import native_build
 from pagellm.attention import cpu_paged
 from pagellm.attention.base import CommonAttentionInputs
 from pagellm.attention.cpu_paged import CpuPagedBackend, PagedKernel, build_metadata, load_kernel
-from pagellm.ops import build
 from pagellm.attention.torch_ref import TorchRefBackend
+from pagellm.ops import build
 from pagellm.spec.tree import row_mask, static_tree
 
 
@@ -89,22 +88,12 @@ SHAPES = [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 32, 8), (8, 1, 16, 1), (12, 2,
 
 @functools.cache
 def _avx2_kernel() -> PagedKernel:
-    """The kernel compiled for x86-64-v3 (AVX2, FMA, no AVX-512): the build an AVX2-only CPU makes."""
-    library = native_build.build(cpu_paged.SOURCE, build.AVX2_CXX_FLAGS, "paged_attention.so", [build.HEADERS])
-    return PagedKernel(ctypes.CDLL(str(library)))
+    """The kernel compiled for x86-64-v3 (AVX2, FMA, no AVX-512): its token walk is walk_avx2.h, and it has no flash
+    tiles (prompt rows take the walk)."""
+    return PagedKernel(ctypes.CDLL(str(build.build_avx2_library(cpu_paged.SOURCE))))
 
 
-@pytest.fixture(params=["native", "avx2"])
-def kernel_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The kernel as this machine builds it, and, where that build is AVX-512, the AVX2-only build swapped in (its
-    token walk is walk_avx2.h, and it has no flash tiles: prompt rows take the walk), so the AVX2 paths are checked on
-    every CPU that can run them."""
-    if request.param == "avx2":
-        flags = set(build.cpu_flags().split())
-        if "avx512f" not in flags or not {"avx2", "fma"} <= flags:
-            pytest.skip("this machine's own build is the AVX2 one (native), or the CPU has no AVX2 + FMA")
-        monkeypatch.setattr(cpu_paged, "load_kernel", _avx2_kernel)
-    return request.param
+AVX2_BUILD = (cpu_paged, "load_kernel", _avx2_kernel)  # the kernel_build fixture's swap (tests/kernels/conftest.py)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

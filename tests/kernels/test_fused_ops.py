@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from pagellm.model.layers.activation import SiluAndMul
 from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding, rotate_half
-from pagellm import native_build
 from pagellm.ops import build, fused
 
 pytestmark = pytest.mark.skipif(fused._lib() is None, reason="needs a C++ compiler")
@@ -23,19 +22,10 @@ BF16 = torch.bfloat16
 @functools.cache
 def _avx2_build() -> ctypes.CDLL:
     """The kernels compiled for x86-64-v3 (AVX2, FMA, no AVX-512): the build an AVX2-only CPU makes."""
-    return fused.bind(ctypes.CDLL(str(native_build.build(fused.SOURCE, build.AVX2_CXX_FLAGS, "fused.so",
-                                                         [build.HEADERS]))))
+    return fused.bind(ctypes.CDLL(str(build.build_avx2_library(fused.SOURCE))))
 
 
-@pytest.fixture(params=["native", "avx2"])
-def kernel_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The kernels as this machine builds them, and, where that build is AVX-512, the AVX2-only build swapped in."""
-    if request.param == "avx2":
-        flags = set(build.cpu_flags().split())
-        if "avx512f" not in flags or not {"avx2", "fma"} <= flags:
-            pytest.skip("this machine's own build is the AVX2 one (native), or the CPU has no AVX2 + FMA")
-        monkeypatch.setattr(fused, "_lib", _avx2_build)
-    return request.param
+AVX2_BUILD = (fused, "_lib", _avx2_build)  # the kernel_build fixture's swap (tests/kernels/conftest.py)
 
 
 def _close_bf16(actual: torch.Tensor, expected: torch.Tensor) -> None:

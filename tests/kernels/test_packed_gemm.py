@@ -29,7 +29,6 @@ from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.linear import pack_weights
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import iter_weights, load_hf_config
-from pagellm import native_build
 from pagellm.ops import build, gemm
 
 pytestmark = pytest.mark.skipif(not gemm.available(), reason="needs AVX-512 BF16 or AVX2 + FMA, and a C++ compiler")
@@ -50,8 +49,7 @@ def _assert_gemm_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: t
 @functools.cache
 def _avx2_build() -> ctypes.CDLL:
     """The packed GEMM compiled for x86-64-v3 (AVX2, FMA, no AVX-512): the build an AVX2-only CPU makes."""
-    library = native_build.build(gemm.SOURCE, build.AVX2_CXX_FLAGS, "packed_gemm.so", [build.HEADERS])
-    return gemm.bind(ctypes.CDLL(str(library)))
+    return gemm.bind(ctypes.CDLL(str(build.build_avx2_library(gemm.SOURCE))))
 
 
 @pytest.fixture(params=["vector", "amx", "avx2"])
