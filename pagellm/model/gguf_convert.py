@@ -121,7 +121,7 @@ def _reader_class() -> type:
 
     The reader slices its map once per string of the metadata (a vocabulary and a merge table: about 100,000 for
     SmolLM2), and slicing an ``np.memmap`` runs its Python hooks (``__getitem__``, ``__array_finalize__``) every
-    time: three quarters of a 3.6 s parse. A plain view of the same pages slices in C, and the tensors it hands
+    time: two thirds or more of a 2.6-3.6 s parse. A plain view of the same pages slices in C, and the tensors it hands
     out are views of the same map, as before.
     """
     import gguf
@@ -358,7 +358,8 @@ def _gguf_backend_tokenizer(gguf_path: Path, meta: dict[str, Any]) -> Any:
 
     Its ``AutoTokenizer`` route would parse the file's metadata twice more (once with gguf's slow reader, for a
     config it does not need here) and import the auto classes: 5-6 s of a cold start. Transformers releases
-    without the ``integrations.gguf`` package (before 5.2x) take that route; both write the same tokenizer.
+    without the ``integrations.gguf`` package (5.0 has none, 5.24 has it) take that route; both write the same
+    tokenizer (tests/model/test_loader.py).
     """
     builder = _tokenizer_builder()
     if builder is None:

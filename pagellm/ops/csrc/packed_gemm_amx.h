@@ -92,8 +92,8 @@ struct Ahead {
 };
 
 // A block's outputs in a C buffer, converted and written to y a few rows per K step of the next block (write_rows),
-// so the vector work overlaps that block's tile products instead of following its own: 1.02-1.18x the GFLOP/s on
-// SmolLM2's shapes at 32 to 2,048 rows (docs/performance.md, Round 14). Only the order of the stores changes, not a
+// so the vector work overlaps that block's tile products instead of following its own: 1.04-1.25x the GFLOP/s on
+// SmolLM2's shapes at 32 and 2,048 rows (docs/performance.md, Round 14). Only the order of the stores changes, not a
 // bit of any output.
 struct Pending {
   const Problem* pb = nullptr;  // null: nothing pending
