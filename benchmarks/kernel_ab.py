@@ -5,7 +5,8 @@ Builds the packed GEMM (``--gemm-rev``), the fused element-wise kernels (``--fus
 runs of ``LLM(dtype="bfloat16").generate``. Machine noise is shared by both sides and the comparison is of the
 kernels, not the processes. The C signatures must match this tree's. Per round and batch size, each side serves
 one short run (prefill and one decode step) and one long one; the difference over the extra tokens is the time
-per decode step. The LM head (outside the stack) keeps this tree's GEMM on both sides.
+per decode step, and the short run's own time is printed too (prompts of 128 tokens: mostly their prefill). The LM
+head (outside the stack) keeps this tree's GEMM on both sides.
 
     .venv/bin/python benchmarks/kernel_ab.py --gemm-rev 5cc1084 [--fused-rev R] [--stack-rev R]
         [--batch 1 32] [--tokens 96] [--rounds 6]
@@ -86,17 +87,23 @@ def main() -> None:
     print(f"old = {revs}; new = this tree")
     for batch in args.batch:
         times: dict[str, list[float]] = {"old": [], "new": []}
+        prefill: dict[str, list[float]] = {"old": [], "new": []}
         for r in range(args.rounds):
             for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
                 use(old if name == "old" else new)
                 short = run(batch, 2)
+                prefill[name].append(short * 1e3)
                 times[name].append((run(batch, args.tokens) - short) / (args.tokens - 2) * 1e3)
         use(new)
-        ratio = statistics.median(times["new"]) / statistics.median(times["old"])
-        print(f"batch {batch:3d}: ms per decode step, old " + " / ".join(f"{t:.2f}" for t in times["old"])
-              + " | new " + " / ".join(f"{t:.2f}" for t in times["new"]) + f" | new / old (medians) {ratio:.3f}",
-              flush=True)
+        _report(batch, "ms per decode step", times)
+        _report(batch, "ms for the prompts and two tokens", prefill)
 
+
+def _report(batch: int, what: str, times: dict[str, list[float]]) -> None:
+    ratio = statistics.median(times["new"]) / statistics.median(times["old"])
+    print(f"batch {batch:3d}: {what}, old " + " / ".join(f"{t:.2f}" for t in times["old"])
+          + " | new " + " / ".join(f"{t:.2f}" for t in times["new"]) + f" | new / old (medians) {ratio:.3f}",
+          flush=True)
 
 if __name__ == "__main__":
     main()
