@@ -21,7 +21,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from pagellm.model import gguf_convert, loader
+from pagellm.model import gguf_convert, gguf_tokenizer, loader
 from pagellm.model.gguf_convert import convert_gguf_to_hf
 from pagellm.model.loader import (
     default_model_path,
@@ -267,11 +267,11 @@ def test_gguf_tokenizer_is_transformers_own(
     write_tiny_gguf(path, model, tiny_tokenizer, "llama")
     convert_gguf_to_hf(path, tmp_path / "direct")
 
-    assert gguf_convert._tokenizer_builder() is not None  # the transformers installed here has the builder
+    assert gguf_tokenizer._tokenizer_builder() is not None  # the transformers installed here has the builder
     routes: list[Path] = []
-    real_auto = gguf_convert._auto_backend_tokenizer
-    monkeypatch.setattr(gguf_convert, "_auto_backend_tokenizer", lambda p: routes.append(p) or real_auto(p))
-    monkeypatch.setattr(gguf_convert, "_tokenizer_builder", lambda: None)
+    real_auto = gguf_tokenizer._auto_backend_tokenizer
+    monkeypatch.setattr(gguf_tokenizer, "_auto_backend_tokenizer", lambda p: routes.append(p) or real_auto(p))
+    monkeypatch.setattr(gguf_tokenizer, "_tokenizer_builder", lambda: None)
     convert_gguf_to_hf(path, tmp_path / "auto")
     assert routes == [path]
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -124,6 +124,16 @@ void tile_kernel(const Tile& t) {
   finish_tile<MR, NR>(t, acc);
 }
 
+// One row's k-pair into its two accumulators (the 16 columns' halves): x[k] times the even k, then x[k + 1] times the
+// odd k, the template's order. Inlined into the named-accumulator tile, whose locals it updates in registers.
+__attribute__((always_inline)) inline void row_pair(const float* xk, __m256 e0, __m256 e1, __m256 o0, __m256 o1,
+                                                    __m256& ca, __m256& cb) {
+  __m256 a = _mm256_broadcast_ss(xk);
+  ca = _mm256_fmadd_ps(a, e0, ca), cb = _mm256_fmadd_ps(a, e1, cb);
+  a = _mm256_broadcast_ss(xk + 1);
+  ca = _mm256_fmadd_ps(a, o0, ca), cb = _mm256_fmadd_ps(a, o1, cb);
+}
+
 // The 5-row tile (the narrow kernel's full row groups, 5 to 47 rows: decode batches) with named accumulators, for
 // the reason tile_kernel_wide<6> gives. Same FMAs in the same order as the template.
 template <>
@@ -148,26 +158,11 @@ void tile_kernel<5, 1>(const Tile& t) {
     const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(lo, high));
     const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(hi, high));
     const int64_t k = 2 * p;
-    __m256 a = _mm256_broadcast_ss(x0 + k);
-    c0a = _mm256_fmadd_ps(a, e0, c0a), c0b = _mm256_fmadd_ps(a, e1, c0b);
-    a = _mm256_broadcast_ss(x0 + k + 1);
-    c0a = _mm256_fmadd_ps(a, o0, c0a), c0b = _mm256_fmadd_ps(a, o1, c0b);
-    a = _mm256_broadcast_ss(x0 + ld + k);
-    c1a = _mm256_fmadd_ps(a, e0, c1a), c1b = _mm256_fmadd_ps(a, e1, c1b);
-    a = _mm256_broadcast_ss(x0 + ld + k + 1);
-    c1a = _mm256_fmadd_ps(a, o0, c1a), c1b = _mm256_fmadd_ps(a, o1, c1b);
-    a = _mm256_broadcast_ss(x0 + 2 * ld + k);
-    c2a = _mm256_fmadd_ps(a, e0, c2a), c2b = _mm256_fmadd_ps(a, e1, c2b);
-    a = _mm256_broadcast_ss(x0 + 2 * ld + k + 1);
-    c2a = _mm256_fmadd_ps(a, o0, c2a), c2b = _mm256_fmadd_ps(a, o1, c2b);
-    a = _mm256_broadcast_ss(x3 + k);
-    c3a = _mm256_fmadd_ps(a, e0, c3a), c3b = _mm256_fmadd_ps(a, e1, c3b);
-    a = _mm256_broadcast_ss(x3 + k + 1);
-    c3a = _mm256_fmadd_ps(a, o0, c3a), c3b = _mm256_fmadd_ps(a, o1, c3b);
-    a = _mm256_broadcast_ss(x3 + ld + k);
-    c4a = _mm256_fmadd_ps(a, e0, c4a), c4b = _mm256_fmadd_ps(a, e1, c4b);
-    a = _mm256_broadcast_ss(x3 + ld + k + 1);
-    c4a = _mm256_fmadd_ps(a, o0, c4a), c4b = _mm256_fmadd_ps(a, o1, c4b);
+    row_pair(x0 + k, e0, e1, o0, o1, c0a, c0b);
+    row_pair(x0 + ld + k, e0, e1, o0, o1, c1a, c1b);
+    row_pair(x0 + 2 * ld + k, e0, e1, o0, o1, c2a, c2b);
+    row_pair(x3 + k, e0, e1, o0, o1, c3a, c3b);
+    row_pair(x3 + ld + k, e0, e1, o0, o1, c4a, c4b);
   }
   const __m256 sums[5][2] = {{c0a, c0b}, {c1a, c1b}, {c2a, c2b}, {c3a, c3b}, {c4a, c4b}};
   finish_tile<5, 1>(t, sums);
