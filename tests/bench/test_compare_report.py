@@ -10,9 +10,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import report  # noqa: E402
 
 
-def _record(system: str, round_: int, tok_s: float, ttft_p95: float, tpot_p95: float) -> dict:
-    metrics = {"output_throughput": tok_s, "p95_ttft_ms": ttft_p95, "p95_tpot_ms": tpot_p95, "median_tpot_ms": 1.0}
-    return {"system": system, "round": round_, "runs": [{"max_concurrency": 32, "metrics": metrics}]}
+def _record(system: str, round_: int, tok_s: float, ttft_p95: float, tpot_p95: float, conc: int = 32,
+            tpot_p50: float = 1.0) -> dict:
+    metrics = {"output_throughput": tok_s, "p95_ttft_ms": ttft_p95, "p95_tpot_ms": tpot_p95,
+               "median_tpot_ms": tpot_p50}
+    return {"system": system, "round": round_, "runs": [{"max_concurrency": conc, "metrics": metrics}]}
 
 
 def _row(rows: list[str], what: str) -> list[str]:
@@ -50,6 +52,16 @@ def test_a_single_round_reads_as_before():
     assert not any("median of the rounds" in r for r in rows)
 
 
+def test_a_sweep_without_concurrency_32_leaves_the_vllm_serving_targets_unmeasured():
+    served = [_record("pagellm", 1, 100, 90, 10, conc=1, tpot_p50=8.0), _record("vLLM", 1, 60, 200, 20, conc=1),
+              _record("llama.cpp (bf16)", 1, 80, 150, 12, conc=1, tpot_p50=11.0)]
+    rows = report._target_rows(served, {})
+    for what in ("c=32 output", "c=32 TTFT p95", "c=32 TPOT p95"):  # a c=1 ratio is not the c=32 target's
+        assert _row(rows, what)[1:] == ["n/a", "n/a", "–", "not measured"]
+    assert not any("c=1 output" in r for r in rows)
+    assert _row(rows, "c=1 TPOT p50 ≤ llama.cpp (bf16)")[1:] == ["8.0", "11.0", "0.73×", "yes"]
+
+
 def test_offline_rounds_pair_within_a_round_and_a_failed_round_is_left_out():
     offline = {"pagellm": {"output_throughput": 570.0, "rounds": [560.0, 580.0, 900.0]},
                "vLLM": {"output_throughput": 455.0, "rounds": [460.0, 290.0, None]}}  # vLLM failed in round 3
@@ -70,6 +82,7 @@ def test_an_offline_only_report_says_serving_was_not_run_and_lists_each_round(tm
     md = report.write_report(tmp_path / "r.md", tmp_path / "r", args, ctx, [], offline, {}, command="compare.py")
     text = md.read_text()
     assert "Not run in this invocation (`--offline-only`)." in text
+    assert "command and environment columns are each system's flags" in text  # the flags section is not empty
     assert "| pagellm | 545.5 (rounds: 551.0, 540.1, failed) |" in text and "`PAGELLM_NUM_THREADS=2` |" in text
     assert "| offline output tok/s ≥ 2× vLLM | 545.5 | 422.2 | 1.29× (rounds: 1.33, 1.26) | NO |" in text
     assert (tmp_path / "r" / "offline.png").exists()
