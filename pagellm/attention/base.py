@@ -29,11 +29,17 @@ def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: 
                  dtype: torch.dtype) -> torch.Tensor:
     """One layer's zeroed ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` K/V cache on fresh anonymous
     pages, which the OS hands out zero-filled when first touched: a multi-GiB cache costs nothing at start-up and
-    memory only as its blocks are used (``torch.zeros`` writes every byte first: ~3 s for 4 GiB here)."""
+    memory only as its blocks are used (``torch.zeros`` writes every byte first: ~3 s for 4 GiB here).
+
+    The pages are private and asked for as transparent huge pages: Python's default shared mapping is backed by
+    shmem, which the usual THP setting (``never`` for shmem) keeps on 4 KiB pages, so every 4 KiB of a new block
+    took a fault and the decode walk's random block reads a TLB miss each."""
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
     count = math.prod(shape)
-    pages = mmap.mmap(-1, count * dtype.itemsize)  # the tensor keeps the mapping alive
-    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
+    pages = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # no THP (another OS, or a kernel without it): 4 KiB pages
+        pages.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)  # the tensor keeps the mapping alive
 
 @dataclass
 class CommonAttentionInputs:

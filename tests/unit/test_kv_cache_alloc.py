@@ -1,5 +1,7 @@
 """The KV cache is zeroed without writing it: start-up does not pay for (or resident-map) gigabytes up front."""
 
+import os
+
 import torch
 
 from pagellm.attention.base import new_kv_cache
@@ -27,3 +29,29 @@ def test_a_large_cache_takes_memory_only_as_it_is_used():
     grown = _rss_bytes() - before
     assert 4 << 20 <= grown < 48 << 20
     assert cache[0, :64].eq(1.0).all() and not cache[0, 64:].any()
+
+
+def _mapping_of(address: int) -> tuple[str, list[str]]:
+    """The permissions and VmFlags of the mapping holding ``address``, from ``/proc/self/smaps``."""
+    perms, flags, inside = None, [], False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's header line: "start-end perms offset dev inode"
+                start, end = (int(x, 16) for x in head[0].split("-"))
+                inside = start <= address < end
+                if inside:
+                    perms = head[1]
+            elif inside and head[0] == "VmFlags:":
+                flags = head[1:]
+    assert perms is not None, f"no mapping holds {address:#x}"
+    return perms, flags
+
+
+def test_the_cache_is_private_memory_asking_for_huge_pages():
+    # A shared mapping is shmem, which the usual THP setting keeps on 4 KiB pages: a fault per 4 KiB of a new block.
+    cache = new_kv_cache(1024, 16, 4, 64, torch.bfloat16)  # 16 MiB
+    perms, flags = _mapping_of(cache.data_ptr())
+    assert perms.endswith("p"), f"the KV cache mapping is {perms}, not private"
+    if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):  # a kernel with THP takes the advice
+        assert "hg" in flags, f"no MADV_HUGEPAGE on the KV cache mapping: {flags}"
