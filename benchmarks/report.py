@@ -117,6 +117,21 @@ def _target_rows(served: list[dict[str, Any]], offline: dict[str, dict[str, Any]
     return rows
 
 
+def _offline_rows(offline: dict[str, dict[str, Any]], ctx: Any) -> list[str]:
+    """The offline table (each system's figure, command and environment), or a line saying it was not run."""
+    if not offline:
+        return ["Not run in this invocation (`--offline-num-prompts 0`)."]
+    rows = ["| system | output tok/s | command | environment |", "|---|---:|---|---|"]
+    for name, rec in offline.items():
+        value = f"{rec['output_throughput']:.1f}" if "output_throughput" in rec else f"failed: {rec.get('error')}"
+        if len(rec.get("rounds", ())) > 1:  # the median, then each round's figure
+            value += " (rounds: " + ", ".join("failed" if v is None else f"{v:.1f}" for v in rec["rounds"]) + ")"
+        env = " ".join(f"{k}={v}" for k, v in rec.get("env", {}).items())
+        env = f"`{_tidy(env, ctx)}`" if env else "–"
+        rows.append(f"| {name} | {value} | `{_tidy(rec['command'], ctx)}` | {env} |")
+    return rows
+
+
 def write_report(md_path: Path, out: Path, args: argparse.Namespace, ctx: Any, served: list[dict[str, Any]],
                  offline: dict[str, dict[str, Any]], skipped: dict[str, str], command: str | None = None) -> Path:
     charts = plot.plot_serve([{"label": _label(r, served), "runs": r["runs"]} for r in served if r["runs"]], str(out))
@@ -136,14 +151,7 @@ def write_report(md_path: Path, out: Path, args: argparse.Namespace, ctx: Any, s
              *(_serve_rows(served) + ["", "Server CPU % is the mean over the run of the whole process tree (100 = one "
                                       "core); peak RSS is over the server's whole life (tree sum)."] if served
                else ["Not run in this invocation (`--offline-only`)."]),
-             "", "## Offline throughput", "", "| system | output tok/s | command | environment |", "|---|---:|---|---|"]
-    for name, rec in offline.items():
-        value = f"{rec['output_throughput']:.1f}" if "output_throughput" in rec else f"failed: {rec.get('error')}"
-        if len(rec.get("rounds", ())) > 1:  # the median, then each round's figure
-            value += " (rounds: " + ", ".join("failed" if v is None else f"{v:.1f}" for v in rec["rounds"]) + ")"
-        env = " ".join(f"{k}={v}" for k, v in rec.get("env", {}).items())
-        env = f"`{_tidy(env, ctx)}`" if env else "–"
-        lines.append(f"| {name} | {value} | `{_tidy(rec['command'], ctx)}` | {env} |")
+             "", "## Offline throughput", "", *_offline_rows(offline, ctx)]
     lines += ["", "llama.cpp has no offline batch mode in this harness.", "", "## Targets (issue 4)",
               "", *_target_rows(served, offline), "", "## Flags each system got", ""]
     if not served:

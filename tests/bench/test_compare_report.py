@@ -86,3 +86,16 @@ def test_an_offline_only_report_says_serving_was_not_run_and_lists_each_round(tm
     assert "| pagellm | 545.5 (rounds: 551.0, 540.1, failed) |" in text and "`PAGELLM_NUM_THREADS=2` |" in text
     assert "| offline output tok/s ≥ 2× vLLM | 545.5 | 422.2 | 1.29× (rounds: 1.33, 1.26) | NO |" in text
     assert (tmp_path / "r" / "offline.png").exists()
+
+
+def test_a_serving_only_report_says_offline_was_not_run_instead_of_an_empty_table(tmp_path):
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(offline_num_prompts=0, input_len=128, output_len=128, concurrency=[32], notes="")
+    ctx = SimpleNamespace(model_dir=tmp_path / "model", dtype="bfloat16", threads=2)
+    served = [{"system": "pagellm", "round": 1, "runs": [], "error": "exited with code 1", "note": "serve --x"}]
+    text = report.write_report(tmp_path / "r.md", tmp_path / "r", args, ctx, served, {}, {}, command="c").read_text()
+    offline_section = text.split("## Offline throughput")[1].split("## Targets")[0]
+    assert "Not run in this invocation (`--offline-num-prompts 0`)." in offline_section
+    assert "| system | output tok/s |" not in offline_section
+    assert "| pagellm | – | – | failed: exited with code 1 |" in text and "- **pagellm**: serve --x" in text
