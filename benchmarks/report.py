@@ -117,10 +117,12 @@ def _target_rows(served: list[dict[str, Any]], offline: dict[str, dict[str, Any]
     return rows
 
 
-def _offline_rows(offline: dict[str, dict[str, Any]], ctx: Any) -> list[str]:
-    """The offline table (each system's figure, command and environment), or a line saying it was not run."""
+def _offline_rows(offline: dict[str, dict[str, Any]], ctx: Any, args: argparse.Namespace) -> list[str]:
+    """The offline table (each system's figure, command and environment), or a line saying why it was not run."""
     if not offline:
-        return ["Not run in this invocation (`--offline-num-prompts 0`)."]
+        why = "none of the chosen systems has an offline mode here" if args.offline_num_prompts else \
+            "`--offline-num-prompts 0`"
+        return [f"Not run in this invocation ({why})."]
     rows = ["| system | output tok/s | command | environment |", "|---|---:|---|---|"]
     for name, rec in offline.items():
         value = f"{rec['output_throughput']:.1f}" if "output_throughput" in rec else f"failed: {rec.get('error')}"
@@ -151,7 +153,7 @@ def write_report(md_path: Path, out: Path, args: argparse.Namespace, ctx: Any, s
              *(_serve_rows(served) + ["", "Server CPU % is the mean over the run of the whole process tree (100 = one "
                                       "core); peak RSS is over the server's whole life (tree sum)."] if served
                else ["Not run in this invocation (`--offline-only`)."]),
-             "", "## Offline throughput", "", *_offline_rows(offline, ctx)]
+             "", "## Offline throughput", "", *_offline_rows(offline, ctx, args)]
     lines += ["", "llama.cpp has no offline batch mode in this harness.", "", "## Targets (issue 4)",
               "", *_target_rows(served, offline), "", "## Flags each system got", ""]
     if not served:
