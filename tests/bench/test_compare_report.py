@@ -4,6 +4,7 @@ pagellm and the peer of the same round (the machine drifts between rounds), and 
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -99,3 +100,29 @@ def test_a_serving_only_report_says_offline_was_not_run_instead_of_an_empty_tabl
     assert "Not run in this invocation (`--offline-num-prompts 0`)." in offline_section
     assert "| system | output tok/s |" not in offline_section
     assert "| pagellm | – | – | failed: exited with code 1 |" in text and "- **pagellm**: serve --x" in text
+
+
+def test_another_workload_shows_its_ratios_without_a_verdict():
+    served = [_record("pagellm", 1, 600, 1000, 49), _record("vLLM", 1, 300, 2500, 90)]
+    rows = report._target_rows(served, {}, 32, other_workload="input len 1024")
+    assert _row(rows, "c=32 output") == ["c=32 output tok/s ≥ 1.5× vLLM", "600.0", "300.0", "2.00×",
+                                         "n/a (other workload)"]
+    assert _row(rows, "TPOT p95")[4] == "n/a (other workload)" and _row(rows, "offline")[4] == "not measured"
+    assert any("differs (input len 1024)" in r for r in rows)
+
+
+def test_a_report_on_another_workload_gives_no_verdict(tmp_path):
+    args = SimpleNamespace(offline_num_prompts=64, input_len=1024, output_len=128, concurrency=[32], notes="")
+    ctx = SimpleNamespace(model_dir=tmp_path / "model", dtype="bfloat16", threads=2)
+    offline = {"pagellm": {"output_throughput": 112.0, "command": "a"},
+               "vLLM": {"output_throughput": 85.8, "command": "b"}}
+    text = report.write_report(tmp_path / "r.md", tmp_path / "r", args, ctx, [], offline, {}, command="c").read_text()
+    targets = text.split("## Targets (issue 4)")[1].split("## Flags")[0]
+    assert "| offline output tok/s ≥ 2× vLLM | 112.0 | 85.8 | 1.31× | n/a (other workload) |" in targets
+    assert "| yes |" not in targets and "| NO |" not in targets
+
+
+def test_the_targets_workload_gets_a_verdict_and_a_float32_run_does_not():
+    same = SimpleNamespace(input_len=128, output_len=128)
+    assert report._other_workload(same, SimpleNamespace(dtype="bfloat16")) is None
+    assert report._other_workload(same, SimpleNamespace(dtype="float32")) == "dtype float32"
