@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
-from test_scheduler import make_request, make_scheduler, step
+from sched_fakes import make_request, make_scheduler, step
 
 from pagellm.config import CacheConfig
 from pagellm.metrics.history import StatsHistory, percentile
