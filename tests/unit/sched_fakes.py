@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections import Counter
 from typing import Callable, NamedTuple
 
-
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.metrics.stats import RequestTimes
 from pagellm.request import FinishReason, Request, RequestStatus

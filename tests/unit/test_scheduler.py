@@ -4,15 +4,28 @@ fake model output of ``sched_fakes`` (no model, no torch)."""
 from __future__ import annotations
 
 import pytest
+from sched_fakes import (
+    TOKEN,
+    assert_all_free,
+    check_invariants,
+    fake_output,
+    final_outputs,
+    make_request,
+    make_scheduler,
+    news,
+    per_request,
+    preemption_setup,
+    run_to_completion,
+    runner_output,
+    scheduled_trace,
+    step,
+    tokens_by_request,
+)
 
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.request import FinishReason, RequestStatus
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.sched.scheduler import Scheduler
-from sched_fakes import (
-    TOKEN, assert_all_free, check_invariants, fake_output, final_outputs, make_request, make_scheduler, news,
-    per_request, preemption_setup, run_to_completion, runner_output, scheduled_trace, step, tokens_by_request,
-)
 
 
 # ------------------------------------------------------------------------------------- the token budget

@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import pytest
-
-from pagellm.request import FinishReason
 from sched_fakes import (
-    TOKEN, TokenFn, assert_all_free, check_invariants, fake_output, final_outputs, make_request, make_scheduler,
-    news, per_request, preemption_setup, run_to_completion, runner_output, scheduled_trace, step,
+    TOKEN,
+    TokenFn,
+    assert_all_free,
+    check_invariants,
+    fake_output,
+    final_outputs,
+    make_request,
+    make_scheduler,
+    news,
+    per_request,
+    preemption_setup,
+    run_to_completion,
+    runner_output,
+    scheduled_trace,
+    step,
     tokens_by_request,
 )
+
+from pagellm.request import FinishReason
 
 
 # ------------------------------------------------------------------------------------------ stop rules

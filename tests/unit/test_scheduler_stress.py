@@ -7,9 +7,9 @@ import random
 from collections import Counter
 
 import pytest
+from sched_fakes import assert_all_free, check_invariants, make_request, make_scheduler, news, runner_output
 
 from pagellm.request import FinishReason, RequestStatus
-from sched_fakes import assert_all_free, check_invariants, make_request, make_scheduler, news, runner_output
 
 
 # ---------------------------------------------------------------------------------------- stress test

