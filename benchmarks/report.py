@@ -6,8 +6,8 @@ import argparse
 import os
 import platform
 import shlex
-import sys
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -130,8 +130,10 @@ def _target_rows(served: list[dict[str, Any]], offline: dict[str, dict[str, Any]
         rows += ["", "Each ratio is the median of the rounds' ratios (pagellm and the peer measured in the same "
                  "round); the pagellm and peer columns are the medians of their rounds."]
     if other_workload:
-        rows += ["", f"The targets are stated for random prompts of 128 in / 128 out in bfloat16; this run's workload "
-                 f"differs ({other_workload}), so its ratios are shown without a verdict."]
+        stated = TARGET_WORKLOAD
+        rows += ["", f"The targets are stated for random prompts of {stated['input_len']} in / {stated['output_len']} "
+                 f"out in {stated['dtype']}; this run's workload differs ({other_workload}), so its ratios are shown "
+                 "without a verdict."]
     return rows
 
 

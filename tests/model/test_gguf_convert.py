@@ -24,15 +24,6 @@ from pagellm.model.loader import (
     resolve_model_dir,
 )
 
-
-@pytest.fixture(scope="module")
-def default_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The built-in GGUF converted once; test_tokenizer.py uses the same cache root, so it converts once too."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PAGELLM_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "pagellm-cache"))
-        return resolve_model_dir(None)
-
-
 # ---------------------------------------------------------------------------------------------- tiny GGUFs
 
 LLAMA3_SCALING = {

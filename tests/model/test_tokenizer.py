@@ -13,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from pagellm.model.loader import default_model_path, resolve_model_dir
+from pagellm.model.loader import default_model_path
 from pagellm.tokenizer import Tokenizer
 
 SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -32,14 +32,6 @@ TEXTS = [
 # Non-ASCII numerals: the one place transformers' GGUF tokenizer (which ignores llama.cpp's "smollm" pre-type)
 # and SmolLM2's real tokenizer (every \p{N} character split off first) disagree.
 NON_ASCII_NUMERALS = "１２３ ٣٤ Ⅻ"
-
-
-@pytest.fixture(scope="module")
-def default_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Same cache root as test_loader.py, so the session converts the built-in GGUF once."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PAGELLM_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "pagellm-cache"))
-        return resolve_model_dir(None)
 
 
 @pytest.fixture(scope="module")
