@@ -54,6 +54,8 @@ class CacheConfig:
     kv_cache_memory: int = _help("Bytes of memory for the KV cache (all layers).", default=2 * GiB)
     enable_prefix_caching: bool = _help("Reuse KV blocks of identical prompt prefixes across requests.",
                                         default=True)
+    kv_cache_prefault: bool = _help("Populate the KV cache's memory in the background, on CPU time nothing else "
+                                    "wants, so that a block's first use does not pay for it.", default=True)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

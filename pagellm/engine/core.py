@@ -57,6 +57,11 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         return outputs, self.scheduler.make_stats()
 
+    def set_idle(self, idle: bool) -> None:
+        """The core process says when it waits for inputs with no request unfinished: the workers' idle-time work
+        (populating the KV cache's memory, worker/kv_prefault.py) runs in the background only then."""
+        self.executor.set_idle(idle)
+
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()
 

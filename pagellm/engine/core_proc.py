@@ -116,7 +116,12 @@ class EngineCoreLoop:
 
     def run(self) -> None:
         while True:
-            self.apply_inputs(block=not self.core.has_unfinished_requests())
+            if self.core.has_unfinished_requests():
+                self.apply_inputs(block=False)
+            else:  # an idle core sleeps on its queue; its workers' idle-time work runs meanwhile
+                self.core.set_idle(True)
+                self.apply_inputs(block=True)
+                self.core.set_idle(False)
             if self.core.has_unfinished_requests():
                 step, stats = self.core.step()
                 self.emit(EngineCoreOutputs(step, stats))

@@ -1,5 +1,5 @@
 """The executor interface: how the engine core reaches its workers (in-process today; multiprocess TP/PP and Ray
-executors implement the same three members)."""
+executors implement the same members)."""
 
 from __future__ import annotations
 
@@ -13,5 +13,8 @@ class Executor(Protocol):
     runtime: RuntimeInfo
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def set_idle(self, idle: bool) -> None:
+        """Whether the engine core is idle: the workers' idle-time work (populating the KV cache) runs only then."""
 
     def shutdown(self) -> None: ...

@@ -16,5 +16,8 @@ class UniProcExecutor:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)
 
+    def set_idle(self, idle: bool) -> None:
+        self.worker.set_idle(idle)
+
     def shutdown(self) -> None:
-        pass
+        self.worker.shutdown()

@@ -23,6 +23,7 @@ from pagellm.ops.build import build_library
 from pagellm.sample import native as sample_native
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.spec.base import make_proposer
+from pagellm.worker.kv_prefault import KVPrefaulter
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.runtime import RuntimeInfo
 
@@ -53,6 +54,7 @@ class Worker:
         self.runner = ModelRunner(model, backend, cache_config.block_size, proposer, model_config.seed,
                                   arch.vocab_size, model_dir, spec_config.disable_by_batch_size)
         self.runner.bind_kv_cache(num_blocks, self.dtype)
+        self.prefaulter = KVPrefaulter(self.runner.kv_caches) if cache_config.kv_cache_prefault else None
         if self.dtype == torch.bfloat16:  # build/load the native layer kernels now, not during the first request
             flash_amx = isinstance(backend, cpu_paged.CpuPagedBackend) and cpu_paged.load_kernel().use_amx()
             logger.info("native kernels: packed GEMM %s, fused element-wise %s, decoder stack %s, flash tiles %s",
@@ -66,6 +68,19 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)
+
+    def set_idle(self, idle: bool) -> None:
+        """Idle-time work (populating the KV cache's memory) runs in the background only while ``idle``."""
+        if self.prefaulter is None:
+            return
+        if idle:
+            self.prefaulter.resume()
+        else:
+            self.prefaulter.pause()
+
+    def shutdown(self) -> None:
+        if self.prefaulter is not None:
+            self.prefaulter.close()
 
 
 def _start_kernel_builds(dtype: torch.dtype, attention_backend: str) -> None:
