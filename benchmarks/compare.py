@@ -103,6 +103,7 @@ def bench_system(system: systems.System, port: int, args: argparse.Namespace, ct
         try:
             record["ready_s"] = wait_ready(base_url, proc, args.ready_timeout)
             print(f"[{label}] ready in {record['ready_s']:.1f} s", flush=True)
+            time.sleep(args.settle)
             for concurrency, count in zip(args.concurrency, args.num_prompts):
                 result = bench_serve.run(serve_args(base_url, args, concurrency, count, proc.pid, system, ctx))
                 record["runs"] += result["runs"]
@@ -196,6 +197,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ready-timeout", type=float, default=600)
+    parser.add_argument("--settle", type=float, default=0.0, metavar="S",
+                        help="seconds each server idles after it is ready, before its load (the same for every "
+                             "system): a deployed server idles before its traffic, and pagellm populates its KV "
+                             "cache's memory then, which vLLM does before it is ready (default 0: load at once)")
     parser.add_argument("--offline-timeout", type=float, default=1800)
     parser.add_argument("--rounds", type=int, default=1,
                         help="serve every system this many times, alternating (pagellm, peers, pagellm, ...); the "

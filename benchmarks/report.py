@@ -154,6 +154,12 @@ def _offline_rows(offline: dict[str, dict[str, Any]], ctx: Any, args: argparse.N
     return rows
 
 
+def _settled(args: argparse.Namespace) -> str:
+    settle = getattr(args, "settle", 0.0)  # results.json of runs before --settle existed lack it
+    return (f" Every server idled {settle:g} s after it was ready before its load (`--settle`); time to ready does "
+            "not include it.") if settle else ""
+
+
 def write_report(md_path: Path, out: Path, args: argparse.Namespace, ctx: Any, served: list[dict[str, Any]],
                  offline: dict[str, dict[str, Any]], skipped: dict[str, str], command: str | None = None) -> Path:
     charts = plot.plot_serve([{"label": _label(r, served), "runs": r["runs"]} for r in served if r["runs"]], str(out))
@@ -171,8 +177,8 @@ def write_report(md_path: Path, out: Path, args: argparse.Namespace, ctx: Any, s
              f"Command: `{command or shlex.join(['python', 'benchmarks/compare.py', *sys.argv[1:]])}`", "",
              "## Serving (`pagellm bench serve`, same sweep for every system)", "",
              *(_serve_rows(served) + ["", "Server CPU % is the mean over the run of the whole process tree (100 = one "
-                                      "core); peak RSS is over the server's whole life (tree sum)."] if served
-               else ["Not run in this invocation (`--offline-only`)."]),
+                                      "core); peak RSS is over the server's whole life (tree sum)." + _settled(args)]
+               if served else ["Not run in this invocation (`--offline-only`)."]),
              "", "## Offline throughput", "", *_offline_rows(offline, ctx, args)]
     lines += ["", "llama.cpp has no offline batch mode in this harness.", "", "## Targets (issue 4)",
               "", *_target_rows(served, offline, other_workload=_other_workload(args, ctx)), "",

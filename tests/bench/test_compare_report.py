@@ -126,3 +126,13 @@ def test_the_targets_workload_gets_a_verdict_and_a_float32_run_does_not():
     same = SimpleNamespace(input_len=128, output_len=128)
     assert report._other_workload(same, SimpleNamespace(dtype="bfloat16")) is None
     assert report._other_workload(same, SimpleNamespace(dtype="float32")) == "dtype float32"
+
+
+def test_a_settled_run_says_each_server_idled_before_its_load(tmp_path):
+    ctx = SimpleNamespace(model_dir=tmp_path / "model", dtype="bfloat16", threads=2)
+    served = [{"system": "pagellm", "round": 1, "runs": [], "error": "exited with code 1", "note": "serve"}]
+    for settle, said in ((15.0, True), (0.0, False)):
+        args = SimpleNamespace(offline_num_prompts=0, input_len=128, output_len=128, concurrency=[32], notes="",
+                               settle=settle)
+        text = report.write_report(tmp_path / "r.md", tmp_path / "r", args, ctx, served, {}, {}, "c").read_text()
+        assert ("Every server idled 15 s after it was ready before its load" in text) == said
