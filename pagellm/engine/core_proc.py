@@ -100,14 +100,21 @@ def _serve(config: EngineConfig, inputs: queue.Queue[EngineCoreInput | None], ou
     return 0
 
 
+# How long the core waits on an empty queue before its workers start their idle-time work: the gaps of a steady
+# stream of requests stay clear of it, and so does the frontend's own start-up after the handshake (the KV prefault's
+# page faults are also the VM host's work, which slows every process here, whatever their priorities).
+IDLE_GRACE_S = 2.0
+
+
 class EngineCoreLoop:
     """The busy loop: apply inputs → step → emit outputs. ``emit`` takes each outgoing message."""
 
     def __init__(self, core: EngineCore, inputs: queue.Queue[EngineCoreInput | None],
-                 emit: Callable[[EngineCoreOutputs], None]) -> None:
+                 emit: Callable[[EngineCoreOutputs], None], idle_grace_s: float = IDLE_GRACE_S) -> None:
         self.core = core
         self.inputs = inputs
         self.emit = emit
+        self.idle_grace_s = idle_grace_s
         self._utilities: dict[str, Callable[[], Any]] = {
             "get_stats": core.scheduler.make_stats,
             "reset_prefix_cache": core.reset_prefix_cache,
@@ -118,22 +125,24 @@ class EngineCoreLoop:
         while True:
             if self.core.has_unfinished_requests():
                 self.apply_inputs(block=False)
-            else:  # an idle core sleeps on its queue; its workers' idle-time work runs meanwhile
-                self.core.set_idle(True)
+            elif not self.apply_inputs(block=True, timeout=self.idle_grace_s):
+                self.core.set_idle(True)  # idle a while: the workers' idle-time work runs until an input comes
                 self.apply_inputs(block=True)
                 self.core.set_idle(False)
             if self.core.has_unfinished_requests():
                 step, stats = self.core.step()
                 self.emit(EngineCoreOutputs(step, stats))
 
-    def apply_inputs(self, block: bool) -> None:
-        """Apply every queued input; when ``block``, first wait for one (an idle core sleeps here)."""
+    def apply_inputs(self, block: bool, timeout: float | None = None) -> bool:
+        """Apply every queued input; when ``block``, first wait for one (an idle core sleeps here), at most
+        ``timeout`` seconds if given. Returns whether any came."""
+        applied = False
         while True:
             try:
-                message = self.inputs.get(block=block)
+                message = self.inputs.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
-                return
-            block = False
+                return applied
+            block, applied = False, True
             self.apply(message)
 
     def apply(self, message: EngineCoreInput | None) -> None:

@@ -1,5 +1,6 @@
 """The engine core populates its KV cache while idle (worker/kv_prefault.py): the loop tells the workers when it
-waits for inputs with nothing to run, and a core left idle gets every block populated, then serves as before."""
+has waited a while for inputs with nothing to run, and a core left idle gets every block populated, then serves as
+before."""
 
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ class _Stop(Exception):
 
 
 class _RecordingCore:
-    """What the loop asks of a core, in order; its second step ends the loop."""
+    """What the loop asks of a core, in order; a request arrives when it goes idle; its second step ends the loop."""
 
     scheduler = SimpleNamespace(make_stats=None, kv=None)  # read by the loop's utility table only
     reset_prefix_cache = None
 
-    def __init__(self) -> None:
+    def __init__(self, inputs: queue.Queue[Any]) -> None:
+        self.inputs = inputs
         self.log: list[str] = []
         self.unfinished = 0
 
@@ -35,6 +37,8 @@ class _RecordingCore:
 
     def set_idle(self, idle: bool) -> None:
         self.log.append("idle" if idle else "busy")
+        if idle:
+            self.inputs.put(AddRequests([request("b", [1, 2])]))
 
     def add_request(self, req: Any) -> None:
         self.log.append(f"add {req.request_id}")
@@ -47,14 +51,20 @@ class _RecordingCore:
         return None, None
 
 
-def test_the_loop_is_idle_only_while_it_waits_with_nothing_to_run() -> None:
-    core = _RecordingCore()
+def _run_loop(queued: list[Any]) -> list[str]:
     inputs: queue.Queue[Any] = queue.Queue()
-    inputs.put(AddRequests([request("a", [1, 2])]))
+    for message in queued:
+        inputs.put(message)
+    core = _RecordingCore(inputs)
     with pytest.raises(_Stop):
-        core_proc.EngineCoreLoop(core, inputs, lambda out: None).run()  # type: ignore[arg-type]
-    # Idle while blocked on the queue; busy before the first step, and no idle call between busy steps.
-    assert core.log == ["idle", "add a", "busy", "step", "step"]
+        core_proc.EngineCoreLoop(core, inputs, lambda out: None, idle_grace_s=0.01).run()  # type: ignore[arg-type]
+    return core.log
+
+
+def test_the_loop_is_idle_only_after_a_grace_with_nothing_to_run() -> None:
+    # Work within the grace: never idle. None within it: idle until an input comes, busy before the step.
+    assert _run_loop([AddRequests([request("a", [1, 2])])]) == ["add a", "step", "step"]
+    assert _run_loop([]) == ["idle", "add b", "busy", "step", "step"]
 
 
 def test_an_idle_core_populates_its_cache_then_serves(tiny_llama: Path) -> None:
