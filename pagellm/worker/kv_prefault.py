@@ -3,17 +3,19 @@
 The cache's pages come from the OS zero-filled on first touch (``attention/base.py: new_kv_cache``), so start-up
 does not pay for gigabytes up front; but a step that writes K/V into a block never used before pays for the touch
 inside its forward pass, on the main thread while the other OpenMP threads wait. On a VM whose host has not backed
-that memory yet this costs 1.5-2.8 s per GiB: 6 % of a fresh server's c=32 run here (docs/performance.md, Rounds 16
-and 17). vLLM pays it before it is ready (it writes its cache with zeros at start-up).
+that memory yet this costs 1.5-2.8 s per GiB: a c=32 run on a server that populated its cache while idle gave 10 %
+more output tokens/s than one that did not (docs/performance.md, Round 17). vLLM pays it before it is ready (it
+writes its cache with zeros at start-up).
 
 ``KVPrefaulter.step`` asks the kernel to populate one piece of the cache (``madvise(MADV_POPULATE_WRITE)``: the
 pages are faulted in writable as a write would, their contents left as they are, so blocks in use are safe): 2 MiB
 of one layer's K or V. Pieces go in the order the free queue hands blocks out (ascending ids, each block range
 across every layer), so the first blocks used are the first populated. A background thread takes the steps while
-the engine core says it is idle (``resume``/``pause``, from ``EngineCoreLoop.run``), at the lowest scheduling
-priority (``SCHED_IDLE``: it runs only on a core nothing else wants, so it slows neither start-up's other work nor
-a step). A server that waits for traffic thus gets its cache ready without delaying its start. Where the kernel
-lacks the call (Linux < 5.14, other systems) the first step says so and the thread stops.
+the engine core says it is idle (``resume``/``pause``: ``EngineCoreLoop.run`` after 2 s with nothing to run, until
+the next input), at the lowest scheduling priority (``SCHED_IDLE``: in the guest it runs only on a core nothing else
+wants; the host's share of each fault no priority lowers, hence the loop's grace). A server that waits for traffic
+thus gets its cache ready without delaying its start. Where the kernel lacks the call (Linux < 5.14, other systems)
+the first step says so and the thread stops.
 """
 
 from __future__ import annotations
