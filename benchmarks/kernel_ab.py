@@ -59,26 +59,11 @@ def main() -> None:
         raise SystemExit("the native decoder stack does not serve this model here")
     lib, kernels = loaded
     stack = stacks[0]
-    fields = ("linear", "add_rms_norm", "rotary", "silu_and_mul", "linear_silu_mul")
-    new = {name: getattr(kernels, name) for name in fields} | {"fn": stack._fn}
-    old = dict(new)
-    if args.gemm_rev:
-        old_gemm = packed_gemm_at(args.gemm_rev)
-        old["linear"] = _address(old_gemm.pagellm_packed_linear_bf16)
-        # a revision without the fused gate/up pass: the stack makes the two calls (null pointer)
-        fused_pass = getattr(old_gemm, "pagellm_packed_linear_silu_mul_bf16", None)
-        old["linear_silu_mul"] = _address(fused_pass) if fused_pass is not None else None
-    if args.fused_rev:
-        fused = library_at(args.fused_rev, "pagellm/ops/csrc/fused.cpp")
-        for name in ("add_rms_norm", "rotary", "silu_and_mul"):
-            old[name] = _address(getattr(fused, f"pagellm_{name}_bf16"))
-    if args.stack_rev:
-        fn = library_at(args.stack_rev, "pagellm/ops/csrc/decoder_stack.cpp").pagellm_decoder_stack_bf16
-        fn.argtypes, fn.restype = lib.pagellm_decoder_stack_bf16.argtypes, lib.pagellm_decoder_stack_bf16.restype
-        old["fn"] = fn
+    new = {name: getattr(kernels, name) for name in FIELDS} | {"fn": stack._fn}
+    old = _old_kernels(args, lib, new)
 
     def use(side: dict) -> None:
-        for name in fields:
+        for name in FIELDS:
             setattr(kernels, name, side[name])
         stack._fn = side["fn"]
 
@@ -97,6 +82,29 @@ def main() -> None:
         use(new)
         _report(batch, "ms per decode step", times)
         _report(batch, "ms for the prompts and two tokens", prefill)
+
+
+FIELDS = ("linear", "add_rms_norm", "rotary", "silu_and_mul", "linear_silu_mul")  # the stack's kernel pointers
+
+
+def _old_kernels(args: argparse.Namespace, lib, new: dict) -> dict:
+    """``new`` with the kernels of the revisions given (--gemm-rev, --fused-rev, --stack-rev) in their places."""
+    old = dict(new)
+    if args.gemm_rev:
+        old_gemm = packed_gemm_at(args.gemm_rev)
+        old["linear"] = _address(old_gemm.pagellm_packed_linear_bf16)
+        # a revision without the fused gate/up pass: the stack makes the two calls (null pointer)
+        fused_pass = getattr(old_gemm, "pagellm_packed_linear_silu_mul_bf16", None)
+        old["linear_silu_mul"] = _address(fused_pass) if fused_pass is not None else None
+    if args.fused_rev:
+        fused = library_at(args.fused_rev, "pagellm/ops/csrc/fused.cpp")
+        for name in ("add_rms_norm", "rotary", "silu_and_mul"):
+            old[name] = _address(getattr(fused, f"pagellm_{name}_bf16"))
+    if args.stack_rev:
+        fn = library_at(args.stack_rev, "pagellm/ops/csrc/decoder_stack.cpp").pagellm_decoder_stack_bf16
+        fn.argtypes, fn.restype = lib.pagellm_decoder_stack_bf16.argtypes, lib.pagellm_decoder_stack_bf16.restype
+        old["fn"] = fn
+    return old
 
 
 def _report(batch: int, what: str, times: dict[str, list[float]]) -> None:

@@ -35,14 +35,7 @@ def run_stress(seed: int, policy: str = "fcfs", chunked: bool = True, budget: in
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, budget=budget, max_num_seqs=max_num_seqs,
                            policy=policy, max_model_len=max_model_len, lookahead=lookahead, chunked=chunked,
                            caching=caching)
-    prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
-    pending = []
-    for i in range(40):
-        prompt = rng.choice(prefixes)[:rng.randint(0, 12)] + [rng.randrange(50) for _ in range(rng.randint(1, 16))]
-        max_tokens = rng.randint(1, min(12, max_model_len - len(prompt)))
-        pending.append(make_request(f"r{i}", prompt, max_tokens=max_tokens, eos={0},
-                                    priority=rng.randint(0, 3), arrival=float(i), ignore_eos=rng.random() < 0.3,
-                                    salt="s" if rng.random() < 0.1 else None))
+    pending = _random_requests(rng, max_model_len)
     all_requests = {r.request_id: r for r in pending}
     aborted: set[str] = set()
     streamed: dict[str, list[int]] = {}
@@ -64,17 +57,7 @@ def run_stress(seed: int, policy: str = "fcfs", chunked: bool = True, budget: in
         out = sched.schedule()
         check_invariants(sched)
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens) <= budget
-        req_ids, sampled, drafts = [], [], {}
-        for rid in out.req_ids:
-            request = sched.requests[rid]
-            req_ids.append(rid)
-            if sched.num_computed_tokens(rid) < request.num_tokens:
-                sampled.append([])
-                continue
-            spec = out.spec_token_ids.get(rid, [])
-            sampled.append(spec[:rng.randint(0, len(spec))] + [rng.randrange(50)])
-            if rng.random() < 0.3:
-                drafts[rid] = [rng.randrange(50) for _ in range(rng.randint(1, 3))]
+        req_ids, sampled, drafts = _fake_model(rng, sched, out)
         if req_ids and rng.random() < 0.05:   # an abort that lands while the step runs
             victim = rng.choice(req_ids)
             sched.abort_requests([victim])
@@ -90,6 +73,42 @@ def run_stress(seed: int, policy: str = "fcfs", chunked: bool = True, budget: in
     assert_all_free(sched)
     assert totals["preemptions"] > 0                      # the pool really ran short
     assert (totals["hits"] > 0) == caching                 # and prefixes were shared
+    _check_outcomes(all_requests, streamed, finish, aborted, max_model_len)
+
+
+def _random_requests(rng: random.Random, max_model_len: int) -> list:
+    """40 requests whose prompts start with a random cut of one of three shared prefixes."""
+    prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
+    pending = []
+    for i in range(40):
+        prompt = rng.choice(prefixes)[:rng.randint(0, 12)] + [rng.randrange(50) for _ in range(rng.randint(1, 16))]
+        max_tokens = rng.randint(1, min(12, max_model_len - len(prompt)))
+        pending.append(make_request(f"r{i}", prompt, max_tokens=max_tokens, eos={0},
+                                    priority=rng.randint(0, 3), arrival=float(i), ignore_eos=rng.random() < 0.3,
+                                    salt="s" if rng.random() < 0.1 else None))
+    return pending
+
+
+def _fake_model(rng: random.Random, sched, out) -> tuple[list[str], list[list[int]], dict[str, list[int]]]:
+    """A step's output: nothing for rows still prefilling, else a random accepted part of the drafts plus one
+    token, and sometimes new drafts."""
+    req_ids, sampled, drafts = [], [], {}
+    for rid in out.req_ids:
+        request = sched.requests[rid]
+        req_ids.append(rid)
+        if sched.num_computed_tokens(rid) < request.num_tokens:
+            sampled.append([])
+            continue
+        spec = out.spec_token_ids.get(rid, [])
+        sampled.append(spec[:rng.randint(0, len(spec))] + [rng.randrange(50)])
+        if rng.random() < 0.3:
+            drafts[rid] = [rng.randrange(50) for _ in range(rng.randint(1, 3))]
+    return req_ids, sampled, drafts
+
+
+def _check_outcomes(all_requests: dict, streamed: dict[str, list[int]], finish: dict[str, FinishReason],
+                    aborted: set[str], max_model_len: int) -> None:
+    """Every request finished, streamed exactly its output, and stopped for the reason its output shows."""
     for rid, request in all_requests.items():
         assert request.is_finished
         assert streamed.get(rid, []) == request.output_token_ids
