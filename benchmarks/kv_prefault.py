@@ -10,7 +10,6 @@ idle moments of start-up). Prints each round, each side's medians and the ratios
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from compare import free_port, stop, wait_ready  # noqa: E402
+from compare import free_port, serve_args, stop, wait_ready  # noqa: E402
 from peers import systems  # noqa: E402
 
 from pagellm.bench import serve as bench_serve  # noqa: E402
@@ -28,22 +27,17 @@ FIGURES = (("output tok/s", "output_throughput"), ("TTFT p95 ms", "p95_ttft_ms")
            ("TPOT p95 ms", "p95_tpot_ms"))
 
 
-def one_run(args: argparse.Namespace, flags: list[str]) -> dict[str, float]:
+def one_run(args: argparse.Namespace, ctx: systems.Context, flags: list[str]) -> dict[str, float]:
+    """One fresh server as compare.py starts pagellm (plus ``flags``), its ready time and its load's figures."""
     port = free_port()
-    argv = [sys.executable, "-m", "pagellm.cli", "serve", "--port", str(port), "--dtype", args.dtype,
-            "--kv-cache-memory", str(systems.KV_GIB << 30), "--disable-log-stats", *flags]
-    proc = subprocess.Popen(argv, env={**os.environ, "PAGELLM_NUM_THREADS": str(args.threads)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            cwd=systems.REPO)
+    system = systems.pagellm(ctx, port)
+    system.argv += ["--disable-log-stats", *flags]
+    proc = subprocess.Popen(system.argv, env=systems.environment(system), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True, cwd=systems.REPO)
     try:
         ready = wait_ready(f"http://127.0.0.1:{port}", proc, 300)
         time.sleep(args.settle)
-        parser = argparse.ArgumentParser()
-        bench_serve.add_cli_args(parser)
-        load = parser.parse_args(["--base-url", f"http://127.0.0.1:{port}", "--max-concurrency",
-                                  str(args.concurrency), "--num-prompts", str(args.num_prompts), "--input-len",
-                                  str(args.input_len), "--output-len", str(args.output_len), "--seed", "32",
-                                  "--no-progress"])
+        load = serve_args(f"http://127.0.0.1:{port}", args, args.concurrency, args.num_prompts, proc.pid, system, ctx)
         metrics = bench_serve.run(load)["runs"][0]["metrics"]
     finally:
         stop(proc)
@@ -61,10 +55,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
+    from pagellm.model.loader import default_model_path, resolve_model_dir
+
+    ctx = systems.Context(resolve_model_dir(None), default_model_path(), args.dtype, args.threads, args.concurrency)
     runs: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
     for round_ in range(args.rounds):
         for side in (list(SIDES) if round_ % 2 == 0 else list(SIDES)[::-1]):  # which goes first alternates
-            runs[side].append(one_run(args, SIDES[side]))
+            runs[side].append(one_run(args, ctx, SIDES[side]))
             print(f"round {round_ + 1} {side}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[side][-1].items()),
                   flush=True)
     print(f"\nc={args.concurrency}, {args.num_prompts} prompts {args.input_len}/{args.output_len}, "

@@ -104,8 +104,7 @@ class KVPrefaulter:
     def close(self, timeout: float | None = None) -> None:
         self._closed = True
         self._idle.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self.wait(timeout)
 
     def _background(self) -> None:
         try:
