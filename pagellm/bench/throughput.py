@@ -125,7 +125,15 @@ def run_transformers(model: str | None, requests: list[datasets.BenchRequest], t
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from pagellm.cli import engine_kwargs
 
-    requests = datasets.load(args.dataset, dataset_options(args))
+    tokenizer = None
+    if args.dataset == "sharegpt":  # the replies' lengths, counted by the model's own tokenizer
+        from pagellm.model.loader import resolve_model_dir
+
+        tokenizer = str(resolve_model_dir(args.model))
+    requests = datasets.load(args.dataset, dataset_options(args, tokenizer))
+    if len({r.is_chat for r in requests}) > 1:
+        raise ValueError("the requests mix prompts and chat messages: the offline benchmark runs one kind "
+                         "(LLM.generate or LLM.chat)")
     engine_args = engine_kwargs(args)
     results = []
     for backend in args.backend:

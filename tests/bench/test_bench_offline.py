@@ -43,3 +43,28 @@ def test_latency_reports_each_batch_size(tiny_llama: Path, tmp_path: Path) -> No
 def test_bench_reports_bad_options_as_usage_errors(capsys) -> None:
     assert main(["bench", "serve", "--dataset", "random", "--num-prompts", "0"]) == 2
     assert "at least 1" in capsys.readouterr().err
+
+
+def test_throughput_on_a_sharegpt_file_counts_replies_with_the_models_tokenizer(tiny_llama: Path,
+                                                                                 tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    replies = ["A reply of a few words here.", "Another, somewhat longer reply to the second question."]
+    data = [{"conversations": [{"from": "human", "value": f"Please answer question {i} in a sentence."},
+                               {"from": "gpt", "value": r}]} for i, r in enumerate(replies)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    out = tmp_path / "throughput.json"
+    rc = main(["bench", "throughput", "--model", str(tiny_llama), *TINY_ENGINE, "--dataset", "sharegpt",
+               "--dataset-path", str(path), "--num-prompts", "2", "--result-json", str(out)])
+    assert rc == 0
+    (result,) = json.loads(out.read_text())["results"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    assert result["total_output_tokens"] == sum(len(tokenizer.encode(r, add_special_tokens=False)) for r in replies)
+
+
+def test_throughput_refuses_a_file_mixing_prompts_and_messages(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"prompt": "hi"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    assert main(["bench", "throughput", "--dataset", "custom", "--dataset-path", str(path), "--num-prompts", "2"]) == 2
+    assert "mix prompts and chat messages" in capsys.readouterr().err

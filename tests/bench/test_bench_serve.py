@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from server_utils import ServerProcess
+from transformers import AutoTokenizer
 
 from pagellm.bench.cpu import TreeSampler, find_listening_pid
 from pagellm.cli import main
@@ -23,7 +24,7 @@ CPU_KEYS = {"mean_cpu_percent", "peak_cpu_percent", "peak_rss_mb", "cpu_samples"
 def _bench(server: ServerProcess, tmp_path: Path, *args: str) -> tuple[int, dict]:
     out = tmp_path / "result.json"
     rc = main(["bench", "serve", "--base-url", server.base_url, "--no-progress", "--vocab-size", "256",
-               "--result-json", str(out), *args])
+               "--api-key", server.api_key, "--result-json", str(out), *args])
     return rc, json.loads(out.read_text())
 
 
@@ -62,6 +63,47 @@ def test_text_datasets_are_served(bench_server: ServerProcess, tmp_path: Path, d
     (run,) = result["runs"]
     assert (run["metrics"]["completed"], run["metrics"]["total_output_tokens"]) == (2, 6)
     assert all(r["prompt_len"] > 20 for r in run["requests"])  # counted by the server, from real text
+
+
+def test_sharegpt_file_asks_for_each_reply_length(bench_server: ServerProcess, tmp_path: Path) -> None:
+    replies = ["Sure, here is a short answer.", "No.", "The capital of France is Paris, a city on the Seine."]
+    conversations = [{"conversations": [{"from": "human", "value": f"Question number {i}, please answer it."},
+                                        {"from": "gpt", "value": reply}]} for i, reply in enumerate(replies)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(conversations))
+    count = AutoTokenizer.from_pretrained(bench_server.model)
+    lengths = [len(count.encode(r, add_special_tokens=False)) for r in replies]
+    kept = [n for n in lengths if n >= 4]  # vLLM's rule drops replies under 4 tokens
+    assert len(kept) == 2
+    rc, result = _bench(bench_server, tmp_path, "--dataset", "sharegpt", "--dataset-path", str(path),
+                        "--tokenizer", str(bench_server.model), "--num-prompts", "4", "--num-warmups", "0")
+    assert rc == 0
+    (run,) = result["runs"]
+    assert run["metrics"]["completed"] == 4
+    assert sorted(r["output_len"] for r in run["requests"]) == sorted(kept * 2)  # each reply's length, EOS ignored
+
+
+def test_custom_text_prompts_go_to_chat_on_request(bench_server: ServerProcess, tmp_path: Path) -> None:
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"prompt": "Tell me a story.", "max_tokens": 4}\n{"prompt": "Count to three.", "max_tokens": 2}\n')
+    rc, result = _bench(bench_server, tmp_path, "--dataset", "custom", "--dataset-path", str(path),
+                        "--endpoint", "chat", "--num-prompts", "2", "--num-warmups", "0")
+    assert rc == 0
+    (run,) = result["runs"]
+    assert sorted(r["output_len"] for r in run["requests"]) == [2, 4]
+    text = AutoTokenizer.from_pretrained(bench_server.model).encode("Tell me a story.", add_special_tokens=False)
+    longest = max(r["prompt_len"] for r in run["requests"])
+    assert longest > len(text) + 2  # counted by the server: the chat template wrapped each text
+
+
+def test_a_server_behind_a_key_needs_it(bench_server: ServerProcess, capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    rc = main(["bench", "serve", "--base-url", bench_server.base_url, "--no-progress", "--vocab-size", "256",
+               "--num-prompts", "1", "--output-len", "2"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "HTTP 401" in err and "pass --api-key" in err
 
 
 def test_failed_requests_are_counted_not_raised(bench_server: ServerProcess, tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ class ServerProcess:
         self.model = model
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.api_key = extra_args[extra_args.index("--api-key") + 1] if "--api-key" in extra_args else None
         cmd = [sys.executable, "-m", "pagellm.cli", "serve", str(model), "--port", str(self.port), *ENGINE_FLAGS,
                *extra_args]
         env = {**os.environ, "PAGELLM_NUM_THREADS": "1", "PAGELLM_LOG_LEVEL": "INFO"}
