@@ -45,9 +45,48 @@ def test_greedy_rows_take_the_first_maximum() -> None:
     logits[2, -1] = 100.0                # the maximum in the ragged tail
     temperature = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0, 0.5])
     picked = native.sample_rows(logits, temperature, torch.full((6,), 0.5))
-    greedy = first_argmax(logits)
+    greedy = logits.max(dim=-1).indices  # the twin
     assert picked[[0, 1, 2, 4]].tolist() == greedy[[0, 1, 2, 4]].tolist()
     assert picked[1].item() == 5 and picked[2].item() == VOCAB - 1
+
+
+def _ties(rows: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random rows, each with its maximum repeated at a few ids (same lane, other lanes, the ragged tail), some rows
+    with every value -inf or +inf among -inf."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
+    for r in range(rows):
+        count = 1 + r % 4
+        ids = torch.randint(0, vocab, (count,), generator=gen)
+        logits[r, ids] = 50.0 + r % 3
+        if r % 5 == 0:
+            logits[r, ids % 16] = 50.0 + r % 3  # the same lane of an earlier vector
+    if rows > 2:
+        logits[1] = float("-inf")
+        logits[2] = float("-inf")
+        logits[2, vocab // 2:] = float("inf")
+    return logits
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 1024, VOCAB])
+def test_greedy_argmax_is_torchs_first_maximum(dtype: torch.dtype, vocab: int) -> None:
+    logits = _ties(37, vocab, dtype)
+    assert torch.equal(native.first_argmax_rows(logits), logits.max(dim=-1).indices)
+    wide = _ties(9, vocab + 40, dtype)[:, 3:3 + vocab]  # rows apart by more than their length
+    assert torch.equal(native.first_argmax_rows(wide), wide.max(dim=-1).indices)
+    one = logits[5:6]
+    assert torch.equal(native.first_argmax_rows(one), one.max(dim=-1).indices)  # one row: no threads
+
+
+def test_greedy_argmax_passes_over_nan_and_gives_0_without_a_value() -> None:
+    logits = torch.full((3, 100), float("-inf"))
+    logits[0, [10, 60]] = float("nan")
+    logits[0, 70] = 1.0
+    logits[1, 20] = float("nan")
+    assert native.first_argmax_rows(logits).tolist() == [70, 0, 0]
+    assert native.first_argmax_rows(torch.zeros(0, 100)).shape == (0,)
+    assert first_argmax(logits.to(torch.float16)).tolist() == [10, 20, 0]  # float16: the torch twin (NaN wins)
 
 
 def test_banned_tokens_are_never_drawn_even_at_the_ends() -> None:
@@ -83,5 +122,6 @@ def test_sampler_fast_path_matches_its_torch_twin(monkeypatch: pytest.MonkeyPatc
     tensors = SamplingTensors.from_params(params, [0] * 32)
     fast = Sampler(torch.Generator().manual_seed(9))(logits, tensors)
     monkeypatch.setattr(sampler.native, "sample_rows", lambda *args: None)
+    monkeypatch.setattr(sampler.native, "first_argmax_rows", lambda *args: None)
     twin = Sampler(torch.Generator().manual_seed(9))(logits, tensors)
     assert fast.tolist() == twin.tolist()

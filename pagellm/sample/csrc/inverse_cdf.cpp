@@ -29,8 +29,6 @@ namespace {
 
 constexpr int64_t kChunk = 1024;  // masses summed per chunk (a multiple of 16)
 
-inline float f32(uint16_t h) { return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16); }
-
 // 16 logits at p (bf16 or f32), lanes past `m` set to -inf.
 inline __m512 load16(const void* p, int64_t i, bool bf16, __mmask16 m) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -46,22 +44,29 @@ inline __mmask16 lanes(int64_t i, int64_t n) {
   return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
 }
 
-inline float at(const void* p, int64_t i, bool bf16) {
-  return bf16 ? f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
-}
-
 float row_max(const void* row, int64_t n, bool bf16) {
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += 16) best = _mm512_max_ps(best, load16(row, i, bf16, lanes(i, n)));
   return _mm512_reduce_max_ps(best);
 }
 
+// The first index of the row's maximum, in one pass: each lane keeps its largest value and the first index it
+// was seen at (a later equal value does not replace it), then the lowest index among the lanes that hold the
+// maximum. NaN is never greater than anything, so it is passed over; a row with no value above -inf (all -inf or
+// NaN) returns 0.
 int64_t first_argmax(const void* row, int64_t n, bool bf16) {
-  const float best = row_max(row, n, bf16);
-  for (int64_t i = 0; i < n; ++i) {
-    if (at(row, i, bf16) == best) return i;
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i where = _mm512_setzero_si512();
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 x = load16(row, i, bf16, lanes(i, n));
+    const __mmask16 up = _mm512_cmp_ps_mask(x, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, up, x);
+    where = _mm512_mask_mov_epi32(where, up, _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(i))));
   }
-  return 0;  // no finite or comparable value (all NaN)
+  const float max = _mm512_reduce_max_ps(best);
+  const __mmask16 holders = _mm512_cmp_ps_mask(best, _mm512_set1_ps(max), _CMP_EQ_OQ);
+  return _mm512_mask_reduce_min_epi32(holders, where);
 }
 
 // Masses exp((x - max) * inv_t) into w[0, n) (exactly 0 at -inf) and their sums per chunk; returns the total.
@@ -120,6 +125,17 @@ int64_t walk(const float* w, int64_t n, const std::vector<double>& sums, double 
 }  // namespace
 
 extern "C" {
+
+// logits: [rows, vocab] as above; out: [rows] each row's first argmax (greedy decoding's token; torch's
+// ``max(dim=-1).indices`` is the twin). Rows are spread over the OpenMP threads.
+void pagellm_first_argmax_rows(const void* logits, int64_t is_bf16, int64_t rows, int64_t vocab, int64_t row_stride,
+                               int64_t* out) {
+  const bool bf16 = is_bf16 != 0;
+  const int64_t elem = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (rows > 1)
+  for (int64_t r = 0; r < rows; ++r) out[r] = first_argmax(static_cast<const char*>(logits) + r * row_stride * elem,
+                                                           vocab, bf16);
+}
 
 // logits: [rows, vocab] with rows `row_stride` elements apart, bfloat16 (is_bf16 = 1) or float32;
 // temperature, uniforms: [rows] (temperature 0 = greedy; uniforms in [0, 1)); out: [rows] token ids.
