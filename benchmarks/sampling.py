@@ -15,8 +15,9 @@ bitmasks of half the rows), interleaved over many repetitions (median). That par
 and it is far less sensitive to a busy machine than a whole generation.
 
 ``--kernel`` times the sampler alone on temperature-only rows (T = 1.0 and 0.7, the workload of the throughput and
-serving benchmarks) at batches 1, 32 and 256: the fused native call (``sample/native.py``) against its torch twin
-(softmax, cumsum, searchsorted), interleaved, median of ``--repeats``. Usage:
+serving benchmarks) and greedy rows (T = 0) at batches 1, 32 and 256: the native calls (``sample/native.py``)
+against their torch twins (softmax, cumsum, searchsorted; ``max(dim).indices``), interleaved, median of
+``--repeats``. Usage:
 
     .venv/bin/python benchmarks/sampling.py [--batch 64] [--output-len 64] [--rounds 3] [--dtype bfloat16]
     .venv/bin/python benchmarks/sampling.py --micro [--batch 64] [--repeats 30] [--dtype bfloat16]
@@ -100,15 +101,17 @@ def kernel(repeats: int, dtype: torch.dtype) -> list[dict]:
     rows = []
     noise = torch.Generator().manual_seed(3)
     for batch in (1, 32, 256):
-        for temperature in (1.0, 0.7):
+        for temperature in (1.0, 0.7, 0.0):
             tensors = SamplingTensors.from_params([SamplingParams(temperature=temperature)] * batch, [0] * batch)
             logits = (torch.randn(batch, 49152, generator=noise) * 3).to(dtype)
             times: dict[str, list[float]] = {"fused": [], "torch": []}
             for _ in range(repeats):
                 for name in times:
-                    with mock.patch.object(sampler_module.native, "sample_rows",
-                                           (lambda *args: None) if name == "torch"
-                                           else sampler_module.native.sample_rows):
+                    native = sampler_module.native  # the torch side: both native calls decline
+                    calls = {"sample_rows": native.sample_rows, "first_argmax_rows": native.first_argmax_rows}
+                    if name == "torch":
+                        calls = dict.fromkeys(calls, lambda *args: None)
+                    with mock.patch.multiple(native, **calls):
                         start = time.perf_counter()
                         Sampler(torch.Generator().manual_seed(0))(logits, tensors)
                         times[name].append((time.perf_counter() - start) * 1e3)
