@@ -17,11 +17,17 @@ and it is far less sensitive to a busy machine than a whole generation.
 ``--kernel`` times the sampler alone on temperature-only rows (T = 1.0 and 0.7, the workload of the throughput and
 serving benchmarks) and greedy rows (T = 0) at batches 1, 32 and 256: the native calls (``sample/native.py``)
 against their torch twins (softmax, cumsum, searchsorted; ``max(dim).indices``), interleaved, median of
-``--repeats``. Usage:
+``--repeats``.
+
+``--greedy-ab`` runs greedy generation of one batch (``--batch`` prompts of ``--prompt-len`` random tokens,
+``--output-len`` tokens) in one ``LLM``, alternating the native argmax and its torch twin (``max(dim).indices``)
+each round, and prints each side's output tokens/s, the ratio of their medians and whether the tokens are the same.
+Usage:
 
     .venv/bin/python benchmarks/sampling.py [--batch 64] [--output-len 64] [--rounds 3] [--dtype bfloat16]
     .venv/bin/python benchmarks/sampling.py --micro [--batch 64] [--repeats 30] [--dtype bfloat16]
     .venv/bin/python benchmarks/sampling.py --kernel [--repeats 30] [--dtype bfloat16]
+    .venv/bin/python benchmarks/sampling.py --greedy-ab [--batch 32] [--prompt-len 128] [--output-len 128] [--rounds 6]
 """
 
 from __future__ import annotations
@@ -121,6 +127,33 @@ def kernel(repeats: int, dtype: torch.dtype) -> list[dict]:
     return rows
 
 
+def greedy_ab(llm: LLM, prompts: list[list[int]], output_len: int, rounds: int) -> dict:
+    """Greedy generation with the native argmax against its torch twin, alternated (see the module docstring)."""
+    import statistics
+    from unittest import mock
+
+    from pagellm.sample import native
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    run_once(llm, prompts, [params] * len(prompts))  # warm-up
+    rates: dict[str, list[float]] = {"native": [], "torch": []}
+    tokens: dict[str, list] = {}
+    for round_index in range(rounds):
+        for name in (("native", "torch") if round_index % 2 == 0 else ("torch", "native")):
+            patch = {"first_argmax_rows": (lambda *args: None) if name == "torch" else native.first_argmax_rows}
+            with mock.patch.multiple(native, **patch):
+                llm.reset_prefix_cache()
+                start = time.perf_counter()
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                elapsed = time.perf_counter() - start
+            tokens[name] = [o.outputs[0].token_ids for o in outputs]
+            rates[name].append(sum(map(len, tokens[name])) / elapsed)
+            print(f"round {round_index}: {name:6s} {rates[name][-1]:8.1f} output tok/s", flush=True)
+    ours, twin = statistics.median(rates["native"]), statistics.median(rates["torch"])
+    return {"batch": len(prompts), "native_tok_s": round(ours, 1), "torch_tok_s": round(twin, 1),
+            "ratio": round(ours / twin, 3), "same_tokens": tokens["native"] == tokens["torch"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory or .gguf (default: the built-in model)")
@@ -131,6 +164,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--micro", action="store_true", help="time processing + sampling per step only")
     parser.add_argument("--kernel", action="store_true", help="time the fused sampling call against its twin")
+    parser.add_argument("--greedy-ab", action="store_true", help="greedy generation, native argmax against its twin")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     if args.kernel:
@@ -146,6 +180,9 @@ def main() -> None:
     vocab = llm.engine.runtime.vocab_size
     prompts = torch.randint(100, vocab, (args.batch, args.prompt_len),
                             generator=torch.Generator().manual_seed(0)).tolist()
+    if args.greedy_ab:
+        print(json.dumps(greedy_ab(llm, prompts, args.output_len, args.rounds)))
+        return
     configs = setups(args.batch, args.output_len)
     for params in configs.values():  # warm-up: kernels, grammar compile (cached afterwards)
         llm.generate(prompts[:4], params[:4], use_tqdm=False)
