@@ -23,6 +23,20 @@ PyObject *s_head, *s_tail, *s_num_free_blocks, *s_num_evictions, *s_request_id, 
     *s_all_token_ids, *s_cache_salt, *s_cached, *s_spec_token_ids, *s_num_prompt_tokens, *s_length_limit, *s_pop,
     *s_peek, *s_sampling_params, *s_min_tokens, *s_status, *s_num_cached_tokens, *s_scheduled_time, *s_stop_ids;
 
+// Token counts as Python ints (a new reference), each count below kCountCache built once and kept: a step's lists
+// carry a count per running row (tokens computed before the step, tokens scheduled) and the prefix-cache counts, so
+// an allocation, and later a deallocation, per row and step is what this saves. Above it: a fresh int.
+constexpr int64_t kCountCache = int64_t{1} << 16;
+std::vector<PyObject *> count_ints;
+
+inline PyObject *count_int(int64_t value) {
+    if (value < 0 || value >= kCountCache) return PyLong_FromLongLong(value);
+    if (count_ints.empty()) count_ints.assign(static_cast<size_t>(kCountCache), nullptr);
+    PyObject *&cached = count_ints[static_cast<size_t>(value)];
+    if (cached == nullptr) cached = PyLong_FromLongLong(value);  // kept for the module's life
+    return cached == nullptr ? nullptr : Py_NewRef(cached);
+}
+
 inline int64_t ceil_div(int64_t a, int64_t b) { return a >= 0 ? (a + b - 1) / b : -((-a) / b); }  // Python's -(-a // b)
 
 inline PyObject *&slot(PyObject *block, Py_ssize_t offset) {
@@ -202,7 +216,7 @@ bool register_blocks(const Manager &m, PyObject *request, PyObject *rid, PyObjec
     }
     Py_DECREF(hashes);
     if (!ok) return false;
-    PyObject *count = PyLong_FromSsize_t(end);
+    PyObject *count = count_int(end);
     if (count == nullptr) return false;
     int rc = PyDict_SetItem(m.num_cached_blocks, rid, count);
     Py_DECREF(count);

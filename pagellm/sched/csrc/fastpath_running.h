@@ -94,14 +94,14 @@ PyObject *step_lists(const Plan &plan, const Columns &cols, Py_ssize_t n, PyObje
         if (plan.grant[i] == 0) continue;
         if (k != i) prefix = false;
         PyList_SET_ITEM(ids, k, Py_NewRef(PyList_GET_ITEM(req_ids, i)));
-        PyList_SET_ITEM(before, k, PyLong_FromLongLong(computed[i]));
-        PyList_SET_ITEM(counts, k, PyLong_FromLongLong(plan.grant[i]));
+        PyList_SET_ITEM(before, k, count_int(computed[i]));
+        PyList_SET_ITEM(counts, k, count_int(plan.grant[i]));
         k += 1;
     }
     if (ids && before && counts && !prefix) {
         rows = PyList_New(scheduled);
         for (Py_ssize_t i = 0, k = 0; rows && i < n; ++i)
-            if (plan.grant[i] != 0) PyList_SET_ITEM(rows, k++, PyLong_FromSsize_t(i));
+            if (plan.grant[i] != 0) PyList_SET_ITEM(rows, k++, count_int(i));
     }
     for (Py_ssize_t i = 0; i < n; ++i) computed[i] += plan.grant[i];
     if (ids == nullptr || before == nullptr || counts == nullptr || (!prefix && rows == nullptr) ||
