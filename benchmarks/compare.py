@@ -2,20 +2,23 @@
 
 For each available system (benchmarks/peers/systems.py; `make peers` installs the peers into .peers/, and what is
 missing is skipped with the reason): start it on a free loopback port, time it to ready (``/health`` and
-``/v1/models`` answer), run the same ``pagellm bench serve`` sweep (random prompts, EOS ignored; one concurrency
-level after another, each with its own request count), sample its process tree's CPU and memory all along, stop
-it. Then offline throughput in-process (pagellm ``bench throughput``, ``vllm bench throughput``, transformers
-static batches; llama.cpp has no offline mode here). Writes ``benchmarks/results/<date>-<machine>.md`` (tables,
-the commands, the flags each system got), the raw JSON and PNG charts beside it.
+``/v1/models`` answer), run the same ``pagellm bench serve`` sweep (random prompts by default, or ``--dataset``'s,
+EOS ignored; one concurrency level after another, each with its own request count), sample its process tree's CPU
+and memory all along, stop it. Then offline throughput in-process (pagellm ``bench throughput``, ``vllm bench
+throughput``, transformers static batches; llama.cpp has no offline mode here; random prompts only). Writes
+``benchmarks/results/<date>-<machine>.md`` (tables, the commands, the flags each system got), the raw JSON and PNG
+charts beside it.
 
     .venv/bin/python benchmarks/compare.py                       # the issue's workload (long: ~1 h here)
     .venv/bin/python benchmarks/compare.py --concurrency 1 8 32 --num-prompts 16 64 100 --offline-num-prompts 256
+    .venv/bin/python benchmarks/compare.py --dataset sharegpt --dataset-path sharegpt.json --concurrency 8 32
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import shlex
@@ -82,11 +85,48 @@ def serve_args(base_url: str, args: argparse.Namespace, concurrency: int, count:
     argv = ["--base-url", base_url, "--max-concurrency", str(concurrency), "--num-prompts", str(count),
             "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", str(concurrency),
             "--server-pid", str(pid), "--no-progress", "--label", system.name]
+    dataset = getattr(args, "dataset", "random")  # callers without the dataset flags (kv_prefault.py): random
+    argv += ["--dataset", dataset]
+    if getattr(args, "dataset_path", None):
+        argv += ["--dataset-path", args.dataset_path]
     if system.close_connections:
         argv.append("--close-connections")
-    if system.count_with_tokenizer:
+    if system.count_with_tokenizer or dataset == "sharegpt":  # sharegpt: the replies' lengths
         argv += ["--tokenizer", str(ctx.model_dir)]
     return parser.parse_args(argv)
+
+
+def context_per_stream(args: argparse.Namespace, model_dir: Path) -> int:
+    """Tokens one stream needs (llama.cpp's server splits its context evenly over its slots): the longest prompt
+    plus its output of every request the sweep will send, plus 64 spare; ``input_len + output_len + 64`` for random
+    prompts."""
+    if args.dataset == "random":
+        return args.input_len + args.output_len + 64
+    longest = 0
+    for concurrency, count in zip(args.concurrency, args.num_prompts):
+        bench_args = serve_args("http://127.0.0.1:1", args, concurrency, count, 0, systems.System("sizing", []),
+                                systems.Context(model_dir, model_dir, args.dtype, args.threads, 1))
+        for req in bench_serve.requests_for(bench_args, 0):
+            longest = max(longest, _prompt_tokens(req, model_dir) + req.output_len)
+    return longest + 64
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _prompt_tokens(req: Any, model_dir: Path) -> int:
+    """A request's prompt tokens: its own count where the dataset knows it, else the model's tokenizer's (through
+    its chat template for messages)."""
+    if req.prompt_len is not None:
+        return req.prompt_len
+    if req.is_chat:
+        return len(_tokenizer(model_dir).apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True,
+                                                             return_dict=False))
+    return len(_tokenizer(model_dir).encode(req.prompt))
 
 
 def bench_system(system: systems.System, port: int, args: argparse.Namespace, ctx: systems.Context,
@@ -190,6 +230,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--num-prompts", type=int, nargs="+", default=[32, 100, 200, 200],
                         help="requests per concurrency level (one per level, or one for all)")
+    parser.add_argument("--dataset", choices=bench_serve.datasets.DATASETS, default="random",
+                        help="the serving sweep's dataset (pagellm bench serve's; default random). Offline runs take "
+                             "random prompts only, so they are skipped for another one")
+    parser.add_argument("--dataset-path", default=None, metavar="FILE", help="the file of --dataset sharegpt|custom")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--offline-num-prompts", type=int, default=256, help="0 skips offline throughput")
@@ -223,6 +267,11 @@ def parse_args() -> argparse.Namespace:
     unknown = set(args.systems) - set(systems.BUILDERS)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {list(systems.BUILDERS)}")
+    if args.dataset != "random" and args.offline_num_prompts:
+        print(f"offline throughput skipped: it takes random prompts only (--dataset {args.dataset})", flush=True)
+        args.offline_num_prompts = 0
+    if args.dataset == "random" and args.dataset_path:
+        parser.error("--dataset-path goes with --dataset sharegpt or custom")
     return args
 
 
@@ -246,8 +295,13 @@ def main() -> None:
     args = parse_args()
     if args.from_json:
         return redraw(Path(args.from_json))
-    ctx = systems.Context(resolve_model_dir(None), default_model_path(), args.dtype, args.threads,
-                          max(args.concurrency), context_per_stream=args.input_len + args.output_len + 64)
+    model_dir = resolve_model_dir(None)
+    try:
+        per_stream = context_per_stream(args, model_dir)  # also checks the dataset before any server starts
+    except ValueError as exc:
+        sys.exit(f"compare.py: {exc}")
+    ctx = systems.Context(model_dir, default_model_path(), args.dtype, args.threads, max(args.concurrency),
+                          context_per_stream=per_stream)
     stem = f"{datetime.date.today().isoformat()}-{args.machine}"
     out = RESULTS / stem
     (out / "logs").mkdir(parents=True, exist_ok=True)

@@ -92,11 +92,33 @@ def _offline_pairs(offline: dict[str, dict[str, Any]], name: str, peer: str) -> 
 TARGET_WORKLOAD = {"input_len": 128, "output_len": 128, "dtype": "bfloat16"}
 
 
+def _dataset(args: argparse.Namespace) -> str:
+    return getattr(args, "dataset", "random")  # results.json of runs before --dataset existed lack it
+
+
 def _other_workload(args: argparse.Namespace, ctx: Any) -> str | None:
     """How this run's workload differs from the one the targets are stated for (None: it is that one)."""
     ours = {"input_len": args.input_len, "output_len": args.output_len, "dtype": ctx.dtype}
     diff = [f"{k.replace('_', ' ')} {ours[k]}" for k, v in TARGET_WORKLOAD.items() if ours[k] != v]
+    if _dataset(args) != "random":  # its lengths are the dataset's: only the dtype still compares
+        diff = [f"the {_dataset(args)} dataset"] + [d for d in diff if d.startswith("dtype")]
     return ", ".join(diff) or None
+
+
+def _workload(args: argparse.Namespace) -> str:
+    """The serving workload in words."""
+    dataset, path = _dataset(args), getattr(args, "dataset_path", None)
+    what = {
+        "random": f"random token-id prompts, {args.input_len} in / {args.output_len} out",
+        "prefix": f"random token-id prompts sharing a few {getattr(args, 'prefix_len', 256)}-token prefixes, "
+                  f"{args.input_len}-token suffixes, {args.output_len} out",
+        "chat": f"chitchat-dataset conversations on the chat endpoint, {args.output_len} out",
+        "code": f"the HumanEval prompts, {args.output_len} out",
+        "sharegpt": f"the first user turns of the ShareGPT conversations in `{path}` as completion prompts, each "
+                    "asking for its reply's length in tokens (vLLM's ShareGPT filter)",
+        "custom": f"the JSON Lines requests in `{path}` (their `max_tokens`, else {args.output_len} out)",
+    }[dataset]
+    return f"{what}, EOS ignored, temperature 1.0, streamed"
 
 
 def _target_rows(served: list[dict[str, Any]], offline: dict[str, dict[str, Any]], conc: int = 32,
@@ -142,6 +164,8 @@ def _offline_rows(offline: dict[str, dict[str, Any]], ctx: Any, args: argparse.N
     if not offline:
         why = "none of the chosen systems has an offline mode here" if args.offline_num_prompts else \
             "`--offline-num-prompts 0`"
+        if _dataset(args) != "random":
+            why = f"the offline runs take random prompts only, and this run serves `--dataset {_dataset(args)}`"
         return [f"Not run in this invocation ({why})."]
     rows = ["| system | output tok/s | command | environment |", "|---|---:|---|---|"]
     for name, rec in offline.items():
@@ -170,8 +194,7 @@ def write_report(md_path: Path, out: Path, args: argparse.Namespace, ctx: Any, s
                                      str(out / "offline.png")))
     lines = [f"# pagellm vs peers, {md_path.stem}", "",
              f"Machine: {_cpu_name()}, {os.cpu_count()} cores. Model: SmolLM2-135M-Instruct ({ctx.model_dir.name}),"
-             f" dtype {ctx.dtype}, {ctx.threads} threads for every system. Workload: random token-id prompts, "
-             f"{args.input_len} in / {args.output_len} out, EOS ignored, temperature 1.0, streamed completions.",
+             f" dtype {ctx.dtype}, {ctx.threads} threads for every system. Workload: {_workload(args)}.",
              "", "The machine is shared with other engineers' test runs: figures are noisy (10–40 % between runs "
              "here); compare systems within this file only." + (f" {args.notes}" if args.notes else ""), "",
              f"Command: `{command or shlex.join(['python', 'benchmarks/compare.py', *sys.argv[1:]])}`", "",

@@ -182,7 +182,7 @@ def to_endpoint(requests: list[datasets.BenchRequest], endpoint: str) -> list[da
     return out
 
 
-def _requests(args: argparse.Namespace, index: int) -> list[datasets.BenchRequest]:
+def requests_for(args: argparse.Namespace, index: int) -> list[datasets.BenchRequest]:
     """Run ``index``'s requests: a fresh seed per run, so a sweep's later runs miss the prefix cache as the first
     did (except for what the dataset shares on purpose); index -1 is the warm-up."""
     opts = dataset_options(args, args.tokenizer)
@@ -201,7 +201,7 @@ async def _run_all(args: argparse.Namespace) -> dict[str, Any]:
         model = args.model or await first_model(http)
         opts = ClientOptions(model=model, temperature=args.temperature, close_connections=args.close_connections,
                              count_tokens=token_counter(args.tokenizer))
-        for req in _requests(args, -1)[:args.num_warmups]:
+        for req in requests_for(args, -1)[:args.num_warmups]:
             warm = datasets.BenchRequest(req.prompt, min(req.output_len, 8), req.prompt_len, req.messages)
             result = await send(http, warm, opts)
             if not result.success:
@@ -210,7 +210,7 @@ async def _run_all(args: argparse.Namespace) -> dict[str, Any]:
         runs = []
         pairs = [(rate, conc) for rate in args.request_rate for conc in args.max_concurrency]
         for index, (rate, concurrency) in enumerate(pairs):
-            requests = _requests(args, index)
+            requests = requests_for(args, index)
             runs.append(await _one_run(http, opts, requests, rate, concurrency, pid, slos, args))
     config = {k: v for k, v in vars(args).items() if k not in ("func", "bench_main", "api_key")}
     config["request_rate"] = [r if math.isfinite(r) else "inf" for r in args.request_rate]
@@ -243,7 +243,7 @@ def _request_record(result: RequestResult) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run every (rate, concurrency) pair on its own copy of the dataset and return the JSON-able result."""
-    _requests(args, 0)  # fail on bad options before touching the server
+    requests_for(args, 0)  # fail on bad options before touching the server
     return _run_loop(_run_all(args))
 
 

@@ -4,8 +4,10 @@ pagellm and the peer of the same round (the machine drifts between rounds), and 
 from __future__ import annotations
 
 import sys
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import report  # noqa: E402
@@ -136,3 +138,55 @@ def test_a_settled_run_says_each_server_idled_before_its_load(tmp_path):
                                settle=settle)
         text = report.write_report(tmp_path / "r.md", tmp_path / "r", args, ctx, served, {}, {}, "c").read_text()
         assert ("Every server idled 15 s after it was ready before its load" in text) == said
+
+
+def test_a_report_on_a_dataset_names_it_and_says_why_offline_did_not_run(tmp_path):
+    args = SimpleNamespace(offline_num_prompts=0, input_len=128, output_len=128, concurrency=[32], notes="",
+                           dataset="sharegpt", dataset_path="/data/sharegpt.json")
+    ctx = SimpleNamespace(model_dir=tmp_path / "model", dtype="bfloat16", threads=2)
+    text = report.write_report(tmp_path / "r.md", tmp_path / "r", args, ctx, [], {}, {}, command="c").read_text()
+    assert "ShareGPT conversations in `/data/sharegpt.json`" in text
+    assert "the offline runs take random prompts only, and this run serves `--dataset sharegpt`" in text
+    other = report._other_workload(args, ctx)
+    assert other == "the sharegpt dataset"  # its lengths are its own: --input-len 128 says nothing
+    served = [_record("pagellm", 1, 600, 1000, 49), _record("vLLM", 1, 300, 2500, 90)]
+    rows = report._target_rows(served, {}, 32, other_workload=other)
+    assert _row(rows, "c=32 output")[3:] == ["2.00×", "n/a (other workload)"]
+    assert report._other_workload(args, SimpleNamespace(dtype="float32")) == "the sharegpt dataset, dtype float32"
+
+
+def _compare_args(monkeypatch: pytest.MonkeyPatch, *argv: str):
+    import compare
+
+    monkeypatch.setattr(sys, "argv", ["compare.py", *argv])
+    return compare, compare.parse_args()
+
+
+def test_compare_serves_the_dataset_to_every_system_and_sizes_llama_cpp_for_it(tmp_path, tiny_llama, monkeypatch):
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"prompt": [101, 102, 103, 104, 105], "max_tokens": 7}\n'
+                    '{"prompt": "Hello there, how are you today?", "max_tokens": 3}\n'
+                    '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}\n')
+    compare, args = _compare_args(monkeypatch, "--dataset", "custom", "--dataset-path", str(path),
+                                  "--concurrency", "1", "4", "--num-prompts", "3")
+    assert args.offline_num_prompts == 0  # offline takes random prompts only
+    system = compare.systems.System("pagellm", [])
+    ctx = compare.systems.Context(tiny_llama, tiny_llama)
+    load = compare.serve_args("http://127.0.0.1:1", args, 4, 3, 0, system, ctx)
+    assert (load.dataset, load.dataset_path, load.num_prompts, load.max_concurrency) == ("custom", str(path), 3, [4])
+    tokenizer = compare._tokenizer(tiny_llama)
+    text = len(tokenizer.encode("Hello there, how are you today?")) + 3
+    chat = len(tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)) + 2
+    assert compare.context_per_stream(args, tiny_llama) == max(5 + 7, text, chat) + 64
+    _, random_args = _compare_args(monkeypatch, "--input-len", "100", "--output-len", "20")
+    assert compare.context_per_stream(random_args, tiny_llama) == 184 and random_args.offline_num_prompts == 256
+
+
+def test_compare_gives_sharegpt_runs_the_tokenizer_for_the_replies_lengths(tmp_path, tiny_llama, monkeypatch):
+    compare, args = _compare_args(monkeypatch, "--dataset", "sharegpt", "--dataset-path", str(tmp_path / "s.json"))
+    load = compare.serve_args("http://127.0.0.1:1", args, 32, 200, 0, compare.systems.System("vLLM", []),
+                              compare.systems.Context(tiny_llama, tiny_llama))
+    assert load.tokenizer == str(tiny_llama)
+    with pytest.raises(ValueError, match="cannot read the sharegpt dataset"):
+        compare.context_per_stream(args, tiny_llama)
