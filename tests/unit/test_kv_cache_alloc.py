@@ -1,5 +1,6 @@
 """The KV cache is zeroed without writing it: start-up does not pay for (or resident-map) gigabytes up front."""
 
+import ctypes
 import os
 
 import torch
@@ -7,9 +8,19 @@ import torch
 from pagellm.attention.base import new_kv_cache
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+
+
+def _resident_bytes(tensor: torch.Tensor) -> int:
+    """How much of ``tensor``'s memory is resident (mincore, page by page): its own pages only, whatever else the
+    process allocates or frees meanwhile (a garbage collection of an earlier test's tensors moves the process's RSS)."""
+    address, length = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    start = address - address % 4096
+    pages = -(-(address + length - start) // 4096)
+    vec = ctypes.create_string_buffer(pages)
+    assert _libc.mincore(start, pages * 4096, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw) * 4096
 
 
 def test_kv_cache_is_zero_writable_and_shaped():
@@ -22,12 +33,10 @@ def test_kv_cache_is_zero_writable_and_shaped():
 
 
 def test_a_large_cache_takes_memory_only_as_it_is_used():
-    before = _rss_bytes()
     cache = new_kv_cache(4096, 16, 8, 128, torch.float32)  # 512 MiB
-    assert _rss_bytes() - before < 32 << 20
+    assert _resident_bytes(cache) < 32 << 20
     cache[0, :64].fill_(1.0)  # 64 blocks: 4 MiB of pages
-    grown = _rss_bytes() - before
-    assert 4 << 20 <= grown < 48 << 20
+    assert 4 << 20 <= _resident_bytes(cache) < 48 << 20
     assert cache[0, :64].eq(1.0).all() and not cache[0, 64:].any()
 
 
