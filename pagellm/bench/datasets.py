@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 DATASETS = ("random", "prefix", "chat", "code", "sharegpt", "custom")
+FILE_DATASETS = ("sharegpt", "custom")
 FIRST_ORDINARY_ID = 100
 
 
@@ -154,4 +155,6 @@ def load(name: str, opts: DatasetOptions) -> list[BenchRequest]:
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     if opts.num_prompts < 1:
         raise ValueError("--num-prompts must be at least 1")
+    if opts.path and name not in FILE_DATASETS:  # a file given to a generated dataset would be silently unused
+        raise ValueError(f"--dataset-path is read by --dataset {' or '.join(FILE_DATASETS)}, not {name}")
     return LOADERS[name](opts)

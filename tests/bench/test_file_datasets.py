@@ -96,6 +96,8 @@ def test_custom_file_errors_say_where_and_what(tmp_path: Path, text: str, messag
 def test_file_dataset_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--dataset-path FILE"):
         datasets.load("sharegpt", DatasetOptions())
+    with pytest.raises(ValueError, match="--dataset-path is read by --dataset sharegpt or custom, not random"):
+        datasets.load("random", DatasetOptions(path=str(tmp_path / "data.json")))  # not silently unused
     with pytest.raises(ValueError, match="cannot read the custom dataset"):
         datasets.load("custom", DatasetOptions(path=str(tmp_path / "missing.jsonl")))
     (tmp_path / "lines.json").write_text('{"a": 1}\n{"b": 2}\n')
