@@ -244,6 +244,10 @@ def _request_record(result: RequestResult) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run every (rate, concurrency) pair on its own copy of the dataset and return the JSON-able result."""
     requests_for(args, 0)  # fail on bad options before touching the server
+    if args.dataset == "sharegpt" and not args.tokenizer:
+        logger.warning("sharegpt without --tokenizer: every request asks for --output-len %d tokens and no "
+                       "conversation is filtered (pass --tokenizer DIR for the replies' lengths and vLLM's filter)",
+                       args.output_len)
     return _run_loop(_run_all(args))
 
 
