@@ -55,7 +55,7 @@ def _applies(logits: torch.Tensor) -> bool:
 
 def first_argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
     """Each row's first argmax as int64 [B] (what greedy decoding takes: ``logits.max(dim=-1).indices``, the
-    twin, which runs on one thread and 2.5-3.5x slower at batches of 8-256 here), or ``None`` where the kernel
+    twin, which runs on one thread and 4-8x slower at batches of 1-256 here), or ``None`` where the kernel
     does not apply. NaN is passed over (torch's max returns it instead): a row with no value above -inf gives 0."""
     if not _applies(logits):
         return None
