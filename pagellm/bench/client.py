@@ -3,8 +3,10 @@
 ``connect`` opens a ``Server`` (an aiohttp session bound to a base URL); ``send`` never raises for a failed
 request: it returns a ``RequestResult`` with ``success=False`` and the error (HTTP status, an in-stream ``{"error":
 ...}`` event, a dropped connection, a stream without tokens), so a benchmark counts failures instead of dying on the
-first one. Timings use ``time.perf_counter``, taken once per network read: TTFT = the first chunk with content;
-ITL = the gaps between later content chunks; latency = ``data: [DONE]`` or, without it, the end of the body.
+first one. Timings use ``time.perf_counter``, taken once per network read: TTFT = the first chunk with content
+(when tokens came but no text, as a tiny model's broken UTF-8 may, the first chunk with a choice, which is then
+the finishing one); ITL = the gaps between later content chunks; latency = ``data: [DONE]`` or, without it, the end
+of the body.
 
 The client runs on the cores it measures, so each streamed chunk must cost little: aiohttp's C HTTP parser, one
 Python pass per network read (``SseLines`` splits at b"\\n" only: U+2028 and friends may sit unescaped inside a
@@ -127,6 +129,7 @@ class _Stream:
         self.chunks = 0
         self.usage_tokens: int | None = None
         self.texts: list[str] = []
+        self.first_choice: float | None = None  # when the first chunk with a choice (text or not) arrived
 
     def events(self, lines: list[bytes], now: float) -> bool:
         """Handle the lines of one read (received at ``now``); True once ``data: [DONE]`` arrived."""
@@ -145,6 +148,8 @@ class _Stream:
         if "error" in chunk:
             error = chunk["error"]
             raise RuntimeError(str(error.get("message", error) if isinstance(error, dict) else error))
+        if self.first_choice is None and chunk.get("choices"):
+            self.first_choice = now
         text = _chunk_text(chunk)
         if text:
             if self.chunks == 0:
@@ -188,6 +193,8 @@ async def send(server: Server, req: BenchRequest, opts: ClientOptions) -> Reques
     result.text = "".join(stream.texts)
     result.output_len = _output_tokens(stream.usage_tokens, result.text, stream.chunks, opts)
     result.success = stream.chunks > 0 or result.output_len > 0
+    if stream.chunks == 0 and result.success:  # tokens with no text (a UTF-8 sequence the server never finished)
+        result.ttft = result.latency if stream.first_choice is None else stream.first_choice - result.start
     if not result.success:
         result.error = "the stream carried no tokens"
     return result

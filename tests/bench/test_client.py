@@ -102,6 +102,16 @@ def test_chat_stream_without_usage_counts_with_the_tokenizer_or_chunks() -> None
     assert seen[0]["headers"]["Connection"].lower() == "close"
 
 
+def test_tokens_without_text_take_their_first_token_time_from_the_finishing_chunk() -> None:
+    finish = {"choices": [{"text": "", "finish_reason": "length"}]}  # every token an unfinished UTF-8 sequence
+    usage = {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}}
+    result, _ = _run([_sse(finish, done=False), _sse(usage)], BenchRequest([1, 2], output_len=3, prompt_len=2))
+    assert (result.success, result.text, result.output_len, result.itl) == (True, "", 3, [])
+    assert 0 < result.ttft < result.latency  # the finishing chunk's time, read before the usage chunk's
+    result, _ = _run(_sse(usage), BenchRequest([1, 2], output_len=3, prompt_len=2))
+    assert result.success and result.ttft == result.latency  # no chunk with a choice: the stream's end
+
+
 def test_http_errors_and_error_events_fail_the_request() -> None:
     result, _ = _run(b'{"error": "bad"}', BenchRequest("x", 2), status=400)
     assert not result.success and result.error.startswith("RuntimeError: HTTP 400") and "bad" in result.error
