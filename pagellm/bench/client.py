@@ -55,9 +55,8 @@ class RequestResult:
 class ClientOptions:
     model: str
     temperature: float = 1.0
-    top_p: float = 1.0
     close_connections: bool = False  # send `Connection: close` (llama-server drops reused streams under load)
-    extra_body: dict[str, Any] = field(default_factory=dict)
+    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every body last (sampling flags too)
     count_tokens: Callable[[str], int] | None = None
 
 
@@ -70,22 +69,25 @@ class Server:
 
 @asynccontextmanager
 async def connect(base_url: str, max_connections: int = 100, close_connections: bool = False,
-                  api_key: str | None = None) -> AsyncIterator[Server]:
+                  api_key: str | None = None, headers: dict[str, str] | None = None) -> AsyncIterator[Server]:
     """A ``Server`` with at most ``max_connections`` sockets (0: no cap), no keep-alive if ``close_connections``,
-    every request carrying ``Authorization: Bearer api_key`` when one is given.
+    every request carrying ``headers`` and ``Authorization: Bearer api_key`` when a key is given (a header named
+    Authorization in ``headers`` wins).
 
     No overall deadline: an hour per read and for a free connection, 30 s to connect."""
     connector = aiohttp.TCPConnector(limit=max_connections, force_close=close_connections)
     timeout = aiohttp.ClientTimeout(total=None, connect=3600, sock_connect=30, sock_read=3600)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
+    sent = dict(headers or {})
+    if api_key and not any(name.lower() == "authorization" for name in sent):
+        sent["Authorization"] = f"Bearer {api_key}"
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=sent or None) as session:
         yield Server(session, base_url.rstrip("/"))
 
 
 def request_body(req: BenchRequest, opts: ClientOptions) -> tuple[str, dict[str, Any]]:
     """The endpoint path and JSON body for ``req``."""
     body: dict[str, Any] = {"model": opts.model, "max_tokens": req.output_len, "temperature": opts.temperature,
-                            "top_p": opts.top_p, "stream": True, "stream_options": {"include_usage": True}}
+                            "stream": True, "stream_options": {"include_usage": True}}
     if req.ignore_eos:
         body["ignore_eos"] = True
     body.update(opts.extra_body)
@@ -210,12 +212,42 @@ def _output_tokens(usage_tokens: int | None, text: str, chunks: int, opts: Clien
 
 async def first_model(server: Server) -> str:
     """The first model the server lists (what to send when the user names none)."""
-    async with server.session.get(server.base_url + "/v1/models") as response:
-        if response.status != 200:
-            raw = await response.read()
-            raise ValueError(f"GET /v1/models: HTTP {response.status}: {raw.decode(errors='replace')[:300]}"
-                             + (" (pass --api-key)" if response.status == 401 else ""))
-        data = (await response.json(content_type=None))["data"]
+    status, raw = await _get_models(server)
+    if status != 200:
+        raise ValueError(_models_error(status, raw))
+    data = msgspec.json.decode(raw)["data"]
     if not data:
         raise ValueError("the server lists no models; pass --model")
     return data[0]["id"]
+
+
+async def wait_ready(server: Server, timeout_s: float, poll_s: float = 0.5) -> None:
+    """Return once ``GET /v1/models`` answers 200, trying for ``timeout_s`` seconds (0: once). A ValueError says
+    why it never did: no answer at the address, or the last HTTP status (a 401 at once: a key will not appear)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            status, raw = await _get_models(server)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            why = f"nothing answers at {server.base_url} ({type(exc).__name__}: {exc}); is the server up?"
+        else:
+            if status == 200:
+                return
+            why = _models_error(status, raw)
+            if status == 401:
+                raise ValueError(why)
+        if time.monotonic() + poll_s > deadline:
+            waited = f" after waiting {timeout_s:g} s" if timeout_s > 0 else " (--ready-check-timeout S waits for it)"
+            raise ValueError(f"the server is not ready{waited}: {why}")
+        await asyncio.sleep(poll_s)
+
+
+async def _get_models(server: Server) -> tuple[int, bytes]:
+    async with server.session.get(server.base_url + "/v1/models",
+                                  timeout=aiohttp.ClientTimeout(total=30)) as response:
+        return response.status, await response.read()
+
+
+def _models_error(status: int, raw: bytes) -> str:
+    return (f"GET /v1/models: HTTP {status}: {raw.decode(errors='replace')[:300]}"
+            + (" (pass --api-key)" if status == 401 else ""))

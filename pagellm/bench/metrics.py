@@ -6,7 +6,8 @@ Definitions (all latencies in milliseconds in the output):
   E2EL: send → last byte.
 - Percentiles interpolate linearly between order statistics (numpy's default, as vLLM reports them).
 - Throughput divides by the benchmark's wall time (first send → last response). Goodput counts only requests that
-  meet every given SLO (``ttft``, ``tpot``, ``e2el`` in ms), per second.
+  meet every given SLO (``ttft``, ``tpot``, ``e2el`` in ms), per second; under a ramp of the request rate,
+  ``first_slo_miss`` is the rate at which the first request missed one.
 """
 
 from __future__ import annotations
@@ -65,6 +66,16 @@ def parse_slos(items: Iterable[str]) -> dict[str, float]:
 def meets_slos(result: RequestResult, slos: dict[str, float]) -> bool:
     measured = {"ttft": result.ttft * 1e3, "tpot": result.tpot * 1e3, "e2el": result.latency * 1e3}
     return result.success and all(measured[name] <= limit for name, limit in slos.items())
+
+
+def first_slo_miss(results: Sequence[RequestResult], offered_rps: Sequence[float],
+                   slos: dict[str, float]) -> float | None:
+    """The offered rate (requests/s) of the first request, in the order sent, that failed or missed an SLO: under a
+    ramp, where the server stops keeping up. None when every request met them."""
+    for result, rate in zip(results, offered_rps, strict=True):
+        if not meets_slos(result, slos):
+            return rate
+    return None
 
 
 def compute_metrics(results: Sequence[RequestResult], duration_s: float, slos: dict[str, float] | None = None,

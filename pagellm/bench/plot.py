@@ -4,6 +4,9 @@
   system, one chart per run of the sweep (concurrency ``N`` or request rate ``R``).
 - ``sweep.png`` (when a result has more than one run): output tok/s, TTFT p95 and TPOT p95 against concurrency
   (or request rate), one line per system.
+- ``ramp.png`` (runs whose request rate ramped up): each request's TTFT and end-to-end latency against the rate
+  offered when it was sent, one series per system and run: where the latency takes off is the rate the server
+  stops keeping up with.
 Uses matplotlib's Agg backend (no display needed).
 """
 
@@ -64,8 +67,10 @@ def plot_latency_cdfs(results: Sequence[dict[str, Any]], out_dir: str) -> list[s
 def plot_sweep(results: Sequence[dict[str, Any]], out_dir: str) -> str | None:
     if not any(len(r["runs"]) > 1 for r in results):
         return None
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     by_concurrency = all(run["max_concurrency"] for r in results for run in r["runs"])
+    if not by_concurrency and any("ramp_up" in run for r in results for run in r["runs"]):
+        return None  # ramps have no one rate to draw them at: ramp.png shows them
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for result in results:
         runs = result["runs"]
         xs = _xs(result, by_concurrency)
@@ -87,6 +92,29 @@ def plot_sweep(results: Sequence[dict[str, Any]], out_dir: str) -> str | None:
     return path
 
 
+def plot_ramp(results: Sequence[dict[str, Any]], out_dir: str) -> str | None:
+    series = [(result["label"] + (f", concurrency {run['max_concurrency']}" if run["max_concurrency"] else ""), run)
+              for result in results for run in result["runs"] if "ramp_up" in run]
+    if not series:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, run in series:
+        ok = [r for r in run["requests"] if r["success"]]
+        rates = [r["offered_rps"] for r in ok]
+        axes[0].plot(rates, [r["ttft"] * 1e3 for r in ok], ".", label=label)
+        axes[1].plot(rates, [r["latency"] * 1e3 for r in ok], ".", label=label)
+    for ax, title in zip(axes, ("TTFT (ms)", "end-to-end latency (ms)")):
+        ax.set_xlabel("offered request rate when sent (req/s)")
+        ax.set_title(f"{title} as the rate ramps")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "ramp.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def _xs(result: dict[str, Any], by_concurrency: bool) -> list[float]:
     return [run["max_concurrency"] if by_concurrency else float(run["request_rate"]) for run in result["runs"]]
 
@@ -95,8 +123,7 @@ def plot_serve(results: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
     """Every chart for these results into ``out_dir`` (created); returns the paths written."""
     os.makedirs(out_dir, exist_ok=True)
     paths = plot_latency_cdfs(results, out_dir)
-    sweep = plot_sweep(results, out_dir)
-    return paths + ([sweep] if sweep else [])
+    return paths + [path for path in (plot_sweep(results, out_dir), plot_ramp(results, out_dir)) if path]
 
 
 def plot_bars(values: dict[str, float], title: str, ylabel: str, path: str) -> str:

@@ -2,12 +2,16 @@
 
 Requests arrive as a Poisson process at ``--request-rate`` per second (``inf``: all at once); ``--burstiness``
 below 1 makes arrivals burstier, above 1 more regular (gamma-distributed gaps with that shape, same mean).
-``--max-concurrency`` caps the requests in flight. Several rates or concurrencies make a sweep: one run per
-(rate, concurrency) pair, the same requests each time. Warm-up requests run first and are not counted.
+``--ramp-up-strategy linear|exponential`` instead moves the rate from ``--ramp-up-start-rps`` to
+``--ramp-up-end-rps`` over the run (arrivals.py). ``--max-concurrency`` caps the requests in flight. Several rates
+or concurrencies make a sweep: one run per (rate, concurrency) pair, the same requests each time. Warm-up requests
+run first and are not counted. What each request carries besides its prompt (sampling flags, ``--extra-body``,
+``--header``) is request_args.py's.
 
 While a run lasts, the server's process tree is sampled for CPU utilisation and memory (``--server-pid``, or found
 by the port of a local ``--base-url``). The JSON result is ``{"config": ..., "runs": [{"request_rate",
-"max_concurrency", "metrics", "cpu", "requests"}]}`` (see ``metrics.compute_metrics`` for the metric names).
+"max_concurrency", "metrics", "cpu", "requests"}], "metadata": {...}}`` (see ``metrics.compute_metrics`` for the
+metric names); a ramp's runs add ``ramp_up`` and each request's ``offered_rps``.
 """
 
 from __future__ import annotations
@@ -28,10 +32,11 @@ from urllib.parse import urlparse
 
 from tqdm import tqdm
 
-from pagellm.bench import datasets
-from pagellm.bench.client import ClientOptions, RequestResult, Server, connect, first_model, send
+from pagellm.bench import datasets, request_args
+from pagellm.bench.arrivals import RAMP_STRATEGIES, Ramp, arrival_gaps
+from pagellm.bench.client import ClientOptions, RequestResult, Server, connect, first_model, send, wait_ready
 from pagellm.bench.cpu import TreeSampler, find_listening_pid
-from pagellm.bench.metrics import compute_metrics, parse_slos
+from pagellm.bench.metrics import compute_metrics, first_slo_miss, parse_slos
 
 logger = logging.getLogger(__name__)
 
@@ -75,16 +80,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
                       help="requests per second, Poisson (default: inf, all at once); several values sweep")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
+    load.add_argument("--ramp-up-strategy", choices=RAMP_STRATEGIES, default=None,
+                      help="raise the request rate over each run instead of a fixed --request-rate")
+    load.add_argument("--ramp-up-start-rps", type=float, default=None, help="the ramp's first rate (requests/s)")
+    load.add_argument("--ramp-up-end-rps", type=float, default=None, help="the ramp's last rate (requests/s)")
     load.add_argument("--max-concurrency", type=int, nargs="+", default=[0],
                       help="requests in flight at most (0: no cap); several values sweep")
     load.add_argument("--num-warmups", type=int, default=1, help="uncounted requests sent first")
-    load.add_argument("--temperature", type=float, default=1.0)
     load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     load.add_argument("--close-connections", action="store_true",
                       help="send 'Connection: close' (servers that drop reused connections under load)")
     load.add_argument("--tokenizer", default=None,
                       help="tokenizer (HF directory) to count output tokens when the server streams no usage, "
                            "and the sharegpt replies' lengths")
+    request_args.add_request_args(parser)
     report = parser.add_argument_group("report")
     report.add_argument("--goodput", nargs="*", default=[], metavar="NAME:MS",
                         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000")
@@ -97,22 +106,25 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     report.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def arrival_gaps(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """Seconds to wait before each request: gamma(shape=burstiness, mean=1/rate); zeros for an infinite rate."""
-    if rate <= 0:
-        raise ValueError("--request-rate must be positive (inf for all at once)")
-    if burstiness <= 0:
-        raise ValueError("--burstiness must be positive")
-    if math.isinf(rate):
-        return [0.0] * num
-    rng = random.Random(seed)
-    return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(num)]
+def ramp_of(args: argparse.Namespace) -> Ramp | None:
+    """The ``--ramp-up-*`` flags as a ``Ramp`` (None without a strategy); a ValueError for a half-given ramp."""
+    given = [f for f in ("ramp_up_start_rps", "ramp_up_end_rps") if getattr(args, f) is not None]
+    if args.ramp_up_strategy is None:
+        if given:
+            raise ValueError("--ramp-up-start-rps and --ramp-up-end-rps need --ramp-up-strategy")
+        return None
+    if len(given) < 2:
+        raise ValueError("--ramp-up-strategy needs --ramp-up-start-rps and --ramp-up-end-rps")
+    if args.request_rate != [math.inf]:
+        raise ValueError("--ramp-up-strategy sets the request rate: leave --request-rate out")
+    return Ramp(args.ramp_up_strategy, args.ramp_up_start_rps, args.ramp_up_end_rps)
 
 
 async def run_once(http: Server, requests: Sequence[datasets.BenchRequest], opts: ClientOptions,
-                   rate: float, burstiness: float, max_concurrency: int, seed: int = 0,
-                   progress: bool = True) -> tuple[list[RequestResult], float]:
-    """Send every request on schedule; returns the results (request order) and the wall time in seconds."""
+                   gaps: Sequence[float], max_concurrency: int, progress: bool = True
+                   ) -> tuple[list[RequestResult], float]:
+    """Send every request after its gap (seconds after the one before); returns the results (request order) and
+    the wall time in seconds."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
     bar = tqdm(total=len(requests), disable=not progress, leave=False, unit="req")
 
@@ -127,7 +139,7 @@ async def run_once(http: Server, requests: Sequence[datasets.BenchRequest], opts
 
     tasks = []
     start = time.perf_counter()
-    for req, gap in zip(requests, arrival_gaps(len(requests), rate, burstiness, seed)):
+    for req, gap in zip(requests, gaps):
         if gap > 0:
             await asyncio.sleep(gap)
         tasks.append(asyncio.create_task(one(req)))
@@ -193,14 +205,32 @@ def requests_for(args: argparse.Namespace, index: int) -> list[datasets.BenchReq
     return requests
 
 
-async def _run_all(args: argparse.Namespace) -> dict[str, Any]:
-    slos = parse_slos(args.goodput)
+@dataclasses.dataclass
+class _Plan:
+    """The flags checked and parsed once, before the server is touched."""
+    slos: dict[str, float]
+    ramp: Ramp | None
+    body: dict[str, Any]
+    headers: dict[str, str]
+    metadata: dict[str, str]
+
+
+def _plan(args: argparse.Namespace) -> _Plan:
+    requests_for(args, 0)  # the dataset's errors too
+    if args.ready_check_timeout < 0:
+        raise ValueError("--ready-check-timeout must be 0 or more seconds")
+    return _Plan(parse_slos(args.goodput), ramp_of(args), request_args.extra_body(args), request_args.headers(args),
+                 request_args.pairs(args.metadata, "--metadata"))
+
+
+async def _run_all(args: argparse.Namespace, plan: _Plan) -> dict[str, Any]:
     max_connections = max(max(args.max_concurrency), 1) + 8 if min(args.max_concurrency) > 0 \
         else args.num_prompts + 8
-    async with connect(args.base_url, max_connections, args.close_connections, args.api_key) as http:
+    async with connect(args.base_url, max_connections, args.close_connections, args.api_key, plan.headers) as http:
+        await wait_ready(http, args.ready_check_timeout)
         model = args.model or await first_model(http)
         opts = ClientOptions(model=model, temperature=args.temperature, close_connections=args.close_connections,
-                             count_tokens=token_counter(args.tokenizer))
+                             extra_body=plan.body, count_tokens=token_counter(args.tokenizer))
         for req in requests_for(args, -1)[:args.num_warmups]:
             warm = datasets.BenchRequest(req.prompt, min(req.output_len, 8), req.prompt_len, req.messages)
             result = await send(http, warm, opts)
@@ -211,27 +241,42 @@ async def _run_all(args: argparse.Namespace) -> dict[str, Any]:
         pairs = [(rate, conc) for rate in args.request_rate for conc in args.max_concurrency]
         for index, (rate, concurrency) in enumerate(pairs):
             requests = requests_for(args, index)
-            runs.append(await _one_run(http, opts, requests, rate, concurrency, pid, slos, args))
+            runs.append(await _one_run(http, opts, requests, rate, concurrency, pid, plan, args))
+    return {"label": args.label or model, "config": _config(args, model), "metadata": plan.metadata, "runs": runs}
+
+
+def _config(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    """The flags as run, without secrets: no API key, and only the names of ``--header``s."""
     config = {k: v for k, v in vars(args).items() if k not in ("func", "bench_main", "api_key")}
+    config["header"] = [item.partition("=")[0].strip() for item in args.header]
     config["request_rate"] = [r if math.isfinite(r) else "inf" for r in args.request_rate]
     config["model"] = model
-    return {"label": args.label or model, "config": config, "runs": runs}
+    return config
 
 
 async def _one_run(http: Server, opts: ClientOptions, requests: list[datasets.BenchRequest], rate: float,
-                   concurrency: int, pid: int | None, slos: dict[str, float], args: argparse.Namespace
-                   ) -> dict[str, Any]:
+                   concurrency: int, pid: int | None, plan: _Plan, args: argparse.Namespace) -> dict[str, Any]:
+    gaps = arrival_gaps(len(requests), rate, args.burstiness, args.dataset_seed, plan.ramp)
     sampler = TreeSampler(pid).start() if pid else None
-    results, duration = await run_once(http, requests, opts, rate, args.burstiness, concurrency, args.dataset_seed,
-                                       not args.no_progress)
+    results, duration = await run_once(http, requests, opts, gaps, concurrency, not args.no_progress)
     cpu = sampler.stop().as_dict() if sampler else None
-    metrics = compute_metrics(results, duration, slos, args.percentiles)
-    logger.info("rate %s concurrency %s: %.1f output tok/s", rate, concurrency, metrics["output_throughput"])
+    metrics = compute_metrics(results, duration, plan.slos, args.percentiles)
+    records = [_request_record(r) for r in results]
+    run_ = {"request_rate": rate if math.isfinite(rate) else "inf", "max_concurrency": concurrency,
+            "metrics": metrics, "cpu": cpu, "requests": records}
+    if plan.ramp is not None:
+        rates = plan.ramp.rates(len(requests))
+        for record, offered in zip(records, rates):
+            record["offered_rps"] = offered
+        run_.update(request_rate="ramp", ramp_up=plan.ramp.as_dict())
+        if plan.slos:
+            metrics["first_slo_miss_rps"] = first_slo_miss(results, rates, plan.slos)
+    logger.info("rate %s concurrency %s: %.1f output tok/s", run_["request_rate"], concurrency,
+                metrics["output_throughput"])
     failures = [r.error for r in results if not r.success]
     if failures:
         logger.warning("%d requests failed; first error: %s", len(failures), failures[0])
-    return {"request_rate": rate if math.isfinite(rate) else "inf", "max_concurrency": concurrency,
-            "metrics": metrics, "cpu": cpu, "requests": [_request_record(r) for r in results]}
+    return run_
 
 
 def _request_record(result: RequestResult) -> dict[str, Any]:
@@ -243,12 +288,12 @@ def _request_record(result: RequestResult) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run every (rate, concurrency) pair on its own copy of the dataset and return the JSON-able result."""
-    requests_for(args, 0)  # fail on bad options before touching the server
+    plan = _plan(args)  # fail on bad options before touching the server
     if args.dataset == "sharegpt" and not args.tokenizer:
         logger.warning("sharegpt without --tokenizer: every request asks for --output-len %d tokens and no "
                        "conversation is filtered (pass --tokenizer DIR for the replies' lengths and vLLM's filter)",
                        args.output_len)
-    return _run_loop(_run_all(args))
+    return _run_loop(_run_all(args, plan))
 
 
 def _run_loop(main: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
@@ -273,6 +318,11 @@ def format_table(result: dict[str, Any]) -> str:
             f"{cpu.get('mean_cpu_percent', float('nan')):>6.0f}")
         if "request_goodput" in m:
             lines.append(f"       goodput {m['request_goodput']:.2f} req/s ({m['goodput_requests']} requests in SLO)")
+        if "ramp_up" in run_:
+            ramp, miss = run_["ramp_up"], m.get("first_slo_miss_rps")
+            slo = "" if "first_slo_miss_rps" not in m else \
+                "; every request met the SLOs" if miss is None else f"; first SLO miss at {miss:.2f} req/s"
+            lines.append(f"       ramp {ramp['strategy']} {ramp['start_rps']:g} → {ramp['end_rps']:g} req/s{slo}")
     return "\n".join(lines)
 
 

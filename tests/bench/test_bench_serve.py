@@ -122,3 +122,39 @@ def test_cpu_sampler_finds_the_server_and_sums_its_tree(bench_server: ServerProc
     children = bench_server.child_pids()
     assert children  # the engine core runs in a child process: the tree, not one process, is what counts
     assert sampler.stats.num_samples == 1 and sampler.stats.peak_rss_mb > 50
+
+
+def test_a_ramp_records_each_requests_offered_rate_and_the_first_slo_miss(bench_server: ServerProcess,
+                                                                         tmp_path: Path) -> None:
+    plots = tmp_path / "plots"
+    rc, result = _bench(bench_server, tmp_path, "--num-prompts", "5", "--input-len", "8", "--output-len", "3",
+                        "--ramp-up-strategy", "linear", "--ramp-up-start-rps", "20", "--ramp-up-end-rps", "100",
+                        "--goodput", "ttft:0.001", "--plot", str(plots), "--metadata", "commit=abc", "run=ramp")
+    assert rc == 0
+    (run,) = result["runs"]
+    assert run["request_rate"] == "ramp"
+    assert run["ramp_up"] == {"strategy": "linear", "start_rps": 20.0, "end_rps": 100.0}
+    assert [r["offered_rps"] for r in run["requests"]] == pytest.approx([20.0, 40.0, 60.0, 80.0, 100.0])
+    assert all(set(r) == REQUEST_KEYS | {"offered_rps"} and r["success"] for r in run["requests"])
+    assert run["metrics"]["first_slo_miss_rps"] == 20.0  # no first token comes within 1 µs
+    assert result["metadata"] == {"commit": "abc", "run": "ramp"}
+    assert sorted(p.name for p in plots.iterdir()) == ["latency_cdf.png", "ramp.png"]
+
+
+def test_sampling_flags_and_extra_body_fields_reach_the_server(bench_server: ServerProcess, tmp_path: Path) -> None:
+    rc, result = _bench(bench_server, tmp_path, "--num-prompts", "2", "--output-len", "5", "--num-warmups", "0",
+                        "--top-k", "5", "--extra-body", '{"max_tokens": 2}', "--header", "X-Tenant=blue")
+    assert rc == 0
+    assert [r["output_len"] for r in result["runs"][0]["requests"]] == [2, 2]  # the body's max_tokens was served
+    assert result["config"]["header"] == ["X-Tenant"]  # names only: a header may carry a secret
+    rc, result = _bench(bench_server, tmp_path, "--num-prompts", "2", "--output-len", "2", "--num-warmups", "0",
+                        "--top-p", "2")
+    assert rc == 1  # the server refused the sampling field: counted as failures, with its message
+    assert all("HTTP 400" in r["error"] and "top_p" in r["error"] for r in result["runs"][0]["requests"])
+
+
+def test_no_server_at_the_address_is_a_clear_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--no-progress", "--num-prompts", "1"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "nothing answers at http://127.0.0.1:9" in err and "--ready-check-timeout" in err

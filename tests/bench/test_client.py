@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from aiohttp import web
 
-from pagellm.bench.client import ClientOptions, SseLines, connect, first_model, send
+from pagellm.bench.client import ClientOptions, SseLines, connect, first_model, send, wait_ready
 from pagellm.bench.datasets import BenchRequest
 
 
@@ -123,3 +124,72 @@ def test_http_errors_and_error_events_fail_the_request() -> None:
     assert not result.success and result.error.startswith("DecodeError")
     result, _ = _run(_sse(done=True), BenchRequest("x", 2))
     assert not result.success and result.error == "the stream carried no tokens"
+
+
+def test_headers_key_and_extra_body_fields_reach_the_server() -> None:
+    async def go(headers: dict[str, str]) -> dict:
+        seen: list[dict] = []
+        runner = await _serve([_sse({"choices": [{"text": "a"}]})], 200, seen)
+        host, port = runner.addresses[0][:2]
+        try:
+            async with connect(f"http://{host}:{port}", api_key="sk-1", headers=headers) as server:
+                opts = ClientOptions(model="m", temperature=0.5, extra_body={"top_k": 3, "max_tokens": 9})
+                assert (await send(server, BenchRequest([1], output_len=2, prompt_len=1), opts)).success
+        finally:
+            await runner.cleanup()
+        return seen[0]
+
+    seen = asyncio.run(go({"X-Tenant": "blue"}))
+    assert seen["headers"]["X-Tenant"] == "blue" and seen["headers"]["Authorization"] == "Bearer sk-1"
+    assert (seen["temperature"], seen["top_k"], seen["max_tokens"]) == (0.5, 3, 9)  # extra fields win
+    assert "top_p" not in seen  # sampling fields nobody gave are left to the server's defaults
+    seen = asyncio.run(go({"authorization": "Token abc"}))
+    assert seen["headers"]["Authorization"] == "Token abc"  # a header given by name beats --api-key
+
+
+def _readiness(statuses: list[int], timeout_s: float) -> tuple[str | None, int]:
+    """``wait_ready`` against /v1/models answering ``statuses`` in turn (the last one from then on): the error it
+    raised (None when it returned) and how many times it asked."""
+    asked: list[int] = []
+
+    async def models(request: web.Request) -> web.Response:
+        asked.append(1)
+        status = statuses[min(len(asked), len(statuses)) - 1]
+        return web.json_response({"data": [{"id": "m"}]} if status == 200 else {"error": "loading"}, status=status)
+
+    async def go() -> str | None:
+        app = web.Application()
+        app.add_routes([web.get("/v1/models", models)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        try:
+            async with connect(f"http://{host}:{port}") as server:
+                await wait_ready(server, timeout_s, poll_s=0.02)
+        except ValueError as exc:
+            return str(exc)
+        finally:
+            await runner.cleanup()
+        return None
+
+    return asyncio.run(go()), len(asked)
+
+
+def test_wait_ready_polls_until_the_server_lists_its_models() -> None:
+    assert _readiness([503, 503, 200], timeout_s=30) == (None, 3)  # llama-server answers 503 while it loads
+    error, asked = _readiness([503, 200], timeout_s=0)
+    assert asked == 1 and "not ready (--ready-check-timeout S waits for it)" in error and "HTTP 503" in error
+    error, asked = _readiness([401], timeout_s=30)
+    assert asked == 1 and "HTTP 401" in error and "pass --api-key" in error  # a key will not appear by waiting
+
+
+def test_wait_ready_says_when_nothing_answers() -> None:
+    async def go() -> str:
+        async with connect("http://127.0.0.1:9") as server:  # the discard port: nothing listens here
+            with pytest.raises(ValueError) as info:
+                await wait_ready(server, 0.05, poll_s=0.02)
+        return str(info.value)
+
+    error = asyncio.run(go())
+    assert "after waiting 0.05 s" in error and "nothing answers at http://127.0.0.1:9" in error

@@ -8,7 +8,7 @@ import pytest
 
 from pagellm.bench import datasets
 from pagellm.bench.datasets import DatasetOptions
-from pagellm.bench.serve import arrival_gaps
+from pagellm.bench.arrivals import arrival_gaps
 
 
 def test_random_has_exact_lengths_and_ordinary_ids() -> None:
