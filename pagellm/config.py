@@ -258,12 +258,30 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+@dataclass(frozen=True)
+class ProfilerConfig:
+    """Torch profiler sessions of the engine's workers, started and stopped on request."""
+
+    profiler_dir: str | None = _help(
+        "Folder for torch profiler traces and op summaries. Set, the server answers POST /start_profile and POST "
+        "/stop_profile (and LLM.start_profile() / stop_profile() work); unset, profiling is off.", default=None)
+    profiler_with_stack: bool = _help("Record each op's Python stack in the traces (slower, larger files).",
+                                      default=False)
+
+    def require(self) -> None:
+        """A ValueError saying how to turn profiling on, when it is off."""
+        if not self.profiler_dir:
+            raise ValueError("profiling is off: start the engine with a folder for its traces (pagellm serve "
+                             "--profiler-dir DIR, or LLM(..., profiler_dir=DIR))")
+
+
 # Flat engine arguments map onto these sections; the speculative section is one JSON argument.
 _SECTIONS: dict[str, type] = {
     "model_config": ModelConfig,
     "cache_config": CacheConfig,
     "scheduler_config": SchedulerConfig,
     "parallel_config": ParallelConfig,
+    "profiler_config": ProfilerConfig,
 }
 
 
@@ -276,6 +294,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
 
     def __post_init__(self) -> None:
         spec = self.speculative_config

@@ -321,6 +321,17 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self.client.call_utility("reset_prefix_cache")
 
+    async def start_profile(self) -> bool:
+        """Start the engine core's torch profiler (metrics/profiler.py); False when a session records already. A
+        ValueError when the engine has no ``profiler_dir``."""
+        self.config.profiler_config.require()
+        return await self.client.call_utility("start_profile")
+
+    async def stop_profile(self) -> list[str]:
+        """Stop it; the trace and summary files written (none when nothing was recording)."""
+        self.config.profiler_config.require()
+        return await self.client.call_utility("stop_profile")
+
     def shutdown(self) -> None:
         """Stop the core process; pending and later requests fail with ``EngineDeadError``."""
         self._shut_down = True

@@ -97,6 +97,12 @@ class InprocClient:
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()
 
+    def start_profile(self) -> bool:
+        return self.core.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        return self.core.stop_profile()
+
     def shutdown(self) -> None:
         self.core.shutdown()
 

@@ -15,6 +15,7 @@ from pagellm.engine.input_processor import check_prompt
 from pagellm.engine.wire import EngineCoreRequest, StepOutput
 from pagellm.executor.base import Executor
 from pagellm.executor.uniproc import UniProcExecutor
+from pagellm.metrics.profiler import span
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.request import Request
 from pagellm.sched.native import build_extension
@@ -52,9 +53,11 @@ class EngineCore:
     def step(self) -> tuple[StepOutput, SchedulerStats]:
         if not self.scheduler.has_unfinished_requests():
             return StepOutput(), self.scheduler.make_stats()
-        sched_out = self.scheduler.schedule()
+        with span("schedule"):
+            sched_out = self.scheduler.schedule()
         runner_out = self.executor.execute_model(sched_out)
-        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        with span("update_from_output"):
+            outputs = self.scheduler.update_from_output(sched_out, runner_out)
         return outputs, self.scheduler.make_stats()
 
     def set_idle(self, idle: bool) -> None:
@@ -64,6 +67,14 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()
+
+    def start_profile(self) -> bool:
+        """Start the workers' torch profiler (``profiler_dir``); False when a session records already."""
+        return self.executor.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        """Stop it; the files written (none when nothing was recording)."""
+        return self.executor.stop_profile()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -119,6 +119,8 @@ class EngineCoreLoop:
             "get_stats": core.scheduler.make_stats,
             "reset_prefix_cache": core.reset_prefix_cache,
             "num_free_blocks": lambda: core.scheduler.kv.num_free_blocks,
+            "start_profile": core.start_profile,
+            "stop_profile": core.stop_profile,
         }
 
     def run(self) -> None:

@@ -69,10 +69,10 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
 
 
-UtilityMethod = Literal["get_stats", "reset_prefix_cache", "num_free_blocks"]
+UtilityMethod = Literal["get_stats", "reset_prefix_cache", "num_free_blocks", "start_profile", "stop_profile"]
 # What each utility returns (the frontend decodes ``UtilityResult.result`` with it).
 UTILITY_RESULT_TYPES: dict[str, type] = {"get_stats": SchedulerStats, "reset_prefix_cache": bool,
-                                         "num_free_blocks": int}
+                                         "num_free_blocks": int, "start_profile": bool, "stop_profile": list[str]}
 
 
 class UtilityCall(msgspec.Struct, tag="utility", array_like=True):

@@ -17,4 +17,10 @@ class Executor(Protocol):
     def set_idle(self, idle: bool) -> None:
         """Whether the engine core is idle: the workers' idle-time work (populating the KV cache) runs only then."""
 
+    def start_profile(self) -> bool:
+        """Start every worker's torch profiler session (metrics/profiler.py); False when one records already."""
+
+    def stop_profile(self) -> list[str]:
+        """Stop the sessions; the trace and summary files they wrote (none when nothing was recording)."""
+
     def shutdown(self) -> None: ...

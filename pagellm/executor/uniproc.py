@@ -10,7 +10,8 @@ from pagellm.worker.worker import Worker
 
 class UniProcExecutor:
     def __init__(self, config: EngineConfig) -> None:
-        self.worker = Worker(config.model_config, config.cache_config, config.speculative_config)
+        self.worker = Worker(config.model_config, config.cache_config, config.speculative_config,
+                             profiler_config=config.profiler_config)
         self.runtime: RuntimeInfo = self.worker.runtime
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -18,6 +19,12 @@ class UniProcExecutor:
 
     def set_idle(self, idle: bool) -> None:
         self.worker.set_idle(idle)
+
+    def start_profile(self) -> bool:
+        return self.worker.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        return self.worker.stop_profile()
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from pagellm.attention.base import AttentionBackend, CommonAttentionInputs, forward_context, new_kv_cache
+from pagellm.metrics.profiler import span
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.sample.logits_processors import LogitsProcessing, RowContext
 from pagellm.sample.logprobs import gather_logprobs, raw_logprobs, split_logprobs
@@ -64,30 +65,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self._apply_deltas(sched)
-        if sched.is_empty:
-            return ModelRunnerOutput([], [], [])
-        inputs = build_step_inputs(self.states, sched, self.block_size)
-        masks = self.processing.start_masks(len(inputs.logits_indices), self._grammar_rows(inputs))
-        trees = self._trees(inputs)
-        common = CommonAttentionInputs(inputs.query_start_loc, inputs.seq_lens, inputs.block_table,
-                                       inputs.slot_mapping, self.block_size,
-                                       place_trees(inputs.positions, inputs.query_start_loc, trees) or None)
-        with forward_context(self.backend, self.backend.build(common)):
+        with span("prepare_inputs"):
+            self._apply_deltas(sched)
+            if sched.is_empty:
+                return ModelRunnerOutput([], [], [])
+            inputs = build_step_inputs(self.states, sched, self.block_size)
+            masks = self.processing.start_masks(len(inputs.logits_indices), self._grammar_rows(inputs))
+            trees = self._trees(inputs)
+            common = CommonAttentionInputs(inputs.query_start_loc, inputs.seq_lens, inputs.block_table,
+                                           inputs.slot_mapping, self.block_size,
+                                           place_trees(inputs.positions, inputs.query_start_loc, trees) or None)
+        with span("forward"), forward_context(self.backend, self.backend.build(common)):
             hidden = self.model(inputs.input_ids, inputs.positions)
-        sampling_hidden = hidden[inputs.logits_indices]
-        logits = self.model.compute_logits(sampling_hidden)  # model dtype; samplers upcast
-        wanted = self._logprob_requests(inputs)
-        raw = raw_logprobs(logits, _candidate_rows(inputs, wanted)) if wanted else None  # before any ban
-        results, processed = self._sample(inputs, logits, masks)
-        if trees:
-            self._compact(inputs, trees, results)
-        sampled = [r.tokens if r else [] for r in results]
-        if raw is not None:
-            self._use_processed_logprobs(raw, processed, inputs, wanted)
-        logprobs = self._logprobs(raw, inputs, wanted, sampled) if raw is not None else {}
-        return ModelRunnerOutput.from_rows(inputs.req_ids, sampled, self._propose(inputs, results, hidden),
-                                           logprobs, self._prompt_logprobs(inputs, hidden))
+        with span("compute_logits"):
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # model dtype; samplers upcast
+        with span("sample"):
+            wanted = self._logprob_requests(inputs)
+            raw = raw_logprobs(logits, _candidate_rows(inputs, wanted)) if wanted else None  # before any ban
+            results, processed = self._sample(inputs, logits, masks)
+            if trees:
+                self._compact(inputs, trees, results)
+            sampled = [r.tokens if r else [] for r in results]
+            if raw is not None:
+                self._use_processed_logprobs(raw, processed, inputs, wanted)
+            logprobs = self._logprobs(raw, inputs, wanted, sampled) if raw is not None else {}
+        with span("propose"):
+            drafts = self._propose(inputs, results, hidden)
+        return ModelRunnerOutput.from_rows(inputs.req_ids, sampled, drafts, logprobs,
+                                           self._prompt_logprobs(inputs, hidden))
 
     def _trees(self, inputs: StepInputs) -> dict[int, list[int]]:
         """Rows whose drafts this step form a tree: row → parents of the drafts scheduled."""

@@ -13,8 +13,9 @@ import torch
 from pagellm import envs, native_build
 from pagellm.attention import cpu_paged
 from pagellm.attention.base import get_backend
-from pagellm.config import CacheConfig, ModelConfig, SpeculativeConfig
+from pagellm.config import CacheConfig, ModelConfig, ProfilerConfig, SpeculativeConfig
 from pagellm.distributed.groups import SINGLE, ParallelState
+from pagellm.metrics.profiler import Profiler
 from pagellm.model.arch import ArchConfig
 from pagellm.model.loader import iter_weights, load_hf_config, resolve_dtype, resolve_model_dir
 from pagellm.model.registry import build_model
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 class Worker:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, spec_config: SpeculativeConfig,
-                 parallel: ParallelState = SINGLE) -> None:
+                 parallel: ParallelState = SINGLE, profiler_config: ProfilerConfig = ProfilerConfig()) -> None:
         threads = envs.num_threads()
         if threads:
             torch.set_num_threads(threads)
@@ -55,6 +56,9 @@ class Worker:
                                   arch.vocab_size, model_dir, spec_config.disable_by_batch_size)
         self.runner.bind_kv_cache(num_blocks, self.dtype)
         self.prefaulter = KVPrefaulter(self.runner.kv_caches) if cache_config.kv_cache_prefault else None
+        self.profiler_config = profiler_config
+        self.profiler = Profiler(profiler_config.profiler_dir, profiler_config.profiler_with_stack) \
+            if profiler_config.profiler_dir else None
         if self.dtype == torch.bfloat16:  # build/load the native layer kernels now, not during the first request
             flash_amx = isinstance(backend, cpu_paged.CpuPagedBackend) and cpu_paged.load_kernel().use_amx()
             logger.info("native kernels: packed GEMM %s, fused element-wise %s, decoder stack %s, flash tiles %s",
@@ -78,7 +82,17 @@ class Worker:
         else:
             self.prefaulter.pause()
 
+    def start_profile(self) -> bool:
+        self.profiler_config.require()
+        return self.profiler.start()  # type: ignore[union-attr]  # there is one whenever profiling is on
+
+    def stop_profile(self) -> list[str]:
+        self.profiler_config.require()
+        return self.profiler.stop()  # type: ignore[union-attr]
+
     def shutdown(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()  # a session still recording leaves its trace rather than nothing
         if self.prefaulter is not None:
             self.prefaulter.close()
 

@@ -350,3 +350,20 @@ def test_cli_bad_flags(tiny_llama: Path, capsys: pytest.CaptureFixture[str], fla
     assert run_cli(["generate", "--model", str(tiny_llama), *flags]) == 2
     captured = capsys.readouterr()
     assert message in captured.err and captured.out == ""
+
+
+def test_a_profile_of_generate_names_the_engines_spans(tiny_llama: Path, tmp_path: Path) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV, profiler_dir=str(tmp_path))
+    assert llm.start_profile() and not llm.start_profile()  # one session at a time
+    outputs = llm.generate([PROMPT] * 2, SamplingParams(max_tokens=4), use_tqdm=False)
+    files = llm.stop_profile()
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
+    assert llm.stop_profile() == []
+    summary = Path(files[1]).read_text()
+    for name in ("schedule", "prepare_inputs", "forward", "compute_logits", "sample", "update_from_output"):
+        assert f"pagellm::{name}" in summary
+
+
+def test_profiling_needs_a_folder(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="profiling is off.*profiler_dir=DIR"):
+        llm.start_profile()

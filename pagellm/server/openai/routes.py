@@ -1,9 +1,14 @@
 """The FastAPI app: OpenAI routes under ``/v1`` plus ``/health``, ``/version``, ``/stats``, ``/tokenize``,
-``/detokenize``, and (given an ``Observability``) ``/metrics``, ``/dashboard`` and trace-context propagation.
+``/detokenize``, ``/start_profile`` and ``/stop_profile``, and (given an ``Observability``) ``/metrics``,
+``/dashboard`` and trace-context propagation.
 
 Contract:
 - ``build_app(engine, model_names, api_key)`` builds the app over an ``EngineClient``; it starts nothing.
 - With ``api_key`` every ``/v1`` route needs ``Authorization: Bearer <key>``, else 401 in OpenAI's error shape.
+- ``POST /start_profile`` starts the engine core's torch profiler and ``POST /stop_profile`` stops it, answering
+  ``{"files": [trace, summary]}`` (metrics/profiler.py): 400 when the server has no ``--profiler-dir``, 409 when a
+  profile records already (start) or none does (stop). They write files on the server, so ``api_key`` guards them
+  as it does ``/v1``.
 - ``GET /health`` is 200 while the engine core lives and 503 once it is dead; ``GET /stats`` is the engine's
   latest ``SchedulerStats`` with every field present (running/waiting requests, KV-cache usage, ...).
 - A client that goes away loses its requests: a stream's generator is cancelled by the server on disconnect, and a
@@ -48,6 +53,7 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
     install_error_handlers(app)
     app.include_router(_v1_router(engine, model_names, api_key, model_root))
     app.include_router(_admin_router(engine, model_names))
+    app.include_router(_profile_router(engine, api_key))
     if observability is not None:
         install_observability(app, observability)
     return app
@@ -119,6 +125,25 @@ def _admin_router(engine: EngineClient, model_names: Sequence[str]) -> APIRouter
         if bad:
             raise APIError(f"token ids must be in [0, {serving.vocab_size}); got {bad[0]}", 400, param="tokens")
         return DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
+
+    return router
+
+
+def _profile_router(engine: EngineClient, api_key: Optional[str]) -> APIRouter:
+    router = APIRouter(dependencies=[Depends(_bearer_auth(api_key))] if api_key else [])
+
+    @router.post("/start_profile")
+    async def start_profile() -> dict[str, str]:
+        if not await engine.start_profile():  # a ValueError (profiling off) → 400
+            raise APIError("a profile is recording already: POST /stop_profile ends it", 409)
+        return {"status": "recording"}
+
+    @router.post("/stop_profile")
+    async def stop_profile() -> dict[str, list[str]]:
+        files = await engine.stop_profile()
+        if not files:
+            raise APIError("no profile is recording: POST /start_profile starts one", 409)
+        return {"files": files}
 
     return router
 

@@ -51,6 +51,10 @@ class EngineClient(Protocol):
 
     async def get_stats(self) -> SchedulerStats: ...
 
+    async def start_profile(self) -> bool: ...
+
+    async def stop_profile(self) -> list[str]: ...
+
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
