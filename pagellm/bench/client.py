@@ -242,6 +242,23 @@ async def wait_ready(server: Server, timeout_s: float, poll_s: float = 0.5) -> N
         await asyncio.sleep(poll_s)
 
 
+async def profile(server: Server, action: str) -> dict[str, Any]:
+    """``POST /start_profile`` or ``/stop_profile`` (``action``) on a pagellm or vLLM server with profiling on; its
+    JSON answer (vLLM's is empty). A ValueError with the server's message when it refuses."""
+    async with server.session.post(f"{server.base_url}/{action}", timeout=aiohttp.ClientTimeout(total=600)) as response:
+        raw = await response.read()
+        if response.status != 200:
+            raise ValueError(f"POST /{action}: HTTP {response.status}: {raw.decode(errors='replace')[:300]}"
+                             + (" (the server profiles only when started with a profiler folder: pagellm serve "
+                                "--profiler-dir DIR, or VLLM_TORCH_PROFILER_DIR for vLLM)"
+                                if response.status in (400, 404) else ""))
+    try:
+        answer = msgspec.json.decode(raw) if raw.strip() else {}
+    except msgspec.DecodeError:
+        return {}
+    return answer if isinstance(answer, dict) else {}
+
+
 async def _get_models(server: Server) -> tuple[int, bytes]:
     async with server.session.get(server.base_url + "/v1/models",
                                   timeout=aiohttp.ClientTimeout(total=30)) as response:

@@ -34,7 +34,8 @@ from tqdm import tqdm
 
 from pagellm.bench import datasets, request_args
 from pagellm.bench.arrivals import RAMP_STRATEGIES, Ramp, arrival_gaps
-from pagellm.bench.client import ClientOptions, RequestResult, Server, connect, first_model, send, wait_ready
+from pagellm.bench.client import (ClientOptions, RequestResult, Server, connect, first_model, profile, send,
+                                  wait_ready)
 from pagellm.bench.cpu import TreeSampler, find_listening_pid
 from pagellm.bench.metrics import compute_metrics, first_slo_miss, parse_slos
 
@@ -104,6 +105,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     report.add_argument("--result-json", default=None, help="write the result here")
     report.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into this folder")
     report.add_argument("--no-progress", action="store_true", help="no progress bar")
+    report.add_argument("--profile", action="store_true",
+                        help="record a torch profile on the server across the runs (POST /start_profile, then "
+                             "/stop_profile: a pagellm server with --profiler-dir, or vLLM's)")
 
 
 def ramp_of(args: argparse.Namespace) -> Ramp | None:
@@ -237,12 +241,38 @@ async def _run_all(args: argparse.Namespace, plan: _Plan) -> dict[str, Any]:
             if not result.success:
                 raise RuntimeError(f"warm-up request failed: {result.error}")
         pid = _server_pid(args)
-        runs = []
-        pairs = [(rate, conc) for rate in args.request_rate for conc in args.max_concurrency]
-        for index, (rate, concurrency) in enumerate(pairs):
-            requests = requests_for(args, index)
-            runs.append(await _one_run(http, opts, requests, rate, concurrency, pid, plan, args))
-    return {"label": args.label or model, "config": _config(args, model), "metadata": plan.metadata, "runs": runs}
+        runs: list[dict[str, Any]] = []
+        files = await _profiled(http, args.profile, _runs(http, opts, pid, plan, args, runs))
+    result = {"label": args.label or model, "config": _config(args, model), "metadata": plan.metadata, "runs": runs}
+    if args.profile:
+        result["profile_files"] = files
+    return result
+
+
+async def _runs(http: Server, opts: ClientOptions, pid: int | None, plan: _Plan, args: argparse.Namespace,
+                runs: list[dict[str, Any]]) -> None:
+    pairs = [(rate, conc) for rate in args.request_rate for conc in args.max_concurrency]
+    for index, (rate, concurrency) in enumerate(pairs):
+        requests = requests_for(args, index)
+        runs.append(await _one_run(http, opts, requests, rate, concurrency, pid, plan, args))
+
+
+async def _profiled(http: Server, on: bool, work: Coroutine[Any, Any, None]) -> list[str]:
+    """Await ``work``, inside a server-side torch profile when ``on`` (``--profile``): the files the server wrote.
+    The profile stops even when the work fails, so the server does not record on."""
+    if not on:
+        await work
+        return []
+    try:
+        await profile(http, "start_profile")
+    except BaseException:
+        work.close()  # never started
+        raise
+    try:
+        await work
+    finally:
+        files = (await profile(http, "stop_profile")).get("files", [])
+    return files
 
 
 def _config(args: argparse.Namespace, model: str) -> dict[str, Any]:
@@ -329,6 +359,8 @@ def format_table(result: dict[str, Any]) -> str:
 def main(args: argparse.Namespace) -> int:
     result = run(args)
     print(format_table(result))
+    for path in result.get("profile_files", []):
+        print(f"the server wrote {path}")
     if args.result_json:
         with open(args.result_json, "w") as fh:
             json.dump(result, fh, indent=1)

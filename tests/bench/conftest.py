@@ -15,10 +15,12 @@ from server_utils import ServerProcess  # noqa: E402
 @pytest.fixture(scope="module")
 def bench_server(tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[ServerProcess]:
-    """A tiny-model server with room for chat transcripts (2048-token context), behind an API key (``api_key``)."""
+    """A tiny-model server with room for chat transcripts (2048-token context), behind an API key (``api_key``),
+    profiling into ``<its folder>/traces`` when asked."""
     model = tiny_model_factory("llama", max_position_embeddings=2048)
-    server = ServerProcess(model, ["--max-model-len", "2048", "--served-model-name", "tiny", "--api-key", "sk-bench"],
-                           tmp_path_factory.mktemp("bench-server") / "server.log")
+    folder = tmp_path_factory.mktemp("bench-server")
+    server = ServerProcess(model, ["--max-model-len", "2048", "--served-model-name", "tiny", "--api-key", "sk-bench",
+                                   "--profiler-dir", str(folder / "traces")], folder / "server.log")
     try:
         server.wait_healthy()
         yield server

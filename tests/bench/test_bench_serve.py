@@ -158,3 +158,13 @@ def test_no_server_at_the_address_is_a_clear_usage_error(capsys: pytest.CaptureF
     assert rc == 2
     err = capsys.readouterr().err
     assert "nothing answers at http://127.0.0.1:9" in err and "--ready-check-timeout" in err
+
+
+def test_profile_wraps_the_runs_in_a_server_side_torch_profile(bench_server: ServerProcess, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    rc, result = _bench(bench_server, tmp_path, "--num-prompts", "3", "--output-len", "3", "--num-warmups", "0",
+                        "--max-concurrency", "1", "2", "--profile")
+    assert rc == 0
+    trace, summary = map(Path, result["profile_files"])  # one profile across both runs
+    assert trace.exists() and "pagellm::forward" in summary.read_text()
+    assert f"the server wrote {summary}" in capsys.readouterr().out

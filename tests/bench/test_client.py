@@ -8,7 +8,7 @@ import json
 import pytest
 from aiohttp import web
 
-from pagellm.bench.client import ClientOptions, SseLines, connect, first_model, send, wait_ready
+from pagellm.bench.client import ClientOptions, SseLines, connect, first_model, profile, send, wait_ready
 from pagellm.bench.datasets import BenchRequest
 
 
@@ -193,3 +193,22 @@ def test_wait_ready_says_when_nothing_answers() -> None:
 
     error = asyncio.run(go())
     assert "after waiting 0.05 s" in error and "nothing answers at http://127.0.0.1:9" in error
+
+
+def test_a_server_that_does_not_profile_is_a_clear_error() -> None:
+    async def go() -> str:
+        app = web.Application()  # no /start_profile route: a 404, as vLLM without VLLM_TORCH_PROFILER_DIR answers
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        try:
+            async with connect(f"http://{host}:{port}") as server:
+                with pytest.raises(ValueError) as info:
+                    await profile(server, "start_profile")
+        finally:
+            await runner.cleanup()
+        return str(info.value)
+
+    error = asyncio.run(go())
+    assert error.startswith("POST /start_profile: HTTP 404") and "--profiler-dir DIR" in error
