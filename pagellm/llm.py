@@ -6,9 +6,10 @@ holds its ``n`` ``CompletionOutput``s in index order (rank order for ``best_of >
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-from typing import Any, Sequence, Union
+from typing import Any, Iterator, Sequence, Union
 
 import msgspec
 from tqdm.auto import tqdm
@@ -147,6 +148,18 @@ class LLM:
         """Stop it and write its Chrome trace and op summary into ``profiler_dir``; returns their paths."""
         self.config.profiler_config.require()
         return self.engine.stop_profile()
+
+    @contextlib.contextmanager
+    def profile(self) -> Iterator[list[str]]:
+        """``with llm.profile() as files: llm.generate(...)``: the block inside one profile (a ValueError when one
+        records already); ``files`` holds the trace and summary paths once the block is left, however it is left."""
+        if not self.start_profile():
+            raise ValueError("a profile is recording already: stop_profile() ends it")
+        files: list[str] = []
+        try:
+            yield files
+        finally:
+            files.extend(self.stop_profile())
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -3,7 +3,8 @@
 For each batch size, ``--num-iters`` batches of fresh random prompts (so no prefix-cache hits) run to exactly
 ``--output-len`` tokens (EOS ignored), after ``--num-warmup`` unmeasured ones. The same is timed with one output
 token to isolate the prefill. Reports end-to-end latency (mean, p50, p95, p99), prefill latency and the decode
-time per output token: (mean latency − mean prefill latency) / (output len − 1).
+time per output token: (mean latency − mean prefill latency) / (output len − 1). ``--profile`` (with
+``--profiler-dir``) runs one more batch per batch size, after the timed ones, inside a torch profile.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=49152)
     parser.add_argument("--dataset-seed", type=int, default=0, help="prompt seed")
     parser.add_argument("--result-json", default=None, help="write the result here")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed batches, profile one more per batch size (needs --profiler-dir)")
     add_engine_args(parser)
 
 
@@ -58,10 +61,15 @@ def measure(llm: Any, batch_size: int, args: argparse.Namespace) -> dict[str, An
     prefill = _time_batches(llm, batch_size, 1, args.num_iters, args, base + 2000)
     mean_full, mean_prefill = sum(full) / len(full), sum(prefill) / len(prefill)
     per_token = (mean_full - mean_prefill) / (args.output_len - 1)
-    return {"batch_size": batch_size, "input_len": args.input_len, "output_len": args.output_len,
-            **summarize("latency", full), **summarize("prefill", prefill),
-            "decode_ms_per_token": per_token * 1e3,
-            "output_throughput": batch_size * args.output_len / mean_full}
+    result = {"batch_size": batch_size, "input_len": args.input_len, "output_len": args.output_len,
+              **summarize("latency", full), **summarize("prefill", prefill),
+              "decode_ms_per_token": per_token * 1e3,
+              "output_throughput": batch_size * args.output_len / mean_full}
+    if args.profile:
+        with llm.profile() as files:
+            _time_batches(llm, batch_size, args.output_len, 1, args, base + 3000)
+        result["profile_files"] = files
+    return result
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -70,6 +78,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     if args.num_iters < 1:
         raise ValueError("--num-iters must be at least 1")
+    if args.profile and not args.profiler_dir:
+        raise ValueError("--profile needs --profiler-dir DIR: where the traces go")
     llm = LLM(args.model, **engine_kwargs(args))
     return [measure(llm, batch_size, args) for batch_size in args.batch_size]
 
@@ -81,6 +91,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"{r['batch_size']:>5} {r['mean_latency_ms']:>12.1f} {r['median_latency_ms']:>8.1f} "
               f"{r['p99_latency_ms']:>8.1f} {r['mean_prefill_ms']:>8.1f} {r['decode_ms_per_token']:>9.2f} "
               f"{r['output_throughput']:>9.1f}")
+        for path in r.get("profile_files", []):
+            print(f"      wrote {path}")
     if args.result_json:
         with open(args.result_json, "w") as fh:
             json.dump({"config": {k: v for k, v in vars(args).items() if k != "bench_main"}, "results": results},

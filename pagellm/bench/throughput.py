@@ -4,6 +4,8 @@ baseline), in one run.
 
 Every request is submitted at once; the engine's own scheduler decides batching. A short warm-up runs first and
 the prefix cache is reset, so the measured requests start cold. Reports requests/s, output tok/s and total tok/s.
+``--profile`` (with ``--profiler-dir``) runs pagellm's requests once more, cold again, inside a torch profile, after
+the measured run (whose figures it leaves alone).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-batch-size", type=int, default=32, help="transformers static batch size")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--result-json", default=None, help="write the result here")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the measured run, run pagellm's requests again inside a torch profile "
+                             "(needs --profiler-dir)")
     add_dataset_args(parser, seed_flag="--dataset-seed")
     add_engine_args(parser)
 
@@ -44,30 +49,33 @@ def _figures(system: str, requests: list[datasets.BenchRequest], elapsed: float,
 
 
 def run_pagellm(model: str | None, requests: list[datasets.BenchRequest], temperature: float,
-                engine_args: dict[str, Any]) -> dict[str, Any]:
+                engine_args: dict[str, Any], profile: bool = False) -> dict[str, Any]:
     from pagellm import LLM, SamplingParams
 
     llm = LLM(model, **engine_args)
     params = [SamplingParams(temperature=temperature, max_tokens=r.output_len, ignore_eos=r.ignore_eos)
               for r in requests]
-    warm = SamplingParams(max_tokens=4, ignore_eos=True)
-    chat = requests[0].is_chat
-    if chat:
-        llm.chat([r.messages for r in requests[:2]], warm, use_tqdm=False)
-    else:
-        llm.generate([r.prompt for r in requests[:2]], warm, use_tqdm=False)
+
+    def submit(batch: list[datasets.BenchRequest], sampling: Any) -> list[Any]:
+        if batch[0].is_chat:
+            return llm.chat([r.messages for r in batch], sampling, use_tqdm=False)
+        return llm.generate([r.prompt for r in batch], sampling, use_tqdm=False)
+
+    submit(requests[:2], SamplingParams(max_tokens=4, ignore_eos=True))
     llm.reset_prefix_cache()
     start = time.perf_counter()
-    if chat:
-        outputs = llm.chat([r.messages for r in requests], params, use_tqdm=False)
-    else:
-        outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
+    outputs = submit(requests, params)
     elapsed = time.perf_counter() - start
-    preemptions = sum(s.num_preemptions for s in llm.last_stats)
+    extra: dict[str, Any] = {"preemptions": sum(s.num_preemptions for s in llm.last_stats)}
+    if profile:
+        llm.reset_prefix_cache()
+        with llm.profile() as files:
+            submit(requests, params)
+        extra["profile_files"] = files
     del llm
     gc.collect()
     return _figures("pagellm", requests, elapsed, sum(len(o.prompt_token_ids) for o in outputs),
-                    sum(len(o.outputs[0].token_ids) for o in outputs), preemptions=preemptions)
+                    sum(len(o.outputs[0].token_ids) for o in outputs), **extra)
 
 
 def _hf_prompt_ids(tokenizer: Any, req: datasets.BenchRequest) -> list[int]:
@@ -134,11 +142,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if len({r.is_chat for r in requests}) > 1:
         raise ValueError("the requests mix prompts and chat messages: the offline benchmark runs one kind "
                          "(LLM.generate or LLM.chat)")
+    if args.profile and not args.profiler_dir:
+        raise ValueError("--profile needs --profiler-dir DIR: where the traces go")
     engine_args = engine_kwargs(args)
     results = []
     for backend in args.backend:
         if backend == "pagellm":
-            results.append(run_pagellm(args.model, requests, args.temperature, engine_args))
+            results.append(run_pagellm(args.model, requests, args.temperature, engine_args, args.profile))
         else:
             subset = requests[:args.hf_num_prompts] if args.hf_num_prompts else requests
             results.append(run_transformers(args.model, subset, args.temperature,
@@ -152,6 +162,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"{r['system']:>12}: {r['num_requests']} requests in {r['elapsed_s']:.2f} s, "
               f"{r['request_throughput']:.2f} req/s, {r['output_throughput']:.1f} output tok/s, "
               f"{r['total_token_throughput']:.1f} total tok/s")
+        for path in r.get("profile_files", []):
+            print(f"{'':>12}  profiled: {path}")
     by_system = {r["system"]: r["output_throughput"] for r in results}
     if len(by_system) == 2:
         print(f"ratio pagellm / transformers (output tok/s): "

@@ -68,3 +68,24 @@ def test_throughput_refuses_a_file_mixing_prompts_and_messages(tmp_path: Path, c
     path.write_text('{"prompt": "hi"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
     assert main(["bench", "throughput", "--dataset", "custom", "--dataset-path", str(path), "--num-prompts", "2"]) == 2
     assert "mix prompts and chat messages" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["throughput", "latency"])
+def test_profile_writes_a_trace_of_one_more_run(tiny_llama: Path, tmp_path: Path, command: str) -> None:
+    out, traces = tmp_path / "result.json", tmp_path / "traces"
+    sizes = ["--num-prompts", "2"] if command == "throughput" else ["--batch-size", "2", "--num-iters", "1",
+                                                                    "--num-warmup", "0"]
+    rc = main(["bench", command, "--model", str(tiny_llama), *TINY_ENGINE, *sizes, "--input-len", "8",
+               "--output-len", "4", "--vocab-size", "256", "--profile", "--profiler-dir", str(traces),
+               "--result-json", str(out)])
+    assert rc == 0
+    (result,) = json.loads(out.read_text())["results"]
+    trace, summary = map(Path, result["profile_files"])
+    assert trace.parent == traces and trace.exists()
+    assert "pagellm::forward" in summary.read_text()
+
+
+@pytest.mark.parametrize("command", ["throughput", "latency"])
+def test_profile_without_a_folder_is_refused_before_any_run(command: str, capsys) -> None:
+    assert main(["bench", command, "--profile"]) == 2
+    assert "--profile needs --profiler-dir DIR" in capsys.readouterr().err

@@ -367,3 +367,17 @@ def test_a_profile_of_generate_names_the_engines_spans(tiny_llama: Path, tmp_pat
 def test_profiling_needs_a_folder(llm: LLM) -> None:
     with pytest.raises(ValueError, match="profiling is off.*profiler_dir=DIR"):
         llm.start_profile()
+
+
+def test_profile_block_hands_back_its_files_even_when_the_block_fails(tiny_llama: Path, tmp_path: Path) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV, profiler_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="max_tokens"):
+        with llm.profile() as files:
+            llm.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=False)
+            llm.generate([PROMPT], SamplingParams(max_tokens=-1), use_tqdm=False)
+    assert len(files) == 2 and all(Path(f).exists() for f in files)
+    assert llm.start_profile()  # the block's session was stopped: a new one starts
+    with pytest.raises(ValueError, match="recording already"):
+        with llm.profile():
+            pass
+    assert len(llm.stop_profile()) == 2
