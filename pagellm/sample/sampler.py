@@ -335,7 +335,8 @@ class Sampler:
                              f"got shape {tuple(logits.shape)}.")
         if t.all_greedy:
             return first_argmax(logits)
-        t = t.to(logits.device, non_blocking=True)
+        if t.temperature.device != logits.device:
+            t = t.to(logits.device, non_blocking=True)
         uniforms = self._uniforms(logits, t.seeds)
         candidates = top_k_candidates(logits, t)
         if candidates is not None:  # the draw walks the candidates in id order, as the full path walks the vocab
