@@ -53,14 +53,9 @@ def plot_latency_cdfs(results: Sequence[dict[str, Any]], out_dir: str) -> list[s
         for ax, title in zip(axes, ("TTFT", "TPOT", "end-to-end latency")):
             ax.set_xlabel(f"{title} (ms)")
             ax.set_ylabel("fraction of requests")
-            ax.set_title(f"{title}, {key.replace('c', 'concurrency ', 1) if key[0] == 'c' else 'rate ' + key[1:]}")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-        fig.tight_layout()
+            _finish(ax, f"{title}, {key.replace('c', 'concurrency ', 1) if key[0] == 'c' else 'rate ' + key[1:]}")
         suffix = "" if len(keys) == 1 else f"_{key}"
-        paths.append(os.path.join(out_dir, f"latency_cdf{suffix}.png"))
-        fig.savefig(paths[-1], dpi=100)
-        plt.close(fig)
+        paths.append(_save(fig, os.path.join(out_dir, f"latency_cdf{suffix}.png")))
     return paths
 
 
@@ -82,14 +77,8 @@ def plot_sweep(results: Sequence[dict[str, Any]], out_dir: str) -> str | None:
         ax.set_xticks(sorted({x for r in results for x in _xs(r, by_concurrency)}))
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "sweep.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+        _finish(ax, title)
+    return _save(fig, os.path.join(out_dir, "sweep.png"))
 
 
 def plot_ramp(results: Sequence[dict[str, Any]], out_dir: str) -> str | None:
@@ -105,11 +94,18 @@ def plot_ramp(results: Sequence[dict[str, Any]], out_dir: str) -> str | None:
         axes[1].plot(rates, [r["latency"] * 1e3 for r in ok], ".", label=label)
     for ax, title in zip(axes, ("TTFT (ms)", "end-to-end latency (ms)")):
         ax.set_xlabel("offered request rate when sent (req/s)")
-        ax.set_title(f"{title} as the rate ramps")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _finish(ax, f"{title} as the rate ramps")
+    return _save(fig, os.path.join(out_dir, "ramp.png"))
+
+
+def _finish(ax: Any, title: str) -> None:
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _save(fig: Any, path: str) -> str:
     fig.tight_layout()
-    path = os.path.join(out_dir, "ramp.png")
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -135,7 +131,4 @@ def plot_bars(values: dict[str, float], title: str, ylabel: str, path: str) -> s
         ax.annotate(f"{values[name]:.0f}", (i, values[name]), ha="center", va="bottom")
     ax.set_title(title)
     ax.set_ylabel(ylabel)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

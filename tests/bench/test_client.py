@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
 
 import pytest
 from aiohttp import web
@@ -147,6 +149,19 @@ def test_headers_key_and_extra_body_fields_reach_the_server() -> None:
     assert seen["headers"]["Authorization"] == "Token abc"  # a header given by name beats --api-key
 
 
+@asynccontextmanager
+async def _site(app: web.Application) -> AsyncIterator[str]:
+    """``app`` served on a free loopback port for the block; its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
 def _readiness(statuses: list[int], timeout_s: float) -> tuple[str | None, int]:
     """``wait_ready`` against /v1/models answering ``statuses`` in turn (the last one from then on): the error it
     raised (None when it returned) and how many times it asked."""
@@ -160,17 +175,11 @@ def _readiness(statuses: list[int], timeout_s: float) -> tuple[str | None, int]:
     async def go() -> str | None:
         app = web.Application()
         app.add_routes([web.get("/v1/models", models)])
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        host, port = runner.addresses[0][:2]
-        try:
-            async with connect(f"http://{host}:{port}") as server:
+        async with _site(app) as base_url, connect(base_url) as server:
+            try:
                 await wait_ready(server, timeout_s, poll_s=0.02)
-        except ValueError as exc:
-            return str(exc)
-        finally:
-            await runner.cleanup()
+            except ValueError as exc:
+                return str(exc)
         return None
 
     return asyncio.run(go()), len(asked)
@@ -198,16 +207,9 @@ def test_wait_ready_says_when_nothing_answers() -> None:
 def test_a_server_that_does_not_profile_is_a_clear_error() -> None:
     async def go() -> str:
         app = web.Application()  # no /start_profile route: a 404, as vLLM without VLLM_TORCH_PROFILER_DIR answers
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        host, port = runner.addresses[0][:2]
-        try:
-            async with connect(f"http://{host}:{port}") as server:
-                with pytest.raises(ValueError) as info:
-                    await profile(server, "start_profile")
-        finally:
-            await runner.cleanup()
+        async with _site(app) as base_url, connect(base_url) as server:
+            with pytest.raises(ValueError) as info:
+                await profile(server, "start_profile")
         return str(info.value)
 
     error = asyncio.run(go())
