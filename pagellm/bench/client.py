@@ -44,11 +44,12 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # seconds between content chunks after the first
     start: float = 0.0  # perf_counter at send
     text: str = ""
+    streamed: bool = True  # False: one JSON response (TTFT is then the whole request; no TPOT, no ITL)
 
     @property
     def tpot(self) -> float:
-        """Mean time per output token after the first (0 for one-token outputs)."""
-        return (self.latency - self.ttft) / (self.output_len - 1) if self.output_len > 1 else 0.0
+        """Mean time per output token after the first (0 for one-token outputs and unstreamed requests)."""
+        return (self.latency - self.ttft) / (self.output_len - 1) if self.output_len > 1 and self.streamed else 0.0
 
 
 @dataclass
@@ -58,6 +59,7 @@ class ClientOptions:
     close_connections: bool = False  # send `Connection: close` (llama-server drops reused streams under load)
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every body last (sampling flags too)
     count_tokens: Callable[[str], int] | None = None
+    stream: bool = True  # False: ask for one JSON response per request
 
 
 @dataclass
@@ -87,7 +89,9 @@ async def connect(base_url: str, max_connections: int = 100, close_connections: 
 def request_body(req: BenchRequest, opts: ClientOptions) -> tuple[str, dict[str, Any]]:
     """The endpoint path and JSON body for ``req``."""
     body: dict[str, Any] = {"model": opts.model, "max_tokens": req.output_len, "temperature": opts.temperature,
-                            "stream": True, "stream_options": {"include_usage": True}}
+                            "stream": opts.stream}
+    if opts.stream:
+        body["stream_options"] = {"include_usage": True}
     if req.ignore_eos:
         body["ignore_eos"] = True
     body.update(opts.extra_body)
@@ -183,7 +187,9 @@ async def _receive(server: Server, path: str, body: dict[str, Any], headers: dic
 async def send(server: Server, req: BenchRequest, opts: ClientOptions) -> RequestResult:
     path, body = request_body(req, opts)
     headers = {"Connection": "close"} if opts.close_connections else None
-    result = RequestResult(prompt_len=req.prompt_len or 0, start=time.perf_counter())
+    result = RequestResult(prompt_len=req.prompt_len or 0, start=time.perf_counter(), streamed=opts.stream)
+    if not opts.stream:
+        return await _send_whole(server, path, body, headers, result, opts)
     stream = _Stream(result)
     try:
         await _receive(server, path, body, headers, stream)
@@ -199,6 +205,37 @@ async def send(server: Server, req: BenchRequest, opts: ClientOptions) -> Reques
         result.ttft = result.latency if stream.first_choice is None else stream.first_choice - result.start
     if not result.success:
         result.error = "the stream carried no tokens"
+    return result
+
+
+async def _send_whole(server: Server, path: str, body: dict[str, Any], headers: dict[str, str] | None,
+                      result: RequestResult, opts: ClientOptions) -> RequestResult:
+    """An unstreamed request: its whole answer at once, TTFT = latency (as ``vllm bench serve --no-stream``)."""
+    try:
+        async with server.session.post(server.base_url + path, json=body, headers=headers) as response:
+            raw = await response.read()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {raw.decode(errors='replace')[:300]}")
+        answer = _decode(raw)
+        if not isinstance(answer, dict) or "error" in answer:
+            raise RuntimeError(f"not a completion: {raw.decode(errors='replace')[:300]}")
+    except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        result.latency = time.perf_counter() - result.start
+        return result
+    result.latency = result.ttft = time.perf_counter() - result.start
+    choice = (answer.get("choices") or [{}])[0]
+    result.text = choice.get("text") or (choice.get("message") or {}).get("content") or ""
+    usage = answer.get("usage") or {}
+    result.prompt_len = usage.get("prompt_tokens") or result.prompt_len
+    tokens = usage.get("completion_tokens")
+    if tokens is None and opts.count_tokens is not None:
+        tokens = opts.count_tokens(result.text)
+    result.output_len = tokens or 0
+    result.success = result.output_len > 0
+    if not result.success:
+        result.error = "the response carried no usage and no tokens (--tokenizer DIR counts its text)" \
+            if tokens is None else "the response carried no tokens"
     return result
 
 

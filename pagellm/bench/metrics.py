@@ -3,7 +3,7 @@
 Definitions (all latencies in milliseconds in the output):
 - TTFT: send → first content chunk. TPOT (per request): (latency − TTFT) / (output tokens − 1), requests with
   one output token excluded. ITL: every gap between consecutive content chunks, pooled over requests.
-  E2EL: send → last byte.
+  E2EL: send → last byte. Unstreamed requests (``--no-stream``): TTFT = E2EL, and they have no TPOT or ITL.
 - Percentiles interpolate linearly between order statistics (numpy's default, as vLLM reports them).
 - Throughput divides by the benchmark's wall time (first send → last response). Goodput counts only requests that
   meet every given SLO (``ttft``, ``tpot``, ``e2el`` in ms), per second; under a ramp of the request rate,
@@ -94,7 +94,7 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float, slos: d
         "total_token_throughput": (input_tokens + output_tokens) / duration_s,
     }
     metrics.update(summarize("ttft", [r.ttft for r in ok], pcts))
-    metrics.update(summarize("tpot", [r.tpot for r in ok if r.output_len > 1], pcts))
+    metrics.update(summarize("tpot", [r.tpot for r in ok if r.output_len > 1 and r.streamed], pcts))
     metrics.update(summarize("itl", [gap for r in ok for gap in r.itl], pcts))
     metrics.update(summarize("e2el", [r.latency for r in ok], pcts))
     if slos:

@@ -48,7 +48,7 @@ def plot_latency_cdfs(results: Sequence[dict[str, Any]], out_dir: str) -> list[s
                 ok = [r for r in run["requests"] if r["success"]]
                 _cdf(axes[0], [r["ttft"] * 1e3 for r in ok], result["label"])
                 _cdf(axes[1], [(r["latency"] - r["ttft"]) / (r["output_len"] - 1) * 1e3
-                               for r in ok if r["output_len"] > 1], result["label"])
+                               for r in ok if r["output_len"] > 1 and r.get("streamed", True)], result["label"])
                 _cdf(axes[2], [r["latency"] * 1e3 for r in ok], result["label"])
         for ax, title in zip(axes, ("TTFT", "TPOT", "end-to-end latency")):
             ax.set_xlabel(f"{title} (ms)")

@@ -30,6 +30,9 @@ def add_request_args(parser: argparse.ArgumentParser) -> None:
                        help="a JSON object merged into every request body, e.g. '{\"logprobs\": 5}'")
     group.add_argument("--header", nargs="+", action="extend", default=[], metavar="NAME=VALUE",
                        help="an HTTP header sent with every request (several allowed)")
+    group.add_argument("--no-stream", action="store_true",
+                       help="ask for whole responses instead of streams: TTFT is then the whole request, and there "
+                            "is no TPOT or ITL")
     group.add_argument("--ready-check-timeout", type=float, default=0.0, metavar="S",
                        help="wait up to S seconds for the server to answer GET /v1/models before the run "
                             "(default 0: one try)")

@@ -234,7 +234,8 @@ async def _run_all(args: argparse.Namespace, plan: _Plan) -> dict[str, Any]:
         await wait_ready(http, args.ready_check_timeout)
         model = args.model or await first_model(http)
         opts = ClientOptions(model=model, temperature=args.temperature, close_connections=args.close_connections,
-                             extra_body=plan.body, count_tokens=token_counter(args.tokenizer))
+                             extra_body=plan.body, count_tokens=token_counter(args.tokenizer),
+                             stream=not args.no_stream)
         for req in requests_for(args, -1)[:args.num_warmups]:
             warm = datasets.BenchRequest(req.prompt, min(req.output_len, 8), req.prompt_len, req.messages)
             result = await send(http, warm, opts)

@@ -17,7 +17,7 @@ METRIC_KEYS = {"completed", "failed", "duration_s", "total_input_tokens", "total
                "request_throughput", "output_throughput", "total_token_throughput"} | {
     f"{stat}_{name}_ms" for stat in ("mean", "median", "std", "p50", "p95", "p99")
     for name in ("ttft", "tpot", "itl", "e2el")}
-REQUEST_KEYS = {"success", "error", "prompt_len", "output_len", "ttft", "latency", "itl"}
+REQUEST_KEYS = {"success", "error", "prompt_len", "output_len", "ttft", "latency", "itl", "streamed"}
 CPU_KEYS = {"mean_cpu_percent", "peak_cpu_percent", "peak_rss_mb", "cpu_samples", "cpu_cores"}
 
 
@@ -168,3 +168,14 @@ def test_profile_wraps_the_runs_in_a_server_side_torch_profile(bench_server: Ser
     trace, summary = map(Path, result["profile_files"])  # one profile across both runs
     assert trace.exists() and "pagellm::forward" in summary.read_text()
     assert f"the server wrote {summary}" in capsys.readouterr().out
+
+
+def test_no_stream_times_whole_answers(bench_server: ServerProcess, tmp_path: Path) -> None:
+    rc, result = _bench(bench_server, tmp_path, "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
+                        "--no-stream", "--goodput", "e2el:600000")
+    assert rc == 0
+    (run,) = result["runs"]
+    m = run["metrics"]
+    assert (m["completed"], m["total_output_tokens"], m["goodput_requests"]) == (3, 12, 3)
+    assert all(r["ttft"] == r["latency"] and not r["streamed"] and r["itl"] == [] for r in run["requests"])
+    assert m["median_ttft_ms"] == m["median_e2el_ms"] and m["median_tpot_ms"] == 0.0  # no TPOT without a stream

@@ -214,3 +214,20 @@ def test_a_server_that_does_not_profile_is_a_clear_error() -> None:
 
     error = asyncio.run(go())
     assert error.startswith("POST /start_profile: HTTP 404") and "--profiler-dir DIR" in error
+
+
+def test_unstreamed_requests_take_the_whole_answer_at_once() -> None:
+    whole = json.dumps({"choices": [{"text": "abc", "finish_reason": "length"}],
+                        "usage": {"prompt_tokens": 2, "completion_tokens": 3}}).encode()
+    result, seen = _run(whole, BenchRequest([1, 2], output_len=3, prompt_len=2), stream=False)
+    assert seen[0]["stream"] is False and "stream_options" not in seen[0]
+    assert (result.success, result.text, result.output_len, result.prompt_len) == (True, "abc", 3, 2)
+    assert result.ttft == result.latency > 0 and result.itl == [] and result.tpot == 0.0 and not result.streamed
+    chat = json.dumps({"choices": [{"message": {"role": "assistant", "content": "hi there"}}]}).encode()
+    req = BenchRequest(None, output_len=8, messages=[{"role": "user", "content": "hello"}])
+    result, _ = _run(chat, req, stream=False, count_tokens=lambda text: len(text.split()))
+    assert (result.success, result.text, result.output_len) == (True, "hi there", 2)  # no usage: the tokenizer
+    result, _ = _run(chat, req, stream=False)
+    assert not result.success and "--tokenizer DIR" in result.error
+    result, _ = _run(b'{"error": {"message": "bad"}}', req, status=400, stream=False)
+    assert not result.success and result.error.startswith("RuntimeError: HTTP 400")
