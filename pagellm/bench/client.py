@@ -287,7 +287,7 @@ async def profile(server: Server, action: str) -> dict[str, Any]:
         if response.status != 200:
             raise ValueError(f"POST /{action}: HTTP {response.status}: {raw.decode(errors='replace')[:300]}"
                              + (" (the server profiles only when started with a profiler folder: pagellm serve "
-                                "--profiler-dir DIR, or VLLM_TORCH_PROFILER_DIR for vLLM)"
+                                "--profiler-dir DIR; vllm serve --profiler-config with a torch_profiler_dir)"
                                 if response.status in (400, 404) else ""))
     try:
         answer = msgspec.json.decode(raw) if raw.strip() else {}

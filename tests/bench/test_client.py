@@ -206,7 +206,7 @@ def test_wait_ready_says_when_nothing_answers() -> None:
 
 def test_a_server_that_does_not_profile_is_a_clear_error() -> None:
     async def go() -> str:
-        app = web.Application()  # no /start_profile route: a 404, as vLLM without VLLM_TORCH_PROFILER_DIR answers
+        app = web.Application()  # no /start_profile route: a 404, as vLLM without --profiler-config answers
         async with _site(app) as base_url, connect(base_url) as server:
             with pytest.raises(ValueError) as info:
                 await profile(server, "start_profile")
