@@ -4,7 +4,8 @@ A steady run draws every gap before a request from gamma(shape=burstiness, mean=
 process, below 1 burstier, above 1 more regular; an infinite rate sends everything at once. A ramp (``Ramp``)
 moves the offered rate from ``start_rps`` to ``end_rps`` over the run's requests, linearly or geometrically
 (``exponential``: the same factor per request), and draws request i's gap at the rate of its place in the run:
-how a latency SLO holds as the load grows shows in one run, where a rate sweep needs one run per rate.
+how a latency SLO holds as the load grows shows in one run, where a rate sweep needs one run per rate. A timed
+trace (``trace_gaps``) replays recorded send times instead, as fast as recorded or ``speed`` times faster.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from typing import Sequence
 
 RAMP_STRATEGIES = ("linear", "exponential")
 
@@ -49,6 +51,13 @@ def offered_rates(num: int, rate: float, ramp: Ramp | None) -> list[float]:
     if rate <= 0:
         raise ValueError("--request-rate must be positive (inf for all at once)")
     return ramp.rates(num) if ramp is not None else [rate] * num
+
+
+def trace_gaps(arrivals: Sequence[float], speed: float) -> list[float]:
+    """The gaps that replay a timed trace (send times in seconds after its first request), ``speed`` times as fast."""
+    if not (math.isfinite(speed) and speed > 0):
+        raise ValueError(f"--trace-speed must be a positive number (1: as recorded), not {speed}")
+    return [(now - before) / speed for before, now in zip([0.0, *arrivals], arrivals)]
 
 
 def arrival_gaps(num: int, rate: float, burstiness: float, seed: int, ramp: Ramp | None = None) -> list[float]:

@@ -32,6 +32,7 @@ class BenchRequest:
     prompt_len: int | None = None  # tokens; None when unknown (then taken from the server's usage)
     messages: list[dict[str, str]] | None = None
     ignore_eos: bool = True
+    arrival: float | None = None  # a timed trace's send time, seconds after its first request (else scheduled)
 
     @property
     def is_chat(self) -> bool:

@@ -9,10 +9,12 @@
   ``range_ratio`` tokens.
 - ``custom``: JSON Lines, one request a line: ``{"prompt": "text" or [token ids]}`` or ``{"messages": [{"role":
   ..., "content": ...}, ...]}`` (sent to the chat endpoint), with an optional ``"max_tokens"`` (else
-  ``output_len`` ± ``range_ratio``).
+  ``output_len`` ± ``range_ratio``) and an optional ``"timestamp"`` (seconds; on every line or none).
 
 Both take ``num_prompts`` requests in an order shuffled by ``seed`` (a file with fewer entries is gone through again
-in the same order). A file that cannot be read, or holds no usable entry, raises ValueError saying where.
+in the same order), except a timed trace (a custom file with timestamps): its first ``num_prompts`` requests in time
+order, each with its ``arrival`` (seconds after the first), for ``bench serve`` to replay when they came. A file that
+cannot be read, or holds no usable entry, raises ValueError saying where.
 """
 
 from __future__ import annotations
@@ -98,9 +100,19 @@ def sharegpt_requests(opts: DatasetOptions) -> list[BenchRequest]:
 
 
 def _custom_entry(record: Any, where: str) -> BenchRequest:
-    """One JSON Lines record as a request (``output_len`` 0: not given)."""
+    """One JSON Lines record as a request (``output_len`` 0: not given; ``arrival``: its timestamp, if any)."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: each line is a JSON object with 'prompt' or 'messages'")
+    request = _custom_request(record, where)
+    stamp = record.get("timestamp")
+    if stamp is not None:
+        if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or not 0 <= stamp < float("inf"):
+            raise ValueError(f"{where}: 'timestamp' is a number of seconds, 0 or more")
+        request.arrival = float(stamp)
+    return request
+
+
+def _custom_request(record: dict[str, Any], where: str) -> BenchRequest:
     max_tokens = record.get("max_tokens")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                    or max_tokens < 1):
@@ -134,9 +146,25 @@ def custom_requests(opts: DatasetOptions) -> list[BenchRequest]:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{where} is not JSON: {exc}") from None
         entries.append(_custom_entry(record, where))
+        if (entries[-1].arrival is None) != (entries[0].arrival is None):
+            raise ValueError(f"{where}: a 'timestamp' on some lines and not others; a timed trace has one on "
+                             "every line")
+    timed = bool(entries) and entries[0].arrival is not None
     rng = random.Random(opts.seed + 1)
     out = []
-    for entry in _take(entries, opts, "custom"):
+    for entry in _timed(entries, opts) if timed else _take(entries, opts, "custom"):
         out.append(BenchRequest(entry.prompt, entry.output_len or length(rng, opts.output_len, opts.range_ratio),
-                                entry.prompt_len, entry.messages))
+                                entry.prompt_len, entry.messages, arrival=entry.arrival))
     return out
+
+
+def _timed(entries: list[BenchRequest], opts: DatasetOptions) -> list[BenchRequest]:
+    """A timed trace's first ``num_prompts`` requests in time order, arrivals counted from the first."""
+    if opts.num_prompts > len(entries):
+        raise ValueError(f"{opts.path} is a timed trace of {len(entries)} requests: pass --num-prompts "
+                         f"{len(entries)} or fewer (a trace is replayed once, not cycled)")
+    ordered = sorted(entries, key=lambda e: e.arrival)[:opts.num_prompts]  # type: ignore[arg-type, return-value]
+    first = ordered[0].arrival or 0.0
+    for entry in ordered:
+        entry.arrival = (entry.arrival or 0.0) - first
+    return ordered

@@ -63,8 +63,8 @@ def plot_sweep(results: Sequence[dict[str, Any]], out_dir: str) -> str | None:
     if not any(len(r["runs"]) > 1 for r in results):
         return None
     by_concurrency = all(run["max_concurrency"] for r in results for run in r["runs"])
-    if not by_concurrency and any("ramp_up" in run for r in results for run in r["runs"]):
-        return None  # ramps have no one rate to draw them at: ramp.png shows them
+    if not by_concurrency and any(run["request_rate"] in ("ramp", "trace") for r in results for run in r["runs"]):
+        return None  # ramps and traces have no one rate to draw them at (ramp.png shows ramps)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for result in results:
         runs = result["runs"]

@@ -3,7 +3,8 @@
 Requests arrive as a Poisson process at ``--request-rate`` per second (``inf``: all at once); ``--burstiness``
 below 1 makes arrivals burstier, above 1 more regular (gamma-distributed gaps with that shape, same mean).
 ``--ramp-up-strategy linear|exponential`` instead moves the rate from ``--ramp-up-start-rps`` to
-``--ramp-up-end-rps`` over the run (arrivals.py). ``--max-concurrency`` caps the requests in flight. Several rates
+``--ramp-up-end-rps`` over the run (arrivals.py), and a timed trace (``--dataset custom`` with a ``timestamp`` on
+every line) is replayed as recorded (``--trace-speed`` times as fast). ``--max-concurrency`` caps the requests in flight. Several rates
 or concurrencies make a sweep: one run per (rate, concurrency) pair, the same requests each time. Warm-up requests
 run first and are not counted. What each request carries besides its prompt (sampling flags, ``--extra-body``,
 ``--header``) is request_args.py's.
@@ -33,7 +34,7 @@ from urllib.parse import urlparse
 from tqdm import tqdm
 
 from pagellm.bench import datasets, request_args
-from pagellm.bench.arrivals import RAMP_STRATEGIES, Ramp, arrival_gaps
+from pagellm.bench.arrivals import RAMP_STRATEGIES, Ramp, arrival_gaps, trace_gaps
 from pagellm.bench.client import (ClientOptions, RequestResult, Server, connect, first_model, profile, send,
                                   wait_ready)
 from pagellm.bench.cpu import TreeSampler, find_listening_pid
@@ -85,6 +86,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                       help="raise the request rate over each run instead of a fixed --request-rate")
     load.add_argument("--ramp-up-start-rps", type=float, default=None, help="the ramp's first rate (requests/s)")
     load.add_argument("--ramp-up-end-rps", type=float, default=None, help="the ramp's last rate (requests/s)")
+    load.add_argument("--trace-speed", type=float, default=1.0,
+                      help="a timed trace (a custom file with timestamps) replays this many times as fast")
     load.add_argument("--max-concurrency", type=int, nargs="+", default=[0],
                       help="requests in flight at most (0: no cap); several values sweep")
     load.add_argument("--num-warmups", type=int, default=1, help="uncounted requests sent first")
@@ -214,16 +217,23 @@ class _Plan:
     """The flags checked and parsed once, before the server is touched."""
     slos: dict[str, float]
     ramp: Ramp | None
+    timed: bool  # the dataset is a timed trace: its requests carry their send times
     body: dict[str, Any]
     headers: dict[str, str]
     metadata: dict[str, str]
 
 
 def _plan(args: argparse.Namespace) -> _Plan:
-    requests_for(args, 0)  # the dataset's errors too
+    requests = requests_for(args, 0)  # the dataset's errors too
     if args.ready_check_timeout < 0:
         raise ValueError("--ready-check-timeout must be 0 or more seconds")
-    return _Plan(parse_slos(args.goodput), ramp_of(args), request_args.extra_body(args), request_args.headers(args),
+    ramp, timed = ramp_of(args), requests[0].arrival is not None
+    if timed:
+        trace_gaps([0.0], args.trace_speed)  # its error, before any run
+        if ramp is not None or args.request_rate != [math.inf] or args.burstiness != 1.0:
+            raise ValueError("a timed trace sends each request when its timestamp says: leave --request-rate, "
+                             "--burstiness and --ramp-up-* out (--trace-speed replays it faster)")
+    return _Plan(parse_slos(args.goodput), ramp, timed, request_args.extra_body(args), request_args.headers(args),
                  request_args.pairs(args.metadata, "--metadata"))
 
 
@@ -287,7 +297,8 @@ def _config(args: argparse.Namespace, model: str) -> dict[str, Any]:
 
 async def _one_run(http: Server, opts: ClientOptions, requests: list[datasets.BenchRequest], rate: float,
                    concurrency: int, pid: int | None, plan: _Plan, args: argparse.Namespace) -> dict[str, Any]:
-    gaps = arrival_gaps(len(requests), rate, args.burstiness, args.dataset_seed, plan.ramp)
+    gaps = trace_gaps([r.arrival or 0.0 for r in requests], args.trace_speed) if plan.timed \
+        else arrival_gaps(len(requests), rate, args.burstiness, args.dataset_seed, plan.ramp)
     sampler = TreeSampler(pid).start() if pid else None
     results, duration = await run_once(http, requests, opts, gaps, concurrency, not args.no_progress)
     cpu = sampler.stop().as_dict() if sampler else None
@@ -295,6 +306,8 @@ async def _one_run(http: Server, opts: ClientOptions, requests: list[datasets.Be
     records = [_request_record(r) for r in results]
     run_ = {"request_rate": rate if math.isfinite(rate) else "inf", "max_concurrency": concurrency,
             "metrics": metrics, "cpu": cpu, "requests": records}
+    if plan.timed:
+        run_.update(request_rate="trace", trace_speed=args.trace_speed)
     if plan.ramp is not None:
         rates = plan.ramp.rates(len(requests))
         for record, offered in zip(records, rates):

@@ -179,3 +179,15 @@ def test_no_stream_times_whole_answers(bench_server: ServerProcess, tmp_path: Pa
     assert (m["completed"], m["total_output_tokens"], m["goodput_requests"]) == (3, 12, 3)
     assert all(r["ttft"] == r["latency"] and not r["streamed"] and r["itl"] == [] for r in run["requests"])
     assert m["median_ttft_ms"] == m["median_e2el_ms"] and m["median_tpot_ms"] == 0.0  # no TPOT without a stream
+
+
+def test_a_timed_trace_is_replayed_when_its_timestamps_say(bench_server: ServerProcess, tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(f'{{"prompt": [{i + 1}, 2, 3], "timestamp": {100 + i}, "max_tokens": 2}}\n'
+                            for i in range(3)))
+    rc, result = _bench(bench_server, tmp_path, "--dataset", "custom", "--dataset-path", str(path),
+                        "--num-prompts", "3", "--num-warmups", "0", "--trace-speed", "2")
+    assert rc == 0
+    (run,) = result["runs"]
+    assert (run["request_rate"], run["trace_speed"], run["metrics"]["completed"]) == ("trace", 2.0, 3)
+    assert run["metrics"]["duration_s"] >= 1.0  # the last request goes out 2 s into the trace, at twice its speed

@@ -85,6 +85,9 @@ def test_custom_jsonl_prompts_ids_messages_and_max_tokens(tmp_path: Path) -> Non
     ('{"messages": [{"role": "user"}]}', "'messages' is a non-empty list"),
     ('{"prompt": "a", "max_tokens": 0}', "'max_tokens' must be a positive integer"),
     ("\n\n", "holds no usable custom entry"),
+    ('{"prompt": "a", "timestamp": -1}', "'timestamp' is a number of seconds, 0 or more"),
+    ('{"prompt": "a", "timestamp": "soon"}', "'timestamp' is a number of seconds"),
+    ('{"prompt": "a", "timestamp": 1}\n{"prompt": "b"}', "line 2: a 'timestamp' on some lines and not others"),
 ])
 def test_custom_file_errors_say_where_and_what(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "bad.jsonl"
@@ -119,3 +122,14 @@ def test_endpoint_choice_converts_text_and_refuses_what_cannot_go() -> None:
         to_endpoint([ids], "chat")
     with pytest.raises(ValueError, match="go to the chat endpoint"):
         to_endpoint([chat], "completions")
+
+
+def test_a_timed_trace_keeps_its_time_order_and_arrivals(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"prompt": "c", "timestamp": 12.5, "max_tokens": 3}\n{"prompt": "a", "timestamp": 10}\n'
+                    '{"prompt": [5, 6], "timestamp": 11.0}\n{"prompt": "d", "timestamp": 30}\n')
+    requests = datasets.load("custom", DatasetOptions(path=str(path), num_prompts=3, output_len=7, seed=4))
+    assert [(r.prompt, r.arrival, r.output_len) for r in requests] == [("a", 0.0, 7), ([5, 6], 1.0, 7), ("c", 2.5, 3)]
+    assert datasets.load("custom", DatasetOptions(path=str(path), num_prompts=3, seed=9))[0].prompt == "a"  # no shuffle
+    with pytest.raises(ValueError, match="timed trace of 4 requests: pass --num-prompts 4 or fewer"):
+        datasets.load("custom", DatasetOptions(path=str(path), num_prompts=5))

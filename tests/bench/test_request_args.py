@@ -9,7 +9,7 @@ import math
 import pytest
 
 from pagellm.bench import request_args, serve
-from pagellm.bench.arrivals import Ramp, arrival_gaps, offered_rates
+from pagellm.bench.arrivals import Ramp, arrival_gaps, offered_rates, trace_gaps
 from pagellm.bench.client import RequestResult
 from pagellm.bench.metrics import first_slo_miss
 
@@ -105,3 +105,24 @@ def test_the_first_slo_miss_is_the_rate_the_first_late_request_was_sent_at() -> 
     assert first_slo_miss(late, rates, {"ttft": 500}) == 3.0
     failed = [result(0.1), result(0.0, success=False), result(0.9), result(0.1)]
     assert first_slo_miss(failed, rates, {"ttft": 500}) == 2.0  # a failure misses every SLO
+
+
+def test_a_trace_replays_its_send_times_at_its_speed() -> None:
+    assert trace_gaps([0.0, 0.5, 0.5, 2.0], 1.0) == [0.0, 0.5, 0.0, 1.5]
+    assert trace_gaps([0.0, 0.5, 0.5, 2.0], 2.0) == [0.0, 0.25, 0.0, 0.75]
+    for speed in (0.0, -1.0, math.inf):
+        with pytest.raises(ValueError, match="--trace-speed must be a positive number"):
+            trace_gaps([0.0], speed)
+
+
+def test_a_timed_trace_refuses_a_rate_of_its_own(tmp_path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"prompt": "a", "timestamp": 0}\n{"prompt": "b", "timestamp": 1}\n')
+    trace = ["--dataset", "custom", "--dataset-path", str(path), "--num-prompts", "2"]
+    for extra in (["--request-rate", "4"], ["--burstiness", "0.5"],
+                  ["--ramp-up-strategy", "linear", "--ramp-up-start-rps", "1", "--ramp-up-end-rps", "2"]):
+        with pytest.raises(ValueError, match="a timed trace sends each request when its timestamp says"):
+            serve._plan(_args(*trace, *extra))
+    with pytest.raises(ValueError, match="--trace-speed must be a positive number"):
+        serve._plan(_args(*trace, "--trace-speed", "0"))
+    assert serve._plan(_args(*trace, "--trace-speed", "4")).timed
