@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Iterator, Sequence
 
 import msgspec
 from tqdm.auto import tqdm

@@ -4,10 +4,10 @@ Requests arrive as a Poisson process at ``--request-rate`` per second (``inf``: 
 below 1 makes arrivals burstier, above 1 more regular (gamma-distributed gaps with that shape, same mean).
 ``--ramp-up-strategy linear|exponential`` instead moves the rate from ``--ramp-up-start-rps`` to
 ``--ramp-up-end-rps`` over the run (arrivals.py), and a timed trace (``--dataset custom`` with a ``timestamp`` on
-every line) is replayed as recorded (``--trace-speed`` times as fast). ``--max-concurrency`` caps the requests in flight. Several rates
-or concurrencies make a sweep: one run per (rate, concurrency) pair, the same requests each time. Warm-up requests
-run first and are not counted. What each request carries besides its prompt (sampling flags, ``--extra-body``,
-``--header``) is request_args.py's.
+every line) is replayed as recorded (``--trace-speed`` times as fast). ``--max-concurrency`` caps the requests in
+flight. Several rates or concurrencies make a sweep: one run per (rate, concurrency) pair, the same requests each
+time. Warm-up requests run first and are not counted. What each request carries besides its prompt (sampling
+flags, ``--extra-body``, ``--header``) is request_args.py's.
 
 While a run lasts, the server's process tree is sampled for CPU utilisation and memory (``--server-pid``, or found
 by the port of a local ``--base-url``). The JSON result is ``{"config": ..., "runs": [{"request_rate",
@@ -25,7 +25,6 @@ import json
 import logging
 import math
 import os
-import random
 import time
 from dataclasses import asdict
 from typing import Any, Callable, Coroutine, Sequence

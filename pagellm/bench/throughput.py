@@ -55,27 +55,28 @@ def run_pagellm(model: str | None, requests: list[datasets.BenchRequest], temper
     llm = LLM(model, **engine_args)
     params = [SamplingParams(temperature=temperature, max_tokens=r.output_len, ignore_eos=r.ignore_eos)
               for r in requests]
-
-    def submit(batch: list[datasets.BenchRequest], sampling: Any) -> list[Any]:
-        if batch[0].is_chat:
-            return llm.chat([r.messages for r in batch], sampling, use_tqdm=False)
-        return llm.generate([r.prompt for r in batch], sampling, use_tqdm=False)
-
-    submit(requests[:2], SamplingParams(max_tokens=4, ignore_eos=True))
+    _submit(llm, requests[:2], SamplingParams(max_tokens=4, ignore_eos=True))
     llm.reset_prefix_cache()
     start = time.perf_counter()
-    outputs = submit(requests, params)
+    outputs = _submit(llm, requests, params)
     elapsed = time.perf_counter() - start
     extra: dict[str, Any] = {"preemptions": sum(s.num_preemptions for s in llm.last_stats)}
     if profile:
         llm.reset_prefix_cache()
         with llm.profile() as files:
-            submit(requests, params)
+            _submit(llm, requests, params)
         extra["profile_files"] = files
     del llm
     gc.collect()
     return _figures("pagellm", requests, elapsed, sum(len(o.prompt_token_ids) for o in outputs),
                     sum(len(o.outputs[0].token_ids) for o in outputs), **extra)
+
+
+def _submit(llm: Any, batch: list[datasets.BenchRequest], sampling: Any) -> list[Any]:
+    """``batch`` through ``LLM.chat`` (messages) or ``LLM.generate`` (prompts), without a progress bar."""
+    if batch[0].is_chat:
+        return llm.chat([r.messages for r in batch], sampling, use_tqdm=False)
+    return llm.generate([r.prompt for r in batch], sampling, use_tqdm=False)
 
 
 def _hf_prompt_ids(tokenizer: Any, req: datasets.BenchRequest) -> list[int]:
