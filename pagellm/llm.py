@@ -140,13 +140,12 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def start_profile(self) -> bool:
-        """Start recording a torch profile of the engine (needs ``profiler_dir``); False when one records already."""
-        self.config.profiler_config.require()
+        """Start recording a torch profile of the engine (needs ``profiler_dir``: the worker's ValueError says so);
+        False when one records already."""
         return self.engine.start_profile()
 
     def stop_profile(self) -> list[str]:
         """Stop it and write its Chrome trace and op summary into ``profiler_dir``; returns their paths."""
-        self.config.profiler_config.require()
         return self.engine.stop_profile()
 
     @contextlib.contextmanager

@@ -184,6 +184,16 @@ async def _receive(server: Server, path: str, body: dict[str, Any], headers: dic
         stream.events(lines.close(), time.perf_counter())
 
 
+# What a request may fail with: it is then counted as failed, with the error, instead of raised.
+_REQUEST_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError)
+
+
+def _failed(result: RequestResult, exc: Exception) -> RequestResult:
+    result.error = f"{type(exc).__name__}: {exc}"
+    result.latency = time.perf_counter() - result.start
+    return result
+
+
 async def send(server: Server, req: BenchRequest, opts: ClientOptions) -> RequestResult:
     path, body = request_body(req, opts)
     headers = {"Connection": "close"} if opts.close_connections else None
@@ -193,10 +203,8 @@ async def send(server: Server, req: BenchRequest, opts: ClientOptions) -> Reques
     stream = _Stream(result)
     try:
         await _receive(server, path, body, headers, stream)
-    except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-        result.latency = time.perf_counter() - result.start
-        return result
+    except _REQUEST_ERRORS as exc:
+        return _failed(result, exc)
     result.latency = time.perf_counter() - result.start
     result.text = "".join(stream.texts)
     result.output_len = _output_tokens(stream.usage_tokens, result.text, stream.chunks, opts)
@@ -219,10 +227,8 @@ async def _send_whole(server: Server, path: str, body: dict[str, Any], headers: 
         answer = _decode(raw)
         if not isinstance(answer, dict) or "error" in answer:
             raise RuntimeError(f"not a completion: {raw.decode(errors='replace')[:300]}")
-    except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-        result.latency = time.perf_counter() - result.start
-        return result
+    except _REQUEST_ERRORS as exc:
+        return _failed(result, exc)
     result.latency = result.ttft = time.perf_counter() - result.start
     choice = (answer.get("choices") or [{}])[0]
     result.text = choice.get("text") or (choice.get("message") or {}).get("content") or ""
@@ -249,18 +255,21 @@ def _output_tokens(usage_tokens: int | None, text: str, chunks: int, opts: Clien
 
 async def first_model(server: Server) -> str:
     """The first model the server lists (what to send when the user names none)."""
-    status, raw = await _get_models(server)
-    if status != 200:
-        raise ValueError(_models_error(status, raw))
-    data = msgspec.json.decode(raw)["data"]
+    return first_listed(await wait_ready(server, 0))
+
+
+def first_listed(listing: bytes) -> str:
+    """The first model id of a ``GET /v1/models`` answer."""
+    data = msgspec.json.decode(listing)["data"]
     if not data:
         raise ValueError("the server lists no models; pass --model")
     return data[0]["id"]
 
 
-async def wait_ready(server: Server, timeout_s: float, poll_s: float = 0.5) -> None:
-    """Return once ``GET /v1/models`` answers 200, trying for ``timeout_s`` seconds (0: once). A ValueError says
-    why it never did: no answer at the address, or the last HTTP status (a 401 at once: a key will not appear)."""
+async def wait_ready(server: Server, timeout_s: float, poll_s: float = 0.5) -> bytes:
+    """``GET /v1/models``'s answer once it is a 200 (the model list), trying for ``timeout_s`` seconds (0: once). A
+    ValueError says why it never came: no answer at the address, or the last HTTP status (a 401 at once: a key
+    will not appear)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -269,8 +278,9 @@ async def wait_ready(server: Server, timeout_s: float, poll_s: float = 0.5) -> N
             why = f"nothing answers at {server.base_url} ({type(exc).__name__}: {exc}); is the server up?"
         else:
             if status == 200:
-                return
-            why = _models_error(status, raw)
+                return raw
+            why = f"GET /v1/models: HTTP {status}: {raw.decode(errors='replace')[:300]}" \
+                + (" (pass --api-key)" if status == 401 else "")
             if status == 401:
                 raise ValueError(why)
         if time.monotonic() + poll_s > deadline:
@@ -300,8 +310,3 @@ async def _get_models(server: Server) -> tuple[int, bytes]:
     async with server.session.get(server.base_url + "/v1/models",
                                   timeout=aiohttp.ClientTimeout(total=30)) as response:
         return response.status, await response.read()
-
-
-def _models_error(status: int, raw: bytes) -> str:
-    return (f"GET /v1/models: HTTP {status}: {raw.decode(errors='replace')[:300]}"
-            + (" (pass --api-key)" if status == 401 else ""))

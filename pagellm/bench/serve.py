@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from pagellm.bench import datasets, request_args
 from pagellm.bench.arrivals import RAMP_STRATEGIES, Ramp, arrival_gaps, trace_gaps
-from pagellm.bench.client import (ClientOptions, RequestResult, Server, connect, first_model, profile, send,
+from pagellm.bench.client import (ClientOptions, RequestResult, Server, connect, first_listed, profile, send,
                                   wait_ready)
 from pagellm.bench.cpu import TreeSampler, find_listening_pid
 from pagellm.bench.metrics import compute_metrics, first_slo_miss, parse_slos
@@ -240,8 +240,8 @@ async def _run_all(args: argparse.Namespace, plan: _Plan) -> dict[str, Any]:
     max_connections = max(max(args.max_concurrency), 1) + 8 if min(args.max_concurrency) > 0 \
         else args.num_prompts + 8
     async with connect(args.base_url, max_connections, args.close_connections, args.api_key, plan.headers) as http:
-        await wait_ready(http, args.ready_check_timeout)
-        model = args.model or await first_model(http)
+        listing = await wait_ready(http, args.ready_check_timeout)
+        model = args.model or first_listed(listing)
         opts = ClientOptions(model=model, temperature=args.temperature, close_connections=args.close_connections,
                              extra_body=plan.body, count_tokens=token_counter(args.tokenizer),
                              stream=not args.no_stream)

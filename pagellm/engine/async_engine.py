@@ -322,8 +322,7 @@ class AsyncLLM:
         return await self.client.call_utility("reset_prefix_cache")
 
     async def start_profile(self) -> bool:
-        """Start the engine core's torch profiler (metrics/profiler.py); False when a session records already. A
-        ValueError when the engine has no ``profiler_dir``."""
+        """Start the core's torch profiler; False when one records already (ValueError without ``profiler_dir``)."""
         self.config.profiler_config.require()
         return await self.client.call_utility("start_profile")
 
