@@ -56,8 +56,14 @@ class CacheConfig:
                                         default=True)
     kv_cache_prefault: bool = _help("Populate the KV cache's memory in the background, on CPU time nothing else "
                                     "wants, so that a block's first use does not pay for it.", default=True)
+    kv_cache_dtype: str = _help(
+        "KV cache element type: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e4m3 or fp8_e5m2. An 8-bit cache "
+        "holds twice the tokens in the same kv_cache_memory and halves attention's reads; K/V are stored rounded "
+        "(scale 1.0, saturating), so outputs drift from the model's dtype.", default="auto")
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}; use auto, fp8, fp8_e4m3 or fp8_e5m2")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.kv_cache_memory <= 0:

@@ -25,6 +25,24 @@ logger = logging.getLogger(__name__)
 
 
 
+# CacheConfig.kv_cache_dtype's 8-bit formats (vLLM's names; "fp8" is e4m3). "auto" keeps the model's dtype.
+FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element dtype of the KV cache for ``kv_cache_dtype`` (validated by ``CacheConfig``; auto: the model's)."""
+    return model_dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPES[kv_cache_dtype]
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K/V rows as ``dtype`` (a float8 cache's): rounded to nearest even and saturated at the format's largest finite
+    value (scale 1.0), the bits the native stack's write stores too (``ops/csrc/fp8.h``)."""
+    if x.dtype == dtype:
+        return x
+    limit = torch.finfo(dtype).max
+    return x.clamp(-limit, limit).to(dtype)
+
+
 def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype) -> torch.Tensor:
     """One layer's zeroed ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` K/V cache on fresh anonymous

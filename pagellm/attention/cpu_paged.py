@@ -50,7 +50,13 @@ class PagedKernel:
     """The compiled kernel's entry points behind a tensor-level call (checks, dtype dispatch, output allocation)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = {torch.bfloat16: lib.pagellm_paged_attention_bf16, torch.float32: lib.pagellm_paged_attention_f32}
+        e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+        self._fns = {(torch.bfloat16, torch.bfloat16): lib.pagellm_paged_attention_bf16,
+                     (torch.float32, torch.float32): lib.pagellm_paged_attention_f32,
+                     (torch.bfloat16, e4m3): lib.pagellm_paged_attention_bf16_fp8e4m3,
+                     (torch.bfloat16, e5m2): lib.pagellm_paged_attention_bf16_fp8e5m2,
+                     (torch.float32, e4m3): lib.pagellm_paged_attention_f32_fp8e4m3,
+                     (torch.float32, e5m2): lib.pagellm_paged_attention_f32_fp8e5m2}
         for fn in self._fns.values():
             fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_void_p]
             fn.restype = None
@@ -67,21 +73,23 @@ class PagedKernel:
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: CpuPagedMetadata,
                   scale: float, flash_min_tokens: int = FLASH_MIN_TOKENS) -> torch.Tensor:
-        """q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]. Returns [T, H * D]."""
+        """q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D] of q's dtype or a float8 one.
+        Returns [T, H * D] of q's dtype."""
         if q.dim() != 3 or k_cache.dim() != 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("paged attention needs q [T, H, D] and contiguous 4-D caches")
-        if q.dtype not in self._fns or k_cache.dtype != q.dtype or q.shape[1] % k_cache.shape[2]:
-            raise ValueError("paged attention needs float32 or bfloat16 q and caches of the same dtype, "
-                             "and heads a multiple of kv heads")
+        fn = self._fns.get((q.dtype, k_cache.dtype))
+        if fn is None or v_cache.dtype != k_cache.dtype or q.shape[1] % k_cache.shape[2]:
+            raise ValueError("paged attention needs float32 or bfloat16 q, caches of its dtype or of float8 "
+                             "(e4m3fn, e5m2), and heads a multiple of kv heads")
         q = q.contiguous()
         tokens, heads, head_dim = q.shape
         out = torch.empty(tokens, heads * head_dim, dtype=q.dtype)
         bits = md.tree_bits
-        self._fns[q.dtype](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), md.block_table.data_ptr(),
-                           md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(), md.ctx_end.data_ptr(),
-                           None if bits is None else bits.data_ptr(), 0 if bits is None else bits.shape[1],
-                           md.seq_lens.shape[0], heads, head_dim, k_cache.shape[1], k_cache.shape[2],
-                           md.block_table.shape[1], flash_min_tokens, scale, out.data_ptr())
+        fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), md.block_table.data_ptr(),
+           md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(), md.ctx_end.data_ptr(),
+           None if bits is None else bits.data_ptr(), 0 if bits is None else bits.shape[1], md.seq_lens.shape[0],
+           heads, head_dim, k_cache.shape[1], k_cache.shape[2], md.block_table.shape[1], flash_min_tokens, scale,
+           out.data_ptr())
         return out
 
 

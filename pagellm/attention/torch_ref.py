@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention.base import CommonAttentionInputs, register_backend
+from pagellm.attention.base import CommonAttentionInputs, quantize_kv, register_backend
 
 
 @dataclass
@@ -92,22 +92,27 @@ def decode_rows(common: CommonAttentionInputs) -> tuple:
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the step's K/V rows at their slots; a float8 cache gets them rounded (``quantize_kv``)."""
     kv_heads, head_dim = k.shape[1], k.shape[2]
+    if kv_cache.dtype != k.dtype:  # float8: index_copy_ has no float8 kernel, the bytes are copied as uint8
+        k = quantize_kv(k, kv_cache.dtype).view(torch.uint8)
+        v = quantize_kv(v, kv_cache.dtype).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
     kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """[B, nb] block ids → [B, KVH, nb * block_size, D] keys or values."""
-    blocks = cache[block_table]  # [B, nb, bs, KVH, D]
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, nb] block ids → [B, KVH, nb * block_size, D] keys or values as ``dtype`` (a float8 cache's widened)."""
+    blocks = cache[block_table].to(dtype)  # [B, nb, bs, KVH, D]
     batch, _, _, kv_heads, head_dim = blocks.shape
     return blocks.view(batch, -1, kv_heads, head_dim).transpose(1, 2)
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: TorchRefMetadata, scale: float) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
-    keys = _gather(kv_cache[0], md.decode_block_table)
-    values = _gather(kv_cache[1], md.decode_block_table)
+    keys = _gather(kv_cache[0], md.decode_block_table, q.dtype)
+    values = _gather(kv_cache[1], md.decode_block_table, q.dtype)
     kv_heads = keys.shape[1]
     # Query heads h = kv_head * group + g share kv_head: fold the group into the query axis.
     grouped = q.view(batch, kv_heads, num_heads // kv_heads, head_dim)
@@ -117,8 +122,8 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: TorchRefMetad
 
 def chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, chunk: ChunkRow, scale: float) -> torch.Tensor:
     n, num_heads, head_dim = q.shape
-    keys = _gather(kv_cache[0], chunk.block_ids[None])[0, :, :chunk.seq_len]
-    values = _gather(kv_cache[1], chunk.block_ids[None])[0, :, :chunk.seq_len]
+    keys = _gather(kv_cache[0], chunk.block_ids[None], q.dtype)[0, :, :chunk.seq_len]
+    values = _gather(kv_cache[1], chunk.block_ids[None], q.dtype)[0, :, :chunk.seq_len]
     group = num_heads // keys.shape[0]
     keys = keys.repeat_interleave(group, dim=0)
     values = values.repeat_interleave(group, dim=0)

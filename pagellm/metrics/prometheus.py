@@ -131,10 +131,11 @@ class PrometheusSink:
 
     def _cache_info(self, cache_config: Any, num_blocks: int) -> None:
         info = self._gauge("cache_config_info", "KV-cache configuration",
-                           ["block_size", "num_blocks", "enable_prefix_caching", "kv_cache_memory"])
+                           ["block_size", "num_blocks", "enable_prefix_caching", "kv_cache_memory", "cache_dtype"])
         info.labels(block_size=str(cache_config.block_size), num_blocks=str(num_blocks),
                     enable_prefix_caching=str(cache_config.enable_prefix_caching).lower(),
-                    kv_cache_memory=str(cache_config.kv_cache_memory), **self._labels).set(1)
+                    kv_cache_memory=str(cache_config.kv_cache_memory), cache_dtype=cache_config.kv_cache_dtype,
+                    **self._labels).set(1)
 
     # ------------------------------------------------------------------------------------------- recording
     def record(self, scheduler: SchedulerStats | None, iteration: IterationStats | None) -> None:

@@ -8,7 +8,7 @@ attention backend):
 - the model is bfloat16, single rank, and every GEMM weight of every layer is packed (``gemm.pack_parameter``),
   with no o_proj bias (q/k/v bias, as in Qwen2, is served);
 - the forward context is the ``cpu_paged`` backend's (its metadata a ``CpuPagedMetadata``) and every layer to run
-  has a bfloat16 cache bound.
+  has a cache bound, bfloat16 or float8 (``--kv-cache-dtype``), all of one dtype.
 
 The weights' addresses are gathered once per model (``stack_for``) and reused; the caches are read per call, as
 the self-speculative draft (``spec/draft.py``) rebinds them to its own around its passes.
@@ -88,6 +88,6 @@ def run_native(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     if stack is None:
         return None
     caches = [attn.kv_cache for attn in model.__dict__["_native_attns"][:num_layers]]
-    if any(c is None or c.dtype != torch.bfloat16 for c in caches):
+    if any(c is None or c.dtype not in decoder_stack.CACHE_DTYPES or c.dtype != caches[0].dtype for c in caches):
         return None
     return stack.run(x, positions, caches, ctx.metadata, FLASH_MIN_TOKENS)

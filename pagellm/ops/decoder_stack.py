@@ -49,7 +49,14 @@ class _Layer(ctypes.Structure):  # csrc StackLayer
 class _Shape(ctypes.Structure):  # csrc StackShape
     _fields_ = [(name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size",
                                         "cache_slots", "max_positions")]
-    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_format", _I)]
+
+
+# csrc KvFormat of each cache dtype, and the paged attention entry the stack calls for it.
+_KV_FORMATS = {torch.bfloat16: (0, "pagellm_paged_attention_bf16"),
+               torch.float8_e4m3fn: (1, "pagellm_paged_attention_bf16_fp8e4m3"),
+               torch.float8_e5m2: (2, "pagellm_paged_attention_bf16_fp8e5m2")}
+CACHE_DTYPES = frozenset(_KV_FORMATS)
 
 
 class _Step(ctypes.Structure):  # csrc StackStep
@@ -59,8 +66,9 @@ class _Step(ctypes.Structure):  # csrc StackStep
 
 
 @functools.lru_cache(maxsize=1)
-def _lib() -> tuple[ctypes.CDLL, _Kernels] | None:
-    """The stack's library and the kernels it calls, or ``None`` where any of them does not run here."""
+def _lib() -> tuple[ctypes.CDLL, dict[torch.dtype, _Kernels]] | None:
+    """The stack's library and the kernels it calls for each cache dtype, or ``None`` where any of them does not
+    run here."""
     gemm_lib, fused_lib = gemm._lib(), fused._lib()
     if gemm_lib is None or fused_lib is None:
         return None
@@ -69,18 +77,32 @@ def _lib() -> tuple[ctypes.CDLL, _Kernels] | None:
     except (RuntimeError, OSError) as exc:
         logger.warning("native decoder stack unavailable (%s); using the Python layers", exc)
         return None
-    kernels = _Kernels(_address(gemm_lib.pagellm_packed_linear_bf16),
-                       _address(fused_lib.pagellm_add_rms_norm_bf16), _address(fused_lib.pagellm_silu_and_mul_bf16),
-                       _address(fused_lib.pagellm_rotary_bf16), _address(attention.pagellm_paged_attention_bf16),
-                       _address(gemm_lib.pagellm_packed_linear_silu_mul_bf16))
+    kernels = {dtype: _Kernels(_address(gemm_lib.pagellm_packed_linear_bf16),
+                               _address(fused_lib.pagellm_add_rms_norm_bf16),
+                               _address(fused_lib.pagellm_silu_and_mul_bf16), _address(fused_lib.pagellm_rotary_bf16),
+                               _address(getattr(attention, entry)),
+                               _address(gemm_lib.pagellm_packed_linear_silu_mul_bf16))
+               for dtype, (_, entry) in _KV_FORMATS.items()}
     lib.pagellm_decoder_stack_bf16.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Layer), _I,
                                                ctypes.POINTER(_Shape), ctypes.POINTER(_Step), _P, _P, _P, _P, _P]
     lib.pagellm_decoder_stack_bf16.restype = ctypes.c_int
+    lib.pagellm_stack_fp8_from_bf16.argtypes = [_P, _I, _I, _P]
+    lib.pagellm_stack_fp8_from_bf16.restype = None
     return lib, kernels
 
 
 def available() -> bool:
     return _lib() is not None
+
+
+def fp8_from_bf16(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bfloat16 values rounded into float8 ``dtype`` as the stack writes them into a float8 cache (for tests)."""
+    loaded = _lib()
+    assert loaded is not None, "native decoder stack is not available on this machine"
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=dtype)
+    loaded[0].pagellm_stack_fp8_from_bf16(x.data_ptr(), x.numel(), _KV_FORMATS[dtype][0], out.data_ptr())
+    return out
 
 
 @dataclass(frozen=True)
@@ -125,7 +147,8 @@ class DecoderStack:
         tensors = [final_norm, cos, sin, *(t for w in layers for t in vars(w).values() if t is not None)]
         if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in tensors):
             raise ValueError("the native decoder stack takes contiguous bfloat16 weights")
-        self._fn, self._kernels = loaded[0].pagellm_decoder_stack_bf16, ctypes.byref(loaded[1])
+        self._fn, self._kernels_by_dtype = loaded[0].pagellm_decoder_stack_bf16, loaded[1]
+        self._kernels = ctypes.byref(loaded[1][torch.bfloat16])
         self._keep = tensors
         self._bound: tuple[torch.Tensor, ...] = ()  # the caches the layers point at now (see _bind_caches)
         self.shape = shape
@@ -135,10 +158,11 @@ class DecoderStack:
             for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down"):
                 setattr(slot, name, _ptr(getattr(w, name)))
         self._shape = _Shape(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate, 1, 0,
-                             cos.shape[0], shape.eps, shape.scale)
+                             cos.shape[0], shape.eps, shape.scale, 0)
 
     def _bind_caches(self, caches: list[torch.Tensor]) -> None:
-        """Point the layers at their [2, num_blocks, block_size, kv_heads, head_dim] caches (checked; one shape).
+        """Point the layers at their [2, num_blocks, block_size, kv_heads, head_dim] caches (checked; one shape and
+        one dtype: bfloat16 or a float8 one, ``CACHE_DTYPES``).
         The same tensors as the last call's are bound already (the common case: only the self-speculative draft
         binds others, around its passes)."""
         if len(caches) == len(self._bound) and all(c is b for c, b in zip(caches, self._bound)):
@@ -146,12 +170,16 @@ class DecoderStack:
         self._bound = ()  # until every layer is bound (a refused cache leaves the layers half pointed)
         s = self.shape
         for slot, cache in zip(self._layers, caches):
-            if (cache.dtype != torch.bfloat16 or cache.dim() != 5 or not cache.is_contiguous()
-                    or tuple(cache.shape[3:]) != (s.kv_heads, s.head_dim) or cache.shape != caches[0].shape):
-                raise ValueError("the native decoder stack needs contiguous bfloat16 [2, blocks, block_size, "
-                                 f"{s.kv_heads}, {s.head_dim}] caches")
+            if (cache.dtype not in CACHE_DTYPES or cache.dim() != 5 or not cache.is_contiguous()
+                    or tuple(cache.shape[3:]) != (s.kv_heads, s.head_dim) or cache.shape != caches[0].shape
+                    or cache.dtype != caches[0].dtype):
+                raise ValueError("the native decoder stack needs contiguous bfloat16 or float8 [2, blocks, "
+                                 f"block_size, {s.kv_heads}, {s.head_dim}] caches, all of one dtype")
             slot.k_cache = cache.data_ptr()
             slot.v_cache = cache[1].data_ptr()
+        dtype = caches[0].dtype if caches else torch.bfloat16
+        self._shape.kv_format = _KV_FORMATS[dtype][0]
+        self._kernels = ctypes.byref(self._kernels_by_dtype[dtype])
         self._shape.block_size = caches[0].shape[2] if caches else 1
         self._shape.cache_slots = caches[0].shape[1] * caches[0].shape[2] if caches else 0
         self._bound = tuple(caches)

@@ -12,7 +12,7 @@ import torch
 
 from pagellm import envs, native_build
 from pagellm.attention import cpu_paged
-from pagellm.attention.base import get_backend
+from pagellm.attention.base import get_backend, resolve_kv_dtype
 from pagellm.config import CacheConfig, ModelConfig, ProfilerConfig, SpeculativeConfig
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.metrics.profiler import Profiler
@@ -47,14 +47,15 @@ class Worker:
         model.load_weights(iter_weights(model_dir))
         model.eval()
         max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
-        num_blocks = kv_cache_blocks(cache_config, arch, self.dtype, max_model_len)
+        self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
+        num_blocks = kv_cache_blocks(cache_config, arch, self.kv_dtype, max_model_len)
         backend = get_backend(model_config.attention_backend)
         # Model-based proposers keep their own cache with as many blocks as the target's (their layers only).
         proposer = make_proposer(spec_config, model, backend=backend, block_size=cache_config.block_size,
                                  num_blocks=num_blocks, dtype=self.dtype, seed=model_config.seed)
         self.runner = ModelRunner(model, backend, cache_config.block_size, proposer, model_config.seed,
                                   arch.vocab_size, model_dir, spec_config.disable_by_batch_size)
-        self.runner.bind_kv_cache(num_blocks, self.dtype)
+        self.runner.bind_kv_cache(num_blocks, self.kv_dtype)
         self.prefaulter = KVPrefaulter(self.runner.kv_caches) if cache_config.kv_cache_prefault else None
         self.profiler_config = profiler_config
         self.profiler = Profiler(profiler_config.profiler_dir, profiler_config.profiler_with_stack) \
@@ -67,8 +68,9 @@ class Worker:
                         "on" if decoder_stack.available() and envs.native_decoder() else "off",
                         "on AMX" if flash_amx else "without AMX")
         self.runtime = RuntimeInfo(max_model_len, num_blocks, cache_config.block_size, arch.vocab_size)
-        logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens", model_dir, arch.architecture,
-                    self.dtype, time.perf_counter() - start, num_blocks, cache_config.block_size)
+        logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens (%s)", model_dir,
+                    arch.architecture, self.dtype, time.perf_counter() - start, num_blocks, cache_config.block_size,
+                    str(self.kv_dtype).removeprefix("torch."))
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)

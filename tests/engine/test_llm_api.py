@@ -343,8 +343,10 @@ def test_cli_generate(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> N
         (["--dtype", "float16", "--prompt", "hi"], "pagellm: dtype='float16' is not supported"),
         (["--max-num-sequences", "2", "--prompt", "hi"], "unrecognized arguments: --max-num-sequences"),
         ([], "pagellm: give at least one prompt"),
+        (["--kv-cache-dtype", "int8", "--prompt", "hi"],
+         "pagellm: kv_cache_dtype='int8'; use auto, fp8, fp8_e4m3 or fp8_e5m2"),
     ],
-    ids=["not-an-int", "bad-dtype", "unknown-flag", "no-prompt"],
+    ids=["not-an-int", "bad-dtype", "unknown-flag", "no-prompt", "bad-kv-cache-dtype"],
 )
 def test_cli_bad_flags(tiny_llama: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str) -> None:
     assert run_cli(["generate", "--model", str(tiny_llama), *flags]) == 2

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pagellm.attention import cpu_paged
-from pagellm.attention.base import CommonAttentionInputs
+from pagellm.attention.base import CommonAttentionInputs, quantize_kv
 from pagellm.attention.cpu_paged import CpuPagedBackend, PagedKernel, build_metadata, load_kernel
 from pagellm.attention.torch_ref import TorchRefBackend
 from pagellm.ops import build
@@ -131,6 +131,54 @@ def test_mixed_step_matches_reference_and_dense(dtype, heads, kv_heads, head_dim
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(got.double(), _dense(q, written, common, scale), atol=tol, rtol=tol)
+
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
+def test_float8_caches_match_reference_and_dense(kv_dtype, dtype, heads, kv_heads, head_dim, block_size,
+                                                 kernel_build) -> None:
+    """``--kv-cache-dtype fp8*``: K/V are written rounded (the same bits by both backends) and every path (the
+    bf16 walk and flash tiles, the float32 walks, the AVX2 build's portable walk) attends over the stored values."""
+    q, k, v, cache, common = _mixed_step(heads, kv_heads, head_dim, block_size, dtype, seed=heads * block_size)
+    scale = head_dim ** -0.5
+    ref, fast = TorchRefBackend(), CpuPagedBackend()
+    ref_cache, fast_cache = quantize_kv(cache, kv_dtype), quantize_kv(cache, kv_dtype)
+    expected = ref.forward(q, k, v, ref_cache, ref.build(common), scale)
+    got = fast.forward(q, k, v, fast_cache, fast.build(common), scale)
+    assert got.dtype == dtype and torch.equal(ref_cache.view(torch.uint8), fast_cache.view(torch.uint8))
+    slots = common.slot_mapping
+    stored = fast_cache[0].view(-1, kv_heads, head_dim)[slots]
+    assert torch.equal(stored.view(torch.uint8), quantize_kv(k, kv_dtype).view(torch.uint8))
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.double(), _dense(q, fast_cache, common, scale), atol=tol, rtol=tol)
+
+
+def test_float8_caches_stay_close_to_the_unrounded_attention() -> None:
+    """The price of an 8-bit cache on random unit-variance K/V: outputs move, by at most a few tenths (e5m2, two
+    mantissa bits, more than e4m3), never by the whole output's scale."""
+    q, k, v, cache, common = _mixed_step(9, 3, 64, 16, torch.bfloat16, seed=3)
+    backend = CpuPagedBackend()
+    exact = backend.forward(q, k, v, cache.clone(), backend.build(common), 0.125).double()
+    errors = {}
+    for kv_dtype in FP8:
+        rounded = backend.forward(q, k, v, quantize_kv(cache, kv_dtype), backend.build(common), 0.125).double()
+        errors[kv_dtype] = (rounded - exact).abs().mean().item()
+        assert 0 < errors[kv_dtype] < 0.05 and (rounded - exact).abs().max().item() < 0.6
+    assert errors[torch.float8_e4m3fn] < errors[torch.float8_e5m2]
+
+
+def test_paged_kernel_refuses_mixed_cache_dtypes() -> None:
+    q, k, v, cache, common = _random_step([1], [5], 2, 1, 16, 4, torch.bfloat16, seed=1)
+    md = build_metadata(common)
+    with pytest.raises(ValueError, match="float8"):
+        load_kernel().attention(q, quantize_kv(cache[0], torch.float8_e4m3fn), cache[1], md, 0.25)
+    with pytest.raises(ValueError, match="float8"):
+        load_kernel().attention(q, cache[0].half(), cache[1].half(), md, 0.25)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (16, 1, 64)])

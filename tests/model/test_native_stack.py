@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.attention.base import CommonAttentionInputs, forward_context, new_kv_cache
+from pagellm.attention.base import CommonAttentionInputs, forward_context, new_kv_cache, quantize_kv
 from pagellm.attention.cpu_paged import CpuPagedBackend
 from pagellm.attention.torch_ref import TorchRefBackend
 from pagellm.model import native_stack
@@ -46,15 +46,21 @@ def _bind(model: LlamaForCausalLM, caches: list[torch.Tensor]) -> None:
         attn.kv_cache = cache
 
 
-def _caches(model: LlamaForCausalLM, seed: int) -> list[torch.Tensor]:
-    """Caches holding random context (what earlier steps wrote) for every layer."""
+def _caches(model: LlamaForCausalLM, seed: int, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Caches holding random context (what earlier steps wrote) for every layer; of the model's dtype or ``dtype``."""
     gen = torch.Generator().manual_seed(seed)
+    dtype = dtype or model.model.norm.weight.dtype
     out = []
     for attn in model.attention_layers():
-        cache = new_kv_cache(NUM_BLOCKS, BS, attn.num_kv_heads, attn.head_dim, model.model.norm.weight.dtype)
-        cache.copy_(torch.randn(cache.shape, generator=gen))
+        cache = new_kv_cache(NUM_BLOCKS, BS, attn.num_kv_heads, attn.head_dim, dtype)
+        cache.view(torch.uint8).copy_(quantize_kv(torch.randn(cache.shape, generator=gen), dtype).view(torch.uint8))
         out.append(cache)
     return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits (float8 tensors have no torch.equal)."""
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def _mixed_step(vocab: int) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionInputs]:
@@ -122,6 +128,41 @@ def test_native_stack_equals_the_python_layers(monkeypatch: pytest.MonkeyPatch, 
     layers = model.cfg.num_layers if num_layers is None else num_layers
     for i, (written, before) in enumerate(zip(native_caches, untouched)):
         assert torch.equal(written, before) == (i >= layers)  # exactly the layers run wrote their K/V
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_native_stack_with_float8_caches_equals_the_python_layers(monkeypatch: pytest.MonkeyPatch,
+                                                                  kv_dtype: torch.dtype) -> None:
+    """``--kv-cache-dtype fp8*``: the stack rounds each K/V row into the cache as the Python layers' write does
+    (torch's float8 conversion) and attends through the float8 entry of the same kernel: the same bits."""
+    model = _model(64, False)
+    ids, positions, common = _mixed_step(model.cfg.vocab_size)
+    calls = _count_native(monkeypatch)
+    native_caches = _caches(model, seed=3, dtype=kv_dtype)
+    native = _forward(model, native_caches, CpuPagedBackend(), common, ids, positions, None)
+    assert len(calls) == 1
+    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "0")
+    python_caches = _caches(model, seed=3, dtype=kv_dtype)
+    python = _forward(model, python_caches, CpuPagedBackend(), common, ids, positions, None)
+    assert len(calls) == 1 and torch.equal(native, python)
+    assert all(_same(a, b) for a, b in zip(native_caches, python_caches))
+    assert not any(_same(a, b) for a, b in zip(native_caches, _caches(model, seed=3, dtype=kv_dtype)))
+    bf16 = _forward(model, _caches(model, seed=3), CpuPagedBackend(), common, ids, positions, None)
+    assert not torch.equal(native, bf16)  # the rounded context changed the result
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_native_rounding_into_float8_is_torchs(kv_dtype: torch.dtype) -> None:
+    """Every bfloat16 value (the vector path, and the scalar tail of rows not a multiple of 16 long) rounds into
+    the same float8 bits as ``quantize_kv``: ties to even, saturation at the format's largest finite value, every
+    NaN to 0xff."""
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    expected = quantize_kv(every, kv_dtype)
+    assert _same(decoder_stack.fp8_from_bf16(every, kv_dtype), expected)
+    tails = every[:15 * 4369].view(4369, 15)  # 15 values a call: the scalar path alone
+    assert _same(torch.cat([decoder_stack.fp8_from_bf16(row, kv_dtype) for row in tails]), expected[:15 * 4369])
+    assert quantize_kv(torch.tensor([1e6, -1e6]), kv_dtype).float().tolist() == [torch.finfo(kv_dtype).max,
+                                                                                 -torch.finfo(kv_dtype).max]
 
 
 def test_native_stack_follows_its_caches_from_call_to_call(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -204,3 +245,13 @@ def test_engine_greedy_tokens_are_identical(tiny_model_factory, monkeypatch: pyt
     taken = len(calls)
     assert _greedy(path, monkeypatch, False, **kwargs) == native
     assert len(calls) == taken
+
+
+def test_engine_greedy_tokens_are_identical_over_a_float8_cache(tiny_model_factory,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny_model_factory("llama")
+    calls = _count_native(monkeypatch)
+    kwargs = dict(max_num_batched_tokens=32, attention_backend="cpu_paged", kv_cache_dtype="fp8")
+    native = _greedy(path, monkeypatch, True, **kwargs)
+    assert calls
+    assert _greedy(path, monkeypatch, False, **kwargs) == native

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -91,7 +90,7 @@ def test_series_names_labels_and_info(metrics_server: ServerProcess) -> None:
     assert kinds["pagellm:num_requests_running"] == "gauge"
     assert kinds["pagellm:prompt_tokens"] == "counter"
     assert kinds["pagellm:time_to_first_token_seconds"] == "histogram"
-    assert 'pagellm:cache_config_info{block_size="16"' in text
+    assert 'pagellm:cache_config_info{block_size="16"' in text and 'cache_dtype="auto"' in text
     assert re.search(r'pagellm:build_info\{.*version="\d+\.\d+\.\d+"', text)
 
 

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "fp8.h"  // ops/csrc
 #include "paged_common.h"
 #include "simd_exp.h"  // ops/csrc: exp16
 
@@ -24,6 +25,11 @@ constexpr int kFlashKeys = 32;
 constexpr int kFlashQueries = kTileQueries;
 
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+// 32 consecutive elements of a K/V row as bfloat16 (an fp8 cache's widened exactly, fp8.h).
+inline __m512i load32_bf16(const BFloat16* p) { return _mm512_loadu_si512(p); }
+inline __m512i load32_bf16(const Fp8E4M3* p) { return fp8_load32_bf16(p); }
+inline __m512i load32_bf16(const Fp8E5M2* p) { return fp8_load32_bf16(p); }
 
 // 16 x 16 transpose of 32-bit elements (rows in, columns out).
 inline void transpose16(__m512i r[16]) {
@@ -60,26 +66,24 @@ struct FlashTile {
   alignas(64) __m512i p2[kFlashQueries];  // probabilities as bf16, keys in order (= key pairs as dwords)
   alignas(64) float o[kFlashQueries][D];
   float m[kFlashQueries], l[kFlashQueries], corr[kFlashQueries];
-  const BFloat16* krow[kFlashKeys];
-  const BFloat16* vrow[kFlashKeys];
 };
 
 // Key pairs [0, pairs) of V interleaved for dpbf16 (vp[key pair][d], see the top), a key past nk zero.
-template <int D>
-inline void interleave_values(const BFloat16* const* vrow, int nk, int pairs, __m512i (*vp)[D / 16]) {
+template <int D, typename KV>
+inline void interleave_values(const KV* const* vrow, int nk, int pairs, __m512i (*vp)[D / 16]) {
   const __m512i zero = _mm512_setzero_si512();
   for (int kp = 0; kp < pairs; ++kp) {
     for (int c = 0; c < D / 32; ++c) {
-      const __m512i a = 2 * kp < nk ? _mm512_loadu_si512(vrow[2 * kp] + 32 * c) : zero;
-      const __m512i b = 2 * kp + 1 < nk ? _mm512_loadu_si512(vrow[2 * kp + 1] + 32 * c) : zero;
+      const __m512i a = 2 * kp < nk ? load32_bf16(vrow[2 * kp] + 32 * c) : zero;
+      const __m512i b = 2 * kp + 1 < nk ? load32_bf16(vrow[2 * kp + 1] + 32 * c) : zero;
       vp[kp][2 * c] = _mm512_unpacklo_epi16(a, b);
       vp[kp][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
     }
   }
 }
 
-template <int D>
-void pack_keys_values(FlashTile<D>& tile, int nk) {
+template <int D, typename KV>
+void pack_keys_values(FlashTile<D>& tile, const KV* const* krow, const KV* const* vrow, int nk) {
   const __m512i zero = _mm512_setzero_si512();
   for (int half = 0; half < 2; ++half) {
     if (half * 16 >= nk) {
@@ -90,13 +94,13 @@ void pack_keys_values(FlashTile<D>& tile, int nk) {
       __m512i rows[16];
       for (int i = 0; i < 16; ++i) {
         const int key = half * 16 + i;
-        rows[i] = key < nk ? _mm512_loadu_si512(tile.krow[key] + 32 * c) : zero;
+        rows[i] = key < nk ? load32_bf16(krow[key] + 32 * c) : zero;
       }
       transpose16(rows);
       for (int j = 0; j < 16; ++j) tile.kt[16 * c + j][half] = rows[j];
     }
   }
-  interleave_values<D>(tile.vrow, nk, (nk + 1) / 2, tile.vp);
+  interleave_values<D>(vrow, nk, (nk + 1) / 2, tile.vp);
 }
 
 // Scores of R query vectors against the tile's keys (HALVES = 1: keys 0-15 only), times scale.
@@ -209,10 +213,9 @@ inline void write_row(const float* o, float l, BFloat16* out) {
 }
 
 // The K and V rows of kv head kv_head for keys [k0, k0 + nk) in the paged cache.
-template <int D>
-inline void key_rows(const BFloat16* k_cache, const BFloat16* v_cache, const int64_t* blocks, int64_t k0, int nk,
-                     int64_t block_size, int64_t token_stride, int64_t kv_head, const BFloat16** krow,
-                     const BFloat16** vrow) {
+template <int D, typename KV>
+inline void key_rows(const KV* k_cache, const KV* v_cache, const int64_t* blocks, int64_t k0, int nk,
+                     int64_t block_size, int64_t token_stride, int64_t kv_head, const KV** krow, const KV** vrow) {
   for (int key = 0; key < nk; ++key) {
     const int64_t pos = k0 + key;
     const int64_t offset = key_offset(blocks, pos, block_size, token_stride, kv_head, D);
@@ -222,9 +225,9 @@ inline void key_rows(const BFloat16* k_cache, const BFloat16* v_cache, const int
 }
 
 // One work item: tokens [0, m) of a row (q, out: the first token's rows; token stride heads * D), kv head kv_head,
-// each token's visibility in vis[]. m * group <= kFlashQueries.
-template <int D>
-void flash_tile(const BFloat16* q, const BFloat16* k_cache, const BFloat16* v_cache, const int64_t* blocks,
+// each token's visibility in vis[]. m * group <= kFlashQueries. KV: the cache's element type (bf16 or fp8).
+template <int D, typename KV>
+void flash_tile(const BFloat16* q, const KV* k_cache, const KV* v_cache, const int64_t* blocks,
                 const Visibility* vis, int m, int64_t group, int64_t heads, int64_t kv_heads, int64_t kv_head,
                 int64_t block_size, float scale, BFloat16* out) {
   static thread_local FlashTile<D> tile;
@@ -239,10 +242,12 @@ void flash_tile(const BFloat16* q, const BFloat16* k_cache, const BFloat16* v_ca
     for (int v = 0; v < D / 16; ++v) _mm512_store_ps(tile.o[qv] + 16 * v, _mm512_setzero_ps());
   }
   const int64_t token_stride = kv_heads * D;
+  const KV* krow[kFlashKeys];
+  const KV* vrow[kFlashKeys];
   for (int64_t k0 = 0; k0 < kend; k0 += kFlashKeys) {
     const int nk = static_cast<int>(std::min<int64_t>(kFlashKeys, kend - k0));
-    key_rows<D>(k_cache, v_cache, blocks, k0, nk, block_size, token_stride, kv_head, tile.krow, tile.vrow);
-    pack_keys_values<D>(tile, nk);
+    key_rows<D>(k_cache, v_cache, blocks, k0, nk, block_size, token_stride, kv_head, krow, vrow);
+    pack_keys_values<D>(tile, krow, vrow, nk);
     if (nk > 16) qk_all<D, 2>(tile, qrows, nq, scale);
     else qk_all<D, 1>(tile, qrows, nq, scale);
     for (int i = 0; i < m; ++i) {

@@ -13,6 +13,9 @@
 //    and CPUs with AVX2 but no AVX-512 take the 8-lane walk_avx2.h (walk_scalar where none of these serves).
 //  - the flash tile (flash_bf16.h, bfloat16 with AVX-512 BF16, head_dim 64 or 128): up to 48 query vectors (tokens
 //    x grouped heads) of one row and one kv head share each K/V tile, with bfloat16 dot products.
+// The cache may also hold 8-bit floats under bfloat16 or float32 queries (--kv-cache-dtype fp8*, ops/csrc/fp8.h):
+// every walk and the AVX-512 flash tiles widen its rows exactly as they load them (the AMX tiles and the AVX2 walk
+// read the model's dtype only; an fp8 cache takes the AVX-512 tiles and, without AVX-512, the portable walk).
 // Accumulation is in float32 whatever the cache dtype. The plain-PyTorch twin and oracle is
 // pagellm/attention/torch_ref.py. Plain C ABI (pointers and sizes, no torch headers, loaded with ctypes by
 // attention/cpu_paged.py) so that it builds in a second or two; see pagellm/ops/build.py.
@@ -23,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "flash_amx.h"
@@ -49,8 +53,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 // The portable walk (any head_dim): one block at a time, invisible keys scored -inf.
-template <typename T>
-void walk_scalar(const T* q, const T* k_cache, const T* v_cache, const int64_t* blocks, const Visibility& vis,
+template <typename T, typename KV>
+void walk_scalar(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* blocks, const Visibility& vis,
                  int64_t block_size, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t kv_head,
                  float scale, T* out) {
   // q and out point at this kv head's first query head; query heads of the group are contiguous.
@@ -107,8 +111,8 @@ void walk_scalar(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
 
 #if defined(__AVX512F__)
 // The vector walk: 16 float lanes, K/V rows converted on load, scores and exp for 16 keys at a time.
-template <typename T>
-void walk_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* blocks, const Visibility& vis,
+template <typename T, typename KV>
+void walk_vec(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* blocks, const Visibility& vis,
               int64_t block_size, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t kv_head, float scale,
               T* out) {
   const int64_t nv = head_dim / 16;
@@ -125,7 +129,7 @@ void walk_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* blo
     const int64_t base = key_offset(blocks, start, block_size, token_stride, kv_head, head_dim);
     prefetch_ahead(k_cache, v_cache, blocks, vis.kend, start, n, block_size, token_stride, kv_head, head_dim);
     for (int64_t t = 0; t < n; ++t) {
-      const T* k = k_cache + base + t * token_stride;
+      const KV* k = k_cache + base + t * token_stride;
       __m512 krow[16];  // head_dim <= 256
       for (int64_t v = 0; v < nv; ++v) krow[v] = load16(k + v * 16);
       for (int64_t g = 0; g < group; ++g) {
@@ -148,7 +152,7 @@ void walk_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* blo
         _mm512_storeu_ps(a + v * 16, _mm512_mul_ps(_mm512_loadu_ps(a + v * 16), _mm512_set1_ps(correction)));
     }
     for (int64_t t = 0; t < n; ++t) {
-      const T* vrow = v_cache + base + t * token_stride;
+      const KV* vrow = v_cache + base + t * token_stride;
       for (int64_t v = 0; v < nv; ++v) {
         const __m512 val = load16(vrow + v * 16);
         for (int64_t g = 0; g < group; ++g) {
@@ -166,8 +170,8 @@ void walk_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* blo
 
 // The same walk with the head size and group size known at compile time: q and the running weighted V stay in
 // registers (G x NV vectors) instead of memory. Used for the common shapes; others take walk_vec.
-template <typename T, int NV, int G>
-void walk_fixed(const T* q, const T* k_cache, const T* v_cache, const int64_t* blocks, const Visibility& vis,
+template <typename T, typename KV, int NV, int G>
+void walk_fixed(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* blocks, const Visibility& vis,
                 int64_t block_size, int64_t kv_heads, int64_t kv_head, float scale, T* out) {
   constexpr int64_t head_dim = NV * 16;
   __m512 qv[G][NV], acc[G][NV];
@@ -190,7 +194,7 @@ void walk_fixed(const T* q, const T* k_cache, const T* v_cache, const int64_t* b
     const int64_t base = key_offset(blocks, start, block_size, token_stride, kv_head, head_dim);
     prefetch_ahead(k_cache, v_cache, blocks, vis.kend, start, n, block_size, token_stride, kv_head, head_dim);
     for (int64_t t = 0; t < n; ++t) {
-      const T* k = k_cache + base + t * token_stride;
+      const KV* k = k_cache + base + t * token_stride;
       __m512 krow[NV];
       for (int v = 0; v < NV; ++v) krow[v] = load16(k + v * 16);
       for (int g = 0; g < G; ++g) {
@@ -210,7 +214,7 @@ void walk_fixed(const T* q, const T* k_cache, const T* v_cache, const int64_t* b
       for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], correction);
     }
     for (int64_t t = 0; t < n; ++t) {
-      const T* vrow = v_cache + base + t * token_stride;
+      const KV* vrow = v_cache + base + t * token_stride;
       __m512 weight[G];
       for (int g = 0; g < G; ++g) weight[g] = _mm512_set1_ps(scores[g][t]);
       for (int v = 0; v < NV; ++v) {
@@ -228,13 +232,13 @@ void walk_fixed(const T* q, const T* k_cache, const T* v_cache, const int64_t* b
 }
 
 // Runs the fixed-shape walk when (head_dim / 16, group) is one of the instantiated shapes; false otherwise.
-template <typename T>
-bool walk_fixed_shape(int64_t nv, int64_t group, const T* q, const T* k, const T* v, const int64_t* blocks,
+template <typename T, typename KV>
+bool walk_fixed_shape(int64_t nv, int64_t group, const T* q, const KV* k, const KV* v, const int64_t* blocks,
                       const Visibility& vis, int64_t block_size, int64_t kv_heads, int64_t kv_head, float scale,
                       T* out) {
 #define PAGELLM_SHAPE(NV_, G_)                                                                         \
   if (nv == NV_ && group == G_) {                                                                      \
-    walk_fixed<T, NV_, G_>(q, k, v, blocks, vis, block_size, kv_heads, kv_head, scale, out);           \
+    walk_fixed<T, KV, NV_, G_>(q, k, v, blocks, vis, block_size, kv_heads, kv_head, scale, out);       \
     return true;                                                                                       \
   }
   PAGELLM_SHAPE(4, 1) PAGELLM_SHAPE(4, 2) PAGELLM_SHAPE(4, 3) PAGELLM_SHAPE(4, 4) PAGELLM_SHAPE(4, 6) PAGELLM_SHAPE(4, 7)
@@ -246,17 +250,19 @@ bool walk_fixed_shape(int64_t nv, int64_t group, const T* q, const T* k, const T
 #endif
 
 // The bfloat16 walk (walk_bf16.h) for its shapes (head_dim 64 or 128, the group sizes below); false otherwise.
-inline bool walk_bf16_shape(int64_t, int64_t, const float*, const float*, const float*, const int64_t*,
+template <typename KV>
+inline bool walk_bf16_shape(int64_t, int64_t, const float*, const KV*, const KV*, const int64_t*,
                             const Visibility&, int64_t, int64_t, int64_t, float, float*) {
   return false;  // float32 rows keep the float32 walk (bitwise independent of their row)
 }
-inline bool walk_bf16_shape(int64_t head_dim, int64_t group, const BFloat16* q, const BFloat16* k,
-                            const BFloat16* v, const int64_t* blocks, const Visibility& vis, int64_t block_size,
-                            int64_t kv_heads, int64_t kv_head, float scale, BFloat16* out) {
+template <typename KV>
+inline bool walk_bf16_shape(int64_t head_dim, int64_t group, const BFloat16* q, const KV* k, const KV* v,
+                            const int64_t* blocks, const Visibility& vis, int64_t block_size, int64_t kv_heads,
+                            int64_t kv_head, float scale, BFloat16* out) {
 #if defined(__AVX512BF16__)
 #define PAGELLM_SHAPE(D_, G_)                                                                          \
   if (head_dim == D_ && group == G_) {                                                                 \
-    walk_bf16<D_, G_>(q, k, v, blocks, vis, block_size, kv_heads, kv_head, scale, out);                \
+    walk_bf16<D_, G_, KV>(q, k, v, blocks, vis, block_size, kv_heads, kv_head, scale, out);            \
     return true;                                                                                       \
   }
   PAGELLM_SHAPE(64, 1) PAGELLM_SHAPE(64, 2) PAGELLM_SHAPE(64, 3) PAGELLM_SHAPE(64, 4) PAGELLM_SHAPE(64, 6)
@@ -270,26 +276,30 @@ inline bool walk_bf16_shape(int64_t head_dim, int64_t group, const BFloat16* q, 
   return false;
 }
 
-// One token, one kv head: the fastest walk that serves the shape.
-template <typename T>
-void walk(const T* q, const T* k, const T* v, const int64_t* blocks, const Visibility& vis, int64_t block_size,
+// One token, one kv head: the fastest walk that serves the shape. KV: the cache's element type (T, or fp8 under
+// bfloat16 queries).
+template <typename T, typename KV>
+void walk(const T* q, const KV* k, const KV* v, const int64_t* blocks, const Visibility& vis, int64_t block_size,
           int64_t kv_heads, int64_t group, int64_t head_dim, int64_t kv_head, float scale, T* out) {
   if (walk_bf16_shape(head_dim, group, q, k, v, blocks, vis, block_size, kv_heads, kv_head, scale, out)) return;
 #if defined(__AVX512F__)
   if (head_dim % 16 == 0 &&
-      walk_fixed_shape<T>(head_dim / 16, group, q, k, v, blocks, vis, block_size, kv_heads, kv_head, scale, out))
+      walk_fixed_shape<T, KV>(head_dim / 16, group, q, k, v, blocks, vis, block_size, kv_heads, kv_head, scale,
+                              out))
     return;
   if (head_dim % 16 == 0 && head_dim <= 256 && group <= 16) {
-    walk_vec<T>(q, k, v, blocks, vis, block_size, kv_heads, group, head_dim, kv_head, scale, out);
+    walk_vec<T, KV>(q, k, v, blocks, vis, block_size, kv_heads, group, head_dim, kv_head, scale, out);
     return;
   }
 #elif defined(__AVX2__) && defined(__FMA__)
-  if (head_dim % 8 == 0 && head_dim <= kWalkMaxDim && group <= kWalkMaxGroup) {
-    walk_avx2<T>(q, k, v, blocks, vis, block_size, kv_heads, group, head_dim, kv_head, scale, out);
-    return;
+  if constexpr (std::is_same_v<T, KV>) {  // an fp8 cache takes the portable walk without AVX-512
+    if (head_dim % 8 == 0 && head_dim <= kWalkMaxDim && group <= kWalkMaxGroup) {
+      walk_avx2<T>(q, k, v, blocks, vis, block_size, kv_heads, group, head_dim, kv_head, scale, out);
+      return;
+    }
   }
 #endif
-  walk_scalar<T>(q, k, v, blocks, vis, block_size, kv_heads, group, head_dim, kv_head, scale, out);
+  walk_scalar<T, KV>(q, k, v, blocks, vis, block_size, kv_heads, group, head_dim, kv_head, scale, out);
 }
 
 struct Step {
@@ -351,24 +361,29 @@ std::vector<Item> plan(const Step& st, bool bf16) {
 
 #if defined(__AVX512BF16__)
 // One flash work item on the path this process runs: AMX tiles where switched on, else AVX-512 BF16.
-template <int D>
-inline void flash_tile_on_path(const BFloat16* q, const BFloat16* k, const BFloat16* v, const int64_t* blocks,
+// An fp8 cache's tiles stay on AVX-512 BF16 (the AMX tiles read bfloat16 rows).
+template <int D, typename KV>
+inline void flash_tile_on_path(const BFloat16* q, const KV* k, const KV* v, const int64_t* blocks,
                                const Visibility* vis, int m, int64_t group, const Step& st, int64_t kv_head,
                                BFloat16* out) {
 #if defined(PAGELLM_FLASH_AMX)
-  if (flash_amx().load(std::memory_order_relaxed)) {
-    flash_tile_amx<D>(q, k, v, blocks, vis, m, group, st.heads, st.kv_heads, kv_head, st.block_size, st.scale, out);
+  if (std::is_same_v<KV, BFloat16> && flash_amx().load(std::memory_order_relaxed)) {
+    if constexpr (std::is_same_v<KV, BFloat16>)
+      flash_tile_amx<D>(q, k, v, blocks, vis, m, group, st.heads, st.kv_heads, kv_head, st.block_size, st.scale,
+                        out);
     return;
   }
 #endif
-  flash_tile<D>(q, k, v, blocks, vis, m, group, st.heads, st.kv_heads, kv_head, st.block_size, st.scale, out);
+  flash_tile<D, KV>(q, k, v, blocks, vis, m, group, st.heads, st.kv_heads, kv_head, st.block_size, st.scale, out);
 }
 #endif
 
 // Flash tiles serve bfloat16 only (plan() never makes one for float32).
-inline void flash_item(const Step&, const Item&, const float*, const float*, const float*, const int64_t*,
+template <typename KV>
+inline void flash_item(const Step&, const Item&, const float*, const KV*, const KV*, const int64_t*,
                        const Visibility*, float*) {}
-inline void flash_item(const Step& st, const Item& item, const BFloat16* q, const BFloat16* k, const BFloat16* v,
+template <typename KV>
+inline void flash_item(const Step& st, const Item& item, const BFloat16* q, const KV* k, const KV* v,
                        const int64_t* blocks, const Visibility* vis, BFloat16* out) {
 #if defined(__AVX512BF16__)
   const int64_t group = st.heads / st.kv_heads;
@@ -382,8 +397,8 @@ inline void flash_item(const Step& st, const Item& item, const BFloat16* q, cons
 #endif
 }
 
-template <typename T>
-void run_item(const Step& st, const Item& item, const T* q, const T* k, const T* v, T* out) {
+template <typename T, typename KV>
+void run_item(const Step& st, const Item& item, const T* q, const KV* k, const KV* v, T* out) {
   const int64_t group = st.heads / st.kv_heads;
   const int64_t win = st.seq_lens[item.row] - (st.query_start[item.row + 1] - st.query_start[item.row]);
   const int64_t* blocks = st.block_table + item.row * st.max_blocks;
@@ -404,17 +419,17 @@ void run_item(const Step& st, const Item& item, const T* q, const T* k, const T*
         prefetch_block(k, v, blocks, b, kend, st.block_size, token_stride, h + 1, st.head_dim);
 #endif
     const int64_t head = offset + h * group * st.head_dim;
-    walk<T>(q + head, k, v, blocks, vis[0], st.block_size, st.kv_heads, group, st.head_dim, h, st.scale,
-            out + head);
+    walk<T, KV>(q + head, k, v, blocks, vis[0], st.block_size, st.kv_heads, group, st.head_dim, h, st.scale,
+                out + head);
   }
 }
 
-template <typename T>
-void run_step(const Step& st, const T* q, const T* k, const T* v, T* out, bool bf16) {
+template <typename T, typename KV>
+void run_step(const Step& st, const T* q, const KV* k, const KV* v, T* out, bool bf16) {
   const std::vector<Item> items = plan(st, bf16);
   const int64_t n = static_cast<int64_t>(items.size());
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < n; ++i) run_item<T>(st, items[i], q, k, v, out);
+  for (int64_t i = 0; i < n; ++i) run_item<T, KV>(st, items[i], q, k, v, out);
 }
 
 }  // namespace
@@ -426,19 +441,24 @@ extern "C" {
 // query_start: [rows + 1]; seq_lens: [rows] (context length including the row's query tokens); ctx_end: [T] (each
 // token sees the keys before it); tree_bits: [T, tree_words] bits over its row's own query tokens, or null. All
 // int64 and contiguous; H a multiple of KVH. Rows of at least flash_min_tokens tokens take flash tiles (bf16).
-#define PAGELLM_ENTRY(NAME, TYPE, BF16)                                                                           \
+// The _fp8e4m3 / _fp8e5m2 entries take q and out of their first type over 8-bit caches (ops/csrc/fp8.h).
+#define PAGELLM_ENTRY(NAME, TYPE, KV, BF16)                                                                       \
   void NAME(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_table,                \
             const int64_t* query_start, const int64_t* seq_lens, const int64_t* ctx_end, const uint64_t* tree_bits, \
             int64_t tree_words, int64_t rows, int64_t heads, int64_t head_dim, int64_t block_size,              \
             int64_t kv_heads, int64_t max_blocks, int64_t flash_min_tokens, float scale, void* out) {           \
     const pagellm::Step st{rows, heads, head_dim, block_size, kv_heads, max_blocks, tree_words, flash_min_tokens, \
                            block_table, query_start, seq_lens, ctx_end, tree_bits, scale};                       \
-    pagellm::run_step<TYPE>(st, static_cast<const TYPE*>(q), static_cast<const TYPE*>(k_cache),                 \
-                            static_cast<const TYPE*>(v_cache), static_cast<TYPE*>(out), BF16);                   \
+    pagellm::run_step<TYPE, KV>(st, static_cast<const TYPE*>(q), static_cast<const KV*>(k_cache),               \
+                                static_cast<const KV*>(v_cache), static_cast<TYPE*>(out), BF16);                 \
   }
 
-PAGELLM_ENTRY(pagellm_paged_attention_bf16, pagellm::BFloat16, true)
-PAGELLM_ENTRY(pagellm_paged_attention_f32, float, false)
+PAGELLM_ENTRY(pagellm_paged_attention_bf16, pagellm::BFloat16, pagellm::BFloat16, true)
+PAGELLM_ENTRY(pagellm_paged_attention_f32, float, float, false)
+PAGELLM_ENTRY(pagellm_paged_attention_bf16_fp8e4m3, pagellm::BFloat16, pagellm::Fp8E4M3, true)
+PAGELLM_ENTRY(pagellm_paged_attention_bf16_fp8e5m2, pagellm::BFloat16, pagellm::Fp8E5M2, true)
+PAGELLM_ENTRY(pagellm_paged_attention_f32_fp8e4m3, float, pagellm::Fp8E4M3, false)
+PAGELLM_ENTRY(pagellm_paged_attention_f32_fp8e5m2, float, pagellm::Fp8E5M2, false)
 #undef PAGELLM_ENTRY
 
 // Flash tiles on AMX (want > 0, where compiled in and the kernel grants the tile state) or AVX-512 BF16 (want 0);

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "fp8.h"  // ops/csrc: the 8-bit cache elements
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif

@@ -10,7 +10,8 @@
 // float32 and in registers; the probabilities are rounded to bfloat16 for P·V, as the flash tiles do. The output's
 // head dimensions come out in the flash tiles' permuted order, undone by write_row. With K/V hot in the caches a
 // batch-32 step's layer (SmolLM2 shapes, 192 keys) went 213 -> 128 us; from DRAM see docs/performance.md (Round 8).
-// Oracle: attention/torch_ref.py.
+// An 8-bit cache's rows (KV = Fp8E4M3 / Fp8E5M2, ops/csrc/fp8.h) are widened exactly to bf16 as they are loaded,
+// half the bytes from memory for the same dot products. Oracle: attention/torch_ref.py.
 #pragma once
 
 #include <cmath>
@@ -26,12 +27,12 @@
 namespace pagellm {
 
 // s[g] += the scores of the tile's keys against query head g, for head dimensions [32 c, 32 c + 32).
-template <int G>
-__attribute__((always_inline)) inline void tile_scores(const BFloat16* const* krow, int64_t n, int c,
+template <int G, typename KV>
+__attribute__((always_inline)) inline void tile_scores(const KV* const* krow, int64_t n, int c,
                                                        const int32_t (*qp)[64], __m512 s[G]) {
   __m512i rows[16];
   for (int t = 0; t < 16; ++t)
-    rows[t] = t < n ? _mm512_loadu_si512(krow[t] + 32 * c) : _mm512_setzero_si512();
+    rows[t] = t < n ? load32_bf16(krow[t] + 32 * c) : _mm512_setzero_si512();
   transpose16(rows);  // rows[j]: pair j of this chunk, one key per lane
   for (int j = 0; j < 16; ++j)
     for (int g = 0; g < G; ++g)
@@ -60,24 +61,23 @@ __attribute__((always_inline)) inline void tile_softmax(__m512 s, __mmask16 vali
 // Each pair also asks for the K and V rows of the same keys kPrefetchBlocks blocks ahead (the first ``ahead`` keys
 // at k_ahead, v_ahead): one request a key spreads the next blocks' misses over the walk, where asking for a whole
 // block at its boundary queued them in a burst behind the walk's own loads.
-template <int D, int G>
-__attribute__((always_inline)) inline void tile_values(const BFloat16* v, int64_t n, int64_t stride,
+template <int D, int G, typename KV>
+__attribute__((always_inline)) inline void tile_values(const KV* v, int64_t n, int64_t stride,
                                                        const int32_t (*p2)[8], __m512 (&acc)[G][D / 16],
-                                                       const BFloat16* k_ahead, const BFloat16* v_ahead,
-                                                       int64_t ahead) {
+                                                       const KV* k_ahead, const KV* v_ahead, int64_t ahead) {
   for (int64_t kp = 0; 2 * kp < n; ++kp) {
-    const BFloat16* a = v + 2 * kp * stride;
+    const KV* a = v + 2 * kp * stride;
     const bool second = 2 * kp + 1 < n;  // a missing second key gets zeros (its slot may hold anything)
     __m512bh w[G];
     for (int g = 0; g < G; ++g) w[g] = as_bh(_mm512_set1_epi32(p2[g][kp]));
     for (int64_t t = 2 * kp; t < 2 * kp + 2 && t < ahead; ++t)
-      for (int byte = 0; byte < D * 2; byte += 64) {
+      for (int byte = 0; byte < D * int(sizeof(KV)); byte += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(k_ahead + t * stride) + byte, _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(v_ahead + t * stride) + byte, _MM_HINT_T1);
       }
     for (int c = 0; c < D / 32; ++c) {
-      const __m512i x = _mm512_loadu_si512(a + 32 * c);
-      const __m512i y = second ? _mm512_loadu_si512(a + stride + 32 * c) : _mm512_setzero_si512();
+      const __m512i x = load32_bf16(a + 32 * c);
+      const __m512i y = second ? load32_bf16(a + stride + 32 * c) : _mm512_setzero_si512();
       const __m512bh lo = as_bh(_mm512_unpacklo_epi16(x, y)), hi = as_bh(_mm512_unpackhi_epi16(x, y));
       for (int g = 0; g < G; ++g) {
         acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], w[g], lo);
@@ -87,8 +87,8 @@ __attribute__((always_inline)) inline void tile_values(const BFloat16* v, int64_
   }
 }
 
-template <int D, int G>
-void walk_bf16(const BFloat16* q, const BFloat16* k_cache, const BFloat16* v_cache, const int64_t* blocks,
+template <int D, int G, typename KV>
+void walk_bf16(const BFloat16* q, const KV* k_cache, const KV* v_cache, const int64_t* blocks,
                const Visibility& vis, int64_t block_size, int64_t kv_heads, int64_t kv_head, float scale,
                BFloat16* out) {
   static_assert(D / 2 <= 64, "query pairs are held in int32[64]");
@@ -112,7 +112,7 @@ void walk_bf16(const BFloat16* q, const BFloat16* k_cache, const BFloat16* v_cac
     const __mmask16 valid = tile_mask(vis, start, n);
     if (!valid) continue;
     const int64_t base = offset(start) + kv_head * D;
-    const BFloat16* krow[16];
+    const KV* krow[16];
     for (int t = 0; t < n; ++t) krow[t] = k_cache + base + t * stride;
     __m512 s[G];
     for (int g = 0; g < G; ++g) s[g] = _mm512_setzero_ps();

@@ -24,6 +24,8 @@
 #include <memory>
 #include <new>
 
+#include "fp8.h"
+
 namespace {
 
 // The kernels' C entry points (signatures as exported by their sources).
@@ -55,14 +57,17 @@ struct StackLayer {
   const uint16_t* post_norm;   // [hidden]
   const uint16_t* gate_up;     // packed [2 * intermediate, hidden]
   const uint16_t* down;        // packed [hidden, intermediate]
-  uint16_t* k_cache;           // [num_blocks, block_size, kv_heads, head_dim]
-  uint16_t* v_cache;
+  void* k_cache;               // [num_blocks, block_size, kv_heads, head_dim] of StackShape::kv_format elements
+  void* v_cache;
 };
+
+enum KvFormat : int64_t { kKvBf16 = 0, kKvFp8E4M3 = 1, kKvFp8E5M2 = 2 };
 
 struct StackShape {
   int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
   int64_t cache_slots, max_positions;  // slots per cache (num_blocks * block_size), rows of cos/sin
   float eps, scale;
+  int64_t kv_format;  // KvFormat of every layer's cache; `attention` is the entry for it
 };
 
 // The step's tokens and the attention metadata of attention/cpu_paged.py CpuPagedMetadata.
@@ -119,13 +124,40 @@ Scratch scratch_for(const StackShape& s, int64_t t) {
   return sc;
 }
 
+// n bfloat16 values rounded into an 8-bit cache row (fp8.h: the bits torch's float8 conversion gives).
+template <typename F>
+void store_fp8(F* dst, const uint16_t* src, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    pagellm::fp8_store16(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    dst[i] = pagellm::fp8_from_float<F>(f);
+  }
+}
+
+void store_row(int64_t format, void* cache, int64_t slot, const uint16_t* src, int64_t row) {
+  if (format == kKvFp8E4M3)
+    store_fp8(static_cast<pagellm::Fp8E4M3*>(cache) + slot * row, src, row);
+  else if (format == kKvFp8E5M2)
+    store_fp8(static_cast<pagellm::Fp8E5M2*>(cache) + slot * row, src, row);
+  else
+    std::memcpy(static_cast<uint16_t*>(cache) + slot * row, src, row * sizeof(uint16_t));
+}
+
 // write_kv: each token's rotated k row and its v row (a view into the qkv output) into its cache slot.
 void write_kv(const StackShape& s, const StackStep& st, const uint16_t* k, const uint16_t* qkv, int64_t qkv_n,
-              uint16_t* k_cache, uint16_t* v_cache) {
+              void* k_cache, void* v_cache) {
   const int64_t row = s.kv_heads * s.head_dim, v_off = (s.heads + s.kv_heads) * s.head_dim;
   for (int64_t t = 0; t < st.tokens; ++t) {
-    std::memcpy(k_cache + st.slots[t] * row, k + t * row, row * sizeof(uint16_t));
-    std::memcpy(v_cache + st.slots[t] * row, qkv + t * qkv_n + v_off, row * sizeof(uint16_t));
+    store_row(s.kv_format, k_cache, st.slots[t], k + t * row, row);
+    store_row(s.kv_format, v_cache, st.slots[t], qkv + t * qkv_n + v_off, row);
   }
 }
 
@@ -135,12 +167,12 @@ void write_kv(const StackShape& s, const StackStep& st, const uint16_t* k, const
 // kPrefetchSlotBytes of K and V), so that a prompt chunk's rows do not push the GEMM's blocks out of L2.
 constexpr int64_t kPrefetchSlotBytes = 128 * 1024;
 
-void prefetch_slots(const StackShape& s, const StackStep& st, const uint16_t* k_cache, const uint16_t* v_cache) {
-  const int64_t row = s.kv_heads * s.head_dim, bytes = row * int64_t(sizeof(uint16_t));
+void prefetch_slots(const StackShape& s, const StackStep& st, const void* k_cache, const void* v_cache) {
+  const int64_t bytes = s.kv_heads * s.head_dim * (s.kv_format == kKvBf16 ? 2 : 1);
   if (2 * bytes * st.tokens > kPrefetchSlotBytes) return;
   for (int64_t t = 0; t < st.tokens; ++t) {
-    const char* kp = reinterpret_cast<const char*>(k_cache + st.slots[t] * row);
-    const char* vp = reinterpret_cast<const char*>(v_cache + st.slots[t] * row);
+    const char* kp = static_cast<const char*>(k_cache) + st.slots[t] * bytes;
+    const char* vp = static_cast<const char*>(v_cache) + st.slots[t] * bytes;
     for (int64_t b = 0; b < bytes; b += 64) {
       __builtin_prefetch(kp + b, 1, 3);
       __builtin_prefetch(vp + b, 1, 3);
@@ -174,6 +206,11 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
 }  // namespace
 
 extern "C" {
+
+// n bfloat16 values rounded into 8-bit floats of KvFormat `format` (1 or 2) as write_kv stores them; for tests.
+void pagellm_stack_fp8_from_bf16(const uint16_t* src, int64_t n, int64_t format, uint8_t* dst) {
+  store_row(format, dst, 0, src, n);
+}
 
 // kernels: the entry points to call; layers: [num_layers] (see StackLayer); x: [T, hidden] embedding rows (read
 // only); cos, sin: [max_pos, head_dim]; final_norm: [hidden]; out: [T, hidden] final-norm hidden states.

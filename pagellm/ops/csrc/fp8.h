@@ -1,0 +1,127 @@
+// 8-bit floating-point K/V cache elements (``--kv-cache-dtype fp8_e4m3 | fp8_e5m2``): their bits, conversion to
+// float32 and to bfloat16 vectors on load, and rounding into them on store.
+//
+// Stored values are the K/V rows themselves (scale 1.0), rounded to nearest even and saturated at the format's
+// largest finite value (e4m3: 448, the OCP "fn" format without infinities; e5m2: 57344), as
+// attention/torch_ref.py quantize_kv does with torch's float8 dtypes: the two write the same bits (tests/kernels).
+// Both formats widen exactly to bfloat16 and float32, so a kernel reading them computes on the stored values.
+//
+// Widening without a table: put the 7 magnitude bits where a float32's exponent and mantissa start (e4m3: bits 20
+// to 26, e5m2: 21 to 27) and multiply by 2^(127 - bias); a normal number gets its exponent rebased, and a subnormal
+// one (exponent field 0) becomes a float32 subnormal whose product is the right small value. Zero stays zero.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace pagellm {
+
+struct Fp8E4M3 {  // 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, 0x7f/0xff NaN
+  uint8_t x;
+  static constexpr int kMantissa = 3, kBias = 7;
+  static constexpr float kMax = 448.f;
+  static constexpr float kMinNormal = 0x1p-6f;
+  static constexpr float kWiden = 0x1p120f;    // 2^(127 - bias): rebases the shifted exponent field
+  static constexpr float kSubnormal = 0x1p9f;  // 1 / the subnormal step, 2^(bias - 1 + mantissa)
+};
+
+struct Fp8E5M2 {  // 1 sign, 5 exponent (bias 15), 2 mantissa bits
+  uint8_t x;
+  static constexpr int kMantissa = 2, kBias = 15;
+  static constexpr float kMax = 57344.f;
+  static constexpr float kMinNormal = 0x1p-14f;
+  static constexpr float kWiden = 0x1p112f;
+  static constexpr float kSubnormal = 0x1p16f;
+};
+
+template <typename F>
+constexpr bool kIsFp8 = false;
+template <>
+constexpr bool kIsFp8<Fp8E4M3> = true;
+template <>
+constexpr bool kIsFp8<Fp8E5M2> = true;
+
+template <typename F>
+inline float fp8_to_float(F v) {
+  const uint32_t mag = static_cast<uint32_t>(v.x & 0x7f) << (23 - F::kMantissa);
+  float f;
+  std::memcpy(&f, &mag, sizeof(f));
+  f *= F::kWiden;
+  return (v.x & 0x80) ? -f : f;
+}
+
+inline float to_float(Fp8E4M3 v) { return fp8_to_float(v); }
+inline float to_float(Fp8E5M2 v) { return fp8_to_float(v); }
+
+// Round to nearest even, saturating at F::kMax; a NaN becomes 0xff (as torch writes every NaN).
+template <typename F>
+inline F fp8_from_float(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  const float a = std::fabs(f);
+  if (std::isnan(a)) return F{0xff};
+  uint32_t mag;
+  if (a < F::kMinNormal) {  // whole subnormal steps; rounds up into the first normal number at most
+    mag = static_cast<uint32_t>(std::nearbyint(a * F::kSubnormal));
+  } else {
+    uint32_t b;
+    const float c = a < F::kMax ? a : F::kMax;
+    std::memcpy(&b, &c, sizeof(b));
+    const int drop = 23 - F::kMantissa;
+    b += (1u << (drop - 1)) - 1 + ((b >> drop) & 1u);
+    mag = (b >> drop) - ((127u - F::kBias) << F::kMantissa);
+  }
+  return F{static_cast<uint8_t>(sign | mag)};
+}
+
+#if defined(__AVX512F__)
+// 16 elements widened to float32.
+template <typename F>
+inline __m512 fp8_load16(const F* p) {
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7f)), 23 - F::kMantissa);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+  const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(F::kWiden));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
+}
+
+inline __m512 load16(const Fp8E4M3* p) { return fp8_load16(p); }
+inline __m512 load16(const Fp8E5M2* p) { return fp8_load16(p); }
+
+// 16 float32 values rounded into F (as fp8_from_float) and stored.
+template <typename F>
+inline void fp8_store16(F* p, __m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
+  const __m512 a = _mm512_abs_ps(f);
+  const __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+  const __mmask16 sub = _mm512_cmp_ps_mask(a, _mm512_set1_ps(F::kMinNormal), _CMP_LT_OQ);
+  const __m512i b = _mm512_castps_si512(_mm512_min_ps(a, _mm512_set1_ps(F::kMax)));
+  constexpr int drop = 23 - F::kMantissa;
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, drop), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32((1 << (drop - 1)) - 1), odd));
+  __m512i mag = _mm512_sub_epi32(_mm512_srli_epi32(rounded, drop),
+                                 _mm512_set1_epi32((127 - F::kBias) << F::kMantissa));
+  const __m512 scaled = _mm512_mul_ps(a, _mm512_set1_ps(F::kSubnormal));
+  const __m512i steps = _mm512_cvt_roundps_epi32(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  mag = _mm512_mask_mov_epi32(mag, sub, steps);
+  const __m512i bits = _mm512_mask_mov_epi32(_mm512_or_si512(mag, sign), nan, _mm512_set1_epi32(0xff));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(bits));
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// 32 elements widened to bfloat16 (exact), in order: the operand the bf16 dot-product kernels load from a cache.
+template <typename F>
+inline __m512i fp8_load32_bf16(const F* p) {
+  return (__m512i)_mm512_cvtne2ps_pbh(fp8_load16(p + 16), fp8_load16(p));
+}
+#endif
+
+}  // namespace pagellm
