@@ -7,9 +7,10 @@ for this tree and, with ``--baseline DIR``, another pagellm checkout, alternated
 ``benchmarks/attention.py`` times the same kernels with the step's K/V hot in the caches; this one is the
 memory-bound case that sets decode attention's cost at batch 32 and more. ``--query-tokens`` > 1 makes each row a
 prompt chunk or speculative chain over its cached context (flash tiles from 2 tokens up, bfloat16).
+``--kv-cache-dtypes auto fp8`` times each cache element type (``--kv-cache-dtype``) side by side.
 
     PYTHONPATH=. .venv/bin/python benchmarks/attention_dram.py [--batch 32 256] [--ctx 192] [--rounds 2]
-        [--shape 9,3,64] [--query-tokens 1] [--layers 30] [--baseline /tmp/attn_base]
+        [--shape 9,3,64] [--query-tokens 1] [--layers 30] [--baseline /tmp/attn_base] [--kv-cache-dtypes auto]
 """
 
 from __future__ import annotations
@@ -27,19 +28,25 @@ BLOCK = 16
 
 
 def measure(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, q_tokens: int, layers: int,
-            repeats: int) -> float:
+            repeats: int, kv_cache_dtype: str = "auto") -> float:
     """Median ms per layer call of the ``cpu_paged`` backend, K/V from DRAM (this process's pagellm)."""
     import numpy as np
     import torch
 
     from pagellm.attention.base import CommonAttentionInputs, get_backend
 
+    def cache_of(x: torch.Tensor) -> torch.Tensor:
+        if kv_cache_dtype == "auto":
+            return x
+        from pagellm.attention.base import quantize_kv, resolve_kv_dtype
+        return quantize_kv(x, resolve_kv_dtype(kv_cache_dtype, x.dtype))
+
     backend = get_backend("cpu_paged")
     gen = torch.Generator().manual_seed(0)
     blocks = -(-ctx // BLOCK)
     pool = batch * blocks * 2
     table = np.stack([torch.randperm(pool, generator=gen)[:blocks].numpy() for _ in range(batch)]).astype(np.int64)
-    caches = [torch.randn(2, pool, BLOCK, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    caches = [cache_of(torch.randn(2, pool, BLOCK, kv_heads, head_dim, generator=gen).to(torch.bfloat16))
               for _ in range(layers)]
     slots = torch.tensor([int(table[r, p // BLOCK]) * BLOCK + p % BLOCK
                           for r in range(batch) for p in range(ctx - q_tokens, ctx)])
@@ -58,13 +65,13 @@ def measure(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, q_to
     return statistics.median(times[2:]) * 1e3
 
 
-def run_tree(tree: Path, args: argparse.Namespace, batch: int) -> float:
+def run_tree(tree: Path, args: argparse.Namespace, batch: int, kv_cache_dtype: str = "auto") -> float:
     """One measurement in a fresh process that imports ``tree``'s pagellm."""
     heads, kv_heads, head_dim = (int(x) for x in args.shape.split(","))
     here = str(Path(__file__).parent)
     code = (f"import json, sys; sys.path[:0] = [{str(tree)!r}, {here!r}]; import attention_dram as a; "
             f"print(json.dumps(a.measure({batch}, {args.ctx}, {heads}, {kv_heads}, {head_dim}, {args.query_tokens}, "
-            f"{args.layers}, {args.repeats})))")
+            f"{args.layers}, {args.repeats}, {kv_cache_dtype!r})))")
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -80,20 +87,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10, help="passes over the layers per measurement")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--baseline", type=Path, default=None, help="another pagellm checkout to alternate with")
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], help="cache element types to time")
     args = parser.parse_args()
     heads, kv_heads, head_dim = (int(x) for x in args.shape.split(","))
     trees = {"this tree": Path(__file__).resolve().parents[1]}
     if args.baseline is not None:
         trees = {"baseline": args.baseline.resolve(), **trees}
+    sides = {(f"{name} {dtype}" if len(args.kv_cache_dtypes) > 1 else name): (tree, dtype)
+             for name, tree in trees.items() for dtype in args.kv_cache_dtypes}
     results: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.rounds):
         for batch in args.batch:
-            for name, tree in trees.items():
-                results.setdefault((name, batch), []).append(run_tree(tree, args, batch))
+            for name, (tree, dtype) in sides.items():
+                results.setdefault((name, batch), []).append(run_tree(tree, args, batch, dtype))
     for batch in args.batch:
-        kv_bytes = batch * args.ctx * kv_heads * head_dim * 2 * 2
         line = [f"batch {batch:4d} ctx {args.ctx} q {args.query_tokens}:"]
-        for name in trees:
+        for name, (_, dtype) in sides.items():
+            kv_bytes = batch * args.ctx * kv_heads * head_dim * 2 * (2 if dtype == "auto" else 1)
             runs = results[(name, batch)]
             ms = statistics.median(runs)
             line.append(f"{name} {ms:.3f} ms/layer ({' / '.join(f'{r:.3f}' for r in runs)}), "

@@ -165,10 +165,11 @@ def offline_commands(args: argparse.Namespace, ctx: systems.Context, out: Path,
     """Each system's offline command, writing its result to ``out/offline-<name><suffix>.json``."""
     shape = ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
     py = [ctx.pagellm_python, "-m", "pagellm.cli", "bench", "throughput", "--dtype", ctx.dtype]
+    kv = systems.kv_flags(ctx)
     cmds = {
         "pagellm": (py + ["--num-prompts", str(args.offline_num_prompts), "--kv-cache-memory",
                           str(systems.KV_GIB << 30), "--result-json", str(out / f"offline-pagellm{suffix}.json"),
-                          *shape], {"PAGELLM_NUM_THREADS": str(ctx.threads)}),
+                          *shape, *kv], {"PAGELLM_NUM_THREADS": str(ctx.threads)}),
         "transformers": (py + ["--backend", "transformers", "--num-prompts", str(args.hf_offline_num_prompts),
                                "--hf-batch-size", "32", "--result-json",
                                str(out / f"offline-transformers{suffix}.json"), *shape],
@@ -179,7 +180,9 @@ def offline_commands(args: argparse.Namespace, ctx: systems.Context, out: Path,
         cmds["vLLM"] = ([str(vllm), "bench", "throughput", "--model", str(ctx.model_dir), "--dtype", ctx.dtype,
                          "--dataset-name", "random", "--random-input-len", str(args.input_len),
                          "--random-output-len", str(args.output_len), "--num-prompts", str(args.offline_num_prompts),
-                         "--output-json", str(out / f"offline-vLLM{suffix}.json")], systems.vllm_env(ctx))
+                         "--output-json", str(out / f"offline-vLLM{suffix}.json"), *kv], systems.vllm_env(ctx))
+    if kv:  # the transformers baseline has no float8 cache
+        del cmds["transformers"]
     return cmds
 
 
@@ -239,6 +242,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--offline-num-prompts", type=int, default=256, help="0 skips offline throughput")
     parser.add_argument("--hf-offline-num-prompts", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                        help="pagellm's and vLLM's KV cache element type (llama.cpp and transformers are skipped)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ready-timeout", type=float, default=600)
     parser.add_argument("--settle", type=float, default=0.0, metavar="S",
@@ -282,7 +287,7 @@ def redraw(results_json: Path) -> None:
     data = json.loads(results_json.read_text())
     args = argparse.Namespace(**{"rounds": 1, "offline_rounds": 1, **data["args"]})
     ctx = systems.Context(resolve_model_dir(None), default_model_path(), args.dtype, args.threads,
-                          max(args.concurrency))
+                          max(args.concurrency), kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     out = results_json.parent
     md = write_report(out.parent / f"{out.name}.md", out, args, ctx, data["served"], data["offline"],
                       data["skipped"], command=data.get("command"))
@@ -301,7 +306,7 @@ def main() -> None:
     except ValueError as exc:
         sys.exit(f"compare.py: {exc}")
     ctx = systems.Context(model_dir, default_model_path(), args.dtype, args.threads, max(args.concurrency),
-                          context_per_stream=per_stream)
+                          context_per_stream=per_stream, kv_cache_dtype=args.kv_cache_dtype)
     stem = f"{datetime.date.today().isoformat()}-{args.machine}"
     out = RESULTS / stem
     (out / "logs").mkdir(parents=True, exist_ok=True)

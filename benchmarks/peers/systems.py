@@ -13,6 +13,10 @@ docs/benchmarks.md:
   (``-np C``, ``-c C*ctx``), the bf16 GGUF from .peers/gguf (else the original Q4_1 one); clients send
   ``Connection: close`` and count tokens with the tokenizer (it streams no usage).
 - transformers: benchmarks/peers/transformers_server.py, static batches of up to C, ``--threads T``.
+
+With ``kv_cache_dtype`` other than ``auto`` (compare.py ``--kv-cache-dtype fp8``), pagellm and vLLM both get
+``--kv-cache-dtype X`` (the same flag, the same formats); llama.cpp (whose 8-bit caches are q8_0 blocks, another
+format) and the transformers baseline have no float8 cache and are skipped.
 """
 
 from __future__ import annotations
@@ -38,6 +42,16 @@ class Context:
     max_concurrency: int = 64
     context_per_stream: int = 512
     pagellm_python: str = sys.executable
+    kv_cache_dtype: str = "auto"
+
+
+def kv_flags(ctx: Context) -> list[str]:
+    """pagellm's and vLLM's flag for the KV cache's element type (none for the model's own)."""
+    return [] if ctx.kv_cache_dtype == "auto" else ["--kv-cache-dtype", ctx.kv_cache_dtype]
+
+
+def _no_fp8(ctx: Context) -> str | None:
+    return None if ctx.kv_cache_dtype == "auto" else f"no float8 KV cache (--kv-cache-dtype {ctx.kv_cache_dtype})"
 
 
 @dataclass
@@ -53,9 +67,10 @@ class System:
 
 def pagellm(ctx: Context, port: int) -> System:
     argv = [ctx.pagellm_python, "-m", "pagellm.cli", "serve", "--port", str(port), "--dtype", ctx.dtype,
-            "--kv-cache-memory", str(KV_GIB << 30), "--served-model-name", "smollm2"]
+            "--kv-cache-memory", str(KV_GIB << 30), "--served-model-name", "smollm2", *kv_flags(ctx)]
     return System("pagellm", argv, {"PAGELLM_NUM_THREADS": str(ctx.threads)},
-                  note=f"--dtype {ctx.dtype} --kv-cache-memory {KV_GIB}GiB, PAGELLM_NUM_THREADS={ctx.threads}")
+                  note=" ".join([f"--dtype {ctx.dtype} --kv-cache-memory {KV_GIB}GiB", *kv_flags(ctx)]) +
+                  f", PAGELLM_NUM_THREADS={ctx.threads}")
 
 
 def _preload(venv: Path) -> str:
@@ -76,9 +91,10 @@ def vllm_env(ctx: Context) -> dict[str, str]:
 def vllm(ctx: Context, port: int) -> System:
     exe = PEERS / "vllm" / "bin" / "vllm"
     argv = [str(exe), "serve", str(ctx.model_dir), "--dtype", ctx.dtype, "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", "smollm2", "--max-model-len", "2048"]
+            "--served-model-name", "smollm2", "--max-model-len", "2048", *kv_flags(ctx)]
     env = vllm_env(ctx)
-    note = " ".join(f"{k}={v}" for k, v in env.items() if k != "VLLM_LOGGING_LEVEL") + f" vllm serve --dtype {ctx.dtype}"
+    note = " ".join([*(f"{k}={v}" for k, v in env.items() if k != "VLLM_LOGGING_LEVEL"),
+                     f"vllm serve --dtype {ctx.dtype}", *kv_flags(ctx)])
     return System("vLLM", argv, env, note=note, missing_reason=None if exe.exists() else
                   f"{exe} not found (run `make peers`)")
 
@@ -99,7 +115,7 @@ def llama_cpp(ctx: Context, port: int) -> System:
     return System(f"llama.cpp ({kind})", argv, close_connections=True, count_with_tokenizer=True,
                   note=f"llama-server -t {ctx.threads} -tb {ctx.threads} -np {slots} -c "
                        f"{slots * ctx.context_per_stream} on the {kind} GGUF",
-                  missing_reason=None if exe.exists() else f"{exe} not found (run `make peers`)")
+                  missing_reason=_no_fp8(ctx) or (None if exe.exists() else f"{exe} not found (run `make peers`)"))
 
 
 def transformers_baseline(ctx: Context, port: int) -> System:
@@ -108,7 +124,7 @@ def transformers_baseline(ctx: Context, port: int) -> System:
             str(ctx.threads), "--max-batch-size", str(ctx.max_concurrency), "--port", str(port),
             "--served-model-name", "smollm2"]
     return System("transformers", argv, note=f"static batches of up to {ctx.max_concurrency}, --threads "
-                                             f"{ctx.threads}, --dtype {ctx.dtype}")
+                                             f"{ctx.threads}, --dtype {ctx.dtype}", missing_reason=_no_fp8(ctx))
 
 
 BUILDERS = {"pagellm": pagellm, "vllm": vllm, "llama.cpp": llama_cpp, "transformers": transformers_baseline}

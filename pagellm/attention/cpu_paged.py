@@ -20,6 +20,7 @@ import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from pagellm.ops.build import load_library
 
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+FP8_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_fp8.cpp"  # the float8 caches' entries
 # bfloat16 rows with at least this many query tokens take the flash tiles; shorter ones walk token by token.
 FLASH_MIN_TOKENS = 2
 
@@ -46,20 +48,29 @@ class CpuPagedMetadata:
     tree_bits: torch.Tensor | None  # [T, words] int64 bit patterns over the row's own tokens; None: no tree
 
 
-class PagedKernel:
-    """The compiled kernel's entry points behind a tensor-level call (checks, dtype dispatch, output allocation)."""
+# (query dtype, cache dtype) → the C entry point serving it; the float8 ones are FP8_SOURCE's library.
+ENTRIES = {(torch.bfloat16, torch.bfloat16): "pagellm_paged_attention_bf16",
+           (torch.float32, torch.float32): "pagellm_paged_attention_f32",
+           (torch.bfloat16, torch.float8_e4m3fn): "pagellm_paged_attention_bf16_fp8e4m3",
+           (torch.bfloat16, torch.float8_e5m2): "pagellm_paged_attention_bf16_fp8e5m2",
+           (torch.float32, torch.float8_e4m3fn): "pagellm_paged_attention_f32_fp8e4m3",
+           (torch.float32, torch.float8_e5m2): "pagellm_paged_attention_f32_fp8e5m2"}
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
-        self._fns = {(torch.bfloat16, torch.bfloat16): lib.pagellm_paged_attention_bf16,
-                     (torch.float32, torch.float32): lib.pagellm_paged_attention_f32,
-                     (torch.bfloat16, e4m3): lib.pagellm_paged_attention_bf16_fp8e4m3,
-                     (torch.bfloat16, e5m2): lib.pagellm_paged_attention_bf16_fp8e5m2,
-                     (torch.float32, e4m3): lib.pagellm_paged_attention_f32_fp8e4m3,
-                     (torch.float32, e5m2): lib.pagellm_paged_attention_f32_fp8e5m2}
-        for fn in self._fns.values():
-            fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_void_p]
-            fn.restype = None
+
+def bind_entry(lib: ctypes.CDLL, name: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    fn = getattr(lib, name)
+    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_void_p]
+    fn.restype = None
+    return fn
+
+
+class PagedKernel:
+    """The compiled kernel's entry points behind a tensor-level call (checks, dtype dispatch, output allocation).
+    ``lib`` serves the model-dtype caches; ``fp8_lib`` loads the float8 caches' library when one first comes."""
+
+    def __init__(self, lib: ctypes.CDLL, fp8_lib: Callable[[], ctypes.CDLL]) -> None:
+        self._fp8_lib = fp8_lib
+        self._fns = {key: bind_entry(lib, name) for key, name in ENTRIES.items() if key[0] == key[1]}
         self._use_amx = lib.pagellm_paged_attention_use_amx
         self._use_amx.argtypes = [ctypes.c_int]
         self._use_amx.restype = ctypes.c_int
@@ -78,6 +89,8 @@ class PagedKernel:
         if q.dim() != 3 or k_cache.dim() != 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("paged attention needs q [T, H, D] and contiguous 4-D caches")
         fn = self._fns.get((q.dtype, k_cache.dtype))
+        if fn is None and (q.dtype, k_cache.dtype) in ENTRIES:  # a float8 cache's first call: load its library
+            fn = self._fns[(q.dtype, k_cache.dtype)] = bind_entry(self._fp8_lib(), ENTRIES[(q.dtype, k_cache.dtype)])
         if fn is None or v_cache.dtype != k_cache.dtype or q.shape[1] % k_cache.shape[2]:
             raise ValueError("paged attention needs float32 or bfloat16 q, caches of its dtype or of float8 "
                              "(e4m3fn, e5m2), and heads a multiple of kv heads")
@@ -95,8 +108,9 @@ class PagedKernel:
 
 @functools.lru_cache(maxsize=1)
 def load_kernel() -> PagedKernel:
-    """Compile (once per source version and machine kind, about two seconds) and load the C++ kernel."""
-    return PagedKernel(load_library(SOURCE))
+    """Compile (once per source version and machine kind, about ten seconds) and load the C++ kernel; its float8
+    entries' library is built on first use (``--kv-cache-dtype fp8*``)."""
+    return PagedKernel(load_library(SOURCE), functools.partial(load_library, FP8_SOURCE))
 
 
 def build_metadata(common: CommonAttentionInputs) -> CpuPagedMetadata:

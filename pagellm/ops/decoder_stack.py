@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from pagellm.attention import cpu_paged
 from pagellm.ops import fused, gemm
 from pagellm.ops.build import load_library
 
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
 ATTENTION = Path(__file__).parent.parent / "attention" / "csrc" / "paged_attention.cpp"
+ATTENTION_FP8 = ATTENTION.with_name("paged_attention_fp8.cpp")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -52,10 +54,10 @@ class _Shape(ctypes.Structure):  # csrc StackShape
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_format", _I)]
 
 
-# csrc KvFormat of each cache dtype, and the paged attention entry the stack calls for it.
-_KV_FORMATS = {torch.bfloat16: (0, "pagellm_paged_attention_bf16"),
-               torch.float8_e4m3fn: (1, "pagellm_paged_attention_bf16_fp8e4m3"),
-               torch.float8_e5m2: (2, "pagellm_paged_attention_bf16_fp8e5m2")}
+# csrc KvFormat of each cache dtype the stack serves, and the library of the paged attention entry it calls for it
+# (the float8 ones are built when a float8 cache is first bound).
+_KV_FORMATS = {torch.bfloat16: (0, ATTENTION), torch.float8_e4m3fn: (1, ATTENTION_FP8),
+               torch.float8_e5m2: (2, ATTENTION_FP8)}
 CACHE_DTYPES = frozenset(_KV_FORMATS)
 
 
@@ -65,30 +67,35 @@ class _Step(ctypes.Structure):  # csrc StackStep
                                          "tree_bits")]
 
 
-@functools.lru_cache(maxsize=1)
-def _lib() -> tuple[ctypes.CDLL, dict[torch.dtype, _Kernels]] | None:
-    """The stack's library and the kernels it calls for each cache dtype, or ``None`` where any of them does not
-    run here."""
+@functools.lru_cache(maxsize=None)
+def _kernels(cache_dtype: torch.dtype) -> _Kernels:
+    """The kernels the stack calls over caches of ``cache_dtype`` (their libraries loaded, built if need be)."""
     gemm_lib, fused_lib = gemm._lib(), fused._lib()
-    if gemm_lib is None or fused_lib is None:
+    assert gemm_lib is not None and fused_lib is not None
+    entry = cpu_paged.ENTRIES[(torch.bfloat16, cache_dtype)]
+    return _Kernels(_address(gemm_lib.pagellm_packed_linear_bf16), _address(fused_lib.pagellm_add_rms_norm_bf16),
+                    _address(fused_lib.pagellm_silu_and_mul_bf16), _address(fused_lib.pagellm_rotary_bf16),
+                    _address(getattr(load_library(_KV_FORMATS[cache_dtype][1]), entry)),
+                    _address(gemm_lib.pagellm_packed_linear_silu_mul_bf16))
+
+
+@functools.lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL | None:
+    """The stack's library, or ``None`` where it or the kernels it calls (over bfloat16 caches) do not run here."""
+    if gemm._lib() is None or fused._lib() is None:
         return None
     try:
-        lib, attention = load_library(SOURCE), load_library(ATTENTION)
+        lib = load_library(SOURCE)
+        _kernels(torch.bfloat16)
     except (RuntimeError, OSError) as exc:
         logger.warning("native decoder stack unavailable (%s); using the Python layers", exc)
         return None
-    kernels = {dtype: _Kernels(_address(gemm_lib.pagellm_packed_linear_bf16),
-                               _address(fused_lib.pagellm_add_rms_norm_bf16),
-                               _address(fused_lib.pagellm_silu_and_mul_bf16), _address(fused_lib.pagellm_rotary_bf16),
-                               _address(getattr(attention, entry)),
-                               _address(gemm_lib.pagellm_packed_linear_silu_mul_bf16))
-               for dtype, (_, entry) in _KV_FORMATS.items()}
     lib.pagellm_decoder_stack_bf16.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Layer), _I,
                                                ctypes.POINTER(_Shape), ctypes.POINTER(_Step), _P, _P, _P, _P, _P]
     lib.pagellm_decoder_stack_bf16.restype = ctypes.c_int
     lib.pagellm_stack_fp8_from_bf16.argtypes = [_P, _I, _I, _P]
     lib.pagellm_stack_fp8_from_bf16.restype = None
-    return lib, kernels
+    return lib
 
 
 def available() -> bool:
@@ -101,7 +108,7 @@ def fp8_from_bf16(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     assert loaded is not None, "native decoder stack is not available on this machine"
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=dtype)
-    loaded[0].pagellm_stack_fp8_from_bf16(x.data_ptr(), x.numel(), _KV_FORMATS[dtype][0], out.data_ptr())
+    loaded.pagellm_stack_fp8_from_bf16(x.data_ptr(), x.numel(), _KV_FORMATS[dtype][0], out.data_ptr())
     return out
 
 
@@ -147,8 +154,7 @@ class DecoderStack:
         tensors = [final_norm, cos, sin, *(t for w in layers for t in vars(w).values() if t is not None)]
         if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in tensors):
             raise ValueError("the native decoder stack takes contiguous bfloat16 weights")
-        self._fn, self._kernels_by_dtype = loaded[0].pagellm_decoder_stack_bf16, loaded[1]
-        self._kernels = ctypes.byref(loaded[1][torch.bfloat16])
+        self._fn, self._kernels = loaded.pagellm_decoder_stack_bf16, ctypes.byref(_kernels(torch.bfloat16))
         self._keep = tensors
         self._bound: tuple[torch.Tensor, ...] = ()  # the caches the layers point at now (see _bind_caches)
         self.shape = shape
@@ -179,7 +185,7 @@ class DecoderStack:
             slot.v_cache = cache[1].data_ptr()
         dtype = caches[0].dtype if caches else torch.bfloat16
         self._shape.kv_format = _KV_FORMATS[dtype][0]
-        self._kernels = ctypes.byref(self._kernels_by_dtype[dtype])
+        self._kernels = ctypes.byref(_kernels(dtype))
         self._shape.block_size = caches[0].shape[2] if caches else 1
         self._shape.cache_slots = caches[0].shape[1] * caches[0].shape[2] if caches else 0
         self._bound = tuple(caches)

@@ -40,14 +40,14 @@ class Worker:
         torch.manual_seed(model_config.seed)
         start = time.perf_counter()
         self.dtype = resolve_dtype(model_config.dtype)
-        _start_kernel_builds(self.dtype, model_config.attention_backend)
+        self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
+        _start_kernel_builds(self.dtype, self.kv_dtype, model_config.attention_backend)
         model_dir = resolve_model_dir(model_config.model)
         arch = ArchConfig.from_hf(load_hf_config(model_dir))
         model = build_model(arch, self.dtype, parallel)
         model.load_weights(iter_weights(model_dir))
         model.eval()
         max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
-        self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
         num_blocks = kv_cache_blocks(cache_config, arch, self.kv_dtype, max_model_len)
         backend = get_backend(model_config.attention_backend)
         # Model-based proposers keep their own cache with as many blocks as the target's (their layers only).
@@ -99,11 +99,13 @@ class Worker:
             self.prefaulter.close()
 
 
-def _start_kernel_builds(dtype: torch.dtype, attention_backend: str) -> None:
+def _start_kernel_builds(dtype: torch.dtype, kv_dtype: torch.dtype, attention_backend: str) -> None:
     """Compile the native kernels this worker will load on background threads, the longest first (``native_build``):
     a cold start then builds them side by side, and beside the model's resolution (a GGUF conversion, or waiting for
     the frontend's) and the weights' loading, instead of one after another as each is first loaded."""
     sources = [cpu_paged.SOURCE] if attention_backend in ("auto", "cpu_paged") else []
+    if sources and kv_dtype != dtype:  # a float8 cache: its entries' library
+        sources.append(cpu_paged.FP8_SOURCE)
     if dtype == torch.bfloat16 and gemm.runs_here():
         sources += [decoder_stack.ATTENTION, gemm.SOURCE, fused.SOURCE]
         if envs.native_decoder():

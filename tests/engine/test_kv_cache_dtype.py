@@ -80,3 +80,18 @@ def test_self_speculative_decoding_over_a_float8_cache_is_lossless(tiny_llama: P
 def test_an_unknown_cache_dtype_names_the_choices(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype='int8'; use auto, fp8, fp8_e4m3 or fp8_e5m2"):
         LLM(str(tiny_llama), kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_the_float8_kernels_are_built_at_start_only_for_a_float8_cache(monkeypatch: pytest.MonkeyPatch,
+                                                                       kv_dtype: torch.dtype) -> None:
+    """Their library compiles as long as the rest together; a default cold start does not wait for it."""
+    from pagellm import native_build
+    from pagellm.attention import cpu_paged
+    from pagellm.worker import worker
+
+    started: list[Path] = []
+    monkeypatch.setattr(native_build, "start_in_background", lambda jobs: started.extend(j.args[0] for j in jobs))
+    worker._start_kernel_builds(torch.bfloat16, kv_dtype, "auto")
+    assert cpu_paged.SOURCE in started
+    assert (cpu_paged.FP8_SOURCE in started) == (kv_dtype != torch.bfloat16)

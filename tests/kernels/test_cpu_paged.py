@@ -90,7 +90,8 @@ SHAPES = [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 32, 8), (8, 1, 16, 1), (12, 2,
 def _avx2_kernel() -> PagedKernel:
     """The kernel compiled for x86-64-v3 (AVX2, FMA, no AVX-512): its token walk is walk_avx2.h, and it has no flash
     tiles (prompt rows take the walk)."""
-    return PagedKernel(ctypes.CDLL(str(build.build_avx2_library(cpu_paged.SOURCE))))
+    return PagedKernel(ctypes.CDLL(str(build.build_avx2_library(cpu_paged.SOURCE))),
+                       lambda: ctypes.CDLL(str(build.build_avx2_library(cpu_paged.FP8_SOURCE))))
 
 
 AVX2_BUILD = (cpu_paged, "load_kernel", _avx2_kernel)  # the kernel_build fixture's swap (tests/kernels/conftest.py)

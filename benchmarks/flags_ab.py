@@ -1,0 +1,122 @@
+"""pagellm under two (or more) sets of engine flags, alternating round by round on one workload so that every side
+sees the same spells of the machine: served (a fresh ``pagellm serve`` per run as compare.py starts it, idling
+``--settle`` seconds, then ``pagellm bench serve``, random prompts, EOS ignored) and/or offline (``pagellm bench
+throughput`` in a fresh process). Prints each run, each side's medians and each side's ratio to the first.
+
+    .venv/bin/python benchmarks/flags_ab.py --side auto= --side fp8="--kv-cache-dtype fp8" [--mode serve offline]
+        [--rounds 3] [--settle 15] [--concurrency 32] [--num-prompts 200] [--offline-num-prompts 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from compare import free_port, serve_args, stop, wait_ready  # noqa: E402
+from peers import systems  # noqa: E402
+
+from pagellm.bench import serve as bench_serve  # noqa: E402
+
+SERVE_FIGURES = (("output tok/s", "output_throughput"), ("TTFT p95 ms", "p95_ttft_ms"),
+                 ("TPOT p50 ms", "median_tpot_ms"), ("TPOT p95 ms", "p95_tpot_ms"))
+
+
+def served(args: argparse.Namespace, ctx: systems.Context, flags: list[str]) -> dict[str, float]:
+    """One fresh server as compare.py starts pagellm (plus ``flags``), its ready time and its load's figures."""
+    port = free_port()
+    system = systems.pagellm(ctx, port)
+    system.argv += ["--disable-log-stats", *flags]
+    proc = subprocess.Popen(system.argv, env=systems.environment(system), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True, cwd=systems.REPO)
+    try:
+        ready = wait_ready(f"http://127.0.0.1:{port}", proc, 300)
+        time.sleep(args.settle)
+        load = serve_args(f"http://127.0.0.1:{port}", args, args.concurrency, args.num_prompts, proc.pid, system, ctx)
+        metrics = bench_serve.run(load)["runs"][0]["metrics"]
+    finally:
+        stop(proc)
+    return {"ready s": ready, **{name: metrics[key] for name, key in SERVE_FIGURES}}
+
+
+def offline(args: argparse.Namespace, flags: list[str]) -> dict[str, float]:
+    """``pagellm bench throughput`` (plus ``flags``) in a fresh process, as compare.py runs it for pagellm."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        argv = [sys.executable, "-m", "pagellm.cli", "bench", "throughput", "--dtype", args.dtype, "--num-prompts",
+                str(args.offline_num_prompts), "--input-len", str(args.input_len), "--output-len",
+                str(args.output_len), "--kv-cache-memory", str(4 << 30), "--result-json", str(result), *flags]
+        env = {**os.environ, "PAGELLM_NUM_THREADS": str(args.threads)}
+        subprocess.run(argv, env=env, check=True, stdout=subprocess.DEVNULL, cwd=systems.REPO)
+        run = json.loads(result.read_text())["results"][0]
+    return {"offline tok/s": run["output_throughput"]}
+
+
+def parse_sides(specs: list[str]) -> dict[str, list[str]]:
+    sides = {}
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--side wants NAME=FLAGS, got {spec!r}")
+        sides[name] = shlex.split(flags)
+    if len(sides) < 2:
+        raise SystemExit("give at least two --side NAME=FLAGS")
+    return sides
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--settle", type=float, default=15.0, help="seconds each server idles before its load")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--offline-num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16")
+
+
+def run_ab(args: argparse.Namespace, sides: dict[str, list[str]], modes: list[str]) -> None:
+    from pagellm.model.loader import default_model_path, resolve_model_dir
+
+    ctx = systems.Context(resolve_model_dir(None), default_model_path(), args.dtype, args.threads, args.concurrency)
+    runs: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+    for round_ in range(args.rounds):
+        for side in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):  # which goes first alternates
+            figures: dict[str, float] = {}
+            if "serve" in modes:
+                figures |= served(args, ctx, sides[side])
+            if "offline" in modes:
+                figures |= offline(args, sides[side])
+            runs[side].append(figures)
+            print(f"round {round_ + 1} {side}: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()), flush=True)
+    first = next(iter(sides))
+    print(f"\n{' + '.join(modes)}: c={args.concurrency}, {args.num_prompts} served / {args.offline_num_prompts} "
+          f"offline prompts {args.input_len}/{args.output_len}, settle {args.settle:g} s, {args.rounds} rounds "
+          f"(medians; ratio to {first})")
+    for name in runs[first][0]:
+        medians = {side: statistics.median(r[name] for r in runs[side]) for side in sides}
+        print(f"{name:>14}: " + "   ".join(f"{side} {value:8.1f} ({value / medians[first]:.3f})"
+                                          for side, value in medians.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--side", action="append", required=True, metavar="NAME=FLAGS",
+                        help="a side: its name and its extra engine flags (repeat; the first is the baseline)")
+    parser.add_argument("--mode", nargs="+", choices=["serve", "offline"], default=["serve"])
+    add_workload_args(parser)
+    args = parser.parse_args()
+    run_ab(args, parse_sides(args.side), args.mode)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,438 @@
+// The paged attention kernels (see paged_attention.cpp for what they do) and PAGELLM_ENTRY, which exports one
+// (query type, cache type) pair as a C entry point. Included by paged_attention.cpp (the model-dtype caches) and
+// paged_attention_fp8.cpp (the 8-bit caches, a library of its own, built only when an fp8 cache is asked for).
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "flash_amx.h"
+#include "flash_bf16.h"
+#include "paged_common.h"
+#include "walk_avx2.h"
+#include "walk_bf16.h"
+#include "simd_exp.h"  // ops/csrc: exp16
+
+namespace pagellm {
+namespace {
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// The portable walk (any head_dim): one block at a time, invisible keys scored -inf.
+template <typename T, typename KV>
+void walk_scalar(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* blocks, const Visibility& vis,
+                 int64_t block_size, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t kv_head,
+                 float scale, T* out) {
+  // q and out point at this kv head's first query head; query heads of the group are contiguous.
+  std::vector<float> qf(group * head_dim), acc(group * head_dim, 0.f), row(head_dim);
+  std::vector<float> running_max(group, -std::numeric_limits<float>::infinity()), running_sum(group, 0.f);
+  std::vector<float> scores(group * block_size);
+  std::vector<char> seen(block_size);
+  for (int64_t g = 0; g < group; ++g) load_row(q + g * head_dim, qf.data() + g * head_dim, head_dim);
+  const int64_t token_stride = kv_heads * head_dim;
+  for (int64_t start = 0; start < vis.kend; start += block_size) {
+    const int64_t n = std::min(block_size, vis.kend - start);
+    const int64_t base = key_offset(blocks, start, block_size, token_stride, kv_head, head_dim);
+    bool any = false;
+    for (int64_t t = 0; t < n; ++t) any |= (seen[t] = vis.visible(start + t));
+    if (!any) continue;
+    for (int64_t t = 0; t < n; ++t) {
+      load_row(k_cache + base + t * token_stride, row.data(), head_dim);
+      for (int64_t g = 0; g < group; ++g)
+        scores[g * block_size + t] = seen[t] ? dot(qf.data() + g * head_dim, row.data(), head_dim) * scale
+                                             : -std::numeric_limits<float>::infinity();
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = scores.data() + g * block_size;
+      float block_max = s[0];
+      for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, s[t]);
+      const float new_max = std::max(running_max[g], block_max);
+      const float correction = std::exp(running_max[g] - new_max);
+      float block_sum = 0.f;
+      for (int64_t t = 0; t < n; ++t) {
+        s[t] = std::exp(s[t] - new_max);
+        block_sum += s[t];
+      }
+      running_sum[g] = running_sum[g] * correction + block_sum;
+      running_max[g] = new_max;
+      float* a = acc.data() + g * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      load_row(v_cache + base + t * token_stride, row.data(), head_dim);
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * block_size + t];
+        float* a = acc.data() + g * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.f / running_sum[g];
+    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = from_float<T>(acc[g * head_dim + d] * inv);
+  }
+}
+
+#if defined(__AVX512F__)
+// The vector walk: 16 float lanes, K/V rows converted on load, scores and exp for 16 keys at a time.
+template <typename T, typename KV>
+void walk_vec(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* blocks, const Visibility& vis,
+              int64_t block_size, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t kv_head, float scale,
+              T* out) {
+  const int64_t nv = head_dim / 16;
+  std::vector<float> qf(group * head_dim), acc(group * head_dim, 0.f), running_sum(group, 0.f);
+  std::vector<float> running_max(group, -std::numeric_limits<float>::infinity());
+  alignas(64) float scores[16 * 16];  // [group][16 keys], group <= 16
+  for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_float(q[i]) * scale;
+  const int64_t token_stride = kv_heads * head_dim;
+  int64_t n = 0;
+  for (int64_t start = 0; start < vis.kend; start += n) {
+    n = tile_length(start, vis.kend, block_size);
+    const __mmask16 valid = tile_mask(vis, start, n);
+    if (!valid) continue;
+    const int64_t base = key_offset(blocks, start, block_size, token_stride, kv_head, head_dim);
+    prefetch_ahead(k_cache, v_cache, blocks, vis.kend, start, n, block_size, token_stride, kv_head, head_dim);
+    for (int64_t t = 0; t < n; ++t) {
+      const KV* k = k_cache + base + t * token_stride;
+      __m512 krow[16];  // head_dim <= 256
+      for (int64_t v = 0; v < nv; ++v) krow[v] = load16(k + v * 16);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qf.data() + g * head_dim;
+        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qg), krow[0]);
+        for (int64_t v = 1; v < nv; ++v) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qg + v * 16), krow[v], sum);
+        scores[g * 16 + t] = _mm512_reduce_add_ps(sum);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, scores + g * 16);
+      const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(s));
+      const float correction = std::exp(running_max[g] - new_max);
+      const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+      _mm512_store_ps(scores + g * 16, p);
+      running_sum[g] = std::fma(running_sum[g], correction, _mm512_reduce_add_ps(p));
+      running_max[g] = new_max;
+      float* a = acc.data() + g * head_dim;
+      for (int64_t v = 0; v < nv; ++v)
+        _mm512_storeu_ps(a + v * 16, _mm512_mul_ps(_mm512_loadu_ps(a + v * 16), _mm512_set1_ps(correction)));
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const KV* vrow = v_cache + base + t * token_stride;
+      for (int64_t v = 0; v < nv; ++v) {
+        const __m512 val = load16(vrow + v * 16);
+        for (int64_t g = 0; g < group; ++g) {
+          float* a = acc.data() + g * head_dim + v * 16;
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * 16 + t]), val, _mm512_loadu_ps(a)));
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.f / running_sum[g];
+    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = from_float<T>(acc[g * head_dim + d] * inv);
+  }
+}
+
+// The same walk with the head size and group size known at compile time: q and the running weighted V stay in
+// registers (G x NV vectors) instead of memory. Used for the common shapes; others take walk_vec.
+template <typename T, typename KV, int NV, int G>
+void walk_fixed(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* blocks, const Visibility& vis,
+                int64_t block_size, int64_t kv_heads, int64_t kv_head, float scale, T* out) {
+  constexpr int64_t head_dim = NV * 16;
+  __m512 qv[G][NV], acc[G][NV];
+  float running_max[G], running_sum[G];
+  alignas(64) float scores[G][16];
+  for (int g = 0; g < G; ++g) {
+    running_max[g] = -std::numeric_limits<float>::infinity();
+    running_sum[g] = 0.f;
+    for (int v = 0; v < NV; ++v) {
+      qv[g][v] = _mm512_mul_ps(load16(q + g * head_dim + v * 16), _mm512_set1_ps(scale));
+      acc[g][v] = _mm512_setzero_ps();
+    }
+  }
+  const int64_t token_stride = kv_heads * head_dim;
+  int64_t n = 0;
+  for (int64_t start = 0; start < vis.kend; start += n) {
+    n = tile_length(start, vis.kend, block_size);
+    const __mmask16 valid = tile_mask(vis, start, n);
+    if (!valid) continue;
+    const int64_t base = key_offset(blocks, start, block_size, token_stride, kv_head, head_dim);
+    prefetch_ahead(k_cache, v_cache, blocks, vis.kend, start, n, block_size, token_stride, kv_head, head_dim);
+    for (int64_t t = 0; t < n; ++t) {
+      const KV* k = k_cache + base + t * token_stride;
+      __m512 krow[NV];
+      for (int v = 0; v < NV; ++v) krow[v] = load16(k + v * 16);
+      for (int g = 0; g < G; ++g) {
+        __m512 sum = _mm512_mul_ps(qv[g][0], krow[0]);
+        for (int v = 1; v < NV; ++v) sum = _mm512_fmadd_ps(qv[g][v], krow[v], sum);
+        scores[g][t] = _mm512_reduce_add_ps(sum);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, scores[g]);
+      const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(s));
+      const __m512 correction = _mm512_set1_ps(std::exp(running_max[g] - new_max));
+      const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+      _mm512_store_ps(scores[g], p);
+      running_sum[g] = std::fma(running_sum[g], _mm512_cvtss_f32(correction), _mm512_reduce_add_ps(p));
+      running_max[g] = new_max;
+      for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], correction);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const KV* vrow = v_cache + base + t * token_stride;
+      __m512 weight[G];
+      for (int g = 0; g < G; ++g) weight[g] = _mm512_set1_ps(scores[g][t]);
+      for (int v = 0; v < NV; ++v) {
+        const __m512 val = load16(vrow + v * 16);
+        for (int g = 0; g < G; ++g) acc[g][v] = _mm512_fmadd_ps(weight[g], val, acc[g][v]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    alignas(64) float row[head_dim];
+    const __m512 inv = _mm512_set1_ps(1.f / running_sum[g]);
+    for (int v = 0; v < NV; ++v) _mm512_store_ps(row + v * 16, _mm512_mul_ps(acc[g][v], inv));
+    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = from_float<T>(row[d]);
+  }
+}
+
+// Runs the fixed-shape walk when (head_dim / 16, group) is one of the instantiated shapes; false otherwise.
+template <typename T, typename KV>
+bool walk_fixed_shape(int64_t nv, int64_t group, const T* q, const KV* k, const KV* v, const int64_t* blocks,
+                      const Visibility& vis, int64_t block_size, int64_t kv_heads, int64_t kv_head, float scale,
+                      T* out) {
+#define PAGELLM_SHAPE(NV_, G_)                                                                         \
+  if (nv == NV_ && group == G_) {                                                                      \
+    walk_fixed<T, KV, NV_, G_>(q, k, v, blocks, vis, block_size, kv_heads, kv_head, scale, out);       \
+    return true;                                                                                       \
+  }
+  PAGELLM_SHAPE(4, 1) PAGELLM_SHAPE(4, 2) PAGELLM_SHAPE(4, 3) PAGELLM_SHAPE(4, 4) PAGELLM_SHAPE(4, 6) PAGELLM_SHAPE(4, 7)
+  PAGELLM_SHAPE(4, 8)
+  PAGELLM_SHAPE(8, 1) PAGELLM_SHAPE(8, 2) PAGELLM_SHAPE(8, 4) PAGELLM_SHAPE(8, 6) PAGELLM_SHAPE(8, 7) PAGELLM_SHAPE(8, 8)
+#undef PAGELLM_SHAPE
+  return false;
+}
+#endif
+
+// The bfloat16 walk (walk_bf16.h) for its shapes (head_dim 64 or 128, the group sizes below); false otherwise.
+template <typename KV>
+inline bool walk_bf16_shape(int64_t, int64_t, const float*, const KV*, const KV*, const int64_t*,
+                            const Visibility&, int64_t, int64_t, int64_t, float, float*) {
+  return false;  // float32 rows keep the float32 walk (bitwise independent of their row)
+}
+template <typename KV>
+inline bool walk_bf16_shape(int64_t head_dim, int64_t group, const BFloat16* q, const KV* k, const KV* v,
+                            const int64_t* blocks, const Visibility& vis, int64_t block_size, int64_t kv_heads,
+                            int64_t kv_head, float scale, BFloat16* out) {
+#if defined(__AVX512BF16__)
+#define PAGELLM_SHAPE(D_, G_)                                                                          \
+  if (head_dim == D_ && group == G_) {                                                                 \
+    walk_bf16<D_, G_, KV>(q, k, v, blocks, vis, block_size, kv_heads, kv_head, scale, out);            \
+    return true;                                                                                       \
+  }
+  PAGELLM_SHAPE(64, 1) PAGELLM_SHAPE(64, 2) PAGELLM_SHAPE(64, 3) PAGELLM_SHAPE(64, 4) PAGELLM_SHAPE(64, 6)
+  PAGELLM_SHAPE(64, 7) PAGELLM_SHAPE(64, 8)
+  PAGELLM_SHAPE(128, 1) PAGELLM_SHAPE(128, 2) PAGELLM_SHAPE(128, 4) PAGELLM_SHAPE(128, 6)
+#undef PAGELLM_SHAPE
+#else
+  (void)head_dim, (void)group, (void)q, (void)k, (void)v, (void)blocks, (void)vis, (void)block_size;
+  (void)kv_heads, (void)kv_head, (void)scale, (void)out;
+#endif
+  return false;
+}
+
+// One token, one kv head: the fastest walk that serves the shape. KV: the cache's element type (T, or fp8 under
+// bfloat16 queries).
+template <typename T, typename KV>
+void walk(const T* q, const KV* k, const KV* v, const int64_t* blocks, const Visibility& vis, int64_t block_size,
+          int64_t kv_heads, int64_t group, int64_t head_dim, int64_t kv_head, float scale, T* out) {
+  if (walk_bf16_shape(head_dim, group, q, k, v, blocks, vis, block_size, kv_heads, kv_head, scale, out)) return;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, KV>) {  // an fp8 cache's other shapes take walk_vec (fewer instantiations)
+    if (head_dim % 16 == 0 &&
+        walk_fixed_shape<T, KV>(head_dim / 16, group, q, k, v, blocks, vis, block_size, kv_heads, kv_head, scale,
+                                out))
+      return;
+  }
+  if (head_dim % 16 == 0 && head_dim <= 256 && group <= 16) {
+    walk_vec<T, KV>(q, k, v, blocks, vis, block_size, kv_heads, group, head_dim, kv_head, scale, out);
+    return;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, KV>) {  // an fp8 cache takes the portable walk without AVX-512
+    if (head_dim % 8 == 0 && head_dim <= kWalkMaxDim && group <= kWalkMaxGroup) {
+      walk_avx2<T>(q, k, v, blocks, vis, block_size, kv_heads, group, head_dim, kv_head, scale, out);
+      return;
+    }
+  }
+#endif
+  walk_scalar<T, KV>(q, k, v, blocks, vis, block_size, kv_heads, group, head_dim, kv_head, scale, out);
+}
+
+struct Step {
+  int64_t rows, heads, head_dim, block_size, kv_heads, max_blocks, tree_words, flash_min_tokens;
+  const int64_t* block_table;   // [rows, max_blocks]
+  const int64_t* query_start;   // [rows + 1]
+  const int64_t* seq_lens;      // [rows]
+  const int64_t* ctx_end;       // [T]
+  const uint64_t* tree_bits;    // [T, tree_words] or null
+  float scale;
+};
+
+struct Item {
+  int64_t row, kv_head, first, count;  // kv_head < 0: the walk over all kv heads; else one kv head's walk or tile
+  int64_t cost;
+  bool flash;
+};
+
+inline bool flash_fits(const Step& st, int64_t group, bool bf16) {
+#if defined(__AVX512BF16__)
+  return bf16 && (st.head_dim == 64 || st.head_dim == 128) && group <= kFlashQueries;
+#else
+  (void)st, (void)group, (void)bf16;
+  return false;
+#endif
+}
+
+// The step's work, most expensive first (a dynamic schedule then balances the threads).
+std::vector<Item> plan(const Step& st, bool bf16) {
+  const int64_t group = st.heads / st.kv_heads;
+  const bool flash = flash_fits(st, group, bf16);
+  const int64_t tile = std::max<int64_t>(1, kTileQueries / group);
+  // Few walked tokens (small decode batches): one item per (token, kv head), so every thread has work. A kv
+  // head's walk is the same code either way, so the split changes no result.
+  int64_t walked = 0;
+  for (int64_t r = 0; r < st.rows; ++r) {
+    const int64_t n = st.query_start[r + 1] - st.query_start[r];
+    walked += flash && n >= st.flash_min_tokens ? 0 : n;
+  }
+  const bool per_head = walked < 4 * omp_get_max_threads();
+  std::vector<Item> items;
+  for (int64_t r = 0; r < st.rows; ++r) {
+    const int64_t first = st.query_start[r], n = st.query_start[r + 1] - first, kend = st.seq_lens[r];
+    if (flash && n >= st.flash_min_tokens) {
+      for (int64_t t = 0; t < n; t += tile) {
+        const int64_t count = std::min(tile, n - t);
+        for (int64_t h = 0; h < st.kv_heads; ++h) items.push_back({r, h, first + t, count, count * kend, true});
+      }
+    } else {
+      for (int64_t t = 0; t < n; ++t) {
+        if (!per_head) items.push_back({r, -1, first + t, 1, st.kv_heads * kend, false});
+        for (int64_t h = 0; per_head && h < st.kv_heads; ++h) items.push_back({r, h, first + t, 1, kend, false});
+      }
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  return items;
+}
+
+#if defined(__AVX512BF16__)
+// One flash work item on the path this process runs: AMX tiles where switched on, else AVX-512 BF16.
+// An fp8 cache's tiles stay on AVX-512 BF16 (the AMX tiles read bfloat16 rows).
+template <int D, typename KV>
+inline void flash_tile_on_path(const BFloat16* q, const KV* k, const KV* v, const int64_t* blocks,
+                               const Visibility* vis, int m, int64_t group, const Step& st, int64_t kv_head,
+                               BFloat16* out) {
+#if defined(PAGELLM_FLASH_AMX)
+  if (std::is_same_v<KV, BFloat16> && flash_amx().load(std::memory_order_relaxed)) {
+    if constexpr (std::is_same_v<KV, BFloat16>)
+      flash_tile_amx<D>(q, k, v, blocks, vis, m, group, st.heads, st.kv_heads, kv_head, st.block_size, st.scale,
+                        out);
+    return;
+  }
+#endif
+  flash_tile<D, KV>(q, k, v, blocks, vis, m, group, st.heads, st.kv_heads, kv_head, st.block_size, st.scale, out);
+}
+#endif
+
+// Flash tiles serve bfloat16 only (plan() never makes one for float32).
+template <typename KV>
+inline void flash_item(const Step&, const Item&, const float*, const KV*, const KV*, const int64_t*,
+                       const Visibility*, float*) {}
+template <typename KV>
+inline void flash_item(const Step& st, const Item& item, const BFloat16* q, const KV* k, const KV* v,
+                       const int64_t* blocks, const Visibility* vis, BFloat16* out) {
+#if defined(__AVX512BF16__)
+  const int64_t group = st.heads / st.kv_heads;
+  const int m = static_cast<int>(item.count);
+  if (st.head_dim == 64)
+    flash_tile_on_path<64>(q, k, v, blocks, vis, m, group, st, item.kv_head, out);
+  else
+    flash_tile_on_path<128>(q, k, v, blocks, vis, m, group, st, item.kv_head, out);
+#else
+  (void)st, (void)item, (void)q, (void)k, (void)v, (void)blocks, (void)vis, (void)out;
+#endif
+}
+
+template <typename T, typename KV>
+void run_item(const Step& st, const Item& item, const T* q, const KV* k, const KV* v, T* out) {
+  const int64_t group = st.heads / st.kv_heads;
+  const int64_t win = st.seq_lens[item.row] - (st.query_start[item.row + 1] - st.query_start[item.row]);
+  const int64_t* blocks = st.block_table + item.row * st.max_blocks;
+  Visibility vis[kTileQueries];
+  for (int64_t i = 0; i < item.count; ++i)
+    vis[i] = token_visibility(st.ctx_end, st.tree_bits, st.tree_words, item.first + i, win);
+  const int64_t offset = item.first * st.heads * st.head_dim;
+  if (item.flash) {
+    flash_item(st, item, q + offset, k, v, blocks, vis, out + offset);
+    return;
+  }
+  const int64_t h0 = item.kv_head < 0 ? 0 : item.kv_head, h1 = item.kv_head < 0 ? st.kv_heads : item.kv_head + 1;
+  const int64_t kend = vis[0].kend, token_stride = st.kv_heads * st.head_dim;
+  for (int64_t h = h0; h < h1; ++h) {
+#if defined(__AVX512F__)
+    if (h + 1 < h1)  // the next head's first blocks, while this head walks
+      for (int64_t b = 0; b < kPrefetchBlocks && b * st.block_size < kend; ++b)
+        prefetch_block(k, v, blocks, b, kend, st.block_size, token_stride, h + 1, st.head_dim);
+#endif
+    const int64_t head = offset + h * group * st.head_dim;
+    walk<T, KV>(q + head, k, v, blocks, vis[0], st.block_size, st.kv_heads, group, st.head_dim, h, st.scale,
+                out + head);
+  }
+}
+
+template <typename T, typename KV>
+void run_step(const Step& st, const T* q, const KV* k, const KV* v, T* out, bool bf16) {
+  const std::vector<Item> items = plan(st, bf16);
+  const int64_t n = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < n; ++i) run_item<T, KV>(st, items[i], q, k, v, out);
+}
+
+}  // namespace
+}  // namespace pagellm
+
+// q, out: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_table: [rows, max_blocks];
+// query_start: [rows + 1]; seq_lens: [rows] (context length including the row's query tokens); ctx_end: [T] (each
+// token sees the keys before it); tree_bits: [T, tree_words] bits over its row's own query tokens, or null. All
+// int64 and contiguous; H a multiple of KVH. Rows of at least flash_min_tokens tokens take flash tiles (bf16).
+// TYPE: q and out; KV: the caches' elements (TYPE, or an 8-bit float of ops/csrc/fp8.h under either query type).
+#define PAGELLM_ENTRY(NAME, TYPE, KV, BF16)                                                                       \
+  void NAME(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_table,                \
+            const int64_t* query_start, const int64_t* seq_lens, const int64_t* ctx_end, const uint64_t* tree_bits, \
+            int64_t tree_words, int64_t rows, int64_t heads, int64_t head_dim, int64_t block_size,              \
+            int64_t kv_heads, int64_t max_blocks, int64_t flash_min_tokens, float scale, void* out) {           \
+    const pagellm::Step st{rows, heads, head_dim, block_size, kv_heads, max_blocks, tree_words, flash_min_tokens, \
+                           block_table, query_start, seq_lens, ctx_end, tree_bits, scale};                       \
+    pagellm::run_step<TYPE, KV>(st, static_cast<const TYPE*>(q), static_cast<const KV*>(k_cache),               \
+                                static_cast<const KV*>(v_cache), static_cast<TYPE*>(out), BF16);                 \
+  }
