@@ -194,7 +194,8 @@ def write_report(md_path: Path, out: Path, args: argparse.Namespace, ctx: Any, s
                                      str(out / "offline.png")))
     lines = [f"# pagellm vs peers, {md_path.stem}", "",
              f"Machine: {_cpu_name()}, {os.cpu_count()} cores. Model: SmolLM2-135M-Instruct ({ctx.model_dir.name}),"
-             f" dtype {ctx.dtype}, {ctx.threads} threads for every system. Workload: {_workload(args)}.",
+             f" dtype {ctx.dtype}" + (f", KV cache {ctx.kv_cache_dtype}" if ctx.kv_cache_dtype != "auto" else "") +
+             f", {ctx.threads} threads for every system. Workload: {_workload(args)}.",
              "", "The machine is shared with other engineers' test runs: figures are noisy (10–40 % between runs "
              "here); compare systems within this file only." + (f" {args.notes}" if args.notes else ""), "",
              f"Command: `{command or shlex.join(['python', 'benchmarks/compare.py', *sys.argv[1:]])}`", "",
