@@ -77,7 +77,7 @@ def test_an_offline_only_report_says_serving_was_not_run_and_lists_each_round(tm
     from types import SimpleNamespace
 
     args = SimpleNamespace(offline_num_prompts=256, input_len=128, output_len=128, concurrency=[32], notes="")
-    ctx = SimpleNamespace(model_dir=tmp_path / "model", dtype="bfloat16", threads=2)
+    ctx = SimpleNamespace(model_dir=tmp_path / "model", dtype="bfloat16", threads=2, kv_cache_dtype="auto")
     offline = {"pagellm": {"command": "pagellm bench throughput", "env": {"PAGELLM_NUM_THREADS": "2"},
                            "rounds": [551.0, 540.1, None], "output_throughput": 545.55, "error": "exit code 1"},
                "vLLM": {"command": "vllm bench throughput", "env": {}, "rounds": [415.2, 429.3, 440.0],
@@ -91,11 +91,26 @@ def test_an_offline_only_report_says_serving_was_not_run_and_lists_each_round(tm
     assert (tmp_path / "r" / "offline.png").exists()
 
 
+def test_a_report_names_a_float8_kv_cache_both_systems_had(tmp_path):
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(offline_num_prompts=256, input_len=128, output_len=128, concurrency=[32], notes="")
+    offline = {"pagellm": {"command": "pagellm bench throughput", "env": {}, "rounds": [560.0],
+                           "output_throughput": 560.0}}
+    headers = {}
+    for kv in ("auto", "fp8"):
+        ctx = SimpleNamespace(model_dir=tmp_path / "model", dtype="bfloat16", threads=2, kv_cache_dtype=kv)
+        md = report.write_report(tmp_path / f"{kv}.md", tmp_path / kv, args, ctx, [], offline, {}, command="x")
+        headers[kv] = next(line for line in md.read_text().splitlines() if line.startswith("Machine:"))
+    assert "dtype bfloat16, 2 threads" in headers["auto"] and "KV cache" not in headers["auto"]
+    assert "dtype bfloat16, KV cache fp8, 2 threads" in headers["fp8"]
+
+
 def test_a_serving_only_report_says_offline_was_not_run_instead_of_an_empty_table(tmp_path):
     from types import SimpleNamespace
 
     args = SimpleNamespace(offline_num_prompts=0, input_len=128, output_len=128, concurrency=[32], notes="")
-    ctx = SimpleNamespace(model_dir=tmp_path / "model", dtype="bfloat16", threads=2)
+    ctx = SimpleNamespace(model_dir=tmp_path / "model", dtype="bfloat16", threads=2, kv_cache_dtype="auto")
     served = [{"system": "pagellm", "round": 1, "runs": [], "error": "exited with code 1", "note": "serve --x"}]
     text = report.write_report(tmp_path / "r.md", tmp_path / "r", args, ctx, served, {}, {}, command="c").read_text()
     offline_section = text.split("## Offline throughput")[1].split("## Targets")[0]
@@ -115,7 +130,7 @@ def test_another_workload_shows_its_ratios_without_a_verdict():
 
 def test_a_report_on_another_workload_gives_no_verdict(tmp_path):
     args = SimpleNamespace(offline_num_prompts=64, input_len=1024, output_len=128, concurrency=[32], notes="")
-    ctx = SimpleNamespace(model_dir=tmp_path / "model", dtype="bfloat16", threads=2)
+    ctx = SimpleNamespace(model_dir=tmp_path / "model", dtype="bfloat16", threads=2, kv_cache_dtype="auto")
     offline = {"pagellm": {"output_throughput": 112.0, "command": "a"},
                "vLLM": {"output_throughput": 85.8, "command": "b"}}
     text = report.write_report(tmp_path / "r.md", tmp_path / "r", args, ctx, [], offline, {}, command="c").read_text()
@@ -131,7 +146,7 @@ def test_the_targets_workload_gets_a_verdict_and_a_float32_run_does_not():
 
 
 def test_a_settled_run_says_each_server_idled_before_its_load(tmp_path):
-    ctx = SimpleNamespace(model_dir=tmp_path / "model", dtype="bfloat16", threads=2)
+    ctx = SimpleNamespace(model_dir=tmp_path / "model", dtype="bfloat16", threads=2, kv_cache_dtype="auto")
     served = [{"system": "pagellm", "round": 1, "runs": [], "error": "exited with code 1", "note": "serve"}]
     for settle, said in ((15.0, True), (0.0, False)):
         args = SimpleNamespace(offline_num_prompts=0, input_len=128, output_len=128, concurrency=[32], notes="",
@@ -143,7 +158,7 @@ def test_a_settled_run_says_each_server_idled_before_its_load(tmp_path):
 def test_a_report_on_a_dataset_names_it_and_says_why_offline_did_not_run(tmp_path):
     args = SimpleNamespace(offline_num_prompts=0, input_len=128, output_len=128, concurrency=[32], notes="",
                            dataset="sharegpt", dataset_path="/data/sharegpt.json")
-    ctx = SimpleNamespace(model_dir=tmp_path / "model", dtype="bfloat16", threads=2)
+    ctx = SimpleNamespace(model_dir=tmp_path / "model", dtype="bfloat16", threads=2, kv_cache_dtype="auto")
     text = report.write_report(tmp_path / "r.md", tmp_path / "r", args, ctx, [], {}, {}, command="c").read_text()
     assert "ShareGPT conversations in `/data/sharegpt.json`" in text
     assert "the offline runs take random prompts only, and this run serves `--dataset sharegpt`" in text
@@ -190,3 +205,18 @@ def test_compare_gives_sharegpt_runs_the_tokenizer_for_the_replies_lengths(tmp_p
     assert load.tokenizer == str(tiny_llama)
     with pytest.raises(ValueError, match="cannot read the sharegpt dataset"):
         compare.context_per_stream(args, tiny_llama)
+
+
+def test_compare_gives_a_float8_cache_to_pagellm_and_vllm_and_skips_the_others(tmp_path):
+    """``compare.py --kv-cache-dtype fp8``: the same flag for the two systems that have the format; llama.cpp (q8_0
+    caches, another format) and the transformers baseline (none) are skipped with the reason."""
+    from peers import systems
+
+    for kv in ("auto", "fp8"):
+        ctx = systems.Context(tmp_path, tmp_path / "m.gguf", kv_cache_dtype=kv)
+        built = {name: build(ctx, 8000) for name, build in systems.BUILDERS.items()}
+        for name in ("pagellm", "vllm"):
+            assert ("--kv-cache-dtype" in built[name].argv) == (kv != "auto")
+            assert built[name].argv[-2:] == ["--kv-cache-dtype", "fp8"] or kv == "auto"
+        assert (built["transformers"].missing_reason is None) == (kv == "auto")
+        assert kv == "auto" or built["llama.cpp"].missing_reason == "no float8 KV cache (--kv-cache-dtype fp8)"
