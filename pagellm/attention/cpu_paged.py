@@ -82,15 +82,21 @@ class PagedKernel:
         load (``PAGELLM_ATTENTION_AMX``)."""
         return bool(self._use_amx(-1 if want is None else int(want)))
 
+    def entry(self, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> ctypes._CFuncPtr | None:  # type: ignore
+        """The C entry point for ``q_dtype`` queries over ``cache_dtype`` caches (a float8 cache's library loaded on
+        its first call), or None where none serves the pair."""
+        fn = self._fns.get((q_dtype, cache_dtype))
+        if fn is None and (q_dtype, cache_dtype) in ENTRIES:
+            fn = self._fns[(q_dtype, cache_dtype)] = bind_entry(self._fp8_lib(), ENTRIES[(q_dtype, cache_dtype)])
+        return fn
+
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: CpuPagedMetadata,
                   scale: float, flash_min_tokens: int = FLASH_MIN_TOKENS) -> torch.Tensor:
         """q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D] of q's dtype or a float8 one.
         Returns [T, H * D] of q's dtype."""
         if q.dim() != 3 or k_cache.dim() != 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("paged attention needs q [T, H, D] and contiguous 4-D caches")
-        fn = self._fns.get((q.dtype, k_cache.dtype))
-        if fn is None and (q.dtype, k_cache.dtype) in ENTRIES:  # a float8 cache's first call: load its library
-            fn = self._fns[(q.dtype, k_cache.dtype)] = bind_entry(self._fp8_lib(), ENTRIES[(q.dtype, k_cache.dtype)])
+        fn = self.entry(q.dtype, k_cache.dtype)
         if fn is None or v_cache.dtype != k_cache.dtype or q.shape[1] % k_cache.shape[2]:
             raise ValueError("paged attention needs float32 or bfloat16 q, caches of its dtype or of float8 "
                              "(e4m3fn, e5m2), and heads a multiple of kv heads")

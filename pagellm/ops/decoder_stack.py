@@ -29,8 +29,7 @@ from pagellm.ops.build import load_library
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
-ATTENTION = Path(__file__).parent.parent / "attention" / "csrc" / "paged_attention.cpp"
-ATTENTION_FP8 = ATTENTION.with_name("paged_attention_fp8.cpp")
+ATTENTION = cpu_paged.SOURCE  # the attention kernel's library (its float8 entries': cpu_paged.FP8_SOURCE)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -54,10 +53,8 @@ class _Shape(ctypes.Structure):  # csrc StackShape
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_format", _I)]
 
 
-# csrc KvFormat of each cache dtype the stack serves, and the library of the paged attention entry it calls for it
-# (the float8 ones are built when a float8 cache is first bound).
-_KV_FORMATS = {torch.bfloat16: (0, ATTENTION), torch.float8_e4m3fn: (1, ATTENTION_FP8),
-               torch.float8_e5m2: (2, ATTENTION_FP8)}
+# csrc KvFormat of each cache dtype the stack serves.
+_KV_FORMATS = {torch.bfloat16: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 CACHE_DTYPES = frozenset(_KV_FORMATS)
 
 
@@ -69,13 +66,13 @@ class _Step(ctypes.Structure):  # csrc StackStep
 
 @functools.lru_cache(maxsize=None)
 def _kernels(cache_dtype: torch.dtype) -> _Kernels:
-    """The kernels the stack calls over caches of ``cache_dtype`` (their libraries loaded, built if need be)."""
+    """The kernels the stack calls over caches of ``cache_dtype`` (their libraries loaded, built if need be; the
+    paged attention entry is ``cpu_paged.load_kernel()``'s for bfloat16 queries over that cache)."""
     gemm_lib, fused_lib = gemm._lib(), fused._lib()
     assert gemm_lib is not None and fused_lib is not None
-    entry = cpu_paged.ENTRIES[(torch.bfloat16, cache_dtype)]
     return _Kernels(_address(gemm_lib.pagellm_packed_linear_bf16), _address(fused_lib.pagellm_add_rms_norm_bf16),
                     _address(fused_lib.pagellm_silu_and_mul_bf16), _address(fused_lib.pagellm_rotary_bf16),
-                    _address(getattr(load_library(_KV_FORMATS[cache_dtype][1]), entry)),
+                    _address(cpu_paged.load_kernel().entry(torch.bfloat16, cache_dtype)),
                     _address(gemm_lib.pagellm_packed_linear_silu_mul_bf16))
 
 
@@ -108,7 +105,7 @@ def fp8_from_bf16(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     assert loaded is not None, "native decoder stack is not available on this machine"
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=dtype)
-    loaded.pagellm_stack_fp8_from_bf16(x.data_ptr(), x.numel(), _KV_FORMATS[dtype][0], out.data_ptr())
+    loaded.pagellm_stack_fp8_from_bf16(x.data_ptr(), x.numel(), _KV_FORMATS[dtype], out.data_ptr())
     return out
 
 
@@ -184,7 +181,7 @@ class DecoderStack:
             slot.k_cache = cache.data_ptr()
             slot.v_cache = cache[1].data_ptr()
         dtype = caches[0].dtype if caches else torch.bfloat16
-        self._shape.kv_format = _KV_FORMATS[dtype][0]
+        self._shape.kv_format = _KV_FORMATS[dtype]
         self._kernels = ctypes.byref(_kernels(dtype))
         self._shape.block_size = caches[0].shape[2] if caches else 1
         self._shape.cache_slots = caches[0].shape[1] * caches[0].shape[2] if caches else 0
