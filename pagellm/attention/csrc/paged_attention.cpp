@@ -14,8 +14,8 @@
 //  - the flash tile (flash_bf16.h, bfloat16 with AVX-512 BF16, head_dim 64 or 128): up to 48 query vectors (tokens
 //    x grouped heads) of one row and one kv head share each K/V tile, with bfloat16 dot products.
 // The cache may also hold 8-bit floats under bfloat16 or float32 queries (--kv-cache-dtype fp8*, ops/csrc/fp8.h):
-// every walk and the AVX-512 flash tiles widen its rows exactly as they load them (the AMX tiles and the AVX2 walk
-// read the model's dtype only; an fp8 cache takes the AVX-512 tiles and, without AVX-512, the portable walk); those
+// every walk (the AVX2 one too) and the AVX-512 flash tiles widen its rows exactly as they load them (the AMX tiles
+// read bfloat16 only; an fp8 cache takes the AVX-512 tiles); those
 // entries are paged_attention_fp8.cpp's, a library of their own. Accumulation is in float32 whatever the cache
 // dtype. The kernels are paged_kernels.h's. The plain-PyTorch twin and oracle is pagellm/attention/torch_ref.py.
 // Plain C ABI (pointers and sizes, no torch headers, loaded with ctypes by attention/cpu_paged.py) so that it builds

@@ -278,11 +278,9 @@ void walk(const T* q, const KV* k, const KV* v, const int64_t* blocks, const Vis
     return;
   }
 #elif defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<T, KV>) {  // an fp8 cache takes the portable walk without AVX-512
-    if (head_dim % 8 == 0 && head_dim <= kWalkMaxDim && group <= kWalkMaxGroup) {
-      walk_avx2<T>(q, k, v, blocks, vis, block_size, kv_heads, group, head_dim, kv_head, scale, out);
-      return;
-    }
+  if (head_dim % 8 == 0 && head_dim <= kWalkMaxDim && group <= kWalkMaxGroup) {
+    walk_avx2<T, KV>(q, k, v, blocks, vis, block_size, kv_heads, group, head_dim, kv_head, scale, out);
+    return;
   }
 #endif
   walk_scalar<T, KV>(q, k, v, blocks, vis, block_size, kv_heads, group, head_dim, kv_head, scale, out);

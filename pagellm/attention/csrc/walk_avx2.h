@@ -23,6 +23,9 @@ inline __m256 load8(const BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 
+inline __m256 load8(const Fp8E4M3* p) { return fp8_load8(p); }
+inline __m256 load8(const Fp8E5M2* p) { return fp8_load8(p); }
+
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -63,9 +66,10 @@ inline void tile_softmax8(float* scores, uint32_t valid, float& running_max, flo
   for (int64_t d = 0; d < head_dim; d += 8) _mm256_storeu_ps(acc + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), c));
 }
 
-// head_dim a multiple of 8 up to kWalkMaxDim, group up to kWalkMaxGroup (walk() checks).
-template <typename T>
-void walk_avx2(const T* q, const T* k_cache, const T* v_cache, const int64_t* blocks, const Visibility& vis,
+// head_dim a multiple of 8 up to kWalkMaxDim, group up to kWalkMaxGroup (walk() checks). KV: the cache's element
+// type (T, or an 8-bit float of fp8.h).
+template <typename T, typename KV>
+void walk_avx2(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* blocks, const Visibility& vis,
                int64_t block_size, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t kv_head, float scale,
                T* out) {
   const int64_t nv = head_dim / 8;
@@ -87,7 +91,7 @@ void walk_avx2(const T* q, const T* k_cache, const T* v_cache, const int64_t* bl
     const int64_t base = key_offset(blocks, start, block_size, token_stride, kv_head, head_dim);
     prefetch_ahead(k_cache, v_cache, blocks, vis.kend, start, n, block_size, token_stride, kv_head, head_dim);
     for (int64_t t = 0; t < n; ++t) {
-      const T* k = k_cache + base + t * token_stride;
+      const KV* k = k_cache + base + t * token_stride;
       __m256 krow[kWalkMaxDim / 8];
       for (int64_t v = 0; v < nv; ++v) krow[v] = load8(k + v * 8);
       for (int64_t g = 0; g < group; ++g) {
@@ -100,7 +104,7 @@ void walk_avx2(const T* q, const T* k_cache, const T* v_cache, const int64_t* bl
     for (int64_t g = 0; g < group; ++g)
       tile_softmax8(scores[g], valid, running_max[g], running_sum[g], acc + g * head_dim, head_dim);
     for (int64_t t = 0; t < n; ++t) {
-      const T* vrow = v_cache + base + t * token_stride;
+      const KV* vrow = v_cache + base + t * token_stride;
       for (int64_t v = 0; v < nv; ++v) {
         const __m256 val = load8(vrow + v * 8);
         for (int64_t g = 0; g < group; ++g) {

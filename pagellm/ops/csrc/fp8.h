@@ -15,7 +15,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -79,6 +79,18 @@ inline F fp8_from_float(float f) {
   }
   return F{static_cast<uint8_t>(sign | mag)};
 }
+
+#if defined(__AVX2__)
+// 8 elements widened to float32 (the AVX2 walk's load).
+template <typename F>
+inline __m256 fp8_load8(const F* p) {
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7f)), 23 - F::kMantissa);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+  const __m256 f = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(F::kWiden));
+  return _mm256_or_ps(f, _mm256_castsi256_ps(sign));
+}
+#endif
 
 #if defined(__AVX512F__)
 // 16 elements widened to float32.
