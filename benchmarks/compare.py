@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import httpx
 
@@ -160,6 +160,17 @@ def bench_system(system: systems.System, port: int, args: argparse.Namespace, ct
     return record
 
 
+def pagellm_offline(args: argparse.Namespace, ctx: systems.Context, result: Path,
+                    flags: Sequence[str] = ()) -> tuple[list, dict]:
+    """pagellm's offline command and environment (``bench throughput`` with the KV memory every system gets, plus
+    ``flags``), writing its result to ``result``."""
+    argv = [ctx.pagellm_python, "-m", "pagellm.cli", "bench", "throughput", "--dtype", ctx.dtype, "--num-prompts",
+            str(args.offline_num_prompts), "--kv-cache-memory", str(systems.KV_GIB << 30), "--result-json",
+            str(result), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+            *systems.kv_flags(ctx), *flags]
+    return argv, {"PAGELLM_NUM_THREADS": str(ctx.threads)}
+
+
 def offline_commands(args: argparse.Namespace, ctx: systems.Context, out: Path,
                      suffix: str = "") -> dict[str, tuple[list, dict]]:
     """Each system's offline command, writing its result to ``out/offline-<name><suffix>.json``."""
@@ -167,9 +178,7 @@ def offline_commands(args: argparse.Namespace, ctx: systems.Context, out: Path,
     py = [ctx.pagellm_python, "-m", "pagellm.cli", "bench", "throughput", "--dtype", ctx.dtype]
     kv = systems.kv_flags(ctx)
     cmds = {
-        "pagellm": (py + ["--num-prompts", str(args.offline_num_prompts), "--kv-cache-memory",
-                          str(systems.KV_GIB << 30), "--result-json", str(out / f"offline-pagellm{suffix}.json"),
-                          *shape, *kv], {"PAGELLM_NUM_THREADS": str(ctx.threads)}),
+        "pagellm": pagellm_offline(args, ctx, out / f"offline-pagellm{suffix}.json"),
         "transformers": (py + ["--backend", "transformers", "--num-prompts", str(args.hf_offline_num_prompts),
                                "--hf-batch-size", "32", "--result-json",
                                str(out / f"offline-transformers{suffix}.json"), *shape],

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import subprocess
@@ -21,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from compare import free_port, serve_args, stop, wait_ready  # noqa: E402
+from compare import free_port, pagellm_offline, serve_args, stop, wait_ready  # noqa: E402
 from peers import systems  # noqa: E402
 
 from pagellm.bench import serve as bench_serve  # noqa: E402
@@ -47,15 +46,13 @@ def served(args: argparse.Namespace, ctx: systems.Context, flags: list[str]) -> 
     return {"ready s": ready, **{name: metrics[key] for name, key in SERVE_FIGURES}}
 
 
-def offline(args: argparse.Namespace, flags: list[str]) -> dict[str, float]:
+def offline(args: argparse.Namespace, ctx: systems.Context, flags: list[str]) -> dict[str, float]:
     """``pagellm bench throughput`` (plus ``flags``) in a fresh process, as compare.py runs it for pagellm."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        argv = [sys.executable, "-m", "pagellm.cli", "bench", "throughput", "--dtype", args.dtype, "--num-prompts",
-                str(args.offline_num_prompts), "--input-len", str(args.input_len), "--output-len",
-                str(args.output_len), "--kv-cache-memory", str(4 << 30), "--result-json", str(result), *flags]
-        env = {**os.environ, "PAGELLM_NUM_THREADS": str(args.threads)}
-        subprocess.run(argv, env=env, check=True, stdout=subprocess.DEVNULL, cwd=systems.REPO)
+        argv, env = pagellm_offline(args, ctx, result, flags)
+        subprocess.run(argv, env=systems.environment(systems.System("pagellm", argv, env)), check=True,
+                       stdout=subprocess.DEVNULL, cwd=systems.REPO)
         run = json.loads(result.read_text())["results"][0]
     return {"offline tok/s": run["output_throughput"]}
 
@@ -95,7 +92,7 @@ def run_ab(args: argparse.Namespace, sides: dict[str, list[str]], modes: list[st
             if "serve" in modes:
                 figures |= served(args, ctx, sides[side])
             if "offline" in modes:
-                figures |= offline(args, sides[side])
+                figures |= offline(args, ctx, sides[side])
             runs[side].append(figures)
             print(f"round {round_ + 1} {side}: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()), flush=True)
     first = next(iter(sides))

@@ -351,11 +351,12 @@ inline void flash_tile_on_path(const BFloat16* q, const KV* k, const KV* v, cons
                                const Visibility* vis, int m, int64_t group, const Step& st, int64_t kv_head,
                                BFloat16* out) {
 #if defined(PAGELLM_FLASH_AMX)
-  if (std::is_same_v<KV, BFloat16> && flash_amx().load(std::memory_order_relaxed)) {
-    if constexpr (std::is_same_v<KV, BFloat16>)
+  if constexpr (std::is_same_v<KV, BFloat16>) {
+    if (flash_amx().load(std::memory_order_relaxed)) {
       flash_tile_amx<D>(q, k, v, blocks, vis, m, group, st.heads, st.kv_heads, kv_head, st.block_size, st.scale,
                         out);
-    return;
+      return;
+    }
   }
 #endif
   flash_tile<D, KV>(q, k, v, blocks, vis, m, group, st.heads, st.kv_heads, kv_head, st.block_size, st.scale, out);

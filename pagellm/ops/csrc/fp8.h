@@ -40,13 +40,6 @@ struct Fp8E5M2 {  // 1 sign, 5 exponent (bias 15), 2 mantissa bits
 };
 
 template <typename F>
-constexpr bool kIsFp8 = false;
-template <>
-constexpr bool kIsFp8<Fp8E4M3> = true;
-template <>
-constexpr bool kIsFp8<Fp8E5M2> = true;
-
-template <typename F>
 inline float fp8_to_float(F v) {
   const uint32_t mag = static_cast<uint32_t>(v.x & 0x7f) << (23 - F::kMantissa);
   float f;
