@@ -36,8 +36,14 @@ class ModelConfig:
     attention_backend: str = _help(
         "Attention kernels: auto (cpu_paged when its C++ kernel compiles, else torch_ref), cpu_paged, torch_ref.",
         default="auto")
+    quantization: str | None = _help(
+        "Quantize the weights at load: w8a8_int8 (int8 weights per output channel, int8 activations per token, int32 "
+        "products: about half the weight bytes and twice the multiply-adds per instruction; needs bfloat16 and a CPU "
+        "with AVX-512 VNNI). The LM head and embedding stay in the model's dtype. Default: none.", default=None)
 
     def __post_init__(self) -> None:
+        if self.quantization not in (None, "w8a8_int8"):
+            raise ValueError(f"quantization={self.quantization!r} is not supported; use w8a8_int8 or leave it unset")
         if self.attention_backend not in ("auto", "cpu_paged", "torch_ref"):
             raise ValueError(f"attention_backend={self.attention_backend!r}; use auto, cpu_paged or torch_ref")
         if self.dtype not in ("auto", "float32", "fp32", "float", "bfloat16", "bf16"):

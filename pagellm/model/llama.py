@@ -119,9 +119,10 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None) -> None:
         """Copy checkpoint tensors (Hugging Face names) into place through each parameter's own loader, then pack
-        the bfloat16 GEMM weights for the native kernel (``linear.pack_weights``)."""
+        the bfloat16 GEMM weights for the native kernel, or quantize the decoder layers' ones (``quantization``;
+        ``linear.pack_weights``)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         missing = {name for name in params if not (self.cfg.tie_word_embeddings and name == "lm_head.weight")}
         for name, tensor in weights:
@@ -139,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
             missing.discard(target)
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {', '.join(sorted(missing)[:8])}")
-        pack_weights(self)
+        pack_weights(self, quantization)
 
     def _target(self, name: str) -> tuple[str, str | int | None]:
         for fragment, (ours, shard) in self.STACKED.items():

@@ -6,7 +6,7 @@ attention backend):
 
 - ``PAGELLM_NATIVE_DECODER`` is not ``0`` and the library builds and runs here (AVX-512 BF16);
 - the model is bfloat16, single rank, and every GEMM weight of every layer is packed (``gemm.pack_parameter``),
-  with no o_proj bias (q/k/v bias, as in Qwen2, is served);
+  or every one quantized (``--quantization w8a8_int8``), with no o_proj bias (q/k/v bias, as in Qwen2, is served);
 - the forward context is the ``cpu_paged`` backend's (its metadata a ``CpuPagedMetadata``) and every layer to run
   has a cache bound, bfloat16 or float8 (``--kv-cache-dtype``), all of one dtype.
 
@@ -47,6 +47,9 @@ def build_stack(model: nn.Module) -> DecoderStack | None:
     weights = [_layer_weights(layer) for layer in model.layers]
     if any(w is None for w in weights):
         return None
+    formats = {gemm.weight_format(t) for w in weights for t in (w.qkv, w.o, w.gate_up, w.down)}  # type: ignore
+    if len(formats) != 1:
+        return None
     attn = first.self_attn.attn
     eps = {layer.input_layernorm.eps for layer in model.layers} | {model.norm.eps}
     shape = StackShape(model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
@@ -54,7 +57,8 @@ def build_stack(model: nn.Module) -> DecoderStack | None:
     rotary = first.self_attn.rotary
     if eps or rotary.cos.dtype != torch.bfloat16 or attn.head_dim % 2:
         return None
-    return DecoderStack(weights, shape, model.norm.weight, rotary.cos, rotary.sin)  # type: ignore[arg-type]
+    return DecoderStack(weights, shape, model.norm.weight, rotary.cos, rotary.sin,  # type: ignore[arg-type]
+                        formats.pop())
 
 
 _UNBUILT = object()

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from pagellm.attention import cpu_paged
-from pagellm.ops import fused, gemm
+from pagellm.ops import fused, gemm, gemm_w8a8
 from pagellm.ops.build import load_library
 
 logger = logging.getLogger(__name__)
@@ -65,15 +65,18 @@ class _Step(ctypes.Structure):  # csrc StackStep
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels(cache_dtype: torch.dtype) -> _Kernels:
-    """The kernels the stack calls over caches of ``cache_dtype`` (their libraries loaded, built if need be; the
-    paged attention entry is ``cpu_paged.load_kernel()``'s for bfloat16 queries over that cache)."""
+def _kernels(cache_dtype: torch.dtype, weight_format: str = "bf16") -> _Kernels:
+    """The kernels the stack calls over caches of ``cache_dtype`` and GEMM weights of ``weight_format``
+    (``gemm.weight_format``; their libraries loaded, built if need be; the paged attention entry is
+    ``cpu_paged.load_kernel()``'s for bfloat16 queries over that cache). The int8 GEMM has no fused gate/up pass."""
     gemm_lib, fused_lib = gemm._lib(), fused._lib()
     assert gemm_lib is not None and fused_lib is not None
-    return _Kernels(_address(gemm_lib.pagellm_packed_linear_bf16), _address(fused_lib.pagellm_add_rms_norm_bf16),
-                    _address(fused_lib.pagellm_silu_and_mul_bf16), _address(fused_lib.pagellm_rotary_bf16),
+    int8 = weight_format == gemm_w8a8.FORMAT
+    return _Kernels(gemm_w8a8.entry_address() if int8 else _address(gemm_lib.pagellm_packed_linear_bf16),
+                    _address(fused_lib.pagellm_add_rms_norm_bf16), _address(fused_lib.pagellm_silu_and_mul_bf16),
+                    _address(fused_lib.pagellm_rotary_bf16),
                     _address(cpu_paged.load_kernel().entry(torch.bfloat16, cache_dtype)),
-                    _address(gemm_lib.pagellm_packed_linear_silu_mul_bf16))
+                    None if int8 else _address(gemm_lib.pagellm_packed_linear_silu_mul_bf16))
 
 
 @functools.lru_cache(maxsize=1)
@@ -111,7 +114,8 @@ def fp8_from_bf16(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer's bfloat16 weights; the four GEMM weights packed (``gemm.pack``)."""
+    """One decoder layer's bfloat16 weights; the four GEMM weights packed (``gemm.pack``), or all four quantized
+    (``gemm_w8a8.quantize_parameter``)."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -145,13 +149,21 @@ class DecoderStack:
     """A model's decoder stack bound to the native call (weights' addresses made once; the tensors kept alive)."""
 
     def __init__(self, layers: list[LayerWeights], shape: StackShape, final_norm: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor) -> None:
+                 cos: torch.Tensor, sin: torch.Tensor, weight_format: str = "bf16") -> None:
         loaded = _lib()
         assert loaded is not None, "native decoder stack is not available on this machine"
-        tensors = [final_norm, cos, sin, *(t for w in layers for t in vars(w).values() if t is not None)]
-        if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in tensors):
-            raise ValueError("the native decoder stack takes contiguous bfloat16 weights")
-        self._fn, self._kernels = loaded.pagellm_decoder_stack_bf16, ctypes.byref(_kernels(torch.bfloat16))
+        vectors = [final_norm, cos, sin, *(t for w in layers for t in (w.input_norm, w.qkv_bias, w.post_norm)
+                                            if t is not None)]
+        gemms = [t for w in layers for t in (w.qkv, w.o, w.gate_up, w.down)]
+        gemm_dtype = torch.int8 if weight_format == gemm_w8a8.FORMAT else torch.bfloat16
+        if any(t.dtype != torch.bfloat16 for t in vectors) or any(t.dtype != gemm_dtype for t in gemms) or \
+                not all(t.is_contiguous() for t in (*vectors, *gemms)):
+            raise ValueError(f"the native decoder stack takes contiguous bfloat16 weights ({weight_format} GEMM "
+                             "weights)")
+        tensors = [*vectors, *gemms]
+        self.weight_format = weight_format
+        self._fn, self._kernels = loaded.pagellm_decoder_stack_bf16, ctypes.byref(_kernels(torch.bfloat16,
+                                                                                          weight_format))
         self._keep = tensors
         self._bound: tuple[torch.Tensor, ...] = ()  # the caches the layers point at now (see _bind_caches)
         self.shape = shape
@@ -182,7 +194,7 @@ class DecoderStack:
             slot.v_cache = cache[1].data_ptr()
         dtype = caches[0].dtype if caches else torch.bfloat16
         self._shape.kv_format = _KV_FORMATS[dtype]
-        self._kernels = ctypes.byref(_kernels(dtype))
+        self._kernels = ctypes.byref(_kernels(dtype, self.weight_format))
         self._shape.block_size = caches[0].shape[2] if caches else 1
         self._shape.cache_slots = caches[0].shape[1] * caches[0].shape[2] if caches else 0
         self._bound = tuple(caches)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm import envs
+from pagellm.ops import gemm_w8a8
 from pagellm.ops.build import cpu_flags, load_library
 
 logger = logging.getLogger(__name__)
@@ -163,12 +164,19 @@ def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------- packed parameters
 # A layer's weight Parameter is packed in place after loading (``pack_parameter``): its data becomes ``pack(W)``
 # and it records the plain shape as ``packed_shape``. A tied embedding and LM head share one Parameter, so both
-# see the one packed matrix. The functions below take either kind of weight.
+# see the one packed matrix. A quantized weight (``gemm_w8a8.quantize_parameter``) records ``packed_shape`` too,
+# and its ``weight_format``. The functions below take every kind of weight.
 
 
 def packed_shape(weight: torch.Tensor) -> tuple[int, int] | None:
-    """``(N, K)`` of a packed weight Parameter, ``None`` for a plain one."""
+    """``(N, K)`` of a packed or quantized weight Parameter, ``None`` for a plain one."""
     return getattr(weight, "packed_shape", None)
+
+
+def weight_format(weight: torch.Tensor) -> str | None:
+    """``"bf16"`` for a weight packed for the bfloat16 kernel, ``"w8a8_int8"`` for a quantized one, ``None`` for a
+    plain one."""
+    return None if packed_shape(weight) is None else getattr(weight, "weight_format", "bf16")
 
 
 def pack_parameter(param: torch.nn.Parameter) -> bool:
@@ -189,14 +197,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if shape is None:
         return F.linear(x, weight, bias)
     if x.dtype == torch.bfloat16:
-        return packed_linear(x, weight, shape[0], bias)
-    return F.linear(x, unpack(weight, *shape).to(x.dtype), bias)
+        quantized = weight_format(weight) == gemm_w8a8.FORMAT
+        return (gemm_w8a8.packed_linear if quantized else packed_linear)(x, weight, shape[0], bias)
+    return F.linear(x, plain(weight).to(x.dtype), bias)
 
 
 def plain(weight: torch.Tensor) -> torch.Tensor:
-    """The plain ``[N, K]`` weight: the tensor itself, or a new unpacked copy of a packed one."""
+    """The plain ``[N, K]`` weight: the tensor itself, or a new unpacked (dequantized) copy of a packed one."""
     shape = packed_shape(weight)
-    return weight if shape is None else unpack(weight, *shape)
+    if shape is None:
+        return weight
+    return gemm_w8a8.dequantize(weight, *shape) if weight_format(weight) == gemm_w8a8.FORMAT else unpack(weight, *shape)
 
 
 def weight_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

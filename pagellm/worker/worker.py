@@ -19,7 +19,7 @@ from pagellm.metrics.profiler import Profiler
 from pagellm.model.arch import ArchConfig
 from pagellm.model.loader import iter_weights, load_hf_config, resolve_dtype, resolve_model_dir
 from pagellm.model.registry import build_model
-from pagellm.ops import decoder_stack, fused, gemm
+from pagellm.ops import decoder_stack, fused, gemm, gemm_w8a8
 from pagellm.ops.build import build_library
 from pagellm.sample import native as sample_native
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -41,11 +41,11 @@ class Worker:
         start = time.perf_counter()
         self.dtype = resolve_dtype(model_config.dtype)
         self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
-        _start_kernel_builds(self.dtype, self.kv_dtype, model_config.attention_backend)
+        _start_kernel_builds(self.dtype, self.kv_dtype, model_config.attention_backend, model_config.quantization)
         model_dir = resolve_model_dir(model_config.model)
         arch = ArchConfig.from_hf(load_hf_config(model_dir))
         model = build_model(arch, self.dtype, parallel)
-        model.load_weights(iter_weights(model_dir))
+        model.load_weights(iter_weights(model_dir), model_config.quantization)
         model.eval()
         max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
         num_blocks = kv_cache_blocks(cache_config, arch, self.kv_dtype, max_model_len)
@@ -62,8 +62,9 @@ class Worker:
             if profiler_config.profiler_dir else None
         if self.dtype == torch.bfloat16:  # build/load the native layer kernels now, not during the first request
             flash_amx = isinstance(backend, cpu_paged.CpuPagedBackend) and cpu_paged.load_kernel().use_amx()
-            logger.info("native kernels: packed GEMM %s, fused element-wise %s, decoder stack %s, flash tiles %s",
+            logger.info("native kernels: packed GEMM %s%s, fused element-wise %s, decoder stack %s, flash tiles %s",
                         f"on ({gemm.path()})" if gemm.available() else "off",
+                        " with int8 (w8a8_int8) decoder layers" if model_config.quantization else "",
                         "on" if fused.available() else "off",
                         "on" if decoder_stack.available() and envs.native_decoder() else "off",
                         "on AMX" if flash_amx else "without AMX")
@@ -99,7 +100,8 @@ class Worker:
             self.prefaulter.close()
 
 
-def _start_kernel_builds(dtype: torch.dtype, kv_dtype: torch.dtype, attention_backend: str) -> None:
+def _start_kernel_builds(dtype: torch.dtype, kv_dtype: torch.dtype, attention_backend: str,
+                         quantization: str | None) -> None:
     """Compile the native kernels this worker will load on background threads, the longest first (``native_build``):
     a cold start then builds them side by side, and beside the model's resolution (a GGUF conversion, or waiting for
     the frontend's) and the weights' loading, instead of one after another as each is first loaded."""
@@ -111,7 +113,10 @@ def _start_kernel_builds(dtype: torch.dtype, kv_dtype: torch.dtype, attention_ba
         if envs.native_decoder():
             sources.append(decoder_stack.SOURCE)
     sources.append(sample_native.SOURCE)
-    native_build.start_in_background([functools.partial(build_library, source) for source in dict.fromkeys(sources)])
+    builds = [functools.partial(build_library, source) for source in dict.fromkeys(sources)]
+    if quantization and gemm_w8a8.runs_here():
+        builds.insert(1, gemm_w8a8.build_library)  # built with its own flags (no fused multiply-adds)
+    native_build.start_in_background(builds)
 
 
 def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:

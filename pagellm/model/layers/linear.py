@@ -7,7 +7,9 @@ Merged layers (QKV, gate+up) fuse several checkpoint tensors into one matrix: on
 
 After loading, ``pack_weights(model)`` re-lays every bfloat16 weight that runs through ``ops.gemm.linear``
 (these layers and the LM head) in the packed layout of the native GEMM, in place: the model keeps one copy of
-each weight, and loaders refuse to write into a packed model. float32 weights stay plain (``F.linear``).
+each weight, and loaders refuse to write into a packed model. float32 weights stay plain (``F.linear``). With a
+``quantization`` (``ModelConfig.quantization``), these layers' weights are quantized and packed for the int8 kernel
+instead (``ops.gemm_w8a8``); the LM head stays bfloat16.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from pagellm.distributed.groups import SINGLE, ParallelState
-from pagellm.ops import gemm
+from pagellm.ops import gemm, gemm_w8a8
 from pagellm.ops.gemm import linear
 
 
@@ -31,7 +33,7 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter: 
 def _loadable(param: nn.Parameter) -> torch.Tensor:
     """The parameter's data to copy a checkpoint tensor into; a packed weight takes no more loads."""
     if gemm.packed_shape(param) is not None:
-        raise ValueError("this weight is already packed for the bfloat16 kernel (weights are packed once, after "
+        raise ValueError("this weight is already packed for the native GEMM (weights are packed once, after "
                          "loading); load the checkpoint into a newly built model")
     return param.data
 
@@ -62,6 +64,9 @@ class ColumnParallelLinear(nn.Module):
 
     def pack_weight(self) -> bool:
         return gemm.pack_parameter(self.weight)
+
+    def quantize_weight(self, method: str) -> None:
+        _quantize(self.weight, method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -102,17 +107,34 @@ class RowParallelLinear(nn.Module):
     def pack_weight(self) -> bool:
         return gemm.pack_parameter(self.weight)
 
+    def quantize_weight(self, method: str) -> None:
+        _quantize(self.weight, method)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.parallel.all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 
-def pack_weights(model: nn.Module) -> int:
-    """Pack the weight of every layer with a ``pack_weight`` hook (see the module docstring), once, after loading;
-    returns how many were packed (0 in float32 or where the native kernel does not run)."""
+def _quantize(weight: nn.Parameter, method: str) -> None:
+    if method != gemm_w8a8.FORMAT:
+        raise ValueError(f"quantization={method!r} is not supported; use {gemm_w8a8.FORMAT}")
+    if weight.dtype != torch.bfloat16:
+        raise ValueError(f"quantization={method} runs on bfloat16 models; this one is {weight.dtype} (set dtype "
+                         "bfloat16)")
+    gemm_w8a8.quantize_parameter(weight)
+
+
+def pack_weights(model: nn.Module, quantization: str | None = None) -> int:
+    """Pack the weight of every layer with a ``pack_weight`` hook (see the module docstring), once, after loading,
+    or with a ``quantization`` quantize those with a ``quantize_weight`` hook; returns how many were packed or
+    quantized (0 in float32 or where the native kernel does not run)."""
     packed = 0
     for module in model.modules():
+        quantize = getattr(module, "quantize_weight", None) if quantization else None
         hook = getattr(module, "pack_weight", None)
-        if hook is not None:
+        if quantize is not None:
+            quantize(quantization)
+            packed += 1
+        elif hook is not None:
             packed += bool(hook())
     return packed

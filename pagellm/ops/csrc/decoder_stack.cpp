@@ -48,7 +48,8 @@ struct StackKernels {
                          uint16_t* y, int64_t ldy);
 };
 
-// One decoder layer's weights (packed GEMM weights as made by pagellm/ops/gemm.py `pack`) and its caches.
+// One decoder layer's weights (packed GEMM weights as made by pagellm/ops/gemm.py `pack`, or all four the int8
+// operands of pagellm/ops/gemm_w8a8.py `pack`: StackKernels::linear is then the int8 GEMM's entry) and its caches.
 struct StackLayer {
   const uint16_t* input_norm;  // [hidden]
   const uint16_t* qkv;         // packed [(heads + 2 kv_heads) * head_dim, hidden]

@@ -59,6 +59,8 @@ struct Tile {
 
 }  // namespace
 
+#include "gemm_chunks.h"  // how the threads share the panels (chunks from a counter) and how many run
+
 #if defined(__AVX512BF16__)
 #include "packed_gemm_avx512.h"  // tile kernels, tile shapes and block sizes for AVX-512 BF16
 #else
@@ -150,40 +152,6 @@ void run_panels(const Problem& pb, int64_t p0, int64_t p1, float* partial, float
       run_block(pb, blocks[b], b + 1 < blocks.size() ? &blocks[b + 1] : nullptr, m0, mb,
                 blocked ? partial : nullptr, scratch);
   }
-}
-
-// Panels per work chunk: threads take chunks from a shared counter, so when the OS preempts one thread (the API
-// server and the client share these cores) the others take over its unstarted chunks instead of waiting at the
-// barrier. About 8 chunks per thread, in whole panel groups (`width` panels).
-int64_t chunk_panels(int64_t panels, int threads, int width) {
-  const int64_t per = panels / (int64_t{8} * threads) / width * width;
-  return per > width ? per : width;
-}
-
-// The work items: whole chunks, and when their count does not divide among the threads (a narrow layer: 576
-// outputs are 36 panels, 9 chunks of 4, so one of two threads would do 5), the last chunk cut into one piece per
-// thread, so that the threads end together. Item c covers panels [p0, p1) (empty for a piece past the end).
-struct Chunks {
-  int64_t chunk, whole, piece, items;
-  void range(int64_t c, int64_t panels, int64_t* p0, int64_t* p1) const {
-    *p0 = c < whole ? c * chunk : whole * chunk + (c - whole) * piece;
-    const int64_t end = *p0 + (c < whole ? chunk : piece);
-    *p1 = end < panels ? end : panels;
-    if (*p0 > panels) *p0 = panels;
-  }
-};
-
-Chunks make_chunks(int64_t panels, int threads, int width) {
-  const int64_t chunk = chunk_panels(panels, threads, width);
-  const int64_t count = (panels + chunk - 1) / chunk;
-  if (threads <= 1 || count % threads == 0) return {chunk, count, chunk, count};
-  const int64_t tail = panels - (count - 1) * chunk;
-  return {chunk, count - 1, (tail + threads - 1) / threads, count - 1 + threads};
-}
-
-// Threads for a problem of m * n * k multiply-adds: tiny problems stay on one, a fork costs more than they take.
-int threads_for(int64_t work) {
-  return work < (int64_t{1} << 18) ? 1 : omp_get_max_threads();
 }
 
 // One thread's share on the AVX-512 or AVX2 path: chunks from the shared counter, with its float32 partial-sum

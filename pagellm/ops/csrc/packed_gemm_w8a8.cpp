@@ -1,0 +1,287 @@
+// int8 GEMM over a pre-packed int8 weight (W8A8): y[M, N] = (q(x) · Qᵀ) · s_x · s_w (+ bias), bfloat16 in and out.
+//
+// The weight W [N, K] is quantized once at load time (pagellm/ops/gemm_w8a8.py `quantize`): per output column j,
+// s_w[j] = max|W[j]| / 127 and Q[j] = round(W[j] / s_w[j]) in [-127, 127]. Each call quantizes its rows of x the
+// same way, per row (dynamic, per token): s_x[i] = max|x[i]| / 127, q(x[i]) = round(x[i] · (127 / max|x[i]|)), then
+// multiplies the int8 matrices exactly in int32 and scales each output once in float32.
+//
+// Packed layout (`pack`): panels of 16 output columns, K in quads, [ceil(N/16)][ceil(K/4)][16][4] int8, so one
+// 64-byte line is the next four k of all 16 columns: exactly the operand of one _mm512_dpbusd_epi32 (VNNI), which
+// multiplies unsigned bytes by signed ones. x goes in unsigned, q(x) + 128; each column's sum over its K, times 128,
+// is subtracted again in the epilogue: Σ (q + 128) · Q = Σ q · Q + 128 · Σ Q. Behind the panels lie the per-column
+// float32 scales and int32 offsets (128 · Σ Q), one per padded column each. K is padded with zeros to whole quads.
+//
+// The register tile is MR rows x NR panels of int32 accumulators; per k-quad it loads NR weight lines, broadcasts
+// MR quads of x and issues MR*NR dot products, like the bfloat16 kernel (packed_gemm.cpp) with twice its
+// multiply-adds per instruction. Threads take runs of panels from a counter (gemm_chunks.h); K runs in blocks of at
+// most kKCQ quads with int32 partial sums between them, which are exact, so every output is the same integer
+// whatever M, the blocking or the thread count, and the epilogue rounds it identically: batch-invariant rows. The
+// epilogue is float32 ((acc - offset) · s_x) · s_w, then + bias, each op rounded (this source is built with
+// -ffp-contract=off), then rounded to nearest-even bfloat16. The plain-PyTorch twin and test oracle is
+// `gemm_w8a8.reference_linear`, which computes the same bits.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gemm_chunks.h"
+
+namespace {
+
+constexpr int kPanel = 16;          // output columns per panel (one zmm of int32)
+constexpr int64_t kQuad = 64;       // bytes per k-quad of a panel (16 columns x 4 int8)
+constexpr int64_t kKCQ = 512;       // most k-quads per K block (NR = 4: 4 * 512 * 64 B = 128 KiB of weights)
+constexpr int64_t kMC = 192;        // rows per M block
+constexpr int kPrefetchQuads = 32;  // software prefetch distance along a panel (2 KiB ahead), into L2
+constexpr int kMaxMR = 8, kMaxNR = 4, kWideNR = 8, kWideRows = 2;
+
+struct Tile {
+  const uint8_t* x;      // first row of q(x) + 128, at this K block's first quad
+  int64_t ldx;           // bytes between rows of x
+  const int8_t* w;       // first panel, at this K block's first quad
+  int64_t panel_stride;  // bytes between panels
+  int64_t quads;         // k-quads in this block
+  int32_t* partial;      // [MR][NR * 16] int32 partial sums (row stride ldp), or null when K fits one block
+  int64_t ldp;
+  bool first, last;      // first K block (start from zero) / last K block (write y)
+  uint16_t* y;           // first row, first column of the tile
+  int64_t ldy;
+  const float* sx;       // the tile's rows' scales
+  const float* sw;       // the tile's columns' scales
+  const int32_t* off;    // the tile's columns' offsets (128 · Σ Q)
+  const uint16_t* bias;  // at the tile's first column, or null
+  int cols;              // valid output columns of the tile (<= NR * 16)
+};
+
+inline __mmask16 col_mask(int cols) {
+  return cols >= kPanel ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << cols) - 1);
+}
+
+inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// float32 -> bfloat16, rounded to nearest even (finite values; the epilogue makes no NaN from finite input).
+inline __m256i round_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+// acc += Σ of 4 products u8(a) · s8(b) per int32 lane. In asm with the accumulator tied: GCC 12 compiles the
+// intrinsic's accumulator as a fresh register, copying (and spilling) each of a tile's 24 per step.
+inline __m512i dot_quads(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+template <int MR, int NR>
+void tile_kernel(const Tile& t) {
+  __m512i acc[MR][NR];  // this block's sums; the earlier blocks' (t.partial) are added after the loop
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
+  const int8_t* w = t.w;
+  for (int64_t q = 0; q < t.quads; ++q, w += kQuad) {
+    __m512i b[NR];
+    for (int j = 0; j < NR; ++j) {
+      b[j] = _mm512_loadu_si512(w + j * t.panel_stride);
+      _mm_prefetch(reinterpret_cast<const char*>(w + j * t.panel_stride + kPrefetchQuads * kQuad), _MM_HINT_T1);
+    }
+    for (int i = 0; i < MR; ++i) {
+      int32_t quad;
+      std::memcpy(&quad, t.x + i * t.ldx + 4 * q, sizeof(quad));
+      const __m512i a = _mm512_set1_epi32(quad);
+      for (int j = 0; j < NR; ++j) acc[i][j] = dot_quads(acc[i][j], a, b[j]);
+    }
+  }
+  if (!t.first)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j)
+        acc[i][j] = _mm512_add_epi32(acc[i][j], _mm512_loadu_si512(t.partial + i * t.ldp + j * kPanel));
+  if (!t.last) {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) _mm512_storeu_si512(t.partial + i * t.ldp + j * kPanel, acc[i][j]);
+    return;
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int cols = t.cols - j * kPanel;
+    if (cols <= 0) break;
+    const __mmask16 m = col_mask(cols);
+    const __m512i off = _mm512_loadu_si512(t.off + j * kPanel);
+    const __m512 sw = _mm512_loadu_ps(t.sw + j * kPanel);
+    const __m512 bias = t.bias ? widen_bf16(_mm256_maskz_loadu_epi16(m, t.bias + j * kPanel)) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], off));
+      __m512 f = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(t.sx[i])), sw);
+      if (t.bias) f = _mm512_add_ps(f, bias);
+      _mm256_mask_storeu_epi16(t.y + i * t.ldy + j * kPanel, m, round_bf16(f));
+    }
+  }
+}
+
+using TileFn = void (*)(const Tile&);
+
+// MR x NR tiles: MR * NR <= 24 accumulators plus NR weight registers and one broadcast fit in 32 zmm; at one or two
+// rows (bound by memory) 8 panel streams at once.
+template <int MR>
+constexpr TileFn row_of_tiles(int nr) {
+  if constexpr (MR <= kWideRows) {
+    if (nr > kMaxNR) return nr == 5 ? tile_kernel<MR, 5> : nr == 6 ? tile_kernel<MR, 6> : nr == 7 ? tile_kernel<MR, 7>
+                                                                                       : tile_kernel<MR, 8>;
+  }
+  return nr == 1 ? tile_kernel<MR, 1> : nr == 2 ? tile_kernel<MR, 2> : nr == 3 ? tile_kernel<MR, 3>
+                                                                                 : tile_kernel<MR, (MR > 6 ? 3 : 4)>;
+}
+
+TileFn tile_fn(int mr, int nr) {
+  switch (mr) {
+    case 1: return row_of_tiles<1>(nr);
+    case 2: return row_of_tiles<2>(nr);
+    case 3: return row_of_tiles<3>(nr);
+    case 4: return row_of_tiles<4>(nr);
+    case 5: return row_of_tiles<5>(nr);
+    case 6: return row_of_tiles<6>(nr);
+    case 7: return row_of_tiles<7>(nr);
+    default: return row_of_tiles<8>(nr);
+  }
+}
+
+inline int max_nr(int mr) { return mr > 6 ? 3 : mr <= kWideRows ? kWideNR : kMaxNR; }
+
+int next_rows(int64_t left) {  // one group of up to 8 rows, else groups of 6 (9 = 5 + 4)
+  if (left <= kMaxMR) return static_cast<int>(left);
+  return left == 9 ? 5 : 6;
+}
+
+struct Problem {
+  const uint8_t* xq;  // q(x) + 128, [m][4 * quads]
+  const float* sx;
+  int64_t m, n, quads, kc, panels, panel_stride;
+  const int8_t* w;
+  const float* sw;
+  const int32_t* off;
+  const uint16_t* bias;
+  uint16_t* y;
+  int64_t ldy;
+  int width;  // panels per group
+};
+
+// Rows [m0, m0 + mb) over panels [g, g + nr) and k-quads [k0, k0 + kc).
+void run_block(const Problem& pb, int64_t g, int nr, int64_t k0, int64_t m0, int64_t mb, int32_t* partial) {
+  const int64_t quads = pb.quads - k0 < pb.kc ? pb.quads - k0 : pb.kc;
+  for (int64_t i = 0; i < mb;) {
+    const int mr = next_rows(mb - i);
+    const int nr_here = nr < max_nr(mr) ? nr : max_nr(mr);
+    for (int64_t gg = g; gg < g + nr; gg += nr_here) {
+      const int nrr = static_cast<int>(g + nr - gg < nr_here ? g + nr - gg : nr_here);
+      Tile t;
+      t.x = pb.xq + (m0 + i) * 4 * pb.quads + 4 * k0;
+      t.ldx = 4 * pb.quads;
+      t.w = pb.w + gg * pb.panel_stride + k0 * kQuad;
+      t.panel_stride = pb.panel_stride;
+      t.quads = quads;
+      t.ldp = pb.width * kPanel;
+      t.partial = partial ? partial + i * t.ldp + (gg - g) * kPanel : nullptr;
+      t.first = k0 == 0;
+      t.last = k0 + quads == pb.quads;
+      t.y = pb.y + (m0 + i) * pb.ldy + gg * kPanel;
+      t.ldy = pb.ldy;
+      t.sx = pb.sx + m0 + i;
+      t.sw = pb.sw + gg * kPanel;
+      t.off = pb.off + gg * kPanel;
+      t.bias = pb.bias ? pb.bias + gg * kPanel : nullptr;
+      const int64_t cols = pb.n - gg * kPanel;
+      t.cols = static_cast<int>(cols < nrr * kPanel ? cols : nrr * kPanel);
+      tile_fn(mr, nrr)(t);
+    }
+    i += mr;
+  }
+}
+
+// One thread's share: chunks of panels from the shared counter, each over every row (M blocks, panel groups, K
+// blocks), with its int32 partial-sum buffer.
+void run_tiles(const Problem& pb, const Chunks& chunks, std::atomic<int64_t>& next) {
+  const int64_t rows = pb.m < kMC ? pb.m : kMC;
+  std::vector<int32_t> partial(pb.quads > pb.kc ? static_cast<size_t>(rows * pb.width * kPanel) : 0);
+  int32_t* const part = partial.empty() ? nullptr : partial.data();
+  for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks.items;
+       c = next.fetch_add(1, std::memory_order_relaxed)) {
+    int64_t p0, p1;
+    chunks.range(c, pb.panels, &p0, &p1);
+    for (int64_t m0 = 0; m0 < pb.m && p0 < p1; m0 += kMC) {
+      const int64_t mb = pb.m - m0 < kMC ? pb.m - m0 : kMC;
+      for (int64_t g = p0; g < p1; g += pb.width)
+        for (int64_t k0 = 0; k0 < pb.quads; k0 += pb.kc)
+          run_block(pb, g, static_cast<int>(p1 - g < pb.width ? p1 - g : pb.width), k0, m0, mb, part);
+    }
+  }
+}
+
+// Rows [r0, r1) of bfloat16 x [., k] (row stride ldx) quantized: out[r] = q(x[r]) + 128 over 4 * quads bytes (the
+// padding 128, i.e. q = 0), sx[r] their scale. q = round-to-nearest-even(x · (127 / max|x|)) clamped to ±127.
+void quantize_rows(const uint16_t* x, int64_t ldx, int64_t k, int64_t quads, uint8_t* out, float* sx, int64_t r0,
+                   int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* row = x + r * ldx;
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k; c += kPanel) {
+      const __mmask16 m = col_mask(static_cast<int>(k - c));
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(widen_bf16(_mm256_maskz_loadu_epi16(m, row + c))));
+    }
+    const float amax = _mm512_reduce_max_ps(mx);
+    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    if (!std::isfinite(inv)) inv = 0.0f;
+    sx[r] = amax / 127.0f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), zero = _mm512_set1_epi32(128);
+    uint8_t* dst = out + r * 4 * quads;
+    for (int64_t c = 0; c < k; c += kPanel) {
+      const __mmask16 m = col_mask(static_cast<int>(k - c));
+      const __m512 v = _mm512_mul_ps(widen_bf16(_mm256_maskz_loadu_epi16(m, row + c)), vinv);
+      const __m512i q = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(v), lo), hi);
+      _mm512_mask_cvtepi32_storeu_epi8(dst + c, m, _mm512_add_epi32(q, zero));
+    }
+    std::memset(dst + k, 128, static_cast<size_t>(4 * quads - k));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x: [m, k] bf16 rows with stride ldx; w: packed (see the top of this file) for n outputs and k inputs, scales and
+// offsets behind the panels; bias: [n] bf16 or null; y: [m, n] bf16 with row stride ldy. The signature of
+// pagellm_packed_linear_bf16, so the decoder stack calls either. Uses torch's OpenMP threads.
+void pagellm_packed_linear_w8a8(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* w, int64_t n,
+                                const uint16_t* bias, uint16_t* y, int64_t ldy) {
+  if (m <= 0) return;
+  const int64_t quads = (k + 3) / 4, panels = (n + kPanel - 1) / kPanel;
+  const int64_t kblocks = (quads + kKCQ - 1) / kKCQ;
+  const int64_t panel_stride = quads * kQuad;
+  const float* sw = reinterpret_cast<const float*>(w + panels * panel_stride);
+  const int32_t* off = reinterpret_cast<const int32_t*>(sw + panels * kPanel);
+  thread_local std::vector<uint8_t> xq;  // the calling thread's, grown to the largest call
+  thread_local std::vector<float> sx;
+  if (xq.size() < static_cast<size_t>(m * 4 * quads)) xq.resize(static_cast<size_t>(m * 4 * quads));
+  if (sx.size() < static_cast<size_t>(m)) sx.resize(static_cast<size_t>(m));
+  const int width = m <= kWideRows ? kWideNR : kMaxNR;
+  const Problem pb{xq.data(), sx.data(), m, n, quads, (quads + kblocks - 1) / kblocks, panels, panel_stride, w, sw,
+                   off, bias, y, ldy, width};
+  const int threads = threads_for(m * n * k);
+  const Chunks chunks = make_chunks(panels, threads, width);
+  std::atomic<int64_t> next{0};
+  uint8_t* const xqp = xq.data();  // the region's other threads see their own thread_locals: pass the pointers
+  float* const sxp = sx.data();
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    quantize_rows(x, ldx, k, quads, xqp, sxp, m * t / nt, m * (t + 1) / nt);
+#pragma omp barrier
+    run_tiles(pb, chunks, next);
+  }
+}
+
+}  // extern "C"

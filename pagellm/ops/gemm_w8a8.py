@@ -1,0 +1,163 @@
+"""W8A8 int8 GEMM (``--quantization w8a8_int8``) over weights quantized and packed once at load time
+(``csrc/packed_gemm_w8a8.cpp``), with ``reference_linear`` as its plain-PyTorch twin and test oracle.
+
+A weight ``W`` [N, K] becomes int8 ``Q`` with one float32 scale per output channel (symmetric: ``s_w = max|W_j| /
+127``); each call quantizes its activation rows the same way, one scale per row (dynamic, per token), multiplies
+the two int8 matrices exactly in int32 with AVX-512 VNNI (twice the multiply-adds per instruction of the bfloat16
+kernel, half its weight bytes) and scales each output once: ``y = (q(x) · Qᵀ) · s_x · s_w + bias`` in bfloat16.
+This is SGLang's ``w8a8_int8`` scheme and that of vLLM's compressed-tensors W8A8 int8 checkpoints (channel-wise
+weights, dynamic per-token activations); the weights are quantized here from the bfloat16 checkpoint.
+
+``pack(q, scale)`` lays ``Q`` out as panels of 16 output columns with K in quads, ``[ceil(N/16), ceil(K/4), 16,
+4]`` (zero padding), then the float32 scales and the int32 offsets ``128 · Σ_k Q`` (the kernel feeds x as unsigned
+bytes, ``q(x) + 128``) of every padded column, all in one flat int8 tensor. A quantized layer's Parameter holds it,
+with ``packed_shape`` = (N, K) and ``weight_format`` = ``"w8a8_int8"`` (``ops.gemm.linear`` dispatches on them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.ops.build import CXX_FLAGS, HEADERS, cpu_flags
+from pagellm.native_build import build
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "packed_gemm_w8a8.cpp"
+FORMAT = "w8a8_int8"
+PANEL, QUAD = 16, 4
+# Each epilogue op rounds on its own, as the twin's torch ops do (no fused multiply-add): the same bits.
+FLAGS = [*CXX_FLAGS, "-ffp-contract=off"]
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+def runs_here() -> bool:
+    """Whether this CPU has the instructions the kernel is written in (AVX-512 VNNI and BW)."""
+    flags = set(cpu_flags().split())
+    return {"avx512_vnni", "avx512bw"} <= flags
+
+
+@functools.lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL | None:
+    if not runs_here():
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(SOURCE, FLAGS, f"{SOURCE.stem}.so", [HEADERS])))
+    except (RuntimeError, OSError) as exc:
+        logger.warning("int8 GEMM kernel unavailable (%s)", exc)
+        return None
+    lib.pagellm_packed_linear_w8a8.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
+    lib.pagellm_packed_linear_w8a8.restype = None
+    return lib
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def build_library() -> Path:
+    """The compiled kernel (built now if this machine kind has none): for start-up's background compiles."""
+    return build(SOURCE, FLAGS, f"{SOURCE.stem}.so", [HEADERS])
+
+
+def entry_address() -> int:
+    """The kernel's C entry, for the native decoder stack (same signature as the bfloat16 one)."""
+    lib = _lib()
+    assert lib is not None, "int8 GEMM kernel is not available on this machine"
+    return ctypes.cast(lib.pagellm_packed_linear_w8a8, ctypes.c_void_p).value
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Q, s_w)``: int8 ``[N, K]`` and float32 ``[N]`` with ``W ≈ Q · s_w`` per row (an all-zero row: scale 0)."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1)
+    scale = amax / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The kernel's flat int8 operand for ``Q`` [N, K] and ``s_w`` [N] (see the module docstring)."""
+    if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
+        raise ValueError(f"pack takes int8 [N, K] and float32 [N], got {q.dtype} {tuple(q.shape)}, "
+                         f"{tuple(scale.shape)}")
+    n, k = q.shape
+    n_pad, k_pad = -n % PANEL, -k % QUAD
+    padded = F.pad(q, (0, k_pad, 0, n_pad))
+    panels = padded.view((n + n_pad) // PANEL, PANEL, (k + k_pad) // QUAD, QUAD).permute(0, 2, 1, 3).reshape(-1)
+    scales = F.pad(scale.float(), (0, n_pad))
+    offsets = F.pad(q.to(torch.int32).sum(dim=1) * 128, (0, n_pad)).to(torch.int32)
+    return torch.cat([panels, scales.view(torch.int8), offsets.view(torch.int8)])
+
+
+def unpack(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Q, s_w)`` of a packed operand of ``n`` outputs and ``k`` inputs."""
+    panels, quads = -(-n // PANEL), -(-k // QUAD)
+    body = panels * quads * PANEL * QUAD
+    q = packed[:body].view(panels, quads, PANEL, QUAD).permute(0, 2, 1, 3).reshape(panels * PANEL, quads * QUAD)
+    scale = packed[body:body + 4 * panels * PANEL].view(torch.float32)
+    return q[:n, :k].contiguous(), scale[:n].clone()
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x quantized as the kernel does: ``(q, s_x)`` with ``q = round(x · (127 / max|x|))`` (to nearest even,
+    clamped to ±127; 0 where that factor is not finite) and ``s_x = max|x| / 127`` (float32 [M])."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # a division (127.0 / t multiplies by 1/t)
+    inv = torch.where(torch.isfinite(inv), inv, 0.0)
+    q = torch.round(xf * inv[:, None]).clamp_(-127, 127)
+    return q, amax / 127.0
+
+
+def reference_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's result in plain PyTorch, bit for bit: bfloat16 rows ``x`` [M, K], ``(q, scale) = quantize(W)``."""
+    xq, sx = quantize_rows(x)
+    acc = (xq.double() @ q.double().T).to(torch.int32)  # exact: |sum| < 2^31 < 2^53
+    y = (acc.float() * sx[:, None]) * scale.float()[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(torch.bfloat16)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``y ≈ F.linear(x, W, bias)`` in bfloat16 for rows ``x`` [..., K] through the kernel (``packed = pack(...)``)."""
+    lib = _lib()
+    assert lib is not None, "int8 GEMM kernel is not available on this machine"
+    k = x.shape[-1]
+    rows = x if x.dim() == 2 else x.reshape(-1, k)
+    if rows.stride(-1) != 1 or rows.dtype != torch.bfloat16:
+        rows = rows.to(torch.bfloat16).contiguous()
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.stride(0) != 1):
+        bias = bias.to(torch.bfloat16).contiguous()
+    y = torch.empty((rows.shape[0], n), dtype=torch.bfloat16)
+    lib.pagellm_packed_linear_w8a8(rows.data_ptr(), rows.shape[0], k, rows.stride(0), packed.data_ptr(), n,
+                                   None if bias is None else bias.data_ptr(), y.data_ptr(), n)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def quantize_parameter(param: torch.nn.Parameter) -> None:
+    """Quantize and pack a bfloat16 ``[N, K]`` weight Parameter in place (see the module docstring)."""
+    if not available():
+        raise RuntimeError("quantization w8a8_int8 needs the int8 GEMM kernel, which needs a CPU with AVX-512 VNNI "
+                           "and a C++ compiler; this machine has not both")
+    if param.dtype != torch.bfloat16 or param.dim() != 2:
+        raise ValueError(f"w8a8_int8 quantizes 2-D bfloat16 weights, got {param.dtype} {tuple(param.shape)}")
+    n, k = param.shape
+    param.data = pack(*quantize(param.data))
+    param.packed_shape = (n, k)  # type: ignore[attr-defined]
+    param.weight_format = FORMAT  # type: ignore[attr-defined]
+
+
+def dequantize(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The bfloat16 ``Q · s_w`` [n, k] of a packed operand (for consumers of a plain weight)."""
+    q, scale = unpack(packed, n, k)
+    return (q.float() * scale[:, None]).to(torch.bfloat16)
