@@ -44,6 +44,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.quantization not in (None, "w8a8_int8"):
             raise ValueError(f"quantization={self.quantization!r} is not supported; use w8a8_int8 or leave it unset")
+        if self.quantization and self.dtype in ("float32", "fp32", "float"):
+            raise ValueError(f"quantization={self.quantization} runs on bfloat16 models; set dtype bfloat16")
         if self.attention_backend not in ("auto", "cpu_paged", "torch_ref"):
             raise ValueError(f"attention_backend={self.attention_backend!r}; use auto, cpu_paged or torch_ref")
         if self.dtype not in ("auto", "float32", "fp32", "float", "bfloat16", "bf16"):

@@ -345,8 +345,13 @@ def test_cli_generate(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> N
         ([], "pagellm: give at least one prompt"),
         (["--kv-cache-dtype", "int8", "--prompt", "hi"],
          "pagellm: kv_cache_dtype='int8'; use auto, fp8, fp8_e4m3 or fp8_e5m2"),
+        (["--quantization", "awq", "--prompt", "hi"],
+         "pagellm: quantization='awq' is not supported; use w8a8_int8 or leave it unset"),
+        (["--quantization", "w8a8_int8", "--dtype", "float32", "--prompt", "hi"],
+         "pagellm: quantization=w8a8_int8 runs on bfloat16 models; set dtype bfloat16"),
     ],
-    ids=["not-an-int", "bad-dtype", "unknown-flag", "no-prompt", "bad-kv-cache-dtype"],
+    ids=["not-an-int", "bad-dtype", "unknown-flag", "no-prompt", "bad-kv-cache-dtype", "bad-quantization",
+         "quantized-float32"],
 )
 def test_cli_bad_flags(tiny_llama: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str) -> None:
     assert run_cli(["generate", "--model", str(tiny_llama), *flags]) == 2

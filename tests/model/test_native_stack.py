@@ -20,14 +20,15 @@ from pagellm.model import native_stack
 from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.linear import pack_weights
 from pagellm.model.llama import LlamaForCausalLM
-from pagellm.ops import decoder_stack
+from pagellm.ops import decoder_stack, gemm, gemm_w8a8
 from pagellm.ops.decoder_stack import DecoderStack
 from pagellm.spec.tree import row_mask, static_tree
 
 BS, NUM_BLOCKS = 8, 48
 
 
-def _model(head_dim: int, bias: bool, dtype: torch.dtype = torch.bfloat16, layers: int = 3) -> LlamaForCausalLM:
+def _model(head_dim: int, bias: bool, dtype: torch.dtype = torch.bfloat16, layers: int = 3,
+           quantization: str | None = None) -> LlamaForCausalLM:
     heads, kv_heads = 4, 2
     cfg = ArchConfig("LlamaForCausalLM", 300, heads * head_dim, 160, layers, heads, kv_heads, head_dim, 1e-5,
                      10000.0, None, 256, False, bias, None)
@@ -37,7 +38,7 @@ def _model(head_dim: int, bias: bool, dtype: torch.dtype = torch.bfloat16, layer
         for name, param in model.named_parameters():
             param.copy_(torch.randn_like(param, dtype=torch.float32) * (0.5 if "bias" in name else 0.1) +
                         (1.0 if "norm" in name else 0.0))
-    pack_weights(model)
+    pack_weights(model, quantization)
     return model
 
 
@@ -128,6 +129,29 @@ def test_native_stack_equals_the_python_layers(monkeypatch: pytest.MonkeyPatch, 
     layers = model.cfg.num_layers if num_layers is None else num_layers
     for i, (written, before) in enumerate(zip(native_caches, untouched)):
         assert torch.equal(written, before) == (i >= layers)  # exactly the layers run wrote their K/V
+
+
+@pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 GEMM needs AVX-512 VNNI")
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "qkv-bias"])
+def test_native_stack_over_int8_weights_equals_the_python_layers(monkeypatch: pytest.MonkeyPatch,
+                                                                 bias: bool) -> None:
+    """``--quantization w8a8_int8``: the stack calls the int8 GEMM (and SiLU·mul apart) where the layers do."""
+    model = _model(64, bias, quantization="w8a8_int8")
+    assert gemm.weight_format(model.model.layers[0].mlp.down_proj.weight) == "w8a8_int8"
+    assert gemm.weight_format(model.lm_head.weight) == "bf16"  # the LM head stays bfloat16
+    ids, positions, common = _mixed_step(model.cfg.vocab_size)
+    calls = _count_native(monkeypatch)
+    native_caches = _caches(model, seed=3)
+    native = _forward(model, native_caches, CpuPagedBackend(), common, ids, positions, None)
+    assert len(calls) == 1
+    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "0")
+    python_caches = _caches(model, seed=3)
+    python = _forward(model, python_caches, CpuPagedBackend(), common, ids, positions, None)
+    assert torch.equal(native, python)
+    assert all(torch.equal(a, b) for a, b in zip(native_caches, python_caches))
+    # and the int8 weights were used: the bfloat16 model's hidden states differ
+    bf16 = _forward(_model(64, bias), _caches(model, seed=3), CpuPagedBackend(), common, ids, positions, None)
+    assert not torch.equal(native, bf16)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
@@ -252,6 +276,18 @@ def test_engine_greedy_tokens_are_identical_over_a_float8_cache(tiny_model_facto
     path = tiny_model_factory("llama")
     calls = _count_native(monkeypatch)
     kwargs = dict(max_num_batched_tokens=32, attention_backend="cpu_paged", kv_cache_dtype="fp8")
+    native = _greedy(path, monkeypatch, True, **kwargs)
+    assert calls
+    assert _greedy(path, monkeypatch, False, **kwargs) == native
+
+
+@pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 GEMM needs AVX-512 VNNI")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_engine_greedy_tokens_are_identical_with_int8_weights(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
+                                                              arch: str) -> None:
+    path = tiny_model_factory(arch)
+    calls = _count_native(monkeypatch)
+    kwargs = dict(max_num_batched_tokens=32, attention_backend="cpu_paged", quantization="w8a8_int8")
     native = _greedy(path, monkeypatch, True, **kwargs)
     assert calls
     assert _greedy(path, monkeypatch, False, **kwargs) == native

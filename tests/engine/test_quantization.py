@@ -1,0 +1,89 @@
+"""``quantization="w8a8_int8"`` (``--quantization``) through the whole engine, on tiny models: the decoder layers'
+weights become int8 (the LM head stays bfloat16), greedy tokens equal those of the plain-PyTorch twin
+(``gemm_w8a8.reference_linear`` in place of the kernel, Python layers), self-speculative decoding stays lossless,
+every block comes back, and a setting the engine cannot serve is refused with what to change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from pagellm.ops import gemm, gemm_w8a8
+
+kernel = pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 GEMM needs AVX-512 VNNI and a compiler")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+KV = 256 * 16 * 2048
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (4, 21, 50)]
+    return [p + p[:5] + p for p in prompts]  # repetition: self-speculative drafts get accepted
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)]
+
+
+def _scored(llm: LLM) -> list[tuple[list[int], float]]:
+    """Greedy tokens and their summed logprob (the logits' bits show through it)."""
+    outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].cumulative_logprob) for o in outs]
+
+
+def _all_free(llm: LLM) -> bool:
+    kv = llm.engine.core.scheduler.kv
+    return kv.num_free_blocks == kv.pool.num_blocks and not llm.engine.has_unfinished_requests()
+
+
+def _twin_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    k = x.shape[-1]
+    q, scale = gemm_w8a8.unpack(packed, n, k)
+    y = gemm_w8a8.reference_linear(x.reshape(-1, k).to(torch.bfloat16), q, scale, bias)
+    return y.view(*x.shape[:-1], n)
+
+
+@kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int8_engine_matches_its_plain_pytorch_twin(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
+                                                    arch: str) -> None:
+    path = tiny_model_factory(arch)
+    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory=KV, quantization="w8a8_int8", max_num_batched_tokens=32)
+    model = llm.engine.core.executor.worker.runner.model
+    layer = model.model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert gemm.weight_format(linear.weight) == "w8a8_int8" and linear.weight.dtype == torch.int8
+    assert gemm.weight_format(model.lm_head.weight) == "bf16"
+    fast = _scored(llm)
+    assert _all_free(llm)
+    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "0")
+    monkeypatch.setattr(gemm_w8a8, "packed_linear", _twin_linear)
+    twin = LLM(str(path), dtype="bfloat16", kv_cache_memory=KV, quantization="w8a8_int8", max_num_batched_tokens=32)
+    assert _scored(twin) == fast
+    assert all(len(tokens) == GREEDY.max_tokens for tokens, _ in fast)
+    # and it is not the bfloat16 model's output by accident
+    plain = LLM(str(path), dtype="bfloat16", kv_cache_memory=KV, max_num_batched_tokens=32)
+    assert [score for _, score in _scored(plain)] != [score for _, score in fast]
+
+
+@kernel
+def test_self_speculative_decoding_over_int8_weights_is_lossless(tiny_llama: Path) -> None:
+    kwargs = dict(dtype="bfloat16", kv_cache_memory=KV, quantization="w8a8_int8", max_num_batched_tokens=64)
+    plain = _greedy(LLM(str(tiny_llama), **kwargs))
+    spec = LLM(str(tiny_llama), speculative_config={"method": "draft_model", "num_speculative_tokens": 3,
+                                                    "draft_layers": 1, "disable_by_batch_size": None}, **kwargs)
+    assert _greedy(spec) == plain
+    assert _all_free(spec)
+
+
+def test_an_unknown_quantization_names_the_choice(tiny_llama: Path) -> None:
+    with pytest.raises(ValueError, match="quantization='int4' is not supported; use w8a8_int8 or leave it unset"):
+        LLM(str(tiny_llama), quantization="int4")
+
+
+def test_int8_weights_on_a_float32_model_are_refused(tiny_llama: Path) -> None:
+    with pytest.raises(ValueError, match="quantization=w8a8_int8 runs on bfloat16 models; set dtype bfloat16"):
+        LLM(str(tiny_llama), dtype="float32", quantization="w8a8_int8")

@@ -1,0 +1,142 @@
+"""The W8A8 int8 GEMM (``pagellm/ops/csrc/packed_gemm_w8a8.cpp``) against its plain-PyTorch twin
+``gemm_w8a8.reference_linear``, bit for bit: every output is an exact int32 sum scaled by the same float32 ops, so
+any M, N, K, blocking, thread count or batch gives the same bits. The quantization itself is held to its error
+bound against ``F.linear`` on the unquantized weight, and the packed operand to its plain ``(Q, s_w)``.
+
+Error bound (the worst case). With ``x = x̂ + e_x`` (|e_x| ≤ s_x / 2 per element, rounding to the grid of step s_x) and
+``W = Ŵ + e_w`` (|e_w| ≤ s_w / 2), ``x·W − x̂·Ŵ = e_x·Ŵ + x·e_w``, so each output is off by at most
+``s_x/2 · Σ|Ŵ| + s_w/2 · Σ|x|``, plus the final rounding to bfloat16 (2^-8 relative) and the float32 epilogue's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagellm.ops import gemm, gemm_w8a8
+
+BF16 = torch.bfloat16
+kernel = pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 kernel needs AVX-512 VNNI and a compiler")
+
+
+def _case(m: int, n: int, k: int, seed: int, bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(BF16)
+    w = (torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)).to(BF16)  # scales differ by row
+    b = torch.randn(n, generator=gen).to(BF16) if bias else None
+    return x, w, b
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+# M: one row, the 8-row tile, a 9-row split, more than one 192-row M block; N: part panels, wide groups;
+# K: not whole quads, 576 / 1536 (the built-in model's), 2500 (two K blocks with int32 partial sums between them).
+SHAPES = [(1, 40, 12), (2, 300, 7), (3, 33, 17), (8, 130, 64), (9, 576, 576), (37, 1536, 576), (200, 576, 1536),
+          (5, 100, 2500), (1, 1, 1), (300, 96, 64), (64, 2200, 2052)]
+
+
+@kernel
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+def test_kernel_equals_its_twin_bit_for_bit(m: int, n: int, k: int, bias: bool) -> None:
+    x, w, b = _case(m, n, k, seed=m * 7 + n + k, bias=bias)
+    q, scale = gemm_w8a8.quantize(w)
+    out = gemm_w8a8.packed_linear(x, gemm_w8a8.pack(q, scale), n, b)
+    assert out.dtype == BF16 and out.shape == (m, n)
+    assert torch.equal(_bits(out), _bits(gemm_w8a8.reference_linear(x, q, scale, b)))
+
+
+@kernel
+def test_rows_are_batch_and_thread_invariant() -> None:
+    x, w, b = _case(70, 700, 900, seed=5, bias=True)
+    packed = gemm_w8a8.pack(*gemm_w8a8.quantize(w))
+    whole = gemm_w8a8.packed_linear(x, packed, 700, b)
+    for lo, hi in [(0, 1), (3, 5), (10, 19), (20, 70)]:
+        assert torch.equal(_bits(gemm_w8a8.packed_linear(x[lo:hi], packed, 700, b)), _bits(whole[lo:hi]))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(_bits(gemm_w8a8.packed_linear(x, packed, 700, b)), _bits(whole))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@kernel
+def test_strided_and_3d_inputs() -> None:
+    x, w, _ = _case(12, 50, 40, seed=9, bias=False)
+    q, scale = gemm_w8a8.quantize(w)
+    packed = gemm_w8a8.pack(q, scale)
+    wide = torch.cat([x, x], dim=1)[:, :40]  # rows with stride 80
+    assert torch.equal(_bits(gemm_w8a8.packed_linear(wide, packed, 50)), _bits(gemm_w8a8.reference_linear(x, q, scale)))
+    out3 = gemm_w8a8.packed_linear(x.view(3, 4, 40), packed, 50)
+    assert out3.shape == (3, 4, 50)
+    assert torch.equal(_bits(out3.reshape(12, 50)), _bits(gemm_w8a8.reference_linear(x, q, scale)))
+
+
+@pytest.mark.parametrize("m,n,k", [(16, 64, 96), (40, 200, 1536)])
+def test_quantization_error_stays_within_its_bound(m: int, n: int, k: int) -> None:
+    """Runs on the twin everywhere and on the kernel where it runs (module docstring's bound, elementwise)."""
+    x, w, b = _case(m, n, k, seed=11, bias=True)
+    q, scale = gemm_w8a8.quantize(w)
+    _, sx = gemm_w8a8.quantize_rows(x)
+    exact = F.linear(x.double(), w.double(), b.double())
+    bound = (sx.double()[:, None] / 2) * (q.double().abs() * scale.double()[:, None]).sum(1)[None, :] + \
+        (scale.double()[None, :] / 2) * x.double().abs().sum(1)[:, None]
+    bound = bound + exact.abs() * 2.0 ** -7 + 1e-6
+    outs = [gemm_w8a8.reference_linear(x, q, scale, b)]
+    if gemm_w8a8.available():
+        outs.append(gemm_w8a8.packed_linear(x, gemm_w8a8.pack(q, scale), n, b))
+    for out in outs:
+        assert ((out.double() - exact).abs() <= bound).all()
+        # the worst case adds every element's error; they are independent, so the typical error is far smaller
+        rms = ((out.double() - exact).pow(2).mean() / exact.pow(2).mean()).sqrt()
+        assert rms < 0.015
+
+
+def test_rows_quantize_to_nearest_even_with_zero_and_tiny_rows() -> None:
+    x = torch.tensor([[127.0, 63.5, -0.5, 1.5, 2.5, 0.0], [0.0] * 6, [1e-38, -1e-38, 0, 0, 0, 0]]).to(BF16)
+    q, sx = gemm_w8a8.quantize_rows(x)
+    assert q[0].tolist() == [127, 64, -0, 2, 2, 0]  # 63.5 -> 64, -0.5 -> 0, 1.5 -> 2, 2.5 -> 2: to even
+    assert sx[0].item() == 1.0
+    assert q[1].abs().sum() == 0 and sx[1] == 0  # an all-zero row: scale 0, no NaN
+    assert torch.isfinite(q[2]).all()  # 127 / max overflows: the row quantizes to zeros
+
+
+@kernel
+def test_zero_rows_and_zero_weights_give_the_bias() -> None:
+    x, w, b = _case(4, 20, 24, seed=2, bias=True)
+    x[1] = 0
+    w[3] = 0
+    out = gemm_w8a8.packed_linear(x, gemm_w8a8.pack(*gemm_w8a8.quantize(w)), 20, b)
+    assert torch.equal(out[1], b) and torch.equal(out[:, 3], b[3].expand(4))
+
+
+def test_the_packed_operand_holds_q_and_the_scales() -> None:
+    _, w, _ = _case(1, 37, 21, seed=3, bias=False)
+    q, scale = gemm_w8a8.quantize(w)
+    assert q.dtype == torch.int8 and q.abs().max() == 127 and (q.abs().amax(1) == 127).all()
+    assert torch.equal(scale, w.float().abs().amax(1) / 127)
+    packed = gemm_w8a8.pack(q, scale)
+    assert packed.dtype == torch.int8 and packed.numel() == 3 * 6 * 64 + 48 * 8  # 3 panels x 6 quads, then 48 x 2
+    q2, scale2 = gemm_w8a8.unpack(packed, 37, 21)
+    assert torch.equal(q2, q) and torch.equal(scale2, scale)
+    deq = gemm_w8a8.dequantize(packed, 37, 21)
+    assert ((deq.float() - w.float()).abs() <= scale[:, None] * 0.51 + w.float().abs() * 2.0 ** -8).all()
+
+
+@kernel
+def test_a_quantized_parameter_runs_through_gemm_linear() -> None:
+    x, w, b = _case(6, 48, 32, seed=4, bias=True)
+    param = torch.nn.Parameter(w.clone(), requires_grad=False)
+    gemm_w8a8.quantize_parameter(param)
+    assert gemm.packed_shape(param) == (48, 32) and gemm.weight_format(param) == "w8a8_int8"
+    q, scale = gemm_w8a8.quantize(w)
+    assert torch.equal(_bits(gemm.linear(x, param, b)), _bits(gemm_w8a8.reference_linear(x, q, scale, b)))
+    assert torch.equal(gemm.plain(param), gemm_w8a8.dequantize(param.data, 48, 32))
+    # float32 rows take the dequantized weight (F.linear)
+    assert torch.allclose(gemm.linear(x.float(), param), F.linear(x.float(), gemm.plain(param).float()))
+    with pytest.raises(ValueError, match="w8a8_int8 quantizes 2-D bfloat16 weights"):
+        gemm_w8a8.quantize_parameter(torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False))
