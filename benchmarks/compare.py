@@ -167,7 +167,7 @@ def pagellm_offline(args: argparse.Namespace, ctx: systems.Context, result: Path
     argv = [ctx.pagellm_python, "-m", "pagellm.cli", "bench", "throughput", "--dtype", ctx.dtype, "--num-prompts",
             str(args.offline_num_prompts), "--kv-cache-memory", str(systems.KV_GIB << 30), "--result-json",
             str(result), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-            *systems.kv_flags(ctx), *flags]
+            *systems.kv_flags(ctx), *(["--model", str(ctx.model_dir)] if ctx.quantization else []), *flags]
     return argv, {"PAGELLM_NUM_THREADS": str(ctx.threads)}
 
 
@@ -190,7 +190,7 @@ def offline_commands(args: argparse.Namespace, ctx: systems.Context, out: Path,
                          "--dataset-name", "random", "--random-input-len", str(args.input_len),
                          "--random-output-len", str(args.output_len), "--num-prompts", str(args.offline_num_prompts),
                          "--output-json", str(out / f"offline-vLLM{suffix}.json"), *kv], systems.vllm_env(ctx))
-    if kv:  # the transformers baseline has no float8 cache
+    if kv or ctx.quantization:  # the transformers baseline has no float8 cache and no W8A8 int8 weights
         del cmds["transformers"]
     return cmds
 
@@ -253,6 +253,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                         help="pagellm's and vLLM's KV cache element type (llama.cpp and transformers are skipped)")
+    parser.add_argument("--quantization", default=None, choices=["w8a8_int8"],
+                        help="pagellm and vLLM serve a W8A8 int8 compressed-tensors checkpoint of the model, written "
+                             "once into .peers/ (llama.cpp and transformers are skipped)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ready-timeout", type=float, default=600)
     parser.add_argument("--settle", type=float, default=0.0, metavar="S",
@@ -289,14 +292,31 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def quantized_dir(model_dir: Path, quantization: str | None) -> Path:
+    """``model_dir``, or its W8A8 int8 compressed-tensors copy in .peers/ (written on first use) for pagellm and vLLM
+    to serve alike."""
+    if not quantization:
+        return model_dir
+    from pagellm.model.compressed_tensors import write_w8a8
+
+    target = systems.PEERS / "w8a8" / f"{model_dir.name}-w8a8-int8"
+    if not (target / "config.json").exists():
+        print(f"writing the W8A8 int8 checkpoint {target}", flush=True)
+        write_w8a8(model_dir, target.with_name(target.name + ".partial"))
+        target.with_name(target.name + ".partial").rename(target)
+    return target
+
+
 def redraw(results_json: Path) -> None:
     """Rewrite the markdown and charts of an earlier run (its arguments, results and machine name)."""
     from pagellm.model.loader import default_model_path, resolve_model_dir
 
     data = json.loads(results_json.read_text())
     args = argparse.Namespace(**{"rounds": 1, "offline_rounds": 1, **data["args"]})
-    ctx = systems.Context(resolve_model_dir(None), default_model_path(), args.dtype, args.threads,
-                          max(args.concurrency), kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+    quantization = getattr(args, "quantization", None)
+    ctx = systems.Context(quantized_dir(resolve_model_dir(None), quantization), default_model_path(), args.dtype,
+                          args.threads, max(args.concurrency), kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                          quantization=quantization)
     out = results_json.parent
     md = write_report(out.parent / f"{out.name}.md", out, args, ctx, data["served"], data["offline"],
                       data["skipped"], command=data.get("command"))
@@ -314,8 +334,9 @@ def main() -> None:
         per_stream = context_per_stream(args, model_dir)  # also checks the dataset before any server starts
     except ValueError as exc:
         sys.exit(f"compare.py: {exc}")
-    ctx = systems.Context(model_dir, default_model_path(), args.dtype, args.threads, max(args.concurrency),
-                          context_per_stream=per_stream, kv_cache_dtype=args.kv_cache_dtype)
+    ctx = systems.Context(quantized_dir(model_dir, args.quantization), default_model_path(), args.dtype,
+                          args.threads, max(args.concurrency), context_per_stream=per_stream,
+                          kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     stem = f"{datetime.date.today().isoformat()}-{args.machine}"
     out = RESULTS / stem
     (out / "logs").mkdir(parents=True, exist_ok=True)

@@ -195,6 +195,8 @@ def write_report(md_path: Path, out: Path, args: argparse.Namespace, ctx: Any, s
     lines = [f"# pagellm vs peers, {md_path.stem}", "",
              f"Machine: {_cpu_name()}, {os.cpu_count()} cores. Model: SmolLM2-135M-Instruct ({ctx.model_dir.name}),"
              f" dtype {ctx.dtype}" + (f", KV cache {ctx.kv_cache_dtype}" if ctx.kv_cache_dtype != "auto" else "") +
+             (f", weights {ctx.quantization} (a compressed-tensors checkpoint: the same int8 weights and scales for "
+              "pagellm and vLLM)" if getattr(ctx, "quantization", None) else "") +
              f", {ctx.threads} threads for every system. Workload: {_workload(args)}.",
              "", "The machine is shared with other engineers' test runs: figures are noisy (10–40 % between runs "
              "here); compare systems within this file only." + (f" {args.notes}" if args.notes else ""), "",

@@ -16,7 +16,10 @@ docs/benchmarks.md:
 
 With ``kv_cache_dtype`` other than ``auto`` (compare.py ``--kv-cache-dtype fp8``), pagellm and vLLM both get
 ``--kv-cache-dtype X`` (the same flag, the same formats); llama.cpp (whose 8-bit caches are q8_0 blocks, another
-format) and the transformers baseline have no float8 cache and are skipped.
+format) and the transformers baseline have no float8 cache and are skipped. With ``quantization`` (compare.py
+``--quantization w8a8_int8``), ``model_dir`` is a compressed-tensors W8A8 int8 checkpoint that pagellm and vLLM both
+serve (the same int8 weights and scales, read from the same files); llama.cpp (whose 8-bit weights are Q8_0 blocks,
+another scheme) and the transformers baseline are skipped.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Context:
     context_per_stream: int = 512
     pagellm_python: str = sys.executable
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None  # model_dir is then that scheme's checkpoint
 
 
 def kv_flags(ctx: Context) -> list[str]:
@@ -50,7 +54,15 @@ def kv_flags(ctx: Context) -> list[str]:
     return [] if ctx.kv_cache_dtype == "auto" else ["--kv-cache-dtype", ctx.kv_cache_dtype]
 
 
-def _no_fp8(ctx: Context) -> str | None:
+def model_flags(ctx: Context) -> list[str]:
+    """pagellm's model argument: the quantized checkpoint where there is one (else its built-in model)."""
+    return [str(ctx.model_dir)] if ctx.quantization else []
+
+
+def _unserved(ctx: Context) -> str | None:
+    """Why llama.cpp and the transformers baseline sit out a float8-cache or W8A8 comparison, if they do."""
+    if ctx.quantization:
+        return f"no W8A8 int8 compressed-tensors checkpoint (--quantization {ctx.quantization})"
     return None if ctx.kv_cache_dtype == "auto" else f"no float8 KV cache (--kv-cache-dtype {ctx.kv_cache_dtype})"
 
 
@@ -66,8 +78,8 @@ class System:
 
 
 def pagellm(ctx: Context, port: int) -> System:
-    argv = [ctx.pagellm_python, "-m", "pagellm.cli", "serve", "--port", str(port), "--dtype", ctx.dtype,
-            "--kv-cache-memory", str(KV_GIB << 30), "--served-model-name", "smollm2", *kv_flags(ctx)]
+    argv = [ctx.pagellm_python, "-m", "pagellm.cli", "serve", *model_flags(ctx), "--port", str(port), "--dtype",
+            ctx.dtype, "--kv-cache-memory", str(KV_GIB << 30), "--served-model-name", "smollm2", *kv_flags(ctx)]
     return System("pagellm", argv, {"PAGELLM_NUM_THREADS": str(ctx.threads)},
                   note=" ".join([f"--dtype {ctx.dtype} --kv-cache-memory {KV_GIB}GiB", *kv_flags(ctx)]) +
                   f", PAGELLM_NUM_THREADS={ctx.threads}")
@@ -115,7 +127,7 @@ def llama_cpp(ctx: Context, port: int) -> System:
     return System(f"llama.cpp ({kind})", argv, close_connections=True, count_with_tokenizer=True,
                   note=f"llama-server -t {ctx.threads} -tb {ctx.threads} -np {slots} -c "
                        f"{slots * ctx.context_per_stream} on the {kind} GGUF",
-                  missing_reason=_no_fp8(ctx) or (None if exe.exists() else f"{exe} not found (run `make peers`)"))
+                  missing_reason=_unserved(ctx) or (None if exe.exists() else f"{exe} not found (run `make peers`)"))
 
 
 def transformers_baseline(ctx: Context, port: int) -> System:
@@ -124,7 +136,7 @@ def transformers_baseline(ctx: Context, port: int) -> System:
             str(ctx.threads), "--max-batch-size", str(ctx.max_concurrency), "--port", str(port),
             "--served-model-name", "smollm2"]
     return System("transformers", argv, note=f"static batches of up to {ctx.max_concurrency}, --threads "
-                                             f"{ctx.threads}, --dtype {ctx.dtype}", missing_reason=_no_fp8(ctx))
+                                             f"{ctx.threads}, --dtype {ctx.dtype}", missing_reason=_unserved(ctx))
 
 
 BUILDERS = {"pagellm": pagellm, "vllm": vllm, "llama.cpp": llama_cpp, "transformers": transformers_baseline}

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagellm.model.compressed_tensors import scheme_of
+
 
 @dataclass(frozen=True)
 class ArchConfig:
@@ -23,6 +25,7 @@ class ArchConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     sliding_window: int | None
+    quantization: str | None = None  # a quantized checkpoint's scheme (``compressed_tensors.scheme_of``)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -50,6 +53,7 @@ class ArchConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)) or is_qwen2,
             sliding_window=int(window) if window else None,
+            quantization=scheme_of(cfg),
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:

@@ -109,6 +109,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
+        if cfg.quantization:  # a quantized checkpoint: its linear layers come with scales
+            for module in self.modules():
+                if hasattr(module, "expect_scales"):
+                    module.expect_scales()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
         return self.model(input_ids, positions, num_layers)
@@ -121,10 +125,12 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None) -> None:
         """Copy checkpoint tensors (Hugging Face names) into place through each parameter's own loader, then pack
-        the bfloat16 GEMM weights for the native kernel, or quantize the decoder layers' ones (``quantization``;
-        ``linear.pack_weights``)."""
+        the bfloat16 GEMM weights for the native kernel, or quantize the decoder layers' ones (``quantization``, or
+        a quantized checkpoint's own int8 weights and scales; ``linear.pack_weights``)."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        missing = {name for name in params if not (self.cfg.tie_word_embeddings and name == "lm_head.weight")}
+        # A quantized checkpoint's scales: only its quantized layers have them (the others keep float weights).
+        missing = {name for name in params if not (self.cfg.tie_word_embeddings and name == "lm_head.weight")
+                   and not name.endswith(".weight_scale")}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
@@ -140,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
             missing.discard(target)
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {', '.join(sorted(missing)[:8])}")
-        pack_weights(self, quantization)
+        pack_weights(self, quantization or self.cfg.quantization)
 
     def _target(self, name: str) -> tuple[str, str | int | None]:
         for fragment, (ours, shard) in self.STACKED.items():

@@ -144,15 +144,19 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
-def quantize_parameter(param: torch.nn.Parameter) -> None:
-    """Quantize and pack a bfloat16 ``[N, K]`` weight Parameter in place (see the module docstring)."""
+def quantize_parameter(param: torch.nn.Parameter, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Quantize and pack a bfloat16 ``[N, K]`` weight Parameter in place (see the module docstring); or, with
+    ``quantized = (Q, s_w)`` (a quantized checkpoint's), pack those in its place."""
     if not available():
         raise RuntimeError("quantization w8a8_int8 needs the int8 GEMM kernel, which needs a CPU with AVX-512 VNNI "
                            "and a C++ compiler; this machine has not both")
     if param.dtype != torch.bfloat16 or param.dim() != 2:
         raise ValueError(f"w8a8_int8 quantizes 2-D bfloat16 weights, got {param.dtype} {tuple(param.shape)}")
     n, k = param.shape
-    param.data = pack(*quantize(param.data))
+    q, scale = quantized or quantize(param.data)
+    if q.shape != (n, k) or scale.shape != (n,):
+        raise ValueError(f"int8 weight {tuple(q.shape)} and scales {tuple(scale.shape)} do not fit [{n}, {k}]")
+    param.data = pack(q, scale)
     param.packed_shape = (n, k)  # type: ignore[attr-defined]
     param.weight_format = FORMAT  # type: ignore[attr-defined]
 

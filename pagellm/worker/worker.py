@@ -46,6 +46,7 @@ class Worker:
         arch = ArchConfig.from_hf(load_hf_config(model_dir))
         model = build_model(arch, self.dtype, parallel)
         model.load_weights(iter_weights(model_dir), model_config.quantization)
+        quantization = model_config.quantization or arch.quantization
         model.eval()
         max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
         num_blocks = kv_cache_blocks(cache_config, arch, self.kv_dtype, max_model_len)
@@ -64,7 +65,7 @@ class Worker:
             flash_amx = isinstance(backend, cpu_paged.CpuPagedBackend) and cpu_paged.load_kernel().use_amx()
             logger.info("native kernels: packed GEMM %s%s, fused element-wise %s, decoder stack %s, flash tiles %s",
                         f"on ({gemm.path()})" if gemm.available() else "off",
-                        " with int8 (w8a8_int8) decoder layers" if model_config.quantization else "",
+                        f" with {quantization} decoder layers" if quantization else "",
                         "on" if fused.available() else "off",
                         "on" if decoder_stack.available() and envs.native_decoder() else "off",
                         "on AMX" if flash_amx else "without AMX")

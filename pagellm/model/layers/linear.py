@@ -65,8 +65,13 @@ class ColumnParallelLinear(nn.Module):
     def pack_weight(self) -> bool:
         return gemm.pack_parameter(self.weight)
 
+    def expect_scales(self) -> None:
+        """The checkpoint is quantized: take its per-output-channel ``weight_scale`` [N, 1] beside the int8 weight
+        (sharded as the weight's rows are)."""
+        self.weight_scale = _scale_param(self.weight.shape[0], lambda p, t, shard=0: self._load(p, t, shard))
+
     def quantize_weight(self, method: str) -> None:
-        _quantize(self.weight, method)
+        _quantize(self, method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -107,21 +112,44 @@ class RowParallelLinear(nn.Module):
     def pack_weight(self) -> bool:
         return gemm.pack_parameter(self.weight)
 
+    def expect_scales(self) -> None:
+        """The checkpoint is quantized: take its ``weight_scale`` [N, 1] (one per output channel: every rank's)."""
+        self.weight_scale = _scale_param(self.weight.shape[0], lambda p, t, shard=0: self._load_bias(p, t))
+
     def quantize_weight(self, method: str) -> None:
-        _quantize(self.weight, method)
+        _quantize(self, method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.parallel.all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 
-def _quantize(weight: nn.Parameter, method: str) -> None:
+def _scale_param(rows: int, load) -> nn.Parameter:  # noqa: ANN001
+    """A float32 [rows] scale Parameter whose loader flattens the checkpoint's [rows, 1] and marks it loaded."""
+    def loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str = 0) -> None:
+        load(param, loaded.reshape(-1), shard_id)
+        param.loaded = True  # type: ignore[attr-defined]
+
+    return _param((rows,), torch.float32, loader)
+
+
+def _quantize(layer: nn.Module, method: str) -> None:
+    """Quantize and pack ``layer.weight`` for ``method``, or pack the int8 weight and scales a quantized checkpoint
+    gave it (``expect_scales``); a layer such a checkpoint left in float (its ``ignore`` list) is packed bfloat16."""
     if method != gemm_w8a8.FORMAT:
         raise ValueError(f"quantization={method!r} is not supported; use {gemm_w8a8.FORMAT}")
-    if weight.dtype != torch.bfloat16:
+    if layer.weight.dtype != torch.bfloat16:
         raise ValueError(f"quantization={method} runs on bfloat16 models; set dtype bfloat16 (this model is "
-                         f"{weight.dtype})")
-    gemm_w8a8.quantize_parameter(weight)
+                         f"{layer.weight.dtype})")
+    scale = getattr(layer, "weight_scale", None)
+    if scale is None:
+        gemm_w8a8.quantize_parameter(layer.weight)
+    elif getattr(scale, "loaded", False):
+        gemm_w8a8.quantize_parameter(layer.weight, (layer.weight.data.to(torch.int8), scale.data))
+    else:
+        gemm.pack_parameter(layer.weight)
+    if scale is not None:
+        del layer.weight_scale  # packed into the weight
 
 
 def pack_weights(model: nn.Module, quantization: str | None = None) -> int:

@@ -1,0 +1,92 @@
+"""W8A8 int8 checkpoints in the compressed-tensors format (what llm-compressor writes and vLLM serves), read and
+written.
+
+Such a checkpoint's ``config.json`` carries a ``quantization_config`` with ``quant_method: compressed-tensors``; its
+one scheme pagellm serves is the one ``--quantization w8a8_int8`` computes: int8 weights, symmetric, one scale per
+output channel (``strategy: channel``), and int8 activations quantized per token at run time (``dynamic: true``,
+``strategy: token``), stored as ``format: int-quantized``. Each quantized linear layer then has ``<name>.weight``
+(int8 [N, K]) and ``<name>.weight_scale`` (float [N, 1]); the layers the config's ``ignore`` names (the LM head) keep
+their float weights. ``scheme_of`` reads the config (and refuses other schemes with what it found); the model loads
+``Q`` and the scales as they are (``model/layers/linear.py``), with no second rounding.
+
+``write_w8a8`` makes such a checkpoint from a float one, with the weights quantized as ``--quantization w8a8_int8``
+quantizes the bfloat16 model's at load (``ops.gemm_w8a8.quantize``), the same int8 weights and scales: the
+benchmarks give vLLM the weights pagellm runs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagellm.ops import gemm_w8a8
+
+SCHEME = gemm_w8a8.FORMAT
+# The decoder layers' linear layers, as Hugging Face names them.
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
+_ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+
+
+def scheme_of(hf_config: dict[str, Any]) -> str | None:
+    """``"w8a8_int8"`` for a compressed-tensors W8A8 int8 checkpoint, ``None`` for an unquantized one; raises
+    ``ValueError`` naming what it found for any other quantization."""
+    quant = hf_config.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method != "compressed-tensors":
+        raise ValueError(f"this checkpoint is quantized with {method!r}; pagellm reads compressed-tensors W8A8 int8 "
+                         "checkpoints, or quantizes float ones itself (--quantization w8a8_int8)")
+    groups = list((quant.get("config_groups") or {}).values())
+    found = [(g.get("weights") or {}, g.get("input_activations") or {}) for g in groups]
+    if quant.get("format", "int-quantized") != "int-quantized" or len(found) != 1 or \
+            any(w.get(k) != v for k, v in _WEIGHTS.items() for w, _ in found) or \
+            any(a.get(k) != v for k, v in _ACTIVATIONS.items() for _, a in found):
+        raise ValueError("this compressed-tensors checkpoint's scheme is not served: pagellm serves format "
+                         f"int-quantized, one group with weights {_WEIGHTS} and input_activations {_ACTIVATIONS}; "
+                         f"found format {quant.get('format')!r} and {found}")
+    return SCHEME
+
+
+def _quant_config() -> dict[str, Any]:
+    return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**_WEIGHTS, "group_size": None},
+                                          "input_activations": {**_ACTIVATIONS, "group_size": None},
+                                          "output_activations": None}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}}
+
+
+def _is_linear(name: str) -> bool:
+    return name.endswith(".weight") and any(f".{linear}." in name for linear in LINEARS)
+
+
+def write_w8a8(src: Path, out: Path) -> Path:
+    """A compressed-tensors W8A8 int8 copy of the float checkpoint ``src`` (a Hugging Face directory) in ``out``:
+    the decoder layers' linear weights quantized, everything else (embedding, norms, LM head, tokenizer) as it was."""
+    from safetensors.torch import save_file
+
+    from pagellm.model.loader import iter_weights, load_hf_config
+
+    config = load_hf_config(src)
+    if config.get("quantization_config"):
+        raise ValueError(f"{src} is quantized already")
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_weights(src):
+        if _is_linear(name):  # from bfloat16, as the bfloat16 model's weights are quantized at load
+            q, scale = gemm_w8a8.quantize(tensor.to(torch.bfloat16))
+            tensors[name], tensors[name + "_scale"] = q, scale[:, None].contiguous()
+        else:
+            tensors[name] = tensor.contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": _quant_config()}, indent=2))
+    for path in src.iterdir():  # tokenizer and generation files
+        if path.is_file() and path.name != "config.json" and not path.name.endswith(".safetensors") and \
+                path.name != "model.safetensors.index.json":
+            shutil.copy2(path, out / path.name)
+    return out
