@@ -11,7 +11,8 @@ reductions, dispatched at M ≤ 8) is built from git (``--old-rev``) and run up 
 ``--packed-rev REV`` also builds the packed kernel as of REV (same packed layout) and runs it beside this tree's,
 interleaved, with the ratio of the two: a change to the kernel measured in one process. On a CPU with AMX the
 packed kernel runs on AMX tiles, and its AVX-512 path runs beside it as ``avx512`` (the same library, switched per
-call with ``gemm.use_amx``).
+call with ``gemm.use_amx``). On a CPU with AVX-512 VNNI the W8A8 int8 GEMM (``--quantization w8a8_int8``,
+``pagellm/ops/gemm_w8a8.py``) runs beside them as ``w8a8``, on the same matrices quantized (GB/s counts bf16 bytes).
 
     .venv/bin/python benchmarks/small_gemm.py [--m 1 2 4 ... 2048] [--reps 7] [--threads N] [--old-rev 0f51e58]
         [--old-max-m 64] [--packed-rev REV] [--shapes smollm2|llama3-8b] [--layers N]
@@ -35,7 +36,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's pagellm
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from pagellm.ops import gemm  # noqa: E402
+from pagellm.ops import gemm, gemm_w8a8  # noqa: E402
 from pagellm.ops.build import load_library  # noqa: E402
 
 SHAPES = {  # (in, out) of one decoder layer's matrices, LM head (in, out) or None, default layer count
@@ -112,6 +113,9 @@ def methods(plain: list[torch.Tensor], old: Callable | None,
         out["packed@rev"] = lambda xs: [packed_rev(xs[k], p, n) for p, n, k in packed]
     if gemm.amx():
         out["avx512"] = lambda xs: _on_avx512(lambda: [gemm.packed_linear(xs[k], p, n) for p, n, k in packed])
+    if gemm_w8a8.available():
+        int8 = [(gemm_w8a8.pack(*gemm_w8a8.quantize(w)), w.shape[0], w.shape[1]) for w in plain]
+        out["w8a8"] = lambda xs: [gemm_w8a8.packed_linear(xs[k], p, n) for p, n, k in int8]
     return out
 
 
@@ -139,7 +143,7 @@ def measure(runs: dict[str, Callable[[dict], None]], xs: dict[int, torch.Tensor]
 
 def row(label: str, m: int, med: dict[str, float], weight_bytes: int, flops_per_row: int) -> str:
     cells = [f"{label:8} {m:5d}"]
-    for name in ("F.linear", "old", "packed@rev", "avx512", "packed"):
+    for name in ("F.linear", "old", "packed@rev", "avx512", "packed", "w8a8"):
         if name in med:
             t = med[name]
             cells.append(f"{name} {t * 1e3:8.2f} ms {weight_bytes / t / 1e9:5.1f} GB/s "
@@ -148,6 +152,8 @@ def row(label: str, m: int, med: dict[str, float], weight_bytes: int, flops_per_
             cells.append(f"{name} {'-':>38}")
     ratios = [f"×{med[name] / med['packed']:.2f} vs {name}" for name in ("F.linear", "old", "packed@rev", "avx512")
               if name in med]
+    if "w8a8" in med:
+        ratios.append(f"w8a8 ×{med['packed'] / med['w8a8']:.2f} the packed bf16's speed")
     return " | ".join(cells + [", ".join(ratios)])
 
 

@@ -44,9 +44,11 @@ class Worker:
         _start_kernel_builds(self.dtype, self.kv_dtype, model_config.attention_backend, model_config.quantization)
         model_dir = resolve_model_dir(model_config.model)
         arch = ArchConfig.from_hf(load_hf_config(model_dir))
+        quantization = model_config.quantization or arch.quantization
+        if quantization and not model_config.quantization and gemm_w8a8.runs_here():  # a quantized checkpoint's
+            native_build.start_in_background([gemm_w8a8.build_library])  # kernel, built while the weights load
         model = build_model(arch, self.dtype, parallel)
         model.load_weights(iter_weights(model_dir), model_config.quantization)
-        quantization = model_config.quantization or arch.quantization
         model.eval()
         max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
         num_blocks = kv_cache_blocks(cache_config, arch, self.kv_dtype, max_model_len)
