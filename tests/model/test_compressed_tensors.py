@@ -61,25 +61,37 @@ def test_a_w8a8_checkpoint_serves_the_weights_online_quantization_makes(tiny_lla
     assert _scored(from_checkpoint) == _scored(online)
 
 
-@kernel
-def test_a_layer_the_checkpoint_leaves_in_float_stays_bfloat16(w8a8_dir: Path, tmp_path: Path) -> None:
+def _left_in_float(w8a8_dir: Path, out: Path, name: str) -> Path:
+    """A copy of the checkpoint with the linear layer ``name`` in bfloat16 (dequantized) and on its ``ignore`` list."""
     tensors = load_file(w8a8_dir / "model.safetensors")
-    name = "model.layers.0.mlp.down_proj.weight"
-    q, scale = tensors.pop(name), tensors.pop(name + "_scale")
-    tensors[name] = (q.float() * scale).to(torch.bfloat16)
-    out = tmp_path / "partly"
+    q, scale = tensors.pop(f"{name}.weight"), tensors.pop(f"{name}.weight_scale")
+    tensors[f"{name}.weight"] = (q.float() * scale).to(torch.bfloat16)
     out.mkdir()
     save_file(tensors, str(out / "model.safetensors"))
     config = json.loads((w8a8_dir / "config.json").read_text())
-    config["quantization_config"]["ignore"].append(name.removesuffix(".weight"))
+    config["quantization_config"]["ignore"].append(name)
     (out / "config.json").write_text(json.dumps(config))
     for path in w8a8_dir.glob("tokenizer*"):
         (out / path.name).write_bytes(path.read_bytes())
-    llm = LLM(str(out), dtype="bfloat16", kv_cache_memory=1 << 24)
+    return out
+
+
+@kernel
+def test_a_layer_the_checkpoint_leaves_in_float_stays_bfloat16(w8a8_dir: Path, tmp_path: Path) -> None:
+    llm = LLM(str(_left_in_float(w8a8_dir, tmp_path / "partly", "model.layers.0.mlp.down_proj")), dtype="bfloat16",
+              kv_cache_memory=1 << 24)
     layers = llm.engine.core.executor.worker.runner.model.model.layers
     assert gemm.weight_format(layers[0].mlp.down_proj.weight) == "bf16"
     assert gemm.weight_format(layers[1].mlp.down_proj.weight) == "w8a8_int8"
     assert all(len(tokens) == GREEDY.max_tokens for tokens, _ in _scored(llm))
+
+
+@kernel
+def test_a_fused_layer_half_quantized_is_refused(w8a8_dir: Path, tmp_path: Path) -> None:
+    """q/k/v run as one matrix: k in float beside int8 q and v cannot be packed as either."""
+    path = _left_in_float(w8a8_dir, tmp_path / "k-float", "model.layers.1.self_attn.k_proj")
+    with pytest.raises(ValueError, match="quantizes 2 of the 3 matrices fused into one layer"):
+        LLM(str(path), dtype="bfloat16", kv_cache_memory=1 << 24)
 
 
 def test_a_w8a8_checkpoint_on_a_float32_model_is_refused(w8a8_dir: Path) -> None:

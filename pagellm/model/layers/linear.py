@@ -70,8 +70,8 @@ class ColumnParallelLinear(nn.Module):
         (sharded as the weight's rows are)."""
         self.weight_scale = _scale_param(self.weight.shape[0], lambda p, t, shard=0: self._load(p, t, shard))
 
-    def quantize_weight(self, method: str) -> None:
-        _quantize(self, method)
+    def quantize_weight(self, method: str) -> bool:
+        return _quantize(self, method, len(self.shard_sizes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -116,8 +116,8 @@ class RowParallelLinear(nn.Module):
         """The checkpoint is quantized: take its ``weight_scale`` [N, 1] (one per output channel: every rank's)."""
         self.weight_scale = _scale_param(self.weight.shape[0], lambda p, t, shard=0: self._load_bias(p, t))
 
-    def quantize_weight(self, method: str) -> None:
-        _quantize(self, method)
+    def quantize_weight(self, method: str) -> bool:
+        return _quantize(self, method, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.parallel.all_reduce(linear(x, self.weight))
@@ -125,17 +125,21 @@ class RowParallelLinear(nn.Module):
 
 
 def _scale_param(rows: int, load) -> nn.Parameter:  # noqa: ANN001
-    """A float32 [rows] scale Parameter whose loader flattens the checkpoint's [rows, 1] and marks it loaded."""
+    """A float32 [rows] scale Parameter whose loader flattens the checkpoint's [rows, 1] and records each shard it
+    loads (``loaded``: q/k/v or gate/up of a fused layer)."""
     def loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str = 0) -> None:
         load(param, loaded.reshape(-1), shard_id)
-        param.loaded = True  # type: ignore[attr-defined]
+        param.loaded.add(shard_id)  # type: ignore[attr-defined]
 
-    return _param((rows,), torch.float32, loader)
+    param = _param((rows,), torch.float32, loader)
+    param.loaded = set()  # type: ignore[attr-defined]
+    return param
 
 
-def _quantize(layer: nn.Module, method: str) -> None:
+def _quantize(layer: nn.Module, method: str, shards: int) -> bool:
     """Quantize and pack ``layer.weight`` for ``method``, or pack the int8 weight and scales a quantized checkpoint
-    gave it (``expect_scales``); a layer such a checkpoint left in float (its ``ignore`` list) is packed bfloat16."""
+    gave it (``expect_scales``; all ``shards`` of a fused layer, or none: a layer such a checkpoint left in float,
+    its ``ignore`` list, is packed bfloat16). Returns whether the weight was packed."""
     if method != gemm_w8a8.FORMAT:
         raise ValueError(f"quantization={method!r} is not supported; use {gemm_w8a8.FORMAT}")
     if layer.weight.dtype != torch.bfloat16:
@@ -144,12 +148,15 @@ def _quantize(layer: nn.Module, method: str) -> None:
     scale = getattr(layer, "weight_scale", None)
     if scale is None:
         gemm_w8a8.quantize_parameter(layer.weight)
-    elif getattr(scale, "loaded", False):
-        gemm_w8a8.quantize_parameter(layer.weight, (layer.weight.data.to(torch.int8), scale.data))
-    else:
-        gemm.pack_parameter(layer.weight)
-    if scale is not None:
-        del layer.weight_scale  # packed into the weight
+        return True
+    del layer.weight_scale  # packed into the weight, or not needed
+    if not scale.loaded:
+        return gemm.pack_parameter(layer.weight)
+    if len(scale.loaded) != shards:
+        raise ValueError(f"the checkpoint quantizes {len(scale.loaded)} of the {shards} matrices fused into one "
+                         "layer (q/k/v or gate/up); pagellm serves them all quantized or all in float")
+    gemm_w8a8.quantize_parameter(layer.weight, (layer.weight.data.to(torch.int8), scale.data))
+    return True
 
 
 def pack_weights(model: nn.Module, quantization: str | None = None) -> int:
@@ -161,8 +168,7 @@ def pack_weights(model: nn.Module, quantization: str | None = None) -> int:
         quantize = getattr(module, "quantize_weight", None) if quantization else None
         hook = getattr(module, "pack_weight", None)
         if quantize is not None:
-            quantize(quantization)
-            packed += 1
+            packed += quantize(quantization)
         elif hook is not None:
             packed += bool(hook())
     return packed
