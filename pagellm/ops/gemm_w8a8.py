@@ -48,7 +48,7 @@ def _lib() -> ctypes.CDLL | None:
     if not runs_here():
         return None
     try:
-        lib = ctypes.CDLL(str(build(SOURCE, FLAGS, f"{SOURCE.stem}.so", [HEADERS])))
+        lib = ctypes.CDLL(str(build_job()()))
     except (RuntimeError, OSError) as exc:
         logger.warning("int8 GEMM kernel unavailable (%s)", exc)
         return None
@@ -61,9 +61,9 @@ def available() -> bool:
     return _lib() is not None
 
 
-def build_library() -> Path:
-    """The compiled kernel (built now if this machine kind has none): for start-up's background compiles."""
-    return build(SOURCE, FLAGS, f"{SOURCE.stem}.so", [HEADERS])
+def build_job() -> functools.partial:
+    """The kernel's compile (a no-op where this machine kind has it), for start-up's background compiles."""
+    return functools.partial(build, SOURCE, FLAGS, f"{SOURCE.stem}.so", [HEADERS])
 
 
 def entry_address() -> int:

@@ -46,7 +46,7 @@ class Worker:
         arch = ArchConfig.from_hf(load_hf_config(model_dir))
         quantization = model_config.quantization or arch.quantization
         if quantization and not model_config.quantization and gemm_w8a8.runs_here():  # a quantized checkpoint's
-            native_build.start_in_background([gemm_w8a8.build_library])  # kernel, built while the weights load
+            native_build.start_in_background([gemm_w8a8.build_job()])  # kernel, built while the weights load
         model = build_model(arch, self.dtype, parallel)
         model.load_weights(iter_weights(model_dir), model_config.quantization)
         model.eval()
@@ -118,7 +118,7 @@ def _start_kernel_builds(dtype: torch.dtype, kv_dtype: torch.dtype, attention_ba
     sources.append(sample_native.SOURCE)
     builds = [functools.partial(build_library, source) for source in dict.fromkeys(sources)]
     if quantization and gemm_w8a8.runs_here():
-        builds.insert(1, gemm_w8a8.build_library)  # built with its own flags (no fused multiply-adds)
+        builds.insert(1, gemm_w8a8.build_job())  # built with its own flags (no fused multiply-adds)
     native_build.start_in_background(builds)
 
 

@@ -92,6 +92,6 @@ def test_the_float8_kernels_are_built_at_start_only_for_a_float8_cache(monkeypat
 
     started: list[Path] = []
     monkeypatch.setattr(native_build, "start_in_background", lambda jobs: started.extend(j.args[0] for j in jobs))
-    worker._start_kernel_builds(torch.bfloat16, kv_dtype, "auto")
+    worker._start_kernel_builds(torch.bfloat16, kv_dtype, "auto", None)
     assert cpu_paged.SOURCE in started
     assert (cpu_paged.FP8_SOURCE in started) == (kv_dtype != torch.bfloat16)

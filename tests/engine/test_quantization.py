@@ -87,3 +87,15 @@ def test_an_unknown_quantization_names_the_choice(tiny_llama: Path) -> None:
 def test_int8_weights_on_a_float32_model_are_refused(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="quantization=w8a8_int8 runs on bfloat16 models; set dtype bfloat16"):
         LLM(str(tiny_llama), dtype="float32", quantization="w8a8_int8")
+
+
+@pytest.mark.parametrize("quantization", [None, "w8a8_int8"])
+def test_the_int8_kernel_is_built_at_start_only_when_asked(monkeypatch: pytest.MonkeyPatch,
+                                                          quantization: str | None) -> None:
+    from pagellm import native_build
+    from pagellm.worker import worker
+
+    started: list[Path] = []
+    monkeypatch.setattr(native_build, "start_in_background", lambda jobs: started.extend(j.args[0] for j in jobs))
+    worker._start_kernel_builds(torch.bfloat16, torch.bfloat16, "auto", quantization)
+    assert (gemm_w8a8.SOURCE in started) == (quantization is not None and gemm_w8a8.runs_here())
