@@ -15,9 +15,9 @@ The kernel needs AVX-512 BF16, or AVX2 + FMA (``csrc/packed_gemm_avx2.h``: each 
 products are float32 FMAs, for AMD Zen 2/3 and older Intel CPUs), and a C++ compiler; ``available()`` says whether
 it runs here. Where it does not, nothing is packed and every layer keeps ``F.linear`` on the plain weight. On CPUs
 with AMX-BF16 it multiplies on AMX tiles (``csrc/packed_gemm_amx.h``: the packed layout is already AMX's B
-operand), about 3x the AVX-512 rate at 32 rows and 5-8x from 256 on; ``PAGELLM_GEMM_AMX=0`` keeps the AVX-512 path. A process keeps one path
-(``use_amx``, called once at load), since the two sum inside a K step in different orders and rows must not depend
-on the batch; ``amx()`` says which one runs.
+operand), about 3x the AVX-512 rate at 32 rows and 5-8x from 256 on; ``PAGELLM_GEMM_AMX=0`` keeps the AVX-512
+path. A process keeps one path (``use_amx``, called once at load), since the two sum inside a K step in different
+orders and rows must not depend on the batch; ``amx()`` says which one runs.
 """
 
 from __future__ import annotations
