@@ -6,7 +6,8 @@ A weight ``W`` [N, K] becomes int8 ``Q`` with one float32 scale per output chann
 the two int8 matrices exactly in int32 with AVX-512 VNNI (twice the multiply-adds per instruction of the bfloat16
 kernel, half its weight bytes) and scales each output once: ``y = (q(x) · Qᵀ) · s_x · s_w + bias`` in bfloat16.
 This is SGLang's ``w8a8_int8`` scheme and that of vLLM's compressed-tensors W8A8 int8 checkpoints (channel-wise
-weights, dynamic per-token activations); the weights are quantized here from the bfloat16 checkpoint.
+weights, dynamic per-token activations): the weights are quantized here from a bfloat16 model's, or taken as they
+are from such a checkpoint (``model/compressed_tensors.py``).
 
 ``pack(q, scale)`` lays ``Q`` out as panels of 16 output columns with K in quads, ``[ceil(N/16), ceil(K/4), 16,
 4]`` (zero padding), then the float32 scales and the int32 offsets ``128 · Σ_k Q`` (the kernel feeds x as unsigned
