@@ -5,9 +5,12 @@
 #   .peers/llama.cpp/       llama.cpp sources vendored in the llama-cpp-python source package, and its native
 #                           `llama-server` built with CMake (Release, -march=native) under build/bin/
 #   .peers/gguf/            the built-in model as a bfloat16 GGUF (llama.cpp's own converter run on the HF directory
-#                           pagellm converts the built-in GGUF into), so llama.cpp can be compared at equal dtype
+#                           pagellm converts the built-in GGUF into), so llama.cpp can be compared at equal dtype,
+#                           and that GGUF quantized to Q8_0 (llama.cpp's `llama-quantize`), llama.cpp's 8-bit
+#                           counterpart of `--quantization w8a8_int8`
 #
-# Usage: scripts/peers.sh [install_vllm] [install_llama_cpp] [convert_bf16_gguf]   (no argument: all three)
+# Usage: scripts/peers.sh [install_vllm] [install_llama_cpp] [convert_bf16_gguf] [quantize_q8_gguf]
+#        (no argument: all four)
 # Idempotent: each step is skipped when its result is already there (delete the folder to redo it). Each step is
 # independent: one that fails is reported and the others still run; compare.py skips what is missing.
 # Environment: PYTHON (python >= 3.10 for the vLLM venv, default python3), PAGELLM_PYTHON (the interpreter that has
@@ -107,8 +110,24 @@ convert_bf16_gguf() {
     mv "$out.tmp" "$out"
 }
 
+quantize_q8_gguf() {
+    local src="$PEERS/gguf/SmolLM2-135M-Instruct-bf16.gguf" out="$PEERS/gguf/SmolLM2-135M-Instruct-Q8_0.gguf"
+    local dir="$PEERS/llama.cpp"
+    if [ -s "$out" ]; then log "gguf: $out already there"; return 0; fi
+    [ -s "$src" ] || { log "gguf: $src missing (the convert_bf16_gguf step makes it)"; return 1; }
+    if [ ! -x "$dir/build/bin/llama-quantize" ]; then
+        log "llama.cpp: building llama-quantize"
+        cmake --build "$dir/build" --config Release -j "$JOBS" --target llama-quantize \
+            >"$PEERS/llama-quantize-build.log" 2>&1 || { tail -30 "$PEERS/llama-quantize-build.log"; return 1; }
+    fi
+    log "gguf: quantizing the bfloat16 GGUF to Q8_0"
+    "$dir/build/bin/llama-quantize" "$src" "$out.tmp" Q8_0 >"$PEERS/gguf-q8.log" 2>&1 \
+        || { tail -20 "$PEERS/gguf-q8.log"; return 1; }
+    mv "$out.tmp" "$out"
+}
+
 steps=("$@")
-[ "${#steps[@]}" -gt 0 ] || steps=(install_vllm install_llama_cpp convert_bf16_gguf)
+[ "${#steps[@]}" -gt 0 ] || steps=(install_vllm install_llama_cpp convert_bf16_gguf quantize_q8_gguf)
 for step in "${steps[@]}"; do
     if ! "$step"; then
         log "$step FAILED (compare.py will skip what is missing)"

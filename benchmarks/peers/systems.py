@@ -18,8 +18,9 @@ With ``kv_cache_dtype`` other than ``auto`` (compare.py ``--kv-cache-dtype fp8``
 ``--kv-cache-dtype X`` (the same flag, the same formats); llama.cpp (whose 8-bit caches are q8_0 blocks, another
 format) and the transformers baseline have no float8 cache and are skipped. With ``quantization`` (compare.py
 ``--quantization w8a8_int8``), ``model_dir`` is a compressed-tensors W8A8 int8 checkpoint that pagellm and vLLM both
-serve (the same int8 weights and scales, read from the same files); llama.cpp (whose 8-bit weights are Q8_0 blocks,
-another scheme) and the transformers baseline are skipped.
+serve (the same int8 weights and scales, read from the same files); llama.cpp serves its own 8-bit weights, the
+bfloat16 GGUF quantized to Q8_0 (``make peers``: int8 in blocks of 32 with a scale each, and the activations
+quantized to 8 bits in its dot products too), and the transformers baseline is skipped.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PEERS = REPO / ".peers"
 KV_GIB = 4
+Q8_GGUF = PEERS / "gguf" / "SmolLM2-135M-Instruct-Q8_0.gguf"  # llama.cpp's side of a W8A8 comparison
 
 
 @dataclass
@@ -59,10 +61,13 @@ def model_flags(ctx: Context) -> list[str]:
     return [str(ctx.model_dir)] if ctx.quantization else []
 
 
-def _unserved(ctx: Context) -> str | None:
-    """Why llama.cpp and the transformers baseline sit out a float8-cache or W8A8 comparison, if they do."""
-    if ctx.quantization:
+def _unserved(ctx: Context, llama: bool = False) -> str | None:
+    """Why llama.cpp or the transformers baseline sits out a float8-cache or W8A8 comparison, if it does (llama.cpp
+    takes a W8A8 one on its Q8_0 GGUF)."""
+    if ctx.quantization and not llama:
         return f"no W8A8 int8 compressed-tensors checkpoint (--quantization {ctx.quantization})"
+    if ctx.quantization and not Q8_GGUF.exists():
+        return f"{Q8_GGUF} not found (run `make peers`)"
     return None if ctx.kv_cache_dtype == "auto" else f"no float8 KV cache (--kv-cache-dtype {ctx.kv_cache_dtype})"
 
 
@@ -112,6 +117,8 @@ def vllm(ctx: Context, port: int) -> System:
 
 
 def gguf_for_llama(ctx: Context) -> tuple[Path, str]:
+    if ctx.quantization:
+        return Q8_GGUF, "Q8_0"
     bf16 = PEERS / "gguf" / "SmolLM2-135M-Instruct-bf16.gguf"
     if ctx.dtype == "bfloat16" and bf16.exists():
         return bf16, "bf16"
@@ -127,7 +134,8 @@ def llama_cpp(ctx: Context, port: int) -> System:
     return System(f"llama.cpp ({kind})", argv, close_connections=True, count_with_tokenizer=True,
                   note=f"llama-server -t {ctx.threads} -tb {ctx.threads} -np {slots} -c "
                        f"{slots * ctx.context_per_stream} on the {kind} GGUF",
-                  missing_reason=_unserved(ctx) or (None if exe.exists() else f"{exe} not found (run `make peers`)"))
+                  missing_reason=_unserved(ctx, llama=True) or
+                  (None if exe.exists() else f"{exe} not found (run `make peers`)"))
 
 
 def transformers_baseline(ctx: Context, port: int) -> System:

@@ -220,3 +220,29 @@ def test_compare_gives_a_float8_cache_to_pagellm_and_vllm_and_skips_the_others(t
             assert built[name].argv[-2:] == ["--kv-cache-dtype", "fp8"] or kv == "auto"
         assert (built["transformers"].missing_reason is None) == (kv == "auto")
         assert kv == "auto" or built["llama.cpp"].missing_reason == "no float8 KV cache (--kv-cache-dtype fp8)"
+
+
+def test_compare_serves_one_w8a8_checkpoint_on_pagellm_and_vllm(tmp_path, monkeypatch):
+    """``compare.py --quantization w8a8_int8``: pagellm and vLLM serve the same checkpoint folder, llama.cpp its
+    Q8_0 GGUF (or is skipped saying how to make it), the transformers baseline is skipped."""
+    from peers import systems
+
+    checkpoint = tmp_path / "w8a8"
+    ctx = systems.Context(checkpoint, tmp_path / "m.gguf", quantization="w8a8_int8")
+    monkeypatch.setattr(systems, "PEERS", tmp_path)  # an installed llama-server, whatever this machine has
+    (tmp_path / "llama.cpp" / "build" / "bin").mkdir(parents=True)
+    (tmp_path / "llama.cpp" / "build" / "bin" / "llama-server").write_bytes(b"")
+    monkeypatch.setattr(systems, "Q8_GGUF", tmp_path / "q8.gguf")
+    for present in (False, True):
+        if present:
+            (tmp_path / "q8.gguf").write_bytes(b"GGUF")
+        built = {name: build(ctx, 8000) for name, build in systems.BUILDERS.items()}
+        assert str(checkpoint) in built["pagellm"].argv and str(checkpoint) in built["vllm"].argv
+        assert built["transformers"].missing_reason == "no W8A8 int8 compressed-tensors checkpoint " \
+                                                       "(--quantization w8a8_int8)"
+        llama = built["llama.cpp"]
+        if present:
+            assert llama.missing_reason is None and llama.name == "llama.cpp (Q8_0)"
+            assert str(tmp_path / "q8.gguf") in llama.argv
+        else:
+            assert "q8.gguf not found (run `make peers`)" in llama.missing_reason
