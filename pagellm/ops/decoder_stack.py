@@ -68,15 +68,17 @@ class _Step(ctypes.Structure):  # csrc StackStep
 def _kernels(cache_dtype: torch.dtype, weight_format: str = "bf16") -> _Kernels:
     """The kernels the stack calls over caches of ``cache_dtype`` and GEMM weights of ``weight_format``
     (``gemm.weight_format``; their libraries loaded, built if need be; the paged attention entry is
-    ``cpu_paged.load_kernel()``'s for bfloat16 queries over that cache). The int8 GEMM has no fused gate/up pass."""
+    ``cpu_paged.load_kernel()``'s for bfloat16 queries over that cache)."""
     gemm_lib, fused_lib = gemm._lib(), fused._lib()
     assert gemm_lib is not None and fused_lib is not None
-    int8 = weight_format == gemm_w8a8.FORMAT
-    return _Kernels(gemm_w8a8.entry_address() if int8 else _address(gemm_lib.pagellm_packed_linear_bf16),
-                    _address(fused_lib.pagellm_add_rms_norm_bf16), _address(fused_lib.pagellm_silu_and_mul_bf16),
-                    _address(fused_lib.pagellm_rotary_bf16),
-                    _address(cpu_paged.load_kernel().entry(torch.bfloat16, cache_dtype)),
-                    None if int8 else _address(gemm_lib.pagellm_packed_linear_silu_mul_bf16))
+    if weight_format == gemm_w8a8.FORMAT:
+        linear, linear_silu_mul = gemm_w8a8.entry_addresses()
+    else:
+        linear = _address(gemm_lib.pagellm_packed_linear_bf16)
+        linear_silu_mul = _address(gemm_lib.pagellm_packed_linear_silu_mul_bf16)
+    return _Kernels(linear, _address(fused_lib.pagellm_add_rms_norm_bf16),
+                    _address(fused_lib.pagellm_silu_and_mul_bf16), _address(fused_lib.pagellm_rotary_bf16),
+                    _address(cpu_paged.load_kernel().entry(torch.bfloat16, cache_dtype)), linear_silu_mul)
 
 
 @functools.lru_cache(maxsize=1)

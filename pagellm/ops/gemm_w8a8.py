@@ -55,6 +55,8 @@ def _lib() -> ctypes.CDLL | None:
         return None
     lib.pagellm_packed_linear_w8a8.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
     lib.pagellm_packed_linear_w8a8.restype = None
+    lib.pagellm_packed_linear_silu_mul_w8a8.argtypes = [_P, _I, _I, _I, _P, _I, _P, _I]
+    lib.pagellm_packed_linear_silu_mul_w8a8.restype = ctypes.c_int
     return lib
 
 
@@ -67,11 +69,13 @@ def build_job() -> functools.partial:
     return functools.partial(build, SOURCE, FLAGS, f"{SOURCE.stem}.so", [HEADERS])
 
 
-def entry_address() -> int:
-    """The kernel's C entry, for the native decoder stack (same signature as the bfloat16 one)."""
+def entry_addresses() -> tuple[int, int]:
+    """The kernel's C entries for the native decoder stack, the GEMM's and the gate/up one's with SiLU·mul (the
+    signatures of the bfloat16 kernel's)."""
     lib = _lib()
     assert lib is not None, "int8 GEMM kernel is not available on this machine"
-    return ctypes.cast(lib.pagellm_packed_linear_w8a8, ctypes.c_void_p).value
+    return (ctypes.cast(lib.pagellm_packed_linear_w8a8, ctypes.c_void_p).value,
+            ctypes.cast(lib.pagellm_packed_linear_silu_mul_w8a8, ctypes.c_void_p).value)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,6 +147,19 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
     lib.pagellm_packed_linear_w8a8(rows.data_ptr(), rows.shape[0], k, rows.stride(0), packed.data_ptr(), n,
                                    None if bias is None else bias.data_ptr(), y.data_ptr(), n)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def packed_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, n2: int) -> torch.Tensor | None:
+    """``silu(g) * u`` of ``[g | u] = packed_linear(x, packed, n2)`` for bfloat16 rows ``x`` [m, K] and a packed
+    gate/up weight (gate rows, then up rows) in one pass, bit for bit ``fused.silu_and_mul`` of that product; ``None``
+    where the gate width is not whole panels of 16 (the caller makes the two calls)."""
+    lib = _lib()
+    assert lib is not None, "int8 GEMM kernel is not available on this machine"
+    assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(-1) == 1
+    y = torch.empty((x.shape[0], n2 // 2), dtype=torch.bfloat16)
+    done = lib.pagellm_packed_linear_silu_mul_w8a8(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
+                                                   packed.data_ptr(), n2, y.data_ptr(), n2 // 2)
+    return y if done == 0 else None
 
 
 def quantize_parameter(param: torch.nn.Parameter, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:

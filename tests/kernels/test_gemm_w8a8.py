@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.ops import gemm, gemm_w8a8
+from pagellm.ops import fused, gemm, gemm_w8a8
 
 BF16 = torch.bfloat16
 kernel = pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 kernel needs AVX-512 VNNI and a compiler")
@@ -62,6 +62,34 @@ def test_rows_are_batch_and_thread_invariant() -> None:
         assert torch.equal(_bits(gemm_w8a8.packed_linear(x, packed, 700, b)), _bits(whole))
     finally:
         torch.set_num_threads(threads)
+
+
+# (M, I, K) of a gate/up weight [2I, K]: wide 1- and 2-row tiles (4 pairs), 3-6 rows (2 pairs), 7-8 rows (1 pair),
+# a 9-row split, a part group of pairs; two K blocks (int32 partial sums of both halves); the built-in model's.
+GATE_UP = [(1, 64, 12), (2, 48, 7), (3, 16, 17), (7, 32, 64), (8, 80, 576), (9, 64, 33), (200, 96, 1536),
+           (5, 32, 2500), (33, 1536, 576)]
+
+
+@kernel
+@pytest.mark.parametrize("m,i,k", GATE_UP, ids=[f"{m}x{i}x{k}" for m, i, k in GATE_UP])
+def test_gate_up_with_silu_mul_equals_the_two_calls_bit_for_bit(m: int, i: int, k: int) -> None:
+    """The one-pass gate/up entry rounds gate and up to bfloat16 as the GEMM's output would be, then runs the SiLU·mul
+    kernel's code: the bits of the GEMM followed by ``fused.silu_and_mul``, and of the twins'."""
+    x, w, _ = _case(m, 2 * i, k, seed=m + i + k, bias=False)
+    q, scale = gemm_w8a8.quantize(w)
+    one = gemm_w8a8.packed_linear_silu_mul(x, gemm_w8a8.pack(q, scale), 2 * i)
+    assert one is not None and one.shape == (m, i) and one.dtype == BF16
+    two = fused.silu_and_mul(gemm_w8a8.packed_linear(x, gemm_w8a8.pack(q, scale), 2 * i))
+    assert torch.equal(_bits(one), _bits(two))
+    gate, up = gemm_w8a8.reference_linear(x, q, scale).chunk(2, dim=-1)
+    assert torch.allclose(one.float(), (F.silu(gate.float()) * up.float()).to(BF16).float(), rtol=2 ** -7, atol=1e-6)
+
+
+@kernel
+def test_gate_up_with_silu_mul_needs_whole_panels() -> None:
+    """A gate width that is not whole panels of 16 is left to the two calls (``None``)."""
+    x, w, _ = _case(3, 80, 32, seed=6, bias=False)
+    assert gemm_w8a8.packed_linear_silu_mul(x, gemm_w8a8.pack(*gemm_w8a8.quantize(w)), 80) is None  # I = 40
 
 
 @kernel

@@ -28,9 +28,9 @@ BS, NUM_BLOCKS = 8, 48
 
 
 def _model(head_dim: int, bias: bool, dtype: torch.dtype = torch.bfloat16, layers: int = 3,
-           quantization: str | None = None) -> LlamaForCausalLM:
+           quantization: str | None = None, intermediate: int = 160) -> LlamaForCausalLM:
     heads, kv_heads = 4, 2
-    cfg = ArchConfig("LlamaForCausalLM", 300, heads * head_dim, 160, layers, heads, kv_heads, head_dim, 1e-5,
+    cfg = ArchConfig("LlamaForCausalLM", 300, heads * head_dim, intermediate, layers, heads, kv_heads, head_dim, 1e-5,
                      10000.0, None, 256, False, bias, None)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg, dtype)
@@ -132,11 +132,13 @@ def test_native_stack_equals_the_python_layers(monkeypatch: pytest.MonkeyPatch, 
 
 
 @pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 GEMM needs AVX-512 VNNI")
-@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "qkv-bias"])
-def test_native_stack_over_int8_weights_equals_the_python_layers(monkeypatch: pytest.MonkeyPatch,
-                                                                 bias: bool) -> None:
-    """``--quantization w8a8_int8``: the stack calls the int8 GEMM (and SiLU·mul apart) where the layers do."""
-    model = _model(64, bias, quantization="w8a8_int8")
+@pytest.mark.parametrize("bias,intermediate", [(False, 160), (True, 160), (False, 168)],
+                         ids=["no-bias", "qkv-bias", "gate-not-whole-panels"])
+def test_native_stack_over_int8_weights_equals_the_python_layers(monkeypatch: pytest.MonkeyPatch, bias: bool,
+                                                                 intermediate: int) -> None:
+    """``--quantization w8a8_int8``: the stack calls the int8 GEMM where the layers do, the gate/up one with SiLU·mul
+    in one pass (an intermediate size of whole panels of 16) or in two calls (168), as the layers make them."""
+    model = _model(64, bias, quantization="w8a8_int8", intermediate=intermediate)
     assert gemm.weight_format(model.model.layers[0].mlp.down_proj.weight) == "w8a8_int8"
     assert gemm.weight_format(model.lm_head.weight) == "bf16"  # the LM head stays bfloat16
     ids, positions, common = _mixed_step(model.cfg.vocab_size)
@@ -150,7 +152,8 @@ def test_native_stack_over_int8_weights_equals_the_python_layers(monkeypatch: py
     assert torch.equal(native, python)
     assert all(torch.equal(a, b) for a, b in zip(native_caches, python_caches))
     # and the int8 weights were used: the bfloat16 model's hidden states differ
-    bf16 = _forward(_model(64, bias), _caches(model, seed=3), CpuPagedBackend(), common, ids, positions, None)
+    bf16 = _forward(_model(64, bias, intermediate=intermediate), _caches(model, seed=3), CpuPagedBackend(), common,
+                    ids, positions, None)
     assert not torch.equal(native, bf16)
 
 

@@ -19,6 +19,11 @@
 // epilogue is float32 ((acc - offset) · s_x) · s_w, then + bias, each op rounded (this source is built with
 // -ffp-contract=off), then rounded to nearest-even bfloat16. The plain-PyTorch twin and test oracle is
 // `gemm_w8a8.reference_linear`, which computes the same bits.
+//
+// The gate/up entry (pagellm_packed_linear_silu_mul_w8a8) pairs each gate panel with its up panel in one tile and
+// writes silu(gate) · up from the accumulators: gate and up are each rounded to bfloat16 first, as the GEMM's own
+// output would be, and then go through the SiLU·mul kernel's code (silu.h), so it gives that two-call path's bits
+// without writing or reading the [M, 2I] product.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -29,6 +34,7 @@
 #include <vector>
 
 #include "gemm_chunks.h"
+#include "silu.h"  // round_bf16x16, silu_mul16: the SiLU·mul kernel's (ops/csrc/fused.cpp)
 
 namespace {
 
@@ -54,7 +60,9 @@ struct Tile {
   const float* sw;       // the tile's columns' scales
   const int32_t* off;    // the tile's columns' offsets (128 · Σ Q)
   const uint16_t* bias;  // at the tile's first column, or null
-  int cols;              // valid output columns of the tile (<= NR * 16)
+  int cols;              // valid output columns of the tile (<= NR * 16; paired: gate columns, <= NR / 2 * 16)
+  int64_t up;            // paired tiles: bytes from a gate panel to its up panel
+  int64_t up_cols;       // paired tiles: columns from a gate column's scale and offset to its up column's
 };
 
 inline __mmask16 col_mask(int cols) {
@@ -78,17 +86,45 @@ inline __m512i dot_quads(__m512i acc, __m512i a, __m512i b) {
   return acc;
 }
 
+// One output in float32: ((acc - offset) · s_x) · s_w, each op rounded.
+inline __m512 scaled(__m512i acc, __m512i off, float sx, __m512 sw) {
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, off)), _mm512_set1_ps(sx)), sw);
+}
+
+// The epilogue of a paired tile: column block j < NR / 2 is silu(gate) · up of accumulators j and j + NR / 2.
 template <int MR, int NR>
+void store_silu_mul(const Tile& t, const __m512i (&acc)[MR][NR]) {
+  for (int j = 0; j < NR / 2; ++j) {
+    const int cols = t.cols - j * kPanel;
+    if (cols <= 0) break;
+    const __mmask16 m = col_mask(cols);
+    const __m512i off_g = _mm512_loadu_si512(t.off + j * kPanel);
+    const __m512i off_u = _mm512_loadu_si512(t.off + t.up_cols + j * kPanel);
+    const __m512 sw_g = _mm512_loadu_ps(t.sw + j * kPanel), sw_u = _mm512_loadu_ps(t.sw + t.up_cols + j * kPanel);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 gate = round_bf16x16(scaled(acc[i][j], off_g, t.sx[i], sw_g));
+      const __m512 up = round_bf16x16(scaled(acc[i][j + NR / 2], off_u, t.sx[i], sw_u));
+      const __m512i out = _mm512_castps_si512(round_bf16x16(silu_mul16(gate, up)));
+      _mm256_mask_storeu_epi16(t.y + i * t.ldy + j * kPanel, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(out, 16)));
+    }
+  }
+}
+
+// MR rows by NR panels; PAIRED: panels NR / 2.. are the up panels of panels 0.. (t.up bytes on).
+template <int MR, int NR, bool PAIRED>
 void tile_kernel(const Tile& t) {
   __m512i acc[MR][NR];  // this block's sums; the earlier blocks' (t.partial) are added after the loop
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
+  int64_t at[NR];  // each panel's offset from t.w
+  for (int j = 0; j < NR; ++j)
+    at[j] = PAIRED && j >= NR / 2 ? t.up + (j - NR / 2) * t.panel_stride : j * t.panel_stride;
   const int8_t* w = t.w;
   for (int64_t q = 0; q < t.quads; ++q, w += kQuad) {
     __m512i b[NR];
     for (int j = 0; j < NR; ++j) {
-      b[j] = _mm512_loadu_si512(w + j * t.panel_stride);
-      _mm_prefetch(reinterpret_cast<const char*>(w + j * t.panel_stride + kPrefetchQuads * kQuad), _MM_HINT_T1);
+      b[j] = _mm512_loadu_si512(w + at[j]);
+      _mm_prefetch(reinterpret_cast<const char*>(w + at[j] + kPrefetchQuads * kQuad), _MM_HINT_T1);
     }
     for (int i = 0; i < MR; ++i) {
       int32_t quad;
@@ -106,6 +142,10 @@ void tile_kernel(const Tile& t) {
       for (int j = 0; j < NR; ++j) _mm512_storeu_si512(t.partial + i * t.ldp + j * kPanel, acc[i][j]);
     return;
   }
+  if constexpr (PAIRED) {
+    store_silu_mul<MR, NR>(t, acc);
+    return;
+  }
   for (int j = 0; j < NR; ++j) {
     const int cols = t.cols - j * kPanel;
     if (cols <= 0) break;
@@ -114,8 +154,7 @@ void tile_kernel(const Tile& t) {
     const __m512 sw = _mm512_loadu_ps(t.sw + j * kPanel);
     const __m512 bias = t.bias ? widen_bf16(_mm256_maskz_loadu_epi16(m, t.bias + j * kPanel)) : _mm512_setzero_ps();
     for (int i = 0; i < MR; ++i) {
-      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], off));
-      __m512 f = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(t.sx[i])), sw);
+      __m512 f = scaled(acc[i][j], off, t.sx[i], sw);
       if (t.bias) f = _mm512_add_ps(f, bias);
       _mm256_mask_storeu_epi16(t.y + i * t.ldy + j * kPanel, m, round_bf16(f));
     }
@@ -129,27 +168,44 @@ using TileFn = void (*)(const Tile&);
 template <int MR>
 constexpr TileFn row_of_tiles(int nr) {
   if constexpr (MR <= kWideRows) {
-    if (nr > kMaxNR) return nr == 5 ? tile_kernel<MR, 5> : nr == 6 ? tile_kernel<MR, 6> : nr == 7 ? tile_kernel<MR, 7>
-                                                                                       : tile_kernel<MR, 8>;
+    if (nr > kMaxNR) return nr == 5 ? tile_kernel<MR, 5, false> : nr == 6 ? tile_kernel<MR, 6, false>
+                          : nr == 7 ? tile_kernel<MR, 7, false> : tile_kernel<MR, 8, false>;
   }
-  return nr == 1 ? tile_kernel<MR, 1> : nr == 2 ? tile_kernel<MR, 2> : nr == 3 ? tile_kernel<MR, 3>
-                                                                                 : tile_kernel<MR, (MR > 6 ? 3 : 4)>;
+  return nr == 1 ? tile_kernel<MR, 1, false> : nr == 2 ? tile_kernel<MR, 2, false>
+       : nr == 3 ? tile_kernel<MR, 3, false> : tile_kernel<MR, (MR > 6 ? 3 : 4), false>;
 }
 
-TileFn tile_fn(int mr, int nr) {
+// Paired tiles of `pairs` gate panels and their up panels (at most 24 accumulators, as above).
+template <int MR>
+constexpr TileFn paired_tiles(int pairs) {
+  if constexpr (MR <= kWideRows) {
+    if (pairs > kMaxNR / 2) return pairs == 3 ? tile_kernel<MR, 6, true> : tile_kernel<MR, 8, true>;
+  }
+  if constexpr (MR > 6) return tile_kernel<MR, 2, true>;
+  return pairs == 1 ? tile_kernel<MR, 2, true> : tile_kernel<MR, 4, true>;
+}
+
+template <int MR>
+constexpr TileFn tiles(int nr, bool paired) { return paired ? paired_tiles<MR>(nr) : row_of_tiles<MR>(nr); }
+
+TileFn tile_fn(int mr, int nr, bool paired) {
   switch (mr) {
-    case 1: return row_of_tiles<1>(nr);
-    case 2: return row_of_tiles<2>(nr);
-    case 3: return row_of_tiles<3>(nr);
-    case 4: return row_of_tiles<4>(nr);
-    case 5: return row_of_tiles<5>(nr);
-    case 6: return row_of_tiles<6>(nr);
-    case 7: return row_of_tiles<7>(nr);
-    default: return row_of_tiles<8>(nr);
+    case 1: return tiles<1>(nr, paired);
+    case 2: return tiles<2>(nr, paired);
+    case 3: return tiles<3>(nr, paired);
+    case 4: return tiles<4>(nr, paired);
+    case 5: return tiles<5>(nr, paired);
+    case 6: return tiles<6>(nr, paired);
+    case 7: return tiles<7>(nr, paired);
+    default: return tiles<8>(nr, paired);
   }
 }
 
-inline int max_nr(int mr) { return mr > 6 ? 3 : mr <= kWideRows ? kWideNR : kMaxNR; }
+// Most panels of a tile of mr rows (paired: most gate panels, each with its up panel).
+inline int max_nr(int mr, bool paired) {
+  const int nr = mr > 6 ? 3 : mr <= kWideRows ? kWideNR : kMaxNR;
+  return paired ? (mr > 6 ? 1 : nr / 2) : nr;
+}
 
 int next_rows(int64_t left) {  // one group of up to 8 rows, else groups of 6 (9 = 5 + 4)
   if (left <= kMaxMR) return static_cast<int>(left);
@@ -166,15 +222,18 @@ struct Problem {
   const uint16_t* bias;
   uint16_t* y;
   int64_t ldy;
-  int width;  // panels per group
+  int width;           // panels per group (paired: gate panels)
+  int64_t up_panels;   // the gate/up entry: panels from a gate panel to its up panel (n: the gate columns); else 0
+  int slots() const { return up_panels ? 2 * width : width; }  // accumulator panels of a group
 };
 
 // Rows [m0, m0 + mb) over panels [g, g + nr) and k-quads [k0, k0 + kc).
 void run_block(const Problem& pb, int64_t g, int nr, int64_t k0, int64_t m0, int64_t mb, int32_t* partial) {
   const int64_t quads = pb.quads - k0 < pb.kc ? pb.quads - k0 : pb.kc;
+  const bool paired = pb.up_panels > 0;
   for (int64_t i = 0; i < mb;) {
     const int mr = next_rows(mb - i);
-    const int nr_here = nr < max_nr(mr) ? nr : max_nr(mr);
+    const int nr_here = nr < max_nr(mr, paired) ? nr : max_nr(mr, paired);
     for (int64_t gg = g; gg < g + nr; gg += nr_here) {
       const int nrr = static_cast<int>(g + nr - gg < nr_here ? g + nr - gg : nr_here);
       Tile t;
@@ -183,8 +242,8 @@ void run_block(const Problem& pb, int64_t g, int nr, int64_t k0, int64_t m0, int
       t.w = pb.w + gg * pb.panel_stride + k0 * kQuad;
       t.panel_stride = pb.panel_stride;
       t.quads = quads;
-      t.ldp = pb.width * kPanel;
-      t.partial = partial ? partial + i * t.ldp + (gg - g) * kPanel : nullptr;
+      t.ldp = pb.slots() * kPanel;
+      t.partial = partial ? partial + i * t.ldp + (gg - g) * (paired ? 2 : 1) * kPanel : nullptr;
       t.first = k0 == 0;
       t.last = k0 + quads == pb.quads;
       t.y = pb.y + (m0 + i) * pb.ldy + gg * kPanel;
@@ -195,7 +254,9 @@ void run_block(const Problem& pb, int64_t g, int nr, int64_t k0, int64_t m0, int
       t.bias = pb.bias ? pb.bias + gg * kPanel : nullptr;
       const int64_t cols = pb.n - gg * kPanel;
       t.cols = static_cast<int>(cols < nrr * kPanel ? cols : nrr * kPanel);
-      tile_fn(mr, nrr)(t);
+      t.up = pb.up_panels * pb.panel_stride;
+      t.up_cols = pb.up_panels * kPanel;
+      tile_fn(mr, nrr, paired)(t);
     }
     i += mr;
   }
@@ -205,7 +266,7 @@ void run_block(const Problem& pb, int64_t g, int nr, int64_t k0, int64_t m0, int
 // blocks), with its int32 partial-sum buffer.
 void run_tiles(const Problem& pb, const Chunks& chunks, std::atomic<int64_t>& next) {
   const int64_t rows = pb.m < kMC ? pb.m : kMC;
-  std::vector<int32_t> partial(pb.quads > pb.kc ? static_cast<size_t>(rows * pb.width * kPanel) : 0);
+  std::vector<int32_t> partial(pb.quads > pb.kc ? static_cast<size_t>(rows * pb.slots() * kPanel) : 0);
   int32_t* const part = partial.empty() ? nullptr : partial.data();
   for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks.items;
        c = next.fetch_add(1, std::memory_order_relaxed)) {
@@ -248,17 +309,11 @@ void quantize_rows(const uint16_t* x, int64_t ldx, int64_t k, int64_t quads, uin
   }
 }
 
-}  // namespace
-
-extern "C" {
-
-// x: [m, k] bf16 rows with stride ldx; w: packed (see the top of this file) for n outputs and k inputs, scales and
-// offsets behind the panels; bias: [n] bf16 or null; y: [m, n] bf16 with row stride ldy. The signature of
-// pagellm_packed_linear_bf16, so the decoder stack calls either. Uses torch's OpenMP threads.
-void pagellm_packed_linear_w8a8(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* w, int64_t n,
-                                const uint16_t* bias, uint16_t* y, int64_t ldy) {
-  if (m <= 0) return;
-  const int64_t quads = (k + 3) / 4, panels = (n + kPanel - 1) / kPanel;
+// y[m, n] for `panels` packed panels (n outputs; with up_panels > 0, n gate outputs whose up panels lie up_panels
+// on, and y = silu(gate) · up): x quantized by rows over the threads, then the tiles.
+void run(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* w, int64_t panels, int64_t n,
+         int64_t up_panels, const uint16_t* bias, uint16_t* y, int64_t ldy) {
+  const int64_t quads = (k + 3) / 4;
   const int64_t kblocks = (quads + kKCQ - 1) / kKCQ;
   const int64_t panel_stride = quads * kQuad;
   const float* sw = reinterpret_cast<const float*>(w + panels * panel_stride);
@@ -267,11 +322,12 @@ void pagellm_packed_linear_w8a8(const uint16_t* x, int64_t m, int64_t k, int64_t
   thread_local std::vector<float> sx;
   if (xq.size() < static_cast<size_t>(m * 4 * quads)) xq.resize(static_cast<size_t>(m * 4 * quads));
   if (sx.size() < static_cast<size_t>(m)) sx.resize(static_cast<size_t>(m));
-  const int width = m <= kWideRows ? kWideNR : kMaxNR;
-  const Problem pb{xq.data(), sx.data(), m, n, quads, (quads + kblocks - 1) / kblocks, panels, panel_stride, w, sw,
-                   off, bias, y, ldy, width};
-  const int threads = threads_for(m * n * k);
-  const Chunks chunks = make_chunks(panels, threads, width);
+  const int width = (m <= kWideRows ? kWideNR : kMaxNR) / (up_panels ? 2 : 1);
+  const int64_t out_panels = up_panels ? up_panels : panels;
+  const Problem pb{xq.data(), sx.data(), m, n, quads, (quads + kblocks - 1) / kblocks, out_panels, panel_stride, w,
+                   sw, off, bias, y, ldy, width, up_panels};
+  const int threads = threads_for(m * (up_panels ? 2 * n : n) * k);
+  const Chunks chunks = make_chunks(out_panels, threads, width);
   std::atomic<int64_t> next{0};
   uint8_t* const xqp = xq.data();  // the region's other threads see their own thread_locals: pass the pointers
   float* const sxp = sx.data();
@@ -282,6 +338,28 @@ void pagellm_packed_linear_w8a8(const uint16_t* x, int64_t m, int64_t k, int64_t
 #pragma omp barrier
     run_tiles(pb, chunks, next);
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x: [m, k] bf16 rows with stride ldx; w: packed (see the top of this file) for n outputs and k inputs, scales and
+// offsets behind the panels; bias: [n] bf16 or null; y: [m, n] bf16 with row stride ldy. The signature of
+// pagellm_packed_linear_bf16, so the decoder stack calls either. Uses torch's OpenMP threads.
+void pagellm_packed_linear_w8a8(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* w, int64_t n,
+                                const uint16_t* bias, uint16_t* y, int64_t ldy) {
+  if (m > 0) run(x, m, k, ldx, w, (n + kPanel - 1) / kPanel, n, 0, bias, y, ldy);
+}
+
+// y[m, n2 / 2] = silu(gate) · up of x · Wᵀ for the packed gate/up weight W [n2, k] (gate rows first, then up rows),
+// in one pass, bit for bit this GEMM followed by silu_and_mul. Where n2 / 2 is whole panels: returns 0, else -1
+// and nothing written (the caller makes the two calls). The signature of pagellm_packed_linear_silu_mul_bf16.
+int pagellm_packed_linear_silu_mul_w8a8(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* w,
+                                        int64_t n2, uint16_t* y, int64_t ldy) {
+  if (n2 % (2 * kPanel) != 0) return -1;
+  if (m > 0) run(x, m, k, ldx, w, n2 / kPanel, n2 / 2, n2 / (2 * kPanel), nullptr, y, ldy);
+  return 0;
 }
 
 }  // extern "C"
