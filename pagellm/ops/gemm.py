@@ -135,7 +135,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
 def packed_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, n2: int) -> torch.Tensor | None:
     """``silu(g) * u`` of ``[g | u] = F.linear(x, W)`` for bfloat16 rows ``x`` [m, K] and ``packed = pack(W)`` with
     ``W`` [n2, K] (gate rows, then up rows), in one pass: bit for bit ``fused.silu_and_mul(packed_linear(...))``.
-    ``None`` where the fused pass does not run (the AVX-512 path, or a gate width that is not whole panels)."""
+    ``None`` where the fused pass does not run (the AVX2 build, or a gate width that is not whole panels)."""
     lib = _lib()
     assert lib is not None, "packed GEMM kernel is not available on this machine"
     assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(-1) == 1 and packed.shape[1] == (x.shape[1] + 1) >> 1

@@ -109,7 +109,8 @@ def test_the_native_stack_runs_on_this_machine() -> None:
 @pytest.mark.parametrize("num_layers", [None, 2, 0], ids=["all", "first-2", "none"])
 def test_native_stack_equals_the_python_layers(monkeypatch: pytest.MonkeyPatch, head_dim: int, bias: bool,
                                                num_layers: int | None, isa: str) -> None:
-    """On AMX the stack's MLP is the one-pass gate/up GEMM with SiLU·mul; the Python layers make the two calls."""
+    """On AMX and AVX-512 BF16 the stack's MLP is the one-pass gate/up GEMM with SiLU·mul; the Python layers make the
+    two calls."""
     model = _model(head_dim, bias)
     ids, positions, common = _mixed_step(model.cfg.vocab_size)
     backend = CpuPagedBackend()

@@ -11,7 +11,7 @@
 //   x      = packed_gemm(paged_attention(q), W_o)
 //   h, res = add_rms_norm(x, res)
 //   x      = packed_gemm(silu_and_mul(packed_gemm(h, W_gate_up)), W_down)   (the inner two in one pass where
-//            the GEMM offers it: pagellm_packed_linear_silu_mul_bf16 on AMX, _w8a8 over int8 weights; the same bits)
+//            the GEMM offers it: pagellm_packed_linear_silu_mul_bf16 (AMX, AVX-512), _w8a8 (int8); the same bits)
 // then out = add_rms_norm(x, res).out. What it saves is everything around the kernels: Python dispatch, torch
 // allocations (one grow-only per-thread workspace instead), views, index ops and ctypes marshalling per layer.
 // The kernels are not compiled in here: the caller passes the addresses of their C entry points in their own

@@ -55,6 +55,7 @@ struct Tile {
   const float* xf;       // AVX2 path: x widened to float32 (row stride ldxf, pairs whole), at this block's first pair
   int64_t ldxf;
   const float* wf;       // AVX2 path from kWidenRows rows: this panel's block widened to float32 ([pairs][2][16]), or null
+  int64_t up = 0;        // paired tiles (the gate/up entry): elements from a gate panel to its up panel
 };
 
 }  // namespace
@@ -82,6 +83,8 @@ struct Problem {
   int width;                          // panels per group (group_width(m))
   const float* xf = nullptr;          // AVX2 path: x widened to float32 (widen_rows), row stride ldxf; else null
   int64_t ldxf = 0;
+  int64_t up_panels = 0;  // the gate/up entry (AVX-512): panels from a gate panel to its up panel (n: gate columns)
+  int slots() const { return up_panels ? 2 * width : width; }  // accumulator panels of a group
 };
 
 // One weight block of a thread's walk: panels [g, g + nr) over k-pairs [k0, k0 + kc).
@@ -90,6 +93,15 @@ struct Block {
   int nr;
   int64_t k0;
 };
+
+// Most panels of a tile of mr rows; paired (the gate/up entry, AVX-512 only): most gate panels, each with its up one.
+inline int tile_panels(int mr, const float* wide, bool paired) {
+#if defined(__AVX512BF16__)
+  if (paired) return max_pairs(mr);
+#endif
+  (void)paired;
+  return max_nr(mr, wide);
+}
 
 // All row groups of rows [m0, m0 + mb) over one weight block; `next` is the block after it (for prefetching).
 // ``scratch`` is the thread's buffer for the block widened to float32 (widen_block; null where the path has none).
@@ -103,10 +115,12 @@ void run_block(const Problem& pb, const Block& b, const Block* next, int64_t m0,
   for (int64_t i = 0; i < mb; i += next_rows(mb - i, wide)) ++groups;
   const int next_panels = next ? next->nr : 0;
   const int per_group = groups > 1 ? (next_panels + groups - 2) / (groups - 1) : 0;
+  const bool paired = pb.up_panels > 0;
   int group = 0;
   for (int64_t i = 0; i < mb; ++group) {
     const int mr = next_rows(mb - i, wide);
-    const int nr_here = b.nr < max_nr(mr, wide) ? b.nr : max_nr(mr, wide);
+    const int most = tile_panels(mr, wide, paired);
+    const int nr_here = b.nr < most ? b.nr : most;
     for (int64_t gg = b.g; gg < b.g + b.nr; gg += nr_here) {
       const int nrr = static_cast<int>(b.g + b.nr - gg < nr_here ? b.g + b.nr - gg : nr_here);
       Tile t;
@@ -118,8 +132,8 @@ void run_block(const Problem& pb, const Block& b, const Block* next, int64_t m0,
       t.panel_stride = pb.panel_stride;
       t.pairs = pairs;
       t.half_last = (pb.k & 1) && b.k0 + pairs == pb.kpairs;
-      t.ldp = pb.width * kPanel;
-      t.partial = partial ? partial + i * t.ldp + (gg - b.g) * kPanel : nullptr;
+      t.ldp = pb.slots() * kPanel;
+      t.partial = partial ? partial + i * t.ldp + (gg - b.g) * (paired ? 2 : 1) * kPanel : nullptr;
       t.first = b.k0 == 0;
       t.last = b.k0 + pairs == pb.kpairs;
       t.y = pb.y + (m0 + i) * pb.ldy + gg * kPanel;
@@ -132,6 +146,13 @@ void run_block(const Problem& pb, const Block& b, const Block* next, int64_t m0,
       t.pf_first = (group - 1) * per_group;
       t.pf_end = t.pf_first + per_group < next_panels ? t.pf_first + per_group : next_panels;
       t.wf = wide ? wide + (gg - b.g) * pairs * 2 * kPanel : nullptr;
+      t.up = pb.up_panels * pb.panel_stride;
+#if defined(__AVX512BF16__)
+      if (paired) {
+        paired_tile_fn(mr, nrr)(t);
+        continue;
+      }
+#endif
       tile_fn(mr, nrr, wide)(t);
     }
     i += mr;
@@ -158,7 +179,7 @@ void run_panels(const Problem& pb, int64_t p0, int64_t p1, float* partial, float
 // buffer and (AVX2, from kWidenRows rows) its buffer for a weight block widened to float32.
 void run_tiles(const Problem& pb, const Chunks& chunks, std::atomic<int64_t>& next) {
   const int64_t rows = pb.m < kMC ? pb.m : kMC;
-  std::vector<float> partial(pb.kpairs > pb.kc ? static_cast<size_t>(rows * pb.width * kPanel) : 0);
+  std::vector<float> partial(pb.kpairs > pb.kc ? static_cast<size_t>(rows * pb.slots() * kPanel) : 0);
   std::vector<float> scratch(widened_floats(pb.m, pb.width, pb.kc));
   for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks.items;
        c = next.fetch_add(1, std::memory_order_relaxed)) {
@@ -236,25 +257,37 @@ void pagellm_packed_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t
 }
 
 // y[m, n2 / 2] = silu(gate) * up of x · Wᵀ for the packed gate/up weight W [n2, k] (gate rows first, then up
-// rows), in one pass: the gate/up product is never written. On the AMX path only, where n2 / 2 is whole panels;
-// returns 0, or -1 (nothing written) where it does not run, and the caller makes the two calls (this GEMM, then
-// silu_and_mul), which give the same bits.
+// rows), in one pass: the gate/up product is never written. On the AMX path and the AVX-512 BF16 one (tiles that
+// pair gate panel j with up panel j), where n2 / 2 is whole panels; returns 0, or -1 (nothing written) where it
+// does not run, and the caller makes the two calls (this GEMM, then silu_and_mul), which give the same bits.
 int pagellm_packed_linear_silu_mul_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w,
                                         int64_t n2, uint16_t* y, int64_t ldy) {
-#ifdef PAGELLM_PACKED_GEMM_AMX
-  const int64_t half = n2 / 2;
-  if (!g_amx.load(std::memory_order_relaxed) || n2 % (2 * kPanel) != 0) return -1;
-  if (m <= 0) return 0;
-  const int64_t kpairs = (k + 1) / 2;
-  const Problem pb{x, m, k, ldx, w, half / kPanel, half, nullptr, y, ldy, kpairs, kpairs, kpairs * kPanelPair, 1};
+  const int64_t half = n2 / 2, kpairs = (k + 1) / 2;
+  if (n2 % (2 * kPanel) != 0) return -1;
   const int threads = threads_for(m * n2 * k);
-  const Chunks chunks = make_chunks(pb.panels, threads, pb.width);
   std::atomic<int64_t> next{0};
+#ifdef PAGELLM_PACKED_GEMM_AMX
+  if (g_amx.load(std::memory_order_relaxed)) {
+    if (m <= 0) return 0;
+    const Problem pb{x, m, k, ldx, w, half / kPanel, half, nullptr, y, ldy, kpairs, kpairs, kpairs * kPanelPair, 1};
+    const Chunks chunks = make_chunks(pb.panels, threads, pb.width);
 #pragma omp parallel num_threads(threads)
-  amx::run(pb, amx::Pairing{1, half / kPanel, true}, chunks, next);
+    amx::run(pb, amx::Pairing{1, half / kPanel, true}, chunks, next);
+    return 0;
+  }
+#endif
+#if defined(__AVX512BF16__)
+  if (m <= 0) return 0;
+  const int64_t kblocks = (kpairs + kKC - 1) / kKC;
+  Problem pb{x, m, k, ldx, w, half / kPanel, half, nullptr, y, ldy, kpairs, (kpairs + kblocks - 1) / kblocks,
+             kpairs * kPanelPair, group_width(m) / 2};
+  pb.up_panels = half / kPanel;
+  const Chunks chunks = make_chunks(pb.panels, threads, pb.width);
+#pragma omp parallel num_threads(threads)
+  run_tiles(pb, chunks, next);
   return 0;
 #else
-  (void)x, (void)m, (void)k, (void)ldx, (void)w, (void)n2, (void)y, (void)ldy;
+  (void)x, (void)m, (void)ldx, (void)w, (void)y, (void)ldy, (void)threads, (void)next;
   return -1;
 #endif
 }

@@ -1,6 +1,10 @@
 // The AVX-512 BF16 register tiles of the packed GEMM (packed_gemm.cpp includes this where the compiler targets
-// AVX-512 BF16; packed_gemm_avx2.h is the same interface in AVX2 + FMA). Uses Tile from packed_gemm.cpp.
+// AVX-512 BF16; packed_gemm_avx2.h is the same interface in AVX2 + FMA), and the paired tiles of the gate/up entry
+// with SiLU·mul (paired_tile_fn; the AVX2 build has none, and that entry declines there). Uses Tile from
+// packed_gemm.cpp.
 #pragma once
+
+#include "silu.h"  // round_bf16x16, silu_mul16: the gate/up epilogue, bit for bit the SiLU·mul kernel's
 
 namespace {
 
@@ -33,20 +37,45 @@ inline void store_bf16(uint16_t* dst, __m512 v, int cols) {
   }
 }
 
+// A float32 output as the GEMM stores it in bfloat16 (bias 0 added, as store_bf16's caller adds it), read back.
+inline __m512 stored_bf16(__m512 v) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(v, _mm512_setzero_ps()));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The epilogue of a paired tile: column block j < NR / 2 is silu(gate) · up of accumulators j and j + NR / 2, each
+// rounded as the GEMM stores it, then the SiLU·mul kernel's code (silu.h): that two-call path's bits.
 template <int MR, int NR>
+void store_silu_mul(const Tile& t, const __m512 (&acc)[MR][NR]) {
+  for (int j = 0; j < NR / 2; ++j) {
+    const int cols = t.cols - j * kPanel;
+    if (cols <= 0) break;
+    const __mmask16 m = cols >= kPanel ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << cols) - 1);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 out = round_bf16x16(silu_mul16(stored_bf16(acc[i][j]), stored_bf16(acc[i][j + NR / 2])));
+      _mm256_mask_storeu_epi16(t.y + i * t.ldy + j * kPanel, m,
+                               _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(out), 16)));
+    }
+  }
+}
+
+// MR rows by NR panels; PAIRED: panels NR / 2.. are the up panels of panels 0.. (t.up elements on).
+template <int MR, int NR, bool PAIRED = false>
 void tile_kernel(const Tile& t) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j)
       acc[i][j] = t.first ? _mm512_setzero_ps() : _mm512_loadu_ps(t.partial + i * t.ldp + j * kPanel);
+  int64_t at[NR];  // each panel's offset from t.w
+  for (int j = 0; j < NR; ++j)
+    at[j] = PAIRED && j >= NR / 2 ? t.up + (j - NR / 2) * t.panel_stride : j * t.panel_stride;
   const int64_t full = t.half_last ? t.pairs - 1 : t.pairs;
   const uint16_t* w = t.w;
   for (int64_t p = 0; p < full; ++p, w += kPanelPair) {
     __m512bh b[NR];
     for (int j = 0; j < NR; ++j) {
-      b[j] = (__m512bh)_mm512_loadu_si512(w + j * t.panel_stride);
-      _mm_prefetch(reinterpret_cast<const char*>(w + j * t.panel_stride + kPrefetchPairs * kPanelPair),
-                   _MM_HINT_T1);
+      b[j] = (__m512bh)_mm512_loadu_si512(w + at[j]);
+      _mm_prefetch(reinterpret_cast<const char*>(w + at[j] + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
     }
     if (t.pf)
       for (int j = t.pf_first; j < t.pf_end; ++j)
@@ -60,12 +89,16 @@ void tile_kernel(const Tile& t) {
     for (int i = 0; i < MR; ++i) {
       const __m512bh a = (__m512bh)half_pair_at(t.x + i * t.ldx + 2 * full);
       for (int j = 0; j < NR; ++j)
-        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, (__m512bh)_mm512_loadu_si512(w + j * t.panel_stride));
+        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, (__m512bh)_mm512_loadu_si512(w + at[j]));
     }
   }
   if (!t.last) {
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) _mm512_storeu_ps(t.partial + i * t.ldp + j * kPanel, acc[i][j]);
+    return;
+  }
+  if constexpr (PAIRED) {
+    store_silu_mul<MR, NR>(t, acc);
     return;
   }
   for (int j = 0; j < NR; ++j) {
@@ -110,6 +143,31 @@ TileFn tile_fn(int mr, int nr, const float* /*wide: no widened path here*/) {
 }
 
 inline int max_nr(int mr, const float* = nullptr) { return mr > 6 ? 3 : mr <= kWideRows ? kWideNR : kMaxNR; }
+
+// Paired tiles (the gate/up entry): `pairs` gate panels and their up panels, at most 24 accumulators as above.
+template <int MR>
+constexpr TileFn paired_tiles(int pairs) {
+  if constexpr (MR <= kWideRows) {
+    if (pairs > kMaxNR / 2) return pairs == 3 ? tile_kernel<MR, 6, true> : tile_kernel<MR, 8, true>;
+  }
+  if constexpr (MR > 6) return tile_kernel<MR, 2, true>;
+  return pairs == 1 ? tile_kernel<MR, 2, true> : tile_kernel<MR, 4, true>;
+}
+
+TileFn paired_tile_fn(int mr, int pairs) {
+  switch (mr) {
+    case 1: return paired_tiles<1>(pairs);
+    case 2: return paired_tiles<2>(pairs);
+    case 3: return paired_tiles<3>(pairs);
+    case 4: return paired_tiles<4>(pairs);
+    case 5: return paired_tiles<5>(pairs);
+    case 6: return paired_tiles<6>(pairs);
+    case 7: return paired_tiles<7>(pairs);
+    default: return paired_tiles<8>(pairs);
+  }
+}
+
+inline int max_pairs(int mr) { return mr > 6 ? 1 : max_nr(mr) / 2; }  // gate panels of a paired tile
 inline int group_width(int64_t m) { return m <= kWideRows ? kWideNR : kMaxNR; }
 
 // Row groups of an M block: one group of m rows when m <= 8 (small M: every weight line used by every row in one
