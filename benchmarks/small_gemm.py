@@ -13,9 +13,12 @@ interleaved, with the ratio of the two: a change to the kernel measured in one p
 packed kernel runs on AMX tiles, and its AVX-512 path runs beside it as ``avx512`` (the same library, switched per
 call with ``gemm.use_amx``). On a CPU with AVX-512 VNNI the W8A8 int8 GEMM (``--quantization w8a8_int8``,
 ``pagellm/ops/gemm_w8a8.py``) runs beside them as ``w8a8``, on the same matrices quantized (GB/s counts bf16 bytes).
+``--gate-up`` times only the layers' gate/up matrices followed by SiLU·mul, as the decoder stack runs its MLP: the
+two calls (the GEMM, then ``fused.silu_and_mul``) against the one pass (``packed_linear_silu_mul``, gate and up
+panels paired in one tile, where the kernel has it), bfloat16 and int8.
 
     .venv/bin/python benchmarks/small_gemm.py [--m 1 2 4 ... 2048] [--reps 7] [--threads N] [--old-rev 0f51e58]
-        [--old-max-m 64] [--packed-rev REV] [--shapes smollm2|llama3-8b] [--layers N]
+        [--old-max-m 64] [--packed-rev REV] [--shapes smollm2|llama3-8b] [--layers N] [--gate-up]
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's pagellm
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from pagellm.ops import gemm, gemm_w8a8  # noqa: E402
+from pagellm.ops import fused, gemm, gemm_w8a8  # noqa: E402
 from pagellm.ops.build import load_library  # noqa: E402
 
 SHAPES = {  # (in, out) of one decoder layer's matrices, LM head (in, out) or None, default layer count
@@ -119,6 +122,26 @@ def methods(plain: list[torch.Tensor], old: Callable | None,
     return out
 
 
+def gate_up_methods(gate_ups: list[torch.Tensor]) -> dict[str, Callable[[dict], None]]:
+    """Gate/up GEMM + SiLU·mul over every matrix: two calls and one pass, bfloat16 and (where it runs) int8."""
+    n2 = gate_ups[0].shape[0]
+    packed = [gemm.pack(w) for w in gate_ups]
+    out = {"bf16 two calls": lambda xs: [fused.silu_and_mul(gemm.packed_linear(xs, p, n2)) for p in packed],
+           "bf16 one pass": lambda xs: [gemm.packed_linear_silu_mul(xs, p, n2) for p in packed]}
+    if gemm_w8a8.available():
+        int8 = [gemm_w8a8.pack(*gemm_w8a8.quantize(w)) for w in gate_ups]
+        out["w8a8 two calls"] = lambda xs: [fused.silu_and_mul(gemm_w8a8.packed_linear(xs, p, n2)) for p in int8]
+        out["w8a8 one pass"] = lambda xs: [gemm_w8a8.packed_linear_silu_mul(xs, p, n2) for p in int8]
+    return out
+
+
+def gate_up_row(m: int, med: dict[str, float]) -> str:
+    cells = [f"gate/up  {m:5d}"] + [f"{name} {t * 1e3:8.2f} ms" for name, t in med.items()]
+    ratios = [f"{kind} one pass ×{med[kind + ' two calls'] / med[kind + ' one pass']:.3f} the two calls' speed"
+              for kind in ("bf16", "w8a8") if kind + " one pass" in med]
+    return " | ".join(cells + [", ".join(ratios)])
+
+
 def _on_avx512(run: Callable[[], object]) -> None:
     """``run`` on the packed kernel's AVX-512 path, then back to AMX."""
     gemm.use_amx(False)
@@ -167,6 +190,8 @@ def main() -> None:
     parser.add_argument("--old-rev", default="0f51e58", help="git revision holding the previous small-M kernel")
     parser.add_argument("--old-max-m", type=int, default=64, help="largest M to run the previous kernel at")
     parser.add_argument("--packed-rev", default=None, help="git revision of the packed kernel to run beside this one")
+    parser.add_argument("--gate-up", action="store_true",
+                        help="time the gate/up matrices with SiLU·mul only: two calls against one pass")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -177,6 +202,15 @@ def main() -> None:
     layer_shapes, head_shape, default_layers = SHAPES[args.shapes]
     layers = [torch.randn(n, k).to(torch.bfloat16) for _ in range(args.layers or default_layers)
               for k, n in layer_shapes]
+    if args.gate_up:
+        gate_ups = layers[2::len(layer_shapes)]  # the fused gate/up matrix of each layer
+        runs = gate_up_methods(gate_ups)
+        print(f"threads {torch.get_num_threads()}, packed kernel on {gemm.path()}, {len(gate_ups)} gate/up matrices "
+              f"{tuple(gate_ups[0].shape)}")
+        for m in args.m:
+            print(gate_up_row(m, measure(runs, torch.randn(m, gate_ups[0].shape[1]).to(torch.bfloat16), args.reps)),
+                  flush=True)
+        return
     groups = [("layers", layers)]
     if head_shape is not None:
         groups.append(("LM head", [torch.randn(head_shape[1], head_shape[0]).to(torch.bfloat16)]))
