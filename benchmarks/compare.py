@@ -167,7 +167,8 @@ def pagellm_offline(args: argparse.Namespace, ctx: systems.Context, result: Path
     argv = [ctx.pagellm_python, "-m", "pagellm.cli", "bench", "throughput", "--dtype", ctx.dtype, "--num-prompts",
             str(args.offline_num_prompts), "--kv-cache-memory", str(systems.KV_GIB << 30), "--result-json",
             str(result), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-            *systems.kv_flags(ctx), *(["--model", str(ctx.model_dir)] if ctx.quantization else []), *flags]
+            *systems.kv_flags(ctx), *(["--model", str(ctx.model_dir)] if ctx.quantization else []),
+            *ctx.pagellm_flags, *flags]
     return argv, {"PAGELLM_NUM_THREADS": str(ctx.threads)}
 
 
@@ -256,6 +257,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quantization", default=None, choices=["w8a8_int8"],
                         help="pagellm and vLLM serve a W8A8 int8 compressed-tensors checkpoint of the model, written "
                              "once into .peers/ (llama.cpp and transformers are skipped)")
+    parser.add_argument("--pagellm-flags", default="", metavar="FLAGS",
+                        help="pagellm's own engine flags on top of the shared ones, served and offline (e.g. "
+                             "'--max-num-batched-tokens 768'); the report lists them with the others")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ready-timeout", type=float, default=600)
     parser.add_argument("--settle", type=float, default=0.0, metavar="S",
@@ -316,7 +320,8 @@ def redraw(results_json: Path) -> None:
     quantization = getattr(args, "quantization", None)
     ctx = systems.Context(quantized_dir(resolve_model_dir(None), quantization), default_model_path(), args.dtype,
                           args.threads, max(args.concurrency), kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-                          quantization=quantization)
+                          quantization=quantization, pagellm_flags=tuple(shlex.split(getattr(args, "pagellm_flags",
+                                                                                             ""))))
     out = results_json.parent
     md = write_report(out.parent / f"{out.name}.md", out, args, ctx, data["served"], data["offline"],
                       data["skipped"], command=data.get("command"))
@@ -336,7 +341,8 @@ def main() -> None:
         sys.exit(f"compare.py: {exc}")
     ctx = systems.Context(quantized_dir(model_dir, args.quantization), default_model_path(), args.dtype,
                           args.threads, max(args.concurrency), context_per_stream=per_stream,
-                          kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+                          kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                          pagellm_flags=tuple(shlex.split(args.pagellm_flags)))
     stem = f"{datetime.date.today().isoformat()}-{args.machine}"
     out = RESULTS / stem
     (out / "logs").mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,7 @@ class Context:
     pagellm_python: str = sys.executable
     kv_cache_dtype: str = "auto"
     quantization: str | None = None  # model_dir is then that scheme's checkpoint
+    pagellm_flags: tuple[str, ...] = ()  # pagellm's own engine flags on top (compare.py --pagellm-flags)
 
 
 def kv_flags(ctx: Context) -> list[str]:
@@ -84,10 +85,11 @@ class System:
 
 def pagellm(ctx: Context, port: int) -> System:
     argv = [ctx.pagellm_python, "-m", "pagellm.cli", "serve", *model_flags(ctx), "--port", str(port), "--dtype",
-            ctx.dtype, "--kv-cache-memory", str(KV_GIB << 30), "--served-model-name", "smollm2", *kv_flags(ctx)]
+            ctx.dtype, "--kv-cache-memory", str(KV_GIB << 30), "--served-model-name", "smollm2", *kv_flags(ctx),
+            *ctx.pagellm_flags]
     return System("pagellm", argv, {"PAGELLM_NUM_THREADS": str(ctx.threads)},
-                  note=" ".join([f"--dtype {ctx.dtype} --kv-cache-memory {KV_GIB}GiB", *kv_flags(ctx)]) +
-                  f", PAGELLM_NUM_THREADS={ctx.threads}")
+                  note=" ".join([f"--dtype {ctx.dtype} --kv-cache-memory {KV_GIB}GiB", *kv_flags(ctx),
+                                 *ctx.pagellm_flags]) + f", PAGELLM_NUM_THREADS={ctx.threads}")
 
 
 def _preload(venv: Path) -> str:

@@ -246,3 +246,17 @@ def test_compare_serves_one_w8a8_checkpoint_on_pagellm_and_vllm(tmp_path, monkey
             assert str(tmp_path / "q8.gguf") in llama.argv
         else:
             assert "q8.gguf not found (run `make peers`)" in llama.missing_reason
+
+
+def test_compare_gives_pagellm_its_own_flags_served_and_offline(tmp_path, monkeypatch):
+    """``--pagellm-flags``: pagellm's own engine settings ride on its server and its offline run, and the report's
+    flags note names them; the peers' commands do not change."""
+    compare, args = _compare_args(monkeypatch, "--pagellm-flags", "--max-num-batched-tokens 768")
+    ctx = compare.systems.Context(tmp_path, tmp_path / "m.gguf", pagellm_flags=tuple(args.pagellm_flags.split()))
+    plain = compare.systems.Context(tmp_path, tmp_path / "m.gguf")
+    served = compare.systems.pagellm(ctx, 8000)
+    assert served.argv[-2:] == ["--max-num-batched-tokens", "768"] and "--max-num-batched-tokens 768" in served.note
+    assert "--max-num-batched-tokens" not in compare.systems.pagellm(plain, 8000).argv
+    offline, _ = compare.pagellm_offline(args, ctx, tmp_path / "r.json")
+    assert offline[-2:] == ["--max-num-batched-tokens", "768"]
+    assert compare.systems.vllm(ctx, 8000).argv == compare.systems.vllm(plain, 8000).argv
