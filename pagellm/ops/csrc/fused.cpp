@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "silu.h"      // round_bf16x16, silu_mul16 (shared with the packed GEMM's gate/up epilogue)
+#include "silu.h"      // round_bf16x16, store_bf16x16, silu_mul16 (shared with the packed GEMMs' gate/up epilogues)
 #include "simd_exp.h"  // exp16
 
 namespace {
@@ -35,12 +35,6 @@ inline uint16_t bf16(float f) {  // round to nearest even, as torch does
 #if defined(__AVX512F__)
 inline __m512 load_bf16x16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-// round_bf16x16 (silu.h), stored as bfloat16.
-inline void store_bf16x16(uint16_t* p, __m512 v, __mmask16 m) {
-  const __m512i u = _mm512_castps_si512(round_bf16x16(v));
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 }
 #endif
 

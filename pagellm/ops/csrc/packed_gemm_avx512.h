@@ -4,7 +4,7 @@
 // packed_gemm.cpp.
 #pragma once
 
-#include "silu.h"  // round_bf16x16, silu_mul16: the gate/up epilogue, bit for bit the SiLU·mul kernel's
+#include "silu.h"  // silu_mul16, store_bf16x16: the gate/up epilogue, bit for bit the SiLU·mul kernel's
 
 namespace {
 
@@ -51,11 +51,9 @@ void store_silu_mul(const Tile& t, const __m512 (&acc)[MR][NR]) {
     const int cols = t.cols - j * kPanel;
     if (cols <= 0) break;
     const __mmask16 m = cols >= kPanel ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << cols) - 1);
-    for (int i = 0; i < MR; ++i) {
-      const __m512 out = round_bf16x16(silu_mul16(stored_bf16(acc[i][j]), stored_bf16(acc[i][j + NR / 2])));
-      _mm256_mask_storeu_epi16(t.y + i * t.ldy + j * kPanel, m,
-                               _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(out), 16)));
-    }
+    for (int i = 0; i < MR; ++i)
+      store_bf16x16(t.y + i * t.ldy + j * kPanel, silu_mul16(stored_bf16(acc[i][j]), stored_bf16(acc[i][j + NR / 2])),
+                    m);
   }
 }
 

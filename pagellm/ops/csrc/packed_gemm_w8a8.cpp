@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "gemm_chunks.h"
-#include "silu.h"  // round_bf16x16, silu_mul16: the SiLU·mul kernel's (ops/csrc/fused.cpp)
+#include "silu.h"  // round_bf16x16, silu_mul16, store_bf16x16: the SiLU·mul kernel's (ops/csrc/fused.cpp)
 
 namespace {
 
@@ -104,8 +104,7 @@ void store_silu_mul(const Tile& t, const __m512i (&acc)[MR][NR]) {
     for (int i = 0; i < MR; ++i) {
       const __m512 gate = round_bf16x16(scaled(acc[i][j], off_g, t.sx[i], sw_g));
       const __m512 up = round_bf16x16(scaled(acc[i][j + NR / 2], off_u, t.sx[i], sw_u));
-      const __m512i out = _mm512_castps_si512(round_bf16x16(silu_mul16(gate, up)));
-      _mm256_mask_storeu_epi16(t.y + i * t.ldy + j * kPanel, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(out, 16)));
+      store_bf16x16(t.y + i * t.ldy + j * kPanel, silu_mul16(gate, up), m);
     }
   }
 }

@@ -1,6 +1,7 @@
 // SiLU(gate) * up for 16 floats (AVX-512) or 8 (AVX2 + FMA) and torch's bfloat16 rounding, shared by the SiLU·mul
-// kernel (ops/csrc/fused.cpp) and the packed GEMM (its gate/up epilogue, ops/csrc/packed_gemm_amx.h; its AVX2
-// stores, ops/csrc/packed_gemm_avx2.h), so the fused and the two-call paths give the same bits. ops/build.py
+// kernel (ops/csrc/fused.cpp) and the packed GEMMs (their gate/up epilogues: packed_gemm_amx.h,
+// packed_gemm_avx512.h, packed_gemm_w8a8.cpp; the AVX2 stores, packed_gemm_avx2.h), so the fused and the two-call
+// paths give the same bits. ops/build.py
 // compiles every kernel with this folder on the include path.
 #pragma once
 
@@ -18,6 +19,12 @@ static inline __m512 round_bf16x16(__m512 v) {
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
   return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+}
+
+// round_bf16x16 of v stored as bfloat16 into the lanes of m.
+static inline void store_bf16x16(uint16_t* p, __m512 v, __mmask16 m) {
+  const __m512i u = _mm512_castps_si512(round_bf16x16(v));
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 }
 
 // silu(g) * u = g / (1 + e^-g) * u, in float32 (g and u already bfloat16 values).
