@@ -9,8 +9,8 @@
 //    take it, and every float32 row: a float32 token then takes exactly the instructions a decode of that token
 //    would, whatever its row looks like, so a prompt computed after a prefix-cache hit reproduces the same prompt
 //    computed without one bit for bit. In bfloat16 (AVX-512 BF16, head_dim 64 or 128) the walk takes its keys in
-//    bf16 dot products (walk_bf16.h); float32 rows and other shapes widen K/V to float32 (walk_fixed, walk_vec),
-//    and CPUs with AVX2 but no AVX-512 take the 8-lane walk_avx2.h (walk_scalar where none of these serves).
+//    bf16 dot products (walk_bf16.h); float32 rows and other shapes widen K/V to float32 (walk_f32.h: walk_fixed,
+//    walk_vec), and CPUs with AVX2 but no AVX-512 take the 8-lane walk_avx2.h (walk_scalar where none serves).
 //  - the flash tile (flash_bf16.h, bfloat16 with AVX-512 BF16, head_dim 64 or 128): up to 48 query vectors (tokens
 //    x grouped heads) of one row and one kv head share each K/V tile, with bfloat16 dot products.
 // The cache may also hold 8-bit floats under bfloat16 or float32 queries (--kv-cache-dtype fp8*, ops/csrc/fp8.h):

@@ -1,5 +1,5 @@
 // The token walk in AVX2 + FMA, for CPUs without AVX-512 (AMD Zen 2/3, older Intel): the same work as walk_vec in
-// paged_attention.cpp (one query token, one kv head, its grouped query heads walking the keys once with an online
+// walk_f32.h (one query token, one kv head, its grouped query heads walking the keys once with an online
 // softmax), in 8-lane vectors. Keys come in the same 16-key tiles (tile_length), so a float32 token takes the same
 // instructions whatever row it is in. q (scaled) and the running weighted V live in stack arrays; K/V rows are
 // widened to float32 on load. Included by paged_attention.cpp.

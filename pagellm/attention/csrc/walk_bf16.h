@@ -2,7 +2,7 @@
 // heads, over the keys in tiles of up to 16 that never cross a block (decode rows, and every token of a row when
 // flash tiles are off).
 //
-// The float32 walk (paged_attention.cpp, walk_fixed) widens every K and V element to float32 and sums each key's
+// The float32 walk (walk_f32.h, walk_fixed) widens every K and V element to float32 and sums each key's
 // score horizontally, and its std::exp calls spill the accumulators; here a tile's K rows are transposed into bf16
 // pairs (kt[pair] over its 16 keys, transpose16 from flash_bf16.h), so the G score vectors of 16 keys are D/2
 // `vdpbf16ps` each against broadcast query pairs, and V rows are interleaved in key pairs, so P·V is a `vdpbf16ps`
