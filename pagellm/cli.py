@@ -15,12 +15,21 @@ import sys
 from typing import Any, Sequence
 
 from pagellm import envs
-from pagellm.config import flat_fields
+from pagellm.config import flat_fields, parse_size
 from pagellm.spec import train_cli as train_draft
+
+
+def _size(value: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("size=")) from None
 
 
 def _flag_type(field: dataclasses.Field) -> Any:
     hint = str(field.type)
+    if field.metadata.get("size"):
+        return _size
     if "bool" in hint:
         return None
     if "int" in hint:

@@ -10,10 +10,29 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 GiB = 1024**3
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+               "g": GiB, "gib": GiB, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(value: int | str, name: str = "size") -> int:
+    """Bytes from an int or a string: ``4294967296``, ``4GiB``, ``4G`` or ``4g`` (binary units: K, M, G, T, with or
+    without ``iB``), ``4GB`` (decimal: KB, MB, GB, TB), ``1.5GiB``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{name} must be a number of bytes or a size such as 4GiB, got {value!r}")
+    if isinstance(value, int):
+        return value
+    match = _SIZE.fullmatch(value)
+    unit = _SIZE_UNITS.get(match.group(2).lower()) if match else None
+    if unit is None:
+        raise ValueError(f"{name}={value!r} is not a size: write bytes (4294967296) or a number with a unit "
+                         "(4GiB, 512MiB, 4G; KB/MB/GB are powers of 1000)")
+    return int(float(match.group(1)) * unit)
 
 
 def _help(text: str, **kwargs: Any) -> Any:
@@ -59,7 +78,8 @@ class CacheConfig:
     """The paged KV cache."""
 
     block_size: int = _help("Tokens per KV-cache block.", default=16)
-    kv_cache_memory: int = _help("Bytes of memory for the KV cache (all layers).", default=2 * GiB)
+    kv_cache_memory: int = field(default=2 * GiB, metadata={
+        "help": "Memory for the KV cache (all layers): bytes, or a size such as 4GiB, 512MiB or 4G.", "size": True})
     enable_prefix_caching: bool = _help("Reuse KV blocks of identical prompt prefixes across requests.",
                                         default=True)
     kv_cache_prefault: bool = _help("Populate the KV cache's memory in the background, on CPU time nothing else "
@@ -70,6 +90,7 @@ class CacheConfig:
         "(scale 1.0, saturating), so outputs drift from the model's dtype.", default="auto")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory, "kv_cache_memory"))
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}; use auto, fp8, fp8_e4m3 or fp8_e5m2")
         if self.block_size < 1 or self.block_size > 1024:

@@ -349,9 +349,11 @@ def test_cli_generate(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> N
          "pagellm: quantization='awq' is not supported; use w8a8_int8 or leave it unset"),
         (["--quantization", "w8a8_int8", "--dtype", "float32", "--prompt", "hi"],
          "pagellm: quantization=w8a8_int8 runs on bfloat16 models; set dtype bfloat16"),
+        (["--kv-cache-memory", "4 lots", "--prompt", "hi"],
+         "argument --kv-cache-memory: '4 lots' is not a size: write bytes (4294967296) or a number with a unit"),
     ],
     ids=["not-an-int", "bad-dtype", "unknown-flag", "no-prompt", "bad-kv-cache-dtype", "bad-quantization",
-         "quantized-float32"],
+         "quantized-float32", "not-a-size"],
 )
 def test_cli_bad_flags(tiny_llama: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str) -> None:
     assert run_cli(["generate", "--model", str(tiny_llama), *flags]) == 2
