@@ -13,6 +13,8 @@ import argparse
 import json
 from typing import Any
 
+from pagellm.bench import vllm_flags
+
 SAMPLING_FLAGS = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 RESERVED_BODY_FIELDS = ("stream", "prompt", "messages")
 
@@ -33,7 +35,8 @@ def add_request_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-stream", action="store_true",
                        help="ask for whole responses instead of streams: TTFT is then the whole request, and there "
                             "is no TPOT or ITL")
-    group.add_argument("--ready-check-timeout", type=float, default=0.0, metavar="S",
+    group.add_argument(*vllm_flags.names("--ready-check-timeout"), dest="ready_check_timeout", type=float,
+                       default=0.0, metavar="S",
                        help="wait up to S seconds for the server to answer GET /v1/models before the run "
                             "(default 0: one try)")
     parser.add_argument("--metadata", nargs="+", action="extend", default=[], metavar="KEY=VALUE",

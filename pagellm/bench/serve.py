@@ -32,7 +32,7 @@ from urllib.parse import urlparse
 
 from tqdm import tqdm
 
-from pagellm.bench import datasets, request_args
+from pagellm.bench import datasets, request_args, vllm_flags
 from pagellm.bench.arrivals import RAMP_STRATEGIES, Ramp, arrival_gaps, trace_gaps
 from pagellm.bench.client import (ClientOptions, RequestResult, Server, connect, first_listed, profile, send,
                                   wait_ready)
@@ -45,17 +45,22 @@ ENDPOINTS = ("auto", "completions", "chat")
 
 
 def add_dataset_args(parser: argparse.ArgumentParser, seed_flag: str = "--seed") -> None:
-    """Dataset flags; in-process commands pass ``--dataset-seed`` (their ``--seed`` is the engine's)."""
+    """Dataset flags (and vLLM's names for them); in-process commands pass ``--dataset-seed`` (their ``--seed`` is
+    the engine's)."""
     group = parser.add_argument_group("dataset")
-    group.add_argument("--dataset", choices=datasets.DATASETS, default="random")
+
+    def add(flag: str, **kwargs: Any) -> None:
+        group.add_argument(*vllm_flags.names(flag), dest=flag[2:].replace("-", "_"), **kwargs)
+
+    add("--dataset", type=vllm_flags.dataset_name, choices=datasets.DATASETS, default="random")
     group.add_argument("--dataset-path", default=None, metavar="FILE",
                        help="the file of --dataset sharegpt (a JSON list) or custom (JSON Lines)")
     group.add_argument("--num-prompts", type=int, default=100)
-    group.add_argument("--input-len", type=int, default=128, help="prompt tokens (random; suffix for prefix)")
-    group.add_argument("--output-len", type=int, default=128, help="output tokens per request (max_tokens)")
-    group.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary uniformly by ± this fraction")
-    group.add_argument("--num-prefixes", type=int, default=4, help="shared prefixes (prefix dataset)")
-    group.add_argument("--prefix-len", type=int, default=256, help="tokens per shared prefix (prefix dataset)")
+    add("--input-len", type=int, default=128, help="prompt tokens (random; suffix for prefix)")
+    add("--output-len", type=int, default=128, help="output tokens per request (max_tokens)")
+    add("--range-ratio", type=float, default=0.0, help="lengths vary uniformly by ± this fraction")
+    add("--num-prefixes", type=int, default=4, help="shared prefixes (prefix dataset)")
+    add("--prefix-len", type=int, default=256, help="tokens per shared prefix (prefix dataset)")
     group.add_argument("--vocab-size", type=int, default=49152, help="random token ids are drawn below this")
     group.add_argument(seed_flag, dest="dataset_seed", type=int, default=0, help="dataset and arrival seed")
 
@@ -69,7 +74,7 @@ def dataset_options(args: argparse.Namespace, tokenizer: str | None = None) -> d
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
+    parser.add_argument("--base-url", default=vllm_flags.DEFAULT_BASE_URL, help="the server (default: %(default)s)")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                         help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
@@ -106,10 +111,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     report.add_argument("--label", default=None, help="a name for this system in the result and plots")
     report.add_argument("--result-json", default=None, help="write the result here")
     report.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into this folder")
-    report.add_argument("--no-progress", action="store_true", help="no progress bar")
+    report.add_argument(*vllm_flags.names("--no-progress"), dest="no_progress", action="store_true",
+                        help="no progress bar")
     report.add_argument("--profile", action="store_true",
                         help="record a torch profile on the server across the runs (POST /start_profile, then "
                              "/stop_profile: a pagellm server with --profiler-dir, or vLLM's)")
+    vllm_flags.add_args(parser)
 
 
 def ramp_of(args: argparse.Namespace) -> Ramp | None:
@@ -331,6 +338,7 @@ def _request_record(result: RequestResult) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run every (rate, concurrency) pair on its own copy of the dataset and return the JSON-able result."""
+    vllm_flags.resolve(args)
     plan = _plan(args)  # fail on bad options before touching the server
     if args.dataset == "sharegpt" and not args.tokenizer:
         logger.warning("sharegpt without --tokenizer: every request asks for --output-len %d tokens and no "
@@ -375,6 +383,7 @@ def main(args: argparse.Namespace) -> int:
     for path in result.get("profile_files", []):
         print(f"the server wrote {path}")
     if args.result_json:
+        os.makedirs(os.path.dirname(args.result_json) or ".", exist_ok=True)
         with open(args.result_json, "w") as fh:
             json.dump(result, fh, indent=1)
     if args.plot:
