@@ -26,10 +26,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-iters", type=int, default=5)
-    parser.add_argument("--num-warmup", type=int, default=1)
+    parser.add_argument("--num-warmup", "--num-iters-warmup", dest="num_warmup", type=int, default=1)
     parser.add_argument("--vocab-size", type=int, default=49152)
     parser.add_argument("--dataset-seed", type=int, default=0, help="prompt seed")
-    parser.add_argument("--result-json", default=None, help="write the result here")
+    parser.add_argument("--result-json", "--output-json", dest="result_json", default=None,
+                        help="write the result here")
     parser.add_argument("--profile", action="store_true",
                         help="after the timed batches, profile one more per batch size (needs --profiler-dir)")
     add_engine_args(parser)

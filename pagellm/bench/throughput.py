@@ -32,7 +32,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="transformers is slow: run it on the first N requests (default: all)")
     parser.add_argument("--hf-batch-size", type=int, default=32, help="transformers static batch size")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--result-json", default=None, help="write the result here")
+    parser.add_argument("--result-json", "--output-json", dest="result_json", default=None,
+                        help="write the result here")
     parser.add_argument("--profile", action="store_true",
                         help="after the measured run, run pagellm's requests again inside a torch profile "
                              "(needs --profiler-dir)")

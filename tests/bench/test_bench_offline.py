@@ -1,4 +1,5 @@
-"""``pagellm bench throughput`` (pagellm and the transformers baseline) and ``pagellm bench latency`` on a tiny model."""
+"""``pagellm bench throughput`` (pagellm and the transformers baseline) and ``pagellm bench latency`` on a tiny
+model, under our flag names and vLLM's."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ def test_throughput_runs_pagellm_and_transformers_on_the_same_requests(tiny_llam
 
 
 def test_latency_reports_each_batch_size(tiny_llama: Path, tmp_path: Path) -> None:
-    out = tmp_path / "latency.json"
+    out = tmp_path / "latency.json"  # vLLM's spellings: --num-iters-warmup, --output-json
     rc = main(["bench", "latency", "--model", str(tiny_llama), *TINY_ENGINE, "--batch-size", "1", "2",
-               "--input-len", "8", "--output-len", "4", "--num-iters", "2", "--num-warmup", "0",
-               "--vocab-size", "256", "--result-json", str(out)])
+               "--input-len", "8", "--output-len", "4", "--num-iters", "2", "--num-iters-warmup", "0",
+               "--vocab-size", "256", "--output-json", str(out)])
     assert rc == 0
     results = json.loads(out.read_text())["results"]
     assert [r["batch_size"] for r in results] == [1, 2]
@@ -55,8 +56,8 @@ def test_throughput_on_a_sharegpt_file_counts_replies_with_the_models_tokenizer(
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(data))
     out = tmp_path / "throughput.json"
-    rc = main(["bench", "throughput", "--model", str(tiny_llama), *TINY_ENGINE, "--dataset", "sharegpt",
-               "--dataset-path", str(path), "--num-prompts", "2", "--result-json", str(out)])
+    rc = main(["bench", "throughput", "--model", str(tiny_llama), *TINY_ENGINE, "--dataset-name", "sharegpt",
+               "--dataset-path", str(path), "--num-prompts", "2", "--output-json", str(out)])  # vLLM's spellings
     assert rc == 0
     (result,) = json.loads(out.read_text())["results"]
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
