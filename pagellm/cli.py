@@ -114,6 +114,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                           "carry the name asked for; default: the model argument)")
     cmd.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGELLM_API_KEY)")
+    cmd.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                     help="the chat template for /v1/chat/completions and /tokenize instead of the model's: a Jinja "
+                          "file, or the template itself")
     cmd.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                      help="log every HTTP request (default: off)")
     cmd.add_argument("--disable-log-stats", action="store_true",
@@ -127,15 +130,17 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from pagellm.config import EngineConfig
     from pagellm.server.launch import run_server
+    from pagellm.tokenizer import load_chat_template
 
     if args.model and args.model_path and args.model != args.model_path:
         print("pagellm: give the model once (positional MODEL or --model)", file=sys.stderr)
         return 2
     try:
         config = EngineConfig.from_kwargs(model=args.model or args.model_path, **engine_kwargs(args))
+        template = load_chat_template(args.chat_template) if args.chat_template is not None else None
         return run_server(config, args.host, args.port, args.served_model_name,
                           args.api_key or envs.api_key(), args.access_log, not args.disable_log_stats,
-                          args.otlp_traces_endpoint)
+                          args.otlp_traces_endpoint, template)
     except ValueError as exc:
         print(f"pagellm: {exc}", file=sys.stderr)
         return 2

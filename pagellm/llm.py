@@ -23,7 +23,7 @@ from pagellm.metrics.stats import SchedulerStats
 from pagellm.model.loader import resolve_model_dir
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
-from pagellm.tokenizer import Tokenizer
+from pagellm.tokenizer import Tokenizer, load_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +72,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of ``{"role", "content"}`` dicts) or a list of them, via the chat template."""
+        """One conversation (a list of ``{"role", "content"}`` dicts) or a list of them, via the chat template:
+        the model's, or ``chat_template`` (Jinja text or a file holding it), with ``chat_template_kwargs``."""
         if not messages:  # else an empty list would silently become an empty batch
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts "
                              "(or a list of such conversations)")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)  # type: ignore
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        template = load_chat_template(chat_template) if chat_template is not None else None
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, template)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],

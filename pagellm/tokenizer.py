@@ -7,6 +7,8 @@ detokenization (``tokenizers.decoders.DecodeStream``). ``eos_token_ids`` is ever
 of generation_config.json's and config.json's ``eos_token_id`` and the tokenizer's eos token.
 
 Bad chat input (no template, empty or malformed messages, a template that rejects them) raises ``ValueError``.
+``chat_template`` can be replaced (``pagellm serve --chat-template``, ``LLM.chat(chat_template=...)``) with a
+template ``load_chat_template`` read and checked.
 No torch here, and transformers is imported only inside ``from_dir``, so importing this module is cheap. A
 directory whose ``tokenizer_config.json`` declares the generic fast tokenizer (what the GGUF converter writes and
 ``PreTrainedTokenizerFast.save_pretrained`` records) of a Llama or Mistral model is loaded with that class
@@ -82,12 +84,15 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> str:
-        """The prompt text the chat template makes of ``messages`` (OpenAI-style ``{"role", "content"}`` dicts)."""
-        if self.chat_template is None:
+        """The prompt text the chat template (``chat_template``, else the tokenizer's) makes of ``messages``
+        (OpenAI-style ``{"role", "content"}`` dicts)."""
+        template = chat_template or self.chat_template
+        if template is None:
             raise ValueError(
                 "this model has no chat template; send a plain prompt (completions) instead of messages, "
-                "or use a model whose tokenizer_config.json has a chat_template"
+                "or give one (pagellm serve --chat-template FILE, LLM.chat(chat_template=...))"
             )
         _check_messages(messages)
         from jinja2 import TemplateError
@@ -96,6 +101,7 @@ class Tokenizer:
             return self._hf.apply_chat_template(
                 messages,
                 tokenize=False,
+                chat_template=template,
                 add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {}),
             )
@@ -107,9 +113,10 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat prompt."""
-        text = self.render_chat(messages, add_generation_prompt, chat_template_kwargs)
+        text = self.render_chat(messages, add_generation_prompt, chat_template_kwargs, chat_template)
         # The template already writes every special token the model wants (BOS included), as transformers'
         # own apply_chat_template assumes; adding them again would double the BOS.
         return self.encode(text, add_special_tokens=False)
@@ -132,6 +139,25 @@ def _declares_generic_fast(model_dir: Path) -> bool:
     return (isinstance(tokenizer_config, dict) and isinstance(config, dict)
             and tokenizer_config.get("tokenizer_class") in _GENERIC_FAST and "auto_map" not in tokenizer_config
             and config.get("model_type") in _GENERIC_FAST_MODEL_TYPES and (model_dir / "tokenizer.json").is_file())
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template as ``--chat-template`` takes it: the file ``value`` names, else ``value`` itself when it is
+    Jinja text; a ``ValueError`` when it is neither or does not parse."""
+    if Path(value).is_file():
+        text = Path(value).read_text(encoding="utf-8")
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"chat template {value!r}: no such file, and not a Jinja template either (no {{{{ or {{%)")
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:  # the environment transformers renders templates in
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"chat template {value[:60]!r}: line {exc.lineno}: {exc.message}") from None
+    return text
 
 
 def _default_template(template: str | dict[str, str] | None) -> str | None:

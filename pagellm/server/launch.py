@@ -40,13 +40,15 @@ _HEALTH_POLL_S = 0.1
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                served_model_names: Optional[Sequence[str]] = None, api_key: Optional[str] = None,
                access_log: bool = False, log_stats: bool = True,
-               otlp_traces_endpoint: Optional[str] = None) -> int:
-    """Serve until SIGTERM/SIGINT (returns 0) or until the engine core dies on its own (returns 1)."""
+               otlp_traces_endpoint: Optional[str] = None, chat_template: Optional[str] = None) -> int:
+    """Serve until SIGTERM/SIGINT (returns 0) or until the engine core dies on its own (returns 1).
+    ``chat_template`` (Jinja text, ``tokenizer.load_chat_template``) replaces the model's."""
     sock = _bind(host, port)
     model = config.model_config.model
     names = list(served_model_names or [model or DEFAULT_MODEL_NAME])
     try:
-        return _run(_serve(config, sock, names, api_key, access_log, log_stats, otlp_traces_endpoint))
+        return _run(_serve(config, sock, names, api_key, access_log, log_stats, otlp_traces_endpoint,
+                           chat_template))
     finally:
         sock.close()
 
@@ -74,10 +76,13 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def _serve(config: EngineConfig, sock: socket.socket, names: list[str], api_key: Optional[str],
-                 access_log: bool, log_stats: bool = True, otlp_traces_endpoint: Optional[str] = None) -> int:
+                 access_log: bool, log_stats: bool = True, otlp_traces_endpoint: Optional[str] = None,
+                 chat_template: Optional[str] = None) -> int:
     from pagellm.engine.async_engine import AsyncLLM
 
     engine = AsyncLLM.from_config(config)
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template
     try:
         obs = build_observability(names[0], config, engine.runtime, log_stats, otlp_traces_endpoint)
         engine.stats_sink = obs.sink

@@ -1,0 +1,69 @@
+"""A chat template of one's own: ``pagellm serve --chat-template`` (a file or the Jinja text) renders every chat
+request and ``/tokenize`` with it, ``LLM.chat(chat_template=...)`` likewise; a template that is no file and no Jinja,
+or does not parse, is refused before anything starts, naming the line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import openai
+import pytest
+from server_utils import ENGINE_FLAGS, ServerProcess
+
+from pagellm import LLM, SamplingParams
+from pagellm.tokenizer import Tokenizer, load_chat_template
+
+TEMPLATE = ("{% for m in messages %}[{{ m.role }}: {{ m.content }}]{% endfor %}"
+            "{% if add_generation_prompt %}>{% endif %}")
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+RENDERED = "[system: Be brief.][user: Hi there]>"
+
+
+def test_a_template_is_read_from_its_file_or_taken_as_text(tmp_path: Path) -> None:
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    assert load_chat_template(str(path)) == TEMPLATE == load_chat_template(TEMPLATE)
+    with pytest.raises(ValueError, match="'missing.jinja': no such file, and not a Jinja template either"):
+        load_chat_template("missing.jinja")
+    with pytest.raises(ValueError, match="line 2: .*endfor"):
+        load_chat_template("{% for m in messages %}\n{{ m.content }}{% endif %}")
+
+
+def test_llm_chat_renders_with_the_given_template(tiny_llama: Path, tmp_path: Path) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="16MiB")
+    tokenizer = Tokenizer.from_dir(tiny_llama)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    (out,) = llm.chat(CHAT, params, use_tqdm=False, chat_template=TEMPLATE)
+    assert out.prompt_token_ids == tokenizer.encode(RENDERED, add_special_tokens=False)
+    kwargs_template = "{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    (out,) = llm.chat(CHAT, params, use_tqdm=False, chat_template=kwargs_template,
+                      chat_template_kwargs={"greeting": "Hello! "})
+    assert out.prompt_token_ids == tokenizer.encode("Hello! Be brief.Hi there", add_special_tokens=False)
+    (plain,) = llm.chat(CHAT, params, use_tqdm=False)  # the model's own template again
+    assert plain.prompt_token_ids == tokenizer.apply_chat_template(CHAT)
+
+
+def test_server_renders_chat_and_tokenize_with_its_template(start_server: Callable[..., ServerProcess],
+                                                             tiny_llama: Path, tmp_path: Path) -> None:
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    server = start_server(tiny_llama, "--served-model-name", "tiny", "--chat-template", str(path))
+    expected = Tokenizer.from_dir(tiny_llama).encode(RENDERED, add_special_tokens=False)
+    assert httpx.post(f"{server.base_url}/tokenize", json={"messages": CHAT}).json()["tokens"] == expected
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2)
+    assert reply.usage.prompt_tokens == len(expected)
+
+
+@pytest.mark.parametrize(("template", "message"), [
+    ("nothing.jinja", "chat template 'nothing.jinja': no such file, and not a Jinja template either"),
+    ("{% for m in messages %}", "line 1: Unexpected end of template"),
+])
+def test_a_bad_template_stops_serve_before_it_starts(tiny_llama: Path, template: str, message: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "pagellm.cli", "serve", str(tiny_llama), "--port", "1",
+                             "--chat-template", template, *ENGINE_FLAGS], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr
