@@ -44,14 +44,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for field in flat_fields():
         if field.name == "model":
             continue
-        flag = "--" + field.name.replace("_", "-")
+        flags = ("--" + field.name.replace("_", "-"), *field.metadata.get("aliases", ()))
         kind = _flag_type(field)
         if kind is None:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+            group.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
                                help=f"{field.metadata['help']} (default: {field.default})")
         else:
-            group.add_argument(flag, type=kind, default=None, help=f"{field.metadata['help']} "
-                                                                   f"(default: {field.default})")
+            group.add_argument(*flags, dest=field.name, type=kind, default=None,
+                               help=f"{field.metadata['help']} (default: {field.default})")
     group.add_argument("--speculative-config", default=None,
                        help='Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
 

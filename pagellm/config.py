@@ -79,7 +79,8 @@ class CacheConfig:
 
     block_size: int = _help("Tokens per KV-cache block.", default=16)
     kv_cache_memory: int = field(default=2 * GiB, metadata={
-        "help": "Memory for the KV cache (all layers): bytes, or a size such as 4GiB, 512MiB or 4G.", "size": True})
+        "help": "Memory for the KV cache (all layers): bytes, or a size such as 4GiB, 512MiB or 4G.", "size": True,
+        "aliases": ("--kv-cache-memory-bytes",)})  # vLLM's name
     enable_prefix_caching: bool = _help("Reuse KV blocks of identical prompt prefixes across requests.",
                                         default=True)
     kv_cache_prefault: bool = _help("Populate the KV cache's memory in the background, on CPU time nothing else "

@@ -350,7 +350,7 @@ def test_cli_generate(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> N
         (["--quantization", "w8a8_int8", "--dtype", "float32", "--prompt", "hi"],
          "pagellm: quantization=w8a8_int8 runs on bfloat16 models; set dtype bfloat16"),
         (["--kv-cache-memory", "4 lots", "--prompt", "hi"],
-         "argument --kv-cache-memory: '4 lots' is not a size: write bytes (4294967296) or a number with a unit"),
+         "argument --kv-cache-memory/--kv-cache-memory-bytes: '4 lots' is not a size: write bytes (4294967296)"),
     ],
     ids=["not-an-int", "bad-dtype", "unknown-flag", "no-prompt", "bad-kv-cache-dtype", "bad-quantization",
          "quantized-float32", "not-a-size"],

@@ -38,5 +38,7 @@ def test_kv_cache_memory_takes_sizes_from_kwargs_and_flags() -> None:
     assert engine_kwargs(args)["kv_cache_memory"] == 4 << 30
     args = build_parser().parse_args(["generate", "--kv-cache-memory", "1073741824", "--prompt", "hi"])
     assert engine_kwargs(args)["kv_cache_memory"] == 1 << 30
+    args = build_parser().parse_args(["serve", "--kv-cache-memory-bytes", "2G"])  # vLLM's name
+    assert engine_kwargs(args)["kv_cache_memory"] == 2 << 30
     with pytest.raises(ValueError, match="kv_cache_memory must be a positive number of bytes, got 0"):
         CacheConfig(kv_cache_memory="0GiB")
