@@ -12,6 +12,7 @@ import difflib
 import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 GiB = 1024**3
@@ -59,8 +60,16 @@ class ModelConfig:
         "Quantize the weights at load: w8a8_int8 (int8 weights per output channel, int8 activations per token, int32 "
         "products: about half the weight bytes and twice the multiply-adds per instruction; needs bfloat16 and a CPU "
         "with AVX-512 VNNI). The LM head and embedding stay in the model's dtype. Default: none.", default=None)
+    generation_config: str = _help(
+        "Default sampling parameters for requests that leave them unset: auto (the model's generation_config.json: "
+        "temperature, top_p, top_k, min_p, penalties, and max_new_tokens as max_tokens, as vLLM does), vllm (the "
+        "neutral OpenAI defaults), or a folder holding a generation_config.json.", default="auto")
 
     def __post_init__(self) -> None:
+        source = self.generation_config
+        if source not in ("auto", "vllm") and not (Path(source) / "generation_config.json").is_file():
+            raise ValueError(f"generation_config={source!r}: use auto (the model's generation_config.json), vllm "
+                             "(the neutral defaults) or a folder holding a generation_config.json")
         if self.quantization not in (None, "w8a8_int8"):
             raise ValueError(f"quantization={self.quantization!r} is not supported; use w8a8_int8 or leave it unset")
         if self.quantization and self.dtype in ("float32", "fp32", "float"):

@@ -19,6 +19,7 @@ from pagellm.engine.client import InprocClient
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
+from pagellm.generation_config import sampling_defaults
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.model.loader import resolve_model_dir
 from pagellm.outputs import RequestOutput
@@ -43,7 +44,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
-        self.tokenizer = Tokenizer.from_dir(resolve_model_dir(model))
+        model_dir = resolve_model_dir(model)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.sampling_defaults = sampling_defaults(model_dir, self.config.model_config.generation_config)
         self.engine = InprocClient(self.config)
         runtime = self.engine.runtime
         self.input_processor = InputProcessor(self.tokenizer, runtime.max_model_len, runtime.vocab_size)
@@ -60,11 +63,17 @@ class LLM:
     ) -> list[RequestOutput]:
         """Prompts are strings or token-id lists (or one of either); outputs come back in input order."""
         batch = _as_prompt_list(prompts)
-        params = _per_prompt(sampling_params, len(batch), "sampling_params")
+        params = _per_prompt(sampling_params if sampling_params is not None else self.get_default_sampling_params(),
+                             len(batch), "sampling_params")
         priorities = _per_prompt(list(priority) if priority is not None else 0, len(batch), "priority")
         groups = self._add_requests(batch, params, priorities)
         finished = self._run([i for group in groups for i in group], use_tqdm)
         return [self._merge([finished[i] for i in group], p) for group, p in zip(groups, params)]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` sample with when given no parameters: ``SamplingParams()`` with the
+        defaults of the model's generation_config.json (``generation_config`` engine argument, as vLLM does)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def chat(
         self,
@@ -177,8 +186,6 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
 
 
 def _per_prompt(value: Any, count: int, name: str) -> list:
-    if value is None:
-        value = SamplingParams()
     if isinstance(value, (list, tuple)):
         if len(value) != count:
             raise ValueError(f"{name} has {len(value)} entries for {count} prompts; pass one, or one per prompt")

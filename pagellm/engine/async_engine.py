@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Union
+from typing import Any, AsyncIterator, Callable, Union
 
 import msgspec
 
@@ -50,6 +50,7 @@ from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor, RequestState
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, RequestError
+from pagellm.generation_config import sampling_defaults
 from pagellm.metrics import tracing
 from pagellm.metrics.sink import NullStatsSink, StatsSink
 from pagellm.metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
@@ -105,6 +106,7 @@ class AsyncLLM:
 
     tokenizer: Tokenizer
     output_processor: OutputProcessor
+    sampling_defaults: dict[str, Any]  # the model's generation_config.json (generation_config.py)
 
     def __init__(self, config: EngineConfig, load_tokenizer: Callable[[], Tokenizer],
                  startup_timeout_s: float = 600.0, stats_sink: StatsSink | None = None) -> None:
@@ -124,6 +126,8 @@ class AsyncLLM:
         def load_text_side() -> None:  # no output can arrive before the handshake, so none meets a half-made engine
             self.tokenizer = load_tokenizer()
             self.output_processor = OutputProcessor(self.tokenizer)
+            self.sampling_defaults = sampling_defaults(resolve_model_dir(config.model_config.model),
+                                                       config.model_config.generation_config)
 
         self.client = MPClient(config, self._on_outputs, self._on_dead, startup_timeout_s,
                                while_starting=load_text_side)

@@ -9,7 +9,9 @@ Contract:
   legacy ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, and on chat OpenAI's
   ``response_format`` (``json_object`` or ``json_schema``); at most one of them per request.
 - ``logit_bias`` keys are token ids written as strings (OpenAI's JSON form).
-- ``to_sampling_params`` maps a request onto ``SamplingParams`` field for field; its ``ValueError`` is a 400.
+- ``to_sampling_params`` maps a request onto ``SamplingParams`` field for field; its ``ValueError`` is a 400. A
+  sampling field the request leaves unset takes the server's default (``generation_config.sampling_defaults``: the
+  model's generation_config.json, as vLLM does), else the neutral OpenAI value.
 - Responses carry OpenAI's field names and ``object`` strings so the ``openai`` SDK parses them unchanged.
 """
 
@@ -120,15 +122,22 @@ class SamplingRequest(OpenAIModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], best_of: Optional[int] = None,
-                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
+                        prompt_logprobs: Optional[int] = None, defaults: Optional[dict[str, Any]] = None
+                        ) -> SamplingParams:
+        defaults = defaults or {}
+
+        def pick(name: str, neutral: Any) -> Any:  # the request's value, else the server's default, else OpenAI's
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, neutral)
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
             seed=self.seed,
-            max_tokens=max_tokens,
+            max_tokens=max_tokens if max_tokens is not None else defaults.get("max_tokens"),
             min_tokens=self.min_tokens,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -138,9 +147,9 @@ class SamplingRequest(OpenAIModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=self._logit_bias(),
             bad_words=self.bad_words or None,
             allowed_token_ids=self.allowed_token_ids,
@@ -168,10 +177,10 @@ class CompletionRequest(SamplingRequest):
                                      "set stream=false or best_of=n"))
         return found
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         # echo + logprobs scores the prompt too (what evaluation harnesses use): prompt logprobs with the same k.
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self.sampling_params(self.max_tokens, self.logprobs, self.best_of, prompt_logprobs)
+        return self.sampling_params(self.max_tokens, self.logprobs, self.best_of, prompt_logprobs, defaults)
 
 
 class CompletionLogprobs(BaseModel):
@@ -286,9 +295,9 @@ class ChatCompletionRequest(SamplingRequest):
         raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', "
                          f"got {fmt.get('type')!r}")
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(limit, (self.top_logprobs or 0) if self.logprobs else None)
+        return self.sampling_params(limit, (self.top_logprobs or 0) if self.logprobs else None, defaults=defaults)
 
 
 class ChatResponseMessage(BaseModel):

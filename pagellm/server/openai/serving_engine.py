@@ -41,6 +41,7 @@ class EngineClient(Protocol):
 
     tokenizer: Tokenizer
     runtime: Any  # max_model_len, num_blocks, vocab_size
+    sampling_defaults: dict[str, Any]  # for requests that leave them unset (generation_config.py)
 
     def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
                  priority: int = 0) -> AsyncIterator[RequestOutput]: ...
@@ -97,6 +98,7 @@ class OpenAIServing:
     def __init__(self, engine: EngineClient, model_names: Sequence[str]) -> None:
         self.engine = engine
         self.tokenizer: Tokenizer = engine.tokenizer
+        self.sampling_defaults: dict[str, Any] = engine.sampling_defaults
         self.model_names = list(model_names)
         self.max_model_len: int = engine.runtime.max_model_len
         self.vocab_size: int = engine.runtime.vocab_size
@@ -112,7 +114,7 @@ class OpenAIServing:
         model = self.check_model(request.model)
         for field, why in request.unsupported():
             raise APIError(why, 400, param=field, code="unsupported_parameter")
-        params: SamplingParams = request.to_sampling_params()  # type: ignore[attr-defined]
+        params: SamplingParams = request.to_sampling_params(self.sampling_defaults)  # type: ignore[attr-defined]
         # Checked here too (the engine checks again) so a stream never starts for a request that must fail.
         params.check_token_ids(self.vocab_size)
         if params.structured_outputs is not None:

@@ -1,0 +1,56 @@
+"""Default sampling parameters from a model's ``generation_config.json``, as vLLM applies them.
+
+A model's creators often recommend how to sample it (Llama 3 Instruct: temperature 0.6, top_p 0.9) in
+``generation_config.json``. With ``generation_config="auto"`` (the default, vLLM's too) a request that leaves one of
+``SAMPLING_KEYS`` unset takes the file's value instead of the neutral OpenAI default, and ``max_new_tokens`` becomes
+the default ``max_tokens``; what a request sets always wins. ``"vllm"`` keeps the neutral defaults (vLLM's name for
+that), and a folder path reads the ``generation_config.json`` in it instead of the model's. ``do_sample`` is not
+consulted, as vLLM does not: a file that sets a temperature makes it the default even with ``do_sample: false``.
+The OpenAI server (``server/openai/protocol.py``) and ``LLM.generate`` without sampling parameters apply them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
+NEUTRAL = "vllm"
+
+
+def sampling_defaults(model_dir: Path, source: str = "auto") -> dict[str, Any]:
+    """The ``SamplingParams`` fields ``source`` (``ModelConfig.generation_config``, checked there) sets for requests
+    that leave them unset (empty for ``vllm``)."""
+    if source == NEUTRAL:
+        return {}
+    path = (Path(model_dir) if source == "auto" else Path(source)) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} is not readable JSON ({exc}); fix it, or pass --generation-config vllm to leave "
+                         "it out") from None
+    defaults = {key: config[key] for key in SAMPLING_KEYS if config.get(key) is not None}
+    if config.get("max_new_tokens") is not None:
+        defaults["max_tokens"] = config["max_new_tokens"]
+    _check_values(defaults, path)
+    if defaults:
+        logger.info("default sampling parameters from %s: %s (what a request sets wins; --generation-config vllm "
+                    "keeps the neutral defaults)", path, defaults)
+    return defaults
+
+
+def _check_values(defaults: dict[str, Any], path: Path) -> None:
+    from pagellm.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**defaults)  # validates in __post_init__
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path} sets sampling defaults pagellm cannot use ({exc}); fix the file, or pass "
+                         "--generation-config vllm to leave it out") from None
