@@ -36,6 +36,18 @@ def parse_size(value: int | str, name: str = "size") -> int:
     return int(float(match.group(1)) * unit)
 
 
+def _json_object(value: dict[str, Any] | str | None, name: str) -> dict[str, Any] | None:
+    """A dict from a dict or its JSON text (None stays None)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON ({exc}); e.g. '{{\"temperature\": 0.5}}'") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, e.g. '{{\"temperature\": 0.5}}', got {value!r}")
+    return value
+
+
 def _help(text: str, **kwargs: Any) -> Any:
     return field(metadata={"help": text}, **kwargs)
 
@@ -64,12 +76,17 @@ class ModelConfig:
         "Default sampling parameters for requests that leave them unset: auto (the model's generation_config.json: "
         "temperature, top_p, top_k, min_p, penalties, and max_new_tokens as max_tokens, as vLLM does), vllm (the "
         "neutral OpenAI defaults), or a folder holding a generation_config.json.", default="auto")
+    override_generation_config: dict[str, Any] | str | None = _help(
+        "Sampling defaults set over generation_config's, as a JSON object of its keys (vLLM's flag), e.g. "
+        "'{\"temperature\": 0.5, \"max_new_tokens\": 256}'.", default=None)
 
     def __post_init__(self) -> None:
         source = self.generation_config
         if source not in ("auto", "vllm") and not (Path(source) / "generation_config.json").is_file():
             raise ValueError(f"generation_config={source!r}: use auto (the model's generation_config.json), vllm "
                              "(the neutral defaults) or a folder holding a generation_config.json")
+        object.__setattr__(self, "override_generation_config", _json_object(self.override_generation_config,
+                                                                            "override_generation_config"))
         if self.quantization not in (None, "w8a8_int8"):
             raise ValueError(f"quantization={self.quantization!r} is not supported; use w8a8_int8 or leave it unset")
         if self.quantization and self.dtype in ("float32", "fp32", "float"):

@@ -4,7 +4,8 @@ A model's creators often recommend how to sample it (Llama 3 Instruct: temperatu
 ``generation_config.json``. With ``generation_config="auto"`` (the default, vLLM's too) a request that leaves one of
 ``SAMPLING_KEYS`` unset takes the file's value instead of the neutral OpenAI default, and ``max_new_tokens`` becomes
 the default ``max_tokens``; what a request sets always wins. ``"vllm"`` keeps the neutral defaults (vLLM's name for
-that), and a folder path reads the ``generation_config.json`` in it instead of the model's. ``do_sample`` is not
+that), and a folder path reads the ``generation_config.json`` in it instead of the model's;
+``override_generation_config`` sets keys over either (also over ``vllm``'s none, as vLLM does). ``do_sample`` is not
 consulted, as vLLM does not: a file that sets a temperature makes it the default even with ``do_sample: false``.
 The OpenAI server (``server/openai/protocol.py``) and ``LLM.generate`` without sampling parameters apply them.
 """
@@ -23,12 +24,30 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
 NEUTRAL = "vllm"
 
 
-def sampling_defaults(model_dir: Path, source: str = "auto") -> dict[str, Any]:
+def sampling_defaults(model_dir: Path, source: str = "auto", override: dict[str, Any] | None = None
+                      ) -> dict[str, Any]:
     """The ``SamplingParams`` fields ``source`` (``ModelConfig.generation_config``, checked there) sets for requests
-    that leave them unset (empty for ``vllm``)."""
-    if source == NEUTRAL:
-        return {}
+    that leave them unset (none for ``vllm``), with ``override`` (``override_generation_config``, generation-config
+    keys) set over them."""
     path = (Path(model_dir) if source == "auto" else Path(source)) / "generation_config.json"
+    config = {} if source == NEUTRAL else _read(path)
+    unknown = sorted(set(override or {}) - {*SAMPLING_KEYS, "max_new_tokens"})
+    if unknown:
+        raise ValueError(f"override_generation_config: {', '.join(unknown)} not among its keys "
+                         f"({', '.join(SAMPLING_KEYS)}, max_new_tokens)")
+    config.update(override or {})
+    defaults = {key: config[key] for key in SAMPLING_KEYS if config.get(key) is not None}
+    if config.get("max_new_tokens") is not None:
+        defaults["max_tokens"] = config["max_new_tokens"]
+    _check_values(defaults, path if not override else f"{path} with override_generation_config")
+    if defaults:
+        logger.info("default sampling parameters: %s (from %s%s; what a request sets wins, --generation-config vllm "
+                    "keeps the neutral defaults)", defaults, "nothing" if source == NEUTRAL else path,
+                    " and override_generation_config" if override else "")
+    return defaults
+
+
+def _read(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
@@ -36,21 +55,14 @@ def sampling_defaults(model_dir: Path, source: str = "auto") -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path} is not readable JSON ({exc}); fix it, or pass --generation-config vllm to leave "
                          "it out") from None
-    defaults = {key: config[key] for key in SAMPLING_KEYS if config.get(key) is not None}
-    if config.get("max_new_tokens") is not None:
-        defaults["max_tokens"] = config["max_new_tokens"]
-    _check_values(defaults, path)
-    if defaults:
-        logger.info("default sampling parameters from %s: %s (what a request sets wins; --generation-config vllm "
-                    "keeps the neutral defaults)", path, defaults)
-    return defaults
+    return config if isinstance(config, dict) else {}
 
 
-def _check_values(defaults: dict[str, Any], path: Path) -> None:
+def _check_values(defaults: dict[str, Any], where: Path | str) -> None:
     from pagellm.sampling_params import SamplingParams
 
     try:
         SamplingParams(**defaults)  # validates in __post_init__
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{path} sets sampling defaults pagellm cannot use ({exc}); fix the file, or pass "
-                         "--generation-config vllm to leave it out") from None
+        raise ValueError(f"{where} sets sampling defaults pagellm cannot use ({exc}); fix it, or pass "
+                         "--generation-config vllm to leave the file out") from None

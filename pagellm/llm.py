@@ -46,7 +46,9 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
         model_dir = resolve_model_dir(model)
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.sampling_defaults = sampling_defaults(model_dir, self.config.model_config.generation_config)
+        model_config = self.config.model_config
+        self.sampling_defaults = sampling_defaults(model_dir, model_config.generation_config,
+                                                   model_config.override_generation_config)
         self.engine = InprocClient(self.config)
         runtime = self.engine.runtime
         self.input_processor = InputProcessor(self.tokenizer, runtime.max_model_len, runtime.vocab_size)

@@ -126,8 +126,9 @@ class AsyncLLM:
         def load_text_side() -> None:  # no output can arrive before the handshake, so none meets a half-made engine
             self.tokenizer = load_tokenizer()
             self.output_processor = OutputProcessor(self.tokenizer)
-            self.sampling_defaults = sampling_defaults(resolve_model_dir(config.model_config.model),
-                                                       config.model_config.generation_config)
+            model = config.model_config
+            self.sampling_defaults = sampling_defaults(resolve_model_dir(model.model), model.generation_config,
+                                                       model.override_generation_config)
 
         self.client = MPClient(config, self._on_outputs, self._on_dead, startup_timeout_s,
                                while_starting=load_text_side)
