@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 from pagellm import envs
 from pagellm.config import flat_fields, parse_size
+from pagellm.server.options import add_serve_args, serve_options
 from pagellm.spec import train_cli as train_draft
 
 
@@ -107,40 +108,20 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                      help="HF directory or .gguf file (default: built-in SmolLM2)")
     cmd.add_argument("--model", default=None, help="same as the positional MODEL")
-    cmd.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    cmd.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    cmd.add_argument("--served-model-name", action="append", default=None,
-                     help="model name clients send (repeatable: the server answers to each, and responses "
-                          "carry the name asked for; default: the model argument)")
-    cmd.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGELLM_API_KEY)")
-    cmd.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
-                     help="the chat template for /v1/chat/completions and /tokenize instead of the model's: a Jinja "
-                          "file, or the template itself")
-    cmd.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
-                     help="log every HTTP request (default: off)")
-    cmd.add_argument("--disable-log-stats", action="store_true",
-                     help="turn engine stats off: no Prometheus engine series, no stats log line, no dashboard data")
-    cmd.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                     help="export one OpenTelemetry span per request to this OTLP endpoint (gRPC by default, e.g. "
-                          "http://127.0.0.1:4317; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for HTTP)")
+    add_serve_args(cmd)
     add_engine_args(cmd)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from pagellm.config import EngineConfig
     from pagellm.server.launch import run_server
-    from pagellm.tokenizer import load_chat_template
 
     if args.model and args.model_path and args.model != args.model_path:
         print("pagellm: give the model once (positional MODEL or --model)", file=sys.stderr)
         return 2
     try:
         config = EngineConfig.from_kwargs(model=args.model or args.model_path, **engine_kwargs(args))
-        template = load_chat_template(args.chat_template) if args.chat_template is not None else None
-        return run_server(config, args.host, args.port, args.served_model_name,
-                          args.api_key or envs.api_key(), args.access_log, not args.disable_log_stats,
-                          args.otlp_traces_endpoint, template)
+        return run_server(config, serve_options(args))
     except ValueError as exc:
         print(f"pagellm: {exc}", file=sys.stderr)
         return 2

@@ -18,14 +18,15 @@ import asyncio
 import logging
 import signal
 import socket
-from collections.abc import Coroutine, Sequence
-from typing import Any, Optional
+from collections.abc import Coroutine
+from typing import Any
 
 import uvicorn
 
 from pagellm.config import EngineConfig
 from pagellm.engine.exceptions import EngineDeadError
 from pagellm.server.observability import build_observability
+from pagellm.server.options import ServeOptions
 from pagellm.server.openai.routes import build_app
 from pagellm.server.openai.serving_engine import EngineClient
 
@@ -37,18 +38,13 @@ _DEAD_ENGINE_GRACE_S = 2.0  # after the core dies, keep answering 503 this long 
 _HEALTH_POLL_S = 0.1
 
 
-def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
-               served_model_names: Optional[Sequence[str]] = None, api_key: Optional[str] = None,
-               access_log: bool = False, log_stats: bool = True,
-               otlp_traces_endpoint: Optional[str] = None, chat_template: Optional[str] = None) -> int:
-    """Serve until SIGTERM/SIGINT (returns 0) or until the engine core dies on its own (returns 1).
-    ``chat_template`` (Jinja text, ``tokenizer.load_chat_template``) replaces the model's."""
-    sock = _bind(host, port)
+def run_server(config: EngineConfig, options: ServeOptions = ServeOptions()) -> int:
+    """Serve until SIGTERM/SIGINT (returns 0) or until the engine core dies on its own (returns 1)."""
+    sock = _bind(options.host, options.port)
     model = config.model_config.model
-    names = list(served_model_names or [model or DEFAULT_MODEL_NAME])
+    names = list(options.served_model_names or [model or DEFAULT_MODEL_NAME])
     try:
-        return _run(_serve(config, sock, names, api_key, access_log, log_stats, otlp_traces_endpoint,
-                           chat_template))
+        return _run(_serve(config, sock, names, options))
     finally:
         sock.close()
 
@@ -75,26 +71,25 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(config: EngineConfig, sock: socket.socket, names: list[str], api_key: Optional[str],
-                 access_log: bool, log_stats: bool = True, otlp_traces_endpoint: Optional[str] = None,
-                 chat_template: Optional[str] = None) -> int:
+async def _serve(config: EngineConfig, sock: socket.socket, names: list[str], options: ServeOptions) -> int:
     from pagellm.engine.async_engine import AsyncLLM
 
     engine = AsyncLLM.from_config(config)
-    if chat_template is not None:
-        engine.tokenizer.chat_template = chat_template
+    if options.chat_template is not None:
+        engine.tokenizer.chat_template = options.chat_template
     try:
-        obs = build_observability(names[0], config, engine.runtime, log_stats, otlp_traces_endpoint)
+        obs = build_observability(names[0], config, engine.runtime, options.log_stats, options.otlp_traces_endpoint)
         engine.stats_sink = obs.sink
-        app = build_app(engine, names, api_key, model_root=config.model_config.model, observability=obs)
+        app = build_app(engine, names, options.api_key, model_root=config.model_config.model, observability=obs,
+                        cors=options.cors)
         server = uvicorn.Server(uvicorn.Config(
-            app, http="httptools", log_level="warning", access_log=access_log, lifespan="off",
+            app, http="httptools", log_level="warning", access_log=options.access_log, lifespan="off",
             timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S))
         # uvicorn re-raises the signal that stopped it once it is done; a quiet handler turns that into a return,
         # so the engine below is shut down rather than the process killed with its child left behind.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _note_signal)
-        ready = asyncio.create_task(_announce_when_ready(server, sock, names, api_key is not None))
+        ready = asyncio.create_task(_announce_when_ready(server, sock, names, options.api_key is not None))
         watchdog = asyncio.create_task(_stop_when_engine_dies(engine, server))
         await server.serve(sockets=[sock])
         ready.cancel()

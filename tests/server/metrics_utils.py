@@ -32,6 +32,11 @@ def value(samples: dict, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+# Headless Chromium as the browser tests run it (Debian's package, driven by Playwright).
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
 def require_binary(name: str) -> str:
     """The binary's path; the test fails (never skips) without it: ``scripts/install-system-deps.sh`` installs it."""
     path = shutil.which(name)

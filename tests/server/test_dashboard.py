@@ -10,12 +10,10 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
-from metrics_utils import random_prompt, require_binary
+from metrics_utils import CHROMIUM_ARGS, random_prompt, require_binary
 from server_utils import ServerProcess, wait_until
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 # True once every chart holds a non-zero, non-null point (KV usage and hit rate included).
 CHARTS_HAVE_DATA = """() => {
   const d = window.pagellmDashboard;

@@ -27,11 +27,13 @@ from typing import Any, Optional
 import anyio
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import pagellm
 from pagellm.server.observability import Observability
 from pagellm.server.observability import install as install_observability
+from pagellm.server.options import Cors
 from pagellm.server.openai.errors import APIError, install_error_handlers
 from pagellm.server.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                             DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
@@ -46,11 +48,15 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optional[str] = None,
-              model_root: Optional[str] = None, observability: Optional[Observability] = None) -> FastAPI:
+              model_root: Optional[str] = None, observability: Optional[Observability] = None,
+              cors: Optional[Cors] = None) -> FastAPI:
     if not model_names:
         raise ValueError("give at least one served model name")
     app = FastAPI(title="pagellm", version=pagellm.__version__, docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
+                           allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
     app.include_router(_v1_router(engine, model_names, api_key, model_root))
     app.include_router(_admin_router(engine, model_names))
     app.include_router(_profile_router(engine, api_key))

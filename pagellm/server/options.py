@@ -1,0 +1,84 @@
+"""``pagellm serve``'s own flags (everything but the engine's): where to listen, which names to answer to, auth, the
+chat template, logging, tracing and CORS, as one ``ServeOptions``.
+
+CORS follows vLLM's flags and defaults: ``--allowed-origins``, ``--allowed-methods`` and ``--allowed-headers`` take
+JSON lists (default ``["*"]``: a browser page from any origin may call the API, as vLLM's and llama.cpp's servers
+allow), ``--allow-credentials`` lets such calls carry cookies and HTTP auth. ``--api-key`` is enforced either way.
+No torch here: the frontend imports this before the engine core starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pagellm import envs
+
+
+@dataclass(frozen=True)
+class Cors:
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: Optional[list[str]] = None
+    api_key: Optional[str] = None
+    chat_template: Optional[str] = None  # Jinja text (tokenizer.load_chat_template), replacing the model's
+    access_log: bool = False
+    log_stats: bool = True
+    otlp_traces_endpoint: Optional[str] = None
+    cors: Cors = field(default_factory=Cors)
+
+
+def _json_list(value: str) -> list[str]:
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise argparse.ArgumentTypeError(f"{value!r}: give a JSON list of strings, e.g. '[\"https://app.example\"]'")
+    return items
+
+
+def add_serve_args(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    cmd.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    cmd.add_argument("--served-model-name", action="append", default=None,
+                     help="model name clients send (repeatable: the server answers to each, and responses "
+                          "carry the name asked for; default: the model argument)")
+    cmd.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGELLM_API_KEY)")
+    cmd.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                     help="the chat template for /v1/chat/completions and /tokenize instead of the model's: a Jinja "
+                          "file, or the template itself")
+    cmd.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
+                     help="log every HTTP request (default: off)")
+    cmd.add_argument("--disable-log-stats", action="store_true",
+                     help="turn engine stats off: no Prometheus engine series, no stats log line, no dashboard data")
+    cmd.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                     help="export one OpenTelemetry span per request to this OTLP endpoint (gRPC by default, e.g. "
+                          "http://127.0.0.1:4317; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for HTTP)")
+    cors = cmd.add_argument_group("CORS (browser pages on other origins)")
+    for name in ("origins", "methods", "headers"):
+        cors.add_argument(f"--allowed-{name}", type=_json_list, default=["*"], metavar="JSON_LIST",
+                          help=f"the {name} a cross-origin call may use (default: [\"*\"])")
+    cors.add_argument("--allow-credentials", action="store_true", help="let cross-origin calls send credentials")
+
+
+def serve_options(args: argparse.Namespace) -> ServeOptions:
+    """The parsed flags as options; the chat template is read and checked here (a ValueError names the problem)."""
+    from pagellm.tokenizer import load_chat_template
+
+    template = load_chat_template(args.chat_template) if args.chat_template is not None else None
+    return ServeOptions(args.host, args.port, args.served_model_name, args.api_key or envs.api_key(), template,
+                        args.access_log, not args.disable_log_stats, args.otlp_traces_endpoint,
+                        Cors(args.allowed_origins, args.allowed_methods, args.allowed_headers,
+                             args.allow_credentials))
