@@ -84,12 +84,12 @@ async def _serve(config: EngineConfig, sock: socket.socket, names: list[str], op
                         cors=options.cors)
         server = uvicorn.Server(uvicorn.Config(
             app, http="httptools", log_level="warning", access_log=options.access_log, lifespan="off",
-            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S))
+            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S, **(options.tls.uvicorn_kwargs() if options.tls else {})))
         # uvicorn re-raises the signal that stopped it once it is done; a quiet handler turns that into a return,
         # so the engine below is shut down rather than the process killed with its child left behind.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _note_signal)
-        ready = asyncio.create_task(_announce_when_ready(server, sock, names, options.api_key is not None))
+        ready = asyncio.create_task(_announce_when_ready(server, sock, names, options))
         watchdog = asyncio.create_task(_stop_when_engine_dies(engine, server))
         await server.serve(sockets=[sock])
         ready.cancel()
@@ -133,10 +133,11 @@ def _note_signal(sig: int, _frame: object) -> None:
 
 
 async def _announce_when_ready(server: uvicorn.Server, sock: socket.socket, names: list[str],
-                               auth: bool) -> None:
+                               options: ServeOptions) -> None:
     while not server.started:
         await asyncio.sleep(0.02)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    logger.info("pagellm is serving %s at http://%s:%d/v1 (OpenAI-compatible%s); Ctrl+C or SIGTERM stops it",
-                ", ".join(names), shown, port, ", API key required" if auth else "")
+    logger.info("pagellm is serving %s at %s://%s:%d/v1 (OpenAI-compatible%s); Ctrl+C or SIGTERM stops it",
+                ", ".join(names), "https" if options.tls else "http", shown, port,
+                ", API key required" if options.api_key is not None else "")

@@ -4,6 +4,8 @@ chat template, logging, tracing and CORS, as one ``ServeOptions``.
 CORS follows vLLM's flags and defaults: ``--allowed-origins``, ``--allowed-methods`` and ``--allowed-headers`` take
 JSON lists (default ``["*"]``: a browser page from any origin may call the API, as vLLM's and llama.cpp's servers
 allow), ``--allow-credentials`` lets such calls carry cookies and HTTP auth. ``--api-key`` is enforced either way.
+``--ssl-keyfile`` with ``--ssl-certfile`` serves HTTPS (``--ssl-ca-certs`` adds the CAs whose client certificates
+are accepted; ``--ssl-cert-reqs 2`` requires one), as vLLM's flags do; the files are checked before anything starts.
 No torch here: the frontend imports this before the engine core starts.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from pagellm import envs
 
@@ -26,6 +28,18 @@ class Cors:
 
 
 @dataclass(frozen=True)
+class Tls:
+    keyfile: str
+    certfile: str
+    ca_certs: Optional[str] = None
+    cert_reqs: int = 0  # ssl.CERT_NONE; 2 = CERT_REQUIRED (client certificates)
+
+    def uvicorn_kwargs(self) -> dict[str, Any]:
+        return {"ssl_keyfile": self.keyfile, "ssl_certfile": self.certfile, "ssl_ca_certs": self.ca_certs,
+                "ssl_cert_reqs": self.cert_reqs}
+
+
+@dataclass(frozen=True)
 class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -36,6 +50,7 @@ class ServeOptions:
     log_stats: bool = True
     otlp_traces_endpoint: Optional[str] = None
     cors: Cors = field(default_factory=Cors)
+    tls: Optional[Tls] = None
 
 
 def _json_list(value: str) -> list[str]:
@@ -71,6 +86,13 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
         cors.add_argument(f"--allowed-{name}", type=_json_list, default=["*"], metavar="JSON_LIST",
                           help=f"the {name} a cross-origin call may use (default: [\"*\"])")
     cors.add_argument("--allow-credentials", action="store_true", help="let cross-origin calls send credentials")
+    tls = cmd.add_argument_group("HTTPS")
+    tls.add_argument("--ssl-keyfile", default=None, help="the server's private key (PEM), with --ssl-certfile")
+    tls.add_argument("--ssl-certfile", default=None, help="the server's certificate chain (PEM), with --ssl-keyfile")
+    tls.add_argument("--ssl-ca-certs", default=None,
+                     help="CA certificates (PEM) that client certificates must chain to")
+    tls.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0,
+                     help="client certificates: 0 none (default), 1 optional, 2 required")
 
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:
@@ -81,4 +103,25 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(args.host, args.port, args.served_model_name, args.api_key or envs.api_key(), template,
                         args.access_log, not args.disable_log_stats, args.otlp_traces_endpoint,
                         Cors(args.allowed_origins, args.allowed_methods, args.allowed_headers,
-                             args.allow_credentials))
+                             args.allow_credentials), _tls(args))
+
+
+def _tls(args: argparse.Namespace) -> Optional[Tls]:
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    if args.ssl_keyfile is None:
+        if args.ssl_ca_certs is not None or args.ssl_cert_reqs:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs go with --ssl-keyfile and --ssl-certfile")
+        return None
+    tls = Tls(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:  # what uvicorn will load, loaded now: a wrong path or a key that does not match fails before the model loads
+        context.load_cert_chain(tls.certfile, tls.keyfile)
+        if tls.ca_certs is not None:
+            context.load_verify_locations(tls.ca_certs)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cannot use the TLS files ({exc}); check --ssl-keyfile, --ssl-certfile and "
+                         "--ssl-ca-certs") from None
+    return tls

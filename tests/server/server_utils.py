@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -19,10 +20,12 @@ ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "16000000", "--max-mo
 
 
 class ServerProcess:
-    def __init__(self, model: Path, extra_args: list[str], log_path: Path) -> None:
+    def __init__(self, model: Path, extra_args: list[str], log_path: Path, ca: Path | None = None) -> None:
+        """``ca``: the server speaks HTTPS with a certificate from this CA (PEM), which ``verify`` then trusts."""
         self.model = model
         self.port = _free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"{'https' if ca else 'http'}://127.0.0.1:{self.port}"
+        self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca)) if ca else True
         self.api_key = extra_args[extra_args.index("--api-key") + 1] if "--api-key" in extra_args else None
         cmd = [sys.executable, "-m", "pagellm.cli", "serve", str(model), "--port", str(self.port), *ENGINE_FLAGS,
                *extra_args]
@@ -37,7 +40,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-5000:]}")
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
+                if httpx.get(f"{self.base_url}/health", timeout=1.0, verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
