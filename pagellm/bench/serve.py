@@ -78,7 +78,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                         help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
-    parser.add_argument("--endpoint", choices=ENDPOINTS, default="auto",
+    parser.add_argument("--endpoint", type=vllm_flags.endpoint, choices=ENDPOINTS, default="auto",
                         help="where requests go: auto (chat for messages, completions for prompts), completions, "
                              "or chat (text prompts sent as one user message)")
     add_dataset_args(parser)

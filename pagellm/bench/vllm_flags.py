@@ -2,7 +2,8 @@
 here as it is, where the two mean the same thing.
 
 Spelled differently, same meaning (extra names on our own flags, ``ALIASES``): ``--dataset-name`` (``--dataset``;
-vLLM's ``prefix_repetition`` is our ``prefix``), ``--random-input-len``, ``--random-output-len``,
+vLLM's ``prefix_repetition`` is our ``prefix``; ``--endpoint /v1/completions`` or ``/v1/chat/completions`` is our
+``completions`` or ``chat``), ``--random-input-len``, ``--random-output-len``,
 ``--random-range-ratio``, the four ``--prefix-repetition-*`` lengths, ``--disable-tqdm`` (``--no-progress``) and
 ``--ready-check-timeout-sec``. Shaped differently, folded into ours by ``resolve`` before a run: ``--host`` and
 ``--port`` (``--base-url``), ``--backend openai|vllm|openai-chat`` (``--endpoint``), ``--served-model-name``
@@ -41,6 +42,12 @@ def names(flag: str) -> tuple[str, ...]:
 
 def dataset_name(value: str) -> str:
     return "prefix" if value == "prefix_repetition" else value
+
+
+def endpoint(value: str) -> str:
+    """vLLM's ``--endpoint`` is the route: ``/v1/completions`` is our ``completions``, ``/v1/chat/completions``
+    our ``chat``."""
+    return {"/v1/completions": "completions", "/v1/chat/completions": "chat"}.get(value, value)
 
 
 def _percentiles(value: str) -> list[float]:

@@ -41,6 +41,8 @@ def test_vllm_spellings_mean_our_flags(tmp_path: Path) -> None:
                                "--input-len", "20", "--output-len", "8")
     assert _resolved("--port", "9000")["base_url"] == "http://127.0.0.1:9000"
     assert _resolved("--backend", "vllm")["endpoint"] == "completions"
+    assert _resolved("--backend", "openai-chat", "--endpoint", "/v1/chat/completions")["endpoint"] == "chat"
+    assert _resolved("--endpoint", "/v1/completions")["endpoint"] == "completions"
     saved = _resolved("--save-result")["result_json"]
     assert saved.startswith("./pagellm-bench-") and saved.endswith(".json")
 
