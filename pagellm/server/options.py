@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import ssl
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -114,8 +115,6 @@ def _tls(args: argparse.Namespace) -> Optional[Tls]:
             raise ValueError("--ssl-ca-certs and --ssl-cert-reqs go with --ssl-keyfile and --ssl-certfile")
         return None
     tls = Tls(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
-    import ssl
-
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:  # what uvicorn will load, loaded now: a wrong path or a key that does not match fails before the model loads
         context.load_cert_chain(tls.certfile, tls.keyfile)
