@@ -293,6 +293,9 @@ def parse_args() -> argparse.Namespace:
         args.offline_num_prompts = 0
     if args.dataset == "random" and args.dataset_path:
         parser.error("--dataset-path goes with --dataset sharegpt or custom")
+    if not args.machine or any(sep in args.machine for sep in "/\\") or args.machine.startswith("."):
+        parser.error(f"--machine {args.machine!r} names the results file benchmarks/results/DATE-MACHINE.md: give a "
+                     "name, not a path")
     return args
 
 

@@ -177,6 +177,14 @@ def _compare_args(monkeypatch: pytest.MonkeyPatch, *argv: str):
     return compare, compare.parse_args()
 
 
+def test_machine_is_a_name_not_a_path(monkeypatch, capsys) -> None:
+    for machine in ("/tmp/check", "../up", ""):
+        with pytest.raises(SystemExit):
+            _compare_args(monkeypatch, "--machine", machine)
+        assert "give a name, not a path" in capsys.readouterr().err
+    assert _compare_args(monkeypatch, "--machine", "vm-2threads")[1].machine == "vm-2threads"
+
+
 def test_compare_serves_the_dataset_to_every_system_and_sizes_llama_cpp_for_it(tmp_path, tiny_llama, monkeypatch):
     path = tmp_path / "requests.jsonl"
     path.write_text('{"prompt": [101, 102, 103, 104, 105], "max_tokens": 7}\n'
