@@ -9,9 +9,8 @@ Contract:
   legacy ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, and on chat OpenAI's
   ``response_format`` (``json_object`` or ``json_schema``); at most one of them per request.
 - ``logit_bias`` keys are token ids written as strings (OpenAI's JSON form).
-- ``to_sampling_params`` maps a request onto ``SamplingParams`` field for field; its ``ValueError`` is a 400. A
-  sampling field the request leaves unset takes the server's default (``generation_config.sampling_defaults``: the
-  model's generation_config.json, as vLLM does), else the neutral OpenAI value.
+- ``to_sampling_params`` maps a request onto ``SamplingParams`` field for field (a field left unset: the model's
+  generation_config.json default, ``generation_config.py``, else OpenAI's); its ``ValueError`` is a 400.
 - Responses carry OpenAI's field names and ``object`` strings so the ``openai`` SDK parses them unchanged.
 """
 
@@ -124,11 +123,9 @@ class SamplingRequest(OpenAIModel):
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], best_of: Optional[int] = None,
                         prompt_logprobs: Optional[int] = None, defaults: Optional[dict[str, Any]] = None
                         ) -> SamplingParams:
-        defaults = defaults or {}
-
         def pick(name: str, neutral: Any) -> Any:  # the request's value, else the server's default, else OpenAI's
             value = getattr(self, name)
-            return value if value is not None else defaults.get(name, neutral)
+            return value if value is not None else (defaults or {}).get(name, neutral)
 
         return SamplingParams(
             n=self.n,
@@ -137,7 +134,7 @@ class SamplingRequest(OpenAIModel):
             top_k=pick("top_k", 0),
             min_p=pick("min_p", 0.0),
             seed=self.seed,
-            max_tokens=max_tokens if max_tokens is not None else defaults.get("max_tokens"),
+            max_tokens=max_tokens if max_tokens is not None else (defaults or {}).get("max_tokens"),
             min_tokens=self.min_tokens,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
