@@ -15,13 +15,23 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagellm.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty")
 NEUTRAL = "vllm"
+
+
+def for_model(model: ModelConfig) -> dict[str, Any]:
+    """``sampling_defaults`` of a model config (its model resolved to its directory)."""
+    from pagellm.model.loader import resolve_model_dir
+
+    return sampling_defaults(resolve_model_dir(model.model), model.generation_config, model.override_generation_config)
 
 
 def sampling_defaults(model_dir: Path, source: str = "auto", override: dict[str, Any] | None = None

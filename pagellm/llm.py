@@ -14,12 +14,12 @@ from typing import Any, Iterator, Sequence
 import msgspec
 from tqdm.auto import tqdm
 
+from pagellm import generation_config
 from pagellm.config import EngineConfig
 from pagellm.engine.client import InprocClient
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
-from pagellm.generation_config import sampling_defaults
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.model.loader import resolve_model_dir
 from pagellm.outputs import RequestOutput
@@ -44,11 +44,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
-        model_dir = resolve_model_dir(model)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
-        model_config = self.config.model_config
-        self.sampling_defaults = sampling_defaults(model_dir, model_config.generation_config,
-                                                   model_config.override_generation_config)
+        self.tokenizer = Tokenizer.from_dir(resolve_model_dir(model))
+        self.sampling_defaults = generation_config.for_model(self.config.model_config)
         self.engine = InprocClient(self.config)
         runtime = self.engine.runtime
         self.input_processor = InputProcessor(self.tokenizer, runtime.max_model_len, runtime.vocab_size)

@@ -43,6 +43,7 @@ from typing import Any, AsyncIterator, Callable, Union
 
 import msgspec
 
+from pagellm import generation_config
 from pagellm.config import EngineConfig
 from pagellm.engine.client import MPClient
 from pagellm.engine.exceptions import EngineDeadError
@@ -50,7 +51,6 @@ from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor, RequestState
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, RequestError
-from pagellm.generation_config import sampling_defaults
 from pagellm.metrics import tracing
 from pagellm.metrics.sink import NullStatsSink, StatsSink
 from pagellm.metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
@@ -126,9 +126,7 @@ class AsyncLLM:
         def load_text_side() -> None:  # no output can arrive before the handshake, so none meets a half-made engine
             self.tokenizer = load_tokenizer()
             self.output_processor = OutputProcessor(self.tokenizer)
-            model = config.model_config
-            self.sampling_defaults = sampling_defaults(resolve_model_dir(model.model), model.generation_config,
-                                                       model.override_generation_config)
+            self.sampling_defaults = generation_config.for_model(config.model_config)
 
         self.client = MPClient(config, self._on_outputs, self._on_dead, startup_timeout_s,
                                while_starting=load_text_side)
