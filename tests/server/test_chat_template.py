@@ -1,6 +1,7 @@
 """A chat template of one's own: ``pagellm serve --chat-template`` (a file or the Jinja text) renders every chat
-request and ``/tokenize`` with it, ``LLM.chat(chat_template=...)`` likewise; a template that is no file and no Jinja,
-or does not parse, is refused before anything starts, naming the line."""
+request (with its ``tools`` when ``tool_choice`` is 'none') and ``/tokenize`` with it, ``LLM.chat(chat_template=...)``
+likewise; a template that is no file and no Jinja, or does not parse, is refused before anything starts, naming the
+line."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from server_utils import ENGINE_FLAGS, ServerProcess
 from pagellm import LLM, SamplingParams
 from pagellm.tokenizer import Tokenizer, load_chat_template
 
-TEMPLATE = ("{% for m in messages %}[{{ m.role }}: {{ m.content }}]{% endfor %}"
+TEMPLATE = ("{% if tools %}{% for t in tools %}(tool {{ t.function.name }}){% endfor %}{% endif %}"
+            "{% for m in messages %}[{{ m.role }}: {{ m.content }}]{% endfor %}"
             "{% if add_generation_prompt %}>{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 RENDERED = "[system: Be brief.][user: Hi there]>"
 
@@ -57,6 +60,17 @@ def test_server_renders_chat_and_tokenize_with_its_template(start_server: Callab
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2)
     assert reply.usage.prompt_tokens == len(expected)
+    # tools with tool_choice 'none' reach the template (nothing calls them); a malformed tool is a 400
+    with_tools = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, tools=TOOLS,
+                                                tool_choice="none")
+    tokenizer = Tokenizer.from_dir(tiny_llama)
+    assert with_tools.usage.prompt_tokens == len(tokenizer.encode("(tool get_weather)" + RENDERED,
+                                                                  add_special_tokens=False))
+    assert with_tools.choices[0].message.tool_calls is None
+    with pytest.raises(openai.BadRequestError, match="each tool must be"):
+        client.chat.completions.create(model="tiny", messages=CHAT, tools=[{"type": "function"}], tool_choice="none")
+    with pytest.raises(openai.BadRequestError, match="tool calling is not supported yet"):
+        client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS)  # OpenAI's default: auto
 
 
 @pytest.mark.parametrize(("template", "message"), [

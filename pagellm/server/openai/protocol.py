@@ -272,8 +272,9 @@ class ChatCompletionRequest(SamplingRequest):
         found = super().unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             found.append(("top_logprobs", "top_logprobs needs logprobs: true"))
-        if self.tools or self.tool_choice not in (None, "none"):
-            found.append(("tools", "tool calling is not supported yet; omit tools and tool_choice"))
+        if self.tool_choice not in (None, "none") or (self.tools and self.tool_choice is None):
+            found.append(("tools", "tool calling is not supported yet; omit tools, or send tool_choice 'none' "
+                                   "(the tools then reach only the chat template)"))
         return found
 
     def _response_format(self) -> dict[str, Any]:

@@ -18,10 +18,11 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.chunks import ChunkWriter
-from pagellm.server.openai.errors import sse_error
+from pagellm.server.openai.errors import APIError, sse_error
 from pagellm.server.openai.logprobs import chat_logprobs, prompt_logprobs_body
 from pagellm.server.openai.protocol import (ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk,
                                             ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
@@ -51,8 +52,7 @@ class OpenAIServingChat(OpenAIServing):
         """Validate and render the conversation (raises APIError / ValueError → 4xx before anything is queued)."""
         model, params = self.check_request(request)
         messages = [m.to_template_dict(i) for i, m in enumerate(request.messages)]
-        prompt = self.tokenizer.apply_chat_template(messages, request.add_generation_prompt,
-                                                    request.chat_template_kwargs)
+        prompt = self.tokenizer.apply_chat_template(messages, request.add_generation_prompt, _template_kwargs(request))
         return _Job(request, random_id("chatcmpl"), model, self.check_prompt(prompt), params)
 
     async def create(self, job: _Job) -> ChatCompletionResponse:
@@ -104,3 +104,16 @@ def _chunk(job: _Job, choices: list[ChatChunkChoice], usage: UsageInfo | None = 
     body = ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model, choices=choices,
                                usage=usage)
     return f"data: {body.model_dump_json()}\n\n"
+
+
+def _template_kwargs(request: ChatCompletionRequest) -> Optional[dict[str, Any]]:
+    """What the chat template gets besides the messages: ``chat_template_kwargs``, and ``tools`` when sent (with
+    ``tool_choice`` 'none': the model may read them, nothing calls them)."""
+    if not request.tools:
+        return request.chat_template_kwargs
+    for tool in request.tools:
+        if not (isinstance(tool, dict) and tool.get("type") == "function"
+                and isinstance((tool.get("function") or {}).get("name"), str)):
+            raise APIError("each tool must be {'type': 'function', 'function': {'name': ..., ...}}", 400,
+                           param="tools")
+    return {**(request.chat_template_kwargs or {}), "tools": request.tools}
