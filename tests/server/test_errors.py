@@ -66,7 +66,7 @@ BAD_REQUESTS = [
      400, "text parts", None),
     ("chat/completions", _chat(top_logprobs=3), 400, "needs logprobs: true", "top_logprobs"),
     ("chat/completions", _chat(logprobs=True, top_logprobs=-1), 400, "top_logprobs", "top_logprobs"),
-    ("chat/completions", _chat(tools=[{"type": "function"}]), 400, "not supported yet", "tools"),
+    ("chat/completions", _chat(tools=[{"type": "function"}]), 400, "each tool must be", "tools"),
     ("chat/completions", _chat(presence_penalty=2.5), 400, "presence_penalty", "presence_penalty"),
     ("chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400,
      "json_schema needs", None),

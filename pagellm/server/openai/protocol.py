@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagellm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from pagellm.server.openai import tools as tooling
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 # Sibling i of an n-sample request uses seed + i (n <= 128), which must still fit the wire's int64.
@@ -272,24 +273,22 @@ class ChatCompletionRequest(SamplingRequest):
         found = super().unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             found.append(("top_logprobs", "top_logprobs needs logprobs: true"))
-        if self.tool_choice not in (None, "none") or (self.tools and self.tool_choice is None):
-            found.append(("tools", "tool calling is not supported yet; omit tools, or send tool_choice 'none' "
-                                   "(the tools then reach only the chat template)"))
-        return found
+        return found + tooling.problems(self.tools, self.tool_choice)
 
     def _response_format(self) -> dict[str, Any]:
-        """``response_format`` as a structured-output spec (OpenAI: text, json_object or json_schema)."""
-        fmt = self.response_format
+        """``response_format`` as a structured-output spec (OpenAI: text, json_object or json_schema), and a named
+        tool call's arguments schema (``tools.constraint``)."""
+        fmt, tool = self.response_format, tooling.constraint(self.tools, self.tool_choice)
         if not fmt or fmt.get("type") == "text":
-            return {}
+            return tool
         if fmt.get("type") == "json_object":
-            return {"response_format": {"json_object": True}}
+            return {"response_format": {"json_object": True}, **tool}
         if fmt.get("type") == "json_schema":
             spec = fmt.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                 raise ValueError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': "
                                  "{...}}} with the schema as an object")
-            return {"response_format": {"json": spec["schema"]}}
+            return {"response_format": {"json": spec["schema"]}, **tool}
         raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', "
                          f"got {fmt.get('type')!r}")
 
@@ -301,6 +300,7 @@ class ChatCompletionRequest(SamplingRequest):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[tooling.ToolCall]] = None
 
 
 class TopLogprob(BaseModel):
@@ -339,6 +339,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[tooling.DeltaToolCall]] = None
 
 
 class ChatChunkChoice(BaseModel):

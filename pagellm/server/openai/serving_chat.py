@@ -22,7 +22,8 @@ from typing import Any, Optional
 
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.chunks import ChunkWriter
-from pagellm.server.openai.errors import APIError, sse_error
+from pagellm.server.openai import tools as tooling
+from pagellm.server.openai.errors import sse_error
 from pagellm.server.openai.logprobs import chat_logprobs, prompt_logprobs_body
 from pagellm.server.openai.protocol import (ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk,
                                             ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
@@ -61,7 +62,8 @@ class OpenAIServingChat(OpenAIServing):
         async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority):
             choices.setdefault(output.outputs[0].index, _Choice()).add(output)
             prompt_logprobs = prompt_logprobs or output.prompt_logprobs
-        result = [ChatCompletionChoice(index=i, message=ChatResponseMessage(content=c.text), logprobs=_logprobs(job, c),
+        name = tooling.named(job.request.tools, job.request.tool_choice)
+        result = [ChatCompletionChoice(index=i, message=_message(c.text, name), logprobs=_logprobs(job, c),
                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                   for i, c in sorted(choices.items())]
         return ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=result,
@@ -70,19 +72,21 @@ class OpenAIServingChat(OpenAIServing):
     async def stream(self, job: _Job) -> AsyncIterator[str]:
         choices: dict[int, _Choice] = {}
         writer = ChunkWriter("chat", job.request_id, job.created, job.model)
+        name = tooling.named(job.request.tools, job.request.tool_choice)
         try:
             # The role goes first, before any token exists, as OpenAI does: clients see the reply has begun.
-            yield _chunk(job, [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+            yield _chunk(job, [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
+                                                                        content=None if name else ""))
                                for i in range(job.request.n)])
             async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority):
                 index = output.outputs[0].index
                 choice = choices.setdefault(index, _Choice())
                 text = choice.add(output)
                 if text or choice.finish_reason:
-                    if job.params.logprobs is None:  # the common chunk: no pydantic model per token
+                    if job.params.logprobs is None and name is None:  # the common chunk: no pydantic model per token
                         yield writer.text_choice(index, text, choice.finish_reason, choice.stop_reason)
                         continue
-                    delta = ChatDelta(content=text) if text else ChatDelta()
+                    delta = _delta(text, name, choice)
                     yield _chunk(job, [ChatChunkChoice(index=index, delta=delta, logprobs=_logprobs(job, choice),
                                                        finish_reason=choice.finish_reason,
                                                        stop_reason=choice.stop_reason)])
@@ -107,13 +111,27 @@ def _chunk(job: _Job, choices: list[ChatChunkChoice], usage: UsageInfo | None = 
 
 
 def _template_kwargs(request: ChatCompletionRequest) -> Optional[dict[str, Any]]:
-    """What the chat template gets besides the messages: ``chat_template_kwargs``, and ``tools`` when sent (with
-    ``tool_choice`` 'none': the model may read them, nothing calls them)."""
+    """What the chat template gets besides the messages: ``chat_template_kwargs``, and ``tools`` when sent."""
     if not request.tools:
         return request.chat_template_kwargs
-    for tool in request.tools:
-        if not (isinstance(tool, dict) and tool.get("type") == "function"
-                and isinstance((tool.get("function") or {}).get("name"), str)):
-            raise APIError("each tool must be {'type': 'function', 'function': {'name': ..., ...}}", 400,
-                           param="tools")
     return {**(request.chat_template_kwargs or {}), "tools": request.tools}
+
+
+def _message(text: str, name: Optional[str]) -> ChatResponseMessage:
+    """The reply: its text, or with a named tool choice a call of that function with the text as arguments."""
+    if name is None:
+        return ChatResponseMessage(content=text)
+    call = tooling.ToolCall(id=tooling.call_id(), function=tooling.FunctionCall(name=name, arguments=text))
+    return ChatResponseMessage(content=None, tool_calls=[call])
+
+
+def _delta(text: str, name: Optional[str], choice: _Choice) -> ChatDelta:
+    """A streamed piece: text, or argument text of the named call (its first piece with the call's id and name)."""
+    if name is None:
+        return ChatDelta(content=text) if text else ChatDelta()
+    if not text and choice.started:  # the finishing chunk
+        return ChatDelta()
+    first, choice.started = not choice.started, True
+    function = tooling.DeltaFunctionCall(name=name if first else None, arguments=text)
+    return ChatDelta(tool_calls=[tooling.DeltaToolCall(id=tooling.call_id() if first else None,
+                                                       type="function" if first else None, function=function)])

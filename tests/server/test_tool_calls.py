@@ -1,0 +1,70 @@
+"""Named function calling through the ``openai`` SDK: a ``tool_choice`` naming a function makes the reply a call of it
+whose arguments follow its ``parameters`` schema, whole or streamed (the first delta with id and name, the rest
+argument text), ``content`` null and ``finish_reason`` "stop"; what cannot be honoured (``auto``, ``required``, a
+name not among the tools, a second constraint, a malformed tool) is a 400 that says what works."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from server_utils import ServerProcess
+
+CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
+PARAMETERS = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"enum": [1, 2]}},
+              "required": ["unit", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+
+
+def _check_arguments(arguments: str) -> None:
+    value = json.loads(arguments)
+    assert value["unit"] in ("celsius", "fahrenheit") and value["days"] in (1, 2) and set(value) == {"unit", "days"}
+
+
+def test_a_named_function_is_called_with_arguments_that_follow_its_schema(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, tool_choice=NAMED,
+                                           max_tokens=64, n=2, seed=5)
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+        _check_arguments(call.function.arguments)
+
+
+def test_a_named_call_streams_its_id_and_name_first_then_argument_text(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, tool_choice=NAMED,
+                                            max_tokens=64, stream=True, seed=6)
+    calls, finish = [], None
+    for chunk in stream:
+        (choice,) = chunk.choices
+        finish = choice.finish_reason or finish
+        calls += choice.delta.tool_calls or []
+        assert not choice.delta.content
+    assert calls[0].id.startswith("chatcmpl-tool-") and calls[0].function.name == "get_weather"
+    assert all(c.id is None and c.function.name is None and c.index == 0 for c in calls[1:]) and len(calls) > 1
+    _check_arguments("".join(c.function.arguments for c in calls))
+    assert finish == "stop"
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"tools": TOOLS}, "tool_choice 'auto' (the default with tools) is not supported yet; name a function"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice 'auto' is not supported yet"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice 'required' is not supported yet"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice names 'nope', which is not among the tools sent"),
+    ({"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},
+     "give at most one structured-output constraint, got response_format, tool_choice"),
+    ({"tools": [{"type": "function", "function": {}}], "tool_choice": "none"}, "each tool must be"),
+])
+def test_what_cannot_be_honoured_is_a_400_saying_what_works(client: openai.OpenAI, settings: dict,
+                                                            message: str) -> None:
+    with pytest.raises(openai.BadRequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, **settings)
