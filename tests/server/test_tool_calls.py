@@ -1,7 +1,9 @@
-"""Named function calling through the ``openai`` SDK: a ``tool_choice`` naming a function makes the reply a call of it
+"""Function calling through the ``openai`` SDK: a ``tool_choice`` naming a function makes the reply a call of it
 whose arguments follow its ``parameters`` schema, whole or streamed (the first delta with id and name, the rest
-argument text), ``content`` null and ``finish_reason`` "stop"; what cannot be honoured (``auto``, ``required``, a
-name not among the tools, a second constraint, a malformed tool) is a 400 that says what works."""
+argument text), ``content`` null and ``finish_reason`` "stop"; ``required`` makes it a list of calls of the tools
+sent (one with ``parallel_tool_calls`` false), "tool_calls", or the text when ``max_tokens`` cut it short; what
+cannot be honoured (``auto``, ``required`` streamed or without tools, a name not among the tools, a second
+constraint, a malformed tool) is a 400 that says what works."""
 
 from __future__ import annotations
 
@@ -11,11 +13,15 @@ import openai
 import pytest
 from server_utils import ServerProcess
 
+from pagellm.server.openai import tools
+
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 PARAMETERS = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"enum": [1, 2]}},
               "required": ["unit", "days"], "additionalProperties": False}
+ZONE = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+        "additionalProperties": False}  # every schema here has finitely many values: a random model's reply ends
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+         {"type": "function", "function": {"name": "get_time", "parameters": ZONE}}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
@@ -54,10 +60,43 @@ def test_a_named_call_streams_its_id_and_name_first_then_argument_text(client: o
     assert finish == "stop"
 
 
+def test_required_lists_calls_of_the_tools_sent(client: openai.OpenAI) -> None:
+    # one call per reply (parallel_tool_calls false bounds the list, so a random model's reply always ends)
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=200, n=4, seed=7)
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.id.startswith("chatcmpl-tool-")
+        if call.function.name == "get_weather":
+            _check_arguments(call.function.arguments)
+        else:
+            assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("utc", "cet")
+    cut = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, tool_choice="required",
+                                         max_tokens=3, seed=9)
+    (choice,) = cut.choices
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None and choice.message.content
+
+
+def test_required_allows_several_calls_unless_parallel_calls_are_off() -> None:
+    schema = tools.constraint(TOOLS, "required")["tool_choice"]["json"]
+    assert schema["minItems"] == 1 and "maxItems" not in schema
+    assert [item["properties"]["name"] for item in schema["items"]["anyOf"]] == [{"enum": ["get_weather"]},
+                                                                                  {"enum": ["get_time"]}]
+    assert tools.constraint(TOOLS, "required", parallel=False)["tool_choice"]["json"]["maxItems"] == 1
+    text = '[{"name": "get_time", "parameters": {"zone": "utc"}}, {"name": "get_weather", "parameters": {"unit": ' \
+           '"celsius", "days": 1}}]'
+    calls = tools.required_calls(text)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_time", {"zone": "utc"}), ("get_weather", {"unit": "celsius", "days": 1})]
+    assert len({c.id for c in calls}) == 2 and tools.required_calls(text[:-5]) is None
+
+
 @pytest.mark.parametrize(("settings", "message"), [
     ({"tools": TOOLS}, "tool_choice 'auto' (the default with tools) is not supported yet; name a function"),
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice 'auto' is not supported yet"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice 'required' is not supported yet"),
+    ({"tool_choice": "required"}, "tool_choice 'required' needs tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "stream": True}, "tool_choice 'required' is not streamed yet"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice names 'nope', which is not among the tools sent"),
     ({"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},

@@ -273,12 +273,12 @@ class ChatCompletionRequest(SamplingRequest):
         found = super().unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             found.append(("top_logprobs", "top_logprobs needs logprobs: true"))
-        return found + tooling.problems(self.tools, self.tool_choice)
+        return found + tooling.problems(self.tools, self.tool_choice, bool(self.stream))
 
     def _response_format(self) -> dict[str, Any]:
         """``response_format`` as a structured-output spec (OpenAI: text, json_object or json_schema), and a named
         tool call's arguments schema (``tools.constraint``)."""
-        fmt, tool = self.response_format, tooling.constraint(self.tools, self.tool_choice)
+        fmt, tool = self.response_format, tooling.constraint(self.tools, self.tool_choice, self.parallel_tool_calls)
         if not fmt or fmt.get("type") == "text":
             return tool
         if fmt.get("type") == "json_object":
@@ -321,7 +321,7 @@ class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    finish_reason: Optional[Literal["stop", "length", "abort", "tool_calls"]] = None
     stop_reason: Optional[Union[int, str]] = None
 
 

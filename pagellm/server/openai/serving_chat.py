@@ -62,10 +62,7 @@ class OpenAIServingChat(OpenAIServing):
         async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority):
             choices.setdefault(output.outputs[0].index, _Choice()).add(output)
             prompt_logprobs = prompt_logprobs or output.prompt_logprobs
-        name = tooling.named(job.request.tools, job.request.tool_choice)
-        result = [ChatCompletionChoice(index=i, message=_message(c.text, name), logprobs=_logprobs(job, c),
-                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                  for i, c in sorted(choices.items())]
+        result = [_choice(job, i, c) for i, c in sorted(choices.items())]
         return ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=result,
                                       usage=job.usage(choices), prompt_logprobs=prompt_logprobs_body(prompt_logprobs))
 
@@ -117,12 +114,19 @@ def _template_kwargs(request: ChatCompletionRequest) -> Optional[dict[str, Any]]
     return {**(request.chat_template_kwargs or {}), "tools": request.tools}
 
 
-def _message(text: str, name: Optional[str]) -> ChatResponseMessage:
-    """The reply: its text, or with a named tool choice a call of that function with the text as arguments."""
-    if name is None:
-        return ChatResponseMessage(content=text)
-    call = tooling.ToolCall(id=tooling.call_id(), function=tooling.FunctionCall(name=name, arguments=text))
-    return ChatResponseMessage(content=None, tool_calls=[call])
+def _choice(job: _Job, index: int, choice: _Choice) -> ChatCompletionChoice:
+    """A whole reply: its text; with a named tool choice, a call of that function with the text as arguments; with
+    'required', the calls its text lists ("tool_calls" when it ended on its own, OpenAI's reason for them)."""
+    name, finish, text = tooling.named(job.request.tools, job.request.tool_choice), choice.finish_reason, choice.text
+    message = ChatResponseMessage(content=text)
+    if name is not None:
+        call = tooling.ToolCall(id=tooling.call_id(), function=tooling.FunctionCall(name=name, arguments=text))
+        message = ChatResponseMessage(content=None, tool_calls=[call])
+    elif job.request.tool_choice == "required" and (calls := tooling.required_calls(text)) is not None:
+        message, finish = ChatResponseMessage(content=None, tool_calls=calls), \
+            "tool_calls" if finish == "stop" else finish
+    return ChatCompletionChoice(index=index, message=message, logprobs=_logprobs(job, choice), finish_reason=finish,
+                                stop_reason=choice.stop_reason)
 
 
 def _delta(text: str, name: Optional[str], choice: _Choice) -> ChatDelta:

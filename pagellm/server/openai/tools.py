@@ -6,13 +6,18 @@
   ``message.tool_calls`` (streamed: the first delta of a choice carries the call's id and name, later ones argument
   text), ``content`` null and ``finish_reason`` "stop" (OpenAI's for a named call; "length" when ``max_tokens`` cut
   the arguments short).
+- ``tool_choice`` "required": the reply is a JSON list of one or more calls ``{"name": ..., "parameters": {...}}``
+  of the tools sent (at most one with ``parallel_tool_calls`` false), each following its function's schema, as vLLM
+  constrains it; the response carries them as ``message.tool_calls`` with ``finish_reason`` "tool_calls" (a reply
+  cut short by ``max_tokens`` is no list: it comes back as ``content`` with "length"). Not streamed yet (a 400).
 - ``tool_choice`` "none" with tools: the tools reach the chat template only.
-- ``auto`` (OpenAI's default when tools are sent) and ``required`` need the model's own call syntax parsed out of
-  free text: refused with a 400 that says what works instead (``problems``).
+- ``auto`` (OpenAI's default when tools are sent) needs the model's own call syntax parsed out of free text:
+  refused with a 400 that says what works instead (``problems``).
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any, Literal, Optional
 
@@ -42,19 +47,24 @@ class DeltaToolCall(BaseModel):
     function: DeltaFunctionCall
 
 
-def problems(tools: Optional[list[Any]], tool_choice: Any) -> list[tuple[str, str]]:
+_INSTEAD = "name a function ({'type': 'function', 'function': {'name': ...}}), send 'required', or 'none'"
+
+
+def problems(tools: Optional[list[Any]], tool_choice: Any, stream: bool = False) -> list[tuple[str, str]]:
     """(field, message) for every tool setting the server cannot honour as sent (each a 400)."""
     if tools and not all(isinstance(t, dict) and t.get("type") == "function"
                          and isinstance((t.get("function") or {}).get("name"), str) for t in tools):
         return [("tools", "each tool must be {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}")]
+    if tool_choice is None and tools or tool_choice == "auto":
+        shown = "'auto' (the default with tools)" if tool_choice is None else "'auto'"
+        return [("tool_choice", f"tool_choice {shown} is not supported yet; {_INSTEAD}")]
     if tool_choice in (None, "none"):
-        if tools and tool_choice is None:
-            return [("tool_choice", "tool_choice 'auto' (the default with tools) is not supported yet; name a "
-                                    "function ({'type': 'function', 'function': {'name': ...}}) or send 'none'")]
         return []
-    if tool_choice in ("auto", "required"):
-        return [("tool_choice", f"tool_choice {tool_choice!r} is not supported yet; name a function "
-                                "({'type': 'function', 'function': {'name': ...}}) or send 'none'")]
+    if tool_choice == "required":
+        if not tools:
+            return [("tool_choice", "tool_choice 'required' needs tools")]
+        return [("stream", "tool_choice 'required' is not streamed yet; send stream false, or name a function")] \
+            if stream else []
     name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
     if not isinstance(name, str):
         return [("tool_choice", "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
@@ -69,13 +79,33 @@ def named(tools: Optional[list[Any]], tool_choice: Any) -> Optional[str]:
     return tool_choice["function"]["name"] if isinstance(tool_choice, dict) and tools else None
 
 
-def constraint(tools: Optional[list[Any]], tool_choice: Any) -> dict[str, Any]:
-    """The structured-output spec of a named call: its arguments follow the function's ``parameters`` schema."""
+def constraint(tools: Optional[list[Any]], tool_choice: Any, parallel: Optional[bool] = None) -> dict[str, Any]:
+    """The structured-output spec of a named call (its arguments follow the function's ``parameters`` schema) or of
+    ``required`` (a list of calls of any of the tools, one at most unless ``parallel`` calls are allowed)."""
     name = named(tools, tool_choice)
-    if name is None:
+    if name is not None:
+        return {"tool_choice": {"json": _parameters(_function(tools, name) or {})}}
+    if tool_choice != "required" or not tools:
         return {}
-    function = _function(tools, name) or {}
-    return {"tool_choice": {"json": function.get("parameters") or {"type": "object"}}}
+    calls = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
+                                               "parameters": _parameters(t["function"])},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    listing = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    return {"tool_choice": {"json": {**listing, "maxItems": 1} if parallel is False else listing}}
+
+
+def required_calls(text: str) -> Optional[list[ToolCall]]:
+    """The calls of a ``required`` reply, or None when its text is no whole list (cut short)."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    return [ToolCall(id=call_id(), function=FunctionCall(name=item["name"], arguments=json.dumps(item["parameters"])))
+            for item in items]
+
+
+def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    return function.get("parameters") or {"type": "object"}
 
 
 def call_id() -> str:
