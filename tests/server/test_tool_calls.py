@@ -1,9 +1,9 @@
 """Function calling through the ``openai`` SDK: a ``tool_choice`` naming a function makes the reply a call of it
 whose arguments follow its ``parameters`` schema, whole or streamed (the first delta with id and name, the rest
 argument text), ``content`` null and ``finish_reason`` "stop"; ``required`` makes it a list of calls of the tools
-sent (one with ``parallel_tool_calls`` false), "tool_calls", or the text when ``max_tokens`` cut it short; what
-cannot be honoured (``auto``, ``required`` streamed or without tools, a name not among the tools, a second
-constraint, a malformed tool) is a 400 that says what works."""
+sent (one with ``parallel_tool_calls`` false; streamed whole once the list closes), "tool_calls", or the text when
+``max_tokens`` cut it short; what cannot be honoured (``auto``, ``required`` without tools, a name not among the
+tools, a second constraint, a malformed tool) is a 400 that says what works."""
 
 from __future__ import annotations
 
@@ -78,6 +78,23 @@ def test_required_lists_calls_of_the_tools_sent(client: openai.OpenAI) -> None:
     assert choice.finish_reason == "length" and choice.message.tool_calls is None and choice.message.content
 
 
+def test_required_streams_its_calls_whole_once_the_list_closes(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=200, n=2, seed=11, stream=True)
+    calls: dict[int, list] = {0: [], 1: []}
+    finish: dict[int, str] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            assert not choice.delta.content
+            calls[choice.index] += choice.delta.tool_calls or []
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    for index in (0, 1):
+        (call,) = calls[index]
+        assert call.index == 0 and call.id.startswith("chatcmpl-tool-") and call.type == "function"
+        assert call.function.name in ("get_weather", "get_time") and json.loads(call.function.arguments)
+
+
 def test_required_allows_several_calls_unless_parallel_calls_are_off() -> None:
     schema = tools.constraint(TOOLS, "required")["tool_choice"]["json"]
     assert schema["minItems"] == 1 and "maxItems" not in schema
@@ -96,7 +113,6 @@ def test_required_allows_several_calls_unless_parallel_calls_are_off() -> None:
     ({"tools": TOOLS}, "tool_choice 'auto' (the default with tools) is not supported yet; name a function"),
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice 'auto' is not supported yet"),
     ({"tool_choice": "required"}, "tool_choice 'required' needs tools"),
-    ({"tools": TOOLS, "tool_choice": "required", "stream": True}, "tool_choice 'required' is not streamed yet"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice names 'nope', which is not among the tools sent"),
     ({"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},

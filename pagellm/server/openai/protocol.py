@@ -273,7 +273,7 @@ class ChatCompletionRequest(SamplingRequest):
         found = super().unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             found.append(("top_logprobs", "top_logprobs needs logprobs: true"))
-        return found + tooling.problems(self.tools, self.tool_choice, bool(self.stream))
+        return found + tooling.problems(self.tools, self.tool_choice)
 
     def _response_format(self) -> dict[str, Any]:
         """``response_format`` as a structured-output spec (OpenAI: text, json_object or json_schema), and a named
@@ -346,7 +346,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    finish_reason: Optional[Literal["stop", "length", "abort", "tool_calls"]] = None
     stop_reason: Optional[Union[int, str]] = None
 
 

@@ -70,16 +70,19 @@ class OpenAIServingChat(OpenAIServing):
         choices: dict[int, _Choice] = {}
         writer = ChunkWriter("chat", job.request_id, job.created, job.model)
         name = tooling.named(job.request.tools, job.request.tool_choice)
+        required = job.request.tool_choice == "required"  # its calls go out whole, once the list has closed
         try:
             # The role goes first, before any token exists, as OpenAI does: clients see the reply has begun.
             yield _chunk(job, [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
-                                                                        content=None if name else ""))
+                                                                        content=None if name or required else ""))
                                for i in range(job.request.n)])
             async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority):
                 index = output.outputs[0].index
                 choice = choices.setdefault(index, _Choice())
                 text = choice.add(output)
-                if text or choice.finish_reason:
+                if required and choice.finish_reason:
+                    yield _chunk(job, [_required_choice(job, index, choice)])
+                elif (text or choice.finish_reason) and not required:
                     if job.params.logprobs is None and name is None:  # the common chunk: no pydantic model per token
                         yield writer.text_choice(index, text, choice.finish_reason, choice.stop_reason)
                         continue
@@ -127,6 +130,19 @@ def _choice(job: _Job, index: int, choice: _Choice) -> ChatCompletionChoice:
             "tool_calls" if finish == "stop" else finish
     return ChatCompletionChoice(index=index, message=message, logprobs=_logprobs(job, choice), finish_reason=finish,
                                 stop_reason=choice.stop_reason)
+
+
+def _required_choice(job: _Job, index: int, choice: _Choice) -> ChatChunkChoice:
+    """The one streamed piece of a 'required' reply: its calls whole (or its text, when it was cut short)."""
+    calls, finish = tooling.required_calls(choice.text), choice.finish_reason
+    delta = ChatDelta(content=choice.text)
+    if calls is not None:
+        delta = ChatDelta(tool_calls=[tooling.DeltaToolCall(index=k, id=c.id, type="function", function=(
+            tooling.DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments)))
+            for k, c in enumerate(calls)])
+        finish = "tool_calls" if finish == "stop" else finish
+    return ChatChunkChoice(index=index, delta=delta, logprobs=_logprobs(job, choice), finish_reason=finish,
+                           stop_reason=choice.stop_reason)
 
 
 def _delta(text: str, name: Optional[str], choice: _Choice) -> ChatDelta:

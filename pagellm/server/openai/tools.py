@@ -9,7 +9,8 @@
 - ``tool_choice`` "required": the reply is a JSON list of one or more calls ``{"name": ..., "parameters": {...}}``
   of the tools sent (at most one with ``parallel_tool_calls`` false), each following its function's schema, as vLLM
   constrains it; the response carries them as ``message.tool_calls`` with ``finish_reason`` "tool_calls" (a reply
-  cut short by ``max_tokens`` is no list: it comes back as ``content`` with "length"). Not streamed yet (a 400).
+  cut short by ``max_tokens`` is no list: it comes back as ``content`` with "length"). A stream sends the calls
+  whole, in one delta per choice, once the list has closed.
 - ``tool_choice`` "none" with tools: the tools reach the chat template only.
 - ``auto`` (OpenAI's default when tools are sent) needs the model's own call syntax parsed out of free text:
   refused with a 400 that says what works instead (``problems``).
@@ -50,7 +51,7 @@ class DeltaToolCall(BaseModel):
 _INSTEAD = "name a function ({'type': 'function', 'function': {'name': ...}}), send 'required', or 'none'"
 
 
-def problems(tools: Optional[list[Any]], tool_choice: Any, stream: bool = False) -> list[tuple[str, str]]:
+def problems(tools: Optional[list[Any]], tool_choice: Any) -> list[tuple[str, str]]:
     """(field, message) for every tool setting the server cannot honour as sent (each a 400)."""
     if tools and not all(isinstance(t, dict) and t.get("type") == "function"
                          and isinstance((t.get("function") or {}).get("name"), str) for t in tools):
@@ -61,10 +62,7 @@ def problems(tools: Optional[list[Any]], tool_choice: Any, stream: bool = False)
     if tool_choice in (None, "none"):
         return []
     if tool_choice == "required":
-        if not tools:
-            return [("tool_choice", "tool_choice 'required' needs tools")]
-        return [("stream", "tool_choice 'required' is not streamed yet; send stream false, or name a function")] \
-            if stream else []
+        return [] if tools else [("tool_choice", "tool_choice 'required' needs tools")]
     name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
     if not isinstance(name, str):
         return [("tool_choice", "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
