@@ -24,7 +24,7 @@ def _size(value: str) -> int:
     try:
         return parse_size(value)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("size=")) from None
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _flag_type(field: dataclasses.Field) -> Any:

@@ -21,18 +21,19 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
 
 
-def parse_size(value: int | str, name: str = "size") -> int:
+def parse_size(value: int | str, name: str | None = None) -> int:
     """Bytes from an int or a string: ``4294967296``, ``4GiB``, ``4G`` or ``4g`` (binary units: K, M, G, T, with or
-    without ``iB``), ``4GB`` (decimal: KB, MB, GB, TB), ``1.5GiB``."""
+    without ``iB``), ``4GB`` (decimal: KB, MB, GB, TB), ``1.5GiB``. Errors show ``name=value`` (or the value)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"{name} must be a number of bytes or a size such as 4GiB, got {value!r}")
+        raise ValueError(f"{name or 'a size'} must be a number of bytes or a size such as 4GiB, got {value!r}")
     if isinstance(value, int):
         return value
     match = _SIZE.fullmatch(value)
     unit = _SIZE_UNITS.get(match.group(2).lower()) if match else None
     if unit is None:
-        raise ValueError(f"{name}={value!r} is not a size: write bytes (4294967296) or a number with a unit "
-                         "(4GiB, 512MiB, 4G; KB/MB/GB are powers of 1000)")
+        shown = f"{name}={value!r}" if name else repr(value)
+        raise ValueError(f"{shown} is not a size: write bytes (4294967296) or a number with a unit (4GiB, 512MiB, "
+                         "4G; KB/MB/GB are powers of 1000)")
     return int(float(match.group(1)) * unit)
 
 

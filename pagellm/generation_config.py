@@ -27,11 +27,9 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
 NEUTRAL = "vllm"
 
 
-def for_model(model: ModelConfig) -> dict[str, Any]:
-    """``sampling_defaults`` of a model config (its model resolved to its directory)."""
-    from pagellm.model.loader import resolve_model_dir
-
-    return sampling_defaults(resolve_model_dir(model.model), model.generation_config, model.override_generation_config)
+def for_model(model: ModelConfig, model_dir: Path) -> dict[str, Any]:
+    """``sampling_defaults`` of a model config whose model resolved to ``model_dir``."""
+    return sampling_defaults(model_dir, model.generation_config, model.override_generation_config)
 
 
 def sampling_defaults(model_dir: Path, source: str = "auto", override: dict[str, Any] | None = None

@@ -44,8 +44,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
-        self.tokenizer = Tokenizer.from_dir(resolve_model_dir(model))
-        self.sampling_defaults = generation_config.for_model(self.config.model_config)
+        model_dir = resolve_model_dir(model)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.sampling_defaults = generation_config.for_model(self.config.model_config, model_dir)
         self.engine = InprocClient(self.config)
         runtime = self.engine.runtime
         self.input_processor = InputProcessor(self.tokenizer, runtime.max_model_len, runtime.vocab_size)

@@ -80,10 +80,10 @@ def resolve(args: argparse.Namespace) -> None:
             raise ValueError("give the server as --base-url or as --host/--port, not both")
         args.base_url = f"http://{args.host or '127.0.0.1'}:{args.port or 8000}"
     if args.backend is not None:
-        endpoint = BACKENDS[args.backend]
-        if args.endpoint not in ("auto", endpoint):
-            raise ValueError(f"--backend {args.backend} sends to {endpoint}, --endpoint says {args.endpoint}")
-        args.endpoint = endpoint
+        route = BACKENDS[args.backend]
+        if args.endpoint not in ("auto", route):
+            raise ValueError(f"--backend {args.backend} sends to {route}, --endpoint says {args.endpoint}")
+        args.endpoint = route
     if args.served_model_name is not None:
         if args.model not in (None, args.served_model_name):
             raise ValueError("--served-model-name and --model name different models: give one")

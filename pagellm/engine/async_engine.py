@@ -15,9 +15,9 @@ Contract:
   reuse ids. ``abort(request_id)`` aborts every live request with that id (its streams end with ``"abort"``).
 - ``n > 1`` (or ``best_of``) runs sibling requests (``parallel_sampling.py``: sibling ``i`` gets ``seed + i``
   when a seed is set; the siblings share the prompt's KV blocks through the prefix cache). With ``best_of > n``
-  nothing is yielded until every sibling is done; then the best ``n`` come as one whole output each. Each yielded output holds one ``CompletionOutput`` whose
-  ``index`` is the sibling index; a sibling's last delta has its ``finish_reason`` set, and ``finished`` is True
-  only on the last output of the whole call.
+  nothing is yielded until every sibling is done; then the best ``n`` come as one whole output each. Each yielded
+  output holds one ``CompletionOutput`` whose ``index`` is the sibling index; a sibling's last delta has its
+  ``finish_reason`` set, and ``finished`` is True only on the last output of the whole call.
 - When the consumer stops iterating (``break`` + close, ``GeneratorExit``, ``CancelledError``), the live requests
   of that call are aborted in the core, so their KV blocks come back.
 - A dead core (crash, kill) fails every pending ``generate`` and every later call with ``EngineDeadError``;
@@ -53,7 +53,7 @@ from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, RequestError
 from pagellm.metrics import tracing
 from pagellm.metrics.sink import NullStatsSink, StatsSink
-from pagellm.metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
+from pagellm.metrics.stats import IterationStats, SchedulerStats
 from pagellm.model.loader import resolve_model_dir
 from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -108,10 +108,11 @@ class AsyncLLM:
     output_processor: OutputProcessor
     sampling_defaults: dict[str, Any]  # the model's generation_config.json (generation_config.py)
 
-    def __init__(self, config: EngineConfig, load_tokenizer: Callable[[], Tokenizer],
+    def __init__(self, config: EngineConfig, load_text: Callable[[], tuple[Tokenizer, dict[str, Any]]],
                  startup_timeout_s: float = 600.0, stats_sink: StatsSink | None = None) -> None:
-        """``load_tokenizer`` runs while the core starts (see ``MPClient``'s ``while_starting``). ``config`` takes the
-        online-serving defaults where it leaves them open (``EngineConfig.for_serving``)."""
+        """``load_text`` (the tokenizer and the sampling defaults) runs while the core starts (see ``MPClient``'s
+        ``while_starting``). ``config`` takes the online-serving defaults where it leaves them open
+        (``EngineConfig.for_serving``)."""
         config = config.for_serving()
         self.config = config
         self.stats_sink: StatsSink = stats_sink or NullStatsSink()
@@ -124,9 +125,8 @@ class AsyncLLM:
         self._shut_down = False
 
         def load_text_side() -> None:  # no output can arrive before the handshake, so none meets a half-made engine
-            self.tokenizer = load_tokenizer()
+            self.tokenizer, self.sampling_defaults = load_text()
             self.output_processor = OutputProcessor(self.tokenizer)
-            self.sampling_defaults = generation_config.for_model(config.model_config)
 
         self.client = MPClient(config, self._on_outputs, self._on_dead, startup_timeout_s,
                                while_starting=load_text_side)
@@ -136,10 +136,12 @@ class AsyncLLM:
     @classmethod
     def from_config(cls, config: EngineConfig, startup_timeout_s: float = 600.0,
                     stats_sink: StatsSink | None = None) -> AsyncLLM:
-        def load_tokenizer() -> Tokenizer:  # while the core starts; a GGUF conversion here is the core's to wait for
-            return Tokenizer.from_dir(resolve_model_dir(config.model_config.model))
+        def load_text() -> tuple[Tokenizer, dict[str, Any]]:
+            # while the core starts; a GGUF conversion here is the core's to wait for
+            model_dir = resolve_model_dir(config.model_config.model)
+            return Tokenizer.from_dir(model_dir), generation_config.for_model(config.model_config, model_dir)
 
-        return cls(config, load_tokenizer, startup_timeout_s, stats_sink)
+        return cls(config, load_text, startup_timeout_s, stats_sink)
 
     # ------------------------------------------------------------------------------------------- requests
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
@@ -247,7 +249,7 @@ class AsyncLLM:
         """Runs on the client's output thread: detokenize, route deltas to their streams, abort stop strings."""
         with self._lock:
             if outputs.stats is not None:
-                _accumulate(self._stats, outputs.stats)
+                self._stats.accumulate(outputs.stats)
             for error in outputs.errors:
                 self._fail(error)
             iteration = IterationStats()
@@ -314,7 +316,7 @@ class AsyncLLM:
         fresh = await self.client.call_utility("get_stats")
         self.stats_sink.record(fresh, None)  # its counters (if any) happened between steps: count them too
         with self._lock:
-            _accumulate(self._stats, fresh)
+            self._stats.accumulate(fresh)
             return msgspec.msgpack.decode(msgspec.msgpack.encode(self._stats), type=SchedulerStats)
 
     async def get_num_free_blocks(self) -> int:
@@ -374,30 +376,3 @@ def _coalesce(items: list[_StreamItem]) -> list[_StreamItem]:
         previous.finished = item.finished
         previous.prompt_logprobs = previous.prompt_logprobs or item.prompt_logprobs
     return list(merged.values())
-
-
-_GAUGES = frozenset({"num_running_reqs", "num_waiting_reqs", "kv_cache_usage"})
-
-
-def _accumulate(total: SchedulerStats, step: SchedulerStats) -> None:
-    """Gauges take the step's value; every other number (a per-step counter) is summed."""
-    for name in SchedulerStats.__struct_fields__:
-        value = getattr(step, name)
-        if name in _GAUGES:
-            setattr(total, name, value)
-        elif name == "spec_decoding":
-            if value is not None:
-                total.spec_decoding = _add_spec(total.spec_decoding or SpecDecodingStats(), value)
-        else:
-            setattr(total, name, getattr(total, name) + value)
-
-
-def _add_spec(total: SpecDecodingStats, step: SpecDecodingStats) -> SpecDecodingStats:
-    total.num_drafts += step.num_drafts
-    total.num_draft_tokens += step.num_draft_tokens
-    total.num_accepted_tokens += step.num_accepted_tokens
-    per_pos = total.num_accepted_tokens_per_pos
-    per_pos.extend([0] * (len(step.num_accepted_tokens_per_pos) - len(per_pos)))
-    for pos, count in enumerate(step.num_accepted_tokens_per_pos):
-        per_pos[pos] += count
-    return total

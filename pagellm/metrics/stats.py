@@ -32,6 +32,16 @@ class SpecDecodingStats(msgspec.Struct, omit_defaults=True):
         for pos in range(num_accepted):
             self.num_accepted_tokens_per_pos[pos] += 1
 
+    def add(self, step: SpecDecodingStats) -> None:
+        """Sum another step's counts into these."""
+        self.num_drafts += step.num_drafts
+        self.num_draft_tokens += step.num_draft_tokens
+        self.num_accepted_tokens += step.num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (len(step.num_accepted_tokens_per_pos) - len(per_pos)))
+        for pos, count in enumerate(step.num_accepted_tokens_per_pos):
+            per_pos[pos] += count
+
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verification step: the accepted drafts plus the corrected or bonus token."""
@@ -57,6 +67,23 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_scheduled_tokens: int = 0
     kv_cache_evictions: int = 0            # cached blocks whose contents were dropped to make room
     spec_decoding: SpecDecodingStats | None = None
+
+    def accumulate(self, step: SchedulerStats) -> None:
+        """Take a step into these totals: gauges take the step's value, every other number (a per-step counter) is
+        summed."""
+        for name in SchedulerStats.__struct_fields__:
+            value = getattr(step, name)
+            if name in _GAUGES:
+                setattr(self, name, value)
+            elif name == "spec_decoding":
+                if value is not None:
+                    self.spec_decoding = self.spec_decoding or SpecDecodingStats()
+                    self.spec_decoding.add(value)
+            else:
+                setattr(self, name, getattr(self, name) + value)
+
+
+_GAUGES = frozenset({"num_running_reqs", "num_waiting_reqs", "kv_cache_usage"})
 
 
 class RequestTimes(msgspec.Struct, array_like=True):

@@ -88,7 +88,7 @@ class SamplingRequest(OpenAIModel):
             value = getattr(self, f"guided_{kind}")
             if value is not None:
                 given[f"guided_{kind}"] = {kind: value}
-        given.update(self._response_format())
+        given.update(self._chat_constraints())
         if len(given) > 1:
             raise ValueError(f"give at most one structured-output constraint, got {', '.join(given)}")
         if not given:
@@ -102,7 +102,8 @@ class SamplingRequest(OpenAIModel):
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{name}: {exc}") from None
 
-    def _response_format(self) -> dict[str, Any]:
+    def _chat_constraints(self) -> dict[str, Any]:
+        """The constraints only chat requests carry (response_format, a tool choice), by name."""
         return {}
 
     def _logit_bias(self) -> Optional[dict[int, float]]:
@@ -275,20 +276,22 @@ class ChatCompletionRequest(SamplingRequest):
             found.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         return found + tooling.problems(self.tools, self.tool_choice)
 
+    def _chat_constraints(self) -> dict[str, Any]:
+        return {**self._response_format(), **tooling.constraint(self.tools, self.tool_choice, self.parallel_tool_calls)}
+
     def _response_format(self) -> dict[str, Any]:
-        """``response_format`` as a structured-output spec (OpenAI: text, json_object or json_schema), and a named
-        tool call's arguments schema (``tools.constraint``)."""
-        fmt, tool = self.response_format, tooling.constraint(self.tools, self.tool_choice, self.parallel_tool_calls)
+        """``response_format`` as a structured-output spec (OpenAI: text, json_object or json_schema)."""
+        fmt = self.response_format
         if not fmt or fmt.get("type") == "text":
-            return tool
+            return {}
         if fmt.get("type") == "json_object":
-            return {"response_format": {"json_object": True}, **tool}
+            return {"response_format": {"json_object": True}}
         if fmt.get("type") == "json_schema":
             spec = fmt.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                 raise ValueError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': "
                                  "{...}}} with the schema as an object")
-            return {"response_format": {"json": spec["schema"]}, **tool}
+            return {"response_format": {"json": spec["schema"]}}
         raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', "
                          f"got {fmt.get('type')!r}")
 
@@ -360,7 +363,7 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: Optional[str] = None
 
 
-# ---- models, tokenizer ------------------------------------------------------------------------------------------
+# ---- models ------------------------------------------------------------------------------------------------
 
 class ModelCard(BaseModel):
     id: str
@@ -374,28 +377,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class TokenizeRequest(OpenAIModel):
-    """Either ``prompt`` (plain text) or ``messages`` (rendered through the chat template)."""
-
-    model: Optional[str] = None
-    prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeRequest(OpenAIModel):
-    model: Optional[str] = None
-    tokens: list[TokenId]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str

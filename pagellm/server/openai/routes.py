@@ -35,12 +35,12 @@ from pagellm.server.observability import Observability
 from pagellm.server.observability import install as install_observability
 from pagellm.server.options import Cors
 from pagellm.server.openai.errors import APIError, install_error_handlers
-from pagellm.server.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                            DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                                            TokenizeResponse)
+from pagellm.server.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pagellm.server.openai.serving_chat import OpenAIServingChat
 from pagellm.server.openai.serving_completion import OpenAIServingCompletion
 from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing
+from pagellm.server.openai.tokenization import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
+                                                TokenizeResponse)
 
 logger = logging.getLogger(__name__)
 
