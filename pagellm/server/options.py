@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pagellm import envs
+from pagellm.server.openai.tool_parsers import PARSERS
+
+_PARSER_NAMES = tuple(PARSERS)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class ServeOptions:
     otlp_traces_endpoint: Optional[str] = None
     cors: Cors = field(default_factory=Cors)
     tls: Optional[Tls] = None
+    tool_call_parser: Optional[str] = None  # set: tool_choice 'auto' is served, calls parsed with this parser
 
 
 def _json_list(value: str) -> list[str]:
@@ -87,6 +91,13 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
         cors.add_argument(f"--allowed-{name}", type=_json_list, default=["*"], metavar="JSON_LIST",
                           help=f"the {name} a cross-origin call may use (default: [\"*\"])")
     cors.add_argument("--allow-credentials", action="store_true", help="let cross-origin calls send credentials")
+    tools = cmd.add_argument_group("tool calling")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="serve tool_choice 'auto' (OpenAI's default with tools): the model chooses between text "
+                            "and calls, and --tool-call-parser takes its calls out of the text")
+    tools.add_argument("--tool-call-parser", choices=_PARSER_NAMES, default=None,
+                       help="the model's call syntax: hermes (<tool_call> JSON </tool_call>: Qwen2/2.5/3, Hermes), "
+                            "llama3_json (a JSON object per call: Llama 3.1/3.2), pythonic ([f(a=1), g()])")
     tls = cmd.add_argument_group("HTTPS")
     tls.add_argument("--ssl-keyfile", default=None, help="the server's private key (PEM), with --ssl-certfile")
     tls.add_argument("--ssl-certfile", default=None, help="the server's certificate chain (PEM), with --ssl-keyfile")
@@ -104,7 +115,14 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(args.host, args.port, args.served_model_name, args.api_key or envs.api_key(), template,
                         args.access_log, not args.disable_log_stats, args.otlp_traces_endpoint,
                         Cors(args.allowed_origins, args.allowed_methods, args.allowed_headers,
-                             args.allow_credentials), _tls(args))
+                             args.allow_credentials), _tls(args), _tool_call_parser(args))
+
+
+def _tool_call_parser(args: argparse.Namespace) -> Optional[str]:
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(_PARSER_NAMES)}) "
+                         "for the model's call syntax")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
 def _tls(args: argparse.Namespace) -> Optional[Tls]:

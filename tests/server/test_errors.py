@@ -110,7 +110,7 @@ def test_unknown_route_and_method(server: ServerProcess) -> None:
 
 def test_sdk_raises_typed_errors(server: ServerProcess) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="not supported yet"):
+    with pytest.raises(openai.BadRequestError, match="needs a tool-call parser"):
         client.chat.completions.create(model="tiny", messages=CHAT, tools=[{"type": "function", "function": {
             "name": "f", "parameters": {"type": "object"}}}])
     with pytest.raises(openai.NotFoundError, match="does not exist"):

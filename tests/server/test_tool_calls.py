@@ -2,12 +2,17 @@
 whose arguments follow its ``parameters`` schema, whole or streamed (the first delta with id and name, the rest
 argument text), ``content`` null and ``finish_reason`` "stop"; ``required`` makes it a list of calls of the tools
 sent (one with ``parallel_tool_calls`` false; streamed whole once the list closes), "tool_calls", or the text when
-``max_tokens`` cut it short; what cannot be honoured (``auto``, ``required`` without tools, a name not among the
-tools, a second constraint, a malformed tool) is a 400 that says what works."""
+``max_tokens`` cut it short; ``auto`` on a server started with a tool-call parser returns the calls the model wrote
+(here forced by a regex, so that a random model writes them) and its other text as content; what cannot be
+honoured (``auto`` on a server without a parser, ``required`` without tools, a name not among the tools, a second
+constraint, a malformed tool) is a 400 that says what works."""
 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
+from typing import Callable
 
 import openai
 import pytest
@@ -110,8 +115,9 @@ def test_required_allows_several_calls_unless_parallel_calls_are_off() -> None:
 
 
 @pytest.mark.parametrize(("settings", "message"), [
-    ({"tools": TOOLS}, "tool_choice 'auto' (the default with tools) is not supported yet; name a function"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice 'auto' is not supported yet"),
+    ({"tools": TOOLS}, "tool_choice 'auto' (the default with tools) needs a tool-call parser; start the server with "
+                       "--enable-auto-tool-choice --tool-call-parser NAME for it, or name a function"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice 'auto' needs a tool-call parser"),
     ({"tool_choice": "required"}, "tool_choice 'required' needs tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice names 'nope', which is not among the tools sent"),
@@ -123,3 +129,56 @@ def test_what_cannot_be_honoured_is_a_400_saying_what_works(client: openai.OpenA
                                                             message: str) -> None:
     with pytest.raises(openai.BadRequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
         client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, **settings)
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "celsius", "days": 2}}\n</tool_call>'
+SECOND = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def hermes(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> openai.OpenAI:
+    server = start_server(tiny_llama, "--served-model-name", "tiny", "--enable-auto-tool-choice",
+                          "--tool-call-parser", "hermes")
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+
+
+def _reply(text: str) -> dict:
+    """A request body's extra fields that make the random model write exactly ``text``."""
+    return {"structured_outputs": {"regex": re.escape(text)}}
+
+
+def test_auto_returns_the_calls_the_model_wrote_and_its_other_text_as_content(hermes: openai.OpenAI) -> None:
+    reply = hermes.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, max_tokens=200,
+                                           extra_body=_reply(f"Let me look.\n{CALL}\n{SECOND}"))
+    (choice,) = reply.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"unit": "celsius", "days": 2}), ("get_time", {"zone": "utc"})]
+    one = hermes.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, tool_choice="auto",
+                                         parallel_tool_calls=False, max_tokens=200, extra_body=_reply(CALL + SECOND))
+    assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
+    text = hermes.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, max_tokens=50,
+                                          extra_body=_reply("Sunny, 21 <b>degrees</b>."))
+    assert text.choices[0].finish_reason == "stop" and text.choices[0].message.tool_calls is None
+    assert text.choices[0].message.content == "Sunny, 21 <b>degrees</b>."
+
+
+def test_auto_streams_content_as_it_comes_and_each_call_whole_once_it_closes(hermes: openai.OpenAI) -> None:
+    stream = hermes.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, max_tokens=200, stream=True,
+                                            extra_body=_reply(f"Let me look.\n{CALL}\n{SECOND}"))
+    content, calls, finish = "", [], None
+    for chunk in stream:
+        (choice,) = chunk.choices
+        content += choice.delta.content or ""
+        calls += choice.delta.tool_calls or []
+        finish = choice.finish_reason or finish
+    assert content == "Let me look.\n" and finish == "tool_calls"  # no piece of a tag went out as content
+    assert [(c.index, c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        (0, "function", "get_weather", {"unit": "celsius", "days": 2}), (1, "function", "get_time", {"zone": "utc"})]
+    assert all(c.id.startswith("chatcmpl-tool-") for c in calls)
+    plain = hermes.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, max_tokens=50, stream=True,
+                                           extra_body=_reply("No <tool_call needed."), stream_options={
+                                               "include_usage": True})
+    chunks = [c for c in plain]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "No <tool_call needed."
+    assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks) and chunks[-1].usage.completion_tokens

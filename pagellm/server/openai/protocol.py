@@ -274,7 +274,7 @@ class ChatCompletionRequest(SamplingRequest):
         found = super().unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             found.append(("top_logprobs", "top_logprobs needs logprobs: true"))
-        return found + tooling.problems(self.tools, self.tool_choice)
+        return found  # the tool settings are checked by the chat handler, which knows whether it parses calls
 
     def _chat_constraints(self) -> dict[str, Any]:
         return {**self._response_format(), **tooling.constraint(self.tools, self.tool_choice, self.parallel_tool_calls)}

@@ -16,20 +16,22 @@ Contract:
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.chunks import ChunkWriter
 from pagellm.server.openai import tools as tooling
+from pagellm.server.openai.errors import APIError
+from pagellm.server.openai.tool_parsers import ToolCallStream, ToolParser, get_parser
 from pagellm.server.openai.errors import sse_error
 from pagellm.server.openai.logprobs import chat_logprobs, prompt_logprobs_body
 from pagellm.server.openai.protocol import (ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk,
                                             ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
                                             ChatResponseMessage, UsageInfo)
 from pagellm.server.openai.serving_engine import ChoiceState as _Choice
-from pagellm.server.openai.serving_engine import OpenAIServing, random_id
+from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing, random_id
 
 
 @dataclass
@@ -39,7 +41,23 @@ class _Job:
     model: str
     prompt: list[int]
     params: SamplingParams
+    parser: Optional[ToolParser] = None  # tool_choice 'auto' on a server that parses calls
     created: int = field(default_factory=lambda: int(time.time()))
+    streams: dict[int, ToolCallStream] = field(default_factory=dict)  # an 'auto' stream's per-choice parse
+
+    @property
+    def name(self) -> Optional[str]:
+        """The function a named tool choice calls."""
+        return tooling.named(self.request.tools, self.request.tool_choice)
+
+    @property
+    def required(self) -> bool:
+        return self.request.tool_choice == "required"
+
+    @property
+    def limit(self) -> Optional[int]:
+        """How many calls a reply may make (``parallel_tool_calls: false``: one)."""
+        return 1 if self.request.parallel_tool_calls is False else None
 
     def usage(self, choices: dict[int, _Choice]) -> UsageInfo:
         completion_tokens = sum(c.num_tokens for c in choices.values())
@@ -49,12 +67,19 @@ class _Job:
 
 class OpenAIServingChat(OpenAIServing):
 
+    def __init__(self, engine: EngineClient, model_names: Sequence[str], tool_parser: Optional[str] = None) -> None:
+        super().__init__(engine, model_names)
+        self.tool_parser: Optional[ToolParser] = get_parser(tool_parser) if tool_parser is not None else None
+
     def prepare(self, request: ChatCompletionRequest) -> _Job:
         """Validate and render the conversation (raises APIError / ValueError → 4xx before anything is queued)."""
+        for name, why in tooling.problems(request.tools, request.tool_choice, auto=self.tool_parser is not None):
+            raise APIError(why, 400, param=name, code="unsupported_parameter")
         model, params = self.check_request(request)
         messages = [m.to_template_dict(i) for i, m in enumerate(request.messages)]
         prompt = self.tokenizer.apply_chat_template(messages, request.add_generation_prompt, _template_kwargs(request))
-        return _Job(request, random_id("chatcmpl"), model, self.check_prompt(prompt), params)
+        parser = self.tool_parser if tooling.is_auto(request.tools, request.tool_choice) else None
+        return _Job(request, random_id("chatcmpl"), model, self.check_prompt(prompt), params, parser)
 
     async def create(self, job: _Job) -> ChatCompletionResponse:
         choices: dict[int, _Choice] = {}
@@ -69,32 +94,61 @@ class OpenAIServingChat(OpenAIServing):
     async def stream(self, job: _Job) -> AsyncIterator[str]:
         choices: dict[int, _Choice] = {}
         writer = ChunkWriter("chat", job.request_id, job.created, job.model)
-        name = tooling.named(job.request.tools, job.request.tool_choice)
-        required = job.request.tool_choice == "required"  # its calls go out whole, once the list has closed
+        plain = job.params.logprobs is None and job.name is None and job.parser is None and not job.required
         try:
             # The role goes first, before any token exists, as OpenAI does: clients see the reply has begun.
-            yield _chunk(job, [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
-                                                                        content=None if name or required else ""))
+            content = None if job.name or job.required else ""
+            yield _chunk(job, [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=content))
                                for i in range(job.request.n)])
             async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority):
                 index = output.outputs[0].index
                 choice = choices.setdefault(index, _Choice())
                 text = choice.add(output)
-                if required and choice.finish_reason:
-                    yield _chunk(job, [_required_choice(job, index, choice)])
-                elif (text or choice.finish_reason) and not required:
-                    if job.params.logprobs is None and name is None:  # the common chunk: no pydantic model per token
+                if plain:  # the common chunk: no pydantic model per token
+                    if text or choice.finish_reason:
                         yield writer.text_choice(index, text, choice.finish_reason, choice.stop_reason)
-                        continue
-                    delta = _delta(text, name, choice)
-                    yield _chunk(job, [ChatChunkChoice(index=index, delta=delta, logprobs=_logprobs(job, choice),
-                                                       finish_reason=choice.finish_reason,
-                                                       stop_reason=choice.stop_reason)])
+                elif (piece := _piece(job, index, choice, text)) is not None:
+                    yield _chunk(job, [piece])
             if job.request.include_usage:
                 yield _chunk(job, [], job.usage(choices))
         except Exception as exc:
             yield sse_error(exc)
         yield "data: [DONE]\n\n"
+
+
+def _piece(job: _Job, index: int, choice: _Choice, text: str) -> Optional[ChatChunkChoice]:
+    """The streamed chunk of a choice's new text, when there is one to send: a named call's argument text, a
+    'required' list's calls once it closes, the content and closed calls of an 'auto' reply, or plain text."""
+    finish = choice.finish_reason
+    if job.required:
+        return _required_choice(job, index, choice) if finish else None
+    if job.parser is not None:
+        delta, finish = _auto_delta(job, index, choice, text)
+        if delta is None:
+            return None
+    elif text or finish:
+        delta = _delta(text, job.name, choice)
+    else:
+        return None
+    return ChatChunkChoice(index=index, delta=delta, logprobs=_logprobs(job, choice), finish_reason=finish,
+                           stop_reason=choice.stop_reason)
+
+
+def _auto_delta(job: _Job, index: int, choice: _Choice, text: str) -> tuple[Optional[ChatDelta], Optional[str]]:
+    """An 'auto' reply's content that is surely no call, and its calls as they close (None: nothing to send yet)."""
+    stream = job.streams.setdefault(index, ToolCallStream(job.parser, job.limit))  # type: ignore[arg-type]
+    content, calls = stream.feed(text)
+    finish = choice.finish_reason
+    if finish:
+        rest, more = stream.finish()
+        content, calls = content + rest, calls + more
+        finish = "tool_calls" if finish == "stop" and stream.called else finish
+    if not (content or calls or finish):
+        return None, None
+    first = stream.emitted - len(calls)
+    deltas = [tooling.DeltaToolCall(index=first + k, id=c.id, type="function", function=tooling.DeltaFunctionCall(
+        name=c.function.name, arguments=c.function.arguments)) for k, c in enumerate(calls)]
+    return ChatDelta(content=content or None, tool_calls=deltas or None), finish
 
 
 def _logprobs(job: _Job, choice: _Choice) -> ChatLogprobs | None:
@@ -119,15 +173,20 @@ def _template_kwargs(request: ChatCompletionRequest) -> Optional[dict[str, Any]]
 
 def _choice(job: _Job, index: int, choice: _Choice) -> ChatCompletionChoice:
     """A whole reply: its text; with a named tool choice, a call of that function with the text as arguments; with
-    'required', the calls its text lists ("tool_calls" when it ended on its own, OpenAI's reason for them)."""
-    name, finish, text = tooling.named(job.request.tools, job.request.tool_choice), choice.finish_reason, choice.text
-    message = ChatResponseMessage(content=text)
-    if name is not None:
-        call = tooling.ToolCall(id=tooling.call_id(), function=tooling.FunctionCall(name=name, arguments=text))
+    'required', the calls its text lists; with 'auto', the calls the parser finds and the text that is none
+    ("tool_calls" when it ended on its own with calls, OpenAI's reason for them)."""
+    finish, text = choice.finish_reason, choice.text
+    message, calls = ChatResponseMessage(content=text), None
+    if job.name is not None:
+        call = tooling.ToolCall(id=tooling.call_id(), function=tooling.FunctionCall(name=job.name, arguments=text))
         message = ChatResponseMessage(content=None, tool_calls=[call])
-    elif job.request.tool_choice == "required" and (calls := tooling.required_calls(text)) is not None:
-        message, finish = ChatResponseMessage(content=None, tool_calls=calls), \
-            "tool_calls" if finish == "stop" else finish
+    elif job.required:
+        calls = tooling.required_calls(text)
+        message = ChatResponseMessage(content=None, tool_calls=calls) if calls is not None else message
+    elif job.parser is not None and (parsed := job.parser.parse(text)).calls:
+        calls = parsed.calls[:job.limit]
+        message = ChatResponseMessage(content=parsed.content, tool_calls=calls)
+    finish = "tool_calls" if calls and finish == "stop" else finish
     return ChatCompletionChoice(index=index, message=message, logprobs=_logprobs(job, choice), finish_reason=finish,
                                 stop_reason=choice.stop_reason)
 

@@ -112,8 +112,8 @@ class OpenAIServing:
 
     def check_request(self, request: SamplingRequest) -> tuple[str, SamplingParams]:
         model = self.check_model(request.model)
-        for field, why in request.unsupported():
-            raise APIError(why, 400, param=field, code="unsupported_parameter")
+        for name, why in request.unsupported():
+            raise APIError(why, 400, param=name, code="unsupported_parameter")
         params: SamplingParams = request.to_sampling_params(self.sampling_defaults)  # type: ignore[attr-defined]
         # Checked here too (the engine checks again) so a stream never starts for a request that must fail.
         params.check_token_ids(self.vocab_size)

@@ -12,8 +12,11 @@
   cut short by ``max_tokens`` is no list: it comes back as ``content`` with "length"). A stream sends the calls
   whole, in one delta per choice, once the list has closed.
 - ``tool_choice`` "none" with tools: the tools reach the chat template only.
-- ``auto`` (OpenAI's default when tools are sent) needs the model's own call syntax parsed out of free text:
-  refused with a 400 that says what works instead (``problems``).
+- ``auto`` (OpenAI's default when tools are sent): the model writes freely and the server's tool-call parser
+  (``--enable-auto-tool-choice --tool-call-parser NAME``, ``tool_parsers.py``) takes the calls out of its text,
+  returned as ``message.tool_calls`` with ``finish_reason`` "tool_calls" (streamed: content as it comes, each call
+  whole once it closes). A server without a parser refuses it with a 400 that says what works instead
+  (``problems``).
 """
 
 from __future__ import annotations
@@ -48,18 +51,20 @@ class DeltaToolCall(BaseModel):
     function: DeltaFunctionCall
 
 
-_INSTEAD = "name a function ({'type': 'function', 'function': {'name': ...}}), send 'required', or 'none'"
+_INSTEAD = ("start the server with --enable-auto-tool-choice --tool-call-parser NAME for it, or name a function "
+            "({'type': 'function', 'function': {'name': ...}}), send 'required', or 'none'")
 
 
-def problems(tools: Optional[list[Any]], tool_choice: Any) -> list[tuple[str, str]]:
-    """(field, message) for every tool setting the server cannot honour as sent (each a 400)."""
+def problems(tools: Optional[list[Any]], tool_choice: Any, auto: bool = False) -> list[tuple[str, str]]:
+    """(field, message) for every tool setting the server cannot honour as sent (each a 400); ``auto``: the server
+    parses calls out of free text (``tool_parsers.py``)."""
     if tools and not all(isinstance(t, dict) and t.get("type") == "function"
                          and isinstance((t.get("function") or {}).get("name"), str) for t in tools):
         return [("tools", "each tool must be {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}")]
-    if tool_choice is None and tools or tool_choice == "auto":
+    if is_auto(tools, tool_choice) and not auto:
         shown = "'auto' (the default with tools)" if tool_choice is None else "'auto'"
-        return [("tool_choice", f"tool_choice {shown} is not supported yet; {_INSTEAD}")]
-    if tool_choice in (None, "none"):
+        return [("tool_choice", f"tool_choice {shown} needs a tool-call parser; {_INSTEAD}")]
+    if tool_choice in (None, "none", "auto"):
         return []
     if tool_choice == "required":
         return [] if tools else [("tool_choice", "tool_choice 'required' needs tools")]
@@ -70,6 +75,11 @@ def problems(tools: Optional[list[Any]], tool_choice: Any) -> list[tuple[str, st
     if _function(tools, name) is None:
         return [("tool_choice", f"tool_choice names {name!r}, which is not among the tools sent")]
     return []
+
+
+def is_auto(tools: Optional[list[Any]], tool_choice: Any) -> bool:
+    """Whether the model chooses between text and calls (OpenAI's default when tools are sent)."""
+    return bool(tools) and tool_choice in (None, "auto")
 
 
 def named(tools: Optional[list[Any]], tool_choice: Any) -> Optional[str]:

@@ -1,0 +1,238 @@
+"""Tool calls parsed out of a model's free text, for ``tool_choice`` "auto" (``--enable-auto-tool-choice
+--tool-call-parser NAME``, vLLM's flags and parser names).
+
+Each parser knows one family's call syntax, as its chat template teaches it to the model:
+- ``hermes`` (Qwen2/2.5/3, Hermes, and other templates that print ``<tools>``): each call is a JSON object
+  ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``; text outside the tags is
+  content.
+- ``llama3_json`` (Llama 3.1/3.2 with JSON tool calling): the whole reply, after an optional ``<|python_tag|>``, is
+  one or more JSON objects ``{"name": ..., "parameters": {...}}`` separated by ``;``.
+- ``pythonic`` (Llama 3.2/4 and others that answer with Python): the whole reply is a Python list of calls with
+  keyword arguments of literal values, ``[get_weather(city="Paris"), get_time()]``.
+
+Contract:
+- ``parse(text)`` → ``Parsed(content, calls)``: the calls found and the text that is not a call (None when there
+  is none). Text that only looks like a call (JSON that does not parse, no ``name``, a list that is not of calls)
+  stays content: nothing the model wrote is dropped.
+- ``ToolCallStream`` does the same for a streamed reply: ``feed(piece)`` returns the content that can go out now
+  and the calls that have closed; text that may begin a call is held back until it is known (hermes: a partial
+  ``<tool_call>`` at the end; the whole-reply syntaxes: a reply that opens with ``{`` or ``[``), and ``finish()``
+  returns what was held, parsed. Calls go out whole, one delta each. ``limit`` keeps the first call only
+  (``parallel_tool_calls: false``).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pagellm.server.openai.tools import FunctionCall, ToolCall, call_id
+
+
+@dataclass
+class Parsed:
+    content: Optional[str]
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+def _call(name: Any, arguments: Any) -> Optional[ToolCall]:
+    """A call, when the name is a string and the arguments an object (or JSON text of one)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+        return None
+    return ToolCall(id=call_id(), function=FunctionCall(name=name, arguments=json.dumps(arguments,
+                                                                                         ensure_ascii=False)))
+
+
+def _json_call(value: Any) -> Optional[ToolCall]:
+    if not isinstance(value, dict) or "name" not in value:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    return _call(value["name"], {} if arguments is None else arguments)
+
+
+def _content(text: str) -> Optional[str]:
+    return text.strip() or None
+
+
+class ToolParser:
+    """One call syntax. ``content_end(text)``: how much of a reply's start is surely content (nothing after it may be
+    sent as content while streaming); ``closed_calls(rest)``: the calls already complete in the held rest."""
+
+    name = ""
+
+    def parse(self, text: str) -> Parsed:
+        raise NotImplementedError
+
+    def content_end(self, text: str) -> int:
+        raise NotImplementedError
+
+    def closed_calls(self, rest: str) -> list[ToolCall]:
+        return []
+
+    def may_close(self, piece: str) -> bool:
+        """Whether a streamed piece can complete a call (else ``closed_calls`` is not asked again)."""
+        return False
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def _pieces(self, text: str) -> list[tuple[str, Optional[ToolCall], bool]]:
+        """The text cut at the tags, in order: (raw text, its call or None, closed); the last block may be open."""
+        pieces: list[tuple[str, Optional[ToolCall], bool]] = []
+        at = 0
+        while (start := text.find(self.OPEN, at)) >= 0:
+            pieces.append((text[at:start], None, True))
+            end = text.find(self.CLOSE, start)
+            body_end, at = (end, end + len(self.CLOSE)) if end >= 0 else (len(text), len(text))
+            pieces.append((text[start:at], self._block(text[start + len(self.OPEN):body_end]), end >= 0))
+        pieces.append((text[at:], None, True))
+        return pieces
+
+    @staticmethod
+    def _block(body: str) -> Optional[ToolCall]:
+        try:
+            return _json_call(json.loads(body))
+        except ValueError:
+            return None
+
+    def parse(self, text: str) -> Parsed:
+        pieces = self._pieces(text)
+        calls = [call for _, call, _ in pieces if call is not None]
+        return Parsed(_content("".join(raw for raw, call, _ in pieces if call is None)), calls)
+
+    def content_end(self, text: str) -> int:
+        start = text.find(self.OPEN)
+        if start >= 0:
+            return start
+        for keep in range(min(len(self.OPEN) - 1, len(text)), 0, -1):  # a tag may be arriving
+            if self.OPEN.startswith(text[-keep:]):
+                return len(text) - keep
+        return len(text)
+
+    def closed_calls(self, rest: str) -> list[ToolCall]:
+        return [call for _, call, closed in self._pieces(rest) if call is not None and closed]
+
+    def may_close(self, piece: str) -> bool:
+        return ">" in piece  # the last character of </tool_call>
+
+
+class WholeReplyParser(ToolParser):
+    """Syntaxes where the whole reply is the calls: held from its first character when it opens like one."""
+
+    opens: tuple[str, ...] = ()
+    wrappers: tuple[tuple[str, str], ...] = ()  # special tokens around the calls, when the reply keeps them
+
+    def content_end(self, text: str) -> int:
+        head = text.lstrip()
+        if not head or any(head.startswith(o) or o.startswith(head) for o in self.opens):
+            return 0
+        return len(text)
+
+    def parse(self, text: str) -> Parsed:
+        body = text.strip()
+        for before, after in self.wrappers:
+            body = body.removeprefix(before).removesuffix(after).strip()
+        calls = self.calls(body) if body.startswith(self.opens[:1]) else None
+        return Parsed(None, calls) if calls else Parsed(_content(text))
+
+    def calls(self, body: str) -> Optional[list[ToolCall]]:
+        raise NotImplementedError
+
+
+class Llama3JsonParser(WholeReplyParser):
+    name = "llama3_json"
+    opens = ("{", "<|python_tag|>")
+    wrappers = (("<|python_tag|>", "<|eom_id|>"),)
+
+    def calls(self, body: str) -> Optional[list[ToolCall]]:
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while at < len(body):
+            try:
+                value, at = decoder.raw_decode(body, at)
+            except ValueError:
+                return None
+            if (call := _json_call(value)) is None:
+                return None
+            calls.append(call)
+            at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
+        return calls
+
+
+class PythonicParser(WholeReplyParser):
+    name = "pythonic"
+    opens = ("[", "<|python_start|>")
+    wrappers = (("<|python_start|>", "<|python_end|>"),)
+
+    def calls(self, body: str) -> Optional[list[ToolCall]]:
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except SyntaxError:
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, (ast.Name, ast.Attribute)) or node.args \
+                    or any(k.arg is None for k in node.keywords):
+                return None
+            try:
+                arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+                call = _call(ast.unparse(node.func), arguments)  # literals JSON cannot carry raise TypeError
+            except (ValueError, TypeError, SyntaxError):
+                return None
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, PythonicParser)}
+
+
+def get_parser(name: str) -> ToolParser:
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(sorted(PARSERS))}")
+    return PARSERS[name]()
+
+
+class ToolCallStream:
+    """One streamed choice: content as soon as it is surely content, calls as they close (see the module doc)."""
+
+    def __init__(self, parser: ToolParser, limit: Optional[int] = None) -> None:
+        self.parser, self.limit = parser, limit
+        self.text, self.sent, self.emitted = "", 0, 0
+
+    def feed(self, piece: str) -> tuple[str, list[ToolCall]]:
+        self.text += piece
+        end = max(self.sent, self.parser.content_end(self.text))
+        content, self.sent = self.text[self.sent:end], end
+        if end == len(self.text) or not self.parser.may_close(piece):
+            return content, []
+        return content, self._new(self.parser.closed_calls(self.text[end:]))
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """What was held, once the reply has ended: its calls not sent yet and the text that was no call."""
+        rest = self.text[self.sent:]
+        self.sent = len(self.text)
+        parsed = self.parser.parse(rest)
+        if not parsed.calls and not self.emitted:
+            return rest, []
+        return parsed.content or "", self._new(parsed.calls)
+
+    def _new(self, calls: list[ToolCall]) -> list[ToolCall]:
+        fresh = calls[self.emitted:self.limit] if self.limit is not None else calls[self.emitted:]
+        self.emitted += len(fresh)
+        return fresh
+
+    @property
+    def called(self) -> bool:
+        return self.emitted > 0

@@ -1,0 +1,127 @@
+"""The tool-call parsers of tool_choice 'auto' (``tool_parsers.py``): each family's syntax becomes calls, what only
+looks like a call stays content, and a stream fed in any pieces gives the same calls and content as the whole text,
+holding back nothing that is content and sending nothing that is part of a call."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import pytest
+
+from pagellm.server.openai.tool_parsers import PARSERS, ToolCallStream, get_parser
+from pagellm.server.options import add_serve_args, serve_options
+
+HERMES_TWO = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+              '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "cet"}}\n</tool_call>')
+CASES = [  # (parser, text, content, [(name, arguments)])
+    ("hermes", HERMES_TWO, "Let me look.", [("get_weather", {"city": "Paris", "days": 2}),
+                                            ("get_time", {"zone": "cet"})]),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": [1, null]}"}</tool_call>', None,
+     [("f", {"a": [1, None]})]),  # arguments written as JSON text
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}}', None, [("f", {"a": 1})]),  # stopped unclosed
+    ("hermes", "Paris is sunny; <tool_ no tags here > at all.", "Paris is sunny; <tool_ no tags here > at all.", []),
+    ("hermes", "<tool_call>{not json}</tool_call> sorry", "<tool_call>{not json}</tool_call> sorry", []),
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1}', '<tool_call>{"name": "f", "arguments": {"a": 1}',
+     []),  # cut short inside the call: the text comes back
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', None,
+     [("get_weather", {"city": "Paris"})]),
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}', None,
+     [("f", {"a": 1}), ("g", {})]),
+    ("llama3_json", ' {"name": "f", "arguments": {"é": "ü"}} ', None, [("f", {"é": "ü"})]),
+    ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1}} and then some words', None, None),
+    ("llama3_json", "The weather in Paris is {mild}.", "The weather in Paris is {mild}.", []),
+    ("pythonic", '[get_weather(city="Paris", days=2), clock.now(precise=True, extra=None)]', None,
+     [("get_weather", {"city": "Paris", "days": 2}), ("clock.now", {"precise": True, "extra": None})]),
+    ("pythonic", "[f(a={'x': [1, 2.5]}, b=(1, 2))]", None, [("f", {"a": {"x": [1, 2.5]}, "b": [1, 2]})]),
+    ("pythonic", "<|python_start|>[f()]<|python_end|>", None, [("f", {})]),
+    ("pythonic", "[1, 2, 3]", "[1, 2, 3]", []),
+    ("pythonic", "[f(x)]", "[f(x)]", []),  # positional arguments have no names to send
+    ("pythonic", "[f(a=len('x'))]", "[f(a=len('x'))]", []),  # not a literal
+    ("pythonic", "[f(a={1, 2})]", "[f(a={1, 2})]", []),  # a set: JSON has none
+    ("pythonic", "Use [brackets] for lists.", "Use [brackets] for lists.", []),
+]
+
+
+def _calls(calls: list) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+def test_a_reply_parses_into_its_calls_and_the_text_that_is_none(parser: str, text: str, content, calls) -> None:
+    parsed = get_parser(parser).parse(text)
+    if calls is None:  # trailing words after a JSON call: the whole reply is text
+        assert parsed.calls == [] and parsed.content == text.strip()
+        return
+    assert _calls(parsed.calls) == calls and parsed.content == content
+    assert all(c.id.startswith("chatcmpl-tool-") for c in parsed.calls) and len({c.id for c in parsed.calls}) == \
+        len(parsed.calls)
+
+
+def _stream(parser: str, text: str, cuts: list[int], limit=None) -> tuple[str, list, list[str]]:
+    stream, content, calls, sent = ToolCallStream(get_parser(parser), limit), "", [], []
+    for start, end in zip([0] + cuts, cuts + [len(text)]):
+        piece, closed = stream.feed(text[start:end])
+        content, calls, sent = content + piece, calls + closed, sent + [piece]
+    piece, closed = stream.finish()
+    return content + piece, calls + closed, sent
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+def test_a_stream_in_any_pieces_gives_what_the_whole_text_gives(parser: str, text: str, content, calls) -> None:
+    whole = get_parser(parser).parse(text)
+    rng = random.Random(len(text))
+    for cuts in ([], list(range(1, len(text))), sorted(rng.sample(range(1, len(text)), 5))):
+        streamed, streamed_calls, _ = _stream(parser, text, cuts)
+        assert _calls(streamed_calls) == _calls(whole.calls)
+        assert (streamed.strip() or None) == whole.content
+
+
+def test_hermes_streams_content_at_once_and_holds_only_what_may_open_a_call() -> None:
+    stream = ToolCallStream(get_parser("hermes"))
+    assert stream.feed("Let me look") == ("Let me look", [])
+    assert stream.feed(". <tool") == (". ", [])  # '<tool' may become '<tool_call>'
+    assert stream.feed("box> is a tag") == ("<toolbox> is a tag", [])
+    assert stream.feed(" <tool_call>{\"name\": \"f\", ") == (" ", [])
+    content, calls = stream.feed("\"arguments\": {}}</tool_call>")
+    assert content == "" and _calls(calls) == [("f", {})] and stream.called
+    assert stream.feed(" done") == ("", []) and stream.finish() == ("done", [])
+
+
+def test_each_call_goes_out_when_it_closes_and_parallel_calls_off_keeps_the_first() -> None:
+    text = HERMES_TWO
+    first_close = text.index("</tool_call>") + len("</tool_call>")
+    stream = ToolCallStream(get_parser("hermes"))
+    _, calls = stream.feed(text[:first_close])
+    assert _calls(calls) == [("get_weather", {"city": "Paris", "days": 2})]
+    _, calls = stream.feed(text[first_close:])
+    assert _calls(calls) == [("get_time", {"zone": "cet"})] and stream.finish() == ("", [])
+    for parser, reply in (("hermes", text), ("llama3_json", '{"name": "f", "parameters": {}}; {"name": "g", '
+                                                            '"parameters": {}}')):
+        content, calls, _ = _stream(parser, reply, list(range(1, len(reply))), limit=1)
+        assert len(calls) == 1 and calls[0].function.name in ("get_weather", "f")
+
+
+def test_whole_reply_syntaxes_hold_a_reply_that_opens_like_a_call_and_stream_any_other() -> None:
+    for parser, reply in (("llama3_json", '  {"name": "f", "parameters": {}}'), ("pythonic", "\n[f(a=1)]")):
+        _, calls, sent = _stream(parser, reply, list(range(1, len(reply))))
+        assert sent == [""] * len(reply) and len(calls) == 1  # nothing of a call ever went out as content
+    _, _, sent = _stream("pythonic", "Sure: [f(a=1)]", list(range(1, 14)))
+    assert sent[:2] == ["S", "u"]  # content flows as soon as the reply cannot be a call
+
+
+def test_the_parser_flags_as_vllm_spells_them() -> None:
+    cmd = argparse.ArgumentParser()
+    add_serve_args(cmd)
+    assert serve_options(cmd.parse_args([])).tool_call_parser is None
+    assert serve_options(cmd.parse_args(["--tool-call-parser", "hermes"])).tool_call_parser is None  # not enabled
+    args = cmd.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
+    assert serve_options(args).tool_call_parser == "llama3_json"
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        serve_options(cmd.parse_args(["--enable-auto-tool-choice"]))
+    assert set(PARSERS) == {"hermes", "llama3_json", "pythonic"}
+    with pytest.raises(ValueError, match="unknown tool-call parser 'mistral'; choose one of hermes"):
+        get_parser("mistral")
