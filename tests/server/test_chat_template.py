@@ -46,6 +46,11 @@ def test_llm_chat_renders_with_the_given_template(tiny_llama: Path, tmp_path: Pa
     (out,) = llm.chat(CHAT, params, use_tqdm=False, chat_template=kwargs_template,
                       chat_template_kwargs={"greeting": "Hello! "})
     assert out.prompt_token_ids == tokenizer.encode("Hello! Be brief.Hi there", add_special_tokens=False)
+    tools_template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}" \
+                     "{% endfor %}"
+    (out,) = llm.chat(CHAT, params, use_tqdm=False, chat_template=tools_template, tools=[
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}])
+    assert out.prompt_token_ids == tokenizer.encode("[get_weather]Be brief.Hi there", add_special_tokens=False)
     (plain,) = llm.chat(CHAT, params, use_tqdm=False)  # the model's own template again
     assert plain.prompt_token_ids == tokenizer.apply_chat_template(CHAT)
 
