@@ -35,7 +35,7 @@ def _byte_tokenizer():
 
 
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a tiny random float32 model (``arch`` in llama, qwen2, mistral) with a tokenizer under ``path``."""
+    """Save a tiny random float32 model (``arch`` in llama, qwen2, qwen3, mistral) with a tokenizer under ``path``."""
     import transformers
 
     torch.manual_seed(seed)
@@ -47,12 +47,17 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[arch]
+    if arch == "qwen3":  # its config's default head_dim is 128, not hidden / heads
+        common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
     model = model_cls(config_cls(**common)).to(torch.float32).eval()
     with torch.no_grad():  # random init leaves biases at zero; make them matter
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0, 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):  # ones would hide a misplaced q/k norm
+                param.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     _byte_tokenizer().save_pretrained(path)
     return path

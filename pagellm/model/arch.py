@@ -26,14 +26,16 @@ class ArchConfig:
     attention_bias: bool
     sliding_window: int | None
     quantization: str | None = None  # a quantized checkpoint's scheme (``compressed_tensors.scheme_of``)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before the rotary embedding (Qwen3)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
         archs = cfg.get("architectures") or [""]
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        is_qwen2 = cfg.get("model_type") == "qwen2"
-        window = cfg.get("sliding_window") if (not is_qwen2 or cfg.get("use_sliding_window")) else None
+        model_type = cfg.get("model_type")
+        is_qwen = model_type in ("qwen2", "qwen3")  # their sliding_window applies only with use_sliding_window
+        window = cfg.get("sliding_window") if (not is_qwen or cfg.get("use_sliding_window")) else None
         rope_params = cfg.get("rope_parameters") or {}
         rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default")
                                                    != "default" else None)
@@ -51,9 +53,10 @@ class ArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)) or is_qwen2,
+            attention_bias=bool(cfg.get("attention_bias", False)) or model_type == "qwen2",
             sliding_window=int(window) if window else None,
             quantization=scheme_of(cfg),
+            qk_norm=model_type == "qwen3",
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:

@@ -38,8 +38,9 @@ MAX_SHARD_BYTES = 4 * 1024**3
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
-# llama.cpp's converter reorders q/k rows only for these (its LlamaModel); Qwen2 is written unpermuted.
+# llama.cpp's converter reorders q/k rows only for these (its LlamaModel); Qwen2 and Qwen3 are written unpermuted.
 _PERMUTED_ARCHITECTURES = frozenset({"llama"})
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -53,6 +54,8 @@ _BLOCK_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head q/k norms
+    "attn_k_norm": "self_attn.k_norm",
 }
 # rope_freqs is llama 3.1's rotary scaling, which becomes config.rope_scaling; attn_rot_embd is a cache that
 # old converters wrote and that the model recomputes.
@@ -192,7 +195,7 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": "float32",
     }
-    if arch == "llama":
+    if arch in ("llama", "qwen3"):
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
         config["mlp_bias"] = False
     config.update(_special_ids(meta))

@@ -1,4 +1,5 @@
-"""The Llama family in one file: Llama 2/3 (with Llama-3 rope scaling), Mistral, Qwen2 (q/k/v bias) and SmolLM2.
+"""The Llama family in one file: Llama 2/3 (with Llama-3 rope scaling), Mistral, Qwen2 (q/k/v bias), Qwen3 (an
+RMSNorm over each head's q and k before the rotary embedding) and SmolLM2.
 
 The forward pass takes one flat batch of tokens (prompt chunks and decode tokens of many requests mixed) with
 their positions; attention reads everything else from the forward context. ``compute_logits`` runs the LM head
@@ -34,10 +35,15 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype, parallel)
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:  # per head: rows of head_dim
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0]
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0]
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)

@@ -6,7 +6,8 @@ attention backend):
 
 - ``PAGELLM_NATIVE_DECODER`` is not ``0`` and the library builds and runs here (AVX-512 BF16);
 - the model is bfloat16, single rank, and every GEMM weight of every layer is packed (``gemm.pack_parameter``),
-  or every one quantized (``--quantization w8a8_int8``), with no o_proj bias (q/k/v bias, as in Qwen2, is served);
+  or every one quantized (``--quantization w8a8_int8``), with no o_proj bias (q/k/v bias, as in Qwen2, is served)
+  and no q/k norm (Qwen3's per-head RMSNorm runs in the Python layers);
 - the forward context is the ``cpu_paged`` backend's (its metadata a ``CpuPagedMetadata``) and every layer to run
   has a cache bound, bfloat16 or float8 (``--kv-cache-dtype``), all of one dtype.
 
@@ -32,6 +33,8 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
     if any(gemm.packed_shape(m.weight) is None for m in linears):
         return None
     if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+        return None
+    if attn.q_norm is not None:
         return None
     return LayerWeights(layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
                         layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)

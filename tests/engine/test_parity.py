@@ -82,7 +82,7 @@ MODES = {
 }
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_parity_modes(tiny_model_factory, arch: str, mode: str) -> None:
     model_dir = tiny_model_factory(arch)
@@ -91,7 +91,7 @@ def test_greedy_parity_modes(tiny_model_factory, arch: str, mode: str) -> None:
     assert_greedy_parity(model_dir, prompts, run(llm, prompts))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_parity_prefix_cache_hits(tiny_model_factory, arch: str) -> None:
     model_dir = tiny_model_factory(arch)
     llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=128)
@@ -106,7 +106,7 @@ def test_greedy_parity_prefix_cache_hits(tiny_model_factory, arch: str) -> None:
     assert second == first
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_parity_under_preemption(tiny_model_factory, arch: str) -> None:
     model_dir = tiny_model_factory(arch)
     # 2 layers x 2 KV heads x 16 dims x 2 (K and V) x 4 bytes = 512 B per token: 24 blocks of 16 tokens.

@@ -43,8 +43,9 @@ LLAMA3_SCALING = {
         ("llama", False, LLAMA3_SCALING, False),
         ("llama", True, None, True),
         ("qwen2", False, None, False),
+        ("qwen3", True, None, False),
     ],
-    ids=["llama", "llama-tied", "llama3-rope", "llama-f16", "qwen2"],
+    ids=["llama", "llama-tied", "llama3-rope", "llama-f16", "qwen2", "qwen3"],
 )
 def test_tiny_gguf_round_trip(
     tmp_path: Path, tiny_tokenizer: BackendTokenizer, arch: str, tied: bool, rope_scaling: dict | None, f16: bool

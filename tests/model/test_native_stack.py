@@ -295,3 +295,12 @@ def test_engine_greedy_tokens_are_identical_with_int8_weights(tiny_model_factory
     native = _greedy(path, monkeypatch, True, **kwargs)
     assert calls
     assert _greedy(path, monkeypatch, False, **kwargs) == native
+
+
+def test_qwen3_runs_its_per_head_q_k_norm_in_the_python_layers(tiny_model_factory,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # The native stack has no q/k norm: a Qwen3 model must not take it, or its norms would silently be skipped.
+    path = tiny_model_factory("qwen3")
+    calls = _count_native(monkeypatch)
+    tokens = _greedy(path, monkeypatch, True, max_num_batched_tokens=32, attention_backend="cpu_paged")
+    assert not calls and [len(t) for t in tokens] == [16, 16, 16]

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
@@ -64,13 +65,16 @@ def tiny_config(arch: str, vocab_size: int, tied: bool, rope_scaling: dict[str, 
     )
     if arch == "qwen2":
         return Qwen2Config(**common)
+    if arch == "qwen3":
+        return Qwen3Config(**common)
     # transformers writes rope_theta into the dict it is given: hand it a copy.
     return LlamaConfig(**common, rope_scaling=dict(rope_scaling) if rope_scaling else None)
 
 
 def random_model(config: Any) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = (Qwen2ForCausalLM if config.model_type == "qwen2" else LlamaForCausalLM)(config).eval()
+    model_cls = {"qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}.get(config.model_type, LlamaForCausalLM)
+    model = model_cls(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             # Norm weights away from 1 and biases away from 0, so a misplaced tensor cannot go unnoticed.
@@ -141,7 +145,8 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: BackendTokenizer) -> None
 
 def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16: bool) -> None:
     config = model.config
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.QWEN2, 2)
+    model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[arch]
+    name_map = gguf.get_tensor_name_map(model_arch, 2)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
