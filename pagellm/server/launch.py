@@ -81,7 +81,8 @@ async def _serve(config: EngineConfig, sock: socket.socket, names: list[str], op
         obs = build_observability(names[0], config, engine.runtime, options.log_stats, options.otlp_traces_endpoint)
         engine.stats_sink = obs.sink
         app = build_app(engine, names, options.api_key, model_root=config.model_config.model, observability=obs,
-                        cors=options.cors, tool_parser=options.tool_call_parser)
+                        cors=options.cors, tool_parser=options.tool_call_parser,
+                        reasoning_parser=options.reasoning_parser)
         server = uvicorn.Server(uvicorn.Config(
             app, http="httptools", log_level="warning", access_log=options.access_log, lifespan="off",
             timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S, **(options.tls.uvicorn_kwargs() if options.tls else {})))

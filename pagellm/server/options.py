@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pagellm import envs
+from pagellm.server.openai import reasoning
 from pagellm.server.openai.tool_parsers import PARSERS
 
 _PARSER_NAMES = tuple(PARSERS)
@@ -56,6 +57,7 @@ class ServeOptions:
     cors: Cors = field(default_factory=Cors)
     tls: Optional[Tls] = None
     tool_call_parser: Optional[str] = None  # set: tool_choice 'auto' is served, calls parsed with this parser
+    reasoning_parser: Optional[str] = None  # set: chat replies carry the thinking as reasoning_content
 
 
 def _json_list(value: str) -> list[str]:
@@ -98,6 +100,9 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
     tools.add_argument("--tool-call-parser", choices=_PARSER_NAMES, default=None,
                        help="the model's call syntax: hermes (<tool_call> JSON </tool_call>: Qwen2/2.5/3, Hermes), "
                             "llama3_json (a JSON object per call: Llama 3.1/3.2), pythonic ([f(a=1), g()])")
+    cmd.add_argument("--reasoning-parser", choices=reasoning.PARSERS, default=None,
+                     help="take a reasoning model's <think> block out of chat replies into reasoning_content: "
+                          "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ)")
     tls = cmd.add_argument_group("HTTPS")
     tls.add_argument("--ssl-keyfile", default=None, help="the server's private key (PEM), with --ssl-certfile")
     tls.add_argument("--ssl-certfile", default=None, help="the server's certificate chain (PEM), with --ssl-keyfile")
@@ -115,7 +120,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(args.host, args.port, args.served_model_name, args.api_key or envs.api_key(), template,
                         args.access_log, not args.disable_log_stats, args.otlp_traces_endpoint,
                         Cors(args.allowed_origins, args.allowed_methods, args.allowed_headers,
-                             args.allow_credentials), _tls(args), _tool_call_parser(args))
+                             args.allow_credentials), _tls(args), _tool_call_parser(args), args.reasoning_parser)
 
 
 def _tool_call_parser(args: argparse.Namespace) -> Optional[str]:

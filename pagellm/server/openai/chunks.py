@@ -37,7 +37,8 @@ class ChunkWriter:
                     stop_reason: Union[int, str, None]) -> str:
         if self._chat:
             content = _json(text) if text else "null"
-            body = f'"delta":{{"role":null,"content":{content},"tool_calls":null}},"logprobs":null'
+            body = f'"delta":{{"role":null,"content":{content},"tool_calls":null,"reasoning_content":null}},' \
+                   '"logprobs":null'
         else:
             body = f'"text":{_json(text)},"logprobs":null'
         reasons = f'"finish_reason":{_json(finish_reason)},"stop_reason":{_json(stop_reason)}'

@@ -304,6 +304,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
     tool_calls: Optional[list[tooling.ToolCall]] = None
+    reasoning_content: Optional[str] = None  # a reasoning model's thinking (--reasoning-parser)
 
 
 class TopLogprob(BaseModel):
@@ -343,6 +344,7 @@ class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
     tool_calls: Optional[list[tooling.DeltaToolCall]] = None
+    reasoning_content: Optional[str] = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -4,7 +4,8 @@
 
 Contract:
 - ``build_app(engine, model_names, api_key)`` builds the app over an ``EngineClient``; it starts nothing. With
-  ``tool_parser`` (a name in ``tool_parsers.PARSERS``) chat requests may leave ``tool_choice`` to the model ("auto").
+  ``tool_parser`` (a name in ``tool_parsers.PARSERS``) chat requests may leave ``tool_choice`` to the model ("auto");
+  with ``reasoning_parser`` (``reasoning.PARSERS``) chat replies carry a reasoning model's thinking apart.
 - With ``api_key`` every ``/v1`` route needs ``Authorization: Bearer <key>``, else 401 in OpenAI's error shape.
 - ``POST /start_profile`` starts the engine core's torch profiler and ``POST /stop_profile`` stops it, answering
   ``{"files": [trace, summary]}`` (metrics/profiler.py): 400 when the server has no ``--profiler-dir``, 409 when a
@@ -50,7 +51,8 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optional[str] = None,
               model_root: Optional[str] = None, observability: Optional[Observability] = None,
-              cors: Optional[Cors] = None, tool_parser: Optional[str] = None) -> FastAPI:
+              cors: Optional[Cors] = None, tool_parser: Optional[str] = None,
+              reasoning_parser: Optional[str] = None) -> FastAPI:
     if not model_names:
         raise ValueError("give at least one served model name")
     app = FastAPI(title="pagellm", version=pagellm.__version__, docs_url=None, redoc_url=None)
@@ -58,7 +60,7 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
     if cors is not None:
         app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
                            allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
-    app.include_router(_v1_router(engine, model_names, api_key, model_root, tool_parser))
+    app.include_router(_v1_router(engine, model_names, api_key, model_root, tool_parser, reasoning_parser))
     app.include_router(_admin_router(engine, model_names))
     app.include_router(_profile_router(engine, api_key))
     if observability is not None:
@@ -67,10 +69,10 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
 
 
 def _v1_router(engine: EngineClient, model_names: Sequence[str], api_key: Optional[str],
-               model_root: Optional[str], tool_parser: Optional[str]) -> APIRouter:
+               model_root: Optional[str], tool_parser: Optional[str], reasoning_parser: Optional[str]) -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(_bearer_auth(api_key))] if api_key else [])
     completion = OpenAIServingCompletion(engine, model_names)
-    chat = OpenAIServingChat(engine, model_names, tool_parser)
+    chat = OpenAIServingChat(engine, model_names, tool_parser, reasoning_parser)
     max_model_len = completion.max_model_len
 
     @router.get("/models")

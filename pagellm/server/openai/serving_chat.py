@@ -24,6 +24,7 @@ from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.chunks import ChunkWriter
 from pagellm.server.openai import tools as tooling
 from pagellm.server.openai.errors import APIError
+from pagellm.server.openai.reasoning import ReasoningStream
 from pagellm.server.openai.tool_parsers import ToolCallStream, ToolParser, get_parser
 from pagellm.server.openai.errors import sse_error
 from pagellm.server.openai.logprobs import chat_logprobs, prompt_logprobs_body
@@ -42,8 +43,10 @@ class _Job:
     prompt: list[int]
     params: SamplingParams
     parser: Optional[ToolParser] = None  # tool_choice 'auto' on a server that parses calls
+    reasoning: Optional[str] = None  # the reasoning parser, on a server with one, for a reply no constraint shapes
     created: int = field(default_factory=lambda: int(time.time()))
     streams: dict[int, ToolCallStream] = field(default_factory=dict)  # an 'auto' stream's per-choice parse
+    thinking: dict[int, ReasoningStream] = field(default_factory=dict)  # a stream's per-choice thinking
 
     @property
     def name(self) -> Optional[str]:
@@ -67,9 +70,16 @@ class _Job:
 
 class OpenAIServingChat(OpenAIServing):
 
-    def __init__(self, engine: EngineClient, model_names: Sequence[str], tool_parser: Optional[str] = None) -> None:
+    def __init__(self, engine: EngineClient, model_names: Sequence[str], tool_parser: Optional[str] = None,
+                 reasoning_parser: Optional[str] = None) -> None:
         super().__init__(engine, model_names)
         self.tool_parser: Optional[ToolParser] = get_parser(tool_parser) if tool_parser is not None else None
+        self.reasoning_parser = reasoning_parser
+        # A constrained reply (a tool call, JSON, a regex) is shaped from its first token: with deepseek_r1, which
+        # reads a reply as thinking until </think>, it would all become thinking; qwen3 reads thinking only after
+        # an opening <think>, which a constraint that does not spell it never writes.
+        self.parse_constrained = reasoning_parser is not None and \
+            not ReasoningStream(reasoning_parser).thinks_by_default  # (an unknown name fails here, at start)
 
     def prepare(self, request: ChatCompletionRequest) -> _Job:
         """Validate and render the conversation (raises APIError / ValueError → 4xx before anything is queued)."""
@@ -79,7 +89,8 @@ class OpenAIServingChat(OpenAIServing):
         messages = [m.to_template_dict(i) for i, m in enumerate(request.messages)]
         prompt = self.tokenizer.apply_chat_template(messages, request.add_generation_prompt, _template_kwargs(request))
         parser = self.tool_parser if tooling.is_auto(request.tools, request.tool_choice) else None
-        return _Job(request, random_id("chatcmpl"), model, self.check_prompt(prompt), params, parser)
+        reasoning = self.reasoning_parser if params.structured_outputs is None or self.parse_constrained else None
+        return _Job(request, random_id("chatcmpl"), model, self.check_prompt(prompt), params, parser, reasoning)
 
     async def create(self, job: _Job) -> ChatCompletionResponse:
         choices: dict[int, _Choice] = {}
@@ -94,7 +105,8 @@ class OpenAIServingChat(OpenAIServing):
     async def stream(self, job: _Job) -> AsyncIterator[str]:
         choices: dict[int, _Choice] = {}
         writer = ChunkWriter("chat", job.request_id, job.created, job.model)
-        plain = job.params.logprobs is None and job.name is None and job.parser is None and not job.required
+        plain = job.params.logprobs is None and job.name is None and job.parser is None and not job.required \
+            and job.reasoning is None
         try:
             # The role goes first, before any token exists, as OpenAI does: clients see the reply has begun.
             content = None if job.name or job.required else ""
@@ -118,20 +130,35 @@ class OpenAIServingChat(OpenAIServing):
 
 def _piece(job: _Job, index: int, choice: _Choice, text: str) -> Optional[ChatChunkChoice]:
     """The streamed chunk of a choice's new text, when there is one to send: a named call's argument text, a
-    'required' list's calls once it closes, the content and closed calls of an 'auto' reply, or plain text."""
+    'required' list's calls once it closes, thinking apart from the answer, the content and closed calls of an
+    'auto' reply, or plain text."""
     finish = choice.finish_reason
     if job.required:
         return _required_choice(job, index, choice) if finish else None
+    thinking = ""
+    if job.reasoning is not None:
+        thinking, text = _think(job, index, text, finish)
+    delta: Optional[ChatDelta] = None
     if job.parser is not None:
         delta, finish = _auto_delta(job, index, choice, text)
-        if delta is None:
-            return None
     elif text or finish:
         delta = _delta(text, job.name, choice)
-    else:
+    if thinking:
+        delta = (delta or ChatDelta()).model_copy(update={"reasoning_content": thinking})
+    if delta is None:
         return None
     return ChatChunkChoice(index=index, delta=delta, logprobs=_logprobs(job, choice), finish_reason=finish,
                            stop_reason=choice.stop_reason)
+
+
+def _think(job: _Job, index: int, text: str, finish: Optional[str]) -> tuple[str, str]:
+    """A streamed piece split into thinking and answer (all that was held, once the choice finishes)."""
+    stream = job.thinking.setdefault(index, ReasoningStream(job.reasoning))  # type: ignore[arg-type]
+    thinking, answer = stream.feed(text)
+    if finish:
+        more_thinking, more_answer = stream.finish()
+        thinking, answer = thinking + more_thinking, answer + more_answer
+    return thinking, answer
 
 
 def _auto_delta(job: _Job, index: int, choice: _Choice, text: str) -> tuple[Optional[ChatDelta], Optional[str]]:
@@ -172,10 +199,13 @@ def _template_kwargs(request: ChatCompletionRequest) -> Optional[dict[str, Any]]
 
 
 def _choice(job: _Job, index: int, choice: _Choice) -> ChatCompletionChoice:
-    """A whole reply: its text; with a named tool choice, a call of that function with the text as arguments; with
-    'required', the calls its text lists; with 'auto', the calls the parser finds and the text that is none
-    ("tool_calls" when it ended on its own with calls, OpenAI's reason for them)."""
-    finish, text = choice.finish_reason, choice.text
+    """A whole reply: its text (its thinking apart, with a reasoning parser); with a named tool choice, a call of
+    that function with the text as arguments; with 'required', the calls its text lists; with 'auto', the calls the
+    parser finds in the answer and the text that is none ("tool_calls" when it ended on its own with calls, OpenAI's
+    reason for them)."""
+    finish, text, thinking = choice.finish_reason, choice.text, None
+    if job.reasoning is not None:
+        thinking, text = ReasoningStream(job.reasoning).split(text)
     message, calls = ChatResponseMessage(content=text), None
     if job.name is not None:
         call = tooling.ToolCall(id=tooling.call_id(), function=tooling.FunctionCall(name=job.name, arguments=text))
@@ -187,6 +217,7 @@ def _choice(job: _Job, index: int, choice: _Choice) -> ChatCompletionChoice:
         calls = parsed.calls[:job.limit]
         message = ChatResponseMessage(content=parsed.content, tool_calls=calls)
     finish = "tool_calls" if calls and finish == "stop" else finish
+    message.reasoning_content = thinking
     return ChatCompletionChoice(index=index, message=message, logprobs=_logprobs(job, choice), finish_reason=finish,
                                 stop_reason=choice.stop_reason)
 

@@ -1,0 +1,83 @@
+"""A reasoning model's thinking taken out of its reply (``--reasoning-parser NAME``, vLLM's flag and names): chat
+responses carry it as ``message.reasoning_content`` (streamed: ``delta.reasoning_content``) and the answer alone as
+``content``.
+
+- ``deepseek_r1`` (DeepSeek-R1 and its Qwen/Llama distills): the chat template opens ``<think>`` in the prompt, so
+  the reply is thinking up to ``</think>`` (a ``<think>`` the model writes again at the start is dropped), then the
+  answer; a reply with no ``</think>`` is all thinking (it was cut short).
+- ``qwen3`` (Qwen3, QwQ): the reply thinks only when it opens with ``<think>``; then it is thinking up to
+  ``</think>`` (or to its end when cut short), then the answer. A reply that does not open with ``<think>`` (thinking
+  turned off with ``chat_template_kwargs: {"enable_thinking": false}``, whose template closes the block in the
+  prompt) is all answer.
+
+Contract: ``ReasoningStream.feed(piece)`` returns ``(thinking, answer)`` text that can go out now; only text that
+may still turn out to be a tag is held back (a partial ``<think>`` at the start, a partial ``</think>``), and the
+whitespace between ``</think>`` and the answer is dropped. ``finish()`` returns what was held. ``split(text)`` is the
+same over a whole reply, so a stream and a whole response say the same; the answer then goes through the tool-call
+parser, if any. Structured-output constraints (a tool choice, ``response_format``, a regex) apply from the first
+token, thinking included: with ``qwen3`` a constrained reply is parsed as any other (it thinks only if the
+constraint spells ``<think>``); with ``deepseek_r1``, which would read it all as thinking, it is returned as content.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+START, END = "<think>", "</think>"
+PARSERS = ("deepseek_r1", "qwen3")
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` may be the start of ``tag``."""
+    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-keep:]):
+            return keep
+    return 0
+
+
+class ReasoningStream:
+    """One choice's reply as it arrives: thinking, then the answer (see the module doc)."""
+
+    def __init__(self, parser: str) -> None:
+        if parser not in PARSERS:
+            raise ValueError(f"unknown reasoning parser {parser!r}; choose one of {', '.join(PARSERS)}")
+        self.thinks_by_default = parser == "deepseek_r1"
+        self.state = "start"  # start → thinking → gap (whitespace after </think>) → answer
+        self.held = ""
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        self.held += piece
+        thinking = answer = ""
+        while self.held:
+            if self.state == "start":
+                head = self.held.lstrip()
+                if not head or (START.startswith(head) and head != START):
+                    break  # may still become <think>
+                opened = head.startswith(START)
+                self.held = head[len(START):] if opened else self.held
+                self.state = "thinking" if opened or self.thinks_by_default else "answer"
+            elif self.state == "thinking":
+                end = self.held.find(END)
+                if end < 0:
+                    cut = len(self.held) - _partial_tail(self.held, END)
+                    thinking, self.held = thinking + self.held[:cut], self.held[cut:]
+                    break
+                thinking, self.held, self.state = thinking + self.held[:end], self.held[end + len(END):], "gap"
+            elif self.state == "gap":
+                self.held = self.held.lstrip()
+                self.state = "answer" if self.held else "gap"
+            else:
+                answer, self.held = answer + self.held, ""
+        return thinking, answer
+
+    def finish(self) -> tuple[str, str]:
+        held, self.held = self.held, ""
+        if self.state == "thinking" or (self.state == "start" and self.thinks_by_default):
+            return held, ""
+        return "", held if self.state != "gap" else ""
+
+    def split(self, text: str) -> tuple[Optional[str], str]:
+        """A whole reply's thinking (None when it has none) and its answer."""
+        thinking, answer = self.feed(text)
+        more_thinking, more_answer = self.finish()
+        return (thinking + more_thinking) or None, answer + more_answer

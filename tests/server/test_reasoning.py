@@ -1,0 +1,121 @@
+"""A reasoning model's thinking apart from its answer (``--reasoning-parser``): the parsers on texts, fed whole or
+in any pieces, and a live server through the ``openai`` SDK, where a regex makes the random model write a Qwen3-style
+reply (thinking, an answer, a tool call) and the response carries each part in its field, whole and streamed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+from pathlib import Path
+from typing import Callable
+
+import openai
+import pytest
+from server_utils import ServerProcess
+
+from pagellm.server.openai.reasoning import ReasoningStream
+from pagellm.server.options import add_serve_args, serve_options
+
+CASES = [  # (parser, reply, thinking, answer)
+    ("deepseek_r1", "Two and two.\n</think>\n\nIt is 4.", "Two and two.\n", "It is 4."),
+    ("deepseek_r1", "<think>\nTwo and two.\n</think>It is 4.", "\nTwo and two.\n", "It is 4."),
+    ("deepseek_r1", "Still thinking when max_tokens ran o", "Still thinking when max_tokens ran o", ""),
+    ("deepseek_r1", "</think>\n\nNo thoughts.", None, "No thoughts."),
+    ("deepseek_r1", "a < b, so </thin", "a < b, so </thin", ""),
+    ("qwen3", "<think>\nTwo and two.\n</think>\n\nIt is 4.", "\nTwo and two.\n", "It is 4."),
+    ("qwen3", "\n<think>cut sh", "cut sh", ""),
+    ("qwen3", "It is 4.", None, "It is 4."),
+    ("qwen3", "<thinking> is not the tag", None, "<thinking> is not the tag"),
+    ("qwen3", "It is 4. </think> stays", None, "It is 4. </think> stays"),
+    ("qwen3", "<think></think>\n\n", None, ""),
+    ("qwen3", "  <thi", None, "  <thi"),
+]
+
+
+@pytest.mark.parametrize(("parser", "reply", "thinking", "answer"), CASES)
+def test_thinking_and_answer_are_split_alike_whole_and_in_any_pieces(parser: str, reply: str, thinking, answer) -> None:
+    assert ReasoningStream(parser).split(reply) == (thinking, answer)
+    rng = random.Random(len(reply))
+    for cuts in (list(range(1, len(reply))), sorted(rng.sample(range(1, len(reply)), 4))):
+        stream, got_thinking, got_answer = ReasoningStream(parser), "", ""
+        for start, end in zip([0] + cuts, cuts + [len(reply)]):
+            piece_thinking, piece_answer = stream.feed(reply[start:end])
+            assert "</think>" not in piece_thinking + piece_answer or answer and "</think>" in answer
+            got_thinking, got_answer = got_thinking + piece_thinking, got_answer + piece_answer
+        rest_thinking, rest_answer = stream.finish()
+        assert ((got_thinking + rest_thinking) or None, got_answer + rest_answer) == (thinking, answer)
+
+
+def test_thinking_streams_as_it_comes_holding_only_a_partial_tag() -> None:
+    stream = ReasoningStream("qwen3")
+    assert stream.feed("<thi") == ("", "")  # may be <think>
+    assert stream.feed("nk>Two and") == ("Two and", "")
+    assert stream.feed(" two.</th") == (" two.", "")  # may be </think>
+    assert stream.feed("ink>\n") == ("", "")  # the gap before the answer is dropped
+    assert stream.feed("\nIt is") == ("", "It is")
+    assert stream.feed(" 4.") == ("", " 4.") and stream.finish() == ("", "")
+
+
+def test_the_flag_takes_vllm_names_and_refuses_others() -> None:
+    cmd = argparse.ArgumentParser()
+    add_serve_args(cmd)
+    assert serve_options(cmd.parse_args([])).reasoning_parser is None
+    assert serve_options(cmd.parse_args(["--reasoning-parser", "deepseek_r1"])).reasoning_parser == "deepseek_r1"
+    with pytest.raises(SystemExit):
+        cmd.parse_args(["--reasoning-parser", "granite"])
+    with pytest.raises(ValueError, match="unknown reasoning parser 'granite'; choose one of deepseek_r1, qwen3"):
+        ReasoningStream("granite")
+
+
+CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+REPLY = f"<think>\nThey want the weather.\n</think>\n\nLet me look.\n{CALL}"
+
+
+@pytest.fixture(scope="module")
+def client(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> openai.OpenAI:
+    server = start_server(tiny_llama, "--served-model-name", "tiny", "--reasoning-parser", "qwen3",
+                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+
+
+def _forced(text: str) -> dict:
+    return {"structured_outputs": {"regex": re.escape(text)}}
+
+
+def test_a_reply_comes_back_as_thinking_answer_and_calls(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, max_tokens=200,
+                                           extra_body=_forced(REPLY))
+    (choice,) = reply.choices
+    message = choice.message
+    assert message.reasoning_content == "\nThey want the weather.\n" and message.content == "Let me look."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+    assert choice.finish_reason == "tool_calls"
+    plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=50,
+                                           extra_body=_forced("Sunny, 21 degrees."))
+    assert plain.choices[0].message.reasoning_content is None
+    assert plain.choices[0].message.content == "Sunny, 21 degrees."
+
+
+def test_a_stream_sends_thinking_then_answer_then_the_call(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, max_tokens=200, stream=True,
+                                            extra_body=_forced(REPLY))
+    order, thinking, content, calls, finish = [], "", "", [], None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        for kind, value in (("thinking", delta.reasoning_content), ("content", delta.content),
+                            ("call", delta.tool_calls)):
+            if value and (not order or order[-1] != kind):
+                order.append(kind)
+        thinking += delta.reasoning_content or ""
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert order == ["thinking", "content", "call"] and finish == "tool_calls"
+    assert thinking == "\nThey want the weather.\n" and content == "Let me look.\n"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
