@@ -6,8 +6,8 @@ attention backend):
 
 - ``PAGELLM_NATIVE_DECODER`` is not ``0`` and the library builds and runs here (AVX-512 BF16);
 - the model is bfloat16, single rank, and every GEMM weight of every layer is packed (``gemm.pack_parameter``),
-  or every one quantized (``--quantization w8a8_int8``), with no o_proj bias (q/k/v bias, as in Qwen2, is served)
-  and no q/k norm (Qwen3's per-head RMSNorm runs in the Python layers);
+  or every one quantized (``--quantization w8a8_int8``), with no o_proj bias (q/k/v bias, as in Qwen2, and
+  Qwen3's per-head q/k norm are served) and one RMSNorm epsilon throughout;
 - the forward context is the ``cpu_paged`` backend's (its metadata a ``CpuPagedMetadata``) and every layer to run
   has a cache bound, bfloat16 or float8 (``--kv-cache-dtype``), all of one dtype.
 
@@ -34,10 +34,9 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
         return None
     if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
         return None
-    if attn.q_norm is not None:
-        return None
+    norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
     return LayerWeights(layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
-                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight, *norms)
 
 
 def build_stack(model: nn.Module) -> DecoderStack | None:
@@ -54,7 +53,8 @@ def build_stack(model: nn.Module) -> DecoderStack | None:
     if len(formats) != 1:
         return None
     attn = first.self_attn.attn
-    eps = {layer.input_layernorm.eps for layer in model.layers} | {model.norm.eps}
+    eps = {layer.input_layernorm.eps for layer in model.layers} | {model.norm.eps} | \
+        {n.eps for layer in model.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm) if n is not None}
     shape = StackShape(model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
                        first.mlp.down_proj.weight.packed_shape[1], eps.pop(), attn.scale)
     rotary = first.self_attn.rotary

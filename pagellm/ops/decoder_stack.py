@@ -44,7 +44,7 @@ def _address(fn: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
 
 class _Layer(ctypes.Structure):  # csrc StackLayer
     _fields_ = [(name, _P) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down",
-                                        "k_cache", "v_cache")]
+                                        "k_cache", "v_cache", "q_norm", "k_norm")]
 
 
 class _Shape(ctypes.Structure):  # csrc StackShape
@@ -126,6 +126,8 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+    q_norm: torch.Tensor | None = None  # [head_dim] RMSNorm weights over each head's q and k (Qwen3), both or none
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -154,8 +156,10 @@ class DecoderStack:
                  cos: torch.Tensor, sin: torch.Tensor, weight_format: str = "bf16") -> None:
         loaded = _lib()
         assert loaded is not None, "native decoder stack is not available on this machine"
-        vectors = [final_norm, cos, sin, *(t for w in layers for t in (w.input_norm, w.qkv_bias, w.post_norm)
-                                            if t is not None)]
+        if any((w.q_norm is None) != (w.k_norm is None) for w in layers):
+            raise ValueError("the native decoder stack takes q and k norm weights together, or neither")
+        vectors = [final_norm, cos, sin, *(t for w in layers for t in (w.input_norm, w.qkv_bias, w.post_norm,
+                                                                        w.q_norm, w.k_norm) if t is not None)]
         gemms = [t for w in layers for t in (w.qkv, w.o, w.gate_up, w.down)]
         gemm_dtype = torch.int8 if weight_format == gemm_w8a8.FORMAT else torch.bfloat16
         if any(t.dtype != torch.bfloat16 for t in vectors) or any(t.dtype != gemm_dtype for t in gemms) or \
@@ -172,7 +176,7 @@ class DecoderStack:
         self._final_norm, self._cos, self._sin = final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr()
         self._layers = (_Layer * len(layers))()
         for slot, w in zip(self._layers, layers):
-            for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down"):
+            for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "q_norm", "k_norm"):
                 setattr(slot, name, _ptr(getattr(w, name)))
         self._shape = _Shape(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate, 1, 0,
                              cos.shape[0], shape.eps, shape.scale, 0)

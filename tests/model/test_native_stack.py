@@ -262,7 +262,7 @@ def _greedy(path: Path, monkeypatch: pytest.MonkeyPatch, native: bool, **kwargs)
 
 @pytest.mark.parametrize("spec", [None, {"method": "draft_model", "num_speculative_tokens": 3, "draft_layers": 1,
                                          "disable_by_batch_size": None}], ids=["plain", "self-spec"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_engine_greedy_tokens_are_identical(tiny_model_factory, monkeypatch: pytest.MonkeyPatch, arch: str,
                                             spec: dict | None) -> None:
     path = tiny_model_factory(arch)
@@ -286,7 +286,7 @@ def test_engine_greedy_tokens_are_identical_over_a_float8_cache(tiny_model_facto
 
 
 @pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 GEMM needs AVX-512 VNNI")
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_engine_greedy_tokens_are_identical_with_int8_weights(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
                                                               arch: str) -> None:
     path = tiny_model_factory(arch)
@@ -295,12 +295,3 @@ def test_engine_greedy_tokens_are_identical_with_int8_weights(tiny_model_factory
     native = _greedy(path, monkeypatch, True, **kwargs)
     assert calls
     assert _greedy(path, monkeypatch, False, **kwargs) == native
-
-
-def test_qwen3_runs_its_per_head_q_k_norm_in_the_python_layers(tiny_model_factory,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    # The native stack has no q/k norm: a Qwen3 model must not take it, or its norms would silently be skipped.
-    path = tiny_model_factory("qwen3")
-    calls = _count_native(monkeypatch)
-    tokens = _greedy(path, monkeypatch, True, max_num_batched_tokens=32, attention_backend="cpu_paged")
-    assert not calls and [len(t) for t in tokens] == [16, 16, 16]

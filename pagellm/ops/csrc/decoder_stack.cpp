@@ -6,6 +6,7 @@
 // kernels, in the same order, so the result is bit for bit the result of the Python path:
 //   h, res = add_rms_norm(x, res)            (first layer: res = x)
 //   qkv    = packed_gemm(h, W_qkv) + b_qkv
+//   q, k   = rms_norm(q / k of each head)             (Qwen3 only: contiguous copies, per-head rows)
 //   q, k   = rotary(qkv[:, :q], qkv[:, q:q+kv])      (into contiguous rows)
 //   cache[slot[t]] = k[t], v[t]                      (write_kv)
 //   x      = packed_gemm(paged_attention(q), W_o)
@@ -60,6 +61,8 @@ struct StackLayer {
   const uint16_t* down;        // packed [hidden, intermediate]
   void* k_cache;               // [num_blocks, block_size, kv_heads, head_dim] of StackShape::kv_format elements
   void* v_cache;
+  const uint16_t* q_norm;      // [head_dim] RMSNorm weight over each head's q (Qwen3), or null (then k_norm too)
+  const uint16_t* k_norm;      // [head_dim]
 };
 
 enum KvFormat : int64_t { kKvBf16 = 0, kKvFp8E4M3 = 1, kKvFp8E5M2 = 2 };
@@ -85,7 +88,7 @@ struct StackStep {
 
 // Scratch rows for one step, carved out of a grow-only per-thread buffer (no allocation once it has grown).
 struct Scratch {
-  uint16_t *x, *res, *h, *wide, *q, *k, *attn, *act;
+  uint16_t *x, *res, *h, *wide, *q, *k, *attn, *act, *kn;
 };
 
 Scratch scratch_for(const StackShape& s, int64_t t) {
@@ -99,8 +102,8 @@ Scratch scratch_for(const StackShape& s, int64_t t) {
   thread_local int64_t capacity = 0;
   const int64_t qkv = (s.heads + 2 * s.kv_heads) * s.head_dim;
   const int64_t wide = qkv > 2 * s.intermediate ? qkv : 2 * s.intermediate;  // qkv, then gate_up, share it
-  const int64_t per_token = 3 * s.hidden + wide + 2 * s.heads * s.head_dim + s.kv_heads * s.head_dim +
-                            s.intermediate + 32;  // + 32: 64-byte slack per array
+  const int64_t per_token = 3 * s.hidden + wide + 2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim +
+                            s.intermediate + 36;  // + 36: 64-byte slack per array
   const int64_t need = per_token * t;
   if (need > capacity) {
     buffer.reset(static_cast<uint16_t*>(std::aligned_alloc(64, (need * sizeof(uint16_t) + 63) / 64 * 64)));
@@ -122,6 +125,7 @@ Scratch scratch_for(const StackShape& s, int64_t t) {
   sc.k = take(s.kv_heads * s.head_dim);
   sc.attn = take(s.heads * s.head_dim);
   sc.act = take(s.intermediate);
+  sc.kn = take(s.kv_heads * s.head_dim);
   return sc;
 }
 
@@ -187,8 +191,19 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
   prefetch_slots(s, st, l.k_cache, l.v_cache);
   f.add_rms_norm(sc.x, first ? nullptr : sc.res, l.input_norm, t, s.hidden, s.eps, sc.h, sc.res);
   f.linear(sc.h, t, s.hidden, s.hidden, l.qkv, qkv_n, l.qkv_bias, sc.wide, qkv_n);
-  f.rotary(sc.wide, qkv_n, sc.wide + qd, qkv_n, cos, sin, st.positions, t, s.heads, s.kv_heads, s.head_dim, sc.q,
-           sc.k);
+  const uint16_t *q = sc.wide, *k = sc.wide + qd;
+  int64_t q_stride = qkv_n, k_stride = qkv_n;
+  if (l.q_norm) {  // each head's q and k normalised, as rows of head_dim (attn is free until attention)
+    for (int64_t i = 0; i < t; ++i) {
+      std::memcpy(sc.attn + i * qd, sc.wide + i * qkv_n, qd * sizeof(uint16_t));
+      std::memcpy(sc.kn + i * kvd, sc.wide + i * qkv_n + qd, kvd * sizeof(uint16_t));
+    }
+    // In place: the kernel reads each element of a row before it writes that element.
+    f.add_rms_norm(sc.attn, nullptr, l.q_norm, t * s.heads, s.head_dim, s.eps, sc.attn, sc.attn);
+    f.add_rms_norm(sc.kn, nullptr, l.k_norm, t * s.kv_heads, s.head_dim, s.eps, sc.kn, sc.kn);
+    q = sc.attn, k = sc.kn, q_stride = qd, k_stride = kvd;
+  }
+  f.rotary(q, q_stride, k, k_stride, cos, sin, st.positions, t, s.heads, s.kv_heads, s.head_dim, sc.q, sc.k);
   write_kv(s, st, sc.k, sc.wide, qkv_n, l.k_cache, l.v_cache);
   f.attention(sc.q, l.k_cache, l.v_cache, st.block_table, st.query_start, st.seq_lens, st.ctx_end, st.tree_bits,
               st.tree_words, st.rows, s.heads, s.head_dim, s.block_size, s.kv_heads, st.max_blocks,
