@@ -99,7 +99,8 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
                             "and calls, and --tool-call-parser takes its calls out of the text")
     tools.add_argument("--tool-call-parser", choices=_PARSER_NAMES, default=None,
                        help="the model's call syntax: hermes (<tool_call> JSON </tool_call>: Qwen2/2.5/3, Hermes), "
-                            "llama3_json (a JSON object per call: Llama 3.1/3.2), pythonic ([f(a=1), g()])")
+                            "llama3_json (a JSON object per call: Llama 3.1/3.2), mistral ([TOOL_CALLS] and a JSON "
+                            "list: Mistral 7B v0.3), pythonic ([f(a=1), g()])")
     cmd.add_argument("--reasoning-parser", choices=reasoning.PARSERS, default=None,
                      help="take a reasoning model's <think> block out of chat replies into reasoning_content: "
                           "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ)")

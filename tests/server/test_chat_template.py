@@ -74,7 +74,8 @@ def test_server_renders_chat_and_tokenize_with_its_template(start_server: Callab
     assert with_tools.choices[0].message.tool_calls is None
     with pytest.raises(openai.BadRequestError, match="each tool must be"):
         client.chat.completions.create(model="tiny", messages=CHAT, tools=[{"type": "function"}], tool_choice="none")
-    with pytest.raises(openai.BadRequestError, match="tool_choice 'auto' .* needs a tool-call parser; start the server with --enable-auto-tool-choice"):
+    with pytest.raises(openai.BadRequestError, match="tool_choice 'auto' .* needs a tool-call parser; start the server "
+                                                     "with --enable-auto-tool-choice"):
         client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS)  # OpenAI's default: auto
 
 

@@ -96,6 +96,9 @@ def test_a_reply_comes_back_as_thinking_answer_and_calls(client: openai.OpenAI) 
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
         ("get_weather", {"city": "Paris"})]
     assert choice.finish_reason == "tool_calls"
+    hidden = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, max_tokens=200,
+                                            extra_body={**_forced(REPLY), "include_reasoning": False})
+    assert hidden.choices[0].message.reasoning_content is None and hidden.choices[0].message.content == "Let me look."
     plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=50,
                                            extra_body=_forced("Sunny, 21 degrees."))
     assert plain.choices[0].message.reasoning_content is None
@@ -119,3 +122,7 @@ def test_a_stream_sends_thinking_then_answer_then_the_call(client: openai.OpenAI
     assert order == ["thinking", "content", "call"] and finish == "tool_calls"
     assert thinking == "\nThey want the weather.\n" and content == "Let me look.\n"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    hidden = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=200, stream=True,
+                                            extra_body={**_forced(REPLY), "include_reasoning": False})
+    deltas = [chunk.choices[0].delta for chunk in hidden]
+    assert not any(d.reasoning_content for d in deltas) and "".join(d.content or "" for d in deltas).startswith("Let")

@@ -269,6 +269,7 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    include_reasoning: bool = True  # with --reasoning-parser: false leaves the thinking out of the response
 
     def unsupported(self) -> list[tuple[str, str]]:
         found = super().unsupported()

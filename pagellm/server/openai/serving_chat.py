@@ -143,7 +143,7 @@ def _piece(job: _Job, index: int, choice: _Choice, text: str) -> Optional[ChatCh
         delta, finish = _auto_delta(job, index, choice, text)
     elif text or finish:
         delta = _delta(text, job.name, choice)
-    if thinking:
+    if thinking and job.request.include_reasoning:
         delta = (delta or ChatDelta()).model_copy(update={"reasoning_content": thinking})
     if delta is None:
         return None
@@ -217,7 +217,7 @@ def _choice(job: _Job, index: int, choice: _Choice) -> ChatCompletionChoice:
         calls = parsed.calls[:job.limit]
         message = ChatResponseMessage(content=parsed.content, tool_calls=calls)
     finish = "tool_calls" if calls and finish == "stop" else finish
-    message.reasoning_content = thinking
+    message.reasoning_content = thinking if job.request.include_reasoning else None
     return ChatCompletionChoice(index=index, message=message, logprobs=_logprobs(job, choice), finish_reason=finish,
                                 stop_reason=choice.stop_reason)
 

@@ -7,6 +7,9 @@ Each parser knows one family's call syntax, as its chat template teaches it to t
   content.
 - ``llama3_json`` (Llama 3.1/3.2 with JSON tool calling): the whole reply, after an optional ``<|python_tag|>``, is
   one or more JSON objects ``{"name": ..., "parameters": {...}}`` separated by ``;``.
+- ``mistral`` (Mistral 7B Instruct v0.3 and other Mistral models of that tokenizer): the whole reply, after
+  ``[TOOL_CALLS]`` (a special token: the detokenized text usually lacks it), is a JSON list of
+  ``{"name": ..., "arguments": {...}}``.
 - ``pythonic`` (Llama 3.2/4 and others that answer with Python): the whole reply is a Python list of calls with
   keyword arguments of literal values, ``[get_weather(city="Paris"), get_time()]``.
 
@@ -195,7 +198,22 @@ class PythonicParser(WholeReplyParser):
         return calls
 
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, PythonicParser)}
+class MistralParser(WholeReplyParser):
+    name = "mistral"
+    opens = ("[", "[TOOL_CALLS]")
+    wrappers = (("[TOOL_CALLS]", ""),)
+
+    def calls(self, body: str) -> Optional[list[ToolCall]]:
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return None
+        calls = [_json_call(item) for item in value] if isinstance(value, list) else []
+        return calls if calls and all(call is not None for call in calls) else None  # type: ignore[return-value]
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
+                                                            PythonicParser)}
 
 
 def get_parser(name: str) -> ToolParser:
