@@ -101,6 +101,9 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
                        help="the model's call syntax: hermes (<tool_call> JSON </tool_call>: Qwen2/2.5/3, Hermes), "
                             "llama3_json (a JSON object per call: Llama 3.1/3.2), mistral ([TOOL_CALLS] and a JSON "
                             "list: Mistral 7B v0.3), pythonic ([f(a=1), g()])")
+    cmd.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="accepted for vLLM command lines: usage always carries prompt_tokens_details.cached_tokens "
+                          "(the prompt tokens the prefix cache served), as OpenAI's does")
     cmd.add_argument("--reasoning-parser", choices=reasoning.PARSERS, default=None,
                      help="take a reasoning model's <think> block out of chat replies into reasoning_content: "
                           "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ)")

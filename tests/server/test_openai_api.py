@@ -228,3 +228,21 @@ def test_disconnect_non_streaming_frees_blocks(server: ServerProcess) -> None:
     wait_until(lambda: engine_idle(server.base_url), 20, "the abandoned request's blocks to be freed")
     assert _generated_tokens(server) - before < 32 * 480
     assert "client disconnected" in server.log()
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client: openai.OpenAI) -> None:
+    # The byte tokenizer makes one token per character: 80 tokens, five whole blocks of 16. A text no other test sends.
+    prompt = "usage-cache " + "".join(chr(ord("a") + (i * 7) % 26) for i in range(68))
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body=NO_EOS)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, n=2, extra_body=NO_EOS)
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens == 80
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # every whole block of the prompt but the one holding its last token, which is computed again for its logits
+    assert again.usage.prompt_tokens_details.cached_tokens == 64
+    messages = [{"role": "user", "content": prompt}]
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_body=NO_EOS)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=NO_EOS)
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens >= 64
+    assert usage[0].prompt_tokens_details.cached_tokens % 16 == 0

@@ -63,9 +63,10 @@ class _Job:
         return 1 if self.request.parallel_tool_calls is False else None
 
     def usage(self, choices: dict[int, _Choice]) -> UsageInfo:
-        completion_tokens = sum(c.num_tokens for c in choices.values())
-        return UsageInfo(prompt_tokens=len(self.prompt), completion_tokens=completion_tokens,
-                         total_tokens=len(self.prompt) + completion_tokens)
+        """The prompt counted once, its cached tokens as the first sample's request found them."""
+        first = choices.get(0)
+        return UsageInfo.of(len(self.prompt), sum(c.num_tokens for c in choices.values()),
+                            first.num_cached_tokens if first is not None else 0)
 
 
 class OpenAIServingChat(OpenAIServing):

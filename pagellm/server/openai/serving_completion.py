@@ -52,10 +52,10 @@ class _Job:
         return prompt_index * self.request.n + output.outputs[0].index
 
     def usage(self, choices: dict[int, _Choice]) -> UsageInfo:
-        prompt_tokens = sum(len(p) for p in self.prompts)
-        completion_tokens = sum(c.num_tokens for c in choices.values())
-        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens)
+        """Each prompt counted once: its tokens, and its cached ones as its first sample's request found them (the
+        other samples find the first's blocks)."""
+        cached = sum(c.num_cached_tokens for i, c in choices.items() if i % self.request.n == 0)
+        return UsageInfo.of(sum(len(p) for p in self.prompts), sum(c.num_tokens for c in choices.values()), cached)
 
 
 class OpenAIServingCompletion(OpenAIServing):

@@ -70,6 +70,7 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     started: bool = False  # something was streamed
+    num_cached_tokens: int = 0  # the prompt tokens its request found in the prefix cache
     text_offset: int = 0   # completions logprobs: where the next unsent token starts in the text
     token_ids: list[int] = field(default_factory=list)        # the tokens whose logprobs are not sent yet
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
@@ -79,6 +80,7 @@ class ChoiceState:
         completion = output.outputs[0]
         self.text += completion.text
         self.num_tokens += len(completion.token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         if completion.logprobs is not None:
             self.token_ids += completion.token_ids
             self.logprobs += completion.logprobs
