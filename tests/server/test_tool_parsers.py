@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from pagellm.server.openai.tool_parsers import PARSERS, ToolCallStream, get_parser
+from pagellm.server.openai.tool_parsers import PARSERS, Parsed, ToolCallStream, get_parser
 from pagellm.server.options import add_serve_args, serve_options
 
 HERMES_TWO = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
@@ -131,3 +131,10 @@ def test_the_parser_flags_as_vllm_spells_them() -> None:
     assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
     with pytest.raises(ValueError, match="unknown tool-call parser 'granite'; choose one of hermes"):
         get_parser("granite")
+
+
+@pytest.mark.parametrize("parser", sorted(PARSERS))
+def test_text_nested_past_any_parser_stays_content(parser: str) -> None:
+    for deep in ("[" * 100_000, "{\"name\": \"f\", \"arguments\": " + "[" * 100_000,
+                 "<tool_call>" + "[" * 100_000 + "</tool_call>", "[f(a=" + "[" * 100_000 + ")]"):
+        assert get_parser(parser).parse(deep) == Parsed(deep)

@@ -45,7 +45,7 @@ def _call(name: Any, arguments: Any) -> Optional[ToolCall]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(name, str) or not name or not isinstance(arguments, dict):
         return None
@@ -104,7 +104,7 @@ class HermesParser(ToolParser):
     def _block(body: str) -> Optional[ToolCall]:
         try:
             return _json_call(json.loads(body))
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
             return None
 
     def parse(self, text: str) -> Parsed:
@@ -161,7 +161,7 @@ class Llama3JsonParser(WholeReplyParser):
         while at < len(body):
             try:
                 value, at = decoder.raw_decode(body, at)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
             if (call := _json_call(value)) is None:
                 return None
@@ -178,7 +178,7 @@ class PythonicParser(WholeReplyParser):
     def calls(self, body: str) -> Optional[list[ToolCall]]:
         try:
             tree = ast.parse(body, mode="eval").body
-        except SyntaxError:
+        except (SyntaxError, ValueError, RecursionError, MemoryError):  # not Python, or nested past the parser
             return None
         if not isinstance(tree, ast.List) or not tree.elts:
             return None
@@ -190,7 +190,7 @@ class PythonicParser(WholeReplyParser):
             try:
                 arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
                 call = _call(ast.unparse(node.func), arguments)  # literals JSON cannot carry raise TypeError
-            except (ValueError, TypeError, SyntaxError):
+            except (ValueError, TypeError, SyntaxError, RecursionError):
                 return None
             if call is None:
                 return None
@@ -206,7 +206,7 @@ class MistralParser(WholeReplyParser):
     def calls(self, body: str) -> Optional[list[ToolCall]]:
         try:
             value = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         calls = [_json_call(item) for item in value] if isinstance(value, list) else []
         return calls if calls and all(call is not None for call in calls) else None  # type: ignore[return-value]

@@ -106,7 +106,7 @@ def required_calls(text: str) -> Optional[list[ToolCall]]:
     """The calls of a ``required`` reply, or None when its text is no whole list (cut short)."""
     try:
         items = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return [ToolCall(id=call_id(), function=FunctionCall(name=item["name"], arguments=json.dumps(item["parameters"])))
             for item in items]
