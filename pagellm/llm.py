@@ -84,10 +84,12 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}`` dicts) or a list of them, via the chat template:
         the model's, or ``chat_template`` (Jinja text or a file holding it), with ``chat_template_kwargs`` and
-        ``tools`` (OpenAI's function definitions, for templates that list them to the model)."""
+        ``tools`` (OpenAI's function definitions, for templates that list them to the model);
+        ``continue_final_message`` (with ``add_generation_prompt=False``) has the model continue the last message."""
         if not messages:  # else an empty list would silently become an empty batch
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts "
                              "(or a list of such conversations)")
@@ -95,7 +97,8 @@ class LLM:
         template = load_chat_template(chat_template) if chat_template is not None else None
         if tools:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, template)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, template,
+                                                      continue_final_message)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

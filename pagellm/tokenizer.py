@@ -85,9 +85,11 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text the chat template (``chat_template``, else the tokenizer's) makes of ``messages``
-        (OpenAI-style ``{"role", "content"}`` dicts)."""
+        (OpenAI-style ``{"role", "content"}`` dicts); ``continue_final_message`` leaves the last message open (its
+        end-of-turn markup cut), so that the model continues it."""
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError(
@@ -103,6 +105,7 @@ class Tokenizer:
                 tokenize=False,
                 chat_template=template,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 **(chat_template_kwargs or {}),
             )
         except TemplateError as error:  # templates reject bad conversations with raise_exception(...)
@@ -114,12 +117,15 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """Token ids of the rendered chat prompt."""
-        text = self.render_chat(messages, add_generation_prompt, chat_template_kwargs, chat_template)
+        text = self.render_chat(messages, add_generation_prompt, chat_template_kwargs, chat_template,
+                                continue_final_message)
         # The template already writes every special token the model wants (BOS included), as transformers'
-        # own apply_chat_template assumes; adding them again would double the BOS.
-        return self.encode(text, add_special_tokens=False)
+        # own apply_chat_template assumes; adding them again would double the BOS (unless a request asks).
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
 
 # The generic fast tokenizer's names (transformers 5 calls it TokenizersBackend, PreTrainedTokenizerFast its alias),

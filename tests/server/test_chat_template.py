@@ -53,6 +53,10 @@ def test_llm_chat_renders_with_the_given_template(tiny_llama: Path, tmp_path: Pa
     assert out.prompt_token_ids == tokenizer.encode("[get_weather]Be brief.Hi there", add_special_tokens=False)
     (plain,) = llm.chat(CHAT, params, use_tqdm=False)  # the model's own template again
     assert plain.prompt_token_ids == tokenizer.apply_chat_template(CHAT)
+    opened = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The sky is"}]
+    (cont,) = llm.chat(opened, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    open_turn = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nThe sky is"  # the model's template, left open
+    assert cont.prompt_token_ids == tokenizer.encode(open_turn, add_special_tokens=False)
 
 
 def test_server_renders_chat_and_tokenize_with_its_template(start_server: Callable[..., ServerProcess],

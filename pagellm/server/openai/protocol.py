@@ -68,6 +68,7 @@ class SamplingRequest(OpenAIModel):
     repetition_penalty: Optional[float] = Field(None, gt=0)
     bad_words: Optional[list[str]] = None
     allowed_token_ids: Optional[list[TokenId]] = None
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)  # keep the last k prompt tokens (-1: max_model_len)
     prompt_logprobs: Optional[NumLogprobs] = None
     structured_outputs: Optional[dict[str, Any]] = None
     guided_json: Optional[Union[str, dict[str, Any]]] = None
@@ -166,6 +167,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: Optional[NumLogprobs] = None
     best_of: Optional[int] = Field(None, ge=1, le=128)
     suffix: Optional[str] = None
+    add_special_tokens: bool = True  # the tokenizer's BOS (and the like) before a text prompt
 
     def unsupported(self) -> list[tuple[str, str]]:
         found = super().unsupported()
@@ -279,6 +281,8 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message left open, for the model to continue
+    add_special_tokens: bool = False  # special tokens added around the rendered template (it writes its own)
     chat_template_kwargs: Optional[dict[str, Any]] = None
     include_reasoning: bool = True  # with --reasoning-parser: false leaves the thinking out of the response
 
@@ -286,6 +290,9 @@ class ChatCompletionRequest(SamplingRequest):
         found = super().unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             found.append(("top_logprobs", "top_logprobs needs logprobs: true"))
+        if self.continue_final_message and self.add_generation_prompt:
+            found.append(("continue_final_message", "continue_final_message needs add_generation_prompt: false "
+                                                    "(the reply continues the last message instead of starting one)"))
         return found  # the tool settings are checked by the chat handler, which knows whether it parses calls
 
     def _chat_constraints(self) -> dict[str, Any]:

@@ -122,7 +122,8 @@ def _admin_router(engine: EngineClient, model_names: Sequence[str]) -> APIRouter
             raise APIError("send exactly one of prompt or messages", 400, param="prompt")
         if body.messages is not None:
             messages = [m.to_template_dict(i) for i, m in enumerate(body.messages)]
-            tokens = serving.tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+            tokens = serving.tokenizer.apply_chat_template(messages, body.add_generation_prompt,
+                                                           continue_final_message=body.continue_final_message)
         else:
             tokens = serving.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=serving.max_model_len, tokens=tokens)

@@ -88,7 +88,10 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(why, 400, param=name, code="unsupported_parameter")
         model, params = self.check_request(request)
         messages = [m.to_template_dict(i) for i, m in enumerate(request.messages)]
-        prompt = self.tokenizer.apply_chat_template(messages, request.add_generation_prompt, _template_kwargs(request))
+        prompt = self.truncate(self.tokenizer.apply_chat_template(
+            messages, request.add_generation_prompt, _template_kwargs(request),
+            continue_final_message=request.continue_final_message, add_special_tokens=request.add_special_tokens),
+            request.truncate_prompt_tokens)
         parser = self.tool_parser if tooling.is_auto(request.tools, request.tool_choice) else None
         reasoning = self.reasoning_parser if params.structured_outputs is None or self.parse_constrained else None
         return _Job(request, random_id("chatcmpl"), model, self.check_prompt(prompt), params, parser, reasoning)

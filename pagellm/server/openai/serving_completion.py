@@ -70,10 +70,12 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError("prompt must not be empty", 400, param="prompt")
         prompts, texts = [], []
         for position, item in enumerate(raw):
-            ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)  # type: ignore[arg-type]
-            prompts.append(self.check_prompt(ids, position if len(raw) > 1 else None))
-            if request.echo:
-                texts.append(item if isinstance(item, str) else self.tokenizer.decode(ids))
+            ids = self.tokenizer.encode(item, request.add_special_tokens) if isinstance(item, str) \
+                else list(item)  # type: ignore[arg-type]
+            kept = self.truncate(ids, request.truncate_prompt_tokens)
+            prompts.append(self.check_prompt(kept, position if len(raw) > 1 else None))
+            if request.echo:  # the prompt as the model saw it
+                texts.append(item if isinstance(item, str) and kept is ids else self.tokenizer.decode(kept))
         return _Job(request, random_id("cmpl"), model, prompts, texts, params)
 
     async def create(self, job: _Job) -> CompletionResponse:

@@ -125,6 +125,16 @@ class OpenAIServing:
             validate(params.structured_outputs)
         return model, params
 
+    def truncate(self, token_ids: list[int], keep: Optional[int]) -> list[int]:
+        """The prompt's last ``keep`` tokens (``truncate_prompt_tokens``; -1: ``max_model_len``), or all of them."""
+        if keep is None:
+            return token_ids
+        keep = self.max_model_len if keep == -1 else keep
+        if keep > self.max_model_len:
+            raise APIError(f"truncate_prompt_tokens ({keep}) must be at most max_model_len ({self.max_model_len})",
+                           400, param="truncate_prompt_tokens")
+        return token_ids[len(token_ids) - keep:] if keep < len(token_ids) else token_ids
+
     def check_prompt(self, token_ids: list[int], position: Optional[int] = None) -> list[int]:
         try:
             check_prompt(token_ids, self.max_model_len, self.vocab_size)

@@ -18,6 +18,7 @@ class TokenizeRequest(OpenAIModel):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizeResponse(BaseModel):

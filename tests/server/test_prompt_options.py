@@ -1,0 +1,88 @@
+"""How a request shapes its prompt (vLLM's fields): ``truncate_prompt_tokens`` keeps the last k tokens,
+``continue_final_message`` leaves the last message open for the model to continue, ``add_special_tokens`` adds the
+tokenizer's BOS (completions by default, chat only when asked: the template writes its own)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+from server_utils import ServerProcess
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.processors import TemplateProcessing
+
+from pagellm.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagellm.server.openai.serving_chat import OpenAIServingChat
+from pagellm.server.openai.serving_completion import OpenAIServingCompletion
+from pagellm.tokenizer import Tokenizer
+
+BOS = 256  # the tiny tokenizer's <s>
+CONTINUED = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The sky is"}]
+OPEN = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nThe sky is"  # the tiny template, last turn open
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client: openai.OpenAI) -> None:
+    prompt = "0123456789abcdefghij"  # one token per character
+    cut = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 6, "ignore_eos": True})
+    assert cut.usage.prompt_tokens == 6 and cut.choices[0].text.startswith("efghij")
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=1,
+                                      extra_body={"truncate_prompt_tokens": -1, "ignore_eos": True})
+    assert whole.usage.prompt_tokens == 20  # -1: up to max_model_len, which the prompt is under
+    chat = client.chat.completions.create(model="tiny", messages=CONTINUED, max_tokens=1,
+                                          extra_body={"truncate_prompt_tokens": 5, "ignore_eos": True})
+    assert chat.usage.prompt_tokens == 5
+    with pytest.raises(openai.BadRequestError, match=r"truncate_prompt_tokens \(513\) must be at most max_model_len"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body={"truncate_prompt_tokens": 513})
+
+
+def test_continue_final_message_leaves_the_last_turn_open(server: ServerProcess, client: openai.OpenAI) -> None:
+    tokens = httpx.post(f"{server.base_url}/tokenize", json={
+        "messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True}).json()["tokens"]
+    assert tokens == Tokenizer.from_dir(server.model).encode(OPEN, add_special_tokens=False)
+    reply = client.chat.completions.create(model="tiny", messages=CONTINUED, max_tokens=3, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True})
+    assert reply.usage.prompt_tokens == len(tokens) and reply.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError, match="continue_final_message needs add_generation_prompt: false"):
+        client.chat.completions.create(model="tiny", messages=CONTINUED, max_tokens=1,
+                                       extra_body={"continue_final_message": True})
+
+
+@pytest.fixture(scope="module")
+def bos_model(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a tokenizer that adds <s> before every encoded text, as Llama's does."""
+    path = tmp_path_factory.mktemp("bos") / "model"
+    shutil.copytree(tiny_llama, path)
+    backend = BackendTokenizer.from_file(str(path / "tokenizer.json"))
+    backend.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
+    backend.save(str(path / "tokenizer.json"))
+    return path
+
+
+def _engine(model: Path) -> SimpleNamespace:
+    """What request preparation reads of the engine (no request is run): its tokenizer and limits."""
+    return SimpleNamespace(tokenizer=Tokenizer.from_dir(model), sampling_defaults={},
+                           runtime=SimpleNamespace(max_model_len=512, vocab_size=320))
+
+
+def test_add_special_tokens_puts_the_bos_where_asked(bos_model: Path) -> None:
+    completions = OpenAIServingCompletion(_engine(bos_model), ["tiny"])
+    abc = completions.tokenizer.encode("abc", add_special_tokens=False)
+    assert len(abc) == 3 and BOS not in abc
+    assert completions.prepare(CompletionRequest(prompt="abc")).prompts == [[BOS, *abc]]
+    assert completions.prepare(CompletionRequest(prompt="abc", add_special_tokens=False)).prompts == [abc]
+    chat = OpenAIServingChat(_engine(bos_model), ["tiny"])
+    rendered = chat.tokenizer.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+                                     add_special_tokens=False)
+    messages = CONTINUED[:1]
+    assert chat.prepare(ChatCompletionRequest(messages=messages)).prompt == rendered
+    assert chat.prepare(ChatCompletionRequest(messages=messages, add_special_tokens=True)).prompt == [BOS, *rendered]
