@@ -246,3 +246,20 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client: openai.O
     usage = [chunk.usage for chunk in stream if chunk.usage is not None]
     assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens >= 64
     assert usage[0].prompt_tokens_details.cached_tokens % 16 == 0
+
+
+def test_reset_prefix_cache_makes_a_repeated_prompt_miss(server: ServerProcess, client: openai.OpenAI) -> None:
+    prompt = "reset-cache " + "".join(chr(ord("a") + (i * 11) % 26) for i in range(52))  # 64 tokens, 4 blocks
+    for _ in range(2):
+        warm = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body=NO_EOS)
+    assert warm.usage.prompt_tokens_details.cached_tokens == 48
+    wait_until(lambda: engine_idle(server.base_url), 30, "the engine to go idle")
+    assert httpx.post(f"{server.base_url}/reset_prefix_cache").json() == {"reset": True}
+    cold = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body=NO_EOS)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=440, stream=True, extra_body=NO_EOS)
+    next(iter(stream))  # the request runs: it holds blocks
+    busy = httpx.post(f"{server.base_url}/reset_prefix_cache")
+    assert busy.status_code == 409 and "only while no request runs" in busy.json()["error"]["message"]
+    stream.close()
+    wait_until(lambda: engine_idle(server.base_url), 30, "the aborted request's blocks to come back")

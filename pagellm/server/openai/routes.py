@@ -1,6 +1,6 @@
 """The FastAPI app: OpenAI routes under ``/v1`` plus ``/health``, ``/version``, ``/stats``, ``/tokenize``,
-``/detokenize``, ``/start_profile`` and ``/stop_profile``, and (given an ``Observability``) ``/metrics``,
-``/dashboard`` and trace-context propagation.
+``/detokenize``, ``/start_profile``, ``/stop_profile`` and ``/reset_prefix_cache``, and (given an
+``Observability``) ``/metrics``, ``/dashboard`` and trace-context propagation.
 
 Contract:
 - ``build_app(engine, model_names, api_key)`` builds the app over an ``EngineClient``; it starts nothing. With
@@ -11,6 +11,8 @@ Contract:
   ``{"files": [trace, summary]}`` (metrics/profiler.py): 400 when the server has no ``--profiler-dir``, 409 when a
   profile records already (start) or none does (stop). They write files on the server, so ``api_key`` guards them
   as it does ``/v1``.
+- ``POST /reset_prefix_cache`` forgets every cached block (vLLM's route, for benchmarks that must start cold):
+  409 while requests hold blocks; guarded by ``api_key`` as the profile routes are.
 - ``GET /health`` is 200 while the engine core lives and 503 once it is dead; ``GET /stats`` is the engine's
   latest ``SchedulerStats`` with every field present (running/waiting requests, KV-cache usage, ...).
 - A client that goes away loses its requests: a stream's generator is cancelled by the server on disconnect, and a
@@ -62,7 +64,7 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
                            allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
     app.include_router(_v1_router(engine, model_names, api_key, model_root, tool_parser, reasoning_parser))
     app.include_router(_admin_router(engine, model_names))
-    app.include_router(_profile_router(engine, api_key))
+    app.include_router(_operations_router(engine, api_key))
     if observability is not None:
         install_observability(app, observability)
     return app
@@ -139,8 +141,15 @@ def _admin_router(engine: EngineClient, model_names: Sequence[str]) -> APIRouter
     return router
 
 
-def _profile_router(engine: EngineClient, api_key: Optional[str]) -> APIRouter:
+def _operations_router(engine: EngineClient, api_key: Optional[str]) -> APIRouter:
+    """Routes that act on the engine (profiling, the prefix cache): behind the API key when there is one."""
     router = APIRouter(dependencies=[Depends(_bearer_auth(api_key))] if api_key else [])
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, bool]:
+        if not await engine.reset_prefix_cache():
+            raise APIError("requests hold KV blocks: the prefix cache can be reset only while no request runs", 409)
+        return {"reset": True}
 
     @router.post("/start_profile")
     async def start_profile() -> dict[str, str]:
