@@ -81,9 +81,12 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 # Shapes cover the flash tiles (head_dim 64/128, bf16), the walk's register-resident fixed shapes, its generic
 # vector walk (other multiples of 16), the scalar walk (head_dim 24) and block sizes that split the key tiles.
 SHAPES = [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 32, 8), (8, 1, 16, 1), (12, 2, 48, 4), (6, 3, 64, 32),
-          (4, 2, 24, 8), (8, 2, 64, 4), (14, 2, 64, 16), (12, 2, 128, 16)]  # the last two: Qwen2-0.5B and 1.5B
-# (groups 7, 6). bfloat16 single-token rows of head_dim 64/128 take the AVX-512 BF16 walk (walk_bf16.h); (8, 2,
-# 64, 4) gives it key tiles cut by small blocks.
+          (4, 2, 24, 8), (8, 2, 64, 4), (14, 2, 64, 16), (12, 2, 128, 16), (24, 8, 128, 16), (15, 3, 128, 16),
+          (14, 2, 128, 16), (16, 2, 128, 16)]
+# (14, 2, 64) and (12, 2, 128): Qwen2-0.5B and 1.5B (groups 7, 6); then the head-128 groups 3 (Llama 3.2 3B),
+# 5 (Qwen2.5/3 14B's 40 over 8, here 15 over 3), 7 (Qwen2.5-7B's 28 over 4) and 8 (Qwen2.5-3B). bfloat16
+# single-token rows of head_dim 64/128 take the AVX-512 BF16 walk (walk_bf16.h); (8, 2, 64, 4) gives it key tiles
+# cut by small blocks.
 
 
 @functools.cache

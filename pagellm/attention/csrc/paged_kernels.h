@@ -42,7 +42,8 @@ inline bool walk_bf16_shape(int64_t head_dim, int64_t group, const BFloat16* q, 
   }
   PAGELLM_SHAPE(64, 1) PAGELLM_SHAPE(64, 2) PAGELLM_SHAPE(64, 3) PAGELLM_SHAPE(64, 4) PAGELLM_SHAPE(64, 6)
   PAGELLM_SHAPE(64, 7) PAGELLM_SHAPE(64, 8)
-  PAGELLM_SHAPE(128, 1) PAGELLM_SHAPE(128, 2) PAGELLM_SHAPE(128, 4) PAGELLM_SHAPE(128, 6)
+  PAGELLM_SHAPE(128, 1) PAGELLM_SHAPE(128, 2) PAGELLM_SHAPE(128, 3) PAGELLM_SHAPE(128, 4) PAGELLM_SHAPE(128, 5)
+  PAGELLM_SHAPE(128, 6) PAGELLM_SHAPE(128, 7) PAGELLM_SHAPE(128, 8)
 #undef PAGELLM_SHAPE
 #else
   (void)head_dim, (void)group, (void)q, (void)k, (void)v, (void)blocks, (void)vis, (void)block_size;
