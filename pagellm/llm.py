@@ -22,7 +22,7 @@ from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.model.loader import resolve_model_dir
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import EmbeddingRequestOutput, RequestOutput, pooled_embedding
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer, load_chat_template
 
@@ -49,7 +49,8 @@ class LLM:
         self.sampling_defaults = generation_config.for_model(self.config.model_config, model_dir)
         self.engine = InprocClient(self.config)
         runtime = self.engine.runtime
-        self.input_processor = InputProcessor(self.tokenizer, runtime.max_model_len, runtime.vocab_size)
+        self.input_processor = InputProcessor(self.tokenizer, runtime.max_model_len, runtime.vocab_size,
+                                              runtime.pooling_only)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.last_stats: list[SchedulerStats] = []
@@ -158,6 +159,16 @@ class LLM:
                                     refresh=False)
         bar.close()
         return finished
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], normalize: bool = True,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (text or token ids), in input order: the final hidden state of its last token,
+        L2-normalised with ``normalize``. Each prompt runs as a one-token greedy request through the same
+        scheduler, prefix cache and batches as generation."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=True, detokenize=False)
+        outputs = self.generate(prompts, params, use_tqdm)  # type: ignore[arg-type]
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, pooled_embedding(o.pooled, normalize),
+                                       o.num_cached_tokens) for o in outputs]
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -67,3 +68,27 @@ class RequestOutput:
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Pooling (embedding) requests: the final hidden state of the prompt's last token, float32, unnormalised.
+    pooled: list[float] | None = None
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s result for one prompt: ``embedding`` is the final hidden state of the prompt's last token (the
+    last-token pooling of decoder embedding models such as Qwen3-Embedding or e5-mistral), L2-normalised unless
+    asked not to be."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
+    num_cached_tokens: int = 0
+
+
+def pooled_embedding(pooled: list[float] | None, normalize: bool = True) -> list[float]:
+    """A pooling request's hidden state as an embedding (L2-normalised with ``normalize``)."""
+    if pooled is None:
+        raise RuntimeError("the engine returned no hidden state for a pooling request")
+    if not normalize:
+        return pooled
+    norm = math.sqrt(sum(x * x for x in pooled)) or 1.0
+    return [x / norm for x in pooled]

@@ -128,6 +128,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     allowed_token_ids: list[int] | None = None
     best_of: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # An embedding request (``LLM.embed``, ``/v1/embeddings``): the engine also returns the final hidden state of
+    # the prompt's last token (``RequestOutput.pooled``); it runs as a one-token greedy request.
+    pooling: bool = False
 
     GREEDY_EPS: ClassVar[float] = _GREEDY_EPS
 
@@ -266,6 +269,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                              "all the same.")
 
     def _validate_lengths(self) -> None:
+        if self.pooling and (self.max_tokens != 1 or self.n != 1 or self.best_of not in (None, 1)):
+            raise ValueError("a pooling (embedding) request runs as one greedy token: max_tokens=1, n=1, no best_of.")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1 (or None for up to the context length), "
                              f"got {self.max_tokens}.")

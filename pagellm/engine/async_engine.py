@@ -131,7 +131,8 @@ class AsyncLLM:
         self.client = MPClient(config, self._on_outputs, self._on_dead, startup_timeout_s,
                                while_starting=load_text_side)
         self.runtime: RuntimeInfo = self.client.runtime
-        self.input_processor = InputProcessor(self.tokenizer, self.runtime.max_model_len, self.runtime.vocab_size)
+        self.input_processor = InputProcessor(self.tokenizer, self.runtime.max_model_len, self.runtime.vocab_size,
+                                              self.runtime.pooling_only)
 
     @classmethod
     def from_config(cls, config: EngineConfig, startup_timeout_s: float = 600.0,
@@ -345,7 +346,8 @@ class AsyncLLM:
 
 def _with_completion(output: RequestOutput, completion: CompletionOutput) -> RequestOutput:
     return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids, [completion], False,
-                         output.metrics, output.num_cached_tokens, prompt_logprobs=output.prompt_logprobs)
+                         output.metrics, output.num_cached_tokens, prompt_logprobs=output.prompt_logprobs,
+                         pooled=output.pooled)
 
 
 def _aborted_output(tracked: _Tracked, state: RequestState | None) -> RequestOutput:
@@ -375,4 +377,5 @@ def _coalesce(items: list[_StreamItem]) -> list[_StreamItem]:
         old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
         previous.finished = item.finished
         previous.prompt_logprobs = previous.prompt_logprobs or item.prompt_logprobs
+        previous.pooled = previous.pooled or item.pooled
     return list(merged.values())

@@ -22,11 +22,16 @@ from pagellm.tokenizer import Tokenizer
 PromptType = Union[str, Sequence[int]]
 
 
+POOLING_ONLY = ("this model is a base-model checkpoint with no language-model head: it serves embeddings only "
+                "(LLM.embed, POST /v1/embeddings), not generation")
+
+
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, pooling_only: bool = False) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.pooling_only = pooling_only  # a model without an LM head: embedding requests only
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         if isinstance(prompt, str):
@@ -48,6 +53,8 @@ class InputProcessor:
 
     def prepare_params(self, params: SamplingParams) -> SamplingParams:
         """Check token ids and the structured-output constraint; tokenize bad words (ValueError names the fix)."""
+        if self.pooling_only and not params.pooling:
+            raise ValueError(POOLING_ONLY)
         params.check_token_ids(self.vocab_size)
         if params.structured_outputs is not None:
             from pagellm.sample.structured import validate  # xgrammar loads only when a request needs it

@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.wire import EngineCoreRequest, StepOutput
 from pagellm.metrics.stats import IterationStats, RequestStats
@@ -39,6 +41,7 @@ class RequestState:
     stats: RequestStats | None = None  # timings and counts for metrics and traces
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None] + one per scored prompt token
     prompt_logprobs_sent: bool = False
+    pooled: list[float] | None = None  # a pooling request's hidden state, once the core sent it
 
     def make_output(self, delta: bool) -> RequestOutput:
         """The request's output so far; with ``delta``, only the text, token ids and logprobs not returned
@@ -53,7 +56,8 @@ class RequestState:
         completion = CompletionOutput(0, text, token_ids, self.finish_reason, self.stop_reason, logprobs,
                                       self.cumulative_logprob)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion], finished,
-                             self.metrics, self.num_cached_tokens, prompt_logprobs=self._take_prompt_logprobs(delta))
+                             self.metrics, self.num_cached_tokens, prompt_logprobs=self._take_prompt_logprobs(delta),
+                             pooled=self.pooled)
 
     def _take_prompt_logprobs(self, delta: bool) -> list[dict[int, Logprob] | None] | None:
         """The whole prompt's logprobs once every token is scored (in delta mode only the first time)."""
@@ -111,6 +115,8 @@ class OutputProcessor:
                 self._add_logprobs(state, new_token_ids, step.logprobs.get(request_id))
             assert state.stats is not None
             iteration.observe_tokens(state.stats, count, first.times if first is not None else None, now)
+            if request_id in step.pooled:
+                state.pooled = np.frombuffer(step.pooled[request_id], dtype=np.float32).tolist()
             prompt_logprobs = step.prompt_logprobs.get(request_id)
             if state.prompt_logprobs is not None and prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, prompt_logprobs)

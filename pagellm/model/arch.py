@@ -8,6 +8,10 @@ from typing import Any
 from pagellm.model.compressed_tensors import scheme_of
 
 
+# The base-model classes of the served families (their checkpoints have no LM head and no ``model.`` prefix).
+BASE_MODELS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
+
+
 @dataclass(frozen=True)
 class ArchConfig:
     architecture: str
@@ -27,6 +31,9 @@ class ArchConfig:
     sliding_window: int | None
     quantization: str | None = None  # a quantized checkpoint's scheme (``compressed_tensors.scheme_of``)
     qk_norm: bool = False  # RMSNorm over each head's q and k before the rotary embedding (Qwen3)
+    # A base-model checkpoint (``LlamaModel``, ``Qwen3Model``, ...: embedding models such as e5-mistral): weights
+    # without the ``model.`` prefix and no LM head; it serves pooling (embedding) requests only.
+    base_model: bool = False
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -39,6 +46,7 @@ class ArchConfig:
         rope_params = cfg.get("rope_parameters") or {}
         rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default")
                                                    != "default" else None)
+        base_model = archs[0] in BASE_MODELS
         return cls(
             architecture=archs[0],
             vocab_size=int(cfg["vocab_size"]),
@@ -52,11 +60,12 @@ class ArchConfig:
             rope_theta=float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) or base_model,  # no head of its own
             attention_bias=bool(cfg.get("attention_bias", False)) or model_type == "qwen2",
             sliding_window=int(window) if window else None,
             quantization=scheme_of(cfg),
             qk_norm=model_type == "qwen3",
+            base_model=base_model,
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:

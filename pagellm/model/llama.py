@@ -155,6 +155,8 @@ class LlamaForCausalLM(nn.Module):
         pack_weights(self, quantization or self.cfg.quantization)
 
     def _target(self, name: str) -> tuple[str, str | int | None]:
+        if self.cfg.base_model and not name.startswith("model."):  # a base model's names start at its layers
+            name = f"model.{name}"
         for fragment, (ours, shard) in self.STACKED.items():
             if fragment in name:
                 return name.replace(fragment, ours), shard

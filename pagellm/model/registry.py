@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from pagellm.distributed.groups import ParallelState
-from pagellm.model.arch import ArchConfig
+from pagellm.model.arch import BASE_MODELS, ArchConfig
 from pagellm.model.llama import LlamaForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -14,6 +14,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    # base models (embedding checkpoints: no LM head; ArchConfig.base_model), for pooling requests
+    **{name: LlamaForCausalLM for name in BASE_MODELS},
 }
 
 

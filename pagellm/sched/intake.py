@@ -129,7 +129,8 @@ class Intake:
         present = ModelRunnerOutput(ids, counts, flat,
                                     {r: d for r, d in runner_out.draft_token_ids.items() if r in index},
                                     {r: lp for r, lp in runner_out.logprobs.items() if r in index},
-                                    {r: lp for r, lp in runner_out.prompt_logprobs.items() if r in index})
+                                    {r: lp for r, lp in runner_out.prompt_logprobs.items() if r in index},
+                                    {r: v for r, v in runner_out.pooled.items() if r in index})
         return np.array(rows, dtype=np.int64), (np.array(num_spec) if any(num_spec) else None), present
 
     def _roll_back_drafts(self, rows: np.ndarray, num_spec: np.ndarray, counts: np.ndarray) -> None:
@@ -271,6 +272,8 @@ class Intake:
             picked = [j for j, n in enumerate(sampled) if n or ids[j] in prompt_logprobs]
             out.req_ids, out.num_new_tokens = [ids[j] for j in picked], [sampled[j] for j in picked]
             out.new_token_ids, out.prompt_logprobs = flat, prompt_logprobs
+        if runner_out.pooled:  # a pooling request samples its one token in the step that pools it
+            out.pooled = runner_out.pooled
         if runner_out.logprobs:
             out.logprobs = dict(runner_out.logprobs) if kept else runner_out.logprobs
             for j, num_kept in kept.items():

@@ -99,14 +99,16 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     draft_token_ids: dict[str, list[int]] = {}  # proposals to verify next step
     logprobs: dict[str, TokenLogprobs] = {}     # for requests that asked: one entry per sampled token
     prompt_logprobs: dict[str, TokenLogprobs] = {}  # prompt_logprobs requests: one entry per prompt token scored
+    pooled: dict[str, bytes] = {}  # pooling requests: the last prompt token's final hidden state, float32 bytes
 
     @classmethod
     def from_rows(cls, req_ids: list[str], rows: list[list[int]], draft_token_ids: dict[str, list[int]] | None = None,
                   logprobs: dict[str, TokenLogprobs] | None = None,
-                  prompt_logprobs: dict[str, TokenLogprobs] | None = None) -> ModelRunnerOutput:
+                  prompt_logprobs: dict[str, TokenLogprobs] | None = None,
+                  pooled: dict[str, bytes] | None = None) -> ModelRunnerOutput:
         """Built from one token list per request."""
         return cls(req_ids, [len(row) for row in rows], [token for row in rows for token in row],
-                   draft_token_ids or {}, logprobs or {}, prompt_logprobs or {})
+                   draft_token_ids or {}, logprobs or {}, prompt_logprobs or {}, pooled or {})
 
     def rows(self) -> list[list[int]]:
         """One token list per request (for inspection; the hot paths use the flat list)."""
@@ -137,6 +139,7 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # prompt_logprobs: entries for the next prompt tokens (from the second on), in prompt order, chunk by chunk
     prompt_logprobs: dict[str, TokenLogprobs] = {}
     first: dict[str, FirstOutput] = {}             # requests whose first output tokens are in this step
+    pooled: dict[str, bytes] = {}                  # pooling requests: float32 bytes of the last prompt hidden state
 
     def __len__(self) -> int:
         return len(self.req_ids)

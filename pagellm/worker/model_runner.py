@@ -90,10 +90,20 @@ class ModelRunner:
             if raw is not None:
                 self._use_processed_logprobs(raw, processed, inputs, wanted)
             logprobs = self._logprobs(raw, inputs, wanted, sampled) if raw is not None else {}
+        pooled = self._pooled(inputs, hidden)
         with span("propose"):
             drafts = self._propose(inputs, results, hidden)
         return ModelRunnerOutput.from_rows(inputs.req_ids, sampled, drafts, logprobs,
-                                           self._prompt_logprobs(inputs, hidden))
+                                           self._prompt_logprobs(inputs, hidden), pooled)
+
+    def _pooled(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, bytes]:
+        """Pooling requests that sample this step (their prompt's last token ran): its final hidden state."""
+        pooled = {}
+        for req_id, first in zip(inputs.req_ids, inputs.logits_start):
+            if first >= 0 and self.states[req_id].sampling_params.pooling:
+                row = hidden[inputs.logits_indices[first]]
+                pooled[req_id] = row.float().numpy().tobytes()
+        return pooled
 
     def _trees(self, inputs: StepInputs) -> dict[int, list[int]]:
         """Rows whose drafts this step form a tree: row → parents of the drafts scheduled."""

@@ -13,3 +13,5 @@ class RuntimeInfo:
     num_blocks: int
     block_size: int
     vocab_size: int
+    hidden_size: int = 0  # the width of the hidden states (embeddings)
+    pooling_only: bool = False  # a base-model checkpoint (no LM head): embedding requests only

@@ -42,6 +42,7 @@ from pagellm.server.openai.errors import APIError, install_error_handlers
 from pagellm.server.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pagellm.server.openai.serving_chat import OpenAIServingChat
 from pagellm.server.openai.serving_completion import OpenAIServingCompletion
+from pagellm.server.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing
 from pagellm.server.openai.tokenization import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                                 TokenizeResponse)
@@ -75,6 +76,7 @@ def _v1_router(engine: EngineClient, model_names: Sequence[str], api_key: Option
     router = APIRouter(prefix="/v1", dependencies=[Depends(_bearer_auth(api_key))] if api_key else [])
     completion = OpenAIServingCompletion(engine, model_names)
     chat = OpenAIServingChat(engine, model_names, tool_parser, reasoning_parser)
+    embedding = OpenAIServingEmbedding(engine, model_names)
     max_model_len = completion.max_model_len
 
     @router.get("/models")
@@ -88,6 +90,10 @@ def _v1_router(engine: EngineClient, model_names: Sequence[str], api_key: Option
         if body.stream:
             return _EventStream(completion.stream(job))
         return await _json_unless_disconnected(raw, completion.create(job))
+
+    @router.post("/embeddings")
+    async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
+        return await _json_unless_disconnected(raw, embedding.create(embedding.prepare(body)))
 
     @router.post("/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Union
 
-from pagellm.engine.input_processor import check_prompt
+from pagellm.engine.input_processor import POOLING_ONLY, check_prompt
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.outputs import Logprob, RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -40,7 +40,7 @@ class EngineClient(Protocol):
     """The engine as the server sees it (``pagellm.engine.async_engine.AsyncLLM``)."""
 
     tokenizer: Tokenizer
-    runtime: Any  # max_model_len, num_blocks, vocab_size
+    runtime: Any  # max_model_len, num_blocks, vocab_size, hidden_size, pooling_only (worker/runtime.py)
     sampling_defaults: dict[str, Any]  # for requests that leave them unset (generation_config.py)
 
     def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
@@ -116,6 +116,8 @@ class OpenAIServing:
 
     def check_request(self, request: SamplingRequest) -> tuple[str, SamplingParams]:
         model = self.check_model(request.model)
+        if self.engine.runtime.pooling_only:
+            raise APIError(POOLING_ONLY, 400, param="model", code="model_not_supported")
         for name, why in request.unsupported():
             raise APIError(why, 400, param=name, code="unsupported_parameter")
         params: SamplingParams = request.to_sampling_params(self.sampling_defaults)  # type: ignore[attr-defined]
