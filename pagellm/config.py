@@ -80,6 +80,9 @@ class ModelConfig:
     override_generation_config: dict[str, Any] | str | None = _help(
         "Sampling defaults set over generation_config's, as a JSON object of its keys (vLLM's flag), e.g. "
         "'{\"temperature\": 0.5, \"max_new_tokens\": 256}'.", default=None)
+    enable_lora: bool = _help(
+        "Serve requests with LoRA adapters (PEFT directories, one per request: LLM.generate(lora_request=...)); "
+        "adapted steps run the Python layers. Default: off.", default=False)
 
     def __post_init__(self) -> None:
         source = self.generation_config
@@ -364,6 +367,8 @@ class EngineConfig:
         if spec.method == "eagle" and spec.model is None and self.model_config.model is not None:
             raise ValueError("eagle needs 'model': the head's .safetensors file from `pagellm train-draft --method "
                              "eagle` (only the built-in model has a shipped default head)")
+        if self.model_config.enable_lora and self.parallel_config.tensor_parallel_size != 1:
+            raise ValueError("enable_lora runs on one rank; set tensor_parallel_size 1")
 
     def for_serving(self) -> EngineConfig:
         """This config with the online-serving defaults filled in (``SchedulerConfig.for_serving``)."""

@@ -20,8 +20,10 @@ from pagellm.engine.client import InprocClient
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
+from pagellm.lora import LoRARequest
 from pagellm.metrics.stats import SchedulerStats
-from pagellm.model.loader import resolve_model_dir
+from pagellm.model.arch import ArchConfig
+from pagellm.model.loader import load_hf_config, resolve_model_dir
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput, pooled_embedding
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer, load_chat_template
@@ -49,8 +51,9 @@ class LLM:
         self.sampling_defaults = generation_config.for_model(self.config.model_config, model_dir)
         self.engine = InprocClient(self.config)
         runtime = self.engine.runtime
+        lora_arch = ArchConfig.from_hf(load_hf_config(model_dir)) if self.config.model_config.enable_lora else None
         self.input_processor = InputProcessor(self.tokenizer, runtime.max_model_len, runtime.vocab_size,
-                                              runtime.pooling_only)
+                                              runtime.pooling_only, lora_arch)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.last_stats: list[SchedulerStats] = []
@@ -61,11 +64,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Prompts are strings or token-id lists (or one of either); outputs come back in input order."""
+        """Prompts are strings or token-id lists (or one of either); outputs come back in input order.
+        ``lora_request``: one adapter for every prompt, or one (or None) per prompt (needs ``enable_lora``)."""
         batch = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params if sampling_params is not None else self.get_default_sampling_params(),
                              len(batch), "sampling_params")
+        if lora_request is not None:
+            adapters = _per_prompt(lora_request, len(batch), "lora_request")  # type: ignore[arg-type]
+            params = [msgspec.structs.replace(p, lora_request=a) for p, a in zip(params, adapters)]
         priorities = _per_prompt(list(priority) if priority is not None else 0, len(batch), "priority")
         groups = self._add_requests(batch, params, priorities)
         finished = self._run([i for group in groups for i in group], use_tqdm)

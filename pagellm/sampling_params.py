@@ -30,6 +30,8 @@ from typing import ClassVar
 
 import msgspec
 
+from pagellm.lora import LoRARequest
+
 # Below this temperature a request is treated as greedy: dividing logits by ~0 only amplifies float noise, and
 # the argmax is what the user means.
 _GREEDY_EPS = 1e-5
@@ -131,6 +133,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # An embedding request (``LLM.embed``, ``/v1/embeddings``): the engine also returns the final hidden state of
     # the prompt's last token (``RequestOutput.pooled``); it runs as a one-token greedy request.
     pooling: bool = False
+    # The LoRA adapter to run the request with (``LLM.generate(lora_request=...)``; ``pagellm/lora.py``).
+    lora_request: LoRARequest | None = None
 
     GREEDY_EPS: ClassVar[float] = _GREEDY_EPS
 

@@ -115,19 +115,26 @@ def get_backend(name: str) -> AttentionBackend:
 class ForwardContext:
     backend: AttentionBackend
     metadata: Any
+    lora: Any = None  # the step's ``lora.LoRABatch`` when requests with adapters run in it
 
 
 _context: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("pagellm_forward", default=None)
 
 
 @contextlib.contextmanager
-def forward_context(backend: AttentionBackend, metadata: Any) -> Iterator[None]:
-    """Make ``metadata`` visible to every attention layer for the duration of one forward pass."""
-    token = _context.set(ForwardContext(backend, metadata))
+def forward_context(backend: AttentionBackend, metadata: Any, lora: Any = None) -> Iterator[None]:
+    """Make ``metadata`` (and the step's LoRA adapters) visible to every layer for the duration of one forward."""
+    token = _context.set(ForwardContext(backend, metadata, lora))
     try:
         yield
     finally:
         _context.reset(token)
+
+
+def current_lora() -> Any:
+    """The running forward pass's LoRA adapters (a ``lora.LoRABatch``), or None (also outside a forward pass)."""
+    ctx = _context.get()
+    return None if ctx is None else ctx.lora
 
 
 def current_forward_context() -> ForwardContext:

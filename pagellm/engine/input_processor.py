@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import msgspec
 
 from pagellm.engine.wire import EngineCoreRequest
+from pagellm.lora import LoRARequest, check_adapter
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
 
@@ -27,11 +28,14 @@ POOLING_ONLY = ("this model is a base-model checkpoint with no language-model he
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, pooling_only: bool = False) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, pooling_only: bool = False,
+                 lora_arch: Any = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.pooling_only = pooling_only  # a model without an LM head: embedding requests only
+        self.lora_arch = lora_arch  # the model's ArchConfig when LoRA is enabled (adapters are checked against it)
+        self._adapters: set[LoRARequest] = set()  # checked already
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         if isinstance(prompt, str):
@@ -48,13 +52,25 @@ class InputProcessor:
         if params.prompt_logprobs is not None and cache_salt is None:
             # Every prompt position must be computed to score it: a unique salt makes prefix-cache hits impossible.
             cache_salt = f"prompt-logprobs-{uuid.uuid4().hex}"
+        if params.lora_request is not None:  # KV computed under an adapter is its own
+            cache_salt = "/".join(s for s in (cache_salt, params.lora_request.cache_salt) if s)
         return EngineCoreRequest(request_id, token_ids, params, sorted(self.tokenizer.eos_token_ids), time.time(),
                                  priority, cache_salt)
+
+    def check_adapter(self, request: LoRARequest) -> None:
+        """Raise ValueError unless this engine can run ``request``'s adapter (checked once per adapter)."""
+        if self.lora_arch is None:
+            raise ValueError("this engine serves no LoRA adapters; start it with enable_lora=True (--enable-lora)")
+        if request not in self._adapters:
+            check_adapter(request, self.lora_arch)
+            self._adapters.add(request)
 
     def prepare_params(self, params: SamplingParams) -> SamplingParams:
         """Check token ids and the structured-output constraint; tokenize bad words (ValueError names the fix)."""
         if self.pooling_only and not params.pooling:
             raise ValueError(POOLING_ONLY)
+        if params.lora_request is not None:
+            self.check_adapter(params.lora_request)
         params.check_token_ids(self.vocab_size)
         if params.structured_outputs is not None:
             from pagellm.sample.structured import validate  # xgrammar loads only when a request needs it

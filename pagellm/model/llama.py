@@ -13,6 +13,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from pagellm.attention.base import current_lora
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.activation import SiluAndMul
@@ -25,8 +26,10 @@ from pagellm.model.native_stack import run_native
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, parallel: ParallelState) -> None:
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, parallel: ParallelState,
+                 layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer  # its index, for LoRA adapters
         self.num_heads = parallel.shard(cfg.num_heads, "attention heads")
         self.num_kv_heads = parallel.shard(cfg.num_kv_heads, "key/value heads")
         self.head_dim = cfg.head_dim
@@ -40,37 +43,56 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv, lora = self.qkv_proj(x), current_lora()
+        if lora is not None:
+            lora.add(qkv, x, self.layer, (("q_proj", 0, q_size), ("k_proj", q_size, kv_size),
+                                          ("v_proj", q_size + kv_size, kv_size)))
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:  # per head: rows of head_dim
             q = self.q_norm(q.reshape(-1, self.head_dim))[0]
             k = self.k_norm(k.reshape(-1, self.head_dim))[0]
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
+        attended = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))
+        out = self.o_proj(attended)
+        if lora is not None:
+            lora.add(out, attended, self.layer, (("o_proj", 0, out.shape[-1]),))
+        return out
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one GEMM."""
 
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState) -> None:
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype,
                                                  parallel)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype, parallel)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        lora = current_lora()
+        if lora is None:
+            return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        width = gate_up.shape[-1] // 2
+        lora.add(gate_up, x, self.layer, (("gate_proj", 0, width), ("up_proj", width, width)))
+        h = self.act_fn(gate_up)
+        out = self.down_proj(h)
+        lora.add(out, h, self.layer, (("down_proj", 0, out.shape[-1]),))
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, parallel: ParallelState) -> None:
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, parallel: ParallelState,
+                 layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, rotary, dtype, parallel)
+        self.self_attn = LlamaAttention(cfg, rotary, dtype, parallel, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(cfg, dtype, parallel)
+        self.mlp = LlamaMLP(cfg, dtype, parallel, layer)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,8 +107,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype, parallel)
-                                    for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype, parallel, i)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:

@@ -8,6 +8,7 @@ attention backend):
 - the model is bfloat16, single rank, and every GEMM weight of every layer is packed (``gemm.pack_parameter``),
   or every one quantized (``--quantization w8a8_int8``), with no o_proj bias (q/k/v bias, as in Qwen2, and
   Qwen3's per-head q/k norm are served) and one RMSNorm epsilon throughout;
+- no request of the step runs with a LoRA adapter (those steps take the Python layers, ``pagellm/lora.py``);
 - the forward context is the ``cpu_paged`` backend's (its metadata a ``CpuPagedMetadata``) and every layer to run
   has a cache bound, bfloat16 or float8 (``--kv-cache-dtype``), all of one dtype.
 
@@ -89,7 +90,7 @@ def run_native(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
         ctx = current_forward_context()
     except RuntimeError:
         return None  # the Python layers raise the error that names the fix
-    if not isinstance(ctx.metadata, CpuPagedMetadata):
+    if not isinstance(ctx.metadata, CpuPagedMetadata) or ctx.lora is not None:  # adapters: the Python layers
         return None
     stack = stack_for(model)
     if stack is None:

@@ -25,6 +25,7 @@ import uvicorn
 
 from pagellm.config import EngineConfig
 from pagellm.engine.exceptions import EngineDeadError
+from pagellm.lora import LoRARequest
 from pagellm.server.observability import build_observability
 from pagellm.server.options import ServeOptions
 from pagellm.server.openai.routes import build_app
@@ -36,6 +37,16 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GRACEFUL_SHUTDOWN_S = 5
 _DEAD_ENGINE_GRACE_S = 2.0  # after the core dies, keep answering 503 this long (a stop signal may still come)
 _HEALTH_POLL_S = 0.1
+
+
+def _loras(engine: Any, names: list[str], options: ServeOptions) -> dict[str, LoRARequest]:
+    """The --lora-modules adapters by served name (ids from 1), each checked against the model now."""
+    loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(options.lora_modules)}
+    if set(loras) & set(names):
+        raise ValueError("--lora-modules names must differ from the served model names")
+    for lora in loras.values():
+        engine.input_processor.check_adapter(lora)
+    return loras
 
 
 def run_server(config: EngineConfig, options: ServeOptions = ServeOptions()) -> int:
@@ -82,7 +93,7 @@ async def _serve(config: EngineConfig, sock: socket.socket, names: list[str], op
         engine.stats_sink = obs.sink
         app = build_app(engine, names, options.api_key, model_root=config.model_config.model, observability=obs,
                         cors=options.cors, tool_parser=options.tool_call_parser,
-                        reasoning_parser=options.reasoning_parser)
+                        reasoning_parser=options.reasoning_parser, loras=_loras(engine, names, options))
         server = uvicorn.Server(uvicorn.Config(
             app, http="httptools", log_level="warning", access_log=options.access_log, lifespan="off",
             timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S, **(options.tls.uvicorn_kwargs() if options.tls else {})))

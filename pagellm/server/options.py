@@ -58,6 +58,7 @@ class ServeOptions:
     tls: Optional[Tls] = None
     tool_call_parser: Optional[str] = None  # set: tool_choice 'auto' is served, calls parsed with this parser
     reasoning_parser: Optional[str] = None  # set: chat replies carry the thinking as reasoning_content
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (served name, PEFT adapter directory), with --enable-lora
 
 
 def _json_list(value: str) -> list[str]:
@@ -104,6 +105,9 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--enable-prompt-tokens-details", action="store_true",
                      help="accepted for vLLM command lines: usage always carries prompt_tokens_details.cached_tokens "
                           "(the prompt tokens the prefix cache served), as OpenAI's does")
+    cmd.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                     help="LoRA adapters to serve (with --enable-lora), each as name=path or JSON {\"name\": ..., "
+                          "\"path\": ...}: requests naming one as their model run with it")
     cmd.add_argument("--reasoning-parser", choices=reasoning.PARSERS, default=None,
                      help="take a reasoning model's <think> block out of chat replies into reasoning_content: "
                           "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ)")
@@ -124,7 +128,30 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(args.host, args.port, args.served_model_name, args.api_key or envs.api_key(), template,
                         args.access_log, not args.disable_log_stats, args.otlp_traces_endpoint,
                         Cors(args.allowed_origins, args.allowed_methods, args.allowed_headers,
-                             args.allow_credentials), _tls(args), _tool_call_parser(args), args.reasoning_parser)
+                             args.allow_credentials), _tls(args), _tool_call_parser(args), args.reasoning_parser,
+                        _lora_modules(args))
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    try:
+        item = json.loads(value) if value.lstrip().startswith("{") else None
+    except json.JSONDecodeError:
+        item = None
+    name, _, path = (item.get("name", ""), "", item.get("path", "")) if isinstance(item, dict) else \
+        value.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise argparse.ArgumentTypeError(f"{value!r}: give name=path or '{{\"name\": ..., \"path\": ...}}'")
+    return name, path
+
+
+def _lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    modules = tuple(args.lora_modules)
+    if modules and not getattr(args, "enable_lora", False):
+        raise ValueError("--lora-modules needs --enable-lora")
+    names = [name for name, _ in modules]
+    if len(set(names)) != len(names) or set(names) & set(args.served_model_name or []):
+        raise ValueError("--lora-modules names must differ from each other and from --served-model-name")
+    return modules
 
 
 def _tool_call_parser(args: argparse.Namespace) -> Optional[str]:

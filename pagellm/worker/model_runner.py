@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from pagellm.attention.base import AttentionBackend, CommonAttentionInputs, forward_context, new_kv_cache
+from pagellm.lora import Adapter, LoRABatch, LoRARequest
 from pagellm.metrics.profiler import span
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.sample.logits_processors import LogitsProcessing, RowContext
@@ -55,6 +56,7 @@ class ModelRunner:
         self.drafts: dict[str, Draft] = {}  # proposals awaiting verification, by request
         self._last_sampling: tuple[list, SamplingTensors] | None = None  # the last step's rows and their tensors
         self.disable_by_batch_size = disable_by_batch_size  # no drafting for steps of more requests than this
+        self.adapters: dict[int, Adapter] = {}  # LoRA adapters by lora_int_id
 
     def bind_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         """Allocate one [2, num_blocks, block_size, kv_heads, head_dim] cache per attention layer."""
@@ -76,7 +78,7 @@ class ModelRunner:
             common = CommonAttentionInputs(inputs.query_start_loc, inputs.seq_lens, inputs.block_table,
                                            inputs.slot_mapping, self.block_size,
                                            place_trees(inputs.positions, inputs.query_start_loc, trees) or None)
-        with span("forward"), forward_context(self.backend, self.backend.build(common)):
+        with span("forward"), forward_context(self.backend, self.backend.build(common), self._lora_batch(inputs)):
             hidden = self.model(inputs.input_ids, inputs.positions)
         with span("compute_logits"):
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # model dtype; samplers upcast
@@ -95,6 +97,25 @@ class ModelRunner:
             drafts = self._propose(inputs, results, hidden)
         return ModelRunnerOutput.from_rows(inputs.req_ids, sampled, drafts, logprobs,
                                            self._prompt_logprobs(inputs, hidden), pooled)
+
+    def _lora_batch(self, inputs: StepInputs) -> LoRABatch | None:
+        """The step's adapters and the flat token rows of each one's requests (None: no request has one)."""
+        rows: dict[LoRARequest, list[int]] = {}
+        for j, req_id in enumerate(inputs.req_ids):
+            adapter = self.states[req_id].sampling_params.lora_request
+            if adapter is not None:
+                rows.setdefault(adapter, []).extend(range(inputs.query_start_loc[j], inputs.query_start_loc[j + 1]))
+        if not rows:
+            return None
+        return LoRABatch([(self._adapter(a), torch.tensor(r, dtype=torch.int64)) for a, r in rows.items()])
+
+    def _adapter(self, request: LoRARequest) -> Adapter:
+        """The adapter's weights, loaded on first use and kept (by id: one id, one adapter)."""
+        adapter = self.adapters.get(request.lora_int_id)
+        if adapter is None:
+            adapter = Adapter.load(request, self.model.cfg, self.model.model.norm.weight.dtype)
+            self.adapters[request.lora_int_id] = adapter
+        return adapter
 
     def _pooled(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, bytes]:
         """Pooling requests that sample this step (their prompt's last token ran): its final hidden state."""

@@ -392,6 +392,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagellm"
     root: Optional[str] = None
+    parent: Optional[str] = None  # a LoRA adapter's base model
     max_model_len: Optional[int] = None
 
 

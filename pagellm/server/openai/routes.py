@@ -26,6 +26,7 @@ import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import anyio
@@ -35,6 +36,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import pagellm
+from pagellm.lora import LoRARequest
 from pagellm.server.observability import Observability
 from pagellm.server.observability import install as install_observability
 from pagellm.server.options import Cors
@@ -55,7 +57,7 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optional[str] = None,
               model_root: Optional[str] = None, observability: Optional[Observability] = None,
               cors: Optional[Cors] = None, tool_parser: Optional[str] = None,
-              reasoning_parser: Optional[str] = None) -> FastAPI:
+              reasoning_parser: Optional[str] = None, loras: Optional[dict[str, LoRARequest]] = None) -> FastAPI:
     if not model_names:
         raise ValueError("give at least one served model name")
     app = FastAPI(title="pagellm", version=pagellm.__version__, docs_url=None, redoc_url=None)
@@ -63,7 +65,8 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
     if cors is not None:
         app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
                            allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
-    app.include_router(_v1_router(engine, model_names, api_key, model_root, tool_parser, reasoning_parser))
+    served = _Served(model_names, model_root, dict(loras or {}))
+    app.include_router(_v1_router(engine, served, api_key, tool_parser, reasoning_parser))
     app.include_router(_admin_router(engine, model_names))
     app.include_router(_operations_router(engine, api_key))
     if observability is not None:
@@ -71,18 +74,28 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
     return app
 
 
-def _v1_router(engine: EngineClient, model_names: Sequence[str], api_key: Optional[str],
-               model_root: Optional[str], tool_parser: Optional[str], reasoning_parser: Optional[str]) -> APIRouter:
+@dataclass(frozen=True)
+class _Served:
+    """What the server answers to: its model names, where the model came from, and LoRA adapters by name."""
+
+    names: Sequence[str]
+    root: Optional[str]
+    loras: dict[str, LoRARequest]
+
+
+def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], tool_parser: Optional[str],
+               reasoning_parser: Optional[str]) -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(_bearer_auth(api_key))] if api_key else [])
-    completion = OpenAIServingCompletion(engine, model_names)
-    chat = OpenAIServingChat(engine, model_names, tool_parser, reasoning_parser)
-    embedding = OpenAIServingEmbedding(engine, model_names)
+    completion = OpenAIServingCompletion(engine, served.names, served.loras)
+    chat = OpenAIServingChat(engine, served.names, tool_parser, reasoning_parser, served.loras)
+    embedding = OpenAIServingEmbedding(engine, served.names, served.loras)
     max_model_len = completion.max_model_len
 
     @router.get("/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=model_root, max_model_len=max_model_len)
-                               for name in model_names])
+        base = [ModelCard(id=name, root=served.root, max_model_len=max_model_len) for name in served.names]
+        return ModelList(data=base + [ModelCard(id=name, root=lora.lora_path, parent=served.names[0],
+                                                max_model_len=max_model_len) for name, lora in served.loras.items()])
 
     @router.post("/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:

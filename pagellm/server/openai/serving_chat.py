@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pagellm.lora import LoRARequest
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.chunks import ChunkWriter
 from pagellm.server.openai import tools as tooling
@@ -72,8 +73,8 @@ class _Job:
 class OpenAIServingChat(OpenAIServing):
 
     def __init__(self, engine: EngineClient, model_names: Sequence[str], tool_parser: Optional[str] = None,
-                 reasoning_parser: Optional[str] = None) -> None:
-        super().__init__(engine, model_names)
+                 reasoning_parser: Optional[str] = None, loras: Optional[dict[str, LoRARequest]] = None) -> None:
+        super().__init__(engine, model_names, loras)
         self.tool_parser: Optional[ToolParser] = get_parser(tool_parser) if tool_parser is not None else None
         self.reasoning_parser = reasoning_parser
         # A constrained reply (a tool call, JSON, a regex) is shaped from its first token: with deepseek_r1, which

@@ -94,7 +94,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         return _Job(request, random_id("embd"), model, prompts)
 
     async def create(self, job: _Job) -> EmbeddingResponse:
-        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=True, detokenize=False)
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=True, detokenize=False,
+                                lora_request=self.loras.get(job.model))
         pooled: dict[int, list[float]] = {}
         async for index, output in self.generate(job.prompts, params, job.request_id, job.request.priority):
             if output.pooled is not None:

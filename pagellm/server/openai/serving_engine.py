@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Union
 
 from pagellm.engine.input_processor import POOLING_ONLY, check_prompt
+from pagellm.lora import LoRARequest
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.outputs import Logprob, RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -99,8 +100,10 @@ class ChoiceState:
 class OpenAIServing:
     """Base of the completion and chat handlers."""
 
-    def __init__(self, engine: EngineClient, model_names: Sequence[str]) -> None:
+    def __init__(self, engine: EngineClient, model_names: Sequence[str],
+                 loras: Optional[dict[str, LoRARequest]] = None) -> None:
         self.engine = engine
+        self.loras = dict(loras or {})  # served name → its LoRA adapter (--lora-modules)
         self.tokenizer: Tokenizer = engine.tokenizer
         self.sampling_defaults: dict[str, Any] = engine.sampling_defaults
         self.model_names = list(model_names)
@@ -109,10 +112,10 @@ class OpenAIServing:
 
     def check_model(self, name: Optional[str]) -> str:
         """The model name to answer with; 404 (as OpenAI does) for a model this server does not serve."""
-        if name is None or name == "" or name in self.model_names:
+        if name is None or name == "" or name in self.model_names or name in self.loras:
             return name or self.model_names[0]
-        raise APIError(f"The model `{name}` does not exist (this server serves {', '.join(self.model_names)})",
-                       404, param="model", code="model_not_found")
+        raise APIError(f"The model `{name}` does not exist (this server serves "
+                       f"{', '.join([*self.model_names, *self.loras])})", 404, param="model", code="model_not_found")
 
     def check_request(self, request: SamplingRequest) -> tuple[str, SamplingParams]:
         model = self.check_model(request.model)
@@ -121,6 +124,8 @@ class OpenAIServing:
         for name, why in request.unsupported():
             raise APIError(why, 400, param=name, code="unsupported_parameter")
         params: SamplingParams = request.to_sampling_params(self.sampling_defaults)  # type: ignore[attr-defined]
+        if model in self.loras:
+            params.lora_request = self.loras[model]
         # Checked here too (the engine checks again) so a stream never starts for a request that must fail.
         params.check_token_ids(self.vocab_size)
         if params.structured_outputs is not None:

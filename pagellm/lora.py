@@ -1,0 +1,145 @@
+"""LoRA adapters (PEFT's format) applied per request, many adapters and the base model in one batch.
+
+Contract:
+- ``LoRARequest(lora_name, lora_int_id, lora_path)``, as vLLM names it, goes with a request
+  (``LLM.generate(..., lora_request=...)``; it travels on ``SamplingParams.lora_request``); the engine must be
+  started with ``enable_lora=True``. ``lora_int_id`` (>= 1) identifies the adapter: the same id must always mean the
+  same directory.
+- An adapter directory holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``, ``target_modules``
+  among q/k/v/o/gate/up/down_proj, ``bias`` "none") and ``adapter_model.safetensors`` (``lora_A`` [r, in] and
+  ``lora_B`` [out, r] per adapted projection of a decoder layer). ``check_adapter`` checks all of that, and each
+  matrix's shape against the model, before a request is queued (a ValueError that names the problem); LoRA on the
+  embeddings or the LM head, per-module ranks and biases are refused there.
+- In a step, the tokens of every request with an adapter get ``scale * (x @ A.T) @ B.T`` added to each adapted
+  projection's output (scale ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA), as PEFT computes it;
+  other tokens are untouched. Such steps run the Python layers (the native decoder stack has no adapters). The
+  prefix cache keys an adapted request's blocks by its adapter id (a cache salt), so KV computed under one adapter is
+  never read under another or under none.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    import torch
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
+
+
+class LoRARequest(msgspec.Struct, array_like=True, frozen=True):
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
+
+    @property
+    def cache_salt(self) -> str:
+        return f"lora-{self.lora_int_id}"
+
+
+def _config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"LoRA adapter {str(path)!r}: cannot read adapter_config.json ({exc})") from None
+    if config.get("bias", "none") != "none" or config.get("rank_pattern") or config.get("alpha_pattern") or \
+            config.get("modules_to_save"):
+        raise ValueError(f"LoRA adapter {str(path)!r}: biases, per-module ranks and modules_to_save are not "
+                         "supported; train it with bias='none' and one rank")
+    return config
+
+
+def _scale(config: dict[str, Any]) -> float:
+    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def expected_shapes(arch: Any) -> dict[str, tuple[int, int]]:
+    """(out, in) of each projection of a decoder layer of ``arch`` (a ``model.arch.ArchConfig``)."""
+    q, kv, hidden, inter = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.hidden_size, \
+        arch.intermediate_size
+    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
+            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+
+
+def _tensors(path: Path, arch: Any, load: bool) -> dict[tuple[int, str, str], Any]:
+    """(layer, projection, "A"|"B") → tensor (or only its shape, unless ``load``), checked against ``arch``."""
+    from safetensors import safe_open
+
+    file = path / "adapter_model.safetensors"
+    if not file.is_file():
+        raise ValueError(f"LoRA adapter {str(path)!r}: no adapter_model.safetensors")
+    shapes, found = expected_shapes(arch), {}
+    with safe_open(str(file), "pt" if load else "numpy") as handle:  # numpy: the frontend's checks load no torch
+        for key in handle.keys():
+            match = _KEY.search(key)
+            if match is None or match.group(2) not in shapes or int(match.group(1)) >= arch.num_layers:
+                raise ValueError(f"LoRA adapter {str(path)!r}: tensor {key!r} is not a LoRA matrix of a decoder "
+                                 f"layer's {', '.join(PROJECTIONS)}")
+            layer, name, part = int(match.group(1)), match.group(2), match.group(3)
+            found[(layer, name, part)] = handle.get_tensor(key) if load else tuple(handle.get_slice(key).get_shape())
+    for layer, name in sorted({(layer, name) for layer, name, _ in found}):
+        a, b = found.get((layer, name, "A")), found.get((layer, name, "B"))
+        a_shape, b_shape = (tuple(t.shape) if load else t for t in (a, b)) if a is not None and b is not None \
+            else (None, None)
+        out, inp = shapes[name]
+        if a_shape is None or b_shape is None or a_shape[1] != inp or b_shape[0] != out or a_shape[0] != b_shape[1]:
+            raise ValueError(f"LoRA adapter {str(path)!r}: layer {layer} {name} has lora_A {a_shape} and lora_B "
+                             f"{b_shape}; the model needs lora_A [r, {inp}] and lora_B [{out}, r]")
+    return found
+
+
+def check_adapter(request: LoRARequest, arch: Any) -> None:
+    """Raise ValueError unless ``request`` names an adapter this model can apply (nothing is loaded)."""
+    path = Path(request.lora_path).expanduser()
+    config = _config(path)
+    if int(config.get("r", 0)) < 1:
+        raise ValueError(f"LoRA adapter {str(path)!r}: adapter_config.json needs a rank r >= 1")
+    _tensors(path, arch, load=False)
+
+
+@dataclass
+class Adapter:
+    scale: float
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, projection) → (A, B)
+
+    @classmethod
+    def load(cls, request: LoRARequest, arch: Any, dtype: torch.dtype) -> Adapter:
+        path = Path(request.lora_path).expanduser()
+        config = _config(path)
+        found = _tensors(path, arch, load=True)
+        weights = {(layer, name): (found[(layer, name, "A")].to(dtype), found[(layer, name, "B")].to(dtype))
+                   for (layer, name, part) in found if part == "A"}
+        return cls(_scale(config), weights)
+
+
+class LoRABatch:
+    """One step's adapters: for each, the flat token rows of its requests (see ``add``)."""
+
+    def __init__(self, groups: list[tuple[Adapter, torch.Tensor]]) -> None:
+        self.groups = groups
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, parts: tuple[tuple[str, int, int], ...]) -> None:
+        """Add each adapter's ``scale * (x @ A.T) @ B.T`` to its rows of ``y``, for the projections ``parts``
+        ((name, first output column, width)) of the fused layer that made ``y`` from ``x``."""
+        for adapter, rows in self.groups:
+            xs = None
+            for name, start, width in parts:
+                pair = adapter.weights.get((layer, name))
+                if pair is None:
+                    continue
+                xs = x[rows] if xs is None else xs
+                delta = (xs @ pair[0].T) @ pair[1].T * adapter.scale
+                y[rows, start:start + width] += delta

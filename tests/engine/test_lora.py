@@ -1,0 +1,110 @@
+"""LoRA adapters made and run by ``peft`` (the reference) and by the engine: greedy tokens equal PEFT's in float32
+for each adapter and for the base model, with all of them mixed in one batch, chunked, prefix-cached and in
+bfloat16 on the native kernels; adapters that do not fit the model are refused before anything is queued, and every
+KV block comes back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from lora_utils import build_lora_adapter
+
+from pagellm import LLM, SamplingParams
+from pagellm.lora import LoRARequest
+
+MAX_TOKENS = 10
+
+
+def _peft_greedy(model_dir: Path, adapter: Path | None, prompts: list[list[int]]) -> list[list[int]]:
+    from peft import PeftModel
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                 do_sample=False)
+            out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> list[LoRARequest]:
+    root = tmp_path_factory.mktemp("lora")
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    first = build_lora_adapter(tiny_llama, root / "all", 1, every, 8)
+    second = build_lora_adapter(tiny_llama, root / "attn", 2, ["q_proj", "v_proj"], 4, rslora=True)
+    return [LoRARequest("all", 1, str(first)), LoRARequest("attn", 2, str(second))]
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    shared = torch.randint(0, 256, (20,), generator=gen).tolist()
+    return [shared + torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 17)] + [[5, 6, 7]]
+
+
+def test_greedy_tokens_equal_peft_for_each_adapter_mixed_in_one_batch(tiny_llama: Path,
+                                                                       adapters: list[LoRARequest]) -> None:
+    prompts = _prompts()
+    expected = {a.lora_int_id if a else 0: _peft_greedy(tiny_llama, Path(a.lora_path) if a else None, prompts)
+                for a in (*adapters, None)}
+    assert expected[1] != expected[0] and expected[2] != expected[0]  # the adapters change the model's choices
+    llm = LLM(str(tiny_llama), dtype="float32", enable_lora=True, max_num_batched_tokens=24)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for _ in range(2):  # the second round hits the prefix cache, each adapter its own blocks
+        batch = [p for p in prompts for _ in range(3)]
+        routing = [a for _ in prompts for a in (adapters[0], adapters[1], None)]
+        outs = llm.generate(batch, params, use_tqdm=False, lora_request=routing)
+        for out, prompt, adapter in zip(outs, batch, routing):
+            want = expected[adapter.lora_int_id if adapter else 0][prompts.index(prompt)]
+            assert out.outputs[0].token_ids == want
+    kv = llm.engine.core.scheduler.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks
+
+
+def test_bfloat16_adapted_requests_leave_the_native_stack_for_the_python_layers(tiny_llama: Path,
+                                                                                 adapters: list[LoRARequest]) -> None:
+    llm = LLM(str(tiny_llama), dtype="bfloat16", enable_lora=True, kv_cache_memory="4MiB")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = _prompts()
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    adapted = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False,
+                                                             lora_request=adapters[0])]
+    assert plain != adapted and all(len(t) == MAX_TOKENS for t in adapted)
+
+
+def test_adapters_that_do_not_fit_are_refused_before_anything_runs(tiny_llama: Path, tiny_model_factory,
+                                                                    adapters: list[LoRARequest],
+                                                                    tmp_path: Path) -> None:
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="start it with enable_lora=True"):
+        LLM(str(tiny_llama), dtype="float32").generate([[1, 2]], params, use_tqdm=False, lora_request=adapters[0])
+    llm = LLM(str(tiny_llama), dtype="float32", enable_lora=True)
+
+    def refused(path: Path, message: str) -> None:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([[1, 2]], params, use_tqdm=False, lora_request=LoRARequest("x", 9, str(path)))
+
+    refused(tmp_path / "none", "cannot read adapter_config.json")
+    narrow = tiny_model_factory("llama", hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                num_key_value_heads=1)
+    refused(build_lora_adapter(narrow, tmp_path / "narrow", 3, ["o_proj"], 4), r"layer 0 o_proj has lora_A \(4, 32\) and "
+            r"lora_B \(32, 4\); the model needs lora_A \[r, 64\] and lora_B \[64, r\]")
+    refused(build_lora_adapter(tiny_llama, tmp_path / "embed", 4, ["embed_tokens"], 4),
+            "is not a LoRA matrix of a decoder layer's q_proj")
+    config = json.loads((Path(adapters[0].lora_path) / "adapter_config.json").read_text())
+    (tmp_path / "bias").mkdir()
+    (tmp_path / "bias" / "adapter_config.json").write_text(json.dumps({**config, "bias": "all"}))
+    refused(tmp_path / "bias", "biases, per-module ranks and modules_to_save are not supported")
+    with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
+        LoRARequest("z", 0, adapters[0].lora_path)
+    kv = llm.engine.core.scheduler.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks
+    assert llm.generate([[1, 2]], params, use_tqdm=False, lora_request=adapters[1])[0].finished  # still serving
