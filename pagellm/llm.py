@@ -17,13 +17,12 @@ from tqdm.auto import tqdm
 from pagellm import generation_config
 from pagellm.config import EngineConfig
 from pagellm.engine.client import InprocClient
-from pagellm.engine.input_processor import InputProcessor, PromptType
+from pagellm.engine.input_processor import InputProcessor, PromptType, lora_arch
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
 from pagellm.lora import LoRARequest
 from pagellm.metrics.stats import SchedulerStats
-from pagellm.model.arch import ArchConfig
-from pagellm.model.loader import load_hf_config, resolve_model_dir
+from pagellm.model.loader import resolve_model_dir
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput, pooled_embedding
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer, load_chat_template
@@ -51,9 +50,8 @@ class LLM:
         self.sampling_defaults = generation_config.for_model(self.config.model_config, model_dir)
         self.engine = InprocClient(self.config)
         runtime = self.engine.runtime
-        lora_arch = ArchConfig.from_hf(load_hf_config(model_dir)) if self.config.model_config.enable_lora else None
         self.input_processor = InputProcessor(self.tokenizer, runtime.max_model_len, runtime.vocab_size,
-                                              runtime.pooling_only, lora_arch)
+                                              runtime.pooling_only, lora_arch(self.config, model_dir))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.last_stats: list[SchedulerStats] = []

@@ -47,15 +47,14 @@ from pagellm import generation_config
 from pagellm.config import EngineConfig
 from pagellm.engine.client import MPClient
 from pagellm.engine.exceptions import EngineDeadError
-from pagellm.engine.input_processor import InputProcessor, PromptType
+from pagellm.engine.input_processor import InputProcessor, PromptType, lora_arch
 from pagellm.engine.output_processor import OutputProcessor, RequestState
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, RequestError
 from pagellm.metrics import tracing
 from pagellm.metrics.sink import NullStatsSink, StatsSink
 from pagellm.metrics.stats import IterationStats, SchedulerStats
-from pagellm.model.arch import ArchConfig
-from pagellm.model.loader import load_hf_config, resolve_model_dir
+from pagellm.model.loader import resolve_model_dir
 from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
@@ -132,10 +131,9 @@ class AsyncLLM:
         self.client = MPClient(config, self._on_outputs, self._on_dead, startup_timeout_s,
                                while_starting=load_text_side)
         self.runtime: RuntimeInfo = self.client.runtime
-        lora_arch = ArchConfig.from_hf(load_hf_config(resolve_model_dir(config.model_config.model))) \
-            if config.model_config.enable_lora else None
-        self.input_processor = InputProcessor(self.tokenizer, self.runtime.max_model_len, self.runtime.vocab_size,
-                                              self.runtime.pooling_only, lora_arch)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.runtime.max_model_len, self.runtime.vocab_size, self.runtime.pooling_only,
+            lora_arch(config, resolve_model_dir(config.model_config.model)))
 
     @classmethod
     def from_config(cls, config: EngineConfig, startup_timeout_s: float = 600.0,

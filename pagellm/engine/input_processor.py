@@ -27,6 +27,17 @@ POOLING_ONLY = ("this model is a base-model checkpoint with no language-model he
                 "(LLM.embed, POST /v1/embeddings), not generation")
 
 
+def lora_arch(config: Any, model_dir: Any) -> Any:
+    """The model's ``ArchConfig`` when ``config`` enables LoRA (adapters are checked against it), else None. Imported
+    here only then: the architecture module pulls in torch, which a frontend otherwise never loads."""
+    if not config.model_config.enable_lora:
+        return None
+    from pagellm.model.arch import ArchConfig
+    from pagellm.model.loader import load_hf_config
+
+    return ArchConfig.from_hf(load_hf_config(model_dir))
+
+
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, pooling_only: bool = False,
                  lora_arch: Any = None) -> None:

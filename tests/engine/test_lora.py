@@ -13,7 +13,7 @@ import torch
 import transformers
 from lora_utils import build_lora_adapter
 
-from pagellm import LLM, SamplingParams
+from pagellm import LLM, EngineConfig, SamplingParams
 from pagellm.lora import LoRARequest
 
 MAX_TOKENS = 10
@@ -95,8 +95,9 @@ def test_adapters_that_do_not_fit_are_refused_before_anything_runs(tiny_llama: P
     refused(tmp_path / "none", "cannot read adapter_config.json")
     narrow = tiny_model_factory("llama", hidden_size=32, intermediate_size=64, num_attention_heads=2,
                                 num_key_value_heads=1)
-    refused(build_lora_adapter(narrow, tmp_path / "narrow", 3, ["o_proj"], 4), r"layer 0 o_proj has lora_A \(4, 32\) and "
-            r"lora_B \(32, 4\); the model needs lora_A \[r, 64\] and lora_B \[64, r\]")
+    refused(build_lora_adapter(narrow, tmp_path / "narrow", 3, ["o_proj"], 4),
+            r"layer 0 o_proj has lora_A \(4, 32\) and lora_B \(32, 4\); the model needs lora_A \[r, 64\] and "
+            r"lora_B \[64, r\]")
     refused(build_lora_adapter(tiny_llama, tmp_path / "embed", 4, ["embed_tokens"], 4),
             "is not a LoRA matrix of a decoder layer's q_proj")
     config = json.loads((Path(adapters[0].lora_path) / "adapter_config.json").read_text())
@@ -105,6 +106,8 @@ def test_adapters_that_do_not_fit_are_refused_before_anything_runs(tiny_llama: P
     refused(tmp_path / "bias", "biases, per-module ranks and modules_to_save are not supported")
     with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
         LoRARequest("z", 0, adapters[0].lora_path)
+    with pytest.raises(ValueError, match="enable_lora runs on one rank"):
+        EngineConfig.from_kwargs(enable_lora=True, tensor_parallel_size=2)
     kv = llm.engine.core.scheduler.kv
     assert kv.num_free_blocks == kv.pool.num_blocks
     assert llm.generate([[1, 2]], params, use_tqdm=False, lora_request=adapters[1])[0].finished  # still serving
