@@ -367,8 +367,6 @@ class EngineConfig:
         if spec.method == "eagle" and spec.model is None and self.model_config.model is not None:
             raise ValueError("eagle needs 'model': the head's .safetensors file from `pagellm train-draft --method "
                              "eagle` (only the built-in model has a shipped default head)")
-        if self.model_config.enable_lora and self.parallel_config.tensor_parallel_size != 1:
-            raise ValueError("enable_lora runs on one rank; set tensor_parallel_size 1")
 
     def for_serving(self) -> EngineConfig:
         """This config with the online-serving defaults filled in (``SchedulerConfig.for_serving``)."""

@@ -13,7 +13,7 @@ import torch
 import transformers
 from lora_utils import build_lora_adapter
 
-from pagellm import LLM, EngineConfig, SamplingParams
+from pagellm import LLM, SamplingParams
 from pagellm.lora import LoRARequest
 
 MAX_TOKENS = 10
@@ -106,8 +106,6 @@ def test_adapters_that_do_not_fit_are_refused_before_anything_runs(tiny_llama: P
     refused(tmp_path / "bias", "biases, per-module ranks and modules_to_save are not supported")
     with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
         LoRARequest("z", 0, adapters[0].lora_path)
-    with pytest.raises(ValueError, match="enable_lora runs on one rank"):
-        EngineConfig.from_kwargs(enable_lora=True, tensor_parallel_size=2)
     kv = llm.engine.core.scheduler.kv
     assert kv.num_free_blocks == kv.pool.num_blocks
     assert llm.generate([[1, 2]], params, use_tqdm=False, lora_request=adapters[1])[0].finished  # still serving
