@@ -115,6 +115,9 @@ class Adapter:
     scale: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, projection) → (A, B)
 
+    def __post_init__(self) -> None:
+        self._stacked: dict[tuple[int, tuple[str, ...]], Any] = {}
+
     @classmethod
     def load(cls, request: LoRARequest, arch: Any, dtype: torch.dtype) -> Adapter:
         path = Path(request.lora_path).expanduser()
@@ -124,22 +127,47 @@ class Adapter:
                    for (layer, name, part) in found if part == "A"}
         return cls(_scale(config), weights)
 
+    def stacked(self, layer: int, names: tuple[str, ...]) -> Any:
+        """For the projections ``names`` of one fused layer: their A matrices stacked ([sum of ranks, in]: one
+        product with x for all of them) and, per adapted projection, (its index in ``names``, its rows of the
+        stacked product, B scaled); None when the adapter touches none of them."""
+        key = (layer, names)
+        if key not in self._stacked:
+            pairs = [(i, self.weights[(layer, n)]) for i, n in enumerate(names) if (layer, n) in self.weights]
+            if not pairs:
+                self._stacked[key] = None
+            else:
+                import torch
+
+                bounds, at = [], 0
+                for i, (a, b) in pairs:
+                    bounds.append((i, slice(at, at + a.shape[0]), (b * self.scale).contiguous()))
+                    at += a.shape[0]
+                self._stacked[key] = (torch.cat([a for _, (a, _) in pairs]).T.contiguous(), bounds)
+        return self._stacked[key]
+
 
 class LoRABatch:
-    """One step's adapters: for each, the flat token rows of its requests (see ``add``)."""
+    """One step's adapters: for each, the flat token rows of its requests (a slice when they are one run of rows,
+    as when one adapter serves the whole step; else an index tensor)."""
 
-    def __init__(self, groups: list[tuple[Adapter, torch.Tensor]]) -> None:
+    def __init__(self, groups: list[tuple[Adapter, Any]]) -> None:
         self.groups = groups
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, parts: tuple[tuple[str, int, int], ...]) -> None:
         """Add each adapter's ``scale * (x @ A.T) @ B.T`` to its rows of ``y``, for the projections ``parts``
         ((name, first output column, width)) of the fused layer that made ``y`` from ``x``."""
+        names = tuple(name for name, _, _ in parts)
         for adapter, rows in self.groups:
-            xs = None
-            for name, start, width in parts:
-                pair = adapter.weights.get((layer, name))
-                if pair is None:
-                    continue
-                xs = x[rows] if xs is None else xs
-                delta = (xs @ pair[0].T) @ pair[1].T * adapter.scale
-                y[rows, start:start + width] += delta
+            stacked = adapter.stacked(layer, names)
+            if stacked is None:
+                continue
+            a_t, bounds = stacked
+            low = x[rows] @ a_t  # [rows, sum of ranks]
+            for i, ranks, b in bounds:
+                _, start, width = parts[i]
+                delta = low[:, ranks] @ b.T
+                if isinstance(rows, slice):
+                    y[rows, start:start + width] += delta
+                else:
+                    y[rows, start:start + width] = y[rows, start:start + width] + delta

@@ -107,7 +107,7 @@ class ModelRunner:
                 rows.setdefault(adapter, []).extend(range(inputs.query_start_loc[j], inputs.query_start_loc[j + 1]))
         if not rows:
             return None
-        return LoRABatch([(self._adapter(a), torch.tensor(r, dtype=torch.int64)) for a, r in rows.items()])
+        return LoRABatch([(self._adapter(a), _rows(r)) for a, r in rows.items()])
 
     def _adapter(self, request: LoRARequest) -> Adapter:
         """The adapter's weights, loaded on first use and kept (by id: one id, one adapter)."""
@@ -365,6 +365,13 @@ class ModelRunner:
             else:
                 self.drafts.pop(ask.req_id, None)
         return drafts
+
+
+def _rows(rows: list[int]) -> slice | torch.Tensor:
+    """Token rows as a slice when they are one run (no gather, no scatter), else as an index tensor."""
+    if rows[-1] - rows[0] + 1 == len(rows):
+        return slice(rows[0], rows[-1] + 1)
+    return torch.tensor(rows, dtype=torch.int64)
 
 
 def _accepted_hidden(hidden: torch.Tensor, inputs: StepInputs, j: int, result: Verified) -> torch.Tensor:
