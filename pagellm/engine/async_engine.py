@@ -48,6 +48,7 @@ from pagellm.config import EngineConfig
 from pagellm.engine.client import MPClient
 from pagellm.engine.exceptions import EngineDeadError
 from pagellm.engine.input_processor import InputProcessor, PromptType, lora_arch
+from pagellm.lora import LoRARequest
 from pagellm.engine.output_processor import OutputProcessor, RequestState
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, RequestError
@@ -337,6 +338,10 @@ class AsyncLLM:
         """Stop it; the trace and summary files written (none when nothing was recording)."""
         self.config.profiler_config.require()
         return await self.client.call_utility("stop_profile")
+
+    def check_lora(self, request: LoRARequest) -> None:
+        """Raise ValueError unless this engine can run ``request``'s adapter (``lora.check_adapter``)."""
+        self.input_processor.check_adapter(request)
 
     def shutdown(self) -> None:
         """Stop the core process; pending and later requests fail with ``EngineDeadError``."""

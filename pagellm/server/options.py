@@ -59,6 +59,7 @@ class ServeOptions:
     tool_call_parser: Optional[str] = None  # set: tool_choice 'auto' is served, calls parsed with this parser
     reasoning_parser: Optional[str] = None  # set: chat replies carry the thinking as reasoning_content
     lora_modules: tuple[tuple[str, str], ...] = ()  # (served name, PEFT adapter directory), with --enable-lora
+    runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer
 
 
 def _json_list(value: str) -> list[str]:
@@ -108,6 +109,10 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
                      help="LoRA adapters to serve (with --enable-lora), each as name=path or JSON {\"name\": ..., "
                           "\"path\": ...}: requests naming one as their model run with it")
+    cmd.add_argument("--allow-runtime-lora-updating", action="store_true",
+                     help="with --enable-lora: POST /v1/load_lora_adapter {lora_name, lora_path} and "
+                          "/v1/unload_lora_adapter {lora_name} add and remove served adapters (they read server paths: "
+                          "set --api-key)")
     cmd.add_argument("--reasoning-parser", choices=reasoning.PARSERS, default=None,
                      help="take a reasoning model's <think> block out of chat replies into reasoning_content: "
                           "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ)")
@@ -129,7 +134,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                         args.access_log, not args.disable_log_stats, args.otlp_traces_endpoint,
                         Cors(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                              args.allow_credentials), _tls(args), _tool_call_parser(args), args.reasoning_parser,
-                        _lora_modules(args))
+                        _lora_modules(args), args.allow_runtime_lora_updating)
 
 
 def _lora_module(value: str) -> tuple[str, str]:
@@ -146,8 +151,8 @@ def _lora_module(value: str) -> tuple[str, str]:
 
 def _lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     modules = tuple(args.lora_modules)
-    if modules and not getattr(args, "enable_lora", False):
-        raise ValueError("--lora-modules needs --enable-lora")
+    if (modules or args.allow_runtime_lora_updating) and not getattr(args, "enable_lora", False):
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     names = [name for name, _ in modules]
     if len(set(names)) != len(names) or set(names) & set(args.served_model_name or []):
         raise ValueError("--lora-modules names must differ from each other and from --served-model-name")

@@ -8,6 +8,7 @@ import argparse
 from pathlib import Path
 from typing import Callable
 
+import httpx
 import openai
 import pytest
 import torch
@@ -66,6 +67,31 @@ def test_a_request_naming_an_adapter_runs_with_it(start_server: Callable[..., Se
         client.completions.create(model="nosql", prompt=PROMPT, max_tokens=2)
 
 
+def test_adapters_load_and_unload_at_run_time_when_allowed(start_server: Callable[..., ServerProcess],
+                                                           tiny_llama: Path, adapter: Path, tmp_path: Path) -> None:
+    server = start_server(tiny_llama, "--served-model-name", "tiny", "--enable-lora", "--allow-runtime-lora-updating")
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    url = f"{server.base_url}/v1"
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    loaded = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(adapter)})
+    assert loaded.status_code == 200 and [m.id for m in client.models.list().data] == ["tiny", "sql"]
+    reply = client.completions.create(model="sql", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={
+        "ignore_eos": True, "allowed_token_ids": _letters(tiny_llama)})
+    assert reply.choices[0].text == _peft_text(tiny_llama, adapter, 8)
+    for body, status, message in (({"lora_name": "sql", "lora_path": str(adapter)}, 400, "is served already"),
+                                  ({"lora_name": "tiny", "lora_path": str(adapter)}, 400, "is served already"),
+                                  ({"lora_name": "bad", "lora_path": str(tmp_path)}, 400, "adapter_config.json")):
+        response = httpx.post(f"{url}/load_lora_adapter", json=body)
+        assert response.status_code == status and message in response.json()["error"]["message"]
+    assert httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="sql", prompt=PROMPT, max_tokens=2)
+    assert httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 404
+    plain = start_server(tiny_llama, "--enable-lora")  # without the flag the routes do not exist
+    assert httpx.post(f"{plain.base_url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"}) \
+        .status_code == 404
+
+
 def test_an_adapter_that_does_not_fit_stops_the_start(start_server: Callable[..., ServerProcess], tiny_llama: Path,
                                                       tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="cannot read adapter_config.json"):
@@ -78,7 +104,7 @@ def test_the_lora_flags_as_vllm_spells_them(tmp_path: Path) -> None:
     cmd.add_argument("--enable-lora", action="store_true")  # an engine flag in `pagellm serve`
     args = cmd.parse_args(["--enable-lora", "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}'])
     assert serve_options(args).lora_modules == (("a", "/x"), ("b", "/y"))
-    with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
+    with pytest.raises(ValueError, match="--lora-modules and --allow-runtime-lora-updating need --enable-lora"):
         serve_options(cmd.parse_args(["--lora-modules", "a=/x"]))
     with pytest.raises(ValueError, match="must differ from each other"):
         serve_options(cmd.parse_args(["--enable-lora", "--lora-modules", "a=/x", "a=/y"]))

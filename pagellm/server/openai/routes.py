@@ -41,6 +41,7 @@ from pagellm.server.observability import Observability
 from pagellm.server.observability import install as install_observability
 from pagellm.server.options import Cors
 from pagellm.server.openai.errors import APIError, install_error_handlers
+from pagellm.server.openai.lora_routes import lora_router
 from pagellm.server.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pagellm.server.openai.serving_chat import OpenAIServingChat
 from pagellm.server.openai.serving_completion import OpenAIServingCompletion
@@ -57,7 +58,8 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optional[str] = None,
               model_root: Optional[str] = None, observability: Optional[Observability] = None,
               cors: Optional[Cors] = None, tool_parser: Optional[str] = None,
-              reasoning_parser: Optional[str] = None, loras: Optional[dict[str, LoRARequest]] = None) -> FastAPI:
+              reasoning_parser: Optional[str] = None, loras: Optional[dict[str, LoRARequest]] = None,
+              runtime_lora_updating: bool = False) -> FastAPI:
     if not model_names:
         raise ValueError("give at least one served model name")
     app = FastAPI(title="pagellm", version=pagellm.__version__, docs_url=None, redoc_url=None)
@@ -67,6 +69,8 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
                            allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
     served = _Served(model_names, model_root, dict(loras or {}))
     app.include_router(_v1_router(engine, served, api_key, tool_parser, reasoning_parser))
+    if runtime_lora_updating:
+        app.include_router(lora_router(engine, served.names, served.loras, _auth(api_key)))
     app.include_router(_admin_router(engine, model_names))
     app.include_router(_operations_router(engine, api_key))
     if observability is not None:
@@ -203,6 +207,11 @@ class _EventStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._events.aclose()  # type: ignore[attr-defined]
+
+
+def _auth(api_key: Optional[str]) -> list[Any]:
+    """The dependencies that guard a router: the Bearer check when there is an API key."""
+    return [Depends(_bearer_auth(api_key))] if api_key else []
 
 
 def _bearer_auth(api_key: str) -> Any:

@@ -57,6 +57,8 @@ class EngineClient(Protocol):
 
     async def reset_prefix_cache(self) -> bool: ...
 
+    def check_lora(self, request: LoRARequest) -> None: ...
+
     async def stop_profile(self) -> list[str]: ...
 
 
@@ -103,7 +105,9 @@ class OpenAIServing:
     def __init__(self, engine: EngineClient, model_names: Sequence[str],
                  loras: Optional[dict[str, LoRARequest]] = None) -> None:
         self.engine = engine
-        self.loras = dict(loras or {})  # served name → its LoRA adapter (--lora-modules)
+        # served name → its LoRA adapter (--lora-modules; shared by the handlers, so adapters loaded at run time
+        # reach them all)
+        self.loras = loras if loras is not None else {}
         self.tokenizer: Tokenizer = engine.tokenizer
         self.sampling_defaults: dict[str, Any] = engine.sampling_defaults
         self.model_names = list(model_names)
