@@ -166,13 +166,13 @@ class LLM:
         bar.close()
         return finished
 
-    def embed(self, prompts: PromptType | Sequence[PromptType], normalize: bool = True,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+    def embed(self, prompts: PromptType | Sequence[PromptType], normalize: bool = True, use_tqdm: bool = True,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (text or token ids), in input order: the final hidden state of its last token,
-        L2-normalised with ``normalize``. Each prompt runs as a one-token greedy request through the same
-        scheduler, prefix cache and batches as generation."""
+        L2-normalised with ``normalize`` (under ``lora_request``'s adapter, as in ``generate``). Each prompt runs as
+        a one-token greedy request through the same scheduler, prefix cache and batches as generation."""
         params = SamplingParams(max_tokens=1, temperature=0.0, pooling=True, detokenize=False)
-        outputs = self.generate(prompts, params, use_tqdm)  # type: ignore[arg-type]
+        outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)  # type: ignore[arg-type]
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, pooled_embedding(o.pooled, normalize),
                                        o.num_cached_tokens) for o in outputs]
 

@@ -65,6 +65,16 @@ def test_greedy_tokens_equal_peft_for_each_adapter_mixed_in_one_batch(tiny_llama
         for out, prompt, adapter in zip(outs, batch, routing):
             want = expected[adapter.lora_int_id if adapter else 0][prompts.index(prompt)]
             assert out.outputs[0].token_ids == want
+    from peft import PeftModel
+
+    tuned = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(tiny_llama,
+                                                                                       dtype=torch.float32),
+                                      adapters[0].lora_path).eval()
+    embedded = llm.embed(prompts, use_tqdm=False, lora_request=adapters[0])
+    with torch.no_grad():
+        for out, prompt in zip(embedded, prompts):
+            ref = tuned(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1]
+            torch.testing.assert_close(torch.tensor(out.embedding), ref / ref.norm(), atol=2e-6, rtol=0)
     kv = llm.engine.core.scheduler.kv
     assert kv.num_free_blocks == kv.pool.num_blocks
 
