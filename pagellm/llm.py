@@ -171,8 +171,8 @@ class LLM:
         """One embedding per prompt (text or token ids), in input order: the final hidden state of its last token,
         L2-normalised with ``normalize`` (under ``lora_request``'s adapter, as in ``generate``). Each prompt runs as
         a one-token greedy request through the same scheduler, prefix cache and batches as generation."""
-        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=True, detokenize=False)
-        outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)  # type: ignore[arg-type]
+        outputs = self.generate(prompts, SamplingParams.for_pooling(), use_tqdm,  # type: ignore[arg-type]
+                                lora_request=lora_request)
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, pooled_embedding(o.pooled, normalize),
                                        o.num_cached_tokens) for o in outputs]
 

@@ -110,41 +110,38 @@ def check_adapter(request: LoRARequest, arch: Any) -> None:
     _tensors(path, arch, load=False)
 
 
+# The projections each fused layer of model/llama.py makes in one GEMM, in its output order: an adapter's A matrices
+# of a group are stacked so that one product with x serves them all.
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+
 @dataclass
 class Adapter:
-    scale: float
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, projection) → (A, B)
-
-    def __post_init__(self) -> None:
-        self._stacked: dict[tuple[int, tuple[str, ...]], Any] = {}
+    # (layer, group) → (the group's adapted A matrices stacked and transposed, [in, sum of ranks]; per adapted
+    # projection, its index in the group, its columns of the stacked product and its B matrix times the scale)
+    groups: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, list[tuple[int, slice, torch.Tensor]]]]
 
     @classmethod
     def load(cls, request: LoRARequest, arch: Any, dtype: torch.dtype) -> Adapter:
+        import torch
+
         path = Path(request.lora_path).expanduser()
         config = _config(path)
-        found = _tensors(path, arch, load=True)
-        weights = {(layer, name): (found[(layer, name, "A")].to(dtype), found[(layer, name, "B")].to(dtype))
-                   for (layer, name, part) in found if part == "A"}
-        return cls(_scale(config), weights)
-
-    def stacked(self, layer: int, names: tuple[str, ...]) -> Any:
-        """For the projections ``names`` of one fused layer: their A matrices stacked ([sum of ranks, in]: one
-        product with x for all of them) and, per adapted projection, (its index in ``names``, its rows of the
-        stacked product, B scaled); None when the adapter touches none of them."""
-        key = (layer, names)
-        if key not in self._stacked:
-            pairs = [(i, self.weights[(layer, n)]) for i, n in enumerate(names) if (layer, n) in self.weights]
-            if not pairs:
-                self._stacked[key] = None
-            else:
-                import torch
-
-                bounds, at = [], 0
-                for i, (a, b) in pairs:
-                    bounds.append((i, slice(at, at + a.shape[0]), (b * self.scale).contiguous()))
-                    at += a.shape[0]
-                self._stacked[key] = (torch.cat([a for _, (a, _) in pairs]).T.contiguous(), bounds)
-        return self._stacked[key]
+        scale, found = _scale(config), _tensors(path, arch, load=True)
+        groups = {}
+        for layer in range(arch.num_layers):
+            for names in GROUPS:
+                adapted = [(i, name) for i, name in enumerate(names) if (layer, name, "A") in found]
+                if not adapted:
+                    continue
+                parts, at = [], 0
+                for i, name in adapted:
+                    rank = found[(layer, name, "A")].shape[0]
+                    parts.append((i, slice(at, at + rank), (found[(layer, name, "B")] * scale).to(dtype)))
+                    at += rank
+                a_t = torch.cat([found[(layer, name, "A")] for _, name in adapted]).T.to(dtype).contiguous()
+                groups[(layer, names)] = (a_t, parts)
+        return cls(groups)
 
 
 class LoRABatch:
@@ -156,18 +153,63 @@ class LoRABatch:
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, parts: tuple[tuple[str, int, int], ...]) -> None:
         """Add each adapter's ``scale * (x @ A.T) @ B.T`` to its rows of ``y``, for the projections ``parts``
-        ((name, first output column, width)) of the fused layer that made ``y`` from ``x``."""
+        ((name, first output column, width), one of ``GROUPS`` in order) of the fused layer that made ``y``."""
         names = tuple(name for name, _, _ in parts)
         for adapter, rows in self.groups:
-            stacked = adapter.stacked(layer, names)
+            stacked = adapter.groups.get((layer, names))
             if stacked is None:
                 continue
-            a_t, bounds = stacked
+            a_t, adapted = stacked
             low = x[rows] @ a_t  # [rows, sum of ranks]
-            for i, ranks, b in bounds:
+            for i, ranks, b in adapted:
                 _, start, width = parts[i]
                 delta = low[:, ranks] @ b.T
                 if isinstance(rows, slice):
                     y[rows, start:start + width] += delta
                 else:
                     y[rows, start:start + width] = y[rows, start:start + width] + delta
+
+
+class WorkerAdapters:
+    """The worker's side: each adapter loaded once (by id: one id, one adapter), the live requests that run with
+    one, and each step's ``LoRABatch``."""
+
+    def __init__(self, arch: Any, dtype: torch.dtype) -> None:
+        self.arch, self.dtype = arch, dtype
+        self.loaded: dict[int, Adapter] = {}
+        self.live: dict[str, LoRARequest] = {}  # request id → its adapter
+
+    def track(self, req_id: str, request: LoRARequest | None) -> None:
+        if request is not None:
+            self.live[req_id] = request
+
+    def release(self, req_id: str) -> None:
+        self.live.pop(req_id, None)
+
+    def batch(self, req_ids: list[str], query_start_loc: Any) -> LoRABatch | None:
+        """The step's adapters and the flat token rows of each one's requests (None: no request has one)."""
+        if not self.live:
+            return None
+        rows: dict[LoRARequest, list[int]] = {}
+        for j, req_id in enumerate(req_ids):
+            request = self.live.get(req_id)
+            if request is not None:
+                rows.setdefault(request, []).extend(range(query_start_loc[j], query_start_loc[j + 1]))
+        if not rows:
+            return None
+        return LoRABatch([(self._adapter(request), _rows(r)) for request, r in rows.items()])
+
+    def _adapter(self, request: LoRARequest) -> Adapter:
+        adapter = self.loaded.get(request.lora_int_id)
+        if adapter is None:
+            adapter = self.loaded[request.lora_int_id] = Adapter.load(request, self.arch, self.dtype)
+        return adapter
+
+
+def _rows(rows: list[int]) -> Any:
+    """Token rows as a slice when they are one run (no gather, no scatter), else as an index tensor."""
+    import torch
+
+    if rows[-1] - rows[0] + 1 == len(rows):
+        return slice(rows[0], rows[-1] + 1)
+    return torch.tensor(rows, dtype=torch.int64)

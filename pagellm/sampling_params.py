@@ -138,6 +138,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
 
     GREEDY_EPS: ClassVar[float] = _GREEDY_EPS
 
+    @classmethod
+    def for_pooling(cls, lora_request: LoRARequest | None = None) -> SamplingParams:
+        """An embedding request's parameters: one greedy token, the last prompt token's hidden state returned."""
+        return cls(max_tokens=1, temperature=0.0, pooling=True, detokenize=False, lora_request=lora_request)
+
     def __post_init__(self) -> None:
         self._coerce_numbers()
         self._normalise_lists()

@@ -48,10 +48,10 @@ from pagellm.config import EngineConfig
 from pagellm.engine.client import MPClient
 from pagellm.engine.exceptions import EngineDeadError
 from pagellm.engine.input_processor import InputProcessor, PromptType, lora_arch
-from pagellm.lora import LoRARequest
 from pagellm.engine.output_processor import OutputProcessor, RequestState
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, RequestError
+from pagellm.lora import LoRARequest
 from pagellm.metrics import tracing
 from pagellm.metrics.sink import NullStatsSink, StatsSink
 from pagellm.metrics.stats import IterationStats, SchedulerStats

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from pagellm.attention.base import AttentionBackend, CommonAttentionInputs, forward_context, new_kv_cache
-from pagellm.lora import Adapter, LoRABatch, LoRARequest
+from pagellm.lora import WorkerAdapters
 from pagellm.metrics.profiler import span
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.sample.logits_processors import LogitsProcessing, RowContext
@@ -56,7 +56,8 @@ class ModelRunner:
         self.drafts: dict[str, Draft] = {}  # proposals awaiting verification, by request
         self._last_sampling: tuple[list, SamplingTensors] | None = None  # the last step's rows and their tensors
         self.disable_by_batch_size = disable_by_batch_size  # no drafting for steps of more requests than this
-        self.adapters: dict[int, Adapter] = {}  # LoRA adapters by lora_int_id
+        self.adapters = WorkerAdapters(model.cfg, model.model.norm.weight.dtype)
+        self._pooling: set[str] = set()  # live pooling requests: steps without any skip looking for them
 
     def bind_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         """Allocate one [2, num_blocks, block_size, kv_heads, head_dim] cache per attention layer."""
@@ -78,7 +79,8 @@ class ModelRunner:
             common = CommonAttentionInputs(inputs.query_start_loc, inputs.seq_lens, inputs.block_table,
                                            inputs.slot_mapping, self.block_size,
                                            place_trees(inputs.positions, inputs.query_start_loc, trees) or None)
-        with span("forward"), forward_context(self.backend, self.backend.build(common), self._lora_batch(inputs)):
+            lora = self.adapters.batch(inputs.req_ids, inputs.query_start_loc)
+        with span("forward"), forward_context(self.backend, self.backend.build(common), lora):
             hidden = self.model(inputs.input_ids, inputs.positions)
         with span("compute_logits"):
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # model dtype; samplers upcast
@@ -98,28 +100,11 @@ class ModelRunner:
         return ModelRunnerOutput.from_rows(inputs.req_ids, sampled, drafts, logprobs,
                                            self._prompt_logprobs(inputs, hidden), pooled)
 
-    def _lora_batch(self, inputs: StepInputs) -> LoRABatch | None:
-        """The step's adapters and the flat token rows of each one's requests (None: no request has one)."""
-        rows: dict[LoRARequest, list[int]] = {}
-        for j, req_id in enumerate(inputs.req_ids):
-            adapter = self.states[req_id].sampling_params.lora_request
-            if adapter is not None:
-                rows.setdefault(adapter, []).extend(range(inputs.query_start_loc[j], inputs.query_start_loc[j + 1]))
-        if not rows:
-            return None
-        return LoRABatch([(self._adapter(a), _rows(r)) for a, r in rows.items()])
-
-    def _adapter(self, request: LoRARequest) -> Adapter:
-        """The adapter's weights, loaded on first use and kept (by id: one id, one adapter)."""
-        adapter = self.adapters.get(request.lora_int_id)
-        if adapter is None:
-            adapter = Adapter.load(request, self.model.cfg, self.model.model.norm.weight.dtype)
-            self.adapters[request.lora_int_id] = adapter
-        return adapter
-
     def _pooled(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, bytes]:
         """Pooling requests that sample this step (their prompt's last token ran): its final hidden state."""
-        pooled = {}
+        pooled: dict[str, bytes] = {}
+        if not self._pooling:
+            return pooled
         for req_id, first in zip(inputs.req_ids, inputs.logits_start):
             if first >= 0 and self.states[req_id].sampling_params.pooling:
                 row = hidden[inputs.logits_indices[first]]
@@ -209,12 +194,17 @@ class ModelRunner:
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
             self.drafts.pop(req_id, None)
+            self.adapters.release(req_id)
+            self._pooling.discard(req_id)
         if sched.finished_req_ids:
             self.proposer.release(sched.finished_req_ids)
         for new in sched.new_reqs:
             state = self.states[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, list(new.block_ids),
                 new.num_computed_tokens, list(new.stop_token_ids))
+            self.adapters.track(new.req_id, new.sampling_params.lora_request)
+            if new.sampling_params.pooling:
+                self._pooling.add(new.req_id)
             # Rebuilt from the tokens when a preempted request resumes, so its state never depends on history.
             state.processing = self.processing.create(new.sampling_params, new.token_ids[:new.num_prompt_tokens],
                                                       new.token_ids[new.num_prompt_tokens:])
@@ -365,13 +355,6 @@ class ModelRunner:
             else:
                 self.drafts.pop(ask.req_id, None)
         return drafts
-
-
-def _rows(rows: list[int]) -> slice | torch.Tensor:
-    """Token rows as a slice when they are one run (no gather, no scatter), else as an index tensor."""
-    if rows[-1] - rows[0] + 1 == len(rows):
-        return slice(rows[0], rows[-1] + 1)
-    return torch.tensor(rows, dtype=torch.int64)
 
 
 def _accepted_hidden(hidden: torch.Tensor, inputs: StepInputs, j: int, result: Verified) -> torch.Tensor:

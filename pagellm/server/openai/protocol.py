@@ -227,9 +227,8 @@ class UsageInfo(BaseModel):
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens
+                   + completion_tokens, prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class CompletionResponse(BaseModel):

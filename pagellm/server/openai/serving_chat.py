@@ -24,16 +24,15 @@ from pagellm.lora import LoRARequest
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.chunks import ChunkWriter
 from pagellm.server.openai import tools as tooling
-from pagellm.server.openai.errors import APIError
-from pagellm.server.openai.reasoning import ReasoningStream
-from pagellm.server.openai.tool_parsers import ToolCallStream, ToolParser, get_parser
-from pagellm.server.openai.errors import sse_error
+from pagellm.server.openai.errors import APIError, sse_error
 from pagellm.server.openai.logprobs import chat_logprobs, prompt_logprobs_body
 from pagellm.server.openai.protocol import (ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk,
                                             ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
                                             ChatResponseMessage, UsageInfo)
 from pagellm.server.openai.serving_engine import ChoiceState as _Choice
+from pagellm.server.openai.reasoning import ReasoningStream
 from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing, random_id
+from pagellm.server.openai.tool_parsers import ToolCallStream, ToolParser, get_parser
 
 
 @dataclass

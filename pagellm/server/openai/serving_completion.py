@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.chunks import ChunkWriter
-from pagellm.server.openai.errors import APIError, sse_error
+from pagellm.server.openai.errors import sse_error
 from pagellm.server.openai.logprobs import (completion_logprobs, prompt_completion_logprobs,
                                             prompt_logprobs_body)
 from pagellm.server.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
@@ -63,19 +63,12 @@ class OpenAIServingCompletion(OpenAIServing):
     def prepare(self, request: CompletionRequest) -> _Job:
         """Validate and tokenize (raises APIError / ValueError → 4xx before anything is queued)."""
         model, params = self.check_request(request)
-        raw = request.prompt
-        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-            raw = [raw]  # type: ignore[list-item]
-        if not raw:
-            raise APIError("prompt must not be empty", 400, param="prompt")
-        prompts, texts = [], []
-        for position, item in enumerate(raw):
-            ids = self.tokenizer.encode(item, request.add_special_tokens) if isinstance(item, str) \
-                else list(item)  # type: ignore[arg-type]
-            kept = self.truncate(ids, request.truncate_prompt_tokens)
-            prompts.append(self.check_prompt(kept, position if len(raw) > 1 else None))
-            if request.echo:  # the prompt as the model saw it
-                texts.append(item if isinstance(item, str) and kept is ids else self.tokenizer.decode(kept))
+        items = self.tokenize_prompts(request.prompt, request.add_special_tokens, request.truncate_prompt_tokens,
+                                      "prompt")
+        prompts = [ids for _, ids, _ in items]
+        # with echo, each prompt as the model saw it
+        texts = [item if isinstance(item, str) and not cut else self.tokenizer.decode(ids)
+                 for item, ids, cut in items] if request.echo else []
         return _Job(request, random_id("cmpl"), model, prompts, texts, params)
 
     async def create(self, job: _Job) -> CompletionResponse:

@@ -80,22 +80,12 @@ class OpenAIServingEmbedding(OpenAIServing):
         if request.dimensions is not None and request.dimensions > width:
             raise APIError(f"dimensions ({request.dimensions}) must be at most the model's hidden size ({width})",
                            400, param="dimensions")
-        raw = request.input
-        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-            raw = [raw]  # type: ignore[list-item]
-        if not raw:
-            raise APIError("input must not be empty", 400, param="input")
-        prompts = []
-        for position, item in enumerate(raw):
-            ids = self.tokenizer.encode(item, request.add_special_tokens) if isinstance(item, str) \
-                else list(item)  # type: ignore[arg-type]
-            prompts.append(self.check_prompt(self.truncate(ids, request.truncate_prompt_tokens),
-                                             position if len(raw) > 1 else None))
-        return _Job(request, random_id("embd"), model, prompts)
+        items = self.tokenize_prompts(request.input, request.add_special_tokens, request.truncate_prompt_tokens,
+                                      "input")
+        return _Job(request, random_id("embd"), model, [ids for _, ids, _ in items])
 
     async def create(self, job: _Job) -> EmbeddingResponse:
-        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=True, detokenize=False,
-                                lora_request=self.loras.get(job.model))
+        params = SamplingParams.for_pooling(self.loras.get(job.model))
         pooled: dict[int, list[float]] = {}
         async for index, output in self.generate(job.prompts, params, job.request_id, job.request.priority):
             if output.pooled is not None:

@@ -138,6 +138,21 @@ class OpenAIServing:
             validate(params.structured_outputs)
         return model, params
 
+    def tokenize_prompts(self, raw: Any, add_special_tokens: bool, keep: Optional[int],
+                         field: str) -> list[tuple[Any, list[int], bool]]:
+        """Each prompt of a completions ``prompt`` or embeddings ``input`` (a string, token ids, or a list of either):
+        (the prompt as sent, its token ids cut to ``keep`` and checked, whether the cut shortened them)."""
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+            raw = [raw]
+        if not raw:
+            raise APIError(f"{field} must not be empty", 400, param=field)
+        prompts = []
+        for position, item in enumerate(raw):
+            ids = self.tokenizer.encode(item, add_special_tokens) if isinstance(item, str) else list(item)
+            kept = self.truncate(ids, keep)
+            prompts.append((item, self.check_prompt(kept, position if len(raw) > 1 else None), kept is not ids))
+        return prompts
+
     def truncate(self, token_ids: list[int], keep: Optional[int]) -> list[int]:
         """The prompt's last ``keep`` tokens (``truncate_prompt_tokens``; -1: ``max_model_len``), or all of them."""
         if keep is None:
