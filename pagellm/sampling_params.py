@@ -53,6 +53,10 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
     ``json`` is a JSON schema (a dict or its JSON text); ``json_object`` asks for any JSON object; ``regex`` a
     regular expression the whole output matches; ``choice`` one of the listed strings; ``grammar`` an EBNF
     grammar (xgrammar's dialect, GBNF-like, with a ``root`` rule).
+
+    ``begin_after`` (ours) holds the constraint back until the output contains these token ids: the tokens up to and
+    including them are free, the rest follow the constraint. The server sets it to ``</think>`` for a reasoning
+    model, which thinks first and then answers in the schema (vLLM does the same inside its reasoning backend).
     """
 
     json: str | dict | None = None
@@ -60,6 +64,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    begin_after: list[int] | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -73,6 +78,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
+        if self.begin_after is not None and (not self.begin_after or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in self.begin_after)):
+            raise ValueError("structured_outputs.begin_after must be a non-empty list of token ids.")
 
     @property
     def key(self) -> tuple[str, str]:
@@ -183,8 +191,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Raise ValueError naming the field when a token id is outside ``[0, vocab_size)``."""
+        begin_after = self.structured_outputs.begin_after if self.structured_outputs is not None else None
         for name, ids in (("logit_bias", list(self.logit_bias or {})), ("allowed_token_ids",
-                          self.allowed_token_ids or []), ("stop_token_ids", self.stop_token_ids or [])):
+                          self.allowed_token_ids or []), ("stop_token_ids", self.stop_token_ids or []),
+                          ("structured_outputs.begin_after", begin_after or [])):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad[:5]}.")

@@ -8,7 +8,9 @@ Contract:
 - ``RequestGrammar`` is one request's matcher. ``fill(bitmask, row)`` writes the allowed-token bitmask for its
   next token (once the grammar has ended, only the stop tokens: a request with ``ignore_eos`` keeps emitting
   EOS); ``accept(tokens)`` advances it. A request rebuilt after preemption replays its output tokens, so
-  its state does not depend on where or how often it ran.
+  its state does not depend on where or how often it ran. With ``begin_after`` (a reasoning model's
+  ``</think>``) it starts ``constraining`` only after the output first contains those tokens; until then
+  every token is allowed and the runner leaves its row unmasked.
 - JSON is generated compactly (no free whitespace): a random or small model otherwise spends its tokens on
   whitespace that the grammar allows. JSON string characters exclude control characters and UTF-16 surrogates:
   xgrammar 0.2's length-bounded string rule lets raw U+0000-U+001F through (JSON forbids them unescaped), and
@@ -114,37 +116,55 @@ class GrammarCache:
         return self._compiler.compile_grammar(text)
 
     def matcher(self, so: StructuredOutputsParams, output_token_ids: Sequence[int]) -> RequestGrammar:
-        return RequestGrammar(xgr.GrammarMatcher(self.compile(so)), output_token_ids, self._stop_only)
+        return RequestGrammar(xgr.GrammarMatcher(self.compile(so)), output_token_ids, self._stop_only,
+                              so.begin_after or ())
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return xgr.allocate_token_bitmask(rows, self.vocab_size)
 
 
 class RequestGrammar:
-    """One request's position in its grammar."""
+    """One request's position in its grammar; with ``begin_after``, free output until those tokens appear."""
 
     def __init__(self, matcher: xgr.GrammarMatcher, output_token_ids: Sequence[int],
-                 stop_only: torch.Tensor) -> None:
+                 stop_only: torch.Tensor, begin_after: Sequence[int] = ()) -> None:
         self._matcher = matcher
         self._stop_only = stop_only
+        self._marker = list(begin_after)
+        self._tail: list[int] = []  # while waiting: the output's last tokens that may begin the marker
+        self.constraining = not self._marker
         self.accept(output_token_ids)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        if self._matcher.is_terminated():  # the grammar is done and the request goes on (ignore_eos)
+        if not self.constraining:
+            bitmask[row] = -1  # every token allowed
+        elif self._matcher.is_terminated():  # the grammar is done and the request goes on (ignore_eos)
             bitmask[row] = self._stop_only
         else:
             self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_ids: Sequence[int]) -> None:
+        if not self.constraining:
+            token_ids = self._wait(token_ids)
         for token in token_ids:
             if self._matcher.is_terminated():
                 return  # past the grammar's end (a stop token): nothing more to follow
             if not self._matcher.accept_token(token):
                 logger.warning("token %d does not follow the request's grammar", token)
 
+    def _wait(self, token_ids: Sequence[int]) -> Sequence[int]:
+        """The tokens after the marker's first appearance (none while it has not appeared)."""
+        seen, size = self._tail + list(token_ids), len(self._marker)
+        for end in range(size, len(seen) + 1):
+            if seen[end - size:end] == self._marker:
+                self.constraining, self._tail = True, []
+                return seen[end:]
+        self._tail = seen[-(size - 1):] if size > 1 else []
+        return ()
+
     @property
     def is_terminated(self) -> bool:
-        return self._matcher.is_terminated()
+        return self.constraining and self._matcher.is_terminated()
 
 
 def _bit(position: int) -> int:

@@ -310,7 +310,8 @@ class ModelRunner:
             history = state.token_ids[state.num_prompt_tokens:] if state.processing is not None \
                 and state.processing.bad_words else ()
             # A grammar decides alone where the output ends: banning EOS after it is complete would leave nothing.
-            if state.processing is not None and state.processing.grammar is not None:
+            if state.processing is not None and state.processing.grammar is not None \
+                    and state.processing.grammar.constraining:
                 min_tokens = 0
             for offset in range(len(drafts) + 1):
                 banned = state.suppressed_token_ids if state.num_output_tokens + offset < min_tokens else ()
@@ -318,11 +319,13 @@ class ModelRunner:
         return contexts if active else None
 
     def _grammar_rows(self, inputs: StepInputs) -> list:
-        """(logit row, grammar) of the requests that sample under a grammar this step (they have no drafts)."""
+        """(logit row, grammar) of the requests that sample under a grammar this step (they have no drafts; one that
+        waits for its ``begin_after`` tokens samples freely)."""
         rows = []
         for req_id, first in zip(inputs.req_ids, inputs.logits_start):
             processing = self.states[req_id].processing
-            if first >= 0 and processing is not None and processing.grammar is not None:
+            if first >= 0 and processing is not None and processing.grammar is not None \
+                    and processing.grammar.constraining:
                 rows.append((first, processing.grammar))
         return rows
 

@@ -116,8 +116,9 @@ def test_n_siblings_preemption_and_prefix_hits_stay_valid(tiny_llama: Path) -> N
 
 def test_greedy_constrained_is_deterministic_and_bans_still_apply(llm: LLM) -> None:
     so = StructuredOutputsParams(choice=["cat", "dog", "cow"])
+    (d,) = llm.tokenizer.encode("d", add_special_tokens=False)
     first = llm.generate(["Pick:"], SamplingParams(temperature=0, structured_outputs=so, max_tokens=10,
-                                                    logit_bias={ord("d"): -100.0}), use_tqdm=False)
+                                                    logit_bias={d: -100.0}), use_tqdm=False)
     text = first[0].outputs[0].text
     assert text in ("cat", "cow")  # the bias removes "dog"'s first byte; the grammar still completes a choice
 
@@ -131,3 +132,47 @@ def test_grammar_end_with_ignore_eos_or_min_tokens(llm: LLM) -> None:
     early = llm.generate(["Q:"], SamplingParams(temperature=0, structured_outputs=so, max_tokens=8, min_tokens=6),
                          use_tqdm=False)[0].outputs[0]
     assert early.text == kept.text and early.finish_reason == "stop"  # the grammar, not min_tokens, ends it
+
+
+def test_a_constraint_waits_for_its_begin_after_tokens(llm: LLM) -> None:
+    """A reasoning model's constraint starts after ``</think>``: here the bias makes the model write "ok" first (the
+    bad word stops a second "o"), and the digits the regex asks for follow it; without ``begin_after`` the same
+    request is all digits."""
+    o, k = (llm.tokenizer.encode(c, add_special_tokens=False)[0] for c in "ok")
+    free_first = dict(temperature=0, max_tokens=12, logit_bias={o: 60.0, k: 50.0}, bad_words=["oo"])
+    waits = StructuredOutputsParams(regex="[0-9]{4}", begin_after=[o, k])
+    text = llm.generate(["Q:"], SamplingParams(structured_outputs=waits, **free_first), use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch("ok[0-9]{4}", text.text) and text.finish_reason == "stop"
+    at_once = StructuredOutputsParams(regex="[0-9]{4}")
+    text = llm.generate(["Q:"], SamplingParams(structured_outputs=at_once, **free_first), use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch("[0-9]{4}", text.text)
+
+
+def test_a_waiting_grammar_allows_all_until_the_marker_even_across_steps_and_replays(tiny_llama: Path) -> None:
+    from pagellm.sample.structured import GrammarCache
+
+    from pagellm.tokenizer import Tokenizer
+
+    cache = GrammarCache.from_model_dir(tiny_llama, 320)
+    ids = Tokenizer.from_dir(tiny_llama).encode
+    o, k, seven, a = (ids(c, add_special_tokens=False)[0] for c in "ok7a")
+    so = StructuredOutputsParams(regex="[0-9]{3}", begin_after=[o, k])
+
+    def allowed(grammar) -> set[int]:
+        mask = cache.allocate_bitmask(1)
+        mask.zero_()
+        grammar.fill(mask, 0)
+        return {t for t in (o, k, seven, a) if int(mask[0, t // 32]) >> (t % 32) & 1}
+
+    grammar = cache.matcher(so, [])
+    assert not grammar.constraining and allowed(grammar) == {o, k, seven, a}
+    grammar.accept([a, o])  # the marker's first token ends this step ...
+    assert not grammar.constraining and allowed(grammar) == {o, k, seven, a}
+    grammar.accept([k, seven])  # ... and its last begins the next: the tokens after it follow the regex
+    assert grammar.constraining and allowed(grammar) == {seven}
+    replayed = cache.matcher(so, [a, o, k, seven])  # a request rebuilt after preemption
+    assert replayed.constraining and allowed(replayed) == {seven}
+    grammar.accept([seven, seven])  # the regex is complete: only EOS (257) may follow, and it ends the grammar
+    assert allowed(grammar) == set() and not grammar.is_terminated
+    grammar.accept([257])
+    assert grammar.is_terminated and not cache.matcher(so, [seven, seven, seven, 257]).is_terminated

@@ -1,6 +1,8 @@
 """A reasoning model's thinking apart from its answer (``--reasoning-parser``): the parsers on texts, fed whole or
-in any pieces, and a live server through the ``openai`` SDK, where a regex makes the random model write a Qwen3-style
-reply (thinking, an answer, a tool call) and the response carries each part in its field, whole and streamed."""
+in any pieces, and a live server through the ``openai`` SDK on a random model whose tokenizer has Qwen3's think
+tokens. There a logit bias makes the model think ("<think>a</think>") and a constraint, which waits for
+``</think>``, makes it answer (text and a tool call, JSON, a named call); the response carries each part in its
+field, whole and streamed. A prompt whose template closed the block (thinking off) is constrained from the start."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import argparse
 import json
 import random
 import re
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +35,13 @@ CASES = [  # (parser, reply, thinking, answer)
     ("qwen3", "<think></think>\n\n", None, ""),
     ("qwen3", "  <thi", None, "  <thi"),
 ]
+CLOSED = ["It is 4.", "It is 4. </think>", "<think>x</think>y"]  # after a prompt that closed the block
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize("reply", CLOSED)
+def test_after_a_prompt_that_closed_the_block_the_reply_is_all_answer(parser: str, reply: str) -> None:
+    assert ReasoningStream(parser, closed=True).split(reply) == (None, reply)
 
 
 @pytest.mark.parametrize(("parser", "reply", "thinking", "answer"), CASES)
@@ -71,43 +81,93 @@ def test_the_flag_takes_vllm_names_and_refuses_others() -> None:
 
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-REPLY = f"<think>\nThey want the weather.\n</think>\n\nLet me look.\n{CALL}"
+ANSWER = f"\n\nLet me look.\n{CALL}"
+# Qwen3's template: with enable_thinking false it closes an empty think block after the generation prompt.
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+            "<think>\n\n</think>\n\n{% endif %}")
 
 
 @pytest.fixture(scope="module")
-def client(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> openai.OpenAI:
-    server = start_server(tiny_llama, "--served-model-name", "tiny", "--reasoning-parser", "qwen3",
+def thinker(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with Qwen3's <think> and </think> as tokens of their own (ids 260 and 261)."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("thinker")
+    shutil.copytree(tiny_llama, path, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def client(start_server: Callable[..., ServerProcess], thinker: Path) -> openai.OpenAI:
+    server = start_server(thinker, "--served-model-name", "tiny", "--reasoning-parser", "qwen3",
                           "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
 
 
+def _think_a(**constraint) -> dict:
+    """Request fields that make the model write "<think>a</think>" (each bad word stops a repeat), then obey."""
+    a = 64  # the byte token of "a"
+    return {"logit_bias": {"260": 60, str(a): 50, "261": 40}, **constraint,
+            "bad_words": ["<think><think>", "<think></think>", "a<think>", "aa"]}
+
+
 def _forced(text: str) -> dict:
-    return {"structured_outputs": {"regex": re.escape(text)}}
+    return _think_a(structured_outputs={"regex": re.escape(text)})
 
 
-def test_a_reply_comes_back_as_thinking_answer_and_calls(client: openai.OpenAI) -> None:
+def test_the_model_thinks_then_the_constraint_shapes_its_answer_and_calls(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, max_tokens=200,
-                                           extra_body=_forced(REPLY))
+                                           extra_body=_forced(ANSWER))
     (choice,) = reply.choices
     message = choice.message
-    assert message.reasoning_content == "\nThey want the weather.\n" and message.content == "Let me look."
+    assert message.reasoning_content == "a" and message.content == "Let me look."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
         ("get_weather", {"city": "Paris"})]
     assert choice.finish_reason == "tool_calls"
     hidden = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, max_tokens=200,
-                                            extra_body={**_forced(REPLY), "include_reasoning": False})
+                                            extra_body={**_forced(ANSWER), "include_reasoning": False})
     assert hidden.choices[0].message.reasoning_content is None and hidden.choices[0].message.content == "Let me look."
-    plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=50,
-                                           extra_body=_forced("Sunny, 21 degrees."))
-    assert plain.choices[0].message.reasoning_content is None
-    assert plain.choices[0].message.content == "Sunny, 21 degrees."
+
+
+def test_json_and_named_calls_come_after_the_thinking(client: openai.OpenAI) -> None:
+    schema = TOOLS[0]["function"]["parameters"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}}
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, response_format=fmt,
+                                           extra_body=_think_a())
+    message = reply.choices[0].message
+    assert message.reasoning_content == "a" and json.loads(message.content) in ({"city": "Paris"}, {"city": "Rome"})
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, tools=TOOLS,
+                                           tool_choice=named, extra_body=_think_a())
+    message = reply.choices[0].message
+    assert message.reasoning_content == "a" and message.content is None
+    assert json.loads(message.tool_calls[0].function.arguments) in ({"city": "Paris"}, {"city": "Rome"})
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, tools=TOOLS,
+                                            tool_choice="required", stream=True, extra_body=_think_a())
+    thinking, calls = "", []
+    for chunk in stream:
+        thinking += chunk.choices[0].delta.reasoning_content or "" if chunk.choices else ""
+        calls += (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []
+    assert thinking == "a" and [c.function.name for c in calls] == ["get_weather"]
+
+
+def test_with_thinking_off_the_constraint_applies_from_the_first_token(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=50, extra_body={
+        **_forced("Sunny, 21 degrees."), "chat_template_kwargs": {"enable_thinking": False}})
+    message = reply.choices[0].message
+    assert message.reasoning_content is None and message.content == "Sunny, 21 degrees."
 
 
 def test_a_stream_sends_thinking_then_answer_then_the_call(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, max_tokens=200, stream=True,
-                                            extra_body=_forced(REPLY))
+                                            extra_body=_forced(ANSWER))
     order, thinking, content, calls, finish = [], "", "", [], None
     for chunk in stream:
         delta = chunk.choices[0].delta
@@ -120,9 +180,9 @@ def test_a_stream_sends_thinking_then_answer_then_the_call(client: openai.OpenAI
         calls += delta.tool_calls or []
         finish = chunk.choices[0].finish_reason or finish
     assert order == ["thinking", "content", "call"] and finish == "tool_calls"
-    assert thinking == "\nThey want the weather.\n" and content == "Let me look.\n"
+    assert thinking == "a" and content == "Let me look.\n"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
     hidden = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=200, stream=True,
-                                            extra_body={**_forced(REPLY), "include_reasoning": False})
+                                            extra_body={**_forced(ANSWER), "include_reasoning": False})
     deltas = [chunk.choices[0].delta for chunk in hidden]
     assert not any(d.reasoning_content for d in deltas) and "".join(d.content or "" for d in deltas).startswith("Let")

@@ -100,3 +100,16 @@ def test_msgpack_decode_normalises_and_validates() -> None:
 def test_omit_defaults_keeps_wire_small() -> None:
     wire = msgspec.msgpack.encode(SamplingParams(temperature=0.0, stop=None, stop_token_ids=None))
     assert msgspec.msgpack.decode(wire) == {"temperature": 0.0}
+
+
+def test_begin_after_must_be_token_ids_in_the_vocabulary() -> None:
+    from pagellm.sampling_params import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match="begin_after must be a non-empty list of token ids"):
+        StructuredOutputsParams(regex="a", begin_after=[])
+    with pytest.raises(ValueError, match="begin_after must be a non-empty list of token ids"):
+        StructuredOutputsParams(regex="a", begin_after=["</think>"])
+    params = SamplingParams(structured_outputs={"regex": "a", "begin_after": [5, 999]})
+    with pytest.raises(ValueError, match=r"begin_after: token ids must be in \[0, 320\), got \[999\]"):
+        params.check_token_ids(320)
+    SamplingParams(structured_outputs={"regex": "a", "begin_after": [5, 9]}).check_token_ids(320)

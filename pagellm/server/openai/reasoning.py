@@ -14,9 +14,12 @@ Contract: ``ReasoningStream.feed(piece)`` returns ``(thinking, answer)`` text th
 may still turn out to be a tag is held back (a partial ``<think>`` at the start, a partial ``</think>``), and the
 whitespace between ``</think>`` and the answer is dropped. ``finish()`` returns what was held. ``split(text)`` is the
 same over a whole reply, so a stream and a whole response say the same; the answer then goes through the tool-call
-parser, if any. Structured-output constraints (a tool choice, ``response_format``, a regex) apply from the first
-token, thinking included: with ``qwen3`` a constrained reply is parsed as any other (it thinks only if the
-constraint spells ``<think>``); with ``deepseek_r1``, which would read it all as thinking, it is returned as content.
+parser, if any. A prompt that ends in a closed block (``closed_in_prompt``: Qwen3 with thinking turned off) makes the
+reply all answer, with either parser (``ReasoningStream(parser, closed=True)``).
+
+Structured-output constraints (a tool choice, ``response_format``, a regex) wait for the reply's ``</think>``: the
+server sets their ``begin_after`` to its token ids, so the model thinks freely and then answers in the schema, as
+vLLM does; when the prompt already closed the block they apply from the first token.
 """
 
 from __future__ import annotations
@@ -35,14 +38,20 @@ def _partial_tail(text: str, tag: str) -> int:
     return 0
 
 
+def closed_in_prompt(prompt_tail: str) -> bool:
+    """Whether a rendered prompt (its last characters) ends in a closed think block: the reply is then all answer."""
+    return prompt_tail.rstrip().endswith(END)
+
+
 class ReasoningStream:
     """One choice's reply as it arrives: thinking, then the answer (see the module doc)."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, closed: bool = False) -> None:
         if parser not in PARSERS:
             raise ValueError(f"unknown reasoning parser {parser!r}; choose one of {', '.join(PARSERS)}")
         self.thinks_by_default = parser == "deepseek_r1"
-        self.state = "start"  # start → thinking → gap (whitespace after </think>) → answer
+        # start → thinking → gap (whitespace after </think>) → answer; a prompt that closed the block: answer
+        self.state = "answer" if closed else "start"
         self.held = ""
 
     def feed(self, piece: str) -> tuple[str, str]:

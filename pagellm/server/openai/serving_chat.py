@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import msgspec
+
 from pagellm.lora import LoRARequest
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.chunks import ChunkWriter
@@ -30,7 +32,8 @@ from pagellm.server.openai.protocol import (ChatChunkChoice, ChatCompletionChoic
                                             ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
                                             ChatResponseMessage, UsageInfo)
 from pagellm.server.openai.serving_engine import ChoiceState as _Choice
-from pagellm.server.openai.reasoning import ReasoningStream
+from pagellm.server.openai.reasoning import END as THINK_END
+from pagellm.server.openai.reasoning import ReasoningStream, closed_in_prompt
 from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing, random_id
 from pagellm.server.openai.tool_parsers import ToolCallStream, ToolParser, get_parser
 
@@ -43,10 +46,14 @@ class _Job:
     prompt: list[int]
     params: SamplingParams
     parser: Optional[ToolParser] = None  # tool_choice 'auto' on a server that parses calls
-    reasoning: Optional[str] = None  # the reasoning parser, on a server with one, for a reply no constraint shapes
+    reasoning: Optional[str] = None  # the reasoning parser, on a server with one
+    closed: bool = False  # the prompt closed the think block: the reply is all answer
     created: int = field(default_factory=lambda: int(time.time()))
     streams: dict[int, ToolCallStream] = field(default_factory=dict)  # an 'auto' stream's per-choice parse
     thinking: dict[int, ReasoningStream] = field(default_factory=dict)  # a stream's per-choice thinking
+
+    def thoughts(self) -> ReasoningStream:
+        return ReasoningStream(self.reasoning, self.closed)  # type: ignore[arg-type]
 
     @property
     def name(self) -> Optional[str]:
@@ -76,11 +83,10 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(engine, model_names, loras)
         self.tool_parser: Optional[ToolParser] = get_parser(tool_parser) if tool_parser is not None else None
         self.reasoning_parser = reasoning_parser
-        # A constrained reply (a tool call, JSON, a regex) is shaped from its first token: with deepseek_r1, which
-        # reads a reply as thinking until </think>, it would all become thinking; qwen3 reads thinking only after
-        # an opening <think>, which a constraint that does not spell it never writes.
-        self.parse_constrained = reasoning_parser is not None and \
-            not ReasoningStream(reasoning_parser).thinks_by_default  # (an unknown name fails here, at start)
+        if reasoning_parser is not None:
+            ReasoningStream(reasoning_parser)  # an unknown name fails here, at start
+            # A constraint (a tool call, JSON, a regex) shapes the answer: it waits for the reply's </think>.
+            self.think_end = self.tokenizer.encode(THINK_END, add_special_tokens=False)
 
     def prepare(self, request: ChatCompletionRequest) -> _Job:
         """Validate and render the conversation (raises APIError / ValueError → 4xx before anything is queued)."""
@@ -93,8 +99,14 @@ class OpenAIServingChat(OpenAIServing):
             continue_final_message=request.continue_final_message, add_special_tokens=request.add_special_tokens),
             request.truncate_prompt_tokens)
         parser = self.tool_parser if tooling.is_auto(request.tools, request.tool_choice) else None
-        reasoning = self.reasoning_parser if params.structured_outputs is None or self.parse_constrained else None
-        return _Job(request, random_id("chatcmpl"), model, self.check_prompt(prompt), params, parser, reasoning)
+        reasoning, closed = self.reasoning_parser, False
+        if reasoning is not None:
+            closed = closed_in_prompt(self.tokenizer.decode(prompt[-16:], skip_special_tokens=False))
+            if params.structured_outputs is not None and not closed:
+                params.structured_outputs = msgspec.structs.replace(params.structured_outputs,
+                                                                    begin_after=self.think_end)
+        return _Job(request, random_id("chatcmpl"), model, self.check_prompt(prompt), params, parser, reasoning,
+                    closed)
 
     async def create(self, job: _Job) -> ChatCompletionResponse:
         choices: dict[int, _Choice] = {}
@@ -137,13 +149,14 @@ def _piece(job: _Job, index: int, choice: _Choice, text: str) -> Optional[ChatCh
     'required' list's calls once it closes, thinking apart from the answer, the content and closed calls of an
     'auto' reply, or plain text."""
     finish = choice.finish_reason
-    if job.required:
-        return _required_choice(job, index, choice) if finish else None
     thinking = ""
     if job.reasoning is not None:
         thinking, text = _think(job, index, text, finish)
     delta: Optional[ChatDelta] = None
-    if job.parser is not None:
+    if job.required:
+        if finish:
+            delta, finish = _required_delta(job, choice)
+    elif job.parser is not None:
         delta, finish = _auto_delta(job, index, choice, text)
     elif text or finish:
         delta = _delta(text, job.name, choice)
@@ -157,7 +170,7 @@ def _piece(job: _Job, index: int, choice: _Choice, text: str) -> Optional[ChatCh
 
 def _think(job: _Job, index: int, text: str, finish: Optional[str]) -> tuple[str, str]:
     """A streamed piece split into thinking and answer (all that was held, once the choice finishes)."""
-    stream = job.thinking.setdefault(index, ReasoningStream(job.reasoning))  # type: ignore[arg-type]
+    stream = job.thinking.setdefault(index, job.thoughts())
     thinking, answer = stream.feed(text)
     if finish:
         more_thinking, more_answer = stream.finish()
@@ -209,7 +222,7 @@ def _choice(job: _Job, index: int, choice: _Choice) -> ChatCompletionChoice:
     reason for them)."""
     finish, text, thinking = choice.finish_reason, choice.text, None
     if job.reasoning is not None:
-        thinking, text = ReasoningStream(job.reasoning).split(text)
+        thinking, text = job.thoughts().split(text)
     message, calls = ChatResponseMessage(content=text), None
     if job.name is not None:
         call = tooling.ToolCall(id=tooling.call_id(), function=tooling.FunctionCall(name=job.name, arguments=text))
@@ -226,17 +239,16 @@ def _choice(job: _Job, index: int, choice: _Choice) -> ChatCompletionChoice:
                                 stop_reason=choice.stop_reason)
 
 
-def _required_choice(job: _Job, index: int, choice: _Choice) -> ChatChunkChoice:
-    """The one streamed piece of a 'required' reply: its calls whole (or its text, when it was cut short)."""
-    calls, finish = tooling.required_calls(choice.text), choice.finish_reason
-    delta = ChatDelta(content=choice.text)
-    if calls is not None:
-        delta = ChatDelta(tool_calls=[tooling.DeltaToolCall(index=k, id=c.id, type="function", function=(
-            tooling.DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments)))
-            for k, c in enumerate(calls)])
-        finish = "tool_calls" if finish == "stop" else finish
-    return ChatChunkChoice(index=index, delta=delta, logprobs=_logprobs(job, choice), finish_reason=finish,
-                           stop_reason=choice.stop_reason)
+def _required_delta(job: _Job, choice: _Choice) -> tuple[ChatDelta, Optional[str]]:
+    """The one streamed answer of a 'required' reply, once it finishes: its calls whole (or its text, when it was
+    cut short)."""
+    text = job.thoughts().split(choice.text)[1] if job.reasoning is not None else choice.text
+    calls, finish = tooling.required_calls(text), choice.finish_reason
+    if calls is None:
+        return ChatDelta(content=text), finish
+    return ChatDelta(tool_calls=[tooling.DeltaToolCall(index=k, id=c.id, type="function", function=(
+        tooling.DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments)))
+        for k, c in enumerate(calls)]), "tool_calls" if finish == "stop" else finish
 
 
 def _delta(text: str, name: Optional[str], choice: _Choice) -> ChatDelta:
