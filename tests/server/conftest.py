@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -29,3 +30,31 @@ def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
 def server(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> ServerProcess:
     """The shared server (no API key) most tests talk to."""
     return start_server(tiny_llama, "--served-model-name", "tiny")
+
+
+# Qwen3's template: with enable_thinking false it closes an empty think block after the generation prompt.
+THINKER_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                    "{% endfor %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+                    "<think>\n\n</think>\n\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def thinker(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with Qwen3's <think> and </think> as tokens of their own (ids 260 and 261) and a template
+    that closes the block when thinking is off (``server_utils.think_first`` makes it think)."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("thinker")
+    shutil.copytree(tiny_llama, path, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = THINKER_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def thinker_server(start_server: Callable[..., ServerProcess], thinker: Path) -> ServerProcess:
+    """A server on ``thinker`` with Qwen3's parsers: thinking apart (qwen3) and calls in hermes syntax."""
+    return start_server(thinker, "--served-model-name", "tiny", "--reasoning-parser", "qwen3",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes")

@@ -86,3 +86,11 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
 def engine_idle(base_url: str) -> bool:
     stats = httpx.get(f"{base_url}/stats", timeout=5).json()
     return stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0 and stats["kv_cache_usage"] == 0
+
+
+def think_first(**fields: object) -> dict:
+    """Request fields that make the ``thinker`` model write "<think>a</think>" first (the bias orders the three
+    tokens, each bad word stops a repeat), then follow ``fields`` (a constraint waits for ``</think>``)."""
+    a = 64  # the byte token of "a"
+    return {"logit_bias": {"260": 60, str(a): 50, "261": 40}, **fields,
+            "bad_words": ["<think><think>", "<think></think>", "a<think>", "aa"]}

@@ -10,13 +10,10 @@ import argparse
 import json
 import random
 import re
-import shutil
-from pathlib import Path
-from typing import Callable
 
 import openai
 import pytest
-from server_utils import ServerProcess
+from server_utils import ServerProcess, think_first
 
 from pagellm.server.openai.reasoning import ReasoningStream
 from pagellm.server.options import add_serve_args, serve_options
@@ -84,42 +81,13 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
     "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ANSWER = f"\n\nLet me look.\n{CALL}"
-# Qwen3's template: with enable_thinking false it closes an empty think block after the generation prompt.
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
-            "<think>\n\n</think>\n\n{% endif %}")
-
-
 @pytest.fixture(scope="module")
-def thinker(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with Qwen3's <think> and </think> as tokens of their own (ids 260 and 261)."""
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("thinker")
-    shutil.copytree(tiny_llama, path, dirs_exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.add_tokens(["<think>", "</think>"])
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def client(start_server: Callable[..., ServerProcess], thinker: Path) -> openai.OpenAI:
-    server = start_server(thinker, "--served-model-name", "tiny", "--reasoning-parser", "qwen3",
-                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
-
-
-def _think_a(**constraint) -> dict:
-    """Request fields that make the model write "<think>a</think>" (each bad word stops a repeat), then obey."""
-    a = 64  # the byte token of "a"
-    return {"logit_bias": {"260": 60, str(a): 50, "261": 40}, **constraint,
-            "bad_words": ["<think><think>", "<think></think>", "a<think>", "aa"]}
+def client(thinker_server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{thinker_server.base_url}/v1", api_key="x", max_retries=0)
 
 
 def _forced(text: str) -> dict:
-    return _think_a(structured_outputs={"regex": re.escape(text)})
+    return think_first(structured_outputs={"regex": re.escape(text)})
 
 
 def test_the_model_thinks_then_the_constraint_shapes_its_answer_and_calls(client: openai.OpenAI) -> None:
@@ -140,17 +108,17 @@ def test_json_and_named_calls_come_after_the_thinking(client: openai.OpenAI) -> 
     schema = TOOLS[0]["function"]["parameters"]
     fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}}
     reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, response_format=fmt,
-                                           extra_body=_think_a())
+                                           extra_body=think_first())
     message = reply.choices[0].message
     assert message.reasoning_content == "a" and json.loads(message.content) in ({"city": "Paris"}, {"city": "Rome"})
     named = {"type": "function", "function": {"name": "get_weather"}}
     reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, tools=TOOLS,
-                                           tool_choice=named, extra_body=_think_a())
+                                           tool_choice=named, extra_body=think_first())
     message = reply.choices[0].message
     assert message.reasoning_content == "a" and message.content is None
     assert json.loads(message.tool_calls[0].function.arguments) in ({"city": "Paris"}, {"city": "Rome"})
     stream = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, tools=TOOLS,
-                                            tool_choice="required", stream=True, extra_body=_think_a())
+                                            tool_choice="required", stream=True, extra_body=think_first())
     thinking, calls = "", []
     for chunk in stream:
         thinking += chunk.choices[0].delta.reasoning_content or "" if chunk.choices else ""

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes under ``/v1`` plus ``/health``, ``/version``, ``/stats``, ``/tokenize``,
+"""The FastAPI app: OpenAI routes under ``/v1`` (completions, chat, embeddings, models, responses) plus
+``/health``, ``/version``, ``/stats``, ``/tokenize``,
 ``/detokenize``, ``/start_profile``, ``/stop_profile`` and ``/reset_prefix_cache``, and (given an
 ``Observability``) ``/metrics``, ``/dashboard`` and trace-context propagation.
 
@@ -45,7 +46,9 @@ from pagellm.server.openai.lora_routes import lora_router
 from pagellm.server.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pagellm.server.openai.serving_chat import OpenAIServingChat
 from pagellm.server.openai.serving_completion import OpenAIServingCompletion
+from pagellm.server.openai.responses_protocol import ResponseObject, ResponsesRequest
 from pagellm.server.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
+from pagellm.server.openai.serving_responses import OpenAIServingResponses
 from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing
 from pagellm.server.openai.tokenization import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                                 TokenizeResponse)
@@ -68,7 +71,9 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
         app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
                            allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
     served = _Served(model_names, model_root, dict(loras or {}))
-    app.include_router(_v1_router(engine, served, api_key, tool_parser, reasoning_parser))
+    chat = OpenAIServingChat(engine, served.names, tool_parser, reasoning_parser, served.loras)
+    app.include_router(_v1_router(engine, served, api_key, chat))
+    app.include_router(_responses_router(OpenAIServingResponses(chat), api_key))
     if runtime_lora_updating:
         app.include_router(lora_router(engine, served.names, served.loras, _auth(api_key)))
     app.include_router(_admin_router(engine, model_names))
@@ -87,11 +92,9 @@ class _Served:
     loras: dict[str, LoRARequest]
 
 
-def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], tool_parser: Optional[str],
-               reasoning_parser: Optional[str]) -> APIRouter:
-    router = APIRouter(prefix="/v1", dependencies=[Depends(_bearer_auth(api_key))] if api_key else [])
+def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], chat: OpenAIServingChat) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=_auth(api_key))
     completion = OpenAIServingCompletion(engine, served.names, served.loras)
-    chat = OpenAIServingChat(engine, served.names, tool_parser, reasoning_parser, served.loras)
     embedding = OpenAIServingEmbedding(engine, served.names, served.loras)
     max_model_len = completion.max_model_len
 
@@ -118,6 +121,34 @@ def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], to
         if body.stream:
             return _EventStream(chat.stream(job))
         return await _json_unless_disconnected(raw, chat.create(job))
+
+    return router
+
+
+def _responses_router(responses: OpenAIServingResponses, api_key: Optional[str]) -> APIRouter:
+    """OpenAI's Responses API (``serving_responses.py``)."""
+    router = APIRouter(prefix="/v1/responses", dependencies=_auth(api_key))
+
+    @router.post("")
+    async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+        job = responses.prepare(body)
+        if body.background:
+            return JSONResponse(responses.start_background(job).model_dump(mode="json"))
+        if body.stream:
+            return _EventStream(responses.stream(job))
+        return await _json_unless_disconnected(raw, responses.create(job))
+
+    @router.get("/{response_id}")
+    async def get_response(response_id: str) -> ResponseObject:
+        return responses.get(response_id)
+
+    @router.delete("/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return responses.delete(response_id)
+
+    @router.post("/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> ResponseObject:
+        return await responses.cancel(response_id)
 
     return router
 

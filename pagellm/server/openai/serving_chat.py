@@ -51,6 +51,7 @@ class _Job:
     created: int = field(default_factory=lambda: int(time.time()))
     streams: dict[int, ToolCallStream] = field(default_factory=dict)  # an 'auto' stream's per-choice parse
     thinking: dict[int, ReasoningStream] = field(default_factory=dict)  # a stream's per-choice thinking
+    choices: dict[int, _Choice] = field(default_factory=dict)  # a stream's choices as they add up
 
     def thoughts(self) -> ReasoningStream:
         return ReasoningStream(self.reasoning, self.closed)  # type: ignore[arg-type]
@@ -119,7 +120,6 @@ class OpenAIServingChat(OpenAIServing):
                                       usage=job.usage(choices), prompt_logprobs=prompt_logprobs_body(prompt_logprobs))
 
     async def stream(self, job: _Job) -> AsyncIterator[str]:
-        choices: dict[int, _Choice] = {}
         writer = ChunkWriter("chat", job.request_id, job.created, job.model)
         plain = job.params.logprobs is None and job.name is None and job.parser is None and not job.required \
             and job.reasoning is None
@@ -128,20 +128,30 @@ class OpenAIServingChat(OpenAIServing):
             content = None if job.name or job.required else ""
             yield _chunk(job, [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=content))
                                for i in range(job.request.n)])
-            async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority):
-                index = output.outputs[0].index
-                choice = choices.setdefault(index, _Choice())
-                text = choice.add(output)
+            async for index, choice, text in self._outputs(job):
                 if plain:  # the common chunk: no pydantic model per token
                     if text or choice.finish_reason:
                         yield writer.text_choice(index, text, choice.finish_reason, choice.stop_reason)
                 elif (piece := _piece(job, index, choice, text)) is not None:
                     yield _chunk(job, [piece])
             if job.request.include_usage:
-                yield _chunk(job, [], job.usage(choices))
+                yield _chunk(job, [], job.usage(job.choices))
         except Exception as exc:
             yield sse_error(exc)
         yield "data: [DONE]\n\n"
+
+    async def deltas(self, job: _Job) -> AsyncIterator[ChatChunkChoice]:
+        """The reply's pieces as a stream sends them (thinking, answer text, calls), without the SSE framing; the
+        choices add up in ``job.choices`` (the Responses API builds its events from these)."""
+        async for index, choice, text in self._outputs(job):
+            if (piece := _piece(job, index, choice, text)) is not None:
+                yield piece
+
+    async def _outputs(self, job: _Job) -> AsyncIterator[tuple[int, _Choice, str]]:
+        async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority):
+            index = output.outputs[0].index
+            choice = job.choices.setdefault(index, _Choice())
+            yield index, choice, choice.add(output)
 
 
 def _piece(job: _Job, index: int, choice: _Choice, text: str) -> Optional[ChatChunkChoice]:
