@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_sampling_args(cmd)
         add_engine_args(cmd)
     _add_serve_parser(sub)
+    _add_run_batch_parser(sub)
     _add_bench_parser(sub)
     train_draft.add_parser(sub)
     return parser
@@ -112,15 +113,34 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(cmd)
 
 
+def _add_run_batch_parser(sub: argparse._SubParsersAction) -> None:
+    cmd = sub.add_parser("run-batch", help="answer a file of OpenAI Batch API requests (JSON Lines) in-process",
+                         description="Each input line {custom_id, method, url, body} (url /v1/chat/completions, "
+                                     "/v1/completions, /v1/embeddings or /v1/responses) gets one output line "
+                                     "{id, custom_id, response: {status_code, request_id, body}, error}, in order.")
+    cmd.add_argument("-i", "--input-file", required=True, help="the requests, one JSON object per line")
+    cmd.add_argument("-o", "--output-file", required=True, help="where the answers go (replaced when complete)")
+    cmd.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                     help="HF directory or .gguf file (default: built-in SmolLM2)")
+    cmd.add_argument("--model", default=None, help="same as the positional MODEL")
+    add_serve_args(cmd)
+    add_engine_args(cmd)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from pagellm.config import EngineConfig
-    from pagellm.server.launch import run_server
 
     if args.model and args.model_path and args.model != args.model_path:
         print("pagellm: give the model once (positional MODEL or --model)", file=sys.stderr)
         return 2
     try:
         config = EngineConfig.from_kwargs(model=args.model or args.model_path, **engine_kwargs(args))
+        if args.command == "run-batch":
+            from pagellm.server.batch import run_batch
+
+            return run_batch(config, serve_options(args), args.input_file, args.output_file)
+        from pagellm.server.launch import run_server
+
         return run_server(config, serve_options(args))
     except ValueError as exc:
         print(f"pagellm: {exc}", file=sys.stderr)
@@ -130,7 +150,7 @@ def _serve(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    if args.command == "serve":
+    if args.command in ("serve", "run-batch"):
         return _serve(args)
     if args.command == "bench":
         try:

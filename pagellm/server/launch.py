@@ -39,7 +39,7 @@ _DEAD_ENGINE_GRACE_S = 2.0  # after the core dies, keep answering 503 this long 
 _HEALTH_POLL_S = 0.1
 
 
-def _loras(engine: EngineClient, names: list[str], options: ServeOptions) -> dict[str, LoRARequest]:
+def lora_requests(engine: EngineClient, names: list[str], options: ServeOptions) -> dict[str, LoRARequest]:
     """The --lora-modules adapters by served name (ids from 1), each checked against the model now."""
     loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(options.lora_modules)}
     if set(loras) & set(names):
@@ -93,7 +93,7 @@ async def _serve(config: EngineConfig, sock: socket.socket, names: list[str], op
         engine.stats_sink = obs.sink
         app = build_app(engine, names, options.api_key, model_root=config.model_config.model, observability=obs,
                         cors=options.cors, tool_parser=options.tool_call_parser,
-                        reasoning_parser=options.reasoning_parser, loras=_loras(engine, names, options),
+                        reasoning_parser=options.reasoning_parser, loras=lora_requests(engine, names, options),
                         runtime_lora_updating=options.runtime_lora_updating)
         server = uvicorn.Server(uvicorn.Config(
             app, http="httptools", log_level="warning", access_log=options.access_log, lifespan="off",
