@@ -19,7 +19,7 @@ import logging
 import signal
 import socket
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, Optional
 
 import uvicorn
 
@@ -60,6 +60,31 @@ def run_server(config: EngineConfig, options: ServeOptions = ServeOptions()) -> 
         sock.close()
 
 
+class _Grpc:
+    """The gRPC API beside HTTP (``--grpc-port``): bound before the model loads, started with the app."""
+
+    def __init__(self, options: ServeOptions) -> None:
+        from pagellm.server.grpc.service import bind_grpc
+
+        self.options = options
+        self.server = bind_grpc(options.host, options.grpc_port or 0, options.api_key)
+        self.health_task: Optional[asyncio.Task] = None
+
+    async def start(self, engine: EngineClient, names: list[str], loras: dict[str, LoRARequest],
+                    model_root: Optional[str]) -> None:
+        from pagellm.server.grpc.service import add_services, watch_health
+
+        health = add_services(self.server, engine, names, loras, model_root)
+        await self.server.start()
+        self.health_task = asyncio.create_task(watch_health(engine, health))
+        logger.info("gRPC API (pagellm.v1.Engine) on %s:%d", self.options.host, self.options.grpc_port)
+
+    async def stop(self) -> None:
+        if self.health_task is not None:
+            self.health_task.cancel()
+        await self.server.stop(_GRACEFUL_SHUTDOWN_S)
+
+
 def _run(main: Coroutine[Any, Any, int]) -> int:
     try:
         import uvloop
@@ -85,16 +110,20 @@ def _bind(host: str, port: int) -> socket.socket:
 async def _serve(config: EngineConfig, sock: socket.socket, names: list[str], options: ServeOptions) -> int:
     from pagellm.engine.async_engine import AsyncLLM
 
+    grpc_api = _Grpc(options) if options.grpc_port is not None else None
     engine = AsyncLLM.from_config(config)
     if options.chat_template is not None:
         engine.tokenizer.chat_template = options.chat_template
     try:
         obs = build_observability(names[0], config, engine.runtime, options.log_stats, options.otlp_traces_endpoint)
         engine.stats_sink = obs.sink
+        loras = lora_requests(engine, names, options)  # one dict: adapters loaded at run time reach both APIs
         app = build_app(engine, names, options.api_key, model_root=config.model_config.model, observability=obs,
                         cors=options.cors, tool_parser=options.tool_call_parser,
-                        reasoning_parser=options.reasoning_parser, loras=lora_requests(engine, names, options),
+                        reasoning_parser=options.reasoning_parser, loras=loras,
                         runtime_lora_updating=options.runtime_lora_updating)
+        if grpc_api is not None:
+            await grpc_api.start(engine, names, loras, config.model_config.model)
         server = uvicorn.Server(uvicorn.Config(
             app, http="httptools", log_level="warning", access_log=options.access_log, lifespan="off",
             timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S, **(options.tls.uvicorn_kwargs() if options.tls else {})))
@@ -110,6 +139,8 @@ async def _serve(config: EngineConfig, sock: socket.socket, names: list[str], op
         (crashed,) = await asyncio.gather(watchdog, return_exceptions=True)
         return 1 if crashed is True else 0  # else cancelled (CancelledError) or False: a clean stop
     finally:
+        if grpc_api is not None:
+            await grpc_api.stop()
         logger.info("shutting down the engine")
         engine.shutdown()
 

@@ -60,6 +60,7 @@ class ServeOptions:
     reasoning_parser: Optional[str] = None  # set: chat replies carry the thinking as reasoning_content
     lora_modules: tuple[tuple[str, str], ...] = ()  # (served name, PEFT adapter directory), with --enable-lora
     runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer
+    grpc_port: Optional[int] = None  # set: the gRPC API (server/grpc/) listens on host:grpc_port too
 
 
 def _json_list(value: str) -> list[str]:
@@ -75,6 +76,9 @@ def _json_list(value: str) -> list[str]:
 def add_serve_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     cmd.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    cmd.add_argument("--grpc-port", type=int, default=None,
+                     help="also serve the gRPC API (pagellm.v1.Engine, with grpc.health.v1 and reflection) on this "
+                          "port of --host (default: off)")
     cmd.add_argument("--served-model-name", action="append", default=None,
                      help="model name clients send (repeatable: the server answers to each, and responses "
                           "carry the name asked for; default: the model argument)")
@@ -134,7 +138,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                         args.access_log, not args.disable_log_stats, args.otlp_traces_endpoint,
                         Cors(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                              args.allow_credentials), _tls(args), _tool_call_parser(args), args.reasoning_parser,
-                        _lora_modules(args), args.allow_runtime_lora_updating)
+                        _lora_modules(args), args.allow_runtime_lora_updating, args.grpc_port)
 
 
 def _lora_module(value: str) -> tuple[str, str]:

@@ -12,7 +12,7 @@ import re
 import httpx
 import openai
 import pytest
-from server_utils import ServerProcess, think_first, wait_until
+from server_utils import ServerProcess, engine_idle, think_first, wait_until
 
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 PARAMETERS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
@@ -161,11 +161,7 @@ def test_background_responses_are_polled_and_cancelled(client: openai.OpenAI, th
                                    extra_body=GREEDY)
     cancelled = client.responses.cancel(long.id)
     assert cancelled.status == "cancelled"
-
-    def idle() -> bool:
-        stats = httpx.get(f"{thinker_server.base_url}/stats").json()
-        return stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0 and stats["kv_cache_usage"] == 0
-    wait_until(idle, 30, "the cancelled response's blocks freed")
+    wait_until(lambda: engine_idle(thinker_server.base_url), 30, "the cancelled response's blocks freed")
     with pytest.raises(openai.BadRequestError, match="only a background response that is still running"):
         client.responses.cancel(long.id)
 

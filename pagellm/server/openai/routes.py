@@ -70,7 +70,7 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
     if cors is not None:
         app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
                            allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
-    served = _Served(model_names, model_root, dict(loras or {}))
+    served = _Served(model_names, model_root, loras if loras is not None else {})  # shared with the caller
     chat = OpenAIServingChat(engine, served.names, tool_parser, reasoning_parser, served.loras)
     app.include_router(_v1_router(engine, served, api_key, chat))
     app.include_router(_responses_router(OpenAIServingResponses(chat), api_key))
