@@ -182,13 +182,16 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism (only size 1 runs today; the layers already take the parallel state)."""
+    """Tensor parallelism: the model's layers split over this many ranks (processes), each with its share of the
+    threads (``executor/multiproc.py``)."""
 
-    tensor_parallel_size: int = _help("Number of tensor-parallel workers.", default=1)
+    tensor_parallel_size: int = _help("Number of tensor-parallel ranks (worker processes); the attention heads, "
+                                      "key/value heads, MLP width and vocabulary must divide by it.", default=1)
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
 
 
 SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle")
@@ -367,6 +370,20 @@ class EngineConfig:
         if spec.method == "eagle" and spec.model is None and self.model_config.model is not None:
             raise ValueError("eagle needs 'model': the head's .safetensors file from `pagellm train-draft --method "
                              "eagle` (only the built-in model has a shipped default head)")
+        if self.parallel_config.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor-parallel ranks do not shard yet is refused, naming the way out."""
+        size = self.parallel_config.tensor_parallel_size
+        if self.speculative_config.method not in (None, "ngram"):
+            raise ValueError(f"speculative method {self.speculative_config.method!r} does not run with "
+                             f"tensor_parallel_size={size} (its draft model is not sharded); use ngram or size 1")
+        if self.model_config.enable_lora:
+            raise ValueError(f"LoRA adapters do not run with tensor_parallel_size={size} yet; use size 1")
+        if self.model_config.quantization:
+            raise ValueError(f"quantization={self.model_config.quantization} does not run with "
+                             f"tensor_parallel_size={size} yet; use size 1")
 
     def for_serving(self) -> EngineConfig:
         """This config with the online-serving defaults filled in (``SchedulerConfig.for_serving``)."""

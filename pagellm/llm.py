@@ -176,6 +176,10 @@ class LLM:
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, pooled_embedding(o.pooled, normalize),
                                        o.num_cached_tokens) for o in outputs]
 
+    def shutdown(self) -> None:
+        """Stop the engine now (tensor-parallel worker processes included) rather than at interpreter exit."""
+        self.engine.shutdown()
+
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 

@@ -13,8 +13,7 @@ from pagellm import envs, native_build
 from pagellm.config import EngineConfig
 from pagellm.engine.input_processor import check_prompt
 from pagellm.engine.wire import EngineCoreRequest, StepOutput
-from pagellm.executor.base import Executor
-from pagellm.executor.uniproc import UniProcExecutor
+from pagellm.executor.base import Executor, make_executor
 from pagellm.metrics.profiler import span
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.request import Request
@@ -29,7 +28,7 @@ class EngineCore:
         self.config = config
         if envs.native_scheduler():  # a cold start compiles the scheduler's extension while the model loads
             native_build.start_in_background([build_extension])
-        self.executor = executor or UniProcExecutor(config)
+        self.executor = executor or make_executor(config)
         self.runtime = self.executor.runtime
         spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.runtime.num_blocks,

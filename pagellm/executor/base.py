@@ -1,10 +1,12 @@
-"""The executor interface: how the engine core reaches its workers (in-process today; multiprocess TP/PP and Ray
-executors implement the same members)."""
+"""The executor interface: how the engine core reaches its workers: ``uniproc`` (one worker in the core's process)
+or ``multiproc`` (tensor-parallel ranks in worker processes, fed through a shared-memory ring); ``make_executor``
+picks by ``tensor_parallel_size``."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from pagellm.config import EngineConfig
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.runtime import RuntimeInfo
 
@@ -24,3 +26,13 @@ class Executor(Protocol):
         """Stop the sessions; the trace and summary files they wrote (none when nothing was recording)."""
 
     def shutdown(self) -> None: ...
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    if config.parallel_config.tensor_parallel_size > 1:
+        from pagellm.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    from pagellm.executor.uniproc import UniProcExecutor
+
+    return UniProcExecutor(config)

@@ -33,8 +33,9 @@ logger = logging.getLogger(__name__)
 
 class Worker:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, spec_config: SpeculativeConfig,
-                 parallel: ParallelState = SINGLE, profiler_config: ProfilerConfig = ProfilerConfig()) -> None:
-        threads = envs.num_threads()
+                 parallel: ParallelState = SINGLE, profiler_config: ProfilerConfig = ProfilerConfig(),
+                 num_threads: int | None = None) -> None:
+        threads = num_threads or envs.num_threads()  # a tensor-parallel rank: its share
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(model_config.seed)
@@ -45,6 +46,9 @@ class Worker:
         model_dir = resolve_model_dir(model_config.model)
         arch = ArchConfig.from_hf(load_hf_config(model_dir))
         quantization = model_config.quantization or arch.quantization
+        if quantization and parallel.tp_size > 1:
+            raise ValueError(f"{quantization} checkpoints do not run with tensor_parallel_size={parallel.tp_size} "
+                             "yet; use size 1")
         if quantization and not model_config.quantization and gemm_w8a8.runs_here():  # a quantized checkpoint's
             native_build.start_in_background([gemm_w8a8.build_job()])  # kernel, built while the weights load
         model = build_model(arch, self.dtype, parallel)

@@ -1,7 +1,8 @@
 """Token embedding and LM head, split by vocabulary rows across tensor-parallel ranks.
 
-Each rank holds rows ``[rank * V/tp, (rank + 1) * V/tp)``. The embedding zeroes the ids it does not own and
-all-reduces; the LM head computes its slice of the logits and gathers them.
+Each rank holds ``ceil(V/tp)`` rows from ``rank * ceil(V/tp)``; the last rank's rows past ``V`` are zero padding,
+so any vocabulary splits over any number of ranks (Qwen's 151,936 over 3). The embedding zeroes the ids it does
+not own and all-reduces; the LM head computes its slice of the logits, gathers them and drops the padding's.
 
 The LM head's weight is packed for the bfloat16 GEMM after loading (``linear.pack_weights``). A tied LM head shares
 the embedding's Parameter, so the embedding then reads its rows out of the packed matrix (``ops.gemm.weight_rows``:
@@ -25,12 +26,18 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.parallel = parallel
         self.vocab_size = vocab_size
-        self.shard = parallel.shard(vocab_size, "vocab size")
+        self.shard = -(-vocab_size // parallel.tp_size)  # rows per rank
         self.start = parallel.tp_rank * self.shard
+        self.owned = max(0, min(self.shard, vocab_size - self.start))  # the rest of this rank's rows: padding
         self.weight = _param((self.shard, hidden), dtype, self._load)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
-        _copy(_loadable(param), loaded.narrow(0, self.start, self.shard).to(param.dtype), "vocab shard")
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"checkpoint tensor for the vocabulary has {loaded.shape[0]} rows, expected "
+                             f"{self.vocab_size}")
+        table = _loadable(param)
+        table[self.owned:].zero_()
+        _copy(table[:self.owned], loaded.narrow(0, self.start, self.owned).to(param.dtype), "vocab shard")
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Plain rows ``W[ids]`` of this rank's shard (local row ids), whatever the weight's layout."""
@@ -44,7 +51,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.parallel.tp_size == 1:
             return self.rows(ids)
         local = ids - self.start
-        outside = (local < 0) | (local >= self.shard)
+        outside = (local < 0) | (local >= self.owned)
         out = self.rows(local.masked_fill(outside, 0))
         return self.parallel.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
 
@@ -59,4 +66,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         return gemm.pack_parameter(self.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.parallel.all_gather_last_dim(gemm.linear(hidden, self.weight))
+        logits = gemm.linear(hidden, self.weight)
+        if self.parallel.tp_size == 1:
+            return logits
+        return self.parallel.all_gather_last_dim(logits)[..., :self.vocab_size]

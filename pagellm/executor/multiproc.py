@@ -1,0 +1,240 @@
+"""Tensor parallelism over processes: rank 0 runs in the engine core's process, ranks 1..N-1 in worker processes
+that each step's ``SchedulerOutput`` reaches through a shared-memory broadcast ring.
+
+Contract:
+- ``MultiprocExecutor(config)`` spawns ``tensor_parallel_size - 1`` worker processes, joins them in one
+  ``torch.distributed`` group (gloo: CPU collectives) and builds its own rank-0 ``Worker``; each rank loads its
+  shard of every layer (``distributed/groups.ParallelState``: attention heads, MLP columns, vocabulary) and a KV
+  cache for its heads, and runs on its share of the threads. It returns once every rank has loaded, or raises the
+  first rank's error.
+- ``execute_model`` broadcasts the step (msgpack, ``distributed/shm_ring.py``) and runs rank 0; all ranks run the
+  same forward pass, meet in the layers' all-reduces and sample alike (the same logits and seeds), so each keeps
+  the same per-request state; rank 0's output is the step's. ``set_idle`` reaches every rank.
+- A worker process that dies makes the next step raise (``RuntimeError`` naming its exit code), and a collective
+  waiting on a dead rank gives up after ``COLLECTIVE_TIMEOUT_S``, so the engine core fails instead of hanging.
+- ``shutdown`` stops the workers (a message, then a join, then a kill for a worker that hangs) and frees the ring;
+  a worker whose engine core was killed notices within a second and exits, so none outlives it.
+- Profiling records rank 0 only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import socket
+import threading
+import traceback
+from typing import Any, Optional
+
+import msgspec
+
+from pagellm import envs
+from pagellm.config import EngineConfig
+from pagellm.distributed.shm_ring import RingReader, ShmRing
+from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagellm.worker.runtime import RuntimeInfo
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT_S = 120
+_START_TIMEOUT_S = 600  # loading a model and building kernels on a cold machine
+_PARENT_POLL_S = 1.0  # how often an idle worker checks that the engine core still lives
+
+
+class Command(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What the workers are told to do, in order."""
+
+    kind: str                               # "execute", "idle" or "stop"
+    sched: Optional[SchedulerOutput] = None
+    idle: bool = False
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def threads_per_rank(size: int) -> int:
+    """Each rank's share of the threads (``PAGELLM_NUM_THREADS``, else the CPUs this process may use)."""
+    total = envs.num_threads() or len(os.sched_getaffinity(0))
+    return max(1, total // size)
+
+
+def _join_group(rank: int, size: int, port: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _build_worker(config: EngineConfig, rank: int, size: int) -> Any:
+    from pagellm.distributed.groups import ParallelState
+    from pagellm.worker.worker import Worker
+
+    return Worker(config.model_config, config.cache_config, config.speculative_config,
+                  parallel=ParallelState(rank, size), profiler_config=config.profiler_config,
+                  num_threads=threads_per_rank(size))
+
+
+def _worker_main(config: EngineConfig, rank: int, size: int, port: int, reader: RingReader, pipe: Any) -> None:
+    """A worker process: join the group, load this rank's shard, then follow the ring until told to stop."""
+    try:
+        _join_group(rank, size, port)
+        worker = _build_worker(config, rank, size)
+        pipe.send(("ready", worker.runtime))
+    except BaseException as exc:  # the engine core reports it and stops the others
+        logger.debug("rank %d failed to start:\n%s", rank, traceback.format_exc())
+        pipe.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    decoder = msgspec.msgpack.Decoder(Command)
+    parent = os.getppid()
+    try:
+        while True:
+            try:
+                command = decoder.decode(reader.get(timeout=_PARENT_POLL_S))
+            except TimeoutError:
+                if os.getppid() != parent:  # the engine core is gone (killed): never outlive it
+                    logger.warning("rank %d: the engine core is gone; exiting", rank)
+                    break
+                continue
+            if command.kind == "execute":
+                worker.execute_model(command.sched)
+            elif command.kind == "idle":
+                worker.set_idle(command.idle)
+            else:
+                break
+    finally:
+        worker.shutdown()
+        reader.detach()
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        size = config.parallel_config.tensor_parallel_size
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.ring = ShmRing(size - 1, ctx)
+        self.pipes, self.procs = [], []
+        for rank in range(1, size):
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=_worker_main, name=f"pagellm-tp{rank}", daemon=True,
+                                  args=(config, rank, size, port, self.ring.reader(rank - 1), child))
+            process.start()
+            child.close()
+            self.pipes.append(parent)
+            self.procs.append(process)
+        try:
+            self._join(size, port)
+            self.worker = _build_worker(config, 0, size)
+            self._wait_ready()
+        except BaseException:
+            self._stop_workers()
+            _leave_group()
+            raise
+        self.runtime: RuntimeInfo = self.worker.runtime
+        self._closed = False
+        atexit.register(self.shutdown)  # an LLM dropped without shutdown() still stops its workers and frees the ring
+        logger.info("tensor parallel: %d ranks, %d threads each", size, threads_per_rank(size))
+
+    def _join(self, size: int, port: int) -> None:
+        """Join the group, failing at once (not after the rendezvous timeout) when a rank fails before joining."""
+        joined: list[BaseException | None] = []
+
+        def join() -> None:
+            try:
+                _join_group(0, size, port)
+                joined.append(None)
+            except BaseException as exc:  # handed to the waiting thread
+                joined.append(exc)
+
+        thread = threading.Thread(target=join, daemon=True, name="pagellm-tp-join")
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            for rank, (pipe, process) in enumerate(zip(self.pipes, self.procs), start=1):
+                if pipe.poll():  # before joining, a rank writes only to report its failure
+                    self._raise_start_error(rank, pipe, process)
+                if not process.is_alive():
+                    raise RuntimeError(f"tensor-parallel rank {rank} died while starting (exit code "
+                                       f"{process.exitcode})")
+        if joined and joined[0] is not None:
+            raise joined[0]
+
+    @staticmethod
+    def _raise_start_error(rank: int, pipe: Any, process: Any) -> None:
+        try:
+            kind, value = pipe.recv()
+        except EOFError:
+            raise RuntimeError(f"tensor-parallel rank {rank} died while starting (exit code "
+                               f"{process.exitcode})") from None
+        raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {value}")
+
+    def _wait_ready(self) -> None:
+        for rank, (pipe, process) in enumerate(zip(self.pipes, self.procs), start=1):
+            if not pipe.poll(_START_TIMEOUT_S):
+                raise RuntimeError(f"tensor-parallel rank {rank} did not start within {_START_TIMEOUT_S}s")
+            try:
+                kind, value = pipe.recv()
+            except EOFError:
+                raise RuntimeError(f"tensor-parallel rank {rank} died while starting (exit code "
+                                   f"{process.exitcode})") from None
+            if kind == "error":
+                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {value}")
+            if value != self.worker.runtime:
+                raise RuntimeError(f"tensor-parallel rank {rank} found {value}, rank 0 {self.worker.runtime}")
+
+    def _broadcast(self, command: Command) -> None:
+        for rank, process in enumerate(self.procs, start=1):
+            if not process.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} died (exit code {process.exitcode})")
+        self.ring.put(_ENCODER.encode(command), timeout=COLLECTIVE_TIMEOUT_S)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._broadcast(Command("execute", sched))
+        return self.worker.execute_model(sched)
+
+    def set_idle(self, idle: bool) -> None:
+        self._broadcast(Command("idle", idle=idle))
+        self.worker.set_idle(idle)
+
+    def start_profile(self) -> bool:
+        return self.worker.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        return self.worker.stop_profile()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        self._stop_workers()
+        self.worker.shutdown()
+        _leave_group()
+
+    def _stop_workers(self) -> None:
+        if any(p.is_alive() for p in self.procs):
+            try:
+                self.ring.put(_ENCODER.encode(Command("stop")), timeout=5)
+            except TimeoutError:
+                pass
+        for process in self.procs:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self.ring.close()

@@ -1,0 +1,114 @@
+"""Tensor parallelism (``tensor_parallel_size=2``: rank 0 in the engine's process, rank 1 in a worker process fed
+through the shared-memory ring): greedy tokens equal transformers' on every tiny architecture, with chunked
+prefill, prefix-cache hits, preemption, n-gram speculation and grammars; what does not shard is refused by name;
+a dead rank fails the next step instead of hanging; shutdown leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from test_parity import _prompts, assert_greedy_parity, run
+
+from pagellm import LLM, SamplingParams
+from pagellm.sampling_params import StructuredOutputsParams
+
+TP = dict(dtype="float32", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize(("arch", "overrides"), [("llama", {}), ("qwen2", {}), ("qwen3", {}),
+                                                 ("mistral", {"seed": 6, "tie_word_embeddings": True})])
+def test_greedy_parity_chunked_and_with_prefix_hits(tiny_model_factory, arch: str, overrides: dict) -> None:
+    model_dir = tiny_model_factory(arch, **overrides)
+    llm = LLM(str(model_dir), max_num_batched_tokens=40, **TP)
+    try:
+        prompts = _prompts(seed=11, shared_prefix=21)
+        first = run(llm, prompts)
+        assert_greedy_parity(model_dir, prompts, first)
+        assert run(llm, prompts) == first and sum(s.prefix_cache_hits for s in llm.last_stats) > 0
+    finally:
+        llm.shutdown()
+
+
+def test_preemption_speculation_and_grammars_across_ranks(tiny_model_factory) -> None:
+    model_dir = tiny_model_factory("llama")
+    llm = LLM(str(model_dir), kv_cache_memory=24 * 16 * 512, max_model_len=160,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None},
+              **TP)
+    try:
+        prompts = _prompts(seed=3)
+        ours = run(llm, prompts)
+        assert sum(s.num_preemptions for s in llm.last_stats) > 0, "the pool was meant to force preemptions"
+        assert_greedy_parity(model_dir, prompts, ours)
+        kv = llm.engine.core.scheduler.kv
+        assert kv.num_free_blocks == kv.pool.num_blocks
+        so = StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2}")
+        sampled = llm.generate(["Q:"] * 3, SamplingParams(temperature=1.0, seed=5, structured_outputs=so,
+                                                          max_tokens=12), use_tqdm=False)
+        texts = [o.outputs[0].text for o in sampled]
+        assert all(len(t) == 6 and t[:3].isdigit() and t[3] == "-" for t in texts)
+        again = llm.generate(["Q:"] * 3, SamplingParams(temperature=1.0, seed=5, structured_outputs=so,
+                                                        max_tokens=12), use_tqdm=False)
+        assert [o.outputs[0].text for o in again] == texts  # seeded sampling agrees across ranks and runs
+    finally:
+        llm.shutdown()
+
+
+def test_a_vocabulary_that_does_not_divide_is_padded(tiny_model_factory) -> None:
+    model_dir = tiny_model_factory("llama", seed=8, vocab_size=317)  # 159 + 158 rows, one of padding
+    llm = LLM(str(model_dir), **TP)
+    try:
+        prompts = _prompts(seed=13)
+        assert_greedy_parity(model_dir, prompts, run(llm, prompts))
+    finally:
+        llm.shutdown()
+
+
+def test_bfloat16_ranks_run_the_native_kernels_deterministically(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), dtype="bfloat16", tensor_parallel_size=2)
+    try:
+        prompts = _prompts(seed=12)[:4]
+        first = run(llm, prompts)
+        assert run(llm, prompts) == first
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(tensor_parallel_size=3), r"attention heads \(4\) is not divisible by tensor_parallel_size \(3\)"),
+    (dict(tensor_parallel_size=4), r"key/value heads \(2\) is not divisible by tensor_parallel_size \(4\)"),
+    (dict(tensor_parallel_size=2, enable_lora=True), "LoRA adapters do not run with tensor_parallel_size=2"),
+    (dict(tensor_parallel_size=2, speculative_config={"method": "medusa", "model": "x.safetensors",
+                                                     "num_speculative_tokens": 2}),
+     "speculative method 'medusa' does not run with tensor_parallel_size=2"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
+])
+def test_what_does_not_shard_is_refused(tiny_llama: Path, kwargs: dict, message: str) -> None:
+    before = _children()
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        LLM(str(tiny_llama), dtype="float32", **kwargs)
+    assert _children() == before  # the worker processes that did start are gone
+
+
+def test_a_dead_rank_fails_the_next_step_and_shutdown_cleans_up(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), **TP)
+    (worker,) = llm.engine.core.executor.procs
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 died \(exit code -9\)"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=4), use_tqdm=False)
+    llm.shutdown()
+    assert not any(p.is_alive() for p in llm.engine.core.executor.procs)
+
+
+def _children() -> set[int]:
+    tasks = Path(f"/proc/{os.getpid()}/task")
+    pids: set[int] = set()
+    for task in tasks.iterdir():
+        try:
+            pids |= {int(p) for p in (task / "children").read_text().split()}
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return {pid for pid in pids if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()}
