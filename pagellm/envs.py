@@ -32,6 +32,12 @@ def native_decoder() -> bool:
     return os.environ.get("PAGELLM_NATIVE_DECODER", "1") != "0"
 
 
+def tp_shm_comm() -> bool:
+    """``PAGELLM_TP_SHM_COMM``: ``0`` sends the tensor-parallel ranks' all-reduces and all-gathers through gloo (its
+    loopback TCP) instead of shared memory (``pagellm/distributed/shm_comm.py``); default on."""
+    return os.environ.get("PAGELLM_TP_SHM_COMM", "1") != "0"
+
+
 def gemm_amx() -> bool:
     """``PAGELLM_GEMM_AMX``: ``0`` keeps the packed bfloat16 GEMM on its AVX-512 path on CPUs with AMX instead of
     the AMX tile path (``pagellm/ops/gemm.py``); default on."""

@@ -8,7 +8,8 @@ Contract:
   cache for its heads, and runs on its share of the threads. It returns once every rank has loaded, or raises the
   first rank's error.
 - ``execute_model`` broadcasts the step (msgpack, ``distributed/shm_ring.py``) and runs rank 0; all ranks run the
-  same forward pass, meet in the layers' all-reduces and sample alike (the same logits and seeds), so each keeps
+  same forward pass, meet in the layers' all-reduces (through shared memory, ``distributed/shm_comm.py``; gloo
+  with ``PAGELLM_TP_SHM_COMM=0`` or for tensors too large) and sample alike (the same logits and seeds), so each keeps
   the same per-request state; rank 0's output is the step's. ``set_idle`` reaches every rank.
 - A worker process that dies makes the next step raise (``RuntimeError`` naming its exit code), and a collective
   waiting on a dead rank gives up after ``COLLECTIVE_TIMEOUT_S``, so the engine core fails instead of hanging.
@@ -83,11 +84,24 @@ def _leave_group() -> None:
 
 def _build_worker(config: EngineConfig, rank: int, size: int) -> Any:
     from pagellm.distributed.groups import ParallelState
+    from pagellm.distributed.shm_comm import ShmComm
     from pagellm.worker.worker import Worker
 
-    return Worker(config.model_config, config.cache_config, config.speculative_config,
-                  parallel=ParallelState(rank, size), profiler_config=config.profiler_config,
-                  num_threads=threads_per_rank(size))
+    comm = ShmComm.create(rank, size) if envs.tp_shm_comm() else None
+    try:
+        return Worker(config.model_config, config.cache_config, config.speculative_config,
+                      parallel=ParallelState(rank, size, comm), profiler_config=config.profiler_config,
+                      num_threads=threads_per_rank(size))
+    except BaseException:
+        if comm is not None:
+            comm.close()
+        raise
+
+
+def _close_comm(worker: Any) -> None:
+    comm = worker.parallel.comm
+    if comm is not None:
+        comm.close()
 
 
 def _worker_main(config: EngineConfig, rank: int, size: int, port: int, reader: RingReader, pipe: Any) -> None:
@@ -119,6 +133,7 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, reader: 
                 break
     finally:
         worker.shutdown()
+        _close_comm(worker)
         reader.detach()
 
 
@@ -224,6 +239,7 @@ class MultiprocExecutor:
         atexit.unregister(self.shutdown)
         self._stop_workers()
         self.worker.shutdown()
+        _close_comm(self.worker)
         _leave_group()
 
     def _stop_workers(self) -> None:

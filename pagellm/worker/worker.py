@@ -40,6 +40,7 @@ class Worker:
             torch.set_num_threads(threads)
         torch.manual_seed(model_config.seed)
         start = time.perf_counter()
+        self.parallel = parallel
         self.dtype = resolve_dtype(model_config.dtype)
         self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
         _start_kernel_builds(self.dtype, self.kv_dtype, model_config.attention_backend, model_config.quantization)

@@ -112,3 +112,18 @@ def _children() -> set[int]:
         except OSError:  # a thread that ended meanwhile
             pass
     return {pid for pid in pids if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()}
+
+
+def test_the_gloo_twin_gives_the_same_tokens(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The collectives' fast path (shared memory) against its oracle (gloo), end to end."""
+    prompts = _prompts(seed=14)[:5]
+    outputs = []
+    for shm in ("1", "0"):
+        monkeypatch.setenv("PAGELLM_TP_SHM_COMM", shm)
+        llm = LLM(str(tiny_llama), **TP)
+        try:
+            assert (llm.engine.core.executor.worker.parallel.comm is not None) == (shm == "1")
+            outputs.append(run(llm, prompts))
+        finally:
+            llm.shutdown()
+    assert outputs[0] == outputs[1]
