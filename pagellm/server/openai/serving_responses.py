@@ -226,8 +226,8 @@ class _Events:
         if delta.reasoning_content:
             out += self._open(ReasoningItem) + self._delta("response.reasoning_text.delta", delta.reasoning_content)
         lps = _logprobs(piece.logprobs) if self.logprobs else []
-        if delta.content:
-            out += self._open(MessageItem) + self._delta("response.output_text.delta", delta.content, lps)
+        if delta.content or (lps and not delta.tool_calls and not delta.reasoning_content):  # text not out yet
+            out += self._open(MessageItem) + self._delta("response.output_text.delta", delta.content or "", lps)
         for call in delta.tool_calls or []:
             arguments = call.function.arguments or "" if call.function is not None else ""
             if call.id is not None:
