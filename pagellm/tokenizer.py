@@ -150,7 +150,7 @@ def _declares_generic_fast(model_dir: Path) -> bool:
 def load_chat_template(value: str) -> str:
     """A chat template as ``--chat-template`` takes it: the file ``value`` names, else ``value`` itself when it is
     Jinja text; a ``ValueError`` when it is neither or does not parse."""
-    if Path(value).is_file():
+    if _is_file(value):
         text = Path(value).read_text(encoding="utf-8")
     elif "{{" in value or "{%" in value:
         text = value
@@ -164,6 +164,13 @@ def load_chat_template(value: str) -> str:
     except TemplateSyntaxError as exc:
         raise ValueError(f"chat template {value[:60]!r}: line {exc.lineno}: {exc.message}") from None
     return text
+
+
+def _is_file(value: str) -> bool:
+    try:
+        return Path(value).is_file()
+    except OSError:  # a template's text longer than a file name can be (ENAMETOOLONG) is no file
+        return False
 
 
 def _default_template(template: str | dict[str, str] | None) -> str | None:

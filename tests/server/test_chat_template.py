@@ -19,6 +19,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.tokenizer import Tokenizer, load_chat_template
 
 TEMPLATE = ("{% if tools %}{% for t in tools %}(tool {{ t.function.name }}){% endfor %}{% endif %}"
+            "{% if reasoning_effort %}(effort {{ reasoning_effort }}){% endif %}"
             "{% for m in messages %}[{{ m.role }}: {{ m.content }}]{% endfor %}"
             "{% if add_generation_prompt %}>{% endif %}")
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -76,6 +77,15 @@ def test_server_renders_chat_and_tokenize_with_its_template(start_server: Callab
     assert with_tools.usage.prompt_tokens == len(tokenizer.encode("(tool get_weather)" + RENDERED,
                                                                   add_special_tokens=False))
     assert with_tools.choices[0].message.tool_calls is None
+    # reasoning_effort reaches the template (as vLLM passes it to gpt-oss's); OpenAI's platform fields are accepted
+    effort = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, reasoning_effort="high",
+                                            metadata={"team": "a"}, store=False, service_tier="auto",
+                                            prompt_cache_key="k", safety_identifier="u1")
+    assert effort.usage.prompt_tokens == len(tokenizer.encode("(effort high)" + RENDERED, add_special_tokens=False))
+    with pytest.raises(openai.BadRequestError, match="store: true .* is not supported"):
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, store=True)
+    responses = client.responses.create(model="tiny", input=CHAT, max_output_tokens=2, reasoning={"effort": "low"})
+    assert responses.usage.input_tokens == len(tokenizer.encode("(effort low)" + RENDERED, add_special_tokens=False))
     with pytest.raises(openai.BadRequestError, match="each tool must be"):
         client.chat.completions.create(model="tiny", messages=CHAT, tools=[{"type": "function"}], tool_choice="none")
     with pytest.raises(openai.BadRequestError, match="tool_choice 'auto' .* needs a tool-call parser; start the server "

@@ -284,9 +284,19 @@ class ChatCompletionRequest(SamplingRequest):
     add_special_tokens: bool = False  # special tokens added around the rendered template (it writes its own)
     chat_template_kwargs: Optional[dict[str, Any]] = None
     include_reasoning: bool = True  # with --reasoning-parser: false leaves the thinking out of the response
+    reasoning_effort: Optional[Literal["minimal", "low", "medium", "high"]] = None  # to the template, as vLLM does
+    # OpenAI's settings for its own platform (dashboards, storage, billing, routing): accepted, they change nothing
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[Literal["auto", "default"]] = None
+    prompt_cache_key: Optional[str] = None  # the prefix cache needs no hint
+    safety_identifier: Optional[str] = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         found = super().unsupported()
+        if self.store:
+            found.append(("store", "store: true (OpenAI keeping the completion) is not supported; the Responses API "
+                                   "(/v1/responses) stores responses"))
         if self.top_logprobs is not None and not self.logprobs:
             found.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         if self.continue_final_message and self.add_generation_prompt:

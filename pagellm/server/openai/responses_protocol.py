@@ -12,7 +12,8 @@ Contract:
   the previous response's conversation (``history``, for ``previous_response_id``), then the input; function tools
   in the Responses' flat shape become chat tools, ``tool_choice`` ``{"type": "function", "name"}`` a named choice,
   ``text.format`` (``json_schema`` / ``json_object``) a ``response_format``, ``max_output_tokens`` the token limit,
-  ``top_logprobs`` logprobs; vLLM's sampling extensions (``top_k``, ``seed``, ``structured_outputs``, ...) pass on.
+  ``top_logprobs`` logprobs, ``reasoning.effort`` chat's ``reasoning_effort``; vLLM's sampling extensions
+  (``top_k``, ``seed``, ``structured_outputs``, ...) pass on.
 - ``output_items(...)`` builds the reply's items in order: ``reasoning`` (a reasoning parser's thinking), then
   ``message`` (``output_text``, with logprobs when asked), then ``function_call`` items.
 """
@@ -108,8 +109,7 @@ class ResponsesRequest(OpenAIModel):
                         tool_choice=_chat_tool_choice(self.tool_choice), parallel_tool_calls=self.parallel_tool_calls)
         body["response_format"] = _response_format(self.text)
         if self.reasoning and self.reasoning.get("effort") is not None:
-            kwargs = {"reasoning_effort": self.reasoning["effort"], **(self.chat_template_kwargs or {})}
-            body["chat_template_kwargs"] = kwargs
+            body["reasoning_effort"] = self.reasoning["effort"]
         for name in PASSED_ON:
             if name in self.model_fields_set and name not in body:
                 body[name] = getattr(self, name)

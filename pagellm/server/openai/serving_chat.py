@@ -219,10 +219,14 @@ def _chunk(job: _Job, choices: list[ChatChunkChoice], usage: UsageInfo | None = 
 
 
 def _template_kwargs(request: ChatCompletionRequest) -> Optional[dict[str, Any]]:
-    """What the chat template gets besides the messages: ``chat_template_kwargs``, and ``tools`` when sent."""
-    if not request.tools:
+    """What the chat template gets besides the messages: ``chat_template_kwargs``, ``tools`` when sent and
+    ``reasoning_effort`` when set (templates such as gpt-oss's read it)."""
+    extra = {"tools": request.tools} if request.tools else {}
+    if request.reasoning_effort is not None:
+        extra["reasoning_effort"] = request.reasoning_effort
+    if not extra:
         return request.chat_template_kwargs
-    return {**(request.chat_template_kwargs or {}), "tools": request.tools}
+    return {**(request.chat_template_kwargs or {}), **extra}
 
 
 def _choice(job: _Job, index: int, choice: _Choice) -> ChatCompletionChoice:
