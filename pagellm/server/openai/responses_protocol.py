@@ -14,8 +14,8 @@ Contract:
   ``text.format`` (``json_schema`` / ``json_object``) a ``response_format``, ``max_output_tokens`` the token limit,
   ``top_logprobs`` logprobs, ``reasoning.effort`` chat's ``reasoning_effort``; vLLM's sampling extensions
   (``top_k``, ``seed``, ``structured_outputs``, ...) pass on.
-- ``output_items(...)`` builds the reply's items in order: ``reasoning`` (a reasoning parser's thinking), then
-  ``message`` (``output_text``, with logprobs when asked), then ``function_call`` items.
+- The output items (built by ``serving_responses.py``) come in order: ``reasoning`` (a reasoning parser's
+  thinking), then ``message`` (``output_text``, with logprobs when asked), then ``function_call`` items.
 """
 
 from __future__ import annotations
