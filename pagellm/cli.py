@@ -55,10 +55,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                help=f"{field.metadata['help']} (default: {field.default})")
     group.add_argument("--speculative-config", default=None,
                        help='Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    group.add_argument("--kv-transfer-config", default=None,
+                       help='Disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", '
+                            '"kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": "/kv"}}\'')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = [f.name for f in flat_fields() if f.name != "model"] + ["speculative_config"]
+    names = [f.name for f in flat_fields() if f.name != "model"] + ["speculative_config", "kv_transfer_config"]
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
@@ -84,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_args(cmd)
     _add_serve_parser(sub)
     _add_run_batch_parser(sub)
+    proxy = sub.add_parser("disagg-proxy", help="one OpenAI endpoint over a prefill and a decode server that share a "
+                                                "KV store (disaggregated prefill and decode)")
+    proxy.add_argument("--prefill", required=True, metavar="URL", help="the prefill server (kv_producer)")
+    proxy.add_argument("--decode", required=True, metavar="URL", help="the decode server (kv_consumer)")
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=8000)
     _add_bench_parser(sub)
     train_draft.add_parser(sub)
     return parser
@@ -152,6 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("serve", "run-batch"):
         return _serve(args)
+    if args.command == "disagg-proxy":
+        from pagellm.disagg.proxy import run_proxy
+
+        return run_proxy(args.prefill, args.decode, args.host, args.port)
     if args.command == "bench":
         try:
             return args.bench_main(args)

@@ -194,6 +194,54 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
 
 
+KV_CONNECTORS = ("SharedStorageConnector",)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Disaggregated prefill and decode: KV blocks handed between engines (``disagg/connector.py``), vLLM's
+    ``--kv-transfer-config`` JSON: ``{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+    "kv_connector_extra_config": {"shared_storage_path": "/path"}}``. A producer saves its prompts' full blocks; a
+    consumer loads the stored blocks that prefix a new request's prompt instead of computing them."""
+
+    kv_connector: str | None = None
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector is None:
+            return
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_connector {self.kv_connector!r} is not available; use one of "
+                             f"{', '.join(KV_CONNECTORS)}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        path = self.kv_connector_extra_config.get("shared_storage_path")
+        if not isinstance(path, str) or not path:
+            raise ValueError("SharedStorageConnector needs kv_connector_extra_config.shared_storage_path, the folder "
+                             "the engines share")
+
+    @property
+    def saves(self) -> bool:
+        return self.kv_connector is not None and self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def loads(self) -> bool:
+        return self.kv_connector is not None and self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def parse(cls, value: KVTransferConfig | dict | str | None) -> KVTransferConfig:
+        if value is None or isinstance(value, KVTransferConfig):
+            return value or cls()
+        spec = _json_object(value, "kv_transfer_config")
+        unknown = set(spec or {}) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown keys {sorted(unknown)}; use kv_connector, kv_role and "
+                             "kv_connector_extra_config")
+        return cls(**(spec or {}))
+
+
 SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle")
 # Measured with benchmarks/spec_decode.py (docs/speculative.md): n-gram drafts on code stop paying above this batch.
 DISABLE_BY_BATCH_SIZE = 4
@@ -364,6 +412,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
+    kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
         spec = self.speculative_config
@@ -372,6 +421,18 @@ class EngineConfig:
                              "eagle` (only the built-in model has a shipped default head)")
         if self.parallel_config.tensor_parallel_size > 1:
             self._check_tensor_parallel()
+        if self.kv_transfer_config.kv_connector is not None:
+            self._check_kv_transfer()
+
+    def _check_kv_transfer(self) -> None:
+        """What the KV connector cannot hand over is refused, naming the way out."""
+        if not self.cache_config.enable_prefix_caching:
+            raise ValueError("kv_transfer_config needs enable_prefix_caching (stored blocks are found by the prefix "
+                             "cache's block hashes)")
+        if self.parallel_config.tensor_parallel_size > 1 or self.model_config.enable_lora or \
+                self.speculative_config.method not in (None, "ngram"):
+            raise ValueError("kv_transfer_config runs with tensor_parallel_size 1, without LoRA and without "
+                             "draft-model speculation (their KV is not handed over)")
 
     def _check_tensor_parallel(self) -> None:
         """What tensor-parallel ranks do not shard yet is refused, naming the way out."""
@@ -393,6 +454,7 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from flat, vLLM-style keyword arguments (``max_num_seqs=64``, ``dtype="float32"``, ...)."""
         speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
+        kv_transfer = KVTransferConfig.parse(kwargs.pop("kv_transfer_config", None))
         owners = flat_field_owners()
         per_section: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         for key, value in kwargs.items():
@@ -403,7 +465,7 @@ class EngineConfig:
                 raise ValueError(f"unknown engine argument {key!r}{hint}; valid ones: {valid}")
             per_section[owners[key]][key] = value
         sections = {name: _SECTIONS[name](**values) for name, values in per_section.items()}
-        return cls(speculative_config=speculative, **sections)
+        return cls(speculative_config=speculative, kv_transfer_config=kv_transfer, **sections)
 
 
 def flat_field_owners() -> dict[str, str]:

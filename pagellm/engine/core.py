@@ -33,6 +33,10 @@ class EngineCore:
         spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.runtime.num_blocks,
                                    self.runtime.max_model_len, spec.num_lookahead_tokens, spec.disable_by_batch_size)
+        if config.kv_transfer_config.loads:  # a consumer: admission takes stored prompt blocks as hits
+            from pagellm.disagg.connector import StoredBlocks
+
+            self.scheduler.stored = StoredBlocks(self.runtime.kv_store_dir)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         check_prompt(req.prompt_token_ids, self.runtime.max_model_len, self.runtime.vocab_size)

@@ -11,7 +11,7 @@ from pagellm.worker.worker import Worker
 class UniProcExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.worker = Worker(config.model_config, config.cache_config, config.speculative_config,
-                             profiler_config=config.profiler_config)
+                             profiler_config=config.profiler_config, kv_transfer=config.kv_transfer_config)
         self.runtime: RuntimeInfo = self.worker.runtime
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

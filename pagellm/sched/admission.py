@@ -36,13 +36,14 @@ class Admission:
     _native: Any  # sched/native.py's extension module, or None
     _kv_args: tuple
     _lookahead: Callable[[int], int]  # Scheduler's: draft slots to reserve after a step
+    stored: Any  # disagg/connector.StoredBlocks with a KV connector that loads, else None
 
     def _schedule_waiting(self, budget: int, req_ids: list[str], num_scheduled: list[int],
                           new_reqs: list[NewRequestData]) -> int:
         """Admit waiting requests in queue order while budget and ``max_num_seqs`` allow; returns the budget left."""
         waiting, batch, limit = self.waiting, self.running, self.max_num_seqs
         rows = batch.requests
-        if self._native is not None:  # the whole loop in one call (the loop below is its twin)
+        if self._native is not None and self.stored is None:  # the whole loop in one call (the loop below is its twin)
             batch.reserve(min(limit, len(rows) + len(waiting)))
             budget, admitted, queries, hits = self._native.admit_waiting(
                 waiting, budget, limit, self.chunked_prefill, self._step_lookahead, self.max_model_len,
@@ -58,11 +59,11 @@ class Admission:
             got = self._allocate_new(request, budget)
             if got is None:
                 break
-            num_hit, num_new, block_ids, kv_slots, kv_next_full = got
+            num_hit, num_new, block_ids, kv_slots, kv_next_full, loads = got
             waiting.pop()
             new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
-                request.sampling_params, block_ids, num_hit, suppressed_tokens(request),
+                request.sampling_params, block_ids, num_hit, suppressed_tokens(request), *loads,
             ))
             batch.append(request, num_hit + num_new, kv_slots, kv_next_full)
             self._admitted(request, num_hit)
@@ -71,19 +72,28 @@ class Admission:
             budget -= num_new
         return budget
 
-    def _allocate_new(self, request: Request, budget: int) -> tuple[int, int, list[int], int, int] | None:
+    def _allocate_new(self, request: Request, budget: int) -> tuple[int, int, list[int], int, int, tuple] | None:
         """A waiting request's prefix hits and first slots within ``budget``: (tokens hit, tokens to compute now,
-        its block ids, ``slots_and_next_full``), or None when it does not fit this step (the Python twin of the native
-        ``admit_waiting``'s KV part)."""
+        its block ids, ``slots_and_next_full``, the blocks to load from the KV connector's store and their hashes),
+        or None when it does not fit this step (the Python twin of the native ``admit_waiting``'s KV part). Stored
+        blocks that continue the local hits count as hits too: they are loaded, not computed."""
         kv = self.kv
         hit_blocks, num_hit = kv.get_computed_blocks(request)
-        num_new = request.num_tokens - num_hit
+        num_stored = 0
+        if self.stored is not None:
+            first, end = len(hit_blocks), (request.num_tokens - 1) // kv.block_size
+            num_stored = self.stored.count(request.block_hashes[first:end]) * kv.block_size
+        num_new = request.num_tokens - num_hit - num_stored
         if not self.chunked_prefill and num_new > budget:
             return None
         num_new = min(num_new, budget)
-        if kv.allocate_slots(request, 0, num_new, hit_blocks, self._lookahead(num_hit + num_new)) is None:
+        reach = num_hit + num_stored + num_new
+        if kv.allocate_slots(request, 0, num_stored + num_new, hit_blocks, self._lookahead(reach)) is None:
             return None
-        return (num_hit, num_new, kv.block_ids(request.request_id), *kv.slots_and_next_full(request.request_id))
+        block_ids = kv.block_ids(request.request_id)
+        first, end = len(hit_blocks), len(hit_blocks) + num_stored // kv.block_size
+        loads = (block_ids[first:end], list(request.block_hashes[first:end])) if num_stored else ()
+        return (num_hit + num_stored, num_new, block_ids, *kv.slots_and_next_full(request.request_id), loads)
 
     def _admitted(self, request: Request, num_hit: int) -> None:
         """The rest of an admission, once ``request`` is the running batch's last row (the native ``admit_waiting``

@@ -27,6 +27,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     block_ids: list[int]
     num_computed_tokens: int      # tokens already in the KV cache (prefix hits) before this step
     stop_token_ids: list[int] = []  # tokens to suppress while fewer than min_tokens were generated
+    kv_load_block_ids: list[int] = []  # blocks to fill from the KV connector's store before this step runs
+    kv_load_hashes: list[bytes] = []    # their prefix-cache hashes (the stored blocks' names)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -92,6 +92,7 @@ class Scheduler(Intake, Admission):
             # The KV manager's state every native KV call takes, in its order (the objects, not copies).
             self._kv_args = (kv.req_blocks, kv.num_cached_blocks, kv.pool, kv.pool.free_queue, kv.block_size,
                              kv.enable_caching, ROOT_HASH, extend_block_hashes)
+        self.stored = None  # a KV connector's stored blocks (EngineCore sets it): admission loads them as hits
         self.requests: dict[str, Request] = {}
         self.stop_rules = StopRules(max_model_len)
         self._dropped_req_ids: set[str] = set()  # workers must forget these at the next step

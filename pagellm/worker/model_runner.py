@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 from pagellm.attention.base import AttentionBackend, CommonAttentionInputs, forward_context, new_kv_cache
+from pagellm.disagg.connector import KVStore
+from pagellm.kv.hashing import extend_block_hashes
 from pagellm.lora import WorkerAdapters
 from pagellm.metrics.profiler import span
 from pagellm.model.llama import LlamaForCausalLM
@@ -58,6 +60,8 @@ class ModelRunner:
         self.disable_by_batch_size = disable_by_batch_size  # no drafting for steps of more requests than this
         self.adapters = WorkerAdapters(model.cfg, model.model.norm.weight.dtype)
         self._pooling: set[str] = set()  # live pooling requests: steps without any skip looking for them
+        self.kv_store: KVStore | None = None  # a KV connector's store (disaggregated prefill/decode)
+        self.kv_saves = False  # a producer: each prompt's full blocks go to the store once computed
 
     def bind_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         """Allocate one [2, num_blocks, block_size, kv_heads, head_dim] cache per attention layer."""
@@ -71,6 +75,8 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         with span("prepare_inputs"):
             self._apply_deltas(sched)
+            if self.kv_store is not None:
+                self._load_stored(sched)
             if sched.is_empty:
                 return ModelRunnerOutput([], [], [])
             inputs = build_step_inputs(self.states, sched, self.block_size)
@@ -95,10 +101,30 @@ class ModelRunner:
                 self._use_processed_logprobs(raw, processed, inputs, wanted)
             logprobs = self._logprobs(raw, inputs, wanted, sampled) if raw is not None else {}
         pooled = self._pooled(inputs, hidden)
+        if self.kv_saves:
+            self._save_prompts(sched)
         with span("propose"):
             drafts = self._propose(inputs, results, hidden)
         return ModelRunnerOutput.from_rows(inputs.req_ids, sampled, drafts, logprobs,
                                            self._prompt_logprobs(inputs, hidden), pooled)
+
+    def _load_stored(self, sched: SchedulerOutput) -> None:
+        """Fill the blocks the scheduler found in the KV connector's store (before the step reads them)."""
+        for new in sched.new_reqs:
+            if new.kv_load_block_ids:
+                self.kv_store.load(new.kv_load_block_ids, new.kv_load_hashes)  # type: ignore[union-attr]
+
+    def _save_prompts(self, sched: SchedulerOutput) -> None:
+        """Store the full blocks of each prompt whose last chunk ran this step (its K/V are all written now)."""
+        bs = self.block_size
+        for req_id, num_scheduled in zip(sched.req_ids, sched.num_scheduled_tokens):
+            state = self.states[req_id]
+            prompt = state.num_prompt_tokens
+            if state.num_computed_tokens < prompt <= state.num_computed_tokens + num_scheduled and prompt >= bs:
+                full = prompt // bs
+                hashes: list = []
+                extend_block_hashes(hashes, state.token_ids[:full * bs], bs)
+                self.kv_store.save(state.block_ids[:full], hashes)  # type: ignore[union-attr]
 
     def _pooled(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, bytes]:
         """Pooling requests that sample this step (their prompt's last token ran): its final hidden state."""

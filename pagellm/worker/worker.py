@@ -7,13 +7,15 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from pathlib import Path
 
 import torch
 
 from pagellm import envs, native_build
 from pagellm.attention import cpu_paged
 from pagellm.attention.base import get_backend, resolve_kv_dtype
-from pagellm.config import CacheConfig, ModelConfig, ProfilerConfig, SpeculativeConfig
+from pagellm.config import CacheConfig, KVTransferConfig, ModelConfig, ProfilerConfig, SpeculativeConfig
+from pagellm.disagg.connector import KVStore, layout_dir
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.metrics.profiler import Profiler
 from pagellm.model.arch import ArchConfig
@@ -34,7 +36,7 @@ logger = logging.getLogger(__name__)
 class Worker:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, spec_config: SpeculativeConfig,
                  parallel: ParallelState = SINGLE, profiler_config: ProfilerConfig = ProfilerConfig(),
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, kv_transfer: KVTransferConfig = KVTransferConfig()) -> None:
         threads = num_threads or envs.num_threads()  # a tensor-parallel rank: its share
         if threads:
             torch.set_num_threads(threads)
@@ -64,6 +66,7 @@ class Worker:
         self.runner = ModelRunner(model, backend, cache_config.block_size, proposer, model_config.seed,
                                   arch.vocab_size, model_dir, spec_config.disable_by_batch_size)
         self.runner.bind_kv_cache(num_blocks, self.kv_dtype)
+        store_dir = self._bind_kv_store(kv_transfer, model_dir, arch, cache_config.block_size)
         self.prefaulter = KVPrefaulter(self.runner.kv_caches) if cache_config.kv_cache_prefault else None
         self.profiler_config = profiler_config
         self.profiler = Profiler(profiler_config.profiler_dir, profiler_config.profiler_with_stack) \
@@ -77,10 +80,24 @@ class Worker:
                         "on" if decoder_stack.available() and envs.native_decoder() else "off",
                         "on AMX" if flash_amx else "without AMX")
         self.runtime = RuntimeInfo(max_model_len, num_blocks, cache_config.block_size, arch.vocab_size,
-                                   arch.hidden_size, arch.base_model)
+                                   arch.hidden_size, arch.base_model, store_dir)
         logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens (%s)", model_dir,
                     arch.architecture, self.dtype, time.perf_counter() - start, num_blocks, cache_config.block_size,
                     str(self.kv_dtype).removeprefix("torch."))
+
+    def _bind_kv_store(self, kv_transfer: KVTransferConfig, model_dir: Path, arch: ArchConfig,
+                       block_size: int) -> str:
+        """With a KV connector: the runner's store of this model's blocks; returns its folder ("" without one)."""
+        if kv_transfer.kv_connector is None:
+            return ""
+        first = self.runner.kv_caches[0]
+        folder = layout_dir(kv_transfer.kv_connector_extra_config["shared_storage_path"], model_dir, {
+            "architecture": arch.architecture, "layers": len(self.runner.kv_caches), "block_size": block_size,
+            "kv_shape": tuple(first.shape[2:]), "kv_dtype": str(first.dtype)})
+        self.runner.kv_store = KVStore(folder, self.runner.kv_caches)
+        self.runner.kv_saves = kv_transfer.saves
+        logger.info("KV connector %s (%s): blocks in %s", kv_transfer.kv_connector, kv_transfer.kv_role, folder)
+        return str(folder)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)

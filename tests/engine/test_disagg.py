@@ -1,0 +1,61 @@
+"""Disaggregated prefill and decode in-process: a producer engine runs the prompts for one token and stores their
+blocks; a fresh consumer engine loads them as prefix hits (its usage says so) and its greedy tokens equal
+transformers'; a store that holds only some prompts' blocks serves those and computes the rest; what the connector
+cannot hand over is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_parity import _prompts, assert_greedy_parity, run
+
+from pagellm import LLM, SamplingParams
+
+
+def _kv(role: str, path: Path) -> dict:
+    return {"kv_connector": "SharedStorageConnector", "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": str(path)}}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_consumer_loads_what_the_producer_stored_and_decodes_alike(tiny_model_factory, arch: str,
+                                                                       tmp_path: Path) -> None:
+    model_dir = tiny_model_factory(arch)
+    prompts = _prompts(seed=21)
+    producer = LLM(str(model_dir), dtype="float32", kv_transfer_config=_kv("kv_producer", tmp_path))
+    producer.generate(prompts[:6], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    stored = len(list(tmp_path.rglob("*.safetensors")))
+    assert stored == sum(len(p) // 16 for p in prompts[:6])
+    consumer = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=40,
+                   kv_transfer_config=_kv("kv_consumer", tmp_path))
+    outputs = consumer.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                                use_tqdm=False)
+    loaded = [o.num_cached_tokens for o in outputs]
+    assert loaded == [(len(p) - 1) // 16 * 16 for p in prompts[:6]] + [0] * (len(prompts) - 6)
+    assert_greedy_parity(model_dir, prompts, [o.outputs[0].token_ids for o in outputs])
+    assert len(list(tmp_path.rglob("*.safetensors"))) == stored  # a consumer writes nothing
+    kv = consumer.engine.core.scheduler.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks
+
+
+def test_kv_both_stores_and_loads(tiny_llama: Path, tmp_path: Path) -> None:
+    prompts = _prompts(seed=22)[:4]
+    first = LLM(str(tiny_llama), dtype="float32", kv_transfer_config=_kv("kv_both", tmp_path))
+    ours = run(first, prompts)
+    second = LLM(str(tiny_llama), dtype="float32", kv_transfer_config=_kv("kv_both", tmp_path))
+    assert run(second, prompts) == ours and sum(s.prefix_cache_hits for s in second.last_stats) > 0
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(enable_prefix_caching=False), "kv_transfer_config needs enable_prefix_caching"),
+    (dict(tensor_parallel_size=2), "kv_transfer_config runs with tensor_parallel_size 1"),
+    (dict(kv_transfer_config={"kv_connector": "Nope"}), "kv_connector 'Nope' is not available"),
+    (dict(kv_transfer_config={"kv_connector": "SharedStorageConnector"}), "needs kv_connector_extra_config"),
+    (dict(kv_transfer_config='{"kv_role": "kv_producer", "oops": 1}'), r"unknown keys \['oops'\]"),
+])
+def test_what_cannot_be_handed_over_is_refused(tiny_llama: Path, tmp_path: Path, kwargs: dict,
+                                               message: str) -> None:
+    kwargs = {"kv_transfer_config": _kv("kv_both", tmp_path), **kwargs}
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_llama), dtype="float32", **kwargs)
