@@ -4,7 +4,8 @@ Contract:
 - Off by default, and then free: nothing imports OpenTelemetry, no middleware runs, and ``current_context()`` (read
   once per ``generate`` call) returns None.
 - On (``pagellm serve --otlp-traces-endpoint URL``): ``TraceContextMiddleware`` reads the W3C ``traceparent`` /
-  ``tracestate`` headers of each HTTP request into a context variable, ``AsyncLLM`` stores that parent with each
+  ``tracestate`` headers of each HTTP request (``GrpcTraceContext``: the metadata of each gRPC call) into a context
+  variable, ``AsyncLLM`` stores that parent with each
   request it starts, and ``TracingSink`` turns every request that finished (stop or length) into one SERVER span
   from its arrival to its last token, child of that parent, with ``gen_ai.*`` attributes (request id, model,
   sampling parameters, prompt/completion tokens, queue time, time to first token, end-to-end latency).
@@ -15,10 +16,11 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from contextvars import ContextVar
-from typing import Any, Awaitable, Callable, MutableMapping
+from typing import Any, Awaitable, Callable, Iterator, MutableMapping
 
 from pagellm.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
@@ -32,6 +34,25 @@ SPAN_NAME = "llm_request"
 def current_context() -> Any:
     """The OpenTelemetry parent context of the HTTP request being handled (None when tracing is off)."""
     return _PARENT.get()
+
+
+class GrpcTraceContext:
+    """The same for gRPC calls: ``with context.parent(metadata):`` puts a call's ``traceparent`` / ``tracestate``
+    metadata in the context variable while its handler runs."""
+
+    def __init__(self) -> None:
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self._propagator = TraceContextTextMapPropagator()
+
+    @contextlib.contextmanager
+    def parent(self, metadata: Any) -> Iterator[None]:
+        carrier = {key: value for key, value in (metadata or ()) if key in ("traceparent", "tracestate")}
+        token = _PARENT.set(self._propagator.extract(carrier))
+        try:
+            yield
+        finally:
+            _PARENT.reset(token)
 
 
 class TraceContextMiddleware:

@@ -74,7 +74,8 @@ class _Grpc:
                     model_root: Optional[str]) -> None:
         from pagellm.server.grpc.service import add_services, watch_health
 
-        health = add_services(self.server, engine, names, loras, model_root)
+        traced = self.options.otlp_traces_endpoint is not None
+        health = add_services(self.server, engine, names, loras, model_root, traced)
         await self.server.start()
         self.health_task = asyncio.create_task(watch_health(engine, health))
         logger.info("gRPC API (pagellm.v1.Engine) on %s:%d", self.options.host, self.options.grpc_port)

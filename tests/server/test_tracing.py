@@ -1,5 +1,6 @@
 """Traces: ``pagellm serve --otlp-traces-endpoint`` sends one span per request to an in-process OTLP gRPC receiver,
-with the ``gen_ai.*`` attributes and the caller's W3C ``traceparent`` as parent."""
+with the ``gen_ai.*`` attributes and the caller's W3C ``traceparent`` as parent (an HTTP header, or the metadata of a
+call to the gRPC API)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ import httpx
 import pytest
 from metrics_utils import random_prompt
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from server_utils import ServerProcess, wait_until
+from server_utils import ServerProcess, _free_port, wait_until
+
+from pagellm.server.grpc import pagellm_pb2 as pb
+from pagellm.server.grpc import pagellm_pb2_grpc as pb_grpc
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN_ID = "00f067aa0ba902b7"
+GRPC_PARENT_SPAN_ID = "00f067aa0ba902b8"
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -59,17 +64,23 @@ def test_one_span_per_request_with_parent_and_attributes(receiver: tuple[Receive
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     collector, port = receiver
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s rather than 5 s
-    server = start_server(tiny_llama, "--served-model-name", "tiny-traced",
+    grpc_port = _free_port()
+    server = start_server(tiny_llama, "--served-model-name", "tiny-traced", "--grpc-port", str(grpc_port),
                           "--otlp-traces-endpoint", f"http://127.0.0.1:{port}")
     body = {"model": "tiny-traced", "prompt": random_prompt(10, seed=21), "max_tokens": 3, "ignore_eos": True,
             "temperature": 0.5, "top_p": 0.9, "seed": 7}
     traced = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60,
                         headers={"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"}).json()
     plain = httpx.post(f"{server.base_url}/v1/completions", json={**body, "max_tokens": 2}, timeout=60).json()
-    wait_until(lambda: len(collector.spans) >= 2, 30, "two spans")
+    stub = pb_grpc.EngineStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+    list(stub.Generate(pb.GenerateRequest(text="hi", request_id="over-grpc", sampling=pb.SamplingParams(
+        max_tokens=2)), metadata=(("traceparent", f"00-{TRACE_ID}-{GRPC_PARENT_SPAN_ID}-01"),)))
+    wait_until(lambda: len(collector.spans) >= 3, 30, "three spans")
     assert server.stop() == 0
-    assert len(collector.spans) == 2  # one per request, nothing else
+    assert len(collector.spans) == 3  # one per request, nothing else
     by_id = {_attrs(s)["gen_ai.request.id"]: s for s in collector.spans}
+    over_grpc = by_id["over-grpc"]
+    assert over_grpc.trace_id.hex() == TRACE_ID and over_grpc.parent_span_id.hex() == GRPC_PARENT_SPAN_ID
     span, root = by_id[traced["id"]], by_id[plain["id"]]
     assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT_SPAN_ID
     assert root.trace_id.hex() != TRACE_ID and root.parent_span_id == b""

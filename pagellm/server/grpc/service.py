@@ -20,6 +20,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -94,10 +95,15 @@ class EngineService(pb_grpc.EngineServicer):
     """``pagellm.v1.Engine`` (see the module doc)."""
 
     def __init__(self, engine: EngineClient, names: Sequence[str], loras: dict[str, LoRARequest],
-                 model_root: Optional[str]) -> None:
+                 model_root: Optional[str], traced: bool = False) -> None:
         self.serving = OpenAIServing(engine, names, loras)
         self.embedding = OpenAIServingEmbedding(engine, names, loras)
         self.model_root = model_root
+        self.trace_context = None
+        if traced:  # OpenTelemetry is imported only when traces are exported
+            from pagellm.metrics.tracing import GrpcTraceContext
+
+            self.trace_context = GrpcTraceContext()
 
     async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 (gRPC's method names)
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -148,8 +154,15 @@ class EngineService(pb_grpc.EngineServicer):
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request_id or random_id("grpc")
         counts: dict[int, int] = {}
+        traced = self.trace_context.parent(context.invocation_metadata()) if self.trace_context is not None \
+            else contextlib.nullcontext()
         try:
-            async for _, output in self.serving.generate([prompt], params, request_id, priority):
+            with traced:  # the engine reads the caller's trace parent when the request starts
+                outputs = self.serving.generate([prompt], params, request_id, priority)
+                first = await anext(outputs, None)
+            if first is not None:
+                yield _response(request_id, first[1], counts, params.logprobs or 0)
+            async for _, output in outputs:
                 yield _response(request_id, output, counts, params.logprobs or 0)
         except Exception as exc:
             await _fail(context, exc)
@@ -251,11 +264,12 @@ def bind_grpc(host: str, port: int, api_key: Optional[str] = None) -> grpc.aio.S
 
 
 def add_services(server: grpc.aio.Server, engine: EngineClient, names: Sequence[str],
-                 loras: Optional[dict[str, LoRARequest]] = None,
-                 model_root: Optional[str] = None) -> health.aio.HealthServicer:
-    """Serve ``pagellm.v1.Engine``, health and reflection on ``server``; returns the health servicer."""
+                 loras: Optional[dict[str, LoRARequest]] = None, model_root: Optional[str] = None,
+                 traced: bool = False) -> health.aio.HealthServicer:
+    """Serve ``pagellm.v1.Engine``, health and reflection on ``server`` (``traced``: calls' ``traceparent`` metadata
+    parents their requests' spans); returns the health servicer."""
     pb_grpc.add_EngineServicer_to_server(EngineService(engine, names, loras if loras is not None else {},
-                                                       model_root), server)
+                                                       model_root, traced), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
