@@ -181,3 +181,21 @@ def test_what_cannot_be_honoured_is_a_400_that_says_so(thinker_server: ServerPro
                                                         message: str) -> None:
     reply = httpx.post(f"{thinker_server.base_url}/v1/responses", json={"model": "tiny", **fields})
     assert reply.status_code == 400 and message in reply.json()["error"]["message"], reply.text
+
+
+def test_a_stored_responses_input_items_are_listed_page_by_page(client: openai.OpenAI) -> None:
+    response = client.responses.create(model="tiny", max_output_tokens=2, input=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "21C"}])
+    listed = client.responses.input_items.list(response.id, order="asc")
+    kinds = [(item.type, getattr(item, "role", None)) for item in listed.data]
+    assert kinds == [("message", "system"), ("message", "user"), ("function_call", None),
+                     ("function_call_output", None)]
+    assert listed.data[0].content[0].text == "Be brief." and listed.data[3].output == "21C"
+    newest = client.responses.input_items.list(response.id, limit=2)  # OpenAI's default order: newest first
+    assert [item.id for item in newest.data] == [listed.data[3].id, listed.data[2].id] and newest.has_more
+    rest = client.responses.input_items.list(response.id, limit=2, after=newest.data[-1].id)
+    assert [item.id for item in rest.data] == [listed.data[1].id, listed.data[0].id] and not rest.has_more
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")

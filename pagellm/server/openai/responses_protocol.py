@@ -115,6 +115,21 @@ class ResponsesRequest(OpenAIModel):
                 body[name] = getattr(self, name)
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
 
+    def input_items(self) -> list[dict[str, Any]]:
+        """``input`` as the items ``GET /v1/responses/{id}/input_items`` lists: each with an id, messages with their
+        content as parts (call ``input_messages`` first: it checks them)."""
+        raw = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        items = []
+        for item in raw:
+            kind = item.get("type", "message")
+            if kind == "message":
+                content = item["content"]
+                parts = [{"type": "input_text", "text": content}] if isinstance(content, str) else content
+                item = {"type": "message", "role": item["role"], "content": parts, "status": "completed"}
+            prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(kind, "item")
+            items.append({"id": item.get("id") or item_id(prefix), **item})
+        return items
+
     def input_messages(self) -> list[dict[str, Any]]:
         """``input`` as chat messages (consecutive function calls become one assistant turn)."""
         if isinstance(self.input, str):

@@ -28,11 +28,11 @@ import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import anyio
 import msgspec
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -141,6 +141,11 @@ def _responses_router(responses: OpenAIServingResponses, api_key: Optional[str])
     @router.get("/{response_id}")
     async def get_response(response_id: str) -> ResponseObject:
         return responses.get(response_id)
+
+    @router.get("/{response_id}/input_items")
+    async def list_input_items(response_id: str, after: Optional[str] = None, limit: int = Query(20, ge=1, le=100),
+                               order: Literal["asc", "desc"] = "desc") -> dict[str, Any]:
+        return responses.input_items(response_id, after, limit, order)
 
     @router.delete("/{response_id}")
     async def delete_response(response_id: str) -> dict[str, Any]:

@@ -13,9 +13,9 @@ Contract:
   events and ``output_item.done``, and last ``response.completed`` (or ``response.incomplete``) with the whole
   response; an engine error ends the stream with an ``error`` event and ``response.failed``.
 - ``store`` (default true) keeps the response in memory, the newest ``capacity`` of them: ``GET
-  /v1/responses/{id}`` returns it, ``DELETE`` forgets it, and a later request's ``previous_response_id`` continues
-  its conversation (its input and output; its instructions do not carry over, as OpenAI's do not). An unknown id is
-  a 404.
+  /v1/responses/{id}`` returns it, ``GET .../input_items`` pages through its input items, ``DELETE`` forgets it,
+  and a later request's ``previous_response_id`` continues its conversation (its input and output; its
+  instructions do not carry over, as OpenAI's do not). An unknown id is a 404.
 - ``background: true`` answers at once with a ``queued`` response and generates in a task; ``GET`` polls it and
   ``POST /v1/responses/{id}/cancel`` aborts it (``cancelled``, its KV blocks freed); cancelling one that is not a
   running background response is a 400.
@@ -43,6 +43,7 @@ from pagellm.server.openai.serving_chat import OpenAIServingChat, _Job
 class _Stored:
     response: ResponseObject
     history: list[dict[str, Any]]  # the conversation before the output (without instructions)
+    inputs: list[dict[str, Any]] = field(default_factory=list)  # the request's input items, as listed
     task: Optional[asyncio.Task] = None  # a background response's generation while it runs
 
 
@@ -52,6 +53,7 @@ class _ResponseJob:
     chat: _Job
     response: ResponseObject
     history: list[dict[str, Any]] = field(default_factory=list)
+    inputs: list[dict[str, Any]] = field(default_factory=list)
 
 
 class OpenAIServingResponses:
@@ -74,7 +76,7 @@ class OpenAIServingResponses:
         job.request_id = response_id
         status = "queued" if request.background else "in_progress"
         response = ResponseObject.start(request, response_id, job.model, job.created, status)
-        return _ResponseJob(request, job, response, history + request.input_messages())
+        return _ResponseJob(request, job, response, history + request.input_messages(), request.input_items())
 
     async def create(self, rj: _ResponseJob) -> ResponseObject:
         reply = await self.chat.create(rj.chat)
@@ -104,6 +106,19 @@ class OpenAIServingResponses:
 
     def get(self, response_id: str) -> ResponseObject:
         return self._get(response_id, "response_id").response
+
+    def input_items(self, response_id: str, after: Optional[str], limit: int, order: str) -> dict[str, Any]:
+        """A page of the response's input items (OpenAI's cursor list: newest first unless ``order`` is asc)."""
+        items = self._get(response_id, "response_id").inputs
+        items = list(reversed(items)) if order == "desc" else list(items)
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(f"no input item {after!r} in response {response_id}", 400, param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
     def delete(self, response_id: str) -> dict[str, Any]:
         stored = self._get(response_id, "response_id")
@@ -164,7 +179,7 @@ class OpenAIServingResponses:
             return _Stored(rj.response, rj.history)
         stored = self._stored.get(rj.response.id)
         if stored is None:
-            stored = self._stored[rj.response.id] = _Stored(rj.response, rj.history)
+            stored = self._stored[rj.response.id] = _Stored(rj.response, rj.history, rj.inputs)
             while len(self._stored) > self.capacity:
                 self._stored.popitem(last=False)
         return stored
