@@ -33,6 +33,19 @@ class KVTransferConfig:
         if not isinstance(path, str) or not path:
             raise ValueError("SharedStorageConnector needs kv_connector_extra_config.shared_storage_path, the folder "
                              "the engines share")
+        unknown = set(self.kv_connector_extra_config) - {"shared_storage_path", "max_storage_bytes"}
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown keys {sorted(unknown)}; use shared_storage_path "
+                             "and max_storage_bytes")
+        self.max_storage_bytes  # noqa: B018 (checked now, not at the first save)
+
+    @property
+    def max_storage_bytes(self) -> int | None:
+        """The store's size limit (a producer prunes the least recently used blocks past it), or None."""
+        from pagellm.config import parse_size
+
+        value = self.kv_connector_extra_config.get("max_storage_bytes")
+        return None if value is None else parse_size(value, "max_storage_bytes")
 
     @property
     def saves(self) -> bool:

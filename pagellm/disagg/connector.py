@@ -12,17 +12,23 @@ Contract:
   stored (a lookup stops at the first missing one, as a prefix must be unbroken).
 - ``KVStore`` (the worker's side): ``save(block_ids, hashes)`` writes the blocks not stored yet (to a temporary name,
   then renamed: a reader never sees half a file); ``load(block_ids, hashes)`` copies stored blocks into the given
-  blocks of every layer's cache, and raises naming the block when its file is gone or does not fit.
+  blocks of every layer's cache and returns how many it could: a block whose file is gone, damaged or of another
+  layout stops it (a warning names the file), and the runner computes that block and the rest in the same step.
+- With ``max_bytes`` (``kv_connector_extra_config.max_storage_bytes``) a saving store keeps the folder under that
+  size: past it, the least recently used blocks (saved or loaded longest ago) go until 90 % of it is left.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
 
@@ -52,9 +58,34 @@ class StoredBlocks:
 class KVStore:
     """Saves and loads blocks of one worker's KV caches (one ``[2, blocks, block_size, heads, dim]`` per layer)."""
 
-    def __init__(self, folder: Path, kv_caches: list[Any]) -> None:
+    def __init__(self, folder: Path, kv_caches: list[Any], max_bytes: int | None = None) -> None:
         self.folder = folder
         self.kv_caches = kv_caches
+        self.max_bytes = max_bytes
+        self.used = self._scan_bytes() if max_bytes else 0
+
+    def _scan_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.folder.glob("*" + SUFFIX))
+
+    def prune(self) -> int:
+        """Remove the least recently used blocks (oldest modification time: saving or loading a block renews it)
+        until the folder holds at most 90 % of ``max_bytes``; returns how many it removed."""
+        files = []
+        for path in self.folder.glob("*" + SUFFIX):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:  # another engine pruned it meanwhile
+                continue
+            files.append((stat.st_mtime, stat.st_size, path))
+        self.used = sum(size for _, size, _ in files)
+        removed = 0
+        for _, size, path in sorted(files, key=lambda f: f[0]):
+            if self.used <= 0.9 * self.max_bytes:  # type: ignore[operator]
+                break
+            path.unlink(missing_ok=True)
+            self.used -= size
+            removed += 1
+        return removed
 
     def _path(self, block_hash: bytes) -> Path:
         return self.folder / (block_hash.hex() + SUFFIX)
@@ -68,6 +99,7 @@ class KVStore:
         for block_id, block_hash in zip(block_ids, hashes):
             path = self._path(block_hash)
             if path.exists():
+                _renew(path)
                 continue
             rows = torch.stack([cache[:, block_id] for cache in self.kv_caches])
             handle, partial = tempfile.mkstemp(dir=self.folder, suffix=".partial")
@@ -75,22 +107,38 @@ class KVStore:
             save_file({"kv": rows.contiguous()}, partial)
             os.replace(partial, path)
             written += 1
+            self.used += path.stat().st_size
+        if self.max_bytes and self.used > self.max_bytes:
+            self.prune()
         return written
 
-    def load(self, block_ids: Sequence[int], hashes: Sequence[bytes]) -> None:
+    def load(self, block_ids: Sequence[int], hashes: Sequence[bytes]) -> int:
+        """Copy the stored blocks in, in order; returns how many it loaded before one that cannot be (removed or
+        damaged since the scheduler found it, or of another layout: logged), which the caller computes instead."""
         from safetensors import safe_open
 
-        for block_id, block_hash in zip(block_ids, hashes):
+        for index, (block_id, block_hash) in enumerate(zip(block_ids, hashes)):
             path = self._path(block_hash)
             try:
                 with safe_open(str(path), framework="pt") as stored:
                     rows = stored.get_tensor("kv")
-            except (OSError, RuntimeError) as exc:
-                raise RuntimeError(f"stored KV block {path} cannot be read ({exc}); it was found when the request "
-                                   "was scheduled, so something removed or damaged it") from None
+            except (OSError, RuntimeError, ValueError) as exc:
+                logger.warning("stored KV block %s cannot be read (%s): computing it instead", path, exc)
+                return index
             expected = (len(self.kv_caches), *self.kv_caches[0][:, block_id].shape)
             if tuple(rows.shape) != expected or rows.dtype != self.kv_caches[0].dtype:
-                raise RuntimeError(f"stored KV block {path} holds {tuple(rows.shape)} {rows.dtype}, this engine's "
-                                   f"blocks are {expected} {self.kv_caches[0].dtype}")
+                logger.warning("stored KV block %s holds %s %s, this engine's blocks are %s %s: computing it "
+                               "instead", path, tuple(rows.shape), rows.dtype, expected, self.kv_caches[0].dtype)
+                return index
             for layer, cache in enumerate(self.kv_caches):
                 cache[:, block_id].copy_(rows[layer])
+            _renew(path)
+        return len(block_ids)
+
+
+def _renew(path: Path) -> None:
+    """Mark a block as just used (pruning removes the least recently used first)."""
+    try:
+        os.utime(path)
+    except OSError:  # pruned meanwhile: nothing to renew
+        pass

@@ -23,6 +23,7 @@ import logging
 from concurrent.futures import Future
 from pathlib import Path
 
+import msgspec
 import torch
 
 from pagellm.attention.base import AttentionBackend, CommonAttentionInputs, forward_context, new_kv_cache
@@ -76,7 +77,7 @@ class ModelRunner:
         with span("prepare_inputs"):
             self._apply_deltas(sched)
             if self.kv_store is not None:
-                self._load_stored(sched)
+                sched = self._load_stored(sched)
             if sched.is_empty:
                 return ModelRunnerOutput([], [], [])
             inputs = build_step_inputs(self.states, sched, self.block_size)
@@ -108,11 +109,26 @@ class ModelRunner:
         return ModelRunnerOutput.from_rows(inputs.req_ids, sampled, drafts, logprobs,
                                            self._prompt_logprobs(inputs, hidden), pooled)
 
-    def _load_stored(self, sched: SchedulerOutput) -> None:
-        """Fill the blocks the scheduler found in the KV connector's store (before the step reads them)."""
+    def _load_stored(self, sched: SchedulerOutput) -> SchedulerOutput:
+        """Fill the blocks the scheduler found in the KV connector's store (before the step reads them). A block that
+        cannot be loaded is computed, with the ones after it, in this step: the step returns to the scheduler just
+        as planned (the same tokens computed by its end), only longer."""
+        widened: dict[str, int] = {}
         for new in sched.new_reqs:
-            if new.kv_load_block_ids:
-                self.kv_store.load(new.kv_load_block_ids, new.kv_load_hashes)  # type: ignore[union-attr]
+            wanted = new.kv_load_block_ids
+            if wanted:
+                loaded = self.kv_store.load(wanted, new.kv_load_hashes)  # type: ignore[union-attr]
+                if loaded < len(wanted):
+                    state = self.states[new.req_id]
+                    start = state.block_ids.index(wanted[loaded]) * self.block_size
+                    widened[new.req_id] = state.num_computed_tokens - start
+                    state.num_computed_tokens = start
+        if not widened:
+            return sched
+        counts = [n + widened.get(r, 0) for r, n in zip(sched.req_ids, sched.num_scheduled_tokens)]
+        return msgspec.structs.replace(sched, num_scheduled_tokens=counts,
+                                       total_num_scheduled_tokens=sched.total_num_scheduled_tokens + sum(
+                                           widened.values()))
 
     def _save_prompts(self, sched: SchedulerOutput) -> None:
         """Store the full blocks of each prompt whose last chunk ran this step (its K/V are all written now)."""

@@ -94,7 +94,7 @@ class Worker:
         folder = layout_dir(kv_transfer.kv_connector_extra_config["shared_storage_path"], model_dir, {
             "architecture": arch.architecture, "layers": len(self.runner.kv_caches), "block_size": block_size,
             "kv_shape": tuple(first.shape[2:]), "kv_dtype": str(first.dtype)})
-        self.runner.kv_store = KVStore(folder, self.runner.kv_caches)
+        self.runner.kv_store = KVStore(folder, self.runner.kv_caches, kv_transfer.max_storage_bytes)
         self.runner.kv_saves = kv_transfer.saves
         logger.info("KV connector %s (%s): blocks in %s", kv_transfer.kv_connector, kv_transfer.kv_role, folder)
         return str(folder)

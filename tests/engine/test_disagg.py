@@ -39,6 +39,32 @@ def test_the_consumer_loads_what_the_producer_stored_and_decodes_alike(tiny_mode
     assert kv.num_free_blocks == kv.pool.num_blocks
 
 
+def test_a_block_removed_after_the_lookup_is_computed_instead(tiny_llama: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    from pagellm.disagg.connector import StoredBlocks
+
+    prompts = _prompts(seed=23)[4:8]  # 48 to 121 tokens: several blocks each
+    producer = LLM(str(tiny_llama), dtype="float32", kv_transfer_config=_kv("kv_producer", tmp_path))
+    producer.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    consumer = LLM(str(tiny_llama), dtype="float32", kv_transfer_config=_kv("kv_consumer", tmp_path))
+    count = StoredBlocks.count
+
+    def count_then_remove(self: StoredBlocks, hashes: list) -> int:  # the race: found, then gone before the load
+        found = count(self, hashes)
+        if found > 1:
+            (Path(self.folder) / (hashes[1].hex() + ".safetensors")).unlink()
+        return found
+
+    monkeypatch.setattr(StoredBlocks, "count", count_then_remove)
+    outputs = consumer.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                                use_tqdm=False)
+    assert_greedy_parity(tiny_llama, prompts, [o.outputs[0].token_ids for o in outputs])
+    assert "cannot be read" in caplog.text  # (a prompt looked up twice finds the hole the second time)
+    kv = consumer.engine.core.scheduler.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks
+
+
 def test_kv_both_stores_and_loads(tiny_llama: Path, tmp_path: Path) -> None:
     prompts = _prompts(seed=22)[:4]
     first = LLM(str(tiny_llama), dtype="float32", kv_transfer_config=_kv("kv_both", tmp_path))
@@ -53,6 +79,8 @@ def test_kv_both_stores_and_loads(tiny_llama: Path, tmp_path: Path) -> None:
     (dict(kv_transfer_config={"kv_connector": "Nope"}), "kv_connector 'Nope' is not available"),
     (dict(kv_transfer_config={"kv_connector": "SharedStorageConnector"}), "needs kv_connector_extra_config"),
     (dict(kv_transfer_config='{"kv_role": "kv_producer", "oops": 1}'), r"unknown keys \['oops'\]"),
+    (dict(kv_transfer_config={"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": {
+        "shared_storage_path": "/tmp/x", "max_storage_bytes": "lots"}}), "'lots' is not a size"),
 ])
 def test_what_cannot_be_handed_over_is_refused(tiny_llama: Path, tmp_path: Path, kwargs: dict,
                                                message: str) -> None:
