@@ -136,6 +136,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None  # filled by the frontend from ``bad_words``
     allowed_token_ids: list[int] | None = None
+    # Predicted output (OpenAI's ``prediction``): the tokens the reply is expected to repeat; with n-gram speculation
+    # they are drafted first (spec/ngram.py), and verification keeps the output exactly what it would be without.
+    prediction_token_ids: list[int] | None = None
     best_of: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     # An embedding request (``LLM.embed``, ``/v1/embeddings``): the engine also returns the final hidden state of
@@ -194,7 +197,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         begin_after = self.structured_outputs.begin_after if self.structured_outputs is not None else None
         for name, ids in (("logit_bias", list(self.logit_bias or {})), ("allowed_token_ids",
                           self.allowed_token_ids or []), ("stop_token_ids", self.stop_token_ids or []),
-                          ("structured_outputs.begin_after", begin_after or [])):
+                          ("structured_outputs.begin_after", begin_after or []),
+                          ("prediction", self.prediction_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad[:5]}.")

@@ -2,7 +2,12 @@
 (longest n first) and propose the tokens that followed it. No model, no extra weights; drafts are point masses.
 
 Long contexts: the search for each n is one vectorised comparison over a sliding-window view (no copy), and
-only the trailing ``max_window`` tokens are searched, so a step costs O(window) whatever the context length."""
+only the trailing ``max_window`` tokens are searched, so a step costs O(window) whatever the context length.
+
+A request with a predicted output (``SamplingParams.prediction_token_ids``, OpenAI's ``prediction``) drafts from it
+first: its first tokens before any output exists, then what follows a place where the prediction holds the output's
+last n tokens (longest n first, down to one token; of several places, the one nearest where an unedited copy would
+be); only where the prediction has nothing to offer does the context's own lookup draft."""
 
 from __future__ import annotations
 
@@ -22,7 +27,25 @@ class NgramProposer:
         self.max_window = max_window
 
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Draft]:
-        return [Draft(self.propose_one(r.token_ids, r.max_tokens)) for r in requests]
+        return [Draft(self._from_prediction(r) or self.propose_one(r.token_ids, r.max_tokens)) for r in requests]
+
+    def _from_prediction(self, request: ProposalRequest) -> list[int]:
+        predicted = request.sampling_params.prediction_token_ids
+        k = min(self.num_lookahead_tokens, request.max_tokens)
+        if not predicted or k <= 0:
+            return []
+        if request.num_output_tokens == 0:
+            return list(predicted[:k])
+        output = request.token_ids[len(request.token_ids) - request.num_output_tokens:]
+        corpus = np.asarray(list(predicted) + [-1], dtype=np.int64)  # -1: the window may end at the last token
+        tail = np.asarray(output[-self.max_n:], dtype=np.int64)
+        for n in range(min(self.max_n, len(tail), len(predicted)), 0, -1):
+            windows = sliding_window_view(corpus[:-1], n)
+            hits = np.flatnonzero((windows == tail[-n:]).all(axis=1))
+            if len(hits):  # where several places match, the one nearest where an unedited copy would be
+                start = int(hits[np.argmin(np.abs(hits + n - len(output)))]) + n
+                return list(predicted[start:start + k])
+        return []
 
     def release(self, req_ids: Sequence[str]) -> None:
         pass

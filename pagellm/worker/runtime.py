@@ -16,3 +16,4 @@ class RuntimeInfo:
     hidden_size: int = 0  # the width of the hidden states (embeddings)
     pooling_only: bool = False  # a base-model checkpoint (no LM head): embedding requests only
     kv_store_dir: str = ""  # with a KV connector: the folder of this model's stored blocks (disagg/connector.py)
+    speculative_method: str = ""  # the proposer the workers draft with ("" without speculation)

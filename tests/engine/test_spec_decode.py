@@ -251,3 +251,24 @@ def test_medusa_greedy_identical(tiny_llama: Path, plain: LLM, medusa_file: Path
     sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)
     assert all(len(t) == 12 for t in _run(llm, prompts, sampled))
     assert_no_leaks(llm)
+
+
+def test_a_predicted_output_is_drafted_first_and_changes_nothing_but_the_steps(tiny_llama: Path) -> None:
+    """OpenAI's predicted outputs: the reply is expected to repeat most of a text (an edit of it); drafting from it
+    cuts the steps, and verification keeps every token what it would be without it, whatever the prediction."""
+    llm = LLM(str(tiny_llama), dtype="float32", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 6, "disable_by_batch_size": None})
+    greedy = dict(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def run_with(prediction: list[int] | None) -> tuple[list[int], int, int]:
+        out = llm.generate(["Edit this:"], SamplingParams(**greedy, prediction_token_ids=prediction),
+                           use_tqdm=False)[0].outputs[0].token_ids
+        accepted = sum(s.spec_decoding.num_accepted_tokens for s in llm.last_stats if s.spec_decoding is not None)
+        return out, accepted, len(llm.last_stats)
+
+    plain, plain_accepted, plain_steps = run_with(None)
+    edited = plain[:15] + [5, 6] + plain[15:]  # the model's own reply with two tokens inserted
+    tokens, accepted, steps = run_with(edited)
+    assert tokens == plain and accepted > plain_accepted and steps < plain_steps / 2
+    wrong = list(range(100, 140))
+    assert run_with(wrong)[0] == plain

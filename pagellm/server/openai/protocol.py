@@ -285,6 +285,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     include_reasoning: bool = True  # with --reasoning-parser: false leaves the thinking out of the response
     reasoning_effort: Optional[Literal["minimal", "low", "medium", "high"]] = None  # to the template, as vLLM does
+    prediction: Optional[dict[str, Any]] = None  # OpenAI's predicted output: drafted first with n-gram speculation
     # OpenAI's settings for its own platform (dashboards, storage, billing, routing): accepted, they change nothing
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None

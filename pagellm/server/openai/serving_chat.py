@@ -100,6 +100,8 @@ class OpenAIServingChat(OpenAIServing):
             continue_final_message=request.continue_final_message, add_special_tokens=request.add_special_tokens),
             request.truncate_prompt_tokens)
         parser = self.tool_parser if tooling.is_auto(request.tools, request.tool_choice) else None
+        if request.prediction is not None:
+            params.prediction_token_ids = self._prediction(request.prediction)
         reasoning, closed = self.reasoning_parser, False
         if reasoning is not None:
             closed = closed_in_prompt(self.tokenizer.decode(prompt[-16:], skip_special_tokens=False))
@@ -108,6 +110,21 @@ class OpenAIServingChat(OpenAIServing):
                                                                     begin_after=self.think_end)
         return _Job(request, random_id("chatcmpl"), model, self.check_prompt(prompt), params, parser, reasoning,
                     closed)
+
+    def _prediction(self, prediction: dict[str, Any]) -> list[int]:
+        """OpenAI's ``prediction`` (``{"type": "content", "content": text or text parts}``) as token ids to draft."""
+        if self.engine.runtime.speculative_method != "ngram":
+            raise APIError("prediction is drafted by n-gram speculation: start the server with --speculative-config "
+                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 8}'", 400, param="prediction",
+                           code="unsupported_parameter")
+        content = prediction.get("content")
+        parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
+        if prediction.get("type") != "content" or not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+            raise APIError("prediction must be {'type': 'content', 'content': text or a list of text parts}", 400,
+                           param="prediction")
+        content = "".join(p["text"] for p in parts)
+        return self.tokenizer.encode(content, add_special_tokens=False)
 
     async def create(self, job: _Job) -> ChatCompletionResponse:
         choices: dict[int, _Choice] = {}
