@@ -23,12 +23,10 @@ import logging
 from concurrent.futures import Future
 from pathlib import Path
 
-import msgspec
 import torch
 
 from pagellm.attention.base import AttentionBackend, CommonAttentionInputs, forward_context, new_kv_cache
 from pagellm.disagg.connector import KVStore
-from pagellm.kv.hashing import extend_block_hashes
 from pagellm.lora import WorkerAdapters
 from pagellm.metrics.profiler import span
 from pagellm.model.llama import LlamaForCausalLM
@@ -40,6 +38,7 @@ from pagellm.spec.base import Draft, ProposalRequest, Proposer
 from pagellm.spec.tree import compact_kv, place_trees
 from pagellm.spec.verify import DraftedRow, Verified, verify
 from pagellm.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
+from pagellm.worker.kv_transfer import load_stored, save_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +76,7 @@ class ModelRunner:
         with span("prepare_inputs"):
             self._apply_deltas(sched)
             if self.kv_store is not None:
-                sched = self._load_stored(sched)
+                sched = load_stored(self.kv_store, sched, self.states, self.block_size)
             if sched.is_empty:
                 return ModelRunnerOutput([], [], [])
             inputs = build_step_inputs(self.states, sched, self.block_size)
@@ -103,44 +102,11 @@ class ModelRunner:
             logprobs = self._logprobs(raw, inputs, wanted, sampled) if raw is not None else {}
         pooled = self._pooled(inputs, hidden)
         if self.kv_saves:
-            self._save_prompts(sched)
+            save_prompts(self.kv_store, sched, self.states, self.block_size)  # type: ignore[arg-type]
         with span("propose"):
             drafts = self._propose(inputs, results, hidden)
         return ModelRunnerOutput.from_rows(inputs.req_ids, sampled, drafts, logprobs,
                                            self._prompt_logprobs(inputs, hidden), pooled)
-
-    def _load_stored(self, sched: SchedulerOutput) -> SchedulerOutput:
-        """Fill the blocks the scheduler found in the KV connector's store (before the step reads them). A block that
-        cannot be loaded is computed, with the ones after it, in this step: the step returns to the scheduler just
-        as planned (the same tokens computed by its end), only longer."""
-        widened: dict[str, int] = {}
-        for new in sched.new_reqs:
-            wanted = new.kv_load_block_ids
-            if wanted:
-                loaded = self.kv_store.load(wanted, new.kv_load_hashes)  # type: ignore[union-attr]
-                if loaded < len(wanted):
-                    state = self.states[new.req_id]
-                    start = state.block_ids.index(wanted[loaded]) * self.block_size
-                    widened[new.req_id] = state.num_computed_tokens - start
-                    state.num_computed_tokens = start
-        if not widened:
-            return sched
-        counts = [n + widened.get(r, 0) for r, n in zip(sched.req_ids, sched.num_scheduled_tokens)]
-        return msgspec.structs.replace(sched, num_scheduled_tokens=counts,
-                                       total_num_scheduled_tokens=sched.total_num_scheduled_tokens + sum(
-                                           widened.values()))
-
-    def _save_prompts(self, sched: SchedulerOutput) -> None:
-        """Store the full blocks of each prompt whose last chunk ran this step (its K/V are all written now)."""
-        bs = self.block_size
-        for req_id, num_scheduled in zip(sched.req_ids, sched.num_scheduled_tokens):
-            state = self.states[req_id]
-            prompt = state.num_prompt_tokens
-            if state.num_computed_tokens < prompt <= state.num_computed_tokens + num_scheduled and prompt >= bs:
-                full = prompt // bs
-                hashes: list = []
-                extend_block_hashes(hashes, state.token_ids[:full * bs], bs)
-                self.kv_store.save(state.block_ids[:full], hashes)  # type: ignore[union-attr]
 
     def _pooled(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, bytes]:
         """Pooling requests that sample this step (their prompt's last token ran): its final hidden state."""
