@@ -12,7 +12,6 @@ import argparse
 import json
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,27 +20,18 @@ from pathlib import Path
 
 import httpx
 
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import free_port, wait_ready  # noqa: E402  (the side-by-side harness's server helpers)
 
 
 def _serve(model: list[str], extra: list[str]) -> tuple[subprocess.Popen, str]:
-    port = _port()
+    port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "pagellm.cli", "serve", *model, "--port", str(port),
                                 "--disable-log-stats", "--no-kv-cache-prefault", *extra],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return process, base
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise RuntimeError("a server did not start")
+    wait_ready(base, process, 300)
+    return process, base
 
 
 def _ttft(base: str, prompt: list[int], output_len: int) -> tuple[float, int]:

@@ -14,23 +14,20 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import aiohttp
 import grpc
-import httpx
 
-from pagellm.server.grpc import pagellm_pb2 as pb
-from pagellm.server.grpc import pagellm_pb2_grpc as pb_grpc
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import free_port, wait_ready  # noqa: E402  (the side-by-side harness's server helpers)
 
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from pagellm.server.grpc import pagellm_pb2 as pb  # noqa: E402
+from pagellm.server.grpc import pagellm_pb2_grpc as pb_grpc  # noqa: E402
 
 
 async def _http(base: str, prompts: list[list[int]], output_len: int, concurrency: int) -> list[tuple[float, list]]:
@@ -81,19 +78,13 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    http_port, grpc_port = _port(), _port()
+    http_port, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "pagellm.cli", "serve", *([args.model] if args.model else []), "--port",
            str(http_port), "--grpc-port", str(grpc_port), "--disable-log-stats"]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{http_port}"
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_ready(base, server, 300)
         rng = random.Random(0)
         for round_ in range(args.rounds):
             for name in ("http", "grpc"):

@@ -375,18 +375,9 @@ class EngineConfig:
                              "eagle` (only the built-in model has a shipped default head)")
         if self.parallel_config.tensor_parallel_size > 1:
             self._check_tensor_parallel()
-        if self.kv_transfer_config.kv_connector is not None:
-            self._check_kv_transfer()
-
-    def _check_kv_transfer(self) -> None:
-        """What the KV connector cannot hand over is refused, naming the way out."""
-        if not self.cache_config.enable_prefix_caching:
-            raise ValueError("kv_transfer_config needs enable_prefix_caching (stored blocks are found by the prefix "
-                             "cache's block hashes)")
-        if self.parallel_config.tensor_parallel_size > 1 or self.model_config.enable_lora or \
-                self.speculative_config.method not in (None, "ngram"):
-            raise ValueError("kv_transfer_config runs with tensor_parallel_size 1, without LoRA and without "
-                             "draft-model speculation (their KV is not handed over)")
+        self.kv_transfer_config.check_engine(self.cache_config.enable_prefix_caching,
+                                             self.parallel_config.tensor_parallel_size, self.model_config.enable_lora,
+                                             self.speculative_config.method)
 
     def _check_tensor_parallel(self) -> None:
         """What tensor-parallel ranks do not shard yet is refused, naming the way out."""

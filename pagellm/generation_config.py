@@ -17,6 +17,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pagellm.sampling_params import SamplingParams
+
 if TYPE_CHECKING:
     from pagellm.config import ModelConfig
 
@@ -67,10 +69,20 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def _check_values(defaults: dict[str, Any], where: Path | str) -> None:
-    from pagellm.sampling_params import SamplingParams
-
     try:
         SamplingParams(**defaults)  # validates in __post_init__
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where} sets sampling defaults pagellm cannot use ({exc}); fix it, or pass "
                          "--generation-config vllm to leave the file out") from None
+
+
+# The sampling fields a request may leave unset: the server's default for them (``sampling_defaults``), else
+# ``SamplingParams``' own (OpenAI's).
+DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty")
+_NEUTRAL = SamplingParams()
+
+
+def unset_default(name: str, defaults: dict[str, Any] | None) -> Any:
+    """The value of a sampling field a request left unset."""
+    return (defaults or {}).get(name, getattr(_NEUTRAL, name))

@@ -144,6 +144,7 @@ class MultiprocExecutor:
         port = _free_port()
         self.ring = ShmRing(size - 1, ctx)
         self.pipes, self.procs = [], []
+        self._started: dict[int, RuntimeInfo] = {}  # ranks whose runtime came while rank 0 was still joining
         for rank in range(1, size):
             parent, child = ctx.Pipe()
             process = ctx.Process(target=_worker_main, name=f"pagellm-tp{rank}", daemon=True,
@@ -181,8 +182,8 @@ class MultiprocExecutor:
         while thread.is_alive():
             thread.join(0.1)
             for rank, (pipe, process) in enumerate(zip(self.pipes, self.procs), start=1):
-                if pipe.poll():  # before joining, a rank writes only to report its failure
-                    self._raise_start_error(rank, pipe, process)
+                if rank not in self._started and pipe.poll():  # a failure (or, once joined, already its runtime)
+                    self._started[rank] = self._receive_start(rank, pipe, process)
                 if not process.is_alive():
                     raise RuntimeError(f"tensor-parallel rank {rank} died while starting (exit code "
                                        f"{process.exitcode})")
@@ -190,25 +191,24 @@ class MultiprocExecutor:
             raise joined[0]
 
     @staticmethod
-    def _raise_start_error(rank: int, pipe: Any, process: Any) -> None:
+    def _receive_start(rank: int, pipe: Any, process: Any) -> RuntimeInfo:
+        """A rank's start-up report: its runtime, or the error it failed with (raised)."""
         try:
             kind, value = pipe.recv()
         except EOFError:
             raise RuntimeError(f"tensor-parallel rank {rank} died while starting (exit code "
                                f"{process.exitcode})") from None
-        raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {value}")
+        if kind == "error":
+            raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {value}")
+        return value
 
     def _wait_ready(self) -> None:
         for rank, (pipe, process) in enumerate(zip(self.pipes, self.procs), start=1):
-            if not pipe.poll(_START_TIMEOUT_S):
-                raise RuntimeError(f"tensor-parallel rank {rank} did not start within {_START_TIMEOUT_S}s")
-            try:
-                kind, value = pipe.recv()
-            except EOFError:
-                raise RuntimeError(f"tensor-parallel rank {rank} died while starting (exit code "
-                                   f"{process.exitcode})") from None
-            if kind == "error":
-                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {value}")
+            value = self._started.get(rank)
+            if value is None:
+                if not pipe.poll(_START_TIMEOUT_S):
+                    raise RuntimeError(f"tensor-parallel rank {rank} did not start within {_START_TIMEOUT_S}s")
+                value = self._receive_start(rank, pipe, process)
             if value != self.worker.runtime:
                 raise RuntimeError(f"tensor-parallel rank {rank} found {value}, rank 0 {self.worker.runtime}")
 

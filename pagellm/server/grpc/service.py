@@ -33,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 
 import pagellm
 from pagellm.engine.exceptions import EngineDeadError
+from pagellm.generation_config import DEFAULTED_FIELDS, unset_default
 from pagellm.lora import LoRARequest
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -48,9 +49,6 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Engine"].full_name
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
            404: grpc.StatusCode.NOT_FOUND, 409: grpc.StatusCode.FAILED_PRECONDITION,
            503: grpc.StatusCode.UNAVAILABLE}
-_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-_NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
-            "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
@@ -59,11 +57,10 @@ async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     await context.abort(_STATUS.get(error.status, grpc.StatusCode.INTERNAL), error.message)
 
 
-def sampling_params(msg: pb.SamplingParams, defaults: dict[str, Any],
-                    lora: Optional[LoRARequest] = None) -> SamplingParams:
+def sampling_params(msg: pb.SamplingParams, defaults: dict[str, Any]) -> SamplingParams:
     """The proto's sampling fields as ``SamplingParams`` (unset ones: the model's defaults, else the neutral ones)."""
-    kwargs: dict[str, Any] = {name: getattr(msg, name) if msg.HasField(name) else defaults.get(name, _NEUTRAL[name])
-                              for name in _OPTIONAL}
+    kwargs: dict[str, Any] = {name: getattr(msg, name) if msg.HasField(name) else unset_default(name, defaults)
+                              for name in DEFAULTED_FIELDS}
     if msg.HasField("max_tokens"):
         kwargs["max_tokens"] = msg.max_tokens
     elif defaults.get("max_tokens") is not None:
@@ -74,8 +71,7 @@ def sampling_params(msg: pb.SamplingParams, defaults: dict[str, Any],
     return SamplingParams(
         **kwargs, n=msg.n or 1, stop=list(msg.stop) or None, stop_token_ids=list(msg.stop_token_ids) or None,
         min_tokens=msg.min_tokens, ignore_eos=msg.ignore_eos, logit_bias=dict(msg.logit_bias) or None,
-        include_stop_str_in_output=msg.include_stop_str_in_output, structured_outputs=_constraint(msg),
-        lora_request=lora)
+        include_stop_str_in_output=msg.include_stop_str_in_output, structured_outputs=_constraint(msg))
 
 
 def _constraint(msg: pb.SamplingParams) -> Optional[StructuredOutputsParams]:
@@ -142,13 +138,7 @@ class EngineService(pb_grpc.EngineServicer):
         name = self.serving.check_model(model or None)
         if self.serving.engine.runtime.pooling_only:
             raise ValueError("this model serves embeddings only: call Embed")
-        params = sampling_params(sampling, self.serving.sampling_defaults, self.serving.loras.get(name))
-        params.check_token_ids(self.serving.vocab_size)
-        if params.structured_outputs is not None:
-            from pagellm.sample.structured import validate
-
-            validate(params.structured_outputs)
-        return params
+        return self.serving.check_params(name, sampling_params(sampling, self.serving.sampling_defaults))
 
     async def _stream(self, prompt: list[int], params: SamplingParams, request_id: str, priority: int,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -188,11 +178,11 @@ class EngineService(pb_grpc.EngineServicer):
 
     async def Detokenize(self, request: pb.DetokenizeRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
-        bad = [t for t in request.token_ids if t >= self.serving.vocab_size]
-        if bad:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token ids must be in [0, {self.serving.vocab_size}); got {bad[0]}")
-        return pb.DetokenizeResponse(text=self.serving.tokenizer.decode(list(request.token_ids)))
+        try:
+            text = self.serving.detokenize(request.token_ids)
+        except Exception as exc:
+            await _fail(context, exc)
+        return pb.DetokenizeResponse(text=text)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,  # noqa: N802
                            context: grpc.aio.ServicerContext) -> pb.ModelInfo:

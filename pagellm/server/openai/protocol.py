@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagellm.generation_config import unset_default
 from pagellm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from pagellm.server.openai import tools as tooling
 
@@ -126,16 +127,16 @@ class SamplingRequest(OpenAIModel):
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], best_of: Optional[int] = None,
                         prompt_logprobs: Optional[int] = None, defaults: Optional[dict[str, Any]] = None
                         ) -> SamplingParams:
-        def pick(name: str, neutral: Any) -> Any:  # the request's value, else the server's default, else OpenAI's
+        def pick(name: str) -> Any:  # the request's value, else the server's default, else OpenAI's
             value = getattr(self, name)
-            return value if value is not None else (defaults or {}).get(name, neutral)
+            return value if value is not None else unset_default(name, defaults)
 
         return SamplingParams(
             n=self.n,
-            temperature=pick("temperature", 1.0),
-            top_p=pick("top_p", 1.0),
-            top_k=pick("top_k", 0),
-            min_p=pick("min_p", 0.0),
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
             seed=self.seed,
             max_tokens=max_tokens if max_tokens is not None else (defaults or {}).get("max_tokens"),
             min_tokens=self.min_tokens,
@@ -147,9 +148,9 @@ class SamplingRequest(OpenAIModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
-            presence_penalty=pick("presence_penalty", 0.0),
-            frequency_penalty=pick("frequency_penalty", 0.0),
-            repetition_penalty=pick("repetition_penalty", 1.0),
+            presence_penalty=pick("presence_penalty"),
+            frequency_penalty=pick("frequency_penalty"),
+            repetition_penalty=pick("repetition_penalty"),
             logit_bias=self._logit_bias(),
             bad_words=self.bad_words or None,
             allowed_token_ids=self.allowed_token_ids,

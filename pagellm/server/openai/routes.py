@@ -192,10 +192,7 @@ def _admin_router(engine: EngineClient, model_names: Sequence[str]) -> APIRouter
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         serving.check_model(body.model)
-        bad = [t for t in body.tokens if t >= serving.vocab_size]
-        if bad:
-            raise APIError(f"token ids must be in [0, {serving.vocab_size}); got {bad[0]}", 400, param="tokens")
-        return DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=serving.detokenize(body.tokens))
 
     return router
 

@@ -197,7 +197,9 @@ def _piece(job: _Job, index: int, choice: _Choice, text: str) -> Optional[ChatCh
 
 def _think(job: _Job, index: int, text: str, finish: Optional[str]) -> tuple[str, str]:
     """A streamed piece split into thinking and answer (all that was held, once the choice finishes)."""
-    stream = job.thinking.setdefault(index, job.thoughts())
+    stream = job.thinking.get(index)
+    if stream is None:
+        stream = job.thinking[index] = job.thoughts()
     thinking, answer = stream.feed(text)
     if finish:
         more_thinking, more_answer = stream.finish()

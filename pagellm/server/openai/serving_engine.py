@@ -128,15 +128,25 @@ class OpenAIServing:
         for name, why in request.unsupported():
             raise APIError(why, 400, param=name, code="unsupported_parameter")
         params: SamplingParams = request.to_sampling_params(self.sampling_defaults)  # type: ignore[attr-defined]
+        return model, self.check_params(model, params)
+
+    def check_params(self, model: str, params: SamplingParams) -> SamplingParams:
+        """``params`` with the served model's LoRA adapter, once its token ids and structured-output constraint are
+        checked (here too, though the engine checks again, so a stream never starts for a request that must fail)."""
         if model in self.loras:
             params.lora_request = self.loras[model]
-        # Checked here too (the engine checks again) so a stream never starts for a request that must fail.
         params.check_token_ids(self.vocab_size)
         if params.structured_outputs is not None:
             from pagellm.sample.structured import validate
 
             validate(params.structured_outputs)
-        return model, params
+        return params
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        bad = [t for t in token_ids if t >= self.vocab_size]
+        if bad:
+            raise APIError(f"token ids must be in [0, {self.vocab_size}); got {bad[0]}", 400, param="tokens")
+        return self.tokenizer.decode(list(token_ids))
 
     def tokenize_prompts(self, raw: Any, add_special_tokens: bool, keep: Optional[int],
                          field: str) -> list[tuple[Any, list[int], bool]]:

@@ -83,7 +83,7 @@ class OpenAIServingResponses:
         (choice,) = reply.choices
         rj.response.output = _items(choice, rj.request.wants_logprobs)
         self._finish(rj, choice.finish_reason, reply.usage.prompt_tokens, reply.usage.completion_tokens,
-                     _cached(reply.usage))
+                     reply.usage.prompt_tokens_details.cached_tokens)  # type: ignore[union-attr]  # always set
         self._keep(rj)
         return rj.response
 
@@ -190,11 +190,6 @@ class OpenAIServingResponses:
             raise APIError(f"no stored response with id {response_id!r} (responses are kept when sent with store: "
                            f"true, the newest {self.capacity})", 404, param=param, code="response_not_found")
         return stored
-
-
-def _cached(usage: Any) -> int:
-    details = getattr(usage, "prompt_tokens_details", None)
-    return getattr(details, "cached_tokens", 0) or 0 if details is not None else 0
 
 
 def _items(choice: ChatCompletionChoice, logprobs: bool) -> list:
