@@ -10,7 +10,9 @@ Contract:
   two slots, so a rank writes a slot only after every rank has finished reading it (they all passed the barrier of
   the call in between). Tensors larger than a part return ``None``: the caller uses gloo.
 - Waiting spins on the other ranks' sequence numbers, yielding the CPU between reads (the ranks are busy computing
-  the same step, so the waits are short).
+  the same step, so the waits are short). Every few thousand reads it checks that the rank it waits for still lives
+  (its process id, shared at ``create``): a rank killed mid-step makes the others raise ``RuntimeError`` naming it
+  instead of spinning forever.
 - ``close()`` detaches (rank 0 also unlinks).
 """
 
@@ -25,11 +27,13 @@ import torch
 
 SLOT_BYTES = 16 << 20  # per rank and slot: a prefill chunk of 2048 tokens x 2048 float32 fits
 _FLAGS_BYTES = 4096
+_LIVENESS_SPINS = 4096  # reads of a peer's flag between checks that its process lives (a few ms)
 
 
 class ShmComm:
-    def __init__(self, rank: int, size: int, shm: shared_memory.SharedMemory, owner: bool) -> None:
-        self.rank, self.size, self.shm, self.owner = rank, size, shm, owner
+    def __init__(self, rank: int, size: int, shm: shared_memory.SharedMemory, owner: bool,
+                 pids: list[int]) -> None:
+        self.rank, self.size, self.shm, self.owner, self.pids = rank, size, shm, owner, pids
         self.flags = np.ndarray((size,), dtype=np.int64, buffer=shm.buf[:size * 8])
         self.data = torch.frombuffer(shm.buf[_FLAGS_BYTES:], dtype=torch.uint8)
         self.seq = 0
@@ -46,8 +50,9 @@ class ShmComm:
             segment = shared_memory.SharedMemory(name=name[0])
         else:
             np.ndarray((size,), dtype=np.int64, buffer=segment.buf[:size * 8])[:] = 0
-        dist.barrier()  # every rank attached (and the flags zeroed) before the first call
-        return cls(rank, size, segment, rank == 0)
+        pids: list[int] = [0] * size
+        dist.all_gather_object(pids, os.getpid())  # also the barrier: every rank attached, the flags zeroed
+        return cls(rank, size, segment, rank == 0, pids)
 
     def _part(self, slot: int, rank: int, nbytes: int) -> torch.Tensor:
         start = (slot * self.size + rank) * SLOT_BYTES
@@ -64,9 +69,23 @@ class ShmComm:
         self._part(slot, self.rank, nbytes).copy_(flat.view(torch.uint8))
         self.flags[self.rank] = self.seq  # published after the data (x86 keeps stores in order)
         for other in range(self.size):
+            spins = 0
             while self.flags[other] < self.seq:
                 os.sched_yield()
+                spins += 1
+                if spins % _LIVENESS_SPINS == 0:
+                    self._check_alive(other)
         return [self._part(slot, r, nbytes).view(tensor.dtype).view(tensor.shape) for r in range(self.size)]
+
+    def _check_alive(self, rank: int) -> None:
+        try:
+            with open(f"/proc/{self.pids[rank]}/stat", "rb") as stat:
+                state = stat.read().rsplit(b")", 1)[1].split()[0]
+        except FileNotFoundError:
+            state = b"X"
+        if state in (b"Z", b"X"):  # a zombie is dead too (its parent has not reaped it yet)
+            raise RuntimeError(f"tensor-parallel rank {rank} (pid {self.pids[rank]}) is gone; its collective cannot "
+                               "complete")
 
     def all_reduce(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
         parts = self._exchange(tensor)

@@ -1,6 +1,7 @@
 """The shared-memory collectives of tensor-parallel ranks against their twin, gloo: in two spawned ranks, every
 all-reduce and all-gather (float32 and bfloat16, many shapes, back to back so both slots are reused) equals gloo's
-bit for bit, and a tensor too large for a slot falls back to gloo."""
+bit for bit, and a tensor too large for a slot falls back to gloo; a rank that dies makes the other's next
+collective raise instead of spinning forever."""
 
 from __future__ import annotations
 
@@ -38,10 +39,14 @@ def _rank(rank: int, port: int, out: mp.Queue) -> None:
     out.put((rank, mismatches, fell_back))
 
 
-def test_shared_memory_collectives_equal_gloos() -> None:
+def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+        return sock.getsockname()[1]
+
+
+def test_shared_memory_collectives_equal_gloos() -> None:
+    port = _free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     ranks = [ctx.Process(target=_rank, args=(rank, port, out)) for rank in range(2)]
@@ -51,3 +56,37 @@ def test_shared_memory_collectives_equal_gloos() -> None:
     for process in ranks:
         process.join(30)
     assert results == [(0, [], True), (1, [], True)]
+
+
+def _rank_that_dies(rank: int, port: int, out: mp.Queue) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from pagellm.distributed import shm_comm
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    comm = shm_comm.ShmComm.create(rank, 2)
+    comm.all_reduce(torch.ones(8))  # one collective that completes
+    if rank == 1:
+        os._exit(3)  # dies between steps, as a killed rank does
+    try:
+        comm.all_reduce(torch.ones(8))
+        out.put("completed")
+    except RuntimeError as exc:
+        out.put(str(exc))
+
+
+def test_a_dead_peer_makes_the_collective_raise() -> None:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    ranks = [ctx.Process(target=_rank_that_dies, args=(rank, port, out)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    message = out.get(timeout=120)  # rank 1 is not reaped meanwhile: the check must see a zombie's death too
+    for process in ranks:
+        process.join(30)
+    assert ranks[1].exitcode == 3
+    assert message.startswith(f"tensor-parallel rank 1 (pid {ranks[1].pid}) is gone"), message
