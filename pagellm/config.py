@@ -185,15 +185,22 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism: the model's layers split over this many ranks (processes), each with its share of the
-    threads (``executor/multiproc.py``)."""
+    threads: worker processes of this machine (``executor/multiproc.py``) or Ray actors, on any node of a Ray cluster
+    (``executor/ray.py``)."""
 
     tensor_parallel_size: int = _help("Number of tensor-parallel ranks (worker processes); the attention heads, "
                                       "key/value heads, MLP width and vocabulary must divide by it.", default=1)
+    distributed_executor_backend: str = _help(
+        "Where ranks 1..N-1 run: 'mp' (worker processes of this machine, fed through shared memory) or 'ray' (Ray "
+        "actors placed by a placement group on the cluster RAY_ADDRESS names, else on a local Ray instance; needs "
+        "pip install 'pagellm[ray]').", default="mp")
 
     def __post_init__(self) -> None:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}; use mp or ray")
 
 
 SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle")

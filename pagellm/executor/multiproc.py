@@ -21,93 +21,42 @@ Contract:
 from __future__ import annotations
 
 import atexit
-import datetime
 import logging
 import multiprocessing as mp
 import os
-import socket
 import threading
 import traceback
-from typing import Any, Optional
+from typing import Any
 
 import msgspec
 
 from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.distributed.shm_ring import RingReader, ShmRing
+from pagellm.executor.ranks import (COLLECTIVE_TIMEOUT_S, Command, build_worker, close_comm, free_port, join_group,
+                                    leave_group, threads_per_rank)
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.runtime import RuntimeInfo
 
 logger = logging.getLogger(__name__)
 
-COLLECTIVE_TIMEOUT_S = 120
 _START_TIMEOUT_S = 600  # loading a model and building kernels on a cold machine
 _PARENT_POLL_S = 1.0  # how often an idle worker checks that the engine core still lives
-
-
-class Command(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What the workers are told to do, in order."""
-
-    kind: str                               # "execute", "idle" or "stop"
-    sched: Optional[SchedulerOutput] = None
-    idle: bool = False
-
-
 _ENCODER = msgspec.msgpack.Encoder()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def threads_per_rank(size: int) -> int:
-    """Each rank's share of the threads (``PAGELLM_NUM_THREADS``, else the CPUs this process may use)."""
-    total = envs.num_threads() or len(os.sched_getaffinity(0))
-    return max(1, total // size)
-
-
-def _join_group(rank: int, size: int, port: int) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-
-
-def _leave_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _init_method(port: int) -> str:
+    return f"tcp://127.0.0.1:{port}"
 
 
 def _build_worker(config: EngineConfig, rank: int, size: int) -> Any:
-    from pagellm.distributed.groups import ParallelState
-    from pagellm.distributed.shm_comm import ShmComm
-    from pagellm.worker.worker import Worker
-
-    comm = ShmComm.create(rank, size) if envs.tp_shm_comm() else None
-    try:
-        return Worker(config.model_config, config.cache_config, config.speculative_config,
-                      parallel=ParallelState(rank, size, comm), profiler_config=config.profiler_config,
-                      num_threads=threads_per_rank(size))
-    except BaseException:
-        if comm is not None:
-            comm.close()
-        raise
-
-
-def _close_comm(worker: Any) -> None:
-    comm = worker.parallel.comm
-    if comm is not None:
-        comm.close()
+    return build_worker(config, rank, size, envs.tp_shm_comm(), threads_per_rank(size))
 
 
 def _worker_main(config: EngineConfig, rank: int, size: int, port: int, reader: RingReader, pipe: Any) -> None:
     """A worker process: join the group, load this rank's shard, then follow the ring until told to stop."""
     try:
-        _join_group(rank, size, port)
+        join_group(rank, size, _init_method(port))
         worker = _build_worker(config, rank, size)
         pipe.send(("ready", worker.runtime))
     except BaseException as exc:  # the engine core reports it and stops the others
@@ -133,7 +82,7 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, reader: 
                 break
     finally:
         worker.shutdown()
-        _close_comm(worker)
+        close_comm(worker)
         reader.detach()
 
 
@@ -141,7 +90,7 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
         size = config.parallel_config.tensor_parallel_size
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.ring = ShmRing(size - 1, ctx)
         self.pipes, self.procs = [], []
         self._started: dict[int, RuntimeInfo] = {}  # ranks whose runtime came while rank 0 was still joining
@@ -159,7 +108,7 @@ class MultiprocExecutor:
             self._wait_ready()
         except BaseException:
             self._stop_workers()
-            _leave_group()
+            leave_group()
             raise
         self.runtime: RuntimeInfo = self.worker.runtime
         self._closed = False
@@ -172,7 +121,7 @@ class MultiprocExecutor:
 
         def join() -> None:
             try:
-                _join_group(0, size, port)
+                join_group(0, size, _init_method(port))
                 joined.append(None)
             except BaseException as exc:  # handed to the waiting thread
                 joined.append(exc)
@@ -239,8 +188,8 @@ class MultiprocExecutor:
         atexit.unregister(self.shutdown)
         self._stop_workers()
         self.worker.shutdown()
-        _close_comm(self.worker)
-        _leave_group()
+        close_comm(self.worker)
+        leave_group()
 
     def _stop_workers(self) -> None:
         if any(p.is_alive() for p in self.procs):

@@ -1,0 +1,82 @@
+"""What every tensor-parallel executor does with its ranks, wherever they run (worker processes of this machine,
+``multiproc.py``, or Ray actors, ``ray.py``): the commands a rank follows, its share of the threads, joining and
+leaving the ``torch.distributed`` group, and building the rank's ``Worker`` with its collectives.
+
+Contract:
+- ``Command``: what ranks 1..N-1 are told each time rank 0 acts (msgpack; ``SchedulerOutput`` deltas as they are).
+- ``join_group(rank, size, init_method)`` joins the gloo group (CPU collectives) that every rank's layers meet in;
+  a collective waiting on a rank that never comes gives up after ``COLLECTIVE_TIMEOUT_S``.
+- ``build_worker(config, rank, size, shm)`` builds the rank's ``Worker`` (its shard of every layer and a KV cache
+  for its heads), with the shared-memory collectives when ``shm`` (every rank on this machine), else gloo alone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any, Optional
+
+import msgspec
+
+from pagellm import envs
+from pagellm.config import EngineConfig
+from pagellm.sched.output import SchedulerOutput
+
+COLLECTIVE_TIMEOUT_S = 120
+
+
+class Command(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What the workers are told to do, in order."""
+
+    kind: str                               # "execute", "idle" or "stop"
+    sched: Optional[SchedulerOutput] = None
+    idle: bool = False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def threads_per_rank(size: int) -> int:
+    """Each rank's share of the threads (``PAGELLM_NUM_THREADS``, else the CPUs this process may use)."""
+    total = envs.num_threads() or len(os.sched_getaffinity(0))
+    return max(1, total // size)
+
+
+def join_group(rank: int, size: int, init_method: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def build_worker(config: EngineConfig, rank: int, size: int, shm: bool, threads: int) -> Any:
+    from pagellm.distributed.groups import ParallelState
+    from pagellm.distributed.shm_comm import ShmComm
+    from pagellm.worker.worker import Worker
+
+    comm = ShmComm.create(rank, size) if shm else None
+    try:
+        return Worker(config.model_config, config.cache_config, config.speculative_config,
+                      parallel=ParallelState(rank, size, comm), profiler_config=config.profiler_config,
+                      num_threads=threads)
+    except BaseException:
+        if comm is not None:
+            comm.close()
+        raise
+
+
+def close_comm(worker: Any) -> None:
+    comm = worker.parallel.comm
+    if comm is not None:
+        comm.close()
