@@ -1,68 +1,23 @@
 """``pagellm generate`` and ``pagellm chat`` (offline generation), ``pagellm serve`` (the OpenAI-compatible
-HTTP server), ``pagellm bench serve|throughput|latency`` (benchmarks, see pagellm/bench/) and
+HTTP server), ``pagellm ray-serve`` (the same app as an autoscaled Ray Serve deployment), ``pagellm run-batch``,
+``pagellm disagg-proxy``, ``pagellm bench serve|throughput|latency`` (benchmarks, see pagellm/bench/) and
 ``pagellm train-draft`` (Medusa heads, ``spec/train.py``) from the command line.
 
-Engine flags are generated from the config fields (name, type, default and help text), so every engine option
-is a flag without being listed twice.
+Engine flags are generated from the config fields (``engine_args.py``), so every engine option is a flag without
+being listed twice.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 from pagellm import envs
-from pagellm.config import flat_fields, parse_size
+from pagellm.engine_args import add_engine_args, engine_kwargs
 from pagellm.server.options import add_serve_args, serve_options
 from pagellm.spec import train_cli as train_draft
-
-
-def _size(value: str) -> int:
-    try:
-        return parse_size(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _flag_type(field: dataclasses.Field) -> Any:
-    hint = str(field.type)
-    if field.metadata.get("size"):
-        return _size
-    if "bool" in hint:
-        return None
-    if "int" in hint:
-        return int
-    if "float" in hint:
-        return float
-    return str
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    for field in flat_fields():
-        if field.name == "model":
-            continue
-        flags = ("--" + field.name.replace("_", "-"), *field.metadata.get("aliases", ()))
-        kind = _flag_type(field)
-        if kind is None:
-            group.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
-                               help=f"{field.metadata['help']} (default: {field.default})")
-        else:
-            group.add_argument(*flags, dest=field.name, type=kind, default=None,
-                               help=f"{field.metadata['help']} (default: {field.default})")
-    group.add_argument("--speculative-config", default=None,
-                       help='Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
-    group.add_argument("--kv-transfer-config", default=None,
-                       help='Disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", '
-                            '"kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": "/kv"}}\'')
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = [f.name for f in flat_fields() if f.name != "model"] + ["speculative_config", "kv_transfer_config"]
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_args(cmd)
     _add_serve_parser(sub)
     _add_run_batch_parser(sub)
+    from pagellm.server import ray_serve
+
+    ray_serve.add_args(sub.add_parser("ray-serve", help="serve the OpenAI-compatible API as a Ray Serve deployment "
+                                                        "(replicas on a Ray cluster, autoscaled)"))
     proxy = sub.add_parser("disagg-proxy", help="one OpenAI endpoint over a prefill and a decode server that share a "
                                                 "KV store (disaggregated prefill and decode)")
     proxy.add_argument("--prefill", required=True, metavar="URL", help="the prefill server (kv_producer)")
@@ -156,11 +115,24 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
 
 
+def _ray_serve(args: argparse.Namespace) -> int:
+    from pagellm.server import ray_serve
+
+    try:
+        parsed = ray_serve.parse(args)
+    except ValueError as exc:
+        print(f"pagellm: {exc}", file=sys.stderr)
+        return 2
+    return ray_serve.run_ray_serve(*parsed)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     if args.command in ("serve", "run-batch"):
         return _serve(args)
+    if args.command == "ray-serve":
+        return _ray_serve(args)
     if args.command == "disagg-proxy":
         from pagellm.disagg.proxy import run_proxy
 

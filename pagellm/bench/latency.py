@@ -19,7 +19,7 @@ from pagellm.bench.metrics import summarize
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from pagellm.cli import add_engine_args
+    from pagellm.engine_args import add_engine_args
 
     parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: built-in SmolLM2)")
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 4, 8])
@@ -75,7 +75,7 @@ def measure(llm: Any, batch_size: int, args: argparse.Namespace) -> dict[str, An
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from pagellm import LLM
-    from pagellm.cli import engine_kwargs
+    from pagellm.engine_args import engine_kwargs
 
     if args.num_iters < 1:
         raise ValueError("--num-iters must be at least 1")

@@ -23,7 +23,7 @@ BACKENDS = ("pagellm", "transformers")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from pagellm.cli import add_engine_args
+    from pagellm.engine_args import add_engine_args
 
     parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: built-in SmolLM2)")
     parser.add_argument("--backend", nargs="+", choices=BACKENDS, default=["pagellm"],
@@ -133,7 +133,7 @@ def run_transformers(model: str | None, requests: list[datasets.BenchRequest], t
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from pagellm.cli import engine_kwargs
+    from pagellm.engine_args import engine_kwargs
 
     tokenizer = None
     if args.dataset == "sharegpt":  # the replies' lengths, counted by the model's own tokenizer

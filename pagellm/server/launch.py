@@ -22,6 +22,7 @@ from collections.abc import Coroutine
 from typing import Any, Optional
 
 import uvicorn
+from fastapi import FastAPI
 
 from pagellm.config import EngineConfig
 from pagellm.engine.exceptions import EngineDeadError
@@ -49,11 +50,31 @@ def lora_requests(engine: EngineClient, names: list[str], options: ServeOptions)
     return loras
 
 
+def served_names(config: EngineConfig, options: ServeOptions) -> list[str]:
+    """The model names the server answers to: ``--served-model-name``, else the model argument, else the default."""
+    return list(options.served_model_names or [config.model_config.model or DEFAULT_MODEL_NAME])
+
+
+def build_frontend(engine: EngineClient, config: EngineConfig, names: list[str],
+                   options: ServeOptions) -> tuple[FastAPI, dict[str, LoRARequest]]:
+    """The HTTP app over a started engine (the chat template, stats and LoRA adapters of ``options`` applied) and
+    the served adapters by name (one dict: adapters loaded at run time reach the gRPC API too)."""
+    if options.chat_template is not None:
+        engine.tokenizer.chat_template = options.chat_template
+    obs = build_observability(names[0], config, engine.runtime, options.log_stats, options.otlp_traces_endpoint)
+    engine.stats_sink = obs.sink
+    loras = lora_requests(engine, names, options)
+    app = build_app(engine, names, options.api_key, model_root=config.model_config.model, observability=obs,
+                    cors=options.cors, tool_parser=options.tool_call_parser,
+                    reasoning_parser=options.reasoning_parser, loras=loras,
+                    runtime_lora_updating=options.runtime_lora_updating)
+    return app, loras
+
+
 def run_server(config: EngineConfig, options: ServeOptions = ServeOptions()) -> int:
     """Serve until SIGTERM/SIGINT (returns 0) or until the engine core dies on its own (returns 1)."""
     sock = _bind(options.host, options.port)
-    model = config.model_config.model
-    names = list(options.served_model_names or [model or DEFAULT_MODEL_NAME])
+    names = served_names(config, options)
     try:
         return _run(_serve(config, sock, names, options))
     finally:
@@ -113,16 +134,8 @@ async def _serve(config: EngineConfig, sock: socket.socket, names: list[str], op
 
     grpc_api = _Grpc(options) if options.grpc_port is not None else None
     engine = AsyncLLM.from_config(config)
-    if options.chat_template is not None:
-        engine.tokenizer.chat_template = options.chat_template
     try:
-        obs = build_observability(names[0], config, engine.runtime, options.log_stats, options.otlp_traces_endpoint)
-        engine.stats_sink = obs.sink
-        loras = lora_requests(engine, names, options)  # one dict: adapters loaded at run time reach both APIs
-        app = build_app(engine, names, options.api_key, model_root=config.model_config.model, observability=obs,
-                        cors=options.cors, tool_parser=options.tool_call_parser,
-                        reasoning_parser=options.reasoning_parser, loras=loras,
-                        runtime_lora_updating=options.runtime_lora_updating)
+        app, loras = build_frontend(engine, config, names, options)
         if grpc_api is not None:
             await grpc_api.start(engine, names, loras, config.model_config.model)
         server = uvicorn.Server(uvicorn.Config(

@@ -1,0 +1,57 @@
+"""The engine's command-line flags, generated from the config fields (name, type, default and help text), so every
+engine option is a flag without being listed twice: ``add_engine_args`` adds them to a parser, ``engine_kwargs``
+turns the parsed flags that were given into ``EngineConfig.from_kwargs`` keywords. Used by ``pagellm`` (cli.py),
+the in-process benchmarks and the Ray Serve app's arguments."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from pagellm.config import flat_fields, parse_size
+
+
+def _size(value: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _flag_type(field: dataclasses.Field) -> Any:
+    hint = str(field.type)
+    if field.metadata.get("size"):
+        return _size
+    if "bool" in hint:
+        return None
+    if "int" in hint:
+        return int
+    if "float" in hint:
+        return float
+    return str
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for field in flat_fields():
+        if field.name == "model":
+            continue
+        flags = ("--" + field.name.replace("_", "-"), *field.metadata.get("aliases", ()))
+        kind = _flag_type(field)
+        if kind is None:
+            group.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=f"{field.metadata['help']} (default: {field.default})")
+        else:
+            group.add_argument(*flags, dest=field.name, type=kind, default=None,
+                               help=f"{field.metadata['help']} (default: {field.default})")
+    group.add_argument("--speculative-config", default=None,
+                       help='Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    group.add_argument("--kv-transfer-config", default=None,
+                       help='Disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", '
+                            '"kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": "/kv"}}\'')
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = [f.name for f in flat_fields() if f.name != "model"] + ["speculative_config", "kv_transfer_config"]
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
