@@ -184,23 +184,39 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism: the model's layers split over this many ranks (processes), each with its share of the
-    threads: worker processes of this machine (``executor/multiproc.py``) or Ray actors, on any node of a Ray cluster
-    (``executor/ray.py``)."""
+    """Tensor parallelism (every layer split over ranks) or pipeline parallelism (the layers split into stages), each
+    rank a process with its share of the threads: worker processes of this machine (``executor/multiproc.py``) or
+    Ray actors, on any node of a Ray cluster (``executor/ray.py``)."""
 
     tensor_parallel_size: int = _help("Number of tensor-parallel ranks (worker processes); the attention heads, "
                                       "key/value heads, MLP width and vocabulary must divide by it.", default=1)
+    pipeline_parallel_size: int = _help(
+        "Number of pipeline stages (worker processes), each holding consecutive decoder layers and their KV cache; "
+        "for a model larger than one machine's memory (stages run one after another within a step).", default=1)
     distributed_executor_backend: str = _help(
         "Where ranks 1..N-1 run: 'mp' (worker processes of this machine, fed through shared memory) or 'ray' (Ray "
         "actors placed by a placement group on the cluster RAY_ADDRESS names, else on a local Ray instance; needs "
         "pip install 'pagellm[ray]').", default="mp")
 
     def __post_init__(self) -> None:
-        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
-                or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size cannot both be above 1 yet; pick one")
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}; use mp or ray")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def describe(self) -> str:
+        """The parallel size that is set, as its flag reads (for errors)."""
+        if self.pipeline_parallel_size > 1:
+            return f"pipeline_parallel_size={self.pipeline_parallel_size}"
+        return f"tensor_parallel_size={self.tensor_parallel_size}"
 
 
 SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle")
@@ -380,23 +396,23 @@ class EngineConfig:
         if spec.method == "eagle" and spec.model is None and self.model_config.model is not None:
             raise ValueError("eagle needs 'model': the head's .safetensors file from `pagellm train-draft --method "
                              "eagle` (only the built-in model has a shipped default head)")
-        if self.parallel_config.tensor_parallel_size > 1:
-            self._check_tensor_parallel()
+        if self.parallel_config.world_size > 1:
+            self._check_parallel()
         self.kv_transfer_config.check_engine(self.cache_config.enable_prefix_caching,
-                                             self.parallel_config.tensor_parallel_size, self.model_config.enable_lora,
+                                             self.parallel_config.world_size, self.model_config.enable_lora,
                                              self.speculative_config.method)
 
-    def _check_tensor_parallel(self) -> None:
-        """What tensor-parallel ranks do not shard yet is refused, naming the way out."""
-        size = self.parallel_config.tensor_parallel_size
+    def _check_parallel(self) -> None:
+        """What parallel ranks do not split yet is refused, naming the way out."""
+        size = self.parallel_config.describe()
         if self.speculative_config.method not in (None, "ngram"):
             raise ValueError(f"speculative method {self.speculative_config.method!r} does not run with "
-                             f"tensor_parallel_size={size} (its draft model is not sharded); use ngram or size 1")
+                             f"{size} (its draft model is not split); use ngram or size 1")
         if self.model_config.enable_lora:
-            raise ValueError(f"LoRA adapters do not run with tensor_parallel_size={size} yet; use size 1")
+            raise ValueError(f"LoRA adapters do not run with {size} yet; use size 1")
         if self.model_config.quantization:
-            raise ValueError(f"quantization={self.model_config.quantization} does not run with "
-                             f"tensor_parallel_size={size} yet; use size 1")
+            raise ValueError(f"quantization={self.model_config.quantization} does not run with {size} yet; "
+                             "use size 1")
 
     def for_serving(self) -> EngineConfig:
         """This config with the online-serving defaults filled in (``SchedulerConfig.for_serving``)."""

@@ -47,7 +47,7 @@ class KVTransferConfig:
         value = self.kv_connector_extra_config.get("max_storage_bytes")
         return None if value is None else parse_size(value, "max_storage_bytes")
 
-    def check_engine(self, prefix_caching: bool, tensor_parallel_size: int, lora: bool,
+    def check_engine(self, prefix_caching: bool, world_size: int, lora: bool,
                      speculative_method: str | None) -> None:
         """What the connector cannot hand over is refused, naming the way out."""
         if self.kv_connector is None:
@@ -55,9 +55,9 @@ class KVTransferConfig:
         if not prefix_caching:
             raise ValueError("kv_transfer_config needs enable_prefix_caching (stored blocks are found by the prefix "
                              "cache's block hashes)")
-        if tensor_parallel_size > 1 or lora or speculative_method not in (None, "ngram"):
-            raise ValueError("kv_transfer_config runs with tensor_parallel_size 1, without LoRA and without "
-                             "draft-model speculation (their KV is not handed over)")
+        if world_size > 1 or lora or speculative_method not in (None, "ngram"):
+            raise ValueError("kv_transfer_config runs with tensor_parallel_size and pipeline_parallel_size 1, "
+                             "without LoRA and without draft-model speculation (their KV is not handed over)")
 
     @property
     def saves(self) -> bool:

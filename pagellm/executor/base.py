@@ -1,7 +1,7 @@
 """The executor interface: how the engine core reaches its workers: ``uniproc`` (one worker in the core's process),
 ``multiproc`` (tensor-parallel ranks in worker processes, fed through a shared-memory ring) or ``ray`` (ranks in Ray
-actors on a cluster's nodes); ``make_executor`` picks by ``tensor_parallel_size`` and
-``distributed_executor_backend``."""
+actors on a cluster's nodes); ``make_executor`` picks by the world size (tensor- times
+pipeline-parallel size) and ``distributed_executor_backend``."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def make_executor(config: EngineConfig) -> Executor:
         from pagellm.executor.ray import RayExecutor
 
         return RayExecutor(config)
-    if config.parallel_config.tensor_parallel_size > 1:
+    if config.parallel_config.world_size > 1:
         from pagellm.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config)

@@ -88,7 +88,7 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, reader: 
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
-        size = config.parallel_config.tensor_parallel_size
+        size = config.parallel_config.world_size
         ctx = mp.get_context("spawn")
         port = free_port()
         self.ring = ShmRing(size - 1, ctx)

@@ -6,8 +6,9 @@ Contract:
 - ``Command``: what ranks 1..N-1 are told each time rank 0 acts (msgpack; ``SchedulerOutput`` deltas as they are).
 - ``join_group(rank, size, init_method)`` joins the gloo group (CPU collectives) that every rank's layers meet in;
   a collective waiting on a rank that never comes gives up after ``COLLECTIVE_TIMEOUT_S``.
-- ``build_worker(config, rank, size, shm)`` builds the rank's ``Worker`` (its shard of every layer and a KV cache
-  for its heads), with the shared-memory collectives when ``shm`` (every rank on this machine), else gloo alone.
+- ``build_worker(config, rank, size, shm, threads)`` builds rank's ``Worker``: its shard of every layer and a KV
+  cache for its heads (tensor parallel; with the shared-memory collectives when ``shm``, every rank on this machine,
+  else gloo alone), or its stage's layers and their KV cache (pipeline parallel; stages send over gloo).
 """
 
 from __future__ import annotations
@@ -65,11 +66,12 @@ def build_worker(config: EngineConfig, rank: int, size: int, shm: bool, threads:
     from pagellm.distributed.shm_comm import ShmComm
     from pagellm.worker.worker import Worker
 
-    comm = ShmComm.create(rank, size) if shm else None
+    tp = config.parallel_config.tensor_parallel_size
+    comm = ShmComm.create(rank, size) if shm and tp > 1 else None  # pipeline stages send to each other (gloo)
+    parallel = ParallelState(rank % tp, tp, comm, rank // tp, config.parallel_config.pipeline_parallel_size)
     try:
-        return Worker(config.model_config, config.cache_config, config.speculative_config,
-                      parallel=ParallelState(rank, size, comm), profiler_config=config.profiler_config,
-                      num_threads=threads)
+        return Worker(config.model_config, config.cache_config, config.speculative_config, parallel=parallel,
+                      profiler_config=config.profiler_config, num_threads=threads)
     except BaseException:
         if comm is not None:
             comm.close()

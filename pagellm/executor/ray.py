@@ -104,7 +104,7 @@ class RankActor:
 class RayExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.ray, self._owns_ray = connect()
-        size = config.parallel_config.tensor_parallel_size
+        size = config.parallel_config.world_size
         self.threads = threads_per_rank(size)
         self.group: Any = None
         self.actors: list[Any] = []

@@ -8,6 +8,7 @@ only on the hidden states the runner selects (the tokens that are sampled).
 
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 import torch
@@ -105,15 +106,18 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState) -> None:
         super().__init__()
+        self.parallel = parallel
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype, parallel, i)
-                                    for i in range(cfg.num_layers))
+        self.layer_range = parallel.layer_range(cfg.num_layers)  # all of them, or this pipeline stage's
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype, parallel, i) for i in self.layer_range)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
         """Final-norm hidden states after all layers, or after the first ``num_layers`` (self-speculation).
         bfloat16 steps on the cpu_paged backend run the layers as one native call (``model/native_stack.py``)."""
+        if self.parallel.pp_size > 1:
+            return self._forward_stage(input_ids, positions)
         x, residual = self.embed_tokens(input_ids), None
         native = run_native(self, x, positions, num_layers)
         if native is not None:
@@ -121,6 +125,27 @@ class LlamaModel(nn.Module):
         for layer in self.layers[:num_layers]:
             x, residual = layer(positions, x, residual)
         return self.norm(x, residual)[0]
+
+    def _forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One pipeline stage: the previous stage's hidden states and residual (or the embeddings) through this
+        stage's layers, on to the next; every stage returns the last one's final hidden states."""
+        stage = self.parallel
+        dtype = self.norm.weight.dtype
+        if stage.is_first_stage:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = stage.recv_prev((input_ids.shape[0], self.norm.weight.shape[0]), dtype)
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        if stage.is_last_stage:
+            hidden = self.norm(x, residual)[0].contiguous()
+        else:
+            stage.send_next(x, residual)
+            hidden = torch.empty(input_ids.shape[0], self.norm.weight.shape[0], dtype=dtype)
+        return stage.broadcast_from_last(hidden)
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -163,6 +188,8 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name or (self.cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             target, shard = self._target(name)
+            if target is None:  # another pipeline stage's layer
+                continue
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             param = params[target]
@@ -176,9 +203,17 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint lacks tensors for: {', '.join(sorted(missing)[:8])}")
         pack_weights(self, quantization or self.cfg.quantization)
 
-    def _target(self, name: str) -> tuple[str, str | int | None]:
+    def _target(self, name: str) -> tuple[str | None, str | int | None]:
+        """Our parameter's name for a checkpoint tensor, and its shard of a fused matrix; None for a layer that
+        belongs to another pipeline stage (a stage numbers its own layers from 0)."""
         if self.cfg.base_model and not name.startswith("model."):  # a base model's names start at its layers
             name = f"model.{name}"
+        layers = self.model.layer_range
+        if len(layers) != self.cfg.num_layers and (match := _LAYER.match(name)):
+            index = int(match.group(1))
+            if index not in layers:
+                return None, None
+            name = f"model.layers.{index - layers.start}.{name[match.end():]}"
         for fragment, (ours, shard) in self.STACKED.items():
             if fragment in name:
                 return name.replace(fragment, ours), shard

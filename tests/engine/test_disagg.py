@@ -75,7 +75,7 @@ def test_kv_both_stores_and_loads(tiny_llama: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(enable_prefix_caching=False), "kv_transfer_config needs enable_prefix_caching"),
-    (dict(tensor_parallel_size=2), "kv_transfer_config runs with tensor_parallel_size 1"),
+    (dict(tensor_parallel_size=2), "kv_transfer_config runs with tensor_parallel_size and pipeline_parallel_size 1"),
     (dict(kv_transfer_config={"kv_connector": "Nope"}), "kv_connector 'Nope' is not available"),
     (dict(kv_transfer_config={"kv_connector": "SharedStorageConnector"}), "needs kv_connector_extra_config"),
     (dict(kv_transfer_config='{"kv_role": "kv_producer", "oops": 1}'), r"unknown keys \['oops'\]"),

@@ -100,3 +100,15 @@ def test_an_unknown_backend_is_refused(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="distributed_executor_backend='slurm'; use mp or ray"):
         LLM(str(tiny_llama), tensor_parallel_size=2, distributed_executor_backend="slurm")
 
+
+
+def test_pipeline_stages_on_ray(tiny_model_factory) -> None:
+    """Stage 1 in a Ray actor: hidden states cross over gloo, greedy tokens equal transformers'."""
+    model_dir = tiny_model_factory("llama", num_hidden_layers=3, seed=5)
+    llm = LLM(str(model_dir), dtype="float32", pipeline_parallel_size=2, distributed_executor_backend="ray")
+    try:
+        prompts = _prompts(seed=24)
+        assert_greedy_parity(model_dir, prompts, run(llm, prompts))
+    finally:
+        llm.shutdown()
+    assert not _rank_processes() and not _live_groups()

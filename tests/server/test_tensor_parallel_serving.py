@@ -1,5 +1,6 @@
-"""``pagellm serve --tensor-parallel-size 2``: the engine core (its own process) runs rank 0 and spawns rank 1; the
-server answers as the single-rank one does, and stopping it, or killing its engine core, leaves no process behind."""
+"""``pagellm serve --tensor-parallel-size 2`` (or ``--pipeline-parallel-size 2``): the engine core (its own process)
+runs rank 0 and spawns rank 1; the server answers as the single-rank one does, and stopping it, or killing its
+engine core, leaves no process behind."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 import openai
+import pytest
 from server_utils import ServerProcess, wait_until
 
 CHAT = [{"role": "user", "content": "Hello"}]
@@ -47,9 +49,10 @@ def _alive(pids: set[int]) -> set[int]:
             and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]}
 
 
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
 def test_two_ranks_serve_what_one_serves_and_stop_cleanly(start_server: Callable[..., ServerProcess],
-                                                          server: ServerProcess, tiny_llama: Path) -> None:
-    sharded = start_server(tiny_llama, "--served-model-name", "tiny", "--tensor-parallel-size", "2")
+                                                          server: ServerProcess, tiny_llama: Path, flag: str) -> None:
+    sharded = start_server(tiny_llama, "--served-model-name", "tiny", flag, "2")
     family = _descendants(sharded.proc.pid)
     assert len(_workers(sharded)) == 1  # rank 1, beside the engine core's rank 0
     replies = []

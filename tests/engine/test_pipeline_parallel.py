@@ -1,0 +1,87 @@
+"""Pipeline parallelism (``pipeline_parallel_size``: the decoder layers split into consecutive stages, stage 0 in the
+engine's process, the others in worker processes): greedy tokens equal transformers' with stages of equal and
+unequal sizes, chunked prefill, prefix-cache hits, preemption, n-gram speculation and grammars; each stage holds
+only its own layers and their KV cache; what does not split is refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_parity import _prompts, assert_greedy_parity, run
+
+from pagellm import LLM, SamplingParams
+from pagellm.sampling_params import StructuredOutputsParams
+
+PP = dict(dtype="float32", pipeline_parallel_size=2)
+
+
+@pytest.mark.parametrize(("arch", "overrides"), [("llama", {}), ("qwen3", {"num_hidden_layers": 3, "seed": 2})])
+def test_greedy_parity_chunked_and_with_prefix_hits(tiny_model_factory, arch: str, overrides: dict) -> None:
+    model_dir = tiny_model_factory(arch, **overrides)
+    llm = LLM(str(model_dir), max_num_batched_tokens=40, **PP)
+    try:
+        layers = 2 if arch == "llama" else 3
+        stage0 = llm.engine.core.executor.worker.runner
+        assert len(stage0.model.model.layers) == len(stage0.kv_caches) == -(-layers // 2)  # stage 0: the larger
+        prompts = _prompts(seed=15, shared_prefix=21)
+        first = run(llm, prompts)
+        assert_greedy_parity(model_dir, prompts, first)
+        assert run(llm, prompts) == first and sum(s.prefix_cache_hits for s in llm.last_stats) > 0
+    finally:
+        llm.shutdown()
+
+
+def test_three_stages_with_preemption_speculation_and_grammars(tiny_model_factory) -> None:
+    model_dir = tiny_model_factory("llama", num_hidden_layers=3, seed=5)
+    llm = LLM(str(model_dir), kv_cache_memory=24 * 16 * 768, max_model_len=160, pipeline_parallel_size=3,
+              dtype="float32",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None})
+    try:
+        prompts = _prompts(seed=4)
+        ours = run(llm, prompts)
+        assert sum(s.num_preemptions for s in llm.last_stats) > 0, "the pool was meant to force preemptions"
+        assert_greedy_parity(model_dir, prompts, ours)
+        kv = llm.engine.core.scheduler.kv
+        assert kv.num_free_blocks == kv.pool.num_blocks
+        so = StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2}")
+        params = SamplingParams(temperature=1.0, seed=9, structured_outputs=so, max_tokens=12)
+        texts = [o.outputs[0].text for o in llm.generate(["Q:"] * 3, params, use_tqdm=False)]
+        assert all(len(t) == 6 and t[:3].isdigit() and t[3] == "-" for t in texts)
+        assert [o.outputs[0].text for o in llm.generate(["Q:"] * 3, params, use_tqdm=False)] == texts
+    finally:
+        llm.shutdown()
+
+
+def test_bfloat16_stages_agree_with_one_process_on_the_python_layers(tiny_llama: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stages run the Python layers (the native stack is one call for all layers); bfloat16 tokens equal those of
+    one process on the same layers."""
+    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "0")
+    prompts = _prompts(seed=16)[:4]
+    outputs = []
+    for size in (2, 1):
+        llm = LLM(str(tiny_llama), dtype="bfloat16", pipeline_parallel_size=size)
+        try:
+            outputs.append(run(llm, prompts))
+        finally:
+            llm.shutdown()
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(pipeline_parallel_size=3), r"the model's 2 decoder layers cannot fill pipeline_parallel_size \(3\) stages"),
+    (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "cannot both be above 1 yet"),
+    (dict(pipeline_parallel_size=2, enable_lora=True), "LoRA adapters do not run with pipeline_parallel_size=2"),
+    (dict(pipeline_parallel_size=2, speculative_config={"method": "medusa", "model": "x.safetensors",
+                                                       "num_speculative_tokens": 2}),
+     "speculative method 'medusa' does not run with pipeline_parallel_size=2"),
+    (dict(pipeline_parallel_size=2, kv_transfer_config={
+        "kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": "/tmp/pagellm-kv-never-made"}}),
+     "kv_transfer_config runs with tensor_parallel_size and pipeline_parallel_size 1"),
+    (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be a positive integer"),
+])
+def test_what_does_not_split_is_refused(tiny_llama: Path, kwargs: dict, message: str) -> None:
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        LLM(str(tiny_llama), dtype="float32", **kwargs)
