@@ -203,8 +203,6 @@ class ParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ValueError("tensor_parallel_size and pipeline_parallel_size cannot both be above 1 yet; pick one")
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}; use mp or ray")
 
@@ -213,10 +211,10 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def describe(self) -> str:
-        """The parallel size that is set, as its flag reads (for errors)."""
-        if self.pipeline_parallel_size > 1:
-            return f"pipeline_parallel_size={self.pipeline_parallel_size}"
-        return f"tensor_parallel_size={self.tensor_parallel_size}"
+        """The parallel sizes that are set, as their flags read (for errors)."""
+        sizes = [f"{name}={getattr(self, name)}" for name in ("tensor_parallel_size", "pipeline_parallel_size")
+                 if getattr(self, name) > 1]
+        return " and ".join(sizes) or "tensor_parallel_size=1"
 
 
 SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle")

@@ -9,8 +9,9 @@ the fast path's oracle.
 Pipeline parallelism (``pp_size``): the decoder layers split into consecutive stages, one per rank
 (``layer_range``); a stage receives the previous stage's hidden states and residual, runs its layers and sends them
 on (``recv_prev`` / ``send_next``), and the last stage's final hidden states reach every stage
-(``broadcast_from_last``), so each samples alike, as tensor-parallel ranks do. A rank's global number is
-``pp_rank * tp_size + tp_rank``.
+(``broadcast_from_last``), so each samples alike, as tensor-parallel ranks do. Both combine: a stage's ranks split
+its layers and meet in their own group (``tp_group``); rank ``tp_rank`` of a stage sends to rank ``tp_rank`` of the
+next. A rank's global number is ``pp_rank * tp_size + tp_rank``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class ParallelState:
     comm: Any = field(default=None, compare=False, repr=False)  # a ShmComm, or None: gloo only
     pp_rank: int = 0
     pp_size: int = 1
+    tp_group: Any = field(default=None, compare=False, repr=False)  # this stage's ranks (None: every rank)
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -46,7 +48,7 @@ class ParallelState:
             return tensor
         if self.comm is not None and self.comm.all_reduce(tensor) is not None:
             return tensor
-        torch.distributed.all_reduce(tensor)
+        torch.distributed.all_reduce(tensor, group=self.tp_group)
         return tensor
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -55,7 +57,7 @@ class ParallelState:
         if self.comm is not None and (gathered := self.comm.all_gather_last_dim(tensor)) is not None:
             return gathered
         parts = [torch.empty_like(tensor) for _ in range(self.tp_size)]
-        torch.distributed.all_gather(parts, tensor.contiguous())
+        torch.distributed.all_gather(parts, tensor.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
 
     # pipeline stages
@@ -89,7 +91,8 @@ class ParallelState:
         return both[0], both[1]
 
     def broadcast_from_last(self, hidden: torch.Tensor) -> torch.Tensor:
-        torch.distributed.broadcast(hidden, self._global(self.pp_size - 1))
+        """The last stage's first rank's ``hidden`` on every rank of every stage."""
+        torch.distributed.broadcast(hidden, (self.pp_size - 1) * self.tp_size)
         return hidden
 
 

@@ -2,8 +2,8 @@
 path of ``ParallelState``'s collectives (gloo over loopback TCP is its twin and oracle, and takes what does not fit).
 
 Contract:
-- ``ShmComm.create(rank, size)`` is called by every rank after ``torch.distributed`` is initialised: rank 0 creates
-  the segment and shares its name over the group; each rank owns ``SLOT_BYTES`` in each of two slots.
+- ``ShmComm.create(rank, size, group)`` is called by every rank of a group after ``torch.distributed`` is
+  initialised: the group's rank 0 creates the segment and shares its name over the group; each rank owns ``SLOT_BYTES`` in each of two slots.
 - ``all_reduce(t)`` (in place) and ``all_gather_last_dim(t)`` each: copy this rank's tensor into its part of the
   current slot, publish a sequence number, wait until every rank has published it, then read every part (a sum in
   float32 in rank order, rounded once to the tensor's dtype; or the parts side by side). Calls alternate between the
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from multiprocessing import shared_memory
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -39,19 +39,20 @@ class ShmComm:
         self.seq = 0
 
     @classmethod
-    def create(cls, rank: int, size: int) -> ShmComm:
+    def create(cls, rank: int, size: int, group: Any = None) -> ShmComm:
+        """``rank`` of ``size`` in ``group`` (a ``torch.distributed`` group; None: every rank)."""
         import torch.distributed as dist
 
         segment = shared_memory.SharedMemory(create=True, size=_FLAGS_BYTES + 2 * size * SLOT_BYTES) \
             if rank == 0 else None
         name = [segment.name if segment is not None else None]
-        dist.broadcast_object_list(name, src=0)
+        dist.broadcast_object_list(name, group=group, group_src=0)
         if segment is None:
             segment = shared_memory.SharedMemory(name=name[0])
         else:
             np.ndarray((size,), dtype=np.int64, buffer=segment.buf[:size * 8])[:] = 0
         pids: list[int] = [0] * size
-        dist.all_gather_object(pids, os.getpid())  # also the barrier: every rank attached, the flags zeroed
+        dist.all_gather_object(pids, os.getpid(), group=group)  # also the barrier: every rank attached, the flags zeroed
         return cls(rank, size, segment, rank == 0, pids)
 
     def _part(self, slot: int, rank: int, nbytes: int) -> torch.Tensor:

@@ -66,9 +66,10 @@ def build_worker(config: EngineConfig, rank: int, size: int, shm: bool, threads:
     from pagellm.distributed.shm_comm import ShmComm
     from pagellm.worker.worker import Worker
 
-    tp = config.parallel_config.tensor_parallel_size
-    comm = ShmComm.create(rank, size) if shm and tp > 1 else None  # pipeline stages send to each other (gloo)
-    parallel = ParallelState(rank % tp, tp, comm, rank // tp, config.parallel_config.pipeline_parallel_size)
+    tp, pp = config.parallel_config.tensor_parallel_size, config.parallel_config.pipeline_parallel_size
+    group = _stage_group(rank, tp, pp)
+    comm = ShmComm.create(rank % tp, tp, group) if shm and tp > 1 else None  # stages send to each other over gloo
+    parallel = ParallelState(rank % tp, tp, comm, rank // tp, pp, group)
     try:
         return Worker(config.model_config, config.cache_config, config.speculative_config, parallel=parallel,
                       profiler_config=config.profiler_config, num_threads=threads)
@@ -76,6 +77,17 @@ def build_worker(config: EngineConfig, rank: int, size: int, shm: bool, threads:
         if comm is not None:
             comm.close()
         raise
+
+
+def _stage_group(rank: int, tp: int, pp: int) -> Any:
+    """The tensor-parallel group of rank's pipeline stage (None when there is one stage: the whole world). Every rank
+    creates every stage's group, in the same order, as ``torch.distributed`` requires."""
+    import torch.distributed as dist
+
+    if pp == 1:
+        return None
+    groups = [dist.new_group(list(range(stage * tp, (stage + 1) * tp))) for stage in range(pp)]
+    return groups[rank // tp]
 
 
 def close_comm(worker: Any) -> None:

@@ -1,7 +1,8 @@
 """Pipeline parallelism (``pipeline_parallel_size``: the decoder layers split into consecutive stages, stage 0 in the
 engine's process, the others in worker processes): greedy tokens equal transformers' with stages of equal and
-unequal sizes, chunked prefill, prefix-cache hits, preemption, n-gram speculation and grammars; each stage holds
-only its own layers and their KV cache; what does not split is refused by name."""
+unequal sizes, chunked prefill, prefix-cache hits, preemption, n-gram speculation and grammars, and with stages of
+tensor-parallel ranks; each stage holds only its own layers and their KV cache; what does not split is refused by
+name."""
 
 from __future__ import annotations
 
@@ -69,10 +70,25 @@ def test_bfloat16_stages_agree_with_one_process_on_the_python_layers(tiny_llama:
     assert outputs[0] == outputs[1]
 
 
+def test_stages_of_tensor_parallel_ranks(tiny_model_factory) -> None:
+    """Two stages of two tensor-parallel ranks each (four processes): each stage's ranks meet in their own group
+    (shared memory), stage to stage rank by rank; greedy tokens equal transformers'."""
+    model_dir = tiny_model_factory("qwen2", num_hidden_layers=3, seed=7)
+    llm = LLM(str(model_dir), max_num_batched_tokens=40, tensor_parallel_size=2, **PP)
+    try:
+        parallel = llm.engine.core.executor.worker.parallel
+        assert (parallel.tp_size, parallel.pp_size) == (2, 2) and parallel.comm is not None
+        prompts = _prompts(seed=17, shared_prefix=19)
+        assert_greedy_parity(model_dir, prompts, run(llm, prompts))
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(pipeline_parallel_size=3), r"the model's 2 decoder layers cannot fill pipeline_parallel_size \(3\) stages"),
-    (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "cannot both be above 1 yet"),
     (dict(pipeline_parallel_size=2, enable_lora=True), "LoRA adapters do not run with pipeline_parallel_size=2"),
+    (dict(pipeline_parallel_size=2, tensor_parallel_size=2, quantization="w8a8_int8", dtype="bfloat16"),
+     "quantization=w8a8_int8 does not run with tensor_parallel_size=2 and pipeline_parallel_size=2"),
     (dict(pipeline_parallel_size=2, speculative_config={"method": "medusa", "model": "x.safetensors",
                                                        "num_speculative_tokens": 2}),
      "speculative method 'medusa' does not run with pipeline_parallel_size=2"),
@@ -84,4 +100,4 @@ def test_bfloat16_stages_agree_with_one_process_on_the_python_layers(tiny_llama:
 ])
 def test_what_does_not_split_is_refused(tiny_llama: Path, kwargs: dict, message: str) -> None:
     with pytest.raises((ValueError, RuntimeError), match=message):
-        LLM(str(tiny_llama), dtype="float32", **kwargs)
+        LLM(str(tiny_llama), **{"dtype": "float32", **kwargs})
