@@ -42,6 +42,9 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding, once the request finished: draft tokens verified for it, and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -83,6 +83,8 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.num_cached_tokens = -1  # prefix-cache hit length of the first schedule; -1 until scheduled
         self.num_preemptions = 0
+        self.num_draft_tokens = 0           # speculative drafts verified for it, and how many of them held
+        self.num_accepted_draft_tokens = 0
         self.block_hashes: list[BlockHash] = []
         self.stop_reason: int | None = None
         self.queued_time = 0.0      # wall clock, set by the scheduler (metrics: queue and prefill time)

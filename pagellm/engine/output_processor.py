@@ -120,6 +120,8 @@ class OutputProcessor:
             prompt_logprobs = step.prompt_logprobs.get(request_id)
             if state.prompt_logprobs is not None and prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, prompt_logprobs)
+            if request_id in step.spec_counts:
+                state.metrics.num_draft_tokens, state.metrics.num_accepted_draft_tokens = step.spec_counts[request_id]
             if self._apply(state, new_token_ids, step.finish_reasons.get(request_id),
                            step.stop_reasons.get(request_id)):
                 to_abort.append(request_id)

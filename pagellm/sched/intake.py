@@ -138,8 +138,12 @@ class Intake:
         drafted = num_spec.nonzero()[0]
         sent, accepted = num_spec[drafted], counts[drafted] - 1
         self.running.computed[rows[drafted]] -= sent - accepted
-        for num_sent, num_accepted in zip(sent.tolist(), accepted.tolist()):
+        requests = self.running.requests
+        for row, num_sent, num_accepted in zip(rows[drafted].tolist(), sent.tolist(), accepted.tolist()):
             self._spec_stats.observe(num_sent, num_accepted)
+            request = requests[row]
+            request.num_draft_tokens += num_sent
+            request.num_accepted_draft_tokens += num_accepted
 
     def _take_drafts(self, rows: np.ndarray, runner_out: ModelRunnerOutput) -> None:
         """Each reported request now holds the drafts proposed for it (none when the proposer gave none)."""
@@ -239,6 +243,8 @@ class Intake:
             out.finish_reasons[request.request_id] = request.status.finish_reason
             if request.stop_reason is not None:
                 out.stop_reasons[request.request_id] = request.stop_reason
+            if request.num_draft_tokens:
+                out.spec_counts[request.request_id] = (request.num_draft_tokens, request.num_accepted_draft_tokens)
 
     def _check_tokens(self, request: Request, tokens: list[int], num_before: int) -> int:
         """Apply the stop rules token by token; at the first that ends the request, drop the tokens after it and

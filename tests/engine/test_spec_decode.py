@@ -88,8 +88,12 @@ def test_greedy_identical_with_and_without_speculation(tiny_llama: Path, plain: 
     assert _run(llm, prompts, GREEDY) == expected
     drafted, accepted = _drafted(llm)
     assert drafted > 0 and accepted > 0
-    assert _run(llm, prompts, GREEDY) == expected  # again, now from prefix-cache hits
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)  # again, now from prefix-cache hits
+    assert [o.outputs[0].token_ids for o in outputs] == expected
     assert sum(s.prefix_cache_hits for s in llm.last_stats) > 0
+    # Each request's own counts (what usage reports for predicted outputs) add up to the engine's.
+    assert (sum(o.metrics.num_draft_tokens for o in outputs),
+            sum(o.metrics.num_accepted_draft_tokens for o in outputs)) == _drafted(llm)
     assert_no_leaks(llm)
 
 

@@ -30,7 +30,7 @@ from pagellm.server.openai.errors import APIError, sse_error
 from pagellm.server.openai.logprobs import chat_logprobs, prompt_logprobs_body
 from pagellm.server.openai.protocol import (ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk,
                                             ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
-                                            ChatResponseMessage, UsageInfo)
+                                            ChatResponseMessage, CompletionTokensDetails, UsageInfo)
 from pagellm.server.openai.serving_engine import ChoiceState as _Choice
 from pagellm.server.openai.reasoning import END as THINK_END
 from pagellm.server.openai.reasoning import ReasoningStream, closed_in_prompt
@@ -71,10 +71,17 @@ class _Job:
         return 1 if self.request.parallel_tool_calls is False else None
 
     def usage(self, choices: dict[int, _Choice]) -> UsageInfo:
-        """The prompt counted once, its cached tokens as the first sample's request found them."""
+        """The prompt counted once, its cached tokens as the first sample's request found them; with a prediction,
+        the draft tokens accepted and rejected (all choices')."""
         first = choices.get(0)
-        return UsageInfo.of(len(self.prompt), sum(c.num_tokens for c in choices.values()),
-                            first.num_cached_tokens if first is not None else 0)
+        usage = UsageInfo.of(len(self.prompt), sum(c.num_tokens for c in choices.values()),
+                             first.num_cached_tokens if first is not None else 0)
+        if self.request.prediction is not None:
+            accepted = sum(c.num_accepted_draft_tokens for c in choices.values())
+            drafted = sum(c.num_draft_tokens for c in choices.values())
+            usage.completion_tokens_details = CompletionTokensDetails(accepted_prediction_tokens=accepted,
+                                                                      rejected_prediction_tokens=drafted - accepted)
+        return usage
 
 
 class OpenAIServingChat(OpenAIServing):

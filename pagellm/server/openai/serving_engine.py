@@ -76,6 +76,8 @@ class ChoiceState:
     stop_reason: int | str | None = None
     started: bool = False  # something was streamed
     num_cached_tokens: int = 0  # the prompt tokens its request found in the prefix cache
+    num_draft_tokens: int = 0   # speculative drafts verified for it (known once it finished), and those accepted
+    num_accepted_draft_tokens: int = 0
     text_offset: int = 0   # completions logprobs: where the next unsent token starts in the text
     token_ids: list[int] = field(default_factory=list)        # the tokens whose logprobs are not sent yet
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
@@ -91,6 +93,8 @@ class ChoiceState:
             self.logprobs += completion.logprobs
         if completion.finish_reason is not None:
             self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
+            self.num_draft_tokens = output.metrics.num_draft_tokens
+            self.num_accepted_draft_tokens = output.metrics.num_accepted_draft_tokens
         return completion.text
 
     def take_logprobs(self) -> tuple[list[int], list[dict[int, Logprob]]]:
