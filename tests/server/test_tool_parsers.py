@@ -1,6 +1,7 @@
 """The tool-call parsers of tool_choice 'auto' (``tool_parsers.py``): each family's syntax becomes calls, what only
 looks like a call stays content, and a stream fed in any pieces gives the same calls and content as the whole text,
-holding back nothing that is content and sending nothing that is part of a call."""
+holding back nothing that is content and sending nothing that is part of a call; hermes calls stream their name
+first and then their arguments' text as it comes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import random
 import pytest
 
 from pagellm.server.openai.tool_parsers import PARSERS, Parsed, ToolCallStream, get_parser
+from pagellm.server.openai.tools import FunctionCall, ToolCall
 from pagellm.server.options import add_serve_args, serve_options
 
 HERMES_TWO = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
@@ -67,16 +69,30 @@ def test_a_reply_parses_into_its_calls_and_the_text_that_is_none(parser: str, te
         len(parsed.calls)
 
 
+def _joined(deltas: list) -> list:
+    """Streamed call pieces joined into calls (as a client does: the first piece of an index names it)."""
+    calls: dict[int, ToolCall] = {}
+    for delta in deltas:
+        if delta.id is not None:
+            assert delta.index == len(calls) and delta.name
+            calls[delta.index] = ToolCall(id=delta.id, function=FunctionCall(name=delta.name, arguments=""))
+        calls[delta.index].function.arguments += delta.arguments
+    return list(calls.values())
+
+
 def _stream(parser: str, text: str, cuts: list[int], limit=None) -> tuple[str, list, list[str]]:
-    stream, content, calls, sent = ToolCallStream(get_parser(parser), limit), "", [], []
+    stream, content, deltas, sent = ToolCallStream(get_parser(parser), limit), "", [], []
     for start, end in zip([0] + cuts, cuts + [len(text)]):
-        piece, closed = stream.feed(text[start:end])
-        content, calls, sent = content + piece, calls + closed, sent + [piece]
-    piece, closed = stream.finish()
-    return content + piece, calls + closed, sent
+        piece, more = stream.feed(text[start:end])
+        content, deltas, sent = content + piece, deltas + more, sent + [piece]
+    piece, more = stream.finish()
+    return content + piece, _joined(deltas + more), sent
 
 
-@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+CUT_INSIDE = '<tool_call>{"name": "f", "arguments": {"a": 1}'  # cut short before the call's closing brace
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), [c for c in CASES if c[1] != CUT_INSIDE])
 def test_a_stream_in_any_pieces_gives_what_the_whole_text_gives(parser: str, text: str, content, calls) -> None:
     whole = get_parser(parser).parse(text)
     rng = random.Random(len(text))
@@ -86,25 +102,49 @@ def test_a_stream_in_any_pieces_gives_what_the_whole_text_gives(parser: str, tex
         assert (streamed.strip() or None) == whole.content
 
 
+def test_a_hermes_call_cut_short_after_it_was_announced_goes_out_as_far_as_it_came() -> None:
+    """Whole, the cut reply is text (its JSON does not parse); streamed, the call was announced once its name and
+    arguments began, so it stays a call with the arguments that arrived, as vLLM's stream does."""
+    for cuts in ([], list(range(1, len(CUT_INSIDE)))):
+        content, calls, _ = _stream("hermes", CUT_INSIDE, cuts)
+        assert content == "" and _calls(calls) == [("f", {"a": 1})]
+
+
 def test_hermes_streams_content_at_once_and_holds_only_what_may_open_a_call() -> None:
     stream = ToolCallStream(get_parser("hermes"))
     assert stream.feed("Let me look") == ("Let me look", [])
     assert stream.feed(". <tool") == (". ", [])  # '<tool' may become '<tool_call>'
     assert stream.feed("box> is a tag") == ("<toolbox> is a tag", [])
     assert stream.feed(" <tool_call>{\"name\": \"f\", ") == (" ", [])
-    content, calls = stream.feed("\"arguments\": {}}</tool_call>")
-    assert content == "" and _calls(calls) == [("f", {})] and stream.called
+    content, deltas = stream.feed("\"arguments\": {}}</tool_call>")
+    assert content == "" and _calls(_joined(deltas)) == [("f", {})] and stream.called
     assert stream.feed(" done") == ("", []) and stream.finish() == ("done", [])
+
+
+def test_hermes_streams_the_name_first_then_the_arguments_as_they_come() -> None:
+    stream = ToolCallStream(get_parser("hermes"))
+    assert stream.feed('<tool_call>\n{"name": "get_wea') == ("", [])
+    assert stream.feed('ther", "arguments": ') == ("", [])
+    (head,) = stream.feed("{")[1]  # the name is known and the arguments object opens: the call is announced
+    assert (head.index, head.name, head.arguments) == (0, "get_weather", "{") and head.id.startswith("chatcmpl-tool-")
+    pieces = [stream.feed(p)[1] for p in ('"city": "Pa', 'ris \\"}', '", "days"', ': 2}', "}\n</tool_call>")]
+    assert [[(d.index, d.id, d.arguments) for d in p] for p in pieces] == [
+        [(0, None, '"city": "Pa')], [(0, None, 'ris \\"}')], [(0, None, '", "days"')], [(0, None, ": 2}")], []]
+    assert json.loads("{" + "".join(d.arguments for p in pieces for d in p)) == {"city": 'Paris "}', "days": 2}
+    content, deltas = stream.feed('<tool_call>{"arguments": {"zone": "cet"}, "name": "get_time"}</tool_call>')
+    assert content == "" and [(d.index, d.name, json.loads(d.arguments)) for d in deltas] == [
+        (1, "get_time", {"zone": "cet"})]  # name after the arguments: whole, once it closes
+    assert stream.finish() == ("", [])
 
 
 def test_each_call_goes_out_when_it_closes_and_parallel_calls_off_keeps_the_first() -> None:
     text = HERMES_TWO
     first_close = text.index("</tool_call>") + len("</tool_call>")
     stream = ToolCallStream(get_parser("hermes"))
-    _, calls = stream.feed(text[:first_close])
-    assert _calls(calls) == [("get_weather", {"city": "Paris", "days": 2})]
-    _, calls = stream.feed(text[first_close:])
-    assert _calls(calls) == [("get_time", {"zone": "cet"})] and stream.finish() == ("", [])
+    _, deltas = stream.feed(text[:first_close])
+    assert _calls(_joined(deltas)) == [("get_weather", {"city": "Paris", "days": 2})]
+    _, more = stream.feed(text[first_close:])
+    assert _calls(_joined(deltas + more)[1:]) == [("get_time", {"zone": "cet"})] and stream.finish() == ("", [])
     for parser, reply in (("hermes", text), ("llama3_json", '{"name": "f", "parameters": {}}; {"name": "g", '
                                                             '"parameters": {}}')):
         content, calls, _ = _stream(parser, reply, list(range(1, len(reply))), limit=1)

@@ -215,7 +215,8 @@ def _think(job: _Job, index: int, text: str, finish: Optional[str]) -> tuple[str
 
 
 def _auto_delta(job: _Job, index: int, choice: _Choice, text: str) -> tuple[Optional[ChatDelta], Optional[str]]:
-    """An 'auto' reply's content that is surely no call, and its calls as they close (None: nothing to send yet)."""
+    """An 'auto' reply's content that is surely no call, and its calls' pieces as they come (None: nothing to send
+    yet)."""
     stream = job.streams.setdefault(index, ToolCallStream(job.parser, job.limit))  # type: ignore[arg-type]
     content, calls = stream.feed(text)
     finish = choice.finish_reason
@@ -225,9 +226,9 @@ def _auto_delta(job: _Job, index: int, choice: _Choice, text: str) -> tuple[Opti
         finish = "tool_calls" if finish == "stop" and stream.called else finish
     if not (content or calls or finish):
         return None, None
-    first = stream.emitted - len(calls)
-    deltas = [tooling.DeltaToolCall(index=first + k, id=c.id, type="function", function=tooling.DeltaFunctionCall(
-        name=c.function.name, arguments=c.function.arguments)) for k, c in enumerate(calls)]
+    deltas = [tooling.DeltaToolCall(index=c.index, id=c.id, type="function" if c.id is not None else None,
+                                    function=tooling.DeltaFunctionCall(name=c.name, arguments=c.arguments))
+              for c in calls]
     return ChatDelta(content=content or None, tool_calls=deltas or None), finish
 
 
