@@ -28,7 +28,8 @@ def test_right_key_works(auth_server: ServerProcess) -> None:
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
                                      {"Authorization": "Basic " + KEY}])
 @pytest.mark.parametrize("method,route", [("GET", "/v1/models"), ("POST", "/v1/completions"),
-                                          ("POST", "/v1/chat/completions")])
+                                          ("POST", "/v1/chat/completions"), ("POST", "/score"),
+                                          ("POST", "/v2/rerank")])
 def test_missing_or_wrong_key_is_401(auth_server: ServerProcess, headers: dict, method: str, route: str) -> None:
     response = httpx.request(method, auth_server.base_url + route, headers=headers, json={"prompt": "x"})
     assert response.status_code == 401

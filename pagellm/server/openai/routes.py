@@ -1,13 +1,14 @@
-"""The FastAPI app: OpenAI routes under ``/v1`` (completions, chat, embeddings, models, responses) plus
-``/health``, ``/version``, ``/stats``, ``/tokenize``,
-``/detokenize``, ``/start_profile``, ``/stop_profile`` and ``/reset_prefix_cache``, and (given an
+"""The FastAPI app: OpenAI routes under ``/v1`` (completions, chat, embeddings, models, responses), vLLM's
+``/score`` and ``/rerank`` (also under ``/v1``; ``/v2/rerank``), plus ``/health``, ``/version``, ``/stats``,
+``/tokenize``, ``/detokenize``, ``/start_profile``, ``/stop_profile`` and ``/reset_prefix_cache``, and (given an
 ``Observability``) ``/metrics``, ``/dashboard`` and trace-context propagation.
 
 Contract:
 - ``build_app(engine, model_names, api_key)`` builds the app over an ``EngineClient``; it starts nothing. With
   ``tool_parser`` (a name in ``tool_parsers.PARSERS``) chat requests may leave ``tool_choice`` to the model ("auto");
   with ``reasoning_parser`` (``reasoning.PARSERS``) chat replies carry a reasoning model's thinking apart.
-- With ``api_key`` every ``/v1`` route needs ``Authorization: Bearer <key>``, else 401 in OpenAI's error shape.
+- With ``api_key`` every ``/v1`` route (and ``/score``, ``/rerank``) needs ``Authorization: Bearer <key>``, else 401
+  in OpenAI's error shape.
 - ``POST /start_profile`` starts the engine core's torch profiler and ``POST /stop_profile`` stops it, answering
   ``{"files": [trace, summary]}`` (metrics/profiler.py): 400 when the server has no ``--profiler-dir``, 409 when a
   profile records already (start) or none does (stop). They write files on the server, so ``api_key`` guards them
@@ -48,6 +49,7 @@ from pagellm.server.openai.serving_chat import OpenAIServingChat
 from pagellm.server.openai.serving_completion import OpenAIServingCompletion
 from pagellm.server.openai.responses_protocol import ResponseObject, ResponsesRequest
 from pagellm.server.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
+from pagellm.server.openai.serving_score import OpenAIServingScore, RerankRequest, ScoreRequest
 from pagellm.server.openai.serving_responses import OpenAIServingResponses
 from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing
 from pagellm.server.openai.tokenization import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
@@ -74,6 +76,7 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
     chat = OpenAIServingChat(engine, served.names, tool_parser, reasoning_parser, served.loras)
     app.include_router(_v1_router(engine, served, api_key, chat))
     app.include_router(_responses_router(OpenAIServingResponses(chat), api_key))
+    app.include_router(_score_router(engine, served, api_key))
     if runtime_lora_updating:
         app.include_router(lora_router(engine, served.names, served.loras, _auth(api_key)))
     app.include_router(_admin_router(engine, model_names))
@@ -122,6 +125,25 @@ def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], ch
             return _EventStream(chat.stream(job))
         return await _json_unless_disconnected(raw, chat.create(job))
 
+    return router
+
+
+def _score_router(engine: EngineClient, served: _Served, api_key: Optional[str]) -> APIRouter:
+    """vLLM's scoring APIs (``serving_score.py``): ``/score`` and ``/rerank``, also under ``/v1``, and
+    ``/v2/rerank`` (Cohere's path)."""
+    router = APIRouter(dependencies=_auth(api_key))
+    scoring = OpenAIServingScore(engine, served.names, served.loras)
+
+    async def score(body: ScoreRequest, raw: Request) -> Response:
+        return await _json_unless_disconnected(raw, scoring.score(scoring.prepare(body)))
+
+    async def rerank(body: RerankRequest, raw: Request) -> Response:
+        return await _json_unless_disconnected(raw, scoring.rerank(scoring.prepare(body)))
+
+    for path in ("/score", "/v1/score"):
+        router.add_api_route(path, score, methods=["POST"])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        router.add_api_route(path, rerank, methods=["POST"])
     return router
 
 

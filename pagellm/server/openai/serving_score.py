@@ -1,0 +1,166 @@
+"""``POST /score`` and ``POST /rerank`` (also under ``/v1``, and ``/v2/rerank``): vLLM's scoring APIs over the
+embeddings of ``serving_embedding.py``, for embedding models (bi-encoders): a pair's score is the cosine similarity
+of its two texts' embeddings.
+
+Contract:
+- ``/score`` takes ``text_1`` and ``text_2``, each a string or a list of strings (vLLM's rule): one and one is one
+  pair, one and N pairs the one with each of the N, N and N pairs them index by index; other lengths are a 400.
+  It answers ``data: [{index, object: "score", score}]`` in pair order.
+- ``/rerank`` (Jina's and Cohere's shape, as vLLM serves it) takes ``query`` and ``documents``; it answers
+  ``results: [{index, document: {text}, relevance_score}]``, most relevant first, the first ``top_n`` (all when 0 or
+  unset), documents left out with ``return_documents: false``.
+- Each distinct text is embedded once (a query scored against many documents runs once), all of them as one batch
+  of engine requests through the scheduler, its prefix cache included; ``usage`` counts their prompt tokens. Checks
+  and limits are the embeddings API's (``truncate_prompt_tokens``, ``max_model_len``), all before anything runs.
+- Cross-encoder rerankers (a classification head over the pair) are not served: a score here is a bi-encoder's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+from pagellm.outputs import pooled_embedding
+from pagellm.sampling_params import SamplingParams
+from pagellm.server.openai.errors import APIError
+from pagellm.server.openai.protocol import Int64, OpenAIModel
+from pagellm.server.openai.serving_engine import OpenAIServing, random_id
+
+
+class ScoreRequest(OpenAIModel):
+    model: Optional[str] = None
+    text_1: Union[str, list[str]]
+    text_2: Union[str, list[str]]
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)
+    add_special_tokens: bool = True
+    priority: Int64 = 0
+    user: Optional[str] = None
+
+
+class RerankRequest(OpenAIModel):
+    model: Optional[str] = None
+    query: str
+    documents: list[str]
+    top_n: int = Field(0, ge=0)
+    return_documents: bool = True
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)
+    add_special_tokens: bool = True
+    priority: Int64 = 0
+    user: Optional[str] = None
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: ScoreUsage
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    document: Optional[RerankDocument] = None
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+@dataclass
+class _Job:
+    request: Union[ScoreRequest, RerankRequest]
+    request_id: str
+    model: str
+    texts: list[str]                  # the distinct texts, each embedded once
+    prompts: list[list[int]]          # their token ids
+    pairs: list[tuple[int, int]]      # each pair's two texts, by position in ``texts``
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def pairs_of(first: Union[str, list[str]], second: Union[str, list[str]]) -> list[tuple[str, str]]:
+    """vLLM's pairing of ``text_1`` with ``text_2``: 1–1, 1–N, or N–N index by index."""
+    ones = [first] if isinstance(first, str) else first
+    twos = [second] if isinstance(second, str) else second
+    if not ones or not twos:
+        raise APIError("text_1 and text_2 must not be empty", 400, param="text_1" if not ones else "text_2")
+    if len(ones) == 1:
+        return [(ones[0], two) for two in twos]
+    if len(ones) != len(twos):
+        raise APIError(f"text_1 has {len(ones)} texts and text_2 {len(twos)}: give one text_1, or as many as "
+                       "text_2 (they are paired index by index)", 400, param="text_2")
+    return list(zip(ones, twos))
+
+
+class OpenAIServingScore(OpenAIServing):
+
+    def prepare(self, request: Union[ScoreRequest, RerankRequest]) -> _Job:
+        """Pair, deduplicate and tokenize (APIError / ValueError → 4xx before anything is queued)."""
+        model = self.check_model(request.model)
+        if isinstance(request, RerankRequest):
+            if not request.documents:
+                raise APIError("documents must not be empty", 400, param="documents")
+            pairs = [(request.query, doc) for doc in request.documents]
+        else:
+            pairs = pairs_of(request.text_1, request.text_2)
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+        position = {text: i for i, text in enumerate(texts)}
+        items = self.tokenize_prompts(texts, request.add_special_tokens, request.truncate_prompt_tokens,
+                                      "documents" if isinstance(request, RerankRequest) else "text_1")
+        return _Job(request, random_id("score" if isinstance(request, ScoreRequest) else "rerank"), model, texts,
+                    [ids for _, ids, _ in items], [(position[a], position[b]) for a, b in pairs])
+
+    async def scores(self, job: _Job) -> list[float]:
+        """Each pair's cosine similarity, in pair order."""
+        params = SamplingParams.for_pooling(self.loras.get(job.model))
+        vectors: dict[int, np.ndarray] = {}
+        async for index, output in self.generate(job.prompts, params, job.request_id, job.request.priority):
+            if output.pooled is not None:
+                vectors[index] = np.asarray(pooled_embedding(output.pooled), dtype=np.float64)
+        if len(vectors) != len(job.prompts):
+            raise RuntimeError("the engine finished an embedding request without its hidden state")
+        return [float(vectors[a] @ vectors[b]) for a, b in job.pairs]
+
+    async def score(self, job: _Job) -> ScoreResponse:
+        tokens = sum(len(p) for p in job.prompts)
+        data = [ScoreData(index=i, score=s) for i, s in enumerate(await self.scores(job))]
+        return ScoreResponse(id=job.request_id, created=job.created, model=job.model, data=data,
+                             usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+    async def rerank(self, job: _Job) -> RerankResponse:
+        request = job.request
+        assert isinstance(request, RerankRequest)
+        scores = await self.scores(job)
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])[:request.top_n or None]
+        results = [RerankResult(index=i, relevance_score=scores[i], document=RerankDocument(
+            text=request.documents[i]) if request.return_documents else None) for i in order]
+        return RerankResponse(id=job.request_id, model=job.model, results=results,
+                              usage=RerankUsage(total_tokens=sum(len(p) for p in job.prompts)))
