@@ -1,11 +1,11 @@
-"""Tensor parallelism over processes: rank 0 runs in the engine core's process, ranks 1..N-1 in worker processes
-that each step's ``SchedulerOutput`` reaches through a shared-memory broadcast ring.
+"""Tensor and pipeline parallelism over processes: rank 0 runs in the engine core's process, ranks 1..N-1 in worker
+processes that each step's ``SchedulerOutput`` reaches through a shared-memory broadcast ring.
 
 Contract:
-- ``MultiprocExecutor(config)`` spawns ``tensor_parallel_size - 1`` worker processes, joins them in one
-  ``torch.distributed`` group (gloo: CPU collectives) and builds its own rank-0 ``Worker``; each rank loads its
-  shard of every layer (``distributed/groups.ParallelState``: attention heads, MLP columns, vocabulary) and a KV
-  cache for its heads, and runs on its share of the threads. It returns once every rank has loaded, or raises the
+- ``MultiprocExecutor(config)`` spawns ``world_size - 1`` worker processes (tensor × pipeline ranks), joins them in
+  one ``torch.distributed`` group (gloo: CPU collectives) and builds its own rank-0 ``Worker``; each rank loads its
+  shard of its stage's layers (``distributed/groups.ParallelState``: attention heads, MLP columns, vocabulary) and a
+  KV cache for its heads, and runs on its share of the threads. It returns once every rank has loaded, or raises the
   first rank's error.
 - ``execute_model`` broadcasts the step (msgpack, ``distributed/shm_ring.py``) and runs rank 0; all ranks run the
   same forward pass, meet in the layers' all-reduces (through shared memory, ``distributed/shm_comm.py``; gloo
@@ -20,7 +20,6 @@ Contract:
 
 from __future__ import annotations
 
-import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -33,8 +32,8 @@ import msgspec
 from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.distributed.shm_ring import RingReader, ShmRing
-from pagellm.executor.ranks import (COLLECTIVE_TIMEOUT_S, Command, build_worker, close_comm, free_port, join_group,
-                                    leave_group, threads_per_rank)
+from pagellm.executor.ranks import (COLLECTIVE_TIMEOUT_S, Command, RankZeroExecutor, build_worker, close_comm,
+                                    free_port, join_group, leave_group, threads_per_rank)
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.runtime import RuntimeInfo
 
@@ -86,7 +85,7 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, reader: 
         reader.detach()
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(RankZeroExecutor):
     def __init__(self, config: EngineConfig) -> None:
         size = config.parallel_config.world_size
         ctx = mp.get_context("spawn")
@@ -107,13 +106,12 @@ class MultiprocExecutor:
             self.worker = _build_worker(config, 0, size)
             self._wait_ready()
         except BaseException:
-            self._stop_workers()
+            self._stop_ranks()
             leave_group()
             raise
         self.runtime: RuntimeInfo = self.worker.runtime
-        self._closed = False
-        atexit.register(self.shutdown)  # an LLM dropped without shutdown() still stops its workers and frees the ring
-        logger.info("tensor parallel: %d ranks, %d threads each", size, threads_per_rank(size))
+        self._register_exit()  # an LLM dropped without shutdown() still stops its workers and frees the ring
+        logger.info("%d ranks (%s), %d threads each", size, config.parallel_config.describe(), threads_per_rank(size))
 
     def _join(self, size: int, port: int) -> None:
         """Join the group, failing at once (not after the rendezvous timeout) when a rank fails before joining."""
@@ -175,23 +173,7 @@ class MultiprocExecutor:
         self._broadcast(Command("idle", idle=idle))
         self.worker.set_idle(idle)
 
-    def start_profile(self) -> bool:
-        return self.worker.start_profile()
-
-    def stop_profile(self) -> list[str]:
-        return self.worker.stop_profile()
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self.shutdown)
-        self._stop_workers()
-        self.worker.shutdown()
-        close_comm(self.worker)
-        leave_group()
-
-    def _stop_workers(self) -> None:
+    def _stop_ranks(self) -> None:
         if any(p.is_alive() for p in self.procs):
             try:
                 self.ring.put(_ENCODER.encode(Command("stop")), timeout=5)

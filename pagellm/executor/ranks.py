@@ -13,6 +13,7 @@ Contract:
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -94,3 +95,38 @@ def close_comm(worker: Any) -> None:
     comm = worker.parallel.comm
     if comm is not None:
         comm.close()
+
+
+class RankZeroExecutor:
+    """What every multi-rank executor does with rank 0, the engine core's own ``Worker`` (``self.worker``):
+    profiling (rank 0 records), and a shutdown that stops the other ranks first (``_stop_ranks``), then rank 0 and
+    the group, once, also at interpreter exit for an engine dropped without ``shutdown``."""
+
+    worker: Any
+
+    def _register_exit(self) -> None:
+        self._closed = False
+        atexit.register(self.shutdown)
+
+    def start_profile(self) -> bool:
+        return self.worker.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        return self.worker.stop_profile()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        self._stop_ranks()
+        self.worker.shutdown()
+        close_comm(self.worker)
+        leave_group()
+        self._after_shutdown()
+
+    def _stop_ranks(self) -> None:
+        raise NotImplementedError
+
+    def _after_shutdown(self) -> None:
+        """What the executor releases last (nothing by default)."""

@@ -21,7 +21,6 @@ Contract:
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import threading
@@ -32,8 +31,8 @@ import msgspec
 
 from pagellm import envs
 from pagellm.config import EngineConfig
-from pagellm.executor.ranks import (COLLECTIVE_TIMEOUT_S, Command, build_worker, close_comm, free_port, join_group,
-                                    leave_group, threads_per_rank)
+from pagellm.executor.ranks import (COLLECTIVE_TIMEOUT_S, Command, RankZeroExecutor, build_worker, close_comm,
+                                    free_port, join_group, leave_group, threads_per_rank)
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.runtime import RuntimeInfo
 
@@ -101,7 +100,7 @@ class RankActor:
         leave_group()
 
 
-class RayExecutor:
+class RayExecutor(RankZeroExecutor):
     def __init__(self, config: EngineConfig) -> None:
         self.ray, self._owns_ray = connect()
         size = config.parallel_config.world_size
@@ -112,7 +111,7 @@ class RayExecutor:
         try:
             shm = self._start(config, size)
         except BaseException:
-            self._stop_actors()
+            self._stop_ranks()
             if self.worker is not None:
                 self.worker.shutdown()
                 close_comm(self.worker)
@@ -120,10 +119,9 @@ class RayExecutor:
             self._disconnect()
             raise
         self.runtime: RuntimeInfo = self.worker.runtime
-        self._closed = False
-        atexit.register(self.shutdown)
-        logger.info("tensor parallel on Ray: %d ranks, %d threads each, %s", size, self.threads,
-                    "one node (shared-memory collectives)" if shm else "gloo collectives")
+        self._register_exit()
+        logger.info("%d ranks on Ray (%s), %d threads each, %s", size, config.parallel_config.describe(),
+                    self.threads, "one node (shared memory between ranks)" if shm else "gloo between ranks")
 
     def _start(self, config: EngineConfig, size: int) -> bool:
         """Place the ranks, start the actors, load every rank; whether the collectives use shared memory."""
@@ -241,21 +239,7 @@ class RayExecutor:
         for rank, ref in enumerate(refs, start=1):
             self._result(rank, ref, COLLECTIVE_TIMEOUT_S)
 
-    def start_profile(self) -> bool:
-        return self.worker.start_profile()
-
-    def stop_profile(self) -> list[str]:
-        return self.worker.stop_profile()
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self.shutdown)
-        self._stop_actors()
-        self.worker.shutdown()
-        close_comm(self.worker)
-        leave_group()
+    def _after_shutdown(self) -> None:
         self._disconnect()
 
     def _disconnect(self) -> None:
@@ -264,7 +248,7 @@ class RayExecutor:
         if self._owns_ray:
             self.ray.shutdown()
 
-    def _stop_actors(self) -> None:
+    def _stop_ranks(self) -> None:
         ray = self.ray
         if self.actors:
             try:

@@ -49,12 +49,21 @@ def _alive(pids: set[int]) -> set[int]:
             and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]}
 
 
-@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+@pytest.mark.parametrize("flags", [["--tensor-parallel-size", "2"], ["--pipeline-parallel-size", "2"],
+                                   ["--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"]],
+                         ids=["tensor", "pipeline", "tensor-on-ray"])
 def test_two_ranks_serve_what_one_serves_and_stop_cleanly(start_server: Callable[..., ServerProcess],
-                                                          server: ServerProcess, tiny_llama: Path, flag: str) -> None:
-    sharded = start_server(tiny_llama, "--served-model-name", "tiny", flag, "2")
+                                                          server: ServerProcess, tiny_llama: Path,
+                                                          flags: list[str]) -> None:
+    """On Ray without a cluster, the engine core starts a local Ray instance (rank 1 in its actor), and stopping the
+    server ends the instance too."""
+    sharded = start_server(tiny_llama, "--served-model-name", "tiny", *flags)
     family = _descendants(sharded.proc.pid)
-    assert len(_workers(sharded)) == 1  # rank 1, beside the engine core's rank 0
+    if "ray" in flags:
+        titles = {Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] for pid in _alive(family)}
+        assert b"ray::RankActor" in titles
+    else:
+        assert len(_workers(sharded)) == 1  # rank 1, beside the engine core's rank 0
     replies = []
     for base in (sharded.base_url, server.base_url):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
@@ -77,22 +86,3 @@ def test_killing_the_engine_core_takes_its_worker_with_it(start_server: Callable
     assert sharded.proc.returncode == 1
     wait_until(lambda: not _alive(family | workers), 30, "the orphaned worker to exit")
 
-
-def test_ranks_on_ray_serve_what_one_serves_and_stop_with_their_ray_instance(
-        start_server: Callable[..., ServerProcess], server: ServerProcess, tiny_llama: Path) -> None:
-    """``--distributed-executor-backend ray`` without a cluster: the engine core starts a local Ray instance, rank 1
-    runs in its actor, and stopping the server ends the instance too."""
-    sharded = start_server(tiny_llama, "--served-model-name", "tiny", "--tensor-parallel-size", "2",
-                           "--distributed-executor-backend", "ray")
-    family = _descendants(sharded.proc.pid)
-    titles = {Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] for pid in _alive(family)}
-    assert b"ray::RankActor" in titles
-    replies = []
-    for base in (sharded.base_url, server.base_url):
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
-        reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=16, temperature=0,
-                                               extra_body={"ignore_eos": True})
-        replies.append(reply.choices[0].message.content)
-    assert replies[0] == replies[1]
-    assert sharded.stop() == 0
-    wait_until(lambda: not _alive(family), 30, "every process of the server and its Ray instance to exit")
