@@ -23,8 +23,10 @@ from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling
 from pagellm.lora import LoRARequest
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.model.loader import resolve_model_dir
-from pagellm.outputs import EmbeddingRequestOutput, RequestOutput, pooled_embedding
+from pagellm.outputs import (EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput,
+                             pooled_embedding)
 from pagellm.sampling_params import SamplingParams
+from pagellm.scoring import Texts, cosine, distinct, pair_texts
 from pagellm.tokenizer import Tokenizer, load_chat_template
 
 logger = logging.getLogger(__name__)
@@ -175,6 +177,17 @@ class LLM:
                                 lora_request=lora_request)
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, pooled_embedding(o.pooled, normalize),
                                        o.num_cached_tokens) for o in outputs]
+
+    def score(self, text_1: Texts, text_2: Texts, use_tqdm: bool = True,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` for embedding models: each pair of ``text_1`` with ``text_2`` (one and one, one and N,
+        or N and N index by index) scored by the cosine similarity of the two embeddings; each distinct text is
+        embedded once."""
+        pairs = pair_texts(text_1, text_2)
+        texts, positions = distinct(pairs)
+        vectors = [e.embedding for e in self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request)]
+        return [ScoringRequestOutput(i, a, b, ScoringOutput(cosine(vectors[x], vectors[y])))
+                for i, ((a, b), (x, y)) in enumerate(zip(pairs, positions))]
 
     def shutdown(self) -> None:
         """Stop the engine now (tensor-parallel worker processes included) rather than at interpreter exit."""

@@ -87,6 +87,21 @@ class EmbeddingRequestOutput:
     num_cached_tokens: int = 0
 
 
+@dataclass
+class ScoringOutput:
+    score: float  # the cosine similarity of the pair's two embeddings
+
+
+@dataclass
+class ScoringRequestOutput:
+    """``LLM.score``'s result for one pair (vLLM's shape: ``output.outputs.score``)."""
+
+    index: int
+    text_1: str
+    text_2: str
+    outputs: ScoringOutput
+
+
 def pooled_embedding(pooled: list[float] | None, normalize: bool = True) -> list[float]:
     """A pooling request's hidden state as an embedding (L2-normalised with ``normalize``)."""
     if pooled is None:

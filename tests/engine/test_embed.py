@@ -1,6 +1,6 @@
 """Embeddings by last-token pooling (``LLM.embed``, ``SamplingParams.pooling``): the final hidden state of each
 prompt's last token equals transformers' ``last_hidden_state`` in float32, whatever chunking, prefix-cache hits or
-generation requests share its steps, and every KV block comes back."""
+generation requests share its steps, and every KV block comes back; ``LLM.score`` is the cosine of two of them."""
 
 from __future__ import annotations
 
@@ -77,3 +77,23 @@ def test_a_base_model_checkpoint_serves_embeddings_only(tiny_qwen2: Path, tmp_pa
         torch.testing.assert_close(torch.tensor(out.embedding), ref / ref.norm(), atol=2e-6, rtol=0)
     with pytest.raises(ValueError, match="base-model checkpoint with no language-model head: it serves embeddings"):
         llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+def test_score_pairs_texts_and_takes_the_cosine_of_transformers_embeddings(tiny_llama: Path) -> None:
+    """``LLM.score`` pairs 1–N and N–N (vLLM's rule) and each score is the cosine similarity of transformers'
+    last-token hidden states of the two texts."""
+    llm = LLM(str(tiny_llama), dtype="float32")
+    texts = ["The cat sat.", "A dog ran far away.", "The cat sat on a mat."]
+    ids = [llm.tokenizer.encode(t) for t in texts]
+    ref = [torch.nn.functional.normalize(v, dim=0) for v in _reference(tiny_llama, ids)]
+    one_to_many = llm.score(texts[0], texts, use_tqdm=False)
+    assert [(o.index, o.text_1, o.text_2) for o in one_to_many] == [(i, texts[0], t) for i, t in enumerate(texts)]
+    assert [o.outputs.score for o in one_to_many] == pytest.approx([float(ref[0] @ r) for r in ref], abs=1e-5)
+    assert one_to_many[0].outputs.score == pytest.approx(1.0, abs=1e-5)
+    pairwise = llm.score(texts[1:], texts[:2], use_tqdm=False)
+    assert [o.outputs.score for o in pairwise] == pytest.approx([float(ref[1] @ ref[0]), float(ref[2] @ ref[1])],
+                                                                abs=1e-5)
+    with pytest.raises(ValueError, match="text_1 has 2 texts and text_2 3"):
+        llm.score(texts[:2], texts)
+    kv = llm.engine.core.scheduler.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks

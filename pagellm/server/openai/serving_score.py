@@ -3,8 +3,8 @@ embeddings of ``serving_embedding.py``, for embedding models (bi-encoders): a pa
 of its two texts' embeddings.
 
 Contract:
-- ``/score`` takes ``text_1`` and ``text_2``, each a string or a list of strings (vLLM's rule): one and one is one
-  pair, one and N pairs the one with each of the N, N and N pairs them index by index; other lengths are a 400.
+- ``/score`` takes ``text_1`` and ``text_2``, each a string or a list of strings, paired by vLLM's rule
+  (``scoring.pair_texts``: 1–1, 1–N, N–N index by index; other lengths are a 400).
   It answers ``data: [{index, object: "score", score}]`` in pair order.
 - ``/rerank`` (Jina's and Cohere's shape, as vLLM serves it) takes ``query`` and ``documents``; it answers
   ``results: [{index, document: {text}, relevance_score}]``, most relevant first, the first ``top_n`` (all when 0 or
@@ -21,11 +21,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-import numpy as np
 from pydantic import BaseModel, Field
 
 from pagellm.outputs import pooled_embedding
 from pagellm.sampling_params import SamplingParams
+from pagellm.scoring import cosine, distinct, pair_texts
 from pagellm.server.openai.errors import APIError
 from pagellm.server.openai.protocol import Int64, OpenAIModel
 from pagellm.server.openai.serving_engine import OpenAIServing, random_id
@@ -106,20 +106,6 @@ class _Job:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def pairs_of(first: Union[str, list[str]], second: Union[str, list[str]]) -> list[tuple[str, str]]:
-    """vLLM's pairing of ``text_1`` with ``text_2``: 1–1, 1–N, or N–N index by index."""
-    ones = [first] if isinstance(first, str) else first
-    twos = [second] if isinstance(second, str) else second
-    if not ones or not twos:
-        raise APIError("text_1 and text_2 must not be empty", 400, param="text_1" if not ones else "text_2")
-    if len(ones) == 1:
-        return [(ones[0], two) for two in twos]
-    if len(ones) != len(twos):
-        raise APIError(f"text_1 has {len(ones)} texts and text_2 {len(twos)}: give one text_1, or as many as "
-                       "text_2 (they are paired index by index)", 400, param="text_2")
-    return list(zip(ones, twos))
-
-
 class OpenAIServingScore(OpenAIServing):
 
     def prepare(self, request: Union[ScoreRequest, RerankRequest]) -> _Job:
@@ -130,24 +116,23 @@ class OpenAIServingScore(OpenAIServing):
                 raise APIError("documents must not be empty", 400, param="documents")
             pairs = [(request.query, doc) for doc in request.documents]
         else:
-            pairs = pairs_of(request.text_1, request.text_2)
-        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-        position = {text: i for i, text in enumerate(texts)}
+            pairs = pair_texts(request.text_1, request.text_2)
+        texts, positions = distinct(pairs)
         items = self.tokenize_prompts(texts, request.add_special_tokens, request.truncate_prompt_tokens,
                                       "documents" if isinstance(request, RerankRequest) else "text_1")
         return _Job(request, random_id("score" if isinstance(request, ScoreRequest) else "rerank"), model, texts,
-                    [ids for _, ids, _ in items], [(position[a], position[b]) for a, b in pairs])
+                    [ids for _, ids, _ in items], positions)
 
     async def scores(self, job: _Job) -> list[float]:
         """Each pair's cosine similarity, in pair order."""
         params = SamplingParams.for_pooling(self.loras.get(job.model))
-        vectors: dict[int, np.ndarray] = {}
+        vectors: dict[int, list[float]] = {}
         async for index, output in self.generate(job.prompts, params, job.request_id, job.request.priority):
             if output.pooled is not None:
-                vectors[index] = np.asarray(pooled_embedding(output.pooled), dtype=np.float64)
+                vectors[index] = pooled_embedding(output.pooled)
         if len(vectors) != len(job.prompts):
             raise RuntimeError("the engine finished an embedding request without its hidden state")
-        return [float(vectors[a] @ vectors[b]) for a, b in job.pairs]
+        return [cosine(vectors[a], vectors[b]) for a, b in job.pairs]
 
     async def score(self, job: _Job) -> ScoreResponse:
         tokens = sum(len(p) for p in job.prompts)
