@@ -70,6 +70,26 @@ def test_bfloat16_stages_agree_with_one_process_on_the_python_layers(tiny_llama:
     assert outputs[0] == outputs[1]
 
 
+def test_embeddings_and_prompt_logprobs_come_from_the_last_stage(tiny_llama: Path) -> None:
+    """What the runner reads off the final hidden states besides sampling (pooling, prompt logprobs) is the last
+    stage's, broadcast: equal to one process's."""
+    prompts = _prompts(seed=18)[:3]
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
+    results = []
+    for size in (2, 1):
+        llm = LLM(str(tiny_llama), dtype="float32", pipeline_parallel_size=size)
+        try:
+            embeddings = [e.embedding for e in llm.embed(prompts, use_tqdm=False)]
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            logprobs = [[{k: round(v.logprob, 4) for k, v in entry.items()} if entry else None
+                         for entry in o.prompt_logprobs] for o in outputs]
+            results.append((embeddings, logprobs))
+        finally:
+            llm.shutdown()
+    assert results[0][1] == results[1][1]
+    assert all(a == pytest.approx(b, abs=1e-5) for a, b in zip(results[0][0], results[1][0]))
+
+
 def test_stages_of_tensor_parallel_ranks(tiny_model_factory) -> None:
     """Two stages of two tensor-parallel ranks each (four processes): each stage's ranks meet in their own group
     (shared memory), stage to stage rank by rank; greedy tokens equal transformers'."""
