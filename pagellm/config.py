@@ -403,9 +403,10 @@ class EngineConfig:
     def _check_parallel(self) -> None:
         """What parallel ranks do not split yet is refused, naming the way out."""
         size = self.parallel_config.describe()
-        if self.speculative_config.method not in (None, "ngram"):
-            raise ValueError(f"speculative method {self.speculative_config.method!r} does not run with "
-                             f"{size} (its draft model is not split); use ngram or size 1")
+        spec = self.speculative_config
+        if spec.method == "draft_model" and spec.model is None and self.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError(f"draft_model with draft_layers (the target's first layers) does not run with {size}; "
+                             "give a draft 'model', or use ngram, medusa or eagle")
         if self.model_config.enable_lora:
             raise ValueError(f"LoRA adapters do not run with {size} yet; use size 1")
         if self.model_config.quantization:

@@ -110,6 +110,7 @@ class EagleProposer:
         self.lookup = lookup if self.topk or self.branching else None
         if self.lookup is not None:
             self.num_lookahead_tokens += self.lookup.num_lookahead_tokens
+        self.lm_head = target.lm_head
         self.vocab_rows, self.lm_weight = _draft_lm_head(head, target.lm_head, draft_vocab_size)
         self.vocab = target.cfg.vocab_size
         self.windows: dict[str, _Window] = {}
@@ -255,7 +256,9 @@ class EagleProposer:
         k, v = store.tensors()
         attended = masked_attention(q, k, v, mask, self.head.head_dim ** -0.5)
         predicted = self.norm(self.head.finish(residual, attended))[0]
-        return _Pass(predicted, linear(predicted, self.lm_weight))
+        split = self.vocab_rows is None and self.lm_head.parallel.tp_size > 1  # a whole vocabulary over ranks
+        logits = self.lm_head.logits(predicted) if split else linear(predicted, self.lm_weight)
+        return _Pass(predicted, logits)
 
     def _children(self, plans: list[_Plan], frontier: list[tuple[int, int]], out: _Pass,
                   depth: int) -> list[tuple[int, list[int]]]:
@@ -364,7 +367,8 @@ class _KVStore:
 def _draft_lm_head(head: EagleHead, lm_head: nn.Module,
                    size: int | None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The token ids the draft scores (None: every row) and the LM-head weight for them: the target's own
-    (plain or packed) for the full vocabulary, else its rows for the subset, packed like the target's."""
+    (plain or packed) for the full vocabulary, else its rows for the subset, packed like the target's (gathered
+    from every tensor-parallel rank's shard, so each rank holds the same rows)."""
     rows = head.draft_vocab
     if rows is None or size == 0:
         return None, lm_head.weight
@@ -373,7 +377,7 @@ def _draft_lm_head(head: EagleHead, lm_head: nn.Module,
             raise ValueError(f"draft_vocab_size={size} exceeds the head's draft vocabulary of {len(rows)} tokens; "
                              "use at most that, or 0 for the full vocabulary")
         rows = rows[:size]
-    weight = nn.Parameter(lm_head.rows(rows).contiguous(), requires_grad=False)
+    weight = nn.Parameter(lm_head.full_rows(rows).contiguous(), requires_grad=False)
     gemm.pack_parameter(weight)  # bfloat16 where the native kernel runs; plain otherwise
     return rows, weight
 

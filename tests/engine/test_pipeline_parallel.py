@@ -109,9 +109,6 @@ def test_stages_of_tensor_parallel_ranks(tiny_model_factory) -> None:
     (dict(pipeline_parallel_size=2, enable_lora=True), "LoRA adapters do not run with pipeline_parallel_size=2"),
     (dict(pipeline_parallel_size=2, tensor_parallel_size=2, quantization="w8a8_int8", dtype="bfloat16"),
      "quantization=w8a8_int8 does not run with tensor_parallel_size=2 and pipeline_parallel_size=2"),
-    (dict(pipeline_parallel_size=2, speculative_config={"method": "medusa", "model": "x.safetensors",
-                                                       "num_speculative_tokens": 2}),
-     "speculative method 'medusa' does not run with pipeline_parallel_size=2"),
     (dict(pipeline_parallel_size=2, kv_transfer_config={
         "kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"shared_storage_path": "/tmp/pagellm-kv-never-made"}}),

@@ -48,6 +48,11 @@ class VocabParallelEmbedding(nn.Module):
         return gemm.plain(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.full_rows(ids)
+
+    def full_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Plain rows of the whole table for vocabulary ids: each rank's own, summed over the ranks (a collective
+        every rank must call)."""
         if self.parallel.tp_size == 1:
             return self.rows(ids)
         local = ids - self.start
