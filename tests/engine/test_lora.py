@@ -119,3 +119,17 @@ def test_adapters_that_do_not_fit_are_refused_before_anything_runs(tiny_llama: P
     kv = llm.engine.core.scheduler.kv
     assert kv.num_free_blocks == kv.pool.num_blocks
     assert llm.generate([[1, 2]], params, use_tqdm=False, lora_request=adapters[1])[0].finished  # still serving
+
+
+def test_adapters_on_pipeline_stages_give_pefts_tokens(tiny_llama: Path, adapters: list[LoRARequest]) -> None:
+    """Each stage applies the adapters' deltas to its own layers (by their number in the whole model)."""
+    prompts = _prompts()
+    llm = LLM(str(tiny_llama), dtype="float32", enable_lora=True, pipeline_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        for adapter in adapters:
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapter)
+            assert [o.outputs[0].token_ids for o in outs] == _peft_greedy(tiny_llama, Path(adapter.lora_path),
+                                                                          prompts)
+    finally:
+        llm.shutdown()
