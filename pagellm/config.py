@@ -407,9 +407,6 @@ class EngineConfig:
         if spec.method == "draft_model" and spec.model is None and self.parallel_config.pipeline_parallel_size > 1:
             raise ValueError(f"draft_model with draft_layers (the target's first layers) does not run with {size}; "
                              "give a draft 'model', or use ngram, medusa or eagle")
-        if self.model_config.enable_lora and self.parallel_config.tensor_parallel_size > 1:
-            raise ValueError(f"LoRA adapters do not run with {size} yet; use tensor_parallel_size 1 (pipeline "
-                             "stages run them)")
         if self.model_config.quantization:
             raise ValueError(f"quantization={self.model_config.quantization} does not run with {size} yet; "
                              "use size 1")

@@ -115,6 +115,11 @@ def check_adapter(request: LoRARequest, arch: Any) -> None:
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
+# The groups whose layer is row-parallel under tensor parallelism: each rank holds a slice of the input, so its
+# product with A is partial and is summed over the ranks before B (a rank-sized all-reduce).
+ROW_PARALLEL = (("o_proj",), ("down_proj",))
+
+
 @dataclass
 class Adapter:
     # (layer, group) → (the group's adapted A matrices stacked and transposed, [in, sum of ranks]; per adapted
@@ -122,25 +127,33 @@ class Adapter:
     groups: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, list[tuple[int, slice, torch.Tensor]]]]
 
     @classmethod
-    def load(cls, request: LoRARequest, arch: Any, dtype: torch.dtype) -> Adapter:
+    def load(cls, request: LoRARequest, arch: Any, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> Adapter:
+        """The adapter for one tensor-parallel rank: B's rows of a column-parallel group (q/k/v, gate/up) and A's
+        columns of a row-parallel one (o, down) cut as the layer is."""
         import torch
 
         path = Path(request.lora_path).expanduser()
         config = _config(path)
         scale, found = _scale(config), _tensors(path, arch, load=True)
+
+        def cut(matrix: torch.Tensor, dim: int) -> torch.Tensor:
+            width = matrix.shape[dim] // tp_size
+            return matrix.narrow(dim, tp_rank * width, width)
+
         groups = {}
         for layer in range(arch.num_layers):
             for names in GROUPS:
                 adapted = [(i, name) for i, name in enumerate(names) if (layer, name, "A") in found]
                 if not adapted:
                     continue
+                row = names in ROW_PARALLEL
                 parts, at = [], 0
                 for i, name in adapted:
-                    rank = found[(layer, name, "A")].shape[0]
-                    parts.append((i, slice(at, at + rank), (found[(layer, name, "B")] * scale).to(dtype)))
+                    rank, b = found[(layer, name, "A")].shape[0], found[(layer, name, "B")]
+                    parts.append((i, slice(at, at + rank), ((b if row else cut(b, 0)) * scale).to(dtype)))
                     at += rank
-                a_t = torch.cat([found[(layer, name, "A")] for _, name in adapted]).T.to(dtype).contiguous()
-                groups[(layer, names)] = (a_t, parts)
+                a = torch.cat([found[(layer, name, "A")] for _, name in adapted])
+                groups[(layer, names)] = ((cut(a, 1) if row else a).T.to(dtype).contiguous(), parts)
         return cls(groups)
 
 
@@ -148,8 +161,9 @@ class LoRABatch:
     """One step's adapters: for each, the flat token rows of its requests (a slice when they are one run of rows,
     as when one adapter serves the whole step; else an index tensor)."""
 
-    def __init__(self, groups: list[tuple[Adapter, Any]]) -> None:
+    def __init__(self, groups: list[tuple[Adapter, Any]], parallel: Any = None) -> None:
         self.groups = groups
+        self.parallel = parallel  # a ParallelState with tensor-parallel ranks, or None
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, parts: tuple[tuple[str, int, int], ...]) -> None:
         """Add each adapter's ``scale * (x @ A.T) @ B.T`` to its rows of ``y``, for the projections ``parts``
@@ -161,6 +175,8 @@ class LoRABatch:
                 continue
             a_t, adapted = stacked
             low = x[rows] @ a_t  # [rows, sum of ranks]
+            if self.parallel is not None and names in ROW_PARALLEL:  # x was this rank's slice: sum the ranks'
+                low = self.parallel.all_reduce(low.contiguous())
             for i, ranks, b in adapted:
                 _, start, width = parts[i]
                 delta = low[:, ranks] @ b.T
@@ -174,8 +190,9 @@ class WorkerAdapters:
     """The worker's side: each adapter loaded once (by id: one id, one adapter), the live requests that run with
     one, and each step's ``LoRABatch``."""
 
-    def __init__(self, arch: Any, dtype: torch.dtype) -> None:
+    def __init__(self, arch: Any, dtype: torch.dtype, parallel: Any = None) -> None:
         self.arch, self.dtype = arch, dtype
+        self.parallel = parallel if parallel is not None and parallel.tp_size > 1 else None  # tensor-parallel ranks
         self.loaded: dict[int, Adapter] = {}
         self.live: dict[str, LoRARequest] = {}  # request id → its adapter
 
@@ -197,12 +214,13 @@ class WorkerAdapters:
                 rows.setdefault(request, []).extend(range(query_start_loc[j], query_start_loc[j + 1]))
         if not rows:
             return None
-        return LoRABatch([(self._adapter(request), _rows(r)) for request, r in rows.items()])
+        return LoRABatch([(self._adapter(request), _rows(r)) for request, r in rows.items()], self.parallel)
 
     def _adapter(self, request: LoRARequest) -> Adapter:
         adapter = self.loaded.get(request.lora_int_id)
         if adapter is None:
-            adapter = self.loaded[request.lora_int_id] = Adapter.load(request, self.arch, self.dtype)
+            rank, size = (self.parallel.tp_rank, self.parallel.tp_size) if self.parallel is not None else (0, 1)
+            adapter = self.loaded[request.lora_int_id] = Adapter.load(request, self.arch, self.dtype, rank, size)
         return adapter
 
 

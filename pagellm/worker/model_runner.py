@@ -58,7 +58,7 @@ class ModelRunner:
         self.drafts: dict[str, Draft] = {}  # proposals awaiting verification, by request
         self._last_sampling: tuple[list, SamplingTensors] | None = None  # the last step's rows and their tensors
         self.disable_by_batch_size = disable_by_batch_size  # no drafting for steps of more requests than this
-        self.adapters = WorkerAdapters(model.cfg, model.model.norm.weight.dtype)
+        self.adapters = WorkerAdapters(model.cfg, model.model.norm.weight.dtype, model.model.parallel)
         self._pooling: set[str] = set()  # live pooling requests: steps without any skip looking for them
         self.kv_store: KVStore | None = None  # a KV connector's store (disaggregated prefill/decode)
         self.kv_saves = False  # a producer: each prompt's full blocks go to the store once computed

@@ -121,10 +121,15 @@ def test_adapters_that_do_not_fit_are_refused_before_anything_runs(tiny_llama: P
     assert llm.generate([[1, 2]], params, use_tqdm=False, lora_request=adapters[1])[0].finished  # still serving
 
 
-def test_adapters_on_pipeline_stages_give_pefts_tokens(tiny_llama: Path, adapters: list[LoRARequest]) -> None:
-    """Each stage applies the adapters' deltas to its own layers (by their number in the whole model)."""
+@pytest.mark.parametrize("parallel", [{"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2}],
+                         ids=["stages", "tensor-parallel"])
+def test_adapters_on_parallel_ranks_give_pefts_tokens(tiny_llama: Path, adapters: list[LoRARequest],
+                                                      parallel: dict) -> None:
+    """Each stage applies the adapters' deltas to its own layers (by their number in the whole model); each
+    tensor-parallel rank holds B's rows of its output slice (q/k/v, gate/up) and A's columns of its input slice (o,
+    down, whose rank-sized products the ranks sum)."""
     prompts = _prompts()
-    llm = LLM(str(tiny_llama), dtype="float32", enable_lora=True, pipeline_parallel_size=2)
+    llm = LLM(str(tiny_llama), dtype="float32", enable_lora=True, max_num_batched_tokens=24, **parallel)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         for adapter in adapters:

@@ -106,8 +106,6 @@ def test_stages_of_tensor_parallel_ranks(tiny_model_factory) -> None:
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(pipeline_parallel_size=3), r"the model's 2 decoder layers cannot fill pipeline_parallel_size \(3\) stages"),
-    (dict(pipeline_parallel_size=2, tensor_parallel_size=2, enable_lora=True),
-     "LoRA adapters do not run with tensor_parallel_size=2 and pipeline_parallel_size=2 yet"),
     (dict(pipeline_parallel_size=2, tensor_parallel_size=2, quantization="w8a8_int8", dtype="bfloat16"),
      "quantization=w8a8_int8 does not run with tensor_parallel_size=2 and pipeline_parallel_size=2"),
     (dict(pipeline_parallel_size=2, kv_transfer_config={

@@ -79,7 +79,6 @@ def test_bfloat16_ranks_run_the_native_kernels_deterministically(tiny_llama: Pat
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(tensor_parallel_size=3), r"attention heads \(4\) is not divisible by tensor_parallel_size \(3\)"),
     (dict(tensor_parallel_size=4), r"key/value heads \(2\) is not divisible by tensor_parallel_size \(4\)"),
-    (dict(tensor_parallel_size=2, enable_lora=True), "LoRA adapters do not run with tensor_parallel_size=2"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
 ])
 def test_what_does_not_shard_is_refused(tiny_llama: Path, kwargs: dict, message: str) -> None:
