@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import threading
 import traceback
 from typing import Any
 
@@ -33,7 +32,7 @@ from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.distributed.shm_ring import RingReader, ShmRing
 from pagellm.executor.ranks import (COLLECTIVE_TIMEOUT_S, Command, RankZeroExecutor, build_worker, close_comm,
-                                    free_port, join_group, leave_group, threads_per_rank)
+                                    free_port, join_group, join_watching, leave_group, threads_per_rank)
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.runtime import RuntimeInfo
 
@@ -114,28 +113,15 @@ class MultiprocExecutor(RankZeroExecutor):
         logger.info("%d ranks (%s), %d threads each", size, config.parallel_config.describe(), threads_per_rank(size))
 
     def _join(self, size: int, port: int) -> None:
-        """Join the group, failing at once (not after the rendezvous timeout) when a rank fails before joining."""
-        joined: list[BaseException | None] = []
-
-        def join() -> None:
-            try:
-                join_group(0, size, _init_method(port))
-                joined.append(None)
-            except BaseException as exc:  # handed to the waiting thread
-                joined.append(exc)
-
-        thread = threading.Thread(target=join, daemon=True, name="pagellm-tp-join")
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.1)
+        def check() -> None:
             for rank, (pipe, process) in enumerate(zip(self.pipes, self.procs), start=1):
                 if rank not in self._started and pipe.poll():  # a failure (or, once joined, already its runtime)
                     self._started[rank] = self._receive_start(rank, pipe, process)
                 if not process.is_alive():
                     raise RuntimeError(f"tensor-parallel rank {rank} died while starting (exit code "
                                        f"{process.exitcode})")
-        if joined and joined[0] is not None:
-            raise joined[0]
+
+        join_watching(size, _init_method(port), check)
 
     @staticmethod
     def _receive_start(rank: int, pipe: Any, process: Any) -> RuntimeInfo:

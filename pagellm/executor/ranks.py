@@ -17,7 +17,8 @@ import atexit
 import datetime
 import os
 import socket
-from typing import Any, Optional
+import threading
+from typing import Any, Callable, Optional
 
 import msgspec
 
@@ -53,6 +54,27 @@ def join_group(rank: int, size: int, init_method: str) -> None:
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def join_watching(size: int, init_method: str, check: Callable[[], None]) -> None:
+    """Join as rank 0, calling ``check`` every 0.1 s meanwhile: it raises when a rank has failed before joining, so
+    the start fails at once rather than after the rendezvous timeout."""
+    joined: list[Optional[BaseException]] = []
+
+    def join() -> None:
+        try:
+            join_group(0, size, init_method)
+            joined.append(None)
+        except BaseException as exc:  # handed to the waiting thread
+            joined.append(exc)
+
+    thread = threading.Thread(target=join, daemon=True, name="pagellm-rank0-join")
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+        check()
+    if joined and joined[0] is not None:
+        raise joined[0]
 
 
 def leave_group() -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import traceback
 from typing import Any, Optional
 
@@ -32,7 +31,7 @@ import msgspec
 from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.executor.ranks import (COLLECTIVE_TIMEOUT_S, Command, RankZeroExecutor, build_worker, close_comm,
-                                    free_port, join_group, leave_group, threads_per_rank)
+                                    free_port, join_group, join_watching, leave_group, threads_per_rank)
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.runtime import RuntimeInfo
 
@@ -173,25 +172,12 @@ class RayExecutor(RankZeroExecutor):
         self.where = self.ray.get([actor.where.remote() for actor in self.actors], timeout=_START_TIMEOUT_S)
 
     def _join(self, refs: list[Any], size: int, init_method: str) -> None:
-        """Join the group, failing at once (not after the rendezvous timeout) when a rank fails before joining."""
-        joined: list[Optional[BaseException]] = []
-
-        def join() -> None:
-            try:
-                join_group(0, size, init_method)
-                joined.append(None)
-            except BaseException as exc:  # handed to the waiting thread
-                joined.append(exc)
-
-        thread = threading.Thread(target=join, daemon=True, name="pagellm-tp-join")
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.1)
+        def check() -> None:
             done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
             for ref in done:  # a failure (or, once joined, already a runtime: kept for _check_runtimes)
                 self._result(refs.index(ref) + 1, ref, _START_TIMEOUT_S)
-        if joined and joined[0] is not None:
-            raise joined[0]
+
+        join_watching(size, init_method, check)
 
     def _check_runtimes(self, refs: list[Any]) -> None:
         for rank, ref in enumerate(refs, start=1):
