@@ -148,9 +148,10 @@ class RayExecutor(RankZeroExecutor):
         if cpus < size * self.threads:
             raise RuntimeError(f"the Ray cluster has {cpus:g} CPUs; {size} tensor-parallel ranks of {self.threads} "
                                f"threads need {size * self.threads} (set PAGELLM_NUM_THREADS or add nodes)")
-        here = f"node:{ray.util.get_node_ip_address()}"
-        bundles = [{"CPU": self.threads, here: 0.001}] + [{"CPU": self.threads} for _ in range(size - 1)]
-        group = placement_group(bundles, strategy="PACK")
+        # Rank 0's bundle on this node, by its id (several nodes may share an address, so not ``node:<ip>``).
+        here = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
+        group = placement_group([{"CPU": self.threads} for _ in range(size)], strategy="PACK",
+                                bundle_label_selector=[here] + [{} for _ in range(size - 1)])
         try:
             ray.get(group.ready(), timeout=_PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
