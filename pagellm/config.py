@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pagellm.disagg.config import KVTransferConfig
+from pagellm.distributed.config import ParallelConfig
 
 GiB = 1024**3
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
@@ -180,41 +181,6 @@ class SchedulerConfig:
         if self.max_num_batched_tokens is not None or not self.enable_chunked_prefill:
             return self
         return dataclasses.replace(self, max_num_batched_tokens=SERVING_TOKEN_BUDGET)
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Tensor parallelism (every layer split over ranks) or pipeline parallelism (the layers split into stages), each
-    rank a process with its share of the threads: worker processes of this machine (``executor/multiproc.py``) or
-    Ray actors, on any node of a Ray cluster (``executor/ray.py``)."""
-
-    tensor_parallel_size: int = _help("Number of tensor-parallel ranks (worker processes); the attention heads, "
-                                      "key/value heads, MLP width and vocabulary must divide by it.", default=1)
-    pipeline_parallel_size: int = _help(
-        "Number of pipeline stages (worker processes), each holding consecutive decoder layers and their KV cache; "
-        "for a model larger than one machine's memory (stages run one after another within a step).", default=1)
-    distributed_executor_backend: str = _help(
-        "Where ranks 1..N-1 run: 'mp' (worker processes of this machine, fed through shared memory) or 'ray' (Ray "
-        "actors placed by a placement group on the cluster RAY_ADDRESS names, else on a local Ray instance; needs "
-        "pip install 'pagellm[ray]').", default="mp")
-
-    def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.distributed_executor_backend not in ("mp", "ray"):
-            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}; use mp or ray")
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    def describe(self) -> str:
-        """The parallel sizes that are set, as their flags read (for errors)."""
-        sizes = [f"{name}={getattr(self, name)}" for name in ("tensor_parallel_size", "pipeline_parallel_size")
-                 if getattr(self, name) > 1]
-        return " and ".join(sizes) or "tensor_parallel_size=1"
 
 
 SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle")
@@ -394,22 +360,11 @@ class EngineConfig:
         if spec.method == "eagle" and spec.model is None and self.model_config.model is not None:
             raise ValueError("eagle needs 'model': the head's .safetensors file from `pagellm train-draft --method "
                              "eagle` (only the built-in model has a shipped default head)")
-        if self.parallel_config.world_size > 1:
-            self._check_parallel()
+        self.parallel_config.check_engine(spec.method == "draft_model" and spec.model is None,
+                                          self.model_config.quantization)
         self.kv_transfer_config.check_engine(self.cache_config.enable_prefix_caching,
                                              self.parallel_config.world_size, self.model_config.enable_lora,
                                              self.speculative_config.method)
-
-    def _check_parallel(self) -> None:
-        """What parallel ranks do not split yet is refused, naming the way out."""
-        size = self.parallel_config.describe()
-        spec = self.speculative_config
-        if spec.method == "draft_model" and spec.model is None and self.parallel_config.pipeline_parallel_size > 1:
-            raise ValueError(f"draft_model with draft_layers (the target's first layers) does not run with {size}; "
-                             "give a draft 'model', or use ngram, medusa or eagle")
-        if self.model_config.quantization:
-            raise ValueError(f"quantization={self.model_config.quantization} does not run with {size} yet; "
-                             "use size 1")
 
     def for_serving(self) -> EngineConfig:
         """This config with the online-serving defaults filled in (``SchedulerConfig.for_serving``)."""

@@ -100,8 +100,7 @@ class _Job:
     request: Union[ScoreRequest, RerankRequest]
     request_id: str
     model: str
-    texts: list[str]                  # the distinct texts, each embedded once
-    prompts: list[list[int]]          # their token ids
+    prompts: list[list[int]]          # the distinct texts' token ids, each embedded once
     pairs: list[tuple[int, int]]      # each pair's two texts, by position in ``texts``
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -120,7 +119,7 @@ class OpenAIServingScore(OpenAIServing):
         texts, positions = distinct(pairs)
         items = self.tokenize_prompts(texts, request.add_special_tokens, request.truncate_prompt_tokens,
                                       "documents" if isinstance(request, RerankRequest) else "text_1")
-        return _Job(request, random_id("score" if isinstance(request, ScoreRequest) else "rerank"), model, texts,
+        return _Job(request, random_id("score" if isinstance(request, ScoreRequest) else "rerank"), model,
                     [ids for _, ids, _ in items], positions)
 
     async def scores(self, job: _Job) -> list[float]:

@@ -73,8 +73,18 @@ class ToolParser:
     sent as content while streaming); ``closed_calls(rest)``: the calls already complete in the held rest."""
 
     name = ""
+    # Whether calls are blocks whose arguments can stream as they come (``blocks``, ``text_outside`` then serve).
+    streams_arguments = False
 
     def parse(self, text: str) -> Parsed:
+        raise NotImplementedError
+
+    def blocks(self, rest: str) -> list[tuple[str, Optional[ToolCall], bool]]:
+        """The call blocks in held text, in order: (body, its call or None, closed)."""
+        raise NotImplementedError
+
+    def text_outside(self, rest: str, announced: set[int]) -> str:
+        """The held text that is no call: outside the blocks, and the blocks (by number) never ``announced``."""
         raise NotImplementedError
 
     def content_end(self, text: str) -> int:
@@ -90,6 +100,7 @@ class ToolParser:
 
 class HermesParser(ToolParser):
     name = "hermes"
+    streams_arguments = True
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def pieces(self, text: str) -> list[tuple[str, Optional[ToolCall], bool]]:
@@ -129,9 +140,19 @@ class HermesParser(ToolParser):
         return [call for _, call, closed in self.pieces(rest) if call is not None and closed]
 
     def blocks(self, rest: str) -> list[tuple[str, Optional[ToolCall], bool]]:
-        """The call blocks in held text, in order: (body between the tags, its call or None, closed)."""
         return [(raw[len(self.OPEN):len(raw) - len(self.CLOSE) if closed else len(raw)], call, closed)
                 for raw, call, closed in self.pieces(rest) if raw.startswith(self.OPEN)]
+
+    def text_outside(self, rest: str, announced: set[int]) -> str:
+        text, number = [], 0
+        for raw, _, _ in self.pieces(rest):
+            if raw.startswith(self.OPEN):
+                if number not in announced:
+                    text.append(raw)
+                number += 1
+            else:
+                text.append(raw)
+        return "".join(text)
 
     def may_close(self, piece: str) -> bool:
         return ">" in piece  # the last character of </tool_call>
@@ -259,7 +280,7 @@ class ToolCallStream:
         content, self.sent = self.text[self.sent:end], end
         if end == len(self.text):
             return content, []
-        if isinstance(self.parser, HermesParser):
+        if self.parser.streams_arguments:
             return content, self._blocks(self.text[end:], final=False)
         if not self.parser.may_close(piece):
             return content, []
@@ -272,22 +293,10 @@ class ToolCallStream:
         parsed = self.parser.parse(rest)
         if not parsed.calls and not self.emitted:
             return rest, []
-        if isinstance(self.parser, HermesParser):
+        if self.parser.streams_arguments:
             deltas = self._blocks(rest, final=True)
-            return _content(self._unsent_text(rest)) or "", deltas
+            return _content(self.parser.text_outside(rest, self.announced)) or "", deltas
         return parsed.content or "", self._whole(parsed.calls)
-
-    def _unsent_text(self, rest: str) -> str:
-        """Hermes: the held text that went out as no call (outside the tags, or a block that never parsed)."""
-        text, number = [], 0
-        for raw, _, _ in self.parser.pieces(rest):  # type: ignore[attr-defined]
-            if not raw.startswith(HermesParser.OPEN):
-                text.append(raw)
-                continue
-            if number not in self.announced:
-                text.append(raw)
-            number += 1
-        return "".join(text)
 
     def _whole(self, calls: list[ToolCall]) -> list[CallDelta]:
         """Calls sent whole, one delta each (those not sent yet, up to ``limit``)."""
@@ -297,10 +306,11 @@ class ToolCallStream:
         return [CallDelta(first + k, c.function.arguments, c.id, c.function.name) for k, c in enumerate(fresh)]
 
     def _blocks(self, rest: str, final: bool) -> list[CallDelta]:
-        """Hermes: a call is announced once its name is known, its argument text streams as it arrives, and a block
-        that closes without having streamed goes out whole (``final``: the reply ended; an open block counts)."""
+        """Block syntaxes (hermes): a call is announced once its name is known, its argument text streams as it
+        arrives, and a block that closes without having streamed goes out whole (``final``: the reply ended; an open
+        block counts)."""
         deltas: list[CallDelta] = []
-        for number, (body, call, closed) in enumerate(self.parser.blocks(rest)):  # type: ignore[attr-defined]
+        for number, (body, call, closed) in enumerate(self.parser.blocks(rest)):
             if number < self.blocks_done:
                 continue
             if self.limit is not None and self.emitted >= self.limit and self.open != number:

@@ -1,0 +1,58 @@
+"""How the engine's ranks are laid out (``EngineConfig.parallel_config``; the ranks themselves are ``executor/``,
+their collectives ``groups.py``). No torch here: the frontend reads it before anything starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _help(text: str, **kwargs: Any) -> Any:
+    return field(metadata={"help": text}, **kwargs)  # the CLI's flag help (``engine_args.py``)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (every layer split over ranks) or pipeline parallelism (the layers split into stages), each
+    rank a process with its share of the threads: worker processes of this machine (``executor/multiproc.py``) or
+    Ray actors, on any node of a Ray cluster (``executor/ray.py``)."""
+
+    tensor_parallel_size: int = _help("Number of tensor-parallel ranks (worker processes); the attention heads, "
+                                      "key/value heads, MLP width and vocabulary must divide by it.", default=1)
+    pipeline_parallel_size: int = _help(
+        "Number of pipeline stages (worker processes), each holding consecutive decoder layers and their KV cache; "
+        "for a model larger than one machine's memory (stages run one after another within a step).", default=1)
+    distributed_executor_backend: str = _help(
+        "Where ranks 1..N-1 run: 'mp' (worker processes of this machine, fed through shared memory) or 'ray' (Ray "
+        "actors placed by a placement group on the cluster RAY_ADDRESS names, else on a local Ray instance; needs "
+        "pip install 'pagellm[ray]').", default="mp")
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}; use mp or ray")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def describe(self) -> str:
+        """The parallel sizes that are set, as their flags read (for errors)."""
+        sizes = [f"{name}={getattr(self, name)}" for name in ("tensor_parallel_size", "pipeline_parallel_size")
+                 if getattr(self, name) > 1]
+        return " and ".join(sizes) or "tensor_parallel_size=1"
+
+    def check_engine(self, self_drafting: bool, quantization: str | None) -> None:
+        """What parallel ranks do not split yet is refused, naming the way out (``self_drafting``: a draft model
+        made of the target's first layers)."""
+        if self.world_size == 1:
+            return
+        size = self.describe()
+        if self_drafting and self.pipeline_parallel_size > 1:
+            raise ValueError(f"draft_model with draft_layers (the target's first layers) does not run with {size}; "
+                             "give a draft 'model', or use ngram, medusa or eagle")
+        if quantization:
+            raise ValueError(f"quantization={quantization} does not run with {size} yet; use size 1")
