@@ -7,9 +7,9 @@ Contract:
   ``dtype``, ``max_replicas``, ...; dashes or underscores), checked by the same parser, so a bad value fails before
   any replica starts.
 - A replica reserves ``replica_cpus`` CPUs (default 1; ``pagellm ray-serve``: the cluster's CPUs over
-  ``max_replicas``) and its engine runs that many threads unless ``PAGELLM_NUM_THREADS`` says otherwise; the
-  caller's ``PAGELLM_*`` environment reaches every replica. It takes up to ``max_ongoing_requests`` requests at once
-  (an engine batches them; Serve's default of 5 would queue the rest in front of it).
+  ``num_replicas``, else ``max_replicas``) and its engine runs that many threads unless ``PAGELLM_NUM_THREADS`` says
+  otherwise; the caller's ``PAGELLM_*`` environment reaches every replica. It takes up to ``max_ongoing_requests``
+  requests at once (an engine batches them; Serve's default of 5 would queue the rest in front of it).
 - Scaling: between ``min_replicas`` and ``max_replicas`` toward ``target_ongoing_requests`` per replica, after
   ``upscale_delay_s`` / ``downscale_delay_s``; ``num_replicas`` fixes the count instead.
 - Health: Serve asks each replica every few seconds; one whose engine core died fails the check and is replaced.
@@ -64,6 +64,10 @@ class ScalingOptions:
         if self.replica_cpus is not None and self.replica_cpus <= 0:
             raise ValueError(f"--replica-cpus must be positive, got {self.replica_cpus}")
 
+    @property
+    def most_replicas(self) -> int:
+        return self.num_replicas or self.max_replicas
+
     def deployment_options(self, cpus: float) -> dict[str, Any]:
         env = {name: value for name, value in os.environ.items() if name.startswith("PAGELLM_")}
         env.setdefault("PAGELLM_NUM_THREADS", str(max(1, int(cpus))))
@@ -95,7 +99,7 @@ def add_ray_serve_args(cmd: argparse.ArgumentParser) -> None:
                            help=f"{text} (default: {getattr(defaults, name)})")
     group.add_argument("--replica-cpus", type=float, default=None,
                        help="CPUs each replica reserves and its engine's threads (default: 1 under `serve run`; "
-                            "the cluster's CPUs over --max-replicas under `pagellm ray-serve`)")
+                            "the cluster's CPUs over --num-replicas, else --max-replicas, under `pagellm ray-serve`)")
 
 
 def scaling_options(args: argparse.Namespace) -> ScalingOptions:
@@ -157,8 +161,7 @@ def deployment(config: EngineConfig, options: ServeOptions, scaling: ScalingOpti
     """The bound Serve application: the replica class as an ingress deployment with the scaling options."""
     from ray import serve
 
-    cpus = scaling.replica_cpus or (max(1.0, float(int(cluster_cpus // scaling.max_replicas)))
-                                    if cluster_cpus else 1.0)
+    cpus = scaling.replica_cpus or max(1.0, (cluster_cpus or 1.0) // scaling.most_replicas)
     ingress = serve.deployment(serve.ingress()(PagellmReplica), name="PagellmReplica",
                                health_check_period_s=_HEALTH_CHECK_PERIOD_S,
                                logging_config={"enable_access_log": options.access_log})

@@ -145,3 +145,18 @@ def test_the_shipped_serve_config_deploys_this_app() -> None:
     options = bound._bound_deployment._deployment_config
     assert options.autoscaling_config.max_replicas == app.args["max_replicas"]
     assert options.max_ongoing_requests == app.args["max_ongoing_requests"]
+
+
+
+@pytest.mark.parametrize(("scaling", "cpus"), [({"num_replicas": 2}, 4), ({"max_replicas": 4}, 2), ({}, 8),
+                                               ({"num_replicas": 2, "replica_cpus": 3}, 3)])
+def test_replicas_share_the_clusters_cpus(tiny_llama: Path, scaling: dict, cpus: int) -> None:
+    """Without --replica-cpus each replica reserves the cluster's CPUs over the replicas there may be: a fixed
+    --num-replicas, else --max-replicas (so all of them fit)."""
+    from pagellm.config import EngineConfig
+    from pagellm.server.options import ServeOptions
+    from pagellm.server.ray_serve import ScalingOptions, deployment
+
+    bound = deployment(EngineConfig.from_kwargs(model=str(tiny_llama)), ServeOptions(), ScalingOptions(**scaling),
+                       cluster_cpus=8.0)
+    assert bound._bound_deployment.ray_actor_options["num_cpus"] == cpus
