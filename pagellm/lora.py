@@ -67,11 +67,14 @@ def _scale(config: dict[str, Any]) -> float:
 
 
 def expected_shapes(arch: Any) -> dict[str, tuple[int, int]]:
-    """(out, in) of each projection of a decoder layer of ``arch`` (a ``model.arch.ArchConfig``)."""
+    """(out, in) of each projection of a decoder layer of ``arch`` (a ``model.arch.ArchConfig``) that an adapter may
+    adapt: the attention's only in a mixture of experts (adapters on experts are not served)."""
     q, kv, hidden, inter = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.hidden_size, \
         arch.intermediate_size
-    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
-            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q)}
+    if getattr(arch, "moe", None) is None:
+        shapes.update({"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)})
+    return shapes
 
 
 def _tensors(path: Path, arch: Any, load: bool) -> dict[tuple[int, str, str], Any]:
@@ -86,8 +89,10 @@ def _tensors(path: Path, arch: Any, load: bool) -> dict[tuple[int, str, str], An
         for key in handle.keys():
             match = _KEY.search(key)
             if match is None or match.group(2) not in shapes or int(match.group(1)) >= arch.num_layers:
+                experts = " (a mixture of experts: adapters on its experts are not served)" \
+                    if len(shapes) < len(PROJECTIONS) else ""
                 raise ValueError(f"LoRA adapter {str(path)!r}: tensor {key!r} is not a LoRA matrix of a decoder "
-                                 f"layer's {', '.join(PROJECTIONS)}")
+                                 f"layer's {', '.join(shapes)}{experts}")
             layer, name, part = int(match.group(1)), match.group(2), match.group(3)
             found[(layer, name, part)] = handle.get_tensor(key) if load else tuple(handle.get_slice(key).get_shape())
     for layer, name in sorted({(layer, name) for layer, name, _ in found}):

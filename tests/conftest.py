@@ -34,8 +34,18 @@ def _byte_tokenizer():
     return tok
 
 
+# Mixture-of-experts shapes: 4 experts, 2 per token; Qwen2-MoE with its gated shared expert.
+MOE_DEFAULTS = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=96),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
+}
+
+
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a tiny random float32 model (``arch`` in llama, qwen2, qwen3, mistral) with a tokenizer under ``path``."""
+    """Save a tiny random float32 model (``arch`` in llama, qwen2, qwen3, mistral and the mixtures of experts
+    mixtral, qwen2_moe, qwen3_moe) with a tokenizer under ``path``."""
     import transformers
 
     torch.manual_seed(seed)
@@ -48,9 +58,14 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[arch]
-    if arch == "qwen3":  # its config's default head_dim is 128, not hidden / heads
+    if arch in ("qwen3", "qwen3_moe"):  # its config's default head_dim is 128, not hidden / heads
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
+    for key, value in MOE_DEFAULTS.get(arch, {}).items():
+        common.setdefault(key, value)
     model = model_cls(config_cls(**common)).to(torch.float32).eval()
     with torch.no_grad():  # random init leaves biases at zero; make them matter
         for name, param in model.named_parameters():
@@ -58,6 +73,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
                 param.normal_(0, 0.5)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):  # ones would hide a misplaced q/k norm
                 param.uniform_(0.5, 1.5)
+            elif name.endswith("gate.weight") and "proj" not in name:  # routers, the shared expert's gate
+                param.normal_(0, 0.5)  # a decisive router: near-uniform ones would make top-k a coin toss
     model.save_pretrained(path)
     _byte_tokenizer().save_pretrained(path)
     return path

@@ -10,6 +10,45 @@ from pagellm.model.compressed_tensors import scheme_of
 
 # The base-model classes of the served families (their checkpoints have no LM head and no ``model.`` prefix).
 BASE_MODELS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
+_QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # their sliding_window applies only with use_sliding_window
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks ``top_k`` of ``num_experts`` SwiGLU
+    experts per token, and the token's output is their outputs weighted by the router's softmax probabilities."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top-k probabilities divided by their sum (Mixtral; Qwen's norm_topk_prob)
+    # Qwen casts the routing weights to the hidden states' dtype before scaling an expert's output; Mixtral keeps
+    # them float32 (the same in float32, one rounding apart in bfloat16).
+    weights_in_model_dtype: bool
+    shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert, gated by a sigmoid, beside the routed ones
+    sparse_step: int = 1  # every sparse_step-th layer is sparse (Qwen's decoder_sparse_step) ...
+    dense_layers: tuple[int, ...] = ()  # ... except these, which keep a dense MLP (Qwen's mlp_only_layers)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> MoEConfig | None:
+        experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        if not experts:
+            return None
+        mixtral = cfg.get("model_type") == "mixtral"
+        return cls(
+            num_experts=experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]),
+            renormalize=mixtral or bool(cfg.get("norm_topk_prob", False)),
+            weights_in_model_dtype=not mixtral,
+            shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+            sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+            dense_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+        )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (its index in the whole model) has the experts' MLP."""
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
 
 
 @dataclass(frozen=True)
@@ -34,6 +73,7 @@ class ArchConfig:
     # A base-model checkpoint (``LlamaModel``, ``Qwen3Model``, ...: embedding models such as e5-mistral): weights
     # without the ``model.`` prefix and no LM head; it serves pooling (embedding) requests only.
     base_model: bool = False
+    moe: MoEConfig | None = None  # the experts of a mixture-of-experts model
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -41,8 +81,7 @@ class ArchConfig:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         model_type = cfg.get("model_type")
-        is_qwen = model_type in ("qwen2", "qwen3")  # their sliding_window applies only with use_sliding_window
-        window = cfg.get("sliding_window") if (not is_qwen or cfg.get("use_sliding_window")) else None
+        window = cfg.get("sliding_window") if (model_type not in _QWEN or cfg.get("use_sliding_window")) else None
         rope_params = cfg.get("rope_parameters") or {}
         rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default")
                                                    != "default" else None)
@@ -61,11 +100,13 @@ class ArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) or base_model,  # no head of its own
-            attention_bias=bool(cfg.get("attention_bias", False)) or model_type == "qwen2",
+            attention_bias=bool(cfg.get("attention_bias", False)) or model_type == "qwen2" or
+            (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True))),
             sliding_window=int(window) if window else None,
             quantization=scheme_of(cfg),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             base_model=base_model,
+            moe=MoEConfig.from_hf(cfg),
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:

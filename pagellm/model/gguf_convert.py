@@ -6,7 +6,10 @@ Contract: ``convert_gguf_to_hf(gguf_path, out_dir)`` writes into ``out_dir``
   float32 weights pass ``MAX_SHARD_BYTES``): every tensor dequantized to float32 under its Hugging Face name, with
   llama.cpp's rotary row permutation of q/k undone, so the weights are exactly what transformers' own GGUF
   loader produces;
-- ``config.json`` (``LlamaForCausalLM`` or ``Qwen2ForCausalLM``), ``generation_config.json`` (bos/eos ids);
+- ``config.json`` (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, or for mixtures of experts
+  ``MixtralForCausalLM`` (a ``llama`` file with experts), ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``: llama.cpp
+  stacks each layer's experts in one tensor, written back out as one tensor per expert),
+  ``generation_config.json`` (bos/eos ids);
 - ``tokenizer.json`` + ``tokenizer_config.json`` (chat template, special tokens, ``add_bos_token``;
   ``model/gguf_tokenizer.py``).
 
@@ -39,7 +42,13 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+_MIXTRAL = ("MixtralForCausalLM", "mixtral")  # a ``llama`` file whose layers have experts
+# Whether the chosen experts' weights are renormalised, where a file does not say (``{arch}.expert_weights_norm``):
+# what llama.cpp itself assumes for each architecture.
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 # llama.cpp's converter reorders q/k rows only for these (its LlamaModel); Qwen2 and Qwen3 are written unpermuted.
 _PERMUTED_ARCHITECTURES = frozenset({"llama"})
 
@@ -56,7 +65,20 @@ _BLOCK_TENSORS = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head q/k norms
     "attn_k_norm": "self_attn.k_norm",
+    # mixtures of experts: the router, each layer's experts stacked in one tensor ({} is the expert's index), and
+    # Qwen2-MoE's shared expert with its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{}.up_proj",
+    "ffn_down_exps": "mlp.experts.{}.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Mixtral's own names for the same tensors.
+_MIXTRAL_NAMES = ((".mlp.gate.", ".block_sparse_moe.gate."), (".mlp.experts.", ".block_sparse_moe.experts."),
+                  (".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2."))
 # rope_freqs is llama 3.1's rotary scaling, which becomes config.rope_scaling; attn_rot_embd is a cache that
 # old converters wrote and that the model recomputes.
 _SKIPPED_TENSORS = frozenset({"rope_freqs", "attn_rot_embd"})
@@ -176,12 +198,13 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict
     n_head = int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // n_head))
     rope_theta = _shortest_float(get("rope.freq_base", 10000.0))
-    hf_class, model_type = SUPPORTED_ARCHITECTURES[arch]
+    experts = int(get("expert_count", 0))
+    hf_class, model_type = _MIXTRAL if arch == "llama" and experts else SUPPORTED_ARCHITECTURES[arch]
     config: dict[str, Any] = {
         "architectures": [hf_class],
         "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(get("feed_forward_length", get("expert_feed_forward_length", 0))),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": n_head,
         "num_key_value_heads": int(get("attention.head_count_kv", n_head)),
@@ -195,13 +218,38 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": "float32",
     }
-    if arch in ("llama", "qwen3"):
+    if arch in ("llama", "qwen3", "qwen3moe"):
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
         config["mlp_bias"] = False
+    if arch == "qwen2moe":
+        config["qkv_bias"] = "blk.0.attn_q.bias" in tensors
+    if experts:
+        config.update(_experts_config(meta, arch, experts))
     config.update(_special_ids(meta))
     rope_scaling = _rope_scaling(meta, arch, tensors, head_dim, rope_theta)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+    return config
+
+
+def _experts_config(meta: dict[str, Any], arch: str, experts: int) -> dict[str, Any]:
+    """The mixture-of-experts keys of the Hugging Face config: Mixtral's, or Qwen's (every layer sparse: llama.cpp's
+    Qwen MoE architectures have no dense layers)."""
+    def get(key: str, default: Any = _REQUIRED) -> Any:
+        return _arch_value(meta, arch, key, default)
+
+    renormalize = bool(get("expert_weights_norm", _EXPERT_WEIGHTS_NORM[arch]))
+    used = int(get("expert_used_count"))
+    if arch == "llama":
+        if not renormalize:
+            raise ValueError("GGUF llama file with experts that are not renormalised: Mixtral renormalises them; "
+                             "convert the original checkpoint instead")
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    config = {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": renormalize,
+              "moe_intermediate_size": int(get("expert_feed_forward_length")), "decoder_sparse_step": 1,
+              "mlp_only_layers": []}
+    if arch == "qwen2moe":
+        config["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length"))
     return config
 
 
@@ -270,10 +318,16 @@ def _write_weights(tensors: dict[str, Any], config: dict[str, Any], arch: str, o
     shards = _plan_shards(planned)
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     permuted = arch in _PERMUTED_ARCHITECTURES
+    renames = _MIXTRAL_NAMES if config["model_type"] == "mixtral" else ()
     weight_map: dict[str, str] = {}
     for index, shard in enumerate(shards, start=1):
         filename = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        arrays = {hf_name: _hf_array(tensor, hf_name, heads if permuted else {}) for hf_name, tensor in shard}
+        arrays = {}
+        for hf_name, tensor in shard:
+            for name, values in _hf_arrays(tensor, hf_name, heads if permuted else {}):
+                for ours, theirs in renames:
+                    name = name.replace(ours, theirs)
+                arrays[name] = values
         _save_safetensors(arrays, out_dir / filename)
         weight_map.update(dict.fromkeys(arrays, filename))
         del arrays  # one shard of float32 in memory at a time
@@ -299,16 +353,22 @@ def _float32_bytes(planned: list[tuple[str, Any]]) -> int:
     return sum(4 * int(np.prod([int(d) for d in tensor.shape])) for _, tensor in planned)
 
 
-def _hf_array(tensor: Any, hf_name: str, heads: dict[str, int]) -> np.ndarray:
+def _hf_arrays(tensor: Any, hf_name: str, heads: dict[str, int]) -> list[tuple[str, np.ndarray]]:
+    """The Hugging Face tensors of one GGUF tensor: itself, or one per expert of a stacked ``[experts, out, in]``
+    tensor (``hf_name`` holding ``{}`` for the expert's index)."""
     from gguf.quants import dequantize
 
     values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
     # GGUF lists dimensions fastest-varying first; numpy (and HF) list them slowest first.
     values = values.reshape([int(d) for d in reversed(tensor.shape)])
+    if "{}" in hf_name:
+        return [(hf_name.format(e), np.ascontiguousarray(expert)) for e, expert in enumerate(values)]
+    if hf_name.endswith("shared_expert_gate.weight"):
+        values = values.reshape(1, -1)  # llama.cpp holds this [1, hidden] gate as a vector
     projection = hf_name.split(".")[-2]
     if projection in heads:
         values = unpermute_rotary_rows(values, heads[projection])
-    return np.ascontiguousarray(values)
+    return [(hf_name, np.ascontiguousarray(values))]
 
 
 def _save_safetensors(arrays: dict[str, np.ndarray], path: Path) -> None:

@@ -1,5 +1,6 @@
 """The Llama family in one file: Llama 2/3 (with Llama-3 rope scaling), Mistral, Qwen2 (q/k/v bias), Qwen3 (an
-RMSNorm over each head's q and k before the rotary embedding) and SmolLM2.
+RMSNorm over each head's q and k before the rotary embedding) and SmolLM2, and their mixture-of-experts kin, Mixtral,
+Qwen2-MoE and Qwen3-MoE, whose sparse layers replace the dense MLP with experts (``layers/moe.py``).
 
 The forward pass takes one flat batch of tokens (prompt chunks and decode tokens of many requests mixed) with
 their positions; attention reads everything else from the forward context. ``compute_logits`` runs the LM head
@@ -21,6 +22,7 @@ from pagellm.model.layers.activation import SiluAndMul
 from pagellm.model.layers.attention import Attention
 from pagellm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagellm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, pack_weights
+from pagellm.model.layers.moe import SparseMoeBlock
 from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding
 from pagellm.model.native_stack import run_native
@@ -93,7 +95,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(cfg, rotary, dtype, parallel, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(cfg, dtype, parallel, layer)
+        self.mlp: nn.Module = SparseMoeBlock(cfg.moe, cfg.hidden_size, dtype, parallel) \
+            if cfg.moe is not None and cfg.moe.is_sparse(layer) else LlamaMLP(cfg, dtype, parallel, layer)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,6 +157,7 @@ class LlamaForCausalLM(nn.Module):
         ".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"), ".v_proj.": (".qkv_proj.", "v"),
         ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
     }
+    RENAMES: tuple[tuple[str, str], ...] = ()  # checkpoint name fragment → ours, before STACKED
 
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState = SINGLE) -> None:
         super().__init__()
@@ -214,7 +218,17 @@ class LlamaForCausalLM(nn.Module):
             if index not in layers:
                 return None, None
             name = f"model.layers.{index - layers.start}.{name[match.end():]}"
+        for fragment, ours in self.RENAMES:
+            name = name.replace(fragment, ours)
         for fragment, (ours, shard) in self.STACKED.items():
             if fragment in name:
                 return name.replace(fragment, ours), shard
         return name, None
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Mixtral: Mistral's attention and experts under their own names (``block_sparse_moe``, w1/w3/w2 for the
+    gate, up and down projections)."""
+
+    RENAMES = ((".block_sparse_moe.", ".mlp."), (".w2.", ".down_proj."))
+    STACKED = {**LlamaForCausalLM.STACKED, ".w1.": (".gate_up_proj.", 0), ".w3.": (".gate_up_proj.", 1)}

@@ -5,9 +5,9 @@ then run, unchanged: they are its twin and oracle, and the path of float32, tens
 attention backend):
 
 - ``PAGELLM_NATIVE_DECODER`` is not ``0`` and the library builds and runs here (AVX-512 BF16);
-- the model is bfloat16, single rank, and every GEMM weight of every layer is packed (``gemm.pack_parameter``),
-  or every one quantized (``--quantization w8a8_int8``), with no o_proj bias (q/k/v bias, as in Qwen2, and
-  Qwen3's per-head q/k norm are served) and one RMSNorm epsilon throughout;
+- the model is bfloat16, single rank, dense (no mixture-of-experts layer), and every GEMM weight of every layer is
+  packed (``gemm.pack_parameter``), or every one quantized (``--quantization w8a8_int8``), with no o_proj bias
+  (q/k/v bias, as in Qwen2, and Qwen3's per-head q/k norm are served) and one RMSNorm epsilon throughout;
 - no request of the step runs with a LoRA adapter (those steps take the Python layers, ``pagellm/lora.py``);
 - the forward context is the ``cpu_paged`` backend's (its metadata a ``CpuPagedMetadata``) and every layer to run
   has a cache bound, bfloat16 or float8 (``--kv-cache-dtype``), all of one dtype.
@@ -30,6 +30,8 @@ from pagellm.ops.decoder_stack import DecoderStack, LayerWeights, StackShape
 
 def _layer_weights(layer: nn.Module) -> LayerWeights | None:
     attn, mlp = layer.self_attn, layer.mlp
+    if not hasattr(mlp, "gate_up_proj"):  # a mixture of experts: the Python layers
+        return None
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(gemm.packed_shape(m.weight) is None for m in linears):
         return None

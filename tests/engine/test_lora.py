@@ -138,3 +138,24 @@ def test_adapters_on_parallel_ranks_give_pefts_tokens(tiny_llama: Path, adapters
                                                                           prompts)
     finally:
         llm.shutdown()
+
+
+def test_a_mixture_of_experts_takes_attention_adapters_and_refuses_expert_ones(tiny_model_factory,
+                                                                                tmp_path: Path) -> None:
+    moe = tiny_model_factory("qwen3_moe")
+    adapter = build_lora_adapter(moe, tmp_path / "attn", 5, ["q_proj", "k_proj", "v_proj", "o_proj"], 4)
+    prompts = _prompts()
+    expected, base = _peft_greedy(moe, adapter, prompts), _peft_greedy(moe, None, prompts)
+    assert expected != base
+    llm = LLM(str(moe), dtype="float32", enable_lora=True, max_num_batched_tokens=24)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompts * 2, params, use_tqdm=False, lora_request=[LoRARequest("attn", 1, str(adapter))] *
+                        len(prompts) + [None] * len(prompts))
+    assert [o.outputs[0].token_ids for o in outs] == expected + base
+    dense = tiny_model_factory("qwen3")  # the same shapes, with a dense MLP to adapt
+    mlp = build_lora_adapter(dense, tmp_path / "mlp", 6, ["gate_proj"], 4)
+    with pytest.raises(ValueError, match=r"not a LoRA matrix of a decoder layer's q_proj, k_proj, v_proj, o_proj "
+                                         r"\(a mixture of experts: adapters on its experts are not served\)"):
+        llm.generate(prompts, params, use_tqdm=False, lora_request=LoRARequest("mlp", 2, str(mlp)))
+    kv = llm.engine.core.scheduler.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks

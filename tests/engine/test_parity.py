@@ -1,4 +1,4 @@
-"""Greedy parity with transformers on tiny random models, in every scheduling mode.
+"""Greedy parity with transformers on tiny random models (dense and mixture-of-experts), in every scheduling mode.
 
 Our engine's greedy tokens must equal ``transformers`` ``generate()`` token for token (float32). Where a float tie
 flips a token, both candidates must be within each other's top-2 at that step; the sequences are compared no
@@ -74,6 +74,8 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+ARCHS = ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+
 MODES = {
     "chunked": dict(max_num_batched_tokens=40),
     "unchunked": dict(enable_chunked_prefill=False),
@@ -82,7 +84,7 @@ MODES = {
 }
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_parity_modes(tiny_model_factory, arch: str, mode: str) -> None:
     model_dir = tiny_model_factory(arch)
@@ -91,7 +93,7 @@ def test_greedy_parity_modes(tiny_model_factory, arch: str, mode: str) -> None:
     assert_greedy_parity(model_dir, prompts, run(llm, prompts))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_parity_prefix_cache_hits(tiny_model_factory, arch: str) -> None:
     model_dir = tiny_model_factory(arch)
     llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=128)
@@ -106,7 +108,7 @@ def test_greedy_parity_prefix_cache_hits(tiny_model_factory, arch: str) -> None:
     assert second == first
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_parity_under_preemption(tiny_model_factory, arch: str) -> None:
     model_dir = tiny_model_factory(arch)
     # 2 layers x 2 KV heads x 16 dims x 2 (K and V) x 4 bytes = 512 B per token: 24 blocks of 16 tokens.

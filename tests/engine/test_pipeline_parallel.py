@@ -17,12 +17,13 @@ from pagellm.sampling_params import StructuredOutputsParams
 PP = dict(dtype="float32", pipeline_parallel_size=2)
 
 
-@pytest.mark.parametrize(("arch", "overrides"), [("llama", {}), ("qwen3", {"num_hidden_layers": 3, "seed": 2})])
+@pytest.mark.parametrize(("arch", "overrides"), [("llama", {}), ("qwen3", {"num_hidden_layers": 3, "seed": 2}),
+                                                 ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]})])
 def test_greedy_parity_chunked_and_with_prefix_hits(tiny_model_factory, arch: str, overrides: dict) -> None:
     model_dir = tiny_model_factory(arch, **overrides)
     llm = LLM(str(model_dir), max_num_batched_tokens=40, **PP)
     try:
-        layers = 2 if arch == "llama" else 3
+        layers = 2 if arch == "llama" else 3  # the MoE model's middle layer is dense
         stage0 = llm.engine.core.executor.worker.runner
         assert len(stage0.model.model.layers) == len(stage0.kv_caches) == -(-layers // 2)  # stage 0: the larger
         prompts = _prompts(seed=15, shared_prefix=21)

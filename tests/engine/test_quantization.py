@@ -47,15 +47,19 @@ def _twin_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tens
 
 
 @kernel
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe"])
 def test_int8_engine_matches_its_plain_pytorch_twin(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
                                                     arch: str) -> None:
     path = tiny_model_factory(arch)
     llm = LLM(str(path), dtype="bfloat16", kv_cache_memory=KV, quantization="w8a8_int8", max_num_batched_tokens=32)
     model = llm.engine.core.executor.worker.runner.model
     layer = model.model.layers[0]
-    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+    mlps = [*layer.mlp.experts, layer.mlp.shared_expert] if arch == "qwen2_moe" else [layer.mlp]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *(m.gate_up_proj for m in mlps),
+                   *(m.down_proj for m in mlps)):
         assert gemm.weight_format(linear.weight) == "w8a8_int8" and linear.weight.dtype == torch.int8
+    if arch == "qwen2_moe":  # the routers stay in the model's dtype
+        assert layer.mlp.gate.weight.dtype == torch.bfloat16 and gemm.weight_format(layer.mlp.gate.weight) is None
     assert gemm.weight_format(model.lm_head.weight) == "bf16"
     fast = _scored(llm)
     assert _all_free(llm)

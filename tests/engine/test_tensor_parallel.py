@@ -1,7 +1,8 @@
 """Tensor parallelism (``tensor_parallel_size=2``: rank 0 in the engine's process, rank 1 in a worker process fed
-through the shared-memory ring): greedy tokens equal transformers' on every tiny architecture, with chunked
-prefill, prefix-cache hits, preemption, n-gram speculation and grammars; what does not shard is refused by name;
-a dead rank fails the next step instead of hanging; shutdown leaves no process behind."""
+through the shared-memory ring): greedy tokens equal transformers' on every tiny architecture (the experts of a
+mixture split like dense MLPs), with chunked prefill, prefix-cache hits, preemption, n-gram speculation and
+grammars; what does not shard is refused by name; a dead rank fails the next step instead of hanging; shutdown
+leaves no process behind."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ TP = dict(dtype="float32", tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize(("arch", "overrides"), [("llama", {}), ("qwen2", {}), ("qwen3", {}),
-                                                 ("mistral", {"seed": 6, "tie_word_embeddings": True})])
+                                                 ("mistral", {"seed": 6, "tie_word_embeddings": True}),
+                                                 ("mixtral", {}), ("qwen2_moe", {})])
 def test_greedy_parity_chunked_and_with_prefix_hits(tiny_model_factory, arch: str, overrides: dict) -> None:
     model_dir = tiny_model_factory(arch, **overrides)
     llm = LLM(str(model_dir), max_num_batched_tokens=40, **TP)

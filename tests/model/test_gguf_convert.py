@@ -16,6 +16,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from pagellm.model import gguf_convert, gguf_tokenizer, loader
+from pagellm.model.arch import ArchConfig
 from pagellm.model.gguf_convert import convert_gguf_to_hf
 from pagellm.model.loader import (
     default_model_path,
@@ -73,6 +74,33 @@ def test_tiny_gguf_round_trip(
     assert hf_config["rms_norm_eps"] == 1e-6 and hf_config["rope_theta"] == 500000.0
     assert hf_config.get("rope_scaling") == rope_scaling
 
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 1]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize(("arch", "model_type"), [("mixtral", "mixtral"), ("qwen2moe", "qwen2_moe"),
+                                                  ("qwen3moe", "qwen3_moe")])
+def test_tiny_mixture_of_experts_gguf_round_trip(tmp_path: Path, tiny_tokenizer: BackendTokenizer, arch: str,
+                                                 model_type: str) -> None:
+    """llama.cpp stacks a layer's experts in one tensor; the converter writes them back one per expert, under the
+    checkpoint's own names, with the experts' config."""
+    model = random_model(tiny_config(arch, tiny_tokenizer.get_vocab_size(), False))
+    model.save_pretrained(tmp_path / "original")
+    original = dict(iter_weights(tmp_path / "original"))
+    write_tiny_gguf(tmp_path / "tiny.gguf", model, tiny_tokenizer, arch, checkpoint=original)
+    out = tmp_path / "hf"
+    convert_gguf_to_hf(tmp_path / "tiny.gguf", out)
+
+    converted = dict(iter_weights(out))
+    assert sorted(converted) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(converted[name], tensor), name
+    hf_config = load_hf_config(out)
+    source = load_hf_config(tmp_path / "original")
+    assert hf_config["model_type"] == model_type and hf_config["architectures"] == source["architectures"]
+    assert ArchConfig.from_hf(hf_config).moe == ArchConfig.from_hf(source).moe is not None
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 1]])
     with torch.no_grad():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
@@ -67,13 +69,22 @@ def tiny_config(arch: str, vocab_size: int, tied: bool, rope_scaling: dict[str, 
         return Qwen2Config(**common)
     if arch == "qwen3":
         return Qwen3Config(**common)
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+    if arch == "mixtral":
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen2moe":  # with its gated shared expert
+        return Qwen2MoeConfig(**common, **experts, shared_expert_intermediate_size=80)
+    if arch == "qwen3moe":
+        return Qwen3MoeConfig(**common, **experts, norm_topk_prob=True)
     # transformers writes rope_theta into the dict it is given: hand it a copy.
     return LlamaConfig(**common, rope_scaling=dict(rope_scaling) if rope_scaling else None)
 
 
 def random_model(config: Any) -> torch.nn.Module:
     torch.manual_seed(0)
-    model_cls = {"qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}.get(config.model_type, LlamaForCausalLM)
+    model_cls = {"qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
+                 "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}.get(config.model_type,
+                                                                                       LlamaForCausalLM)
     model = model_cls(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -109,10 +120,13 @@ def llama3_divisors_loop(theta: float, head_dim: int, scaling: dict[str, Any]) -
 
 
 def write_tiny_gguf(
-    path: Path, model: torch.nn.Module, tokenizer: BackendTokenizer, arch: str, f16: bool = False
+    path: Path, model: torch.nn.Module, tokenizer: BackendTokenizer, arch: str, f16: bool = False,
+    checkpoint: dict[str, torch.Tensor] | None = None,
 ) -> None:
+    """``arch`` is llama.cpp's name (``mixtral`` is written as a ``llama`` file with experts). A mixture of experts
+    needs its ``checkpoint`` tensors (one per expert, as saved; transformers holds them stacked in memory)."""
     config = model.config
-    writer = gguf.GGUFWriter(str(path), arch=arch)
+    writer = gguf.GGUFWriter(str(path), arch="llama" if arch == "mixtral" else arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -121,8 +135,10 @@ def write_tiny_gguf(
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch in ("mixtral", "qwen2moe", "qwen3moe"):
+        _add_experts_metadata(writer, config, arch)
     _add_tokenizer(writer, tokenizer)
-    _add_tensors(writer, model, arch, f16)
+    _add_tensors(writer, model, arch, f16, checkpoint)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -143,17 +159,48 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: BackendTokenizer) -> None
     writer.add_chat_template(CHATML)
 
 
-def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16: bool) -> None:
+def _add_experts_metadata(writer: gguf.GGUFWriter, config: Any, arch: str) -> None:
+    writer.add_expert_count(config.num_local_experts if arch == "mixtral" else config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if arch != "mixtral":
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_weights_norm(config.norm_topk_prob)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+
+
+def _stack_experts(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """llama.cpp's layout: each layer's experts of one projection stacked into ``[experts, out, in]``, under the
+    name without the expert's index (``...experts.w1.weight``, ``...experts.gate_proj.weight``); a [1, hidden]
+    shared-expert gate as a vector."""
+    stacked: dict[str, list[torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in checkpoint.items():
+        match = re.search(r"\.experts\.(\d+)\.", name)
+        if match is None:
+            out[name] = tensor.reshape(-1) if name.endswith("shared_expert_gate.weight") else tensor
+            continue
+        group = stacked.setdefault(name[:match.start()] + ".experts." + name[match.end():], [])
+        assert int(match.group(1)) == len(group), "experts in order"
+        group.append(tensor)
+    return out | {name: torch.stack(tensors) for name, tensors in stacked.items()}
+
+
+def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16: bool,
+                 checkpoint: dict[str, torch.Tensor] | None) -> None:
     config = model.config
-    model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[arch]
+    model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+                  "mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
+                  "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE}[arch]
     name_map = gguf.get_tensor_name_map(model_arch, 2)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
-    for hf_name, tensor in model.state_dict().items():
+    tensors = _stack_experts(checkpoint) if checkpoint is not None else model.state_dict()
+    for hf_name, tensor in tensors.items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         module, _, suffix = hf_name.rpartition(".")
         values = tensor.numpy().astype(np.float32)
-        if arch == "llama" and module.split(".")[-1] in heads:
+        if arch in ("llama", "mixtral") and module.split(".")[-1] in heads:
             values = llama_cpp_permute(values, heads[module.split(".")[-1]])
         if f16 and values.ndim == 2:  # as llama.cpp's f16 files do: matrices in F16, norms and biases in F32
             values = values.astype(np.float16)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed.groups import SINGLE, ParallelState
@@ -95,9 +96,12 @@ class RowParallelLinear(nn.Module):
     """y = all_reduce(x_shard W_shardᵀ) + b with W's columns (input features) split across ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 parallel: ParallelState = SINGLE) -> None:
+                 parallel: ParallelState = SINGLE, reduce: bool = True) -> None:
         super().__init__()
         self.parallel = parallel
+        self.reduce = reduce  # False: the caller sums several partial outputs and all-reduces them once (experts)
+        if bias and not reduce:
+            raise ValueError("a row-parallel layer with a bias reduces its own output (the bias is added once)")
         self.in_shard = parallel.shard(in_features, "input features")
         self.weight = _param((out_features, self.in_shard), dtype, self._load)
         self.bias = _param((out_features,), dtype, self._load_bias) if bias else None
@@ -120,8 +124,24 @@ class RowParallelLinear(nn.Module):
         return _quantize(self, method, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.parallel.all_reduce(linear(x, self.weight))
+        y = linear(x, self.weight)
+        y = self.parallel.all_reduce(y) if self.reduce else y
         return y + self.bias if self.bias is not None else y
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x Wᵀ with the whole of W on every rank, in plain ``F.linear`` (never packed): small matrices whose
+    output every rank needs whole, such as a mixture-of-experts router."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param((out_features, in_features), dtype, self._load)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        _copy(param.data, loaded.to(param.dtype), "replicated weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 def _scale_param(rows: int, load) -> nn.Parameter:  # noqa: ANN001

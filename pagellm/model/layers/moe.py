@@ -1,0 +1,88 @@
+"""The mixture-of-experts MLP of Mixtral, Qwen2-MoE and Qwen3-MoE.
+
+A router (a replicated ``[experts, hidden]`` matrix) scores every expert for each token; the token goes through its
+``top_k`` experts, SwiGLU MLPs each, and its output is their outputs weighted by the router's softmax probabilities
+(renormalised over the chosen ones where the model says so). Qwen2-MoE adds a shared expert that every token takes,
+scaled by a sigmoid gate of its own.
+
+Tokens are grouped by expert (one stable sort of the flat choices), so each expert runs one GEMM pair over the
+tokens that chose it, and experts no token chose cost nothing. Contributions are summed into the output in
+ascending expert order, as transformers sums them, so float32 results match its to the bit where the hidden states
+do. Under tensor parallelism each expert is split like a dense MLP (gate/up by rows, down by columns); the experts'
+partial outputs (and the shared expert's) are summed on each rank and all-reduced once per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.distributed.groups import SINGLE, ParallelState
+from pagellm.model.arch import MoEConfig
+from pagellm.model.layers.activation import SiluAndMul
+from pagellm.model.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert, down(silu(gate(x)) * up(x)); its output is this rank's partial sum (not all-reduced)."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, parallel: ParallelState) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate] * 2, False, dtype, parallel)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, dtype, parallel, reduce=False)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's ``top_k`` experts (int64 [tokens, top_k]) and their weights (float32): the softmax
+    probabilities of the router's logits, divided by their sum over the chosen experts when ``renormalize``."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+class SparseMoeBlock(nn.Module):
+    """The experts' MLP of one decoder layer, with its router and, where the model has one, its shared expert."""
+
+    def __init__(self, moe: MoEConfig, hidden: int, dtype: torch.dtype, parallel: ParallelState = SINGLE) -> None:
+        super().__init__()
+        self.moe = moe
+        self.parallel = parallel
+        self.gate = ReplicatedLinear(hidden, moe.num_experts, dtype)
+        self.experts = nn.ModuleList(Expert(hidden, moe.intermediate_size, dtype, parallel)
+                                     for _ in range(moe.num_experts))
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_intermediate_size:
+            self.shared_expert = Expert(hidden, moe.shared_intermediate_size, dtype, parallel)
+            self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = route(self.gate(x), self.moe.top_k, self.moe.renormalize)
+        if self.moe.weights_in_model_dtype:
+            weights = weights.to(x.dtype)
+        out = self.routed(x, weights, experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.parallel.all_reduce(out)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Σ over each token's chosen experts of weight × expert(token), this rank's partial sums."""
+        top_k = experts.shape[-1]
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # the (token, choice) pairs grouped by expert
+        rows, scales = order // top_k, weights.reshape(-1)[order].unsqueeze(-1)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                chosen = rows[start:start + count]
+                y = expert(x[chosen]) * scales[start:start + count]
+                out.index_add_(0, chosen, y.to(out.dtype))
+                start += count
+        return out
