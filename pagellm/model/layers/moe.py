@@ -8,8 +8,10 @@ scaled by a sigmoid gate of its own.
 Tokens are grouped by expert (one stable sort of the flat choices), so each expert runs one GEMM pair over the
 tokens that chose it, and experts no token chose cost nothing. Contributions are summed into the output in
 ascending expert order, as transformers sums them, so float32 results match its to the bit where the hidden states
-do. Under tensor parallelism each expert is split like a dense MLP (gate/up by rows, down by columns); the experts'
-partial outputs (and the shared expert's) are summed on each rank and all-reduced once per layer.
+do. With packed bfloat16 (or int8) experts the loop over experts is one native call (``ops/moe.py``; bit for bit
+the loop's; ``PAGELLM_NATIVE_DECODER=0`` keeps the Python loop, its twin). Under tensor parallelism each expert is
+split like a dense MLP (gate/up by rows, down by columns); the experts' partial outputs (and the shared expert's)
+are summed on each rank and all-reduced once per layer.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagellm import envs
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import MoEConfig
 from pagellm.model.layers.activation import SiluAndMul
 from pagellm.model.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from pagellm.ops import gemm
+from pagellm.ops import moe as moe_kernel
 
 
 class Expert(nn.Module):
@@ -71,12 +76,20 @@ class SparseMoeBlock(nn.Module):
         return self.parallel.all_reduce(out)
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Σ over each token's chosen experts of weight × expert(token), this rank's partial sums."""
+        """Σ over each token's chosen experts of weight × expert(token), this rank's partial sums: one native call
+        for packed bfloat16 (or int8) experts (``ops/moe.py``), else ``routed_torch``, its twin."""
         top_k = experts.shape[-1]
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, choice) pairs grouped by expert
-        rows, scales = order // top_k, weights.reshape(-1)[order].unsqueeze(-1)
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        rows, scales = order // top_k, weights.reshape(-1)[order]
+        counts = torch.bincount(flat, minlength=len(self.experts))
+        native = self._native() if x.dtype == torch.bfloat16 and envs.native_decoder() else None
+        if native is not None:
+            return native(x, rows, scales.float(), counts)
+        return self.routed_torch(x, rows, scales.unsqueeze(-1), counts.tolist())
+
+    def routed_torch(self, x: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor,
+                     counts: list[int]) -> torch.Tensor:
         out = torch.zeros_like(x)
         start = 0
         for expert, count in zip(self.experts, counts):
@@ -86,3 +99,19 @@ class SparseMoeBlock(nn.Module):
                 out.index_add_(0, chosen, y.to(out.dtype))
                 start += count
         return out
+
+    def _native(self) -> moe_kernel.Experts | None:
+        """The experts bound to the native call, made on first use (after loading packed them), or ``None`` where
+        it does not run: weights left plain (float32, no kernel here) or a library that does not build."""
+        native = self.__dict__.get("_native_experts", _UNBUILT)
+        if native is _UNBUILT:
+            weights = [w for e in self.experts for w in (e.gate_up_proj.weight, e.down_proj.weight)]
+            formats = {gemm.weight_format(w) for w in weights}
+            native = None
+            if moe_kernel.available() and len(formats) == 1 and None not in formats:
+                native = moe_kernel.Experts(weights[0::2], weights[1::2])
+            self.__dict__["_native_experts"] = native
+        return native  # type: ignore[return-value]
+
+
+_UNBUILT = object()

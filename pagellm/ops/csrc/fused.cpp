@@ -16,21 +16,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"      // f32, bf16
 #include "silu.h"      // round_bf16x16, store_bf16x16, silu_mul16 (shared with the packed GEMMs' gate/up epilogues)
 #include "simd_exp.h"  // exp16
 
 namespace {
-
-inline float f32(uint16_t h) {
-  return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16);
-}
-
-inline uint16_t bf16(float f) {  // round to nearest even, as torch does
-  uint32_t u = __builtin_bit_cast(uint32_t, f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 #if defined(__AVX512F__)
 inline __m512 load_bf16x16(const uint16_t* p, __mmask16 m) {
