@@ -22,6 +22,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = _help(
         "Number of pipeline stages (worker processes), each holding consecutive decoder layers and their KV cache; "
         "for a model larger than one machine's memory (stages run one after another within a step).", default=1)
+    enable_expert_parallel: bool = _help(
+        "Mixtures of experts: give each tensor-parallel rank whole experts (a 1/N share of them) instead of a 1/N "
+        "slice of every expert; no effect on dense models.", default=False)
     distributed_executor_backend: str = _help(
         "Where ranks 1..N-1 run: 'mp' (worker processes of this machine, fed through shared memory) or 'ray' (Ray "
         "actors placed by a placement group on the cluster RAY_ADDRESS names, else on a local Ray instance; needs "

@@ -30,12 +30,24 @@ class ParallelState:
     pp_rank: int = 0
     pp_size: int = 1
     tp_group: Any = field(default=None, compare=False, repr=False)  # this stage's ranks (None: every rank)
+    # A mixture of experts' experts dealt out whole over the tensor-parallel ranks (``expert_range``), instead of
+    # each split like a dense MLP.
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} is outside [0, {self.tp_size})")
         if not 0 <= self.pp_rank < self.pp_size:
             raise ValueError(f"pp_rank {self.pp_rank} is outside [0, {self.pp_size})")
+
+    def expert_range(self, num_experts: int) -> range:
+        """The experts this rank holds: all of them, or with ``expert_parallel`` its run of consecutive experts
+        (the first ``num_experts mod tp_size`` ranks take one more)."""
+        if not self.expert_parallel or self.tp_size == 1:
+            return range(num_experts)
+        share, extra = divmod(num_experts, self.tp_size)
+        start = self.tp_rank * share + min(self.tp_rank, extra)
+        return range(start, start + share + (self.tp_rank < extra))
 
     def shard(self, size: int, what: str) -> int:
         """This rank's share of a dimension that must split evenly."""

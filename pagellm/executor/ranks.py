@@ -92,7 +92,7 @@ def build_worker(config: EngineConfig, rank: int, size: int, shm: bool, threads:
     tp, pp = config.parallel_config.tensor_parallel_size, config.parallel_config.pipeline_parallel_size
     group = _stage_group(rank, tp, pp)
     comm = ShmComm.create(rank % tp, tp, group) if shm and tp > 1 else None  # stages send to each other over gloo
-    parallel = ParallelState(rank % tp, tp, comm, rank // tp, pp, group)
+    parallel = ParallelState(rank % tp, tp, comm, rank // tp, pp, group, config.parallel_config.enable_expert_parallel)
     try:
         return Worker(config.model_config, config.cache_config, config.speculative_config, parallel=parallel,
                       profiler_config=config.profiler_config, num_threads=threads)

@@ -149,6 +149,7 @@ class LlamaModel(nn.Module):
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -209,7 +210,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _target(self, name: str) -> tuple[str | None, str | int | None]:
         """Our parameter's name for a checkpoint tensor, and its shard of a fused matrix; None for a layer that
-        belongs to another pipeline stage (a stage numbers its own layers from 0)."""
+        belongs to another pipeline stage (a stage numbers its own layers from 0) or an expert that belongs to
+        another rank (a rank numbers its own experts from 0)."""
         if self.cfg.base_model and not name.startswith("model."):  # a base model's names start at its layers
             name = f"model.{name}"
         layers = self.model.layer_range
@@ -220,6 +222,12 @@ class LlamaForCausalLM(nn.Module):
             name = f"model.layers.{index - layers.start}.{name[match.end():]}"
         for fragment, ours in self.RENAMES:
             name = name.replace(fragment, ours)
+        experts = self.model.parallel.expert_range(self.cfg.moe.num_experts) if self.cfg.moe else None
+        if experts is not None and len(experts) != self.cfg.moe.num_experts and (match := _EXPERT.search(name)):
+            index = int(match.group(1))
+            if index not in experts:
+                return None, None  # another rank's expert (expert parallelism)
+            name = f"{name[:match.start()]}.mlp.experts.{index - experts.start}.{name[match.end():]}"
         for fragment, (ours, shard) in self.STACKED.items():
             if fragment in name:
                 return name.replace(fragment, ours), shard

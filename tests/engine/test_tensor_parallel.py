@@ -34,6 +34,26 @@ def test_greedy_parity_chunked_and_with_prefix_hits(tiny_model_factory, arch: st
         llm.shutdown()
 
 
+@pytest.mark.parametrize(("arch", "overrides"), [("qwen2_moe", {}), ("mixtral", {"num_local_experts": 3})])
+def test_expert_parallel_ranks_hold_whole_experts(tiny_model_factory, arch: str, overrides: dict) -> None:
+    """enable_expert_parallel: each rank holds a run of whole experts (3 over 2 ranks: 2 and 1) and computes the
+    pairs routed to them; Qwen2-MoE's shared expert stays split. Greedy tokens still equal transformers'."""
+    model_dir = tiny_model_factory(arch, **overrides)
+    llm = LLM(str(model_dir), max_num_batched_tokens=40, enable_expert_parallel=True, **TP)
+    try:
+        model = llm.engine.core.executor.worker.runner.model
+        block, moe = model.model.layers[0].mlp, model.cfg.moe
+        assert block.expert_range == range(0, -(-moe.num_experts // 2))
+        assert len(block.experts) == len(block.expert_range)
+        assert block.experts[0].gate_up_proj.weight.shape[0] == 2 * moe.intermediate_size  # whole, not a slice
+        if block.shared_expert is not None:
+            assert block.shared_expert.gate_up_proj.weight.shape[0] == moe.shared_intermediate_size  # split in two
+        prompts = _prompts(seed=14)
+        assert_greedy_parity(model_dir, prompts, run(llm, prompts))
+    finally:
+        llm.shutdown()
+
+
 def test_preemption_speculation_and_grammars_across_ranks(tiny_model_factory) -> None:
     model_dir = tiny_model_factory("llama")
     llm = LLM(str(model_dir), kv_cache_memory=24 * 16 * 512, max_model_len=160,

@@ -10,8 +10,10 @@ tokens that chose it, and experts no token chose cost nothing. Contributions are
 ascending expert order, as transformers sums them, so float32 results match its to the bit where the hidden states
 do. With packed bfloat16 (or int8) experts the loop over experts is one native call (``ops/moe.py``; bit for bit
 the loop's; ``PAGELLM_NATIVE_DECODER=0`` keeps the Python loop, its twin). Under tensor parallelism each expert is
-split like a dense MLP (gate/up by rows, down by columns); the experts' partial outputs (and the shared expert's)
-are summed on each rank and all-reduced once per layer.
+split like a dense MLP (gate/up by rows, down by columns), or with expert parallelism (``enable_expert_parallel``)
+each rank holds a run of whole experts (``ParallelState.expert_range``) and computes only the pairs routed to them;
+either way the partial outputs (and the shared expert's, always split) are summed on each rank and all-reduced once
+per layer.
 """
 
 from __future__ import annotations
@@ -59,8 +61,10 @@ class SparseMoeBlock(nn.Module):
         self.moe = moe
         self.parallel = parallel
         self.gate = ReplicatedLinear(hidden, moe.num_experts, dtype)
-        self.experts = nn.ModuleList(Expert(hidden, moe.intermediate_size, dtype, parallel)
-                                     for _ in range(moe.num_experts))
+        self.expert_range = parallel.expert_range(moe.num_experts)  # this rank's experts (numbered globally)
+        whole = parallel.expert_parallel  # whole experts on this rank, or every expert's slice
+        self.experts = nn.ModuleList(Expert(hidden, moe.intermediate_size, dtype, SINGLE if whole else parallel)
+                                     for _ in self.expert_range)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_intermediate_size:
             self.shared_expert = Expert(hidden, moe.shared_intermediate_size, dtype, parallel)
@@ -82,7 +86,11 @@ class SparseMoeBlock(nn.Module):
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, choice) pairs grouped by expert
         rows, scales = order // top_k, weights.reshape(-1)[order]
-        counts = torch.bincount(flat, minlength=len(self.experts))
+        counts = torch.bincount(flat, minlength=self.moe.num_experts)
+        if len(self.experts) < self.moe.num_experts:  # expert parallelism: the pairs of this rank's experts
+            first, last = self.expert_range.start, self.expert_range.stop
+            start, stop = int(counts[:first].sum()), int(counts[:last].sum())
+            rows, scales, counts = rows[start:stop], scales[start:stop], counts[first:last]
         native = self._native() if x.dtype == torch.bfloat16 and envs.native_decoder() else None
         if native is not None:
             return native(x, rows, scales.float(), counts)
