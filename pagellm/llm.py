@@ -15,6 +15,7 @@ import msgspec
 from tqdm.auto import tqdm
 
 from pagellm import generation_config
+from pagellm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagellm.config import EngineConfig
 from pagellm.engine.client import InprocClient
 from pagellm.engine.input_processor import InputProcessor, PromptType, lora_arch
@@ -167,6 +168,21 @@ class LLM:
                                     refresh=False)
         bar.close()
         return finished
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: each prompt's ``params.beam_width`` best beams, best first (see
+        ``pagellm/beam_search.py``). Every step runs all live beams of all prompts as one batch."""
+        searches = [BeamSearch(self.input_processor.tokenize(p), params, self.tokenizer.eos_token_ids)
+                    for p in _as_prompt_list(prompts)]
+        step = params.step_params()
+        while live := [s for s in searches if not s.done]:
+            outputs = iter(self.generate([b.tokens for s in live for b in s.live], step, use_tqdm=False,
+                                         lora_request=lora_request))
+            for search in live:
+                search.advance([{t: lp.logprob for t, lp in next(outputs).outputs[0].logprobs[0].items()}
+                                for _ in search.live])
+        return [s.result(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)) for s in searches]
 
     def embed(self, prompts: PromptType | Sequence[PromptType], normalize: bool = True, use_tqdm: bool = True,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:

@@ -76,6 +76,8 @@ class SamplingRequest(OpenAIModel):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    use_beam_search: bool = False  # vLLM's: the n best beams of a beam search of width n (serving_beam.py)
+    length_penalty: float = Field(1.0, allow_inf_nan=False)
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for every parameter set to a value the engine cannot honour."""

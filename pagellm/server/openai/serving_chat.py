@@ -11,6 +11,7 @@ Contract:
   reply; ``prompt_logprobs: k`` (vLLM) adds the prompt's logprobs to the (non-streamed) response.
 - ``logprobs: true`` (with ``top_logprobs: k`` alternatives) fills ``choices[i].logprobs.content`` (see
   ``logprobs.py``); a stream sends each token's logprobs with the chunk that carries its text (or the next one).
+- ``use_beam_search`` returns the ``n`` best beams instead of ``n`` samples (``serving_beam.py``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from typing import Any, Optional
 
 import msgspec
 
+from pagellm.beam_search import BeamSearchParams
 from pagellm.lora import LoRARequest
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.chunks import ChunkWriter
+from pagellm.server.openai import serving_beam
 from pagellm.server.openai import tools as tooling
 from pagellm.server.openai.errors import APIError, sse_error
 from pagellm.server.openai.logprobs import chat_logprobs, prompt_logprobs_body
@@ -52,6 +55,7 @@ class _Job:
     streams: dict[int, ToolCallStream] = field(default_factory=dict)  # an 'auto' stream's per-choice parse
     thinking: dict[int, ReasoningStream] = field(default_factory=dict)  # a stream's per-choice thinking
     choices: dict[int, _Choice] = field(default_factory=dict)  # a stream's choices as they add up
+    beam: Optional[BeamSearchParams] = None  # use_beam_search: the n best beams instead of n samples
 
     def thoughts(self) -> ReasoningStream:
         return ReasoningStream(self.reasoning, self.closed)  # type: ignore[arg-type]
@@ -116,7 +120,7 @@ class OpenAIServingChat(OpenAIServing):
                 params.structured_outputs = msgspec.structs.replace(params.structured_outputs,
                                                                     begin_after=self.think_end)
         return _Job(request, random_id("chatcmpl"), model, self.check_prompt(prompt), params, parser, reasoning,
-                    closed)
+                    closed, beam=serving_beam.beam_params(request, params.max_tokens, self.max_model_len))
 
     def _prediction(self, prediction: dict[str, Any]) -> list[int]:
         """OpenAI's ``prediction`` (``{"type": "content", "content": text or text parts}``) as token ids to draft."""
@@ -136,7 +140,8 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, job: _Job) -> ChatCompletionResponse:
         choices: dict[int, _Choice] = {}
         prompt_logprobs = None
-        async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority):
+        async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority,
+                                             job.beam):
             choices.setdefault(output.outputs[0].index, _Choice()).add(output)
             prompt_logprobs = prompt_logprobs or output.prompt_logprobs
         result = [_choice(job, i, c) for i, c in sorted(choices.items())]

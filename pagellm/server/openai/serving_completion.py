@@ -9,6 +9,7 @@ Contract:
   tokens and their logprobs come first (the form evaluation harnesses use to score a continuation, e.g. with
   ``max_tokens: 1``); a stream sends them with the first chunk.
 - ``best_of > n`` returns the ``n`` candidates with the highest cumulative logprob (not streamable: 400).
+- ``use_beam_search`` returns each prompt's ``n`` best beams instead (``serving_beam.py``).
 - Streaming sends ``data: {chunk}`` events and ``data: [DONE]``; with ``stream_options.include_usage`` a last
   chunk carries the usage and no choices. An engine error after the stream started is sent as an error event.
 """
@@ -18,9 +19,12 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Optional
 
+from pagellm.beam_search import BeamSearchParams
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.server.openai import serving_beam
 from pagellm.server.openai.chunks import ChunkWriter
 from pagellm.server.openai.errors import sse_error
 from pagellm.server.openai.logprobs import (completion_logprobs, prompt_completion_logprobs,
@@ -43,6 +47,7 @@ class _Job:
     params: SamplingParams
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_logprobs: dict[int, list] = field(default_factory=dict)  # prompt index → its prompt logprobs (echo)
+    beam: Optional[BeamSearchParams] = None  # use_beam_search: the n best beams instead of n samples
 
     def note(self, prompt_index: int, output: RequestOutput) -> None:
         if output.prompt_logprobs is not None:
@@ -69,11 +74,12 @@ class OpenAIServingCompletion(OpenAIServing):
         # with echo, each prompt as the model saw it
         texts = [item if isinstance(item, str) and not cut else self.tokenizer.decode(ids)
                  for item, ids, cut in items] if request.echo else []
-        return _Job(request, random_id("cmpl"), model, prompts, texts, params)
+        beam = serving_beam.beam_params(request, params.max_tokens, self.max_model_len)
+        return _Job(request, random_id("cmpl"), model, prompts, texts, params, beam=beam)
 
     async def create(self, job: _Job) -> CompletionResponse:
         choices: dict[int, _Choice] = {}
-        stream = self.generate(job.prompts, job.params, job.request_id, job.request.priority)
+        stream = self.generate(job.prompts, job.params, job.request_id, job.request.priority, job.beam)
         async for prompt_index, output in stream:
             job.note(prompt_index, output)
             choices.setdefault(job.choice_index(prompt_index, output), _Choice()).add(output)

@@ -23,11 +23,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Union
 
+from pagellm.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import POOLING_ONLY, check_prompt
 from pagellm.lora import LoRARequest
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.outputs import Logprob, RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.server.openai import serving_beam
 from pagellm.server.openai.errors import APIError
 from pagellm.server.openai.protocol import SamplingRequest
 from pagellm.tokenizer import Tokenizer
@@ -129,7 +131,7 @@ class OpenAIServing:
         model = self.check_model(request.model)
         if self.engine.runtime.pooling_only:
             raise APIError(POOLING_ONLY, 400, param="model", code="model_not_supported")
-        for name, why in request.unsupported():
+        for name, why in [*request.unsupported(), *serving_beam.refusals(request)]:
             raise APIError(why, 400, param=name, code="unsupported_parameter")
         params: SamplingParams = request.to_sampling_params(self.sampling_defaults)  # type: ignore[attr-defined]
         return model, self.check_params(model, params)
@@ -145,6 +147,10 @@ class OpenAIServing:
 
             validate(params.structured_outputs)
         return params
+
+    def beam_stops(self, params: SamplingParams) -> frozenset[int]:
+        """The tokens that end a beam: the model's end-of-sequence tokens and the request's ``stop_token_ids``."""
+        return self.tokenizer.eos_token_ids | frozenset(params.stop_token_ids or ())
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         bad = [t for t in token_ids if t >= self.vocab_size]
@@ -186,9 +192,16 @@ class OpenAIServing:
                            code="context_length_exceeded" if len(token_ids) >= self.max_model_len else None)
         return token_ids
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                       priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Deltas of every prompt's request, interleaved as they arrive (see the module docstring)."""
+    async def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str, priority: int,
+                       beam: Optional[BeamSearchParams] = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Deltas of every prompt's request, interleaved as they arrive (see the module docstring); with ``beam``,
+        each prompt's best beams, prompt after prompt (``serving_beam.py``)."""
+        if beam is not None:
+            for index, prompt in enumerate(prompts):
+                async for output in serving_beam.beam_outputs(self.engine, prompt, beam, self.beam_stops(params),
+                                                              f"{request_id}-{index}", priority, self.max_model_len):
+                    yield index, output
+            return
         if len(prompts) == 1:
             stream = self.engine.generate(prompts[0], params, request_id, priority)
             try:
