@@ -6,8 +6,11 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterator
 
+import openai
 import pytest
 from server_utils import ServerProcess
+
+from pagellm import LLM
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +33,18 @@ def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
 def server(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> ServerProcess:
     """The shared server (no API key) most tests talk to."""
     return start_server(tiny_llama, "--served-model-name", "tiny")
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    """The OpenAI SDK on the shared server (no retries: a failure shows at once)."""
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama: Path) -> LLM:
+    """The offline engine on the shared server's model, to hold the server's replies to."""
+    return LLM(str(tiny_llama), dtype="float32", max_model_len=512, kv_cache_memory=16_000_000)
 
 
 # Qwen3's template: with enable_thinking false it closes an empty think block after the generation prompt.

@@ -4,7 +4,6 @@ serves on."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import httpx
 import openai
@@ -13,16 +12,6 @@ from server_utils import ServerProcess, engine_idle, wait_until
 
 from pagellm import LLM
 from pagellm.beam_search import BeamSearchParams
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama: Path) -> LLM:
-    return LLM(str(tiny_llama), dtype="float32", max_model_len=512, kv_cache_memory=16_000_000)
 
 
 def test_completions_and_chat_return_the_offline_beams(server: ServerProcess, client: openai.OpenAI,

@@ -19,11 +19,6 @@ from server_utils import ServerProcess
 from pagellm.tokenizer import Tokenizer
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
-
-
 def _reference(model_dir: Path, ids: list[int]) -> np.ndarray:
     model = transformers.AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -15,11 +15,6 @@ NO_EOS = {"ignore_eos": True}  # a pagellm extra field: the tiny random model ma
 CHAT = [{"role": "user", "content": "Say something."}]
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 def test_models_version_and_tokenizer_routes(server: ServerProcess, client: openai.OpenAI) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"] and models.data[0].object == "model"

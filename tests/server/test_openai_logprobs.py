@@ -3,7 +3,6 @@ streamed and whole."""
 
 from __future__ import annotations
 
-from pathlib import Path
 import httpx
 import openai
 import pytest
@@ -16,16 +15,6 @@ NO_EOS = {"ignore_eos": True}
 CHAT = [{"role": "user", "content": "Tell me."}]
 MAX_TOKENS = 10
 TOP = 3
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama: Path) -> LLM:
-    return LLM(str(tiny_llama), dtype="float32", max_model_len=512, kv_cache_memory=16_000_000)
 
 
 def _reference(llm: LLM, prompt: str | list[int]) -> CompletionOutput:

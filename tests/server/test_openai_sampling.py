@@ -23,16 +23,6 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 CHAT = [{"role": "user", "content": "Give me JSON."}]
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama: Path) -> LLM:
-    return LLM(str(tiny_llama), dtype="float32", max_model_len=512, kv_cache_memory=16_000_000)
-
-
 def test_penalties_and_bias_match_offline(client: openai.OpenAI, offline: LLM) -> None:
     extra = {"repetition_penalty": 1.4, "bad_words": ["e"], "ignore_eos": True}
     kwargs = dict(model="tiny", prompt="Hello hello", max_tokens=12, temperature=0, presence_penalty=0.5,

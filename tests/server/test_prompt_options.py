@@ -25,11 +25,6 @@ CONTINUED = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content":
 OPEN = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nThe sky is"  # the tiny template, last turn open
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
-
-
 def test_truncate_prompt_tokens_keeps_the_last_tokens(client: openai.OpenAI) -> None:
     prompt = "0123456789abcdefghij"  # one token per character
     cut = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, echo=True,

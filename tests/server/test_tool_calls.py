@@ -30,11 +30,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
-
-
 def _check_arguments(arguments: str) -> None:
     value = json.loads(arguments)
     assert value["unit"] in ("celsius", "fahrenheit") and value["days"] in (1, 2) and set(value) == {"unit", "days"}
