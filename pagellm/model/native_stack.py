@@ -5,9 +5,11 @@ then run, unchanged: they are its twin and oracle, and the path of float32, tens
 attention backend):
 
 - ``PAGELLM_NATIVE_DECODER`` is not ``0`` and the library builds and runs here (AVX-512 BF16);
-- the model is bfloat16, single rank, dense (no mixture-of-experts layer), and every GEMM weight of every layer is
-  packed (``gemm.pack_parameter``), or every one quantized (``--quantization w8a8_int8``), with no o_proj bias
-  (q/k/v bias, as in Qwen2, and Qwen3's per-head q/k norm are served) and one RMSNorm epsilon throughout;
+- the model is bfloat16, single rank, and every GEMM weight of every layer is packed (``gemm.pack_parameter``), or
+  every one quantized (``--quantization w8a8_int8``), with no o_proj bias (q/k/v bias, as in Qwen2, and Qwen3's
+  per-head q/k norm are served) and one RMSNorm epsilon throughout; a mixture of experts' sparse layers run their
+  native call (``ops/moe.py``, the one the Python layer makes), so Mixtral and Qwen3-MoE are served, and Qwen2-MoE
+  (a shared expert) is not;
 - no request of the step runs with a LoRA adapter (those steps take the Python layers, ``pagellm/lora.py``);
 - the forward context is the ``cpu_paged`` backend's (its metadata a ``CpuPagedMetadata``) and every layer to run
   has a cache bound, bfloat16 or float8 (``--kv-cache-dtype``), all of one dtype.
@@ -30,16 +32,20 @@ from pagellm.ops.decoder_stack import DecoderStack, LayerWeights, StackShape
 
 def _layer_weights(layer: nn.Module) -> LayerWeights | None:
     attn, mlp = layer.self_attn, layer.mlp
-    if not hasattr(mlp, "gate_up_proj"):  # a mixture of experts: the Python layers
-        return None
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    experts = None
+    if not hasattr(mlp, "gate_up_proj"):  # a mixture of experts: its native call, routing included
+        experts = mlp.native_experts() if mlp.shared_expert is None else None
+        if experts is None or not experts.routes:
+            return None
+    linears = (attn.qkv_proj, attn.o_proj) + ((mlp.gate_up_proj, mlp.down_proj) if experts is None else ())
     if any(gemm.packed_shape(m.weight) is None for m in linears):
         return None
-    if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+    if attn.o_proj.bias is not None or any(m.bias is not None for m in linears[2:]):
         return None
     norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
+    gate_up, down = (None, None) if experts is not None else (mlp.gate_up_proj.weight, mlp.down_proj.weight)
     return LayerWeights(layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
-                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight, *norms)
+                        layer.post_attention_layernorm.weight, gate_up, down, *norms, moe=experts)
 
 
 def build_stack(model: nn.Module) -> DecoderStack | None:
@@ -52,14 +58,16 @@ def build_stack(model: nn.Module) -> DecoderStack | None:
     weights = [_layer_weights(layer) for layer in model.layers]
     if any(w is None for w in weights):
         return None
-    formats = {gemm.weight_format(t) for w in weights for t in (w.qkv, w.o, w.gate_up, w.down)}  # type: ignore
+    formats = {gemm.weight_format(t) for w in weights for t in (w.qkv, w.o, w.gate_up, w.down)  # type: ignore
+               if t is not None} | {w.moe.weight_format for w in weights if w.moe is not None}  # type: ignore
     if len(formats) != 1:
         return None
     attn = first.self_attn.attn
     eps = {layer.input_layernorm.eps for layer in model.layers} | {model.norm.eps} | \
         {n.eps for layer in model.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm) if n is not None}
+    dense = [w.down.packed_shape[1] for w in weights if w.down is not None]  # type: ignore
     shape = StackShape(model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                       first.mlp.down_proj.weight.packed_shape[1], eps.pop(), attn.scale)
+                       max(dense, default=0), eps.pop(), attn.scale)
     rotary = first.self_attn.rotary
     if eps or rotary.cos.dtype != torch.bfloat16 or attn.head_dim % 2:
         return None

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from pagellm.attention import cpu_paged
-from pagellm.ops import fused, gemm, gemm_w8a8
+from pagellm.ops import fused, gemm, gemm_w8a8, moe
 from pagellm.ops.build import load_library
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 class _Kernels(ctypes.Structure):  # csrc StackKernels: the kernels' entry points
     _fields_ = [(name, _P) for name in ("linear", "add_rms_norm", "silu_and_mul", "rotary", "attention",
-                                        "linear_silu_mul")]
+                                        "linear_silu_mul", "moe")]
 
 
 def _address(fn: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
@@ -44,7 +44,7 @@ def _address(fn: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
 
 class _Layer(ctypes.Structure):  # csrc StackLayer
     _fields_ = [(name, _P) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down",
-                                        "k_cache", "v_cache", "q_norm", "k_norm")]
+                                        "k_cache", "v_cache", "q_norm", "k_norm", "moe")]
 
 
 class _Shape(ctypes.Structure):  # csrc StackShape
@@ -78,7 +78,8 @@ def _kernels(cache_dtype: torch.dtype, weight_format: str = "bf16") -> _Kernels:
         linear_silu_mul = _address(gemm_lib.pagellm_packed_linear_silu_mul_bf16)
     return _Kernels(linear, _address(fused_lib.pagellm_add_rms_norm_bf16),
                     _address(fused_lib.pagellm_silu_and_mul_bf16), _address(fused_lib.pagellm_rotary_bf16),
-                    _address(cpu_paged.load_kernel().entry(torch.bfloat16, cache_dtype)), linear_silu_mul)
+                    _address(cpu_paged.load_kernel().entry(torch.bfloat16, cache_dtype)), linear_silu_mul,
+                    moe.forward_entry() if moe.available() else None)
 
 
 @functools.lru_cache(maxsize=1)
@@ -117,17 +118,19 @@ def fp8_from_bf16(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer's bfloat16 weights; the four GEMM weights packed (``gemm.pack``), or all four quantized
-    (``gemm_w8a8.quantize_parameter``)."""
+    (``gemm_w8a8.quantize_parameter``); a sparse layer of a mixture of experts has its routed experts (``moe``, a
+    ``moe.Experts`` that routes, of the same format) in place of gate_up and down."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | None
+    down: torch.Tensor | None
     q_norm: torch.Tensor | None = None  # [head_dim] RMSNorm weights over each head's q and k (Qwen3), both or none
     k_norm: torch.Tensor | None = None
+    moe: moe.Experts | None = None
 
 
 @dataclass(frozen=True)
@@ -160,13 +163,17 @@ class DecoderStack:
             raise ValueError("the native decoder stack takes q and k norm weights together, or neither")
         vectors = [final_norm, cos, sin, *(t for w in layers for t in (w.input_norm, w.qkv_bias, w.post_norm,
                                                                         w.q_norm, w.k_norm) if t is not None)]
-        gemms = [t for w in layers for t in (w.qkv, w.o, w.gate_up, w.down)]
+        gemms = [t for w in layers for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]
         gemm_dtype = torch.int8 if weight_format == gemm_w8a8.FORMAT else torch.bfloat16
         if any(t.dtype != torch.bfloat16 for t in vectors) or any(t.dtype != gemm_dtype for t in gemms) or \
                 not all(t.is_contiguous() for t in (*vectors, *gemms)):
             raise ValueError(f"the native decoder stack takes contiguous bfloat16 weights ({weight_format} GEMM "
                              "weights)")
-        tensors = [*vectors, *gemms]
+        if any((w.moe is None) == (w.gate_up is None or w.down is None) or
+               (w.moe is not None and (not w.moe.routes or w.moe.weight_format != weight_format)) for w in layers):
+            raise ValueError("each layer of the native decoder stack takes gate_up and down, or routed experts "
+                             f"(moe) of the stack's format ({weight_format})")
+        tensors = [*vectors, *gemms, *(w.moe for w in layers if w.moe is not None)]
         self.weight_format = weight_format
         self._fn, self._kernels = loaded.pagellm_decoder_stack_bf16, ctypes.byref(_kernels(torch.bfloat16,
                                                                                           weight_format))
@@ -178,6 +185,7 @@ class DecoderStack:
         for slot, w in zip(self._layers, layers):
             for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "q_norm", "k_norm"):
                 setattr(slot, name, _ptr(getattr(w, name)))
+            slot.moe = None if w.moe is None else w.moe.address
         self._shape = _Shape(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate, 1, 0,
                              cos.shape[0], shape.eps, shape.scale, 0)
 

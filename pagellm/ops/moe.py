@@ -1,10 +1,12 @@
-"""A mixture-of-experts layer's routed experts in one native call (``csrc/moe.cpp``).
+"""A mixture-of-experts layer in one native call (``csrc/moe.cpp``): router, routing and experts.
 
-The library calls the packed GEMM (``gemm.py``, or the int8 one of ``gemm_w8a8.py``) and the fused SiLU·mul
-(``fused.py``) through the addresses of their C entry points, in exactly the sequence of the Python loop of
-``model/layers/moe.py`` (``SparseMoeBlock.routed``), so its output equals that loop's bit for bit; the loop is its
-plain-PyTorch twin and test oracle. ``Experts`` holds one layer's weight addresses (made once) and takes per call
-the hidden states and the routing the caller sorted by expert. ``available()`` says whether the library runs here.
+The library calls the packed GEMM (``gemm.py``, or the int8 one of ``gemm_w8a8.py`` for the experts) and the fused
+SiLU·mul (``fused.py``) through the addresses of their C entry points. Given a routing, its experts' part makes
+exactly the sequence of the Python loop of ``model/layers/moe.py`` (``SparseMoeBlock.routed_torch``), so it equals
+that loop bit for bit (``Experts.__call__``); its routing equals torch's softmax and top-k up to the softmax's last
+bits (``route``; the twin is ``model/layers/moe.py``'s). ``Experts.forward`` runs the whole layer, and its
+``address`` is what the native decoder stack calls for the layer (``decoder_stack.py``), so the two paths agree bit
+for bit. ``available()`` says whether the library runs here.
 """
 
 from __future__ import annotations
@@ -26,19 +28,35 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Kernels(ctypes.Structure):  # csrc MoeKernels
-    _fields_ = [(name, _P) for name in ("linear", "silu_and_mul", "linear_silu_mul")]
+    _fields_ = [(name, _P) for name in ("linear", "silu_and_mul", "linear_silu_mul", "router_linear")]
+
+
+class _Layer(ctypes.Structure):  # csrc MoeLayer
+    _fields_ = [(name, _P) for name in ("kernels", "router", "gate_up", "down")]
+    _fields_ += [(name, _I) for name in ("experts", "top_k", "hidden", "inter", "renormalize",
+                                         "weights_in_model_dtype")]
+
+
+def _address(fn: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
+    return ctypes.cast(fn, ctypes.c_void_p).value  # type: ignore[return-value]
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels(weight_format: str) -> _Kernels:
     gemm_lib, fused_lib = gemm._lib(), fused._lib()
     assert gemm_lib is not None and fused_lib is not None
-    silu = ctypes.cast(fused_lib.pagellm_silu_and_mul_bf16, ctypes.c_void_p).value
+    silu, bf16_linear = _address(fused_lib.pagellm_silu_and_mul_bf16), _address(gemm_lib.pagellm_packed_linear_bf16)
     if weight_format == gemm_w8a8.FORMAT:
         linear, linear_silu_mul = gemm_w8a8.entry_addresses()
-        return _Kernels(linear, silu, linear_silu_mul)
-    return _Kernels(ctypes.cast(gemm_lib.pagellm_packed_linear_bf16, ctypes.c_void_p).value, silu,
-                    ctypes.cast(gemm_lib.pagellm_packed_linear_silu_mul_bf16, ctypes.c_void_p).value)
+        return _Kernels(linear, silu, linear_silu_mul, bf16_linear)
+    return _Kernels(bf16_linear, silu, _address(gemm_lib.pagellm_packed_linear_silu_mul_bf16), bf16_linear)
+
+
+def forward_entry() -> int:
+    """The address of ``pagellm_moe_forward_bf16`` (the native decoder stack calls it for a layer's experts)."""
+    loaded = _lib()
+    assert loaded is not None, "native mixture-of-experts kernel is not available on this machine"
+    return _address(loaded.pagellm_moe_forward_bf16)
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,6 +71,10 @@ def _lib() -> ctypes.CDLL | None:
     lib.pagellm_moe_experts_bf16.argtypes = [ctypes.POINTER(_Kernels), _P, _P, _I, _I, _I, _P, _I, _I, _P, _P, _P,
                                              _P]
     lib.pagellm_moe_experts_bf16.restype = ctypes.c_int
+    lib.pagellm_moe_route_bf16.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _P]
+    lib.pagellm_moe_route_bf16.restype = None
+    lib.pagellm_moe_forward_bf16.argtypes = [ctypes.POINTER(_Layer), _P, _I, _I, _P]
+    lib.pagellm_moe_forward_bf16.restype = None
     return lib
 
 
@@ -60,23 +82,69 @@ def available() -> bool:
     return _lib() is not None
 
 
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          weights_in_model_dtype: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The native routing of bf16 router ``logits`` [tokens, experts]: (rows, scales, counts), the (token, weight)
+    pairs grouped by expert as ``Experts.__call__`` takes them (for tests: ``forward`` routes inside)."""
+    loaded = _lib()
+    assert loaded is not None, "native mixture-of-experts kernel is not available on this machine"
+    assert logits.dtype == torch.bfloat16 and logits.dim() == 2 and 1 <= top_k <= logits.shape[1]
+    logits = logits.contiguous()
+    tokens, experts = logits.shape
+    rows, scales = torch.empty(tokens * top_k, dtype=torch.int64), torch.empty(tokens * top_k)
+    counts = torch.empty(experts, dtype=torch.int64)
+    loaded.pagellm_moe_route_bf16(logits.data_ptr(), tokens, experts, top_k, int(renormalize),
+                                  int(weights_in_model_dtype), rows.data_ptr(), scales.data_ptr(), counts.data_ptr())
+    return rows, scales, counts
+
+
 class Experts:
     """One layer's experts bound to the native call: ``gate_up[e]`` packed ``[2·inter, hidden]`` and ``down[e]``
-    packed ``[hidden, inter]``, all of one format (``gemm.weight_format``: ``bf16`` or ``w8a8_int8``)."""
+    packed ``[hidden, inter]``, all of one format (``gemm.weight_format``: ``bf16`` or ``w8a8_int8``); with the
+    layer's packed bf16 ``router`` [experts, hidden] and its ``top_k`` and flags, the whole layer (``forward``)."""
 
-    def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> None:
+    def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor], router: torch.Tensor | None = None,
+                 top_k: int = 1, renormalize: bool = False, weights_in_model_dtype: bool = False) -> None:
         loaded = _lib()
         assert loaded is not None, "native mixture-of-experts kernel is not available on this machine"
         formats = {gemm.weight_format(w) for w in (*gate_up, *down)}
         if len(formats) != 1 or None in formats:
             raise ValueError("the native experts take packed weights, all of one format")
+        if router is not None and (gemm.weight_format(router) != "bf16" or
+                                   gemm.packed_shape(router)[0] != len(gate_up)):  # type: ignore[index]
+            raise ValueError("the native router takes a packed bf16 [experts, hidden] weight")
         self.weight_format = formats.pop()
         self.hidden, self.inter = gemm.packed_shape(down[0])  # type: ignore[misc]
         self._fn, self._kernels = loaded.pagellm_moe_experts_bf16, ctypes.byref(_kernels(self.weight_format))
-        self._keep = [*gate_up, *down]
+        self._keep = [*gate_up, *down, router]
         self._gate_up = (ctypes.c_void_p * len(gate_up))(*(w.data_ptr() for w in gate_up))
         self._down = (ctypes.c_void_p * len(down))(*(w.data_ptr() for w in down))
         self.num_experts = len(gate_up)
+        self._layer = None if router is None else _Layer(
+            ctypes.addressof(_kernels(self.weight_format)), router.data_ptr(),
+            ctypes.cast(self._gate_up, ctypes.c_void_p), ctypes.cast(self._down, ctypes.c_void_p), len(gate_up),
+            top_k, self.hidden, self.inter, int(renormalize), int(weights_in_model_dtype))
+        self._forward = loaded.pagellm_moe_forward_bf16
+
+    @property
+    def routes(self) -> bool:
+        """Whether it holds the router (and every expert of the layer): ``forward`` and ``address`` serve."""
+        return self._layer is not None
+
+    @property
+    def address(self) -> int:
+        """The address of this layer's ``MoeLayer`` (for the native decoder stack; needs the router)."""
+        assert self._layer is not None, "bound without a router"
+        return ctypes.addressof(self._layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole layer for bfloat16 rows ``x`` [tokens, hidden] (unit column stride): router, routing,
+        experts."""
+        assert self._layer is not None, "bound without a router"
+        assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] == self.hidden
+        out = torch.empty((x.shape[0], self.hidden), dtype=torch.bfloat16)
+        self._forward(ctypes.byref(self._layer), x.data_ptr(), x.shape[0], x.stride(0), out.data_ptr())
+        return out
 
     def __call__(self, x: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:

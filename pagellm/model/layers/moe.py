@@ -71,10 +71,14 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = route(self.gate(x), self.moe.top_k, self.moe.renormalize)
-        if self.moe.weights_in_model_dtype:
-            weights = weights.to(x.dtype)
-        out = self.routed(x, weights, experts)
+        native = self.native_experts() if x.dtype == torch.bfloat16 and envs.native_decoder() else None
+        if native is not None and native.routes:  # router, routing and experts in one native call
+            out = native.forward(x)
+        else:
+            weights, experts = route(self.gate(x), self.moe.top_k, self.moe.renormalize)
+            if self.moe.weights_in_model_dtype:
+                weights = weights.to(x.dtype)
+            out = self.routed(x, weights, experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.parallel.all_reduce(out)
@@ -91,7 +95,7 @@ class SparseMoeBlock(nn.Module):
             first, last = self.expert_range.start, self.expert_range.stop
             start, stop = int(counts[:first].sum()), int(counts[:last].sum())
             rows, scales, counts = rows[start:stop], scales[start:stop], counts[first:last]
-        native = self._native() if x.dtype == torch.bfloat16 and envs.native_decoder() else None
+        native = self.native_experts() if x.dtype == torch.bfloat16 and envs.native_decoder() else None
         if native is not None:
             return native(x, rows, scales.float(), counts)
         return self.routed_torch(x, rows, scales.unsqueeze(-1), counts.tolist())
@@ -108,16 +112,19 @@ class SparseMoeBlock(nn.Module):
                 start += count
         return out
 
-    def _native(self) -> moe_kernel.Experts | None:
+    def native_experts(self) -> moe_kernel.Experts | None:
         """The experts bound to the native call, made on first use (after loading packed them), or ``None`` where
-        it does not run: weights left plain (float32, no kernel here) or a library that does not build."""
+        it does not run: weights left plain (float32, no kernel here) or a library that does not build. With every
+        expert on this rank and a packed router it routes too (``routes``; the native decoder stack calls it)."""
         native = self.__dict__.get("_native_experts", _UNBUILT)
         if native is _UNBUILT:
             weights = [w for e in self.experts for w in (e.gate_up_proj.weight, e.down_proj.weight)]
             formats = {gemm.weight_format(w) for w in weights}
             native = None
             if moe_kernel.available() and len(formats) == 1 and None not in formats:
-                native = moe_kernel.Experts(weights[0::2], weights[1::2])
+                whole = len(self.experts) == self.moe.num_experts and gemm.weight_format(self.gate.weight) == "bf16"
+                native = moe_kernel.Experts(weights[0::2], weights[1::2], self.gate.weight if whole else None,
+                                            self.moe.top_k, self.moe.renormalize, self.moe.weights_in_model_dtype)
             self.__dict__["_native_experts"] = native
         return native  # type: ignore[return-value]
 

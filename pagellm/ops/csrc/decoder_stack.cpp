@@ -13,6 +13,8 @@
 //   h, res = add_rms_norm(x, res)
 //   x      = packed_gemm(silu_and_mul(packed_gemm(h, W_gate_up)), W_down)   (the inner two in one pass where
 //            the GEMM offers it: pagellm_packed_linear_silu_mul_bf16 (AMX, AVX-512), _w8a8 (int8); the same bits)
+//            or, in a mixture of experts' sparse layer, x = moe(h): the layer's router, routing and experts in the
+//            call the Python layer makes too (ops/csrc/moe.cpp pagellm_moe_forward_bf16)
 // then out = add_rms_norm(x, res).out. What it saves is everything around the kernels: Python dispatch, torch
 // allocations (one grow-only per-thread workspace instead), views, index ops and ctypes marshalling per layer.
 // The kernels are not compiled in here: the caller passes the addresses of their C entry points in their own
@@ -47,6 +49,8 @@ struct StackKernels {
   // gate/up GEMM and SiLU·mul in one pass where the GEMM can (0), else -1 and nothing written; may be null.
   int (*linear_silu_mul)(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n2,
                          uint16_t* y, int64_t ldy);
+  // a mixture of experts' layer (ops/csrc/moe.cpp, its MoeLayer as `layer`); null where no layer has experts
+  void (*moe)(const void* layer, const uint16_t* x, int64_t tokens, int64_t ldx, uint16_t* out);
 };
 
 // One decoder layer's weights (packed GEMM weights as made by pagellm/ops/gemm.py `pack`, or all four the int8
@@ -63,6 +67,7 @@ struct StackLayer {
   void* v_cache;
   const uint16_t* q_norm;      // [head_dim] RMSNorm weight over each head's q (Qwen3), or null (then k_norm too)
   const uint16_t* k_norm;      // [head_dim]
+  const void* moe;             // a sparse layer's MoeLayer (gate_up and down unused), or null: a dense MLP
 };
 
 enum KvFormat : int64_t { kKvBf16 = 0, kKvFp8E4M3 = 1, kKvFp8E5M2 = 2 };
@@ -210,6 +215,10 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
               st.flash_min_tokens, s.scale, sc.attn);
   f.linear(sc.attn, t, qd, qd, l.o, s.hidden, nullptr, sc.x, s.hidden);
   f.add_rms_norm(sc.x, sc.res, l.post_norm, t, s.hidden, s.eps, sc.h, sc.res);
+  if (l.moe) {
+    f.moe(l.moe, sc.h, t, s.hidden, sc.x);
+    return;
+  }
   const int64_t gate_up = 2 * s.intermediate;
   if (!f.linear_silu_mul || f.linear_silu_mul(sc.h, t, s.hidden, s.hidden, l.gate_up, gate_up, sc.act,
                                               s.intermediate) != 0) {

@@ -1,18 +1,23 @@
-// The routed experts of one mixture-of-experts layer in one call: for each expert that tokens chose, gather those
+// A mixture-of-experts layer in one call: the router's GEMM, the routing (softmax over the experts in float32, the
+// top_k most probable, renormalised where the model says so), and for each expert that tokens chose: gather those
 // tokens' rows, run the expert's SwiGLU MLP on them through the packed GEMM, and add each row's result, scaled by
-// its routing weight, into the output row of its token.
+// its routing weight, into the output row of its token. The Python layer (pagellm/model/layers/moe.py) and the
+// native decoder stack (decoder_stack.cpp, through MoeLayer) both call pagellm_moe_forward_bf16, so they agree bit
+// for bit.
 //
-// Per expert, exactly the sequence of native calls the Python layer makes (pagellm/model/layers/moe.py,
-// SparseMoeBlock.routed), to the same kernels, in the same order, so the result is bit for bit the Python path's:
+// The experts' part makes exactly the sequence of native calls of the Python loop (SparseMoeBlock.routed_torch), to
+// the same kernels, in the same order, so given the same routing it is bit for bit that loop's:
 //   h   = silu_and_mul(packed_gemm(x[rows], W_gate_up))   (in one pass where the GEMM offers it: the same bits)
 //   y   = packed_gemm(h, W_down)
 //   out[rows] = bf16(out[rows] + bf16(y * scale))          (torch's index_add_ of the scaled bf16 rows)
-// with the experts taken in ascending order, as the Python loop (and transformers) sum them. The caller sorts the
-// (token, choice) pairs by expert: `rows` lists their tokens expert after expert, `scales` their routing weights
-// (float32; Qwen's already rounded to bf16, as its Python path multiplies in bf16), `counts` how many each expert
-// has. What this saves is the Python around the kernels: per expert, seven torch ops and two ctypes calls.
+// with the experts taken in ascending order, as the Python loop (and transformers) sum them. The routing is
+// torch's up to the last bits of the softmax (its twin is model/layers/moe.py `route`): the (token, choice) pairs
+// sorted by expert, tokens ascending within one (a counting sort: torch's stable argsort's order), `scales` their
+// routing weights (Qwen's rounded to bf16, as its Python path multiplies in bf16). What this saves is the Python
+// around the kernels: per expert, seven torch ops and two ctypes calls; per layer, the router and routing ops.
 // The kernels are not compiled in here: the caller passes the addresses of their C entry points in their own
 // libraries (ops/csrc/packed_gemm.cpp or packed_gemm_w8a8.cpp, ops/csrc/fused.cpp; see pagellm/ops/moe.py).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -29,12 +34,28 @@ struct MoeKernels {
   // gate/up GEMM and SiLU·mul in one pass where the GEMM can (0), else -1 and nothing written; may be null.
   int (*linear_silu_mul)(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n2,
                          uint16_t* y, int64_t ldy);
+  // the bfloat16 GEMM, for the router (which stays bfloat16 when the experts are int8)
+  void (*router_linear)(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
+                        const uint16_t* bias, uint16_t* y, int64_t ldy);
+};
+
+// One layer's router and experts, as pagellm/ops/moe.py binds them.
+struct MoeLayer {
+  const MoeKernels* kernels;
+  const uint16_t* router;          // packed bf16 [experts, hidden]
+  const uint16_t* const* gate_up;  // [experts] packed [2 * inter, hidden]
+  const uint16_t* const* down;     // [experts] packed [hidden, inter]
+  int64_t experts, top_k, hidden, inter;
+  int64_t renormalize;             // divide the top_k probabilities by their sum
+  int64_t weights_in_model_dtype;  // round the routing weights to bf16 (Qwen)
 };
 
 // The calling thread's scratch rows, grown to the largest call (the GEMMs' own threads only read and write the
 // pointers they are handed).
 struct Workspace {
-  std::vector<uint16_t> x, gate_up, h, y;
+  std::vector<uint16_t> x, gate_up, h, y, logits;
+  std::vector<int64_t> rows, counts, chosen, sorted;  // rows: the counting sort's offsets; sorted: its result
+  std::vector<float> scales, probs, weights;
   void fit(int64_t rows, int64_t hidden, int64_t inter) {
     auto grow = [](std::vector<uint16_t>& v, int64_t n) {
       if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
@@ -43,23 +64,50 @@ struct Workspace {
   }
 };
 
-}  // namespace
+// The (token, choice) pairs of `tokens` rows of router logits, grouped by expert (see the top of this file).
+void route(const uint16_t* logits, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize,
+           bool weights_in_model_dtype, int64_t* rows, float* scales, int64_t* counts, Workspace& ws) {
+  ws.probs.resize(static_cast<size_t>(experts));
+  ws.chosen.resize(static_cast<size_t>(tokens * top_k));
+  ws.weights.resize(static_cast<size_t>(tokens * top_k));
+  std::fill(counts, counts + experts, int64_t{0});
+  float* p = ws.probs.data();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const uint16_t* l = logits + t * experts;
+    float top = -INFINITY, sum = 0.f;
+    for (int64_t e = 0; e < experts; ++e) top = std::max(top, f32(l[e]));
+    for (int64_t e = 0; e < experts; ++e) sum += p[e] = std::exp(f32(l[e]) - top);
+    for (int64_t e = 0; e < experts; ++e) p[e] /= sum;
+    int64_t* chosen = ws.chosen.data() + t * top_k;
+    float* w = ws.weights.data() + t * top_k;
+    float picked = 0.f;
+    for (int64_t j = 0; j < top_k; ++j) {  // the most probable left; exact ties: the lower index (torch: unspecified)
+      int64_t best = -1;
+      for (int64_t e = 0; e < experts; ++e)
+        if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
+      chosen[j] = best, w[j] = p[best], p[best] = -1.f;
+      picked += w[j];
+    }
+    for (int64_t j = 0; j < top_k; ++j) {
+      if (renormalize) w[j] /= picked;
+      if (weights_in_model_dtype) w[j] = f32(bf16(w[j]));
+      ++counts[chosen[j]];
+    }
+  }
+  ws.rows.assign(static_cast<size_t>(experts), 0);  // each expert's next free place
+  for (int64_t e = 1; e < experts; ++e) ws.rows[e] = ws.rows[e - 1] + counts[e - 1];
+  for (int64_t i = 0; i < tokens * top_k; ++i) {
+    const int64_t at = ws.rows[ws.chosen[i]]++;
+    rows[at] = i / top_k, scales[at] = ws.weights[i];
+  }
+}
 
-extern "C" {
-
-// x: [tokens, hidden] bf16 rows (row stride ldx); gate_up[e], down[e]: expert e's packed [2 * inter, hidden] and
-// [hidden, inter] weights; rows, scales: the (token, weight) pairs grouped by expert, counts[e] of them for expert
-// e; out: [tokens, hidden] bf16, overwritten. Returns 0, or -1 (out untouched) where a row names no token.
-int pagellm_moe_experts_bf16(const MoeKernels* k, const uint16_t* const* gate_up, const uint16_t* const* down,
-                             int64_t experts, int64_t hidden, int64_t inter, const uint16_t* x, int64_t tokens,
-                             int64_t ldx, const int64_t* rows, const float* scales, const int64_t* counts,
-                             uint16_t* out) {
-  int64_t pairs = 0, largest = 0;
-  for (int64_t e = 0; e < experts; ++e) pairs += counts[e], largest = counts[e] > largest ? counts[e] : largest;
-  for (int64_t p = 0; p < pairs; ++p)
-    if (rows[p] < 0 || rows[p] >= tokens) return -1;
+void run_experts(const MoeKernels* k, const uint16_t* const* gate_up, const uint16_t* const* down,
+                 int64_t experts, int64_t hidden, int64_t inter, const uint16_t* x, int64_t tokens, int64_t ldx,
+                 const int64_t* rows, const float* scales, const int64_t* counts, uint16_t* out, Workspace& ws) {
+  int64_t largest = 0;
+  for (int64_t e = 0; e < experts; ++e) largest = counts[e] > largest ? counts[e] : largest;
   std::memset(out, 0, static_cast<size_t>(tokens * hidden) * sizeof(uint16_t));
-  thread_local Workspace ws;
   ws.fit(largest, hidden, inter);
   int64_t start = 0;
   for (int64_t e = 0; e < experts; ++e) {
@@ -82,7 +130,54 @@ int pagellm_moe_experts_bf16(const MoeKernels* k, const uint16_t* const* gate_up
     }
     start += m;
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x: [tokens, hidden] bf16 rows (row stride ldx); gate_up[e], down[e]: expert e's packed [2 * inter, hidden] and
+// [hidden, inter] weights; rows, scales: the (token, weight) pairs grouped by expert, counts[e] of them for expert
+// e; out: [tokens, hidden] bf16, overwritten. Returns 0, or -1 (out untouched) where a row names no token.
+// x: [tokens, hidden] bf16 rows (row stride ldx); gate_up[e], down[e]: expert e's packed [2 * inter, hidden] and
+// [hidden, inter] weights; rows, scales: the (token, weight) pairs grouped by expert, counts[e] of them for expert
+// e; out: [tokens, hidden] bf16, overwritten. Returns 0, or -1 (out untouched) where a row names no token.
+int pagellm_moe_experts_bf16(const MoeKernels* k, const uint16_t* const* gate_up, const uint16_t* const* down,
+                             int64_t experts, int64_t hidden, int64_t inter, const uint16_t* x, int64_t tokens,
+                             int64_t ldx, const int64_t* rows, const float* scales, const int64_t* counts,
+                             uint16_t* out) {
+  int64_t pairs = 0;
+  for (int64_t e = 0; e < experts; ++e) pairs += counts[e];
+  for (int64_t p = 0; p < pairs; ++p)
+    if (rows[p] < 0 || rows[p] >= tokens) return -1;
+  thread_local Workspace ws;
+  run_experts(k, gate_up, down, experts, hidden, inter, x, tokens, ldx, rows, scales, counts, out, ws);
   return 0;
+}
+
+// The routing alone (for tests): logits [tokens, experts] bf16 → rows, scales [tokens * top_k], counts [experts].
+void pagellm_moe_route_bf16(const uint16_t* logits, int64_t tokens, int64_t experts, int64_t top_k,
+                            int64_t renormalize, int64_t weights_in_model_dtype, int64_t* rows, float* scales,
+                            int64_t* counts) {
+  thread_local Workspace ws;
+  route(logits, tokens, experts, top_k, renormalize != 0, weights_in_model_dtype != 0, rows, scales, counts, ws);
+}
+
+// The whole layer: out [tokens, hidden] (overwritten) = Σ over each token's top_k experts of weight · expert(x).
+void pagellm_moe_forward_bf16(const MoeLayer* l, const uint16_t* x, int64_t tokens, int64_t ldx, uint16_t* out) {
+  if (tokens <= 0) return;
+  thread_local Workspace ws;
+  const int64_t pairs = tokens * l->top_k;
+  ws.logits.resize(static_cast<size_t>(tokens * l->experts));
+  ws.scales.resize(static_cast<size_t>(pairs));
+  ws.counts.resize(static_cast<size_t>(l->experts));
+  ws.sorted.resize(static_cast<size_t>(pairs));
+  l->kernels->router_linear(x, tokens, l->hidden, ldx, l->router, l->experts, nullptr, ws.logits.data(),
+                            l->experts);
+  route(ws.logits.data(), tokens, l->experts, l->top_k, l->renormalize != 0, l->weights_in_model_dtype != 0,
+        ws.sorted.data(), ws.scales.data(), ws.counts.data(), ws);
+  run_experts(l->kernels, l->gate_up, l->down, l->experts, l->hidden, l->inter, x, tokens, ldx, ws.sorted.data(),
+              ws.scales.data(), ws.counts.data(), out, ws);
 }
 
 }  // extern "C"
