@@ -8,12 +8,14 @@ scaled by a sigmoid gate of its own.
 Tokens are grouped by expert (one stable sort of the flat choices), so each expert runs one GEMM pair over the
 tokens that chose it, and experts no token chose cost nothing. Contributions are summed into the output in
 ascending expert order, as transformers sums them, so float32 results match its to the bit where the hidden states
-do. With packed bfloat16 (or int8) experts the loop over experts is one native call (``ops/moe.py``; bit for bit
-the loop's; ``PAGELLM_NATIVE_DECODER=0`` keeps the Python loop, its twin). Under tensor parallelism each expert is
-split like a dense MLP (gate/up by rows, down by columns), or with expert parallelism (``enable_expert_parallel``)
-each rank holds a run of whole experts (``ParallelState.expert_range``) and computes only the pairs routed to them;
-either way the partial outputs (and the shared expert's, always split) are summed on each rank and all-reduced once
-per layer.
+do. With packed bfloat16 (or int8) experts the router, the routing and the experts are one native call
+(``ops/moe.py``, which the native decoder stack makes too): given a routing its experts are bit for bit the Python
+loop's, and its routing is torch's up to the softmax's last bits; ``PAGELLM_NATIVE_DECODER=0`` keeps torch's
+routing and the Python loop, its twin. Under tensor parallelism each expert is split like a dense MLP (gate/up by
+rows, down by columns), or with expert parallelism (``enable_expert_parallel``) each rank holds a run of whole
+experts (``ParallelState.expert_range``) and computes only the pairs routed to them (torch's routing, then the
+native experts); either way the partial outputs (and the shared expert's, always split) are summed on each rank and
+all-reduced once per layer.
 """
 
 from __future__ import annotations
