@@ -62,3 +62,13 @@ def test_beams_equal_a_search_over_transformers_logprobs(tiny_model_factory, wid
         assert [o.sequences[0].output_token_ids for o in one] == [g.outputs[0].token_ids for g in greedy]
     kv = llm.engine.core.scheduler.kv
     assert kv.num_free_blocks == kv.pool.num_blocks
+
+
+def test_beams_stop_at_the_context_length_and_a_prompt_that_fills_it_is_refused(tiny_model_factory) -> None:
+    llm = LLM(str(tiny_model_factory("llama")), dtype="float32", max_model_len=32)
+    out = llm.beam_search([list(range(1, 29))], BeamSearchParams(beam_width=2, max_tokens=50, ignore_eos=True))
+    assert [len(b.tokens) for b in out[0].sequences] == [32, 32]  # 28 prompt tokens + 4 steps
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.beam_search([list(range(1, 33))], BeamSearchParams(beam_width=2, max_tokens=4))
+    kv = llm.engine.core.scheduler.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks
