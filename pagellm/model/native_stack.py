@@ -8,8 +8,7 @@ attention backend):
 - the model is bfloat16, single rank, and every GEMM weight of every layer is packed (``gemm.pack_parameter``), or
   every one quantized (``--quantization w8a8_int8``), with no o_proj bias (q/k/v bias, as in Qwen2, and Qwen3's
   per-head q/k norm are served) and one RMSNorm epsilon throughout; a mixture of experts' sparse layers run their
-  native call (``ops/moe.py``, the one the Python layer makes), so Mixtral and Qwen3-MoE are served, and Qwen2-MoE
-  (a shared expert) is not;
+  native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE);
 - no request of the step runs with a LoRA adapter (those steps take the Python layers, ``pagellm/lora.py``);
 - the forward context is the ``cpu_paged`` backend's (its metadata a ``CpuPagedMetadata``) and every layer to run
   has a cache bound, bfloat16 or float8 (``--kv-cache-dtype``), all of one dtype.
@@ -34,7 +33,7 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
     attn, mlp = layer.self_attn, layer.mlp
     experts = None
     if not hasattr(mlp, "gate_up_proj"):  # a mixture of experts: its native call, routing included
-        experts = mlp.native_experts() if mlp.shared_expert is None else None
+        experts = mlp.native_experts()
         if experts is None or not experts.routes:
             return None
     linears = (attn.qkv_proj, attn.o_proj) + ((mlp.gate_up_proj, mlp.down_proj) if experts is None else ())

@@ -35,6 +35,7 @@ class _Layer(ctypes.Structure):  # csrc MoeLayer
     _fields_ = [(name, _P) for name in ("kernels", "router", "gate_up", "down")]
     _fields_ += [(name, _I) for name in ("experts", "top_k", "hidden", "inter", "renormalize",
                                          "weights_in_model_dtype")]
+    _fields_ += [(name, _P) for name in ("shared_gate_up", "shared_down", "shared_gate")] + [("shared_inter", _I)]
 
 
 def _address(fn: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
@@ -101,29 +102,36 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool,
 class Experts:
     """One layer's experts bound to the native call: ``gate_up[e]`` packed ``[2·inter, hidden]`` and ``down[e]``
     packed ``[hidden, inter]``, all of one format (``gemm.weight_format``: ``bf16`` or ``w8a8_int8``); with the
-    layer's packed bf16 ``router`` [experts, hidden] and its ``top_k`` and flags, the whole layer (``forward``)."""
+    layer's packed bf16 ``router`` [experts, hidden] and its ``top_k`` and flags, the whole layer (``forward``), its
+    ``shared`` expert included where it has one (gate_up and down in the experts' format, its gate packed bf16
+    [1, hidden])."""
 
     def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor], router: torch.Tensor | None = None,
-                 top_k: int = 1, renormalize: bool = False, weights_in_model_dtype: bool = False) -> None:
+                 top_k: int = 1, renormalize: bool = False, weights_in_model_dtype: bool = False,
+                 shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         loaded = _lib()
         assert loaded is not None, "native mixture-of-experts kernel is not available on this machine"
-        formats = {gemm.weight_format(w) for w in (*gate_up, *down)}
+        formats = {gemm.weight_format(w) for w in (*gate_up, *down, *(shared[:2] if shared else ()))}
         if len(formats) != 1 or None in formats:
             raise ValueError("the native experts take packed weights, all of one format")
         if router is not None and (gemm.weight_format(router) != "bf16" or
                                    gemm.packed_shape(router)[0] != len(gate_up)):  # type: ignore[index]
             raise ValueError("the native router takes a packed bf16 [experts, hidden] weight")
+        if shared is not None and gemm.weight_format(shared[2]) != "bf16":
+            raise ValueError("the native shared expert's gate takes a packed bf16 [1, hidden] weight")
         self.weight_format = formats.pop()
         self.hidden, self.inter = gemm.packed_shape(down[0])  # type: ignore[misc]
         self._fn, self._kernels = loaded.pagellm_moe_experts_bf16, ctypes.byref(_kernels(self.weight_format))
-        self._keep = [*gate_up, *down, router]
+        self._keep = [*gate_up, *down, router, *(shared or ())]
         self._gate_up = (ctypes.c_void_p * len(gate_up))(*(w.data_ptr() for w in gate_up))
         self._down = (ctypes.c_void_p * len(down))(*(w.data_ptr() for w in down))
         self.num_experts = len(gate_up)
         self._layer = None if router is None else _Layer(
             ctypes.addressof(_kernels(self.weight_format)), router.data_ptr(),
             ctypes.cast(self._gate_up, ctypes.c_void_p), ctypes.cast(self._down, ctypes.c_void_p), len(gate_up),
-            top_k, self.hidden, self.inter, int(renormalize), int(weights_in_model_dtype))
+            top_k, self.hidden, self.inter, int(renormalize), int(weights_in_model_dtype),
+            *((w.data_ptr() for w in shared) if shared else (None, None, None)),
+            gemm.packed_shape(shared[1])[1] if shared else 0)  # type: ignore[index]
         self._forward = loaded.pagellm_moe_forward_bf16
 
     @property

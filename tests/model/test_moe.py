@@ -141,7 +141,14 @@ def test_native_experts_equal_the_python_loop_bit_for_bit(arch: str, config: dic
         assert torch.equal(native(x, rows, scales.float(), counts), loop)
         routing = moe_kernel.route(gemm.linear(x, ours.gate.weight), moe.top_k, moe.renormalize,
                                    moe.weights_in_model_dtype)
-        assert torch.equal(native.forward(x), native(x, *routing))
+        routed = native(x, *routing)
+        if ours.shared_expert is None:
+            assert torch.equal(native.forward(x), routed)
+        else:  # plus the shared expert, its sigmoid gate computed natively (torch's up to the exp's last bits)
+            with torch.no_grad():
+                shared = torch.sigmoid(ours.shared_expert_gate(x)) * ours.shared_expert(x)
+            want = (routed + shared).float()
+            torch.testing.assert_close(native.forward(x).float(), want, rtol=0, atol=0.01 * want.abs().max().item())
 
 
 @native
@@ -199,33 +206,21 @@ def _engine_run(path, monkeypatch: pytest.MonkeyPatch, native: str) -> list[tupl
 
 
 @native
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_the_native_decoder_stack_runs_a_mixture_of_experts_as_its_python_layers_do(
         tiny_model_factory, monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
-    """Mixtral and Qwen3-MoE take the one-call decoder stack, whose sparse layers call the layer's native call:
-    the same tokens and logprobs as the Python layers around that call, bit for bit."""
+    """Mixtral, Qwen2-MoE (its shared expert too) and Qwen3-MoE take the one-call decoder stack, whose sparse layers
+    make the layer's native call: the same tokens and logprobs as the Python layers around that call, bit for bit;
+    and greedy tokens equal the plain-PyTorch twin's (torch's routing, the Python loop)."""
     path = tiny_model_factory(arch)
     calls: list[int] = []
     real = DecoderStack.run
     monkeypatch.setattr(DecoderStack, "run", lambda self, *a: calls.append(1) or real(self, *a))
     stacked = _engine_run(path, monkeypatch, "1")
     assert calls  # every step took the stack
-    monkeypatch.setattr(llama, "run_native", lambda *a: None)  # the Python layers, native experts inside
+    twin = _engine_run(path, monkeypatch, "0")
+    assert [tokens for tokens, _ in twin] == [tokens for tokens, _ in stacked]
+    assert [lp for _, lp in twin] == pytest.approx([lp for _, lp in stacked], abs=1e-3)
+    monkeypatch.setattr(llama, "run_native", lambda *a: None)  # the Python layers, the native call inside
     taken = len(calls)
     assert _engine_run(path, monkeypatch, "1") == stacked and len(calls) == taken
-
-
-@native
-def test_a_shared_expert_keeps_the_python_layers_around_the_native_experts(tiny_model_factory,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Qwen2-MoE's shared expert has no place in the stack: its layers run in Python, the routed experts natively;
-    greedy tokens equal the plain-PyTorch twin's (torch's routing, the Python loop)."""
-    path = tiny_model_factory("qwen2_moe")
-    calls: list[int] = []
-    monkeypatch.setattr(moe_kernel.Experts, "forward", lambda self, x, real=moe_kernel.Experts.forward:
-                        calls.append(1) or real(self, x))
-    fast = _engine_run(path, monkeypatch, "1")
-    assert calls
-    twin = _engine_run(path, monkeypatch, "0")
-    assert [tokens for tokens, _ in fast] == [tokens for tokens, _ in twin]
-    assert [lp for _, lp in fast] == pytest.approx([lp for _, lp in twin], abs=1e-3)

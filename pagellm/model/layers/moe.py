@@ -74,13 +74,12 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         native = self.native_experts() if x.dtype == torch.bfloat16 and envs.native_decoder() else None
-        if native is not None and native.routes:  # router, routing and experts in one native call
-            out = native.forward(x)
-        else:
-            weights, experts = route(self.gate(x), self.moe.top_k, self.moe.renormalize)
-            if self.moe.weights_in_model_dtype:
-                weights = weights.to(x.dtype)
-            out = self.routed(x, weights, experts)
+        if native is not None and native.routes:  # router, routing, experts and shared expert in one native call
+            return self.parallel.all_reduce(native.forward(x))
+        weights, experts = route(self.gate(x), self.moe.top_k, self.moe.renormalize)
+        if self.moe.weights_in_model_dtype:
+            weights = weights.to(x.dtype)
+        out = self.routed(x, weights, experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.parallel.all_reduce(out)
@@ -121,12 +120,18 @@ class SparseMoeBlock(nn.Module):
         native = self.__dict__.get("_native_experts", _UNBUILT)
         if native is _UNBUILT:
             weights = [w for e in self.experts for w in (e.gate_up_proj.weight, e.down_proj.weight)]
-            formats = {gemm.weight_format(w) for w in weights}
+            shared = None
+            if self.shared_expert is not None and self.shared_expert_gate is not None:
+                shared = (self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight,
+                          self.shared_expert_gate.weight)
+            formats = {gemm.weight_format(w) for w in (*weights, *(shared[:2] if shared else ()))}
             native = None
             if moe_kernel.available() and len(formats) == 1 and None not in formats:
-                whole = len(self.experts) == self.moe.num_experts and gemm.weight_format(self.gate.weight) == "bf16"
+                whole = len(self.experts) == self.moe.num_experts and gemm.weight_format(self.gate.weight) == "bf16" \
+                    and (shared is None or gemm.weight_format(shared[2]) == "bf16")
                 native = moe_kernel.Experts(weights[0::2], weights[1::2], self.gate.weight if whole else None,
-                                            self.moe.top_k, self.moe.renormalize, self.moe.weights_in_model_dtype)
+                                            self.moe.top_k, self.moe.renormalize, self.moe.weights_in_model_dtype,
+                                            shared if whole else None)
             self.__dict__["_native_experts"] = native
         return native  # type: ignore[return-value]
 

@@ -48,6 +48,12 @@ struct MoeLayer {
   int64_t experts, top_k, hidden, inter;
   int64_t renormalize;             // divide the top_k probabilities by their sum
   int64_t weights_in_model_dtype;  // round the routing weights to bf16 (Qwen)
+  // Qwen2-MoE's shared expert (null where there is none): packed [2 * shared_inter, hidden] and
+  // [hidden, shared_inter] in the experts' format, and its gate, packed bf16 [1, hidden]
+  const uint16_t* shared_gate_up;
+  const uint16_t* shared_down;
+  const uint16_t* shared_gate;
+  int64_t shared_inter;
 };
 
 // The calling thread's scratch rows, grown to the largest call (the GEMMs' own threads only read and write the
@@ -99,6 +105,28 @@ void route(const uint16_t* logits, int64_t tokens, int64_t experts, int64_t top_
   for (int64_t i = 0; i < tokens * top_k; ++i) {
     const int64_t at = ws.rows[ws.chosen[i]]++;
     rows[at] = i / top_k, scales[at] = ws.weights[i];
+  }
+}
+
+// out += sigmoid(x · gate) * shared(x), rounded as the Python layer's torch ops round (each op to bf16).
+void add_shared_expert(const MoeLayer* l, const uint16_t* x, int64_t tokens, int64_t ldx, uint16_t* out,
+                       Workspace& ws) {
+  const MoeKernels* k = l->kernels;
+  const int64_t hidden = l->hidden, si = l->shared_inter;
+  ws.fit(tokens, hidden, si);
+  if (k->linear_silu_mul == nullptr ||
+      k->linear_silu_mul(x, tokens, hidden, ldx, l->shared_gate_up, 2 * si, ws.h.data(), si) != 0) {
+    k->linear(x, tokens, hidden, ldx, l->shared_gate_up, 2 * si, nullptr, ws.gate_up.data(), 2 * si);
+    k->silu_and_mul(ws.gate_up.data(), tokens, si, ws.h.data());
+  }
+  k->linear(ws.h.data(), tokens, si, si, l->shared_down, hidden, nullptr, ws.y.data(), hidden);
+  ws.logits.resize(static_cast<size_t>(tokens));  // the router's logits are used up: the gate's [tokens, 1]
+  k->router_linear(x, tokens, hidden, ldx, l->shared_gate, 1, nullptr, ws.logits.data(), 1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float gate = f32(bf16(1.f / (1.f + std::exp(-f32(ws.logits[t])))));
+    const uint16_t* y = ws.y.data() + t * hidden;
+    uint16_t* o = out + t * hidden;
+    for (int64_t i = 0; i < hidden; ++i) o[i] = bf16(f32(o[i]) + f32(bf16(gate * f32(y[i]))));
   }
 }
 
@@ -178,6 +206,7 @@ void pagellm_moe_forward_bf16(const MoeLayer* l, const uint16_t* x, int64_t toke
         ws.sorted.data(), ws.scales.data(), ws.counts.data(), ws);
   run_experts(l->kernels, l->gate_up, l->down, l->experts, l->hidden, l->inter, x, tokens, ldx, ws.sorted.data(),
               ws.scales.data(), ws.counts.data(), out, ws);
+  if (l->shared_gate_up) add_shared_expert(l, x, tokens, ldx, out, ws);
 }
 
 }  // extern "C"
