@@ -10,7 +10,8 @@ Contract:
   deterministic. ``beam_width`` is at most 10 (the engine returns at most 20 alternatives per token).
 - A candidate ending in one of the model's end-of-sequence tokens (``Tokenizer.eos_token_ids``) is set aside as
   finished, unless ``ignore_eos``; the others compete for the ``beam_width`` places by cumulative log-probability.
-  The search stops after ``max_tokens`` steps or when no beam is left.
+  The search stops after ``max_tokens`` steps (fewer where the context, ``max_model_len``, ends first; at least
+  one: a prompt that fills the context is refused by the first step's request) or when no beam is left.
 - The result is the ``beam_width`` best of the finished and the live beams, by ``score``: cumulative
   log-probability over ``sequence length ** length_penalty`` (the prompt counted, a final end-of-sequence token
   not), best first, as vLLM ranks them. A beam's ``text`` is its generated tokens' (special tokens kept; the final
@@ -84,15 +85,18 @@ def score(beam: BeamSearchSequence, eos_token_ids: frozenset[int], length_penalt
 class BeamSearch:
     """One prompt's search: ``live`` beams to extend, ``advance`` with their next-token log-probabilities."""
 
-    def __init__(self, prompt: Sequence[int], params: BeamSearchParams, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, prompt: Sequence[int], params: BeamSearchParams, eos_token_ids: frozenset[int],
+                 max_model_len: int | None = None) -> None:
         self.params, self.eos = params, eos_token_ids
+        room = params.max_tokens if max_model_len is None else max_model_len - len(prompt)
+        self.max_steps = max(1, min(params.max_tokens, room))
         self.live = [BeamSearchSequence(list(prompt), len(prompt))]
         self.finished: list[BeamSearchSequence] = []
         self.steps = 0
 
     @property
     def done(self) -> bool:
-        return not self.live or self.steps >= self.params.max_tokens
+        return not self.live or self.steps >= self.max_steps
 
     def advance(self, logprobs: Sequence[Mapping[int, float]]) -> None:
         """Extend each live beam by each of its candidates (token → log-probability, in ``live``'s order)."""

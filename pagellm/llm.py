@@ -7,7 +7,6 @@ holds its ``n`` ``CompletionOutput``s in index order (rank order for ``best_of >
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
 from typing import Any, Iterator, Sequence
@@ -174,12 +173,8 @@ class LLM:
                     lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: each prompt's ``params.beam_width`` best beams, best first (see
         ``pagellm/beam_search.py``). Every step runs all live beams of all prompts as one batch."""
-        searches = []
-        for ids in map(self.input_processor.tokenize, _as_prompt_list(prompts)):
-            # within the context (a prompt that fills it is refused by the first step's request)
-            steps = max(1, min(params.max_tokens, self.input_processor.max_model_len - len(ids)))
-            searches.append(BeamSearch(ids, dataclasses.replace(params, max_tokens=steps),
-                                       self.tokenizer.eos_token_ids))
+        searches = [BeamSearch(ids, params, self.tokenizer.eos_token_ids, self.input_processor.max_model_len)
+                    for ids in map(self.input_processor.tokenize, _as_prompt_list(prompts))]
         step = params.step_params()
         while live := [s for s in searches if not s.done]:
             outputs = iter(self.generate([b.tokens for s in live for b in s.live], step, use_tqdm=False,

@@ -4,8 +4,8 @@ Contract: ``convert_gguf_to_hf(gguf_path, out_dir)`` writes into ``out_dir``
 
 - ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` when the
   float32 weights pass ``MAX_SHARD_BYTES``): every tensor dequantized to float32 under its Hugging Face name, with
-  llama.cpp's rotary row permutation of q/k undone, so the weights are exactly what transformers' own GGUF
-  loader produces;
+  llama.cpp's rotary row permutation of q/k undone (``model/gguf_tensors.py``), so the weights are exactly what
+  transformers' own GGUF loader produces;
 - ``config.json`` (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, or for mixtures of experts
   ``MixtralForCausalLM`` (a ``llama`` file with experts), ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``: llama.cpp
   stacks each layer's experts in one tensor, written back out as one tensor per expert),
@@ -31,58 +31,17 @@ from typing import Any
 import numpy as np
 
 from pagellm.model import gguf_tokenizer
+from pagellm.model.gguf_tensors import (MIXTRAL, PERMUTED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, hf_arrays,
+                                        hf_tensor_name)
 
 logger = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 1
 MAX_SHARD_BYTES = 4 * 1024**3
 
-# general.architecture -> (HF architecture class, HF model_type).
-SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
-    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-}
-_MIXTRAL = ("MixtralForCausalLM", "mixtral")  # a ``llama`` file whose layers have experts
 # Whether the chosen experts' weights are renormalised, where a file does not say (``{arch}.expert_weights_norm``):
 # what llama.cpp itself assumes for each architecture.
 _EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
-# llama.cpp's converter reorders q/k rows only for these (its LlamaModel); Qwen2 and Qwen3 are written unpermuted.
-_PERMUTED_ARCHITECTURES = frozenset({"llama"})
-
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK_TENSORS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head q/k norms
-    "attn_k_norm": "self_attn.k_norm",
-    # mixtures of experts: the router, each layer's experts stacked in one tensor ({} is the expert's index), and
-    # Qwen2-MoE's shared expert with its gate
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.{}.gate_proj",
-    "ffn_up_exps": "mlp.experts.{}.up_proj",
-    "ffn_down_exps": "mlp.experts.{}.down_proj",
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-    "ffn_up_shexp": "mlp.shared_expert.up_proj",
-    "ffn_down_shexp": "mlp.shared_expert.down_proj",
-    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-}
-# Mixtral's own names for the same tensors.
-_MIXTRAL_NAMES = ((".mlp.gate.", ".block_sparse_moe.gate."), (".mlp.experts.", ".block_sparse_moe.experts."),
-                  (".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2."))
-# rope_freqs is llama 3.1's rotary scaling, which becomes config.rope_scaling; attn_rot_embd is a cache that
-# old converters wrote and that the model recomputes.
-_SKIPPED_TENSORS = frozenset({"rope_freqs", "attn_rot_embd"})
-
 # Instruct GGUFs sometimes name the base model's eos; the chat template's turn terminator is what ends a reply.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 
@@ -104,39 +63,6 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
     _write_json(out_dir / "generation_config.json", _generation_config(meta))
     _write_tokenizer(gguf_path, meta, arch, out_dir)
     logger.info("converted %s (%s, %d tensors) in %.1fs", gguf_path, arch, len(tensors), time.perf_counter() - start)
-
-
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name for a llama.cpp tensor name, or ``None`` for tensors HF does not store."""
-    stem, _, suffix = gguf_name.rpartition(".")
-    parts = stem.split(".")
-    kind = parts[-1]
-    if kind in _SKIPPED_TENSORS:
-        return None
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and kind in _BLOCK_TENSORS:
-        return f"model.layers.{parts[1]}.{_BLOCK_TENSORS[kind]}.{suffix}"
-    if len(parts) == 1 and kind in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[kind]}.{suffix}"
-    raise ValueError(
-        f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in pagellm's converter; only plain "
-        f"{sorted(SUPPORTED_ARCHITECTURES)} models are supported (convert the original checkpoint instead)"
-    )
-
-
-def unpermute_rotary_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation.
-
-    HF's rotary embedding pairs dimension ``i`` with ``i + d/2`` inside each head ("rotate half"); llama.cpp
-    pairs ``2i`` with ``2i + 1``. Its converter therefore reorders the rows of each head from
-    ``[half0 | half1]`` to interleaved ``(h0[0], h1[0], h0[1], h1[1], ...)``:
-    ``w.reshape(n_head, 2, d/2, ...).swapaxes(1, 2)``. Undoing it reads the interleaved pairs back out:
-    ``w.reshape(n_head, d/2, 2, ...).swapaxes(1, 2)``. Works for weights and biases alike.
-    """
-    rows = weight.shape[0]
-    if rows % (2 * n_head):
-        raise ValueError(f"cannot undo rotary permutation: {rows} rows do not split into {n_head} heads of pairs")
-    pairs = weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:])
-    return pairs.swapaxes(1, 2).reshape(weight.shape)
 
 
 @functools.cache
@@ -199,7 +125,7 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict
     head_dim = int(get("attention.key_length", hidden // n_head))
     rope_theta = _shortest_float(get("rope.freq_base", 10000.0))
     experts = int(get("expert_count", 0))
-    hf_class, model_type = _MIXTRAL if arch == "llama" and experts else SUPPORTED_ARCHITECTURES[arch]
+    hf_class, model_type = MIXTRAL if arch == "llama" and experts else SUPPORTED_ARCHITECTURES[arch]
     config: dict[str, Any] = {
         "architectures": [hf_class],
         "model_type": model_type,
@@ -317,17 +243,12 @@ def _write_weights(tensors: dict[str, Any], config: dict[str, Any], arch: str, o
     planned = [(hf_name, tensor) for hf_name, tensor in named if hf_name is not None]
     shards = _plan_shards(planned)
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    permuted = arch in _PERMUTED_ARCHITECTURES
-    renames = _MIXTRAL_NAMES if config["model_type"] == "mixtral" else ()
+    permuted, mixtral = arch in PERMUTED_ARCHITECTURES, config["model_type"] == "mixtral"
     weight_map: dict[str, str] = {}
     for index, shard in enumerate(shards, start=1):
         filename = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        arrays = {}
-        for hf_name, tensor in shard:
-            for name, values in _hf_arrays(tensor, hf_name, heads if permuted else {}):
-                for ours, theirs in renames:
-                    name = name.replace(ours, theirs)
-                arrays[name] = values
+        arrays = {name: values for hf_name, tensor in shard
+                  for name, values in hf_arrays(tensor, hf_name, heads if permuted else {}, mixtral)}
         _save_safetensors(arrays, out_dir / filename)
         weight_map.update(dict.fromkeys(arrays, filename))
         del arrays  # one shard of float32 in memory at a time
@@ -351,24 +272,6 @@ def _plan_shards(planned: list[tuple[str, Any]]) -> list[list[tuple[str, Any]]]:
 
 def _float32_bytes(planned: list[tuple[str, Any]]) -> int:
     return sum(4 * int(np.prod([int(d) for d in tensor.shape])) for _, tensor in planned)
-
-
-def _hf_arrays(tensor: Any, hf_name: str, heads: dict[str, int]) -> list[tuple[str, np.ndarray]]:
-    """The Hugging Face tensors of one GGUF tensor: itself, or one per expert of a stacked ``[experts, out, in]``
-    tensor (``hf_name`` holding ``{}`` for the expert's index)."""
-    from gguf.quants import dequantize
-
-    values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-    # GGUF lists dimensions fastest-varying first; numpy (and HF) list them slowest first.
-    values = values.reshape([int(d) for d in reversed(tensor.shape)])
-    if "{}" in hf_name:
-        return [(hf_name.format(e), np.ascontiguousarray(expert)) for e, expert in enumerate(values)]
-    if hf_name.endswith("shared_expert_gate.weight"):
-        values = values.reshape(1, -1)  # llama.cpp holds this [1, hidden] gate as a vector
-    projection = hf_name.split(".")[-2]
-    if projection in heads:
-        values = unpermute_rotary_rows(values, heads[projection])
-    return [(hf_name, np.ascontiguousarray(values))]
 
 
 def _save_safetensors(arrays: dict[str, np.ndarray], path: Path) -> None:

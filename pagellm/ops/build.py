@@ -38,3 +38,8 @@ def build_avx2_library(source: Path) -> Path:
 def load_library(source: Path) -> ctypes.CDLL:
     """The compiled library for ``source``, loaded (``build_library``, then ``dlopen``)."""
     return ctypes.CDLL(str(build_library(source)))
+
+
+def entry_address(fn: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
+    """The address of a loaded library's C entry point, for a kernel that calls another library's kernels."""
+    return ctypes.cast(fn, ctypes.c_void_p).value  # type: ignore[return-value]

@@ -24,6 +24,7 @@ import torch
 
 from pagellm.attention import cpu_paged
 from pagellm.ops import fused, gemm, gemm_w8a8, moe
+from pagellm.ops.build import entry_address as _address
 from pagellm.ops.build import load_library
 
 logger = logging.getLogger(__name__)
@@ -36,10 +37,6 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 class _Kernels(ctypes.Structure):  # csrc StackKernels: the kernels' entry points
     _fields_ = [(name, _P) for name in ("linear", "add_rms_norm", "silu_and_mul", "rotary", "attention",
                                         "linear_silu_mul", "moe")]
-
-
-def _address(fn: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
-    return ctypes.cast(fn, ctypes.c_void_p).value  # type: ignore[return-value]
 
 
 class _Layer(ctypes.Structure):  # csrc StackLayer

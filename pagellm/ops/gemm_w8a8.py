@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pagellm.ops.build import CXX_FLAGS, HEADERS, cpu_flags
+from pagellm.ops.build import CXX_FLAGS, HEADERS, cpu_flags, entry_address
 from pagellm.native_build import build
 
 logger = logging.getLogger(__name__)
@@ -74,8 +74,7 @@ def entry_addresses() -> tuple[int, int]:
     signatures of the bfloat16 kernel's)."""
     lib = _lib()
     assert lib is not None, "int8 GEMM kernel is not available on this machine"
-    return (ctypes.cast(lib.pagellm_packed_linear_w8a8, ctypes.c_void_p).value,
-            ctypes.cast(lib.pagellm_packed_linear_silu_mul_w8a8, ctypes.c_void_p).value)
+    return entry_address(lib.pagellm_packed_linear_w8a8), entry_address(lib.pagellm_packed_linear_silu_mul_w8a8)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

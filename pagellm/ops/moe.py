@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from pagellm.ops import fused, gemm, gemm_w8a8
+from pagellm.ops.build import entry_address as _address
 from pagellm.ops.build import load_library
 
 logger = logging.getLogger(__name__)
@@ -36,10 +37,6 @@ class _Layer(ctypes.Structure):  # csrc MoeLayer
     _fields_ += [(name, _I) for name in ("experts", "top_k", "hidden", "inter", "renormalize",
                                          "weights_in_model_dtype")]
     _fields_ += [(name, _P) for name in ("shared_gate_up", "shared_down", "shared_gate")] + [("shared_inter", _I)]
-
-
-def _address(fn: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
-    return ctypes.cast(fn, ctypes.c_void_p).value  # type: ignore[return-value]
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from pagellm import LLM, SamplingParams
+from pagellm.sampling_params import StructuredOutputsParams
 
 MAX_TOKENS = 24
 PROMPT_LENS = [3, 7, 16, 17, 31, 33, 48, 64, 90, 121]
@@ -75,6 +76,16 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 ARCHS = ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+
+def assert_seeded_grammar(llm: LLM, seed: int) -> None:
+    """Regex-constrained samples have the regex's shape, and the same seed gives the same texts again (what
+    parallel ranks must agree on)."""
+    so = StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2}")
+    params = SamplingParams(temperature=1.0, seed=seed, structured_outputs=so, max_tokens=12)
+    texts = [o.outputs[0].text for o in llm.generate(["Q:"] * 3, params, use_tqdm=False)]
+    assert all(len(t) == 6 and t[:3].isdigit() and t[3] == "-" for t in texts)
+    assert [o.outputs[0].text for o in llm.generate(["Q:"] * 3, params, use_tqdm=False)] == texts
+
 
 MODES = {
     "chunked": dict(max_num_batched_tokens=40),

@@ -9,10 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_parity import _prompts, assert_greedy_parity, run
+from test_parity import _prompts, assert_greedy_parity, assert_seeded_grammar, run
 
 from pagellm import LLM, SamplingParams
-from pagellm.sampling_params import StructuredOutputsParams
 
 PP = dict(dtype="float32", pipeline_parallel_size=2)
 
@@ -46,11 +45,7 @@ def test_three_stages_with_preemption_speculation_and_grammars(tiny_model_factor
         assert_greedy_parity(model_dir, prompts, ours)
         kv = llm.engine.core.scheduler.kv
         assert kv.num_free_blocks == kv.pool.num_blocks
-        so = StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2}")
-        params = SamplingParams(temperature=1.0, seed=9, structured_outputs=so, max_tokens=12)
-        texts = [o.outputs[0].text for o in llm.generate(["Q:"] * 3, params, use_tqdm=False)]
-        assert all(len(t) == 6 and t[:3].isdigit() and t[3] == "-" for t in texts)
-        assert [o.outputs[0].text for o in llm.generate(["Q:"] * 3, params, use_tqdm=False)] == texts
+        assert_seeded_grammar(llm, seed=9)
     finally:
         llm.shutdown()
 

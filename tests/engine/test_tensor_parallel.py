@@ -11,10 +11,9 @@ import signal
 from pathlib import Path
 
 import pytest
-from test_parity import _prompts, assert_greedy_parity, run
+from test_parity import _prompts, assert_greedy_parity, assert_seeded_grammar, run
 
 from pagellm import LLM, SamplingParams
-from pagellm.sampling_params import StructuredOutputsParams
 
 TP = dict(dtype="float32", tensor_parallel_size=2)
 
@@ -66,14 +65,7 @@ def test_preemption_speculation_and_grammars_across_ranks(tiny_model_factory) ->
         assert_greedy_parity(model_dir, prompts, ours)
         kv = llm.engine.core.scheduler.kv
         assert kv.num_free_blocks == kv.pool.num_blocks
-        so = StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2}")
-        sampled = llm.generate(["Q:"] * 3, SamplingParams(temperature=1.0, seed=5, structured_outputs=so,
-                                                          max_tokens=12), use_tqdm=False)
-        texts = [o.outputs[0].text for o in sampled]
-        assert all(len(t) == 6 and t[:3].isdigit() and t[3] == "-" for t in texts)
-        again = llm.generate(["Q:"] * 3, SamplingParams(temperature=1.0, seed=5, structured_outputs=so,
-                                                        max_tokens=12), use_tqdm=False)
-        assert [o.outputs[0].text for o in again] == texts  # seeded sampling agrees across ranks and runs
+        assert_seeded_grammar(llm, seed=5)  # seeded sampling agrees across ranks and runs
     finally:
         llm.shutdown()
 

@@ -15,7 +15,7 @@ from tiny_gguf import CORPUS, llama3_divisors_loop, llama_cpp_permute, random_mo
 from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from pagellm.model import gguf_convert, gguf_tokenizer, loader
+from pagellm.model import gguf_convert, gguf_tensors, gguf_tokenizer, loader
 from pagellm.model.arch import ArchConfig
 from pagellm.model.gguf_convert import convert_gguf_to_hf
 from pagellm.model.loader import (
@@ -162,9 +162,9 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
     for n_head in (1, 2, 3, 6):
         permuted = llama_cpp_permute(weight, n_head)
         assert not np.array_equal(permuted, weight)
-        assert np.array_equal(gguf_convert.unpermute_rotary_rows(permuted, n_head), weight)
+        assert np.array_equal(gguf_tensors.unpermute_rotary_rows(permuted, n_head), weight)
     bias = np.arange(16, dtype=np.float32)
-    assert np.array_equal(gguf_convert.unpermute_rotary_rows(llama_cpp_permute(bias, 2), 2), bias)
+    assert np.array_equal(gguf_tensors.unpermute_rotary_rows(llama_cpp_permute(bias, 2), 2), bias)
 
 
 def test_llama3_divisors_match_loop() -> None:
@@ -188,9 +188,9 @@ def test_unknown_architecture_is_rejected(tmp_path: Path) -> None:
 
 def test_unknown_tensor_is_rejected() -> None:
     with pytest.raises(ValueError, match="blk.0.ssm_conv1d.weight"):
-        gguf_convert.hf_tensor_name("blk.0.ssm_conv1d.weight")
-    assert gguf_convert.hf_tensor_name("rope_freqs.weight") is None
-    assert gguf_convert.hf_tensor_name("blk.3.attn_output.weight") == "model.layers.3.self_attn.o_proj.weight"
+        gguf_tensors.hf_tensor_name("blk.0.ssm_conv1d.weight")
+    assert gguf_tensors.hf_tensor_name("rope_freqs.weight") is None
+    assert gguf_tensors.hf_tensor_name("blk.3.attn_output.weight") == "model.layers.3.self_attn.o_proj.weight"
 
 
 # ---------------------------------------------------------------------------------------------- built-in model

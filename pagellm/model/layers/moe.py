@@ -73,7 +73,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        native = self.native_experts() if x.dtype == torch.bfloat16 and envs.native_decoder() else None
+        native = self._native_for(x)
         if native is not None and native.routes:  # router, routing, experts and shared expert in one native call
             return self.parallel.all_reduce(native.forward(x))
         weights, experts = route(self.gate(x), self.moe.top_k, self.moe.renormalize)
@@ -96,7 +96,7 @@ class SparseMoeBlock(nn.Module):
             first, last = self.expert_range.start, self.expert_range.stop
             start, stop = int(counts[:first].sum()), int(counts[:last].sum())
             rows, scales, counts = rows[start:stop], scales[start:stop], counts[first:last]
-        native = self.native_experts() if x.dtype == torch.bfloat16 and envs.native_decoder() else None
+        native = self._native_for(x)
         if native is not None:
             return native(x, rows, scales.float(), counts)
         return self.routed_torch(x, rows, scales.unsqueeze(-1), counts.tolist())
@@ -112,6 +112,10 @@ class SparseMoeBlock(nn.Module):
                 out.index_add_(0, chosen, y.to(out.dtype))
                 start += count
         return out
+
+    def _native_for(self, x: torch.Tensor) -> moe_kernel.Experts | None:
+        """The native call for hidden states ``x``: bfloat16 ones, unless ``PAGELLM_NATIVE_DECODER=0``."""
+        return self.native_experts() if x.dtype == torch.bfloat16 and envs.native_decoder() else None
 
     def native_experts(self) -> moe_kernel.Experts | None:
         """The experts bound to the native call, made on first use (after loading packed them), or ``None`` where

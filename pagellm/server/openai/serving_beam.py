@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Optional
@@ -61,7 +60,7 @@ def refusals(request: SamplingRequest) -> list[tuple[str, str]]:
 def beam_params(request: SamplingRequest, max_tokens: Optional[int],
                 max_model_len: int) -> Optional[BeamSearchParams]:
     """The request's beam search (None without ``use_beam_search``); no max_tokens: up to the context length
-    (``beam_outputs`` cuts it to what each prompt leaves)."""
+    (each prompt's search stops where its context ends)."""
     if not getattr(request, "use_beam_search", False):
         return None
     return BeamSearchParams(beam_width=request.n, max_tokens=max_tokens or max_model_len,
@@ -73,8 +72,7 @@ async def beam_outputs(engine: Any, prompt: list[int], params: BeamSearchParams,
                        request_id: str, priority: int, max_model_len: int) -> AsyncIterator[RequestOutput]:
     """The search's best beams as finished outputs, best first (see the module docstring)."""
     arrival = time.time()
-    params = dataclasses.replace(params, max_tokens=min(params.max_tokens, max_model_len - len(prompt)))
-    search, step = BeamSearch(prompt, params, eos), params.step_params()
+    search, step = BeamSearch(prompt, params, eos, max_model_len), params.step_params()
 
     async def next_token(tokens: list[int], name: str) -> dict[int, float]:
         last = None
