@@ -3,7 +3,8 @@ forward context through which attention layers read that metadata.
 
 A step's batch is one flat run of tokens from many requests: request ``r`` owns tokens
 ``query_start_loc[r]:query_start_loc[r+1]``, which sit at the end of its ``seq_lens[r]``-token context and
-attend causally (or, for a draft-tree row, as its ``tree_masks`` entry says).
+attend causally (or, for a draft-tree row, as its ``tree_masks`` entry says); a layer with a sliding window of W
+sees, of those keys, only the ones less than W positions before its token (``window_starts``).
 Backends turn this common description into whatever their kernels need, once per step (``build``), and every
 layer then calls ``forward`` with that same metadata.
 """
@@ -72,6 +73,22 @@ class CommonAttentionInputs:
     # tokens (True = may attend). Such a row sees its whole cached context plus what this mask allows, instead of
     # the causal rule. Backends without a native tree kernel serve these rows with the reference path.
     tree_masks: dict[int, torch.Tensor] | None = None
+    # [T] int64 position of each token (a draft-tree token's is its depth's); None: each row's tokens sit at the
+    # end of its context, in order.
+    positions: np.ndarray | None = None
+
+    def token_positions(self) -> np.ndarray:
+        if self.positions is not None:
+            return self.positions
+        q_lens = np.diff(self.query_start_loc)
+        first = np.repeat(self.seq_lens - q_lens - self.query_start_loc[:-1], q_lens)
+        return first + np.arange(int(self.query_start_loc[-1]), dtype=np.int64)
+
+
+def window_starts(positions: np.ndarray, window: int) -> np.ndarray:
+    """[T] the first key each token sees under a sliding window of ``window`` keys (itself and the ``window - 1``
+    before it, as transformers' sliding-window mask: key j is visible from position p when p - window < j <= p)."""
+    return np.maximum(positions - (window - 1), 0)
 
 
 class AttentionBackend(Protocol):
@@ -81,9 +98,10 @@ class AttentionBackend(Protocol):
         """Per-step metadata for this backend (built once, shared by every layer)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: Any, scale: float) -> torch.Tensor:
-        """Write k/v into ``kv_cache`` at the step's slots, then attend. q: [T, H, D]; k, v: [T, KVH, D];
-        kv_cache: [2, num_blocks, block_size, KVH, D]; returns [T, H * D]."""
+                metadata: Any, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+        """Write k/v into ``kv_cache`` at the step's slots, then attend (inside ``sliding_window`` keys where the
+        layer has one). q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, num_blocks, block_size, KVH, D]; returns
+        [T, H * D]."""
 
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}

@@ -3,13 +3,14 @@ straight from the paged cache with an online softmax in float32, nothing gathere
 
 Each query token is described by the keys it may see: ``ctx_end`` (every key before it; a causal token's own
 position + 1) and, in a draft-tree row (speculative decoding), a bitmask over the row's own query tokens (its
-ancestors, ``CommonAttentionInputs.tree_masks``). So decodes, prompt chunks after a prefix-cache hit, speculative
-chains and draft trees are one interface. Inside the kernel, single-token rows and every float32 row walk the keys
-token by token (a float32 token's result is then the same whatever row it sits in: prefix-cache hits reproduce
-misses bit for bit); bfloat16 rows of at least ``FLASH_MIN_TOKENS`` tokens take flash tiles where the tokens x
-grouped heads of one request share each K/V load (AVX-512 BF16 dot products, or AMX tiles where the CPU has
-AMX-BF16: ``PAGELLM_ATTENTION_AMX=0`` keeps AVX-512). The library is compiled on first
-use with the machine's C++ compiler (``pagellm/ops/build.py``: a plain C ABI loaded with ctypes, about two seconds
+ancestors, ``CommonAttentionInputs.tree_masks``) and, in a layer with a sliding window, ``ctx_start`` (the first key
+inside the window; the walks then begin at that key's block). So decodes, prompt chunks after a prefix-cache hit,
+speculative chains, draft trees and sliding windows are one interface. Inside the kernel, single-token rows and
+every float32 row walk the keys token by token (a float32 token's result is then the same whatever row it sits in:
+prefix-cache hits reproduce misses bit for bit); bfloat16 rows of at least ``FLASH_MIN_TOKENS`` tokens take flash
+tiles where the tokens x grouped heads of one request share each K/V load (AVX-512 BF16 dot products, or AMX tiles
+where the CPU has AMX-BF16: ``PAGELLM_ATTENTION_AMX=0`` keeps AVX-512). The library is compiled on first use with
+the machine's C++ compiler (``pagellm/ops/build.py``: a plain C ABI loaded with ctypes, about two seconds
 to build) and cached; ``torch_ref`` is its test oracle and the fallback.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from pagellm import envs
-from pagellm.attention.base import CommonAttentionInputs, register_backend
+from pagellm.attention.base import CommonAttentionInputs, register_backend, window_starts
 from pagellm.attention.torch_ref import write_kv
 from pagellm.ops.build import load_library
 
@@ -46,6 +47,17 @@ class CpuPagedMetadata:
     block_table: torch.Tensor      # [R, max_blocks] int64, contiguous
     ctx_end: torch.Tensor          # [T] int64: token t sees every key before ctx_end[t]
     tree_bits: torch.Tensor | None  # [T, words] int64 bit patterns over the row's own tokens; None: no tree
+    positions: np.ndarray | None = None  # [T] int64 (for the sliding windows; None: causal rows, ctx_end - 1)
+    windows: dict[int, torch.Tensor] = field(default_factory=dict)  # window → its [T] ctx_start, once per step
+
+    def ctx_start(self, window: int | None) -> torch.Tensor | None:
+        """[T] the first key each token sees under a sliding window of ``window`` keys; None: no window."""
+        if window is None:
+            return None
+        if window not in self.windows:
+            positions = self.positions if self.positions is not None else self.ctx_end.numpy() - 1
+            self.windows[window] = torch.from_numpy(window_starts(positions, window))
+        return self.windows[window]
 
 
 # (query dtype, cache dtype) → the C entry point serving it; the float8 ones are FP8_SOURCE's library.
@@ -59,7 +71,7 @@ ENTRIES = {(torch.bfloat16, torch.bfloat16): "pagellm_paged_attention_bf16",
 
 def bind_entry(lib: ctypes.CDLL, name: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     fn = getattr(lib, name)
-    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_void_p]
     fn.restype = None
     return fn
 
@@ -91,7 +103,8 @@ class PagedKernel:
         return fn
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: CpuPagedMetadata,
-                  scale: float, flash_min_tokens: int = FLASH_MIN_TOKENS) -> torch.Tensor:
+                  scale: float, flash_min_tokens: int = FLASH_MIN_TOKENS,
+                  sliding_window: int | None = None) -> torch.Tensor:
         """q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D] of q's dtype or a float8 one.
         Returns [T, H * D] of q's dtype."""
         if q.dim() != 3 or k_cache.dim() != 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -103,12 +116,12 @@ class PagedKernel:
         q = q.contiguous()
         tokens, heads, head_dim = q.shape
         out = torch.empty(tokens, heads * head_dim, dtype=q.dtype)
-        bits = md.tree_bits
+        bits, starts = md.tree_bits, md.ctx_start(sliding_window)
         fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), md.block_table.data_ptr(),
            md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(), md.ctx_end.data_ptr(),
-           None if bits is None else bits.data_ptr(), 0 if bits is None else bits.shape[1], md.seq_lens.shape[0],
-           heads, head_dim, k_cache.shape[1], k_cache.shape[2], md.block_table.shape[1], flash_min_tokens, scale,
-           out.data_ptr())
+           None if starts is None else starts.data_ptr(), None if bits is None else bits.data_ptr(),
+           0 if bits is None else bits.shape[1], md.seq_lens.shape[0], heads, head_dim, k_cache.shape[1],
+           k_cache.shape[2], md.block_table.shape[1], flash_min_tokens, scale, out.data_ptr())
         return out
 
 
@@ -138,7 +151,7 @@ def build_metadata(common: CommonAttentionInputs) -> CpuPagedMetadata:
     return CpuPagedMetadata(common.slot_mapping, total, torch.from_numpy(np.ascontiguousarray(qsl, dtype=np.int64)),
                             torch.from_numpy(np.ascontiguousarray(seq_lens, dtype=np.int64)),
                             torch.from_numpy(np.ascontiguousarray(common.block_table, dtype=np.int64)),
-                            torch.from_numpy(ctx_end), bits)
+                            torch.from_numpy(ctx_end), bits, common.positions)
 
 
 class CpuPagedBackend:
@@ -151,9 +164,9 @@ class CpuPagedBackend:
         return build_metadata(common)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: CpuPagedMetadata, scale: float) -> torch.Tensor:
+                metadata: CpuPagedMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.slot_mapping)
-        return self.kernel.attention(q, kv_cache[0], kv_cache[1], metadata, scale)
+        return self.kernel.attention(q, kv_cache[0], kv_cache[1], metadata, scale, sliding_window=sliding_window)
 
 
 register_backend("cpu_paged")(CpuPagedBackend)

@@ -6,18 +6,19 @@ Rows with one query token (decodes) are batched: their blocks are gathered into 
 and grouped-query heads are folded into the query axis so one SDPA call serves them all. Rows with several query
 tokens (prompt chunks, draft verification) run one SDPA call each with a causal mask offset by their cached
 context, or with the row's draft-tree mask (speculative decoding). The split is an implementation detail of
-this kernel; the scheduler and runner know nothing of it.
+this kernel; the scheduler and runner know nothing of it. A layer with a sliding window takes the step's masks
+with the window's lower bound added (built on its first call in the step, then shared by every such layer).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention.base import CommonAttentionInputs, quantize_kv, register_backend
+from pagellm.attention.base import CommonAttentionInputs, quantize_kv, register_backend, window_starts
 
 
 @dataclass
@@ -38,35 +39,56 @@ class TorchRefMetadata:
     decode_mask: torch.Tensor | None          # [B, 1, 1, nb * block_size] bool
     chunks: list[ChunkRow]
     decode_seq_lens: torch.Tensor | None = None  # [B] context lengths of single-token rows (kernels use it)
+    common: CommonAttentionInputs | None = None  # what it was built from (for the sliding-window variants)
+    windows: dict[int, TorchRefMetadata] = field(default_factory=dict)  # window → the step's windowed masks
+
+    def for_window(self, window: int | None) -> TorchRefMetadata:
+        """This step's metadata for a layer attending inside ``window`` keys (None: every key)."""
+        if window is None:
+            return self
+        if window not in self.windows:
+            assert self.common is not None
+            self.windows[window] = build_metadata(self.common, window)
+        return self.windows[window]
+
+
+def build_metadata(common: CommonAttentionInputs, window: int | None = None) -> TorchRefMetadata:
+    q_lens = np.diff(common.query_start_loc)
+    starts = None if window is None else torch.from_numpy(window_starts(common.token_positions(), window))
+    chunks = [_chunk(common, int(r), starts) for r in np.flatnonzero(q_lens > 1)]
+    return TorchRefMetadata(common.slot_mapping, int(common.query_start_loc[-1]), *decode_rows(common, window),
+                            chunks, common=common)
+
+
+def _chunk(common: CommonAttentionInputs, row: int, window_start: torch.Tensor | None) -> ChunkRow:
+    """A multi-token row; ``window_start``: the step's [T] first visible keys under a sliding window, or None."""
+    start, end = int(common.query_start_loc[row]), int(common.query_start_loc[row + 1])
+    seq_len = int(common.seq_lens[row])
+    nb = -(-seq_len // common.block_size)
+    block_ids = torch.from_numpy(np.ascontiguousarray(common.block_table[row, :nb]))
+    mask = None
+    n = end - start
+    tree = common.tree_masks.get(row) if common.tree_masks else None
+    if tree is not None:  # the whole cached context, then the row's own ancestor-only mask
+        mask = torch.cat([torch.ones(n, seq_len - n, dtype=torch.bool), tree], dim=1)
+    elif seq_len != n or window_start is not None:
+        positions = torch.arange(seq_len - n, seq_len)
+        mask = torch.arange(seq_len)[None, :] <= positions[:, None]
+    if window_start is not None:
+        mask &= torch.arange(seq_len)[None, :] >= window_start[start:end, None]
+    return ChunkRow(start, end, block_ids, seq_len, mask)
 
 
 class TorchRefBackend:
     name = "torch_ref"
 
     def build(self, common: CommonAttentionInputs) -> TorchRefMetadata:
-        q_lens = np.diff(common.query_start_loc)
-        chunks = [self._chunk(common, int(r)) for r in np.flatnonzero(q_lens > 1)]
-        return TorchRefMetadata(common.slot_mapping, int(common.query_start_loc[-1]), *decode_rows(common), chunks)
-
-    @staticmethod
-    def _chunk(common: CommonAttentionInputs, row: int) -> ChunkRow:
-        start, end = int(common.query_start_loc[row]), int(common.query_start_loc[row + 1])
-        seq_len = int(common.seq_lens[row])
-        nb = -(-seq_len // common.block_size)
-        block_ids = torch.from_numpy(np.ascontiguousarray(common.block_table[row, :nb]))
-        mask = None
-        n = end - start
-        tree = common.tree_masks.get(row) if common.tree_masks else None
-        if tree is not None:  # the whole cached context, then the row's own ancestor-only mask
-            mask = torch.cat([torch.ones(n, seq_len - n, dtype=torch.bool), tree], dim=1)
-        elif seq_len != n:
-            positions = torch.arange(seq_len - n, seq_len)
-            mask = torch.arange(seq_len)[None, :] <= positions[:, None]
-        return ChunkRow(start, end, block_ids, seq_len, mask)
+        return build_metadata(common)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: TorchRefMetadata, scale: float) -> torch.Tensor:
+                metadata: TorchRefMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.slot_mapping)
+        metadata = metadata.for_window(sliding_window)
         num_heads, head_dim = q.shape[1], q.shape[2]
         out = torch.empty(metadata.num_tokens, num_heads * head_dim, dtype=q.dtype)
         if metadata.decode_tokens is not None:
@@ -76,8 +98,9 @@ class TorchRefBackend:
         return out
 
 
-def decode_rows(common: CommonAttentionInputs) -> tuple:
-    """Flat token indices, block table [B, nb] and padding mask [B, 1, 1, nb * bs] of the single-token rows."""
+def decode_rows(common: CommonAttentionInputs, window: int | None = None) -> tuple:
+    """Flat token indices, block table [B, nb] and padding mask [B, 1, 1, nb * bs] of the single-token rows (the
+    keys before each row's ``window`` last masked too, under a sliding window)."""
     q_lens = np.diff(common.query_start_loc)
     single = np.flatnonzero(q_lens == 1)
     if not len(single):
@@ -87,8 +110,11 @@ def decode_rows(common: CommonAttentionInputs) -> tuple:
     tokens = torch.from_numpy(common.query_start_loc[single])
     table = torch.from_numpy(np.ascontiguousarray(common.block_table[single, :nb]))
     span = torch.arange(nb * common.block_size)
-    mask = (span[None, :] < torch.from_numpy(lens)[:, None]).view(len(single), 1, 1, -1)
-    return tokens, table, mask
+    ends = torch.from_numpy(lens)[:, None]
+    mask = span[None, :] < ends
+    if window is not None:
+        mask &= span[None, :] >= ends - window
+    return tokens, table, mask.view(len(single), 1, 1, -1)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

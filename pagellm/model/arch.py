@@ -51,6 +51,23 @@ class MoEConfig:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
 
 
+def _full_attention_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The layers of a model with a sliding window that attend to every key, as transformers builds the model:
+    Qwen's ``layer_types`` where the config lists them, else its rule for the family; Mistral's, Mixtral's and
+    Qwen3-MoE's windows hold in every layer."""
+    model_type = cfg.get("model_type")
+    if model_type not in _QWEN:
+        return ()
+    if cfg.get("layer_types"):
+        return tuple(i for i, kind in enumerate(cfg["layer_types"]) if kind != "sliding_attention")
+    limit = int(cfg.get("max_window_layers", 28))
+    if model_type in ("qwen2", "qwen3"):  # the first max_window_layers layers see everything
+        return tuple(range(min(limit, num_layers)))
+    if model_type == "qwen2_moe":  # the even-numbered (0-based) layers below max_window_layers slide
+        return tuple(i for i in range(num_layers) if not (i % 2 == 0 and i < limit))
+    return ()
+
+
 @dataclass(frozen=True)
 class ArchConfig:
     architecture: str
@@ -74,6 +91,8 @@ class ArchConfig:
     # without the ``model.`` prefix and no LM head; it serves pooling (embedding) requests only.
     base_model: bool = False
     moe: MoEConfig | None = None  # the experts of a mixture-of-experts model
+    # Under a sliding window, the layers that still attend to every key (Qwen's, as transformers lays them out).
+    full_attention_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -107,7 +126,12 @@ class ArchConfig:
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             base_model=base_model,
             moe=MoEConfig.from_hf(cfg),
+            full_attention_layers=_full_attention_layers(cfg, int(cfg["num_hidden_layers"])) if window else (),
         )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer ``layer`` (its index in the whole model), or None: every key."""
+        return None if not self.sliding_window or layer in self.full_attention_layers else self.sliding_window
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

@@ -44,7 +44,8 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
     norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
     gate_up, down = (None, None) if experts is not None else (mlp.gate_up_proj.weight, mlp.down_proj.weight)
     return LayerWeights(layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
-                        layer.post_attention_layernorm.weight, gate_up, down, *norms, moe=experts)
+                        layer.post_attention_layernorm.weight, gate_up, down, *norms, moe=experts,
+                        sliding_window=attn.attn.sliding_window)
 
 
 def build_stack(model: nn.Module) -> DecoderStack | None:

@@ -42,6 +42,7 @@ class _Kernels(ctypes.Structure):  # csrc StackKernels: the kernels' entry point
 class _Layer(ctypes.Structure):  # csrc StackLayer
     _fields_ = [(name, _P) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down",
                                         "k_cache", "v_cache", "q_norm", "k_norm", "moe")]
+    _fields_ += [("windowed", _I)]
 
 
 class _Shape(ctypes.Structure):  # csrc StackShape
@@ -58,7 +59,7 @@ CACHE_DTYPES = frozenset(_KV_FORMATS)
 class _Step(ctypes.Structure):  # csrc StackStep
     _fields_ = [(name, _I) for name in ("tokens", "rows", "max_blocks", "tree_words", "flash_min_tokens")]
     _fields_ += [(name, _P) for name in ("positions", "slots", "block_table", "query_start", "seq_lens", "ctx_end",
-                                         "tree_bits")]
+                                         "tree_bits", "ctx_start")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,6 +129,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # [head_dim] RMSNorm weights over each head's q and k (Qwen3), both or none
     k_norm: torch.Tensor | None = None
     moe: moe.Experts | None = None
+    sliding_window: int | None = None  # the layer attends to the keys of its last this many positions only
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,10 @@ class DecoderStack:
                (w.moe is not None and (not w.moe.routes or w.moe.weight_format != weight_format)) for w in layers):
             raise ValueError("each layer of the native decoder stack takes gate_up and down, or routed experts "
                              f"(moe) of the stack's format ({weight_format})")
+        windows = {w.sliding_window for w in layers} - {None}
+        if len(windows) > 1:
+            raise ValueError(f"the native decoder stack takes one sliding window, not {sorted(windows)}")
+        self.sliding_window = windows.pop() if windows else None  # the windowed layers' (StackStep.ctx_start)
         tensors = [*vectors, *gemms, *(w.moe for w in layers if w.moe is not None)]
         self.weight_format = weight_format
         self._fn, self._kernels = loaded.pagellm_decoder_stack_bf16, ctypes.byref(_kernels(torch.bfloat16,
@@ -183,6 +189,7 @@ class DecoderStack:
             for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "q_norm", "k_norm"):
                 setattr(slot, name, _ptr(getattr(w, name)))
             slot.moe = None if w.moe is None else w.moe.address
+            slot.windowed = int(w.sliding_window is not None)
         self._shape = _Shape(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate, 1, 0,
                              cos.shape[0], shape.eps, shape.scale, 0)
 
@@ -228,7 +235,8 @@ class DecoderStack:
         step = _Step(x.shape[0], md.seq_lens.shape[0], table.shape[1],  # type: ignore[attr-defined]
                      0 if bits is None else bits.shape[1], flash_min_tokens, positions.data_ptr(),
                      slots.data_ptr(), table.data_ptr(), md.query_start_loc.data_ptr(),  # type: ignore[attr-defined]
-                     md.seq_lens.data_ptr(), md.ctx_end.data_ptr(), _ptr(bits))  # type: ignore[attr-defined]
+                     md.seq_lens.data_ptr(), md.ctx_end.data_ptr(), _ptr(bits),  # type: ignore[attr-defined]
+                     _ptr(md.ctx_start(self.sliding_window)))  # type: ignore[attr-defined]
         out = torch.empty_like(x)
         if self._fn(self._kernels, self._layers, len(caches), ctypes.byref(self._shape), ctypes.byref(step),
                     x.data_ptr(), self._cos, self._sin, self._final_norm, out.data_ptr()):

@@ -54,6 +54,10 @@ class Worker:
                              f"and pipeline_parallel_size={parallel.pp_size} yet; use size 1")
         if quantization and not model_config.quantization and gemm_w8a8.runs_here():  # a quantized checkpoint's
             native_build.start_in_background([gemm_w8a8.build_job()])  # kernel, built while the weights load
+        if arch.sliding_window and spec_config.method and spec_config.num_speculative_tokens >= arch.sliding_window:
+            # a draft tree's nodes attend to their ancestors by ancestry, which a window this short would cut
+            raise ValueError(f"num_speculative_tokens={spec_config.num_speculative_tokens} must be below the model's "
+                             f"sliding window ({arch.sliding_window})")
         model = build_model(arch, self.dtype, parallel)
         model.load_weights(iter_weights(model_dir), model_config.quantization)
         model.eval()
@@ -147,8 +151,6 @@ def _start_kernel_builds(dtype: torch.dtype, kv_dtype: torch.dtype, attention_ba
 
 def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
     limit = arch.max_position_embeddings
-    if arch.sliding_window and arch.sliding_window < limit:
-        limit = arch.sliding_window  # attention here is full-context; cap where the model's window begins
     if requested is None:
         return limit
     if requested > limit:

@@ -28,10 +28,11 @@ BS, NUM_BLOCKS = 8, 48
 
 
 def _model(head_dim: int, bias: bool, dtype: torch.dtype = torch.bfloat16, layers: int = 3,
-           quantization: str | None = None, intermediate: int = 160) -> LlamaForCausalLM:
+           quantization: str | None = None, intermediate: int = 160, window: int | None = None,
+           full_attention_layers: tuple[int, ...] = ()) -> LlamaForCausalLM:
     heads, kv_heads = 4, 2
     cfg = ArchConfig("LlamaForCausalLM", 300, heads * head_dim, intermediate, layers, heads, kv_heads, head_dim, 1e-5,
-                     10000.0, None, 256, False, bias, None)
+                     10000.0, None, 256, False, bias, window, full_attention_layers=full_attention_layers)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg, dtype)
     with torch.no_grad():
@@ -130,6 +131,29 @@ def test_native_stack_equals_the_python_layers(monkeypatch: pytest.MonkeyPatch, 
     layers = model.cfg.num_layers if num_layers is None else num_layers
     for i, (written, before) in enumerate(zip(native_caches, untouched)):
         assert torch.equal(written, before) == (i >= layers)  # exactly the layers run wrote their K/V
+
+
+@pytest.mark.parametrize("window", [3, 9])
+def test_native_stack_with_a_sliding_window_equals_the_python_layers(monkeypatch: pytest.MonkeyPatch,
+                                                                     window: int) -> None:
+    """Windowed layers (here layers 0 and 2; layer 1 attends to every key, as a Qwen layer below max_window_layers)
+    attend inside the window in the stack as in the Python layers: the same bits; and the window matters."""
+    model = _model(64, False, window=window, full_attention_layers=(1,))
+    assert [a.sliding_window for a in model.attention_layers()] == [window, None, window]
+    ids, positions, common = _mixed_step(model.cfg.vocab_size)
+    common = dataclasses.replace(common, positions=positions.numpy())
+    calls = _count_native(monkeypatch)
+    native_caches = _caches(model, seed=3)
+    native = _forward(model, native_caches, CpuPagedBackend(), common, ids, positions, None)
+    assert len(calls) == 1
+    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "0")
+    python_caches = _caches(model, seed=3)
+    python = _forward(model, python_caches, CpuPagedBackend(), common, ids, positions, None)
+    assert len(calls) == 1 and torch.equal(native, python)
+    assert all(torch.equal(a, b) for a, b in zip(native_caches, python_caches))
+    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "1")
+    unwindowed = _forward(_model(64, False), _caches(model, seed=3), CpuPagedBackend(), common, ids, positions, None)
+    assert not torch.equal(native, unwindowed)
 
 
 @pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 GEMM needs AVX-512 VNNI")

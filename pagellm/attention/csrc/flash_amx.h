@@ -161,8 +161,11 @@ void flash_tile_amx(const BFloat16* q, const BFloat16* k_cache, const BFloat16* 
   const int nq = static_cast<int>(m * group);
   const int padded = (nq + 15) / 16 * 16;
   const BFloat16* qrows[kFlashQueries];
-  int64_t kend = 0;
-  for (int i = 0; i < m; ++i) kend = std::max(kend, vis[i].kend);
+  int64_t kend = 0, kbegin = vis[0].begin(kFlashKeys);
+  for (int i = 0; i < m; ++i) {
+    kend = std::max(kend, vis[i].kend);
+    kbegin = std::min(kbegin, vis[i].begin(kFlashKeys));  // a sliding window's: the first tile any token sees
+  }
   for (int qv = 0; qv < padded; ++qv) {
     if (qv < nq) qrows[qv] = q + (qv / group) * heads * D + (kv_head * group + qv % group) * D;
     tile.m[qv] = -std::numeric_limits<float>::infinity();
@@ -175,7 +178,7 @@ void flash_tile_amx(const BFloat16* q, const BFloat16* k_cache, const BFloat16* 
   const int64_t token_stride = kv_heads * D;
   const BFloat16* krow[kFlashKeys];
   const BFloat16* vrow[kFlashKeys];
-  for (int64_t k0 = 0; k0 < kend; k0 += kFlashKeys) {
+  for (int64_t k0 = kbegin; k0 < kend; k0 += kFlashKeys) {
     const int nk = static_cast<int>(std::min<int64_t>(kFlashKeys, kend - k0));
     key_rows<D>(k_cache, v_cache, blocks, k0, nk, block_size, token_stride, kv_head, krow, vrow);
     load_keys_values<D>(tile, krow, vrow, nk);

@@ -50,12 +50,15 @@ inline __m512 load16(const BFloat16* p) {
 }
 #endif
 
-// The keys one query token attends to: every key before ``ctx_end`` (causal rows: its own position + 1), plus, for
-// draft-tree rows, the keys whose bit is set in ``bits``: ``words`` 64-bit words over the keys from ``win`` on (the
-// row's own query tokens). The walk covers keys [0, kend).
+// The keys one query token attends to: every key in [kstart, ctx_end) (causal rows: up to its own position; kstart
+// is 0, or under a sliding window the first key inside the window), plus, for draft-tree rows, the keys from kstart
+// on whose bit is set in ``bits``: ``words`` 64-bit words over the keys from ``win`` on (the row's own query
+// tokens). The walk covers keys [begin(align), kend): kstart rounded down to a multiple of ``align`` (a block, so a
+// walk's tiles are the ones a walk from key 0 takes).
 struct Visibility {
   int64_t ctx_end = 0;
   int64_t kend = 0;
+  int64_t kstart = 0;
   const uint64_t* bits = nullptr;
   int64_t win = 0;
   int64_t words = 0;
@@ -70,16 +73,20 @@ struct Visibility {
     return static_cast<uint32_t>(value);
   }
 
+  int64_t begin(int64_t align) const { return kstart - kstart % align; }
+
   // Which of the keys [start, start + n) (n <= 32) are visible, as lane bits.
   uint32_t mask(int64_t start, int64_t n) const {
     const uint32_t lanes = n >= 32 ? ~0u : (1u << n) - 1;
-    const int64_t before = ctx_end - start;
+    const int64_t before = ctx_end - start, outside = kstart - start;
     uint32_t m = before >= n ? ~0u : before <= 0 ? 0u : (1u << before) - 1;
     if (bits != nullptr) m |= tree_bits(start - win);
+    if (outside > 0) m &= outside >= 32 ? 0u : ~((1u << outside) - 1);
     return m & lanes;
   }
 
   bool visible(int64_t key) const {
+    if (key < kstart) return false;
     if (key < ctx_end) return true;
     const int64_t offset = key - win;
     return bits != nullptr && offset >= 0 && offset < words * 64 && ((bits[offset / 64] >> (offset % 64)) & 1u);
@@ -92,12 +99,14 @@ inline int64_t key_offset(const int64_t* blocks, int64_t pos, int64_t block_size
   return (blocks[pos / block_size] * block_size + pos % block_size) * token_stride + kv_head * head_dim;
 }
 
-// The visibility of token ``token`` of a row whose query tokens start at key ``win``; ``bits`` is the step's
-// [T, words] tree-mask array (null when the step has no draft tree).
-inline Visibility token_visibility(const int64_t* ctx_end, const uint64_t* bits, int64_t words, int64_t token,
-                                   int64_t win) {
+// The visibility of token ``token`` of a row whose query tokens start at key ``win``; ``ctx_start`` is the step's
+// [T] first keys inside a sliding window (null: no window), ``bits`` its [T, words] tree-mask array (null when the
+// step has no draft tree).
+inline Visibility token_visibility(const int64_t* ctx_end, const int64_t* ctx_start, const uint64_t* bits,
+                                   int64_t words, int64_t token, int64_t win) {
   Visibility vis;
   vis.ctx_end = vis.kend = ctx_end[token];
+  if (ctx_start != nullptr) vis.kstart = ctx_start[token];
   if (bits == nullptr) return vis;
   const uint64_t* row = bits + token * words;
   for (int64_t w = words - 1; w >= 0; --w) {
@@ -121,7 +130,7 @@ inline int64_t tile_length(int64_t start, int64_t kend, int64_t block_size) {
 }
 
 inline uint16_t tile_mask(const Visibility& vis, int64_t start, int64_t n) {  // lane bits (an AVX-512 mask)
-  if (start + n <= vis.ctx_end) return static_cast<uint16_t>((1u << n) - 1);
+  if (start >= vis.kstart && start + n <= vis.ctx_end) return static_cast<uint16_t>((1u << n) - 1);
   return static_cast<uint16_t>(vis.mask(start, n));
 }
 
@@ -148,22 +157,26 @@ __attribute__((always_inline)) inline void prefetch_block(const T* k_cache, cons
   }
 }
 
-// A walk's first asks: blocks 1 .. kPrefetchBlocks - 1 (block 0 is asked for by the walk before, or not at all).
+// A walk's first asks: its blocks 1 .. kPrefetchBlocks - 1 from ``begin`` (a block's first key; its block 0 is
+// asked for by the walk before, or not at all).
 template <typename T>
 __attribute__((always_inline)) inline void prefetch_first(const T* k_cache, const T* v_cache, const int64_t* blocks,
-                                                          int64_t kend, int64_t block_size, int64_t token_stride,
-                                                          int64_t kv_head, int64_t head_dim) {
-  for (int64_t b = 1; b < kPrefetchBlocks && b * block_size < kend; ++b)
+                                                          int64_t begin, int64_t kend, int64_t block_size,
+                                                          int64_t token_stride, int64_t kv_head, int64_t head_dim) {
+  for (int64_t b = begin / block_size + 1; b < begin / block_size + kPrefetchBlocks && b * block_size < kend; ++b)
     prefetch_block(k_cache, v_cache, blocks, b, kend, block_size, token_stride, kv_head, head_dim);
 }
 
-// The float32 walks' asks for one tile [start, start + n): at the first tile, prefetch_first; at the tile that ends
-// a block, the block kPrefetchBlocks ahead (only blocks holding keys before kend).
+// The float32 walks' asks for one tile [start, start + n) of a walk from ``begin``: at the first tile,
+// prefetch_first; at the tile that ends a block, the block kPrefetchBlocks ahead (only blocks holding keys before
+// kend).
 template <typename T>
 __attribute__((always_inline)) inline void prefetch_ahead(const T* k_cache, const T* v_cache, const int64_t* blocks,
-                                                          int64_t kend, int64_t start, int64_t n, int64_t block_size,
-                                                          int64_t token_stride, int64_t kv_head, int64_t head_dim) {
-  if (start == 0) prefetch_first(k_cache, v_cache, blocks, kend, block_size, token_stride, kv_head, head_dim);
+                                                          int64_t begin, int64_t kend, int64_t start, int64_t n,
+                                                          int64_t block_size, int64_t token_stride, int64_t kv_head,
+                                                          int64_t head_dim) {
+  if (start == begin)
+    prefetch_first(k_cache, v_cache, blocks, begin, kend, block_size, token_stride, kv_head, head_dim);
   const int64_t ahead = start / block_size + kPrefetchBlocks;
   if ((start + n) % block_size == 0 && ahead * block_size < kend)
     prefetch_block(k_cache, v_cache, blocks, ahead, kend, block_size, token_stride, kv_head, head_dim);

@@ -84,12 +84,13 @@ void walk_avx2(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* 
   std::fill(acc, acc + group * head_dim, 0.f);
   const int64_t token_stride = kv_heads * head_dim;
   int64_t n = 0;
-  for (int64_t start = 0; start < vis.kend; start += n) {
+  const int64_t begin = vis.begin(block_size);
+  for (int64_t start = begin; start < vis.kend; start += n) {
     n = tile_length(start, vis.kend, block_size);
     const uint32_t valid = tile_mask(vis, start, n);
     if (!valid) continue;
     const int64_t base = key_offset(blocks, start, block_size, token_stride, kv_head, head_dim);
-    prefetch_ahead(k_cache, v_cache, blocks, vis.kend, start, n, block_size, token_stride, kv_head, head_dim);
+    prefetch_ahead(k_cache, v_cache, blocks, begin, vis.kend, start, n, block_size, token_stride, kv_head, head_dim);
     for (int64_t t = 0; t < n; ++t) {
       const KV* k = k_cache + base + t * token_stride;
       __m256 krow[kWalkMaxDim / 8];

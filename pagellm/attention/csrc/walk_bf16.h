@@ -105,9 +105,10 @@ void walk_bf16(const BFloat16* q, const KV* k_cache, const KV* v_cache, const in
   const __m512 sc = _mm512_set1_ps(scale);
   const int64_t stride = kv_heads * D;
   auto offset = [&](int64_t pos) { return (blocks[pos / block_size] * block_size + pos % block_size) * stride; };
-  prefetch_first(k_cache, v_cache, blocks, vis.kend, block_size, stride, kv_head, D);  // later ones key by key
+  const int64_t begin = vis.begin(block_size);
+  prefetch_first(k_cache, v_cache, blocks, begin, vis.kend, block_size, stride, kv_head, D);  // later: key by key
   int64_t n = 0;
-  for (int64_t start = 0; start < vis.kend; start += n) {
+  for (int64_t start = begin; start < vis.kend; start += n) {
     n = tile_length(start, vis.kend, block_size);
     const __mmask16 valid = tile_mask(vis, start, n);
     if (!valid) continue;

@@ -41,7 +41,7 @@ void walk_scalar(const T* q, const KV* k_cache, const KV* v_cache, const int64_t
   std::vector<char> seen(block_size);
   for (int64_t g = 0; g < group; ++g) load_row(q + g * head_dim, qf.data() + g * head_dim, head_dim);
   const int64_t token_stride = kv_heads * head_dim;
-  for (int64_t start = 0; start < vis.kend; start += block_size) {
+  for (int64_t start = vis.begin(block_size); start < vis.kend; start += block_size) {
     const int64_t n = std::min(block_size, vis.kend - start);
     const int64_t base = key_offset(blocks, start, block_size, token_stride, kv_head, head_dim);
     bool any = false;
@@ -99,12 +99,13 @@ void walk_vec(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* b
   for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_float(q[i]) * scale;
   const int64_t token_stride = kv_heads * head_dim;
   int64_t n = 0;
-  for (int64_t start = 0; start < vis.kend; start += n) {
+  const int64_t begin = vis.begin(block_size);
+  for (int64_t start = begin; start < vis.kend; start += n) {
     n = tile_length(start, vis.kend, block_size);
     const __mmask16 valid = tile_mask(vis, start, n);
     if (!valid) continue;
     const int64_t base = key_offset(blocks, start, block_size, token_stride, kv_head, head_dim);
-    prefetch_ahead(k_cache, v_cache, blocks, vis.kend, start, n, block_size, token_stride, kv_head, head_dim);
+    prefetch_ahead(k_cache, v_cache, blocks, begin, vis.kend, start, n, block_size, token_stride, kv_head, head_dim);
     for (int64_t t = 0; t < n; ++t) {
       const KV* k = k_cache + base + t * token_stride;
       __m512 krow[16];  // head_dim <= 256
@@ -164,12 +165,13 @@ void walk_fixed(const T* q, const KV* k_cache, const KV* v_cache, const int64_t*
   }
   const int64_t token_stride = kv_heads * head_dim;
   int64_t n = 0;
-  for (int64_t start = 0; start < vis.kend; start += n) {
+  const int64_t begin = vis.begin(block_size);
+  for (int64_t start = begin; start < vis.kend; start += n) {
     n = tile_length(start, vis.kend, block_size);
     const __mmask16 valid = tile_mask(vis, start, n);
     if (!valid) continue;
     const int64_t base = key_offset(blocks, start, block_size, token_stride, kv_head, head_dim);
-    prefetch_ahead(k_cache, v_cache, blocks, vis.kend, start, n, block_size, token_stride, kv_head, head_dim);
+    prefetch_ahead(k_cache, v_cache, blocks, begin, vis.kend, start, n, block_size, token_stride, kv_head, head_dim);
     for (int64_t t = 0; t < n; ++t) {
       const KV* k = k_cache + base + t * token_stride;
       __m512 krow[NV];

@@ -13,7 +13,8 @@ from pagellm.attention.base import current_forward_context
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads "
@@ -22,6 +23,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window  # each token sees only the keys of its last this many positions
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, kv_heads, head_dim]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -29,4 +31,4 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the model runner binds it at start-up")
         ctx = current_forward_context()
-        return ctx.backend.forward(q, k, v, self.kv_cache, ctx.metadata, self.scale)
+        return ctx.backend.forward(q, k, v, self.kv_cache, ctx.metadata, self.scale, self.sliding_window)

@@ -43,9 +43,9 @@ struct StackKernels {
                  int64_t head_dim, uint16_t* q_out, uint16_t* k_out);
   void (*attention)(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_table,
                     const int64_t* query_start, const int64_t* seq_lens, const int64_t* ctx_end,
-                    const uint64_t* tree_bits, int64_t tree_words, int64_t rows, int64_t heads, int64_t head_dim,
-                    int64_t block_size, int64_t kv_heads, int64_t max_blocks, int64_t flash_min_tokens, float scale,
-                    void* out);
+                    const int64_t* ctx_start, const uint64_t* tree_bits, int64_t tree_words, int64_t rows,
+                    int64_t heads, int64_t head_dim, int64_t block_size, int64_t kv_heads, int64_t max_blocks,
+                    int64_t flash_min_tokens, float scale, void* out);
   // gate/up GEMM and SiLU·mul in one pass where the GEMM can (0), else -1 and nothing written; may be null.
   int (*linear_silu_mul)(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n2,
                          uint16_t* y, int64_t ldy);
@@ -68,6 +68,7 @@ struct StackLayer {
   const uint16_t* q_norm;      // [head_dim] RMSNorm weight over each head's q (Qwen3), or null (then k_norm too)
   const uint16_t* k_norm;      // [head_dim]
   const void* moe;             // a sparse layer's MoeLayer (gate_up and down unused), or null: a dense MLP
+  int64_t windowed;            // 1: attends inside the model's sliding window (StackStep::ctx_start); 0: every key
 };
 
 enum KvFormat : int64_t { kKvBf16 = 0, kKvFp8E4M3 = 1, kKvFp8E5M2 = 2 };
@@ -89,6 +90,7 @@ struct StackStep {
   const int64_t* seq_lens;     // [rows]
   const int64_t* ctx_end;      // [T]
   const uint64_t* tree_bits;   // [T, tree_words] or null
+  const int64_t* ctx_start;    // [T] each token's first key inside the sliding window (windowed layers), or null
 };
 
 // Scratch rows for one step, carved out of a grow-only per-thread buffer (no allocation once it has grown).
@@ -210,9 +212,9 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
   }
   f.rotary(q, q_stride, k, k_stride, cos, sin, st.positions, t, s.heads, s.kv_heads, s.head_dim, sc.q, sc.k);
   write_kv(s, st, sc.k, sc.wide, qkv_n, l.k_cache, l.v_cache);
-  f.attention(sc.q, l.k_cache, l.v_cache, st.block_table, st.query_start, st.seq_lens, st.ctx_end, st.tree_bits,
-              st.tree_words, st.rows, s.heads, s.head_dim, s.block_size, s.kv_heads, st.max_blocks,
-              st.flash_min_tokens, s.scale, sc.attn);
+  f.attention(sc.q, l.k_cache, l.v_cache, st.block_table, st.query_start, st.seq_lens, st.ctx_end,
+              l.windowed ? st.ctx_start : nullptr, st.tree_bits, st.tree_words, st.rows, s.heads, s.head_dim,
+              s.block_size, s.kv_heads, st.max_blocks, st.flash_min_tokens, s.scale, sc.attn);
   f.linear(sc.attn, t, qd, qd, l.o, s.hidden, nullptr, sc.x, s.hidden);
   f.add_rms_norm(sc.x, sc.res, l.post_norm, t, s.hidden, s.eps, sc.h, sc.res);
   if (l.moe) {

@@ -1,0 +1,123 @@
+"""Sliding-window models (Mistral v0.1's config, Qwen's ``use_sliding_window`` with its full-attention layers,
+Mixtral and the Qwen mixtures of experts) served past their window: greedy output equals transformers' in every
+scheduling mode, with prefix-cache hits, under preemption and with speculative decoding; and the context length is
+the model's, not the window's."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from pagellm import LLM, SamplingParams
+from pagellm.model.arch import ArchConfig
+from pagellm.ops import decoder_stack
+from pagellm.ops.decoder_stack import DecoderStack
+from tests.engine.test_parity import MODES, _prompts, assert_greedy_parity, hf_reference, run
+
+WINDOW = 20  # prompts run to 121 tokens and 24 more are generated: most tokens see only part of their context
+# arch → the config that slides (Qwen2's and Qwen3's first max_window_layers layers, Qwen2-MoE's odd-numbered ones
+# attend to every key)
+WINDOWED = {
+    "mistral": dict(sliding_window=WINDOW),
+    "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "qwen3": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "mixtral": dict(sliding_window=WINDOW),
+    "qwen2_moe": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
+    "qwen3_moe": dict(use_sliding_window=True, sliding_window=WINDOW),
+}
+# The layers that slide, as transformers builds them (2 layers each)
+SLIDING_LAYERS = {"mistral": [0, 1], "qwen2": [1], "qwen3": [1], "mixtral": [0, 1], "qwen2_moe": [0],
+                  "qwen3_moe": [0, 1]}
+
+
+def _windowed(tiny_model_factory, arch: str):  # noqa: ANN001, ANN202
+    return tiny_model_factory(arch, seed=11, **WINDOWED[arch])
+
+
+@pytest.mark.parametrize("arch", list(WINDOWED))
+def test_the_layers_that_slide_are_transformers(tiny_model_factory, arch: str) -> None:
+    model_dir = _windowed(tiny_model_factory, arch)
+    hf = transformers.AutoConfig.from_pretrained(model_dir)
+    kinds = getattr(hf, "layer_types", None)
+    if kinds is not None:  # the families that name each layer's kind: the same layers
+        assert [i for i, kind in enumerate(kinds) if kind == "sliding_attention"] == SLIDING_LAYERS[arch]
+    # from the config as saved, and as older checkpoints write it (no layer_types: the family's rule)
+    for cfg in (hf.to_dict(), {k: v for k, v in hf.to_dict().items() if k != "layer_types"}):
+        ours = ArchConfig.from_hf(cfg)
+        assert [i for i in range(ours.num_layers) if ours.layer_window(i) == WINDOW] == SLIDING_LAYERS[arch]
+
+
+@pytest.mark.parametrize("arch", list(WINDOWED))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_parity_past_the_window(tiny_model_factory, arch: str, mode: str) -> None:
+    model_dir = _windowed(tiny_model_factory, arch)
+    llm = LLM(str(model_dir), dtype="float32", **MODES[mode])
+    assert llm.input_processor.max_model_len == 512  # the model's context, not the window
+    prompts = _prompts(seed=12)
+    assert_greedy_parity(model_dir, prompts, run(llm, prompts))
+
+
+def test_the_window_changes_transformers_output(tiny_model_factory) -> None:
+    """The parity above means something: the same weights without the window generate other tokens."""
+    windowed = _windowed(tiny_model_factory, "mistral")
+    full = tiny_model_factory("mistral", seed=11, sliding_window=None)
+    prompts = _prompts(seed=12)
+    differ = sum(hf_reference(windowed, p)[0] != hf_reference(full, p)[0] for p in prompts)
+    assert differ >= len(prompts) // 2
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_greedy_parity_past_the_window_with_prefix_hits_and_preemption(tiny_model_factory, arch: str) -> None:
+    model_dir = _windowed(tiny_model_factory, arch)
+    prompts = _prompts(seed=13, shared_prefix=37)
+    llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=128)
+    first = run(llm, prompts)
+    second = run(llm, prompts)
+    assert sum(s.prefix_cache_hits for s in llm.last_stats) > 0
+    assert_greedy_parity(model_dir, prompts, first)
+    assert second == first
+    # 2 layers x 2 KV heads x 16 dims x 2 (K and V) x 4 bytes = 512 B per token: 24 blocks of 16 tokens.
+    small = LLM(str(model_dir), dtype="float32", kv_cache_memory=24 * 16 * 512, max_model_len=200)
+    preempted = run(small, prompts)
+    assert sum(s.num_preemptions for s in small.last_stats) > 0
+    assert_greedy_parity(model_dir, prompts, preempted)
+    kv = small.engine.core.scheduler.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks
+
+
+def test_ngram_speculation_past_the_window_is_lossless(tiny_model_factory) -> None:
+    model_dir = _windowed(tiny_model_factory, "mistral")
+    base = _prompts(seed=14)
+    prompts = [p + p[:20] + p for p in base[:6]]
+    plain = run(LLM(str(model_dir), dtype="float32"), prompts)
+    spec = LLM(str(model_dir), dtype="float32", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None})
+    assert run(spec, prompts) == plain
+    drafts = [s.spec_decoding for s in spec.last_stats if s.spec_decoding is not None]
+    assert sum(d.num_draft_tokens for d in drafts) > 0, "the proposer never drafted"
+
+
+def test_drafts_as_deep_as_the_window_are_refused(tiny_model_factory) -> None:
+    model_dir = tiny_model_factory("mistral", seed=11, sliding_window=4)
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=4 must be below the model's sliding window \(4\)"):
+        LLM(str(model_dir), dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+
+
+@pytest.mark.skipif(not decoder_stack.available(), reason="the native decoder stack does not run here")
+def test_bfloat16_past_the_window_native_stack_equals_the_python_layers(tiny_model_factory, monkeypatch) -> None:
+    """bfloat16 runs every layer in the one-call native stack, windowed layers included (Qwen2's full-attention
+    layer beside its sliding one): the same tokens and logprobs as the Python layers, bit for bit."""
+    model_dir = _windowed(tiny_model_factory, "qwen2")
+    prompts = _prompts(seed=15)[-4:]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+    calls: list[int] = []
+    real = DecoderStack.run
+    monkeypatch.setattr(DecoderStack, "run", lambda self, *a: calls.append(1) or real(self, *a))
+    results = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv("PAGELLM_NATIVE_DECODER", native)
+        outs = LLM(str(model_dir), dtype="bfloat16").generate(prompts, params, use_tqdm=False)
+        results[native] = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs]
+        assert bool(calls) == (native == "1")
+        calls.clear()
+    assert results["1"] == results["0"]
