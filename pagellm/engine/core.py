@@ -32,7 +32,8 @@ class EngineCore:
         self.runtime = self.executor.runtime
         spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.runtime.num_blocks,
-                                   self.runtime.max_model_len, spec.num_lookahead_tokens, spec.disable_by_batch_size)
+                                   self.runtime.max_model_len, spec.num_lookahead_tokens, spec.disable_by_batch_size,
+                                   kv_window=self.runtime.kv_window)
         if config.kv_transfer_config.loads:  # a consumer: admission takes stored prompt blocks as hits
             from pagellm.disagg.connector import StoredBlocks
 

@@ -16,6 +16,12 @@ Contract with the scheduler:
 - ``hash_blocks(request)`` hashes the request's full blocks ahead of time (the scheduler calls it on arrival);
   look-ups and registration hash whatever is still missing themselves.
 Only tokens that are final (never draft tokens) are hashed into the cache.
+
+With ``sliding_window`` set (a model whose every layer attends to its last W positions only), a request's blocks
+that lie wholly before the window of its next token are released as it moves on (when it next needs a block, and
+at admission), so a long request holds about W / block_size blocks. A released block keeps its place in the
+request's list as ``RELEASED`` (block id 0, never read: attention starts at the window's block) and goes back to the
+pool like a freed one: still findable by its hash until reused.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pagellm.kv.hashing import ROOT_HASH, extend_block_hashes
 from pagellm.request import Request, RequestId
 
 NEVER = 1 << 62  # the next-full count when prefix caching is off: no block is ever registered
+RELEASED = KVBlock(0)  # the place of a block released behind a sliding window (not the pool's; never read)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -35,9 +42,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int = 0) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window  # 0: every block is kept until the request ends
+        self.num_released: dict[RequestId, int] = {}  # leading blocks released behind the window
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[RequestId, list[KVBlock]] = {}
         self.num_cached_blocks: dict[RequestId, int] = {}  # leading blocks of a request registered in the cache
@@ -91,6 +101,8 @@ class KVCacheManager:
             held = self.req_blocks[rid] = []
         num_hits = len(new_computed_blocks) if new_computed_blocks else 0
         num_computed += num_hits * bs
+        if self.sliding_window and held:
+            self.release_behind_window(rid, num_computed)
         num_new_blocks = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, bs) - len(held) - num_hits
         new_blocks: list[KVBlock] = []
         if num_new_blocks > 0 or num_hits:
@@ -109,25 +121,44 @@ class KVCacheManager:
                 held.extend(new_blocks)
         if self.enable_caching:
             self.cache_full_blocks(request, min(num_computed + num_new_tokens, len(request.all_token_ids)))
+        if self.sliding_window and num_hits:  # hits behind the window (a long shared prefix) go straight back
+            self.release_behind_window(rid, num_computed)
         return new_blocks
 
+    def release_behind_window(self, rid: RequestId, num_computed: int) -> None:
+        """Release the request's blocks that no token from position ``num_computed`` on can see any more (every
+        key of theirs lies before ``num_computed - sliding_window + 1``)."""
+        held = self.req_blocks[rid]
+        first = self.num_released.get(rid, 0)
+        end = min(max(num_computed - self.sliding_window + 1, 0) // self.block_size, len(held))
+        if end <= first:
+            return
+        behind = [b for b in held[first:end] if b is not RELEASED]
+        held[first:end] = [RELEASED] * (end - first)
+        self.num_released[rid] = end
+        self.pool.free_blocks(reversed(behind))
+
     def allocate_running(self, requests: list[Request], rooms: list[int], finals: list[int],
-                         new_block_ids: dict[str, list[int]]) -> int:
+                         new_block_ids: dict[str, list[int]], computed: list[int] | None = None) -> int:
         """``allocate_slots`` for each request in order, none with prefix hits: request ``i`` needs ``rooms[i]``
         slots (computed + new + lookahead tokens) and will have ``finals[i]`` final tokens after the step. Stops
         before the first request the pool cannot serve (changing nothing for it) and returns how many it served:
         each now holds ``max(its blocks, ceil(rooms[i] / block_size))`` blocks, and if ``finals[i]`` reached its
         next-full count its blocks up to ``finals[i] // block_size`` are registered (the scheduler updates its
-        columns from that rule). The ids of new blocks go into ``new_block_ids``."""
+        columns from that rule). The ids of new blocks go into ``new_block_ids``. Under a sliding window,
+        ``computed[i]`` (the tokens request ``i`` computed before the step) says which of its blocks to release
+        first."""
         bs, pool, cached_counts = self.block_size, self.pool, self.num_cached_blocks
         free_queue, req_blocks, take, register = pool.free_queue, self.req_blocks, pool.get_new_block, self._register
         never = NEVER if not self.enable_caching else 0
         served = 0
-        for request, room, final in zip(requests, rooms, finals):
+        for i, (request, room, final) in enumerate(zip(requests, rooms, finals)):
             rid = request.request_id
             held = req_blocks[rid]  # a running request's list exists from its admission on
             num_new_blocks = -(-room // bs) - len(held)
             if num_new_blocks > 0:
+                if computed is not None and self.sliding_window:  # what the window left behind goes back first
+                    self.release_behind_window(rid, computed[i])
                 if num_new_blocks > free_queue.num_free_blocks:
                     break
                 if num_new_blocks == 1:  # a decoding request entering its next block: most calls
@@ -156,6 +187,8 @@ class KVCacheManager:
         """Return all of a request's blocks, tail first, so its least shareable blocks are evicted first."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        if self.num_released.pop(request.request_id, 0):
+            blocks = [b for b in blocks if b is not RELEASED]
         if self.release_blocks is not None:
             self.release_blocks(blocks)
         else:
@@ -193,7 +226,7 @@ class KVCacheManager:
         cached = self.pool.cached
         for index in range(start, end):  # ``BlockPool.cache_full_block``, inlined
             block = blocks[index]
-            if block.block_hash is None:
+            if block.block_hash is None and block is not RELEASED:
                 block.block_hash = block_hash = hashes[index]
                 if block_hash not in cached:
                     cached[block_hash] = block

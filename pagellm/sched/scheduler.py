@@ -68,9 +68,12 @@ class Scheduler(Intake, Admission):
         disable_by_batch_size: int | None = None,
         *,
         fast_path: bool = True,
+        kv_window: int = 0,
     ) -> None:
         """``fast_path=False`` takes the numpy and Python paths even where the native fast path builds (its test
-        oracle)."""
+        oracle). ``kv_window``: every layer of the model slides over this many positions, so blocks behind it are
+        released as requests move on (``KVCacheManager``; the scheduler then takes its numpy and Python paths, where
+        the releases are made)."""
         self.max_num_seqs = config.max_num_seqs
         self.budget = config.token_budget(max_model_len)
         self.chunked_prefill = config.enable_chunked_prefill
@@ -81,9 +84,10 @@ class Scheduler(Intake, Admission):
         # are reserved only in steps that surely stay at or below it (``_step_lookahead``, set by ``schedule``).
         self.disable_by_batch_size = disable_by_batch_size
         self._step_lookahead = num_lookahead_tokens
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                 kv_window)
         self.waiting = make_queue(config.scheduling_policy)
-        self._native = fastpath() if fast_path else None  # the step loops in C (sched/native.py)
+        self._native = fastpath() if fast_path and not kv_window else None  # the step loops in C (sched/native.py)
         self.running = RunningBatch(compact=self._native.compact_rows if self._native is not None else None)
         if self._native is not None:
             kv, release = self.kv, self._native.free_blocks
@@ -243,8 +247,9 @@ class Scheduler(Intake, Admission):
         rooms, finals = room[events], final[events]
         rows, room_list, final_list = events.tolist(), rooms.tolist(), finals.tolist()
         while rows:
+            before = computed[rows].tolist() if self.kv.sliding_window else None  # what a window leaves behind
             served = self.kv.allocate_running([batch.requests[r] for r in rows], room_list, final_list,
-                                              new_block_ids)
+                                              new_block_ids, before)
             self._served_columns(events[:served], rooms[:served], finals[:served])
             if served == len(rows):
                 return

@@ -17,3 +17,5 @@ class RuntimeInfo:
     pooling_only: bool = False  # a base-model checkpoint (no LM head): embedding requests only
     kv_store_dir: str = ""  # with a KV connector: the folder of this model's stored blocks (disagg/connector.py)
     speculative_method: str = ""  # the proposer the workers draft with ("" without speculation)
+    # Every layer slides over this many positions: the scheduler releases the blocks behind it (0: keeps them all)
+    kv_window: int = 0

@@ -84,7 +84,8 @@ class Worker:
                         "on" if decoder_stack.available() and envs.native_decoder() else "off",
                         "on AMX" if flash_amx else "without AMX")
         self.runtime = RuntimeInfo(max_model_len, num_blocks, cache_config.block_size, arch.vocab_size,
-                                   arch.hidden_size, arch.base_model, store_dir, spec_config.method or "")
+                                   arch.hidden_size, arch.base_model, store_dir, spec_config.method or "",
+                                   kv_window(arch, store_dir))
         logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens (%s)", model_dir,
                     arch.architecture, self.dtype, time.perf_counter() - start, num_blocks, cache_config.block_size,
                     str(self.kv_dtype).removeprefix("torch."))
@@ -147,6 +148,13 @@ def _start_kernel_builds(dtype: torch.dtype, kv_dtype: torch.dtype, attention_ba
     if quantization and gemm_w8a8.runs_here():
         builds.insert(1, gemm_w8a8.build_job())  # built with its own flags (no fused multiply-adds)
     native_build.start_in_background(builds)
+
+
+def kv_window(arch: ArchConfig, store_dir: str) -> int:
+    """The window behind which a request's blocks may be released: the model's, where every layer slides and no
+    KV connector stores whole prompts (0: keep every block)."""
+    every_layer = arch.sliding_window and not set(arch.full_attention_layers) & set(range(arch.num_layers))
+    return int(arch.sliding_window) if every_layer and not store_dir else 0
 
 
 def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:

@@ -17,7 +17,9 @@ PP = dict(dtype="float32", pipeline_parallel_size=2)
 
 
 @pytest.mark.parametrize(("arch", "overrides"), [("llama", {}), ("qwen3", {"num_hidden_layers": 3, "seed": 2}),
-                                                 ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]})])
+                                                 ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),
+                                                 ("qwen2", {"num_hidden_layers": 3, "use_sliding_window": True,
+                                                            "sliding_window": 20, "max_window_layers": 1})])
 def test_greedy_parity_chunked_and_with_prefix_hits(tiny_model_factory, arch: str, overrides: dict) -> None:
     model_dir = tiny_model_factory(arch, **overrides)
     llm = LLM(str(model_dir), max_num_batched_tokens=40, **PP)

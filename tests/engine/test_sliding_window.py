@@ -6,13 +6,14 @@ the model's, not the window's."""
 from __future__ import annotations
 
 import pytest
+import torch
 import transformers
 
 from pagellm import LLM, SamplingParams
 from pagellm.model.arch import ArchConfig
 from pagellm.ops import decoder_stack
 from pagellm.ops.decoder_stack import DecoderStack
-from tests.engine.test_parity import MODES, _prompts, assert_greedy_parity, hf_reference, run
+from tests.engine.test_parity import MODES, _hf_model, _prompts, assert_greedy_parity, hf_reference, run
 
 WINDOW = 20  # prompts run to 121 tokens and 24 more are generated: most tokens see only part of their context
 # arch → the config that slides (Qwen2's and Qwen3's first max_window_layers layers, Qwen2-MoE's odd-numbered ones
@@ -121,3 +122,35 @@ def test_bfloat16_past_the_window_native_stack_equals_the_python_layers(tiny_mod
         assert bool(calls) == (native == "1")
         calls.clear()
     assert results["1"] == results["0"]
+
+
+@pytest.mark.parametrize("arch,released", [("mistral", True), ("qwen3_moe", True), ("qwen2", False)])
+def test_a_long_request_holds_only_its_windows_blocks(tiny_model_factory, arch: str, released: bool) -> None:
+    """Where every layer slides, a request gives back the blocks behind its window as it moves on: one request of
+    121 + 120 tokens, in chunks of 16, holds at most 3 blocks of 16 (window 20) instead of 15; greedy output still
+    equals transformers', and every block comes back. A model with a full-attention layer (Qwen2's first) keeps
+    them all."""
+    model_dir = _windowed(tiny_model_factory, arch)
+    llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=16, enable_chunked_prefill=True)
+    kv = llm.engine.core.scheduler.kv
+    assert kv.sliding_window == (WINDOW if released else 0)
+    prompt = _prompts(seed=16)[-1]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True), use_tqdm=False)
+    peak = round(max(s.kv_cache_usage for s in llm.last_stats) * kv.pool.num_blocks)
+    assert peak == (3 if released else 15)
+    assert kv.num_free_blocks == kv.pool.num_blocks
+    _assert_long_parity(model_dir, prompt, list(out[0].outputs[0].token_ids))
+
+
+def _assert_long_parity(model_dir, prompt: list[int], ours: list[int]) -> None:  # noqa: ANN001
+    """test_parity's rule over a longer continuation: equal tokens up to a float tie, where both candidates are in
+    transformers' top 2."""
+    ids = torch.tensor([prompt])
+    out = _hf_model(model_dir).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(ours),
+                                        do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                                        return_dict_in_generate=True)
+    ref = out.sequences[0, len(prompt):].tolist()
+    step = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+    if step is not None:
+        top2 = out.logits[step][0].topk(2).indices.tolist()
+        assert ours[step] in top2 and ref[step] in top2, f"step {step}: ours {ours[step]}, transformers {ref[step]}"

@@ -298,3 +298,59 @@ def test_allocate_running_equals_allocate_slots_one_by_one():
             assert fast.num_cached_blocks == plain.num_cached_blocks
             for i in order[:served]:
                 computed[i] += num_new[i]
+
+
+def _decode(kv: KVCacheManager, request: Request, computed: int, steps: int) -> int:
+    """Append ``steps`` decoded tokens one step at a time (as the scheduler's running path does); returns the new
+    computed count."""
+    for _ in range(steps):
+        request.append_output_token(7)
+        room = computed + 1
+        if -(-room // BS) > len(kv.req_blocks[request.request_id]):
+            assert kv.allocate_running([request], [room], [room], {}, [computed]) == 1
+        else:
+            kv.cache_full_blocks(request, room)
+        computed += 1
+    return computed
+
+
+def test_a_sliding_window_releases_the_blocks_behind_it():
+    """Window 20, blocks of 16: a token at position p sees keys from p - 19 on, so once the request has computed
+    c tokens its blocks before block (c - 19) // 16 go back to the pool, cached (findable) and in tail order."""
+    kv = KVCacheManager(12, BS, sliding_window=20)
+    a = req("a", list(range(100, 180)))  # 80 tokens: 5 blocks
+    assert prefill(kv, a, 80) == [0, 1, 2, 3, 4]
+    computed = _decode(kv, a, 80, 1)  # block 5 opened for token 80: blocks before (80 - 19) // 16 = 3 released
+    assert kv.block_ids("a") == [0, 0, 0, 3, 4, 5] and kv.num_released["a"] == 3
+    assert kv.num_free_blocks == 12 - 3
+    assert [b.block_id for b in kv.pool.free_queue][-3:] == [2, 1, 0]  # released tail first, still cached
+    assert all(kv.pool.blocks[i].block_hash == a.block_hashes[i] for i in range(3))
+    computed = _decode(kv, a, computed, 32)  # two more blocks opened: the window has moved two blocks on
+    held = [b for b in kv.req_blocks["a"] if b.ref_cnt]
+    assert len(kv.req_blocks["a"]) == 8 and len(held) == 3 and kv.num_released["a"] == 5
+    # a second request with the same prefix still hits the released blocks while they stay cached
+    b = req("b", list(range(100, 180)))
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert ids(hits) == [0, 1, 2, 3] and num_hit == 64
+    kv.free(a)
+    assert kv.num_free_blocks == 12 and "a" not in kv.num_released
+
+
+def test_hits_behind_the_window_go_straight_back():
+    kv = KVCacheManager(12, BS, sliding_window=20)
+    a = req("a", list(range(100, 180)))
+    prefill(kv, a, 80)
+    kv.free(a)
+    b = req("b", list(range(100, 180)) + [1, 2])  # 82 tokens: 5 full blocks hit
+    assert prefill(kv, b) == [0, 0, 0, 3, 4, 5]  # hits before (80 - 19) // 16 = 3 are released at once
+    assert kv.num_free_blocks == 12 - 3
+    kv.free(b)
+    assert kv.num_free_blocks == 12
+
+
+def test_without_a_window_nothing_is_released():
+    kv = KVCacheManager(12, BS)
+    a = req("a", list(range(100, 180)))
+    prefill(kv, a, 80)
+    _decode(kv, a, 80, 40)
+    assert kv.block_ids("a") == list(range(8)) and kv.num_free_blocks == 4 and not kv.num_released

@@ -161,10 +161,10 @@ void flash_tile_amx(const BFloat16* q, const BFloat16* k_cache, const BFloat16* 
   const int nq = static_cast<int>(m * group);
   const int padded = (nq + 15) / 16 * 16;
   const BFloat16* qrows[kFlashQueries];
-  int64_t kend = 0, kbegin = vis[0].begin(kFlashKeys);
-  for (int i = 0; i < m; ++i) {
+  int64_t kend = 0, kbegin = vis[0].begin(block_size);
+  for (int i = 0; i < m; ++i) {  // under a sliding window: from the first block any token sees (none before it)
     kend = std::max(kend, vis[i].kend);
-    kbegin = std::min(kbegin, vis[i].begin(kFlashKeys));  // a sliding window's: the first tile any token sees
+    kbegin = std::min(kbegin, vis[i].begin(block_size));
   }
   for (int qv = 0; qv < padded; ++qv) {
     if (qv < nq) qrows[qv] = q + (qv / group) * heads * D + (kv_head * group + qv % group) * D;

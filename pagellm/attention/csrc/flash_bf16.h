@@ -233,10 +233,10 @@ void flash_tile(const BFloat16* q, const KV* k_cache, const KV* v_cache, const i
   static thread_local FlashTile<D> tile;
   const int nq = static_cast<int>(m * group);
   const BFloat16* qrows[kFlashQueries];
-  int64_t kend = 0, kbegin = vis[0].begin(kFlashKeys);
-  for (int i = 0; i < m; ++i) {
+  int64_t kend = 0, kbegin = vis[0].begin(block_size);
+  for (int i = 0; i < m; ++i) {  // under a sliding window: from the first block any token sees (none before it)
     kend = std::max(kend, vis[i].kend);
-    kbegin = std::min(kbegin, vis[i].begin(kFlashKeys));  // a sliding window's: the first tile any token sees
+    kbegin = std::min(kbegin, vis[i].begin(block_size));
   }
   for (int qv = 0; qv < nq; ++qv) {
     qrows[qv] = q + (qv / group) * heads * D + (kv_head * group + qv % group) * D;
