@@ -57,5 +57,6 @@ class ParallelConfig:
         if self_drafting and self.pipeline_parallel_size > 1:
             raise ValueError(f"draft_model with draft_layers (the target's first layers) does not run with {size}; "
                              "give a draft 'model', or use ngram, medusa or eagle")
-        if quantization:
-            raise ValueError(f"quantization={quantization} does not run with {size} yet; use size 1")
+        if quantization and self.tensor_parallel_size > 1:
+            raise ValueError(f"quantization={quantization} does not run with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} yet; use 1 (pipeline stages take int8 weights)")

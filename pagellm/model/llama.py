@@ -25,7 +25,7 @@ from pagellm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear,
 from pagellm.model.layers.moe import SparseMoeBlock
 from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding
-from pagellm.model.native_stack import run_native
+from pagellm.model.native_stack import run_native, run_native_stage
 
 
 class LlamaAttention(nn.Module):
@@ -139,10 +139,14 @@ class LlamaModel(nn.Module):
             x, residual = self.embed_tokens(input_ids), None
         else:
             x, residual = stage.recv_prev((input_ids.shape[0], self.norm.weight.shape[0]), dtype)
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+        native = run_native_stage(self, x, residual, positions, stage.is_last_stage)
+        if native is not None:
+            x, residual = native
+        else:
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual)
         if stage.is_last_stage:
-            hidden = self.norm(x, residual)[0].contiguous()
+            hidden = x if native is not None else self.norm(x, residual)[0].contiguous()
         else:
             stage.send_next(x, residual)
             hidden = torch.empty(input_ids.shape[0], self.norm.weight.shape[0], dtype=dtype)

@@ -5,9 +5,10 @@ then run, unchanged: they are its twin and oracle, and the path of float32, tens
 attention backend):
 
 - ``PAGELLM_NATIVE_DECODER`` is not ``0`` and the library builds and runs here (AVX-512 BF16);
-- the model is bfloat16, single rank, and every GEMM weight of every layer is packed (``gemm.pack_parameter``), or
-  every one quantized (``--quantization w8a8_int8``), with no o_proj bias (q/k/v bias, as in Qwen2, and Qwen3's
-  per-head q/k norm are served) and one RMSNorm epsilon throughout; a mixture of experts' sparse layers run their
+- the model is bfloat16, without tensor parallelism (a pipeline stage runs its own layers in one call, taking the
+  previous stage's hidden rows and residual, ``run_native_stage``), and every GEMM weight of every layer is packed
+  (``gemm.pack_parameter``), or every one quantized (``--quantization w8a8_int8``), with no o_proj bias (q/k/v
+  bias, as in Qwen2, and Qwen3's per-head q/k norm are served) and one RMSNorm epsilon throughout; a mixture of experts' sparse layers run their
   native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE);
 - no request of the step runs with a LoRA adapter (those steps take the Python layers, ``pagellm/lora.py``);
 - the forward context is the ``cpu_paged`` backend's (its metadata a ``CpuPagedMetadata``) and every layer to run
@@ -90,10 +91,10 @@ def stack_for(model: nn.Module) -> DecoderStack | None:
     return stack  # type: ignore[return-value]
 
 
-def run_native(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
-               num_layers: int | None) -> torch.Tensor | None:
-    """Final-norm hidden states of embedding rows ``x`` through the native stack, or ``None`` where it does not
-    serve this call (see the module docstring)."""
+def _native_call(model: nn.Module, x: torch.Tensor,
+                 num_layers: int | None) -> tuple[DecoderStack, list[torch.Tensor], CpuPagedMetadata] | None:
+    """The stack, the caches of the layers to run and the step's metadata, where the native stack serves this call
+    (see the module docstring); else None."""
     if x.dtype != torch.bfloat16 or not envs.native_decoder():
         return None
     try:
@@ -108,4 +109,26 @@ def run_native(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     caches = [attn.kv_cache for attn in model.__dict__["_native_attns"][:num_layers]]
     if any(c is None or c.dtype not in decoder_stack.CACHE_DTYPES or c.dtype != caches[0].dtype for c in caches):
         return None
-    return stack.run(x, positions, caches, ctx.metadata, FLASH_MIN_TOKENS)
+    return stack, caches, ctx.metadata
+
+
+def run_native(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
+               num_layers: int | None) -> torch.Tensor | None:
+    """Final-norm hidden states of embedding rows ``x`` through the native stack, or ``None`` where it does not
+    serve this call (see the module docstring)."""
+    call = _native_call(model, x, num_layers)
+    if call is None:
+        return None
+    stack, caches, md = call
+    return stack.run(x, positions, caches, md, FLASH_MIN_TOKENS)
+
+
+def run_native_stage(model: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                     last: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A pipeline stage's layers in one native call: (final-norm hidden states, None) on the last stage, else the
+    (hidden rows, residual) for the next; ``None`` where the native stack does not serve this call."""
+    call = _native_call(model, x, None)
+    if call is None:
+        return None
+    stack, caches, md = call
+    return stack.run_stage(x, residual, positions, caches, md, FLASH_MIN_TOKENS, last)

@@ -92,7 +92,8 @@ def _lib() -> ctypes.CDLL | None:
         logger.warning("native decoder stack unavailable (%s); using the Python layers", exc)
         return None
     lib.pagellm_decoder_stack_bf16.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Layer), _I,
-                                               ctypes.POINTER(_Shape), ctypes.POINTER(_Step), _P, _P, _P, _P, _P]
+                                               ctypes.POINTER(_Shape), ctypes.POINTER(_Step), _P, _P, _P, _P, _P, _P,
+                                               _P]
     lib.pagellm_decoder_stack_bf16.restype = ctypes.c_int
     lib.pagellm_stack_fp8_from_bf16.argtypes = [_P, _I, _I, _P]
     lib.pagellm_stack_fp8_from_bf16.restype = None
@@ -221,11 +222,29 @@ class DecoderStack:
             flash_min_tokens: int) -> torch.Tensor:
         """Final-norm hidden states [T, hidden] of embedding rows ``x`` after ``len(caches)`` layers; ``md`` is the
         step's ``CpuPagedMetadata`` (slot_mapping, query_start_loc, seq_lens, block_table, ctx_end, tree_bits)."""
+        return self._call(x, None, positions, caches, md, flash_min_tokens, True)[0]
+
+    def run_stage(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                  caches: list[torch.Tensor], md: object, flash_min_tokens: int,
+                  last: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pipeline stage: its layers over the previous stage's hidden rows ``x`` and ``residual`` (or, on the
+        first stage, embedding rows and None); the last stage returns (final-norm hidden states, None), the others
+        (x, residual) for the next stage."""
+        if residual is not None and (residual.dtype != torch.bfloat16 or residual.shape != x.shape):
+            raise ValueError(f"the residual must match the hidden rows: bfloat16 {tuple(x.shape)}")
+        if not last and not caches:
+            raise ValueError("a stage before the last runs at least one layer")
+        return self._call(x, residual, positions, caches, md, flash_min_tokens, last)
+
+    def _call(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+              caches: list[torch.Tensor], md: object, flash_min_tokens: int,
+              final_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         if len(caches) > len(self._layers):
             raise ValueError(f"asked for {len(caches)} layers of a {len(self._layers)}-layer stack")
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.shape.hidden:
             raise ValueError(f"the native decoder stack takes bfloat16 [T, {self.shape.hidden}] rows")
         x = x.contiguous()
+        residual = None if residual is None else residual.contiguous()
         self._bind_caches(caches)
         positions, slots = _index(positions), _index(md.slot_mapping)  # type: ignore[attr-defined]
         if not positions.shape[0] == slots.shape[0] == x.shape[0]:
@@ -238,8 +257,10 @@ class DecoderStack:
                      md.seq_lens.data_ptr(), md.ctx_end.data_ptr(), _ptr(bits),  # type: ignore[attr-defined]
                      _ptr(md.ctx_start(self.sliding_window)))  # type: ignore[attr-defined]
         out = torch.empty_like(x)
+        residual_out = None if final_norm else torch.empty_like(x)
         if self._fn(self._kernels, self._layers, len(caches), ctypes.byref(self._shape), ctypes.byref(step),
-                    x.data_ptr(), self._cos, self._sin, self._final_norm, out.data_ptr()):
+                    x.data_ptr(), _ptr(residual), self._cos, self._sin, self._final_norm if final_norm else None,
+                    out.data_ptr(), _ptr(residual_out)):
             raise IndexError(f"cache slots must lie in [0, {self._shape.cache_slots}) and positions in "
                              f"[0, {self._shape.max_positions})")
-        return out
+        return out, residual_out

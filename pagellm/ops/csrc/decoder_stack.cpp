@@ -15,7 +15,9 @@
 //            the GEMM offers it: pagellm_packed_linear_silu_mul_bf16 (AMX, AVX-512), _w8a8 (int8); the same bits)
 //            or, in a mixture of experts' sparse layer, x = moe(h): the layer's router, routing and experts in the
 //            call the Python layer makes too (ops/csrc/moe.cpp pagellm_moe_forward_bf16)
-// then out = add_rms_norm(x, res).out. What it saves is everything around the kernels: Python dispatch, torch
+// then out = add_rms_norm(x, res).out. A pipeline stage's call takes the previous stage's x and res (res given: the
+// first layer adds it, as every later layer does) and, unless it is the last stage, hands x and res on as they are
+// (no final norm). What it saves is everything around the kernels: Python dispatch, torch
 // allocations (one grow-only per-thread workspace instead), views, index ops and ctypes marshalling per layer.
 // The kernels are not compiled in here: the caller passes the addresses of their C entry points in their own
 // libraries (ops/csrc/packed_gemm.cpp, ops/csrc/fused.cpp, attention/csrc/paged_attention.cpp; see
@@ -239,13 +241,16 @@ void pagellm_stack_fp8_from_bf16(const uint16_t* src, int64_t n, int64_t format,
   store_row(format, dst, 0, src, n);
 }
 
-// kernels: the entry points to call; layers: [num_layers] (see StackLayer); x: [T, hidden] embedding rows (read
-// only); cos, sin: [max_pos, head_dim]; final_norm: [hidden]; out: [T, hidden] final-norm hidden states.
+// kernels: the entry points to call; layers: [num_layers] (see StackLayer); x: [T, hidden] embedding rows, or a
+// previous pipeline stage's hidden rows with residual_in its [T, hidden] residual (else null; both read only);
+// cos, sin: [max_pos, head_dim]; final_norm: [hidden], out: [T, hidden] final-norm hidden states; or final_norm
+// null (a stage before the last; num_layers >= 1): out and residual_out [T, hidden] the last layer's x and residual.
 // num_layers may be 0 (out = norm(x)). Returns 0, or -1 (nothing written) when a slot or a position is out of
 // range.
 int pagellm_decoder_stack_bf16(const StackKernels* kernels, const StackLayer* layers, int64_t num_layers,
                                const StackShape* shape, const StackStep* step, const uint16_t* x,
-                               const uint16_t* cos, const uint16_t* sin, const uint16_t* final_norm, uint16_t* out) {
+                               const uint16_t* residual_in, const uint16_t* cos, const uint16_t* sin,
+                               const uint16_t* final_norm, uint16_t* out, uint16_t* residual_out) {
   const StackShape& s = *shape;
   const StackStep& st = *step;
   for (int64_t t = 0; t < st.tokens; ++t)
@@ -254,9 +259,18 @@ int pagellm_decoder_stack_bf16(const StackKernels* kernels, const StackLayer* la
       return -1;
   if (st.tokens <= 0) return 0;
   const Scratch sc = scratch_for(s, st.tokens);
-  std::memcpy(sc.x, x, st.tokens * s.hidden * sizeof(uint16_t));
-  for (int64_t i = 0; i < num_layers; ++i) decoder_layer(*kernels, s, st, layers[i], cos, sin, i == 0, sc);
-  kernels->add_rms_norm(sc.x, num_layers ? sc.res : nullptr, final_norm, st.tokens, s.hidden, s.eps, out, sc.res);
+  const int64_t bytes = st.tokens * s.hidden * sizeof(uint16_t);
+  std::memcpy(sc.x, x, bytes);
+  if (residual_in) std::memcpy(sc.res, residual_in, bytes);
+  for (int64_t i = 0; i < num_layers; ++i)
+    decoder_layer(*kernels, s, st, layers[i], cos, sin, i == 0 && !residual_in, sc);
+  if (!final_norm) {  // a stage before the last: x and the residual go on to the next stage
+    std::memcpy(out, sc.x, bytes);
+    std::memcpy(residual_out, sc.res, bytes);
+    return 0;
+  }
+  kernels->add_rms_norm(sc.x, num_layers || residual_in ? sc.res : nullptr, final_norm, st.tokens, s.hidden, s.eps,
+                        out, sc.res);
   return 0;
 }
 
