@@ -8,8 +8,9 @@ attention backend):
 - the model is bfloat16, without tensor parallelism (a pipeline stage runs its own layers in one call, taking the
   previous stage's hidden rows and residual, ``run_native_stage``), and every GEMM weight of every layer is packed
   (``gemm.pack_parameter``), or every one quantized (``--quantization w8a8_int8``), with no o_proj bias (q/k/v
-  bias, as in Qwen2, and Qwen3's per-head q/k norm are served) and one RMSNorm epsilon throughout; a mixture of experts' sparse layers run their
-  native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE);
+  bias, as in Qwen2, and Qwen3's per-head q/k norm are served) and one RMSNorm epsilon throughout; a mixture of
+  experts' sparse layers run their native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE
+  with its shared expert, Qwen3-MoE);
 - no request of the step runs with a LoRA adapter (those steps take the Python layers, ``pagellm/lora.py``);
 - the forward context is the ``cpu_paged`` backend's (its metadata a ``CpuPagedMetadata``) and every layer to run
   has a cache bound, bfloat16 or float8 (``--kv-cache-dtype``), all of one dtype.
