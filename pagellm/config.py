@@ -360,8 +360,7 @@ class EngineConfig:
         if spec.method == "eagle" and spec.model is None and self.model_config.model is not None:
             raise ValueError("eagle needs 'model': the head's .safetensors file from `pagellm train-draft --method "
                              "eagle` (only the built-in model has a shipped default head)")
-        self.parallel_config.check_engine(spec.method == "draft_model" and spec.model is None,
-                                          self.model_config.quantization)
+        self.parallel_config.check_engine(spec.method == "draft_model" and spec.model is None)
         self.kv_transfer_config.check_engine(self.cache_config.enable_prefix_caching,
                                              self.parallel_config.world_size, self.model_config.enable_lora,
                                              self.speculative_config.method)

@@ -48,7 +48,7 @@ class ParallelConfig:
                  if getattr(self, name) > 1]
         return " and ".join(sizes) or "tensor_parallel_size=1"
 
-    def check_engine(self, self_drafting: bool, quantization: str | None) -> None:
+    def check_engine(self, self_drafting: bool) -> None:
         """What parallel ranks do not split yet is refused, naming the way out (``self_drafting``: a draft model
         made of the target's first layers)."""
         if self.world_size == 1:
@@ -57,6 +57,3 @@ class ParallelConfig:
         if self_drafting and self.pipeline_parallel_size > 1:
             raise ValueError(f"draft_model with draft_layers (the target's first layers) does not run with {size}; "
                              "give a draft 'model', or use ngram, medusa or eagle")
-        if quantization and self.tensor_parallel_size > 1:
-            raise ValueError(f"quantization={quantization} does not run with tensor_parallel_size="
-                             f"{self.tensor_parallel_size} yet; use 1 (pipeline stages take int8 weights)")

@@ -49,9 +49,6 @@ class Worker:
         model_dir = resolve_model_dir(model_config.model)
         arch = ArchConfig.from_hf(load_hf_config(model_dir))
         quantization = model_config.quantization or arch.quantization
-        if quantization and parallel.tp_size > 1:
-            raise ValueError(f"{quantization} weights do not run with tensor_parallel_size={parallel.tp_size} yet; "
-                             "use 1 (pipeline stages take them)")
         if quantization and not model_config.quantization and gemm_w8a8.runs_here():  # a quantized checkpoint's
             native_build.start_in_background([gemm_w8a8.build_job()])  # kernel, built while the weights load
         if arch.sliding_window and spec_config.method and spec_config.num_speculative_tokens >= arch.sliding_window:

@@ -14,6 +14,8 @@ import pytest
 from test_parity import _prompts, assert_greedy_parity, assert_seeded_grammar, run
 
 from pagellm import LLM, SamplingParams
+from pagellm.model.compressed_tensors import write_w8a8
+from pagellm.ops import gemm, gemm_w8a8
 
 TP = dict(dtype="float32", tensor_parallel_size=2)
 
@@ -52,6 +54,45 @@ def test_expert_parallel_ranks_hold_whole_experts(tiny_model_factory, arch: str,
         assert_greedy_parity(model_dir, prompts, run(llm, prompts))
     finally:
         llm.shutdown()
+
+
+def _int8_greedy(model_dir: Path, prompts: list[list[int]], tp: int, quantization: str | None) -> tuple[LLM, list]:
+    llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=tp, quantization=quantization,
+              kv_cache_memory="64MiB")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    return llm, [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 GEMM needs AVX-512 VNNI")
+@pytest.mark.parametrize("source", ["online", "checkpoint"])
+def test_int8_weights_split_across_ranks(tiny_model_factory, tmp_path: Path, source: str) -> None:
+    """int8 weights (``--quantization w8a8_int8``, or a compressed-tensors W8A8 checkpoint) on tensor-parallel ranks:
+    each rank holds the int8 rows (q/k/v, gate/up) or columns (o, down) of its slice with their per-output-channel
+    scales and quantizes its own activations. Greedy tokens equal one process's over the same weights, up to float
+    ties: where they part, both tokens are in the one process's top 2."""
+    model_dir = tiny_model_factory("llama")
+    quantization = "w8a8_int8"
+    if source == "checkpoint":
+        model_dir, quantization = write_w8a8(model_dir, tmp_path / "w8a8"), None
+    prompts = _prompts(seed=17)
+    single, expected = _int8_greedy(model_dir, prompts, 1, quantization)
+    ranks, got = _int8_greedy(model_dir, prompts, 2, quantization)
+    try:
+        layer = ranks.engine.core.executor.worker.runner.model.model.layers[0]
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert gemm.weight_format(linear.weight) == "w8a8_int8"
+        assert gemm.packed_shape(layer.mlp.down_proj.weight) == (64, 64)  # [hidden, intermediate / 2]
+        exact = 0
+        for ours, theirs in zip(got, expected):
+            step = next((i for i, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids)) if a != b), None)
+            if step is None:
+                exact += 1
+                continue
+            top2 = sorted(theirs.logprobs[step].items(), key=lambda kv: -kv[1].logprob)[:2]
+            assert {ours.token_ids[step], theirs.token_ids[step]} <= {token for token, _ in top2}, step
+        assert exact >= len(prompts) // 2
+    finally:
+        ranks.shutdown()
 
 
 def test_preemption_speculation_and_grammars_across_ranks(tiny_model_factory) -> None:
