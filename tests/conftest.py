@@ -44,7 +44,7 @@ MOE_DEFAULTS = {
 
 
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a tiny random float32 model (``arch`` in llama, qwen2, qwen3, mistral and the mixtures of experts
+    """Save a tiny random float32 model (``arch`` in llama, qwen2, qwen3, mistral, phi3 and the mixtures of experts
     mixtral, qwen2_moe, qwen3_moe) with a tokenizer under ``path``."""
     import transformers
 
@@ -61,7 +61,10 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[arch]
+    if arch == "phi3":  # its default pad id (32000) lies outside the tiny vocabulary
+        common.setdefault("pad_token_id", None)
     if arch in ("qwen3", "qwen3_moe"):  # its config's default head_dim is 128, not hidden / heads
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
     for key, value in MOE_DEFAULTS.get(arch, {}).items():

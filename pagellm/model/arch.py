@@ -102,6 +102,10 @@ class ArchConfig:
         model_type = cfg.get("model_type")
         window = cfg.get("sliding_window") if (model_type not in _QWEN or cfg.get("use_sliding_window")) else None
         rope_params = cfg.get("rope_parameters") or {}
+        partial = cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):  # Phi-4-mini's 0.75
+            raise ValueError(f"partial_rotary_factor={partial} (rotary embedding over part of each head) is not "
+                             "supported; supported: 1.0")
         rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default")
                                                    != "default" else None)
         base_model = archs[0] in BASE_MODELS

@@ -1,5 +1,6 @@
 """The Llama family in one file: Llama 2/3 (with Llama-3 rope scaling), Mistral, Qwen2 (q/k/v bias), Qwen3 (an
-RMSNorm over each head's q and k before the rotary embedding) and SmolLM2, and their mixture-of-experts kin, Mixtral,
+RMSNorm over each head's q and k before the rotary embedding), Phi-3 (q/k/v and gate/up fused in its checkpoint) and
+SmolLM2, and their mixture-of-experts kin, Mixtral,
 Qwen2-MoE and Qwen3-MoE, whose sparse layers replace the dense MLP with experts (``layers/moe.py``).
 
 The forward pass takes one flat batch of tokens (prompt chunks and decode tokens of many requests mixed) with
@@ -10,7 +11,7 @@ only on the hidden states the runner selects (the tokens that are sampled).
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -245,3 +246,27 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     RENAMES = ((".block_sparse_moe.", ".mlp."), (".w2.", ".down_proj."))
     STACKED = {**LlamaForCausalLM.STACKED, ".w1.": (".gate_up_proj.", 0), ".w3.": (".gate_up_proj.", 1)}
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 (mini and medium, 4k: Llama's layers, Mistral's sliding window): its checkpoint fuses q/k/v into one
+    ``qkv_proj`` and gate/up into one ``gate_up_proj`` (gate first), which are split back into the shards every
+    fused layer loads (so tensor-parallel ranks take their slice of each)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None) -> None:
+        super().load_weights(self._unfused(weights), quantization)
+
+    def _unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        cfg = self.cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        for name, tensor in weights:  # a W8A8 checkpoint's [N, 1] weight_scale splits as its weight's rows do
+            if ".self_attn.qkv_proj." in name:
+                for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv])):
+                    yield name.replace(".qkv_proj.", f".{part}."), piece
+            elif ".mlp.gate_up_proj." in name:
+                gate, up = tensor.chunk(2)
+                yield name.replace(".gate_up_proj.", ".gate_proj."), gate
+                yield name.replace(".gate_up_proj.", ".up_proj."), up
+            else:
+                yield name, tensor
+

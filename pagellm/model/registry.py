@@ -7,7 +7,7 @@ from torch import nn
 
 from pagellm.distributed.groups import ParallelState
 from pagellm.model.arch import BASE_MODELS, ArchConfig
-from pagellm.model.llama import LlamaForCausalLM, MixtralForCausalLM
+from pagellm.model.llama import LlamaForCausalLM, MixtralForCausalLM, Phi3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -17,6 +17,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     # base models (embedding checkpoints: no LM head; ArchConfig.base_model), for pooling requests
     **{name: LlamaForCausalLM for name in BASE_MODELS},
 }

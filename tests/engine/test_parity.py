@@ -75,7 +75,7 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-ARCHS = ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 def assert_seeded_grammar(llm: LLM, seed: int) -> None:
     """Regex-constrained samples have the regex's shape, and the same seed gives the same texts again (what
@@ -160,3 +160,17 @@ def test_ngram_speculation_is_lossless(tiny_model_factory) -> None:
     drafts = [s.spec_decoding for s in spec_llm.last_stats if s.spec_decoding is not None]
     assert sum(d.num_draft_tokens for d in drafts) > 0, "the proposer never drafted"
     assert speculative == plain
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}},
+     r"partial_rotary_factor=0.75 \(rotary embedding over part of each head\) is not supported; supported: 1.0"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                          "long_factor": [2.0] * 8, "original_max_position_embeddings": 256}},
+     r"rope scaling 'longrope' is not supported; supported: default, linear, llama3"),
+])
+def test_phi3_variants_the_engine_does_not_serve_are_refused_by_name(tiny_model_factory, overrides: dict,
+                                                                     message: str) -> None:
+    """Phi-4-mini's partial rotary embedding and Phi-3.5's / the 128k models' LongRoPE are refused, naming them."""
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_model_factory("phi3", seed=8, **overrides)), dtype="float32")

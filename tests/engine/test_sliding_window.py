@@ -1,5 +1,5 @@
-"""Sliding-window models (Mistral v0.1's config, Qwen's ``use_sliding_window`` with its full-attention layers,
-Mixtral and the Qwen mixtures of experts) served past their window: greedy output equals transformers' in every
+"""Sliding-window models (Mistral v0.1's config, Phi-3's, Qwen's ``use_sliding_window`` with its full-attention
+layers, Mixtral and the Qwen mixtures of experts) served past their window: greedy output equals transformers' in every
 scheduling mode, with prefix-cache hits, under preemption and with speculative decoding; and the context length is
 the model's, not the window's."""
 
@@ -22,12 +22,13 @@ WINDOWED = {
     "mistral": dict(sliding_window=WINDOW),
     "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
     "qwen3": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "phi3": dict(sliding_window=WINDOW),
     "mixtral": dict(sliding_window=WINDOW),
     "qwen2_moe": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
     "qwen3_moe": dict(use_sliding_window=True, sliding_window=WINDOW),
 }
 # The layers that slide, as transformers builds them (2 layers each)
-SLIDING_LAYERS = {"mistral": [0, 1], "qwen2": [1], "qwen3": [1], "mixtral": [0, 1], "qwen2_moe": [0],
+SLIDING_LAYERS = {"mistral": [0, 1], "qwen2": [1], "qwen3": [1], "phi3": [0, 1], "mixtral": [0, 1], "qwen2_moe": [0],
                   "qwen3_moe": [0, 1]}
 
 
