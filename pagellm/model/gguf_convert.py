@@ -149,6 +149,8 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict
         config["mlp_bias"] = False
     if arch == "qwen2moe":
         config["qkv_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "phi3":
+        config.update(_phi3_config(meta, tensors))
     if experts:
         config.update(_experts_config(meta, arch, experts))
     config.update(_special_ids(meta))
@@ -156,6 +158,17 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     return config
+
+
+def _phi3_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's sliding window (llama.cpp writes it for the 4k models); its LongRoPE files (128k, Phi-3.5) are
+    refused, as the engine does not run LongRoPE."""
+    if "rope_factors_long.weight" in tensors:
+        raise ValueError("this Phi-3 GGUF uses LongRoPE (rope_factors_long: the 128k models, Phi-3.5), which pagellm "
+                         "does not run; use a 4k model")
+    window = int(_arch_value(meta, "phi3", "attention.sliding_window", 0))
+    # pad_token_id: the file's, where it names one (set after this); transformers' class default (32000) else
+    return {"sliding_window": window or None, "pad_token_id": None}
 
 
 def _experts_config(meta: dict[str, Any], arch: str, experts: int) -> dict[str, Any]:
@@ -239,7 +252,7 @@ def llama3_rope_divisors(scaling: dict[str, Any], head_dim: int, rope_theta: flo
 
 
 def _write_weights(tensors: dict[str, Any], config: dict[str, Any], arch: str, out_dir: Path) -> None:
-    named = [(hf_tensor_name(name), tensor) for name, tensor in tensors.items()]
+    named = [(hf_tensor_name(name, arch), tensor) for name, tensor in tensors.items()]
     planned = [(hf_name, tensor) for hf_name, tensor in named if hf_name is not None]
     shards = _plan_shards(planned)
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}

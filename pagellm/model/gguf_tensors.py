@@ -16,6 +16,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
 }
 MIXTRAL = ("MixtralForCausalLM", "mixtral")  # a ``llama`` file whose layers have experts
 # llama.cpp's converter reorders q/k rows only for these (its LlamaModel); Qwen2 and Qwen3 are written unpermuted.
@@ -27,6 +28,7 @@ _BLOCK_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused q/k/v
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -45,6 +47,8 @@ _BLOCK_TENSORS = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Where an architecture's tensor means something else: Phi-3's ffn_up is its fused gate/up.
+_ARCH_BLOCK_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 # Mixtral's own names for the same tensors.
 MIXTRAL_NAMES = ((".mlp.gate.", ".block_sparse_moe.gate."), (".mlp.experts.", ".block_sparse_moe.experts."),
                  (".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2."))
@@ -53,15 +57,17 @@ MIXTRAL_NAMES = ((".mlp.gate.", ".block_sparse_moe.gate."), (".mlp.experts.", ".
 _SKIPPED_TENSORS = frozenset({"rope_freqs", "attn_rot_embd"})
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name for a llama.cpp tensor name, or ``None`` for tensors HF does not store."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face parameter name for a llama.cpp tensor name of a file of ``arch`` (``general.architecture``),
+    or ``None`` for tensors HF does not store."""
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
     kind = parts[-1]
     if kind in _SKIPPED_TENSORS:
         return None
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and kind in _BLOCK_TENSORS:
-        return f"model.layers.{parts[1]}.{_BLOCK_TENSORS[kind]}.{suffix}"
+    block = {**_BLOCK_TENSORS, **_ARCH_BLOCK_TENSORS.get(arch, {})}
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and kind in block:
+        return f"model.layers.{parts[1]}.{block[kind]}.{suffix}"
     if len(parts) == 1 and kind in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[kind]}.{suffix}"
     raise ValueError(

@@ -45,8 +45,9 @@ LLAMA3_SCALING = {
         ("llama", True, None, True),
         ("qwen2", False, None, False),
         ("qwen3", True, None, False),
+        ("phi3", False, None, False),
     ],
-    ids=["llama", "llama-tied", "llama3-rope", "llama-f16", "qwen2", "qwen3"],
+    ids=["llama", "llama-tied", "llama3-rope", "llama-f16", "qwen2", "qwen3", "phi3"],
 )
 def test_tiny_gguf_round_trip(
     tmp_path: Path, tiny_tokenizer: BackendTokenizer, arch: str, tied: bool, rope_scaling: dict | None, f16: bool
@@ -73,6 +74,7 @@ def test_tiny_gguf_round_trip(
     assert hf_config["head_dim"] == 16 and hf_config["num_key_value_heads"] == 2
     assert hf_config["rms_norm_eps"] == 1e-6 and hf_config["rope_theta"] == 500000.0
     assert hf_config.get("rope_scaling") == rope_scaling
+    assert hf_config.get("sliding_window") == (40 if arch == "phi3" else None)  # Phi-3's, from its metadata
 
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 1]])
@@ -105,6 +107,17 @@ def test_tiny_mixture_of_experts_gguf_round_trip(tmp_path: Path, tiny_tokenizer:
     ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 1]])
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_a_phi3_gguf_with_longrope_is_refused(tmp_path: Path, tiny_tokenizer: BackendTokenizer) -> None:
+    """Phi-3's 128k models and Phi-3.5 carry LongRoPE's factors (rope_factors_long/short), which the engine does not
+    run: the conversion says so instead of serving a wrong rotary embedding."""
+    model = random_model(tiny_config("phi3", tiny_tokenizer.get_vocab_size(), False))
+    factors = np.ones(8, dtype=np.float32)
+    write_tiny_gguf(tmp_path / "long.gguf", model, tiny_tokenizer, "phi3",
+                    extra={"rope_factors_long.weight": factors * 2, "rope_factors_short.weight": factors})
+    with pytest.raises(ValueError, match="uses LongRoPE .* which pagellm does not run; use a 4k model"):
+        convert_gguf_to_hf(tmp_path / "long.gguf", tmp_path / "hf")
 
 
 def test_tiny_gguf_tokenizer_matches_source(tmp_path: Path, tiny_tokenizer: BackendTokenizer) -> None:
@@ -191,6 +204,8 @@ def test_unknown_tensor_is_rejected() -> None:
         gguf_tensors.hf_tensor_name("blk.0.ssm_conv1d.weight")
     assert gguf_tensors.hf_tensor_name("rope_freqs.weight") is None
     assert gguf_tensors.hf_tensor_name("blk.3.attn_output.weight") == "model.layers.3.self_attn.o_proj.weight"
+    assert gguf_tensors.hf_tensor_name("blk.1.ffn_up.weight") == "model.layers.1.mlp.up_proj.weight"
+    assert gguf_tensors.hf_tensor_name("blk.1.ffn_up.weight", "phi3") == "model.layers.1.mlp.gate_up_proj.weight"
 
 
 # ---------------------------------------------------------------------------------------------- built-in model

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
@@ -69,6 +69,8 @@ def tiny_config(arch: str, vocab_size: int, tied: bool, rope_scaling: dict[str, 
         return Qwen2Config(**common)
     if arch == "qwen3":
         return Qwen3Config(**common)
+    if arch == "phi3":  # with the sliding window its 4k models have
+        return Phi3Config(**common, pad_token_id=None, sliding_window=40)
     experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
     if arch == "mixtral":
         return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
@@ -83,8 +85,8 @@ def tiny_config(arch: str, vocab_size: int, tied: bool, rope_scaling: dict[str, 
 def random_model(config: Any) -> torch.nn.Module:
     torch.manual_seed(0)
     model_cls = {"qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
-                 "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}.get(config.model_type,
-                                                                                       LlamaForCausalLM)
+                 "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM,
+                 "phi3": Phi3ForCausalLM}.get(config.model_type, LlamaForCausalLM)
     model = model_cls(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -121,10 +123,11 @@ def llama3_divisors_loop(theta: float, head_dim: int, scaling: dict[str, Any]) -
 
 def write_tiny_gguf(
     path: Path, model: torch.nn.Module, tokenizer: BackendTokenizer, arch: str, f16: bool = False,
-    checkpoint: dict[str, torch.Tensor] | None = None,
+    checkpoint: dict[str, torch.Tensor] | None = None, extra: dict[str, np.ndarray] | None = None,
 ) -> None:
     """``arch`` is llama.cpp's name (``mixtral`` is written as a ``llama`` file with experts). A mixture of experts
-    needs its ``checkpoint`` tensors (one per expert, as saved; transformers holds them stacked in memory)."""
+    needs its ``checkpoint`` tensors (one per expert, as saved; transformers holds them stacked in memory).
+    ``extra``: more tensors under llama.cpp's names."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch="llama" if arch == "mixtral" else arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -137,8 +140,12 @@ def write_tiny_gguf(
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if arch in ("mixtral", "qwen2moe", "qwen3moe"):
         _add_experts_metadata(writer, config, arch)
+    if arch == "phi3":
+        writer.add_sliding_window(config.sliding_window)
     _add_tokenizer(writer, tokenizer)
     _add_tensors(writer, model, arch, f16, checkpoint)
+    for name, values in (extra or {}).items():
+        writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -191,7 +198,7 @@ def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16
     config = model.config
     model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
                   "mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
-                  "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE}[arch]
+                  "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "phi3": gguf.MODEL_ARCH.PHI3}[arch]
     name_map = gguf.get_tensor_name_map(model_arch, 2)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     tensors = _stack_experts(checkpoint) if checkpoint is not None else model.state_dict()
