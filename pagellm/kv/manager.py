@@ -21,7 +21,8 @@ With ``sliding_window`` set (a model whose every layer attends to its last W pos
 that lie wholly before the window of its next token are released as it moves on (when it next needs a block, and
 at admission), so a long request holds about W / block_size blocks. A released block keeps its place in the
 request's list as ``RELEASED`` (block id 0, never read: attention starts at the window's block) and goes back to the
-pool like a freed one: still findable by its hash until reused.
+pool like a freed one (oldest first): still findable by its hash until reused. A prefix hit then needs only the
+blocks the next token's window sees (``get_computed_blocks``), the ones before them coming as ``RELEASED``.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ class KVCacheManager:
         self.hash_blocks(request)
         # The last token is always computed so its logits exist; so at most (num_tokens - 1) tokens can hit.
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.sliding_window:
+            return self._window_hits(request.block_hashes[:max_blocks])
         hits: list[KVBlock] = []
         cached = self.pool.cached
         for block_hash in request.block_hashes[:max_blocks]:
@@ -84,6 +87,22 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def _window_hits(self, hashes: list) -> tuple[list[KVBlock], int]:
+        """Under a sliding window a prefix hit needs only the blocks its next token can see: the longest prefix of
+        ``hashes`` whose last blocks, from the one holding the first key in the window on, are all cached (the
+        hashes are chained, so those blocks stand for the whole prefix); the blocks before them come as
+        ``RELEASED``."""
+        cached, bs, window = self.pool.cached, self.block_size, self.sliding_window
+        best, first_best, run = 0, 0, 0
+        for index, block_hash in enumerate(hashes):
+            run = run + 1 if block_hash in cached else 0
+            end = index + 1
+            first = max(end * bs - window + 1, 0) // bs  # the block of the first key position end * bs sees
+            if run >= end - first:
+                best, first_best = end, first
+        hits = [RELEASED] * first_best + [cached[h] for h in hashes[first_best:best]]
+        return hits, best * bs
 
     def allocate_slots(
         self,
@@ -107,15 +126,19 @@ class KVCacheManager:
         new_blocks: list[KVBlock] = []
         if num_new_blocks > 0 or num_hits:
             # Free hits are still counted in the free queue; touching them takes them out of it.
-            num_free_hits = [b.ref_cnt for b in new_computed_blocks].count(0) if new_computed_blocks else 0
+            released = new_computed_blocks.count(RELEASED) if self.sliding_window and new_computed_blocks else 0
+            real_hits = new_computed_blocks[released:] if new_computed_blocks else []
+            num_free_hits = [b.ref_cnt for b in real_hits].count(0)
             if num_new_blocks > pool.free_queue.num_free_blocks - num_free_hits:
                 if not held:
                     del self.req_blocks[rid]
                 return None
             if new_computed_blocks:
-                pool.touch(new_computed_blocks)
+                pool.touch(real_hits)
                 held.extend(new_computed_blocks)
                 self.num_cached_blocks[rid] = num_hits  # hits are registered already: none to register again
+                if released:  # a window's hit: the blocks before it are behind the window already
+                    self.num_released[rid] = released
             if num_new_blocks > 0:
                 new_blocks = pool.get_new_blocks(num_new_blocks)
                 held.extend(new_blocks)
@@ -136,7 +159,7 @@ class KVCacheManager:
         behind = [b for b in held[first:end] if b is not RELEASED]
         held[first:end] = [RELEASED] * (end - first)
         self.num_released[rid] = end
-        self.pool.free_blocks(reversed(behind))
+        self.pool.free_blocks(behind)  # oldest first, so evicted first: a window's hit needs a prefix's last blocks
 
     def allocate_running(self, requests: list[Request], rooms: list[int], finals: list[int],
                          new_block_ids: dict[str, list[int]], computed: list[int] | None = None) -> int:

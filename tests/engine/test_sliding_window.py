@@ -155,3 +155,21 @@ def _assert_long_parity(model_dir, prompt: list[int], ours: list[int]) -> None: 
     if step is not None:
         top2 = out.logits[step][0].topk(2).indices.tolist()
         assert ours[step] in top2 and ref[step] in top2, f"step {step}: ours {ours[step]}, transformers {ref[step]}"
+
+
+def test_a_prompt_whose_first_blocks_were_evicted_still_hits_its_window(tiny_model_factory) -> None:
+    """A hit needs only the blocks the next token's window sees: after another request reuses (evicts) a prompt's
+    first blocks, the same prompt again hits all but its last block's tokens and generates the same tokens."""
+    model_dir = _windowed(tiny_model_factory, "mistral")
+    # 512 B per token: 32 blocks of 16, one max_model_len request's worth
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=32 * 16 * 512, max_model_len=512)
+    prompt, other = _prompts(seed=17)[-1], _prompts(seed=18)[-1]  # 121 tokens each
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm.generate([other], SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True), use_tqdm=False)
+    kv = llm.engine.core.scheduler.kv
+    assert kv.pool.num_evictions > 0  # the other request reused some of the first one's blocks
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 112  # 7 full blocks, the last token always computed
+    assert again.outputs[0].token_ids == first
+    assert kv.num_free_blocks == kv.pool.num_blocks

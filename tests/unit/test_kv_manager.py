@@ -7,7 +7,7 @@ import random
 import pytest
 
 from pagellm.kv.hashing import extend_block_hashes
-from pagellm.kv.manager import KVCacheManager, cdiv
+from pagellm.kv.manager import RELEASED, KVCacheManager, cdiv
 from pagellm.request import BlockHash, Request
 from pagellm.sampling_params import SamplingParams
 
@@ -316,22 +316,23 @@ def _decode(kv: KVCacheManager, request: Request, computed: int, steps: int) -> 
 
 def test_a_sliding_window_releases_the_blocks_behind_it():
     """Window 20, blocks of 16: a token at position p sees keys from p - 19 on, so once the request has computed
-    c tokens its blocks before block (c - 19) // 16 go back to the pool, cached (findable) and in tail order."""
+    c tokens its blocks before block (c - 19) // 16 go back to the pool, cached (findable), oldest first (a window's
+    hit needs a prefix's last blocks, so the earliest are the first to evict)."""
     kv = KVCacheManager(12, BS, sliding_window=20)
     a = req("a", list(range(100, 180)))  # 80 tokens: 5 blocks
     assert prefill(kv, a, 80) == [0, 1, 2, 3, 4]
     computed = _decode(kv, a, 80, 1)  # block 5 opened for token 80: blocks before (80 - 19) // 16 = 3 released
     assert kv.block_ids("a") == [0, 0, 0, 3, 4, 5] and kv.num_released["a"] == 3
     assert kv.num_free_blocks == 12 - 3
-    assert [b.block_id for b in kv.pool.free_queue][-3:] == [2, 1, 0]  # released tail first, still cached
+    assert [b.block_id for b in kv.pool.free_queue][-3:] == [0, 1, 2]  # released oldest first, still cached
     assert all(kv.pool.blocks[i].block_hash == a.block_hashes[i] for i in range(3))
     computed = _decode(kv, a, computed, 32)  # two more blocks opened: the window has moved two blocks on
     held = [b for b in kv.req_blocks["a"] if b.ref_cnt]
     assert len(kv.req_blocks["a"]) == 8 and len(held) == 3 and kv.num_released["a"] == 5
-    # a second request with the same prefix still hits the released blocks while they stay cached
+    # a second request with the same prefix hits 64 tokens, of which it needs blocks 2 and 3 (keys 45.. on)
     b = req("b", list(range(100, 180)))
     hits, num_hit = kv.get_computed_blocks(b)
-    assert ids(hits) == [0, 1, 2, 3] and num_hit == 64
+    assert hits[:2] == [RELEASED] * 2 and ids(hits[2:]) == [2, 3] and num_hit == 64
     kv.free(a)
     assert kv.num_free_blocks == 12 and "a" not in kv.num_released
 
@@ -354,3 +355,37 @@ def test_without_a_window_nothing_is_released():
     prefill(kv, a, 80)
     _decode(kv, a, 80, 40)
     assert kv.block_ids("a") == list(range(8)) and kv.num_free_blocks == 4 and not kv.num_released
+
+
+def test_a_window_hit_needs_only_the_blocks_the_window_sees():
+    """Under a window of 20 a prefix hit of 80 tokens needs only blocks 3 and 4 (the next token, at 80, sees keys
+    61..80): a request decoding past its prompt releases and then reuses the prompt's first block, evicting it, and
+    a second request with the same prompt still hits all 80 tokens, the first three blocks as RELEASED."""
+    kv = KVCacheManager(8, BS, sliding_window=20)
+    prompt = list(range(100, 180))
+    a = req("a", prompt)
+    prefill(kv, a, 80)
+    _decode(kv, a, 80, 64)  # opens blocks at 80, 96, 112 and 128: the last reuses released prompt block 0
+    assert kv.pool.cached.get(a.block_hashes[0]) is None  # a plain prefix hit would find nothing
+    kv.free(a)
+    b = req("b", prompt + [1, 2])
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 80 and hits[:3] == [RELEASED] * 3
+    assert hits[3:] == [kv.pool.cached[a.block_hashes[3]], kv.pool.cached[a.block_hashes[4]]]
+    free_before = kv.num_free_blocks
+    assert kv.allocate_slots(b, 0, 2, hits) is not None
+    assert kv.block_ids("b")[:3] == [0, 0, 0] and kv.num_released["b"] == 3
+    assert kv.num_free_blocks == free_before - 3  # the two hits and one new block, nothing for the released ones
+    kv.free(b)
+    assert kv.num_free_blocks == 8
+
+
+def test_without_a_window_the_same_eviction_breaks_the_hit():
+    kv = KVCacheManager(8, BS)
+    prompt = list(range(100, 180))
+    a = req("a", prompt)
+    prefill(kv, a, 40)
+    kv.free(a)
+    kv.pool.get_new_blocks(kv.num_free_blocks)  # every cached block reused: nothing to hit
+    b = req("b", prompt + [1, 2])
+    assert kv.get_computed_blocks(b) == ([], 0)
