@@ -5,8 +5,9 @@ then run, unchanged: they are its twin and oracle, and the path of float32, tens
 attention backend):
 
 - ``PAGELLM_NATIVE_DECODER`` is not ``0`` and the library builds and runs here (AVX-512 BF16);
-- the model is bfloat16, without tensor parallelism (a pipeline stage runs its own layers in one call, taking the
-  previous stage's hidden rows and residual, ``run_native_stage``), and every GEMM weight of every layer is packed
+- the model is bfloat16 (a pipeline stage runs its own layers in one call, taking the previous stage's hidden rows
+  and residual, ``run_native_stage``; a tensor-parallel rank its slice of every layer, the row-parallel outputs
+  summed through the ranks' all-reduce, except a mixture of experts'), and every GEMM weight of every layer is packed
   (``gemm.pack_parameter``), or every one quantized (``--quantization w8a8_int8``), with no o_proj bias (q/k/v
   bias, as in Qwen2, and Qwen3's per-head q/k norm are served) and one RMSNorm epsilon throughout; a mixture of
   experts' sparse layers run their native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE
@@ -55,11 +56,10 @@ def build_stack(model: nn.Module) -> DecoderStack | None:
     if not decoder_stack.available() or model.norm.weight.dtype != torch.bfloat16 or not model.layers:
         return None
     first = model.layers[0]
-    if first.self_attn.qkv_proj.parallel.tp_size != 1:
-        return None
+    parallel = first.self_attn.qkv_proj.parallel
     weights = [_layer_weights(layer) for layer in model.layers]
-    if any(w is None for w in weights):
-        return None
+    if any(w is None for w in weights) or (parallel.tp_size > 1 and any(w.moe for w in weights)):  # type: ignore
+        return None  # (a mixture's experts reduce once per layer under tensor parallelism: the Python layers)
     formats = {gemm.weight_format(t) for w in weights for t in (w.qkv, w.o, w.gate_up, w.down)  # type: ignore
                if t is not None} | {w.moe.weight_format for w in weights if w.moe is not None}  # type: ignore
     if len(formats) != 1:
@@ -74,7 +74,7 @@ def build_stack(model: nn.Module) -> DecoderStack | None:
     if eps or rotary.cos.dtype != torch.bfloat16 or attn.head_dim % 2:
         return None
     return DecoderStack(weights, shape, model.norm.weight, rotary.cos, rotary.sin,  # type: ignore[arg-type]
-                        formats.pop())
+                        formats.pop(), parallel.all_reduce if parallel.tp_size > 1 else None)
 
 
 _UNBUILT = object()

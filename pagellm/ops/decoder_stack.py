@@ -19,6 +19,7 @@ import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -36,7 +37,24 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 class _Kernels(ctypes.Structure):  # csrc StackKernels: the kernels' entry points
     _fields_ = [(name, _P) for name in ("linear", "add_rms_norm", "silu_and_mul", "rotary", "attention",
-                                        "linear_silu_mul", "moe")]
+                                        "linear_silu_mul", "moe", "all_reduce")]
+
+
+_Reduce = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)  # csrc StackKernels::all_reduce
+
+
+def _reduce_callback(all_reduce: Callable[[torch.Tensor], object], errors: list[BaseException]) -> _Reduce:
+    """The stack's all-reduce on tensor-parallel ranks: the caller's collective over a bfloat16 view of the stack's
+    rows. An exception (a dead rank) cannot cross the C call: it is kept in ``errors`` for ``DecoderStack`` to raise
+    once the native call returns, and the step's later reductions are skipped."""
+    def call(ptr: int, n: int) -> None:
+        if errors:
+            return
+        try:
+            all_reduce(torch.frombuffer((ctypes.c_uint16 * n).from_address(ptr), dtype=torch.bfloat16))
+        except BaseException as exc:  # noqa: BLE001 (raised again by the caller)
+            errors.append(exc)
+    return _Reduce(call)
 
 
 class _Layer(ctypes.Structure):  # csrc StackLayer
@@ -152,36 +170,46 @@ def _index(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
+def _checked_tensors(layers: list[LayerWeights], final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     weight_format: str) -> list:
+    """Every tensor the stack points at (to keep alive), once the layers are checked to fit the native call."""
+    if any((w.q_norm is None) != (w.k_norm is None) for w in layers):
+        raise ValueError("the native decoder stack takes q and k norm weights together, or neither")
+    vectors = [final_norm, cos, sin, *(t for w in layers for t in (w.input_norm, w.qkv_bias, w.post_norm,
+                                                                    w.q_norm, w.k_norm) if t is not None)]
+    gemms = [t for w in layers for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]
+    gemm_dtype = torch.int8 if weight_format == gemm_w8a8.FORMAT else torch.bfloat16
+    if any(t.dtype != torch.bfloat16 for t in vectors) or any(t.dtype != gemm_dtype for t in gemms) or \
+            not all(t.is_contiguous() for t in (*vectors, *gemms)):
+        raise ValueError(f"the native decoder stack takes contiguous bfloat16 weights ({weight_format} GEMM "
+                         "weights)")
+    if any((w.moe is None) == (w.gate_up is None or w.down is None) or
+           (w.moe is not None and (not w.moe.routes or w.moe.weight_format != weight_format)) for w in layers):
+        raise ValueError("each layer of the native decoder stack takes gate_up and down, or routed experts "
+                         f"(moe) of the stack's format ({weight_format})")
+    if len({w.sliding_window for w in layers} - {None}) > 1:
+        raise ValueError("the native decoder stack takes one sliding window, not "
+                         f"{sorted({w.sliding_window for w in layers} - {None})}")
+    return [*vectors, *gemms, *(w.moe for w in layers if w.moe is not None)]
+
+
 class DecoderStack:
-    """A model's decoder stack bound to the native call (weights' addresses made once; the tensors kept alive)."""
+    """A model's decoder stack bound to the native call (weights' addresses made once; the tensors kept alive).
+    On tensor-parallel ranks (``all_reduce``: the ranks' in-place sum) the layers' row-parallel outputs are summed
+    through it, as the Python layers sum them."""
 
     def __init__(self, layers: list[LayerWeights], shape: StackShape, final_norm: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, weight_format: str = "bf16") -> None:
+                 cos: torch.Tensor, sin: torch.Tensor, weight_format: str = "bf16",
+                 all_reduce: Callable[[torch.Tensor], object] | None = None) -> None:
         loaded = _lib()
         assert loaded is not None, "native decoder stack is not available on this machine"
-        if any((w.q_norm is None) != (w.k_norm is None) for w in layers):
-            raise ValueError("the native decoder stack takes q and k norm weights together, or neither")
-        vectors = [final_norm, cos, sin, *(t for w in layers for t in (w.input_norm, w.qkv_bias, w.post_norm,
-                                                                        w.q_norm, w.k_norm) if t is not None)]
-        gemms = [t for w in layers for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]
-        gemm_dtype = torch.int8 if weight_format == gemm_w8a8.FORMAT else torch.bfloat16
-        if any(t.dtype != torch.bfloat16 for t in vectors) or any(t.dtype != gemm_dtype for t in gemms) or \
-                not all(t.is_contiguous() for t in (*vectors, *gemms)):
-            raise ValueError(f"the native decoder stack takes contiguous bfloat16 weights ({weight_format} GEMM "
-                             "weights)")
-        if any((w.moe is None) == (w.gate_up is None or w.down is None) or
-               (w.moe is not None and (not w.moe.routes or w.moe.weight_format != weight_format)) for w in layers):
-            raise ValueError("each layer of the native decoder stack takes gate_up and down, or routed experts "
-                             f"(moe) of the stack's format ({weight_format})")
+        self._keep = _checked_tensors(layers, final_norm, cos, sin, weight_format)
         windows = {w.sliding_window for w in layers} - {None}
-        if len(windows) > 1:
-            raise ValueError(f"the native decoder stack takes one sliding window, not {sorted(windows)}")
         self.sliding_window = windows.pop() if windows else None  # the windowed layers' (StackStep.ctx_start)
-        tensors = [*vectors, *gemms, *(w.moe for w in layers if w.moe is not None)]
         self.weight_format = weight_format
-        self._fn, self._kernels = loaded.pagellm_decoder_stack_bf16, ctypes.byref(_kernels(torch.bfloat16,
-                                                                                          weight_format))
-        self._keep = tensors
+        self._errors: list[BaseException] = []  # from the all-reduce callback, raised after the call
+        self._reduce = None if all_reduce is None else _reduce_callback(all_reduce, self._errors)
+        self._fn, self._kernels = loaded.pagellm_decoder_stack_bf16, self._kernel_table(torch.bfloat16)
         self._bound: tuple[torch.Tensor, ...] = ()  # the caches the layers point at now (see _bind_caches)
         self.shape = shape
         self._final_norm, self._cos, self._sin = final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr()
@@ -193,6 +221,12 @@ class DecoderStack:
             slot.windowed = int(w.sliding_window is not None)
         self._shape = _Shape(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate, 1, 0,
                              cos.shape[0], shape.eps, shape.scale, 0)
+
+    def _kernel_table(self, cache_dtype: torch.dtype) -> object:
+        """The kernels' entry points for ``cache_dtype`` caches, with this stack's all-reduce (kept alive here)."""
+        self._table = _Kernels.from_buffer_copy(_kernels(cache_dtype, self.weight_format))
+        self._table.all_reduce = None if self._reduce is None else ctypes.cast(self._reduce, ctypes.c_void_p).value
+        return ctypes.byref(self._table)
 
     def _bind_caches(self, caches: list[torch.Tensor]) -> None:
         """Point the layers at their [2, num_blocks, block_size, kv_heads, head_dim] caches (checked; one shape and
@@ -213,7 +247,7 @@ class DecoderStack:
             slot.v_cache = cache[1].data_ptr()
         dtype = caches[0].dtype if caches else torch.bfloat16
         self._shape.kv_format = _KV_FORMATS[dtype]
-        self._kernels = ctypes.byref(_kernels(dtype, self.weight_format))
+        self._kernels = self._kernel_table(dtype)
         self._shape.block_size = caches[0].shape[2] if caches else 1
         self._shape.cache_slots = caches[0].shape[1] * caches[0].shape[2] if caches else 0
         self._bound = tuple(caches)
@@ -263,4 +297,8 @@ class DecoderStack:
                     out.data_ptr(), _ptr(residual_out)):
             raise IndexError(f"cache slots must lie in [0, {self._shape.cache_slots}) and positions in "
                              f"[0, {self._shape.max_positions})")
+        if self._errors:  # an all-reduce failed (a rank died): this step's rows are lost
+            error = self._errors.pop()
+            self._errors.clear()
+            raise error
         return out, residual_out

@@ -15,7 +15,8 @@ from test_parity import _prompts, assert_greedy_parity, assert_seeded_grammar, r
 
 from pagellm import LLM, SamplingParams
 from pagellm.model.compressed_tensors import write_w8a8
-from pagellm.ops import gemm, gemm_w8a8
+from pagellm.ops import decoder_stack, gemm, gemm_w8a8
+from pagellm.ops.decoder_stack import DecoderStack
 
 TP = dict(dtype="float32", tensor_parallel_size=2)
 
@@ -93,6 +94,36 @@ def test_int8_weights_split_across_ranks(tiny_model_factory, tmp_path: Path, sou
         assert exact >= len(prompts) // 2
     finally:
         ranks.shutdown()
+
+
+@pytest.mark.skipif(not decoder_stack.available(), reason="the native decoder stack does not run here")
+@pytest.mark.parametrize(("arch", "quantization"), [("llama", None), ("qwen2", None), ("qwen3", "w8a8_int8")])
+def test_ranks_run_the_native_stack_as_their_python_layers_do(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
+                                                              arch: str, quantization: str | None) -> None:
+    """In bfloat16 each rank runs its slice of every layer in the one-call native stack, which sums the
+    row-parallel outputs (o_proj, down_proj) through the ranks' all-reduce: the same tokens and logprobs, bit for
+    bit, as the ranks on the Python layers (with q/k/v bias, Qwen3's q/k norms and int8 weights too)."""
+    if quantization and not gemm_w8a8.available():
+        pytest.skip("the int8 GEMM needs AVX-512 VNNI")
+    model_dir = tiny_model_factory(arch)
+    prompts = _prompts(seed=19)[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    calls: list[int] = []
+    real = DecoderStack.run
+    monkeypatch.setattr(DecoderStack, "run", lambda self, *a: calls.append(1) or real(self, *a))
+    results = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv("PAGELLM_NATIVE_DECODER", native)
+        llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=2, quantization=quantization,
+                  max_num_batched_tokens=40)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            results[native] = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs]
+        finally:
+            llm.shutdown()
+        assert bool(calls) == (native == "1")  # rank 0 took the native stack (and only with it on)
+        calls.clear()
+    assert results["1"] == results["0"]
 
 
 def test_preemption_speculation_and_grammars_across_ranks(tiny_model_factory) -> None:

@@ -272,6 +272,37 @@ def test_native_stack_rejects_misfit_inputs() -> None:
     assert all(torch.equal(a, b) for a, b in zip(caches, snapshot))  # nothing written
 
 
+def test_the_all_reduce_sums_each_row_parallel_output_and_its_failure_surfaces() -> None:
+    """A tensor-parallel rank's stack calls the ranks' all-reduce on o_proj's and down_proj's output rows of every
+    layer, in place; a collective that raises (a dead rank) fails the call with its error, and the next call runs."""
+    model = _model(64, False)
+    single = native_stack.stack_for(model.model)
+    rotary = model.model.layers[0].self_attn.rotary
+    weights = [native_stack._layer_weights(layer) for layer in model.model.layers]
+    ids, positions, common = _mixed_step(model.cfg.vocab_size)
+    md = CpuPagedBackend().build(common)
+    x = model.model.embed_tokens(ids)
+    sums: list[torch.Tensor] = []
+    stack = DecoderStack(weights, single.shape, model.model.norm.weight, rotary.cos, rotary.sin,  # type: ignore
+                         all_reduce=lambda t: sums.append(t.clone()) or t.mul_(0))
+    zeroed = stack.run(x, positions, _caches(model, 3), md, 2)
+    assert [tuple(t.shape) for t in sums] == [(len(ids) * model.cfg.hidden_size,)] * 6  # 3 x (o_proj, down_proj)
+    assert not torch.equal(zeroed, single.run(x, positions, _caches(model, 3), md, 2))  # the sums took effect
+    dead = [RuntimeError("rank 1 died")]
+
+    def flaky(t: torch.Tensor) -> torch.Tensor:  # fails once, then sums a single rank's rows: the identity
+        if dead:
+            raise dead.pop()
+        return t
+
+    stack = DecoderStack(weights, single.shape, model.model.norm.weight, rotary.cos, rotary.sin,  # type: ignore
+                         all_reduce=flaky)
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        stack.run(x, positions, _caches(model, 3), md, 2)
+    assert torch.equal(stack.run(x, positions, _caches(model, 3), md, 2),
+                       single.run(x, positions, _caches(model, 3), md, 2))
+
+
 def _greedy(path: Path, monkeypatch: pytest.MonkeyPatch, native: bool, **kwargs) -> list[list[int]]:
     monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "1" if native else "0")
     llm = LLM(str(path), dtype="bfloat16", kv_cache_memory=256 * 16 * 2 * 2 * 2 * 16 * 2, **kwargs)

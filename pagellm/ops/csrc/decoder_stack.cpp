@@ -3,7 +3,8 @@
 // each layer writing its K/V rows into its paged cache and attending with the paged attention kernel.
 //
 // Per layer, exactly the sequence of native calls the Python layers make (pagellm/model/llama.py), to the same
-// kernels, in the same order, so the result is bit for bit the result of the Python path:
+// kernels, in the same order (on tensor-parallel ranks with the same all-reduce after o_proj and after down_proj,
+// a callback into the caller's collective), so the result is bit for bit the result of the Python path:
 //   h, res = add_rms_norm(x, res)            (first layer: res = x)
 //   qkv    = packed_gemm(h, W_qkv) + b_qkv
 //   q, k   = rms_norm(q / k of each head)             (Qwen3 only: contiguous copies, per-head rows)
@@ -53,6 +54,9 @@ struct StackKernels {
                          uint16_t* y, int64_t ldy);
   // a mixture of experts' layer (ops/csrc/moe.cpp, its MoeLayer as `layer`); null where no layer has experts
   void (*moe)(const void* layer, const uint16_t* x, int64_t tokens, int64_t ldx, uint16_t* out);
+  // tensor parallelism: sum n bfloat16 values in place across the ranks (the caller's collective, as the Python
+  // layers' row-parallel o_proj and down_proj call it); null on one rank
+  void (*all_reduce)(uint16_t* data, int64_t n);
 };
 
 // One decoder layer's weights (packed GEMM weights as made by pagellm/ops/gemm.py `pack`, or all four the int8
@@ -218,6 +222,7 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
               l.windowed ? st.ctx_start : nullptr, st.tree_bits, st.tree_words, st.rows, s.heads, s.head_dim,
               s.block_size, s.kv_heads, st.max_blocks, st.flash_min_tokens, s.scale, sc.attn);
   f.linear(sc.attn, t, qd, qd, l.o, s.hidden, nullptr, sc.x, s.hidden);
+  if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
   f.add_rms_norm(sc.x, sc.res, l.post_norm, t, s.hidden, s.eps, sc.h, sc.res);
   if (l.moe) {
     f.moe(l.moe, sc.h, t, s.hidden, sc.x);
@@ -230,6 +235,7 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
     f.silu_and_mul(sc.wide, t, s.intermediate, sc.act);
   }
   f.linear(sc.act, t, s.intermediate, s.intermediate, l.down, s.hidden, nullptr, sc.x, s.hidden);
+  if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
 }
 
 }  // namespace
