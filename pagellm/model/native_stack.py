@@ -7,7 +7,8 @@ attention backend):
 - ``PAGELLM_NATIVE_DECODER`` is not ``0`` and the library builds and runs here (AVX-512 BF16);
 - the model is bfloat16 (a pipeline stage runs its own layers in one call, taking the previous stage's hidden rows
   and residual, ``run_native_stage``; a tensor-parallel rank its slice of every layer, the row-parallel outputs
-  summed through the ranks' all-reduce, except a mixture of experts'), and every GEMM weight of every layer is packed
+  and the experts' partial sums summed through the ranks' all-reduce; with expert parallelism a rank's experts do
+  not route, so the Python layers run), and every GEMM weight of every layer is packed
   (``gemm.pack_parameter``), or every one quantized (``--quantization w8a8_int8``), with no o_proj bias (q/k/v
   bias, as in Qwen2, and Qwen3's per-head q/k norm are served) and one RMSNorm epsilon throughout; a mixture of
   experts' sparse layers run their native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE
@@ -58,8 +59,8 @@ def build_stack(model: nn.Module) -> DecoderStack | None:
     first = model.layers[0]
     parallel = first.self_attn.qkv_proj.parallel
     weights = [_layer_weights(layer) for layer in model.layers]
-    if any(w is None for w in weights) or (parallel.tp_size > 1 and any(w.moe for w in weights)):  # type: ignore
-        return None  # (a mixture's experts reduce once per layer under tensor parallelism: the Python layers)
+    if any(w is None for w in weights):
+        return None
     formats = {gemm.weight_format(t) for w in weights for t in (w.qkv, w.o, w.gate_up, w.down)  # type: ignore
                if t is not None} | {w.moe.weight_format for w in weights if w.moe is not None}  # type: ignore
     if len(formats) != 1:

@@ -97,12 +97,15 @@ def test_int8_weights_split_across_ranks(tiny_model_factory, tmp_path: Path, sou
 
 
 @pytest.mark.skipif(not decoder_stack.available(), reason="the native decoder stack does not run here")
-@pytest.mark.parametrize(("arch", "quantization"), [("llama", None), ("qwen2", None), ("qwen3", "w8a8_int8")])
+@pytest.mark.parametrize(("arch", "quantization"), [("llama", None), ("qwen2", None), ("qwen3", "w8a8_int8"),
+                                                    ("qwen2_moe", None), ("mixtral", None)])
 def test_ranks_run_the_native_stack_as_their_python_layers_do(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
                                                               arch: str, quantization: str | None) -> None:
     """In bfloat16 each rank runs its slice of every layer in the one-call native stack, which sums the
-    row-parallel outputs (o_proj, down_proj) through the ranks' all-reduce: the same tokens and logprobs, bit for
-    bit, as the ranks on the Python layers (with q/k/v bias, Qwen3's q/k norms and int8 weights too)."""
+    row-parallel outputs (o_proj, down_proj, a mixture's experts) through the ranks' all-reduce: the same tokens and
+    logprobs, bit for bit, as the ranks on the Python layers (with q/k/v bias, Qwen3's q/k norms and int8 weights
+    too). A mixture's Python layers with the stack off take torch's routing and expert loop, its twin (the same
+    tokens, logprobs to rounding, as on one rank: ``test_moe.py``)."""
     if quantization and not gemm_w8a8.available():
         pytest.skip("the int8 GEMM needs AVX-512 VNNI")
     model_dir = tiny_model_factory(arch)
@@ -123,7 +126,11 @@ def test_ranks_run_the_native_stack_as_their_python_layers_do(tiny_model_factory
             llm.shutdown()
         assert bool(calls) == (native == "1")  # rank 0 took the native stack (and only with it on)
         calls.clear()
-    assert results["1"] == results["0"]
+    if arch in ("qwen2_moe", "mixtral"):
+        assert [tokens for tokens, _ in results["1"]] == [tokens for tokens, _ in results["0"]]
+        assert [lp for _, lp in results["1"]] == pytest.approx([lp for _, lp in results["0"]], abs=1e-3)
+    else:
+        assert results["1"] == results["0"]
 
 
 def test_preemption_speculation_and_grammars_across_ranks(tiny_model_factory) -> None:

@@ -3,8 +3,8 @@
 // each layer writing its K/V rows into its paged cache and attending with the paged attention kernel.
 //
 // Per layer, exactly the sequence of native calls the Python layers make (pagellm/model/llama.py), to the same
-// kernels, in the same order (on tensor-parallel ranks with the same all-reduce after o_proj and after down_proj,
-// a callback into the caller's collective), so the result is bit for bit the result of the Python path:
+// kernels, in the same order (on tensor-parallel ranks with the same all-reduce after o_proj and after down_proj or
+// the experts, a callback into the caller's collective), so the result is bit for bit the result of the Python path:
 //   h, res = add_rms_norm(x, res)            (first layer: res = x)
 //   qkv    = packed_gemm(h, W_qkv) + b_qkv
 //   q, k   = rms_norm(q / k of each head)             (Qwen3 only: contiguous copies, per-head rows)
@@ -225,7 +225,8 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
   if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
   f.add_rms_norm(sc.x, sc.res, l.post_norm, t, s.hidden, s.eps, sc.h, sc.res);
   if (l.moe) {
-    f.moe(l.moe, sc.h, t, s.hidden, sc.x);
+    f.moe(l.moe, sc.h, t, s.hidden, sc.x);  // this rank's slice of every expert (and of a shared expert)
+    if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
     return;
   }
   const int64_t gate_up = 2 * s.intermediate;
