@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from pagellm import LLM, SamplingParams
+from pagellm.ops.decoder_stack import DecoderStack
 from pagellm.sampling_params import StructuredOutputsParams
 
 MAX_TOKENS = 24
@@ -85,6 +86,33 @@ def assert_seeded_grammar(llm: LLM, seed: int) -> None:
     texts = [o.outputs[0].text for o in llm.generate(["Q:"] * 3, params, use_tqdm=False)]
     assert all(len(t) == 6 and t[:3].isdigit() and t[3] == "-" for t in texts)
     assert [o.outputs[0].text for o in llm.generate(["Q:"] * 3, params, use_tqdm=False)] == texts
+
+
+def scored(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], float]]:
+    """Greedy tokens (12 per prompt) and their summed logprob: the logits' bits show through it."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def scored_with_and_without_the_stack(monkeypatch: pytest.MonkeyPatch, model_dir: Path, prompts: list[list[int]],
+                                      method: str = "run", **llm_kwargs) -> dict[str, list]:
+    """``scored`` from a fresh bfloat16 engine with the native decoder stack on ("1") and off ("0"); the stack's
+    ``method`` (``run``, or a pipeline stage's ``run_stage``) must have run on rank 0 exactly when it was on."""
+    calls: list[int] = []
+    real = getattr(DecoderStack, method)
+    monkeypatch.setattr(DecoderStack, method, lambda self, *a: calls.append(1) or real(self, *a))
+    results = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv("PAGELLM_NATIVE_DECODER", native)
+        llm = LLM(str(model_dir), dtype="bfloat16", **llm_kwargs)
+        try:
+            results[native] = scored(llm, prompts)
+        finally:
+            llm.shutdown()
+        assert bool(calls) == (native == "1")
+        calls.clear()
+    return results
 
 
 MODES = {

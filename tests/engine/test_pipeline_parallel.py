@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_parity import _prompts, assert_greedy_parity, assert_seeded_grammar, run
+from test_parity import (_prompts, assert_greedy_parity, assert_seeded_grammar, run, scored,
+                         scored_with_and_without_the_stack)
 
 from pagellm import LLM, SamplingParams
 from pagellm.ops import decoder_stack, gemm_w8a8
-from pagellm.ops.decoder_stack import DecoderStack
 
 PP = dict(dtype="float32", pipeline_parallel_size=2)
 
@@ -54,12 +54,6 @@ def test_three_stages_with_preemption_speculation_and_grammars(tiny_model_factor
         llm.shutdown()
 
 
-def _scored(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], float]]:
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), o.outputs[0].cumulative_logprob) for o in outs]
-
-
 @pytest.mark.skipif(not decoder_stack.available(), reason="the native decoder stack does not run here")
 @pytest.mark.parametrize("quantization", [None, "w8a8_int8"], ids=["bf16", "int8"])
 def test_bfloat16_stages_run_the_native_stack_bit_for_bit(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
@@ -72,21 +66,12 @@ def test_bfloat16_stages_run_the_native_stack_bit_for_bit(tiny_model_factory, mo
         pytest.skip("the int8 GEMM needs AVX-512 VNNI")
     model_dir = tiny_model_factory("llama", num_hidden_layers=3, seed=5)
     prompts = _prompts(seed=16)[:4]
-    calls: list[int] = []
-    real = DecoderStack.run_stage
-    monkeypatch.setattr(DecoderStack, "run_stage", lambda self, *a: calls.append(1) or real(self, *a))
-    results = {}
-    for name, size, native in (("stages", 2, "1"), ("one process", 1, "1"), ("python stages", 2, "0")):
-        monkeypatch.setenv("PAGELLM_NATIVE_DECODER", native)
-        llm = LLM(str(model_dir), dtype="bfloat16", pipeline_parallel_size=size, quantization=quantization,
-                  max_num_batched_tokens=40)
-        try:
-            results[name] = _scored(llm, prompts)
-        finally:
-            llm.shutdown()
-        assert bool(calls) == (name == "stages")  # rank 0's stage took the native call (and only there)
-        calls.clear()
-    assert results["stages"] == results["one process"] == results["python stages"]
+    stages = scored_with_and_without_the_stack(monkeypatch, model_dir, prompts, "run_stage", pipeline_parallel_size=2,
+                                               quantization=quantization, max_num_batched_tokens=40)
+    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "1")
+    one_process = scored(LLM(str(model_dir), dtype="bfloat16", quantization=quantization, max_num_batched_tokens=40),
+                         prompts)
+    assert stages["1"] == one_process == stages["0"]
 
 
 def test_embeddings_and_prompt_logprobs_come_from_the_last_stage(tiny_llama: Path) -> None:

@@ -12,8 +12,8 @@ import transformers
 from pagellm import LLM, SamplingParams
 from pagellm.model.arch import ArchConfig
 from pagellm.ops import decoder_stack
-from pagellm.ops.decoder_stack import DecoderStack
-from tests.engine.test_parity import MODES, _hf_model, _prompts, assert_greedy_parity, hf_reference, run
+from tests.engine.test_parity import (MODES, _hf_model, _prompts, assert_greedy_parity, hf_reference, run,
+                                      scored_with_and_without_the_stack)
 
 WINDOW = 20  # prompts run to 121 tokens and 24 more are generated: most tokens see only part of their context
 # arch → the config that slides (Qwen2's and Qwen3's first max_window_layers layers, Qwen2-MoE's odd-numbered ones
@@ -109,19 +109,8 @@ def test_drafts_as_deep_as_the_window_are_refused(tiny_model_factory) -> None:
 def test_bfloat16_past_the_window_native_stack_equals_the_python_layers(tiny_model_factory, monkeypatch) -> None:
     """bfloat16 runs every layer in the one-call native stack, windowed layers included (Qwen2's full-attention
     layer beside its sliding one): the same tokens and logprobs as the Python layers, bit for bit."""
-    model_dir = _windowed(tiny_model_factory, "qwen2")
-    prompts = _prompts(seed=15)[-4:]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
-    calls: list[int] = []
-    real = DecoderStack.run
-    monkeypatch.setattr(DecoderStack, "run", lambda self, *a: calls.append(1) or real(self, *a))
-    results = {}
-    for native in ("1", "0"):
-        monkeypatch.setenv("PAGELLM_NATIVE_DECODER", native)
-        outs = LLM(str(model_dir), dtype="bfloat16").generate(prompts, params, use_tqdm=False)
-        results[native] = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs]
-        assert bool(calls) == (native == "1")
-        calls.clear()
+    results = scored_with_and_without_the_stack(monkeypatch, _windowed(tiny_model_factory, "qwen2"),
+                                                _prompts(seed=15)[-4:])
     assert results["1"] == results["0"]
 
 

@@ -11,12 +11,12 @@ import signal
 from pathlib import Path
 
 import pytest
-from test_parity import _prompts, assert_greedy_parity, assert_seeded_grammar, run
+from test_parity import (_prompts, assert_greedy_parity, assert_seeded_grammar, run,
+                         scored_with_and_without_the_stack)
 
 from pagellm import LLM, SamplingParams
 from pagellm.model.compressed_tensors import write_w8a8
 from pagellm.ops import decoder_stack, gemm, gemm_w8a8
-from pagellm.ops.decoder_stack import DecoderStack
 
 TP = dict(dtype="float32", tensor_parallel_size=2)
 
@@ -108,24 +108,9 @@ def test_ranks_run_the_native_stack_as_their_python_layers_do(tiny_model_factory
     tokens, logprobs to rounding, as on one rank: ``test_moe.py``)."""
     if quantization and not gemm_w8a8.available():
         pytest.skip("the int8 GEMM needs AVX-512 VNNI")
-    model_dir = tiny_model_factory(arch)
-    prompts = _prompts(seed=19)[:6]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
-    calls: list[int] = []
-    real = DecoderStack.run
-    monkeypatch.setattr(DecoderStack, "run", lambda self, *a: calls.append(1) or real(self, *a))
-    results = {}
-    for native in ("1", "0"):
-        monkeypatch.setenv("PAGELLM_NATIVE_DECODER", native)
-        llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=2, quantization=quantization,
-                  max_num_batched_tokens=40)
-        try:
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            results[native] = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs]
-        finally:
-            llm.shutdown()
-        assert bool(calls) == (native == "1")  # rank 0 took the native stack (and only with it on)
-        calls.clear()
+    results = scored_with_and_without_the_stack(monkeypatch, tiny_model_factory(arch), _prompts(seed=19)[:6],
+                                                tensor_parallel_size=2, quantization=quantization,
+                                                max_num_batched_tokens=40)
     if arch in ("qwen2_moe", "mixtral"):
         assert [tokens for tokens, _ in results["1"]] == [tokens for tokens, _ in results["0"]]
         assert [lp for _, lp in results["1"]] == pytest.approx([lp for _, lp in results["0"]], abs=1e-3)

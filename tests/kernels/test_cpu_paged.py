@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pagellm.attention import cpu_paged
-from pagellm.attention.base import CommonAttentionInputs, quantize_kv
+from pagellm.attention.base import CommonAttentionInputs, quantize_kv, window_starts
 from pagellm.attention.cpu_paged import CpuPagedBackend, PagedKernel, build_metadata, load_kernel
 from pagellm.attention.torch_ref import TorchRefBackend
 from pagellm.ops import build
@@ -47,11 +47,14 @@ def _random_step(q_lens: list[int], ctx_lens: list[int], heads: int, kv_heads: i
     return q, k, v, cache, common
 
 
-def _dense(q: torch.Tensor, cache: torch.Tensor, common: CommonAttentionInputs, scale: float) -> torch.Tensor:
-    """Every row in float64 from the (already written) cache: causal, or the row's tree mask after its context."""
+def _dense(q: torch.Tensor, cache: torch.Tensor, common: CommonAttentionInputs, scale: float,
+           window: int | None = None) -> torch.Tensor:
+    """Every row in float64 from the (already written) cache: causal, or the row's tree mask after its context;
+    under a sliding ``window`` the keys before each token's window (counted from its position) dropped."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, bs = cache.shape[3], common.block_size
     trees = common.tree_masks or {}
+    first_key = torch.from_numpy(window_starts(common.token_positions(), window)) if window else None
     out = []
     for row in range(len(common.seq_lens)):
         start, end = int(common.query_start_loc[row]), int(common.query_start_loc[row + 1])
@@ -61,6 +64,8 @@ def _dense(q: torch.Tensor, cache: torch.Tensor, common: CommonAttentionInputs, 
         vals = cache[1].reshape(-1, kv_heads, head_dim)[idx].double().repeat_interleave(heads // kv_heads, 1)
         own = trees[row] if row in trees else torch.ones(n, n, dtype=torch.bool).tril_()
         allowed = torch.cat([torch.ones(n, ctx - n, dtype=torch.bool), own], dim=1)
+        if first_key is not None:
+            allowed &= torch.arange(ctx)[None, :] >= first_key[start:end, None]
         scores = torch.einsum("qhd,thd->hqt", q[start:end].double(), keys) * scale
         scores = scores.masked_fill(~allowed, float("-inf"))
         out.append(torch.einsum("hqt,thd->qhd", scores.softmax(-1), vals).reshape(n, -1))

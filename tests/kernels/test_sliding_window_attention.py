@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from pagellm.attention.base import CommonAttentionInputs, quantize_kv, window_starts
+from pagellm.attention.base import CommonAttentionInputs, quantize_kv
 from pagellm.attention.cpu_paged import CpuPagedBackend, build_metadata, load_kernel
 from pagellm.attention.torch_ref import TorchRefBackend
 from pagellm.spec.tree import place_trees, row_mask, static_tree
-from tests.kernels.test_cpu_paged import AVX2_BUILD, TOLERANCE, _random_step  # noqa: F401 (kernel_build's swap)
+from tests.kernels.test_cpu_paged import AVX2_BUILD, TOLERANCE, _dense, _random_step  # noqa: F401 (kernel_build's swap)
 
 # Flash tiles (head_dim 64 and 128, bf16), the fixed and generic vector walks, one-token blocks, the scalar walk
 # (head_dim 24) and key tiles cut by small blocks.
@@ -32,28 +32,6 @@ def _windowed_step(heads, kv_heads, head_dim, block_size, dtype, seed):
     positions = torch.from_numpy(common.token_positions().copy())
     trees = place_trees(positions, common.query_start_loc, {i: p for i, (_, _, p) in enumerate(rows) if p})
     return q, k, v, cache, dataclasses.replace(common, tree_masks=trees, positions=positions.numpy())
-
-
-def _dense(q, cache, common: CommonAttentionInputs, scale: float, window: int) -> torch.Tensor:
-    """Every row in float64 from the written cache: causal or its tree mask, then keys before the window dropped."""
-    heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads, bs = cache.shape[3], common.block_size
-    first_key = torch.from_numpy(window_starts(common.token_positions(), window))
-    out = []
-    for row in range(len(common.seq_lens)):
-        start, end = int(common.query_start_loc[row]), int(common.query_start_loc[row + 1])
-        n, ctx = end - start, int(common.seq_lens[row])
-        idx = [int(common.block_table[row, p // bs]) * bs + p % bs for p in range(ctx)]
-        keys = cache[0].reshape(-1, kv_heads, head_dim)[idx].double().repeat_interleave(heads // kv_heads, 1)
-        vals = cache[1].reshape(-1, kv_heads, head_dim)[idx].double().repeat_interleave(heads // kv_heads, 1)
-        trees = common.tree_masks or {}
-        own = trees[row] if row in trees else torch.ones(n, n, dtype=torch.bool).tril_()
-        allowed = torch.cat([torch.ones(n, ctx - n, dtype=torch.bool), own], dim=1)
-        allowed &= torch.arange(ctx)[None, :] >= first_key[start:end, None]
-        scores = torch.einsum("qhd,thd->hqt", q[start:end].double(), keys) * scale
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        out.append(torch.einsum("hqt,thd->qhd", scores.softmax(-1), vals).reshape(n, -1))
-    return torch.cat(out)
 
 
 def _run(backend, q, k, v, cache, common, window, scale):

@@ -102,6 +102,21 @@ def _count_native(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+def _native_then_python(model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch, common: CommonAttentionInputs,
+                        ids: torch.Tensor, positions: torch.Tensor, kv_dtype: torch.dtype | None = None) -> tuple:
+    """One step through the native stack (which must run, once), then through the Python layers, each over its own
+    copy of the same caches: (native, python, native caches, python caches). Leaves the stack switched off."""
+    calls = _count_native(monkeypatch)
+    native_caches = _caches(model, seed=3, dtype=kv_dtype)
+    native = _forward(model, native_caches, CpuPagedBackend(), common, ids, positions, None)
+    assert len(calls) == 1
+    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "0")
+    python_caches = _caches(model, seed=3, dtype=kv_dtype)
+    python = _forward(model, python_caches, CpuPagedBackend(), common, ids, positions, None)
+    assert len(calls) == 1  # the switch keeps the Python layers
+    return native, python, native_caches, python_caches
+
+
 def test_the_native_stack_runs_on_this_machine() -> None:
     assert decoder_stack.available()  # CI machines have AVX-512 BF16 or AVX2 + FMA: the tests below must exercise it
 
@@ -142,14 +157,8 @@ def test_native_stack_with_a_sliding_window_equals_the_python_layers(monkeypatch
     assert [a.sliding_window for a in model.attention_layers()] == [window, None, window]
     ids, positions, common = _mixed_step(model.cfg.vocab_size)
     common = dataclasses.replace(common, positions=positions.numpy())
-    calls = _count_native(monkeypatch)
-    native_caches = _caches(model, seed=3)
-    native = _forward(model, native_caches, CpuPagedBackend(), common, ids, positions, None)
-    assert len(calls) == 1
-    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "0")
-    python_caches = _caches(model, seed=3)
-    python = _forward(model, python_caches, CpuPagedBackend(), common, ids, positions, None)
-    assert len(calls) == 1 and torch.equal(native, python)
+    native, python, native_caches, python_caches = _native_then_python(model, monkeypatch, common, ids, positions)
+    assert torch.equal(native, python)
     assert all(torch.equal(a, b) for a, b in zip(native_caches, python_caches))
     monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "1")
     unwindowed = _forward(_model(64, False), _caches(model, seed=3), CpuPagedBackend(), common, ids, positions, None)
@@ -167,13 +176,7 @@ def test_native_stack_over_int8_weights_equals_the_python_layers(monkeypatch: py
     assert gemm.weight_format(model.model.layers[0].mlp.down_proj.weight) == "w8a8_int8"
     assert gemm.weight_format(model.lm_head.weight) == "bf16"  # the LM head stays bfloat16
     ids, positions, common = _mixed_step(model.cfg.vocab_size)
-    calls = _count_native(monkeypatch)
-    native_caches = _caches(model, seed=3)
-    native = _forward(model, native_caches, CpuPagedBackend(), common, ids, positions, None)
-    assert len(calls) == 1
-    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "0")
-    python_caches = _caches(model, seed=3)
-    python = _forward(model, python_caches, CpuPagedBackend(), common, ids, positions, None)
+    native, python, native_caches, python_caches = _native_then_python(model, monkeypatch, common, ids, positions)
     assert torch.equal(native, python)
     assert all(torch.equal(a, b) for a, b in zip(native_caches, python_caches))
     # and the int8 weights were used: the bfloat16 model's hidden states differ
@@ -189,14 +192,9 @@ def test_native_stack_with_float8_caches_equals_the_python_layers(monkeypatch: p
     (torch's float8 conversion) and attends through the float8 entry of the same kernel: the same bits."""
     model = _model(64, False)
     ids, positions, common = _mixed_step(model.cfg.vocab_size)
-    calls = _count_native(monkeypatch)
-    native_caches = _caches(model, seed=3, dtype=kv_dtype)
-    native = _forward(model, native_caches, CpuPagedBackend(), common, ids, positions, None)
-    assert len(calls) == 1
-    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "0")
-    python_caches = _caches(model, seed=3, dtype=kv_dtype)
-    python = _forward(model, python_caches, CpuPagedBackend(), common, ids, positions, None)
-    assert len(calls) == 1 and torch.equal(native, python)
+    native, python, native_caches, python_caches = _native_then_python(model, monkeypatch, common, ids, positions,
+                                                                       kv_dtype)
+    assert torch.equal(native, python)
     assert all(_same(a, b) for a, b in zip(native_caches, python_caches))
     assert not any(_same(a, b) for a, b in zip(native_caches, _caches(model, seed=3, dtype=kv_dtype)))
     bf16 = _forward(model, _caches(model, seed=3), CpuPagedBackend(), common, ids, positions, None)
