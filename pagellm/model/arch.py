@@ -53,8 +53,8 @@ class MoEConfig:
 
 def _full_attention_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     """The layers of a model with a sliding window that attend to every key, as transformers builds the model:
-    Qwen's ``layer_types`` where the config lists them, else its rule for the family; Mistral's, Mixtral's and
-    Qwen3-MoE's windows hold in every layer."""
+    Qwen's ``layer_types`` where the config lists them, else its rule for the family; the windows of the other
+    families (Mistral, Mixtral, Phi-3) and of Qwen3-MoE hold in every layer."""
     model_type = cfg.get("model_type")
     if model_type not in _QWEN:
         return ()

@@ -55,7 +55,7 @@ struct StackKernels {
   // a mixture of experts' layer (ops/csrc/moe.cpp, its MoeLayer as `layer`); null where no layer has experts
   void (*moe)(const void* layer, const uint16_t* x, int64_t tokens, int64_t ldx, uint16_t* out);
   // tensor parallelism: sum n bfloat16 values in place across the ranks (the caller's collective, as the Python
-  // layers' row-parallel o_proj and down_proj call it); null on one rank
+  // layers' row-parallel o_proj and down_proj, and a mixture's experts, call it); null on one rank
   void (*all_reduce)(uint16_t* data, int64_t n);
 };
 
