@@ -108,6 +108,10 @@ class ArchConfig:
                              "supported; supported: 1.0")
         rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default")
                                                    != "default" else None)
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("longrope", "su") \
+                and "original_max_position_embeddings" not in rope_scaling:  # Phi-3 keeps it beside, not inside
+            rope_scaling = {**rope_scaling, "original_max_position_embeddings":
+                            int(cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])}
         base_model = archs[0] in BASE_MODELS
         return cls(
             architecture=archs[0],

@@ -150,22 +150,20 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict
     if arch == "qwen2moe":
         config["qkv_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "phi3":
-        config.update(_phi3_config(meta, tensors))
+        config.update(_phi3_config(meta))
     if experts:
         config.update(_experts_config(meta, arch, experts))
     config.update(_special_ids(meta))
     rope_scaling = _rope_scaling(meta, arch, tensors, head_dim, rope_theta)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+        if rope_scaling["rope_type"] == "longrope":  # Phi-3 reads it beside rope_scaling (its default: 4096)
+            config["original_max_position_embeddings"] = rope_scaling["original_max_position_embeddings"]
     return config
 
 
-def _phi3_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
-    """Phi-3's sliding window (llama.cpp writes it for the 4k models); its LongRoPE files (128k, Phi-3.5) are
-    refused, as the engine does not run LongRoPE."""
-    if "rope_factors_long.weight" in tensors:
-        raise ValueError("this Phi-3 GGUF uses LongRoPE (rope_factors_long: the 128k models, Phi-3.5), which pagellm "
-                         "does not run; use a 4k model")
+def _phi3_config(meta: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's sliding window (llama.cpp writes it for the 4k models); its LongRoPE is ``_rope_scaling``'s."""
     window = int(_arch_value(meta, "phi3", "attention.sliding_window", 0))
     # pad_token_id: the file's, where it names one (set after this); transformers' class default (32000) else
     return {"sliding_window": window or None, "pad_token_id": None}
@@ -204,6 +202,11 @@ def _special_ids(meta: dict[str, Any]) -> dict[str, int]:
 def _rope_scaling(
     meta: dict[str, Any], arch: str, tensors: dict[str, Any], head_dim: int, rope_theta: float
 ) -> dict[str, Any] | None:
+    if "rope_factors_long.weight" in tensors:  # LongRoPE (Phi-3 128k, Phi-3.5): its two sets of factors as tensors
+        original = int(_arch_value(meta, arch, "rope.scaling.original_context_length"))
+        return {"rope_type": "longrope", "original_max_position_embeddings": original,
+                "long_factor": [_shortest_float(f) for f in np.asarray(tensors["rope_factors_long.weight"].data)],
+                "short_factor": [_shortest_float(f) for f in np.asarray(tensors["rope_factors_short.weight"].data)]}
     kind = _arch_value(meta, arch, "rope.scaling.type", "none")
     if kind != "none":
         scaling: dict[str, Any] = {"rope_type": kind, "factor": float(_arch_value(meta, arch, "rope.scaling.factor"))}

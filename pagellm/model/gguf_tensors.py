@@ -52,9 +52,9 @@ _ARCH_BLOCK_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 # Mixtral's own names for the same tensors.
 MIXTRAL_NAMES = ((".mlp.gate.", ".block_sparse_moe.gate."), (".mlp.experts.", ".block_sparse_moe.experts."),
                  (".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2."))
-# rope_freqs is llama 3.1's rotary scaling, which becomes config.rope_scaling; attn_rot_embd is a cache that
-# old converters wrote and that the model recomputes.
-_SKIPPED_TENSORS = frozenset({"rope_freqs", "attn_rot_embd"})
+# rope_freqs is llama 3.1's rotary scaling and rope_factors_long/short Phi-3's LongRoPE, which become
+# config.rope_scaling; attn_rot_embd is a cache that old converters wrote and that the model recomputes.
+_SKIPPED_TENSORS = frozenset({"rope_freqs", "rope_factors_long", "rope_factors_short", "attn_rot_embd"})
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:

@@ -249,9 +249,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    """Phi-3 (mini and medium, 4k: Llama's layers, Mistral's sliding window): its checkpoint fuses q/k/v into one
-    ``qkv_proj`` and gate/up into one ``gate_up_proj`` (gate first), which are split back into the shards every
-    fused layer loads (so tensor-parallel ranks take their slice of each)."""
+    """Phi-3 (Llama's layers, Mistral's sliding window, LongRoPE in the 128k models): its checkpoint fuses q/k/v
+    into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (gate first), which are split back into the shards
+    every fused layer loads (so tensor-parallel ranks take their slice of each)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None) -> None:
         super().load_weights(self._unfused(weights), quantization)

@@ -4,6 +4,7 @@ number of blocks)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -19,6 +20,7 @@ from pagellm.disagg.connector import KVStore, layout_dir
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.metrics.profiler import Profiler
 from pagellm.model.arch import ArchConfig
+from pagellm.model.layers.rotary import use_long_factors
 from pagellm.model.loader import iter_weights, load_hf_config, resolve_dtype, resolve_model_dir
 from pagellm.model.registry import build_model
 from pagellm.ops import decoder_stack, fused, gemm, gemm_w8a8
@@ -47,18 +49,13 @@ class Worker:
         self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
         _start_kernel_builds(self.dtype, self.kv_dtype, model_config.attention_backend, model_config.quantization)
         model_dir = resolve_model_dir(model_config.model)
-        arch = ArchConfig.from_hf(load_hf_config(model_dir))
+        arch, max_model_len = resolve_arch(model_dir, model_config.max_model_len, spec_config)
         quantization = model_config.quantization or arch.quantization
         if quantization and not model_config.quantization and gemm_w8a8.runs_here():  # a quantized checkpoint's
             native_build.start_in_background([gemm_w8a8.build_job()])  # kernel, built while the weights load
-        if arch.sliding_window and spec_config.method and spec_config.num_speculative_tokens >= arch.sliding_window:
-            # a draft tree's nodes attend to their ancestors by ancestry, which a window this short would cut
-            raise ValueError(f"num_speculative_tokens={spec_config.num_speculative_tokens} must be below the model's "
-                             f"sliding window ({arch.sliding_window})")
         model = build_model(arch, self.dtype, parallel)
         model.load_weights(iter_weights(model_dir), model_config.quantization)
         model.eval()
-        max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
         num_blocks = kv_cache_blocks(cache_config, arch, self.kv_dtype, max_model_len)
         backend = get_backend(model_config.attention_backend)
         # Model-based proposers keep their own cache with as many blocks as the target's (their layers only).
@@ -145,6 +142,19 @@ def _start_kernel_builds(dtype: torch.dtype, kv_dtype: torch.dtype, attention_ba
     if quantization and gemm_w8a8.runs_here():
         builds.insert(1, gemm_w8a8.build_job())  # built with its own flags (no fused multiply-adds)
     native_build.start_in_background(builds)
+
+
+def resolve_arch(model_dir: Path, requested_len: int | None, spec_config: SpeculativeConfig) -> tuple[ArchConfig, int]:
+    """The model's architecture as this engine runs it (LongRoPE's set of factors chosen for its context length)
+    and that context length; drafts as deep as a sliding window are refused."""
+    arch = ArchConfig.from_hf(load_hf_config(model_dir))
+    max_model_len = resolve_max_model_len(requested_len, arch)
+    arch = dataclasses.replace(arch, rope_scaling=use_long_factors(arch.rope_scaling, max_model_len))
+    if arch.sliding_window and spec_config.method and spec_config.num_speculative_tokens >= arch.sliding_window:
+        # a draft tree's nodes attend to their ancestors by ancestry, which a window this short would cut
+        raise ValueError(f"num_speculative_tokens={spec_config.num_speculative_tokens} must be below the model's "
+                         f"sliding window ({arch.sliding_window})")
+    return arch, max_model_len
 
 
 def kv_window(arch: ArchConfig, store_dir: str) -> int:

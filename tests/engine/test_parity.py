@@ -190,15 +190,29 @@ def test_ngram_speculation_is_lossless(tiny_model_factory) -> None:
     assert speculative == plain
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}},
-     r"partial_rotary_factor=0.75 \(rotary embedding over part of each head\) is not supported; supported: 1.0"),
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
-                          "long_factor": [2.0] * 8, "original_max_position_embeddings": 256}},
-     r"rope scaling 'longrope' is not supported; supported: default, linear, llama3"),
-])
-def test_phi3_variants_the_engine_does_not_serve_are_refused_by_name(tiny_model_factory, overrides: dict,
-                                                                     message: str) -> None:
-    """Phi-4-mini's partial rotary embedding and Phi-3.5's / the 128k models' LongRoPE are refused, naming them."""
-    with pytest.raises(ValueError, match=message):
-        LLM(str(tiny_model_factory("phi3", seed=8, **overrides)), dtype="float32")
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.3, 1.5, 1.7],
+            "long_factor": [1.0, 1.3, 1.8, 2.5, 3.5, 5.0, 7.0, 9.0]}
+
+
+def test_phi3_longrope_equals_transformers_in_both_regimes(tiny_model_factory) -> None:
+    """LongRoPE (Phi-3 128k, Phi-3.5; here an original context of 64 in 512): an engine whose max_model_len fits
+    the original context takes the short factors and equals transformers on every sequence; a longer one takes the
+    long factors and equals transformers on prompts longer than the original context (where transformers takes
+    them too); the two sets give other tokens."""
+    model_dir = tiny_model_factory("phi3", seed=9, rope_parameters=LONGROPE, original_max_position_embeddings=64)
+    short_prompts = _prompts(seed=21)[:6]  # up to 33 tokens, + 24 generated: within 64
+    short = LLM(str(model_dir), dtype="float32", max_model_len=64)
+    short_tokens = run(short, short_prompts)
+    assert_greedy_parity(model_dir, short_prompts, short_tokens)
+    long = LLM(str(model_dir), dtype="float32")
+    long_prompts = _prompts(seed=22, shared_prefix=70)  # 73 to 191 tokens: past the original context
+    assert_greedy_parity(model_dir, long_prompts, run(long, long_prompts))
+    assert run(long, short_prompts) != short_tokens
+
+
+def test_phi4_minis_partial_rotary_embedding_is_refused_by_name(tiny_model_factory) -> None:
+    partial = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0.75 \(rotary embedding over part of each head\) "
+                                         r"is not supported; supported: 1.0"):
+        LLM(str(tiny_model_factory("phi3", seed=8, rope_parameters=partial)), dtype="float32")

@@ -109,15 +109,27 @@ def test_tiny_mixture_of_experts_gguf_round_trip(tmp_path: Path, tiny_tokenizer:
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
-def test_a_phi3_gguf_with_longrope_is_refused(tmp_path: Path, tiny_tokenizer: BackendTokenizer) -> None:
-    """Phi-3's 128k models and Phi-3.5 carry LongRoPE's factors (rope_factors_long/short), which the engine does not
-    run: the conversion says so instead of serving a wrong rotary embedding."""
-    model = random_model(tiny_config("phi3", tiny_tokenizer.get_vocab_size(), False))
-    factors = np.ones(8, dtype=np.float32)
-    write_tiny_gguf(tmp_path / "long.gguf", model, tiny_tokenizer, "phi3",
-                    extra={"rope_factors_long.weight": factors * 2, "rope_factors_short.weight": factors})
-    with pytest.raises(ValueError, match="uses LongRoPE .* which pagellm does not run; use a 4k model"):
-        convert_gguf_to_hf(tmp_path / "long.gguf", tmp_path / "hf")
+def test_a_phi3_gguf_with_longrope_round_trips(tmp_path: Path, tiny_tokenizer: BackendTokenizer) -> None:
+    """Phi-3's 128k models and Phi-3.5 carry LongRoPE's two sets of factors as tensors (rope_factors_long/short)
+    and the original context in the metadata: they come back as the config's rope_scaling, and the converted model
+    computes the original's logits, on a sequence longer than the original context too."""
+    config = tiny_config("phi3", tiny_tokenizer.get_vocab_size(), False)
+    short, long = [1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0], [1.0, 1.5, 2.0, 3.0, 4.5, 6.0, 8.0, 12.0]
+    config.rope_parameters = {"rope_type": "longrope", "rope_theta": 500000.0, "short_factor": short,
+                              "long_factor": long, "original_max_position_embeddings": 4}
+    config.original_max_position_embeddings = 4
+    model = random_model(config)
+    write_tiny_gguf(tmp_path / "long.gguf", model, tiny_tokenizer, "phi3", original_context=4,
+                    extra={"rope_factors_long.weight": np.array(long, dtype=np.float32),
+                           "rope_factors_short.weight": np.array(short, dtype=np.float32)})
+    convert_gguf_to_hf(tmp_path / "long.gguf", tmp_path / "hf")
+    scaling = load_hf_config(tmp_path / "hf")["rope_scaling"]
+    assert scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == 4
+    assert scaling["long_factor"] == long and scaling["short_factor"] == short  # as written, not float32's
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for ids in (torch.tensor([[5, 17, 42]]), torch.tensor([[5, 17, 42, 99, 3, 250, 7, 1]])):  # short, long
+            assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
 def test_tiny_gguf_tokenizer_matches_source(tmp_path: Path, tiny_tokenizer: BackendTokenizer) -> None:

@@ -124,10 +124,11 @@ def llama3_divisors_loop(theta: float, head_dim: int, scaling: dict[str, Any]) -
 def write_tiny_gguf(
     path: Path, model: torch.nn.Module, tokenizer: BackendTokenizer, arch: str, f16: bool = False,
     checkpoint: dict[str, torch.Tensor] | None = None, extra: dict[str, np.ndarray] | None = None,
+    original_context: int | None = None,
 ) -> None:
     """``arch`` is llama.cpp's name (``mixtral`` is written as a ``llama`` file with experts). A mixture of experts
     needs its ``checkpoint`` tensors (one per expert, as saved; transformers holds them stacked in memory).
-    ``extra``: more tensors under llama.cpp's names."""
+    ``extra``: more tensors under llama.cpp's names; ``original_context``: a LongRoPE file's original context."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch="llama" if arch == "mixtral" else arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -142,6 +143,8 @@ def write_tiny_gguf(
         _add_experts_metadata(writer, config, arch)
     if arch == "phi3":
         writer.add_sliding_window(config.sliding_window)
+    if original_context is not None:
+        writer.add_rope_scaling_orig_ctx_len(original_context)
     _add_tokenizer(writer, tokenizer)
     _add_tensors(writer, model, arch, f16, checkpoint)
     for name, values in (extra or {}).items():

@@ -1,6 +1,13 @@
 """Rotary position embeddings (the "rotate half" layout of Hugging Face checkpoints), with the default,
-``linear`` and Llama-3 frequency scalings. cos/sin are computed once for every position in float32, exactly as
-transformers computes them, and looked up by each token's position. bfloat16 q/k take one fused native pass
+``linear``, Llama-3 and LongRoPE (Phi-3 128k, Phi-3.5) frequency scalings. cos/sin are computed once for every
+position in float32, exactly as transformers computes them, and looked up by each token's position.
+
+LongRoPE has two sets of per-frequency factors: transformers takes the long ones for a forward pass whose
+sequence is longer than the original context, the short ones otherwise. pagellm picks one set per engine, as
+llama.cpp does: the long factors when ``max_model_len`` exceeds the original context (``use_long_factors``), so
+every cached key of every request shares one rotary embedding (prefix caching stays sound). It equals
+transformers for every sequence when ``max_model_len`` is at most the original context, and for prompts longer
+than it otherwise. bfloat16 q/k take one fused native pass
 (``pagellm/ops/fused.py``); ``forward_torch`` is the plain-PyTorch twin (and the path for every other dtype)."""
 
 from __future__ import annotations
@@ -23,7 +30,34 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Ten
         return inv_freq / float(scaling["factor"])  # type: ignore[index]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)  # type: ignore[arg-type]
-    raise ValueError(f"rope scaling {kind!r} is not supported; supported: default, linear, llama3")
+    if kind in ("longrope", "su"):  # "su": its name in the first Phi-3 configs
+        factors = scaling["long_factor" if scaling.get("use_long_factors") else "short_factor"]  # type: ignore
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** exponents)
+    raise ValueError(f"rope scaling {kind!r} is not supported; supported: default, linear, llama3, longrope")
+
+
+def rope_attention_factor(scaling: dict | None, max_positions: int) -> float:
+    """The scale of cos/sin: LongRoPE's ``attention_factor`` (by default sqrt(1 + ln(s) / ln(original)), s the
+    context's extension over the original), 1.0 for the other scalings."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind not in ("longrope", "su"):
+        return 1.0
+    assert scaling is not None
+    original = int(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or max_positions / original)
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def use_long_factors(scaling: dict | None, max_model_len: int) -> dict | None:
+    """``scaling`` with LongRoPE's set of factors chosen for an engine of ``max_model_len`` (see the module
+    docstring); other scalings as they are."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind not in ("longrope", "su"):
+        return scaling
+    assert scaling is not None
+    return {**scaling, "use_long_factors": max_model_len > int(scaling["original_max_position_embeddings"])}
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -52,8 +86,12 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, base, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        cos, sin = emb.cos(), emb.sin()
+        factor = rope_attention_factor(scaling, max_positions)
+        if factor != 1.0:  # as transformers scales them (in float32, before the cast)
+            cos, sin = cos * factor, sin * factor
+        self.register_buffer("cos", cos.to(dtype), persistent=False)
+        self.register_buffer("sin", sin.to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; positions: [T]."""
