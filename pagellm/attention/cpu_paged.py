@@ -47,7 +47,7 @@ class CpuPagedMetadata:
     block_table: torch.Tensor      # [R, max_blocks] int64, contiguous
     ctx_end: torch.Tensor          # [T] int64: token t sees every key before ctx_end[t]
     tree_bits: torch.Tensor | None  # [T, words] int64 bit patterns over the row's own tokens; None: no tree
-    positions: np.ndarray | None = None  # [T] int64 (for the sliding windows; None: causal rows, ctx_end - 1)
+    common: CommonAttentionInputs | None = None  # what it was built from (the positions, for sliding windows)
     windows: dict[int, torch.Tensor] = field(default_factory=dict)  # window → its [T] ctx_start, once per step
 
     def ctx_start(self, window: int | None) -> torch.Tensor | None:
@@ -55,8 +55,8 @@ class CpuPagedMetadata:
         if window is None:
             return None
         if window not in self.windows:
-            positions = self.positions if self.positions is not None else self.ctx_end.numpy() - 1
-            self.windows[window] = torch.from_numpy(window_starts(positions, window))
+            assert self.common is not None, "metadata built without its step's inputs has no sliding window"
+            self.windows[window] = torch.from_numpy(window_starts(self.common.token_positions(), window))
         return self.windows[window]
 
 
@@ -151,7 +151,7 @@ def build_metadata(common: CommonAttentionInputs) -> CpuPagedMetadata:
     return CpuPagedMetadata(common.slot_mapping, total, torch.from_numpy(np.ascontiguousarray(qsl, dtype=np.int64)),
                             torch.from_numpy(np.ascontiguousarray(seq_lens, dtype=np.int64)),
                             torch.from_numpy(np.ascontiguousarray(common.block_table, dtype=np.int64)),
-                            torch.from_numpy(ctx_end), bits, common.positions)
+                            torch.from_numpy(ctx_end), bits, common)
 
 
 class CpuPagedBackend:

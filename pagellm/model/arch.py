@@ -13,6 +13,14 @@ BASE_MODELS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model
 _QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # their sliding_window applies only with use_sliding_window
 
 
+LONGROPE = ("longrope", "su")  # "su": LongRoPE's name in the first Phi-3 configs
+
+
+def rope_kind(scaling: dict | None) -> str:
+    """A ``rope_scaling`` dict's kind (``rope_type``, or the older ``type``); "default" without one."""
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks ``top_k`` of ``num_experts`` SwiGLU
@@ -108,8 +116,8 @@ class ArchConfig:
                              "supported; supported: 1.0")
         rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default")
                                                    != "default" else None)
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("longrope", "su") \
-                and "original_max_position_embeddings" not in rope_scaling:  # Phi-3 keeps it beside, not inside
+        if rope_kind(rope_scaling) in LONGROPE and "original_max_position_embeddings" not in rope_scaling:
+            # Phi-3 keeps it beside rope_scaling, not inside
             rope_scaling = {**rope_scaling, "original_max_position_embeddings":
                             int(cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])}
         base_model = archs[0] in BASE_MODELS

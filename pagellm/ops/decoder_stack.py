@@ -187,9 +187,6 @@ def _checked_tensors(layers: list[LayerWeights], final_norm: torch.Tensor, cos: 
            (w.moe is not None and (not w.moe.routes or w.moe.weight_format != weight_format)) for w in layers):
         raise ValueError("each layer of the native decoder stack takes gate_up and down, or routed experts "
                          f"(moe) of the stack's format ({weight_format})")
-    if len({w.sliding_window for w in layers} - {None}) > 1:
-        raise ValueError("the native decoder stack takes one sliding window, not "
-                         f"{sorted({w.sliding_window for w in layers} - {None})}")
     return [*vectors, *gemms, *(w.moe for w in layers if w.moe is not None)]
 
 
@@ -205,6 +202,8 @@ class DecoderStack:
         assert loaded is not None, "native decoder stack is not available on this machine"
         self._keep = _checked_tensors(layers, final_norm, cos, sin, weight_format)
         windows = {w.sliding_window for w in layers} - {None}
+        if len(windows) > 1:
+            raise ValueError(f"the native decoder stack takes one sliding window, not {sorted(windows)}")
         self.sliding_window = windows.pop() if windows else None  # the windowed layers' (StackStep.ctx_start)
         self.weight_format = weight_format
         self._errors: list[BaseException] = []  # from the all-reduce callback, raised after the call

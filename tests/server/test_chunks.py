@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pagellm.server.openai.chunks import ChunkWriter
-from pagellm.server.openai.protocol import (ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionChoice,
-                                            CompletionResponse)
+from pagellm.server.openai.replies import (ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionChoice,
+                                           CompletionResponse)
 
 TEXTS = ["", " hello", 'quote " back\\slash', "tab\tnew\nline\r\x00\x1f\x7f", "naïve 日本 🙂 \u2028\u2029",
          "</script>&<>'"]

@@ -17,20 +17,21 @@ import math
 import torch
 from torch import nn
 
+from pagellm.model.arch import LONGROPE, rope_kind
 from pagellm.ops.fused import rotary
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (base ** exponents)
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    kind = rope_kind(scaling)
     if kind == "default":
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])  # type: ignore[index]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)  # type: ignore[arg-type]
-    if kind in ("longrope", "su"):  # "su": its name in the first Phi-3 configs
+    if kind in LONGROPE:
         factors = scaling["long_factor" if scaling.get("use_long_factors") else "short_factor"]  # type: ignore
         return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** exponents)
     raise ValueError(f"rope scaling {kind!r} is not supported; supported: default, linear, llama3, longrope")
@@ -39,8 +40,7 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Ten
 def rope_attention_factor(scaling: dict | None, max_positions: int) -> float:
     """The scale of cos/sin: LongRoPE's ``attention_factor`` (by default sqrt(1 + ln(s) / ln(original)), s the
     context's extension over the original), 1.0 for the other scalings."""
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind not in ("longrope", "su"):
+    if rope_kind(scaling) not in LONGROPE:
         return 1.0
     assert scaling is not None
     original = int(scaling["original_max_position_embeddings"])
@@ -53,8 +53,7 @@ def rope_attention_factor(scaling: dict | None, max_positions: int) -> float:
 def use_long_factors(scaling: dict | None, max_model_len: int) -> dict | None:
     """``scaling`` with LongRoPE's set of factors chosen for an engine of ``max_model_len`` (see the module
     docstring); other scalings as they are."""
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind not in ("longrope", "su"):
+    if rope_kind(scaling) not in LONGROPE:
         return scaling
     assert scaling is not None
     return {**scaling, "use_long_factors": max_model_len > int(scaling["original_max_position_embeddings"])}

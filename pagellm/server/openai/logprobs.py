@@ -15,8 +15,8 @@ Contract:
 from __future__ import annotations
 
 from pagellm.outputs import Logprob
-from pagellm.server.openai.protocol import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob,
-                                            PromptLogprobs, TopLogprob)
+from pagellm.server.openai.replies import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob,
+                                           PromptLogprobs, TopLogprob)
 
 Entries = list[dict[int, Logprob]]
 

@@ -1,4 +1,5 @@
-"""Request and response bodies of the OpenAI API, as pydantic models, plus pagellm's extra sampling fields.
+"""Request bodies of the OpenAI API, as pydantic models, plus pagellm's extra sampling fields (the response
+bodies: ``replies.py``).
 
 Contract:
 - Requests are validated strictly (no string-to-number coercion) and unknown fields are rejected, as OpenAI does;
@@ -11,12 +12,10 @@ Contract:
 - ``logit_bias`` keys are token ids written as strings (OpenAI's JSON form).
 - ``to_sampling_params`` maps a request onto ``SamplingParams`` field for field (a field left unset: the model's
   generation_config.json default, ``generation_config.py``, else OpenAI's); its ``ValueError`` is a 400.
-- Responses carry OpenAI's field names and ``object`` strings so the ``openai`` SDK parses them unchanged.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -187,71 +186,6 @@ class CompletionRequest(SamplingRequest):
         return self.sampling_params(self.max_tokens, self.logprobs, self.best_of, prompt_logprobs, defaults)
 
 
-class CompletionLogprobs(BaseModel):
-    """The legacy completions shape: per generated token its text, its logprob, the top alternatives (text →
-    logprob, the sampled token always included) and its character offset in the choice's text."""
-
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[Optional[float]] = Field(default_factory=list)
-    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class PromptLogprob(BaseModel):
-    """vLLM's ``prompt_logprobs`` item: one alternative at one prompt position."""
-
-    logprob: float
-    rank: int
-    decoded_token: str
-
-
-# One entry per prompt token: None for the first, then token id (as a string) → its logprob.
-PromptLogprobs = list[Optional[dict[str, PromptLogprob]]]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
-    stop_reason: Optional[Union[int, str]] = None
-    prompt_logprobs: Optional[PromptLogprobs] = None
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-
-
-class CompletionTokensDetails(BaseModel):
-    """Predicted outputs (chat ``prediction``): the draft tokens that held and those rejected."""
-
-    accepted_prediction_tokens: int = 0
-    rejected_prediction_tokens: int = 0
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: Optional[PromptTokensDetails] = None
-    completion_tokens_details: Optional[CompletionTokensDetails] = None
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens
-                   + completion_tokens, prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = None
-    system_fingerprint: Optional[str] = None
-
-
 # ---- chat completions -------------------------------------------------------------------------------------------
 
 class ContentPart(BaseModel):
@@ -338,85 +272,3 @@ class ChatCompletionRequest(SamplingRequest):
     def to_sampling_params(self, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling_params(limit, (self.top_logprobs or 0) if self.logprobs else None, defaults=defaults)
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: Optional[str] = None
-    tool_calls: Optional[list[tooling.ToolCall]] = None
-    reasoning_content: Optional[str] = None  # a reasoning model's thinking (--reasoning-parser)
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: Optional[list[int]] = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: Optional[list[ChatTokenLogprob]] = None
-
-
-class ChatCompletionChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "abort", "tool_calls"]] = None
-    stop_reason: Optional[Union[int, str]] = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
-    system_fingerprint: Optional[str] = None
-    prompt_logprobs: Optional[PromptLogprobs] = None
-
-
-class ChatDelta(BaseModel):
-    role: Optional[Literal["assistant"]] = None
-    content: Optional[str] = None
-    tool_calls: Optional[list[tooling.DeltaToolCall]] = None
-    reasoning_content: Optional[str] = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "abort", "tool_calls"]] = None
-    stop_reason: Optional[Union[int, str]] = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Optional[UsageInfo] = None
-    system_fingerprint: Optional[str] = None
-
-
-# ---- models ------------------------------------------------------------------------------------------------
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "pagellm"
-    root: Optional[str] = None
-    parent: Optional[str] = None  # a LoRA adapter's base model
-    max_model_len: Optional[int] = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -44,7 +44,8 @@ from pagellm.server.observability import install as install_observability
 from pagellm.server.options import Cors
 from pagellm.server.openai.errors import APIError, install_error_handlers
 from pagellm.server.openai.lora_routes import lora_router
-from pagellm.server.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pagellm.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagellm.server.openai.replies import ModelCard, ModelList
 from pagellm.server.openai.serving_chat import OpenAIServingChat
 from pagellm.server.openai.serving_completion import OpenAIServingCompletion
 from pagellm.server.openai.responses_protocol import ResponseObject, ResponsesRequest

@@ -31,9 +31,10 @@ from pagellm.server.openai import serving_beam
 from pagellm.server.openai import tools as tooling
 from pagellm.server.openai.errors import APIError, sse_error
 from pagellm.server.openai.logprobs import chat_logprobs, prompt_logprobs_body
-from pagellm.server.openai.protocol import (ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk,
-                                            ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
-                                            ChatResponseMessage, CompletionTokensDetails, UsageInfo)
+from pagellm.server.openai.protocol import ChatCompletionRequest
+from pagellm.server.openai.replies import (ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk,
+                                           ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage,
+                                           CompletionTokensDetails, UsageInfo)
 from pagellm.server.openai.serving_engine import ChoiceState as _Choice
 from pagellm.server.openai.reasoning import END as THINK_END
 from pagellm.server.openai.reasoning import ReasoningStream, closed_in_prompt

@@ -29,8 +29,8 @@ from pagellm.server.openai.chunks import ChunkWriter
 from pagellm.server.openai.errors import sse_error
 from pagellm.server.openai.logprobs import (completion_logprobs, prompt_completion_logprobs,
                                             prompt_logprobs_body)
-from pagellm.server.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                            CompletionResponse, UsageInfo)
+from pagellm.server.openai.protocol import CompletionRequest
+from pagellm.server.openai.replies import CompletionChoice, CompletionLogprobs, CompletionResponse, UsageInfo
 from pagellm.server.openai.serving_engine import ChoiceState as _Choice
 from pagellm.server.openai.serving_engine import OpenAIServing, random_id
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pagellm.server.openai.errors import APIError
-from pagellm.server.openai.protocol import ChatChunkChoice, ChatCompletionChoice
+from pagellm.server.openai.replies import ChatChunkChoice, ChatCompletionChoice
 from pagellm.server.openai.responses_protocol import (FunctionCallItem, MessageItem, OutputText, ReasoningItem,
                                                       ReasoningText, ResponseObject, ResponsesRequest, ResponseUsage,
                                                       item_id)
