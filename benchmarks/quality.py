@@ -52,7 +52,7 @@ def engine_args(setting: str) -> dict[str, str]:
     args = {}
     for part in setting.split("+"):
         if part != "auto":
-            args["quantization" if part.startswith("w8a8") else "kv_cache_dtype"] = part
+            args["quantization" if part.startswith(("w8a8", "w4a8")) else "kv_cache_dtype"] = part
     return args
 
 

@@ -75,7 +75,10 @@ class ModelConfig:
     quantization: str | None = _help(
         "Quantize the weights at load: w8a8_int8 (int8 weights per output channel, int8 activations per token, int32 "
         "products: about half the weight bytes and twice the multiply-adds per instruction; needs bfloat16 and a CPU "
-        "with AVX-512 VNNI). The LM head and embedding stay in the model's dtype. Default: none.", default=None)
+        "with AVX-512 VNNI), or w4a8_int4 (4-bit weights in groups of 32 with a float16 scale and minimum each, "
+        "llama.cpp's Q4_1, int8 activations per token: about 5/8 of int8's weight bytes, for the fastest decoding "
+        "of large models; same needs). The LM head and embedding stay in the model's dtype. Default: none.",
+        default=None)
     generation_config: str = _help(
         "Default sampling parameters for requests that leave them unset: auto (the model's generation_config.json: "
         "temperature, top_p, top_k, min_p, penalties, and max_new_tokens as max_tokens, as vLLM does), vllm (the "
@@ -94,8 +97,9 @@ class ModelConfig:
                              "(the neutral defaults) or a folder holding a generation_config.json")
         object.__setattr__(self, "override_generation_config", _json_object(self.override_generation_config,
                                                                             "override_generation_config"))
-        if self.quantization not in (None, "w8a8_int8"):
-            raise ValueError(f"quantization={self.quantization!r} is not supported; use w8a8_int8 or leave it unset")
+        if self.quantization not in (None, "w8a8_int8", "w4a8_int4"):
+            raise ValueError(f"quantization={self.quantization!r} is not supported; use w8a8_int8, w4a8_int4 or "
+                             "leave it unset")
         if self.quantization and self.dtype in ("float32", "fp32", "float"):
             raise ValueError(f"quantization={self.quantization} runs on bfloat16 models; set dtype bfloat16")
         if self.attention_backend not in ("auto", "cpu_paged", "torch_ref"):

@@ -9,7 +9,7 @@ attention backend):
   and residual, ``run_native_stage``; a tensor-parallel rank its slice of every layer, the row-parallel outputs
   and the experts' partial sums summed through the ranks' all-reduce; with expert parallelism a rank's experts do
   not route, so the Python layers run), and every GEMM weight of every layer is packed
-  (``gemm.pack_parameter``), or every one quantized (``--quantization w8a8_int8``), with no o_proj bias (q/k/v
+  (``gemm.pack_parameter``), or every one quantized (``--quantization w8a8_int8`` or ``w4a8_int4``), with no o_proj bias (q/k/v
   bias, as in Qwen2, and Qwen3's per-head q/k norm are served) and one RMSNorm epsilon throughout; a mixture of
   experts' sparse layers run their native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE
   with its shared expert, Qwen3-MoE);

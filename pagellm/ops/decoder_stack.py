@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from pagellm.attention import cpu_paged
-from pagellm.ops import fused, gemm, gemm_w8a8, moe
+from pagellm.ops import fused, gemm, moe
 from pagellm.ops.build import entry_address as _address
 from pagellm.ops.build import load_library
 
@@ -87,8 +87,8 @@ def _kernels(cache_dtype: torch.dtype, weight_format: str = "bf16") -> _Kernels:
     ``cpu_paged.load_kernel()``'s for bfloat16 queries over that cache)."""
     gemm_lib, fused_lib = gemm._lib(), fused._lib()
     assert gemm_lib is not None and fused_lib is not None
-    if weight_format == gemm_w8a8.FORMAT:
-        linear, linear_silu_mul = gemm_w8a8.entry_addresses()
+    if weight_format in gemm.QUANTIZED:
+        linear, linear_silu_mul = gemm.QUANTIZED[weight_format].entry_addresses()
     else:
         linear = _address(gemm_lib.pagellm_packed_linear_bf16)
         linear_silu_mul = _address(gemm_lib.pagellm_packed_linear_silu_mul_bf16)
@@ -135,8 +135,8 @@ def fp8_from_bf16(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer's bfloat16 weights; the four GEMM weights packed (``gemm.pack``), or all four quantized
-    (``gemm_w8a8.quantize_parameter``); a sparse layer of a mixture of experts has its routed experts (``moe``, a
-    ``moe.Experts`` that routes, of the same format) in place of gate_up and down."""
+    (``gemm_w8a8`` or ``gemm_w4a8``'s ``quantize_parameter``); a sparse layer of a mixture of experts has its
+    routed experts (``moe``, a ``moe.Experts`` that routes, of the same format) in place of gate_up and down."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -178,7 +178,7 @@ def _checked_tensors(layers: list[LayerWeights], final_norm: torch.Tensor, cos: 
     vectors = [final_norm, cos, sin, *(t for w in layers for t in (w.input_norm, w.qkv_bias, w.post_norm,
                                                                     w.q_norm, w.k_norm) if t is not None)]
     gemms = [t for w in layers for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]
-    gemm_dtype = torch.int8 if weight_format == gemm_w8a8.FORMAT else torch.bfloat16
+    gemm_dtype = torch.int8 if weight_format in gemm.QUANTIZED else torch.bfloat16
     if any(t.dtype != torch.bfloat16 for t in vectors) or any(t.dtype != gemm_dtype for t in gemms) or \
             not all(t.is_contiguous() for t in (*vectors, *gemms)):
         raise ValueError(f"the native decoder stack takes contiguous bfloat16 weights ({weight_format} GEMM "

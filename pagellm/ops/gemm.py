@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm import envs
-from pagellm.ops import gemm_w8a8
+from pagellm.ops import gemm_w4a8, gemm_w8a8
 from pagellm.ops.build import cpu_flags, load_library
 
 logger = logging.getLogger(__name__)
@@ -165,8 +165,12 @@ def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------- packed parameters
 # A layer's weight Parameter is packed in place after loading (``pack_parameter``): its data becomes ``pack(W)``
 # and it records the plain shape as ``packed_shape``. A tied embedding and LM head share one Parameter, so both
-# see the one packed matrix. A quantized weight (``gemm_w8a8.quantize_parameter``) records ``packed_shape`` too,
-# and its ``weight_format``. The functions below take every kind of weight.
+# see the one packed matrix. A quantized weight (``gemm_w8a8`` or ``gemm_w4a8``'s ``quantize_parameter``) records
+# ``packed_shape`` too, and its ``weight_format``. The functions below take every kind of weight.
+
+# The quantized weight formats and their kernels' modules (each with ``packed_linear``, ``packed_linear_silu_mul``,
+# ``dequantize``, ``entry_addresses``, ``quantize_parameter`` and ``available``).
+QUANTIZED = {gemm_w8a8.FORMAT: gemm_w8a8, gemm_w4a8.FORMAT: gemm_w4a8}
 
 
 def packed_shape(weight: torch.Tensor) -> tuple[int, int] | None:
@@ -175,8 +179,8 @@ def packed_shape(weight: torch.Tensor) -> tuple[int, int] | None:
 
 
 def weight_format(weight: torch.Tensor) -> str | None:
-    """``"bf16"`` for a weight packed for the bfloat16 kernel, ``"w8a8_int8"`` for a quantized one, ``None`` for a
-    plain one."""
+    """``"bf16"`` for a weight packed for the bfloat16 kernel, its format (a key of ``QUANTIZED``) for a quantized
+    one, ``None`` for a plain one."""
     return None if packed_shape(weight) is None else getattr(weight, "weight_format", "bf16")
 
 
@@ -198,8 +202,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if shape is None:
         return F.linear(x, weight, bias)
     if x.dtype == torch.bfloat16:
-        quantized = weight_format(weight) == gemm_w8a8.FORMAT
-        return (gemm_w8a8.packed_linear if quantized else packed_linear)(x, weight, shape[0], bias)
+        kernel = QUANTIZED.get(weight_format(weight))  # type: ignore[arg-type]
+        return (kernel.packed_linear if kernel else packed_linear)(x, weight, shape[0], bias)
     return F.linear(x, plain(weight).to(x.dtype), bias)
 
 
@@ -208,7 +212,8 @@ def plain(weight: torch.Tensor) -> torch.Tensor:
     shape = packed_shape(weight)
     if shape is None:
         return weight
-    return gemm_w8a8.dequantize(weight, *shape) if weight_format(weight) == gemm_w8a8.FORMAT else unpack(weight, *shape)
+    kernel = QUANTIZED.get(weight_format(weight))  # type: ignore[arg-type]
+    return kernel.dequantize(weight, *shape) if kernel else unpack(weight, *shape)
 
 
 def weight_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """A mixture-of-experts layer in one native call (``csrc/moe.cpp``): router, routing and experts.
 
-The library calls the packed GEMM (``gemm.py``, or the int8 one of ``gemm_w8a8.py`` for the experts) and the fused
+The library calls the packed GEMM (``gemm.py``, or a quantized one of ``gemm.QUANTIZED`` for the experts) and the fused
 SiLU·mul (``fused.py``) through the addresses of their C entry points. Given a routing, its experts' part makes
 exactly the sequence of the Python loop of ``model/layers/moe.py`` (``SparseMoeBlock.routed_torch``), so it equals
 that loop bit for bit (``Experts.__call__``); its routing equals torch's softmax and top-k up to the softmax's last
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pagellm.ops import fused, gemm, gemm_w8a8
+from pagellm.ops import fused, gemm
 from pagellm.ops.build import entry_address as _address
 from pagellm.ops.build import load_library
 
@@ -44,8 +44,8 @@ def _kernels(weight_format: str) -> _Kernels:
     gemm_lib, fused_lib = gemm._lib(), fused._lib()
     assert gemm_lib is not None and fused_lib is not None
     silu, bf16_linear = _address(fused_lib.pagellm_silu_and_mul_bf16), _address(gemm_lib.pagellm_packed_linear_bf16)
-    if weight_format == gemm_w8a8.FORMAT:
-        linear, linear_silu_mul = gemm_w8a8.entry_addresses()
+    if weight_format in gemm.QUANTIZED:
+        linear, linear_silu_mul = gemm.QUANTIZED[weight_format].entry_addresses()
         return _Kernels(linear, silu, linear_silu_mul, bf16_linear)
     return _Kernels(bf16_linear, silu, _address(gemm_lib.pagellm_packed_linear_silu_mul_bf16), bf16_linear)
 
@@ -98,10 +98,10 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool,
 
 class Experts:
     """One layer's experts bound to the native call: ``gate_up[e]`` packed ``[2·inter, hidden]`` and ``down[e]``
-    packed ``[hidden, inter]``, all of one format (``gemm.weight_format``: ``bf16`` or ``w8a8_int8``); with the
-    layer's packed bf16 ``router`` [experts, hidden] and its ``top_k`` and flags, the whole layer (``forward``), its
-    ``shared`` expert included where it has one (gate_up and down in the experts' format, its gate packed bf16
-    [1, hidden])."""
+    packed ``[hidden, inter]``, all of one format (``gemm.weight_format``: ``bf16``, ``w8a8_int8`` or
+    ``w4a8_int4``); with the layer's packed bf16 ``router`` [experts, hidden] and its ``top_k`` and flags, the whole
+    layer (``forward``), its ``shared`` expert included where it has one (gate_up and down in the experts' format,
+    its gate packed bf16 [1, hidden])."""
 
     def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor], router: torch.Tensor | None = None,
                  top_k: int = 1, renormalize: bool = False, weights_in_model_dtype: bool = False,

@@ -139,8 +139,8 @@ def _start_kernel_builds(dtype: torch.dtype, kv_dtype: torch.dtype, attention_ba
             sources.append(decoder_stack.SOURCE)
     sources.append(sample_native.SOURCE)
     builds = [functools.partial(build_library, source) for source in dict.fromkeys(sources)]
-    if quantization and gemm_w8a8.runs_here():
-        builds.insert(1, gemm_w8a8.build_job())  # built with its own flags (no fused multiply-adds)
+    if quantization in gemm.QUANTIZED and gemm_w8a8.runs_here():
+        builds.insert(1, gemm.QUANTIZED[quantization].build_job())  # its own flags (no fused multiply-adds)
     native_build.start_in_background(builds)
 
 

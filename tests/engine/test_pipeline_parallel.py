@@ -55,15 +55,15 @@ def test_three_stages_with_preemption_speculation_and_grammars(tiny_model_factor
 
 
 @pytest.mark.skipif(not decoder_stack.available(), reason="the native decoder stack does not run here")
-@pytest.mark.parametrize("quantization", [None, "w8a8_int8"], ids=["bf16", "int8"])
+@pytest.mark.parametrize("quantization", [None, "w8a8_int8", "w4a8_int4"], ids=["bf16", "int8", "int4"])
 def test_bfloat16_stages_run_the_native_stack_bit_for_bit(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
                                                            quantization: str | None) -> None:
     """In bfloat16 each stage runs its layers in one native call (the first taking the previous stage's hidden rows
     and residual, the last ending with the final norm): the same tokens and logprobs, bit for bit, as one process
-    running all the layers in one call, and as the stages on the Python layers; int8 weights
-    (``--quantization w8a8_int8``) too, each stage quantizing its own layers."""
+    running all the layers in one call, and as the stages on the Python layers; int8 and 4-bit
+    weights (``--quantization w8a8_int8``, ``w4a8_int4``) too, each stage quantizing its own layers."""
     if quantization and not gemm_w8a8.available():
-        pytest.skip("the int8 GEMM needs AVX-512 VNNI")
+        pytest.skip("the quantized GEMMs need AVX-512 VNNI")
     model_dir = tiny_model_factory("llama", num_hidden_layers=3, seed=5)
     prompts = _prompts(seed=16)[:4]
     stages = scored_with_and_without_the_stack(monkeypatch, model_dir, prompts, "run_stage", pipeline_parallel_size=2,

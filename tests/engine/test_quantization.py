@@ -1,7 +1,8 @@
-"""``quantization="w8a8_int8"`` (``--quantization``) through the whole engine, on tiny models: the decoder layers'
-weights become int8 (the LM head stays bfloat16), greedy tokens equal those of the plain-PyTorch twin
-(``gemm_w8a8.reference_linear`` in place of the kernel, Python layers), self-speculative decoding stays lossless,
-every block comes back, and a setting the engine cannot serve is refused with what to change."""
+"""``quantization="w8a8_int8"`` and ``"w4a8_int4"`` (``--quantization``) through the whole engine, on tiny models:
+the decoder layers' weights become int8 or 4-bit (the LM head stays bfloat16), greedy tokens equal those of the
+plain-PyTorch twin (the format's ``reference_linear`` in place of its kernel, Python layers), self-speculative
+decoding stays lossless, every block comes back, and a setting the engine cannot serve is refused with what to
+change."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.ops import gemm, gemm_w8a8
+from pagellm.ops import gemm, gemm_w4a8, gemm_w8a8
 
 kernel = pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 GEMM needs AVX-512 VNNI and a compiler")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
@@ -39,33 +40,37 @@ def _all_free(llm: LLM) -> bool:
     return kv.num_free_blocks == kv.pool.num_blocks and not llm.engine.has_unfinished_requests()
 
 
-def _twin_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    k = x.shape[-1]
-    q, scale = gemm_w8a8.unpack(packed, n, k)
-    y = gemm_w8a8.reference_linear(x.reshape(-1, k).to(torch.bfloat16), q, scale, bias)
-    return y.view(*x.shape[:-1], n)
+def _twin(fmt):  # noqa: ANN001, ANN202
+    """``fmt.packed_linear`` through its plain-PyTorch twin."""
+    def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        k = x.shape[-1]
+        y = fmt.reference_linear(x.reshape(-1, k).to(torch.bfloat16), *fmt.unpack(packed, n, k), bias)
+        return y.view(*x.shape[:-1], n)
+    return linear
 
 
 @kernel
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe"])
-def test_int8_engine_matches_its_plain_pytorch_twin(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
-                                                    arch: str) -> None:
+@pytest.mark.parametrize(("arch", "fmt"), [("llama", gemm_w8a8), ("qwen2", gemm_w8a8), ("qwen2_moe", gemm_w8a8),
+                                           ("llama", gemm_w4a8), ("qwen2_moe", gemm_w4a8)],
+                         ids=["llama-w8a8", "qwen2-w8a8", "qwen2_moe-w8a8", "llama-w4a8", "qwen2_moe-w4a8"])
+def test_quantized_engine_matches_its_plain_pytorch_twin(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
+                                                         arch: str, fmt) -> None:  # noqa: ANN001
     path = tiny_model_factory(arch)
-    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory=KV, quantization="w8a8_int8", max_num_batched_tokens=32)
+    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory=KV, quantization=fmt.FORMAT, max_num_batched_tokens=32)
     model = llm.engine.core.executor.worker.runner.model
     layer = model.model.layers[0]
     mlps = [*layer.mlp.experts, layer.mlp.shared_expert] if arch == "qwen2_moe" else [layer.mlp]
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *(m.gate_up_proj for m in mlps),
                    *(m.down_proj for m in mlps)):
-        assert gemm.weight_format(linear.weight) == "w8a8_int8" and linear.weight.dtype == torch.int8
+        assert gemm.weight_format(linear.weight) == fmt.FORMAT and linear.weight.dtype == torch.int8
     if arch == "qwen2_moe":  # the router stays bfloat16 (packed, never quantized)
         assert gemm.weight_format(layer.mlp.gate.weight) == "bf16"
     assert gemm.weight_format(model.lm_head.weight) == "bf16"
     fast = _scored(llm)
     assert _all_free(llm)
     monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "0")
-    monkeypatch.setattr(gemm_w8a8, "packed_linear", _twin_linear)
-    twin = LLM(str(path), dtype="bfloat16", kv_cache_memory=KV, quantization="w8a8_int8", max_num_batched_tokens=32)
+    monkeypatch.setattr(fmt, "packed_linear", _twin(fmt))
+    twin = LLM(str(path), dtype="bfloat16", kv_cache_memory=KV, quantization=fmt.FORMAT, max_num_batched_tokens=32)
     assert _scored(twin) == fast
     assert all(len(tokens) == GREEDY.max_tokens for tokens, _ in fast)
     # and it is not the bfloat16 model's output by accident
@@ -74,8 +79,9 @@ def test_int8_engine_matches_its_plain_pytorch_twin(tiny_model_factory, monkeypa
 
 
 @kernel
-def test_self_speculative_decoding_over_int8_weights_is_lossless(tiny_llama: Path) -> None:
-    kwargs = dict(dtype="bfloat16", kv_cache_memory=KV, quantization="w8a8_int8", max_num_batched_tokens=64)
+@pytest.mark.parametrize("quantization", ["w8a8_int8", "w4a8_int4"])
+def test_self_speculative_decoding_over_quantized_weights_is_lossless(tiny_llama: Path, quantization: str) -> None:
+    kwargs = dict(dtype="bfloat16", kv_cache_memory=KV, quantization=quantization, max_num_batched_tokens=64)
     plain = _greedy(LLM(str(tiny_llama), **kwargs))
     spec = LLM(str(tiny_llama), speculative_config={"method": "draft_model", "num_speculative_tokens": 3,
                                                     "draft_layers": 1, "disable_by_batch_size": None}, **kwargs)
@@ -84,22 +90,25 @@ def test_self_speculative_decoding_over_int8_weights_is_lossless(tiny_llama: Pat
 
 
 def test_an_unknown_quantization_names_the_choice(tiny_llama: Path) -> None:
-    with pytest.raises(ValueError, match="quantization='int4' is not supported; use w8a8_int8 or leave it unset"):
+    with pytest.raises(ValueError,
+                       match="quantization='int4' is not supported; use w8a8_int8, w4a8_int4 or leave it unset"):
         LLM(str(tiny_llama), quantization="int4")
 
 
-def test_int8_weights_on_a_float32_model_are_refused(tiny_llama: Path) -> None:
-    with pytest.raises(ValueError, match="quantization=w8a8_int8 runs on bfloat16 models; set dtype bfloat16"):
-        LLM(str(tiny_llama), dtype="float32", quantization="w8a8_int8")
+@pytest.mark.parametrize("quantization", ["w8a8_int8", "w4a8_int4"])
+def test_quantized_weights_on_a_float32_model_are_refused(tiny_llama: Path, quantization: str) -> None:
+    with pytest.raises(ValueError, match=f"quantization={quantization} runs on bfloat16 models; set dtype bfloat16"):
+        LLM(str(tiny_llama), dtype="float32", quantization=quantization)
 
 
-@pytest.mark.parametrize("quantization", [None, "w8a8_int8"])
-def test_the_int8_kernel_is_built_at_start_only_when_asked(monkeypatch: pytest.MonkeyPatch,
-                                                          quantization: str | None) -> None:
+@pytest.mark.parametrize("quantization", [None, "w8a8_int8", "w4a8_int4"])
+def test_a_quantized_kernel_is_built_at_start_only_when_asked(monkeypatch: pytest.MonkeyPatch,
+                                                             quantization: str | None) -> None:
     from pagellm import native_build
     from pagellm.worker import worker
 
     started: list[Path] = []
     monkeypatch.setattr(native_build, "start_in_background", lambda jobs: started.extend(j.args[0] for j in jobs))
     worker._start_kernel_builds(torch.bfloat16, torch.bfloat16, "auto", quantization)
-    assert (gemm_w8a8.SOURCE in started) == (quantization is not None and gemm_w8a8.runs_here())
+    for fmt in (gemm_w8a8, gemm_w4a8):
+        assert (fmt.SOURCE in started) == (quantization == fmt.FORMAT and fmt.runs_here())

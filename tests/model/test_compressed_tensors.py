@@ -119,3 +119,10 @@ def test_other_schemes_are_refused_with_what_was_found(w8a8_dir: Path, change: d
         scheme_of(config)
     assert found in str(info.value)
     assert scheme_of({"architectures": ["LlamaForCausalLM"]}) is None
+
+
+@kernel
+def test_a_w8a8_checkpoint_is_not_quantized_again(w8a8_dir: Path) -> None:
+    with pytest.raises(ValueError, match="this checkpoint's layers are w8a8_int8 already .*serve it without "
+                                         "quantization=w4a8_int4"):
+        LLM(str(w8a8_dir), dtype="bfloat16", kv_cache_memory=1 << 24, quantization="w4a8_int4")

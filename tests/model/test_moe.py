@@ -119,13 +119,13 @@ def _bound(arch: str, config: dict, quantization: str | None = None) -> SparseMo
 
 
 @native
-@pytest.mark.parametrize("quantization", [None, "w8a8_int8"])
+@pytest.mark.parametrize("quantization", [None, "w8a8_int8", "w4a8_int4"])
 @pytest.mark.parametrize(("arch", "config"), NATIVE_CASES)
 def test_native_experts_equal_the_python_loop_bit_for_bit(arch: str, config: dict, quantization: str | None) -> None:
     """Given a routing, the native experts make the Python loop's kernel calls: the same bits; and the whole layer
     in one call is the router's GEMM, the native routing and those experts."""
     if quantization and not gemm_w8a8.available():
-        pytest.skip("the int8 GEMM needs AVX-512 VNNI")
+        pytest.skip("the quantized GEMMs need AVX-512 VNNI")
     ours = _bound(arch, config, quantization)
     native, moe = ours.native_experts(), ours.moe
     assert native is not None and native.routes and native.weight_format == (quantization or "bf16")

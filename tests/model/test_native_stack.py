@@ -166,20 +166,22 @@ def test_native_stack_with_a_sliding_window_equals_the_python_layers(monkeypatch
 
 
 @pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 GEMM needs AVX-512 VNNI")
+@pytest.mark.parametrize("quantization", ["w8a8_int8", "w4a8_int4"])
 @pytest.mark.parametrize("bias,intermediate", [(False, 160), (True, 160), (False, 168)],
                          ids=["no-bias", "qkv-bias", "gate-not-whole-panels"])
-def test_native_stack_over_int8_weights_equals_the_python_layers(monkeypatch: pytest.MonkeyPatch, bias: bool,
-                                                                 intermediate: int) -> None:
-    """``--quantization w8a8_int8``: the stack calls the int8 GEMM where the layers do, the gate/up one with SiLU·mul
-    in one pass (an intermediate size of whole panels of 16) or in two calls (168), as the layers make them."""
-    model = _model(64, bias, quantization="w8a8_int8", intermediate=intermediate)
-    assert gemm.weight_format(model.model.layers[0].mlp.down_proj.weight) == "w8a8_int8"
+def test_native_stack_over_quantized_weights_equals_the_python_layers(monkeypatch: pytest.MonkeyPatch, bias: bool,
+                                                                      intermediate: int, quantization: str) -> None:
+    """``--quantization w8a8_int8`` or ``w4a8_int4``: the stack calls the quantized GEMM where the layers do, the
+    gate/up one with SiLU·mul in one pass (an intermediate size of whole panels of 16) or in two calls (168, and for
+    4 bits down_proj's inputs not whole groups of 32), as the layers make them."""
+    model = _model(64, bias, quantization=quantization, intermediate=intermediate)
+    assert gemm.weight_format(model.model.layers[0].mlp.down_proj.weight) == quantization
     assert gemm.weight_format(model.lm_head.weight) == "bf16"  # the LM head stays bfloat16
     ids, positions, common = _mixed_step(model.cfg.vocab_size)
     native, python, native_caches, python_caches = _native_then_python(model, monkeypatch, common, ids, positions)
     assert torch.equal(native, python)
     assert all(torch.equal(a, b) for a, b in zip(native_caches, python_caches))
-    # and the int8 weights were used: the bfloat16 model's hidden states differ
+    # and the quantized weights were used: the bfloat16 model's hidden states differ
     bf16 = _forward(_model(64, bias, intermediate=intermediate), _caches(model, seed=3), CpuPagedBackend(), common,
                     ids, positions, None)
     assert not torch.equal(native, bf16)
@@ -339,12 +341,13 @@ def test_engine_greedy_tokens_are_identical_over_a_float8_cache(tiny_model_facto
 
 
 @pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 GEMM needs AVX-512 VNNI")
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_engine_greedy_tokens_are_identical_with_int8_weights(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
-                                                              arch: str) -> None:
+@pytest.mark.parametrize(("arch", "quantization"), [("llama", "w8a8_int8"), ("qwen2", "w8a8_int8"),
+                                                    ("qwen3", "w8a8_int8"), ("qwen3", "w4a8_int4")])
+def test_engine_greedy_tokens_are_identical_with_quantized_weights(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
+                                                                   arch: str, quantization: str) -> None:
     path = tiny_model_factory(arch)
     calls = _count_native(monkeypatch)
-    kwargs = dict(max_num_batched_tokens=32, attention_backend="cpu_paged", quantization="w8a8_int8")
+    kwargs = dict(max_num_batched_tokens=32, attention_backend="cpu_paged", quantization=quantization)
     native = _greedy(path, monkeypatch, True, **kwargs)
     assert calls
     assert _greedy(path, monkeypatch, False, **kwargs) == native

@@ -9,7 +9,7 @@ After loading, ``pack_weights(model)`` re-lays every bfloat16 weight that runs t
 (these layers and the LM head) in the packed layout of the native GEMM, in place: the model keeps one copy of
 each weight, and loaders refuse to write into a packed model. float32 weights stay plain (``F.linear``). With a
 ``quantization`` (``ModelConfig.quantization``), these layers' weights are quantized and packed for the int8 kernel
-instead (``ops.gemm_w8a8``); the LM head stays bfloat16.
+(``ops.gemm_w8a8``) or the 4-bit one (``ops.gemm_w4a8``) instead; the LM head stays bfloat16.
 """
 
 from __future__ import annotations
@@ -162,15 +162,18 @@ def _quantize(layer: nn.Module, method: str, shards: int) -> bool:
     """Quantize and pack ``layer.weight`` for ``method``, or pack the int8 weight and scales a quantized checkpoint
     gave it (``expect_scales``; all ``shards`` of a fused layer, or none: a layer such a checkpoint left in float,
     its ``ignore`` list, is packed bfloat16). Returns whether the weight was packed."""
-    if method != gemm_w8a8.FORMAT:
-        raise ValueError(f"quantization={method!r} is not supported; use {gemm_w8a8.FORMAT}")
+    if method not in gemm.QUANTIZED:
+        raise ValueError(f"quantization={method!r} is not supported; use one of {', '.join(gemm.QUANTIZED)}")
     if layer.weight.dtype != torch.bfloat16:
         raise ValueError(f"quantization={method} runs on bfloat16 models; set dtype bfloat16 (this model is "
                          f"{layer.weight.dtype})")
     scale = getattr(layer, "weight_scale", None)
     if scale is None:
-        gemm_w8a8.quantize_parameter(layer.weight)
+        gemm.QUANTIZED[method].quantize_parameter(layer.weight)
         return True
+    if method != gemm_w8a8.FORMAT:
+        raise ValueError(f"this checkpoint's layers are {gemm_w8a8.FORMAT} already (compressed-tensors); serve it "
+                         f"without quantization={method}")
     del layer.weight_scale  # packed into the weight, or not needed
     if not scale.loaded:
         return gemm.pack_parameter(layer.weight)

@@ -1,0 +1,326 @@
+// 4-bit GEMM over pre-packed weights with a scale and a minimum per group of 32 (W4A8): bfloat16 in and out,
+// y[M, N] = Σ_g (P_g · d_g + m_g · S_g) · s_x (+ bias).
+//
+// The weight W [N, K] is quantized once at load time (pagellm/ops/gemm_w4a8.py `quantize`), in groups of 32 inputs
+// per output column, as llama.cpp's Q4_1 is: d = (max - min) / 15 and m = min, both stored as float16, and
+// q = round((W - m) / d) in [0, 15], so W ≈ d · q + m. Each call quantizes its rows of x as the int8 kernel does
+// (packed_gemm_w8a8.cpp), per row: s_x = max|x| / 127, q(x) = round(x · (127 / max|x|)) in [-127, 127], and keeps
+// each row's group sums S_g = Σ q(x) over the group. Then for each output, over the groups in order, in float32:
+// f = f + P_g · d_g, f = f + m_g · S_g, where P_g = Σ q · q(x) is the group's exact int32 dot product; finally
+// y = f · s_x (+ bias), each op rounded (this source is built with -ffp-contract=off) and then rounded to
+// nearest-even bfloat16. The plain-PyTorch twin and test oracle, `gemm_w4a8.reference_linear`, computes the same
+// bits, and every output is the same whatever M, the tiling or the thread count: batch-invariant rows.
+//
+// Packed layout (`pack`): panels of 16 output columns; per panel, per group of 32 inputs, five 64-byte lines: four
+// of nibbles, then the 16 float16 d and the 16 float16 m. Nibble line l holds k = 8l .. 8l + 7 of the group: byte
+// 4c + i has k = 8l + i of column c in its low nibble and k = 8l + 4 + i in its high one, so the low nibbles of a
+// line are the unsigned operand of one _mm512_dpbusd_epi32 (VNNI: unsigned bytes times signed ones) against four
+// broadcast bytes of q(x), and the high nibbles of another. A group's 320 bytes are contiguous, so a panel streams
+// in order. K is padded with zeros to whole groups, N to whole panels (their d and m are zero).
+//
+// The register tile is MR rows x NR panels, with one int32 accumulator (the group's dot products) and one float32
+// sum per cell; per nibble line it unpacks NR lines and issues 2 · MR · NR dot products. Threads take runs of
+// panels from a counter (gemm_chunks.h). The gate/up entry pairs each gate panel with its up panel in one tile and
+// writes silu(gate) · up from the sums, each rounded to bfloat16 first as the GEMM's own output would be, then
+// through the SiLU·mul kernel's code (silu.h): the two-call path's bits.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gemm_chunks.h"
+#include "silu.h"  // round_bf16x16, silu_mul16, store_bf16x16
+
+namespace {
+
+constexpr int kPanel = 16;                // output columns per panel (one zmm)
+constexpr int kGroup = 32;                // inputs per group (one d and one m per column)
+constexpr int64_t kLine = 64;             // bytes per line
+constexpr int kNibbleLines = 4;           // lines of nibbles per group, 8 inputs each
+constexpr int64_t kGroupBytes = 5 * kLine;  // a group of a panel: its nibble lines and its scale line
+constexpr int kPrefetchGroups = 6;        // software prefetch distance along a panel (about 2 KiB ahead)
+constexpr int64_t kMC = 192;              // rows per M block
+constexpr int kMaxMR = 6;
+
+struct Tile {
+  const int8_t* x;       // first row of q(x), at its first group
+  int64_t ldx;           // bytes between rows of q(x)
+  const float* sums;     // first row's group sums S_g (float32, exact)
+  int64_t lds;           // floats between rows of sums
+  const uint8_t* w;      // first panel
+  int64_t panel_stride;  // bytes between panels
+  int64_t groups;
+  uint16_t* y;           // first row, first column of the tile
+  int64_t ldy;
+  const float* sx;       // the tile's rows' scales
+  const uint16_t* bias;  // at the tile's first column, or null
+  int cols;              // valid output columns of the tile (paired: gate columns)
+  int64_t up;            // paired tiles: bytes from a gate panel to its up panel
+};
+
+inline __mmask16 col_mask(int cols) {
+  return cols >= kPanel ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << cols) - 1);
+}
+
+inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// acc += Σ of 4 products u8(a) · s8(b) per int32 lane (the accumulator tied in asm, as in packed_gemm_w8a8.cpp).
+inline __m512i dot_quads(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+inline __m512i broadcast_quad(const int8_t* p) {
+  int32_t quad;
+  std::memcpy(&quad, p, sizeof(quad));
+  return _mm512_set1_epi32(quad);
+}
+
+// One group of the tile: its exact dot products, then f += P · d and f += m · S (each op rounded).
+template <int MR, int NR>
+inline void group_step(const Tile& t, const uint8_t* w, const int64_t (&at)[NR], int64_t g, __m512 (&f)[MR][NR]) {
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  __m512i acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
+  const int8_t* x = t.x + g * kGroup;
+  for (int l = 0; l < kNibbleLines; ++l) {
+    __m512i lo[NR], hi[NR];
+    for (int j = 0; j < NR; ++j) {
+      const __m512i v = _mm512_loadu_si512(w + at[j] + l * kLine);
+      lo[j] = _mm512_and_si512(v, nibble);
+      hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      _mm_prefetch(reinterpret_cast<const char*>(w + at[j] + kPrefetchGroups * kGroupBytes + l * kLine),
+                   _MM_HINT_T0);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512i a = broadcast_quad(x + i * t.ldx + 8 * l), b = broadcast_quad(x + i * t.ldx + 8 * l + 4);
+      for (int j = 0; j < NR; ++j) acc[i][j] = dot_quads(dot_quads(acc[i][j], lo[j], a), hi[j], b);
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const uint8_t* scales = w + at[j] + kNibbleLines * kLine;
+    _mm_prefetch(reinterpret_cast<const char*>(scales + kPrefetchGroups * kGroupBytes), _MM_HINT_T0);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
+    for (int i = 0; i < MR; ++i) {
+      f[i][j] = _mm512_add_ps(f[i][j], _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][j]), d));
+      f[i][j] = _mm512_add_ps(f[i][j], _mm512_mul_ps(m, _mm512_set1_ps(t.sums[i * t.lds + g])));
+    }
+  }
+}
+
+// MR rows by NR panels; PAIRED: panels NR / 2.. are the up panels of panels 0.. (t.up bytes on).
+template <int MR, int NR, bool PAIRED>
+void tile_kernel(const Tile& t) {
+  __m512 f[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) f[i][j] = _mm512_setzero_ps();
+  int64_t at[NR];  // each panel's offset from t.w
+  for (int j = 0; j < NR; ++j)
+    at[j] = PAIRED && j >= NR / 2 ? t.up + (j - NR / 2) * t.panel_stride : j * t.panel_stride;
+  const uint8_t* w = t.w;
+  for (int64_t g = 0; g < t.groups; ++g, w += kGroupBytes) group_step<MR, NR>(t, w, at, g, f);
+  constexpr int kOut = PAIRED ? NR / 2 : NR;
+  for (int j = 0; j < kOut; ++j) {
+    const int cols = t.cols - j * kPanel;
+    if (cols <= 0) break;
+    const __mmask16 m = col_mask(cols);
+    const __m512 bias = !PAIRED && t.bias ? widen_bf16(_mm256_maskz_loadu_epi16(m, t.bias + j * kPanel))
+                                          : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      const __m512 sx = _mm512_set1_ps(t.sx[i]);
+      __m512 out = _mm512_mul_ps(f[i][j], sx);
+      if constexpr (PAIRED) {
+        out = silu_mul16(round_bf16x16(out), round_bf16x16(_mm512_mul_ps(f[i][j + NR / 2], sx)));
+      } else if (t.bias) {
+        out = _mm512_add_ps(out, bias);
+      }
+      store_bf16x16(t.y + i * t.ldy + j * kPanel, out, m);
+    }
+  }
+}
+
+using TileFn = void (*)(const Tile&);
+
+// Most accumulator panels of a tile of mr rows: 2 · MR · NR accumulators, 2 · NR unpacked lines and two broadcasts
+// fit in 32 zmm (paired tiles: an even count).
+constexpr int max_nr(int mr, bool paired) {
+  return mr == 1 ? 6 : mr == 2 ? 4 : mr == 3 ? (paired ? 2 : 3) : 2;
+}
+
+template <int MR, int NR, bool PAIRED>
+TileFn pick_nr(int nr) {
+  if constexpr (NR <= 0) {
+    return nullptr;
+  } else {
+    return nr == NR ? tile_kernel<MR, NR, PAIRED> : pick_nr<MR, NR - (PAIRED ? 2 : 1), PAIRED>(nr);
+  }
+}
+
+template <int MR>
+TileFn pick(int nr, bool paired) {
+  return paired ? pick_nr<MR, max_nr(MR, true), true>(nr) : pick_nr<MR, max_nr(MR, false), false>(nr);
+}
+
+TileFn tile_fn(int mr, int nr, bool paired) {
+  switch (mr) {
+    case 1: return pick<1>(nr, paired);
+    case 2: return pick<2>(nr, paired);
+    case 3: return pick<3>(nr, paired);
+    case 4: return pick<4>(nr, paired);
+    case 5: return pick<5>(nr, paired);
+    default: return pick<6>(nr, paired);
+  }
+}
+
+int next_rows(int64_t left) {  // one group of up to 6 rows, else groups of 6 (7 = 4 + 3)
+  if (left <= kMaxMR) return static_cast<int>(left);
+  return left == 7 ? 4 : kMaxMR;
+}
+
+struct Problem {
+  const int8_t* xq;  // q(x), [m][groups * 32]
+  const float* sums;  // [m][groups]
+  const float* sx;
+  int64_t m, n, groups, panels, panel_stride;
+  const uint8_t* w;
+  const uint16_t* bias;
+  uint16_t* y;
+  int64_t ldy;
+  int width;          // output panels per run of tiles
+  int64_t up_panels;  // the gate/up entry: panels from a gate panel to its up panel (n: the gate columns); else 0
+};
+
+// Rows [m0, m0 + mb) over output panels [g, g + np).
+void run_block(const Problem& pb, int64_t g, int np, int64_t m0, int64_t mb) {
+  const bool paired = pb.up_panels > 0;
+  const int per = paired ? 2 : 1;  // accumulator panels per output panel
+  for (int64_t i = 0; i < mb;) {
+    const int mr = next_rows(mb - i);
+    const int most = max_nr(mr, paired) / per;
+    for (int64_t gg = g; gg < g + np; gg += most) {
+      const int nrr = static_cast<int>(g + np - gg < most ? g + np - gg : most);
+      Tile t;
+      t.x = pb.xq + (m0 + i) * kGroup * pb.groups;
+      t.ldx = kGroup * pb.groups;
+      t.sums = pb.sums + (m0 + i) * pb.groups;
+      t.lds = pb.groups;
+      t.w = pb.w + gg * pb.panel_stride;
+      t.panel_stride = pb.panel_stride;
+      t.groups = pb.groups;
+      t.y = pb.y + (m0 + i) * pb.ldy + gg * kPanel;
+      t.ldy = pb.ldy;
+      t.sx = pb.sx + m0 + i;
+      t.bias = pb.bias ? pb.bias + gg * kPanel : nullptr;
+      const int64_t cols = pb.n - gg * kPanel;
+      t.cols = static_cast<int>(cols < nrr * kPanel ? cols : nrr * kPanel);
+      t.up = pb.up_panels * pb.panel_stride;
+      tile_fn(mr, nrr * per, paired)(t);
+    }
+    i += mr;
+  }
+}
+
+// One thread's share: chunks of output panels from the shared counter, each over every row.
+void run_tiles(const Problem& pb, const Chunks& chunks, std::atomic<int64_t>& next) {
+  for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks.items;
+       c = next.fetch_add(1, std::memory_order_relaxed)) {
+    int64_t p0, p1;
+    chunks.range(c, pb.panels, &p0, &p1);
+    for (int64_t m0 = 0; m0 < pb.m && p0 < p1; m0 += kMC) {
+      const int64_t mb = pb.m - m0 < kMC ? pb.m - m0 : kMC;
+      for (int64_t g = p0; g < p1; g += pb.width)
+        run_block(pb, g, static_cast<int>(p1 - g < pb.width ? p1 - g : pb.width), m0, mb);
+    }
+  }
+}
+
+// Rows [r0, r1) of bfloat16 x [., k] (row stride ldx) quantized: out[r] = q(x[r]) over groups * 32 bytes (zero
+// padding), sums[r][g] = Σ q(x[r]) over group g, sx[r] the row's scale. q is the int8 kernel's.
+void quantize_rows(const uint16_t* x, int64_t ldx, int64_t k, int64_t groups, int8_t* out, float* sums, float* sx,
+                   int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* row = x + r * ldx;
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k; c += kPanel) {
+      const __mmask16 m = col_mask(static_cast<int>(k - c));
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(widen_bf16(_mm256_maskz_loadu_epi16(m, row + c))));
+    }
+    const float amax = _mm512_reduce_max_ps(mx);
+    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    if (!std::isfinite(inv)) inv = 0.0f;
+    sx[r] = amax / 127.0f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    int8_t* dst = out + r * kGroup * groups;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t c = g * kGroup; c < (g + 1) * kGroup; c += kPanel) {
+        const __mmask16 m = c < k ? col_mask(static_cast<int>(k - c)) : 0;
+        const __m512 v = _mm512_mul_ps(widen_bf16(_mm256_maskz_loadu_epi16(m, row + c)), vinv);
+        const __m512i q = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(v), lo), hi);
+        _mm512_mask_cvtepi32_storeu_epi8(dst + c, 0xffff, q);
+        sum = _mm512_add_epi32(sum, q);
+      }
+      sums[r * groups + g] = static_cast<float>(_mm512_reduce_add_epi32(sum));
+    }
+  }
+}
+
+// y[m, n] for `panels` packed panels (n outputs; with up_panels > 0, n gate outputs whose up panels lie up_panels
+// on, and y = silu(gate) · up): x quantized by rows over the threads, then the tiles.
+void run(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w, int64_t panels, int64_t n,
+         int64_t up_panels, const uint16_t* bias, uint16_t* y, int64_t ldy) {
+  const int64_t groups = (k + kGroup - 1) / kGroup;
+  thread_local std::vector<int8_t> xq;  // the calling thread's, grown to the largest call
+  thread_local std::vector<float> sums, sx;
+  if (xq.size() < static_cast<size_t>(m * kGroup * groups)) xq.resize(static_cast<size_t>(m * kGroup * groups));
+  if (sums.size() < static_cast<size_t>(m * groups)) sums.resize(static_cast<size_t>(m * groups));
+  if (sx.size() < static_cast<size_t>(m)) sx.resize(static_cast<size_t>(m));
+  const int width = (m == 1 ? 6 : m == 2 ? 4 : 2) / (up_panels ? 2 : 1);
+  const int64_t out_panels = up_panels ? up_panels : panels;
+  const Problem pb{xq.data(), sums.data(), sx.data(), m, n, groups, out_panels, groups * kGroupBytes, w, bias, y,
+                   ldy, width < 1 ? 1 : width, up_panels};
+  const int threads = threads_for(m * (up_panels ? 2 * n : n) * k);
+  const Chunks chunks = make_chunks(out_panels, threads, pb.width);
+  std::atomic<int64_t> next{0};
+  int8_t* const xqp = xq.data();  // the region's other threads see their own thread_locals: pass the pointers
+  float* const sump = sums.data();
+  float* const sxp = sx.data();
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    quantize_rows(x, ldx, k, groups, xqp, sump, sxp, m * t / nt, m * (t + 1) / nt);
+#pragma omp barrier
+    run_tiles(pb, chunks, next);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x: [m, k] bf16 rows with stride ldx; w: packed (see the top of this file) for n outputs and k inputs; bias: [n]
+// bf16 or null; y: [m, n] bf16 with row stride ldy. The signature of pagellm_packed_linear_bf16, so the decoder
+// stack calls either. Uses torch's OpenMP threads.
+void pagellm_packed_linear_w4a8(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w, int64_t n,
+                                const uint16_t* bias, uint16_t* y, int64_t ldy) {
+  if (m > 0) run(x, m, k, ldx, w, (n + kPanel - 1) / kPanel, n, 0, bias, y, ldy);
+}
+
+// y[m, n2 / 2] = silu(gate) · up of x · Wᵀ for the packed gate/up weight W [n2, k] (gate rows first, then up rows),
+// in one pass, bit for bit this GEMM followed by silu_and_mul. Where n2 / 2 is whole panels: returns 0, else -1
+// and nothing written (the caller makes the two calls). The signature of pagellm_packed_linear_silu_mul_bf16.
+int pagellm_packed_linear_silu_mul_w4a8(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w,
+                                        int64_t n2, uint16_t* y, int64_t ldy) {
+  if (n2 % (2 * kPanel) != 0) return -1;
+  if (m > 0) run(x, m, k, ldx, w, n2 / kPanel, n2 / 2, n2 / (2 * kPanel), nullptr, y, ldy);
+  return 0;
+}
+
+}  // extern "C"
