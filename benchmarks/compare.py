@@ -167,7 +167,8 @@ def pagellm_offline(args: argparse.Namespace, ctx: systems.Context, result: Path
     argv = [ctx.pagellm_python, "-m", "pagellm.cli", "bench", "throughput", "--dtype", ctx.dtype, "--num-prompts",
             str(args.offline_num_prompts), "--kv-cache-memory", str(systems.KV_GIB << 30), "--result-json",
             str(result), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-            *systems.kv_flags(ctx), *(["--model", str(ctx.model_dir)] if ctx.quantization else []),
+            *systems.kv_flags(ctx), *(["--model", str(ctx.model_dir)] if ctx.quantization == "w8a8_int8" else []),
+            *(["--quantization", systems.W4] if ctx.quantization == systems.W4 else []),
             *ctx.pagellm_flags, *flags]
     return argv, {"PAGELLM_NUM_THREADS": str(ctx.threads)}
 
@@ -186,12 +187,12 @@ def offline_commands(args: argparse.Namespace, ctx: systems.Context, out: Path,
                          {"PAGELLM_NUM_THREADS": str(ctx.threads)}),
     }
     vllm = systems.PEERS / "vllm" / "bin" / "vllm"
-    if vllm.exists():
+    if vllm.exists() and ctx.quantization != systems.W4:
         cmds["vLLM"] = ([str(vllm), "bench", "throughput", "--model", str(ctx.model_dir), "--dtype", ctx.dtype,
                          "--dataset-name", "random", "--random-input-len", str(args.input_len),
                          "--random-output-len", str(args.output_len), "--num-prompts", str(args.offline_num_prompts),
                          "--output-json", str(out / f"offline-vLLM{suffix}.json"), *kv], systems.vllm_env(ctx))
-    if kv or ctx.quantization:  # the transformers baseline has no float8 cache and no W8A8 int8 weights
+    if kv or ctx.quantization:  # the transformers baseline has no float8 cache and no quantized weights
         del cmds["transformers"]
     return cmds
 
@@ -254,9 +255,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                         help="pagellm's and vLLM's KV cache element type (llama.cpp and transformers are skipped)")
-    parser.add_argument("--quantization", default=None, choices=["w8a8_int8"],
-                        help="pagellm and vLLM serve a W8A8 int8 compressed-tensors checkpoint of the model, written "
-                             "once into .peers/ (llama.cpp and transformers are skipped)")
+    parser.add_argument("--quantization", default=None, choices=["w8a8_int8", "w4a8_int4"],
+                        help="w8a8_int8: pagellm and vLLM serve a W8A8 int8 compressed-tensors checkpoint of the "
+                             "model, written once into .peers/, llama.cpp its Q8_0 GGUF; w4a8_int4: pagellm "
+                             "quantizes to 4 bits at load, llama.cpp serves the original Q4_1 GGUF, vLLM sits out "
+                             "(transformers is skipped for both)")
     parser.add_argument("--pagellm-flags", default="", metavar="FLAGS",
                         help="pagellm's own engine flags on top of the shared ones, served and offline (e.g. "
                              "'--max-num-batched-tokens 768'); the report lists them with the others")
@@ -302,7 +305,7 @@ def parse_args() -> argparse.Namespace:
 def quantized_dir(model_dir: Path, quantization: str | None) -> Path:
     """``model_dir``, or its W8A8 int8 compressed-tensors copy in .peers/ (written on first use) for pagellm and vLLM
     to serve alike."""
-    if not quantization:
+    if quantization != "w8a8_int8":
         return model_dir
     from pagellm.model.compressed_tensors import write_w8a8
 

@@ -184,6 +184,16 @@ def _settled(args: argparse.Namespace) -> str:
             "not include it.") if settle else ""
 
 
+def _weights_note(quantization: str | None) -> str:
+    if quantization == "w4a8_int4":
+        return (", weights w4a8_int4 (pagellm quantizes them to 4 bits at load, groups of 32 with a float16 scale and "
+                "minimum each; llama.cpp serves the original GGUF, Q4_1: the same format)")
+    if quantization:
+        return (f", weights {quantization} (a compressed-tensors checkpoint: the same int8 weights and scales for "
+                "pagellm and vLLM)")
+    return ""
+
+
 def write_report(md_path: Path, out: Path, args: argparse.Namespace, ctx: Any, served: list[dict[str, Any]],
                  offline: dict[str, dict[str, Any]], skipped: dict[str, str], command: str | None = None) -> Path:
     charts = plot.plot_serve([{"label": _label(r, served), "runs": r["runs"]} for r in served if r["runs"]], str(out))
@@ -195,8 +205,7 @@ def write_report(md_path: Path, out: Path, args: argparse.Namespace, ctx: Any, s
     lines = [f"# pagellm vs peers, {md_path.stem}", "",
              f"Machine: {_cpu_name()}, {os.cpu_count()} cores. Model: SmolLM2-135M-Instruct ({ctx.model_dir.name}),"
              f" dtype {ctx.dtype}" + (f", KV cache {ctx.kv_cache_dtype}" if ctx.kv_cache_dtype != "auto" else "") +
-             (f", weights {ctx.quantization} (a compressed-tensors checkpoint: the same int8 weights and scales for "
-              "pagellm and vLLM)" if getattr(ctx, "quantization", None) else "") +
+             _weights_note(getattr(ctx, "quantization", None)) +
              f", {ctx.threads} threads for every system. Workload: {_workload(args)}.",
              "", "The machine is shared with other engineers' test runs: figures are noisy (10–40 % between runs "
              "here); compare systems within this file only." + (f" {args.notes}" if args.notes else ""), "",

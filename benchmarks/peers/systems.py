@@ -20,7 +20,11 @@ format) and the transformers baseline have no float8 cache and are skipped. With
 ``--quantization w8a8_int8``), ``model_dir`` is a compressed-tensors W8A8 int8 checkpoint that pagellm and vLLM both
 serve (the same int8 weights and scales, read from the same files); llama.cpp serves its own 8-bit weights, the
 bfloat16 GGUF quantized to Q8_0 (``make peers``: int8 in blocks of 32 with a scale each, and the activations
-quantized to 8 bits in its dot products too), and the transformers baseline is skipped.
+quantized to 8 bits in its dot products too), and the transformers baseline is skipped. With ``--quantization
+w4a8_int4``, pagellm quantizes the model's weights to 4 bits at load (groups of 32 with a float16 scale and minimum
+each, llama.cpp's Q4_1) and llama.cpp serves the built-in model's original GGUF, which is Q4_1 (the same format; its
+dot products quantize the activations to 8 bits too); vLLM (no Q4_1 path on CPU) and the transformers baseline are
+skipped.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 PEERS = REPO / ".peers"
 KV_GIB = 4
 Q8_GGUF = PEERS / "gguf" / "SmolLM2-135M-Instruct-Q8_0.gguf"  # llama.cpp's side of a W8A8 comparison
+W4 = "w4a8_int4"  # quantized by pagellm at load; llama.cpp takes the original Q4_1 GGUF
 
 
 @dataclass
@@ -48,7 +53,7 @@ class Context:
     context_per_stream: int = 512
     pagellm_python: str = sys.executable
     kv_cache_dtype: str = "auto"
-    quantization: str | None = None  # model_dir is then that scheme's checkpoint
+    quantization: str | None = None  # w8a8_int8: model_dir is that scheme's checkpoint; w4a8_int4: pagellm's flag
     pagellm_flags: tuple[str, ...] = ()  # pagellm's own engine flags on top (compare.py --pagellm-flags)
 
 
@@ -58,13 +63,18 @@ def kv_flags(ctx: Context) -> list[str]:
 
 
 def model_flags(ctx: Context) -> list[str]:
-    """pagellm's model argument: the quantized checkpoint where there is one (else its built-in model)."""
+    """pagellm's model argument: the quantized checkpoint where there is one (else its built-in model), or the flag
+    that quantizes it at load."""
+    if ctx.quantization == W4:
+        return ["--quantization", W4]
     return [str(ctx.model_dir)] if ctx.quantization else []
 
 
 def _unserved(ctx: Context, llama: bool = False) -> str | None:
     """Why llama.cpp or the transformers baseline sits out a float8-cache or W8A8 comparison, if it does (llama.cpp
     takes a W8A8 one on its Q8_0 GGUF)."""
+    if ctx.quantization == W4:
+        return None if llama else f"no Q4_1 weights (--quantization {W4})"
     if ctx.quantization and not llama:
         return f"no W8A8 int8 compressed-tensors checkpoint (--quantization {ctx.quantization})"
     if ctx.quantization and not Q8_GGUF.exists():
@@ -114,11 +124,13 @@ def vllm(ctx: Context, port: int) -> System:
     env = vllm_env(ctx)
     note = " ".join([*(f"{k}={v}" for k, v in env.items() if k != "VLLM_LOGGING_LEVEL"),
                      f"vllm serve --dtype {ctx.dtype}", *kv_flags(ctx)])
-    return System("vLLM", argv, env, note=note, missing_reason=None if exe.exists() else
-                  f"{exe} not found (run `make peers`)")
+    return System("vLLM", argv, env, note=note, missing_reason=f"no Q4_1 path on CPU (--quantization {W4})"
+                  if ctx.quantization == W4 else None if exe.exists() else f"{exe} not found (run `make peers`)")
 
 
 def gguf_for_llama(ctx: Context) -> tuple[Path, str]:
+    if ctx.quantization == W4:
+        return ctx.gguf_original, "Q4_1"
     if ctx.quantization:
         return Q8_GGUF, "Q8_0"
     bf16 = PEERS / "gguf" / "SmolLM2-135M-Instruct-bf16.gguf"
