@@ -99,7 +99,8 @@ def pagellm(ctx: Context, port: int) -> System:
             *ctx.pagellm_flags]
     return System("pagellm", argv, {"PAGELLM_NUM_THREADS": str(ctx.threads)},
                   note=" ".join([f"--dtype {ctx.dtype} --kv-cache-memory {KV_GIB}GiB", *kv_flags(ctx),
-                                 *ctx.pagellm_flags]) + f", PAGELLM_NUM_THREADS={ctx.threads}")
+                                 *(model_flags(ctx) if ctx.quantization == W4 else []), *ctx.pagellm_flags])
+                  + f", PAGELLM_NUM_THREADS={ctx.threads}")
 
 
 def _preload(venv: Path) -> str:

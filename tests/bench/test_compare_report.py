@@ -281,6 +281,7 @@ def test_compare_sets_4bit_pagellm_beside_llama_cpps_q4_1_gguf(tmp_path, monkeyp
     ctx = compare.systems.Context(tmp_path / "model", tmp_path / "m.gguf", quantization="w4a8_int4")
     built = {name: build(ctx, 8000) for name, build in compare.systems.BUILDERS.items()}
     assert built["pagellm"].argv[4:6] == ["--quantization", "w4a8_int4"] and built["pagellm"].missing_reason is None
+    assert "--quantization w4a8_int4" in built["pagellm"].note
     assert built["llama.cpp"].missing_reason is None and built["llama.cpp"].name == "llama.cpp (Q4_1)"
     assert str(tmp_path / "m.gguf") in built["llama.cpp"].argv
     assert built["vllm"].missing_reason == "no Q4_1 path on CPU (--quantization w4a8_int4)"
