@@ -149,7 +149,7 @@ using TileFn = void (*)(const Tile&);
 
 // Most accumulator panels of a tile of mr rows: 2 · MR · NR accumulators, 2 · NR unpacked lines and two broadcasts
 // fit in 32 zmm (paired tiles: an even count). One row streams 8 panels (its 16 accumulators leave the compiler room
-// to use each unpacked line as it is made): 5-6 % faster than 6 at one row, where decoding reads weights.
+// to use each unpacked line as it is made): about 3 % faster than 6 at one row (docs/performance.md, Round 29).
 constexpr int max_nr(int mr, bool paired) {
   return mr == 1 ? 8 : mr == 2 ? 4 : mr == 3 ? (paired ? 2 : 3) : 2;
 }
