@@ -86,6 +86,7 @@ class ArchConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    rotary_dim: int  # the first dimensions of each head the rotary embedding turns (Phi-4-mini: 3/4 of them)
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict | None
@@ -110,10 +111,12 @@ class ArchConfig:
         model_type = cfg.get("model_type")
         window = cfg.get("sliding_window") if (model_type not in _QWEN or cfg.get("use_sliding_window")) else None
         rope_params = cfg.get("rope_parameters") or {}
-        partial = cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
-        if partial not in (None, 1, 1.0):  # Phi-4-mini's 0.75
-            raise ValueError(f"partial_rotary_factor={partial} (rotary embedding over part of each head) is not "
-                             "supported; supported: 1.0")
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        partial = cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor")) or 1.0
+        rotary_dim = int(head_dim * float(partial))  # Phi-4-mini's 0.75: 96 of 128
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor={partial} gives {rotary_dim} rotated dimensions of each head's "
+                             f"{head_dim}; it must give an even number from 2 to {head_dim}")
         rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default")
                                                    != "default" else None)
         if rope_kind(rope_scaling) in LONGROPE and "original_max_position_embeddings" not in rope_scaling:
@@ -129,7 +132,8 @@ class ArchConfig:
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
+            rotary_dim=rotary_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
             rope_scaling=rope_scaling,

@@ -151,6 +151,9 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict
         config["qkv_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "phi3":
         config.update(_phi3_config(meta))
+    rope_dim = int(get("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:  # Phi-4-mini turns 96 of each head's 128 dimensions
+        config["partial_rotary_factor"] = rope_dim / head_dim
     if experts:
         config.update(_experts_config(meta, arch, experts))
     config.update(_special_ids(meta))

@@ -113,7 +113,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.parallel = parallel
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype,
+                                 cfg.rotary_dim)
         self.layer_range = parallel.layer_range(cfg.num_layers)  # all of them, or this pipeline stage's
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype, parallel, i) for i in self.layer_range)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)

@@ -9,8 +9,9 @@ attention backend):
   and residual, ``run_native_stage``; a tensor-parallel rank its slice of every layer, the row-parallel outputs
   and the experts' partial sums summed through the ranks' all-reduce; with expert parallelism a rank's experts do
   not route, so the Python layers run), and every GEMM weight of every layer is packed
-  (``gemm.pack_parameter``), or every one quantized (``--quantization w8a8_int8`` or ``w4a8_int4``), with no o_proj bias (q/k/v
-  bias, as in Qwen2, and Qwen3's per-head q/k norm are served) and one RMSNorm epsilon throughout; a mixture of
+  (``gemm.pack_parameter``), or every one quantized (``--quantization w8a8_int8`` or ``w4a8_int4``), with no
+  o_proj bias (q/k/v bias, as in Qwen2, Qwen3's per-head q/k norm and Phi-4-mini's partial rotary embedding are
+  served) and one RMSNorm epsilon throughout; a mixture of
   experts' sparse layers run their native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE
   with its shared expert, Qwen3-MoE);
 - no request of the step runs with a LoRA adapter (those steps take the Python layers, ``pagellm/lora.py``);
@@ -72,7 +73,7 @@ def build_stack(model: nn.Module) -> DecoderStack | None:
     shape = StackShape(model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
                        max(dense, default=0), eps.pop(), attn.scale)
     rotary = first.self_attn.rotary
-    if eps or rotary.cos.dtype != torch.bfloat16 or attn.head_dim % 2:
+    if eps or rotary.cos.dtype != torch.bfloat16 or rotary.cos.shape[1] % 2:
         return None
     return DecoderStack(weights, shape, model.norm.weight, rotary.cos, rotary.sin,  # type: ignore[arg-type]
                         formats.pop(), parallel.all_reduce if parallel.tp_size > 1 else None)

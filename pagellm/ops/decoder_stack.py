@@ -65,7 +65,7 @@ class _Layer(ctypes.Structure):  # csrc StackLayer
 
 class _Shape(ctypes.Structure):  # csrc StackShape
     _fields_ = [(name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size",
-                                        "cache_slots", "max_positions")]
+                                        "cache_slots", "max_positions", "rot_dim")]
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_format", _I)]
 
 
@@ -219,7 +219,7 @@ class DecoderStack:
             slot.moe = None if w.moe is None else w.moe.address
             slot.windowed = int(w.sliding_window is not None)
         self._shape = _Shape(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate, 1, 0,
-                             cos.shape[0], shape.eps, shape.scale, 0)
+                             cos.shape[0], cos.shape[1], shape.eps, shape.scale, 0)
 
     def _kernel_table(self, cache_dtype: torch.dtype) -> object:
         """The kernels' entry points for ``cache_dtype`` caches, with this stack's all-reduce (kept alive here)."""

@@ -39,7 +39,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     build)."""
     lib.pagellm_add_rms_norm_bf16.argtypes = [_P, _P, _P, _I, _I, _F, _P, _P]
     lib.pagellm_silu_and_mul_bf16.argtypes = [_P, _I, _I, _P]
-    lib.pagellm_rotary_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _P, _P]
+    lib.pagellm_rotary_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P]
     for fn in (lib.pagellm_add_rms_norm_bf16, lib.pagellm_silu_and_mul_bf16, lib.pagellm_rotary_bf16):
         fn.restype = None
     return lib
@@ -85,15 +85,17 @@ def _head_rows(t: torch.Tensor) -> bool:
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Rotated (q, k) as new contiguous tensors ("rotate half" layout), or ``None`` where the op does not apply."""
+    """Rotated (q, k) as new contiguous tensors ("rotate half" layout) over the first ``cos.shape[1]`` dimensions of
+    each head (the rest copied), or ``None`` where the op does not apply."""
+    rot_dim = cos.shape[-1]
     if not (_head_rows(q) and _head_rows(k) and _bf16_rows(cos, sin) and positions.dtype == torch.int64
-            and positions.is_contiguous() and q.shape[2] % 2 == 0):
+            and positions.is_contiguous() and rot_dim % 2 == 0 and rot_dim <= q.shape[2]):
         return None
     lib = _lib()
     if lib is None:
         return None
     q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
     lib.pagellm_rotary_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), cos.data_ptr(), sin.data_ptr(),
-                            positions.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2], q_out.data_ptr(),
-                            k_out.data_ptr())
+                            positions.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2], rot_dim,
+                            q_out.data_ptr(), k_out.data_ptr())
     return q_out, k_out

@@ -211,8 +211,25 @@ def test_phi3_longrope_equals_transformers_in_both_regimes(tiny_model_factory) -
     assert run(long, short_prompts) != short_tokens
 
 
-def test_phi4_minis_partial_rotary_embedding_is_refused_by_name(tiny_model_factory) -> None:
-    partial = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
-    with pytest.raises(ValueError, match=r"partial_rotary_factor=0.75 \(rotary embedding over part of each head\) "
-                                         r"is not supported; supported: 1.0"):
+@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 10000.0},
+                                  {**LONGROPE, "short_factor": LONGROPE["short_factor"][::2],
+                                   "long_factor": LONGROPE["long_factor"][::2]}], ids=["default", "longrope"])
+def test_phi4_minis_partial_rotary_embedding_equals_transformers(tiny_model_factory, rope: dict) -> None:
+    """Phi-4-mini turns the first 3/4 of each head's dimensions (here half: 8 of 16) and passes the rest through,
+    with LongRoPE's factors over those it turns; greedy output equals transformers' (past LongRoPE's original
+    context, where both take the long factors), and the untouched dimensions matter."""
+    partial = {**rope, "partial_rotary_factor": 0.5}
+    model_dir = tiny_model_factory("phi3", seed=8, rope_parameters=partial, original_max_position_embeddings=64)
+    prompts = _prompts(seed=23, shared_prefix=70) if rope["rope_type"] == "longrope" else _prompts(seed=23)
+    tokens = run(LLM(str(model_dir), dtype="float32"), prompts)
+    assert_greedy_parity(model_dir, prompts, tokens)
+    if rope["rope_type"] == "default":
+        whole = tiny_model_factory("phi3", seed=8, rope_parameters=rope, original_max_position_embeddings=64)
+        assert run(LLM(str(whole), dtype="float32"), prompts) != tokens
+
+
+def test_a_partial_rotary_factor_that_turns_no_whole_pairs_is_refused(tiny_model_factory) -> None:
+    partial = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.3125}
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0.3125 gives 5 rotated dimensions of each head's "
+                                         r"16; it must give an even number from 2 to 16"):
         LLM(str(tiny_model_factory("phi3", seed=8, rope_parameters=partial)), dtype="float32")

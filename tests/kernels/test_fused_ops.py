@@ -61,12 +61,15 @@ def test_silu_and_mul(rows: int, hidden: int, kernel_build: str) -> None:
     _close_bf16(out, F.silu(gate) * up)
 
 
-@pytest.mark.parametrize("rows,heads,kv_heads,head_dim", [(1, 9, 3, 64), (17, 4, 2, 32), (3, 2, 1, 6)])
-def test_rotary_from_fused_qkv_views(rows: int, heads: int, kv_heads: int, head_dim: int,
+@pytest.mark.parametrize("rows,heads,kv_heads,head_dim,rotary_dim", [(1, 9, 3, 64, 64), (17, 4, 2, 32, 32),
+                                                                    (3, 2, 1, 6, 6), (5, 3, 1, 64, 48),
+                                                                    (4, 2, 2, 32, 8)])
+def test_rotary_from_fused_qkv_views(rows: int, heads: int, kv_heads: int, head_dim: int, rotary_dim: int,
                                      kernel_build: str) -> None:
-    """q and k arrive as strided views into one qkv row, as the attention layer splits them."""
+    """q and k arrive as strided views into one qkv row, as the attention layer splits them; a partial rotary
+    embedding (Phi-4-mini's) turns the first rotary_dim dimensions of each head and copies the rest."""
     gen = torch.Generator().manual_seed(rows + heads)
-    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, BF16)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, BF16, rotary_dim)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(BF16)
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k = q.view(rows, heads, head_dim), k.view(rows, kv_heads, head_dim)
@@ -77,7 +80,10 @@ def test_rotary_from_fused_qkv_views(rows: int, heads: int, kv_heads: int, head_
     _close_bf16(q_out, twin_q)
     _close_bf16(k_out, twin_k)
     cos, sin = rope.cos[positions].float().unsqueeze(1), rope.sin[positions].float().unsqueeze(1)
-    _close_bf16(q_out, q.float() * cos + rotate_half(q.float()) * sin)
+    turned = q[..., :rotary_dim].float()
+    _close_bf16(q_out[..., :rotary_dim], turned * cos + rotate_half(turned) * sin)
+    assert torch.equal(q_out[..., rotary_dim:], q[..., rotary_dim:])
+    assert torch.equal(k_out[..., rotary_dim:], k[..., rotary_dim:])
 
 
 def test_other_dtypes_and_layouts_take_the_torch_twin() -> None:

@@ -109,20 +109,29 @@ def test_tiny_mixture_of_experts_gguf_round_trip(tmp_path: Path, tiny_tokenizer:
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
-def test_a_phi3_gguf_with_longrope_round_trips(tmp_path: Path, tiny_tokenizer: BackendTokenizer) -> None:
+@pytest.mark.parametrize("partial", [1.0, 0.5], ids=["phi3", "phi4-mini"])
+def test_a_phi3_gguf_with_longrope_round_trips(tmp_path: Path, tiny_tokenizer: BackendTokenizer,
+                                               partial: float) -> None:
     """Phi-3's 128k models and Phi-3.5 carry LongRoPE's two sets of factors as tensors (rope_factors_long/short)
     and the original context in the metadata: they come back as the config's rope_scaling, and the converted model
-    computes the original's logits, on a sequence longer than the original context too."""
+    computes the original's logits, on a sequence longer than the original context too. Phi-4-mini's file also
+    says how many dimensions of each head turn (``rope.dimension_count``, 3/4 of them; here half), which comes back
+    as its partial_rotary_factor."""
     config = tiny_config("phi3", tiny_tokenizer.get_vocab_size(), False)
     short, long = [1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0], [1.0, 1.5, 2.0, 3.0, 4.5, 6.0, 8.0, 12.0]
+    pairs = int(16 * partial) // 2  # one factor per pair of turned dimensions
+    short, long = short[:pairs], long[:pairs]
     config.rope_parameters = {"rope_type": "longrope", "rope_theta": 500000.0, "short_factor": short,
-                              "long_factor": long, "original_max_position_embeddings": 4}
+                              "long_factor": long, "original_max_position_embeddings": 4,
+                              **({"partial_rotary_factor": partial} if partial < 1 else {})}
     config.original_max_position_embeddings = 4
     model = random_model(config)
     write_tiny_gguf(tmp_path / "long.gguf", model, tiny_tokenizer, "phi3", original_context=4,
                     extra={"rope_factors_long.weight": np.array(long, dtype=np.float32),
-                           "rope_factors_short.weight": np.array(short, dtype=np.float32)})
+                           "rope_factors_short.weight": np.array(short, dtype=np.float32)},
+                    rope_dim=int(16 * partial) if partial < 1 else None)
     convert_gguf_to_hf(tmp_path / "long.gguf", tmp_path / "hf")
+    assert load_hf_config(tmp_path / "hf").get("partial_rotary_factor", 1.0) == partial
     scaling = load_hf_config(tmp_path / "hf")["rope_scaling"]
     assert scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == 4
     assert scaling["long_factor"] == long and scaling["short_factor"] == short  # as written, not float32's

@@ -29,10 +29,11 @@ BS, NUM_BLOCKS = 8, 48
 
 def _model(head_dim: int, bias: bool, dtype: torch.dtype = torch.bfloat16, layers: int = 3,
            quantization: str | None = None, intermediate: int = 160, window: int | None = None,
-           full_attention_layers: tuple[int, ...] = ()) -> LlamaForCausalLM:
+           full_attention_layers: tuple[int, ...] = (), rotary_dim: int | None = None) -> LlamaForCausalLM:
     heads, kv_heads = 4, 2
-    cfg = ArchConfig("LlamaForCausalLM", 300, heads * head_dim, intermediate, layers, heads, kv_heads, head_dim, 1e-5,
-                     10000.0, None, 256, False, bias, window, full_attention_layers=full_attention_layers)
+    cfg = ArchConfig("LlamaForCausalLM", 300, heads * head_dim, intermediate, layers, heads, kv_heads, head_dim,
+                     rotary_dim or head_dim, 1e-5, 10000.0, None, 256, False, bias, window,
+                     full_attention_layers=full_attention_layers)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg, dtype)
     with torch.no_grad():
@@ -163,6 +164,22 @@ def test_native_stack_with_a_sliding_window_equals_the_python_layers(monkeypatch
     monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "1")
     unwindowed = _forward(_model(64, False), _caches(model, seed=3), CpuPagedBackend(), common, ids, positions, None)
     assert not torch.equal(native, unwindowed)
+
+
+@pytest.mark.parametrize("rotary_dim", [48, 16])
+def test_native_stack_with_a_partial_rotary_embedding_equals_the_python_layers(monkeypatch: pytest.MonkeyPatch,
+                                                                               rotary_dim: int) -> None:
+    """Phi-4-mini's partial rotary embedding (here 48 or 16 of 64 dimensions turned, the rest passed through): the
+    stack equals the Python layers bit for bit; and the embedding's width matters."""
+    model = _model(64, False, rotary_dim=rotary_dim)
+    assert model.model.layers[0].self_attn.rotary.cos.shape[1] == rotary_dim
+    ids, positions, common = _mixed_step(model.cfg.vocab_size)
+    native, python, native_caches, python_caches = _native_then_python(model, monkeypatch, common, ids, positions)
+    assert torch.equal(native, python)
+    assert all(torch.equal(a, b) for a, b in zip(native_caches, python_caches))
+    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "1")
+    whole = _forward(_model(64, False), _caches(model, seed=3), CpuPagedBackend(), common, ids, positions, None)
+    assert not torch.equal(native, whole)
 
 
 @pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 GEMM needs AVX-512 VNNI")

@@ -124,11 +124,12 @@ def llama3_divisors_loop(theta: float, head_dim: int, scaling: dict[str, Any]) -
 def write_tiny_gguf(
     path: Path, model: torch.nn.Module, tokenizer: BackendTokenizer, arch: str, f16: bool = False,
     checkpoint: dict[str, torch.Tensor] | None = None, extra: dict[str, np.ndarray] | None = None,
-    original_context: int | None = None,
+    original_context: int | None = None, rope_dim: int | None = None,
 ) -> None:
     """``arch`` is llama.cpp's name (``mixtral`` is written as a ``llama`` file with experts). A mixture of experts
     needs its ``checkpoint`` tensors (one per expert, as saved; transformers holds them stacked in memory).
-    ``extra``: more tensors under llama.cpp's names; ``original_context``: a LongRoPE file's original context."""
+    ``extra``: more tensors under llama.cpp's names; ``original_context``: a LongRoPE file's original context;
+    ``rope_dim``: the rotated dimensions of each head, where fewer than all (Phi-4-mini's)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch="llama" if arch == "mixtral" else arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -145,6 +146,8 @@ def write_tiny_gguf(
         writer.add_sliding_window(config.sliding_window)
     if original_context is not None:
         writer.add_rope_scaling_orig_ctx_len(original_context)
+    if rope_dim is not None:
+        writer.add_rope_dimension_count(rope_dim)
     _add_tokenizer(writer, tokenizer)
     _add_tensors(writer, model, arch, f16, checkpoint)
     for name, values in (extra or {}).items():

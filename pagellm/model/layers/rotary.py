@@ -7,8 +7,10 @@ sequence is longer than the original context, the short ones otherwise. pagellm 
 llama.cpp does: the long factors when ``max_model_len`` exceeds the original context (``use_long_factors``), so
 every cached key of every request shares one rotary embedding (prefix caching stays sound). It equals
 transformers for every sequence when ``max_model_len`` is at most the original context, and for prompts longer
-than it otherwise. bfloat16 q/k take one fused native pass
-(``pagellm/ops/fused.py``); ``forward_torch`` is the plain-PyTorch twin (and the path for every other dtype)."""
+than it otherwise. A partial rotary embedding (Phi-4-mini's ``partial_rotary_factor``) rotates the first
+``rotary_dim`` dimensions of each head, its frequencies spread over those, and passes the rest through, as
+transformers' Phi-3 does. bfloat16 q/k take one fused native pass (``pagellm/ops/fused.py``); ``forward_torch`` is
+the plain-PyTorch twin (and the path for every other dtype)."""
 
 from __future__ import annotations
 
@@ -79,10 +81,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict | None,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, rotary_dim: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = rope_inv_freq(head_dim, base, scaling)
+        self.rotary_dim = rotary_dim or head_dim  # cos and sin are this wide
+        inv_freq = rope_inv_freq(self.rotary_dim, base, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
@@ -101,4 +104,8 @@ class RotaryEmbedding(nn.Module):
                       k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
+        if self.rotary_dim < self.head_dim:  # rotate the first rotary_dim, pass the rest through
+            rot = self.rotary_dim
+            return tuple(torch.cat([x[..., :rot] * cos + rotate_half(x[..., :rot]) * sin, x[..., rot:]], dim=-1)
+                         for x in (q, k))  # type: ignore[return-value]
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

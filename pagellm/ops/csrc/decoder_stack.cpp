@@ -43,7 +43,7 @@ struct StackKernels {
   void (*silu_and_mul)(const uint16_t* gate_up, int64_t rows, int64_t n, uint16_t* out);
   void (*rotary)(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride, const uint16_t* cos,
                  const uint16_t* sin, const int64_t* positions, int64_t rows, int64_t heads, int64_t kv_heads,
-                 int64_t head_dim, uint16_t* q_out, uint16_t* k_out);
+                 int64_t head_dim, int64_t rot_dim, uint16_t* q_out, uint16_t* k_out);
   void (*attention)(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_table,
                     const int64_t* query_start, const int64_t* seq_lens, const int64_t* ctx_end,
                     const int64_t* ctx_start, const uint64_t* tree_bits, int64_t tree_words, int64_t rows,
@@ -82,6 +82,7 @@ enum KvFormat : int64_t { kKvBf16 = 0, kKvFp8E4M3 = 1, kKvFp8E5M2 = 2 };
 struct StackShape {
   int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
   int64_t cache_slots, max_positions;  // slots per cache (num_blocks * block_size), rows of cos/sin
+  int64_t rot_dim;                     // rotated dimensions of each head, the width of cos/sin (<= head_dim)
   float eps, scale;
   int64_t kv_format;  // KvFormat of every layer's cache; `attention` is the entry for it
 };
@@ -216,7 +217,8 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
     f.add_rms_norm(sc.kn, nullptr, l.k_norm, t * s.kv_heads, s.head_dim, s.eps, sc.kn, sc.kn);
     q = sc.attn, k = sc.kn, q_stride = qd, k_stride = kvd;
   }
-  f.rotary(q, q_stride, k, k_stride, cos, sin, st.positions, t, s.heads, s.kv_heads, s.head_dim, sc.q, sc.k);
+  f.rotary(q, q_stride, k, k_stride, cos, sin, st.positions, t, s.heads, s.kv_heads, s.head_dim, s.rot_dim, sc.q,
+           sc.k);
   write_kv(s, st, sc.k, sc.wide, qkv_n, l.k_cache, l.v_cache);
   f.attention(sc.q, l.k_cache, l.v_cache, st.block_table, st.query_start, st.seq_lens, st.ctx_end,
               l.windowed ? st.ctx_start : nullptr, st.tree_bits, st.tree_words, st.rows, s.heads, s.head_dim,
@@ -250,7 +252,7 @@ void pagellm_stack_fp8_from_bf16(const uint16_t* src, int64_t n, int64_t format,
 
 // kernels: the entry points to call; layers: [num_layers] (see StackLayer); x: [T, hidden] embedding rows, or a
 // previous pipeline stage's hidden rows with residual_in its [T, hidden] residual (else null; both read only);
-// cos, sin: [max_pos, head_dim]; final_norm: [hidden], out: [T, hidden] final-norm hidden states; or final_norm
+// cos, sin: [max_pos, rot_dim]; final_norm: [hidden], out: [T, hidden] final-norm hidden states; or final_norm
 // null (a stage before the last; num_layers >= 1): out and residual_out [T, hidden] the last layer's x and residual.
 // num_layers may be 0 (out = norm(x)). Returns 0, or -1 (nothing written) when a slot or a position is out of
 // range.

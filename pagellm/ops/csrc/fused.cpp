@@ -2,7 +2,8 @@
 //   add_rms_norm:  residual' = x + residual; out = weight * bf16(residual' * rsqrt(mean(residual'^2) + eps))
 //   silu_and_mul:  out = silu(gate) * up, with gate_up = [gate | up] along the last dimension
 //   rotary:        q', k' = x * cos + rotate_half(x) * sin for each head ("rotate half" layout), from q/k rows
-//                  that may be strided views into the fused qkv output, into contiguous outputs
+//                  that may be strided views into the fused qkv output, into contiguous outputs; over the first
+//                  rot_dim dimensions of each head (the rest copied: Phi-4-mini's partial rotary embedding)
 // Arithmetic is float32 with one bfloat16 rounding where torch's sequence rounds to the model dtype (RMSNorm keeps
 // transformers' rounding points). The plain-PyTorch twins and test oracles are in pagellm/model/layers/.
 // Plain C ABI; built and loaded by pagellm/ops/build.py. Rows are split across torch's OpenMP threads when a call
@@ -120,12 +121,13 @@ void pagellm_silu_and_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t n,
 // positions: [rows]; q_out: [rows, heads, head_dim], k_out: [rows, kv_heads, head_dim] contiguous.
 void pagellm_rotary_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
                          const uint16_t* cos, const uint16_t* sin, const int64_t* positions, int64_t rows,
-                         int64_t heads, int64_t kv_heads, int64_t head_dim, uint16_t* q_out, uint16_t* k_out) {
-  const int64_t half = head_dim / 2;
+                         int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t rot_dim, uint16_t* q_out,
+                         uint16_t* k_out) {
+  const int64_t half = rot_dim / 2;  // cos and sin rows are rot_dim wide
 #pragma omp parallel for schedule(static) if (rows * (heads + kv_heads) * head_dim >= kParallelRowElements)
   for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* c = cos + positions[r] * head_dim;
-    const uint16_t* s = sin + positions[r] * head_dim;
+    const uint16_t* c = cos + positions[r] * rot_dim;
+    const uint16_t* s = sin + positions[r] * rot_dim;
     for (int64_t h = 0; h < heads + kv_heads; ++h) {
       const bool is_q = h < heads;
       const uint16_t* src = is_q ? q + r * q_stride + h * head_dim : k + r * k_stride + (h - heads) * head_dim;
@@ -136,6 +138,7 @@ void pagellm_rotary_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k,
         dst[i] = bf16(lo * f32(c[i]) - hi * f32(s[i]));
         dst[i + half] = bf16(hi * f32(c[i + half]) + lo * f32(s[i + half]));
       }
+      if (rot_dim < head_dim) std::memcpy(dst + rot_dim, src + rot_dim, (head_dim - rot_dim) * sizeof(uint16_t));
     }
   }
 }
