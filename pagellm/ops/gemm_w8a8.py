@@ -178,6 +178,19 @@ def quantize_parameter(param: torch.nn.Parameter, quantized: tuple[torch.Tensor,
     param.weight_format = FORMAT  # type: ignore[attr-defined]
 
 
+def rows(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The bfloat16 rows ``Q[ids] · s_w[ids]`` (shape ``ids.shape + (k,)``) of a packed operand, ``dequantize``'s
+    rows: the embedding lookup of a tied int8 LM head."""
+    flat = ids.reshape(-1).to(torch.int64)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
+        raise IndexError(f"row ids must lie in [0, {n})")
+    panels, quads = -(-n // PANEL), -(-k // QUAD)
+    body = panels * quads * PANEL * QUAD
+    q = packed[:body].view(panels, quads, PANEL, QUAD)[flat // PANEL, :, flat % PANEL]  # [ids, quads, 4]
+    scale = packed[body:body + 4 * panels * PANEL].view(torch.float32)[flat]
+    return (q.reshape(flat.shape[0], -1)[:, :k].float() * scale[:, None]).to(torch.bfloat16).view(*ids.shape, k)
+
+
 def dequantize(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The bfloat16 ``Q · s_w`` [n, k] of a packed operand (for consumers of a plain weight)."""
     q, scale = unpack(packed, n, k)

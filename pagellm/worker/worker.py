@@ -47,13 +47,16 @@ class Worker:
         self.parallel = parallel
         self.dtype = resolve_dtype(model_config.dtype)
         self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
-        _start_kernel_builds(self.dtype, self.kv_dtype, model_config.attention_backend, model_config.quantization)
+        _start_kernel_builds(self.dtype, self.kv_dtype, model_config.attention_backend, model_config.quantization,
+                             model_config.quantize_lm_head)
         model_dir = resolve_model_dir(model_config.model)
         arch, max_model_len = resolve_arch(model_dir, model_config.max_model_len, spec_config)
         quantization = model_config.quantization or arch.quantization
         if quantization and not model_config.quantization and gemm_w8a8.runs_here():  # a quantized checkpoint's
             native_build.start_in_background([gemm_w8a8.build_job()])  # kernel, built while the weights load
         model = build_model(arch, self.dtype, parallel)
+        if model_config.quantize_lm_head and hasattr(model, "lm_head"):
+            model.lm_head.quantized = True
         model.load_weights(iter_weights(model_dir), model_config.quantization)
         model.eval()
         num_blocks = kv_cache_blocks(cache_config, arch, self.kv_dtype, max_model_len)
@@ -126,7 +129,7 @@ class Worker:
 
 
 def _start_kernel_builds(dtype: torch.dtype, kv_dtype: torch.dtype, attention_backend: str,
-                         quantization: str | None) -> None:
+                         quantization: str | None, int8_lm_head: bool = False) -> None:
     """Compile the native kernels this worker will load on background threads, the longest first (``native_build``):
     a cold start then builds them side by side, and beside the model's resolution (a GGUF conversion, or waiting for
     the frontend's) and the weights' loading, instead of one after another as each is first loaded."""
@@ -139,8 +142,10 @@ def _start_kernel_builds(dtype: torch.dtype, kv_dtype: torch.dtype, attention_ba
             sources.append(decoder_stack.SOURCE)
     sources.append(sample_native.SOURCE)
     builds = [functools.partial(build_library, source) for source in dict.fromkeys(sources)]
-    if quantization in gemm.QUANTIZED and gemm_w8a8.runs_here():
-        builds.insert(1, gemm.QUANTIZED[quantization].build_job())  # its own flags (no fused multiply-adds)
+    formats = [quantization] + ([gemm_w8a8.FORMAT] if int8_lm_head else [])
+    for fmt in dict.fromkeys(f for f in formats if f in gemm.QUANTIZED):
+        if gemm_w8a8.runs_here():
+            builds.insert(1, gemm.QUANTIZED[fmt].build_job())  # its own flags (no fused multiply-adds)
     native_build.start_in_background(builds)
 
 

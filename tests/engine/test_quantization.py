@@ -79,6 +79,37 @@ def test_quantized_engine_matches_its_plain_pytorch_twin(tiny_model_factory, mon
 
 
 @kernel
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_an_int8_lm_head_matches_its_plain_pytorch_twin(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
+                                                        tied: bool) -> None:
+    """``quantize_lm_head``: the LM head's rows int8 (over 4-bit decoder layers here); a tied embedding reads its
+    rows out of that same int8 matrix, dequantized. Greedy tokens and logprobs equal the twin's (both kernels'
+    plain-PyTorch twins, Python layers), and the head's rounding shows in them."""
+    path = tiny_model_factory("llama", tie_word_embeddings=tied)
+    kwargs = dict(dtype="bfloat16", kv_cache_memory=KV, quantization="w4a8_int4", quantize_lm_head=True,
+                  max_num_batched_tokens=32)
+    llm = LLM(str(path), **kwargs)
+    model = llm.engine.core.executor.worker.runner.model
+    head, table = model.lm_head.weight, model.model.embed_tokens.weight
+    assert gemm.weight_format(head) == "w8a8_int8" and (table is head) == tied
+    ids = torch.tensor([0, 5, 257, 3])
+    assert torch.equal(model.model.embed_tokens(ids), gemm.plain(table)[ids])
+    fast = _scored(llm)
+    assert _all_free(llm)
+    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "0")
+    for fmt in (gemm_w8a8, gemm_w4a8):
+        monkeypatch.setattr(fmt, "packed_linear", _twin(fmt))
+    assert _scored(LLM(str(path), **kwargs)) == fast
+    plain_head = LLM(str(path), **{**kwargs, "quantize_lm_head": False})
+    assert [score for _, score in _scored(plain_head)] != [score for _, score in fast]
+
+
+def test_an_int8_lm_head_on_a_float32_model_is_refused(tiny_llama: Path) -> None:
+    with pytest.raises(ValueError, match="quantize_lm_head runs on bfloat16 models; set dtype bfloat16"):
+        LLM(str(tiny_llama), dtype="float32", quantize_lm_head=True)
+
+
+@kernel
 @pytest.mark.parametrize("quantization", ["w8a8_int8", "w4a8_int4"])
 def test_self_speculative_decoding_over_quantized_weights_is_lossless(tiny_llama: Path, quantization: str) -> None:
     kwargs = dict(dtype="bfloat16", kv_cache_memory=KV, quantization=quantization, max_num_batched_tokens=64)
@@ -101,14 +132,15 @@ def test_quantized_weights_on_a_float32_model_are_refused(tiny_llama: Path, quan
         LLM(str(tiny_llama), dtype="float32", quantization=quantization)
 
 
-@pytest.mark.parametrize("quantization", [None, "w8a8_int8", "w4a8_int4"])
+@pytest.mark.parametrize(("quantization", "int8_head"), [(None, False), ("w8a8_int8", False), ("w4a8_int4", False),
+                                                         (None, True), ("w4a8_int4", True)])
 def test_a_quantized_kernel_is_built_at_start_only_when_asked(monkeypatch: pytest.MonkeyPatch,
-                                                             quantization: str | None) -> None:
+                                                             quantization: str | None, int8_head: bool) -> None:
     from pagellm import native_build
     from pagellm.worker import worker
 
     started: list[Path] = []
     monkeypatch.setattr(native_build, "start_in_background", lambda jobs: started.extend(j.args[0] for j in jobs))
-    worker._start_kernel_builds(torch.bfloat16, torch.bfloat16, "auto", quantization)
-    for fmt in (gemm_w8a8, gemm_w4a8):
-        assert (fmt.SOURCE in started) == (quantization == fmt.FORMAT and fmt.runs_here())
+    worker._start_kernel_builds(torch.bfloat16, torch.bfloat16, "auto", quantization, int8_head)
+    for fmt, head in ((gemm_w8a8, int8_head), (gemm_w4a8, False)):
+        assert (fmt.SOURCE in started) == ((quantization == fmt.FORMAT or head) and fmt.runs_here())

@@ -165,6 +165,17 @@ def test_the_packed_operand_holds_q_and_the_scales() -> None:
     assert ((deq.float() - w.float()).abs() <= scale[:, None] * 0.51 + w.float().abs() * 2.0 ** -8).all()
 
 
+@KERNELS
+def test_rows_are_the_dequantized_matrixs_rows(fmt) -> None:  # noqa: ANN001
+    """``rows`` (a tied quantized LM head's embedding lookup) gathers ``dequantize``'s rows, any id shape."""
+    _, w, _ = _case(1, 37, 40, seed=15, bias=False)
+    packed = fmt.pack(*fmt.quantize(w))
+    ids = torch.tensor([[36, 0, 17], [16, 15, 36]])
+    assert torch.equal(fmt.rows(packed, ids, 37, 40), fmt.dequantize(packed, 37, 40)[ids])
+    with pytest.raises(IndexError, match=r"row ids must lie in \[0, 37\)"):
+        fmt.rows(packed, torch.tensor([37]), 37, 40)
+
+
 @kernel
 @KERNELS
 def test_a_quantized_parameter_runs_through_gemm_linear(fmt) -> None:  # noqa: ANN001
@@ -174,6 +185,7 @@ def test_a_quantized_parameter_runs_through_gemm_linear(fmt) -> None:  # noqa: A
     assert gemm.packed_shape(param) == (48, 32) and gemm.weight_format(param) == fmt.FORMAT
     assert torch.equal(_bits(gemm.linear(x, param, b)), _bits(fmt.reference_linear(x, *fmt.quantize(w), b)))
     assert torch.equal(gemm.plain(param), fmt.dequantize(param.data, 48, 32))
+    assert torch.equal(gemm.weight_rows(param, torch.tensor([47, 2])), gemm.plain(param)[[47, 2]])
     # float32 rows take the dequantized weight (F.linear)
     assert torch.allclose(gemm.linear(x.float(), param), F.linear(x.float(), gemm.plain(param).float()))
     with pytest.raises(ValueError, match=f"{fmt.FORMAT} quantizes 2-D bfloat16 weights"):

@@ -4,9 +4,10 @@ Each rank holds ``ceil(V/tp)`` rows from ``rank * ceil(V/tp)``; the last rank's 
 so any vocabulary splits over any number of ranks (Qwen's 151,936 over 3). The embedding zeroes the ids it does
 not own and all-reduces; the LM head computes its slice of the logits, gathers them and drops the padding's.
 
-The LM head's weight is packed for the bfloat16 GEMM after loading (``linear.pack_weights``). A tied LM head shares
-the embedding's Parameter, so the embedding then reads its rows out of the packed matrix (``ops.gemm.weight_rows``:
-a gather of the looked-up rows only) and the model keeps one copy of the table. An untied embedding stays plain.
+The LM head's weight is packed for the bfloat16 GEMM after loading (``linear.pack_weights``), or quantized for the
+int8 one (``quantized``, the engine's ``quantize_lm_head``). A tied LM head shares the embedding's Parameter, so the
+embedding then reads its rows out of the packed matrix (``ops.gemm.weight_rows``: a gather of the looked-up rows
+only, dequantized where the head is int8) and the model keeps one copy of the table. An untied embedding stays plain.
 Code that needs plain rows of either (draft heads, training) uses ``rows(ids)`` or ``plain_weight()``, never
 ``.weight`` directly.
 """
@@ -18,7 +19,7 @@ from torch import nn
 
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.layers.linear import _copy, _loadable, _param
-from pagellm.ops import gemm
+from pagellm.ops import gemm, gemm_w8a8
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -64,11 +65,19 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the selected hidden states; may share its weight with the embedding (tied)."""
 
+    quantized = False  # int8 rows (``quantize_lm_head``), set before the weights load
+
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def pack_weight(self) -> bool:
-        return gemm.pack_parameter(self.weight)
+        if not self.quantized:
+            return gemm.pack_parameter(self.weight)
+        if self.weight.dtype != torch.bfloat16:
+            raise ValueError(f"quantize_lm_head runs on bfloat16 models; set dtype bfloat16 (this model is "
+                             f"{self.weight.dtype})")
+        gemm_w8a8.quantize_parameter(self.weight)
+        return True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = gemm.linear(hidden, self.weight)
