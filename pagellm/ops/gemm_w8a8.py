@@ -57,6 +57,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.pagellm_packed_linear_w8a8.restype = None
     lib.pagellm_packed_linear_silu_mul_w8a8.argtypes = [_P, _I, _I, _I, _P, _I, _P, _I]
     lib.pagellm_packed_linear_silu_mul_w8a8.restype = ctypes.c_int
+    lib.pagellm_quantize_pack_w8a8.argtypes = [_P, _I, _I, _P]
+    lib.pagellm_quantize_pack_w8a8.restype = ctypes.c_int
     return lib
 
 
@@ -99,6 +101,22 @@ def pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     scales = F.pad(scale.float(), (0, n_pad))
     offsets = F.pad(q.to(torch.int32).sum(dim=1) * 128, (0, n_pad)).to(torch.int32)
     return torch.cat([panels, scales.view(torch.int8), offsets.view(torch.int8)])
+
+
+def quantize_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``pack(*quantize(weight))`` of a bfloat16 ``[N, K]`` weight, byte for byte, in one native pass (what a model's
+    load runs for every decoder weight)."""
+    lib = _lib()
+    assert lib is not None, "int8 GEMM kernel is not available on this machine"
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16:
+        raise ValueError(f"quantize_pack takes a bfloat16 weight, got {weight.dtype}")
+    w = weight.contiguous()
+    panels = -(-n // PANEL)
+    out = torch.empty(panels * -(-k // QUAD) * PANEL * QUAD + 8 * panels * PANEL, dtype=torch.int8)
+    if lib.pagellm_quantize_pack_w8a8(w.data_ptr(), n, k, out.data_ptr()):
+        raise ValueError("a weight is not finite; this weight cannot take w8a8_int8")
+    return out
 
 
 def unpack(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,10 +188,13 @@ def quantize_parameter(param: torch.nn.Parameter, quantized: tuple[torch.Tensor,
     if param.dtype != torch.bfloat16 or param.dim() != 2:
         raise ValueError(f"w8a8_int8 quantizes 2-D bfloat16 weights, got {param.dtype} {tuple(param.shape)}")
     n, k = param.shape
-    q, scale = quantized or quantize(param.data)
-    if q.shape != (n, k) or scale.shape != (n,):
-        raise ValueError(f"int8 weight {tuple(q.shape)} and scales {tuple(scale.shape)} do not fit [{n}, {k}]")
-    param.data = pack(q, scale)
+    if quantized is None:
+        param.data = quantize_pack(param.data)
+    else:
+        q, scale = quantized
+        if q.shape != (n, k) or scale.shape != (n,):
+            raise ValueError(f"int8 weight {tuple(q.shape)} and scales {tuple(scale.shape)} do not fit [{n}, {k}]")
+        param.data = pack(q, scale)
     param.packed_shape = (n, k)  # type: ignore[attr-defined]
     param.weight_format = FORMAT  # type: ignore[attr-defined]
 

@@ -234,6 +234,29 @@ def test_4bit_products_stay_within_their_bound(m: int, n: int, k: int) -> None:
     assert ((outs[0].double() - full).pow(2).mean() / full.pow(2).mean()).sqrt() < 0.1
 
 
+@kernel
+@KERNELS
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+def test_the_native_quantizer_packs_the_twins_bytes(fmt, m: int, n: int, k: int) -> None:  # noqa: ANN001
+    """``quantize_pack`` (what a model's load runs) lays out ``pack(*quantize(W))`` byte for byte: part panels, part
+    quads or groups, constant groups and rows included."""
+    _, w, _ = _case(1, n, k, seed=n + k, bias=False)
+    w[0, :min(k, 5)] = 0.25
+    w[n // 2] = -0.5
+    assert torch.equal(fmt.quantize_pack(w), fmt.pack(*fmt.quantize(w)))
+
+
+@kernel
+@pytest.mark.parametrize(("fmt", "bad"), [(gemm_w8a8, float("nan")), (gemm_w8a8, float("inf")),
+                                          (gemm_w4a8, float("nan")), (gemm_w4a8, float("inf")), (gemm_w4a8, 3e38)],
+                         ids=["w8a8-nan", "w8a8-inf", "w4a8-nan", "w4a8-inf", "w4a8-range"])
+def test_the_native_quantizer_refuses_what_the_format_cannot_hold(fmt, bad: float) -> None:  # noqa: ANN001
+    _, w, _ = _case(1, 20, 64, seed=16, bias=False)
+    w[3, 40], w[3, 41] = bad, -bad if bad == 3e38 else 0.0
+    with pytest.raises(ValueError, match=f"a weight is not finite.*this weight cannot take {fmt.FORMAT}"):
+        fmt.quantize_pack(w)
+
+
 def test_the_4bit_packed_operand_holds_the_nibbles_and_their_scales() -> None:
     _, w, _ = _case(1, 37, 40, seed=14, bias=False)
     q, d, m = gemm_w4a8.quantize(w)

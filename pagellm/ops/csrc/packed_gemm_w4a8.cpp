@@ -302,9 +302,60 @@ void run(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w,
   }
 }
 
+// One row's group of 32 weights (bfloat16, `valid` of them real, the rest zero padding) quantized as
+// gemm_w4a8.quantize does, op for op: lo, hi = min, max; d = half((hi - lo) / 15), m = half(lo); q = round((w - m) /
+// (d > 0 ? d : 1)) clamped to [0, 15] (to nearest even; this source has no fused multiply-adds).
+// Returns false for a NaN or infinite weight.
+inline bool quantize_group(const uint16_t* w, int valid, uint8_t* q, uint16_t* d, uint16_t* m) {
+  const __m512 a = widen_bf16(_mm256_maskz_loadu_epi16(col_mask(valid), w));
+  const __m512 b = widen_bf16(_mm256_maskz_loadu_epi16(col_mask(valid - kPanel > 0 ? valid - kPanel : 0), w + 16));
+  constexpr int kNotFinite = 0x01 | 0x08 | 0x10 | 0x80;  // quiet NaN, +inf, -inf, signalling NaN
+  if (_mm512_fpclass_ps_mask(a, kNotFinite) | _mm512_fpclass_ps_mask(b, kNotFinite)) return false;
+  const float lo = _mm512_reduce_min_ps(_mm512_min_ps(a, b)), hi = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+  *d = _cvtss_sh((hi - lo) / 15.0f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  *m = _cvtss_sh(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const float df = _cvtsh_ss(*d);
+  const __m512 step = _mm512_set1_ps(df > 0.0f ? df : 1.0f), low = _mm512_set1_ps(_cvtsh_ss(*m));
+  const __m512 top = _mm512_set1_ps(15.0f), zero = _mm512_setzero_ps();
+  for (int h = 0; h < 2; ++h) {
+    const __m512 v = _mm512_div_ps(_mm512_sub_ps(h ? b : a, low), step);
+    const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT), zero), top);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
+  }
+  return true;
+}
+
 }  // namespace
 
 extern "C" {
+
+// The packed operand (`pack(*quantize(W))` of gemm_w4a8.py, byte for byte) of a bfloat16 W [n, k], written into
+// out (panels * groups * 320 bytes): each panel's groups quantized and laid out in one pass, the panels over torch's
+// OpenMP threads. Returns 0, or -1 where a weight is not finite or a group's d or m overflows float16 (out then
+// incomplete).
+int pagellm_quantize_pack_w4a8(const uint16_t* w, int64_t n, int64_t k, uint8_t* out) {
+  const int64_t panels = (n + kPanel - 1) / kPanel, groups = (k + kGroup - 1) / kGroup;
+  int failed = 0;
+#pragma omp parallel for schedule(static) reduction(| : failed)
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t g = 0; g < groups; ++g) {
+      uint8_t* block = out + (p * groups + g) * kGroupBytes;
+      uint16_t scales[2][kPanel] = {};
+      uint8_t q[kPanel][kGroup] = {};
+      for (int c = 0; c < kPanel && p * kPanel + c < n; ++c) {
+        const int valid = static_cast<int>(k - g * kGroup < kGroup ? k - g * kGroup : kGroup);
+        failed |= !quantize_group(w + (p * kPanel + c) * k + g * kGroup, valid, q[c], &scales[0][c], &scales[1][c]);
+        failed |= (scales[0][c] & 0x7c00) == 0x7c00 || (scales[1][c] & 0x7c00) == 0x7c00;  // float16 inf or NaN
+      }
+      for (int l = 0; l < kNibbleLines; ++l)
+        for (int c = 0; c < kPanel; ++c)
+          for (int i = 0; i < 4; ++i)
+            block[l * kLine + 4 * c + i] = static_cast<uint8_t>(q[c][8 * l + i] | (q[c][8 * l + 4 + i] << 4));
+      std::memcpy(block + kNibbleLines * kLine, scales, sizeof(scales));
+    }
+  }
+  return failed ? -1 : 0;
+}
 
 // x: [m, k] bf16 rows with stride ldx; w: packed (see the top of this file) for n outputs and k inputs; bias: [n]
 // bf16 or null; y: [m, n] bf16 with row stride ldy. The signature of pagellm_packed_linear_bf16, so the decoder

@@ -339,9 +339,62 @@ void run(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* w, 
   }
 }
 
+// One output column's weights (bfloat16 [k]) quantized as gemm_w8a8.quantize does, op for op: s = max|w| / 127,
+// q = round(w / (s > 0 ? s : 1)) clamped to ±127 (to nearest even), into column c of its panel (stride 16 * 4 bytes
+// per quad); returns Σ q. False for a NaN or infinite weight.
+bool quantize_column(const uint16_t* w, int64_t k, int8_t* panel, int c, float* scale, int64_t* sum) {
+  constexpr int kNotFinite = 0x01 | 0x08 | 0x10 | 0x80;  // quiet NaN, +inf, -inf, signalling NaN
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += kPanel) {
+    const __m512 v = widen_bf16(_mm256_maskz_loadu_epi16(col_mask(static_cast<int>(k - i)), w + i));
+    if (_mm512_fpclass_ps_mask(v, kNotFinite)) return false;
+    mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+  }
+  *scale = _mm512_reduce_max_ps(mx) / 127.0f;
+  const __m512 step = _mm512_set1_ps(*scale > 0.0f ? *scale : 1.0f);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  __m512i total = _mm512_setzero_si512();
+  alignas(64) int32_t q[kPanel];
+  for (int64_t i = 0; i < k; i += kPanel) {
+    const __mmask16 m = col_mask(static_cast<int>(k - i));
+    const __m512 v = _mm512_div_ps(widen_bf16(_mm256_maskz_loadu_epi16(m, w + i)), step);
+    const __m512i r = _mm512_maskz_mov_epi32(m, _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(v), lo), hi));
+    total = _mm512_add_epi32(total, r);
+    _mm512_store_si512(q, r);
+    for (int j = 0; j < kPanel && i + j < k; ++j)
+      panel[((i + j) / 4) * kQuad + 4 * c + (i + j) % 4] = static_cast<int8_t>(q[j]);
+  }
+  *sum = _mm512_reduce_add_epi32(total);
+  return true;
+}
+
 }  // namespace
 
 extern "C" {
+
+// The packed operand (`pack(*quantize(W))` of gemm_w8a8.py, byte for byte) of a bfloat16 W [n, k], written into
+// out (its size: panels * quads * 64 bytes, then 8 bytes per padded column): the panels over torch's OpenMP threads.
+// Returns 0, or -1 where a weight is not finite (out then incomplete).
+int pagellm_quantize_pack_w8a8(const uint16_t* w, int64_t n, int64_t k, int8_t* out) {
+  const int64_t panels = (n + kPanel - 1) / kPanel, quads = (k + 3) / 4;
+  float* const scales = reinterpret_cast<float*>(out + panels * quads * kQuad);
+  int32_t* const offsets = reinterpret_cast<int32_t*>(scales + panels * kPanel);
+  int failed = 0;
+#pragma omp parallel for schedule(static) reduction(| : failed)
+  for (int64_t p = 0; p < panels; ++p) {
+    int8_t* panel = out + p * quads * kQuad;
+    std::memset(panel, 0, static_cast<size_t>(quads * kQuad));
+    for (int c = 0; c < kPanel; ++c) {
+      const int64_t col = p * kPanel + c;
+      float scale = 0.0f;
+      int64_t sum = 0;
+      if (col < n) failed |= !quantize_column(w + col * k, k, panel, c, &scale, &sum);
+      scales[col] = scale;
+      offsets[col] = static_cast<int32_t>(128 * sum);
+    }
+  }
+  return failed ? -1 : 0;
+}
 
 // x: [m, k] bf16 rows with stride ldx; w: packed (see the top of this file) for n outputs and k inputs, scales and
 // offsets behind the panels; bias: [n] bf16 or null; y: [m, n] bf16 with row stride ldy. The signature of
