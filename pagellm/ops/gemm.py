@@ -63,6 +63,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pagellm_packed_rows_bf16.restype = ctypes.c_int
     lib.pagellm_packed_linear_silu_mul_bf16.argtypes = [_P, _I, _I, _I, _P, _I, _P, _I]
     lib.pagellm_packed_linear_silu_mul_bf16.restype = ctypes.c_int
+    lib.pagellm_pack_bf16.argtypes = [_P, _I, _I, _P]
+    lib.pagellm_pack_bf16.restype = None
     lib.pagellm_packed_gemm_use_amx.argtypes = [ctypes.c_int]
     lib.pagellm_packed_gemm_use_amx.restype = ctypes.c_int
     lib.pagellm_packed_gemm_vector_path.argtypes = []
@@ -105,9 +107,21 @@ def amx() -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The packed copy of a bfloat16 ``[N, K]`` weight: ``[ceil(N/16), ceil(K/2), 16, 2]``, zero padded."""
+    """The packed copy of a bfloat16 ``[N, K]`` weight: ``[ceil(N/16), ceil(K/2), 16, 2]``, zero padded (in one
+    native pass where the kernel's library loads, else ``pack_torch``'s permute; the same bytes)."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2:
         raise ValueError(f"pack takes a 2-D bfloat16 weight, got {weight.dtype} of shape {tuple(weight.shape)}")
+    lib = _lib()
+    if lib is None:
+        return pack_torch(weight)
+    n, k = weight.shape
+    out = torch.empty((-(-n // PANEL), (k + 1) // 2, PANEL, 2), dtype=torch.bfloat16)
+    lib.pagellm_pack_bf16(weight.contiguous().data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def pack_torch(weight: torch.Tensor) -> torch.Tensor:
+    """``pack`` as a torch permute: its twin, and its path where the native library does not load."""
     n, k = weight.shape
     n_pad, k_pad = -n % PANEL, k & 1
     padded = F.pad(weight, (0, k_pad, 0, n_pad)) if n_pad or k_pad else weight

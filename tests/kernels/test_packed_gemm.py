@@ -185,10 +185,11 @@ def test_packed_gemm_takes_strided_rows_and_leading_dims(isa: str) -> None:
 def test_pack_layout_round_trips() -> None:
     """Padding to whole panels and pairs is invisible: unpack and row lookups give the plain matrix back exactly."""
     gen = torch.Generator().manual_seed(3)
-    for n, k in ((100, 37), (16, 2), (1, 1), (49, 576)):
+    for n, k in ((100, 37), (16, 2), (1, 1), (49, 576), (3, 1537)):
         w = torch.randn(n, k, generator=gen).to(BF16)
         packed = gemm.pack(w)
         assert packed.shape == (-(-n // 16), (k + 1) // 2, 16, 2)
+        assert torch.equal(packed, gemm.pack_torch(w))  # the native pass lays out the permute's bytes, padding too
         assert torch.equal(gemm.unpack(packed, n, k), w)
         ids = torch.randint(0, n, (3, 5), generator=gen)
         assert torch.equal(gemm.rows(packed, ids, n, k), F.embedding(ids, w))

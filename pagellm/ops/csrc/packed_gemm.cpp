@@ -309,4 +309,29 @@ int pagellm_packed_rows_bf16(const uint16_t* w, int64_t n, int64_t k, const int6
   return 0;
 }
 
+// out = the packed layout of a row-major bfloat16 W [n, k] ([ceil(n/16)][ceil(k/2)][16][2], zero padded): what
+// gemm.py's `pack` makes with a torch permute, here in one pass over each panel's 16 rows (the panels over torch's
+// OpenMP threads), at load time for every packed weight.
+void pagellm_pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* out) {
+  const int64_t panels = (n + kPanel - 1) / kPanel, kpairs = (k + 1) / 2, panel_stride = kpairs * kPanelPair;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    uint16_t* panel = out + p * panel_stride;
+    for (int c = 0; c < kPanel; ++c) {
+      const int64_t row = p * kPanel + c;
+      uint16_t* dst = panel + 2 * c;
+      if (row >= n) {
+        for (int64_t q = 0; q < kpairs; ++q) dst[q * kPanelPair] = dst[q * kPanelPair + 1] = 0;
+        continue;
+      }
+      const uint16_t* src = w + row * k;
+      for (int64_t q = 0; q < k / 2; ++q) std::memcpy(dst + q * kPanelPair, src + 2 * q, 2 * sizeof(uint16_t));
+      if (k & 1) {
+        dst[(kpairs - 1) * kPanelPair] = src[k - 1];
+        dst[(kpairs - 1) * kPanelPair + 1] = 0;
+      }
+    }
+  }
+}
+
 }  // extern "C"
