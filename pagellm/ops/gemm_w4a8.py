@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
@@ -31,33 +30,17 @@ from pagellm.native_build import build
 from pagellm.ops import gemm_w8a8
 from pagellm.ops.build import HEADERS, entry_address
 
-logger = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).parent / "csrc" / "packed_gemm_w4a8.cpp"
 FORMAT = "w4a8_int4"
 PANEL, GROUP, LINES = 16, 32, 4
 GROUP_BYTES = (LINES + 1) * 64
-_P, _I = ctypes.c_void_p, ctypes.c_int64
 
 runs_here = gemm_w8a8.runs_here  # the same instructions (AVX-512 VNNI and BW; float16 loads are AVX-512F)
 
 
 @functools.lru_cache(maxsize=1)
 def _lib() -> ctypes.CDLL | None:
-    if not runs_here():
-        return None
-    try:
-        lib = ctypes.CDLL(str(build_job()()))
-    except (RuntimeError, OSError) as exc:
-        logger.warning("4-bit GEMM kernel unavailable (%s)", exc)
-        return None
-    lib.pagellm_packed_linear_w4a8.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
-    lib.pagellm_packed_linear_w4a8.restype = None
-    lib.pagellm_packed_linear_silu_mul_w4a8.argtypes = [_P, _I, _I, _I, _P, _I, _P, _I]
-    lib.pagellm_packed_linear_silu_mul_w4a8.restype = ctypes.c_int
-    lib.pagellm_quantize_pack_w4a8.argtypes = [_P, _I, _I, _P]
-    lib.pagellm_quantize_pack_w4a8.restype = ctypes.c_int
-    return lib
+    return gemm_w8a8.load(build_job(), "w4a8", "4-bit GEMM kernel")
 
 
 def available() -> bool:
@@ -175,16 +158,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
     """``y ≈ F.linear(x, W, bias)`` in bfloat16 for rows ``x`` [..., K] through the kernel (``packed = pack(...)``)."""
     lib = _lib()
     assert lib is not None, "4-bit GEMM kernel is not available on this machine"
-    k = x.shape[-1]
-    rows = x if x.dim() == 2 else x.reshape(-1, k)
-    if rows.stride(-1) != 1 or rows.dtype != torch.bfloat16:
-        rows = rows.to(torch.bfloat16).contiguous()
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.stride(0) != 1):
-        bias = bias.to(torch.bfloat16).contiguous()
-    y = torch.empty((rows.shape[0], n), dtype=torch.bfloat16)
-    lib.pagellm_packed_linear_w4a8(rows.data_ptr(), rows.shape[0], k, rows.stride(0), packed.data_ptr(), n,
-                                   None if bias is None else bias.data_ptr(), y.data_ptr(), n)
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+    return gemm_w8a8.call_linear(lib.pagellm_packed_linear_w4a8, x, packed, n, bias)
 
 
 def packed_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, n2: int) -> torch.Tensor | None:
@@ -193,11 +167,7 @@ def packed_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, n2: int) -> to
     where the gate width is not whole panels of 16 (the caller makes the two calls)."""
     lib = _lib()
     assert lib is not None, "4-bit GEMM kernel is not available on this machine"
-    assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(-1) == 1
-    y = torch.empty((x.shape[0], n2 // 2), dtype=torch.bfloat16)
-    done = lib.pagellm_packed_linear_silu_mul_w4a8(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
-                                                   packed.data_ptr(), n2, y.data_ptr(), n2 // 2)
-    return y if done == 0 else None
+    return gemm_w8a8.call_linear_silu_mul(lib.pagellm_packed_linear_silu_mul_w4a8, x, packed, n2)
 
 
 def quantize_parameter(param: torch.nn.Parameter) -> None:

@@ -46,19 +46,24 @@ def runs_here() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _lib() -> ctypes.CDLL | None:
+    return load(build_job(), "w8a8", "int8 GEMM kernel")
+
+
+def load(job: functools.partial, suffix: str, what: str) -> ctypes.CDLL | None:
+    """A quantized GEMM's library (``job`` builds it) with the C signatures of its entries ``pagellm_*_{suffix}``
+    declared, or ``None`` where it does not run here (``what`` names it in the warning)."""
     if not runs_here():
         return None
     try:
-        lib = ctypes.CDLL(str(build_job()()))
+        lib = ctypes.CDLL(str(job()))
     except (RuntimeError, OSError) as exc:
-        logger.warning("int8 GEMM kernel unavailable (%s)", exc)
+        logger.warning("%s unavailable (%s)", what, exc)
         return None
-    lib.pagellm_packed_linear_w8a8.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
-    lib.pagellm_packed_linear_w8a8.restype = None
-    lib.pagellm_packed_linear_silu_mul_w8a8.argtypes = [_P, _I, _I, _I, _P, _I, _P, _I]
-    lib.pagellm_packed_linear_silu_mul_w8a8.restype = ctypes.c_int
-    lib.pagellm_quantize_pack_w8a8.argtypes = [_P, _I, _I, _P]
-    lib.pagellm_quantize_pack_w8a8.restype = ctypes.c_int
+    for name, argtypes, restype in (("packed_linear", [_P, _I, _I, _I, _P, _I, _P, _P, _I], None),
+                                    ("packed_linear_silu_mul", [_P, _I, _I, _I, _P, _I, _P, _I], ctypes.c_int),
+                                    ("quantize_pack", [_P, _I, _I, _P], ctypes.c_int)):
+        fn = getattr(lib, f"pagellm_{name}_{suffix}")
+        fn.argtypes, fn.restype = argtypes, restype
     return lib
 
 
@@ -154,16 +159,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
     """``y ≈ F.linear(x, W, bias)`` in bfloat16 for rows ``x`` [..., K] through the kernel (``packed = pack(...)``)."""
     lib = _lib()
     assert lib is not None, "int8 GEMM kernel is not available on this machine"
-    k = x.shape[-1]
-    rows = x if x.dim() == 2 else x.reshape(-1, k)
-    if rows.stride(-1) != 1 or rows.dtype != torch.bfloat16:
-        rows = rows.to(torch.bfloat16).contiguous()
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.stride(0) != 1):
-        bias = bias.to(torch.bfloat16).contiguous()
-    y = torch.empty((rows.shape[0], n), dtype=torch.bfloat16)
-    lib.pagellm_packed_linear_w8a8(rows.data_ptr(), rows.shape[0], k, rows.stride(0), packed.data_ptr(), n,
-                                   None if bias is None else bias.data_ptr(), y.data_ptr(), n)
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+    return call_linear(lib.pagellm_packed_linear_w8a8, x, packed, n, bias)
 
 
 def packed_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, n2: int) -> torch.Tensor | None:
@@ -172,10 +168,31 @@ def packed_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, n2: int) -> to
     where the gate width is not whole panels of 16 (the caller makes the two calls)."""
     lib = _lib()
     assert lib is not None, "int8 GEMM kernel is not available on this machine"
+    return call_linear_silu_mul(lib.pagellm_packed_linear_silu_mul_w8a8, x, packed, n2)
+
+
+def call_linear(fn, x: torch.Tensor, packed: torch.Tensor, n: int,  # noqa: ANN001
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A quantized GEMM's C entry ``fn`` (the bfloat16 kernel's signature) over rows ``x`` [..., K]: the rows and
+    bias made contiguous bfloat16, the output [..., n] bfloat16."""
+    k = x.shape[-1]
+    rows = x if x.dim() == 2 else x.reshape(-1, k)
+    if rows.stride(-1) != 1 or rows.dtype != torch.bfloat16:
+        rows = rows.to(torch.bfloat16).contiguous()
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.stride(0) != 1):
+        bias = bias.to(torch.bfloat16).contiguous()
+    y = torch.empty((rows.shape[0], n), dtype=torch.bfloat16)
+    fn(rows.data_ptr(), rows.shape[0], k, rows.stride(0), packed.data_ptr(), n,
+       None if bias is None else bias.data_ptr(), y.data_ptr(), n)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def call_linear_silu_mul(fn, x: torch.Tensor, packed: torch.Tensor, n2: int) -> torch.Tensor | None:  # noqa: ANN001
+    """A quantized GEMM's gate/up C entry ``fn`` over bfloat16 rows ``x`` [m, K]: ``silu(g) * u``, or ``None`` where
+    it declines (a gate width of part panels)."""
     assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(-1) == 1
     y = torch.empty((x.shape[0], n2 // 2), dtype=torch.bfloat16)
-    done = lib.pagellm_packed_linear_silu_mul_w8a8(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
-                                                   packed.data_ptr(), n2, y.data_ptr(), n2 // 2)
+    done = fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), packed.data_ptr(), n2, y.data_ptr(), n2 // 2)
     return y if done == 0 else None
 
 

@@ -118,6 +118,19 @@ def _native_then_python(model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch
     return native, python, native_caches, python_caches
 
 
+def _stack_equals_python_and_differs_from(model: LlamaForCausalLM, other: LlamaForCausalLM,
+                                          monkeypatch: pytest.MonkeyPatch, common: CommonAttentionInputs,
+                                          ids: torch.Tensor, positions: torch.Tensor) -> None:
+    """The native stack's step equals the Python layers' (hidden states and caches, bit for bit), and differs from
+    the stack's step over ``other``, the same weights without the feature under test."""
+    native, python, native_caches, python_caches = _native_then_python(model, monkeypatch, common, ids, positions)
+    assert torch.equal(native, python)
+    assert all(torch.equal(a, b) for a, b in zip(native_caches, python_caches))
+    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "1")
+    assert not torch.equal(native, _forward(other, _caches(model, seed=3), CpuPagedBackend(), common, ids,
+                                            positions, None))
+
+
 def test_the_native_stack_runs_on_this_machine() -> None:
     assert decoder_stack.available()  # CI machines have AVX-512 BF16 or AVX2 + FMA: the tests below must exercise it
 
@@ -158,12 +171,7 @@ def test_native_stack_with_a_sliding_window_equals_the_python_layers(monkeypatch
     assert [a.sliding_window for a in model.attention_layers()] == [window, None, window]
     ids, positions, common = _mixed_step(model.cfg.vocab_size)
     common = dataclasses.replace(common, positions=positions.numpy())
-    native, python, native_caches, python_caches = _native_then_python(model, monkeypatch, common, ids, positions)
-    assert torch.equal(native, python)
-    assert all(torch.equal(a, b) for a, b in zip(native_caches, python_caches))
-    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "1")
-    unwindowed = _forward(_model(64, False), _caches(model, seed=3), CpuPagedBackend(), common, ids, positions, None)
-    assert not torch.equal(native, unwindowed)
+    _stack_equals_python_and_differs_from(model, _model(64, False), monkeypatch, common, ids, positions)
 
 
 @pytest.mark.parametrize("rotary_dim", [48, 16])
@@ -174,12 +182,7 @@ def test_native_stack_with_a_partial_rotary_embedding_equals_the_python_layers(m
     model = _model(64, False, rotary_dim=rotary_dim)
     assert model.model.layers[0].self_attn.rotary.cos.shape[1] == rotary_dim
     ids, positions, common = _mixed_step(model.cfg.vocab_size)
-    native, python, native_caches, python_caches = _native_then_python(model, monkeypatch, common, ids, positions)
-    assert torch.equal(native, python)
-    assert all(torch.equal(a, b) for a, b in zip(native_caches, python_caches))
-    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "1")
-    whole = _forward(_model(64, False), _caches(model, seed=3), CpuPagedBackend(), common, ids, positions, None)
-    assert not torch.equal(native, whole)
+    _stack_equals_python_and_differs_from(model, _model(64, False), monkeypatch, common, ids, positions)
 
 
 @pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 GEMM needs AVX-512 VNNI")
@@ -195,13 +198,9 @@ def test_native_stack_over_quantized_weights_equals_the_python_layers(monkeypatc
     assert gemm.weight_format(model.model.layers[0].mlp.down_proj.weight) == quantization
     assert gemm.weight_format(model.lm_head.weight) == "bf16"  # the LM head stays bfloat16
     ids, positions, common = _mixed_step(model.cfg.vocab_size)
-    native, python, native_caches, python_caches = _native_then_python(model, monkeypatch, common, ids, positions)
-    assert torch.equal(native, python)
-    assert all(torch.equal(a, b) for a, b in zip(native_caches, python_caches))
     # and the quantized weights were used: the bfloat16 model's hidden states differ
-    bf16 = _forward(_model(64, bias, intermediate=intermediate), _caches(model, seed=3), CpuPagedBackend(), common,
-                    ids, positions, None)
-    assert not torch.equal(native, bf16)
+    _stack_equals_python_and_differs_from(model, _model(64, bias, intermediate=intermediate), monkeypatch, common,
+                                          ids, positions)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
