@@ -168,7 +168,7 @@ def pagellm_offline(args: argparse.Namespace, ctx: systems.Context, result: Path
             str(args.offline_num_prompts), "--kv-cache-memory", str(systems.KV_GIB << 30), "--result-json",
             str(result), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
             *systems.kv_flags(ctx), *(["--model", str(ctx.model_dir)] if ctx.quantization == "w8a8_int8" else []),
-            *(["--quantization", systems.W4] if ctx.quantization == systems.W4 else []),
+            *systems.quantize_flags(ctx),
             *ctx.pagellm_flags, *flags]
     return argv, {"PAGELLM_NUM_THREADS": str(ctx.threads)}
 

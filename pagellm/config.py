@@ -73,17 +73,13 @@ class ModelConfig:
         "Attention kernels: auto (cpu_paged when its C++ kernel compiles, else torch_ref), cpu_paged, torch_ref.",
         default="auto")
     quantization: str | None = _help(
-        "Quantize the weights at load: w8a8_int8 (int8 weights per output channel, int8 activations per token, int32 "
-        "products: about half the weight bytes and twice the multiply-adds per instruction; needs bfloat16 and a CPU "
-        "with AVX-512 VNNI), or w4a8_int4 (4-bit weights in groups of 32 with a float16 scale and minimum each, "
-        "llama.cpp's Q4_1, int8 activations per token: about 5/8 of int8's weight bytes, for the fastest decoding "
-        "of large models; same needs). The LM head and embedding stay in the model's dtype (see quantize_lm_head). "
-        "Default: none.", default=None)
+        "Quantize the decoder layers' weights at load (bfloat16 models, a CPU with AVX-512 VNNI): w8a8_int8 (one "
+        "scale per output channel) or w4a8_int4 (4 bits in groups of 32, a float16 scale and minimum each: "
+        "llama.cpp's Q4_1, 5/8 of int8's bytes); activations int8 per token. Default: none.", default=None)
     quantize_lm_head: bool = _help(
-        "Quantize the LM head too (and a tied embedding's table, which is the same matrix) to int8, one scale per "
-        "vocabulary row, for the int8 kernel: on a small model decoding reads the head as much as the decoder "
-        "layers (llama.cpp's files keep theirs in 8 bits). With or without --quantization; needs bfloat16 and a "
-        "CPU with AVX-512 VNNI. Default: off.", default=False)
+        "Quantize the LM head (and a tied embedding, the same matrix) to int8 per vocabulary row: on a small model "
+        "decoding reads it as much as the layers. With or without --quantization; the same needs. Default: off.",
+        default=False)
     generation_config: str = _help(
         "Default sampling parameters for requests that leave them unset: auto (the model's generation_config.json: "
         "temperature, top_p, top_k, min_p, penalties, and max_new_tokens as max_tokens, as vLLM does), vllm (the "
@@ -105,10 +101,10 @@ class ModelConfig:
         if self.quantization not in (None, "w8a8_int8", "w4a8_int4"):
             raise ValueError(f"quantization={self.quantization!r} is not supported; use w8a8_int8, w4a8_int4 or "
                              "leave it unset")
-        if self.quantization and self.dtype in ("float32", "fp32", "float"):
-            raise ValueError(f"quantization={self.quantization} runs on bfloat16 models; set dtype bfloat16")
-        if self.quantize_lm_head and self.dtype in ("float32", "fp32", "float"):
-            raise ValueError("quantize_lm_head runs on bfloat16 models; set dtype bfloat16")
+        quantized = f"quantization={self.quantization}" if self.quantization else \
+            "quantize_lm_head" if self.quantize_lm_head else None
+        if quantized and self.dtype in ("float32", "fp32", "float"):
+            raise ValueError(f"{quantized} runs on bfloat16 models; set dtype bfloat16")
         if self.attention_backend not in ("auto", "cpu_paged", "torch_ref"):
             raise ValueError(f"attention_backend={self.attention_backend!r}; use auto, cpu_paged or torch_ref")
         if self.dtype not in ("auto", "float32", "fp32", "float", "bfloat16", "bf16"):

@@ -62,12 +62,15 @@ def kv_flags(ctx: Context) -> list[str]:
     return [] if ctx.kv_cache_dtype == "auto" else ["--kv-cache-dtype", ctx.kv_cache_dtype]
 
 
+def quantize_flags(ctx: Context) -> list[str]:
+    """pagellm's flag that quantizes the model at load (4 bits), served and offline."""
+    return ["--quantization", W4] if ctx.quantization == W4 else []
+
+
 def model_flags(ctx: Context) -> list[str]:
     """pagellm's model argument: the quantized checkpoint where there is one (else its built-in model), or the flag
     that quantizes it at load."""
-    if ctx.quantization == W4:
-        return ["--quantization", W4]
-    return [str(ctx.model_dir)] if ctx.quantization else []
+    return quantize_flags(ctx) or ([str(ctx.model_dir)] if ctx.quantization else [])
 
 
 def _unserved(ctx: Context, llama: bool = False) -> str | None:
@@ -99,7 +102,7 @@ def pagellm(ctx: Context, port: int) -> System:
             *ctx.pagellm_flags]
     return System("pagellm", argv, {"PAGELLM_NUM_THREADS": str(ctx.threads)},
                   note=" ".join([f"--dtype {ctx.dtype} --kv-cache-memory {KV_GIB}GiB", *kv_flags(ctx),
-                                 *(model_flags(ctx) if ctx.quantization == W4 else []), *ctx.pagellm_flags])
+                                 *quantize_flags(ctx), *ctx.pagellm_flags])
                   + f", PAGELLM_NUM_THREADS={ctx.threads}")
 
 

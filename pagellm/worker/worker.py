@@ -152,8 +152,8 @@ def _start_kernel_builds(dtype: torch.dtype, kv_dtype: torch.dtype, attention_ba
     sources.append(sample_native.SOURCE)
     builds = [functools.partial(build_library, source) for source in dict.fromkeys(sources)]
     formats = [quantization] + ([gemm_w8a8.FORMAT] if int8_lm_head else [])
-    for fmt in dict.fromkeys(f for f in formats if f in gemm.QUANTIZED):
-        if gemm_w8a8.runs_here():
+    if gemm_w8a8.runs_here():  # both quantized kernels' instructions
+        for fmt in dict.fromkeys(f for f in formats if f in gemm.QUANTIZED):
             builds.insert(1, gemm.QUANTIZED[fmt].build_job())  # its own flags (no fused multiply-adds)
     native_build.start_in_background(builds)
 
