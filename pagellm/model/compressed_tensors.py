@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from pagellm.model import weight_only
 from pagellm.ops import gemm_w8a8
 
 SCHEME = gemm_w8a8.FORMAT
@@ -33,22 +34,27 @@ _ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "to
 
 
 def scheme_of(hf_config: dict[str, Any]) -> str | None:
-    """``"w8a8_int8"`` for a compressed-tensors W8A8 int8 checkpoint, ``None`` for an unquantized one; raises
+    """``"w8a8_int8"`` for a compressed-tensors W8A8 int8 checkpoint, ``"wna16"`` for a weight-only one (GPTQ, AWQ,
+    compressed-tensors pack-quantized: ``model/weight_only.py``), ``None`` for an unquantized one; raises
     ``ValueError`` naming what it found for any other quantization."""
     quant = hf_config.get("quantization_config")
     if not quant:
         return None
+    if weight_only.scheme(quant) is not None:
+        return weight_only.SCHEME
     method = quant.get("quant_method")
     if method != "compressed-tensors":
-        raise ValueError(f"this checkpoint is quantized with {method!r}; pagellm reads compressed-tensors W8A8 int8 "
-                         "checkpoints, or quantizes float ones itself (--quantization w8a8_int8)")
+        raise ValueError(f"this checkpoint is quantized with {method!r}; pagellm reads GPTQ, AWQ and compressed-"
+                         "tensors (W8A8 int8, pack-quantized) checkpoints, or quantizes float ones itself "
+                         "(--quantization w8a8_int8 or w4a8_int4)")
     groups = list((quant.get("config_groups") or {}).values())
     found = [(g.get("weights") or {}, g.get("input_activations") or {}) for g in groups]
     if quant.get("format", "int-quantized") != "int-quantized" or len(found) != 1 or \
             any(w.get(k) != v for k, v in _WEIGHTS.items() for w, _ in found) or \
             any(a.get(k) != v for k, v in _ACTIVATIONS.items() for _, a in found):
         raise ValueError("this compressed-tensors checkpoint's scheme is not served: pagellm serves format "
-                         f"int-quantized, one group with weights {_WEIGHTS} and input_activations {_ACTIVATIONS}; "
+                         "pack-quantized (weight-only) and format "
+                         f"int-quantized with one group with weights {_WEIGHTS} and input_activations {_ACTIVATIONS}; "
                          f"found format {quant.get('format')!r} and {found}")
     return SCHEME
 

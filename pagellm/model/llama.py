@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagellm.attention.base import current_lora
+from pagellm.model import weight_only
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.activation import SiluAndMul
@@ -27,6 +28,7 @@ from pagellm.model.layers.moe import SparseMoeBlock
 from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding
 from pagellm.model.native_stack import run_native, run_native_stage
+from pagellm.ops import gemm, gemm_w4a8, gemm_w8a8
 
 
 class LlamaAttention(nn.Module):
@@ -174,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
-        if cfg.quantization:  # a quantized checkpoint: its linear layers come with scales
+        if cfg.quantization == gemm_w8a8.FORMAT:  # a W8A8 checkpoint: its linear layers come with scales
             for module in self.modules():
                 if hasattr(module, "expect_scales"):
                     module.expect_scales()
@@ -192,10 +194,14 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors (Hugging Face names) into place through each parameter's own loader, then pack
         the bfloat16 GEMM weights for the native kernel, or quantize the decoder layers' ones (``quantization``, or
         a quantized checkpoint's own int8 weights and scales; ``linear.pack_weights``)."""
+        if quantization == gemm_w4a8.FORMAT and self.cfg.quantization == weight_only.SCHEME:
+            for module in self.modules():  # a 4-bit checkpoint kept in 4 bits: its layers come with groups
+                if hasattr(module, "expect_groups"):
+                    module.expect_groups()
         params = dict(self.named_parameters(remove_duplicate=False))
         # A quantized checkpoint's scales: only its quantized layers have them (the others keep float weights).
         missing = {name for name in params if not (self.cfg.tie_word_embeddings and name == "lm_head.weight")
-                   and not name.endswith(".weight_scale")}
+                   and not name.endswith((".weight_scale", ".weight_groups"))}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
@@ -213,7 +219,8 @@ class LlamaForCausalLM(nn.Module):
             missing.discard(target)
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {', '.join(sorted(missing)[:8])}")
-        pack_weights(self, quantization or self.cfg.quantization)
+        pack_weights(self, quantization or (self.cfg.quantization if self.cfg.quantization in gemm.QUANTIZED
+                                            else None))
 
     def _target(self, name: str) -> tuple[str | None, str | int | None]:
         """Our parameter's name for a checkpoint tensor, and its shard of a fused matrix; None for a layer that

@@ -106,11 +106,32 @@ def load_hf_config(model_dir: Path) -> dict[str, Any]:
         return json.load(handle)
 
 
-def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the model's safetensors files, as ``(name, tensor)``, each exactly once."""
+def iter_weights(model_dir: Path, groups: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the model's safetensors files, as ``(name, tensor)``, each exactly once; a weight-only
+    checkpoint's (GPTQ, AWQ, compressed-tensors pack-quantized) layers dequantized, or with ``groups`` as 4-bit
+    integers and groups (``weight_only.weights``)."""
     from safetensors import safe_open
 
-    for path in _safetensors_files(Path(model_dir)):
+    from pagellm.model import weight_only
+
+    files = _safetensors_files(Path(model_dir))
+    quant = load_hf_config(model_dir).get("quantization_config") if (Path(model_dir) / "config.json").is_file() \
+        else None
+    scheme = weight_only.scheme(quant) if quant else None
+    if scheme is not None:
+        names: set[str] = set()
+        for path in files:
+            with safe_open(str(path), framework="pt") as handle:
+                names.update(handle.keys())
+        yield from weight_only.weights(_tensors(files), names, scheme, groups)
+    else:
+        yield from _tensors(files)
+
+
+def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)

@@ -170,14 +170,24 @@ def packed_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, n2: int) -> to
     return gemm_w8a8.call_linear_silu_mul(lib.pagellm_packed_linear_silu_mul_w4a8, x, packed, n2)
 
 
-def quantize_parameter(param: torch.nn.Parameter) -> None:
-    """Quantize and pack a bfloat16 ``[N, K]`` weight Parameter in place (see the module docstring)."""
+def quantize_parameter(param: torch.nn.Parameter,
+                       quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Quantize and pack a bfloat16 ``[N, K]`` weight Parameter in place (see the module docstring); or, with
+    ``quantized = (q, d, m)`` (a 4-bit checkpoint's, ``model/weight_only.py``), pack those in its place."""
     if not available():
         raise RuntimeError("quantization w4a8_int4 needs the 4-bit GEMM kernel, which needs a CPU with AVX-512 VNNI "
                            "and a C++ compiler; this machine has not both")
     if param.dtype != torch.bfloat16 or param.dim() != 2:
         raise ValueError(f"w4a8_int4 quantizes 2-D bfloat16 weights, got {param.dtype} {tuple(param.shape)}")
     n, k = param.shape
-    param.data = quantize_pack(param.data)
+    if quantized is None:
+        param.data = quantize_pack(param.data)
+    else:
+        q, d, m = quantized
+        groups = -(-k // GROUP)
+        if q.shape != (n, groups * GROUP) or d.shape != (n, groups) or m.shape != (n, groups):
+            raise ValueError(f"4-bit weight {tuple(q.shape)} and groups {tuple(d.shape)}, {tuple(m.shape)} do not "
+                             f"fit [{n}, {k}]")
+        param.data = pack(q, d, m)
     param.packed_shape = (n, k)  # type: ignore[attr-defined]
     param.weight_format = FORMAT  # type: ignore[attr-defined]

@@ -19,12 +19,12 @@ from pagellm.config import CacheConfig, KVTransferConfig, ModelConfig, ProfilerC
 from pagellm.disagg.connector import KVStore, layout_dir
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.metrics.profiler import Profiler
-from pagellm.model import gguf_convert
+from pagellm.model import gguf_convert, weight_only
 from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.rotary import use_long_factors
 from pagellm.model.loader import iter_weights, load_hf_config, resolve_dtype, resolve_model_dir
 from pagellm.model.registry import build_model
-from pagellm.ops import decoder_stack, fused, gemm, gemm_w8a8
+from pagellm.ops import decoder_stack, fused, gemm, gemm_w4a8, gemm_w8a8
 from pagellm.ops.build import build_library
 from pagellm.sample import native as sample_native
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -52,13 +52,16 @@ class Worker:
                              model_config.quantize_lm_head)
         model_dir = resolve_model_dir(model_config.model)
         arch, max_model_len = resolve_arch(model_dir, model_config.max_model_len, spec_config)
-        quantization = model_config.quantization or arch.quantization
+        # A weight-only checkpoint (wna16) is dequantized unless --quantization w4a8_int4 keeps its 4-bit weights.
+        quantization = model_config.quantization or (arch.quantization if arch.quantization in gemm.QUANTIZED
+                                                     else None)
         if quantization and not model_config.quantization and gemm_w8a8.runs_here():  # a quantized checkpoint's
             native_build.start_in_background([gemm_w8a8.build_job()])  # kernel, built while the weights load
         model = build_model(arch, self.dtype, parallel)
         if model_config.quantize_lm_head and hasattr(model, "lm_head"):
             model.lm_head.quantized = True
-        model.load_weights(iter_weights(model_dir), model_config.quantization)
+        model.load_weights(iter_weights(model_dir, groups=model_config.quantization == gemm_w4a8.FORMAT),
+                           model_config.quantization)
         model.eval()
         _suggest_four_bits(model_dir, quantization, self.dtype)
         num_blocks = kv_cache_blocks(cache_config, arch, self.kv_dtype, max_model_len)
@@ -131,8 +134,9 @@ class Worker:
 
 
 def _suggest_four_bits(model_dir: Path, quantization: str | None, dtype: torch.dtype) -> None:
-    """Say so where a 4-bit GGUF's weights were dequantized and this machine could keep them in 4 bits."""
-    hint = gguf_convert.four_bit_hint(model_dir)
+    """Say so where a 4-bit GGUF's or weight-only checkpoint's weights were dequantized and this machine could keep
+    them in 4 bits."""
+    hint = gguf_convert.four_bit_hint(model_dir) or weight_only.four_bit_hint(load_hf_config(model_dir))
     if hint and not quantization and dtype == torch.bfloat16 and gemm_w8a8.runs_here():
         logger.info(hint)
 

@@ -17,11 +17,14 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed.groups import SINGLE, ParallelState
-from pagellm.ops import gemm, gemm_w8a8
+from pagellm.ops import gemm, gemm_w4a8, gemm_w8a8
 from pagellm.ops.gemm import linear
+
+_GROUP = gemm_w4a8.GROUP
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:  # noqa: ANN001
@@ -69,6 +72,11 @@ class ColumnParallelLinear(nn.Module):
         """The checkpoint is quantized: take its per-output-channel ``weight_scale`` [N, 1] beside the int8 weight
         (sharded as the weight's rows are)."""
         self.weight_scale = _scale_param(self.weight.shape[0], lambda p, t, shard=0: self._load(p, t, shard))
+
+    def expect_groups(self) -> None:
+        """The checkpoint keeps 4-bit weights (``model/weight_only.py``): take each 32 inputs' ``(d, m)``
+        [N, K / 32, 2] beside the weight's integers (sharded as the weight's rows are)."""
+        self.weight_groups = _groups_param(self.weight.shape, lambda p, t, shard=0: self._load(p, t, shard))
 
     def quantize_weight(self, method: str) -> bool:
         return _quantize(self, method, len(self.shard_sizes))
@@ -119,6 +127,19 @@ class RowParallelLinear(nn.Module):
         """The checkpoint is quantized: take its ``weight_scale`` [N, 1] (one per output channel: every rank's)."""
         self.weight_scale = _scale_param(self.weight.shape[0], lambda p, t, shard=0: self._load_bias(p, t))
 
+    def expect_groups(self) -> None:
+        """The checkpoint keeps 4-bit weights: take each 32 inputs' ``(d, m)`` [N, K / 32, 2] (this rank's inputs'
+        groups)."""
+        self.weight_groups = _groups_param(self.weight.shape, self._load_groups)
+
+    def _load_groups(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        size = param.shape[1]
+        if self.in_shard % _GROUP:
+            raise ValueError(f"this rank's {self.in_shard} input features are not whole groups of {_GROUP}; serve "
+                             "this 4-bit checkpoint without --quantization or with fewer tensor-parallel ranks")
+        _copy(param.data, loaded.narrow(1, self.parallel.tp_rank * size, size), "row shard's groups")
+        param.loaded.add(shard_id)  # type: ignore[attr-defined]
+
     def quantize_weight(self, method: str) -> bool:
         return _quantize(self, method, 1)
 
@@ -158,6 +179,18 @@ def _scale_param(rows: int, load) -> nn.Parameter:  # noqa: ANN001
     return param
 
 
+def _groups_param(weight_shape: torch.Size, load) -> nn.Parameter:  # noqa: ANN001
+    """A float32 [N, K / 32, 2] Parameter for a 4-bit checkpoint's groups whose loader records each shard it loads."""
+    def loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str = 0) -> None:
+        load(param, loaded, shard_id)
+        param.loaded.add(shard_id)  # type: ignore[attr-defined]
+
+    n, k = weight_shape
+    param = _param((n, -(-k // _GROUP), 2), torch.float32, loader)
+    param.loaded = set()  # type: ignore[attr-defined]
+    return param
+
+
 def _quantize(layer: nn.Module, method: str, shards: int) -> bool:
     """Quantize and pack ``layer.weight`` for ``method``, or pack the int8 weight and scales a quantized checkpoint
     gave it (``expect_scales``; all ``shards`` of a fused layer, or none: a layer such a checkpoint left in float,
@@ -167,6 +200,8 @@ def _quantize(layer: nn.Module, method: str, shards: int) -> bool:
     if layer.weight.dtype != torch.bfloat16:
         raise ValueError(f"quantization={method} runs on bfloat16 models; set dtype bfloat16 (this model is "
                          f"{layer.weight.dtype})")
+    if hasattr(layer, "weight_groups"):
+        return _pack_groups(layer, method, shards)
     scale = getattr(layer, "weight_scale", None)
     if scale is None:
         gemm.QUANTIZED[method].quantize_parameter(layer.weight)
@@ -181,6 +216,24 @@ def _quantize(layer: nn.Module, method: str, shards: int) -> bool:
         raise ValueError(f"the checkpoint quantizes {len(scale.loaded)} of the {shards} matrices fused into one "
                          "layer (q/k/v or gate/up); pagellm serves them all quantized or all in float")
     gemm_w8a8.quantize_parameter(layer.weight, (layer.weight.data.to(torch.int8), scale.data))
+    return True
+
+
+def _pack_groups(layer: nn.Module, method: str, shards: int) -> bool:
+    """Pack the 4-bit integers and groups a weight-only checkpoint gave the layer (``expect_groups``)."""
+    groups = layer.weight_groups
+    del layer.weight_groups
+    if method != gemm_w4a8.FORMAT:
+        raise ValueError(f"this checkpoint's 4-bit groups pack only for {gemm_w4a8.FORMAT}, not {method}")
+    if len(groups.loaded) != shards:  # the rows of a layer the checkpoint left in float have no groups
+        if groups.loaded:
+            raise ValueError(f"the checkpoint quantizes {len(groups.loaded)} of the {shards} matrices fused into one "
+                             "layer (q/k/v or gate/up); pagellm serves them all quantized or all in float")
+        gemm_w4a8.quantize_parameter(layer.weight)
+        return True
+    q = layer.weight.data.to(torch.uint8)  # the integers, exact in bfloat16
+    q = F.pad(q, (0, groups.shape[1] * _GROUP - q.shape[1]))
+    gemm_w4a8.quantize_parameter(layer.weight, (q, groups[..., 0].half(), groups[..., 1].half()))
     return True
 
 

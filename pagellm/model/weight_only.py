@@ -1,0 +1,225 @@
+"""Weight-only integer checkpoints (W4A16, W8A16): GPTQ, AWQ and compressed-tensors ``pack-quantized``, read into
+the float weights they stand for, or into the 4-bit kernel's groups.
+
+Each format stores a quantized linear layer of ``N`` outputs and ``K`` inputs as unsigned ``bits``-bit integers
+``q``, packed eight (4 bits) or four (8 bits) to an int32, with a scale ``s`` and a zero point ``z`` per group of
+``group_size`` inputs (``-1``: the whole row), so that ``W = (q - z) · s``:
+
+- **GPTQ** (``quant_method: gptq``): ``qweight`` int32 [K / p, N] packed along K (input ``p·r + i`` of row ``r`` in
+  bits ``bits·i``), ``qzeros`` int32 [G, N / p] packed along N, ``scales`` [G, N], ``g_idx`` [K] (each input's
+  group; with ``desc_act`` not in order). ``checkpoint_format: gptq`` (the default) stores ``z - 1``, ``gptq_v2``
+  stores ``z``.
+- **AWQ** (``quant_method: awq``, ``version: gemm``): ``qweight`` int32 [K, N / 8] packed along N in AutoAWQ's
+  order (nibble ``j`` of word ``c`` holds output ``8c + AWQ_ORDER[j]``), ``qzeros`` [G, N / 8] likewise, ``scales``
+  [G, N]. Without ``zero_point``, z is 8.
+- **compressed-tensors** (``format: pack-quantized``): ``weight_packed`` int32 [N, K / p] packed along K of the
+  signed values ``q - 2^(bits-1)``, ``weight_scale`` [N, G], ``weight_shape`` (N, K), and for an asymmetric scheme
+  ``weight_zero_point`` int32 [N / p, G] packed along N, signed likewise; symmetric: z is ``2^(bits-1)``.
+
+``weights(...)`` turns a checkpoint's stream into Hugging Face's float names: each quantized layer becomes
+``<layer>.weight``, ``(q - z) · s`` computed in the scales' dtype as the formats' own libraries compute it
+(compressed-tensors' ``dequantize``, AutoAWQ's and GPTQModel's torch paths), so transformers on the decompressed
+checkpoint and pagellm compute with the same weights. With ``groups=True`` (``--quantization w4a8_int4`` on a 4-bit
+checkpoint) a layer becomes ``<layer>.weight`` holding ``q`` itself and ``<layer>.weight_groups`` [N, K / 32, 2],
+each 32 inputs' ``(d, m) = (s, -z · s)``: the 4-bit kernel's Q4_1 form of the same weights, which keeps ``q`` and
+``s`` as they are (``m`` rounds to float16 where ``z · s`` needs more bits; symmetric schemes' ``-8 · s`` does not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from pagellm.ops.gemm_w4a8 import GROUP
+
+SCHEME = "wna16"
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# Each format's tensors of one layer: (the packed weight, what else it needs, what it may have).
+_PARTS = {"gptq": ("qweight", ("qzeros", "scales"), ("g_idx",)),
+          "awq": ("qweight", ("qzeros", "scales"), ()),
+          "compressed-tensors": ("weight_packed", ("weight_scale", "weight_shape"), ("weight_zero_point",))}
+
+
+@dataclass(frozen=True)
+class WeightOnly:
+    """A weight-only checkpoint's scheme, from its ``quantization_config``."""
+
+    method: str  # "gptq", "awq" or "compressed-tensors"
+    bits: int
+    group_size: int  # -1: one group per row
+    symmetric: bool  # compressed-tensors and AWQ: no stored zero points (z = 2^(bits-1))
+    zeros_minus_one: bool  # GPTQ's original checkpoint format
+
+    @property
+    def parts(self) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+        packed, needed, optional = _PARTS[self.method]
+        if self.method == "awq" and self.symmetric:
+            needed = ("scales",)
+        if self.method == "compressed-tensors" and not self.symmetric:
+            needed = needed + optional
+        return packed, needed, optional
+
+
+def scheme(quant: dict[str, Any]) -> WeightOnly | None:
+    """The weight-only scheme of a ``quantization_config``; ``None`` where it is not one (another compressed-tensors
+    format); raises ``ValueError`` naming what pagellm does not read."""
+    method = quant.get("quant_method")
+    if method == "compressed-tensors":
+        if quant.get("format") != "pack-quantized":
+            return None
+        return _compressed_tensors(quant)
+    if method not in ("gptq", "awq"):
+        return None
+    bits = int(quant.get("bits", quant.get("w_bit", 4)))
+    group = int(quant.get("group_size", quant.get("q_group_size", 128)))
+    if bits not in (4, 8) or (method == "awq" and bits != 4):
+        raise ValueError(f"this {method} checkpoint has {bits}-bit weights; pagellm reads GPTQ with 4 or 8 bits and "
+                         "AWQ with 4")
+    if method == "awq" and str(quant.get("version", "gemm")).lower() != "gemm":
+        raise ValueError(f"this AWQ checkpoint's version is {quant.get('version')!r}; pagellm reads version gemm "
+                         "(AutoAWQ's default)")
+    if method == "gptq" and quant.get("lm_head"):
+        raise ValueError("this GPTQ checkpoint quantizes its LM head too; pagellm reads GPTQ decoder layers with a "
+                         "float LM head")
+    fmt = str(quant.get("checkpoint_format", "gptq"))
+    if method == "gptq" and fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"this GPTQ checkpoint's format is {fmt!r}; pagellm reads gptq and gptq_v2")
+    return WeightOnly(method, bits, group, symmetric=method == "awq" and not quant.get("zero_point", True),
+                      zeros_minus_one=method == "gptq" and fmt == "gptq")
+
+
+def _compressed_tensors(quant: dict[str, Any]) -> WeightOnly:
+    groups = list((quant.get("config_groups") or {}).values())
+    weights = [g.get("weights") or {} for g in groups]
+    if len(groups) != 1 or groups[0].get("input_activations") or weights[0].get("type", "int") != "int" or \
+            weights[0].get("num_bits") not in (4, 8) or weights[0].get("strategy") not in ("group", "channel") or \
+            weights[0].get("actorder"):
+        raise ValueError("this compressed-tensors pack-quantized checkpoint's scheme is not served: pagellm reads "
+                         "one group of int weights with 4 or 8 bits, strategy group or channel, no activation "
+                         f"quantization and no actorder; found {groups}")
+    w = weights[0]
+    group = int(w.get("group_size") or -1) if w["strategy"] == "group" else -1
+    return WeightOnly("compressed-tensors", int(w["num_bits"]), group, symmetric=bool(w.get("symmetric", True)),
+                      zeros_minus_one=False)
+
+
+def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """The unsigned ``bits``-bit values of an int32 tensor packed along ``dim`` (value ``i`` of a word in bits
+    ``bits·i``), as int16, that dimension ``32 / bits`` times longer."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    words = packed.to(torch.int32).unsqueeze(dim + 1)
+    shape = [1] * words.dim()
+    shape[dim + 1] = per
+    values = (words >> shifts.view(shape)) & ((1 << bits) - 1)
+    size = list(packed.shape)
+    size[dim] *= per
+    return values.reshape(size).to(torch.int16)
+
+
+def _layer(ws: WeightOnly, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                   torch.Tensor]:
+    """``(q, z, s, g)`` of one layer: q int16 [N, K] and, per group, z int16 [N, G] and s [N, G] in the scales'
+    dtype; g int64 [K], each input's group."""
+    mid = 1 << (ws.bits - 1)
+    if ws.method == "compressed-tensors":
+        n, k = (int(v) for v in t["weight_shape"].tolist())
+        q = _unpack(t["weight_packed"], ws.bits, 1)[:, :k]
+        s = t["weight_scale"].reshape(n, -1)
+        z = _unpack(t["weight_zero_point"], ws.bits, 0)[:n] if not ws.symmetric else torch.full_like(s, mid,
+                                                                                                   dtype=torch.int16)
+    elif ws.method == "gptq":
+        q = _unpack(t["qweight"], ws.bits, 0).t()
+        s = t["scales"].t()
+        z = _unpack(t["qzeros"], ws.bits, 1).t() + int(ws.zeros_minus_one)  # as GPTQ's kernels add it back
+    else:  # AWQ: packed along N in its own order
+        order = torch.tensor(AWQ_ORDER).argsort()
+        q = _awq_columns(_unpack(t["qweight"], 4, 1), order).t()
+        s = t["scales"].t()
+        z = _awq_columns(_unpack(t["qzeros"], 4, 1), order).t() if not ws.symmetric else \
+            torch.full_like(s, mid, dtype=torch.int16)
+    n, k = q.shape
+    if "g_idx" in t:
+        g = t["g_idx"].to(torch.int64)
+    else:
+        g = torch.arange(k) // (ws.group_size if ws.group_size > 0 else k)
+    if s.shape[0] != n or z.shape != s.shape or g.shape != (k,) or int(g.max()) >= s.shape[1]:
+        raise ValueError(f"a {ws.method} layer's tensors do not fit together: weight [{n}, {k}], scales "
+                         f"{tuple(s.shape)}, zero points {tuple(z.shape)}, {g.numel()} group indices")
+    return q.contiguous(), z, s, g
+
+
+def _awq_columns(values: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ's packed columns back in order: word ``c``'s value ``j`` is column ``8c + AWQ_ORDER[j]``."""
+    rows, cols = values.shape
+    return values.view(rows, cols // 8, 8)[:, :, order].reshape(rows, cols)
+
+
+def dequantize(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``(q - z) · s`` per input's group, in the scales' dtype (as the formats' libraries compute it)."""
+    return (q - z[:, g]).to(s.dtype) * s[:, g]
+
+
+def groups_of(ws: WeightOnly, q: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
+              g: torch.Tensor) -> torch.Tensor:
+    """[N, K / 32, 2] float32: each 32 inputs' ``(d, m) = (s, -z · s)`` in float16's values, for the 4-bit kernel;
+    raises where the scheme does not map onto it."""
+    n, k = q.shape
+    if ws.bits != 4 or k % GROUP:
+        raise ValueError(f"quantization=w4a8_int4 keeps a checkpoint's 4-bit weights in groups of {GROUP} inputs; "
+                         f"this {ws.method} checkpoint has {ws.bits}-bit weights and a layer of {k} inputs. Serve it "
+                         "without --quantization (its weights are then dequantized)")
+    first = g[::GROUP]
+    if not torch.equal(g.view(-1, GROUP), first[:, None].expand(-1, GROUP)):
+        raise ValueError(f"quantization=w4a8_int4 needs each {GROUP} consecutive inputs of a layer in one group; this "
+                         f"{ws.method} checkpoint's groups are smaller or out of order (act-order, desc_act). Serve "
+                         "it without --quantization (its weights are then dequantized)")
+    d = s[:, first].to(torch.float16)
+    m = (-(z[:, first].float() * s[:, first].float())).to(torch.float16)
+    if not (torch.isfinite(d).all() and torch.isfinite(m).all()):
+        raise ValueError(f"a {ws.method} layer's scales overflow float16; serve it without --quantization")
+    return torch.stack([d, m], dim=2).float()
+
+
+def weights(stream: Iterable[tuple[str, torch.Tensor]], names: set[str], ws: WeightOnly,
+            groups: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint ``stream`` (whose tensors are ``names``) with each quantized layer's tensors turned into
+    ``<layer>.weight`` (dequantized), or with ``groups`` into ``q`` and ``<layer>.weight_groups`` (the LM head is
+    always dequantized); a layer is emitted once all its tensors have come."""
+    packed, needed, optional = ws.parts
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in stream:
+        layer, _, part = name.rpartition(".")
+        if part != packed and part not in needed and part not in optional:
+            yield name, tensor
+            continue
+        got = pending.setdefault(layer, {})
+        got[part] = tensor
+        if all(p in got for p in (packed, *needed)) and \
+                all(p in got for p in optional if f"{layer}.{p}" in names):
+            yield from _emit(layer, pending.pop(layer), ws, groups)
+    for layer, got in pending.items():
+        raise ValueError(f"the {ws.method} checkpoint's layer {layer!r} lacks "
+                         f"{', '.join(p for p in (packed, *needed) if p not in got)}")
+
+
+def _emit(layer: str, got: dict[str, torch.Tensor], ws: WeightOnly, groups: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    q, z, s, g = _layer(ws, got)
+    if groups and layer.split(".")[-1] != "lm_head":
+        yield f"{layer}.weight", q.float()
+        yield f"{layer}.weight_groups", groups_of(ws, q, z, s, g)
+    else:
+        yield f"{layer}.weight", dequantize(q, z, s, g)
+
+
+def four_bit_hint(hf_config: dict[str, Any]) -> str | None:
+    """A line suggesting ``--quantization w4a8_int4`` for a 4-bit weight-only checkpoint whose groups map onto the
+    4-bit kernel's (served dequantized without it), or ``None``."""
+    quant = hf_config.get("quantization_config")
+    ws = scheme(quant) if quant else None
+    if ws is None or ws.bits != 4 or (ws.group_size > 0 and ws.group_size % GROUP) or quant.get("desc_act"):
+        return None
+    return (f"this {ws.method} checkpoint's 4-bit weights were dequantized; --quantization w4a8_int4 keeps them in 4 "
+            "bits (its integers and scales as they are; about a third of bfloat16's memory, with int8 activations)")

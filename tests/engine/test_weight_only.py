@@ -1,0 +1,234 @@
+"""Weight-only integer checkpoints (``model/weight_only.py``): GPTQ, AWQ and compressed-tensors pack-quantized.
+
+The checkpoints are written here from a tiny random model's weights, quantized round-to-nearest, with the
+compressed-tensors library's own packer (``pack_to_int32``; a GPTQ qweight is its packing of the same values,
+transposed). The reference weights come from the formats' libraries where this machine has them: transformers with
+compressed-tensors decompresses a pack-quantized checkpoint, and compressed-tensors' AutoAWQ converter reads an AWQ
+one. pagellm must load exactly those weights (float32), match transformers' greedy tokens over them, and with
+``--quantization w4a8_int4`` keep the checkpoint's integers and scales in the 4-bit kernel's groups.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+from safetensors.torch import load_file, save_file
+from test_parity import _prompts, assert_greedy_parity, run
+
+from pagellm import LLM, SamplingParams
+from pagellm.model import weight_only
+from pagellm.model.compressed_tensors import scheme_of
+from pagellm.ops import gemm, gemm_w4a8
+
+kernel = pytest.mark.skipif(not gemm_w4a8.available(), reason="the 4-bit GEMM needs AVX-512 VNNI and a compiler")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FORMATS = ["ct-symmetric", "ct-asymmetric", "gptq", "gptq-act-order", "gptq-8bit", "awq"]
+
+
+def _rtn(w: torch.Tensor, group: int, symmetric: bool, dtype: torch.dtype, g_idx: torch.Tensor | None = None,
+         bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest ``(q, z, s, g)``: q in [0, 2^bits) [N, K], z and s [N, G], g each input's group."""
+    n, k = w.shape
+    top = (1 << bits) - 1
+    g = g_idx if g_idx is not None else torch.arange(k) // group
+    by_group = [w[:, g == i] for i in range(int(g.max()) + 1)]
+    if symmetric:
+        s = torch.stack([c.abs().amax(1) / (top / 2) for c in by_group], 1).to(dtype)
+        z = torch.full(s.shape, (top + 1) // 2, dtype=torch.int16)
+    else:
+        lo, hi = (torch.stack([c.amin(1) for c in by_group], 1), torch.stack([c.amax(1) for c in by_group], 1))
+        s = ((hi - lo) / 15).to(dtype)
+        z = torch.round(-lo / s.float()).clamp(1, 15).to(torch.int16)  # >= 1: GPTQ's format stores z - 1
+    q = torch.round(w / s.float()[:, g] + z[:, g]).clamp(0, top).to(torch.int16)
+    return q, z, s, g
+
+
+def _signed(t: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    return (t - (1 << (bits - 1))).to(torch.int8)
+
+
+def _tensors(kind: str, q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> dict:
+    """One layer's tensors in ``kind``'s names and packing."""
+    if kind.startswith("ct"):
+        out = {"weight_packed": pack_to_int32(_signed(q), 4), "weight_scale": s,
+               "weight_shape": torch.tensor(list(q.shape))}
+        if kind == "ct-asymmetric":
+            out["weight_zero_point"] = pack_to_int32(_signed(z), 4, packed_dim=0)
+        return out
+    if kind.startswith("gptq"):  # packed along K (the transpose of compressed-tensors' packing), zeros minus one
+        bits = 8 if kind == "gptq-8bit" else 4
+        return {"qweight": pack_to_int32(_signed(q, bits), bits).t().contiguous(),
+                "qzeros": pack_to_int32(_signed(z.t() - 1, bits), bits), "scales": s.t().contiguous(),
+                "g_idx": g.to(torch.int32)}
+    order = list(weight_only.AWQ_ORDER)  # AWQ: packed along N in AutoAWQ's order
+
+    def awq(t: torch.Tensor) -> torch.Tensor:
+        rows, cols = t.shape
+        return pack_to_int32(_signed(t.reshape(rows, cols // 8, 8)[:, :, order].reshape(rows, cols)), 4)
+    return {"qweight": awq(q.t()), "qzeros": awq(z.t()), "scales": s.t().contiguous()}
+
+
+def _quant_config(kind: str, group: int) -> dict:
+    if kind.startswith("ct"):
+        args = QuantizationArgs(num_bits=4, type="int", symmetric=kind == "ct-symmetric", strategy="group",
+                                group_size=group)
+        config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+                                    format="pack-quantized", quantization_status="compressed", ignore=["lm_head"])
+        return {**config.model_dump(), "quant_method": "compressed-tensors"}
+    if kind.startswith("gptq"):
+        return {"quant_method": "gptq", "bits": 8 if kind == "gptq-8bit" else 4, "group_size": group, "desc_act": kind == "gptq-act-order",
+                "sym": True, "checkpoint_format": "gptq"}
+    return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+
+
+def _write(src: Path, out: Path, config: dict, tensors: dict) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    for path in src.iterdir():
+        if path.is_file() and path.name != "config.json" and not path.name.endswith(".safetensors"):
+            shutil.copy2(path, out / path.name)
+    return out
+
+
+def _checkpoint(src: Path, out: Path, kind: str) -> tuple[Path, dict[str, tuple]]:
+    """``kind``'s checkpoint of ``src`` in ``out``, and each quantized layer's ``(q, z, s, g)``."""
+    group = 64 if kind.startswith("gptq") else 32
+    dtype = torch.bfloat16 if kind.startswith("ct") else torch.float16
+    config = json.loads((src / "config.json").read_text())
+    tensors, layers = {}, {}
+    for name, w in load_file(src / "model.safetensors").items():
+        layer = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and layer.split(".")[-1] in LINEARS):
+            tensors[name] = w
+            continue
+        g = None
+        if kind == "gptq-act-order":  # inputs in an order of their own: each group takes scattered inputs
+            perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(len(layers)))
+            g = torch.empty(w.shape[1], dtype=torch.int64)
+            g[perm] = torch.arange(w.shape[1]) // group
+        layers[layer] = _rtn(w, group, kind not in ("ct-asymmetric", "awq"), dtype, g, 8 if "8bit" in kind else 4)
+        tensors.update({f"{layer}.{part}": t for part, t in _tensors(kind, *layers[layer]).items()})
+    return _write(src, out, {**config, "quantization_config": _quant_config(kind, group)}, tensors), layers
+
+
+def _library_weights(ckpt: Path, kind: str, tmp: Path) -> dict[str, torch.Tensor]:
+    """The float32 weights the formats' libraries make of ``ckpt``: transformers with compressed-tensors decompresses
+    a pack-quantized checkpoint (an AWQ one after compressed-tensors' AutoAWQ converter); GPTQ's library is not on
+    this machine, so its weights are ``(q - z) · s`` in float16, as GPTQ's torch path computes them."""
+    if kind.startswith("gptq"):
+        return {}
+    if kind == "awq":
+        converter = AutoAWQConverter.from_autoawq_config(json.loads((ckpt / "config.json").read_text())
+                                                         ["quantization_config"])
+        tensors = converter.process(load_file(ckpt / "model.safetensors"))
+        config = json.loads((ckpt / "config.json").read_text())
+        quant = {**converter.update_config(None).model_dump(), "quant_method": "compressed-tensors"}
+        ckpt = _write(ckpt, tmp / "awq-as-ct", {**config, "quantization_config": quant}, tensors)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(ckpt), dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def quantized(request, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
+    """(kind, checkpoint, each layer's (q, z, s, g), a float32 reference checkpoint of the library's weights)."""
+    kind, tmp = request.param, tmp_path_factory.mktemp(request.param)
+    ckpt, layers = _checkpoint(tiny_llama, tmp / "ckpt", kind)
+    library = _library_weights(ckpt, kind, tmp)
+    dense = load_file(tiny_llama / "model.safetensors")
+    for layer, parts in layers.items():
+        mine = weight_only.dequantize(*parts).float()
+        if library:
+            assert torch.equal(library[f"{layer}.weight"], mine), layer  # our reading of the format is the library's
+        dense[f"{layer}.weight"] = mine
+    reference = _write(tiny_llama, tmp / "reference", json.loads((tiny_llama / "config.json").read_text()), dense)
+    return kind, ckpt, layers, reference
+
+
+def _model(llm: LLM):
+    return llm.engine.core.executor.worker.runner.model
+
+
+def test_the_checkpoint_is_read_as_weight_only(quantized) -> None:
+    kind, ckpt, _, _ = quantized
+    assert scheme_of(json.loads((ckpt / "config.json").read_text())) == weight_only.SCHEME
+
+
+def test_float32_serving_loads_the_librarys_weights_and_matches_transformers(quantized) -> None:
+    kind, ckpt, layers, reference = quantized
+    llm = LLM(str(ckpt), dtype="float32", kv_cache_memory=1 << 24, max_num_batched_tokens=40)
+    ref = LLM(str(reference), dtype="float32", kv_cache_memory=1 << 24, max_num_batched_tokens=40)
+    ours, theirs = _model(llm), _model(ref)
+    for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+        assert torch.equal(a, b), name
+    prompts = _prompts(seed=3)
+    got = run(llm, prompts)
+    assert_greedy_parity(reference, prompts, got)
+    assert got == run(ref, prompts)
+
+
+@kernel
+def test_w4a8_keeps_the_checkpoints_integers_and_scales(quantized) -> None:
+    kind, ckpt, layers, _ = quantized
+    if kind in ("gptq-act-order", "gptq-8bit"):
+        with pytest.raises(ValueError, match="act-order" if kind == "gptq-act-order" else "8-bit weights"):
+            LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24, quantization="w4a8_int4")
+        return
+    llm = LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24, quantization="w4a8_int4")
+    layer = _model(llm).model.layers[1]
+    fused = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+             "self_attn.o_proj": ("o_proj",), "mlp.down_proj": ("down_proj",)}
+    for ours, parts in fused.items():
+        linear = layer.get_submodule(ours)
+        assert gemm.weight_format(linear.weight) == gemm_w4a8.FORMAT and not hasattr(linear, "weight_groups")
+        n, k = gemm.packed_shape(linear.weight)
+        q, d, m = gemm_w4a8.unpack(linear.weight.data, n, k)
+        prefix = f"model.layers.1.{ours.split('.')[0]}."
+        want = [layers[prefix + part] for part in parts]
+        assert torch.equal(q.to(torch.int16), torch.cat([w[0] for w in want]))
+        assert torch.equal(d, torch.cat([w[2][:, w[3][::32]].half() for w in want]))
+        assert torch.equal(m, torch.cat([(-(w[1] * w[2].float()))[:, w[3][::32]].half() for w in want]))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = llm.generate(_prompts(seed=3), params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+
+
+def test_schemes_pagellm_does_not_read_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="3-bit weights"):
+        weight_only.scheme({"quant_method": "gptq", "bits": 3, "group_size": 128})
+    with pytest.raises(ValueError, match="version is 'gemv'"):
+        weight_only.scheme({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"})
+    with pytest.raises(ValueError, match="LM head"):
+        weight_only.scheme({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True})
+    w4a8 = _quant_config("ct-symmetric", 32)
+    w4a8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int", "strategy": "token"}
+    with pytest.raises(ValueError, match="no activation quantization"):
+        weight_only.scheme(w4a8)
+    with pytest.raises(ValueError, match="quantized with 'bitsandbytes'"):
+        scheme_of({"quantization_config": {"quant_method": "bitsandbytes"}})
+
+
+def test_the_four_bit_hint_names_what_keeps_the_weights() -> None:
+    hint = weight_only.four_bit_hint({"quantization_config": _quant_config("gptq", 128)})
+    assert hint is not None and "--quantization w4a8_int4" in hint and "gptq" in hint
+    assert weight_only.four_bit_hint({"quantization_config": _quant_config("gptq-act-order", 128)}) is None
+    assert weight_only.four_bit_hint({"quantization_config": {"quant_method": "gptq", "bits": 8}}) is None
+    assert weight_only.four_bit_hint({}) is None
+
+
+def test_a_layer_missing_a_tensor_is_named(tiny_llama: Path, tmp_path: Path) -> None:
+    ckpt, _ = _checkpoint(tiny_llama, tmp_path / "gptq", "gptq")
+    tensors = load_file(ckpt / "model.safetensors")
+    del tensors["model.layers.0.mlp.up_proj.scales"]
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"layer 'model.layers.0.mlp.up_proj' lacks scales"):
+        LLM(str(ckpt), dtype="float32", kv_cache_memory=1 << 24)
