@@ -75,7 +75,8 @@ class ModelConfig:
     quantization: str | None = _help(
         "Quantize the decoder layers' weights at load (bfloat16 models, a CPU with AVX-512 VNNI): w8a8_int8 (one "
         "scale per output channel) or w4a8_int4 (4 bits in groups of 32, a float16 scale and minimum each: "
-        "llama.cpp's Q4_1, 5/8 of int8's bytes); activations int8 per token. Default: none.", default=None)
+        "llama.cpp's Q4_1, 5/8 of int8's bytes; a GPTQ/AWQ/compressed-tensors 4-bit checkpoint's own); activations "
+        "int8 per token. Default: none.", default=None)
     quantize_lm_head: bool = _help(
         "Quantize the LM head (and a tied embedding, the same matrix) to int8 per vocabulary row: on a small model "
         "decoding reads it as much as the layers. With or without --quantization; the same needs. Default: off.",

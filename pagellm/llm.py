@@ -42,8 +42,9 @@ class LLM:
     arguments keep vLLM's names: ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
     ``enable_prefix_caching``, ``enable_chunked_prefill``, ``dtype``, ``kv_cache_dtype`` ("auto", "fp8",
     "fp8_e4m3", "fp8_e5m2"), ``quantization`` ("w8a8_int8" or "w4a8_int4"; a compressed-tensors W8A8 int8
-    checkpoint needs none), ``seed``; plus ``kv_cache_memory`` (bytes, or a size such as "4GiB") and
-    ``scheduling_policy`` ("fcfs" or "priority").
+    checkpoint needs none, and a GPTQ, AWQ or compressed-tensors weight-only one is dequantized without it),
+    ``seed``; plus ``kv_cache_memory`` (bytes, or a size such as "4GiB") and ``scheduling_policy`` ("fcfs" or
+    "priority").
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:

@@ -11,12 +11,14 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 from test_parity import (_prompts, assert_greedy_parity, assert_seeded_grammar, run,
                          scored_with_and_without_the_stack)
+from test_weight_only import _checkpoint
 
 from pagellm import LLM, SamplingParams
 from pagellm.model.compressed_tensors import write_w8a8
-from pagellm.ops import decoder_stack, gemm, gemm_w8a8
+from pagellm.ops import decoder_stack, gemm, gemm_w4a8, gemm_w8a8
 
 TP = dict(dtype="float32", tensor_parallel_size=2)
 
@@ -64,25 +66,32 @@ def _int8_greedy(model_dir: Path, prompts: list[list[int]], tp: int, quantizatio
     return llm, [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 GEMM needs AVX-512 VNNI")
-@pytest.mark.parametrize("source", ["online", "checkpoint"])
-def test_int8_weights_split_across_ranks(tiny_model_factory, tmp_path: Path, source: str) -> None:
-    """int8 weights (``--quantization w8a8_int8``, or a compressed-tensors W8A8 checkpoint) on tensor-parallel ranks:
-    each rank holds the int8 rows (q/k/v, gate/up) or columns (o, down) of its slice with their per-output-channel
-    scales and quantizes its own activations. Greedy tokens equal one process's over the same weights, up to float
-    ties: where they part, both tokens are in the one process's top 2."""
-    model_dir = tiny_model_factory("llama")
-    quantization = "w8a8_int8"
+@pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 and 4-bit GEMMs need AVX-512 VNNI")
+@pytest.mark.parametrize("source", ["online", "checkpoint", "gptq"])
+def test_quantized_weights_split_across_ranks(tiny_model_factory, tmp_path: Path, source: str) -> None:
+    """int8 weights (``--quantization w8a8_int8``, or a compressed-tensors W8A8 checkpoint) and a GPTQ checkpoint's
+    4-bit ones (``--quantization w4a8_int4``) on tensor-parallel ranks: each rank holds the rows (q/k/v, gate/up) or
+    columns (o, down) of its slice with their scales (per output channel, or per 32 inputs) and quantizes its own
+    activations. Greedy tokens equal one process's over the same weights, up to float ties: where they part, both
+    tokens are in the one process's top 2."""
+    model_dir, fmt = tiny_model_factory("llama"), "w8a8_int8"
+    quantization = fmt
     if source == "checkpoint":
         model_dir, quantization = write_w8a8(model_dir, tmp_path / "w8a8"), None
+    if source == "gptq":
+        model_dir, layers = _checkpoint(model_dir, tmp_path / "gptq", "gptq")
+        quantization = fmt = "w4a8_int4"
     prompts = _prompts(seed=17)
     single, expected = _int8_greedy(model_dir, prompts, 1, quantization)
     ranks, got = _int8_greedy(model_dir, prompts, 2, quantization)
     try:
         layer = ranks.engine.core.executor.worker.runner.model.model.layers[0]
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            assert gemm.weight_format(linear.weight) == "w8a8_int8"
+            assert gemm.weight_format(linear.weight) == fmt
         assert gemm.packed_shape(layer.mlp.down_proj.weight) == (64, 64)  # [hidden, intermediate / 2]
+        if source == "gptq":  # rank 0's columns of down_proj: the first half of the checkpoint's inputs
+            q, _, _ = gemm_w4a8.unpack(layer.mlp.down_proj.weight.data, 64, 64)
+            assert torch.equal(q.to(torch.int16), layers["model.layers.0.mlp.down_proj"][0][:, :64])
         exact = 0
         for ours, theirs in zip(got, expected):
             step = next((i for i, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids)) if a != b), None)

@@ -29,7 +29,7 @@ from pagellm.model.compressed_tensors import scheme_of
 from pagellm.ops import gemm, gemm_w4a8
 
 kernel = pytest.mark.skipif(not gemm_w4a8.available(), reason="the 4-bit GEMM needs AVX-512 VNNI and a compiler")
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 FORMATS = ["ct-symmetric", "ct-asymmetric", "gptq", "gptq-act-order", "gptq-8bit", "awq"]
 
 
@@ -84,8 +84,8 @@ def _quant_config(kind: str, group: int) -> dict:
                                     format="pack-quantized", quantization_status="compressed", ignore=["lm_head"])
         return {**config.model_dump(), "quant_method": "compressed-tensors"}
     if kind.startswith("gptq"):
-        return {"quant_method": "gptq", "bits": 8 if kind == "gptq-8bit" else 4, "group_size": group, "desc_act": kind == "gptq-act-order",
-                "sym": True, "checkpoint_format": "gptq"}
+        return {"quant_method": "gptq", "bits": 8 if kind == "gptq-8bit" else 4, "group_size": group,
+                "desc_act": kind == "gptq-act-order", "sym": True, "checkpoint_format": "gptq"}
     return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
 
 
@@ -232,3 +232,33 @@ def test_a_layer_missing_a_tensor_is_named(tiny_llama: Path, tmp_path: Path) -> 
     save_file(tensors, str(ckpt / "model.safetensors"))
     with pytest.raises(ValueError, match=r"layer 'model.layers.0.mlp.up_proj' lacks scales"):
         LLM(str(ckpt), dtype="float32", kv_cache_memory=1 << 24)
+
+
+def _reference(src: Path, out: Path, layers: dict[str, tuple]) -> Path:
+    """A float32 checkpoint of ``src`` with its quantized layers' dequantized weights."""
+    dense = load_file(src / "model.safetensors")
+    dense.update({f"{layer}.weight": weight_only.dequantize(*parts).float() for layer, parts in layers.items()})
+    return _write(src, out, json.loads((src / "config.json").read_text()), dense)
+
+
+def test_a_gptq_mixture_of_experts_matches_transformers_and_keeps_its_experts_in_four_bits(tiny_model_factory,
+                                                                                        tmp_path: Path) -> None:
+    """A Mixtral GPTQ checkpoint: every expert's w1/w2/w3 is quantized (the router is not). In float32 its tokens
+    are transformers'; with w4a8_int4 each expert's fused gate/up and its down projection hold the checkpoint's own
+    integers."""
+    src = tiny_model_factory("mixtral")
+    ckpt, layers = _checkpoint(src, tmp_path / "gptq", "gptq")
+    assert sum(".experts." in layer for layer in layers) == 2 * 4 * 3
+    prompts = _prompts(seed=5)
+    llm = LLM(str(ckpt), dtype="float32", kv_cache_memory=1 << 24, max_num_batched_tokens=40)
+    assert_greedy_parity(_reference(src, tmp_path / "reference", layers), prompts, run(llm, prompts))
+    if not gemm_w4a8.available():
+        return
+    llm = LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24, quantization="w4a8_int4")
+    expert = _model(llm).model.layers[0].mlp.experts[2]
+    prefix = "model.layers.0.block_sparse_moe.experts.2."
+    for linear, parts in ((expert.gate_up_proj, ("w1", "w3")), (expert.down_proj, ("w2",))):
+        assert gemm.weight_format(linear.weight) == gemm_w4a8.FORMAT
+        q, _, _ = gemm_w4a8.unpack(linear.weight.data, *gemm.packed_shape(linear.weight))
+        assert torch.equal(q.to(torch.int16), torch.cat([layers[prefix + part][0] for part in parts]))
+    assert len(run(llm, prompts)[0]) > 0

@@ -100,12 +100,12 @@ def test_a_w8a8_checkpoint_on_a_float32_model_is_refused(w8a8_dir: Path) -> None
 
 
 @pytest.mark.parametrize("change,found", [
-    ({"quant_method": "awq"}, "quantized with 'awq'"),
-    ({"format": "pack-quantized"}, "found format 'pack-quantized'"),
+    ({"quant_method": "bitsandbytes"}, "quantized with 'bitsandbytes'"),
+    ({"format": "pack-quantized"}, "no activation quantization"),  # weight-only packing with int8 activations
     ({"weights": {"strategy": "tensor"}}, "'strategy': 'tensor'"),
     ({"weights": {"num_bits": 4}}, "'num_bits': 4"),
     ({"input_activations": {"dynamic": False}}, "'dynamic': False"),
-], ids=["awq", "packed", "per-tensor", "4-bit", "static-activations"])
+], ids=["bitsandbytes", "packed-w8a8", "per-tensor", "4-bit", "static-activations"])
 def test_other_schemes_are_refused_with_what_was_found(w8a8_dir: Path, change: dict, found: str) -> None:
     config = json.loads((w8a8_dir / "config.json").read_text())
     quant = config["quantization_config"]
