@@ -1,5 +1,5 @@
-"""W8A8 int8 checkpoints in the compressed-tensors format (what llm-compressor writes and vLLM serves), read and
-written.
+"""Checkpoints in the compressed-tensors format (what llm-compressor writes and vLLM serves): W8A8 int8 ones read and
+written here, weight-only ``pack-quantized`` ones (W4A16) written here and read by ``model/weight_only.py``.
 
 Such a checkpoint's ``config.json`` carries a ``quantization_config`` with ``quant_method: compressed-tensors``; its
 one scheme pagellm serves is the one ``--quantization w8a8_int8`` computes: int8 weights, symmetric, one scale per
@@ -11,7 +11,8 @@ their float weights. ``scheme_of`` reads the config (and refuses other schemes w
 
 ``write_w8a8`` makes such a checkpoint from a float one, with the weights quantized as ``--quantization w8a8_int8``
 quantizes the bfloat16 model's at load (``ops.gemm_w8a8.quantize``), the same int8 weights and scales: the
-benchmarks give vLLM the weights pagellm runs.
+benchmarks give vLLM the weights pagellm runs. ``write_w4a16`` makes a W4A16 one (round to nearest, groups of 128
+by default), the checkpoint a user gets from llm-compressor's ``W4A16`` scheme without its calibration.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -74,6 +75,43 @@ def _is_linear(name: str) -> bool:
 def write_w8a8(src: Path, out: Path) -> Path:
     """A compressed-tensors W8A8 int8 copy of the float checkpoint ``src`` (a Hugging Face directory) in ``out``:
     the decoder layers' linear weights quantized, everything else (embedding, norms, LM head, tokenizer) as it was."""
+    def layer(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, scale = gemm_w8a8.quantize(weight)
+        return {name: q, name + "_scale": scale[:, None].contiguous()}
+    return _write(src, out, _quant_config(), layer)
+
+
+def write_w4a16(src: Path, out: Path, group_size: int = 128) -> Path:
+    """A compressed-tensors W4A16 copy of ``src`` in ``out``, as llm-compressor's round-to-nearest ``W4A16`` scheme
+    writes one (``format: pack-quantized``): each ``group_size`` inputs of a decoder linear weight get a bfloat16
+    scale ``max |W| / 7.5`` and 4-bit values ``round(W / s)`` in [-8, 7], packed eight to an int32 along the inputs
+    (value ``i`` in bits ``4i``, offset by 8); served dequantized, or with ``--quantization w4a8_int4`` as it is."""
+    def layer(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        n, k = weight.shape
+        if k % group_size:
+            raise ValueError(f"{name} has {k} inputs, not whole groups of {group_size}")
+        w = weight.float().view(n, k // group_size, group_size)
+        scale = (w.abs().amax(dim=2) / 7.5).to(torch.bfloat16)
+        step = torch.where(scale > 0, scale.float(), 1.0)
+        q = torch.round(w / step[..., None]).clamp_(-8, 7).to(torch.int64) + 8
+        words = (q.view(n, k // 8, 8) << (4 * torch.arange(8))).sum(dim=2)
+        packed = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+        base = name.removesuffix(".weight")
+        return {f"{base}.weight_packed": packed, f"{base}.weight_scale": scale,
+                f"{base}.weight_shape": torch.tensor([n, k])}
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size,
+               "dynamic": False}
+    config = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                            "output_activations": None}},
+              "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}}
+    return _write(src, out, config, layer)
+
+
+def _write(src: Path, out: Path, quant_config: dict[str, Any],
+           layer: Callable[[str, torch.Tensor], dict[str, torch.Tensor]]) -> Path:
+    """``src`` with each decoder linear weight replaced by ``layer(name, its bfloat16 weight)``'s tensors (from
+    bfloat16, as the bfloat16 model's weights are quantized at load) and ``quant_config``."""
     from safetensors.torch import save_file
 
     from pagellm.model.loader import iter_weights, load_hf_config
@@ -84,13 +122,9 @@ def write_w8a8(src: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in iter_weights(src):
-        if _is_linear(name):  # from bfloat16, as the bfloat16 model's weights are quantized at load
-            q, scale = gemm_w8a8.quantize(tensor.to(torch.bfloat16))
-            tensors[name], tensors[name + "_scale"] = q, scale[:, None].contiguous()
-        else:
-            tensors[name] = tensor.contiguous()
+        tensors.update(layer(name, tensor.to(torch.bfloat16)) if _is_linear(name) else {name: tensor.contiguous()})
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps({**config, "quantization_config": _quant_config()}, indent=2))
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": quant_config}, indent=2))
     for path in src.iterdir():  # tokenizer and generation files
         if path.is_file() and path.name != "config.json" and not path.name.endswith(".safetensors") and \
                 path.name != "model.safetensors.index.json":

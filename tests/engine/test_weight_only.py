@@ -25,7 +25,7 @@ from test_parity import _prompts, assert_greedy_parity, run
 
 from pagellm import LLM, SamplingParams
 from pagellm.model import weight_only
-from pagellm.model.compressed_tensors import scheme_of
+from pagellm.model.compressed_tensors import scheme_of, write_w4a16
 from pagellm.ops import gemm, gemm_w4a8
 
 kernel = pytest.mark.skipif(not gemm_w4a8.available(), reason="the 4-bit GEMM needs AVX-512 VNNI and a compiler")
@@ -262,3 +262,20 @@ def test_a_gptq_mixture_of_experts_matches_transformers_and_keeps_its_experts_in
         q, _, _ = gemm_w4a8.unpack(linear.weight.data, *gemm.packed_shape(linear.weight))
         assert torch.equal(q.to(torch.int16), torch.cat([layers[prefix + part][0] for part in parts]))
     assert len(run(llm, prompts)[0]) > 0
+
+
+def test_a_written_w4a16_checkpoint_is_what_compressed_tensors_decompresses(tiny_llama: Path, tmp_path: Path) -> None:
+    """``write_w4a16`` (llm-compressor's round-to-nearest W4A16): its packing unpacks through transformers with
+    compressed-tensors to ``round(W / s) · s`` with ``s`` the bfloat16 ``max |W| / 7.5`` of each 32 inputs, and pagellm
+    serves those weights."""
+    ckpt = write_w4a16(tiny_llama, tmp_path / "w4a16", group_size=32)
+    library = _library_weights(ckpt, "ct-symmetric", tmp_path)
+    name = "model.layers.1.mlp.down_proj.weight"
+    w = load_file(tiny_llama / "model.safetensors")[name].to(torch.bfloat16).float().view(64, 4, 32)
+    s = (w.abs().amax(dim=2) / 7.5).to(torch.bfloat16)
+    want = (torch.round(w / s.float()[..., None]).clamp(-8, 7).to(torch.bfloat16) * s[..., None]).float().view(64, 128)
+    assert torch.equal(library[name], want)
+    llm = LLM(str(ckpt), dtype="float32", kv_cache_memory=1 << 24)
+    assert torch.equal(_model(llm).model.layers[1].mlp.down_proj.weight, want)
+    with pytest.raises(ValueError, match="not whole groups of 48"):
+        write_w4a16(tiny_llama, tmp_path / "w4a16-48", group_size=48)
