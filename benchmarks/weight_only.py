@@ -1,0 +1,88 @@
+"""A weight-only 4-bit checkpoint (compressed-tensors W4A16, as llm-compressor's round-to-nearest scheme writes it)
+beside the float model it was made from, in one run: load time, decode time per output token at each batch size, and
+perplexity on the HumanEval prompts, for
+
+- ``float``: the float checkpoint in bfloat16 (the baseline of every ratio);
+- ``w4a16``: the W4A16 checkpoint, dequantized to bfloat16 at load (no flag);
+- ``w4a16+w4a8_int4``: the same checkpoint kept in 4 bits (``--quantization w4a8_int4``: its own integers and
+  scales in the 4-bit kernel, int8 activations);
+- ``w4a16+w8a8_int8``: the same checkpoint dequantized, then quantized to int8 per output channel, int8
+  activations (what int8 activations cost on these weights, through the other kernel);
+- ``float+w4a8_int4``: the float checkpoint quantized at load to Q4_1's groups of 32 (scale and minimum each).
+
+    .venv/bin/python benchmarks/weight_only.py [--model HF_DIR] [--group-size 32] [--batch-size 1 8]
+        [--input-len 128] [--output-len 64] [--num-iters 3] [--num-prompts 64]
+
+``--model`` defaults to the built-in SmolLM2-135M-Instruct (its GGUF's converted directory); its 576 inputs take
+groups of 32 or 64, not llm-compressor's default 128. ``PAGELLM_NUM_THREADS`` sets the threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from quality import perplexity  # noqa: E402
+
+from pagellm import LLM  # noqa: E402
+from pagellm.bench import latency  # noqa: E402
+from pagellm.bench.datasets import load_humaneval_prompts  # noqa: E402
+from pagellm.model.compressed_tensors import write_w4a16  # noqa: E402
+from pagellm.model.loader import resolve_model_dir  # noqa: E402
+
+
+def measure(model: Path, quantization: str | None, args: argparse.Namespace, prompts: list[str]) -> dict:
+    start = time.perf_counter()
+    llm = LLM(str(model), dtype="bfloat16", kv_cache_memory=1 << 30, quantization=quantization)
+    loaded = time.perf_counter() - start
+    try:
+        timing = argparse.Namespace(input_len=args.input_len, output_len=args.output_len, num_iters=args.num_iters,
+                                    num_warmup=1, vocab_size=args.vocab_size, dataset_seed=0, profile=False)
+        per_token = {b: latency.measure(llm, b, timing)["decode_ms_per_token"] for b in args.batch_size}
+        return {"load_s": loaded, "ms_per_token": per_token, "perplexity": perplexity(llm, prompts)}
+    finally:
+        llm.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a float Hugging Face directory (default: the built-in model)")
+    parser.add_argument("--group-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--num-iters", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--vocab-size", type=int, default=8192, help="random prompts' token ids lie below this")
+    args = parser.parse_args()
+    src = resolve_model_dir(args.model)
+    prompts = load_humaneval_prompts()[:args.num_prompts]
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        ckpt = write_w4a16(src, Path(tmp) / "w4a16", group_size=args.group_size)
+        print(f"wrote the W4A16 checkpoint (groups of {args.group_size}) in {time.perf_counter() - start:.1f} s",
+              flush=True)
+        settings = {"float": (src, None), "w4a16": (ckpt, None), "w4a16+w4a8_int4": (ckpt, "w4a8_int4"),
+                    "w4a16+w8a8_int8": (ckpt, "w8a8_int8"), "float+w4a8_int4": (src, "w4a8_int4")}
+        results = {}
+        for name, (model, quantization) in settings.items():
+            results[name] = measure(model, quantization, args, prompts)
+            print(f"{name}: {results[name]}", flush=True)
+    base = results["float"]
+    header = " ".join(f"{'b=' + str(b) + ' ms/tok':>14}" for b in args.batch_size)
+    print(f"\n{'setting':>16} {'load s':>7} {header} {'perplexity':>11}")
+    for name, r in results.items():
+        cells = " ".join(f"{r['ms_per_token'][b]:>6.2f} ({r['ms_per_token'][b] / base['ms_per_token'][b]:.2f}×)"
+                         for b in args.batch_size)
+        print(f"{name:>16} {r['load_s']:>7.2f} {cells} {r['perplexity']:>7.4f} "
+              f"({r['perplexity'] / base['perplexity'] - 1:+.1%})")
+
+
+if __name__ == "__main__":
+    main()
