@@ -14,12 +14,15 @@ perplexity on the HumanEval prompts, for
         [--input-len 128] [--output-len 64] [--num-iters 3] [--num-prompts 64]
 
 ``--model`` defaults to the built-in SmolLM2-135M-Instruct (its GGUF's converted directory); its 576 inputs take
-groups of 32 or 64, not llm-compressor's default 128. ``PAGELLM_NUM_THREADS`` sets the threads.
+groups of 32 or 64, not llm-compressor's default 128. Each setting runs in a fresh process (load times as a server
+sees them). ``PAGELLM_NUM_THREADS`` sets the threads.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,13 +44,18 @@ def measure(model: Path, quantization: str | None, args: argparse.Namespace, pro
     start = time.perf_counter()
     llm = LLM(str(model), dtype="bfloat16", kv_cache_memory=1 << 30, quantization=quantization)
     loaded = time.perf_counter() - start
-    try:
-        timing = argparse.Namespace(input_len=args.input_len, output_len=args.output_len, num_iters=args.num_iters,
-                                    num_warmup=1, vocab_size=args.vocab_size, dataset_seed=0, profile=False)
-        per_token = {b: latency.measure(llm, b, timing)["decode_ms_per_token"] for b in args.batch_size}
-        return {"load_s": loaded, "ms_per_token": per_token, "perplexity": perplexity(llm, prompts)}
-    finally:
-        llm.shutdown()
+    timing = argparse.Namespace(input_len=args.input_len, output_len=args.output_len, num_iters=args.num_iters,
+                                num_warmup=1, vocab_size=args.vocab_size, dataset_seed=0, profile=False)
+    per_token = {b: latency.measure(llm, b, timing)["decode_ms_per_token"] for b in args.batch_size}
+    return {"load_s": loaded, "ms_per_token": per_token, "perplexity": perplexity(llm, prompts)}
+
+
+def in_own_process(model: Path, quantization: str | None, argv: list[str]) -> dict:
+    """``measure`` in a fresh interpreter: a load after another model's in the same process runs slower (its freed
+    memory is faulted in again), which would not be the load a server sees."""
+    cmd = [sys.executable, __file__, *argv, "--measure", str(model), quantization or "none"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -60,9 +68,14 @@ def main() -> None:
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--vocab-size", type=int, default=8192, help="random prompts' token ids lie below this")
-    args = parser.parse_args()
-    src = resolve_model_dir(args.model)
+    parser.add_argument("--measure", nargs=2, metavar=("MODEL", "QUANTIZATION"), help=argparse.SUPPRESS)
+    args, argv = parser.parse_args(), sys.argv[1:]
     prompts = load_humaneval_prompts()[:args.num_prompts]
+    if args.measure:
+        model, quantization = args.measure
+        print(json.dumps(measure(Path(model), None if quantization == "none" else quantization, args, prompts)))
+        return
+    src = resolve_model_dir(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         ckpt = write_w4a16(src, Path(tmp) / "w4a16", group_size=args.group_size)
@@ -72,13 +85,14 @@ def main() -> None:
                     "w4a16+w8a8_int8": (ckpt, "w8a8_int8"), "float+w4a8_int4": (src, "w4a8_int4")}
         results = {}
         for name, (model, quantization) in settings.items():
-            results[name] = measure(model, quantization, args, prompts)
+            results[name] = in_own_process(model, quantization, argv)
             print(f"{name}: {results[name]}", flush=True)
     base = results["float"]
     header = " ".join(f"{'b=' + str(b) + ' ms/tok':>14}" for b in args.batch_size)
     print(f"\n{'setting':>16} {'load s':>7} {header} {'perplexity':>11}")
     for name, r in results.items():
-        cells = " ".join(f"{r['ms_per_token'][b]:>6.2f} ({r['ms_per_token'][b] / base['ms_per_token'][b]:.2f}×)"
+        per_token = {int(b): v for b, v in r["ms_per_token"].items()}
+        cells = " ".join(f"{per_token[b]:>6.2f} ({per_token[b] / base['ms_per_token'][str(b)]:.2f}×)"
                          for b in args.batch_size)
         print(f"{name:>16} {r['load_s']:>7.2f} {cells} {r['perplexity']:>7.4f} "
               f"({r['perplexity'] / base['perplexity'] - 1:+.1%})")

@@ -27,6 +27,7 @@ each 32 inputs' ``(d, m) = (s, -z · s)``: the 4-bit kernel's Q4_1 form of the s
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -107,47 +108,51 @@ def _compressed_tensors(quant: dict[str, Any]) -> WeightOnly:
 
 def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """The unsigned ``bits``-bit values of an int32 tensor packed along ``dim`` (value ``i`` of a word in bits
-    ``bits·i``), as int16, that dimension ``32 / bits`` times longer."""
-    per = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    words = packed.to(torch.int32).unsqueeze(dim + 1)
-    shape = [1] * words.dim()
-    shape[dim + 1] = per
-    values = (words >> shifts.view(shape)) & ((1 << bits) - 1)
-    size = list(packed.shape)
-    size[dim] *= per
-    return values.reshape(size).to(torch.int16)
+    ``bits·i``), as uint8, that dimension ``32 / bits`` times longer. Read through the words' bytes (little-endian:
+    a byte's low nibble is the earlier value), a few passes over bytes instead of shifts over int32 words."""
+    if sys.byteorder != "little":
+        raise RuntimeError("reading packed int32 weights needs a little-endian CPU")
+    rows, words = packed.shape
+    b = packed.contiguous().view(torch.uint8).view(rows, words * 4)
+    values = torch.stack((b & 15, b >> 4), dim=2).view(rows, words * 8) if bits == 4 else b
+    if dim == 0:  # word (r, c) holds rows per·r .. per·r + per - 1 of column c
+        per = 32 // bits
+        values = values.view(rows, words, per).transpose(1, 2).reshape(rows * per, words)
+    return values
 
 
 def _layer(ws: WeightOnly, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                   torch.Tensor]:
-    """``(q, z, s, g)`` of one layer: q int16 [N, K] and, per group, z int16 [N, G] and s [N, G] in the scales'
-    dtype; g int64 [K], each input's group."""
+                                                                   torch.Tensor | None]:
+    """``(q, z, s, g)`` of one layer: q uint8 [N, K] and, per group, z [N, G] (small integers) and s [N, G] in the
+    scales' dtype; g int64 [K], each input's group, or ``None`` where the groups are runs of ``K / G`` inputs."""
     mid = 1 << (ws.bits - 1)
+    g = None
     if ws.method == "compressed-tensors":
         n, k = (int(v) for v in t["weight_shape"].tolist())
         q = _unpack(t["weight_packed"], ws.bits, 1)[:, :k]
         s = t["weight_scale"].reshape(n, -1)
         z = _unpack(t["weight_zero_point"], ws.bits, 0)[:n] if not ws.symmetric else torch.full_like(s, mid,
-                                                                                                   dtype=torch.int16)
+                                                                                                   dtype=torch.uint8)
     elif ws.method == "gptq":
         q = _unpack(t["qweight"], ws.bits, 0).t()
         s = t["scales"].t()
-        z = _unpack(t["qzeros"], ws.bits, 1).t() + int(ws.zeros_minus_one)  # as GPTQ's kernels add it back
+        z = _unpack(t["qzeros"], ws.bits, 1).t().to(torch.int16) + int(ws.zeros_minus_one)  # as GPTQ adds it back
+        if "g_idx" in t:
+            g = t["g_idx"].to(torch.int64)
     else:  # AWQ: packed along N in its own order
         order = torch.tensor(AWQ_ORDER).argsort()
         q = _awq_columns(_unpack(t["qweight"], 4, 1), order).t()
         s = t["scales"].t()
         z = _awq_columns(_unpack(t["qzeros"], 4, 1), order).t() if not ws.symmetric else \
-            torch.full_like(s, mid, dtype=torch.int16)
+            torch.full_like(s, mid, dtype=torch.uint8)
     n, k = q.shape
-    if "g_idx" in t:
-        g = t["g_idx"].to(torch.int64)
-    else:
-        g = torch.arange(k) // (ws.group_size if ws.group_size > 0 else k)
-    if s.shape[0] != n or z.shape != s.shape or g.shape != (k,) or int(g.max()) >= s.shape[1]:
+    if g is not None and torch.equal(g, torch.arange(k) // (k // s.shape[1] if k % s.shape[1] == 0 else 1)):
+        g = None  # runs in order (a GPTQ checkpoint without act-order still stores g_idx)
+    if s.shape[0] != n or z.shape != s.shape or (g is None and k % s.shape[1]) or \
+            (g is not None and (g.shape != (k,) or int(g.max()) >= s.shape[1])):
         raise ValueError(f"a {ws.method} layer's tensors do not fit together: weight [{n}, {k}], scales "
-                         f"{tuple(s.shape)}, zero points {tuple(z.shape)}, {g.numel()} group indices")
+                         f"{tuple(s.shape)}, zero points {tuple(z.shape)}"
+                         + (f", {g.numel()} group indices" if g is not None else ""))
     return q.contiguous(), z, s, g
 
 
@@ -157,13 +162,22 @@ def _awq_columns(values: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return values.view(rows, cols // 8, 8)[:, :, order].reshape(rows, cols)
 
 
-def dequantize(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``(q - z) · s`` per input's group, in the scales' dtype (as the formats' libraries compute it)."""
-    return (q - z[:, g]).to(s.dtype) * s[:, g]
+def _per_input(t: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+    """A per-group [N, G] tensor over the inputs: gathered by ``g``, or [N, G, 1] beside [N, G, K / G] runs."""
+    return t[:, g] if g is not None else t[:, :, None]
+
+
+def dequantize(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+    """``(q - z) · s`` [N, K] per input's group, in the scales' dtype (as the formats' libraries compute it: the
+    integers' difference is exact there)."""
+    n, k = q.shape
+    values = q if g is not None else q.view(n, s.shape[1], -1)
+    w = (values.to(s.dtype) - _per_input(z, g).to(s.dtype)) * _per_input(s, g)
+    return w.view(n, k)
 
 
 def groups_of(ws: WeightOnly, q: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
-              g: torch.Tensor) -> torch.Tensor:
+              g: torch.Tensor | None) -> torch.Tensor:
     """[N, K / 32, 2] float32: each 32 inputs' ``(d, m) = (s, -z · s)`` in float16's values, for the 4-bit kernel;
     raises where the scheme does not map onto it."""
     n, k = q.shape
@@ -171,6 +185,7 @@ def groups_of(ws: WeightOnly, q: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
         raise ValueError(f"quantization=w4a8_int4 keeps a checkpoint's 4-bit weights in groups of {GROUP} inputs; "
                          f"this {ws.method} checkpoint has {ws.bits}-bit weights and a layer of {k} inputs. Serve it "
                          "without --quantization (its weights are then dequantized)")
+    g = torch.arange(k) // (k // s.shape[1]) if g is None else g
     first = g[::GROUP]
     if not torch.equal(g.view(-1, GROUP), first[:, None].expand(-1, GROUP)):
         raise ValueError(f"quantization=w4a8_int4 needs each {GROUP} consecutive inputs of a layer in one group; this "
@@ -208,7 +223,7 @@ def weights(stream: Iterable[tuple[str, torch.Tensor]], names: set[str], ws: Wei
 def _emit(layer: str, got: dict[str, torch.Tensor], ws: WeightOnly, groups: bool) -> Iterator[tuple[str, torch.Tensor]]:
     q, z, s, g = _layer(ws, got)
     if groups and layer.split(".")[-1] != "lm_head":
-        yield f"{layer}.weight", q.float()
+        yield f"{layer}.weight", q
         yield f"{layer}.weight_groups", groups_of(ws, q, z, s, g)
     else:
         yield f"{layer}.weight", dequantize(q, z, s, g)
