@@ -29,7 +29,8 @@ from pagellm.model.compressed_tensors import scheme_of, write_w4a16
 from pagellm.ops import gemm, gemm_w4a8
 
 kernel = pytest.mark.skipif(not gemm_w4a8.available(), reason="the 4-bit GEMM needs AVX-512 VNNI and a compiler")
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "qkv_proj",
+           "gate_up_proj")
 FORMATS = ["ct-symmetric", "ct-asymmetric", "gptq", "gptq-act-order", "gptq-8bit", "awq"]
 
 
@@ -279,3 +280,43 @@ def test_a_written_w4a16_checkpoint_is_what_compressed_tensors_decompresses(tiny
     assert torch.equal(_model(llm).model.layers[1].mlp.down_proj.weight, want)
     with pytest.raises(ValueError, match="not whole groups of 48"):
         write_w4a16(tiny_llama, tmp_path / "w4a16-48", group_size=48)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "phi3"])
+def test_gptq_checkpoints_of_other_families(tiny_model_factory, tmp_path: Path, arch: str) -> None:
+    """Qwen2 (q/k/v biases beside the quantized weights, left in float) and Phi-3 (q/k/v and gate/up quantized as
+    one fused matrix each, split back into the fused layers' shards, groups too): greedy tokens equal transformers'
+    in float32, and with w4a8_int4 the fused layers hold the checkpoint's integers."""
+    src = tiny_model_factory(arch)
+    ckpt, layers = _checkpoint(src, tmp_path / "gptq", "gptq")
+    prompts = _prompts(seed=9)
+    llm = LLM(str(ckpt), dtype="float32", kv_cache_memory=1 << 24, max_num_batched_tokens=40)
+    assert_greedy_parity(_reference(src, tmp_path / "reference", layers), prompts, run(llm, prompts))
+    if not gemm_w4a8.available():
+        return
+    llm = LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24, quantization="w4a8_int4")
+    qkv = _model(llm).model.layers[1].self_attn.qkv_proj
+    q, _, _ = gemm_w4a8.unpack(qkv.weight.data, *gemm.packed_shape(qkv.weight))
+    attn = "model.layers.1.self_attn."
+    want = layers[attn + "qkv_proj"][0] if arch == "phi3" else \
+        torch.cat([layers[attn + p][0] for p in ("q_proj", "k_proj", "v_proj")])
+    assert torch.equal(q.to(torch.int16), want)
+    assert qkv.bias is None if arch == "phi3" else qkv.bias.abs().sum() > 0
+
+
+def test_a_layer_whose_tensors_lie_in_different_shards(tiny_llama: Path, tmp_path: Path) -> None:
+    """A sharded checkpoint (``model.safetensors.index.json``) may put a layer's qweight in one file and its scales,
+    zero points and g_idx in the next: each layer is read once all its tensors have come, with the same weights."""
+    ckpt, layers = _checkpoint(tiny_llama, tmp_path / "gptq", "gptq")
+    tensors = load_file(ckpt / "model.safetensors")
+    first = {k: v for k, v in tensors.items() if not k.endswith((".scales", ".qzeros", ".g_idx"))}
+    second = {k: v for k, v in tensors.items() if k not in first}
+    (ckpt / "model.safetensors").unlink()
+    for name, part in (("model-00001-of-00002.safetensors", first), ("model-00002-of-00002.safetensors", second)):
+        save_file(part, str(ckpt / name), metadata={"format": "pt"})
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in first}
+    weight_map.update({k: "model-00002-of-00002.safetensors" for k in second})
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    llm = LLM(str(ckpt), dtype="float32", kv_cache_memory=1 << 24)
+    down = _model(llm).model.layers[0].mlp.down_proj.weight
+    assert torch.equal(down, weight_only.dequantize(*layers["model.layers.0.mlp.down_proj"]).float())
