@@ -75,8 +75,9 @@ class ModelConfig:
     quantization: str | None = _help(
         "Quantize the decoder layers' weights at load (bfloat16 models, a CPU with AVX-512 VNNI): w8a8_int8 (one "
         "scale per output channel) or w4a8_int4 (4 bits in groups of 32, a float16 scale and minimum each: "
-        "llama.cpp's Q4_1, 5/8 of int8's bytes; a GPTQ/AWQ/compressed-tensors 4-bit checkpoint's own); activations "
-        "int8 per token. Default: none.", default=None)
+        "llama.cpp's Q4_1, 5/8 of int8's bytes; a GPTQ/AWQ/compressed-tensors 4-bit checkpoint's own), activations "
+        "int8 per token; or w4a16_int4 (those 4-bit weights, bfloat16 activations; AVX-512 BF16 too). Default: "
+        "none (a 4-bit checkpoint: w4a16_int4 where it runs).", default=None)
     quantize_lm_head: bool = _help(
         "Quantize the LM head (and a tied embedding, the same matrix) to int8 per vocabulary row: on a small model "
         "decoding reads it as much as the layers. With or without --quantization; the same needs. Default: off.",
@@ -99,9 +100,9 @@ class ModelConfig:
                              "(the neutral defaults) or a folder holding a generation_config.json")
         object.__setattr__(self, "override_generation_config", _json_object(self.override_generation_config,
                                                                             "override_generation_config"))
-        if self.quantization not in (None, "w8a8_int8", "w4a8_int4"):
-            raise ValueError(f"quantization={self.quantization!r} is not supported; use w8a8_int8, w4a8_int4 or "
-                             "leave it unset")
+        if self.quantization not in (None, "w8a8_int8", "w4a8_int4", "w4a16_int4"):
+            raise ValueError(f"quantization={self.quantization!r} is not supported; use w8a8_int8, w4a8_int4, "
+                             "w4a16_int4 or leave it unset")
         quantized = f"quantization={self.quantization}" if self.quantization else \
             "quantize_lm_head" if self.quantize_lm_head else None
         if quantized and self.dtype in ("float32", "fp32", "float"):

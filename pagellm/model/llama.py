@@ -28,7 +28,7 @@ from pagellm.model.layers.moe import SparseMoeBlock
 from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding
 from pagellm.model.native_stack import run_native, run_native_stage
-from pagellm.ops import gemm, gemm_w4a8, gemm_w8a8
+from pagellm.ops import gemm, gemm_w8a8
 
 
 class LlamaAttention(nn.Module):
@@ -194,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors (Hugging Face names) into place through each parameter's own loader, then pack
         the bfloat16 GEMM weights for the native kernel, or quantize the decoder layers' ones (``quantization``, or
         a quantized checkpoint's own int8 weights and scales; ``linear.pack_weights``)."""
-        if quantization == gemm_w4a8.FORMAT and self.cfg.quantization == weight_only.SCHEME:
+        if quantization in gemm.FOUR_BIT and self.cfg.quantization == weight_only.SCHEME:
             for module in self.modules():  # a 4-bit checkpoint kept in 4 bits: its layers come with groups
                 if hasattr(module, "expect_groups"):
                     module.expect_groups()

@@ -182,13 +182,13 @@ def groups_of(ws: WeightOnly, q: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
     raises where the scheme does not map onto it."""
     n, k = q.shape
     if ws.bits != 4 or k % GROUP:
-        raise ValueError(f"quantization=w4a8_int4 keeps a checkpoint's 4-bit weights in groups of {GROUP} inputs; "
+        raise ValueError(f"the 4-bit kernels keep a checkpoint's 4-bit weights in groups of {GROUP} inputs; "
                          f"this {ws.method} checkpoint has {ws.bits}-bit weights and a layer of {k} inputs. Serve it "
                          "without --quantization (its weights are then dequantized)")
     g = torch.arange(k) // (k // s.shape[1]) if g is None else g
     first = g[::GROUP]
     if not torch.equal(g.view(-1, GROUP), first[:, None].expand(-1, GROUP)):
-        raise ValueError(f"quantization=w4a8_int4 needs each {GROUP} consecutive inputs of a layer in one group; this "
+        raise ValueError(f"the 4-bit kernels need each {GROUP} consecutive inputs of a layer in one group; this "
                          f"{ws.method} checkpoint's groups are smaller or out of order (act-order, desc_act). Serve "
                          "it without --quantization (its weights are then dequantized)")
     d = s[:, first].to(torch.float16)
@@ -229,12 +229,21 @@ def _emit(layer: str, got: dict[str, torch.Tensor], ws: WeightOnly, groups: bool
         yield f"{layer}.weight", dequantize(q, z, s, g)
 
 
-def four_bit_hint(hf_config: dict[str, Any]) -> str | None:
-    """A line suggesting ``--quantization w4a8_int4`` for a 4-bit weight-only checkpoint whose groups map onto the
-    4-bit kernel's (served dequantized without it), or ``None``."""
+def four_bit_fits(hf_config: dict[str, Any]) -> bool:
+    """Whether a weight-only checkpoint's weights map onto the 4-bit kernels' groups, as far as its config says: 4
+    bits, groups a multiple of 32 inputs (or whole rows), not act-order."""
     quant = hf_config.get("quantization_config")
     ws = scheme(quant) if quant else None
-    if ws is None or ws.bits != 4 or (ws.group_size > 0 and ws.group_size % GROUP) or quant.get("desc_act"):
+    return ws is not None and ws.bits == 4 and not (ws.group_size > 0 and ws.group_size % GROUP) and \
+        not quant.get("desc_act")
+
+
+def four_bit_hint(hf_config: dict[str, Any]) -> str | None:
+    """A line suggesting ``--quantization w4a8_int4`` for a 4-bit weight-only checkpoint whose groups map onto the
+    4-bit kernel's (served dequantized without it, on a CPU without AVX-512 BF16), or ``None``."""
+    if not four_bit_fits(hf_config):
         return None
+    ws = scheme(hf_config["quantization_config"])
+    assert ws is not None
     return (f"this {ws.method} checkpoint's 4-bit weights were dequantized; --quantization w4a8_int4 keeps them in 4 "
             "bits (its integers and scales as they are; about a third of bfloat16's memory, with int8 activations)")

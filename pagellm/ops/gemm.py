@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm import envs
-from pagellm.ops import gemm_w4a8, gemm_w8a8
+from pagellm.ops import gemm_w4a8, gemm_w4a16, gemm_w8a8
 from pagellm.ops.build import cpu_flags, load_library
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,8 @@ def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 # The quantized weight formats and their kernels' modules (each with ``packed_linear``, ``packed_linear_silu_mul``,
 # ``dequantize``, ``rows``, ``entry_addresses``, ``quantize_parameter`` and ``available``).
-QUANTIZED = {gemm_w8a8.FORMAT: gemm_w8a8, gemm_w4a8.FORMAT: gemm_w4a8}
+QUANTIZED = {gemm_w8a8.FORMAT: gemm_w8a8, gemm_w4a8.FORMAT: gemm_w4a8, gemm_w4a16.FORMAT: gemm_w4a16}
+FOUR_BIT = (gemm_w4a8.FORMAT, gemm_w4a16.FORMAT)  # the formats of the 4-bit packed weights (gemm_w4a8's layout)
 
 
 def packed_shape(weight: torch.Tensor) -> tuple[int, int] | None:

@@ -24,7 +24,7 @@ from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.rotary import use_long_factors
 from pagellm.model.loader import iter_weights, load_hf_config, resolve_dtype, resolve_model_dir
 from pagellm.model.registry import build_model
-from pagellm.ops import decoder_stack, fused, gemm, gemm_w4a8, gemm_w8a8
+from pagellm.ops import decoder_stack, fused, gemm, gemm_w4a16, gemm_w8a8
 from pagellm.ops.build import build_library
 from pagellm.sample import native as sample_native
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -52,16 +52,13 @@ class Worker:
                              model_config.quantize_lm_head)
         model_dir = resolve_model_dir(model_config.model)
         arch, max_model_len = resolve_arch(model_dir, model_config.max_model_len, spec_config)
-        # A weight-only checkpoint (wna16) is dequantized unless --quantization w4a8_int4 keeps its 4-bit weights.
-        quantization = model_config.quantization or (arch.quantization if arch.quantization in gemm.QUANTIZED
-                                                     else None)
-        if quantization and not model_config.quantization and gemm_w8a8.runs_here():  # a quantized checkpoint's
-            native_build.start_in_background([gemm_w8a8.build_job()])  # kernel, built while the weights load
+        quantization = model_config.quantization or _checkpoint_format(arch, model_dir, self.dtype)
+        if quantization and not model_config.quantization:  # a quantized checkpoint's kernel, built while the
+            native_build.start_in_background([gemm.QUANTIZED[quantization].build_job()])  # weights load
         model = build_model(arch, self.dtype, parallel)
         if model_config.quantize_lm_head and hasattr(model, "lm_head"):
             model.lm_head.quantized = True
-        model.load_weights(iter_weights(model_dir, groups=model_config.quantization == gemm_w4a8.FORMAT),
-                           model_config.quantization)
+        model.load_weights(iter_weights(model_dir, groups=quantization in gemm.FOUR_BIT), quantization)
         model.eval()
         _suggest_four_bits(model_dir, quantization, self.dtype)
         num_blocks = kv_cache_blocks(cache_config, arch, self.kv_dtype, max_model_len)
@@ -131,6 +128,16 @@ class Worker:
             self.profiler.stop()  # a session still recording leaves its trace rather than nothing
         if self.prefaulter is not None:
             self.prefaulter.close()
+
+
+def _checkpoint_format(arch: ArchConfig, model_dir: Path, dtype: torch.dtype) -> str | None:
+    """The kernel a quantized checkpoint runs on without --quantization: a W8A8 one's int8 weights; a weight-only
+    one's 4-bit weights with bfloat16 activations (w4a16_int4, its own scheme) where that kernel runs and its groups
+    fit it, else ``None`` (its weights dequantized)."""
+    if arch.quantization == weight_only.SCHEME:
+        fits = weight_only.four_bit_fits(load_hf_config(model_dir))
+        return gemm_w4a16.FORMAT if fits and dtype == torch.bfloat16 and gemm_w4a16.runs_here() else None
+    return arch.quantization
 
 
 def _suggest_four_bits(model_dir: Path, quantization: str | None, dtype: torch.dtype) -> None:

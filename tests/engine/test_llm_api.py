@@ -346,7 +346,7 @@ def test_cli_generate(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> N
         (["--kv-cache-dtype", "int8", "--prompt", "hi"],
          "pagellm: kv_cache_dtype='int8'; use auto, fp8, fp8_e4m3 or fp8_e5m2"),
         (["--quantization", "awq", "--prompt", "hi"],
-         "pagellm: quantization='awq' is not supported; use w8a8_int8, w4a8_int4 or leave it unset"),
+         "pagellm: quantization='awq' is not supported; use w8a8_int8, w4a8_int4, w4a16_int4 or leave it unset"),
         (["--quantization", "w8a8_int8", "--dtype", "float32", "--prompt", "hi"],
          "pagellm: quantization=w8a8_int8 runs on bfloat16 models; set dtype bfloat16"),
         (["--kv-cache-memory", "4 lots", "--prompt", "hi"],

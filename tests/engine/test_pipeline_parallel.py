@@ -13,7 +13,7 @@ from test_parity import (_prompts, assert_greedy_parity, assert_seeded_grammar, 
                          scored_with_and_without_the_stack)
 
 from pagellm import LLM, SamplingParams
-from pagellm.ops import decoder_stack, gemm_w8a8
+from pagellm.ops import decoder_stack, gemm_w4a16, gemm_w8a8
 
 PP = dict(dtype="float32", pipeline_parallel_size=2)
 
@@ -55,7 +55,8 @@ def test_three_stages_with_preemption_speculation_and_grammars(tiny_model_factor
 
 
 @pytest.mark.skipif(not decoder_stack.available(), reason="the native decoder stack does not run here")
-@pytest.mark.parametrize("quantization", [None, "w8a8_int8", "w4a8_int4"], ids=["bf16", "int8", "int4"])
+@pytest.mark.parametrize("quantization", [None, "w8a8_int8", "w4a8_int4", "w4a16_int4"],
+                         ids=["bf16", "int8", "int4", "w4a16"])
 def test_bfloat16_stages_run_the_native_stack_bit_for_bit(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
                                                            quantization: str | None) -> None:
     """In bfloat16 each stage runs its layers in one native call (the first taking the previous stage's hidden rows
@@ -64,6 +65,8 @@ def test_bfloat16_stages_run_the_native_stack_bit_for_bit(tiny_model_factory, mo
     weights (``--quantization w8a8_int8``, ``w4a8_int4``) too, each stage quantizing its own layers."""
     if quantization and not gemm_w8a8.available():
         pytest.skip("the quantized GEMMs need AVX-512 VNNI")
+    if quantization == "w4a16_int4" and not gemm_w4a16.available():
+        pytest.skip("the W4A16 kernel needs AVX-512 BF16 and VNNI")
     model_dir = tiny_model_factory("llama", num_hidden_layers=3, seed=5)
     prompts = _prompts(seed=16)[:4]
     stages = scored_with_and_without_the_stack(monkeypatch, model_dir, prompts, "run_stage", pipeline_parallel_size=2,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.ops import gemm, gemm_w4a8, gemm_w8a8
+from pagellm.ops import gemm, gemm_w4a8, gemm_w4a16, gemm_w8a8
 
 kernel = pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 GEMM needs AVX-512 VNNI and a compiler")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
@@ -110,8 +110,10 @@ def test_an_int8_lm_head_on_a_float32_model_is_refused(tiny_llama: Path) -> None
 
 
 @kernel
-@pytest.mark.parametrize("quantization", ["w8a8_int8", "w4a8_int4"])
+@pytest.mark.parametrize("quantization", ["w8a8_int8", "w4a8_int4", "w4a16_int4"])
 def test_self_speculative_decoding_over_quantized_weights_is_lossless(tiny_llama: Path, quantization: str) -> None:
+    if quantization == "w4a16_int4" and not gemm_w4a16.available():
+        pytest.skip("the W4A16 kernel needs AVX-512 BF16 and VNNI")
     kwargs = dict(dtype="bfloat16", kv_cache_memory=KV, quantization=quantization, max_num_batched_tokens=64)
     plain = _greedy(LLM(str(tiny_llama), **kwargs))
     spec = LLM(str(tiny_llama), speculative_config={"method": "draft_model", "num_speculative_tokens": 3,
@@ -121,8 +123,8 @@ def test_self_speculative_decoding_over_quantized_weights_is_lossless(tiny_llama
 
 
 def test_an_unknown_quantization_names_the_choice(tiny_llama: Path) -> None:
-    with pytest.raises(ValueError,
-                       match="quantization='int4' is not supported; use w8a8_int8, w4a8_int4 or leave it unset"):
+    with pytest.raises(ValueError, match="quantization='int4' is not supported; use w8a8_int8, w4a8_int4, "
+                                         "w4a16_int4 or leave it unset"):
         LLM(str(tiny_llama), quantization="int4")
 
 

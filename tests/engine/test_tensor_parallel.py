@@ -18,7 +18,7 @@ from test_weight_only import _checkpoint
 
 from pagellm import LLM, SamplingParams
 from pagellm.model.compressed_tensors import write_w8a8
-from pagellm.ops import decoder_stack, gemm, gemm_w4a8, gemm_w8a8
+from pagellm.ops import decoder_stack, gemm, gemm_w4a8, gemm_w4a16, gemm_w8a8
 
 TP = dict(dtype="float32", tensor_parallel_size=2)
 
@@ -107,7 +107,8 @@ def test_quantized_weights_split_across_ranks(tiny_model_factory, tmp_path: Path
 
 @pytest.mark.skipif(not decoder_stack.available(), reason="the native decoder stack does not run here")
 @pytest.mark.parametrize(("arch", "quantization"), [("llama", None), ("qwen2", None), ("qwen3", "w8a8_int8"),
-                                                    ("llama", "w4a8_int4"), ("qwen2_moe", None), ("mixtral", None)])
+                                                    ("llama", "w4a8_int4"), ("llama", "w4a16_int4"),
+                                                    ("qwen2_moe", None), ("mixtral", None)])
 def test_ranks_run_the_native_stack_as_their_python_layers_do(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
                                                               arch: str, quantization: str | None) -> None:
     """In bfloat16 each rank runs its slice of every layer in the one-call native stack, which sums the
@@ -115,6 +116,8 @@ def test_ranks_run_the_native_stack_as_their_python_layers_do(tiny_model_factory
     logprobs, bit for bit, as the ranks on the Python layers (with q/k/v bias, Qwen3's q/k norms, int8 and 4-bit
     weights too). A mixture's Python layers with the stack off take torch's routing and expert loop, its twin (the
     same tokens, logprobs to rounding, as on one rank: ``test_moe.py``)."""
+    if quantization == "w4a16_int4" and not gemm_w4a16.available():
+        pytest.skip("the W4A16 kernel needs AVX-512 BF16 and VNNI")
     if quantization and not gemm_w8a8.available():
         pytest.skip("the quantized GEMMs need AVX-512 VNNI")
     results = scored_with_and_without_the_stack(monkeypatch, tiny_model_factory(arch), _prompts(seed=19)[:6],

@@ -26,7 +26,7 @@ from test_parity import _prompts, assert_greedy_parity, run
 from pagellm import LLM, SamplingParams
 from pagellm.model import weight_only
 from pagellm.model.compressed_tensors import scheme_of, write_w4a16
-from pagellm.ops import gemm, gemm_w4a8
+from pagellm.ops import gemm, gemm_w4a8, gemm_w4a16
 
 kernel = pytest.mark.skipif(not gemm_w4a8.available(), reason="the 4-bit GEMM needs AVX-512 VNNI and a compiler")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "qkv_proj",
@@ -178,19 +178,29 @@ def test_float32_serving_loads_the_librarys_weights_and_matches_transformers(qua
 
 
 @kernel
-def test_w4a8_keeps_the_checkpoints_integers_and_scales(quantized) -> None:
+@pytest.mark.parametrize("quantization", ["w4a8_int4", "w4a16_int4", None])
+def test_four_bit_kernels_keep_the_checkpoints_integers_and_scales(quantized, quantization: str | None) -> None:
+    """``w4a8_int4`` and ``w4a16_int4`` pack the checkpoint's own integers, scales and zero points; with no flag a
+    bfloat16 model takes ``w4a16_int4`` (the checkpoint's own scheme) where it runs and the groups fit, else the
+    dequantized weights."""
     kind, ckpt, layers, _ = quantized
-    if kind in ("gptq-act-order", "gptq-8bit"):
+    if quantization == "w4a16_int4" and not gemm_w4a16.available():
+        pytest.skip("the W4A16 kernel needs AVX-512 BF16 and VNNI")
+    fits = kind not in ("gptq-act-order", "gptq-8bit")
+    if quantization and not fits:
         with pytest.raises(ValueError, match="act-order" if kind == "gptq-act-order" else "8-bit weights"):
-            LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24, quantization="w4a8_int4")
+            LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24, quantization=quantization)
         return
-    llm = LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24, quantization="w4a8_int4")
+    llm = LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24, quantization=quantization)
     layer = _model(llm).model.layers[1]
+    expected = quantization or (gemm_w4a16.FORMAT if fits and gemm_w4a16.available() else "bf16")
     fused = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj"),
              "self_attn.o_proj": ("o_proj",), "mlp.down_proj": ("down_proj",)}
     for ours, parts in fused.items():
         linear = layer.get_submodule(ours)
-        assert gemm.weight_format(linear.weight) == gemm_w4a8.FORMAT and not hasattr(linear, "weight_groups")
+        assert gemm.weight_format(linear.weight) == expected and not hasattr(linear, "weight_groups")
+        if expected == "bf16":
+            continue
         n, k = gemm.packed_shape(linear.weight)
         q, d, m = gemm_w4a8.unpack(linear.weight.data, n, k)
         prefix = f"model.layers.1.{ours.split('.')[0]}."

@@ -13,7 +13,7 @@ from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.linear import pack_weights
 from pagellm.model import llama
 from pagellm.model.layers.moe import SparseMoeBlock, route
-from pagellm.ops import gemm, gemm_w8a8
+from pagellm.ops import gemm, gemm_w4a16, gemm_w8a8
 from pagellm.ops.decoder_stack import DecoderStack
 from pagellm.ops import moe as moe_kernel
 
@@ -119,13 +119,15 @@ def _bound(arch: str, config: dict, quantization: str | None = None) -> SparseMo
 
 
 @native
-@pytest.mark.parametrize("quantization", [None, "w8a8_int8", "w4a8_int4"])
+@pytest.mark.parametrize("quantization", [None, "w8a8_int8", "w4a8_int4", "w4a16_int4"])
 @pytest.mark.parametrize(("arch", "config"), NATIVE_CASES)
 def test_native_experts_equal_the_python_loop_bit_for_bit(arch: str, config: dict, quantization: str | None) -> None:
     """Given a routing, the native experts make the Python loop's kernel calls: the same bits; and the whole layer
     in one call is the router's GEMM, the native routing and those experts."""
     if quantization and not gemm_w8a8.available():
         pytest.skip("the quantized GEMMs need AVX-512 VNNI")
+    if quantization == "w4a16_int4" and not gemm_w4a16.available():
+        pytest.skip("the W4A16 kernel needs AVX-512 BF16 and VNNI")
     ours = _bound(arch, config, quantization)
     native, moe = ours.native_experts(), ours.moe
     assert native is not None and native.routes and native.weight_format == (quantization or "bf16")

@@ -20,7 +20,7 @@ from pagellm.model import native_stack
 from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.linear import pack_weights
 from pagellm.model.llama import LlamaForCausalLM
-from pagellm.ops import decoder_stack, gemm, gemm_w8a8
+from pagellm.ops import decoder_stack, gemm, gemm_w4a16, gemm_w8a8
 from pagellm.ops.decoder_stack import DecoderStack
 from pagellm.spec.tree import row_mask, static_tree
 
@@ -186,14 +186,16 @@ def test_native_stack_with_a_partial_rotary_embedding_equals_the_python_layers(m
 
 
 @pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 GEMM needs AVX-512 VNNI")
-@pytest.mark.parametrize("quantization", ["w8a8_int8", "w4a8_int4"])
+@pytest.mark.parametrize("quantization", ["w8a8_int8", "w4a8_int4", "w4a16_int4"])
 @pytest.mark.parametrize("bias,intermediate", [(False, 160), (True, 160), (False, 168)],
                          ids=["no-bias", "qkv-bias", "gate-not-whole-panels"])
 def test_native_stack_over_quantized_weights_equals_the_python_layers(monkeypatch: pytest.MonkeyPatch, bias: bool,
                                                                       intermediate: int, quantization: str) -> None:
     """``--quantization w8a8_int8`` or ``w4a8_int4``: the stack calls the quantized GEMM where the layers do, the
     gate/up one with SiLU·mul in one pass (an intermediate size of whole panels of 16) or in two calls (168, and for
-    4 bits down_proj's inputs not whole groups of 32), as the layers make them."""
+    4 bits down_proj's inputs not whole groups of 32), as the layers make them; ``w4a16_int4`` likewise."""
+    if quantization == "w4a16_int4" and not gemm_w4a16.available():
+        pytest.skip("the W4A16 kernel needs AVX-512 BF16 and VNNI")
     model = _model(64, bias, quantization=quantization, intermediate=intermediate)
     assert gemm.weight_format(model.model.layers[0].mlp.down_proj.weight) == quantization
     assert gemm.weight_format(model.lm_head.weight) == "bf16"  # the LM head stays bfloat16
@@ -358,9 +360,12 @@ def test_engine_greedy_tokens_are_identical_over_a_float8_cache(tiny_model_facto
 
 @pytest.mark.skipif(not gemm_w8a8.available(), reason="the int8 GEMM needs AVX-512 VNNI")
 @pytest.mark.parametrize(("arch", "quantization"), [("llama", "w8a8_int8"), ("qwen2", "w8a8_int8"),
-                                                    ("qwen3", "w8a8_int8"), ("qwen3", "w4a8_int4")])
+                                                    ("qwen3", "w8a8_int8"), ("qwen3", "w4a8_int4"),
+                                                    ("llama", "w4a16_int4")])
 def test_engine_greedy_tokens_are_identical_with_quantized_weights(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
                                                                    arch: str, quantization: str) -> None:
+    if quantization == "w4a16_int4" and not gemm_w4a16.available():
+        pytest.skip("the W4A16 kernel needs AVX-512 BF16 and VNNI")
     path = tiny_model_factory(arch)
     calls = _count_native(monkeypatch)
     kwargs = dict(max_num_batched_tokens=32, attention_backend="cpu_paged", quantization=quantization)

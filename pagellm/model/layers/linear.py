@@ -223,17 +223,18 @@ def _pack_groups(layer: nn.Module, method: str, shards: int) -> bool:
     """Pack the 4-bit integers and groups a weight-only checkpoint gave the layer (``expect_groups``)."""
     groups = layer.weight_groups
     del layer.weight_groups
-    if method != gemm_w4a8.FORMAT:
-        raise ValueError(f"this checkpoint's 4-bit groups pack only for {gemm_w4a8.FORMAT}, not {method}")
+    if method not in gemm.FOUR_BIT:
+        raise ValueError(f"this checkpoint's 4-bit groups pack only for {' or '.join(gemm.FOUR_BIT)}, not {method}")
+    kernel = gemm.QUANTIZED[method]
     if len(groups.loaded) != shards:  # the rows of a layer the checkpoint left in float have no groups
         if groups.loaded:
             raise ValueError(f"the checkpoint quantizes {len(groups.loaded)} of the {shards} matrices fused into one "
                              "layer (q/k/v or gate/up); pagellm serves them all quantized or all in float")
-        gemm_w4a8.quantize_parameter(layer.weight)
+        kernel.quantize_parameter(layer.weight)
         return True
     q = layer.weight.data.to(torch.uint8)  # the integers, exact in bfloat16
     q = F.pad(q, (0, groups.shape[1] * _GROUP - q.shape[1]))
-    gemm_w4a8.quantize_parameter(layer.weight, (q, groups[..., 0].half(), groups[..., 1].half()))
+    kernel.quantize_parameter(layer.weight, (q, groups[..., 0].half(), groups[..., 1].half()))
     return True
 
 

@@ -23,6 +23,12 @@
 // panels from a counter (gemm_chunks.h). The gate/up entry pairs each gate panel with its up panel in one tile and
 // writes silu(gate) · up from the sums, each rounded to bfloat16 first as the GEMM's own output would be, then
 // through the SiLU·mul kernel's code (silu.h): the two-call path's bits.
+//
+// W4A16 (gemm_w4a16.py; built where the compiler targets AVX-512 BF16): the same weights and tiles times bfloat16
+// rows, not quantized. A nibble line's low nibbles are shuffled within 128-bit lanes into 16-bit words, two inputs
+// of a column per 32-bit lane, and looked up as their exact bfloat16 values (vpermw); vdpbf16ps multiplies them by a
+// broadcast pair of x, so P = Σ q · x in float32, and f += P · d, f += m · S with S the group's float32 sum of x.
+// Its twin is F.linear in float32 over d · q + m: the same sums up to float32 rounding.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -47,8 +53,9 @@ constexpr int64_t kMC = 192;              // rows per M block
 constexpr int kMaxMR = 6;
 
 struct Tile {
-  const int8_t* x;       // first row of q(x), at its first group
-  int64_t ldx;           // bytes between rows of q(x)
+  const int8_t* x;       // first row of q(x), at its first group (W4A8)
+  const uint16_t* xb;    // first row of x, at its first group (W4A16: bfloat16, zero-padded to whole groups)
+  int64_t ldx;           // elements between rows of q(x) or x
   const float* sums;     // first row's group sums S_g (float32, exact)
   int64_t lds;           // floats between rows of sums
   const uint8_t* w;      // first panel
@@ -79,6 +86,74 @@ inline __m512i broadcast_quad(const int8_t* p) {
   std::memcpy(&quad, p, sizeof(quad));
   return _mm512_set1_epi32(quad);
 }
+
+#ifdef __AVX512BF16__
+// W4A16: one group of the tile, P = Σ q · x in float32 (vdpbf16ps: each nibble as an exact bfloat16, times a pair
+// of x per lane), then f += P · d and f += m · S (each op rounded). A nibble line's low nibbles give two operands,
+// lanes (k, k + 1) and (k + 2, k + 3) of each column (a byte shuffle within 128-bit lanes to 16-bit words, then a
+// lookup of the words' bfloat16 values), its high nibbles two more.
+template <int MR, int NR>
+inline void group_step_bf16(const Tile& t, const uint8_t* w, const int64_t (&at)[NR], int64_t g,
+                            __m512 (&f)[MR][NR]) {
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const __m512i pair01 = _mm512_set4_epi32(0x800d800c, 0x80098008, 0x80058004, 0x80018000);
+  const __m512i pair23 = _mm512_set4_epi32(0x800f800e, 0x800b800a, 0x80078006, 0x80038002);
+  // bfloat16 of 0 .. 15 (the rest of the 32 words unused)
+  const __m512i values = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150,
+                                          0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080,
+                                          0x4040, 0x4000, 0x3f80, 0);
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const uint16_t* x = t.xb + g * kGroup;
+  auto unpack = [&](int j, int l, __m512i (&ops)[4]) {
+    const __m512i v = _mm512_loadu_si512(w + at[j] + l * kLine);
+    _mm_prefetch(reinterpret_cast<const char*>(w + at[j] + kPrefetchGroups * kGroupBytes + l * kLine), _MM_HINT_T1);
+    const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    ops[0] = _mm512_permutexvar_epi16(_mm512_shuffle_epi8(lo, pair01), values);
+    ops[1] = _mm512_permutexvar_epi16(_mm512_shuffle_epi8(lo, pair23), values);
+    ops[2] = _mm512_permutexvar_epi16(_mm512_shuffle_epi8(hi, pair01), values);
+    ops[3] = _mm512_permutexvar_epi16(_mm512_shuffle_epi8(hi, pair23), values);
+  };
+  auto pairs = [&](int i, int l, __m512i (&bc)[4]) {  // x's pairs (k, k + 1) of the line, broadcast
+    for (int p = 0; p < 4; ++p) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * t.ldx + 8 * l + 2 * p, sizeof(pair));
+      bc[p] = _mm512_set1_epi32(pair);
+    }
+  };
+  for (int l = 0; l < kNibbleLines; ++l) {
+    if constexpr (MR == 1) {  // one row: its pairs once, each panel's operands made and used in turn
+      __m512i bc[4];
+      pairs(0, l, bc);
+      for (int j = 0; j < NR; ++j) {
+        __m512i ops[4];
+        unpack(j, l, ops);
+        for (int p = 0; p < 4; ++p) acc[0][j] = _mm512_dpbf16_ps(acc[0][j], (__m512bh)ops[p], (__m512bh)bc[p]);
+      }
+    } else {  // several rows: every panel's operands first (4 · NR registers), then each row's pairs once
+      __m512i ops[NR][4];
+      for (int j = 0; j < NR; ++j) unpack(j, l, ops[j]);
+      for (int i = 0; i < MR; ++i) {
+        __m512i bc[4];
+        pairs(i, l, bc);
+        for (int j = 0; j < NR; ++j)
+          for (int p = 0; p < 4; ++p) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)ops[j][p], (__m512bh)bc[p]);
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const uint8_t* scales = w + at[j] + kNibbleLines * kLine;
+    _mm_prefetch(reinterpret_cast<const char*>(scales + kPrefetchGroups * kGroupBytes), _MM_HINT_T1);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
+    for (int i = 0; i < MR; ++i) {
+      f[i][j] = _mm512_add_ps(f[i][j], _mm512_mul_ps(acc[i][j], d));
+      f[i][j] = _mm512_add_ps(f[i][j], _mm512_mul_ps(m, _mm512_set1_ps(t.sums[i * t.lds + g])));
+    }
+  }
+}
+#endif
 
 // One group of the tile: its exact dot products, then f += P · d and f += m · S (each op rounded).
 template <int MR, int NR>
@@ -114,8 +189,9 @@ inline void group_step(const Tile& t, const uint8_t* w, const int64_t (&at)[NR],
   }
 }
 
-// MR rows by NR panels; PAIRED: panels NR / 2.. are the up panels of panels 0.. (t.up bytes on).
-template <int MR, int NR, bool PAIRED>
+// MR rows by NR panels; PAIRED: panels NR / 2.. are the up panels of panels 0.. (t.up bytes on). A16: the rows are
+// bfloat16 (t.xb), not quantized (no row scale).
+template <int MR, int NR, bool PAIRED, bool A16>
 void tile_kernel(const Tile& t) {
   __m512 f[MR][NR];
   for (int i = 0; i < MR; ++i)
@@ -124,7 +200,15 @@ void tile_kernel(const Tile& t) {
   for (int j = 0; j < NR; ++j)
     at[j] = PAIRED && j >= NR / 2 ? t.up + (j - NR / 2) * t.panel_stride : j * t.panel_stride;
   const uint8_t* w = t.w;
-  for (int64_t g = 0; g < t.groups; ++g, w += kGroupBytes) group_step<MR, NR>(t, w, at, g, f);
+  for (int64_t g = 0; g < t.groups; ++g, w += kGroupBytes) {
+#ifdef __AVX512BF16__
+    if constexpr (A16) {
+      group_step_bf16<MR, NR>(t, w, at, g, f);
+      continue;
+    }
+#endif
+    group_step<MR, NR>(t, w, at, g, f);
+  }
   constexpr int kOut = PAIRED ? NR / 2 : NR;
   for (int j = 0; j < kOut; ++j) {
     const int cols = t.cols - j * kPanel;
@@ -133,10 +217,11 @@ void tile_kernel(const Tile& t) {
     const __m512 bias = !PAIRED && t.bias ? widen_bf16(_mm256_maskz_loadu_epi16(m, t.bias + j * kPanel))
                                           : _mm512_setzero_ps();
     for (int i = 0; i < MR; ++i) {
-      const __m512 sx = _mm512_set1_ps(t.sx[i]);
-      __m512 out = _mm512_mul_ps(f[i][j], sx);
+      const __m512 sx = _mm512_set1_ps(A16 ? 1.0f : t.sx[i]);
+      __m512 out = A16 ? f[i][j] : _mm512_mul_ps(f[i][j], sx);
       if constexpr (PAIRED) {
-        out = silu_mul16(round_bf16x16(out), round_bf16x16(_mm512_mul_ps(f[i][j + NR / 2], sx)));
+        const __m512 up = A16 ? f[i][j + NR / 2] : _mm512_mul_ps(f[i][j + NR / 2], sx);
+        out = silu_mul16(round_bf16x16(out), round_bf16x16(up));
       } else if (t.bias) {
         out = _mm512_add_ps(out, bias);
       }
@@ -154,28 +239,29 @@ constexpr int max_nr(int mr, bool paired) {
   return mr == 1 ? 8 : mr == 2 ? 4 : mr == 3 ? (paired ? 2 : 3) : 2;
 }
 
-template <int MR, int NR, bool PAIRED>
+template <int MR, int NR, bool PAIRED, bool A16>
 TileFn pick_nr(int nr) {
   if constexpr (NR <= 0) {
     return nullptr;
   } else {
-    return nr == NR ? tile_kernel<MR, NR, PAIRED> : pick_nr<MR, NR - (PAIRED ? 2 : 1), PAIRED>(nr);
+    return nr == NR ? tile_kernel<MR, NR, PAIRED, A16> : pick_nr<MR, NR - (PAIRED ? 2 : 1), PAIRED, A16>(nr);
   }
 }
 
-template <int MR>
+template <int MR, bool A16>
 TileFn pick(int nr, bool paired) {
-  return paired ? pick_nr<MR, max_nr(MR, true), true>(nr) : pick_nr<MR, max_nr(MR, false), false>(nr);
+  return paired ? pick_nr<MR, max_nr(MR, true), true, A16>(nr) : pick_nr<MR, max_nr(MR, false), false, A16>(nr);
 }
 
+template <bool A16>
 TileFn tile_fn(int mr, int nr, bool paired) {
   switch (mr) {
-    case 1: return pick<1>(nr, paired);
-    case 2: return pick<2>(nr, paired);
-    case 3: return pick<3>(nr, paired);
-    case 4: return pick<4>(nr, paired);
-    case 5: return pick<5>(nr, paired);
-    default: return pick<6>(nr, paired);
+    case 1: return pick<1, A16>(nr, paired);
+    case 2: return pick<2, A16>(nr, paired);
+    case 3: return pick<3, A16>(nr, paired);
+    case 4: return pick<4, A16>(nr, paired);
+    case 5: return pick<5, A16>(nr, paired);
+    default: return pick<6, A16>(nr, paired);
   }
 }
 
@@ -185,7 +271,8 @@ int next_rows(int64_t left) {  // one group of up to 6 rows, else groups of 6 (7
 }
 
 struct Problem {
-  const int8_t* xq;  // q(x), [m][groups * 32]
+  const int8_t* xq;  // q(x), [m][groups * 32] (W4A8)
+  const uint16_t* xb;  // x, [m][groups * 32] bfloat16 zero-padded (W4A16), or null
   const float* sums;  // [m][groups]
   const float* sx;
   int64_t m, n, groups, panels, panel_stride;
@@ -208,6 +295,7 @@ void run_block(const Problem& pb, int64_t g, int np, int64_t m0, int64_t mb) {
       const int nrr = static_cast<int>(g + np - gg < most ? g + np - gg : most);
       Tile t;
       t.x = pb.xq + (m0 + i) * kGroup * pb.groups;
+      t.xb = pb.xb ? pb.xb + (m0 + i) * kGroup * pb.groups : nullptr;
       t.ldx = kGroup * pb.groups;
       t.sums = pb.sums + (m0 + i) * pb.groups;
       t.lds = pb.groups;
@@ -221,7 +309,7 @@ void run_block(const Problem& pb, int64_t g, int np, int64_t m0, int64_t mb) {
       const int64_t cols = pb.n - gg * kPanel;
       t.cols = static_cast<int>(cols < nrr * kPanel ? cols : nrr * kPanel);
       t.up = pb.up_panels * pb.panel_stride;
-      tile_fn(mr, nrr * per, paired)(t);
+      (pb.xb ? tile_fn<true>(mr, nrr * per, paired) : tile_fn<false>(mr, nrr * per, paired))(t);
     }
     i += mr;
   }
@@ -273,30 +361,57 @@ void quantize_rows(const uint16_t* x, int64_t ldx, int64_t k, int64_t groups, in
   }
 }
 
+// W4A16: rows [r0, r1) of bfloat16 x [., k] copied zero-padded to groups * 32 (out[r]) with each group's sum of x
+// in float32 (sums[r][g], over 16-lane halves then across the lanes).
+void copy_rows(const uint16_t* x, int64_t ldx, int64_t k, int64_t groups, uint16_t* out, float* sums, int64_t r0,
+               int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* row = x + r * ldx;
+    uint16_t* dst = out + r * kGroup * groups;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t c = g * kGroup; c < (g + 1) * kGroup; c += kPanel) {
+        const __mmask16 m = c < k ? col_mask(static_cast<int>(k - c)) : 0;
+        const __m256i v = _mm256_maskz_loadu_epi16(m, row + c);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), v);
+        sum = _mm512_add_ps(sum, widen_bf16(v));
+      }
+      sums[r * groups + g] = _mm512_reduce_add_ps(sum);
+    }
+  }
+}
+
 // y[m, n] for `panels` packed panels (n outputs; with up_panels > 0, n gate outputs whose up panels lie up_panels
-// on, and y = silu(gate) · up): x quantized by rows over the threads, then the tiles.
+// on, and y = silu(gate) · up): x quantized (W4A8) or copied (a16: W4A16) by rows over the threads, then the tiles.
 void run(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w, int64_t panels, int64_t n,
-         int64_t up_panels, const uint16_t* bias, uint16_t* y, int64_t ldy) {
+         int64_t up_panels, const uint16_t* bias, uint16_t* y, int64_t ldy, bool a16) {
   const int64_t groups = (k + kGroup - 1) / kGroup;
   thread_local std::vector<int8_t> xq;  // the calling thread's, grown to the largest call
+  thread_local std::vector<uint16_t> xb;
   thread_local std::vector<float> sums, sx;
-  if (xq.size() < static_cast<size_t>(m * kGroup * groups)) xq.resize(static_cast<size_t>(m * kGroup * groups));
+  if (!a16 && xq.size() < static_cast<size_t>(m * kGroup * groups)) xq.resize(static_cast<size_t>(m * kGroup * groups));
+  if (a16 && xb.size() < static_cast<size_t>(m * kGroup * groups)) xb.resize(static_cast<size_t>(m * kGroup * groups));
   if (sums.size() < static_cast<size_t>(m * groups)) sums.resize(static_cast<size_t>(m * groups));
   if (sx.size() < static_cast<size_t>(m)) sx.resize(static_cast<size_t>(m));
   const int width = (m == 1 ? 8 : m == 2 ? 4 : 2) / (up_panels ? 2 : 1);
   const int64_t out_panels = up_panels ? up_panels : panels;
-  const Problem pb{xq.data(), sums.data(), sx.data(), m, n, groups, out_panels, groups * kGroupBytes, w, bias, y,
+  int8_t* const xqp = xq.data();  // the region's other threads see their own thread_locals: pass the pointers
+  uint16_t* const xbp = a16 ? xb.data() : nullptr;
+  float* const sump = sums.data();
+  float* const sxp = sx.data();
+  const Problem pb{xqp, xbp, sump, sxp, m, n, groups, out_panels, groups * kGroupBytes, w, bias, y,
                    ldy, width < 1 ? 1 : width, up_panels};
   const int threads = threads_for(m * (up_panels ? 2 * n : n) * k);
   const Chunks chunks = make_chunks(out_panels, threads, pb.width);
   std::atomic<int64_t> next{0};
-  int8_t* const xqp = xq.data();  // the region's other threads see their own thread_locals: pass the pointers
-  float* const sump = sums.data();
-  float* const sxp = sx.data();
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    quantize_rows(x, ldx, k, groups, xqp, sump, sxp, m * t / nt, m * (t + 1) / nt);
+    if (a16) {
+      copy_rows(x, ldx, k, groups, xbp, sump, m * t / nt, m * (t + 1) / nt);
+    } else {
+      quantize_rows(x, ldx, k, groups, xqp, sump, sxp, m * t / nt, m * (t + 1) / nt);
+    }
 #pragma omp barrier
     run_tiles(pb, chunks, next);
   }
@@ -362,7 +477,7 @@ int pagellm_quantize_pack_w4a8(const uint16_t* w, int64_t n, int64_t k, uint8_t*
 // stack calls either. Uses torch's OpenMP threads.
 void pagellm_packed_linear_w4a8(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w, int64_t n,
                                 const uint16_t* bias, uint16_t* y, int64_t ldy) {
-  if (m > 0) run(x, m, k, ldx, w, (n + kPanel - 1) / kPanel, n, 0, bias, y, ldy);
+  if (m > 0) run(x, m, k, ldx, w, (n + kPanel - 1) / kPanel, n, 0, bias, y, ldy, false);
 }
 
 // y[m, n2 / 2] = silu(gate) · up of x · Wᵀ for the packed gate/up weight W [n2, k] (gate rows first, then up rows),
@@ -371,8 +486,29 @@ void pagellm_packed_linear_w4a8(const uint16_t* x, int64_t m, int64_t k, int64_t
 int pagellm_packed_linear_silu_mul_w4a8(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w,
                                         int64_t n2, uint16_t* y, int64_t ldy) {
   if (n2 % (2 * kPanel) != 0) return -1;
-  if (m > 0) run(x, m, k, ldx, w, n2 / kPanel, n2 / 2, n2 / (2 * kPanel), nullptr, y, ldy);
+  if (m > 0) run(x, m, k, ldx, w, n2 / kPanel, n2 / 2, n2 / (2 * kPanel), nullptr, y, ldy, false);
   return 0;
 }
+
+#ifdef __AVX512BF16__
+// W4A16 (gemm_w4a16.py): the same packed weights times bfloat16 rows, not quantized: per group P = Σ q · x in
+// float32 (vdpbf16ps), then f += P · d and f += m · S with S the group's sum of x; y = f (+ bias) in bfloat16.
+// The entries' signatures are the W4A8 ones'; quantize_pack is the same packing.
+void pagellm_packed_linear_w4a16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w, int64_t n,
+                                 const uint16_t* bias, uint16_t* y, int64_t ldy) {
+  if (m > 0) run(x, m, k, ldx, w, (n + kPanel - 1) / kPanel, n, 0, bias, y, ldy, true);
+}
+
+int pagellm_packed_linear_silu_mul_w4a16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w,
+                                         int64_t n2, uint16_t* y, int64_t ldy) {
+  if (n2 % (2 * kPanel) != 0) return -1;
+  if (m > 0) run(x, m, k, ldx, w, n2 / kPanel, n2 / 2, n2 / (2 * kPanel), nullptr, y, ldy, true);
+  return 0;
+}
+
+int pagellm_quantize_pack_w4a16(const uint16_t* w, int64_t n, int64_t k, uint8_t* out) {
+  return pagellm_quantize_pack_w4a8(w, n, k, out);
+}
+#endif
 
 }  // extern "C"
