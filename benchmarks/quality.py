@@ -5,7 +5,7 @@ scored with ``prompt_logprobs`` after the K/V of the tokens before them went thr
 continuations stay identical to those of the first setting (tokens until the first difference, and the share of
 continuations identical to the end).
 
-    .venv/bin/python benchmarks/quality.py [--settings auto fp8_e4m3 fp8_e5m2 w8a8_int8 w4a8_int4 int8_head
+    .venv/bin/python benchmarks/quality.py [--settings auto fp8_e4m3 fp8_e5m2 w8a8_int8 w4a8_int4 w4a16_int4 int8_head
         w4a8_int4+int8_head w8a8_int8+fp8]
         [--num-prompts 64] [--max-tokens 64]
 """
@@ -57,7 +57,7 @@ def engine_args(setting: str) -> dict:
         if part == "int8_head":
             args["quantize_lm_head"] = True
         elif part != "auto":
-            args["quantization" if part.startswith(("w8a8", "w4a8")) else "kv_cache_dtype"] = part
+            args["quantization" if part.startswith(("w8a8", "w4a8", "w4a16")) else "kv_cache_dtype"] = part
     return args
 
 

@@ -2,13 +2,15 @@
 beside the float model it was made from, in one run: load time, decode time per output token at each batch size, and
 perplexity on the HumanEval prompts, for
 
-- ``float``: the float checkpoint in bfloat16 (the baseline of every ratio);
-- ``w4a16``: the W4A16 checkpoint, dequantized to bfloat16 at load (no flag);
-- ``w4a16+w4a8_int4``: the same checkpoint kept in 4 bits (``--quantization w4a8_int4``: its own integers and
-  scales in the 4-bit kernel, int8 activations);
+- ``float``: the float checkpoint in bfloat16 (the baseline of every ratio; a checkpoint dequantized at load, as
+  one is on a CPU without AVX-512 BF16, runs at its speed);
+- ``w4a16``: the W4A16 checkpoint with no flag: its own integers and scales in the W4A16 kernel (``w4a16_int4``,
+  bfloat16 activations) where it runs, else dequantized (the ``format`` column says which);
+- ``w4a16+w4a8_int4``: the same checkpoint in the 4-bit kernel with int8 activations (``--quantization w4a8_int4``);
 - ``w4a16+w8a8_int8``: the same checkpoint dequantized, then quantized to int8 per output channel, int8
   activations (what int8 activations cost on these weights, through the other kernel);
-- ``float+w4a8_int4``: the float checkpoint quantized at load to Q4_1's groups of 32 (scale and minimum each).
+- ``float+w4a8_int4`` and ``float+w4a16_int4``: the float checkpoint quantized at load to Q4_1's groups of 32
+  (scale and minimum each), int8 or bfloat16 activations.
 
     .venv/bin/python benchmarks/weight_only.py [--model HF_DIR] [--group-size 32] [--batch-size 1 8]
         [--input-len 128] [--output-len 64] [--num-iters 3] [--num-prompts 64]
@@ -38,6 +40,7 @@ from pagellm.bench import latency  # noqa: E402
 from pagellm.bench.datasets import load_humaneval_prompts  # noqa: E402
 from pagellm.model.compressed_tensors import write_w4a16  # noqa: E402
 from pagellm.model.loader import resolve_model_dir  # noqa: E402
+from pagellm.ops import gemm  # noqa: E402
 
 
 def measure(model: Path, quantization: str | None, args: argparse.Namespace, prompts: list[str]) -> dict:
@@ -47,7 +50,9 @@ def measure(model: Path, quantization: str | None, args: argparse.Namespace, pro
     timing = argparse.Namespace(input_len=args.input_len, output_len=args.output_len, num_iters=args.num_iters,
                                 num_warmup=1, vocab_size=args.vocab_size, dataset_seed=0, profile=False)
     per_token = {b: latency.measure(llm, b, timing)["decode_ms_per_token"] for b in args.batch_size}
-    return {"load_s": loaded, "ms_per_token": per_token, "perplexity": perplexity(llm, prompts)}
+    qkv = llm.engine.core.executor.worker.runner.model.model.layers[0].self_attn.qkv_proj.weight
+    return {"load_s": loaded, "ms_per_token": per_token, "perplexity": perplexity(llm, prompts),
+            "format": gemm.weight_format(qkv) or "plain"}
 
 
 def in_own_process(model: Path, quantization: str | None, argv: list[str]) -> dict:
@@ -82,19 +87,20 @@ def main() -> None:
         print(f"wrote the W4A16 checkpoint (groups of {args.group_size}) in {time.perf_counter() - start:.1f} s",
               flush=True)
         settings = {"float": (src, None), "w4a16": (ckpt, None), "w4a16+w4a8_int4": (ckpt, "w4a8_int4"),
-                    "w4a16+w8a8_int8": (ckpt, "w8a8_int8"), "float+w4a8_int4": (src, "w4a8_int4")}
+                    "w4a16+w8a8_int8": (ckpt, "w8a8_int8"), "float+w4a8_int4": (src, "w4a8_int4"),
+                    "float+w4a16_int4": (src, "w4a16_int4")}
         results = {}
         for name, (model, quantization) in settings.items():
             results[name] = in_own_process(model, quantization, argv)
             print(f"{name}: {results[name]}", flush=True)
     base = results["float"]
     header = " ".join(f"{'b=' + str(b) + ' ms/tok':>14}" for b in args.batch_size)
-    print(f"\n{'setting':>16} {'load s':>7} {header} {'perplexity':>11}")
+    print(f"\n{'setting':>16} {'format':>10} {'load s':>7} {header} {'perplexity':>11}")
     for name, r in results.items():
         per_token = {int(b): v for b, v in r["ms_per_token"].items()}
         cells = " ".join(f"{per_token[b]:>6.2f} ({per_token[b] / base['ms_per_token'][str(b)]:.2f}×)"
                          for b in args.batch_size)
-        print(f"{name:>16} {r['load_s']:>7.2f} {cells} {r['perplexity']:>7.4f} "
+        print(f"{name:>16} {r['format']:>10} {r['load_s']:>7.2f} {cells} {r['perplexity']:>7.4f} "
               f"({r['perplexity'] / base['perplexity'] - 1:+.1%})")
 
 
