@@ -131,14 +131,26 @@ inline void group_step_bf16(const Tile& t, const uint8_t* w, const int64_t (&at)
         unpack(j, l, ops);
         for (int p = 0; p < 4; ++p) acc[0][j] = _mm512_dpbf16_ps(acc[0][j], (__m512bh)ops[p], (__m512bh)bc[p]);
       }
-    } else {  // several rows: every panel's operands first (4 · NR registers), then each row's pairs once
-      __m512i ops[NR][4];
-      for (int j = 0; j < NR; ++j) unpack(j, l, ops[j]);
-      for (int i = 0; i < MR; ++i) {
-        __m512i bc[4];
-        pairs(i, l, bc);
+    } else {  // several rows: each panel's nibbles once, then pair by pair every panel's operand and each row's x
+      __m512i lo[NR], hi[NR];
+      for (int j = 0; j < NR; ++j) {
+        const __m512i v = _mm512_loadu_si512(w + at[j] + l * kLine);
+        _mm_prefetch(reinterpret_cast<const char*>(w + at[j] + kPrefetchGroups * kGroupBytes + l * kLine),
+                     _MM_HINT_T1);
+        lo[j] = _mm512_and_si512(v, nibble);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+      for (int p = 0; p < 4; ++p) {
+        __m512i op[NR];
         for (int j = 0; j < NR; ++j)
-          for (int p = 0; p < 4; ++p) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)ops[j][p], (__m512bh)bc[p]);
+          op[j] = _mm512_permutexvar_epi16(_mm512_shuffle_epi8(p < 2 ? lo[j] : hi[j], p % 2 ? pair23 : pair01),
+                                           values);
+        for (int i = 0; i < MR; ++i) {
+          int32_t pair;
+          std::memcpy(&pair, x + i * t.ldx + 8 * l + 2 * p, sizeof(pair));
+          const __m512bh bc = (__m512bh)_mm512_set1_epi32(pair);
+          for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)op[j], bc);
+        }
       }
     }
   }
