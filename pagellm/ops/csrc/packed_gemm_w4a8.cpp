@@ -25,9 +25,10 @@
 // through the SiLU·mul kernel's code (silu.h): the two-call path's bits.
 //
 // W4A16 (gemm_w4a16.py; built where the compiler targets AVX-512 BF16): the same weights and tiles times bfloat16
-// rows, not quantized. A nibble line's low nibbles are shuffled within 128-bit lanes into 16-bit words, two inputs
-// of a column per 32-bit lane, and looked up as their exact bfloat16 values (vpermw); vdpbf16ps multiplies them by a
-// broadcast pair of x, so P = Σ q · x in float32, and f += P · d, f += m · S with S the group's float32 sum of x.
+// rows, not quantized. A nibble line shifted by 0, 8, 4 or 12 bits has in each 32-bit lane two 16-bit words whose
+// low nibbles are two inputs of a column, which vpermw looks up as their exact bfloat16 values; vdpbf16ps multiplies
+// them by a broadcast pair of x, so P = Σ q · x in float32, and f += P · d, f += m · S with S the group's float32
+// sum of x.
 // Its twin is F.linear in float32 over d · q + m: the same sums up to float32 rounding.
 #include <immintrin.h>
 #include <omp.h>
@@ -88,67 +89,48 @@ inline __m512i broadcast_quad(const int8_t* p) {
 }
 
 #ifdef __AVX512BF16__
-// W4A16: one group of the tile, P = Σ q · x in float32 (vdpbf16ps: each nibble as an exact bfloat16, times a pair
-// of x per lane), then f += P · d and f += m · S (each op rounded). A nibble line's low nibbles give two operands,
-// lanes (k, k + 1) and (k + 2, k + 3) of each column (a byte shuffle within 128-bit lanes to 16-bit words, then a
-// lookup of the words' bfloat16 values), its high nibbles two more.
+// W4A16: one group of the tile, P = Σ q · x in float32 (vdpbf16ps, each nibble an exact bfloat16 times x), then
+// f += P · d and f += m · S (each op rounded). Lane c of a nibble line is byte b_i = q(8l + i) | q(8l + 4 + i) << 4
+// at bits 8i: shifted right by 0, 8, 4 or 12 bits, its two 16-bit words start with the nibbles of inputs (0, 2),
+// (1, 3), (4, 6) or (5, 7), and vpermw looks each word's low 5 bits up in a table of bfloat16(i mod 16): one shift
+// and one lookup per operand. x's rows come in that pair order (copy_rows), so each operand takes one broadcast.
 template <int MR, int NR>
 inline void group_step_bf16(const Tile& t, const uint8_t* w, const int64_t (&at)[NR], int64_t g,
                             __m512 (&f)[MR][NR]) {
-  const __m512i nibble = _mm512_set1_epi8(0x0f);
-  const __m512i pair01 = _mm512_set4_epi32(0x800d800c, 0x80098008, 0x80058004, 0x80018000);
-  const __m512i pair23 = _mm512_set4_epi32(0x800f800e, 0x800b800a, 0x80078006, 0x80038002);
-  // bfloat16 of 0 .. 15 (the rest of the 32 words unused)
-  const __m512i values = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150,
+  const __m512i values = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0,
+                                          0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0x4170, 0x4160, 0x4150,
                                           0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080,
                                           0x4040, 0x4000, 0x3f80, 0);
+  constexpr int kShift[4] = {0, 8, 4, 12};
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   const uint16_t* x = t.xb + g * kGroup;
-  auto unpack = [&](int j, int l, __m512i (&ops)[4]) {
-    const __m512i v = _mm512_loadu_si512(w + at[j] + l * kLine);
+  auto operand = [&](__m512i v, int p) { return _mm512_permutexvar_epi16(_mm512_srli_epi32(v, kShift[p]), values); };
+  auto line = [&](int j, int l) {
     _mm_prefetch(reinterpret_cast<const char*>(w + at[j] + kPrefetchGroups * kGroupBytes + l * kLine), _MM_HINT_T1);
-    const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-    ops[0] = _mm512_permutexvar_epi16(_mm512_shuffle_epi8(lo, pair01), values);
-    ops[1] = _mm512_permutexvar_epi16(_mm512_shuffle_epi8(lo, pair23), values);
-    ops[2] = _mm512_permutexvar_epi16(_mm512_shuffle_epi8(hi, pair01), values);
-    ops[3] = _mm512_permutexvar_epi16(_mm512_shuffle_epi8(hi, pair23), values);
+    return _mm512_loadu_si512(w + at[j] + l * kLine);
   };
-  auto pairs = [&](int i, int l, __m512i (&bc)[4]) {  // x's pairs (k, k + 1) of the line, broadcast
-    for (int p = 0; p < 4; ++p) {
-      int32_t pair;
-      std::memcpy(&pair, x + i * t.ldx + 8 * l + 2 * p, sizeof(pair));
-      bc[p] = _mm512_set1_epi32(pair);
-    }
+  auto pair = [&](int i, int l, int p) {  // x's pair p of the line (pair order), broadcast
+    int32_t two;
+    std::memcpy(&two, x + i * t.ldx + 8 * l + 2 * p, sizeof(two));
+    return (__m512bh)_mm512_set1_epi32(two);
   };
   for (int l = 0; l < kNibbleLines; ++l) {
     if constexpr (MR == 1) {  // one row: its pairs once, each panel's operands made and used in turn
-      __m512i bc[4];
-      pairs(0, l, bc);
+      const __m512bh bc[4] = {pair(0, l, 0), pair(0, l, 1), pair(0, l, 2), pair(0, l, 3)};
       for (int j = 0; j < NR; ++j) {
-        __m512i ops[4];
-        unpack(j, l, ops);
-        for (int p = 0; p < 4; ++p) acc[0][j] = _mm512_dpbf16_ps(acc[0][j], (__m512bh)ops[p], (__m512bh)bc[p]);
+        const __m512i v = line(j, l);
+        for (int p = 0; p < 4; ++p) acc[0][j] = _mm512_dpbf16_ps(acc[0][j], (__m512bh)operand(v, p), bc[p]);
       }
-    } else {  // several rows: each panel's nibbles once, then pair by pair every panel's operand and each row's x
-      __m512i lo[NR], hi[NR];
-      for (int j = 0; j < NR; ++j) {
-        const __m512i v = _mm512_loadu_si512(w + at[j] + l * kLine);
-        _mm_prefetch(reinterpret_cast<const char*>(w + at[j] + kPrefetchGroups * kGroupBytes + l * kLine),
-                     _MM_HINT_T1);
-        lo[j] = _mm512_and_si512(v, nibble);
-        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      }
+    } else {  // several rows: each panel's line once, then pair by pair every panel's operand and each row's x
+      __m512i v[NR];
+      for (int j = 0; j < NR; ++j) v[j] = line(j, l);
       for (int p = 0; p < 4; ++p) {
         __m512i op[NR];
-        for (int j = 0; j < NR; ++j)
-          op[j] = _mm512_permutexvar_epi16(_mm512_shuffle_epi8(p < 2 ? lo[j] : hi[j], p % 2 ? pair23 : pair01),
-                                           values);
+        for (int j = 0; j < NR; ++j) op[j] = operand(v[j], p);
         for (int i = 0; i < MR; ++i) {
-          int32_t pair;
-          std::memcpy(&pair, x + i * t.ldx + 8 * l + 2 * p, sizeof(pair));
-          const __m512bh bc = (__m512bh)_mm512_set1_epi32(pair);
+          const __m512bh bc = pair(i, l, p);
           for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)op[j], bc);
         }
       }
@@ -373,10 +355,12 @@ void quantize_rows(const uint16_t* x, int64_t ldx, int64_t k, int64_t groups, in
   }
 }
 
-// W4A16: rows [r0, r1) of bfloat16 x [., k] copied zero-padded to groups * 32 (out[r]) with each group's sum of x
-// in float32 (sums[r][g], over 16-lane halves then across the lanes).
+// W4A16: rows [r0, r1) of bfloat16 x [., k] copied zero-padded to groups * 32 (out[r]), each 8 inputs in the pair
+// order of group_step_bf16's operands (0, 2, 1, 3, 4, 6, 5, 7), with each group's sum of x in float32 (sums[r][g],
+// over 16-lane halves then across the lanes).
 void copy_rows(const uint16_t* x, int64_t ldx, int64_t k, int64_t groups, uint16_t* out, float* sums, int64_t r0,
                int64_t r1) {
+  const __m256i order = _mm256_setr_epi16(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
   for (int64_t r = r0; r < r1; ++r) {
     const uint16_t* row = x + r * ldx;
     uint16_t* dst = out + r * kGroup * groups;
@@ -385,7 +369,7 @@ void copy_rows(const uint16_t* x, int64_t ldx, int64_t k, int64_t groups, uint16
       for (int64_t c = g * kGroup; c < (g + 1) * kGroup; c += kPanel) {
         const __mmask16 m = c < k ? col_mask(static_cast<int>(k - c)) : 0;
         const __m256i v = _mm256_maskz_loadu_epi16(m, row + c);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), v);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), _mm256_permutexvar_epi16(order, v));
         sum = _mm512_add_ps(sum, widen_bf16(v));
       }
       sums[r * groups + g] = _mm512_reduce_add_ps(sum);
