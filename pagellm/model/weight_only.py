@@ -19,10 +19,11 @@ Each format stores a quantized linear layer of ``N`` outputs and ``K`` inputs as
 ``weights(...)`` turns a checkpoint's stream into Hugging Face's float names: each quantized layer becomes
 ``<layer>.weight``, ``(q - z) · s`` computed in the scales' dtype as the formats' own libraries compute it
 (compressed-tensors' ``dequantize``, AutoAWQ's and GPTQModel's torch paths), so transformers on the decompressed
-checkpoint and pagellm compute with the same weights. With ``groups=True`` (``--quantization w4a8_int4`` on a 4-bit
-checkpoint) a layer becomes ``<layer>.weight`` holding ``q`` itself and ``<layer>.weight_groups`` [N, K / 32, 2],
-each 32 inputs' ``(d, m) = (s, -z · s)``: the 4-bit kernel's Q4_1 form of the same weights, which keeps ``q`` and
-``s`` as they are (``m`` rounds to float16 where ``z · s`` needs more bits; symmetric schemes' ``-8 · s`` does not).
+checkpoint and pagellm compute with the same weights. With ``groups=True`` (a 4-bit kernel: ``w4a16_int4``, the
+checkpoint's own scheme, which the worker picks in bfloat16 where it runs, or ``--quantization w4a8_int4``) a layer
+becomes ``<layer>.weight`` holding ``q`` itself and ``<layer>.weight_groups`` [N, K / 32, 2], each 32 inputs'
+``(d, m) = (s, -z · s)``: the 4-bit kernels' Q4_1 form of the same weights, which keeps ``q`` and ``s`` as they are
+(``m`` rounds to float16 where ``z · s`` needs more bits; symmetric schemes' ``-8 · s`` does not).
 """
 
 from __future__ import annotations
