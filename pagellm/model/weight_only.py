@@ -37,6 +37,10 @@ import torch
 from pagellm.ops.gemm_w4a8 import GROUP
 
 SCHEME = "wna16"
+
+
+class GroupsDoNotFit(ValueError):
+    """A layer's 4-bit groups do not map onto the 4-bit kernels' (not 4 bits, or not whole runs of 32 inputs)."""
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # Each format's tensors of one layer: (the packed weight, what else it needs, what it may have).
 _PARTS = {"gptq": ("qweight", ("qzeros", "scales"), ("g_idx",)),
@@ -147,9 +151,13 @@ def _layer(ws: WeightOnly, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, to
         z = _awq_columns(_unpack(t["qzeros"], 4, 1), order).t() if not ws.symmetric else \
             torch.full_like(s, mid, dtype=torch.uint8)
     n, k = q.shape
-    if g is not None and torch.equal(g, torch.arange(k) // (k // s.shape[1] if k % s.shape[1] == 0 else 1)):
+    size = ws.group_size if ws.group_size > 0 else k
+    runs = k % size == 0 and s.shape[1] == k // size
+    if g is None and not runs:
+        g = torch.arange(k) // size  # a last group shorter than the others (K not a multiple of the group size)
+    elif g is not None and runs and torch.equal(g, torch.arange(k) // size):
         g = None  # runs in order (a GPTQ checkpoint without act-order still stores g_idx)
-    if s.shape[0] != n or z.shape != s.shape or (g is None and k % s.shape[1]) or \
+    if s.shape[0] != n or z.shape != s.shape or \
             (g is not None and (g.shape != (k,) or int(g.max()) >= s.shape[1])):
         raise ValueError(f"a {ws.method} layer's tensors do not fit together: weight [{n}, {k}], scales "
                          f"{tuple(s.shape)}, zero points {tuple(z.shape)}"
@@ -183,15 +191,15 @@ def groups_of(ws: WeightOnly, q: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
     raises where the scheme does not map onto it."""
     n, k = q.shape
     if ws.bits != 4 or k % GROUP:
-        raise ValueError(f"the 4-bit kernels keep a checkpoint's 4-bit weights in groups of {GROUP} inputs; "
-                         f"this {ws.method} checkpoint has {ws.bits}-bit weights and a layer of {k} inputs. Serve it "
-                         "without --quantization (its weights are then dequantized)")
+        raise GroupsDoNotFit(f"the 4-bit kernels keep a checkpoint's 4-bit weights in groups of {GROUP} inputs; "
+                             f"this {ws.method} checkpoint has {ws.bits}-bit weights and a layer of {k} inputs. Serve "
+                             "it without --quantization (its weights are then dequantized)")
     g = torch.arange(k) // (k // s.shape[1]) if g is None else g
     first = g[::GROUP]
     if not torch.equal(g.view(-1, GROUP), first[:, None].expand(-1, GROUP)):
-        raise ValueError(f"the 4-bit kernels need each {GROUP} consecutive inputs of a layer in one group; this "
-                         f"{ws.method} checkpoint's groups are smaller or out of order (act-order, desc_act). Serve "
-                         "it without --quantization (its weights are then dequantized)")
+        raise GroupsDoNotFit(f"the 4-bit kernels need each {GROUP} consecutive inputs of a layer in one group; this "
+                             f"{ws.method} checkpoint's groups are smaller or out of order (act-order, desc_act). "
+                             "Serve it without --quantization (its weights are then dequantized)")
     d = s[:, first].to(torch.float16)
     m = (-(z[:, first].float() * s[:, first].float())).to(torch.float16)
     if not (torch.isfinite(d).all() and torch.isfinite(m).all()):

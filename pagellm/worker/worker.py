@@ -52,13 +52,7 @@ class Worker:
                              model_config.quantize_lm_head)
         model_dir = resolve_model_dir(model_config.model)
         arch, max_model_len = resolve_arch(model_dir, model_config.max_model_len, spec_config)
-        quantization = model_config.quantization or _checkpoint_format(arch, model_dir, self.dtype)
-        if quantization and not model_config.quantization:  # a quantized checkpoint's kernel, built while the
-            native_build.start_in_background([gemm.QUANTIZED[quantization].build_job()])  # weights load
-        model = build_model(arch, self.dtype, parallel)
-        if model_config.quantize_lm_head and hasattr(model, "lm_head"):
-            model.lm_head.quantized = True
-        model.load_weights(iter_weights(model_dir, groups=quantization in gemm.FOUR_BIT), quantization)
+        model, quantization = _load_model(arch, model_dir, self.dtype, parallel, model_config)
         model.eval()
         _suggest_four_bits(model_dir, quantization, self.dtype)
         num_blocks = kv_cache_blocks(cache_config, arch, self.kv_dtype, max_model_len)
@@ -128,6 +122,28 @@ class Worker:
             self.profiler.stop()  # a session still recording leaves its trace rather than nothing
         if self.prefaulter is not None:
             self.prefaulter.close()
+
+
+def _load_model(arch: ArchConfig, model_dir: Path, dtype: torch.dtype, parallel: ParallelState,
+                model_config: ModelConfig) -> tuple[torch.nn.Module, str | None]:
+    """The model with its weights loaded, and the weight format its decoder layers run: ``--quantization``'s, or the
+    checkpoint's own (``_checkpoint_format``); where a weight-only checkpoint picked for a 4-bit kernel has a layer
+    whose groups do not fit it after all (its config did not say so), its weights are dequantized instead."""
+    quantization = model_config.quantization or _checkpoint_format(arch, model_dir, dtype)
+    if quantization and not model_config.quantization:  # a quantized checkpoint's kernel, built while the
+        native_build.start_in_background([gemm.QUANTIZED[quantization].build_job()])  # weights load
+    while True:
+        model = build_model(arch, dtype, parallel)
+        if model_config.quantize_lm_head and hasattr(model, "lm_head"):
+            model.lm_head.quantized = True
+        try:
+            model.load_weights(iter_weights(model_dir, groups=quantization in gemm.FOUR_BIT), quantization)
+            return model, quantization
+        except weight_only.GroupsDoNotFit as exc:
+            if model_config.quantization or quantization is None:
+                raise
+            logger.info("%s: this checkpoint's weights are dequantized instead of kept in %s", exc, quantization)
+            quantization = None
 
 
 def _checkpoint_format(arch: ArchConfig, model_dir: Path, dtype: torch.dtype) -> str | None:

@@ -330,3 +330,49 @@ def test_a_layer_whose_tensors_lie_in_different_shards(tiny_llama: Path, tmp_pat
     llm = LLM(str(ckpt), dtype="float32", kv_cache_memory=1 << 24)
     down = _model(llm).model.layers[0].mlp.down_proj.weight
     assert torch.equal(down, weight_only.dequantize(*layers["model.layers.0.mlp.down_proj"]).float())
+
+
+def test_an_act_order_checkpoint_whose_config_does_not_say_so_is_dequantized(tiny_llama: Path, tmp_path: Path) -> None:
+    """A GPTQ checkpoint whose g_idx is out of order though its config says ``desc_act: false``: the worker picks
+    ``w4a16_int4`` from the config, finds a layer whose groups do not fit the 4-bit kernels, and loads the weights
+    dequantized instead; with the kernel asked for by name it is refused by name."""
+    ckpt, layers = _checkpoint(tiny_llama, tmp_path / "gptq", "gptq-act-order")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"]["desc_act"] = False
+    (ckpt / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24)
+    down = _model(llm).model.layers[0].mlp.down_proj.weight
+    assert gemm.weight_format(down) in ("bf16", None)
+    assert torch.equal(gemm.plain(down), weight_only.dequantize(*layers["model.layers.0.mlp.down_proj"])
+                       .to(torch.bfloat16))
+    if gemm_w4a16.available():
+        with pytest.raises(weight_only.GroupsDoNotFit, match="act-order"):
+            LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24, quantization="w4a16_int4")
+
+
+def test_groups_that_do_not_divide_the_inputs(tiny_llama: Path, tmp_path: Path) -> None:
+    """Groups of 96 over 64 inputs (one short group) and 128 (a full group and a short one), as compressed-tensors
+    stores them with no group indices: read in float32 as the dequantized weights, and kept in 4 bits where each 32
+    inputs lie in one group."""
+    src = tiny_llama
+    config = json.loads((src / "config.json").read_text())
+    tensors, layers = {}, {}
+    for name, w in load_file(src / "model.safetensors").items():
+        layer = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and layer.split(".")[-1] in LINEARS):
+            tensors[name] = w
+            continue
+        layers[layer] = _rtn(w, 96, True, torch.bfloat16)
+        tensors.update({f"{layer}.{part}": t for part, t in _tensors("ct-symmetric", *layers[layer]).items()})
+    ckpt = _write(src, tmp_path / "ct96", {**config, "quantization_config": _quant_config("ct-symmetric", 96)},
+                  tensors)
+    llm = LLM(str(ckpt), dtype="float32", kv_cache_memory=1 << 24)
+    down = _model(llm).model.layers[0].mlp.down_proj.weight
+    assert torch.equal(down, weight_only.dequantize(*layers["model.layers.0.mlp.down_proj"]).float())
+    if gemm_w4a16.available():
+        llm = LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24)
+        down = _model(llm).model.layers[0].mlp.down_proj.weight
+        assert gemm.weight_format(down) == gemm_w4a16.FORMAT
+        q, d, _ = gemm_w4a8.unpack(down.data, 64, 128)
+        want = layers["model.layers.0.mlp.down_proj"]
+        assert torch.equal(q.to(torch.int16), want[0]) and torch.equal(d, want[2][:, [0, 0, 0, 1]].half())
