@@ -187,7 +187,7 @@ def offline_commands(args: argparse.Namespace, ctx: systems.Context, out: Path,
                          {"PAGELLM_NUM_THREADS": str(ctx.threads)}),
     }
     vllm = systems.PEERS / "vllm" / "bin" / "vllm"
-    if vllm.exists() and ctx.quantization != systems.W4:
+    if vllm.exists() and ctx.quantization not in systems.FOUR_BIT:
         cmds["vLLM"] = ([str(vllm), "bench", "throughput", "--model", str(ctx.model_dir), "--dtype", ctx.dtype,
                          "--dataset-name", "random", "--random-input-len", str(args.input_len),
                          "--random-output-len", str(args.output_len), "--num-prompts", str(args.offline_num_prompts),
@@ -255,11 +255,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                         help="pagellm's and vLLM's KV cache element type (llama.cpp and transformers are skipped)")
-    parser.add_argument("--quantization", default=None, choices=["w8a8_int8", "w4a8_int4"],
+    parser.add_argument("--quantization", default=None, choices=["w8a8_int8", "w4a8_int4", "w4a16_int4"],
                         help="w8a8_int8: pagellm and vLLM serve a W8A8 int8 compressed-tensors checkpoint of the "
                              "model, written once into .peers/, llama.cpp its Q8_0 GGUF; w4a8_int4: pagellm "
                              "quantizes to 4 bits at load, llama.cpp serves the original Q4_1 GGUF, vLLM sits out "
-                             "(transformers is skipped for both)")
+                             "(transformers is skipped for both); w4a16_int4: the same with pagellm's activations "
+                             "in bfloat16")
     parser.add_argument("--pagellm-flags", default="", metavar="FLAGS",
                         help="pagellm's own engine flags on top of the shared ones, served and offline (e.g. "
                              "'--max-num-batched-tokens 768'); the report lists them with the others")

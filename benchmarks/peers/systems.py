@@ -24,7 +24,8 @@ quantized to 8 bits in its dot products too), and the transformers baseline is s
 w4a8_int4``, pagellm quantizes the model's weights to 4 bits at load (groups of 32 with a float16 scale and minimum
 each, llama.cpp's Q4_1) and llama.cpp serves the built-in model's original GGUF, which is Q4_1 (the same format; its
 dot products quantize the activations to 8 bits too); vLLM (no Q4_1 path on CPU) and the transformers baseline are
-skipped.
+skipped. ``--quantization w4a16_int4`` likewise, with pagellm's activations left in bfloat16 (llama.cpp's still
+quantized to 8 bits).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 PEERS = REPO / ".peers"
 KV_GIB = 4
 Q8_GGUF = PEERS / "gguf" / "SmolLM2-135M-Instruct-Q8_0.gguf"  # llama.cpp's side of a W8A8 comparison
-W4 = "w4a8_int4"  # quantized by pagellm at load; llama.cpp takes the original Q4_1 GGUF
+FOUR_BIT = ("w4a8_int4", "w4a16_int4")  # quantized by pagellm at load; llama.cpp takes the original Q4_1 GGUF
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Context:
     context_per_stream: int = 512
     pagellm_python: str = sys.executable
     kv_cache_dtype: str = "auto"
-    quantization: str | None = None  # w8a8_int8: model_dir is that scheme's checkpoint; w4a8_int4: pagellm's flag
+    quantization: str | None = None  # w8a8_int8: model_dir is that scheme's checkpoint; FOUR_BIT: pagellm's flag
     pagellm_flags: tuple[str, ...] = ()  # pagellm's own engine flags on top (compare.py --pagellm-flags)
 
 
@@ -64,7 +65,7 @@ def kv_flags(ctx: Context) -> list[str]:
 
 def quantize_flags(ctx: Context) -> list[str]:
     """pagellm's flag that quantizes the model at load (4 bits), served and offline."""
-    return ["--quantization", W4] if ctx.quantization == W4 else []
+    return ["--quantization", ctx.quantization] if ctx.quantization in FOUR_BIT else []
 
 
 def model_flags(ctx: Context) -> list[str]:
@@ -76,8 +77,8 @@ def model_flags(ctx: Context) -> list[str]:
 def _unserved(ctx: Context, llama: bool = False) -> str | None:
     """Why llama.cpp or the transformers baseline sits out a float8-cache or W8A8 comparison, if it does (llama.cpp
     takes a W8A8 one on its Q8_0 GGUF)."""
-    if ctx.quantization == W4:
-        return None if llama else f"no Q4_1 weights (--quantization {W4})"
+    if ctx.quantization in FOUR_BIT:
+        return None if llama else f"no Q4_1 weights (--quantization {ctx.quantization})"
     if ctx.quantization and not llama:
         return f"no W8A8 int8 compressed-tensors checkpoint (--quantization {ctx.quantization})"
     if ctx.quantization and not Q8_GGUF.exists():
@@ -128,12 +129,12 @@ def vllm(ctx: Context, port: int) -> System:
     env = vllm_env(ctx)
     note = " ".join([*(f"{k}={v}" for k, v in env.items() if k != "VLLM_LOGGING_LEVEL"),
                      f"vllm serve --dtype {ctx.dtype}", *kv_flags(ctx)])
-    return System("vLLM", argv, env, note=note, missing_reason=f"no Q4_1 path on CPU (--quantization {W4})"
-                  if ctx.quantization == W4 else None if exe.exists() else f"{exe} not found (run `make peers`)")
+    return System("vLLM", argv, env, note=note, missing_reason=f"no Q4_1 path on CPU (--quantization {ctx.quantization})"
+                  if ctx.quantization in FOUR_BIT else None if exe.exists() else f"{exe} not found (run `make peers`)")
 
 
 def gguf_for_llama(ctx: Context) -> tuple[Path, str]:
-    if ctx.quantization == W4:
+    if ctx.quantization in FOUR_BIT:
         return ctx.gguf_original, "Q4_1"
     if ctx.quantization:
         return Q8_GGUF, "Q8_0"

@@ -270,23 +270,25 @@ def test_compare_gives_pagellm_its_own_flags_served_and_offline(tmp_path, monkey
     assert compare.systems.vllm(ctx, 8000).argv == compare.systems.vllm(plain, 8000).argv
 
 
-def test_compare_sets_4bit_pagellm_beside_llama_cpps_q4_1_gguf(tmp_path, monkeypatch):
-    """``compare.py --quantization w4a8_int4``: pagellm quantizes the built-in model at load, served and offline;
-    llama.cpp serves the original Q4_1 GGUF; vLLM and the transformers baseline sit out, saying why."""
-    compare, args = _compare_args(monkeypatch, "--quantization", "w4a8_int4")
+@pytest.mark.parametrize("fmt", ["w4a8_int4", "w4a16_int4"])
+def test_compare_sets_4bit_pagellm_beside_llama_cpps_q4_1_gguf(tmp_path, monkeypatch, fmt: str):
+    """``compare.py --quantization w4a8_int4`` (or ``w4a16_int4``): pagellm quantizes the built-in model at load,
+    served and offline; llama.cpp serves the original Q4_1 GGUF; vLLM and the transformers baseline sit out, saying
+    why."""
+    compare, args = _compare_args(monkeypatch, "--quantization", fmt)
     monkeypatch.setattr(compare.systems, "PEERS", tmp_path)
     (tmp_path / "llama.cpp" / "build" / "bin").mkdir(parents=True)
     (tmp_path / "llama.cpp" / "build" / "bin" / "llama-server").write_bytes(b"")
-    assert compare.quantized_dir(tmp_path / "model", "w4a8_int4") == tmp_path / "model"  # no checkpoint written
-    ctx = compare.systems.Context(tmp_path / "model", tmp_path / "m.gguf", quantization="w4a8_int4")
+    assert compare.quantized_dir(tmp_path / "model", fmt) == tmp_path / "model"  # no checkpoint written
+    ctx = compare.systems.Context(tmp_path / "model", tmp_path / "m.gguf", quantization=fmt)
     built = {name: build(ctx, 8000) for name, build in compare.systems.BUILDERS.items()}
-    assert built["pagellm"].argv[4:6] == ["--quantization", "w4a8_int4"] and built["pagellm"].missing_reason is None
-    assert "--quantization w4a8_int4" in built["pagellm"].note
+    assert built["pagellm"].argv[4:6] == ["--quantization", fmt] and built["pagellm"].missing_reason is None
+    assert f"--quantization {fmt}" in built["pagellm"].note
     assert built["llama.cpp"].missing_reason is None and built["llama.cpp"].name == "llama.cpp (Q4_1)"
     assert str(tmp_path / "m.gguf") in built["llama.cpp"].argv
-    assert built["vllm"].missing_reason == "no Q4_1 path on CPU (--quantization w4a8_int4)"
-    assert built["transformers"].missing_reason == "no Q4_1 weights (--quantization w4a8_int4)"
+    assert built["vllm"].missing_reason == f"no Q4_1 path on CPU (--quantization {fmt})"
+    assert built["transformers"].missing_reason == f"no Q4_1 weights (--quantization {fmt})"
     offline = compare.offline_commands(args, ctx, tmp_path)
     assert list(offline) == ["pagellm"]
-    assert offline["pagellm"][0][-2:] == ["--quantization", "w4a8_int4"]
-    assert "groups of 32" in report._weights_note("w4a8_int4")
+    assert offline["pagellm"][0][-2:] == ["--quantization", fmt]
+    assert "groups of 32" in report._weights_note(fmt)
