@@ -129,8 +129,9 @@ def vllm(ctx: Context, port: int) -> System:
     env = vllm_env(ctx)
     note = " ".join([*(f"{k}={v}" for k, v in env.items() if k != "VLLM_LOGGING_LEVEL"),
                      f"vllm serve --dtype {ctx.dtype}", *kv_flags(ctx)])
-    return System("vLLM", argv, env, note=note, missing_reason=f"no Q4_1 path on CPU (--quantization {ctx.quantization})"
-                  if ctx.quantization in FOUR_BIT else None if exe.exists() else f"{exe} not found (run `make peers`)")
+    missing = f"no Q4_1 path on CPU (--quantization {ctx.quantization})" if ctx.quantization in FOUR_BIT else \
+        None if exe.exists() else f"{exe} not found (run `make peers`)"
+    return System("vLLM", argv, env, note=note, missing_reason=missing)
 
 
 def gguf_for_llama(ctx: Context) -> tuple[Path, str]:

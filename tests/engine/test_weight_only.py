@@ -100,9 +100,10 @@ def _write(src: Path, out: Path, config: dict, tensors: dict) -> Path:
     return out
 
 
-def _checkpoint(src: Path, out: Path, kind: str) -> tuple[Path, dict[str, tuple]]:
-    """``kind``'s checkpoint of ``src`` in ``out``, and each quantized layer's ``(q, z, s, g)``."""
-    group = 64 if kind.startswith("gptq") else 32
+def _checkpoint(src: Path, out: Path, kind: str, group: int | None = None) -> tuple[Path, dict[str, tuple]]:
+    """``kind``'s checkpoint of ``src`` in ``out`` (groups of ``group`` inputs: by default 64 for GPTQ, else 32),
+    and each quantized layer's ``(q, z, s, g)``."""
+    group = group or (64 if kind.startswith("gptq") else 32)
     dtype = torch.bfloat16 if kind.startswith("ct") else torch.float16
     config = json.loads((src / "config.json").read_text())
     tensors, layers = {}, {}
@@ -252,27 +253,34 @@ def _reference(src: Path, out: Path, layers: dict[str, tuple]) -> Path:
     return _write(src, out, json.loads((src / "config.json").read_text()), dense)
 
 
+def _gptq_parity_then_four_bits(src: Path, tmp_path: Path, seed: int) -> tuple[LLM | None, dict[str, tuple]]:
+    """A GPTQ checkpoint of ``src``: its float32 greedy tokens held to transformers' over its dequantized weights;
+    then, where the 4-bit kernel runs, the checkpoint served with ``w4a8_int4`` (else ``None``), and its layers."""
+    ckpt, layers = _checkpoint(src, tmp_path / "gptq", "gptq")
+    prompts = _prompts(seed=seed)
+    llm = LLM(str(ckpt), dtype="float32", kv_cache_memory=1 << 24, max_num_batched_tokens=40)
+    assert_greedy_parity(_reference(src, tmp_path / "reference", layers), prompts, run(llm, prompts))
+    if not gemm_w4a8.available():
+        return None, layers
+    return LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24, quantization="w4a8_int4"), layers
+
+
 def test_a_gptq_mixture_of_experts_matches_transformers_and_keeps_its_experts_in_four_bits(tiny_model_factory,
                                                                                         tmp_path: Path) -> None:
     """A Mixtral GPTQ checkpoint: every expert's w1/w2/w3 is quantized (the router is not). In float32 its tokens
     are transformers'; with w4a8_int4 each expert's fused gate/up and its down projection hold the checkpoint's own
     integers."""
-    src = tiny_model_factory("mixtral")
-    ckpt, layers = _checkpoint(src, tmp_path / "gptq", "gptq")
+    llm, layers = _gptq_parity_then_four_bits(tiny_model_factory("mixtral"), tmp_path, seed=5)
     assert sum(".experts." in layer for layer in layers) == 2 * 4 * 3
-    prompts = _prompts(seed=5)
-    llm = LLM(str(ckpt), dtype="float32", kv_cache_memory=1 << 24, max_num_batched_tokens=40)
-    assert_greedy_parity(_reference(src, tmp_path / "reference", layers), prompts, run(llm, prompts))
-    if not gemm_w4a8.available():
+    if llm is None:
         return
-    llm = LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24, quantization="w4a8_int4")
     expert = _model(llm).model.layers[0].mlp.experts[2]
     prefix = "model.layers.0.block_sparse_moe.experts.2."
     for linear, parts in ((expert.gate_up_proj, ("w1", "w3")), (expert.down_proj, ("w2",))):
         assert gemm.weight_format(linear.weight) == gemm_w4a8.FORMAT
         q, _, _ = gemm_w4a8.unpack(linear.weight.data, *gemm.packed_shape(linear.weight))
         assert torch.equal(q.to(torch.int16), torch.cat([layers[prefix + part][0] for part in parts]))
-    assert len(run(llm, prompts)[0]) > 0
+    assert len(run(llm, _prompts(seed=5))[0]) > 0
 
 
 def test_a_written_w4a16_checkpoint_is_what_compressed_tensors_decompresses(tiny_llama: Path, tmp_path: Path) -> None:
@@ -297,14 +305,9 @@ def test_gptq_checkpoints_of_other_families(tiny_model_factory, tmp_path: Path, 
     """Qwen2 (q/k/v biases beside the quantized weights, left in float) and Phi-3 (q/k/v and gate/up quantized as
     one fused matrix each, split back into the fused layers' shards, groups too): greedy tokens equal transformers'
     in float32, and with w4a8_int4 the fused layers hold the checkpoint's integers."""
-    src = tiny_model_factory(arch)
-    ckpt, layers = _checkpoint(src, tmp_path / "gptq", "gptq")
-    prompts = _prompts(seed=9)
-    llm = LLM(str(ckpt), dtype="float32", kv_cache_memory=1 << 24, max_num_batched_tokens=40)
-    assert_greedy_parity(_reference(src, tmp_path / "reference", layers), prompts, run(llm, prompts))
-    if not gemm_w4a8.available():
+    llm, layers = _gptq_parity_then_four_bits(tiny_model_factory(arch), tmp_path, seed=9)
+    if llm is None:
         return
-    llm = LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24, quantization="w4a8_int4")
     qkv = _model(llm).model.layers[1].self_attn.qkv_proj
     q, _, _ = gemm_w4a8.unpack(qkv.weight.data, *gemm.packed_shape(qkv.weight))
     attn = "model.layers.1.self_attn."
@@ -354,18 +357,7 @@ def test_groups_that_do_not_divide_the_inputs(tiny_llama: Path, tmp_path: Path) 
     """Groups of 96 over 64 inputs (one short group) and 128 (a full group and a short one), as compressed-tensors
     stores them with no group indices: read in float32 as the dequantized weights, and kept in 4 bits where each 32
     inputs lie in one group."""
-    src = tiny_llama
-    config = json.loads((src / "config.json").read_text())
-    tensors, layers = {}, {}
-    for name, w in load_file(src / "model.safetensors").items():
-        layer = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and layer.split(".")[-1] in LINEARS):
-            tensors[name] = w
-            continue
-        layers[layer] = _rtn(w, 96, True, torch.bfloat16)
-        tensors.update({f"{layer}.{part}": t for part, t in _tensors("ct-symmetric", *layers[layer]).items()})
-    ckpt = _write(src, tmp_path / "ct96", {**config, "quantization_config": _quant_config("ct-symmetric", 96)},
-                  tensors)
+    ckpt, layers = _checkpoint(tiny_llama, tmp_path / "ct96", "ct-symmetric", group=96)
     llm = LLM(str(ckpt), dtype="float32", kv_cache_memory=1 << 24)
     down = _model(llm).model.layers[0].mlp.down_proj.weight
     assert torch.equal(down, weight_only.dequantize(*layers["model.layers.0.mlp.down_proj"]).float())

@@ -436,6 +436,20 @@ inline bool quantize_group(const uint16_t* w, int valid, uint8_t* q, uint16_t* d
   return true;
 }
 
+// The entries' bodies, W4A8 or W4A16 (a16): y = x · Wᵀ (+ bias), and the gate/up one (-1 where n2 / 2 is not
+// whole panels).
+void linear(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w, int64_t n, const uint16_t* bias,
+            uint16_t* y, int64_t ldy, bool a16) {
+  if (m > 0) run(x, m, k, ldx, w, (n + kPanel - 1) / kPanel, n, 0, bias, y, ldy, a16);
+}
+
+int linear_silu_mul(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w, int64_t n2, uint16_t* y,
+                    int64_t ldy, bool a16) {
+  if (n2 % (2 * kPanel) != 0) return -1;
+  if (m > 0) run(x, m, k, ldx, w, n2 / kPanel, n2 / 2, n2 / (2 * kPanel), nullptr, y, ldy, a16);
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -473,7 +487,7 @@ int pagellm_quantize_pack_w4a8(const uint16_t* w, int64_t n, int64_t k, uint8_t*
 // stack calls either. Uses torch's OpenMP threads.
 void pagellm_packed_linear_w4a8(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w, int64_t n,
                                 const uint16_t* bias, uint16_t* y, int64_t ldy) {
-  if (m > 0) run(x, m, k, ldx, w, (n + kPanel - 1) / kPanel, n, 0, bias, y, ldy, false);
+  linear(x, m, k, ldx, w, n, bias, y, ldy, false);
 }
 
 // y[m, n2 / 2] = silu(gate) · up of x · Wᵀ for the packed gate/up weight W [n2, k] (gate rows first, then up rows),
@@ -481,9 +495,7 @@ void pagellm_packed_linear_w4a8(const uint16_t* x, int64_t m, int64_t k, int64_t
 // and nothing written (the caller makes the two calls). The signature of pagellm_packed_linear_silu_mul_bf16.
 int pagellm_packed_linear_silu_mul_w4a8(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w,
                                         int64_t n2, uint16_t* y, int64_t ldy) {
-  if (n2 % (2 * kPanel) != 0) return -1;
-  if (m > 0) run(x, m, k, ldx, w, n2 / kPanel, n2 / 2, n2 / (2 * kPanel), nullptr, y, ldy, false);
-  return 0;
+  return linear_silu_mul(x, m, k, ldx, w, n2, y, ldy, false);
 }
 
 #ifdef __AVX512BF16__
@@ -492,14 +504,12 @@ int pagellm_packed_linear_silu_mul_w4a8(const uint16_t* x, int64_t m, int64_t k,
 // The entries' signatures are the W4A8 ones'; quantize_pack is the same packing.
 void pagellm_packed_linear_w4a16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w, int64_t n,
                                  const uint16_t* bias, uint16_t* y, int64_t ldy) {
-  if (m > 0) run(x, m, k, ldx, w, (n + kPanel - 1) / kPanel, n, 0, bias, y, ldy, true);
+  linear(x, m, k, ldx, w, n, bias, y, ldy, true);
 }
 
 int pagellm_packed_linear_silu_mul_w4a16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w,
                                          int64_t n2, uint16_t* y, int64_t ldy) {
-  if (n2 % (2 * kPanel) != 0) return -1;
-  if (m > 0) run(x, m, k, ldx, w, n2 / kPanel, n2 / 2, n2 / (2 * kPanel), nullptr, y, ldy, true);
-  return 0;
+  return linear_silu_mul(x, m, k, ldx, w, n2, y, ldy, true);
 }
 
 int pagellm_quantize_pack_w4a16(const uint16_t* w, int64_t n, int64_t k, uint8_t* out) {
