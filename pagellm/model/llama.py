@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from pagellm.attention.base import current_lora
-from pagellm.model import weight_only
 from pagellm.distributed.groups import SINGLE, ParallelState
+from pagellm.model import weight_only
 from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.activation import SiluAndMul
 from pagellm.model.layers.attention import Attention

@@ -130,8 +130,9 @@ def _load_model(arch: ArchConfig, model_dir: Path, dtype: torch.dtype, parallel:
     checkpoint's own (``_checkpoint_format``); where a weight-only checkpoint picked for a 4-bit kernel has a layer
     whose groups do not fit it after all (its config did not say so), its weights are dequantized instead."""
     quantization = model_config.quantization or _checkpoint_format(arch, model_dir, dtype)
-    if quantization and not model_config.quantization:  # a quantized checkpoint's kernel, built while the
-        native_build.start_in_background([gemm.QUANTIZED[quantization].build_job()])  # weights load
+    kernel = gemm.QUANTIZED.get(quantization) if quantization and not model_config.quantization else None
+    if kernel is not None and kernel.runs_here():  # a quantized checkpoint's kernel, built while the weights load
+        native_build.start_in_background([kernel.build_job()])
     while True:
         model = build_model(arch, dtype, parallel)
         if model_config.quantize_lm_head and hasattr(model, "lm_head"):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed.groups import SINGLE, ParallelState
+from pagellm.model.weight_only import GroupsDoNotFit
 from pagellm.ops import gemm, gemm_w4a8, gemm_w8a8
 from pagellm.ops.gemm import linear
 
@@ -135,8 +136,9 @@ class RowParallelLinear(nn.Module):
     def _load_groups(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         size = param.shape[1]
         if self.in_shard % _GROUP:
-            raise ValueError(f"this rank's {self.in_shard} input features are not whole groups of {_GROUP}; serve "
-                             "this 4-bit checkpoint without --quantization or with fewer tensor-parallel ranks")
+            raise GroupsDoNotFit(f"this rank's {self.in_shard} input features are not whole groups of {_GROUP}; "
+                                 "serve this 4-bit checkpoint without --quantization or with fewer tensor-parallel "
+                                 "ranks")
         _copy(param.data, loaded.narrow(1, self.parallel.tp_rank * size, size), "row shard's groups")
         param.loaded.add(shard_id)  # type: ignore[attr-defined]
 
