@@ -73,11 +73,9 @@ class ModelConfig:
         "Attention kernels: auto (cpu_paged when its C++ kernel compiles, else torch_ref), cpu_paged, torch_ref.",
         default="auto")
     quantization: str | None = _help(
-        "Quantize the decoder layers' weights at load (bfloat16 models, a CPU with AVX-512 VNNI): w8a8_int8 (one "
-        "scale per output channel) or w4a8_int4 (4 bits in groups of 32, a float16 scale and minimum each: "
-        "llama.cpp's Q4_1, 5/8 of int8's bytes; a GPTQ/AWQ/compressed-tensors 4-bit checkpoint's own), activations "
-        "int8 per token; or w4a16_int4 (those 4-bit weights, bfloat16 activations; AVX-512 BF16 too). Default: "
-        "none (a 4-bit checkpoint: w4a16_int4 where it runs).", default=None)
+        "Quantize decoder weights at load (bfloat16, AVX-512 VNNI): w8a8_int8 or w4a8_int4 (4 bits, groups of 32, "
+        "llama.cpp's Q4_1; a 4-bit checkpoint's own), int8 activations; w4a16_int4 (those 4 bits, bfloat16 "
+        "activations; AVX-512 BF16). Default: none (a 4-bit checkpoint: w4a16_int4 where it runs).", default=None)
     quantize_lm_head: bool = _help(
         "Quantize the LM head (and a tied embedding, the same matrix) to int8 per vocabulary row: on a small model "
         "decoding reads it as much as the layers. With or without --quantization; the same needs. Default: off.",

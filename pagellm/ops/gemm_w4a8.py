@@ -100,14 +100,10 @@ def quantize_pack(weight: torch.Tensor) -> torch.Tensor:
     lib = _lib()
     assert lib is not None, "4-bit GEMM kernel is not available on this machine"
     n, k = weight.shape
-    if weight.dtype != torch.bfloat16:
-        raise ValueError(f"quantize_pack takes a bfloat16 weight, got {weight.dtype}")
-    w = weight.contiguous()
-    out = torch.empty(-(-n // PANEL) * -(-k // GROUP) * GROUP_BYTES, dtype=torch.int8)
-    if lib.pagellm_quantize_pack_w4a8(w.data_ptr(), n, k, out.data_ptr()):
-        raise ValueError("a weight is not finite, or a group's range overflows float16; this weight cannot take "
-                         "w4a8_int4")
-    return out
+    return gemm_w8a8.call_quantize_pack(lib.pagellm_quantize_pack_w4a8, weight,
+                                        -(-n // PANEL) * -(-k // GROUP) * GROUP_BYTES,
+                                        "a weight is not finite, or a group's range overflows float16; this weight "
+                                        "cannot take w4a8_int4")
 
 
 def unpack(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

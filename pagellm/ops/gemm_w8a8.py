@@ -114,14 +114,10 @@ def quantize_pack(weight: torch.Tensor) -> torch.Tensor:
     lib = _lib()
     assert lib is not None, "int8 GEMM kernel is not available on this machine"
     n, k = weight.shape
-    if weight.dtype != torch.bfloat16:
-        raise ValueError(f"quantize_pack takes a bfloat16 weight, got {weight.dtype}")
-    w = weight.contiguous()
     panels = -(-n // PANEL)
-    out = torch.empty(panels * -(-k // QUAD) * PANEL * QUAD + 8 * panels * PANEL, dtype=torch.int8)
-    if lib.pagellm_quantize_pack_w8a8(w.data_ptr(), n, k, out.data_ptr()):
-        raise ValueError("a weight is not finite; this weight cannot take w8a8_int8")
-    return out
+    return call_quantize_pack(lib.pagellm_quantize_pack_w8a8, weight,
+                              panels * -(-k // QUAD) * PANEL * QUAD + 8 * panels * PANEL,
+                              "a weight is not finite; this weight cannot take w8a8_int8")
 
 
 def unpack(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,6 +165,18 @@ def packed_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, n2: int) -> to
     lib = _lib()
     assert lib is not None, "int8 GEMM kernel is not available on this machine"
     return call_linear_silu_mul(lib.pagellm_packed_linear_silu_mul_w8a8, x, packed, n2)
+
+
+def call_quantize_pack(fn, weight: torch.Tensor, size: int, refusal: str) -> torch.Tensor:  # noqa: ANN001
+    """A quantized format's native quantize-and-pack C entry ``fn`` over a bfloat16 ``[N, K]`` weight, into a flat
+    int8 operand of ``size`` bytes; ``ValueError(refusal)`` where the entry refuses the weight."""
+    if weight.dtype != torch.bfloat16:
+        raise ValueError(f"quantize_pack takes a bfloat16 weight, got {weight.dtype}")
+    w = weight.contiguous()
+    out = torch.empty(size, dtype=torch.int8)
+    if fn(w.data_ptr(), w.shape[0], w.shape[1], out.data_ptr()):
+        raise ValueError(refusal)
+    return out
 
 
 def call_linear(fn, x: torch.Tensor, packed: torch.Tensor, n: int,  # noqa: ANN001
