@@ -13,8 +13,10 @@ Contract: ``convert_gguf_to_hf(gguf_path, out_dir)`` writes into ``out_dir``
 - ``tokenizer.json`` + ``tokenizer_config.json`` (chat template, special tokens, ``add_bos_token``;
   ``model/gguf_tokenizer.py``);
 - ``gguf_weight_types.json``: how many of the decoder layers' weight matrices the file stored in each type
-  (``four_bit_hint`` reads it: a 4-bit file's weights are dequantized here, and ``--quantization w4a8_int4`` keeps
-  them in 4 bits).
+  (``four_bit_hint`` reads it: a 4-bit file's weights are dequantized here, and ``--quantization w4a16_int4`` or
+  ``w4a8_int4`` keeps them in 4 bits);
+- ``gguf_4bit_blocks.safetensors``: the decoder matrices stored in Q4_0, Q4_1 or Q4_K, as the file's own blocks
+  (``model/gguf_blocks.py``), which the 4-bit kernels take as they are.
 
 It writes in place and is not atomic: the caller (``loader.resolve_model_dir``) converts into a temporary
 directory and renames it. Unsupported files raise ``ValueError`` naming what is supported. Bump
@@ -33,13 +35,14 @@ from typing import Any
 
 import numpy as np
 
-from pagellm.model import gguf_tokenizer
+from pagellm.model import gguf_blocks, gguf_tokenizer
 from pagellm.model.gguf_tensors import (MIXTRAL, PERMUTED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, hf_arrays,
                                         hf_tensor_name)
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 2  # 2: partial_rotary_factor from rope.dimension_count; gguf_weight_types.json
+# 2: partial_rotary_factor from rope.dimension_count; gguf_weight_types.json; 3: the 4-bit blocks (gguf_blocks)
+CONVERTER_VERSION = 3
 MAX_SHARD_BYTES = 4 * 1024**3
 WEIGHT_TYPES_FILE = "gguf_weight_types.json"
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")
@@ -80,7 +83,7 @@ def _weight_types(tensors: dict[str, Any]) -> dict[str, int]:
 
 
 def four_bit_hint(model_dir: Path) -> str | None:
-    """A line suggesting ``--quantization w4a8_int4`` for a model converted from a GGUF that stored most of its
+    """A line suggesting ``--quantization w4a16_int4`` for a model converted from a GGUF that stored most of its
     decoder weights in 4 bits (dequantized at conversion), or ``None``."""
     path = Path(model_dir) / WEIGHT_TYPES_FILE
     if not path.is_file():
@@ -90,7 +93,8 @@ def four_bit_hint(model_dir: Path) -> str | None:
         return None
     kinds = ", ".join(f"{n} {kind}" for kind, n in counts.items())
     return (f"this model's GGUF stores its decoder weights in 4 bits ({kinds}), dequantized here; --quantization "
-            "w4a8_int4 keeps them in 4 bits (about a third of bfloat16's memory; a Q4_1 file's own values exactly)")
+            "w4a16_int4 keeps them in 4 bits (about a third of bfloat16's memory; Q4_0, Q4_1 and Q4_K blocks as the "
+            "file has them), and w4a8_int4 with int8 activations")
 
 
 @functools.cache
@@ -302,6 +306,11 @@ def _write_weights(tensors: dict[str, Any], config: dict[str, Any], arch: str, o
     if len(shards) > 1:
         index_doc = {"metadata": {"total_size": _float32_bytes(planned)}, "weight_map": weight_map}
         _write_json(out_dir / "model.safetensors.index.json", index_doc)
+    kept = {name: (raw, tensor.tensor_type.name) for hf_name, tensor in planned
+            if gguf_blocks.kept(hf_name.replace("{}", "0"), tensor.tensor_type.name)
+            for name, raw in hf_arrays(tensor, hf_name, heads if permuted else {}, mixtral, blocks=True)}
+    if kept:  # the 4-bit kernels' layers, as the file holds them
+        gguf_blocks.save(kept, out_dir / gguf_blocks.BLOCKS_FILE)
 
 
 def _plan_shards(planned: list[tuple[str, Any]]) -> list[list[tuple[str, Any]]]:

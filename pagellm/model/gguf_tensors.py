@@ -92,16 +92,21 @@ def unpermute_rotary_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     return pairs.swapaxes(1, 2).reshape(weight.shape)
 
 
-def hf_arrays(tensor: Any, hf_name: str, heads: dict[str, int], mixtral: bool = False) -> list[tuple[str, np.ndarray]]:
+def hf_arrays(tensor: Any, hf_name: str, heads: dict[str, int], mixtral: bool = False,
+              blocks: bool = False) -> list[tuple[str, np.ndarray]]:
     """The Hugging Face tensors of one GGUF tensor (``hf_name`` from ``hf_tensor_name``), dequantized to float32,
     q/k rows unpermuted for the architectures in ``heads`` (projection → its heads): itself, or one per expert of a
     stacked ``[experts, out, in]`` tensor (``hf_name`` holding ``{}`` for the expert's index); under Mixtral's own
-    names with ``mixtral``."""
+    names with ``mixtral``. With ``blocks``, the same rows as the file's quantized blocks (uint8 [out, bytes per
+    row]; ``model/gguf_blocks.py``) instead of their values."""
     from gguf.quants import dequantize
 
-    values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-    # GGUF lists dimensions fastest-varying first; numpy (and HF) list them slowest first.
-    values = values.reshape([int(d) for d in reversed(tensor.shape)])
+    if blocks:  # the reader shapes a quantized tensor [..., out, bytes per row]: its rows, as the values' rows
+        values = np.asarray(tensor.data)
+    else:
+        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        # GGUF lists dimensions fastest-varying first; numpy (and HF) list them slowest first.
+        values = values.reshape([int(d) for d in reversed(tensor.shape)])
     for ours, theirs in MIXTRAL_NAMES if mixtral else ():
         hf_name = hf_name.replace(ours, theirs)
     if "{}" in hf_name:

@@ -194,8 +194,8 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors (Hugging Face names) into place through each parameter's own loader, then pack
         the bfloat16 GEMM weights for the native kernel, or quantize the decoder layers' ones (``quantization``, or
         a quantized checkpoint's own int8 weights and scales; ``linear.pack_weights``)."""
-        if quantization in gemm.FOUR_BIT and self.cfg.quantization == weight_only.SCHEME:
-            for module in self.modules():  # a 4-bit checkpoint kept in 4 bits: its layers come with groups
+        if quantization in gemm.FOUR_BIT and self.cfg.quantization in (None, weight_only.SCHEME):
+            for module in self.modules():  # 4-bit layers of a checkpoint or a GGUF come with groups; others quantize
                 if hasattr(module, "expect_groups"):
                     module.expect_groups()
         params = dict(self.named_parameters(remove_duplicate=False))

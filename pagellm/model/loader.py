@@ -109,12 +109,17 @@ def load_hf_config(model_dir: Path) -> dict[str, Any]:
 def iter_weights(model_dir: Path, groups: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the model's safetensors files, as ``(name, tensor)``, each exactly once; a weight-only
     checkpoint's (GPTQ, AWQ, compressed-tensors pack-quantized) layers dequantized, or with ``groups`` as 4-bit
-    integers and groups (``weight_only.weights``)."""
+    integers and groups (``weight_only.weights``), as are a converted GGUF's 4-bit blocks (``gguf_blocks``)."""
     from safetensors import safe_open
 
-    from pagellm.model import weight_only
+    from pagellm.model import gguf_blocks, weight_only
 
     files = _safetensors_files(Path(model_dir))
+    blocks = Path(model_dir) / gguf_blocks.BLOCKS_FILE
+    if groups and blocks.is_file():
+        yield from gguf_blocks.weights(blocks)
+        yield from _tensors(files, skip=gguf_blocks.names(blocks))
+        return
     quant = load_hf_config(model_dir).get("quantization_config") if (Path(model_dir) / "config.json").is_file() \
         else None
     scheme = weight_only.scheme(quant) if quant else None
@@ -128,13 +133,14 @@ def iter_weights(model_dir: Path, groups: bool = False) -> Iterator[tuple[str, t
         yield from _tensors(files)
 
 
-def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(files: list[Path], skip: frozenset[str] | set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                if name not in skip:
+                    yield name, handle.get_tensor(name)
 
 
 def resolve_dtype(dtype: str) -> torch.dtype:

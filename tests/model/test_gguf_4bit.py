@@ -1,19 +1,36 @@
-"""The built-in model's GGUF stores its decoder layers in Q4_1 (llama.cpp's 4 bits in groups of 32 with a float16
+"""A GGUF's 4-bit blocks in the 4-bit kernels.
+
+The built-in model's GGUF stores its decoder layers in Q4_1 (llama.cpp's 4 bits in groups of 32 with a float16
 scale and minimum each), the very format of ``--quantization w4a8_int4``. A GGUF is dequantized when it is converted
 and loaded in bfloat16; quantizing those weights back gives exactly the file's own 4-bit values, scales and minima
 (its weights were bfloat16 before llama.cpp quantized them, so each group's minimum and maximum survive the round
-trip). So ``pagellm serve --quantization w4a8_int4`` serves the weights llama.cpp serves from the same file."""
+trip).
+
+Files in Q4_0 and Q4_K (and mixed files, as llama.cpp's Q4_K_M is) keep their blocks beside the float weights
+(``model/gguf_blocks.py``), and ``--quantization w4a16_int4`` or ``w4a8_int4`` packs them as they are: their values
+are held to gguf's own ``dequantize``; the layers in other types (here Q8_0) are quantized at load as float layers
+are."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from safetensors import safe_open
+from tiny_gguf import quantize_q4_k, random_model, tiny_config, write_tiny_gguf
+from tokenizers import Tokenizer as BackendTokenizer
 
+from pagellm import LLM, SamplingParams
+from pagellm.model import gguf_blocks
+from pagellm.model.gguf_convert import convert_gguf_to_hf
 from pagellm.model.gguf_tensors import hf_arrays, hf_tensor_name, unpermute_rotary_rows
-from pagellm.model.loader import default_model_path
-from pagellm.ops import gemm_w4a8
+from pagellm.model.loader import default_model_path, iter_weights
+from pagellm.ops import gemm, gemm_w4a8, gemm_w4a16
 
 HEADS = {"q_proj": 9, "k_proj": 3}  # SmolLM2-135M's attention heads and KV heads (llama.cpp permutes their rows)
 
@@ -45,3 +62,140 @@ def test_4bit_quantization_of_the_built_in_model_gives_back_its_gguf_blocks(laye
             want = tuple(unpermute_rotary_rows(a, HEADS[projection]) for a in want)
         assert np.array_equal(q.numpy(), want[0]), tensor.name
         assert np.array_equal(d.numpy(), want[1]) and np.array_equal(m.numpy(), want[2]), tensor.name
+
+
+# ------------------------------------------------------------------------------------ Q4_0, Q4_1 and Q4_K blocks
+
+MIXED = {"*": "Q4_K", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_down": "Q4_0", "ffn_down_exps": "Q4_0"}
+SIZES = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, head_dim=64)  # Q4_K: 256 inputs
+
+
+def _random_q4_k_blocks(rows: int, supers: int, seed: int) -> np.ndarray:
+    """Q4_K blocks whose scale bytes and nibbles are random (every bit of the packed 6-bit scales and minima set
+    somewhere), with float16 ``d`` and ``dmin`` of a weight's size."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, supers, 144), dtype=np.uint8)
+    blocks[..., 0:4] = rng.uniform(1e-4, 1e-2, size=(rows, supers, 2)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, supers * 144)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q4_K-random-bytes"])
+def test_blocks_decode_to_the_values_gguf_dequantizes(kind: str) -> None:
+    block_type = kind.split("-")[0]
+    w = np.random.default_rng(1).standard_normal((6, 512)).astype(np.float32) * 0.05
+    if kind == "Q4_K-random-bytes":
+        raw = _random_q4_k_blocks(6, 2, seed=2)
+    else:
+        raw = quantize_q4_k(w) if kind == "Q4_K" else gguf.quants.quantize(w, GGMLQuantizationType[kind])
+    want = dequantize(raw, GGMLQuantizationType[block_type]).reshape(6, 512)
+    q, groups = gguf_blocks.decode(torch.from_numpy(raw), block_type)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and groups.shape == (6, 16, 2)
+    got = q.float().view(6, 16, 32) * groups[..., :1] + groups[..., 1:]
+    assert torch.equal(got.view(6, 512), torch.from_numpy(want))
+
+
+def test_a_row_that_is_not_whole_blocks_is_refused() -> None:
+    with pytest.raises(ValueError, match="not whole 144-byte blocks"):
+        gguf_blocks.decode(torch.zeros(2, 150, dtype=torch.uint8), "Q4_K")
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: BackendTokenizer, request) -> dict:  # noqa: ANN001
+    """Tiny GGUFs (a llama, a Qwen3 mixture of experts) whose decoder matrices are Q4_K, Q4_1, Q4_0 and Q8_0, as
+    llama.cpp's mixed files are, and gguf's own values of each matrix (Hugging Face's names and rows)."""
+    out = {}
+    for arch in ("llama", "qwen3moe"):
+        tmp = tmp_path_factory.mktemp(arch)
+        model = random_model(tiny_config(arch, tiny_tokenizer.get_vocab_size(), False, **SIZES))
+        checkpoint = None
+        if arch == "qwen3moe":  # llama.cpp's converter reads the experts as saved, one tensor each
+            model.save_pretrained(tmp / "original")
+            checkpoint = dict(iter_weights(tmp / "original"))
+        path = tmp / f"{arch}.gguf"
+        write_tiny_gguf(path, model, tiny_tokenizer, arch, checkpoint=checkpoint, types=MIXED)
+        heads = {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads} \
+            if arch == "llama" else {}
+        values = {}
+        for tensor in GGUFReader(str(path)).tensors:
+            hf_name = hf_tensor_name(tensor.name, arch)
+            if hf_name and tensor.name.startswith("blk.") and len(tensor.shape) >= 2:
+                values.update({name: (tensor.tensor_type.name, torch.from_numpy(v.copy()))
+                               for name, v in hf_arrays(tensor, hf_name, heads)})
+        out[arch] = (path, values)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_the_conversion_keeps_the_4bit_blocks_of_the_decoder_matrices(mixed: dict, tmp_path: Path, arch: str) -> None:
+    path, values = mixed[arch]
+    convert_gguf_to_hf(path, tmp_path)
+    with safe_open(str(tmp_path / gguf_blocks.BLOCKS_FILE), framework="pt") as handle:
+        kinds = handle.metadata()
+        assert set(handle.keys()) == {name for name, (kind, _) in values.items() if kind in gguf_blocks.KINDS}
+    assert kinds == {name: kind for name, (kind, _) in values.items() if kind in gguf_blocks.KINDS}
+    assert {kind for kind, _ in values.values()} >= {"Q4_K", "Q4_1", "Q4_0", "Q8_0"}  # and a float32 router
+    streamed = dict(iter_weights(tmp_path, groups=True))
+    for name, (kind, want) in values.items():  # the blocks' layers as q and groups, the others as float weights
+        if kind in gguf_blocks.KINDS:
+            groups = streamed[name.removesuffix("weight") + "weight_groups"]
+            got = streamed[name].float().view(want.shape[0], -1, 32) * groups[..., :1] + groups[..., 1:]
+            assert torch.equal(got.view(want.shape), want), name
+        else:
+            assert torch.equal(streamed[name], want), name
+    assert not any(name.endswith("mlp.gate.weight_groups") for name in streamed)
+
+
+def _four_bit_kernels() -> list:
+    w4a16 = pytest.mark.skipif(not gemm_w4a16.available(), reason="the W4A16 kernel needs AVX-512 BF16 and VNNI")
+    w4a8 = pytest.mark.skipif(not gemm_w4a8.available(), reason="the 4-bit GEMM needs AVX-512 VNNI and a compiler")
+    return [pytest.param("w4a16_int4", marks=w4a16), pytest.param("w4a8_int4", marks=w4a8)]
+
+
+@pytest.mark.parametrize("quantization", _four_bit_kernels())
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_four_bit_kernels_take_the_files_own_blocks(mixed: dict, arch: str, quantization: str) -> None:
+    """Each packed layer holds the file's values: Q4_0 and Q4_1 exactly, Q4_K within float16's rounding of its
+    scales times its 6-bit sub-scales; a Q8_0 matrix fused beside 4-bit ones (v beside Q4_K q and k) is quantized
+    at load from its values, as a float layer is."""
+    path, values = mixed[arch]
+    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory=1 << 24, quantization=quantization)
+    model = llm.engine.core.executor.worker.runner.model
+    checked = []
+    for index, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{index}."
+        fused = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "self_attn.o_proj": ("self_attn.o_proj",)}
+        if arch == "llama":
+            fused |= {"mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj": ("mlp.down_proj",)}
+        else:
+            fused |= {f"mlp.experts.{e}.{ours}": tuple(f"mlp.experts.{e}.{p}" for p in parts) for e in range(4)
+                      for ours, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",)))}
+        for ours, parts in fused.items():
+            _assert_holds(layer.get_submodule(ours).weight, [values[f"{prefix}{p}.weight"] for p in parts],
+                          quantization)
+            checked.append(ours)
+    assert len(checked) == 2 * (4 if arch == "llama" else 2 + 4 * 2)
+    out = llm.generate(["the quick brown fox"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+
+
+def _assert_holds(weight: torch.nn.Parameter, parts: list[tuple[str, torch.Tensor]], quantization: str) -> None:
+    assert gemm.weight_format(weight) == quantization
+    n, k = gemm.packed_shape(weight)
+    q, d, m = gemm_w4a8.unpack(weight.data, n, k)
+    got = (q.float().view(n, -1, 32) * d.float()[..., None] + m.float()[..., None]).view(n, -1)[:, :k]
+    row = 0
+    for kind, want in parts:
+        rows = slice(row, row + want.shape[0])
+        row += want.shape[0]
+        if kind == "Q8_0":
+            wq, wd, wm = gemm_w4a8.quantize(want.to(torch.bfloat16))
+            assert torch.equal(q[rows], wq) and torch.equal(d[rows], wd) and torch.equal(m[rows], wm)
+        elif kind == "Q4_K":  # each of d and m within float16's half ulp of the file's float32 product
+            bound = 2.0**-11 * (15 * d[rows].float().abs() + m[rows].float().abs())
+            err = (got[rows] - want).abs().view(want.shape[0], -1, 32)
+            assert bool((err <= bound[..., None]).all()) and float(err.max()) > 0
+        else:
+            assert torch.equal(got[rows], want), kind
+    assert row == n

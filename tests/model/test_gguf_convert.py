@@ -296,7 +296,7 @@ def test_missing_default_model_names_the_pip_command(
 
 def test_a_4bit_gguf_says_its_weights_could_stay_in_4_bits(tmp_path: Path, tiny_tokenizer: BackendTokenizer) -> None:
     """A GGUF keeps its decoder matrices in 4 bits (here Q4_1, as the built-in model's): they are dequantized at
-    conversion, which records their types, and the worker's start-up line points at ``--quantization w4a8_int4``;
+    conversion, which records their types, and the worker's start-up line points at ``--quantization w4a16_int4``;
     a float file gets no such line."""
     from pagellm.model.gguf_convert import WEIGHT_TYPES_FILE, four_bit_hint
 
@@ -309,4 +309,5 @@ def test_a_4bit_gguf_says_its_weights_could_stay_in_4_bits(tmp_path: Path, tiny_
         hint = four_bit_hint(out)
         assert (hint is not None) == q4_1
     hint = four_bit_hint(tmp_path / "q4-True")
-    assert "(14 Q4_1)" in hint and "--quantization w4a8_int4 keeps them in 4 bits" in hint  # type: ignore[operator]
+    assert "(14 Q4_1)" in hint and "--quantization w4a16_int4 keeps them in 4 bits" in hint  # type: ignore[operator]
+    assert "w4a8_int4" in hint  # type: ignore[operator]

@@ -49,7 +49,9 @@ def train_tiny_tokenizer() -> BackendTokenizer:
     return tokenizer
 
 
-def tiny_config(arch: str, vocab_size: int, tied: bool, rope_scaling: dict[str, Any] | None = None) -> Any:
+def tiny_config(arch: str, vocab_size: int, tied: bool, rope_scaling: dict[str, Any] | None = None,
+                **sizes: int) -> Any:
+    """A tiny config of ``arch``; ``sizes`` overrides its sizes (hidden_size, intermediate_size, ...)."""
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -64,14 +66,14 @@ def tiny_config(arch: str, vocab_size: int, tied: bool, rope_scaling: dict[str, 
         tie_word_embeddings=tied,
         bos_token_id=0,
         eos_token_id=2,
-    )
+    ) | {name: size for name, size in sizes.items() if name != "moe_intermediate_size"}
     if arch == "qwen2":
         return Qwen2Config(**common)
     if arch == "qwen3":
         return Qwen3Config(**common)
     if arch == "phi3":  # with the sliding window its 4k models have
         return Phi3Config(**common, pad_token_id=None, sliding_window=40)
-    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=sizes.get("moe_intermediate_size", 48))
     if arch == "mixtral":
         return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
     if arch == "qwen2moe":  # with its gated shared expert
@@ -125,12 +127,15 @@ def write_tiny_gguf(
     path: Path, model: torch.nn.Module, tokenizer: BackendTokenizer, arch: str, f16: bool = False,
     checkpoint: dict[str, torch.Tensor] | None = None, extra: dict[str, np.ndarray] | None = None,
     original_context: int | None = None, rope_dim: int | None = None, q4_1: bool = False,
+    types: dict[str, str] | None = None,
 ) -> None:
     """``arch`` is llama.cpp's name (``mixtral`` is written as a ``llama`` file with experts). A mixture of experts
     needs its ``checkpoint`` tensors (one per expert, as saved; transformers holds them stacked in memory).
     ``extra``: more tensors under llama.cpp's names; ``original_context``: a LongRoPE file's original context;
     ``rope_dim``: the rotated dimensions of each head, where fewer than all (Phi-4-mini's); ``q4_1``: the decoder
-    layers' matrices in llama.cpp's Q4_1 (gguf's own quantizer), as the built-in model's file has them."""
+    layers' matrices in llama.cpp's Q4_1 (gguf's own quantizer), as the built-in model's file has them; ``types``:
+    a block type per kind of decoder matrix (``attn_v``, ``ffn_down_exps``; ``*`` for the others), as llama.cpp's
+    mixed files (Q4_K_M) have them (Q4_K through ``quantize_q4_k``, the others through gguf's own quantizer)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch="llama" if arch == "mixtral" else arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -150,7 +155,7 @@ def write_tiny_gguf(
     if rope_dim is not None:
         writer.add_rope_dimension_count(rope_dim)
     _add_tokenizer(writer, tokenizer)
-    _add_tensors(writer, model, arch, f16, checkpoint, q4_1)
+    _add_tensors(writer, model, arch, f16, checkpoint, {"*": "Q4_1"} if q4_1 else types)
     for name, values in (extra or {}).items():
         writer.add_tensor(name, values)
     writer.write_header_to_file()
@@ -201,7 +206,7 @@ def _stack_experts(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 
 def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16: bool,
-                 checkpoint: dict[str, torch.Tensor] | None, q4_1: bool = False) -> None:
+                 checkpoint: dict[str, torch.Tensor] | None, types: dict[str, str] | None = None) -> None:
     config = model.config
     model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
                   "mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
@@ -219,11 +224,41 @@ def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16
         if f16 and values.ndim == 2:  # as llama.cpp's f16 files do: matrices in F16, norms and biases in F32
             values = values.astype(np.float16)
         name = f"{name_map.get_name(module)}.{suffix}"
-        if q4_1 and values.ndim == 2 and name.startswith("blk."):
-            q4 = gguf.GGMLQuantizationType.Q4_1
-            writer.add_tensor(name, gguf.quants.quantize(values, q4), raw_dtype=q4)
+        kind = (types or {}).get(name.split(".")[2], (types or {}).get("*")) if name.startswith("blk.") and \
+            name.split(".")[2] != "ffn_gate_inp" else None  # llama-quantize leaves the router in float
+        if kind is not None and values.ndim >= 2:
+            block_type = gguf.GGMLQuantizationType[kind]
+            raw = quantize_q4_k(values) if kind == "Q4_K" else gguf.quants.quantize(values, block_type)
+            writer.add_tensor(name, raw, raw_dtype=block_type)
             continue
         writer.add_tensor(name, values)
     scaling = config.rope_parameters if arch == "llama" else {}
     if scaling.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_divisors_loop(scaling["rope_theta"], config.head_dim, scaling))
+
+
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """llama.cpp's Q4_K blocks (uint8 [..., K / 256 · 144]) of float ``values`` [..., K], by each 32's range (gguf's
+    Python package reads Q4_K but does not write it): per super-block of 256, float16 ``d`` and ``dmin``, eight 6-bit
+    scales and minima in twelve bytes, then each 64 inputs' nibbles (the first 32 low, the next 32 high); each value
+    is ``d · sc · q - dmin · mn``."""
+    shape = values.shape
+    x = values.astype(np.float32).reshape(-1, 8, 32)
+    lo, hi = np.minimum(x.min(axis=2), 0), x.max(axis=2)
+    scale, mins = (hi - lo) / 15, -lo
+    d = (scale.max(axis=1) / 63).astype(np.float16)
+    dmin = (mins.max(axis=1) / 63).astype(np.float16)
+
+    def six_bits(t: np.ndarray, unit: np.ndarray) -> np.ndarray:
+        return np.clip(np.round(t / np.where(unit > 0, unit, 1).astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+
+    sc, mn = six_bits(scale, d), six_bits(mins, dmin)
+    step = d.astype(np.float32)[:, None] * sc
+    offset = dmin.astype(np.float32)[:, None] * mn
+    q = np.clip(np.round((x + offset[..., None]) / np.where(step > 0, step, 1)[..., None]), 0, 15).astype(np.uint8)
+    scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], axis=1)
+    nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8), scales, nibbles],
+                            axis=1)
+    return blocks.reshape(*shape[:-1], shape[-1] // 256 * 144)

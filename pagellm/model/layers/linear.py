@@ -228,16 +228,24 @@ def _pack_groups(layer: nn.Module, method: str, shards: int) -> bool:
     if method not in gemm.FOUR_BIT:
         raise ValueError(f"this checkpoint's 4-bit groups pack only for {' or '.join(gemm.FOUR_BIT)}, not {method}")
     kernel = gemm.QUANTIZED[method]
-    if len(groups.loaded) != shards:  # the rows of a layer the checkpoint left in float have no groups
-        if groups.loaded:
-            raise ValueError(f"the checkpoint quantizes {len(groups.loaded)} of the {shards} matrices fused into one "
-                             "layer (q/k/v or gate/up); pagellm serves them all quantized or all in float")
+    if not groups.loaded:  # a layer the checkpoint left in float (or a float model): quantized here
         kernel.quantize_parameter(layer.weight)
         return True
     q = layer.weight.data.to(torch.uint8)  # the integers, exact in bfloat16
     q = F.pad(q, (0, groups.shape[1] * _GROUP - q.shape[1]))
-    kernel.quantize_parameter(layer.weight, (q, groups[..., 0].half(), groups[..., 1].half()))
+    d, m = groups[..., 0].half(), groups[..., 1].half()
+    if len(groups.loaded) != shards:  # fused matrices some of which came in float (a GGUF's Q6_K v beside Q4_K q, k)
+        for rows in _float_rows(layer, groups.loaded):
+            q[rows], d[rows], m[rows] = gemm_w4a8.quantize(layer.weight.data[rows])
+    kernel.quantize_parameter(layer.weight, (q, d, m))
     return True
+
+
+def _float_rows(layer: ColumnParallelLinear, loaded: set[int | str]) -> list[slice]:
+    """The rows of a fused layer's matrices that came without groups."""
+    ids = {getattr(layer, "SHARDS", {}).get(shard, shard) for shard in loaded}
+    return [slice(offset, offset + size) for i, (offset, size) in enumerate(zip(layer.offsets, layer.shard_sizes))
+            if i not in ids]
 
 
 def pack_weights(model: nn.Module, quantization: str | None = None) -> int:

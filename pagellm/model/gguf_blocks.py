@@ -1,0 +1,119 @@
+"""A GGUF's 4-bit blocks kept as they are, for the 4-bit kernels (``--quantization w4a16_int4`` or ``w4a8_int4``).
+
+Three of llama.cpp's block types are affine per 32 inputs, ``w = d · q + m`` with ``q`` in [0, 15], which is the
+4-bit kernels' own form (``ops/gemm_w4a8.py``):
+
+- **Q4_0**: blocks of 32 in 18 bytes: ``d`` (float16), then 16 bytes whose low nibbles are the block's first 16
+  values and high nibbles its last 16; ``w = d · (q - 8)``, so ``m = -8 · d``.
+- **Q4_1**: blocks of 32 in 20 bytes: ``d`` and ``m`` (float16), then the nibbles as Q4_0's.
+- **Q4_K**: super-blocks of 256 in 144 bytes: ``d`` and ``dmin`` (float16), twelve bytes holding eight 6-bit scales
+  ``sc`` and eight 6-bit minima ``mn`` (one per 32; ``_k_scales``), then 128 bytes: each 32 bytes hold one 64
+  inputs' nibbles, the low ones the first 32 and the high ones the next 32; ``w = d · sc · q - dmin · mn``, so a
+  group's ``(d, m) = (d · sc, -dmin · mn)``.
+
+The conversion (``gguf_convert``) writes each such decoder matrix's blocks, row by row as the file holds them (q/k
+rows unpermuted as the float weights are, a stacked expert tensor split per expert), into ``BLOCKS_FILE`` beside the
+float32 weights, with each tensor's block type in the file's metadata. ``loader.iter_weights(groups=True)`` then
+reads those layers from here instead (``weights``): ``<layer>.weight`` holding ``q`` and ``<layer>.weight_groups``
+[N, K / 32, 2] holding each group's ``(d, m)`` in float32, computed as gguf's own ``dequantize`` computes them, so
+``d · q + m`` is the file's value exactly. The kernels keep ``d`` and ``m`` in float16: exact for Q4_0 and Q4_1
+(the file's own float16 numbers), and for Q4_K within float16's rounding of ``d · sc`` and ``dmin · mn`` (a relative
+2^-11, eight times closer than bfloat16 weights are to the file). Other block types (Q5, Q6_K, Q8_0, the non-linear
+IQ4) are not here: their layers load as float weights, which the 4-bit kernel quantizes at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BLOCKS_FILE = "gguf_4bit_blocks.safetensors"
+# block type → (inputs per block, bytes per block)
+KINDS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
+# The decoder matrices the 4-bit kernels run (the router and the embeddings are not among them).
+_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
+                          "gate_up_proj", "w1", "w2", "w3"})
+
+
+def kept(hf_name: str, kind: str) -> bool:
+    """Whether the conversion keeps this tensor's blocks: a decoder layer's matrix in one of ``KINDS``."""
+    parts = hf_name.split(".")
+    return kind in KINDS and parts[-1] == "weight" and parts[-2] in _PROJECTIONS and ".layers." in hf_name
+
+
+def decode(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, groups)`` of one matrix's blocks ``raw`` (uint8 [N, bytes per row]): ``q`` uint8 [N, K] in [0, 15] and
+    ``groups`` float32 [N, K / 32, 2] each 32 inputs' ``(d, m)``, so that ``d · q + m`` is gguf's dequantized value."""
+    per_block, size = KINDS[kind]
+    n, row_bytes = raw.shape
+    if row_bytes % size:
+        raise ValueError(f"a {kind} row of {row_bytes} bytes is not whole {size}-byte blocks")
+    blocks = raw.contiguous().view(n, row_bytes // size, size)
+    if kind == "Q4_K":
+        return _decode_k(blocks)
+    d = _half(blocks[..., 0:2])
+    m = _half(blocks[..., 2:4]) if kind == "Q4_1" else -8.0 * d
+    q = _nibbles(blocks[..., size - 16:])
+    return q.reshape(n, -1), torch.stack([d, m], dim=2)
+
+
+def _decode_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n, supers = blocks.shape[:2]
+    d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])
+    sc, mn = _k_scales(blocks[..., 4:16])
+    q = _nibbles(blocks[..., 16:].reshape(n, supers, 4, 32))  # [n, supers, 4, 64]: sub-blocks 2c, 2c + 1
+    scale = d[..., None] * sc.float()
+    minimum = -(dmin[..., None] * mn.float())
+    groups = torch.stack([scale, minimum], dim=3).reshape(n, supers * 8, 2)
+    return q.reshape(n, -1), groups
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit scales and minima of Q4_K's twelve bytes: the first four of each in the low 6 bits of bytes
+    0-3 and 4-7; the last four in bytes 8-11's nibbles (scales low, minima high), their top 2 bits in the top bits of
+    bytes 0-3 (scales) and 4-7 (minima)."""
+    lo, hi, rest = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([lo & 63, (rest & 15) | ((lo >> 6) << 4)], dim=-1)
+    mn = torch.cat([hi & 63, (rest >> 4) | ((hi >> 6) << 4)], dim=-1)
+    return sc, mn
+
+
+def _half(two_bytes: torch.Tensor) -> torch.Tensor:
+    """The float16 in each pair of bytes (little-endian), as float32 [..]."""
+    return two_bytes.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _nibbles(b: torch.Tensor) -> torch.Tensor:
+    """Each run of bytes (the last dimension) as twice as many values: the low nibbles, then the high ones."""
+    return torch.cat([b & 15, b >> 4], dim=-1)
+
+
+def weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each matrix of a ``BLOCKS_FILE`` as ``<layer>.weight`` (``q``) and ``<layer>.weight_groups``."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        kinds = handle.metadata() or {}
+        for name in handle.keys():
+            q, groups = decode(handle.get_tensor(name), kinds[name])
+            yield name, q
+            yield f"{name.removesuffix('.weight')}.weight_groups", groups
+
+
+def names(path: Path) -> set[str]:
+    """The tensors a ``BLOCKS_FILE`` holds (their float weights need not be read)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return set(handle.keys())
+
+
+def save(arrays: dict[str, tuple[np.ndarray, str]], path: Path) -> None:
+    """Write ``{hf_name: (blocks uint8 [N, bytes per row], kind)}`` as a ``BLOCKS_FILE``."""
+    from safetensors.numpy import save_file
+
+    save_file({name: np.ascontiguousarray(raw) for name, (raw, _) in arrays.items()}, str(path),
+              metadata={name: kind for name, (_, kind) in arrays.items()})
