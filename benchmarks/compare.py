@@ -168,6 +168,7 @@ def pagellm_offline(args: argparse.Namespace, ctx: systems.Context, result: Path
             str(args.offline_num_prompts), "--kv-cache-memory", str(systems.KV_GIB << 30), "--result-json",
             str(result), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
             *systems.kv_flags(ctx), *(["--model", str(ctx.model_dir)] if ctx.quantization == "w8a8_int8" else []),
+            *(["--model", str(ctx.gguf_original)] if ctx.quantization in systems.FOUR_BIT else []),
             *systems.quantize_flags(ctx),
             *ctx.pagellm_flags, *flags]
     return argv, {"PAGELLM_NUM_THREADS": str(ctx.threads)}
@@ -258,9 +259,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quantization", default=None, choices=["w8a8_int8", "w4a8_int4", "w4a16_int4"],
                         help="w8a8_int8: pagellm and vLLM serve a W8A8 int8 compressed-tensors checkpoint of the "
                              "model, written once into .peers/, llama.cpp its Q8_0 GGUF; w4a8_int4: pagellm "
-                             "quantizes to 4 bits at load, llama.cpp serves the original Q4_1 GGUF, vLLM sits out "
+                             "keeps a 4-bit GGUF (--gguf) in 4 bits, llama.cpp serves the same file, vLLM sits out "
                              "(transformers is skipped for both); w4a16_int4: the same with pagellm's activations "
                              "in bfloat16")
+    parser.add_argument("--gguf", default=None, metavar="FILE",
+                        help="with --quantization w4a8_int4 or w4a16_int4: the 4-bit GGUF that pagellm (its Q4_0, "
+                             "Q4_1 and Q4_K blocks as they are) and llama.cpp both serve (default: the built-in "
+                             "model's Q4_1 file)")
     parser.add_argument("--pagellm-flags", default="", metavar="FLAGS",
                         help="pagellm's own engine flags on top of the shared ones, served and offline (e.g. "
                              "'--max-num-batched-tokens 768'); the report lists them with the others")
@@ -297,6 +302,8 @@ def parse_args() -> argparse.Namespace:
         args.offline_num_prompts = 0
     if args.dataset == "random" and args.dataset_path:
         parser.error("--dataset-path goes with --dataset sharegpt or custom")
+    if args.gguf and args.quantization not in systems.FOUR_BIT:
+        parser.error(f"--gguf goes with --quantization {' or '.join(systems.FOUR_BIT)}")
     if not args.machine or any(sep in args.machine for sep in "/\\") or args.machine.startswith("."):
         parser.error(f"--machine {args.machine!r} names the results file benchmarks/results/DATE-MACHINE.md: give a "
                      "name, not a path")
@@ -325,7 +332,8 @@ def redraw(results_json: Path) -> None:
     data = json.loads(results_json.read_text())
     args = argparse.Namespace(**{"rounds": 1, "offline_rounds": 1, **data["args"]})
     quantization = getattr(args, "quantization", None)
-    ctx = systems.Context(quantized_dir(resolve_model_dir(None), quantization), default_model_path(), args.dtype,
+    gguf = Path(getattr(args, "gguf", None) or default_model_path())
+    ctx = systems.Context(quantized_dir(resolve_model_dir(gguf), quantization), gguf, args.dtype,
                           args.threads, max(args.concurrency), kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                           quantization=quantization, pagellm_flags=tuple(shlex.split(getattr(args, "pagellm_flags",
                                                                                              ""))))
@@ -341,12 +349,13 @@ def main() -> None:
     args = parse_args()
     if args.from_json:
         return redraw(Path(args.from_json))
-    model_dir = resolve_model_dir(None)
+    gguf = Path(args.gguf or default_model_path())
+    model_dir = resolve_model_dir(gguf)
     try:
         per_stream = context_per_stream(args, model_dir)  # also checks the dataset before any server starts
     except ValueError as exc:
         sys.exit(f"compare.py: {exc}")
-    ctx = systems.Context(quantized_dir(model_dir, args.quantization), default_model_path(), args.dtype,
+    ctx = systems.Context(quantized_dir(model_dir, args.quantization), gguf, args.dtype,
                           args.threads, max(args.concurrency), context_per_stream=per_stream,
                           kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                           pagellm_flags=tuple(shlex.split(args.pagellm_flags)))

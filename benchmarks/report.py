@@ -186,8 +186,9 @@ def _settled(args: argparse.Namespace) -> str:
 
 def _weights_note(quantization: str | None) -> str:
     if quantization in ("w4a8_int4", "w4a16_int4"):
-        return (f", weights {quantization} (pagellm quantizes them to 4 bits at load, groups of 32 with a float16 "
-                "scale and minimum each; llama.cpp serves the original GGUF, Q4_1: the same format)")
+        return (f", weights {quantization} (pagellm keeps the GGUF's Q4_0, Q4_1 and Q4_K blocks as they are, groups "
+                "of 32 with a scale and minimum each, and quantizes its other matrices to them at load; llama.cpp "
+                "serves the same GGUF)")
     if quantization:
         return (f", weights {quantization} (a compressed-tensors checkpoint: the same int8 weights and scales for "
                 "pagellm and vLLM)")

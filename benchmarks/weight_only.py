@@ -51,7 +51,7 @@ def measure(model: Path, quantization: str | None, args: argparse.Namespace, pro
                                 num_warmup=1, vocab_size=args.vocab_size, dataset_seed=0, profile=False)
     per_token = {b: latency.measure(llm, b, timing)["decode_ms_per_token"] for b in args.batch_size}
     qkv = llm.engine.core.executor.worker.runner.model.model.layers[0].self_attn.qkv_proj.weight
-    return {"load_s": loaded, "ms_per_token": per_token, "perplexity": perplexity(llm, prompts),
+    return {"load_s": loaded, "ms_per_token": per_token, "perplexity": perplexity(llm, prompts) if prompts else None,
             "format": gemm.weight_format(qkv) or "plain"}
 
 

@@ -25,11 +25,14 @@ w4a8_int4``, pagellm quantizes the model's weights to 4 bits at load (groups of 
 each, llama.cpp's Q4_1) and llama.cpp serves the built-in model's original GGUF, which is Q4_1 (the same format; its
 dot products quantize the activations to 8 bits too); vLLM (no Q4_1 path on CPU) and the transformers baseline are
 skipped. ``--quantization w4a16_int4`` likewise, with pagellm's activations left in bfloat16 (llama.cpp's still
-quantized to 8 bits).
+quantized to 8 bits). With compare.py ``--gguf FILE`` both serve that 4-bit GGUF instead (pagellm takes its Q4_0,
+Q4_1 and Q4_K blocks as they are and quantizes its other matrices to Q4_1 at load; llama.cpp serves every matrix in
+the file's own type).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -39,7 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 PEERS = REPO / ".peers"
 KV_GIB = 4
 Q8_GGUF = PEERS / "gguf" / "SmolLM2-135M-Instruct-Q8_0.gguf"  # llama.cpp's side of a W8A8 comparison
-FOUR_BIT = ("w4a8_int4", "w4a16_int4")  # quantized by pagellm at load; llama.cpp takes the original Q4_1 GGUF
+FOUR_BIT = ("w4a8_int4", "w4a16_int4")  # pagellm keeps the GGUF in 4 bits; llama.cpp serves the same file
 
 
 @dataclass
@@ -69,9 +72,11 @@ def quantize_flags(ctx: Context) -> list[str]:
 
 
 def model_flags(ctx: Context) -> list[str]:
-    """pagellm's model argument: the quantized checkpoint where there is one (else its built-in model), or the flag
-    that quantizes it at load."""
-    return quantize_flags(ctx) or ([str(ctx.model_dir)] if ctx.quantization else [])
+    """pagellm's model argument: the quantized checkpoint where there is one (else its built-in model), or the 4-bit
+    GGUF with the flag that keeps it in 4 bits."""
+    if ctx.quantization in FOUR_BIT:
+        return [str(ctx.gguf_original), *quantize_flags(ctx)]
+    return [str(ctx.model_dir)] if ctx.quantization else []
 
 
 def _unserved(ctx: Context, llama: bool = False) -> str | None:
@@ -136,13 +141,22 @@ def vllm(ctx: Context, port: int) -> System:
 
 def gguf_for_llama(ctx: Context) -> tuple[Path, str]:
     if ctx.quantization in FOUR_BIT:
-        return ctx.gguf_original, "Q4_1"
+        return ctx.gguf_original, four_bit_kind(ctx.model_dir)
     if ctx.quantization:
         return Q8_GGUF, "Q8_0"
     bf16 = PEERS / "gguf" / "SmolLM2-135M-Instruct-bf16.gguf"
     if ctx.dtype == "bfloat16" and bf16.exists():
         return bf16, "bf16"
     return ctx.gguf_original, "Q4_1"
+
+
+def four_bit_kind(model_dir: Path) -> str:
+    """The block types of a converted GGUF's decoder matrices, the most common first (``Q4_K/Q6_K``)."""
+    from pagellm.model.gguf_convert import WEIGHT_TYPES_FILE
+
+    path = model_dir / WEIGHT_TYPES_FILE
+    counts = json.loads(path.read_text()) if path.is_file() else {}
+    return "/".join(sorted(counts, key=lambda kind: -counts[kind])) or "GGUF"
 
 
 def llama_cpp(ctx: Context, port: int) -> System:

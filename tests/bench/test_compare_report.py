@@ -3,6 +3,7 @@ pagellm and the peer of the same round (the machine drifts between rounds), and 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -271,24 +272,36 @@ def test_compare_gives_pagellm_its_own_flags_served_and_offline(tmp_path, monkey
 
 
 @pytest.mark.parametrize("fmt", ["w4a8_int4", "w4a16_int4"])
-def test_compare_sets_4bit_pagellm_beside_llama_cpps_q4_1_gguf(tmp_path, monkeypatch, fmt: str):
-    """``compare.py --quantization w4a8_int4`` (or ``w4a16_int4``): pagellm quantizes the built-in model at load,
-    served and offline; llama.cpp serves the original Q4_1 GGUF; vLLM and the transformers baseline sit out, saying
-    why."""
+@pytest.mark.parametrize("types", [{"Q4_1": 210}, {"Q4_0": 20, "Q4_K": 150, "Q6_K": 40}])
+def test_compare_sets_4bit_pagellm_beside_llama_cpp_on_the_same_gguf(tmp_path, monkeypatch, fmt: str,
+                                                                      types: dict) -> None:
+    """``compare.py --quantization w4a8_int4`` (or ``w4a16_int4``, with ``--gguf``): pagellm serves the 4-bit GGUF
+    with the flag, served and offline; llama.cpp serves the same file, named by its block types; vLLM and the
+    transformers baseline sit out, saying why."""
     compare, args = _compare_args(monkeypatch, "--quantization", fmt)
     monkeypatch.setattr(compare.systems, "PEERS", tmp_path)
     (tmp_path / "llama.cpp" / "build" / "bin").mkdir(parents=True)
     (tmp_path / "llama.cpp" / "build" / "bin" / "llama-server").write_bytes(b"")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "gguf_weight_types.json").write_text(json.dumps(types))
     assert compare.quantized_dir(tmp_path / "model", fmt) == tmp_path / "model"  # no checkpoint written
+    gguf = str(tmp_path / "m.gguf")
     ctx = compare.systems.Context(tmp_path / "model", tmp_path / "m.gguf", quantization=fmt)
     built = {name: build(ctx, 8000) for name, build in compare.systems.BUILDERS.items()}
-    assert built["pagellm"].argv[4:6] == ["--quantization", fmt] and built["pagellm"].missing_reason is None
+    assert built["pagellm"].argv[4:7] == [gguf, "--quantization", fmt] and built["pagellm"].missing_reason is None
     assert f"--quantization {fmt}" in built["pagellm"].note
-    assert built["llama.cpp"].missing_reason is None and built["llama.cpp"].name == "llama.cpp (Q4_1)"
-    assert str(tmp_path / "m.gguf") in built["llama.cpp"].argv
+    kind = "Q4_1" if len(types) == 1 else "Q4_K/Q6_K/Q4_0"  # the most common first
+    assert built["llama.cpp"].missing_reason is None and built["llama.cpp"].name == f"llama.cpp ({kind})"
+    assert gguf in built["llama.cpp"].argv
     assert built["vllm"].missing_reason == f"no Q4_1 path on CPU (--quantization {fmt})"
     assert built["transformers"].missing_reason == f"no Q4_1 weights (--quantization {fmt})"
     offline = compare.offline_commands(args, ctx, tmp_path)
     assert list(offline) == ["pagellm"]
-    assert offline["pagellm"][0][-2:] == ["--quantization", fmt]
+    assert offline["pagellm"][0][-4:] == ["--model", gguf, "--quantization", fmt]
     assert "groups of 32" in report._weights_note(fmt)
+
+
+def test_compare_takes_a_gguf_only_for_4bit_weights(monkeypatch, capsys) -> None:
+    with pytest.raises(SystemExit):
+        _compare_args(monkeypatch, "--gguf", "m.gguf")
+    assert "--gguf goes with --quantization w4a8_int4 or w4a16_int4" in capsys.readouterr().err
