@@ -75,14 +75,13 @@ def packed_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, n2: int) -> to
     return gemm_w8a8.call_linear_silu_mul(lib.pagellm_packed_linear_silu_mul_w4a16, x, packed, n2)
 
 
-def quantize_parameter(param: torch.nn.Parameter,
-                       quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Quantize and pack a bfloat16 ``[N, K]`` weight Parameter in place as ``gemm_w4a8`` does (or pack a 4-bit
-    checkpoint's ``(q, d, m)``), for this kernel."""
+def quantize_parameter(param: torch.nn.Parameter, groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Quantize and pack a bfloat16 ``[N, K]`` weight Parameter in place as ``gemm_w4a8`` does (or pack the 4-bit
+    checkpoint's integers it holds with their groups' ``(d, m)``), for this kernel."""
     if not available():
         raise RuntimeError("quantization w4a16_int4 needs the 4-bit GEMM kernel with AVX-512 BF16 (and VNNI) and a C++ "
                            "compiler; this machine has not all of them")
     if param.dtype != torch.bfloat16 or param.dim() != 2:
         raise ValueError(f"{FORMAT} quantizes 2-D bfloat16 weights, got {param.dtype} {tuple(param.shape)}")
-    gemm_w4a8.quantize_parameter(param, quantized)
+    gemm_w4a8.quantize_parameter(param, groups)
     param.weight_format = FORMAT  # type: ignore[attr-defined]

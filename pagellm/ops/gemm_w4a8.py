@@ -40,7 +40,12 @@ runs_here = gemm_w8a8.runs_here  # the same instructions (AVX-512 VNNI and BW; f
 
 @functools.lru_cache(maxsize=1)
 def _lib() -> ctypes.CDLL | None:
-    return gemm_w8a8.load(build_job(), "w4a8", "4-bit GEMM kernel")
+    lib = gemm_w8a8.load(build_job(), "w4a8", "4-bit GEMM kernel")
+    if lib is not None:
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        lib.pagellm_pack_groups_w4a8.argtypes = [p, i, i, p, p, p]
+        lib.pagellm_pack_groups_w4a8.restype = ctypes.c_int
+    return lib
 
 
 def available() -> bool:
@@ -106,6 +111,25 @@ def quantize_pack(weight: torch.Tensor) -> torch.Tensor:
                                         "cannot take w4a8_int4")
 
 
+def pack_groups(values: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``pack(q, d, m)`` byte for byte, in one native pass, of a 4-bit checkpoint's integers ``q`` given as the
+    bfloat16 values [N, K] of the weight that holds them, with float16 ``d`` and ``m`` [N, K' / 32] (K' = K padded to
+    whole groups)."""
+    lib = _lib()
+    assert lib is not None, "4-bit GEMM kernel is not available on this machine"
+    n, k = values.shape
+    groups = -(-k // GROUP)
+    if values.dtype != torch.bfloat16 or d.shape != (n, groups) or m.shape != (n, groups) or \
+            d.dtype != torch.float16 or m.dtype != torch.float16:
+        raise ValueError(f"pack_groups takes bfloat16 [N, K] and float16 [N, K / 32] twice, got {values.dtype} "
+                         f"{tuple(values.shape)}, {d.dtype} {tuple(d.shape)}, {m.dtype} {tuple(m.shape)}")
+    w, d, m = values.contiguous(), d.contiguous(), m.contiguous()
+    out = torch.empty(-(-n // PANEL) * groups * GROUP_BYTES, dtype=torch.int8)
+    if lib.pagellm_pack_groups_w4a8(w.data_ptr(), n, k, d.data_ptr(), m.data_ptr(), out.data_ptr()):
+        raise ValueError("a 4-bit weight's value is not a whole number in [0, 15]")
+    return out
+
+
 def unpack(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, d, m)`` of a packed operand of ``n`` outputs and ``k`` inputs (``q`` over whole groups)."""
     panels, groups = -(-n // PANEL), -(-k // GROUP)
@@ -166,24 +190,16 @@ def packed_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, n2: int) -> to
     return gemm_w8a8.call_linear_silu_mul(lib.pagellm_packed_linear_silu_mul_w4a8, x, packed, n2)
 
 
-def quantize_parameter(param: torch.nn.Parameter,
-                       quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Quantize and pack a bfloat16 ``[N, K]`` weight Parameter in place (see the module docstring); or, with
-    ``quantized = (q, d, m)`` (a 4-bit checkpoint's, ``model/weight_only.py``), pack those in its place."""
+def quantize_parameter(param: torch.nn.Parameter, groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Quantize and pack a bfloat16 ``[N, K]`` weight Parameter in place (see the module docstring); or, where it
+    holds a 4-bit checkpoint's integers (``model/weight_only.py``, ``model/gguf_blocks.py``), pack them with their
+    groups' ``(d, m)`` (``pack_groups``)."""
     if not available():
         raise RuntimeError("quantization w4a8_int4 needs the 4-bit GEMM kernel, which needs a CPU with AVX-512 VNNI "
                            "and a C++ compiler; this machine has not both")
     if param.dtype != torch.bfloat16 or param.dim() != 2:
         raise ValueError(f"w4a8_int4 quantizes 2-D bfloat16 weights, got {param.dtype} {tuple(param.shape)}")
     n, k = param.shape
-    if quantized is None:
-        param.data = quantize_pack(param.data)
-    else:
-        q, d, m = quantized
-        groups = -(-k // GROUP)
-        if q.shape != (n, groups * GROUP) or d.shape != (n, groups) or m.shape != (n, groups):
-            raise ValueError(f"4-bit weight {tuple(q.shape)} and groups {tuple(d.shape)}, {tuple(m.shape)} do not "
-                             f"fit [{n}, {k}]")
-        param.data = pack(q, d, m)
+    param.data = quantize_pack(param.data) if groups is None else pack_groups(param.data, *groups)
     param.packed_shape = (n, k)  # type: ignore[attr-defined]
     param.weight_format = FORMAT  # type: ignore[attr-defined]

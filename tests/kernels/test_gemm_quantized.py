@@ -268,6 +268,24 @@ def test_the_native_quantizer_packs_the_twins_bytes(fmt, m: int, n: int, k: int)
 
 
 @kernel
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+def test_a_checkpoints_integers_pack_natively_as_the_twin_packs_them(m: int, n: int, k: int) -> None:
+    """``pack_groups`` (a 4-bit checkpoint's load: its integers held as a bfloat16 weight, its groups' d and m) lays
+    out ``pack(q, d, m)`` byte for byte, part panels and part groups (zeros beyond K) included; a value that is not a
+    4-bit integer is refused."""
+    _, w, _ = _case(1, n, k, seed=n + k + 1, bias=False)
+    q, d, m = gemm_w4a8.quantize(w)
+    values = q[:, :k].to(torch.bfloat16)
+    padded = torch.nn.functional.pad(q[:, :k], (0, q.shape[1] - k))  # a checkpoint's last group: zeros beyond K
+    assert torch.equal(gemm_w4a8.pack_groups(values, d, m), gemm_w4a8.pack(padded, d, m))
+    for bad in (16.0, -1.0, 2.5):
+        wrong = values.clone()
+        wrong[n - 1, k - 1] = bad
+        with pytest.raises(ValueError, match="not a whole number in \\[0, 15\\]"):
+            gemm_w4a8.pack_groups(wrong, d, m)
+
+
+@kernel
 @pytest.mark.parametrize(("fmt", "bad"), [(gemm_w8a8, float("nan")), (gemm_w8a8, float("inf")),
                                           (gemm_w4a8, float("nan")), (gemm_w4a8, float("inf")), (gemm_w4a8, 3e38)],
                          ids=["w8a8-nan", "w8a8-inf", "w4a8-nan", "w4a8-inf", "w4a8-range"])

@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed.groups import SINGLE, ParallelState
@@ -231,13 +230,12 @@ def _pack_groups(layer: nn.Module, method: str, shards: int) -> bool:
     if not groups.loaded:  # a layer the checkpoint left in float (or a float model): quantized here
         kernel.quantize_parameter(layer.weight)
         return True
-    q = layer.weight.data.to(torch.uint8)  # the integers, exact in bfloat16
-    q = F.pad(q, (0, groups.shape[1] * _GROUP - q.shape[1]))
-    d, m = groups[..., 0].half(), groups[..., 1].half()
+    d, m = groups[..., 0].half(), groups[..., 1].half()  # the weight holds the integers (exact in bfloat16)
     if len(groups.loaded) != shards:  # fused matrices some of which came in float (a GGUF's Q6_K v beside Q4_K q, k)
         for rows in _float_rows(layer, groups.loaded):
-            q[rows], d[rows], m[rows] = gemm_w4a8.quantize(layer.weight.data[rows])
-    kernel.quantize_parameter(layer.weight, (q, d, m))
+            q, d[rows], m[rows] = gemm_w4a8.quantize(layer.weight.data[rows])
+            layer.weight.data[rows] = q[:, :layer.weight.shape[1]].to(torch.bfloat16)
+    kernel.quantize_parameter(layer.weight, (d, m))
     return True
 
 

@@ -436,6 +436,51 @@ inline bool quantize_group(const uint16_t* w, int valid, uint8_t* q, uint16_t* d
   return true;
 }
 
+// The integers of a group given as bfloat16 values (a 4-bit checkpoint's, held by the weight): false unless each of
+// the `valid` values is a whole number in [0, 15]; q is zero beyond them.
+inline bool take_group(const uint16_t* w, int valid, uint8_t* q) {
+  const __m512 top = _mm512_set1_ps(15.0f), zero = _mm512_setzero_ps();
+  __mmask16 bad = 0;
+  for (int h = 0; h < 2; ++h) {
+    const __mmask16 lanes = col_mask(valid - kPanel * h > 0 ? valid - kPanel * h : 0);
+    const __m512 v = widen_bf16(_mm256_maskz_loadu_epi16(lanes, w + kPanel * h));
+    const __mmask16 whole = _mm512_cmp_ps_mask(v, _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO), _CMP_EQ_OQ) &
+                            _mm512_cmp_ps_mask(v, zero, _CMP_GE_OQ) & _mm512_cmp_ps_mask(v, top, _CMP_LE_OQ);
+    bad |= lanes & static_cast<__mmask16>(~whole);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + kPanel * h), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(v)));
+  }
+  return bad == 0;
+}
+
+// One panel's group of the packed layout from its columns' integers q and their d and m (scales[0], scales[1]).
+inline void write_block(uint8_t* block, const uint8_t (&q)[kPanel][kGroup], const uint16_t (&scales)[2][kPanel]) {
+  for (int l = 0; l < kNibbleLines; ++l)
+    for (int c = 0; c < kPanel; ++c)
+      for (int i = 0; i < 4; ++i)
+        block[l * kLine + 4 * c + i] = static_cast<uint8_t>(q[c][8 * l + i] | (q[c][8 * l + 4 + i] << 4));
+  std::memcpy(block + kNibbleLines * kLine, scales, sizeof(scales));
+}
+
+// Each panel's groups of a [n, k] weight laid out in one pass, the panels over torch's OpenMP threads: `group(row,
+// g, valid, q, d, m)` fills one column's group and says whether it could; returns 0, or -1 where one could not.
+template <typename Group>
+int pack_panels(int64_t n, int64_t k, uint8_t* out, Group group) {
+  const int64_t panels = (n + kPanel - 1) / kPanel, groups = (k + kGroup - 1) / kGroup;
+  int failed = 0;
+#pragma omp parallel for schedule(static) reduction(| : failed)
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t g = 0; g < groups; ++g) {
+      uint16_t scales[2][kPanel] = {};
+      uint8_t q[kPanel][kGroup] = {};
+      const int valid = static_cast<int>(k - g * kGroup < kGroup ? k - g * kGroup : kGroup);
+      for (int c = 0; c < kPanel && p * kPanel + c < n; ++c)
+        failed |= !group(p * kPanel + c, g, valid, q[c], &scales[0][c], &scales[1][c]);
+      write_block(out + (p * groups + g) * kGroupBytes, q, scales);
+    }
+  }
+  return failed ? -1 : 0;
+}
+
 // The entries' bodies, W4A8 or W4A16 (a16): y = x · Wᵀ (+ bias), and the gate/up one (-1 where n2 / 2 is not
 // whole panels).
 void linear(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w, int64_t n, const uint16_t* bias,
@@ -459,27 +504,23 @@ extern "C" {
 // OpenMP threads. Returns 0, or -1 where a weight is not finite or a group's d or m overflows float16 (out then
 // incomplete).
 int pagellm_quantize_pack_w4a8(const uint16_t* w, int64_t n, int64_t k, uint8_t* out) {
-  const int64_t panels = (n + kPanel - 1) / kPanel, groups = (k + kGroup - 1) / kGroup;
-  int failed = 0;
-#pragma omp parallel for schedule(static) reduction(| : failed)
-  for (int64_t p = 0; p < panels; ++p) {
-    for (int64_t g = 0; g < groups; ++g) {
-      uint8_t* block = out + (p * groups + g) * kGroupBytes;
-      uint16_t scales[2][kPanel] = {};
-      uint8_t q[kPanel][kGroup] = {};
-      for (int c = 0; c < kPanel && p * kPanel + c < n; ++c) {
-        const int valid = static_cast<int>(k - g * kGroup < kGroup ? k - g * kGroup : kGroup);
-        failed |= !quantize_group(w + (p * kPanel + c) * k + g * kGroup, valid, q[c], &scales[0][c], &scales[1][c]);
-        failed |= (scales[0][c] & 0x7c00) == 0x7c00 || (scales[1][c] & 0x7c00) == 0x7c00;  // float16 inf or NaN
-      }
-      for (int l = 0; l < kNibbleLines; ++l)
-        for (int c = 0; c < kPanel; ++c)
-          for (int i = 0; i < 4; ++i)
-            block[l * kLine + 4 * c + i] = static_cast<uint8_t>(q[c][8 * l + i] | (q[c][8 * l + 4 + i] << 4));
-      std::memcpy(block + kNibbleLines * kLine, scales, sizeof(scales));
-    }
-  }
-  return failed ? -1 : 0;
+  return pack_panels(n, k, out, [&](int64_t row, int64_t g, int valid, uint8_t* q, uint16_t* d, uint16_t* m) {
+    return quantize_group(w + row * k + g * kGroup, valid, q, d, m) &&
+           (*d & 0x7c00) != 0x7c00 && (*m & 0x7c00) != 0x7c00;  // float16 inf or NaN
+  });
+}
+
+// The packed operand (`pack(q, d, m)` of gemm_w4a8.py, byte for byte) of a 4-bit checkpoint's integers q, given as
+// the bfloat16 values of a weight w [n, k], with each group's float16 d and m [n, ceil(k / 32)]. Returns 0, or -1
+// where a value of w is not a whole number in [0, 15] (out then incomplete).
+int pagellm_pack_groups_w4a8(const uint16_t* w, int64_t n, int64_t k, const uint16_t* d, const uint16_t* m,
+                             uint8_t* out) {
+  const int64_t groups = (k + kGroup - 1) / kGroup;
+  return pack_panels(n, k, out, [&](int64_t row, int64_t g, int valid, uint8_t* q, uint16_t* dq, uint16_t* mq) {
+    *dq = d[row * groups + g];
+    *mq = m[row * groups + g];
+    return take_group(w + row * k + g * kGroup, valid, q);
+  });
 }
 
 // x: [m, k] bf16 rows with stride ldx; w: packed (see the top of this file) for n outputs and k inputs; bias: [n]
