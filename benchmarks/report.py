@@ -184,6 +184,11 @@ def _settled(args: argparse.Namespace) -> str:
             "not include it.") if settle else ""
 
 
+def _model_name(args: argparse.Namespace) -> str:
+    gguf = getattr(args, "gguf", None)  # compare.py --gguf: another 4-bit file
+    return Path(gguf).name if gguf else "SmolLM2-135M-Instruct"
+
+
 def _weights_note(quantization: str | None) -> str:
     if quantization in ("w4a8_int4", "w4a16_int4"):
         return (f", weights {quantization} (pagellm keeps the GGUF's Q4_0, Q4_1 and Q4_K blocks as they are, groups "
@@ -204,7 +209,7 @@ def write_report(md_path: Path, out: Path, args: argparse.Namespace, ctx: Any, s
                                                f"{args.input_len} in / {args.output_len} out", "output tokens/s",
                                      str(out / "offline.png")))
     lines = [f"# pagellm vs peers, {md_path.stem}", "",
-             f"Machine: {_cpu_name()}, {os.cpu_count()} cores. Model: SmolLM2-135M-Instruct ({ctx.model_dir.name}),"
+             f"Machine: {_cpu_name()}, {os.cpu_count()} cores. Model: {_model_name(args)} ({ctx.model_dir.name}),"
              f" dtype {ctx.dtype}" + (f", KV cache {ctx.kv_cache_dtype}" if ctx.kv_cache_dtype != "auto" else "") +
              _weights_note(getattr(ctx, "quantization", None)) +
              f", {ctx.threads} threads for every system. Workload: {_workload(args)}.",

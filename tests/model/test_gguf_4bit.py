@@ -67,6 +67,7 @@ def test_4bit_quantization_of_the_built_in_model_gives_back_its_gguf_blocks(laye
 # ------------------------------------------------------------------------------------ Q4_0, Q4_1 and Q4_K blocks
 
 MIXED = {"*": "Q4_K", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_down": "Q4_0", "ffn_down_exps": "Q4_0"}
+ARCHS = ("llama", "qwen3moe", "phi3")
 SIZES = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, head_dim=64)  # Q4_K: 256 inputs
 
 
@@ -101,10 +102,11 @@ def test_a_row_that_is_not_whole_blocks_is_refused() -> None:
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: BackendTokenizer, request) -> dict:  # noqa: ANN001
-    """Tiny GGUFs (a llama, a Qwen3 mixture of experts) whose decoder matrices are Q4_K, Q4_1, Q4_0 and Q8_0, as
-    llama.cpp's mixed files are, and gguf's own values of each matrix (Hugging Face's names and rows)."""
+    """Tiny GGUFs (a llama, a Qwen3 mixture of experts, a Phi-3 with its q/k/v and gate/up fused in the file) whose
+    decoder matrices are Q4_K, Q4_1, Q4_0 and Q8_0, as llama.cpp's mixed files are, and gguf's own values of each
+    matrix (Hugging Face's names and rows)."""
     out = {}
-    for arch in ("llama", "qwen3moe"):
+    for arch in ARCHS:
         tmp = tmp_path_factory.mktemp(arch)
         model = random_model(tiny_config(arch, tiny_tokenizer.get_vocab_size(), False, **SIZES))
         checkpoint = None
@@ -125,7 +127,7 @@ def mixed(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: BackendToken
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_the_conversion_keeps_the_4bit_blocks_of_the_decoder_matrices(mixed: dict, tmp_path: Path, arch: str) -> None:
     path, values = mixed[arch]
     convert_gguf_to_hf(path, tmp_path)
@@ -133,7 +135,7 @@ def test_the_conversion_keeps_the_4bit_blocks_of_the_decoder_matrices(mixed: dic
         kinds = handle.metadata()
         assert set(handle.keys()) == {name for name, (kind, _) in values.items() if kind in gguf_blocks.KINDS}
     assert kinds == {name: kind for name, (kind, _) in values.items() if kind in gguf_blocks.KINDS}
-    assert {kind for kind, _ in values.values()} >= {"Q4_K", "Q4_1", "Q4_0", "Q8_0"}  # and a float32 router
+    assert {kind for kind, _ in values.values()} >= {"Q4_K", "Q4_1", "Q4_0"} | ({"Q8_0"} if arch != "phi3" else set())
     streamed = dict(iter_weights(tmp_path, groups=True))
     for name, (kind, want) in values.items():  # the blocks' layers as q and groups, the others as float weights
         if kind in gguf_blocks.KINDS:
@@ -152,7 +154,7 @@ def _four_bit_kernels() -> list:
 
 
 @pytest.mark.parametrize("quantization", _four_bit_kernels())
-@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_four_bit_kernels_take_the_files_own_blocks(mixed: dict, arch: str, quantization: str) -> None:
     """Each packed layer holds the file's values: Q4_0 and Q4_1 exactly, Q4_K within float16's rounding of its
     scales times its 6-bit sub-scales; a Q8_0 matrix fused beside 4-bit ones (v beside Q4_K q and k) is quantized
@@ -167,6 +169,9 @@ def test_four_bit_kernels_take_the_files_own_blocks(mixed: dict, arch: str, quan
                  "self_attn.o_proj": ("self_attn.o_proj",)}
         if arch == "llama":
             fused |= {"mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj": ("mlp.down_proj",)}
+        elif arch == "phi3":  # fused in the file too: one Q4_K tensor each
+            fused = {name: (name,) for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                                "mlp.down_proj")}
         else:
             fused |= {f"mlp.experts.{e}.{ours}": tuple(f"mlp.experts.{e}.{p}" for p in parts) for e in range(4)
                       for ours, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",)))}
@@ -174,7 +179,7 @@ def test_four_bit_kernels_take_the_files_own_blocks(mixed: dict, arch: str, quan
             _assert_holds(layer.get_submodule(ours).weight, [values[f"{prefix}{p}.weight"] for p in parts],
                           quantization)
             checked.append(ours)
-    assert len(checked) == 2 * (4 if arch == "llama" else 2 + 4 * 2)
+    assert len(checked) == 2 * (2 + 4 * 2 if arch == "qwen3moe" else 4)
     out = llm.generate(["the quick brown fox"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
