@@ -23,7 +23,8 @@ from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.activation import SiluAndMul
 from pagellm.model.layers.attention import Attention
 from pagellm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagellm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, pack_weights
+from pagellm.model.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, loaded_whole,
+                                         pack_weights)
 from pagellm.model.layers.moe import SparseMoeBlock
 from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding
@@ -198,6 +199,8 @@ class LlamaForCausalLM(nn.Module):
             for module in self.modules():  # 4-bit layers of a checkpoint or a GGUF come with groups; others quantize
                 if hasattr(module, "expect_groups"):
                     module.expect_groups()
+        quantize = quantization or (self.cfg.quantization if self.cfg.quantization in gemm.QUANTIZED else None)
+        modules = dict(self.named_modules(remove_duplicate=False))
         params = dict(self.named_parameters(remove_duplicate=False))
         # A quantized checkpoint's scales: only its quantized layers have them (the others keep float weights).
         missing = {name for name in params if not (self.cfg.tie_word_embeddings and name == "lm_head.weight")
@@ -217,10 +220,12 @@ class LlamaForCausalLM(nn.Module):
             else:
                 loader(param, tensor, shard) if shard is not None else loader(param, tensor)
             missing.discard(target)
+            module = modules.get(target.rpartition(".")[0])
+            if quantize and hasattr(module, "quantize_weight") and loaded_whole(module):
+                module.quantize_weight(quantize)  # now: one layer at a time in bfloat16
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {', '.join(sorted(missing)[:8])}")
-        pack_weights(self, quantization or (self.cfg.quantization if self.cfg.quantization in gemm.QUANTIZED
-                                            else None))
+        pack_weights(self, quantize)
 
     def _target(self, name: str) -> tuple[str | None, str | int | None]:
         """Our parameter's name for a checkpoint tensor, and its shard of a fused matrix; None for a layer that

@@ -29,7 +29,9 @@ from pagellm import LLM, SamplingParams
 from pagellm.model import gguf_blocks
 from pagellm.model.gguf_convert import convert_gguf_to_hf
 from pagellm.model.gguf_tensors import hf_arrays, hf_tensor_name, unpermute_rotary_rows
-from pagellm.model.loader import default_model_path, iter_weights
+from pagellm.model.arch import ArchConfig
+from pagellm.model.llama import LlamaForCausalLM
+from pagellm.model.loader import default_model_path, iter_weights, load_hf_config
 from pagellm.ops import gemm, gemm_w4a8, gemm_w4a16
 
 HEADS = {"q_proj": 9, "k_proj": 3}  # SmolLM2-135M's attention heads and KV heads (llama.cpp permutes their rows)
@@ -204,3 +206,40 @@ def _assert_holds(weight: torch.nn.Parameter, parts: list[tuple[str, torch.Tenso
         else:
             assert torch.equal(got[rows], want), kind
     assert row == n
+
+
+@pytest.mark.parametrize("quantization", _four_bit_kernels())
+def test_each_layer_is_packed_as_soon_as_all_of_it_has_loaded(mixed: dict, tmp_path: Path, quantization: str) -> None:
+    """The load quantizes a layer once its weight's matrices (and a 4-bit one's groups) have all come, not after the
+    whole checkpoint: when the stream passes from the file's 4-bit blocks to its float tensors, the layers that are
+    all 4-bit are packed already, and q/k/v, whose v (Q8_0) comes among the float tensors, not yet."""
+    path, _ = mixed["llama"]
+    convert_gguf_to_hf(path, tmp_path)
+    model = LlamaForCausalLM(ArchConfig.from_hf(load_hf_config(tmp_path)), torch.bfloat16)
+    seen = []
+
+    def stream():
+        for name, tensor in iter_weights(tmp_path, groups=True):
+            if tensor.dtype != torch.uint8 and not name.endswith("weight_groups") and not seen:
+                layer = model.model.layers[0]
+                seen.append({ours: gemm.weight_format(layer.get_submodule(ours).weight) for ours in
+                             ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")})
+            yield name, tensor
+
+    model.load_weights(stream(), quantization)
+    assert seen == [{"self_attn.qkv_proj": None, "self_attn.o_proj": quantization, "mlp.gate_up_proj": quantization,
+                     "mlp.down_proj": quantization}]
+    assert gemm.weight_format(model.model.layers[0].self_attn.qkv_proj.weight) == quantization
+    # Float weights quantized at load likewise: layer 0 is packed when layer 1's first tensor comes.
+    model = LlamaForCausalLM(ArchConfig.from_hf(load_hf_config(tmp_path)), torch.bfloat16)
+    seen.clear()
+
+    def float_stream():
+        for name, tensor in iter_weights(tmp_path):
+            if name.startswith("model.layers.1.") and not seen:
+                seen.extend(gemm.weight_format(m.weight) for m in model.model.layers[0].modules()
+                            if hasattr(m, "quantize_weight"))
+            yield name, tensor
+
+    model.load_weights(float_stream(), quantization)
+    assert seen == [quantization] * 4

@@ -9,7 +9,8 @@ After loading, ``pack_weights(model)`` re-lays every bfloat16 weight that runs t
 (these layers and the LM head) in the packed layout of the native GEMM, in place: the model keeps one copy of
 each weight, and loaders refuse to write into a packed model. float32 weights stay plain (``F.linear``). With a
 ``quantization`` (``ModelConfig.quantization``), these layers' weights are quantized and packed for the int8 kernel
-(``ops.gemm_w8a8``) or the 4-bit one (``ops.gemm_w4a8``) instead; the LM head stays bfloat16.
+(``ops.gemm_w8a8``) or the 4-bit ones (``ops.gemm_w4a8``, ``ops.gemm_w4a16``) instead, each as soon as all of it
+has loaded (``loaded_whole``), so the load never holds the whole model in bfloat16; the LM head stays bfloat16.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def _loadable(param: nn.Parameter) -> torch.Tensor:
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    """``src`` into ``dst``, converted to its dtype in the same pass."""
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint tensor for {what} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
     dst.copy_(src)
@@ -59,11 +61,14 @@ class ColumnParallelLinear(nn.Module):
         out = sum(self.shard_sizes)
         self.weight = _param((out, in_features), dtype, self._load)
         self.bias = _param((out,), dtype, self._load) if bias else None
+        self.arrived: dict[int, bool] = {}  # the weight's matrices loaded: were they a checkpoint's 4-bit integers?
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         size = self.shard_sizes[shard_id]
         rank_slice = loaded.narrow(0, self.parallel.tp_rank * size, size)
-        _copy(_loadable(param).narrow(0, self.offsets[shard_id], size), rank_slice.to(param.dtype), "column shard")
+        _copy(_loadable(param).narrow(0, self.offsets[shard_id], size), rank_slice, "column shard")
+        if param is self.weight:
+            self.arrived[shard_id] = loaded.dtype == torch.uint8
 
     def pack_weight(self) -> bool:
         return gemm.pack_parameter(self.weight)
@@ -112,13 +117,15 @@ class RowParallelLinear(nn.Module):
         self.in_shard = parallel.shard(in_features, "input features")
         self.weight = _param((out_features, self.in_shard), dtype, self._load)
         self.bias = _param((out_features,), dtype, self._load_bias) if bias else None
+        self.arrived: dict[int, bool] = {}
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         rank_slice = loaded.narrow(1, self.parallel.tp_rank * self.in_shard, self.in_shard)
-        _copy(_loadable(param), rank_slice.to(param.dtype), "row shard")
+        _copy(_loadable(param), rank_slice, "row shard")
+        self.arrived[0] = loaded.dtype == torch.uint8
 
     def _load_bias(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
-        _copy(_loadable(param), loaded.to(param.dtype), "bias")
+        _copy(_loadable(param), loaded, "bias")
 
     def pack_weight(self) -> bool:
         return gemm.pack_parameter(self.weight)
@@ -159,7 +166,7 @@ class ReplicatedLinear(nn.Module):
         self.weight = _param((out_features, in_features), dtype, self._load)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
-        _copy(_loadable(param), loaded.to(param.dtype), "replicated weight")
+        _copy(_loadable(param), loaded, "replicated weight")
 
     def pack_weight(self) -> bool:
         return gemm.pack_parameter(self.weight)
@@ -246,16 +253,29 @@ def _float_rows(layer: ColumnParallelLinear, loaded: set[int | str]) -> list[sli
             if i not in ids]
 
 
+def loaded_whole(layer: nn.Module) -> bool:
+    """Whether every matrix of a layer's weight has come, each of a checkpoint's 4-bit ones with its groups, and no
+    int8 checkpoint's scales are due, so that it can be quantized now, before the rest of the checkpoint comes: a
+    quantized model's load then holds one layer in bfloat16 at a time, not all of them."""
+    if len(layer.arrived) != len(getattr(layer, "shard_sizes", (0,))) or hasattr(layer, "weight_scale") or \
+            gemm.packed_shape(layer.weight) is not None:
+        return False
+    groups = getattr(layer, "weight_groups", None)
+    got = {getattr(layer, "SHARDS", {}).get(shard, shard) for shard in groups.loaded} if groups is not None else ()
+    return all(shard in got for shard, four_bit in layer.arrived.items() if four_bit)
+
+
 def pack_weights(model: nn.Module, quantization: str | None = None) -> int:
     """Pack the weight of every layer with a ``pack_weight`` hook (see the module docstring), once, after loading,
-    or with a ``quantization`` quantize those with a ``quantize_weight`` hook; returns how many were packed or
-    quantized (0 in float32 or where the native kernel does not run)."""
+    or with a ``quantization`` quantize those with a ``quantize_weight`` hook (the ones the load has not quantized
+    already, ``loaded_whole``); returns how many were packed or quantized (0 in float32 or where the native kernel
+    does not run)."""
     packed = 0
     for module in model.modules():
         quantize = getattr(module, "quantize_weight", None) if quantization else None
         hook = getattr(module, "pack_weight", None)
         if quantize is not None:
-            packed += quantize(quantization)
+            packed += gemm.packed_shape(module.weight) is not None or quantize(quantization)
         elif hook is not None:
             packed += bool(hook())
     return packed
