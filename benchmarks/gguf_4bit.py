@@ -16,7 +16,7 @@ the difference over that of the weights (0 for a Q4_1 file, whose groups survive
 
 ``--gguf`` defaults to the built-in model's Q4_1 file; ``benchmarks/random_gguf.py`` writes larger ones (then
 ``--num-prompts 0``: random weights have no perplexity worth the time). Each setting runs in a fresh process
-(``weight_only.in_own_process``). ``PAGELLM_NUM_THREADS`` sets the threads.
+(``weight_only.run_settings``). ``PAGELLM_NUM_THREADS`` sets the threads.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from weight_only import in_own_process  # noqa: E402
+from weight_only import print_table, run_settings  # noqa: E402
 
 from pagellm.model import gguf_blocks  # noqa: E402
 from pagellm.model.loader import default_model_path, resolve_model_dir  # noqa: E402
@@ -88,20 +88,8 @@ def main() -> None:
         settings = {"bf16": (model_dir, None)}
         for fmt in ("w4a16_int4", "w4a8_int4"):
             settings |= {f"blocks+{fmt}": (model_dir, fmt), f"requantized+{fmt}": (requantized, fmt)}
-        results = {}
-        for name, (model, quantization) in settings.items():
-            results[name] = in_own_process(model, quantization, argv)
-            print(f"{name}: {results[name]}", flush=True)
-    base = results["bf16"]
-    header = " ".join(f"{'b=' + str(b) + ' ms/tok':>14}" for b in args.batch_size)
-    print(f"\n{'setting':>22} {'format':>10} {'load s':>7} {header} {'perplexity':>11}")
-    for name, r in results.items():
-        per_token = {int(b): v for b, v in r["ms_per_token"].items()}
-        cells = " ".join(f"{per_token[b]:>6.2f} ({per_token[b] / base['ms_per_token'][str(b)]:.2f}×)"
-                         for b in args.batch_size)
-        quality = f"{r['perplexity']:>7.4f} ({r['perplexity'] / base['perplexity'] - 1:+.2%})" \
-            if r["perplexity"] is not None else "-"
-        print(f"{name:>22} {r['format']:>10} {r['load_s']:>7.2f} {cells} {quality}")
+        results = run_settings(settings, argv)
+    print_table(results, args.batch_size)
 
 
 if __name__ == "__main__":

@@ -89,19 +89,32 @@ def main() -> None:
         settings = {"float": (src, None), "w4a16": (ckpt, None), "w4a16+w4a8_int4": (ckpt, "w4a8_int4"),
                     "w4a16+w8a8_int8": (ckpt, "w8a8_int8"), "float+w4a8_int4": (src, "w4a8_int4"),
                     "float+w4a16_int4": (src, "w4a16_int4")}
-        results = {}
-        for name, (model, quantization) in settings.items():
-            results[name] = in_own_process(model, quantization, argv)
-            print(f"{name}: {results[name]}", flush=True)
-    base = results["float"]
-    header = " ".join(f"{'b=' + str(b) + ' ms/tok':>14}" for b in args.batch_size)
-    print(f"\n{'setting':>16} {'format':>10} {'load s':>7} {header} {'perplexity':>11}")
+        results = run_settings(settings, argv)
+    print_table(results, args.batch_size)
+
+
+def run_settings(settings: dict[str, tuple[Path, str | None]], argv: list[str]) -> dict[str, dict]:
+    """Each setting's ``measure`` (a model and its ``--quantization``) in its own process, printed as it comes."""
+    results = {}
+    for name, (model, quantization) in settings.items():
+        results[name] = in_own_process(model, quantization, argv)
+        print(f"{name}: {results[name]}", flush=True)
+    return results
+
+
+def print_table(results: dict[str, dict], batch_sizes: list[int]) -> None:
+    """The settings side by side, each ratio against the first setting's."""
+    base = next(iter(results.values()))
+    width = max(len(name) for name in results)
+    header = " ".join(f"{'b=' + str(b) + ' ms/tok':>14}" for b in batch_sizes)
+    print(f"\n{'setting':>{width}} {'format':>10} {'load s':>7} {header} {'perplexity':>11}")
     for name, r in results.items():
         per_token = {int(b): v for b, v in r["ms_per_token"].items()}
         cells = " ".join(f"{per_token[b]:>6.2f} ({per_token[b] / base['ms_per_token'][str(b)]:.2f}×)"
-                         for b in args.batch_size)
-        print(f"{name:>16} {r['format']:>10} {r['load_s']:>7.2f} {cells} {r['perplexity']:>7.4f} "
-              f"({r['perplexity'] / base['perplexity'] - 1:+.1%})")
+                         for b in batch_sizes)
+        quality = f"{r['perplexity']:>7.4f} ({r['perplexity'] / base['perplexity'] - 1:+.2%})" \
+            if r["perplexity"] is not None else "-"
+        print(f"{name:>{width}} {r['format']:>10} {r['load_s']:>7.2f} {cells} {quality}")
 
 
 if __name__ == "__main__":
