@@ -47,7 +47,7 @@ def kept(hf_name: str, kind: str) -> bool:
 def decode(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, groups)`` of one matrix's blocks ``raw`` (uint8 [N, bytes per row]): ``q`` uint8 [N, K] in [0, 15] and
     ``groups`` float32 [N, K / 32, 2] each 32 inputs' ``(d, m)``, so that ``d · q + m`` is gguf's dequantized value."""
-    per_block, size = KINDS[kind]
+    _, size = KINDS[kind]
     n, row_bytes = raw.shape
     if row_bytes % size:
         raise ValueError(f"a {kind} row of {row_bytes} bytes is not whole {size}-byte blocks")
