@@ -307,7 +307,7 @@ def _write_weights(tensors: dict[str, Any], config: dict[str, Any], arch: str, o
         index_doc = {"metadata": {"total_size": _float32_bytes(planned)}, "weight_map": weight_map}
         _write_json(out_dir / "model.safetensors.index.json", index_doc)
     kept = {name: (raw, tensor.tensor_type.name) for hf_name, tensor in planned
-            if gguf_blocks.kept(hf_name.replace("{}", "0"), tensor.tensor_type.name)
+            if gguf_blocks.kept(hf_name, tensor.tensor_type.name)
             for name, raw in hf_arrays(tensor, hf_name, heads if permuted else {}, mixtral, blocks=True)}
     if kept:  # the 4-bit kernels' layers, as the file holds them
         gguf_blocks.save(kept, out_dir / gguf_blocks.BLOCKS_FILE)

@@ -303,7 +303,7 @@ def test_a_4bit_gguf_says_its_weights_could_stay_in_4_bits(tmp_path: Path, tiny_
     model = random_model(tiny_config("llama", tiny_tokenizer.get_vocab_size(), False))
     for q4_1, types in ((True, {"Q4_1": 14}), (False, {"F32": 14})):  # 2 layers of q, k, v, o, gate, up, down
         out = tmp_path / f"q4-{q4_1}"
-        write_tiny_gguf(out.with_suffix(".gguf"), model, tiny_tokenizer, "llama", q4_1=q4_1)
+        write_tiny_gguf(out.with_suffix(".gguf"), model, tiny_tokenizer, "llama", types={"*": "Q4_1"} if q4_1 else None)
         convert_gguf_to_hf(out.with_suffix(".gguf"), out)
         assert json.loads((out / WEIGHT_TYPES_FILE).read_text()) == types
         hint = four_bit_hint(out)

@@ -126,16 +126,15 @@ def llama3_divisors_loop(theta: float, head_dim: int, scaling: dict[str, Any]) -
 def write_tiny_gguf(
     path: Path, model: torch.nn.Module, tokenizer: BackendTokenizer, arch: str, f16: bool = False,
     checkpoint: dict[str, torch.Tensor] | None = None, extra: dict[str, np.ndarray] | None = None,
-    original_context: int | None = None, rope_dim: int | None = None, q4_1: bool = False,
-    types: dict[str, str] | None = None,
+    original_context: int | None = None, rope_dim: int | None = None, types: dict[str, str] | None = None,
 ) -> None:
     """``arch`` is llama.cpp's name (``mixtral`` is written as a ``llama`` file with experts). A mixture of experts
     needs its ``checkpoint`` tensors (one per expert, as saved; transformers holds them stacked in memory).
     ``extra``: more tensors under llama.cpp's names; ``original_context``: a LongRoPE file's original context;
-    ``rope_dim``: the rotated dimensions of each head, where fewer than all (Phi-4-mini's); ``q4_1``: the decoder
-    layers' matrices in llama.cpp's Q4_1 (gguf's own quantizer), as the built-in model's file has them; ``types``:
-    a block type per kind of decoder matrix (``attn_v``, ``ffn_down_exps``; ``*`` for the others), as llama.cpp's
-    mixed files (Q4_K_M) have them (Q4_K through ``quantize_q4_k``, the others through gguf's own quantizer)."""
+    ``rope_dim``: the rotated dimensions of each head, where fewer than all (Phi-4-mini's); ``types``: a block type
+    per kind of decoder matrix (``attn_v``, ``ffn_down_exps``; ``*`` for the others), as llama.cpp's files have them
+    (``{"*": "Q4_1"}``: the built-in model's; Q4_K_M's mixes; Q4_K through ``quantize_q4_k``, the others through
+    gguf's own quantizer)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch="llama" if arch == "mixtral" else arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -155,7 +154,7 @@ def write_tiny_gguf(
     if rope_dim is not None:
         writer.add_rope_dimension_count(rope_dim)
     _add_tokenizer(writer, tokenizer)
-    _add_tensors(writer, model, arch, f16, checkpoint, {"*": "Q4_1"} if q4_1 else types)
+    _add_tensors(writer, model, arch, f16, checkpoint, types)
     for name, values in (extra or {}).items():
         writer.add_tensor(name, values)
     writer.write_header_to_file()
