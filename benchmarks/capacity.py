@@ -65,9 +65,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     args = parser.parse_args()
-    from pagellm.model.loader import default_model_path, resolve_model_dir
+    from pagellm.model.loader import default_model_path, hf_model_dir
 
-    ctx = systems.Context(resolve_model_dir(None), default_model_path(), args.dtype, args.threads, 64)
+    ctx = systems.Context(hf_model_dir(None), default_model_path(), args.dtype, args.threads, 64)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.systems}
     for round_ in range(args.rounds):
         order = args.systems if round_ % 2 == 0 else args.systems[::-1]  # which goes first alternates

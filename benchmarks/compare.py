@@ -327,13 +327,13 @@ def quantized_dir(model_dir: Path, quantization: str | None) -> Path:
 
 def redraw(results_json: Path) -> None:
     """Rewrite the markdown and charts of an earlier run (its arguments, results and machine name)."""
-    from pagellm.model.loader import default_model_path, resolve_model_dir
+    from pagellm.model.loader import default_model_path, hf_model_dir
 
     data = json.loads(results_json.read_text())
     args = argparse.Namespace(**{"rounds": 1, "offline_rounds": 1, **data["args"]})
     quantization = getattr(args, "quantization", None)
     gguf = Path(getattr(args, "gguf", None) or default_model_path())
-    ctx = systems.Context(quantized_dir(resolve_model_dir(gguf), quantization), gguf, args.dtype,
+    ctx = systems.Context(quantized_dir(hf_model_dir(gguf), quantization), gguf, args.dtype,
                           args.threads, max(args.concurrency), kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                           quantization=quantization, pagellm_flags=tuple(shlex.split(getattr(args, "pagellm_flags",
                                                                                              ""))))
@@ -344,13 +344,13 @@ def redraw(results_json: Path) -> None:
 
 
 def main() -> None:
-    from pagellm.model.loader import default_model_path, resolve_model_dir
+    from pagellm.model.loader import default_model_path, hf_model_dir
 
     args = parse_args()
     if args.from_json:
         return redraw(Path(args.from_json))
     gguf = Path(args.gguf or default_model_path())
-    model_dir = resolve_model_dir(gguf)
+    model_dir = hf_model_dir(gguf)
     try:
         per_stream = context_per_stream(args, model_dir)  # also checks the dataset before any server starts
     except ValueError as exc:

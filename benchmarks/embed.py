@@ -26,7 +26,7 @@ def main() -> None:
     from transformers import AutoModel
 
     from pagellm import LLM
-    from pagellm.model.loader import resolve_model_dir
+    from pagellm.model.loader import hf_model_dir
 
     llm = LLM(args.model, dtype=args.dtype)
     gen = torch.Generator().manual_seed(0)
@@ -38,7 +38,7 @@ def main() -> None:
     ours = llm.embed(prompts, use_tqdm=False)
     ours_s = time.perf_counter() - start
 
-    model = AutoModel.from_pretrained(resolve_model_dir(args.model), dtype=getattr(torch, args.dtype)).eval()
+    model = AutoModel.from_pretrained(hf_model_dir(args.model), dtype=getattr(torch, args.dtype)).eval()
     refs = []
     with torch.inference_mode():
         model(torch.tensor(prompts[:8]))  # warm-up

@@ -82,9 +82,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_ab(args: argparse.Namespace, sides: dict[str, list[str]], modes: list[str]) -> None:
-    from pagellm.model.loader import default_model_path, resolve_model_dir
+    from pagellm.model.loader import default_model_path, hf_model_dir
 
-    ctx = systems.Context(resolve_model_dir(None), default_model_path(), args.dtype, args.threads, args.concurrency)
+    ctx = systems.Context(hf_model_dir(None), default_model_path(), args.dtype, args.threads, args.concurrency)
     runs: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     for round_ in range(args.rounds):
         for side in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):  # which goes first alternates

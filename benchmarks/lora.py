@@ -36,9 +36,9 @@ def main() -> None:
 
     from pagellm import LLM, SamplingParams
     from pagellm.lora import LoRARequest
-    from pagellm.model.loader import resolve_model_dir
+    from pagellm.model.loader import hf_model_dir
 
-    model_dir = resolve_model_dir(args.model)
+    model_dir = hf_model_dir(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         loras = [LoRARequest(f"a{i}", i + 1, str(build_lora_adapter(model_dir, Path(tmp) / f"a{i}", i, PROJECTIONS,
                                                                       args.rank))) for i in range(2)]

@@ -153,9 +153,9 @@ def run_pair(num_running: int, warmup: int, steps: int, base: str) -> tuple[dict
 
 
 def run_vllm(python: Path, sizes: list[int], warmup: int, steps: int) -> list[dict]:
-    from pagellm.model.loader import resolve_model_dir
+    from pagellm.model.loader import hf_model_dir
 
-    cmd = [str(python), str(HERE / "peers" / "vllm_scheduler_bench.py"), str(resolve_model_dir(None)),
+    cmd = [str(python), str(HERE / "peers" / "vllm_scheduler_bench.py"), str(hf_model_dir(None)),
            "--num-running", *map(str, sizes), "--warmup", str(warmup), "--steps", str(steps)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                           env={"VLLM_TARGET_DEVICE": "cpu", "PATH": "/usr/bin:/bin"})

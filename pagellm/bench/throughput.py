@@ -96,13 +96,12 @@ def run_transformers(model: str | None, requests: list[datasets.BenchRequest], t
     import torch
     import transformers
 
-    from pagellm.model.loader import resolve_model_dir
-
     from pagellm import envs
+    from pagellm.model.loader import hf_model_dir
 
     if envs.num_threads():  # the same thread count as the engine gets (PAGELLM_NUM_THREADS)
         torch.set_num_threads(envs.num_threads())
-    model_dir = resolve_model_dir(model)
+    model_dir = hf_model_dir(model)  # transformers reads every weight as a float tensor
     torch_dtype = torch.float32 if dtype in ("auto", "float32") else getattr(torch, dtype)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)

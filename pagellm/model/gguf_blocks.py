@@ -12,18 +12,23 @@ Three of llama.cpp's block types are affine per 32 inputs, ``w = d · q + m`` wi
   group's ``(d, m) = (d · sc, -dmin · mn)``.
 
 The conversion (``gguf_convert``) writes each such decoder matrix's blocks, row by row as the file holds them (q/k
-rows unpermuted as the float weights are, a stacked expert tensor split per expert), into ``BLOCKS_FILE`` beside the
-float32 weights, with each tensor's block type in the file's metadata. ``loader.iter_weights(groups=True)`` then
-reads those layers from here instead (``weights``): ``<layer>.weight`` holding ``q`` and ``<layer>.weight_groups``
-[N, K / 32, 2] holding each group's ``(d, m)`` in float32, computed as gguf's own ``dequantize`` computes them, so
-``d · q + m`` is the file's value exactly. The kernels keep ``d`` and ``m`` in float16: exact for Q4_0 and Q4_1
-(the file's own float16 numbers), and for Q4_K within float16's rounding of ``d · sc`` and ``dmin · mn`` (a relative
-2^-11, eight times closer than bfloat16 weights are to the file). Other block types (Q5, Q6_K, Q8_0, the non-linear
-IQ4) are not here: their layers load as float weights, which the 4-bit kernel quantizes at load.
+rows unpermuted as the float weights are, a stacked expert tensor split per expert), into ``BLOCKS_FILE`` with each
+tensor's block type in the file's metadata, and writes no float32 copy of them: a 7B Q4_K_M file converts to its 4 GB
+of blocks and the rest of its tensors, not 28 GB of float32. ``loader.iter_weights`` reads them from here
+(``weights``): with ``groups`` (the 4-bit kernels) as ``<layer>.weight`` holding ``q`` and ``<layer>.weight_groups``
+[N, K / 32, 2] holding each group's ``(d, m)`` in float32, computed as gguf's own ``dequantize`` computes them; without
+(bfloat16 or float32 weights) as ``d · q + m`` in float32, which is gguf's dequantized value bit for bit. The kernels
+keep ``d`` and ``m`` in float16: exact for Q4_0 and Q4_1 (the file's own float16 numbers), and for Q4_K within
+float16's rounding of ``d · sc`` and ``dmin · mn`` (a relative 2^-11, eight times closer than bfloat16 weights are to
+the file). Other block types (Q5, Q6_K, Q8_0, the non-linear IQ4) are not here: their layers are float32 tensors in
+the directory, which the 4-bit kernel quantizes at load. Readers other than pagellm (transformers, vLLM, peft) need
+every weight as a float tensor: ``loader.hf_model_dir`` writes the matrices' float32 copies once (``float_weights``)
+for them.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,24 +96,44 @@ def _nibbles(b: torch.Tensor) -> torch.Tensor:
     return torch.cat([b & 15, b >> 4], dim=-1)
 
 
-def weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each matrix of a ``BLOCKS_FILE`` as ``<layer>.weight`` (``q``) and ``<layer>.weight_groups``."""
+def weights(blocks: Path, files: list[Path], groups: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a converted GGUF: the ``BLOCKS_FILE``'s matrices and the float ``files``' other tensors, one
+    layer after another (a quantized load packs each layer as soon as it is whole, ``linear.loaded_whole``).
+
+    With ``groups`` a matrix comes as ``<layer>.weight`` (``q``) and ``<layer>.weight_groups``; without, as its
+    float32 values ``d · q + m``, gguf's own ``dequantize`` bit for bit. A float copy of the matrix in ``files``
+    (``write_float_copies``, for other readers) is not read."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as handle:
-        kinds = handle.metadata() or {}
-        for name in handle.keys():
-            q, groups = decode(handle.get_tensor(name), kinds[name])
-            yield name, q
-            yield f"{name.removesuffix('.weight')}.weight_groups", groups
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(path), framework="pt")) for path in [blocks, *files]]
+        kinds = handles[0].metadata() or {}
+        source = {name: handle for handle in reversed(handles) for name in handle.keys()}
+        for name in sorted(source, key=_layer_order):
+            tensor = source[name].get_tensor(name)
+            if source[name] is not handles[0]:
+                yield name, tensor
+                continue
+            q, scales = decode(tensor, kinds[name])
+            if groups:
+                yield name, q
+                yield f"{name.removesuffix('.weight')}.weight_groups", scales
+            else:
+                rows = q.shape[0]
+                yield name, (q.float().view(rows, -1, 32) * scales[..., :1] + scales[..., 1:]).view(rows, -1)
 
 
-def names(path: Path) -> set[str]:
-    """The tensors a ``BLOCKS_FILE`` holds (their float weights need not be read)."""
-    from safetensors import safe_open
+def _layer_order(name: str) -> tuple[int, str]:
+    """The embeddings, then each decoder layer in turn, then the final norm and the LM head."""
+    parts = name.split(".")
+    if "layers" in parts[:-1] and parts[parts.index("layers") + 1].isdigit():
+        return int(parts[parts.index("layers") + 1]), name
+    return (-1 if "embed" in name else 1 << 30), name
 
-    with safe_open(str(path), framework="pt") as handle:
-        return set(handle.keys())
+
+def float_weights(blocks: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The ``BLOCKS_FILE``'s matrices in float32, for readers that need every weight as a float tensor."""
+    return weights(blocks, [], groups=False)
 
 
 def save(arrays: dict[str, tuple[np.ndarray, str]], path: Path) -> None:

@@ -3,9 +3,9 @@
 Contract: ``convert_gguf_to_hf(gguf_path, out_dir)`` writes into ``out_dir``
 
 - ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` when the
-  float32 weights pass ``MAX_SHARD_BYTES``): every tensor dequantized to float32 under its Hugging Face name, with
-  llama.cpp's rotary row permutation of q/k undone (``model/gguf_tensors.py``), so the weights are exactly what
-  transformers' own GGUF loader produces;
+  float32 weights pass ``MAX_SHARD_BYTES``): every tensor but the 4-bit blocks' matrices (below) dequantized to
+  float32 under its Hugging Face name, with llama.cpp's rotary row permutation of q/k undone
+  (``model/gguf_tensors.py``), so the weights are exactly what transformers' own GGUF loader produces;
 - ``config.json`` (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, or for mixtures of experts
   ``MixtralForCausalLM`` (a ``llama`` file with experts), ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``: llama.cpp
   stacks each layer's experts in one tensor, written back out as one tensor per expert),
@@ -16,7 +16,8 @@ Contract: ``convert_gguf_to_hf(gguf_path, out_dir)`` writes into ``out_dir``
   (``four_bit_hint`` reads it: a 4-bit file's weights are dequantized here, and ``--quantization w4a16_int4`` or
   ``w4a8_int4`` keeps them in 4 bits);
 - ``gguf_4bit_blocks.safetensors``: the decoder matrices stored in Q4_0, Q4_1 or Q4_K, as the file's own blocks
-  (``model/gguf_blocks.py``), which the 4-bit kernels take as they are.
+  (``model/gguf_blocks.py``), which the 4-bit kernels take as they are and ``loader.iter_weights`` decodes to float
+  for the others; ``loader.hf_model_dir`` adds their float32 copies for readers other than pagellm (transformers).
 
 It writes in place and is not atomic: the caller (``loader.resolve_model_dir``) converts into a temporary
 directory and renames it. Unsupported files raise ``ValueError`` naming what is supported. Bump
@@ -41,8 +42,9 @@ from pagellm.model.gguf_tensors import (MIXTRAL, PERMUTED_ARCHITECTURES, SUPPORT
 
 logger = logging.getLogger(__name__)
 
-# 2: partial_rotary_factor from rope.dimension_count; gguf_weight_types.json; 3: the 4-bit blocks (gguf_blocks)
-CONVERTER_VERSION = 3
+# 2: partial_rotary_factor from rope.dimension_count; gguf_weight_types.json; 3: the 4-bit blocks (gguf_blocks);
+# 4: no float32 copy of the 4-bit blocks' matrices (loader.hf_model_dir writes one for other readers)
+CONVERTER_VERSION = 4
 MAX_SHARD_BYTES = 4 * 1024**3
 WEIGHT_TYPES_FILE = "gguf_weight_types.json"
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")
@@ -291,7 +293,9 @@ def llama3_rope_divisors(scaling: dict[str, Any], head_dim: int, rope_theta: flo
 
 def _write_weights(tensors: dict[str, Any], config: dict[str, Any], arch: str, out_dir: Path) -> None:
     named = [(hf_tensor_name(name, arch), tensor) for name, tensor in tensors.items()]
-    planned = [(hf_name, tensor) for hf_name, tensor in named if hf_name is not None]
+    named = [(hf_name, tensor) for hf_name, tensor in named if hf_name is not None]
+    blocks = [(hf_name, tensor) for hf_name, tensor in named if gguf_blocks.kept(hf_name, tensor.tensor_type.name)]
+    planned = [(hf_name, tensor) for hf_name, tensor in named if not gguf_blocks.kept(hf_name, tensor.tensor_type.name)]
     shards = _plan_shards(planned)
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     permuted, mixtral = arch in PERMUTED_ARCHITECTURES, config["model_type"] == "mixtral"
@@ -306,8 +310,7 @@ def _write_weights(tensors: dict[str, Any], config: dict[str, Any], arch: str, o
     if len(shards) > 1:
         index_doc = {"metadata": {"total_size": _float32_bytes(planned)}, "weight_map": weight_map}
         _write_json(out_dir / "model.safetensors.index.json", index_doc)
-    kept = {name: (raw, tensor.tensor_type.name) for hf_name, tensor in planned
-            if gguf_blocks.kept(hf_name, tensor.tensor_type.name)
+    kept = {name: (raw, tensor.tensor_type.name) for hf_name, tensor in blocks
             for name, raw in hf_arrays(tensor, hf_name, heads if permuted else {}, mixtral, blocks=True)}
     if kept:  # the 4-bit kernels' layers, as the file holds them
         gguf_blocks.save(kept, out_dir / gguf_blocks.BLOCKS_FILE)

@@ -109,16 +109,16 @@ def load_hf_config(model_dir: Path) -> dict[str, Any]:
 def iter_weights(model_dir: Path, groups: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the model's safetensors files, as ``(name, tensor)``, each exactly once; a weight-only
     checkpoint's (GPTQ, AWQ, compressed-tensors pack-quantized) layers dequantized, or with ``groups`` as 4-bit
-    integers and groups (``weight_only.weights``), as are a converted GGUF's 4-bit blocks (``gguf_blocks``)."""
+    integers and groups (``weight_only.weights``), as are a converted GGUF's 4-bit blocks (``gguf_blocks.weights``,
+    layer by layer)."""
     from safetensors import safe_open
 
     from pagellm.model import gguf_blocks, weight_only
 
     files = _safetensors_files(Path(model_dir))
     blocks = Path(model_dir) / gguf_blocks.BLOCKS_FILE
-    if groups and blocks.is_file():
-        yield from gguf_blocks.weights(blocks)
-        yield from _tensors(files, skip=gguf_blocks.names(blocks))
+    if blocks.is_file():
+        yield from gguf_blocks.weights(blocks, files, groups)
         return
     quant = load_hf_config(model_dir).get("quantization_config") if (Path(model_dir) / "config.json").is_file() \
         else None
@@ -133,14 +133,85 @@ def iter_weights(model_dir: Path, groups: bool = False) -> Iterator[tuple[str, t
         yield from _tensors(files)
 
 
-def _tensors(files: list[Path], skip: frozenset[str] | set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
-                if name not in skip:
-                    yield name, handle.get_tensor(name)
+                yield name, handle.get_tensor(name)
+
+
+def hf_model_dir(model: str | os.PathLike[str] | None) -> Path:
+    """``resolve_model_dir(model)``, with every weight a float tensor in its safetensors files, as transformers,
+    vLLM and peft read them. A converted GGUF keeps its 4-bit matrices only as blocks (``gguf_blocks``), which
+    pagellm decodes at load; for these readers their float32 values are written once beside them
+    (``FLOAT_COPIES``, listed in ``model.safetensors.index.json``) and pagellm's own load still reads the blocks."""
+    from pagellm.model import gguf_blocks
+
+    model_dir = resolve_model_dir(model)
+    if not (model_dir / gguf_blocks.BLOCKS_FILE).is_file():
+        return model_dir
+    locks = envs.cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{model_dir.name}-float.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not any(path.name.startswith(FLOAT_COPIES) for path in _safetensors_files(model_dir)):
+            _write_float_copies(model_dir)
+    return model_dir
+
+
+FLOAT_COPIES = "gguf-4bit-float"
+_FLOAT_TENSORS = "model-float32.safetensors"  # a single model.safetensors, renamed beside the copies
+
+
+def _write_float_copies(model_dir: Path) -> None:
+    """The 4-bit matrices' float32 values in shards of at most ``MAX_SHARD_BYTES``, then the index naming them: each
+    file is renamed into place whole, and the index last, so a reader sees the copies all or not at all. A single
+    ``model.safetensors`` is linked to a second name first and removed after the index is in place."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from pagellm.model import gguf_blocks
+
+    start = time.perf_counter()
+    files = _safetensors_files(model_dir)
+    weight_map: dict[str, str] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            weight_map.update(dict.fromkeys(handle.keys(), path.name))
+    for number, shard in enumerate(_shards(gguf_blocks.float_weights(model_dir / gguf_blocks.BLOCKS_FILE)), 1):
+        filename = f"{FLOAT_COPIES}-{number:05d}.safetensors"
+        save_file(shard, str(model_dir / f".{filename}.partial"), metadata={"format": "pt"})
+        os.replace(model_dir / f".{filename}.partial", model_dir / filename)
+        weight_map.update(dict.fromkeys(shard, filename))
+    single = model_dir / "model.safetensors"
+    if single.is_file():  # transformers reads a model.safetensors before any index: it goes by a second name
+        (model_dir / _FLOAT_TENSORS).unlink(missing_ok=True)  # a killed writer's
+        os.link(single, model_dir / _FLOAT_TENSORS)
+        weight_map = {name: _FLOAT_TENSORS if file == single.name else file for name, file in weight_map.items()}
+    total = sum((model_dir / name).stat().st_size for name in set(weight_map.values()))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (model_dir / ".index.partial").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    os.replace(model_dir / ".index.partial", model_dir / "model.safetensors.index.json")
+    single.unlink(missing_ok=True)
+    logger.info("wrote float32 copies of %s's 4-bit matrices in %.1fs", model_dir, time.perf_counter() - start)
+
+
+def _shards(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+    """``tensors`` in dicts of at most ``MAX_SHARD_BYTES`` (one larger tensor alone)."""
+    from pagellm.model.gguf_convert import MAX_SHARD_BYTES
+
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in tensors:
+        if shard and size + tensor.nbytes > MAX_SHARD_BYTES:
+            yield shard
+            shard, size = {}, 0
+        shard[name] = tensor
+        size += tensor.nbytes
+    if shard:
+        yield shard
 
 
 def resolve_dtype(dtype: str) -> torch.dtype:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.model.loader import resolve_model_dir
+from pagellm.model.loader import hf_model_dir, resolve_model_dir
 from pagellm.outputs import RequestOutput
 
 # Chosen so the chat template makes them the same length (36 tokens): transformers then runs them as one batch
@@ -89,7 +89,8 @@ def test_greedy_chat_parity_with_transformers(greedy: list[RequestOutput], defau
 
     prompts = [out.prompt_token_ids for out in greedy]
     assert len({len(p) for p in prompts}) == 1, "USER_PROMPTS must template to one length (no padding)"
-    model = AutoModelForCausalLM.from_pretrained(default_dir, dtype=torch.float32).eval()
+    # transformers reads the 4-bit matrices' float32 copies, written now (the engine decoded the blocks)
+    model = AutoModelForCausalLM.from_pretrained(hf_model_dir(None), dtype=torch.float32).eval()
     ids = torch.tensor(prompts)
     # An explicit mask: otherwise generate() takes prompt tokens equal to the pad id (here EOS) for padding.
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,

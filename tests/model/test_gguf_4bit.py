@@ -26,12 +26,12 @@ from tiny_gguf import quantize_q4_k, random_model, tiny_config, write_tiny_gguf
 from tokenizers import Tokenizer as BackendTokenizer
 
 from pagellm import LLM, SamplingParams
-from pagellm.model import gguf_blocks
+from pagellm.model import gguf_blocks, gguf_convert
 from pagellm.model.gguf_convert import convert_gguf_to_hf
 from pagellm.model.gguf_tensors import hf_arrays, hf_tensor_name, unpermute_rotary_rows
 from pagellm.model.arch import ArchConfig
 from pagellm.model.llama import LlamaForCausalLM
-from pagellm.model.loader import default_model_path, iter_weights, load_hf_config
+from pagellm.model.loader import FLOAT_COPIES, default_model_path, hf_model_dir, iter_weights, load_hf_config
 from pagellm.ops import gemm, gemm_w4a8, gemm_w4a16
 
 HEADS = {"q_proj": 9, "k_proj": 3}  # SmolLM2-135M's attention heads and KV heads (llama.cpp permutes their rows)
@@ -149,6 +149,52 @@ def test_the_conversion_keeps_the_4bit_blocks_of_the_decoder_matrices(mixed: dic
     assert not any(name.endswith("mlp.gate.weight_groups") for name in streamed)
 
 
+def test_a_4bit_ggufs_float_weights_are_its_blocks_values_with_no_float32_copy(mixed: dict, tmp_path: Path) -> None:
+    """The conversion writes the 4-bit matrices as blocks only, and the float load (bfloat16, float32) decodes them to
+    gguf's own values, bit for bit, among the file's other tensors, each once."""
+    path, values = mixed["llama"]
+    convert_gguf_to_hf(path, tmp_path)
+    kept = {name for name, (kind, _) in values.items() if kind in gguf_blocks.KINDS}
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
+        assert not kept & set(handle.keys()) and set(values) - kept <= set(handle.keys())
+    names = [name for name, _ in iter_weights(tmp_path)]
+    assert len(names) == len(set(names)) and set(names) >= set(values)
+    streamed = dict(iter_weights(tmp_path))
+    for name, (_, want) in values.items():
+        assert streamed[name].dtype == torch.float32 and torch.equal(streamed[name], want), name
+
+
+@pytest.mark.parametrize("shard_bytes", [None, 20_000], ids=["one-file", "sharded"])
+def test_other_readers_get_the_4bit_matrices_float32_copies(mixed: dict, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch, shard_bytes: int) -> None:
+    """``hf_model_dir`` writes the blocks' float32 values once for transformers (in shards when they pass the shard
+    size), which then loads every weight as pagellm's float load has it; pagellm's own load still reads each tensor
+    once, its 4-bit matrices from the blocks."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    if shard_bytes:
+        monkeypatch.setattr(gguf_convert, "MAX_SHARD_BYTES", shard_bytes)
+    path, values = mixed["llama"]
+    model_dir = tmp_path / "hf"
+    convert_gguf_to_hf(path, model_dir)
+    before = {groups: [(n, t.clone()) for n, t in iter_weights(model_dir, groups=groups)] for groups in (True, False)}
+    assert hf_model_dir(model_dir) == model_dir
+    copies = sorted(model_dir.glob(f"{FLOAT_COPIES}-*.safetensors"))
+    assert len(copies) == 1 if shard_bytes is None else len(copies) > 1
+    assert not (model_dir / "model.safetensors").exists()
+    stamps = [p.stat().st_mtime_ns for p in copies]
+    assert hf_model_dir(model_dir) == model_dir and [p.stat().st_mtime_ns for p in copies] == stamps  # once
+    reference = dict(before[False])
+    state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    for name, tensor in reference.items():
+        assert torch.equal(state[name], tensor), name
+    for groups in (True, False):  # pagellm's own load: the same tensors, in the same order
+        after = list(iter_weights(model_dir, groups=groups))
+        assert [n for n, _ in after] == [n for n, _ in before[groups]]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(after, before[groups]))
+
+
 def _four_bit_kernels() -> list:
     w4a16 = pytest.mark.skipif(not gemm_w4a16.available(), reason="the W4A16 kernel needs AVX-512 BF16 and VNNI")
     w4a8 = pytest.mark.skipif(not gemm_w4a8.available(), reason="the 4-bit GEMM needs AVX-512 VNNI and a compiler")
@@ -208,38 +254,28 @@ def _assert_holds(weight: torch.nn.Parameter, parts: list[tuple[str, torch.Tenso
     assert row == n
 
 
+@pytest.mark.parametrize("groups", [True, False], ids=["blocks", "float"])
 @pytest.mark.parametrize("quantization", _four_bit_kernels())
-def test_each_layer_is_packed_as_soon_as_all_of_it_has_loaded(mixed: dict, tmp_path: Path, quantization: str) -> None:
+def test_each_layer_is_packed_as_soon_as_all_of_it_has_loaded(mixed: dict, tmp_path: Path, quantization: str,
+                                                              groups: bool) -> None:
     """The load quantizes a layer once its weight's matrices (and a 4-bit one's groups) have all come, not after the
-    whole checkpoint: when the stream passes from the file's 4-bit blocks to its float tensors, the layers that are
-    all 4-bit are packed already, and q/k/v, whose v (Q8_0) comes among the float tensors, not yet."""
+    whole checkpoint, and the converted GGUF's tensors come one layer after another, its blocks among its float
+    tensors (q/k/v: Q4_K q and k, Q8_0 v): when layer 1's first tensor comes, layer 0 is packed, from the file's
+    blocks or, without ``groups``, from their float values."""
     path, _ = mixed["llama"]
     convert_gguf_to_hf(path, tmp_path)
     model = LlamaForCausalLM(ArchConfig.from_hf(load_hf_config(tmp_path)), torch.bfloat16)
     seen = []
 
     def stream():
-        for name, tensor in iter_weights(tmp_path, groups=True):
-            if tensor.dtype != torch.uint8 and not name.endswith("weight_groups") and not seen:
+        for name, tensor in iter_weights(tmp_path, groups=groups):
+            if name.startswith("model.layers.1.") and not seen:
                 layer = model.model.layers[0]
                 seen.append({ours: gemm.weight_format(layer.get_submodule(ours).weight) for ours in
                              ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")})
             yield name, tensor
 
     model.load_weights(stream(), quantization)
-    assert seen == [{"self_attn.qkv_proj": None, "self_attn.o_proj": quantization, "mlp.gate_up_proj": quantization,
-                     "mlp.down_proj": quantization}]
-    assert gemm.weight_format(model.model.layers[0].self_attn.qkv_proj.weight) == quantization
-    # Float weights quantized at load likewise: layer 0 is packed when layer 1's first tensor comes.
-    model = LlamaForCausalLM(ArchConfig.from_hf(load_hf_config(tmp_path)), torch.bfloat16)
-    seen.clear()
-
-    def float_stream():
-        for name, tensor in iter_weights(tmp_path):
-            if name.startswith("model.layers.1.") and not seen:
-                seen.extend(gemm.weight_format(m.weight) for m in model.model.layers[0].modules()
-                            if hasattr(m, "quantize_weight"))
-            yield name, tensor
-
-    model.load_weights(float_stream(), quantization)
-    assert seen == [quantization] * 4
+    assert seen == [dict.fromkeys(("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"),
+                                  quantization)]
+    assert gemm.weight_format(model.model.layers[1].self_attn.qkv_proj.weight) == quantization
