@@ -37,7 +37,10 @@ import torch
 
 BLOCKS_FILE = "gguf_4bit_blocks.safetensors"
 # block type → (inputs per block, bytes per block)
-KINDS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
+# block type → (inputs per block, bytes per block, where its nibbles start, bytes per run of nibbles: a run's low
+# nibbles are its first inputs, its high nibbles the next as many)
+LAYOUTS = {"Q4_0": (32, 18, 2, 16), "Q4_1": (32, 20, 4, 16), "Q4_K": (256, 144, 16, 32)}
+KINDS = {kind: layout[:2] for kind, layout in LAYOUTS.items()}  # block type → (inputs, bytes) per block
 # The decoder matrices the 4-bit kernels run (the router and the embeddings are not among them).
 _PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
                           "gate_up_proj", "w1", "w2", "w3"})
@@ -52,28 +55,46 @@ def kept(hf_name: str, kind: str) -> bool:
 def decode(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, groups)`` of one matrix's blocks ``raw`` (uint8 [N, bytes per row]): ``q`` uint8 [N, K] in [0, 15] and
     ``groups`` float32 [N, K / 32, 2] each 32 inputs' ``(d, m)``, so that ``d · q + m`` is gguf's dequantized value."""
+    blocks = _blocks(raw, kind)
+    _, size, nibbles_at, run = LAYOUTS[kind]
+    nibbles = blocks[..., nibbles_at:].reshape(*blocks.shape[:2], -1, run)  # the block's runs
+    return _nibbles(nibbles).reshape(raw.shape[0], -1), _groups(blocks, kind)
+
+
+def values(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The [N, K] values ``d · q + m`` of one matrix's blocks: gguf's ``dequantize`` bit for bit in float32, or those
+    rounded to bfloat16 (``dtype``), in one native pass (``fused.dequantize_q4``) or, where that library does not
+    build, its twin ``_values``."""
+    from pagellm.ops import fused
+
+    groups = _groups(_blocks(raw, kind), kind)
+    out = fused.dequantize_q4(raw, groups, LAYOUTS[kind], dtype)
+    return out if out is not None else _values(decode(raw, kind)[0], groups).to(dtype)
+
+
+def _values(q: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    rows = q.shape[0]
+    return (q.float().view(rows, -1, 32) * groups[..., :1] + groups[..., 1:]).view(rows, -1)
+
+
+def _blocks(raw: torch.Tensor, kind: str) -> torch.Tensor:
     _, size = KINDS[kind]
     n, row_bytes = raw.shape
     if row_bytes % size:
         raise ValueError(f"a {kind} row of {row_bytes} bytes is not whole {size}-byte blocks")
-    blocks = raw.contiguous().view(n, row_bytes // size, size)
-    if kind == "Q4_K":
-        return _decode_k(blocks)
+    return raw.contiguous().view(n, row_bytes // size, size)
+
+
+def _groups(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """Each 32 inputs' ``(d, m)``, float32 [N, K / 32, 2], computed as gguf's ``dequantize`` computes them."""
+    n = blocks.shape[0]
     d = _half(blocks[..., 0:2])
+    if kind == "Q4_K":  # w = d · sc · q - dmin · mn
+        sc, mn = _k_scales(blocks[..., 4:16])
+        scale, minimum = d[..., None] * sc.float(), -(_half(blocks[..., 2:4])[..., None] * mn.float())
+        return torch.stack([scale, minimum], dim=3).reshape(n, -1, 2)
     m = _half(blocks[..., 2:4]) if kind == "Q4_1" else -8.0 * d
-    q = _nibbles(blocks[..., size - 16:])
-    return q.reshape(n, -1), torch.stack([d, m], dim=2)
-
-
-def _decode_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    n, supers = blocks.shape[:2]
-    d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])
-    sc, mn = _k_scales(blocks[..., 4:16])
-    q = _nibbles(blocks[..., 16:].reshape(n, supers, 4, 32))  # [n, supers, 4, 64]: sub-blocks 2c, 2c + 1
-    scale = d[..., None] * sc.float()
-    minimum = -(dmin[..., None] * mn.float())
-    groups = torch.stack([scale, minimum], dim=3).reshape(n, supers * 8, 2)
-    return q.reshape(n, -1), groups
+    return torch.stack([d, m], dim=2)
 
 
 def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,13 +117,14 @@ def _nibbles(b: torch.Tensor) -> torch.Tensor:
     return torch.cat([b & 15, b >> 4], dim=-1)
 
 
-def weights(blocks: Path, files: list[Path], groups: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def weights(blocks: Path, files: list[Path], groups: bool,
+            dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a converted GGUF: the ``BLOCKS_FILE``'s matrices and the float ``files``' other tensors, one
     layer after another (a quantized load packs each layer as soon as it is whole, ``linear.loaded_whole``).
 
     With ``groups`` a matrix comes as ``<layer>.weight`` (``q``) and ``<layer>.weight_groups``; without, as its
-    float32 values ``d · q + m``, gguf's own ``dequantize`` bit for bit. A float copy of the matrix in ``files``
-    (``write_float_copies``, for other readers) is not read."""
+    values ``d · q + m`` in ``dtype`` (``values``; float32 by default, gguf's own ``dequantize`` bit for bit). A float
+    copy of the matrix in ``files`` (``loader.hf_model_dir``'s, for other readers) is not read."""
     from safetensors import safe_open
 
     with contextlib.ExitStack() as stack:
@@ -114,13 +136,12 @@ def weights(blocks: Path, files: list[Path], groups: bool) -> Iterator[tuple[str
             if source[name] is not handles[0]:
                 yield name, tensor
                 continue
-            q, scales = decode(tensor, kinds[name])
             if groups:
+                q, scales = decode(tensor, kinds[name])
                 yield name, q
                 yield f"{name.removesuffix('.weight')}.weight_groups", scales
             else:
-                rows = q.shape[0]
-                yield name, (q.float().view(rows, -1, 32) * scales[..., :1] + scales[..., 1:]).view(rows, -1)
+                yield name, values(tensor, kinds[name], dtype or torch.float32)
 
 
 def _layer_order(name: str) -> tuple[int, str]:

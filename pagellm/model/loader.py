@@ -106,11 +106,13 @@ def load_hf_config(model_dir: Path) -> dict[str, Any]:
         return json.load(handle)
 
 
-def iter_weights(model_dir: Path, groups: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(model_dir: Path, groups: bool = False,
+                 dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the model's safetensors files, as ``(name, tensor)``, each exactly once; a weight-only
     checkpoint's (GPTQ, AWQ, compressed-tensors pack-quantized) layers dequantized, or with ``groups`` as 4-bit
     integers and groups (``weight_only.weights``), as are a converted GGUF's 4-bit blocks (``gguf_blocks.weights``,
-    layer by layer)."""
+    layer by layer). Those blocks' dequantized values come in ``dtype`` (the model's, which saves a float32 pass),
+    float32 by default; every other tensor comes as stored."""
     from safetensors import safe_open
 
     from pagellm.model import gguf_blocks, weight_only
@@ -118,7 +120,7 @@ def iter_weights(model_dir: Path, groups: bool = False) -> Iterator[tuple[str, t
     files = _safetensors_files(Path(model_dir))
     blocks = Path(model_dir) / gguf_blocks.BLOCKS_FILE
     if blocks.is_file():
-        yield from gguf_blocks.weights(blocks, files, groups)
+        yield from gguf_blocks.weights(blocks, files, groups, dtype)
         return
     quant = load_hf_config(model_dir).get("quantization_config") if (Path(model_dir) / "config.json").is_file() \
         else None

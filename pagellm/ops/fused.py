@@ -1,5 +1,6 @@
 """Fused bfloat16 element-wise ops of the Llama block (``csrc/fused.cpp``): residual add + RMSNorm, SiLU·up, and
-rotary embeddings, one pass over memory and one call each instead of several torch ops.
+rotary embeddings, one pass over memory and one call each instead of several torch ops; and, at load, a GGUF's 4-bit
+blocks to float32 (``dequantize_q4``, gguf's values bit for bit; its twin is in ``model/gguf_blocks.py``).
 
 Each op serves bfloat16 tensors in the layouts documented below and returns ``None`` for anything else (other
 dtypes, layouts, or a machine where the library does not build), so the calling layer runs its plain-PyTorch
@@ -40,7 +41,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pagellm_add_rms_norm_bf16.argtypes = [_P, _P, _P, _I, _I, _F, _P, _P]
     lib.pagellm_silu_and_mul_bf16.argtypes = [_P, _I, _I, _P]
     lib.pagellm_rotary_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P]
-    for fn in (lib.pagellm_add_rms_norm_bf16, lib.pagellm_silu_and_mul_bf16, lib.pagellm_rotary_bf16):
+    lib.pagellm_dequantize_q4.argtypes = [_P, _I, _I, _I, _I, _I, _I, _P, _P, _I]
+    for fn in (lib.pagellm_add_rms_norm_bf16, lib.pagellm_silu_and_mul_bf16, lib.pagellm_rotary_bf16,
+               lib.pagellm_dequantize_q4):
         fn.restype = None
     return lib
 
@@ -99,3 +102,26 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
                             positions.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2], rot_dim,
                             q_out.data_ptr(), k_out.data_ptr())
     return q_out, k_out
+
+
+def dequantize_q4(raw: torch.Tensor, groups: torch.Tensor, block: tuple[int, int, int, int],
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """[N, K] ``d · q + m`` of a matrix's 4-bit blocks ``raw`` (uint8 [N, bytes per row]) with each 32 inputs'
+    ``(d, m)`` in ``groups`` (float32 [N, K / 32, 2]), in float32 or rounded to bfloat16 (``dtype``); ``block`` is
+    ``(inputs, bytes, where its nibbles start, bytes per run of nibbles)`` (``gguf_blocks.LAYOUTS``). ``None`` where
+    the library does not build."""
+    lib = _lib()
+    if lib is None:
+        return None
+    values, size, nibbles_at, run = block
+    rows, row_bytes = raw.shape
+    if raw.dtype != torch.uint8 or row_bytes % size or groups.dtype != torch.float32 or \
+            groups.shape != (rows, row_bytes // size * values // 32, 2) or dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dequantize_q4 takes uint8 rows of whole {size}-byte blocks and their float32 groups, into "
+                         f"float32 or bfloat16, got {raw.dtype} {tuple(raw.shape)}, {groups.dtype} "
+                         f"{tuple(groups.shape)} and {dtype}")
+    raw, groups = raw.contiguous(), groups.contiguous()
+    out = torch.empty(rows, row_bytes // size * values, dtype=dtype)
+    lib.pagellm_dequantize_q4(raw.data_ptr(), rows, row_bytes, size, values, nibbles_at, run, groups.data_ptr(),
+                              out.data_ptr(), dtype == torch.bfloat16)
+    return out

@@ -1,11 +1,13 @@
 """The fused bfloat16 element-wise kernels (``pagellm/ops/csrc/fused.cpp``) against their layers' plain-PyTorch
-twins (``forward_torch``) and a float32 computation of the same formula."""
+twins (``forward_torch``) and a float32 computation of the same formula; and the load's dequantization of a GGUF's
+4-bit blocks against gguf's own ``dequantize``."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from pagellm.model.layers.activation import SiluAndMul
 from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding, rotate_half
+from pagellm.model import gguf_blocks
 from pagellm.ops import build, fused
 
 pytestmark = pytest.mark.skipif(fused._lib() is None, reason="needs a C++ compiler")
@@ -93,3 +96,40 @@ def test_other_dtypes_and_layouts_take_the_torch_twin() -> None:
     assert fused.silu_and_mul(torch.randn(8, 2).to(BF16).t()) is None  # not contiguous
     q = torch.randn(2, 2, 4)
     assert fused.rotary(torch.zeros(2, dtype=torch.int64), q, q, torch.ones(8, 4), torch.ones(8, 4)) is None
+
+
+def _q4_blocks(kind: str, rows: int, inputs: int) -> np.ndarray:
+    """A matrix's blocks: gguf's quantizer's for Q4_0 and Q4_1; random bytes for Q4_K (every bit of its packed 6-bit
+    scales and minima set somewhere) under float16 ``d`` and ``dmin`` of a weight's size."""
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(rows + inputs)
+    if kind != "Q4_K":
+        w = rng.standard_normal((rows, inputs)).astype(np.float32) * 0.05
+        return quants.quantize(w, GGMLQuantizationType[kind])
+    blocks = rng.integers(0, 256, size=(rows, inputs // 256, 144), dtype=np.uint8)
+    blocks[..., 0:4] = rng.uniform(1e-4, 1e-2, size=(rows, inputs // 256, 2)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("rows,inputs", [(3, 512), (70, 1024)])  # one thread; the rows split across threads
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_dequantize_q4_gives_ggufs_values(kind: str, rows: int, inputs: int, dtype: torch.dtype,
+                                          kernel_build: str) -> None:
+    """float32: gguf's ``dequantize`` bit for bit; bfloat16: those values as torch rounds them."""
+    from gguf import GGMLQuantizationType, quants
+
+    raw = _q4_blocks(kind, rows, inputs)
+    want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(rows, inputs))
+    raw = torch.from_numpy(raw)
+    out = fused.dequantize_q4(raw, gguf_blocks.decode(raw, kind)[1], gguf_blocks.LAYOUTS[kind], dtype)
+    assert out is not None and out.dtype == dtype and torch.equal(out, want.to(dtype))
+
+
+def test_dequantize_q4_refuses_what_is_not_whole_blocks() -> None:
+    raw = torch.zeros(2, 40, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="whole 18-byte blocks"):
+        fused.dequantize_q4(raw[:, :30], torch.zeros(2, 1, 2), gguf_blocks.LAYOUTS["Q4_0"])
+    with pytest.raises(ValueError, match="float32 groups"):
+        fused.dequantize_q4(raw[:, :36], torch.zeros(2, 1, 2), gguf_blocks.LAYOUTS["Q4_0"])

@@ -95,6 +95,10 @@ def test_blocks_decode_to_the_values_gguf_dequantizes(kind: str) -> None:
     assert q.dtype == torch.uint8 and int(q.max()) <= 15 and groups.shape == (6, 16, 2)
     got = q.float().view(6, 16, 32) * groups[..., :1] + groups[..., 1:]
     assert torch.equal(got.view(6, 512), torch.from_numpy(want))
+    # the float load's values: one native pass (tests/kernels/test_fused_ops.py), and its twin
+    assert torch.equal(gguf_blocks.values(torch.from_numpy(raw), block_type), torch.from_numpy(want))
+    assert torch.equal(gguf_blocks._values(q, groups), torch.from_numpy(want))
+
 
 
 def test_a_row_that_is_not_whole_blocks_is_refused() -> None:

@@ -4,6 +4,8 @@
 //   rotary:        q', k' = x * cos + rotate_half(x) * sin for each head ("rotate half" layout), from q/k rows
 //                  that may be strided views into the fused qkv output, into contiguous outputs; over the first
 //                  rot_dim dimensions of each head (the rest copied: Phi-4-mini's partial rotary embedding)
+//   dequantize_q4: at load, a GGUF's 4-bit blocks (Q4_0, Q4_1, Q4_K) to w = d * q + m per 32 inputs, gguf's own
+//                  dequantize's float32 values bit for bit, or those rounded to bfloat16
 // Arithmetic is float32 with one bfloat16 rounding where torch's sequence rounds to the model dtype (RMSNorm keeps
 // transformers' rounding points). The plain-PyTorch twins and test oracles are in pagellm/model/layers/.
 // Plain C ABI; built and loaded by pagellm/ops/build.py. Rows are split across torch's OpenMP threads when a call
@@ -139,6 +141,45 @@ void pagellm_rotary_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k,
         dst[i + half] = bf16(hi * f32(c[i + half]) + lo * f32(s[i + half]));
       }
       if (rot_dim < head_dim) std::memcpy(dst + rot_dim, src + rot_dim, (head_dim - rot_dim) * sizeof(uint16_t));
+    }
+  }
+}
+
+// raw: rows of row_bytes, each whole blocks of block_bytes holding block_values inputs, whose nibbles start
+// nibbles_at bytes into the block, in runs of `run` bytes: a run's low nibbles are the next `run` inputs, its high
+// nibbles the `run` after (Q4_0 and Q4_1: one run of 16 per block of 32; Q4_K: four runs of 32 per block of 256).
+// groups: [rows, inputs / 32, 2] float32 (d, m); out: [rows, inputs], float32, or bfloat16 rounded from the float32
+// value as torch rounds it (to_bf16). d * q is exact in float32 (d is a float16, or Q4_K's float16 times a 6-bit
+// scale, and q has 4 bits: at most 21 significant bits), so the sum's is the one rounding, with or without a fused
+// multiply-add, as in gguf's numpy.
+void pagellm_dequantize_q4(const uint8_t* raw, int64_t rows, int64_t row_bytes, int64_t block_bytes,
+                           int64_t block_values, int64_t nibbles_at, int64_t run, const float* groups, void* out,
+                           int64_t to_bf16) {
+  const int64_t blocks = row_bytes / block_bytes, inputs = blocks * block_values;
+#pragma omp parallel for schedule(static) if (rows * inputs >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* q = raw + r * row_bytes + b * block_bytes + nibbles_at;
+      for (int64_t at = 0; at < block_values; at += 2 * run, q += run) {
+        const int64_t first = r * inputs + b * block_values + at;
+        const float* lo = groups + first / 32 * 2;
+        const float* hi = groups + (first + run) / 32 * 2;
+        if (to_bf16) {
+          uint16_t* o = static_cast<uint16_t*>(out) + first;
+#pragma omp simd
+          for (int64_t j = 0; j < run; ++j) {
+            o[j] = bf16(lo[0] * static_cast<float>(q[j] & 15) + lo[1]);
+            o[run + j] = bf16(hi[0] * static_cast<float>(q[j] >> 4) + hi[1]);
+          }
+        } else {
+          float* o = static_cast<float*>(out) + first;
+#pragma omp simd
+          for (int64_t j = 0; j < run; ++j) {
+            o[j] = lo[0] * static_cast<float>(q[j] & 15) + lo[1];
+            o[run + j] = hi[0] * static_cast<float>(q[j] >> 4) + hi[1];
+          }
+        }
+      }
     }
   }
 }
