@@ -67,9 +67,8 @@ def values(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> 
     build, its twin ``_values``."""
     from pagellm.ops import fused
 
-    groups = _groups(_blocks(raw, kind), kind)
-    out = fused.dequantize_q4(raw, groups, LAYOUTS[kind], dtype)
-    return out if out is not None else _values(decode(raw, kind)[0], groups).to(dtype)
+    out = fused.dequantize_q4(raw, kind, dtype)
+    return out if out is not None else _values(*decode(raw, kind)).to(dtype)
 
 
 def _values(q: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:

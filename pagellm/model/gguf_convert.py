@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from pagellm.model import gguf_blocks, gguf_tokenizer
+from pagellm.model import gguf_tokenizer
 from pagellm.model.gguf_tensors import (MIXTRAL, PERMUTED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, hf_arrays,
                                         hf_tensor_name)
 
@@ -292,6 +292,8 @@ def llama3_rope_divisors(scaling: dict[str, Any], head_dim: int, rope_theta: flo
 
 
 def _write_weights(tensors: dict[str, Any], config: dict[str, Any], arch: str, out_dir: Path) -> None:
+    from pagellm.model import gguf_blocks  # torch: the frontend resolves a converted model without it
+
     named = [(hf_tensor_name(name, arch), tensor) for name, tensor in tensors.items()]
     named = [(hf_name, tensor) for hf_name, tensor in named if hf_name is not None]
     blocks = [(hf_name, tensor) for hf_name, tensor in named if gguf_blocks.kept(hf_name, tensor.tensor_type.name)]

@@ -41,7 +41,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pagellm_add_rms_norm_bf16.argtypes = [_P, _P, _P, _I, _I, _F, _P, _P]
     lib.pagellm_silu_and_mul_bf16.argtypes = [_P, _I, _I, _P]
     lib.pagellm_rotary_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P]
-    lib.pagellm_dequantize_q4.argtypes = [_P, _I, _I, _I, _I, _I, _I, _P, _P, _I]
+    lib.pagellm_dequantize_q4.argtypes = [_P, _I, _I, _I, _P, _I]
     for fn in (lib.pagellm_add_rms_norm_bf16, lib.pagellm_silu_and_mul_bf16, lib.pagellm_rotary_bf16,
                lib.pagellm_dequantize_q4):
         fn.restype = None
@@ -104,24 +104,24 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
     return q_out, k_out
 
 
-def dequantize_q4(raw: torch.Tensor, groups: torch.Tensor, block: tuple[int, int, int, int],
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
-    """[N, K] ``d · q + m`` of a matrix's 4-bit blocks ``raw`` (uint8 [N, bytes per row]) with each 32 inputs'
-    ``(d, m)`` in ``groups`` (float32 [N, K / 32, 2]), in float32 or rounded to bfloat16 (``dtype``); ``block`` is
-    ``(inputs, bytes, where its nibbles start, bytes per run of nibbles)`` (``gguf_blocks.LAYOUTS``). ``None`` where
-    the library does not build."""
+Q4_KINDS = ("Q4_0", "Q4_1", "Q4_K")  # the block types dequantize_q4 reads, in the C entry's numbering
+_Q4_BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}  # (inputs, bytes) per block
+
+
+def dequantize_q4(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """[N, K] ``d · q + m`` of a matrix's GGUF 4-bit blocks ``raw`` (uint8 [N, bytes per row]) of block type ``kind``
+    (``Q4_KINDS``; the layouts are ``model/gguf_blocks.py``'s), in float32 (gguf's ``dequantize`` bit for bit) or
+    rounded to bfloat16 (``dtype``), in one pass from the blocks' bytes. ``None`` where the library does not build."""
     lib = _lib()
     if lib is None:
         return None
-    values, size, nibbles_at, run = block
+    values, size = _Q4_BLOCK_BYTES[kind]
     rows, row_bytes = raw.shape
-    if raw.dtype != torch.uint8 or row_bytes % size or groups.dtype != torch.float32 or \
-            groups.shape != (rows, row_bytes // size * values // 32, 2) or dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"dequantize_q4 takes uint8 rows of whole {size}-byte blocks and their float32 groups, into "
-                         f"float32 or bfloat16, got {raw.dtype} {tuple(raw.shape)}, {groups.dtype} "
-                         f"{tuple(groups.shape)} and {dtype}")
-    raw, groups = raw.contiguous(), groups.contiguous()
+    if raw.dtype != torch.uint8 or row_bytes % size or dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dequantize_q4 takes uint8 rows of whole {size}-byte {kind} blocks, into float32 or "
+                         f"bfloat16, got {raw.dtype} {tuple(raw.shape)} into {dtype}")
+    raw = raw.contiguous()
     out = torch.empty(rows, row_bytes // size * values, dtype=dtype)
-    lib.pagellm_dequantize_q4(raw.data_ptr(), rows, row_bytes, size, values, nibbles_at, run, groups.data_ptr(),
-                              out.data_ptr(), dtype == torch.bfloat16)
+    lib.pagellm_dequantize_q4(raw.data_ptr(), rows, row_bytes, Q4_KINDS.index(kind), out.data_ptr(),
+                              dtype == torch.bfloat16)
     return out

@@ -123,13 +123,13 @@ def test_dequantize_q4_gives_ggufs_values(kind: str, rows: int, inputs: int, dty
     raw = _q4_blocks(kind, rows, inputs)
     want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(rows, inputs))
     raw = torch.from_numpy(raw)
-    out = fused.dequantize_q4(raw, gguf_blocks.decode(raw, kind)[1], gguf_blocks.LAYOUTS[kind], dtype)
+    out = fused.dequantize_q4(raw, kind, dtype)
     assert out is not None and out.dtype == dtype and torch.equal(out, want.to(dtype))
+    assert torch.equal(gguf_blocks._values(*gguf_blocks.decode(raw, kind)).to(dtype), out)  # the twin
 
 
 def test_dequantize_q4_refuses_what_is_not_whole_blocks() -> None:
-    raw = torch.zeros(2, 40, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="whole 18-byte blocks"):
-        fused.dequantize_q4(raw[:, :30], torch.zeros(2, 1, 2), gguf_blocks.LAYOUTS["Q4_0"])
-    with pytest.raises(ValueError, match="float32 groups"):
-        fused.dequantize_q4(raw[:, :36], torch.zeros(2, 1, 2), gguf_blocks.LAYOUTS["Q4_0"])
+    with pytest.raises(ValueError, match="whole 18-byte Q4_0 blocks"):
+        fused.dequantize_q4(torch.zeros(2, 30, dtype=torch.uint8), "Q4_0")
+    with pytest.raises(ValueError, match="into float32 or bfloat16"):
+        fused.dequantize_q4(torch.zeros(2, 36, dtype=torch.uint8), "Q4_0", torch.float16)

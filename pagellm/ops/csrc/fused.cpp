@@ -36,6 +36,55 @@ constexpr int64_t kParallelElements = 1 << 15;  // below this a call runs on the
 // batch of 32 either kernel takes 5-10 us on one thread (add_rms_norm 8.8 -> 5.0 us on two).
 constexpr int64_t kParallelRowElements = 1 << 13;
 
+// A GGUF 4-bit block type's layout: inputs and bytes per block, where its nibbles start, and bytes per run of
+// nibbles (a run's low nibbles are the next `run` inputs, its high nibbles the `run` after).
+struct Q4Layout {
+  int64_t values, bytes, nibbles_at, run;
+};
+constexpr Q4Layout kQ4Layouts[] = {{32, 18, 2, 16}, {32, 20, 4, 16}, {256, 144, 16, 32}};  // Q4_0, Q4_1, Q4_K
+
+// The float16 in two little-endian bytes, exactly (subnormals, infinities and NaNs included).
+inline float half_at(const uint8_t* p) {
+  const uint32_t h = p[0] | (p[1] << 8), sign = (h & 0x8000u) << 16, exp = (h >> 10) & 31, man = h & 1023;
+  if (exp == 31) return __builtin_bit_cast(float, sign | 0x7f800000u | (man << 13));
+  if (exp == 0) return (sign ? -1.f : 1.f) * static_cast<float>(man) * 0x1p-24f;
+  return __builtin_bit_cast(float, sign | ((exp + 112) << 23) | (man << 13));
+}
+
+// Each 32 inputs' (d, m) of one block, computed as gguf's numpy computes them: Q4_0 (d, -8 d); Q4_1 (d, m); Q4_K
+// (d * sc, -(dmin * mn)) with its eight 6-bit scales and minima packed in 12 bytes.
+inline void q4_groups(const uint8_t* block, int64_t kind, float* d, float* m) {
+  const float scale = half_at(block);
+  if (kind == 0) {
+    d[0] = scale, m[0] = -8.f * scale;
+  } else if (kind == 1) {
+    d[0] = scale, m[0] = half_at(block + 2);
+  } else {
+    const float dmin = half_at(block + 2);
+    const uint8_t* s = block + 4;
+    for (int j = 0; j < 8; ++j) {
+      const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+      const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+      d[j] = scale * static_cast<float>(sc), m[j] = -(dmin * static_cast<float>(mn));
+    }
+  }
+}
+
+template <typename Out, typename Store>
+inline void q4_block(const uint8_t* block, const Q4Layout& layout, int64_t kind, Out* out, Store store) {
+  float d[8], m[8];
+  q4_groups(block, kind, d, m);
+  const uint8_t* q = block + layout.nibbles_at;
+  for (int64_t at = 0; at < layout.values; at += 2 * layout.run, q += layout.run) {
+    const int64_t lo = at / 32, hi = (at + layout.run) / 32, run = layout.run;
+#pragma omp simd
+    for (int64_t j = 0; j < run; ++j) {
+      out[at + j] = store(d[lo] * static_cast<float>(q[j] & 15) + m[lo]);
+      out[at + run + j] = store(d[hi] * static_cast<float>(q[j] >> 4) + m[hi]);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -145,41 +194,23 @@ void pagellm_rotary_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k,
   }
 }
 
-// raw: rows of row_bytes, each whole blocks of block_bytes holding block_values inputs, whose nibbles start
-// nibbles_at bytes into the block, in runs of `run` bytes: a run's low nibbles are the next `run` inputs, its high
-// nibbles the `run` after (Q4_0 and Q4_1: one run of 16 per block of 32; Q4_K: four runs of 32 per block of 256).
-// groups: [rows, inputs / 32, 2] float32 (d, m); out: [rows, inputs], float32, or bfloat16 rounded from the float32
-// value as torch rounds it (to_bf16). d * q is exact in float32 (d is a float16, or Q4_K's float16 times a 6-bit
-// scale, and q has 4 bits: at most 21 significant bits), so the sum's is the one rounding, with or without a fused
-// multiply-add, as in gguf's numpy.
-void pagellm_dequantize_q4(const uint8_t* raw, int64_t rows, int64_t row_bytes, int64_t block_bytes,
-                           int64_t block_values, int64_t nibbles_at, int64_t run, const float* groups, void* out,
+// raw: rows of row_bytes, whole blocks of block type `kind` (0 Q4_0, 1 Q4_1, 2 Q4_K); out: [rows, inputs], float32,
+// or bfloat16 rounded from the float32 value as torch rounds it (to_bf16). d * q is exact in float32 (d is a
+// float16, or Q4_K's float16 times a 6-bit scale, and q has 4 bits: at most 21 significant bits), so the sum's is
+// the one rounding, with or without a fused multiply-add, as in gguf's numpy.
+void pagellm_dequantize_q4(const uint8_t* raw, int64_t rows, int64_t row_bytes, int64_t kind, void* out,
                            int64_t to_bf16) {
-  const int64_t blocks = row_bytes / block_bytes, inputs = blocks * block_values;
+  const Q4Layout& layout = kQ4Layouts[kind];
+  const int64_t blocks = row_bytes / layout.bytes, inputs = blocks * layout.values;
 #pragma omp parallel for schedule(static) if (rows * inputs >= kParallelElements)
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* q = raw + r * row_bytes + b * block_bytes + nibbles_at;
-      for (int64_t at = 0; at < block_values; at += 2 * run, q += run) {
-        const int64_t first = r * inputs + b * block_values + at;
-        const float* lo = groups + first / 32 * 2;
-        const float* hi = groups + (first + run) / 32 * 2;
-        if (to_bf16) {
-          uint16_t* o = static_cast<uint16_t*>(out) + first;
-#pragma omp simd
-          for (int64_t j = 0; j < run; ++j) {
-            o[j] = bf16(lo[0] * static_cast<float>(q[j] & 15) + lo[1]);
-            o[run + j] = bf16(hi[0] * static_cast<float>(q[j] >> 4) + hi[1]);
-          }
-        } else {
-          float* o = static_cast<float*>(out) + first;
-#pragma omp simd
-          for (int64_t j = 0; j < run; ++j) {
-            o[j] = lo[0] * static_cast<float>(q[j] & 15) + lo[1];
-            o[run + j] = hi[0] * static_cast<float>(q[j] >> 4) + hi[1];
-          }
-        }
-      }
+      const uint8_t* block = raw + r * row_bytes + b * layout.bytes;
+      const int64_t first = r * inputs + b * layout.values;
+      if (to_bf16)
+        q4_block(block, layout, kind, static_cast<uint16_t*>(out) + first, [](float v) { return bf16(v); });
+      else
+        q4_block(block, layout, kind, static_cast<float*>(out) + first, [](float v) { return v; });
     }
   }
 }
