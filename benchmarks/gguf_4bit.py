@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from weight_only import print_table, run_settings  # noqa: E402
 
 from pagellm.model import gguf_blocks  # noqa: E402
-from pagellm.model.loader import default_model_path, resolve_model_dir  # noqa: E402
+from pagellm.model.loader import default_model_path, hf_model_dir  # noqa: E402
 from pagellm.ops import gemm_w4a8  # noqa: E402
 
 
@@ -58,7 +58,8 @@ def requantization_error(model_dir: Path) -> dict[str, float]:
 
 
 def without_blocks(model_dir: Path, tmp: Path) -> Path:
-    """A copy of a converted directory without its blocks (its files linked, not copied)."""
+    """A copy of a converted directory without its blocks (its files linked, not copied): its float32 copies of the
+    blocks' matrices (``hf_model_dir``) load in their place."""
     copy = tmp / f"{model_dir.name}-requantized"
     copy.mkdir()
     for path in model_dir.iterdir():
@@ -78,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     argv = ["--batch-size", *map(str, args.batch_size), "--input-len", str(args.input_len), "--output-len",
             str(args.output_len), "--num-iters", str(args.num_iters), "--num-prompts", str(args.num_prompts)]
-    model_dir = resolve_model_dir(args.gguf or default_model_path())
+    model_dir = hf_model_dir(args.gguf or default_model_path())  # with the float32 copies the requantized run reads
     if not (model_dir / gguf_blocks.BLOCKS_FILE).is_file():
         sys.exit(f"{args.gguf or default_model_path()} has no Q4_0, Q4_1 or Q4_K decoder matrices")
     for kind, error in requantization_error(model_dir).items():

@@ -3,7 +3,8 @@
 Warm: the converted weights and built kernels already in the cache (``~/.cache/pagellm``; the first warm round
 fills it if needed, and is not counted). Cold: a fresh, empty ``PAGELLM_CACHE_DIR`` each round, so the GGUF is
 converted and every C++ kernel is built. Rounds alternate warm and cold; the server is stopped with SIGTERM after
-each. Issue 4's targets: <= 10 s warm, <= 30 s cold.
+each. Issue 4's targets: <= 10 s warm, <= 30 s cold. A cold round also reports the size of the model's conversion
+(a GGUF's converted directory).
 
     .venv/bin/python benchmarks/startup.py [--rounds 3] [--threads 2] [--model MODEL] [--baseline-rev REV]
 
@@ -58,6 +59,7 @@ def main() -> None:
         if args.baseline_rev:
             trees[args.baseline_rev] = export(args.baseline_rev, Path(exported))
         times = {(name, kind): [] for name in trees for kind in ("warm", "cold")}
+        converted: dict[str, int] = {}  # the cold rounds' converted model directory (a GGUF's), in bytes
         for tree in trees.values():
             time_to_ready(args, None, tree)  # fills the default cache, so that warm rounds are warm
         for round_ in range(args.rounds):
@@ -65,6 +67,8 @@ def main() -> None:
                 times[name, "warm"].append(time_to_ready(args, None, tree))
                 with tempfile.TemporaryDirectory() as cache_dir:
                     times[name, "cold"].append(time_to_ready(args, cache_dir, tree))
+                    converted[name] = sum(f.stat().st_size for f in Path(cache_dir, "converted").rglob("*")
+                                          if f.is_file())
     for kind in ("warm", "cold"):
         for name in trees:
             runs = times[name, kind]
@@ -73,6 +77,8 @@ def main() -> None:
         if args.baseline_rev:
             ratio = statistics.median(times["this tree", kind]) / statistics.median(times[args.baseline_rev, kind])
             print(f"{kind}: this tree / {args.baseline_rev} = {ratio:.2f}")
+    for name, size in converted.items():
+        print(f"converted model on disk{'' if len(trees) == 1 else f' ({name})'}: {size / 1e9:.2f} GB")
 
 
 def export(rev: str, root: Path) -> Path:
