@@ -77,6 +77,12 @@ def build(source: Path, flags: Sequence[str], filename: str, headers: Sequence[P
     return target
 
 
+def built(source: Path, flags: Sequence[str], filename: str, headers: Sequence[Path] = (),
+          link: Sequence[str] = ()) -> bool:
+    """Whether ``build`` would return at once: this machine kind has a build of this version."""
+    return (envs.cache_dir() / "kernels" / build_tag(source, [*flags, *link], headers) / filename).exists()
+
+
 def start_in_background(builds: Sequence[Callable[[], object]]) -> None:
     """Run each of ``builds`` (calls that end in ``build``) on a daemon thread of its own, at most as many at a time
     as there are cores (over every call), in the given order. A failure is only logged at debug level: the kernel's

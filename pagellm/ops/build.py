@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loads torch's libgomp before any kernel library; see the module docstring)
 
-from pagellm.native_build import build, cpu_flags  # noqa: F401  (cpu_flags: re-exported for the kernels)
+from pagellm.native_build import build, built, cpu_flags  # noqa: F401  (cpu_flags: re-exported for the kernels)
 
 CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++17"]
 # The build an AVX2-only CPU (AMD Zen 2/3, older Intel) makes of the same sources: x86-64-v3 is AVX2 + FMA without
@@ -28,6 +28,11 @@ HEADERS = Path(__file__).parent / "csrc"  # shared headers (simd_exp.h), on ever
 def build_library(source: Path) -> Path:
     """The compiled library file for ``source`` (built now if this machine kind has no build of this version)."""
     return build(source, CXX_FLAGS, f"{source.stem}.so", [HEADERS])
+
+
+def library_built(source: Path) -> bool:
+    """Whether ``build_library(source)`` has no compile to wait for."""
+    return built(source, CXX_FLAGS, f"{source.stem}.so", [HEADERS])
 
 
 def build_avx2_library(source: Path) -> Path:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from pagellm.ops import build
 from pagellm.ops.build import load_library
 
 logger = logging.getLogger(__name__)
@@ -111,8 +112,9 @@ _Q4_BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}  # (i
 def dequantize_q4(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
     """[N, K] ``d · q + m`` of a matrix's GGUF 4-bit blocks ``raw`` (uint8 [N, bytes per row]) of block type ``kind``
     (``Q4_KINDS``; the layouts are ``model/gguf_blocks.py``'s), in float32 (gguf's ``dequantize`` bit for bit) or
-    rounded to bfloat16 (``dtype``), in one pass from the blocks' bytes. ``None`` where the library does not build."""
-    lib = _lib()
+    rounded to bfloat16 (``dtype``), in one pass from the blocks' bytes. ``None`` where the library does not build,
+    or is not built yet: a cold start's load does not wait for its compile (the caller's twin runs)."""
+    lib = _lib() if build.library_built(SOURCE) else None
     if lib is None:
         return None
     values, size = _Q4_BLOCK_BYTES[kind]

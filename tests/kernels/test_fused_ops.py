@@ -133,3 +133,15 @@ def test_dequantize_q4_refuses_what_is_not_whole_blocks() -> None:
         fused.dequantize_q4(torch.zeros(2, 30, dtype=torch.uint8), "Q4_0")
     with pytest.raises(ValueError, match="into float32 or bfloat16"):
         fused.dequantize_q4(torch.zeros(2, 36, dtype=torch.uint8), "Q4_0", torch.float16)
+
+
+def test_a_load_does_not_wait_for_the_librarys_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a cold start the library may still be compiling when the weights load: the load takes the twin then, with
+    the same values, rather than wait."""
+    from gguf import GGMLQuantizationType, quants
+
+    raw = _q4_blocks("Q4_K", 4, 512)
+    want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_K).reshape(4, 512))
+    monkeypatch.setattr(build, "library_built", lambda source: False)
+    assert fused.dequantize_q4(torch.from_numpy(raw), "Q4_K") is None
+    assert torch.equal(gguf_blocks.values(torch.from_numpy(raw), "Q4_K", BF16), want.to(BF16))
