@@ -4,7 +4,8 @@ Warm: the converted weights and built kernels already in the cache (``~/.cache/p
 fills it if needed, and is not counted). Cold: a fresh, empty ``PAGELLM_CACHE_DIR`` each round, so the GGUF is
 converted and every C++ kernel is built. Rounds alternate warm and cold; the server is stopped with SIGTERM after
 each. Issue 4's targets: <= 10 s warm, <= 30 s cold. A cold round also reports the size of the model's conversion
-(a GGUF's converted directory).
+(a GGUF's converted directory). ``--kernels-built`` copies this machine's kernel builds into each cold round's cache,
+so a cold round times the model's conversion without the compiles.
 
     .venv/bin/python benchmarks/startup.py [--rounds 3] [--threads 2] [--model MODEL] [--baseline-rev REV]
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -27,6 +29,8 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent)]
 from compare import free_port, wait_ready  # noqa: E402
 from peers import systems  # noqa: E402
+
+from pagellm import envs  # noqa: E402
 
 
 def time_to_ready(args: argparse.Namespace, cache_dir: str | None, tree: Path = systems.REPO) -> float:
@@ -53,6 +57,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--model", default=None, help="default: the built-in model")
     parser.add_argument("--baseline-rev", default=None, help="also start pagellm as of this git revision")
+    parser.add_argument("--kernels-built", action="store_true",
+                        help="cold rounds start with this machine's kernel builds (the conversion is all they do)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as exported:
         trees = {"this tree": systems.REPO}
@@ -66,6 +72,8 @@ def main() -> None:
             for name, tree in (list(trees.items()) if round_ % 2 == 0 else list(trees.items())[::-1]):
                 times[name, "warm"].append(time_to_ready(args, None, tree))
                 with tempfile.TemporaryDirectory() as cache_dir:
+                    if args.kernels_built:  # the conversion alone: this machine's kernel builds copied in
+                        shutil.copytree(envs.cache_dir() / "kernels", Path(cache_dir) / "kernels")
                     times[name, "cold"].append(time_to_ready(args, cache_dir, tree))
                     converted[name] = sum(f.stat().st_size for f in Path(cache_dir, "converted").rglob("*")
                                           if f.is_file())
