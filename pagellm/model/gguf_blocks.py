@@ -1,4 +1,5 @@
-"""A GGUF's 4-bit blocks kept as they are, for the 4-bit kernels (``--quantization w4a16_int4`` or ``w4a8_int4``).
+"""A GGUF's quantized blocks kept as they are: 4-bit ones for the 4-bit kernels (``--quantization w4a16_int4`` or
+``w4a8_int4``), and every kept block type decoded at load for the others.
 
 Three of llama.cpp's block types are affine per 32 inputs, ``w = d · q + m`` with ``q`` in [0, 15], which is the
 4-bit kernels' own form (``ops/gemm_w4a8.py``):
@@ -11,20 +12,23 @@ Three of llama.cpp's block types are affine per 32 inputs, ``w = d · q + m`` wi
   inputs' nibbles, the low ones the first 32 and the high ones the next 32; ``w = d · sc · q - dmin · mn``, so a
   group's ``(d, m) = (d · sc, -dmin · mn)``.
 
+A fourth, **Q8_0** (blocks of 32 in 34 bytes: ``d`` float16, then 32 signed bytes, ``w = d · q``), is kept as well:
+a Q8_0 file's weights take a quarter of their float32 size.
+
 The conversion (``gguf_convert``) writes each such decoder matrix's blocks, row by row as the file holds them (q/k
 rows unpermuted as the float weights are, a stacked expert tensor split per expert), into ``BLOCKS_FILE`` with each
 tensor's block type in the file's metadata, and writes no float32 copy of them: a 7B Q4_K_M file converts to its 4 GB
 of blocks and the rest of its tensors, not 28 GB of float32. ``loader.iter_weights`` reads them from here
-(``weights``): with ``groups`` (the 4-bit kernels) as ``<layer>.weight`` holding ``q`` and ``<layer>.weight_groups``
-[N, K / 32, 2] holding each group's ``(d, m)`` in float32, computed as gguf's own ``dequantize`` computes them; without
-(bfloat16 or float32 weights) as ``d · q + m`` in the model's dtype, in one native pass (``values``; in float32, gguf's
-dequantized value bit for bit). The kernels
-keep ``d`` and ``m`` in float16: exact for Q4_0 and Q4_1 (the file's own float16 numbers), and for Q4_K within
-float16's rounding of ``d · sc`` and ``dmin · mn`` (a relative 2^-11, eight times closer than bfloat16 weights are to
-the file). Other block types (Q5, Q6_K, Q8_0, the non-linear IQ4) are not here: their layers are float32 tensors in
-the directory, which the 4-bit kernel quantizes at load. Readers other than pagellm (transformers, vLLM, peft) need
-every weight as a float tensor: ``loader.hf_model_dir`` writes the matrices' float32 copies once (``float_weights``)
-for them.
+(``weights``): with ``groups`` (the 4-bit kernels) a 4-bit matrix comes as ``<layer>.weight`` holding ``q`` and
+``<layer>.weight_groups`` [N, K / 32, 2] holding each group's ``(d, m)`` in float32, computed as gguf's own
+``dequantize`` computes them; any other (a Q8_0 matrix, or every matrix without ``groups``) comes as its values in the
+model's dtype, in one native pass (``values``; in float32, gguf's dequantized value bit for bit), which the 4-bit
+kernel then quantizes at load as it does a float layer. The kernels keep ``d`` and ``m`` in float16: exact for Q4_0
+and Q4_1 (the file's own float16 numbers), and for Q4_K within float16's rounding of ``d · sc`` and ``dmin · mn`` (a
+relative 2^-11, eight times closer than bfloat16 weights are to the file). Other block types (Q5, Q6_K, the
+non-linear IQ4) are not here: their layers are float32 tensors in the directory. Readers other than pagellm
+(transformers, vLLM, peft) need every weight as a float tensor: ``loader.hf_model_dir`` writes the matrices' float32
+copies once (``float_weights``) for them.
 """
 
 from __future__ import annotations
@@ -37,12 +41,12 @@ import numpy as np
 import torch
 
 from pagellm.ops import fused
-from pagellm.ops.fused import Q4_LAYOUTS
 
-BLOCKS_FILE = "gguf_4bit_blocks.safetensors"
-# block type → (inputs per block, bytes per block, where its nibbles start, bytes per run of nibbles)
-LAYOUTS = Q4_LAYOUTS
-KINDS = {kind: layout[:2] for kind, layout in LAYOUTS.items()}  # block type → (inputs, bytes) per block
+BLOCKS_FILE = "gguf_blocks.safetensors"
+# The 4-bit block types: block type → (inputs per block, bytes per block, where its nibbles start, bytes per run of
+# nibbles).
+LAYOUTS = fused.Q4_LAYOUTS
+KINDS = fused.GGUF_BLOCKS  # every block type kept (the 4-bit ones and Q8_0) → (inputs, bytes) per block
 # The decoder matrices the 4-bit kernels run (the router and the embeddings are not among them).
 _PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
                           "gate_up_proj", "w1", "w2", "w3"})
@@ -64,17 +68,26 @@ def decode(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def values(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The [N, K] values ``d · q + m`` of one matrix's blocks: gguf's ``dequantize`` bit for bit in float32, or those
-    rounded to bfloat16 (``dtype``), in one native pass (``fused.dequantize_q4``) or, where that library does not
-    build or is not built yet, its twin ``_values``."""
-    out = fused.dequantize_q4(raw, kind, dtype)
-    return out if out is not None else _values(*decode(raw, kind)).to(dtype)
+    """The [N, K] values of one matrix's blocks (``d · q + m``, Q8_0's ``d · q``): gguf's ``dequantize`` bit for bit
+    in float32, or those rounded to bfloat16 (``dtype``), in one native pass (``fused.dequantize_gguf``) or, where
+    that library does not build or is not built yet, its twin ``_values``."""
+    out = fused.dequantize_gguf(raw, kind, dtype)
+    if out is not None:
+        return out
+    return (_q8_0_values(raw) if kind == "Q8_0" else _values(*decode(raw, kind))).to(dtype)
 
 
 def _values(q: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """``d · q + m`` in float32 from ``decode``'s integers and groups: ``fused.dequantize_q4``'s twin."""
+    """``d · q + m`` in float32 from ``decode``'s integers and groups: ``fused.dequantize_gguf``'s twin."""
     rows = q.shape[0]
     return (q.float().view(rows, -1, 32) * groups[..., :1] + groups[..., 1:]).view(rows, -1)
+
+
+def _q8_0_values(raw: torch.Tensor) -> torch.Tensor:
+    """Q8_0's ``d · q`` in float32 (blocks of 32 in 34 bytes: ``d`` float16, then 32 signed bytes ``q``)."""
+    blocks = _blocks(raw, "Q8_0")
+    q = blocks[..., 2:].contiguous().view(torch.int8).float()
+    return (_half(blocks[..., 0:2])[..., None] * q).reshape(raw.shape[0], -1)
 
 
 def _blocks(raw: torch.Tensor, kind: str) -> torch.Tensor:
@@ -136,7 +149,7 @@ def weights(blocks: Path, files: list[Path], groups: bool,
             if source[name] is not handles[0]:
                 yield name, tensor
                 continue
-            if groups:
+            if groups and kinds[name] in LAYOUTS:
                 q, scales = decode(tensor, kinds[name])
                 yield name, q
                 yield f"{name.removesuffix('.weight')}.weight_groups", scales

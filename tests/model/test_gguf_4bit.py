@@ -8,8 +8,8 @@ trip).
 
 Files in Q4_0 and Q4_K (and mixed files, as llama.cpp's Q4_K_M is) keep their blocks beside the float weights
 (``model/gguf_blocks.py``), and ``--quantization w4a16_int4`` or ``w4a8_int4`` packs them as they are: their values
-are held to gguf's own ``dequantize``; the layers in other types (here Q8_0) are quantized at load as float layers
-are."""
+are held to gguf's own ``dequantize``; the layers in other types are quantized at load as float layers are (here Q8_0,
+kept as blocks too and decoded at load, and Q5_0, converted to float32)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,8 @@ def test_4bit_quantization_of_the_built_in_model_gives_back_its_gguf_blocks(laye
 
 # ------------------------------------------------------------------------------------ Q4_0, Q4_1 and Q4_K blocks
 
-MIXED = {"*": "Q4_K", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_down": "Q4_0", "ffn_down_exps": "Q4_0"}
+MIXED = {"*": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_down": "Q4_0",
+         "ffn_down_exps": "Q4_0"}
 ARCHS = ("llama", "qwen3moe", "phi3")
 SIZES = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, head_dim=64)  # Q4_K: 256 inputs
 
@@ -141,10 +142,11 @@ def test_the_conversion_keeps_the_4bit_blocks_of_the_decoder_matrices(mixed: dic
         kinds = handle.metadata()
         assert set(handle.keys()) == {name for name, (kind, _) in values.items() if kind in gguf_blocks.KINDS}
     assert kinds == {name: kind for name, (kind, _) in values.items() if kind in gguf_blocks.KINDS}
-    assert {kind for kind, _ in values.values()} >= {"Q4_K", "Q4_1", "Q4_0"} | ({"Q8_0"} if arch != "phi3" else set())
+    assert {kind for kind, _ in values.values()} >= {"Q4_K", "Q4_1", "Q4_0"} | \
+        ({"Q8_0", "Q5_0"} if arch != "phi3" else set())
     streamed = dict(iter_weights(tmp_path, groups=True))
-    for name, (kind, want) in values.items():  # the blocks' layers as q and groups, the others as float weights
-        if kind in gguf_blocks.KINDS:
+    for name, (kind, want) in values.items():  # the 4-bit blocks' layers as q and groups, the others as float weights
+        if kind in gguf_blocks.LAYOUTS:
             groups = streamed[name.removesuffix("weight") + "weight_groups"]
             got = streamed[name].float().view(want.shape[0], -1, 32) * groups[..., :1] + groups[..., 1:]
             assert torch.equal(got.view(want.shape), want), name
@@ -153,8 +155,8 @@ def test_the_conversion_keeps_the_4bit_blocks_of_the_decoder_matrices(mixed: dic
     assert not any(name.endswith("mlp.gate.weight_groups") for name in streamed)
 
 
-def test_a_4bit_ggufs_float_weights_are_its_blocks_values_with_no_float32_copy(mixed: dict, tmp_path: Path) -> None:
-    """The conversion writes the 4-bit matrices as blocks only, and the float load (bfloat16, float32) decodes them to
+def test_a_ggufs_float_weights_are_its_blocks_values_with_no_float32_copy(mixed: dict, tmp_path: Path) -> None:
+    """The conversion writes the kept matrices (4-bit, Q8_0) as blocks only, and the float load decodes them to
     gguf's own values, bit for bit, among the file's other tensors, each once."""
     path, values = mixed["llama"]
     convert_gguf_to_hf(path, tmp_path)
@@ -248,7 +250,7 @@ def _assert_holds(weight: torch.nn.Parameter, parts: list[tuple[str, torch.Tenso
     for kind, want in parts:
         rows = slice(row, row + want.shape[0])
         row += want.shape[0]
-        if kind == "Q8_0":
+        if kind not in gguf_blocks.LAYOUTS:  # Q8_0 (kept, decoded) and Q5_0 (float32): quantized at load
             wq, wd, wm = gemm_w4a8.quantize(want.to(torch.bfloat16))
             assert torch.equal(q[rows], wq) and torch.equal(d[rows], wd) and torch.equal(m[rows], wm)
         elif kind == "Q4_K":  # each of d and m within float16's half ulp of the file's float32 product
@@ -266,7 +268,7 @@ def test_each_layer_is_packed_as_soon_as_all_of_it_has_loaded(mixed: dict, tmp_p
                                                               groups: bool) -> None:
     """The load quantizes a layer once its weight's matrices (and a 4-bit one's groups) have all come, not after the
     whole checkpoint, and the converted GGUF's tensors come one layer after another, its blocks among its float
-    tensors (q/k/v: Q4_K q and k, Q8_0 v): when layer 1's first tensor comes, layer 0 is packed, from the file's
+    tensors (q/k/v: Q4_K q, Q5_0 k, Q8_0 v): when layer 1's first tensor comes, layer 0 is packed, from the file's
     blocks or, without ``groups``, from their float values."""
     path, _ = mixed["llama"]
     convert_gguf_to_hf(path, tmp_path)

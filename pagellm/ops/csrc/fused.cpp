@@ -4,8 +4,8 @@
 //   rotary:        q', k' = x * cos + rotate_half(x) * sin for each head ("rotate half" layout), from q/k rows
 //                  that may be strided views into the fused qkv output, into contiguous outputs; over the first
 //                  rot_dim dimensions of each head (the rest copied: Phi-4-mini's partial rotary embedding)
-//   dequantize_q4: at load, a GGUF's 4-bit blocks (Q4_0, Q4_1, Q4_K) to w = d * q + m per 32 inputs, gguf's own
-//                  dequantize's float32 values bit for bit, or those rounded to bfloat16
+//   dequantize_gguf: at load, a GGUF's blocks (Q4_0, Q4_1, Q4_K: w = d * q + m per 32 inputs; Q8_0: w = d * q) to
+//                  gguf's own dequantize's float32 values bit for bit, or those rounded to bfloat16
 // Arithmetic is float32 with one bfloat16 rounding where torch's sequence rounds to the model dtype (RMSNorm keeps
 // transformers' rounding points). The plain-PyTorch twins and test oracles are in pagellm/model/layers/.
 // Plain C ABI; built and loaded by pagellm/ops/build.py. Rows are split across torch's OpenMP threads when a call
@@ -36,12 +36,14 @@ constexpr int64_t kParallelElements = 1 << 15;  // below this a call runs on the
 // batch of 32 either kernel takes 5-10 us on one thread (add_rms_norm 8.8 -> 5.0 us on two).
 constexpr int64_t kParallelRowElements = 1 << 13;
 
-// A GGUF 4-bit block type's layout: inputs and bytes per block, where its nibbles start, and bytes per run of
-// nibbles (a run's low nibbles are the next `run` inputs, its high nibbles the `run` after).
-struct Q4Layout {
+// A GGUF block type's layout: inputs and bytes per block, and for the 4-bit ones where its nibbles start and bytes
+// per run of nibbles (a run's low nibbles are the next `run` inputs, its high nibbles the `run` after). Q8_0 is a
+// float16 d and 32 signed bytes q, w = d * q.
+struct BlockLayout {
   int64_t values, bytes, nibbles_at, run;
 };
-constexpr Q4Layout kQ4Layouts[] = {{32, 18, 2, 16}, {32, 20, 4, 16}, {256, 144, 16, 32}};  // Q4_0, Q4_1, Q4_K
+constexpr int64_t kQ8_0 = 3;
+constexpr BlockLayout kLayouts[] = {{32, 18, 2, 16}, {32, 20, 4, 16}, {256, 144, 16, 32}, {32, 34, 2, 0}};
 
 // The float16 in two little-endian bytes, exactly (subnormals, infinities and NaNs included).
 inline float half_at(const uint8_t* p) {
@@ -71,7 +73,7 @@ inline void q4_groups(const uint8_t* block, int64_t kind, float* d, float* m) {
 }
 
 template <typename Out, typename Store>
-inline void q4_block(const uint8_t* block, const Q4Layout& layout, int64_t kind, Out* out, Store store) {
+inline void q4_block(const uint8_t* block, const BlockLayout& layout, int64_t kind, Out* out, Store store) {
   float d[8], m[8];
   q4_groups(block, kind, d, m);
   const uint8_t* q = block + layout.nibbles_at;
@@ -83,6 +85,14 @@ inline void q4_block(const uint8_t* block, const Q4Layout& layout, int64_t kind,
       out[at + run + j] = store(d[hi] * static_cast<float>(q[j] >> 4) + m[hi]);
     }
   }
+}
+
+template <typename Out, typename Store>
+inline void q8_0_block(const uint8_t* block, Out* out, Store store) {
+  const float d = half_at(block);
+  const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+#pragma omp simd
+  for (int64_t j = 0; j < 32; ++j) out[j] = store(d * static_cast<float>(q[j]));
 }
 
 }  // namespace
@@ -194,23 +204,29 @@ void pagellm_rotary_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k,
   }
 }
 
-// raw: rows of row_bytes, whole blocks of block type `kind` (0 Q4_0, 1 Q4_1, 2 Q4_K); out: [rows, inputs], float32,
-// or bfloat16 rounded from the float32 value as torch rounds it (to_bf16). d * q is exact in float32 (d is a
-// float16, or Q4_K's float16 times a 6-bit scale, and q has 4 bits: at most 21 significant bits), so the sum's is
-// the one rounding, with or without a fused multiply-add, as in gguf's numpy.
-void pagellm_dequantize_q4(const uint8_t* raw, int64_t rows, int64_t row_bytes, int64_t kind, void* out,
-                           int64_t to_bf16) {
-  const Q4Layout& layout = kQ4Layouts[kind];
+// raw: rows of row_bytes, whole blocks of block type `kind` (0 Q4_0, 1 Q4_1, 2 Q4_K, 3 Q8_0); out: [rows, inputs],
+// float32, or bfloat16 rounded from the float32 value as torch rounds it (to_bf16). d * q is exact in float32 (d is
+// a float16, or Q4_K's float16 times a 6-bit scale, and q has 4 bits, or Q8_0's 8: at most 21 significant bits), so
+// the sum's is the one rounding, with or without a fused multiply-add, as in gguf's numpy.
+void pagellm_dequantize_gguf(const uint8_t* raw, int64_t rows, int64_t row_bytes, int64_t kind, void* out,
+                             int64_t to_bf16) {
+  const BlockLayout& layout = kLayouts[kind];
   const int64_t blocks = row_bytes / layout.bytes, inputs = blocks * layout.values;
 #pragma omp parallel for schedule(static) if (rows * inputs >= kParallelElements)
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* block = raw + r * row_bytes + b * layout.bytes;
       const int64_t first = r * inputs + b * layout.values;
-      if (to_bf16)
-        q4_block(block, layout, kind, static_cast<uint16_t*>(out) + first, [](float v) { return bf16(v); });
+      const auto to16 = [](float v) { return bf16(v); };
+      const auto to32 = [](float v) { return v; };
+      if (kind == kQ8_0 && to_bf16)
+        q8_0_block(block, static_cast<uint16_t*>(out) + first, to16);
+      else if (kind == kQ8_0)
+        q8_0_block(block, static_cast<float*>(out) + first, to32);
+      else if (to_bf16)
+        q4_block(block, layout, kind, static_cast<uint16_t*>(out) + first, to16);
       else
-        q4_block(block, layout, kind, static_cast<float*>(out) + first, [](float v) { return v; });
+        q4_block(block, layout, kind, static_cast<float*>(out) + first, to32);
     }
   }
 }
