@@ -79,8 +79,17 @@ def build(source: Path, flags: Sequence[str], filename: str, headers: Sequence[P
 
 def built(source: Path, flags: Sequence[str], filename: str, headers: Sequence[Path] = (),
           link: Sequence[str] = ()) -> bool:
-    """Whether ``build`` would return at once: this machine kind has a build of this version."""
-    return (envs.cache_dir() / "kernels" / build_tag(source, [*flags, *link], headers) / filename).exists()
+    """Whether ``build`` would return at once: this machine kind has a build of this version. A build once found is
+    remembered for the process (hashing the sources again costs about 0.3 ms, and a load may ask once a matrix)."""
+    key = (envs.cache_dir(), source, tuple(flags), filename, tuple(headers), tuple(link))
+    if key not in _found:
+        if not (envs.cache_dir() / "kernels" / build_tag(source, [*flags, *link], headers) / filename).exists():
+            return False
+        _found.add(key)
+    return True
+
+
+_found: set[tuple] = set()
 
 
 def start_in_background(builds: Sequence[Callable[[], object]]) -> None:

@@ -57,6 +57,16 @@ def test_concurrent_builds_compile_once(compiles: list[list[str]], tmp_path: Pat
     assert len(compiles) == 1 and len(set(paths)) == 1 and paths[0].is_file()
 
 
+def test_built_says_whether_a_load_would_wait_for_a_compile(compiles: list[list[str]], tmp_path: Path) -> None:
+    """The cold-start load asks before it uses a library: no build yet (its twin runs), then the build, remembered."""
+    src = source(tmp_path)
+    assert not native_build.built(src, FLAGS, "kernel.so") and not compiles
+    target = native_build.build(src, FLAGS, "kernel.so")
+    assert native_build.built(src, FLAGS, "kernel.so") and len(compiles) == 1
+    target.unlink()  # remembered for the process: no second hash of the sources per matrix of a load
+    assert native_build.built(src, FLAGS, "kernel.so")
+
+
 def test_a_background_build_serves_the_later_load(compiles: list[list[str]], tmp_path: Path) -> None:
     src = source(tmp_path)
     native_build.start_in_background([lambda: native_build.build(src, FLAGS, "kernel.so")])
