@@ -13,7 +13,8 @@ Three of llama.cpp's block types are affine per 32 inputs, ``w = d · q + m`` wi
   group's ``(d, m) = (d · sc, -dmin · mn)``.
 
 A fourth, **Q8_0** (blocks of 32 in 34 bytes: ``d`` float16, then 32 signed bytes, ``w = d · q``), is kept as well:
-a Q8_0 file's weights take a quarter of their float32 size.
+a Q8_0 file's weights take a quarter of their float32 size. The embeddings and the LM head in any of these types are
+kept too, and always come as values.
 
 The conversion (``gguf_convert``) writes each such decoder matrix's blocks, row by row as the file holds them (q/k
 rows unpermuted as the float weights are, a stacked expert tensor split per expert), into ``BLOCKS_FILE`` with each
@@ -52,10 +53,20 @@ _PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "g
                           "gate_up_proj", "w1", "w2", "w3"})
 
 
+# Kept as blocks too, and always loaded as values: the 4-bit kernels do not run them.
+_VALUES_ONLY = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
+
+
 def kept(hf_name: str, kind: str) -> bool:
-    """Whether the conversion keeps this tensor's blocks: a decoder layer's matrix in one of ``KINDS``."""
+    """Whether the conversion keeps this tensor's blocks: a decoder layer's matrix, the embeddings or the LM head in
+    one of ``KINDS``."""
+    return kind in KINDS and (_projection(hf_name) or hf_name in _VALUES_ONLY)
+
+
+def _projection(hf_name: str) -> bool:
+    """A decoder layer's matrix that the 4-bit kernels run."""
     parts = hf_name.split(".")
-    return kind in KINDS and parts[-1] == "weight" and parts[-2] in _PROJECTIONS and ".layers." in hf_name
+    return parts[-1] == "weight" and parts[-2] in _PROJECTIONS and ".layers." in hf_name
 
 
 def decode(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +160,7 @@ def weights(blocks: Path, files: list[Path], groups: bool,
             if source[name] is not handles[0]:
                 yield name, tensor
                 continue
-            if groups and kinds[name] in LAYOUTS:
+            if groups and kinds[name] in LAYOUTS and _projection(name):
                 q, scales = decode(tensor, kinds[name])
                 yield name, q
                 yield f"{name.removesuffix('.weight')}.weight_groups", scales

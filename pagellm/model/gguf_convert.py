@@ -15,10 +15,10 @@ Contract: ``convert_gguf_to_hf(gguf_path, out_dir)`` writes into ``out_dir``
 - ``gguf_weight_types.json``: how many of the decoder layers' weight matrices the file stored in each type
   (``four_bit_hint`` reads it: a 4-bit file's weights are dequantized here, and ``--quantization w4a16_int4`` or
   ``w4a8_int4`` keeps them in 4 bits);
-- ``gguf_blocks.safetensors``: the decoder matrices stored in Q4_0, Q4_1, Q4_K or Q8_0, as the file's own blocks
-  (``model/gguf_blocks.py``), which the 4-bit kernels take as they are (the 4-bit ones) and ``loader.iter_weights``
-  decodes to float for the others; ``loader.hf_model_dir`` adds their float32 copies for readers other than pagellm
-  (transformers).
+- ``gguf_blocks.safetensors``: the decoder matrices, embeddings and LM head stored in Q4_0, Q4_1, Q4_K or Q8_0, as
+  the file's own blocks (``model/gguf_blocks.py``), which the 4-bit kernels take as they are (a decoder layer's 4-bit
+  matrices) and ``loader.iter_weights`` decodes to float for the others; ``loader.hf_model_dir`` adds their float32
+  copies for readers other than pagellm (transformers).
 
 It writes in place and is not atomic: the caller (``loader.resolve_model_dir``) converts into a temporary
 directory and renames it. Unsupported files raise ``ValueError`` naming what is supported. Bump
@@ -45,8 +45,8 @@ logger = logging.getLogger(__name__)
 
 # 2: partial_rotary_factor from rope.dimension_count; gguf_weight_types.json; 3: the 4-bit blocks (gguf_blocks);
 # 4: no float32 copy of the 4-bit blocks' matrices (loader.hf_model_dir writes one for other readers); 5: Q8_0 kept
-# as blocks too, in gguf_blocks.safetensors
-CONVERTER_VERSION = 5
+# as blocks too, in gguf_blocks.safetensors; 6: the embeddings and the LM head kept as blocks too
+CONVERTER_VERSION = 6
 MAX_SHARD_BYTES = 4 * 1024**3
 WEIGHT_TYPES_FILE = "gguf_weight_types.json"
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")

@@ -69,7 +69,7 @@ def test_4bit_quantization_of_the_built_in_model_gives_back_its_gguf_blocks(laye
 # ------------------------------------------------------------------------------------ Q4_0, Q4_1 and Q4_K blocks
 
 MIXED = {"*": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_down": "Q4_0",
-         "ffn_down_exps": "Q4_0"}
+         "ffn_down_exps": "Q4_0", "token_embd": "Q8_0", "output": "Q4_1"}
 ARCHS = ("llama", "qwen3moe", "phi3")
 SIZES = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, head_dim=64)  # Q4_K: 256 inputs
 
@@ -127,7 +127,7 @@ def mixed(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: BackendToken
         values = {}
         for tensor in GGUFReader(str(path)).tensors:
             hf_name = hf_tensor_name(tensor.name, arch)
-            if hf_name and tensor.name.startswith("blk.") and len(tensor.shape) >= 2:
+            if hf_name and len(tensor.shape) >= 2:  # the decoder matrices, the embeddings and the LM head
                 values.update({name: (tensor.tensor_type.name, torch.from_numpy(v.copy()))
                                for name, v in hf_arrays(tensor, hf_name, heads)})
         out[arch] = (path, values)
@@ -144,9 +144,10 @@ def test_the_conversion_keeps_the_4bit_blocks_of_the_decoder_matrices(mixed: dic
     assert kinds == {name: kind for name, (kind, _) in values.items() if kind in gguf_blocks.KINDS}
     assert {kind for kind, _ in values.values()} >= {"Q4_K", "Q4_1", "Q4_0"} | \
         ({"Q8_0", "Q5_0"} if arch != "phi3" else set())
+    assert values["model.embed_tokens.weight"][0] == "Q8_0" and values["lm_head.weight"][0] == "Q4_1"  # kept, as values
     streamed = dict(iter_weights(tmp_path, groups=True))
-    for name, (kind, want) in values.items():  # the 4-bit blocks' layers as q and groups, the others as float weights
-        if kind in gguf_blocks.LAYOUTS:
+    for name, (kind, want) in values.items():  # the 4-bit layers as q and groups, the others (LM head too) as values
+        if kind in gguf_blocks.LAYOUTS and ".layers." in name:
             groups = streamed[name.removesuffix("weight") + "weight_groups"]
             got = streamed[name].float().view(want.shape[0], -1, 32) * groups[..., :1] + groups[..., 1:]
             assert torch.equal(got.view(want.shape), want), name

@@ -132,9 +132,9 @@ def write_tiny_gguf(
     needs its ``checkpoint`` tensors (one per expert, as saved; transformers holds them stacked in memory).
     ``extra``: more tensors under llama.cpp's names; ``original_context``: a LongRoPE file's original context;
     ``rope_dim``: the rotated dimensions of each head, where fewer than all (Phi-4-mini's); ``types``: a block type
-    per kind of decoder matrix (``attn_v``, ``ffn_down_exps``; ``*`` for the others), as llama.cpp's files have them
-    (``{"*": "Q4_1"}``: the built-in model's; Q4_K_M's mixes; Q4_K through ``quantize_q4_k``, the others through
-    gguf's own quantizer)."""
+    per kind of decoder matrix (``attn_v``, ``ffn_down_exps``; ``*`` for the others), and for the embeddings and the
+    LM head where named (``token_embd``, ``output``), as llama.cpp's files have them (``{"*": "Q4_1"}``: the built-in
+    model's; Q4_K_M's mixes; Q4_K through ``quantize_q4_k``, the others through gguf's own quantizer)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch="llama" if arch == "mixtral" else arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -223,8 +223,11 @@ def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16
         if f16 and values.ndim == 2:  # as llama.cpp's f16 files do: matrices in F16, norms and biases in F32
             values = values.astype(np.float16)
         name = f"{name_map.get_name(module)}.{suffix}"
-        kind = (types or {}).get(name.split(".")[2], (types or {}).get("*")) if name.startswith("blk.") and \
-            name.split(".")[2] != "ffn_gate_inp" else None  # llama-quantize leaves the router in float
+        if name.startswith("blk."):  # llama-quantize leaves the router in float
+            kind = (types or {}).get(name.split(".")[2], (types or {}).get("*")) \
+                if name.split(".")[2] != "ffn_gate_inp" else None
+        else:  # the embeddings and the LM head: only where named ("token_embd", "output")
+            kind = (types or {}).get(name.split(".")[0])
         if kind is not None and values.ndim >= 2:
             block_type = gguf.GGMLQuantizationType[kind]
             raw = quantize_q4_k(values) if kind == "Q4_K" else gguf.quants.quantize(values, block_type)
