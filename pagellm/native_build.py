@@ -64,8 +64,8 @@ def build(source: Path, flags: Sequence[str], filename: str, headers: Sequence[P
           link: Sequence[str] = ()) -> Path:
     """The shared object built from ``source`` with ``flags`` (then ``link``, e.g. ``-lcrypto``), named ``filename``
     in its build folder; compiled now if this machine kind has no build of this version."""
-    out_dir = envs.cache_dir() / "kernels" / build_tag(source, [*flags, *link], headers)
-    target = out_dir / filename
+    target = _target(source, flags, filename, headers, link)
+    out_dir = target.parent
     if target.exists():
         return target
     with _locks_guard:
@@ -83,13 +83,19 @@ def built(source: Path, flags: Sequence[str], filename: str, headers: Sequence[P
     remembered for the process (hashing the sources again costs about 0.3 ms, and a load may ask once a matrix)."""
     key = (envs.cache_dir(), source, tuple(flags), filename, tuple(headers), tuple(link))
     if key not in _found:
-        if not (envs.cache_dir() / "kernels" / build_tag(source, [*flags, *link], headers) / filename).exists():
+        if not _target(source, flags, filename, headers, link).exists():
             return False
         _found.add(key)
     return True
 
 
 _found: set[tuple] = set()
+
+
+def _target(source: Path, flags: Sequence[str], filename: str, headers: Sequence[Path],
+            link: Sequence[str]) -> Path:
+    """Where ``build`` puts this build: its folder keyed by ``build_tag``, in the cache."""
+    return envs.cache_dir() / "kernels" / build_tag(source, [*flags, *link], headers) / filename
 
 
 def start_in_background(builds: Sequence[Callable[[], object]]) -> None:

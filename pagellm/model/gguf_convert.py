@@ -297,9 +297,10 @@ def _write_weights(tensors: dict[str, Any], config: dict[str, Any], arch: str, o
     from pagellm.model import gguf_blocks  # torch: the frontend resolves a converted model without it
 
     named = [(hf_tensor_name(name, arch), tensor) for name, tensor in tensors.items()]
-    named = [(hf_name, tensor) for hf_name, tensor in named if hf_name is not None]
-    blocks = [(hf_name, tensor) for hf_name, tensor in named if gguf_blocks.kept(hf_name, tensor.tensor_type.name)]
-    planned = [(hf_name, tensor) for hf_name, tensor in named if not gguf_blocks.kept(hf_name, tensor.tensor_type.name)]
+    blocks, planned = [], []  # the tensors kept as the file's blocks, and the ones written in float32
+    for hf_name, tensor in named:
+        if hf_name is not None:
+            (blocks if gguf_blocks.kept(hf_name, tensor.tensor_type.name) else planned).append((hf_name, tensor))
     shards = _plan_shards(planned)
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     permuted, mixtral = arch in PERMUTED_ARCHITECTURES, config["model_type"] == "mixtral"

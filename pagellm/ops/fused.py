@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from pagellm.ops import build
-from pagellm.ops.build import load_library
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 @functools.lru_cache(maxsize=1)
 def _lib() -> ctypes.CDLL | None:
     try:
-        lib = load_library(SOURCE)
+        lib = build.load_library(SOURCE)
     except (RuntimeError, OSError) as exc:
         logger.warning("fused element-wise kernels unavailable (%s); using torch ops", exc)
         return None
