@@ -12,24 +12,24 @@ Three of llama.cpp's block types are affine per 32 inputs, ``w = d · q + m`` wi
   inputs' nibbles, the low ones the first 32 and the high ones the next 32; ``w = d · sc · q - dmin · mn``, so a
   group's ``(d, m) = (d · sc, -dmin · mn)``.
 
-A fourth, **Q8_0** (blocks of 32 in 34 bytes: ``d`` float16, then 32 signed bytes, ``w = d · q``), is kept as well:
-a Q8_0 file's weights take a quarter of their float32 size. The embeddings and the LM head in any of these types are
-kept too, and always come as values.
+Every other block type of llama.cpp's common files is kept as well, and always comes as values: Q8_0, the 5-bit
+Q5_0, Q5_1 and Q5_K, Q6_K (a Q4_K_M file's v and down projections in half its layers, and its embeddings), Q2_K and
+Q3_K, and the non-linear IQ4_NL and IQ4_XS (their layouts are in ``ops/csrc/gguf_blocks.h``); so are float16 and
+bfloat16 matrices (``FLOATS``), in their own two bytes. Only the 1-to-3-bit IQ and ternary types are still written
+in float32. The embeddings and the LM head in any of these types are kept too, and always come as values.
 
 The conversion (``gguf_convert``) writes each such decoder matrix's blocks, row by row as the file holds them (q/k
 rows unpermuted as the float weights are, a stacked expert tensor split per expert), into ``BLOCKS_FILE`` with each
 tensor's block type in the file's metadata, and writes no float32 copy of them: a 7B Q4_K_M file converts to its 4 GB
-of blocks and the rest of its tensors, not 28 GB of float32. ``loader.iter_weights`` reads them from here
-(``weights``): with ``groups`` (the 4-bit kernels) a 4-bit matrix comes as ``<layer>.weight`` holding ``q`` and
-``<layer>.weight_groups`` [N, K / 32, 2] holding each group's ``(d, m)`` in float32, computed as gguf's own
-``dequantize`` computes them; any other (a Q8_0 matrix, or every matrix without ``groups``) comes as its values in the
-model's dtype, in one native pass (``values``; in float32, gguf's dequantized value bit for bit), which the 4-bit
-kernel then quantizes at load as it does a float layer. The kernels keep ``d`` and ``m`` in float16: exact for Q4_0
-and Q4_1 (the file's own float16 numbers), and for Q4_K within float16's rounding of ``d · sc`` and ``dmin · mn`` (a
-relative 2^-11, eight times closer than bfloat16 weights are to the file). Other block types (Q5, Q6_K, the
-non-linear IQ4) are not here: their layers are float32 tensors in the directory. Readers other than pagellm
-(transformers, vLLM, peft) need every weight as a float tensor: ``loader.hf_model_dir`` writes the matrices' float32
-copies once (``float_weights``) for them.
+of blocks and its norms, not 28 GB of float32. ``loader.iter_weights`` reads them from here (``weights``): with
+``groups`` (the 4-bit kernels) a Q4 matrix comes as ``<layer>.weight`` holding ``q`` and ``<layer>.weight_groups``
+[N, K / 32, 2] holding each group's ``(d, m)`` in float32, computed as gguf's own ``dequantize`` computes them; any
+other (every other type, or every matrix without ``groups``) comes as its values in the model's dtype, in one native
+pass (``values``; in float32, gguf's dequantized value bit for bit), which a quantized layer then quantizes at load as
+it does a float layer. The kernels keep ``d`` and ``m`` in float16: exact for Q4_0 and Q4_1 (the file's own float16
+numbers), and for Q4_K within float16's rounding of ``d · sc`` and ``dmin · mn`` (a relative 2^-11, eight times closer
+than bfloat16 weights are to the file). Readers other than pagellm (transformers, vLLM, peft) need every weight as a
+float tensor: ``loader.hf_model_dir`` writes the matrices' float32 copies once (``float_weights``) for them.
 """
 
 from __future__ import annotations
@@ -47,7 +47,10 @@ BLOCKS_FILE = "gguf_blocks.safetensors"
 # The 4-bit block types: block type → (inputs per block, bytes per block, where its nibbles start, bytes per run of
 # nibbles).
 LAYOUTS = fused.Q4_LAYOUTS
-KINDS = fused.GGUF_BLOCKS  # every block type kept (the 4-bit ones and Q8_0) → (inputs, bytes) per block
+# float16 and bfloat16 matrices, kept in their own two bytes per value.
+FLOATS = {"F16": torch.float16, "BF16": torch.bfloat16}
+# Every block type kept → (inputs, bytes) per block.
+KINDS = {**fused.GGUF_BLOCKS, **{kind: (1, 2) for kind in FLOATS}}
 # The decoder matrices the 4-bit kernels run (the router and the embeddings are not among them).
 _PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
                           "gate_up_proj", "w1", "w2", "w3"})
@@ -79,13 +82,24 @@ def decode(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def values(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The [N, K] values of one matrix's blocks (``d · q + m``, Q8_0's ``d · q``): gguf's ``dequantize`` bit for bit
-    in float32, or those rounded to bfloat16 (``dtype``), in one native pass (``fused.dequantize_gguf``) or, where
-    that library does not build or is not built yet, its twin ``_values``."""
+    """The [N, K] values of one matrix's blocks (uint8 [N, bytes per row]): gguf's ``dequantize`` bit for bit in
+    float32, or those rounded to bfloat16 (``dtype``). Quantized blocks take one native pass
+    (``fused.dequantize_gguf``) or, where that library does not build or is not built yet, its twin: ``_values`` for
+    the Q4 types, ``_q8_0_values``, and gguf's own numpy ``dequantize`` for the others."""
+    if kind in FLOATS:
+        return _blocks(raw, kind).view(FLOATS[kind]).reshape(raw.shape[0], -1).to(dtype)
     out = fused.dequantize_gguf(raw, kind, dtype)
     if out is not None:
         return out
-    return (_q8_0_values(raw) if kind == "Q8_0" else _values(*decode(raw, kind))).to(dtype)
+    if kind in LAYOUTS:
+        return _values(*decode(raw, kind)).to(dtype)
+    if kind == "Q8_0":
+        return _q8_0_values(raw).to(dtype)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(dequantize(_blocks(raw, kind).numpy(), GGMLQuantizationType[kind])).reshape(
+        raw.shape[0], -1).to(dtype)
 
 
 def _values(q: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:

@@ -3,9 +3,10 @@
 Contract: ``convert_gguf_to_hf(gguf_path, out_dir)`` writes into ``out_dir``
 
 - ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` when the
-  float32 weights pass ``MAX_SHARD_BYTES``): every tensor but the blocks' matrices (below) dequantized to
-  float32 under its Hugging Face name, with llama.cpp's rotary row permutation of q/k undone
-  (``model/gguf_tensors.py``), so the weights are exactly what transformers' own GGUF loader produces;
+  float32 weights pass ``MAX_SHARD_BYTES``): every tensor but the blocks' matrices (below: the norms, biases,
+  routers, and matrices in the 1-to-3-bit IQ and ternary types) dequantized to float32 under its Hugging Face name,
+  with llama.cpp's rotary row permutation of q/k undone (``model/gguf_tensors.py``), so the weights are exactly what
+  transformers' own GGUF loader produces;
 - ``config.json`` (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, or for mixtures of experts
   ``MixtralForCausalLM`` (a ``llama`` file with experts), ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``: llama.cpp
   stacks each layer's experts in one tensor, written back out as one tensor per expert),
@@ -15,10 +16,11 @@ Contract: ``convert_gguf_to_hf(gguf_path, out_dir)`` writes into ``out_dir``
 - ``gguf_weight_types.json``: how many of the decoder layers' weight matrices the file stored in each type
   (``four_bit_hint`` reads it: a 4-bit file's weights are dequantized here, and ``--quantization w4a16_int4`` or
   ``w4a8_int4`` keeps them in 4 bits);
-- ``gguf_blocks.safetensors``: the decoder matrices, embeddings and LM head stored in Q4_0, Q4_1, Q4_K or Q8_0, as
-  the file's own blocks (``model/gguf_blocks.py``), which the 4-bit kernels take as they are (a decoder layer's 4-bit
-  matrices) and ``loader.iter_weights`` decodes to float for the others; ``loader.hf_model_dir`` adds their float32
-  copies for readers other than pagellm (transformers).
+- ``gguf_blocks.safetensors``: the decoder matrices, embeddings and LM head stored in a block type pagellm decodes
+  (Q4_0 to Q8_0, the K-quants, IQ4_NL, IQ4_XS, float16, bfloat16; ``gguf_blocks.KINDS``), as the file's own blocks
+  (``model/gguf_blocks.py``), which the 4-bit kernels take as they are (a decoder layer's Q4 matrices) and
+  ``loader.iter_weights`` decodes for the others; ``loader.hf_model_dir`` adds their float32 copies for readers other
+  than pagellm (transformers).
 
 It writes in place and is not atomic: the caller (``loader.resolve_model_dir``) converts into a temporary
 directory and renames it. Unsupported files raise ``ValueError`` naming what is supported. Bump
@@ -45,8 +47,9 @@ logger = logging.getLogger(__name__)
 
 # 2: partial_rotary_factor from rope.dimension_count; gguf_weight_types.json; 3: the 4-bit blocks (gguf_blocks);
 # 4: no float32 copy of the 4-bit blocks' matrices (loader.hf_model_dir writes one for other readers); 5: Q8_0 kept
-# as blocks too, in gguf_blocks.safetensors; 6: the embeddings and the LM head kept as blocks too
-CONVERTER_VERSION = 6
+# as blocks too, in gguf_blocks.safetensors; 6: the embeddings and the LM head kept as blocks too; 7: Q5, Q6_K,
+# Q2_K, Q3_K, IQ4 and float16/bfloat16 matrices kept as blocks too
+CONVERTER_VERSION = 7
 MAX_SHARD_BYTES = 4 * 1024**3
 WEIGHT_TYPES_FILE = "gguf_weight_types.json"
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")
@@ -317,7 +320,7 @@ def _write_weights(tensors: dict[str, Any], config: dict[str, Any], arch: str, o
         _write_json(out_dir / "model.safetensors.index.json", index_doc)
     kept = {name: (raw, tensor.tensor_type.name) for hf_name, tensor in blocks
             for name, raw in hf_arrays(tensor, hf_name, heads if permuted else {}, mixtral, blocks=True)}
-    if kept:  # the 4-bit kernels' layers, as the file holds them
+    if kept:  # the matrices as the file holds them
         gguf_blocks.save(kept, out_dir / gguf_blocks.BLOCKS_FILE)
 
 

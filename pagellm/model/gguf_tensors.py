@@ -102,7 +102,7 @@ def hf_arrays(tensor: Any, hf_name: str, heads: dict[str, int], mixtral: bool = 
     from gguf.quants import dequantize
 
     if blocks:  # the reader shapes a quantized tensor [..., out, bytes per row]: its rows, as the values' rows
-        values = np.asarray(tensor.data)
+        values = np.asarray(tensor.data).view(np.uint8)  # a float16 tensor's [..., out, in] as its bytes
     else:
         values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         # GGUF lists dimensions fastest-varying first; numpy (and HF) list them slowest first.

@@ -150,8 +150,8 @@ def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def hf_model_dir(model: str | os.PathLike[str] | None) -> Path:
     """``resolve_model_dir(model)``, with every weight a float tensor in its safetensors files, as transformers,
-    vLLM and peft read them. A converted GGUF keeps its Q4 and Q8_0 matrices only as blocks (``gguf_blocks``), which
-    pagellm decodes at load; for these readers their float32 values are written once beside them
+    vLLM and peft read them. A converted GGUF keeps its quantized and float16 matrices only as blocks (``gguf_blocks``),
+    which pagellm decodes at load; for these readers their float32 values are written once beside them
     (``FLOAT_COPIES``, listed in ``model.safetensors.index.json``) and pagellm's own load still reads the blocks."""
     from pagellm.model import gguf_blocks
 

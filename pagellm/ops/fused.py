@@ -109,14 +109,17 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
 # start, bytes per run of nibbles: a run's low nibbles are its first inputs, its high nibbles the next as many).
 # ``model/gguf_blocks.py`` decodes the same layouts in torch.
 Q4_LAYOUTS = {"Q4_0": (32, 18, 2, 16), "Q4_1": (32, 20, 4, 16), "Q4_K": (256, 144, 16, 32)}
-# Every block type it reads, in the C entry's numbering (its kLayouts): (inputs, bytes) per block.
-GGUF_BLOCKS = {**{kind: layout[:2] for kind, layout in Q4_LAYOUTS.items()}, "Q8_0": (32, 34)}
+# Every block type it reads, in the C entry's numbering (csrc/gguf_blocks.h's kBlockTypes): (inputs, bytes) per
+# block. Their values are gguf's ``dequantize``'s.
+GGUF_BLOCKS = {**{kind: layout[:2] for kind, layout in Q4_LAYOUTS.items()}, "Q8_0": (32, 34), "Q5_0": (32, 22),
+               "Q5_1": (32, 24), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q2_K": (256, 84), "Q3_K": (256, 110),
+               "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
 
 
 def dequantize_gguf(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
     """[N, K] values of a matrix's GGUF blocks ``raw`` (uint8 [N, bytes per row]) of block type ``kind``
-    (``GGUF_BLOCKS``: ``d · q + m`` per 32 inputs for the 4-bit ones, ``d · q`` for Q8_0), in float32 (gguf's
-    ``dequantize`` bit for bit) or rounded to bfloat16 (``dtype``), in one pass from the blocks' bytes. ``None``
+    (``GGUF_BLOCKS``: the 4- and 5-bit types, Q8_0, the K-quants and IQ4), in float32 (gguf's ``dequantize`` bit for
+    bit) or rounded to bfloat16 (``dtype``), in one pass from the blocks' bytes. ``None``
     where the library does not build, or is not built yet: a cold start's load does not wait for its compile (the
     caller's twin runs)."""
     lib = _lib() if build.library_built(SOURCE) else None

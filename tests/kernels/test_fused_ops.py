@@ -98,35 +98,57 @@ def test_other_dtypes_and_layouts_take_the_torch_twin() -> None:
     assert fused.rotary(torch.zeros(2, dtype=torch.int64), q, q, torch.ones(8, 4), torch.ones(8, 4)) is None
 
 
+# Where each block type keeps its float16 numbers (d, and dmin or m): bytes [start, end) of the block.
+_HALVES = {"Q4_0": (0, 2), "Q4_1": (0, 4), "Q4_K": (0, 4), "Q8_0": (0, 2), "Q5_0": (0, 2), "Q5_1": (0, 4),
+           "Q5_K": (0, 4), "Q6_K": (208, 210), "Q2_K": (80, 84), "Q3_K": (108, 110), "IQ4_NL": (0, 2), "IQ4_XS": (0, 2)}
+
+
 def _gguf_blocks(kind: str, rows: int, inputs: int) -> np.ndarray:
-    """A matrix's blocks: gguf's quantizer's for Q4_0, Q4_1 and Q8_0; random bytes for Q4_K (every bit of its packed
-    6-bit scales and minima set somewhere) under float16 ``d`` and ``dmin`` of a weight's size."""
+    """A matrix's blocks: gguf's quantizer's for the types it writes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); random bytes for
+    the others (every bit of their packed scales, high bits and values set somewhere) under float16 numbers of a
+    weight's size, of either sign."""
     from gguf import GGMLQuantizationType, quants
 
     rng = np.random.default_rng(rows + inputs)
-    if kind != "Q4_K":
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         w = rng.standard_normal((rows, inputs)).astype(np.float32) * 0.05
         return quants.quantize(w, GGMLQuantizationType[kind])
-    blocks = rng.integers(0, 256, size=(rows, inputs // 256, 144), dtype=np.uint8)
-    blocks[..., 0:4] = rng.uniform(1e-4, 1e-2, size=(rows, inputs // 256, 2)).astype(np.float16).view(np.uint8)
+    values, size = fused.GGUF_BLOCKS[kind]
+    blocks = rng.integers(0, 256, size=(rows, inputs // values, size), dtype=np.uint8)
+    start, end = _HALVES[kind]
+    halves = rng.uniform(1e-4, 1e-2, size=(rows, inputs // values, (end - start) // 2))
+    signs = rng.choice([-1.0, 1.0], size=halves.shape)
+    blocks[..., start:end] = (halves * signs).astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
+def test_the_block_types_are_ggufs() -> None:
+    """The native entry's table of block types (its numbering, csrc/gguf_blocks.h) is gguf's sizes."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    for kind, size in fused.GGUF_BLOCKS.items():
+        assert GGML_QUANT_SIZES[GGMLQuantizationType[kind]] == size, kind
+
+
 @pytest.mark.parametrize("rows,inputs", [(3, 512), (70, 1024)])  # one thread; the rows split across threads
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("kind", list(fused.GGUF_BLOCKS))
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 def test_dequantize_gguf_gives_ggufs_values(kind: str, rows: int, inputs: int, dtype: torch.dtype,
-                                          kernel_build: str) -> None:
-    """float32: gguf's ``dequantize`` bit for bit; bfloat16: those values as torch rounds them."""
+                                          kernel_build: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32: gguf's ``dequantize`` bit for bit (a zero's sign too); bfloat16: those values as torch rounds them.
+    The load's fallback where the library is not built gives the same: the Q4 types' and Q8_0's twins in torch, gguf's
+    own ``dequantize`` for the others."""
     from gguf import GGMLQuantizationType, quants
 
     raw = _gguf_blocks(kind, rows, inputs)
-    want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(rows, inputs))
+    want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(rows, inputs)).to(dtype)
     raw = torch.from_numpy(raw)
     out = fused.dequantize_gguf(raw, kind, dtype)
-    assert out is not None and out.dtype == dtype and torch.equal(out, want.to(dtype))
-    twin = gguf_blocks._q8_0_values(raw) if kind == "Q8_0" else gguf_blocks._values(*gguf_blocks.decode(raw, kind))
-    assert torch.equal(twin.to(dtype), out)
+    assert out is not None and out.dtype == dtype
+    assert torch.equal(out.view(torch.int16 if dtype == BF16 else torch.int32),
+                       want.view(torch.int16 if dtype == BF16 else torch.int32))
+    monkeypatch.setattr(build, "library_built", lambda source: False)
+    assert torch.equal(gguf_blocks.values(raw, kind, dtype), out)
 
 
 def test_dequantize_gguf_refuses_what_is_not_whole_blocks() -> None:

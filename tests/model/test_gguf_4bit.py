@@ -9,7 +9,7 @@ trip).
 Files in Q4_0 and Q4_K (and mixed files, as llama.cpp's Q4_K_M is) keep their blocks beside the float weights
 (``model/gguf_blocks.py``), and ``--quantization w4a16_int4`` or ``w4a8_int4`` packs them as they are: their values
 are held to gguf's own ``dequantize``; the layers in other types are quantized at load as float layers are (here Q8_0,
-kept as blocks too and decoded at load, and Q5_0, converted to float32)."""
+Q6_K and Q5_0, kept as blocks too and decoded at load, and the ternary TQ2_0, converted to float32)."""
 
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ def test_4bit_quantization_of_the_built_in_model_gives_back_its_gguf_blocks(laye
 
 # ------------------------------------------------------------------------------------ Q4_0, Q4_1 and Q4_K blocks
 
-MIXED = {"*": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_down": "Q4_0",
-         "ffn_down_exps": "Q4_0", "token_embd": "Q8_0", "output": "Q4_1"}
+MIXED = {"*": "Q4_K", "attn_k": "TQ2_0", "attn_v": "Q6_K", "attn_output": "Q4_1", "ffn_gate": "Q8_0", "ffn_up": "Q5_0",
+         "ffn_down": "Q4_0", "ffn_down_exps": "Q4_0", "ffn_up_exps": "BF16", "token_embd": "Q6_K", "output": "Q4_1"}
 ARCHS = ("llama", "qwen3moe", "phi3")
 SIZES = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, head_dim=64)  # Q4_K: 256 inputs
 
@@ -110,8 +110,8 @@ def test_a_row_that_is_not_whole_blocks_is_refused() -> None:
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: BackendTokenizer, request) -> dict:  # noqa: ANN001
     """Tiny GGUFs (a llama, a Qwen3 mixture of experts, a Phi-3 with its q/k/v and gate/up fused in the file) whose
-    decoder matrices are Q4_K, Q4_1, Q4_0 and Q8_0, as llama.cpp's mixed files are, and gguf's own values of each
-    matrix (Hugging Face's names and rows)."""
+    decoder matrices are Q4_K, Q4_1, Q4_0, Q6_K, Q8_0, Q5_0, BF16 and TQ2_0, as llama.cpp's mixed files are, and gguf's own
+    values of each matrix (Hugging Face's names and rows)."""
     out = {}
     for arch in ARCHS:
         tmp = tmp_path_factory.mktemp(arch)
@@ -142,9 +142,10 @@ def test_the_conversion_keeps_the_4bit_blocks_of_the_decoder_matrices(mixed: dic
         kinds = handle.metadata()
         assert set(handle.keys()) == {name for name, (kind, _) in values.items() if kind in gguf_blocks.KINDS}
     assert kinds == {name: kind for name, (kind, _) in values.items() if kind in gguf_blocks.KINDS}
-    assert {kind for kind, _ in values.values()} >= {"Q4_K", "Q4_1", "Q4_0"} | \
-        ({"Q8_0", "Q5_0"} if arch != "phi3" else set())
-    assert values["model.embed_tokens.weight"][0] == "Q8_0" and values["lm_head.weight"][0] == "Q4_1"  # kept, as values
+    assert {kind for kind, _ in values.values()} >= {"Q4_K", "Q4_1", "Q4_0", "Q6_K"} | \
+        {"llama": {"TQ2_0", "Q8_0", "Q5_0"}, "qwen3moe": {"TQ2_0", "BF16"}, "phi3": {"Q5_0"}}[arch]
+    assert "TQ2_0" not in gguf_blocks.KINDS  # written in float32
+    assert values["model.embed_tokens.weight"][0] == "Q6_K" and values["lm_head.weight"][0] == "Q4_1"  # kept, as values
     streamed = dict(iter_weights(tmp_path, groups=True))
     for name, (kind, want) in values.items():  # the 4-bit layers as q and groups, the others (LM head too) as values
         if kind in gguf_blocks.LAYOUTS and ".layers." in name:
@@ -157,8 +158,8 @@ def test_the_conversion_keeps_the_4bit_blocks_of_the_decoder_matrices(mixed: dic
 
 
 def test_a_ggufs_float_weights_are_its_blocks_values_with_no_float32_copy(mixed: dict, tmp_path: Path) -> None:
-    """The conversion writes the kept matrices (4-bit, Q8_0) as blocks only, and the float load decodes them to
-    gguf's own values, bit for bit, among the file's other tensors, each once."""
+    """The conversion writes the kept matrices (4-bit, Q5_0, Q6_K, Q8_0) as blocks only, and the float load decodes
+    them to gguf's own values, bit for bit, among the file's other tensors, each once."""
     path, values = mixed["llama"]
     convert_gguf_to_hf(path, tmp_path)
     kept = {name for name, (kind, _) in values.items() if kind in gguf_blocks.KINDS}
@@ -213,8 +214,8 @@ def _four_bit_kernels() -> list:
 def test_four_bit_kernels_take_the_files_own_blocks(mixed: dict, arch: str, quantization: str,
                                                     tmp_path: Path) -> None:
     """Each packed layer holds the file's values: Q4_0 and Q4_1 exactly, Q4_K within float16's rounding of its
-    scales times its 6-bit sub-scales; a Q8_0 matrix fused beside 4-bit ones (v beside Q4_K q and k) is quantized
-    at load from its values, as a float layer is."""
+    scales times its 6-bit sub-scales; a Q6_K matrix fused beside 4-bit ones (v beside Q4_K q and TQ2_0 k) is
+    quantized at load from its values, as a float layer is."""
     path, values = mixed[arch]
     convert_gguf_to_hf(path, tmp_path)  # as resolve_model_dir would, without the user's cache
     llm = LLM(str(tmp_path), dtype="bfloat16", kv_cache_memory=1 << 24, quantization=quantization)
@@ -251,7 +252,7 @@ def _assert_holds(weight: torch.nn.Parameter, parts: list[tuple[str, torch.Tenso
     for kind, want in parts:
         rows = slice(row, row + want.shape[0])
         row += want.shape[0]
-        if kind not in gguf_blocks.LAYOUTS:  # Q8_0 (kept, decoded) and Q5_0 (float32): quantized at load
+        if kind not in gguf_blocks.LAYOUTS:  # Q6_K, Q8_0, Q5_0 (kept, decoded) and TQ2_0 (float32): quantized at load
             wq, wd, wm = gemm_w4a8.quantize(want.to(torch.bfloat16))
             assert torch.equal(q[rows], wq) and torch.equal(d[rows], wd) and torch.equal(m[rows], wm)
         elif kind == "Q4_K":  # each of d and m within float16's half ulp of the file's float32 product
@@ -269,7 +270,7 @@ def test_each_layer_is_packed_as_soon_as_all_of_it_has_loaded(mixed: dict, tmp_p
                                                               groups: bool) -> None:
     """The load quantizes a layer once its weight's matrices (and a 4-bit one's groups) have all come, not after the
     whole checkpoint, and the converted GGUF's tensors come one layer after another, its blocks among its float
-    tensors (q/k/v: Q4_K q, Q5_0 k, Q8_0 v): when layer 1's first tensor comes, layer 0 is packed, from the file's
+    tensors (q/k/v: Q4_K q, TQ2_0 k, Q6_K v): when layer 1's first tensor comes, layer 0 is packed, from the file's
     blocks or, without ``groups``, from their float values."""
     path, _ = mixed["llama"]
     convert_gguf_to_hf(path, tmp_path)

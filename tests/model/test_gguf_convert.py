@@ -11,15 +11,17 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from tiny_gguf import CORPUS, llama3_divisors_loop, llama_cpp_permute, random_model, tiny_config, write_tiny_gguf
 from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from pagellm.model import gguf_convert, gguf_tensors, gguf_tokenizer, loader
+from pagellm.model import gguf_blocks, gguf_convert, gguf_tensors, gguf_tokenizer, loader
 from pagellm.model.arch import ArchConfig
 from pagellm.model.gguf_convert import convert_gguf_to_hf
 from pagellm.model.loader import (
     default_model_path,
+    hf_model_dir,
     iter_weights,
     load_hf_config,
     resolve_model_dir,
@@ -69,6 +71,9 @@ def test_tiny_gguf_round_trip(
         assert converted[name].dtype == torch.float32
         assert torch.equal(converted[name], tensor), name
 
+    if f16:  # the matrices kept in the file's own two bytes, not written again in float32
+        with safe_open(str(out / gguf_blocks.BLOCKS_FILE), framework="pt") as handle:
+            assert set(handle.metadata().values()) == {"F16"} and "model.layers.0.mlp.up_proj.weight" in handle.keys()
     hf_config = load_hf_config(out)
     assert hf_config["model_type"] == arch and hf_config["tie_word_embeddings"] is tied
     assert hf_config["head_dim"] == 16 and hf_config["num_key_value_heads"] == 2
@@ -76,7 +81,7 @@ def test_tiny_gguf_round_trip(
     assert hf_config.get("rope_scaling") == rope_scaling
     assert hf_config.get("sliding_window") == (40 if arch == "phi3" else None)  # Phi-3's, from its metadata
 
-    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(hf_model_dir(out), dtype=torch.float32).eval()
     ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 1]])
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
@@ -103,7 +108,7 @@ def test_tiny_mixture_of_experts_gguf_round_trip(tmp_path: Path, tiny_tokenizer:
     source = load_hf_config(tmp_path / "original")
     assert hf_config["model_type"] == model_type and hf_config["architectures"] == source["architectures"]
     assert ArchConfig.from_hf(hf_config).moe == ArchConfig.from_hf(source).moe is not None
-    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(hf_model_dir(out), dtype=torch.float32).eval()
     ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 1]])
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)

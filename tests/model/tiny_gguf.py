@@ -134,7 +134,8 @@ def write_tiny_gguf(
     ``rope_dim``: the rotated dimensions of each head, where fewer than all (Phi-4-mini's); ``types``: a block type
     per kind of decoder matrix (``attn_v``, ``ffn_down_exps``; ``*`` for the others), and for the embeddings and the
     LM head where named (``token_embd``, ``output``), as llama.cpp's files have them (``{"*": "Q4_1"}``: the built-in
-    model's; Q4_K_M's mixes; Q4_K through ``quantize_q4_k``, the others through gguf's own quantizer)."""
+    model's; Q4_K_M's mixes; Q4_K and Q6_K through ``quantize_q4_k`` and ``quantize_q6_k``, the others through gguf's
+    own quantizer)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch="llama" if arch == "mixtral" else arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -230,7 +231,8 @@ def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16
             kind = (types or {}).get(name.split(".")[0])
         if kind is not None and values.ndim >= 2:
             block_type = gguf.GGMLQuantizationType[kind]
-            raw = quantize_q4_k(values) if kind == "Q4_K" else gguf.quants.quantize(values, block_type)
+            own = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}.get(kind)
+            raw = own(values) if own else gguf.quants.quantize(values, block_type)
             writer.add_tensor(name, raw, raw_dtype=block_type)
             continue
         writer.add_tensor(name, values)
@@ -264,3 +266,25 @@ def quantize_q4_k(values: np.ndarray) -> np.ndarray:
     blocks = np.concatenate([d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8), scales, nibbles],
                             axis=1)
     return blocks.reshape(*shape[:-1], shape[-1] // 256 * 144)
+
+
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """llama.cpp's Q6_K blocks (uint8 [..., K / 256 · 210]) of float ``values`` [..., K], by each 16's largest
+    magnitude (gguf's Python package reads Q6_K but does not write it): per super-block of 256, 128 bytes of the
+    6-bit values' low nibbles, 64 of their top two bits, sixteen signed 8-bit scales and a float16 ``d``; each value
+    is ``d · sc · (q - 32)``. Input ``128 h + 32 t + i`` keeps its low nibble in byte ``64 h + 32 (t % 2) + i`` (the
+    high nibble for ``t >= 2``) and its top bits at bit ``2 t`` of byte ``128 + 32 h + i``."""
+    shape = values.shape
+    x = values.astype(np.float32).reshape(-1, 16, 16)
+    scale = np.abs(x).max(axis=2) / 31
+    d = (scale.max(axis=1) / 127).astype(np.float16)
+    unit = np.where(d > 0, d, 1).astype(np.float32)[:, None]
+    sc = np.clip(np.round(scale / unit), 0, 127).astype(np.int8)
+    step = d.astype(np.float32)[:, None] * sc
+    q = np.clip(np.round(x / np.where(step > 0, step, 1)[..., None]), -32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(-1, 2, 4, 32)  # [super-block, h, t, i]
+    low, top = q & 15, q >> 4
+    ql = (low[:, :, 0:2] | (low[:, :, 2:4] << 4)).reshape(-1, 128)
+    qh = (top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)).reshape(-1, 64)
+    blocks = np.concatenate([ql, qh, sc.view(np.uint8), d.reshape(-1, 1).view(np.uint8)], axis=1)
+    return blocks.reshape(*shape[:-1], shape[-1] // 256 * 210)

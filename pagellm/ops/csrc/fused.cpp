@@ -4,8 +4,8 @@
 //   rotary:        q', k' = x * cos + rotate_half(x) * sin for each head ("rotate half" layout), from q/k rows
 //                  that may be strided views into the fused qkv output, into contiguous outputs; over the first
 //                  rot_dim dimensions of each head (the rest copied: Phi-4-mini's partial rotary embedding)
-//   dequantize_gguf: at load, a GGUF's blocks (Q4_0, Q4_1, Q4_K: w = d * q + m per 32 inputs; Q8_0: w = d * q) to
-//                  gguf's own dequantize's float32 values bit for bit, or those rounded to bfloat16
+//   dequantize_gguf: at load, a GGUF's quantized blocks (gguf_blocks.h: Q4_0 to Q8_0, the K-quants, IQ4) to gguf's
+//                  own dequantize's float32 values bit for bit, or those rounded to bfloat16
 // Arithmetic is float32 with one bfloat16 rounding where torch's sequence rounds to the model dtype (RMSNorm keeps
 // transformers' rounding points). The plain-PyTorch twins and test oracles are in pagellm/model/layers/.
 // Plain C ABI; built and loaded by pagellm/ops/build.py. Rows are split across torch's OpenMP threads when a call
@@ -19,9 +19,10 @@
 #include <cstdint>
 #include <cstring>
 
-#include "bf16.h"      // f32, bf16
-#include "silu.h"      // round_bf16x16, store_bf16x16, silu_mul16 (shared with the packed GEMMs' gate/up epilogues)
-#include "simd_exp.h"  // exp16
+#include "bf16.h"         // f32, bf16
+#include "gguf_blocks.h"  // gguf_blocks::decode
+#include "silu.h"         // round_bf16x16, store_bf16x16, silu_mul16 (shared with the packed GEMMs' gate/up epilogues)
+#include "simd_exp.h"     // exp16
 
 namespace {
 
@@ -35,65 +36,6 @@ constexpr int64_t kParallelElements = 1 << 15;  // below this a call runs on the
 // add_rms_norm and rotary split from 8,192 elements on (a batch of 16 rows of 576): a fork costs ~0.6 us and at a
 // batch of 32 either kernel takes 5-10 us on one thread (add_rms_norm 8.8 -> 5.0 us on two).
 constexpr int64_t kParallelRowElements = 1 << 13;
-
-// A GGUF block type's layout: inputs and bytes per block, and for the 4-bit ones where its nibbles start and bytes
-// per run of nibbles (a run's low nibbles are the next `run` inputs, its high nibbles the `run` after). Q8_0 is a
-// float16 d and 32 signed bytes q, w = d * q.
-struct BlockLayout {
-  int64_t values, bytes, nibbles_at, run;
-};
-constexpr int64_t kQ8_0 = 3;
-constexpr BlockLayout kLayouts[] = {{32, 18, 2, 16}, {32, 20, 4, 16}, {256, 144, 16, 32}, {32, 34, 2, 0}};
-
-// The float16 in two little-endian bytes, exactly (subnormals, infinities and NaNs included).
-inline float half_at(const uint8_t* p) {
-  const uint32_t h = p[0] | (p[1] << 8), sign = (h & 0x8000u) << 16, exp = (h >> 10) & 31, man = h & 1023;
-  if (exp == 31) return __builtin_bit_cast(float, sign | 0x7f800000u | (man << 13));
-  if (exp == 0) return (sign ? -1.f : 1.f) * static_cast<float>(man) * 0x1p-24f;
-  return __builtin_bit_cast(float, sign | ((exp + 112) << 23) | (man << 13));
-}
-
-// Each 32 inputs' (d, m) of one block, computed as gguf's numpy computes them: Q4_0 (d, -8 d); Q4_1 (d, m); Q4_K
-// (d * sc, -(dmin * mn)) with its eight 6-bit scales and minima packed in 12 bytes.
-inline void q4_groups(const uint8_t* block, int64_t kind, float* d, float* m) {
-  const float scale = half_at(block);
-  if (kind == 0) {
-    d[0] = scale, m[0] = -8.f * scale;
-  } else if (kind == 1) {
-    d[0] = scale, m[0] = half_at(block + 2);
-  } else {
-    const float dmin = half_at(block + 2);
-    const uint8_t* s = block + 4;
-    for (int j = 0; j < 8; ++j) {
-      const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-      const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-      d[j] = scale * static_cast<float>(sc), m[j] = -(dmin * static_cast<float>(mn));
-    }
-  }
-}
-
-template <typename Out, typename Store>
-inline void q4_block(const uint8_t* block, const BlockLayout& layout, int64_t kind, Out* out, Store store) {
-  float d[8], m[8];
-  q4_groups(block, kind, d, m);
-  const uint8_t* q = block + layout.nibbles_at;
-  for (int64_t at = 0; at < layout.values; at += 2 * layout.run, q += layout.run) {
-    const int64_t lo = at / 32, hi = (at + layout.run) / 32, run = layout.run;
-#pragma omp simd
-    for (int64_t j = 0; j < run; ++j) {
-      out[at + j] = store(d[lo] * static_cast<float>(q[j] & 15) + m[lo]);
-      out[at + run + j] = store(d[hi] * static_cast<float>(q[j] >> 4) + m[hi]);
-    }
-  }
-}
-
-template <typename Out, typename Store>
-inline void q8_0_block(const uint8_t* block, Out* out, Store store) {
-  const float d = half_at(block);
-  const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
-#pragma omp simd
-  for (int64_t j = 0; j < 32; ++j) out[j] = store(d * static_cast<float>(q[j]));
-}
 
 }  // namespace
 
@@ -204,29 +146,25 @@ void pagellm_rotary_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k,
   }
 }
 
-// raw: rows of row_bytes, whole blocks of block type `kind` (0 Q4_0, 1 Q4_1, 2 Q4_K, 3 Q8_0); out: [rows, inputs],
-// float32, or bfloat16 rounded from the float32 value as torch rounds it (to_bf16). d * q is exact in float32 (d is
-// a float16, or Q4_K's float16 times a 6-bit scale, and q has 4 bits, or Q8_0's 8: at most 21 significant bits), so
-// the sum's is the one rounding, with or without a fused multiply-add, as in gguf's numpy.
+// raw: rows of row_bytes, whole blocks of block type `kind` (gguf_blocks::Kind); out: [rows, inputs], float32 as
+// gguf's numpy computes each value (gguf_blocks.h), or bfloat16 rounded from it as torch rounds it (to_bf16).
 void pagellm_dequantize_gguf(const uint8_t* raw, int64_t rows, int64_t row_bytes, int64_t kind, void* out,
                              int64_t to_bf16) {
-  const BlockLayout& layout = kLayouts[kind];
-  const int64_t blocks = row_bytes / layout.bytes, inputs = blocks * layout.values;
+  const gguf_blocks::BlockType type = gguf_blocks::kBlockTypes[kind];
+  const int64_t blocks = row_bytes / type.bytes, inputs = blocks * type.values;
 #pragma omp parallel for schedule(static) if (rows * inputs >= kParallelElements)
   for (int64_t r = 0; r < rows; ++r) {
+    float v[gguf_blocks::kMaxValues];
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* block = raw + r * row_bytes + b * layout.bytes;
-      const int64_t first = r * inputs + b * layout.values;
-      const auto to16 = [](float v) { return bf16(v); };
-      const auto to32 = [](float v) { return v; };
-      if (kind == kQ8_0 && to_bf16)
-        q8_0_block(block, static_cast<uint16_t*>(out) + first, to16);
-      else if (kind == kQ8_0)
-        q8_0_block(block, static_cast<float*>(out) + first, to32);
-      else if (to_bf16)
-        q4_block(block, layout, kind, static_cast<uint16_t*>(out) + first, to16);
-      else
-        q4_block(block, layout, kind, static_cast<float*>(out) + first, to32);
+      gguf_blocks::decode(raw + r * row_bytes + b * type.bytes, kind, v);
+      const int64_t first = r * inputs + b * type.values;
+      if (to_bf16) {
+        uint16_t* o = static_cast<uint16_t*>(out) + first;
+#pragma omp simd
+        for (int64_t j = 0; j < type.values; ++j) o[j] = bf16(v[j]);
+      } else {
+        std::memcpy(static_cast<float*>(out) + first, v, type.values * sizeof(float));
+      }
     }
   }
 }
