@@ -11,7 +11,9 @@ so a cold round times the model's conversion without the compiles.
 
 ``--baseline-rev REV`` also starts ``pagellm`` as of git revision REV (``git archive`` of ``pagellm/`` into a
 temporary folder, run from there), alternating with this tree round by round (which goes first alternates), and
-prints each one's medians and their ratio: a start-up change measured against its base in the same spells.
+prints each one's medians and their ratio: a start-up change measured against its base in the same spells. Its
+warm rounds keep their own cache (this machine's kernel builds copied in), so that neither tree's conversion is
+removed as stale by the other's (a converter change) and a warm round never converts.
 """
 
 from __future__ import annotations
@@ -60,17 +62,20 @@ def main() -> None:
     parser.add_argument("--kernels-built", action="store_true",
                         help="cold rounds start with this machine's kernel builds (the conversion is all they do)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as exported:
+    with tempfile.TemporaryDirectory() as exported, tempfile.TemporaryDirectory() as baseline_cache:
         trees = {"this tree": systems.REPO}
+        warm_caches: dict[str, str | None] = {"this tree": None}  # None: the default cache
         if args.baseline_rev:
             trees[args.baseline_rev] = export(args.baseline_rev, Path(exported))
+            warm_caches[args.baseline_rev] = baseline_cache
+            shutil.copytree(envs.cache_dir() / "kernels", Path(baseline_cache) / "kernels")
         times = {(name, kind): [] for name in trees for kind in ("warm", "cold")}
         converted: dict[str, int] = {}  # the cold rounds' converted model directory (a GGUF's), in bytes
-        for tree in trees.values():
-            time_to_ready(args, None, tree)  # fills the default cache, so that warm rounds are warm
+        for name, tree in trees.items():
+            time_to_ready(args, warm_caches[name], tree)  # fills the tree's cache, so that warm rounds are warm
         for round_ in range(args.rounds):
             for name, tree in (list(trees.items()) if round_ % 2 == 0 else list(trees.items())[::-1]):
-                times[name, "warm"].append(time_to_ready(args, None, tree))
+                times[name, "warm"].append(time_to_ready(args, warm_caches[name], tree))
                 with tempfile.TemporaryDirectory() as cache_dir:
                     if args.kernels_built:  # the conversion alone: this machine's kernel builds copied in
                         shutil.copytree(envs.cache_dir() / "kernels", Path(cache_dir) / "kernels")

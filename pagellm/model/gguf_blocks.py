@@ -47,10 +47,8 @@ BLOCKS_FILE = "gguf_blocks.safetensors"
 # The 4-bit block types: block type → (inputs per block, bytes per block, where its nibbles start, bytes per run of
 # nibbles).
 LAYOUTS = fused.Q4_LAYOUTS
-# float16 and bfloat16 matrices, kept in their own two bytes per value.
-FLOATS = {"F16": torch.float16, "BF16": torch.bfloat16}
-# Every block type kept → (inputs, bytes) per block.
-KINDS = {**fused.GGUF_BLOCKS, **{kind: (1, 2) for kind in FLOATS}}
+KINDS = fused.GGUF_BLOCKS  # every block type kept → (inputs, bytes) per block
+FLOATS = {"F16": torch.float16, "BF16": torch.bfloat16}  # kept in their own two bytes a value
 # The decoder matrices the 4-bit kernels run (the router and the embeddings are not among them).
 _PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
                           "gate_up_proj", "w1", "w2", "w3"})
@@ -85,12 +83,13 @@ def values(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> 
     """The [N, K] values of one matrix's blocks (uint8 [N, bytes per row]): gguf's ``dequantize`` bit for bit in
     float32, or those rounded to bfloat16 (``dtype``). Quantized blocks take one native pass
     (``fused.dequantize_gguf``) or, where that library does not build or is not built yet, its twin: ``_values`` for
-    the Q4 types, ``_q8_0_values``, and gguf's own numpy ``dequantize`` for the others."""
-    if kind in FLOATS:
-        return _blocks(raw, kind).view(FLOATS[kind]).reshape(raw.shape[0], -1).to(dtype)
+    the Q4 types, ``_q8_0_values``, a view for float16 and bfloat16, and gguf's own numpy ``dequantize`` for the
+    others."""
     out = fused.dequantize_gguf(raw, kind, dtype)
     if out is not None:
         return out
+    if kind in FLOATS:
+        return _blocks(raw, kind).view(FLOATS[kind]).reshape(raw.shape[0], -1).to(dtype)
     if kind in LAYOUTS:
         return _values(*decode(raw, kind)).to(dtype)
     if kind == "Q8_0":
@@ -161,7 +160,9 @@ def weights(blocks: Path, files: list[Path], groups: bool,
     layer after another (a quantized load packs each layer as soon as it is whole, ``linear.loaded_whole``).
 
     With ``groups`` a matrix comes as ``<layer>.weight`` (``q``) and ``<layer>.weight_groups``; without, as its
-    values ``d · q + m`` in ``dtype`` (``values``; float32 by default, gguf's own ``dequantize`` bit for bit). A float
+    values ``d · q + m`` in ``dtype`` (``values``; float32 by default, gguf's own ``dequantize`` bit for bit). A
+    float16 or bfloat16 matrix comes as stored where a ``dtype`` is asked, a view of the file that the model's
+    loaders convert as they copy it into place (``linear._copy``), not through a converted copy of its own. A float
     copy of the matrix in ``files`` (``loader.hf_model_dir``'s, for other readers) is not read."""
     from safetensors import safe_open
 
@@ -178,6 +179,8 @@ def weights(blocks: Path, files: list[Path], groups: bool,
                 q, scales = decode(tensor, kinds[name])
                 yield name, q
                 yield f"{name.removesuffix('.weight')}.weight_groups", scales
+            elif dtype is not None and kinds[name] in FLOATS:  # as stored: the loaders convert as they copy
+                yield name, _blocks(tensor, kinds[name]).view(FLOATS[kinds[name]]).reshape(tensor.shape[0], -1)
             else:
                 yield name, values(tensor, kinds[name], dtype or torch.float32)
 

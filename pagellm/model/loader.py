@@ -116,7 +116,8 @@ def iter_weights(model_dir: Path, groups: bool = False,
     checkpoint's (GPTQ, AWQ, compressed-tensors pack-quantized) layers dequantized, or with ``groups`` as 4-bit
     integers and groups (``weight_only.weights``), as are a converted GGUF's 4-bit blocks (``gguf_blocks.weights``,
     layer by layer). Those blocks' dequantized values come in ``dtype`` (the model's, which saves a float32 pass),
-    float32 by default; every other tensor comes as stored."""
+    float32 by default, and their float16 and bfloat16 matrices as stored where a ``dtype`` is asked (the model's
+    loaders convert them as they copy); every other tensor comes as stored."""
     from safetensors import safe_open
 
     from pagellm.model import gguf_blocks, weight_only

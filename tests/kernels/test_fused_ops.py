@@ -104,15 +104,18 @@ _HALVES = {"Q4_0": (0, 2), "Q4_1": (0, 4), "Q4_K": (0, 4), "Q8_0": (0, 2), "Q5_0
 
 
 def _gguf_blocks(kind: str, rows: int, inputs: int) -> np.ndarray:
-    """A matrix's blocks: gguf's quantizer's for the types it writes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); random bytes for
+    """A matrix's blocks: gguf's quantizer's for the types it writes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and float16 and
+    bfloat16, with a subnormal, an infinity and a zero of either sign among them); random bytes for
     the others (every bit of their packed scales, high bits and values set somewhere) under float16 numbers of a
     weight's size, of either sign."""
     from gguf import GGMLQuantizationType, quants
 
     rng = np.random.default_rng(rows + inputs)
-    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16"):
         w = rng.standard_normal((rows, inputs)).astype(np.float32) * 0.05
-        return quants.quantize(w, GGMLQuantizationType[kind])
+        if kind in ("F16", "BF16"):
+            w[0, :4] = [1e-7, -np.inf, 0.0, -0.0]
+        return np.ascontiguousarray(quants.quantize(w, GGMLQuantizationType[kind])).view(np.uint8)
     values, size = fused.GGUF_BLOCKS[kind]
     blocks = rng.integers(0, 256, size=(rows, inputs // values, size), dtype=np.uint8)
     start, end = _HALVES[kind]
@@ -149,6 +152,19 @@ def test_dequantize_gguf_gives_ggufs_values(kind: str, rows: int, inputs: int, d
                        want.view(torch.int16 if dtype == BF16 else torch.int32))
     monkeypatch.setattr(build, "library_built", lambda source: False)
     assert torch.equal(gguf_blocks.values(raw, kind, dtype), out)
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (70, 1024), (5, 4, 96)])  # odd rows; split across threads; 3-d
+def test_copy_float16_rounds_as_torch(shape: tuple[int, ...], kernel_build: str) -> None:
+    """A float16 matrix into bfloat16 in place, natively, as torch's ``copy_`` rounds it (subnormals, infinities and
+    zeros of either sign too); anything else is left to the caller."""
+    src = (torch.randn(shape) * 0.05).half()
+    src.view(-1)[:4] = torch.tensor([1e-7, -float("inf"), 0.0, -0.0], dtype=torch.float16)
+    dst = torch.empty(shape, dtype=BF16)
+    assert fused.copy_float16(dst, src)
+    assert torch.equal(dst.view(torch.int16), src.to(BF16).view(torch.int16))
+    assert not fused.copy_float16(torch.empty(shape), src)  # into float32: torch's copy
+    assert not fused.copy_float16(torch.empty(shape[::-1], dtype=BF16).transpose(0, -1), src)  # not contiguous
 
 
 def test_dequantize_gguf_refuses_what_is_not_whole_blocks() -> None:

@@ -87,6 +87,31 @@ def test_tiny_gguf_round_trip(
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_float16_ggufs_matrices_load_as_their_values_do(tmp_path: Path, tiny_tokenizer: BackendTokenizer,
+                                                         dtype: torch.dtype) -> None:
+    """The model's load asks for its dtype, and gets an F16 file's matrices as stored (a view of the file) rather
+    than a converted copy; the loaders convert them as they copy them into place (into bfloat16 in one native pass),
+    so the loaded model is the one its float32 values give, bit for bit."""
+    from pagellm.model.llama import LlamaForCausalLM as PagedLlama
+
+    model = random_model(tiny_config("llama", tiny_tokenizer.get_vocab_size(), False))
+    write_tiny_gguf(tmp_path / "tiny.gguf", model, tiny_tokenizer, "llama", f16=True)
+    out = tmp_path / "hf"
+    convert_gguf_to_hf(tmp_path / "tiny.gguf", out)
+    streamed = dict(iter_weights(out, dtype=dtype))
+    assert streamed["model.layers.0.mlp.up_proj.weight"].dtype == torch.float16
+    assert streamed["model.embed_tokens.weight"].dtype == torch.float16
+    loaded = []
+    for weights in (iter_weights(out, dtype=dtype), iter_weights(out)):  # as stored; float32 values
+        paged = PagedLlama(ArchConfig.from_hf(load_hf_config(out)), dtype)
+        paged.load_weights(weights)
+        loaded.append(paged.state_dict())
+    assert loaded[0].keys() == loaded[1].keys()
+    for name, tensor in loaded[0].items():
+        assert torch.equal(tensor, loaded[1][name]), name
+
+
 @pytest.mark.parametrize(("arch", "model_type"), [("mixtral", "mixtral"), ("qwen2moe", "qwen2_moe"),
                                                   ("qwen3moe", "qwen3_moe")])
 def test_tiny_mixture_of_experts_gguf_round_trip(tmp_path: Path, tiny_tokenizer: BackendTokenizer, arch: str,

@@ -38,7 +38,7 @@ class VocabParallelEmbedding(nn.Module):
                              f"{self.vocab_size}")
         table = _loadable(param)
         table[self.owned:].zero_()
-        _copy(table[:self.owned], loaded.narrow(0, self.start, self.owned).to(param.dtype), "vocab shard")
+        _copy(table[:self.owned], loaded.narrow(0, self.start, self.owned), "vocab shard")
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Plain rows ``W[ids]`` of this rank's shard (local row ids), whatever the weight's layout."""

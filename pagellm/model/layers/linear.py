@@ -22,7 +22,7 @@ from torch import nn
 
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.weight_only import GroupsDoNotFit
-from pagellm.ops import gemm, gemm_w4a8, gemm_w8a8
+from pagellm.ops import fused, gemm, gemm_w4a8, gemm_w8a8
 from pagellm.ops.gemm import linear
 
 _GROUP = gemm_w4a8.GROUP
@@ -43,10 +43,11 @@ def _loadable(param: nn.Parameter) -> torch.Tensor:
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
-    """``src`` into ``dst``, converted to its dtype in the same pass."""
+    """``src`` into ``dst``, converted to its dtype in the same pass (a float16 matrix into bfloat16 natively)."""
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint tensor for {what} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-    dst.copy_(src)
+    if not fused.copy_float16(dst, src):
+        dst.copy_(src)
 
 
 class ColumnParallelLinear(nn.Module):

@@ -151,20 +151,21 @@ void pagellm_rotary_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k,
 void pagellm_dequantize_gguf(const uint8_t* raw, int64_t rows, int64_t row_bytes, int64_t kind, void* out,
                              int64_t to_bf16) {
   const gguf_blocks::BlockType type = gguf_blocks::kBlockTypes[kind];
-  const int64_t blocks = row_bytes / type.bytes, inputs = blocks * type.values;
+  const int64_t inputs = row_bytes / type.bytes * type.values;
 #pragma omp parallel for schedule(static) if (rows * inputs >= kParallelElements)
   for (int64_t r = 0; r < rows; ++r) {
     float v[gguf_blocks::kMaxValues];
-    for (int64_t b = 0; b < blocks; ++b) {
-      gguf_blocks::decode(raw + r * row_bytes + b * type.bytes, kind, v);
-      const int64_t first = r * inputs + b * type.values;
+    for (int64_t at = 0; at < inputs;) {
+      const int64_t len = gguf_blocks::decode_run(raw + r * row_bytes, kind, at, inputs, v);
+      const int64_t first = r * inputs + at;
       if (to_bf16) {
         uint16_t* o = static_cast<uint16_t*>(out) + first;
 #pragma omp simd
-        for (int64_t j = 0; j < type.values; ++j) o[j] = bf16(v[j]);
+        for (int64_t j = 0; j < len; ++j) o[j] = bf16(v[j]);
       } else {
-        std::memcpy(static_cast<float*>(out) + first, v, type.values * sizeof(float));
+        std::memcpy(static_cast<float*>(out) + first, v, len * sizeof(float));
       }
+      at += len;
     }
   }
 }

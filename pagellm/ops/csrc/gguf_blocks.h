@@ -9,10 +9,16 @@
 //   Q6_K:             w = (d * sc) * (q - 32) per 16 inputs, sc a signed byte, q's low 4 bits and high 2 apart
 //   Q2_K, Q3_K:       2 and 3 bits per input under 4-bit (Q2_K, with 4-bit minima) or 6-bit signed scales per 16
 //   IQ4_NL, IQ4_XS:   w = d * kIq4Values[q] (IQ4_XS: d * sc with a 6-bit signed sc per 32 inputs)
+//   F16, BF16:        two bytes a value, read kMaxValues at a time
 // Every product of a float16 and small integers is exact in float32, so the one rounding is the last operation's,
 // with or without a fused multiply-add; Q6_K's and IQ4_XS's two products round once each, in numpy's order.
 #pragma once
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
 #include <cstdint>
 
 namespace gguf_blocks {
@@ -20,9 +26,11 @@ namespace gguf_blocks {
 struct BlockType {
   int64_t values, bytes;  // inputs and bytes per block
 };
-enum Kind : int64_t { kQ4_0, kQ4_1, kQ4_K, kQ8_0, kQ5_0, kQ5_1, kQ5_K, kQ6_K, kQ2_K, kQ3_K, kIQ4_NL, kIQ4_XS };
-constexpr BlockType kBlockTypes[] = {{32, 18},   {32, 20},   {256, 144}, {32, 34}, {32, 22},  {32, 24},
-                                     {256, 176}, {256, 210}, {256, 84},  {256, 110}, {32, 18}, {256, 136}};
+enum Kind : int64_t {
+  kQ4_0, kQ4_1, kQ4_K, kQ8_0, kQ5_0, kQ5_1, kQ5_K, kQ6_K, kQ2_K, kQ3_K, kIQ4_NL, kIQ4_XS, kF16, kBF16
+};
+constexpr BlockType kBlockTypes[] = {{32, 18},  {32, 20},  {256, 144}, {32, 34},  {32, 22}, {32, 24}, {256, 176},
+                                     {256, 210}, {256, 84}, {256, 110}, {32, 18}, {256, 136}, {1, 2},  {1, 2}};
 constexpr int64_t kMaxValues = 256;
 constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -111,7 +119,8 @@ inline void q2_k(const uint8_t* block, float* v) {
   const uint8_t *sc = block, *q = block + 16;
   const float d = half_at(block + 80), dmin = half_at(block + 82);
   float dl[16], ml[16];
-  for (int g = 0; g < 16; ++g) dl[g] = d * static_cast<float>(sc[g] & 15), ml[g] = dmin * static_cast<float>(sc[g] >> 4);
+  for (int g = 0; g < 16; ++g)
+    dl[g] = d * static_cast<float>(sc[g] & 15), ml[g] = dmin * static_cast<float>(sc[g] >> 4);
   k_runs([&](int h, int t, int i, int p) {
     v[p] = dl[p / 16] * static_cast<float>((q[32 * h + i] >> (2 * t)) & 3) - ml[p / 16];
   });
@@ -173,6 +182,35 @@ inline void decode(const uint8_t* block, int64_t kind, float* v) {
       return;
     default: return iq4_xs(block, v);
   }
+}
+
+// `len` float16 or (`brain`) bfloat16 values from two little-endian bytes each, exactly.
+inline void halves(const uint8_t* p, int64_t len, bool brain, float* v) {
+  int64_t j = 0;
+  if (brain) {
+#pragma omp simd
+    for (j = 0; j < len; ++j)
+      v[j] = __builtin_bit_cast(float, static_cast<uint32_t>(p[2 * j] | (p[2 * j + 1] << 8)) << 16);
+    return;
+  }
+#if defined(__F16C__)
+  for (; j + 8 <= len; j += 8)
+    _mm256_storeu_ps(v + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * j))));
+#endif
+  for (; j < len; ++j) v[j] = half_at(p + 2 * j);
+}
+
+// The values of a row of `inputs` from input `at` on into v: one block, or for F16 and BF16 up to kMaxValues.
+// Returns how many.
+inline int64_t decode_run(const uint8_t* row, int64_t kind, int64_t at, int64_t inputs, float* v) {
+  if (kind == kF16 || kind == kBF16) {
+    const int64_t len = std::min(kMaxValues, inputs - at);
+    halves(row + 2 * at, len, kind == kBF16, v);
+    return len;
+  }
+  const BlockType type = kBlockTypes[kind];
+  decode(row + at / type.values * type.bytes, kind, v);
+  return type.values;
 }
 
 }  // namespace gguf_blocks
