@@ -154,16 +154,15 @@ void pagellm_dequantize_gguf(const uint8_t* raw, int64_t rows, int64_t row_bytes
   const int64_t inputs = row_bytes / type.bytes * type.values;
 #pragma omp parallel for schedule(static) if (rows * inputs >= kParallelElements)
   for (int64_t r = 0; r < rows; ++r) {
-    float v[gguf_blocks::kMaxValues];
+    float v[gguf_blocks::kMaxValues];  // bfloat16 out: the float32 values before their rounding
     for (int64_t at = 0; at < inputs;) {
-      const int64_t len = gguf_blocks::decode_run(raw + r * row_bytes, kind, at, inputs, v);
       const int64_t first = r * inputs + at;
+      float* values = to_bf16 ? v : static_cast<float*>(out) + first;
+      const int64_t len = gguf_blocks::decode_run(raw + r * row_bytes, kind, at, inputs, values);
       if (to_bf16) {
         uint16_t* o = static_cast<uint16_t*>(out) + first;
 #pragma omp simd
         for (int64_t j = 0; j < len; ++j) o[j] = bf16(v[j]);
-      } else {
-        std::memcpy(static_cast<float*>(out) + first, v, len * sizeof(float));
       }
       at += len;
     }

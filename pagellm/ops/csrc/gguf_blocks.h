@@ -200,17 +200,17 @@ inline void halves(const uint8_t* p, int64_t len, bool brain, float* v) {
   for (; j < len; ++j) v[j] = half_at(p + 2 * j);
 }
 
-// The values of a row of `inputs` from input `at` on into v: one block, or for F16 and BF16 up to kMaxValues.
-// Returns how many.
+// The values of a row of `inputs` from input `at` on into v, up to kMaxValues (whole blocks: a row's inputs and
+// kMaxValues are multiples of every block's). Returns how many.
 inline int64_t decode_run(const uint8_t* row, int64_t kind, int64_t at, int64_t inputs, float* v) {
+  const int64_t len = std::min(kMaxValues, inputs - at);
   if (kind == kF16 || kind == kBF16) {
-    const int64_t len = std::min(kMaxValues, inputs - at);
     halves(row + 2 * at, len, kind == kBF16, v);
     return len;
   }
   const BlockType type = kBlockTypes[kind];
-  decode(row + at / type.values * type.bytes, kind, v);
-  return type.values;
+  for (int64_t b = 0; b < len; b += type.values) decode(row + (at + b) / type.values * type.bytes, kind, v + b);
+  return len;
 }
 
 }  // namespace gguf_blocks
