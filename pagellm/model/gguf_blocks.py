@@ -159,11 +159,11 @@ def weights(blocks: Path, files: list[Path], groups: bool,
     """Every tensor of a converted GGUF: the ``BLOCKS_FILE``'s matrices and the float ``files``' other tensors, one
     layer after another (a quantized load packs each layer as soon as it is whole, ``linear.loaded_whole``).
 
-    With ``groups`` a Q4 decoder matrix comes as ``<layer>.weight`` (``q``) and ``<layer>.weight_groups``. Any other
-    comes, where a ``dtype`` is asked (the model's load), as an ``Encoded`` that the loaders decode straight into its
-    parameter (a float16 or bfloat16 matrix as stored, a view of the file, which they convert as they copy); without
-    a ``dtype``, as its values in float32 (``values``, gguf's own ``dequantize`` bit for bit). A float copy of the
-    matrix in ``files`` (``loader.hf_model_dir``'s, for other readers) is not read."""
+    With ``groups`` a matrix comes as ``<layer>.weight`` (``q``) and ``<layer>.weight_groups``; without, as its
+    values ``d · q + m`` in ``dtype`` (``values``; float32 by default, gguf's own ``dequantize`` bit for bit). A
+    float16 or bfloat16 matrix comes as stored where a ``dtype`` is asked, a view of the file that the model's
+    loaders convert as they copy it into place (``linear._copy``), not through a converted copy of its own. A float
+    copy of the matrix in ``files`` (``loader.hf_model_dir``'s, for other readers) is not read."""
     from safetensors import safe_open
 
     with contextlib.ExitStack() as stack:
@@ -181,65 +181,8 @@ def weights(blocks: Path, files: list[Path], groups: bool,
                 yield f"{name.removesuffix('.weight')}.weight_groups", scales
             elif dtype is not None and kinds[name] in FLOATS:  # as stored: the loaders convert as they copy
                 yield name, _blocks(tensor, kinds[name]).view(FLOATS[kinds[name]]).reshape(tensor.shape[0], -1)
-            elif dtype is not None:  # decoded where the loaders copy it into place
-                yield name, Encoded(tensor, kinds[name], dtype)
             else:
-                yield name, values(tensor, kinds[name])
-
-
-class Encoded:
-    """A matrix's blocks standing for its [N, K] values in ``dtype``, as ``weights`` streams them to a model's load.
-
-    The loaders take row slices of it (``narrow`` along the rows, ``split``, ``chunk``) and copy it into place
-    (``linear._copy``), which decodes it straight into the parameter (``copy_into``): a decoded matrix never lives
-    in a tensor of its own, whose fresh pages would cost about what the decode does. Anything else it is asked (a
-    torch function, another attribute, a slice across the inputs) decodes it first (``values``)."""
-
-    def __init__(self, raw: torch.Tensor, kind: str, dtype: torch.dtype) -> None:
-        inputs, size = KINDS[kind]
-        self.raw, self.kind, self.dtype = raw, kind, dtype
-        self.shape = torch.Size([raw.shape[0], raw.shape[1] // size * inputs])
-
-    def dim(self) -> int:
-        return 2
-
-    def values(self) -> torch.Tensor:
-        return values(self.raw, self.kind, self.dtype)
-
-    def copy_into(self, dst: torch.Tensor) -> bool:
-        """Decode into ``dst`` (contiguous, of this shape, bfloat16 or float32); ``False`` where that does not
-        apply, or the library is not built yet (the caller copies ``values()``)."""
-        if dst.shape != self.shape or not dst.is_contiguous() or dst.dtype not in (torch.bfloat16, torch.float32):
-            return False
-        return fused.dequantize_gguf(self.raw, self.kind, dst.dtype, out=dst) is not None
-
-    def narrow(self, dim: int, start: int, length: int) -> Encoded | torch.Tensor:
-        if dim == 0:
-            return Encoded(self.raw.narrow(0, start, length), self.kind, self.dtype)
-        if start == 0 and length == self.shape[1]:
-            return self
-        return self.values().narrow(dim, start, length)
-
-    def split(self, sizes: int | list[int], dim: int = 0) -> tuple[Encoded | torch.Tensor, ...]:
-        if dim != 0:
-            return self.values().split(sizes, dim)
-        sizes = [sizes] * -(-self.shape[0] // sizes) if isinstance(sizes, int) else sizes
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        return tuple(self.narrow(0, start, min(size, self.shape[0] - start)) for start, size in zip(starts, sizes))
-
-    def chunk(self, chunks: int, dim: int = 0) -> tuple[Encoded | torch.Tensor, ...]:
-        return self.split(-(-self.shape[dim] // chunks), dim)
-
-    def __getattr__(self, name: str):  # noqa: ANN204
-        if name.startswith("__") or name in ("raw", "kind", "dtype", "shape"):  # not set yet (a copy, a pickle)
-            raise AttributeError(name)
-        return getattr(self.values(), name)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
-        def plain(a):  # noqa: ANN001, ANN202
-            return a.values() if isinstance(a, Encoded) else a
-        return func(*(plain(a) for a in args), **{k: plain(v) for k, v in (kwargs or {}).items()})
+                yield name, values(tensor, kinds[name], dtype or torch.float32)
 
 
 def _layer_order(name: str) -> tuple[int, str]:

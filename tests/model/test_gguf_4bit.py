@@ -31,10 +31,8 @@ from pagellm.model.gguf_convert import convert_gguf_to_hf
 from pagellm.model.gguf_tensors import hf_arrays, hf_tensor_name, unpermute_rotary_rows
 from pagellm.model.arch import ArchConfig
 from pagellm.model.llama import LlamaForCausalLM
-from pagellm.distributed.groups import SINGLE
-from pagellm.model.registry import build_model
 from pagellm.model.loader import FLOAT_COPIES, default_model_path, hf_model_dir, iter_weights, load_hf_config
-from pagellm.ops import build, gemm, gemm_w4a8, gemm_w4a16
+from pagellm.ops import gemm, gemm_w4a8, gemm_w4a16
 
 HEADS = {"q_proj": 9, "k_proj": 3}  # SmolLM2-135M's attention heads and KV heads (llama.cpp permutes their rows)
 
@@ -112,8 +110,8 @@ def test_a_row_that_is_not_whole_blocks_is_refused() -> None:
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: BackendTokenizer, request) -> dict:  # noqa: ANN001
     """Tiny GGUFs (a llama, a Qwen3 mixture of experts, a Phi-3 with its q/k/v and gate/up fused in the file) whose
-    decoder matrices are Q4_K, Q4_1, Q4_0, Q6_K, Q8_0, Q5_0, BF16 and TQ2_0, as llama.cpp's mixed files are, and gguf's
-    own values of each matrix (Hugging Face's names and rows)."""
+    decoder matrices are Q4_K, Q4_1, Q4_0, Q6_K, Q8_0, Q5_0, BF16 and TQ2_0, as llama.cpp's mixed files are, and gguf's own
+    values of each matrix (Hugging Face's names and rows)."""
     out = {}
     for arch in ARCHS:
         tmp = tmp_path_factory.mktemp(arch)
@@ -203,53 +201,6 @@ def test_other_readers_get_the_4bit_matrices_float32_copies(mixed: dict, tmp_pat
         after = list(iter_weights(model_dir, groups=groups))
         assert [n for n, _ in after] == [n for n, _ in before[groups]]
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(after, before[groups]))
-
-
-@pytest.mark.parametrize("built", [True, False], ids=["native", "library-not-built"])
-@pytest.mark.parametrize("arch", ARCHS)
-def test_the_models_load_decodes_each_matrix_into_its_parameter(mixed: dict, tmp_path: Path, arch: str,
-                                                                 built: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Asked for the model's dtype, the stream gives the blocks as ``Encoded`` (no decoded tensor of their own), which
-    the loaders decode straight into the parameters, through Phi-3's split of its fused q/k/v and gate/up and a
-    mixture's experts; the loaded model is the one the matrices' float32 values give, bit for bit, and so it is while
-    the library is not built (each decoded by its twin first)."""
-    path, values = mixed[arch]
-    convert_gguf_to_hf(path, tmp_path)
-    if not built:
-        monkeypatch.setattr(build, "library_built", lambda source: False)
-    streamed = dict(iter_weights(tmp_path, dtype=torch.bfloat16))
-    encoded = {name for name, tensor in streamed.items() if isinstance(tensor, gguf_blocks.Encoded)}
-    assert encoded == {name for name, (kind, _) in values.items() if kind in gguf_blocks.KINDS and kind != "BF16"}
-    for name in encoded:
-        assert streamed[name].shape == values[name][1].shape
-    loaded = []
-    for weights in (iter_weights(tmp_path, dtype=torch.bfloat16), iter_weights(tmp_path)):
-        model = build_model(ArchConfig.from_hf(load_hf_config(tmp_path)), torch.bfloat16, SINGLE)
-        model.load_weights(weights)
-        loaded.append(model.state_dict())
-    assert loaded[0].keys() == loaded[1].keys()
-    for name, tensor in loaded[0].items():
-        assert torch.equal(tensor, loaded[1][name]), name
-
-
-def test_an_encoded_matrix_is_its_values_to_anything_else(mixed: dict, tmp_path: Path) -> None:
-    """Row slices stay blocks; a slice across the inputs, a torch function or any other attribute decodes."""
-    path, values = mixed["llama"]
-    convert_gguf_to_hf(path, tmp_path)
-    name = "model.layers.0.self_attn.v_proj.weight"  # Q6_K
-    enc = dict(iter_weights(tmp_path, dtype=torch.float32))[name]
-    want = values[name][1]
-    assert isinstance(enc, gguf_blocks.Encoded) and enc.dtype == torch.float32 and enc.dim() == 2
-    rows = enc.narrow(0, 3, 5)
-    assert isinstance(rows, gguf_blocks.Encoded) and torch.equal(rows.values(), want[3:8])
-    assert torch.equal(enc.narrow(1, 32, 64), want[:, 32:96])
-    pieces = enc.split([1, want.shape[0] - 1])
-    assert [p.shape[0] for p in pieces] == [1, want.shape[0] - 1] and torch.equal(pieces[1].values(), want[1:])
-    assert torch.equal(torch.cat([p.values() for p in enc.chunk(2)]), want)
-    assert torch.equal(torch.add(enc, 1.0), want + 1.0) and torch.equal(enc.float(), want)
-    out = torch.empty(want.shape, dtype=torch.bfloat16)
-    assert enc.copy_into(out) and torch.equal(out, want.to(torch.bfloat16))
-    assert not enc.copy_into(torch.empty(want.shape[::-1], dtype=torch.bfloat16).t())  # not contiguous
 
 
 def _four_bit_kernels() -> list:

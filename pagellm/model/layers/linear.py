@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from pagellm.distributed.groups import SINGLE, ParallelState
-from pagellm.model import gguf_blocks
 from pagellm.model.weight_only import GroupsDoNotFit
 from pagellm.ops import fused, gemm, gemm_w4a8, gemm_w8a8
 from pagellm.ops.gemm import linear
@@ -43,15 +42,11 @@ def _loadable(param: nn.Parameter) -> torch.Tensor:
     return param.data
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor | gguf_blocks.Encoded, what: str) -> None:
-    """``src`` into ``dst``, converted to its dtype in the same pass (a float16 matrix into bfloat16 natively, a
-    GGUF matrix's blocks decoded straight into it)."""
+def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    """``src`` into ``dst``, converted to its dtype in the same pass (a float16 matrix into bfloat16 natively)."""
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint tensor for {what} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-    if isinstance(src, gguf_blocks.Encoded):
-        if not src.copy_into(dst):
-            dst.copy_(src.values())
-    elif not fused.copy_float16(dst, src):
+    if not fused.copy_float16(dst, src):
         dst.copy_(src)
 
 
