@@ -104,21 +104,21 @@ def decode_table(rows: int, inputs: int, old: ctypes.CDLL | None) -> None:
     print(f"float16 into bfloat16 in place: fused.copy_float16 {native:.1f} ms, torch copy_ {torch_copy:.1f} ms")
 
 
-# One load of a GGUF's conversion in bfloat16 (argv[1]), in a fresh process of the tree on PYTHONPATH: its stream
-# alone, then a model's load_weights from it.
+# One load of a GGUF's conversion in bfloat16 (argv[1]), in a fresh process of the tree on PYTHONPATH: a model's
+# load_weights from its stream first, then the stream alone (each matrix's values made and dropped).
 LOAD_ONCE = """
 import sys, time, torch
 from pagellm.model.arch import ArchConfig
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import iter_weights, load_hf_config, resolve_model_dir
 model_dir = resolve_model_dir(sys.argv[1])
-start = time.perf_counter()
-values = sum(tensor.numel() for _, tensor in iter_weights(model_dir, dtype=torch.bfloat16))
-stream = time.perf_counter() - start
 model = LlamaForCausalLM(ArchConfig.from_hf(load_hf_config(model_dir)), torch.bfloat16)
 start = time.perf_counter()
 model.load_weights(iter_weights(model_dir, dtype=torch.bfloat16))
-print(f"{values / 1e9:.2f} {stream:.3f} {time.perf_counter() - start:.3f}")
+load = time.perf_counter() - start
+start = time.perf_counter()
+values = sum(tensor.numel() for _, tensor in iter_weights(model_dir, dtype=torch.bfloat16))
+print(f"{values / 1e9:.2f} {time.perf_counter() - start:.3f} {load:.3f}")
 """
 
 
