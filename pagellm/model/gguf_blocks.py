@@ -25,10 +25,11 @@ of blocks and its norms, not 28 GB of float32. ``loader.iter_weights`` reads the
 ``groups`` (the 4-bit kernels) a Q4 matrix comes as ``<layer>.weight`` holding ``q`` and ``<layer>.weight_groups``
 [N, K / 32, 2] holding each group's ``(d, m)`` in float32, computed as gguf's own ``dequantize`` computes them; any
 other (every other type, or every matrix without ``groups``) comes as its values in the model's dtype, in one native
-pass (``values``; in float32, gguf's dequantized value bit for bit), which a quantized layer then quantizes at load as
-it does a float layer. The kernels keep ``d`` and ``m`` in float16: exact for Q4_0 and Q4_1 (the file's own float16
-numbers), and for Q4_K within float16's rounding of ``d · sc`` and ``dmin · mn`` (a relative 2^-11, eight times closer
-than bfloat16 weights are to the file). Readers other than pagellm (transformers, vLLM, peft) need every weight as a
+pass (``values``; in float32, gguf's dequantized value bit for bit), or, a float16 or bfloat16 one, as stored for the
+loaders to convert as they copy; a quantized layer then quantizes them at load as it does a float layer's. The
+kernels keep ``d`` and ``m`` in float16: exact for Q4_0 and Q4_1 (the file's own float16 numbers), and for Q4_K
+within float16's rounding of ``d · sc`` and ``dmin · mn`` (a relative 2^-11, eight times closer than bfloat16 weights
+are to the file). Readers other than pagellm (transformers, vLLM, peft) need every weight as a
 float tensor: ``loader.hf_model_dir`` writes the matrices' float32 copies once (``float_weights``) for them.
 """
 

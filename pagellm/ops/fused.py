@@ -105,12 +105,12 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
     return q_out, k_out
 
 
-# The GGUF 4-bit block types dequantize_gguf reads: block type → (inputs per block, bytes per block, where its nibbles
-# start, bytes per run of nibbles: a run's low nibbles are its first inputs, its high nibbles the next as many).
-# ``model/gguf_blocks.py`` decodes the same layouts in torch.
+# The GGUF Q4 block types, which the 4-bit kernels take as integers and groups: block type → (inputs per block, bytes
+# per block, where its nibbles start, bytes per run of nibbles: a run's low nibbles are its first inputs, its high
+# nibbles the next as many). ``model/gguf_blocks.py`` decodes them in torch.
 Q4_LAYOUTS = {"Q4_0": (32, 18, 2, 16), "Q4_1": (32, 20, 4, 16), "Q4_K": (256, 144, 16, 32)}
-# Every block type it reads, in the C entry's numbering (csrc/gguf_blocks.h's kBlockTypes): (inputs, bytes) per
-# block. Their values are gguf's ``dequantize``'s.
+# Every block type dequantize_gguf reads, in the C entry's numbering (csrc/gguf_blocks.h's kBlockTypes): (inputs,
+# bytes) per block. Their values are gguf's ``dequantize``'s.
 GGUF_BLOCKS = {**{kind: layout[:2] for kind, layout in Q4_LAYOUTS.items()}, "Q8_0": (32, 34), "Q5_0": (32, 22),
                "Q5_1": (32, 24), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q2_K": (256, 84), "Q3_K": (256, 110),
                "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "F16": (1, 2), "BF16": (1, 2)}

@@ -6,7 +6,7 @@ and loaded in bfloat16; quantizing those weights back gives exactly the file's o
 (its weights were bfloat16 before llama.cpp quantized them, so each group's minimum and maximum survive the round
 trip).
 
-Files in Q4_0 and Q4_K (and mixed files, as llama.cpp's Q4_K_M is) keep their blocks beside the float weights
+Files in Q4_0 and Q4_K (and mixed files, as llama.cpp's Q4_K_M is) keep their blocks in place of float weights
 (``model/gguf_blocks.py``), and ``--quantization w4a16_int4`` or ``w4a8_int4`` packs them as they are: their values
 are held to gguf's own ``dequantize``; the layers in other types are quantized at load as float layers are (here Q8_0,
 Q6_K and Q5_0, kept as blocks too and decoded at load, and the ternary TQ2_0, converted to float32)."""
@@ -110,8 +110,8 @@ def test_a_row_that_is_not_whole_blocks_is_refused() -> None:
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: BackendTokenizer, request) -> dict:  # noqa: ANN001
     """Tiny GGUFs (a llama, a Qwen3 mixture of experts, a Phi-3 with its q/k/v and gate/up fused in the file) whose
-    decoder matrices are Q4_K, Q4_1, Q4_0, Q6_K, Q8_0, Q5_0, BF16 and TQ2_0, as llama.cpp's mixed files are, and gguf's own
-    values of each matrix (Hugging Face's names and rows)."""
+    decoder matrices are Q4_K, Q4_1, Q4_0, Q6_K, Q8_0, Q5_0, BF16 and TQ2_0, as llama.cpp's mixed files are, and gguf's
+    own values of each matrix (Hugging Face's names and rows)."""
     out = {}
     for arch in ARCHS:
         tmp = tmp_path_factory.mktemp(arch)

@@ -4,7 +4,7 @@
 //   rotary:        q', k' = x * cos + rotate_half(x) * sin for each head ("rotate half" layout), from q/k rows
 //                  that may be strided views into the fused qkv output, into contiguous outputs; over the first
 //                  rot_dim dimensions of each head (the rest copied: Phi-4-mini's partial rotary embedding)
-//   dequantize_gguf: at load, a GGUF's quantized blocks (gguf_blocks.h: Q4_0 to Q8_0, the K-quants, IQ4) to gguf's
+//   dequantize_gguf: at load, a GGUF's blocks (gguf_blocks.h: Q4_0 to Q8_0, the K-quants, IQ4, F16, BF16) to gguf's
 //                  own dequantize's float32 values bit for bit, or those rounded to bfloat16
 // Arithmetic is float32 with one bfloat16 rounding where torch's sequence rounds to the model dtype (RMSNorm keeps
 // transformers' rounding points). The plain-PyTorch twins and test oracles are in pagellm/model/layers/.

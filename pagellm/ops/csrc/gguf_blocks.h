@@ -1,8 +1,8 @@
 // A GGUF's quantized blocks decoded to float32, each value computed as gguf's own numpy `dequantize` computes it
 // (the same products in the same order, so the same roundings), for fused.cpp's dequantize_gguf. Block types, in the
 // order of kBlockTypes (pagellm/ops/fused.py's GGUF_BLOCKS lists the same):
-//   Q4_0, Q4_1, Q4_K: w = d * q + m per 32 inputs, q in [0, 15] (Q4_0: m = -8 d; Q4_K: d * sc and -(dmin * mn) from
-//                     its super-block's float16 d and dmin and eight packed 6-bit scales and minima)
+//   Q4_0, Q4_1, Q4_K: w = d * q + m per 32 inputs, q in [0, 15] (Q4_0: w = d * (q - 8); Q4_K: d * sc and
+//                     -(dmin * mn) from its super-block's float16 d and dmin and eight packed 6-bit scales and minima)
 //   Q8_0:             w = d * q, q a signed byte
 //   Q5_0, Q5_1:       Q4_0 and Q4_1 with a fifth bit per input in a 32-bit mask (Q5_0: w = d * (q - 16))
 //   Q5_K:             Q4_K with a fifth bit per input: w = d * sc * q - dmin * mn
