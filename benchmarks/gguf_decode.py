@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+from startup import export  # noqa: E402
 
 from pagellm import envs  # noqa: E402
 from pagellm.ops import build, fused  # noqa: E402
@@ -66,14 +67,7 @@ def best_ms(fn, reps: int = 5) -> float:  # noqa: ANN001
 
 def baseline_lib(rev: str) -> ctypes.CDLL:
     """``rev``'s ``csrc/fused.cpp`` (with that revision's headers), built here with the kernels' flags."""
-    folder = Path(tempfile.mkdtemp(prefix="fused-"))
-    files = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", rev, "pagellm/ops/csrc/"],
-                           check=True, capture_output=True, text=True).stdout.split()
-    for name in files:
-        if name.endswith((".cpp", ".h")):
-            blob = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{name}"], check=True,
-                                  capture_output=True).stdout
-            (folder / Path(name).name).write_bytes(blob)
+    folder = export(rev, Path(tempfile.mkdtemp(prefix="fused-"))) / "pagellm" / "ops" / "csrc"
     return fused.bind(ctypes.CDLL(str(build.build(folder / "fused.cpp", build.CXX_FLAGS, "fused.so", [folder]))))
 
 
@@ -128,9 +122,7 @@ def load_times(paths: list[str], rev: str | None, rounds: int) -> None:
     with tempfile.TemporaryDirectory() as exported, tempfile.TemporaryDirectory() as cache:
         trees = {"this tree": (REPO, None)}
         if rev:
-            archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "pagellm"], check=True,
-                                     capture_output=True).stdout
-            subprocess.run(["tar", "-x", "-C", exported], input=archive, check=True)
+            export(rev, Path(exported))
             shutil.copytree(envs.cache_dir() / "kernels", Path(cache) / "kernels")
             trees[rev] = (Path(exported), cache)
         for path in paths:

@@ -90,7 +90,7 @@ def values(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> 
     if out is not None:
         return out
     if kind in FLOATS:
-        return _blocks(raw, kind).view(FLOATS[kind]).reshape(raw.shape[0], -1).to(dtype)
+        return as_stored(raw, kind).to(dtype)
     if kind in LAYOUTS:
         return _values(*decode(raw, kind)).to(dtype)
     if kind == "Q8_0":
@@ -100,6 +100,11 @@ def values(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> 
 
     return torch.from_numpy(dequantize(_blocks(raw, kind).numpy(), GGMLQuantizationType[kind])).reshape(
         raw.shape[0], -1).to(dtype)
+
+
+def as_stored(raw: torch.Tensor, kind: str) -> torch.Tensor:
+    """A float16 or bfloat16 matrix's [N, K] values, a view of its bytes (uint8 [N, 2 K])."""
+    return _blocks(raw, kind).view(FLOATS[kind]).reshape(raw.shape[0], -1)
 
 
 def _values(q: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
@@ -181,7 +186,7 @@ def weights(blocks: Path, files: list[Path], groups: bool,
                 yield name, q
                 yield f"{name.removesuffix('.weight')}.weight_groups", scales
             elif dtype is not None and kinds[name] in FLOATS:  # as stored: the loaders convert as they copy
-                yield name, _blocks(tensor, kinds[name]).view(FLOATS[kinds[name]]).reshape(tensor.shape[0], -1)
+                yield name, as_stored(tensor, kinds[name])
             else:
                 yield name, values(tensor, kinds[name], dtype or torch.float32)
 

@@ -160,26 +160,29 @@ inline void iq4_xs(const uint8_t* block, float* v) {
 
 // One block of `kind` into v (kBlockTypes[kind].values floats).
 inline void decode(const uint8_t* block, int64_t kind, float* v) {
-  const float d = half_at(block);
-  switch (kind) {
-    case kQ4_0: return nibbles32(block + 2, 0, false, d, 0.f, 8, v);
-    case kQ4_1: return nibbles32(block + 4, 0, false, d, half_at(block + 2), 0, v);
+  switch (kind) {  // the K-quants and IQ4_XS read their own scales
+    case kQ4_0: return nibbles32(block + 2, 0, false, half_at(block), 0.f, 8, v);
+    case kQ4_1: return nibbles32(block + 4, 0, false, half_at(block), half_at(block + 2), 0, v);
     case kQ4_K: return k_quant(block, false, v);
-    case kQ8_0:
+    case kQ8_0: {
+      const float d = half_at(block);
       for (int j = 0; j < 32; ++j) v[j] = d * static_cast<float>(static_cast<int8_t>(block[2 + j]));
       return;
-    case kQ5_0: return nibbles32(block + 6, u32_at(block + 2), true, d, 0.f, 16, v);
-    case kQ5_1: return nibbles32(block + 8, u32_at(block + 4), true, d, half_at(block + 2), 0, v);
+    }
+    case kQ5_0: return nibbles32(block + 6, u32_at(block + 2), true, half_at(block), 0.f, 16, v);
+    case kQ5_1: return nibbles32(block + 8, u32_at(block + 4), true, half_at(block), half_at(block + 2), 0, v);
     case kQ5_K: return k_quant(block, true, v);
     case kQ6_K: return q6_k(block, v);
     case kQ2_K: return q2_k(block, v);
     case kQ3_K: return q3_k(block, v);
-    case kIQ4_NL:
+    case kIQ4_NL: {
+      const float d = half_at(block);
       for (int j = 0; j < 16; ++j) {
         v[j] = d * static_cast<float>(kIq4Values[block[2 + j] & 15]);
         v[j + 16] = d * static_cast<float>(kIq4Values[block[2 + j] >> 4]);
       }
       return;
+    }
     default: return iq4_xs(block, v);
   }
 }
