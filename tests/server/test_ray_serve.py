@@ -110,11 +110,15 @@ def _ppid(proc: Path) -> int:
         return -1
 
 
+def _one_core_other_than(old: int) -> bool:
+    cores = _engine_cores()  # one read of /proc: the old core may vanish between two
+    return len(cores) == 1 and cores[0] != old
+
+
 def test_a_replica_whose_engine_core_died_is_replaced(serve_url: str) -> None:
     (core,) = _engine_cores()
     os.kill(core, signal.SIGKILL)
-    wait_until(lambda: len(_engine_cores()) == 1 and _engine_cores()[0] != core, 90,
-               "Serve to replace the replica whose engine core died")
+    wait_until(lambda: _one_core_other_than(core), 90, "Serve to replace the replica whose engine core died")
     wait_until(lambda: _replicas() == ["RUNNING"], 60, "the new replica to run")
     reply = _client(serve_url).completions.create(model="tiny", prompt="Hello", max_tokens=4)
     assert reply.usage.completion_tokens == 4
