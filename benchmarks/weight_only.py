@@ -15,6 +15,16 @@ perplexity on the HumanEval prompts, for
     .venv/bin/python benchmarks/weight_only.py [--model HF_DIR] [--group-size 32] [--batch-size 1 8]
         [--input-len 128] [--output-len 64] [--num-iters 3] [--num-prompts 64]
 
+With ``--format gptq-act-order`` the checkpoint is a GPTQ one with act-order (``desc_act``: each group of inputs
+taken in the order of a stand-in for GPTQ's Hessian diagonal, the summed squares of the input's column over the
+matrices that read it; symmetric round-to-nearest, no calibration), beside
+
+- ``gptq-in-order``: the same quantization with each group's inputs in order (what the act-order gather costs);
+- ``act-order@REV`` with ``--baseline-rev REV``: the act-order checkpoint served by that revision's tree.
+
+    .venv/bin/python benchmarks/weight_only.py --format gptq-act-order --group-size 128 --model DIR_OR_GGUF
+        [--baseline-rev REV]
+
 ``--model`` defaults to the built-in SmolLM2-135M-Instruct (its GGUF's converted directory); its 576 inputs take
 groups of 32 or 64, not llm-compressor's default 128. Each setting runs in a fresh process (load times as a server
 sees them). ``PAGELLM_NUM_THREADS`` sets the threads.
@@ -24,13 +34,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+
+# PAGELLM_BENCH_TREE: a baseline revision's exported tree (--baseline-rev) to import pagellm from, else this one.
+sys.path.insert(0, os.environ.get("PAGELLM_BENCH_TREE") or str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from quality import perplexity  # noqa: E402
@@ -38,8 +53,12 @@ from quality import perplexity  # noqa: E402
 from pagellm import LLM  # noqa: E402
 from pagellm.bench import latency  # noqa: E402
 from pagellm.bench.datasets import load_humaneval_prompts  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from startup import export  # noqa: E402
+
+from pagellm.model import compressed_tensors  # noqa: E402
 from pagellm.model.compressed_tensors import write_w4a16  # noqa: E402
-from pagellm.model.loader import resolve_model_dir  # noqa: E402
+from pagellm.model.loader import iter_weights, load_hf_config, resolve_model_dir  # noqa: E402
 from pagellm.ops import gemm  # noqa: E402
 
 
@@ -55,18 +74,73 @@ def measure(model: Path, quantization: str | None, args: argparse.Namespace, pro
             "format": gemm.weight_format(qkv) or "plain"}
 
 
-def in_own_process(model: Path, quantization: str | None, argv: list[str]) -> dict:
-    """``measure`` in a fresh interpreter: a load after another model's in the same process runs slower (its freed
-    memory is faulted in again), which would not be the load a server sees."""
+def in_own_process(model: Path, quantization: str | None, argv: list[str], tree: Path | None = None) -> dict:
+    """``measure`` in a fresh interpreter (with ``tree``'s pagellm where given): a load after another model's in the
+    same process runs slower (its freed memory is faulted in again), which would not be the load a server sees."""
     cmd = [sys.executable, __file__, *argv, "--measure", str(model), quantization or "none"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    env = {**os.environ, "PAGELLM_BENCH_TREE": str(tree)} if tree else None
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+_SAME_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # matrices that read one input
+
+
+def write_gptq(src: Path, out: Path, group_size: int, act_order: bool) -> Path:
+    """A 4-bit GPTQ checkpoint of ``src`` (symmetric, ``checkpoint_format: gptq``: zero points stored minus one),
+    round to nearest; with ``act_order`` each group takes the inputs of the next ``group_size`` largest summed
+    squares of their columns over the matrices that read the same input (one order for q, k and v, one for gate and
+    up), as GPTQ's act-order takes them by its Hessian's diagonal."""
+    tensors = {name: t.to(torch.bfloat16) if compressed_tensors._is_linear(name) else t.contiguous()
+               for name, t in iter_weights(src)}
+    linears = [name for name in tensors if compressed_tensors._is_linear(name)]
+    energy: dict[str, torch.Tensor] = {}
+    for name in linears:
+        base, _, part = name.removesuffix(".weight").rpartition(".")
+        key = f"{base}.{_SAME_INPUT.get(part, part)}"
+        energy[key] = energy.get(key, 0) + tensors[name].float().square().sum(0)
+    for name in linears:
+        w = tensors.pop(name).float()
+        n, k = w.shape
+        base, _, part = name.removesuffix(".weight").rpartition(".")
+        order = torch.argsort(energy[f"{base}.{_SAME_INPUT.get(part, part)}"], descending=True, stable=True) \
+            if act_order else torch.arange(k)
+        g = torch.empty(k, dtype=torch.int64)
+        g[order] = torch.arange(k) // group_size
+        top = w[:, order].view(n, k // group_size, group_size).abs().amax(2)  # group i: inputs order[i·size ...]
+        s = (2 * top / 15).to(torch.float16)
+        q = (torch.round(w / torch.where(s > 0, s.float(), 1.0)[:, g]) + 8).clamp(0, 15).to(torch.int64)
+        layer = name.removesuffix(".weight")
+        tensors[f"{layer}.qweight"] = _pack_int32(q.t().contiguous().view(k // 8, 8, n).transpose(1, 2))
+        tensors[f"{layer}.qzeros"] = _pack_int32(torch.full((k // group_size, n // 8, 8), 7))
+        tensors[f"{layer}.scales"] = s.t().contiguous()
+        tensors[f"{layer}.g_idx"] = g.to(torch.int32)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = {**load_hf_config(src), "quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order, "sym": True,
+        "checkpoint_format": "gptq"}}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    for path in src.iterdir():  # tokenizer and generation files
+        if path.is_file() and path.name != "config.json" and not path.name.endswith(".safetensors") and \
+                path.name != "model.safetensors.index.json":
+            shutil.copy2(path, out / path.name)
+    return out
+
+
+def _pack_int32(values: torch.Tensor) -> torch.Tensor:
+    """[..., 8] values of 4 bits packed into int32 words, value ``i`` in bits ``4i``."""
+    words = (values.to(torch.int64) << (4 * torch.arange(8))).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a float Hugging Face directory (default: the built-in model)")
     parser.add_argument("--group-size", type=int, default=32)
+    parser.add_argument("--format", choices=["compressed-tensors", "gptq-act-order"], default="compressed-tensors")
+    parser.add_argument("--baseline-rev", default=None, help="with gptq-act-order: also serve the act-order "
+                        "checkpoint from this git revision's tree")
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
@@ -83,21 +157,31 @@ def main() -> None:
     src = resolve_model_dir(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        ckpt = write_w4a16(src, Path(tmp) / "w4a16", group_size=args.group_size)
-        print(f"wrote the W4A16 checkpoint (groups of {args.group_size}) in {time.perf_counter() - start:.1f} s",
-              flush=True)
-        settings = {"float": (src, None), "w4a16": (ckpt, None), "w4a16+w4a8_int4": (ckpt, "w4a8_int4"),
-                    "w4a16+w8a8_int8": (ckpt, "w8a8_int8"), "float+w4a8_int4": (src, "w4a8_int4"),
-                    "float+w4a16_int4": (src, "w4a16_int4")}
-        results = run_settings(settings, argv)
+        if args.format == "gptq-act-order":
+            ckpt = write_gptq(src, Path(tmp) / "act-order", args.group_size, act_order=True)
+            settings = {"float": (src, None), "act-order": (ckpt, None),
+                        "act-order+w4a8_int4": (ckpt, "w4a8_int4"),
+                        "gptq-in-order": (write_gptq(src, Path(tmp) / "in-order", args.group_size, False), None)}
+            if args.baseline_rev:
+                tree = export(args.baseline_rev, Path(tmp) / "baseline")
+                settings[f"act-order@{args.baseline_rev}"] = (ckpt, None, tree)
+        else:
+            ckpt = write_w4a16(src, Path(tmp) / "w4a16", group_size=args.group_size)
+            settings = {"float": (src, None), "w4a16": (ckpt, None), "w4a16+w4a8_int4": (ckpt, "w4a8_int4"),
+                        "w4a16+w8a8_int8": (ckpt, "w8a8_int8"), "float+w4a8_int4": (src, "w4a8_int4"),
+                        "float+w4a16_int4": (src, "w4a16_int4")}
+        print(f"wrote the {args.format} checkpoint (groups of {args.group_size}) in "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
+        results = run_settings(settings, [a for a in argv if a != "--baseline-rev" and a != args.baseline_rev])
     print_table(results, args.batch_size)
 
 
-def run_settings(settings: dict[str, tuple[Path, str | None]], argv: list[str]) -> dict[str, dict]:
-    """Each setting's ``measure`` (a model and its ``--quantization``) in its own process, printed as it comes."""
+def run_settings(settings: dict[str, tuple], argv: list[str]) -> dict[str, dict]:
+    """Each setting's ``measure`` (a model, its ``--quantization`` and optionally the tree to run) in its own
+    process, printed as it comes."""
     results = {}
-    for name, (model, quantization) in settings.items():
-        results[name] = in_own_process(model, quantization, argv)
+    for name, setting in settings.items():
+        results[name] = in_own_process(*setting[:2], argv, *setting[2:])
         print(f"{name}: {results[name]}", flush=True)
     return results
 

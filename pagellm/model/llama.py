@@ -204,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         # A quantized checkpoint's scales: only its quantized layers have them (the others keep float weights).
         missing = {name for name in params if not (self.cfg.tie_word_embeddings and name == "lm_head.weight")
-                   and not name.endswith((".weight_scale", ".weight_groups"))}
+                   and not name.endswith((".weight_scale", ".weight_groups", ".input_order"))}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue

@@ -23,7 +23,11 @@ checkpoint and pagellm compute with the same weights. With ``groups=True`` (a 4-
 checkpoint's own scheme, which the worker picks in bfloat16 where it runs, or ``--quantization w4a8_int4``) a layer
 becomes ``<layer>.weight`` holding ``q`` itself and ``<layer>.weight_groups`` [N, K / 32, 2], each 32 inputs'
 ``(d, m) = (s, -z · s)``: the 4-bit kernels' Q4_1 form of the same weights, which keeps ``q`` and ``s`` as they are
-(``m`` rounds to float16 where ``z · s`` needs more bits; symmetric schemes' ``-8 · s`` does not).
+(``m`` rounds to float16 where ``z · s`` needs more bits; symmetric schemes' ``-8 · s`` does not). An act-order GPTQ
+layer (``desc_act``: each group takes inputs from all over the row) comes with its inputs sorted by group first:
+``<layer>.input_order`` [K] (input ``j`` of the kernel's weight is the layer's input ``order[j]``, the groups' inputs
+in their stored order), then ``q`` and its groups over the sorted inputs; the kernels take each row's inputs in that
+order (``gemm.input_order``).
 """
 
 from __future__ import annotations
@@ -197,9 +201,9 @@ def groups_of(ws: WeightOnly, q: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
     g = torch.arange(k) // (k // s.shape[1]) if g is None else g
     first = g[::GROUP]
     if not torch.equal(g.view(-1, GROUP), first[:, None].expand(-1, GROUP)):
-        raise GroupsDoNotFit(f"the 4-bit kernels need each {GROUP} consecutive inputs of a layer in one group; this "
-                             f"{ws.method} checkpoint's groups are smaller or out of order (act-order, desc_act). "
-                             "Serve it without --quantization (its weights are then dequantized)")
+        raise GroupsDoNotFit(f"the 4-bit kernels need each {GROUP} consecutive inputs of a layer (sorted by group) in "
+                             f"one group; this {ws.method} checkpoint has groups that are not whole runs of {GROUP} "
+                             "inputs. Serve it without --quantization (its weights are then dequantized)")
     d = s[:, first].to(torch.float16)
     m = (-(z[:, first].float() * s[:, first].float())).to(torch.float16)
     if not (torch.isfinite(d).all() and torch.isfinite(m).all()):
@@ -231,20 +235,23 @@ def weights(stream: Iterable[tuple[str, torch.Tensor]], names: set[str], ws: Wei
 
 def _emit(layer: str, got: dict[str, torch.Tensor], ws: WeightOnly, groups: bool) -> Iterator[tuple[str, torch.Tensor]]:
     q, z, s, g = _layer(ws, got)
-    if groups and layer.split(".")[-1] != "lm_head":
-        yield f"{layer}.weight", q
-        yield f"{layer}.weight_groups", groups_of(ws, q, z, s, g)
-    else:
+    if not groups or layer.split(".")[-1] == "lm_head":
         yield f"{layer}.weight", dequantize(q, z, s, g)
+        return
+    order = None if g is None else torch.sort(g, stable=True).indices
+    if order is not None and not torch.equal(order, torch.arange(g.numel())):
+        yield f"{layer}.input_order", order  # first: the layer's loaders know its order before its weight is packed
+        q, g = q[:, order].contiguous(), g[order]
+    yield f"{layer}.weight", q
+    yield f"{layer}.weight_groups", groups_of(ws, q, z, s, g)
 
 
 def four_bit_fits(hf_config: dict[str, Any]) -> bool:
     """Whether a weight-only checkpoint's weights map onto the 4-bit kernels' groups, as far as its config says: 4
-    bits, groups a multiple of 32 inputs (or whole rows), not act-order."""
+    bits, groups a multiple of 32 inputs (or whole rows), in order or not (act-order)."""
     quant = hf_config.get("quantization_config")
     ws = scheme(quant) if quant else None
-    return ws is not None and ws.bits == 4 and not (ws.group_size > 0 and ws.group_size % GROUP) and \
-        not quant.get("desc_act")
+    return ws is not None and ws.bits == 4 and not (ws.group_size > 0 and ws.group_size % GROUP)
 
 
 def four_bit_hint(hf_config: dict[str, Any]) -> str | None:

@@ -57,10 +57,14 @@ def _reduce_callback(all_reduce: Callable[[torch.Tensor], object], errors: list[
     return _Reduce(call)
 
 
+_GEMMS = ("qkv", "o", "gate_up", "down")  # a layer's GEMM weights
+
+
 class _Layer(ctypes.Structure):  # csrc StackLayer
     _fields_ = [(name, _P) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down",
                                         "k_cache", "v_cache", "q_norm", "k_norm", "moe")]
     _fields_ += [("windowed", _I)]
+    _fields_ += [(f"{name}_order", _P) for name in _GEMMS]
 
 
 class _Shape(ctypes.Structure):  # csrc StackShape
@@ -183,11 +187,15 @@ def _checked_tensors(layers: list[LayerWeights], final_norm: torch.Tensor, cos: 
             not all(t.is_contiguous() for t in (*vectors, *gemms)):
         raise ValueError(f"the native decoder stack takes contiguous bfloat16 weights ({weight_format} GEMM "
                          "weights)")
+    orders = [(t, order) for t in gemms if (order := gemm.input_order(t)) is not None]
+    if any(order.dtype != torch.int64 or not order.is_contiguous() or order.shape != (gemm.packed_shape(t)[1],)
+           for t, order in orders):
+        raise ValueError("an act-order GEMM weight's input order must be contiguous int64 [K]")
     if any((w.moe is None) == (w.gate_up is None or w.down is None) or
            (w.moe is not None and (not w.moe.routes or w.moe.weight_format != weight_format)) for w in layers):
         raise ValueError("each layer of the native decoder stack takes gate_up and down, or routed experts "
                          f"(moe) of the stack's format ({weight_format})")
-    return [*vectors, *gemms, *(w.moe for w in layers if w.moe is not None)]
+    return [*vectors, *gemms, *(order for _, order in orders), *(w.moe for w in layers if w.moe is not None)]
 
 
 class DecoderStack:
@@ -218,6 +226,9 @@ class DecoderStack:
                 setattr(slot, name, _ptr(getattr(w, name)))
             slot.moe = None if w.moe is None else w.moe.address
             slot.windowed = int(w.sliding_window is not None)
+            for name in _GEMMS:
+                weight = getattr(w, name)
+                setattr(slot, f"{name}_order", None if weight is None else _ptr(gemm.input_order(weight)))
         self._shape = _Shape(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate, 1, 0,
                              cos.shape[0], cos.shape[1], shape.eps, shape.scale, 0)
 

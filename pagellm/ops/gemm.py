@@ -9,7 +9,9 @@ differs from ``F.linear`` on the plain weight only by rounding. Each output's su
 so a row's result is bit for bit the same whatever the batch around it and the thread count. ``rows`` /
 ``unpack`` read plain rows back out of a packed matrix (the embedding lookup of a tied LM head, consumers that
 need the plain weight). Weights quantized for ``--quantization w8a8_int8`` (``gemm_w8a8.py``) take the same calls:
-``linear``, ``plain`` and ``weight_format`` dispatch on how a weight is packed.
+``linear``, ``plain`` and ``weight_format`` dispatch on how a weight is packed. A 4-bit weight packed with its
+inputs in an order of their own (an act-order GPTQ checkpoint's, ``input_order``) takes its rows' inputs in that
+order: ``linear`` gathers them first, and ``plain`` puts its columns back.
 
 The kernel needs AVX-512 BF16, or AVX2 + FMA (``csrc/packed_gemm_avx2.h``: each half line widens to float32 and the
 products are float32 FMAs, for AMD Zen 2/3 and older Intel CPUs), and a C++ compiler; ``available()`` says whether
@@ -211,6 +213,12 @@ def pack_parameter(param: torch.nn.Parameter) -> bool:
     return True
 
 
+def input_order(weight: torch.Tensor) -> torch.Tensor | None:
+    """The order int64 [K] in which a packed weight takes its inputs (its column ``j`` is the plain weight's column
+    ``order[j]``), or ``None``: in order."""
+    return getattr(weight, "input_order", None)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, W, bias)`` for a plain weight ``W`` or a packed one (then through the native kernel)."""
     shape = packed_shape(weight)
@@ -218,17 +226,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     if x.dtype == torch.bfloat16:
         kernel = QUANTIZED.get(weight_format(weight))  # type: ignore[arg-type]
-        return (kernel.packed_linear if kernel else packed_linear)(x, weight, shape[0], bias)
+        order = input_order(weight)
+        rows = x if order is None else x.index_select(-1, order)
+        return (kernel.packed_linear if kernel else packed_linear)(rows, weight, shape[0], bias)
     return F.linear(x, plain(weight).to(x.dtype), bias)
 
 
 def plain(weight: torch.Tensor) -> torch.Tensor:
-    """The plain ``[N, K]`` weight: the tensor itself, or a new unpacked (dequantized) copy of a packed one."""
+    """The plain ``[N, K]`` weight: the tensor itself, or a new unpacked (dequantized) copy of a packed one, its
+    columns in the inputs' order."""
     shape = packed_shape(weight)
     if shape is None:
         return weight
     kernel = QUANTIZED.get(weight_format(weight))  # type: ignore[arg-type]
-    return kernel.dequantize(weight, *shape) if kernel else unpack(weight, *shape)
+    w = kernel.dequantize(weight, *shape) if kernel else unpack(weight, *shape)
+    order = input_order(weight)
+    if order is None:
+        return w
+    out = torch.empty_like(w)
+    out[:, order] = w
+    return out
 
 
 def weight_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

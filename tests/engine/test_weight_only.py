@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
@@ -24,7 +25,11 @@ from safetensors.torch import load_file, save_file
 from test_parity import _prompts, assert_greedy_parity, run
 
 from pagellm import LLM, SamplingParams
+from pagellm.distributed.groups import ParallelState
 from pagellm.model import weight_only
+from pagellm.model.arch import ArchConfig
+from pagellm.model.loader import iter_weights, load_hf_config
+from pagellm.model.registry import build_model
 from pagellm.model.compressed_tensors import scheme_of, write_w4a16
 from pagellm.ops import gemm, gemm_w4a8, gemm_w4a16
 
@@ -100,13 +105,19 @@ def _write(src: Path, out: Path, config: dict, tensors: dict) -> Path:
     return out
 
 
-def _checkpoint(src: Path, out: Path, kind: str, group: int | None = None) -> tuple[Path, dict[str, tuple]]:
-    """``kind``'s checkpoint of ``src`` in ``out`` (groups of ``group`` inputs: by default 64 for GPTQ, else 32),
-    and each quantized layer's ``(q, z, s, g)``."""
-    group = group or (64 if kind.startswith("gptq") else 32)
+# The matrices that take one input, whose act-order is one (GPTQ orders a layer's inputs by its inputs' Hessian).
+_SAME_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj", "w3": "w1"}
+
+
+def _checkpoint(src: Path, out: Path, kind: str, group: int | None = None,
+                own_orders: bool = False) -> tuple[Path, dict[str, tuple]]:
+    """``kind``'s checkpoint of ``src`` in ``out`` (groups of ``group`` inputs: by default 64 for GPTQ in order, else
+    32), and each quantized layer's ``(q, z, s, g)``. Act-order: the matrices of one input share its order, as GPTQ's
+    do (with ``own_orders`` each takes its own)."""
+    group = group or (64 if kind in ("gptq", "gptq-8bit") else 32)
     dtype = torch.bfloat16 if kind.startswith("ct") else torch.float16
     config = json.loads((src / "config.json").read_text())
-    tensors, layers = {}, {}
+    tensors, layers, orders = {}, {}, {}
     for name, w in load_file(src / "model.safetensors").items():
         layer = name.removesuffix(".weight")
         if not (name.endswith(".weight") and layer.split(".")[-1] in LINEARS):
@@ -114,7 +125,10 @@ def _checkpoint(src: Path, out: Path, kind: str, group: int | None = None) -> tu
             continue
         g = None
         if kind == "gptq-act-order":  # inputs in an order of their own: each group takes scattered inputs
-            perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(len(layers)))
+            base, _, part = layer.rpartition(".")
+            key = layer if own_orders else f"{base}.{_SAME_INPUT.get(part, part)}"
+            perm = orders.setdefault(key, torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(
+                len(orders))))
             g = torch.empty(w.shape[1], dtype=torch.int64)
             g[perm] = torch.arange(w.shape[1]) // group
         layers[layer] = _rtn(w, group, kind not in ("ct-asymmetric", "awq"), dtype, g, 8 if "8bit" in kind else 4)
@@ -180,16 +194,19 @@ def test_float32_serving_loads_the_librarys_weights_and_matches_transformers(qua
 
 @kernel
 @pytest.mark.parametrize("quantization", ["w4a8_int4", "w4a16_int4", None])
-def test_four_bit_kernels_keep_the_checkpoints_integers_and_scales(quantized, quantization: str | None) -> None:
-    """``w4a8_int4`` and ``w4a16_int4`` pack the checkpoint's own integers, scales and zero points; with no flag a
-    bfloat16 model takes ``w4a16_int4`` (the checkpoint's own scheme) where it runs and the groups fit, else the
-    dequantized weights."""
+def test_four_bit_kernels_keep_the_checkpoints_integers_and_scales(quantized, quantization: str | None,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``w4a8_int4`` and ``w4a16_int4`` pack the checkpoint's own integers, scales and zero points (an act-order
+    layer's with its inputs sorted by group, which the packed weight takes in that order); with no flag a bfloat16
+    model takes ``w4a16_int4`` (the checkpoint's own scheme) where it runs and the groups fit, else the dequantized
+    weights. Each layer computes ``x · Wᵀ`` over the checkpoint's weights, and the native stack's greedy tokens are
+    the Python layers'."""
     kind, ckpt, layers, _ = quantized
     if quantization == "w4a16_int4" and not gemm_w4a16.available():
         pytest.skip("the W4A16 kernel needs AVX-512 BF16 and VNNI")
-    fits = kind not in ("gptq-act-order", "gptq-8bit")
+    fits = kind != "gptq-8bit"
     if quantization and not fits:
-        with pytest.raises(ValueError, match="act-order" if kind == "gptq-act-order" else "8-bit weights"):
+        with pytest.raises(ValueError, match="8-bit weights"):
             LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24, quantization=quantization)
         return
     llm = LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24, quantization=quantization)
@@ -202,16 +219,33 @@ def test_four_bit_kernels_keep_the_checkpoints_integers_and_scales(quantized, qu
         assert gemm.weight_format(linear.weight) == expected and not hasattr(linear, "weight_groups")
         if expected == "bf16":
             continue
-        n, k = gemm.packed_shape(linear.weight)
-        q, d, m = gemm_w4a8.unpack(linear.weight.data, n, k)
         prefix = f"model.layers.1.{ours.split('.')[0]}."
         want = [layers[prefix + part] for part in parts]
-        assert torch.equal(q.to(torch.int16), torch.cat([w[0] for w in want]))
-        assert torch.equal(d, torch.cat([w[2][:, w[3][::32]].half() for w in want]))
-        assert torch.equal(m, torch.cat([(-(w[1] * w[2].float()))[:, w[3][::32]].half() for w in want]))
+        _assert_packed_as_the_checkpoint(linear.weight, want, kind == "gptq-act-order")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    out = llm.generate(_prompts(seed=3), params, use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+    out = [o.outputs[0].token_ids for o in llm.generate(_prompts(seed=3), params, use_tqdm=False)]
+    assert all(len(tokens) == 8 for tokens in out)
+    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "0")
+    assert [o.outputs[0].token_ids for o in llm.generate(_prompts(seed=3), params, use_tqdm=False)] == out
+
+
+def _assert_packed_as_the_checkpoint(weight: torch.Tensor, want: list[tuple], act_order: bool) -> None:
+    """A packed 4-bit weight holds the checkpoint's ``(q, z, s, g)`` of its fused matrices (their inputs sorted by
+    group where ``act_order``), gives back their weights in the inputs' order and computes ``x · Wᵀ`` over them."""
+    n, k = gemm.packed_shape(weight)
+    q, d, m = gemm_w4a8.unpack(weight.data, n, k)
+    order = gemm.input_order(weight)
+    assert (order is not None) == act_order
+    cols = torch.sort(want[0][3], stable=True).indices if act_order else torch.arange(k)
+    assert order is None or torch.equal(order, cols)
+    assert torch.equal(q.to(torch.int16), torch.cat([w[0][:, cols] for w in want]))
+    assert torch.equal(d, torch.cat([w[2][:, w[3][cols][::32]].half() for w in want]))
+    assert torch.equal(m, torch.cat([(-(w[1] * w[2].float()))[:, w[3][cols][::32]].half() for w in want]))
+    dense = torch.cat([weight_only.dequantize(*w).float() for w in want])
+    torch.testing.assert_close(gemm.plain(weight).float(), dense, rtol=1e-2, atol=1e-3)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    y, ref = gemm.linear(x, weight).float(), F.linear(x.float(), dense)
+    assert (y - ref).norm() / ref.norm() < 0.02  # int8 activations (w4a8) round each x by 1/254 of its row's max
 
 
 def test_schemes_pagellm_does_not_read_are_refused_by_name() -> None:
@@ -232,7 +266,7 @@ def test_schemes_pagellm_does_not_read_are_refused_by_name() -> None:
 def test_the_four_bit_hint_names_what_keeps_the_weights() -> None:
     hint = weight_only.four_bit_hint({"quantization_config": _quant_config("gptq", 128)})
     assert hint is not None and "--quantization w4a8_int4" in hint and "gptq" in hint
-    assert weight_only.four_bit_hint({"quantization_config": _quant_config("gptq-act-order", 128)}) is None
+    assert "gptq" in weight_only.four_bit_hint({"quantization_config": _quant_config("gptq-act-order", 128)})
     assert weight_only.four_bit_hint({"quantization_config": {"quant_method": "gptq", "bits": 8}}) is None
     assert weight_only.four_bit_hint({}) is None
 
@@ -253,10 +287,11 @@ def _reference(src: Path, out: Path, layers: dict[str, tuple]) -> Path:
     return _write(src, out, json.loads((src / "config.json").read_text()), dense)
 
 
-def _gptq_parity_then_four_bits(src: Path, tmp_path: Path, seed: int) -> tuple[LLM | None, dict[str, tuple]]:
+def _gptq_parity_then_four_bits(src: Path, tmp_path: Path, seed: int,
+                                kind: str = "gptq") -> tuple[LLM | None, dict[str, tuple]]:
     """A GPTQ checkpoint of ``src``: its float32 greedy tokens held to transformers' over its dequantized weights;
     then, where the 4-bit kernel runs, the checkpoint served with ``w4a8_int4`` (else ``None``), and its layers."""
-    ckpt, layers = _checkpoint(src, tmp_path / "gptq", "gptq")
+    ckpt, layers = _checkpoint(src, tmp_path / "gptq", kind)
     prompts = _prompts(seed=seed)
     llm = LLM(str(ckpt), dtype="float32", kv_cache_memory=1 << 24, max_num_batched_tokens=40)
     assert_greedy_parity(_reference(src, tmp_path / "reference", layers), prompts, run(llm, prompts))
@@ -265,21 +300,25 @@ def _gptq_parity_then_four_bits(src: Path, tmp_path: Path, seed: int) -> tuple[L
     return LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24, quantization="w4a8_int4"), layers
 
 
+@pytest.mark.parametrize("kind", ["gptq", "gptq-act-order"])
 def test_a_gptq_mixture_of_experts_matches_transformers_and_keeps_its_experts_in_four_bits(tiny_model_factory,
-                                                                                        tmp_path: Path) -> None:
+                                                                                        tmp_path: Path,
+                                                                                        kind: str) -> None:
     """A Mixtral GPTQ checkpoint: every expert's w1/w2/w3 is quantized (the router is not). In float32 its tokens
     are transformers'; with w4a8_int4 each expert's fused gate/up and its down projection hold the checkpoint's own
-    integers."""
-    llm, layers = _gptq_parity_then_four_bits(tiny_model_factory("mixtral"), tmp_path, seed=5)
+    integers and compute over its weights. Act-order experts take their inputs through the Python experts' loop
+    (each expert's rows gathered in its order), not the native experts' call."""
+    llm, layers = _gptq_parity_then_four_bits(tiny_model_factory("mixtral"), tmp_path, seed=5, kind=kind)
     assert sum(".experts." in layer for layer in layers) == 2 * 4 * 3
     if llm is None:
         return
-    expert = _model(llm).model.layers[0].mlp.experts[2]
+    mlp = _model(llm).model.layers[0].mlp
     prefix = "model.layers.0.block_sparse_moe.experts.2."
-    for linear, parts in ((expert.gate_up_proj, ("w1", "w3")), (expert.down_proj, ("w2",))):
+    for linear, parts in ((mlp.experts[2].gate_up_proj, ("w1", "w3")), (mlp.experts[2].down_proj, ("w2",))):
         assert gemm.weight_format(linear.weight) == gemm_w4a8.FORMAT
-        q, _, _ = gemm_w4a8.unpack(linear.weight.data, *gemm.packed_shape(linear.weight))
-        assert torch.equal(q.to(torch.int16), torch.cat([layers[prefix + part][0] for part in parts]))
+        _assert_packed_as_the_checkpoint(linear.weight, [layers[prefix + part] for part in parts],
+                                         kind == "gptq-act-order")
+    assert (mlp.native_experts() is None) == (kind == "gptq-act-order")
     assert len(run(llm, _prompts(seed=5))[0]) > 0
 
 
@@ -335,22 +374,32 @@ def test_a_layer_whose_tensors_lie_in_different_shards(tiny_llama: Path, tmp_pat
     assert torch.equal(down, weight_only.dequantize(*layers["model.layers.0.mlp.down_proj"]).float())
 
 
-def test_an_act_order_checkpoint_whose_config_does_not_say_so_is_dequantized(tiny_llama: Path, tmp_path: Path) -> None:
-    """A GPTQ checkpoint whose g_idx is out of order though its config says ``desc_act: false``: the worker picks
-    ``w4a16_int4`` from the config, finds a layer whose groups do not fit the 4-bit kernels, and loads the weights
-    dequantized instead; with the kernel asked for by name it is refused by name."""
-    ckpt, layers = _checkpoint(tiny_llama, tmp_path / "gptq", "gptq-act-order")
-    config = json.loads((ckpt / "config.json").read_text())
-    config["quantization_config"]["desc_act"] = False
-    (ckpt / "config.json").write_text(json.dumps(config))
+def test_fused_matrices_in_different_orders_are_dequantized(tiny_llama: Path, tmp_path: Path) -> None:
+    """An act-order GPTQ checkpoint whose q, k and v (and gate and up) take their inputs in different orders (GPTQ
+    gives matrices of one input one order; this one does not): the worker picks ``w4a16_int4`` from the config,
+    finds a fused layer whose matrices cannot share one gathered input, and loads the weights dequantized instead;
+    with the kernel asked for by name it is refused by name."""
+    ckpt, layers = _checkpoint(tiny_llama, tmp_path / "gptq", "gptq-act-order", own_orders=True)
     llm = LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24)
     down = _model(llm).model.layers[0].mlp.down_proj.weight
     assert gemm.weight_format(down) in ("bf16", None)
     assert torch.equal(gemm.plain(down), weight_only.dequantize(*layers["model.layers.0.mlp.down_proj"])
                        .to(torch.bfloat16))
     if gemm_w4a16.available():
-        with pytest.raises(weight_only.GroupsDoNotFit, match="act-order"):
+        with pytest.raises(weight_only.GroupsDoNotFit, match="different orders"):
             LLM(str(ckpt), dtype="bfloat16", kv_cache_memory=1 << 24, quantization="w4a16_int4")
+
+
+@kernel
+def test_an_act_order_layer_split_over_ranks_is_refused(tiny_llama: Path, tmp_path: Path) -> None:
+    """Under tensor parallelism a row-parallel layer (o_proj, down_proj) takes a slice of its inputs on each rank,
+    and an act-order group's inputs lie on every rank: its 4-bit weights are refused by name (the worker then loads
+    the checkpoint dequantized, as for any groups that do not fit)."""
+    ckpt, _ = _checkpoint(tiny_llama, tmp_path / "gptq", "gptq-act-order")
+    model = build_model(ArchConfig.from_hf(load_hf_config(ckpt)), torch.bfloat16, ParallelState(tp_rank=1, tp_size=2))
+    with pytest.raises(weight_only.GroupsDoNotFit, match="act-order 4-bit layer's groups take inputs from every "
+                                                         "tensor-parallel rank's slice"):
+        model.load_weights(iter_weights(ckpt, groups=True), gemm_w4a8.FORMAT)
 
 
 def test_groups_that_do_not_divide_the_inputs(tiny_llama: Path, tmp_path: Path) -> None:

@@ -205,6 +205,27 @@ def test_native_stack_over_quantized_weights_equals_the_python_layers(monkeypatc
                                           ids, positions)
 
 
+@pytest.mark.skipif(not gemm_w8a8.available(), reason="the 4-bit GEMM needs AVX-512 VNNI")
+@pytest.mark.parametrize("quantization", ["w4a8_int4", "w4a16_int4"])
+@pytest.mark.parametrize("intermediate", [160, 168], ids=["gate-up-one-pass", "gate-up-two-calls"])
+def test_native_stack_over_act_order_weights_equals_the_python_layers(monkeypatch: pytest.MonkeyPatch,
+                                                                      intermediate: int, quantization: str) -> None:
+    """4-bit weights whose inputs come in an order of their own (an act-order GPTQ checkpoint's, ``input_order``):
+    the stack reorders each GEMM's input rows as the Python layers' ``index_select`` does, and so uses the orders:
+    the same weights taken in order give other hidden states."""
+    if quantization == "w4a16_int4" and not gemm_w4a16.available():
+        pytest.skip("the W4A16 kernel needs AVX-512 BF16 and VNNI")
+    model = _model(64, True, quantization=quantization, intermediate=intermediate)
+    gen = torch.Generator().manual_seed(7)
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            linear.weight.input_order = torch.randperm(gemm.packed_shape(linear.weight)[1], generator=gen)
+    ids, positions, common = _mixed_step(model.cfg.vocab_size)
+    _stack_equals_python_and_differs_from(model, _model(64, True, quantization=quantization,
+                                                        intermediate=intermediate), monkeypatch, common, ids,
+                                          positions)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 def test_native_stack_with_float8_caches_equals_the_python_layers(monkeypatch: pytest.MonkeyPatch,
                                                                   kv_dtype: torch.dtype) -> None:

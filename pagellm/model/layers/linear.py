@@ -11,6 +11,8 @@ each weight, and loaders refuse to write into a packed model. float32 weights st
 ``quantization`` (``ModelConfig.quantization``), these layers' weights are quantized and packed for the int8 kernel
 (``ops.gemm_w8a8``) or the 4-bit ones (``ops.gemm_w4a8``, ``ops.gemm_w4a16``) instead, each as soon as all of it
 has loaded (``loaded_whole``), so the load never holds the whole model in bfloat16; the LM head stays bfloat16.
+A 4-bit checkpoint's act-order layer comes with the order its packed inputs take (``input_order``, the same for the
+matrices fused into one layer), which the packed weight keeps (``gemm.input_order``).
 """
 
 from __future__ import annotations
@@ -81,8 +83,10 @@ class ColumnParallelLinear(nn.Module):
 
     def expect_groups(self) -> None:
         """The checkpoint keeps 4-bit weights (``model/weight_only.py``): take each 32 inputs' ``(d, m)``
-        [N, K / 32, 2] beside the weight's integers (sharded as the weight's rows are)."""
+        [N, K / 32, 2] beside the weight's integers (sharded as the weight's rows are), and an act-order layer's
+        ``input_order`` (every rank's, one for all the fused matrices)."""
         self.weight_groups = _groups_param(self.weight.shape, lambda p, t, shard=0: self._load(p, t, shard))
+        self.input_order = _order_param(self.weight.shape[1], _load_order)
 
     def quantize_weight(self, method: str) -> bool:
         return _quantize(self, method, len(self.shard_sizes))
@@ -137,8 +141,15 @@ class RowParallelLinear(nn.Module):
 
     def expect_groups(self) -> None:
         """The checkpoint keeps 4-bit weights: take each 32 inputs' ``(d, m)`` [N, K / 32, 2] (this rank's inputs'
-        groups)."""
+        groups), and an act-order layer's ``input_order`` (on one rank only: the ranks' inputs are not its runs)."""
         self.weight_groups = _groups_param(self.weight.shape, self._load_groups)
+        self.input_order = _order_param(self.in_shard, self._load_order)
+
+    def _load_order(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        if self.parallel.tp_size > 1:
+            raise GroupsDoNotFit("an act-order 4-bit layer's groups take inputs from every tensor-parallel rank's "
+                                 "slice; serve this checkpoint on one rank to keep its 4-bit weights")
+        _load_order(param, loaded, shard_id)
 
     def _load_groups(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         size = param.shape[1]
@@ -200,6 +211,22 @@ def _groups_param(weight_shape: torch.Size, load) -> nn.Parameter:  # noqa: ANN0
     return param
 
 
+def _order_param(inputs: int, load) -> nn.Parameter:  # noqa: ANN001
+    """An int64 [K] Parameter for an act-order layer's ``input_order``, whose loader records each shard it loads."""
+    param = _param((inputs,), torch.int64, load)
+    param.loaded = set()  # type: ignore[attr-defined]
+    return param
+
+
+def _load_order(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str = 0) -> None:
+    """One matrix's ``input_order``: the first sets the layer's; each other fused matrix must take the same."""
+    if param.loaded and not torch.equal(param.data, loaded):
+        raise GroupsDoNotFit("the matrices fused into one layer (q/k/v or gate/up) take their inputs in different "
+                             "orders (act-order); their 4-bit weights cannot share one pass")
+    _copy(param.data, loaded, "input order")
+    param.loaded.add(shard_id)  # type: ignore[attr-defined]
+
+
 def _quantize(layer: nn.Module, method: str, shards: int) -> bool:
     """Quantize and pack ``layer.weight`` for ``method``, or pack the int8 weight and scales a quantized checkpoint
     gave it (``expect_scales``; all ``shards`` of a fused layer, or none: a layer such a checkpoint left in float,
@@ -230,20 +257,26 @@ def _quantize(layer: nn.Module, method: str, shards: int) -> bool:
 
 def _pack_groups(layer: nn.Module, method: str, shards: int) -> bool:
     """Pack the 4-bit integers and groups a weight-only checkpoint gave the layer (``expect_groups``)."""
-    groups = layer.weight_groups
-    del layer.weight_groups
+    groups, order = layer.weight_groups, layer.input_order
+    del layer.weight_groups, layer.input_order
     if method not in gemm.FOUR_BIT:
         raise ValueError(f"this checkpoint's 4-bit groups pack only for {' or '.join(gemm.FOUR_BIT)}, not {method}")
     kernel = gemm.QUANTIZED[method]
     if not groups.loaded:  # a layer the checkpoint left in float (or a float model): quantized here
         kernel.quantize_parameter(layer.weight)
         return True
+    if order.loaded and order.loaded != groups.loaded:
+        raise GroupsDoNotFit("the 4-bit matrices fused into one layer (q/k/v or gate/up) are not all act-order; "
+                             "their inputs would need two orders in one pass")
     d, m = groups[..., 0].half(), groups[..., 1].half()  # the weight holds the integers (exact in bfloat16)
     if len(groups.loaded) != shards:  # fused matrices some of which came in float (a GGUF's Q6_K v beside Q4_K q, k)
         for rows in _float_rows(layer, groups.loaded):
-            q, d[rows], m[rows] = gemm_w4a8.quantize(layer.weight.data[rows])
+            w = layer.weight.data[rows] if not order.loaded else layer.weight.data[rows][:, order.data]
+            q, d[rows], m[rows] = gemm_w4a8.quantize(w)
             layer.weight.data[rows] = q[:, :layer.weight.shape[1]].to(torch.bfloat16)
     kernel.quantize_parameter(layer.weight, (d, m))
+    if order.loaded:
+        layer.weight.input_order = order.data  # type: ignore[attr-defined]
     return True
 
 

@@ -119,7 +119,8 @@ class SparseMoeBlock(nn.Module):
 
     def native_experts(self) -> moe_kernel.Experts | None:
         """The experts bound to the native call, made on first use (after loading packed them), or ``None`` where
-        it does not run: weights left plain (float32, no kernel here) or a library that does not build. With every
+        it does not run: weights left plain (float32, no kernel here) or act-order (their inputs gathered per
+        expert: the Python loop's ``gemm.linear``), or a library that does not build. With every
         expert on this rank and a packed router it routes too (``routes``; the native decoder stack calls it)."""
         native = self.__dict__.get("_native_experts", _UNBUILT)
         if native is _UNBUILT:
@@ -130,7 +131,8 @@ class SparseMoeBlock(nn.Module):
                           self.shared_expert_gate.weight)
             formats = {gemm.weight_format(w) for w in (*weights, *(shared[:2] if shared else ()))}
             native = None
-            if moe_kernel.available() and len(formats) == 1 and None not in formats:
+            in_order = all(gemm.input_order(w) is None for w in (*weights, *(shared[:2] if shared else ())))
+            if moe_kernel.available() and len(formats) == 1 and None not in formats and in_order:
                 whole = len(self.experts) == self.moe.num_experts and gemm.weight_format(self.gate.weight) == "bf16" \
                     and (shared is None or gemm.weight_format(shared[2]) == "bf16")
                 native = moe_kernel.Experts(weights[0::2], weights[1::2], self.gate.weight if whole else None,

@@ -6,7 +6,8 @@
 // kernels, in the same order (on tensor-parallel ranks with the same all-reduce after o_proj and after down_proj or
 // the experts, a callback into the caller's collective), so the result is bit for bit the result of the Python path:
 //   h, res = add_rms_norm(x, res)            (first layer: res = x)
-//   qkv    = packed_gemm(h, W_qkv) + b_qkv
+//   qkv    = packed_gemm(h, W_qkv) + b_qkv       (each GEMM's input rows first reordered where its weight is a
+//                                                  4-bit act-order one: the Python layers' index_select)
 //   q, k   = rms_norm(q / k of each head)             (Qwen3 only: contiguous copies, per-head rows)
 //   q, k   = rotary(qkv[:, :q], qkv[:, q:q+kv])      (into contiguous rows)
 //   cache[slot[t]] = k[t], v[t]                      (write_kv)
@@ -75,6 +76,8 @@ struct StackLayer {
   const uint16_t* k_norm;      // [head_dim]
   const void* moe;             // a sparse layer's MoeLayer (gate_up and down unused), or null: a dense MLP
   int64_t windowed;            // 1: attends inside the model's sliding window (StackStep::ctx_start); 0: every key
+  // The order [K] in which a 4-bit act-order GEMM weight takes its inputs (gemm.input_order), or null: in order.
+  const int64_t *qkv_order, *o_order, *gate_up_order, *down_order;
 };
 
 enum KvFormat : int64_t { kKvBf16 = 0, kKvFp8E4M3 = 1, kKvFp8E5M2 = 2 };
@@ -102,7 +105,7 @@ struct StackStep {
 
 // Scratch rows for one step, carved out of a grow-only per-thread buffer (no allocation once it has grown).
 struct Scratch {
-  uint16_t *x, *res, *h, *wide, *q, *k, *attn, *act, *kn;
+  uint16_t *x, *res, *h, *wide, *q, *k, *attn, *act, *kn, *ordered;
 };
 
 Scratch scratch_for(const StackShape& s, int64_t t) {
@@ -116,8 +119,10 @@ Scratch scratch_for(const StackShape& s, int64_t t) {
   thread_local int64_t capacity = 0;
   const int64_t qkv = (s.heads + 2 * s.kv_heads) * s.head_dim;
   const int64_t wide = qkv > 2 * s.intermediate ? qkv : 2 * s.intermediate;  // qkv, then gate_up, share it
+  const int64_t inputs = s.hidden > s.heads * s.head_dim ? s.hidden : s.heads * s.head_dim;
+  const int64_t ordered = inputs > s.intermediate ? inputs : s.intermediate;  // any GEMM's inputs, reordered
   const int64_t per_token = 3 * s.hidden + wide + 2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim +
-                            s.intermediate + 36;  // + 36: 64-byte slack per array
+                            s.intermediate + ordered + 40;  // + 40: 64-byte slack per array
   const int64_t need = per_token * t;
   if (need > capacity) {
     buffer.reset(static_cast<uint16_t*>(std::aligned_alloc(64, (need * sizeof(uint16_t) + 63) / 64 * 64)));
@@ -140,7 +145,20 @@ Scratch scratch_for(const StackShape& s, int64_t t) {
   sc.attn = take(s.heads * s.head_dim);
   sc.act = take(s.intermediate);
   sc.kn = take(s.kv_heads * s.head_dim);
+  sc.ordered = take(ordered);
   return sc;
+}
+
+// The t rows [t, k] of a GEMM's input x with their inputs in the weight's `order` (an act-order weight's; the
+// Python layers' index_select), in `out`; x itself where the order is null.
+const uint16_t* in_order(const uint16_t* x, int64_t t, int64_t k, const int64_t* order, uint16_t* out) {
+  if (!order) return x;
+  for (int64_t i = 0; i < t; ++i) {
+    const uint16_t* row = x + i * k;
+    uint16_t* dst = out + i * k;
+    for (int64_t j = 0; j < k; ++j) dst[j] = row[order[j]];
+  }
+  return out;
 }
 
 // n bfloat16 values rounded into an 8-bit cache row (fp8.h: the bits torch's float8 conversion gives).
@@ -204,7 +222,8 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
   const int64_t t = st.tokens, qd = s.heads * s.head_dim, kvd = s.kv_heads * s.head_dim, qkv_n = qd + 2 * kvd;
   prefetch_slots(s, st, l.k_cache, l.v_cache);
   f.add_rms_norm(sc.x, first ? nullptr : sc.res, l.input_norm, t, s.hidden, s.eps, sc.h, sc.res);
-  f.linear(sc.h, t, s.hidden, s.hidden, l.qkv, qkv_n, l.qkv_bias, sc.wide, qkv_n);
+  f.linear(in_order(sc.h, t, s.hidden, l.qkv_order, sc.ordered), t, s.hidden, s.hidden, l.qkv, qkv_n, l.qkv_bias,
+           sc.wide, qkv_n);
   const uint16_t *q = sc.wide, *k = sc.wide + qd;
   int64_t q_stride = qkv_n, k_stride = qkv_n;
   if (l.q_norm) {  // each head's q and k normalised, as rows of head_dim (attn is free until attention)
@@ -223,7 +242,7 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
   f.attention(sc.q, l.k_cache, l.v_cache, st.block_table, st.query_start, st.seq_lens, st.ctx_end,
               l.windowed ? st.ctx_start : nullptr, st.tree_bits, st.tree_words, st.rows, s.heads, s.head_dim,
               s.block_size, s.kv_heads, st.max_blocks, st.flash_min_tokens, s.scale, sc.attn);
-  f.linear(sc.attn, t, qd, qd, l.o, s.hidden, nullptr, sc.x, s.hidden);
+  f.linear(in_order(sc.attn, t, qd, l.o_order, sc.ordered), t, qd, qd, l.o, s.hidden, nullptr, sc.x, s.hidden);
   if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
   f.add_rms_norm(sc.x, sc.res, l.post_norm, t, s.hidden, s.eps, sc.h, sc.res);
   if (l.moe) {
@@ -232,12 +251,14 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
     return;
   }
   const int64_t gate_up = 2 * s.intermediate;
-  if (!f.linear_silu_mul || f.linear_silu_mul(sc.h, t, s.hidden, s.hidden, l.gate_up, gate_up, sc.act,
+  const uint16_t* h = in_order(sc.h, t, s.hidden, l.gate_up_order, sc.ordered);
+  if (!f.linear_silu_mul || f.linear_silu_mul(h, t, s.hidden, s.hidden, l.gate_up, gate_up, sc.act,
                                               s.intermediate) != 0) {
-    f.linear(sc.h, t, s.hidden, s.hidden, l.gate_up, gate_up, nullptr, sc.wide, gate_up);
+    f.linear(h, t, s.hidden, s.hidden, l.gate_up, gate_up, nullptr, sc.wide, gate_up);
     f.silu_and_mul(sc.wide, t, s.intermediate, sc.act);
   }
-  f.linear(sc.act, t, s.intermediate, s.intermediate, l.down, s.hidden, nullptr, sc.x, s.hidden);
+  f.linear(in_order(sc.act, t, s.intermediate, l.down_order, sc.ordered), t, s.intermediate, s.intermediate, l.down,
+           s.hidden, nullptr, sc.x, s.hidden);
   if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
 }
 
