@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,8 @@ import torch
 
 # PAGELLM_BENCH_TREE: a baseline revision's exported tree (--baseline-rev) to import pagellm from, else this one.
 sys.path.insert(0, os.environ.get("PAGELLM_BENCH_TREE") or str(Path(__file__).resolve().parents[1]))
+import pagellm  # noqa: E402  (first: the chosen tree's, before quality.py puts this checkout first on the path)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from quality import perplexity  # noqa: E402
@@ -71,7 +74,7 @@ def measure(model: Path, quantization: str | None, args: argparse.Namespace, pro
     per_token = {b: latency.measure(llm, b, timing)["decode_ms_per_token"] for b in args.batch_size}
     qkv = llm.engine.core.executor.worker.runner.model.model.layers[0].self_attn.qkv_proj.weight
     return {"load_s": loaded, "ms_per_token": per_token, "perplexity": perplexity(llm, prompts) if prompts else None,
-            "format": gemm.weight_format(qkv) or "plain"}
+            "format": gemm.weight_format(qkv) or "plain", "package": str(Path(pagellm.__file__).parent)}
 
 
 def in_own_process(model: Path, quantization: str | None, argv: list[str], tree: Path | None = None) -> dict:
@@ -145,10 +148,11 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-iters", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="alternated rounds of the settings (medians)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--vocab-size", type=int, default=8192, help="random prompts' token ids lie below this")
     parser.add_argument("--measure", nargs=2, metavar=("MODEL", "QUANTIZATION"), help=argparse.SUPPRESS)
-    args, argv = parser.parse_args(), sys.argv[1:]
+    args = parser.parse_args()
     prompts = load_humaneval_prompts()[:args.num_prompts]
     if args.measure:
         model, quantization = args.measure
@@ -163,6 +167,7 @@ def main() -> None:
                         "act-order+w4a8_int4": (ckpt, "w4a8_int4"),
                         "gptq-in-order": (write_gptq(src, Path(tmp) / "in-order", args.group_size, False), None)}
             if args.baseline_rev:
+                (Path(tmp) / "baseline").mkdir()
                 tree = export(args.baseline_rev, Path(tmp) / "baseline")
                 settings[f"act-order@{args.baseline_rev}"] = (ckpt, None, tree)
         else:
@@ -172,18 +177,29 @@ def main() -> None:
                         "float+w4a16_int4": (src, "w4a16_int4")}
         print(f"wrote the {args.format} checkpoint (groups of {args.group_size}) in "
               f"{time.perf_counter() - start:.1f} s", flush=True)
-        results = run_settings(settings, [a for a in argv if a != "--baseline-rev" and a != args.baseline_rev])
+        results = run_settings(settings, _measure_args(args), args.rounds)
     print_table(results, args.batch_size)
 
 
-def run_settings(settings: dict[str, tuple], argv: list[str]) -> dict[str, dict]:
+def run_settings(settings: dict[str, tuple], argv: list[str], rounds: int = 1) -> dict[str, dict]:
     """Each setting's ``measure`` (a model, its ``--quantization`` and optionally the tree to run) in its own
-    process, printed as it comes."""
-    results = {}
-    for name, setting in settings.items():
-        results[name] = in_own_process(*setting[:2], argv, *setting[2:])
-        print(f"{name}: {results[name]}", flush=True)
-    return results
+    process, printed as it comes; over ``rounds`` alternated rounds, the medians of the times."""
+    runs: dict[str, list[dict]] = {name: [] for name in settings}
+    for round_ in range(rounds):
+        for name, setting in (list(settings.items()) if round_ % 2 == 0 else list(settings.items())[::-1]):
+            runs[name].append(in_own_process(*setting[:2], argv, *setting[2:]))
+            print(f"{name}: {runs[name][-1]}", flush=True)
+    return {name: {**r[0], "load_s": statistics.median(x["load_s"] for x in r),
+                   "ms_per_token": {b: statistics.median(x["ms_per_token"][b] for x in r)
+                                    for b in r[0]["ms_per_token"]}}
+            for name, r in runs.items()}
+
+
+def _measure_args(args: argparse.Namespace) -> list[str]:
+    """The arguments a setting's process measures with."""
+    return ["--batch-size", *map(str, args.batch_size), "--input-len", str(args.input_len), "--output-len",
+            str(args.output_len), "--num-iters", str(args.num_iters), "--num-prompts", str(args.num_prompts),
+            "--vocab-size", str(args.vocab_size)]
 
 
 def print_table(results: dict[str, dict], batch_sizes: list[int]) -> None:

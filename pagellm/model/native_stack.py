@@ -9,7 +9,8 @@ attention backend):
   and residual, ``run_native_stage``; a tensor-parallel rank its slice of every layer, the row-parallel outputs
   and the experts' partial sums summed through the ranks' all-reduce; with expert parallelism a rank's experts do
   not route, so the Python layers run), and every GEMM weight of every layer is packed
-  (``gemm.pack_parameter``), or every one quantized (``--quantization w8a8_int8`` or ``w4a8_int4``), with no
+  (``gemm.pack_parameter``), or every one quantized (``--quantization w8a8_int8``, ``w4a8_int4`` or
+  ``w4a16_int4``; an act-order checkpoint's 4-bit weights with their rows' inputs gathered in order), with no
   o_proj bias (q/k/v bias, as in Qwen2, Qwen3's per-head q/k norm and Phi-4-mini's partial rotary embedding are
   served) and one RMSNorm epsilon throughout; a mixture of
   experts' sparse layers run their native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE

@@ -132,8 +132,9 @@ def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 def _layer(ws: WeightOnly, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                    torch.Tensor | None]:
-    """``(q, z, s, g)`` of one layer: q uint8 [N, K] and, per group, z [N, G] (small integers) and s [N, G] in the
-    scales' dtype; g int64 [K], each input's group, or ``None`` where the groups are runs of ``K / G`` inputs."""
+    """``(q, z, s, g)`` of one layer: q uint8 [N, K] (GPTQ's a transposed view of its [K, N]) and, per group, z
+    [N, G] (small integers) and s [N, G] in the scales' dtype; g int64 [K], each input's group, or ``None`` where the
+    groups are runs of ``K / G`` inputs."""
     mid = 1 << (ws.bits - 1)
     g = None
     if ws.method == "compressed-tensors":
@@ -166,7 +167,7 @@ def _layer(ws: WeightOnly, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, to
         raise ValueError(f"a {ws.method} layer's tensors do not fit together: weight [{n}, {k}], scales "
                          f"{tuple(s.shape)}, zero points {tuple(z.shape)}"
                          + (f", {g.numel()} group indices" if g is not None else ""))
-    return q.contiguous(), z, s, g
+    return q, z, s, g
 
 
 def _awq_columns(values: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -236,12 +237,13 @@ def weights(stream: Iterable[tuple[str, torch.Tensor]], names: set[str], ws: Wei
 def _emit(layer: str, got: dict[str, torch.Tensor], ws: WeightOnly, groups: bool) -> Iterator[tuple[str, torch.Tensor]]:
     q, z, s, g = _layer(ws, got)
     if not groups or layer.split(".")[-1] == "lm_head":
-        yield f"{layer}.weight", dequantize(q, z, s, g)
+        yield f"{layer}.weight", dequantize(q.contiguous(), z, s, g)
         return
     order = None if g is None else torch.sort(g, stable=True).indices
     if order is not None and not torch.equal(order, torch.arange(g.numel())):
         yield f"{layer}.input_order", order  # first: the layer's loaders know its order before its weight is packed
-        q, g = q[:, order].contiguous(), g[order]
+        q, g = q.t().contiguous()[order].t(), g[order]  # whole rows of [K, N] gathered (GPTQ's own layout)
+    q = q.contiguous()
     yield f"{layer}.weight", q
     yield f"{layer}.weight_groups", groups_of(ws, q, z, s, g)
 

@@ -139,8 +139,9 @@ def fp8_from_bf16(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer's bfloat16 weights; the four GEMM weights packed (``gemm.pack``), or all four quantized
-    (``gemm_w8a8`` or ``gemm_w4a8``'s ``quantize_parameter``); a sparse layer of a mixture of experts has its
-    routed experts (``moe``, a ``moe.Experts`` that routes, of the same format) in place of gate_up and down."""
+    (``gemm_w8a8`` or ``gemm_w4a8``'s ``quantize_parameter``; a 4-bit act-order one with its ``gemm.input_order``,
+    which the stack gathers each input row in); a sparse layer of a mixture of experts has its routed experts
+    (``moe``, a ``moe.Experts`` that routes, of the same format) in place of gate_up and down."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
