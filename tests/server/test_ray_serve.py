@@ -116,6 +116,8 @@ def _one_core_other_than(old: int) -> bool:
 
 
 def test_a_replica_whose_engine_core_died_is_replaced(serve_url: str) -> None:
+    # A replica Serve has just removed (the test before) may still be exiting, its engine core with it.
+    wait_until(lambda: len(_engine_cores()) == 1, 60, "one replica's engine core")
     (core,) = _engine_cores()
     os.kill(core, signal.SIGKILL)
     wait_until(lambda: _one_core_other_than(core), 90, "Serve to replace the replica whose engine core died")
