@@ -190,8 +190,8 @@ def _checked_tensors(layers: list[LayerWeights], final_norm: torch.Tensor, cos: 
                          "weights)")
     orders = [(t, order) for t in gemms if (order := gemm.input_order(t)) is not None]
     if any(order.dtype != torch.int64 or not order.is_contiguous() or order.shape != (gemm.packed_shape(t)[1],)
-           for t, order in orders):
-        raise ValueError("an act-order GEMM weight's input order must be contiguous int64 [K]")
+           or int(order.min()) < 0 or int(order.max()) >= order.numel() for t, order in orders):
+        raise ValueError("an act-order GEMM weight's input order must be contiguous int64 [K] in [0, K)")
     if any((w.moe is None) == (w.gate_up is None or w.down is None) or
            (w.moe is not None and (not w.moe.routes or w.moe.weight_format != weight_format)) for w in layers):
         raise ValueError("each layer of the native decoder stack takes gate_up and down, or routed experts "

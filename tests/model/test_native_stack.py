@@ -224,6 +224,10 @@ def test_native_stack_over_act_order_weights_equals_the_python_layers(monkeypatc
     _stack_equals_python_and_differs_from(model, _model(64, True, quantization=quantization,
                                                         intermediate=intermediate), monkeypatch, common, ids,
                                           positions)
+    down = model.model.layers[0].mlp.down_proj.weight
+    down.input_order = torch.arange(1, intermediate + 1)  # an input past the row's end: refused, never read
+    with pytest.raises(ValueError, match=r"input order must be contiguous int64 \[K\] in \[0, K\)"):
+        native_stack.build_stack(model.model)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
