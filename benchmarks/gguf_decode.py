@@ -99,19 +99,21 @@ def decode_table(rows: int, inputs: int, old: ctypes.CDLL | None) -> None:
 
 
 # One load of a GGUF's conversion in bfloat16 (argv[1]), in a fresh process of the tree on PYTHONPATH: a model's
-# load_weights from its stream first, then the stream alone (each matrix's values made and dropped).
+# load_weights from its stream first (transient, as the worker's, where the tree has it), then the stream alone.
 LOAD_ONCE = """
-import sys, time, torch
+import inspect, sys, time, torch
 from pagellm.model.arch import ArchConfig
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import iter_weights, load_hf_config, resolve_model_dir
 model_dir = resolve_model_dir(sys.argv[1])
 model = LlamaForCausalLM(ArchConfig.from_hf(load_hf_config(model_dir)), torch.bfloat16)
+asked = dict(dtype=torch.bfloat16, **({"transient": True} if "transient" in inspect.signature(iter_weights).parameters
+                                      else {}))
 start = time.perf_counter()
-model.load_weights(iter_weights(model_dir, dtype=torch.bfloat16))
+model.load_weights(iter_weights(model_dir, **asked))
 load = time.perf_counter() - start
 start = time.perf_counter()
-values = sum(tensor.numel() for _, tensor in iter_weights(model_dir, dtype=torch.bfloat16))
+values = sum(tensor.numel() for _, tensor in iter_weights(model_dir, **asked))
 print(f"{values / 1e9:.2f} {time.perf_counter() - start:.3f} {load:.3f}")
 """
 

@@ -80,15 +80,16 @@ def decode(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _nibbles(nibbles).reshape(raw.shape[0], -1), _groups(blocks, kind)
 
 
-def values(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def values(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """The [N, K] values of one matrix's blocks (uint8 [N, bytes per row]): gguf's ``dequantize`` bit for bit in
     float32, or those rounded to bfloat16 (``dtype``). Quantized blocks take one native pass
-    (``fused.dequantize_gguf``) or, where that library does not build or is not built yet, its twin: ``_values`` for
-    the Q4 types, ``_q8_0_values``, a view for float16 and bfloat16, and gguf's own numpy ``dequantize`` for the
-    others."""
-    out = fused.dequantize_gguf(raw, kind, dtype)
-    if out is not None:
-        return out
+    (``fused.dequantize_gguf``, into ``out`` where given) or, where that library does not build or is not built yet,
+    its twin: ``_values`` for the Q4 types, ``_q8_0_values``, a view for float16 and bfloat16, and gguf's own numpy
+    ``dequantize`` for the others (new tensors)."""
+    decoded = fused.dequantize_gguf(raw, kind, dtype, out)
+    if decoded is not None:
+        return decoded
     if kind in FLOATS:
         return as_stored(raw, kind).to(dtype)
     if kind in LAYOUTS:
@@ -160,8 +161,8 @@ def _nibbles(b: torch.Tensor) -> torch.Tensor:
     return torch.cat([b & 15, b >> 4], dim=-1)
 
 
-def weights(blocks: Path, files: list[Path], groups: bool,
-            dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def weights(blocks: Path, files: list[Path], groups: bool, dtype: torch.dtype | None = None,
+            transient: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a converted GGUF: the ``BLOCKS_FILE``'s matrices and the float ``files``' other tensors, one
     layer after another (a quantized load packs each layer as soon as it is whole, ``linear.loaded_whole``).
 
@@ -169,9 +170,12 @@ def weights(blocks: Path, files: list[Path], groups: bool,
     values ``d · q + m`` in ``dtype`` (``values``; float32 by default, gguf's own ``dequantize`` bit for bit). A
     float16 or bfloat16 matrix comes as stored where a ``dtype`` is asked, a view of the file that the model's
     loaders convert as they copy it into place (``linear._copy``), not through a converted copy of its own. A float
-    copy of the matrix in ``files`` (``loader.hf_model_dir``'s, for other readers) is not read."""
+    copy of the matrix in ``files`` (``loader.hf_model_dir``'s, for other readers) is not read. With ``transient``
+    the values are decoded into one buffer the stream reuses (each valid until the next tensor is drawn, for loaders
+    that copy each into place): a 1B model's load then faults in no new pages for its 2 GB of decoded values."""
     from safetensors import safe_open
 
+    scratch: dict[torch.dtype, torch.Tensor] = {}
     with contextlib.ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(path), framework="pt")) for path in [blocks, *files]]
         kinds = handles[0].metadata() or {}
@@ -188,7 +192,23 @@ def weights(blocks: Path, files: list[Path], groups: bool,
             elif dtype is not None and kinds[name] in FLOATS:  # as stored: the loaders convert as they copy
                 yield name, as_stored(tensor, kinds[name])
             else:
-                yield name, values(tensor, kinds[name], dtype or torch.float32)
+                into = dtype or torch.float32
+                yield name, values(tensor, kinds[name], into,
+                                   _scratch(scratch, tensor, kinds[name], into) if transient else None)
+
+
+def _scratch(buffers: dict[torch.dtype, torch.Tensor], raw: torch.Tensor, kind: str,
+             dtype: torch.dtype) -> torch.Tensor | None:
+    """A [N, K] view of the stream's grow-only ``dtype`` buffer for the values of blocks ``raw`` (``None`` for a type
+    the native pass does not read)."""
+    if kind not in fused.GGUF_BLOCKS:
+        return None
+    per, size = fused.GGUF_BLOCKS[kind]
+    rows, cols = raw.shape[0], raw.shape[1] // size * per
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.numel() < rows * cols:
+        buffer = buffers[dtype] = torch.empty(rows * cols, dtype=dtype)
+    return buffer[:rows * cols].view(rows, cols)
 
 
 def _layer_order(name: str) -> tuple[int, str]:

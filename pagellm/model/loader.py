@@ -110,14 +110,16 @@ def load_hf_config(model_dir: Path) -> dict[str, Any]:
         return json.load(handle)
 
 
-def iter_weights(model_dir: Path, groups: bool = False,
-                 dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(model_dir: Path, groups: bool = False, dtype: torch.dtype | None = None,
+                 transient: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the model's safetensors files, as ``(name, tensor)``, each exactly once; a weight-only
     checkpoint's (GPTQ, AWQ, compressed-tensors pack-quantized) layers dequantized, or with ``groups`` as 4-bit
     integers and groups (``weight_only.weights``), as are a converted GGUF's 4-bit blocks (``gguf_blocks.weights``,
     layer by layer). Those blocks' dequantized values come in ``dtype`` (the model's, which saves a float32 pass),
     float32 by default, and their float16 and bfloat16 matrices as stored where a ``dtype`` is asked (the model's
-    loaders convert them as they copy); every other tensor comes as stored."""
+    loaders convert them as they copy); every other tensor comes as stored. With ``transient`` (for a model's
+    ``load_weights``, which copies each tensor into place before it draws the next) the blocks' values may share one
+    reused buffer, each valid until the next tensor is drawn."""
     from safetensors import safe_open
 
     from pagellm.model import gguf_blocks, weight_only
@@ -125,7 +127,7 @@ def iter_weights(model_dir: Path, groups: bool = False,
     files = _safetensors_files(Path(model_dir))
     blocks = Path(model_dir) / gguf_blocks.BLOCKS_FILE
     if blocks.is_file():
-        yield from gguf_blocks.weights(blocks, files, groups, dtype)
+        yield from gguf_blocks.weights(blocks, files, groups, dtype, transient)
         return
     quant = load_hf_config(model_dir).get("quantization_config") if (Path(model_dir) / "config.json").is_file() \
         else None

@@ -116,12 +116,13 @@ GGUF_BLOCKS = {**{kind: layout[:2] for kind, layout in Q4_LAYOUTS.items()}, "Q8_
                "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "F16": (1, 2), "BF16": (1, 2)}
 
 
-def dequantize_gguf(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+def dequantize_gguf(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32,
+                    out: torch.Tensor | None = None) -> torch.Tensor | None:
     """[N, K] values of a matrix's GGUF blocks ``raw`` (uint8 [N, bytes per row]) of block type ``kind``
     (``GGUF_BLOCKS``: the 4- and 5-bit types, Q8_0, the K-quants, IQ4, float16 and bfloat16), in float32 (gguf's
-    ``dequantize`` bit for bit) or rounded to bfloat16 (``dtype``), in one pass from the blocks' bytes. ``None`` where
-    the library does not build, or is not built yet: a cold start's load does not wait for its compile (the caller's
-    twin runs)."""
+    ``dequantize`` bit for bit) or rounded to bfloat16 (``dtype``), in one pass from the blocks' bytes, into ``out``
+    where given (contiguous [N, K] of ``dtype``). ``None`` where the library does not build, or is not built yet: a
+    cold start's load does not wait for its compile (the caller's twin runs)."""
     lib = _lib() if build.library_built(SOURCE) else None
     if lib is None:
         return None
@@ -130,8 +131,11 @@ def dequantize_gguf(raw: torch.Tensor, kind: str, dtype: torch.dtype = torch.flo
     if raw.dtype != torch.uint8 or row_bytes % size or dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dequantize_gguf takes uint8 rows of whole {size}-byte {kind} blocks, into float32 or "
                          f"bfloat16, got {raw.dtype} {tuple(raw.shape)} into {dtype}")
+    shape = (rows, row_bytes // size * values)
+    if out is not None and (out.shape != shape or out.dtype != dtype or not out.is_contiguous()):
+        raise ValueError(f"dequantize_gguf writes contiguous {dtype} {shape}, not {out.dtype} {tuple(out.shape)}")
     raw = raw.contiguous()
-    out = torch.empty(rows, row_bytes // size * values, dtype=dtype)
+    out = torch.empty(shape, dtype=dtype) if out is None else out
     lib.pagellm_dequantize_gguf(raw.data_ptr(), rows, row_bytes, list(GGUF_BLOCKS).index(kind), out.data_ptr(),
                                 dtype == torch.bfloat16)
     return out

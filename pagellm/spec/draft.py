@@ -214,6 +214,6 @@ def load_draft_model(path: str, dtype: torch.dtype, target_vocab: int) -> torch.
         raise ValueError(f"draft model {path!r} has a vocabulary of {arch.vocab_size} tokens but the target has "
                          f"{target_vocab}; use a draft model with the target's tokenizer")
     model = build_model(arch, dtype, SINGLE)
-    model.load_weights(iter_weights(model_dir, dtype=dtype))
+    model.load_weights(iter_weights(model_dir, dtype=dtype, transient=True))
     logger.info("draft model %s: %d layers", model_dir, arch.num_layers)
     return model.eval()

@@ -138,7 +138,8 @@ def _load_model(arch: ArchConfig, model_dir: Path, dtype: torch.dtype, parallel:
         if model_config.quantize_lm_head and hasattr(model, "lm_head"):
             model.lm_head.quantized = True
         try:
-            model.load_weights(iter_weights(model_dir, groups=quantization in gemm.FOUR_BIT, dtype=dtype), quantization)
+            model.load_weights(iter_weights(model_dir, groups=quantization in gemm.FOUR_BIT, dtype=dtype,
+                                            transient=True), quantization)
             return model, quantization
         except weight_only.GroupsDoNotFit as exc:
             if model_config.quantization or quantization is None:

@@ -32,7 +32,7 @@ from pagellm.model.gguf_tensors import hf_arrays, hf_tensor_name, unpermute_rota
 from pagellm.model.arch import ArchConfig
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import FLOAT_COPIES, default_model_path, hf_model_dir, iter_weights, load_hf_config
-from pagellm.ops import gemm, gemm_w4a8, gemm_w4a16
+from pagellm.ops import fused, gemm, gemm_w4a8, gemm_w4a16
 
 HEADS = {"q_proj": 9, "k_proj": 3}  # SmolLM2-135M's attention heads and KV heads (llama.cpp permutes their rows)
 
@@ -170,6 +170,35 @@ def test_a_ggufs_float_weights_are_its_blocks_values_with_no_float32_copy(mixed:
     streamed = dict(iter_weights(tmp_path))
     for name, (_, want) in values.items():
         assert streamed[name].dtype == torch.float32 and torch.equal(streamed[name], want), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_transient_stream_decodes_into_one_buffer_and_loads_the_same_model(mixed: dict, tmp_path: Path,
+                                                                              dtype: torch.dtype) -> None:
+    """``iter_weights(transient=True)``, the model loads': each matrix's values are gguf's, decoded into one buffer the
+    stream reuses (valid until the next tensor is drawn), and the model loaded from it is the one a stream of new
+    tensors gives, bit for bit."""
+    from pagellm.model.llama import LlamaForCausalLM as PagedLlama
+
+    path, values = mixed["llama"]
+    convert_gguf_to_hf(path, tmp_path)
+    homes, decoded = set(), 0
+    for name, tensor in iter_weights(tmp_path, dtype=dtype, transient=True):
+        if name in values and values[name][0] in set(gguf_blocks.KINDS) - set(gguf_blocks.FLOATS):
+            assert torch.equal(tensor, values[name][1].to(dtype)), name  # as drawn: the next overwrites it
+            homes.add(tensor.untyped_storage().data_ptr())
+            decoded += 1
+    assert decoded > 10 and len(homes) <= 2  # the buffer grows where a matrix is larger than the ones before
+    loaded = []
+    for transient in (True, False):
+        model = PagedLlama(ArchConfig.from_hf(load_hf_config(tmp_path)), dtype)
+        model.load_weights(iter_weights(tmp_path, dtype=dtype, transient=transient))
+        loaded.append(model.state_dict())
+    for name, tensor in loaded[0].items():
+        assert torch.equal(tensor, loaded[1][name]), name
+    with pytest.raises(ValueError, match=r"writes contiguous torch.bfloat16 \(2, 64\)"):
+        fused.dequantize_gguf(torch.zeros(2, 36, dtype=torch.uint8), "Q4_0", torch.bfloat16,
+                              torch.empty(2, 32, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("shard_bytes", [None, 20_000], ids=["one-file", "sharded"])
