@@ -108,7 +108,7 @@ struct Scratch {
   uint16_t *x, *res, *h, *wide, *q, *k, *attn, *act, *kn, *ordered;
 };
 
-Scratch scratch_for(const StackShape& s, int64_t t) {
+Scratch scratch_for(const StackShape& s, int64_t t, bool reorders) {
   // On a 64-byte boundary, as every array carved out of it (operator new gives 16 bytes, and glibc's large blocks
   // sit 16 bytes past a page): a misaligned row of x makes each 64-byte AMX tile row and each output line span two
   // cache lines (one core's tile rate 0.6x, benchmarks/amx_tiles.py; a 32 x 128-token prefill 1.2 -> 1.0 s).
@@ -120,7 +120,8 @@ Scratch scratch_for(const StackShape& s, int64_t t) {
   const int64_t qkv = (s.heads + 2 * s.kv_heads) * s.head_dim;
   const int64_t wide = qkv > 2 * s.intermediate ? qkv : 2 * s.intermediate;  // qkv, then gate_up, share it
   const int64_t inputs = s.hidden > s.heads * s.head_dim ? s.hidden : s.heads * s.head_dim;
-  const int64_t ordered = inputs > s.intermediate ? inputs : s.intermediate;  // any GEMM's inputs, reordered
+  // any GEMM's inputs, reordered (only where a layer's weights take their inputs in an order of their own)
+  const int64_t ordered = !reorders ? 0 : inputs > s.intermediate ? inputs : s.intermediate;
   const int64_t per_token = 3 * s.hidden + wide + 2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim +
                             s.intermediate + ordered + 40;  // + 40: 64-byte slack per array
   const int64_t need = per_token * t;
@@ -288,7 +289,10 @@ int pagellm_decoder_stack_bf16(const StackKernels* kernels, const StackLayer* la
         st.positions[t] >= s.max_positions)
       return -1;
   if (st.tokens <= 0) return 0;
-  const Scratch sc = scratch_for(s, st.tokens);
+  bool reorders = false;
+  for (int64_t i = 0; i < num_layers; ++i)
+    reorders |= layers[i].qkv_order || layers[i].o_order || layers[i].gate_up_order || layers[i].down_order;
+  const Scratch sc = scratch_for(s, st.tokens, reorders);
   const int64_t bytes = st.tokens * s.hidden * sizeof(uint16_t);
   std::memcpy(sc.x, x, bytes);
   if (residual_in) std::memcpy(sc.res, residual_in, bytes);
