@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -56,12 +55,11 @@ from quality import perplexity  # noqa: E402
 from pagellm import LLM  # noqa: E402
 from pagellm.bench import latency  # noqa: E402
 from pagellm.bench.datasets import load_humaneval_prompts  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 from startup import export  # noqa: E402
 
 from pagellm.model import compressed_tensors  # noqa: E402
 from pagellm.model.compressed_tensors import write_w4a16  # noqa: E402
-from pagellm.model.loader import iter_weights, load_hf_config, resolve_model_dir  # noqa: E402
+from pagellm.model.loader import iter_weights, resolve_model_dir  # noqa: E402
 from pagellm.ops import gemm  # noqa: E402
 
 
@@ -94,47 +92,32 @@ def write_gptq(src: Path, out: Path, group_size: int, act_order: bool) -> Path:
     round to nearest; with ``act_order`` each group takes the inputs of the next ``group_size`` largest summed
     squares of their columns over the matrices that read the same input (one order for q, k and v, one for gate and
     up), as GPTQ's act-order takes them by its Hessian's diagonal."""
-    tensors = {name: t.to(torch.bfloat16) if compressed_tensors._is_linear(name) else t.contiguous()
-               for name, t in iter_weights(src)}
-    linears = [name for name in tensors if compressed_tensors._is_linear(name)]
+    def reader(name: str) -> str:  # the first matrix that reads this one's input
+        base, _, part = name.removesuffix(".weight").rpartition(".")
+        return f"{base}.{_SAME_INPUT.get(part, part)}"
+
     energy: dict[str, torch.Tensor] = {}
-    for name in linears:
-        base, _, part = name.removesuffix(".weight").rpartition(".")
-        key = f"{base}.{_SAME_INPUT.get(part, part)}"
-        energy[key] = energy.get(key, 0) + tensors[name].float().square().sum(0)
-    for name in linears:
-        w = tensors.pop(name).float()
+    for name, t in iter_weights(src):
+        if compressed_tensors.is_linear(name):
+            energy[reader(name)] = energy.get(reader(name), 0) + t.to(torch.bfloat16).float().square().sum(0)
+
+    def layer(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        w = weight.float()
         n, k = w.shape
-        base, _, part = name.removesuffix(".weight").rpartition(".")
-        order = torch.argsort(energy[f"{base}.{_SAME_INPUT.get(part, part)}"], descending=True, stable=True) \
-            if act_order else torch.arange(k)
+        order = torch.argsort(energy[reader(name)], descending=True, stable=True) if act_order else torch.arange(k)
         g = torch.empty(k, dtype=torch.int64)
         g[order] = torch.arange(k) // group_size
         top = w[:, order].view(n, k // group_size, group_size).abs().amax(2)  # group i: inputs order[i·size ...]
         s = (2 * top / 15).to(torch.float16)
         q = (torch.round(w / torch.where(s > 0, s.float(), 1.0)[:, g]) + 8).clamp(0, 15).to(torch.int64)
-        layer = name.removesuffix(".weight")
-        tensors[f"{layer}.qweight"] = _pack_int32(q.t().contiguous().view(k // 8, 8, n).transpose(1, 2))
-        tensors[f"{layer}.qzeros"] = _pack_int32(torch.full((k // group_size, n // 8, 8), 7))
-        tensors[f"{layer}.scales"] = s.t().contiguous()
-        tensors[f"{layer}.g_idx"] = g.to(torch.int32)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = {**load_hf_config(src), "quantization_config": {
-        "quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order, "sym": True,
-        "checkpoint_format": "gptq"}}
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    for path in src.iterdir():  # tokenizer and generation files
-        if path.is_file() and path.name != "config.json" and not path.name.endswith(".safetensors") and \
-                path.name != "model.safetensors.index.json":
-            shutil.copy2(path, out / path.name)
-    return out
+        base = name.removesuffix(".weight")
+        return {f"{base}.qweight": compressed_tensors.pack_int32(q.t().contiguous().view(k // 8, 8, n).transpose(1, 2)),
+                f"{base}.qzeros": compressed_tensors.pack_int32(torch.full((k // group_size, n // 8, 8), 7)),
+                f"{base}.scales": s.t().contiguous(), f"{base}.g_idx": g.to(torch.int32)}
 
-
-def _pack_int32(values: torch.Tensor) -> torch.Tensor:
-    """[..., 8] values of 4 bits packed into int32 words, value ``i`` in bits ``4i``."""
-    words = (values.to(torch.int64) << (4 * torch.arange(8))).sum(-1)
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    return compressed_tensors.write_quantized(src, out, {"quant_method": "gptq", "bits": 4, "group_size": group_size,
+                                                         "desc_act": act_order, "sym": True,
+                                                         "checkpoint_format": "gptq"}, layer)
 
 
 def main() -> None:

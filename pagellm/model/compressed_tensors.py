@@ -68,7 +68,8 @@ def _quant_config() -> dict[str, Any]:
             "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}}
 
 
-def _is_linear(name: str) -> bool:
+def is_linear(name: str) -> bool:
+    """Whether a checkpoint tensor is a decoder linear layer's weight (what a quantized checkpoint quantizes)."""
     return name.endswith(".weight") and any(f".{linear}." in name for linear in LINEARS)
 
 
@@ -78,7 +79,7 @@ def write_w8a8(src: Path, out: Path) -> Path:
     def layer(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         q, scale = gemm_w8a8.quantize(weight)
         return {name: q, name + "_scale": scale[:, None].contiguous()}
-    return _write(src, out, _quant_config(), layer)
+    return write_quantized(src, out, _quant_config(), layer)
 
 
 def write_w4a16(src: Path, out: Path, group_size: int = 128) -> Path:
@@ -94,10 +95,8 @@ def write_w4a16(src: Path, out: Path, group_size: int = 128) -> Path:
         scale = (w.abs().amax(dim=2) / 7.5).to(torch.bfloat16)
         step = torch.where(scale > 0, scale.float(), 1.0)
         q = torch.round(w / step[..., None]).clamp_(-8, 7).to(torch.int64) + 8
-        words = (q.view(n, k // 8, 8) << (4 * torch.arange(8))).sum(dim=2)
-        packed = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
         base = name.removesuffix(".weight")
-        return {f"{base}.weight_packed": packed, f"{base}.weight_scale": scale,
+        return {f"{base}.weight_packed": pack_int32(q.view(n, k // 8, 8)), f"{base}.weight_scale": scale,
                 f"{base}.weight_shape": torch.tensor([n, k])}
     weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size,
                "dynamic": False}
@@ -105,11 +104,17 @@ def write_w4a16(src: Path, out: Path, group_size: int = 128) -> Path:
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
                                             "output_activations": None}},
               "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}}
-    return _write(src, out, config, layer)
+    return write_quantized(src, out, config, layer)
 
 
-def _write(src: Path, out: Path, quant_config: dict[str, Any],
-           layer: Callable[[str, torch.Tensor], dict[str, torch.Tensor]]) -> Path:
+def pack_int32(values: torch.Tensor) -> torch.Tensor:
+    """[..., 8] values of 4 bits packed into int32 words [...], value ``i`` in bits ``4i``."""
+    words = (values.to(torch.int64) << (4 * torch.arange(8))).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def write_quantized(src: Path, out: Path, quant_config: dict[str, Any],
+                    layer: Callable[[str, torch.Tensor], dict[str, torch.Tensor]]) -> Path:
     """``src`` with each decoder linear weight replaced by ``layer(name, its bfloat16 weight)``'s tensors (from
     bfloat16, as the bfloat16 model's weights are quantized at load) and ``quant_config``."""
     from safetensors.torch import save_file
@@ -122,7 +127,7 @@ def _write(src: Path, out: Path, quant_config: dict[str, Any],
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in iter_weights(src):
-        tensors.update(layer(name, tensor.to(torch.bfloat16)) if _is_linear(name) else {name: tensor.contiguous()})
+        tensors.update(layer(name, tensor.to(torch.bfloat16)) if is_linear(name) else {name: tensor.contiguous()})
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps({**config, "quantization_config": quant_config}, indent=2))
     for path in src.iterdir():  # tokenizer and generation files

@@ -198,12 +198,9 @@ def weights(blocks: Path, files: list[Path], groups: bool, dtype: torch.dtype | 
 
 
 def _scratch(buffers: dict[torch.dtype, torch.Tensor], raw: torch.Tensor, kind: str,
-             dtype: torch.dtype) -> torch.Tensor | None:
-    """A [N, K] view of the stream's grow-only ``dtype`` buffer for the values of blocks ``raw`` (``None`` for a type
-    the native pass does not read)."""
-    if kind not in fused.GGUF_BLOCKS:
-        return None
-    per, size = fused.GGUF_BLOCKS[kind]
+             dtype: torch.dtype) -> torch.Tensor:
+    """A [N, K] view of the stream's grow-only ``dtype`` buffer for the values of blocks ``raw``."""
+    per, size = KINDS[kind]
     rows, cols = raw.shape[0], raw.shape[1] // size * per
     buffer = buffers.get(dtype)
     if buffer is None or buffer.numel() < rows * cols:

@@ -148,10 +148,5 @@ def copy_float16(dst: torch.Tensor, src: torch.Tensor) -> bool:
     if not (src.dtype == torch.float16 and dst.dtype == torch.bfloat16 and src.shape == dst.shape
             and src.is_contiguous() and dst.is_contiguous() and src.dim() >= 1 and src.numel()):
         return False
-    lib = _lib() if build.library_built(SOURCE) else None
-    if lib is None:
-        return False
     rows = src.numel() // src.shape[-1]
-    lib.pagellm_dequantize_gguf(src.data_ptr(), rows, 2 * src.shape[-1], list(GGUF_BLOCKS).index("F16"),
-                                dst.data_ptr(), 1)
-    return True
+    return dequantize_gguf(src.view(rows, -1).view(torch.uint8), "F16", torch.bfloat16, dst.view(rows, -1)) is not None
