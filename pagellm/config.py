@@ -236,6 +236,9 @@ class EngineConfig:
             raise ValueError("eagle needs 'model': the head's .safetensors file from `pagellm train-draft --method "
                              "eagle` (only the built-in model has a shipped default head)")
         self.parallel_config.check_engine(spec.method == "draft_model" and spec.model is None)
+        if self.parallel_config.data_parallel_size > 1 and self.kv_transfer_config.kv_connector is not None:
+            raise ValueError("kv_transfer_config runs with data_parallel_size 1 (one engine core per prefill or "
+                             "decode server)")
         self.kv_transfer_config.check_engine(self.cache_config.enable_prefix_caching,
                                              self.parallel_config.world_size, self.model_config.enable_lora,
                                              self.speculative_config.method)

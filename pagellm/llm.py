@@ -49,6 +49,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
+        if self.config.parallel_config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs engine cores behind a server (pagellm serve, AsyncLLM); "
+                             "offline, run one LLM per process on its share of the CPUs")
         model_dir = resolve_model_dir(model)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.sampling_defaults = generation_config.for_model(self.config.model_config, model_dir)

@@ -29,9 +29,14 @@ class ParallelConfig:
         "Where ranks 1..N-1 run: 'mp' (worker processes of this machine, fed through shared memory) or 'ray' (Ray "
         "actors placed by a placement group on the cluster RAY_ADDRESS names, else on a local Ray instance; needs "
         "pip install 'pagellm[ray]').", default="mp")
+    data_parallel_size: int = _help(
+        "Number of engine cores behind one server, each a whole copy of the model (times its tensor/pipeline ranks) "
+        "with its own scheduler and KV cache (kv_cache_memory each); a request goes to the core with the fewest "
+        "unfinished requests. The CPUs this process may use (and PAGELLM_NUM_THREADS) are split among them. "
+        "Serving only (pagellm serve, AsyncLLM).", default=1)
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,7 +1,8 @@
 """``AsyncLLM``: the asyncio frontend engine the server uses, over an engine core in its own process.
 
 Contract:
-- ``AsyncLLM.from_config(config)`` starts the core (``client.MPClient``), resolves the model and loads the
+- ``AsyncLLM.from_config(config)`` starts the core (``client.MPClient``; with ``data_parallel_size > 1``, that many
+  cores behind ``dp_client.DPClient``), resolves the model and loads the
   tokenizer while the core imports torch, compiles its kernels and loads the model (two processes, so the work
   overlaps; on a cold start the core waits for this process's GGUF conversion, ``model/loader.py``), and waits for
   its ``RuntimeInfo`` (``runtime``); a start-up ``ValueError`` (bad model or config, KV cache too small, no
@@ -46,6 +47,7 @@ import msgspec
 from pagellm import generation_config
 from pagellm.config import EngineConfig
 from pagellm.engine.client import MPClient
+from pagellm.engine.dp_client import DPClient
 from pagellm.engine.exceptions import EngineDeadError
 from pagellm.engine.input_processor import InputProcessor, PromptType, lora_arch
 from pagellm.engine.output_processor import OutputProcessor, RequestState
@@ -129,8 +131,9 @@ class AsyncLLM:
             self.tokenizer, self.sampling_defaults = load_text()
             self.output_processor = OutputProcessor(self.tokenizer)
 
-        self.client = MPClient(config, self._on_outputs, self._on_dead, startup_timeout_s,
-                               while_starting=load_text_side)
+        client = DPClient if config.parallel_config.data_parallel_size > 1 else MPClient
+        self.client: MPClient | DPClient = client(config, self._on_outputs, self._on_dead, startup_timeout_s,
+                                                  while_starting=load_text_side)
         self.runtime: RuntimeInfo = self.client.runtime
         self.input_processor = InputProcessor(
             self.tokenizer, self.runtime.max_model_len, self.runtime.vocab_size, self.runtime.pooling_only,

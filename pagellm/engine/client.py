@@ -43,7 +43,7 @@ import msgspec
 import zmq
 
 from pagellm.config import EngineConfig
-from pagellm.engine.core_proc import run_engine_core
+from pagellm.engine.core_proc import Placement, run_engine_core
 from pagellm.engine.exceptions import EngineDeadError
 from pagellm.engine.wire import (UTILITY_RESULT_TYPES, AbortRequests, AddRequests, EngineCoreHandshake,
                                  EngineCoreInput, EngineCoreOutputs, EngineCoreRequest, UtilityCall,
@@ -112,7 +112,8 @@ class MPClient:
 
     def __init__(self, config: EngineConfig, on_outputs: Callable[[EngineCoreOutputs], None],
                  on_dead: Callable[[EngineDeadError], None], startup_timeout_s: float = 600.0,
-                 while_starting: Callable[[], None] | None = None) -> None:
+                 while_starting: Callable[[], None] | None = None, placement: Placement | None = None,
+                 name: str = "pagellm-engine-core") -> None:
         self._on_outputs = on_outputs
         self._on_dead = on_dead
         self._dead: str | None = None          # why the core is gone, once it is
@@ -126,8 +127,8 @@ class MPClient:
         self._input, input_addr = self._bind(zmq.PUSH, "input")
         self._output, output_addr = self._bind(zmq.PULL, "output")
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name="pagellm-engine-core",
-            args=(config, input_addr, output_addr, os.getpid(), self.ipc_dir))
+            target=run_engine_core, name=name,
+            args=(config, input_addr, output_addr, os.getpid(), self.ipc_dir, placement))
         try:
             self.process.start()
         except BaseException:

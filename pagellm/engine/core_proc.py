@@ -12,6 +12,8 @@ Contract (``run_engine_core`` is the child's entry point; ``client.MPClient`` st
   ``EngineCoreOutputs`` (token-id deltas and the step's ``SchedulerStats``).
 - A request the core refuses (``add_request`` raises) is answered by a ``RequestError``; the core lives on.
 - An error in the loop is sent as ``EngineCoreOutputs.engine_error`` before the process exits with code 1.
+- A ``Placement`` (a data-parallel core's, ``dp_client.py``) is applied before anything else: the process keeps to
+  its CPUs and its thread count (``PAGELLM_NUM_THREADS``, which its tensor-parallel ranks inherit and split).
 - SIGTERM exits cleanly (code 0); SIGINT is ignored (the parent owns shutdown). A watchdog thread polls the
   parent pid: when the parent is gone the child removes the ipc directory and exits, so no core outlives it.
 """
@@ -27,7 +29,7 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
 
 import msgspec
 import zmq
@@ -49,9 +51,20 @@ EXIT_TIMEOUT_S = 5.0     # bound on each step of the exit sequence; past it the 
 _Message = Any  # EngineCoreHandshake | EngineCoreOutputs
 
 
+class Placement(NamedTuple):
+    """Where one engine core runs: its CPUs (``None``: wherever the parent may) and its threads."""
+
+    cpus: tuple[int, ...] | None
+    threads: int
+
+
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
-                    ipc_dir: str) -> None:
+                    ipc_dir: str, placement: Placement | None = None) -> None:
     """Process entry point: start up, handshake, run the busy loop, exit (never returns)."""
+    if placement is not None:  # before torch starts its thread pool
+        if placement.cpus:
+            os.sched_setaffinity(0, placement.cpus)
+        os.environ["PAGELLM_NUM_THREADS"] = str(placement.threads)
     wake_fd = _setup_process(parent_pid, ipc_dir)
     ctx = zmq.Context()
     inputs: queue.Queue[EngineCoreInput | None] = queue.Queue()

@@ -15,11 +15,11 @@ from pagellm import LLM
 
 @pytest.fixture(scope="session")
 def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerProcess]]:
-    """Start a server (``start_server(model, *args)``); every server still running is stopped at the end."""
+    """Start a server (``start_server(model, *args, env=None)``); every server still running is stopped at the end."""
     started: list[ServerProcess] = []
 
-    def start(model: Path, *args: str) -> ServerProcess:
-        server = ServerProcess(model, list(args), tmp_path_factory.mktemp("server") / "server.log")
+    def start(model: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        server = ServerProcess(model, list(args), tmp_path_factory.mktemp("server") / "server.log", env=env)
         started.append(server)
         server.wait_healthy()
         return server

@@ -20,8 +20,10 @@ ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "16000000", "--max-mo
 
 
 class ServerProcess:
-    def __init__(self, model: Path, extra_args: list[str], log_path: Path, ca: Path | None = None) -> None:
-        """``ca``: the server speaks HTTPS with a certificate from this CA (PEM), which ``verify`` then trusts."""
+    def __init__(self, model: Path, extra_args: list[str], log_path: Path, ca: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """``ca``: the server speaks HTTPS with a certificate from this CA (PEM), which ``verify`` then trusts;
+        ``env``: variables over the defaults (one thread, INFO logs)."""
         self.model = model
         self.port = _free_port()
         self.base_url = f"{'https' if ca else 'http'}://127.0.0.1:{self.port}"
@@ -29,7 +31,7 @@ class ServerProcess:
         self.api_key = extra_args[extra_args.index("--api-key") + 1] if "--api-key" in extra_args else None
         cmd = [sys.executable, "-m", "pagellm.cli", "serve", str(model), "--port", str(self.port), *ENGINE_FLAGS,
                *extra_args]
-        env = {**os.environ, "PAGELLM_NUM_THREADS": "1", "PAGELLM_LOG_LEVEL": "INFO"}
+        env = {**os.environ, "PAGELLM_NUM_THREADS": "1", "PAGELLM_LOG_LEVEL": "INFO", **(env or {})}
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
@@ -66,6 +68,37 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid``."""
+    found, todo = set(), [pid]
+    while todo:
+        current = todo.pop()
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            try:
+                children = [int(p) for p in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found.update(children)
+            todo.extend(children)
+    return found
+
+
+def without_trackers(pids: set[int]) -> set[int]:
+    """Without multiprocessing's resource trackers."""
+    return {p for p in pids if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()}
+
+
+def engine_cores(server: ServerProcess) -> set[int]:
+    """The server's engine-core processes (its children but the resource tracker)."""
+    return without_trackers(set(server.child_pids()))
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of ``pids`` that still run (not gone, not zombies)."""
+    return {pid for pid in pids if Path(f"/proc/{pid}").exists()
+            and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]}
 
 
 def _free_port() -> int:

@@ -1,0 +1,227 @@
+"""``AsyncLLM`` with ``data_parallel_size=2``: two engine-core processes behind one frontend (``DPClient``). Each
+core keeps to its own CPU; requests spread over both and answer as one engine does; siblings share a core; stats
+read as one engine's; aborts give every block back on both; a killed core fails the engine and stops the other.
+
+One engine serves the module (two core processes); each test runs its coroutine on one module-wide event loop.
+Waits poll a condition under a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+from pagellm.config import EngineConfig
+from pagellm.engine.async_engine import AsyncLLM
+from pagellm.engine.core_proc import Placement
+from pagellm.engine.dp_client import DPClient, placements
+from pagellm.engine.exceptions import EngineDeadError
+from pagellm.outputs import RequestOutput
+
+SMALL_KV = 256 * 16 * 512  # 256 blocks of the tiny llama's 512 bytes per token, per core
+PROMPTS = ["hi", "the quick brown fox", "a", "0123456789 counting", "zz top", "one more prompt"]
+TIMEOUT_S = 30.0
+
+
+def greedy(max_tokens: int, **overrides: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **overrides)
+
+
+def engine_config(model_dir: Path, **overrides: Any) -> EngineConfig:
+    args: dict[str, Any] = dict(model=str(model_dir), dtype="float32", kv_cache_memory=SMALL_KV,
+                                data_parallel_size=2)
+    args.update(overrides)
+    return EngineConfig.from_kwargs(**args)
+
+
+@pytest.fixture(scope="module")
+def run() -> Iterator[Callable[[Awaitable[Any]], Any]]:
+    with asyncio.Runner() as runner:
+        yield lambda coro: runner.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+def start(config: EngineConfig) -> AsyncLLM:
+    """The engine on two threads, one per core (the tests' other engines run one thread)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PAGELLM_NUM_THREADS", "2")
+        return AsyncLLM.from_config(config)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: Path) -> Iterator[AsyncLLM]:
+    eng = start(engine_config(tiny_llama))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama: Path) -> LLM:
+    return LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV)
+
+
+def cores(engine: AsyncLLM) -> DPClient:
+    assert isinstance(engine.client, DPClient)
+    return engine.client
+
+
+async def collect(gen: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    return [out async for out in gen]
+
+
+async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def all_blocks_free(engine: AsyncLLM) -> bool:
+    return await engine.get_num_free_blocks() == engine.runtime.num_blocks
+
+
+def tokens(deltas: list[RequestOutput]) -> list[int]:
+    return [t for d in deltas for t in d.outputs[0].token_ids]
+
+
+# ---------------------------------------------------------------------------------------------- placement
+
+
+def test_placements_split_the_cpus_and_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGELLM_NUM_THREADS")
+    assert placements(2, cpus=[0, 1, 2, 3], threads=None) == [Placement((0, 1), 4 // 2), Placement((2, 3), 2)]
+    assert placements(2, cpus=[4, 5, 6], threads=2) == [Placement((4,), 1), Placement((5, 6), 1)]
+    assert placements(1, cpus=[0, 1], threads=None) == [Placement((0, 1), 2)]
+    with pytest.raises(ValueError, match=r"data_parallel_size=3 needs a CPU and a thread for each engine core; "
+                                         r"this process may use 2 CPUs and 2 threads"):
+        placements(3, cpus=[0, 1], threads=None)
+    with pytest.raises(ValueError, match="may use 4 CPUs and 1 threads"):
+        placements(2, cpus=[0, 1, 2, 3], threads=1)
+    monkeypatch.setenv("PAGELLM_NUM_THREADS", "2")
+    assert placements(2, cpus=[0, 1, 2, 3]) == [Placement((0, 1), 1), Placement((2, 3), 1)]
+
+
+def test_offline_and_connector_refuse_data_parallelism(tiny_llama: Path) -> None:
+    with pytest.raises(ValueError, match=r"data_parallel_size > 1 runs engine cores behind a server"):
+        LLM(str(tiny_llama), dtype="float32", data_parallel_size=2)
+    with pytest.raises(ValueError, match="kv_transfer_config runs with data_parallel_size 1"):
+        EngineConfig.from_kwargs(model=str(tiny_llama), data_parallel_size=2, kv_transfer_config={
+            "kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": "/tmp/unused"}})
+    with pytest.raises(ValueError, match="data_parallel_size must be a positive integer, got 0"):
+        EngineConfig.from_kwargs(model=str(tiny_llama), data_parallel_size=0)
+
+
+# ---------------------------------------------------------------------------------------------- serving
+
+
+def test_each_core_keeps_to_its_own_cpus(engine: AsyncLLM, llm: LLM) -> None:
+    client = cores(engine)
+    affinity = [os.sched_getaffinity(core.process.pid) for core in client.engines]
+    assert len(affinity) == 2 and affinity[0] and affinity[1] and not affinity[0] & affinity[1]
+    assert affinity[0] | affinity[1] <= os.sched_getaffinity(0)
+    assert engine.runtime.num_blocks == sum(core.runtime.num_blocks for core in client.engines)
+    assert engine.runtime.num_blocks == 2 * llm.engine.runtime.num_blocks  # kv_cache_memory is per core
+
+
+def test_requests_spread_over_both_cores_and_answer_as_one_engine(engine: AsyncLLM, llm: LLM, run: Any) -> None:
+    params = [greedy(12, ignore_eos=True), greedy(5), greedy(20, ignore_eos=True), greedy(1), greedy(9),
+              greedy(16, ignore_eos=True)]
+    expected = llm.generate(PROMPTS, params, use_tqdm=False)
+    before = list(cores(engine).routed)
+
+    async def main() -> list[list[RequestOutput]]:
+        return await asyncio.gather(*(collect(engine.generate(p, sp, f"r{i}"))
+                                      for i, (p, sp) in enumerate(zip(PROMPTS, params))))
+
+    for deltas, full in zip(run(main()), expected):
+        assert tokens(deltas) == full.outputs[0].token_ids
+        assert "".join(d.outputs[0].text for d in deltas) == full.outputs[0].text
+        assert deltas[-1].outputs[0].finish_reason == full.outputs[0].finish_reason
+    routed = [after - b for after, b in zip(cores(engine).routed, before)]
+    assert routed == [3, 3]  # six requests at once: each to the core with fewer unfinished ones
+    assert run(all_blocks_free(engine))
+    stats = run(engine.get_stats())
+    assert stats.num_running_reqs == stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0.0
+
+
+def test_stats_gauges_sum_the_cores(engine: AsyncLLM, run: Any) -> None:
+    async def main() -> None:
+        started = [asyncio.Event(), asyncio.Event()]
+
+        async def consume(i: int) -> None:
+            async for _ in engine.generate(f"long one {i}", greedy(400, ignore_eos=True), f"g{i}"):
+                started[i].set()
+
+        before = list(cores(engine).routed)
+        tasks = [asyncio.create_task(consume(i)) for i in range(2)]
+        await asyncio.gather(*(e.wait() for e in started))
+        assert [a - b for a, b in zip(cores(engine).routed, before)] == [1, 1]
+        stats = await engine.get_stats()
+        assert stats.num_running_reqs == 2 and stats.kv_cache_usage > 0.0  # one running on each core
+        await engine.abort("g0")
+        await engine.abort("g1")
+        await asyncio.gather(*tasks)
+        await wait_until(lambda: all_blocks_free(engine))
+        assert cores(engine)._load == [0, 0] and not cores(engine)._owner
+
+    run(main())
+
+
+def test_siblings_share_one_core_and_its_prefix_cache(engine: AsyncLLM, run: Any) -> None:
+    prompt = "a prompt long enough to fill two sixteen-token blocks, and then some"
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    run(engine.reset_prefix_cache())
+    before, routed = run(engine.get_stats()), list(cores(engine).routed)
+    outs = run(collect(engine.generate(prompt, params, "fan")))
+    after = run(engine.get_stats())
+    assert sorted(a - b for a, b in zip(cores(engine).routed, routed)) == [0, 2]
+    assert after.prefix_cache_hits - before.prefix_cache_hits >= 32
+    assert sorted(len(tokens([o for o in outs if o.outputs[0].index == i])) for i in range(2)) == [8, 8]
+    assert run(all_blocks_free(engine))
+
+
+def test_a_killed_core_fails_the_engine_and_stops_the_other(tiny_llama: Path, run: Any) -> None:
+    eng = start(engine_config(tiny_llama))
+    client = cores(eng)
+    try:
+        async def main() -> None:
+            started = [asyncio.Event(), asyncio.Event()]
+
+            async def consume(i: int) -> None:
+                async for _ in eng.generate(f"doomed {i}", greedy(400, ignore_eos=True), f"d{i}"):
+                    started[i].set()
+
+            tasks = [asyncio.create_task(consume(i)) for i in range(2)]
+            await asyncio.gather(*(e.wait() for e in started))
+            os.kill(client.engines[1].process.pid, signal.SIGKILL)
+            for task in tasks:  # the request on the surviving core fails too: the engine is one
+                with pytest.raises(EngineDeadError, match=r"data-parallel engine core 1: .*died \(exit code -9\)"):
+                    await asyncio.wait_for(task, 10)
+            assert eng.errored and not eng.is_running
+            with pytest.raises(EngineDeadError):
+                await collect(eng.generate("new", greedy(2), "new"))
+            with pytest.raises(EngineDeadError, match="data-parallel engine core 1"):
+                await eng.get_stats()
+
+        run(main())
+        survivor = client.engines[0].process
+        survivor.join(15)
+        assert survivor.exitcode == 0  # stopped by SIGTERM, not left serving nobody
+    finally:
+        eng.shutdown()
+    assert not any(os.path.exists(core.ipc_dir) for core in client.engines)
+    assert not {core.process for core in client.engines} & set(multiprocessing.active_children())
+
+
+def test_a_core_that_fails_to_start_stops_the_other(tiny_llama: Path) -> None:
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=r"kv_cache_memory=100000 bytes.*raise kv_cache_memory to at least"):
+        start(engine_config(tiny_llama, kv_cache_memory=100_000))
+    assert set(multiprocessing.active_children()) <= before
