@@ -8,10 +8,14 @@ servers) is one for all of them. Contract, beyond ``MPClient``'s:
 - **Start.** The cores start at once, each on its own slice of the CPUs this process may use and with its share of
   the threads (``placements``: PAGELLM_NUM_THREADS, else the CPUs, split evenly; fewer than one each is refused).
   ``while_starting`` runs once. When one core fails to start, the others are stopped and its error is raised.
-- **Routing.** ``add_requests`` sends one call's requests (the siblings of ``n > 1``, which share their prompt's KV
-  blocks through the prefix cache) to the core with the fewest unfinished requests, ties taken in turn. A request
-  is its core's until it finishes (``finish_reasons``), is refused (``errors``) or is aborted; ``abort_requests``
-  sends each id to its own core.
+- **Routing** (``Router``). ``add_requests`` sends one call's requests (the siblings of ``n > 1``, which share
+  their prompt's KV blocks through the prefix cache) to one core: the one with the fewest unfinished requests (ties
+  taken in turn), unless another was given more of the prompt's leading blocks before (with prefix caching on: a
+  chat's earlier turns, a long shared document) and is at most ``max(AFFINITY_SLACK, least // 4)`` requests busier;
+  then that one, whose prefix cache likely holds them. The router remembers which cores were given which leading
+  blocks (chained hashes of whole blocks with the request's ``cache_salt``, the latest ``PREFIX_CAPACITY``); a
+  prefix given to every core (a shared system prompt) pulls toward none. A request is its core's until it finishes
+  (``finish_reasons``), is refused (``errors``) or is aborted; ``abort_requests`` sends each id to its own core.
 - **Stats.** Each core's step stats go on with the gauges of all the cores (running and waiting requests summed,
   the KV cache usage their mean) and the step's own counters, so the frontend's gauges and counters read as one
   engine's. Utility calls go to every core and their answers are merged (``_MERGE``).
@@ -29,6 +33,7 @@ import itertools
 import logging
 import os
 import threading
+from collections import OrderedDict
 from typing import Any, Callable
 
 import msgspec
@@ -43,6 +48,9 @@ from pagellm.metrics.stats import SchedulerStats
 from pagellm.worker.runtime import RuntimeInfo
 
 logger = logging.getLogger(__name__)
+
+AFFINITY_SLACK = 4          # a prompt's cached blocks outweigh this many more unfinished requests on their core
+PREFIX_CAPACITY = 1 << 17   # leading-block hashes the router remembers (least recently routed forgotten first)
 
 
 def placements(size: int, cpus: list[int] | None = None, threads: int | None = None) -> list[Placement]:
@@ -81,6 +89,65 @@ _MERGE: dict[str, Callable[[list[Any]], Any]] = {
 }
 
 
+class Router:
+    """Which core takes each call's requests (see the module docstring's Routing). Not thread-safe (``DPClient``
+    holds its lock)."""
+
+    def __init__(self, size: int, block_size: int | None, capacity: int = PREFIX_CAPACITY) -> None:
+        self.loads = [0] * size                            # unfinished requests per core
+        self.routed = [0] * size                           # requests each core was given
+        self.block_size = block_size                       # None: no prefix affinity (prefix caching off)
+        self.capacity = capacity
+        self._owner: dict[str, int] = {}                   # unfinished request id → its core
+        self._blocks: OrderedDict[int, int] = OrderedDict()  # chained hash of leading blocks → bitmask of cores
+        self._turn = itertools.count()
+
+    def route(self, request_ids: list[str], tokens: list[int], salt: str | None = None) -> int:
+        """The core for requests sharing the prompt ``tokens`` (siblings), now counted as its unfinished ones."""
+        size = len(self.loads)
+        start = next(self._turn) % size
+        least = min(((start + i) % size for i in range(size)), key=self.loads.__getitem__)
+        hashes = self._hashes(tokens, salt)
+        depth = [0] * size  # leading blocks of the prompt each core was given before
+        for i, h in enumerate(hashes):
+            cores = self._blocks.get(h, 0)
+            if not cores:
+                break
+            for c in range(size):
+                depth[c] += depth[c] == i and cores >> c & 1
+        best = max(range(size), key=lambda c: (depth[c], -self.loads[c]))
+        core = least
+        if depth[best] > depth[least] and \
+                self.loads[best] - self.loads[least] <= max(AFFINITY_SLACK, self.loads[least] // 4):
+            core = best
+        for h in hashes:  # this core now holds these blocks (or soon will)
+            self._blocks[h] = self._blocks.get(h, 0) | 1 << core
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+        for request_id in request_ids:
+            self._owner[request_id] = core
+        self.loads[core] += len(request_ids)
+        self.routed[core] += len(request_ids)
+        return core
+
+    def release(self, request_id: str) -> int | None:
+        """Forget an unfinished request (finished, refused or aborted); its core, or ``None`` if it had none."""
+        core = self._owner.pop(request_id, None)
+        if core is not None:
+            self.loads[core] -= 1
+        return core
+
+    def _hashes(self, tokens: list[int], salt: str | None) -> list[int]:
+        if self.block_size is None:
+            return []
+        chained, out, size = hash(salt), [], self.block_size
+        for start in range(0, len(tokens) - size + 1, size):
+            chained = hash((chained, tuple(tokens[start:start + size])))
+            out.append(chained)
+        return out
+
+
 class DPClient:
     """``size`` engine cores behind one frontend (see the module docstring for the contract)."""
 
@@ -91,11 +158,9 @@ class DPClient:
         places = placements(size)
         self._on_outputs, self._on_dead = on_outputs, on_dead
         self._lock = threading.Lock()
-        self._owner: dict[str, int] = {}                         # unfinished request id → its core
-        self._load = [0] * size                                   # unfinished requests per core
-        self.routed = [0] * size                                  # requests each core was given
-        self._gauges = [SchedulerStats() for _ in range(size)]    # each core's latest gauges
-        self._turn = itertools.count()
+        prefix = config.cache_config.enable_prefix_caching
+        self.router = Router(size, config.cache_config.block_size if prefix else None)
+        self._gauges = [SchedulerStats() for _ in range(size)]  # each core's latest gauges
         self._dead: str | None = None
         self._closing = False
         self._stop_lock = threading.Lock()
@@ -126,20 +191,15 @@ class DPClient:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         with self._lock:
-            size = len(self._load)
-            start = next(self._turn) % size
-            core = min(((start + i) % size for i in range(size)), key=self._load.__getitem__)
-            for request in requests:
-                self._owner[request.request_id] = core
-            self._load[core] += len(requests)
-            self.routed[core] += len(requests)
+            core = self.router.route([r.request_id for r in requests], requests[0].prompt_token_ids,
+                                     requests[0].cache_salt)
         self.engines[core].add_requests(requests)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         by_core: dict[int, list[str]] = {}
         with self._lock:
             for request_id in request_ids:
-                core = self._release(request_id)
+                core = self.router.release(request_id)
                 if core is not None:
                     by_core.setdefault(core, []).append(request_id)
         for core, ids in by_core.items():
@@ -179,19 +239,12 @@ class DPClient:
         def on_outputs(outputs: EngineCoreOutputs) -> None:  # on core ``core``'s output thread
             with self._lock:
                 for request_id in itertools.chain(outputs.step.finish_reasons, (e.request_id for e in outputs.errors)):
-                    self._release(request_id)
+                    self.router.release(request_id)
                 if outputs.stats is not None:
                     self._gauges[core] = outputs.stats
                     outputs.stats = _with_gauges(outputs.stats, self._gauges)
             self._on_outputs(outputs)
         return on_outputs
-
-    def _release(self, request_id: str) -> int | None:
-        """Forget an unfinished request (under ``_lock``); its core, or ``None`` if it had none."""
-        core = self._owner.pop(request_id, None)
-        if core is not None:
-            self._load[core] -= 1
-        return core
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def _dead_of(self, core: int) -> Callable[[EngineDeadError], None]:

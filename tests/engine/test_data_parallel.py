@@ -21,7 +21,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.config import EngineConfig
 from pagellm.engine.async_engine import AsyncLLM
 from pagellm.engine.core_proc import Placement
-from pagellm.engine.dp_client import DPClient, placements
+from pagellm.engine.dp_client import AFFINITY_SLACK, DPClient, Router, placements
 from pagellm.engine.exceptions import EngineDeadError
 from pagellm.outputs import RequestOutput
 
@@ -107,6 +107,49 @@ def test_placements_split_the_cpus_and_threads(monkeypatch: pytest.MonkeyPatch) 
     assert placements(2, cpus=[0, 1, 2, 3]) == [Placement((0, 1), 1), Placement((2, 3), 1)]
 
 
+def test_the_router_balances_unfinished_requests() -> None:
+    router = Router(2, block_size=None)
+    assert [router.route([f"r{i}"], [1, 2, 3, 4] * 8) for i in range(4)] == [0, 1, 0, 1]  # no affinity: in turn
+    assert router.route(["a", "b"], [5]) == 0 and router.loads == [4, 2]  # siblings stay together
+    assert [router.route([f"s{i}"], [6]) for i in range(2)] == [1, 1]
+    assert router.release("a") == 0 and router.release("a") is None and router.loads == [3, 4]
+    assert router.route(["t"], [7]) == 0 and router.routed == [5, 4]
+
+
+def test_the_router_sends_a_prompt_to_the_core_that_had_its_leading_blocks() -> None:
+    router = Router(2, block_size=4)
+    chat = list(range(100, 112))  # three whole blocks
+    assert router.route(["turn1"], chat) == 0
+    router.release("turn1")
+    later = [router.route([f"turn{i}"], chat + list(range(i * 10, i * 10 + 9))) for i in range(2, 6)]
+    assert later == [0, 0, 0, 0]  # by load alone they would go to core 1 (0 unfinished against 1, 2, 3)
+    assert router.route(["salted"], chat, salt="tenant") == 1  # another cache_salt: other blocks
+    for busy, idle, to in [(10, 6, 0), (10, 5, 1), (50, 40, 0), (51, 40, 1)]:  # slack max(4, least // 4)
+        router = Router(2, block_size=4)
+        assert router.route(["turn1"], chat) == 0
+        router.loads[:] = [busy, idle]
+        assert router.route(["turn2"], chat + [1]) == to
+
+
+def test_a_prefix_on_every_core_pulls_toward_none() -> None:
+    router = Router(2, block_size=4)
+    system = [9] * 8  # one system prompt before every request
+    cores = [router.route([f"r{i}"], system + [i]) for i in range(12)]
+    assert cores == [0] * 5 + [1] * 5 + [0, 1]  # learned by core 1 once core 0 is 5 busier; then by load alone
+    assert router.loads == [6, 6]
+
+
+def test_the_router_forgets_the_least_recently_routed_blocks() -> None:
+    for capacity, to in [(4, 0), (2, 1)]:
+        router = Router(2, block_size=4, capacity=capacity)
+        assert router.route(["a"], [1] * 8) == 0
+        router.release("a")
+        assert router.route(["b"], [2] * 8) == 1
+        router.release("b")
+        assert router.route(["x"], [0]) == 0  # core 0 one busier: by load alone, core 1
+        assert router.route(["c"], [1] * 8) == to  # core 0 had its blocks, unless they were forgotten
+
+
 def test_offline_and_connector_refuse_data_parallelism(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match=r"data_parallel_size > 1 runs engine cores behind a server"):
         LLM(str(tiny_llama), dtype="float32", data_parallel_size=2)
@@ -134,7 +177,7 @@ def test_requests_spread_over_both_cores_and_answer_as_one_engine(engine: AsyncL
     params = [greedy(12, ignore_eos=True), greedy(5), greedy(20, ignore_eos=True), greedy(1), greedy(9),
               greedy(16, ignore_eos=True)]
     expected = llm.generate(PROMPTS, params, use_tqdm=False)
-    before = list(cores(engine).routed)
+    before = list(cores(engine).router.routed)
 
     async def main() -> list[list[RequestOutput]]:
         return await asyncio.gather(*(collect(engine.generate(p, sp, f"r{i}"))
@@ -144,7 +187,7 @@ def test_requests_spread_over_both_cores_and_answer_as_one_engine(engine: AsyncL
         assert tokens(deltas) == full.outputs[0].token_ids
         assert "".join(d.outputs[0].text for d in deltas) == full.outputs[0].text
         assert deltas[-1].outputs[0].finish_reason == full.outputs[0].finish_reason
-    routed = [after - b for after, b in zip(cores(engine).routed, before)]
+    routed = [after - b for after, b in zip(cores(engine).router.routed, before)]
     assert routed == [3, 3]  # six requests at once: each to the core with fewer unfinished ones
     assert run(all_blocks_free(engine))
     stats = run(engine.get_stats())
@@ -159,17 +202,17 @@ def test_stats_gauges_sum_the_cores(engine: AsyncLLM, run: Any) -> None:
             async for _ in engine.generate(f"long one {i}", greedy(400, ignore_eos=True), f"g{i}"):
                 started[i].set()
 
-        before = list(cores(engine).routed)
+        before = list(cores(engine).router.routed)
         tasks = [asyncio.create_task(consume(i)) for i in range(2)]
         await asyncio.gather(*(e.wait() for e in started))
-        assert [a - b for a, b in zip(cores(engine).routed, before)] == [1, 1]
+        assert [a - b for a, b in zip(cores(engine).router.routed, before)] == [1, 1]
         stats = await engine.get_stats()
         assert stats.num_running_reqs == 2 and stats.kv_cache_usage > 0.0  # one running on each core
         await engine.abort("g0")
         await engine.abort("g1")
         await asyncio.gather(*tasks)
         await wait_until(lambda: all_blocks_free(engine))
-        assert cores(engine)._load == [0, 0] and not cores(engine)._owner
+        assert cores(engine).router.loads == [0, 0] and not cores(engine).router._owner
 
     run(main())
 
@@ -178,12 +221,30 @@ def test_siblings_share_one_core_and_its_prefix_cache(engine: AsyncLLM, run: Any
     prompt = "a prompt long enough to fill two sixteen-token blocks, and then some"
     params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     run(engine.reset_prefix_cache())
-    before, routed = run(engine.get_stats()), list(cores(engine).routed)
+    before, routed = run(engine.get_stats()), list(cores(engine).router.routed)
     outs = run(collect(engine.generate(prompt, params, "fan")))
     after = run(engine.get_stats())
-    assert sorted(a - b for a, b in zip(cores(engine).routed, routed)) == [0, 2]
+    assert sorted(a - b for a, b in zip(cores(engine).router.routed, routed)) == [0, 2]
     assert after.prefix_cache_hits - before.prefix_cache_hits >= 32
     assert sorted(len(tokens([o for o in outs if o.outputs[0].index == i])) for i in range(2)) == [8, 8]
+    assert run(all_blocks_free(engine))
+
+
+def test_later_turns_go_to_the_core_that_holds_the_earlier_ones(engine: AsyncLLM, run: Any) -> None:
+    history = engine.tokenizer.encode("a conversation long enough to fill three sixteen-token blocks of the tiny "
+                                      "model's cache, and some more words")
+    assert len(history) >= 48
+    run(engine.reset_prefix_cache())
+    for turn in range(4):
+        before, routed = run(engine.get_stats()), list(cores(engine).router.routed)
+        reply = run(collect(engine.generate(history, greedy(8, ignore_eos=True), f"turn{turn}")))
+        got = [a - b for a, b in zip(cores(engine).router.routed, routed)]
+        hits = run(engine.get_stats()).prefix_cache_hits - before.prefix_cache_hits
+        if turn == 0:
+            first = got
+        else:  # by load alone (both idle) the turns would alternate between the cores
+            assert got == first and hits >= 48
+        history = history + tokens(reply) + engine.tokenizer.encode(f" and then {turn}")
     assert run(all_blocks_free(engine))
 
 
@@ -211,9 +272,9 @@ def test_a_killed_core_fails_the_engine_and_stops_the_other(tiny_llama: Path, ru
                 await eng.get_stats()
 
         run(main())
-        survivor = client.engines[0].process
-        survivor.join(15)
-        assert survivor.exitcode == 0  # stopped by SIGTERM, not left serving nobody
+        survivor = client.engines[0].process  # stopped (SIGTERM) by the client, not left serving nobody:
+        run(wait_until(lambda: asyncio.sleep(0, survivor.exitcode is not None), 15))  # reaped by its stop thread
+        assert survivor.exitcode == 0
     finally:
         eng.shutdown()
     assert not any(os.path.exists(core.ipc_dir) for core in client.engines)
