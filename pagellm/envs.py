@@ -32,6 +32,12 @@ def native_decoder() -> bool:
     return os.environ.get("PAGELLM_NATIVE_DECODER", "1") != "0"
 
 
+def dp_prefix_affinity() -> bool:
+    """``PAGELLM_DP_PREFIX_AFFINITY``: ``0`` routes data-parallel requests by load alone, not toward the core that
+    was given their prompt's leading blocks (``pagellm/engine/dp_client.py``); default on. For A/B runs."""
+    return os.environ.get("PAGELLM_DP_PREFIX_AFFINITY", "1") != "0"
+
+
 def tp_shm_comm() -> bool:
     """``PAGELLM_TP_SHM_COMM``: ``0`` sends the tensor-parallel ranks' all-reduces and all-gathers through gloo (its
     loopback TCP) instead of shared memory (``pagellm/distributed/shm_comm.py``); default on."""

@@ -158,7 +158,7 @@ class DPClient:
         places = placements(size)
         self._on_outputs, self._on_dead = on_outputs, on_dead
         self._lock = threading.Lock()
-        prefix = config.cache_config.enable_prefix_caching
+        prefix = config.cache_config.enable_prefix_caching and envs.dp_prefix_affinity()
         self.router = Router(size, config.cache_config.block_size if prefix else None)
         self._gauges = [SchedulerStats() for _ in range(size)]  # each core's latest gauges
         self._dead: str | None = None
