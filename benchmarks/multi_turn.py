@@ -2,9 +2,10 @@
 round by round so that every side sees the same spells of the machine: ``--sessions`` sessions at once, each of
 ``--turns`` turns. A session's first prompt is a document of its own (random token ids); each later prompt is the
 previous one, its reply (re-encoded) and a new question, so every prompt begins with the ids of the one before and
-a prefix cache that kept them serves them. Each side gets a fresh ``pagellm serve`` (as compare.py starts it, on the
-built-in model in bfloat16), idles ``--settle`` seconds, then runs the sessions with greedy, EOS-ignored,
-streamed /v1/completions requests.
+a prefix cache that kept them serves them. ``--think-ms`` pauses each session before its later turns (a user
+reading and typing), so other sessions' turns arrive in between. Each side gets a fresh ``pagellm serve`` (as
+compare.py starts it, on the built-in model in bfloat16), idles ``--settle`` seconds, then runs the sessions with
+greedy, EOS-ignored, streamed /v1/completions requests.
 
 Per run: output tok/s over the whole load, TTFT p50 of first turns, TTFT p50/p95 of later turns, and the prefix
 cache's hit rate over the load (``pagellm:prefix_cache_hits`` / ``queries`` from ``/metrics``). Then each side's
@@ -55,7 +56,9 @@ async def session(server: client.Server, opts: client.ClientOptions, args: argpa
         return [rng.randrange(FIRST_ORDINARY_ID, tokenizer.vocab_size) for _ in range(count)]
 
     ids, results = words(args.document_len), []
-    for _ in range(args.turns):
+    for turn in range(args.turns):
+        if turn and args.think_ms:  # the user reads the reply and types: other sessions' turns come meanwhile
+            await asyncio.sleep(rng.expovariate(1000 / args.think_ms))
         ids = ids + words(args.question_len)
         result = await client.send(server, BenchRequest(ids, args.output_len, len(ids)), opts)
         if not result.success:
@@ -121,6 +124,8 @@ def main() -> None:
     parser.add_argument("--document-len", type=int, default=384, help="tokens of each session's first prompt")
     parser.add_argument("--question-len", type=int, default=32, help="tokens each turn adds before its reply")
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--think-ms", type=float, default=0.0,
+                        help="mean pause before each later turn (exponential; 0: the next turn at once)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--settle", type=float, default=5.0, help="seconds each server idles before its load")
     parser.add_argument("--rounds", type=int, default=2)
@@ -140,7 +145,8 @@ def main() -> None:
             print(f"round {round_ + 1} {side}: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()), flush=True)
     first = next(iter(sides))
     print(f"\n{args.sessions} sessions x {args.turns} turns, document {args.document_len}, questions "
-          f"{args.question_len}, replies {args.output_len} tokens, {args.threads} threads, {args.rounds} rounds "
+          f"{args.question_len}, replies {args.output_len} tokens, think {args.think_ms:g} ms, {args.threads} threads, "
+          f"{args.rounds} rounds "
           f"(medians; ratio to {first})")
     for name in runs[first][0]:
         medians = {side: statistics.median(r[name] for r in runs[side]) for side in sides}
