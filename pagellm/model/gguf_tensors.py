@@ -47,6 +47,9 @@ _BLOCK_TENSORS = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Mixtral files written before llama.cpp stacked the experts (April 2024) hold one tensor per expert:
+# blk.N.ffn_gate.E, blk.N.ffn_up.E, blk.N.ffn_down.E.
+_EXPERT_TENSORS = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 # Where an architecture's tensor means something else: Phi-3's ffn_up is its fused gate/up.
 _ARCH_BLOCK_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 # Mixtral's own names for the same tensors.
@@ -62,6 +65,9 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     or ``None`` for tensors HF does not store."""
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3].isdigit() \
+            and parts[2] in _EXPERT_TENSORS:  # a Mixtral file from before llama.cpp stacked the experts
+        return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{_EXPERT_TENSORS[parts[2]]}.{suffix}"
     kind = parts[-1]
     if kind in _SKIPPED_TENSORS:
         return None

@@ -139,6 +139,29 @@ def test_tiny_mixture_of_experts_gguf_round_trip(tmp_path: Path, tiny_tokenizer:
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
+@pytest.mark.parametrize("types", [None, {"*": "Q4_0"}], ids=["float32", "Q4_0"])
+def test_an_old_mixtral_gguf_with_a_tensor_per_expert_converts_as_a_stacked_one(
+        tmp_path: Path, tiny_tokenizer: BackendTokenizer, types: dict[str, str] | None) -> None:
+    """Mixtral files written before llama.cpp stacked the experts (April 2024; the widely shared ones of early 2024
+    among them) hold each expert's matrices apart, as blk.N.ffn_gate.E: the same model, tensor for tensor."""
+    model = random_model(tiny_config("mixtral", tiny_tokenizer.get_vocab_size(), False))
+    model.save_pretrained(tmp_path / "original")
+    original = dict(iter_weights(tmp_path / "original"))
+    for layout in ("stacked", "per-expert"):
+        write_tiny_gguf(tmp_path / f"{layout}.gguf", model, tiny_tokenizer, "mixtral", checkpoint=original,
+                        types=types, per_expert=layout == "per-expert")
+        convert_gguf_to_hf(tmp_path / f"{layout}.gguf", tmp_path / layout)
+    names = {t.name for t in gguf.GGUFReader(tmp_path / "per-expert.gguf").tensors}
+    assert {"blk.0.ffn_gate.3.weight", "blk.1.ffn_down.0.weight"} <= names and not any("_exps" in n for n in names)
+    assert load_hf_config(tmp_path / "per-expert") == load_hf_config(tmp_path / "stacked")
+    stacked, per_expert = dict(iter_weights(tmp_path / "stacked")), dict(iter_weights(tmp_path / "per-expert"))
+    assert sorted(per_expert) == sorted(stacked) == sorted(original)
+    for name, tensor in stacked.items():
+        assert torch.equal(per_expert[name], tensor), name
+    blocks = (tmp_path / "per-expert" / gguf_blocks.BLOCKS_FILE).exists()
+    assert blocks == (tmp_path / "stacked" / gguf_blocks.BLOCKS_FILE).exists() == (types is not None)
+
+
 @pytest.mark.parametrize("partial", [1.0, 0.5], ids=["phi3", "phi4-mini"])
 def test_a_phi3_gguf_with_longrope_round_trips(tmp_path: Path, tiny_tokenizer: BackendTokenizer,
                                                partial: float) -> None:

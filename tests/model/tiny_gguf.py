@@ -127,6 +127,7 @@ def write_tiny_gguf(
     path: Path, model: torch.nn.Module, tokenizer: BackendTokenizer, arch: str, f16: bool = False,
     checkpoint: dict[str, torch.Tensor] | None = None, extra: dict[str, np.ndarray] | None = None,
     original_context: int | None = None, rope_dim: int | None = None, types: dict[str, str] | None = None,
+    per_expert: bool = False,
 ) -> None:
     """``arch`` is llama.cpp's name (``mixtral`` is written as a ``llama`` file with experts). A mixture of experts
     needs its ``checkpoint`` tensors (one per expert, as saved; transformers holds them stacked in memory).
@@ -135,7 +136,8 @@ def write_tiny_gguf(
     per kind of decoder matrix (``attn_v``, ``ffn_down_exps``; ``*`` for the others), and for the embeddings and the
     LM head where named (``token_embd``, ``output``), as llama.cpp's files have them (``{"*": "Q4_1"}``: the built-in
     model's; Q4_K_M's mixes; Q4_K and Q6_K through ``quantize_q4_k`` and ``quantize_q6_k``, the others through gguf's
-    own quantizer)."""
+    own quantizer); ``per_expert``: a Mixtral's experts one tensor each (``blk.N.ffn_gate.E``), as llama.cpp wrote
+    them before it stacked them (April 2024)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch="llama" if arch == "mixtral" else arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -155,7 +157,7 @@ def write_tiny_gguf(
     if rope_dim is not None:
         writer.add_rope_dimension_count(rope_dim)
     _add_tokenizer(writer, tokenizer)
-    _add_tensors(writer, model, arch, f16, checkpoint, types)
+    _add_tensors(writer, model, arch, f16, checkpoint, types, per_expert)
     for name, values in (extra or {}).items():
         writer.add_tensor(name, values)
     writer.write_header_to_file()
@@ -206,14 +208,16 @@ def _stack_experts(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 
 def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16: bool,
-                 checkpoint: dict[str, torch.Tensor] | None, types: dict[str, str] | None = None) -> None:
+                 checkpoint: dict[str, torch.Tensor] | None, types: dict[str, str] | None = None,
+                 per_expert: bool = False) -> None:
     config = model.config
     model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
                   "mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
                   "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "phi3": gguf.MODEL_ARCH.PHI3}[arch]
     name_map = gguf.get_tensor_name_map(model_arch, 2)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
-    tensors = _stack_experts(checkpoint) if checkpoint is not None else model.state_dict()
+    tensors = checkpoint if per_expert else _stack_experts(checkpoint) if checkpoint is not None else \
+        model.state_dict()
     for hf_name, tensor in tensors.items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -223,7 +227,12 @@ def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16
             values = llama_cpp_permute(values, heads[module.split(".")[-1]])
         if f16 and values.ndim == 2:  # as llama.cpp's f16 files do: matrices in F16, norms and biases in F32
             values = values.astype(np.float16)
-        name = f"{name_map.get_name(module)}.{suffix}"
+        expert = re.fullmatch(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])", module)
+        if expert is not None:  # only with per_expert: the old files' names
+            kind = {"w1": "ffn_gate", "w2": "ffn_down", "w3": "ffn_up"}[expert.group(3)]
+            name = f"blk.{expert.group(1)}.{kind}.{expert.group(2)}.{suffix}"
+        else:
+            name = f"{name_map.get_name(module)}.{suffix}"
         if name.startswith("blk."):  # llama-quantize leaves the router in float
             kind = (types or {}).get(name.split(".")[2], (types or {}).get("*")) \
                 if name.split(".")[2] != "ffn_gate_inp" else None
