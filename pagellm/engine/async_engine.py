@@ -150,10 +150,11 @@ class AsyncLLM:
         return cls(config, load_text, startup_timeout_s, stats_sink)
 
     # ------------------------------------------------------------------------------------------- requests
-    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Delta outputs of one prompt (n siblings when ``params.n > 1``); see the module docstring."""
-        requests = self._make_requests(prompt, params, request_id, priority)
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Delta outputs of one prompt (n siblings when ``params.n > 1``); see the module docstring. Requests of
+        different ``cache_salt``s never share prefix-cache blocks."""
+        requests = self._make_requests(prompt, params, request_id, priority, cache_salt)
         stream = _RequestStream(asyncio.get_running_loop())
         self._register(request_id, requests, prompt if isinstance(prompt, str) else None, stream)
         try:
@@ -200,13 +201,13 @@ class AsyncLLM:
         self._drop(ids, notify=True)
 
     def _make_requests(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       priority: int) -> list[EngineCoreRequest]:
+                       priority: int, cache_salt: str | None = None) -> list[EngineCoreRequest]:
         self._raise_if_dead()
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        base = self.input_processor.process(request_id, prompt, params, priority)
+        base = self.input_processor.process(request_id, prompt, params, priority, cache_salt)
         return [msgspec.structs.replace(base, request_id=self._unique_id(request_id), sampling_params=sibling)
                 for sibling in sibling_params(base.sampling_params)]
 

@@ -60,13 +60,15 @@ class InputProcessor:
         token_ids = self.tokenize(prompt)
         check_prompt(token_ids, self.max_model_len, self.vocab_size)
         params = self.prepare_params(params)
-        if params.prompt_logprobs is not None and cache_salt is None:
-            # Every prompt position must be computed to score it: a unique salt makes prefix-cache hits impossible.
-            cache_salt = f"prompt-logprobs-{uuid.uuid4().hex}"
-        if params.lora_request is not None:  # KV computed under an adapter is its own
-            cache_salt = "/".join(s for s in (cache_salt, params.lora_request.cache_salt) if s)
+        # The caller's salt (length-prefixed, so that no other part can pass for it or for another caller's) ...
+        salts = [] if cache_salt is None else [f"caller-{len(cache_salt)}:{cache_salt}"]
+        if params.prompt_logprobs is not None:
+            # ... every prompt position must be computed to score it: a unique salt makes prefix-cache hits impossible
+            salts.append(f"prompt-logprobs-{uuid.uuid4().hex}")
+        if params.lora_request is not None:  # ... KV computed under an adapter is its own
+            salts.append(params.lora_request.cache_salt)
         return EngineCoreRequest(request_id, token_ids, params, sorted(self.tokenizer.eos_token_ids), time.time(),
-                                 priority, cache_salt)
+                                 priority, "/".join(salts) or None)
 
     def check_adapter(self, request: LoRARequest) -> None:
         """Raise ValueError unless this engine can run ``request``'s adapter (checked once per adapter)."""

@@ -1,6 +1,7 @@
 """How a request shapes its prompt (vLLM's fields): ``truncate_prompt_tokens`` keeps the last k tokens,
 ``continue_final_message`` leaves the last message open for the model to continue, ``add_special_tokens`` adds the
-tokenizer's BOS (completions by default, chat only when asked: the template writes its own)."""
+tokenizer's BOS (completions by default, chat only when asked: the template writes its own), ``cache_salt`` keeps
+one tenant's prefix-cache blocks from another's."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
+from metrics_utils import scrape, value
 from server_utils import ServerProcess
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.processors import TemplateProcessing
@@ -38,6 +40,31 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client: openai.OpenAI) -> 
     assert chat.usage.prompt_tokens == 5
     with pytest.raises(openai.BadRequestError, match=r"truncate_prompt_tokens \(513\) must be at most max_model_len"):
         client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body={"truncate_prompt_tokens": 513})
+
+
+def test_cache_salt_shares_prefix_cache_blocks_only_within_one_salt(server: ServerProcess,
+                                                                    client: openai.OpenAI) -> None:
+    prompt = "cache salt test: a prompt of three whole sixteen-token blocks and some more characters"  # 1 per char
+
+    def hits_of(**extra: object) -> float:
+        before = value(scrape(server.base_url), "pagellm:prefix_cache_hits_total")
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body=extra)
+        return value(scrape(server.base_url), "pagellm:prefix_cache_hits_total") - before
+
+    assert hits_of(cache_salt="tenant-a") == 0  # the first with this prompt
+    assert hits_of(cache_salt="tenant-a") >= 64  # the same tenant again
+    assert hits_of(cache_salt="tenant-b") == 0  # another tenant: its own blocks
+    assert hits_of() == 0  # no salt: none of the salted blocks
+    assert hits_of() >= 64
+    assert hits_of(cache_salt="tenant-a", prompt_logprobs=0) == 0  # scoring the prompt computes all of it
+    chat = [{"role": "user", "content": prompt}]
+    for extra, hits in (({}, 0), ({"cache_salt": "tenant-c"}, 0), ({"cache_salt": "tenant-c"}, 64)):
+        before = value(scrape(server.base_url), "pagellm:prefix_cache_hits_total")
+        client.chat.completions.create(model="tiny", messages=chat, max_tokens=1, extra_body=extra)
+        got = value(scrape(server.base_url), "pagellm:prefix_cache_hits_total") - before
+        assert got >= hits if hits else got == 0
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body={"cache_salt": ""})
 
 
 def test_continue_final_message_leaves_the_last_turn_open(server: ServerProcess, client: openai.OpenAI) -> None:

@@ -62,6 +62,7 @@ class SamplingRequest(OpenAIModel):
     ignore_eos: bool = False
     stop_token_ids: Optional[list[TokenId]] = None
     priority: Int64 = 0
+    cache_salt: Optional[str] = Field(None, min_length=1)  # requests of other salts share no prefix-cache blocks
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

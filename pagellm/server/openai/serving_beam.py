@@ -69,14 +69,15 @@ def beam_params(request: SamplingRequest, max_tokens: Optional[int],
 
 
 async def beam_outputs(engine: Any, prompt: list[int], params: BeamSearchParams, eos: frozenset[int],
-                       request_id: str, priority: int, max_model_len: int) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int, max_model_len: int,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
     """The search's best beams as finished outputs, best first (see the module docstring)."""
     arrival = time.time()
     search, step = BeamSearch(prompt, params, eos, max_model_len), params.step_params()
 
     async def next_token(tokens: list[int], name: str) -> dict[int, float]:
         last = None
-        async with contextlib.aclosing(engine.generate(tokens, step, name, priority)) as stream:
+        async with contextlib.aclosing(engine.generate(tokens, step, name, priority, cache_salt)) as stream:
             async for last in stream:
                 pass
         assert last is not None and last.outputs[0].logprobs

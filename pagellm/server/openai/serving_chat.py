@@ -142,7 +142,7 @@ class OpenAIServingChat(OpenAIServing):
         choices: dict[int, _Choice] = {}
         prompt_logprobs = None
         async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority,
-                                             job.beam):
+                                             job.beam, job.request.cache_salt):
             choices.setdefault(output.outputs[0].index, _Choice()).add(output)
             prompt_logprobs = prompt_logprobs or output.prompt_logprobs
         result = [_choice(job, i, c) for i, c in sorted(choices.items())]
@@ -178,7 +178,8 @@ class OpenAIServingChat(OpenAIServing):
                 yield piece
 
     async def _outputs(self, job: _Job) -> AsyncIterator[tuple[int, _Choice, str]]:
-        async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority):
+        async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority,
+                                             cache_salt=job.request.cache_salt):
             index = output.outputs[0].index
             choice = job.choices.setdefault(index, _Choice())
             yield index, choice, choice.add(output)

@@ -79,7 +79,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create(self, job: _Job) -> CompletionResponse:
         choices: dict[int, _Choice] = {}
-        stream = self.generate(job.prompts, job.params, job.request_id, job.request.priority, job.beam)
+        stream = self.generate(job.prompts, job.params, job.request_id, job.request.priority, job.beam,
+                               job.request.cache_salt)
         async for prompt_index, output in stream:
             job.note(prompt_index, output)
             choices.setdefault(job.choice_index(prompt_index, output), _Choice()).add(output)
@@ -101,7 +102,8 @@ class OpenAIServingCompletion(OpenAIServing):
         choices: dict[int, _Choice] = {}
         writer = ChunkWriter("completion", job.request_id, job.created, job.model)
         try:
-            stream = self.generate(job.prompts, job.params, job.request_id, job.request.priority)
+            stream = self.generate(job.prompts, job.params, job.request_id, job.request.priority,
+                                   cache_salt=job.request.cache_salt)
             async for prompt_index, output in stream:
                 job.note(prompt_index, output)
                 index = job.choice_index(prompt_index, output)

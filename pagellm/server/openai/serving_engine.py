@@ -47,7 +47,7 @@ class EngineClient(Protocol):
     sampling_defaults: dict[str, Any]  # for requests that leave them unset (generation_config.py)
 
     def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+                 priority: int = 0, cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -193,33 +193,37 @@ class OpenAIServing:
         return token_ids
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str, priority: int,
-                       beam: Optional[BeamSearchParams] = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                       beam: Optional[BeamSearchParams] = None,
+                       cache_salt: Optional[str] = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Deltas of every prompt's request, interleaved as they arrive (see the module docstring); with ``beam``,
-        each prompt's best beams, prompt after prompt (``serving_beam.py``)."""
+        each prompt's best beams, prompt after prompt (``serving_beam.py``). ``cache_salt``: the prefix cache's
+        salt (requests of different salts share no blocks)."""
         if beam is not None:
             for index, prompt in enumerate(prompts):
                 async for output in serving_beam.beam_outputs(self.engine, prompt, beam, self.beam_stops(params),
-                                                              f"{request_id}-{index}", priority, self.max_model_len):
+                                                              f"{request_id}-{index}", priority, self.max_model_len,
+                                                              cache_salt):
                     yield index, output
             return
         if len(prompts) == 1:
-            stream = self.engine.generate(prompts[0], params, request_id, priority)
+            stream = self.engine.generate(prompts[0], params, request_id, priority, cache_salt)
             try:
                 async for output in stream:
                     yield 0, output
             finally:
                 await _close(stream)
             return
-        async for item in self._generate_many(prompts, params, request_id, priority):
+        async for item in self._generate_many(prompts, params, request_id, priority, cache_salt):
             yield item
 
     async def _generate_many(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                             priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+                             priority: int, cache_salt: Optional[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
         queue: asyncio.Queue[Any] = asyncio.Queue()
 
         async def pump(index: int, prompt: list[int]) -> None:
             try:
-                async for output in self.engine.generate(prompt, params, f"{request_id}-{index}", priority):
+                async for output in self.engine.generate(prompt, params, f"{request_id}-{index}", priority,
+                                                         cache_salt):
                     queue.put_nowait((index, output))
             except Exception as exc:  # handed to the consumer, which raises it
                 queue.put_nowait(exc)
