@@ -75,3 +75,37 @@ def test_chat_logprobs_match_offline(server: ServerProcess, client: openai.OpenA
     assert all(item.top_logprobs == [] for item in only_sampled.choices[0].logprobs.content)
     plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, extra_body=NO_EOS)
     assert plain.choices[0].logprobs is None
+
+
+def test_return_tokens_as_token_ids_names_every_token_by_its_id(server: ServerProcess, client: openai.OpenAI,
+                                                                offline: LLM) -> None:
+    """vLLM's ``return_tokens_as_token_ids``: ``token_id:<id>`` wherever a token's text stood, the same logprobs,
+    and text offsets that still count the choice's text."""
+    prompt = [5, 17, 42, 99]
+    ref = _reference(offline, prompt)
+    named = lambda ids: [f"token_id:{t}" for t in ids]  # noqa: E731
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=TOP, echo=True)
+    plain = client.completions.create(**kwargs, extra_body=NO_EOS).choices[0].logprobs
+    as_ids = client.completions.create(**kwargs, extra_body={**NO_EOS, "return_tokens_as_token_ids": True})
+    lp = as_ids.choices[0].logprobs
+    assert lp.tokens == named(prompt + ref.token_ids)
+    assert lp.token_logprobs == plain.token_logprobs and lp.text_offset == plain.text_offset
+    assert lp.top_logprobs[0] is None
+    for top, entry in zip(lp.top_logprobs[len(prompt):], ref.logprobs):
+        assert top == pytest.approx({f"token_id:{t}": p.logprob for t, p in entry.items()}, abs=1e-4)
+    chunks = list(client.completions.create(**kwargs, stream=True,
+                                            extra_body={**NO_EOS, "return_tokens_as_token_ids": True}))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
+                                          logprobs=True, top_logprobs=TOP,
+                                          extra_body={**NO_EOS, "return_tokens_as_token_ids": True})
+    prompt_ids = httpx.post(f"{server.base_url}/tokenize", json={"messages": CHAT}).json()["tokens"]
+    chat_ref = _reference(offline, prompt_ids)
+    content = chat.choices[0].logprobs.content
+    assert [item.token for item in content] == named(chat_ref.token_ids)
+    for item, entry in zip(content, chat_ref.logprobs):
+        assert item.bytes == list(item.token.encode())
+        assert [t.token for t in item.top_logprobs] == named(list(entry)[:TOP])

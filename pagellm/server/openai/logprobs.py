@@ -10,6 +10,9 @@ Contract:
   first (``prompt_completion_logprobs``), the first one with null logprob and alternatives.
 - Chat (``chat_logprobs``): one item per token with its text, logprob and UTF-8 ``bytes``, and exactly the top-k
   alternatives in ``top_logprobs``.
+- ``as_ids`` (a request's ``return_tokens_as_token_ids``, vLLM's): every token is named ``token_id:<id>`` instead of
+  its text (a token that is part of a UTF-8 character decodes to U+FFFD alone), ``bytes`` those of that name;
+  ``text_offset`` still counts the choice's text.
 """
 
 from __future__ import annotations
@@ -22,41 +25,49 @@ Entries = list[dict[int, Logprob]]
 
 
 def completion_logprobs(token_ids: list[int], entries: Entries, offset: int = 0,
-                        result: CompletionLogprobs | None = None) -> CompletionLogprobs:
-    """``result``: append to these (the prompt's, with ``echo``)."""
+                        result: CompletionLogprobs | None = None,
+                        as_ids: bool = False) -> tuple[CompletionLogprobs, int]:
+    """``result``: append to these (the prompt's, with ``echo``). Returns them and the text offset after the last
+    token."""
     result = result if result is not None else CompletionLogprobs()
     for token_id, entry in zip(token_ids, entries):
         sampled = entry[token_id]
-        result.tokens.append(sampled.decoded_token)
+        result.tokens.append(_name(token_id, sampled.decoded_token, as_ids))
         result.token_logprobs.append(sampled.logprob)
-        result.top_logprobs.append({p.decoded_token: p.logprob for p in entry.values()})
+        result.top_logprobs.append({_name(t, p.decoded_token, as_ids): p.logprob for t, p in entry.items()})
         result.text_offset.append(offset)
         offset += len(sampled.decoded_token)
-    return result
+    return result, offset
 
 
 def prompt_completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None],
-                               first_text: str) -> CompletionLogprobs:
+                               first_text: str, as_ids: bool = False) -> tuple[CompletionLogprobs, int]:
     """The prompt's part of an ``echo`` + ``logprobs`` choice: the first token (nothing predicts it) has a null
     logprob and null alternatives, as OpenAI returns; ``first_text`` is its text."""
-    result = CompletionLogprobs(tokens=[first_text], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
+    result = CompletionLogprobs(tokens=[_name(token_ids[0], first_text, as_ids)], token_logprobs=[None],
+                                top_logprobs=[None], text_offset=[0])
     rest = [entry for entry in entries[1:] if entry is not None]
-    return completion_logprobs(token_ids[1:], rest, len(first_text), result)
+    return completion_logprobs(token_ids[1:], rest, len(first_text), result, as_ids)
 
 
-def chat_logprobs(token_ids: list[int], entries: Entries, num_top: int) -> ChatLogprobs:
+def chat_logprobs(token_ids: list[int], entries: Entries, num_top: int, as_ids: bool = False) -> ChatLogprobs:
     content = []
     for token_id, entry in zip(token_ids, entries):
         sampled = entry[token_id]
-        top = [_top(p) for p in list(entry.values())[:num_top]]
-        content.append(ChatTokenLogprob(token=sampled.decoded_token, logprob=sampled.logprob,
-                                        bytes=list(sampled.decoded_token.encode()), top_logprobs=top))
+        token = _name(token_id, sampled.decoded_token, as_ids)
+        top = [_top(t, p, as_ids) for t, p in list(entry.items())[:num_top]]
+        content.append(ChatTokenLogprob(token=token, logprob=sampled.logprob, bytes=list(token.encode()),
+                                        top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
-def _top(logprob: Logprob) -> TopLogprob:
-    return TopLogprob(token=logprob.decoded_token, logprob=logprob.logprob,
-                      bytes=list(logprob.decoded_token.encode()))
+def _name(token_id: int, text: str, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else text
+
+
+def _top(token_id: int, logprob: Logprob, as_ids: bool) -> TopLogprob:
+    token = _name(token_id, logprob.decoded_token, as_ids)
+    return TopLogprob(token=token, logprob=logprob.logprob, bytes=list(token.encode()))
 
 
 def prompt_logprobs_body(entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:

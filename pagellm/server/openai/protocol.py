@@ -63,6 +63,7 @@ class SamplingRequest(OpenAIModel):
     stop_token_ids: Optional[list[TokenId]] = None
     priority: Int64 = 0
     cache_salt: Optional[str] = Field(None, min_length=1)  # requests of other salts share no prefix-cache blocks
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (logprobs.py)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

@@ -134,13 +134,14 @@ class OpenAIServingCompletion(OpenAIServing):
         if job.params.logprobs is None:
             return None
         prompt: CompletionLogprobs | None = None
+        as_ids = job.request.return_tokens_as_token_ids
         if job.request.echo and with_prompt:
             ids = job.prompts[prompt_index]
-            prompt = prompt_completion_logprobs(ids, job.prompt_logprobs.get(prompt_index, [None]),
-                                                self.tokenizer.decode(ids[:1], skip_special_tokens=False))
-            choice.text_offset = sum(len(token) for token in prompt.tokens)
-        result = completion_logprobs(*choice.take_logprobs(), offset=choice.text_offset, result=prompt)
-        choice.text_offset = result.text_offset[-1] + len(result.tokens[-1]) if result.tokens else choice.text_offset
+            prompt, choice.text_offset = prompt_completion_logprobs(
+                ids, job.prompt_logprobs.get(prompt_index, [None]),
+                self.tokenizer.decode(ids[:1], skip_special_tokens=False), as_ids)
+        result, choice.text_offset = completion_logprobs(*choice.take_logprobs(), offset=choice.text_offset,
+                                                         result=prompt, as_ids=as_ids)
         return result
 
     @staticmethod
