@@ -83,6 +83,18 @@ def test_samples_logprobs_and_constraints(api: Api) -> None:
     assert "".join(r.text for r in picked) in ("yes", "no")
 
 
+def test_cache_salt_keeps_prefix_cache_blocks_apart(api: Api) -> None:
+    text = "grpc cache salt: a prompt of three whole sixteen-token blocks and some more characters"
+    sampling = pb.SamplingParams(max_tokens=1, **GREEDY)
+    cached = [_generate(api, text=text, sampling=sampling, cache_salt=salt)[-1].cached_tokens
+              for salt in ("tenant-a", "tenant-a", "tenant-b", "")]
+    assert cached[0] == 0 and cached[1] >= 64 and cached[2] == 0 and cached[3] == 0
+    chat = [pb.ChatMessage(role="user", content=text)]
+    cached = [list(api.stub.Chat(pb.ChatRequest(messages=chat, sampling=sampling, cache_salt=salt),
+                                 metadata=AUTH))[-1].cached_tokens for salt in ("", "tenant-c", "tenant-c")]
+    assert cached[0] == 0 and cached[1] == 0 and cached[2] >= 64
+
+
 def test_chat_embed_and_tokens_equal_the_http_api(api: Api) -> None:
     messages = [{"role": "user", "content": "Hello there"}]
     kwargs = struct_pb2.Struct()

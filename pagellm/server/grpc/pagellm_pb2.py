@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pagellm/server/grpc/pagellm.proto\x12\npagellm.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x93\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\t\x88\x01\x01\x12\t\n\x01n\x18\x0c \x01(\r\x12\x15\n\x08logprobs\x18\r \x01(\rH\n\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pagellm.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x0bjson_schema\x18\x14 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x15 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x16 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x17 \x01(\x0b\x32\x13.pagellm.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x18 \x01(\tH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pagellm.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pagellm.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x03\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\r\n\x05model\x18\x07 \x01(\tB\x08\n\x06promptB\x15\n\x13_add_special_tokens\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf2\x01\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.pagellm.v1.ChatMessage\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pagellm.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x03\x12\x35\n\x14\x63hat_template_kwargs\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x1e\n\x16\x63ontinue_final_message\x18\x06 \x01(\x08\x12\r\n\x05model\x18\x07 \x01(\t\"N\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\"d\n\x10PositionLogprobs\x12)\n\x07sampled\x18\x01 \x01(\x0b\x32\x18.pagellm.v1.TokenLogprob\x12%\n\x03top\x18\x02 \x03(\x0b\x32\x18.pagellm.v1.TokenLogprob\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12.\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1c.pagellm.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x15\n\rprompt_tokens\x18\x08 \x01(\r\x12\x15\n\rcached_tokens\x18\t \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\n \x01(\r\"\xb3\x01\n\x0c\x45mbedRequest\x12\"\n\x05texts\x18\x01 \x01(\x0b\x32\x11.pagellm.v1.TextsH\x00\x12-\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x18.pagellm.v1.TokenIdListsH\x00\x12\r\n\x05model\x18\x03 \x01(\t\x12\x17\n\ndimensions\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x05 \x01(\x03\x42\x07\n\x05inputB\r\n\x0b_dimensions\"\x16\n\x05Texts\x12\r\n\x05texts\x18\x01 \x03(\t\"3\n\x0cTokenIdLists\x12#\n\x05lists\x18\x01 \x03(\x0b\x32\x14.pagellm.v1.TokenIds\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"Q\n\rEmbedResponse\x12)\n\nembeddings\x18\x01 \x03(\x0b\x32\x15.pagellm.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x9f\x01\n\tModelInfo\x12\x1a\n\x12served_model_names\x18\x01 \x03(\t\x12\x15\n\rlora_adapters\x18\x02 \x03(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x14\n\x0cpooling_only\x18\x06 \x01(\x08\x12\x0f\n\x07version\x18\x07 \x01(\t2\xac\x03\n\x06\x45ngine\x12G\n\x08Generate\x12\x1b.pagellm.v1.GenerateRequest\x1a\x1c.pagellm.v1.GenerateResponse0\x01\x12?\n\x04\x43hat\x12\x17.pagellm.v1.ChatRequest\x1a\x1c.pagellm.v1.GenerateResponse0\x01\x12<\n\x05\x45mbed\x12\x18.pagellm.v1.EmbedRequest\x1a\x19.pagellm.v1.EmbedResponse\x12\x45\n\x08Tokenize\x12\x1b.pagellm.v1.TokenizeRequest\x1a\x1c.pagellm.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.pagellm.v1.DetokenizeRequest\x1a\x1e.pagellm.v1.DetokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pagellm.v1.GetModelInfoRequest\x1a\x15.pagellm.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pagellm/server/grpc/pagellm.proto\x12\npagellm.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x93\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\t\x88\x01\x01\x12\t\n\x01n\x18\x0c \x01(\r\x12\x15\n\x08logprobs\x18\r \x01(\rH\n\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pagellm.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x0bjson_schema\x18\x14 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x15 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x16 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x17 \x01(\x0b\x32\x13.pagellm.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x18 \x01(\tH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x85\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pagellm.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pagellm.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x03\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\r\n\x05model\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x08\n\x06promptB\x15\n\x13_add_special_tokens\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x86\x02\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.pagellm.v1.ChatMessage\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pagellm.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x03\x12\x35\n\x14\x63hat_template_kwargs\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x1e\n\x16\x63ontinue_final_message\x18\x06 \x01(\x08\x12\r\n\x05model\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\t\"N\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\"d\n\x10PositionLogprobs\x12)\n\x07sampled\x18\x01 \x01(\x0b\x32\x18.pagellm.v1.TokenLogprob\x12%\n\x03top\x18\x02 \x03(\x0b\x32\x18.pagellm.v1.TokenLogprob\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12.\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1c.pagellm.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x15\n\rprompt_tokens\x18\x08 \x01(\r\x12\x15\n\rcached_tokens\x18\t \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\n \x01(\r\"\xb3\x01\n\x0c\x45mbedRequest\x12\"\n\x05texts\x18\x01 \x01(\x0b\x32\x11.pagellm.v1.TextsH\x00\x12-\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x18.pagellm.v1.TokenIdListsH\x00\x12\r\n\x05model\x18\x03 \x01(\t\x12\x17\n\ndimensions\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x05 \x01(\x03\x42\x07\n\x05inputB\r\n\x0b_dimensions\"\x16\n\x05Texts\x12\r\n\x05texts\x18\x01 \x03(\t\"3\n\x0cTokenIdLists\x12#\n\x05lists\x18\x01 \x03(\x0b\x32\x14.pagellm.v1.TokenIds\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"Q\n\rEmbedResponse\x12)\n\nembeddings\x18\x01 \x03(\x0b\x32\x15.pagellm.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x9f\x01\n\tModelInfo\x12\x1a\n\x12served_model_names\x18\x01 \x03(\t\x12\x15\n\rlora_adapters\x18\x02 \x03(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x14\n\x0cpooling_only\x18\x06 \x01(\x08\x12\x0f\n\x07version\x18\x07 \x01(\t2\xac\x03\n\x06\x45ngine\x12G\n\x08Generate\x12\x1b.pagellm.v1.GenerateRequest\x1a\x1c.pagellm.v1.GenerateResponse0\x01\x12?\n\x04\x43hat\x12\x17.pagellm.v1.ChatRequest\x1a\x1c.pagellm.v1.GenerateResponse0\x01\x12<\n\x05\x45mbed\x12\x18.pagellm.v1.EmbedRequest\x1a\x19.pagellm.v1.EmbedResponse\x12\x45\n\x08Tokenize\x12\x1b.pagellm.v1.TokenizeRequest\x1a\x1c.pagellm.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.pagellm.v1.DetokenizeRequest\x1a\x1e.pagellm.v1.DetokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pagellm.v1.GetModelInfoRequest\x1a\x15.pagellm.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,39 +43,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=897
   _globals['_TOKENIDS']._serialized_end=920
   _globals['_GENERATEREQUEST']._serialized_start=923
-  _globals['_GENERATEREQUEST']._serialized_end=1164
-  _globals['_CHATMESSAGE']._serialized_start=1166
-  _globals['_CHATMESSAGE']._serialized_end=1210
-  _globals['_CHATREQUEST']._serialized_start=1213
-  _globals['_CHATREQUEST']._serialized_end=1455
-  _globals['_TOKENLOGPROB']._serialized_start=1457
-  _globals['_TOKENLOGPROB']._serialized_end=1535
-  _globals['_POSITIONLOGPROBS']._serialized_start=1537
-  _globals['_POSITIONLOGPROBS']._serialized_end=1637
-  _globals['_GENERATERESPONSE']._serialized_start=1640
-  _globals['_GENERATERESPONSE']._serialized_end=1891
-  _globals['_EMBEDREQUEST']._serialized_start=1894
-  _globals['_EMBEDREQUEST']._serialized_end=2073
-  _globals['_TEXTS']._serialized_start=2075
-  _globals['_TEXTS']._serialized_end=2097
-  _globals['_TOKENIDLISTS']._serialized_start=2099
-  _globals['_TOKENIDLISTS']._serialized_end=2150
-  _globals['_EMBEDDING']._serialized_start=2152
-  _globals['_EMBEDDING']._serialized_end=2179
-  _globals['_EMBEDRESPONSE']._serialized_start=2181
-  _globals['_EMBEDRESPONSE']._serialized_end=2262
-  _globals['_TOKENIZEREQUEST']._serialized_start=2264
-  _globals['_TOKENIZEREQUEST']._serialized_end=2351
-  _globals['_TOKENIZERESPONSE']._serialized_start=2353
-  _globals['_TOKENIZERESPONSE']._serialized_end=2390
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2392
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2430
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2432
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2466
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2468
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2489
-  _globals['_MODELINFO']._serialized_start=2492
-  _globals['_MODELINFO']._serialized_end=2651
-  _globals['_ENGINE']._serialized_start=2654
-  _globals['_ENGINE']._serialized_end=3082
+  _globals['_GENERATEREQUEST']._serialized_end=1184
+  _globals['_CHATMESSAGE']._serialized_start=1186
+  _globals['_CHATMESSAGE']._serialized_end=1230
+  _globals['_CHATREQUEST']._serialized_start=1233
+  _globals['_CHATREQUEST']._serialized_end=1495
+  _globals['_TOKENLOGPROB']._serialized_start=1497
+  _globals['_TOKENLOGPROB']._serialized_end=1575
+  _globals['_POSITIONLOGPROBS']._serialized_start=1577
+  _globals['_POSITIONLOGPROBS']._serialized_end=1677
+  _globals['_GENERATERESPONSE']._serialized_start=1680
+  _globals['_GENERATERESPONSE']._serialized_end=1931
+  _globals['_EMBEDREQUEST']._serialized_start=1934
+  _globals['_EMBEDREQUEST']._serialized_end=2113
+  _globals['_TEXTS']._serialized_start=2115
+  _globals['_TEXTS']._serialized_end=2137
+  _globals['_TOKENIDLISTS']._serialized_start=2139
+  _globals['_TOKENIDLISTS']._serialized_end=2190
+  _globals['_EMBEDDING']._serialized_start=2192
+  _globals['_EMBEDDING']._serialized_end=2219
+  _globals['_EMBEDRESPONSE']._serialized_start=2221
+  _globals['_EMBEDRESPONSE']._serialized_end=2302
+  _globals['_TOKENIZEREQUEST']._serialized_start=2304
+  _globals['_TOKENIZEREQUEST']._serialized_end=2391
+  _globals['_TOKENIZERESPONSE']._serialized_start=2393
+  _globals['_TOKENIZERESPONSE']._serialized_end=2430
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2432
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2470
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2472
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2506
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2508
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2529
+  _globals['_MODELINFO']._serialized_start=2532
+  _globals['_MODELINFO']._serialized_end=2691
+  _globals['_ENGINE']._serialized_start=2694
+  _globals['_ENGINE']._serialized_end=3122
 # @@protoc_insertion_point(module_scope)

@@ -113,7 +113,7 @@ class EngineService(pb_grpc.EngineServicer):
             self.serving.check_prompt(prompt)
         except Exception as exc:
             await _fail(context, exc)
-        async for response in self._stream(prompt, params, request.request_id, request.priority, context):
+        async for response in self._stream(prompt, params, request, context):
             yield response
 
     async def Chat(self, request: pb.ChatRequest,  # noqa: N802
@@ -131,7 +131,7 @@ class EngineService(pb_grpc.EngineServicer):
             self.serving.check_prompt(prompt)
         except Exception as exc:
             await _fail(context, exc)
-        async for response in self._stream(prompt, params, request.request_id, request.priority, context):
+        async for response in self._stream(prompt, params, request, context):
             yield response
 
     def _params(self, model: str, sampling: pb.SamplingParams) -> SamplingParams:
@@ -140,15 +140,16 @@ class EngineService(pb_grpc.EngineServicer):
             raise ValueError("this model serves embeddings only: call Embed")
         return self.serving.check_params(name, sampling_params(sampling, self.serving.sampling_defaults))
 
-    async def _stream(self, prompt: list[int], params: SamplingParams, request_id: str, priority: int,
+    async def _stream(self, prompt: list[int], params: SamplingParams, request: pb.GenerateRequest | pb.ChatRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        request_id = request_id or random_id("grpc")
+        request_id = request.request_id or random_id("grpc")
         counts: dict[int, int] = {}
         traced = self.trace_context.parent(context.invocation_metadata()) if self.trace_context is not None \
             else contextlib.nullcontext()
         try:
             with traced:  # the engine reads the caller's trace parent when the request starts
-                outputs = self.serving.generate([prompt], params, request_id, priority)
+                outputs = self.serving.generate([prompt], params, request_id, request.priority,
+                                                cache_salt=request.cache_salt or None)
                 first = await anext(outputs, None)
             if first is not None:
                 yield _response(request_id, first[1], counts, params.logprobs or 0)
