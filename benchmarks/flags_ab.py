@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from compare import free_port, pagellm_offline, serve_args, stop, wait_ready  # noqa: E402
@@ -85,24 +86,43 @@ def run_ab(args: argparse.Namespace, sides: dict[str, list[str]], modes: list[st
     from pagellm.model.loader import default_model_path, hf_model_dir
 
     ctx = systems.Context(hf_model_dir(None), default_model_path(), args.dtype, args.threads, args.concurrency)
+
+    def measure(side: str) -> dict[str, float]:
+        figures: dict[str, float] = {}
+        if "serve" in modes:
+            figures |= served(args, ctx, sides[side])
+        if "offline" in modes:
+            figures |= offline(args, ctx, sides[side])
+        return figures
+
+    runs = alternate(list(sides), args.rounds, measure)
+    print_medians(runs, f"{' + '.join(modes)}: c={args.concurrency}, {args.num_prompts} served / "
+                  f"{args.offline_num_prompts} offline prompts {args.input_len}/{args.output_len}, settle "
+                  f"{args.settle:g} s, {args.rounds} rounds")
+
+
+def alternate(sides: list[str], rounds: int,
+              measure: Callable[[str], dict[str, float]]) -> dict[str, list[dict[str, float]]]:
+    """Each side's figures, round by round, the side that goes first alternating; each run printed as it ends."""
     runs: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
-    for round_ in range(args.rounds):
-        for side in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):  # which goes first alternates
-            figures: dict[str, float] = {}
-            if "serve" in modes:
-                figures |= served(args, ctx, sides[side])
-            if "offline" in modes:
-                figures |= offline(args, ctx, sides[side])
+    for round_ in range(rounds):
+        for side in (sides if round_ % 2 == 0 else sides[::-1]):
+            figures = measure(side)
             runs[side].append(figures)
             print(f"round {round_ + 1} {side}: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()), flush=True)
-    first = next(iter(sides))
-    print(f"\n{' + '.join(modes)}: c={args.concurrency}, {args.num_prompts} served / {args.offline_num_prompts} "
-          f"offline prompts {args.input_len}/{args.output_len}, settle {args.settle:g} s, {args.rounds} rounds "
-          f"(medians; ratio to {first})")
+    return runs
+
+
+def print_medians(runs: dict[str, list[dict[str, float]]], title: str) -> None:
+    """Each figure's median per side and its ratio to the first side's."""
+    first = next(iter(runs))
+    print(f"\n{title} (medians; ratio to {first})")
+    width = max(len(name) for name in runs[first][0])
     for name in runs[first][0]:
-        medians = {side: statistics.median(r[name] for r in runs[side]) for side in sides}
-        print(f"{name:>14}: " + "   ".join(f"{side} {value:8.1f} ({value / medians[first]:.3f})"
-                                          for side, value in medians.items()))
+        medians = {side: statistics.median(r[name] for r in runs[side]) for side in runs}
+        base = medians[first]
+        print(f"{name:>{width}}: " + "   ".join(f"{side} {value:8.1f} ({f'{value / base:.3f}' if base else '-'})"
+                                             for side, value in medians.items()))
 
 
 def main() -> None:

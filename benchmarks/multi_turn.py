@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from compare import free_port, stop, wait_ready  # noqa: E402
-from flags_ab import parse_sides  # noqa: E402
+from flags_ab import alternate, parse_sides, print_medians  # noqa: E402
 from peers import systems  # noqa: E402
 
 from pagellm.bench import client  # noqa: E402
@@ -137,25 +137,10 @@ def main() -> None:
 
     ctx = systems.Context(hf_model_dir(None), default_model_path(), "bfloat16", args.threads, args.sessions)
     tokenizer = Tokenizer.from_dir(ctx.model_dir)
-    runs: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
-    for round_ in range(args.rounds):
-        for side in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):  # which goes first alternates
-            figures = served(args, ctx, tokenizer, sides[side], envs[side])
-            runs[side].append(figures)
-            print(f"round {round_ + 1} {side}: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()), flush=True)
-    first = next(iter(sides))
-    print(f"\n{args.sessions} sessions x {args.turns} turns, document {args.document_len}, questions "
-          f"{args.question_len}, replies {args.output_len} tokens, think {args.think_ms:g} ms, {args.threads} threads, "
-          f"{args.rounds} rounds "
-          f"(medians; ratio to {first})")
-    for name in runs[first][0]:
-        medians = {side: statistics.median(r[name] for r in runs[side]) for side in sides}
-        print(f"{name:>20}: " + "   ".join(f"{side} {value:8.1f} ({_ratio(value, medians[first])})"
-                                          for side, value in medians.items()))
-
-
-def _ratio(value: float, base: float) -> str:
-    return f"{value / base:.3f}" if base else "-"
+    runs = alternate(list(sides), args.rounds, lambda side: served(args, ctx, tokenizer, sides[side], envs[side]))
+    print_medians(runs, f"{args.sessions} sessions x {args.turns} turns, document {args.document_len}, questions "
+                  f"{args.question_len}, replies {args.output_len} tokens, think {args.think_ms:g} ms, "
+                  f"{args.threads} threads, {args.rounds} rounds")
 
 
 if __name__ == "__main__":

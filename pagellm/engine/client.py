@@ -107,7 +107,31 @@ class InprocClient:
         self.core.shutdown()
 
 
-class MPClient:
+class UtilityCalls:
+    """``call_utility`` (awaitable) and ``call_utility_sync`` over a client's ``call_utility_future``, and its
+    health over ``_dead`` (why its core is gone, once it is): ``MPClient``'s and ``dp_client.DPClient``'s."""
+
+    _dead: str | None
+
+    def call_utility_future(self, method: UtilityMethod) -> concurrent.futures.Future:
+        raise NotImplementedError
+
+    async def call_utility(self, method: UtilityMethod) -> Any:
+        return await asyncio.wrap_future(self.call_utility_future(method))
+
+    def call_utility_sync(self, method: UtilityMethod, timeout: float | None = None) -> Any:
+        return self.call_utility_future(method).result(timeout)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead
+
+
+class MPClient(UtilityCalls):
     """The engine core in a child process (see the module docstring for the contract)."""
 
     def __init__(self, config: EngineConfig, on_outputs: Callable[[EngineCoreOutputs], None],
@@ -150,14 +174,6 @@ class MPClient:
         self._reader = threading.Thread(target=self._output_loop, daemon=True, name="engine-core-outputs")
         self._reader.start()
 
-    @property
-    def is_healthy(self) -> bool:
-        return self._dead is None
-
-    @property
-    def dead_reason(self) -> str | None:
-        return self._dead
-
     # ------------------------------------------------------------------------------------------- sends
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         self._send(AddRequests(requests))
@@ -182,12 +198,6 @@ class MPClient:
         if self._dead is not None:  # died between the registration and the send: nobody will answer
             _set_exception(future, EngineDeadError(self._dead))
         return future
-
-    async def call_utility(self, method: UtilityMethod) -> Any:
-        return await asyncio.wrap_future(self.call_utility_future(method))
-
-    def call_utility_sync(self, method: UtilityMethod, timeout: float | None = None) -> Any:
-        return self.call_utility_future(method).result(timeout)
 
     def _send(self, message: EngineCoreInput) -> None:
         if self._dead is not None:

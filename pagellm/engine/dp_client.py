@@ -26,7 +26,6 @@ servers) is one for all of them. Contract, beyond ``MPClient``'s:
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
@@ -40,7 +39,7 @@ import msgspec
 
 from pagellm import envs
 from pagellm.config import EngineConfig
-from pagellm.engine.client import MPClient
+from pagellm.engine.client import MPClient, UtilityCalls
 from pagellm.engine.core_proc import Placement
 from pagellm.engine.exceptions import EngineDeadError
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, UtilityMethod
@@ -148,7 +147,7 @@ class Router:
         return out
 
 
-class DPClient:
+class DPClient(UtilityCalls):
     """``size`` engine cores behind one frontend (see the module docstring for the contract)."""
 
     def __init__(self, config: EngineConfig, on_outputs: Callable[[EngineCoreOutputs], None],
@@ -177,14 +176,6 @@ class DPClient:
         blocks = sum(engine.runtime.num_blocks for engine in self.engines)
         self.runtime: RuntimeInfo = dataclasses.replace(self.engines[0].runtime, num_blocks=blocks)
         logger.info("%d data-parallel engine cores, on CPUs %s", size, [p.cpus for p in places])
-
-    @property
-    def is_healthy(self) -> bool:
-        return self._dead is None
-
-    @property
-    def dead_reason(self) -> str | None:
-        return self._dead
 
     # ------------------------------------------------------------------------------------------- sends
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
@@ -227,12 +218,6 @@ class DPClient:
         for part in parts:
             part.add_done_callback(done)
         return merged
-
-    async def call_utility(self, method: UtilityMethod) -> Any:
-        return await asyncio.wrap_future(self.call_utility_future(method))
-
-    def call_utility_sync(self, method: UtilityMethod, timeout: float | None = None) -> Any:
-        return self.call_utility_future(method).result(timeout)
 
     # ------------------------------------------------------------------------------------------- outputs
     def _outputs_of(self, core: int) -> Callable[[EngineCoreOutputs], None]:

@@ -13,36 +13,18 @@ import multiprocessing
 import os
 import signal
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
+from async_utils import SMALL_KV, all_blocks_free, collect, engine_config, greedy, runner, wait_until
 
 from pagellm import LLM, SamplingParams
-from pagellm.config import EngineConfig
 from pagellm.engine.async_engine import AsyncLLM
 from pagellm.engine.exceptions import EngineDeadError
 from pagellm.outputs import RequestOutput
 
-KV_BYTES_PER_TOKEN = 512  # tiny llama: 2 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes
-SMALL_KV = 256 * 16 * KV_BYTES_PER_TOKEN
 PROMPTS = ["hi", "the quick brown fox", "a", "0123456789 counting", "zz top"]
-TIMEOUT_S = 30.0
-
-
-def greedy(max_tokens: int, **overrides: Any) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **overrides)
-
-
-def engine_config(model_dir: Path, **overrides: Any) -> EngineConfig:
-    args: dict[str, Any] = dict(model=str(model_dir), dtype="float32", kv_cache_memory=SMALL_KV)
-    args.update(overrides)
-    return EngineConfig.from_kwargs(**args)
-
-
-@pytest.fixture(scope="module")
-def run() -> Iterator[Callable[[Awaitable[Any]], Any]]:
-    with asyncio.Runner() as runner:
-        yield lambda coro: runner.run(asyncio.wait_for(coro, TIMEOUT_S))
+run = pytest.fixture(scope="module")(runner)
 
 
 @pytest.fixture(scope="module")
@@ -55,21 +37,6 @@ def engine(tiny_llama: Path) -> Iterator[AsyncLLM]:
 @pytest.fixture(scope="module")
 def llm(tiny_llama: Path) -> LLM:
     return LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV)
-
-
-async def collect(gen: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
-    return [out async for out in gen]
-
-
-async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
-async def all_blocks_free(engine: AsyncLLM) -> bool:
-    return await engine.get_num_free_blocks() == engine.runtime.num_blocks
 
 
 def joined(deltas: list[RequestOutput]) -> tuple[str, list[int]]:

@@ -13,38 +13,26 @@ import multiprocessing
 import os
 import signal
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
+from async_utils import SMALL_KV, all_blocks_free, collect, greedy, runner, wait_until
+from async_utils import engine_config as tiny_config
 
 from pagellm import LLM, SamplingParams
 from pagellm.config import EngineConfig
 from pagellm.engine.async_engine import AsyncLLM
 from pagellm.engine.core_proc import Placement
-from pagellm.engine.dp_client import AFFINITY_SLACK, DPClient, Router, placements
+from pagellm.engine.dp_client import DPClient, Router, placements
 from pagellm.engine.exceptions import EngineDeadError
 from pagellm.outputs import RequestOutput
 
-SMALL_KV = 256 * 16 * 512  # 256 blocks of the tiny llama's 512 bytes per token, per core
 PROMPTS = ["hi", "the quick brown fox", "a", "0123456789 counting", "zz top", "one more prompt"]
-TIMEOUT_S = 30.0
-
-
-def greedy(max_tokens: int, **overrides: Any) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **overrides)
+run = pytest.fixture(scope="module")(runner)
 
 
 def engine_config(model_dir: Path, **overrides: Any) -> EngineConfig:
-    args: dict[str, Any] = dict(model=str(model_dir), dtype="float32", kv_cache_memory=SMALL_KV,
-                                data_parallel_size=2)
-    args.update(overrides)
-    return EngineConfig.from_kwargs(**args)
-
-
-@pytest.fixture(scope="module")
-def run() -> Iterator[Callable[[Awaitable[Any]], Any]]:
-    with asyncio.Runner() as runner:
-        yield lambda coro: runner.run(asyncio.wait_for(coro, TIMEOUT_S))
+    return tiny_config(model_dir, **{"data_parallel_size": 2, **overrides})
 
 
 def start(config: EngineConfig) -> AsyncLLM:
@@ -69,21 +57,6 @@ def llm(tiny_llama: Path) -> LLM:
 def cores(engine: AsyncLLM) -> DPClient:
     assert isinstance(engine.client, DPClient)
     return engine.client
-
-
-async def collect(gen: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
-    return [out async for out in gen]
-
-
-async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
-async def all_blocks_free(engine: AsyncLLM) -> bool:
-    return await engine.get_num_free_blocks() == engine.runtime.num_blocks
 
 
 def tokens(deltas: list[RequestOutput]) -> list[int]:
