@@ -32,8 +32,9 @@ class ParallelConfig:
     data_parallel_size: int = _help(
         "Number of engine cores behind one server, each a whole copy of the model (times its tensor/pipeline ranks) "
         "with its own scheduler and KV cache (kv_cache_memory each); a request goes to the core with the fewest "
-        "unfinished requests. The CPUs this process may use (and PAGELLM_NUM_THREADS) are split among them. "
-        "Serving only (pagellm serve, AsyncLLM).", default=1)
+        "unfinished requests, or to the one that was given its prompt's leading blocks while that one is not much "
+        "busier. The CPUs this process may use (and PAGELLM_NUM_THREADS) are split among them. Serving only "
+        "(pagellm serve, AsyncLLM).", default=1)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
