@@ -17,8 +17,9 @@ servers) is one for all of them. Contract, beyond ``MPClient``'s:
   prefix given to every core (a shared system prompt) pulls toward none. A request is its core's until it finishes
   (``finish_reasons``), is refused (``errors``) or is aborted; ``abort_requests`` sends each id to its own core.
 - **Stats.** Each core's step stats go on with the gauges of all the cores (running and waiting requests summed,
-  the KV cache usage their mean) and the step's own counters, so the frontend's gauges and counters read as one
-  engine's. Utility calls go to every core and their answers are merged (``_MERGE``).
+  the KV cache usage their mean; each core's own in ``engine_cores``) and the step's own counters, so the
+  frontend's gauges and counters read as one engine's. Utility calls go to every core and their answers are
+  merged (``_MERGE``).
 - **runtime** is core 0's with ``num_blocks`` summed over the cores: the KV blocks of the whole engine.
 - **Death.** The first core to die fails the client: ``on_dead`` gets one ``EngineDeadError`` naming the core,
   every later send raises it, and the other cores are stopped.
@@ -43,7 +44,7 @@ from pagellm.engine.client import MPClient, UtilityCalls
 from pagellm.engine.core_proc import Placement
 from pagellm.engine.exceptions import EngineDeadError
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, UtilityMethod
-from pagellm.metrics.stats import SchedulerStats
+from pagellm.metrics.stats import CoreGauges, SchedulerStats
 from pagellm.worker.runtime import RuntimeInfo
 
 logger = logging.getLogger(__name__)
@@ -73,10 +74,13 @@ def _merge_stats(stats: list[SchedulerStats]) -> SchedulerStats:
 
 
 def _with_gauges(stats: SchedulerStats, cores: list[SchedulerStats]) -> SchedulerStats:
-    """``stats`` with the gauges of all the ``cores``: running and waiting requests summed, KV usage their mean."""
+    """``stats`` with the gauges of all the ``cores``: running and waiting requests summed, KV usage their mean, and
+    each core's own (``engine_cores``)."""
     return msgspec.structs.replace(stats, num_running_reqs=sum(one.num_running_reqs for one in cores),
                                    num_waiting_reqs=sum(one.num_waiting_reqs for one in cores),
-                                   kv_cache_usage=sum(one.kv_cache_usage for one in cores) / len(cores))
+                                   kv_cache_usage=sum(one.kv_cache_usage for one in cores) / len(cores),
+                                   engine_cores=[CoreGauges(one.num_running_reqs, one.num_waiting_reqs,
+                                                            one.kv_cache_usage) for one in cores])
 
 
 _MERGE: dict[str, Callable[[list[Any]], Any]] = {

@@ -89,6 +89,13 @@ class PrometheusSink:
         self.waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled").labels(**labels)
         self.kv_usage = self._gauge("kv_cache_usage_perc",
                                     "Fraction of KV-cache blocks in use (0 to 1)").labels(**labels)
+        self.cores = (  # data parallelism: each engine core's, labelled by its index
+            self._gauge("engine_core_num_requests_running", "One data-parallel engine core's running requests",
+                        ["engine"]),
+            self._gauge("engine_core_num_requests_waiting", "One data-parallel engine core's waiting requests",
+                        ["engine"]),
+            self._gauge("engine_core_kv_cache_usage_perc", "One data-parallel engine core's fraction of its KV-cache "
+                        "blocks in use (0 to 1)", ["engine"]))
 
     def _make_counters(self, labels: dict[str, str]) -> None:
         c = self._counter
@@ -148,6 +155,9 @@ class PrometheusSink:
         self.running.set(stats.num_running_reqs)
         self.waiting.set(stats.num_waiting_reqs)
         self.kv_usage.set(stats.kv_cache_usage)
+        for index, core in enumerate(stats.engine_cores):
+            for gauge, value in zip(self.cores, (core.num_running_reqs, core.num_waiting_reqs, core.kv_cache_usage)):
+                gauge.labels(engine=str(index), **self._labels).set(value)
         self.preemptions.inc(stats.num_preemptions)
         self.prefix_queries.inc(stats.prefix_cache_queries)
         self.prefix_hits.inc(stats.prefix_cache_hits)

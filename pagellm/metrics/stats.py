@@ -53,6 +53,14 @@ class SpecDecodingStats(msgspec.Struct, omit_defaults=True):
         return [n / self.num_drafts for n in self.num_accepted_tokens_per_pos] if self.num_drafts else []
 
 
+class CoreGauges(msgspec.Struct):
+    """One data-parallel engine core's gauges (``SchedulerStats.engine_cores``)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+
+
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
     """One step's view: gauges are current values, the rest count events during the step."""
 
@@ -67,6 +75,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_scheduled_tokens: int = 0
     kv_cache_evictions: int = 0            # cached blocks whose contents were dropped to make room
     spec_decoding: SpecDecodingStats | None = None
+    # With data parallelism: each core's own gauges, in core order (the gauges above are their sum and mean)
+    engine_cores: list[CoreGauges] = []
 
     def accumulate(self, step: SchedulerStats) -> None:
         """Take a step into these totals: gauges take the step's value, every other number (a per-step counter) is
@@ -83,7 +93,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
                 setattr(self, name, getattr(self, name) + value)
 
 
-_GAUGES = frozenset({"num_running_reqs", "num_waiting_reqs", "kv_cache_usage"})
+_GAUGES = frozenset({"num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "engine_cores"})
 
 
 class RequestTimes(msgspec.Struct, array_like=True):

@@ -181,6 +181,9 @@ def test_stats_gauges_sum_the_cores(engine: AsyncLLM, run: Any) -> None:
         assert [a - b for a, b in zip(cores(engine).router.routed, before)] == [1, 1]
         stats = await engine.get_stats()
         assert stats.num_running_reqs == 2 and stats.kv_cache_usage > 0.0  # one running on each core
+        assert [(c.num_running_reqs, c.num_waiting_reqs) for c in stats.engine_cores] == [(1, 0), (1, 0)]
+        assert all(c.kv_cache_usage > 0.0 for c in stats.engine_cores)
+        assert stats.kv_cache_usage == sum(c.kv_cache_usage for c in stats.engine_cores) / 2
         await engine.abort("g0")
         await engine.abort("g1")
         await asyncio.gather(*tasks)

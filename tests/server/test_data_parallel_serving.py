@@ -42,6 +42,9 @@ def test_two_cores_serve_what_one_serves_and_stop_cleanly(start_server: Callable
     assert value(samples, "pagellm:generation_tokens_total") == sum(r[2] for r in replies) == 12 * len(PROMPTS)
     assert value(samples, "pagellm:prompt_tokens_total") == sum(r[1] for r in replies)
     assert value(samples, "pagellm:num_requests_running") == 0
+    per_core = {dict(labels)["engine"]: v for (name, labels), v in samples.items()
+                if name == "pagellm:engine_core_num_requests_running"}
+    assert per_core == {"0": 0.0, "1": 0.0}  # each core's own gauge, labelled by its index
     assert dp.stop() == 0
     wait_until(lambda: not alive(family), 30, "every process of the server to exit")
 
