@@ -43,6 +43,10 @@ class ParallelConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}; use mp or ray")
+        if self.data_parallel_size > 1 and self.world_size > 1 and self.distributed_executor_backend == "ray":
+            raise ValueError("data_parallel_size > 1 runs each core's ranks as worker processes of this machine "
+                             "(distributed_executor_backend mp); across a Ray cluster, serve replicas with "
+                             "pagellm ray-serve")
 
     @property
     def world_size(self) -> int:

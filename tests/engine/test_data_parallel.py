@@ -130,6 +130,9 @@ def test_offline_and_connector_refuse_data_parallelism(tiny_llama: Path) -> None
         EngineConfig.from_kwargs(model=str(tiny_llama), data_parallel_size=2, kv_transfer_config={
             "kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"shared_storage_path": "/tmp/unused"}})
+    with pytest.raises(ValueError, match="data_parallel_size > 1 runs each core's ranks as worker processes"):
+        EngineConfig.from_kwargs(model=str(tiny_llama), data_parallel_size=2, tensor_parallel_size=2,
+                                 distributed_executor_backend="ray")
     with pytest.raises(ValueError, match="data_parallel_size must be a positive integer, got 0"):
         EngineConfig.from_kwargs(model=str(tiny_llama), data_parallel_size=0)
 
