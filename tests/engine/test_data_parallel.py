@@ -1,6 +1,8 @@
 """``AsyncLLM`` with ``data_parallel_size=2``: two engine-core processes behind one frontend (``DPClient``). Each
-core keeps to its own CPU; requests spread over both and answer as one engine does; siblings share a core; stats
-read as one engine's; aborts give every block back on both; a killed core fails the engine and stops the other.
+core keeps to its own CPU; requests spread over both and answer as one engine does; siblings share a core, and a
+chat's later turns its earlier ones'; stats read as one engine's, with each core's own; aborts give every block back
+on both; each core runs its own tensor-parallel ranks; a killed core fails the engine and stops the other. The
+router's rules in unit tests, and the refusals.
 
 One engine serves the module (two core processes); each test runs its coroutine on one module-wide event loop.
 Waits poll a condition under a timeout.
@@ -225,6 +227,30 @@ def test_later_turns_go_to_the_core_that_holds_the_earlier_ones(engine: AsyncLLM
             assert got == first and hits >= 48
         history = history + tokens(reply) + engine.tokenizer.encode(f" and then {turn}")
     assert run(all_blocks_free(engine))
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+def test_each_core_runs_its_own_tensor_parallel_ranks(tiny_llama: Path, llm: LLM, run: Any) -> None:
+    params = greedy(6, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params, use_tqdm=False)]
+    eng = start(engine_config(tiny_llama, tensor_parallel_size=2))
+    try:
+        async def main() -> list[list[RequestOutput]]:
+            return await asyncio.gather(*(collect(eng.generate(p, params, f"tp{i}"))
+                                          for i, p in enumerate(PROMPTS[:4])))
+
+        assert [tokens(d) for d in run(main())] == expected
+        assert cores(eng).router.routed == [2, 2]
+        for core in cores(eng).engines:  # each core process started its own rank 1
+            workers = [pid for pid in _children(core.process.pid)
+                       if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+            assert len(workers) == 1
+    finally:
+        eng.shutdown()
 
 
 def test_a_killed_core_fails_the_engine_and_stops_the_other(tiny_llama: Path, run: Any) -> None:
