@@ -16,6 +16,7 @@ from typing import Sequence
 
 from pagellm import envs
 from pagellm.engine_args import add_engine_args, engine_kwargs
+from pagellm.server import vllm_cli
 from pagellm.server.options import add_serve_args, serve_options
 from pagellm.spec import train_cli as train_draft
 
@@ -79,6 +80,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--model", default=None, help="same as the positional MODEL")
     add_serve_args(cmd)
     add_engine_args(cmd)
+    vllm_cli.add_args(cmd)
 
 
 def _add_run_batch_parser(sub: argparse._SubParsersAction) -> None:
@@ -93,6 +95,7 @@ def _add_run_batch_parser(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--model", default=None, help="same as the positional MODEL")
     add_serve_args(cmd)
     add_engine_args(cmd)
+    vllm_cli.add_args(cmd)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -128,8 +131,14 @@ def _ray_serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command in ("serve", "run-batch"):
+        try:
+            args = vllm_cli.reparse(parser, args, argv)
+        except ValueError as exc:
+            print(f"pagellm: {exc}", file=sys.stderr)
+            return 2
         return _serve(args)
     if args.command == "ray-serve":
         return _ray_serve(args)

@@ -139,7 +139,8 @@ async def _serve(config: EngineConfig, sock: socket.socket, names: list[str], op
         if grpc_api is not None:
             await grpc_api.start(engine, names, loras, config.model_config.model)
         server = uvicorn.Server(uvicorn.Config(
-            app, http="httptools", log_level="warning", access_log=options.access_log, lifespan="off",
+            app, http="httptools", log_level=options.uvicorn_log_level, access_log=options.access_log, lifespan="off",
+            root_path=options.root_path,
             timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S, **(options.tls.uvicorn_kwargs() if options.tls else {})))
         # uvicorn re-raises the signal that stopped it once it is done; a quiet handler turns that into a return,
         # so the engine below is shut down rather than the process killed with its child left behind.

@@ -61,6 +61,8 @@ class ServeOptions:
     lora_modules: tuple[tuple[str, str], ...] = ()  # (served name, PEFT adapter directory), with --enable-lora
     runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer
     grpc_port: Optional[int] = None  # set: the gRPC API (server/grpc/) listens on host:grpc_port too
+    root_path: str = ""  # the path prefix a reverse proxy serves the app under (ASGI root_path)
+    uvicorn_log_level: str = "warning"
 
 
 def _json_list(value: str) -> list[str]:
@@ -89,6 +91,12 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
                           "file, or the template itself")
     cmd.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                      help="log every HTTP request (default: off)")
+    cmd.add_argument("--root-path", default="", metavar="PREFIX",
+                     help="the path prefix under which a reverse proxy serves the API (e.g. /llm), as vLLM's: the "
+                          "app's own routes stay where they are")
+    cmd.add_argument("--uvicorn-log-level", default="warning",
+                     choices=["critical", "error", "warning", "info", "debug", "trace"],
+                     help="the HTTP server's log level (default: warning)")
     cmd.add_argument("--disable-log-stats", action="store_true",
                      help="turn engine stats off: no Prometheus engine series, no stats log line, no dashboard data")
     cmd.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
@@ -138,7 +146,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                         args.access_log, not args.disable_log_stats, args.otlp_traces_endpoint,
                         Cors(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                              args.allow_credentials), _tls(args), _tool_call_parser(args), args.reasoning_parser,
-                        _lora_modules(args), args.allow_runtime_lora_updating, args.grpc_port)
+                        _lora_modules(args), args.allow_runtime_lora_updating, args.grpc_port, args.root_path,
+                        args.uvicorn_log_level)
 
 
 def _lora_module(value: str) -> tuple[str, str]:

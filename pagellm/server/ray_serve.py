@@ -127,6 +127,9 @@ def parse(args: argparse.Namespace) -> tuple[EngineConfig, ServeOptions, Scaling
     if options.tls is not None:
         raise ValueError("--ssl-keyfile/--ssl-certfile are not served under Ray Serve (its proxy owns the socket); "
                          "terminate TLS in front of it")
+    if options.root_path or options.uvicorn_log_level != "warning":
+        raise ValueError("--root-path and --uvicorn-log-level are the HTTP server's, which Ray Serve's proxy replaces "
+                         "(see Serve's http_options)")
     return config, options, scaling_options(args)
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
 
+import httpx
 import openai
 from server_utils import ENGINE_FLAGS, ServerProcess, wait_until
 
@@ -40,3 +42,48 @@ def test_frontend_imports_no_torch() -> None:
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'}))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_a_vllm_command_line_with_a_config_file(start_server: Callable[..., ServerProcess], tiny_llama: Path,
+                                                tmp_path: Path) -> None:
+    """vLLM's --config (YAML; the command line wins), --root-path behind a prefix-routing proxy, and the GPU flags a
+    ported command line carries, accepted and named in the log."""
+    config = tmp_path / "serve.yaml"
+    config.write_text("served-model-name: [from-file, also-from-file]\nroot_path: /llm\nmax-model-len: 256\n"
+                      "enable-prefix-caching: false\nspeculative-config: {method: ngram, num_speculative_tokens: 2}\n")
+    server = start_server(tiny_llama, "--config", str(config), "--max-model-len", "384",
+                          "--gpu-memory-utilization", "0.9", "--trust-remote-code")
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["from-file", "also-from-file"]
+    assert client.models.list().data[0].max_model_len == 384  # the command line's, over the file's 256
+    # The proxy strips /llm; the URLs the app writes carry it back (here a trailing-slash redirect's).
+    redirect = httpx.get(f"{server.base_url}/v1/models/", follow_redirects=False)
+    assert redirect.status_code == 307 and redirect.headers["location"].endswith("/llm/v1/models")
+    log = server.log()
+    assert "--gpu-memory-utilization has no effect in pagellm" in log and "--trust-remote-code has no effect" in log
+    stats = httpx.get(f"{server.base_url}/metrics").text
+    assert 'enable_prefix_caching="false"' in stats
+    assert server.stop() == 0
+
+
+def test_a_bad_config_file_is_refused_by_name(tmp_path: Path, tiny_llama: Path) -> None:
+    for text, message in (("max-model-len: 4096\nno-such-flag: 1\n", "'no-such-flag' is not a flag of this command"),
+                          ("- a list\n", "give a mapping of flag names to values")):
+        (tmp_path / "bad.yaml").write_text(text)
+        result = subprocess.run([sys.executable, "-m", "pagellm.cli", "serve", str(tiny_llama), "--config",
+                                 str(tmp_path / "bad.yaml")], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_config_file_values_parse_as_their_flags(tmp_path: Path) -> None:
+    from pagellm import cli
+    from pagellm.server import vllm_cli
+
+    (tmp_path / "c.yaml").write_text("allowed-origins: [https://a.example]\nspeculative_config: {method: ngram}\n"
+                                     "lora-modules: [a=/adapters/a]\nport: 1234\nmax-num-seqs: 8\n")
+    parser = cli.build_parser()
+    argv = ["serve", "--config", str(tmp_path / "c.yaml"), "--port", "9"]
+    args = vllm_cli.reparse(parser, parser.parse_args(argv), argv)
+    assert args.allowed_origins == ["https://a.example"] and json.loads(args.speculative_config) == {"method": "ngram"}
+    assert args.lora_modules == [("a", "/adapters/a")] and args.max_num_seqs == 8
+    assert args.port == 9  # the command line's

@@ -1,0 +1,85 @@
+"""vLLM command lines for ``pagellm serve`` and ``pagellm run-batch``: a YAML ``--config`` file, and the vLLM flags
+that have nothing to do on a CPU server, accepted and named in the log.
+
+- ``--config FILE`` (vLLM's): a YAML mapping of flag names (``max-model-len`` or ``max_model_len``) to values, as on
+  the command line (``true`` for a switch, a list for a repeatable flag, a mapping for a JSON one); flags given on
+  the command line win over the file. A name that is not a flag of the command is refused, by name.
+- ``IGNORED``: vLLM flags a ported command line carries that pagellm has no use for. Each is accepted and, when
+  given, logged with what to use instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+logger = logging.getLogger(__name__)
+
+# flag → (its argparse kwargs, why it does nothing here)
+IGNORED: dict[str, tuple[dict[str, Any], str]] = {
+    "--gpu-memory-utilization": ({"type": float}, "pagellm serves from CPU memory: --kv-cache-memory sizes the KV "
+                                                  "cache"),
+    "--swap-space": ({"type": float}, "the KV cache lives in CPU memory already (--kv-cache-memory)"),
+    "--enforce-eager": ({"action": "store_true"}, "pagellm captures no graphs on the CPU"),
+    "--trust-remote-code": ({"action": "store_true"}, "pagellm runs its own model code only; nothing from the model "
+                                                      "directory is executed"),
+    "--disable-log-requests": ({"action": "store_true"}, "pagellm does not log request contents"),
+}
+
+
+def add_args(cmd: argparse.ArgumentParser) -> None:
+    """``--config`` and the ``IGNORED`` flags."""
+    cmd.add_argument("--config", default=None, metavar="FILE.yaml",
+                     help="flags from a YAML file ({max-model-len: 4096, enable-prefix-caching: true, ...}); flags "
+                          "on the command line win (vLLM's --config)")
+    group = cmd.add_argument_group("accepted from vLLM command lines, without effect here")
+    for flag, (kwargs, why) in IGNORED.items():
+        group.add_argument(flag, default=None, help=f"ignored: {why}", **kwargs)
+    cmd.set_defaults(config_parser=cmd)
+
+
+def reparse(parser: argparse.ArgumentParser, args: argparse.Namespace,
+            argv: Sequence[str] | None) -> argparse.Namespace:
+    """``args`` again with ``--config``'s file as the command's defaults (ValueError for a bad file), and a log line
+    for each ``IGNORED`` flag given."""
+    if getattr(args, "config", None):
+        command: argparse.ArgumentParser = args.config_parser
+        command.set_defaults(**_file_defaults(Path(args.config), command))
+        args = parser.parse_args(argv)
+    for flag, (_, why) in IGNORED.items():
+        if getattr(args, flag[2:].replace("-", "_"), None) not in (None, False):
+            logger.warning("%s has no effect in pagellm: %s", flag, why)
+    return args
+
+
+def _file_defaults(path: Path, command: argparse.ArgumentParser) -> dict[str, Any]:
+    import yaml
+
+    try:
+        values = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"--config {path}: {exc}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path}: give a mapping of flag names to values, e.g. 'max-model-len: 4096'")
+    actions = {action.dest: action for action in command._actions if action.option_strings}
+    defaults = {}
+    for key, value in values.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        action = actions.get(dest)
+        if action is None or dest == "config":
+            raise ValueError(f"--config {path}: {key!r} is not a flag of this command (pagellm serve --help)")
+        defaults[dest] = _as_flag_value(action, value)
+    return defaults
+
+
+def _as_flag_value(action: argparse.Action, value: Any) -> Any:
+    """A YAML value as the flag's parsed value: strings through the flag's type (argparse converts a string default
+    itself), a mapping as the JSON a JSON flag reads, each string of a list through the type."""
+    if isinstance(value, dict) or (isinstance(value, list) and action.type is not None and action.nargs is None):
+        return json.dumps(value)  # a JSON flag's text
+    if isinstance(value, list) and action.type is not None:
+        return [action.type(item) if isinstance(item, str) else item for item in value]
+    return value
