@@ -88,6 +88,10 @@ class ModelConfig:
     override_generation_config: dict[str, Any] | str | None = _help(
         "Sampling defaults set over generation_config's, as a JSON object of its keys (vLLM's flag), e.g. "
         "'{\"temperature\": 0.5, \"max_new_tokens\": 256}'.", default=None)
+    hf_overrides: dict[str, Any] | str | None = _help(
+        "Keys of the model's config.json set over its own, as a JSON object (vLLM's flag), e.g. "
+        "'{\"max_position_embeddings\": 8192, \"rope_scaling\": {\"rope_type\": \"linear\", \"factor\": 2.0}}'.",
+        default=None)
     enable_lora: bool = _help(
         "Serve requests with LoRA adapters (PEFT directories, one per request: LLM.generate(lora_request=...)); "
         "adapted steps run the Python layers. Default: off.", default=False)
@@ -99,6 +103,7 @@ class ModelConfig:
                              "(the neutral defaults) or a folder holding a generation_config.json")
         object.__setattr__(self, "override_generation_config", _json_object(self.override_generation_config,
                                                                             "override_generation_config"))
+        object.__setattr__(self, "hf_overrides", _json_object(self.hf_overrides, "hf_overrides"))
         if self.quantization not in (None, "w8a8_int8", "w4a8_int4", "w4a16_int4"):
             raise ValueError(f"quantization={self.quantization!r} is not supported; use w8a8_int8, w4a8_int4, "
                              "w4a16_int4 or leave it unset")

@@ -35,7 +35,7 @@ def lora_arch(config: Any, model_dir: Any) -> Any:
     from pagellm.model.arch import ArchConfig
     from pagellm.model.loader import load_hf_config
 
-    return ArchConfig.from_hf(load_hf_config(model_dir))
+    return ArchConfig.from_hf({**load_hf_config(model_dir), **(config.model_config.hf_overrides or {})})
 
 
 class InputProcessor:

@@ -9,6 +9,7 @@ import functools
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,7 +52,8 @@ class Worker:
         _start_kernel_builds(self.dtype, self.kv_dtype, model_config.attention_backend, model_config.quantization,
                              model_config.quantize_lm_head)
         model_dir = resolve_model_dir(model_config.model)
-        arch, max_model_len = resolve_arch(model_dir, model_config.max_model_len, spec_config)
+        arch, max_model_len = resolve_arch(model_dir, model_config.max_model_len, spec_config,
+                                           model_config.hf_overrides)
         model, quantization = _load_model(arch, model_dir, self.dtype, parallel, model_config)
         model.eval()
         _suggest_four_bits(model_dir, quantization, self.dtype)
@@ -187,10 +189,14 @@ def _start_kernel_builds(dtype: torch.dtype, kv_dtype: torch.dtype, attention_ba
     native_build.start_in_background(builds)
 
 
-def resolve_arch(model_dir: Path, requested_len: int | None, spec_config: SpeculativeConfig) -> tuple[ArchConfig, int]:
-    """The model's architecture as this engine runs it (LongRoPE's set of factors chosen for its context length)
-    and that context length; drafts as deep as a sliding window are refused."""
-    arch = ArchConfig.from_hf(load_hf_config(model_dir))
+def resolve_arch(model_dir: Path, requested_len: int | None, spec_config: SpeculativeConfig,
+                 hf_overrides: dict[str, Any] | None = None) -> tuple[ArchConfig, int]:
+    """The model's architecture as this engine runs it (its config.json with ``hf_overrides`` over it; LongRoPE's
+    set of factors chosen for its context length) and that context length; drafts as deep as a sliding window are
+    refused."""
+    if hf_overrides:
+        logger.info("config.json of %s with hf_overrides: %s", model_dir, hf_overrides)
+    arch = ArchConfig.from_hf({**load_hf_config(model_dir), **(hf_overrides or {})})
     max_model_len = resolve_max_model_len(requested_len, arch)
     arch = dataclasses.replace(arch, rope_scaling=use_long_factors(arch.rope_scaling, max_model_len))
     if arch.sliding_window and spec_config.method and spec_config.num_speculative_tokens >= arch.sliding_window:

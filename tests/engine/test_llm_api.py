@@ -390,3 +390,28 @@ def test_profile_block_hands_back_its_files_even_when_the_block_fails(tiny_llama
         with llm.profile():
             pass
     assert len(llm.stop_profile()) == 2
+
+
+def test_hf_overrides_act_as_an_edited_config_json(tiny_llama: Path, tmp_path: Path) -> None:
+    """vLLM's hf_overrides: the model's config.json keys set over its own, as if the file said so."""
+    import json
+    import shutil
+
+    overrides = {"max_position_embeddings": 128, "rope_theta": 37.0}
+    edited = tmp_path / "edited"
+    shutil.copytree(tiny_llama, edited)
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**config, **overrides}))
+    prompts, params = ["the quick brown fox", "0123456789"], greedy(16, ignore_eos=True)
+
+    def tokens(model: Path, **args: Any) -> tuple[list[list[int]], int]:
+        llm = LLM(str(model), dtype="float32", kv_cache_memory=SMALL_KV, **args)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], \
+            llm.engine.runtime.max_model_len
+
+    as_edited = tokens(edited)
+    assert as_edited[1] == 128
+    assert tokens(tiny_llama, hf_overrides=json.dumps(overrides)) == as_edited
+    assert tokens(tiny_llama)[0] != as_edited[0]  # the overrides took effect
+    with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
+        LLM(str(tiny_llama), dtype="float32", hf_overrides="[1]")
