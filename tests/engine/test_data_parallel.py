@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import pytest
 from async_utils import SMALL_KV, all_blocks_free, collect, greedy, runner, wait_until
 from async_utils import engine_config as tiny_config
+from proc_utils import descendants, without_trackers
 
 from pagellm import LLM, SamplingParams
 from pagellm.config import EngineConfig
@@ -229,11 +230,6 @@ def test_later_turns_go_to_the_core_that_holds_the_earlier_ones(engine: AsyncLLM
     assert run(all_blocks_free(engine))
 
 
-def _children(pid: int) -> list[int]:
-    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
-            for child in (task / "children").read_text().split()]
-
-
 def test_each_core_runs_its_own_tensor_parallel_ranks(tiny_llama: Path, llm: LLM, run: Any) -> None:
     params = greedy(6, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params, use_tqdm=False)]
@@ -246,9 +242,7 @@ def test_each_core_runs_its_own_tensor_parallel_ranks(tiny_llama: Path, llm: LLM
         assert [tokens(d) for d in run(main())] == expected
         assert cores(eng).router.routed == [2, 2]
         for core in cores(eng).engines:  # each core process started its own rank 1
-            workers = [pid for pid in _children(core.process.pid)
-                       if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
-            assert len(workers) == 1
+            assert len(without_trackers(descendants(core.process.pid))) == 1
     finally:
         eng.shutdown()
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
+from proc_utils import without_trackers
 
 STARTUP_TIMEOUT_S = 120.0
 # A small KV pool (~2k blocks on the tiny model) keeps each server's memory low; plenty for 64 streams.
@@ -70,35 +71,9 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def descendants(pid: int) -> set[int]:
-    """Every process below ``pid``."""
-    found, todo = set(), [pid]
-    while todo:
-        current = todo.pop()
-        for task in Path(f"/proc/{current}/task").glob("*"):
-            try:
-                children = [int(p) for p in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found.update(children)
-            todo.extend(children)
-    return found
-
-
-def without_trackers(pids: set[int]) -> set[int]:
-    """Without multiprocessing's resource trackers."""
-    return {p for p in pids if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()}
-
-
 def engine_cores(server: ServerProcess) -> set[int]:
     """The server's engine-core processes (its children but the resource tracker)."""
     return without_trackers(set(server.child_pids()))
-
-
-def alive(pids: set[int]) -> set[int]:
-    """Those of ``pids`` that still run (not gone, not zombies)."""
-    return {pid for pid in pids if Path(f"/proc/{pid}").exists()
-            and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]}
 
 
 def _free_port() -> int:

@@ -12,7 +12,8 @@ from typing import Callable
 
 import openai
 from metrics_utils import scrape, value
-from server_utils import ServerProcess, alive, descendants, engine_cores, engine_idle, wait_until
+from proc_utils import alive, descendants
+from server_utils import ServerProcess, engine_cores, engine_idle, wait_until
 
 PROMPTS = [f"Tell me about the number {i}" for i in range(8)]
 TWO_CORES = ("--served-model-name", "tiny", "--data-parallel-size", "2")

@@ -11,7 +11,8 @@ from typing import Callable
 
 import openai
 import pytest
-from server_utils import ServerProcess, alive, descendants, engine_cores, wait_until, without_trackers
+from proc_utils import alive, descendants, without_trackers
+from server_utils import ServerProcess, engine_cores, wait_until
 
 CHAT = [{"role": "user", "content": "Hello"}]
 
