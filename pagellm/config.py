@@ -17,6 +17,7 @@ from typing import Any
 
 from pagellm.disagg.config import KVTransferConfig
 from pagellm.distributed.config import ParallelConfig
+from pagellm.sampling_params import MAX_LOGPROBS
 from pagellm.spec.config import DISABLE_BY_BATCH_SIZE, SPEC_METHODS, SpeculativeConfig  # noqa: F401
 
 GiB = 1024**3
@@ -92,6 +93,12 @@ class ModelConfig:
         "Keys of the model's config.json set over its own, as a JSON object (vLLM's flag), e.g. "
         "'{\"max_position_embeddings\": 8192, \"rope_scaling\": {\"rope_type\": \"linear\", \"factor\": 2.0}}'.",
         default=None)
+    tokenizer: str | None = _help(
+        "Tokenizer directory (tokenizer.json or tokenizer_config.json) to use instead of the model's own, e.g. the "
+        "original model's beside a .gguf file (vLLM's flag). Default: the model's.", default=None)
+    max_logprobs: int = _help(
+        "Most logprobs, top_logprobs or prompt_logprobs a request may ask for per token (vLLM's flag); -1: the whole "
+        "vocabulary.", default=MAX_LOGPROBS)
     enable_lora: bool = _help(
         "Serve requests with LoRA adapters (PEFT directories, one per request: LLM.generate(lora_request=...)); "
         "adapted steps run the Python layers. Default: off.", default=False)
@@ -115,8 +122,26 @@ class ModelConfig:
             raise ValueError(f"attention_backend={self.attention_backend!r}; use auto, cpu_paged or torch_ref")
         if self.dtype not in ("auto", "float32", "fp32", "float", "bfloat16", "bf16"):
             raise ValueError(f"dtype={self.dtype!r} is not supported; use auto, float32 or bfloat16")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary; got {self.max_logprobs}")
+        if self.tokenizer is not None and not _has_tokenizer_files(Path(self.tokenizer)):
+            raise ValueError(f"tokenizer={self.tokenizer!r} is not a directory holding tokenizer.json or "
+                             "tokenizer_config.json; pass the folder of a Hugging Face tokenizer")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+    def tokenizer_dir(self, model_dir: Path) -> Path:
+        """The folder the tokenizer loads from: ``tokenizer`` when set, else the model's own."""
+        return Path(self.tokenizer) if self.tokenizer is not None else model_dir
+
+    def logprobs_cap(self, vocab_size: int) -> int:
+        """The most logprobs per token a request may ask for (``max_logprobs``, -1 being the vocabulary)."""
+        return vocab_size if self.max_logprobs == -1 else self.max_logprobs
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pagellm import generation_config
 from pagellm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagellm.config import EngineConfig
 from pagellm.engine.client import InprocClient
-from pagellm.engine.input_processor import InputProcessor, PromptType, lora_arch
+from pagellm.engine.input_processor import InputProcessor, PromptType, load_tokenizer, lora_arch
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
 from pagellm.lora import LoRARequest
@@ -28,7 +28,7 @@ from pagellm.outputs import (EmbeddingRequestOutput, RequestOutput, ScoringOutpu
                              pooled_embedding)
 from pagellm.sampling_params import SamplingParams
 from pagellm.scoring import Texts, cosine, distinct, pair_texts
-from pagellm.tokenizer import Tokenizer, load_chat_template
+from pagellm.tokenizer import load_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +53,14 @@ class LLM:
             raise ValueError("data_parallel_size > 1 runs engine cores behind a server (pagellm serve, AsyncLLM); "
                              "offline, run one LLM per process on its share of the CPUs")
         model_dir = resolve_model_dir(model)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.sampling_defaults = generation_config.for_model(self.config.model_config, model_dir)
+        model_config = self.config.model_config
+        self.tokenizer = load_tokenizer(model_config, model_dir)
+        self.sampling_defaults = generation_config.for_model(model_config, model_dir)
         self.engine = InprocClient(self.config)
         runtime = self.engine.runtime
         self.input_processor = InputProcessor(self.tokenizer, runtime.max_model_len, runtime.vocab_size,
-                                              runtime.pooling_only, lora_arch(self.config, model_dir))
+                                              runtime.pooling_only, lora_arch(self.config, model_dir),
+                                              model_config.logprobs_cap(runtime.vocab_size))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.last_stats: list[SchedulerStats] = []

@@ -9,7 +9,8 @@ Contract:
   (possibly empty); numeric fields are coerced to ``float``/``int``.
 - Bad values raise ``ValueError`` naming the field, the value and the valid range, so the server can map it to
   HTTP 400 verbatim.
-- ``logprobs`` is ``None`` (off) or an integer in ``[0, MAX_LOGPROBS]``.
+- ``logprobs`` and ``prompt_logprobs`` are ``None`` (off) or an integer >= 0; the engine caps them at its
+  ``max_logprobs`` (``check_logprobs``, by default ``MAX_LOGPROBS``).
 - ``max_tokens=None`` means "up to the model's context length"; the engine resolves it (it knows
   ``max_model_len``), this module does not.
 - Penalties follow transformers (``repetition_penalty``, over prompt + output tokens) and OpenAI
@@ -35,7 +36,7 @@ from pagellm.lora import LoRARequest
 # Below this temperature a request is treated as greedy: dividing logits by ~0 only amplifies float noise, and
 # the argmax is what the user means.
 _GREEDY_EPS = 1e-5
-# The most top alternatives a request may ask for per generated token (OpenAI's limit).
+# The most top alternatives a request may ask for per token by default (OpenAI's limit; ``max_logprobs``).
 MAX_LOGPROBS = 20
 
 
@@ -203,6 +204,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             if bad:
                 raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad[:5]}.")
 
+    def check_logprobs(self, cap: int) -> None:
+        """Raise ValueError when ``logprobs`` or ``prompt_logprobs`` asks for more than ``cap`` per token (the
+        engine's ``max_logprobs``)."""
+        for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if value is not None and value > cap:
+                raise ValueError(f"{name}={value} (chat's top_logprobs, beam search's 2 × beam_width) is more than "
+                                 f"this engine's max_logprobs ({cap}); ask for at most {cap}, or raise the cap "
+                                 f"(--max-logprobs {value}; -1: the whole vocabulary)")
+
     @property
     def stop_strings(self) -> list[str]:
         """``stop`` as a list (it is always a list after ``__post_init__``; this keeps type checkers happy)."""
@@ -260,8 +270,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             raise ValueError(f"top_k must be -1, 0 (both off) or a positive integer, got {self.top_k}.")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}.")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (0 = only the sampled token, None = off), "
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be an integer >= 0 (0 = only the sampled token, None = off), "
                              f"got {self.logprobs}.")
 
     def _validate_processing(self) -> None:
@@ -282,9 +292,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                 raise ValueError(f"allowed_token_ids must be non-negative integers, got {self.allowed_token_ids}.")
         if self.bad_words is not None and not all(isinstance(w, str) and w for w in self.bad_words):
             raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}.")
-        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (None = off), "
-                             f"got {self.prompt_logprobs}.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be an integer >= 0 (None = off), got {self.prompt_logprobs}.")
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}.")
         if self.best_of is not None and self.best_of > 1 and self.is_greedy and self.best_of > self.n:

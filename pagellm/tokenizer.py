@@ -43,13 +43,15 @@ class Tokenizer:
         self.chat_template: str | None = _default_template(hf_tokenizer.chat_template)
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> Tokenizer:
-        """Load the tokenizer files of a local model directory (never the hub)."""
+    def from_dir(cls, model_dir: Path, config_dir: Path | None = None) -> Tokenizer:
+        """Load the tokenizer files of a local model directory (never the hub). EOS ids: the tokenizer's, and those
+        of the config.json and generation_config.json in ``model_dir`` and in ``config_dir`` (the model's folder,
+        when the tokenizer is another's)."""
         model_dir = Path(model_dir)
         if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
             raise ValueError(
                 f"{model_dir} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
-                "pass a model directory that includes its tokenizer"
+                "pass a model directory that includes its tokenizer, or another folder's with --tokenizer DIR"
             )
         if _declares_generic_fast(model_dir):
             from transformers import PreTrainedTokenizerFast
@@ -61,7 +63,7 @@ class Tokenizer:
             hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         if not hf_tokenizer.is_fast:
             raise ValueError(f"{model_dir}: only fast (tokenizer.json) tokenizers are supported; add tokenizer.json")
-        eos_ids = _config_eos_ids(model_dir)
+        eos_ids = _config_eos_ids(model_dir) | (_config_eos_ids(Path(config_dir)) if config_dir is not None else set())
         if hf_tokenizer.eos_token_id is not None:
             eos_ids.add(int(hf_tokenizer.eos_token_id))
         return cls(hf_tokenizer, frozenset(eos_ids))

@@ -49,7 +49,7 @@ from pagellm.config import EngineConfig
 from pagellm.engine.client import MPClient
 from pagellm.engine.dp_client import DPClient
 from pagellm.engine.exceptions import EngineDeadError
-from pagellm.engine.input_processor import InputProcessor, PromptType, lora_arch
+from pagellm.engine.input_processor import InputProcessor, PromptType, load_tokenizer, lora_arch
 from pagellm.engine.output_processor import OutputProcessor, RequestState
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, RequestError
@@ -137,7 +137,8 @@ class AsyncLLM:
         self.runtime: RuntimeInfo = self.client.runtime
         self.input_processor = InputProcessor(
             self.tokenizer, self.runtime.max_model_len, self.runtime.vocab_size, self.runtime.pooling_only,
-            lora_arch(config, resolve_model_dir(config.model_config.model)))
+            lora_arch(config, resolve_model_dir(config.model_config.model)),
+            config.model_config.logprobs_cap(self.runtime.vocab_size))
 
     @classmethod
     def from_config(cls, config: EngineConfig, startup_timeout_s: float = 600.0,
@@ -145,7 +146,8 @@ class AsyncLLM:
         def load_text() -> tuple[Tokenizer, dict[str, Any]]:
             # while the core starts; a GGUF conversion here is the core's to wait for
             model_dir = resolve_model_dir(config.model_config.model)
-            return Tokenizer.from_dir(model_dir), generation_config.for_model(config.model_config, model_dir)
+            return load_tokenizer(config.model_config, model_dir), generation_config.for_model(config.model_config,
+                                                                                                model_dir)
 
         return cls(config, load_text, startup_timeout_s, stats_sink)
 

@@ -1,7 +1,8 @@
 """Frontend input side: prompts (text or token ids) and chat messages become validated ``EngineCoreRequest``s.
 
 Besides the prompt it finishes the sampling parameters that need the tokenizer or the vocabulary: token ids
-(``logit_bias``, ``allowed_token_ids``, ``stop_token_ids``) are checked against the vocabulary, ``bad_words`` are
+(``logit_bias``, ``allowed_token_ids``, ``stop_token_ids``) are checked against the vocabulary, and
+``logprobs``/``prompt_logprobs`` against the engine's ``max_logprobs``, ``bad_words`` are
 tokenized into ``bad_words_token_ids`` (each word as written and with a leading space, as it appears mid-text),
 and a structured-output constraint is parsed so that a bad schema, regex or grammar is a ``ValueError`` here,
 before anything reaches the core.
@@ -11,13 +12,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Sequence, Union
 
 import msgspec
 
 from pagellm.engine.wire import EngineCoreRequest
 from pagellm.lora import LoRARequest, check_adapter
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagellm.tokenizer import Tokenizer
 
 PromptType = Union[str, Sequence[int]]
@@ -25,6 +27,22 @@ PromptType = Union[str, Sequence[int]]
 
 POOLING_ONLY = ("this model is a base-model checkpoint with no language-model head: it serves embeddings only "
                 "(LLM.embed, POST /v1/embeddings), not generation")
+
+
+def load_tokenizer(model_config: Any, model_dir: Path) -> Tokenizer:
+    """The model's tokenizer, or the one of ``model_config.tokenizer`` (vLLM's ``--tokenizer``), whose ids must fit
+    the model's vocabulary; EOS ids come from both folders' configs."""
+    folder = model_config.tokenizer_dir(model_dir)
+    tokenizer = Tokenizer.from_dir(folder, config_dir=model_dir)
+    if folder != model_dir:
+        from pagellm.model.loader import load_hf_config
+
+        hf_config = {**load_hf_config(model_dir), **(model_config.hf_overrides or {})}
+        vocab_size = hf_config.get("vocab_size") or hf_config.get("text_config", {}).get("vocab_size")
+        if vocab_size is not None and tokenizer.vocab_size > vocab_size:
+            raise ValueError(f"tokenizer {folder} has {tokenizer.vocab_size} tokens, more than the model's "
+                             f"vocabulary of {vocab_size}: it is not this model's tokenizer")
+    return tokenizer
 
 
 def lora_arch(config: Any, model_dir: Any) -> Any:
@@ -40,10 +58,11 @@ def lora_arch(config: Any, model_dir: Any) -> Any:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, pooling_only: bool = False,
-                 lora_arch: Any = None) -> None:
+                 lora_arch: Any = None, max_logprobs: int = MAX_LOGPROBS) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs  # the most logprobs per token a request may ask for
         self.pooling_only = pooling_only  # a model without an LM head: embedding requests only
         self.lora_arch = lora_arch  # the model's ArchConfig when LoRA is enabled (adapters are checked against it)
         self._adapters: set[LoRARequest] = set()  # checked already
@@ -85,6 +104,7 @@ class InputProcessor:
         if params.lora_request is not None:
             self.check_adapter(params.lora_request)
         params.check_token_ids(self.vocab_size)
+        params.check_logprobs(self.max_logprobs)
         if params.structured_outputs is not None:
             from pagellm.sample.structured import validate  # xgrammar loads only when a request needs it
 

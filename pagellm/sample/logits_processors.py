@@ -180,9 +180,10 @@ class LogitsProcessing:
     """The worker's side of logits processing: builds request states (compiling grammars on first use, from the
     model's tokenizer) and fills grammar bitmasks on a helper thread while the forward pass runs."""
 
-    def __init__(self, vocab_size: int, model_dir: Path | None) -> None:
+    def __init__(self, vocab_size: int, model_dir: Path | None, tokenizer_dir: Path | None = None) -> None:
         self.vocab_size = vocab_size
         self._model_dir = model_dir
+        self._tokenizer_dir = tokenizer_dir  # another folder's tokenizer (--tokenizer), else the model's
         self._grammars: GrammarCache | None = None
         self._pool: ThreadPoolExecutor | None = None
 
@@ -195,7 +196,7 @@ class LogitsProcessing:
             if self._model_dir is None:
                 raise ValueError("structured outputs need the model's tokenizer; this runner has no model_dir")
             from pagellm.sample.structured import GrammarCache
-            self._grammars = GrammarCache.from_model_dir(self._model_dir, self.vocab_size)
+            self._grammars = GrammarCache.from_model_dir(self._model_dir, self.vocab_size, self._tokenizer_dir)
         return self._grammars.matcher(so, output_ids)
 
     def start_masks(self, num_rows: int, grammars: list[tuple[int, RequestGrammar]]) -> Future | None:

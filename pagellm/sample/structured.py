@@ -84,10 +84,11 @@ class GrammarCache:
         self._compiled: dict[tuple[str, str], xgr.CompiledGrammar] = {}
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path, vocab_size: int) -> GrammarCache:
+    def from_model_dir(cls, model_dir: Path, vocab_size: int, tokenizer_dir: Path | None = None) -> GrammarCache:
+        """The grammars of the model in ``model_dir``, over its tokenizer or the one in ``tokenizer_dir``."""
         from pagellm.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.from_dir(model_dir)
+        tokenizer = Tokenizer.from_dir(tokenizer_dir or model_dir, config_dir=model_dir)
         return cls(tokenizer._hf, vocab_size, tokenizer.eos_token_ids)  # noqa: SLF001 (the HF object is needed)
 
     @property

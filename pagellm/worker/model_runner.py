@@ -46,13 +46,13 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, block_size: int,
                  proposer: Proposer, seed: int, vocab_size: int = 0, model_dir: Path | None = None,
-                 disable_by_batch_size: int | None = None) -> None:
+                 disable_by_batch_size: int | None = None, tokenizer_dir: Path | None = None) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.proposer = proposer
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
-        self.processing = LogitsProcessing(vocab_size, model_dir)
+        self.processing = LogitsProcessing(vocab_size, model_dir, tokenizer_dir)
         self.states: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.drafts: dict[str, Draft] = {}  # proposals awaiting verification, by request

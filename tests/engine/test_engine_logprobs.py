@@ -132,12 +132,31 @@ def test_mixed_batch_only_askers_get_logprobs(llm: LLM, tiny_llama: Path) -> Non
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("value", [-1, 21, 1.5, True, "3"])
+@pytest.mark.parametrize("value", [-1, 1.5, True, "3"])
 def test_invalid_logprobs_raise(value: object) -> None:
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=value)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"\[0, 20\]"):
-        SamplingParams(logprobs=21)
+    with pytest.raises(ValueError, match="an integer >= 0"):
+        SamplingParams(logprobs=-1)
+
+
+def test_logprobs_cap(tiny_llama: Path) -> None:
+    """More logprobs than the engine's max_logprobs (20 by default) is refused, naming the cap and the flag; the
+    cap is the engine's to raise, up to the whole vocabulary (-1)."""
+    SamplingParams(logprobs=20, prompt_logprobs=20).check_logprobs(20)
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"{field}=21 .*max_logprobs \(20\).*--max-logprobs 21"):
+            SamplingParams(**{field: 21}).check_logprobs(20)
+    llm = LLM(str(tiny_llama), dtype="float32", max_logprobs=-1, max_model_len=64)
+    prompt = _prompts(5, (6,))[0]
+    everything = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=320, prompt_logprobs=320)
+    out = llm.generate([prompt], everything, use_tqdm=False)[0]
+    check_against_hf(tiny_llama, prompt, out.outputs[0], k=320, greedy=True)
+    assert [len(entry) for entry in out.prompt_logprobs[1:]] == [320] * (len(prompt) - 1)
+    with pytest.raises(ValueError, match=r"logprobs=321 .*max_logprobs \(320\)"):
+        llm.generate([prompt], msgspec.structs.replace(everything, logprobs=321), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_logprobs must be >= 0, or -1"):
+        LLM(str(tiny_llama), max_logprobs=-2)
 
 
 def test_token_logprobs_head_cuts_every_list() -> None:

@@ -13,6 +13,8 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+from pagellm.config import ModelConfig
+from pagellm.engine.input_processor import load_tokenizer
 from pagellm.model.loader import default_model_path
 from pagellm.tokenizer import Tokenizer
 
@@ -159,6 +161,31 @@ def test_template_rejection_is_a_value_error(tmp_path: Path) -> None:
 def test_directory_without_tokenizer(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no tokenizer files"):
         Tokenizer.from_dir(tmp_path)
+
+
+def test_another_folders_tokenizer_with_the_models_eos_ids(tmp_path: Path) -> None:
+    tokenizer_dir = write_tiny_dir(tmp_path / "tokenizer")  # EOS 2 (the tokenizer's), 3 and 4 (its configs')
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"vocab_size": 7, "eos_token_id": 5}))
+    with pytest.raises(ValueError, match="no tokenizer files.*--tokenizer DIR"):
+        load_tokenizer(ModelConfig(model=str(model_dir)), model_dir)
+    tokenizer = load_tokenizer(ModelConfig(model=str(model_dir), tokenizer=str(tokenizer_dir)), model_dir)
+    assert tokenizer.eos_token_ids == frozenset({2, 3, 4, 5})
+    assert tokenizer.encode("hello world", add_special_tokens=False) == [5, 6]
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path: Path) -> None:
+    tokenizer_dir = write_tiny_dir(tmp_path / "tokenizer")
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"vocab_size": 6}))
+    with pytest.raises(ValueError, match="has 7 tokens, more than the model's vocabulary of 6"):
+        load_tokenizer(ModelConfig(model=str(model_dir), tokenizer=str(tokenizer_dir)), model_dir)
+    config = ModelConfig(model=str(model_dir), tokenizer=str(tokenizer_dir), hf_overrides={"vocab_size": 7})
+    assert load_tokenizer(config, model_dir).vocab_size == 7
+    with pytest.raises(ValueError, match="is not a directory holding tokenizer.json or tokenizer_config.json"):
+        ModelConfig(tokenizer=str(model_dir))
 
 
 def test_import_is_cheap() -> None:

@@ -129,8 +129,8 @@ def test_sampling_params_new_fields_validate() -> None:
         SamplingParams(logit_bias={1: -101.0})
     with pytest.raises(ValueError, match="best_of must be >= n"):
         SamplingParams(n=3, best_of=2)
-    with pytest.raises(ValueError, match="prompt_logprobs must be in"):
-        SamplingParams(prompt_logprobs=21)
+    with pytest.raises(ValueError, match="prompt_logprobs must be an integer >= 0"):
+        SamplingParams(prompt_logprobs=-1)
     with pytest.raises(ValueError, match="logit_bias: token ids must be in"):
         SamplingParams(logit_bias={"400": 1}).check_token_ids(320)  # type: ignore[dict-item]
     assert SamplingParams(logit_bias={"7": 1}).logit_bias == {7: 1.0}  # type: ignore[dict-item]

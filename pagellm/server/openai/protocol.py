@@ -21,14 +21,14 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagellm.generation_config import unset_default
-from pagellm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.server.openai import tools as tooling
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 # Sibling i of an n-sample request uses seed + i (n <= 128), which must still fit the wire's int64.
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 129)]
 Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
-NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+NumLogprobs = Annotated[int, Field(ge=0, le=2**31 - 1)]  # the engine caps it at its max_logprobs
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
