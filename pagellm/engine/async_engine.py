@@ -151,6 +151,11 @@ class AsyncLLM:
 
         return cls(config, load_text, startup_timeout_s, stats_sink)
 
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs per token a request may ask for (``max_logprobs``; -1 resolved to the vocabulary)."""
+        return self.input_processor.max_logprobs
+
     # ------------------------------------------------------------------------------------------- requests
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -34,6 +34,8 @@ BAD_REQUESTS = [
     ("completions", {**COMPLETION, "repetition_penalty": 0}, 400, "repetition_penalty", "repetition_penalty"),
     ("completions", {**COMPLETION, "logprobs": 21}, 400, "logprobs=21 ", None),
     ("completions", {**COMPLETION, "logprobs": -1}, 400, "logprobs", "logprobs"),
+    ("completions", {**COMPLETION, "logprobs": 21, "stream": True}, 400, "max_logprobs (20)", None),
+    ("chat/completions", _chat(logprobs=True, top_logprobs=21, stream=True), 400, "max_logprobs (20)", None),
     ("completions", {**COMPLETION, "logit_bias": {"5": 101}}, 400, "logit_bias values must be in [-100, 100]", None),
     ("completions", {**COMPLETION, "logit_bias": {"five": 1}}, 400, "logit_bias keys must be token ids", None),
     ("completions", {**COMPLETION, "logit_bias": {"99999": 1}}, 400, "logit_bias: token ids must be in [0, 320)",

@@ -45,6 +45,7 @@ class EngineClient(Protocol):
     tokenizer: Tokenizer
     runtime: Any  # max_model_len, num_blocks, vocab_size, hidden_size, pooling_only (worker/runtime.py)
     sampling_defaults: dict[str, Any]  # for requests that leave them unset (generation_config.py)
+    max_logprobs: int  # the most logprobs per token a request may ask for (--max-logprobs)
 
     def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
                  priority: int = 0, cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]: ...
@@ -142,6 +143,7 @@ class OpenAIServing:
         if model in self.loras:
             params.lora_request = self.loras[model]
         params.check_token_ids(self.vocab_size)
+        params.check_logprobs(self.engine.max_logprobs)
         if params.structured_outputs is not None:
             from pagellm.sample.structured import validate
 
