@@ -13,6 +13,7 @@ vLLM's scheduler runs in a subprocess with the .peers/vllm interpreter (benchmar
         [--vllm-python .peers/vllm/bin/python]   # vLLM's interpreter (from a worktree: the main checkout's)
         [--profile [N]]   # cProfile the timed calls (pagellm only), print the N costliest functions
         [--baseline-rev REV]   # pagellm as of git revision REV beside this tree's, in one process (below)
+        [--kv-events]   # this tree's with KV cache events recorded and encoded beside it without, likewise
 
 ``--baseline-rev REV`` answers "did my change make the scheduler faster?" on a noisy machine: the ``pagellm``
 package as of REV is exported (``git archive``) under the name ``pagellm_base`` (its imports renamed, its native
@@ -37,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
+
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE / "peers"), str(HERE.parent)]
 import sched_trace as trace  # noqa: E402
@@ -47,15 +50,19 @@ VLLM_PYTHON = HERE.parent / ".peers" / "vllm" / "bin" / "python"
 class Side:
     """One scheduler of ``package`` (this tree's ``pagellm``, or an exported ``pagellm_base``) on the trace."""
 
-    def __init__(self, package: str, num_running: int) -> None:
+    def __init__(self, package: str, num_running: int, kv_events: bool = False) -> None:
+        """``kv_events``: record KV cache events, taken and encoded to msgpack in each timed step, as the engine
+        core does before publishing them."""
         def load(name: str):
             return importlib.import_module(f"{package}.{name}")
 
         config = load("config")
+        self.events = load("kv.events").KVEventRecorder(trace.BLOCK_SIZE) if kv_events else None
+        self.encoder = msgspec.msgpack.Encoder()
         self.scheduler = load("sched.scheduler").Scheduler(
             config.SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=trace.TOKEN_BUDGET),
             config.CacheConfig(block_size=trace.BLOCK_SIZE, enable_prefix_caching=True),
-            trace.num_blocks(num_running), max_model_len=2048)
+            trace.num_blocks(num_running), max_model_len=2048, **({"kv_events": self.events} if kv_events else {}))
         self.request, self.params = load("request").Request, load("sampling_params").SamplingParams
         self.output = load("sched.output").ModelRunnerOutput
         self.num_running, self.next_id = num_running, 0
@@ -92,6 +99,10 @@ class Side:
             profiler.enable()
         t2 = time.perf_counter()
         scheduler.update_from_output(out, runner_out)
+        if self.events is not None:
+            batch = self.events.take()
+            if batch is not None:
+                self.encoder.encode(batch)
         t3 = time.perf_counter()
         if profiler is not None:
             profiler.disable()
@@ -138,10 +149,10 @@ def package_at(rev: str) -> str:
     return "pagellm_base"
 
 
-def run_pair(num_running: int, warmup: int, steps: int, base: str) -> tuple[dict, dict]:
+def run_pair(num_running: int, warmup: int, steps: int, base: str, kv_events: bool = False) -> tuple[dict, dict]:
     """This tree's scheduler and ``base``'s on the same trace in one process, a step of each in turn (which one
-    goes first alternates)."""
-    sides = [Side("pagellm", num_running), Side(base, num_running)]
+    goes first alternates); ``kv_events``: ``base`` is this tree's too, recording KV cache events."""
+    sides = [Side("pagellm", num_running), Side(base, num_running, kv_events)]
     gc.collect()
     for step in range(warmup + steps):
         for side in (sides if step % 2 == 0 else sides[::-1]):
@@ -179,13 +190,17 @@ def main() -> None:
     parser.add_argument("--baseline-rev", default=None, metavar="REV",
                         help="time pagellm as of this git revision beside this tree's, steps alternated in one "
                              "process (implies --no-vllm)")
+    parser.add_argument("--kv-events", action="store_true",
+                        help="time this tree's scheduler with KV cache events recorded (and encoded) beside it without "
+                             "them, steps alternated in one process (implies --no-vllm)")
     args = parser.parse_args()
-    if args.baseline_rev:
-        base = package_at(args.baseline_rev)
-        print(f"{'running':>7} {'this tree p50':>13} {'mean':>8} {'p95':>8} {args.baseline_rev[:12] + ' p50':>17} "
+    if args.baseline_rev or args.kv_events:
+        base = package_at(args.baseline_rev) if args.baseline_rev else "pagellm"
+        label = args.baseline_rev[:12] if args.baseline_rev else "kv events"
+        print(f"{'running':>7} {'this tree p50':>13} {'mean':>8} {'p95':>8} {label + ' p50':>17} "
               f"{'mean':>8} {'p95':>8} {'p50 ratio':>9}   (µs per step)")
         for n in args.num_running:
-            ours, theirs = run_pair(n, args.warmup, args.steps, base)
+            ours, theirs = run_pair(n, args.warmup, args.steps, base, args.kv_events)
             print(f"{n:>7} {ours['p50_us']:>13.1f} {ours['mean_us']:>8.1f} {ours['p95_us']:>8.1f} "
                   f"{theirs['p50_us']:>17.1f} {theirs['mean_us']:>8.1f} {theirs['p95_us']:>8.1f} "
                   f"{ours['p50_us'] / theirs['p50_us']:>9.3f}")

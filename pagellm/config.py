@@ -17,6 +17,7 @@ from typing import Any
 
 from pagellm.disagg.config import KVTransferConfig
 from pagellm.distributed.config import ParallelConfig
+from pagellm.kv.events import KVEventsConfig
 from pagellm.sampling_params import MAX_LOGPROBS
 from pagellm.spec.config import DISABLE_BY_BATCH_SIZE, SPEC_METHODS, SpeculativeConfig  # noqa: F401
 
@@ -259,6 +260,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
     kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
+    kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     def __post_init__(self) -> None:
         spec = self.speculative_config
@@ -269,6 +271,10 @@ class EngineConfig:
         if self.parallel_config.data_parallel_size > 1 and self.kv_transfer_config.kv_connector is not None:
             raise ValueError("kv_transfer_config runs with data_parallel_size 1 (one engine core per prefill or "
                              "decode server)")
+        if self.kv_events_config.enable_kv_cache_events and not self.cache_config.enable_prefix_caching:
+            raise ValueError("kv_events_config needs enable_prefix_caching: the events describe the prefix cache")
+        if self.kv_events_config.publishes and self.parallel_config.data_parallel_size > 1:
+            self.kv_events_config.for_rank(0)  # each core publishes on its own port: refused by name when it cannot
         self.kv_transfer_config.check_engine(self.cache_config.enable_prefix_caching,
                                              self.parallel_config.world_size, self.model_config.enable_lora,
                                              self.speculative_config.method)
@@ -282,17 +288,19 @@ class EngineConfig:
         """Build from flat, vLLM-style keyword arguments (``max_num_seqs=64``, ``dtype="float32"``, ...)."""
         speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
         kv_transfer = KVTransferConfig.parse(kwargs.pop("kv_transfer_config", None))
+        kv_events = KVEventsConfig.parse(kwargs.pop("kv_events_config", None))
         owners = flat_field_owners()
         per_section: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         for key, value in kwargs.items():
             if key not in owners:
                 close = difflib.get_close_matches(key, owners, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                valid = ", ".join(sorted([*owners, "speculative_config"]))
+                valid = ", ".join(sorted([*owners, "speculative_config", "kv_transfer_config", "kv_events_config"]))
                 raise ValueError(f"unknown engine argument {key!r}{hint}; valid ones: {valid}")
             per_section[owners[key]][key] = value
         sections = {name: _SECTIONS[name](**values) for name, values in per_section.items()}
-        return cls(speculative_config=speculative, kv_transfer_config=kv_transfer, **sections)
+        return cls(speculative_config=speculative, kv_transfer_config=kv_transfer, kv_events_config=kv_events,
+                   **sections)
 
 
 def flat_field_owners() -> dict[str, str]:

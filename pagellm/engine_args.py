@@ -50,8 +50,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-transfer-config", default=None,
                        help='Disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", '
                             '"kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": "/kv"}}\'')
+    group.add_argument("--kv-events-config", default=None,
+                       help='KV cache events for KV-aware routers, as vLLM publishes them (ZMQ, msgpack), as JSON, '
+                            'e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
+                            '"tcp://*:5558", "topic": "kv-events"}\'')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = [f.name for f in flat_fields() if f.name != "model"] + ["speculative_config", "kv_transfer_config"]
+    names = [f.name for f in flat_fields() if f.name != "model"] + ["speculative_config", "kv_transfer_config",
+                                                                     "kv_events_config"]
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}

@@ -14,6 +14,7 @@ from pagellm.config import EngineConfig
 from pagellm.engine.input_processor import check_prompt
 from pagellm.engine.wire import EngineCoreRequest, StepOutput
 from pagellm.executor.base import Executor, make_executor
+from pagellm.kv.events import KVEventRecorder
 from pagellm.metrics.profiler import span
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.request import Request
@@ -30,10 +31,16 @@ class EngineCore:
             native_build.start_in_background([build_extension])
         self.executor = executor or make_executor(config)
         self.runtime = self.executor.runtime
-        spec = config.speculative_config
+        spec, events = config.speculative_config, config.kv_events_config
+        self.kv_events = KVEventRecorder(config.cache_config.block_size) if events.enable_kv_cache_events else None
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.runtime.num_blocks,
                                    self.runtime.max_model_len, spec.num_lookahead_tokens, spec.disable_by_batch_size,
-                                   kv_window=self.runtime.kv_window)
+                                   kv_window=self.runtime.kv_window, kv_events=self.kv_events)
+        self.kv_publisher = None
+        if events.publishes:
+            from pagellm.engine.kv_events import KVEventPublisher
+
+            self.kv_publisher = KVEventPublisher(events)
         if config.kv_transfer_config.loads:  # a consumer: admission takes stored prompt blocks as hits
             from pagellm.disagg.connector import StoredBlocks
 
@@ -62,7 +69,14 @@ class EngineCore:
         runner_out = self.executor.execute_model(sched_out)
         with span("update_from_output"):
             outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        if self.kv_events is not None:
+            self._publish_kv_events()
         return outputs, self.scheduler.make_stats()
+
+    def _publish_kv_events(self) -> None:
+        batch = self.kv_events.take(self.config.kv_events_config.data_parallel_rank)
+        if batch is not None and self.kv_publisher is not None:
+            self.kv_publisher.publish(batch)
 
     def set_idle(self, idle: bool) -> None:
         """The core process says when it waits for inputs with no request unfinished: the workers' idle-time work
@@ -70,7 +84,10 @@ class EngineCore:
         self.executor.set_idle(idle)
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.kv.reset_prefix_cache()
+        done = self.scheduler.kv.reset_prefix_cache()
+        if self.kv_events is not None:  # AllBlocksCleared goes out now, not with the next step's events
+            self._publish_kv_events()
+        return done
 
     def start_profile(self) -> bool:
         """Start the workers' torch profiler (``profiler_dir``); False when a session records already."""
@@ -82,3 +99,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()

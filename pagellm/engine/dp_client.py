@@ -65,6 +65,12 @@ def placements(size: int, cpus: list[int] | None = None, threads: int | None = N
             for i in range(size)]
 
 
+def core_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """Engine core ``rank``'s config: its KV events carry its rank, on endpoints of its own (``for_rank``)."""
+    events = config.kv_events_config
+    return dataclasses.replace(config, kv_events_config=events.for_rank(rank)) if events.publishes else config
+
+
 def _merge_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     """One engine's stats from its cores': gauges and counters summed, the KV cache usage their mean."""
     merged = SchedulerStats()
@@ -168,7 +174,8 @@ class DPClient(UtilityCalls):
         self._closing = False
         self._stop_lock = threading.Lock()
         with concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix="dp-start") as pool:
-            futures = [pool.submit(MPClient, config, self._outputs_of(i), self._dead_of(i), startup_timeout_s,
+            futures = [pool.submit(MPClient, core_config(config, i), self._outputs_of(i), self._dead_of(i),
+                                   startup_timeout_s,
                                    while_starting if i == 0 else None, places[i], f"pagellm-engine-core-dp{i}")
                        for i in range(size)]
             concurrent.futures.wait(futures)

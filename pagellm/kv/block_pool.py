@@ -9,11 +9,12 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from pagellm.kv.block import FreeBlockQueue, KVBlock
+from pagellm.kv.events import KVEventRecorder
 from pagellm.request import BlockHash
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, events: KVEventRecorder | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -22,6 +23,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0  # cached blocks whose contents were dropped to make room
+        self.events = events  # KV cache events: the table's entries as they come and go (kv/events.py)
 
     @property
     def num_free_blocks(self) -> int:
@@ -54,6 +56,8 @@ class BlockPool:
             if self.cached.get(block_hash) is block:
                 del self.cached[block_hash]
                 self.num_evictions += 1
+                if self.events is not None:
+                    self.events.removed(block_hash)
             block.block_hash = None
         block.ref_cnt = 1
         return block
@@ -90,6 +94,8 @@ class BlockPool:
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
             self.num_evictions += 1
+            if self.events is not None:
+                self.events.removed(block.block_hash)
         block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -99,6 +105,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def blocks_by_id(self, ids: Sequence[int]) -> list[KVBlock]:

@@ -31,6 +31,7 @@ from typing import Callable
 
 from pagellm.kv.block import BlockId, KVBlock
 from pagellm.kv.block_pool import BlockPool
+from pagellm.kv.events import KVEventRecorder
 from pagellm.kv.hashing import ROOT_HASH, extend_block_hashes
 from pagellm.request import Request, RequestId
 
@@ -44,12 +45,12 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 sliding_window: int = 0) -> None:
+                 sliding_window: int = 0, events: KVEventRecorder | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window  # 0: every block is kept until the request ends
         self.num_released: dict[RequestId, int] = {}  # leading blocks released behind the window
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, events)
         self.req_blocks: dict[RequestId, list[KVBlock]] = {}
         self.num_cached_blocks: dict[RequestId, int] = {}  # leading blocks of a request registered in the cache
         # Returns a freed request's blocks to the pool as ``pool.free_blocks(reversed(blocks))`` does; the scheduler
@@ -246,6 +247,8 @@ class KVCacheManager:
         if len(hashes) < end:
             extend_block_hashes(hashes, request.all_token_ids, self.block_size,
                                 (request.cache_salt,) if request.cache_salt else None)
+        if self.pool.events is not None:
+            return self._register_recording(request, blocks, start, end)
         cached = self.pool.cached
         for index in range(start, end):  # ``BlockPool.cache_full_block``, inlined
             block = blocks[index]
@@ -253,5 +256,28 @@ class KVCacheManager:
                 block.block_hash = block_hash = hashes[index]
                 if block_hash not in cached:
                     cached[block_hash] = block
+        self.num_cached_blocks[request.request_id] = end
+        return end
+
+    def _register_recording(self, request: Request, blocks: list[KVBlock], start: int, end: int) -> int:
+        """``_register`` with KV events on: each run of blocks that became findable is one ``BlockStored``."""
+        hashes, cached, bs, events = request.block_hashes, self.pool.cached, self.block_size, self.pool.events
+        lora = request.sampling_params.lora_request
+        run_start = None
+        for index in range(start, end + 1):
+            block = blocks[index] if index < end else None
+            stored = False
+            if block is not None and block.block_hash is None and block is not RELEASED:
+                block.block_hash = block_hash = hashes[index]
+                if block_hash not in cached:
+                    cached[block_hash] = block
+                    stored = True
+            if stored and run_start is None:
+                run_start = index
+            elif not stored and run_start is not None:
+                events.stored(hashes[run_start:index], hashes[run_start - 1] if run_start else None,
+                              request.all_token_ids[run_start * bs:index * bs],
+                              lora.lora_int_id if lora is not None else None)
+                run_start = None
         self.num_cached_blocks[request.request_id] = end
         return end

@@ -29,6 +29,7 @@ import numpy as np
 
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.kv.block import KVBlock
+from pagellm.kv.events import KVEventRecorder
 from pagellm.kv.hashing import ROOT_HASH, extend_block_hashes
 from pagellm.kv.manager import KVCacheManager
 from pagellm.metrics.stats import SchedulerStats, SpecDecodingStats
@@ -69,11 +70,13 @@ class Scheduler(Intake, Admission):
         *,
         fast_path: bool = True,
         kv_window: int = 0,
+        kv_events: KVEventRecorder | None = None,
     ) -> None:
         """``fast_path=False`` takes the numpy and Python paths even where the native fast path builds (its test
         oracle). ``kv_window``: every layer of the model slides over this many positions, so blocks behind it are
         released as requests move on (``KVCacheManager``; the scheduler then takes its numpy and Python paths, where
-        the releases are made)."""
+        the releases are made). ``kv_events``: record the prefix cache's changes there (``kv/events.py``; the numpy
+        and Python paths again, where they are made)."""
         self.max_num_seqs = config.max_num_seqs
         self.budget = config.token_budget(max_model_len)
         self.chunked_prefill = config.enable_chunked_prefill
@@ -85,9 +88,10 @@ class Scheduler(Intake, Admission):
         self.disable_by_batch_size = disable_by_batch_size
         self._step_lookahead = num_lookahead_tokens
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                 kv_window)
+                                 kv_window, kv_events)
         self.waiting = make_queue(config.scheduling_policy)
-        self._native = fastpath() if fast_path and not kv_window else None  # the step loops in C (sched/native.py)
+        # The step loops in C (sched/native.py), where no window releases blocks and no event is recorded.
+        self._native = fastpath() if fast_path and not kv_window and kv_events is None else None
         self.running = RunningBatch(compact=self._native.compact_rows if self._native is not None else None)
         if self._native is not None:
             kv, release = self.kv, self._native.free_blocks
