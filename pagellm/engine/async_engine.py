@@ -126,6 +126,7 @@ class AsyncLLM:
         self._stats = SchedulerStats()
         self._dead_reason: str | None = None
         self._shut_down = False
+        self._log_len: int | None | bool = False  # False: requests are not logged (``log_requests``)
 
         def load_text_side() -> None:  # no output can arrive before the handshake, so none meets a half-made engine
             self.tokenizer, self.sampling_defaults = load_text()
@@ -162,6 +163,8 @@ class AsyncLLM:
         """Delta outputs of one prompt (n siblings when ``params.n > 1``); see the module docstring. Requests of
         different ``cache_salt``s never share prefix-cache blocks."""
         requests = self._make_requests(prompt, params, request_id, priority, cache_salt)
+        if self._log_len is not False:
+            self._log_request(request_id, prompt, requests[0])
         stream = _RequestStream(asyncio.get_running_loop())
         self._register(request_id, requests, prompt if isinstance(prompt, str) else None, stream)
         try:
@@ -181,6 +184,18 @@ class AsyncLLM:
                     yield item
         finally:
             self._drop([r.request_id for r in requests], notify=False)
+
+    def log_requests(self, max_len: int | None = None) -> None:
+        """Log each request as it arrives (vLLM's ``--enable-log-requests``): its prompt, sampling parameters and
+        token ids, the prompt cut to ``max_len`` characters and the ids to ``max_len`` ids (None: whole)."""
+        self._log_len = max_len
+
+    def _log_request(self, request_id: str, prompt: PromptType, request: EngineCoreRequest) -> None:
+        ids = request.prompt_token_ids[:self._log_len]
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
+        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s (%d tokens), cache_salt: %s",
+                    request_id, text[:self._log_len], request.sampling_params, ids, len(request.prompt_token_ids),
+                    "set" if request.cache_salt else None)
 
     @staticmethod
     async def _best_of(stream: _RequestStream, params: SamplingParams, count: int) -> list[RequestOutput]:

@@ -67,7 +67,10 @@ def build_frontend(engine: EngineClient, config: EngineConfig, names: list[str],
     app = build_app(engine, names, options.api_key, model_root=config.model_config.model, observability=obs,
                     cors=options.cors, tool_parser=options.tool_call_parser,
                     reasoning_parser=options.reasoning_parser, loras=loras,
-                    runtime_lora_updating=options.runtime_lora_updating)
+                    runtime_lora_updating=options.runtime_lora_updating, defaults=options.request_defaults,
+                    request_id_headers=options.request_id_headers)
+    if options.log_requests:
+        engine.log_requests(options.max_log_len)
     return app, loras
 
 

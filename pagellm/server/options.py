@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from pagellm import envs
 from pagellm.server.openai import reasoning
+from pagellm.server.openai.protocol import RequestDefaults
 from pagellm.server.openai.tool_parsers import PARSERS
 
 _PARSER_NAMES = tuple(PARSERS)
@@ -63,6 +64,10 @@ class ServeOptions:
     grpc_port: Optional[int] = None  # set: the gRPC API (server/grpc/) listens on host:grpc_port too
     root_path: str = ""  # the path prefix a reverse proxy serves the app under (ASGI root_path)
     uvicorn_log_level: str = "warning"
+    request_defaults: RequestDefaults = field(default_factory=RequestDefaults)  # for what requests leave unset
+    request_id_headers: bool = False  # every response carries X-Request-Id
+    log_requests: bool = False  # log each request as it arrives (its prompt, parameters and token ids) ...
+    max_log_len: Optional[int] = None  # ... cut to this many characters and token ids
 
 
 def _json_list(value: str) -> list[str]:
@@ -115,6 +120,22 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
                        help="the model's call syntax: hermes (<tool_call> JSON </tool_call>: Qwen2/2.5/3, Hermes), "
                             "llama3_json (a JSON object per call: Llama 3.1/3.2), mistral ([TOOL_CALLS] and a JSON "
                             "list: Mistral 7B v0.3), pythonic ([f(a=1), g()])")
+    requests = cmd.add_argument_group("request defaults and logging (vLLM's flags)")
+    requests.add_argument("--enable-force-include-usage", action="store_true",
+                          help="streamed completions and chats end with a usage chunk even when the request's "
+                               "stream_options do not ask for it")
+    requests.add_argument("--return-tokens-as-token-ids", action="store_true",
+                          help="logprobs name every token 'token_id:<id>' unless a request says otherwise")
+    requests.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                          help="chat template arguments for every chat request, under the request's own "
+                               "chat_template_kwargs, e.g. '{\"enable_thinking\": false}'")
+    requests.add_argument("--enable-request-id-headers", action="store_true",
+                          help="every response carries X-Request-Id: the request's own header, else a new id")
+    requests.add_argument("--enable-log-requests", action="store_true",
+                          help="log each request as it arrives: its prompt, sampling parameters and token ids")
+    requests.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                          help="with --enable-log-requests: the most prompt characters and token ids logged "
+                               "(default: all)")
     cmd.add_argument("--enable-prompt-tokens-details", action="store_true",
                      help="accepted for vLLM command lines: usage always carries prompt_tokens_details.cached_tokens "
                           "(the prompt tokens the prefix cache served), as OpenAI's does")
@@ -147,7 +168,26 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                         Cors(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                              args.allow_credentials), _tls(args), _tool_call_parser(args), args.reasoning_parser,
                         _lora_modules(args), args.allow_runtime_lora_updating, args.grpc_port, args.root_path,
-                        args.uvicorn_log_level)
+                        args.uvicorn_log_level, RequestDefaults(args.enable_force_include_usage,
+                                                                args.return_tokens_as_token_ids,
+                                                                args.default_chat_template_kwargs),
+                        args.enable_request_id_headers, args.enable_log_requests, _max_log_len(args))
+
+
+def _max_log_len(args: argparse.Namespace) -> Optional[int]:
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
+    return args.max_log_len
+
+
+def _json_object(value: str) -> dict[str, Any]:
+    try:
+        item = json.loads(value)
+    except json.JSONDecodeError:
+        item = None
+    if not isinstance(item, dict):
+        raise argparse.ArgumentTypeError(f"{value!r}: give a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+    return item
 
 
 def _lora_module(value: str) -> tuple[str, str]:

@@ -26,7 +26,7 @@ IGNORED: dict[str, tuple[dict[str, Any], str]] = {
     "--enforce-eager": ({"action": "store_true"}, "pagellm captures no graphs on the CPU"),
     "--trust-remote-code": ({"action": "store_true"}, "pagellm runs its own model code only; nothing from the model "
                                                       "directory is executed"),
-    "--disable-log-requests": ({"action": "store_true"}, "pagellm does not log request contents"),
+    "--disable-log-requests": ({"action": "store_true"}, "requests are not logged unless --enable-log-requests"),
 }
 
 

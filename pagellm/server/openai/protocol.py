@@ -16,6 +16,7 @@ Contract:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -38,6 +39,24 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+
+
+@dataclass(frozen=True)
+class RequestDefaults:
+    """Server-wide values for what a request leaves unset (vLLM's serve flags of the same names)."""
+
+    force_include_usage: bool = False  # --enable-force-include-usage: streams end with usage as if asked
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # --default-chat-template-kwargs, under a request's own
+
+    def apply(self, request: SamplingRequest) -> None:
+        """Fill ``request`` (a completion or chat request) in place."""
+        if self.force_include_usage and request.stream:
+            request.stream_options = StreamOptions(include_usage=True)
+        if request.return_tokens_as_token_ids is None:
+            request.return_tokens_as_token_ids = self.return_tokens_as_token_ids
+        if self.chat_template_kwargs and isinstance(request, ChatCompletionRequest):
+            request.chat_template_kwargs = {**self.chat_template_kwargs, **(request.chat_template_kwargs or {})}
 
 
 class SamplingRequest(OpenAIModel):
@@ -63,7 +82,8 @@ class SamplingRequest(OpenAIModel):
     stop_token_ids: Optional[list[TokenId]] = None
     priority: Int64 = 0
     cache_salt: Optional[str] = Field(None, min_length=1)  # requests of other salts share no prefix-cache blocks
-    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (logprobs.py)
+    # logprobs name tokens "token_id:<id>" (logprobs.py); None: the server's default (RequestDefaults)
+    return_tokens_as_token_ids: Optional[bool] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

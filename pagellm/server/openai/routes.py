@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
@@ -44,7 +45,7 @@ from pagellm.server.observability import install as install_observability
 from pagellm.server.options import Cors
 from pagellm.server.openai.errors import APIError, install_error_handlers
 from pagellm.server.openai.lora_routes import lora_router
-from pagellm.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagellm.server.openai.protocol import ChatCompletionRequest, CompletionRequest, RequestDefaults
 from pagellm.server.openai.replies import ModelCard, ModelList
 from pagellm.server.openai.serving_chat import OpenAIServingChat
 from pagellm.server.openai.serving_completion import OpenAIServingCompletion
@@ -65,7 +66,8 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
               model_root: Optional[str] = None, observability: Optional[Observability] = None,
               cors: Optional[Cors] = None, tool_parser: Optional[str] = None,
               reasoning_parser: Optional[str] = None, loras: Optional[dict[str, LoRARequest]] = None,
-              runtime_lora_updating: bool = False) -> FastAPI:
+              runtime_lora_updating: bool = False, defaults: Optional[RequestDefaults] = None,
+              request_id_headers: bool = False) -> FastAPI:
     if not model_names:
         raise ValueError("give at least one served model name")
     app = FastAPI(title="pagellm", version=pagellm.__version__, docs_url=None, redoc_url=None)
@@ -74,8 +76,8 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
         app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
                            allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
     served = _Served(model_names, model_root, loras if loras is not None else {})  # shared with the caller
-    chat = OpenAIServingChat(engine, served.names, tool_parser, reasoning_parser, served.loras)
-    app.include_router(_v1_router(engine, served, api_key, chat))
+    chat = OpenAIServingChat(engine, served.names, tool_parser, reasoning_parser, served.loras, defaults)
+    app.include_router(_v1_router(engine, served, api_key, chat, defaults))
     app.include_router(_responses_router(OpenAIServingResponses(chat), api_key))
     app.include_router(_score_router(engine, served, api_key))
     if runtime_lora_updating:
@@ -84,7 +86,20 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
     app.include_router(_operations_router(engine, api_key))
     if observability is not None:
         install_observability(app, observability)
+    if request_id_headers:
+        _add_request_id_headers(app)
     return app
+
+
+def _add_request_id_headers(app: FastAPI) -> None:
+    """Every response carries ``X-Request-Id``: the request's own header when it sent one, else a new id (vLLM's
+    ``--enable-request-id-headers``)."""
+
+    @app.middleware("http")
+    async def request_id_header(request: Request, call_next: Any) -> Response:
+        response = await call_next(request)
+        response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        return response
 
 
 @dataclass(frozen=True)
@@ -96,9 +111,10 @@ class _Served:
     loras: dict[str, LoRARequest]
 
 
-def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], chat: OpenAIServingChat) -> APIRouter:
+def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], chat: OpenAIServingChat,
+               defaults: Optional[RequestDefaults]) -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=_auth(api_key))
-    completion = OpenAIServingCompletion(engine, served.names, served.loras)
+    completion = OpenAIServingCompletion(engine, served.names, served.loras, defaults)
     embedding = OpenAIServingEmbedding(engine, served.names, served.loras)
     max_model_len = completion.max_model_len
 

@@ -31,7 +31,7 @@ from pagellm.server.openai import serving_beam
 from pagellm.server.openai import tools as tooling
 from pagellm.server.openai.errors import APIError, sse_error
 from pagellm.server.openai.logprobs import chat_logprobs, prompt_logprobs_body
-from pagellm.server.openai.protocol import ChatCompletionRequest
+from pagellm.server.openai.protocol import ChatCompletionRequest, RequestDefaults
 from pagellm.server.openai.replies import (ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk,
                                            ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage,
                                            CompletionTokensDetails, UsageInfo)
@@ -92,8 +92,9 @@ class _Job:
 class OpenAIServingChat(OpenAIServing):
 
     def __init__(self, engine: EngineClient, model_names: Sequence[str], tool_parser: Optional[str] = None,
-                 reasoning_parser: Optional[str] = None, loras: Optional[dict[str, LoRARequest]] = None) -> None:
-        super().__init__(engine, model_names, loras)
+                 reasoning_parser: Optional[str] = None, loras: Optional[dict[str, LoRARequest]] = None,
+                 defaults: Optional[RequestDefaults] = None) -> None:
+        super().__init__(engine, model_names, loras, defaults)
         self.tool_parser: Optional[ToolParser] = get_parser(tool_parser) if tool_parser is not None else None
         self.reasoning_parser = reasoning_parser
         if reasoning_parser is not None:

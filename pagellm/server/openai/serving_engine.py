@@ -31,7 +31,7 @@ from pagellm.outputs import Logprob, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai import serving_beam
 from pagellm.server.openai.errors import APIError
-from pagellm.server.openai.protocol import SamplingRequest
+from pagellm.server.openai.protocol import RequestDefaults, SamplingRequest
 from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class EngineClient(Protocol):
     def check_lora(self, request: LoRARequest) -> None: ...
 
     async def stop_profile(self) -> list[str]: ...
+
+    def log_requests(self, max_len: Optional[int] = None) -> None: ...
 
 
 def random_id(prefix: str) -> str:
@@ -110,8 +112,9 @@ class OpenAIServing:
     """Base of the completion and chat handlers."""
 
     def __init__(self, engine: EngineClient, model_names: Sequence[str],
-                 loras: Optional[dict[str, LoRARequest]] = None) -> None:
+                 loras: Optional[dict[str, LoRARequest]] = None, defaults: Optional[RequestDefaults] = None) -> None:
         self.engine = engine
+        self.defaults = defaults or RequestDefaults()  # what a request leaves unset (the server's flags)
         # served name → its LoRA adapter (--lora-modules; shared by the handlers, so adapters loaded at run time
         # reach them all)
         self.loras = loras if loras is not None else {}
@@ -129,6 +132,9 @@ class OpenAIServing:
                        f"{', '.join([*self.model_names, *self.loras])})", 404, param="model", code="model_not_found")
 
     def check_request(self, request: SamplingRequest) -> tuple[str, SamplingParams]:
+        """The model name to answer with and the request's sampling parameters, once the server's defaults are
+        filled in (``RequestDefaults``, in place) and everything is checked."""
+        self.defaults.apply(request)
         model = self.check_model(request.model)
         if self.engine.runtime.pooling_only:
             raise APIError(POOLING_ONLY, 400, param="model", code="model_not_supported")

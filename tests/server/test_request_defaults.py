@@ -1,0 +1,86 @@
+"""vLLM's serve flags for what requests leave unset, and for request logging: ``--enable-force-include-usage``,
+``--return-tokens-as-token-ids``, ``--default-chat-template-kwargs``, ``--enable-request-id-headers``,
+``--enable-log-requests`` with ``--max-log-len``; and their absence on the shared server."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import openai
+import pytest
+from server_utils import ServerProcess
+
+TEMPLATE = "{% if greeting %}[{{ greeting }}]{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def defaults_server(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> ServerProcess:
+    return start_server(tiny_llama, "--served-model-name", "tiny", "--chat-template", TEMPLATE,
+                        "--enable-force-include-usage", "--return-tokens-as-token-ids",
+                        "--default-chat-template-kwargs", json.dumps({"greeting": "HELLO"}),
+                        "--enable-request-id-headers", "--enable-log-requests", "--max-log-len", "12")
+
+
+def _client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_streams_end_with_usage_unasked(defaults_server: ServerProcess, server: ServerProcess) -> None:
+    for stream in (_client(defaults_server).completions.create(model="tiny", prompt="abc", max_tokens=3,
+                                                               stream=True),
+                   _client(defaults_server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=3,
+                                                                    stream=True)):
+        chunks = list(stream)
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+    plain = list(_client(server).completions.create(model="tiny", prompt="abc", max_tokens=3, stream=True))
+    assert all(chunk.usage is None for chunk in plain)
+
+
+def test_logprobs_name_token_ids_unless_a_request_says_otherwise(defaults_server: ServerProcess) -> None:
+    client = _client(defaults_server)
+    named = client.completions.create(model="tiny", prompt="abc", max_tokens=3, logprobs=1, temperature=0)
+    assert all(re.fullmatch(r"token_id:\d+", token) for token in named.choices[0].logprobs.tokens)
+    texts = client.completions.create(model="tiny", prompt="abc", max_tokens=3, logprobs=1, temperature=0,
+                                      extra_body={"return_tokens_as_token_ids": False})
+    assert not any(token.startswith("token_id:") for token in texts.choices[0].logprobs.tokens)
+    assert texts.choices[0].logprobs.token_logprobs == named.choices[0].logprobs.token_logprobs  # the same tokens
+
+
+def test_chat_template_kwargs_default_under_the_requests_own(defaults_server: ServerProcess) -> None:
+    client = _client(defaults_server)
+    default = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1)
+    assert default.usage.prompt_tokens == len("[HELLO]hi")  # one byte, one token
+    own = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
+                                         extra_body={"chat_template_kwargs": {"greeting": "BYE"}})
+    assert own.usage.prompt_tokens == len("[BYE]hi")
+
+
+def test_responses_carry_x_request_id(defaults_server: ServerProcess, server: ServerProcess) -> None:
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 1}
+    sent = httpx.post(f"{defaults_server.base_url}/v1/completions", json=body, headers={"X-Request-Id": "trace-7"})
+    assert sent.headers["X-Request-Id"] == "trace-7"
+    made = httpx.post(f"{defaults_server.base_url}/v1/completions", json=body)
+    assert re.fullmatch(r"[0-9a-f]{32}", made.headers["X-Request-Id"])
+    assert httpx.get(f"{defaults_server.base_url}/health").headers["X-Request-Id"]
+    assert "X-Request-Id" not in httpx.post(f"{server.base_url}/v1/completions", json=body).headers
+
+
+def test_requests_are_logged_cut_to_max_log_len(defaults_server: ServerProcess) -> None:
+    _client(defaults_server).completions.create(model="tiny", prompt="The quick brown fox jumps", max_tokens=1,
+                                                extra_body={"cache_salt": "tenant-secret"})
+    logged = [line for line in defaults_server.log().splitlines() if "Received request" in line]
+    line = next(line for line in logged if "'The quick br'" in line)
+    assert "prompt_token_ids: [" in line and "(25 tokens)" in line and "cache_salt: set" in line
+    assert "jumps" not in line and "tenant-secret" not in line and "max_tokens=1" in line
+
+
+def test_bad_values_are_refused(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> None:
+    with pytest.raises(RuntimeError, match="give a JSON object"):
+        start_server(tiny_llama, "--default-chat-template-kwargs", "[1]")
+    with pytest.raises(RuntimeError, match="--max-log-len must be >= 0"):
+        start_server(tiny_llama, "--enable-log-requests", "--max-log-len", "-1")
