@@ -22,6 +22,7 @@ from pagellm.sampling_params import MAX_LOGPROBS
 from pagellm.spec.config import DISABLE_BY_BATCH_SIZE, SPEC_METHODS, SpeculativeConfig  # noqa: F401
 
 GiB = 1024**3
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
                "g": GiB, "gib": GiB, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
@@ -100,6 +101,10 @@ class ModelConfig:
     max_logprobs: int = _help(
         "Most logprobs, top_logprobs or prompt_logprobs a request may ask for per token (vLLM's flag); -1: the whole "
         "vocabulary.", default=MAX_LOGPROBS)
+    load_format: str = _help(
+        "How the weights load (vLLM's flag): auto (the model's safetensors or .gguf file), safetensors, gguf, or "
+        "dummy (random weights in the model's shapes, from its config.json alone: for timing a model without its "
+        "weights).", default="auto")
     enable_lora: bool = _help(
         "Serve requests with LoRA adapters (PEFT directories, one per request: LLM.generate(lora_request=...)); "
         "adapted steps run the Python layers. Default: off.", default=False)
@@ -123,6 +128,7 @@ class ModelConfig:
             raise ValueError(f"attention_backend={self.attention_backend!r}; use auto, cpu_paged or torch_ref")
         if self.dtype not in ("auto", "float32", "fp32", "float", "bfloat16", "bf16"):
             raise ValueError(f"dtype={self.dtype!r} is not supported; use auto, float32 or bfloat16")
+        self._check_load_format()
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary; got {self.max_logprobs}")
         if self.tokenizer is not None and not _has_tokenizer_files(Path(self.tokenizer)):
@@ -131,6 +137,16 @@ class ModelConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
+
+    def _check_load_format(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={self.load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
+        gguf = self.model is None or str(self.model).lower().endswith(".gguf")
+        if (self.load_format == "gguf" and not gguf) or (self.load_format == "safetensors" and gguf):
+            raise ValueError(f"load_format={self.load_format} does not read {self.model or 'the built-in .gguf'}: "
+                             "a .gguf file loads with gguf, a model directory with safetensors (or leave it auto)")
+        if self.load_format == "dummy" and gguf:
+            raise ValueError("load_format=dummy makes a model from its config.json: pass a model directory")
 
     def tokenizer_dir(self, model_dir: Path) -> Path:
         """The folder the tokenizer loads from: ``tokenizer`` when set, else the model's own."""

@@ -21,6 +21,7 @@ from typing import Any, Callable
 DATASETS = ("random", "prefix", "chat", "code", "sharegpt", "custom")
 FILE_DATASETS = ("sharegpt", "custom")
 FIRST_ORDINARY_ID = 100
+DEFAULT_VOCAB_SIZE = 49152  # the built-in model's (SmolLM2)
 
 
 @dataclass
@@ -49,7 +50,7 @@ class DatasetOptions:
     range_ratio: float = 0.0
     num_prefixes: int = 4
     prefix_len: int = 256
-    vocab_size: int = 49152
+    vocab_size: int = DEFAULT_VOCAB_SIZE
     seed: int = 0
     path: str | None = None  # the file of ``sharegpt`` and ``custom``
     count_tokens: Callable[[str], int] | None = None  # a tokenizer's count (``sharegpt`` output lengths)
@@ -61,6 +62,14 @@ def length(rng: random.Random, mean: int, ratio: float) -> int:
         raise ValueError(f"range ratio {ratio} must be in [0, 1)")
     low, high = max(1, round(mean * (1 - ratio))), max(1, round(mean * (1 + ratio)))
     return rng.randint(low, high)
+
+
+def model_vocab_size(model: str | None) -> int:
+    """The vocabulary size in ``model``'s config.json (the built-in model's: ``DEFAULT_VOCAB_SIZE``)."""
+    from pagellm.model.loader import load_hf_config, resolve_model_dir
+
+    config = load_hf_config(resolve_model_dir(model))
+    return int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or DEFAULT_VOCAB_SIZE)
 
 
 def _random_ids(rng: random.Random, count: int, vocab_size: int) -> list[int]:

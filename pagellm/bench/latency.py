@@ -27,7 +27,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-iters", type=int, default=5)
     parser.add_argument("--num-warmup", "--num-iters-warmup", dest="num_warmup", type=int, default=1)
-    parser.add_argument("--vocab-size", type=int, default=49152)
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="random token ids are drawn below this (default: the model's vocabulary)")
     parser.add_argument("--dataset-seed", type=int, default=0, help="prompt seed")
     parser.add_argument("--result-json", "--output-json", dest="result_json", default=None,
                         help="write the result here")
@@ -44,7 +45,8 @@ def _time_batches(llm: Any, batch_size: int, max_tokens: int, iters: int, args: 
     times = []
     for i in range(iters):
         opts = datasets.DatasetOptions(num_prompts=batch_size, input_len=args.input_len, output_len=max_tokens,
-                                       vocab_size=args.vocab_size, seed=seed + i)
+                                       vocab_size=args.vocab_size or datasets.model_vocab_size(args.model),
+                                       seed=seed + i)
         prompts = [r.prompt for r in datasets.random_requests(opts)]
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -61,7 +61,9 @@ def add_dataset_args(parser: argparse.ArgumentParser, seed_flag: str = "--seed")
     add("--range-ratio", type=float, default=0.0, help="lengths vary uniformly by ± this fraction")
     add("--num-prefixes", type=int, default=4, help="shared prefixes (prefix dataset)")
     add("--prefix-len", type=int, default=256, help="tokens per shared prefix (prefix dataset)")
-    group.add_argument("--vocab-size", type=int, default=49152, help="random token ids are drawn below this")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="random token ids are drawn below this (default: the model's vocabulary where the "
+                            "benchmark runs it, else 49152, the built-in model's)")
     group.add_argument(seed_flag, dest="dataset_seed", type=int, default=0, help="dataset and arrival seed")
 
 
@@ -69,7 +71,8 @@ def dataset_options(args: argparse.Namespace, tokenizer: str | None = None) -> d
     """The dataset flags as options; ``tokenizer`` (an HF directory) counts the sharegpt replies' tokens."""
     count = token_counter(tokenizer) if tokenizer and args.dataset == "sharegpt" else None
     return datasets.DatasetOptions(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                                   args.num_prefixes, args.prefix_len, args.vocab_size, args.dataset_seed,
+                                   args.num_prefixes, args.prefix_len, args.vocab_size or datasets.DEFAULT_VOCAB_SIZE,
+                                   args.dataset_seed,
                                    args.dataset_path, count)
 
 

@@ -139,6 +139,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         from pagellm.model.loader import resolve_model_dir
 
         tokenizer = str(resolve_model_dir(args.model))
+    if args.vocab_size is None:  # random ids from the model's own vocabulary
+        args.vocab_size = datasets.model_vocab_size(args.model)
     requests = datasets.load(args.dataset, dataset_options(args, tokenizer))
     if len({r.is_chat for r in requests}) > 1:
         raise ValueError("the requests mix prompts and chat messages: the offline benchmark runs one kind "

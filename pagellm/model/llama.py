@@ -227,6 +227,16 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint lacks tensors for: {', '.join(sorted(missing)[:8])}")
         pack_weights(self, quantize)
 
+    def load_dummy_weights(self, quantization: str | None = None, seed: int = 0) -> None:
+        """Random weights instead of a checkpoint's (``load_format="dummy"``, vLLM's): each parameter uniform in
+        [-1e-3, 1e-3], as vLLM's are, then packed or quantized as loaded ones are. For timing a model's shape
+        without its weights: its text means nothing."""
+        gen = torch.Generator().manual_seed(seed)
+        for param in self.parameters():
+            if param.dtype.is_floating_point and param.numel():
+                param.data.copy_(torch.rand(param.shape, generator=gen).mul_(2e-3).sub_(1e-3))
+        pack_weights(self, quantization)
+
     def _target(self, name: str) -> tuple[str | None, str | int | None]:
         """Our parameter's name for a checkpoint tensor, and its shard of a fused matrix; None for a layer that
         belongs to another pipeline stage (a stage numbers its own layers from 0) or an expert that belongs to

@@ -255,7 +255,8 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     if not files:
         raise ValueError(
             f"{model_dir} has no *.safetensors weights; pagellm reads only safetensors "
-            "(re-save the model with save_pretrained(..., safe_serialization=True) or pass a .gguf file)"
+            "(re-save the model with save_pretrained(..., safe_serialization=True) or pass a .gguf file; "
+            "--load-format dummy runs its shapes with random weights)"
         )
     return files
 

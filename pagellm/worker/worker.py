@@ -140,6 +140,13 @@ def _load_model(arch: ArchConfig, model_dir: Path, dtype: torch.dtype, parallel:
         model = build_model(arch, dtype, parallel)
         if model_config.quantize_lm_head and hasattr(model, "lm_head"):
             model.lm_head.quantized = True
+        if model_config.load_format == "dummy":
+            if arch.quantization is not None:
+                raise ValueError(f"load_format dummy makes unquantized weights; {model_dir}'s config.json describes "
+                                 f"a {arch.quantization} checkpoint (drop its quantization_config, and pass "
+                                 "--quantization to time a quantized run)")
+            model.load_dummy_weights(model_config.quantization, model_config.seed)
+            return model, model_config.quantization
         try:
             model.load_weights(iter_weights(model_dir, groups=quantization in gemm.FOUR_BIT, dtype=dtype,
                                             transient=True), quantization)

@@ -90,3 +90,19 @@ def test_profile_writes_a_trace_of_one_more_run(tiny_llama: Path, tmp_path: Path
 def test_profile_without_a_folder_is_refused_before_any_run(command: str, capsys) -> None:
     assert main(["bench", command, "--profile"]) == 2
     assert "--profile needs --profiler-dir DIR" in capsys.readouterr().err
+
+
+def test_a_models_shapes_are_timed_with_dummy_weights_and_its_own_vocabulary(tiny_llama: Path, tmp_path: Path) -> None:
+    """vLLM's ``--load-format dummy``: a folder with only the config and tokenizer; random prompts are drawn from
+    the model's vocabulary (320 tokens here) when ``--vocab-size`` is not given."""
+    for path in tiny_llama.iterdir():
+        if path.suffix != ".safetensors":
+            (tmp_path / path.name).write_bytes(path.read_bytes())
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--model", str(tmp_path), *TINY_ENGINE, "--load-format", "dummy",
+                 "--num-prompts", "3", "--input-len", "8", "--output-len", "4", "--result-json", str(out)]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert (result["num_requests"], result["total_output_tokens"]) == (3, 12)
+    assert main(["bench", "latency", "--model", str(tmp_path), *TINY_ENGINE, "--load-format", "dummy",
+                 "--batch-size", "2", "--input-len", "8", "--output-len", "3", "--num-iters", "1",
+                 "--num-warmup", "0"]) == 0
