@@ -87,6 +87,8 @@ def serve_args(base_url: str, args: argparse.Namespace, concurrency: int, count:
             "--server-pid", str(pid), "--no-progress", "--label", system.name]
     dataset = getattr(args, "dataset", "random")  # callers without the dataset flags (kv_prefault.py): random
     argv += ["--dataset", dataset]
+    if getattr(args, "range_ratio", 0):  # random lengths spread by ± this fraction (flags_ab.py)
+        argv += ["--range-ratio", str(args.range_ratio)]
     if getattr(args, "dataset_path", None):
         argv += ["--dataset-path", args.dataset_path]
     if system.close_connections:

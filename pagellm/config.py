@@ -209,12 +209,20 @@ class SchedulerConfig:
                                          default=True)
     scheduling_policy: str = _help("fcfs (first come, first served) or priority (lower value first).",
                                    default="fcfs")
+    long_prefill_token_threshold: int = _help(
+        "The most tokens one request computes in a step (vLLM's flag): a long prompt's chunks then leave room in "
+        "each step for other requests' prompts and tokens. 0: no limit but the step's budget.", default=0)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0 = no limit), got "
+                             f"{self.long_prefill_token_threshold}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold splits prompts into chunks: it needs enable_chunked_prefill")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r}; use 'fcfs' or 'priority'")
 

@@ -48,7 +48,8 @@ class Admission:
             budget, admitted, queries, hits = self._native.admit_waiting(
                 waiting, budget, limit, self.chunked_prefill, self._step_lookahead, self.max_model_len,
                 batch._columns, rows, batch.req_ids, batch.token_lists, new_reqs, req_ids, num_scheduled,
-                self._dropped_req_ids, RequestStatus.RUNNING, NewRequestData, suppressed_tokens, *self._kv_args)
+                self._dropped_req_ids, RequestStatus.RUNNING, NewRequestData, suppressed_tokens, *self._kv_args,
+                self.chunk_cap)
             if admitted:
                 batch.version += 1
                 self._needs_sort = True
@@ -86,7 +87,7 @@ class Admission:
         num_new = request.num_tokens - num_hit - num_stored
         if not self.chunked_prefill and num_new > budget:
             return None
-        num_new = min(num_new, budget)
+        num_new = min(num_new, budget, self.chunk_cap or num_new)
         reach = num_hit + num_stored + num_new
         if kv.allocate_slots(request, 0, num_stored + num_new, hit_blocks, self._lookahead(reach)) is None:
             return None

@@ -80,6 +80,7 @@ class Scheduler(Intake, Admission):
         self.max_num_seqs = config.max_num_seqs
         self.budget = config.token_budget(max_model_len)
         self.chunked_prefill = config.enable_chunked_prefill
+        self.chunk_cap = config.long_prefill_token_threshold  # the most tokens a request computes in a step (0: all)
         self.by_priority = config.scheduling_policy == "priority"
         self.max_model_len = max_model_len
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -212,7 +213,7 @@ class Scheduler(Intake, Admission):
         batch, new_block_ids = self.running, {}
         done = self._native.schedule_running(batch._columns, len(batch), budget, self.max_model_len,
                                              self._step_lookahead, batch.requests, batch.req_ids, *self._kv_args,
-                                             new_block_ids)
+                                             new_block_ids, self.chunk_cap)
         if done is None:
             return None
         num_tokens, req_ids, computed, num_scheduled, rows = done
@@ -231,6 +232,8 @@ class Scheduler(Intake, Admission):
         else:
             want = np.minimum(tokens + num_spec, self.max_model_len) - computed
             np.maximum(want, 0, out=want)
+        if self.chunk_cap:
+            np.minimum(want, self.chunk_cap, out=want)
         used = want.cumsum()  # the method: np.cumsum's Python wrapper costs more than the sum here
         if used[-1] <= budget:
             return want

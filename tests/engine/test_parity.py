@@ -120,6 +120,8 @@ MODES = {
     "unchunked": dict(enable_chunked_prefill=False),
     "no-prefix-cache": dict(enable_prefix_caching=False, max_num_batched_tokens=64),
     "torch-ref-attention": dict(attention_backend="torch_ref", max_num_batched_tokens=64),
+    # long_prefill_token_threshold: several prompts in 12-token chunks side by side
+    "long-prefill-cap": dict(max_num_batched_tokens=64, long_prefill_token_threshold=12),
 }
 
 

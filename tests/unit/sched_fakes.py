@@ -29,10 +29,11 @@ def make_scheduler(
     caching: bool = True,
     lookahead: int = 0,
     disable_by_batch_size: int | None = None,
+    chunk_cap: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
-                        scheduling_policy=policy),
+                        scheduling_policy=policy, long_prefill_token_threshold=chunk_cap),
         CacheConfig(block_size=block_size, enable_prefix_caching=caching),
         num_blocks, max_model_len, lookahead, disable_by_batch_size,
     )

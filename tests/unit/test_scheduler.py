@@ -53,6 +53,26 @@ def test_budget_split_with_chunked_prefill(budget, prompts, max_tokens, expected
     assert tokens_by_request(trace) == {rid: [TOKEN] * max_tokens for rid in prompts}
 
 
+def test_long_prefill_token_threshold_leaves_room_for_other_prompts():
+    """With the cap a long prompt computes at most 16 tokens a step, so a short prompt behind it starts (and gets its
+    first token) in the first step, and a second long one shares the steps."""
+    sched = make_scheduler(budget=64, chunk_cap=16)
+    sched.add_request(make_request("A", range(1000, 1100), max_tokens=2))
+    sched.add_request(make_request("B", range(2000, 2008), max_tokens=2))
+    sched.add_request(make_request("C", range(3000, 3040), max_tokens=2))
+    assert scheduled_trace(run_to_completion(sched)) == [
+        {"A": 16, "B": 8, "C": 16}, {"A": 16, "B": 1, "C": 16}, {"A": 16, "C": 8}, {"A": 16, "C": 1},
+        {"A": 16}, {"A": 16}, {"A": 4}, {"A": 1}]
+    uncapped = make_scheduler(budget=64)
+    for rid, start, n in (("A", 1000, 100), ("B", 2000, 8), ("C", 3000, 40)):
+        uncapped.add_request(make_request(rid, range(start, start + n), max_tokens=2))
+    assert scheduled_trace(run_to_completion(uncapped))[0] == {"A": 64}
+    with pytest.raises(ValueError, match="needs enable_chunked_prefill"):
+        make_scheduler(budget=1024, chunked=False, chunk_cap=16)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0"):
+        make_scheduler(chunk_cap=-1)
+
+
 def test_chunked_prefill_step_details():
     sched = make_scheduler(budget=32)
     sched.add_request(make_request("A", range(50), max_tokens=3))

@@ -40,6 +40,8 @@ class _PlainScheduler(Scheduler):
             if budget <= 0:
                 break
             want = min(len(request.all_token_ids) + len(request.spec_token_ids), self.max_model_len) - computed[row]
+            if self.chunk_cap:  # long_prefill_token_threshold
+                want = min(want, self.chunk_cap)
             grant[row] = max(0, min(want, budget))
             budget -= grant[row]
         return grant
@@ -96,8 +98,9 @@ class _NumpyScheduler(Scheduler):
 
 
 def _make(cls: type[Scheduler], caching: bool, lookahead: int, num_blocks: int, policy: str,
-          limit: int | None) -> Scheduler:
-    return cls(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, scheduling_policy=policy),
+          limit: int | None, cap: int) -> Scheduler:
+    return cls(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, scheduling_policy=policy,
+                               long_prefill_token_threshold=cap),
                CacheConfig(block_size=4, enable_prefix_caching=caching), num_blocks, 40, lookahead, limit)
 
 
@@ -153,16 +156,19 @@ def _runner_output(sched: Scheduler, out, rng: random.Random, lookahead: int) ->
     return ModelRunnerOutput.from_rows(list(out.req_ids), rows, drafts)
 
 
-# limit: disable_by_batch_size (no draft slots reserved in steps that may hold more requests).
-@pytest.mark.parametrize("seed,caching,lookahead,num_blocks,policy,limit", [
-    (0, True, 2, 20, "fcfs", None), (1, True, 0, 12, "fcfs", None), (2, False, 2, 20, "fcfs", None),
-    (3, True, 0, 40, "fcfs", None), (4, True, 2, 14, "priority", None), (5, True, 0, 40, "priority", None),
-    (6, True, 3, 20, "fcfs", 3), (7, True, 3, 14, "priority", 3)])
+# limit: disable_by_batch_size (no draft slots reserved in steps that may hold more requests); cap:
+# long_prefill_token_threshold (the most tokens a request computes in a step).
+@pytest.mark.parametrize("seed,caching,lookahead,num_blocks,policy,limit,cap", [
+    (0, True, 2, 20, "fcfs", None, 0), (1, True, 0, 12, "fcfs", None, 0), (2, False, 2, 20, "fcfs", None, 0),
+    (3, True, 0, 40, "fcfs", None, 0), (4, True, 2, 14, "priority", None, 0), (5, True, 0, 40, "priority", None, 0),
+    (6, True, 3, 20, "fcfs", 3, 0), (7, True, 3, 14, "priority", 3, 0), (8, True, 0, 20, "fcfs", None, 5),
+    (9, True, 2, 14, "priority", None, 3)])
 @pytest.mark.parametrize("fast_cls", [_NativeCounting, _NumpyScheduler], ids=["native", "numpy"])
-def test_fast_paths_match_the_plain_path(seed, caching, lookahead, num_blocks, policy, limit, fast_cls):
+def test_fast_paths_match_the_plain_path(seed, caching, lookahead, num_blocks, policy, limit, cap, fast_cls):
     rng = random.Random(seed)
     specs = _requests(rng)
-    fast, plain = (_make(cls, caching, lookahead, num_blocks, policy, limit) for cls in (fast_cls, _PlainScheduler))
+    fast, plain = (_make(cls, caching, lookahead, num_blocks, policy, limit, cap)
+                   for cls in (fast_cls, _PlainScheduler))
     steps = preemptions = mid_step_aborts = 0
     while specs or fast.has_unfinished_requests():
         steps += 1

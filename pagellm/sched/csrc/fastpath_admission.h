@@ -43,6 +43,7 @@ struct Admission {
     Manager m;
     PyObject *pool, *queue;
     int64_t step_lookahead, max_model_len;
+    int64_t chunk_cap;  // the most tokens a request computes in one step (0: no cap)
     bool chunked, caching;
     Row batch;
 };
@@ -151,7 +152,8 @@ int admit_with_hits(const Admission &a, FreeQueue &fq, PyObject *request, PyObje
     const Py_ssize_t num_hits = static_cast<Py_ssize_t>(hits.size());
     const int64_t num_hit = num_hits * bs;
     if (!a.chunked && num_tokens - num_hit > budget) return 0;
-    const int64_t num_new = num_tokens - num_hit < budget ? num_tokens - num_hit : budget;
+    int64_t num_new = num_tokens - num_hit < budget ? num_tokens - num_hit : budget;
+    if (a.chunk_cap > 0 && num_new > a.chunk_cap) num_new = a.chunk_cap;
     int64_t lookahead = a.max_model_len - (num_hit + num_new);
     lookahead = lookahead < a.step_lookahead ? lookahead : a.step_lookahead;
     lookahead = lookahead > 0 ? lookahead : 0;
@@ -266,24 +268,24 @@ bool record_admission(PyObject *waiting, PyObject *request, const Admitted &got,
 // admit_waiting(waiting, budget, max_num_seqs, chunked_prefill, step_lookahead, max_model_len, columns, requests,
 //               req_ids, token_lists, new_reqs, step_req_ids, num_scheduled, dropped, running_status,
 //               new_request_type, suppressed_tokens, req_blocks, num_cached_blocks, pool, free_queue, block_size,
-//               caching, root_hash, hash_fallback)
+//               caching, root_hash, hash_fallback[, chunk_cap])
 //   -> (budget left, requests admitted, prompt tokens of the admitted, their prefix-cache hit tokens)
 //   ``Scheduler._schedule_waiting``: admit waiting requests in queue order (``peek``/``pop``, either policy) while
 //   the budget and ``max_num_seqs`` allow, each through ``admit_request`` and ``record_admission``. The caller made
 //   room in the columns for every row it may add, and bumps the batch's version and the stats after.
 PyObject *admit_waiting(PyObject *, PyObject *args) {
     PyObject *waiting, *new_reqs, *step_req_ids, *num_scheduled, *dropped, *running, *new_request_type, *suppressed_fn;
-    long long budget, max_rows, step_lookahead, max_model_len;
+    long long budget, max_rows, step_lookahead, max_model_len, chunk_cap = 0;
     int chunked, caching;
     Admission a{};
     PyObject *array;
-    if (!PyArg_ParseTuple(args, "OLLpLLOO!O!O!O!O!O!O!OOOO!O!OOnpO!O", &waiting, &budget, &max_rows, &chunked,
+    if (!PyArg_ParseTuple(args, "OLLpLLOO!O!O!O!O!O!O!OOOO!O!OOnpO!O|L", &waiting, &budget, &max_rows, &chunked,
                           &step_lookahead, &max_model_len, &array, &PyList_Type, &a.batch.requests,
                           &PyList_Type, &a.batch.req_ids, &PyList_Type, &a.batch.token_lists, &PyList_Type,
                           &new_reqs, &PyList_Type, &step_req_ids, &PyList_Type, &num_scheduled, &PySet_Type,
                           &dropped, &running, &new_request_type, &suppressed_fn, &PyDict_Type, &a.m.req_blocks,
                           &PyDict_Type, &a.m.num_cached_blocks, &a.pool, &a.queue, &a.m.block_size, &caching,
-                          &PyBytes_Type, &a.m.root, &a.m.hash_fallback))
+                          &PyBytes_Type, &a.m.root, &a.m.hash_fallback, &chunk_cap))
         return nullptr;
     if (off_block_id < 0) return PyErr_Format(PyExc_RuntimeError, "bind(KVBlock) first");
     Columns cols;
@@ -293,6 +295,7 @@ PyObject *admit_waiting(PyObject *, PyObject *args) {
     a.caching = caching;
     a.step_lookahead = step_lookahead;
     a.max_model_len = max_model_len;
+    a.chunk_cap = chunk_cap;
     a.m.cached = PyObject_GetAttr(a.pool, s_cached);  // the pool keeps it alive
     if (a.m.cached == nullptr) return nullptr;
     Py_DECREF(a.m.cached);

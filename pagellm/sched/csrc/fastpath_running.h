@@ -15,7 +15,7 @@ struct Plan {
 };
 
 Plan plan_rows(const Columns &cols, Py_ssize_t n, int64_t budget, int64_t max_model_len, int64_t lookahead,
-               int64_t bs) {
+               int64_t bs, int64_t chunk_cap) {
     const int64_t *computed = cols[COMPUTED], *tokens = cols[NUM_TOKENS], *kv_slots = cols[KV_SLOTS],
                   *next_full = cols[KV_NEXT_FULL];
     Plan plan;
@@ -24,6 +24,7 @@ Plan plan_rows(const Columns &cols, Py_ssize_t n, int64_t budget, int64_t max_mo
     int64_t used = 0;
     for (Py_ssize_t i = 0; i < n; ++i) {
         int64_t want = tokens[i] - computed[i];
+        if (chunk_cap > 0 && want > chunk_cap) want = chunk_cap;
         int64_t g = budget - used;  // what the budget has left before this row
         g = g > 0 ? g : 0;
         g = g < want ? g : want;
@@ -117,19 +118,19 @@ PyObject *step_lists(const Plan &plan, const Columns &cols, Py_ssize_t n, PyObje
 }
 
 // schedule_running(columns, n, budget, max_model_len, lookahead, requests, req_ids, req_blocks, num_cached_blocks,
-//                  pool, free_queue, block_size, caching, root_hash, hash_fallback, new_block_ids)
+//                  pool, free_queue, block_size, caching, root_hash, hash_fallback, new_block_ids[, chunk_cap])
 //   -> None (nothing changed: the pool cannot serve every row; the Python path takes the step)
 //    | (num_tokens, req_ids, num_computed_tokens, num_scheduled, rows or None when the scheduled rows are 0..k-1)
 PyObject *schedule_running(PyObject *, PyObject *args) {
     PyObject *array, *requests, *req_ids, *pool, *queue, *new_block_ids;
     Py_ssize_t n, block_size;
-    long long budget, max_model_len, lookahead;
+    long long budget, max_model_len, lookahead, chunk_cap = 0;
     int caching;
     Manager m{};
-    if (!PyArg_ParseTuple(args, "OnLLLO!O!O!O!OOnpO!OO!", &array, &n, &budget, &max_model_len, &lookahead,
+    if (!PyArg_ParseTuple(args, "OnLLLO!O!O!O!OOnpO!OO!|L", &array, &n, &budget, &max_model_len, &lookahead,
                           &PyList_Type, &requests, &PyList_Type, &req_ids, &PyDict_Type, &m.req_blocks, &PyDict_Type,
                           &m.num_cached_blocks, &pool, &queue, &block_size, &caching, &PyBytes_Type, &m.root,
-                          &m.hash_fallback, &PyDict_Type, &new_block_ids))
+                          &m.hash_fallback, &PyDict_Type, &new_block_ids, &chunk_cap))
         return nullptr;
     if (off_block_id < 0) return PyErr_Format(PyExc_RuntimeError, "bind(KVBlock) first");
     if (n > PyList_GET_SIZE(requests) || n > PyList_GET_SIZE(req_ids) || block_size < 1)
@@ -142,7 +143,7 @@ PyObject *schedule_running(PyObject *, PyObject *args) {
     Columns cols;
     if (!cols.open(array, 6)) return nullptr;
     if (n > cols.stride) return PyErr_Format(PyExc_ValueError, "%zd rows in columns of %zd", n, cols.stride);
-    const Plan plan = plan_rows(cols, n, budget, max_model_len, lookahead, block_size);
+    const Plan plan = plan_rows(cols, n, budget, max_model_len, lookahead, block_size, chunk_cap);
     if (!plan.event_rows.empty()) {
         FreeQueue fq{};
         if (!read_queue(queue, fq)) return nullptr;
