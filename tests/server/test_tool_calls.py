@@ -181,3 +181,29 @@ def test_auto_streams_content_as_it_comes_and_each_calls_arguments_as_they_come(
     chunks = [c for c in plain]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "No <tool_call needed."
     assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks) and chunks[-1].usage.completion_tokens
+
+
+QWEN3_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+QWEN3_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n"
+              "</parameter>\n</function>\n</tool_call>")
+
+
+def test_qwen3_coder_calls_carry_the_types_of_the_requests_tools(start_server: Callable[..., ServerProcess],
+                                                                   tiny_llama: Path) -> None:
+    server = start_server(tiny_llama, "--served-model-name", "tiny", "--enable-auto-tool-choice",
+                          "--tool-call-parser", "qwen3_coder")
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, tools=QWEN3_TOOLS, max_tokens=200,
+                                           extra_body=_reply(f"Sure.\n{QWEN3_CALL}"))
+    (choice,) = reply.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": 2})]
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, tools=QWEN3_TOOLS, max_tokens=200,
+                                            stream=True, extra_body=_reply(f"Sure.\n{QWEN3_CALL}"))
+    pieces = [c.choices[0].delta for c in stream if c.choices]
+    assert "".join(p.content or "" for p in pieces).strip() == "Sure."
+    calls = [call for p in pieces for call in p.tool_calls or []]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 2})]

@@ -11,12 +11,15 @@ import random
 
 import pytest
 
-from pagellm.server.openai.tool_parsers import PARSERS, Parsed, ToolCallStream, get_parser
+from pagellm.server.openai.tool_parsers import PARSERS, Parsed, ToolCallStream, ToolParser, get_parser
 from pagellm.server.openai.tools import FunctionCall, ToolCall
 from pagellm.server.options import add_serve_args, serve_options
 
 HERMES_TWO = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
               '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "cet"}}\n</tool_call>')
+QWEN3_TWO = ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+             "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
+             "<parameter=zone>\na <b> c\nd\n</parameter>\n</function>\n</tool_call>")
 CASES = [  # (parser, text, content, [(name, arguments)])
     ("hermes", HERMES_TWO, "Let me look.", [("get_weather", {"city": "Paris", "days": 2}),
                                             ("get_time", {"zone": "cet"})]),
@@ -51,6 +54,13 @@ CASES = [  # (parser, text, content, [(name, arguments)])
     ("pythonic", "[f(a=len('x'))]", "[f(a=len('x'))]", []),  # not a literal
     ("pythonic", "[f(a={1, 2})]", "[f(a={1, 2})]", []),  # a set: JSON has none
     ("pythonic", "Use [brackets] for lists.", "Use [brackets] for lists.", []),
+    ("qwen3_coder", QWEN3_TWO, "Checking.", [("get_weather", {"city": "Paris", "days": "2"}),
+                                             ("get_time", {"zone": "a <b> c\nd"})]),  # no tools sent: text
+    ("qwen3_coder", "<tool_call><function=f></function></tool_call>", None, [("f", {})]),
+    ("qwen3_coder", "<tool_call>\n<function=f>\nfree text\n</function>\n</tool_call>",
+     "<tool_call>\n<function=f>\nfree text\n</function>\n</tool_call>", []),  # not parameters: content
+    ("qwen3_coder", "<tool_call>\n<parameter=a>\n1\n</parameter>\n</tool_call>",
+     "<tool_call>\n<parameter=a>\n1\n</parameter>\n</tool_call>", []),  # no function
 ]
 
 
@@ -80,8 +90,10 @@ def _joined(deltas: list) -> list:
     return list(calls.values())
 
 
-def _stream(parser: str, text: str, cuts: list[int], limit=None) -> tuple[str, list, list[str]]:
-    stream, content, deltas, sent = ToolCallStream(get_parser(parser), limit), "", [], []
+def _stream(parser: str | ToolParser, text: str, cuts: list[int], limit=None) -> tuple[str, list, list[str]]:
+    """A stream of ``text`` cut at ``cuts``: (its content, its calls, the content each piece sent)."""
+    chosen = get_parser(parser) if isinstance(parser, str) else parser
+    stream, content, deltas, sent = ToolCallStream(chosen, limit), "", [], []
     for start, end in zip([0] + cuts, cuts + [len(text)]):
         piece, more = stream.feed(text[start:end])
         content, deltas, sent = content + piece, deltas + more, sent + [piece]
@@ -168,7 +180,7 @@ def test_the_parser_flags_as_vllm_spells_them() -> None:
     assert serve_options(args).tool_call_parser == "llama3_json"
     with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         serve_options(cmd.parse_args(["--enable-auto-tool-choice"]))
-    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"}
     with pytest.raises(ValueError, match="unknown tool-call parser 'granite'; choose one of hermes"):
         get_parser("granite")
 
@@ -178,3 +190,30 @@ def test_text_nested_past_any_parser_stays_content(parser: str) -> None:
     for deep in ("[" * 100_000, "{\"name\": \"f\", \"arguments\": " + "[" * 100_000,
                  "<tool_call>" + "[" * 100_000 + "</tool_call>", "[f(a=" + "[" * 100_000 + ")]"):
         assert get_parser(parser).parse(deep) == Parsed(deep)
+
+
+QWEN3_SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string"}, "zip": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+    "ratio": {"type": "number"}, "scale": {"type": "number"}, "tags": {"type": "array"},
+    "opts": {"type": "object"}, "note": {"type": ["string", "null"]}, "limit": {"type": ["integer", "null"]}}}
+
+
+def test_qwen3_coder_reads_each_parameter_as_its_schema_types_it() -> None:
+    """Values are raw text; the tool's schema says what each is (as the model's template printed them)."""
+    values = {"city": "New York", "zip": "02134", "days": "3", "metric": "True", "ratio": "0.5", "scale": "2",
+              "tags": '["a", "b"]', "opts": "{'deep': [1, None]}", "note": "null", "limit": "null",
+              "unknown": "7", "bad_days": "3"}
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    text = f"<tool_call>\n<function=search>\n{body}</function>\n</tool_call>"
+    tools = [{"type": "function", "function": {"name": "search", "parameters": QWEN3_SCHEMA}},
+             {"type": "function", "function": {"name": "other"}}]
+    parser = get_parser("qwen3_coder").for_tools(tools)
+    assert _calls(parser.parse(text).calls) == [("search", {
+        "city": "New York", "zip": "02134", "days": 3, "metric": True, "ratio": 0.5, "scale": 2, "tags": ["a", "b"],
+        "opts": {"deep": [1, None]}, "note": None, "limit": None, "unknown": "7", "bad_days": "3"})]
+    wrong = text.replace("<parameter=days>\n3\n", "<parameter=days>\nthree\n")
+    assert json.loads(parser.parse(wrong).calls[0].function.arguments)["days"] == "three"  # not an integer: text
+    streamed, calls, _ = _stream(parser, text, list(range(1, len(text))))
+    assert _calls(calls) == _calls(parser.parse(text).calls) and streamed == ""
+    assert get_parser("hermes").for_tools(tools).name == "hermes"
+

@@ -112,7 +112,8 @@ class OpenAIServingChat(OpenAIServing):
             messages, request.add_generation_prompt, _template_kwargs(request),
             continue_final_message=request.continue_final_message, add_special_tokens=request.add_special_tokens),
             request.truncate_prompt_tokens)
-        parser = self.tool_parser if tooling.is_auto(request.tools, request.tool_choice) else None
+        parser = self.tool_parser.for_tools(request.tools) \
+            if self.tool_parser is not None and tooling.is_auto(request.tools, request.tool_choice) else None
         if request.prediction is not None:
             params.prediction_token_ids = self._prediction(request.prediction)
         reasoning, closed = self.reasoning_parser, False

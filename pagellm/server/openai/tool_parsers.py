@@ -12,6 +12,11 @@ Each parser knows one family's call syntax, as its chat template teaches it to t
   ``{"name": ..., "arguments": {...}}``.
 - ``pythonic`` (Llama 3.2/4 and others that answer with Python): the whole reply is a Python list of calls with
   keyword arguments of literal values, ``[get_weather(city="Paris"), get_time()]``.
+- ``qwen3_coder`` (Qwen3-Coder): each call is ``<function=NAME>`` with one ``<parameter=KEY>`` block of raw text per
+  argument, between ``<tool_call>`` and ``</tool_call>``; a value becomes the type its tool's JSON schema gives that
+  parameter (``for_tools``: a string stays text, integers, numbers and booleans are read as such, objects and arrays
+  as JSON or Python literals; a parameter the schema does not know stays text). Its calls go out whole as each
+  block closes.
 
 Contract:
 - ``parse(text)`` → ``Parsed(content, calls)``: the calls found and the text that is not a call (None when there
@@ -96,6 +101,10 @@ class ToolParser:
     def may_close(self, piece: str) -> bool:
         """Whether a streamed piece can complete a call (else ``closed_calls`` is not asked again)."""
         return False
+
+    def for_tools(self, tools: Optional[list[Any]]) -> ToolParser:
+        """This parser for one request's ``tools`` (a syntax whose arguments are untyped text reads their schemas)."""
+        return self
 
 
 class HermesParser(ToolParser):
@@ -242,8 +251,81 @@ class MistralParser(WholeReplyParser):
         return calls if calls and all(call is not None for call in calls) else None  # type: ignore[return-value]
 
 
+class Qwen3CoderParser(HermesParser):
+    name = "qwen3_coder"
+    streams_arguments = False
+
+    def __init__(self, schemas: Optional[dict[str, dict[str, Any]]] = None) -> None:
+        self.schemas = schemas or {}  # each tool's parameters' schemas, by tool name
+
+    def for_tools(self, tools: Optional[list[Any]]) -> ToolParser:
+        schemas = {}
+        for tool in tools or []:
+            function = (tool.get("function") or {}) if isinstance(tool, dict) else {}
+            properties = (function.get("parameters") or {}).get("properties")
+            if isinstance(function.get("name"), str) and isinstance(properties, dict):
+                schemas[function["name"]] = properties
+        return Qwen3CoderParser(schemas)
+
+    def _block(self, body: str) -> Optional[ToolCall]:  # type: ignore[override]
+        match = _QWEN3_FUNCTION.fullmatch(body.strip())
+        if match is None:
+            return None
+        name, inner = match.group(1).strip(), match.group(2)
+        schema = self.schemas.get(name, {})
+        arguments = {}
+        for key, value in _QWEN3_PARAMETER.findall(inner):
+            key = key.strip()
+            arguments[key] = _typed(value.removeprefix("\n").removesuffix("\n"), schema.get(key))
+        if _QWEN3_PARAMETER.sub("", inner).strip():  # text between the parameters: not this syntax
+            return None
+        return _call(name, arguments)
+
+    def may_close(self, piece: str) -> bool:
+        return ">" in piece
+
+
+_QWEN3_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
+_QWEN3_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+_INTEGER_TYPES = ("integer", "int")
+_NUMBER_TYPES = ("number", "float", "double")
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A qwen3_coder parameter's raw text as the value its JSON schema describes (text when it says nothing)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
+    if value.strip().lower() == "null" and ("null" in kinds or not kinds):
+        return None
+    if not kinds or "string" in kinds:
+        return value
+    text = value.strip()
+    for kind in kinds:
+        try:
+            if kind in _INTEGER_TYPES:
+                return int(text)
+            if kind in _NUMBER_TYPES:
+                number = float(text)
+                return int(number) if number.is_integer() and "." not in text and "e" not in text.lower() \
+                    else number
+            if kind == "boolean" and text.lower() in ("true", "false"):
+                return text.lower() == "true"
+            if kind in ("object", "array"):
+                return _literal(text)
+        except (ValueError, SyntaxError, RecursionError):
+            continue
+    return value
+
+
+def _literal(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return ast.literal_eval(text)
+
+
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
-                                                            PythonicParser)}
+                                                            PythonicParser, Qwen3CoderParser)}
 
 
 def get_parser(name: str) -> ToolParser:
