@@ -120,7 +120,7 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
                        help="the model's call syntax: hermes (<tool_call> JSON </tool_call>: Qwen2/2.5/3, Hermes), "
                             "llama3_json (a JSON object per call: Llama 3.1/3.2), mistral ([TOOL_CALLS] and a JSON "
                             "list: Mistral 7B v0.3), pythonic ([f(a=1), g()]), qwen3_coder (<function=f> with "
-                            "<parameter=a> blocks: Qwen3-Coder)")
+                            "<parameter=a> blocks: Qwen3-Coder), phi4_mini_json (functools[...]: Phi-4-mini)")
     requests = cmd.add_argument_group("request defaults and logging (vLLM's flags)")
     requests.add_argument("--enable-force-include-usage", action="store_true",
                           help="streamed completions and chats end with a usage chunk even when the request's "

@@ -54,6 +54,10 @@ CASES = [  # (parser, text, content, [(name, arguments)])
     ("pythonic", "[f(a=len('x'))]", "[f(a=len('x'))]", []),  # not a literal
     ("pythonic", "[f(a={1, 2})]", "[f(a={1, 2})]", []),  # a set: JSON has none
     ("pythonic", "Use [brackets] for lists.", "Use [brackets] for lists.", []),
+    ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "g", '
+                       '"parameters": {}}]', None, [("get_weather", {"city": "Paris"}), ("g", {})]),
+    ("phi4_mini_json", "functools are handy.", "functools are handy.", []),
+    ("phi4_mini_json", 'functools[{"name": "f"}, 3]', 'functools[{"name": "f"}, 3]', []),
     ("qwen3_coder", QWEN3_TWO, "Checking.", [("get_weather", {"city": "Paris", "days": "2"}),
                                              ("get_time", {"zone": "a <b> c\nd"})]),  # no tools sent: text
     ("qwen3_coder", "<tool_call><function=f></function></tool_call>", None, [("f", {})]),
@@ -180,7 +184,7 @@ def test_the_parser_flags_as_vllm_spells_them() -> None:
     assert serve_options(args).tool_call_parser == "llama3_json"
     with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         serve_options(cmd.parse_args(["--enable-auto-tool-choice"]))
-    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"}
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic", "qwen3_coder"}
     with pytest.raises(ValueError, match="unknown tool-call parser 'granite'; choose one of hermes"):
         get_parser("granite")
 

@@ -12,6 +12,8 @@ Each parser knows one family's call syntax, as its chat template teaches it to t
   ``{"name": ..., "arguments": {...}}``.
 - ``pythonic`` (Llama 3.2/4 and others that answer with Python): the whole reply is a Python list of calls with
   keyword arguments of literal values, ``[get_weather(city="Paris"), get_time()]``.
+- ``phi4_mini_json`` (Phi-4-mini): the whole reply is ``functools`` and a JSON list of ``{"name": ...,
+  "arguments": {...}}``.
 - ``qwen3_coder`` (Qwen3-Coder): each call is ``<function=NAME>`` with one ``<parameter=KEY>`` block of raw text per
   argument, between ``<tool_call>`` and ``</tool_call>``; a value becomes the type its tool's JSON schema gives that
   parameter (``for_tools``: a string stays text, integers, numbers and booleans are read as such, objects and arrays
@@ -251,6 +253,19 @@ class MistralParser(WholeReplyParser):
         return calls if calls and all(call is not None for call in calls) else None  # type: ignore[return-value]
 
 
+class Phi4MiniJsonParser(WholeReplyParser):
+    name = "phi4_mini_json"
+    opens = ("functools[",)
+
+    def calls(self, body: str) -> Optional[list[ToolCall]]:
+        try:
+            value = json.loads(body.removeprefix("functools"))
+        except (ValueError, RecursionError):
+            return None
+        calls = [_json_call(item) for item in value] if isinstance(value, list) else []
+        return calls if calls and all(call is not None for call in calls) else None  # type: ignore[return-value]
+
+
 class Qwen3CoderParser(HermesParser):
     name = "qwen3_coder"
     streams_arguments = False
@@ -325,7 +340,7 @@ def _literal(text: str) -> Any:
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
-                                                            PythonicParser, Qwen3CoderParser)}
+                                                            PythonicParser, Qwen3CoderParser, Phi4MiniJsonParser)}
 
 
 def get_parser(name: str) -> ToolParser:
