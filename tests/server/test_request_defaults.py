@@ -84,3 +84,22 @@ def test_bad_values_are_refused(start_server: Callable[..., ServerProcess], tiny
         start_server(tiny_llama, "--default-chat-template-kwargs", "[1]")
     with pytest.raises(RuntimeError, match="--max-log-len must be >= 0"):
         start_server(tiny_llama, "--enable-log-requests", "--max-log-len", "-1")
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server: ServerProcess) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): each chunk's usage counts the
+    tokens sent so far; the last usage-only chunk counts them all."""
+    client = _client(server)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for stream in (client.completions.create(model="tiny", prompt="abc", max_tokens=5, stream=True,
+                                             stream_options=options, extra_body={"ignore_eos": True}),
+                   client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=5, stream=True,
+                                                  stream_options=options, extra_body={"ignore_eos": True})):
+        chunks = list(stream)
+        counts = [chunk.usage.completion_tokens for chunk in chunks]
+        assert all(chunk.usage is not None for chunk in chunks)
+        assert counts == sorted(counts) and counts[-1] == 5 and counts[0] < 5
+        assert len({chunk.usage.prompt_tokens for chunk in chunks}) == 1
+    plain = list(client.completions.create(model="tiny", prompt="abc", max_tokens=5, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert [chunk.usage is not None for chunk in plain] == [False] * (len(plain) - 1) + [True]

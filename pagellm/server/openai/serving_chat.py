@@ -158,14 +158,17 @@ class OpenAIServingChat(OpenAIServing):
         try:
             # The role goes first, before any token exists, as OpenAI does: clients see the reply has begun.
             content = None if job.name or job.required else ""
+            usage = job.usage(job.choices) if job.request.continuous_usage else None
             yield _chunk(job, [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=content))
-                               for i in range(job.request.n)])
+                               for i in range(job.request.n)], usage)
             async for index, choice, text in self._outputs(job):
+                usage = job.usage(job.choices) if job.request.continuous_usage else None
                 if plain:  # the common chunk: no pydantic model per token
                     if text or choice.finish_reason:
-                        yield writer.text_choice(index, text, choice.finish_reason, choice.stop_reason)
+                        yield writer.text_choice(index, text, choice.finish_reason, choice.stop_reason,
+                                                 usage and usage.model_dump_json())
                 elif (piece := _piece(job, index, choice, text)) is not None:
-                    yield _chunk(job, [piece])
+                    yield _chunk(job, [piece], usage)
             if job.request.include_usage:
                 yield _chunk(job, [], job.usage(job.choices))
         except Exception as exc:

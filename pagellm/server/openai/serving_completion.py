@@ -114,13 +114,15 @@ class OpenAIServingCompletion(OpenAIServing):
                     text = job.prompt_texts[prompt_index] + text
                 if text or choice.finish_reason:
                     choice.started = True
+                    usage = job.usage(choices) if job.request.continuous_usage else None
                     if job.params.logprobs is None:  # the common chunk: no pydantic model per token
-                        yield writer.text_choice(index, text, choice.finish_reason, choice.stop_reason)
+                        yield writer.text_choice(index, text, choice.finish_reason, choice.stop_reason,
+                                                 usage and usage.model_dump_json())
                         continue
                     logprobs = self._logprobs(job, choice, prompt_index, with_prompt=first)
                     yield self._chunk(job, [CompletionChoice(index=index, text=text, logprobs=logprobs,
                                                              finish_reason=choice.finish_reason,
-                                                             stop_reason=choice.stop_reason)])
+                                                             stop_reason=choice.stop_reason)], usage)
             if job.request.include_usage:
                 yield self._chunk(job, [], job.usage(choices))
         except Exception as exc:
