@@ -1,15 +1,22 @@
 """Response bodies of the OpenAI API (completions, chat completions and their stream chunks, the model list), as
 pydantic models: OpenAI's field names and ``object`` strings, so the ``openai`` SDK parses them unchanged, plus
-vLLM's extras (``prompt_logprobs``, ``stop_reason``, ``reasoning_content``). The requests are ``protocol.py``'s."""
+vLLM's extras (``prompt_logprobs``, ``stop_reason``, ``reasoning_content``, and ``token_ids`` /
+``prompt_token_ids``, which appear only where a request asked for them with ``return_token_ids``). The requests are
+``protocol.py``'s."""
 
 from __future__ import annotations
 
 import time
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
 from pagellm.server.openai import tools as tooling
+
+def _token_ids() -> Any:
+    """A ``return_token_ids`` field: left out of the JSON unless set."""
+    return Field(default=None, exclude_if=lambda value: value is None)
+
 
 # ---- completions -------------------------------------------------------------------------------------------
 
@@ -42,6 +49,8 @@ class CompletionChoice(BaseModel):
     finish_reason: Optional[Literal["stop", "length", "abort"]] = None
     stop_reason: Optional[Union[int, str]] = None
     prompt_logprobs: Optional[PromptLogprobs] = None
+    prompt_token_ids: Optional[list[int]] = _token_ids()  # the choice's prompt (a stream: its first chunk)
+    token_ids: Optional[list[int]] = _token_ids()  # the choice's tokens (a stream: those of the chunk)
 
 
 class PromptTokensDetails(BaseModel):
@@ -107,6 +116,7 @@ class ChatCompletionChoice(BaseModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[Literal["stop", "length", "abort", "tool_calls"]] = None
     stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = _token_ids()
 
 
 class ChatCompletionResponse(BaseModel):
@@ -118,6 +128,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     system_fingerprint: Optional[str] = None
     prompt_logprobs: Optional[PromptLogprobs] = None
+    prompt_token_ids: Optional[list[int]] = _token_ids()
 
 
 class ChatDelta(BaseModel):
@@ -133,6 +144,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[Literal["stop", "length", "abort", "tool_calls"]] = None
     stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = _token_ids()  # the tokens since the choice's last chunk
 
 
 class ChatCompletionChunk(BaseModel):
@@ -143,6 +155,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Optional[UsageInfo] = None
     system_fingerprint: Optional[str] = None
+    prompt_token_ids: Optional[list[int]] = _token_ids()  # the first chunk's, with return_token_ids
 
 
 # ---- models ------------------------------------------------------------------------------------------------

@@ -149,18 +149,20 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs = prompt_logprobs or output.prompt_logprobs
         result = [_choice(job, i, c) for i, c in sorted(choices.items())]
         return ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=result,
-                                      usage=job.usage(choices), prompt_logprobs=prompt_logprobs_body(prompt_logprobs))
+                                      usage=job.usage(choices), prompt_logprobs=prompt_logprobs_body(prompt_logprobs),
+                                      prompt_token_ids=job.prompt if job.request.return_token_ids else None)
 
     async def stream(self, job: _Job) -> AsyncIterator[str]:
         writer = ChunkWriter("chat", job.request_id, job.created, job.model)
         plain = job.params.logprobs is None and job.name is None and job.parser is None and not job.required \
-            and job.reasoning is None
+            and job.reasoning is None and not job.request.return_token_ids
         try:
             # The role goes first, before any token exists, as OpenAI does: clients see the reply has begun.
             content = None if job.name or job.required else ""
             usage = job.usage(job.choices) if job.request.continuous_usage else None
             yield _chunk(job, [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=content))
-                               for i in range(job.request.n)], usage)
+                               for i in range(job.request.n)], usage,
+                         job.prompt if job.request.return_token_ids else None)
             async for index, choice, text in self._outputs(job):
                 usage = job.usage(job.choices) if job.request.continuous_usage else None
                 if plain:  # the common chunk: no pydantic model per token
@@ -211,7 +213,8 @@ def _piece(job: _Job, index: int, choice: _Choice, text: str) -> Optional[ChatCh
     if delta is None:
         return None
     return ChatChunkChoice(index=index, delta=delta, logprobs=_logprobs(job, choice), finish_reason=finish,
-                           stop_reason=choice.stop_reason)
+                           stop_reason=choice.stop_reason,
+                           token_ids=choice.take_ids() if job.request.return_token_ids else None)
 
 
 def _think(job: _Job, index: int, text: str, finish: Optional[str]) -> tuple[str, str]:
@@ -252,9 +255,10 @@ def _logprobs(job: _Job, choice: _Choice) -> ChatLogprobs | None:
                          as_ids=job.request.return_tokens_as_token_ids)
 
 
-def _chunk(job: _Job, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+def _chunk(job: _Job, choices: list[ChatChunkChoice], usage: UsageInfo | None = None,
+           prompt_token_ids: Optional[list[int]] = None) -> str:
     body = ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model, choices=choices,
-                               usage=usage)
+                               usage=usage, prompt_token_ids=prompt_token_ids)
     return f"data: {body.model_dump_json()}\n\n"
 
 
@@ -290,7 +294,8 @@ def _choice(job: _Job, index: int, choice: _Choice) -> ChatCompletionChoice:
     finish = "tool_calls" if calls and finish == "stop" else finish
     message.reasoning_content = thinking if job.request.include_reasoning else None
     return ChatCompletionChoice(index=index, message=message, logprobs=_logprobs(job, choice), finish_reason=finish,
-                                stop_reason=choice.stop_reason)
+                                stop_reason=choice.stop_reason,
+                                token_ids=choice.output_ids if job.request.return_token_ids else None)
 
 
 def _required_delta(job: _Job, choice: _Choice) -> tuple[ChatDelta, Optional[str]]:

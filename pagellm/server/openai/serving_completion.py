@@ -92,9 +92,12 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_lps = None
             if job.request.prompt_logprobs is not None:
                 prompt_lps = prompt_logprobs_body(job.prompt_logprobs.get(index // job.request.n))
+            ids = job.request.return_token_ids
             result.append(CompletionChoice(index=index, text=prefix + choice.text, logprobs=logprobs,
                                            finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
-                                           prompt_logprobs=prompt_lps))
+                                           prompt_logprobs=prompt_lps,
+                                           prompt_token_ids=job.prompts[index // job.request.n] if ids else None,
+                                           token_ids=choice.output_ids if ids else None))
         return CompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=result,
                                   usage=job.usage(choices))
 
@@ -115,14 +118,16 @@ class OpenAIServingCompletion(OpenAIServing):
                 if text or choice.finish_reason:
                     choice.started = True
                     usage = job.usage(choices) if job.request.continuous_usage else None
-                    if job.params.logprobs is None:  # the common chunk: no pydantic model per token
-                        yield writer.text_choice(index, text, choice.finish_reason, choice.stop_reason,
+                    if job.params.logprobs is None and not job.request.return_token_ids:  # the common chunk: no
+                        yield writer.text_choice(index, text, choice.finish_reason, choice.stop_reason,  # model
                                                  usage and usage.model_dump_json())
                         continue
                     logprobs = self._logprobs(job, choice, prompt_index, with_prompt=first)
-                    yield self._chunk(job, [CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                             finish_reason=choice.finish_reason,
-                                                             stop_reason=choice.stop_reason)], usage)
+                    ids = job.request.return_token_ids
+                    yield self._chunk(job, [CompletionChoice(
+                        index=index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason,
+                        stop_reason=choice.stop_reason, prompt_token_ids=job.prompts[prompt_index] if ids and first
+                        else None, token_ids=choice.take_ids() if ids else None)], usage)
             if job.request.include_usage:
                 yield self._chunk(job, [], job.usage(choices))
         except Exception as exc:

@@ -86,12 +86,16 @@ class ChoiceState:
     text_offset: int = 0   # completions logprobs: where the next unsent token starts in the text
     token_ids: list[int] = field(default_factory=list)        # the tokens whose logprobs are not sent yet
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)       # every token of the choice (return_token_ids)
+    unsent_ids: list[int] = field(default_factory=list)       # ... and those no chunk has carried yet
 
     def add(self, output: RequestOutput) -> str:
         """Take one delta; returns its new text."""
         completion = output.outputs[0]
         self.text += completion.text
         self.num_tokens += len(completion.token_ids)
+        self.output_ids += completion.token_ids
+        self.unsent_ids += completion.token_ids
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         if completion.logprobs is not None:
             self.token_ids += completion.token_ids
@@ -101,6 +105,11 @@ class ChoiceState:
             self.num_draft_tokens = output.metrics.num_draft_tokens
             self.num_accepted_draft_tokens = output.metrics.num_accepted_draft_tokens
         return completion.text
+
+    def take_ids(self) -> list[int]:
+        """The tokens no chunk has carried yet (a stream's ``return_token_ids``)."""
+        taken, self.unsent_ids = self.unsent_ids, []
+        return taken
 
     def take_logprobs(self) -> tuple[list[int], list[dict[int, Logprob]]]:
         taken = self.token_ids, self.logprobs
