@@ -18,14 +18,14 @@ from pagellm import generation_config
 from pagellm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagellm.config import EngineConfig
 from pagellm.engine.client import InprocClient
-from pagellm.engine.input_processor import InputProcessor, PromptType, load_tokenizer, lora_arch
+from pagellm.engine.input_processor import CLASSIFY_ONLY, InputProcessor, PromptType, load_tokenizer, lora_arch
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
 from pagellm.lora import LoRARequest
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.model.loader import resolve_model_dir
-from pagellm.outputs import (EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput,
-                             pooled_embedding)
+from pagellm.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingRequestOutput,
+                             RequestOutput, ScoringOutput, ScoringRequestOutput, class_probs, pooled_embedding)
 from pagellm.sampling_params import SamplingParams
 from pagellm.scoring import Texts, cosine, distinct, pair_texts
 from pagellm.tokenizer import load_chat_template
@@ -60,7 +60,8 @@ class LLM:
         runtime = self.engine.runtime
         self.input_processor = InputProcessor(self.tokenizer, runtime.max_model_len, runtime.vocab_size,
                                               runtime.pooling_only, lora_arch(self.config, model_dir),
-                                              model_config.logprobs_cap(runtime.vocab_size))
+                                              model_config.logprobs_cap(runtime.vocab_size),
+                                              classifier=bool(runtime.labels))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.last_stats: list[SchedulerStats] = []
@@ -195,10 +196,32 @@ class LLM:
         """One embedding per prompt (text or token ids), in input order: the final hidden state of its last token,
         L2-normalised with ``normalize`` (under ``lora_request``'s adapter, as in ``generate``). Each prompt runs as
         a one-token greedy request through the same scheduler, prefix cache and batches as generation."""
+        if self.engine.runtime.labels:
+            raise ValueError(CLASSIFY_ONLY)
         outputs = self.generate(prompts, SamplingParams.for_pooling(), use_tqdm,  # type: ignore[arg-type]
                                 lora_request=lora_request)
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, pooled_embedding(o.pooled, normalize),
                                        o.num_cached_tokens) for o in outputs]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """vLLM's ``LLM.classify`` for a sequence classifier (a ``*ForSequenceClassification`` checkpoint): each
+        prompt's class probabilities from its last token's state through the model's score head (softmax; a sigmoid
+        with one class), in input order; the class names are ``self.labels``."""
+        if not self.engine.runtime.labels:
+            raise ValueError("this model has no classification head: LLM.classify needs a *ForSequenceClassification "
+                             "checkpoint (Llama, Mistral, Qwen2, Qwen3)")
+        outputs = self.generate(prompts, SamplingParams.for_pooling(), use_tqdm,  # type: ignore[arg-type]
+                                lora_request=lora_request)
+        return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
+                                            ClassificationOutput(class_probs(o.pooled)), o.num_cached_tokens)
+                for o in outputs]
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """A classifier's class names, in the order of ``classify``'s probabilities (none for other models)."""
+        return self.engine.runtime.labels
 
     def score(self, text_1: Texts, text_2: Texts, use_tqdm: bool = True,
               lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:

@@ -102,6 +102,38 @@ class ScoringRequestOutput:
     outputs: ScoringOutput
 
 
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per class, in class order: softmax of the class logits (sigmoid with one class)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """``LLM.classify``'s result for one prompt (vLLM's shape: ``output.outputs.probs``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    num_cached_tokens: int = 0
+
+
+def class_probs(logits: list[float] | None) -> list[float]:
+    """A classifier's class probabilities from its logits: softmax, or a sigmoid for a one-class (score) head, as
+    vLLM's classify does."""
+    if logits is None:
+        raise RuntimeError("the engine returned no class logits for a classify request")
+    if len(logits) == 1:
+        return [1.0 / (1.0 + math.exp(-logits[0]))]
+    top = max(logits)
+    weights = [math.exp(x - top) for x in logits]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
 def pooled_embedding(pooled: list[float] | None, normalize: bool = True) -> list[float]:
     """A pooling request's hidden state as an embedding (L2-normalised with ``normalize``)."""
     if pooled is None:

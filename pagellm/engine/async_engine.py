@@ -139,7 +139,7 @@ class AsyncLLM:
         self.input_processor = InputProcessor(
             self.tokenizer, self.runtime.max_model_len, self.runtime.vocab_size, self.runtime.pooling_only,
             lora_arch(config, resolve_model_dir(config.model_config.model)),
-            config.model_config.logprobs_cap(self.runtime.vocab_size))
+            config.model_config.logprobs_cap(self.runtime.vocab_size), classifier=bool(self.runtime.labels))
 
     @classmethod
     def from_config(cls, config: EngineConfig, startup_timeout_s: float = 600.0,

@@ -25,6 +25,8 @@ from pagellm.tokenizer import Tokenizer
 PromptType = Union[str, Sequence[int]]
 
 
+CLASSIFY_ONLY = ("this model is a sequence classifier (a score head, no language-model head): it serves classify "
+                 "requests only (LLM.classify, POST /classify), not generation or embeddings")
 POOLING_ONLY = ("this model is a base-model checkpoint with no language-model head: it serves embeddings only "
                 "(LLM.embed, POST /v1/embeddings), not generation")
 
@@ -58,12 +60,13 @@ def lora_arch(config: Any, model_dir: Any) -> Any:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, pooling_only: bool = False,
-                 lora_arch: Any = None, max_logprobs: int = MAX_LOGPROBS) -> None:
+                 lora_arch: Any = None, max_logprobs: int = MAX_LOGPROBS, classifier: bool = False) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs  # the most logprobs per token a request may ask for
-        self.pooling_only = pooling_only  # a model without an LM head: embedding requests only
+        self.pooling_only = pooling_only  # a model without an LM head: embedding requests only ...
+        self.classifier = classifier  # ... or, a sequence classifier, classify requests only
         self.lora_arch = lora_arch  # the model's ArchConfig when LoRA is enabled (adapters are checked against it)
         self._adapters: set[LoRARequest] = set()  # checked already
 
@@ -100,7 +103,7 @@ class InputProcessor:
     def prepare_params(self, params: SamplingParams) -> SamplingParams:
         """Check token ids and the structured-output constraint; tokenize bad words (ValueError names the fix)."""
         if self.pooling_only and not params.pooling:
-            raise ValueError(POOLING_ONLY)
+            raise ValueError(CLASSIFY_ONLY if self.classifier else POOLING_ONLY)
         if params.lora_request is not None:
             self.check_adapter(params.lora_request)
         params.check_token_ids(self.vocab_size)

@@ -10,6 +10,9 @@ from pagellm.model.compressed_tensors import scheme_of
 
 # The base-model classes of the served families (their checkpoints have no LM head and no ``model.`` prefix).
 BASE_MODELS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
+# Sequence classifiers (reward models, classifiers): the model and a ``score`` head over its last token's state.
+CLASSIFIERS = frozenset({"LlamaForSequenceClassification", "MistralForSequenceClassification",
+                         "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"})
 _QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # their sliding_window applies only with use_sliding_window
 
 
@@ -102,6 +105,17 @@ class ArchConfig:
     moe: MoEConfig | None = None  # the experts of a mixture-of-experts model
     # Under a sliding window, the layers that still attend to every key (Qwen's, as transformers lays them out).
     full_attention_layers: tuple[int, ...] = ()
+    # A sequence classifier's class names (its ``score`` head's rows; none: no head): it serves classify requests only.
+    labels: tuple[str, ...] = ()
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
+
+    @property
+    def pooling_only(self) -> bool:
+        """No LM head to sample from: an embedding model's base checkpoint, or a classifier."""
+        return self.base_model or self.num_labels > 0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -124,6 +138,7 @@ class ArchConfig:
             rope_scaling = {**rope_scaling, "original_max_position_embeddings":
                             int(cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])}
         base_model = archs[0] in BASE_MODELS
+        labels = _labels(cfg) if archs[0] in CLASSIFIERS else ()
         return cls(
             architecture=archs[0],
             vocab_size=int(cfg["vocab_size"]),
@@ -138,7 +153,7 @@ class ArchConfig:
             rope_theta=float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) or base_model,  # no head of its own
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) or base_model or bool(labels),
             attention_bias=bool(cfg.get("attention_bias", False)) or model_type == "qwen2" or
             (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True))),
             sliding_window=int(window) if window else None,
@@ -147,6 +162,7 @@ class ArchConfig:
             base_model=base_model,
             moe=MoEConfig.from_hf(cfg),
             full_attention_layers=_full_attention_layers(cfg, int(cfg["num_hidden_layers"])) if window else (),
+            labels=labels,
         )
 
     def layer_window(self, layer: int) -> int | None:
@@ -155,3 +171,11 @@ class ArchConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """A classifier's class names in class order: ``id2label``'s, else ``LABEL_i`` for ``num_labels`` classes (2 by
+    default, as transformers counts them)."""
+    names = cfg.get("id2label") or {}
+    count = len(names) or int(cfg.get("num_labels") or 2)
+    return tuple(str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(count))

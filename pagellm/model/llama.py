@@ -177,6 +177,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
+        if cfg.num_labels:  # a sequence classifier's head, kept in float32 (a few rows)
+            self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False, dtype=torch.float32)
         if cfg.quantization == gemm_w8a8.FORMAT:  # a W8A8 checkpoint: its linear layers come with scales
             for module in self.modules():
                 if hasattr(module, "expect_scales"):
@@ -187,6 +189,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
+
+    def pool(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What a pooling request gets of its last token's final hidden state: the state itself (float32), or a
+        classifier's class logits."""
+        hidden = hidden.float()
+        return self.score(hidden) if self.cfg.num_labels else hidden
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

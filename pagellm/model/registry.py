@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from pagellm.distributed.groups import ParallelState
-from pagellm.model.arch import BASE_MODELS, ArchConfig
+from pagellm.model.arch import BASE_MODELS, CLASSIFIERS, ArchConfig
 from pagellm.model.llama import LlamaForCausalLM, MixtralForCausalLM, Phi3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -20,6 +20,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     # base models (embedding checkpoints: no LM head; ArchConfig.base_model), for pooling requests
     **{name: LlamaForCausalLM for name in BASE_MODELS},
+    # sequence classifiers: the same decoder and a score head (ArchConfig.num_labels), for classify requests
+    **{name: LlamaForCausalLM for name in CLASSIFIERS},
 }
 
 

@@ -110,14 +110,15 @@ class ModelRunner:
                                            self._prompt_logprobs(inputs, hidden), pooled)
 
     def _pooled(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, bytes]:
-        """Pooling requests that sample this step (their prompt's last token ran): its final hidden state."""
+        """Pooling requests that sample this step (their prompt's last token ran): its final hidden state (a
+        classifier's: its class logits, ``model.pool``)."""
         pooled: dict[str, bytes] = {}
         if not self._pooling:
             return pooled
         for req_id, first in zip(inputs.req_ids, inputs.logits_start):
             if first >= 0 and self.states[req_id].sampling_params.pooling:
                 row = hidden[inputs.logits_indices[first]]
-                pooled[req_id] = row.float().numpy().tobytes()
+                pooled[req_id] = self.model.pool(row).numpy().tobytes()
         return pooled
 
     def _trees(self, inputs: StepInputs) -> dict[int, list[int]]:

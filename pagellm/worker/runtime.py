@@ -19,3 +19,4 @@ class RuntimeInfo:
     speculative_method: str = ""  # the proposer the workers draft with ("" without speculation)
     # Every layer slides over this many positions: the scheduler releases the blocks behind it (0: keeps them all)
     kv_window: int = 0
+    labels: tuple[str, ...] = ()  # a sequence classifier's class names: its pooled outputs are their logits

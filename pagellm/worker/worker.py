@@ -80,8 +80,8 @@ class Worker:
                         "on" if decoder_stack.available() and envs.native_decoder() else "off",
                         "on AMX" if flash_amx else "without AMX")
         self.runtime = RuntimeInfo(max_model_len, num_blocks, cache_config.block_size, arch.vocab_size,
-                                   arch.hidden_size, arch.base_model, store_dir, spec_config.method or "",
-                                   kv_window(arch, store_dir))
+                                   arch.hidden_size, arch.pooling_only, store_dir, spec_config.method or "",
+                                   kv_window(arch, store_dir), arch.labels)
         logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens (%s)", model_dir,
                     arch.architecture, self.dtype, time.perf_counter() - start, num_blocks, cache_config.block_size,
                     str(self.kv_dtype).removeprefix("torch."))

@@ -137,7 +137,8 @@ class EngineService(pb_grpc.EngineServicer):
     def _params(self, model: str, sampling: pb.SamplingParams) -> SamplingParams:
         name = self.serving.check_model(model or None)
         if self.serving.engine.runtime.pooling_only:
-            raise ValueError("this model serves embeddings only: call Embed")
+            raise ValueError("this model classifies (POST /classify)" if self.serving.engine.runtime.labels
+                             else "this model serves embeddings only: call Embed")
         return self.serving.check_params(name, sampling_params(sampling, self.serving.sampling_defaults))
 
     async def _stream(self, prompt: list[int], params: SamplingParams, request: pb.GenerateRequest | pb.ChatRequest,

@@ -76,6 +76,7 @@ class OpenAIServingEmbedding(OpenAIServing):
     def prepare(self, request: EmbeddingRequest) -> _Job:
         """Validate and tokenize (APIError / ValueError → 4xx before anything is queued)."""
         model = self.check_model(request.model)
+        self.check_embeds()
         width = self.engine.runtime.hidden_size
         if request.dimensions is not None and request.dimensions > width:
             raise APIError(f"dimensions ({request.dimensions}) must be at most the model's hidden size ({width})",

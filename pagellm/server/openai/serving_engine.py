@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Union
 
 from pagellm.beam_search import BeamSearchParams
-from pagellm.engine.input_processor import POOLING_ONLY, check_prompt
+from pagellm.engine.input_processor import CLASSIFY_ONLY, POOLING_ONLY, check_prompt
 from pagellm.lora import LoRARequest
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.outputs import Logprob, RequestOutput
@@ -146,11 +146,18 @@ class OpenAIServing:
         self.defaults.apply(request)
         model = self.check_model(request.model)
         if self.engine.runtime.pooling_only:
-            raise APIError(POOLING_ONLY, 400, param="model", code="model_not_supported")
+            raise APIError(CLASSIFY_ONLY if self.engine.runtime.labels else POOLING_ONLY, 400, param="model",
+                           code="model_not_supported")
         for name, why in [*request.unsupported(), *serving_beam.refusals(request)]:
             raise APIError(why, 400, param=name, code="unsupported_parameter")
         params: SamplingParams = request.to_sampling_params(self.sampling_defaults)  # type: ignore[attr-defined]
         return model, self.check_params(model, params)
+
+    def check_embeds(self) -> None:
+        """Embeddings (and the scores made of them) need a model whose pooled output is its hidden state: a
+        classifier's is its class logits (400)."""
+        if self.engine.runtime.labels:
+            raise APIError(CLASSIFY_ONLY, 400, param="model", code="model_not_supported")
 
     def check_params(self, model: str, params: SamplingParams) -> SamplingParams:
         """``params`` with the served model's LoRA adapter, once its token ids and structured-output constraint are

@@ -110,6 +110,7 @@ class OpenAIServingScore(OpenAIServing):
     def prepare(self, request: Union[ScoreRequest, RerankRequest]) -> _Job:
         """Pair, deduplicate and tokenize (APIError / ValueError → 4xx before anything is queued)."""
         model = self.check_model(request.model)
+        self.check_embeds()
         if isinstance(request, RerankRequest):
             if not request.documents:
                 raise APIError("documents must not be empty", 400, param="documents")

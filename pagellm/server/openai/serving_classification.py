@@ -1,0 +1,97 @@
+"""``POST /classify`` (vLLM's route, also under ``/v1``): a sequence classifier's class probabilities per input.
+
+Contract:
+- The served model must be a classifier (a ``*ForSequenceClassification`` checkpoint: ``runtime.labels``), else a
+  400 that says so. ``input`` takes what the embeddings API takes (a string, token ids, or a list of either); each
+  becomes one pooling request through the same scheduler, batches and prefix cache as generation, whose last token's
+  state goes through the model's score head in the worker (``LlamaForCausalLM.pool``).
+- Each item of ``data``: its input's ``index``, ``probs`` (softmax of the class logits; a sigmoid with one class),
+  ``num_classes`` and ``label``, the name of the likeliest class (the checkpoint's ``id2label``). ``usage`` counts
+  the prompt tokens. Checks and limits are the embeddings API's, all before anything runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, Field
+
+from pagellm.outputs import class_probs
+from pagellm.sampling_params import SamplingParams
+from pagellm.server.openai.errors import APIError
+from pagellm.server.openai.protocol import Int64, OpenAIModel, TokenId
+from pagellm.server.openai.serving_engine import OpenAIServing, random_id
+
+
+class ClassificationRequest(OpenAIModel):
+    model: Optional[str] = None
+    input: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    user: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)
+    add_special_tokens: bool = True
+    priority: Int64 = 0
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+
+
+class ClassificationResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ClassificationData]
+    usage: ClassificationUsage
+
+
+@dataclass
+class _Job:
+    request: ClassificationRequest
+    request_id: str
+    model: str
+    prompts: list[list[int]]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class OpenAIServingClassification(OpenAIServing):
+
+    def prepare(self, request: ClassificationRequest) -> _Job:
+        """Validate and tokenize (APIError / ValueError → 4xx before anything is queued)."""
+        model = self.check_model(request.model)
+        if not self.engine.runtime.labels:
+            raise APIError("this model has no classification head: /classify needs a *ForSequenceClassification "
+                           "checkpoint (Llama, Mistral, Qwen2, Qwen3)", 400, param="model",
+                           code="model_not_supported")
+        items = self.tokenize_prompts(request.input, request.add_special_tokens, request.truncate_prompt_tokens,
+                                      "input")
+        return _Job(request, random_id("classify"), model, [ids for _, ids, _ in items])
+
+    async def create(self, job: _Job) -> ClassificationResponse:
+        params = SamplingParams.for_pooling(self.loras.get(job.model))
+        logits: dict[int, list[float]] = {}
+        async for index, output in self.generate(job.prompts, params, job.request_id, job.request.priority):
+            if output.pooled is not None:
+                logits[index] = output.pooled
+        if len(logits) != len(job.prompts):
+            raise RuntimeError("the engine finished a classify request without its class logits")
+        labels = self.engine.runtime.labels
+        data = []
+        for index in sorted(logits):
+            probs = class_probs(logits[index])
+            data.append(ClassificationData(index=index, label=labels[max(range(len(probs)), key=probs.__getitem__)],
+                                           probs=probs, num_classes=len(probs)))
+        tokens = sum(len(p) for p in job.prompts)
+        return ClassificationResponse(id=job.request_id, created=job.created, model=job.model, data=data,
+                                      usage=ClassificationUsage(prompt_tokens=tokens, total_tokens=tokens))

@@ -1,0 +1,45 @@
+"""``POST /classify`` (vLLM's route, also ``/v1/classify``) on a served sequence classifier: each input's class
+probabilities, the likeliest class's name and the prompt tokens, as the offline ``LLM.classify`` gives them; the
+other APIs and other models refuse by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import pytest
+from classifier_utils import build_classifier
+from server_utils import ServerProcess
+
+from pagellm import LLM
+
+
+@pytest.fixture(scope="module")
+def classifier(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_classifier(tmp_path_factory.mktemp("classifier"), "llama", tiny_llama)
+
+
+def test_classify_answers_as_the_offline_engine(start_server: Callable[..., ServerProcess], classifier: Path,
+                                                server: ServerProcess) -> None:
+    served = start_server(classifier, "--served-model-name", "clf")
+    inputs = ["I loved it", "terrible, never again", "so-so"]
+    answer = httpx.post(f"{served.base_url}/classify", json={"model": "clf", "input": inputs})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    offline = LLM(str(classifier), dtype="float32", max_model_len=512, kv_cache_memory=16_000_000)
+    expected = offline.classify(inputs, use_tqdm=False)
+    assert [d["index"] for d in body["data"]] == [0, 1, 2] and body["object"] == "list"
+    for item, ref in zip(body["data"], expected):
+        assert item["probs"] == pytest.approx(ref.outputs.probs, abs=1e-5) and item["num_classes"] == 3
+        assert item["label"] == offline.labels[max(range(3), key=ref.outputs.probs.__getitem__)]
+    assert body["usage"]["prompt_tokens"] == sum(len(r.prompt_token_ids) for r in expected)
+    ids = offline.tokenizer.encode("I loved it")
+    one = httpx.post(f"{served.base_url}/v1/classify", json={"input": ids}).json()  # token ids, the /v1 path
+    assert one["data"][0]["probs"] == pytest.approx(body["data"][0]["probs"], abs=1e-6)
+    for route, payload in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                           ("/v1/embeddings", {"input": "hi"}), ("/score", {"text_1": "a", "text_2": "b"})):
+        refused = httpx.post(f"{served.base_url}{route}", json={"model": "clf", **payload})
+        assert refused.status_code == 400 and "serves classify requests only" in refused.json()["error"]["message"]
+    no_head = httpx.post(f"{server.base_url}/classify", json={"input": "hi"})
+    assert no_head.status_code == 400 and "no classification head" in no_head.json()["error"]["message"]
