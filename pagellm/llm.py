@@ -225,10 +225,15 @@ class LLM:
 
     def score(self, text_1: Texts, text_2: Texts, use_tqdm: bool = True,
               lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
-        """vLLM's ``LLM.score`` for embedding models: each pair of ``text_1`` with ``text_2`` (one and one, one and N,
-        or N and N index by index) scored by the cosine similarity of the two embeddings; each distinct text is
-        embedded once."""
+        """vLLM's ``LLM.score``: each pair of ``text_1`` with ``text_2`` (one and one, one and N, or N and N index by
+        index) scored by the cosine similarity of the two embeddings, each distinct text embedded once; with a
+        cross-encoder (a classifier of one class), by the sigmoid of its class logit over the pair joined by the
+        tokenizer's pair template."""
         pairs = pair_texts(text_1, text_2)
+        if len(self.engine.runtime.labels) == 1:
+            joined = [self.tokenizer.encode_pair(a, b) for a, b in pairs]
+            return [ScoringRequestOutput(i, a, b, ScoringOutput(out.outputs.probs[0])) for i, ((a, b), out)
+                    in enumerate(zip(pairs, self.classify(joined, use_tqdm, lora_request)))]
         texts, positions = distinct(pairs)
         vectors = [e.embedding for e in self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request)]
         return [ScoringRequestOutput(i, a, b, ScoringOutput(cosine(vectors[x], vectors[y])))

@@ -89,7 +89,7 @@ class EmbeddingRequestOutput:
 
 @dataclass
 class ScoringOutput:
-    score: float  # the cosine similarity of the pair's two embeddings
+    score: float  # the cosine similarity of the pair's two embeddings (a cross-encoder's: its probability)
 
 
 @dataclass

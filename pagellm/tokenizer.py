@@ -77,6 +77,11 @@ class Tokenizer:
         """Token ids of ``text``; ``add_special_tokens`` adds what the model expects (e.g. BOS)."""
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_pair(self, first: str, second: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text pair as the tokenizer joins two sequences (its pair template: what a cross-encoder
+        was trained on)."""
+        return list(self._hf(first, second, add_special_tokens=add_special_tokens)["input_ids"])
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``."""
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)

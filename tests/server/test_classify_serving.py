@@ -43,3 +43,29 @@ def test_classify_answers_as_the_offline_engine(start_server: Callable[..., Serv
         assert refused.status_code == 400 and "serves classify requests only" in refused.json()["error"]["message"]
     no_head = httpx.post(f"{server.base_url}/classify", json={"input": "hi"})
     assert no_head.status_code == 400 and "no classification head" in no_head.json()["error"]["message"]
+
+
+def test_a_one_class_classifier_scores_and_reranks_pairs_as_a_cross_encoder(
+        start_server: Callable[..., ServerProcess], tiny_llama: Path, tmp_path: Path) -> None:
+    """vLLM's cross-encoders: each pair is one prompt, the two texts joined by the tokenizer's pair template, and its
+    score the sigmoid of the class logit, as transformers gives it."""
+    import torch
+    import transformers
+
+    reranker = build_classifier(tmp_path / "reranker", "qwen3", tiny_llama)  # one class: "reward"
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(reranker, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(reranker)
+    query, documents = "where is paris", ["Paris is in France.", "Bananas are yellow.", "The capital of France."]
+    with torch.no_grad():
+        expected = [torch.sigmoid(hf(torch.tensor([tokenizer(query, d)["input_ids"]])).logits[0, 0]).item()
+                    for d in documents]
+    served = start_server(reranker, "--served-model-name", "rr")
+    scored = httpx.post(f"{served.base_url}/score", json={"text_1": query, "text_2": documents}).json()
+    assert [d["score"] for d in scored["data"]] == pytest.approx(expected, abs=1e-5)
+    ranked = httpx.post(f"{served.base_url}/rerank", json={"query": query, "documents": documents, "top_n": 2}).json()
+    order = sorted(range(3), key=lambda i: -expected[i])[:2]
+    assert [r["index"] for r in ranked["results"]] == order
+    assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx([expected[i] for i in order], abs=1e-5)
+    offline = LLM(str(reranker), dtype="float32", max_model_len=512, kv_cache_memory=16_000_000)
+    assert [o.outputs.score for o in offline.score(query, documents, use_tqdm=False)] == \
+        pytest.approx(expected, abs=1e-5)

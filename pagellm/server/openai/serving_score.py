@@ -12,7 +12,9 @@ Contract:
 - Each distinct text is embedded once (a query scored against many documents runs once), all of them as one batch
   of engine requests through the scheduler, its prefix cache included; ``usage`` counts their prompt tokens. Checks
   and limits are the embeddings API's (``truncate_prompt_tokens``, ``max_model_len``), all before anything runs.
-- Cross-encoder rerankers (a classification head over the pair) are not served: a score here is a bi-encoder's.
+- A cross-encoder (a sequence classifier with one class: a reranker's score head) scores each pair instead as one
+  prompt, the two texts joined by the tokenizer's pair template, whose class logit's sigmoid is the score (as vLLM
+  serves cross-encoders); no text is deduplicated then. A classifier of several classes scores nothing (400).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
-from pagellm.outputs import pooled_embedding
+from pagellm.outputs import class_probs, pooled_embedding
 from pagellm.sampling_params import SamplingParams
 from pagellm.scoring import cosine, distinct, pair_texts
 from pagellm.server.openai.errors import APIError
@@ -100,8 +102,8 @@ class _Job:
     request: Union[ScoreRequest, RerankRequest]
     request_id: str
     model: str
-    prompts: list[list[int]]          # the distinct texts' token ids, each embedded once
-    pairs: list[tuple[int, int]]      # each pair's two texts, by position in ``texts``
+    prompts: list[list[int]]          # the distinct texts' token ids, each embedded once (a cross-encoder's: each pair)
+    pairs: list[tuple[int, int]]      # each pair's two texts, by position in ``texts`` (none for a cross-encoder)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -110,13 +112,21 @@ class OpenAIServingScore(OpenAIServing):
     def prepare(self, request: Union[ScoreRequest, RerankRequest]) -> _Job:
         """Pair, deduplicate and tokenize (APIError / ValueError → 4xx before anything is queued)."""
         model = self.check_model(request.model)
-        self.check_embeds()
+        cross = len(self.engine.runtime.labels) == 1
+        if not cross:
+            self.check_embeds()
         if isinstance(request, RerankRequest):
             if not request.documents:
                 raise APIError("documents must not be empty", 400, param="documents")
             pairs = [(request.query, doc) for doc in request.documents]
         else:
             pairs = pair_texts(request.text_1, request.text_2)
+        if cross:
+            prompts = [self.check_prompt(self.truncate(self.tokenizer.encode_pair(a, b, request.add_special_tokens),
+                                                       request.truncate_prompt_tokens), i)
+                       for i, (a, b) in enumerate(pairs)]
+            return _Job(request, random_id("score" if isinstance(request, ScoreRequest) else "rerank"), model,
+                        prompts, [])
         texts, positions = distinct(pairs)
         items = self.tokenize_prompts(texts, request.add_special_tokens, request.truncate_prompt_tokens,
                                       "documents" if isinstance(request, RerankRequest) else "text_1")
@@ -124,14 +134,17 @@ class OpenAIServingScore(OpenAIServing):
                     [ids for _, ids, _ in items], positions)
 
     async def scores(self, job: _Job) -> list[float]:
-        """Each pair's cosine similarity, in pair order."""
+        """Each pair's cosine similarity (a cross-encoder's: the sigmoid of its class logit), in pair order."""
         params = SamplingParams.for_pooling(self.loras.get(job.model))
-        vectors: dict[int, list[float]] = {}
+        pooled: dict[int, list[float]] = {}
         async for index, output in self.generate(job.prompts, params, job.request_id, job.request.priority):
             if output.pooled is not None:
-                vectors[index] = pooled_embedding(output.pooled)
-        if len(vectors) != len(job.prompts):
-            raise RuntimeError("the engine finished an embedding request without its hidden state")
+                pooled[index] = output.pooled
+        if len(pooled) != len(job.prompts):
+            raise RuntimeError("the engine finished a scoring request without its pooled output")
+        if not job.pairs:  # a cross-encoder: one prompt per pair
+            return [class_probs(pooled[i])[0] for i in range(len(job.prompts))]
+        vectors = {i: pooled_embedding(v) for i, v in pooled.items()}
         return [cosine(vectors[a], vectors[b]) for a, b in job.pairs]
 
     async def score(self, job: _Job) -> ScoreResponse:
