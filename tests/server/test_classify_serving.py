@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
+import numpy as np
 import pytest
 from classifier_utils import build_classifier
 from server_utils import ServerProcess
@@ -20,9 +21,13 @@ def classifier(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return build_classifier(tmp_path_factory.mktemp("classifier"), "llama", tiny_llama)
 
 
-def test_classify_answers_as_the_offline_engine(start_server: Callable[..., ServerProcess], classifier: Path,
+@pytest.fixture(scope="module")
+def served(start_server: Callable[..., ServerProcess], classifier: Path) -> ServerProcess:
+    return start_server(classifier, "--served-model-name", "clf")
+
+
+def test_classify_answers_as_the_offline_engine(served: ServerProcess, classifier: Path,
                                                 server: ServerProcess) -> None:
-    served = start_server(classifier, "--served-model-name", "clf")
     inputs = ["I loved it", "terrible, never again", "so-so"]
     answer = httpx.post(f"{served.base_url}/classify", json={"model": "clf", "input": inputs})
     assert answer.status_code == 200, answer.text
@@ -69,3 +74,22 @@ def test_a_one_class_classifier_scores_and_reranks_pairs_as_a_cross_encoder(
     offline = LLM(str(reranker), dtype="float32", max_model_len=512, kv_cache_memory=16_000_000)
     assert [o.outputs.score for o in offline.score(query, documents, use_tqdm=False)] == \
         pytest.approx(expected, abs=1e-5)
+
+
+def test_pooling_returns_the_raw_pooled_output(served: ServerProcess, server: ServerProcess) -> None:
+    """vLLM's ``POST /pooling``: a classifier's class logits as they are (a reward model's score), any other model's
+    normalised last hidden state (its embedding)."""
+    import base64
+    import math
+
+    texts = ["I loved it", "so-so"]
+    pooled = httpx.post(f"{served.base_url}/pooling", json={"input": texts}).json()
+    probs = httpx.post(f"{served.base_url}/classify", json={"input": texts}).json()
+    assert [d["object"] for d in pooled["data"]] == ["pooling", "pooling"]
+    for logits, item in zip((d["data"] for d in pooled["data"]), probs["data"]):
+        weights = [math.exp(x - max(logits)) for x in logits]
+        assert [w / sum(weights) for w in weights] == pytest.approx(item["probs"], abs=1e-6)
+    embedded = httpx.post(f"{server.base_url}/v1/embeddings", json={"input": texts[0]}).json()["data"][0]["embedding"]
+    packed = httpx.post(f"{server.base_url}/v1/pooling", json={"input": texts[0], "encoding_format": "base64"}).json()
+    values = np.frombuffer(base64.b64decode(packed["data"][0]["data"]), dtype="<f4")
+    np.testing.assert_allclose(values, embedded, atol=1e-6)

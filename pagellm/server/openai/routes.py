@@ -50,7 +50,8 @@ from pagellm.server.openai.replies import ModelCard, ModelList
 from pagellm.server.openai.serving_chat import OpenAIServingChat
 from pagellm.server.openai.serving_completion import OpenAIServingCompletion
 from pagellm.server.openai.responses_protocol import ResponseObject, ResponsesRequest
-from pagellm.server.openai.serving_classification import ClassificationRequest, OpenAIServingClassification
+from pagellm.server.openai.serving_classification import (ClassificationRequest, OpenAIServingClassification,
+                                                          OpenAIServingPooling, PoolingRequest)
 from pagellm.server.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from pagellm.server.openai.serving_score import OpenAIServingScore, RerankRequest, ScoreRequest
 from pagellm.server.openai.serving_responses import OpenAIServingResponses
@@ -148,7 +149,8 @@ def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], ch
 
 def _score_router(engine: EngineClient, served: _Served, api_key: Optional[str]) -> APIRouter:
     """vLLM's scoring APIs (``serving_score.py``): ``/score`` and ``/rerank``, also under ``/v1``, and
-    ``/v2/rerank`` (Cohere's path); and ``/classify`` (``serving_classification.py``), also under ``/v1``."""
+    ``/v2/rerank`` (Cohere's path); and ``/classify`` and ``/pooling`` (``serving_classification.py``), also under
+    ``/v1``."""
     router = APIRouter(dependencies=_auth(api_key))
     scoring = OpenAIServingScore(engine, served.names, served.loras)
     classification = OpenAIServingClassification(engine, served.names, served.loras)
@@ -158,6 +160,13 @@ def _score_router(engine: EngineClient, served: _Served, api_key: Optional[str])
 
     for path in ("/classify", "/v1/classify"):
         router.add_api_route(path, classify, methods=["POST"])
+    pooling = OpenAIServingPooling(engine, served.names, served.loras)
+
+    async def pool(body: PoolingRequest, raw: Request) -> Response:
+        return await _json_unless_disconnected(raw, pooling.create(pooling.prepare(body)))
+
+    for path in ("/pooling", "/v1/pooling"):
+        router.add_api_route(path, pool, methods=["POST"])
 
     async def score(body: ScoreRequest, raw: Request) -> Response:
         return await _json_unless_disconnected(raw, scoring.score(scoring.prepare(body)))

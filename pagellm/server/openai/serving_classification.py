@@ -1,4 +1,5 @@
-"""``POST /classify`` (vLLM's route, also under ``/v1``): a sequence classifier's class probabilities per input.
+"""``POST /classify`` (vLLM's route, also under ``/v1``): a sequence classifier's class probabilities per input; and
+``POST /pooling`` (vLLM's): any pooling model's raw pooled output per input (a reward model's score).
 
 Contract:
 - The served model must be a classifier (a ``*ForSequenceClassification`` checkpoint: ``runtime.labels``), else a
@@ -18,10 +19,11 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
-from pagellm.outputs import class_probs
+from pagellm.outputs import class_probs, pooled_embedding
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.errors import APIError
 from pagellm.server.openai.protocol import Int64, OpenAIModel, TokenId
+from pagellm.server.openai.serving_embedding import encode_floats
 from pagellm.server.openai.serving_engine import OpenAIServing, random_id
 
 
@@ -95,3 +97,49 @@ class OpenAIServingClassification(OpenAIServing):
         tokens = sum(len(p) for p in job.prompts)
         return ClassificationResponse(id=job.request_id, created=job.created, model=job.model, data=data,
                                       usage=ClassificationUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+
+class PoolingRequest(ClassificationRequest):
+    encoding_format: Literal["float", "base64"] = "float"
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: Union[list[float], str]
+
+
+class PoolingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingData]
+    usage: ClassificationUsage
+
+
+class OpenAIServingPooling(OpenAIServing):
+    """``POST /pooling`` (vLLM's): each input's pooled output as it is, a reward model's score among them: a
+    classifier's class logits (no softmax, no sigmoid), else the L2-normalised last hidden state (the embedding)."""
+
+    def prepare(self, request: PoolingRequest) -> _Job:
+        model = self.check_model(request.model)
+        items = self.tokenize_prompts(request.input, request.add_special_tokens, request.truncate_prompt_tokens,
+                                      "input")
+        return _Job(request, random_id("pool"), model, [ids for _, ids, _ in items])
+
+    async def create(self, job: _Job) -> PoolingResponse:
+        params = SamplingParams.for_pooling(self.loras.get(job.model))
+        pooled: dict[int, list[float]] = {}
+        async for index, output in self.generate(job.prompts, params, job.request_id, job.request.priority):
+            if output.pooled is not None:
+                pooled[index] = output.pooled
+        if len(pooled) != len(job.prompts):
+            raise RuntimeError("the engine finished a pooling request without its pooled output")
+        raw = bool(self.engine.runtime.labels)
+        encoding = job.request.encoding_format  # type: ignore[attr-defined]
+        data = [PoolingData(index=i, data=encode_floats(pooled[i] if raw else pooled_embedding(pooled[i]), encoding))
+                for i in sorted(pooled)]
+        tokens = sum(len(p) for p in job.prompts)
+        return PoolingResponse(id=job.request_id, created=job.created, model=job.model, data=data,
+                               usage=ClassificationUsage(prompt_tokens=tokens, total_tokens=tokens))

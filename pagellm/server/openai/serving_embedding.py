@@ -93,7 +93,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                 pooled[index] = output.pooled
         if len(pooled) != len(job.prompts):
             raise RuntimeError("the engine finished an embedding request without its hidden state")
-        data = [EmbeddingData(index=i, embedding=_encode(_vector(pooled[i], job.request.dimensions),
+        data = [EmbeddingData(index=i, embedding=encode_floats(_vector(pooled[i], job.request.dimensions),
                                                          job.request.encoding_format)) for i in sorted(pooled)]
         tokens = sum(len(p) for p in job.prompts)
         return EmbeddingResponse(id=job.request_id, created=job.created, model=job.model, data=data,
@@ -105,7 +105,8 @@ def _vector(hidden: list[float], dimensions: Optional[int]) -> list[float]:
     return pooled_embedding(hidden[:dimensions] if dimensions else hidden)
 
 
-def _encode(vector: list[float], encoding_format: str) -> Union[list[float], str]:
+def encode_floats(vector: list[float], encoding_format: str) -> Union[list[float], str]:
+    """``vector`` as floats, or its little-endian float32 bytes in base64 (``encoding_format="base64"``)."""
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
     return vector
