@@ -52,10 +52,29 @@ def validate(so: StructuredOutputsParams) -> None:
             xgr.Grammar.from_regex(text)
         elif kind == "grammar":
             xgr.Grammar.from_ebnf(text)
+        elif kind == "structural_tag":
+            structural_tag_grammar(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        raise ValueError(f"structured_outputs.{kind} is not valid JSON: {exc}") from None
     except Exception as exc:  # xgrammar raises RuntimeError with the parser's message
         raise ValueError(f"invalid structured_outputs.{kind}: {_clean(str(exc))}") from None
+
+
+def structural_tag_grammar(text: str) -> xgr.Grammar:
+    """The grammar of a structural tag's JSON: vLLM's form (``structures`` of ``begin``/``schema``/``end`` and the
+    ``triggers`` that start them) or xgrammar's own (``{"type": "structural_tag", "format": ...}``)."""
+    spec = json.loads(text)
+    if not isinstance(spec, dict):
+        raise ValueError("a structural tag is a JSON object")
+    if "structures" not in spec:
+        return xgr.Grammar.from_structural_tag(spec)
+    structures, triggers = spec.get("structures"), spec.get("triggers")
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers \
+            or not all(isinstance(s, dict) and {"begin", "schema", "end"} <= set(s) for s in structures):
+        raise ValueError("give structures: [{begin, schema, end}, ...] and triggers: [...], both non-empty")
+    tags = [xgr.StructuralTagItem(begin=s["begin"], end=s["end"], schema=json.dumps(s["schema"]))
+            for s in structures]
+    return xgr.Grammar.from_structural_tag(tags, triggers)
 
 
 def _clean(message: str) -> str:
@@ -114,6 +133,8 @@ class GrammarCache:
         if kind == "choice":
             alternatives = " | ".join(json.dumps(choice) for choice in json.loads(text))
             return self._compiler.compile_grammar(f"root ::= {alternatives}")
+        if kind == "structural_tag":
+            return self._compiler.compile_grammar(structural_tag_grammar(text))
         return self._compiler.compile_grammar(text)
 
     def matcher(self, so: StructuredOutputsParams, output_token_ids: Sequence[int]) -> RequestGrammar:

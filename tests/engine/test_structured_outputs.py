@@ -176,3 +176,37 @@ def test_a_waiting_grammar_allows_all_until_the_marker_even_across_steps_and_rep
     assert allowed(grammar) == set() and not grammar.is_terminated
     grammar.accept([257])
     assert grammar.is_terminated and not cache.matcher(so, [seven, seven, seven, 257]).is_terminated
+
+
+STRUCTURAL_TAG = {"structures": [{"begin": "<f>", "end": "</f>", "schema": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}}],
+    "triggers": ["<f>"]}
+
+
+def test_a_structural_tag_constrains_only_between_its_tags(tiny_llama: Path) -> None:
+    """vLLM's ``structural_tag``: free text until a trigger, then the structure's begin, a JSON value of its schema
+    and its end, then free text again; xgrammar's own format too; a malformed tag is refused by name."""
+    import xgrammar as xgr
+
+    from pagellm.sample.structured import GrammarCache, validate
+    from pagellm.tokenizer import Tokenizer
+
+    cache = GrammarCache.from_model_dir(tiny_llama, 320)
+    encode = Tokenizer.from_dir(tiny_llama).encode
+
+    def accepts(so: StructuredOutputsParams, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(cache.compile(so))
+        return all(matcher.accept_token(t) for t in encode(text, add_special_tokens=False))
+
+    vllm_form = StructuredOutputsParams(structural_tag=STRUCTURAL_TAG)
+    assert accepts(vllm_form, 'Sure: <f>{"a": 12}</f> and more text')
+    assert not accepts(vllm_form, 'Sure: <f>{"b": 12}</f>') and not accepts(vllm_form, '<f>{"a": "x"}</f>')
+    own = StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<f>"], "tags": [{"type": "tag", "begin": "<f>", "end": "</f>",
+                                                                  "content": {"type": "json_schema", "json_schema": {
+                                                                      "type": "integer"}}}]}})
+    assert accepts(own, "x <f>42</f> y") and not accepts(own, "x <f>4.5</f>")
+    with pytest.raises(ValueError, match="structural_tag"):
+        validate(StructuredOutputsParams(structural_tag={"structures": [{"begin": "<f>"}], "triggers": ["<f>"]}))
+    with pytest.raises(ValueError, match="structural_tag is not valid JSON"):
+        validate(StructuredOutputsParams(structural_tag="{nope"))

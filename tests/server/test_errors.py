@@ -76,6 +76,8 @@ BAD_REQUESTS = [
     ("chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400,
      "json_schema needs", None),
     ("chat/completions", _chat(response_format={"type": "yaml"}), 400, "response_format type must be", None),
+    ("chat/completions", _chat(response_format={"type": "structural_tag", "structures": [], "triggers": ["<f>"]}),
+     400, "invalid structured_outputs.structural_tag", None),
     ("chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}), 400,
      "invalid structured_outputs.json", None),

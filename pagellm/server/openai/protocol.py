@@ -124,7 +124,8 @@ class SamplingRequest(OpenAIModel):
         (name, spec), = given.items()
         unknown = set(spec) - set(StructuredOutputsParams.__struct_fields__)
         if unknown:
-            raise ValueError(f"{name}: unknown keys {sorted(unknown)}; use one of json, regex, choice, grammar")
+            raise ValueError(f"{name}: unknown keys {sorted(unknown)}; use one of json, regex, choice, grammar, "
+                             "structural_tag")
         try:
             return StructuredOutputsParams(**spec)
         except (TypeError, ValueError) as exc:
@@ -296,7 +297,10 @@ class ChatCompletionRequest(SamplingRequest):
                 raise ValueError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': "
                                  "{...}}} with the schema as an object")
             return {"response_format": {"json": spec["schema"]}}
-        raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', "
+        if fmt.get("type") == "structural_tag":  # vLLM's: its structures and triggers, or xgrammar's own format
+            tag = {k: v for k, v in fmt.items() if k != "type"} if "structures" in fmt else fmt
+            return {"response_format": {"structural_tag": tag}}
+        raise ValueError(f"response_format type must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
                          f"got {fmt.get('type')!r}")
 
     def to_sampling_params(self, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
