@@ -98,6 +98,10 @@ class ModelConfig:
     tokenizer: str | None = _help(
         "Tokenizer directory (tokenizer.json or tokenizer_config.json) to use instead of the model's own, e.g. the "
         "original model's beside a .gguf file (vLLM's flag). Default: the model's.", default=None)
+    skip_tokenizer_init: bool = _help(
+        "Run without a tokenizer (vLLM's flag), for a frontend that tokenizes itself: prompts are token ids, the "
+        "output is token ids (return_token_ids; its text is empty); no chat, stop strings, bad words or structured "
+        "outputs. Default: off.", default=False)
     max_logprobs: int = _help(
         "Most logprobs, top_logprobs or prompt_logprobs a request may ask for per token (vLLM's flag); -1: the whole "
         "vocabulary.", default=MAX_LOGPROBS)
@@ -131,6 +135,8 @@ class ModelConfig:
         self._check_load_format()
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary; got {self.max_logprobs}")
+        if self.skip_tokenizer_init and self.tokenizer is not None:
+            raise ValueError("skip_tokenizer_init runs without a tokenizer: leave tokenizer unset")
         if self.tokenizer is not None and not _has_tokenizer_files(Path(self.tokenizer)):
             raise ValueError(f"tokenizer={self.tokenizer!r} is not a directory holding tokenizer.json or "
                              "tokenizer_config.json; pass the folder of a Hugging Face tokenizer")

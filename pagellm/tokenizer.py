@@ -141,6 +141,64 @@ _GENERIC_FAST = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
 _GENERIC_FAST_MODEL_TYPES = frozenset({"llama", "mistral"})
 
 
+NO_TOKENIZER = ("this engine runs without a tokenizer (skip_tokenizer_init, --skip-tokenizer-init): send prompts as "
+                "token ids, and take the output's token ids (return_token_ids); text, chat, stop strings, bad words "
+                "and structured outputs need a tokenizer")
+
+
+class NoTokenizer:
+    """The engine's tokenizer when it runs without one (``skip_tokenizer_init``, vLLM's flag, for a frontend that
+    tokenizes itself, e.g. a router in front of several engines): the EOS and BOS ids of the model's configs, and
+    ``ValueError(NO_TOKENIZER)`` for anything that needs text. A token decodes to no text (``backend``)."""
+
+    chat_template: str | None = None
+    vocab_size = 0
+
+    def __init__(self, eos_token_ids: frozenset[int], bos_token_id: int | None) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.bos_token_id = bos_token_id
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> NoTokenizer:
+        model_dir = Path(model_dir)
+        try:
+            config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            config = {}
+        bos = config.get("bos_token_id") if isinstance(config, dict) else None
+        return cls(frozenset(_config_eos_ids(model_dir)), bos if isinstance(bos, int) else None)
+
+    @property
+    def backend(self) -> _NoText:
+        return _NO_TEXT
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise ValueError(NO_TOKENIZER)
+
+    def encode_pair(self, first: str, second: str, add_special_tokens: bool = True) -> list[int]:
+        raise ValueError(NO_TOKENIZER)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        raise ValueError(NO_TOKENIZER)
+
+    def render_chat(self, *args: Any, **kwargs: Any) -> str:
+        raise ValueError(NO_TOKENIZER)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> list[int]:
+        raise ValueError(NO_TOKENIZER)
+
+
+class _NoText:
+    """Token texts without a tokenizer: none (logprobs then name tokens by id: ``return_tokens_as_token_ids``)."""
+
+    @staticmethod
+    def decode(ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+_NO_TEXT = _NoText()
+
+
 def _declares_generic_fast(model_dir: Path) -> bool:
     """Whether ``AutoTokenizer`` would build the generic fast tokenizer for ``model_dir``: its tokenizer config names
     it (and no custom code), and its model type has no tokenizer class of its own that AutoTokenizer prefers."""

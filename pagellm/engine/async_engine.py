@@ -192,7 +192,10 @@ class AsyncLLM:
 
     def _log_request(self, request_id: str, prompt: PromptType, request: EngineCoreRequest) -> None:
         ids = request.prompt_token_ids[:self._log_len]
-        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
+        try:
+            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
+        except ValueError:  # no tokenizer (skip_tokenizer_init): the ids alone
+            text = ""
         logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s (%d tokens), cache_salt: %s",
                     request_id, text[:self._log_len], request.sampling_params, ids, len(request.prompt_token_ids),
                     "set" if request.cache_salt else None)

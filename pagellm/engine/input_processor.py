@@ -20,7 +20,7 @@ import msgspec
 from pagellm.engine.wire import EngineCoreRequest
 from pagellm.lora import LoRARequest, check_adapter
 from pagellm.sampling_params import MAX_LOGPROBS, SamplingParams
-from pagellm.tokenizer import Tokenizer
+from pagellm.tokenizer import NO_TOKENIZER, NoTokenizer, Tokenizer
 
 PromptType = Union[str, Sequence[int]]
 
@@ -34,6 +34,8 @@ POOLING_ONLY = ("this model is a base-model checkpoint with no language-model he
 def load_tokenizer(model_config: Any, model_dir: Path) -> Tokenizer:
     """The model's tokenizer, or the one of ``model_config.tokenizer`` (vLLM's ``--tokenizer``), whose ids must fit
     the model's vocabulary; EOS ids come from both folders' configs."""
+    if model_config.skip_tokenizer_init:
+        return NoTokenizer.from_dir(model_dir)  # type: ignore[return-value]
     folder = model_config.tokenizer_dir(model_dir)
     tokenizer = Tokenizer.from_dir(folder, config_dir=model_dir)
     if folder != model_dir:
@@ -108,6 +110,10 @@ class InputProcessor:
             self.check_adapter(params.lora_request)
         params.check_token_ids(self.vocab_size)
         params.check_logprobs(self.max_logprobs)
+        if isinstance(self.tokenizer, NoTokenizer):
+            if params.stop_strings or params.bad_words or params.structured_outputs is not None:
+                raise ValueError(NO_TOKENIZER)
+            params = msgspec.structs.replace(params, detokenize=False)
         if params.structured_outputs is not None:
             from pagellm.sample.structured import validate  # xgrammar loads only when a request needs it
 

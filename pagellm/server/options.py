@@ -169,9 +169,10 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                         Cors(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                              args.allow_credentials), _tls(args), _tool_call_parser(args), args.reasoning_parser,
                         _lora_modules(args), args.allow_runtime_lora_updating, args.grpc_port, args.root_path,
-                        args.uvicorn_log_level, RequestDefaults(args.enable_force_include_usage,
-                                                                args.return_tokens_as_token_ids,
-                                                                args.default_chat_template_kwargs),
+                        args.uvicorn_log_level, RequestDefaults(
+                            args.enable_force_include_usage,  # without a tokenizer, logprobs name tokens by id
+                            args.return_tokens_as_token_ids or bool(getattr(args, "skip_tokenizer_init", False)),
+                            args.default_chat_template_kwargs),
                         args.enable_request_id_headers, args.enable_log_requests, _max_log_len(args))
 
 

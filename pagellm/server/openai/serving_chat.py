@@ -210,6 +210,8 @@ def _piece(job: _Job, index: int, choice: _Choice, text: str) -> Optional[ChatCh
         delta = _delta(text, job.name, choice)
     if thinking and job.request.include_reasoning:
         delta = (delta or ChatDelta()).model_copy(update={"reasoning_content": thinking})
+    if delta is None and job.request.return_token_ids and choice.unsent_ids:  # tokens without text yet
+        delta = ChatDelta()
     if delta is None:
         return None
     return ChatChunkChoice(index=index, delta=delta, logprobs=_logprobs(job, choice), finish_reason=finish,

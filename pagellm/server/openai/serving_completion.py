@@ -115,7 +115,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 first = not choice.started
                 if job.request.echo and first:
                     text = job.prompt_texts[prompt_index] + text
-                if text or choice.finish_reason:
+                if text or choice.finish_reason or (job.request.return_token_ids and choice.unsent_ids):
                     choice.started = True
                     usage = job.usage(choices) if job.request.continuous_usage else None
                     if job.params.logprobs is None and not job.request.return_token_ids:  # the common chunk: no
