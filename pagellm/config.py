@@ -179,6 +179,9 @@ class CacheConfig:
                                         default=True)
     kv_cache_prefault: bool = _help("Populate the KV cache's memory in the background, on CPU time nothing else "
                                     "wants, so that a block's first use does not pay for it.", default=True)
+    enable_sleep_mode: bool = _help(
+        "Let the engine sleep (vLLM's flag: LLM.sleep(), POST /sleep): while asleep the KV cache's memory goes back "
+        "to the OS and requests are refused; waking up takes it back. Default: off.", default=False)
     kv_cache_dtype: str = _help(
         "KV cache element type: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e4m3 or fp8_e5m2. An 8-bit cache "
         "holds twice the tokens in the same kv_cache_memory and halves attention's reads; K/V are stored rounded "

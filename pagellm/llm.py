@@ -18,6 +18,7 @@ from pagellm import generation_config
 from pagellm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagellm.config import EngineConfig
 from pagellm.engine.client import InprocClient
+from pagellm.engine.exceptions import ASLEEP, EngineSleepingError, check_sleep_level
 from pagellm.engine.input_processor import CLASSIFY_ONLY, InputProcessor, PromptType, load_tokenizer, lora_arch
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
@@ -122,6 +123,8 @@ class LLM:
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],
                       priorities: list[int]) -> list[list[str]]:
         """Queue every prompt's siblings (all validated before any is queued); returns their ids per prompt."""
+        if self.engine.is_sleeping():
+            raise EngineSleepingError(ASLEEP)
         requests = []
         groups: list[list[str]] = []
         for prompt, param, prio in zip(prompts, params, priorities):
@@ -222,6 +225,19 @@ class LLM:
     def labels(self) -> tuple[str, ...]:
         """A classifier's class names, in the order of ``classify``'s probabilities (none for other models)."""
         return self.engine.runtime.labels
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's ``LLM.sleep`` (``enable_sleep_mode``): the KV cache's memory goes back to the OS and the prefix cache
+        forgets every block; requests are refused until ``wake_up``. Level 1 only: the weights stay."""
+        check_sleep_level(level)
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        """The engine takes requests again; its KV cache's memory comes back as blocks are used."""
+        self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
 
     def score(self, text_1: Texts, text_2: Texts, use_tqdm: bool = True,
               lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:

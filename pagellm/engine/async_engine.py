@@ -48,7 +48,8 @@ from pagellm import generation_config
 from pagellm.config import EngineConfig
 from pagellm.engine.client import MPClient
 from pagellm.engine.dp_client import DPClient
-from pagellm.engine.exceptions import EngineDeadError
+from pagellm.engine.exceptions import (ASLEEP, SLEEP_MODE_OFF, EngineDeadError, EngineSleepingError,
+                                       check_sleep_level)
 from pagellm.engine.input_processor import InputProcessor, PromptType, load_tokenizer, lora_arch
 from pagellm.engine.output_processor import OutputProcessor, RequestState
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
@@ -127,6 +128,7 @@ class AsyncLLM:
         self._dead_reason: str | None = None
         self._shut_down = False
         self._log_len: int | None | bool = False  # False: requests are not logged (``log_requests``)
+        self._asleep = False  # sleep mode: new requests are refused
 
         def load_text_side() -> None:  # no output can arrive before the handshake, so none meets a half-made engine
             self.tokenizer, self.sampling_defaults = load_text()
@@ -228,6 +230,8 @@ class AsyncLLM:
     def _make_requests(self, prompt: PromptType, params: SamplingParams, request_id: str,
                        priority: int, cache_salt: str | None = None) -> list[EngineCoreRequest]:
         self._raise_if_dead()
+        if self._asleep:  # alive (healthy), but taking no requests
+            raise EngineSleepingError(ASLEEP)
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
         if not isinstance(params, SamplingParams):
@@ -357,6 +361,28 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         return await self.client.call_utility("reset_prefix_cache")
+
+    async def sleep(self, level: int = 1) -> None:
+        """Sleep mode (``enable_sleep_mode``, vLLM's ``/sleep``): the KV cache's memory goes back to the OS and new
+        requests fail with ``EngineSleepingError`` until ``wake_up``. ``level`` 1 only: the weights stay (vLLM's
+        level 2 also drops them, for a weight update this engine does not take)."""
+        check_sleep_level(level)
+        if not self.config.cache_config.enable_sleep_mode:
+            raise ValueError(SLEEP_MODE_OFF)
+        with self._lock:
+            unfinished = len(self._tracked)
+        if unfinished:
+            raise ValueError(f"only an idle engine sleeps: {unfinished} requests are unfinished (let them finish, or "
+                             "abort them)")
+        await self.client.call_utility("sleep")
+        self._asleep = True
+
+    async def wake_up(self) -> None:
+        await self.client.call_utility("wake_up")
+        self._asleep = False
+
+    async def is_sleeping(self) -> bool:
+        return await self.client.call_utility("is_sleeping")
 
     async def start_profile(self) -> bool:
         """Start the core's torch profiler; False when one records already (ValueError without ``profiler_dir``)."""

@@ -97,6 +97,15 @@ class InprocClient:
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()
 
+    def sleep(self) -> bool:
+        return self.core.sleep()
+
+    def wake_up(self) -> bool:
+        return self.core.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.core.is_sleeping()
+
     def start_profile(self) -> bool:
         return self.core.start_profile()
 

@@ -11,6 +11,7 @@ import logging
 
 from pagellm import envs, native_build
 from pagellm.config import EngineConfig
+from pagellm.engine.exceptions import ASLEEP, SLEEP_MODE_OFF, EngineSleepingError
 from pagellm.engine.input_processor import check_prompt
 from pagellm.engine.wire import EngineCoreRequest, StepOutput
 from pagellm.executor.base import Executor, make_executor
@@ -36,6 +37,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.runtime.num_blocks,
                                    self.runtime.max_model_len, spec.num_lookahead_tokens, spec.disable_by_batch_size,
                                    kv_window=self.runtime.kv_window, kv_events=self.kv_events)
+        self.asleep = False  # sleep mode: the KV cache's memory is the OS's, requests are refused
         self.kv_publisher = None
         if events.publishes:
             from pagellm.engine.kv_events import KVEventPublisher
@@ -47,6 +49,8 @@ class EngineCore:
             self.scheduler.stored = StoredBlocks(self.runtime.kv_store_dir)
 
     def add_request(self, req: EngineCoreRequest) -> None:
+        if self.asleep:
+            raise EngineSleepingError(ASLEEP)
         check_prompt(req.prompt_token_ids, self.runtime.max_model_len, self.runtime.vocab_size)
         params = req.sampling_params
         room = self.runtime.max_model_len - len(req.prompt_token_ids)
@@ -82,6 +86,28 @@ class EngineCore:
         """The core process says when it waits for inputs with no request unfinished: the workers' idle-time work
         (populating the KV cache's memory, worker/kv_prefault.py) runs in the background only then."""
         self.executor.set_idle(idle)
+
+    def sleep(self) -> bool:
+        """Sleep mode (``enable_sleep_mode``): the workers give their KV caches' memory back to the OS, the prefix
+        cache forgets every block (their contents go), and requests are refused until ``wake_up``. Only an idle
+        engine sleeps."""
+        if not self.config.cache_config.enable_sleep_mode:
+            raise ValueError(SLEEP_MODE_OFF)
+        if self.scheduler.has_unfinished_requests():
+            raise ValueError(f"only an idle engine sleeps: {self.scheduler.num_unfinished_requests} requests are "
+                             "unfinished (let them finish, or abort them)")
+        self.reset_prefix_cache()
+        self.executor.set_asleep(True)
+        self.asleep = True
+        return True
+
+    def wake_up(self) -> bool:
+        self.executor.set_asleep(False)
+        self.asleep = False
+        return True
+
+    def is_sleeping(self) -> bool:
+        return self.asleep
 
     def reset_prefix_cache(self) -> bool:
         done = self.scheduler.kv.reset_prefix_cache()

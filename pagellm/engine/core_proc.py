@@ -134,6 +134,9 @@ class EngineCoreLoop:
             "num_free_blocks": lambda: core.scheduler.kv.num_free_blocks,
             "start_profile": core.start_profile,
             "stop_profile": core.stop_profile,
+            "sleep": core.sleep,
+            "wake_up": core.wake_up,
+            "is_sleeping": core.is_sleeping,
         }
 
     def run(self) -> None:

@@ -92,6 +92,9 @@ def _with_gauges(stats: SchedulerStats, cores: list[SchedulerStats]) -> Schedule
 _MERGE: dict[str, Callable[[list[Any]], Any]] = {
     "get_stats": _merge_stats,
     "reset_prefix_cache": all,
+    "sleep": all,
+    "wake_up": all,
+    "is_sleeping": all,
     "num_free_blocks": sum,
     "start_profile": all,
     "stop_profile": lambda files: [name for one in files for name in one],

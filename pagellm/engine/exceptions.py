@@ -10,3 +10,18 @@ from __future__ import annotations
 
 class EngineDeadError(RuntimeError):
     """The engine core process is gone; no request can be served until a new engine is started."""
+
+
+class EngineSleepingError(ValueError):
+    """The engine is asleep (sleep mode): no request runs until it wakes up; the server maps it to HTTP 503."""
+
+
+ASLEEP = "the engine is asleep (sleep mode): wake it up first (POST /wake_up, LLM.wake_up())"
+SLEEP_MODE_OFF = "this engine was started without sleep mode: start it with enable_sleep_mode (--enable-sleep-mode)"
+
+
+def check_sleep_level(level: int) -> None:
+    """Sleep levels this engine takes: 1 (the KV cache's memory released, the weights kept)."""
+    if level != 1:
+        raise ValueError(f"sleep level {level!r}: use 1 (the KV cache's memory goes back to the OS, the weights stay); "
+                         "level 2 also drops the weights, for a weight update this engine does not take")

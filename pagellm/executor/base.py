@@ -20,6 +20,9 @@ class Executor(Protocol):
     def set_idle(self, idle: bool) -> None:
         """Whether the engine core is idle: the workers' idle-time work (populating the KV cache) runs only then."""
 
+    def set_asleep(self, asleep: bool) -> None:
+        """Sleep mode on every worker: asleep, their KV caches' memory goes back to the OS (``Worker.set_asleep``)."""
+
     def start_profile(self) -> bool:
         """Start every worker's torch profiler session (metrics/profiler.py); False when one records already."""
 

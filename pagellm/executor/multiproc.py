@@ -76,6 +76,8 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, reader: 
                 worker.execute_model(command.sched)
             elif command.kind == "idle":
                 worker.set_idle(command.idle)
+            elif command.kind == "sleep":
+                worker.set_asleep(command.asleep)
             else:
                 break
     finally:
@@ -158,6 +160,10 @@ class MultiprocExecutor(RankZeroExecutor):
     def set_idle(self, idle: bool) -> None:
         self._broadcast(Command("idle", idle=idle))
         self.worker.set_idle(idle)
+
+    def set_asleep(self, asleep: bool) -> None:
+        self._broadcast(Command("sleep", asleep=asleep))
+        self.worker.set_asleep(asleep)
 
     def _stop_ranks(self) -> None:
         if any(p.is_alive() for p in self.procs):

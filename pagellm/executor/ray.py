@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import traceback
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import msgspec
 
@@ -90,6 +90,8 @@ class RankActor:
             self.worker.execute_model(command.sched)
         elif command.kind == "idle":
             self.worker.set_idle(command.idle)
+        elif command.kind == "sleep":
+            self.worker.set_asleep(command.asleep)
 
     def stop(self) -> None:
         if self.worker is not None:
@@ -220,9 +222,15 @@ class RayExecutor(RankZeroExecutor):
         return None
 
     def set_idle(self, idle: bool) -> None:
-        payload = _ENCODER.encode(Command("idle", idle=idle))
-        refs = [actor.run.remote(payload) for actor in self.actors]
-        self.worker.set_idle(idle)
+        self._on_ranks(Command("idle", idle=idle), lambda: self.worker.set_idle(idle))
+
+    def set_asleep(self, asleep: bool) -> None:
+        self._on_ranks(Command("sleep", asleep=asleep), lambda: self.worker.set_asleep(asleep))
+
+    def _on_ranks(self, command: Command, on_rank_zero: Callable[[], None]) -> None:
+        """``command`` on every actor's rank and ``on_rank_zero`` here, each actor's answer awaited."""
+        refs = [actor.run.remote(_ENCODER.encode(command)) for actor in self.actors]
+        on_rank_zero()
         for rank, ref in enumerate(refs, start=1):
             self._result(rank, ref, COLLECTIVE_TIMEOUT_S)
 

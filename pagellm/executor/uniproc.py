@@ -20,6 +20,9 @@ class UniProcExecutor:
     def set_idle(self, idle: bool) -> None:
         self.worker.set_idle(idle)
 
+    def set_asleep(self, asleep: bool) -> None:
+        self.worker.set_asleep(asleep)
+
     def start_profile(self) -> bool:
         return self.worker.start_profile()
 

@@ -31,6 +31,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+MADV_DONTNEED = 4  # <linux/mman.h>: the pages go back to the OS; the next touch finds them zeroed
 MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux >= 5.14
 PIECE_BYTES = 2 << 20     # of one layer's K or V: one transparent huge page
 PAGE = 4096
@@ -55,6 +56,16 @@ def populate(address: int, length: int) -> bool:
     start = address - address % PAGE
     end = -(-(address + length) // PAGE) * PAGE
     return _MADVISE(start, end - start, MADV_POPULATE_WRITE) == 0
+
+
+def discard(address: int, length: int) -> bool:
+    """Give the whole pages inside ``[address, address + length)`` back to the OS (sleep mode); the mapping stays,
+    and the next touch of a page finds it zeroed. Pages the range shares with other data are kept."""
+    if _MADVISE is None:
+        return False
+    start = -(-address // PAGE) * PAGE
+    end = (address + length) // PAGE * PAGE
+    return end <= start or _MADVISE(start, end - start, MADV_DONTNEED) == 0
 
 
 def block_ranges(num_blocks: int, block_bytes: int, piece_bytes: int = PIECE_BYTES) -> Iterator[tuple[int, int]]:

@@ -30,7 +30,7 @@ from pagellm.ops.build import build_library
 from pagellm.sample import native as sample_native
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.spec.base import make_proposer
-from pagellm.worker.kv_prefault import KVPrefaulter
+from pagellm.worker.kv_prefault import KVPrefaulter, discard
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.runtime import RuntimeInfo
 
@@ -68,6 +68,7 @@ class Worker:
         self.runner.bind_kv_cache(num_blocks, self.kv_dtype)
         store_dir = self._bind_kv_store(kv_transfer, model_dir, arch, cache_config.block_size)
         self.prefaulter = KVPrefaulter(self.runner.kv_caches) if cache_config.kv_cache_prefault else None
+        self.asleep = False  # sleep mode (``set_asleep``)
         self.profiler_config = profiler_config
         self.profiler = Profiler(profiler_config.profiler_dir, profiler_config.profiler_with_stack) \
             if profiler_config.profiler_dir else None
@@ -104,13 +105,30 @@ class Worker:
         return self.runner.execute_model(sched)
 
     def set_idle(self, idle: bool) -> None:
-        """Idle-time work (populating the KV cache's memory) runs in the background only while ``idle``."""
-        if self.prefaulter is None:
+        """Idle-time work (populating the KV cache's memory) runs in the background only while ``idle`` (and
+        awake)."""
+        if self.prefaulter is None or self.asleep:
             return
         if idle:
             self.prefaulter.resume()
         else:
             self.prefaulter.pause()
+
+    def set_asleep(self, asleep: bool) -> None:
+        """Sleep mode: asleep, the KV cache's memory goes back to the OS (``kv_prefault.discard``: the pages come back
+        zeroed on their next touch, so the engine must hold no KV worth keeping) and the idle-time population stops;
+        awake, the cache populates again when idle."""
+        if asleep == self.asleep:
+            return
+        self.asleep = asleep
+        if asleep:
+            if self.prefaulter is not None:
+                self.prefaulter.close()
+            for cache in self.runner.kv_caches:
+                if not discard(cache.data_ptr(), cache.numel() * cache.element_size()):
+                    raise RuntimeError("madvise(MADV_DONTNEED) failed: the KV cache's memory cannot be released")
+        elif self.prefaulter is not None:
+            self.prefaulter = KVPrefaulter(self.runner.kv_caches)  # every page anew
 
     def start_profile(self) -> bool:
         self.profiler_config.require()

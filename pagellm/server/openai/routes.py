@@ -254,7 +254,8 @@ def _admin_router(engine: EngineClient, model_names: Sequence[str]) -> APIRouter
 
 
 def _operations_router(engine: EngineClient, api_key: Optional[str]) -> APIRouter:
-    """Routes that act on the engine (profiling, the prefix cache): behind the API key when there is one."""
+    """Routes that act on the engine (profiling, the prefix cache, sleep mode): behind the API key when there is
+    one."""
     router = APIRouter(dependencies=[Depends(_bearer_auth(api_key))] if api_key else [])
 
     @router.post("/reset_prefix_cache")
@@ -275,6 +276,20 @@ def _operations_router(engine: EngineClient, api_key: Optional[str]) -> APIRoute
         if not files:
             raise APIError("no profile is recording: POST /start_profile starts one", 409)
         return {"files": files}
+
+    @router.post("/sleep")
+    async def sleep(level: int = Query(1)) -> dict[str, bool]:  # vLLM's sleep mode (--enable-sleep-mode)
+        await engine.sleep(level)
+        return {"is_sleeping": True}
+
+    @router.post("/wake_up")
+    async def wake_up() -> dict[str, bool]:
+        await engine.wake_up()
+        return {"is_sleeping": False}
+
+    @router.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": await engine.is_sleeping()}
 
     return router
 
