@@ -96,7 +96,8 @@ class EngineCore:
         if self.scheduler.has_unfinished_requests():
             raise ValueError(f"only an idle engine sleeps: {self.scheduler.num_unfinished_requests} requests are "
                              "unfinished (let them finish, or abort them)")
-        self.reset_prefix_cache()
+        if not self.reset_prefix_cache():  # no block may keep a hash once its contents are gone
+            raise RuntimeError("the prefix cache could not be reset: KV blocks are still held")
         self.executor.set_asleep(True)
         self.asleep = True
         return True

@@ -71,7 +71,7 @@ class KVEventPublisher:
             self._queue.put_nowait(batch)
 
     def close(self) -> None:
-        self._queue.put(None)
+        self.publish(None)  # type: ignore[arg-type]  # the end, behind what is queued (the oldest dropped if full)
         self._thread.join(timeout=10)
         self._ctx.destroy(linger=1000)
 
