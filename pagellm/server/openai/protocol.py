@@ -86,7 +86,6 @@ class SamplingRequest(OpenAIModel):
     # logprobs name tokens "token_id:<id>" (logprobs.py); None: the server's default (RequestDefaults)
     return_tokens_as_token_ids: Optional[bool] = None
     return_token_ids: bool = False  # vLLM's: the choices carry their token ids, and the prompt's
-
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

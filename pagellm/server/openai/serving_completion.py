@@ -118,8 +118,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 if text or choice.finish_reason or (job.request.return_token_ids and choice.unsent_ids):
                     choice.started = True
                     usage = job.usage(choices) if job.request.continuous_usage else None
-                    if job.params.logprobs is None and not job.request.return_token_ids:  # the common chunk: no
-                        yield writer.text_choice(index, text, choice.finish_reason, choice.stop_reason,  # model
+                    if job.params.logprobs is None and not job.request.return_token_ids:
+                        # the common chunk: no pydantic model per token
+                        yield writer.text_choice(index, text, choice.finish_reason, choice.stop_reason,
                                                  usage and usage.model_dump_json())
                         continue
                     logprobs = self._logprobs(job, choice, prompt_index, with_prompt=first)
