@@ -20,7 +20,6 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, Field
 
 from pagellm.outputs import class_probs, pooled_embedding
-from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.errors import APIError
 from pagellm.server.openai.protocol import Int64, OpenAIModel, TokenId
 from pagellm.server.openai.serving_embedding import encode_floats
@@ -81,17 +80,11 @@ class OpenAIServingClassification(OpenAIServing):
         return _Job(request, random_id("classify"), model, [ids for _, ids, _ in items])
 
     async def create(self, job: _Job) -> ClassificationResponse:
-        params = SamplingParams.for_pooling(self.loras.get(job.model))
-        logits: dict[int, list[float]] = {}
-        async for index, output in self.generate(job.prompts, params, job.request_id, job.request.priority):
-            if output.pooled is not None:
-                logits[index] = output.pooled
-        if len(logits) != len(job.prompts):
-            raise RuntimeError("the engine finished a classify request without its class logits")
+        logits = await self.pool(job.prompts, job.model, job.request_id, job.request.priority)
         labels = self.engine.runtime.labels
         data = []
-        for index in sorted(logits):
-            probs = class_probs(logits[index])
+        for index, one in enumerate(logits):
+            probs = class_probs(one)
             data.append(ClassificationData(index=index, label=labels[max(range(len(probs)), key=probs.__getitem__)],
                                            probs=probs, num_classes=len(probs)))
         tokens = sum(len(p) for p in job.prompts)
@@ -129,17 +122,11 @@ class OpenAIServingPooling(OpenAIServing):
         return _Job(request, random_id("pool"), model, [ids for _, ids, _ in items])
 
     async def create(self, job: _Job) -> PoolingResponse:
-        params = SamplingParams.for_pooling(self.loras.get(job.model))
-        pooled: dict[int, list[float]] = {}
-        async for index, output in self.generate(job.prompts, params, job.request_id, job.request.priority):
-            if output.pooled is not None:
-                pooled[index] = output.pooled
-        if len(pooled) != len(job.prompts):
-            raise RuntimeError("the engine finished a pooling request without its pooled output")
+        pooled = await self.pool(job.prompts, job.model, job.request_id, job.request.priority)
         raw = bool(self.engine.runtime.labels)
         encoding = job.request.encoding_format  # type: ignore[attr-defined]
-        data = [PoolingData(index=i, data=encode_floats(pooled[i] if raw else pooled_embedding(pooled[i]), encoding))
-                for i in sorted(pooled)]
+        data = [PoolingData(index=i, data=encode_floats(one if raw else pooled_embedding(one), encoding))
+                for i, one in enumerate(pooled)]
         tokens = sum(len(p) for p in job.prompts)
         return PoolingResponse(id=job.request_id, created=job.created, model=job.model, data=data,
                                usage=ClassificationUsage(prompt_tokens=tokens, total_tokens=tokens))

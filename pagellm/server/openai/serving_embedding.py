@@ -24,7 +24,6 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from pagellm.outputs import pooled_embedding
-from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.errors import APIError
 from pagellm.server.openai.protocol import Count, Int64, OpenAIModel, TokenId
 from pagellm.server.openai.serving_engine import OpenAIServing, random_id
@@ -86,15 +85,10 @@ class OpenAIServingEmbedding(OpenAIServing):
         return _Job(request, random_id("embd"), model, [ids for _, ids, _ in items])
 
     async def create(self, job: _Job) -> EmbeddingResponse:
-        params = SamplingParams.for_pooling(self.loras.get(job.model))
-        pooled: dict[int, list[float]] = {}
-        async for index, output in self.generate(job.prompts, params, job.request_id, job.request.priority):
-            if output.pooled is not None:
-                pooled[index] = output.pooled
-        if len(pooled) != len(job.prompts):
-            raise RuntimeError("the engine finished an embedding request without its hidden state")
-        data = [EmbeddingData(index=i, embedding=encode_floats(_vector(pooled[i], job.request.dimensions),
-                                                         job.request.encoding_format)) for i in sorted(pooled)]
+        pooled = await self.pool(job.prompts, job.model, job.request_id, job.request.priority)
+        data = [EmbeddingData(index=i, embedding=encode_floats(_vector(hidden, job.request.dimensions),
+                                                              job.request.encoding_format))
+                for i, hidden in enumerate(pooled)]
         tokens = sum(len(p) for p in job.prompts)
         return EmbeddingResponse(id=job.request_id, created=job.created, model=job.model, data=data,
                                  usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))

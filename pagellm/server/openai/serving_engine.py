@@ -246,6 +246,18 @@ class OpenAIServing:
         async for item in self._generate_many(prompts, params, request_id, priority, cache_salt):
             yield item
 
+    async def pool(self, prompts: list[list[int]], model: str, request_id: str, priority: int) -> list[list[float]]:
+        """Each prompt's pooled output (its last token's final hidden state; a classifier's class logits), in prompt
+        order: one pooling request per prompt, under the served model's LoRA adapter if any."""
+        params = SamplingParams.for_pooling(self.loras.get(model))
+        pooled: dict[int, list[float]] = {}
+        async for index, output in self.generate(prompts, params, request_id, priority):
+            if output.pooled is not None:
+                pooled[index] = output.pooled
+        if len(pooled) != len(prompts):
+            raise RuntimeError("the engine finished a pooling request without its pooled output")
+        return [pooled[i] for i in range(len(prompts))]
+
     async def _generate_many(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                              priority: int, cache_salt: Optional[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
         queue: asyncio.Queue[Any] = asyncio.Queue()

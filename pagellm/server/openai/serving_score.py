@@ -26,7 +26,6 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, Field
 
 from pagellm.outputs import class_probs, pooled_embedding
-from pagellm.sampling_params import SamplingParams
 from pagellm.scoring import cosine, distinct, pair_texts
 from pagellm.server.openai.errors import APIError
 from pagellm.server.openai.protocol import Int64, OpenAIModel
@@ -135,16 +134,10 @@ class OpenAIServingScore(OpenAIServing):
 
     async def scores(self, job: _Job) -> list[float]:
         """Each pair's cosine similarity (a cross-encoder's: the sigmoid of its class logit), in pair order."""
-        params = SamplingParams.for_pooling(self.loras.get(job.model))
-        pooled: dict[int, list[float]] = {}
-        async for index, output in self.generate(job.prompts, params, job.request_id, job.request.priority):
-            if output.pooled is not None:
-                pooled[index] = output.pooled
-        if len(pooled) != len(job.prompts):
-            raise RuntimeError("the engine finished a scoring request without its pooled output")
+        pooled = await self.pool(job.prompts, job.model, job.request_id, job.request.priority)
         if not job.pairs:  # a cross-encoder: one prompt per pair
-            return [class_probs(pooled[i])[0] for i in range(len(job.prompts))]
-        vectors = {i: pooled_embedding(v) for i, v in pooled.items()}
+            return [class_probs(logits)[0] for logits in pooled]
+        vectors = [pooled_embedding(hidden) for hidden in pooled]
         return [cosine(vectors[a], vectors[b]) for a, b in job.pairs]
 
     async def score(self, job: _Job) -> ScoreResponse:
