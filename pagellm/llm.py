@@ -232,6 +232,12 @@ class LLM:
         check_sleep_level(level)
         self.engine.sleep()
 
+    def update_weights_from_disk(self, model: str | None = None) -> None:
+        """Serve the weights of ``model`` (a checkpoint of the served model's architecture and shapes; None: the
+        served model's own, read again) from now on, e.g. the policy an RL step just wrote; the prefix cache starts
+        empty (SGLang's ``update_weights_from_disk``)."""
+        self.engine.update_weights(model)
+
     def wake_up(self) -> None:
         """The engine takes requests again; its KV cache's memory comes back as blocks are used."""
         self.engine.wake_up()

@@ -369,13 +369,23 @@ class AsyncLLM:
         check_sleep_level(level)
         if not self.config.cache_config.enable_sleep_mode:
             raise ValueError(SLEEP_MODE_OFF)
+        self._check_idle("sleeps")
+        await self.client.call_utility("sleep")
+        self._asleep = True
+
+    async def update_weights_from_disk(self, model: str | None = None) -> None:
+        """Serve the weights of ``model`` (a checkpoint folder or .gguf of the served model's architecture and shapes;
+        None: the served model's own, read again) from now on (SGLang's ``/update_weights_from_disk``; an RL loop's
+        new policy). Only an idle engine updates; the prefix cache starts empty."""
+        self._check_idle("updates its weights")
+        await self.client.call_utility("update_weights", model)
+
+    def _check_idle(self, what: str) -> None:
         with self._lock:
             unfinished = len(self._tracked)
         if unfinished:
-            raise ValueError(f"only an idle engine sleeps: {unfinished} requests are unfinished (let them finish, or "
+            raise ValueError(f"only an idle engine {what}: {unfinished} requests are unfinished (let them finish, or "
                              "abort them)")
-        await self.client.call_utility("sleep")
-        self._asleep = True
 
     async def wake_up(self) -> None:
         await self.client.call_utility("wake_up")

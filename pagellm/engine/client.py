@@ -97,6 +97,9 @@ class InprocClient:
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()
 
+    def update_weights(self, model: str | None = None) -> bool:
+        return self.core.update_weights(model)
+
     def sleep(self) -> bool:
         return self.core.sleep()
 
@@ -122,14 +125,14 @@ class UtilityCalls:
 
     _dead: str | None
 
-    def call_utility_future(self, method: UtilityMethod) -> concurrent.futures.Future:
+    def call_utility_future(self, method: UtilityMethod, *args: Any) -> concurrent.futures.Future:
         raise NotImplementedError
 
-    async def call_utility(self, method: UtilityMethod) -> Any:
-        return await asyncio.wrap_future(self.call_utility_future(method))
+    async def call_utility(self, method: UtilityMethod, *args: Any) -> Any:
+        return await asyncio.wrap_future(self.call_utility_future(method, *args))
 
-    def call_utility_sync(self, method: UtilityMethod, timeout: float | None = None) -> Any:
-        return self.call_utility_future(method).result(timeout)
+    def call_utility_sync(self, method: UtilityMethod, timeout: float | None = None, args: tuple = ()) -> Any:
+        return self.call_utility_future(method, *args).result(timeout)
 
     @property
     def is_healthy(self) -> bool:
@@ -195,12 +198,12 @@ class MPClient(UtilityCalls):
             except EngineDeadError:  # died meanwhile: its requests are gone with it
                 pass
 
-    def call_utility_future(self, method: UtilityMethod) -> concurrent.futures.Future:
+    def call_utility_future(self, method: UtilityMethod, *args: Any) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = (method, future)
         try:
-            self._send(UtilityCall(call_id, method))
+            self._send(UtilityCall(call_id, method, list(args)))
         except BaseException:
             self._calls.pop(call_id, None)
             raise
@@ -298,8 +301,10 @@ class MPClient(UtilityCalls):
         method, future = self._calls.pop(result.call_id, (None, None))
         if future is None or method is None:
             return
-        if result.error is not None:
-            _set_exception(future, RuntimeError(f"utility {method} failed in the engine core: {result.error}"))
+        if result.error is not None:  # the caller's mistake (a ValueError in the core) stays a ValueError
+            kind, _, message = result.error.partition(": ")
+            _set_exception(future, ValueError(message) if kind == "ValueError" else
+                           RuntimeError(f"utility {method} failed in the engine core: {result.error}"))
             return
         value = msgspec.msgpack.decode(result.result, type=UTILITY_RESULT_TYPES[method])
         if not future.done():

@@ -102,6 +102,18 @@ class EngineCore:
         self.asleep = True
         return True
 
+    def update_weights(self, model: str | None = None) -> bool:
+        """Serve ``model``'s weights (a checkpoint of the same architecture and shapes; None: the served model's
+        own, read again) from now on, as SGLang's ``update_weights_from_disk`` does: only an idle engine updates, and
+        the prefix cache forgets every block, which the old weights computed."""
+        if self.scheduler.has_unfinished_requests():
+            raise ValueError(f"only an idle engine updates its weights: {self.scheduler.num_unfinished_requests} "
+                             "requests are unfinished (let them finish, or abort them)")
+        self.executor.update_weights(model)
+        if not self.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset: KV blocks are still held")
+        return True
+
     def wake_up(self) -> bool:
         self.executor.set_asleep(False)
         self.asleep = False

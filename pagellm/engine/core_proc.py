@@ -137,6 +137,7 @@ class EngineCoreLoop:
             "sleep": core.sleep,
             "wake_up": core.wake_up,
             "is_sleeping": core.is_sleeping,
+            "update_weights": core.update_weights,
         }
 
     def run(self) -> None:
@@ -186,7 +187,7 @@ class EngineCoreLoop:
 
     def _call(self, call: UtilityCall) -> UtilityResult:
         try:
-            return UtilityResult(call.call_id, msgspec.msgpack.encode(self._utilities[call.method]()))
+            return UtilityResult(call.call_id, msgspec.msgpack.encode(self._utilities[call.method](*call.args)))
         except Exception as exc:
             logger.exception("utility %s failed", call.method)
             return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")

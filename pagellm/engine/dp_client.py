@@ -93,6 +93,7 @@ _MERGE: dict[str, Callable[[list[Any]], Any]] = {
     "get_stats": _merge_stats,
     "reset_prefix_cache": all,
     "sleep": all,
+    "update_weights": all,
     "wake_up": all,
     "is_sleeping": all,
     "num_free_blocks": sum,
@@ -210,11 +211,11 @@ class DPClient(UtilityCalls):
         for core, ids in by_core.items():
             self.engines[core].abort_requests(ids)
 
-    def call_utility_future(self, method: UtilityMethod) -> concurrent.futures.Future:
+    def call_utility_future(self, method: UtilityMethod, *args: Any) -> concurrent.futures.Future:
         """One call on every core; the future holds their merged answer, or the first failure."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        parts = [engine.call_utility_future(method) for engine in self.engines]
+        parts = [engine.call_utility_future(method, *args) for engine in self.engines]
         merged: concurrent.futures.Future = concurrent.futures.Future()
 
         def done(_: concurrent.futures.Future) -> None:

@@ -13,7 +13,7 @@ In process (``InprocClient``) these structs are passed as objects. Across proces
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 import msgspec
 
@@ -70,16 +70,17 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
 
 
 UtilityMethod = Literal["get_stats", "reset_prefix_cache", "num_free_blocks", "start_profile", "stop_profile",
-                        "sleep", "wake_up", "is_sleeping"]
+                        "sleep", "wake_up", "is_sleeping", "update_weights"]
 # What each utility returns (the frontend decodes ``UtilityResult.result`` with it).
 UTILITY_RESULT_TYPES: dict[str, type] = {"get_stats": SchedulerStats, "reset_prefix_cache": bool,
                                          "num_free_blocks": int, "start_profile": bool, "stop_profile": list[str],
-                                         "sleep": bool, "wake_up": bool, "is_sleeping": bool}
+                                         "sleep": bool, "wake_up": bool, "is_sleeping": bool, "update_weights": bool}
 
 
 class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
     call_id: int
     method: UtilityMethod
+    args: list[Any] = []  # the method's arguments (msgpack values)
 
 
 EngineCoreInput = Union[AddRequests, AbortRequests, UtilityCall]

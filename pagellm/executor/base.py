@@ -20,6 +20,9 @@ class Executor(Protocol):
     def set_idle(self, idle: bool) -> None:
         """Whether the engine core is idle: the workers' idle-time work (populating the KV cache) runs only then."""
 
+    def update_weights(self, model: str | None) -> None:
+        """Every worker serves ``model``'s weights from now on (``Worker.update_weights``; checked on rank 0 first)."""
+
     def set_asleep(self, asleep: bool) -> None:
         """Sleep mode on every worker: asleep, their KV caches' memory goes back to the OS (``Worker.set_asleep``)."""
 

@@ -78,6 +78,8 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, reader: 
                 worker.set_idle(command.idle)
             elif command.kind == "sleep":
                 worker.set_asleep(command.asleep)
+            elif command.kind == "update":
+                worker.update_weights(command.model)
             else:
                 break
     finally:
@@ -164,6 +166,11 @@ class MultiprocExecutor(RankZeroExecutor):
     def set_asleep(self, asleep: bool) -> None:
         self._broadcast(Command("sleep", asleep=asleep))
         self.worker.set_asleep(asleep)
+
+    def update_weights(self, model: str | None) -> None:
+        self.worker.weights_source(model)  # a bad checkpoint is refused before any rank loads it
+        self._broadcast(Command("update", model=model))
+        self.worker.update_weights(model)
 
     def _stop_ranks(self) -> None:
         if any(p.is_alive() for p in self.procs):

@@ -32,10 +32,11 @@ COLLECTIVE_TIMEOUT_S = 120
 class Command(msgspec.Struct, array_like=True, omit_defaults=True):
     """What the workers are told to do, in order."""
 
-    kind: str                               # "execute", "idle", "sleep" or "stop"
+    kind: str                               # "execute", "idle", "sleep", "update" or "stop"
     sched: Optional[SchedulerOutput] = None
     idle: bool = False
     asleep: bool = False
+    model: Optional[str] = None             # "update": the checkpoint (None: the served model's own)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

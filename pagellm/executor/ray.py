@@ -92,6 +92,8 @@ class RankActor:
             self.worker.set_idle(command.idle)
         elif command.kind == "sleep":
             self.worker.set_asleep(command.asleep)
+        elif command.kind == "update":
+            self.worker.update_weights(command.model)
 
     def stop(self) -> None:
         if self.worker is not None:
@@ -226,6 +228,10 @@ class RayExecutor(RankZeroExecutor):
 
     def set_asleep(self, asleep: bool) -> None:
         self._on_ranks(Command("sleep", asleep=asleep), lambda: self.worker.set_asleep(asleep))
+
+    def update_weights(self, model: str | None) -> None:
+        self.worker.weights_source(model)  # a bad checkpoint is refused before any rank loads it
+        self._on_ranks(Command("update", model=model), lambda: self.worker.update_weights(model))
 
     def _on_ranks(self, command: Command, on_rank_zero: Callable[[], None]) -> None:
         """``command`` on every actor's rank and ``on_rank_zero`` here, each actor's answer awaited."""

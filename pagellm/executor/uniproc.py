@@ -23,6 +23,9 @@ class UniProcExecutor:
     def set_asleep(self, asleep: bool) -> None:
         self.worker.set_asleep(asleep)
 
+    def update_weights(self, model: str | None) -> None:
+        self.worker.update_weights(model)
+
     def start_profile(self) -> bool:
         return self.worker.start_profile()
 

@@ -69,6 +69,7 @@ class Worker:
         store_dir = self._bind_kv_store(kv_transfer, model_dir, arch, cache_config.block_size)
         self.prefaulter = KVPrefaulter(self.runner.kv_caches) if cache_config.kv_cache_prefault else None
         self.asleep = False  # sleep mode (``set_asleep``)
+        self.model_config, self.spec_config, self.arch = model_config, spec_config, arch  # update_weights
         self.profiler_config = profiler_config
         self.profiler = Profiler(profiler_config.profiler_dir, profiler_config.profiler_with_stack) \
             if profiler_config.profiler_dir else None
@@ -129,6 +130,33 @@ class Worker:
                     raise RuntimeError("madvise(MADV_DONTNEED) failed: the KV cache's memory cannot be released")
         elif self.prefaulter is not None:
             self.prefaulter = KVPrefaulter(self.runner.kv_caches)  # every page anew
+
+    def update_weights(self, model: str | None = None) -> None:
+        """Serve the weights of ``model`` (a checkpoint of the same architecture and shapes; None: the served model's
+        own, read again) from now on: loaded as at start-up into a new model, which takes over the KV caches; the
+        engine resets the prefix cache, whose blocks the old weights computed."""
+        model_dir, arch = self.weights_source(model)
+        config = dataclasses.replace(self.model_config, load_format="auto")
+        new, _ = _load_model(arch, model_dir, self.dtype, self.parallel, config)
+        new.eval()
+        for attn, cache in zip(new.attention_layers(), self.runner.kv_caches):
+            attn.kv_cache = cache
+        self.runner.model = new
+        logger.info("weights updated from %s", model_dir)
+
+    def weights_source(self, model: str | None) -> tuple[Path, ArchConfig]:
+        """``update_weights``' checks (ValueError), made on rank 0 before any rank loads: the checkpoint's folder
+        and its architecture, which must be the served model's."""
+        if self.spec_config.method is not None:
+            raise ValueError("update_weights runs without speculative decoding (a proposer holds the old weights)")
+        model_dir = resolve_model_dir(model or self.model_config.model)
+        arch, _ = resolve_arch(model_dir, self.model_config.max_model_len, self.spec_config,
+                               self.model_config.hf_overrides)
+        if arch != self.arch:
+            raise ValueError(f"{model_dir} is not a checkpoint of the served model's shapes ({self.arch.architecture},"
+                             f" {self.arch.num_layers} layers of {self.arch.hidden_size}): update_weights swaps "
+                             "weights, not models")
+        return model_dir, arch
 
     def start_profile(self) -> bool:
         self.profiler_config.require()

@@ -1,6 +1,6 @@
 """Sleep mode served (vLLM's ``--enable-sleep-mode`` routes): ``POST /sleep`` puts the engine to sleep (level 1),
 ``GET /is_sleeping`` says so, requests meanwhile are 503s that say how to wake it, ``POST /wake_up`` brings it back;
-a server without sleep mode refuses by name."""
+a server without sleep mode refuses by name. And weight updates from disk (SGLang's route)."""
 
 from __future__ import annotations
 
@@ -28,3 +28,27 @@ def test_sleep_and_wake_up(start_server: Callable[..., ServerProcess], tiny_llam
     assert httpx.post(f"{url}/v1/completions", json=BODY).json()["choices"][0]["text"] == before
     plain = httpx.post(f"{server.base_url}/sleep")
     assert plain.status_code == 400 and "--enable-sleep-mode" in plain.json()["error"]["message"]
+
+
+def test_weights_update_from_disk(start_server: Callable[..., ServerProcess],
+                                  tiny_model_factory: Callable[..., Path]) -> None:
+    """SGLang's ``POST /update_weights_from_disk``: the server answers as one started on the new checkpoint; its
+    own weights come back without a ``model_path``; a checkpoint of other shapes is a 400."""
+    first, second = tiny_model_factory("llama", seed=0), tiny_model_factory("llama", seed=1)
+    served = start_server(first, "--served-model-name", "tiny")
+    other = start_server(second, "--served-model-name", "tiny")
+
+    def text(url: str) -> str:
+        return httpx.post(f"{url}/v1/completions", json=BODY).json()["choices"][0]["text"]
+
+    own, expected = text(served.base_url), text(other.base_url)
+    assert own != expected
+    update = httpx.post(f"{served.base_url}/update_weights_from_disk", json={"model_path": str(second)}, timeout=60)
+    assert update.status_code == 200 and update.json()["success"] is True
+    assert text(served.base_url) == expected
+    assert httpx.post(f"{served.base_url}/update_weights_from_disk", json={}, timeout=60).status_code == 200
+    assert text(served.base_url) == own
+    wider = tiny_model_factory("llama", hidden_size=96)
+    refused = httpx.post(f"{served.base_url}/update_weights_from_disk", json={"model_path": str(wider)}, timeout=60)
+    assert refused.status_code == 400 and "served model's shapes" in refused.json()["error"]["message"]
+    assert httpx.post(f"{served.base_url}/update_weights_from_disk", json={"model_path": 5}).status_code == 400

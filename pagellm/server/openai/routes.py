@@ -282,6 +282,15 @@ def _operations_router(engine: EngineClient, api_key: Optional[str]) -> APIRoute
         await engine.sleep(level)
         return {"is_sleeping": True}
 
+    @router.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: dict[str, Any]) -> dict[str, Any]:  # SGLang's route
+        path = body.get("model_path")
+        if path is not None and (not isinstance(path, str) or not path):
+            raise APIError("model_path must be a checkpoint folder or .gguf file (omit it to read the served model's "
+                           "own weights again)", 400, param="model_path")
+        await engine.update_weights_from_disk(path)
+        return {"success": True, "message": f"weights updated from {path or 'the served model'}"}
+
     @router.post("/wake_up")
     async def wake_up() -> dict[str, bool]:
         await engine.wake_up()
