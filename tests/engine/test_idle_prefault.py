@@ -25,7 +25,7 @@ class _RecordingCore:
     """What the loop asks of a core, in order; a request arrives when it goes idle; its second step ends the loop."""
 
     scheduler = SimpleNamespace(make_stats=None, kv=None)  # read by the loop's utility table only
-    reset_prefix_cache = start_profile = stop_profile = sleep = wake_up = is_sleeping = None
+    reset_prefix_cache = start_profile = stop_profile = sleep = wake_up = is_sleeping = update_weights = None
 
     def __init__(self, inputs: queue.Queue[Any]) -> None:
         self.inputs = inputs
