@@ -121,6 +121,24 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
                             "llama3_json (a JSON object per call: Llama 3.1/3.2), mistral ([TOOL_CALLS] and a JSON "
                             "list: Mistral 7B v0.3), pythonic ([f(a=1), g()]), qwen3_coder (<function=f> with "
                             "<parameter=a> blocks: Qwen3-Coder), phi4_mini_json (functools[...]: Phi-4-mini)")
+    _add_request_args(cmd)
+    cmd.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="accepted for vLLM command lines: usage always carries prompt_tokens_details.cached_tokens "
+                          "(the prompt tokens the prefix cache served), as OpenAI's does")
+    cmd.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                     help="LoRA adapters to serve (with --enable-lora), each as name=path or JSON {\"name\": ..., "
+                          "\"path\": ...}: requests naming one as their model run with it")
+    cmd.add_argument("--allow-runtime-lora-updating", action="store_true",
+                     help="with --enable-lora: POST /v1/load_lora_adapter {lora_name, lora_path} and "
+                          "/v1/unload_lora_adapter {lora_name} add and remove served adapters (they read server paths: "
+                          "set --api-key)")
+    cmd.add_argument("--reasoning-parser", choices=reasoning.PARSERS, default=None,
+                     help="take a reasoning model's <think> block out of chat replies into reasoning_content: "
+                          "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ)")
+    _add_tls_args(cmd)
+
+
+def _add_request_args(cmd: argparse.ArgumentParser) -> None:
     requests = cmd.add_argument_group("request defaults and logging (vLLM's flags)")
     requests.add_argument("--enable-force-include-usage", action="store_true",
                           help="streamed completions and chats end with a usage chunk even when the request's "
@@ -137,19 +155,9 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
     requests.add_argument("--max-log-len", type=int, default=None, metavar="N",
                           help="with --enable-log-requests: the most prompt characters and token ids logged "
                                "(default: all)")
-    cmd.add_argument("--enable-prompt-tokens-details", action="store_true",
-                     help="accepted for vLLM command lines: usage always carries prompt_tokens_details.cached_tokens "
-                          "(the prompt tokens the prefix cache served), as OpenAI's does")
-    cmd.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
-                     help="LoRA adapters to serve (with --enable-lora), each as name=path or JSON {\"name\": ..., "
-                          "\"path\": ...}: requests naming one as their model run with it")
-    cmd.add_argument("--allow-runtime-lora-updating", action="store_true",
-                     help="with --enable-lora: POST /v1/load_lora_adapter {lora_name, lora_path} and "
-                          "/v1/unload_lora_adapter {lora_name} add and remove served adapters (they read server paths: "
-                          "set --api-key)")
-    cmd.add_argument("--reasoning-parser", choices=reasoning.PARSERS, default=None,
-                     help="take a reasoning model's <think> block out of chat replies into reasoning_content: "
-                          "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ)")
+
+
+def _add_tls_args(cmd: argparse.ArgumentParser) -> None:
     tls = cmd.add_argument_group("HTTPS")
     tls.add_argument("--ssl-keyfile", default=None, help="the server's private key (PEM), with --ssl-certfile")
     tls.add_argument("--ssl-certfile", default=None, help="the server's certificate chain (PEM), with --ssl-keyfile")

@@ -145,7 +145,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt_logprobs = None
         async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority,
                                              job.beam, job.request.cache_salt):
-            choices.setdefault(output.outputs[0].index, _Choice()).add(output)
+            choices.setdefault(output.outputs[0].index, _Choice(keep_ids=job.request.return_token_ids)).add(output)
             prompt_logprobs = prompt_logprobs or output.prompt_logprobs
         result = [_choice(job, i, c) for i, c in sorted(choices.items())]
         return ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=result,
@@ -188,7 +188,7 @@ class OpenAIServingChat(OpenAIServing):
         async for _, output in self.generate([job.prompt], job.params, job.request_id, job.request.priority,
                                              cache_salt=job.request.cache_salt):
             index = output.outputs[0].index
-            choice = job.choices.setdefault(index, _Choice())
+            choice = job.choices.setdefault(index, _Choice(keep_ids=job.request.return_token_ids))
             yield index, choice, choice.add(output)
 
 
@@ -210,7 +210,7 @@ def _piece(job: _Job, index: int, choice: _Choice, text: str) -> Optional[ChatCh
         delta = _delta(text, job.name, choice)
     if thinking and job.request.include_reasoning:
         delta = (delta or ChatDelta()).model_copy(update={"reasoning_content": thinking})
-    if delta is None and job.request.return_token_ids and choice.unsent_ids:  # tokens without text yet
+    if delta is None and choice.unsent_ids:  # tokens without text yet (return_token_ids)
         delta = ChatDelta()
     if delta is None:
         return None

@@ -83,7 +83,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                job.request.cache_salt)
         async for prompt_index, output in stream:
             job.note(prompt_index, output)
-            choices.setdefault(job.choice_index(prompt_index, output), _Choice()).add(output)
+            choices.setdefault(job.choice_index(prompt_index, output),
+                               _Choice(keep_ids=job.request.return_token_ids)).add(output)
         result = []
         for index in sorted(choices):
             choice = choices[index]
@@ -110,12 +111,12 @@ class OpenAIServingCompletion(OpenAIServing):
             async for prompt_index, output in stream:
                 job.note(prompt_index, output)
                 index = job.choice_index(prompt_index, output)
-                choice = choices.setdefault(index, _Choice())
+                choice = choices.setdefault(index, _Choice(keep_ids=job.request.return_token_ids))
                 text = choice.add(output)
                 first = not choice.started
                 if job.request.echo and first:
                     text = job.prompt_texts[prompt_index] + text
-                if text or choice.finish_reason or (job.request.return_token_ids and choice.unsent_ids):
+                if text or choice.finish_reason or choice.unsent_ids:
                     choice.started = True
                     usage = job.usage(choices) if job.request.continuous_usage else None
                     if job.params.logprobs is None and not job.request.return_token_ids:

@@ -94,7 +94,8 @@ class ChoiceState:
     text_offset: int = 0   # completions logprobs: where the next unsent token starts in the text
     token_ids: list[int] = field(default_factory=list)        # the tokens whose logprobs are not sent yet
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)       # every token of the choice (return_token_ids)
+    keep_ids: bool = False  # return_token_ids: the choice keeps its token ids ...
+    output_ids: list[int] = field(default_factory=list)       # ... all of them
     unsent_ids: list[int] = field(default_factory=list)       # ... and those no chunk has carried yet
 
     def add(self, output: RequestOutput) -> str:
@@ -102,8 +103,9 @@ class ChoiceState:
         completion = output.outputs[0]
         self.text += completion.text
         self.num_tokens += len(completion.token_ids)
-        self.output_ids += completion.token_ids
-        self.unsent_ids += completion.token_ids
+        if self.keep_ids:
+            self.output_ids += completion.token_ids
+            self.unsent_ids += completion.token_ids
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         if completion.logprobs is not None:
             self.token_ids += completion.token_ids
