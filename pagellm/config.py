@@ -109,6 +109,10 @@ class ModelConfig:
         "How the weights load (vLLM's flag): auto (the model's safetensors or .gguf file), safetensors, gguf, or "
         "dummy (random weights in the model's shapes, from its config.json alone: for timing a model without its "
         "weights).", default="auto")
+    enable_prompt_embeds: bool = _help(
+        "Take prompts as input embeddings (vLLM's flag): LLM.generate({\"prompt_embeds\": tensor}), or the "
+        "completions API's prompt_embeds (a base64 torch.save of a [num_tokens, hidden_size] tensor). The API "
+        "server then loads torch to read them. Default: off.", default=False)
     enable_lora: bool = _help(
         "Serve requests with LoRA adapters (PEFT directories, one per request: LLM.generate(lora_request=...)); "
         "adapted steps run the Python layers. Default: off.", default=False)
@@ -301,6 +305,9 @@ class EngineConfig:
             raise ValueError("eagle needs 'model': the head's .safetensors file from `pagellm train-draft --method "
                              "eagle` (only the built-in model has a shipped default head)")
         self.parallel_config.check_engine(spec.method == "draft_model" and spec.model is None)
+        if self.model_config.enable_prompt_embeds and spec.method is not None:
+            raise ValueError("enable_prompt_embeds does not run with speculative decoding (proposers draft from "
+                             "token ids, which an embeddings prompt has not): drop one of them")
         if self.parallel_config.data_parallel_size > 1 and self.kv_transfer_config.kv_connector is not None:
             raise ValueError("kv_transfer_config runs with data_parallel_size 1 (one engine core per prefill or "
                              "decode server)")

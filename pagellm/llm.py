@@ -19,7 +19,7 @@ from pagellm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagellm.config import EngineConfig
 from pagellm.engine.client import InprocClient
 from pagellm.engine.exceptions import ASLEEP, EngineSleepingError, check_sleep_level
-from pagellm.engine.input_processor import CLASSIFY_ONLY, InputProcessor, PromptType, load_tokenizer, lora_arch
+from pagellm.engine.input_processor import CLASSIFY_ONLY, InputProcessor, PromptType, as_prompt, load_tokenizer
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
 from pagellm.lora import LoRARequest
@@ -27,6 +27,7 @@ from pagellm.metrics.stats import SchedulerStats
 from pagellm.model.loader import resolve_model_dir
 from pagellm.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingRequestOutput,
                              RequestOutput, ScoringOutput, ScoringRequestOutput, class_probs, pooled_embedding)
+from pagellm.prompt_embeds import PromptEmbeds
 from pagellm.sampling_params import SamplingParams
 from pagellm.scoring import Texts, cosine, distinct, pair_texts
 from pagellm.tokenizer import load_chat_template
@@ -59,10 +60,7 @@ class LLM:
         self.sampling_defaults = generation_config.for_model(model_config, model_dir)
         self.engine = InprocClient(self.config)
         runtime = self.engine.runtime
-        self.input_processor = InputProcessor(self.tokenizer, runtime.max_model_len, runtime.vocab_size,
-                                              runtime.pooling_only, lora_arch(self.config, model_dir),
-                                              model_config.logprobs_cap(runtime.vocab_size),
-                                              classifier=bool(runtime.labels))
+        self.input_processor = InputProcessor.for_engine(self.tokenizer, runtime, self.config, model_dir)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.last_stats: list[SchedulerStats] = []
@@ -127,7 +125,7 @@ class LLM:
             raise EngineSleepingError(ASLEEP)
         requests = []
         groups: list[list[str]] = []
-        for prompt, param, prio in zip(prompts, params, priorities):
+        for prompt, param, prio in zip(map(as_prompt, prompts), params, priorities):
             base = self.input_processor.process(str(next(self._ids)), prompt, param, prio)
             siblings = sibling_params(base.sampling_params)
             group = [base.request_id] if len(siblings) == 1 else \
@@ -291,7 +289,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict, PromptEmbeds)):
         return [prompts]
     if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ import enum
 from typing import TYPE_CHECKING, NewType
 
 if TYPE_CHECKING:
+    from pagellm.prompt_embeds import PromptEmbeds
     from pagellm.sampling_params import SamplingParams
 
 RequestId = NewType("RequestId", str)
@@ -66,6 +67,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         max_tokens: int | None = None,
+        prompt_embeds: PromptEmbeds | None = None,
     ) -> None:
         self.request_id = RequestId(request_id)
         self.sampling_params = sampling_params
@@ -73,6 +75,7 @@ class Request:
         self.arrival_time = arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.prompt_embeds = prompt_embeds  # an embeddings prompt's rows (then the prompt's ids are placeholders)
         # The engine resolves max_tokens=None to what max_model_len leaves.
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.status = RequestStatus.WAITING

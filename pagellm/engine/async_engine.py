@@ -44,13 +44,13 @@ from typing import Any, AsyncIterator, Callable, Union
 
 import msgspec
 
-from pagellm import generation_config
+from pagellm import generation_config, prompt_embeds
 from pagellm.config import EngineConfig
 from pagellm.engine.client import MPClient
 from pagellm.engine.dp_client import DPClient
 from pagellm.engine.exceptions import (ASLEEP, SLEEP_MODE_OFF, EngineDeadError, EngineSleepingError,
                                        check_sleep_level)
-from pagellm.engine.input_processor import InputProcessor, PromptType, load_tokenizer, lora_arch
+from pagellm.engine.input_processor import InputProcessor, PromptType, as_prompt, load_tokenizer
 from pagellm.engine.output_processor import OutputProcessor, RequestState
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, RequestError
@@ -138,10 +138,10 @@ class AsyncLLM:
         self.client: MPClient | DPClient = client(config, self._on_outputs, self._on_dead, startup_timeout_s,
                                                   while_starting=load_text_side)
         self.runtime: RuntimeInfo = self.client.runtime
-        self.input_processor = InputProcessor(
-            self.tokenizer, self.runtime.max_model_len, self.runtime.vocab_size, self.runtime.pooling_only,
-            lora_arch(config, resolve_model_dir(config.model_config.model)),
-            config.model_config.logprobs_cap(self.runtime.vocab_size), classifier=bool(self.runtime.labels))
+        self.input_processor = InputProcessor.for_engine(self.tokenizer, self.runtime, config,
+                                                         resolve_model_dir(config.model_config.model))
+        if config.model_config.enable_prompt_embeds:
+            prompt_embeds.preload()
 
     @classmethod
     def from_config(cls, config: EngineConfig, startup_timeout_s: float = 600.0,
@@ -155,6 +155,11 @@ class AsyncLLM:
         return cls(config, load_text, startup_timeout_s, stats_sink)
 
     @property
+    def enable_prompt_embeds(self) -> bool:
+        """Whether requests may give prompts as input embeddings (``enable_prompt_embeds``)."""
+        return self.input_processor.enable_prompt_embeds
+
+    @property
     def max_logprobs(self) -> int:
         """The most logprobs per token a request may ask for (``max_logprobs``; -1 resolved to the vocabulary)."""
         return self.input_processor.max_logprobs
@@ -164,6 +169,7 @@ class AsyncLLM:
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Delta outputs of one prompt (n siblings when ``params.n > 1``); see the module docstring. Requests of
         different ``cache_salt``s never share prefix-cache blocks."""
+        prompt = as_prompt(prompt)
         requests = self._make_requests(prompt, params, request_id, priority, cache_salt)
         if self._log_len is not False:
             self._log_request(request_id, prompt, requests[0])
@@ -193,11 +199,13 @@ class AsyncLLM:
         self._log_len = max_len
 
     def _log_request(self, request_id: str, prompt: PromptType, request: EngineCoreRequest) -> None:
-        ids = request.prompt_token_ids[:self._log_len]
+        ids = request.prompt_token_ids[:self._log_len] if request.prompt_embeds is None else []
         try:
             text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
         except ValueError:  # no tokenizer (skip_tokenizer_init): the ids alone
             text = ""
+        if request.prompt_embeds is not None:
+            text = f"<{len(request.prompt_token_ids)} rows of prompt embeddings>"
         logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s (%d tokens), cache_salt: %s",
                     request_id, text[:self._log_len], request.sampling_params, ids, len(request.prompt_token_ids),
                     "set" if request.cache_salt else None)
@@ -251,11 +259,10 @@ class AsyncLLM:
             trace_context = tracing.current_context()
             for index, request in enumerate(requests):
                 self.output_processor.add_request(request, prompt)
-                stats = self.output_processor.requests[request.request_id].stats
-                assert stats is not None
-                stats.caller_id, stats.trace_context = request_id, trace_context
-                self._tracked[request.request_id] = _Tracked(request_id, index, stream, prompt,
-                                                             request.prompt_token_ids)
+                state = self.output_processor.requests[request.request_id]
+                assert state.stats is not None
+                state.stats.caller_id, state.stats.trace_context = request_id, trace_context
+                self._tracked[request.request_id] = _Tracked(request_id, index, stream, prompt, state.prompt_token_ids)
                 self._by_request_id.setdefault(request_id, set()).add(request.request_id)
 
     def _untrack(self, core_id: str) -> _Tracked:

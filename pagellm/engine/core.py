@@ -55,9 +55,14 @@ class EngineCore:
         params = req.sampling_params
         room = self.runtime.max_model_len - len(req.prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        embeds = req.prompt_embeds
+        if embeds is not None and (embeds.num_tokens != len(req.prompt_token_ids) or not req.cache_salt
+                                   or embeds.hidden_size != self.runtime.hidden_size):
+            raise ValueError("prompt_embeds must have one row of the model's hidden size per prompt position, and a "
+                             "cache salt (the frontend's InputProcessor makes both)")
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, params, frozenset(req.eos_token_ids), req.arrival_time,
-            req.priority, req.cache_salt, max_tokens))
+            req.priority, req.cache_salt, max_tokens, embeds))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

@@ -19,10 +19,16 @@ import msgspec
 
 from pagellm.engine.wire import EngineCoreRequest
 from pagellm.lora import LoRARequest, check_adapter
+from pagellm.prompt_embeds import PromptEmbeds, from_tensor
 from pagellm.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagellm.tokenizer import NO_TOKENIZER, NoTokenizer, Tokenizer
 
-PromptType = Union[str, Sequence[int]]
+# Text, token ids, input embeddings, or vLLM's dict forms of them ({"prompt": ...}, {"prompt_token_ids": ...},
+# {"prompt_embeds": tensor}).
+PromptType = Union[str, Sequence[int], PromptEmbeds, dict]
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds")
+EMBEDS_OFF = ("this engine takes no prompt embeddings; start it with enable_prompt_embeds=True "
+              "(--enable-prompt-embeds)")
 
 
 CLASSIFY_ONLY = ("this model is a sequence classifier (a score head, no language-model head): it serves classify "
@@ -62,7 +68,8 @@ def lora_arch(config: Any, model_dir: Any) -> Any:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, pooling_only: bool = False,
-                 lora_arch: Any = None, max_logprobs: int = MAX_LOGPROBS, classifier: bool = False) -> None:
+                 lora_arch: Any = None, max_logprobs: int = MAX_LOGPROBS, classifier: bool = False,
+                 hidden_size: int = 0, enable_prompt_embeds: bool = False) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -71,8 +78,22 @@ class InputProcessor:
         self.classifier = classifier  # ... or, a sequence classifier, classify requests only
         self.lora_arch = lora_arch  # the model's ArchConfig when LoRA is enabled (adapters are checked against it)
         self._adapters: set[LoRARequest] = set()  # checked already
+        self.hidden_size = hidden_size  # an embeddings prompt's row width
+        self.enable_prompt_embeds = enable_prompt_embeds
+
+    @classmethod
+    def for_engine(cls, tokenizer: Tokenizer, runtime: Any, config: Any, model_dir: Path) -> InputProcessor:
+        """The input processor of an engine of ``config`` that started with ``runtime`` (its ``RuntimeInfo``)."""
+        model_config = config.model_config
+        return cls(tokenizer, runtime.max_model_len, runtime.vocab_size, runtime.pooling_only,
+                   lora_arch(config, model_dir), model_config.logprobs_cap(runtime.vocab_size),
+                   classifier=bool(runtime.labels), hidden_size=runtime.hidden_size,
+                   enable_prompt_embeds=model_config.enable_prompt_embeds)
 
     def tokenize(self, prompt: PromptType) -> list[int]:
+        prompt = as_prompt(prompt)
+        if isinstance(prompt, PromptEmbeds):
+            raise ValueError("this call takes text or token-id prompts, not prompt embeddings")
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -81,7 +102,9 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
                 cache_salt: str | None = None) -> EngineCoreRequest:
-        token_ids = self.tokenize(prompt)
+        prompt = as_prompt(prompt)
+        embeds = prompt if isinstance(prompt, PromptEmbeds) else None
+        token_ids = self.tokenize(prompt) if embeds is None else self.check_embeds(embeds, params)
         check_prompt(token_ids, self.max_model_len, self.vocab_size)
         params = self.prepare_params(params)
         # The caller's salt (length-prefixed, so that no other part can pass for it or for another caller's) ...
@@ -91,8 +114,21 @@ class InputProcessor:
             salts.append(f"prompt-logprobs-{uuid.uuid4().hex}")
         if params.lora_request is not None:  # ... KV computed under an adapter is its own
             salts.append(params.lora_request.cache_salt)
+        if embeds is not None:  # ... and so is KV computed from embeddings (its token ids are placeholders)
+            salts.append(f"embeds-{embeds.digest()}")
         return EngineCoreRequest(request_id, token_ids, params, sorted(self.tokenizer.eos_token_ids), time.time(),
-                                 priority, "/".join(salts) or None)
+                                 priority, "/".join(salts) or None, embeds)
+
+    def check_embeds(self, embeds: PromptEmbeds, params: SamplingParams) -> list[int]:
+        """An embeddings prompt's placeholder token ids (zeros, one per row), once this engine can run it."""
+        if not self.enable_prompt_embeds:
+            raise ValueError(EMBEDS_OFF)
+        if embeds.hidden_size != self.hidden_size:
+            raise ValueError(f"prompt_embeds rows have {embeds.hidden_size} values but this model's hidden size is "
+                             f"{self.hidden_size}")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs needs the prompt's tokens; an embeddings prompt has none")
+        return [0] * embeds.num_tokens
 
     def check_adapter(self, request: LoRARequest) -> None:
         """Raise ValueError unless this engine can run ``request``'s adapter (checked once per adapter)."""
@@ -127,6 +163,22 @@ class InputProcessor:
                         words.append(ids)
             params = msgspec.structs.replace(params, bad_words_token_ids=words)
         return params
+
+
+def as_prompt(prompt: PromptType) -> Union[str, Sequence[int], PromptEmbeds]:
+    """A prompt in one of vLLM's dict forms as its plain value (a tensor of embeddings as ``PromptEmbeds``)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = [key for key in _PROMPT_KEYS if key in prompt]
+    if len(keys) != 1 or len(prompt) != 1:
+        raise ValueError(f"a dict prompt takes exactly one of the keys {', '.join(_PROMPT_KEYS)}; got "
+                         f"{', '.join(map(str, prompt)) or 'none'}")
+    value = prompt[keys[0]]
+    if keys[0] == "prompt_embeds":
+        return value if isinstance(value, PromptEmbeds) else from_tensor(value)
+    if keys[0] == "prompt" and not isinstance(value, str):
+        raise ValueError("a {\"prompt\": ...} prompt must be a string")
+    return value
 
 
 def check_prompt(token_ids: Sequence[int], max_model_len: int, vocab_size: int) -> None:

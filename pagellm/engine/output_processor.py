@@ -75,8 +75,9 @@ class OutputProcessor:
         self._token_texts: dict[int, str] = {}  # token id → its own text, for logprobs
 
     def add_request(self, req: EngineCoreRequest, prompt: str | None) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer.backend, req.prompt_token_ids, req.sampling_params)
-        state = RequestState(req.request_id, prompt, req.prompt_token_ids, detok, RequestMetrics(req.arrival_time), [],
+        prompt_ids = req.prompt_token_ids if req.prompt_embeds is None else []  # embeddings: no prompt tokens
+        detok = IncrementalDetokenizer(self.tokenizer.backend, prompt_ids, req.sampling_params)
+        state = RequestState(req.request_id, prompt, prompt_ids, detok, RequestMetrics(req.arrival_time), [],
                              stats=RequestStats(req.arrival_time, len(req.prompt_token_ids), req.sampling_params))
         if req.sampling_params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0

@@ -18,6 +18,7 @@ from typing import Any, Literal, Union
 import msgspec
 
 from pagellm.metrics.stats import SchedulerStats
+from pagellm.prompt_embeds import PromptEmbeds
 from pagellm.sampling_params import SamplingParams
 from pagellm.sched.output import StepOutput
 from pagellm.worker.runtime import RuntimeInfo
@@ -35,6 +36,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    prompt_embeds: PromptEmbeds | None = None  # an embeddings prompt: its rows (prompt_token_ids: placeholders)
 
 
 class RequestError(msgspec.Struct, array_like=True):

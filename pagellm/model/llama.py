@@ -31,6 +31,8 @@ from pagellm.model.layers.rotary import RotaryEmbedding
 from pagellm.model.native_stack import run_native, run_native_stage
 from pagellm.ops import gemm, gemm_w8a8
 
+Embeds = tuple[torch.Tensor, torch.Tensor]  # flat token positions, and the embedding rows that go there
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, parallel: ParallelState,
@@ -122,12 +124,14 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype, parallel, i) for i in self.layer_range)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None,
+                embeds: Embeds | None = None) -> torch.Tensor:
         """Final-norm hidden states after all layers, or after the first ``num_layers`` (self-speculation).
+        ``embeds``: (flat positions, rows) that replace those positions' token embeddings (embeddings prompts).
         bfloat16 steps on the cpu_paged backend run the layers as one native call (``model/native_stack.py``)."""
         if self.parallel.pp_size > 1:
-            return self._forward_stage(input_ids, positions)
-        x, residual = self.embed_tokens(input_ids), None
+            return self._forward_stage(input_ids, positions, embeds)
+        x, residual = self.embed(input_ids, embeds), None
         native = run_native(self, x, positions, num_layers)
         if native is not None:
             return native
@@ -135,13 +139,20 @@ class LlamaModel(nn.Module):
             x, residual = layer(positions, x, residual)
         return self.norm(x, residual)[0]
 
-    def _forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, embeds: Embeds | None = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if embeds is not None:
+            x.index_copy_(0, embeds[0], embeds[1])
+        return x
+
+    def _forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       embeds: Embeds | None = None) -> torch.Tensor:
         """One pipeline stage: the previous stage's hidden states and residual (or the embeddings) through this
         stage's layers, on to the next; every stage returns the last one's final hidden states."""
         stage = self.parallel
         dtype = self.norm.weight.dtype
         if stage.is_first_stage:
-            x, residual = self.embed_tokens(input_ids), None
+            x, residual = self.embed(input_ids, embeds), None
         else:
             x, residual = stage.recv_prev((input_ids.shape[0], self.norm.weight.shape[0]), dtype)
         native = run_native_stage(self, x, residual, positions, stage.is_last_stage)
@@ -184,8 +195,9 @@ class LlamaForCausalLM(nn.Module):
                 if hasattr(module, "expect_scales"):
                     module.expect_scales()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, num_layers)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None,
+                embeds: Embeds | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, num_layers, embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)

@@ -158,6 +158,10 @@ class Scheduler(Intake, Admission):
         num_running, budget = len(self.running), self.budget - part.num_tokens
         if not part.preempted and self.waiting:  # no room for newcomers while running requests are pushed out
             budget = self._schedule_waiting(budget, req_ids, num_scheduled, new_reqs)
+        for new in new_reqs:  # an embeddings prompt's rows go to the workers with its request (also on resuming)
+            embeds = self.requests[new.req_id].prompt_embeds
+            if embeds is not None:
+                new.prompt_embeds = embeds
         total = self.budget - budget
         self._stats.num_scheduled_tokens += total
         dropped, self._dropped_req_ids = self._dropped_req_ids, set()

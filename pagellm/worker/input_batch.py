@@ -28,6 +28,7 @@ class CachedRequestState:
     num_computed_tokens: int
     suppressed_token_ids: list[int] = field(default_factory=list)  # banned until min_tokens outputs exist
     processing: RequestProcessing | None = None  # penalties / bias / bans / grammar state; None = none asked
+    prompt_embeds: torch.Tensor | None = None  # an embeddings prompt's rows, in the model's dtype
 
     @property
     def num_output_tokens(self) -> int:
@@ -46,6 +47,8 @@ class StepInputs:
     logits_indices: torch.Tensor  # flat token indices whose logits are needed
     logits_start: list[int]       # per request: its first row in the logits (or -1 when it samples nothing)
     drafts: list[list[int]]       # per request: draft tokens verified this step
+    # Embeddings prompts' rows this step: (flat token indices, their rows), put in place of the token embeddings
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def build_step_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput,
@@ -62,8 +65,10 @@ def build_step_inputs(states: dict[str, CachedRequestState], sched: SchedulerOut
     logits_indices: list[int] = []
     logits_start: list[int] = []
     all_drafts: list[list[int]] = []
+    embeds = False
     for row, req_id in enumerate(req_ids):
         state = states[req_id]
+        embeds = embeds or state.prompt_embeds is not None
         start, count = int(starts[row]), int(counts[row])
         drafts = sched.spec_token_ids.get(req_id, [])
         tokens.extend(state.token_ids[start:start + count - len(drafts)])
@@ -82,7 +87,25 @@ def build_step_inputs(states: dict[str, CachedRequestState], sched: SchedulerOut
         + positions % block_size
     return StepInputs(req_ids, torch.tensor(tokens, dtype=torch.int64), torch.from_numpy(positions),
                       torch.from_numpy(slots), query_start_loc, seq_lens, block_table,
-                      torch.tensor(logits_indices, dtype=torch.int64), logits_start, all_drafts)
+                      torch.tensor(logits_indices, dtype=torch.int64), logits_start, all_drafts,
+                      _embeds_rows(states, req_ids, starts, counts, query_start_loc) if embeds else None)
+
+
+def _embeds_rows(states: dict[str, CachedRequestState], req_ids: list[str], starts: np.ndarray, counts: np.ndarray,
+                 query_start_loc: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The flat indices of the step's embeddings-prompt positions and the rows that go there."""
+    indices: list[torch.Tensor] = []
+    rows: list[torch.Tensor] = []
+    for row, req_id in enumerate(req_ids):
+        state = states[req_id]
+        start = int(starts[row])
+        if state.prompt_embeds is None or start >= state.num_prompt_tokens:
+            continue
+        count = min(int(counts[row]), state.num_prompt_tokens - start)
+        first = int(query_start_loc[row])
+        indices.append(torch.arange(first, first + count))
+        rows.append(state.prompt_embeds[start:start + count])
+    return (torch.cat(indices), torch.cat(rows)) if rows else None
 
 
 def _positions(starts: np.ndarray, counts: np.ndarray, total: int) -> np.ndarray:

@@ -30,6 +30,7 @@ from pagellm.disagg.connector import KVStore
 from pagellm.lora import WorkerAdapters
 from pagellm.metrics.profiler import span
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.prompt_embeds import to_tensor
 from pagellm.sample.logits_processors import LogitsProcessing, RowContext
 from pagellm.sample.logprobs import gather_logprobs, raw_logprobs, split_logprobs
 from pagellm.sample.sampler import Sampler, SamplingTensors, processed_logprobs
@@ -88,7 +89,7 @@ class ModelRunner:
                                            inputs.positions.numpy())
             lora = self.adapters.batch(inputs.req_ids, inputs.query_start_loc)
         with span("forward"), forward_context(self.backend, self.backend.build(common), lora):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+            hidden = self.model(inputs.input_ids, inputs.positions, embeds=inputs.embeds)
         with span("compute_logits"):
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # model dtype; samplers upcast
         with span("sample"):
@@ -215,8 +216,12 @@ class ModelRunner:
             self.adapters.track(new.req_id, new.sampling_params.lora_request)
             if new.sampling_params.pooling:
                 self._pooling.add(new.req_id)
+            prompt_ids = new.token_ids[:new.num_prompt_tokens]
+            if new.prompt_embeds is not None:  # its prompt ids are placeholders: penalties see no prompt tokens
+                state.prompt_embeds = to_tensor(new.prompt_embeds, self.model.model.norm.weight.dtype)
+                prompt_ids = []
             # Rebuilt from the tokens when a preempted request resumes, so its state never depends on history.
-            state.processing = self.processing.create(new.sampling_params, new.token_ids[:new.num_prompt_tokens],
+            state.processing = self.processing.create(new.sampling_params, prompt_ids,
                                                       new.token_ids[new.num_prompt_tokens:])
         cached = sched.cached_reqs
         for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens):

@@ -193,7 +193,9 @@ class SamplingRequest(OpenAIModel):
 # ---- completions ------------------------------------------------------------------------------------------------
 
 class CompletionRequest(SamplingRequest):
-    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    prompt: Optional[Union[str, list[str], list[TokenId], list[list[TokenId]]]] = None
+    # Prompts as input embeddings (--enable-prompt-embeds): each a base64 torch.save of a [tokens, hidden] tensor
+    prompt_embeds: Optional[Union[str, list[str]]] = None
     max_tokens: Optional[Count] = 16
     echo: bool = False
     logprobs: Optional[NumLogprobs] = None
@@ -205,6 +207,13 @@ class CompletionRequest(SamplingRequest):
         found = super().unsupported()
         if self.suffix:
             found.append(("suffix", "suffix (insertion) is not supported; omit it"))
+        if self.prompt is None and self.prompt_embeds is None:
+            found.append(("prompt", "give a prompt (text or token ids) or prompt_embeds"))
+        if self.prompt_embeds is not None:
+            given = {"echo": self.echo, "use_beam_search": self.use_beam_search,
+                     "prompt_logprobs": self.prompt_logprobs is not None}
+            found += [(name, f"{name} needs the prompt's tokens; prompt_embeds has none")
+                      for name, on in given.items() if on]
         if self.stream and self.best_of is not None and self.best_of > self.n:
             found.append(("best_of", "best_of > n cannot be streamed (the best are known only at the end); "
                                      "set stream=false or best_of=n"))

@@ -16,17 +16,22 @@ Contract:
 
 from __future__ import annotations
 
+import base64
+import binascii
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pagellm import prompt_embeds
 from pagellm.beam_search import BeamSearchParams
+from pagellm.engine.input_processor import EMBEDS_OFF
 from pagellm.outputs import RequestOutput
+from pagellm.prompt_embeds import PromptEmbeds
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai import serving_beam
 from pagellm.server.openai.chunks import ChunkWriter
-from pagellm.server.openai.errors import sse_error
+from pagellm.server.openai.errors import APIError, sse_error
 from pagellm.server.openai.logprobs import (completion_logprobs, prompt_completion_logprobs,
                                             prompt_logprobs_body)
 from pagellm.server.openai.protocol import CompletionRequest
@@ -42,7 +47,7 @@ class _Job:
     request: CompletionRequest
     request_id: str
     model: str
-    prompts: list[list[int]]
+    prompts: list[list[int] | PromptEmbeds]  # token ids, or input embeddings (prompt_embeds)
     prompt_texts: list[str]
     params: SamplingParams
     created: int = field(default_factory=lambda: int(time.time()))
@@ -53,6 +58,11 @@ class _Job:
         if output.prompt_logprobs is not None:
             self.prompt_logprobs[prompt_index] = output.prompt_logprobs
 
+    def prompt_ids(self, prompt_index: int) -> list[int] | None:
+        """A prompt's token ids (None for an embeddings prompt: it has none)."""
+        prompt = self.prompts[prompt_index]
+        return prompt if isinstance(prompt, list) else None
+
     def choice_index(self, prompt_index: int, output: RequestOutput) -> int:
         return prompt_index * self.request.n + output.outputs[0].index
 
@@ -60,7 +70,8 @@ class _Job:
         """Each prompt counted once: its tokens, and its cached ones as its first sample's request found them (the
         other samples find the first's blocks)."""
         cached = sum(c.num_cached_tokens for i, c in choices.items() if i % self.request.n == 0)
-        return UsageInfo.of(sum(len(p) for p in self.prompts), sum(c.num_tokens for c in choices.values()), cached)
+        num_prompt = sum(len(p) if isinstance(p, list) else p.num_tokens for p in self.prompts)
+        return UsageInfo.of(num_prompt, sum(c.num_tokens for c in choices.values()), cached)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -68,9 +79,12 @@ class OpenAIServingCompletion(OpenAIServing):
     def prepare(self, request: CompletionRequest) -> _Job:
         """Validate and tokenize (raises APIError / ValueError → 4xx before anything is queued)."""
         model, params = self.check_request(request)
-        items = self.tokenize_prompts(request.prompt, request.add_special_tokens, request.truncate_prompt_tokens,
-                                      "prompt")
-        prompts = [ids for _, ids, _ in items]
+        items = [] if request.prompt is None else self.tokenize_prompts(
+            request.prompt, request.add_special_tokens, request.truncate_prompt_tokens, "prompt")
+        # embeddings prompts first, as vLLM orders them
+        prompts: list[list[int] | PromptEmbeds] = [] if request.prompt_embeds is None else self.load_embeds(
+            request.prompt_embeds, request.truncate_prompt_tokens)
+        prompts += [ids for _, ids, _ in items]
         # with echo, each prompt as the model saw it
         texts = [item if isinstance(item, str) and not cut else self.tokenizer.decode(ids)
                  for item, ids, cut in items] if request.echo else []
@@ -97,7 +111,7 @@ class OpenAIServingCompletion(OpenAIServing):
             result.append(CompletionChoice(index=index, text=prefix + choice.text, logprobs=logprobs,
                                            finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
                                            prompt_logprobs=prompt_lps,
-                                           prompt_token_ids=job.prompts[index // job.request.n] if ids else None,
+                                           prompt_token_ids=job.prompt_ids(index // job.request.n) if ids else None,
                                            token_ids=choice.output_ids if ids else None))
         return CompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=result,
                                   usage=job.usage(choices))
@@ -128,13 +142,40 @@ class OpenAIServingCompletion(OpenAIServing):
                     ids = job.request.return_token_ids
                     yield self._chunk(job, [CompletionChoice(
                         index=index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason,
-                        stop_reason=choice.stop_reason, prompt_token_ids=job.prompts[prompt_index] if ids and first
+                        stop_reason=choice.stop_reason, prompt_token_ids=job.prompt_ids(prompt_index) if ids and first
                         else None, token_ids=choice.take_ids() if ids else None)], usage)
             if job.request.include_usage:
                 yield self._chunk(job, [], job.usage(choices))
         except Exception as exc:
             yield sse_error(exc)
         yield "data: [DONE]\n\n"
+
+    def load_embeds(self, raw: str | list[str], keep: Optional[int]) -> list[PromptEmbeds]:
+        """Each ``prompt_embeds`` entry (a base64 ``torch.save`` of a [tokens, hidden] tensor), read and checked, cut
+        to its last ``keep`` rows (400 naming the fix, before anything is queued)."""
+        if not self.engine.enable_prompt_embeds:
+            raise APIError(EMBEDS_OFF, 400, param="prompt_embeds")
+        items = [raw] if isinstance(raw, str) else raw
+        if not items:
+            raise APIError("prompt_embeds must not be empty", 400, param="prompt_embeds")
+        hidden_size, loaded = self.engine.runtime.hidden_size, []
+        for position, item in enumerate(items):
+            where = f"prompt_embeds {position}: " if len(items) > 1 else "prompt_embeds: "
+            try:
+                embeds = prompt_embeds.load(base64.b64decode(item, validate=True))
+            except (ValueError, binascii.Error) as exc:
+                raise APIError(f"{where}{exc} (send a base64 torch.save of a [tokens, hidden] float tensor)", 400,
+                               param="prompt_embeds") from None
+            if embeds.hidden_size != hidden_size:
+                raise APIError(f"{where}rows of {embeds.hidden_size} values; this model's hidden size is "
+                               f"{hidden_size}", 400, param="prompt_embeds")
+            embeds = embeds.last(len(self.truncate([0] * embeds.num_tokens, keep)))
+            if embeds.num_tokens >= self.max_model_len:
+                raise APIError(f"{where}{embeds.num_tokens} rows, but max_model_len is {self.max_model_len}; send "
+                               f"at most {self.max_model_len - 1}", 400, param="prompt_embeds",
+                               code="context_length_exceeded")
+            loaded.append(embeds)
+        return loaded
 
     def _logprobs(self, job: _Job, choice: _Choice, prompt_index: int,
                   with_prompt: bool) -> CompletionLogprobs | None:
@@ -146,6 +187,7 @@ class OpenAIServingCompletion(OpenAIServing):
         as_ids = job.request.return_tokens_as_token_ids
         if job.request.echo and with_prompt:
             ids = job.prompts[prompt_index]
+            assert isinstance(ids, list)  # echo takes no embeddings prompts (CompletionRequest.unsupported)
             prompt, choice.text_offset = prompt_completion_logprobs(
                 ids, job.prompt_logprobs.get(prompt_index, [None]),
                 self.tokenizer.decode(ids[:1], skip_special_tokens=False), as_ids)

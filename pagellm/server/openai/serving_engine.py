@@ -46,6 +46,7 @@ class EngineClient(Protocol):
     runtime: Any  # max_model_len, num_blocks, vocab_size, hidden_size, pooling_only (worker/runtime.py)
     sampling_defaults: dict[str, Any]  # for requests that leave them unset (generation_config.py)
     max_logprobs: int  # the most logprobs per token a request may ask for (--max-logprobs)
+    enable_prompt_embeds: bool  # requests may give prompts as input embeddings (--enable-prompt-embeds)
 
     def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
                  priority: int = 0, cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]: ...
