@@ -39,8 +39,7 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Union
+from typing import Any, AsyncIterator, Callable
 
 import msgspec
 
@@ -51,59 +50,22 @@ from pagellm.engine.dp_client import DPClient
 from pagellm.engine.exceptions import (ASLEEP, SLEEP_MODE_OFF, EngineDeadError, EngineSleepingError,
                                        check_sleep_level)
 from pagellm.engine.input_processor import InputProcessor, PromptType, as_prompt, load_tokenizer
-from pagellm.engine.output_processor import OutputProcessor, RequestState
+from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
+from pagellm.engine.request_stream import (RequestStream, StreamItem, Tracked, aborted_output, coalesce,
+                                           with_completion)
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, RequestError
 from pagellm.lora import LoRARequest
 from pagellm.metrics import tracing
 from pagellm.metrics.sink import NullStatsSink, StatsSink
 from pagellm.metrics.stats import IterationStats, SchedulerStats
 from pagellm.model.loader import resolve_model_dir
-from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
 from pagellm.worker.runtime import RuntimeInfo
 
 logger = logging.getLogger(__name__)
-
-_StreamItem = Union[RequestOutput, BaseException]
-
-
-class _RequestStream:
-    """The outputs of one ``generate`` call, handed from any thread to the caller's event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._items: list[_StreamItem] = []
-        self._ready = asyncio.Event()
-
-    def put(self, item: _StreamItem) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self._put, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-            pass
-
-    def _put(self, item: _StreamItem) -> None:
-        self._items.append(item)
-        self._ready.set()
-
-    async def take(self) -> list[_StreamItem]:
-        await self._ready.wait()
-        self._ready.clear()
-        items, self._items = self._items, []
-        return items
-
-
-@dataclass
-class _Tracked:
-    """One core request of a ``generate`` call (one sibling when n > 1)."""
-
-    request_id: str  # the caller's id
-    index: int
-    stream: _RequestStream
-    prompt: str | None
-    prompt_token_ids: list[int]
-
 
 class AsyncLLM:
     """Frontend engine for the server (see the module docstring for the contract)."""
@@ -121,7 +83,7 @@ class AsyncLLM:
         self.config = config
         self.stats_sink: StatsSink = stats_sink or NullStatsSink()
         self._lock = threading.Lock()
-        self._tracked: dict[str, _Tracked] = {}            # core request id → its call
+        self._tracked: dict[str, Tracked] = {}            # core request id → its call
         self._by_request_id: dict[str, set[str]] = {}       # caller's id → live core request ids
         self._ids = itertools.count()
         self._stats = SchedulerStats()
@@ -173,7 +135,7 @@ class AsyncLLM:
         requests = self._make_requests(prompt, params, request_id, priority, cache_salt)
         if self._log_len is not False:
             self._log_request(request_id, prompt, requests[0])
-        stream = _RequestStream(asyncio.get_running_loop())
+        stream = RequestStream(asyncio.get_running_loop())
         self._register(request_id, requests, prompt if isinstance(prompt, str) else None, stream)
         try:
             self.client.add_requests(requests)
@@ -183,7 +145,7 @@ class AsyncLLM:
                 return
             done: set[int] = set()
             while len(done) < len(requests):
-                for item in _coalesce(await stream.take()):
+                for item in coalesce(await stream.take()):
                     if isinstance(item, BaseException):
                         raise item
                     if item.outputs[0].finished:
@@ -211,9 +173,9 @@ class AsyncLLM:
                     "set" if request.cache_salt else None)
 
     @staticmethod
-    async def _best_of(stream: _RequestStream, params: SamplingParams, count: int) -> list[RequestOutput]:
+    async def _best_of(stream: RequestStream, params: SamplingParams, count: int) -> list[RequestOutput]:
         """Wait for all ``count`` siblings, then one whole output per chosen completion (rank order)."""
-        items: list[_StreamItem] = []
+        items: list[StreamItem] = []
         done: set[int] = set()
         while len(done) < count:
             for item in await stream.take():
@@ -222,9 +184,9 @@ class AsyncLLM:
                 if item.outputs[0].finished:
                     done.add(item.outputs[0].index)
                 items.append(item)
-        whole = [item for item in _coalesce(items) if isinstance(item, RequestOutput)]
+        whole = [item for item in coalesce(items) if isinstance(item, RequestOutput)]
         best = select_best([item.outputs[0] for item in whole], params)
-        outputs = [_with_completion(whole[0], c) for c in best]
+        outputs = [with_completion(whole[0], c) for c in best]
         for output in outputs:
             output.finished = output is outputs[-1]
         return outputs
@@ -253,7 +215,7 @@ class AsyncLLM:
         return f"{request_id}-{next(self._ids)}"
 
     def _register(self, request_id: str, requests: list[EngineCoreRequest], prompt: str | None,
-                  stream: _RequestStream) -> None:
+                  stream: RequestStream) -> None:
         with self._lock:
             self._raise_if_dead()  # under the lock: _on_dead either sees these requests or we see it
             trace_context = tracing.current_context()
@@ -262,10 +224,10 @@ class AsyncLLM:
                 state = self.output_processor.requests[request.request_id]
                 assert state.stats is not None
                 state.stats.caller_id, state.stats.trace_context = request_id, trace_context
-                self._tracked[request.request_id] = _Tracked(request_id, index, stream, prompt, state.prompt_token_ids)
+                self._tracked[request.request_id] = Tracked(request_id, index, stream, prompt, state.prompt_token_ids)
                 self._by_request_id.setdefault(request_id, set()).add(request.request_id)
 
-    def _untrack(self, core_id: str) -> _Tracked:
+    def _untrack(self, core_id: str) -> Tracked:
         tracked = self._tracked.pop(core_id)
         siblings = self._by_request_id[tracked.request_id]
         siblings.discard(core_id)
@@ -282,7 +244,7 @@ class AsyncLLM:
                 state = self.output_processor.requests.get(core_id)
                 tracked = self._untrack(core_id)
                 if notify:
-                    tracked.stream.put(_aborted_output(tracked, state))
+                    tracked.stream.put(aborted_output(tracked, state))
         self.client.abort_requests(live)
         if live:
             self.stats_sink.record(None, IterationStats(time.time(), num_aborted=len(live)))
@@ -420,40 +382,3 @@ class AsyncLLM:
         self._shut_down = True
         self.client.shutdown()
         self.stats_sink.shutdown()
-
-
-def _with_completion(output: RequestOutput, completion: CompletionOutput) -> RequestOutput:
-    return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids, [completion], False,
-                         output.metrics, output.num_cached_tokens, prompt_logprobs=output.prompt_logprobs,
-                         pooled=output.pooled)
-
-
-def _aborted_output(tracked: _Tracked, state: RequestState | None) -> RequestOutput:
-    metrics = state.metrics if state is not None else RequestMetrics(time.time())
-    metrics.finished_time = time.time()
-    completion = CompletionOutput(tracked.index, "", [], "abort")
-    return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids, [completion], True,
-                         metrics, state.num_cached_tokens if state is not None else 0)
-
-
-def _coalesce(items: list[_StreamItem]) -> list[_StreamItem]:
-    """Merge the queued deltas of each sibling into one, so a slow consumer gets fewer, larger deltas."""
-    merged: dict[int, RequestOutput] = {}
-    for item in items:
-        if isinstance(item, BaseException):
-            return [*merged.values(), item]
-        previous = merged.get(item.outputs[0].index)
-        if previous is None:
-            merged[item.outputs[0].index] = item
-            continue
-        old, new = previous.outputs[0], item.outputs[0]
-        old.text += new.text
-        old.token_ids.extend(new.token_ids)
-        if old.logprobs is not None and new.logprobs is not None:
-            old.logprobs.extend(new.logprobs)
-        old.cumulative_logprob = new.cumulative_logprob
-        old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
-        previous.finished = item.finished
-        previous.prompt_logprobs = previous.prompt_logprobs or item.prompt_logprobs
-        previous.pooled = previous.pooled or item.pooled
-    return list(merged.values())

@@ -1,0 +1,87 @@
+"""One ``AsyncLLM.generate`` call's stream: its core requests, the outputs handed to the caller's event loop, and
+the deltas merged for a consumer that fell behind."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Union
+
+from pagellm.engine.output_processor import RequestState
+from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+StreamItem = Union[RequestOutput, BaseException]
+
+
+class RequestStream:
+    """The outputs of one ``generate`` call, handed from any thread to the caller's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: list[StreamItem] = []
+        self._ready = asyncio.Event()
+
+    def put(self, item: StreamItem) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._put, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+    def _put(self, item: StreamItem) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def take(self) -> list[StreamItem]:
+        await self._ready.wait()
+        self._ready.clear()
+        items, self._items = self._items, []
+        return items
+
+
+@dataclass
+class Tracked:
+    """One core request of a ``generate`` call (one sibling when n > 1)."""
+
+    request_id: str  # the caller's id
+    index: int
+    stream: RequestStream
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+def with_completion(output: RequestOutput, completion: CompletionOutput) -> RequestOutput:
+    return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids, [completion], False,
+                         output.metrics, output.num_cached_tokens, prompt_logprobs=output.prompt_logprobs,
+                         pooled=output.pooled)
+
+
+def aborted_output(tracked: Tracked, state: RequestState | None) -> RequestOutput:
+    metrics = state.metrics if state is not None else RequestMetrics(time.time())
+    metrics.finished_time = time.time()
+    completion = CompletionOutput(tracked.index, "", [], "abort")
+    return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids, [completion], True,
+                         metrics, state.num_cached_tokens if state is not None else 0)
+
+
+def coalesce(items: list[StreamItem]) -> list[StreamItem]:
+    """Merge the queued deltas of each sibling into one, so a slow consumer gets fewer, larger deltas."""
+    merged: dict[int, RequestOutput] = {}
+    for item in items:
+        if isinstance(item, BaseException):
+            return [*merged.values(), item]
+        previous = merged.get(item.outputs[0].index)
+        if previous is None:
+            merged[item.outputs[0].index] = item
+            continue
+        old, new = previous.outputs[0], item.outputs[0]
+        old.text += new.text
+        old.token_ids.extend(new.token_ids)
+        if old.logprobs is not None and new.logprobs is not None:
+            old.logprobs.extend(new.logprobs)
+        old.cumulative_logprob = new.cumulative_logprob
+        old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+        previous.finished = item.finished
+        previous.prompt_logprobs = previous.prompt_logprobs or item.prompt_logprobs
+        previous.pooled = previous.pooled or item.pooled
+    return list(merged.values())
