@@ -11,7 +11,8 @@ import random
 
 import pytest
 
-from pagellm.server.openai.tool_parsers import PARSERS, Parsed, ToolCallStream, ToolParser, get_parser
+from pagellm.server.openai.tool_call_stream import ToolCallStream
+from pagellm.server.openai.tool_parsers import PARSERS, Parsed, ToolParser, get_parser
 from pagellm.server.openai.tools import FunctionCall, ToolCall
 from pagellm.server.options import add_serve_args, serve_options
 

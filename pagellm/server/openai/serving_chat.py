@@ -39,7 +39,8 @@ from pagellm.server.openai.serving_engine import ChoiceState as _Choice
 from pagellm.server.openai.reasoning import END as THINK_END
 from pagellm.server.openai.reasoning import ReasoningStream, closed_in_prompt
 from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing, random_id
-from pagellm.server.openai.tool_parsers import ToolCallStream, ToolParser, get_parser
+from pagellm.server.openai.tool_call_stream import ToolCallStream
+from pagellm.server.openai.tool_parsers import ToolParser, get_parser
 
 
 @dataclass
