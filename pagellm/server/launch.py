@@ -15,7 +15,9 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
 import socket
 from collections.abc import Coroutine
@@ -68,7 +70,7 @@ def build_frontend(engine: EngineClient, config: EngineConfig, names: list[str],
                     cors=options.cors, tool_parser=options.tool_call_parser,
                     reasoning_parser=options.reasoning_parser, loras=loras,
                     runtime_lora_updating=options.runtime_lora_updating, defaults=options.request_defaults,
-                    request_id_headers=options.request_id_headers)
+                    request_id_headers=options.request_id_headers, server_load_tracking=options.server_load_tracking)
     if options.log_requests:
         engine.log_requests(options.max_log_len)
     return app, loras
@@ -76,12 +78,15 @@ def build_frontend(engine: EngineClient, config: EngineConfig, names: list[str],
 
 def run_server(config: EngineConfig, options: ServeOptions = ServeOptions()) -> int:
     """Serve until SIGTERM/SIGINT (returns 0) or until the engine core dies on its own (returns 1)."""
-    sock = _bind(options.host, options.port)
+    sock = _bind_unix(options.uds) if options.uds else _bind(options.host, options.port)
     names = served_names(config, options)
     try:
         return _run(_serve(config, sock, names, options))
     finally:
         sock.close()
+        if options.uds:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(options.uds)
 
 
 class _Grpc:
@@ -128,6 +133,30 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port or --host") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+def _bind_unix(path: str) -> socket.socket:
+    """A Unix domain socket at ``path`` (``--uds``), readable and writable by every local user as uvicorn makes it; a
+    stale socket file that no server answers on is replaced, a live one refused."""
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # nobody listens: a server that stopped without cleaning up
+        else:
+            raise ValueError(f"a server already listens on {path}; stop it or pick another --uds")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {path} ({exc.strerror}); pick another --uds") from exc
+    os.chmod(path, 0o666)
     sock.set_inheritable(True)
     return sock
 
@@ -198,8 +227,11 @@ async def _announce_when_ready(server: uvicorn.Server, sock: socket.socket, name
                                options: ServeOptions) -> None:
     while not server.started:
         await asyncio.sleep(0.02)
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    logger.info("pagellm is serving %s at %s://%s:%d/v1 (OpenAI-compatible%s); Ctrl+C or SIGTERM stops it",
-                ", ".join(names), "https" if options.tls else "http", shown, port,
-                ", API key required" if options.api_key is not None else "")
+    scheme = "https" if options.tls else "http"
+    if sock.family == socket.AF_UNIX:
+        where = f"{scheme}+unix://{sock.getsockname()} (/v1)"
+    else:
+        host, port = sock.getsockname()[:2]
+        where = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}/v1"
+    logger.info("pagellm is serving %s at %s (OpenAI-compatible%s); Ctrl+C or SIGTERM stops it", ", ".join(names),
+                where, ", API key required" if options.api_key is not None else "")

@@ -68,6 +68,8 @@ class ServeOptions:
     request_id_headers: bool = False  # every response carries X-Request-Id
     log_requests: bool = False  # log each request as it arrives (its prompt, parameters and token ids) ...
     max_log_len: Optional[int] = None  # ... cut to this many characters and token ids
+    uds: Optional[str] = None  # set: listen on this Unix domain socket instead of host:port
+    server_load_tracking: bool = False  # GET /load answers the number of inference requests in flight
 
 
 def _json_list(value: str) -> list[str]:
@@ -83,6 +85,9 @@ def _json_list(value: str) -> list[str]:
 def add_serve_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     cmd.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    cmd.add_argument("--uds", default=None, metavar="PATH",
+                     help="listen on this Unix domain socket instead of --host/--port (vLLM's flag), for a proxy or "
+                          "sidecar on the same machine")
     cmd.add_argument("--grpc-port", type=int, default=None,
                      help="also serve the gRPC API (pagellm.v1.Engine, with grpc.health.v1 and reflection) on this "
                           "port of --host (default: off)")
@@ -102,6 +107,9 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--uvicorn-log-level", default="warning",
                      choices=["critical", "error", "warning", "info", "debug", "trace"],
                      help="the HTTP server's log level (default: warning)")
+    cmd.add_argument("--enable-server-load-tracking", action="store_true",
+                     help="GET /load answers {\"server_load\": N}, the inference requests being served now (vLLM's "
+                          "flag), for a load balancer that picks the least loaded replica")
     cmd.add_argument("--disable-log-stats", action="store_true",
                      help="turn engine stats off: no Prometheus engine series, no stats log line, no dashboard data")
     cmd.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
@@ -181,7 +189,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                             args.enable_force_include_usage,  # without a tokenizer, logprobs name tokens by id
                             args.return_tokens_as_token_ids or bool(getattr(args, "skip_tokenizer_init", False)),
                             args.default_chat_template_kwargs),
-                        args.enable_request_id_headers, args.enable_log_requests, _max_log_len(args))
+                        args.enable_request_id_headers, args.enable_log_requests, _max_log_len(args),
+                        args.uds, args.enable_server_load_tracking)
 
 
 def _max_log_len(args: argparse.Namespace) -> Optional[int]:

@@ -27,7 +27,9 @@ class ServerProcess:
         ``env``: variables over the defaults (one thread, INFO logs)."""
         self.model = model
         self.port = _free_port()
-        self.base_url = f"{'https' if ca else 'http'}://127.0.0.1:{self.port}"
+        # --uds PATH: the server listens on that Unix socket only (``client()`` talks over it)
+        self.uds = extra_args[extra_args.index("--uds") + 1] if "--uds" in extra_args else None
+        self.base_url = "http://localhost" if self.uds else f"{'https' if ca else 'http'}://127.0.0.1:{self.port}"
         self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca)) if ca else True
         self.api_key = extra_args[extra_args.index("--api-key") + 1] if "--api-key" in extra_args else None
         cmd = [sys.executable, "-m", "pagellm.cli", "serve", str(model), "--port", str(self.port), *ENGINE_FLAGS,
@@ -43,12 +45,18 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-5000:]}")
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=1.0, verify=self.verify).status_code == 200:
-                    return
+                with self.client(timeout=1.0) as client:
+                    if client.get(f"{self.base_url}/health").status_code == 200:
+                        return
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
         raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log()[-5000:]}")
+
+    def client(self, **kwargs: object) -> httpx.Client:
+        """An HTTP client of this server (over its Unix socket with ``--uds``)."""
+        transport = httpx.HTTPTransport(uds=self.uds) if self.uds else None
+        return httpx.Client(transport=transport, verify=self.verify, **kwargs)  # type: ignore[arg-type]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -29,7 +29,7 @@ def test_right_key_works(auth_server: ServerProcess) -> None:
                                      {"Authorization": "Basic " + KEY}])
 @pytest.mark.parametrize("method,route", [("GET", "/v1/models"), ("POST", "/v1/completions"),
                                           ("POST", "/v1/chat/completions"), ("POST", "/score"),
-                                          ("POST", "/v2/rerank")])
+                                          ("POST", "/v2/rerank"), ("POST", "/invocations")])
 def test_missing_or_wrong_key_is_401(auth_server: ServerProcess, headers: dict, method: str, route: str) -> None:
     response = httpx.request(method, auth_server.base_url + route, headers=headers, json={"prompt": "x"})
     assert response.status_code == 401
@@ -46,6 +46,7 @@ def test_sdk_sees_authentication_error(auth_server: ServerProcess) -> None:
 def test_ops_routes_stay_open(auth_server: ServerProcess) -> None:
     assert httpx.get(f"{auth_server.base_url}/health").status_code == 200
     assert httpx.get(f"{auth_server.base_url}/stats").status_code == 200
+    assert httpx.get(f"{auth_server.base_url}/ping").status_code == 200  # SageMaker's health check
 
 
 def test_no_key_configured_means_open(server: ServerProcess) -> None:

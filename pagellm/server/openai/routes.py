@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI routes under ``/v1`` (completions, chat, embeddings, models, responses), vLLM's
 ``/score`` and ``/rerank`` (also under ``/v1``; ``/v2/rerank``), plus ``/health``, ``/version``, ``/stats``,
-``/tokenize``, ``/detokenize``, ``/start_profile``, ``/stop_profile`` and ``/reset_prefix_cache``, and (given an
-``Observability``) ``/metrics``, ``/dashboard`` and trace-context propagation.
+``/tokenize``, ``/detokenize``, ``/start_profile``, ``/stop_profile`` and ``/reset_prefix_cache``, SageMaker's
+``/ping`` and ``/invocations`` (``sagemaker.py``), ``/load`` with ``server_load_tracking`` (``server_load.py``), and
+(given an ``Observability``) ``/metrics``, ``/dashboard`` and trace-context propagation.
 
 Contract:
 - ``build_app(engine, model_names, api_key)`` builds the app over an ``EngineClient``; it starts nothing. With
@@ -43,6 +44,7 @@ from pagellm.lora import LoRARequest
 from pagellm.server.observability import Observability
 from pagellm.server.observability import install as install_observability
 from pagellm.server.options import Cors
+from pagellm.server.openai import sagemaker, server_load
 from pagellm.server.openai.errors import APIError, install_error_handlers
 from pagellm.server.openai.lora_routes import lora_router
 from pagellm.server.openai.protocol import ChatCompletionRequest, CompletionRequest, RequestDefaults
@@ -69,7 +71,7 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
               cors: Optional[Cors] = None, tool_parser: Optional[str] = None,
               reasoning_parser: Optional[str] = None, loras: Optional[dict[str, LoRARequest]] = None,
               runtime_lora_updating: bool = False, defaults: Optional[RequestDefaults] = None,
-              request_id_headers: bool = False) -> FastAPI:
+              request_id_headers: bool = False, server_load_tracking: bool = False) -> FastAPI:
     if not model_names:
         raise ValueError("give at least one served model name")
     app = FastAPI(title="pagellm", version=pagellm.__version__, docs_url=None, redoc_url=None)
@@ -90,6 +92,9 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
         install_observability(app, observability)
     if request_id_headers:
         _add_request_id_headers(app)
+    sagemaker.install(app, engine)
+    if server_load_tracking:
+        server_load.install(app)
     return app
 
 
