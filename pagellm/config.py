@@ -44,6 +44,14 @@ def parse_size(value: int | str, name: str | None = None) -> int:
     return int(float(match.group(1)) * unit)
 
 
+def _processor_names(value: Any) -> tuple[str, ...]:
+    """``logits_processors`` as ``module:Class`` names (one name or class, or a list of them)."""
+    from pagellm.sample.custom import qualified_name  # no torch until a processor is resolved
+
+    items = [value] if isinstance(value, (str, type)) else list(value or ())
+    return tuple(qualified_name(item) for item in items)
+
+
 def _json_object(value: dict[str, Any] | str | None, name: str) -> dict[str, Any] | None:
     """A dict from a dict or its JSON text (None stays None)."""
     if isinstance(value, str):
@@ -56,8 +64,9 @@ def _json_object(value: dict[str, Any] | str | None, name: str) -> dict[str, Any
     return value
 
 
-def _help(text: str, **kwargs: Any) -> Any:
-    return field(metadata={"help": text}, **kwargs)
+def _help(text: str, nargs: str | None = None, **kwargs: Any) -> Any:
+    """A config field with its help text (and, for a flag that takes several values, its argparse ``nargs``)."""
+    return field(metadata={"help": text, **({"nargs": nargs} if nargs else {})}, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,10 @@ class ModelConfig:
         "Take prompts as input embeddings (vLLM's flag): LLM.generate({\"prompt_embeds\": tensor}), or the "
         "completions API's prompt_embeds (a base64 torch.save of a [num_tokens, hidden_size] tensor). The API "
         "server then loads torch to read them. Default: off.", default=False)
+    logits_processors: tuple[str, ...] = _help(
+        "Custom logits processors (vLLM's flag): package.module:Class names of AdapterLogitsProcessor subclasses "
+        "(pagellm.sample.custom), importable by the server and its workers; requests opt in through their "
+        "extra_args (the API's vllm_xargs). Default: none.", default=(), nargs="+")
     enable_lora: bool = _help(
         "Serve requests with LoRA adapters (PEFT directories, one per request: LLM.generate(lora_request=...)); "
         "adapted steps run the Python layers. Default: off.", default=False)
@@ -125,6 +138,7 @@ class ModelConfig:
         object.__setattr__(self, "override_generation_config", _json_object(self.override_generation_config,
                                                                             "override_generation_config"))
         object.__setattr__(self, "hf_overrides", _json_object(self.hf_overrides, "hf_overrides"))
+        object.__setattr__(self, "logits_processors", _processor_names(self.logits_processors))
         if self.quantization not in (None, "w8a8_int8", "w4a8_int4", "w4a16_int4"):
             raise ValueError(f"quantization={self.quantization!r} is not supported; use w8a8_int8, w4a8_int4, "
                              "w4a16_int4 or leave it unset")
@@ -305,6 +319,9 @@ class EngineConfig:
             raise ValueError("eagle needs 'model': the head's .safetensors file from `pagellm train-draft --method "
                              "eagle` (only the built-in model has a shipped default head)")
         self.parallel_config.check_engine(spec.method == "draft_model" and spec.model is None)
+        if self.model_config.logits_processors and spec.method is not None:
+            raise ValueError("custom logits_processors do not run with speculative decoding (they see every sampled "
+                             "token, which drafts would skip): drop one of them")
         if self.model_config.enable_prompt_embeds and spec.method is not None:
             raise ValueError("enable_prompt_embeds does not run with speculative decoding (proposers draft from "
                              "token ids, which an embeddings prompt has not): drop one of them")

@@ -43,7 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
                                help=f"{field.metadata['help']} (default: {field.default})")
         else:
-            group.add_argument(*flags, dest=field.name, type=kind, default=None,
+            group.add_argument(*flags, dest=field.name, type=kind, default=None, nargs=field.metadata.get("nargs"),
                                help=f"{field.metadata['help']} (default: {field.default})")
     group.add_argument("--speculative-config", default=None,
                        help='Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -154,6 +154,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     pooling: bool = False
     # The LoRA adapter to run the request with (``LLM.generate(lora_request=...)``; ``pagellm/lora.py``).
     lora_request: LoRARequest | None = None
+    # Arguments of the request's own for custom logits processors (vLLM's ``extra_args``; the API's ``vllm_xargs``):
+    # JSON values by name, read by ``AdapterLogitsProcessor.new_req_logits_processor`` (``sample/custom.py``).
+    extra_args: dict[str, Any] | None = None
 
     GREEDY_EPS: ClassVar[float] = _GREEDY_EPS
 

@@ -373,6 +373,10 @@ class AsyncLLM:
         self.config.profiler_config.require()
         return await self.client.call_utility("stop_profile")
 
+    def check_custom(self, params: SamplingParams) -> None:
+        """Raise ValueError when a custom logits processor refuses ``params`` (its ``validate_params``)."""
+        self.input_processor.check_custom(params)
+
     def check_lora(self, request: LoRARequest) -> None:
         """Raise ValueError unless this engine can run ``request``'s adapter (``lora.check_adapter``)."""
         self.input_processor.check_adapter(request)

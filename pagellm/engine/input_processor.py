@@ -69,7 +69,8 @@ def lora_arch(config: Any, model_dir: Any) -> Any:
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, pooling_only: bool = False,
                  lora_arch: Any = None, max_logprobs: int = MAX_LOGPROBS, classifier: bool = False,
-                 hidden_size: int = 0, enable_prompt_embeds: bool = False) -> None:
+                 hidden_size: int = 0, enable_prompt_embeds: bool = False,
+                 logits_processors: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -80,6 +81,11 @@ class InputProcessor:
         self._adapters: set[LoRARequest] = set()  # checked already
         self.hidden_size = hidden_size  # an embeddings prompt's row width
         self.enable_prompt_embeds = enable_prompt_embeds
+        self.custom_processors: list[Any] = []  # custom logits processors' classes, to validate requests with
+        if logits_processors:
+            from pagellm.sample.custom import resolve  # torch, only for an engine that has custom processors
+
+            self.custom_processors = [resolve(name) for name in logits_processors]
 
     @classmethod
     def for_engine(cls, tokenizer: Tokenizer, runtime: Any, config: Any, model_dir: Path) -> InputProcessor:
@@ -88,7 +94,8 @@ class InputProcessor:
         return cls(tokenizer, runtime.max_model_len, runtime.vocab_size, runtime.pooling_only,
                    lora_arch(config, model_dir), model_config.logprobs_cap(runtime.vocab_size),
                    classifier=bool(runtime.labels), hidden_size=runtime.hidden_size,
-                   enable_prompt_embeds=model_config.enable_prompt_embeds)
+                   enable_prompt_embeds=model_config.enable_prompt_embeds,
+                   logits_processors=model_config.logits_processors)
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         prompt = as_prompt(prompt)
@@ -119,6 +126,11 @@ class InputProcessor:
         return EngineCoreRequest(request_id, token_ids, params, sorted(self.tokenizer.eos_token_ids), time.time(),
                                  priority, "/".join(salts) or None, embeds)
 
+    def check_custom(self, params: SamplingParams) -> None:
+        """Each custom logits processor's ``validate_params`` (a ValueError names what to fix)."""
+        for processor in self.custom_processors:
+            processor.validate_params(params)
+
     def check_embeds(self, embeds: PromptEmbeds, params: SamplingParams) -> list[int]:
         """An embeddings prompt's placeholder token ids (zeros, one per row), once this engine can run it."""
         if not self.enable_prompt_embeds:
@@ -146,6 +158,7 @@ class InputProcessor:
             self.check_adapter(params.lora_request)
         params.check_token_ids(self.vocab_size)
         params.check_logprobs(self.max_logprobs)
+        self.check_custom(params)
         if isinstance(self.tokenizer, NoTokenizer):
             if params.stop_strings or params.bad_words or params.structured_outputs is not None:
                 raise ValueError(NO_TOKENIZER)

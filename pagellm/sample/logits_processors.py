@@ -5,15 +5,17 @@ Contract (the order is part of it; ``docs/sampling.md`` repeats it):
    the tokens each request has seen);
 2. ``logit_bias`` added;
 3. bans set to -inf: tokens outside ``allowed_token_ids``, ``bad_words`` (a word's last token when the output
-   ends with the rest of it), EOS and ``stop_token_ids`` while fewer than ``min_tokens`` outputs exist, and
-   whatever the request's grammar forbids (``structured.py``).
+   ends with the rest of it), EOS and ``stop_token_ids`` while fewer than ``min_tokens`` outputs exist;
+4. custom logits processors' functions (``custom.py``, ``--logits-processors``), row by row;
+5. whatever the request's grammar forbids set to -inf (``structured.py``).
 Then the sampler applies temperature, top-k, top-p and min-p (``sampler.py``).
 
 - ``RequestProcessing`` is one request's state (built once, rebuilt after preemption from its tokens);
   ``observe`` feeds it each accepted token. Requests that ask for none of this have no state at all.
 - ``apply_processing`` works on every logit row of a step at once: each kind of processing is one batched tensor
-  op over the rows that need it (one gather/scatter over all seen tokens, one ``index_put_`` for all biases, one for all bans, one
-  bitmask apply); a step where no row needs processing returns the logits untouched, without a copy.
+  op over the rows that need it (one gather/scatter over all seen tokens, one ``index_put_`` for all biases, one
+  for all bans, one bitmask apply; custom functions alone go row by row); a step where no row needs processing
+  returns the logits untouched, without a copy.
 - Rows are described by ``RowContext``; a request with draft tokens has one row per draft plus its bonus row,
   each with its own output position (min_tokens counts per position). Requests whose processing depends on the
   output so far (penalties, multi-token bad words, grammars) never get drafts (``depends_on_history``).
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from pagellm.sample.custom import AdapterLogitsProcessor, RequestFunctions, build
 from pagellm.sample.penalties import TokenCounts, apply_penalties, gather_counts
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -49,16 +52,19 @@ class RequestProcessing:
     bias_values: torch.Tensor | None = None   # [K] float32
     allowed: torch.Tensor | None = None       # [A] int64
     bad_words: list[list[int]] = field(default_factory=list)
+    custom: RequestFunctions | None = None    # the functions of custom logits processors (sample/custom.py)
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int],
-               vocab_size: int, grammars: GrammarFactory | None) -> RequestProcessing | None:
+               vocab_size: int, grammars: GrammarFactory | None,
+               custom: Sequence[AdapterLogitsProcessor] = ()) -> RequestProcessing | None:
         """The state ``params`` needs, or None when it needs none (min_tokens is handled per row)."""
+        functions = RequestFunctions.for_request(custom, params, prompt_ids) if custom else None
         needs = (params.has_penalties or params.logit_bias or params.allowed_token_ids
-                 or params.bad_words_token_ids or params.structured_outputs is not None)
+                 or params.bad_words_token_ids or params.structured_outputs is not None or functions is not None)
         if not needs:
             return None
-        state = cls(params, bad_words=[list(w) for w in params.bad_words_token_ids or [] if w])
+        state = cls(params, bad_words=[list(w) for w in params.bad_words_token_ids or [] if w], custom=functions)
         if params.has_penalties:
             state.counts = TokenCounts(prompt_ids, output_ids, params.repetition_penalty != 1.0)
         if params.logit_bias:
@@ -104,6 +110,7 @@ def apply_processing(logits: torch.Tensor, rows: Sequence[RowContext], bitmask: 
     _add_bias(logits, rows)
     _ban(logits, rows)
     _restrict(logits, rows)
+    _run_custom(logits, rows)
     if bitmask is not None and grammar_rows:
         from pagellm.sample.structured import apply_bitmask
         apply_bitmask(logits, bitmask, list(grammar_rows))
@@ -176,12 +183,26 @@ def _restrict(logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
     logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(mask, float("-inf")))
 
 
+def _run_custom(logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
+    """Each row's custom logits-processor functions, on that row (``sample/custom.py``)."""
+    for i, row in enumerate(rows):
+        functions = row.processing.custom if row.processing is not None else None
+        if functions is not None:
+            result = functions.apply(logits[i], row.output_ids)
+            if result.shape != logits[i].shape:
+                raise ValueError(f"a custom logits processor returned a row of shape {list(result.shape)}; it must "
+                                 f"return the row it was given, [{logits.shape[-1]}]")
+            logits[i] = result
+
+
 class LogitsProcessing:
     """The worker's side of logits processing: builds request states (compiling grammars on first use, from the
     model's tokenizer) and fills grammar bitmasks on a helper thread while the forward pass runs."""
 
-    def __init__(self, vocab_size: int, model_dir: Path | None, tokenizer_dir: Path | None = None) -> None:
+    def __init__(self, vocab_size: int, model_dir: Path | None, tokenizer_dir: Path | None = None,
+                 custom: Sequence[str] = ()) -> None:
         self.vocab_size = vocab_size
+        self.custom = build(custom, vocab_size)  # custom logits processors (--logits-processors), built once
         self._model_dir = model_dir
         self._tokenizer_dir = tokenizer_dir  # another folder's tokenizer (--tokenizer), else the model's
         self._grammars: GrammarCache | None = None
@@ -189,7 +210,7 @@ class LogitsProcessing:
 
     def create(self, params: SamplingParams, prompt_ids: Sequence[int],
                output_ids: Sequence[int]) -> RequestProcessing | None:
-        return RequestProcessing.create(params, prompt_ids, output_ids, self.vocab_size, self._matcher)
+        return RequestProcessing.create(params, prompt_ids, output_ids, self.vocab_size, self._matcher, self.custom)
 
     def _matcher(self, so: StructuredOutputsParams, output_ids: Sequence[int]) -> RequestGrammar:
         if self._grammars is None:

@@ -20,6 +20,7 @@ multi-token bad words, grammars) get no draft tokens, so every draft row can be 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -47,13 +48,14 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, block_size: int,
                  proposer: Proposer, seed: int, vocab_size: int = 0, model_dir: Path | None = None,
-                 disable_by_batch_size: int | None = None, tokenizer_dir: Path | None = None) -> None:
+                 disable_by_batch_size: int | None = None, tokenizer_dir: Path | None = None,
+                 logits_processors: Sequence[str] = ()) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.proposer = proposer
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
-        self.processing = LogitsProcessing(vocab_size, model_dir, tokenizer_dir)
+        self.processing = LogitsProcessing(vocab_size, model_dir, tokenizer_dir, logits_processors)
         self.states: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.drafts: dict[str, Draft] = {}  # proposals awaiting verification, by request
@@ -322,8 +324,9 @@ class ModelRunner:
                                                  and state.num_output_tokens < min_tokens):
                 continue
             active = True
-            history = state.token_ids[state.num_prompt_tokens:] if state.processing is not None \
-                and state.processing.bad_words else ()
+            needs_history = state.processing is not None and (state.processing.bad_words
+                                                              or state.processing.custom is not None)
+            history = state.token_ids[state.num_prompt_tokens:] if needs_history else ()
             # A grammar decides alone where the output ends: banning EOS after it is complete would leave nothing.
             if state.processing is not None and state.processing.grammar is not None \
                     and state.processing.grammar.constraining:

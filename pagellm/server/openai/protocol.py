@@ -101,6 +101,8 @@ class SamplingRequest(OpenAIModel):
     guided_grammar: Optional[str] = None
     use_beam_search: bool = False  # vLLM's: the n best beams of a beam search of width n (serving_beam.py)
     length_penalty: float = Field(1.0, allow_inf_nan=False)
+    # vLLM's: arguments for custom logits processors (--logits-processors), as SamplingParams.extra_args
+    vllm_xargs: Optional[dict[str, Union[str, int, float, bool, list[Union[str, int, float]]]]] = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for every parameter set to a value the engine cannot honour."""
@@ -187,6 +189,7 @@ class SamplingRequest(OpenAIModel):
             allowed_token_ids=self.allowed_token_ids,
             best_of=best_of,
             structured_outputs=self.structured(),
+            extra_args=self.vllm_xargs or None,
         )
 
 

@@ -63,6 +63,8 @@ class EngineClient(Protocol):
 
     def check_lora(self, request: LoRARequest) -> None: ...
 
+    def check_custom(self, params: SamplingParams) -> None: ...  # custom logits processors' validate_params
+
     async def stop_profile(self) -> list[str]: ...
 
     def log_requests(self, max_len: Optional[int] = None) -> None: ...
@@ -177,6 +179,7 @@ class OpenAIServing:
             params.lora_request = self.loras[model]
         params.check_token_ids(self.vocab_size)
         params.check_logprobs(self.engine.max_logprobs)
+        self.engine.check_custom(params)
         if params.structured_outputs is not None:
             from pagellm.sample.structured import validate
 
