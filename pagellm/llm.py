@@ -101,11 +101,13 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}`` dicts) or a list of them, via the chat template:
         the model's, or ``chat_template`` (Jinja text or a file holding it), with ``chat_template_kwargs`` and
         ``tools`` (OpenAI's function definitions, for templates that list them to the model);
-        ``continue_final_message`` (with ``add_generation_prompt=False``) has the model continue the last message."""
+        ``continue_final_message`` (with ``add_generation_prompt=False``) has the model continue the last message;
+        ``chat_template_content_format`` (auto, string, openai: ``pagellm/chat_content.py``) how content reaches it."""
         if not messages:  # else an empty list would silently become an empty batch
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts "
                              "(or a list of such conversations)")
@@ -114,7 +116,8 @@ class LLM:
         if tools:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, template,
-                                                      continue_final_message)
+                                                      continue_final_message,
+                                                      content_format=chat_template_content_format)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

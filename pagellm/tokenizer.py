@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pagellm.chat_content import format_messages
+
 if TYPE_CHECKING:
     import tokenizers
     from transformers import PreTrainedTokenizerBase
@@ -41,6 +43,8 @@ class Tokenizer:
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.vocab_size: int = len(hf_tokenizer)
         self.chat_template: str | None = _default_template(hf_tokenizer.chat_template)
+        # How messages' content reaches the template (chat_content.py): auto, string or openai
+        self.content_format = "auto"
 
     @classmethod
     def from_dir(cls, model_dir: Path, config_dir: Path | None = None) -> Tokenizer:
@@ -93,10 +97,13 @@ class Tokenizer:
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
         continue_final_message: bool = False,
+        content_format: str | None = None,
     ) -> str:
         """The prompt text the chat template (``chat_template``, else the tokenizer's) makes of ``messages``
-        (OpenAI-style ``{"role", "content"}`` dicts); ``continue_final_message`` leaves the last message open (its
-        end-of-turn markup cut), so that the model continues it."""
+        (OpenAI-style ``{"role", "content"}`` dicts, content a string or a list of text parts, given to the template
+        in the form ``content_format`` names, else ``self.content_format``: ``chat_content.py``);
+        ``continue_final_message`` leaves the last message open (its end-of-turn markup cut), so that the model
+        continues it."""
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError(
@@ -104,6 +111,7 @@ class Tokenizer:
                 "or give one (pagellm serve --chat-template FILE, LLM.chat(chat_template=...))"
             )
         _check_messages(messages)
+        messages = format_messages(messages, template, content_format or self.content_format)
         from jinja2 import TemplateError
 
         try:
@@ -126,10 +134,11 @@ class Tokenizer:
         chat_template: str | None = None,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
+        content_format: str | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat prompt."""
         text = self.render_chat(messages, add_generation_prompt, chat_template_kwargs, chat_template,
-                                continue_final_message)
+                                continue_final_message, content_format)
         # The template already writes every special token the model wants (BOS included), as transformers'
         # own apply_chat_template assumes; adding them again would double the BOS (unless a request asks).
         return self.encode(text, add_special_tokens=add_special_tokens)

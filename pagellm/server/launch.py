@@ -63,6 +63,7 @@ def build_frontend(engine: EngineClient, config: EngineConfig, names: list[str],
     the served adapters by name (one dict: adapters loaded at run time reach the gRPC API too)."""
     if options.chat_template is not None:
         engine.tokenizer.chat_template = options.chat_template
+    engine.tokenizer.content_format = options.chat_template_content_format
     obs = build_observability(names[0], config, engine.runtime, options.log_stats, options.otlp_traces_endpoint)
     engine.stats_sink = obs.sink
     loras = lora_requests(engine, names, options)

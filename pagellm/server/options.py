@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pagellm import envs
+from pagellm.chat_content import CONTENT_FORMATS
 from pagellm.server.openai import reasoning
 from pagellm.server.openai.protocol import RequestDefaults
 from pagellm.server.openai.tool_parsers import PARSERS
@@ -70,6 +71,7 @@ class ServeOptions:
     max_log_len: Optional[int] = None  # ... cut to this many characters and token ids
     uds: Optional[str] = None  # set: listen on this Unix domain socket instead of host:port
     server_load_tracking: bool = False  # GET /load answers the number of inference requests in flight
+    chat_template_content_format: str = "auto"  # how messages' content reaches the chat template (chat_content.py)
 
 
 def _json_list(value: str) -> list[str]:
@@ -99,6 +101,10 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                      help="the chat template for /v1/chat/completions and /tokenize instead of the model's: a Jinja "
                           "file, or the template itself")
+    cmd.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default="auto",
+                     help="how a message's content reaches the chat template (vLLM's flag): string (text parts joined "
+                          "into one string), openai (a list of {type: text, text} parts, for templates that loop over "
+                          "content), or auto (default: openai when the template loops over a message's content)")
     cmd.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                      help="log every HTTP request (default: off)")
     cmd.add_argument("--root-path", default="", metavar="PREFIX",
@@ -190,7 +196,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                             args.return_tokens_as_token_ids or bool(getattr(args, "skip_tokenizer_init", False)),
                             args.default_chat_template_kwargs),
                         args.enable_request_id_headers, args.enable_log_requests, _max_log_len(args),
-                        args.uds, args.enable_server_load_tracking)
+                        args.uds, args.enable_server_load_tracking, args.chat_template_content_format)
 
 
 def _max_log_len(args: argparse.Namespace) -> Optional[int]:

@@ -244,16 +244,10 @@ class ChatMessage(BaseModel):
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
 
-    def to_template_dict(self, position: int) -> dict[str, Any]:
-        """The message as the chat template sees it: content parts joined into one string."""
-        message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            for part in self.content:
-                if part.type != "text" or part.text is None:
-                    raise ValueError(f"messages[{position}].content: only text parts are supported, "
-                                     f"got a {part.type!r} part")
-            message["content"] = "\n".join(part.text or "" for part in self.content)
-        return message
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as the chat template takes it (its content a string or text parts, which the tokenizer puts
+        in the template's form: ``pagellm/chat_content.py``)."""
+        return self.model_dump(exclude_none=True)
 
 
 class ChatCompletionRequest(SamplingRequest):

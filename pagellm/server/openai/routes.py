@@ -243,7 +243,7 @@ def _admin_router(engine: EngineClient, model_names: Sequence[str]) -> APIRouter
         if (body.prompt is None) == (body.messages is None):
             raise APIError("send exactly one of prompt or messages", 400, param="prompt")
         if body.messages is not None:
-            messages = [m.to_template_dict(i) for i, m in enumerate(body.messages)]
+            messages = [m.to_template_dict() for m in body.messages]
             tokens = serving.tokenizer.apply_chat_template(messages, body.add_generation_prompt,
                                                            continue_final_message=body.continue_final_message)
         else:

@@ -108,7 +108,7 @@ class OpenAIServingChat(OpenAIServing):
         for name, why in tooling.problems(request.tools, request.tool_choice, auto=self.tool_parser is not None):
             raise APIError(why, 400, param=name, code="unsupported_parameter")
         model, params = self.check_request(request)
-        messages = [m.to_template_dict(i) for i, m in enumerate(request.messages)]
+        messages = [m.to_template_dict() for m in request.messages]
         prompt = self.truncate(self.tokenizer.apply_chat_template(
             messages, request.add_generation_prompt, _template_kwargs(request),
             continue_final_message=request.continue_final_message, add_special_tokens=request.add_special_tokens),

@@ -1,0 +1,77 @@
+"""How a chat template wants each message's ``content``: one string, or OpenAI's list of typed parts.
+
+Older templates print ``message['content']`` as a string; newer ones (Llama 4, Mistral Small 3.1, Gemma 3, ...)
+loop over it, ``{% for part in message['content'] %}{% if part['type'] == 'text' %}``, and given a string they
+would loop over its characters. vLLM's ``--chat-template-content-format`` names the two forms:
+
+- ``string``: a list of text parts is joined into one string (parts separated by newlines);
+- ``openai``: a string becomes one part, ``[{"type": "text", "text": ...}]``;
+- ``auto`` (the default): ``openai`` when the template iterates over a message's content (directly, through a
+  filter, or through a variable set from it), else ``string``; found once per template by walking its Jinja syntax
+  tree, never by rendering it.
+
+Only text parts are served; another part's type is a ValueError that names the message.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def format_messages(messages: list[dict[str, Any]], template: str, content_format: str) -> list[dict[str, Any]]:
+    """``messages`` with each content in the form ``template`` takes (``content_format``, ``auto`` detecting it)."""
+    if content_format not in CONTENT_FORMATS:
+        raise ValueError(f"chat template content format {content_format!r}: use one of {', '.join(CONTENT_FORMATS)}")
+    form = detect(template) if content_format == "auto" else content_format
+    return [_formatted(message, position, form) for position, message in enumerate(messages)]
+
+
+def _formatted(message: dict[str, Any], position: int, form: str) -> dict[str, Any]:
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"messages[{position}].content: only text parts are supported, got a {kind!r} part")
+            texts.append(part["text"])
+        if form == "string":
+            return {**message, "content": "\n".join(texts)}
+        return {**message, "content": [{"type": "text", "text": text} for text in texts]}
+    if isinstance(content, str) and form == "openai":
+        return {**message, "content": [{"type": "text", "text": content}]}
+    return message
+
+
+@lru_cache(maxsize=32)
+def detect(template: str) -> str:
+    """``openai`` when ``template`` loops over a message's content, else ``string`` (also for a template Jinja cannot
+    parse: rendering it reports that better)."""
+    from jinja2 import Environment, nodes
+    from jinja2.exceptions import TemplateSyntaxError
+
+    try:
+        tree = Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except TemplateSyntaxError:
+        return "string"
+    holders = {target.name for assign in tree.find_all(nodes.Assign) if _is_content(assign.node)
+               for target in [assign.target] if isinstance(target, nodes.Name)}
+    for loop in tree.find_all(nodes.For):
+        source = loop.iter
+        while isinstance(source, (nodes.Filter, nodes.Test)) and source.node is not None:
+            source = source.node  # message['content'] | selectattr(...)
+        if _is_content(source) or (isinstance(source, nodes.Name) and source.name in holders):
+            return "openai"
+    return "string"
+
+
+def _is_content(node: Any) -> bool:
+    """``x['content']`` or ``x.content``."""
+    from jinja2 import nodes
+
+    if isinstance(node, nodes.Getitem):
+        return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+    return isinstance(node, nodes.Getattr) and node.attr == "content"
