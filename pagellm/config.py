@@ -18,7 +18,7 @@ from typing import Any
 from pagellm.disagg.config import KVTransferConfig
 from pagellm.distributed.config import ParallelConfig
 from pagellm.kv.events import KVEventsConfig
-from pagellm.sampling_params import MAX_LOGPROBS
+from pagellm.sampling_params import LOGPROBS_MODES, MAX_LOGPROBS
 from pagellm.spec.config import DISABLE_BY_BATCH_SIZE, SPEC_METHODS, SpeculativeConfig  # noqa: F401
 
 GiB = 1024**3
@@ -114,6 +114,10 @@ class ModelConfig:
     max_logprobs: int = _help(
         "Most logprobs, top_logprobs or prompt_logprobs a request may ask for per token (vLLM's flag); -1: the whole "
         "vocabulary.", default=MAX_LOGPROBS)
+    logprobs_mode: str = _help(
+        "What logprobs carry (vLLM's flag): raw_logprobs (the model's, before any processing), processed_logprobs "
+        "(of the distribution sampled from: after penalties, bias, bans, temperature, top-k/p, min-p), raw_logits or "
+        "processed_logits (the logit values themselves). Prompt logprobs stay raw logprobs.", default="raw_logprobs")
     load_format: str = _help(
         "How the weights load (vLLM's flag): auto (the model's safetensors or .gguf file), safetensors, gguf, or "
         "dummy (random weights in the model's shapes, from its config.json alone: for timing a model without its "
@@ -151,6 +155,8 @@ class ModelConfig:
         if self.dtype not in ("auto", "float32", "fp32", "float", "bfloat16", "bf16"):
             raise ValueError(f"dtype={self.dtype!r} is not supported; use auto, float32 or bfloat16")
         self._check_load_format()
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r}; use one of {', '.join(LOGPROBS_MODES)}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary; got {self.max_logprobs}")
         if self.skip_tokenizer_init and self.tokenizer is not None:

@@ -36,6 +36,7 @@ from pagellm.lora import LoRARequest
 # Below this temperature a request is treated as greedy: dividing logits by ~0 only amplifies float noise, and
 # the argmax is what the user means.
 _GREEDY_EPS = 1e-5
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 # The most top alternatives a request may ask for per token by default (OpenAI's limit; ``max_logprobs``).
 MAX_LOGPROBS = 20
 
@@ -135,8 +136,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # position must be computed).
     prompt_logprobs: int | None = None
     # Logprobs of the processed distribution (after penalties, bans, bias, temperature, top-k/top-p/min-p)
-    # instead of the raw one.
+    # instead of the raw one (the same as ``logprobs_mode="processed_logprobs"``).
     processed_logprobs: bool = False
+    # What the logprobs carry (vLLM's ``--logprobs-mode``): raw_logprobs (the model's), processed_logprobs (of the
+    # distribution sampled from), raw_logits or processed_logits (the logit values themselves: after processing,
+    # temperature and filters, dropped tokens -inf); None: the engine's default (raw_logprobs unless set).
+    logprobs_mode: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -174,6 +179,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         self._validate_processing()
 
     # ---- derived views -------------------------------------------------------------------------------------
+
+    @property
+    def values_mode(self) -> str:
+        """What this request's logprobs carry (``logprobs_mode``, ``processed_logprobs`` an older name of one)."""
+        return self.logprobs_mode or ("processed_logprobs" if self.processed_logprobs else "raw_logprobs")
 
     @property
     def is_greedy(self) -> bool:
@@ -304,6 +314,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}.")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must be an integer >= 0 (None = off), got {self.prompt_logprobs}.")
+        if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}.")
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}.")
         if self.best_of is not None and self.best_of > 1 and self.is_greedy and self.best_of > self.n:

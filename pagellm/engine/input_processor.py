@@ -70,7 +70,7 @@ class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, pooling_only: bool = False,
                  lora_arch: Any = None, max_logprobs: int = MAX_LOGPROBS, classifier: bool = False,
                  hidden_size: int = 0, enable_prompt_embeds: bool = False,
-                 logits_processors: Sequence[str] = ()) -> None:
+                 logits_processors: Sequence[str] = (), logprobs_mode: str = "raw_logprobs") -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -81,6 +81,7 @@ class InputProcessor:
         self._adapters: set[LoRARequest] = set()  # checked already
         self.hidden_size = hidden_size  # an embeddings prompt's row width
         self.enable_prompt_embeds = enable_prompt_embeds
+        self.logprobs_mode = logprobs_mode  # the engine's default of what logprobs carry
         self.custom_processors: list[Any] = []  # custom logits processors' classes, to validate requests with
         if logits_processors:
             from pagellm.sample.custom import resolve  # torch, only for an engine that has custom processors
@@ -95,7 +96,7 @@ class InputProcessor:
                    lora_arch(config, model_dir), model_config.logprobs_cap(runtime.vocab_size),
                    classifier=bool(runtime.labels), hidden_size=runtime.hidden_size,
                    enable_prompt_embeds=model_config.enable_prompt_embeds,
-                   logits_processors=model_config.logits_processors)
+                   logits_processors=model_config.logits_processors, logprobs_mode=model_config.logprobs_mode)
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         prompt = as_prompt(prompt)
@@ -125,6 +126,16 @@ class InputProcessor:
             salts.append(f"embeds-{embeds.digest()}")
         return EngineCoreRequest(request_id, token_ids, params, sorted(self.tokenizer.eos_token_ids), time.time(),
                                  priority, "/".join(salts) or None, embeds)
+
+    def with_logprobs_mode(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with the engine's ``logprobs_mode`` where the request chose none; best_of ranks candidates by
+        their logprobs, so it refuses the logits modes."""
+        if params.logprobs_mode is None and not params.processed_logprobs and self.logprobs_mode != "raw_logprobs":
+            params = msgspec.structs.replace(params, logprobs_mode=self.logprobs_mode)
+        if params.values_mode.endswith("_logits") and params.best_of is not None and params.best_of > params.n:
+            raise ValueError(f"best_of > n ranks candidates by their logprobs; logprobs_mode {params.values_mode} "
+                             "returns logits (use a logprobs mode, or best_of = n)")
+        return params
 
     def check_custom(self, params: SamplingParams) -> None:
         """Each custom logits processor's ``validate_params`` (a ValueError names what to fix)."""
@@ -159,6 +170,7 @@ class InputProcessor:
         params.check_token_ids(self.vocab_size)
         params.check_logprobs(self.max_logprobs)
         self.check_custom(params)
+        params = self.with_logprobs_mode(params)
         if isinstance(self.tokenizer, NoTokenizer):
             if params.stop_strings or params.bad_words or params.structured_outputs is not None:
                 raise ValueError(NO_TOKENIZER)

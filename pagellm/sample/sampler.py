@@ -290,6 +290,18 @@ def processed_logprobs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor
     return torch.log(probs / probs.sum(dim=-1, keepdim=True))
 
 
+def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The logits the sampling distribution is the softmax of: divided by the temperature, the tokens top-k, top-p
+    and min-p drop at -inf (greedy rows: the processed logits at temperature 1, no filters)."""
+    temperature = torch.where(t.temperature > 0, t.temperature, 1.0)
+    scaled = logits / temperature.unsqueeze(1)
+    if t.top_k is None and t.top_p is None and t.min_p is None:  # no filter: every token keeps its logit
+        return scaled
+    greedy_as_t1 = SamplingTensors(temperature, t.top_k, t.top_p, t.min_p, [], False, True)
+    probs = random_probs(logits, greedy_as_t1.to(logits.device))
+    return scaled.masked_fill_(probs == 0, float("-inf"))
+
+
 def first_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax, the first maximum on ties: the native kernel where it applies (``native.
     first_argmax_rows``), else ``max(dim).indices`` (documented to return the first maximal index; a fraction of

@@ -34,7 +34,7 @@ from pagellm.model.llama import LlamaForCausalLM
 from pagellm.prompt_embeds import to_tensor
 from pagellm.sample.logits_processors import LogitsProcessing, RowContext
 from pagellm.sample.logprobs import gather_logprobs, raw_logprobs, split_logprobs
-from pagellm.sample.sampler import Sampler, SamplingTensors, processed_logprobs
+from pagellm.sample.sampler import Sampler, SamplingTensors, processed_logits, processed_logprobs
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagellm.spec.base import Draft, ProposalRequest, Proposer
 from pagellm.spec.tree import compact_kv, place_trees
@@ -97,12 +97,13 @@ class ModelRunner:
         with span("sample"):
             wanted = self._logprob_requests(inputs)
             raw = raw_logprobs(logits, _candidate_rows(inputs, wanted)) if wanted else None  # before any ban
+            raw_logits = self._raw_logits(logits, inputs, wanted)  # a copy too: processing may edit ``logits``
             results, processed = self._sample(inputs, logits, masks)
             if trees:
                 self._compact(inputs, trees, results)
             sampled = [r.tokens if r else [] for r in results]
             if raw is not None:
-                self._use_processed_logprobs(raw, processed, inputs, wanted)
+                self._apply_logprobs_modes(raw, raw_logits, processed, inputs, wanted)
             logprobs = self._logprobs(raw, inputs, wanted, sampled) if raw is not None else {}
         pooled = self._pooled(inputs, hidden)
         if self.kv_saves:
@@ -231,24 +232,37 @@ class ModelRunner:
         for req_id, block_ids in cached.new_block_ids.items():
             self.states[req_id].block_ids.extend(block_ids)
 
-    def _use_processed_logprobs(self, raw: torch.Tensor, processed: torch.Tensor, inputs: StepInputs,
-                                wanted: list[int]) -> None:
-        """Overwrite, in ``raw``, the rows of requests that asked for ``processed_logprobs`` with the log of the
-        distribution they sample from (after processing, temperature and filters)."""
+    def _raw_logits(self, logits: torch.Tensor, inputs: StepInputs, wanted: list[int]) -> torch.Tensor | None:
+        """The candidate rows' logits in float32 (a copy), when a request's ``logprobs_mode`` is raw_logits."""
+        if not any(self.states[inputs.req_ids[j]].sampling_params.logprobs_mode == "raw_logits" for j in wanted):
+            return None
+        return logits[torch.tensor(_candidate_rows(inputs, wanted), dtype=torch.int64)].float()
+
+    def _apply_logprobs_modes(self, raw: torch.Tensor, raw_logits: torch.Tensor | None, processed: torch.Tensor,
+                              inputs: StepInputs, wanted: list[int]) -> None:
+        """Overwrite, in ``raw`` (raw logprobs), the rows of requests whose ``logprobs_mode`` asks for something
+        else: the raw logits, or the log of the distribution they sample from (after processing, temperature and
+        filters), or that distribution's logits (dropped tokens -inf)."""
         candidate_rows = _candidate_rows(inputs, wanted)
-        base, targets, sources, params = 0, [], [], []
+        base, by_mode = 0, {}
         for j in wanted:
             width = len(inputs.drafts[j]) + 1
-            state_params = self.states[inputs.req_ids[j]].sampling_params
-            if state_params.processed_logprobs:
+            params = self.states[inputs.req_ids[j]].sampling_params
+            if params.values_mode != "raw_logprobs":
+                targets, sources, row_params = by_mode.setdefault(params.values_mode, ([], [], []))
                 targets.extend(range(base, base + width))
                 sources.extend(candidate_rows[base:base + width])
-                params.extend([state_params] * width)
+                row_params.extend([params] * width)
             base += width
-        if targets:
-            tensors = SamplingTensors.from_params(params, [0] * len(params))
-            values = processed_logprobs(processed[torch.tensor(sources)].float(), tensors)
-            raw[torch.tensor(targets)] = values
+        for mode, (targets, sources, row_params) in by_mode.items():
+            rows = torch.tensor(sources)
+            if mode == "raw_logits":
+                assert raw_logits is not None  # _raw_logits copied them
+                raw[torch.tensor(targets)] = raw_logits[torch.tensor(targets)]
+                continue
+            tensors = SamplingTensors.from_params(row_params, [0] * len(row_params))
+            method = processed_logprobs if mode == "processed_logprobs" else processed_logits
+            raw[torch.tensor(targets)] = method(processed[rows].float(), tensors)
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor,
                 masks: Future | None) -> tuple[list[Verified | None], torch.Tensor]:

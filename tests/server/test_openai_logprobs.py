@@ -3,6 +3,8 @@ streamed and whole."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
@@ -109,3 +111,17 @@ def test_return_tokens_as_token_ids_names_every_token_by_its_id(server: ServerPr
     for item, entry in zip(content, chat_ref.logprobs):
         assert item.bytes == list(item.token.encode())
         assert [t.token for t in item.top_logprobs] == named(list(entry)[:TOP])
+
+
+def test_logprobs_mode_flag_reaches_the_replies(start_server, tiny_llama: Path) -> None:
+    """``--logprobs-mode raw_logits``: the API's logprobs carry the model's logits (the offline engine's values)."""
+    server = start_server(tiny_llama, "--served-model-name", "tiny", "--logprobs-mode", "raw_logits")
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 3, "temperature": 0, "logprobs": 2}
+    reply = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).json()
+    offline = LLM(str(tiny_llama), dtype="float32", max_model_len=512, kv_cache_memory=16_000_000,
+                  logprobs_mode="raw_logits")
+    out = offline.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=3, logprobs=2),
+                           use_tqdm=False)[0].outputs[0]
+    assert reply["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+        [entry[token].logprob for token, entry in zip(out.token_ids, out.logprobs)], abs=1e-4)
+    assert max(reply["choices"][0]["logprobs"]["token_logprobs"]) > 0  # logits: no logprob is above zero
