@@ -60,7 +60,7 @@ from pagellm.metrics import tracing
 from pagellm.metrics.sink import NullStatsSink, StatsSink
 from pagellm.metrics.stats import IterationStats, SchedulerStats
 from pagellm.model.loader import resolve_model_dir
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
 from pagellm.worker.runtime import RuntimeInfo
@@ -90,6 +90,7 @@ class AsyncLLM:
         self._dead_reason: str | None = None
         self._shut_down = False
         self._log_len: int | None | bool = False  # False: requests are not logged (``log_requests``)
+        self._log_outputs = False  # ... nor their outputs
         self._asleep = False  # sleep mode: new requests are refused
 
         def load_text_side() -> None:  # no output can arrive before the handshake, so none meets a half-made engine
@@ -155,10 +156,12 @@ class AsyncLLM:
         finally:
             self._drop([r.request_id for r in requests], notify=False)
 
-    def log_requests(self, max_len: int | None = None) -> None:
+    def log_requests(self, max_len: int | None = None, outputs: bool = False) -> None:
         """Log each request as it arrives (vLLM's ``--enable-log-requests``): its prompt, sampling parameters and
-        token ids, the prompt cut to ``max_len`` characters and the ids to ``max_len`` ids (None: whole)."""
+        token ids, the prompt cut to ``max_len`` characters and the ids to ``max_len`` ids (None: whole); with
+        ``outputs`` (``--enable-log-outputs``), each sample's text and token ids as it finishes, cut alike."""
         self._log_len = max_len
+        self._log_outputs = outputs
 
     def _log_request(self, request_id: str, prompt: PromptType, request: EngineCoreRequest) -> None:
         ids = request.prompt_token_ids[:self._log_len] if request.prompt_embeds is None else []
@@ -224,7 +227,8 @@ class AsyncLLM:
                 state = self.output_processor.requests[request.request_id]
                 assert state.stats is not None
                 state.stats.caller_id, state.stats.trace_context = request_id, trace_context
-                self._tracked[request.request_id] = Tracked(request_id, index, stream, prompt, state.prompt_token_ids)
+                self._tracked[request.request_id] = Tracked(request_id, index, stream, prompt, state.prompt_token_ids,
+                                                            ([], []) if self._log_outputs else None)
                 self._by_request_id.setdefault(request_id, set()).add(request.request_id)
 
     def _untrack(self, core_id: str) -> Tracked:
@@ -272,7 +276,20 @@ class AsyncLLM:
         completion = out.outputs[0]
         completion.index = tracked.index
         out.request_id = tracked.request_id
+        if tracked.output is not None:
+            self._log_output(tracked, completion)
         tracked.stream.put(out)
+
+    def _log_output(self, tracked: Tracked, completion: CompletionOutput) -> None:
+        """Add a delta to the sample's logged output; log the whole once it finished."""
+        text, ids = tracked.output  # type: ignore[misc]
+        text.append(completion.text)
+        ids.extend(completion.token_ids)
+        if completion.finish_reason is not None:
+            cut = None if self._log_len is False else self._log_len
+            logger.info("Generated response %s (sample %d): output: %r, output_token_ids: %s (%d tokens), "
+                        "finish_reason: %s", tracked.request_id, tracked.index, "".join(text)[:cut], ids[:cut],
+                        len(ids), completion.finish_reason)
 
     def _fail(self, error: RequestError) -> None:
         if error.request_id not in self._tracked:

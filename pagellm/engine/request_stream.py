@@ -48,6 +48,7 @@ class Tracked:
     stream: RequestStream
     prompt: str | None
     prompt_token_ids: list[int]
+    output: tuple[list[str], list[int]] | None = None  # its text and ids so far, when outputs are logged
 
 
 def with_completion(output: RequestOutput, completion: CompletionOutput) -> RequestOutput:

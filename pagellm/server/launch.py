@@ -71,9 +71,10 @@ def build_frontend(engine: EngineClient, config: EngineConfig, names: list[str],
                     cors=options.cors, tool_parser=options.tool_call_parser,
                     reasoning_parser=options.reasoning_parser, loras=loras,
                     runtime_lora_updating=options.runtime_lora_updating, defaults=options.request_defaults,
-                    request_id_headers=options.request_id_headers, server_load_tracking=options.server_load_tracking)
+                    request_id_headers=options.request_id_headers, server_load_tracking=options.server_load_tracking,
+                    fastapi_docs=options.fastapi_docs, middleware=options.middleware)
     if options.log_requests:
-        engine.log_requests(options.max_log_len)
+        engine.log_requests(options.max_log_len, options.log_outputs)
     return app, loras
 
 

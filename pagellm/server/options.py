@@ -72,6 +72,9 @@ class ServeOptions:
     uds: Optional[str] = None  # set: listen on this Unix domain socket instead of host:port
     server_load_tracking: bool = False  # GET /load answers the number of inference requests in flight
     chat_template_content_format: str = "auto"  # how messages' content reaches the chat template (chat_content.py)
+    fastapi_docs: bool = True  # /docs, /redoc and /openapi.json (--disable-fastapi-docs turns them off)
+    middleware: tuple[str, ...] = ()  # ASGI middleware classes or HTTP middleware functions to add, by import name
+    log_outputs: bool = False  # with log_requests: log each request's output when it finishes
 
 
 def _json_list(value: str) -> list[str]:
@@ -105,6 +108,11 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
                      help="how a message's content reaches the chat template (vLLM's flag): string (text parts joined "
                           "into one string), openai (a list of {type: text, text} parts, for templates that loop over "
                           "content), or auto (default: openai when the template loops over a message's content)")
+    cmd.add_argument("--disable-fastapi-docs", action="store_true",
+                     help="serve no /docs, /redoc or /openapi.json (the API's interactive docs and schema)")
+    cmd.add_argument("--middleware", action="append", default=[], metavar="MODULE:NAME",
+                     help="an ASGI middleware class or an async def (request, call_next) function to add to the app "
+                          "(repeatable; importable by the server)")
     cmd.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                      help="log every HTTP request (default: off)")
     cmd.add_argument("--root-path", default="", metavar="PREFIX",
@@ -162,10 +170,18 @@ def _add_request_args(cmd: argparse.ArgumentParser) -> None:
     requests.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
                           help="chat template arguments for every chat request, under the request's own "
                                "chat_template_kwargs, e.g. '{\"enable_thinking\": false}'")
+    requests.add_argument("--response-role", default="assistant", metavar="ROLE",
+                          help="the role of chat replies (default: assistant; a request that continues its last "
+                               "message, add_generation_prompt false, gets that message's role)")
+    requests.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                          help="chat requests with tool_choice 'none' do not show their tools to the chat template")
     requests.add_argument("--enable-request-id-headers", action="store_true",
                           help="every response carries X-Request-Id: the request's own header, else a new id")
     requests.add_argument("--enable-log-requests", action="store_true",
                           help="log each request as it arrives: its prompt, sampling parameters and token ids")
+    requests.add_argument("--enable-log-outputs", action="store_true",
+                          help="with --enable-log-requests: log each request's output text and token ids as it "
+                               "finishes")
     requests.add_argument("--max-log-len", type=int, default=None, metavar="N",
                           help="with --enable-log-requests: the most prompt characters and token ids logged "
                                "(default: all)")
@@ -194,9 +210,17 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                         args.uvicorn_log_level, RequestDefaults(
                             args.enable_force_include_usage,  # without a tokenizer, logprobs name tokens by id
                             args.return_tokens_as_token_ids or bool(getattr(args, "skip_tokenizer_init", False)),
-                            args.default_chat_template_kwargs),
+                            args.default_chat_template_kwargs, args.response_role,
+                            args.exclude_tools_when_tool_choice_none),
                         args.enable_request_id_headers, args.enable_log_requests, _max_log_len(args),
-                        args.uds, args.enable_server_load_tracking, args.chat_template_content_format)
+                        args.uds, args.enable_server_load_tracking, args.chat_template_content_format,
+                        not args.disable_fastapi_docs, tuple(args.middleware), _log_outputs(args))
+
+
+def _log_outputs(args: argparse.Namespace) -> bool:
+    if args.enable_log_outputs and not args.enable_log_requests:
+        raise ValueError("--enable-log-outputs goes with --enable-log-requests")
+    return args.enable_log_outputs
 
 
 def _max_log_len(args: argparse.Namespace) -> Optional[int]:

@@ -1,6 +1,8 @@
-"""vLLM's serve flags for what requests leave unset, and for request logging: ``--enable-force-include-usage``,
-``--return-tokens-as-token-ids``, ``--default-chat-template-kwargs``, ``--enable-request-id-headers``,
-``--enable-log-requests`` with ``--max-log-len``; and their absence on the shared server."""
+"""vLLM's serve flags for what requests leave unset, for request logging and for the app: ``--enable-force-include-
+usage``, ``--return-tokens-as-token-ids``, ``--default-chat-template-kwargs``, ``--response-role``,
+``--exclude-tools-when-tool-choice-none``, ``--enable-request-id-headers``, ``--enable-log-requests`` with
+``--max-log-len`` and ``--enable-log-outputs``, ``--middleware``, ``--disable-fastapi-docs``; and their absence on the
+shared server."""
 
 from __future__ import annotations
 
@@ -14,7 +16,10 @@ import openai
 import pytest
 from server_utils import ServerProcess
 
-TEMPLATE = "{% if greeting %}[{{ greeting }}]{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+TEMPLATE = ("{% if tools %}(tools){% endif %}{% if greeting %}[{{ greeting }}]{% endif %}"
+            "{% for m in messages %}{{ m.content }}{% endfor %}")
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+TESTS = Path(__file__).resolve().parents[1]
 CHAT = [{"role": "user", "content": "hi"}]
 
 
@@ -23,7 +28,10 @@ def defaults_server(start_server: Callable[..., ServerProcess], tiny_llama: Path
     return start_server(tiny_llama, "--served-model-name", "tiny", "--chat-template", TEMPLATE,
                         "--enable-force-include-usage", "--return-tokens-as-token-ids",
                         "--default-chat-template-kwargs", json.dumps({"greeting": "HELLO"}),
-                        "--enable-request-id-headers", "--enable-log-requests", "--max-log-len", "12")
+                        "--enable-request-id-headers", "--enable-log-requests", "--max-log-len", "12",
+                        "--enable-log-outputs", "--response-role", "bot", "--exclude-tools-when-tool-choice-none",
+                        "--middleware", "app_middleware:StampClass", "--middleware", "app_middleware.stamp_function",
+                        "--disable-fastapi-docs", env={"PYTHONPATH": str(TESTS)})
 
 
 def _client(server: ServerProcess) -> openai.OpenAI:
@@ -84,6 +92,12 @@ def test_bad_values_are_refused(start_server: Callable[..., ServerProcess], tiny
         start_server(tiny_llama, "--default-chat-template-kwargs", "[1]")
     with pytest.raises(RuntimeError, match="--max-log-len must be >= 0"):
         start_server(tiny_llama, "--enable-log-requests", "--max-log-len", "-1")
+    with pytest.raises(RuntimeError, match="--enable-log-outputs goes with --enable-log-requests"):
+        start_server(tiny_llama, "--enable-log-outputs")
+    with pytest.raises(RuntimeError, match="--middleware 'app_middleware:NOT_MIDDLEWARE'|give an ASGI middleware"):
+        start_server(tiny_llama, "--middleware", "app_middleware:NOT_MIDDLEWARE", env={"PYTHONPATH": str(TESTS)})
+    with pytest.raises(RuntimeError, match="--middleware 'nowhere:thing' cannot be imported"):
+        start_server(tiny_llama, "--middleware", "nowhere:thing")
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server: ServerProcess) -> None:
@@ -105,3 +119,45 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server: Serv
     plain = list(client.completions.create(model="tiny", prompt="abc", max_tokens=5, stream=True,
                                            stream_options={"include_usage": True}))
     assert [chunk.usage is not None for chunk in plain] == [False] * (len(plain) - 1) + [True]
+
+
+def test_chat_replies_take_the_response_role(defaults_server: ServerProcess, server: ServerProcess) -> None:
+    client = _client(defaults_server)
+    assert client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1).choices[0].message.role == "bot"
+    first = next(iter(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, stream=True)))
+    assert first.choices[0].delta.role == "bot"
+    continued = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
+                                               extra_body={"add_generation_prompt": False})
+    assert continued.choices[0].message.role == "user"  # it continues the user's message
+    assert _client(server).chat.completions.create(model="tiny", messages=CHAT,
+                                                   max_tokens=1).choices[0].message.role == "assistant"
+
+
+def test_tools_are_hidden_from_the_template_when_tool_choice_is_none(defaults_server: ServerProcess) -> None:
+    client = _client(defaults_server)
+    hidden = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, tools=TOOLS,
+                                            tool_choice="none")
+    assert hidden.usage.prompt_tokens == len("[HELLO]hi")
+    shown = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, tools=TOOLS,
+                                           tool_choice={"type": "function", "function": {"name": "f"}})
+    assert shown.usage.prompt_tokens == len("(tools)[HELLO]hi")
+
+
+def test_outputs_are_logged_cut_to_max_log_len(defaults_server: ServerProcess) -> None:
+    reply = _client(defaults_server).completions.create(model="tiny", prompt="log me", max_tokens=20,
+                                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = reply.choices[0].token_ids
+    lines = [line for line in defaults_server.log().splitlines()
+             if "Generated response" in line and f"output_token_ids: {ids[:12]} (20 tokens)" in line]
+    assert lines and "finish_reason: length" in lines[0]
+
+
+def test_middleware_and_docs(defaults_server: ServerProcess, server: ServerProcess) -> None:
+    reply = httpx.get(f"{defaults_server.base_url}/v1/models")
+    assert reply.headers["X-Stamp-Class"] == "yes" and reply.headers["X-Stamp-Function"] == "/v1/models"
+    assert "X-Stamp-Class" not in httpx.get(f"{server.base_url}/v1/models").headers
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(defaults_server.base_url + path).status_code == 404  # --disable-fastapi-docs
+        assert httpx.get(server.base_url + path).status_code == 200
+    schema = httpx.get(f"{server.base_url}/openapi.json").json()
+    assert {"/v1/chat/completions", "/v1/completions", "/health"} <= set(schema["paths"])

@@ -49,6 +49,8 @@ class RequestDefaults:
     force_include_usage: bool = False  # --enable-force-include-usage: streams end with usage as if asked
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids
     chat_template_kwargs: Optional[dict[str, Any]] = None  # --default-chat-template-kwargs, under a request's own
+    response_role: str = "assistant"  # --response-role: the role of chat replies (given a generation prompt)
+    exclude_tools_when_tool_choice_none: bool = False  # --exclude-tools-when-tool-choice-none: no tools to templates
 
     def apply(self, request: SamplingRequest) -> None:
         """Fill ``request`` (a completion or chat request) in place."""

@@ -90,7 +90,7 @@ class CompletionResponse(BaseModel):
 # ---- chat completions -------------------------------------------------------------------------------------------
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # --response-role
     content: Optional[str] = None
     tool_calls: Optional[list[tooling.ToolCall]] = None
     reasoning_content: Optional[str] = None  # a reasoning model's thinking (--reasoning-parser)
@@ -132,7 +132,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    role: Optional[Literal["assistant"]] = None
+    role: Optional[str] = None
     content: Optional[str] = None
     tool_calls: Optional[list[tooling.DeltaToolCall]] = None
     reasoning_content: Optional[str] = None

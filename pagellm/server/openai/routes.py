@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
@@ -47,6 +46,7 @@ from pagellm.server.options import Cors
 from pagellm.server.openai import sagemaker, server_load
 from pagellm.server.openai.errors import APIError, install_error_handlers
 from pagellm.server.openai.lora_routes import lora_router
+from pagellm.server.openai.middleware import add_request_id_headers, add_user_middleware
 from pagellm.server.openai.protocol import ChatCompletionRequest, CompletionRequest, RequestDefaults
 from pagellm.server.openai.replies import ModelCard, ModelList
 from pagellm.server.openai.serving_chat import OpenAIServingChat
@@ -71,10 +71,12 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
               cors: Optional[Cors] = None, tool_parser: Optional[str] = None,
               reasoning_parser: Optional[str] = None, loras: Optional[dict[str, LoRARequest]] = None,
               runtime_lora_updating: bool = False, defaults: Optional[RequestDefaults] = None,
-              request_id_headers: bool = False, server_load_tracking: bool = False) -> FastAPI:
+              request_id_headers: bool = False, server_load_tracking: bool = False, fastapi_docs: bool = True,
+              middleware: Sequence[str] = ()) -> FastAPI:
     if not model_names:
         raise ValueError("give at least one served model name")
-    app = FastAPI(title="pagellm", version=pagellm.__version__, docs_url=None, redoc_url=None)
+    docs = {} if fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="pagellm", version=pagellm.__version__, **docs)  # type: ignore[arg-type]
     install_error_handlers(app)
     if cors is not None:
         app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
@@ -91,22 +93,12 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
     if observability is not None:
         install_observability(app, observability)
     if request_id_headers:
-        _add_request_id_headers(app)
+        add_request_id_headers(app)
+    add_user_middleware(app, middleware)
     sagemaker.install(app, engine)
     if server_load_tracking:
         server_load.install(app)
     return app
-
-
-def _add_request_id_headers(app: FastAPI) -> None:
-    """Every response carries ``X-Request-Id``: the request's own header when it sent one, else a new id (vLLM's
-    ``--enable-request-id-headers``)."""
-
-    @app.middleware("http")
-    async def request_id_header(request: Request, call_next: Any) -> Response:
-        response = await call_next(request)
-        response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        return response
 
 
 @dataclass(frozen=True)

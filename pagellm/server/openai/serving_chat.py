@@ -58,6 +58,7 @@ class _Job:
     thinking: dict[int, ReasoningStream] = field(default_factory=dict)  # a stream's per-choice thinking
     choices: dict[int, _Choice] = field(default_factory=dict)  # a stream's choices as they add up
     beam: Optional[BeamSearchParams] = None  # use_beam_search: the n best beams instead of n samples
+    role: str = "assistant"  # the reply's role (--response-role; the last message's when continuing it)
 
     def thoughts(self) -> ReasoningStream:
         return ReasoningStream(self.reasoning, self.closed)  # type: ignore[arg-type]
@@ -110,7 +111,7 @@ class OpenAIServingChat(OpenAIServing):
         model, params = self.check_request(request)
         messages = [m.to_template_dict() for m in request.messages]
         prompt = self.truncate(self.tokenizer.apply_chat_template(
-            messages, request.add_generation_prompt, _template_kwargs(request),
+            messages, request.add_generation_prompt, _template_kwargs(request, self.defaults),
             continue_final_message=request.continue_final_message, add_special_tokens=request.add_special_tokens),
             request.truncate_prompt_tokens)
         parser = self.tool_parser.for_tools(request.tools) \
@@ -123,8 +124,9 @@ class OpenAIServingChat(OpenAIServing):
             if params.structured_outputs is not None and not closed:
                 params.structured_outputs = msgspec.structs.replace(params.structured_outputs,
                                                                     begin_after=self.think_end)
+        role = self.defaults.response_role if request.add_generation_prompt else request.messages[-1].role
         return _Job(request, random_id("chatcmpl"), model, self.check_prompt(prompt), params, parser, reasoning,
-                    closed, beam=serving_beam.beam_params(request, params.max_tokens, self.max_model_len))
+                    closed, beam=serving_beam.beam_params(request, params.max_tokens, self.max_model_len), role=role)
 
     def _prediction(self, prediction: dict[str, Any]) -> list[int]:
         """OpenAI's ``prediction`` (``{"type": "content", "content": text or text parts}``) as token ids to draft."""
@@ -161,7 +163,7 @@ class OpenAIServingChat(OpenAIServing):
             # The role goes first, before any token exists, as OpenAI does: clients see the reply has begun.
             content = None if job.name or job.required else ""
             usage = job.usage(job.choices) if job.request.continuous_usage else None
-            yield _chunk(job, [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=content))
+            yield _chunk(job, [ChatChunkChoice(index=i, delta=ChatDelta(role=job.role, content=content))
                                for i in range(job.request.n)], usage,
                          job.prompt if job.request.return_token_ids else None)
             async for index, choice, text in self._outputs(job):
@@ -265,10 +267,12 @@ def _chunk(job: _Job, choices: list[ChatChunkChoice], usage: UsageInfo | None = 
     return f"data: {body.model_dump_json()}\n\n"
 
 
-def _template_kwargs(request: ChatCompletionRequest) -> Optional[dict[str, Any]]:
-    """What the chat template gets besides the messages: ``chat_template_kwargs``, ``tools`` when sent and
-    ``reasoning_effort`` when set (templates such as gpt-oss's read it)."""
-    extra = {"tools": request.tools} if request.tools else {}
+def _template_kwargs(request: ChatCompletionRequest, defaults: RequestDefaults) -> Optional[dict[str, Any]]:
+    """What the chat template gets besides the messages: ``chat_template_kwargs``, ``tools`` when sent (unless
+    ``tool_choice`` is "none" on a server that excludes them then) and ``reasoning_effort`` when set (templates such
+    as gpt-oss's read it)."""
+    excluded = defaults.exclude_tools_when_tool_choice_none and request.tool_choice == "none"
+    extra = {"tools": request.tools} if request.tools and not excluded else {}
     if request.reasoning_effort is not None:
         extra["reasoning_effort"] = request.reasoning_effort
     if not extra:
@@ -296,6 +300,7 @@ def _choice(job: _Job, index: int, choice: _Choice) -> ChatCompletionChoice:
         message = ChatResponseMessage(content=parsed.content, tool_calls=calls)
     finish = "tool_calls" if calls and finish == "stop" else finish
     message.reasoning_content = thinking if job.request.include_reasoning else None
+    message.role = job.role
     return ChatCompletionChoice(index=index, message=message, logprobs=_logprobs(job, choice), finish_reason=finish,
                                 stop_reason=choice.stop_reason,
                                 token_ids=choice.output_ids if job.request.return_token_ids else None)
