@@ -133,6 +133,13 @@ class ModelConfig:
     enable_lora: bool = _help(
         "Serve requests with LoRA adapters (PEFT directories, one per request: LLM.generate(lora_request=...)); "
         "adapted steps run the Python layers. Default: off.", default=False)
+    max_lora_rank: int | None = _help(
+        "With enable_lora: the highest adapter rank served; an adapter of a higher rank is refused when named "
+        "(vLLM's flag). Default: any rank.", default=None)
+    max_cpu_loras: int | None = _help(
+        "With enable_lora: how many adapters each worker keeps loaded; past it, the least recently used ones that no "
+        "running request uses are dropped (loaded again from their folders when named again). Default: all.",
+        default=None)
 
     def __post_init__(self) -> None:
         source = self.generation_config
@@ -164,6 +171,10 @@ class ModelConfig:
         if self.tokenizer is not None and not _has_tokenizer_files(Path(self.tokenizer)):
             raise ValueError(f"tokenizer={self.tokenizer!r} is not a directory holding tokenizer.json or "
                              "tokenizer_config.json; pass the folder of a Hugging Face tokenizer")
+        for name in ("max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if value is not None and (value < 1 or not self.enable_lora):
+                raise ValueError(f"{name} must be >= 1 and goes with enable_lora (--enable-lora); got {value}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,12 +107,17 @@ def _tensors(path: Path, arch: Any, load: bool) -> dict[tuple[int, str, str], An
     return found
 
 
-def check_adapter(request: LoRARequest, arch: Any) -> None:
-    """Raise ValueError unless ``request`` names an adapter this model can apply (nothing is loaded)."""
+def check_adapter(request: LoRARequest, arch: Any, max_rank: int | None = None) -> None:
+    """Raise ValueError unless ``request`` names an adapter this model can apply, of a rank no higher than
+    ``max_rank`` (``max_lora_rank``; None: any); nothing is loaded."""
     path = Path(request.lora_path).expanduser()
     config = _config(path)
-    if int(config.get("r", 0)) < 1:
+    rank = int(config.get("r", 0))
+    if rank < 1:
         raise ValueError(f"LoRA adapter {str(path)!r}: adapter_config.json needs a rank r >= 1")
+    if max_rank is not None and rank > max_rank:
+        raise ValueError(f"LoRA adapter {str(path)!r} has rank {rank}, above max_lora_rank {max_rank}; start the "
+                         f"engine with max_lora_rank >= {rank} (--max-lora-rank)")
     _tensors(path, arch, load=False)
 
 
@@ -192,13 +198,16 @@ class LoRABatch:
 
 
 class WorkerAdapters:
-    """The worker's side: each adapter loaded once (by id: one id, one adapter), the live requests that run with
-    one, and each step's ``LoRABatch``."""
+    """The worker's side: each adapter loaded once (by id: one id, one adapter) and kept while there is room, the
+    live requests that run with one, and each step's ``LoRABatch``. With a ``capacity`` (``max_cpu_loras``) the
+    least recently used adapters that no live request runs with are dropped once more are loaded than it allows
+    (those in use stay, even past it)."""
 
-    def __init__(self, arch: Any, dtype: torch.dtype, parallel: Any = None) -> None:
+    def __init__(self, arch: Any, dtype: torch.dtype, parallel: Any = None, capacity: int | None = None) -> None:
         self.arch, self.dtype = arch, dtype
         self.parallel = parallel if parallel is not None and parallel.tp_size > 1 else None  # tensor-parallel ranks
-        self.loaded: dict[int, Adapter] = {}
+        self.capacity = capacity
+        self.loaded: OrderedDict[int, Adapter] = OrderedDict()  # least recently used first
         self.live: dict[str, LoRARequest] = {}  # request id → its adapter
 
     def track(self, req_id: str, request: LoRARequest | None) -> None:
@@ -223,10 +232,21 @@ class WorkerAdapters:
 
     def _adapter(self, request: LoRARequest) -> Adapter:
         adapter = self.loaded.get(request.lora_int_id)
-        if adapter is None:
-            rank, size = (self.parallel.tp_rank, self.parallel.tp_size) if self.parallel is not None else (0, 1)
-            adapter = self.loaded[request.lora_int_id] = Adapter.load(request, self.arch, self.dtype, rank, size)
+        if adapter is not None:
+            self.loaded.move_to_end(request.lora_int_id)
+            return adapter
+        rank, size = (self.parallel.tp_rank, self.parallel.tp_size) if self.parallel is not None else (0, 1)
+        adapter = self.loaded[request.lora_int_id] = Adapter.load(request, self.arch, self.dtype, rank, size)
+        self._evict()
         return adapter
+
+    def _evict(self) -> None:
+        """Drop least recently used adapters no live request runs with, down to ``capacity`` if that is possible."""
+        if self.capacity is None or len(self.loaded) <= self.capacity:
+            return
+        in_use = {request.lora_int_id for request in self.live.values()}
+        for lora_id in [i for i in self.loaded if i not in in_use][:len(self.loaded) - self.capacity]:
+            del self.loaded[lora_id]
 
 
 def _rows(rows: list[int]) -> Any:

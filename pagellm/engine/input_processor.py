@@ -70,7 +70,8 @@ class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, pooling_only: bool = False,
                  lora_arch: Any = None, max_logprobs: int = MAX_LOGPROBS, classifier: bool = False,
                  hidden_size: int = 0, enable_prompt_embeds: bool = False,
-                 logits_processors: Sequence[str] = (), logprobs_mode: str = "raw_logprobs") -> None:
+                 logits_processors: Sequence[str] = (), logprobs_mode: str = "raw_logprobs",
+                 max_lora_rank: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -82,6 +83,7 @@ class InputProcessor:
         self.hidden_size = hidden_size  # an embeddings prompt's row width
         self.enable_prompt_embeds = enable_prompt_embeds
         self.logprobs_mode = logprobs_mode  # the engine's default of what logprobs carry
+        self.max_lora_rank = max_lora_rank  # adapters of a higher rank are refused
         self.custom_processors: list[Any] = []  # custom logits processors' classes, to validate requests with
         if logits_processors:
             from pagellm.sample.custom import resolve  # torch, only for an engine that has custom processors
@@ -96,7 +98,8 @@ class InputProcessor:
                    lora_arch(config, model_dir), model_config.logprobs_cap(runtime.vocab_size),
                    classifier=bool(runtime.labels), hidden_size=runtime.hidden_size,
                    enable_prompt_embeds=model_config.enable_prompt_embeds,
-                   logits_processors=model_config.logits_processors, logprobs_mode=model_config.logprobs_mode)
+                   logits_processors=model_config.logits_processors, logprobs_mode=model_config.logprobs_mode,
+                   max_lora_rank=model_config.max_lora_rank)
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         prompt = as_prompt(prompt)
@@ -158,7 +161,7 @@ class InputProcessor:
         if self.lora_arch is None:
             raise ValueError("this engine serves no LoRA adapters; start it with enable_lora=True (--enable-lora)")
         if request not in self._adapters:
-            check_adapter(request, self.lora_arch)
+            check_adapter(request, self.lora_arch, self.max_lora_rank)
             self._adapters.add(request)
 
     def prepare_params(self, params: SamplingParams) -> SamplingParams:

@@ -49,7 +49,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, block_size: int,
                  proposer: Proposer, seed: int, vocab_size: int = 0, model_dir: Path | None = None,
                  disable_by_batch_size: int | None = None, tokenizer_dir: Path | None = None,
-                 logits_processors: Sequence[str] = ()) -> None:
+                 logits_processors: Sequence[str] = (), max_cpu_loras: int | None = None) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -61,7 +61,7 @@ class ModelRunner:
         self.drafts: dict[str, Draft] = {}  # proposals awaiting verification, by request
         self._last_sampling: tuple[list, SamplingTensors] | None = None  # the last step's rows and their tensors
         self.disable_by_batch_size = disable_by_batch_size  # no drafting for steps of more requests than this
-        self.adapters = WorkerAdapters(model.cfg, model.model.norm.weight.dtype, model.model.parallel)
+        self.adapters = WorkerAdapters(model.cfg, model.model.norm.weight.dtype, model.model.parallel, max_cpu_loras)
         self._pooling: set[str] = set()  # live pooling requests: steps without any skip looking for them
         self.kv_store: KVStore | None = None  # a KV connector's store (disaggregated prefill/decode)
         self.kv_saves = False  # a producer: each prompt's full blocks go to the store once computed

@@ -64,7 +64,8 @@ class Worker:
                                  num_blocks=num_blocks, dtype=self.dtype, seed=model_config.seed)
         self.runner = ModelRunner(model, backend, cache_config.block_size, proposer, model_config.seed,
                                   arch.vocab_size, model_dir, spec_config.disable_by_batch_size,
-                                  model_config.tokenizer_dir(model_dir), model_config.logits_processors)
+                                  model_config.tokenizer_dir(model_dir), model_config.logits_processors,
+                                  model_config.max_cpu_loras)
         self.runner.bind_kv_cache(num_blocks, self.kv_dtype)
         store_dir = self._bind_kv_store(kv_transfer, model_dir, arch, cache_config.block_size)
         self.prefaulter = KVPrefaulter(self.runner.kv_caches) if cache_config.kv_cache_prefault else None

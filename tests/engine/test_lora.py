@@ -159,3 +159,34 @@ def test_a_mixture_of_experts_takes_attention_adapters_and_refuses_expert_ones(t
         llm.generate(prompts, params, use_tqdm=False, lora_request=LoRARequest("mlp", 2, str(mlp)))
     kv = llm.engine.core.scheduler.kv
     assert kv.num_free_blocks == kv.pool.num_blocks
+
+
+def test_max_cpu_loras_keeps_the_recently_used_adapters_and_the_outputs(tiny_llama: Path,
+                                                                         adapters: list[LoRARequest]) -> None:
+    """With room for one adapter, each worker drops the least recently used one that no running request uses, and
+    loads it again when it is named again: the tokens are those of an engine that keeps every adapter."""
+    prompts = _prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    keep_all = LLM(str(tiny_llama), dtype="float32", enable_lora=True)
+    small = LLM(str(tiny_llama), dtype="float32", enable_lora=True, max_cpu_loras=1)
+    loaded = small.engine.core.executor.worker.runner.adapters.loaded
+    for adapter in (adapters[0], adapters[1], adapters[0]):  # each switch evicts the other
+        got = small.generate(prompts, params, use_tqdm=False, lora_request=adapter)
+        want = keep_all.generate(prompts, params, use_tqdm=False, lora_request=adapter)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert list(loaded) == [adapter.lora_int_id]
+    both = small.generate(prompts[:2], params, use_tqdm=False, lora_request=adapters)  # one batch needs both
+    assert [o.outputs[0].token_ids for o in both] == \
+        [o.outputs[0].token_ids for o in keep_all.generate(prompts[:2], params, use_tqdm=False,
+                                                           lora_request=adapters)]
+    assert len(keep_all.engine.core.executor.worker.runner.adapters.loaded) == 2
+
+
+def test_max_lora_rank_refuses_higher_ranks(tiny_llama: Path, adapters: list[LoRARequest]) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", enable_lora=True, max_lora_rank=4)
+    params = SamplingParams(max_tokens=2)
+    assert llm.generate([[1, 2, 3]], params, use_tqdm=False, lora_request=adapters[1])  # rank 4
+    with pytest.raises(ValueError, match="has rank 8, above max_lora_rank 4; start the engine with max_lora_rank"):
+        llm.generate([[1, 2, 3]], params, use_tqdm=False, lora_request=adapters[0])
+    with pytest.raises(ValueError, match="max_cpu_loras must be >= 1 and goes with enable_lora"):
+        LLM(str(tiny_llama), max_cpu_loras=2)
