@@ -210,6 +210,10 @@ class CacheConfig:
     kv_cache_memory: int = field(default=2 * GiB, metadata={
         "help": "Memory for the KV cache (all layers): bytes, or a size such as 4GiB, 512MiB or 4G.", "size": True,
         "aliases": ("--kv-cache-memory-bytes",)})  # vLLM's name
+    num_gpu_blocks_override: int | None = _help(
+        "The number of KV-cache blocks, instead of what kv_cache_memory holds (vLLM's flag, named for GPUs; here the "
+        "CPU cache's blocks), e.g. for a test or a benchmark that needs an exact pool. Default: from "
+        "kv_cache_memory.", default=None)
     enable_prefix_caching: bool = _help("Reuse KV blocks of identical prompt prefixes across requests.",
                                         default=True)
     kv_cache_prefault: bool = _help("Populate the KV cache's memory in the background, on CPU time nothing else "
@@ -228,6 +232,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}; use auto, fp8, fp8_e4m3 or fp8_e5m2")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
 

@@ -280,8 +280,12 @@ def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
 def kv_cache_blocks(cache: CacheConfig, arch: ArchConfig, dtype: torch.dtype, max_model_len: int) -> int:
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     block_bytes = cache.block_size * arch.kv_bytes_per_token(dtype_bytes)
-    num_blocks = cache.kv_cache_memory // block_bytes
+    num_blocks = cache.num_gpu_blocks_override or cache.kv_cache_memory // block_bytes
     needed = -(-max_model_len // cache.block_size)
+    if num_blocks < needed and cache.num_gpu_blocks_override:
+        raise ValueError(f"num_gpu_blocks_override={num_blocks} blocks ({num_blocks * cache.block_size} tokens) "
+                         f"cannot hold one max_model_len={max_model_len} request ({needed} blocks): give at least "
+                         f"{needed} or lower max_model_len")
     if num_blocks < needed:
         raise ValueError(
             f"kv_cache_memory={cache.kv_cache_memory} bytes holds {num_blocks} blocks ({num_blocks * cache.block_size}"

@@ -415,3 +415,18 @@ def test_hf_overrides_act_as_an_edited_config_json(tiny_llama: Path, tmp_path: P
     assert tokens(tiny_llama)[0] != as_edited[0]  # the overrides took effect
     with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
         LLM(str(tiny_llama), dtype="float32", hf_overrides="[1]")
+
+
+def test_num_gpu_blocks_override_sets_the_pool(tiny_llama) -> None:
+    """vLLM's --num-gpu-blocks-override: exactly that many KV blocks, whatever kv_cache_memory would hold."""
+    from pagellm.cli import build_parser, engine_kwargs
+    from pagellm.config import CacheConfig
+
+    args = build_parser().parse_args(["serve", "--num-gpu-blocks-override", "40"])
+    assert engine_kwargs(args)["num_gpu_blocks_override"] == 40
+    llm = LLM(str(tiny_llama), dtype="float32", num_gpu_blocks_override=40, max_model_len=256)
+    assert llm.engine.core.scheduler.kv.pool.num_blocks == 40
+    with pytest.raises(ValueError, match="num_gpu_blocks_override=8 blocks .* cannot hold one max_model_len=256"):
+        LLM(str(tiny_llama), dtype="float32", num_gpu_blocks_override=8, max_model_len=256)
+    with pytest.raises(ValueError, match="num_gpu_blocks_override must be >= 1"):
+        CacheConfig(num_gpu_blocks_override=0)
