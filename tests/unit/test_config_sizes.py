@@ -42,4 +42,3 @@ def test_kv_cache_memory_takes_sizes_from_kwargs_and_flags() -> None:
     assert engine_kwargs(args)["kv_cache_memory"] == 2 << 30
     with pytest.raises(ValueError, match="kv_cache_memory must be a positive number of bytes, got 0"):
         CacheConfig(kv_cache_memory="0GiB")
-
