@@ -7,21 +7,26 @@ import json
 from pathlib import Path
 from typing import Callable
 
+import grpc
 import httpx
 import openai
 import pytest
-from server_utils import ServerProcess
+from google.protobuf import struct_pb2
+from server_utils import ServerProcess, _free_port
 
 from pagellm import LLM, SamplingParams
+from pagellm.server.grpc import pagellm_pb2 as pb
+from pagellm.server.grpc import pagellm_pb2_grpc as pb_grpc
 
 TESTS = Path(__file__).resolve().parents[1]
+GRPC_PORT = _free_port()
 
 
 @pytest.fixture(scope="module")
 def custom_server(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> ServerProcess:
     return start_server(tiny_llama, "--served-model-name", "tiny", "--logits-processors",
-                        "custom_processors:TargetToken", "custom_processors:NoRepeats",
-                        env={"PYTHONPATH": str(TESTS)})
+                        "custom_processors:TargetToken", "custom_processors:NoRepeats", "--grpc-port",
+                        str(GRPC_PORT), env={"PYTHONPATH": str(TESTS)})
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +71,19 @@ def test_xargs_must_be_json_values(custom_server: ServerProcess) -> None:
     body = {**GREEDY, "prompt": "Hello", "vllm_xargs": {"deep": {"no": "objects"}}}
     reply = httpx.post(f"{custom_server.base_url}/v1/completions", json=body, timeout=60)
     assert reply.status_code == 400 and reply.json()["error"]["param"].startswith("vllm_xargs")
+
+
+def test_grpc_extra_args_reach_the_processor(custom_server: ServerProcess) -> None:
+    """Protobuf's Struct holds numbers as doubles: a whole one reaches the processor as an int."""
+    stub = pb_grpc.EngineStub(grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}"))
+    args = struct_pb2.Struct()
+    args.update({"target_token": 70})
+    sampling = pb.SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args=args)
+    responses = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling=sampling)))
+    assert [t for r in responses for t in r.token_ids] == [70] * 5
+    args.update({"target_token": "x"})
+    with pytest.raises(grpc.RpcError) as error:
+        list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling=pb.SamplingParams(
+            max_tokens=5, extra_args=args))))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "target_token must be a token id" in error.value.details()

@@ -10,14 +10,17 @@ import re
 from pathlib import Path
 from typing import Callable
 
+import grpc
 import httpx
 import openai
 import pytest
 import torch
-from server_utils import ServerProcess
+from server_utils import ServerProcess, _free_port
 
 from pagellm import LLM, SamplingParams
 from pagellm.prompt_embeds import save
+from pagellm.server.grpc import pagellm_pb2 as pb
+from pagellm.server.grpc import pagellm_pb2_grpc as pb_grpc
 
 GREEDY = dict(temperature=0, max_tokens=6)
 
@@ -30,9 +33,13 @@ def _rows(seed: int, count: int, hidden: int = 64) -> torch.Tensor:
     return torch.randn(count, hidden, generator=torch.Generator().manual_seed(seed)) * 0.5
 
 
+GRPC_PORT = _free_port()
+
+
 @pytest.fixture(scope="module")
 def embeds_server(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> ServerProcess:
-    return start_server(tiny_llama, "--served-model-name", "tiny", "--enable-prompt-embeds")
+    return start_server(tiny_llama, "--served-model-name", "tiny", "--enable-prompt-embeds", "--grpc-port",
+                        str(GRPC_PORT))
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +137,15 @@ def test_a_server_without_the_flag_refuses_them(server: ServerProcess) -> None:
     response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 400
     assert "--enable-prompt-embeds" in json.loads(response.text)["error"]["message"]
+
+
+def test_grpc_generate_takes_the_rows_as_bytes(embeds_server: ServerProcess, offline_embeds: LLM) -> None:
+    rows = _rows(8, 11)
+    stub = pb_grpc.EngineStub(grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}"))
+    sampling = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    responses = list(stub.Generate(pb.GenerateRequest(prompt_embeds=save(rows), sampling=sampling)))
+    assert [t for r in responses for t in r.token_ids] == _offline(offline_embeds, {"prompt_embeds": rows})[0]
+    assert responses[-1].prompt_tokens == 11
+    with pytest.raises(grpc.RpcError) as error:
+        list(stub.Generate(pb.GenerateRequest(prompt_embeds=save(torch.zeros(3, 32)), sampling=sampling)))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "hidden size is 64" in error.value.details()

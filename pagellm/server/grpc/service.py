@@ -36,6 +36,7 @@ from pagellm.engine.exceptions import EngineDeadError
 from pagellm.generation_config import DEFAULTED_FIELDS, unset_default
 from pagellm.lora import LoRARequest
 from pagellm.outputs import RequestOutput
+from pagellm.prompt_embeds import PromptEmbeds
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.server.grpc import pagellm_pb2 as pb
 from pagellm.server.grpc import pagellm_pb2_grpc as pb_grpc
@@ -71,7 +72,19 @@ def sampling_params(msg: pb.SamplingParams, defaults: dict[str, Any]) -> Samplin
     return SamplingParams(
         **kwargs, n=msg.n or 1, stop=list(msg.stop) or None, stop_token_ids=list(msg.stop_token_ids) or None,
         min_tokens=msg.min_tokens, ignore_eos=msg.ignore_eos, logit_bias=dict(msg.logit_bias) or None,
-        include_stop_str_in_output=msg.include_stop_str_in_output, structured_outputs=_constraint(msg))
+        include_stop_str_in_output=msg.include_stop_str_in_output, structured_outputs=_constraint(msg),
+        extra_args=_whole_numbers(json_format.MessageToDict(msg.extra_args)) if msg.HasField("extra_args") else None)
+
+
+def _whole_numbers(value: Any) -> Any:
+    """A Struct's values with its whole numbers as ints (protobuf keeps every number as a double)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_whole_numbers(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _whole_numbers(item) for key, item in value.items()}
+    return value
 
 
 def _constraint(msg: pb.SamplingParams) -> Optional[StructuredOutputsParams]:
@@ -105,12 +118,16 @@ class EngineService(pb_grpc.EngineServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
             params = self._params(request.model, request.sampling)
-            if request.WhichOneof("prompt") == "token_ids":
-                prompt = list(request.token_ids.ids)
+            kind = request.WhichOneof("prompt")
+            if kind == "prompt_embeds":  # checked as it is read
+                prompt: list[int] | PromptEmbeds = self.serving.load_prompt_embeds(request.prompt_embeds)
             else:
-                special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                prompt = self.serving.tokenizer.encode(request.text, special)
-            self.serving.check_prompt(prompt)
+                if kind == "token_ids":
+                    prompt = list(request.token_ids.ids)
+                else:
+                    special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+                    prompt = self.serving.tokenizer.encode(request.text, special)
+                self.serving.check_prompt(prompt)
         except Exception as exc:
             await _fail(context, exc)
         async for response in self._stream(prompt, params, request, context):
@@ -141,10 +158,12 @@ class EngineService(pb_grpc.EngineServicer):
                              else "this model serves embeddings only: call Embed")
         return self.serving.check_params(name, sampling_params(sampling, self.serving.sampling_defaults))
 
-    async def _stream(self, prompt: list[int], params: SamplingParams, request: pb.GenerateRequest | pb.ChatRequest,
+    async def _stream(self, prompt: list[int] | PromptEmbeds, params: SamplingParams,
+                      request: pb.GenerateRequest | pb.ChatRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request.request_id or random_id("grpc")
         counts: dict[int, int] = {}
+        num_prompt = len(prompt) if isinstance(prompt, list) else prompt.num_tokens
         traced = self.trace_context.parent(context.invocation_metadata()) if self.trace_context is not None \
             else contextlib.nullcontext()
         try:
@@ -153,9 +172,9 @@ class EngineService(pb_grpc.EngineServicer):
                                                 cache_salt=request.cache_salt or None)
                 first = await anext(outputs, None)
             if first is not None:
-                yield _response(request_id, first[1], counts, params.logprobs or 0)
+                yield _response(request_id, first[1], counts, params.logprobs or 0, num_prompt)
             async for _, output in outputs:
-                yield _response(request_id, output, counts, params.logprobs or 0)
+                yield _response(request_id, output, counts, params.logprobs or 0, num_prompt)
         except Exception as exc:
             await _fail(context, exc)
 
@@ -195,14 +214,16 @@ class EngineService(pb_grpc.EngineServicer):
                             version=pagellm.__version__)
 
 
-def _response(request_id: str, output: RequestOutput, counts: dict[int, int], num_top: int) -> pb.GenerateResponse:
+def _response(request_id: str, output: RequestOutput, counts: dict[int, int], num_top: int,
+              num_prompt: int) -> pb.GenerateResponse:
     """One engine delta of one sample as a ``GenerateResponse`` (``counts``: each sample's tokens so far; each
-    position's logprobs hold the ``num_top`` alternatives in rank order, then the sampled token when it is not one)."""
+    position's logprobs hold the ``num_top`` alternatives in rank order, then the sampled token when it is not one;
+    ``num_prompt``: the prompt's tokens, or rows of an embeddings prompt)."""
     sample = output.outputs[0]
     counts[sample.index] = counts.get(sample.index, 0) + len(sample.token_ids)
     response = pb.GenerateResponse(
         request_id=request_id, index=sample.index, text=sample.text, token_ids=sample.token_ids,
-        finish_reason=sample.finish_reason or "", prompt_tokens=len(output.prompt_token_ids or []),
+        finish_reason=sample.finish_reason or "", prompt_tokens=num_prompt,
         cached_tokens=output.num_cached_tokens, completion_tokens=counts[sample.index],
         stop_reason="" if sample.stop_reason is None else str(sample.stop_reason))
     for token, position in zip(sample.token_ids, sample.logprobs or []):

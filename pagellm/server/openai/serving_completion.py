@@ -23,9 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pagellm import prompt_embeds
 from pagellm.beam_search import BeamSearchParams
-from pagellm.engine.input_processor import EMBEDS_OFF
 from pagellm.outputs import RequestOutput
 from pagellm.prompt_embeds import PromptEmbeds
 from pagellm.sampling_params import SamplingParams
@@ -153,28 +151,18 @@ class OpenAIServingCompletion(OpenAIServing):
     def load_embeds(self, raw: str | list[str], keep: Optional[int]) -> list[PromptEmbeds]:
         """Each ``prompt_embeds`` entry (a base64 ``torch.save`` of a [tokens, hidden] tensor), read and checked, cut
         to its last ``keep`` rows (400 naming the fix, before anything is queued)."""
-        if not self.engine.enable_prompt_embeds:
-            raise APIError(EMBEDS_OFF, 400, param="prompt_embeds")
         items = [raw] if isinstance(raw, str) else raw
         if not items:
             raise APIError("prompt_embeds must not be empty", 400, param="prompt_embeds")
-        hidden_size, loaded = self.engine.runtime.hidden_size, []
+        loaded = []
         for position, item in enumerate(items):
             where = f"prompt_embeds {position}: " if len(items) > 1 else "prompt_embeds: "
             try:
-                embeds = prompt_embeds.load(base64.b64decode(item, validate=True))
-            except (ValueError, binascii.Error) as exc:
+                data = base64.b64decode(item, validate=True)
+            except binascii.Error as exc:
                 raise APIError(f"{where}{exc} (send a base64 torch.save of a [tokens, hidden] float tensor)", 400,
                                param="prompt_embeds") from None
-            if embeds.hidden_size != hidden_size:
-                raise APIError(f"{where}rows of {embeds.hidden_size} values; this model's hidden size is "
-                               f"{hidden_size}", 400, param="prompt_embeds")
-            embeds = embeds.last(len(self.truncate([0] * embeds.num_tokens, keep)))
-            if embeds.num_tokens >= self.max_model_len:
-                raise APIError(f"{where}{embeds.num_tokens} rows, but max_model_len is {self.max_model_len}; send "
-                               f"at most {self.max_model_len - 1}", 400, param="prompt_embeds",
-                               code="context_length_exceeded")
-            loaded.append(embeds)
+            loaded.append(self.load_prompt_embeds(data, where, keep))
         return loaded
 
     def _logprobs(self, job: _Job, choice: _Choice, prompt_index: int,

@@ -24,10 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Union
 
 from pagellm.beam_search import BeamSearchParams
-from pagellm.engine.input_processor import CLASSIFY_ONLY, POOLING_ONLY, check_prompt
+from pagellm import prompt_embeds
+from pagellm.engine.input_processor import CLASSIFY_ONLY, EMBEDS_OFF, POOLING_ONLY, check_prompt
 from pagellm.lora import LoRARequest
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.outputs import Logprob, RequestOutput
+from pagellm.prompt_embeds import PromptEmbeds
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai import serving_beam
 from pagellm.server.openai.errors import APIError
@@ -185,6 +187,27 @@ class OpenAIServing:
 
             validate(params.structured_outputs)
         return params
+
+    def load_prompt_embeds(self, data: bytes, where: str = "prompt_embeds: ",
+                           keep: Optional[int] = None) -> PromptEmbeds:
+        """A prompt of input embeddings (``torch.save``'s bytes of a [tokens, hidden] tensor), read and checked, cut to
+        its last ``keep`` rows (``truncate_prompt_tokens``); a 400 naming the fix, before anything is queued."""
+        if not self.engine.enable_prompt_embeds:
+            raise APIError(EMBEDS_OFF, 400, param="prompt_embeds")
+        try:
+            embeds = prompt_embeds.load(data)
+        except ValueError as exc:
+            raise APIError(f"{where}{exc} (send a torch.save of a [tokens, hidden] float tensor)", 400,
+                           param="prompt_embeds") from None
+        hidden_size = self.engine.runtime.hidden_size
+        if embeds.hidden_size != hidden_size:
+            raise APIError(f"{where}rows of {embeds.hidden_size} values; this model's hidden size is {hidden_size}",
+                           400, param="prompt_embeds")
+        embeds = embeds.last(len(self.truncate([0] * embeds.num_tokens, keep)))
+        if embeds.num_tokens >= self.max_model_len:
+            raise APIError(f"{where}{embeds.num_tokens} rows, but max_model_len is {self.max_model_len}; send at most "
+                           f"{self.max_model_len - 1}", 400, param="prompt_embeds", code="context_length_exceeded")
+        return embeds
 
     def beam_stops(self, params: SamplingParams) -> frozenset[int]:
         """The tokens that end a beam: the model's end-of-sequence tokens and the request's ``stop_token_ids``."""
