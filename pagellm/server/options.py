@@ -175,6 +175,8 @@ def _add_request_args(cmd: argparse.ArgumentParser) -> None:
                                "message, add_generation_prompt false, gets that message's role)")
     requests.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                           help="chat requests with tool_choice 'none' do not show their tools to the chat template")
+    requests.add_argument("--trust-request-chat-template", action="store_true",
+                          help="let chat requests bring their own chat_template (Jinja run on the server, sandboxed)")
     requests.add_argument("--enable-request-id-headers", action="store_true",
                           help="every response carries X-Request-Id: the request's own header, else a new id")
     requests.add_argument("--enable-log-requests", action="store_true",
@@ -211,7 +213,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                             args.enable_force_include_usage,  # without a tokenizer, logprobs name tokens by id
                             args.return_tokens_as_token_ids or bool(getattr(args, "skip_tokenizer_init", False)),
                             args.default_chat_template_kwargs, args.response_role,
-                            args.exclude_tools_when_tool_choice_none),
+                            args.exclude_tools_when_tool_choice_none, args.trust_request_chat_template),
                         args.enable_request_id_headers, args.enable_log_requests, _max_log_len(args),
                         args.uds, args.enable_server_load_tracking, args.chat_template_content_format,
                         not args.disable_fastapi_docs, tuple(args.middleware), _log_outputs(args))

@@ -101,3 +101,22 @@ def test_a_bad_template_stops_serve_before_it_starts(tiny_llama: Path, template:
     result = subprocess.run([sys.executable, "-m", "pagellm.cli", "serve", str(tiny_llama), "--port", "1",
                              "--chat-template", template, *ENGINE_FLAGS], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and message in result.stderr
+
+
+def test_a_request_brings_its_template_and_documents_when_trusted(start_server: Callable[..., ServerProcess],
+                                                                  tiny_llama: Path, server: ServerProcess) -> None:
+    """vLLM's request fields ``chat_template`` (with --trust-request-chat-template) and ``documents``."""
+    trusting = start_server(tiny_llama, "--served-model-name", "tiny", "--trust-request-chat-template")
+    own = "{% for d in documents %}<{{ d.title }}>{% endfor %}" + TEMPLATE
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 1, "chat_template": own,
+            "documents": [{"title": "A", "text": "alpha"}, {"title": "B", "text": "beta"}]}
+    reply = httpx.post(f"{trusting.base_url}/v1/chat/completions", json=body, timeout=60)
+    tokenizer = Tokenizer.from_dir(tiny_llama)
+    assert reply.json()["usage"]["prompt_tokens"] == len(tokenizer.encode("<A><B>" + RENDERED,
+                                                                          add_special_tokens=False))
+    refused = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template" in refused.json()["error"]["message"]
+    broken = httpx.post(f"{trusting.base_url}/v1/chat/completions", timeout=60,
+                        json={**body, "chat_template": "{% for m in messages %}"})
+    assert broken.status_code == 400 and "chat template" in broken.json()["error"]["message"]

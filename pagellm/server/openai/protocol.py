@@ -51,6 +51,7 @@ class RequestDefaults:
     chat_template_kwargs: Optional[dict[str, Any]] = None  # --default-chat-template-kwargs, under a request's own
     response_role: str = "assistant"  # --response-role: the role of chat replies (given a generation prompt)
     exclude_tools_when_tool_choice_none: bool = False  # --exclude-tools-when-tool-choice-none: no tools to templates
+    trust_request_chat_template: bool = False  # --trust-request-chat-template: a request may bring its own template
 
     def apply(self, request: SamplingRequest) -> None:
         """Fill ``request`` (a completion or chat request) in place."""
@@ -266,6 +267,10 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False  # the last (assistant) message left open, for the model to continue
     add_special_tokens: bool = False  # special tokens added around the rendered template (it writes its own)
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # vLLM's: documents for retrieval-augmented templates (passed as ``documents``), and a template of the request's
+    # own (Jinja text), taken only from a server started with --trust-request-chat-template
+    documents: Optional[list[dict[str, str]]] = None
+    chat_template: Optional[str] = None
     include_reasoning: bool = True  # with --reasoning-parser: false leaves the thinking out of the response
     reasoning_effort: Optional[Literal["minimal", "low", "medium", "high"]] = None  # to the template, as vLLM does
     prediction: Optional[dict[str, Any]] = None  # OpenAI's predicted output: drafted first with n-gram speculation
@@ -283,6 +288,8 @@ class ChatCompletionRequest(SamplingRequest):
                                    "(/v1/responses) stores responses"))
         if self.top_logprobs is not None and not self.logprobs:
             found.append(("top_logprobs", "top_logprobs needs logprobs: true"))
+        if self.chat_template is not None and not self.chat_template.strip():
+            found.append(("chat_template", "chat_template must be a Jinja template (omit it for the server's)"))
         if self.continue_final_message and self.add_generation_prompt:
             found.append(("continue_final_message", "continue_final_message needs add_generation_prompt: false "
                                                     "(the reply continues the last message instead of starting one)"))

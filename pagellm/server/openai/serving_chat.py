@@ -109,9 +109,13 @@ class OpenAIServingChat(OpenAIServing):
         for name, why in tooling.problems(request.tools, request.tool_choice, auto=self.tool_parser is not None):
             raise APIError(why, 400, param=name, code="unsupported_parameter")
         model, params = self.check_request(request)
+        if request.chat_template is not None and not self.defaults.trust_request_chat_template:
+            raise APIError("a request's own chat_template is taken only by a server started with "
+                           "--trust-request-chat-template (a template runs on the server); omit it for the server's",
+                           400, param="chat_template")
         messages = [m.to_template_dict() for m in request.messages]
         prompt = self.truncate(self.tokenizer.apply_chat_template(
-            messages, request.add_generation_prompt, _template_kwargs(request, self.defaults),
+            messages, request.add_generation_prompt, _template_kwargs(request, self.defaults), request.chat_template,
             continue_final_message=request.continue_final_message, add_special_tokens=request.add_special_tokens),
             request.truncate_prompt_tokens)
         parser = self.tool_parser.for_tools(request.tools) \
@@ -269,10 +273,12 @@ def _chunk(job: _Job, choices: list[ChatChunkChoice], usage: UsageInfo | None = 
 
 def _template_kwargs(request: ChatCompletionRequest, defaults: RequestDefaults) -> Optional[dict[str, Any]]:
     """What the chat template gets besides the messages: ``chat_template_kwargs``, ``tools`` when sent (unless
-    ``tool_choice`` is "none" on a server that excludes them then) and ``reasoning_effort`` when set (templates such
-    as gpt-oss's read it)."""
+    ``tool_choice`` is "none" on a server that excludes them then), ``documents`` and ``reasoning_effort`` when set
+    (templates such as gpt-oss's read it)."""
     excluded = defaults.exclude_tools_when_tool_choice_none and request.tool_choice == "none"
-    extra = {"tools": request.tools} if request.tools and not excluded else {}
+    extra: dict[str, Any] = {"tools": request.tools} if request.tools and not excluded else {}
+    if request.documents is not None:
+        extra["documents"] = request.documents
     if request.reasoning_effort is not None:
         extra["reasoning_effort"] = request.reasoning_effort
     if not extra:
