@@ -103,6 +103,7 @@ class Scheduler(Intake, Admission):
                              kv.enable_caching, ROOT_HASH, extend_block_hashes)
         self.stored = None  # a KV connector's stored blocks (EngineCore sets it): admission loads them as hits
         self.requests: dict[str, Request] = {}
+        self._embeds_ids: set[str] = set()  # requests with embeddings prompts (some may have finished since)
         self.stop_rules = StopRules(max_model_len)
         self._dropped_req_ids: set[str] = set()  # workers must forget these at the next step
         self._needs_sort = False      # priority policy: requests were admitted since the running list was sorted
@@ -117,6 +118,8 @@ class Scheduler(Intake, Admission):
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if request.prompt_embeds is not None:
+            self._embeds_ids.add(request.request_id)
         request.queued_time = time.time()
         self.stop_rules.add(request)
         self.kv.hash_blocks(request)  # now rather than at its first look-up: the hashes depend only on its tokens
@@ -158,10 +161,8 @@ class Scheduler(Intake, Admission):
         num_running, budget = len(self.running), self.budget - part.num_tokens
         if not part.preempted and self.waiting:  # no room for newcomers while running requests are pushed out
             budget = self._schedule_waiting(budget, req_ids, num_scheduled, new_reqs)
-        for new in new_reqs:  # an embeddings prompt's rows go to the workers with its request (also on resuming)
-            embeds = self.requests[new.req_id].prompt_embeds
-            if embeds is not None:
-                new.prompt_embeds = embeds
+        if self._embeds_ids and new_reqs:
+            self._attach_embeds(new_reqs)
         total = self.budget - budget
         self._stats.num_scheduled_tokens += total
         dropped, self._dropped_req_ids = self._dropped_req_ids, set()
@@ -174,6 +175,14 @@ class Scheduler(Intake, Admission):
                 num_spec = np.concatenate([num_spec, np.zeros(len(new_reqs), dtype=np.int64)])
         self._step = _Step(out, rows, num_spec, self.running.version)
         return out
+
+    def _attach_embeds(self, new_reqs: list[NewRequestData]) -> None:
+        """An embeddings prompt's rows go to the workers with its request (again when it resumes)."""
+        live = self.requests
+        self._embeds_ids.intersection_update(live.keys())  # finished ones leave (the native path drops them there)
+        for new in new_reqs:
+            if new.req_id in self._embeds_ids:
+                new.prompt_embeds = live[new.req_id].prompt_embeds
 
     def _schedule_running(self, budget: int) -> _RunningPart:
         """Hand ``budget`` to the running requests in order: vectorised over the batch's columns, with the KV
