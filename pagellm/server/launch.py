@@ -33,6 +33,7 @@ from pagellm.server.observability import build_observability
 from pagellm.server.options import ServeOptions
 from pagellm.server.openai.routes import build_app
 from pagellm.server.openai.serving_engine import EngineClient
+from pagellm.server.openai.tool_parsers import load_plugin
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ def build_frontend(engine: EngineClient, config: EngineConfig, names: list[str],
     if options.chat_template is not None:
         engine.tokenizer.chat_template = options.chat_template
     engine.tokenizer.content_format = options.chat_template_content_format
+    if options.tool_parser_plugin is not None:  # in this process too (a Ray Serve replica builds its own app)
+        load_plugin(options.tool_parser_plugin)
     obs = build_observability(names[0], config, engine.runtime, options.log_stats, options.otlp_traces_endpoint)
     engine.stats_sink = obs.sink
     loras = lora_requests(engine, names, options)

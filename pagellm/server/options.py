@@ -21,9 +21,8 @@ from pagellm import envs
 from pagellm.chat_content import CONTENT_FORMATS
 from pagellm.server.openai import reasoning
 from pagellm.server.openai.protocol import RequestDefaults
-from pagellm.server.openai.tool_parsers import PARSERS
+from pagellm.server.openai.tool_parsers import PARSERS, get_parser, load_plugin
 
-_PARSER_NAMES = tuple(PARSERS)
 
 
 @dataclass(frozen=True)
@@ -75,6 +74,7 @@ class ServeOptions:
     fastapi_docs: bool = True  # /docs, /redoc and /openapi.json (--disable-fastapi-docs turns them off)
     middleware: tuple[str, ...] = ()  # ASGI middleware classes or HTTP middleware functions to add, by import name
     log_outputs: bool = False  # with log_requests: log each request's output when it finishes
+    tool_parser_plugin: Optional[str] = None  # a file registering tool-call parsers, run where the app is built
 
 
 def _json_list(value: str) -> list[str]:
@@ -138,7 +138,11 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="serve tool_choice 'auto' (OpenAI's default with tools): the model chooses between text "
                             "and calls, and --tool-call-parser takes its calls out of the text")
-    tools.add_argument("--tool-call-parser", choices=_PARSER_NAMES, default=None,
+    tools.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
+                       help="a Python file that registers tool-call parsers of its own (vLLM's flag: "
+                            "@register_tool_parser(\"name\") on a ToolParser subclass, pagellm.server.openai."
+                            "tool_parsers), then named by --tool-call-parser")
+    tools.add_argument("--tool-call-parser", default=None, metavar="NAME",
                        help="the model's call syntax: hermes (<tool_call> JSON </tool_call>: Qwen2/2.5/3, Hermes), "
                             "llama3_json (a JSON object per call: Llama 3.1/3.2), mistral ([TOOL_CALLS] and a JSON "
                             "list: Mistral 7B v0.3), pythonic ([f(a=1), g()]), qwen3_coder (<function=f> with "
@@ -216,7 +220,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                             args.exclude_tools_when_tool_choice_none, args.trust_request_chat_template),
                         args.enable_request_id_headers, args.enable_log_requests, _max_log_len(args),
                         args.uds, args.enable_server_load_tracking, args.chat_template_content_format,
-                        not args.disable_fastapi_docs, tuple(args.middleware), _log_outputs(args))
+                        not args.disable_fastapi_docs, tuple(args.middleware), _log_outputs(args),
+                        args.tool_parser_plugin)
 
 
 def _log_outputs(args: argparse.Namespace) -> bool:
@@ -264,8 +269,12 @@ def _lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 
 
 def _tool_call_parser(args: argparse.Namespace) -> Optional[str]:
+    if args.tool_parser_plugin is not None:
+        load_plugin(args.tool_parser_plugin)
+    if args.tool_call_parser is not None:
+        get_parser(args.tool_call_parser)  # a name no parser has: the error lists those there are
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(_PARSER_NAMES)}) "
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(PARSERS)}) "
                          "for the model's call syntax")
     return args.tool_call_parser if args.enable_auto_tool_choice else None
 

@@ -207,3 +207,50 @@ def test_qwen3_coder_calls_carry_the_types_of_the_requests_tools(start_server: C
     calls = [call for p in pieces for call in p.tool_calls or []]
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris", "days": 2})]
+
+
+PLUGIN = '''
+import json
+
+from pagellm.server.openai.tool_parsers import WholeReplyParser, register_tool_parser
+from pagellm.server.openai.tools import FunctionCall, ToolCall, call_id
+
+
+@register_tool_parser("arrows")
+class ArrowsParser(WholeReplyParser):
+    """One call per line: >> name {json arguments}."""
+
+    opens = (">>",)
+
+    def calls(self, body):
+        calls = []
+        for line in body.splitlines():
+            name, _, arguments = line.removeprefix(">>").strip().partition(" ")
+            calls.append(ToolCall(id=call_id(), function=FunctionCall(name=name, arguments=arguments or "{}")))
+        return calls
+'''
+
+
+def test_a_plugin_file_registers_a_parser_of_its_own(start_server: Callable[..., ServerProcess], tiny_llama: Path,
+                                                      tmp_path: Path) -> None:
+    """vLLM's --tool-parser-plugin: a file whose parser --tool-call-parser then names; a name no parser has, or a
+    plugin that fails, stops the server before it starts."""
+    plugin = tmp_path / "arrows.py"
+    plugin.write_text(PLUGIN)
+    server = start_server(tiny_llama, "--served-model-name", "tiny", "--enable-auto-tool-choice",
+                          "--tool-parser-plugin", str(plugin), "--tool-call-parser", "arrows")
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    wrote = '>> get_weather {"unit": "celsius", "days": 1}\n>> get_time {"zone": "cet"}'
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, max_tokens=200,
+                                           extra_body=_reply(wrote))
+    (choice,) = reply.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"unit": "celsius", "days": 1}), ("get_time", {"zone": "cet"})]
+    with pytest.raises(RuntimeError, match="unknown tool-call parser 'arrowz'; choose one of .*hermes"):
+        start_server(tiny_llama, "--enable-auto-tool-choice", "--tool-parser-plugin", str(plugin),
+                     "--tool-call-parser", "arrowz")
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('the plugin is broken')\n")
+    with pytest.raises(RuntimeError, match="--tool-parser-plugin .*broken.py failed: RuntimeError: the plugin is"):
+        start_server(tiny_llama, "--tool-parser-plugin", str(broken))

@@ -20,6 +20,9 @@ Each parser knows one family's call syntax, as its chat template teaches it to t
   as JSON or Python literals; a parameter the schema does not know stays text). Its calls go out whole as each
   block closes.
 
+A ``--tool-parser-plugin`` file registers parsers of its own with ``@register_tool_parser("name")`` (``load_plugin``
+runs it, once per process: in the server's, and in each Ray Serve replica that builds the app).
+
 Contract:
 - ``parse(text)`` → ``Parsed(content, calls)``: the calls found and the text that is not a call (None when there
   is none). Text that only looks like a call (JSON that does not parse, no ``name``, a list that is not of calls)
@@ -30,10 +33,12 @@ Contract:
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 from pagellm.server.openai.tools import FunctionCall, ToolCall, call_id
 
@@ -337,7 +342,42 @@ PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3
                                                             PythonicParser, Qwen3CoderParser, Phi4MiniJsonParser)}
 
 
+_PLUGINS: set[Path] = set()  # plugin files loaded in this process
+
+
 def get_parser(name: str) -> ToolParser:
     if name not in PARSERS:
-        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(sorted(PARSERS))}")
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(sorted(PARSERS))} (or "
+                         "register one in a --tool-parser-plugin file)")
     return PARSERS[name]()
+
+
+def register_tool_parser(name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
+    """Class decorator of a ``--tool-parser-plugin`` file: serve the ``ToolParser`` subclass as ``name``."""
+    def register(cls: type[ToolParser]) -> type[ToolParser]:
+        if not (isinstance(cls, type) and issubclass(cls, ToolParser)):
+            raise ValueError(f"tool-call parser {name!r} must be a subclass of pagellm's ToolParser")
+        if name in PARSERS and PARSERS[name] is not cls:
+            raise ValueError(f"a tool-call parser named {name!r} exists already; register yours as another name")
+        cls.name = name
+        PARSERS[name] = cls
+        return cls
+
+    return register
+
+
+def load_plugin(path: str) -> None:
+    """Run a ``--tool-parser-plugin`` file (once per process), which registers its parsers with
+    ``register_tool_parser``; ValueError when it cannot be read or fails."""
+    file = Path(path).expanduser().resolve()
+    if file in _PLUGINS:
+        return
+    if not file.is_file():
+        raise ValueError(f"--tool-parser-plugin {path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"pagellm_tool_parser_plugin_{len(_PLUGINS)}", file)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except Exception as exc:  # the plugin's own error, whatever it is
+        raise ValueError(f"--tool-parser-plugin {path} failed: {type(exc).__name__}: {exc}") from None
+    _PLUGINS.add(file)
