@@ -86,6 +86,8 @@ class SamplingRequest(OpenAIModel):
     stop_token_ids: Optional[list[TokenId]] = None
     priority: Int64 = 0
     cache_salt: Optional[str] = Field(None, min_length=1)  # requests of other salts share no prefix-cache blocks
+    # vLLM's: the caller's id for the request, in the response's id (cmpl-<id>, chatcmpl-<id>) and the engine's logs
+    request_id: Optional[str] = Field(None, min_length=1, max_length=256)
     # logprobs name tokens "token_id:<id>" (logprobs.py); None: the server's default (RequestDefaults)
     return_tokens_as_token_ids: Optional[bool] = None
     return_token_ids: bool = False  # vLLM's: the choices carry their token ids, and the prompt's
@@ -247,6 +249,12 @@ class ChatMessage(BaseModel):
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
 
+    def text(self) -> str:
+        """The message's text (its text parts joined by newlines, as a string template gets them)."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text or "" for part in self.content if part.type == "text")
+        return self.content or ""
+
     def to_template_dict(self) -> dict[str, Any]:
         """The message as the chat template takes it (its content a string or text parts, which the tokenizer puts
         in the template's form: ``pagellm/chat_content.py``)."""
@@ -271,6 +279,7 @@ class ChatCompletionRequest(SamplingRequest):
     # own (Jinja text), taken only from a server started with --trust-request-chat-template
     documents: Optional[list[dict[str, str]]] = None
     chat_template: Optional[str] = None
+    echo: bool = False  # vLLM's: the reply begins with the last message's text when that message has the reply's role
     include_reasoning: bool = True  # with --reasoning-parser: false leaves the thinking out of the response
     reasoning_effort: Optional[Literal["minimal", "low", "medium", "high"]] = None  # to the template, as vLLM does
     prediction: Optional[dict[str, Any]] = None  # OpenAI's predicted output: drafted first with n-gram speculation

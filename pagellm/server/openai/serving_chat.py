@@ -59,6 +59,7 @@ class _Job:
     choices: dict[int, _Choice] = field(default_factory=dict)  # a stream's choices as they add up
     beam: Optional[BeamSearchParams] = None  # use_beam_search: the n best beams instead of n samples
     role: str = "assistant"  # the reply's role (--response-role; the last message's when continuing it)
+    echoed: str = ""  # ``echo``: the last message's text, which the reply's content begins with
 
     def thoughts(self) -> ReasoningStream:
         return ReasoningStream(self.reasoning, self.closed)  # type: ignore[arg-type]
@@ -129,8 +130,12 @@ class OpenAIServingChat(OpenAIServing):
                 params.structured_outputs = msgspec.structs.replace(params.structured_outputs,
                                                                     begin_after=self.think_end)
         role = self.defaults.response_role if request.add_generation_prompt else request.messages[-1].role
-        return _Job(request, random_id("chatcmpl"), model, self.check_prompt(prompt), params, parser, reasoning,
-                    closed, beam=serving_beam.beam_params(request, params.max_tokens, self.max_model_len), role=role)
+        last = request.messages[-1]
+        echoed = last.text() if request.echo and last.role == role else ""
+        return _Job(request, random_id("chatcmpl", request.request_id), model, self.check_prompt(prompt), params,
+                    parser, reasoning, closed, beam=serving_beam.beam_params(request, params.max_tokens,
+                                                                              self.max_model_len),
+                    role=role, echoed=echoed)
 
     def _prediction(self, prediction: dict[str, Any]) -> list[int]:
         """OpenAI's ``prediction`` (``{"type": "content", "content": text or text parts}``) as token ids to draft."""
@@ -165,7 +170,7 @@ class OpenAIServingChat(OpenAIServing):
             and job.reasoning is None and not job.request.return_token_ids
         try:
             # The role goes first, before any token exists, as OpenAI does: clients see the reply has begun.
-            content = None if job.name or job.required else ""
+            content = None if job.name or job.required else job.echoed
             usage = job.usage(job.choices) if job.request.continuous_usage else None
             yield _chunk(job, [ChatChunkChoice(index=i, delta=ChatDelta(role=job.role, content=content))
                                for i in range(job.request.n)], usage,
@@ -307,6 +312,8 @@ def _choice(job: _Job, index: int, choice: _Choice) -> ChatCompletionChoice:
     finish = "tool_calls" if calls and finish == "stop" else finish
     message.reasoning_content = thinking if job.request.include_reasoning else None
     message.role = job.role
+    if job.echoed and message.content is not None:
+        message.content = job.echoed + message.content
     return ChatCompletionChoice(index=index, message=message, logprobs=_logprobs(job, choice), finish_reason=finish,
                                 stop_reason=choice.stop_reason,
                                 token_ids=choice.output_ids if job.request.return_token_ids else None)

@@ -87,7 +87,7 @@ class OpenAIServingCompletion(OpenAIServing):
         texts = [item if isinstance(item, str) and not cut else self.tokenizer.decode(ids)
                  for item, ids, cut in items] if request.echo else []
         beam = serving_beam.beam_params(request, params.max_tokens, self.max_model_len)
-        return _Job(request, random_id("cmpl"), model, prompts, texts, params, beam=beam)
+        return _Job(request, random_id("cmpl", request.request_id), model, prompts, texts, params, beam=beam)
 
     async def create(self, job: _Job) -> CompletionResponse:
         choices: dict[int, _Choice] = {}

@@ -80,8 +80,9 @@ class EngineClient(Protocol):
     async def is_sleeping(self) -> bool: ...
 
 
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def random_id(prefix: str, given: Optional[str] = None) -> str:
+    """A response id: the prefix and the request's own ``request_id`` (vLLM's field), else a random one."""
+    return f"{prefix}-{given or uuid.uuid4().hex}"
 
 
 @dataclass
