@@ -46,6 +46,17 @@ class Tokenizer:
         # How messages' content reaches the template (chat_content.py): auto, string or openai
         self.content_format = "auto"
 
+    def info(self) -> dict[str, Any]:
+        """What a client needs to tokenize as the server does (vLLM's ``GET /tokenizer_info``): the tokenizer's class,
+        special tokens, added tokens, vocabulary size and chat template."""
+        hf = self._hf
+        added = {str(i): {"content": t.content, "special": t.special} for i, t in hf.added_tokens_decoder.items()}
+        special = {name: getattr(hf, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        return {"tokenizer_class": type(hf).__name__, **{k: v if isinstance(v, str) or v is None else str(v)
+                                                          for k, v in special.items()},
+                "eos_token_ids": sorted(self.eos_token_ids), "vocab_size": self.vocab_size,
+                "chat_template": self.chat_template, "added_tokens_decoder": added}
+
     @classmethod
     def from_dir(cls, model_dir: Path, config_dir: Path | None = None) -> Tokenizer:
         """Load the tokenizer files of a local model directory (never the hub). EOS ids: the tokenizer's, and those
@@ -166,6 +177,9 @@ class NoTokenizer:
     def __init__(self, eos_token_ids: frozenset[int], bos_token_id: int | None) -> None:
         self.eos_token_ids = eos_token_ids
         self.bos_token_id = bos_token_id
+
+    def info(self) -> dict[str, Any]:
+        return {"tokenizer_class": None, "eos_token_ids": sorted(self.eos_token_ids), "chat_template": None}
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> NoTokenizer:

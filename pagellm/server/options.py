@@ -75,6 +75,7 @@ class ServeOptions:
     middleware: tuple[str, ...] = ()  # ASGI middleware classes or HTTP middleware functions to add, by import name
     log_outputs: bool = False  # with log_requests: log each request's output when it finishes
     tool_parser_plugin: Optional[str] = None  # a file registering tool-call parsers, run where the app is built
+    tokenizer_info: bool = False  # GET /tokenizer_info answers the tokenizer's details
 
 
 def _json_list(value: str) -> list[str]:
@@ -108,6 +109,9 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
                      help="how a message's content reaches the chat template (vLLM's flag): string (text parts joined "
                           "into one string), openai (a list of {type: text, text} parts, for templates that loop over "
                           "content), or auto (default: openai when the template loops over a message's content)")
+    cmd.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                     help="GET /tokenizer_info answers the tokenizer's class, special and added tokens and chat "
+                          "template (vLLM's flag), for a client that tokenizes as the server does")
     cmd.add_argument("--disable-fastapi-docs", action="store_true",
                      help="serve no /docs, /redoc or /openapi.json (the API's interactive docs and schema)")
     cmd.add_argument("--middleware", action="append", default=[], metavar="MODULE:NAME",
@@ -221,7 +225,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                         args.enable_request_id_headers, args.enable_log_requests, _max_log_len(args),
                         args.uds, args.enable_server_load_tracking, args.chat_template_content_format,
                         not args.disable_fastapi_docs, tuple(args.middleware), _log_outputs(args),
-                        args.tool_parser_plugin)
+                        args.tool_parser_plugin, args.enable_tokenizer_info_endpoint)
 
 
 def _log_outputs(args: argparse.Namespace) -> bool:

@@ -31,7 +31,7 @@ def defaults_server(start_server: Callable[..., ServerProcess], tiny_llama: Path
                         "--enable-request-id-headers", "--enable-log-requests", "--max-log-len", "12",
                         "--enable-log-outputs", "--response-role", "bot", "--exclude-tools-when-tool-choice-none",
                         "--middleware", "app_middleware:StampClass", "--middleware", "app_middleware.stamp_function",
-                        "--disable-fastapi-docs", env={"PYTHONPATH": str(TESTS)})
+                        "--disable-fastapi-docs", "--enable-tokenizer-info-endpoint", env={"PYTHONPATH": str(TESTS)})
 
 
 def _client(server: ServerProcess) -> openai.OpenAI:
@@ -161,3 +161,15 @@ def test_middleware_and_docs(defaults_server: ServerProcess, server: ServerProce
         assert httpx.get(server.base_url + path).status_code == 200
     schema = httpx.get(f"{server.base_url}/openapi.json").json()
     assert {"/v1/chat/completions", "/v1/completions", "/health"} <= set(schema["paths"])
+
+
+def test_tokenizer_info(defaults_server: ServerProcess, server: ServerProcess, tiny_llama: Path) -> None:
+    from pagellm.tokenizer import Tokenizer
+
+    info = httpx.get(f"{defaults_server.base_url}/tokenizer_info").json()
+    tokenizer = Tokenizer.from_dir(tiny_llama)
+    assert info["model_max_length"] == 512 and info["vocab_size"] == tokenizer.vocab_size
+    assert info["eos_token_ids"] == sorted(tokenizer.eos_token_ids) and info["tokenizer_class"]
+    assert all(set(token) == {"content", "special"} for token in info["added_tokens_decoder"].values())
+    assert info["chat_template"] == TEMPLATE  # the server's own (--chat-template)
+    assert httpx.get(f"{server.base_url}/tokenizer_info").status_code == 404  # not without the flag

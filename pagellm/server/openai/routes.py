@@ -72,7 +72,7 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
               reasoning_parser: Optional[str] = None, loras: Optional[dict[str, LoRARequest]] = None,
               runtime_lora_updating: bool = False, defaults: Optional[RequestDefaults] = None,
               request_id_headers: bool = False, server_load_tracking: bool = False, fastapi_docs: bool = True,
-              middleware: Sequence[str] = ()) -> FastAPI:
+              middleware: Sequence[str] = (), tokenizer_info: bool = False) -> FastAPI:
     if not model_names:
         raise ValueError("give at least one served model name")
     docs = {} if fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -88,7 +88,7 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
     app.include_router(_score_router(engine, served, api_key))
     if runtime_lora_updating:
         app.include_router(lora_router(engine, served.names, served.loras, _auth(api_key)))
-    app.include_router(_admin_router(engine, model_names))
+    app.include_router(_admin_router(engine, model_names, tokenizer_info))
     app.include_router(_operations_router(engine, api_key))
     if observability is not None:
         install_observability(app, observability)
@@ -211,7 +211,7 @@ def _responses_router(responses: OpenAIServingResponses, api_key: Optional[str])
     return router
 
 
-def _admin_router(engine: EngineClient, model_names: Sequence[str]) -> APIRouter:
+def _admin_router(engine: EngineClient, model_names: Sequence[str], tokenizer_info: bool = False) -> APIRouter:
     router = APIRouter()
     serving = OpenAIServing(engine, model_names)
 
@@ -228,6 +228,12 @@ def _admin_router(engine: EngineClient, model_names: Sequence[str]) -> APIRouter
     async def stats() -> dict[str, Any]:
         current = await engine.get_stats()
         return {name: msgspec.to_builtins(getattr(current, name)) for name in current.__struct_fields__}
+
+    async def describe_tokenizer() -> dict[str, Any]:  # vLLM's --enable-tokenizer-info-endpoint
+        return {**serving.tokenizer.info(), "model_max_length": serving.max_model_len}
+
+    if tokenizer_info:
+        router.add_api_route("/tokenizer_info", describe_tokenizer, methods=["GET"])
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
