@@ -9,8 +9,9 @@ model runs them in place of its embedding lookup, position for position; what it
 frontend reads a client's tensor (``from_tensor``, ``load``: this module imports torch only there, so a frontend
 without embeddings prompts never loads it), the engine carries the bytes to the workers, and each worker makes a
 tensor of its model's dtype of them (``to_tensor``). A request's placeholder token ids (zeros, one per row) keep
-the scheduler and the KV cache unchanged; its prefix-cache blocks are salted with ``digest`` (every block, so a
-block of these rows never passes for one of other rows or of tokens).
+the scheduler and the KV cache unchanged. Its full prompt blocks are hashed by their rows (``kv/hashing.
+embeds_block_hashes``: prompts that start with the same rows, a soft prompt say, share them; a block of rows never
+passes for one of other rows or of tokens), the blocks after them under a cache salt that carries ``digest``.
 """
 
 from __future__ import annotations

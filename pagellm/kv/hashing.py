@@ -69,3 +69,20 @@ def extend_block_hashes(
     for offset in range(0, len(data), width):
         parent = sha256(parent + data[offset:offset + width] + suffix).digest()[:16]
         hashes.append(parent)  # type: ignore[arg-type]  # a BlockHash (NewType only costs a call here)
+
+
+def embeds_block_hashes(data: bytes, dtype: str, num_rows: int, num_blocks: int, block_size: int,
+                        salt: str | None) -> list[BlockHash]:
+    """The chained hashes of the first ``num_blocks`` full blocks of an embeddings prompt (``data``: its
+    ``num_rows`` rows, row-major): each over its parent, the block's placeholder ids (zeros) and the extra keys
+    ("embeds", the rows' dtype, ``salt``, the digest of the block's rows). Equal leading rows under an equal salt
+    share blocks; a block of rows never hashes as a block of tokens, whose extra keys are never four."""
+    width = len(data) // num_rows * block_size
+    zeros = [0] * block_size
+    hashes: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for block in range(num_blocks):
+        digest = _sha256(data[block * width:(block + 1) * width]).digest()[:16]
+        parent = hash_block_tokens(parent, zeros, ("embeds", dtype, salt, digest))
+        hashes.append(parent)
+    return hashes

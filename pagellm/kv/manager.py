@@ -32,8 +32,8 @@ from typing import Callable
 from pagellm.kv.block import BlockId, KVBlock
 from pagellm.kv.block_pool import BlockPool
 from pagellm.kv.events import KVEventRecorder
-from pagellm.kv.hashing import ROOT_HASH, extend_block_hashes
-from pagellm.request import Request, RequestId
+from pagellm.kv.hashing import ROOT_HASH, embeds_block_hashes, extend_block_hashes
+from pagellm.request import BlockHash, Request, RequestId
 
 NEVER = 1 << 62  # the next-full count when prefix caching is off: no block is ever registered
 RELEASED = KVBlock(0)  # the place of a block released behind a sliding window (not the pool's; never read)
@@ -222,13 +222,24 @@ class KVCacheManager:
         return self.pool.reset_prefix_cache()
 
     def hash_blocks(self, request: Request) -> None:
-        """Hash the request's full blocks not hashed yet (a no-op with prefix caching off)."""
+        """Hash the request's full blocks not hashed yet (a no-op with prefix caching off). An embeddings prompt's
+        full blocks are hashed by their rows (``embeds_block_hashes``), the blocks after them with its whole salt."""
         hashes, tokens = request.block_hashes, request.all_token_ids
+        if self.enable_caching and request.prompt_embeds is not None and not hashes:
+            hashes.extend(self._embeds_hashes(request))
         if self.enable_caching and len(tokens) >= (len(hashes) + 1) * self.block_size:
             if request.cache_salt:
                 extend_block_hashes(hashes, tokens, self.block_size, (request.cache_salt,))
             elif self.native_hashes is None or not self.native_hashes(hashes, tokens, self.block_size, ROOT_HASH):
                 extend_block_hashes(hashes, tokens, self.block_size)
+
+    def _embeds_hashes(self, request: Request) -> list[BlockHash]:
+        """The hashes of an embeddings prompt's full blocks. Its cache salt ends with the digest of all its rows
+        (which keys the blocks after them); these take the salt before it (the caller's, an adapter's)."""
+        embeds, salt = request.prompt_embeds, request.cache_salt or ""
+        base = salt[:salt.rfind("embeds-")].rstrip("/") or None
+        return embeds_block_hashes(embeds.data, embeds.dtype, request.num_prompt_tokens,  # type: ignore[union-attr]
+                                   request.num_prompt_tokens // self.block_size, self.block_size, base)
 
     def cache_full_blocks(self, request: Request, num_final_tokens: int) -> int:
         """Register the request's blocks that will be full of final tokens once this step runs (prefix caching

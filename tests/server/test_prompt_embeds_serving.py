@@ -149,3 +149,16 @@ def test_grpc_generate_takes_the_rows_as_bytes(embeds_server: ServerProcess, off
     with pytest.raises(grpc.RpcError) as error:
         list(stub.Generate(pb.GenerateRequest(prompt_embeds=save(torch.zeros(3, 32)), sampling=sampling)))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "hidden size is 64" in error.value.details()
+
+
+def test_cache_salts_keep_embeddings_blocks_apart(embeds_server: ServerProcess) -> None:
+    rows = _b64(_rows(9, 40))
+    body = {"model": "tiny", "prompt_embeds": rows, "max_tokens": 1}
+
+    def cached(**extra: str) -> int:
+        reply = httpx.post(f"{embeds_server.base_url}/v1/completions", json={**body, **extra}, timeout=60).json()
+        return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") == 32  # the same tenant finds its two full blocks
+    assert cached(cache_salt="tenant-b") == 0 and cached() == 0  # another tenant, or none, finds nothing
