@@ -21,10 +21,11 @@ request's logits, or None to leave the request alone; a request opts in through 
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from pagellm.plugins import import_object
 
 if TYPE_CHECKING:
     import torch
@@ -64,18 +65,7 @@ def qualified_name(processor: Any) -> str:
 
 def resolve(name: str) -> type[AdapterLogitsProcessor]:
     """The processor class ``name`` names (``module:Class`` or ``module.Class``); ValueError says what is wrong."""
-    module_name, sep, attr = name.partition(":")
-    if not sep:
-        module_name, _, attr = name.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"logits processor {name!r}: name it as package.module:Class")
-    try:
-        target: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            target = getattr(target, part)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"logits processor {name!r} cannot be imported ({type(exc).__name__}: {exc}); it must be "
-                         "importable in the server and its workers (on PYTHONPATH)") from None
+    target = import_object(name, "logits processor")
     if not (isinstance(target, type) and issubclass(target, AdapterLogitsProcessor)):
         raise ValueError(f"logits processor {name!r} is not a subclass of "
                          "pagellm.sample.custom.AdapterLogitsProcessor")

@@ -95,7 +95,7 @@ def test_parameters_a_processor_refuses_are_errors(custom: LLM) -> None:
     (["custom_processors:Missing"], "cannot be imported"),
     (["no_such_module:Thing"], "cannot be imported"),
     (["custom_processors:NotAProcessor"], "not a subclass of pagellm.sample.custom.AdapterLogitsProcessor"),
-    (["NoDots"], "name it as package.module:Class"),
+    (["NoDots"], "name it as package.module:Name"),
 ])
 def test_bad_processor_names_are_refused_at_start(tiny_llama: Path, names: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):

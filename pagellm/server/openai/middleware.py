@@ -10,13 +10,14 @@ so the last one named sees a request first.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+
+from pagellm.plugins import import_object
 
 
 def add_request_id_headers(app: FastAPI) -> None:
@@ -33,7 +34,7 @@ def add_request_id_headers(app: FastAPI) -> None:
 def add_user_middleware(app: FastAPI, names: Sequence[str]) -> None:
     """Add each middleware ``names`` names, in order."""
     for name in names:
-        target = _import(name)
+        target = import_object(name, "--middleware")
         if inspect.isclass(target):
             app.add_middleware(target)
         elif inspect.iscoroutinefunction(target):
@@ -41,16 +42,3 @@ def add_user_middleware(app: FastAPI, names: Sequence[str]) -> None:
         else:
             raise ValueError(f"--middleware {name}: give an ASGI middleware class or an async def (request, "
                              f"call_next) function, not {type(target).__name__}")
-
-
-def _import(name: str) -> Any:
-    module_name, sep, attr = name.partition(":")
-    if not sep:
-        module_name, _, attr = name.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"--middleware {name!r}: name it as package.module:name")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"--middleware {name!r} cannot be imported ({type(exc).__name__}: {exc}); it must be "
-                         "importable by the server (on PYTHONPATH)") from None
