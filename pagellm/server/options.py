@@ -109,30 +109,54 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
                      help="how a message's content reaches the chat template (vLLM's flag): string (text parts joined "
                           "into one string), openai (a list of {type: text, text} parts, for templates that loop over "
                           "content), or auto (default: openai when the template loops over a message's content)")
-    cmd.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+    _add_app_args(cmd)
+    _add_cors_and_tool_args(cmd)
+    _add_request_args(cmd)
+    cmd.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="accepted for vLLM command lines: usage always carries prompt_tokens_details.cached_tokens "
+                          "(the prompt tokens the prefix cache served), as OpenAI's does")
+    cmd.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                     help="LoRA adapters to serve (with --enable-lora), each as name=path or JSON {\"name\": ..., "
+                          "\"path\": ...}: requests naming one as their model run with it")
+    cmd.add_argument("--allow-runtime-lora-updating", action="store_true",
+                     help="with --enable-lora: POST /v1/load_lora_adapter {lora_name, lora_path} and "
+                          "/v1/unload_lora_adapter {lora_name} add and remove served adapters (they read server paths: "
+                          "set --api-key)")
+    cmd.add_argument("--reasoning-parser", choices=reasoning.PARSERS, default=None,
+                     help="take a reasoning model's <think> block out of chat replies into reasoning_content: "
+                          "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ)")
+    _add_tls_args(cmd)
+
+
+def _add_app_args(cmd: argparse.ArgumentParser) -> None:
+    app = cmd.add_argument_group("HTTP app, logs and observability")
+    app.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                      help="GET /tokenizer_info answers the tokenizer's class, special and added tokens and chat "
                           "template (vLLM's flag), for a client that tokenizes as the server does")
-    cmd.add_argument("--disable-fastapi-docs", action="store_true",
+    app.add_argument("--disable-fastapi-docs", action="store_true",
                      help="serve no /docs, /redoc or /openapi.json (the API's interactive docs and schema)")
-    cmd.add_argument("--middleware", action="append", default=[], metavar="MODULE:NAME",
+    app.add_argument("--middleware", action="append", default=[], metavar="MODULE:NAME",
                      help="an ASGI middleware class or an async def (request, call_next) function to add to the app "
                           "(repeatable; importable by the server)")
-    cmd.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
+    app.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                      help="log every HTTP request (default: off)")
-    cmd.add_argument("--root-path", default="", metavar="PREFIX",
+    app.add_argument("--root-path", default="", metavar="PREFIX",
                      help="the path prefix under which a reverse proxy serves the API (e.g. /llm), as vLLM's: the "
                           "app's own routes stay where they are")
-    cmd.add_argument("--uvicorn-log-level", default="warning",
+    app.add_argument("--uvicorn-log-level", default="warning",
                      choices=["critical", "error", "warning", "info", "debug", "trace"],
                      help="the HTTP server's log level (default: warning)")
-    cmd.add_argument("--enable-server-load-tracking", action="store_true",
+    app.add_argument("--enable-server-load-tracking", action="store_true",
                      help="GET /load answers {\"server_load\": N}, the inference requests being served now (vLLM's "
                           "flag), for a load balancer that picks the least loaded replica")
-    cmd.add_argument("--disable-log-stats", action="store_true",
+    app.add_argument("--disable-log-stats", action="store_true",
                      help="turn engine stats off: no Prometheus engine series, no stats log line, no dashboard data")
-    cmd.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+    app.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                      help="export one OpenTelemetry span per request to this OTLP endpoint (gRPC by default, e.g. "
                           "http://127.0.0.1:4317; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for HTTP)")
+
+
+def _add_cors_and_tool_args(cmd: argparse.ArgumentParser) -> None:
     cors = cmd.add_argument_group("CORS (browser pages on other origins)")
     for name in ("origins", "methods", "headers"):
         cors.add_argument(f"--allowed-{name}", type=_json_list, default=["*"], metavar="JSON_LIST",
@@ -151,21 +175,6 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
                             "llama3_json (a JSON object per call: Llama 3.1/3.2), mistral ([TOOL_CALLS] and a JSON "
                             "list: Mistral 7B v0.3), pythonic ([f(a=1), g()]), qwen3_coder (<function=f> with "
                             "<parameter=a> blocks: Qwen3-Coder), phi4_mini_json (functools[...]: Phi-4-mini)")
-    _add_request_args(cmd)
-    cmd.add_argument("--enable-prompt-tokens-details", action="store_true",
-                     help="accepted for vLLM command lines: usage always carries prompt_tokens_details.cached_tokens "
-                          "(the prompt tokens the prefix cache served), as OpenAI's does")
-    cmd.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
-                     help="LoRA adapters to serve (with --enable-lora), each as name=path or JSON {\"name\": ..., "
-                          "\"path\": ...}: requests naming one as their model run with it")
-    cmd.add_argument("--allow-runtime-lora-updating", action="store_true",
-                     help="with --enable-lora: POST /v1/load_lora_adapter {lora_name, lora_path} and "
-                          "/v1/unload_lora_adapter {lora_name} add and remove served adapters (they read server paths: "
-                          "set --api-key)")
-    cmd.add_argument("--reasoning-parser", choices=reasoning.PARSERS, default=None,
-                     help="take a reasoning model's <think> block out of chat replies into reasoning_content: "
-                          "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ)")
-    _add_tls_args(cmd)
 
 
 def _add_request_args(cmd: argparse.ArgumentParser) -> None:
