@@ -52,7 +52,8 @@ class StepInputs:
 
 
 def build_step_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput,
-                      block_size: int) -> StepInputs:
+                      block_size: int, any_embeds: bool = False) -> StepInputs:
+    """The step's flat inputs; ``any_embeds``: some live request has an embeddings prompt (its rows are placed)."""
     req_ids = sched.req_ids
     counts = np.array(sched.num_scheduled_tokens, dtype=np.int64)
     query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
@@ -65,10 +66,8 @@ def build_step_inputs(states: dict[str, CachedRequestState], sched: SchedulerOut
     logits_indices: list[int] = []
     logits_start: list[int] = []
     all_drafts: list[list[int]] = []
-    embeds = False
     for row, req_id in enumerate(req_ids):
         state = states[req_id]
-        embeds = embeds or state.prompt_embeds is not None
         start, count = int(starts[row]), int(counts[row])
         drafts = sched.spec_token_ids.get(req_id, [])
         tokens.extend(state.token_ids[start:start + count - len(drafts)])
@@ -88,7 +87,7 @@ def build_step_inputs(states: dict[str, CachedRequestState], sched: SchedulerOut
     return StepInputs(req_ids, torch.tensor(tokens, dtype=torch.int64), torch.from_numpy(positions),
                       torch.from_numpy(slots), query_start_loc, seq_lens, block_table,
                       torch.tensor(logits_indices, dtype=torch.int64), logits_start, all_drafts,
-                      _embeds_rows(states, req_ids, starts, counts, query_start_loc) if embeds else None)
+                      _embeds_rows(states, req_ids, starts, counts, query_start_loc) if any_embeds else None)
 
 
 def _embeds_rows(states: dict[str, CachedRequestState], req_ids: list[str], starts: np.ndarray, counts: np.ndarray,

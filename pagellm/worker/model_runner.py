@@ -63,6 +63,7 @@ class ModelRunner:
         self.disable_by_batch_size = disable_by_batch_size  # no drafting for steps of more requests than this
         self.adapters = WorkerAdapters(model.cfg, model.model.norm.weight.dtype, model.model.parallel, max_cpu_loras)
         self._pooling: set[str] = set()  # live pooling requests: steps without any skip looking for them
+        self._embeds: set[str] = set()  # live requests with embeddings prompts: likewise
         self.kv_store: KVStore | None = None  # a KV connector's store (disaggregated prefill/decode)
         self.kv_saves = False  # a producer: each prompt's full blocks go to the store once computed
 
@@ -82,7 +83,7 @@ class ModelRunner:
                 sched = load_stored(self.kv_store, sched, self.states, self.block_size)
             if sched.is_empty:
                 return ModelRunnerOutput([], [], [])
-            inputs = build_step_inputs(self.states, sched, self.block_size)
+            inputs = build_step_inputs(self.states, sched, self.block_size, bool(self._embeds))
             masks = self.processing.start_masks(len(inputs.logits_indices), self._grammar_rows(inputs))
             trees = self._trees(inputs)
             common = CommonAttentionInputs(inputs.query_start_loc, inputs.seq_lens, inputs.block_table,
@@ -210,6 +211,7 @@ class ModelRunner:
             self.drafts.pop(req_id, None)
             self.adapters.release(req_id)
             self._pooling.discard(req_id)
+            self._embeds.discard(req_id)
         if sched.finished_req_ids:
             self.proposer.release(sched.finished_req_ids)
         for new in sched.new_reqs:
@@ -223,6 +225,7 @@ class ModelRunner:
             if new.prompt_embeds is not None:  # its prompt ids are placeholders: penalties see no prompt tokens
                 state.prompt_embeds = to_tensor(new.prompt_embeds, self.model.model.norm.weight.dtype)
                 prompt_ids = []
+                self._embeds.add(new.req_id)
             # Rebuilt from the tokens when a preempted request resumes, so its state never depends on history.
             state.processing = self.processing.create(new.sampling_params, prompt_ids,
                                                       new.token_ids[new.num_prompt_tokens:])
