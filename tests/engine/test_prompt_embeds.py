@@ -236,3 +236,15 @@ def test_rows_reach_every_parallel_rank(tiny_llama: Path, parallel: dict) -> Non
         assert _generate(llm, embeds) == expected
     finally:
         llm.shutdown()
+
+
+def test_embed_takes_embeddings_prompts(tiny_llama: Path) -> None:
+    """``LLM.embed`` pools an embeddings prompt as transformers' last hidden state of ``inputs_embeds``."""
+    llm = LLM(str(tiny_llama), dtype="float32", enable_prompt_embeds=True)
+    (rows,) = _embeds(seed=10, lengths=[21])
+    (out,) = llm.embed([{"prompt_embeds": rows}], use_tqdm=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(inputs_embeds=rows[None], output_hidden_states=True).hidden_states[-1][0, -1]
+    torch.testing.assert_close(torch.tensor(out.embedding), ref / ref.norm(), atol=2e-6, rtol=0)
+    assert out.prompt_token_ids == []
