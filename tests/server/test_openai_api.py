@@ -25,6 +25,10 @@ def test_models_version_and_tokenizer_routes(server: ServerProcess, client: open
     assert text == {"prompt": "abc"}
     chat_tokens = httpx.post(f"{server.base_url}/tokenize", json={"messages": CHAT}).json()
     assert chat_tokens["count"] > 3
+    card = client.models.retrieve("tiny")  # GET /v1/models/{model}
+    assert card.id == "tiny" and card.object == "model" and card.model_extra["max_model_len"] == 512
+    with pytest.raises(openai.NotFoundError, match="The model `gpt-4o` does not exist"):
+        client.models.retrieve("gpt-4o")
 
 
 def test_completion(client: openai.OpenAI) -> None:

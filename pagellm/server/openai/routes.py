@@ -123,6 +123,15 @@ def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], ch
         return ModelList(data=base + [ModelCard(id=name, root=lora.lora_path, parent=served.names[0],
                                                 max_model_len=max_model_len) for name, lora in served.loras.items()])
 
+    @router.get("/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelCard:  # OpenAI's GET /v1/models/{model}
+        cards = (await list_models()).data
+        for card in cards:
+            if card.id == model_id:
+                return card
+        raise APIError(f"The model `{model_id}` does not exist (this server serves "
+                       f"{', '.join(c.id for c in cards)})", 404, param="model", code="model_not_found")
+
     @router.post("/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         job = completion.prepare(body)
