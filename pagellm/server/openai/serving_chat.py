@@ -129,13 +129,12 @@ class OpenAIServingChat(OpenAIServing):
             if params.structured_outputs is not None and not closed:
                 params.structured_outputs = msgspec.structs.replace(params.structured_outputs,
                                                                     begin_after=self.think_end)
-        role = self.defaults.response_role if request.add_generation_prompt else request.messages[-1].role
         last = request.messages[-1]
-        echoed = last.text() if request.echo and last.role == role else ""
+        role = self.defaults.response_role if request.add_generation_prompt else last.role
+        beam = serving_beam.beam_params(request, params.max_tokens, self.max_model_len)
         return _Job(request, random_id("chatcmpl", request.request_id), model, self.check_prompt(prompt), params,
-                    parser, reasoning, closed, beam=serving_beam.beam_params(request, params.max_tokens,
-                                                                              self.max_model_len),
-                    role=role, echoed=echoed)
+                    parser, reasoning, closed, beam=beam, role=role,
+                    echoed=last.text() if request.echo and last.role == role else "")
 
     def _prediction(self, prediction: dict[str, Any]) -> list[int]:
         """OpenAI's ``prediction`` (``{"type": "content", "content": text or text parts}``) as token ids to draft."""
