@@ -37,6 +37,7 @@ import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.convertors import Convertor, register_url_convertor
 
 import pagellm
 from pagellm.lora import LoRARequest
@@ -64,6 +65,22 @@ from pagellm.server.openai.tokenization import (DetokenizeRequest, DetokenizeRes
 logger = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class _ModelId(Convertor):
+    """A model name in a path: anything but empty (served names may hold slashes; ``/v1/models/`` stays the
+    trailing-slash redirect to the list)."""
+
+    regex = ".+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("model_id", _ModelId())
 
 
 def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optional[str] = None,
@@ -123,7 +140,7 @@ def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], ch
         return ModelList(data=base + [ModelCard(id=name, root=lora.lora_path, parent=served.names[0],
                                                 max_model_len=max_model_len) for name, lora in served.loras.items()])
 
-    @router.get("/models/{model_id:path}")
+    @router.get("/models/{model_id:model_id}")
     async def retrieve_model(model_id: str) -> ModelCard:  # OpenAI's GET /v1/models/{model}
         cards = (await list_models()).data
         for card in cards:
