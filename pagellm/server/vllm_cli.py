@@ -27,6 +27,14 @@ IGNORED: dict[str, tuple[dict[str, Any], str]] = {
     "--trust-remote-code": ({"action": "store_true"}, "pagellm runs its own model code only; nothing from the model "
                                                       "directory is executed"),
     "--disable-log-requests": ({"action": "store_true"}, "requests are not logged unless --enable-log-requests"),
+    "--max-loras": ({"type": int}, "every step mixes any number of adapters (no per-step adapter slots on the CPU); "
+                                   "--max-cpu-loras bounds the adapters kept loaded"),
+    "--max-seq-len-to-capture": ({"type": int}, "pagellm captures no graphs on the CPU"),
+    "--disable-custom-all-reduce": ({"action": "store_true"}, "tensor-parallel ranks reduce over shared memory and "
+                                                              "gloo; there is no custom all-reduce to turn off"),
+    "--disable-cascade-attn": ({"action": "store_true"}, "pagellm has no cascade attention"),
+    "--max-parallel-loading-workers": ({"type": int}, "weights load layer by layer in one pass"),
+    "--download-dir": ({}, "pagellm loads local model directories and .gguf files only (no model hub)"),
 }
 
 

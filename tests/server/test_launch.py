@@ -52,7 +52,7 @@ def test_a_vllm_command_line_with_a_config_file(start_server: Callable[..., Serv
     config.write_text("served-model-name: [from-file, also-from-file]\nroot_path: /llm\nmax-model-len: 256\n"
                       "enable-prefix-caching: false\nspeculative-config: {method: ngram, num_speculative_tokens: 2}\n")
     server = start_server(tiny_llama, "--config", str(config), "--max-model-len", "384",
-                          "--gpu-memory-utilization", "0.9", "--trust-remote-code")
+                          "--gpu-memory-utilization", "0.9", "--trust-remote-code", "--max-loras", "4")
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["from-file", "also-from-file"]
     assert client.models.list().data[0].max_model_len == 384  # the command line's, over the file's 256
@@ -61,6 +61,7 @@ def test_a_vllm_command_line_with_a_config_file(start_server: Callable[..., Serv
     assert redirect.status_code == 307 and redirect.headers["location"].endswith("/llm/v1/models")
     log = server.log()
     assert "--gpu-memory-utilization has no effect in pagellm" in log and "--trust-remote-code has no effect" in log
+    assert "--max-loras has no effect in pagellm: every step mixes any number of adapters" in log
     stats = httpx.get(f"{server.base_url}/metrics").text
     assert 'enable_prefix_caching="false"' in stats
     assert server.stop() == 0
