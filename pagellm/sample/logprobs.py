@@ -2,7 +2,9 @@
 
 Contract:
 - Values are ``log_softmax`` (float32) of the model's *raw* logits: taken before temperature, top-k/top-p/min-p
-  or min_tokens bans touch them, so they describe the model, not the sampler (vLLM / OpenAI semantics).
+  or min_tokens bans touch them, so they describe the model, not the sampler (vLLM / OpenAI semantics), unless a
+  request's ``logprobs_mode`` asks for the raw logits, or for the log or the logits of the distribution it samples
+  from (``apply_logprobs_modes``).
 - One call handles every (logit row, sampled token) pair of the step: one ``topk`` for the largest k asked, one
   gather, one comparison count for the ranks, and one move to Python lists per result.
 - ``rank`` = 1 + the number of vocabulary entries with a strictly greater logprob (1 = the most likely token).
@@ -14,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from pagellm.sample.sampler import SamplingTensors, processed_logits, processed_logprobs
+from pagellm.sampling_params import SamplingParams
 from pagellm.sched.output import TokenLogprobs
 
 
@@ -54,3 +58,37 @@ def split_logprobs(values: tuple[list[float], list[int], list[list[int]], list[l
                                  [v[:k] for v in top_values[start:end]]))
         start = end
     return out
+
+
+def copy_raw_logits(logits: torch.Tensor, candidate_rows: Sequence[int],
+                    requests: Sequence[tuple[SamplingParams, int]]) -> torch.Tensor | None:
+    """The candidate rows' logits in float32 (a copy: processing may edit ``logits`` in place), when one of the
+    ``requests`` ((its params, its rows) for each request that wants logprobs) has ``logprobs_mode`` raw_logits."""
+    if not any(params.logprobs_mode == "raw_logits" for params, _ in requests):
+        return None
+    return logits[torch.tensor(candidate_rows, dtype=torch.int64)].float()
+
+
+def apply_logprobs_modes(raw: torch.Tensor, raw_logits: torch.Tensor | None, processed: torch.Tensor,
+                         candidate_rows: Sequence[int], requests: Sequence[tuple[SamplingParams, int]]) -> None:
+    """Overwrite, in ``raw`` (the raw logprobs of the candidate rows, the ``requests``' rows one after another), the
+    rows of requests whose ``logprobs_mode`` asks for something else: the raw logits (``copy_raw_logits``'), the log
+    of the distribution they sample from (after processing, temperature and filters), or that distribution's logits
+    (dropped tokens -inf), from ``processed`` (the processed logits)."""
+    base, by_mode = 0, {}
+    for params, width in requests:
+        if params.values_mode != "raw_logprobs":
+            targets, sources, row_params = by_mode.setdefault(params.values_mode, ([], [], []))
+            targets.extend(range(base, base + width))
+            sources.extend(candidate_rows[base:base + width])
+            row_params.extend([params] * width)
+        base += width
+    for mode, (targets, sources, row_params) in by_mode.items():
+        into = torch.tensor(targets)
+        if mode == "raw_logits":
+            assert raw_logits is not None  # copy_raw_logits took them
+            raw[into] = raw_logits[into]
+            continue
+        tensors = SamplingTensors.from_params(row_params, [0] * len(row_params))
+        method = processed_logprobs if mode == "processed_logprobs" else processed_logits
+        raw[into] = method(processed[torch.tensor(sources)].float(), tensors)

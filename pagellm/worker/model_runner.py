@@ -6,9 +6,9 @@ the forward context for attention, computes logits only for the rows that sample
 sampling; either way one corrected or bonus token follows the accepted drafts), and asks the proposer for the
 next drafts (kept per request until verified, since verification needs their distributions); draft trees get
 depth positions and an ancestor mask, and their accepted path's KV is moved into place (``spec/tree.py``). For
-requests that ask for logprobs, it takes ``log_softmax`` of their raw logit rows (before min_tokens bans) and
-reports, per sampled token, its logprob, rank and the top alternatives (``sample/logprobs.py``); a step where no
-request asks does no logprob work at all.
+requests that ask for logprobs, it takes ``log_softmax`` of their raw logit rows (before min_tokens bans), or what
+their ``logprobs_mode`` asks for, and reports, per sampled token, its value, rank and the top alternatives
+(``sample/logprobs.py``); a step where no request asks does no logprob work at all.
 
 Per-request logits processing (penalties, logit_bias, bans, min_tokens, grammars) lives in
 ``sample/logits_processors.py``; the runner only lays out one ``RowContext`` per logit row, starts the grammar
@@ -33,8 +33,9 @@ from pagellm.metrics.profiler import span
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.prompt_embeds import to_tensor
 from pagellm.sample.logits_processors import LogitsProcessing, RowContext
-from pagellm.sample.logprobs import gather_logprobs, raw_logprobs, split_logprobs
-from pagellm.sample.sampler import Sampler, SamplingTensors, processed_logits, processed_logprobs
+from pagellm.sample.logprobs import apply_logprobs_modes, copy_raw_logits, gather_logprobs, raw_logprobs, split_logprobs
+from pagellm.sample.sampler import Sampler, SamplingTensors
+from pagellm.sampling_params import SamplingParams
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagellm.spec.base import Draft, ProposalRequest, Proposer
 from pagellm.spec.tree import compact_kv, place_trees
@@ -97,14 +98,16 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # model dtype; samplers upcast
         with span("sample"):
             wanted = self._logprob_requests(inputs)
-            raw = raw_logprobs(logits, _candidate_rows(inputs, wanted)) if wanted else None  # before any ban
-            raw_logits = self._raw_logits(logits, inputs, wanted)  # a copy too: processing may edit ``logits``
+            candidates = _candidate_rows(inputs, wanted) if wanted else []
+            modes = self._mode_requests(inputs, wanted)
+            raw = raw_logprobs(logits, candidates) if wanted else None  # before any ban
+            raw_logits = copy_raw_logits(logits, candidates, modes) if wanted else None
             results, processed = self._sample(inputs, logits, masks)
             if trees:
                 self._compact(inputs, trees, results)
             sampled = [r.tokens if r else [] for r in results]
             if raw is not None:
-                self._apply_logprobs_modes(raw, raw_logits, processed, inputs, wanted)
+                apply_logprobs_modes(raw, raw_logits, processed, candidates, modes)
             logprobs = self._logprobs(raw, inputs, wanted, sampled) if raw is not None else {}
         pooled = self._pooled(inputs, hidden)
         if self.kv_saves:
@@ -235,37 +238,9 @@ class ModelRunner:
         for req_id, block_ids in cached.new_block_ids.items():
             self.states[req_id].block_ids.extend(block_ids)
 
-    def _raw_logits(self, logits: torch.Tensor, inputs: StepInputs, wanted: list[int]) -> torch.Tensor | None:
-        """The candidate rows' logits in float32 (a copy), when a request's ``logprobs_mode`` is raw_logits."""
-        if not any(self.states[inputs.req_ids[j]].sampling_params.logprobs_mode == "raw_logits" for j in wanted):
-            return None
-        return logits[torch.tensor(_candidate_rows(inputs, wanted), dtype=torch.int64)].float()
-
-    def _apply_logprobs_modes(self, raw: torch.Tensor, raw_logits: torch.Tensor | None, processed: torch.Tensor,
-                              inputs: StepInputs, wanted: list[int]) -> None:
-        """Overwrite, in ``raw`` (raw logprobs), the rows of requests whose ``logprobs_mode`` asks for something
-        else: the raw logits, or the log of the distribution they sample from (after processing, temperature and
-        filters), or that distribution's logits (dropped tokens -inf)."""
-        candidate_rows = _candidate_rows(inputs, wanted)
-        base, by_mode = 0, {}
-        for j in wanted:
-            width = len(inputs.drafts[j]) + 1
-            params = self.states[inputs.req_ids[j]].sampling_params
-            if params.values_mode != "raw_logprobs":
-                targets, sources, row_params = by_mode.setdefault(params.values_mode, ([], [], []))
-                targets.extend(range(base, base + width))
-                sources.extend(candidate_rows[base:base + width])
-                row_params.extend([params] * width)
-            base += width
-        for mode, (targets, sources, row_params) in by_mode.items():
-            rows = torch.tensor(sources)
-            if mode == "raw_logits":
-                assert raw_logits is not None  # _raw_logits copied them
-                raw[torch.tensor(targets)] = raw_logits[torch.tensor(targets)]
-                continue
-            tensors = SamplingTensors.from_params(row_params, [0] * len(row_params))
-            method = processed_logprobs if mode == "processed_logprobs" else processed_logits
-            raw[torch.tensor(targets)] = method(processed[rows].float(), tensors)
+    def _mode_requests(self, inputs: StepInputs, wanted: list[int]) -> list[tuple[SamplingParams, int]]:
+        """(params, logit rows) of each request that wants logprobs this step, in ``wanted`` order."""
+        return [(self.states[inputs.req_ids[j]].sampling_params, len(inputs.drafts[j]) + 1) for j in wanted]
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor,
                 masks: Future | None) -> tuple[list[Verified | None], torch.Tensor]:
