@@ -66,6 +66,9 @@ def from_tensor(tensor: Any) -> PromptEmbeds:
 
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"prompt_embeds must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided or tensor.device.type == "meta":
+        raise ValueError(f"prompt_embeds must be a dense tensor with its data, got a {tensor.layout} tensor on "
+                         f"{tensor.device.type}")
     if tensor.dim() == 3 and tensor.shape[0] == 1:
         tensor = tensor[0]
     if tensor.dim() != 2 or tensor.shape[0] == 0 or tensor.shape[1] == 0:

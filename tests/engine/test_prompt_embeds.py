@@ -171,6 +171,8 @@ def test_torch_save_round_trip_and_truncation() -> None:
     (torch.zeros(3, 64, dtype=torch.int64), "floating point"),
     (torch.full((3, 64), float("nan")), "NaN"),
     ([[0.0] * 64], "torch.Tensor"),
+    (torch.zeros(3, 64).to_sparse(), "dense tensor"),
+    (torch.zeros(3, 64, device="meta"), "dense tensor with its data"),
 ])
 def test_bad_tensors_are_refused(bad: object, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -108,6 +108,7 @@ class _Payload:
     ({"prompt_embeds": _b64(_Payload())}, "prompt_embeds", "torch.save"),
     ({"prompt_embeds": _b64(torch.zeros(3, 32))}, "prompt_embeds", "hidden size is 64"),
     ({"prompt_embeds": _b64(torch.zeros(3, 64, dtype=torch.int32))}, "prompt_embeds", "floating point"),
+    ({"prompt_embeds": _b64(torch.zeros(3, 64).to_sparse())}, "prompt_embeds", "dense tensor"),
     ({"prompt_embeds": [_b64(_rows(5, 3)), _b64(torch.zeros(600, 64))]}, "prompt_embeds",
      "prompt_embeds 1: 600 rows, but max_model_len is 512"),
     ({"prompt_embeds": []}, "prompt_embeds", "must not be empty"),
