@@ -52,6 +52,7 @@ from pagellm.engine.exceptions import (ASLEEP, SLEEP_MODE_OFF, EngineDeadError, 
 from pagellm.engine.input_processor import InputProcessor, PromptType, as_prompt, load_tokenizer
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
+from pagellm.engine.request_log import RequestLog
 from pagellm.engine.request_stream import (RequestStream, StreamItem, Tracked, aborted_output, coalesce,
                                            with_completion)
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, RequestError
@@ -60,7 +61,7 @@ from pagellm.metrics import tracing
 from pagellm.metrics.sink import NullStatsSink, StatsSink
 from pagellm.metrics.stats import IterationStats, SchedulerStats
 from pagellm.model.loader import resolve_model_dir
-from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
 from pagellm.worker.runtime import RuntimeInfo
@@ -89,8 +90,7 @@ class AsyncLLM:
         self._stats = SchedulerStats()
         self._dead_reason: str | None = None
         self._shut_down = False
-        self._log_len: int | None | bool = False  # False: requests are not logged (``log_requests``)
-        self._log_outputs = False  # ... nor their outputs
+        self._request_log: RequestLog | None = None  # requests are logged only when asked (``log_requests``)
         self._asleep = False  # sleep mode: new requests are refused
 
         def load_text_side() -> None:  # no output can arrive before the handshake, so none meets a half-made engine
@@ -134,8 +134,8 @@ class AsyncLLM:
         different ``cache_salt``s never share prefix-cache blocks."""
         prompt = as_prompt(prompt)
         requests = self._make_requests(prompt, params, request_id, priority, cache_salt)
-        if self._log_len is not False:
-            self._log_request(request_id, prompt, requests[0])
+        if self._request_log is not None:
+            self._request_log.request(request_id, prompt, requests[0], self.tokenizer)
         stream = RequestStream(asyncio.get_running_loop())
         self._register(request_id, requests, prompt if isinstance(prompt, str) else None, stream)
         try:
@@ -160,20 +160,7 @@ class AsyncLLM:
         """Log each request as it arrives (vLLM's ``--enable-log-requests``): its prompt, sampling parameters and
         token ids, the prompt cut to ``max_len`` characters and the ids to ``max_len`` ids (None: whole); with
         ``outputs`` (``--enable-log-outputs``), each sample's text and token ids as it finishes, cut alike."""
-        self._log_len = max_len
-        self._log_outputs = outputs
-
-    def _log_request(self, request_id: str, prompt: PromptType, request: EngineCoreRequest) -> None:
-        ids = request.prompt_token_ids[:self._log_len] if request.prompt_embeds is None else []
-        try:
-            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
-        except ValueError:  # no tokenizer (skip_tokenizer_init): the ids alone
-            text = ""
-        if request.prompt_embeds is not None:
-            text = f"<{len(request.prompt_token_ids)} rows of prompt embeddings>"
-        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s (%d tokens), cache_salt: %s",
-                    request_id, text[:self._log_len], request.sampling_params, ids, len(request.prompt_token_ids),
-                    "set" if request.cache_salt else None)
+        self._request_log = RequestLog(max_len, outputs)
 
     @staticmethod
     async def _best_of(stream: RequestStream, params: SamplingParams, count: int) -> list[RequestOutput]:
@@ -227,8 +214,9 @@ class AsyncLLM:
                 state = self.output_processor.requests[request.request_id]
                 assert state.stats is not None
                 state.stats.caller_id, state.stats.trace_context = request_id, trace_context
+                logged = self._request_log is not None and self._request_log.outputs
                 self._tracked[request.request_id] = Tracked(request_id, index, stream, prompt, state.prompt_token_ids,
-                                                            ([], []) if self._log_outputs else None)
+                                                            ([], []) if logged else None)
                 self._by_request_id.setdefault(request_id, set()).add(request.request_id)
 
     def _untrack(self, core_id: str) -> Tracked:
@@ -277,19 +265,8 @@ class AsyncLLM:
         completion.index = tracked.index
         out.request_id = tracked.request_id
         if tracked.output is not None:
-            self._log_output(tracked, completion)
+            self._request_log.output(tracked, completion)  # type: ignore[union-attr]
         tracked.stream.put(out)
-
-    def _log_output(self, tracked: Tracked, completion: CompletionOutput) -> None:
-        """Add a delta to the sample's logged output; log the whole once it finished."""
-        text, ids = tracked.output  # type: ignore[misc]
-        text.append(completion.text)
-        ids.extend(completion.token_ids)
-        if completion.finish_reason is not None:
-            cut = None if self._log_len is False else self._log_len
-            logger.info("Generated response %s (sample %d): output: %r, output_token_ids: %s (%d tokens), "
-                        "finish_reason: %s", tracked.request_id, tracked.index, "".join(text)[:cut], ids[:cut],
-                        len(ids), completion.finish_reason)
 
     def _fail(self, error: RequestError) -> None:
         if error.request_id not in self._tracked:

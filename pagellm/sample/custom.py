@@ -92,7 +92,7 @@ class RequestFunctions:
         return cls(functions, prompt_ids) if functions else None
 
     def apply(self, row: torch.Tensor, output_ids: Sequence[int]) -> torch.Tensor:
-        output = list(output_ids)
+        output = output_ids if isinstance(output_ids, list) else list(output_ids)  # the runner's is a fresh slice
         for fn, takes_prompt in self.calls:
             row = fn(self.prompt_ids, output, row) if takes_prompt else fn(output, row)
         return row
