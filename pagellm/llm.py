@@ -229,9 +229,10 @@ class LLM:
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's ``LLM.sleep`` (``enable_sleep_mode``): the KV cache's memory goes back to the OS and the prefix cache
-        forgets every block; requests are refused until ``wake_up``. Level 1 only: the weights stay."""
+        forgets every block; requests are refused until ``wake_up``. Level 2 drops the weights too: ``wake_up`` loads
+        the checkpoint last loaded again, unless ``update_weights_from_disk`` loaded another meanwhile."""
         check_sleep_level(level)
-        self.engine.sleep()
+        self.engine.sleep(level)
 
     def update_weights_from_disk(self, model: str | None = None) -> None:
         """Serve the weights of ``model`` (a checkpoint of the served model's architecture and shapes; None: the

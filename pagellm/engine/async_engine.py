@@ -327,13 +327,14 @@ class AsyncLLM:
 
     async def sleep(self, level: int = 1) -> None:
         """Sleep mode (``enable_sleep_mode``, vLLM's ``/sleep``): the KV cache's memory goes back to the OS and new
-        requests fail with ``EngineSleepingError`` until ``wake_up``. ``level`` 1 only: the weights stay (vLLM's
-        level 2 also drops them, for a weight update this engine does not take)."""
+        requests fail with ``EngineSleepingError`` until ``wake_up``. ``level`` 2 drops the weights too (an RL loop's
+        weight update follows): ``wake_up`` loads the checkpoint last loaded, unless ``update_weights_from_disk``
+        already loaded another meanwhile."""
         check_sleep_level(level)
         if not self.config.cache_config.enable_sleep_mode:
             raise ValueError(SLEEP_MODE_OFF)
         self._check_idle("sleeps")
-        await self.client.call_utility("sleep")
+        await self.client.call_utility("sleep", level)
         self._asleep = True
 
     async def update_weights_from_disk(self, model: str | None = None) -> None:

@@ -100,8 +100,8 @@ class InprocClient:
     def update_weights(self, model: str | None = None) -> bool:
         return self.core.update_weights(model)
 
-    def sleep(self) -> bool:
-        return self.core.sleep()
+    def sleep(self, level: int = 1) -> bool:
+        return self.core.sleep(level)
 
     def wake_up(self) -> bool:
         return self.core.wake_up()

@@ -11,7 +11,7 @@ import logging
 
 from pagellm import envs, native_build
 from pagellm.config import EngineConfig
-from pagellm.engine.exceptions import ASLEEP, SLEEP_MODE_OFF, EngineSleepingError
+from pagellm.engine.exceptions import ASLEEP, SLEEP_MODE_OFF, EngineSleepingError, check_sleep_level
 from pagellm.engine.input_processor import check_prompt
 from pagellm.engine.wire import EngineCoreRequest, StepOutput
 from pagellm.executor.base import Executor, make_executor
@@ -92,18 +92,22 @@ class EngineCore:
         (populating the KV cache's memory, worker/kv_prefault.py) runs in the background only then."""
         self.executor.set_idle(idle)
 
-    def sleep(self) -> bool:
-        """Sleep mode (``enable_sleep_mode``): the workers give their KV caches' memory back to the OS, the prefix
-        cache forgets every block (their contents go), and requests are refused until ``wake_up``. Only an idle
-        engine sleeps."""
+    def sleep(self, level: int = 1) -> bool:
+        """Sleep mode (``enable_sleep_mode``): the workers give their KV caches' memory back to the OS (at ``level`` 2
+        their weights too, loaded again on ``wake_up``), the prefix cache forgets every block (their contents go),
+        and requests are refused until ``wake_up``. Only an idle engine sleeps."""
+        check_sleep_level(level)
         if not self.config.cache_config.enable_sleep_mode:
             raise ValueError(SLEEP_MODE_OFF)
+        if level == 2 and self.config.speculative_config.method is not None:
+            raise ValueError("sleep level 2 runs without speculative decoding (the proposer holds the weights); "
+                             "use level 1")
         if self.scheduler.has_unfinished_requests():
             raise ValueError(f"only an idle engine sleeps: {self.scheduler.num_unfinished_requests} requests are "
                              "unfinished (let them finish, or abort them)")
         if not self.reset_prefix_cache():  # no block may keep a hash once its contents are gone
             raise RuntimeError("the prefix cache could not be reset: KV blocks are still held")
-        self.executor.set_asleep(True)
+        self.executor.set_asleep(True, level)
         self.asleep = True
         return True
 

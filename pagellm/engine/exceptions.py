@@ -21,7 +21,8 @@ SLEEP_MODE_OFF = "this engine was started without sleep mode: start it with enab
 
 
 def check_sleep_level(level: int) -> None:
-    """Sleep levels this engine takes: 1 (the KV cache's memory released, the weights kept)."""
-    if level != 1:
-        raise ValueError(f"sleep level {level!r}: use 1 (the KV cache's memory goes back to the OS, the weights stay); "
-                         "level 2 also drops the weights, for a weight update this engine does not take")
+    """Sleep levels this engine takes (vLLM's): 1, the KV cache's memory released and the weights kept; 2, the weights
+    dropped too (``wake_up`` loads them again)."""
+    if level not in (1, 2):
+        raise ValueError(f"sleep level {level!r}: use 1 (the KV cache's memory goes back to the OS, the weights stay) "
+                         "or 2 (the weights go too; waking up loads them again from their checkpoint)")

@@ -23,8 +23,9 @@ class Executor(Protocol):
     def update_weights(self, model: str | None) -> None:
         """Every worker serves ``model``'s weights from now on (``Worker.update_weights``; checked on rank 0 first)."""
 
-    def set_asleep(self, asleep: bool) -> None:
-        """Sleep mode on every worker: asleep, their KV caches' memory goes back to the OS (``Worker.set_asleep``)."""
+    def set_asleep(self, asleep: bool, level: int = 1) -> None:
+        """Sleep mode on every worker: asleep, their KV caches' memory goes back to the OS, at ``level`` 2 their
+        weights too; awake, dropped weights load again (``Worker.set_asleep``)."""
 
     def start_profile(self) -> bool:
         """Start every worker's torch profiler session (metrics/profiler.py); False when one records already."""

@@ -77,7 +77,7 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, reader: 
             elif command.kind == "idle":
                 worker.set_idle(command.idle)
             elif command.kind == "sleep":
-                worker.set_asleep(command.asleep)
+                worker.set_asleep(command.asleep, command.level)
             elif command.kind == "update":
                 worker.update_weights(command.model)
             else:
@@ -163,9 +163,9 @@ class MultiprocExecutor(RankZeroExecutor):
         self._broadcast(Command("idle", idle=idle))
         self.worker.set_idle(idle)
 
-    def set_asleep(self, asleep: bool) -> None:
-        self._broadcast(Command("sleep", asleep=asleep))
-        self.worker.set_asleep(asleep)
+    def set_asleep(self, asleep: bool, level: int = 1) -> None:
+        self._broadcast(Command("sleep", asleep=asleep, level=level))
+        self.worker.set_asleep(asleep, level)
 
     def update_weights(self, model: str | None) -> None:
         self.worker.weights_source(model)  # a bad checkpoint is refused before any rank loads it

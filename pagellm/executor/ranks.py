@@ -36,6 +36,7 @@ class Command(msgspec.Struct, array_like=True, omit_defaults=True):
     sched: Optional[SchedulerOutput] = None
     idle: bool = False
     asleep: bool = False
+    level: int = 1                          # "sleep": 2 drops the weights too
     model: Optional[str] = None             # "update": the checkpoint (None: the served model's own)
 
 

@@ -91,7 +91,7 @@ class RankActor:
         elif command.kind == "idle":
             self.worker.set_idle(command.idle)
         elif command.kind == "sleep":
-            self.worker.set_asleep(command.asleep)
+            self.worker.set_asleep(command.asleep, command.level)
         elif command.kind == "update":
             self.worker.update_weights(command.model)
 
@@ -226,8 +226,8 @@ class RayExecutor(RankZeroExecutor):
     def set_idle(self, idle: bool) -> None:
         self._on_ranks(Command("idle", idle=idle), lambda: self.worker.set_idle(idle))
 
-    def set_asleep(self, asleep: bool) -> None:
-        self._on_ranks(Command("sleep", asleep=asleep), lambda: self.worker.set_asleep(asleep))
+    def set_asleep(self, asleep: bool, level: int = 1) -> None:
+        self._on_ranks(Command("sleep", asleep=asleep, level=level), lambda: self.worker.set_asleep(asleep, level))
 
     def update_weights(self, model: str | None) -> None:
         self.worker.weights_source(model)  # a bad checkpoint is refused before any rank loads it

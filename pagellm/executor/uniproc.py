@@ -20,8 +20,8 @@ class UniProcExecutor:
     def set_idle(self, idle: bool) -> None:
         self.worker.set_idle(idle)
 
-    def set_asleep(self, asleep: bool) -> None:
-        self.worker.set_asleep(asleep)
+    def set_asleep(self, asleep: bool, level: int = 1) -> None:
+        self.worker.set_asleep(asleep, level)
 
     def update_weights(self, model: str | None) -> None:
         self.worker.update_weights(model)

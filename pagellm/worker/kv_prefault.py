@@ -21,6 +21,7 @@ the first step says so and the thread stops.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import threading
@@ -66,6 +67,17 @@ def discard(address: int, length: int) -> bool:
     start = -(-address // PAGE) * PAGE
     end = (address + length) // PAGE * PAGE
     return end <= start or _MADVISE(start, end - start, MADV_DONTNEED) == 0
+
+
+def release_freed_memory() -> None:
+    """Give the memory of tensors just let go (sleep level 2's weights) back to the OS: collect what cycles still
+    hold, then ask glibc to return its arenas' free pages (``malloc_trim``; tensors below its mmap threshold live
+    there). Elsewhere only the collection runs."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def block_ranges(num_blocks: int, block_bytes: int, piece_bytes: int = PIECE_BYTES) -> Iterator[tuple[int, int]]:

@@ -30,7 +30,7 @@ from pagellm.ops.build import build_library
 from pagellm.sample import native as sample_native
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.spec.base import make_proposer
-from pagellm.worker.kv_prefault import KVPrefaulter, discard
+from pagellm.worker.kv_prefault import KVPrefaulter, discard, release_freed_memory
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.runtime import RuntimeInfo
 
@@ -70,6 +70,7 @@ class Worker:
         store_dir = self._bind_kv_store(kv_transfer, model_dir, arch, cache_config.block_size)
         self.prefaulter = KVPrefaulter(self.runner.kv_caches) if cache_config.kv_cache_prefault else None
         self.asleep = False  # sleep mode (``set_asleep``)
+        self.weights_from: str | None = None  # the checkpoint last loaded (None: the served model's); sleep level 2
         self.model_config, self.spec_config, self.arch = model_config, spec_config, arch  # update_weights
         self.profiler_config = profiler_config
         self.profiler = Profiler(profiler_config.profiler_dir, profiler_config.profiler_with_stack) \
@@ -116,10 +117,17 @@ class Worker:
         else:
             self.prefaulter.pause()
 
-    def set_asleep(self, asleep: bool) -> None:
+    def set_asleep(self, asleep: bool, level: int = 1) -> None:
         """Sleep mode: asleep, the KV cache's memory goes back to the OS (``kv_prefault.discard``: the pages come back
         zeroed on their next touch, so the engine must hold no KV worth keeping) and the idle-time population stops;
-        awake, the cache populates again when idle."""
+        at ``level`` 2 the model goes too (its weights' memory back to the OS). Awake, the cache populates again when
+        idle, and dropped weights load again from the checkpoint last loaded (unless an update already loaded one)."""
+        if asleep and level == 2 and self.runner.model is not None:
+            self.runner.model = None
+            release_freed_memory()
+            logger.info("asleep at level 2: the weights are dropped")
+        elif not asleep and self.runner.model is None:
+            self.update_weights(self.weights_from)
         if asleep == self.asleep:
             return
         self.asleep = asleep
@@ -142,7 +150,7 @@ class Worker:
         new.eval()
         for attn, cache in zip(new.attention_layers(), self.runner.kv_caches):
             attn.kv_cache = cache
-        self.runner.model = new
+        self.runner.model, self.weights_from = new, model
         logger.info("weights updated from %s", model_dir)
 
     def weights_source(self, model: str | None) -> tuple[Path, ArchConfig]:

@@ -1,4 +1,4 @@
-"""Sleep mode served (vLLM's ``--enable-sleep-mode`` routes): ``POST /sleep`` puts the engine to sleep (level 1),
+"""Sleep mode served (vLLM's ``--enable-sleep-mode`` routes): ``POST /sleep`` puts the engine to sleep (level 1 or 2),
 ``GET /is_sleeping`` says so, requests meanwhile are 503s that say how to wake it, ``POST /wake_up`` brings it back;
 a server without sleep mode refuses by name. And weight updates from disk (SGLang's route)."""
 
@@ -18,13 +18,16 @@ def test_sleep_and_wake_up(start_server: Callable[..., ServerProcess], tiny_llam
     sleepy = start_server(tiny_llama, "--served-model-name", "tiny", "--enable-sleep-mode")
     url = sleepy.base_url
     before = httpx.post(f"{url}/v1/completions", json=BODY).json()["choices"][0]["text"]
-    assert httpx.post(f"{url}/sleep", params={"level": 2}).status_code == 400  # level 1 only
+    assert httpx.post(f"{url}/sleep", params={"level": 3}).status_code == 400  # levels 1 and 2 only
     assert httpx.post(f"{url}/sleep").json() == {"is_sleeping": True}
     assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
     refused = httpx.post(f"{url}/v1/completions", json=BODY)
     assert refused.status_code == 503 and "POST /wake_up" in refused.json()["error"]["message"]
     assert httpx.get(f"{url}/health").status_code == 200  # asleep, not dead
     assert httpx.post(f"{url}/wake_up").json() == {"is_sleeping": False}
+    assert httpx.post(f"{url}/v1/completions", json=BODY).json()["choices"][0]["text"] == before
+    assert httpx.post(f"{url}/sleep", params={"level": 2}).json() == {"is_sleeping": True}  # the weights go too
+    assert httpx.post(f"{url}/wake_up", timeout=60).json() == {"is_sleeping": False}  # and load again
     assert httpx.post(f"{url}/v1/completions", json=BODY).json()["choices"][0]["text"] == before
     plain = httpx.post(f"{server.base_url}/sleep")
     assert plain.status_code == 400 and "--enable-sleep-mode" in plain.json()["error"]["message"]
