@@ -48,7 +48,7 @@ from pagellm.config import EngineConfig
 from pagellm.engine.client import MPClient
 from pagellm.engine.dp_client import DPClient
 from pagellm.engine.exceptions import (ASLEEP, SLEEP_MODE_OFF, EngineDeadError, EngineSleepingError,
-                                       check_sleep_level)
+                                       check_sleep_level, wake_tags)
 from pagellm.engine.input_processor import InputProcessor, PromptType, as_prompt, load_tokenizer
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
@@ -351,9 +351,12 @@ class AsyncLLM:
             raise ValueError(f"only an idle engine {what}: {unfinished} requests are unfinished (let them finish, or "
                              "abort them)")
 
-    async def wake_up(self) -> None:
-        await self.client.call_utility("wake_up")
-        self._asleep = False
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's ``tags`` (``exceptions.wake_tags``): ``["weights"]`` loads dropped weights only, still asleep."""
+        woken = wake_tags(tags)
+        await self.client.call_utility("wake_up", list(woken))
+        if "kv_cache" in woken:
+            self._asleep = False
 
     async def is_sleeping(self) -> bool:
         return await self.client.call_utility("is_sleeping")

@@ -103,8 +103,8 @@ class InprocClient:
     def sleep(self, level: int = 1) -> bool:
         return self.core.sleep(level)
 
-    def wake_up(self) -> bool:
-        return self.core.wake_up()
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        return self.core.wake_up(tags)
 
     def is_sleeping(self) -> bool:
         return self.core.is_sleeping()

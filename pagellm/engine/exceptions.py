@@ -20,6 +20,20 @@ ASLEEP = "the engine is asleep (sleep mode): wake it up first (POST /wake_up, LL
 SLEEP_MODE_OFF = "this engine was started without sleep mode: start it with enable_sleep_mode (--enable-sleep-mode)"
 
 
+WAKE_TAGS = ("weights", "kv_cache")
+
+
+def wake_tags(tags: object) -> tuple[str, ...]:
+    """vLLM's ``wake_up(tags=...)``: what to wake, "weights" (those a level-2 sleep dropped load again; the engine
+    stays asleep) and "kv_cache" (the engine takes requests again); None wakes both."""
+    if tags is None:
+        return WAKE_TAGS
+    if isinstance(tags, str) or not isinstance(tags, (list, tuple)) or not tags \
+            or any(tag not in WAKE_TAGS for tag in tags):
+        raise ValueError(f"wake_up tags {tags!r}: give a list of 'weights' and/or 'kv_cache' (or none: both)")
+    return tuple(tags)
+
+
 def check_sleep_level(level: int) -> None:
     """Sleep levels this engine takes (vLLM's): 1, the KV cache's memory released and the weights kept; 2, the weights
     dropped too (``wake_up`` loads them again)."""

@@ -82,6 +82,27 @@ def test_level_two_drops_the_weights_and_waking_loads_the_checkpoint_last_loaded
         llm.wake_up()
 
 
+def test_wake_up_tags_wake_the_weights_apart(tiny_llama: Path) -> None:
+    """vLLM's ``wake_up(tags=...)``: "weights" loads what a level-2 sleep dropped and the engine stays asleep;
+    "kv_cache" then wakes it without loading them again."""
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=64, enable_sleep_mode=True)
+    runner = llm.engine.core.executor.worker.runner
+    own = llm.generate([[3, 4, 5]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    llm.sleep(level=2)
+    assert runner.model is None
+    for bad in (["gpu"], "weights", []):
+        with pytest.raises(ValueError, match="give a list of 'weights' and/or 'kv_cache'"):
+            llm.wake_up(tags=bad)  # type: ignore[arg-type]
+    llm.wake_up(tags=["weights"])
+    loaded = runner.model
+    assert loaded is not None and llm.is_sleeping()
+    with pytest.raises(EngineSleepingError):
+        llm.generate([[3, 4, 5]], GREEDY, use_tqdm=False)
+    llm.wake_up(tags=["kv_cache"])
+    assert runner.model is loaded and not llm.is_sleeping()
+    assert llm.generate([[3, 4, 5]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == own
+
+
 def test_only_an_idle_engine_with_sleep_mode_sleeps(tiny_llama: Path) -> None:
     llm = LLM(str(tiny_llama), dtype="float32", max_model_len=64)
     with pytest.raises(ValueError, match="without sleep mode: start it with enable_sleep_mode"):

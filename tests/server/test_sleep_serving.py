@@ -27,7 +27,11 @@ def test_sleep_and_wake_up(start_server: Callable[..., ServerProcess], tiny_llam
     assert httpx.post(f"{url}/wake_up").json() == {"is_sleeping": False}
     assert httpx.post(f"{url}/v1/completions", json=BODY).json()["choices"][0]["text"] == before
     assert httpx.post(f"{url}/sleep", params={"level": 2}).json() == {"is_sleeping": True}  # the weights go too
-    assert httpx.post(f"{url}/wake_up", timeout=60).json() == {"is_sleeping": False}  # and load again
+    assert httpx.post(f"{url}/wake_up", params={"tags": "gpu"}).status_code == 400
+    # vLLM's tags: the weights load again while the engine sleeps on, then the KV cache wakes it
+    assert httpx.post(f"{url}/wake_up", params={"tags": "weights"}, timeout=60).json() == {"is_sleeping": True}
+    assert httpx.post(f"{url}/v1/completions", json=BODY).status_code == 503
+    assert httpx.post(f"{url}/wake_up", params={"tags": "kv_cache"}).json() == {"is_sleeping": False}
     assert httpx.post(f"{url}/v1/completions", json=BODY).json()["choices"][0]["text"] == before
     plain = httpx.post(f"{server.base_url}/sleep")
     assert plain.status_code == 400 and "--enable-sleep-mode" in plain.json()["error"]["message"]

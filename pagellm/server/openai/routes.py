@@ -321,9 +321,9 @@ def _operations_router(engine: EngineClient, api_key: Optional[str]) -> APIRoute
         return {"success": True, "message": f"weights updated from {path or 'the served model'}"}
 
     @router.post("/wake_up")
-    async def wake_up() -> dict[str, bool]:
-        await engine.wake_up()
-        return {"is_sleeping": False}
+    async def wake_up(tags: Optional[list[str]] = Query(None)) -> dict[str, bool]:  # vLLM's ?tags=weights
+        await engine.wake_up(tags)
+        return {"is_sleeping": await engine.is_sleeping()}
 
     @router.get("/is_sleeping")
     async def is_sleeping() -> dict[str, bool]:
