@@ -31,6 +31,7 @@ from pagellm.engine.exceptions import EngineDeadError
 from pagellm.lora import LoRARequest
 from pagellm.server.observability import build_observability
 from pagellm.server.options import ServeOptions
+from pagellm.server.openai import reasoning
 from pagellm.server.openai.routes import build_app
 from pagellm.server.openai.serving_engine import EngineClient
 from pagellm.server.openai.tool_parsers import load_plugin
@@ -67,6 +68,8 @@ def build_frontend(engine: EngineClient, config: EngineConfig, names: list[str],
     engine.tokenizer.content_format = options.chat_template_content_format
     if options.tool_parser_plugin is not None:  # in this process too (a Ray Serve replica builds its own app)
         load_plugin(options.tool_parser_plugin)
+    if options.reasoning_parser_plugin is not None:
+        reasoning.load_plugin(options.reasoning_parser_plugin)
     obs = build_observability(names[0], config, engine.runtime, options.log_stats, options.otlp_traces_endpoint)
     engine.stats_sink = obs.sink
     loras = lora_requests(engine, names, options)

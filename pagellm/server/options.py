@@ -76,6 +76,7 @@ class ServeOptions:
     log_outputs: bool = False  # with log_requests: log each request's output when it finishes
     tool_parser_plugin: Optional[str] = None  # a file registering tool-call parsers, run where the app is built
     tokenizer_info: bool = False  # GET /tokenizer_info answers the tokenizer's details
+    reasoning_parser_plugin: Optional[str] = None  # a file registering reasoning parsers, run where the app is built
 
 
 def _json_list(value: str) -> list[str]:
@@ -122,9 +123,13 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
                      help="with --enable-lora: POST /v1/load_lora_adapter {lora_name, lora_path} and "
                           "/v1/unload_lora_adapter {lora_name} add and remove served adapters (they read server paths: "
                           "set --api-key)")
-    cmd.add_argument("--reasoning-parser", choices=reasoning.PARSERS, default=None,
+    cmd.add_argument("--reasoning-parser", default=None, metavar="NAME",
                      help="take a reasoning model's <think> block out of chat replies into reasoning_content: "
-                          "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ)")
+                          "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ), or a plugin's")
+    cmd.add_argument("--reasoning-parser-plugin", default=None, metavar="FILE",
+                     help="a Python file that registers reasoning parsers of its own (vLLM's flag: "
+                          "register_reasoning_parser(\"name\", start=\"[THINK]\", end=\"[/THINK]\") from "
+                          "pagellm.server.openai.reasoning), then named by --reasoning-parser")
     _add_tls_args(cmd)
 
 
@@ -224,7 +229,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(args.host, args.port, args.served_model_name, args.api_key or envs.api_key(), template,
                         args.access_log, not args.disable_log_stats, args.otlp_traces_endpoint,
                         Cors(args.allowed_origins, args.allowed_methods, args.allowed_headers,
-                             args.allow_credentials), _tls(args), _tool_call_parser(args), args.reasoning_parser,
+                             args.allow_credentials), _tls(args), _tool_call_parser(args), _reasoning_parser(args),
                         _lora_modules(args), args.allow_runtime_lora_updating, args.grpc_port, args.root_path,
                         args.uvicorn_log_level, RequestDefaults(
                             args.enable_force_include_usage,  # without a tokenizer, logprobs name tokens by id
@@ -234,7 +239,15 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                         args.enable_request_id_headers, args.enable_log_requests, _max_log_len(args),
                         args.uds, args.enable_server_load_tracking, args.chat_template_content_format,
                         not args.disable_fastapi_docs, tuple(args.middleware), _log_outputs(args),
-                        args.tool_parser_plugin, args.enable_tokenizer_info_endpoint)
+                        args.tool_parser_plugin, args.enable_tokenizer_info_endpoint, args.reasoning_parser_plugin)
+
+
+def _reasoning_parser(args: argparse.Namespace) -> Optional[str]:
+    if args.reasoning_parser_plugin is not None:
+        reasoning.load_plugin(args.reasoning_parser_plugin)
+    if args.reasoning_parser is not None:
+        reasoning.get_reasoning_parser(args.reasoning_parser)  # a name no parser has: the error lists those there are
+    return args.reasoning_parser
 
 
 def _log_outputs(args: argparse.Namespace) -> bool:

@@ -10,6 +10,9 @@ import argparse
 import json
 import random
 import re
+import shutil
+from pathlib import Path
+from typing import Callable
 
 import openai
 import pytest
@@ -70,10 +73,60 @@ def test_the_flag_takes_vllm_names_and_refuses_others() -> None:
     add_serve_args(cmd)
     assert serve_options(cmd.parse_args([])).reasoning_parser is None
     assert serve_options(cmd.parse_args(["--reasoning-parser", "deepseek_r1"])).reasoning_parser == "deepseek_r1"
-    with pytest.raises(SystemExit):
-        cmd.parse_args(["--reasoning-parser", "granite"])
+    with pytest.raises(ValueError, match="unknown reasoning parser 'granite'; choose one of deepseek_r1, qwen3"):
+        serve_options(cmd.parse_args(["--reasoning-parser", "granite"]))
     with pytest.raises(ValueError, match="unknown reasoning parser 'granite'; choose one of deepseek_r1, qwen3"):
         ReasoningStream("granite")
+
+
+# A plugin for Magistral-style tags; each test that uses it runs it (once per process).
+PLUGIN = """from pagellm.server.openai.reasoning import register_reasoning_parser
+
+register_reasoning_parser("brackets", start="[THINK]", end="[/THINK]")
+"""
+
+
+def _plugin(folder: Path) -> str:
+    (folder / "brackets.py").write_text(PLUGIN)
+    return str(folder / "brackets.py")
+
+
+def test_a_plugin_file_registers_a_parser_of_its_own_tags(tmp_path: Path) -> None:
+    """vLLM's --reasoning-parser-plugin: its parser splits at its own tags, and --reasoning-parser names it; a plugin
+    that fails, or a name taken with other tags, is refused by name."""
+    cmd = argparse.ArgumentParser()
+    add_serve_args(cmd)
+    args = cmd.parse_args(["--reasoning-parser-plugin", _plugin(tmp_path), "--reasoning-parser", "brackets"])
+    assert serve_options(args).reasoning_parser == "brackets"
+    assert ReasoningStream("brackets").split("[THINK]Two and two.[/THINK]\n\nIt is 4.") == ("Two and two.", "It is 4.")
+    assert ReasoningStream("brackets").split("<think>x</think>y") == (None, "<think>x</think>y")
+    (tmp_path / "broken.py").write_text("raise RuntimeError('the plugin is broken')\n")
+    with pytest.raises(ValueError, match="--reasoning-parser-plugin .*broken.py failed: RuntimeError: the plugin"):
+        serve_options(cmd.parse_args(["--reasoning-parser-plugin", str(tmp_path / "broken.py")]))
+    (tmp_path / "clash.py").write_text(PLUGIN.replace('"brackets", start="[THINK]"', '"qwen3", start="[T]"'))
+    with pytest.raises(ValueError, match="a reasoning parser named 'qwen3' exists already"):
+        serve_options(cmd.parse_args(["--reasoning-parser-plugin", str(tmp_path / "clash.py")]))
+
+
+def test_a_server_splits_at_a_plugins_tags(start_server: Callable[..., ServerProcess], tiny_llama: Path,
+                                           tmp_path: Path) -> None:
+    """Served: a model whose tokenizer has [THINK] and [/THINK] (ids 260, 261) thinks "a" (a logit bias orders the
+    tokens), and a constraint that waits for the plugin's end tag shapes the answer."""
+    model = tmp_path / "brackets-model"
+    shutil.copytree(tiny_llama, model)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.add_tokens(["[THINK]", "[/THINK]"])
+    tokenizer.save_pretrained(model)
+    server = start_server(model, "--served-model-name", "tiny", "--reasoning-parser-plugin", _plugin(tmp_path),
+                          "--reasoning-parser", "brackets")
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    body = {"logit_bias": {"260": 60, "64": 50, "261": 40}, "structured_outputs": {"regex": re.escape("It is 4.")},
+            "bad_words": ["[THINK][THINK]", "[THINK][/THINK]", "a[THINK]", "aa"]}
+    message = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40,
+                                             extra_body=body).choices[0].message
+    assert message.reasoning_content == "a" and message.content == "It is 4."
 
 
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]

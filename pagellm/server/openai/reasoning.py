@@ -20,14 +20,58 @@ reply all answer, with either parser (``ReasoningStream(parser, closed=True)``).
 Structured-output constraints (a tool choice, ``response_format``, a regex) wait for the reply's ``</think>``: the
 server sets their ``begin_after`` to its token ids, so the model thinks freely and then answers in the schema, as
 vLLM does; when the prompt already closed the block they apply from the first token.
+
+A ``--reasoning-parser-plugin`` file (vLLM's flag) adds parsers for other tags: ``register_reasoning_parser("name",
+start="[THINK]", end="[/THINK]")`` (``thinks_by_default``: the template opens the block, as with deepseek_r1), then
+named by ``--reasoning-parser``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
+from pagellm.plugins import run_file
+
 START, END = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningParser:
+    """A thinking block's tags, and whether a reply thinks without opening one (its template opened it)."""
+
+    start: str = START
+    end: str = END
+    thinks_by_default: bool = False
+
+
+PARSERS: dict[str, ReasoningParser] = {"deepseek_r1": ReasoningParser(thinks_by_default=True),
+                                       "qwen3": ReasoningParser()}
+BUILT_IN = tuple(PARSERS)
+
+
+def register_reasoning_parser(name: str, start: str = START, end: str = END,
+                              thinks_by_default: bool = False) -> ReasoningParser:
+    """What a ``--reasoning-parser-plugin`` file calls: serve the block ``start`` ... ``end`` as parser ``name``."""
+    if not (isinstance(start, str) and isinstance(end, str) and start and end and start != end):
+        raise ValueError(f"reasoning parser {name!r}: start and end must be two different non-empty tags")
+    parser = ReasoningParser(start, end, bool(thinks_by_default))
+    if PARSERS.get(name, parser) != parser:
+        raise ValueError(f"a reasoning parser named {name!r} exists already; register yours as another name")
+    PARSERS[name] = parser
+    return parser
+
+
+def get_reasoning_parser(name: str) -> ReasoningParser:
+    if name not in PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r}; choose one of {', '.join(PARSERS)} (or register one "
+                         "in a --reasoning-parser-plugin file)")
+    return PARSERS[name]
+
+
+def load_plugin(path: str) -> None:
+    """Run a ``--reasoning-parser-plugin`` file (once per process), which calls ``register_reasoning_parser``."""
+    run_file(path, "--reasoning-parser-plugin")
 
 
 def _partial_tail(text: str, tag: str) -> int:
@@ -38,18 +82,17 @@ def _partial_tail(text: str, tag: str) -> int:
     return 0
 
 
-def closed_in_prompt(prompt_tail: str) -> bool:
+def closed_in_prompt(prompt_tail: str, end: str = END) -> bool:
     """Whether a rendered prompt (its last characters) ends in a closed think block: the reply is then all answer."""
-    return prompt_tail.rstrip().endswith(END)
+    return prompt_tail.rstrip().endswith(end)
 
 
 class ReasoningStream:
     """One choice's reply as it arrives: thinking, then the answer (see the module doc)."""
 
     def __init__(self, parser: str, closed: bool = False) -> None:
-        if parser not in PARSERS:
-            raise ValueError(f"unknown reasoning parser {parser!r}; choose one of {', '.join(PARSERS)}")
-        self.thinks_by_default = parser == "deepseek_r1"
+        tags = get_reasoning_parser(parser)
+        self.start, self.end, self.thinks_by_default = tags.start, tags.end, tags.thinks_by_default
         # start → thinking → gap (whitespace after </think>) → answer; a prompt that closed the block: answer
         self.state = "answer" if closed else "start"
         self.held = ""
@@ -60,18 +103,18 @@ class ReasoningStream:
         while self.held:
             if self.state == "start":
                 head = self.held.lstrip()
-                if not head or (START.startswith(head) and head != START):
+                if not head or (self.start.startswith(head) and head != self.start):
                     break  # may still become <think>
-                opened = head.startswith(START)
-                self.held = head[len(START):] if opened else self.held
+                opened = head.startswith(self.start)
+                self.held = head[len(self.start):] if opened else self.held
                 self.state = "thinking" if opened or self.thinks_by_default else "answer"
             elif self.state == "thinking":
-                end = self.held.find(END)
+                end = self.held.find(self.end)
                 if end < 0:
-                    cut = len(self.held) - _partial_tail(self.held, END)
+                    cut = len(self.held) - _partial_tail(self.held, self.end)
                     thinking, self.held = thinking + self.held[:cut], self.held[cut:]
                     break
-                thinking, self.held, self.state = thinking + self.held[:end], self.held[end + len(END):], "gap"
+                thinking, self.held, self.state = thinking + self.held[:end], self.held[end + len(self.end):], "gap"
             elif self.state == "gap":
                 self.held = self.held.lstrip()
                 self.state = "answer" if self.held else "gap"

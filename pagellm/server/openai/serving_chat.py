@@ -36,8 +36,7 @@ from pagellm.server.openai.replies import (ChatChunkChoice, ChatCompletionChoice
                                            ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage,
                                            CompletionTokensDetails, UsageInfo)
 from pagellm.server.openai.serving_engine import ChoiceState as _Choice
-from pagellm.server.openai.reasoning import END as THINK_END
-from pagellm.server.openai.reasoning import ReasoningStream, closed_in_prompt
+from pagellm.server.openai.reasoning import ReasoningStream, closed_in_prompt, get_reasoning_parser
 from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing, random_id
 from pagellm.server.openai.tool_call_stream import ToolCallStream
 from pagellm.server.openai.tool_parsers import ToolParser, get_parser
@@ -101,9 +100,9 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_parser: Optional[ToolParser] = get_parser(tool_parser) if tool_parser is not None else None
         self.reasoning_parser = reasoning_parser
         if reasoning_parser is not None:
-            ReasoningStream(reasoning_parser)  # an unknown name fails here, at start
+            self.think_tag = get_reasoning_parser(reasoning_parser).end  # an unknown name fails here, at start
             # A constraint (a tool call, JSON, a regex) shapes the answer: it waits for the reply's </think>.
-            self.think_end = self.tokenizer.encode(THINK_END, add_special_tokens=False)
+            self.think_end = self.tokenizer.encode(self.think_tag, add_special_tokens=False)
 
     def prepare(self, request: ChatCompletionRequest) -> _Job:
         """Validate and render the conversation (raises APIError / ValueError → 4xx before anything is queued)."""
@@ -125,7 +124,7 @@ class OpenAIServingChat(OpenAIServing):
             params.prediction_token_ids = self._prediction(request.prediction)
         reasoning, closed = self.reasoning_parser, False
         if reasoning is not None:
-            closed = closed_in_prompt(self.tokenizer.decode(prompt[-16:], skip_special_tokens=False))
+            closed = closed_in_prompt(self.tokenizer.decode(prompt[-16:], skip_special_tokens=False), self.think_tag)
             if params.structured_outputs is not None and not closed:
                 params.structured_outputs = msgspec.structs.replace(params.structured_outputs,
                                                                     begin_after=self.think_end)

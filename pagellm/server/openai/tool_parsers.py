@@ -33,13 +33,12 @@ Contract:
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional
 
+from pagellm.plugins import run_file
 from pagellm.server.openai.tools import FunctionCall, ToolCall, call_id
 
 
@@ -342,9 +341,6 @@ PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3
                                                             PythonicParser, Qwen3CoderParser, Phi4MiniJsonParser)}
 
 
-_PLUGINS: set[Path] = set()  # plugin files loaded in this process
-
-
 def get_parser(name: str) -> ToolParser:
     if name not in PARSERS:
         raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(sorted(PARSERS))} (or "
@@ -369,15 +365,4 @@ def register_tool_parser(name: str) -> Callable[[type[ToolParser]], type[ToolPar
 def load_plugin(path: str) -> None:
     """Run a ``--tool-parser-plugin`` file (once per process), which registers its parsers with
     ``register_tool_parser``; ValueError when it cannot be read or fails."""
-    file = Path(path).expanduser().resolve()
-    if file in _PLUGINS:
-        return
-    if not file.is_file():
-        raise ValueError(f"--tool-parser-plugin {path}: no such file")
-    spec = importlib.util.spec_from_file_location(f"pagellm_tool_parser_plugin_{len(_PLUGINS)}", file)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    try:
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-    except Exception as exc:  # the plugin's own error, whatever it is
-        raise ValueError(f"--tool-parser-plugin {path} failed: {type(exc).__name__}: {exc}") from None
-    _PLUGINS.add(file)
+    run_file(path, "--tool-parser-plugin")
