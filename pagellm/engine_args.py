@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from typing import Any
 
 from pagellm.config import flat_fields, parse_size
@@ -19,10 +20,31 @@ def _size(value: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+_COUNT = re.compile(r"(\d+(?:\.\d+)?)([kmgKMG]?)")
+_DECIMAL, _BINARY = {"k": 10**3, "m": 10**6, "g": 10**9}, {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def token_count(value: str) -> int:
+    """A number of tokens as vLLM's flags take it: ``4096``, or with a suffix, lower case decimal (``32k`` = 32000,
+    ``1.5k`` = 1500) and upper case binary (``32K`` = 32768, whole numbers only)."""
+    match = _COUNT.fullmatch(value.strip())
+    if match is None or ("." in match.group(1) and not match.group(2)):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of tokens: write 4096, 32k (32000) or 32K (32768)")
+    number, suffix = match.groups()
+    if suffix in _BINARY:
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"{value!r}: a binary suffix takes a whole number; did you mean "
+                                             f"{number}{suffix.lower()}?")
+        return int(number) * _BINARY[suffix]
+    return int(float(number) * _DECIMAL[suffix]) if suffix else int(number)
+
+
 def _flag_type(field: dataclasses.Field) -> Any:
     hint = str(field.type)
     if field.metadata.get("size"):
         return _size
+    if field.name in ("max_model_len", "max_num_batched_tokens"):  # vLLM's human-readable counts: 32k, 32K
+        return token_count
     if "bool" in hint:
         return None
     if "int" in hint:

@@ -4,6 +4,8 @@ else is an error that shows what to write."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pagellm.cli import build_parser, engine_kwargs
@@ -42,3 +44,22 @@ def test_kv_cache_memory_takes_sizes_from_kwargs_and_flags() -> None:
     assert engine_kwargs(args)["kv_cache_memory"] == 2 << 30
     with pytest.raises(ValueError, match="kv_cache_memory must be a positive number of bytes, got 0"):
         CacheConfig(kv_cache_memory="0GiB")
+
+
+@pytest.mark.parametrize(("text", "tokens"), [("4096", 4096), ("32k", 32000), ("32K", 32768), ("1.5k", 1500),
+                                              ("2m", 2_000_000), ("1M", 1 << 20), (" 8k ", 8000)])
+def test_token_counts_take_vllms_suffixes_from_the_flags(text: str, tokens: int) -> None:
+    """vLLM's human-readable counts for --max-model-len and --max-num-batched-tokens: lower case decimal, upper case
+    binary."""
+    args = build_parser().parse_args(["serve", "--max-model-len", text, "--max-num-batched-tokens", text])
+    assert engine_kwargs(args)["max_model_len"] == engine_kwargs(args)["max_num_batched_tokens"] == tokens
+
+
+@pytest.mark.parametrize(("text", "message"), [("1.5K", r"a binary suffix takes a whole number; did you mean 1.5k"),
+                                               ("0.5", "is not a number of tokens: write 4096, 32k"),
+                                               ("32 kb", "is not a number of tokens")])
+def test_what_is_not_a_token_count_says_what_to_write(text: str, message: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-model-len", text])
+    assert re.search(message, capsys.readouterr().err)
