@@ -6,6 +6,9 @@ that have nothing to do on a CPU server, accepted and named in the log.
   the command line win over the file. A name that is not a flag of the command is refused, by name.
 - ``IGNORED``: vLLM flags a ported command line carries that pagellm has no use for. Each is accepted and, when
   given, logged with what to use instead.
+- The structured-output backend (``--structured-outputs-config '{"backend": ...}'``, or the older
+  ``--guided-decoding-backend``): ``auto`` and ``xgrammar`` are taken (pagellm's grammars run on xgrammar); another
+  backend is refused, by name, rather than silently swapped.
 """
 
 from __future__ import annotations
@@ -35,7 +38,14 @@ IGNORED: dict[str, tuple[dict[str, Any], str]] = {
     "--disable-cascade-attn": ({"action": "store_true"}, "pagellm has no cascade attention"),
     "--max-parallel-loading-workers": ({"type": int}, "weights load layer by layer in one pass"),
     "--download-dir": ({}, "pagellm loads local model directories and .gguf files only (no model hub)"),
+    "--disable-uvicorn-access-log": ({"action": "store_true"}, "the access log is off unless --access-log"),
+    "--cpu-offload-gb": ({"type": float}, "the weights live in CPU memory already"),
+    "--compilation-config": ({}, "pagellm captures no graphs and compiles no model code; its native kernels are "
+                                 "built at start"),
+    "--disable-frontend-multiprocessing": ({"action": "store_true"}, "the engine core runs in a process of its own "
+                                                                     "in every pagellm server"),
 }
+STRUCTURED_BACKENDS = ("auto", "xgrammar")
 
 
 def add_args(cmd: argparse.ArgumentParser) -> None:
@@ -46,6 +56,14 @@ def add_args(cmd: argparse.ArgumentParser) -> None:
     group = cmd.add_argument_group("accepted from vLLM command lines, without effect here")
     for flag, (kwargs, why) in IGNORED.items():
         group.add_argument(flag, default=None, help=f"ignored: {why}", **kwargs)
+    structured = cmd.add_argument_group("structured outputs (vLLM's flags)")
+    structured.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                            help='the backend, as JSON (\'{"backend": "xgrammar"}\'): auto or xgrammar, which '
+                                 "pagellm's grammars run on; other backends are refused")
+    structured.add_argument("--structured-outputs-config.backend", dest="structured_outputs_backend", default=None,
+                            metavar="NAME", help="the same in vLLM's dotted form: auto or xgrammar")
+    structured.add_argument("--guided-decoding-backend", default=None, metavar="NAME",
+                            help="vLLM's older flag for the same: auto or xgrammar")
     cmd.set_defaults(config_parser=cmd)
 
 
@@ -60,7 +78,29 @@ def reparse(parser: argparse.ArgumentParser, args: argparse.Namespace,
     for flag, (_, why) in IGNORED.items():
         if getattr(args, flag[2:].replace("-", "_"), None) not in (None, False):
             logger.warning("%s has no effect in pagellm: %s", flag, why)
+    _check_structured_backend(args)
     return args
+
+
+def _check_structured_backend(args: argparse.Namespace) -> None:
+    """``--structured-outputs-config`` / ``--guided-decoding-backend``: a backend but auto or xgrammar is a
+    ValueError."""
+    backends = {"--guided-decoding-backend": getattr(args, "guided_decoding_backend", None),
+                "--structured-outputs-config.backend": getattr(args, "structured_outputs_backend", None)}
+    text = getattr(args, "structured_outputs_config", None)
+    if text is not None:
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError:
+            config = None
+        if not isinstance(config, dict) or set(config) - {"backend"}:
+            raise ValueError(f"--structured-outputs-config {text!r}: give a JSON object with the backend only, e.g. "
+                             "'{\"backend\": \"xgrammar\"}'")
+        backends["--structured-outputs-config"] = config.get("backend")
+    for flag, backend in backends.items():
+        if backend is not None and backend not in STRUCTURED_BACKENDS:
+            raise ValueError(f"{flag}: backend {backend!r} is not pagellm's; its structured outputs run on xgrammar "
+                             "(give auto or xgrammar, or leave the flag out)")
 
 
 def _file_defaults(path: Path, command: argparse.ArgumentParser) -> dict[str, Any]:

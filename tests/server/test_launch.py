@@ -10,6 +10,7 @@ from typing import Callable
 
 import httpx
 import openai
+import pytest
 from server_utils import ENGINE_FLAGS, ServerProcess, wait_until
 
 
@@ -52,7 +53,8 @@ def test_a_vllm_command_line_with_a_config_file(start_server: Callable[..., Serv
     config.write_text("served-model-name: [from-file, also-from-file]\nroot_path: /llm\nmax-model-len: 256\n"
                       "enable-prefix-caching: false\nspeculative-config: {method: ngram, num_speculative_tokens: 2}\n")
     server = start_server(tiny_llama, "--config", str(config), "--max-model-len", "384",
-                          "--gpu-memory-utilization", "0.9", "--trust-remote-code", "--max-loras", "4")
+                          "--gpu-memory-utilization", "0.9", "--trust-remote-code", "--max-loras", "4",
+                          "--disable-uvicorn-access-log", "--structured-outputs-config", '{"backend": "xgrammar"}')
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["from-file", "also-from-file"]
     assert client.models.list().data[0].max_model_len == 384  # the command line's, over the file's 256
@@ -62,6 +64,7 @@ def test_a_vllm_command_line_with_a_config_file(start_server: Callable[..., Serv
     log = server.log()
     assert "--gpu-memory-utilization has no effect in pagellm" in log and "--trust-remote-code has no effect" in log
     assert "--max-loras has no effect in pagellm: every step mixes any number of adapters" in log
+    assert "--disable-uvicorn-access-log has no effect in pagellm: the access log is off unless" in log
     stats = httpx.get(f"{server.base_url}/metrics").text
     assert 'enable_prefix_caching="false"' in stats
     assert server.stop() == 0
@@ -88,3 +91,21 @@ def test_config_file_values_parse_as_their_flags(tmp_path: Path) -> None:
     assert args.allowed_origins == ["https://a.example"] and json.loads(args.speculative_config) == {"method": "ngram"}
     assert args.lora_modules == [("a", "/adapters/a")] and args.max_num_seqs == 8
     assert args.port == 9  # the command line's
+
+
+def test_the_structured_output_backend_flags_take_xgrammar_and_refuse_others() -> None:
+    """vLLM's --structured-outputs-config (JSON or dotted) and --guided-decoding-backend: auto and xgrammar, which
+    pagellm's grammars run on, are taken; another backend, or a setting of vLLM's that pagellm lacks, is refused."""
+    from pagellm import cli
+    from pagellm.server import vllm_cli
+
+    parser = cli.build_parser()
+    for flags in (["--structured-outputs-config", '{"backend": "xgrammar"}'], ["--guided-decoding-backend", "auto"],
+                  ["--structured-outputs-config.backend", "xgrammar"]):
+        vllm_cli.reparse(parser, parser.parse_args(["serve", *flags]), ["serve", *flags])
+    for flags, message in ((["--guided-decoding-backend", "outlines"], "backend 'outlines' is not pagellm's"),
+                           (["--structured-outputs-config.backend", "guidance"], "backend 'guidance' is not"),
+                           (["--structured-outputs-config", '{"backend": "lm-format-enforcer"}'], "is not pagellm's"),
+                           (["--structured-outputs-config", '{"disable_any_whitespace": true}'], "the backend only")):
+        with pytest.raises(ValueError, match=message):
+            vllm_cli.reparse(parser, parser.parse_args(["serve", *flags]), ["serve", *flags])
