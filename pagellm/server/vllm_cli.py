@@ -6,6 +6,8 @@ that have nothing to do on a CPU server, accepted and named in the log.
   the command line win over the file. A name that is not a flag of the command is refused, by name.
 - ``IGNORED``: vLLM flags a ported command line carries that pagellm has no use for. Each is accepted and, when
   given, logged with what to use instead.
+- ``--tokenizer-mode``: ``auto`` and ``hf`` are taken (pagellm's tokenizers are Hugging Face fast tokenizers);
+  ``slow``, ``mistral`` and ``custom`` are refused, by name.
 - The structured-output backend (``--structured-outputs-config '{"backend": ...}'``, or the older
   ``--guided-decoding-backend``): ``auto`` and ``xgrammar`` are taken (pagellm's grammars run on xgrammar); another
   backend is refused, by name, rather than silently swapped.
@@ -44,6 +46,9 @@ IGNORED: dict[str, tuple[dict[str, Any], str]] = {
                                  "built at start"),
     "--disable-frontend-multiprocessing": ({"action": "store_true"}, "the engine core runs in a process of its own "
                                                                      "in every pagellm server"),
+    "--revision": ({}, "pagellm loads local directories and .gguf files, which have no hub revision"),
+    "--tokenizer-revision": ({}, "pagellm loads local tokenizers, which have no hub revision"),
+    "--code-revision": ({}, "pagellm runs no model code from the model directory"),
 }
 STRUCTURED_BACKENDS = ("auto", "xgrammar")
 
@@ -56,6 +61,9 @@ def add_args(cmd: argparse.ArgumentParser) -> None:
     group = cmd.add_argument_group("accepted from vLLM command lines, without effect here")
     for flag, (kwargs, why) in IGNORED.items():
         group.add_argument(flag, default=None, help=f"ignored: {why}", **kwargs)
+    cmd.add_argument("--tokenizer-mode", default=None, metavar="MODE",
+                     help="vLLM's: auto or hf (pagellm's tokenizers are Hugging Face fast tokenizers); slow, mistral "
+                          "and custom are refused")
     structured = cmd.add_argument_group("structured outputs (vLLM's flags)")
     structured.add_argument("--structured-outputs-config", default=None, metavar="JSON",
                             help='the backend, as JSON (\'{"backend": "xgrammar"}\'): auto or xgrammar, which '
@@ -79,6 +87,10 @@ def reparse(parser: argparse.ArgumentParser, args: argparse.Namespace,
         if getattr(args, flag[2:].replace("-", "_"), None) not in (None, False):
             logger.warning("%s has no effect in pagellm: %s", flag, why)
     _check_structured_backend(args)
+    mode = getattr(args, "tokenizer_mode", None)
+    if mode not in (None, "auto", "hf"):
+        raise ValueError(f"--tokenizer-mode {mode!r}: pagellm runs Hugging Face fast tokenizers only (auto or hf); "
+                         "a mistral-format tokenizer needs its tokenizer.json form")
     return args
 
 

@@ -95,17 +95,19 @@ def test_config_file_values_parse_as_their_flags(tmp_path: Path) -> None:
 
 def test_the_structured_output_backend_flags_take_xgrammar_and_refuse_others() -> None:
     """vLLM's --structured-outputs-config (JSON or dotted) and --guided-decoding-backend: auto and xgrammar, which
-    pagellm's grammars run on, are taken; another backend, or a setting of vLLM's that pagellm lacks, is refused."""
+    pagellm's grammars run on, are taken; another backend, or a setting of vLLM's that pagellm lacks, is refused.
+    So is a --tokenizer-mode but auto or hf."""
     from pagellm import cli
     from pagellm.server import vllm_cli
 
     parser = cli.build_parser()
     for flags in (["--structured-outputs-config", '{"backend": "xgrammar"}'], ["--guided-decoding-backend", "auto"],
-                  ["--structured-outputs-config.backend", "xgrammar"]):
+                  ["--structured-outputs-config.backend", "xgrammar"], ["--tokenizer-mode", "auto"]):
         vllm_cli.reparse(parser, parser.parse_args(["serve", *flags]), ["serve", *flags])
     for flags, message in ((["--guided-decoding-backend", "outlines"], "backend 'outlines' is not pagellm's"),
                            (["--structured-outputs-config.backend", "guidance"], "backend 'guidance' is not"),
                            (["--structured-outputs-config", '{"backend": "lm-format-enforcer"}'], "is not pagellm's"),
-                           (["--structured-outputs-config", '{"disable_any_whitespace": true}'], "the backend only")):
+                           (["--structured-outputs-config", '{"disable_any_whitespace": true}'], "the backend only"),
+                           (["--tokenizer-mode", "mistral"], "--tokenizer-mode 'mistral': pagellm runs Hugging Face")):
         with pytest.raises(ValueError, match=message):
             vllm_cli.reparse(parser, parser.parse_args(["serve", *flags]), ["serve", *flags])
