@@ -272,6 +272,11 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
+    def get_tokenizer(self) -> Any:
+        """vLLM's ``LLM.get_tokenizer``: the model's Hugging Face tokenizer (ValueError with
+        ``skip_tokenizer_init``)."""
+        return self.tokenizer.hf
+
     def start_profile(self) -> bool:
         """Start recording a torch profile of the engine (needs ``profiler_dir``: the worker's ValueError says so);
         False when one records already."""

@@ -84,6 +84,11 @@ class Tokenizer:
         return cls(hf_tokenizer, frozenset(eos_ids))
 
     @property
+    def hf(self) -> PreTrainedTokenizerBase:
+        """The Hugging Face tokenizer itself (``LLM.get_tokenizer``)."""
+        return self._hf
+
+    @property
     def backend(self) -> tokenizers.Tokenizer:
         """The underlying ``tokenizers.Tokenizer`` (for ``DecodeStream`` incremental detokenization)."""
         return self._hf.backend_tokenizer
@@ -190,6 +195,10 @@ class NoTokenizer:
             config = {}
         bos = config.get("bos_token_id") if isinstance(config, dict) else None
         return cls(frozenset(_config_eos_ids(model_dir)), bos if isinstance(bos, int) else None)
+
+    @property
+    def hf(self) -> Any:
+        raise ValueError(NO_TOKENIZER)
 
     @property
     def backend(self) -> _NoText:

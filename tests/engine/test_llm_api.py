@@ -430,3 +430,15 @@ def test_num_gpu_blocks_override_sets_the_pool(tiny_llama) -> None:
         LLM(str(tiny_llama), dtype="float32", num_gpu_blocks_override=8, max_model_len=256)
     with pytest.raises(ValueError, match="num_gpu_blocks_override must be >= 1"):
         CacheConfig(num_gpu_blocks_override=0)
+
+
+def test_get_tokenizer_is_the_models_hugging_face_tokenizer(llm: LLM, tiny_llama: Path) -> None:
+    """vLLM's ``LLM.get_tokenizer()``: the tokenizer the engine encodes with, as transformers loads it."""
+    from transformers import AutoTokenizer
+
+    tokenizer, theirs = llm.get_tokenizer(), AutoTokenizer.from_pretrained(tiny_llama)
+    assert type(tokenizer) is type(theirs) and tokenizer.encode("héllo") == theirs.encode("héllo")
+    chat = [{"role": "user", "content": "hi"}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    ids = llm.chat(chat, greedy(1), use_tqdm=False)[0].prompt_token_ids
+    assert ids == tokenizer.encode(text, add_special_tokens=False) and tokenizer.decode(ids) == text

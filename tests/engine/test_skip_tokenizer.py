@@ -38,5 +38,7 @@ def test_token_ids_in_token_ids_out(tiny_llama: Path, weights_only: Path) -> Non
                  lambda: llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)):
         with pytest.raises(ValueError, match="runs without a tokenizer .*--skip-tokenizer-init"):
             call()
+    with pytest.raises(ValueError, match="runs without a tokenizer .*--skip-tokenizer-init"):
+        llm.get_tokenizer()
     with pytest.raises(ValueError, match="leave tokenizer unset"):
         LLM(str(weights_only), skip_tokenizer_init=True, tokenizer=str(tiny_llama))
