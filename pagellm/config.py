@@ -140,6 +140,10 @@ class ModelConfig:
         "With enable_lora: how many adapters each worker keeps loaded; past it, the least recently used ones that no "
         "running request uses are dropped (loaded again from their folders when named again). Default: all.",
         default=None)
+    worker_extension_cls: str | None = _help(
+        "A class (package.module:Name, vLLM's flag) whose methods every worker gains, importable by the workers: "
+        "LLM.collective_rpc(\"method\") runs one on every rank (an RL loop's weight sync). Default: none.",
+        default=None)
 
     def __post_init__(self) -> None:
         source = self.generation_config
@@ -150,6 +154,9 @@ class ModelConfig:
                                                                             "override_generation_config"))
         object.__setattr__(self, "hf_overrides", _json_object(self.hf_overrides, "hf_overrides"))
         object.__setattr__(self, "logits_processors", _processor_names(self.logits_processors))
+        if isinstance(self.worker_extension_cls, type):  # a class given in code: its import name
+            cls = self.worker_extension_cls
+            object.__setattr__(self, "worker_extension_cls", f"{cls.__module__}:{cls.__qualname__}")
         if self.quantization not in (None, "w8a8_int8", "w4a8_int4", "w4a16_int4"):
             raise ValueError(f"quantization={self.quantization!r} is not supported; use w8a8_int8, w4a8_int4, "
                              "w4a16_int4 or leave it unset")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import msgspec
 from tqdm.auto import tqdm
@@ -271,6 +271,15 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's ``LLM.collective_rpc``: run ``method`` on every worker (each tensor- and pipeline-parallel rank)
+        and return their results in rank order. ``method`` is a worker method's name (``worker_extension_cls`` adds
+        methods of your own) or a function called as ``method(worker, *args, **kwargs)``; what crosses to other
+        ranks must pickle (a module-level function). A failure on any rank raises, naming it, once every rank has
+        answered. Between steps only: no request runs meanwhile."""
+        return self.engine.collective_rpc(method, args, kwargs, timeout)
 
     def get_tokenizer(self) -> Any:
         """vLLM's ``LLM.get_tokenizer``: the model's Hugging Face tokenizer (ValueError with

@@ -100,6 +100,10 @@ class InprocClient:
     def update_weights(self, model: str | None = None) -> bool:
         return self.core.update_weights(model)
 
+    def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict[str, Any] | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        return self.core.executor.collective_rpc(method, args, kwargs, timeout)
+
     def sleep(self, level: int = 1) -> bool:
         return self.core.sleep(level)
 

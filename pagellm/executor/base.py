@@ -5,7 +5,7 @@ pipeline-parallel size) and ``distributed_executor_backend``."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from pagellm.config import EngineConfig
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -22,6 +22,11 @@ class Executor(Protocol):
 
     def update_weights(self, model: str | None) -> None:
         """Every worker serves ``model``'s weights from now on (``Worker.update_weights``; checked on rank 0 first)."""
+
+    def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict[str, Any] | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        """``method`` (a worker method's name, or a function of the worker) on every rank; their results in rank
+        order (``Worker.rpc``)."""
 
     def set_asleep(self, asleep: bool, level: int = 1) -> None:
         """Sleep mode on every worker: asleep, their KV caches' memory goes back to the OS, at ``level`` 2 their

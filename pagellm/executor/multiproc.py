@@ -32,7 +32,8 @@ from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.distributed.shm_ring import RingReader, ShmRing
 from pagellm.executor.ranks import (COLLECTIVE_TIMEOUT_S, Command, RankZeroExecutor, build_worker, close_comm,
-                                    free_port, join_group, join_watching, leave_group, threads_per_rank)
+                                    free_port, join_group, join_watching, leave_group, rpc_payload, rpc_results,
+                                    run_rpc, threads_per_rank)
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.runtime import RuntimeInfo
 
@@ -80,12 +81,21 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, reader: 
                 worker.set_asleep(command.asleep, command.level)
             elif command.kind == "update":
                 worker.update_weights(command.model)
+            elif command.kind == "rpc":
+                _answer(pipe, run_rpc(worker, command.payload))
             else:
                 break
     finally:
         worker.shutdown()
         close_comm(worker)
         reader.detach()
+
+
+def _answer(pipe: Any, answer: tuple[str, Any]) -> None:
+    try:
+        pipe.send(answer)
+    except Exception as exc:  # a result that does not pickle
+        pipe.send(("error", f"the result cannot reach rank 0 ({type(exc).__name__}: {exc})"))
 
 
 class MultiprocExecutor(RankZeroExecutor):
@@ -171,6 +181,19 @@ class MultiprocExecutor(RankZeroExecutor):
         self.worker.weights_source(model)  # a bad checkpoint is refused before any rank loads it
         self._broadcast(Command("update", model=model))
         self.worker.update_weights(model)
+
+    def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict[str, Any] | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        payload = rpc_payload(method, args, kwargs)
+        self._broadcast(Command("rpc", payload=payload))
+        answers = [run_rpc(self.worker, payload)]
+        wait = COLLECTIVE_TIMEOUT_S if timeout is None else timeout
+        for rank, (pipe, process) in enumerate(zip(self.pipes, self.procs), start=1):
+            if not pipe.poll(wait):
+                raise RuntimeError(f"collective_rpc: tensor-parallel rank {rank} did not answer within {wait}s"
+                                   + ("" if process.is_alive() else f" (it died, exit code {process.exitcode})"))
+            answers.append(pipe.recv())
+        return rpc_results(answers)
 
     def _stop_ranks(self) -> None:
         if any(p.is_alive() for p in self.procs):

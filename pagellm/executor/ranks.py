@@ -9,6 +9,9 @@ Contract:
 - ``build_worker(config, rank, size, shm, threads)`` builds rank's ``Worker``: its shard of every layer and a KV
   cache for its heads (tensor parallel; with the shared-memory collectives when ``shm``, every rank on this machine,
   else gloo alone), or its stage's layers and their KV cache (pipeline parallel; stages send over gloo).
+- ``collective_rpc``: rank 0 sends a pickled ``(method, args, kwargs)`` (``rpc_payload``) as an "rpc" command; each
+  rank runs it (``run_rpc``) and answers ``("ok", result)`` or ``("error", why)``; ``rpc_results`` gathers every
+  rank's answer before raising the first failure, so no answer is left behind for the next call.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import pickle
 import socket
 import threading
 from typing import Any, Callable, Optional
@@ -38,6 +42,7 @@ class Command(msgspec.Struct, array_like=True, omit_defaults=True):
     asleep: bool = False
     level: int = 1                          # "sleep": 2 drops the weights too
     model: Optional[str] = None             # "update": the checkpoint (None: the served model's own)
+    payload: bytes = b""                    # "rpc": the pickled (method, args, kwargs)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -87,18 +92,45 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
+def rpc_payload(method: Any, args: tuple, kwargs: dict[str, Any] | None) -> bytes:
+    """``collective_rpc``'s call as the ranks receive it (ValueError when it cannot be pickled)."""
+    try:
+        return pickle.dumps((method, tuple(args), dict(kwargs or {})))
+    except Exception as exc:  # pickle raises several kinds
+        raise ValueError(f"collective_rpc: the method and its arguments must pickle to reach the ranks (a worker "
+                         f"method's name, or a module-level function): {type(exc).__name__}: {exc}") from None
+
+
+def run_rpc(worker: Any, payload: bytes) -> tuple[str, Any]:
+    """One rank's answer to an "rpc" command: ``("ok", result)`` or ``("error", why)``."""
+    try:
+        method, args, kwargs = pickle.loads(payload)
+        return "ok", worker.rpc(method, args, kwargs)
+    except Exception as exc:  # the caller's error, reported with the rank
+        return "error", f"{type(exc).__name__}: {exc}"
+
+
+def rpc_results(answers: list[tuple[str, Any]]) -> list[Any]:
+    """Every rank's result, in rank order; the first rank's failure as a RuntimeError that names it."""
+    for rank, (kind, value) in enumerate(answers):
+        if kind != "ok":
+            raise RuntimeError(f"collective_rpc failed on rank {rank}: {value}")
+    return [value for _, value in answers]
+
+
 def build_worker(config: EngineConfig, rank: int, size: int, shm: bool, threads: int) -> Any:
     from pagellm.distributed.groups import ParallelState
     from pagellm.distributed.shm_comm import ShmComm
-    from pagellm.worker.worker import Worker
+    from pagellm.worker.worker import worker_class
 
     tp, pp = config.parallel_config.tensor_parallel_size, config.parallel_config.pipeline_parallel_size
     group = _stage_group(rank, tp, pp)
     comm = ShmComm.create(rank % tp, tp, group) if shm and tp > 1 else None  # stages send to each other over gloo
     parallel = ParallelState(rank % tp, tp, comm, rank // tp, pp, group, config.parallel_config.enable_expert_parallel)
     try:
-        return Worker(config.model_config, config.cache_config, config.speculative_config, parallel=parallel,
-                      profiler_config=config.profiler_config, num_threads=threads)
+        return worker_class(config.model_config.worker_extension_cls)(
+            config.model_config, config.cache_config, config.speculative_config, parallel=parallel,
+            profiler_config=config.profiler_config, num_threads=threads)
     except BaseException:
         if comm is not None:
             comm.close()

@@ -31,7 +31,8 @@ import msgspec
 from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.executor.ranks import (COLLECTIVE_TIMEOUT_S, Command, RankZeroExecutor, build_worker, close_comm,
-                                    free_port, join_group, join_watching, leave_group, threads_per_rank)
+                                    free_port, join_group, join_watching, leave_group, rpc_payload, rpc_results,
+                                    run_rpc, threads_per_rank)
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.runtime import RuntimeInfo
 
@@ -84,8 +85,10 @@ class RankActor:
             raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
         return self.worker.runtime
 
-    def run(self, payload: bytes) -> None:
+    def run(self, payload: bytes) -> Any:
         command = self.decoder.decode(payload)
+        if command.kind == "rpc":
+            return run_rpc(self.worker, command.payload)
         if command.kind == "execute":
             self.worker.execute_model(command.sched)
         elif command.kind == "idle":
@@ -232,6 +235,15 @@ class RayExecutor(RankZeroExecutor):
     def update_weights(self, model: str | None) -> None:
         self.worker.weights_source(model)  # a bad checkpoint is refused before any rank loads it
         self._on_ranks(Command("update", model=model), lambda: self.worker.update_weights(model))
+
+    def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict[str, Any] | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        payload = rpc_payload(method, args, kwargs)
+        refs = [actor.run.remote(_ENCODER.encode(Command("rpc", payload=payload))) for actor in self.actors]
+        answers = [run_rpc(self.worker, payload)]
+        wait = COLLECTIVE_TIMEOUT_S if timeout is None else timeout
+        answers += [self._result(rank, ref, wait) for rank, ref in enumerate(refs, start=1)]
+        return rpc_results(answers)
 
     def _on_ranks(self, command: Command, on_rank_zero: Callable[[], None]) -> None:
         """``command`` on every actor's rank and ``on_rank_zero`` here, each actor's answer awaited."""

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pagellm.config import EngineConfig
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.runtime import RuntimeInfo
-from pagellm.worker.worker import Worker
+from pagellm.worker.worker import worker_class
 
 
 class UniProcExecutor:
     def __init__(self, config: EngineConfig) -> None:
-        self.worker = Worker(config.model_config, config.cache_config, config.speculative_config,
-                             profiler_config=config.profiler_config, kv_transfer=config.kv_transfer_config)
+        self.worker = worker_class(config.model_config.worker_extension_cls)(
+            config.model_config, config.cache_config, config.speculative_config,
+            profiler_config=config.profiler_config, kv_transfer=config.kv_transfer_config)
         self.runtime: RuntimeInfo = self.worker.runtime
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -25,6 +28,10 @@ class UniProcExecutor:
 
     def update_weights(self, model: str | None) -> None:
         self.worker.update_weights(model)
+
+    def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict[str, Any] | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        return [self.worker.rpc(method, args, kwargs)]
 
     def start_profile(self) -> bool:
         return self.worker.start_profile()

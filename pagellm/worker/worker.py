@@ -9,11 +9,12 @@ import functools
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from pagellm import envs, native_build
+from pagellm.plugins import import_object
 from pagellm.attention import cpu_paged
 from pagellm.attention.base import get_backend, resolve_kv_dtype
 from pagellm.config import CacheConfig, KVTransferConfig, ModelConfig, ProfilerConfig, SpeculativeConfig
@@ -35,6 +36,21 @@ from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.runtime import RuntimeInfo
 
 logger = logging.getLogger(__name__)
+
+
+def worker_class(extension: str | None) -> type[Worker]:
+    """``Worker``, or with ``worker_extension_cls`` a subclass that also has the extension's methods (which must not
+    replace a worker's own: ValueError naming them)."""
+    if extension is None:
+        return Worker
+    cls = import_object(extension, "--worker-extension-cls")
+    if not isinstance(cls, type):
+        raise ValueError(f"--worker-extension-cls {extension!r}: give a class, not a {type(cls).__name__}")
+    clashes = sorted(name for name in vars(cls) if not name.startswith("__") and hasattr(Worker, name))
+    if clashes:
+        raise ValueError(f"--worker-extension-cls {extension!r} replaces the worker's own {', '.join(clashes)}; "
+                         "name its methods otherwise")
+    return type(f"Worker[{cls.__name__}]", (Worker, cls), {})
 
 
 class Worker:
@@ -106,6 +122,17 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)
+
+    def rpc(self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None) -> Any:
+        """``LLM.collective_rpc`` on this worker: its method ``method`` (an extension's too), or ``method(self,
+        *args, **kwargs)``."""
+        if isinstance(method, str):
+            target = getattr(self, method, None)
+            if target is None or method.startswith("_") or not callable(target):
+                raise ValueError(f"collective_rpc: the worker has no method {method!r} (add one with "
+                                 "worker_extension_cls)")
+            return target(*args, **(kwargs or {}))
+        return method(self, *args, **(kwargs or {}))
 
     def set_idle(self, idle: bool) -> None:
         """Idle-time work (populating the KV cache's memory) runs in the background only while ``idle`` (and

@@ -13,6 +13,7 @@ from typing import Iterator
 import pytest
 import ray
 from test_parity import _prompts, assert_greedy_parity, run
+from worker_extensions import fail_on, ranks
 
 from pagellm import LLM, SamplingParams
 from pagellm.distributed.shm_comm import ShmComm
@@ -23,7 +24,9 @@ RAY = dict(dtype="float32", tensor_parallel_size=2, distributed_executor_backend
 @pytest.fixture(scope="module", autouse=True)
 def ray_instance() -> Iterator[None]:
     # Logical CPUs: a placement group of three one-CPU ranks fits on a two-core machine (they time-share).
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # The rank actors import the tests' own modules (worker_extensions) as a job ships its code: its runtime_env.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
     yield
     ray.shutdown()
 
@@ -59,6 +62,9 @@ def test_greedy_parity_over_shared_memory_and_gloo(tiny_model_factory, monkeypat
             executor = llm.engine.core.executor
             assert [node for node, _ in executor.where] == [ray.get_runtime_context().get_node_id()]
             assert isinstance(executor.worker.parallel.comm, ShmComm) == (shm == "1")
+            assert llm.collective_rpc(ranks) == [(0, 2, 0), (1, 2, 0)]  # collective_rpc reaches the actor's rank
+            with pytest.raises(RuntimeError, match="collective_rpc failed on rank 1: ValueError: rank 1 was told"):
+                llm.collective_rpc(fail_on, args=(1,))
             first = run(llm, prompts)
             assert run(llm, prompts) == first and sum(s.prefix_cache_hits for s in llm.last_stats) > 0
             outputs.append(first)
