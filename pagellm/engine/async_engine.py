@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import pickle
 import threading
 import time
 from typing import Any, AsyncIterator, Callable
@@ -357,6 +358,18 @@ class AsyncLLM:
         await self.client.call_utility("wake_up", list(woken))
         if "kv_cache" in woken:
             self._asleep = False
+
+    async def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's ``collective_rpc`` (as ``LLM.collective_rpc``): ``method`` on every worker of every engine core,
+        their results in rank order (core by core with data parallelism). The call and its results cross to the
+        core's process pickled, so they must pickle (a worker method's name, or a module-level function)."""
+        try:
+            payload = pickle.dumps((method, tuple(args), dict(kwargs or {})))
+        except Exception as exc:  # pickle raises several kinds
+            raise ValueError(f"collective_rpc: the method and its arguments must pickle to reach the engine core: "
+                             f"{type(exc).__name__}: {exc}") from None
+        return pickle.loads(await self.client.call_utility("collective_rpc", payload, timeout))
 
     async def is_sleeping(self) -> bool:
         return await self.client.call_utility("is_sleeping")

@@ -8,6 +8,7 @@ validated against the limits only the core knows (context length, vocabulary).
 from __future__ import annotations
 
 import logging
+import pickle
 
 from pagellm import envs, native_build
 from pagellm.config import EngineConfig
@@ -139,6 +140,12 @@ class EngineCore:
         self.executor.set_asleep(False)  # the workers load dropped weights themselves
         self.asleep = self.weights_dropped = False
         return True
+
+    def collective_rpc_pickled(self, payload: bytes, timeout: float | None = None) -> bytes:
+        """``AsyncLLM.collective_rpc`` in the core's process: the pickled ``(method, args, kwargs)`` in, the pickled
+        list of the ranks' results out (the frontend trusts its own core, and the core its frontend)."""
+        method, args, kwargs = pickle.loads(payload)
+        return pickle.dumps(self.executor.collective_rpc(method, args, kwargs, timeout))
 
     def is_sleeping(self) -> bool:
         return self.asleep

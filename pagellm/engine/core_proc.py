@@ -138,6 +138,7 @@ class EngineCoreLoop:
             "wake_up": core.wake_up,
             "is_sleeping": core.is_sleeping,
             "update_weights": core.update_weights,
+            "collective_rpc": core.collective_rpc_pickled,
         }
 
     def run(self) -> None:

@@ -72,11 +72,12 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
 
 
 UtilityMethod = Literal["get_stats", "reset_prefix_cache", "num_free_blocks", "start_profile", "stop_profile",
-                        "sleep", "wake_up", "is_sleeping", "update_weights"]
+                        "sleep", "wake_up", "is_sleeping", "update_weights", "collective_rpc"]
 # What each utility returns (the frontend decodes ``UtilityResult.result`` with it).
 UTILITY_RESULT_TYPES: dict[str, type] = {"get_stats": SchedulerStats, "reset_prefix_cache": bool,
                                          "num_free_blocks": int, "start_profile": bool, "stop_profile": list[str],
-                                         "sleep": bool, "wake_up": bool, "is_sleeping": bool, "update_weights": bool}
+                                         "sleep": bool, "wake_up": bool, "is_sleeping": bool, "update_weights": bool,
+                                         "collective_rpc": bytes}  # the pickled list of the ranks' results
 
 
 class UtilityCall(msgspec.Struct, tag="utility", array_like=True):

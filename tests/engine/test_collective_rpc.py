@@ -4,13 +4,16 @@ the rank, and leaves no answer behind for the next call. What a call does to the
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
+from async_utils import collect, engine_config
 from safetensors.torch import load_file
 from worker_extensions import WeightTools, fail_on, ranks
 
 from pagellm import LLM, SamplingParams
+from pagellm.engine.async_engine import AsyncLLM
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 DOWN = "model.layers.0.mlp.down_proj.weight"
@@ -56,3 +59,34 @@ def test_every_tensor_parallel_rank_answers_in_rank_order(tiny_llama: Path) -> N
         assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == [0, 0, 0, 0]
     finally:
         llm.shutdown()
+
+
+def test_async_llm_calls_the_workers_in_the_core_process(tiny_llama: Path) -> None:
+    """``AsyncLLM.collective_rpc``: the call crosses to the engine core's process and the results come back; a
+    method's own error comes back too, and the core serves on."""
+    engine = AsyncLLM.from_config(engine_config(tiny_llama, worker_extension_cls="worker_extensions:WeightTools"))
+    try:
+        with asyncio.Runner() as loop:
+            assert loop.run(engine.collective_rpc("weight_shape", args=(DOWN,))) == [(64, 128)]
+            assert loop.run(engine.collective_rpc(ranks, kwargs={"offset": 2})) == [(2, 1, 0)]
+            with pytest.raises(RuntimeError, match="collective_rpc failed in the engine core: RuntimeError: rank 0"):
+                loop.run(engine.collective_rpc("fail"))
+            with pytest.raises(ValueError, match="the worker has no method 'nope'"):
+                loop.run(engine.collective_rpc("nope"))
+            with pytest.raises(ValueError, match="must pickle to reach the engine core"):
+                loop.run(engine.collective_rpc(lambda worker: 0))
+            loop.run(engine.collective_rpc("scale_weight", args=("lm_head.weight", 0.0)))
+            outputs = loop.run(collect(engine.generate([1, 2, 3], GREEDY, "after")))
+            assert [token for out in outputs for token in out.outputs[0].token_ids] == [0, 0, 0, 0]  # deltas
+    finally:
+        engine.shutdown()
+
+
+def test_every_data_parallel_core_answers(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGELLM_NUM_THREADS", "2")  # a thread for each of the two cores
+    engine = AsyncLLM.from_config(engine_config(tiny_llama, data_parallel_size=2))
+    try:
+        with asyncio.Runner() as loop:
+            assert loop.run(engine.collective_rpc(ranks)) == [(0, 1, 0), (0, 1, 0)]  # core by core
+    finally:
+        engine.shutdown()
