@@ -23,7 +23,8 @@ from pagellm.engine.input_processor import CLASSIFY_ONLY, InputProcessor, Prompt
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
 from pagellm.lora import LoRARequest
-from pagellm.metrics.stats import SchedulerStats
+from pagellm.metrics.reader import Metric, snapshot
+from pagellm.metrics.stats import IterationStats, SchedulerStats
 from pagellm.model.loader import resolve_model_dir
 from pagellm.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingRequestOutput,
                              RequestOutput, ScoringOutput, ScoringRequestOutput, class_probs, pooled_embedding)
@@ -46,10 +47,10 @@ class LLM:
     "fp8_e4m3", "fp8_e5m2"), ``quantization`` ("w8a8_int8" or "w4a8_int4"; a compressed-tensors W8A8 int8
     checkpoint needs none, and a GPTQ, AWQ or compressed-tensors weight-only one is dequantized without it),
     ``seed``; plus ``kv_cache_memory`` (bytes, or a size such as "4GiB") and ``scheduling_policy`` ("fcfs" or
-    "priority").
+    "priority"). ``disable_log_stats=False`` keeps the server's Prometheus series, read by ``get_metrics()``.
     """
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, disable_log_stats: bool = True, **engine_args: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
         if self.config.parallel_config.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 runs engine cores behind a server (pagellm serve, AsyncLLM); "
@@ -64,6 +65,7 @@ class LLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.last_stats: list[SchedulerStats] = []
+        self.stats_sink = None if disable_log_stats else _prometheus_sink(self.config, runtime)
 
     def generate(
         self,
@@ -167,7 +169,10 @@ class LLM:
             message = self.engine.get_output()
             if message.stats is not None:
                 self.last_stats.append(message.stats)
-            outputs, to_abort = self.output_processor.process_outputs(message.step)
+            iteration = IterationStats() if self.stats_sink is not None else None
+            outputs, to_abort = self.output_processor.process_outputs(message.step, iteration=iteration)
+            if self.stats_sink is not None:
+                self.stats_sink.record(message.stats, iteration)
             self.engine.abort_requests(to_abort)
             for out in outputs:
                 if out.finished:
@@ -281,6 +286,15 @@ class LLM:
         answered. Between steps only: no request runs meanwhile."""
         return self.engine.collective_rpc(method, args, kwargs, timeout)
 
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's ``LLM.get_metrics()``: the engine's Prometheus series so far (those ``pagellm serve`` exposes on
+        ``/metrics``) as ``Counter``, ``Gauge``, ``Histogram`` and ``Vector`` items (``pagellm.metrics.reader``).
+        Needs ``LLM(..., disable_log_stats=False)``."""
+        if self.stats_sink is None:
+            raise ValueError("get_metrics reads the engine's stats, which are off: create the LLM with "
+                             "disable_log_stats=False")
+        return snapshot(self.stats_sink.registry)
+
     def get_tokenizer(self) -> Any:
         """vLLM's ``LLM.get_tokenizer``: the model's Hugging Face tokenizer (ValueError with
         ``skip_tokenizer_init``)."""
@@ -322,3 +336,11 @@ def _per_prompt(value: Any, count: int, name: str) -> list:
             raise ValueError(f"{name} has {len(value)} entries for {count} prompts; pass one, or one per prompt")
         return list(value)
     return [value] * count
+
+
+def _prometheus_sink(config: EngineConfig, runtime: Any) -> Any:
+    """The server's Prometheus series for an offline engine (``disable_log_stats=False``), on a registry of its own."""
+    from pagellm.metrics.prometheus import PrometheusSink
+
+    return PrometheusSink(config.model_config.model or "default", config.cache_config, runtime.max_model_len,
+                          runtime.num_blocks)
