@@ -3,6 +3,8 @@ function they send to the workers; both importable by every rank (the tests fold
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -37,4 +39,11 @@ def fail_on(worker, rank: int) -> int:
     """Raises on tensor-parallel rank ``rank`` only; the others answer their rank."""
     if worker.parallel.tp_rank == rank:
         raise ValueError(f"rank {rank} was told to fail")
+    return worker.parallel.tp_rank
+
+
+def slow_on(worker, rank: int, seconds: float) -> int:
+    """A slow rank: rank ``rank`` takes ``seconds`` before it answers its rank."""
+    if worker.parallel.tp_rank == rank:
+        time.sleep(seconds)
     return worker.parallel.tp_rank

@@ -20,9 +20,11 @@ Contract:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing as mp
 import os
+import time
 import traceback
 from typing import Any
 
@@ -82,7 +84,7 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, reader: 
             elif command.kind == "update":
                 worker.update_weights(command.model)
             elif command.kind == "rpc":
-                _answer(pipe, run_rpc(worker, command.payload))
+                _answer(pipe, command.call, run_rpc(worker, command.payload))
             else:
                 break
     finally:
@@ -91,11 +93,11 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, reader: 
         reader.detach()
 
 
-def _answer(pipe: Any, answer: tuple[str, Any]) -> None:
+def _answer(pipe: Any, call: int, answer: tuple[str, Any]) -> None:
     try:
-        pipe.send(answer)
+        pipe.send((call, answer))
     except Exception as exc:  # a result that does not pickle
-        pipe.send(("error", f"the result cannot reach rank 0 ({type(exc).__name__}: {exc})"))
+        pipe.send((call, ("error", f"the result cannot reach rank 0 ({type(exc).__name__}: {exc})")))
 
 
 class MultiprocExecutor(RankZeroExecutor):
@@ -106,6 +108,7 @@ class MultiprocExecutor(RankZeroExecutor):
         self.ring = ShmRing(size - 1, ctx)
         self.pipes, self.procs = [], []
         self._started: dict[int, RuntimeInfo] = {}  # ranks whose runtime came while rank 0 was still joining
+        self._calls = itertools.count(1)  # collective_rpc's call numbers
         for rank in range(1, size):
             parent, child = ctx.Pipe()
             process = ctx.Process(target=_worker_main, name=f"pagellm-tp{rank}", daemon=True,
@@ -185,14 +188,19 @@ class MultiprocExecutor(RankZeroExecutor):
     def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict[str, Any] | None = None,
                        timeout: float | None = None) -> list[Any]:
         payload = rpc_payload(method, args, kwargs)
-        self._broadcast(Command("rpc", payload=payload))
+        call = next(self._calls)
+        self._broadcast(Command("rpc", payload=payload, call=call))
         answers = [run_rpc(self.worker, payload)]
-        wait = COLLECTIVE_TIMEOUT_S if timeout is None else timeout
+        deadline = time.monotonic() + (COLLECTIVE_TIMEOUT_S if timeout is None else timeout)
         for rank, (pipe, process) in enumerate(zip(self.pipes, self.procs), start=1):
-            if not pipe.poll(wait):
-                raise RuntimeError(f"collective_rpc: tensor-parallel rank {rank} did not answer within {wait}s"
-                                   + ("" if process.is_alive() else f" (it died, exit code {process.exitcode})"))
-            answers.append(pipe.recv())
+            while True:  # an answer to an earlier call that timed out is dropped
+                if not pipe.poll(max(0.0, deadline - time.monotonic())):
+                    raise RuntimeError(f"collective_rpc: tensor-parallel rank {rank} did not answer in time"
+                                       + ("" if process.is_alive() else f" (it died, exit code {process.exitcode})"))
+                number, answer = pipe.recv()
+                if number == call:
+                    answers.append(answer)
+                    break
         return rpc_results(answers)
 
     def _stop_ranks(self) -> None:

@@ -9,9 +9,10 @@ Contract:
 - ``build_worker(config, rank, size, shm, threads)`` builds rank's ``Worker``: its shard of every layer and a KV
   cache for its heads (tensor parallel; with the shared-memory collectives when ``shm``, every rank on this machine,
   else gloo alone), or its stage's layers and their KV cache (pipeline parallel; stages send over gloo).
-- ``collective_rpc``: rank 0 sends a pickled ``(method, args, kwargs)`` (``rpc_payload``) as an "rpc" command; each
-  rank runs it (``run_rpc``) and answers ``("ok", result)`` or ``("error", why)``; ``rpc_results`` gathers every
-  rank's answer before raising the first failure, so no answer is left behind for the next call.
+- ``collective_rpc``: rank 0 sends a pickled ``(method, args, kwargs)`` (``rpc_payload``) as a numbered "rpc"
+  command; each rank runs it (``run_rpc``) and answers ``("ok", result)`` or ``("error", why)``; ``rpc_results``
+  gathers every rank's answer before raising the first failure, so no answer is left behind for the next call (and
+  a late answer to a call that timed out carries that call's number, so the next call drops it).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class Command(msgspec.Struct, array_like=True, omit_defaults=True):
     asleep: bool = False
     level: int = 1                          # "sleep": 2 drops the weights too
     model: Optional[str] = None             # "update": the checkpoint (None: the served model's own)
-    payload: bytes = b""                    # "rpc": the pickled (method, args, kwargs)
+    payload: bytes = b""                    # "rpc": the pickled (method, args, kwargs) ...
+    call: int = 0                           # ... and the call's number, which its answers carry
 
 
 def free_port(host: str = "127.0.0.1") -> int:

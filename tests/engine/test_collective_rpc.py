@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from async_utils import collect, engine_config
 from safetensors.torch import load_file
-from worker_extensions import WeightTools, fail_on, ranks
+from worker_extensions import WeightTools, fail_on, ranks, slow_on
 
 from pagellm import LLM, SamplingParams
 from pagellm.engine.async_engine import AsyncLLM
@@ -50,6 +50,9 @@ def test_every_tensor_parallel_rank_answers_in_rank_order(tiny_llama: Path) -> N
             llm.collective_rpc(fail_on, args=(1,))
         assert llm.collective_rpc("weight_shape", args=(DOWN,)) == [(64, 64), (64, 64)]
         assert llm.collective_rpc(ranks, kwargs={"offset": 1}) == [(1, 2, 0), (2, 2, 0)]
+        with pytest.raises(RuntimeError, match="rank 1 did not answer in time"):  # rank 1 takes 3 s, 0.3 s given
+            llm.collective_rpc(slow_on, timeout=0.3, args=(1, 3.0))
+        assert llm.collective_rpc(ranks) == [(0, 2, 0), (1, 2, 0)]  # its late answer is not taken for this one
         with pytest.raises(ValueError, match="must pickle to reach the ranks"):
             llm.collective_rpc(lambda worker: 0)
         lm_head = load_file(tiny_llama / "model.safetensors")["lm_head.weight"]
