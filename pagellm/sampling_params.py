@@ -119,6 +119,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
+    # vLLM's: keep the prompt's last k tokens (-1: max_model_len); None keeps it whole
+    truncate_prompt_tokens: int | None = None
     # None is accepted and normalised to []; the list default lets omit_defaults drop empty lists from the wire.
     stop: str | list[str] | None = msgspec.field(default_factory=list)
     stop_token_ids: list[int] | None = msgspec.field(default_factory=list)
@@ -249,9 +251,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {value!r}.")
             setattr(self, name, float(value))
-        for name in ("n", "top_k", "min_tokens", "seed", "max_tokens", "logprobs", "prompt_logprobs", "best_of"):
+        for name in ("n", "top_k", "min_tokens", "seed", "max_tokens", "logprobs", "prompt_logprobs", "best_of",
+                     "truncate_prompt_tokens"):
             value = getattr(self, name)
-            if value is None and name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "best_of"):
+            if value is None and name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "best_of",
+                                          "truncate_prompt_tokens"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer, got {value!r}.")
@@ -332,6 +336,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}.")
+        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens == -1
+                                                            or self.truncate_prompt_tokens >= 1):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (max_model_len) or >= 1, got "
+                             f"{self.truncate_prompt_tokens}.")
 
     def _validate_stops(self) -> None:
         for stop in self.stop_strings:

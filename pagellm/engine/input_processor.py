@@ -114,8 +114,12 @@ class InputProcessor:
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
                 cache_salt: str | None = None) -> EngineCoreRequest:
         prompt = as_prompt(prompt)
+        keep = self.kept_tokens(params.truncate_prompt_tokens)
         embeds = prompt if isinstance(prompt, PromptEmbeds) else None
-        token_ids = self.tokenize(prompt) if embeds is None else self.check_embeds(embeds, params)
+        if embeds is not None and keep is not None:
+            embeds = embeds.last(keep)
+        token_ids = self.tokenize(prompt)[-keep if keep else None:] if embeds is None else \
+            self.check_embeds(embeds, params)
         check_prompt(token_ids, self.max_model_len, self.vocab_size)
         params = self.prepare_params(params)
         # The caller's salt (length-prefixed, so that no other part can pass for it or for another caller's) ...
@@ -129,6 +133,13 @@ class InputProcessor:
             salts.append(f"embeds-{embeds.digest()}")
         return EngineCoreRequest(request_id, token_ids, params, sorted(self.tokenizer.eos_token_ids), time.time(),
                                  priority, "/".join(salts) or None, embeds)
+
+    def kept_tokens(self, truncate: int | None) -> int | None:
+        """How many of a prompt's last tokens ``truncate_prompt_tokens`` keeps (None: all of them)."""
+        keep = self.max_model_len if truncate == -1 else truncate
+        if keep is not None and keep > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({keep}) must be at most max_model_len ({self.max_model_len})")
+        return keep
 
     def with_logprobs_mode(self, params: SamplingParams) -> SamplingParams:
         """``params`` with the engine's ``logprobs_mode`` where the request chose none; best_of ranks candidates by

@@ -442,3 +442,20 @@ def test_get_tokenizer_is_the_models_hugging_face_tokenizer(llm: LLM, tiny_llama
     text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     ids = llm.chat(chat, greedy(1), use_tqdm=False)[0].prompt_token_ids
     assert ids == tokenizer.encode(text, add_special_tokens=False) and tokenizer.decode(ids) == text
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_tail(llm: LLM) -> None:
+    """vLLM's ``SamplingParams.truncate_prompt_tokens``: the prompt's last k tokens run, as if given alone; -1 keeps
+    up to max_model_len; a k past max_model_len, or 0, is refused."""
+    long = list(range(10, 40))
+    cut = llm.generate([long], greedy(4, truncate_prompt_tokens=8), use_tqdm=False)[0]
+    alone = llm.generate([long[-8:]], greedy(4), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == long[-8:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    text = llm.generate("hello world", greedy(1, truncate_prompt_tokens=3), use_tqdm=False)[0]
+    assert text.prompt_token_ids == llm.get_tokenizer().encode("hello world")[-3:]
+    assert llm.generate([long], greedy(1, truncate_prompt_tokens=-1), use_tqdm=False)[0].prompt_token_ids == long
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 .* or >= 1, got 0"):
+        greedy(1, truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(100000\) must be at most max_model_len"):
+        llm.generate([long], greedy(1, truncate_prompt_tokens=100_000), use_tqdm=False)
+    assert_all_blocks_free(llm)

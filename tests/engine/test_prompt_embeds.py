@@ -96,6 +96,8 @@ def test_embeddings_and_token_prompts_share_a_batch(tiny_llama: Path) -> None:
     assert mixed[1].outputs[0].token_ids == _generate(llm, [{"prompt_embeds": rows}])[0]
     assert mixed[2].outputs[0].token_ids == alone and mixed[2].num_cached_tokens == 0
     assert mixed[1].prompt_token_ids == [] and mixed[1].prompt is None  # an embeddings prompt has no tokens
+    cut = msgspec.structs.replace(GREEDY, truncate_prompt_tokens=20)  # keeps the last 20 rows
+    assert _generate(llm, [{"prompt_embeds": rows}], cut) == _generate(llm, [{"prompt_embeds": rows[-20:]}])
     _no_leaks(llm)
 
 
