@@ -47,7 +47,6 @@ class ReasoningParser:
 
 PARSERS: dict[str, ReasoningParser] = {"deepseek_r1": ReasoningParser(thinks_by_default=True),
                                        "qwen3": ReasoningParser()}
-BUILT_IN = tuple(PARSERS)
 
 
 def register_reasoning_parser(name: str, start: str = START, end: str = END,
