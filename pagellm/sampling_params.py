@@ -49,6 +49,16 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What ``AsyncLLM.generate`` yields (vLLM's ``output_kind``): every output so far (``CUMULATIVE``), what is new
+    since the last yield (``DELTA``, the default there, which the servers stream), or the whole output once
+    (``FINAL_ONLY``). ``LLM.generate`` returns whole outputs whatever the kind."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
     """Exactly one constraint on the output text (vLLM's ``structured_outputs``).
 
@@ -121,6 +131,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     min_tokens: int = 0
     # vLLM's: keep the prompt's last k tokens (-1: max_model_len); None keeps it whole
     truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA  # what AsyncLLM.generate yields (RequestOutputKind)
     # None is accepted and normalised to []; the list default lets omit_defaults drop empty lists from the wire.
     stop: str | list[str] | None = msgspec.field(default_factory=list)
     stop_token_ids: list[int] | None = msgspec.field(default_factory=list)

@@ -19,6 +19,9 @@ Contract:
   nothing is yielded until every sibling is done; then the best ``n`` come as one whole output each. Each yielded
   output holds one ``CompletionOutput`` whose ``index`` is the sibling index; a sibling's last delta has its
   ``finish_reason`` set, and ``finished`` is True only on the last output of the whole call.
+- ``params.output_kind`` (vLLM's ``RequestOutputKind``): ``DELTA``, the default, is the stream above;
+  ``CUMULATIVE`` yields, each time, one output holding every sibling's whole completion so far (index order);
+  ``FINAL_ONLY`` yields that once, when all are done (``request_stream.Accumulated`` builds both from the deltas).
 - When the consumer stops iterating (``break`` + close, ``GeneratorExit``, ``CancelledError``), the live requests
   of that call are aborted in the core, so their KV blocks come back.
 - A dead core (crash, kill) fails every pending ``generate`` and every later call with ``EngineDeadError``;
@@ -54,8 +57,8 @@ from pagellm.engine.input_processor import InputProcessor, PromptType, as_prompt
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
 from pagellm.engine.request_log import RequestLog
-from pagellm.engine.request_stream import (RequestStream, StreamItem, Tracked, aborted_output, coalesce,
-                                           with_completion)
+from pagellm.engine.request_stream import (Accumulated, RequestStream, StreamItem, Tracked, aborted_output,
+                                           coalesce, with_completion)
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, RequestError
 from pagellm.lora import LoRARequest
 from pagellm.metrics import tracing
@@ -63,7 +66,7 @@ from pagellm.metrics.sink import NullStatsSink, StatsSink
 from pagellm.metrics.stats import IterationStats, SchedulerStats
 from pagellm.model.loader import resolve_model_dir
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.tokenizer import Tokenizer
 from pagellm.worker.runtime import RuntimeInfo
 
@@ -146,6 +149,8 @@ class AsyncLLM:
                     yield item
                 return
             done: set[int] = set()
+            kind = params.output_kind
+            whole = None if kind == RequestOutputKind.DELTA else Accumulated()
             while len(done) < len(requests):
                 for item in coalesce(await stream.take()):
                     if isinstance(item, BaseException):
@@ -153,7 +158,12 @@ class AsyncLLM:
                     if item.outputs[0].finished:
                         done.add(item.outputs[0].index)
                     item.finished = len(done) == len(requests)
-                    yield item
+                    if whole is None:
+                        yield item
+                        continue
+                    so_far = whole.add(item)
+                    if kind == RequestOutputKind.CUMULATIVE or so_far.finished:
+                        yield so_far
         finally:
             self._drop([r.request_id for r in requests], notify=False)
 

@@ -1,10 +1,12 @@
-"""One ``AsyncLLM.generate`` call's stream: its core requests, the outputs handed to the caller's event loop, and
-the deltas merged for a consumer that fell behind."""
+"""One ``AsyncLLM.generate`` call's stream: its core requests, the outputs handed to the caller's event loop, the
+deltas merged for a consumer that fell behind, and every sibling's output so far (``Accumulated``) for vLLM's
+``CUMULATIVE`` and ``FINAL_ONLY`` output kinds."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Union
 
@@ -75,14 +77,42 @@ def coalesce(items: list[StreamItem]) -> list[StreamItem]:
         if previous is None:
             merged[item.outputs[0].index] = item
             continue
-        old, new = previous.outputs[0], item.outputs[0]
-        old.text += new.text
-        old.token_ids.extend(new.token_ids)
-        if old.logprobs is not None and new.logprobs is not None:
-            old.logprobs.extend(new.logprobs)
-        old.cumulative_logprob = new.cumulative_logprob
-        old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
-        previous.finished = item.finished
-        previous.prompt_logprobs = previous.prompt_logprobs or item.prompt_logprobs
-        previous.pooled = previous.pooled or item.pooled
+        _extend(previous, item)
     return list(merged.values())
+
+
+def _extend(previous: RequestOutput, item: RequestOutput) -> None:
+    """``previous`` (one sibling's output) with ``item``'s delta appended."""
+    old, new = previous.outputs[0], item.outputs[0]
+    old.text += new.text
+    old.token_ids.extend(new.token_ids)
+    if old.logprobs is not None and new.logprobs is not None:
+        old.logprobs.extend(new.logprobs)
+    old.cumulative_logprob = new.cumulative_logprob
+    old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+    previous.finished = item.finished
+    previous.prompt_logprobs = previous.prompt_logprobs or item.prompt_logprobs
+    previous.pooled = previous.pooled or item.pooled
+
+
+class Accumulated:
+    """Every sibling's output so far, from their deltas: ``add`` returns one ``RequestOutput`` holding each
+    sibling's whole completion yet (index order), copies the caller may keep."""
+
+    def __init__(self) -> None:
+        self.whole: dict[int, RequestOutput] = {}
+
+    def add(self, item: RequestOutput) -> RequestOutput:
+        index = item.outputs[0].index
+        if index in self.whole:
+            _extend(self.whole[index], item)
+        else:
+            self.whole[index] = dataclasses.replace(item, outputs=[_copy(item.outputs[0])])
+        first = self.whole[min(self.whole)]
+        return dataclasses.replace(first, outputs=[_copy(self.whole[i].outputs[0]) for i in sorted(self.whole)],
+                                   finished=item.finished)
+
+
+def _copy(completion: CompletionOutput) -> CompletionOutput:
+    return dataclasses.replace(completion, token_ids=list(completion.token_ids),
+                               logprobs=None if completion.logprobs is None else list(completion.logprobs))

@@ -15,6 +15,7 @@ import signal
 from pathlib import Path
 from typing import Any, Iterator
 
+import msgspec
 import pytest
 from async_utils import SMALL_KV, all_blocks_free, collect, engine_config, greedy, runner, wait_until
 
@@ -22,6 +23,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.engine.async_engine import AsyncLLM
 from pagellm.engine.exceptions import EngineDeadError
 from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import RequestOutputKind
 
 PROMPTS = ["hi", "the quick brown fox", "a", "0123456789 counting", "zz top"]
 run = pytest.fixture(scope="module")(runner)
@@ -76,6 +78,27 @@ def test_greedy_matches_llm_and_deltas_concatenate(engine: AsyncLLM, llm: LLM, r
         assert deltas[-1].prompt == PROMPTS[i] and deltas[-1].prompt_token_ids == full.prompt_token_ids
         m = deltas[-1].metrics
         assert m.arrival_time <= m.first_token_time <= m.finished_time
+    assert run(all_blocks_free(engine))
+
+
+def test_output_kinds_cumulative_and_final_only(engine: AsyncLLM, llm: LLM, run: Any) -> None:
+    """vLLM's ``output_kind``: CUMULATIVE yields every sibling's whole output so far each time (each yield extends the
+    last), FINAL_ONLY yields once, at the end, with all n siblings; both end as the offline engine's outputs."""
+    seeded = SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=8, ignore_eos=True, logprobs=1)
+    (expected,) = llm.generate([PROMPTS[0]], seeded, use_tqdm=False)
+    want = [(c.index, c.text, c.token_ids) for c in expected.outputs]
+    kinds = {kind: msgspec.structs.replace(seeded, output_kind=kind) for kind in RequestOutputKind}
+    cumulative = run(collect(engine.generate(PROMPTS[0], kinds[RequestOutputKind.CUMULATIVE], "cum")))
+    assert len(cumulative) > 1 and [o.finished for o in cumulative] == [False] * (len(cumulative) - 1) + [True]
+    for before, after in zip(cumulative, cumulative[1:]):
+        grown = {c.index: c.token_ids for c in after.outputs}
+        assert all(grown[c.index][:len(c.token_ids)] == c.token_ids for c in before.outputs)
+    assert [(c.index, c.text, c.token_ids) for c in cumulative[-1].outputs] == want
+    assert all(len(c.logprobs) == len(c.token_ids) for c in cumulative[-1].outputs)
+    (final,) = run(collect(engine.generate(PROMPTS[0], kinds[RequestOutputKind.FINAL_ONLY], "final")))
+    assert final.finished and [(c.index, c.text, c.token_ids) for c in final.outputs] == want
+    deltas = run(collect(engine.generate(PROMPTS[0], kinds[RequestOutputKind.DELTA], "delta")))
+    assert all(len(d.outputs) == 1 for d in deltas)  # the default: each sibling's new text, one at a time
     assert run(all_blocks_free(engine))
 
 
