@@ -24,7 +24,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Two pytest workers (pytest-xdist), one test module each at a time: the tests run one torch thread apiece, and
-# much of their time is spent waiting on servers and ranks they start, so two workers keep both cores busy.
+# much of their time is spent waiting on servers and ranks they start, so two workers keep both cores busy. The
+# modules that start Ray take turns (a file lock, tests/conftest.py): Ray takes one local instance at a time.
 TEST_WORKERS ?= 2
 test: install system-deps
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile

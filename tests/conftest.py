@@ -3,7 +3,9 @@ packed GEMM's path (``isa``)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -15,6 +17,22 @@ os.environ.setdefault("PAGELLM_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["PAGELLM_NUM_THREADS"]))
 
 TINY_VOCAB = 320  # 256 byte tokens + specials + spare ids
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_ray_module_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
+    """``make test`` runs two pytest workers; a module that sets ``USES_RAY`` holds an exclusive lock on a file both
+    share while it runs (its Ray fixtures start after this one and stop before it ends), so no two Ray instances
+    meet: Ray takes one local instance, and some of these tests check that none runs."""
+    if not getattr(request.module, "USES_RAY", False):
+        yield
+        return
+    with open(Path(tempfile.gettempdir()) / "pagellm-tests-ray.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _byte_tokenizer():

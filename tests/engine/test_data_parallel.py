@@ -30,6 +30,9 @@ from pagellm.engine.dp_client import DPClient, Router, placements
 from pagellm.engine.exceptions import EngineDeadError
 from pagellm.outputs import RequestOutput
 
+USES_RAY = True  # one such module at a time across make test's workers (tests/conftest.py: Ray takes one local
+# instance, and some of these tests check that none runs)
+
 PROMPTS = ["hi", "the quick brown fox", "a", "0123456789 counting", "zz top", "one more prompt"]
 run = pytest.fixture(scope="module")(runner)
 

@@ -14,6 +14,9 @@ from test_parity import _prompts, assert_greedy_parity, run
 
 from pagellm import LLM
 
+USES_RAY = True  # one such module at a time across make test's workers (tests/conftest.py: Ray takes one local
+# instance, and some of these tests check that none runs)
+
 
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[Cluster]:

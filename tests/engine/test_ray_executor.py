@@ -18,6 +18,9 @@ from worker_extensions import fail_on, ranks
 from pagellm import LLM, SamplingParams
 from pagellm.distributed.shm_comm import ShmComm
 
+USES_RAY = True  # one such module at a time across make test's workers (tests/conftest.py: Ray takes one local
+# instance, and some of these tests check that none runs)
+
 RAY = dict(dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray")
 
 

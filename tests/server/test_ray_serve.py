@@ -19,6 +19,9 @@ from server_utils import ServerProcess, _free_port, wait_until
 
 from pagellm.server.ray_serve import APP_NAME, build_app
 
+USES_RAY = True  # one such module at a time across make test's workers (tests/conftest.py: Ray takes one local
+# instance, and some of these tests check that none runs)
+
 CHAT = [{"role": "user", "content": "Hello"}]
 # The plain test server's engine settings (server_utils.ENGINE_FLAGS; one replica CPU: one thread, as it runs).
 ARGS = dict(served_model_name="tiny", dtype="float32", kv_cache_memory="16000000", max_model_len=512,

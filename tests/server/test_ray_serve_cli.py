@@ -12,6 +12,9 @@ from pathlib import Path
 import openai
 from server_utils import _free_port, wait_until
 
+USES_RAY = True  # one such module at a time across make test's workers (tests/conftest.py: Ray takes one local
+# instance, and some of these tests check that none runs)
+
 
 def _ray_processes() -> list[int]:
     pids = []

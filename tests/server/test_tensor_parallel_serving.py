@@ -14,6 +14,9 @@ import pytest
 from proc_utils import alive, descendants, without_trackers
 from server_utils import ServerProcess, engine_cores, wait_until
 
+USES_RAY = True  # one such module at a time across make test's workers (tests/conftest.py: Ray takes one local
+# instance, and some of these tests check that none runs)
+
 CHAT = [{"role": "user", "content": "Hello"}]
 
 
