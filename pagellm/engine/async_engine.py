@@ -55,10 +55,10 @@ from pagellm.engine.exceptions import (ASLEEP, SLEEP_MODE_OFF, EngineDeadError, 
                                        check_sleep_level, wake_tags)
 from pagellm.engine.input_processor import InputProcessor, PromptType, as_prompt, load_tokenizer
 from pagellm.engine.output_processor import OutputProcessor
-from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
+from pagellm.engine.parallel_sampling import needs_ranking, sibling_params
 from pagellm.engine.request_log import RequestLog
-from pagellm.engine.request_stream import (Accumulated, RequestStream, StreamItem, Tracked, aborted_output,
-                                           coalesce, with_completion)
+from pagellm.engine.request_stream import (Accumulated, RequestStream, Tracked, aborted_output, best_of,
+                                           coalesce)
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, RequestError
 from pagellm.lora import LoRARequest
 from pagellm.metrics import tracing
@@ -145,7 +145,7 @@ class AsyncLLM:
         try:
             self.client.add_requests(requests)
             if needs_ranking(params):
-                for item in await self._best_of(stream, params, len(requests)):
+                for item in await best_of(stream, params, len(requests)):
                     yield item
                 return
             done: set[int] = set()
@@ -172,25 +172,6 @@ class AsyncLLM:
         token ids, the prompt cut to ``max_len`` characters and the ids to ``max_len`` ids (None: whole); with
         ``outputs`` (``--enable-log-outputs``), each sample's text and token ids as it finishes, cut alike."""
         self._request_log = RequestLog(max_len, outputs)
-
-    @staticmethod
-    async def _best_of(stream: RequestStream, params: SamplingParams, count: int) -> list[RequestOutput]:
-        """Wait for all ``count`` siblings, then one whole output per chosen completion (rank order)."""
-        items: list[StreamItem] = []
-        done: set[int] = set()
-        while len(done) < count:
-            for item in await stream.take():
-                if isinstance(item, BaseException):
-                    raise item
-                if item.outputs[0].finished:
-                    done.add(item.outputs[0].index)
-                items.append(item)
-        whole = [item for item in coalesce(items) if isinstance(item, RequestOutput)]
-        best = select_best([item.outputs[0] for item in whole], params)
-        outputs = [with_completion(whole[0], c) for c in best]
-        for output in outputs:
-            output.finished = output is outputs[-1]
-        return outputs
 
     async def abort(self, request_id: str) -> None:
         """Abort every live request with this caller id; their ``generate`` streams end with ``"abort"``."""

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Union
 
 from pagellm.engine.output_processor import RequestState
+from pagellm.engine.parallel_sampling import select_best
 from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagellm.sampling_params import SamplingParams
 
 StreamItem = Union[RequestOutput, BaseException]
 
@@ -57,6 +59,25 @@ def with_completion(output: RequestOutput, completion: CompletionOutput) -> Requ
     return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids, [completion], False,
                          output.metrics, output.num_cached_tokens, prompt_logprobs=output.prompt_logprobs,
                          pooled=output.pooled)
+
+
+async def best_of(stream: RequestStream, params: SamplingParams, count: int) -> list[RequestOutput]:
+    """``best_of > n``: wait for all ``count`` siblings, then one whole output per chosen completion (rank order)."""
+    items: list[StreamItem] = []
+    done: set[int] = set()
+    while len(done) < count:
+        for item in await stream.take():
+            if isinstance(item, BaseException):
+                raise item
+            if item.outputs[0].finished:
+                done.add(item.outputs[0].index)
+            items.append(item)
+    whole = [item for item in coalesce(items) if isinstance(item, RequestOutput)]
+    best = select_best([item.outputs[0] for item in whole], params)
+    outputs = [with_completion(whole[0], c) for c in best]
+    for output in outputs:
+        output.finished = output is outputs[-1]
+    return outputs
 
 
 def aborted_output(tracked: Tracked, state: RequestState | None) -> RequestOutput:
