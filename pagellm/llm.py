@@ -18,7 +18,7 @@ from pagellm import generation_config
 from pagellm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagellm.config import EngineConfig
 from pagellm.engine.client import InprocClient
-from pagellm.engine.exceptions import ASLEEP, EngineSleepingError, check_sleep_level, wake_tags
+from pagellm.engine.exceptions import ASLEEP, EngineSleepingError, check_sleep_level
 from pagellm.engine.input_processor import CLASSIFY_ONLY, InputProcessor, PromptType, as_prompt, load_tokenizer
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
@@ -249,7 +249,7 @@ class LLM:
         """The engine takes requests again; its KV cache's memory comes back as blocks are used. vLLM's ``tags``:
         ``["weights"]`` only loads the weights a level-2 sleep dropped and leaves the engine asleep; ``["kv_cache"]``
         or none wakes it."""
-        self.engine.wake_up(wake_tags(tags))
+        self.engine.wake_up(tags)
 
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping()

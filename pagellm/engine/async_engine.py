@@ -60,6 +60,7 @@ from pagellm.engine.request_log import RequestLog
 from pagellm.engine.request_stream import (Accumulated, RequestStream, Tracked, aborted_output, best_of,
                                            coalesce)
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, RequestError
+from pagellm.executor.ranks import rpc_payload
 from pagellm.lora import LoRARequest
 from pagellm.metrics import tracing
 from pagellm.metrics.sink import NullStatsSink, StatsSink
@@ -161,9 +162,9 @@ class AsyncLLM:
                     if whole is None:
                         yield item
                         continue
-                    so_far = whole.add(item)
-                    if kind == RequestOutputKind.CUMULATIVE or so_far.finished:
-                        yield so_far
+                    whole.add(item)
+                    if kind == RequestOutputKind.CUMULATIVE or item.finished:
+                        yield whole.snapshot(item.finished)
         finally:
             self._drop([r.request_id for r in requests], notify=False)
 
@@ -355,11 +356,7 @@ class AsyncLLM:
         """vLLM's ``collective_rpc`` (as ``LLM.collective_rpc``): ``method`` on every worker of every engine core,
         their results in rank order (core by core with data parallelism). The call and its results cross to the
         core's process pickled, so they must pickle (a worker method's name, or a module-level function)."""
-        try:
-            payload = pickle.dumps((method, tuple(args), dict(kwargs or {})))
-        except Exception as exc:  # pickle raises several kinds
-            raise ValueError(f"collective_rpc: the method and its arguments must pickle to reach the engine core: "
-                             f"{type(exc).__name__}: {exc}") from None
+        payload = rpc_payload(method, args, kwargs, "the engine core")
         return pickle.loads(await self.client.call_utility("collective_rpc", payload, timeout))
 
     async def is_sleeping(self) -> bool:

@@ -39,8 +39,6 @@ class EngineCore:
                                    self.runtime.max_model_len, spec.num_lookahead_tokens, spec.disable_by_batch_size,
                                    kv_window=self.runtime.kv_window, kv_events=self.kv_events)
         self.asleep = False  # sleep mode: the KV cache's memory is the OS's, requests are refused
-        self.weights_dropped = False  # asleep at level 2, until the weights load again
-        self.weights_from: str | None = None  # the checkpoint last loaded (None: the served model's own)
         self.kv_publisher = None
         if events.publishes:
             from pagellm.engine.kv_events import KVEventPublisher
@@ -111,7 +109,7 @@ class EngineCore:
         if not self.reset_prefix_cache():  # no block may keep a hash once its contents are gone
             raise RuntimeError("the prefix cache could not be reset: KV blocks are still held")
         self.executor.set_asleep(True, level)
-        self.asleep, self.weights_dropped = True, self.weights_dropped or level == 2
+        self.asleep = True
         return True
 
     def update_weights(self, model: str | None = None) -> bool:
@@ -122,23 +120,20 @@ class EngineCore:
             raise ValueError(f"only an idle engine updates its weights: {self.scheduler.num_unfinished_requests} "
                              "requests are unfinished (let them finish, or abort them)")
         self.executor.update_weights(model)
-        self.weights_from, self.weights_dropped = model, False
         if not self.reset_prefix_cache():
             raise RuntimeError("the prefix cache could not be reset: KV blocks are still held")
         return True
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Wake what ``tags`` names (``exceptions.wake_tags``): "weights" alone loads those a level-2 sleep dropped
-        (the checkpoint last loaded) and leaves the engine asleep; "kv_cache" wakes the engine, its weights loaded
-        first if still dropped."""
-        tags = wake_tags(tags)
-        if "kv_cache" not in tags:
-            if self.weights_dropped:
-                self.executor.update_weights(self.weights_from)
-                self.weights_dropped = False
+        (the checkpoint last loaded) and leaves the engine asleep, as at level 1; "kv_cache" wakes the engine, its
+        weights loaded first if still dropped (the workers know: ``Worker.set_asleep``)."""
+        if "kv_cache" not in wake_tags(tags):
+            if self.asleep:
+                self.executor.set_asleep(True, 1)
             return True
-        self.executor.set_asleep(False)  # the workers load dropped weights themselves
-        self.asleep = self.weights_dropped = False
+        self.executor.set_asleep(False)
+        self.asleep = False
         return True
 
     def collective_rpc_pickled(self, payload: bytes, timeout: float | None = None) -> bytes:

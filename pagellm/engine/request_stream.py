@@ -117,21 +117,23 @@ def _extend(previous: RequestOutput, item: RequestOutput) -> None:
 
 
 class Accumulated:
-    """Every sibling's output so far, from their deltas: ``add`` returns one ``RequestOutput`` holding each
+    """Every sibling's output so far, from their deltas (``add``); ``snapshot`` is one ``RequestOutput`` holding each
     sibling's whole completion yet (index order), copies the caller may keep."""
 
     def __init__(self) -> None:
         self.whole: dict[int, RequestOutput] = {}
 
-    def add(self, item: RequestOutput) -> RequestOutput:
+    def add(self, item: RequestOutput) -> None:
         index = item.outputs[0].index
         if index in self.whole:
             _extend(self.whole[index], item)
         else:
             self.whole[index] = dataclasses.replace(item, outputs=[_copy(item.outputs[0])])
+
+    def snapshot(self, finished: bool) -> RequestOutput:
         first = self.whole[min(self.whole)]
         return dataclasses.replace(first, outputs=[_copy(self.whole[i].outputs[0]) for i in sorted(self.whole)],
-                                   finished=item.finished)
+                                   finished=finished)
 
 
 def _copy(completion: CompletionOutput) -> CompletionOutput:

@@ -94,12 +94,13 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
-def rpc_payload(method: Any, args: tuple, kwargs: dict[str, Any] | None) -> bytes:
-    """``collective_rpc``'s call as the ranks receive it (ValueError when it cannot be pickled)."""
+def rpc_payload(method: Any, args: tuple, kwargs: dict[str, Any] | None, to: str = "the ranks") -> bytes:
+    """``collective_rpc``'s call as the ranks (or, from ``AsyncLLM``, the engine core) receive it (ValueError when it
+    cannot be pickled)."""
     try:
         return pickle.dumps((method, tuple(args), dict(kwargs or {})))
     except Exception as exc:  # pickle raises several kinds
-        raise ValueError(f"collective_rpc: the method and its arguments must pickle to reach the ranks (a worker "
+        raise ValueError(f"collective_rpc: the method and its arguments must pickle to reach {to} (a worker "
                          f"method's name, or a module-level function): {type(exc).__name__}: {exc}") from None
 
 

@@ -147,13 +147,14 @@ class Worker:
     def set_asleep(self, asleep: bool, level: int = 1) -> None:
         """Sleep mode: asleep, the KV cache's memory goes back to the OS (``kv_prefault.discard``: the pages come back
         zeroed on their next touch, so the engine must hold no KV worth keeping) and the idle-time population stops;
-        at ``level`` 2 the model goes too (its weights' memory back to the OS). Awake, the cache populates again when
-        idle, and dropped weights load again from the checkpoint last loaded (unless an update already loaded one)."""
+        at ``level`` 2 the model goes too (its weights' memory back to the OS). Awake, or asleep at level 1, dropped
+        weights load again from the checkpoint last loaded (unless an update already loaded one); awake, the cache
+        populates again when idle."""
         if asleep and level == 2 and self.runner.model is not None:
             self.runner.model = None
             release_freed_memory()
             logger.info("asleep at level 2: the weights are dropped")
-        elif not asleep and self.runner.model is None:
+        elif (not asleep or level == 1) and self.runner.model is None:
             self.update_weights(self.weights_from)
         if asleep == self.asleep:
             return
