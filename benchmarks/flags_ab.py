@@ -5,6 +5,7 @@ throughput`` in a fresh process). Prints each run, each side's medians and each 
 
     .venv/bin/python benchmarks/flags_ab.py --side auto= --side fp8="--kv-cache-dtype fp8" [--mode serve offline]
         [--rounds 3] [--settle 15] [--concurrency 32] [--num-prompts 200] [--offline-num-prompts 256]
+    .venv/bin/python benchmarks/flags_ab.py --side small= --side huge= --env huge=PAGELLM_KV_HUGE_PAGES=1
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ SERVE_FIGURES = (("output tok/s", "output_throughput"), ("TTFT p50 ms", "median_
                  ("TTFT p95 ms", "p95_ttft_ms"), ("TPOT p50 ms", "median_tpot_ms"), ("TPOT p95 ms", "p95_tpot_ms"))
 
 
-def served(args: argparse.Namespace, ctx: systems.Context, flags: list[str]) -> dict[str, float]:
-    """One fresh server as compare.py starts pagellm (plus ``flags``), its ready time and its load's figures."""
+def served(args: argparse.Namespace, ctx: systems.Context, flags: list[str],
+           env: dict[str, str]) -> dict[str, float]:
+    """One fresh server as compare.py starts pagellm (plus ``flags``, ``env``), its ready time and its load's
+    figures."""
     port = free_port()
     system = systems.pagellm(ctx, port)
     system.argv += ["--disable-log-stats", *flags]
-    proc = subprocess.Popen(system.argv, env=systems.environment(system), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(system.argv, env={**systems.environment(system), **env}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True, cwd=systems.REPO)
     try:
         ready = wait_ready(f"http://127.0.0.1:{port}", proc, 300)
@@ -47,12 +50,14 @@ def served(args: argparse.Namespace, ctx: systems.Context, flags: list[str]) -> 
     return {"ready s": ready, **{name: metrics[key] for name, key in SERVE_FIGURES}}
 
 
-def offline(args: argparse.Namespace, ctx: systems.Context, flags: list[str]) -> dict[str, float]:
-    """``pagellm bench throughput`` (plus ``flags``) in a fresh process, as compare.py runs it for pagellm."""
+def offline(args: argparse.Namespace, ctx: systems.Context, flags: list[str],
+            env: dict[str, str]) -> dict[str, float]:
+    """``pagellm bench throughput`` (plus ``flags``, ``env``) in a fresh process, as compare.py runs it for pagellm."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        argv, env = pagellm_offline(args, ctx, result, flags)
-        subprocess.run(argv, env=systems.environment(systems.System("pagellm", argv, env)), check=True,
+        argv, base_env = pagellm_offline(args, ctx, result, flags)
+        subprocess.run(argv, env={**systems.environment(systems.System("pagellm", argv, base_env)), **env},
+                       check=True,
                        stdout=subprocess.DEVNULL, cwd=systems.REPO)
         run = json.loads(result.read_text())["results"][0]
     return {"offline tok/s": run["output_throughput"]}
@@ -70,6 +75,18 @@ def parse_sides(specs: list[str]) -> dict[str, list[str]]:
     return sides
 
 
+def parse_env(specs: list[str], sides: dict[str, list[str]]) -> dict[str, dict[str, str]]:
+    """``--env SIDE=VAR=VALUE`` specs as each side's environment overrides."""
+    envs: dict[str, dict[str, str]] = {side: {} for side in sides}
+    for spec in specs:
+        side, _, assignment = spec.partition("=")
+        name, sep, value = assignment.partition("=")
+        if side not in sides or not sep:
+            raise SystemExit(f"--env wants SIDE=VAR=VALUE for a --side, got {spec!r}")
+        envs[side][name] = value
+    return envs
+
+
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--settle", type=float, default=15.0, help="seconds each server idles before its load")
@@ -84,7 +101,8 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16")
 
 
-def run_ab(args: argparse.Namespace, sides: dict[str, list[str]], modes: list[str]) -> None:
+def run_ab(args: argparse.Namespace, sides: dict[str, list[str]], modes: list[str],
+           envs: dict[str, dict[str, str]] | None = None) -> None:
     from pagellm.model.loader import default_model_path, hf_model_dir
 
     ctx = systems.Context(hf_model_dir(None), default_model_path(), args.dtype, args.threads, args.concurrency)
@@ -92,9 +110,9 @@ def run_ab(args: argparse.Namespace, sides: dict[str, list[str]], modes: list[st
     def measure(side: str) -> dict[str, float]:
         figures: dict[str, float] = {}
         if "serve" in modes:
-            figures |= served(args, ctx, sides[side])
+            figures |= served(args, ctx, sides[side], (envs or {}).get(side, {}))
         if "offline" in modes:
-            figures |= offline(args, ctx, sides[side])
+            figures |= offline(args, ctx, sides[side], (envs or {}).get(side, {}))
         return figures
 
     runs = alternate(list(sides), args.rounds, measure)
@@ -131,10 +149,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--side", action="append", required=True, metavar="NAME=FLAGS",
                         help="a side: its name and its extra engine flags (repeat; the first is the baseline)")
+    parser.add_argument("--env", action="append", default=[], metavar="SIDE=VAR=VALUE",
+                        help="an environment variable for one side's runs (repeat)")
     parser.add_argument("--mode", nargs="+", choices=["serve", "offline"], default=["serve"])
     add_workload_args(parser)
     args = parser.parse_args()
-    run_ab(args, parse_sides(args.side), args.mode)
+    sides = parse_sides(args.side)
+    run_ab(args, sides, args.mode, parse_env(args.env, sides))
 
 
 if __name__ == "__main__":

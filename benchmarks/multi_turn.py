@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from compare import free_port, stop, wait_ready  # noqa: E402
-from flags_ab import alternate, parse_sides, print_medians  # noqa: E402
+from flags_ab import alternate, parse_env, parse_sides, print_medians  # noqa: E402
 from peers import systems  # noqa: E402
 
 from pagellm.bench import client  # noqa: E402
@@ -100,17 +100,6 @@ def served(args: argparse.Namespace, ctx: systems.Context, tokenizer: Tokenizer,
             "TTFT p50 turn 1 ms": 1000 * statistics.median(first),
             "TTFT p50 later ms": 1000 * percentile(later, 50), "TTFT p95 later ms": 1000 * percentile(later, 95),
             "prefix hit %": 100 * (hits1 - hits0) / max(1.0, queries1 - queries0)}
-
-
-def parse_env(specs: list[str], sides: dict[str, list[str]]) -> dict[str, dict[str, str]]:
-    envs: dict[str, dict[str, str]] = {side: {} for side in sides}
-    for spec in specs:
-        side, _, assignment = spec.partition("=")
-        name, sep, value = assignment.partition("=")
-        if side not in sides or not sep:
-            raise SystemExit(f"--env wants SIDE=VAR=VALUE for a --side, got {spec!r}")
-        envs[side][name] = value
-    return envs
 
 
 def main() -> None:

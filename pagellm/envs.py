@@ -56,6 +56,13 @@ def attention_amx() -> bool:
     return os.environ.get("PAGELLM_ATTENTION_AMX", "1") != "0"
 
 
+def kv_huge_pages() -> bool:
+    """``PAGELLM_KV_HUGE_PAGES``: ``1`` advises the KV cache's pages as transparent huge pages
+    (``pagellm/attention/base.py``); default off: 4 KiB pages, whose first touch costs far less on VMs whose host
+    takes back the guest's free 2 MiB blocks (docs/performance.md, Round 38)."""
+    return os.environ.get("PAGELLM_KV_HUGE_PAGES", "0") == "1"
+
+
 def native_scheduler() -> bool:
     """``PAGELLM_NATIVE_SCHEDULER``: ``0`` keeps the scheduler on its numpy and Python paths instead of the native
     fast path (``pagellm/sched/native.py``); default on."""

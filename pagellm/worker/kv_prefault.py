@@ -3,9 +3,10 @@
 The cache's pages come from the OS zero-filled on first touch (``attention/base.py: new_kv_cache``), so start-up
 does not pay for gigabytes up front; but a step that writes K/V into a block never used before pays for the touch
 inside its forward pass, on the main thread while the other OpenMP threads wait. On a VM whose host has not backed
-that memory yet this costs 1.5-2.8 s per GiB: a c=32 run on a server that populated its cache while idle gave 10 %
-more output tokens/s than one that did not (docs/performance.md, Round 17). vLLM pays it before it is ready (it
-writes its cache with zeros at start-up).
+that memory yet this cost 1.5-2.8 s per GiB on transparent huge pages: a c=32 run on a server that populated its
+cache while idle gave 10 % more output tokens/s than one that did not (docs/performance.md, Round 17). The cache is
+on 4 KiB pages now unless asked otherwise (0.2-0.5 s per GiB, Round 38). vLLM pays it before it is ready (it writes
+its cache with zeros at start-up).
 
 ``KVPrefaulter.step`` asks the kernel to populate one piece of the cache (``madvise(MADV_POPULATE_WRITE)``: the
 pages are faulted in writable as a write would, their contents left as they are, so blocks in use are safe): 2 MiB
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 MADV_DONTNEED = 4  # <linux/mman.h>: the pages go back to the OS; the next touch finds them zeroed
 MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux >= 5.14
-PIECE_BYTES = 2 << 20     # of one layer's K or V: one transparent huge page
+PIECE_BYTES = 2 << 20     # of one layer's K or V: one transparent huge page, where the cache asks for them
 PAGE = 4096
 
 

@@ -57,10 +57,22 @@ def _mapping_of(address: int) -> tuple[str, list[str]]:
     return perms, flags
 
 
-def test_the_cache_is_private_memory_asking_for_huge_pages():
-    # A shared mapping is shmem, which the usual THP setting keeps on 4 KiB pages: a fault per 4 KiB of a new block.
+def test_the_cache_is_private_memory_on_small_pages_by_default(monkeypatch):
+    # A shared mapping is shmem: a slower fault per 4 KiB of a new block. Huge pages are opt-in: on VMs whose host
+    # takes back free 2 MiB blocks their first touch costs ~20x a 4 KiB page's (docs/performance.md, Round 38).
+    monkeypatch.delenv("PAGELLM_KV_HUGE_PAGES", raising=False)
     cache = new_kv_cache(1024, 16, 4, 64, torch.bfloat16)  # 16 MiB
+    perms, flags = _mapping_of(cache.data_ptr())
+    assert perms.endswith("p"), f"the KV cache mapping is {perms}, not private"
+    assert "hg" not in flags, f"the KV cache mapping asks for huge pages by default: {flags}"
+
+
+def test_huge_pages_when_asked(monkeypatch):
+    monkeypatch.setenv("PAGELLM_KV_HUGE_PAGES", "1")
+    cache = new_kv_cache(1024, 16, 4, 64, torch.bfloat16)
     perms, flags = _mapping_of(cache.data_ptr())
     assert perms.endswith("p"), f"the KV cache mapping is {perms}, not private"
     if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):  # a kernel with THP takes the advice
         assert "hg" in flags, f"no MADV_HUGEPAGE on the KV cache mapping: {flags}"
+    cache[0, :8].fill_(1.0)
+    assert cache[0, :8].eq(1.0).all() and not cache[1].any()
