@@ -5,7 +5,7 @@ does not pay for gigabytes up front; but a step that writes K/V into a block nev
 inside its forward pass, on the main thread while the other OpenMP threads wait. On a VM whose host has not backed
 that memory yet this cost 1.5-2.8 s per GiB on transparent huge pages: a c=32 run on a server that populated its
 cache while idle gave 10 % more output tokens/s than one that did not (docs/performance.md, Round 17). The cache is
-on 4 KiB pages now unless asked otherwise (0.2-0.5 s per GiB, Round 38). vLLM pays it before it is ready (it writes
+on 4 KiB pages now unless asked otherwise (0.3-0.5 s per GiB, Round 38). vLLM pays it before it is ready (it writes
 its cache with zeros at start-up).
 
 ``KVPrefaulter.step`` asks the kernel to populate one piece of the cache (``madvise(MADV_POPULATE_WRITE)``: the
