@@ -269,6 +269,10 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = _help(
         "The most tokens one request computes in a step (vLLM's flag): a long prompt's chunks then leave room in "
         "each step for other requests' prompts and tokens. 0: no limit but the step's budget.", default=0)
+    stream_interval: int = _help(
+        "New tokens per streamed output (vLLM's flag): each stream sends its first token at once, then every N "
+        "tokens and its last; larger values send fewer, larger chunks. A request's own stream_interval may raise "
+        "it.", default=1)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -280,6 +284,9 @@ class SchedulerConfig:
                              f"{self.long_prefill_token_threshold}")
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
             raise ValueError("long_prefill_token_threshold splits prompts into chunks: it needs enable_chunked_prefill")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1 (new tokens per streamed output), got "
+                             f"{self.stream_interval}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r}; use 'fcfs' or 'priority'")
 

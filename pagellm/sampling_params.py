@@ -132,6 +132,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # vLLM's: keep the prompt's last k tokens (-1: max_model_len); None keeps it whole
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.DELTA  # what AsyncLLM.generate yields (RequestOutputKind)
+    # vLLM's: AsyncLLM.generate yields after every this many new tokens (the first and the last at once); raised to
+    # the engine's --stream-interval when below it. None: the engine's.
+    stream_interval: int | None = None
     # None is accepted and normalised to []; the list default lets omit_defaults drop empty lists from the wire.
     stop: str | list[str] | None = msgspec.field(default_factory=list)
     stop_token_ids: list[int] | None = msgspec.field(default_factory=list)
@@ -263,10 +266,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                 raise ValueError(f"{name} must be a number, got {value!r}.")
             setattr(self, name, float(value))
         for name in ("n", "top_k", "min_tokens", "seed", "max_tokens", "logprobs", "prompt_logprobs", "best_of",
-                     "truncate_prompt_tokens"):
+                     "truncate_prompt_tokens", "stream_interval"):
             value = getattr(self, name)
             if value is None and name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "best_of",
-                                          "truncate_prompt_tokens"):
+                                          "truncate_prompt_tokens", "stream_interval"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer, got {value!r}.")
@@ -351,6 +354,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                                                             or self.truncate_prompt_tokens >= 1):
             raise ValueError(f"truncate_prompt_tokens must be -1 (max_model_len) or >= 1, got "
                              f"{self.truncate_prompt_tokens}.")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1 (new tokens per streamed output), got "
+                             f"{self.stream_interval}.")
 
     def _validate_stops(self) -> None:
         for stop in self.stop_strings:

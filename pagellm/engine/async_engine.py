@@ -22,6 +22,8 @@ Contract:
 - ``params.output_kind`` (vLLM's ``RequestOutputKind``): ``DELTA``, the default, is the stream above;
   ``CUMULATIVE`` yields, each time, one output holding every sibling's whole completion so far (index order);
   ``FINAL_ONLY`` yields that once, when all are done (``request_stream.Accumulated`` builds both from the deltas).
+- ``stream_interval`` (vLLM's; the engine's ``--stream-interval``, or a request's own when larger): a sibling's
+  outputs come after every that many new tokens, its first and last at once (``request_stream.Paced``).
 - When the consumer stops iterating (``break`` + close, ``GeneratorExit``, ``CancelledError``), the live requests
   of that call are aborted in the core, so their KV blocks come back.
 - A dead core (crash, kill) fails every pending ``generate`` and every later call with ``EngineDeadError``;
@@ -57,8 +59,8 @@ from pagellm.engine.input_processor import InputProcessor, PromptType, as_prompt
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.parallel_sampling import needs_ranking, sibling_params
 from pagellm.engine.request_log import RequestLog
-from pagellm.engine.request_stream import (Accumulated, RequestStream, Tracked, aborted_output, best_of,
-                                           coalesce)
+from pagellm.engine.request_stream import (Accumulated, Paced, RequestStream, Tracked, aborted_output,
+                                           best_of, coalesce)
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, RequestError
 from pagellm.executor.ranks import rpc_payload
 from pagellm.lora import LoRARequest
@@ -152,10 +154,14 @@ class AsyncLLM:
             done: set[int] = set()
             kind = params.output_kind
             whole = None if kind == RequestOutputKind.DELTA else Accumulated()
+            interval = max(self.config.scheduler_config.stream_interval, params.stream_interval or 1)
+            paced = Paced(interval) if interval > 1 else None
             while len(done) < len(requests):
                 for item in coalesce(await stream.take()):
                     if isinstance(item, BaseException):
                         raise item
+                    if paced is not None and (item := paced.add(item)) is None:
+                        continue
                     if item.outputs[0].finished:
                         done.add(item.outputs[0].index)
                     item.finished = len(done) == len(requests)

@@ -1,6 +1,6 @@
 """One ``AsyncLLM.generate`` call's stream: its core requests, the outputs handed to the caller's event loop, the
-deltas merged for a consumer that fell behind, and every sibling's output so far (``Accumulated``) for vLLM's
-``CUMULATIVE`` and ``FINAL_ONLY`` output kinds."""
+deltas merged for a consumer that fell behind, held back to vLLM's stream interval (``Paced``), and every sibling's
+output so far (``Accumulated``) for vLLM's ``CUMULATIVE`` and ``FINAL_ONLY`` output kinds."""
 
 from __future__ import annotations
 
@@ -114,6 +114,30 @@ def _extend(previous: RequestOutput, item: RequestOutput) -> None:
     previous.finished = item.finished
     previous.prompt_logprobs = previous.prompt_logprobs or item.prompt_logprobs
     previous.pooled = previous.pooled or item.pooled
+
+
+class Paced:
+    """vLLM's stream interval: a sibling's deltas are held back and merged until ``interval`` new tokens are
+    unsent; its first output (nothing sent yet) and its last go at once."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self.held: dict[int, RequestOutput] = {}
+        self.started: set[int] = set()
+
+    def add(self, item: RequestOutput) -> RequestOutput | None:
+        """``item`` (merged with what was held) when it is due, else None."""
+        index = item.outputs[0].index
+        held = self.held.pop(index, None)
+        if held is not None:
+            _extend(held, item)
+            item = held
+        completion = item.outputs[0]
+        if completion.finished or index not in self.started or len(completion.token_ids) >= self.interval:
+            self.started.add(index)
+            return item
+        self.held[index] = item
+        return None
 
 
 class Accumulated:

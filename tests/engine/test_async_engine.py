@@ -102,6 +102,27 @@ def test_output_kinds_cumulative_and_final_only(engine: AsyncLLM, llm: LLM, run:
     assert run(all_blocks_free(engine))
 
 
+def test_stream_interval_sends_tokens_in_groups(engine: AsyncLLM, llm: LLM, run: Any) -> None:
+    """vLLM's ``stream_interval``: the first token at once, then a delta per 4 new tokens (the last may be shorter);
+    the tokens and text are the offline engine's, and each of n=2 siblings is paced on its own."""
+    params = greedy(14, ignore_eos=True, stream_interval=4)
+    expected = llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+    deltas = run(collect(engine.generate(PROMPTS[1], params, "paced")))
+    assert_delta_stream(deltas, "paced")
+    assert joined(deltas) == (expected.text, expected.token_ids)
+    sizes = [len(d.outputs[0].token_ids) for d in deltas]
+    assert len(sizes) >= 3 and all(size >= 4 for size in sizes[1:-1]), sizes
+    assert len(sizes) <= 2 + (14 - sizes[0]) // 4, sizes
+    seeded = SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=9, ignore_eos=True, stream_interval=3)
+    by_sibling: dict[int, list[int]] = {0: [], 1: []}
+    for d in run(collect(engine.generate(PROMPTS[2], seeded, "paced-n"))):
+        by_sibling[d.outputs[0].index].append(len(d.outputs[0].token_ids))
+    assert all(sum(s) == 9 and all(n >= 3 for n in s[1:-1]) for s in by_sibling.values()), by_sibling
+    with pytest.raises(ValueError, match="stream_interval must be >= 1"):
+        SamplingParams(stream_interval=0)
+    assert run(all_blocks_free(engine))
+
+
 def test_token_id_prompts_and_stop_strings(engine: AsyncLLM, llm: LLM, run: Any) -> None:
     text = llm.generate("hi", greedy(24, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
     stop = next(ch for i, ch in enumerate(text) if i > 2 and ch.isascii() and ch.isalnum() and text.index(ch) == i)

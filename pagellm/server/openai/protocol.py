@@ -98,6 +98,7 @@ class SamplingRequest(OpenAIModel):
     bad_words: Optional[list[str]] = None
     allowed_token_ids: Optional[list[TokenId]] = None
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)  # keep the last k prompt tokens (-1: max_model_len)
+    stream_interval: Optional[int] = Field(None, ge=1)  # vLLM's: new tokens per streamed chunk (at least the server's)
     prompt_logprobs: Optional[NumLogprobs] = None
     structured_outputs: Optional[dict[str, Any]] = None
     guided_json: Optional[Union[str, dict[str, Any]]] = None
@@ -195,6 +196,7 @@ class SamplingRequest(OpenAIModel):
             best_of=best_of,
             structured_outputs=self.structured(),
             extra_args=self.vllm_xargs or None,
+            stream_interval=self.stream_interval,
         )
 
 
