@@ -81,6 +81,9 @@ class ModelConfig:
     max_model_len: int | None = _help(
         "Longest sequence (prompt + output) a request may reach; default: the model's context length.", default=None
     )
+    disable_sliding_window: bool = _help(
+        "Run a sliding-window model with full attention, its context capped to the window (vLLM's flag).",
+        default=False)
     seed: int = _help("Seed of the sampler for requests that set no seed of their own.", default=0)
     attention_backend: str = _help(
         "Attention kernels: auto (cpu_paged when its C++ kernel compiles, else torch_ref), cpu_paged, torch_ref.",

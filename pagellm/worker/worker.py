@@ -68,8 +68,7 @@ class Worker:
         _start_kernel_builds(self.dtype, self.kv_dtype, model_config.attention_backend, model_config.quantization,
                              model_config.quantize_lm_head)
         model_dir = resolve_model_dir(model_config.model)
-        arch, max_model_len = resolve_arch(model_dir, model_config.max_model_len, spec_config,
-                                           model_config.hf_overrides)
+        arch, max_model_len = resolve_arch(model_dir, model_config, spec_config)
         model, quantization = _load_model(arch, model_dir, self.dtype, parallel, model_config)
         model.eval()
         _suggest_four_bits(model_dir, quantization, self.dtype)
@@ -187,8 +186,7 @@ class Worker:
         if self.spec_config.method is not None:
             raise ValueError("update_weights runs without speculative decoding (a proposer holds the old weights)")
         model_dir = resolve_model_dir(model or self.model_config.model)
-        arch, _ = resolve_arch(model_dir, self.model_config.max_model_len, self.spec_config,
-                               self.model_config.hf_overrides)
+        arch, _ = resolve_arch(model_dir, self.model_config, self.spec_config)
         if arch != self.arch:
             raise ValueError(f"{model_dir} is not a checkpoint of the served model's shapes ({self.arch.architecture},"
                              f" {self.arch.num_layers} layers of {self.arch.hidden_size}): update_weights swaps "
@@ -280,21 +278,36 @@ def _start_kernel_builds(dtype: torch.dtype, kv_dtype: torch.dtype, attention_ba
     native_build.start_in_background(builds)
 
 
-def resolve_arch(model_dir: Path, requested_len: int | None, spec_config: SpeculativeConfig,
-                 hf_overrides: dict[str, Any] | None = None) -> tuple[ArchConfig, int]:
+def resolve_arch(model_dir: Path, model_config: ModelConfig,
+                 spec_config: SpeculativeConfig) -> tuple[ArchConfig, int]:
     """The model's architecture as this engine runs it (its config.json with ``hf_overrides`` over it; LongRoPE's
-    set of factors chosen for its context length) and that context length; drafts as deep as a sliding window are
-    refused."""
+    set of factors chosen for its context length; full attention under ``disable_sliding_window``) and that context
+    length; drafts as deep as a sliding window are refused."""
+    hf_overrides = model_config.hf_overrides
     if hf_overrides:
         logger.info("config.json of %s with hf_overrides: %s", model_dir, hf_overrides)
     arch = ArchConfig.from_hf({**load_hf_config(model_dir), **(hf_overrides or {})})
-    max_model_len = resolve_max_model_len(requested_len, arch)
+    max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
+    if model_config.disable_sliding_window and arch.sliding_window:
+        arch, max_model_len = without_window(arch, model_config.max_model_len, max_model_len)
     arch = dataclasses.replace(arch, rope_scaling=use_long_factors(arch.rope_scaling, max_model_len))
     if arch.sliding_window and spec_config.method and spec_config.num_speculative_tokens >= arch.sliding_window:
         # a draft tree's nodes attend to their ancestors by ancestry, which a window this short would cut
         raise ValueError(f"num_speculative_tokens={spec_config.num_speculative_tokens} must be below the model's "
                          f"sliding window ({arch.sliding_window})")
     return arch, max_model_len
+
+
+def without_window(arch: ArchConfig, requested: int | None, max_model_len: int) -> tuple[ArchConfig, int]:
+    """``disable_sliding_window`` (vLLM's): every layer attends to every key, and the context is capped to the window,
+    inside which the two are the same attention."""
+    window = arch.sliding_window
+    assert window is not None
+    if requested is not None and requested > window:
+        raise ValueError(f"max_model_len={requested} exceeds the sliding window ({window}) that "
+                         "disable_sliding_window caps the context to; lower it, or keep the window")
+    logger.info("sliding window off: full attention over at most %d tokens", min(max_model_len, window))
+    return dataclasses.replace(arch, sliding_window=None, full_attention_layers=()), min(max_model_len, window)
 
 
 def kv_window(arch: ArchConfig, store_dir: str) -> int:

@@ -162,3 +162,26 @@ def test_a_prompt_whose_first_blocks_were_evicted_still_hits_its_window(tiny_mod
     assert again.num_cached_tokens == 112  # 7 full blocks, the last token always computed
     assert again.outputs[0].token_ids == first
     assert kv.num_free_blocks == kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_disable_sliding_window_caps_the_context_to_the_window(tiny_model_factory, arch: str) -> None:
+    """vLLM's ``disable_sliding_window``: full attention in every layer, the context capped to the window, inside
+    which greedy output is transformers' (which slides, and sees every key there too)."""
+    model_dir = _windowed(tiny_model_factory, arch)
+    llm = LLM(str(model_dir), dtype="float32", disable_sliding_window=True)
+    assert llm.input_processor.max_model_len == WINDOW
+    worker = llm.engine.core.executor.worker
+    assert all(worker.arch.layer_window(i) is None for i in range(worker.arch.num_layers))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    prompts = [[5, 17, 3, 99, 42, 8], [61, 2, 2, 30]]
+    params = SamplingParams(temperature=0.0, max_tokens=WINDOW - 6, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=WINDOW - 6, do_sample=False,
+                              min_new_tokens=WINDOW - 6)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == ref
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([list(range(1, WINDOW + 2))], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="sliding window"):
+        LLM(str(model_dir), dtype="float32", disable_sliding_window=True, max_model_len=WINDOW + 1)
