@@ -197,6 +197,10 @@ def _add_request_args(cmd: argparse.ArgumentParser) -> None:
                                "message, add_generation_prompt false, gets that message's role)")
     requests.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                           help="chat requests with tool_choice 'none' do not show their tools to the chat template")
+    requests.add_argument("--sse-keep-alive-interval", type=float, default=0.0, metavar="SECONDS",
+                          help="send an SSE comment line every SECONDS a streamed completion or chat has nothing "
+                               "to send (queued, in prefill, between tokens), so proxies with read timeouts keep the "
+                               "connection (default 0: never)")
     requests.add_argument("--trust-request-chat-template", action="store_true",
                           help="let chat requests bring their own chat_template (Jinja run on the server, sandboxed)")
     requests.add_argument("--enable-request-id-headers", action="store_true",
@@ -235,11 +239,19 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                             args.enable_force_include_usage,  # without a tokenizer, logprobs name tokens by id
                             args.return_tokens_as_token_ids or bool(getattr(args, "skip_tokenizer_init", False)),
                             args.default_chat_template_kwargs, args.response_role,
-                            args.exclude_tools_when_tool_choice_none, args.trust_request_chat_template),
+                            args.exclude_tools_when_tool_choice_none, args.trust_request_chat_template,
+                            _keep_alive(args)),
                         args.enable_request_id_headers, args.enable_log_requests, _max_log_len(args),
                         args.uds, args.enable_server_load_tracking, args.chat_template_content_format,
                         not args.disable_fastapi_docs, tuple(args.middleware), _log_outputs(args),
                         args.tool_parser_plugin, args.enable_tokenizer_info_endpoint, args.reasoning_parser_plugin)
+
+
+def _keep_alive(args: argparse.Namespace) -> float:
+    value = args.sse_keep_alive_interval
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"--sse-keep-alive-interval must be a number of seconds >= 0 (0: off), got {value}")
+    return value
 
 
 def _reasoning_parser(args: argparse.Namespace) -> Optional[str]:

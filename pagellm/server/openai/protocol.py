@@ -44,7 +44,8 @@ class StreamOptions(OpenAIModel):
 
 @dataclass(frozen=True)
 class RequestDefaults:
-    """Server-wide values for what a request leaves unset (vLLM's serve flags of the same names)."""
+    """Server-wide values for what a request leaves unset, and how its stream is sent (vLLM's serve flags of the
+    same names)."""
 
     force_include_usage: bool = False  # --enable-force-include-usage: streams end with usage as if asked
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids
@@ -52,6 +53,7 @@ class RequestDefaults:
     response_role: str = "assistant"  # --response-role: the role of chat replies (given a generation prompt)
     exclude_tools_when_tool_choice_none: bool = False  # --exclude-tools-when-tool-choice-none: no tools to templates
     trust_request_chat_template: bool = False  # --trust-request-chat-template: a request may bring its own template
+    sse_keep_alive_interval: float = 0.0  # --sse-keep-alive-interval: SSE comments on an idle stream (0: none)
 
     def apply(self, request: SamplingRequest) -> None:
         """Fill ``request`` (a completion or chat request) in place."""

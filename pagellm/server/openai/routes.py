@@ -45,6 +45,7 @@ from pagellm.server.observability import Observability
 from pagellm.server.observability import install as install_observability
 from pagellm.server.options import Cors
 from pagellm.server.openai import sagemaker, server_load
+from pagellm.server.openai.chunks import with_keep_alive
 from pagellm.server.openai.errors import APIError, install_error_handlers
 from pagellm.server.openai.lora_routes import lora_router
 from pagellm.server.openai.middleware import add_request_id_headers, add_user_middleware
@@ -153,7 +154,7 @@ def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], ch
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         job = completion.prepare(body)
         if body.stream:
-            return _EventStream(completion.stream(job))
+            return _sse(completion.stream(job), defaults)
         return await _json_unless_disconnected(raw, completion.create(job))
 
     @router.post("/embeddings")
@@ -164,7 +165,7 @@ def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], ch
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         job = chat.prepare(body)
         if body.stream:
-            return _EventStream(chat.stream(job))
+            return _sse(chat.stream(job), defaults)
         return await _json_unless_disconnected(raw, chat.create(job))
 
     return router
@@ -349,6 +350,12 @@ class _EventStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._events.aclose()  # type: ignore[attr-defined]
+
+
+def _sse(events: AsyncIterator[str], defaults: Optional[RequestDefaults]) -> _EventStream:
+    """A completion's or chat's stream, with keep-alive comments where the server sends them."""
+    interval = defaults.sse_keep_alive_interval if defaults is not None else 0.0
+    return _EventStream(with_keep_alive(events, interval) if interval > 0 else events)
 
 
 def _auth(api_key: Optional[str]) -> list[Any]:
