@@ -58,6 +58,7 @@ from pagellm.engine.exceptions import (ASLEEP, SLEEP_MODE_OFF, EngineDeadError, 
 from pagellm.engine.input_processor import InputProcessor, PromptType, as_prompt, load_tokenizer
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.parallel_sampling import needs_ranking, sibling_params
+from pagellm.engine.pause import PauseGate
 from pagellm.engine.request_log import RequestLog
 from pagellm.engine.request_stream import (Accumulated, Paced, RequestStream, Tracked, aborted_output,
                                            best_of, coalesce)
@@ -99,6 +100,7 @@ class AsyncLLM:
         self._shut_down = False
         self._request_log: RequestLog | None = None  # requests are logged only when asked (``log_requests``)
         self._asleep = False  # sleep mode: new requests are refused
+        self._pause = PauseGate()  # pause_generation: new requests wait
 
         def load_text_side() -> None:  # no output can arrive before the handshake, so none meets a half-made engine
             self.tokenizer, self.sampling_defaults = load_text()
@@ -143,6 +145,7 @@ class AsyncLLM:
         requests = self._make_requests(prompt, params, request_id, priority, cache_salt)
         if self._request_log is not None:
             self._request_log.request(request_id, prompt, requests[0], self.tokenizer)
+        await self._pause.passage()
         stream = RequestStream(asyncio.get_running_loop())
         self._register(request_id, requests, prompt if isinstance(prompt, str) else None, stream)
         try:
@@ -364,6 +367,30 @@ class AsyncLLM:
         core's process pickled, so they must pickle (a worker method's name, or a module-level function)."""
         payload = rpc_payload(method, args, kwargs, "the engine core")
         return pickle.loads(await self.client.call_utility("collective_rpc", payload, timeout))
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        """vLLM's: new requests wait until ``resume_generation``; those in flight end (``abort``), finish first
+        (``wait``) or freeze (``keep``), see ``engine/pause.py``. ``clear_cache`` then forgets the prefix cache's blocks
+        (not with ``keep``, whose requests hold theirs)."""
+        self._pause.close(mode)
+        if mode == "abort":
+            with self._lock:
+                live = list(self._tracked)
+            self._drop(live, notify=True)
+        elif mode == "keep":
+            await self.client.call_utility("pause")
+        while self._tracked and mode != "keep":  # the ends of the aborted or finishing requests, a step or so away
+            await asyncio.sleep(0.01)
+        if clear_cache and mode != "keep":
+            await self.reset_prefix_cache()
+
+    async def resume_generation(self) -> None:
+        if self._pause.mode == "keep":
+            await self.client.call_utility("resume")
+        self._pause.open()
+
+    async def is_paused(self) -> bool:
+        return self._pause.paused
 
     async def is_sleeping(self) -> bool:
         return await self.client.call_utility("is_sleeping")

@@ -39,6 +39,7 @@ class EngineCore:
                                    self.runtime.max_model_len, spec.num_lookahead_tokens, spec.disable_by_batch_size,
                                    kv_window=self.runtime.kv_window, kv_events=self.kv_events)
         self.asleep = False  # sleep mode: the KV cache's memory is the OS's, requests are refused
+        self.paused = False  # AsyncLLM.pause_generation(mode="keep"): no step runs; requests wait where they are
         self.kv_publisher = None
         if events.publishes:
             from pagellm.engine.kv_events import KVEventPublisher
@@ -92,6 +93,16 @@ class EngineCore:
         """The core process says when it waits for inputs with no request unfinished: the workers' idle-time work
         (populating the KV cache's memory, worker/kv_prefault.py) runs in the background only then."""
         self.executor.set_idle(idle)
+
+    def pause(self) -> bool:
+        """Freeze: the core loop runs no step, so every request stays where it is (KV blocks, tokens so far) until
+        ``resume`` (``engine/pause.py``'s ``keep`` mode)."""
+        self.paused = True
+        return True
+
+    def resume(self) -> bool:
+        self.paused = False
+        return True
 
     def sleep(self, level: int = 1) -> bool:
         """Sleep mode (``enable_sleep_mode``): the workers give their KV caches' memory back to the OS (at ``level`` 2

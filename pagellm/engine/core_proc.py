@@ -139,19 +139,25 @@ class EngineCoreLoop:
             "is_sleeping": core.is_sleeping,
             "update_weights": core.update_weights,
             "collective_rpc": core.collective_rpc_pickled,
+            "pause": core.pause,
+            "resume": core.resume,
         }
 
     def run(self) -> None:
         while True:
-            if self.core.has_unfinished_requests():
+            if self._has_work():
                 self.apply_inputs(block=False)
             elif not self.apply_inputs(block=True, timeout=self.idle_grace_s):
                 self.core.set_idle(True)  # idle a while: the workers' idle-time work runs until an input comes
                 self.apply_inputs(block=True)
                 self.core.set_idle(False)
-            if self.core.has_unfinished_requests():
+            if self._has_work():
                 step, stats = self.core.step()
                 self.emit(EngineCoreOutputs(step, stats))
+
+    def _has_work(self) -> bool:
+        """Requests to step (a paused core holds its requests and waits for inputs)."""
+        return not self.core.paused and self.core.has_unfinished_requests()
 
     def apply_inputs(self, block: bool, timeout: float | None = None) -> bool:
         """Apply every queued input; when ``block``, first wait for one (an idle core sleeps here), at most

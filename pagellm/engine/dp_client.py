@@ -96,6 +96,8 @@ _MERGE: dict[str, Callable[[list[Any]], Any]] = {
     "sleep": all,
     "update_weights": all,
     "wake_up": all,
+    "pause": all,
+    "resume": all,
     # every core's workers, core by core (each core's list pickled in its process)
     "collective_rpc": lambda parts: pickle.dumps([result for part in parts for result in pickle.loads(part)]),
     "is_sleeping": all,

@@ -72,12 +72,13 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
 
 
 UtilityMethod = Literal["get_stats", "reset_prefix_cache", "num_free_blocks", "start_profile", "stop_profile",
-                        "sleep", "wake_up", "is_sleeping", "update_weights", "collective_rpc"]
+                        "sleep", "wake_up", "is_sleeping", "update_weights", "collective_rpc", "pause", "resume"]
 # What each utility returns (the frontend decodes ``UtilityResult.result`` with it).
 UTILITY_RESULT_TYPES: dict[str, type] = {"get_stats": SchedulerStats, "reset_prefix_cache": bool,
                                          "num_free_blocks": int, "start_profile": bool, "stop_profile": list[str],
                                          "sleep": bool, "wake_up": bool, "is_sleeping": bool, "update_weights": bool,
-                                         "collective_rpc": bytes}  # the pickled list of the ranks' results
+                                         "collective_rpc": bytes,  # the pickled list of the ranks' results
+                                         "pause": bool, "resume": bool}
 
 
 class UtilityCall(msgspec.Struct, tag="utility", array_like=True):

@@ -26,7 +26,8 @@ class _RecordingCore:
 
     scheduler = SimpleNamespace(make_stats=None, kv=None)  # read by the loop's utility table only
     reset_prefix_cache = start_profile = stop_profile = sleep = wake_up = is_sleeping = update_weights = None
-    collective_rpc_pickled = None
+    collective_rpc_pickled = pause = resume = None
+    paused = False
 
     def __init__(self, inputs: queue.Queue[Any]) -> None:
         self.inputs = inputs

@@ -284,8 +284,8 @@ def _admin_router(engine: EngineClient, model_names: Sequence[str], tokenizer_in
 
 
 def _operations_router(engine: EngineClient, api_key: Optional[str]) -> APIRouter:
-    """Routes that act on the engine (profiling, the prefix cache, sleep mode): behind the API key when there is
-    one."""
+    """Routes that act on the engine (profiling, the prefix cache, sleep mode, pausing): behind the API key when
+    there is one."""
     router = APIRouter(dependencies=[Depends(_bearer_auth(api_key))] if api_key else [])
 
     @router.post("/reset_prefix_cache")
@@ -329,6 +329,20 @@ def _operations_router(engine: EngineClient, api_key: Optional[str]) -> APIRoute
     @router.get("/is_sleeping")
     async def is_sleeping() -> dict[str, bool]:
         return {"is_sleeping": await engine.is_sleeping()}
+
+    @router.post("/pause")  # vLLM's: new requests wait; those in flight end (abort), finish (wait) or freeze (keep)
+    async def pause(mode: str = Query("abort"), clear_cache: bool = Query(True)) -> dict[str, bool]:
+        await engine.pause_generation(mode=mode, clear_cache=clear_cache)  # a bad mode's ValueError → 400
+        return {"is_paused": True}
+
+    @router.post("/resume")
+    async def resume() -> dict[str, bool]:
+        await engine.resume_generation()
+        return {"is_paused": False}
+
+    @router.get("/is_paused")
+    async def is_paused() -> dict[str, bool]:
+        return {"is_paused": await engine.is_paused()}
 
     return router
 

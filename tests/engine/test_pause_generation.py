@@ -1,0 +1,112 @@
+"""vLLM's ``pause_generation`` / ``resume_generation`` on ``AsyncLLM`` over a real engine-core process: while paused,
+new requests wait before reaching the core; the requests in flight end (``abort``), finish first (``wait``) or freeze
+where they are (``keep``) and then go on to the offline engine's exact output; every KV block comes back."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from async_utils import SMALL_KV, all_blocks_free, collect, engine_config, greedy, runner, wait_until
+
+from pagellm import LLM
+from pagellm.engine.async_engine import AsyncLLM
+from pagellm.outputs import RequestOutput
+
+run = pytest.fixture(scope="module")(runner)
+LONG = greedy(48, ignore_eos=True)
+SHORT = greedy(6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: Path) -> Iterator[AsyncLLM]:
+    eng = AsyncLLM.from_config(engine_config(tiny_llama))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama: Path) -> LLM:
+    return LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV)
+
+
+def _ids(outputs: list[RequestOutput]) -> list[int]:
+    return [t for o in outputs for t in o.outputs[0].token_ids]
+
+
+async def _started(engine: AsyncLLM, prompt: str, params: Any, request_id: str) -> tuple[Any, list[RequestOutput]]:
+    """A stream that has given its first output."""
+    stream = engine.generate(prompt, params, request_id)
+    return stream, [await stream.__anext__()]
+
+
+async def _waiting(engine: AsyncLLM, prompt: str, request_id: str) -> asyncio.Task:
+    """A request sent while paused: it waits at the gate (the core never sees it)."""
+    task = asyncio.ensure_future(collect(engine.generate(prompt, SHORT, request_id)))
+    await wait_until(lambda: _async(len(engine._pause._waiters) == 1))
+    assert request_id not in engine._by_request_id and not task.done()
+    return task
+
+
+async def _async(value: bool) -> bool:
+    return value
+
+
+def test_keep_freezes_the_requests_in_flight_and_resumes_them_exactly(engine: AsyncLLM, offline: LLM,
+                                                                       run: Any) -> None:
+    async def main() -> tuple[list[int], list[int]]:
+        stream, got = await _started(engine, "the quick brown fox", LONG, "kept")
+        await engine.pause_generation(mode="keep")
+        assert await engine.is_paused()
+        tokens = [(await engine.get_stats()).num_generation_tokens for _ in range(6)]
+        assert len(set(tokens)) == 1, tokens  # no step ran between the round trips through the core
+        stats = await engine.get_stats()
+        assert stats.num_running_reqs + stats.num_waiting_reqs == 1  # frozen in the core, its blocks held
+        later = await _waiting(engine, "zz top", "later")
+        await engine.resume_generation()
+        got += [o async for o in stream]
+        return _ids(got), _ids(await later)
+
+    kept, later = run(main())
+    assert kept == offline.generate("the quick brown fox", LONG, use_tqdm=False)[0].outputs[0].token_ids
+    assert later == offline.generate("zz top", SHORT, use_tqdm=False)[0].outputs[0].token_ids
+    assert not run(engine.is_paused()) and run(all_blocks_free(engine))
+
+
+def test_abort_ends_the_requests_in_flight(engine: AsyncLLM, offline: LLM, run: Any) -> None:
+    async def main() -> tuple[list[RequestOutput], list[int]]:
+        stream, got = await _started(engine, "a", LONG, "aborted")
+        await engine.pause_generation()  # abort, vLLM's default
+        got += [o async for o in stream]
+        assert await all_blocks_free(engine)
+        later = await _waiting(engine, "hi", "after-abort")
+        await engine.resume_generation()
+        return got, _ids(await later)
+
+    got, later = run(main())
+    assert got[-1].finished and got[-1].outputs[0].finish_reason == "abort" and len(_ids(got)) < 48
+    assert later == offline.generate("hi", SHORT, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_wait_returns_once_the_requests_in_flight_have_finished(engine: AsyncLLM, run: Any) -> None:
+    async def main() -> list[RequestOutput]:
+        stream, got = await _started(engine, "0123456789 counting", LONG, "waited")
+        consumer = asyncio.ensure_future(collect(stream))
+        await engine.pause_generation(mode="wait")
+        assert not engine._tracked  # it has ended: nothing is in flight when the pause returns
+        later = await _waiting(engine, "a", "after-wait")
+        await engine.resume_generation()
+        await later
+        return got + await consumer
+
+    got = run(main())
+    assert len(_ids(got)) == 48 and got[-1].outputs[0].finish_reason == "length"
+    assert run(all_blocks_free(engine))
+
+
+def test_a_bad_mode_is_refused(engine: AsyncLLM, run: Any) -> None:
+    with pytest.raises(ValueError, match="pause mode must be one of abort, wait, keep"):
+        run(engine.pause_generation(mode="drain"))
+    assert not run(engine.is_paused())

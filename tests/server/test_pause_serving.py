@@ -1,0 +1,51 @@
+"""vLLM's ``/pause``, ``/resume`` and ``/is_paused``: a pause ends the streams in flight (``abort``, the default),
+``keep`` and ``wait`` are taken, a bad mode is a 400 that names the modes, and requests run again after ``/resume``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import pytest
+from server_utils import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def paused_server(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> ServerProcess:
+    return start_server(tiny_llama, "--served-model-name", "tiny")
+
+
+def _complete(server: ServerProcess) -> dict:
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    return httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).json()
+
+
+def test_pause_ends_the_streams_in_flight_and_resume_serves_again(paused_server: ServerProcess) -> None:
+    url = paused_server.base_url
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{url}/v1/completions", json=body) as reply:
+            lines = reply.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert http.post(f"{url}/pause").json() == {"is_paused": True}
+            rest = [line for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+        chunks = [json.loads(line[6:]) for line in [first, *rest]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and len(chunks) < 500
+        assert http.get(f"{url}/is_paused").json() == {"is_paused": True}
+        assert http.post(f"{url}/resume").json() == {"is_paused": False}
+        assert http.get(f"{url}/is_paused").json() == {"is_paused": False}
+    assert _complete(paused_server)["choices"][0]["finish_reason"] == "length"
+
+
+def test_keep_and_wait_are_taken_and_a_bad_mode_is_a_400(paused_server: ServerProcess) -> None:
+    url = paused_server.base_url
+    for mode in ("keep", "wait"):
+        assert httpx.post(f"{url}/pause", params={"mode": mode, "clear_cache": "false"}).json() == {"is_paused": True}
+        assert httpx.post(f"{url}/resume").json() == {"is_paused": False}
+        assert _complete(paused_server)["choices"][0]["finish_reason"] == "length"
+    reply = httpx.post(f"{url}/pause", params={"mode": "drain"})
+    assert reply.status_code == 400 and "abort, wait, keep" in reply.text
+    assert httpx.get(f"{url}/is_paused").json() == {"is_paused": False}
