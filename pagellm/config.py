@@ -272,6 +272,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = _help(
         "The most tokens one request computes in a step (vLLM's flag): a long prompt's chunks then leave room in "
         "each step for other requests' prompts and tokens. 0: no limit but the step's budget.", default=0)
+    max_num_queued_reqs: int | None = _help(
+        "Most requests in flight (waiting or running) in a server (vLLM's flag); past it a new request is refused "
+        "with HTTP 503, for a load balancer to retry elsewhere. Default: no limit.", default=None)
     stream_interval: int = _help(
         "New tokens per streamed output (vLLM's flag): each stream sends its first token at once, then every N "
         "tokens and its last; larger values send fewer, larger chunks. A request's own stream_interval may raise "
@@ -287,6 +290,8 @@ class SchedulerConfig:
                              f"{self.long_prefill_token_threshold}")
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
             raise ValueError("long_prefill_token_threshold splits prompts into chunks: it needs enable_chunked_prefill")
+        if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 1:
+            raise ValueError(f"max_num_queued_reqs must be >= 1 (or unset: no limit), got {self.max_num_queued_reqs}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1 (new tokens per streamed output), got "
                              f"{self.stream_interval}")

@@ -100,7 +100,7 @@ class AsyncLLM:
         self._shut_down = False
         self._request_log: RequestLog | None = None  # requests are logged only when asked (``log_requests``)
         self._asleep = False  # sleep mode: new requests are refused
-        self._pause = PauseGate()  # pause_generation: new requests wait
+        self._pause = PauseGate(config.scheduler_config.max_num_queued_reqs)  # pausing, and the in-flight limit
 
         def load_text_side() -> None:  # no output can arrive before the handshake, so none meets a half-made engine
             self.tokenizer, self.sampling_defaults = load_text()
@@ -145,10 +145,10 @@ class AsyncLLM:
         requests = self._make_requests(prompt, params, request_id, priority, cache_salt)
         if self._request_log is not None:
             self._request_log.request(request_id, prompt, requests[0], self.tokenizer)
-        await self._pause.passage()
+        await self._pause.enter(len(requests))
         stream = RequestStream(asyncio.get_running_loop())
-        self._register(request_id, requests, prompt if isinstance(prompt, str) else None, stream)
         try:
+            self._register(request_id, requests, prompt if isinstance(prompt, str) else None, stream)
             self.client.add_requests(requests)
             if needs_ranking(params):
                 for item in await best_of(stream, params, len(requests)):
@@ -176,6 +176,7 @@ class AsyncLLM:
                         yield whole.snapshot(item.finished)
         finally:
             self._drop([r.request_id for r in requests], notify=False)
+            self._pause.leave(len(requests))
 
     def log_requests(self, max_len: int | None = None, outputs: bool = False) -> None:
         """Log each request as it arrives (vLLM's ``--enable-log-requests``): its prompt, sampling parameters and

@@ -16,6 +16,10 @@ class EngineSleepingError(ValueError):
     """The engine is asleep (sleep mode): no request runs until it wakes up; the server maps it to HTTP 503."""
 
 
+class EngineOverloadedError(ValueError):
+    """The engine holds its limit of requests in flight (``max_num_queued_reqs``); the server maps it to HTTP 503."""
+
+
 ASLEEP = "the engine is asleep (sleep mode): wake it up first (POST /wake_up, LLM.wake_up())"
 SLEEP_MODE_OFF = "this engine was started without sleep mode: start it with enable_sleep_mode (--enable-sleep-mode)"
 

@@ -10,12 +10,18 @@ requests already in flight is the pause's mode (``PAUSE_MODES``):
 - ``keep``: they stay in the core, frozen (``EngineCore.pause``: no step runs), and go on where they were.
 
 The gate is shared by every event loop that calls the engine: each waiter's future is woken on its own loop.
+
+The gate also counts the core requests in flight (waiting at it, or sent) against vLLM's ``max_num_queued_reqs``: a
+call that would go past it is refused at once with ``EngineOverloadedError`` (a 503: retry later, or on another
+instance).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+
+from pagellm.engine.exceptions import EngineOverloadedError
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -29,10 +35,12 @@ def check_pause_mode(mode: str) -> None:
 class PauseGate:
     """Holds new ``generate`` calls while generation is paused."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_in_flight: int | None = None) -> None:
         self._lock = threading.Lock()
         self.mode: str | None = None  # the pause's mode while paused
         self._waiters: list[asyncio.Future[None]] = []
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0  # core requests past ``enter`` and not yet ``leave``
 
     @property
     def paused(self) -> bool:
@@ -52,14 +60,31 @@ class PauseGate:
             except RuntimeError:  # its loop is closed: nobody waits any more
                 pass
 
-    async def passage(self) -> None:
-        """Return at once unless paused; else when generation resumes."""
+    async def enter(self, count: int) -> None:
+        """Count ``count`` core requests in (``EngineOverloadedError`` past the limit); return at once unless
+        paused, else when generation resumes. Each ``enter`` that returns is matched by a ``leave``."""
         with self._lock:
+            if self.max_in_flight is not None and self.in_flight + count > self.max_in_flight:
+                raise EngineOverloadedError(
+                    f"the engine holds its limit of {self.max_in_flight} requests in flight (max_num_queued_reqs, "
+                    f"--max-num-queued-reqs); retry later or on another instance")
+            self.in_flight += count
             if self.mode is None:
                 return
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
-        await waiter
+        try:
+            await waiter
+        except BaseException:  # the caller left while waiting
+            with self._lock:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+            self.leave(count)
+            raise
+
+    def leave(self, count: int) -> None:
+        with self._lock:
+            self.in_flight -= count
 
 
 def _release(waiter: asyncio.Future[None]) -> None:

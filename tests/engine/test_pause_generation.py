@@ -110,3 +110,35 @@ def test_a_bad_mode_is_refused(engine: AsyncLLM, run: Any) -> None:
     with pytest.raises(ValueError, match="pause mode must be one of abort, wait, keep"):
         run(engine.pause_generation(mode="drain"))
     assert not run(engine.is_paused())
+
+
+
+def test_past_max_num_queued_reqs_a_request_is_refused(tiny_llama: Path, offline: LLM, run: Any) -> None:
+    """vLLM's ``max_num_queued_reqs``: requests in flight (sent, or waiting at the pause) count against it; the one
+    that would go past it fails at once, one that leaves while waiting makes room, and once all end the count is 0."""
+    from pagellm.engine.exceptions import EngineOverloadedError
+
+    engine = AsyncLLM.from_config(engine_config(tiny_llama, max_num_queued_reqs=2))
+
+    async def main() -> tuple[list[int], list[int]]:
+        stream, got = await _started(engine, "the quick brown fox", LONG, "first")
+        await engine.pause_generation(mode="keep")
+        leaving = await _waiting(engine, "zz top", "leaves")
+        assert engine._pause.in_flight == 2
+        with pytest.raises(EngineOverloadedError, match="limit of 2 requests in flight"):
+            await collect(engine.generate("a", SHORT, "refused"))
+        leaving.cancel()  # a client gone while its request waited
+        await wait_until(lambda: _async(engine._pause.in_flight == 1 and not engine._pause._waiters))
+        later = await _waiting(engine, "zz top", "later")
+        await engine.resume_generation()
+        got += [o async for o in stream]
+        return _ids(got), _ids(await later)
+
+    try:
+        first, later = run(main())
+        assert first == offline.generate("the quick brown fox", LONG, use_tqdm=False)[0].outputs[0].token_ids
+        assert later == offline.generate("zz top", SHORT, use_tqdm=False)[0].outputs[0].token_ids
+        assert engine._pause.in_flight == 0 and run(all_blocks_free(engine))
+        assert len(_ids(run(collect(engine.generate("hi", SHORT, "after"))))) == 6
+    finally:
+        engine.shutdown()

@@ -1,5 +1,6 @@
 """vLLM's ``/pause``, ``/resume`` and ``/is_paused``: a pause ends the streams in flight (``abort``, the default),
-``keep`` and ``wait`` are taken, a bad mode is a 400 that names the modes, and requests run again after ``/resume``."""
+``keep`` and ``wait`` are taken, a bad mode is a 400 that names the modes, and requests run again after ``/resume``;
+and ``--max-num-queued-reqs``: past it a request is a 503 at once."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from server_utils import ServerProcess
 
 @pytest.fixture(scope="module")
 def paused_server(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> ServerProcess:
-    return start_server(tiny_llama, "--served-model-name", "tiny")
+    return start_server(tiny_llama, "--served-model-name", "tiny", "--max-num-queued-reqs", "1")
 
 
 def _complete(server: ServerProcess) -> dict:
@@ -49,3 +50,22 @@ def test_keep_and_wait_are_taken_and_a_bad_mode_is_a_400(paused_server: ServerPr
     reply = httpx.post(f"{url}/pause", params={"mode": "drain"})
     assert reply.status_code == 400 and "abort, wait, keep" in reply.text
     assert httpx.get(f"{url}/is_paused").json() == {"is_paused": False}
+
+
+def test_past_max_num_queued_reqs_a_request_is_a_503(paused_server: ServerProcess) -> None:
+    url = paused_server.base_url
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{url}/v1/completions", json=body) as reply:
+            lines = reply.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            assert http.post(f"{url}/pause", params={"mode": "keep"}).json() == {"is_paused": True}
+            refused = http.post(f"{url}/v1/completions", json={**body, "stream": False})
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "engine_overloaded"
+            assert "--max-num-queued-reqs" in refused.json()["error"]["message"]
+            http.post(f"{url}/resume")
+            last = [json.loads(line[6:]) for line in lines if line.startswith("data: {")][-1]
+        assert last["choices"][0]["finish_reason"] == "length"  # frozen, then on to its end
+    assert _complete(paused_server)["choices"][0]["finish_reason"] == "length"  # room again

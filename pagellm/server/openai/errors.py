@@ -4,8 +4,8 @@ Contract (``install_error_handlers``):
 - ``APIError`` carries its own status, type, param and code (unknown model → 404, bad API key → 401).
 - Request validation (bad JSON, wrong types, out-of-range values, unknown fields) → 400, the message naming the
   field; ``ValueError`` from anywhere below (sampling params, prompt too long, chat template) → 400 verbatim.
-- ``EngineDeadError`` and ``EngineSleepingError`` → 503; any other exception → 500 (logged with its traceback),
-  never a dropped connection.
+- ``EngineDeadError``, ``EngineSleepingError`` and ``EngineOverloadedError`` → 503; any other exception → 500
+  (logged with its traceback), never a dropped connection.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagellm.engine.exceptions import EngineDeadError, EngineSleepingError
+from pagellm.engine.exceptions import EngineDeadError, EngineOverloadedError, EngineSleepingError
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ def to_api_error(exc: BaseException) -> APIError:
                         code="engine_dead")
     if isinstance(exc, EngineSleepingError):
         return APIError(str(exc), 503, "server_error", code="engine_sleeping")
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(str(exc), 503, "server_error", code="engine_overloaded")
     if isinstance(exc, ValueError):
         return APIError(str(exc), 400)
     logger.error("internal error while serving a request", exc_info=exc)
