@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
-from pagellm import SamplingParams
+from pagellm import LLM, SamplingParams
 from pagellm.config import EngineConfig
 from pagellm.engine.async_engine import AsyncLLM
 from pagellm.outputs import RequestOutput
@@ -47,3 +47,15 @@ async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 
 
 async def all_blocks_free(engine: AsyncLLM) -> bool:
     return await engine.get_num_free_blocks() == engine.runtime.num_blocks
+
+
+def started_engine(tiny_llama: Path) -> Iterator[AsyncLLM]:
+    """A module's ``engine`` fixture: the tiny model's ``AsyncLLM`` over one core process, shut down after."""
+    engine = AsyncLLM.from_config(engine_config(tiny_llama))
+    yield engine
+    engine.shutdown()
+
+
+def offline_llm(tiny_llama: Path) -> LLM:
+    """A module's offline twin of ``started_engine``: the same model, dtype and KV cache."""
+    return LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV)

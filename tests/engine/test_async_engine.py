@@ -13,11 +13,12 @@ import multiprocessing
 import os
 import signal
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import msgspec
 import pytest
-from async_utils import SMALL_KV, all_blocks_free, collect, engine_config, greedy, runner, wait_until
+from async_utils import (all_blocks_free, collect, engine_config, greedy, offline_llm, runner,
+                         started_engine, wait_until)
 
 from pagellm import LLM, SamplingParams
 from pagellm.engine.async_engine import AsyncLLM
@@ -29,16 +30,8 @@ PROMPTS = ["hi", "the quick brown fox", "a", "0123456789 counting", "zz top"]
 run = pytest.fixture(scope="module")(runner)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama: Path) -> Iterator[AsyncLLM]:
-    eng = AsyncLLM.from_config(engine_config(tiny_llama))
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_llama: Path) -> LLM:
-    return LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV)
+engine = pytest.fixture(scope="module")(started_engine)
+llm = pytest.fixture(scope="module")(offline_llm)
 
 
 def joined(deltas: list[RequestOutput]) -> tuple[str, list[int]]:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-from async_utils import SMALL_KV, all_blocks_free, collect, engine_config, greedy, runner, wait_until
+from async_utils import (all_blocks_free, collect, engine_config, greedy, offline_llm, runner, started_engine,
+                         wait_until)
 
 from pagellm import LLM
 from pagellm.engine.async_engine import AsyncLLM
@@ -20,16 +21,8 @@ LONG = greedy(48, ignore_eos=True)
 SHORT = greedy(6, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama: Path) -> Iterator[AsyncLLM]:
-    eng = AsyncLLM.from_config(engine_config(tiny_llama))
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama: Path) -> LLM:
-    return LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV)
+engine = pytest.fixture(scope="module")(started_engine)
+offline = pytest.fixture(scope="module")(offline_llm)
 
 
 def _ids(outputs: list[RequestOutput]) -> list[int]:

@@ -4,9 +4,10 @@ and ``--max-num-queued-reqs``: past it a request is a 503 at once."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import httpx
 import pytest
@@ -23,18 +24,24 @@ def _complete(server: ServerProcess) -> dict:
     return httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).json()
 
 
+@contextlib.contextmanager
+def _streaming(http: httpx.Client, url: str, max_tokens: int) -> Iterator[Iterator[dict]]:
+    """A streamed completion that has sent its first chunk; yields its chunks from there on."""
+    body = {"model": "tiny", "prompt": "a", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with http.stream("POST", f"{url}/v1/completions", json=body) as reply:
+        chunks = (json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {"))
+        next(chunks)
+        yield chunks
+
+
 def test_pause_ends_the_streams_in_flight_and_resume_serves_again(paused_server: ServerProcess) -> None:
     url = paused_server.base_url
-    body = {"model": "tiny", "prompt": "a", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
-            "stream": True}
     with httpx.Client(timeout=60) as http:
-        with http.stream("POST", f"{url}/v1/completions", json=body) as reply:
-            lines = reply.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
+        with _streaming(http, url, 500) as chunks:
             assert http.post(f"{url}/pause").json() == {"is_paused": True}
-            rest = [line for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
-        chunks = [json.loads(line[6:]) for line in [first, *rest]]
-        assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and len(chunks) < 500
+            rest = list(chunks)
+        assert rest[-1]["choices"][0]["finish_reason"] == "abort" and len(rest) < 499
         assert http.get(f"{url}/is_paused").json() == {"is_paused": True}
         assert http.post(f"{url}/resume").json() == {"is_paused": False}
         assert http.get(f"{url}/is_paused").json() == {"is_paused": False}
@@ -54,18 +61,14 @@ def test_keep_and_wait_are_taken_and_a_bad_mode_is_a_400(paused_server: ServerPr
 
 def test_past_max_num_queued_reqs_a_request_is_a_503(paused_server: ServerProcess) -> None:
     url = paused_server.base_url
-    body = {"model": "tiny", "prompt": "a", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-            "stream": True}
     with httpx.Client(timeout=60) as http:
-        with http.stream("POST", f"{url}/v1/completions", json=body) as reply:
-            lines = reply.iter_lines()
-            next(line for line in lines if line.startswith("data: "))
+        with _streaming(http, url, 200) as chunks:
             assert http.post(f"{url}/pause", params={"mode": "keep"}).json() == {"is_paused": True}
-            refused = http.post(f"{url}/v1/completions", json={**body, "stream": False})
+            refused = http.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "b", "max_tokens": 2})
             assert refused.status_code == 503, refused.text
             assert refused.json()["error"]["code"] == "engine_overloaded"
             assert "--max-num-queued-reqs" in refused.json()["error"]["message"]
             http.post(f"{url}/resume")
-            last = [json.loads(line[6:]) for line in lines if line.startswith("data: {")][-1]
+            last = list(chunks)[-1]
         assert last["choices"][0]["finish_reason"] == "length"  # frozen, then on to its end
     assert _complete(paused_server)["choices"][0]["finish_reason"] == "length"  # room again
