@@ -148,6 +148,7 @@ class AsyncLLM:
         await self._pause.enter(len(requests))
         stream = RequestStream(asyncio.get_running_loop())
         try:
+            self._raise_if_dead()  # it may have died while this call waited at a pause
             self._register(request_id, requests, prompt if isinstance(prompt, str) else None, stream)
             self.client.add_requests(requests)
             if needs_ranking(params):
@@ -289,6 +290,7 @@ class AsyncLLM:
                 self._untrack(core_id)
         for stream in streams.values():
             stream.put(EngineDeadError(str(error)))
+        self._pause.open()  # the calls waiting at a pause fail too
 
     # ------------------------------------------------------------------------------------------- engine
     @property
@@ -417,5 +419,6 @@ class AsyncLLM:
     def shutdown(self) -> None:
         """Stop the core process; pending and later requests fail with ``EngineDeadError``."""
         self._shut_down = True
+        self._pause.open()
         self.client.shutdown()
         self.stats_sink.shutdown()

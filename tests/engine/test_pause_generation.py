@@ -135,3 +135,21 @@ def test_past_max_num_queued_reqs_a_request_is_refused(tiny_llama: Path, offline
         assert len(_ids(run(collect(engine.generate("hi", SHORT, "after"))))) == 6
     finally:
         engine.shutdown()
+
+
+def test_a_request_waiting_at_a_pause_fails_when_the_engine_stops(tiny_llama: Path, run: Any) -> None:
+    from pagellm.engine.exceptions import EngineDeadError
+
+    engine = AsyncLLM.from_config(engine_config(tiny_llama))
+
+    async def main() -> None:
+        await engine.pause_generation(mode="keep")
+        waiting = await _waiting(engine, "hi", "stranded")
+        engine.shutdown()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await waiting
+
+    try:
+        run(main())
+    finally:
+        engine.shutdown()
