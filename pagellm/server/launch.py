@@ -39,7 +39,6 @@ from pagellm.server.openai.tool_parsers import load_plugin
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_GRACEFUL_SHUTDOWN_S = 5
 _DEAD_ENGINE_GRACE_S = 2.0  # after the core dies, keep answering 503 this long (a stop signal may still come)
 _HEALTH_POLL_S = 0.1
 
@@ -121,7 +120,7 @@ class _Grpc:
     async def stop(self) -> None:
         if self.health_task is not None:
             self.health_task.cancel()
-        await self.server.stop(_GRACEFUL_SHUTDOWN_S)
+        await self.server.stop(self.options.shutdown_timeout)
 
 
 def _run(main: Coroutine[Any, Any, int]) -> int:
@@ -182,7 +181,8 @@ async def _serve(config: EngineConfig, sock: socket.socket, names: list[str], op
         server = uvicorn.Server(uvicorn.Config(
             app, http="httptools", log_level=options.uvicorn_log_level, access_log=options.access_log, lifespan="off",
             root_path=options.root_path,
-            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S, **(options.tls.uvicorn_kwargs() if options.tls else {})))
+            timeout_graceful_shutdown=options.shutdown_timeout,  # type: ignore[arg-type]  # a float works
+            **(options.tls.uvicorn_kwargs() if options.tls else {})))
         # uvicorn re-raises the signal that stopped it once it is done; a quiet handler turns that into a return,
         # so the engine below is shut down rather than the process killed with its child left behind.
         for sig in (signal.SIGINT, signal.SIGTERM):

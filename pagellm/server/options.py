@@ -77,6 +77,7 @@ class ServeOptions:
     tool_parser_plugin: Optional[str] = None  # a file registering tool-call parsers, run where the app is built
     tokenizer_info: bool = False  # GET /tokenizer_info answers the tokenizer's details
     reasoning_parser_plugin: Optional[str] = None  # a file registering reasoning parsers, run where the app is built
+    shutdown_timeout: float = 5.0  # on SIGTERM/SIGINT, the seconds requests in flight get to finish (0: none)
 
 
 def _json_list(value: str) -> list[str]:
@@ -151,6 +152,10 @@ def _add_app_args(cmd: argparse.ArgumentParser) -> None:
     app.add_argument("--uvicorn-log-level", default="warning",
                      choices=["critical", "error", "warning", "info", "debug", "trace"],
                      help="the HTTP server's log level (default: warning)")
+    app.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
+                     help="on SIGTERM or Ctrl+C, the seconds the requests in flight get to finish while no new "
+                          "connection is taken; then they are cut and the engine stops (vLLM's flag; 0: at once; "
+                          "default 5)")
     app.add_argument("--enable-server-load-tracking", action="store_true",
                      help="GET /load answers {\"server_load\": N}, the inference requests being served now (vLLM's "
                           "flag), for a load balancer that picks the least loaded replica")
@@ -244,13 +249,17 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                         args.enable_request_id_headers, args.enable_log_requests, _max_log_len(args),
                         args.uds, args.enable_server_load_tracking, args.chat_template_content_format,
                         not args.disable_fastapi_docs, tuple(args.middleware), _log_outputs(args),
-                        args.tool_parser_plugin, args.enable_tokenizer_info_endpoint, args.reasoning_parser_plugin)
+                        args.tool_parser_plugin, args.enable_tokenizer_info_endpoint, args.reasoning_parser_plugin,
+                        _seconds(args.shutdown_timeout, "--shutdown-timeout", "at once"))
 
 
 def _keep_alive(args: argparse.Namespace) -> float:
-    value = args.sse_keep_alive_interval
+    return _seconds(args.sse_keep_alive_interval, "--sse-keep-alive-interval", "off")
+
+
+def _seconds(value: float, flag: str, zero: str) -> float:
     if not value >= 0 or value == float("inf"):
-        raise ValueError(f"--sse-keep-alive-interval must be a number of seconds >= 0 (0: off), got {value}")
+        raise ValueError(f"{flag} must be a number of seconds >= 0 (0: {zero}), got {value}")
     return value
 
 
