@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -139,6 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             print(f"pagellm: {exc}", file=sys.stderr)
             return 2
+        if getattr(args, "log_level", None):  # this process's loggers, and (through the env) its engine cores'
+            os.environ["PAGELLM_LOG_LEVEL"] = args.log_level
+            logging.getLogger().setLevel(args.log_level)
         return _serve(args)
     if args.command == "ray-serve":
         return _ray_serve(args)

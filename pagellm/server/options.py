@@ -152,6 +152,10 @@ def _add_app_args(cmd: argparse.ArgumentParser) -> None:
     app.add_argument("--uvicorn-log-level", default="warning",
                      choices=["critical", "error", "warning", "info", "debug", "trace"],
                      help="the HTTP server's log level (default: warning)")
+    app.add_argument("--log-level", type=str.upper, default=None,
+                     choices=["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"],
+                     help="the level of the server's and its engine cores' logs (vLLM's flag; default: "
+                          "PAGELLM_LOG_LEVEL, else INFO)")
     app.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
                      help="on SIGTERM or Ctrl+C, the seconds the requests in flight get to finish while no new "
                           "connection is taken; then they are cut and the engine stops (vLLM's flag; 0: at once; "

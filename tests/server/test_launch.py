@@ -111,3 +111,16 @@ def test_the_structured_output_backend_flags_take_xgrammar_and_refuse_others() -
                            (["--tokenizer-mode", "mistral"], "--tokenizer-mode 'mistral': pagellm runs Hugging Face")):
         with pytest.raises(ValueError, match=message):
             vllm_cli.reparse(parser, parser.parse_args(["serve", *flags]), ["serve", *flags])
+
+
+def test_log_level_reaches_the_server_and_its_engine_core(start_server: Callable[..., ServerProcess],
+                                                          tiny_llama: Path) -> None:
+    """vLLM's ``--log-level``: at WARNING neither the server nor its engine core logs an INFO line (the default
+    server's log has both: its engine core's "loaded ..." line and the server's own)."""
+    quiet = start_server(tiny_llama, "--log-level", "warning")
+    client = openai.OpenAI(base_url=f"{quiet.base_url}/v1", api_key="x", max_retries=0)
+    assert client.completions.create(model=client.models.list().data[0].id, prompt="a", max_tokens=2).choices
+    assert quiet.stop() == 0
+    assert "INFO" not in quiet.log()
+    loud = start_server(tiny_llama)
+    assert "INFO EngineCore" in loud.log() and "INFO pagellm" in loud.log()
