@@ -49,6 +49,16 @@ IGNORED: dict[str, tuple[dict[str, Any], str]] = {
     "--revision": ({}, "pagellm loads local directories and .gguf files, which have no hub revision"),
     "--tokenizer-revision": ({}, "pagellm loads local tokenizers, which have no hub revision"),
     "--code-revision": ({}, "pagellm runs no model code from the model directory"),
+    "--async-scheduling": ({"action": argparse.BooleanOptionalAction},
+                           "the engine core's scheduler step takes tens of microseconds beside a forward pass of "
+                           "milliseconds, and outputs are detokenized in the frontend's own process: there is no "
+                           "gap between steps to overlap"),
+    "--hf-token": ({"nargs": "?", "const": True}, "pagellm loads local model directories and .gguf files only (no "
+                                                  "model hub)"),
+    "--log-error-stack": ({"action": "store_true"}, "internal errors (500) are logged with their stack trace always; "
+                                                    "a 4xx names what to fix"),
+    "--enable-log-deltas": ({"action": argparse.BooleanOptionalAction},
+                            "--enable-log-outputs logs each request's whole output once, when it finishes"),
 }
 STRUCTURED_BACKENDS = ("auto", "xgrammar")
 

@@ -54,7 +54,8 @@ def test_a_vllm_command_line_with_a_config_file(start_server: Callable[..., Serv
                       "enable-prefix-caching: false\nspeculative-config: {method: ngram, num_speculative_tokens: 2}\n")
     server = start_server(tiny_llama, "--config", str(config), "--max-model-len", "384",
                           "--gpu-memory-utilization", "0.9", "--trust-remote-code", "--max-loras", "4",
-                          "--disable-uvicorn-access-log", "--structured-outputs-config", '{"backend": "xgrammar"}')
+                          "--disable-uvicorn-access-log", "--structured-outputs-config", '{"backend": "xgrammar"}',
+                          "--async-scheduling", "--hf-token", "--log-error-stack")
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["from-file", "also-from-file"]
     assert client.models.list().data[0].max_model_len == 384  # the command line's, over the file's 256
@@ -65,6 +66,8 @@ def test_a_vllm_command_line_with_a_config_file(start_server: Callable[..., Serv
     assert "--gpu-memory-utilization has no effect in pagellm" in log and "--trust-remote-code has no effect" in log
     assert "--max-loras has no effect in pagellm: every step mixes any number of adapters" in log
     assert "--disable-uvicorn-access-log has no effect in pagellm: the access log is off unless" in log
+    assert "--async-scheduling has no effect in pagellm: the engine core's scheduler step" in log
+    assert "--hf-token has no effect in pagellm" in log and "--log-error-stack has no effect" in log
     stats = httpx.get(f"{server.base_url}/metrics").text
     assert 'enable_prefix_caching="false"' in stats
     assert server.stop() == 0
