@@ -376,20 +376,22 @@ class AsyncLLM:
         (``wait``) or freeze (``keep``), see ``engine/pause.py``. ``clear_cache`` then forgets the prefix cache's blocks
         (not with ``keep``, whose requests hold theirs)."""
         self._pause.close(mode)
+        if (mode == "keep") != self._pause.core_frozen:  # a keep freezes the core; another mode (again) runs it
+            await self.client.call_utility("pause" if mode == "keep" else "resume")
+            self._pause.core_frozen = mode == "keep"
         if mode == "abort":
             with self._lock:
                 live = list(self._tracked)
             self._drop(live, notify=True)
-        elif mode == "keep":
-            await self.client.call_utility("pause")
         while self._tracked and mode != "keep":  # the ends of the aborted or finishing requests, a step or so away
             await asyncio.sleep(0.01)
         if clear_cache and mode != "keep":
             await self.reset_prefix_cache()
 
     async def resume_generation(self) -> None:
-        if self._pause.mode == "keep":
+        if self._pause.core_frozen:
             await self.client.call_utility("resume")
+            self._pause.core_frozen = False
         self._pause.open()
 
     async def is_paused(self) -> bool:

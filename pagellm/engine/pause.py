@@ -38,6 +38,7 @@ class PauseGate:
     def __init__(self, max_in_flight: int | None = None) -> None:
         self._lock = threading.Lock()
         self.mode: str | None = None  # the pause's mode while paused
+        self.core_frozen = False  # a keep pause has frozen the engine core (its "pause" utility), until "resume"
         self._waiters: list[asyncio.Future[None]] = []
         self.max_in_flight = max_in_flight
         self.in_flight = 0  # core requests past ``enter`` and not yet ``leave``

@@ -153,3 +153,20 @@ def test_a_request_waiting_at_a_pause_fails_when_the_engine_stops(tiny_llama: Pa
         run(main())
     finally:
         engine.shutdown()
+
+
+def test_a_second_pause_in_another_mode_runs_the_core_again(engine: AsyncLLM, run: Any) -> None:
+    """A keep pause, then a wait pause: the frozen request runs to its end (the wait returns), and after resume the
+    core steps again."""
+    async def main() -> list[RequestOutput]:
+        stream, got = await _started(engine, "hi", LONG, "frozen-then-waited")
+        consumer = asyncio.ensure_future(collect(stream))
+        await engine.pause_generation(mode="keep")
+        await engine.pause_generation(mode="wait")  # would wait forever on a core still frozen
+        await engine.resume_generation()
+        assert len(_ids(await collect(engine.generate("a", SHORT, "after-both")))) == 6
+        return got + await consumer
+
+    got = run(main())
+    assert len(_ids(got)) == 48 and got[-1].outputs[0].finish_reason == "length"
+    assert not run(engine.is_paused()) and run(all_blocks_free(engine))
