@@ -233,15 +233,14 @@ class AsyncLLM:
         return tracked
 
     def _drop(self, core_ids: list[str], notify: bool) -> None:
-        """Forget live requests and abort them in the core; ``notify`` ends their streams with "abort"."""
+        """Forget live requests and abort them in the core; ``notify`` then ends their streams with "abort" (after
+        the abort is sent: a caller that asks the core anything next finds them gone)."""
         with self._lock:
             live = [i for i in core_ids if i in self._tracked]
-            for core_id in live:
-                state = self.output_processor.requests.get(core_id)
-                tracked = self._untrack(core_id)
-                if notify:
-                    tracked.stream.put(aborted_output(tracked, state))
+            ended = [(self.output_processor.requests.get(i), self._untrack(i)) for i in live]
         self.client.abort_requests(live)
+        for state, tracked in ended if notify else ():
+            tracked.stream.put(aborted_output(tracked, state))
         if live:
             self.stats_sink.record(None, IterationStats(time.time(), num_aborted=len(live)))
 
@@ -256,14 +255,17 @@ class AsyncLLM:
             iteration = IterationStats()
             results, to_abort = self.output_processor.process_outputs(outputs.step, delta=True,
                                                                       iteration=iteration)
+        self.client.abort_requests(to_abort)  # first: a caller whose stream has ended finds its request gone
+        with self._lock:
             for out in results:
                 self._route(out)
-        self.client.abort_requests(to_abort)
         if outputs.stats is not None or outputs.step.req_ids:
             self.stats_sink.record(outputs.stats, iteration)
 
     def _route(self, out: RequestOutput) -> None:
         core_id = out.request_id
+        if core_id not in self._tracked:  # its caller left (``_drop``) since the outputs were processed
+            return
         tracked = self._untrack(core_id) if out.finished else self._tracked[core_id]
         completion = out.outputs[0]
         completion.index = tracked.index
