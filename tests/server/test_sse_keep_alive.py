@@ -14,7 +14,7 @@ import openai
 import pytest
 from server_utils import ServerProcess
 
-from pagellm.server.openai.chunks import KEEP_ALIVE, with_keep_alive
+from pagellm.server.openai.sse import KEEP_ALIVE, with_keep_alive
 from pagellm.server.options import add_serve_args, serve_options
 
 

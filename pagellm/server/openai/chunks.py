@@ -13,8 +13,7 @@ UTF-8).
 
 from __future__ import annotations
 
-import asyncio
-from typing import AsyncIterator, Literal, Union
+from typing import Literal, Union
 
 import msgspec
 
@@ -48,32 +47,3 @@ class ChunkWriter:
         tail = self._tail if usage is None else f'}}],"usage":{usage},"system_fingerprint":null}}\n\n'
         return f"{self._head}{index},{body},{reasons}{extra}{tail}"
 
-
-KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment line: clients skip it, proxies see traffic
-
-
-async def with_keep_alive(events: AsyncIterator[str], interval: float) -> AsyncIterator[str]:
-    """``events`` with ``KEEP_ALIVE`` sent each ``interval`` seconds in which they have nothing new (vLLM's
-    ``--sse-keep-alive-interval``, above 0). Closing this closes ``events``; an item being awaited then is cancelled
-    first, which ends ``events`` (and aborts its request) as a client's disconnect does."""
-    pending: asyncio.Future[str] | None = None
-    try:
-        while True:
-            pending = pending or asyncio.ensure_future(events.__anext__())
-            done, _ = await asyncio.wait({pending}, timeout=interval)
-            if not done:
-                yield KEEP_ALIVE
-                continue
-            finished, pending = pending, None
-            try:
-                event = finished.result()
-            except StopAsyncIteration:
-                return
-            yield event
-    finally:
-        if pending is not None:
-            pending.cancel()
-            await asyncio.wait({pending})  # its end, whatever it was; a cancellation of this close still propagates
-            if not pending.cancelled():
-                pending.exception()  # retrieved: an event that raised as the client left is not logged as lost
-        await events.aclose()  # type: ignore[attr-defined]

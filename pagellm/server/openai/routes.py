@@ -28,15 +28,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
-import anyio
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.convertors import Convertor, register_url_convertor
 
 import pagellm
@@ -45,7 +44,6 @@ from pagellm.server.observability import Observability
 from pagellm.server.observability import install as install_observability
 from pagellm.server.options import Cors
 from pagellm.server.openai import sagemaker, server_load
-from pagellm.server.openai.chunks import with_keep_alive
 from pagellm.server.openai.errors import APIError, install_error_handlers
 from pagellm.server.openai.lora_routes import lora_router
 from pagellm.server.openai.middleware import add_request_id_headers, add_user_middleware
@@ -60,13 +58,11 @@ from pagellm.server.openai.serving_embedding import EmbeddingRequest, OpenAIServ
 from pagellm.server.openai.serving_score import OpenAIServingScore, RerankRequest, ScoreRequest
 from pagellm.server.openai.serving_responses import OpenAIServingResponses
 from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing
+from pagellm.server.openai.sse import EventStream, sse_response
 from pagellm.server.openai.tokenization import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                                 TokenizeResponse)
 
 logger = logging.getLogger(__name__)
-
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
 
 class _ModelId(Convertor):
     """A model name in a path: anything but empty (served names may hold slashes; ``/v1/models/`` stays the
@@ -108,6 +104,7 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
         app.include_router(lora_router(engine, served.names, served.loras, _auth(api_key)))
     app.include_router(_admin_router(engine, model_names, tokenizer_info))
     app.include_router(_operations_router(engine, api_key))
+    app.include_router(_pause_router(engine, api_key))
     if observability is not None:
         install_observability(app, observability)
     if request_id_headers:
@@ -154,7 +151,7 @@ def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], ch
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         job = completion.prepare(body)
         if body.stream:
-            return _sse(completion.stream(job), defaults)
+            return sse_response(completion.stream(job), defaults)
         return await _json_unless_disconnected(raw, completion.create(job))
 
     @router.post("/embeddings")
@@ -165,7 +162,7 @@ def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], ch
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         job = chat.prepare(body)
         if body.stream:
-            return _sse(chat.stream(job), defaults)
+            return sse_response(chat.stream(job), defaults)
         return await _json_unless_disconnected(raw, chat.create(job))
 
     return router
@@ -215,7 +212,7 @@ def _responses_router(responses: OpenAIServingResponses, api_key: Optional[str])
         if body.background:
             return JSONResponse(responses.start_background(job).model_dump(mode="json"))
         if body.stream:
-            return _EventStream(responses.stream(job))
+            return EventStream(responses.stream(job))
         return await _json_unless_disconnected(raw, responses.create(job))
 
     @router.get("/{response_id}")
@@ -284,7 +281,7 @@ def _admin_router(engine: EngineClient, model_names: Sequence[str], tokenizer_in
 
 
 def _operations_router(engine: EngineClient, api_key: Optional[str]) -> APIRouter:
-    """Routes that act on the engine (profiling, the prefix cache, sleep mode, pausing): behind the API key when
+    """Routes that act on the engine (profiling, the prefix cache, sleep mode, weights): behind the API key when
     there is one."""
     router = APIRouter(dependencies=[Depends(_bearer_auth(api_key))] if api_key else [])
 
@@ -329,6 +326,12 @@ def _operations_router(engine: EngineClient, api_key: Optional[str]) -> APIRoute
     @router.get("/is_sleeping")
     async def is_sleeping() -> dict[str, bool]:
         return {"is_sleeping": await engine.is_sleeping()}
+    return router
+
+
+def _pause_router(engine: EngineClient, api_key: Optional[str]) -> APIRouter:
+    """vLLM's pausing routes (an RL loop's weight sync), behind the API key when there is one."""
+    router = APIRouter(dependencies=_auth(api_key))
 
     @router.post("/pause")  # vLLM's: new requests wait; those in flight end (abort), finish (wait) or freeze (keep)
     async def pause(mode: str = Query("abort"), clear_cache: bool = Query(True)) -> dict[str, bool]:
@@ -344,32 +347,8 @@ def _operations_router(engine: EngineClient, api_key: Optional[str]) -> APIRoute
     async def is_paused() -> dict[str, bool]:
         return {"is_paused": await engine.is_paused()}
 
+
     return router
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events whose generator is always closed, at once, when the response ends or the client leaves.
-
-    Starlette cancels the send loop on disconnect but leaves the generator to the garbage collector; closing it
-    here (shielded from that cancellation) is what aborts the engine request deterministically.
-    """
-
-    def __init__(self, events: AsyncIterator[str]) -> None:
-        super().__init__(events, media_type="text/event-stream", headers=_SSE_HEADERS)
-        self._events = events
-
-    async def stream_response(self, send: Any) -> None:
-        try:
-            await super().stream_response(send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._events.aclose()  # type: ignore[attr-defined]
-
-
-def _sse(events: AsyncIterator[str], defaults: Optional[RequestDefaults]) -> _EventStream:
-    """A completion's or chat's stream, with keep-alive comments where the server sends them."""
-    interval = defaults.sse_keep_alive_interval if defaults is not None else 0.0
-    return _EventStream(with_keep_alive(events, interval) if interval > 0 else events)
 
 
 def _auth(api_key: Optional[str]) -> list[Any]:
