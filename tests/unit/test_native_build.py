@@ -101,7 +101,8 @@ def test_stop_compiles_ends_the_compiler_and_its_children(monkeypatch: pytest.Mo
     builder = threading.Thread(target=build)
     builder.start()
     deadline = time.monotonic() + 10
-    while not (marker.exists() and len(marker.read_text().split()) == 2) and time.monotonic() < deadline:
+    while not (marker.exists() and len(marker.read_text().split()) == 2 and native_build._running) \
+            and time.monotonic() < deadline:  # the driver runs, and its build has registered it (under load, later)
         time.sleep(0.02)
     pids = [int(pid) for pid in marker.read_text().split()]
     native_build.stop_compiles()
