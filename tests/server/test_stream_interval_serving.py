@@ -37,25 +37,36 @@ def _whole(server: ServerProcess, max_tokens: int) -> list[int]:
     return httpx.post(f"{server.base_url}/v1/completions", json=body).json()["choices"][0]["token_ids"]
 
 
+def _grouped(stream: Callable[[], list], pace: int) -> tuple[list, list[int], list[int]]:
+    """One stream's chunks, sizes and ids, where no chunk but the first and the last has under ``pace`` tokens.
+
+    A consumer that falls behind gets its deltas merged, so on a loaded machine a stream can come in only two large
+    chunks, which shows nothing of the pacing: such a stream is checked, then asked for again (three tries)."""
+    for _ in range(3):
+        chunks = stream()
+        sizes, ids = _sizes(chunks)
+        assert all(size >= pace for size in sizes[1:-1]), sizes
+        if len(sizes) >= 3:
+            return chunks, sizes, ids
+    raise AssertionError(f"three streams each came in under three chunks: {sizes}")
+
+
 @pytest.mark.parametrize("asked, pace", [(None, 3), (1, 3), (5, 5)])
 def test_completion_streams_come_in_groups(paced_server: ServerProcess, asked: int | None, pace: int) -> None:
     extra = {"ignore_eos": True, "return_token_ids": True}
     if asked is not None:
         extra["stream_interval"] = asked
-    chunks = list(_client(paced_server).completions.create(model="tiny", prompt="The sky is", stream=True,
-                                                           max_tokens=13, temperature=0, extra_body=extra))
-    sizes, ids = _sizes(chunks)
-    assert ids == _whole(paced_server, 13)
-    assert len(sizes) >= 3 and all(size >= pace for size in sizes[1:-1]), sizes
+    chunks, sizes, ids = _grouped(lambda: list(_client(paced_server).completions.create(
+        model="tiny", prompt="The sky is", stream=True, max_tokens=29, temperature=0, extra_body=extra)), pace)
+    assert ids == _whole(paced_server, 29)
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_chat_streams_come_in_groups(paced_server: ServerProcess) -> None:
-    chunks = list(_client(paced_server).chat.completions.create(
-        model="tiny", messages=CHAT, stream=True, max_tokens=11, temperature=0,
-        extra_body={"ignore_eos": True, "return_token_ids": True, "stream_interval": 4}))
-    sizes, ids = _sizes(chunks)
-    assert sum(sizes) == 11 and len(sizes) >= 3 and all(size >= 4 for size in sizes[1:-1]), sizes
+    chunks, sizes, ids = _grouped(lambda: list(_client(paced_server).chat.completions.create(
+        model="tiny", messages=CHAT, stream=True, max_tokens=27, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True, "stream_interval": 4})), 4)
+    assert sum(sizes) == 27
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
