@@ -8,6 +8,8 @@ for this tree and, with ``--baseline DIR``, another pagellm checkout, alternated
 memory-bound case that sets decode attention's cost at batch 32 and more. ``--query-tokens`` > 1 makes each row a
 prompt chunk or speculative chain over its cached context (flash tiles from 2 tokens up, bfloat16).
 ``--kv-cache-dtypes auto fp8`` times each cache element type (``--kv-cache-dtype``) side by side.
+``--placement engine`` lays the blocks out as an offline run's batch gets them (each row's prompt blocks in one run
+of ids) instead of anywhere in the pool.
 
     PYTHONPATH=. .venv/bin/python benchmarks/attention_dram.py [--batch 32 256] [--ctx 192] [--rounds 2]
         [--shape 9,3,64] [--query-tokens 1] [--layers 30] [--baseline /tmp/attn_base] [--kv-cache-dtypes auto]
@@ -23,12 +25,31 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 BLOCK = 16
 
 
+def placed_blocks(batch: int, blocks: int, placement: str, prompt_blocks: int, gen: Any) -> Any:
+    """[batch, blocks] block ids. ``random``: each row's blocks anywhere in a pool twice the batch's need, as a long
+    served mix leaves them. ``engine``: as the engine's block pool hands them out to a batch that starts together
+    (an offline run): each row's prompt blocks in one run of ids, then each later block of every row in turn."""
+    import numpy as np
+    import torch
+
+    if placement == "random":
+        pool = batch * blocks * 2
+        return np.stack([torch.randperm(pool, generator=gen)[:blocks].numpy() for _ in range(batch)]).astype(np.int64)
+    first = min(prompt_blocks, blocks)
+    table = np.empty((batch, blocks), dtype=np.int64)
+    table[:, :first] = np.arange(batch * first).reshape(batch, first)
+    for j in range(first, blocks):
+        table[:, j] = batch * first + (j - first) * batch + np.arange(batch)
+    return table
+
+
 def measure(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, q_tokens: int, layers: int,
-            repeats: int, kv_cache_dtype: str = "auto") -> float:
+            repeats: int, kv_cache_dtype: str = "auto", placement: str = "random", prompt_blocks: int = 8) -> float:
     """Median ms per layer call of the ``cpu_paged`` backend, K/V from DRAM (this process's pagellm)."""
     import numpy as np
     import torch
@@ -45,7 +66,7 @@ def measure(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, q_to
     gen = torch.Generator().manual_seed(0)
     blocks = -(-ctx // BLOCK)
     pool = batch * blocks * 2
-    table = np.stack([torch.randperm(pool, generator=gen)[:blocks].numpy() for _ in range(batch)]).astype(np.int64)
+    table = placed_blocks(batch, blocks, placement, prompt_blocks, gen)
     caches = [cache_of(torch.randn(2, pool, BLOCK, kv_heads, head_dim, generator=gen).to(torch.bfloat16))
               for _ in range(layers)]
     slots = torch.tensor([int(table[r, p // BLOCK]) * BLOCK + p % BLOCK
@@ -71,7 +92,8 @@ def run_tree(tree: Path, args: argparse.Namespace, batch: int, kv_cache_dtype: s
     here = str(Path(__file__).parent)
     code = (f"import json, sys; sys.path[:0] = [{str(tree)!r}, {here!r}]; import attention_dram as a; "
             f"print(json.dumps(a.measure({batch}, {args.ctx}, {heads}, {kv_heads}, {head_dim}, {args.query_tokens}, "
-            f"{args.layers}, {args.repeats}, {kv_cache_dtype!r})))")
+            f"{args.layers}, {args.repeats}, {kv_cache_dtype!r}, {args.placement!r}, "
+            f"{-(-args.prompt_tokens // BLOCK)})))")
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -87,6 +109,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10, help="passes over the layers per measurement")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--baseline", type=Path, default=None, help="another pagellm checkout to alternate with")
+    parser.add_argument("--placement", choices=["random", "engine"], default="random",
+                        help="where each row's blocks lie (see placed_blocks)")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="--placement engine: each row's prompt")
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], help="cache element types to time")
     args = parser.parse_args()
     heads, kv_heads, head_dim = (int(x) for x in args.shape.split(","))
