@@ -6,9 +6,10 @@
 
 #include <immintrin.h>
 
-#include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "int8_rows.h"  // row_scale
 
 namespace pagellm_w4a8 {
 
@@ -30,16 +31,7 @@ inline void quantize_rows(const uint16_t* x, int64_t ldx, int64_t k, int64_t gro
                           float* sx, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const uint16_t* row = x + r * ldx;
-    __m512 mx = _mm512_setzero_ps();
-    for (int64_t c = 0; c < k; c += kPanel) {
-      const __mmask16 m = col_mask(static_cast<int>(k - c));
-      mx = _mm512_max_ps(mx, _mm512_abs_ps(widen_bf16(_mm256_maskz_loadu_epi16(m, row + c))));
-    }
-    const float amax = _mm512_reduce_max_ps(mx);
-    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    if (!std::isfinite(inv)) inv = 0.0f;
-    sx[r] = amax / 127.0f;
-    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512 vinv = _mm512_set1_ps(pagellm_int8::row_scale(row, k, &sx[r]));
     const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
     int8_t* dst = out + r * kGroup * groups;
     for (int64_t g = 0; g < groups; ++g) {
