@@ -95,17 +95,29 @@ def test_output_kinds_cumulative_and_final_only(engine: AsyncLLM, llm: LLM, run:
     assert run(all_blocks_free(engine))
 
 
+def _paced(engine: AsyncLLM, run: Any, params: SamplingParams) -> list[RequestOutput]:
+    """One stream of PROMPTS[1] under ``params`` (its deltas), where no delta but the first and the last
+    has fewer than ``params.stream_interval`` tokens. A consumer that falls behind gets its queued deltas merged, so
+    on a loaded machine a stream can come in two large deltas, which show nothing of the pacing: such a stream is
+    checked, then asked for again (three tries)."""
+    for attempt in range(3):
+        deltas = run(collect(engine.generate(PROMPTS[1], params, f"paced-{attempt}")))
+        assert_delta_stream(deltas, f"paced-{attempt}")
+        sizes = [len(d.outputs[0].token_ids) for d in deltas]
+        assert all(size >= params.stream_interval for size in sizes[1:-1]), sizes
+        assert len(sizes) <= 2 + (params.max_tokens - sizes[0]) // params.stream_interval, sizes
+        if len(sizes) >= 3:
+            return deltas
+    raise AssertionError(f"three streams each came in under three deltas: {sizes}")
+
+
 def test_stream_interval_sends_tokens_in_groups(engine: AsyncLLM, llm: LLM, run: Any) -> None:
     """vLLM's ``stream_interval``: the first token at once, then a delta per 4 new tokens (the last may be shorter);
     the tokens and text are the offline engine's, and each of n=2 siblings is paced on its own."""
-    params = greedy(14, ignore_eos=True, stream_interval=4)
+    params = greedy(30, ignore_eos=True, stream_interval=4)
     expected = llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
-    deltas = run(collect(engine.generate(PROMPTS[1], params, "paced")))
-    assert_delta_stream(deltas, "paced")
+    deltas = _paced(engine, run, params)
     assert joined(deltas) == (expected.text, expected.token_ids)
-    sizes = [len(d.outputs[0].token_ids) for d in deltas]
-    assert len(sizes) >= 3 and all(size >= 4 for size in sizes[1:-1]), sizes
-    assert len(sizes) <= 2 + (14 - sizes[0]) // 4, sizes
     seeded = SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=9, ignore_eos=True, stream_interval=3)
     by_sibling: dict[int, list[int]] = {0: [], 1: []}
     for d in run(collect(engine.generate(PROMPTS[2], seeded, "paced-n"))):
