@@ -81,8 +81,12 @@ def test_output_kinds_cumulative_and_final_only(engine: AsyncLLM, llm: LLM, run:
     (expected,) = llm.generate([PROMPTS[0]], seeded, use_tqdm=False)
     want = [(c.index, c.text, c.token_ids) for c in expected.outputs]
     kinds = {kind: msgspec.structs.replace(seeded, output_kind=kind) for kind in RequestOutputKind}
-    cumulative = run(collect(engine.generate(PROMPTS[0], kinds[RequestOutputKind.CUMULATIVE], "cum")))
-    assert len(cumulative) > 1 and [o.finished for o in cumulative] == [False] * (len(cumulative) - 1) + [True]
+    for attempt in range(3):  # a consumer that falls behind gets its outputs merged: one yield shows no growth
+        cumulative = run(collect(engine.generate(PROMPTS[0], kinds[RequestOutputKind.CUMULATIVE], f"cum-{attempt}")))
+        assert [o.finished for o in cumulative] == [False] * (len(cumulative) - 1) + [True]
+        if len(cumulative) > 1:
+            break
+    assert len(cumulative) > 1
     for before, after in zip(cumulative, cumulative[1:]):
         grown = {c.index: c.token_ids for c in after.outputs}
         assert all(grown[c.index][:len(c.token_ids)] == c.token_ids for c in before.outputs)
