@@ -30,15 +30,14 @@ from typing import Any
 BLOCK = 16
 
 
-def placed_blocks(batch: int, blocks: int, placement: str, prompt_blocks: int, gen: Any) -> Any:
-    """[batch, blocks] block ids. ``random``: each row's blocks anywhere in a pool twice the batch's need, as a long
+def placed_blocks(batch: int, blocks: int, pool: int, placement: str, prompt_blocks: int, gen: Any) -> Any:
+    """[batch, blocks] block ids. ``random``: each row's blocks anywhere in the pool (of ``pool`` blocks), as a long
     served mix leaves them. ``engine``: as the engine's block pool hands them out to a batch that starts together
     (an offline run): each row's prompt blocks in one run of ids, then each later block of every row in turn."""
     import numpy as np
     import torch
 
     if placement == "random":
-        pool = batch * blocks * 2
         return np.stack([torch.randperm(pool, generator=gen)[:blocks].numpy() for _ in range(batch)]).astype(np.int64)
     first = min(prompt_blocks, blocks)
     table = np.empty((batch, blocks), dtype=np.int64)
@@ -66,7 +65,7 @@ def measure(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, q_to
     gen = torch.Generator().manual_seed(0)
     blocks = -(-ctx // BLOCK)
     pool = batch * blocks * 2
-    table = placed_blocks(batch, blocks, placement, prompt_blocks, gen)
+    table = placed_blocks(batch, blocks, pool, placement, prompt_blocks, gen)
     caches = [cache_of(torch.randn(2, pool, BLOCK, kv_heads, head_dim, generator=gen).to(torch.bfloat16))
               for _ in range(layers)]
     slots = torch.tensor([int(table[r, p // BLOCK]) * BLOCK + p % BLOCK

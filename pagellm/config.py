@@ -19,6 +19,7 @@ from pagellm.disagg.config import KVTransferConfig
 from pagellm.distributed.config import ParallelConfig
 from pagellm.kv.events import KVEventsConfig
 from pagellm.sampling_params import LOGPROBS_MODES, MAX_LOGPROBS
+from pagellm.sched.config import SchedulerConfig
 from pagellm.spec.config import DISABLE_BY_BATCH_SIZE, SPEC_METHODS, SpeculativeConfig  # noqa: F401
 
 GiB = 1024**3
@@ -252,72 +253,6 @@ class CacheConfig:
 # amortise each step's weight reads over more prompt tokens (4096 gave 1-4 % more output tok/s than 2048 on the
 # built-in model, docs/performance.md Round 12); a server's newcomers wait for the step that is running, so it keeps
 # steps shorter (``EngineConfig.for_serving``, applied by ``AsyncLLM``).
-OFFLINE_TOKEN_BUDGET = 4096
-SERVING_TOKEN_BUDGET = 2048
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """The token-budget scheduler."""
-
-    max_num_seqs: int = _help("Most requests running in one step.", default=256)
-    max_num_batched_tokens: int | None = _help(
-        "Token budget of one step (default 4096 offline, 2048 in the servers; with chunked prefill off, at least "
-        "max_model_len).", default=None
-    )
-    enable_chunked_prefill: bool = _help("Split long prompts across steps to fill the token budget.",
-                                         default=True)
-    scheduling_policy: str = _help("fcfs (first come, first served) or priority (lower value first).",
-                                   default="fcfs")
-    long_prefill_token_threshold: int = _help(
-        "The most tokens one request computes in a step (vLLM's flag): a long prompt's chunks then leave room in "
-        "each step for other requests' prompts and tokens. 0: no limit but the step's budget.", default=0)
-    max_num_queued_reqs: int | None = _help(
-        "Most requests in flight (waiting or running) in a server (vLLM's flag); past it a new request is refused "
-        "with HTTP 503, for a load balancer to retry elsewhere. Default: no limit.", default=None)
-    stream_interval: int = _help(
-        "New tokens per streamed output (vLLM's flag): each stream sends its first token at once, then every N "
-        "tokens and its last; larger values send fewer, larger chunks. A request's own stream_interval may raise "
-        "it.", default=1)
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0 = no limit), got "
-                             f"{self.long_prefill_token_threshold}")
-        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
-            raise ValueError("long_prefill_token_threshold splits prompts into chunks: it needs enable_chunked_prefill")
-        if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 1:
-            raise ValueError(f"max_num_queued_reqs must be >= 1 (or unset: no limit), got {self.max_num_queued_reqs}")
-        if self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1 (new tokens per streamed output), got "
-                             f"{self.stream_interval}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy={self.scheduling_policy!r}; use 'fcfs' or 'priority'")
-
-    def token_budget(self, max_model_len: int) -> int:
-        """The per-step token budget once the model's context length is known."""
-        if self.max_num_batched_tokens is not None:
-            budget = self.max_num_batched_tokens
-        else:
-            budget = OFFLINE_TOKEN_BUDGET if self.enable_chunked_prefill else max(OFFLINE_TOKEN_BUDGET, max_model_len)
-        if not self.enable_chunked_prefill and budget < max_model_len:
-            raise ValueError(
-                f"with chunked prefill off, max_num_batched_tokens ({budget}) must be >= max_model_len "
-                f"({max_model_len}): raise it, lower max_model_len, or enable chunked prefill"
-            )
-        return budget
-
-    def for_serving(self) -> SchedulerConfig:
-        """This config with the servers' default budget where none was given (chunked prefill on)."""
-        if self.max_num_batched_tokens is not None or not self.enable_chunked_prefill:
-            return self
-        return dataclasses.replace(self, max_num_batched_tokens=SERVING_TOKEN_BUDGET)
-
-
 @dataclass(frozen=True)
 class ProfilerConfig:
     """Torch profiler sessions of the engine's workers, started and stopped on request."""

@@ -249,16 +249,12 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                             args.return_tokens_as_token_ids or bool(getattr(args, "skip_tokenizer_init", False)),
                             args.default_chat_template_kwargs, args.response_role,
                             args.exclude_tools_when_tool_choice_none, args.trust_request_chat_template,
-                            _keep_alive(args)),
+                            _seconds(args.sse_keep_alive_interval, "--sse-keep-alive-interval", "off")),
                         args.enable_request_id_headers, args.enable_log_requests, _max_log_len(args),
                         args.uds, args.enable_server_load_tracking, args.chat_template_content_format,
                         not args.disable_fastapi_docs, tuple(args.middleware), _log_outputs(args),
                         args.tool_parser_plugin, args.enable_tokenizer_info_endpoint, args.reasoning_parser_plugin,
                         _seconds(args.shutdown_timeout, "--shutdown-timeout", "at once"))
-
-
-def _keep_alive(args: argparse.Namespace) -> float:
-    return _seconds(args.sse_keep_alive_interval, "--sse-keep-alive-interval", "off")
 
 
 def _seconds(value: float, flag: str, zero: str) -> float:

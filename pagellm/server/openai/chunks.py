@@ -46,4 +46,3 @@ class ChunkWriter:
         extra = "" if self._chat else ',"prompt_logprobs":null'
         tail = self._tail if usage is None else f'}}],"usage":{usage},"system_fingerprint":null}}\n\n'
         return f"{self._head}{index},{body},{reasons}{extra}{tail}"
-

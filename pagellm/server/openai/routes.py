@@ -283,7 +283,7 @@ def _admin_router(engine: EngineClient, model_names: Sequence[str], tokenizer_in
 def _operations_router(engine: EngineClient, api_key: Optional[str]) -> APIRouter:
     """Routes that act on the engine (profiling, the prefix cache, sleep mode, weights): behind the API key when
     there is one."""
-    router = APIRouter(dependencies=[Depends(_bearer_auth(api_key))] if api_key else [])
+    router = APIRouter(dependencies=_auth(api_key))
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, bool]:
@@ -326,6 +326,7 @@ def _operations_router(engine: EngineClient, api_key: Optional[str]) -> APIRoute
     @router.get("/is_sleeping")
     async def is_sleeping() -> dict[str, bool]:
         return {"is_sleeping": await engine.is_sleeping()}
+
     return router
 
 
@@ -346,7 +347,6 @@ def _pause_router(engine: EngineClient, api_key: Optional[str]) -> APIRouter:
     @router.get("/is_paused")
     async def is_paused() -> dict[str, bool]:
         return {"is_paused": await engine.is_paused()}
-
 
     return router
 
