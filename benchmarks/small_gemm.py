@@ -12,7 +12,8 @@ reductions, dispatched at M ≤ 8) is built from git (``--old-rev``) and run up 
 interleaved, with the ratio of the two: a change to the kernel measured in one process. On a CPU with AMX the
 packed kernel runs on AMX tiles, and its AVX-512 path runs beside it as ``avx512`` (the same library, switched per
 call with ``gemm.use_amx``). On a CPU with AVX-512 VNNI the W8A8 int8 GEMM (``--quantization w8a8_int8``,
-``pagellm/ops/gemm_w8a8.py``) runs beside them as ``w8a8``, on the same matrices quantized (GB/s counts bf16 bytes).
+``pagellm/ops/gemm_w8a8.py``) runs beside them as ``w8a8``, on the same matrices quantized (GB/s counts bf16 bytes);
+on a CPU with AMX-INT8 that is its AMX tile path, and its VNNI tiles run beside it as ``w8a8-vnni``.
 ``--gate-up`` times only the layers' gate/up matrices followed by SiLU·mul, as the decoder stack runs its MLP: the
 two calls (the GEMM, then ``fused.silu_and_mul``) against the one pass (``packed_linear_silu_mul``, gate and up
 panels paired in one tile, where the kernel has it), bfloat16 and int8.
@@ -119,6 +120,8 @@ def methods(plain: list[torch.Tensor], old: Callable | None,
     if gemm_w8a8.available():
         int8 = [(gemm_w8a8.pack(*gemm_w8a8.quantize(w)), w.shape[0], w.shape[1]) for w in plain]
         out["w8a8"] = lambda xs: [gemm_w8a8.packed_linear(xs[k], p, n) for p, n, k in int8]
+        if gemm_w8a8.amx():
+            out["w8a8-vnni"] = lambda xs: _on_vnni(lambda: [gemm_w8a8.packed_linear(xs[k], p, n) for p, n, k in int8])
     return out
 
 
@@ -151,6 +154,15 @@ def _on_avx512(run: Callable[[], object]) -> None:
         gemm.use_amx(True)
 
 
+def _on_vnni(run: Callable[[], object]) -> None:
+    """``run`` on the int8 kernel's VNNI tiles, then back to AMX."""
+    gemm_w8a8.use_amx(False)
+    try:
+        run()
+    finally:
+        gemm_w8a8.use_amx(True)
+
+
 def measure(runs: dict[str, Callable[[dict], None]], xs: dict[int, torch.Tensor], reps: int) -> dict[str, float]:
     """Median seconds per method, repetitions interleaved across methods (one warm-up each first)."""
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -166,7 +178,7 @@ def measure(runs: dict[str, Callable[[dict], None]], xs: dict[int, torch.Tensor]
 
 def row(label: str, m: int, med: dict[str, float], weight_bytes: int, flops_per_row: int) -> str:
     cells = [f"{label:8} {m:5d}"]
-    for name in ("F.linear", "old", "packed@rev", "avx512", "packed", "w8a8"):
+    for name in ("F.linear", "old", "packed@rev", "avx512", "packed", "w8a8-vnni", "w8a8"):
         if name in med:
             t = med[name]
             cells.append(f"{name} {t * 1e3:8.2f} ms {weight_bytes / t / 1e9:5.1f} GB/s "
@@ -177,6 +189,8 @@ def row(label: str, m: int, med: dict[str, float], weight_bytes: int, flops_per_
               if name in med]
     if "w8a8" in med:
         ratios.append(f"w8a8 ×{med['packed'] / med['w8a8']:.2f} the packed bf16's speed")
+    if "w8a8-vnni" in med:
+        ratios.append(f"w8a8 on AMX ×{med['w8a8-vnni'] / med['w8a8']:.2f} its VNNI tiles' speed")
     return " | ".join(cells + [", ".join(ratios)])
 
 

@@ -45,8 +45,9 @@ def tp_shm_comm() -> bool:
 
 
 def gemm_amx() -> bool:
-    """``PAGELLM_GEMM_AMX``: ``0`` keeps the packed bfloat16 GEMM on its AVX-512 path on CPUs with AMX instead of
-    the AMX tile path (``pagellm/ops/gemm.py``); default on."""
+    """``PAGELLM_GEMM_AMX``: ``0`` keeps the packed GEMMs on their vector paths on CPUs with AMX instead of AMX tiles:
+    the bfloat16 one on AVX-512 BF16 (``pagellm/ops/gemm.py``), the W8A8 int8 one on VNNI (``gemm_w8a8.py``); default
+    on."""
     return os.environ.get("PAGELLM_GEMM_AMX", "1") != "0"
 
 

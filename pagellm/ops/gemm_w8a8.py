@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pagellm import envs
 from pagellm.ops.build import CXX_FLAGS, HEADERS, cpu_flags, entry_address
 from pagellm.native_build import build
 
@@ -46,7 +47,12 @@ def runs_here() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _lib() -> ctypes.CDLL | None:
-    return load(build_job(), "w8a8", "int8 GEMM kernel")
+    lib = load(build_job(), "w8a8", "int8 GEMM kernel")
+    if lib is not None:
+        lib.pagellm_packed_gemm_w8a8_use_amx.argtypes = [ctypes.c_int]
+        lib.pagellm_packed_gemm_w8a8_use_amx.restype = ctypes.c_int
+        lib.pagellm_packed_gemm_w8a8_use_amx(int(envs.gemm_amx()))
+    return lib
 
 
 def load(job: functools.partial, suffix: str, what: str) -> ctypes.CDLL | None:
@@ -69,6 +75,19 @@ def load(job: functools.partial, suffix: str, what: str) -> ctypes.CDLL | None:
 
 def available() -> bool:
     return _lib() is not None
+
+
+def use_amx(want: bool) -> bool:
+    """Switch the kernel to its AMX-INT8 tiles (where compiled in and granted) or its VNNI ones; returns whether AMX
+    is on. Both give the same bits; for tests and A/B runs (a process otherwise keeps ``PAGELLM_GEMM_AMX``'s)."""
+    lib = _lib()
+    return lib is not None and bool(lib.pagellm_packed_gemm_w8a8_use_amx(int(want)))
+
+
+def amx() -> bool:
+    """Whether the int8 GEMM runs on AMX tiles in this process."""
+    lib = _lib()
+    return lib is not None and bool(lib.pagellm_packed_gemm_w8a8_use_amx(-1))
 
 
 def build_job() -> functools.partial:

@@ -24,6 +24,10 @@
 // writes silu(gate) · up from the accumulators: gate and up are each rounded to bfloat16 first, as the GEMM's own
 // output would be, and then go through the SiLU·mul kernel's code (silu.h), so it gives that two-call path's bits
 // without writing or reading the [M, 2I] product.
+//
+// On a CPU with AMX-INT8, calls of kMinRows rows and more multiply on AMX tiles instead (packed_gemm_w8a8_amx.h):
+// the packed panels are already their B operand, and their exact int32 sums go through this epilogue's code, so
+// both paths give the same bits. The layout's load-time packing and per-call rows are in w8a8_layout.h.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -33,13 +37,13 @@
 #include <vector>
 
 #include "gemm_chunks.h"
-#include "int8_rows.h"  // row_scale
+#include "w8a8_layout.h"  // kPanel, kQuad, col_mask, widen_bf16, quantize_rows, quantize_column
 #include "silu.h"  // round_bf16x16, silu_mul16, store_bf16x16: the SiLU·mul kernel's (ops/csrc/fused.cpp)
 
 namespace {
 
-constexpr int kPanel = 16;          // output columns per panel (one zmm of int32)
-constexpr int64_t kQuad = 64;       // bytes per k-quad of a panel (16 columns x 4 int8)
+using pagellm_w8a8::col_mask, pagellm_w8a8::kPanel, pagellm_w8a8::kQuad, pagellm_w8a8::quantize_column,
+    pagellm_w8a8::quantize_rows, pagellm_w8a8::widen_bf16;
 constexpr int64_t kKCQ = 512;       // most k-quads per K block (NR = 4: 4 * 512 * 64 B = 128 KiB of weights)
 constexpr int64_t kMC = 192;        // rows per M block
 constexpr int kPrefetchQuads = 32;  // software prefetch distance along a panel (2 KiB ahead), into L2
@@ -64,12 +68,6 @@ struct Tile {
   int64_t up;            // paired tiles: bytes from a gate panel to its up panel
   int64_t up_cols;       // paired tiles: columns from a gate column's scale and offset to its up column's
 };
-
-inline __mmask16 col_mask(int cols) {
-  return cols >= kPanel ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << cols) - 1);
-}
-
-inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
 // float32 -> bfloat16, rounded to nearest even (finite values; the epilogue makes no NaN from finite input).
 inline __m256i round_bf16(__m512 v) {
@@ -226,6 +224,15 @@ struct Problem {
   int slots() const { return up_panels ? 2 * width : width; }  // accumulator panels of a group
 };
 
+}  // namespace
+
+#include "packed_gemm_w8a8_amx.h"  // the AMX tiles, where the compiler targets AMX-INT8 (uses Problem and the above)
+
+namespace {
+
+// Whether this process multiplies on AMX tiles (pagellm_packed_gemm_w8a8_use_amx). Both paths give the same bits.
+std::atomic<bool> g_amx{false};
+
 // Rows [m0, m0 + mb) over panels [g, g + nr) and k-quads [k0, k0 + kc).
 void run_block(const Problem& pb, int64_t g, int nr, int64_t k0, int64_t m0, int64_t mb, int32_t* partial) {
   const int64_t quads = pb.quads - k0 < pb.kc ? pb.quads - k0 : pb.kc;
@@ -280,25 +287,6 @@ void run_tiles(const Problem& pb, const Chunks& chunks, std::atomic<int64_t>& ne
   }
 }
 
-// Rows [r0, r1) of bfloat16 x [., k] (row stride ldx) quantized: out[r] = q(x[r]) + 128 over 4 * quads bytes (the
-// padding 128, i.e. q = 0), sx[r] their scale. q = round-to-nearest-even(x · (127 / max|x|)) clamped to ±127.
-void quantize_rows(const uint16_t* x, int64_t ldx, int64_t k, int64_t quads, uint8_t* out, float* sx, int64_t r0,
-                   int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint16_t* row = x + r * ldx;
-    const __m512 vinv = _mm512_set1_ps(pagellm_int8::row_scale(row, k, &sx[r]));
-    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), zero = _mm512_set1_epi32(128);
-    uint8_t* dst = out + r * 4 * quads;
-    for (int64_t c = 0; c < k; c += kPanel) {
-      const __mmask16 m = col_mask(static_cast<int>(k - c));
-      const __m512 v = _mm512_mul_ps(widen_bf16(_mm256_maskz_loadu_epi16(m, row + c)), vinv);
-      const __m512i q = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(v), lo), hi);
-      _mm512_mask_cvtepi32_storeu_epi8(dst + c, m, _mm512_add_epi32(q, zero));
-    }
-    std::memset(dst + k, 128, static_cast<size_t>(4 * quads - k));
-  }
-}
-
 // y[m, n] for `panels` packed panels (n outputs; with up_panels > 0, n gate outputs whose up panels lie up_panels
 // on, and y = silu(gate) · up): x quantized by rows over the threads, then the tiles.
 void run(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* w, int64_t panels, int64_t n,
@@ -310,9 +298,17 @@ void run(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* w, 
   const int32_t* off = reinterpret_cast<const int32_t*>(sw + panels * kPanel);
   thread_local std::vector<uint8_t> xq;  // the calling thread's, grown to the largest call
   thread_local std::vector<float> sx;
-  if (xq.size() < static_cast<size_t>(m * 4 * quads)) xq.resize(static_cast<size_t>(m * 4 * quads));
+  // Whole 16-row tiles of rows and a line of slack: what the AMX tiles read (packed_gemm_w8a8_amx.h).
+  const size_t xq_bytes = static_cast<size_t>((m + 15) / 16 * 16 * 4 * quads + 64);
+  if (xq.size() < xq_bytes) xq.resize(xq_bytes);
   if (sx.size() < static_cast<size_t>(m)) sx.resize(static_cast<size_t>(m));
-  const int width = (m <= kWideRows ? kWideNR : kMaxNR) / (up_panels ? 2 : 1);
+#ifdef PAGELLM_W8A8_AMX
+  const bool use_amx = m >= amx8::kMinRows && g_amx.load(std::memory_order_relaxed);
+#else
+  const bool use_amx = false;
+#endif
+  // Panels per group: the VNNI tiles' accumulator panels; on AMX a pair of panels, or one gate panel with its up.
+  const int width = use_amx ? (up_panels ? 1 : 2) : (m <= kWideRows ? kWideNR : kMaxNR) / (up_panels ? 2 : 1);
   const int64_t out_panels = up_panels ? up_panels : panels;
   const Problem pb{xq.data(), sx.data(), m, n, quads, (quads + kblocks - 1) / kblocks, out_panels, panel_stride, w,
                    sw, off, bias, y, ldy, width, up_panels};
@@ -326,42 +322,27 @@ void run(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* w, 
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     quantize_rows(x, ldx, k, quads, xqp, sxp, m * t / nt, m * (t + 1) / nt);
 #pragma omp barrier
+#ifdef PAGELLM_W8A8_AMX
+    if (use_amx) amx8::run(pb, chunks, next); else
+#endif
     run_tiles(pb, chunks, next);
   }
-}
-
-// One output column's weights (bfloat16 [k]) quantized as gemm_w8a8.quantize does, op for op: s = max|w| / 127,
-// q = round(w / (s > 0 ? s : 1)) clamped to ±127 (to nearest even), into column c of its panel (stride 16 * 4 bytes
-// per quad); returns Σ q. False for a NaN or infinite weight.
-bool quantize_column(const uint16_t* w, int64_t k, int8_t* panel, int c, float* scale, int64_t* sum) {
-  constexpr int kNotFinite = 0x01 | 0x08 | 0x10 | 0x80;  // quiet NaN, +inf, -inf, signalling NaN
-  __m512 mx = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += kPanel) {
-    const __m512 v = widen_bf16(_mm256_maskz_loadu_epi16(col_mask(static_cast<int>(k - i)), w + i));
-    if (_mm512_fpclass_ps_mask(v, kNotFinite)) return false;
-    mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
-  }
-  *scale = _mm512_reduce_max_ps(mx) / 127.0f;
-  const __m512 step = _mm512_set1_ps(*scale > 0.0f ? *scale : 1.0f);
-  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
-  __m512i total = _mm512_setzero_si512();
-  alignas(64) int32_t q[kPanel];
-  for (int64_t i = 0; i < k; i += kPanel) {
-    const __mmask16 m = col_mask(static_cast<int>(k - i));
-    const __m512 v = _mm512_div_ps(widen_bf16(_mm256_maskz_loadu_epi16(m, w + i)), step);
-    const __m512i r = _mm512_maskz_mov_epi32(m, _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(v), lo), hi));
-    total = _mm512_add_epi32(total, r);
-    _mm512_store_si512(q, r);
-    for (int j = 0; j < kPanel && i + j < k; ++j)
-      panel[((i + j) / 4) * kQuad + 4 * c + (i + j) % 4] = static_cast<int8_t>(q[j]);
-  }
-  *sum = _mm512_reduce_add_epi32(total);
-  return true;
 }
 
 }  // namespace
 
 extern "C" {
+
+// Turns the AMX tiles on (want > 0, where compiled in and the kernel grants the tile state) or off (want 0); want
+// < 0 only asks. Returns whether they are on. The Python side sets it once after loading (pagellm/ops/gemm_w8a8.py).
+int pagellm_packed_gemm_w8a8_use_amx(int want) {
+#ifdef PAGELLM_W8A8_AMX
+  if (want >= 0) g_amx = want > 0 && amx8::permitted();
+#else
+  (void)want;
+#endif
+  return g_amx ? 1 : 0;
+}
 
 // The packed operand (`pack(*quantize(W))` of gemm_w8a8.py, byte for byte) of a bfloat16 W [n, k], written into
 // out (its size: panels * quads * 64 bytes, then 8 bytes per padded column): the panels over torch's OpenMP threads.

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "int8_rows.h"  // row_scale
+#include "int8_rows.h"  // row_scale, col_mask, widen_bf16
 
 namespace pagellm_w4a8 {
 
@@ -19,11 +19,8 @@ constexpr int64_t kLine = 64;             // bytes per line
 constexpr int kNibbleLines = 4;           // lines of nibbles per group, 8 inputs each
 constexpr int64_t kGroupBytes = 5 * kLine;  // a group of a panel: its nibble lines and its scale line
 
-inline __mmask16 col_mask(int cols) {
-  return cols >= kPanel ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << cols) - 1);
-}
-
-inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+using pagellm_int8::col_mask;
+using pagellm_int8::widen_bf16;
 
 // Rows [r0, r1) of bfloat16 x [., k] (row stride ldx) quantized: out[r] = q(x[r]) over groups * 32 bytes (zero
 // padding), sums[r][g] = Σ q(x[r]) over group g, sx[r] the row's scale. q is the int8 kernel's.
