@@ -43,11 +43,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
-# M: the AMX tiles' fewest rows (8: one part tile), a second part tile (20, 37), blocks of 32 over a 512-row range
-# and two ranges (600, 1100); K: one short step (7), a whole step and a short one (100), the built-in model's (576:
-# 9 steps, 1536), the VNNI tiles' two K blocks (2500); N: a lone last panel (40: three panels), part panels (130).
+# M: under the AMX tiles' 16 rows (8: the VNNI tiles either way), one tile (16), a second part tile (20, 37), blocks
+# of 32 over a 512-row range and two ranges (600, 1100); K: one short step (7), a whole step and a short one (100),
+# the built-in model's (576: 9 steps, 1536), the VNNI tiles' two K blocks (2500); N: a lone last panel (40: three
+# panels), part panels (130); outputs of 256 KiB and more, written around the caches, in aligned rows (300 x 576) and
+# in rows of 600 bytes, some not (520 x 300).
 SHAPES = [(8, 40, 7), (20, 130, 100), (37, 576, 576), (300, 40, 1536), (600, 96, 100), (1100, 48, 576),
-          (64, 130, 2500), (16, 576, 64)]
+          (64, 130, 2500), (16, 576, 64), (300, 576, 100), (520, 300, 64)]
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
