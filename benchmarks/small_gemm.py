@@ -116,12 +116,14 @@ def methods(plain: list[torch.Tensor], old: Callable | None,
     if packed_rev is not None:
         out["packed@rev"] = lambda xs: [packed_rev(xs[k], p, n) for p, n, k in packed]
     if gemm.amx():
-        out["avx512"] = lambda xs: _on_avx512(lambda: [gemm.packed_linear(xs[k], p, n) for p, n, k in packed])
+        out["avx512"] = lambda xs: _off_amx(gemm.use_amx,
+                                            lambda: [gemm.packed_linear(xs[k], p, n) for p, n, k in packed])
     if gemm_w8a8.available():
         int8 = [(gemm_w8a8.pack(*gemm_w8a8.quantize(w)), w.shape[0], w.shape[1]) for w in plain]
         out["w8a8"] = lambda xs: [gemm_w8a8.packed_linear(xs[k], p, n) for p, n, k in int8]
         if gemm_w8a8.amx():
-            out["w8a8-vnni"] = lambda xs: _on_vnni(lambda: [gemm_w8a8.packed_linear(xs[k], p, n) for p, n, k in int8])
+            out["w8a8-vnni"] = lambda xs: _off_amx(gemm_w8a8.use_amx,
+                                                   lambda: [gemm_w8a8.packed_linear(xs[k], p, n) for p, n, k in int8])
     return out
 
 
@@ -145,22 +147,14 @@ def gate_up_row(m: int, med: dict[str, float]) -> str:
     return " | ".join(cells + [", ".join(ratios)])
 
 
-def _on_avx512(run: Callable[[], object]) -> None:
-    """``run`` on the packed kernel's AVX-512 path, then back to AMX."""
-    gemm.use_amx(False)
+def _off_amx(use_amx: Callable[[bool], bool], run: Callable[[], object]) -> None:
+    """``run`` with a kernel's AMX tiles switched off (``use_amx``: ``gemm.use_amx`` for the packed bfloat16 kernel's
+    AVX-512 path, ``gemm_w8a8.use_amx`` for the int8 kernel's VNNI tiles), then back on."""
+    use_amx(False)
     try:
         run()
     finally:
-        gemm.use_amx(True)
-
-
-def _on_vnni(run: Callable[[], object]) -> None:
-    """``run`` on the int8 kernel's VNNI tiles, then back to AMX."""
-    gemm_w8a8.use_amx(False)
-    try:
-        run()
-    finally:
-        gemm_w8a8.use_amx(True)
+        use_amx(True)
 
 
 def measure(runs: dict[str, Callable[[dict], None]], xs: dict[int, torch.Tensor], reps: int) -> dict[str, float]:

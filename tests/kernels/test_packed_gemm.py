@@ -273,13 +273,15 @@ def test_float32_model_stays_plain(tied_qwen2: Path) -> None:
     assert torch.equal(model.lm_head.weight, ckpt["model.embed_tokens.weight"])
 
 
+@pytest.mark.parametrize(("kernel", "flag"), [("gemm", "amx_bf16"), ("gemm_w8a8", "amx_int8")])
 @pytest.mark.parametrize("setting", ["0", "1"])
-def test_amx_path_follows_the_environment(setting: str) -> None:
-    """``PAGELLM_GEMM_AMX=0`` keeps a process on the AVX-512 path; by default it takes AMX wherever the CPU has it."""
-    probe = "from pagellm.ops import gemm; print(gemm.amx())"
+def test_amx_path_follows_the_environment(setting: str, kernel: str, flag: str) -> None:
+    """``PAGELLM_GEMM_AMX=0`` keeps a process's packed GEMMs on their vector paths (bfloat16 on AVX-512, W8A8 on
+    VNNI); by default each takes AMX wherever the CPU has it."""
+    probe = f"from pagellm.ops import {kernel}; print({kernel}.amx())"
     env = {**os.environ, "PAGELLM_GEMM_AMX": setting}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    has_amx = "amx_bf16" in gemm.cpu_flags().split()
+    has_amx = flag in gemm.cpu_flags().split()
     assert out.stdout.strip() == str(setting == "1" and has_amx)
 
 

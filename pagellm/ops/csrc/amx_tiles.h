@@ -41,5 +41,14 @@ inline void configure(int rows) {
   _tile_loadconfig(&cfg);
 }
 
+// C tiles 0-3 set to zero: R row tiles x P panels (tiles 0-1: the first row tile's panels, 2-3: the second's).
+template <int R, int P>
+inline void zero_c_tiles() {
+  _tile_zero(0);
+  if (P > 1) _tile_zero(1);
+  if (R > 1) _tile_zero(2);
+  if (R > 1 && P > 1) _tile_zero(3);
+}
+
 }  // namespace pagellm_amx
 #endif

@@ -116,10 +116,7 @@ void tiles(const uint16_t* a, int64_t lda, int64_t a_tile, const uint16_t* b0, c
            const Scratch* tail, Ahead ahead, Pending& pending) {
   const int64_t per_step = (ahead.lines + steps - 1) / steps;
   const int64_t rows_per_step = pending.pb ? (pending.rows + steps - 1) / steps : 0;
-  _tile_zero(0);
-  if (P > 1) _tile_zero(1);
-  if (R > 1) _tile_zero(2);
-  if (R > 1 && P > 1) _tile_zero(3);
+  pagellm_amx::zero_c_tiles<R, P>();
   for (int64_t s = 0; s < steps; ++s) {
     const bool last_short = tail && s == steps - 1;
     const uint16_t* bs0 = last_short ? tail->b_tail[0] : b0 + s * (kTileBytes / 2);

@@ -148,10 +148,7 @@ void tiles(const Problem& pb, const uint8_t* a, const int8_t* b0, const int8_t* 
   const int64_t lda = 4 * pb.quads;
   const int64_t rows_per_step = pending.c ? (pending.rows + steps - 1) / steps : 0;
   const int64_t ask_per_step = (ahead.per_block + steps - 1) / steps;
-  _tile_zero(0);
-  if (P > 1) _tile_zero(1);
-  if (R > 1) _tile_zero(2);
-  if (R > 1 && P > 1) _tile_zero(3);
+  pagellm_amx::zero_c_tiles<R, P>();
   for (int64_t s = 0; s < steps; ++s) {
     const bool last_short = tail && s == steps - 1;
     _tile_loadd(6, last_short ? tail->b_tail[0] : b0 + s * kTileBytes, 64);
