@@ -25,9 +25,8 @@
 // output would be, and then go through the SiLU·mul kernel's code (silu.h), so it gives that two-call path's bits
 // without writing or reading the [M, 2I] product.
 //
-// On a CPU with AMX-INT8, calls of kMinRows rows and more multiply on AMX tiles instead (packed_gemm_w8a8_amx.h):
-// the packed panels are already their B operand, and their exact int32 sums go through this epilogue's code, so
-// both paths give the same bits. The layout's load-time packing and per-call rows are in w8a8_layout.h.
+// With AMX-INT8, calls of 16 rows and more take AMX tiles (packed_gemm_w8a8_amx.h: the panels are their B operand,
+// the exact sums go through this epilogue, Columns, so the bits are the same). Packing and rows: w8a8_layout.h.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -84,9 +83,31 @@ inline __m512i dot_quads(__m512i acc, __m512i a, __m512i b) {
   return acc;
 }
 
-// One output in float32: ((acc - offset) · s_x) · s_w, each op rounded.
-inline __m512 scaled(__m512i acc, __m512i off, float sx, __m512 sw) {
-  return _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, off)), _mm512_set1_ps(sx)), sw);
+// A panel's epilogue, the VNNI and the AMX tiles' alike: its columns' offsets and scales (and bias), and an output
+// in float32, ((acc - offset) · s_x) · s_w (+ bias), each op rounded.
+struct Columns {
+  __m512i off;
+  __m512 sw, bias;
+  __mmask16 mask;  // the panel's columns that exist
+  bool has_bias;
+
+  Columns(const int32_t* o, const float* s, const uint16_t* b, int cols)
+      : off(_mm512_loadu_si512(o)), sw(_mm512_loadu_ps(s)), mask(col_mask(cols)), has_bias(b != nullptr) {
+    bias = b ? widen_bf16(_mm256_maskz_loadu_epi16(mask, b)) : _mm512_setzero_ps();
+  }
+  __m512 scaled(__m512i acc, float sx) const {  // without the bias
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, off)), _mm512_set1_ps(sx)), sw);
+  }
+  __m256i out(__m512i acc, float sx) const {  // the output as bfloat16
+    const __m512 f = scaled(acc, sx);
+    return round_bf16(has_bias ? _mm512_add_ps(f, bias) : f);
+  }
+};
+
+// silu(gate) · up of a gate panel's sum and its up panel's, each rounded to bfloat16 first as the GEMM's own output
+// would be, through the SiLU·mul kernel's code.
+inline __m512 silu_of(const Columns& gate, __m512i g, const Columns& up, __m512i u, float sx) {
+  return silu_mul16(round_bf16x16(gate.scaled(g, sx)), round_bf16x16(up.scaled(u, sx)));
 }
 
 // The epilogue of a paired tile: column block j < NR / 2 is silu(gate) · up of accumulators j and j + NR / 2.
@@ -95,15 +116,11 @@ void store_silu_mul(const Tile& t, const __m512i (&acc)[MR][NR]) {
   for (int j = 0; j < NR / 2; ++j) {
     const int cols = t.cols - j * kPanel;
     if (cols <= 0) break;
-    const __mmask16 m = col_mask(cols);
-    const __m512i off_g = _mm512_loadu_si512(t.off + j * kPanel);
-    const __m512i off_u = _mm512_loadu_si512(t.off + t.up_cols + j * kPanel);
-    const __m512 sw_g = _mm512_loadu_ps(t.sw + j * kPanel), sw_u = _mm512_loadu_ps(t.sw + t.up_cols + j * kPanel);
-    for (int i = 0; i < MR; ++i) {
-      const __m512 gate = round_bf16x16(scaled(acc[i][j], off_g, t.sx[i], sw_g));
-      const __m512 up = round_bf16x16(scaled(acc[i][j + NR / 2], off_u, t.sx[i], sw_u));
-      store_bf16x16(t.y + i * t.ldy + j * kPanel, silu_mul16(gate, up), m);
-    }
+    const Columns gate(t.off + j * kPanel, t.sw + j * kPanel, nullptr, cols);
+    const Columns up(t.off + t.up_cols + j * kPanel, t.sw + t.up_cols + j * kPanel, nullptr, cols);
+    for (int i = 0; i < MR; ++i)
+      store_bf16x16(t.y + i * t.ldy + j * kPanel, silu_of(gate, acc[i][j], up, acc[i][j + NR / 2], t.sx[i]),
+                    gate.mask);
   }
 }
 
@@ -146,15 +163,9 @@ void tile_kernel(const Tile& t) {
   for (int j = 0; j < NR; ++j) {
     const int cols = t.cols - j * kPanel;
     if (cols <= 0) break;
-    const __mmask16 m = col_mask(cols);
-    const __m512i off = _mm512_loadu_si512(t.off + j * kPanel);
-    const __m512 sw = _mm512_loadu_ps(t.sw + j * kPanel);
-    const __m512 bias = t.bias ? widen_bf16(_mm256_maskz_loadu_epi16(m, t.bias + j * kPanel)) : _mm512_setzero_ps();
-    for (int i = 0; i < MR; ++i) {
-      __m512 f = scaled(acc[i][j], off, t.sx[i], sw);
-      if (t.bias) f = _mm512_add_ps(f, bias);
-      _mm256_mask_storeu_epi16(t.y + i * t.ldy + j * kPanel, m, round_bf16(f));
-    }
+    const Columns col(t.off + j * kPanel, t.sw + j * kPanel, t.bias ? t.bias + j * kPanel : nullptr, cols);
+    for (int i = 0; i < MR; ++i)
+      _mm256_mask_storeu_epi16(t.y + i * t.ldy + j * kPanel, col.mask, col.out(acc[i][j], t.sx[i]));
   }
 }
 

@@ -41,22 +41,10 @@ struct Scratch {
   int current = 0;                                   // the buffer the next block stores into
 };
 
-// A panel's scales and offsets (and bias) for the epilogue: output = ((sum - off) · s_x) · s_w (+ bias).
-struct Columns {
-  __m512i off;
-  __m512 sw, bias;
-  __mmask16 mask;
-
-  Columns(const Problem& pb, int64_t col) : mask(col_mask(static_cast<int>(pb.n - col))) {
-    off = _mm512_loadu_si512(pb.off + col);
-    sw = _mm512_loadu_ps(pb.sw + col);
-    bias = pb.bias ? widen_bf16(_mm256_maskz_loadu_epi16(mask, pb.bias + col)) : _mm512_setzero_ps();
-  }
-  __m256i out(const Problem& pb, const int32_t* sums, float sx) const {
-    const __m512 f = scaled(_mm512_load_si512(sums), off, sx, sw);
-    return round_bf16(pb.bias ? _mm512_add_ps(f, bias) : f);
-  }
-};
+// The epilogue of the panel starting at output column col (the VNNI tiles' Columns).
+inline Columns columns(const Problem& pb, int64_t col, bool bias) {
+  return Columns(pb.off + col, pb.sw + col, bias && pb.bias ? pb.bias + col : nullptr, static_cast<int>(pb.n - col));
+}
 
 // Rows [r0, r1) of a block's sums c (rows m0.. of panels g and g + 1, `panels` of them; with up_panels the gate
 // panel g and its up panel) into y, through the VNNI tiles' epilogue code. Two whole panels go as one 64-byte line a
@@ -64,28 +52,23 @@ struct Columns {
 // a store miss (the LM head at 256 rows: 0.72x the bfloat16 GEMM's speed before, as that one's write_lines found).
 void write_rows(const Problem& pb, const int32_t (*c)[2 * kPanel], int64_t m0, int64_t r0, int64_t r1, int64_t g,
                 int panels) {
+  const int64_t col = g * kPanel;
   if (pb.up_panels) {
-    const __mmask16 m = col_mask(static_cast<int>(pb.n - g * kPanel));
-    const int64_t up = (g + pb.up_panels) * kPanel;
-    const __m512i off_g = _mm512_loadu_si512(pb.off + g * kPanel), off_u = _mm512_loadu_si512(pb.off + up);
-    const __m512 sw_g = _mm512_loadu_ps(pb.sw + g * kPanel), sw_u = _mm512_loadu_ps(pb.sw + up);
-    for (int64_t i = r0; i < r1; ++i) {
-      const float sx = pb.sx[m0 + i];
-      const __m512 gate = round_bf16x16(scaled(_mm512_load_si512(c[i]), off_g, sx, sw_g));
-      const __m512 upv = round_bf16x16(scaled(_mm512_load_si512(c[i] + kPanel), off_u, sx, sw_u));
-      store_bf16x16(pb.y + (m0 + i) * pb.ldy + g * kPanel, silu_mul16(gate, upv), m);
-    }
+    const Columns gate = columns(pb, col, false), up = columns(pb, (g + pb.up_panels) * kPanel, false);
+    for (int64_t i = r0; i < r1; ++i)
+      store_bf16x16(pb.y + (m0 + i) * pb.ldy + col,
+                    silu_of(gate, _mm512_load_si512(c[i]), up, _mm512_load_si512(c[i] + kPanel), pb.sx[m0 + i]),
+                    gate.mask);
     return;
   }
-  const int64_t col = g * kPanel;
   if (panels == 2 && pb.n - col >= 2 * kPanel) {  // whole lines of 32 outputs
-    const Columns lo(pb, col), hi(pb, col + kPanel);
+    const Columns lo = columns(pb, col, true), hi = columns(pb, col + kPanel, true);
     const bool around = pb.m * pb.n * 2 >= kStreamBytes;
     for (int64_t i = r0; i < r1; ++i) {
       const float sx = pb.sx[m0 + i];
       uint16_t* dst = pb.y + (m0 + i) * pb.ldy + col;
-      const __m512i line =
-          _mm512_inserti64x4(_mm512_castsi256_si512(lo.out(pb, c[i], sx)), hi.out(pb, c[i] + kPanel, sx), 1);
+      const __m512i line = _mm512_inserti64x4(_mm512_castsi256_si512(lo.out(_mm512_load_si512(c[i]), sx)),
+                                              hi.out(_mm512_load_si512(c[i] + kPanel), sx), 1);
       if (around && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
         _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), line);
       } else {
@@ -95,10 +78,10 @@ void write_rows(const Problem& pb, const int32_t (*c)[2 * kPanel], int64_t m0, i
     return;
   }
   for (int j = 0; j < panels && col + j * kPanel < pb.n; ++j) {
-    const Columns cols(pb, col + j * kPanel);
+    const Columns cols = columns(pb, col + j * kPanel, true);
     for (int64_t i = r0; i < r1; ++i)
       _mm256_mask_storeu_epi16(pb.y + (m0 + i) * pb.ldy + col + j * kPanel, cols.mask,
-                               cols.out(pb, c[i] + j * kPanel, pb.sx[m0 + i]));
+                               cols.out(_mm512_load_si512(c[i] + j * kPanel), pb.sx[m0 + i]));
   }
 }
 
@@ -175,33 +158,53 @@ void store_tiles(int32_t (*c)[2 * kPanel]) {
   if (R > 1 && P > 1) _tile_stored(3, c[16] + kPanel, ldc);
 }
 
-// Rows [m0, m0 + rows) (at most kBlockRows) times the panel pair at g into a C buffer, left pending once the block
-// before it is finished.
-void block(const Problem& pb, int64_t m0, int64_t rows, int64_t g, int panels, Scratch& s, Pending& pending,
-           Ahead& ahead) {
+// The panel multiplied with the panel at `first`: its neighbour, or with up_panels its up panel.
+inline const int8_t* second_panel(const Problem& pb, const int8_t* first) {
+  return first + (pb.up_panels ? pb.up_panels : 1) * pb.panel_stride;
+}
+
+// A pair of panels as a block multiplies it: the panel g and its second (`panels`: one or two), and where K is not
+// whole steps their short last step, copied once per pair with the rest of the tile zero (tail, in the scratch).
+struct Pair {
+  int64_t g;
+  int panels;
+  const int8_t* b[2];
+  const Scratch* tail;
+};
+
+Pair pair_at(const Problem& pb, int64_t g, int panels, Scratch& s) {
+  const int8_t* first = pb.w + g * pb.panel_stride;
+  Pair pair{g, panels, {first, second_panel(pb, first)}, nullptr};
   const int64_t steps = (pb.quads + kStepQuads - 1) / kStepQuads;
   const int64_t tail_quads = pb.quads % kStepQuads;
-  const int8_t* b0 = pb.w + g * pb.panel_stride;
-  const int8_t* b1 = pb.up_panels ? b0 + pb.up_panels * pb.panel_stride : b0 + pb.panel_stride;
-  if (tail_quads) {  // the short last step: its quads copied, the rest of the tile zero
+  if (tail_quads) {
     for (int j = 0; j < panels; ++j) {
       std::memset(s.b_tail[j], 0, sizeof(s.b_tail[j]));
-      std::memcpy(s.b_tail[j], (j ? b1 : b0) + (steps - 1) * kTileBytes, static_cast<size_t>(tail_quads * kQuad));
+      std::memcpy(s.b_tail[j], pair.b[j] + (steps - 1) * kTileBytes, static_cast<size_t>(tail_quads * kQuad));
     }
+    pair.tail = &s;
   }
-  const Scratch* tail = tail_quads ? &s : nullptr;
+  return pair;
+}
+
+// Rows [m0, m0 + rows) (at most kBlockRows) times a pair into a C buffer, left pending once the block before it is
+// finished.
+void block(const Problem& pb, const Pair& pair, int64_t m0, int64_t rows, Scratch& s, Pending& pending, Ahead& ahead) {
+  const int64_t steps = (pb.quads + kStepQuads - 1) / kStepQuads;
+  const int8_t *b0 = pair.b[0], *b1 = pair.b[1];
+  const Scratch* tail = pair.tail;
   const uint8_t* a = pb.xq + m0 * 4 * pb.quads;
   int32_t(*c)[2 * kPanel] = s.c[s.current];
-  if (rows > 16 && panels > 1) {
+  if (rows > 16 && pair.panels > 1) {
     tiles<2, 2>(pb, a, b0, b1, steps, tail, pending, ahead), pending.finish(pb), store_tiles<2, 2>(c);
   } else if (rows > 16) {
     tiles<2, 1>(pb, a, b0, b1, steps, tail, pending, ahead), pending.finish(pb), store_tiles<2, 1>(c);
-  } else if (panels > 1) {
+  } else if (pair.panels > 1) {
     tiles<1, 2>(pb, a, b0, b1, steps, tail, pending, ahead), pending.finish(pb), store_tiles<1, 2>(c);
   } else {
     tiles<1, 1>(pb, a, b0, b1, steps, tail, pending, ahead), pending.finish(pb), store_tiles<1, 1>(c);
   }
-  pending = Pending{c, m0, rows, g, 0, panels};
+  pending = Pending{c, m0, rows, pair.g, 0, pair.panels};
   s.current ^= 1;
 }
 
@@ -209,11 +212,9 @@ void block(const Problem& pb, int64_t m0, int64_t rows, int64_t g, int panels, S
 Ahead ahead_of(const Problem& pb, int64_t g, int64_t end, int64_t blocks) {
   Ahead out;
   if (g >= end) return out;
-  const char* first = reinterpret_cast<const char*>(pb.w + g * pb.panel_stride);
-  out.p[0] = first;
-  out.p[1] = pb.up_panels ? first + pb.up_panels * pb.panel_stride
-           : end - g > 1  ? first + pb.panel_stride
-                          : nullptr;
+  const int8_t* first = pb.w + g * pb.panel_stride;
+  out.p[0] = reinterpret_cast<const char*>(first);
+  out.p[1] = pb.up_panels || end - g > 1 ? reinterpret_cast<const char*>(second_panel(pb, first)) : nullptr;
   out.left = pb.panel_stride / 64;
   out.per_block = (out.left + blocks - 1) / blocks;
   return out;
@@ -242,8 +243,9 @@ void run(const Problem& pb, const Chunks& chunks, std::atomic<int64_t>& next) {
       const int panels = pb.up_panels || p1 - g > 1 ? 2 : 1;
       const bool last = g + step >= p1;
       Ahead ahead = last ? ahead_of(pb, n0, n1, blocks) : ahead_of(pb, g + step, p1, blocks);
+      const Pair pair = pair_at(pb, g, panels, scratch);
       for (int64_t r = m0; r < m1; r += kBlockRows)
-        block(pb, r, m1 - r < kBlockRows ? m1 - r : kBlockRows, g, panels, scratch, pending, ahead);
+        block(pb, pair, r, m1 - r < kBlockRows ? m1 - r : kBlockRows, scratch, pending, ahead);
     }
     c = after;
   }
