@@ -29,11 +29,22 @@ def test_invocations_answer_as_the_route_of_their_kind(server: ServerProcess, bo
 
 
 def _comparable(reply: dict) -> dict:
-    """A reply without what differs between two identical requests: its id, time and prefix-cache hits."""
+    """A reply without what differs between two identical requests: its id, time and prefix-cache hits. Scores and
+    embeddings compare to 1e-5: a request batched beside another (or over a cached prefix) sums in another order."""
     reply = {k: v for k, v in reply.items() if k not in ("id", "created")}
     if isinstance(reply.get("usage"), dict):
         reply["usage"] = {k: v for k, v in reply["usage"].items() if k != "prompt_tokens_details"}
-    return reply
+    return _floats_approx(reply)
+
+
+def _floats_approx(value):
+    if isinstance(value, float):
+        return pytest.approx(value, abs=1e-5)
+    if isinstance(value, dict):
+        return {k: _floats_approx(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_floats_approx(v) for v in value]
+    return value
 
 
 def test_invocations_stream(server: ServerProcess) -> None:
