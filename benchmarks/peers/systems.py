@@ -127,10 +127,16 @@ def vllm_env(ctx: Context) -> dict[str, str]:
     return env
 
 
+def vllm_max_model_len(ctx: Context) -> int:
+    """vLLM's context: 2,048 tokens, or the sweep's longest request where it is longer (a chat's long history), so
+    that vLLM serves every request pagellm serves instead of turning the longest away with a 400."""
+    return max(2048, ctx.context_per_stream)
+
+
 def vllm(ctx: Context, port: int) -> System:
     exe = PEERS / "vllm" / "bin" / "vllm"
     argv = [str(exe), "serve", str(ctx.model_dir), "--dtype", ctx.dtype, "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", "smollm2", "--max-model-len", "2048", *kv_flags(ctx)]
+            "--served-model-name", "smollm2", "--max-model-len", str(vllm_max_model_len(ctx)), *kv_flags(ctx)]
     env = vllm_env(ctx)
     note = " ".join([*(f"{k}={v}" for k, v in env.items() if k != "VLLM_LOGGING_LEVEL"),
                      f"vllm serve --dtype {ctx.dtype}", *kv_flags(ctx)])

@@ -207,6 +207,16 @@ def test_compare_serves_the_dataset_to_every_system_and_sizes_llama_cpp_for_it(t
     assert compare.context_per_stream(random_args, tiny_llama) == 184 and random_args.offline_num_prompts == 256
 
 
+def test_compare_gives_vllm_the_context_of_the_sweeps_longest_request(tmp_path):
+    """A chat sweep's longest history can pass vLLM's usual 2,048 tokens: vLLM is then given the sweep's context, so
+    it serves the requests pagellm serves instead of answering them 400 (and being timed on fewer)."""
+    from peers import systems
+
+    for per_stream, expected in ((320, "2048"), (4673, "4673")):
+        argv = systems.vllm(systems.Context(tmp_path, tmp_path / "m.gguf", context_per_stream=per_stream), 8000).argv
+        assert argv[argv.index("--max-model-len") + 1] == expected
+
+
 def test_compare_gives_sharegpt_runs_the_tokenizer_for_the_replies_lengths(tmp_path, tiny_llama, monkeypatch):
     compare, args = _compare_args(monkeypatch, "--dataset", "sharegpt", "--dataset-path", str(tmp_path / "s.json"))
     load = compare.serve_args("http://127.0.0.1:1", args, 32, 200, 0, compare.systems.System("vLLM", []),
