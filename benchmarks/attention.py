@@ -37,6 +37,9 @@ def scenarios() -> dict[str, list[tuple[int, int, bool]]]:
         "prompt 4x512": [(512, 512, False)] * 4,
         "prompt 16x128": [(128, 128, False)] * 16,
         "chunk 4x256 after 256 cached": [(256, 512, False)] * 4,
+        "prompt 1x2048": [(2048, 2048, False)],
+        "prompt 1x4096": [(4096, 4096, False)],
+        "chunk 1x2048 after 2048 cached": [(2048, 4096, False)],
     }
 
 

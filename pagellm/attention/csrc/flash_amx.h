@@ -44,6 +44,7 @@ struct FlashAmxTile {
   alignas(64) float o[kFlashQueries][D];
   alignas(64) float m[kFlashQueries], l[kFlashQueries], corr[kFlashQueries];
   alignas(64) uint32_t vis[kFlashQueries];            // visible keys of the tile, per query vector
+  bool rescale[kGroups];                              // a group's o needs its corr (some maximum grew)
 };
 
 // Q^T of the item's nq query vectors (zero lanes past nq), 32 head dimensions at a time: 16 rows of 16 pairs,
@@ -61,24 +62,36 @@ void transpose_queries(FlashAmxTile<D>& tile, const BFloat16* const* qrows, int 
   }
 }
 
-// The key tile's K rows into kbuf and V into key pairs (rows past nk zero).
+// Where the scores read the key tile's K rows: each half's 16 rows in place in the cache, when a half is one
+// block's 16 consecutive slots (blocks of a multiple of 16 slots; a half past nk reads the first half again, and
+// rows past nk are never read back), else copied into kbuf (rows past nk zero).
+struct KeyRows {
+  const BFloat16* half[2];
+  int64_t stride;  // bytes from one key's row to the next
+};
+
+// The key tile's K rows (KeyRows) and V into key pairs (rows past nk zero).
 template <int D>
-void load_keys_values(FlashAmxTile<D>& tile, const BFloat16* const* krow, const BFloat16* const* vrow, int nk) {
+KeyRows load_keys_values(FlashAmxTile<D>& tile, const BFloat16* const* krow, const BFloat16* const* vrow, int nk,
+                         int64_t block_size, int64_t token_stride) {
+  interleave_values<D>(vrow, nk, kFlashKeys / 2, tile.vp);  // every pair: the tile's B operand is all 16
+  if (block_size % 16 == 0)
+    return {{krow[0], nk > 16 ? krow[16] : krow[0]}, token_stride * int64_t{sizeof(BFloat16)}};
   for (int key = 0; key < kFlashKeys; ++key) {
     if (key < nk) std::memcpy(tile.kbuf[key], krow[key], D * sizeof(BFloat16));
     else std::memset(tile.kbuf[key], 0, D * sizeof(BFloat16));
   }
-  interleave_values<D>(vrow, nk, kFlashKeys / 2, tile.vp);  // every pair: the tile's B operand is all 16
+  return {{tile.kbuf[0], tile.kbuf[16]}, D * int64_t{sizeof(BFloat16)}};
 }
 
 // S^T of group g: keys 0-15 in C0 and 16-31 in C1, over D / 32 steps of 32 head dimensions.
 template <int D>
-void scores_amx(FlashAmxTile<D>& tile, int g) {
+void scores_amx(FlashAmxTile<D>& tile, const KeyRows& keys, int g) {
   _tile_zero(0);
   _tile_zero(1);
   for (int step = 0; step < D / 32; ++step) {
-    _tile_loadd(4, tile.kbuf[0] + 32 * step, D * 2);
-    _tile_loadd(5, tile.kbuf[16] + 32 * step, D * 2);
+    _tile_loadd(4, keys.half[0] + 32 * step, keys.stride);
+    _tile_loadd(5, keys.half[1] + 32 * step, keys.stride);
     _tile_loadd(6, tile.qt[g][16 * step], 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 5, 6);
@@ -88,43 +101,58 @@ void scores_amx(FlashAmxTile<D>& tile, int g) {
 }
 
 // The online-softmax update of group g's 16 query vectors for this key tile (lanes past nq carry nothing), and
-// their probabilities as P rows in p2.
+// their probabilities as P rows in p2. m holds each query vector's largest raw score q·k (scale > 0 keeps the
+// order), so a score is scaled inside its exponent, e^(s scale - m scale), and a tile that every lane sees whole
+// (most of a long prompt's) takes no masks.
 template <int D>
 void softmax_group(FlashAmxTile<D>& tile, int g, int nk, float scale) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512 sc = _mm512_set1_ps(scale);
   const __m512i vis = _mm512_load_si512(tile.vis + 16 * g);
+  const uint32_t all = nk >= 32 ? ~0u : (1u << nk) - 1;
+  const bool whole = _mm512_cmpneq_epi32_mask(_mm512_and_si512(vis, _mm512_set1_epi32(int32_t(all))),
+                                              _mm512_set1_epi32(int32_t(all))) == 0;
   const __m512 m_old = _mm512_load_ps(tile.m + 16 * g);
   __m512 mx = m_old;
-  for (int k = 0; k < nk; ++k) {  // scaled scores, invisible keys at -inf
-    const __mmask16 seen = _mm512_test_epi32_mask(vis, _mm512_set1_epi32(int32_t(1u << k)));
-    const __m512 x = _mm512_mask_mul_ps(ninf, seen, _mm512_load_ps(tile.st[g][k]), sc);
-    _mm512_store_ps(tile.st[g][k], x);
-    mx = _mm512_max_ps(mx, x);
+  if (whole) {
+    for (int k = 0; k < nk; ++k) mx = _mm512_max_ps(mx, _mm512_load_ps(tile.st[g][k]));
+  } else {
+    for (int k = 0; k < nk; ++k) {  // invisible keys at -inf
+      const __mmask16 seen = _mm512_test_epi32_mask(vis, _mm512_set1_epi32(int32_t(1u << k)));
+      const __m512 x = _mm512_mask_mov_ps(ninf, seen, _mm512_load_ps(tile.st[g][k]));
+      _mm512_store_ps(tile.st[g][k], x);
+      mx = _mm512_max_ps(mx, x);
+    }
   }
   // Lanes whose maximum grew rescale (from -inf: by ~0, their sums and outputs are still 0); the others keep 1.
-  const __m512 corr = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), _mm512_cmp_ps_mask(mx, m_old, _CMP_NEQ_OQ),
-                                         exp16(_mm512_sub_ps(m_old, mx)));
+  // e^((s - m) scale) as 2^(s c - m c), c = scale log2(e); an invisible key's (-inf) is masked to 0 below.
+  const __m512 c2 = _mm512_set1_ps(scale * 1.44269504088896341f);
+  const __mmask16 grew = _mm512_cmp_ps_mask(mx, m_old, _CMP_NEQ_OQ);
+  const __m512 corr =
+      _mm512_mask_mov_ps(_mm512_set1_ps(1.f), grew, exp2_16(_mm512_mul_ps(_mm512_sub_ps(m_old, mx), c2)));
+  const __m512 shift = _mm512_mul_ps(mx, c2);
   __m512 sum = _mm512_setzero_ps();
+  // Key pairs as 16 bf16 pairs, lane q = (p[q][2 kp], p[q][2 kp + 1]): the two keys' 16 lanes rounded in one
+  // instruction, then interleaved.
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   __m512i pairs[16];
   for (int kp = 0; kp < kFlashKeys / 2; ++kp) {
-    __m512i word = _mm512_setzero_si512();
+    __m512 p[2];
     for (int half = 0; half < 2; ++half) {
       const int k = 2 * kp + half;
-      if (k >= nk) break;
-      const __mmask16 seen = _mm512_test_epi32_mask(vis, _mm512_set1_epi32(int32_t(1u << k)));
-      const __m512 p = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(_mm512_load_ps(tile.st[g][k]), mx)));
-      sum = _mm512_add_ps(sum, p);
-      const __m512i bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));
-      word = _mm512_or_si512(word, half ? _mm512_slli_epi32(bits, 16) : bits);
+      p[half] = k < nk ? exp2_16(_mm512_fmsub_ps(_mm512_load_ps(tile.st[g][k]), c2, shift)) : _mm512_setzero_ps();
+      if (!whole && k < nk)
+        p[half] = _mm512_maskz_mov_ps(_mm512_test_epi32_mask(vis, _mm512_set1_epi32(int32_t(1u << k))), p[half]);
+      sum = _mm512_add_ps(sum, p[half]);
     }
-    pairs[kp] = word;  // lane q: (p[q][2 kp], p[q][2 kp + 1]) as bf16
+    pairs[kp] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
   }
   transpose16(pairs);  // pairs[q]: query vector q's key pairs
   for (int q = 0; q < 16; ++q) tile.p2[16 * g + q] = pairs[q];
   _mm512_store_ps(tile.l + 16 * g, _mm512_fmadd_ps(_mm512_load_ps(tile.l + 16 * g), corr, sum));
   _mm512_store_ps(tile.m + 16 * g, mx);
   _mm512_store_ps(tile.corr + 16 * g, corr);
+  tile.rescale[g] = grew != 0;
 }
 
 // o = o * corr + P · V for every query vector (rows of a group past nq: zero P, zero o).
@@ -132,6 +160,10 @@ template <int D>
 void values_amx(FlashAmxTile<D>& tile, int nq) {
   constexpr int DV = FlashAmxTile<D>::DV;
   for (int qv = 0; qv < nq; ++qv) {
+    if (!tile.rescale[qv / 16]) {  // every corr of the group is 1: o stays as it is
+      qv += 15;
+      continue;
+    }
     const __m512 c = _mm512_set1_ps(tile.corr[qv]);
     for (int v = 0; v < DV; ++v)
       _mm512_store_ps(tile.o[qv] + 16 * v, _mm512_mul_ps(_mm512_load_ps(tile.o[qv] + 16 * v), c));
@@ -181,13 +213,15 @@ void flash_tile_amx(const BFloat16* q, const BFloat16* k_cache, const BFloat16* 
   for (int64_t k0 = kbegin; k0 < kend; k0 += kFlashKeys) {
     const int nk = static_cast<int>(std::min<int64_t>(kFlashKeys, kend - k0));
     key_rows<D>(k_cache, v_cache, blocks, k0, nk, block_size, token_stride, kv_head, krow, vrow);
-    load_keys_values<D>(tile, krow, vrow, nk);
+    const KeyRows keys = load_keys_values<D>(tile, krow, vrow, nk, block_size, token_stride);
     for (int i = 0; i < m; ++i) {
       const uint32_t visible = vis[i].mask(k0, nk);
       for (int g = 0; g < group; ++g) tile.vis[i * group + g] = visible;
     }
+    // Each group's scores are asked of the tiles before the group before it takes its softmax, so the two overlap.
+    scores_amx<D>(tile, keys, 0);
     for (int g = 0; 16 * g < nq; ++g) {
-      scores_amx<D>(tile, g);
+      if (16 * (g + 1) < nq) scores_amx<D>(tile, keys, g + 1);
       softmax_group<D>(tile, g, nk, scale);
     }
     values_amx<D>(tile, nq);

@@ -16,7 +16,7 @@
 
 #include "fp8.h"  // ops/csrc
 #include "paged_common.h"
-#include "simd_exp.h"  // ops/csrc: exp16
+#include "simd_exp.h"  // ops/csrc: exp2_16
 
 #if defined(__AVX512BF16__)
 namespace pagellm {
@@ -103,7 +103,8 @@ void pack_keys_values(FlashTile<D>& tile, const KV* const* krow, const KV* const
   interleave_values<D>(vrow, nk, (nk + 1) / 2, tile.vp);
 }
 
-// Scores of R query vectors against the tile's keys (HALVES = 1: keys 0-15 only), times scale.
+// Scores of R query vectors against the tile's keys (HALVES = 1: keys 0-15 only), times scale (flash_tile's:
+// the softmax scale times log2(e)).
 template <int D, int R, int HALVES>
 inline void qk_rows(FlashTile<D>& tile, const BFloat16* const* qrows, int first, float scale) {
   __m512 acc[R][HALVES];
@@ -138,7 +139,8 @@ void qk_all(FlashTile<D>& tile, const BFloat16* const* qrows, int nq, float scal
   }
 }
 
-// Online-softmax update of one query vector for this key tile; leaves its probabilities in p2 as bf16.
+// Online-softmax update of one query vector for this key tile (scores and maxima in log2 units: 2^(s - m) is
+// e^((q·k - max) scale)); leaves its probabilities in p2 as bf16.
 template <int D>
 inline void softmax_row(FlashTile<D>& tile, int qv, uint32_t visible) {
   if (visible == 0) {  // nothing to see in this tile: the update is the identity
@@ -152,9 +154,9 @@ inline void softmax_row(FlashTile<D>& tile, int qv, uint32_t visible) {
   const __m512 s1 = _mm512_mask_load_ps(ninf, hi, tile.s[qv] + 16);
   const float new_max = std::max(tile.m[qv], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
   const __m512 mx = _mm512_set1_ps(new_max);
-  const __m512 p0 = _mm512_maskz_mov_ps(lo, exp16(_mm512_sub_ps(s0, mx)));
-  const __m512 p1 = _mm512_maskz_mov_ps(hi, exp16(_mm512_sub_ps(s1, mx)));
-  const float correction = std::exp(tile.m[qv] - new_max);
+  const __m512 p0 = _mm512_maskz_mov_ps(lo, exp2_16(_mm512_sub_ps(s0, mx)));
+  const __m512 p1 = _mm512_maskz_mov_ps(hi, exp2_16(_mm512_sub_ps(s1, mx)));
+  const float correction = std::exp2(tile.m[qv] - new_max);
   tile.l[qv] = tile.l[qv] * correction + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
   tile.m[qv] = new_max;
   tile.corr[qv] = correction;
@@ -216,11 +218,18 @@ inline void write_row(const float* o, float l, BFloat16* out) {
 template <int D, typename KV>
 inline void key_rows(const KV* k_cache, const KV* v_cache, const int64_t* blocks, int64_t k0, int nk,
                      int64_t block_size, int64_t token_stride, int64_t kv_head, const KV** krow, const KV** vrow) {
+  // Block by block: one division for the tile, not one per key (a 64-bit division per key was ~10 % of a long
+  // prompt's flash tiles).
+  int64_t block = k0 / block_size, slot = k0 % block_size;
+  int64_t base = blocks[block] * block_size * token_stride + kv_head * D;
   for (int key = 0; key < nk; ++key) {
-    const int64_t pos = k0 + key;
-    const int64_t offset = key_offset(blocks, pos, block_size, token_stride, kv_head, D);
-    krow[key] = k_cache + offset;
-    vrow[key] = v_cache + offset;
+    if (slot == block_size) {
+      slot = 0;
+      base = blocks[++block] * block_size * token_stride + kv_head * D;
+    }
+    krow[key] = k_cache + base + slot * token_stride;
+    vrow[key] = v_cache + base + slot * token_stride;
+    ++slot;
   }
 }
 
@@ -247,12 +256,13 @@ void flash_tile(const BFloat16* q, const KV* k_cache, const KV* v_cache, const i
   const int64_t token_stride = kv_heads * D;
   const KV* krow[kFlashKeys];
   const KV* vrow[kFlashKeys];
+  const float scale2 = scale * 1.44269504088896341f;  // scores in log2 units: the softmax takes 2^x (exp2_16)
   for (int64_t k0 = kbegin; k0 < kend; k0 += kFlashKeys) {
     const int nk = static_cast<int>(std::min<int64_t>(kFlashKeys, kend - k0));
     key_rows<D>(k_cache, v_cache, blocks, k0, nk, block_size, token_stride, kv_head, krow, vrow);
     pack_keys_values<D>(tile, krow, vrow, nk);
-    if (nk > 16) qk_all<D, 2>(tile, qrows, nq, scale);
-    else qk_all<D, 1>(tile, qrows, nq, scale);
+    if (nk > 16) qk_all<D, 2>(tile, qrows, nq, scale2);
+    else qk_all<D, 1>(tile, qrows, nq, scale2);
     for (int i = 0; i < m; ++i) {
       const uint32_t visible = vis[i].mask(k0, nk);
       for (int g = 0; g < group; ++g) softmax_row<D>(tile, static_cast<int>(i * group + g), visible);
