@@ -1,12 +1,14 @@
 // The flash tiles on Intel AMX (CPUs with AMX-BF16): the same work items, visibility, online softmax in float32
 // and bf16 probabilities as flash_bf16.h, with both products on AMX tiles and the softmax laid out for them.
 //
-// Scores are computed transposed, S^T = K · Q^T: the A operand is the key tile's K rows as they are (copied out
-// of their blocks into one 32-row buffer), the B operand the item's query vectors transposed into bf16 pairs along
-// the head dimension (qt[pair][query], made once per item), so one TDPBF16PS gives 16 keys x 16 query vectors
-// over 32 head dimensions. With keys in rows and query vectors in lanes, the softmax of 16 query vectors is
-// vertical: running max, exp and sums are plain vector operations over the tile's keys (no horizontal reductions,
-// no scalar exp per query vector). The probabilities are rounded to bfloat16, paired by key and transposed into P
+// Scores are computed transposed, S^T = K · Q^T: the A operand is the key tile's K rows as they are (read in place
+// from the cache where a block holds 16 consecutive keys of the tile, else copied out of their blocks into one
+// 32-row buffer), the B operand the item's query vectors transposed into bf16 pairs along the head dimension
+// (qt[pair][query], made once per item), so one TDPBF16PS gives 16 keys x 16 query vectors over 32 head
+// dimensions. With keys in rows and query vectors in lanes, the softmax of 16 query vectors is vertical: running
+// max, exponentials (2^x, simd_exp.h's exp2_16) and sums are plain vector operations over the tile's keys (no
+// horizontal reductions, no scalar exp per query vector). The probabilities are rounded to bfloat16, paired by key
+// and transposed into P
 // rows (p2[query][key pair]), the A operand of O += P · V, whose B operand is V interleaved in key pairs
 // (vp[key pair][d], as flash_bf16.h packs it), so the output's head dimensions come out in the flash tiles'
 // permuted order and write_row undoes it. The two paths differ only in the order float32 sums are added
@@ -218,7 +220,7 @@ void flash_tile_amx(const BFloat16* q, const BFloat16* k_cache, const BFloat16* 
       const uint32_t visible = vis[i].mask(k0, nk);
       for (int g = 0; g < group; ++g) tile.vis[i * group + g] = visible;
     }
-    // Each group's scores are asked of the tiles before the group before it takes its softmax, so the two overlap.
+    // Group g + 1's score products go to the tiles before group g's softmax runs, so the two overlap.
     scores_amx<D>(tile, keys, 0);
     for (int g = 0; 16 * g < nq; ++g) {
       if (16 * (g + 1) < nq) scores_amx<D>(tile, keys, g + 1);
