@@ -43,6 +43,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pagellm_silu_and_mul_bf16.argtypes = [_P, _I, _I, _P]
     lib.pagellm_rotary_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P]
     lib.pagellm_dequantize_gguf.argtypes = [_P, _I, _I, _I, _P, _I]
+    lib.pagellm_simd_exp_f32.argtypes = [_P, _I, _I, _P]
+    lib.pagellm_simd_exp_f32.restype = _I
     for fn in (lib.pagellm_add_rms_norm_bf16, lib.pagellm_silu_and_mul_bf16, lib.pagellm_rotary_bf16,
                lib.pagellm_dequantize_gguf):
         fn.restype = None
@@ -150,3 +152,14 @@ def copy_float16(dst: torch.Tensor, src: torch.Tensor) -> bool:
         return False
     rows = src.numel() // src.shape[-1]
     return dequantize_gguf(src.view(rows, -1).view(torch.uint8), "F16", torch.bfloat16, dst.view(rows, -1)) is not None
+
+
+def simd_exp(x: torch.Tensor, base2: bool = False) -> torch.Tensor | None:
+    """The native kernels' vector exponentials (``csrc/simd_exp.h``) of a contiguous float32 tensor: e^x
+    (``exp16``: SiLU, the decode walk's softmax) or, with ``base2``, 2^x (``exp2_16``: the flash tiles' softmax);
+    None where the library is missing or was built without AVX-512. For their accuracy tests."""
+    lib = _lib()
+    if lib is None or x.dtype != torch.float32 or not x.is_contiguous():
+        return None
+    out = torch.empty_like(x)
+    return out if lib.pagellm_simd_exp_f32(x.data_ptr(), x.numel(), int(base2), out.data_ptr()) else None

@@ -184,3 +184,20 @@ def test_a_load_does_not_wait_for_the_librarys_compile(monkeypatch: pytest.Monke
     monkeypatch.setattr(build, "library_built", lambda source: False)
     assert fused.dequantize_gguf(torch.from_numpy(raw), "Q4_K") is None
     assert torch.equal(gguf_blocks.values(torch.from_numpy(raw), "Q4_K", BF16), want.to(BF16))
+
+
+def test_the_kernels_exponentials_hold_float32_accuracy(kernel_build: str) -> None:
+    """``exp16`` (e^x: SiLU, the decode walk) and ``exp2_16`` (2^x: the flash tiles' softmax) within 1e-6 of the
+    exact values over their ranges; 2^x clamps at 2^-126 below (no denormals). An AVX2-only build has neither and
+    says so."""
+    e_args = torch.cat([torch.linspace(-87.0, 88.0, 40001), torch.linspace(-1.0, 1.0, 4001)])
+    two_args = torch.cat([torch.linspace(-126.0, 2.0, 40001), torch.linspace(-1.0, 1.0, 4001)])
+    e, two = fused.simd_exp(e_args), fused.simd_exp(two_args, base2=True)
+    native_avx512 = kernel_build == "native" and "avx512f" in build.cpu_flags().split()
+    assert (e is not None, two is not None) == (native_avx512, native_avx512)
+    if not native_avx512:
+        return
+    for got, exact in ((e, torch.exp(e_args.double())), (two, torch.exp2(two_args.double()))):
+        assert ((got.double() - exact) / exact).abs().max().item() < 1e-6
+    below = fused.simd_exp(torch.tensor([-126.5, -150.0, -1000.0, float("-inf")]), base2=True)
+    assert torch.equal(below, torch.full((4,), 2.0 ** -126))

@@ -22,7 +22,7 @@
 #include "bf16.h"         // f32, bf16
 #include "gguf_blocks.h"  // gguf_blocks::decode
 #include "silu.h"         // round_bf16x16, store_bf16x16, silu_mul16 (shared with the packed GEMMs' gate/up epilogues)
-#include "simd_exp.h"     // exp16
+#include "simd_exp.h"     // exp16, exp2_16
 
 namespace {
 
@@ -167,6 +167,22 @@ void pagellm_dequantize_gguf(const uint8_t* raw, int64_t rows, int64_t row_bytes
       at += len;
     }
   }
+}
+
+// The kernels' vector exponentials (simd_exp.h: exp16, e^x; exp2_16, 2^x) of n floats, for their accuracy tests.
+// Returns 0, out untouched, where the build has no AVX-512.
+int64_t pagellm_simd_exp_f32(const float* x, int64_t n, int64_t base2, float* out) {
+#if defined(__AVX512F__)
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+    _mm512_mask_storeu_ps(out + i, m, base2 ? exp2_16(v) : exp16(v));
+  }
+  return 1;
+#else
+  (void)x, (void)n, (void)base2, (void)out;
+  return 0;
+#endif
 }
 
 }  // extern "C"
