@@ -118,15 +118,13 @@ void softmax_group(FlashAmxTile<D>& tile, int g, int nk, float scale) {
   if (whole) {
     for (int k = 0; k < nk; ++k) mx = _mm512_max_ps(mx, _mm512_load_ps(tile.st[g][k]));
   } else {
-    for (int k = 0; k < nk; ++k) {  // invisible keys at -inf
+    for (int k = 0; k < nk; ++k) {  // invisible keys count as -inf (their probabilities are masked below)
       const __mmask16 seen = _mm512_test_epi32_mask(vis, _mm512_set1_epi32(int32_t(1u << k)));
-      const __m512 x = _mm512_mask_mov_ps(ninf, seen, _mm512_load_ps(tile.st[g][k]));
-      _mm512_store_ps(tile.st[g][k], x);
-      mx = _mm512_max_ps(mx, x);
+      mx = _mm512_max_ps(mx, _mm512_mask_mov_ps(ninf, seen, _mm512_load_ps(tile.st[g][k])));
     }
   }
   // Lanes whose maximum grew rescale (from -inf: by ~0, their sums and outputs are still 0); the others keep 1.
-  // e^((s - m) scale) as 2^(s c - m c), c = scale log2(e); an invisible key's (-inf) is masked to 0 below.
+  // e^((s - m) scale) as 2^(s c - m c), c = scale log2(e); an invisible key's is masked to 0 below.
   const __m512 c2 = _mm512_set1_ps(scale * 1.44269504088896341f);
   const __mmask16 grew = _mm512_cmp_ps_mask(mx, m_old, _CMP_NEQ_OQ);
   const __m512 corr =
