@@ -111,9 +111,14 @@ struct Pending {
 
 // The C tiles of R row tiles x P panels, K steps in sequence; the last step reads B from `tail` (zero-padded
 // copies) when the K pairs are not whole steps. Each step also writes a share of the pending block's rows.
+// Inlined, as block is, into run_panels: called, they took Ahead through the stack, and GCC copied its two pointers
+// with one 16-byte load of two 8-byte stores. A load like that is not forwarded from the store queue; it waits for
+// those stores to reach L1, behind the previous block's non-temporal y stores: 7-8 % of a prompt step's GEMM time
+// (perf annotate, docs/performance.md Round 42).
 template <int R, int P>
-void tiles(const uint16_t* a, int64_t lda, int64_t a_tile, const uint16_t* b0, const uint16_t* b1, int64_t steps,
-           const Scratch* tail, Ahead ahead, Pending& pending) {
+[[gnu::always_inline]] inline void tiles(const uint16_t* a, int64_t lda, int64_t a_tile, const uint16_t* b0,
+                                         const uint16_t* b1, int64_t steps, const Scratch* tail, Ahead ahead,
+                                         Pending& pending) {
   const int64_t per_step = (ahead.lines + steps - 1) / steps;
   const int64_t rows_per_step = pending.pb ? (pending.rows + steps - 1) / steps : 0;
   pagellm_amx::zero_c_tiles<R, P>();
@@ -217,9 +222,10 @@ void write_rows(const Problem& pb, const Pairing& pair, int64_t m0, int64_t r0, 
 
 // Rows [m0, m0 + rows) (at most kBlockRows) times the pair at panel g (`panels`: one or two) into a C buffer, left
 // pending (written during the next block, or by the caller's finish) once the block before it is finished; below 16
-// rows written at once.
-void block(const Problem& pb, const Pairing& pair, const uint16_t* a, int64_t lda, int tile_rows, int64_t m0,
-           int64_t rows, int64_t g, int panels, Ahead ahead, Scratch& s, Pending& pending) {
+// rows written at once. Inlined (see tiles).
+[[gnu::always_inline]] inline void block(const Problem& pb, const Pairing& pair, const uint16_t* a, int64_t lda,
+                                         int tile_rows, int64_t m0, int64_t rows, int64_t g, int panels, Ahead ahead,
+                                         Scratch& s, Pending& pending) {
   const int64_t steps = (pb.kpairs + kStepPairs - 1) / kStepPairs;
   const int64_t tail_pairs = pb.kpairs % kStepPairs;
   const uint16_t* b0 = pb.w + g * pb.panel_stride;
@@ -257,21 +263,34 @@ void Pending::write(int64_t n) {
   done = end;
 }
 
+// Panels in the pair at panel g of a run ending at p1: two, or one where a plain GEMM's run has an odd count.
+inline int pair_panels(const Pairing& pair, int64_t g, int64_t p1) {
+  return pair.silu || p1 - g > 1 ? 2 : 1;
+}
+
+// The first pair of the work item a thread takes after this one (panels 0: none), whose weights the item's last
+// pair pulls into L2. Without it every item started on weights from DRAM: at 576 outputs an item is one pair, and
+// its first row block waited on all of them (docs/performance.md, Round 42).
+struct Following {
+  int64_t g = 0;
+  int panels = 0;
+};
+
 // One piece of a thread's work: pairs starting in panels [p0, p1) times rows [m0, m0 + rows), a pair at a time
 // (its weights stay in L1 or L2 while every row block passes over them), rows in blocks of 32 (the range's rows
 // stay in L2).
 void run_panels(const Problem& pb, const Pairing& pair, int64_t p0, int64_t p1, int64_t m0, int64_t rows,
-                int tile_rows, Scratch& s, Pending& pending) {
+                int tile_rows, Following after, Scratch& s, Pending& pending) {
   const ARows a = a_rows(pb, m0, rows, tile_rows, s);
   const int64_t blocks = (a.direct + kBlockRows - 1) / kBlockRows + (rows - a.direct + kBlockRows - 1) / kBlockRows;
   const int64_t panel_lines = pb.panel_stride * 2 / 64;
   for (int64_t g = p0; g < p1; g += pair.step) {
-    const int panels = pair.silu || p1 - g > 1 ? 2 : 1;
-    // The next pair's lines (none after the chunk's last pair), a share to each of this pair's row blocks. Below
-    // 16 rows a pair's few tile products leave no room for them: the hardware prefetcher keeps up alone (the LM
-    // head at 4 rows took 1.2x as long with them).
-    const int64_t next = g + pair.step;
-    const int next_panels = next >= p1 ? 0 : pair.silu || p1 - next > 1 ? 2 : 1;
+    const int panels = pair_panels(pair, g, p1);
+    // The next pair's lines (after the item's last pair, the first pair of the thread's next item), a share to each
+    // of this pair's row blocks. Below 16 rows a pair's few tile products leave no room for them: the hardware
+    // prefetcher keeps up alone (the LM head at 4 rows took 1.2x as long with them).
+    const int64_t next = g + pair.step < p1 ? g + pair.step : after.g;
+    const int next_panels = g + pair.step < p1 ? pair_panels(pair, next, p1) : after.panels;
     const int64_t lines = tile_rows < 16 ? 0 : panel_lines;
     const char* first = reinterpret_cast<const char*>(pb.w + next * pb.panel_stride);
     const char* second = reinterpret_cast<const char*>(pb.w + (next + pair.second) * pb.panel_stride);
@@ -296,14 +315,25 @@ void run(const Problem& pb, const Pairing& pair, const Chunks& chunks, std::atom
   configure(tile_rows);
   Scratch scratch;
   Pending pending;
-  const int64_t ranges = (pb.m + kRangeRows - 1) / kRangeRows;
-  for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks.items * ranges;
-       c = next.fetch_add(1, std::memory_order_relaxed)) {
+  const int64_t items = chunks.items * ((pb.m + kRangeRows - 1) / kRangeRows);
+  // Each item is claimed one item ahead, so that its weights are on their way while the one before computes. A
+  // thread the OS preempts holds back one item more than before (of about 8 a thread).
+  int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+  while (c < items) {
+    const int64_t c_next = next.fetch_add(1, std::memory_order_relaxed);
     int64_t p0, p1;
     chunks.range(c % chunks.items, pb.panels, &p0, &p1);
+    Following after;
+    if (c_next < items) {
+      int64_t q0, q1;
+      chunks.range(c_next % chunks.items, pb.panels, &q0, &q1);
+      if (q0 < q1) after = {q0, pair_panels(pair, q0, q1)};
+    }
     const int64_t m0 = c / chunks.items * kRangeRows;
     if (p0 < p1)
-      run_panels(pb, pair, p0, p1, m0, pb.m - m0 < kRangeRows ? pb.m - m0 : kRangeRows, tile_rows, scratch, pending);
+      run_panels(pb, pair, p0, p1, m0, pb.m - m0 < kRangeRows ? pb.m - m0 : kRangeRows, tile_rows, after, scratch,
+                 pending);
+    c = c_next;
   }
   pending.finish();
   _mm_sfence();  // the non-temporal stores are visible before the threads meet
