@@ -194,7 +194,8 @@ def offline_commands(args: argparse.Namespace, ctx: systems.Context, out: Path,
         cmds["vLLM"] = ([str(vllm), "bench", "throughput", "--model", str(ctx.model_dir), "--dtype", ctx.dtype,
                          "--dataset-name", "random", "--random-input-len", str(args.input_len),
                          "--random-output-len", str(args.output_len), "--num-prompts", str(args.offline_num_prompts),
-                         "--output-json", str(out / f"offline-vLLM{suffix}.json"), *kv], systems.vllm_env(ctx))
+                         "--output-json", str(out / f"offline-vLLM{suffix}.json"), *kv, *ctx.vllm_flags],
+                        systems.vllm_env(ctx))
     if kv or ctx.quantization:  # the transformers baseline has no float8 cache and no quantized weights
         del cmds["transformers"]
     return cmds
@@ -271,6 +272,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--pagellm-flags", default="", metavar="FLAGS",
                         help="pagellm's own engine flags on top of the shared ones, served and offline (e.g. "
                              "'--max-num-batched-tokens 768'); the report lists them with the others")
+    parser.add_argument("--vllm-flags", default="", metavar="FLAGS",
+                        help="vLLM's own engine flags on top of the shared ones, served and offline (e.g. the same "
+                             "'--max-num-batched-tokens 512' pagellm gets); the report lists them with the others")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ready-timeout", type=float, default=600)
     parser.add_argument("--settle", type=float, default=0.0, metavar="S",
@@ -337,8 +341,9 @@ def redraw(results_json: Path) -> None:
     gguf = Path(getattr(args, "gguf", None) or default_model_path())
     ctx = systems.Context(quantized_dir(hf_model_dir(gguf), quantization), gguf, args.dtype,
                           args.threads, max(args.concurrency), kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-                          quantization=quantization, pagellm_flags=tuple(shlex.split(getattr(args, "pagellm_flags",
-                                                                                             ""))))
+                          quantization=quantization,
+                          pagellm_flags=tuple(shlex.split(getattr(args, "pagellm_flags", ""))),
+                          vllm_flags=tuple(shlex.split(getattr(args, "vllm_flags", ""))))
     out = results_json.parent
     md = write_report(out.parent / f"{out.name}.md", out, args, ctx, data["served"], data["offline"],
                       data["skipped"], command=data.get("command"))
@@ -360,7 +365,8 @@ def main() -> None:
     ctx = systems.Context(quantized_dir(model_dir, args.quantization), gguf, args.dtype,
                           args.threads, max(args.concurrency), context_per_stream=per_stream,
                           kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-                          pagellm_flags=tuple(shlex.split(args.pagellm_flags)))
+                          pagellm_flags=tuple(shlex.split(args.pagellm_flags)),
+                          vllm_flags=tuple(shlex.split(args.vllm_flags)))
     stem = f"{datetime.date.today().isoformat()}-{args.machine}"
     out = RESULTS / stem
     (out / "logs").mkdir(parents=True, exist_ok=True)

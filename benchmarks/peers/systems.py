@@ -59,6 +59,7 @@ class Context:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None  # w8a8_int8: model_dir is that scheme's checkpoint; FOUR_BIT: pagellm's flag
     pagellm_flags: tuple[str, ...] = ()  # pagellm's own engine flags on top (compare.py --pagellm-flags)
+    vllm_flags: tuple[str, ...] = ()  # vLLM's own engine flags on top (compare.py --vllm-flags)
 
 
 def kv_flags(ctx: Context) -> list[str]:
@@ -136,10 +137,11 @@ def vllm_max_model_len(ctx: Context) -> int:
 def vllm(ctx: Context, port: int) -> System:
     exe = PEERS / "vllm" / "bin" / "vllm"
     argv = [str(exe), "serve", str(ctx.model_dir), "--dtype", ctx.dtype, "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", "smollm2", "--max-model-len", str(vllm_max_model_len(ctx)), *kv_flags(ctx)]
+            "--served-model-name", "smollm2", "--max-model-len", str(vllm_max_model_len(ctx)), *kv_flags(ctx),
+            *ctx.vllm_flags]
     env = vllm_env(ctx)
     note = " ".join([*(f"{k}={v}" for k, v in env.items() if k != "VLLM_LOGGING_LEVEL"),
-                     f"vllm serve --dtype {ctx.dtype}", *kv_flags(ctx)])
+                     f"vllm serve --dtype {ctx.dtype}", *kv_flags(ctx), *ctx.vllm_flags])
     missing = f"no Q4_1 path on CPU (--quantization {ctx.quantization})" if ctx.quantization in FOUR_BIT else \
         None if exe.exists() else f"{exe} not found (run `make peers`)"
     return System("vLLM", argv, env, note=note, missing_reason=missing)

@@ -281,6 +281,24 @@ def test_compare_gives_pagellm_its_own_flags_served_and_offline(tmp_path, monkey
     assert compare.systems.vllm(ctx, 8000).argv == compare.systems.vllm(plain, 8000).argv
 
 
+def test_compare_gives_vllm_its_own_flags_served_and_offline(tmp_path, monkeypatch):
+    """``--vllm-flags``: the same setting given to pagellm can be given to vLLM (its budget, say), on its server and
+    its offline run, named in the report's flags note; pagellm's commands do not change."""
+    compare, args = _compare_args(monkeypatch, "--vllm-flags", "--max-num-batched-tokens 512",
+                                  "--offline-num-prompts", "8")
+    ctx = compare.systems.Context(tmp_path, tmp_path / "m.gguf", vllm_flags=tuple(args.vllm_flags.split()))
+    plain = compare.systems.Context(tmp_path, tmp_path / "m.gguf")
+    served = compare.systems.vllm(ctx, 8000)
+    assert served.argv[-2:] == ["--max-num-batched-tokens", "512"] and "--max-num-batched-tokens 512" in served.note
+    assert "--max-num-batched-tokens" not in compare.systems.vllm(plain, 8000).argv
+    monkeypatch.setattr(compare.systems, "PEERS", tmp_path)
+    (tmp_path / "vllm" / "bin").mkdir(parents=True)
+    (tmp_path / "vllm" / "bin" / "vllm").write_text("")
+    offline, _ = compare.offline_commands(args, ctx, tmp_path)["vLLM"]
+    assert offline[-2:] == ["--max-num-batched-tokens", "512"]
+    assert compare.systems.pagellm(ctx, 8000).argv == compare.systems.pagellm(plain, 8000).argv
+
+
 @pytest.mark.parametrize("fmt", ["w4a8_int4", "w4a16_int4"])
 @pytest.mark.parametrize("types", [{"Q4_1": 210}, {"Q4_0": 20, "Q4_K": 150, "Q6_K": 40}])
 def test_compare_sets_4bit_pagellm_beside_llama_cpp_on_the_same_gguf(tmp_path, monkeypatch, fmt: str,
