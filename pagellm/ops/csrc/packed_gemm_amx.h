@@ -19,6 +19,8 @@
 #include "amx_tiles.h"  // permitted, configure
 #include "silu.h"  // round_bf16x16, silu_mul16: the gate/up epilogue, bit for bit the SiLU·mul kernel's
 
+#include <type_traits>
+
 namespace {
 namespace amx {
 
@@ -28,6 +30,8 @@ constexpr int64_t kBlockRows = 32;                     // rows per M block: two 
 constexpr int64_t kTileBytes = kStepPairs * 64;        // one B tile: 16 lines of a panel
 constexpr int64_t kRangeRows = 256;                    // rows per work item (their x stays in L2 across panels)
 constexpr int64_t kStreamBytes = int64_t{256} << 10;    // a y of this size and more is written non-temporally
+constexpr int kStreamA = 1, kStreamB = 2;              // which tile operand is loaded as read once (tiles)
+constexpr int64_t kL1PairBytes = int64_t{40} << 10;    // a pair's weights this size or less stay in L1 (of 48 KiB)
 
 using pagellm_amx::permitted;
 
@@ -115,7 +119,10 @@ struct Pending {
 // with one 16-byte load of two 8-byte stores. A load like that is not forwarded from the store queue; it waits for
 // those stores to reach L1, behind the previous block's non-temporal y stores: 7-8 % of a prompt step's GEMM time
 // (perf annotate, docs/performance.md Round 42).
-template <int R, int P>
+// S says which operand is loaded with TILELOADDT1, the hint that it will not be read again soon, so that it does not
+// push the other out of L1: kStreamA the x rows (a pair's weights are read again by every row block), kStreamB the
+// weights (see stream_for).
+template <int R, int P, int S>
 [[gnu::always_inline]] inline void tiles(const uint16_t* a, int64_t lda, int64_t a_tile, const uint16_t* b0,
                                          const uint16_t* b1, int64_t steps, const Scratch* tail, Ahead ahead,
                                          Pending& pending) {
@@ -135,13 +142,19 @@ template <int R, int P>
         ahead.p[1] += 64;
       }
     }
-    _tile_loadd(6, bs0, 64);
-    if (P > 1) _tile_loadd(7, bs1, 64);
-    _tile_loadd(4, as, lda);
+    if (S == kStreamB) {
+      _tile_stream_loadd(6, bs0, 64);
+      if (P > 1) _tile_stream_loadd(7, bs1, 64);
+      _tile_loadd(4, as, lda);
+    } else {
+      _tile_loadd(6, bs0, 64);
+      if (P > 1) _tile_loadd(7, bs1, 64);
+      _tile_stream_loadd(4, as, lda);
+    }
     _tile_dpbf16ps(0, 4, 6);
     if (P > 1) _tile_dpbf16ps(1, 4, 7);
     if (R > 1) {
-      _tile_loadd(5, as + a_tile, lda);
+      if (S == kStreamB) _tile_loadd(5, as + a_tile, lda); else _tile_stream_loadd(5, as + a_tile, lda);
       _tile_dpbf16ps(2, 5, 6);
       if (P > 1) _tile_dpbf16ps(3, 5, 7);
     }
@@ -220,6 +233,14 @@ void write_rows(const Problem& pb, const Pairing& pair, int64_t m0, int64_t r0, 
   }
 }
 
+// The operand a problem's tiles load as read once: the weights where each pair meets one row block (M <= 32; the x
+// rows are read again by every pair) or is larger than L1 (K of 1,536: 96 KiB), else the x rows. Measured against
+// plain loads (docs/performance.md, Round 42): gate/up with SiLU 1.13-1.21x at 256 and 2,048 rows, the plain
+// products up to 1.09x at 2,048 rows.
+inline int stream_for(const Problem& pb) {
+  return pb.m <= kBlockRows || pb.kpairs * 2 * 64 > kL1PairBytes ? kStreamB : kStreamA;
+}
+
 // Rows [m0, m0 + rows) (at most kBlockRows) times the pair at panel g (`panels`: one or two) into a C buffer, left
 // pending (written during the next block, or by the caller's finish) once the block before it is finished; below 16
 // rows written at once. Inlined (see tiles).
@@ -240,14 +261,25 @@ void write_rows(const Problem& pb, const Pairing& pair, int64_t m0, int64_t r0, 
   const int64_t a_tile = 16 * lda / 2;  // elements from the first A tile to the second (tile_rows is 16 then)
   const bool two_rows = rows > tile_rows;
   float* c = s.c[s.current];
+  const auto run_tiles = [&](auto r, auto p) {
+    constexpr int R = decltype(r)::value, P = decltype(p)::value;
+    if (stream_for(pb) == kStreamA)
+      tiles<R, P, kStreamA>(a, lda, a_tile, b0, b1, steps, tail, ahead, pending);
+    else
+      tiles<R, P, kStreamB>(a, lda, a_tile, b0, b1, steps, tail, ahead, pending);
+    pending.finish();
+    store_tiles<R, P>(c);
+  };
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
   if (two_rows && panels > 1) {
-    tiles<2, 2>(a, lda, a_tile, b0, b1, steps, tail, ahead, pending), pending.finish(), store_tiles<2, 2>(c);
+    run_tiles(Two{}, Two{});
   } else if (two_rows) {
-    tiles<2, 1>(a, lda, a_tile, b0, b1, steps, tail, ahead, pending), pending.finish(), store_tiles<2, 1>(c);
+    run_tiles(Two{}, One{});
   } else if (panels > 1) {
-    tiles<1, 2>(a, lda, a_tile, b0, b1, steps, tail, ahead, pending), pending.finish(), store_tiles<1, 2>(c);
+    run_tiles(One{}, Two{});
   } else {
-    tiles<1, 1>(a, lda, a_tile, b0, b1, steps, tail, ahead, pending), pending.finish(), store_tiles<1, 1>(c);
+    run_tiles(One{}, One{});
   }
   if (tile_rows < 16) {  // a few rows: too little to overlap, written at once
     write_rows(pb, pair, m0, 0, rows, g, panels, c);
