@@ -30,7 +30,7 @@ constexpr int64_t kBlockRows = 32;                     // rows per M block: two 
 constexpr int64_t kTileBytes = kStepPairs * 64;        // one B tile: 16 lines of a panel
 constexpr int64_t kRangeRows = 256;                    // rows per work item (their x stays in L2 across panels)
 constexpr int64_t kStreamBytes = int64_t{256} << 10;    // a y of this size and more is written non-temporally
-constexpr int kStreamA = 1, kStreamB = 2;              // which tile operand is loaded as read once (tiles)
+constexpr int kStreamNone = 0, kStreamA = 1, kStreamB = 2;  // which tile operand is loaded as read once (tiles)
 constexpr int64_t kL1PairBytes = int64_t{40} << 10;    // a pair's weights this size or less stay in L1 (of 48 KiB)
 
 using pagellm_amx::permitted;
@@ -121,7 +121,7 @@ struct Pending {
 // (perf annotate, docs/performance.md Round 42).
 // S says which operand is loaded with TILELOADDT1, the hint that it will not be read again soon, so that it does not
 // push the other out of L1: kStreamA the x rows (a pair's weights are read again by every row block), kStreamB the
-// weights (see stream_for).
+// weights, kStreamNone neither (see stream_for).
 template <int R, int P, int S>
 [[gnu::always_inline]] inline void tiles(const uint16_t* a, int64_t lda, int64_t a_tile, const uint16_t* b0,
                                          const uint16_t* b1, int64_t steps, const Scratch* tail, Ahead ahead,
@@ -145,16 +145,15 @@ template <int R, int P, int S>
     if (S == kStreamB) {
       _tile_stream_loadd(6, bs0, 64);
       if (P > 1) _tile_stream_loadd(7, bs1, 64);
-      _tile_loadd(4, as, lda);
     } else {
       _tile_loadd(6, bs0, 64);
       if (P > 1) _tile_loadd(7, bs1, 64);
-      _tile_stream_loadd(4, as, lda);
     }
+    if (S == kStreamA) _tile_stream_loadd(4, as, lda); else _tile_loadd(4, as, lda);
     _tile_dpbf16ps(0, 4, 6);
     if (P > 1) _tile_dpbf16ps(1, 4, 7);
     if (R > 1) {
-      if (S == kStreamB) _tile_loadd(5, as + a_tile, lda); else _tile_stream_loadd(5, as + a_tile, lda);
+      if (S == kStreamA) _tile_stream_loadd(5, as + a_tile, lda); else _tile_loadd(5, as + a_tile, lda);
       _tile_dpbf16ps(2, 5, 6);
       if (P > 1) _tile_dpbf16ps(3, 5, 7);
     }
@@ -233,12 +232,13 @@ void write_rows(const Problem& pb, const Pairing& pair, int64_t m0, int64_t r0, 
   }
 }
 
-// The operand a problem's tiles load as read once: the weights where each pair meets one row block (M <= 32; the x
-// rows are read again by every pair) or is larger than L1 (K of 1,536: 96 KiB), else the x rows. Measured against
-// plain loads (docs/performance.md, Round 42): gate/up with SiLU 1.13-1.21x at 256 and 2,048 rows, the plain
-// products up to 1.09x at 2,048 rows.
+// The operand a problem's tiles load as read once, where a pair's weights meet several row blocks (M > 32): the x
+// rows where the pair fits L1, else (K of 1,536: 96 KiB) the weights. Measured against plain loads
+// (docs/performance.md, Round 42): gate/up with SiLU 1.13-1.21x at 256 and 2,048 rows, the plain products up to
+// 1.13x at 2,048. At M <= 32 plain loads, as before: there read-once loads measured within the noise.
 inline int stream_for(const Problem& pb) {
-  return pb.m <= kBlockRows || pb.kpairs * 2 * 64 > kL1PairBytes ? kStreamB : kStreamA;
+  if (pb.m <= kBlockRows) return kStreamNone;
+  return pb.kpairs * 2 * 64 > kL1PairBytes ? kStreamB : kStreamA;
 }
 
 // Rows [m0, m0 + rows) (at most kBlockRows) times the pair at panel g (`panels`: one or two) into a C buffer, left
@@ -263,10 +263,13 @@ inline int stream_for(const Problem& pb) {
   float* c = s.c[s.current];
   const auto run_tiles = [&](auto r, auto p) {
     constexpr int R = decltype(r)::value, P = decltype(p)::value;
-    if (stream_for(pb) == kStreamA)
+    const int stream = stream_for(pb);
+    if (stream == kStreamA)
       tiles<R, P, kStreamA>(a, lda, a_tile, b0, b1, steps, tail, ahead, pending);
-    else
+    else if (stream == kStreamB)
       tiles<R, P, kStreamB>(a, lda, a_tile, b0, b1, steps, tail, ahead, pending);
+    else
+      tiles<R, P, kStreamNone>(a, lda, a_tile, b0, b1, steps, tail, ahead, pending);
     pending.finish();
     store_tiles<R, P>(c);
   };
