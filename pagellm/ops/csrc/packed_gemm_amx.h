@@ -6,7 +6,9 @@
 // (16 columns x 2), one B tile loaded with a 64-byte stride. An A tile is 16 rows of x, 32 elements (16 pairs)
 // each, read in place with x's row stride. One TDPBF16PS adds the 16 pairs of a 16 x 16 block of outputs into a
 // float32 C tile. Tiles: C 0-3 (two row tiles x two panels), A 4-5, B 6-7; per K step two A and two B loads feed
-// four products, each operand used twice.
+// four products, each operand used twice. Of a pair's weights and a block's x rows, the one each block reads once is
+// loaded with TILELOADDT1 (stream_for), and each thread fetches its next work item's first weights while it computes
+// the one before (Following).
 //
 // Every output is the C tile's float32 sum over the K steps in sequence, each step one TDPBF16PS over the same 16
 // pairs (a short last step of zero-padded copies), whatever M, the row's block or the thread: rows are
@@ -117,7 +119,7 @@ struct Pending {
 // copies) when the K pairs are not whole steps. Each step also writes a share of the pending block's rows.
 // Inlined, as block is, into run_panels: called, they took Ahead through the stack, and GCC copied its two pointers
 // with one 16-byte load of two 8-byte stores. A load like that is not forwarded from the store queue; it waits for
-// those stores to reach L1, behind the previous block's non-temporal y stores: 7-8 % of a prompt step's GEMM time
+// those stores to reach L1, behind the previous block's non-temporal y stores: 7.9 % of a prompt-only run's samples
 // (perf annotate, docs/performance.md Round 42).
 // S says which operand is loaded with TILELOADDT1, the hint that it will not be read again soon, so that it does not
 // push the other out of L1: kStreamA the x rows (a pair's weights are read again by every row block), kStreamB the
