@@ -8,10 +8,9 @@
 // dimensions. With keys in rows and query vectors in lanes, the softmax of 16 query vectors is vertical: running
 // max, exponentials (2^x, simd_exp.h's exp2_16) and sums are plain vector operations over the tile's keys (no
 // horizontal reductions, no scalar exp per query vector). The probabilities are rounded to bfloat16, paired by key
-// and transposed into P
-// rows (p2[query][key pair]), the A operand of O += P · V, whose B operand is V interleaved in key pairs
-// (vp[key pair][d], as flash_bf16.h packs it), so the output's head dimensions come out in the flash tiles'
-// permuted order and write_row undoes it. The two paths differ only in the order float32 sums are added
+// and transposed into P rows (p2[query][key pair]), the A operand of O += P · V, whose B operand is V interleaved in
+// key pairs (vp[key pair][d], as flash_bf16.h packs it), so the output's head dimensions come out in the flash
+// tiles' permuted order and write_row undoes it. The two paths differ only in the order float32 sums are added
 // (tests/kernels/test_cpu_paged.py compares them). Oracle: attention/torch_ref.py.
 #pragma once
 
