@@ -33,10 +33,13 @@ def _formatted(message: dict[str, Any], position: int, form: str) -> dict[str, A
     content = message.get("content")
     if isinstance(content, list):
         texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        for index, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ValueError(f"messages[{position}].content: only text parts are supported, got a {kind!r} part")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{position}].content[{index}]: a text part needs its text, a string "
+                                 "({\"type\": \"text\", \"text\": ...})")
             texts.append(part["text"])
         if form == "string":
             return {**message, "content": "\n".join(texts)}

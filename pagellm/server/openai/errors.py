@@ -3,7 +3,9 @@
 Contract (``install_error_handlers``):
 - ``APIError`` carries its own status, type, param and code (unknown model → 404, bad API key → 401).
 - Request validation (bad JSON, wrong types, out-of-range values, unknown fields) → 400, the message naming the
-  field; ``ValueError`` from anywhere below (sampling params, prompt too long, chat template) → 400 verbatim.
+  field (a value that fits none of a union's types, such as ``prompt: [1, -2]``, by the type it came closest to:
+  ``prompt.1: Input should be greater than or equal to 0``); ``ValueError`` from anywhere below (sampling params,
+  prompt too long, chat template) → 400 verbatim.
 - ``EngineDeadError``, ``EngineSleepingError`` and ``EngineOverloadedError`` → 503; any other exception → 500
   (logged with its traceback), never a dropped connection.
 """
@@ -67,9 +69,48 @@ def sse_error(exc: BaseException) -> str:
     return f"data: {json.dumps(error_body(error.message, error.type, error.param, error.code))}\n\n"
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "bytes", "dict", "list", "none"}
+
+
+def _is_union_tag(part: Any) -> bool:
+    """Whether a location part names one of a union's types (``list[constrained-int]``), not a field or index."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part or part[:1].isupper())
+
+
+def _location(error: dict[str, Any]) -> list[Any]:
+    return [part for part in error.get("loc", ()) if part != "body"]
+
+
+def _union_failure(errors: list[dict[str, Any]]) -> Optional[tuple[str, str]]:
+    """(field, message) where the first error is one type of a union the value matched none of: the type the value
+    came closest to (its errors deepest, then fewest), named by the field alone (``prompt.1``, not
+    ``prompt.list[constrained-int].1``); where the value's own type fits none, every type it should have been."""
+    loc = _location(errors[0])
+    at = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    if at is None:
+        return None
+    branches: dict[str, list[dict[str, Any]]] = {}
+    for error in errors:
+        other = _location(error)
+        if other[:at] == loc[:at] and len(other) > at and _is_union_tag(other[at]):
+            branches.setdefault(other[at], []).append(error)
+    depth = {tag: max(len(_location(e)) for e in found) for tag, found in branches.items()}
+    if max(depth.values()) == at + 1:  # no type got past the value's own type
+        wanted = [found[0]["msg"].removeprefix("Input should be ") for found in branches.values()]
+        return ".".join(map(str, loc[:at])), "Input should be " + " or ".join(dict.fromkeys(wanted))
+    best = min(branches, key=lambda tag: (-depth[tag], len(branches[tag])))
+    chosen = max(branches[best], key=lambda e: len(_location(e)))
+    field = [str(part) for part in _location(chosen) if not _is_union_tag(part)]
+    return ".".join(field), chosen["msg"]
+
+
 def describe_validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """The first pydantic error as a 400 whose message and param name the offending field."""
+    """The first pydantic error as a 400 whose message and param name the offending field (for a union, the type
+    the value came closest to: ``_union_failure``)."""
     first = errors[0] if errors else {"msg": "invalid request", "loc": ("body",), "type": ""}
+    union = _union_failure(errors) if errors and first.get("type") != "json_invalid" else None
+    if union is not None:
+        return APIError(f"{union[0]}: {union[1]}", 400, param=union[0])
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     field = ".".join(loc) or None
     if first.get("type") == "json_invalid":
@@ -79,7 +120,8 @@ def describe_validation_error(errors: list[dict[str, Any]]) -> APIError:
     if first.get("type") == "extra_forbidden":
         return APIError(f"Unrecognized request argument supplied: {field}", 400, param=field)
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    return APIError(f"{field}: {first.get('msg')}{more}", 400, param=field)
+    message = str(first.get("msg")).removeprefix("Value error, ")  # a validator's own ValueError, as it wrote it
+    return APIError(f"{field}: {message}{more}", 400, param=field)
 
 
 def install_error_handlers(app: FastAPI) -> None:

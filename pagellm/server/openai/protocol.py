@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagellm.generation_config import unset_default
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -252,6 +252,12 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _content_given(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":  # only a reply (tool calls alone) may leave it out
+            raise ValueError(f"a {self.role} message needs its content: a string or a list of text parts")
+        return self
 
     def text(self) -> str:
         """The message's text (its text parts joined by newlines, as a string template gets them)."""
