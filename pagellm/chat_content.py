@@ -10,7 +10,8 @@ would loop over its characters. vLLM's ``--chat-template-content-format`` names 
   filter, or through a variable set from it), else ``string``; found once per template by walking its Jinja syntax
   tree, never by rendering it.
 
-Only text parts are served; another part's type is a ValueError that names the message.
+Only text parts are served; another part's type is a ValueError that names the message. An assistant message
+without content (one that only calls tools) gets empty text, as vLLM gives it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def format_messages(messages: list[dict[str, Any]], template: str, content_forma
 
 def _formatted(message: dict[str, Any], position: int, form: str) -> dict[str, Any]:
     content = message.get("content")
+    if content is None and message.get("role") == "assistant":
+        # a reply that only calls tools: empty text, as vLLM gives it (templates read message.content)
+        message, content = {**message, "content": ""}, ""
     if isinstance(content, list):
         texts = []
         for index, part in enumerate(content):

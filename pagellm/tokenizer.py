@@ -94,13 +94,23 @@ class Tokenizer:
         return self._hf.backend_tokenizer
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds what the model expects (e.g. BOS)."""
-        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+        """Token ids of ``text``; ``add_special_tokens`` adds what the model expects (e.g. BOS). ValueError for text
+        that is not Unicode (a lone surrogate, which JSON's ``\\ud800`` escapes can carry)."""
+        try:
+            return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+        except TypeError:
+            _refuse_surrogates(text)
+            raise
 
     def encode_pair(self, first: str, second: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text pair as the tokenizer joins two sequences (its pair template: what a cross-encoder
         was trained on)."""
-        return list(self._hf(first, second, add_special_tokens=add_special_tokens)["input_ids"])
+        try:
+            return list(self._hf(first, second, add_special_tokens=add_special_tokens)["input_ids"])
+        except TypeError:
+            _refuse_surrogates(first)
+            _refuse_surrogates(second)
+            raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``."""
@@ -303,3 +313,15 @@ def _config_eos_ids(model_dir: Path) -> set[int]:
         elif isinstance(value, list):
             ids.update(int(item) for item in value)
     return ids
+
+
+def _refuse_surrogates(text: Any) -> None:
+    """ValueError naming the first lone surrogate in ``text`` (the tokenizers library takes only Unicode text and
+    says no more than TypeError)."""
+    if not isinstance(text, str):
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text holds a lone surrogate ({text[exc.start]!r}) at character {exc.start}, which is "
+                         "not Unicode; send UTF-8 text (a JSON \\ud800-\\udfff escape must be one of a pair)") from None

@@ -51,6 +51,19 @@ def test_each_form_gets_its_content(tiny_llama: Path) -> None:
         format_messages(MIXED, STRING, "markdown")
 
 
+def test_a_reply_that_only_calls_tools_gets_empty_text(tiny_llama: Path) -> None:
+    # OpenAI's assistant turn with tool_calls and no content; templates such as SmolLM2's add message['content']
+    # to a string, which a missing (or None) content breaks
+    tokenizer = Tokenizer.from_dir(tiny_llama)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [call]},
+             {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    strict = "{% for m in messages %}[{{ m.role }}:{{ m['content'] + '|' }}]{% endfor %}"
+    assert tokenizer.render_chat(turns, False, chat_template=strict) == "[user:Hi|][assistant:|][tool:42|]"
+    (reply,) = [m for m in format_messages(turns, PARTS, "auto") if m["role"] == "assistant"]
+    assert reply["content"] == [{"type": "text", "text": ""}] and reply["tool_calls"] == [call]
+
+
 def test_llm_chat_takes_the_format(tiny_llama: Path) -> None:
     llm = LLM(str(tiny_llama), dtype="float32")
     params = SamplingParams(max_tokens=1)

@@ -119,6 +119,18 @@ def test_malformed_bodies(server: ServerProcess, content: bytes) -> None:
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("route,body", [
+    ("completions", {**COMPLETION, "prompt": "a\ud800b"}),
+    ("chat/completions", _chat(messages=[{"role": "user", "content": "x\udfff"}])),
+])
+def test_lone_surrogates_are_refused(server: ServerProcess, route: str, body: dict) -> None:
+    # JSON's \ud800 escapes can carry text that is not Unicode; the tokenizer takes only Unicode
+    response = httpx.post(f"{server.base_url}/v1/{route}", content=json.dumps(body).encode(),
+                          headers={"content-type": "application/json"}, timeout=10)
+    assert response.status_code == 400, response.text
+    assert "lone surrogate" in response.json()["error"]["message"]
+
+
 def test_unknown_route_and_method(server: ServerProcess) -> None:
     assert httpx.get(f"{server.base_url}/v1/nothing").json()["error"]["message"]
     assert httpx.get(f"{server.base_url}/v1/completions").status_code == 405
