@@ -19,6 +19,7 @@ start-up. Everything else goes through ``AutoTokenizer``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Sequence
@@ -82,6 +83,12 @@ class Tokenizer:
         if hf_tokenizer.eos_token_id is not None:
             eos_ids.add(int(hf_tokenizer.eos_token_id))
         return cls(hf_tokenizer, frozenset(eos_ids))
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token of the vocabulary (added tokens too) stands for: text longer than
+        ``max_model_len`` times this cannot fit, whatever it tokenizes to."""
+        return max(map(len, self._hf.get_vocab()), default=1)
 
     @property
     def hf(self) -> PreTrainedTokenizerBase:
@@ -205,6 +212,10 @@ class NoTokenizer:
             config = {}
         bos = config.get("bos_token_id") if isinstance(config, dict) else None
         return cls(frozenset(_config_eos_ids(model_dir)), bos if isinstance(bos, int) else None)
+
+    @property
+    def max_token_chars(self) -> int:
+        raise ValueError(NO_TOKENIZER)
 
     @property
     def hf(self) -> Any:

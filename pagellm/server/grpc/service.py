@@ -42,7 +42,7 @@ from pagellm.server.grpc import pagellm_pb2 as pb
 from pagellm.server.grpc import pagellm_pb2_grpc as pb_grpc
 from pagellm.server.openai.errors import to_api_error
 from pagellm.server.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
-from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing, random_id
+from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing, prepared, random_id
 
 logger = logging.getLogger(__name__)
 
@@ -118,38 +118,46 @@ class EngineService(pb_grpc.EngineServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
             params = self._params(request.model, request.sampling)
-            kind = request.WhichOneof("prompt")
-            if kind == "prompt_embeds":  # checked as it is read
-                prompt: list[int] | PromptEmbeds = self.serving.load_prompt_embeds(request.prompt_embeds)
-            else:
-                if kind == "token_ids":
-                    prompt = list(request.token_ids.ids)
-                else:
-                    special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                    prompt = self.serving.tokenizer.encode(request.text, special)
-                self.serving.check_prompt(prompt)
+            prompt = await prepared(self._generate_prompt, request)
         except Exception as exc:
             await _fail(context, exc)
         async for response in self._stream(prompt, params, request, context):
             yield response
 
+    def _generate_prompt(self, request: pb.GenerateRequest) -> list[int] | PromptEmbeds:
+        """A Generate request's prompt, checked (run off the event loop: ``prepared``)."""
+        kind = request.WhichOneof("prompt")
+        if kind == "prompt_embeds":  # checked as it is read
+            return self.serving.load_prompt_embeds(request.prompt_embeds)
+        if kind == "token_ids":
+            prompt = list(request.token_ids.ids)
+        else:
+            self.serving.check_text_length(len(request.text))
+            special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            prompt = self.serving.tokenizer.encode(request.text, special)
+        return self.serving.check_prompt(prompt)
+
     async def Chat(self, request: pb.ChatRequest,  # noqa: N802
                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
             params = self._params(request.model, request.sampling)
-            if not request.messages:
-                raise ValueError("messages must hold at least one message")
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            kwargs = json_format.MessageToDict(request.chat_template_kwargs) \
-                if request.HasField("chat_template_kwargs") else None
-            prompt = self.serving.tokenizer.apply_chat_template(
-                messages, not request.continue_final_message, kwargs,
-                continue_final_message=request.continue_final_message)
-            self.serving.check_prompt(prompt)
+            prompt = await prepared(self._chat_prompt, request)
         except Exception as exc:
             await _fail(context, exc)
         async for response in self._stream(prompt, params, request, context):
             yield response
+
+    def _chat_prompt(self, request: pb.ChatRequest) -> list[int]:
+        """A Chat request's conversation rendered and tokenized, checked (run off the event loop: ``prepared``)."""
+        if not request.messages:
+            raise ValueError("messages must hold at least one message")
+        self.serving.check_text_length(sum(len(m.content) for m in request.messages))
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        kwargs = json_format.MessageToDict(request.chat_template_kwargs) \
+            if request.HasField("chat_template_kwargs") else None
+        prompt = self.serving.tokenizer.apply_chat_template(
+            messages, not request.continue_final_message, kwargs, continue_final_message=request.continue_final_message)
+        return self.serving.check_prompt(prompt)
 
     def _params(self, model: str, sampling: pb.SamplingParams) -> SamplingParams:
         name = self.serving.check_model(model or None)
@@ -186,7 +194,7 @@ class EngineService(pb_grpc.EngineServicer):
                 [list(ids.ids) for ids in request.token_ids.lists]
             body = EmbeddingRequest(model=request.model or None, input=inputs, priority=request.priority,
                                     dimensions=request.dimensions if request.HasField("dimensions") else None)
-            answer = await self.embedding.create(self.embedding.prepare(body))
+            answer = await self.embedding.create(await prepared(self.embedding.prepare, body))
         except Exception as exc:
             await _fail(context, exc)
         return pb.EmbedResponse(embeddings=[pb.Embedding(values=item.embedding) for item in answer.data],

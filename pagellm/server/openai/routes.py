@@ -18,6 +18,8 @@ Contract:
   409 while requests hold blocks; guarded by ``api_key`` as the profile routes are.
 - ``GET /health`` is 200 while the engine core lives and 503 once it is dead; ``GET /stats`` is the engine's
   latest ``SchedulerStats`` with every field present (running/waiting requests, KV-cache usage, ...).
+- A request's preparation (validation, chat template, tokenization, grammar compilation: ``prepare``) runs on one
+  worker thread, not on the event loop, so a long prompt's tokenization does not stall the streams being sent.
 - A client that goes away loses its requests: a stream's generator is cancelled by the server on disconnect, and a
   non-streamed request is cancelled by a watcher on the connection; either way the engine aborts the request and
   frees its KV blocks.
@@ -57,7 +59,7 @@ from pagellm.server.openai.serving_classification import (ClassificationRequest,
 from pagellm.server.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from pagellm.server.openai.serving_score import OpenAIServingScore, RerankRequest, ScoreRequest
 from pagellm.server.openai.serving_responses import OpenAIServingResponses
-from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing
+from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing, prepared
 from pagellm.server.openai.sse import EventStream, sse_response
 from pagellm.server.openai.tokenization import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                                 TokenizeResponse)
@@ -149,18 +151,18 @@ def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], ch
 
     @router.post("/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
-        job = completion.prepare(body)
+        job = await prepared(completion.prepare, body)
         if body.stream:
             return sse_response(completion.stream(job), defaults)
         return await _json_unless_disconnected(raw, completion.create(job))
 
     @router.post("/embeddings")
     async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
-        return await _json_unless_disconnected(raw, embedding.create(embedding.prepare(body)))
+        return await _json_unless_disconnected(raw, embedding.create(await prepared(embedding.prepare, body)))
 
     @router.post("/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
-        job = chat.prepare(body)
+        job = await prepared(chat.prepare, body)
         if body.stream:
             return sse_response(chat.stream(job), defaults)
         return await _json_unless_disconnected(raw, chat.create(job))
@@ -177,23 +179,24 @@ def _score_router(engine: EngineClient, served: _Served, api_key: Optional[str])
     classification = OpenAIServingClassification(engine, served.names, served.loras)
 
     async def classify(body: ClassificationRequest, raw: Request) -> Response:
-        return await _json_unless_disconnected(raw, classification.create(classification.prepare(body)))
+        job = await prepared(classification.prepare, body)
+        return await _json_unless_disconnected(raw, classification.create(job))
 
     for path in ("/classify", "/v1/classify"):
         router.add_api_route(path, classify, methods=["POST"])
     pooling = OpenAIServingPooling(engine, served.names, served.loras)
 
     async def pool(body: PoolingRequest, raw: Request) -> Response:
-        return await _json_unless_disconnected(raw, pooling.create(pooling.prepare(body)))
+        return await _json_unless_disconnected(raw, pooling.create(await prepared(pooling.prepare, body)))
 
     for path in ("/pooling", "/v1/pooling"):
         router.add_api_route(path, pool, methods=["POST"])
 
     async def score(body: ScoreRequest, raw: Request) -> Response:
-        return await _json_unless_disconnected(raw, scoring.score(scoring.prepare(body)))
+        return await _json_unless_disconnected(raw, scoring.score(await prepared(scoring.prepare, body)))
 
     async def rerank(body: RerankRequest, raw: Request) -> Response:
-        return await _json_unless_disconnected(raw, scoring.rerank(scoring.prepare(body)))
+        return await _json_unless_disconnected(raw, scoring.rerank(await prepared(scoring.prepare, body)))
 
     for path in ("/score", "/v1/score"):
         router.add_api_route(path, score, methods=["POST"])
@@ -208,7 +211,7 @@ def _responses_router(responses: OpenAIServingResponses, api_key: Optional[str])
 
     @router.post("")
     async def create_response(body: ResponsesRequest, raw: Request) -> Response:
-        job = responses.prepare(body)
+        job = await prepared(responses.prepare, body)
         if body.background:
             return JSONResponse(responses.start_background(job).model_dump(mode="json"))
         if body.stream:
@@ -260,7 +263,7 @@ def _admin_router(engine: EngineClient, model_names: Sequence[str], tokenizer_in
         router.add_api_route("/tokenizer_info", describe_tokenizer, methods=["GET"])
 
     @router.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+    def tokenize(body: TokenizeRequest) -> TokenizeResponse:  # plain def: FastAPI runs it off the event loop
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("send exactly one of prompt or messages", 400, param="prompt")

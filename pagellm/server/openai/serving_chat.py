@@ -113,6 +113,8 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("a request's own chat_template is taken only by a server started with "
                            "--trust-request-chat-template (a template runs on the server); omit it for the server's",
                            400, param="chat_template")
+        if request.truncate_prompt_tokens is None:
+            self.check_text_length(sum(len(m.text()) for m in request.messages))
         messages = [m.to_template_dict() for m in request.messages]
         prompt = self.truncate(self.tokenizer.apply_chat_template(
             messages, request.add_generation_prompt, _template_kwargs(request, self.defaults), request.chat_template,

@@ -12,16 +12,20 @@ Contract:
   sample whose ``index`` is the sibling index. Closing it (client gone, error) cancels every engine request, which
   aborts them and frees their blocks.
 - ``ChoiceState`` adds up one choice's deltas; the logprobs it holds are those not yet sent (``take_logprobs``).
+- ``prepared(prepare, body)`` runs a request's preparation (validation, chat template, tokenization, grammar
+  compilation) on one worker thread, off the event loop; text too long to fit ``max_model_len`` is refused before it
+  is tokenized (``check_text_length``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Optional, Protocol, TypeVar, Union
 
 from pagellm.beam_search import BeamSearchParams
 from pagellm import prompt_embeds
@@ -39,6 +43,18 @@ from pagellm.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _DONE = object()
+
+# One thread prepares requests (their Python holds the GIL, so more would not run at once; the tokenizer's Rust part
+# lets the event loop run beside it): tokenizing megabytes of text takes seconds, which on the event loop stalled
+# every stream the server was sending.
+_PREPARE = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prepare")
+_In = TypeVar("_In")
+_Out = TypeVar("_Out")
+
+
+async def prepared(prepare: Callable[[_In], _Out], body: _In) -> _Out:
+    """``prepare(body)`` on the preparing thread; what it raises (APIError, ValueError: a 4xx) is raised here."""
+    return await asyncio.get_running_loop().run_in_executor(_PREPARE, prepare, body)
 
 
 class EngineClient(Protocol):
@@ -236,10 +252,23 @@ class OpenAIServing:
             raise APIError(f"{field} must not be empty", 400, param=field)
         prompts = []
         for position, item in enumerate(raw):
+            if isinstance(item, str) and keep is None:  # cut to its last tokens, a long text may be what was meant
+                self.check_text_length(len(item), position if len(raw) > 1 else None)
             ids = self.tokenizer.encode(item, add_special_tokens) if isinstance(item, str) else list(item)
             kept = self.truncate(ids, keep)
             prompts.append((item, self.check_prompt(kept, position if len(raw) > 1 else None), kept is not ids))
         return prompts
+
+    def check_text_length(self, chars: int, position: Optional[int] = None) -> None:
+        """Refuse text that cannot fit ``max_model_len`` before tokenizing it (megabytes of text take the tokenizer
+        seconds): no token stands for more than the vocabulary's longest token in characters."""
+        longest = self.tokenizer.max_token_chars
+        if chars > self.max_model_len * longest:
+            where = "" if position is None else f"prompt {position}: "
+            raise APIError(f"{where}the prompt has {chars} characters, more than max_model_len ({self.max_model_len}) "
+                           f"tokens of at most {longest} characters each can hold; shorten it, or set "
+                           "truncate_prompt_tokens to keep its last tokens", 400, param="prompt",
+                           code="context_length_exceeded")
 
     def truncate(self, token_ids: list[int], keep: Optional[int]) -> list[int]:
         """The prompt's last ``keep`` tokens (``truncate_prompt_tokens``; -1: ``max_model_len``), or all of them."""
