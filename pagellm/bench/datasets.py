@@ -165,6 +165,9 @@ def load(name: str, opts: DatasetOptions) -> list[BenchRequest]:
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     if opts.num_prompts < 1:
         raise ValueError("--num-prompts must be at least 1")
+    if opts.input_len < 1 or opts.output_len < 1:  # each length is drawn around these, at least one token
+        raise ValueError(f"--input-len and --output-len must be at least 1 token (got {opts.input_len} and "
+                         f"{opts.output_len})")
     if opts.path and name not in FILE_DATASETS:  # a file given to a generated dataset would be silently unused
         raise ValueError(f"--dataset-path is read by --dataset {' or '.join(FILE_DATASETS)}, not {name}")
     return LOADERS[name](opts)

@@ -236,6 +236,8 @@ def _plan(args: argparse.Namespace) -> _Plan:
     requests = requests_for(args, 0)  # the dataset's errors too
     if args.ready_check_timeout < 0:
         raise ValueError("--ready-check-timeout must be 0 or more seconds")
+    if min(args.max_concurrency) < 0 or args.num_warmups < 0:
+        raise ValueError("--max-concurrency (0: no cap) and --num-warmups must be 0 or more")
     ramp, timed = ramp_of(args), requests[0].arrival is not None
     if timed:
         trace_gaps([0.0], args.trace_speed)  # its error, before any run
@@ -258,8 +260,10 @@ async def _run_all(args: argparse.Namespace, plan: _Plan) -> dict[str, Any]:
         for req in requests_for(args, -1)[:args.num_warmups]:
             warm = datasets.BenchRequest(req.prompt, min(req.output_len, 8), req.prompt_len, req.messages)
             result = await send(http, warm, opts)
-            if not result.success:
-                raise RuntimeError(f"warm-up request failed: {result.error}")
+            if not result.success:  # the server refuses what every request will carry: stop before the runs
+                raise ValueError(f"the warm-up request failed, so no run started: {result.error}; fix what the "
+                                 "server names (the flags --model, --extra-body and the lengths reach it), or run "
+                                 "with --num-warmups 0 to count such failures instead")
         pid = _server_pid(args)
         runs: list[dict[str, Any]] = []
         files = await _profiled(http, args.profile, _runs(http, opts, pid, plan, args, runs))

@@ -115,6 +115,19 @@ def test_failed_requests_are_counted_not_raised(bench_server: ServerProcess, tmp
     assert all("HTTP 404" in r["error"] for r in result["runs"][0]["requests"])
 
 
+def test_a_refused_warm_up_stops_before_the_runs(bench_server: ServerProcess,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "serve", "--base-url", bench_server.base_url, "--no-progress", "--vocab-size", "256",
+               "--api-key", bench_server.api_key, "--num-prompts", "2", "--output-len", "2", "--model",
+               "no-such-model"])
+    assert rc == 2  # a usage error, named, not a traceback
+    err = capsys.readouterr().err
+    assert "the warm-up request failed, so no run started: " in err and "HTTP 404" in err and "no-such-model" in err
+    rc = main(["bench", "serve", "--base-url", bench_server.base_url, "--no-progress", "--num-prompts", "2",
+               "--api-key", bench_server.api_key, "--max-concurrency", "4", "-1"])
+    assert rc == 2 and "--max-concurrency (0: no cap) and --num-warmups must be 0 or more" in capsys.readouterr().err
+
+
 def test_cpu_sampler_finds_the_server_and_sums_its_tree(bench_server: ServerProcess) -> None:
     assert find_listening_pid(bench_server.port) == bench_server.proc.pid
     sampler = TreeSampler(bench_server.proc.pid)

@@ -64,6 +64,8 @@ def test_code_requests_are_the_164_humaneval_prompts() -> None:
     ("random", DatasetOptions(range_ratio=1.5), "range ratio"),
     ("random", DatasetOptions(vocab_size=50), "vocab size"),
     ("prefix", DatasetOptions(num_prefixes=0), "num-prefixes"),
+    ("random", DatasetOptions(input_len=0), "--input-len and --output-len must be at least 1 token"),
+    ("code", DatasetOptions(output_len=-4), r"at least 1 token \(got 128 and -4\)"),
 ])
 def test_bad_options_raise_value_errors(name: str, opts: DatasetOptions, message: str) -> None:
     with pytest.raises(ValueError, match=message):
