@@ -78,3 +78,10 @@ def log_level() -> str:
 def api_key() -> str | None:
     """``PAGELLM_API_KEY``: the key ``pagellm serve`` requires as a Bearer token (``--api-key`` wins)."""
     return os.environ.get("PAGELLM_API_KEY") or None
+
+
+def server_dev_mode() -> bool:
+    """``PAGELLM_SERVER_DEV_MODE`` (or vLLM's ``VLLM_SERVER_DEV_MODE``): ``1`` adds the server's development routes
+    (``server/openai/dev_routes.py``: ``POST /collective_rpc`` runs worker methods by name; not for untrusted
+    clients)."""
+    return "1" in (os.environ.get("PAGELLM_SERVER_DEV_MODE"), os.environ.get("VLLM_SERVER_DEV_MODE"))

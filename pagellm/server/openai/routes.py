@@ -2,7 +2,8 @@
 ``/score`` and ``/rerank`` (also under ``/v1``; ``/v2/rerank``), plus ``/health``, ``/version``, ``/stats``,
 ``/tokenize``, ``/detokenize``, ``/start_profile``, ``/stop_profile`` and ``/reset_prefix_cache``, SageMaker's
 ``/ping`` and ``/invocations`` (``sagemaker.py``), ``/load`` with ``server_load_tracking`` (``server_load.py``), and
-(given an ``Observability``) ``/metrics``, ``/dashboard`` and trace-context propagation.
+(given an ``Observability``) ``/metrics``, ``/dashboard`` and trace-context propagation; with
+``PAGELLM_SERVER_DEV_MODE=1``, ``/collective_rpc`` (``dev_routes.py``).
 
 Contract:
 - ``build_app(engine, model_names, api_key)`` builds the app over an ``EngineClient``; it starts nothing. With
@@ -41,12 +42,14 @@ from fastapi.responses import JSONResponse
 from starlette.convertors import Convertor, register_url_convertor
 
 import pagellm
+from pagellm import envs
 from pagellm.lora import LoRARequest
 from pagellm.server.observability import Observability
 from pagellm.server.observability import install as install_observability
 from pagellm.server.options import Cors
 from pagellm.server.openai import sagemaker, server_load
 from pagellm.server.openai.errors import APIError, install_error_handlers
+from pagellm.server.openai.dev_routes import dev_router
 from pagellm.server.openai.lora_routes import lora_router
 from pagellm.server.openai.middleware import add_request_id_headers, add_user_middleware
 from pagellm.server.openai.protocol import ChatCompletionRequest, CompletionRequest, RequestDefaults
@@ -107,6 +110,8 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
     app.include_router(_admin_router(engine, model_names, tokenizer_info))
     app.include_router(_operations_router(engine, api_key))
     app.include_router(_pause_router(engine, api_key))
+    if envs.server_dev_mode():
+        app.include_router(dev_router(engine, _auth(api_key)))
     if observability is not None:
         install_observability(app, observability)
     if request_id_headers:

@@ -101,6 +101,9 @@ class EngineClient(Protocol):
 
     async def is_paused(self) -> bool: ...
 
+    async def collective_rpc(self, method: str, timeout: Optional[float] = None, args: tuple = (),
+                             kwargs: Optional[dict[str, Any]] = None) -> list[Any]: ...
+
 
 def random_id(prefix: str, given: Optional[str] = None) -> str:
     """A response id: the prefix and the request's own ``request_id`` (vLLM's field), else a random one."""
