@@ -67,6 +67,19 @@ def test_server_renders_chat_and_tokenize_with_its_template(start_server: Callab
     server = start_server(tiny_llama, "--served-model-name", "tiny", "--chat-template", str(path))
     expected = Tokenizer.from_dir(tiny_llama).encode(RENDERED, add_special_tokens=False)
     assert httpx.post(f"{server.base_url}/tokenize", json={"messages": CHAT}).json()["tokens"] == expected
+    # /tokenize renders a conversation as a chat request would: its tools and template kwargs reach the template
+    tokenizer = Tokenizer.from_dir(tiny_llama)
+    counted = httpx.post(f"{server.base_url}/tokenize", json={
+        "messages": CHAT, "tools": TOOLS, "chat_template_kwargs": {"reasoning_effort": "low"},
+        "return_token_strs": True}).json()
+    wanted = tokenizer.encode("(tool get_weather)(effort low)" + RENDERED, add_special_tokens=False)
+    assert counted["tokens"] == wanted and counted["count"] == len(wanted)
+    assert counted["token_strs"] == tokenizer.hf.convert_ids_to_tokens(wanted) and "".join(
+        counted["token_strs"]).startswith("(tool")
+    refused = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "x", "tools": TOOLS})
+    assert refused.status_code == 400 and "go with messages" in refused.json()["error"]["message"]
+    own = httpx.post(f"{server.base_url}/tokenize", json={"messages": CHAT, "chat_template": "{{ 'x' }}"})
+    assert own.status_code == 400 and "--trust-request-chat-template" in own.json()["error"]["message"]
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2)
     assert reply.usage.prompt_tokens == len(expected)
@@ -112,6 +125,9 @@ def test_a_request_brings_its_template_and_documents_when_trusted(start_server: 
             "documents": [{"title": "A", "text": "alpha"}, {"title": "B", "text": "beta"}]}
     reply = httpx.post(f"{trusting.base_url}/v1/chat/completions", json=body, timeout=60)
     tokenizer = Tokenizer.from_dir(tiny_llama)
+    counted = httpx.post(f"{trusting.base_url}/tokenize", timeout=60, json={
+        "messages": CHAT, "chat_template": own, "chat_template_kwargs": {"documents": body["documents"]}}).json()
+    assert counted["tokens"] == tokenizer.encode("<A><B>" + RENDERED, add_special_tokens=False)
     assert reply.json()["usage"]["prompt_tokens"] == len(tokenizer.encode("<A><B>" + RENDERED,
                                                                           add_special_tokens=False))
     refused = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)

@@ -64,6 +64,7 @@ from pagellm.server.openai.serving_score import OpenAIServingScore, RerankReques
 from pagellm.server.openai.serving_responses import OpenAIServingResponses
 from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing, prepared
 from pagellm.server.openai.sse import EventStream, sse_response
+from pagellm.server.openai import tokenization
 from pagellm.server.openai.tokenization import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                                 TokenizeResponse)
 
@@ -107,7 +108,7 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
     app.include_router(_score_router(engine, served, api_key))
     if runtime_lora_updating:
         app.include_router(lora_router(engine, served.names, served.loras, _auth(api_key)))
-    app.include_router(_admin_router(engine, model_names, tokenizer_info))
+    app.include_router(_admin_router(engine, model_names, tokenizer_info, defaults))
     app.include_router(_operations_router(engine, api_key))
     app.include_router(_pause_router(engine, api_key))
     if envs.server_dev_mode():
@@ -243,9 +244,10 @@ def _responses_router(responses: OpenAIServingResponses, api_key: Optional[str])
     return router
 
 
-def _admin_router(engine: EngineClient, model_names: Sequence[str], tokenizer_info: bool = False) -> APIRouter:
+def _admin_router(engine: EngineClient, model_names: Sequence[str], tokenizer_info: bool = False,
+                  defaults: Optional[RequestDefaults] = None) -> APIRouter:
     router = APIRouter()
-    serving = OpenAIServing(engine, model_names)
+    serving = OpenAIServing(engine, model_names, defaults=defaults)
 
     @router.get("/health")
     async def health() -> Response:
@@ -269,16 +271,7 @@ def _admin_router(engine: EngineClient, model_names: Sequence[str], tokenizer_in
 
     @router.post("/tokenize")
     def tokenize(body: TokenizeRequest) -> TokenizeResponse:  # plain def: FastAPI runs it off the event loop
-        serving.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError("send exactly one of prompt or messages", 400, param="prompt")
-        if body.messages is not None:
-            messages = [m.to_template_dict() for m in body.messages]
-            tokens = serving.tokenizer.apply_chat_template(messages, body.add_generation_prompt,
-                                                           continue_final_message=body.continue_final_message)
-        else:
-            tokens = serving.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
-        return TokenizeResponse(count=len(tokens), max_model_len=serving.max_model_len, tokens=tokens)
+        return tokenization.tokenize(serving, body)
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

@@ -1,13 +1,18 @@
-"""Bodies of ``POST /tokenize`` and ``POST /detokenize`` (vLLM's extra routes): text or a chat conversation to token
-ids and back, validated as strictly as the OpenAI bodies in ``protocol.py``."""
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's extra routes): text or a chat conversation to token ids and
+back, validated as strictly as the OpenAI bodies in ``protocol.py``. A conversation is rendered as a chat request's
+would be: its ``tools``, ``chat_template_kwargs`` and (on a server started with ``--trust-request-chat-template``)
+its own ``chat_template`` reach the template, so the count is the prompt's; ``return_token_strs`` adds each token's
+string."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from pydantic import BaseModel
 
+from pagellm.server.openai.errors import APIError
 from pagellm.server.openai.protocol import ChatMessage, OpenAIModel, TokenId
+from pagellm.server.openai.serving_engine import OpenAIServing
 
 
 class TokenizeRequest(OpenAIModel):
@@ -19,12 +24,39 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: Optional[list[dict[str, Any]]] = None
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: Optional[bool] = False
 
 
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+def tokenize(serving: OpenAIServing, body: TokenizeRequest) -> TokenizeResponse:
+    """The body's token ids (a 400 for what a chat or completion request would be refused for)."""
+    serving.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError("send exactly one of prompt or messages", 400, param="prompt")
+    if body.messages is None:
+        if body.tools or body.chat_template or body.chat_template_kwargs:
+            raise APIError("tools, chat_template and chat_template_kwargs go with messages, not a prompt", 400,
+                           param="prompt")
+        tokens = serving.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+    else:
+        if body.chat_template is not None and not serving.defaults.trust_request_chat_template:
+            raise APIError("a request's own chat_template is taken only by a server started with "
+                           "--trust-request-chat-template; omit it for the server's", 400, param="chat_template")
+        kwargs = {**(body.chat_template_kwargs or {}), **({"tools": body.tools} if body.tools else {})}
+        tokens = serving.tokenizer.apply_chat_template(
+            [m.to_template_dict() for m in body.messages], body.add_generation_prompt, kwargs or None,
+            body.chat_template, continue_final_message=body.continue_final_message)
+    strings = serving.tokenizer.hf.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    return TokenizeResponse(count=len(tokens), max_model_len=serving.max_model_len, tokens=tokens, token_strs=strings)
 
 
 class DetokenizeRequest(OpenAIModel):
