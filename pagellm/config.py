@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagellm import no_effect
 from pagellm.disagg.config import KVTransferConfig
 from pagellm.distributed.config import ParallelConfig
 from pagellm.kv.events import KVEventsConfig
@@ -322,7 +323,9 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Build from flat, vLLM-style keyword arguments (``max_num_seqs=64``, ``dtype="float32"``, ...)."""
+        """Build from flat, vLLM-style keyword arguments (``max_num_seqs=64``, ``dtype="float32"``, ...); vLLM's
+        arguments that do nothing here (``gpu_memory_utilization``, ..., ``no_effect.ENGINE``) are taken and logged."""
+        kwargs = no_effect.drop_engine_args(kwargs)
         speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
         kv_transfer = KVTransferConfig.parse(kwargs.pop("kv_transfer_config", None))
         kv_events = KVEventsConfig.parse(kwargs.pop("kv_events_config", None))

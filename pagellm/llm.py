@@ -26,7 +26,7 @@ from pagellm.lora import LoRARequest
 from pagellm.metrics.reader import Metric, snapshot
 from pagellm.metrics.stats import IterationStats, SchedulerStats
 from pagellm.model.loader import resolve_model_dir
-from pagellm.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingRequestOutput,
+from pagellm.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput,
                              RequestOutput, ScoringOutput, ScoringRequestOutput, class_probs, pooled_embedding)
 from pagellm.prompt_embeds import PromptEmbeds
 from pagellm.sampling_params import SamplingParams
@@ -209,8 +209,9 @@ class LLM:
             raise ValueError(CLASSIFY_ONLY)
         outputs = self.generate(prompts, SamplingParams.for_pooling(), use_tqdm,  # type: ignore[arg-type]
                                 lora_request=lora_request)
-        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, pooled_embedding(o.pooled, normalize),
-                                       o.num_cached_tokens) for o in outputs]
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids,
+                                       EmbeddingOutput(pooled_embedding(o.pooled, normalize)), o.num_cached_tokens)
+                for o in outputs]
 
     def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None

@@ -76,15 +76,29 @@ class RequestOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
 class EmbeddingRequestOutput:
-    """``LLM.embed``'s result for one prompt: ``embedding`` is the final hidden state of the prompt's last token (the
-    last-token pooling of decoder embedding models such as Qwen3-Embedding or e5-mistral), L2-normalised unless
-    asked not to be."""
+    """``LLM.embed``'s result for one prompt (vLLM's shape: ``output.outputs.embedding``; ``output.embedding`` is the
+    same list): the final hidden state of the prompt's last token (the last-token pooling of decoder embedding models
+    such as Qwen3-Embedding or e5-mistral), L2-normalised unless asked not to be."""
 
     request_id: str
     prompt_token_ids: list[int]
-    embedding: list[float]
+    outputs: EmbeddingOutput
     num_cached_tokens: int = 0
+    finished: bool = True
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.outputs.embedding
 
 
 @dataclass

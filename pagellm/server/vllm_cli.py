@@ -21,45 +21,35 @@ import logging
 from pathlib import Path
 from typing import Any, Sequence
 
-logger = logging.getLogger(__name__)
+from pagellm import no_effect
 
+logger = logging.getLogger(__name__)
+_SWITCH: dict[str, Any] = {"action": "store_true"}
+
+# flag → its argparse kwargs; why each does nothing here: no_effect.ENGINE (vLLM's engine arguments, which LLM(...)
+# takes too) or SERVER (the server's own)
+_FLAGS: dict[str, dict[str, Any]] = {
+    "--gpu-memory-utilization": {"type": float}, "--swap-space": {"type": float}, "--enforce-eager": _SWITCH,
+    "--trust-remote-code": _SWITCH, "--disable-log-requests": _SWITCH, "--max-loras": {"type": int},
+    "--max-seq-len-to-capture": {"type": int}, "--disable-custom-all-reduce": _SWITCH,
+    "--disable-cascade-attn": _SWITCH,
+    "--max-parallel-loading-workers": {"type": int}, "--download-dir": {}, "--disable-uvicorn-access-log": _SWITCH,
+    "--cpu-offload-gb": {"type": float}, "--compilation-config": {}, "--disable-frontend-multiprocessing": _SWITCH,
+    "--revision": {}, "--tokenizer-revision": {}, "--code-revision": {},
+    "--async-scheduling": {"action": argparse.BooleanOptionalAction}, "--hf-token": {"nargs": "?", "const": True},
+    "--log-error-stack": _SWITCH, "--enable-log-deltas": {"action": argparse.BooleanOptionalAction},
+}
+SERVER: dict[str, str] = {
+    "disable_log_requests": "requests are not logged unless --enable-log-requests",
+    "disable_uvicorn_access_log": "the access log is off unless --access-log",
+    "disable_frontend_multiprocessing": "the engine core runs in a process of its own in every pagellm server",
+    "log_error_stack": "internal errors (500) are logged with their stack trace always; a 4xx names what to fix",
+    "enable_log_deltas": "--enable-log-outputs logs each request's whole output once, when it finishes",
+}
 # flag → (its argparse kwargs, why it does nothing here)
 IGNORED: dict[str, tuple[dict[str, Any], str]] = {
-    "--gpu-memory-utilization": ({"type": float}, "pagellm serves from CPU memory: --kv-cache-memory sizes the KV "
-                                                  "cache"),
-    "--swap-space": ({"type": float}, "the KV cache lives in CPU memory already (--kv-cache-memory)"),
-    "--enforce-eager": ({"action": "store_true"}, "pagellm captures no graphs on the CPU"),
-    "--trust-remote-code": ({"action": "store_true"}, "pagellm runs its own model code only; nothing from the model "
-                                                      "directory is executed"),
-    "--disable-log-requests": ({"action": "store_true"}, "requests are not logged unless --enable-log-requests"),
-    "--max-loras": ({"type": int}, "every step mixes any number of adapters (no per-step adapter slots on the CPU); "
-                                   "--max-cpu-loras bounds the adapters kept loaded"),
-    "--max-seq-len-to-capture": ({"type": int}, "pagellm captures no graphs on the CPU"),
-    "--disable-custom-all-reduce": ({"action": "store_true"}, "tensor-parallel ranks reduce over shared memory and "
-                                                              "gloo; there is no custom all-reduce to turn off"),
-    "--disable-cascade-attn": ({"action": "store_true"}, "pagellm has no cascade attention"),
-    "--max-parallel-loading-workers": ({"type": int}, "weights load layer by layer in one pass"),
-    "--download-dir": ({}, "pagellm loads local model directories and .gguf files only (no model hub)"),
-    "--disable-uvicorn-access-log": ({"action": "store_true"}, "the access log is off unless --access-log"),
-    "--cpu-offload-gb": ({"type": float}, "the weights live in CPU memory already"),
-    "--compilation-config": ({}, "pagellm captures no graphs and compiles no model code; its native kernels are "
-                                 "built at start"),
-    "--disable-frontend-multiprocessing": ({"action": "store_true"}, "the engine core runs in a process of its own "
-                                                                     "in every pagellm server"),
-    "--revision": ({}, "pagellm loads local directories and .gguf files, which have no hub revision"),
-    "--tokenizer-revision": ({}, "pagellm loads local tokenizers, which have no hub revision"),
-    "--code-revision": ({}, "pagellm runs no model code from the model directory"),
-    "--async-scheduling": ({"action": argparse.BooleanOptionalAction},
-                           "the engine core's scheduler step takes tens of microseconds beside a forward pass of "
-                           "milliseconds, and outputs are detokenized in the frontend's own process: there is no "
-                           "gap between steps to overlap"),
-    "--hf-token": ({"nargs": "?", "const": True}, "pagellm loads local model directories and .gguf files only (no "
-                                                  "model hub)"),
-    "--log-error-stack": ({"action": "store_true"}, "internal errors (500) are logged with their stack trace always; "
-                                                    "a 4xx names what to fix"),
-    "--enable-log-deltas": ({"action": argparse.BooleanOptionalAction},
-                            "--enable-log-outputs logs each request's whole output once, when it finishes"),
-}
+    flag: (kwargs, no_effect.ENGINE.get(flag[2:].replace("-", "_")) or SERVER[flag[2:].replace("-", "_")])
+    for flag, kwargs in _FLAGS.items()}
 STRUCTURED_BACKENDS = ("auto", "xgrammar")
 
 

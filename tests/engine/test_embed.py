@@ -35,7 +35,8 @@ def test_embeddings_are_the_last_hidden_state_under_chunks_and_cache_hits(tiny_m
     for run in range(2):  # the second run finds the prompts' blocks cached
         embeddings = llm.embed(prompts, use_tqdm=False)
         for out, ref, prompt in zip(embeddings, reference, prompts):
-            assert out.prompt_token_ids == prompt
+            assert out.prompt_token_ids == prompt and out.finished
+            assert out.outputs.embedding is out.embedding and out.outputs.hidden_size == 64  # vLLM's shape too
             torch.testing.assert_close(torch.tensor(out.embedding), ref / ref.norm(), atol=2e-6, rtol=0)
         if run == 1:
             assert sum(e.num_cached_tokens for e in embeddings) > 0

@@ -8,6 +8,7 @@ transformers' ``generate()`` where our engine's logic (``min_tokens``) has a tra
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,20 @@ def test_eos_stops_unless_ignored(tiny_model_factory: Any, reference: list[int])
 def test_unknown_engine_argument_suggests_the_name(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match=r"unknown engine argument 'max_num_seq'.*did you mean 'max_num_seqs'"):
         LLM(str(tiny_llama), max_num_seq=4)
+
+
+def test_vllms_gpu_arguments_are_taken_and_named_in_the_log(tiny_llama: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    # a ported script's LLM(...) runs: vLLM's arguments that do nothing on the CPU are logged, not refused
+    with caplog.at_level(logging.WARNING, logger="pagellm.no_effect"):
+        llm = LLM(str(tiny_llama), dtype="float32", max_model_len=64, gpu_memory_utilization=0.9, enforce_eager=True,
+                  trust_remote_code=True, swap_space=4, disable_custom_all_reduce=False, revision=None)
+    logged = caplog.text
+    assert "gpu_memory_utilization has no effect in pagellm: pagellm serves from CPU memory: kv_cache_memory" in logged
+    assert "enforce_eager has no effect" in logged and "swap_space has no effect" in logged
+    assert "disable_custom_all_reduce" not in logged and "revision" not in logged  # left off: nothing to say
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
 
 
 def test_bad_dtype(tiny_llama: Path) -> None:

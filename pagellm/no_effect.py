@@ -1,0 +1,47 @@
+"""vLLM engine arguments that have nothing to do in pagellm (GPU memory, graph capture, the model hub, remote code):
+``LLM(...)`` (through ``EngineConfig.from_kwargs``) and ``pagellm serve`` take them, so a ported script or command
+line runs, and each one given is logged with what it would have done and what to use instead. The server's own
+flags of that kind (``--disable-log-requests``, ...) are ``server/vllm_cli.py``'s."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+NO_HUB = "pagellm loads local model directories and .gguf files only (no model hub)"
+
+# engine argument → why it does nothing here
+ENGINE: dict[str, str] = {
+    "gpu_memory_utilization": "pagellm serves from CPU memory: kv_cache_memory (--kv-cache-memory) sizes the KV cache",
+    "swap_space": "the KV cache lives in CPU memory already (kv_cache_memory, --kv-cache-memory)",
+    "enforce_eager": "pagellm captures no graphs on the CPU",
+    "trust_remote_code": "pagellm runs its own model code only; nothing from the model directory is executed",
+    "max_loras": "every step mixes any number of adapters (no per-step adapter slots on the CPU); max_cpu_loras "
+                 "(--max-cpu-loras) bounds the adapters kept loaded",
+    "max_seq_len_to_capture": "pagellm captures no graphs on the CPU",
+    "disable_custom_all_reduce": "tensor-parallel ranks reduce over shared memory and gloo; there is no custom "
+                                 "all-reduce to turn off",
+    "disable_cascade_attn": "pagellm has no cascade attention",
+    "max_parallel_loading_workers": "weights load layer by layer in one pass",
+    "download_dir": NO_HUB,
+    "cpu_offload_gb": "the weights live in CPU memory already",
+    "compilation_config": "pagellm captures no graphs and compiles no model code; its native kernels are built at "
+                          "start",
+    "revision": "pagellm loads local directories and .gguf files, which have no hub revision",
+    "tokenizer_revision": "pagellm loads local tokenizers, which have no hub revision",
+    "code_revision": "pagellm runs no model code from the model directory",
+    "async_scheduling": "the engine core's scheduler step takes tens of microseconds beside a forward pass of "
+                        "milliseconds, and outputs are detokenized in the frontend's own process: there is no gap "
+                        "between steps to overlap",
+    "hf_token": NO_HUB,
+}
+
+
+def drop_engine_args(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without ``ENGINE``'s names, logging each one that was given a value."""
+    for name in ENGINE.keys() & kwargs.keys():
+        if kwargs[name] not in (None, False):  # a switch left off, or no value, is not worth a log line
+            logger.warning("%s has no effect in pagellm: %s", name, ENGINE[name])
+    return {key: value for key, value in kwargs.items() if key not in ENGINE}
