@@ -4,6 +4,8 @@ cannot fit ``max_model_len`` is refused before it is tokenized at all."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,7 +14,25 @@ from typing import Callable
 import httpx
 from server_utils import ServerProcess
 
+from pagellm.server.openai.serving_engine import INLINE_BYTES, prepared
 from pagellm.tokenizer import Tokenizer
+
+
+def test_small_requests_are_prepared_in_place_large_ones_on_the_thread() -> None:
+    def where(body: str) -> str:
+        if body == "bad":
+            raise ValueError("refused")  # a 4xx, raised where the route awaits it
+        return threading.current_thread().name
+
+    async def run() -> tuple[str, str, str]:
+        small, large = await prepared(where, "ok", INLINE_BYTES), await prepared(where, "ok", INLINE_BYTES + 1)
+        try:
+            await prepared(where, "bad", INLINE_BYTES + 1)
+        except ValueError as exc:
+            return small, large, str(exc)
+        return small, large, "not raised"
+
+    assert asyncio.run(run()) == ("MainThread", "prepare_0", "refused")
 
 
 def test_a_long_tokenization_does_not_stall_the_server(start_server: Callable[..., ServerProcess],

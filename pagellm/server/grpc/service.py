@@ -118,7 +118,7 @@ class EngineService(pb_grpc.EngineServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
             params = self._params(request.model, request.sampling)
-            prompt = await prepared(self._generate_prompt, request)
+            prompt = await prepared(self._generate_prompt, request, request.ByteSize())
         except Exception as exc:
             await _fail(context, exc)
         async for response in self._stream(prompt, params, request, context):
@@ -141,7 +141,7 @@ class EngineService(pb_grpc.EngineServicer):
                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
             params = self._params(request.model, request.sampling)
-            prompt = await prepared(self._chat_prompt, request)
+            prompt = await prepared(self._chat_prompt, request, request.ByteSize())
         except Exception as exc:
             await _fail(context, exc)
         async for response in self._stream(prompt, params, request, context):
@@ -194,7 +194,7 @@ class EngineService(pb_grpc.EngineServicer):
                 [list(ids.ids) for ids in request.token_ids.lists]
             body = EmbeddingRequest(model=request.model or None, input=inputs, priority=request.priority,
                                     dimensions=request.dimensions if request.HasField("dimensions") else None)
-            answer = await self.embedding.create(await prepared(self.embedding.prepare, body))
+            answer = await self.embedding.create(await prepared(self.embedding.prepare, body, request.ByteSize()))
         except Exception as exc:
             await _fail(context, exc)
         return pb.EmbedResponse(embeddings=[pb.Embedding(values=item.embedding) for item in answer.data],

@@ -19,8 +19,9 @@ Contract:
   409 while requests hold blocks; guarded by ``api_key`` as the profile routes are.
 - ``GET /health`` is 200 while the engine core lives and 503 once it is dead; ``GET /stats`` is the engine's
   latest ``SchedulerStats`` with every field present (running/waiting requests, KV-cache usage, ...).
-- A request's preparation (validation, chat template, tokenization, grammar compilation: ``prepare``) runs on one
-  worker thread, not on the event loop, so a long prompt's tokenization does not stall the streams being sent.
+- A large request's preparation (validation, chat template, tokenization, grammar compilation: ``prepare``) runs on
+  one worker thread, not on the event loop, so a long prompt's tokenization does not stall the streams being sent
+  (``serving_engine.prepared``).
 - A client that goes away loses its requests: a stream's generator is cancelled by the server on disconnect, and a
   non-streamed request is cancelled by a watcher on the connection; either way the engine aborts the request and
   frees its KV blocks.
@@ -62,7 +63,7 @@ from pagellm.server.openai.serving_classification import (ClassificationRequest,
 from pagellm.server.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from pagellm.server.openai.serving_score import OpenAIServingScore, RerankRequest, ScoreRequest
 from pagellm.server.openai.serving_responses import OpenAIServingResponses
-from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing, prepared
+from pagellm.server.openai.serving_engine import INLINE_BYTES, EngineClient, OpenAIServing, prepared
 from pagellm.server.openai.sse import EventStream, sse_response
 from pagellm.server.openai import tokenization
 from pagellm.server.openai.tokenization import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
@@ -157,18 +158,19 @@ def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], ch
 
     @router.post("/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
-        job = await prepared(completion.prepare, body)
+        job = await prepared(completion.prepare, body, _size(raw))
         if body.stream:
             return sse_response(completion.stream(job), defaults)
         return await _json_unless_disconnected(raw, completion.create(job))
 
     @router.post("/embeddings")
     async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
-        return await _json_unless_disconnected(raw, embedding.create(await prepared(embedding.prepare, body)))
+        job = await prepared(embedding.prepare, body, _size(raw))
+        return await _json_unless_disconnected(raw, embedding.create(job))
 
     @router.post("/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
-        job = await prepared(chat.prepare, body)
+        job = await prepared(chat.prepare, body, _size(raw))
         if body.stream:
             return sse_response(chat.stream(job), defaults)
         return await _json_unless_disconnected(raw, chat.create(job))
@@ -185,7 +187,7 @@ def _score_router(engine: EngineClient, served: _Served, api_key: Optional[str])
     classification = OpenAIServingClassification(engine, served.names, served.loras)
 
     async def classify(body: ClassificationRequest, raw: Request) -> Response:
-        job = await prepared(classification.prepare, body)
+        job = await prepared(classification.prepare, body, _size(raw))
         return await _json_unless_disconnected(raw, classification.create(job))
 
     for path in ("/classify", "/v1/classify"):
@@ -193,16 +195,19 @@ def _score_router(engine: EngineClient, served: _Served, api_key: Optional[str])
     pooling = OpenAIServingPooling(engine, served.names, served.loras)
 
     async def pool(body: PoolingRequest, raw: Request) -> Response:
-        return await _json_unless_disconnected(raw, pooling.create(await prepared(pooling.prepare, body)))
+        job = await prepared(pooling.prepare, body, _size(raw))
+        return await _json_unless_disconnected(raw, pooling.create(job))
 
     for path in ("/pooling", "/v1/pooling"):
         router.add_api_route(path, pool, methods=["POST"])
 
     async def score(body: ScoreRequest, raw: Request) -> Response:
-        return await _json_unless_disconnected(raw, scoring.score(await prepared(scoring.prepare, body)))
+        job = await prepared(scoring.prepare, body, _size(raw))
+        return await _json_unless_disconnected(raw, scoring.score(job))
 
     async def rerank(body: RerankRequest, raw: Request) -> Response:
-        return await _json_unless_disconnected(raw, scoring.rerank(await prepared(scoring.prepare, body)))
+        job = await prepared(scoring.prepare, body, _size(raw))
+        return await _json_unless_disconnected(raw, scoring.rerank(job))
 
     for path in ("/score", "/v1/score"):
         router.add_api_route(path, score, methods=["POST"])
@@ -217,7 +222,7 @@ def _responses_router(responses: OpenAIServingResponses, api_key: Optional[str])
 
     @router.post("")
     async def create_response(body: ResponsesRequest, raw: Request) -> Response:
-        job = await prepared(responses.prepare, body)
+        job = await prepared(responses.prepare, body, _size(raw))
         if body.background:
             return JSONResponse(responses.start_background(job).model_dump(mode="json"))
         if body.stream:
@@ -369,6 +374,12 @@ def _bearer_auth(api_key: str) -> Any:
             raise APIError("Incorrect API key provided.", 401, code="invalid_api_key")
 
     return check
+
+
+def _size(raw: Request) -> int:
+    """The request body's bytes (by its Content-Length; a body without one counts as large)."""
+    length = raw.headers.get("content-length", "")
+    return int(length) if length.isdigit() else INLINE_BYTES + 1
 
 
 async def _json_unless_disconnected(request: Request, work: Awaitable[Any]) -> Response:

@@ -12,9 +12,9 @@ Contract:
   sample whose ``index`` is the sibling index. Closing it (client gone, error) cancels every engine request, which
   aborts them and frees their blocks.
 - ``ChoiceState`` adds up one choice's deltas; the logprobs it holds are those not yet sent (``take_logprobs``).
-- ``prepared(prepare, body)`` runs a request's preparation (validation, chat template, tokenization, grammar
-  compilation) on one worker thread, off the event loop; text too long to fit ``max_model_len`` is refused before it
-  is tokenized (``check_text_length``).
+- ``prepared(prepare, body, size)`` runs a large request's preparation (validation, chat template, tokenization,
+  grammar compilation) on one worker thread, off the event loop; text too long to fit ``max_model_len`` is refused
+  before it is tokenized (``check_text_length``).
 """
 
 from __future__ import annotations
@@ -44,16 +44,22 @@ logger = logging.getLogger(__name__)
 
 _DONE = object()
 
-# One thread prepares requests (their Python holds the GIL, so more would not run at once; the tokenizer's Rust part
-# lets the event loop run beside it): tokenizing megabytes of text takes seconds, which on the event loop stalled
-# every stream the server was sending.
+# One thread prepares large requests (their Python holds the GIL, so more would not run at once; the tokenizer's Rust
+# part lets the event loop run beside it): tokenizing megabytes of text takes seconds, which on the event loop stalled
+# every stream the server was sending. Requests of up to INLINE_BYTES are prepared on the event loop itself: theirs
+# takes about a millisecond at most, less than the hand-over to the thread can cost when the engine's threads hold
+# both cores (c=1 TTFT p50 +1-2 ms, p95 +5 ms, measured with every request handed over; docs/performance.md, Round 43).
 _PREPARE = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prepare")
+INLINE_BYTES = 8192
 _In = TypeVar("_In")
 _Out = TypeVar("_Out")
 
 
-async def prepared(prepare: Callable[[_In], _Out], body: _In) -> _Out:
-    """``prepare(body)`` on the preparing thread; what it raises (APIError, ValueError: a 4xx) is raised here."""
+async def prepared(prepare: Callable[[_In], _Out], body: _In, size: int) -> _Out:
+    """``prepare(body)`` for a request of ``size`` bytes: on the preparing thread when it is larger than
+    INLINE_BYTES, else here; what it raises (APIError, ValueError: a 4xx) is raised here."""
+    if size <= INLINE_BYTES:
+        return prepare(body)
     return await asyncio.get_running_loop().run_in_executor(_PREPARE, prepare, body)
 
 
