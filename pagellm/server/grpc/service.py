@@ -125,7 +125,7 @@ class EngineService(pb_grpc.EngineServicer):
             yield response
 
     def _generate_prompt(self, request: pb.GenerateRequest) -> list[int] | PromptEmbeds:
-        """A Generate request's prompt, checked (run off the event loop: ``prepared``)."""
+        """A Generate request's prompt, checked (through ``prepared``: a large request off the event loop)."""
         kind = request.WhichOneof("prompt")
         if kind == "prompt_embeds":  # checked as it is read
             return self.serving.load_prompt_embeds(request.prompt_embeds)
@@ -148,7 +148,7 @@ class EngineService(pb_grpc.EngineServicer):
             yield response
 
     def _chat_prompt(self, request: pb.ChatRequest) -> list[int]:
-        """A Chat request's conversation rendered and tokenized, checked (run off the event loop: ``prepared``)."""
+        """A Chat request's conversation rendered and tokenized, checked (through ``prepared``, as Generate's)."""
         if not request.messages:
             raise ValueError("messages must hold at least one message")
         self.serving.check_text_length(sum(len(m.content) for m in request.messages))

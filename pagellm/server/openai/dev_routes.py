@@ -4,9 +4,10 @@ must not face untrusted clients.
 
 ``POST /collective_rpc {"method", "args", "kwargs", "timeout"}`` (vLLM's route, what an RL framework's weight sync
 calls over HTTP): the workers' method ``method`` (one of theirs, or of ``--worker-extension-cls``) on every rank,
-``{"results": [...]}`` in rank order. A result JSON can carry (null, a boolean, a number, a string, a list or an
-object of them) comes back as it is, anything else as its ``str()``; vLLM turns numbers and strings into ``str()``
-too. A method the workers do not have is a 400 that names it; ``timeout`` (seconds) bounds the wait for the ranks.
+``{"results": [...]}`` in rank order. A result JSON can carry (null, a boolean, a finite number, a string, a list or
+an object of them) comes back as it is, anything else as its ``str()`` (vLLM's route passes only null, lists and
+objects through, so its numbers and booleans come back as strings). A method the workers do not have is a 400 that
+names it; ``timeout`` (seconds) bounds the wait for the ranks.
 """
 
 from __future__ import annotations
