@@ -262,8 +262,7 @@ async def _run_all(args: argparse.Namespace, plan: _Plan) -> dict[str, Any]:
             result = await send(http, warm, opts)
             if not result.success:  # the server refuses what every request will carry: stop before the runs
                 raise ValueError(f"the warm-up request failed, so no run started: {result.error}; fix what the "
-                                 "server names (the flags --model, --extra-body and the lengths reach it), or run "
-                                 "with --num-warmups 0 to count such failures instead")
+                                 "server names, or count such failures with --num-warmups 0")
         pid = _server_pid(args)
         runs: list[dict[str, Any]] = []
         files = await _profiled(http, args.profile, _runs(http, opts, pid, plan, args, runs))

@@ -47,9 +47,9 @@ SERVER: dict[str, str] = {
     "enable_log_deltas": "--enable-log-outputs logs each request's whole output once, when it finishes",
 }
 # flag → (its argparse kwargs, why it does nothing here)
+_WHY = {**no_effect.ENGINE, **SERVER}
 IGNORED: dict[str, tuple[dict[str, Any], str]] = {
-    flag: (kwargs, no_effect.ENGINE.get(flag[2:].replace("-", "_")) or SERVER[flag[2:].replace("-", "_")])
-    for flag, kwargs in _FLAGS.items()}
+    flag: (kwargs, _WHY[flag[2:].replace("-", "_")]) for flag, kwargs in _FLAGS.items()}
 STRUCTURED_BACKENDS = ("auto", "xgrammar")
 
 

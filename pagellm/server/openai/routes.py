@@ -66,8 +66,6 @@ from pagellm.server.openai.serving_responses import OpenAIServingResponses
 from pagellm.server.openai.serving_engine import INLINE_BYTES, EngineClient, OpenAIServing, prepared
 from pagellm.server.openai.sse import EventStream, sse_response
 from pagellm.server.openai import tokenization
-from pagellm.server.openai.tokenization import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
-                                                TokenizeResponse)
 
 logger = logging.getLogger(__name__)
 
@@ -268,21 +266,7 @@ def _admin_router(engine: EngineClient, model_names: Sequence[str], tokenizer_in
         current = await engine.get_stats()
         return {name: msgspec.to_builtins(getattr(current, name)) for name in current.__struct_fields__}
 
-    async def describe_tokenizer() -> dict[str, Any]:  # vLLM's --enable-tokenizer-info-endpoint
-        return {**serving.tokenizer.info(), "model_max_length": serving.max_model_len}
-
-    if tokenizer_info:
-        router.add_api_route("/tokenizer_info", describe_tokenizer, methods=["GET"])
-
-    @router.post("/tokenize")
-    def tokenize(body: TokenizeRequest) -> TokenizeResponse:  # plain def: FastAPI runs it off the event loop
-        return tokenization.tokenize(serving, body)
-
-    @router.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        serving.check_model(body.model)
-        return DetokenizeResponse(prompt=serving.detokenize(body.tokens))
-
+    router.include_router(tokenization.tokenizer_router(serving, tokenizer_info))
     return router
 
 

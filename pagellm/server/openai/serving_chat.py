@@ -109,10 +109,7 @@ class OpenAIServingChat(OpenAIServing):
         for name, why in tooling.problems(request.tools, request.tool_choice, auto=self.tool_parser is not None):
             raise APIError(why, 400, param=name, code="unsupported_parameter")
         model, params = self.check_request(request)
-        if request.chat_template is not None and not self.defaults.trust_request_chat_template:
-            raise APIError("a request's own chat_template is taken only by a server started with "
-                           "--trust-request-chat-template (a template runs on the server); omit it for the server's",
-                           400, param="chat_template")
+        self.check_request_template(request.chat_template)
         if request.truncate_prompt_tokens is None:
             self.check_text_length(sum(len(m.text()) for m in request.messages))
         messages = [m.to_template_dict() for m in request.messages]

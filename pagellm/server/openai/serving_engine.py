@@ -268,9 +268,18 @@ class OpenAIServing:
             prompts.append((item, self.check_prompt(kept, position if len(raw) > 1 else None), kept is not ids))
         return prompts
 
+    def check_request_template(self, template: Optional[str]) -> None:
+        """A request's own ``chat_template`` is a 400 unless the server trusts requests' templates."""
+        if template is not None and not self.defaults.trust_request_chat_template:
+            raise APIError("a request's own chat_template is taken only by a server started with "
+                           "--trust-request-chat-template (a template runs on the server); omit it for the server's",
+                           400, param="chat_template")
+
     def check_text_length(self, chars: int, position: Optional[int] = None) -> None:
         """Refuse text that cannot fit ``max_model_len`` before tokenizing it (megabytes of text take the tokenizer
         seconds): no token stands for more than the vocabulary's longest token in characters."""
+        if chars <= self.max_model_len:  # fits whatever the longest token is (no vocabulary scan for short text)
+            return
         longest = self.tokenizer.max_token_chars
         if chars > self.max_model_len * longest:
             where = "" if position is None else f"prompt {position}: "

@@ -1,4 +1,5 @@
-"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's extra routes): text or a chat conversation to token ids and
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's extra routes; ``tokenizer_router``, with ``GET
+/tokenizer_info`` under ``--enable-tokenizer-info-endpoint``): text or a chat conversation to token ids and
 back, validated as strictly as the OpenAI bodies in ``protocol.py``. A conversation is rendered as a chat request's
 would be: its ``tools``, ``chat_template_kwargs`` and (on a server started with ``--trust-request-chat-template``)
 its own ``chat_template`` reach the template, so the count is the prompt's; ``return_token_strs`` adds each token's
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from fastapi import APIRouter
 from pydantic import BaseModel
 
 from pagellm.server.openai.errors import APIError
@@ -48,9 +50,7 @@ def tokenize(serving: OpenAIServing, body: TokenizeRequest) -> TokenizeResponse:
                            param="prompt")
         tokens = serving.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
     else:
-        if body.chat_template is not None and not serving.defaults.trust_request_chat_template:
-            raise APIError("a request's own chat_template is taken only by a server started with "
-                           "--trust-request-chat-template; omit it for the server's", 400, param="chat_template")
+        serving.check_request_template(body.chat_template)
         kwargs = {**(body.chat_template_kwargs or {}), **({"tools": body.tools} if body.tools else {})}
         tokens = serving.tokenizer.apply_chat_template(
             [m.to_template_dict() for m in body.messages], body.add_generation_prompt, kwargs or None,
@@ -66,3 +66,24 @@ class DetokenizeRequest(OpenAIModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+def tokenizer_router(serving: OpenAIServing, tokenizer_info: bool) -> APIRouter:
+    router = APIRouter()
+
+    async def describe_tokenizer() -> dict[str, Any]:  # vLLM's --enable-tokenizer-info-endpoint
+        return {**serving.tokenizer.info(), "model_max_length": serving.max_model_len}
+
+    if tokenizer_info:
+        router.add_api_route("/tokenizer_info", describe_tokenizer, methods=["GET"])
+
+    @router.post("/tokenize")
+    def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:  # plain def: FastAPI runs it off the event loop
+        return tokenize(serving, body)
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.check_model(body.model)
+        return DetokenizeResponse(prompt=serving.detokenize(body.tokens))
+
+    return router
