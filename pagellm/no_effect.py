@@ -5,6 +5,7 @@ flags of that kind (``--disable-log-requests``, ...) are ``server/vllm_cli.py``'
 
 from __future__ import annotations
 
+import argparse
 import logging
 from typing import Any
 
@@ -37,6 +38,26 @@ ENGINE: dict[str, str] = {
                         "between steps to overlap",
     "hf_token": NO_HUB,
 }
+
+_SWITCH: dict[str, Any] = {"action": "store_true"}
+# ENGINE's names as vLLM's flags: name → argparse kwargs
+FLAGS: dict[str, dict[str, Any]] = {
+    "gpu_memory_utilization": {"type": float}, "swap_space": {"type": float}, "enforce_eager": _SWITCH,
+    "trust_remote_code": _SWITCH, "max_loras": {"type": int}, "max_seq_len_to_capture": {"type": int},
+    "disable_custom_all_reduce": _SWITCH, "disable_cascade_attn": _SWITCH,
+    "max_parallel_loading_workers": {"type": int}, "download_dir": {}, "cpu_offload_gb": {"type": float},
+    "compilation_config": {}, "revision": {}, "tokenizer_revision": {}, "code_revision": {},
+    "async_scheduling": {"action": argparse.BooleanOptionalAction}, "hf_token": {"nargs": "?", "const": True},
+}
+
+
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, why: dict[str, str],
+              kinds: dict[str, dict[str, Any]] = FLAGS) -> None:
+    """The flags of ``why``'s names (``--gpu-memory-utilization``, ...), each helped by why it does nothing, parsed to
+    None when not given; ``kinds`` holds their argparse kwargs (a switch when absent)."""
+    for name, reason in why.items():
+        parser.add_argument("--" + name.replace("_", "-"), default=None, help=f"ignored: {reason}",
+                            **kinds.get(name, _SWITCH))
 
 
 def drop_engine_args(kwargs: dict[str, Any]) -> dict[str, Any]:

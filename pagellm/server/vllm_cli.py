@@ -24,21 +24,7 @@ from typing import Any, Sequence
 from pagellm import no_effect
 
 logger = logging.getLogger(__name__)
-_SWITCH: dict[str, Any] = {"action": "store_true"}
-
-# flag → its argparse kwargs; why each does nothing here: no_effect.ENGINE (vLLM's engine arguments, which LLM(...)
-# takes too) or SERVER (the server's own)
-_FLAGS: dict[str, dict[str, Any]] = {
-    "--gpu-memory-utilization": {"type": float}, "--swap-space": {"type": float}, "--enforce-eager": _SWITCH,
-    "--trust-remote-code": _SWITCH, "--disable-log-requests": _SWITCH, "--max-loras": {"type": int},
-    "--max-seq-len-to-capture": {"type": int}, "--disable-custom-all-reduce": _SWITCH,
-    "--disable-cascade-attn": _SWITCH,
-    "--max-parallel-loading-workers": {"type": int}, "--download-dir": {}, "--disable-uvicorn-access-log": _SWITCH,
-    "--cpu-offload-gb": {"type": float}, "--compilation-config": {}, "--disable-frontend-multiprocessing": _SWITCH,
-    "--revision": {}, "--tokenizer-revision": {}, "--code-revision": {},
-    "--async-scheduling": {"action": argparse.BooleanOptionalAction}, "--hf-token": {"nargs": "?", "const": True},
-    "--log-error-stack": _SWITCH, "--enable-log-deltas": {"action": argparse.BooleanOptionalAction},
-}
+# the server's own vLLM flags that do nothing here (the engine's are no_effect.ENGINE, which LLM(...) takes too)
 SERVER: dict[str, str] = {
     "disable_log_requests": "requests are not logged unless --enable-log-requests",
     "disable_uvicorn_access_log": "the access log is off unless --access-log",
@@ -46,10 +32,9 @@ SERVER: dict[str, str] = {
     "log_error_stack": "internal errors (500) are logged with their stack trace always; a 4xx names what to fix",
     "enable_log_deltas": "--enable-log-outputs logs each request's whole output once, when it finishes",
 }
-# flag → (its argparse kwargs, why it does nothing here)
-_WHY = {**no_effect.ENGINE, **SERVER}
-IGNORED: dict[str, tuple[dict[str, Any], str]] = {
-    flag: (kwargs, _WHY[flag[2:].replace("-", "_")]) for flag, kwargs in _FLAGS.items()}
+# name → why it does nothing here; no_effect.FLAGS (and the one below) type their flags, the rest are switches
+IGNORED: dict[str, str] = {**no_effect.ENGINE, **SERVER}
+_KINDS = {**no_effect.FLAGS, "enable_log_deltas": {"action": argparse.BooleanOptionalAction}}
 STRUCTURED_BACKENDS = ("auto", "xgrammar")
 
 
@@ -59,8 +44,7 @@ def add_args(cmd: argparse.ArgumentParser) -> None:
                      help="flags from a YAML file ({max-model-len: 4096, enable-prefix-caching: true, ...}); flags "
                           "on the command line win (vLLM's --config)")
     group = cmd.add_argument_group("accepted from vLLM command lines, without effect here")
-    for flag, (kwargs, why) in IGNORED.items():
-        group.add_argument(flag, default=None, help=f"ignored: {why}", **kwargs)
+    no_effect.add_flags(group, IGNORED, _KINDS)
     cmd.add_argument("--tokenizer-mode", default=None, metavar="MODE",
                      help="vLLM's: auto or hf (pagellm's tokenizers are Hugging Face fast tokenizers); slow, mistral "
                           "and custom are refused")
@@ -83,9 +67,9 @@ def reparse(parser: argparse.ArgumentParser, args: argparse.Namespace,
         command: argparse.ArgumentParser = args.config_parser
         command.set_defaults(**_file_defaults(Path(args.config), command))
         args = parser.parse_args(argv)
-    for flag, (_, why) in IGNORED.items():
-        if getattr(args, flag[2:].replace("-", "_"), None) not in (None, False):
-            logger.warning("%s has no effect in pagellm: %s", flag, why)
+    for name, why in IGNORED.items():
+        if getattr(args, name, None) not in (None, False):
+            logger.warning("--%s has no effect in pagellm: %s", name.replace("_", "-"), why)
     _check_structured_backend(args)
     mode = getattr(args, "tokenizer_mode", None)
     if mode not in (None, "auto", "hf"):
