@@ -1,7 +1,17 @@
 """The engine's command-line flags, generated from the config fields (name, type, default and help text), so every
 engine option is a flag without being listed twice: ``add_engine_args`` adds them to a parser, ``engine_kwargs``
 turns the parsed flags that were given into ``EngineConfig.from_kwargs`` keywords. Used by ``pagellm`` (cli.py),
-the in-process benchmarks and the Ray Serve app's arguments."""
+the in-process benchmarks and the Ray Serve app's arguments.
+
+``EngineArgs`` and ``AsyncEngineArgs`` are vLLM's classes of the same names, generated from the same fields: a
+dataclass with one field per engine argument (its default the config's), plus vLLM's arguments that do nothing
+here (``no_effect.ENGINE``, left None) and ``disable_log_stats``. A script written for vLLM runs as it is::
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(parser.parse_args()))
+
+``create_engine_config()`` builds the ``EngineConfig``; ``LLM(**dataclasses.asdict(args))`` works too.
+``AsyncEngineArgs`` adds ``enable_log_requests`` (``AsyncLLM.from_engine_args`` logs each request)."""
 
 from __future__ import annotations
 
@@ -10,7 +20,8 @@ import dataclasses
 import re
 from typing import Any
 
-from pagellm.config import flat_fields, parse_size
+from pagellm import no_effect
+from pagellm.config import EngineConfig, flat_fields, parse_size
 
 
 def _size(value: str) -> int:
@@ -82,3 +93,54 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = [f.name for f in flat_fields() if f.name != "model"] + ["speculative_config", "kv_transfer_config",
                                                                      "kv_events_config"]
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+_JSON_CONFIGS = ("speculative_config", "kv_transfer_config", "kv_events_config")
+
+
+def _create_engine_config(self: Any) -> EngineConfig:
+    """The ``EngineConfig`` these arguments describe (vLLM's ``EngineArgs.create_engine_config``)."""
+    kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    for name in ("disable_log_stats", "enable_log_requests"):
+        kwargs.pop(name, None)
+    return EngineConfig.from_kwargs(**kwargs)
+
+
+def _add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every engine argument as a flag (``--model`` included; vLLM's that do nothing here are taken and logged), as
+    vLLM's ``EngineArgs.add_cli_args``; returns the parser."""
+    parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: built-in SmolLM2)")
+    add_engine_args(parser)
+    no_effect.add_flags(parser.add_argument_group("accepted from vLLM, without effect here"), no_effect.ENGINE)
+    parser.add_argument("--disable-log-stats", action="store_true", default=None,
+                        help="no periodic stats log line and no Prometheus series")
+    return parser
+
+
+def _from_cli_args(cls: type, args: argparse.Namespace) -> Any:
+    """The arguments parsed by ``add_cli_args``'s flags (the flags not given keep their defaults)."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None}
+    return cls(**given)
+
+
+def _async_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    _add_cli_args(parser)
+    parser.add_argument("--enable-log-requests", action="store_true", default=None,
+                        help="log each request as it arrives (its prompt, parameters and token ids)")
+    return parser
+
+
+def _fields() -> list[tuple[str, Any, dataclasses.Field]]:
+    fields = [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata)) for f in flat_fields()]
+    fields += [(name, Any, dataclasses.field(default=None)) for name in (*_JSON_CONFIGS, *no_effect.ENGINE)]
+    return fields + [("disable_log_stats", bool, dataclasses.field(default=False))]
+
+
+EngineArgs = dataclasses.make_dataclass("EngineArgs", _fields(), namespace={
+    "__module__": __name__, "__doc__": "vLLM's ``EngineArgs``: every engine argument as a field (module docstring).",
+    "create_engine_config": _create_engine_config, "add_cli_args": staticmethod(_add_cli_args),
+    "from_cli_args": classmethod(_from_cli_args)})
+AsyncEngineArgs = dataclasses.make_dataclass(
+    "AsyncEngineArgs", [("enable_log_requests", bool, dataclasses.field(default=False))], bases=(EngineArgs,),
+    namespace={"__module__": __name__, "__doc__": "vLLM's ``AsyncEngineArgs`` (adds enable_log_requests).",
+               "add_cli_args": staticmethod(_async_cli_args)})

@@ -1,5 +1,5 @@
-"""``LLM``: the offline facade. It owns a tokenizer, an in-process engine core and the output processor, and
-turns a batch of prompts into ``RequestOutput``s in input order, with a progress bar.
+"""``LLM``: the offline facade over an ``LLMEngine`` (``llm.llm_engine``: the tokenizer, an in-process engine core
+and the output processor); it turns a batch of prompts into ``RequestOutput``s in input order, with a progress bar.
 
 ``n > 1`` and ``best_of`` run sibling requests (``engine/parallel_sampling.py``); each prompt's ``RequestOutput``
 holds its ``n`` ``CompletionOutput``s in index order (rank order for ``best_of > n``)."""
@@ -14,22 +14,18 @@ from typing import Any, Callable, Iterator, Sequence
 import msgspec
 from tqdm.auto import tqdm
 
-from pagellm import generation_config
 from pagellm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagellm.config import EngineConfig
-from pagellm.engine.client import InprocClient
-from pagellm.engine.exceptions import ASLEEP, EngineSleepingError, check_sleep_level
-from pagellm.engine.input_processor import CLASSIFY_ONLY, InputProcessor, PromptType, as_prompt, load_tokenizer
-from pagellm.engine.output_processor import OutputProcessor
-from pagellm.engine.parallel_sampling import needs_ranking, select_best, sibling_params
+from pagellm.engine.exceptions import check_sleep_level
+from pagellm.engine.input_processor import CLASSIFY_ONLY, PromptType
+from pagellm.engine.llm_engine import LLMEngine
 from pagellm.lora import LoRARequest
-from pagellm.metrics.reader import Metric, snapshot
-from pagellm.metrics.stats import IterationStats, SchedulerStats
-from pagellm.model.loader import resolve_model_dir
+from pagellm.metrics.reader import Metric
+from pagellm.metrics.stats import SchedulerStats
 from pagellm.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput,
                              RequestOutput, ScoringOutput, ScoringRequestOutput, class_probs, pooled_embedding)
 from pagellm.prompt_embeds import PromptEmbeds
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.scoring import Texts, cosine, distinct, pair_texts
 from pagellm.tokenizer import load_chat_template
 
@@ -51,21 +47,18 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, disable_log_stats: bool = True, **engine_args: Any) -> None:
-        self.config = EngineConfig.from_kwargs(model=model, **engine_args)
-        if self.config.parallel_config.data_parallel_size > 1:
+        config = EngineConfig.from_kwargs(model=model, **engine_args)
+        if config.parallel_config.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 runs engine cores behind a server (pagellm serve, AsyncLLM); "
                              "offline, run one LLM per process on its share of the CPUs")
-        model_dir = resolve_model_dir(model)
-        model_config = self.config.model_config
-        self.tokenizer = load_tokenizer(model_config, model_dir)
-        self.sampling_defaults = generation_config.for_model(model_config, model_dir)
-        self.engine = InprocClient(self.config)
-        runtime = self.engine.runtime
-        self.input_processor = InputProcessor.for_engine(self.tokenizer, runtime, self.config, model_dir)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.llm_engine = LLMEngine(config, log_stats=not disable_log_stats)
+        self.config = config
+        self.tokenizer = self.llm_engine.tokenizer
+        self.sampling_defaults = self.llm_engine.sampling_defaults
+        self.engine = self.llm_engine.engine_core
+        self.input_processor = self.llm_engine.input_processor
         self._ids = itertools.count()
         self.last_stats: list[SchedulerStats] = []
-        self.stats_sink = None if disable_log_stats else _prometheus_sink(self.config, runtime)
 
     def generate(
         self,
@@ -84,9 +77,9 @@ class LLM:
             adapters = _per_prompt(lora_request, len(batch), "lora_request")  # type: ignore[arg-type]
             params = [msgspec.structs.replace(p, lora_request=a) for p, a in zip(params, adapters)]
         priorities = _per_prompt(list(priority) if priority is not None else 0, len(batch), "priority")
-        groups = self._add_requests(batch, params, priorities)
-        finished = self._run([i for group in groups for i in group], use_tqdm)
-        return [self._merge([finished[i] for i in group], p) for group, p in zip(groups, params)]
+        ids = self._add_requests(batch, params, priorities)
+        finished = self._run(ids, use_tqdm)
+        return [finished[i] for i in ids]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` sample with when given no parameters: ``SamplingParams()`` with the
@@ -124,61 +117,31 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],
-                      priorities: list[int]) -> list[list[str]]:
-        """Queue every prompt's siblings (all validated before any is queued); returns their ids per prompt."""
-        if self.engine.is_sleeping():
-            raise EngineSleepingError(ASLEEP)
-        requests = []
-        groups: list[list[str]] = []
-        for prompt, param, prio in zip(map(as_prompt, prompts), params, priorities):
-            base = self.input_processor.process(str(next(self._ids)), prompt, param, prio)
-            siblings = sibling_params(base.sampling_params)
-            group = [base.request_id] if len(siblings) == 1 else \
-                [f"{base.request_id}-{i}" for i in range(len(siblings))]
-            for request_id, sibling in zip(group, siblings):
-                requests.append((msgspec.structs.replace(base, request_id=request_id, sampling_params=sibling),
-                                 prompt if isinstance(prompt, str) else None))
-            groups.append(group)
-        for request, text in requests:
-            self.output_processor.add_request(request, text)
-            self.engine.add_requests([request])
-        return groups
-
-    @staticmethod
-    def _merge(group: list[RequestOutput], params: SamplingParams) -> RequestOutput:
-        """One prompt's sibling outputs as one ``RequestOutput`` (the best ``n`` when ranking)."""
-        if len(group) == 1:
-            return group[0]
-        completions = []
-        for index, out in enumerate(group):
-            out.outputs[0].index = index
-            completions.append(out.outputs[0])
-        if needs_ranking(params):
-            completions = select_best(completions, params)
-        first = group[0]
-        first.request_id = first.request_id.rsplit("-", 1)[0]
-        first.outputs = completions
-        return first
+                      priorities: list[int]) -> list[str]:
+        """Queue every prompt for its final output only; all or none (a bad one takes back those queued)."""
+        final = {id(p): msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
+        ids: list[str] = []
+        try:
+            for prompt, param, priority in zip(prompts, params, priorities):
+                ids.append(str(next(self._ids)))
+                self.llm_engine.add_request(ids[-1], prompt, final[id(param)], priority=priority)
+        except BaseException:
+            self.llm_engine.abort_request(ids)
+            raise
+        return ids
 
     def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         generated = 0
         self.last_stats = []
-        while self.output_processor.has_unfinished_requests():
-            message = self.engine.get_output()
-            if message.stats is not None:
-                self.last_stats.append(message.stats)
-            iteration = IterationStats() if self.stats_sink is not None else None
-            outputs, to_abort = self.output_processor.process_outputs(message.step, iteration=iteration)
-            if self.stats_sink is not None:
-                self.stats_sink.record(message.stats, iteration)
-            self.engine.abort_requests(to_abort)
-            for out in outputs:
-                if out.finished:
-                    finished[out.request_id] = out
-                    generated += len(out.outputs[0].token_ids)
-                    bar.update(1)
+        while self.llm_engine.has_unfinished_requests():
+            for out in self.llm_engine.step():
+                finished[out.request_id] = out
+                generated += sum(len(c.token_ids) for c in out.outputs)
+                bar.update(1)
+            if self.llm_engine.step_stats is not None:
+                self.last_stats.append(self.llm_engine.step_stats)
             if use_tqdm:
                 bar.set_postfix_str(f"output {generated / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s",
                                     refresh=False)
@@ -291,10 +254,7 @@ class LLM:
         """vLLM's ``LLM.get_metrics()``: the engine's Prometheus series so far (those ``pagellm serve`` exposes on
         ``/metrics``) as ``Counter``, ``Gauge``, ``Histogram`` and ``Vector`` items (``pagellm.metrics.reader``).
         Needs ``LLM(..., disable_log_stats=False)``."""
-        if self.stats_sink is None:
-            raise ValueError("get_metrics reads the engine's stats, which are off: create the LLM with "
-                             "disable_log_stats=False")
-        return snapshot(self.stats_sink.registry)
+        return self.llm_engine.get_metrics()
 
     def get_tokenizer(self) -> Any:
         """vLLM's ``LLM.get_tokenizer``: the model's Hugging Face tokenizer (ValueError with
@@ -338,10 +298,3 @@ def _per_prompt(value: Any, count: int, name: str) -> list:
         return list(value)
     return [value] * count
 
-
-def _prometheus_sink(config: EngineConfig, runtime: Any) -> Any:
-    """The server's Prometheus series for an offline engine (``disable_log_stats=False``), on a registry of its own."""
-    from pagellm.metrics.prometheus import PrometheusSink
-
-    return PrometheusSink(config.model_config.model or "default", config.cache_config, runtime.max_model_len,
-                          runtime.num_blocks)

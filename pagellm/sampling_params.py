@@ -50,9 +50,9 @@ class SamplingType(enum.IntEnum):
 
 
 class RequestOutputKind(enum.IntEnum):
-    """What ``AsyncLLM.generate`` yields (vLLM's ``output_kind``): every output so far (``CUMULATIVE``), what is new
-    since the last yield (``DELTA``, the default there, which the servers stream), or the whole output once
-    (``FINAL_ONLY``). ``LLM.generate`` returns whole outputs whatever the kind."""
+    """What ``AsyncLLM.generate`` yields and ``LLMEngine.step`` returns (vLLM's ``output_kind``): every output so far
+    (``CUMULATIVE``, the default, as vLLM's), what is new since the last one (``DELTA``, which the servers stream), or
+    the whole output once (``FINAL_ONLY``). ``LLM.generate`` returns whole outputs whatever the kind."""
 
     CUMULATIVE = 0
     DELTA = 1
@@ -131,7 +131,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     min_tokens: int = 0
     # vLLM's: keep the prompt's last k tokens (-1: max_model_len); None keeps it whole
     truncate_prompt_tokens: int | None = None
-    output_kind: RequestOutputKind = RequestOutputKind.DELTA  # what AsyncLLM.generate yields (RequestOutputKind)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what AsyncLLM.generate yields (RequestOutputKind)
     # vLLM's: AsyncLLM.generate yields after every this many new tokens (the first and the last at once); raised to
     # the engine's --stream-interval when below it. None: the engine's.
     stream_interval: int | None = None

@@ -1,27 +1,28 @@
 """``AsyncLLM``: the asyncio frontend engine the server uses, over an engine core in its own process.
 
 Contract:
-- ``AsyncLLM.from_config(config)`` starts the core (``client.MPClient``; with ``data_parallel_size > 1``, that many
-  cores behind ``dp_client.DPClient``), resolves the model and loads the
-  tokenizer while the core imports torch, compiles its kernels and loads the model (two processes, so the work
-  overlaps; on a cold start the core waits for this process's GGUF conversion, ``model/loader.py``), and waits for
-  its ``RuntimeInfo`` (``runtime``); a start-up ``ValueError`` (bad model or config, KV cache too small, no
-  tokenizer files) is re-raised as is, and the core is stopped.
-- ``generate(prompt, params, request_id)`` is an async generator of **delta** ``RequestOutput``s: each carries
-  only the text and token ids that are new since the previous one; the last one has ``finished=True``. A bad
-  prompt raises ``ValueError`` on the first ``__anext__``, before anything reaches the core. Tokenization,
-  detokenization, stop strings and timing are the ``InputProcessor``/``OutputProcessor`` that ``LLM`` uses; a stop
-  string aborts the request in the core.
+- ``AsyncLLM.from_config(config)`` (or vLLM's ``from_engine_args(AsyncEngineArgs(...))``) starts the core
+  (``client.MPClient``; with ``data_parallel_size > 1``, that many cores behind ``dp_client.DPClient``), resolves
+  the model and loads the tokenizer while the core imports torch, compiles its kernels and loads the model (two
+  processes, so the work overlaps; on a cold start the core waits for this process's GGUF conversion,
+  ``model/loader.py``), and waits for its ``RuntimeInfo`` (``runtime``); a start-up ``ValueError`` (bad model or
+  config, KV cache too small, no tokenizer files) is re-raised as is, and the core is stopped.
+- ``generate(prompt, params, request_id)`` is an async generator of ``RequestOutput``s, as ``params.output_kind``
+  (vLLM's ``RequestOutputKind``) asks:
+  - ``CUMULATIVE``, the default (vLLM's): each output holds every sibling's whole completion so far (index order);
+  - ``DELTA`` (what the servers stream): each output carries one sibling's text and token ids new since its previous
+    one (``outputs[0].index`` is the sibling; a sibling's last delta has its ``finish_reason`` set);
+  - ``FINAL_ONLY``: one output, when all are done (``request_stream.Accumulated`` builds it and ``CUMULATIVE``'s
+    from the deltas).
+  The last output has ``finished=True``. A bad prompt raises ``ValueError`` on the first ``__anext__``, before
+  anything reaches the core. Tokenization, detokenization, stop strings and timing are the
+  ``InputProcessor``/``OutputProcessor`` that ``LLM`` uses; a stop string aborts the request in the core.
 - Outputs report the caller's ``request_id``; internally each core request gets a unique id, so callers may
   reuse ids. ``abort(request_id)`` aborts every live request with that id (its streams end with ``"abort"``).
 - ``n > 1`` (or ``best_of``) runs sibling requests (``parallel_sampling.py``: sibling ``i`` gets ``seed + i``
   when a seed is set; the siblings share the prompt's KV blocks through the prefix cache). With ``best_of > n``
-  nothing is yielded until every sibling is done; then the best ``n`` come as one whole output each. Each yielded
-  output holds one ``CompletionOutput`` whose ``index`` is the sibling index; a sibling's last delta has its
-  ``finish_reason`` set, and ``finished`` is True only on the last output of the whole call.
-- ``params.output_kind`` (vLLM's ``RequestOutputKind``): ``DELTA``, the default, is the stream above;
-  ``CUMULATIVE`` yields, each time, one output holding every sibling's whole completion so far (index order);
-  ``FINAL_ONLY`` yields that once, when all are done (``request_stream.Accumulated`` builds both from the deltas).
+  nothing is yielded until every sibling is done; then the best ``n`` come as one whole output each, whatever the
+  kind.
 - ``stream_interval`` (vLLM's; the engine's ``--stream-interval``, or a request's own when larger): a sibling's
   outputs come after every that many new tokens, its first and last at once (``request_stream.Paced``).
 - When the consumer stops iterating (``break`` + close, ``GeneratorExit``, ``CancelledError``), the live requests
@@ -64,6 +65,7 @@ from pagellm.engine.request_stream import (Accumulated, Paced, RequestStream, Tr
 from pagellm.engine.wire import EngineCoreOutputs, EngineCoreRequest, RequestError
 from pagellm.lora import LoRARequest
 from pagellm.metrics import tracing
+from pagellm.metrics.log import LogStatsSink
 from pagellm.metrics.sink import NullStatsSink, StatsSink
 from pagellm.metrics.stats import IterationStats, SchedulerStats
 from pagellm.model.loader import resolve_model_dir
@@ -125,6 +127,16 @@ class AsyncLLM(EngineOperations):
 
         return cls(config, load_text, startup_timeout_s, stats_sink)
 
+    @classmethod
+    def from_engine_args(cls, engine_args: Any, startup_timeout_s: float = 600.0) -> AsyncLLM:
+        """From vLLM's ``AsyncEngineArgs`` (``pagellm.engine_args``): its ``disable_log_stats=False`` (the default)
+        logs the periodic stats line, its ``enable_log_requests`` each request."""
+        engine = cls.from_config(engine_args.create_engine_config(), startup_timeout_s,
+                                 None if engine_args.disable_log_stats else LogStatsSink())
+        if getattr(engine_args, "enable_log_requests", False):
+            engine.log_requests()
+        return engine
+
     @property
     def enable_prompt_embeds(self) -> bool:
         """Whether requests may give prompts as input embeddings (``enable_prompt_embeds``)."""
@@ -138,8 +150,8 @@ class AsyncLLM(EngineOperations):
     # ------------------------------------------------------------------------------------------- requests
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Delta outputs of one prompt (n siblings when ``params.n > 1``); see the module docstring. Requests of
-        different ``cache_salt``s never share prefix-cache blocks."""
+        """The outputs of one prompt (n siblings when ``params.n > 1``) as ``params.output_kind`` asks; see the module
+        docstring. Requests of different ``cache_salt``s never share prefix-cache blocks."""
         prompt = as_prompt(prompt)
         requests = self._make_requests(prompt, params, request_id, priority, cache_salt)
         if self._request_log is not None:

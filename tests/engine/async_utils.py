@@ -11,6 +11,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.config import EngineConfig
 from pagellm.engine.async_engine import AsyncLLM
 from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import RequestOutputKind
 
 KV_BYTES_PER_TOKEN = 512  # tiny llama: 2 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes
 SMALL_KV = 256 * 16 * KV_BYTES_PER_TOKEN
@@ -31,7 +32,9 @@ def runner() -> Iterator[Callable[[Awaitable[Any]], Any]]:
 
 
 def greedy(max_tokens: int, **overrides: Any) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **overrides)
+    """Greedy parameters that stream deltas (what the servers ask ``AsyncLLM.generate`` for)."""
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, "output_kind": RequestOutputKind.DELTA,
+                             **overrides})
 
 
 async def collect(gen: AsyncIterator[RequestOutput]) -> list[RequestOutput]:

@@ -122,7 +122,8 @@ def test_stream_interval_sends_tokens_in_groups(engine: AsyncLLM, llm: LLM, run:
     expected = llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
     deltas = _paced(engine, run, params)
     assert joined(deltas) == (expected.text, expected.token_ids)
-    seeded = SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=9, ignore_eos=True, stream_interval=3)
+    seeded = SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=9, ignore_eos=True, stream_interval=3,
+                            output_kind=RequestOutputKind.DELTA)
     by_sibling: dict[int, list[int]] = {0: [], 1: []}
     for d in run(collect(engine.generate(PROMPTS[2], seeded, "paced-n"))):
         by_sibling[d.outputs[0].index].append(len(d.outputs[0].token_ids))
@@ -236,7 +237,8 @@ def test_reused_request_ids(engine: AsyncLLM, llm: LLM, run: Any) -> None:
 
 def test_n_siblings_share_the_prompt_blocks(engine: AsyncLLM, run: Any) -> None:
     prompt = "a prompt long enough to fill two sixteen-token blocks, and then some"
-    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
     run(engine.reset_prefix_cache())
     before = run(engine.get_stats())
     outs = run(collect(engine.generate(prompt, params, "fan")))
@@ -254,8 +256,7 @@ def test_n_siblings_share_the_prompt_blocks(engine: AsyncLLM, run: Any) -> None:
     assert hits >= 32 and max(d[-1].num_cached_tokens for d in by_index.values()) >= 32
     # Sibling i samples as a lone request with seed 7 + i would.
     for i in range(2):
-        alone = run(collect(engine.generate(prompt, SamplingParams(temperature=1.0, seed=7 + i, max_tokens=8,
-                                                                   ignore_eos=True), "alone")))
+        alone = run(collect(engine.generate(prompt, msgspec.structs.replace(params, n=1, seed=7 + i), "alone")))
         assert joined(alone) == joined(by_index[i])
     assert run(all_blocks_free(engine))
 

@@ -29,6 +29,7 @@ from pagellm.engine.core_proc import Placement
 from pagellm.engine.dp_client import DPClient, Router, placements
 from pagellm.engine.exceptions import EngineDeadError
 from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import RequestOutputKind
 
 USES_RAY = True  # one such module at a time across make test's workers (tests/conftest.py: Ray takes one local
 # instance, and some of these tests check that none runs)
@@ -204,7 +205,8 @@ def test_stats_gauges_sum_the_cores(engine: AsyncLLM, run: Any) -> None:
 
 def test_siblings_share_one_core_and_its_prefix_cache(engine: AsyncLLM, run: Any) -> None:
     prompt = "a prompt long enough to fill two sixteen-token blocks, and then some"
-    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
     run(engine.reset_prefix_cache())
     before, routed = run(engine.get_stats()), list(cores(engine).router.routed)
     outs = run(collect(engine.generate(prompt, params, "fan")))

@@ -20,6 +20,7 @@ from pagellm.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagellm.engine.async_engine import AsyncLLM
 from pagellm.outputs import CompletionOutput
 from pagellm.request import Request
+from pagellm.sampling_params import RequestOutputKind
 from pagellm.sched.output import ModelRunnerOutput, TokenLogprobs
 from pagellm.sched.scheduler import Scheduler
 
@@ -214,7 +215,8 @@ def test_ngram_speculation_gives_the_same_logprobs(llm: LLM, tiny_llama: Path) -
 
 def test_async_deltas_concatenate_to_the_full_lists(llm: LLM, tiny_llama: Path) -> None:
     prompts = _prompts(seed=16, lens=(5, 21))
-    params = SamplingParams(temperature=0.8, seed=9, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+    params = SamplingParams(temperature=0.8, seed=9, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3,
+                            output_kind=RequestOutputKind.DELTA)
     offline = llm.generate(prompts, params, use_tqdm=False)
 
     async def stream(engine: AsyncLLM, prompt: list[int], request_id: str) -> CompletionOutput:

@@ -39,7 +39,8 @@ def assert_all_blocks_free(llm: LLM) -> None:
     kv = llm.engine.core.scheduler.kv
     assert kv.num_free_blocks == kv.pool.num_blocks
     assert not llm.engine.has_unfinished_requests()
-    assert not llm.output_processor.has_unfinished_requests()
+    assert not llm.llm_engine.output_processor.has_unfinished_requests()
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module")

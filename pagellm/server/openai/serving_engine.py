@@ -27,6 +27,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, TypeVar, Union
 
+import msgspec
+
 from pagellm.beam_search import BeamSearchParams
 from pagellm import prompt_embeds
 from pagellm.engine.input_processor import CLASSIFY_ONLY, EMBEDS_OFF, POOLING_ONLY, check_prompt
@@ -34,7 +36,7 @@ from pagellm.lora import LoRARequest
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.outputs import Logprob, RequestOutput
 from pagellm.prompt_embeds import PromptEmbeds
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.server.openai import serving_beam
 from pagellm.server.openai.errors import APIError
 from pagellm.server.openai.protocol import RequestDefaults, SamplingRequest
@@ -313,6 +315,7 @@ class OpenAIServing:
         """Deltas of every prompt's request, interleaved as they arrive (see the module docstring); with ``beam``,
         each prompt's best beams, prompt after prompt (``serving_beam.py``). ``cache_salt``: the prefix cache's
         salt (requests of different salts share no blocks)."""
+        params = msgspec.structs.replace(params, output_kind=RequestOutputKind.DELTA)  # what the server streams
         if beam is not None:
             for index, prompt in enumerate(prompts):
                 async for output in serving_beam.beam_outputs(self.engine, prompt, beam, self.beam_stops(params),
