@@ -97,12 +97,14 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         chat_template_content_format: str = "auto",
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}`` dicts) or a list of them, via the chat template:
         the model's, or ``chat_template`` (Jinja text or a file holding it), with ``chat_template_kwargs`` and
         ``tools`` (OpenAI's function definitions, for templates that list them to the model);
         ``continue_final_message`` (with ``add_generation_prompt=False``) has the model continue the last message;
-        ``chat_template_content_format`` (auto, string, openai: ``pagellm/chat_content.py``) how content reaches it."""
+        ``chat_template_content_format`` (auto, string, openai: ``pagellm/chat_content.py``) how content reaches it;
+        ``lora_request`` as ``generate`` takes it."""
         if not messages:  # else an empty list would silently become an empty batch
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts "
                              "(or a list of such conversations)")
@@ -114,7 +116,7 @@ class LLM:
                                                       continue_final_message,
                                                       content_format=chat_template_content_format)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],
                       priorities: list[int]) -> list[str]:

@@ -25,6 +25,7 @@ Contract:
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from typing import Any, ClassVar
@@ -180,6 +181,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     extra_args: dict[str, Any] | None = None
 
     GREEDY_EPS: ClassVar[float] = _GREEDY_EPS
+
+    @classmethod
+    def from_optional(cls, **fields: Any) -> SamplingParams:
+        """vLLM's ``SamplingParams.from_optional``: the fields given, those given as None left at their defaults."""
+        return cls(**{name: value for name, value in fields.items() if value is not None})
+
+    def clone(self) -> SamplingParams:
+        """vLLM's ``clone``: a deep copy (its lists and structured-output constraints are its own)."""
+        return copy.deepcopy(self)
 
     @classmethod
     def for_pooling(cls, lora_request: LoRARequest | None = None) -> SamplingParams:

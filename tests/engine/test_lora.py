@@ -75,6 +75,10 @@ def test_greedy_tokens_equal_peft_for_each_adapter_mixed_in_one_batch(tiny_llama
         for out, prompt in zip(embedded, prompts):
             ref = tuned(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1]
             torch.testing.assert_close(torch.tensor(out.embedding), ref / ref.norm(), atol=2e-6, rtol=0)
+    chat = [{"role": "user", "content": "hi"}]
+    (answer,) = llm.chat(chat, params, use_tqdm=False, lora_request=adapters[1])  # vLLM's LLM.chat takes one too
+    rendered = llm.tokenizer.apply_chat_template(chat, True)
+    assert answer.outputs[0].token_ids == _peft_greedy(tiny_llama, Path(adapters[1].lora_path), [rendered])[0]
     kv = llm.engine.core.scheduler.kv
     assert kv.num_free_blocks == kv.pool.num_blocks
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pagellm.sampling_params import SamplingParams, SamplingType
+from pagellm.sampling_params import RequestOutputKind, SamplingParams, SamplingType
 
 
 def test_defaults_match_vllm() -> None:
@@ -16,6 +16,17 @@ def test_defaults_match_vllm() -> None:
     assert not p.ignore_eos and not p.include_stop_str_in_output
     assert p.skip_special_tokens and p.spaces_between_special_tokens and p.detokenize
     assert p.sampling_type is SamplingType.RANDOM and not p.is_greedy
+    assert p.output_kind == RequestOutputKind.CUMULATIVE
+
+
+def test_from_optional_and_clone_as_vllms() -> None:
+    p = SamplingParams.from_optional(max_tokens=None, temperature=0.5, stop=None, seed=4)
+    assert (p.max_tokens, p.temperature, p.stop, p.seed) == (16, 0.5, [], 4)  # None: the field's default
+    original = SamplingParams(stop=["x"], stop_token_ids=[3])
+    copy = original.clone()
+    copy.stop.append("y")
+    copy.stop_token_ids.append(4)
+    assert original == SamplingParams(stop=["x"], stop_token_ids=[3]) and copy.stop == ["x", "y"]
 
 
 def test_normalisation() -> None:
