@@ -45,7 +45,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 import msgspec
 
@@ -148,10 +148,14 @@ class AsyncLLM(EngineOperations):
         return self.input_processor.max_logprobs
 
     # ------------------------------------------------------------------------------------------- requests
-    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """The outputs of one prompt (n siblings when ``params.n > 1``) as ``params.output_kind`` asks; see the module
-        docstring. Requests of different ``cache_salt``s never share prefix-cache blocks."""
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, priority: int = 0,
+                       cache_salt: str | None = None, *,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """The outputs of one prompt (n siblings when ``sampling_params.n > 1``) as its ``output_kind`` asks; see the
+        module docstring. Requests of different ``cache_salt``s never share prefix-cache blocks. ``lora_request``
+        (vLLM's keyword) runs it under that adapter, as ``sampling_params.lora_request`` does."""
+        params = sampling_params if lora_request is None else \
+            msgspec.structs.replace(sampling_params, lora_request=lora_request)
         prompt = as_prompt(prompt)
         requests = self._make_requests(prompt, params, request_id, priority, cache_salt)
         if self._request_log is not None:
@@ -196,10 +200,12 @@ class AsyncLLM(EngineOperations):
         ``outputs`` (``--enable-log-outputs``), each sample's text and token ids as it finishes, cut alike."""
         self._request_log = RequestLog(max_len, outputs)
 
-    async def abort(self, request_id: str) -> None:
-        """Abort every live request with this caller id; their ``generate`` streams end with ``"abort"``."""
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort every live request with this caller id (or these ids); their ``generate`` streams end with
+        ``"abort"``."""
+        request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
         with self._lock:
-            ids = list(self._by_request_id.get(request_id, ()))
+            ids = [core_id for i in request_ids for core_id in self._by_request_id.get(i, ())]
         self._drop(ids, notify=True)
 
     def _make_requests(self, prompt: PromptType, params: SamplingParams, request_id: str,
@@ -309,6 +315,23 @@ class AsyncLLM(EngineOperations):
     @property
     def is_running(self) -> bool:
         return self._dead_reason is None and not self._shut_down
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        """vLLM's: the error a call to this engine raises once it is dead."""
+        return EngineDeadError(self._dead_reason or "the engine was shut down")
+
+    @property
+    def model_config(self) -> Any:
+        return self.config.model_config
+
+    async def get_model_config(self) -> Any:
+        """vLLM's: the engine's model settings (``config.model_config``)."""
+        return self.config.model_config
+
+    async def get_tokenizer(self) -> Any:
+        """vLLM's: the model's Hugging Face tokenizer, the one the engine encodes with."""
+        return self.tokenizer.hf
 
     @property
     def errored(self) -> bool:

@@ -13,13 +13,16 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from async_utils import TIMEOUT_S, collect
+from async_utils import TIMEOUT_S, all_blocks_free, collect
+from lora_utils import build_lora_adapter
 from test_parity import MAX_TOKENS, _prompts, assert_greedy_parity
 
 from pagellm import LLM, SamplingParams
 from pagellm.engine.async_engine import AsyncLLM
+from pagellm.engine.exceptions import EngineDeadError
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine_args import AsyncEngineArgs, EngineArgs
+from pagellm.lora import LoRARequest
 from pagellm.metrics.log import LogStatsSink
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind
@@ -30,7 +33,7 @@ SMALL_KV = 256 * 16 * 512  # 256 blocks of 16 tokens of the tiny Llama
 @pytest.fixture(scope="module")
 def engine(tiny_llama: Path) -> LLMEngine:
     return LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV,
-                                                 max_num_batched_tokens=64, disable_log_stats=True))
+                                                 max_num_batched_tokens=64, enable_lora=True, disable_log_stats=True))
 
 
 def drain(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
@@ -147,21 +150,43 @@ def test_engine_args_take_vllm_command_lines(tiny_llama: Path, caplog: pytest.Lo
         EngineArgs(max_num_sequences=4)  # a misspelt argument is an error, as vLLM's dataclass gives it
 
 
-def test_async_llm_from_engine_args_yields_cumulative_outputs_by_default(tiny_llama: Path, engine: LLMEngine,
-                                                                         caplog: pytest.LogCaptureFixture) -> None:
-    """``AsyncLLM.from_engine_args(AsyncEngineArgs(...))`` as vLLM's; its outputs are whole, as vLLM's default
-    (``output_kind=CUMULATIVE``) gives them, and ``enable_log_requests`` logs the request."""
+def test_async_llm_from_engine_args_takes_vllms_calls(tiny_llama: Path, engine: LLMEngine, tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """``AsyncLLM.from_engine_args(AsyncEngineArgs(...))`` as vLLM's: whole outputs by default (vLLM's
+    ``output_kind``), ``generate``'s keywords (``sampling_params``, ``lora_request``), ``await get_tokenizer()``,
+    ``abort`` of several ids; ``enable_log_requests`` logs each request."""
     prompt = _prompts(seed=14)[2]
-    engine.add_request("offline", prompt, greedy())
-    expected = drain(engine)["offline"][-1].outputs[0]
-    args = AsyncEngineArgs(model=str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV, enable_log_requests=True)
+    adapter = LoRARequest("attn", 1, str(build_lora_adapter(tiny_llama, tmp_path / "attn", 1, ["q_proj"], 4)))
+    expected = {}
+    for name, lora in (("plain", None), ("adapted", adapter)):
+        engine.add_request(name, prompt, greedy(lora_request=lora))
+        expected[name] = drain(engine)[name][-1].outputs[0]
+    assert expected["plain"].token_ids != expected["adapted"].token_ids
+    args = AsyncEngineArgs(model=str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_KV, enable_lora=True,
+                           enable_log_requests=True)
     async_engine = AsyncLLM.from_engine_args(args)
+
+    async def scenario() -> None:
+        assert (await async_engine.get_tokenizer()).encode("hi") == engine.get_tokenizer().encode("hi")
+        outs = await collect(async_engine.generate(prompt=prompt, sampling_params=greedy(), request_id="online"))
+        assert grows(outs) and outs[-1].finished
+        assert outs[-1].outputs[0].token_ids == expected["plain"].token_ids
+        assert outs[-1].outputs[0].text == expected["plain"].text
+        adapted = await collect(async_engine.generate(prompt, greedy(), "tuned", lora_request=adapter))
+        assert adapted[-1].outputs[0].token_ids == expected["adapted"].token_ids
+        streams = [async_engine.generate(prompt, greedy(max_tokens=400), name) for name in ("x", "y")]
+        for stream in streams:
+            await stream.__anext__()
+        await async_engine.abort(["x", "y"])
+        for stream in streams:
+            assert (await collect(stream))[-1].outputs[0].finish_reason == "abort"
+        assert await all_blocks_free(async_engine)
+
     try:
         with caplog.at_level(logging.INFO):
-            outs = asyncio.run(asyncio.wait_for(collect(async_engine.generate(prompt, greedy(), "online")), TIMEOUT_S))
-        assert "online" in caplog.text  # the request log line
-        assert grows(outs) and outs[-1].finished
-        assert outs[-1].outputs[0].token_ids == expected.token_ids and outs[-1].outputs[0].text == expected.text
+            asyncio.run(asyncio.wait_for(scenario(), TIMEOUT_S))
+        assert "online" in caplog.text and "tuned" in caplog.text  # the request log lines
         assert isinstance(async_engine.stats_sink, LogStatsSink)  # disable_log_stats=False: the periodic line
     finally:
         async_engine.shutdown()
+    assert isinstance(async_engine.dead_error, EngineDeadError)

@@ -74,7 +74,7 @@ class EngineClient(Protocol):
     max_logprobs: int  # the most logprobs per token a request may ask for (--max-logprobs)
     enable_prompt_embeds: bool  # requests may give prompts as input embeddings (--enable-prompt-embeds)
 
-    def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
+    def generate(self, prompt: Union[str, list[int]], sampling_params: SamplingParams, request_id: str,
                  priority: int = 0, cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
