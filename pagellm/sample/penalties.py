@@ -33,7 +33,8 @@ class TokenCounts:
         self._size = 0
         if need_prompt:
             for token in prompt_token_ids:
-                self._in_prompt[self._slot_of(token)] = True
+                slot = self._slot_of(token)  # first: it may grow (replace) the arrays
+                self._in_prompt[slot] = True
         self.add(output_token_ids)
 
     def _slot_of(self, token: int) -> int:
@@ -54,7 +55,8 @@ class TokenCounts:
 
     def add(self, token_ids: Sequence[int]) -> None:
         for token in token_ids:
-            self._counts[self._slot_of(token)] += 1.0
+            slot = self._slot_of(token)  # first: it may grow (replace) the arrays
+            self._counts[slot] += 1.0
 
     def view(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids, output counts, in prompt) of the distinct tokens seen, in first-seen order."""

@@ -113,6 +113,17 @@ def test_greedy_processing_matches_reference(llm: LLM, hf: transformers.PreTrain
     assert EOS not in outs[2].outputs[0].token_ids[:6]
 
 
+def test_penalties_over_a_long_generation_of_many_distinct_tokens(llm: LLM, hf: transformers.PreTrainedModel) -> None:
+    """A request's seen-token arrays grow as it generates (room for 64 more than it starts with): a penalised
+    generation past that point must go on, and still match the reference. (It once crashed the engine core.)"""
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True, presence_penalty=1.5,
+                            frequency_penalty=0.5)
+    (out,) = llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    tokens = out.outputs[0].token_ids
+    assert len(set(tokens)) > 70  # past the first capacity of 64 + 0 output tokens (no repetition penalty)
+    assert tokens == _reference_greedy(hf, PROMPTS[0], params)
+
+
 @pytest.mark.parametrize("extra", [dict(top_k=20, top_p=0.9, min_p=0.05, frequency_penalty=0.5),
                                    dict(top_p=0.7, repetition_penalty=1.3, logit_bias={101: 2.0}),
                                    dict(min_p=0.2, presence_penalty=-0.5)])

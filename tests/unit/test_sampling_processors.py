@@ -50,9 +50,16 @@ def test_counts_follow_observed_tokens() -> None:
     assert state.counts is not None
     ids, counts, in_prompt = state.counts.view()  # no repetition penalty: prompt tokens are not tracked
     assert ids.tolist() == [5, 6] and counts.tolist() == [2.0, 1.0] and not in_prompt.any()
-    many = TokenCounts([1, 1, 2], list(range(300)), True)  # grows past its first capacity
+    many = TokenCounts([1, 1, 2], list(range(300)), True)
     ids, counts, in_prompt = many.view()
     assert ids.tolist()[:2] == [1, 2] and len(ids) == 300 and in_prompt.sum() == 2 and counts.sum() == 300
+    growing = TokenCounts([1, 2], [3], True)  # room for 67 tokens at first; a generation adds one token a step
+    for token in range(1000, 1300):
+        growing.add([token])
+        growing.add([token])  # its slot already taken: counted twice
+    ids, counts, in_prompt = growing.view()
+    assert ids.tolist() == [1, 2, 3, *range(1000, 1300)] and counts.tolist() == [0.0, 0.0, 1.0] + [2.0] * 300
+    assert in_prompt.tolist() == [True, True] + [False] * 301
 
 
 def test_processing_order_and_untouched_rows() -> None:
