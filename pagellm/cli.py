@@ -66,7 +66,8 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     for name, help_text in (("serve", "load an OpenAI-compatible server and report latency and throughput"),
                             ("throughput", "offline throughput in-process (optionally vs transformers)"),
-                            ("latency", "per-batch and per-token latency in-process")):
+                            ("latency", "per-batch and per-token latency in-process"),
+                            ("soak", "a random mix of requests against a server; checks nothing is lost")):
         module = importlib.import_module(f"pagellm.bench.{name}")
         cmd = kinds.add_parser(name, help=help_text, description=module.__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
