@@ -51,6 +51,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="the share of clients that hang up early (default: %(default)s)")
     parser.add_argument("--max-token-id", type=int, default=256,
                         help="token-id prompts use ids below this (default: %(default)s, a byte vocabulary's size)")
+    parser.add_argument("--result-json", default=None, metavar="FILE",
+                        help="write the report there, with each request's body and outcome (to compare servers on "
+                             "one mix: the same --seed and --drop-fraction 0)")
     parser.add_argument("--idle-timeout", type=float, default=60.0,
                         help="seconds to wait for the server to be idle after the last request (default: "
                              "%(default)s)")
@@ -160,11 +163,14 @@ class Mix:
 @dataclass
 class Tally:
     outcomes: dict[str, int] = field(default_factory=dict)
+    requests: list[dict[str, Any]] = field(default_factory=list)  # each request's path, body, outcome (in order)
     messages: dict[str, int] = field(default_factory=dict)   # "status path: message" → count, for 4xx
     problems: list[str] = field(default_factory=list)        # 5xx, errors in a 200 stream, 4xx without a message
 
-    def count(self, outcome: str) -> None:
+    def count(self, outcome: str, record: dict[str, Any] | None = None) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+        if record is not None:
+            record["outcome"] = outcome
 
     def refused(self, status: int, path: str, raw: bytes, body: dict[str, Any]) -> None:
         message = _error_message(raw)
@@ -194,19 +200,22 @@ def _stream_error(line: bytes) -> bool:
     return isinstance(event.get("error"), dict) or event.get("type") == "error"
 
 
-async def _send(server: Server, path: str, body: dict[str, Any], drop_after: float | None, tally: Tally) -> None:
+async def _send(server: Server, path: str, body: dict[str, Any], drop_after: float | None, tally: Tally,
+                record: dict[str, Any]) -> None:
     """One request; hangs up after ``drop_after`` seconds (plain) or a few events (streamed) when given."""
     url = server.base_url + path
     timeout = aiohttp.ClientTimeout(total=drop_after) if drop_after is not None and not body.get("stream") else None
     try:
         async with server.session.post(url, json=body, timeout=timeout) as response:
             if response.status >= 400:
-                tally.refused(response.status, path, await response.read(), body)
-                tally.count(str(response.status))
+                raw = await response.read()
+                tally.refused(response.status, path, raw, body)
+                record["message"] = _error_message(raw)
+                tally.count(str(response.status), record)
                 return
             if not body.get("stream"):
                 await response.read()
-                tally.count(str(response.status))
+                tally.count(str(response.status), record)
                 return
             events = 0
             async for line in response.content:
@@ -215,13 +224,13 @@ async def _send(server: Server, path: str, body: dict[str, Any], drop_after: flo
                                           f"request: {json.dumps(body)[:500]}")
                 events += line.startswith(b"data:")
                 if drop_after is not None and events > drop_after * 10:  # after 1 to 10 events
-                    tally.count("stream dropped on purpose")
+                    tally.count("stream dropped on purpose", record)
                     return
-            tally.count(str(response.status))
+            tally.count(str(response.status), record)
     except asyncio.TimeoutError:
-        tally.count("request dropped on purpose")
+        tally.count("request dropped on purpose", record)
     except aiohttp.ClientError as exc:
-        tally.count(f"transport error: {type(exc).__name__}")
+        tally.count(f"transport error: {type(exc).__name__}", record)
         tally.problems.append(f"transport error on {path}: {exc}")
 
 
@@ -272,8 +281,9 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         gate = asyncio.Semaphore(args.max_concurrency)
 
         async def one(path: str, body: dict[str, Any], drop_after: float | None) -> None:
+            tally.requests.append(record := {"path": path, "body": body})
             async with gate:
-                await _send(server, path, body, drop_after, tally)
+                await _send(server, path, body, drop_after, tally, record)
 
         start = time.perf_counter()
         await asyncio.gather(*(one(*item) for item in plan))
@@ -281,7 +291,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         gauges, health = await _after(server, args.idle_timeout, tally)
     leaked = not gauges or any(gauges.values())
     return {"seconds": round(elapsed, 1), "outcomes": tally.outcomes, "refusals": tally.messages,
-            "problems": tally.problems, "gauges_after": gauges, "health_after": health,
+            "problems": tally.problems, "gauges_after": gauges, "health_after": health, "requests": tally.requests,
             "passed": not tally.problems and not leaked and health == 200}
 
 
@@ -295,4 +305,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"PROBLEM {problem}")
     print(f"after: {report['gauges_after'] or 'no engine gauges on /metrics'}; /health {report['health_after']}")
     print("PASSED" if report["passed"] else "FAILED")
+    if args.result_json:
+        with open(args.result_json, "w") as fh:
+            json.dump(report, fh, indent=1)
     return 0 if report["passed"] else 1

@@ -43,6 +43,15 @@ def test_a_named_function_is_called_with_arguments_that_follow_its_schema(client
         (call,) = choice.message.tool_calls
         assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
         _check_arguments(call.function.arguments)
+    # a response_format beside a forced call shapes text replies, which this turn's is not: the call wins (as in
+    # OpenAI's API and vLLM)
+    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object", "properties": {
+        "a": {"type": "string"}}, "required": ["a"]}}}
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, tool_choice=NAMED,
+                                           response_format=schema, max_tokens=64, seed=5)
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    _check_arguments(call.function.arguments)
 
 
 def test_a_named_call_streams_its_id_and_name_first_then_argument_text(client: openai.OpenAI) -> None:
@@ -124,8 +133,8 @@ def test_required_allows_several_calls_unless_parallel_calls_are_off() -> None:
     ({"tool_choice": "required"}, "tool_choice 'required' needs tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice names 'nope', which is not among the tools sent"),
-    ({"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},
-     "give at most one structured-output constraint, got response_format, tool_choice"),
+    ({"tools": TOOLS, "tool_choice": NAMED, "extra_body": {"structured_outputs": {"regex": "a+"}}},
+     "give at most one structured-output constraint, got structured_outputs, tool_choice"),
     ({"tools": [{"type": "function", "function": {}}], "tool_choice": "none"}, "each tool must be"),
 ])
 def test_what_cannot_be_honoured_is_a_400_saying_what_works(client: openai.OpenAI, settings: dict,

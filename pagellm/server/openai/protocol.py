@@ -315,7 +315,9 @@ class ChatCompletionRequest(SamplingRequest):
         return found  # the tool settings are checked by the chat handler, which knows whether it parses calls
 
     def _chat_constraints(self) -> dict[str, Any]:
-        return {**self._response_format(), **tooling.constraint(self.tools, self.tool_choice, self.parallel_tool_calls)}
+        """A forced tool call (a named function, or ``required``) is this turn's reply, so it wins over
+        ``response_format``, which shapes text replies (OpenAI and vLLM take both)."""
+        return tooling.constraint(self.tools, self.tool_choice, self.parallel_tool_calls) or self._response_format()
 
     def _response_format(self) -> dict[str, Any]:
         """``response_format`` as a structured-output spec (OpenAI: text, json_object or json_schema)."""
