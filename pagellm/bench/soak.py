@@ -197,6 +197,8 @@ def _stream_error(line: bytes) -> bool:
         event = json.loads(line[5:])
     except ValueError:
         return True
+    if not isinstance(event, dict):
+        return True  # a stream event is a JSON object
     return isinstance(event.get("error"), dict) or event.get("type") == "error"
 
 

@@ -7,8 +7,8 @@ Contract:
   processes, so the work overlaps; on a cold start the core waits for this process's GGUF conversion,
   ``model/loader.py``), and waits for its ``RuntimeInfo`` (``runtime``); a start-up ``ValueError`` (bad model or
   config, KV cache too small, no tokenizer files) is re-raised as is, and the core is stopped.
-- ``generate(prompt, params, request_id)`` is an async generator of ``RequestOutput``s, as ``params.output_kind``
-  (vLLM's ``RequestOutputKind``) asks:
+- ``generate(prompt, sampling_params, request_id)`` is an async generator of ``RequestOutput``s, as the
+  parameters' ``output_kind`` (vLLM's ``RequestOutputKind``) asks:
   - ``CUMULATIVE``, the default (vLLM's): each output holds every sibling's whole completion so far (index order);
   - ``DELTA`` (what the servers stream): each output carries one sibling's text and token ids new since its previous
     one (``outputs[0].index`` is the sibling; a sibling's last delta has its ``finish_reason`` set);
