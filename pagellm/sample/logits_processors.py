@@ -114,7 +114,23 @@ def apply_processing(logits: torch.Tensor, rows: Sequence[RowContext], bitmask: 
     if bitmask is not None and grammar_rows:
         from pagellm.sample.structured import apply_bitmask
         apply_bitmask(logits, bitmask, list(grammar_rows))
+        _end_dead_ends(logits, rows, grammar_rows)
     return logits
+
+
+def _end_dead_ends(logits: torch.Tensor, rows: Sequence[RowContext], grammar_rows: Sequence[int]) -> None:
+    """A grammar row whose every token is now forbidden (``allowed_token_ids``, bad words or a custom processor that
+    share no token with what the grammar allows) may only end: its stop tokens get logit 0, so the request stops
+    there rather than sample from nothing (which picks some token outside every constraint). A grammar alone always
+    leaves a token, so only rows with other bans are looked at."""
+    which = [i for i in grammar_rows if rows[i].banned or (state := rows[i].processing) is not None
+             and (state.allowed is not None or state.bad_words or state.custom is not None)]
+    if not which:
+        return
+    index = torch.tensor(which, dtype=torch.int64)
+    for i in index[logits.index_select(0, index).amax(dim=-1) == float("-inf")].tolist():
+        grammar = rows[i].processing.grammar  # type: ignore[union-attr]
+        logits[i, grammar.stop_ids] = 0.0
 
 
 def _penalise(logits: torch.Tensor, rows: Sequence[RowContext]) -> torch.Tensor:

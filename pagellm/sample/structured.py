@@ -98,6 +98,7 @@ class GrammarCache:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         # What a finished grammar allows (EOS again, e.g. under ignore_eos): only the stop tokens.
         self._stop_only = torch.zeros(xgr.get_bitmask_shape(1, vocab_size)[1], dtype=torch.int32)
+        self._stop_ids = torch.tensor(sorted(stop_token_ids), dtype=torch.int64)
         for token in stop_token_ids:
             self._stop_only[token // 32] |= _bit(token % 32)
         self._compiled: dict[tuple[str, str], xgr.CompiledGrammar] = {}
@@ -139,7 +140,7 @@ class GrammarCache:
 
     def matcher(self, so: StructuredOutputsParams, output_token_ids: Sequence[int]) -> RequestGrammar:
         return RequestGrammar(xgr.GrammarMatcher(self.compile(so)), output_token_ids, self._stop_only,
-                              so.begin_after or ())
+                              so.begin_after or (), self._stop_ids)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return xgr.allocate_token_bitmask(rows, self.vocab_size)
@@ -149,9 +150,11 @@ class RequestGrammar:
     """One request's position in its grammar; with ``begin_after``, free output until those tokens appear."""
 
     def __init__(self, matcher: xgr.GrammarMatcher, output_token_ids: Sequence[int],
-                 stop_only: torch.Tensor, begin_after: Sequence[int] = ()) -> None:
+                 stop_only: torch.Tensor, begin_after: Sequence[int] = (),
+                 stop_ids: torch.Tensor | None = None) -> None:
         self._matcher = matcher
         self._stop_only = stop_only
+        self.stop_ids = stop_ids if stop_ids is not None else torch.zeros(0, dtype=torch.int64)  # [S] the EOS ids
         self._marker = list(begin_after)
         self._tail: list[int] = []  # while waiting: the output's last tokens that may begin the marker
         self.constraining = not self._marker

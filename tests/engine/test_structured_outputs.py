@@ -134,6 +134,24 @@ def test_grammar_end_with_ignore_eos_or_min_tokens(llm: LLM) -> None:
     assert early.text == kept.text and early.finish_reason == "stop"  # the grammar, not min_tokens, ends it
 
 
+def test_constraints_that_leave_no_token_end_the_request(llm: LLM) -> None:
+    """A grammar and an ``allowed_token_ids`` (or bad words) that share no token leave nothing to sample: the request
+    ends with its EOS rather than taking some token outside every constraint (greedy took token 0, to max_tokens)."""
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    x, z = llm.tokenizer.encode("qz", add_special_tokens=False)  # neither begins "yes" or "no"
+    cases = [SamplingParams(temperature=0, structured_outputs=so, max_tokens=8, allowed_token_ids=[x, z]),
+             SamplingParams(temperature=1.0, seed=3, structured_outputs=so, max_tokens=8, allowed_token_ids=[x, z]),
+             SamplingParams(temperature=0, structured_outputs=so, max_tokens=8, bad_words=["y", "n"])]
+    for out in llm.generate(["Q:"] * 3, cases, use_tqdm=False):
+        assert out.outputs[0].token_ids == [257] and out.outputs[0].finish_reason == "stop"
+    partly = llm.generate(["Q:"], SamplingParams(temperature=0, structured_outputs=so, max_tokens=8,
+                                                 allowed_token_ids=[x, *llm.tokenizer.encode("yes", False)]),
+                          use_tqdm=False)[0].outputs[0]
+    assert partly.text == "yes" and partly.finish_reason == "stop"  # what the two share is still followed
+    kv = llm.engine.core.scheduler.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks
+
+
 def test_a_constraint_waits_for_its_begin_after_tokens(llm: LLM) -> None:
     """A reasoning model's constraint starts after ``</think>``: here the bias makes the model write "ok" first (the
     bad word stops a second "o"), and the digits the regex asks for follow it; without ``begin_after`` the same
