@@ -37,6 +37,13 @@ TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+# chat fields clients send beside the usual ones (OpenAI's and vLLM's)
+CHAT_EXTRAS: dict[str, Any] = {
+    "max_completion_tokens": 12, "user": "soak", "parallel_tool_calls": False, "metadata": {"run": "soak"},
+    "echo": True, "add_generation_prompt": True, "chat_template_kwargs": {"enable_thinking": False},
+    "return_tokens_as_token_ids": True, "include_stop_str_in_output": True, "service_tier": "auto",
+    "skip_special_tokens": False, "frequency_penalty": 0.5, "stop": ["\n\n"], "top_logprobs": 30,
+}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -80,8 +87,8 @@ class Mix:
         return path, body
 
     def chat(self) -> tuple[str, dict[str, Any]]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": self.rng.choice((1, 8, 40, 150)), "messages": [
-            {"role": "system", "content": self.text(1, 8)}, {"role": "user", "content": self.text(1, 200)}]}
+        body: dict[str, Any] = {"model": self.model, "max_tokens": self.rng.choice((1, 8, 40, 150)),
+                                "messages": self.messages()}
         if self.rng.random() < 0.3:
             body["tools"] = TOOLS
             body["tool_choice"] = self.rng.choice(("auto", "required", "none", {
@@ -93,8 +100,25 @@ class Mix:
         if self.rng.random() < 0.1:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
                 "type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}}}
+        for name in self.rng.sample(sorted(CHAT_EXTRAS), self.rng.randint(0, 2)):
+            body[name] = CHAT_EXTRAS[name]
         self.sampling(body)
         return "/v1/chat/completions", self.maybe_streamed(body)
+
+    def messages(self) -> list[dict[str, Any]]:
+        """A system turn and a user turn; sometimes an earlier exchange with a tool call and its result, or the user's
+        text as a list of parts."""
+        user: Any = self.text(1, 200)
+        if self.rng.random() < 0.2:
+            user = [{"type": "text", "text": user}, {"type": "text", "text": self.text(1, 5)}]
+        history: list[dict[str, Any]] = []
+        if self.rng.random() < 0.2:
+            history = [{"role": "user", "content": self.text(2, 10)}, {"role": "assistant", "content": None,
+                       "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                           "name": "get_weather", "arguments": '{"city": "paris"}'}}]},
+                       {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                       {"role": "assistant", "content": self.text(2, 10)}]
+        return [{"role": "system", "content": self.text(1, 8)}, *history, {"role": "user", "content": user}]
 
     def completion(self) -> tuple[str, dict[str, Any]]:
         body = {"model": self.model, "prompt": self.prompt(), "max_tokens": self.rng.choice((1, 8, 40, 150))}
