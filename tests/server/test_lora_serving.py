@@ -65,6 +65,13 @@ def test_a_request_naming_an_adapter_runs_with_it(start_server: Callable[..., Se
     assert texts["sql"] != texts["tiny"]  # the adapter changes the reply
     with pytest.raises(openai.NotFoundError, match="this server serves tiny, sql"):
         client.completions.create(model="nosql", prompt=PROMPT, max_tokens=2)
+    # an adapter tokenizes as its base model does (vLLM's /tokenize and /detokenize take its name too)
+    tokenized = [httpx.post(f"{server.base_url}/tokenize", json={"model": name, "prompt": PROMPT})
+                 for name in ("sql", "tiny")]
+    assert [r.status_code for r in tokenized] == [200, 200] and tokenized[0].json() == tokenized[1].json()
+    back = httpx.post(f"{server.base_url}/detokenize", json={"model": "sql", "tokens": tokenized[0].json()["tokens"]})
+    assert back.status_code == 200 and back.json()["prompt"] == PROMPT
+    assert httpx.post(f"{server.base_url}/tokenize", json={"model": "nosql", "prompt": "x"}).status_code == 404
 
 
 def test_adapters_load_and_unload_at_run_time_when_allowed(start_server: Callable[..., ServerProcess],

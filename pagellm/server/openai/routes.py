@@ -107,7 +107,7 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
     app.include_router(_score_router(engine, served, api_key))
     if runtime_lora_updating:
         app.include_router(lora_router(engine, served.names, served.loras, _auth(api_key)))
-    app.include_router(_admin_router(engine, model_names, tokenizer_info, defaults))
+    app.include_router(_admin_router(engine, served, tokenizer_info, defaults))
     app.include_router(_operations_router(engine, api_key))
     app.include_router(_pause_router(engine, api_key))
     if envs.server_dev_mode():
@@ -247,10 +247,10 @@ def _responses_router(responses: OpenAIServingResponses, api_key: Optional[str])
     return router
 
 
-def _admin_router(engine: EngineClient, model_names: Sequence[str], tokenizer_info: bool = False,
+def _admin_router(engine: EngineClient, served: _Served, tokenizer_info: bool = False,
                   defaults: Optional[RequestDefaults] = None) -> APIRouter:
     router = APIRouter()
-    serving = OpenAIServing(engine, model_names, defaults=defaults)
+    serving = OpenAIServing(engine, served.names, served.loras, defaults)  # /tokenize takes an adapter's name too
 
     @router.get("/health")
     async def health() -> Response:
