@@ -155,6 +155,7 @@ class RequestGrammar:
         self._matcher = matcher
         self._stop_only = stop_only
         self.stop_ids = stop_ids if stop_ids is not None else torch.zeros(0, dtype=torch.int64)  # [S] the EOS ids
+        self._stop_set = frozenset(self.stop_ids.tolist())
         self._marker = list(begin_after)
         self._tail: list[int] = []  # while waiting: the output's last tokens that may begin the marker
         self.constraining = not self._marker
@@ -174,7 +175,7 @@ class RequestGrammar:
         for token in token_ids:
             if self._matcher.is_terminated():
                 return  # past the grammar's end (a stop token): nothing more to follow
-            if not self._matcher.accept_token(token):
+            if not self._matcher.accept_token(token) and token not in self._stop_set:  # a stop: a dead end ended
                 logger.warning("token %d does not follow the request's grammar", token)
 
     def _wait(self, token_ids: Sequence[int]) -> Sequence[int]:
