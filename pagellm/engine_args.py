@@ -23,6 +23,8 @@ from typing import Any
 from pagellm import no_effect
 from pagellm.config import EngineConfig, flat_fields, parse_size
 
+_JSON_CONFIGS = ("speculative_config", "kv_transfer_config", "kv_events_config")  # engine arguments given as JSON
+
 
 def _size(value: str) -> int:
     try:
@@ -90,12 +92,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = [f.name for f in flat_fields() if f.name != "model"] + ["speculative_config", "kv_transfer_config",
-                                                                     "kv_events_config"]
+    names = [f.name for f in flat_fields() if f.name != "model"] + list(_JSON_CONFIGS)
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-
-
-_JSON_CONFIGS = ("speculative_config", "kv_transfer_config", "kv_events_config")
 
 
 def _create_engine_config(self: Any) -> EngineConfig:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagellm.bench.client import Server, connect, first_model
 
@@ -191,18 +192,19 @@ class Tally:
     messages: dict[str, int] = field(default_factory=dict)   # "status path: message" → count, for 4xx
     problems: list[str] = field(default_factory=list)        # 5xx, errors in a 200 stream, 4xx without a message
 
-    def count(self, outcome: str, record: dict[str, Any] | None = None) -> None:
+    def count(self, outcome: str, record: dict[str, Any]) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
-        if record is not None:
-            record["outcome"] = outcome
+        record["outcome"] = outcome
 
-    def refused(self, status: int, path: str, raw: bytes, body: dict[str, Any]) -> None:
+    def refused(self, status: int, path: str, raw: bytes, body: dict[str, Any]) -> str:
+        """Count a 4xx by its message, or note a problem (a 5xx, a 4xx without a message); returns the message."""
         message = _error_message(raw)
         if status >= 500 or not message:
             self.problems.append(f"HTTP {status} from {path}: {raw[:300]!r}; request: {json.dumps(body)[:500]}")
         else:
             key = f"{status} {path}: {message[:120]}"
             self.messages[key] = self.messages.get(key, 0) + 1
+        return message
 
 
 def _error_message(raw: bytes) -> str:
@@ -234,9 +236,7 @@ async def _send(server: Server, path: str, body: dict[str, Any], drop_after: flo
     try:
         async with server.session.post(url, json=body, timeout=timeout) as response:
             if response.status >= 400:
-                raw = await response.read()
-                tally.refused(response.status, path, raw, body)
-                record["message"] = _error_message(raw)
+                record["message"] = tally.refused(response.status, path, await response.read(), body)
                 tally.count(str(response.status), record)
                 return
             if not body.get("stream"):
@@ -266,11 +266,10 @@ async def _gauges(server: Server) -> dict[str, float]:
     async with server.session.get(server.base_url + "/metrics") as response:
         text = await response.text()
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        prefix, _, gauge = name.partition(":")
+    for family in text_string_to_metric_families(text):
+        prefix, _, gauge = family.name.partition(":")
         if prefix in ("pagellm", "vllm") and gauge in GAUGES:
-            values[gauge] = values.get(gauge, 0.0) + float(line.rsplit(" ", 1)[-1])
+            values[gauge] = values.get(gauge, 0.0) + sum(sample.value for sample in family.samples)
     return values
 
 

@@ -130,7 +130,7 @@ def _end_dead_ends(logits: torch.Tensor, rows: Sequence[RowContext], grammar_row
     index = torch.tensor(which, dtype=torch.int64)
     for i in index[logits.index_select(0, index).amax(dim=-1) == float("-inf")].tolist():
         grammar = rows[i].processing.grammar  # type: ignore[union-attr]
-        logits[i, grammar.stop_ids] = 0.0
+        logits[i, list(grammar.stop_ids)] = 0.0
 
 
 def _penalise(logits: torch.Tensor, rows: Sequence[RowContext]) -> torch.Tensor:

@@ -98,7 +98,7 @@ class GrammarCache:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         # What a finished grammar allows (EOS again, e.g. under ignore_eos): only the stop tokens.
         self._stop_only = torch.zeros(xgr.get_bitmask_shape(1, vocab_size)[1], dtype=torch.int32)
-        self._stop_ids = torch.tensor(sorted(stop_token_ids), dtype=torch.int64)
+        self._stop_ids = tuple(sorted(stop_token_ids))
         for token in stop_token_ids:
             self._stop_only[token // 32] |= _bit(token % 32)
         self._compiled: dict[tuple[str, str], xgr.CompiledGrammar] = {}
@@ -151,11 +151,10 @@ class RequestGrammar:
 
     def __init__(self, matcher: xgr.GrammarMatcher, output_token_ids: Sequence[int],
                  stop_only: torch.Tensor, begin_after: Sequence[int] = (),
-                 stop_ids: torch.Tensor | None = None) -> None:
+                 stop_ids: Sequence[int] = ()) -> None:
         self._matcher = matcher
         self._stop_only = stop_only
-        self.stop_ids = stop_ids if stop_ids is not None else torch.zeros(0, dtype=torch.int64)  # [S] the EOS ids
-        self._stop_set = frozenset(self.stop_ids.tolist())
+        self.stop_ids = stop_ids  # the tokenizer's EOS ids, shared by every request
         self._marker = list(begin_after)
         self._tail: list[int] = []  # while waiting: the output's last tokens that may begin the marker
         self.constraining = not self._marker
@@ -175,7 +174,7 @@ class RequestGrammar:
         for token in token_ids:
             if self._matcher.is_terminated():
                 return  # past the grammar's end (a stop token): nothing more to follow
-            if not self._matcher.accept_token(token) and token not in self._stop_set:  # a stop: a dead end ended
+            if not self._matcher.accept_token(token) and token not in self.stop_ids:  # a stop: a dead end ended
                 logger.warning("token %d does not follow the request's grammar", token)
 
     def _wait(self, token_ids: Sequence[int]) -> Sequence[int]:

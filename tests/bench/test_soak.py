@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 
 import httpx
 import pytest
+from metrics_utils import scrape
 from server_utils import ServerProcess
 
 from pagellm.bench import soak
@@ -55,9 +56,7 @@ def test_a_mixed_soak_leaves_the_engine_empty_and_healthy(server: ServerProcess,
     outcomes = report["outcomes"]  # (how many hang-ups land in time depends on the machine's speed)
     assert sum(outcomes.values()) == len(report["requests"]) == 60 and outcomes["200"] > 30
     assert all(key.startswith("4") for key in report["refusals"])  # each with its message (else a problem)
-    with httpx.Client() as client:
-        metrics = client.get(f"{server.base_url}/metrics").text
-    assert float(metrics.split("pagellm:num_preemptions_total{")[1].split("}")[1].split()[0]) > 0
+    assert scrape(server.base_url)[("pagellm:num_preemptions_total", ())] > 0
 
 
 def test_the_mix_is_reproducible_and_varied() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from async_utils import TIMEOUT_S, all_blocks_free, collect
+from async_utils import SMALL_KV, TIMEOUT_S, all_blocks_free, collect
 from lora_utils import build_lora_adapter
 from test_parity import MAX_TOKENS, _prompts, assert_greedy_parity
 
@@ -26,8 +26,6 @@ from pagellm.lora import LoRARequest
 from pagellm.metrics.log import LogStatsSink
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind
-
-SMALL_KV = 256 * 16 * 512  # 256 blocks of 16 tokens of the tiny Llama
 
 
 @pytest.fixture(scope="module")
