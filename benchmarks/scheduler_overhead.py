@@ -14,6 +14,7 @@ vLLM's scheduler runs in a subprocess with the .peers/vllm interpreter (benchmar
         [--profile [N]]   # cProfile the timed calls (pagellm only), print the N costliest functions
         [--baseline-rev REV]   # pagellm as of git revision REV beside this tree's, in one process (below)
         [--kv-events]   # this tree's with KV cache events recorded and encoded beside it without, likewise
+        [--prefix-caching-hash-algo ALGO]   # and with vLLM's block hashes (kv/hash_algos.py), likewise
 
 ``--baseline-rev REV`` answers "did my change make the scheduler faster?" on a noisy machine: the ``pagellm``
 package as of REV is exported (``git archive``) under the name ``pagellm_base`` (its imports renamed, its native
@@ -50,9 +51,9 @@ VLLM_PYTHON = HERE.parent / ".peers" / "vllm" / "bin" / "python"
 class Side:
     """One scheduler of ``package`` (this tree's ``pagellm``, or an exported ``pagellm_base``) on the trace."""
 
-    def __init__(self, package: str, num_running: int, kv_events: bool = False) -> None:
+    def __init__(self, package: str, num_running: int, kv_events: bool = False, hash_algo: str | None = None) -> None:
         """``kv_events``: record KV cache events, taken and encoded to msgpack in each timed step, as the engine
-        core does before publishing them."""
+        core does before publishing them; ``hash_algo``: hash blocks as vLLM does (``prefix_caching_hash_algo``)."""
         def load(name: str):
             return importlib.import_module(f"{package}.{name}")
 
@@ -61,7 +62,8 @@ class Side:
         self.encoder = msgspec.msgpack.Encoder()
         self.scheduler = load("sched.scheduler").Scheduler(
             config.SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=trace.TOKEN_BUDGET),
-            config.CacheConfig(block_size=trace.BLOCK_SIZE, enable_prefix_caching=True),
+            config.CacheConfig(block_size=trace.BLOCK_SIZE, enable_prefix_caching=True,
+                               **({"prefix_caching_hash_algo": hash_algo} if hash_algo else {})),
             trace.num_blocks(num_running), max_model_len=2048, **({"kv_events": self.events} if kv_events else {}))
         self.request, self.params = load("request").Request, load("sampling_params").SamplingParams
         self.output = load("sched.output").ModelRunnerOutput
@@ -149,17 +151,22 @@ def package_at(rev: str) -> str:
     return "pagellm_base"
 
 
-def run_pair(num_running: int, warmup: int, steps: int, base: str, kv_events: bool = False) -> tuple[dict, dict]:
+def run_pair(num_running: int, warmup: int, steps: int, base: str, kv_events: bool = False,
+             hash_algo: str | None = None) -> tuple[dict, dict]:
     """This tree's scheduler and ``base``'s on the same trace in one process, a step of each in turn (which one
-    goes first alternates); ``kv_events``: ``base`` is this tree's too, recording KV cache events."""
-    sides = [Side("pagellm", num_running), Side(base, num_running, kv_events)]
+    goes first alternates); ``kv_events`` / ``hash_algo``: ``base`` is this tree's too, recording KV cache events /
+    hashing blocks as vLLM does. Each side's figures include its arrivals' µs per step (where prompts hash)."""
+    sides = [Side("pagellm", num_running), Side(base, num_running, kv_events, hash_algo)]
+    adds: list[list[float]] = [[], []]
     gc.collect()
     for step in range(warmup + steps):
         for side in (sides if step % 2 == 0 else sides[::-1]):
-            took, _, _ = side.step()
+            took, add_time, _ = side.step()
             if step >= warmup:
                 side.times.append(took)
-    ours, theirs = (_percentiles(side.times) for side in sides)
+                adds[sides.index(side)].append(add_time)
+    ours, theirs = ({**_percentiles(side.times), "arrivals_us": statistics.mean(added) * 1e6}
+                    for side, added in zip(sides, adds))
     return ours, theirs
 
 
@@ -193,18 +200,12 @@ def main() -> None:
     parser.add_argument("--kv-events", action="store_true",
                         help="time this tree's scheduler with KV cache events recorded (and encoded) beside it without "
                              "them, steps alternated in one process (implies --no-vllm)")
+    parser.add_argument("--prefix-caching-hash-algo", default=None, metavar="ALGO",
+                        help="likewise with blocks hashed as vLLM does (sha256, sha256_cbor, xxhash, xxhash_cbor); "
+                             "with --kv-events, events recorded too")
     args = parser.parse_args()
-    if args.baseline_rev or args.kv_events:
-        base = package_at(args.baseline_rev) if args.baseline_rev else "pagellm"
-        label = args.baseline_rev[:12] if args.baseline_rev else "kv events"
-        print(f"{'running':>7} {'this tree p50':>13} {'mean':>8} {'p95':>8} {label + ' p50':>17} "
-              f"{'mean':>8} {'p95':>8} {'p50 ratio':>9}   (µs per step)")
-        for n in args.num_running:
-            ours, theirs = run_pair(n, args.warmup, args.steps, base, args.kv_events)
-            print(f"{n:>7} {ours['p50_us']:>13.1f} {ours['mean_us']:>8.1f} {ours['p95_us']:>8.1f} "
-                  f"{theirs['p50_us']:>17.1f} {theirs['mean_us']:>8.1f} {theirs['p95_us']:>8.1f} "
-                  f"{ours['p50_us'] / theirs['p50_us']:>9.3f}")
-        return
+    if args.baseline_rev or args.kv_events or args.prefix_caching_hash_algo:
+        return print_pairs(args)
     if args.profile is not None:
         for n in args.num_running:
             profiler = cProfile.Profile()
@@ -221,6 +222,20 @@ def main() -> None:
     print_table(ours, theirs)
     if args.json:
         Path(args.json).write_text(json.dumps(ours + theirs, indent=1))
+
+
+def print_pairs(args: argparse.Namespace) -> None:
+    base = package_at(args.baseline_rev) if args.baseline_rev else "pagellm"
+    algo = args.prefix_caching_hash_algo
+    label = args.baseline_rev[:12] if args.baseline_rev else " + ".join(
+        (["kv events"] if args.kv_events else []) + ([algo] if algo else []))
+    print(f"{'running':>7} {'this tree p50':>13} {'mean':>8} {'p95':>8} {'arrivals':>8} {label + ' p50':>17} "
+          f"{'mean':>8} {'p95':>8} {'arrivals':>8} {'p50 ratio':>9}   (µs per step)")
+    for n in args.num_running:
+        ours, theirs = run_pair(n, args.warmup, args.steps, base, args.kv_events, algo)
+        print(f"{n:>7} {ours['p50_us']:>13.1f} {ours['mean_us']:>8.1f} {ours['p95_us']:>8.1f} "
+              f"{ours['arrivals_us']:>8.1f} {theirs['p50_us']:>17.1f} {theirs['mean_us']:>8.1f} "
+              f"{theirs['p95_us']:>8.1f} {theirs['arrivals_us']:>8.1f} {ours['p50_us'] / theirs['p50_us']:>9.3f}")
 
 
 def print_table(ours: list[dict], theirs: list[dict]) -> None:

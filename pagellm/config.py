@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from pagellm import no_effect
 from pagellm.disagg.config import KVTransferConfig
 from pagellm.distributed.config import ParallelConfig
 from pagellm.kv.events import KVEventsConfig
+from pagellm.kv.hash_algos import check_algo
 from pagellm.sampling_params import LOGPROBS_MODES, MAX_LOGPROBS
 from pagellm.sched.config import SchedulerConfig
 from pagellm.spec.config import DISABLE_BY_BATCH_SIZE, SPEC_METHODS, SpeculativeConfig  # noqa: F401
@@ -228,6 +230,11 @@ class CacheConfig:
         "kv_cache_memory.", default=None)
     enable_prefix_caching: bool = _help("Reuse KV blocks of identical prompt prefixes across requests.",
                                         default=True)
+    prefix_caching_hash_algo: str | None = _help(
+        "Hash the prefix cache's blocks as vLLM does, with sha256, sha256_cbor, xxhash or xxhash_cbor (vLLM's "
+        "flag), so that a KV-aware router computing vLLM's hashes finds them in the KV events (set PYTHONHASHSEED "
+        "as for vLLM). Default: pagellm's own hashes (SHA-256), computed natively, which no router reproduces.",
+        default=None)
     kv_cache_prefault: bool = _help("Populate the KV cache's memory in the background, on CPU time nothing else "
                                     "wants, so that a block's first use does not pay for it.", default=True)
     enable_sleep_mode: bool = _help(
@@ -248,6 +255,7 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        check_algo(self.prefix_caching_hash_algo)
 
 
 # The default step budget, as vLLM picks its own on CPUs: offline (``LLM``, ``pagellm bench throughput``) larger steps
@@ -313,6 +321,12 @@ class EngineConfig:
             raise ValueError("kv_events_config needs enable_prefix_caching: the events describe the prefix cache")
         if self.kv_events_config.publishes and self.parallel_config.data_parallel_size > 1:
             self.kv_events_config.for_rank(0)  # each core publishes on its own port: refused by name when it cannot
+        algo = self.cache_config.prefix_caching_hash_algo
+        if algo is not None and algo.startswith("xxhash") and self.kv_transfer_config.kv_connector is not None \
+                and os.environ.get("PYTHONHASHSEED") is None:
+            raise ValueError(f"prefix_caching_hash_algo={algo} with a kv_transfer_config needs PYTHONHASHSEED set, "
+                             "the same on both servers: without it each process roots its xxHash hashes on a "
+                             "random seed, and no stored block would ever match")
         self.kv_transfer_config.check_engine(self.cache_config.enable_prefix_caching,
                                              self.parallel_config.world_size, self.model_config.enable_lora,
                                              self.speculative_config.method)

@@ -53,6 +53,23 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
 
+# A request's ``cache_salt`` joins with "/" the parts that keep its KV blocks apart (the input processor's): first the
+# caller's salt, length-prefixed so that no other part can pass for it or for another caller's, then pagellm's own.
+_CALLER = "caller-"
+
+
+def caller_salt_part(salt: str) -> str:
+    return f"{_CALLER}{len(salt)}:{salt}"
+
+
+def caller_salt(cache_salt: str | None) -> str | None:
+    """The caller's salt inside a request's ``cache_salt`` (``caller_salt_part``'s inverse), None when it has none."""
+    if not cache_salt or not cache_salt.startswith(_CALLER):
+        return None
+    colon = cache_salt.index(":")
+    start = colon + 1
+    return cache_salt[start:start + int(cache_salt[len(_CALLER):colon])]
+
 
 class Request:
     """One generation request as the scheduler and KV manager see it."""

@@ -2,7 +2,8 @@
 (vLLM's ``SharedStorageConnector`` role), configured by ``config.KVTransferConfig``.
 
 Contract:
-- Blocks are stored by their prefix-cache hash (``kv/hashing.py``: a chained hash of the whole prefix, so a stored
+- Blocks are stored by their prefix-cache hash (``kv/hashing.py``, or ``kv/hash_algos.py`` with
+  ``--prefix-caching-hash-algo``, which both servers must then share: a chained hash of the whole prefix, so a stored
   block is valid for any prompt that begins with the same tokens) under ``<shared_storage_path>/<fingerprint>/``,
   one safetensors file per block holding its K/V rows in every layer (``[layers, 2, block_size, kv_heads,
   head_dim]``). The fingerprint (``layout_dir``) covers what makes KV bytes interchangeable: the model's weights
@@ -27,6 +28,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from pagellm.kv.hash_algos import VllmBlockHasher
+from pagellm.kv.hashing import extend_block_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +62,12 @@ class StoredBlocks:
 class KVStore:
     """Saves and loads blocks of one worker's KV caches (one ``[2, blocks, block_size, heads, dim]`` per layer)."""
 
-    def __init__(self, folder: Path, kv_caches: list[Any], max_bytes: int | None = None) -> None:
+    def __init__(self, folder: Path, kv_caches: list[Any], max_bytes: int | None = None,
+                 hasher: VllmBlockHasher | None = None) -> None:
         self.folder = folder
         self.kv_caches = kv_caches
         self.max_bytes = max_bytes
+        self.hasher = hasher  # the prefix cache's, when it hashes as vLLM does (--prefix-caching-hash-algo)
         self.used = self._scan_bytes() if max_bytes else 0
 
     def _scan_bytes(self) -> int:
@@ -86,6 +92,15 @@ class KVStore:
             self.used -= size
             removed += 1
         return removed
+
+    def hash_tokens(self, token_ids: list[int], block_size: int) -> list[bytes]:
+        """The names of the full blocks of ``token_ids``: their hashes as the prefix cache computes them for a
+        request without a salt or an adapter (both servers must hash alike)."""
+        if self.hasher is not None:
+            return self.hasher.token_hashes(token_ids, block_size)  # type: ignore[return-value]
+        hashes: list = []
+        extend_block_hashes(hashes, token_ids, block_size)
+        return hashes
 
     def _path(self, block_hash: bytes) -> Path:
         return self.folder / (block_hash.hex() + SUFFIX)

@@ -34,7 +34,8 @@ class EngineCore:
         self.executor = executor or make_executor(config)
         self.runtime = self.executor.runtime
         spec, events = config.speculative_config, config.kv_events_config
-        self.kv_events = KVEventRecorder(config.cache_config.block_size) if events.enable_kv_cache_events else None
+        self.kv_events = KVEventRecorder(config.cache_config.block_size, self.runtime.kv_window) \
+            if events.enable_kv_cache_events else None
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.runtime.num_blocks,
                                    self.runtime.max_model_len, spec.num_lookahead_tokens, spec.disable_by_batch_size,
                                    kv_window=self.runtime.kv_window, kv_events=self.kv_events)

@@ -20,6 +20,7 @@ import msgspec
 from pagellm.engine.wire import EngineCoreRequest
 from pagellm.lora import LoRARequest, check_adapter
 from pagellm.prompt_embeds import PromptEmbeds, from_tensor
+from pagellm.request import caller_salt_part
 from pagellm.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagellm.tokenizer import NO_TOKENIZER, NoTokenizer, Tokenizer
 
@@ -123,7 +124,7 @@ class InputProcessor:
         check_prompt(token_ids, self.max_model_len, self.vocab_size)
         params = self.prepare_params(params)
         # The caller's salt (length-prefixed, so that no other part can pass for it or for another caller's) ...
-        salts = [] if cache_salt is None else [f"caller-{len(cache_salt)}:{cache_salt}"]
+        salts = [] if cache_salt is None else [caller_salt_part(cache_salt)]
         if params.prompt_logprobs is not None:
             # ... every prompt position must be computed to score it: a unique salt makes prefix-cache hits impossible
             salts.append(f"prompt-logprobs-{uuid.uuid4().hex}")

@@ -5,8 +5,9 @@ Contract:
   sockets (``max_queue_size`` batches; past that the oldest waiting one is dropped, with a warning).
 - The thread sends each batch as vLLM's three frames on the PUB socket: the topic, an 8-byte big-endian sequence
   number (from 0, one per batch), the msgpack of the ``KVEventBatch``. A subscriber that sees a gap in the numbers
-  asks the replay socket (``replay_endpoint``, a ROUTER) for everything from a number on: it gets ``[seq, payload]``
-  for each of the last ``buffer_steps`` batches from that number, then ``[-1 as 8 signed bytes, b""]``.
+  asks the replay socket (``replay_endpoint``, a ROUTER) for everything from a number on (a DEALER sends ``[b"",
+  seq]``): it gets ``[b"", topic, seq, payload]`` for each of the last ``buffer_steps`` batches from that number,
+  then ``[b"", b"", -1 as 8 signed bytes, b""]`` (vLLM 0.32's frames).
 - The PUB socket binds where the endpoint has a wildcard (``*``, ``::``) or is ``ipc://``/``inproc://``, and
   connects otherwise (a collector that binds), as vLLM's does; the replay socket always binds.
 - ``close()`` sends what is queued, then closes the sockets.
@@ -101,5 +102,5 @@ class KVEventPublisher:
             first = int.from_bytes(start, "big")
             for seq, payload in list(self._buffer):
                 if seq >= first:
-                    self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+                    self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", END_OF_REPLAY, b""))

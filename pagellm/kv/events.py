@@ -5,14 +5,19 @@ read this stream from vLLM).
 Contract:
 - ``KVEventsConfig`` is vLLM's JSON: ``{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
   "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "buffer_steps": 10000, "hwm": 100000, "topic": "kv-events"}``.
-- The events and their batch are vLLM's msgpack layout (array-like structs, events tagged by class name):
-  ``KVEventBatch(ts, events, data_parallel_rank)`` with ``BlockStored(block_hashes, parent_block_hash, token_ids,
-  block_size, lora_id, medium)``, ``BlockRemoved(block_hashes, medium)`` and ``AllBlocksCleared()``.
+- The events and their batch are vLLM 0.32's msgpack layout: ``KVEventBatch(ts, events, data_parallel_rank)`` an
+  array; each event a map tagged with its class name (``"type"``), fields at their defaults left out:
+  ``BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys,
+  group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window)``, ``BlockRemoved(block_hashes, medium, group_idx)``,
+  ``AllBlocksCleared()``.
 - They describe the table a lookup reads (``BlockPool.cached``): a block is *stored* when its hash becomes findable
   (a duplicate of a hash already there is not: lookups never find it) and *removed* when that entry goes (its block
   handed out again); a prefix-cache reset clears it. A stored run carries its tokens and its parent's hash, so a
-  consumer can follow the chain; block hashes go out as unsigned 64-bit integers (the first 8 bytes of our 16-byte
-  SHA-256 hashes, big-endian), ``medium`` is ``"CPU"``.
+  consumer can follow the chain, and each block's extra keys as vLLM publishes them (``kv/hash_algos.py``'s keys
+  untagged: the adapter's name, the caller's salt on a first block, an embeddings block's digest; None for a block
+  without any). Block hashes go out as vLLM's do, as unsigned 64-bit integers: the last 8 bytes of each hash,
+  big-endian (``--prefix-caching-hash-algo`` makes them vLLM's hashes too). ``medium`` is ``"CPU"``, ``group_idx``
+  0, the kind ``"full_attention"``, or ``"sliding_window"`` with its window when every layer slides.
 - ``KVEventRecorder`` gathers one step's events in order (consecutive removals in one event); the engine core takes
   them after each step and publishes them (``engine/kv_events.py``).
 """
@@ -22,15 +27,19 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import msgspec
 
+from pagellm.kv.hash_algos import block_keys
+from pagellm.request import Request
+
 MEDIUM = "CPU"
+GROUP = 0  # the one KV cache group (vLLM numbers its groups; a model of one attention kind has group 0)
 PUBLISHERS = ("null", "zmq")
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """One change to the prefix cache's table."""
 
 
@@ -41,11 +50,17 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: Optional[int]
     medium: Optional[str]
+    lora_name: Optional[str]
+    extra_keys: Optional[list[Optional[tuple[Any, ...]]]] = None  # per block, untagged (module docstring)
+    group_idx: Optional[int] = None
+    kv_cache_spec_kind: Optional[str] = None  # "full_attention", or "sliding_window" (of that many positions)
+    kv_cache_spec_sliding_window: Optional[int] = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
     medium: Optional[str]
+    group_idx: Optional[int] = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -59,29 +74,35 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 def external_hash(block_hash: bytes) -> int:
-    """A block hash as the events carry it: its first 8 bytes as an unsigned big-endian integer."""
-    return int.from_bytes(block_hash[:8], "big")
+    """A block hash as the events carry it, as vLLM's do: its last 8 bytes as an unsigned big-endian integer."""
+    return int.from_bytes(block_hash[-8:], "big")
 
 
 class KVEventRecorder:
     """One step's events, in the order the table changed."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, sliding_window: int = 0) -> None:
+        """``sliding_window``: every layer attends over this many positions (0: the whole context)."""
         self.block_size = block_size
+        self._kind = ("sliding_window", sliding_window) if sliding_window else ("full_attention", None)
         self._events: list[KVCacheEvent] = []
 
-    def stored(self, hashes: Sequence[bytes], parent: bytes | None, token_ids: Sequence[int],
-               lora_id: int | None) -> None:
-        self._events.append(BlockStored([external_hash(h) for h in hashes],
-                                        None if parent is None else external_hash(parent), list(token_ids),
-                                        self.block_size, lora_id, MEDIUM))
+    def stored(self, request: Request, first: int, end: int) -> None:
+        """Blocks ``first .. end - 1`` of ``request`` became findable."""
+        hashes, bs, lora = request.block_hashes, self.block_size, request.sampling_params.lora_request
+        keys = [block_keys(request, index, bs) for index in range(first, end)]
+        self._events.append(BlockStored(
+            [external_hash(h) for h in hashes[first:end]], external_hash(hashes[first - 1]) if first else None,
+            request.all_token_ids[first * bs:end * bs], bs, lora.lora_int_id if lora is not None else None, MEDIUM,
+            lora.lora_name if lora is not None else None,
+            [tuple(key[1] for key in k) if k else None for k in keys], GROUP, *self._kind))
 
     def removed(self, block_hash: bytes) -> None:
         last = self._events[-1] if self._events else None
         if isinstance(last, BlockRemoved):
             last.block_hashes.append(external_hash(block_hash))
         else:
-            self._events.append(BlockRemoved([external_hash(block_hash)], MEDIUM))
+            self._events.append(BlockRemoved([external_hash(block_hash)], MEDIUM, GROUP))
 
     def cleared(self) -> None:
         self._events.append(AllBlocksCleared())

@@ -32,6 +32,7 @@ from typing import Callable
 from pagellm.kv.block import BlockId, KVBlock
 from pagellm.kv.block_pool import BlockPool
 from pagellm.kv.events import KVEventRecorder
+from pagellm.kv.hash_algos import VllmBlockHasher
 from pagellm.kv.hashing import ROOT_HASH, embeds_block_hashes, extend_block_hashes
 from pagellm.request import BlockHash, Request, RequestId
 
@@ -45,8 +46,10 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 sliding_window: int = 0, events: KVEventRecorder | None = None) -> None:
+                 sliding_window: int = 0, events: KVEventRecorder | None = None,
+                 hasher: VllmBlockHasher | None = None) -> None:
         self.block_size = block_size
+        self.hasher = hasher  # vLLM's block hashes (kv/hash_algos.py); None: pagellm's own (kv/hashing.py)
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window  # 0: every block is kept until the request ends
         self.num_released: dict[RequestId, int] = {}  # leading blocks released behind the window
@@ -225,6 +228,10 @@ class KVCacheManager:
         """Hash the request's full blocks not hashed yet (a no-op with prefix caching off). An embeddings prompt's
         full blocks are hashed by their rows (``embeds_block_hashes``), the blocks after them with its whole salt."""
         hashes, tokens = request.block_hashes, request.all_token_ids
+        if self.hasher is not None:
+            if self.enable_caching:
+                self.hasher.extend(request, self.block_size)
+            return
         if self.enable_caching and request.prompt_embeds is not None and not hashes:
             hashes.extend(self._embeds_hashes(request))
         if self.enable_caching and len(tokens) >= (len(hashes) + 1) * self.block_size:
@@ -255,7 +262,9 @@ class KVCacheManager:
         """Hash (if not done yet) and register the request's blocks ``start .. end - 1``; returns ``end``. A block
         that already carries a hash keeps it; the first block registered with a hash stays canonical."""
         hashes = request.block_hashes
-        if len(hashes) < end:
+        if len(hashes) < end and self.hasher is not None:
+            self.hasher.extend(request, self.block_size)
+        elif len(hashes) < end:
             extend_block_hashes(hashes, request.all_token_ids, self.block_size,
                                 (request.cache_salt,) if request.cache_salt else None)
         if self.pool.events is not None:
@@ -272,8 +281,7 @@ class KVCacheManager:
 
     def _register_recording(self, request: Request, blocks: list[KVBlock], start: int, end: int) -> int:
         """``_register`` with KV events on: each run of blocks that became findable is one ``BlockStored``."""
-        hashes, cached, bs, events = request.block_hashes, self.pool.cached, self.block_size, self.pool.events
-        lora = request.sampling_params.lora_request
+        hashes, cached, events = request.block_hashes, self.pool.cached, self.pool.events
         run_start = None
         for index in range(start, end + 1):
             block = blocks[index] if index < end else None
@@ -286,9 +294,7 @@ class KVCacheManager:
             if stored and run_start is None:
                 run_start = index
             elif not stored and run_start is not None:
-                events.stored(hashes[run_start:index], hashes[run_start - 1] if run_start else None,
-                              request.all_token_ids[run_start * bs:index * bs],
-                              lora.lora_int_id if lora is not None else None)
+                events.stored(request, run_start, index)
                 run_start = None
         self.num_cached_blocks[request.request_id] = end
         return end

@@ -30,6 +30,7 @@ import numpy as np
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.kv.block import KVBlock
 from pagellm.kv.events import KVEventRecorder
+from pagellm.kv.hash_algos import VllmBlockHasher
 from pagellm.kv.hashing import ROOT_HASH, extend_block_hashes
 from pagellm.kv.manager import KVCacheManager
 from pagellm.metrics.stats import SchedulerStats, SpecDecodingStats
@@ -88,11 +89,14 @@ class Scheduler(Intake, Admission):
         # are reserved only in steps that surely stay at or below it (``_step_lookahead``, set by ``schedule``).
         self.disable_by_batch_size = disable_by_batch_size
         self._step_lookahead = num_lookahead_tokens
+        algo = cache_config.prefix_caching_hash_algo
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                 kv_window, kv_events)
+                                 kv_window, kv_events, VllmBlockHasher(algo) if algo is not None else None)
         self.waiting = make_queue(config.scheduling_policy)
-        # The step loops in C (sched/native.py), where no window releases blocks and no event is recorded.
-        self._native = fastpath() if fast_path and not kv_window and kv_events is None else None
+        # The step loops in C (sched/native.py), where no window releases blocks, no event is recorded and blocks
+        # hash in pagellm's own way.
+        native = fast_path and not kv_window and kv_events is None and algo is None
+        self._native = fastpath() if native else None
         self.running = RunningBatch(compact=self._native.compact_rows if self._native is not None else None)
         if self._native is not None:
             kv, release = self.kv, self._native.free_blocks

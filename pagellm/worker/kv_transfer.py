@@ -7,7 +7,8 @@ Contract:
   the block and the ones after it (its ``num_computed_tokens`` lowered, its scheduled count raised by as much), so the
   step ends where the scheduler planned, only longer.
 - ``save_prompts(store, sched, states, block_size)`` stores the full blocks of every prompt whose last chunk this step
-  ran (their K/V are all written), named by the same chained hashes the prefix cache computes from the tokens.
+  ran (their K/V are all written), named by the same chained hashes the prefix cache computes from the tokens
+  (``KVStore.hash_tokens``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import msgspec
 
 from pagellm.disagg.connector import KVStore
-from pagellm.kv.hashing import extend_block_hashes
 from pagellm.sched.output import SchedulerOutput
 from pagellm.worker.input_batch import CachedRequestState
 
@@ -46,6 +46,4 @@ def save_prompts(store: KVStore, sched: SchedulerOutput, states: dict[str, Cache
         prompt = state.num_prompt_tokens
         if state.num_computed_tokens < prompt <= state.num_computed_tokens + num_scheduled and prompt >= block_size:
             full = prompt // block_size
-            hashes: list = []
-            extend_block_hashes(hashes, state.token_ids[:full * block_size], block_size)
-            store.save(state.block_ids[:full], hashes)
+            store.save(state.block_ids[:full], store.hash_tokens(state.token_ids[:full * block_size], block_size))

@@ -20,6 +20,7 @@ from pagellm.attention.base import get_backend, resolve_kv_dtype
 from pagellm.config import CacheConfig, KVTransferConfig, ModelConfig, ProfilerConfig, SpeculativeConfig
 from pagellm.disagg.connector import KVStore, layout_dir
 from pagellm.distributed.groups import SINGLE, ParallelState
+from pagellm.kv.hash_algos import VllmBlockHasher
 from pagellm.metrics.profiler import Profiler
 from pagellm.model import gguf_convert, weight_only
 from pagellm.model.arch import ArchConfig
@@ -82,7 +83,7 @@ class Worker:
                                   model_config.tokenizer_dir(model_dir), model_config.logits_processors,
                                   model_config.max_cpu_loras)
         self.runner.bind_kv_cache(num_blocks, self.kv_dtype)
-        store_dir = self._bind_kv_store(kv_transfer, model_dir, arch, cache_config.block_size)
+        store_dir = self._bind_kv_store(kv_transfer, model_dir, arch, cache_config)
         self.prefaulter = KVPrefaulter(self.runner.kv_caches) if cache_config.kv_cache_prefault else None
         self.asleep = False  # sleep mode (``set_asleep``)
         self.weights_from: str | None = None  # the checkpoint last loaded (None: the served model's); sleep level 2
@@ -106,15 +107,17 @@ class Worker:
                     str(self.kv_dtype).removeprefix("torch."))
 
     def _bind_kv_store(self, kv_transfer: KVTransferConfig, model_dir: Path, arch: ArchConfig,
-                       block_size: int) -> str:
+                       cache_config: CacheConfig) -> str:
         """With a KV connector: the runner's store of this model's blocks; returns its folder ("" without one)."""
         if kv_transfer.kv_connector is None:
             return ""
+        block_size, algo = cache_config.block_size, cache_config.prefix_caching_hash_algo
         first = self.runner.kv_caches[0]
         folder = layout_dir(kv_transfer.kv_connector_extra_config["shared_storage_path"], model_dir, {
             "architecture": arch.architecture, "layers": len(self.runner.kv_caches), "block_size": block_size,
             "kv_shape": tuple(first.shape[2:]), "kv_dtype": str(first.dtype)})
-        self.runner.kv_store = KVStore(folder, self.runner.kv_caches, kv_transfer.max_storage_bytes)
+        self.runner.kv_store = KVStore(folder, self.runner.kv_caches, kv_transfer.max_storage_bytes,
+                                       VllmBlockHasher(algo) if algo is not None else None)
         self.runner.kv_saves = kv_transfer.saves
         logger.info("KV connector %s (%s): blocks in %s", kv_transfer.kv_connector, kv_transfer.kv_role, folder)
         return str(folder)

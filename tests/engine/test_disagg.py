@@ -87,3 +87,31 @@ def test_what_cannot_be_handed_over_is_refused(tiny_llama: Path, tmp_path: Path,
     kwargs = {"kv_transfer_config": _kv("kv_both", tmp_path), **kwargs}
     with pytest.raises(ValueError, match=message):
         LLM(str(tiny_llama), dtype="float32", **kwargs)
+
+
+def test_vllms_hashes_name_the_stored_blocks(tiny_llama: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``prefix_caching_hash_algo`` the producer names its blocks by vLLM's hashes, as the consumer's prefix
+    cache computes them, so the consumer still loads them; xxHash without a shared seed is refused (every process
+    would root its hashes apart)."""
+    from pagellm.kv.hash_algos import VllmBlockHasher
+
+    monkeypatch.setenv("PYTHONHASHSEED", "3")
+    prompts = _prompts(seed=23)[:3]
+    producer = LLM(str(tiny_llama), dtype="float32", prefix_caching_hash_algo="xxhash_cbor",
+                   kv_transfer_config=_kv("kv_producer", tmp_path))
+    producer.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    names = {p.stem for p in tmp_path.rglob("*.safetensors")}
+    hasher = VllmBlockHasher("xxhash_cbor")
+    assert names == {h.hex() for p in prompts for h in hasher.token_hashes(p, 16)}
+    consumer = LLM(str(tiny_llama), dtype="float32", prefix_caching_hash_algo="xxhash_cbor",
+                   kv_transfer_config=_kv("kv_consumer", tmp_path))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outputs = consumer.generate(prompts, params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outputs] == [(len(p) - 1) // 16 * 16 for p in prompts]
+    assert [o.outputs[0].token_ids for o in outputs] == \
+        [o.outputs[0].token_ids for o in producer.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.delenv("PYTHONHASHSEED")
+    with pytest.raises(ValueError, match="needs PYTHONHASHSEED set"):
+        LLM(str(tiny_llama), dtype="float32", prefix_caching_hash_algo="xxhash",
+            kv_transfer_config=_kv("kv_consumer", tmp_path))

@@ -20,6 +20,7 @@ from pagellm.config import EngineConfig
 from pagellm.engine.dp_client import core_config
 from pagellm.engine.kv_events import END_OF_REPLAY
 from pagellm.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, external_hash
+from pagellm.kv.hash_algos import VllmBlockHasher
 from pagellm.kv.hashing import hash_block_tokens
 
 BLOCK = 4
@@ -68,7 +69,7 @@ def sockets() -> Iterator[zmq.Context]:
     ctx.destroy(linger=0)
 
 
-def _engine(model: Path, sockets: zmq.Context, kv_cache_memory: int) -> tuple[LLM, zmq.Socket, int]:
+def _engine(model: Path, sockets: zmq.Context, kv_cache_memory: int, **kwargs: object) -> tuple[LLM, zmq.Socket, int]:
     """An engine publishing its events, a subscriber that receives them from now on (synchronised: the engine
     publishes prefix-cache resets until one arrives, then those are drained), and the replay port."""
     pub, replay = _port(), _port()
@@ -77,7 +78,7 @@ def _engine(model: Path, sockets: zmq.Context, kv_cache_memory: int) -> tuple[LL
     sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
     llm = LLM(str(model), dtype="float32", block_size=BLOCK, max_model_len=128, kv_cache_memory=kv_cache_memory,
               kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}",
-                                "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"})
+                                "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"}, **kwargs)
     deadline = time.monotonic() + 30
     while not sub.poll(50):
         assert time.monotonic() < deadline, "no KV event reached the subscriber"
@@ -93,7 +94,8 @@ def _replay(sockets: zmq.Context, port: int, first: int) -> list[tuple[int, byte
     replayed = []
     while True:
         assert dealer.poll(5000), "the replay socket did not answer"
-        _, seq, payload = dealer.recv_multipart()
+        _, topic, seq, payload = dealer.recv_multipart()
+        assert topic == (b"" if seq == END_OF_REPLAY else b"kv-events")  # vLLM 0.32's replay frames
         if seq == END_OF_REPLAY:
             dealer.close()
             return replayed
@@ -143,8 +145,33 @@ def test_a_run_after_cached_blocks_names_the_last_of_them_as_parent(tiny_llama: 
     for i in range(0, len(base + more), BLOCK):
         hashes.append(hash_block_tokens(hashes[-1] if hashes else None, (base + more)[i:i + BLOCK]))
     ext = [external_hash(h) for h in hashes]
-    assert events == [BlockStored(ext[:4], None, base, BLOCK, None, "CPU"),
-                      BlockStored(ext[4:], ext[3], more, BLOCK, None, "CPU")]
+    assert events == [BlockStored(ext[:4], None, base, BLOCK, None, "CPU", None, [None] * 4, 0, "full_attention"),
+                      BlockStored(ext[4:], ext[3], more, BLOCK, None, "CPU", None, [None] * 2, 0, "full_attention")]
+    llm.engine.core.shutdown()
+
+
+def test_vllm_hashes_go_out_in_vllms_layout_and_still_hit(tiny_llama: Path, sockets: zmq.Context,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``prefix_caching_hash_algo`` the events carry vLLM's hashes of the blocks (outputs included: pickle
+    would tell a numpy integer from an int), as vLLM 0.32's wire layout, and the cache finds them again."""
+    monkeypatch.setenv("PYTHONHASHSEED", "7")  # the engine core's process inherits it
+    llm, sub, _ = _engine(tiny_llama, sockets, 400_000, prefix_caching_hash_algo="sha256")
+    prompt = list(range(40, 54))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    tokens = prompt + list(first.outputs[0].token_ids)
+    payloads = [p for _, p in _receive(sub)]
+    stored = [e for p in payloads for e in msgspec.msgpack.Decoder(KVEventBatch).decode(p).events]
+    expected = [external_hash(h) for h in VllmBlockHasher("sha256").token_hashes(tokens, BLOCK)]
+    assert [h for e in stored for h in e.block_hashes] == expected[:(len(tokens) - 1) // BLOCK]
+    raw = msgspec.msgpack.decode(payloads[0])[1][0]  # the batch is an array, its events maps tagged "type"
+    assert raw == {"type": "BlockStored", "block_hashes": stored[0].block_hashes, "parent_block_hash": None,
+                   "token_ids": tokens[:len(stored[0].block_hashes) * BLOCK], "block_size": BLOCK, "lora_id": None,
+                   "medium": "CPU", "lora_name": None, "extra_keys": [None] * len(stored[0].block_hashes),
+                   "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK and again.outputs[0].token_ids == \
+        first.outputs[0].token_ids
     llm.engine.core.shutdown()
 
 
@@ -166,3 +193,17 @@ def test_config_is_checked_by_name() -> None:
     assert (second.endpoint, second.replay_endpoint, second.data_parallel_rank) == ("tcp://*:5558", "tcp://*:6001", 1)
     off = EngineConfig.from_kwargs(data_parallel_size=2)
     assert core_config(off, 1) is off and dataclasses.asdict(off.kv_events_config)["publisher"] == "null"
+
+
+def test_a_sliding_window_models_blocks_say_so() -> None:
+    from pagellm.kv.events import KVEventRecorder
+    from pagellm.request import Request
+
+    recorder = KVEventRecorder(BLOCK, sliding_window=64)
+    request = Request("r", list(range(2 * BLOCK)), SamplingParams(max_tokens=1))
+    request.block_hashes[:] = [bytes([1]) * 16, bytes([2]) * 16]
+    recorder.stored(request, 1, 2)
+    (event,) = recorder.take().events  # type: ignore[union-attr]
+    assert (event.parent_block_hash, event.block_hashes, event.token_ids) == \
+        (external_hash(bytes([1]) * 16), [external_hash(bytes([2]) * 16)], list(range(BLOCK, 2 * BLOCK)))
+    assert (event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window) == ("sliding_window", 64)
