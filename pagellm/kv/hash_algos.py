@@ -16,7 +16,7 @@ computes, which are vLLM's. ``VllmBlockHasher(algo)`` computes them as vLLM 0.32
   asking for prompt logprobs computes every position), its first block adds ``("pagellm", salt)``, so those blocks
   hash apart from everything a router computes.
 
-Token prompts, with or without a LoRA adapter and a cache salt, hash as vLLM's (``tests/kv/test_hash_algos.py`` holds
+Token prompts, with or without a LoRA adapter and a cache salt, hash as vLLM's (``tests/unit/test_hash_algos.py`` holds
 vLLM's own values). pagellm's default (no algorithm given) is its own layout in ``hashing.py``, computed natively
 by the scheduler's fast path; these hashes are computed in Python, so the scheduler takes its Python path with them.
 """

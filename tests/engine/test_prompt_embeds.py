@@ -101,11 +101,12 @@ def test_embeddings_and_token_prompts_share_a_batch(tiny_llama: Path) -> None:
     _no_leaks(llm)
 
 
-def test_prefix_cache_shares_the_blocks_of_equal_leading_rows(tiny_llama: Path) -> None:
+@pytest.mark.parametrize("algo", [None, "sha256_cbor"])
+def test_prefix_cache_shares_the_blocks_of_equal_leading_rows(tiny_llama: Path, algo: str | None) -> None:
     """A soft prompt's blocks serve every prompt that starts with it; a block that differs in one row, a token
     prompt of the placeholder ids finds nothing (another cache salt neither: the server's test); what the cache
-    serves changes no token."""
-    llm = LLM(str(tiny_llama), dtype="float32", enable_prompt_embeds=True)
+    serves changes no token. Likewise with vLLM's block hashes (each block keyed by its rows' digest)."""
+    llm = LLM(str(tiny_llama), dtype="float32", enable_prompt_embeds=True, prefix_caching_hash_algo=algo)
     (rows,) = _embeds(seed=4, lengths=[40])
     tail = rows.clone()
     tail[-1] += 1.0  # the same first two blocks, another last (partial) block
