@@ -24,6 +24,7 @@ from pagellm.kv.hash_algos import check_algo
 from pagellm.sampling_params import LOGPROBS_MODES, MAX_LOGPROBS
 from pagellm.sched.config import SchedulerConfig
 from pagellm.spec.config import DISABLE_BY_BATCH_SIZE, SPEC_METHODS, SpeculativeConfig  # noqa: F401
+from pagellm.spec.config import SHORTHANDS as SPEC_SHORTHANDS
 
 GiB = 1024**3
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -340,7 +341,8 @@ class EngineConfig:
         """Build from flat, vLLM-style keyword arguments (``max_num_seqs=64``, ``dtype="float32"``, ...); vLLM's
         arguments that do nothing here (``gpu_memory_utilization``, ..., ``no_effect.ENGINE``) are taken and logged."""
         kwargs = no_effect.drop_engine_args(kwargs)
-        speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
+        speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None),
+                                              **{name: kwargs.pop(name, None) for name, _ in SPEC_SHORTHANDS})
         kv_transfer = KVTransferConfig.parse(kwargs.pop("kv_transfer_config", None))
         kv_events = KVEventsConfig.parse(kwargs.pop("kv_events_config", None))
         owners = flat_field_owners()
@@ -349,7 +351,8 @@ class EngineConfig:
             if key not in owners:
                 close = difflib.get_close_matches(key, owners, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                valid = ", ".join(sorted([*owners, "speculative_config", "kv_transfer_config", "kv_events_config"]))
+                valid = ", ".join(sorted([*owners, "speculative_config", "kv_transfer_config", "kv_events_config",
+                                          *(name for name, _ in SPEC_SHORTHANDS)]))
                 raise ValueError(f"unknown engine argument {key!r}{hint}; valid ones: {valid}")
             per_section[owners[key]][key] = value
         sections = {name: _SECTIONS[name](**values) for name, values in per_section.items()}

@@ -24,6 +24,7 @@ from pagellm import no_effect
 from pagellm.config import EngineConfig, flat_fields, parse_size
 
 _JSON_CONFIGS = ("speculative_config", "kv_transfer_config", "kv_events_config")  # engine arguments given as JSON
+_SPEC_SHORTHANDS = ("spec_method", "spec_model", "spec_tokens")  # vLLM's flags for three keys of speculative_config
 
 
 def _size(value: str) -> int:
@@ -80,8 +81,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(*flags, dest=field.name, type=kind, default=None, nargs=field.metadata.get("nargs"),
                                help=f"{field.metadata['help']} (default: {field.default})")
-    group.add_argument("--speculative-config", default=None,
+    group.add_argument("--speculative-config", "-sc", default=None,
                        help='Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    group.add_argument("--spec-method", default=None, help="speculative_config's method (vLLM's shorthand)")
+    group.add_argument("--spec-model", default=None, help="speculative_config's model (vLLM's shorthand)")
+    group.add_argument("--spec-tokens", type=int, default=None,
+                       help="speculative_config's num_speculative_tokens (vLLM's shorthand)")
     group.add_argument("--kv-transfer-config", default=None,
                        help='Disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", '
                             '"kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": "/kv"}}\'')
@@ -92,7 +97,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = [f.name for f in flat_fields() if f.name != "model"] + list(_JSON_CONFIGS)
+    names = [f.name for f in flat_fields() if f.name != "model"] + list(_JSON_CONFIGS) + list(_SPEC_SHORTHANDS)
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
@@ -130,7 +135,8 @@ def _async_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _fields() -> list[tuple[str, Any, dataclasses.Field]]:
     fields = [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata)) for f in flat_fields()]
-    fields += [(name, Any, dataclasses.field(default=None)) for name in (*_JSON_CONFIGS, *no_effect.ENGINE)]
+    fields += [(name, Any, dataclasses.field(default=None))
+               for name in (*_JSON_CONFIGS, *_SPEC_SHORTHANDS, *no_effect.ENGINE)]
     return fields + [("disable_log_stats", bool, dataclasses.field(default=False))]
 
 

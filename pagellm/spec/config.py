@@ -129,18 +129,36 @@ class SpeculativeConfig:
         return nodes + self.prompt_lookup_tokens
 
     @classmethod
-    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig:
-        """From a dict or a JSON string as vLLM spells it: ``{"method": "ngram", "num_speculative_tokens": 3}``."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value or cls()
+    def parse(cls, value: SpeculativeConfig | dict | str | None, **shorthands: Any) -> SpeculativeConfig:
+        """From a dict or a JSON string as vLLM spells it: ``{"method": "ngram", "num_speculative_tokens": 3}``.
+        ``shorthands``: vLLM's ``spec_method``, ``spec_model`` and ``spec_tokens`` (``--spec-method`` ...), each
+        setting its key of the config; a key given both ways is refused."""
         if isinstance(value, str):
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"speculative_config is not valid JSON ({exc}); e.g. "
                                  '\'{"method": "ngram", "num_speculative_tokens": 3}\'') from exc
+        keys = {key: shorthands.pop(name) for name, key in SHORTHANDS if shorthands.get(name) is not None}
+        if shorthands and any(v is not None for v in shorthands.values()):
+            raise TypeError(f"unknown speculative shorthands {sorted(shorthands)}")
+        if keys:
+            if isinstance(value, SpeculativeConfig):
+                raise ValueError("--spec-method, --spec-model and --spec-tokens go with a speculative_config given as "
+                                 "JSON or a dict, not as a SpeculativeConfig")
+            for name, key in SHORTHANDS:
+                if key in keys and key in (value or {}):
+                    raise ValueError(f"--{name.replace('_', '-')} and speculative_config[{key!r}] are mutually "
+                                     "exclusive: give one of them")
+            value = {**(value or {}), **keys}
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value or cls()
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(value) - known
         if unknown:
             raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; valid: {sorted(known)}")
         return cls(**value)
+
+
+# vLLM's flags that set one key of the speculative config each: (engine argument, key)
+SHORTHANDS = (("spec_method", "method"), ("spec_model", "model"), ("spec_tokens", "num_speculative_tokens"))

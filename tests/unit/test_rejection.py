@@ -198,3 +198,20 @@ def test_spec_stats_mean_acceptance_length() -> None:
     assert stats.num_accepted_tokens_per_pos == [1, 1, 0]
     assert stats.mean_acceptance_length == 2.0
     assert stats.acceptance_rate_per_pos == [0.5, 0.5, 0.0]
+
+
+def test_vllms_speculative_shorthand_flags_set_one_key_each() -> None:
+    """``--spec-method``, ``--spec-model``, ``--spec-tokens`` (vLLM 0.32) and ``-sc`` for ``--speculative-config``."""
+    from pagellm.cli import build_parser, engine_kwargs
+    from pagellm.config import EngineConfig
+    from pagellm.engine_args import EngineArgs
+
+    args = build_parser().parse_args(["serve", "--spec-method", "ngram", "--spec-tokens", "4",
+                                      "-sc", '{"prompt_lookup_max": 5}'])
+    spec = EngineConfig.from_kwargs(**engine_kwargs(args)).speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 4, 5)
+    draft = EngineArgs(spec_method="medusa", spec_model="h.safetensors", spec_tokens=2).create_engine_config()
+    assert (draft.speculative_config.method, draft.speculative_config.model) == ("medusa", "h.safetensors")
+    with pytest.raises(ValueError, match=r"--spec-tokens and speculative_config\['num_speculative_tokens'\] are "
+                                         "mutually exclusive"):
+        EngineConfig.from_kwargs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, spec_tokens=3)
