@@ -12,6 +12,11 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 NO_HUB = "pagellm loads local model directories and .gguf files only (no model hub)"
+NO_GRAPHS = "pagellm captures no graphs on the CPU"
+NO_GPU_COMMS = "dual-batch overlap and all-to-all backends hide GPU communication; tensor-parallel CPU ranks " \
+    "reduce over shared memory"
+NO_EPLB = "expert-parallel load balancing moves experts between GPUs; pagellm's experts stay on their rank"
+NO_GPU_TRACE = "Nsight and NVTX trace GPUs; --profiler-dir records the workers' ops with the torch profiler"
 
 # engine argument → why it does nothing here
 ENGINE: dict[str, str] = {
@@ -37,9 +42,35 @@ ENGINE: dict[str, str] = {
                         "milliseconds, and outputs are detokenized in the frontend's own process: there is no gap "
                         "between steps to overlap",
     "hf_token": NO_HUB,
+    # vLLM 0.32's GPU knobs a ported command line carries
+    "cudagraph_capture_sizes": NO_GRAPHS,
+    "max_cudagraph_capture_size": NO_GRAPHS,
+    "cudagraph_metrics": NO_GRAPHS,
+    "optimization_level": "pagellm compiles no model code; its native kernels are built at start",
+    "performance_mode": "pagellm's steps are sized by --max-num-batched-tokens (2,048 tokens served, 4,096 offline)",
+    "attention_config": "pagellm picks its attention kernel itself, by the CPU's instruction set",
+    "kernel_config": "pagellm's kernels are its own, picked by the CPU's instruction set",
+    "enable_flashinfer_autotune": "pagellm's kernels are its own, not FlashInfer's",
+    "enable_cumem_allocator": "there is no CUDA memory to pool; --enable-sleep-mode gives the KV cache's memory back",
+    "all2all_backend": NO_GPU_COMMS,
+    "enable_dbo": NO_GPU_COMMS,
+    "ubatch_size": NO_GPU_COMMS,
+    "dbo_decode_token_threshold": NO_GPU_COMMS,
+    "dbo_prefill_token_threshold": NO_GPU_COMMS,
+    "disable_nccl_for_dp_synchronization": "data-parallel engine cores are coordinated by the front end, without NCCL",
+    "enable_eplb": NO_EPLB,
+    "eplb_config": NO_EPLB,
+    "disable_hybrid_kv_cache_manager": "pagellm keeps one KV cache group for every layer",
+    "ray_workers_use_nsight": NO_GPU_TRACE,
+    "enable_layerwise_nvtx_tracing": NO_GPU_TRACE,
+    "enable_mfu_metrics": "pagellm exports no model-FLOPs-utilisation series; bench serve reports the server's CPU use",
+    "use_tqdm_on_load": "weights load layer by layer, with one log line",
+    "safetensors_load_strategy": "safetensors files are memory-mapped and read layer by layer",
+    "pt_load_map_location": "weights load onto the CPU",
 }
 
 _SWITCH: dict[str, Any] = {"action": "store_true"}
+_TOGGLE: dict[str, Any] = {"action": argparse.BooleanOptionalAction}  # --x and --no-x, as vLLM's switches
 # ENGINE's names as vLLM's flags: name → argparse kwargs
 FLAGS: dict[str, dict[str, Any]] = {
     "gpu_memory_utilization": {"type": float}, "swap_space": {"type": float}, "enforce_eager": _SWITCH,
@@ -47,7 +78,16 @@ FLAGS: dict[str, dict[str, Any]] = {
     "disable_custom_all_reduce": _SWITCH, "disable_cascade_attn": _SWITCH,
     "max_parallel_loading_workers": {"type": int}, "download_dir": {}, "cpu_offload_gb": {"type": float},
     "compilation_config": {}, "revision": {}, "tokenizer_revision": {}, "code_revision": {},
-    "async_scheduling": {"action": argparse.BooleanOptionalAction}, "hf_token": {"nargs": "?", "const": True},
+    "async_scheduling": _TOGGLE, "hf_token": {"nargs": "?", "const": True},
+    "cudagraph_capture_sizes": {"type": int, "nargs": "+"}, "max_cudagraph_capture_size": {"type": int},
+    "cudagraph_metrics": _TOGGLE, "optimization_level": {"type": int}, "performance_mode": {},
+    "attention_config": {}, "kernel_config": {}, "enable_flashinfer_autotune": _TOGGLE,
+    "enable_cumem_allocator": _TOGGLE, "all2all_backend": {}, "enable_dbo": _TOGGLE, "ubatch_size": {"type": int},
+    "dbo_decode_token_threshold": {"type": int}, "dbo_prefill_token_threshold": {"type": int},
+    "disable_nccl_for_dp_synchronization": _TOGGLE, "enable_eplb": _TOGGLE, "eplb_config": {},
+    "disable_hybrid_kv_cache_manager": _TOGGLE, "ray_workers_use_nsight": _TOGGLE,
+    "enable_layerwise_nvtx_tracing": _TOGGLE, "enable_mfu_metrics": _TOGGLE, "use_tqdm_on_load": _TOGGLE,
+    "safetensors_load_strategy": {}, "pt_load_map_location": {},
 }
 
 

@@ -55,7 +55,11 @@ def test_a_vllm_command_line_with_a_config_file(start_server: Callable[..., Serv
     server = start_server(tiny_llama, "--config", str(config), "--max-model-len", "384",
                           "--gpu-memory-utilization", "0.9", "--trust-remote-code", "--max-loras", "4",
                           "--disable-uvicorn-access-log", "--structured-outputs-config", '{"backend": "xgrammar"}',
-                          "--async-scheduling", "--hf-token", "--log-error-stack")
+                          "--async-scheduling", "--hf-token", "--log-error-stack",
+                          # vLLM 0.32's GPU knobs
+                          "--max-cudagraph-capture-size", "512", "--cudagraph-capture-sizes", "1", "8",
+                          "--performance-mode", "throughput", "--disable-hybrid-kv-cache-manager",
+                          "--no-enable-cumem-allocator")
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["from-file", "also-from-file"]
     assert client.models.list().data[0].max_model_len == 384  # the command line's, over the file's 256
@@ -68,6 +72,9 @@ def test_a_vllm_command_line_with_a_config_file(start_server: Callable[..., Serv
     assert "--disable-uvicorn-access-log has no effect in pagellm: the access log is off unless" in log
     assert "--async-scheduling has no effect in pagellm: the engine core's scheduler step" in log
     assert "--hf-token has no effect in pagellm" in log and "--log-error-stack has no effect" in log
+    assert "--max-cudagraph-capture-size has no effect in pagellm: pagellm captures no graphs" in log
+    assert "--cudagraph-capture-sizes has no effect" in log and "--performance-mode has no effect" in log
+    assert "--disable-hybrid-kv-cache-manager has no effect in pagellm: pagellm keeps one KV cache group" in log
     stats = httpx.get(f"{server.base_url}/metrics").text
     assert 'enable_prefix_caching="false"' in stats
     assert server.stop() == 0
