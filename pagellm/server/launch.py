@@ -169,6 +169,34 @@ def _bind_unix(path: str) -> socket.socket:
     return sock
 
 
+def _open_access_log(skip: tuple[str, ...], root_path: str) -> None:
+    """uvicorn gives its access log the level of ``--uvicorn-log-level`` (warning by default), which would drop every
+    line of it: its lines are INFO. ``skip``: paths it leaves out."""
+    access = logging.getLogger("uvicorn.access")
+    access.setLevel(min(access.getEffectiveLevel(), logging.INFO))
+    if skip:
+        access.addFilter(_SkipPaths(skip, root_path))
+
+
+class _SkipPaths(logging.Filter):
+    """Leaves out of uvicorn's access log the requests to these paths (the query string aside; with a root path, as
+    the app's routes name them or with the prefix). Its records carry (client, method, path with query, HTTP
+    version, status) as their arguments."""
+
+    def __init__(self, paths: tuple[str, ...], root_path: str) -> None:
+        super().__init__()
+        self.paths = frozenset(paths)
+        self.root_path = root_path.rstrip("/")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not (isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str)):
+            return True
+        path = args[2].split("?", 1)[0]
+        routed = path[len(self.root_path):] if self.root_path and path.startswith(self.root_path + "/") else path
+        return path not in self.paths and routed not in self.paths
+
+
 async def _serve(config: EngineConfig, sock: socket.socket, names: list[str], options: ServeOptions) -> int:
     from pagellm.engine.async_engine import AsyncLLM
 
@@ -183,6 +211,8 @@ async def _serve(config: EngineConfig, sock: socket.socket, names: list[str], op
             root_path=options.root_path,
             timeout_graceful_shutdown=options.shutdown_timeout,  # type: ignore[arg-type]  # a float works
             **(options.tls.uvicorn_kwargs() if options.tls else {})))
+        if options.access_log:  # after uvicorn's Config, which sets its loggers up
+            _open_access_log(options.access_log_skip, options.root_path)
         # uvicorn re-raises the signal that stopped it once it is done; a quiet handler turns that into a return,
         # so the engine below is shut down rather than the process killed with its child left behind.
         for sig in (signal.SIGINT, signal.SIGTERM):

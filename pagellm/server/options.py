@@ -5,7 +5,8 @@ CORS follows vLLM's flags and defaults: ``--allowed-origins``, ``--allowed-metho
 JSON lists (default ``["*"]``: a browser page from any origin may call the API, as vLLM's and llama.cpp's servers
 allow), ``--allow-credentials`` lets such calls carry cookies and HTTP auth. ``--api-key`` is enforced either way.
 ``--ssl-keyfile`` with ``--ssl-certfile`` serves HTTPS (``--ssl-ca-certs`` adds the CAs whose client certificates
-are accepted; ``--ssl-cert-reqs 2`` requires one), as vLLM's flags do; the files are checked before anything starts.
+are accepted; ``--ssl-cert-reqs 2`` requires one; ``--ssl-ciphers`` picks TLS 1.2's cipher suites), as vLLM's flags
+do; the files and the cipher list are checked before anything starts.
 No torch here: the frontend imports this before the engine core starts.
 """
 
@@ -39,10 +40,11 @@ class Tls:
     certfile: str
     ca_certs: Optional[str] = None
     cert_reqs: int = 0  # ssl.CERT_NONE; 2 = CERT_REQUIRED (client certificates)
+    ciphers: Optional[str] = None  # OpenSSL's cipher list for TLS 1.2 and below (None: uvicorn's default)
 
     def uvicorn_kwargs(self) -> dict[str, Any]:
         return {"ssl_keyfile": self.keyfile, "ssl_certfile": self.certfile, "ssl_ca_certs": self.ca_certs,
-                "ssl_cert_reqs": self.cert_reqs}
+                "ssl_cert_reqs": self.cert_reqs, **({"ssl_ciphers": self.ciphers} if self.ciphers else {})}
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class ServeOptions:
     tokenizer_info: bool = False  # GET /tokenizer_info answers the tokenizer's details
     reasoning_parser_plugin: Optional[str] = None  # a file registering reasoning parsers, run where the app is built
     shutdown_timeout: float = 5.0  # on SIGTERM/SIGINT, the seconds requests in flight get to finish (0: none)
+    access_log_skip: tuple[str, ...] = ()  # paths the access log leaves out (--disable-access-log-for-endpoints)
 
 
 def _json_list(value: str) -> list[str]:
@@ -146,6 +149,9 @@ def _add_app_args(cmd: argparse.ArgumentParser) -> None:
                           "(repeatable; importable by the server)")
     app.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                      help="log every HTTP request (default: off)")
+    app.add_argument("--disable-access-log-for-endpoints", default=None, metavar="PATHS",
+                     help="with --access-log: paths whose requests it leaves out, comma-separated (vLLM's; e.g. "
+                          "/health,/metrics,/ping for probes and scrapes)")
     app.add_argument("--root-path", default="", metavar="PREFIX",
                      help="the path prefix under which a reverse proxy serves the API (e.g. /llm), as vLLM's: the "
                           "app's own routes stay where they are")
@@ -232,6 +238,9 @@ def _add_tls_args(cmd: argparse.ArgumentParser) -> None:
                      help="CA certificates (PEM) that client certificates must chain to")
     tls.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0,
                      help="client certificates: 0 none (default), 1 optional, 2 required")
+    tls.add_argument("--ssl-ciphers", default=None, metavar="LIST",
+                     help="the cipher suites offered over TLS 1.2 and below, in OpenSSL's list format (e.g. "
+                          "ECDHE-RSA-AES256-GCM-SHA384:ECDHE-RSA-CHACHA20-POLY1305); TLS 1.3 keeps its own")
 
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:
@@ -254,7 +263,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                         args.uds, args.enable_server_load_tracking, args.chat_template_content_format,
                         not args.disable_fastapi_docs, tuple(args.middleware), _log_outputs(args),
                         args.tool_parser_plugin, args.enable_tokenizer_info_endpoint, args.reasoning_parser_plugin,
-                        _seconds(args.shutdown_timeout, "--shutdown-timeout", "at once"))
+                        _seconds(args.shutdown_timeout, "--shutdown-timeout", "at once"),
+                        tuple(p.strip() for p in (args.disable_access_log_for_endpoints or "").split(",") if p.strip()))
 
 
 def _seconds(value: float, flag: str, zero: str) -> float:
@@ -330,10 +340,11 @@ def _tls(args: argparse.Namespace) -> Optional[Tls]:
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     if args.ssl_keyfile is None:
-        if args.ssl_ca_certs is not None or args.ssl_cert_reqs:
-            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs go with --ssl-keyfile and --ssl-certfile")
+        if args.ssl_ca_certs is not None or args.ssl_cert_reqs or args.ssl_ciphers:
+            raise ValueError("--ssl-ca-certs, --ssl-cert-reqs and --ssl-ciphers go with --ssl-keyfile and "
+                             "--ssl-certfile")
         return None
-    tls = Tls(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    tls = Tls(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs, args.ssl_ciphers)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:  # what uvicorn will load, loaded now: a wrong path or a key that does not match fails before the model loads
         context.load_cert_chain(tls.certfile, tls.keyfile)
@@ -342,4 +353,10 @@ def _tls(args: argparse.Namespace) -> Optional[Tls]:
     except (OSError, ssl.SSLError) as exc:
         raise ValueError(f"cannot use the TLS files ({exc}); check --ssl-keyfile, --ssl-certfile and "
                          "--ssl-ca-certs") from None
+    try:
+        if tls.ciphers:
+            context.set_ciphers(tls.ciphers)
+    except ssl.SSLError:
+        raise ValueError(f"--ssl-ciphers {tls.ciphers!r}: OpenSSL offers none of these cipher suites; give a list "
+                         "such as ECDHE-RSA-AES256-GCM-SHA384:ECDHE-RSA-CHACHA20-POLY1305") from None
     return tls

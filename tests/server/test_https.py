@@ -4,6 +4,8 @@ missing files and half a pair stop the start before the model loads, naming the 
 
 from __future__ import annotations
 
+import socket
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -29,9 +31,22 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
+def _tls12_cipher(port: int, ca: Path) -> str:
+    """The cipher suite a TLS 1.2 client (offering OpenSSL's defaults) gets from the server."""
+    context = ssl.create_default_context(cafile=str(ca))
+    context.maximum_version = ssl.TLSVersion.TLSv1_2
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        with context.wrap_socket(raw, server_hostname="127.0.0.1") as conn:
+            return conn.cipher()[0]
+
+
 def test_the_api_is_served_over_https(tiny_llama: Path, certs: dict[str, Path], tmp_path: Path) -> None:
+    """With ``--ssl-ciphers`` (vLLM's) a TLS 1.2 client gets the one suite the server offers (its key is ECDSA), not
+    the AES-GCM one OpenSSL would pick first."""
     server = ServerProcess(tiny_llama, ["--served-model-name", "tiny", "--ssl-keyfile", str(certs["key"]),
-                                        "--ssl-certfile", str(certs["cert"])], tmp_path / "server.log", certs["ca"])
+                                        "--ssl-certfile", str(certs["cert"]),
+                                        "--ssl-ciphers", "ECDHE-ECDSA-CHACHA20-POLY1305"],
+                           tmp_path / "server.log", certs["ca"])
     try:
         server.wait_healthy()
         assert f"at https://127.0.0.1:{server.port}/v1" in server.log()
@@ -39,6 +54,7 @@ def test_the_api_is_served_over_https(tiny_llama: Path, certs: dict[str, Path], 
                                http_client=httpx.Client(verify=server.verify))
         out = client.completions.create(model="tiny", prompt="a", max_tokens=3, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 3
+        assert _tls12_cipher(server.port, certs["ca"]) == "ECDHE-ECDSA-CHACHA20-POLY1305"
         with pytest.raises(httpx.HTTPError):  # an HTTP client gets no answer from a TLS port
             httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=5)
     finally:
@@ -49,7 +65,9 @@ def test_the_api_is_served_over_https(tiny_llama: Path, certs: dict[str, Path], 
     (["--ssl-keyfile", "KEY"], "HTTPS needs both --ssl-keyfile and --ssl-certfile"),
     (["--ssl-keyfile", "OTHER_KEY", "--ssl-certfile", "CERT"], "cannot use the TLS files"),
     (["--ssl-keyfile", "KEY", "--ssl-certfile", "missing.pem"], "cannot use the TLS files"),
-    (["--ssl-cert-reqs", "2"], "--ssl-ca-certs and --ssl-cert-reqs go with --ssl-keyfile and --ssl-certfile"),
+    (["--ssl-cert-reqs", "2"], "--ssl-ca-certs, --ssl-cert-reqs and --ssl-ciphers go with --ssl-keyfile"),
+    (["--ssl-keyfile", "KEY", "--ssl-certfile", "CERT", "--ssl-ciphers", "NO-SUCH-SUITE"],
+     "--ssl-ciphers 'NO-SUCH-SUITE': OpenSSL offers none of these cipher suites"),
 ])
 def test_unusable_tls_flags_stop_the_start(tiny_llama: Path, certs: dict[str, Path], flags: list[str],
                                            message: str) -> None:

@@ -47,8 +47,8 @@ def test_frontend_imports_no_torch() -> None:
 
 def test_a_vllm_command_line_with_a_config_file(start_server: Callable[..., ServerProcess], tiny_llama: Path,
                                                 tmp_path: Path) -> None:
-    """vLLM's --config (YAML; the command line wins), --root-path behind a prefix-routing proxy, and the GPU flags a
-    ported command line carries, accepted and named in the log."""
+    """vLLM's --config (YAML; the command line wins), --root-path behind a prefix-routing proxy, the GPU flags a
+    ported command line carries, accepted and named in the log, and the access log without the probes' paths."""
     config = tmp_path / "serve.yaml"
     config.write_text("served-model-name: [from-file, also-from-file]\nroot_path: /llm\nmax-model-len: 256\n"
                       "enable-prefix-caching: false\nspeculative-config: {method: ngram, num_speculative_tokens: 2}\n")
@@ -59,7 +59,8 @@ def test_a_vllm_command_line_with_a_config_file(start_server: Callable[..., Serv
                           # vLLM 0.32's GPU knobs
                           "--max-cudagraph-capture-size", "512", "--cudagraph-capture-sizes", "1", "8",
                           "--performance-mode", "throughput", "--disable-hybrid-kv-cache-manager",
-                          "--no-enable-cumem-allocator")
+                          "--no-enable-cumem-allocator",
+                          "--access-log", "--disable-access-log-for-endpoints", "/health,/metrics")
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["from-file", "also-from-file"]
     assert client.models.list().data[0].max_model_len == 384  # the command line's, over the file's 256
@@ -75,8 +76,10 @@ def test_a_vllm_command_line_with_a_config_file(start_server: Callable[..., Serv
     assert "--max-cudagraph-capture-size has no effect in pagellm: pagellm captures no graphs" in log
     assert "--cudagraph-capture-sizes has no effect" in log and "--performance-mode has no effect" in log
     assert "--disable-hybrid-kv-cache-manager has no effect in pagellm: pagellm keeps one KV cache group" in log
-    stats = httpx.get(f"{server.base_url}/metrics").text
+    stats = httpx.get(f"{server.base_url}/metrics?probe=1").text
     assert 'enable_prefix_caching="false"' in stats
+    log = server.log()  # the access log (under the root path) keeps the API's requests, not the probes and scrapes
+    assert '"GET /llm/v1/models HTTP/1.1" 200' in log and "/health HTTP" not in log and "/metrics?probe=1" not in log
     assert server.stop() == 0
 
 
