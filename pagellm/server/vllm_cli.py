@@ -24,6 +24,7 @@ from typing import Any, Sequence
 from pagellm import no_effect
 
 logger = logging.getLogger(__name__)
+H11 = "pagellm's HTTP server parses requests with httptools, not h11"
 # the server's own vLLM flags that do nothing here (the engine's are no_effect.ENGINE, which LLM(...) takes too)
 SERVER: dict[str, str] = {
     "disable_log_requests": "requests are not logged unless --enable-log-requests",
@@ -31,10 +32,13 @@ SERVER: dict[str, str] = {
     "disable_frontend_multiprocessing": "the engine core runs in a process of its own in every pagellm server",
     "log_error_stack": "internal errors (500) are logged with their stack trace always; a 4xx names what to fix",
     "enable_log_deltas": "--enable-log-outputs logs each request's whole output once, when it finishes",
+    "h11_max_header_count": H11,
+    "h11_max_incomplete_event_size": H11,
 }
 # name → why it does nothing here; no_effect.FLAGS (and the one below) type their flags, the rest are switches
 IGNORED: dict[str, str] = {**no_effect.ENGINE, **SERVER}
-_KINDS = {**no_effect.FLAGS, "enable_log_deltas": {"action": argparse.BooleanOptionalAction}}
+_KINDS = {**no_effect.FLAGS, "enable_log_deltas": {"action": argparse.BooleanOptionalAction},
+          "h11_max_header_count": {"type": int}, "h11_max_incomplete_event_size": {"type": int}}
 STRUCTURED_BACKENDS = ("auto", "xgrammar")
 
 
@@ -45,6 +49,9 @@ def add_args(cmd: argparse.ArgumentParser) -> None:
                           "on the command line win (vLLM's --config)")
     group = cmd.add_argument_group("accepted from vLLM command lines, without effect here")
     no_effect.add_flags(group, IGNORED, _KINDS)
+    cmd.add_argument("--api-server-count", "-asc", type=int, default=None, metavar="N",
+                     help="vLLM's: 1, pagellm's one API server process (more are refused: run more servers behind a "
+                          "load balancer, or --data-parallel-size N engine cores behind this one)")
     cmd.add_argument("--tokenizer-mode", default=None, metavar="MODE",
                      help="vLLM's: auto or hf (pagellm's tokenizers are Hugging Face fast tokenizers); slow, mistral "
                           "and custom are refused")
@@ -71,6 +78,11 @@ def reparse(parser: argparse.ArgumentParser, args: argparse.Namespace,
         if getattr(args, name, None) not in (None, False):
             logger.warning("--%s has no effect in pagellm: %s", name.replace("_", "-"), why)
     _check_structured_backend(args)
+    count = getattr(args, "api_server_count", None)
+    if count not in (None, 1):
+        raise ValueError(f"--api-server-count {count}: pagellm runs one API server process (its requests are "
+                         "parsed and detokenized apart from the engine core's process); for more throughput run "
+                         "several servers behind a load balancer, or --data-parallel-size N engine cores behind it")
     mode = getattr(args, "tokenizer_mode", None)
     if mode not in (None, "auto", "hf"):
         raise ValueError(f"--tokenizer-mode {mode!r}: pagellm runs Hugging Face fast tokenizers only (auto or hf); "

@@ -60,7 +60,8 @@ def test_a_vllm_command_line_with_a_config_file(start_server: Callable[..., Serv
                           "--max-cudagraph-capture-size", "512", "--cudagraph-capture-sizes", "1", "8",
                           "--performance-mode", "throughput", "--disable-hybrid-kv-cache-manager",
                           "--no-enable-cumem-allocator",
-                          "--access-log", "--disable-access-log-for-endpoints", "/health,/metrics")
+                          "--access-log", "--disable-access-log-for-endpoints", "/health,/metrics",
+                          "--h11-max-header-count", "128")
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["from-file", "also-from-file"]
     assert client.models.list().data[0].max_model_len == 384  # the command line's, over the file's 256
@@ -76,6 +77,8 @@ def test_a_vllm_command_line_with_a_config_file(start_server: Callable[..., Serv
     assert "--max-cudagraph-capture-size has no effect in pagellm: pagellm captures no graphs" in log
     assert "--cudagraph-capture-sizes has no effect" in log and "--performance-mode has no effect" in log
     assert "--disable-hybrid-kv-cache-manager has no effect in pagellm: pagellm keeps one KV cache group" in log
+    assert "--h11-max-header-count has no effect in pagellm: pagellm's HTTP server parses requests with httptools" \
+        in log
     stats = httpx.get(f"{server.base_url}/metrics?probe=1").text
     assert 'enable_prefix_caching="false"' in stats
     log = server.log()  # the access log (under the root path) keeps the API's requests, not the probes and scrapes
@@ -109,19 +112,21 @@ def test_config_file_values_parse_as_their_flags(tmp_path: Path) -> None:
 def test_the_structured_output_backend_flags_take_xgrammar_and_refuse_others() -> None:
     """vLLM's --structured-outputs-config (JSON or dotted) and --guided-decoding-backend: auto and xgrammar, which
     pagellm's grammars run on, are taken; another backend, or a setting of vLLM's that pagellm lacks, is refused.
-    So is a --tokenizer-mode but auto or hf."""
+    So is a --tokenizer-mode but auto or hf, and an --api-server-count but 1."""
     from pagellm import cli
     from pagellm.server import vllm_cli
 
     parser = cli.build_parser()
     for flags in (["--structured-outputs-config", '{"backend": "xgrammar"}'], ["--guided-decoding-backend", "auto"],
-                  ["--structured-outputs-config.backend", "xgrammar"], ["--tokenizer-mode", "auto"]):
+                  ["--structured-outputs-config.backend", "xgrammar"], ["--tokenizer-mode", "auto"],
+                  ["--api-server-count", "1"], ["-asc", "1"]):
         vllm_cli.reparse(parser, parser.parse_args(["serve", *flags]), ["serve", *flags])
     for flags, message in ((["--guided-decoding-backend", "outlines"], "backend 'outlines' is not pagellm's"),
                            (["--structured-outputs-config.backend", "guidance"], "backend 'guidance' is not"),
                            (["--structured-outputs-config", '{"backend": "lm-format-enforcer"}'], "is not pagellm's"),
                            (["--structured-outputs-config", '{"disable_any_whitespace": true}'], "the backend only"),
-                           (["--tokenizer-mode", "mistral"], "--tokenizer-mode 'mistral': pagellm runs Hugging Face")):
+                           (["--tokenizer-mode", "mistral"], "--tokenizer-mode 'mistral': pagellm runs Hugging Face"),
+                           (["-asc", "4"], "--api-server-count 4: pagellm runs one API server process")):
         with pytest.raises(ValueError, match=message):
             vllm_cli.reparse(parser, parser.parse_args(["serve", *flags]), ["serve", *flags])
 
