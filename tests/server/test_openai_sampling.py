@@ -67,6 +67,10 @@ def test_chat_json_schema_and_json_object(client: openai.OpenAI) -> None:
     ({"structured_outputs": {"choice": ["up", "down"]}}, lambda t: t in ("up", "down")),
     ({"guided_grammar": 'root ::= "(" [0-9] ")"'}, lambda t: re.fullmatch(r"\(\d\)", t)),
     ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+    # vLLM takes OpenAI's response_format on completions too
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}},
+     lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+    ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
 ])
 def test_completion_constraints(client: openai.OpenAI, extra: dict, check) -> None:
     for stream in (False, True):

@@ -7,8 +7,8 @@ Contract:
 - OpenAI parameters the engine cannot honour (tools, suffix) are accepted by the schema only so that a
   non-default value can be refused with a clear 400 by ``unsupported()``: never ignored.
 - Structured outputs arrive as vLLM spells them: ``structured_outputs`` ``{json|regex|choice|grammar}``, the
-  legacy ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, and on chat OpenAI's
-  ``response_format`` (``json_object`` or ``json_schema``); at most one of them per request.
+  legacy ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, and OpenAI's ``response_format``
+  (``json_object`` or ``json_schema``; on completions too, as vLLM takes it); at most one of them per request.
 - ``logit_bias`` keys are token ids written as strings (OpenAI's JSON form).
 - ``to_sampling_params`` maps a request onto ``SamplingParams`` field for field (a field left unset: the model's
   generation_config.json default, ``generation_config.py``, else OpenAI's); its ``ValueError`` is a 400.
@@ -107,6 +107,7 @@ class SamplingRequest(OpenAIModel):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    response_format: Optional[dict[str, Any]] = None  # OpenAI's (chat); vLLM takes it on completions too
     use_beam_search: bool = False  # vLLM's: the n best beams of a beam search of width n (serving_beam.py)
     length_penalty: float = Field(1.0, allow_inf_nan=False)
     # vLLM's: arguments for custom logits processors (--logits-processors), as SamplingParams.extra_args
@@ -141,8 +142,27 @@ class SamplingRequest(OpenAIModel):
             raise ValueError(f"{name}: {exc}") from None
 
     def _chat_constraints(self) -> dict[str, Any]:
-        """The constraints only chat requests carry (response_format, a tool choice), by name."""
-        return {}
+        """``response_format``'s constraint, by name (chat's adds a forced tool call)."""
+        return self._response_format()
+
+    def _response_format(self) -> dict[str, Any]:
+        """``response_format`` as a structured-output spec (OpenAI: text, json_object or json_schema)."""
+        fmt = self.response_format
+        if not fmt or fmt.get("type") == "text":
+            return {}
+        if fmt.get("type") == "json_object":
+            return {"response_format": {"json_object": True}}
+        if fmt.get("type") == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': "
+                                 "{...}}} with the schema as an object")
+            return {"response_format": {"json": spec["schema"]}}
+        if fmt.get("type") == "structural_tag":  # vLLM's: its structures and triggers, or xgrammar's own format
+            tag = {k: v for k, v in fmt.items() if k != "type"} if "structures" in fmt else fmt
+            return {"response_format": {"structural_tag": tag}}
+        raise ValueError(f"response_format type must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
+                         f"got {fmt.get('type')!r}")
 
     def _logit_bias(self) -> Optional[dict[int, float]]:
         if not self.logit_bias:
@@ -280,7 +300,6 @@ class ChatCompletionRequest(SamplingRequest):
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
     parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message left open, for the model to continue
     add_special_tokens: bool = False  # special tokens added around the rendered template (it writes its own)
@@ -318,25 +337,6 @@ class ChatCompletionRequest(SamplingRequest):
         """A forced tool call (a named function, or ``required``) is this turn's reply, so it wins over
         ``response_format``, which shapes text replies (OpenAI and vLLM take both)."""
         return tooling.constraint(self.tools, self.tool_choice, self.parallel_tool_calls) or self._response_format()
-
-    def _response_format(self) -> dict[str, Any]:
-        """``response_format`` as a structured-output spec (OpenAI: text, json_object or json_schema)."""
-        fmt = self.response_format
-        if not fmt or fmt.get("type") == "text":
-            return {}
-        if fmt.get("type") == "json_object":
-            return {"response_format": {"json_object": True}}
-        if fmt.get("type") == "json_schema":
-            spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                raise ValueError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': "
-                                 "{...}}} with the schema as an object")
-            return {"response_format": {"json": spec["schema"]}}
-        if fmt.get("type") == "structural_tag":  # vLLM's: its structures and triggers, or xgrammar's own format
-            tag = {k: v for k, v in fmt.items() if k != "type"} if "structures" in fmt else fmt
-            return {"response_format": {"structural_tag": tag}}
-        raise ValueError(f"response_format type must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
-                         f"got {fmt.get('type')!r}")
 
     def to_sampling_params(self, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
