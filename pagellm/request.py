@@ -25,6 +25,7 @@ class FinishReason(enum.IntEnum):
     STOP = 0
     LENGTH = 1
     ABORT = 2
+    REPETITION = 4  # the output repeated a pattern (``repetition.py``; vLLM's number for it)
 
     def __str__(self) -> str:
         return self.name.lower()

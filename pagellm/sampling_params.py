@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from pagellm.lora import LoRARequest
+from pagellm.repetition import RepetitionDetectionParams
 
 # Below this temperature a request is treated as greedy: dividing logits by ~0 only amplifies float noise, and
 # the argmax is what the user means.
@@ -179,6 +180,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # Arguments of the request's own for custom logits processors (vLLM's ``extra_args``; the API's ``vllm_xargs``):
     # JSON values by name, read by ``AdapterLogitsProcessor.new_req_logits_processor`` (``sample/custom.py``).
     extra_args: dict[str, Any] | None = None
+    # vLLM's: end the request once its output repeats a pattern (``pagellm/repetition.py``; a dict of its fields works)
+    repetition_detection: RepetitionDetectionParams | None = None
 
     GREEDY_EPS: ClassVar[float] = _GREEDY_EPS
 
@@ -294,6 +297,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if isinstance(self.repetition_detection, dict):
+            try:
+                self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
+            except TypeError as exc:
+                raise ValueError(f"repetition_detection takes max_pattern_size, min_pattern_size and min_count "
+                                 f"({exc})") from None
         if self.logit_bias is not None:
             # OpenAI sends string keys ("50256"); msgspec gives ints after a round trip.
             try:

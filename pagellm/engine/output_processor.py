@@ -20,6 +20,8 @@ from pagellm.engine.wire import EngineCoreRequest, StepOutput
 from pagellm.metrics.stats import IterationStats, RequestStats
 from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.sched.output import TokenLogprobs
+from pagellm.repetition import STOP_REASON as REPEATED
+from pagellm.repetition import RepetitionDetectionParams, repeats_at
 from pagellm.request import FinishReason
 from pagellm.tokenizer import Tokenizer
 
@@ -42,6 +44,8 @@ class RequestState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None] + one per scored prompt token
     prompt_logprobs_sent: bool = False
     pooled: list[float] | None = None  # a pooling request's hidden state, once the core sent it
+    repetition: RepetitionDetectionParams | None = None  # set: the output is checked for repeats
+    min_tokens: int = 0
 
     def make_output(self, delta: bool) -> RequestOutput:
         """The request's output so far; with ``delta``, only the text, token ids and logprobs not returned
@@ -83,6 +87,9 @@ class OutputProcessor:
             state.logprobs, state.cumulative_logprob = [], 0.0
         if req.sampling_params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
+        repetition = req.sampling_params.repetition_detection
+        if repetition is not None and repetition.active:
+            state.repetition, state.min_tokens = repetition, req.sampling_params.min_tokens
         self.requests[req.request_id] = state
 
     def abort(self, request_id: str) -> None:
@@ -107,6 +114,10 @@ class OutputProcessor:
             state = self.requests.get(request_id)
             if state is None:
                 continue
+            finish_reason = step.finish_reasons.get(request_id)
+            repeated = state.repetition is not None and _repeated(state, new_token_ids, finish_reason is not None)
+            if repeated:  # the output ends with the token that made it repeat
+                new_token_ids = new_token_ids[:repeated]
             first = step.first.get(request_id)
             if first is not None:
                 state.num_cached_tokens = first.num_cached_tokens
@@ -123,8 +134,7 @@ class OutputProcessor:
                 self._add_prompt_logprobs(state, prompt_logprobs)
             if request_id in step.spec_counts:
                 state.metrics.num_draft_tokens, state.metrics.num_accepted_draft_tokens = step.spec_counts[request_id]
-            if self._apply(state, new_token_ids, step.finish_reasons.get(request_id),
-                           step.stop_reasons.get(request_id)):
+            if self._apply(state, new_token_ids, finish_reason, step.stop_reasons.get(request_id), bool(repeated)):
                 to_abort.append(request_id)
             if state.finish_reason is not None:
                 state.metrics.finished_time = now
@@ -170,13 +180,28 @@ class OutputProcessor:
 
     @staticmethod
     def _apply(state: RequestState, new_token_ids: list[int], finish_reason: FinishReason | None,
-               stop_reason: int | None) -> bool:
-        """Add the new tokens; True when a stop string ended a request the core still runs."""
+               stop_reason: int | None, repeated: bool = False) -> bool:
+        """Add the new tokens; True when a stop string or a repeat ended a request the core still runs (with
+        ``repeated`` the tokens end with the one that made the output repeat)."""
         state.token_ids.extend(new_token_ids)
         stop = state.detokenizer.update(new_token_ids)
         if stop is not None:
             state.finish_reason, state.stop_reason = str(FinishReason.STOP), stop
             return finish_reason is None
+        if repeated:
+            state.finish_reason, state.stop_reason = str(FinishReason.REPETITION), REPEATED
+            return finish_reason is None
         if finish_reason is not None:
             state.finish_reason, state.stop_reason = str(finish_reason), stop_reason
         return False
+
+
+def _repeated(state: RequestState, new_token_ids: list[int], core_finished: bool) -> int:
+    """How many of the new tokens the output keeps when one of them made it repeat (0: none did). On the step's
+    last token the core's own end (EOS, a stop token, the length) comes first, as in vLLM."""
+    output = state.token_ids + new_token_ids
+    start = max(len(state.token_ids), state.min_tokens - 1)
+    index = repeats_at(output, start, state.repetition)  # type: ignore[arg-type]
+    if index is None or (core_finished and index == len(output) - 1):
+        return 0
+    return index + 1 - len(state.token_ids)

@@ -29,7 +29,7 @@ prometheus_client.disable_created_metrics()
 
 PREFIX = "pagellm:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-FINISH_REASONS = ("stop", "length")
+FINISH_REASONS = ("stop", "length", "repetition")
 
 # Buckets span a fast GPU (milliseconds) and a small CPU box (seconds to minutes).
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

@@ -47,6 +47,8 @@ BAD_REQUESTS = [
     ("completions", {**COMPLETION, "guided_json": {"type": "foo"}}, 400, "invalid structured_outputs.json", None),
     ("completions", {**COMPLETION, "guided_json": "{not json"}, 400, "not valid JSON", None),
     ("completions", {**COMPLETION, "response_format": {"type": "yaml"}}, 400, "response_format type must be", None),
+    ("completions", {**COMPLETION, "repetition_detection": {"max_pattern_size": 3, "min_count": 1}}, 400,
+     "repetition_detection: min_count must be >= 2", None),
     ("completions", {**COMPLETION, "guided_regex": "a+", "response_format": {"type": "json_object"}}, 400,
      "give at most one structured-output constraint, got guided_regex, response_format", None),
     ("completions", {**COMPLETION, "guided_regex": "(ab"}, 400, "invalid structured_outputs.regex", None),

@@ -135,3 +135,24 @@ def test_prompt_logprobs_extension_on_both_endpoints(server: ServerProcess, offl
     chat = httpx.post(f"{server.base_url}/v1/chat/completions", json={
         "model": "tiny", "messages": CHAT, "max_tokens": 1, "prompt_logprobs": 0}, timeout=30).json()
     assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+
+
+def test_a_repeating_reply_ends_with_finish_reason_repetition(client: openai.OpenAI, server: ServerProcess) -> None:
+    """vLLM 0.32's ``repetition_detection``: the reply ends with the token that made it repeat, streamed or not, and
+    the request counts among the finished by reason "repetition"."""
+    from metrics_utils import scrape, value
+
+    extra = {"allowed_token_ids": [120, 121], "ignore_eos": True,
+             "repetition_detection": {"max_pattern_size": 2, "min_count": 3}}
+    before = value(scrape(server.base_url), "pagellm:request_success_total", finished_reason="repetition")
+    whole = client.completions.create(model="tiny", prompt="Say:", max_tokens=60, temperature=0, extra_body=extra)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "repetition" and whole.usage.completion_tokens < 60
+    chunks = list(client.completions.create(model="tiny", prompt="Say:", max_tokens=60, temperature=0, stream=True,
+                                            extra_body=extra))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["repetition"]
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, temperature=0, extra_body=extra)
+    assert chat.choices[0].finish_reason == "repetition"
+    after = value(scrape(server.base_url), "pagellm:request_success_total", finished_reason="repetition")
+    assert after - before == 3

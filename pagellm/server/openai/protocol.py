@@ -108,6 +108,8 @@ class SamplingRequest(OpenAIModel):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     response_format: Optional[dict[str, Any]] = None  # OpenAI's (chat); vLLM takes it on completions too
+    # vLLM's: {max_pattern_size, min_pattern_size, min_count}; a repeating output ends, finish_reason "repetition"
+    repetition_detection: Optional[dict[str, Any]] = None
     use_beam_search: bool = False  # vLLM's: the n best beams of a beam search of width n (serving_beam.py)
     length_penalty: float = Field(1.0, allow_inf_nan=False)
     # vLLM's: arguments for custom logits processors (--logits-processors), as SamplingParams.extra_args
@@ -219,6 +221,7 @@ class SamplingRequest(OpenAIModel):
             structured_outputs=self.structured(),
             extra_args=self.vllm_xargs or None,
             stream_interval=self.stream_interval,
+            repetition_detection=self.repetition_detection,
         )
 
 

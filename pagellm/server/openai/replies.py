@@ -46,7 +46,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    finish_reason: Optional[Literal["stop", "length", "abort", "repetition"]] = None
     stop_reason: Optional[Union[int, str]] = None
     prompt_logprobs: Optional[PromptLogprobs] = None
     prompt_token_ids: Optional[list[int]] = _token_ids()  # the choice's prompt (a stream: its first chunk)
@@ -114,7 +114,7 @@ class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "abort", "tool_calls"]] = None
+    finish_reason: Optional[Literal["stop", "length", "abort", "tool_calls", "repetition"]] = None
     stop_reason: Optional[Union[int, str]] = None
     token_ids: Optional[list[int]] = _token_ids()
 
@@ -142,7 +142,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "abort", "tool_calls"]] = None
+    finish_reason: Optional[Literal["stop", "length", "abort", "tool_calls", "repetition"]] = None
     stop_reason: Optional[Union[int, str]] = None
     token_ids: Optional[list[int]] = _token_ids()  # the tokens since the choice's last chunk
 
