@@ -139,9 +139,10 @@ class SpeculativeConfig:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"speculative_config is not valid JSON ({exc}); e.g. "
                                  '\'{"method": "ngram", "num_speculative_tokens": 3}\'') from exc
-        keys = {key: shorthands.pop(name) for name, key in SHORTHANDS if shorthands.get(name) is not None}
-        if shorthands and any(v is not None for v in shorthands.values()):
-            raise TypeError(f"unknown speculative shorthands {sorted(shorthands)}")
+        unknown = set(shorthands) - {name for name, _ in SHORTHANDS}
+        if unknown:
+            raise TypeError(f"unknown speculative shorthands {sorted(unknown)}")
+        keys = {key: shorthands[name] for name, key in SHORTHANDS if shorthands.get(name) is not None}
         if keys:
             if isinstance(value, SpeculativeConfig):
                 raise ValueError("--spec-method, --spec-model and --spec-tokens go with a speculative_config given as "
@@ -154,9 +155,8 @@ class SpeculativeConfig:
         if value is None or isinstance(value, SpeculativeConfig):
             return value or cls()
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(value) - known
-        if unknown:
-            raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; valid: {sorted(known)}")
+        if set(value) - known:
+            raise ValueError(f"unknown speculative_config keys {sorted(set(value) - known)}; valid: {sorted(known)}")
         return cls(**value)
 
 

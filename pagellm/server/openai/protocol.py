@@ -128,7 +128,7 @@ class SamplingRequest(OpenAIModel):
             value = getattr(self, f"guided_{kind}")
             if value is not None:
                 given[f"guided_{kind}"] = {kind: value}
-        given.update(self._chat_constraints())
+        given.update(self._reply_constraints())
         if len(given) > 1:
             raise ValueError(f"give at most one structured-output constraint, got {', '.join(given)}")
         if not given:
@@ -143,7 +143,7 @@ class SamplingRequest(OpenAIModel):
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{name}: {exc}") from None
 
-    def _chat_constraints(self) -> dict[str, Any]:
+    def _reply_constraints(self) -> dict[str, Any]:
         """``response_format``'s constraint, by name (chat's adds a forced tool call)."""
         return self._response_format()
 
@@ -336,7 +336,7 @@ class ChatCompletionRequest(SamplingRequest):
                                                     "(the reply continues the last message instead of starting one)"))
         return found  # the tool settings are checked by the chat handler, which knows whether it parses calls
 
-    def _chat_constraints(self) -> dict[str, Any]:
+    def _reply_constraints(self) -> dict[str, Any]:
         """A forced tool call (a named function, or ``required``) is this turn's reply, so it wins over
         ``response_format``, which shapes text replies (OpenAI and vLLM take both)."""
         return tooling.constraint(self.tools, self.tool_choice, self.parallel_tool_calls) or self._response_format()
