@@ -198,10 +198,13 @@ class OutputProcessor:
 
 def _repeated(state: RequestState, new_token_ids: list[int], core_finished: bool) -> int:
     """How many of the new tokens the output keeps when one of them made it repeat (0: none did). On the step's
-    last token the core's own end (EOS, a stop token, the length) comes first, as in vLLM."""
-    output = state.token_ids + new_token_ids
-    start = max(len(state.token_ids), state.min_tokens - 1)
-    index = repeats_at(output, start, state.repetition)  # type: ignore[arg-type]
-    if index is None or (core_finished and index == len(output) - 1):
+    last token the core's own end (EOS, a stop token, the length) comes first, as in vLLM. Only the output's last
+    ``max_pattern_size * min_count`` tokens can take part in a repeat, so only those are copied beside the new."""
+    params, done = state.repetition, len(state.token_ids)
+    assert params is not None
+    kept = state.token_ids[max(0, done - params.max_pattern_size * params.min_count):]
+    tail = kept + new_token_ids  # the output from ``done - len(kept)`` on
+    index = repeats_at(tail, max(done, state.min_tokens - 1) - (done - len(kept)), params)
+    if index is None or (core_finished and index == len(tail) - 1):
         return 0
-    return index + 1 - len(state.token_ids)
+    return index + 1 - len(kept)

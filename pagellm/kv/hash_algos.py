@@ -113,6 +113,11 @@ class VllmBlockHasher:
         return hashes
 
 
+def make_hasher(algo: str | None) -> VllmBlockHasher | None:
+    """The hasher of ``prefix_caching_hash_algo``; None (pagellm's own hashes) when it is unset."""
+    return VllmBlockHasher(algo) if algo is not None else None
+
+
 def block_keys(request: Request, index: int, block_size: int) -> tuple:
     """The extra keys of a request's block ``index`` (module docstring), tagged: empty when it has none."""
     params = request.sampling_params

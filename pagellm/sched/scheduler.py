@@ -30,7 +30,7 @@ import numpy as np
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.kv.block import KVBlock
 from pagellm.kv.events import KVEventRecorder
-from pagellm.kv.hash_algos import VllmBlockHasher
+from pagellm.kv.hash_algos import make_hasher
 from pagellm.kv.hashing import ROOT_HASH, extend_block_hashes
 from pagellm.kv.manager import KVCacheManager
 from pagellm.metrics.stats import SchedulerStats, SpecDecodingStats
@@ -91,7 +91,7 @@ class Scheduler(Intake, Admission):
         self._step_lookahead = num_lookahead_tokens
         algo = cache_config.prefix_caching_hash_algo
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                 kv_window, kv_events, VllmBlockHasher(algo) if algo is not None else None)
+                                 kv_window, kv_events, make_hasher(algo))
         self.waiting = make_queue(config.scheduling_policy)
         # The step loops in C (sched/native.py), where no window releases blocks, no event is recorded and blocks
         # hash in pagellm's own way.

@@ -20,7 +20,7 @@ from pagellm.attention.base import get_backend, resolve_kv_dtype
 from pagellm.config import CacheConfig, KVTransferConfig, ModelConfig, ProfilerConfig, SpeculativeConfig
 from pagellm.disagg.connector import KVStore, layout_dir
 from pagellm.distributed.groups import SINGLE, ParallelState
-from pagellm.kv.hash_algos import VllmBlockHasher
+from pagellm.kv.hash_algos import make_hasher
 from pagellm.metrics.profiler import Profiler
 from pagellm.model import gguf_convert, weight_only
 from pagellm.model.arch import ArchConfig
@@ -111,13 +111,13 @@ class Worker:
         """With a KV connector: the runner's store of this model's blocks; returns its folder ("" without one)."""
         if kv_transfer.kv_connector is None:
             return ""
-        block_size, algo = cache_config.block_size, cache_config.prefix_caching_hash_algo
+        block_size = cache_config.block_size
         first = self.runner.kv_caches[0]
         folder = layout_dir(kv_transfer.kv_connector_extra_config["shared_storage_path"], model_dir, {
             "architecture": arch.architecture, "layers": len(self.runner.kv_caches), "block_size": block_size,
             "kv_shape": tuple(first.shape[2:]), "kv_dtype": str(first.dtype)})
         self.runner.kv_store = KVStore(folder, self.runner.kv_caches, kv_transfer.max_storage_bytes,
-                                       VllmBlockHasher(algo) if algo is not None else None)
+                                       make_hasher(cache_config.prefix_caching_hash_algo))
         self.runner.kv_saves = kv_transfer.saves
         logger.info("KV connector %s (%s): blocks in %s", kv_transfer.kv_connector, kv_transfer.kv_role, folder)
         return str(folder)
