@@ -25,6 +25,7 @@ from pagellm.sampling_params import LOGPROBS_MODES, MAX_LOGPROBS
 from pagellm.sched.config import SchedulerConfig
 from pagellm.spec.config import DISABLE_BY_BATCH_SIZE, SPEC_METHODS, SpeculativeConfig  # noqa: F401
 from pagellm.spec.config import SHORTHANDS as SPEC_SHORTHANDS
+from pagellm.thinking import ReasoningConfig
 
 GiB = 1024**3
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -302,6 +303,7 @@ class EngineConfig:
     profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
     kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
+    reasoning_config: ReasoningConfig = field(default_factory=ReasoningConfig)  # a reasoning model's thinking tags
 
     def __post_init__(self) -> None:
         spec = self.speculative_config
@@ -345,6 +347,7 @@ class EngineConfig:
                                               **{name: kwargs.pop(name, None) for name, _ in SPEC_SHORTHANDS})
         kv_transfer = KVTransferConfig.parse(kwargs.pop("kv_transfer_config", None))
         kv_events = KVEventsConfig.parse(kwargs.pop("kv_events_config", None))
+        reasoning = ReasoningConfig.parse(kwargs.pop("reasoning_config", None), kwargs.pop("reasoning_parser", None))
         owners = flat_field_owners()
         per_section: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         for key, value in kwargs.items():
@@ -352,12 +355,13 @@ class EngineConfig:
                 close = difflib.get_close_matches(key, owners, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 valid = ", ".join(sorted([*owners, "speculative_config", "kv_transfer_config", "kv_events_config",
+                                          "reasoning_config", "reasoning_parser",
                                           *(name for name, _ in SPEC_SHORTHANDS)]))
                 raise ValueError(f"unknown engine argument {key!r}{hint}; valid ones: {valid}")
             per_section[owners[key]][key] = value
         sections = {name: _SECTIONS[name](**values) for name, values in per_section.items()}
         return cls(speculative_config=speculative, kv_transfer_config=kv_transfer, kv_events_config=kv_events,
-                   **sections)
+                   reasoning_config=reasoning, **sections)
 
 
 def flat_field_owners() -> dict[str, str]:

@@ -23,8 +23,12 @@ from typing import Any
 from pagellm import no_effect
 from pagellm.config import EngineConfig, flat_fields, parse_size
 
-_JSON_CONFIGS = ("speculative_config", "kv_transfer_config", "kv_events_config")  # engine arguments given as JSON
+# engine arguments given as JSON
+_JSON_CONFIGS = ("speculative_config", "kv_transfer_config", "kv_events_config", "reasoning_config")
 _SPEC_SHORTHANDS = ("spec_method", "spec_model", "spec_tokens")  # vLLM's flags for three keys of speculative_config
+# vLLM's --reasoning-parser fills reasoning_config's parser; ``pagellm serve`` has it among the server's flags (it
+# also splits chat replies), so add_engine_args leaves it out and engine_kwargs takes it from either
+_REASONING_PARSER = "reasoning_parser"
 
 
 def _size(value: str) -> int:
@@ -94,11 +98,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help='KV cache events for KV-aware routers, as vLLM publishes them (ZMQ, msgpack), as JSON, '
                             'e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
                             '"tcp://*:5558", "topic": "kv-events"}\'')
+    group.add_argument("--reasoning-config", default=None,
+                       help='A reasoning model\'s thinking tags as JSON, for thinking_token_budget, e.g. '
+                            '\'{"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}\' (the end string '
+                            'is what a spent budget forces; --reasoning-parser fills what is left out)')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = [f.name for f in flat_fields() if f.name != "model"] + list(_JSON_CONFIGS) + list(_SPEC_SHORTHANDS)
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    names = [f.name for f in flat_fields() if f.name != "model"] + list(_JSON_CONFIGS) + list(_SPEC_SHORTHANDS) \
+        + [_REASONING_PARSER]
+    return {name: getattr(args, name, None) for name in names if getattr(args, name, None) is not None}
 
 
 def _create_engine_config(self: Any) -> EngineConfig:
@@ -114,6 +123,8 @@ def _add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     vLLM's ``EngineArgs.add_cli_args``; returns the parser."""
     parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: built-in SmolLM2)")
     add_engine_args(parser)
+    parser.add_argument("--reasoning-parser", default=None, help="the reasoning model's thinking tags by parser name "
+                        "(deepseek_r1, qwen3), for thinking_token_budget")
     no_effect.add_flags(parser.add_argument_group("accepted from vLLM, without effect here"), no_effect.ENGINE)
     parser.add_argument("--disable-log-stats", action="store_true", default=None,
                         help="no periodic stats log line and no Prometheus series")
@@ -136,7 +147,7 @@ def _async_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _fields() -> list[tuple[str, Any, dataclasses.Field]]:
     fields = [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata)) for f in flat_fields()]
     fields += [(name, Any, dataclasses.field(default=None))
-               for name in (*_JSON_CONFIGS, *_SPEC_SHORTHANDS, *no_effect.ENGINE)]
+               for name in (*_JSON_CONFIGS, *_SPEC_SHORTHANDS, _REASONING_PARSER, *no_effect.ENGINE)]
     return fields + [("disable_log_stats", bool, dataclasses.field(default=False))]
 
 

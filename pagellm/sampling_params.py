@@ -34,6 +34,7 @@ import msgspec
 
 from pagellm.lora import LoRARequest
 from pagellm.repetition import RepetitionDetectionParams
+from pagellm.thinking import ThinkingMarkers
 
 # Below this temperature a request is treated as greedy: dividing logits by ~0 only amplifies float noise, and
 # the argmax is what the user means.
@@ -182,6 +183,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     extra_args: dict[str, Any] | None = None
     # vLLM's: end the request once its output repeats a pattern (``pagellm/repetition.py``; a dict of its fields works)
     repetition_detection: RepetitionDetectionParams | None = None
+    # vLLM's: at most this many tokens inside a thinking block, then its end is forced (``pagellm/thinking.py``;
+    # -1 or None: no cap); needs the engine's reasoning tags, which the frontend puts in ``thinking_markers``
+    thinking_token_budget: int | None = None
+    thinking_markers: ThinkingMarkers | None = None
 
     GREEDY_EPS: ClassVar[float] = _GREEDY_EPS
 
@@ -238,9 +243,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     @property
     def depends_on_history(self) -> bool:
         """True when the processing of a step depends on earlier tokens (penalties, multi-token bad words,
-        grammar state): such requests never receive draft tokens."""
+        grammar state, a thinking budget): such requests never receive draft tokens."""
         multi_bad = any(len(ids) > 1 for ids in self.bad_words_token_ids or [])
-        return self.has_penalties or multi_bad or self.structured_outputs is not None
+        return self.has_penalties or multi_bad or self.structured_outputs is not None \
+            or self.thinking_token_budget is not None
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Raise ValueError naming the field when a token id is outside ``[0, vocab_size)``."""
@@ -279,15 +285,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                 raise ValueError(f"{name} must be a number, got {value!r}.")
             setattr(self, name, float(value))
         for name in ("n", "top_k", "min_tokens", "seed", "max_tokens", "logprobs", "prompt_logprobs", "best_of",
-                     "truncate_prompt_tokens", "stream_interval"):
+                     "truncate_prompt_tokens", "stream_interval", "thinking_token_budget"):
             value = getattr(self, name)
             if value is None and name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "best_of",
-                                          "truncate_prompt_tokens", "stream_interval"):
+                                          "truncate_prompt_tokens", "stream_interval", "thinking_token_budget"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer, got {value!r}.")
         if self.top_k == -1:
             self.top_k = 0
+        if self.thinking_token_budget == -1:
+            self.thinking_token_budget = None
 
     def _normalise_lists(self) -> None:
         if self.stop is None:
@@ -373,6 +381,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                                                             or self.truncate_prompt_tokens >= 1):
             raise ValueError(f"truncate_prompt_tokens must be -1 (max_model_len) or >= 1, got "
                              f"{self.truncate_prompt_tokens}.")
+        if self.thinking_token_budget is not None and self.thinking_token_budget < 0:
+            raise ValueError(f"thinking_token_budget must be an integer >= 0 (-1 = no cap), got "
+                             f"{self.thinking_token_budget}.")
         if self.stream_interval is not None and self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1 (new tokens per streamed output), got "
                              f"{self.stream_interval}.")

@@ -184,8 +184,8 @@ _GENERIC_FAST_MODEL_TYPES = frozenset({"llama", "mistral"})
 
 
 NO_TOKENIZER = ("this engine runs without a tokenizer (skip_tokenizer_init, --skip-tokenizer-init): send prompts as "
-                "token ids, and take the output's token ids (return_token_ids); text, chat, stop strings, bad words "
-                "and structured outputs need a tokenizer")
+                "token ids, and take the output's token ids (return_token_ids); text, chat, stop strings, bad words, "
+                "structured outputs and thinking budgets need a tokenizer")
 
 
 class NoTokenizer:

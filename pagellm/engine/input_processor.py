@@ -4,7 +4,8 @@ Besides the prompt it finishes the sampling parameters that need the tokenizer o
 (``logit_bias``, ``allowed_token_ids``, ``stop_token_ids``) are checked against the vocabulary, and
 ``logprobs``/``prompt_logprobs`` against the engine's ``max_logprobs``, ``bad_words`` are
 tokenized into ``bad_words_token_ids`` (each word as written and with a leading space, as it appears mid-text),
-and a structured-output constraint is parsed so that a bad schema, regex or grammar is a ``ValueError`` here,
+a thinking budget gets the engine's thinking tags as token ids (``pagellm/thinking.py``), and a structured-output
+constraint is parsed so that a bad schema, regex or grammar is a ``ValueError`` here,
 before anything reaches the core.
 """
 
@@ -22,6 +23,7 @@ from pagellm.lora import LoRARequest, check_adapter
 from pagellm.prompt_embeds import PromptEmbeds, from_tensor
 from pagellm.request import caller_salt_part
 from pagellm.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagellm.thinking import NO_CONFIG, ReasoningConfig, ThinkingMarkers
 from pagellm.tokenizer import NO_TOKENIZER, NoTokenizer, Tokenizer
 
 # Text, token ids, input embeddings, or vLLM's dict forms of them ({"prompt": ...}, {"prompt_token_ids": ...},
@@ -72,7 +74,7 @@ class InputProcessor:
                  lora_arch: Any = None, max_logprobs: int = MAX_LOGPROBS, classifier: bool = False,
                  hidden_size: int = 0, enable_prompt_embeds: bool = False,
                  logits_processors: Sequence[str] = (), logprobs_mode: str = "raw_logprobs",
-                 max_lora_rank: int | None = None) -> None:
+                 max_lora_rank: int | None = None, reasoning: ReasoningConfig | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -86,6 +88,8 @@ class InputProcessor:
         self.logprobs_mode = logprobs_mode  # the engine's default of what logprobs carry
         self.max_lora_rank = max_lora_rank  # adapters of a higher rank are refused
         self.custom_processors: list[Any] = []  # custom logits processors' classes, to validate requests with
+        self.reasoning = reasoning or ReasoningConfig()  # the thinking tags a thinking_token_budget counts by
+        self._markers: ThinkingMarkers | None = None  # their token ids, once a request asks
         if logits_processors:
             from pagellm.sample.custom import resolve  # torch, only for an engine that has custom processors
 
@@ -100,7 +104,7 @@ class InputProcessor:
                    classifier=bool(runtime.labels), hidden_size=runtime.hidden_size,
                    enable_prompt_embeds=model_config.enable_prompt_embeds,
                    logits_processors=model_config.logits_processors, logprobs_mode=model_config.logprobs_mode,
-                   max_lora_rank=model_config.max_lora_rank)
+                   max_lora_rank=model_config.max_lora_rank, reasoning=config.reasoning_config)
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         prompt = as_prompt(prompt)
@@ -176,8 +180,19 @@ class InputProcessor:
             check_adapter(request, self.lora_arch, self.max_lora_rank)
             self._adapters.add(request)
 
+    def thinking_markers(self) -> ThinkingMarkers:
+        """The engine's thinking tags as token ids (tokenized on the first request with a thinking budget: a
+        parser a server plugin registers is known by then)."""
+        if self._markers is None:
+            markers = self.reasoning.markers(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+            if markers is None:
+                raise ValueError(NO_CONFIG)
+            self._markers = markers
+        return self._markers
+
     def prepare_params(self, params: SamplingParams) -> SamplingParams:
-        """Check token ids and the structured-output constraint; tokenize bad words (ValueError names the fix)."""
+        """Check token ids and the structured-output constraint; tokenize bad words and thinking tags (ValueError
+        names the fix)."""
         if self.pooling_only and not params.pooling:
             raise ValueError(CLASSIFY_ONLY if self.classifier else POOLING_ONLY)
         if params.lora_request is not None:
@@ -187,7 +202,8 @@ class InputProcessor:
         self.check_custom(params)
         params = self.with_logprobs_mode(params)
         if isinstance(self.tokenizer, NoTokenizer):
-            if params.stop_strings or params.bad_words or params.structured_outputs is not None:
+            if params.stop_strings or params.bad_words or params.structured_outputs is not None \
+                    or params.thinking_token_budget is not None:
                 raise ValueError(NO_TOKENIZER)
             params = msgspec.structs.replace(params, detokenize=False)
         if params.structured_outputs is not None:
@@ -202,6 +218,8 @@ class InputProcessor:
                     if ids and ids not in words:
                         words.append(ids)
             params = msgspec.structs.replace(params, bad_words_token_ids=words)
+        if params.thinking_token_budget is not None and params.thinking_markers is None:
+            params = msgspec.structs.replace(params, thinking_markers=self.thinking_markers())
         return params
 
 

@@ -7,7 +7,8 @@ Contract (the order is part of it; ``docs/sampling.md`` repeats it):
 3. bans set to -inf: tokens outside ``allowed_token_ids``, ``bad_words`` (a word's last token when the output
    ends with the rest of it), EOS and ``stop_token_ids`` while fewer than ``min_tokens`` outputs exist;
 4. custom logits processors' functions (``custom.py``, ``--logits-processors``), row by row;
-5. whatever the request's grammar forbids set to -inf (``structured.py``).
+5. whatever the request's grammar forbids set to -inf (``structured.py``);
+6. a spent thinking budget's forced token (``pagellm/thinking.py``): every other token -inf, the forced one 0.
 Then the sampler applies temperature, top-k, top-p and min-p (``sampler.py``).
 
 - ``RequestProcessing`` is one request's state (built once, rebuilt after preemption from its tokens);
@@ -18,7 +19,8 @@ Then the sampler applies temperature, top-k, top-p and min-p (``sampler.py``).
   returns the logits untouched, without a copy.
 - Rows are described by ``RowContext``; a request with draft tokens has one row per draft plus its bonus row,
   each with its own output position (min_tokens counts per position). Requests whose processing depends on the
-  output so far (penalties, multi-token bad words, grammars) never get drafts (``depends_on_history``).
+  output so far (penalties, multi-token bad words, grammars, thinking budgets) never get drafts
+  (``depends_on_history``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 from pagellm.sample.custom import AdapterLogitsProcessor, RequestFunctions, build
 from pagellm.sample.penalties import TokenCounts, apply_penalties, gather_counts
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagellm.thinking import ThinkingBudget
 
 if TYPE_CHECKING:  # xgrammar (~1 s to import) loads only when a request asks for structured output
     from pagellm.sample.structured import GrammarCache, RequestGrammar
@@ -53,6 +56,7 @@ class RequestProcessing:
     allowed: torch.Tensor | None = None       # [A] int64
     bad_words: list[list[int]] = field(default_factory=list)
     custom: RequestFunctions | None = None    # the functions of custom logits processors (sample/custom.py)
+    thinking: ThinkingBudget | None = None    # thinking_token_budget's count
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int],
@@ -60,11 +64,15 @@ class RequestProcessing:
                custom: Sequence[AdapterLogitsProcessor] = ()) -> RequestProcessing | None:
         """The state ``params`` needs, or None when it needs none (min_tokens is handled per row)."""
         functions = RequestFunctions.for_request(custom, params, prompt_ids) if custom else None
+        thinking = ThinkingBudget(params.thinking_token_budget, params.thinking_markers, prompt_ids, output_ids) \
+            if params.thinking_token_budget is not None and params.thinking_markers is not None else None
         needs = (params.has_penalties or params.logit_bias or params.allowed_token_ids
-                 or params.bad_words_token_ids or params.structured_outputs is not None or functions is not None)
+                 or params.bad_words_token_ids or params.structured_outputs is not None or functions is not None
+                 or thinking is not None)
         if not needs:
             return None
-        state = cls(params, bad_words=[list(w) for w in params.bad_words_token_ids or [] if w], custom=functions)
+        state = cls(params, bad_words=[list(w) for w in params.bad_words_token_ids or [] if w], custom=functions,
+                    thinking=thinking)
         if params.has_penalties:
             state.counts = TokenCounts(prompt_ids, output_ids, params.repetition_penalty != 1.0)
         if params.logit_bias:
@@ -84,6 +92,8 @@ class RequestProcessing:
             self.counts.add(token_ids)
         if self.grammar is not None:
             self.grammar.accept(token_ids)
+        if self.thinking is not None:
+            self.thinking.observe(token_ids)
 
 
 @dataclass
@@ -115,7 +125,18 @@ def apply_processing(logits: torch.Tensor, rows: Sequence[RowContext], bitmask: 
         from pagellm.sample.structured import apply_bitmask
         apply_bitmask(logits, bitmask, list(grammar_rows))
         _end_dead_ends(logits, rows, grammar_rows)
+    _force(logits, rows)
     return logits
+
+
+def _force(logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
+    """Rows whose thinking budget is spent take the next token of its end string, whatever else allowed or banned."""
+    for i, row in enumerate(rows):
+        thinking = row.processing.thinking if row.processing is not None else None
+        token = thinking.forced() if thinking is not None else None
+        if token is not None:
+            logits[i].fill_(float("-inf"))
+            logits[i, token] = 0.0
 
 
 def _end_dead_ends(logits: torch.Tensor, rows: Sequence[RowContext], grammar_rows: Sequence[int]) -> None:

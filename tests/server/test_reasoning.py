@@ -209,3 +209,27 @@ def test_a_stream_sends_thinking_then_answer_then_the_call(client: openai.OpenAI
                                             extra_body={**_forced(ANSWER), "include_reasoning": False})
     deltas = [chunk.choices[0].delta for chunk in hidden]
     assert not any(d.reasoning_content for d in deltas) and "".join(d.content or "" for d in deltas).startswith("Let")
+
+
+def test_a_thinking_budget_ends_the_thinking_and_the_answer_follows(client: openai.OpenAI) -> None:
+    """vLLM's ``thinking_token_budget``: the model would think "aaaaaaa" (a bias makes it open the block and write
+    "a"); a budget of 3 forces ``</think>`` after three, and the answer follows, whole and streamed. A prompt that
+    opened the block counts from there (completions, token ids: "a" is 64, ``</think>`` 261)."""
+    body = {"logit_bias": {"260": 60, "64": 50}, "bad_words": ["<think><think>", "a<think>", "</think><think>"]}
+    replies = {}
+    for budget in (None, 3, 0):
+        extra = {**body, "thinking_token_budget": budget} if budget is not None else body
+        message = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0,
+                                                 extra_body=extra).choices[0].message
+        stream = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0,
+                                                stream=True, extra_body=extra)
+        deltas = [c.choices[0].delta for c in stream if c.choices]
+        streamed = ("".join(d.reasoning_content or "" for d in deltas) or None,
+                    "".join(d.content or "" for d in deltas) or None)
+        assert streamed == (message.reasoning_content, message.content or None)
+        replies[budget] = streamed
+    assert replies == {None: ("a" * 7, None), 3: ("aaa", "aaa"), 0: (None, "a" * 6)}
+    completion = client.completions.create(model="tiny", prompt="Think: <think>", max_tokens=5, temperature=0,
+                                           extra_body={"logit_bias": {"64": 50}, "thinking_token_budget": 2,
+                                                       "return_token_ids": True})
+    assert completion.choices[0].token_ids == [64, 64, 261, 64, 64]

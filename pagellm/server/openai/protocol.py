@@ -110,6 +110,9 @@ class SamplingRequest(OpenAIModel):
     response_format: Optional[dict[str, Any]] = None  # OpenAI's (chat); vLLM takes it on completions too
     # vLLM's: {max_pattern_size, min_pattern_size, min_count}; a repeating output ends, finish_reason "repetition"
     repetition_detection: Optional[dict[str, Any]] = None
+    # vLLM's: at most this many tokens inside a thinking block, then its end tag is forced (-1: no cap); needs the
+    # server's --reasoning-parser or --reasoning-config
+    thinking_token_budget: Optional[int] = Field(None, ge=-1)
     use_beam_search: bool = False  # vLLM's: the n best beams of a beam search of width n (serving_beam.py)
     length_penalty: float = Field(1.0, allow_inf_nan=False)
     # vLLM's: arguments for custom logits processors (--logits-processors), as SamplingParams.extra_args
@@ -222,6 +225,7 @@ class SamplingRequest(OpenAIModel):
             extra_args=self.vllm_xargs or None,
             stream_interval=self.stream_interval,
             repetition_detection=self.repetition_detection,
+            thinking_token_budget=self.thinking_token_budget,
         )
 
 

@@ -28,44 +28,13 @@ named by ``--reasoning-parser``.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 from pagellm.plugins import run_file
+from pagellm.thinking import END, PARSERS, START, ReasoningParser, get_reasoning_parser, register_reasoning_parser
 
-START, END = "<think>", "</think>"
-
-
-@dataclasses.dataclass(frozen=True)
-class ReasoningParser:
-    """A thinking block's tags, and whether a reply thinks without opening one (its template opened it)."""
-
-    start: str = START
-    end: str = END
-    thinks_by_default: bool = False
-
-
-PARSERS: dict[str, ReasoningParser] = {"deepseek_r1": ReasoningParser(thinks_by_default=True),
-                                       "qwen3": ReasoningParser()}
-
-
-def register_reasoning_parser(name: str, start: str = START, end: str = END,
-                              thinks_by_default: bool = False) -> ReasoningParser:
-    """What a ``--reasoning-parser-plugin`` file calls: serve the block ``start`` ... ``end`` as parser ``name``."""
-    if not (isinstance(start, str) and isinstance(end, str) and start and end and start != end):
-        raise ValueError(f"reasoning parser {name!r}: start and end must be two different non-empty tags")
-    parser = ReasoningParser(start, end, bool(thinks_by_default))
-    if PARSERS.get(name, parser) != parser:
-        raise ValueError(f"a reasoning parser named {name!r} exists already; register yours as another name")
-    PARSERS[name] = parser
-    return parser
-
-
-def get_reasoning_parser(name: str) -> ReasoningParser:
-    if name not in PARSERS:
-        raise ValueError(f"unknown reasoning parser {name!r}; choose one of {', '.join(PARSERS)} (or register one "
-                         "in a --reasoning-parser-plugin file)")
-    return PARSERS[name]
+__all__ = ["END", "PARSERS", "START", "ReasoningParser", "ReasoningStream", "closed_in_prompt", "get_reasoning_parser",
+           "load_plugin", "register_reasoning_parser"]
 
 
 def load_plugin(path: str) -> None:

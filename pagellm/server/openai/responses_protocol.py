@@ -30,7 +30,7 @@ from pagellm.server.openai.protocol import ChatCompletionRequest, Count, NumLogp
 # vLLM's sampling extensions a Responses request may carry; they mean what they mean on chat.
 PASSED_ON = ("seed", "stop", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
              "logit_bias", "priority", "min_tokens", "ignore_eos", "bad_words", "structured_outputs",
-             "chat_template_kwargs", "include_reasoning")
+             "chat_template_kwargs", "include_reasoning", "thinking_token_budget")
 LOGPROBS = "message.output_text.logprobs"
 
 
@@ -77,6 +77,7 @@ class ResponsesRequest(OpenAIModel):
     structured_outputs: Optional[dict[str, Any]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     include_reasoning: bool = True
+    thinking_token_budget: Optional[int] = Field(None, ge=-1)
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for every setting this server cannot honour."""
