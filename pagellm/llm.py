@@ -67,12 +67,17 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Prompts are strings or token-id lists (or one of either); outputs come back in input order.
-        ``lora_request``: one adapter for every prompt, or one (or None) per prompt (needs ``enable_lora``)."""
+        ``lora_request``: one adapter for every prompt, or one (or None) per prompt (needs ``enable_lora``).
+        ``tokenization_kwargs`` (vLLM's): ``truncate_prompt_tokens`` and ``truncation_side`` for every prompt."""
         batch = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params if sampling_params is not None else self.get_default_sampling_params(),
                              len(batch), "sampling_params")
+        if tokenization_kwargs:
+            fields = _tokenization(tokenization_kwargs)
+            params = [msgspec.structs.replace(p, **fields) for p in params]
         if lora_request is not None:
             adapters = _per_prompt(lora_request, len(batch), "lora_request")  # type: ignore[arg-type]
             params = [msgspec.structs.replace(p, lora_request=a) for p, a in zip(params, adapters)]
@@ -98,13 +103,14 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_content_format: str = "auto",
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}`` dicts) or a list of them, via the chat template:
         the model's, or ``chat_template`` (Jinja text or a file holding it), with ``chat_template_kwargs`` and
         ``tools`` (OpenAI's function definitions, for templates that list them to the model);
         ``continue_final_message`` (with ``add_generation_prompt=False``) has the model continue the last message;
         ``chat_template_content_format`` (auto, string, openai: ``pagellm/chat_content.py``) how content reaches it;
-        ``lora_request`` as ``generate`` takes it."""
+        ``lora_request`` and ``tokenization_kwargs`` as ``generate`` takes them."""
         if not messages:  # else an empty list would silently become an empty batch
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts "
                              "(or a list of such conversations)")
@@ -116,7 +122,8 @@ class LLM:
                                                       continue_final_message,
                                                       content_format=chat_template_content_format)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request,
+                             tokenization_kwargs=tokenization_kwargs)
 
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],
                       priorities: list[int]) -> list[str]:
@@ -166,21 +173,22 @@ class LLM:
         return [s.result(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)) for s in searches]
 
     def embed(self, prompts: PromptType | Sequence[PromptType], normalize: bool = True, use_tqdm: bool = True,
-              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+              tokenization_kwargs: dict[str, Any] | None = None) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (text or token ids), in input order: the final hidden state of its last token,
         L2-normalised with ``normalize`` (under ``lora_request``'s adapter, as in ``generate``). Each prompt runs as
         a one-token greedy request through the same scheduler, prefix cache and batches as generation."""
         if self.engine.runtime.labels:
             raise ValueError(CLASSIFY_ONLY)
         outputs = self.generate(prompts, SamplingParams.for_pooling(), use_tqdm,  # type: ignore[arg-type]
-                                lora_request=lora_request)
+                                lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids,
                                        EmbeddingOutput(pooled_embedding(o.pooled, normalize)), o.num_cached_tokens)
                 for o in outputs]
 
     def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-                 ) -> list[ClassificationRequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 tokenization_kwargs: dict[str, Any] | None = None) -> list[ClassificationRequestOutput]:
         """vLLM's ``LLM.classify`` for a sequence classifier (a ``*ForSequenceClassification`` checkpoint): each
         prompt's class probabilities from its last token's state through the model's score head (softmax; a sigmoid
         with one class), in input order; the class names are ``self.labels``."""
@@ -188,7 +196,7 @@ class LLM:
             raise ValueError("this model has no classification head: LLM.classify needs a *ForSequenceClassification "
                              "checkpoint (Llama, Mistral, Qwen2, Qwen3)")
         outputs = self.generate(prompts, SamplingParams.for_pooling(), use_tqdm,  # type: ignore[arg-type]
-                                lora_request=lora_request)
+                                lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
         return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
                                             ClassificationOutput(class_probs(o.pooled)), o.num_cached_tokens)
                 for o in outputs]
@@ -291,6 +299,15 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # type: ignore[arg-type]
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _tokenization(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``tokenization_kwargs`` as the ``SamplingParams`` fields they set (ValueError naming any other key)."""
+    unknown = sorted(set(kwargs) - {"truncate_prompt_tokens", "truncation_side"})
+    if unknown:
+        raise ValueError(f"tokenization_kwargs: unknown keys {unknown}; this engine takes truncate_prompt_tokens and "
+                         "truncation_side")
+    return dict(kwargs)
 
 
 def _per_prompt(value: Any, count: int, name: str) -> list:

@@ -50,6 +50,13 @@ class PromptEmbeds(msgspec.Struct, array_like=True, frozen=True):
         return PromptEmbeds(self.dtype, self.hidden_size, self.data[len(self.data) - count * width:])
 
 
+    def first(self, count: int) -> PromptEmbeds:
+        """The first ``count`` rows (``truncate_prompt_tokens`` with ``truncation_side`` "right")."""
+        if count >= self.num_tokens:
+            return self
+        return PromptEmbeds(self.dtype, self.hidden_size, self.data[:count * self.hidden_size * _itemsize(self.dtype)])
+
+
 def _itemsize(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 

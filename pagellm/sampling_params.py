@@ -134,6 +134,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     min_tokens: int = 0
     # vLLM's: keep the prompt's last k tokens (-1: max_model_len); None keeps it whole
     truncate_prompt_tokens: int | None = None
+    # vLLM's: which end truncate_prompt_tokens cuts: "left" (the default) keeps the last k tokens, "right" the first k
+    truncation_side: str | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what AsyncLLM.generate yields (RequestOutputKind)
     # vLLM's: AsyncLLM.generate yields after every this many new tokens (the first and the last at once); raised to
     # the engine's --stream-interval when below it. None: the engine's.
@@ -384,6 +386,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if self.thinking_token_budget is not None and self.thinking_token_budget < 0:
             raise ValueError(f"thinking_token_budget must be an integer >= 0 (-1 = no cap), got "
                              f"{self.thinking_token_budget}.")
+        if self.truncation_side not in (None, "left", "right"):
+            raise ValueError(f"truncation_side must be 'left' (keep the prompt's last tokens) or 'right' (its first), "
+                             f"got {self.truncation_side!r}.")
         if self.stream_interval is not None and self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1 (new tokens per streamed output), got "
                              f"{self.stream_interval}.")

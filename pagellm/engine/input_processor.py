@@ -119,12 +119,11 @@ class InputProcessor:
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
                 cache_salt: str | None = None) -> EngineCoreRequest:
         prompt = as_prompt(prompt)
-        keep = self.kept_tokens(params.truncate_prompt_tokens)
+        keep, side = self.kept_tokens(params.truncate_prompt_tokens), params.truncation_side
         embeds = prompt if isinstance(prompt, PromptEmbeds) else None
         if embeds is not None and keep is not None:
-            embeds = embeds.last(keep)
-        token_ids = self.tokenize(prompt)[-keep if keep else None:] if embeds is None else \
-            self.check_embeds(embeds, params)
+            embeds = embeds.first(keep) if side == "right" else embeds.last(keep)
+        token_ids = cut(self.tokenize(prompt), keep, side) if embeds is None else self.check_embeds(embeds, params)
         check_prompt(token_ids, self.max_model_len, self.vocab_size)
         params = self.prepare_params(params)
         # The caller's salt (length-prefixed, so that no other part can pass for it or for another caller's) ...
@@ -221,6 +220,14 @@ class InputProcessor:
         if params.thinking_token_budget is not None and params.thinking_markers is None:
             params = msgspec.structs.replace(params, thinking_markers=self.thinking_markers())
         return params
+
+
+def cut(token_ids: list[int], keep: int | None, side: str | None = None) -> list[int]:
+    """``token_ids`` truncated to ``keep`` tokens (None: all of them): the last ones (``side`` "left", the default,
+    as vLLM's tokenizers cut) or the first ("right"). The list itself when nothing is cut."""
+    if keep is None or keep >= len(token_ids):
+        return token_ids
+    return token_ids[:keep] if side == "right" else token_ids[len(token_ids) - keep:]
 
 
 def as_prompt(prompt: PromptType) -> Union[str, Sequence[int], PromptEmbeds]:

@@ -475,3 +475,24 @@ def test_truncate_prompt_tokens_keeps_the_prompts_tail(llm: LLM) -> None:
     with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(100000\) must be at most max_model_len"):
         llm.generate([long], greedy(1, truncate_prompt_tokens=100_000), use_tqdm=False)
     assert_all_blocks_free(llm)
+
+
+def test_truncation_side_right_keeps_the_prompts_head(llm: LLM) -> None:
+    """vLLM 0.32's ``truncation_side``: "right" keeps the first k tokens, "left" (the default) the last; offline
+    through ``tokenization_kwargs`` (vLLM's) as well as the parameters; other keys or sides are refused."""
+    long = list(range(10, 40))
+    head = llm.generate([long], greedy(4, truncate_prompt_tokens=8, truncation_side="right"), use_tqdm=False)[0]
+    alone = llm.generate([long[:8]], greedy(4), use_tqdm=False)[0]
+    assert head.prompt_token_ids == long[:8] and head.outputs[0].token_ids == alone.outputs[0].token_ids
+    for side, kept in (("right", long[:5]), ("left", long[-5:])):
+        out = llm.generate([long], greedy(1), use_tqdm=False,
+                           tokenization_kwargs={"truncate_prompt_tokens": 5, "truncation_side": side})[0]
+        assert out.prompt_token_ids == kept
+    chat = llm.chat([{"role": "user", "content": "hello there"}], greedy(1), use_tqdm=False,
+                    tokenization_kwargs={"truncate_prompt_tokens": 3, "truncation_side": "right"})[0]
+    assert llm.get_tokenizer().decode(chat.prompt_token_ids) == "<|im_start|>us"
+    with pytest.raises(ValueError, match="truncation_side must be 'left' .* or 'right'"):
+        greedy(1, truncation_side="middle")
+    with pytest.raises(ValueError, match=r"tokenization_kwargs: unknown keys \['padding'\]"):
+        llm.generate([long], greedy(1), use_tqdm=False, tokenization_kwargs={"padding": "max_length"})
+    assert_all_blocks_free(llm)

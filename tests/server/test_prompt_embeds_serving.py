@@ -95,6 +95,14 @@ def test_truncate_prompt_tokens_keeps_the_last_rows(sdk: openai.OpenAI, offline_
                                                "prompt_embeds": _b64(rows), "truncate_prompt_tokens": 10})
     assert reply.choices[0].token_ids == _offline(offline_embeds, {"prompt_embeds": rows[-10:]})[0]
     assert reply.usage.prompt_tokens == 10
+    head = sdk.completions.create(model="tiny", prompt=None, **GREEDY,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True, "truncation_side": "right",
+                                              "prompt_embeds": _b64(rows), "truncate_prompt_tokens": 10})
+    assert head.choices[0].token_ids == _offline(offline_embeds, {"prompt_embeds": rows[:10]})[0]
+    offline = offline_embeds.generate({"prompt_embeds": rows}, SamplingParams(
+        temperature=0.0, max_tokens=GREEDY["max_tokens"], ignore_eos=True, truncate_prompt_tokens=10,
+        truncation_side="right"), use_tqdm=False)[0]
+    assert list(offline.outputs[0].token_ids) == head.choices[0].token_ids
 
 
 class _Payload:

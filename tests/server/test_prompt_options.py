@@ -42,6 +42,30 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client: openai.OpenAI) -> 
         client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body={"truncate_prompt_tokens": 513})
 
 
+def test_truncation_side_right_keeps_the_first_tokens(client: openai.OpenAI) -> None:
+    """vLLM 0.32's ``truncation_side``: "right" cuts the prompt's end (completions, chat, embeddings), "left" its
+    start, as without it; anything else is a 400 naming the field."""
+    prompt = "0123456789abcdefghij"  # one token per character
+    for side, kept in (("right", "012345"), ("left", "efghij")):
+        cut = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, echo=True, extra_body={
+            "truncate_prompt_tokens": 6, "truncation_side": side, "ignore_eos": True})
+        assert cut.usage.prompt_tokens == 6 and cut.choices[0].text.startswith(kept)
+    chat = client.chat.completions.create(model="tiny", messages=CONTINUED, max_tokens=1, extra_body={
+        "truncate_prompt_tokens": 5, "truncation_side": "right", "ignore_eos": True, "return_token_ids": True})
+    head = client.completions.create(model="tiny", prompt=OPEN, max_tokens=1, extra_body={
+        "truncate_prompt_tokens": 5, "truncation_side": "right", "add_special_tokens": False,
+        "return_token_ids": True})
+    assert chat.usage.prompt_tokens == 5  # the template's first 5 tokens ran
+    assert chat.model_extra["prompt_token_ids"] == head.choices[0].model_extra["prompt_token_ids"]
+    right = client.embeddings.create(model="tiny", input=prompt, extra_body={"truncate_prompt_tokens": 6,
+                                                                             "truncation_side": "right"})
+    first = client.embeddings.create(model="tiny", input=prompt[:6])
+    assert right.data[0].embedding == first.data[0].embedding and right.usage.prompt_tokens == 6
+    with pytest.raises(openai.BadRequestError, match="truncation_side"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body={
+            "truncate_prompt_tokens": 6, "truncation_side": "middle"})
+
+
 def test_cache_salt_shares_prefix_cache_blocks_only_within_one_salt(server: ServerProcess,
                                                                     client: openai.OpenAI) -> None:
     prompt = "cache salt test: a prompt of three whole sixteen-token blocks and some more characters"  # 1 per char

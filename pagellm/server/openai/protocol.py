@@ -31,6 +31,7 @@ Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 129)]
 Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
 NumLogprobs = Annotated[int, Field(ge=0, le=2**31 - 1)]  # the engine caps it at its max_logprobs
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+TruncationSide = Literal["left", "right"]  # where truncate_prompt_tokens cuts: "left" keeps the last tokens
 
 
 class OpenAIModel(BaseModel):
@@ -100,6 +101,7 @@ class SamplingRequest(OpenAIModel):
     bad_words: Optional[list[str]] = None
     allowed_token_ids: Optional[list[TokenId]] = None
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)  # keep the last k prompt tokens (-1: max_model_len)
+    truncation_side: Optional[TruncationSide] = None  # vLLM's: "right" keeps the first k instead
     stream_interval: Optional[int] = Field(None, ge=1)  # vLLM's: new tokens per streamed chunk (at least the server's)
     prompt_logprobs: Optional[NumLogprobs] = None
     structured_outputs: Optional[dict[str, Any]] = None

@@ -116,7 +116,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt = self.truncate(self.tokenizer.apply_chat_template(
             messages, request.add_generation_prompt, _template_kwargs(request, self.defaults), request.chat_template,
             continue_final_message=request.continue_final_message, add_special_tokens=request.add_special_tokens),
-            request.truncate_prompt_tokens)
+            request.truncate_prompt_tokens, request.truncation_side)
         parser = self.tool_parser.for_tools(request.tools) \
             if self.tool_parser is not None and tooling.is_auto(request.tools, request.tool_choice) else None
         if request.prediction is not None:

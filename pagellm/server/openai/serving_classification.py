@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 
 from pagellm.outputs import class_probs, pooled_embedding
 from pagellm.server.openai.errors import APIError
-from pagellm.server.openai.protocol import Int64, OpenAIModel, TokenId
+from pagellm.server.openai.protocol import Int64, OpenAIModel, TokenId, TruncationSide
 from pagellm.server.openai.serving_embedding import encode_floats
 from pagellm.server.openai.serving_engine import OpenAIServing, random_id
 
@@ -31,6 +31,7 @@ class ClassificationRequest(OpenAIModel):
     input: Union[str, list[str], list[TokenId], list[list[TokenId]]]
     user: Optional[str] = None
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)
+    truncation_side: Optional[TruncationSide] = None
     add_special_tokens: bool = True
     priority: Int64 = 0
 
@@ -76,7 +77,7 @@ class OpenAIServingClassification(OpenAIServing):
                            "checkpoint (Llama, Mistral, Qwen2, Qwen3)", 400, param="model",
                            code="model_not_supported")
         items = self.tokenize_prompts(request.input, request.add_special_tokens, request.truncate_prompt_tokens,
-                                      "input")
+                                      "input", request.truncation_side)
         return _Job(request, random_id("classify"), model, [ids for _, ids, _ in items])
 
     async def create(self, job: _Job) -> ClassificationResponse:
@@ -118,7 +119,7 @@ class OpenAIServingPooling(OpenAIServing):
     def prepare(self, request: PoolingRequest) -> _Job:
         model = self.check_model(request.model)
         items = self.tokenize_prompts(request.input, request.add_special_tokens, request.truncate_prompt_tokens,
-                                      "input")
+                                      "input", request.truncation_side)
         return _Job(request, random_id("pool"), model, [ids for _, ids, _ in items])
 
     async def create(self, job: _Job) -> PoolingResponse:

@@ -78,10 +78,11 @@ class OpenAIServingCompletion(OpenAIServing):
         """Validate and tokenize (raises APIError / ValueError → 4xx before anything is queued)."""
         model, params = self.check_request(request)
         items = [] if request.prompt is None else self.tokenize_prompts(
-            request.prompt, request.add_special_tokens, request.truncate_prompt_tokens, "prompt")
+            request.prompt, request.add_special_tokens, request.truncate_prompt_tokens, "prompt",
+            request.truncation_side)
         # embeddings prompts first, as vLLM orders them
         prompts: list[list[int] | PromptEmbeds] = [] if request.prompt_embeds is None else self.load_embeds(
-            request.prompt_embeds, request.truncate_prompt_tokens)
+            request.prompt_embeds, request.truncate_prompt_tokens, request.truncation_side)
         prompts += [ids for _, ids, _ in items]
         # with echo, each prompt as the model saw it
         texts = [item if isinstance(item, str) and not cut else self.tokenizer.decode(ids)
@@ -148,9 +149,9 @@ class OpenAIServingCompletion(OpenAIServing):
             yield sse_error(exc)
         yield "data: [DONE]\n\n"
 
-    def load_embeds(self, raw: str | list[str], keep: Optional[int]) -> list[PromptEmbeds]:
+    def load_embeds(self, raw: str | list[str], keep: Optional[int], side: Optional[str]) -> list[PromptEmbeds]:
         """Each ``prompt_embeds`` entry (a base64 ``torch.save`` of a [tokens, hidden] tensor), read and checked, cut
-        to its last ``keep`` rows (400 naming the fix, before anything is queued)."""
+        to ``keep`` rows at ``side`` (400 naming the fix, before anything is queued)."""
         items = [raw] if isinstance(raw, str) else raw
         if not items:
             raise APIError("prompt_embeds must not be empty", 400, param="prompt_embeds")
@@ -162,7 +163,7 @@ class OpenAIServingCompletion(OpenAIServing):
             except binascii.Error as exc:
                 raise APIError(f"{where}{exc} (send a base64 torch.save of a [tokens, hidden] float tensor)", 400,
                                param="prompt_embeds") from None
-            loaded.append(self.load_prompt_embeds(data, where, keep))
+            loaded.append(self.load_prompt_embeds(data, where, keep, side))
         return loaded
 
     def _logprobs(self, job: _Job, choice: _Choice, prompt_index: int,

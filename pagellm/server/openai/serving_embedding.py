@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from pagellm.outputs import pooled_embedding
 from pagellm.server.openai.errors import APIError
-from pagellm.server.openai.protocol import Count, Int64, OpenAIModel, TokenId
+from pagellm.server.openai.protocol import Count, Int64, OpenAIModel, TokenId, TruncationSide
 from pagellm.server.openai.serving_engine import OpenAIServing, random_id
 
 
@@ -37,6 +37,7 @@ class EmbeddingRequest(OpenAIModel):
     user: Optional[str] = None
     # vLLM's extra fields
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)
+    truncation_side: Optional[TruncationSide] = None
     add_special_tokens: bool = True
     priority: Int64 = 0
 
@@ -81,7 +82,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise APIError(f"dimensions ({request.dimensions}) must be at most the model's hidden size ({width})",
                            400, param="dimensions")
         items = self.tokenize_prompts(request.input, request.add_special_tokens, request.truncate_prompt_tokens,
-                                      "input")
+                                      "input", request.truncation_side)
         return _Job(request, random_id("embd"), model, [ids for _, ids, _ in items])
 
     async def create(self, job: _Job) -> EmbeddingResponse:

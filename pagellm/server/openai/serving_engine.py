@@ -31,7 +31,7 @@ import msgspec
 
 from pagellm.beam_search import BeamSearchParams
 from pagellm import prompt_embeds
-from pagellm.engine.input_processor import CLASSIFY_ONLY, EMBEDS_OFF, POOLING_ONLY, check_prompt
+from pagellm.engine.input_processor import CLASSIFY_ONLY, EMBEDS_OFF, POOLING_ONLY, check_prompt, cut
 from pagellm.lora import LoRARequest
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.outputs import Logprob, RequestOutput
@@ -222,10 +222,10 @@ class OpenAIServing:
             validate(params.structured_outputs)
         return params
 
-    def load_prompt_embeds(self, data: bytes, where: str = "prompt_embeds: ",
-                           keep: Optional[int] = None) -> PromptEmbeds:
+    def load_prompt_embeds(self, data: bytes, where: str = "prompt_embeds: ", keep: Optional[int] = None,
+                           side: Optional[str] = None) -> PromptEmbeds:
         """A prompt of input embeddings (``torch.save``'s bytes of a [tokens, hidden] tensor), read and checked, cut to
-        its last ``keep`` rows (``truncate_prompt_tokens``); a 400 naming the fix, before anything is queued."""
+        ``keep`` rows (``truncate_prompt_tokens``, at ``side``); a 400 naming the fix, before anything is queued."""
         if not self.engine.enable_prompt_embeds:
             raise APIError(EMBEDS_OFF, 400, param="prompt_embeds")
         try:
@@ -237,7 +237,8 @@ class OpenAIServing:
         if embeds.hidden_size != hidden_size:
             raise APIError(f"{where}rows of {embeds.hidden_size} values; this model's hidden size is {hidden_size}",
                            400, param="prompt_embeds")
-        embeds = embeds.last(len(self.truncate([0] * embeds.num_tokens, keep)))
+        kept = len(self.truncate([0] * embeds.num_tokens, keep))
+        embeds = embeds.first(kept) if side == "right" else embeds.last(kept)
         if embeds.num_tokens >= self.max_model_len:
             raise APIError(f"{where}{embeds.num_tokens} rows, but max_model_len is {self.max_model_len}; send at most "
                            f"{self.max_model_len - 1}", 400, param="prompt_embeds", code="context_length_exceeded")
@@ -253,10 +254,11 @@ class OpenAIServing:
             raise APIError(f"token ids must be in [0, {self.vocab_size}); got {bad[0]}", 400, param="tokens")
         return self.tokenizer.decode(list(token_ids))
 
-    def tokenize_prompts(self, raw: Any, add_special_tokens: bool, keep: Optional[int],
-                         field: str) -> list[tuple[Any, list[int], bool]]:
+    def tokenize_prompts(self, raw: Any, add_special_tokens: bool, keep: Optional[int], field: str,
+                         side: Optional[str] = None) -> list[tuple[Any, list[int], bool]]:
         """Each prompt of a completions ``prompt`` or embeddings ``input`` (a string, token ids, or a list of either):
-        (the prompt as sent, its token ids cut to ``keep`` and checked, whether the cut shortened them)."""
+        (the prompt as sent, its token ids cut to ``keep`` at ``side`` and checked, whether the cut shortened
+        them)."""
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
             raw = [raw]
         if not raw:
@@ -266,7 +268,7 @@ class OpenAIServing:
             if isinstance(item, str) and keep is None:  # cut to its last tokens, a long text may be what was meant
                 self.check_text_length(len(item), position if len(raw) > 1 else None)
             ids = self.tokenizer.encode(item, add_special_tokens) if isinstance(item, str) else list(item)
-            kept = self.truncate(ids, keep)
+            kept = self.truncate(ids, keep, side)
             prompts.append((item, self.check_prompt(kept, position if len(raw) > 1 else None), kept is not ids))
         return prompts
 
@@ -290,15 +292,16 @@ class OpenAIServing:
                            "truncate_prompt_tokens to keep its last tokens", 400, param="prompt",
                            code="context_length_exceeded")
 
-    def truncate(self, token_ids: list[int], keep: Optional[int]) -> list[int]:
-        """The prompt's last ``keep`` tokens (``truncate_prompt_tokens``; -1: ``max_model_len``), or all of them."""
+    def truncate(self, token_ids: list[int], keep: Optional[int], side: Optional[str] = None) -> list[int]:
+        """The prompt's last ``keep`` tokens (``truncate_prompt_tokens``; -1: ``max_model_len``), its first with
+        ``truncation_side`` "right", or all of them."""
         if keep is None:
             return token_ids
         keep = self.max_model_len if keep == -1 else keep
         if keep > self.max_model_len:
             raise APIError(f"truncate_prompt_tokens ({keep}) must be at most max_model_len ({self.max_model_len})",
                            400, param="truncate_prompt_tokens")
-        return token_ids[len(token_ids) - keep:] if keep < len(token_ids) else token_ids
+        return cut(token_ids, keep, side)
 
     def check_prompt(self, token_ids: list[int], position: Optional[int] = None) -> list[int]:
         try:

@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field
 from pagellm.outputs import class_probs, pooled_embedding
 from pagellm.scoring import cosine, distinct, pair_texts
 from pagellm.server.openai.errors import APIError
-from pagellm.server.openai.protocol import Int64, OpenAIModel
+from pagellm.server.openai.protocol import Int64, OpenAIModel, TruncationSide
 from pagellm.server.openai.serving_engine import OpenAIServing, random_id
 
 
@@ -37,6 +37,7 @@ class ScoreRequest(OpenAIModel):
     text_1: Union[str, list[str]]
     text_2: Union[str, list[str]]
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)
+    truncation_side: Optional[TruncationSide] = None
     add_special_tokens: bool = True
     priority: Int64 = 0
     user: Optional[str] = None
@@ -49,6 +50,7 @@ class RerankRequest(OpenAIModel):
     top_n: int = Field(0, ge=0)
     return_documents: bool = True
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)
+    truncation_side: Optional[TruncationSide] = None
     add_special_tokens: bool = True
     priority: Int64 = 0
     user: Optional[str] = None
@@ -122,13 +124,14 @@ class OpenAIServingScore(OpenAIServing):
             pairs = pair_texts(request.text_1, request.text_2)
         if cross:
             prompts = [self.check_prompt(self.truncate(self.tokenizer.encode_pair(a, b, request.add_special_tokens),
-                                                       request.truncate_prompt_tokens), i)
+                                                       request.truncate_prompt_tokens, request.truncation_side), i)
                        for i, (a, b) in enumerate(pairs)]
             return _Job(request, random_id("score" if isinstance(request, ScoreRequest) else "rerank"), model,
                         prompts, [])
         texts, positions = distinct(pairs)
         items = self.tokenize_prompts(texts, request.add_special_tokens, request.truncate_prompt_tokens,
-                                      "documents" if isinstance(request, RerankRequest) else "text_1")
+                                      "documents" if isinstance(request, RerankRequest) else "text_1",
+                                      request.truncation_side)
         return _Job(request, random_id("score" if isinstance(request, ScoreRequest) else "rerank"), model,
                     [ids for _, ids, _ in items], positions)
 
