@@ -42,6 +42,7 @@ _GREEDY_EPS = 1e-5
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 # The most top alternatives a request may ask for per token by default (OpenAI's limit; ``max_logprobs``).
 MAX_LOGPROBS = 20
+MAX_LOGPROB_TOKEN_IDS = 128  # the most tokens ``logprob_token_ids`` may name (vLLM's limit)
 
 
 class SamplingType(enum.IntEnum):
@@ -163,6 +164,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # distribution sampled from), raw_logits or processed_logits (the logit values themselves: after processing,
     # temperature and filters, dropped tokens -inf); None: the engine's default (raw_logprobs unless set).
     logprobs_mode: str | None = None
+    # vLLM's: the logprobs of these tokens (and the sampled one's) at each generated position, in place of the top
+    # ``logprobs``; implies logprobs (0 when unset). At most MAX_LOGPROB_TOKEN_IDS ids.
+    logprob_token_ids: list[int] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -256,7 +260,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         for name, ids in (("logit_bias", list(self.logit_bias or {})), ("allowed_token_ids",
                           self.allowed_token_ids or []), ("stop_token_ids", self.stop_token_ids or []),
                           ("structured_outputs.begin_after", begin_after or []),
-                          ("prediction", self.prediction_token_ids or [])):
+                          ("prediction", self.prediction_token_ids or []),
+                          ("logprob_token_ids", self.logprob_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad[:5]}.")
@@ -323,6 +328,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                 self.logit_bias = None
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.logprob_token_ids is not None:
+            self.logprob_token_ids = list(dict.fromkeys(self.logprob_token_ids)) or None  # each once, in order
+            if self.logprob_token_ids is not None and self.logprobs is None:
+                self.logprobs = 0
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 
@@ -359,6 +368,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                 raise ValueError(f"allowed_token_ids must be non-negative integers, got {self.allowed_token_ids}.")
         if self.bad_words is not None and not all(isinstance(w, str) and w for w in self.bad_words):
             raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}.")
+        if self.logprob_token_ids is not None:
+            if len(self.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
+                raise ValueError(f"logprob_token_ids names {len(self.logprob_token_ids)} tokens; at most "
+                                 f"{MAX_LOGPROB_TOKEN_IDS} may be asked for.")
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.logprob_token_ids):
+                raise ValueError(f"logprob_token_ids must be non-negative integers, got {self.logprob_token_ids}.")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must be an integer >= 0 (None = off), got {self.prompt_logprobs}.")
         if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:

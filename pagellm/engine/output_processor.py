@@ -159,12 +159,14 @@ class OutputProcessor:
         state.prompt_logprobs.extend(self._entries(targets, new))
 
     def _entries(self, token_ids: list[int], new: TokenLogprobs) -> list[dict[int, Logprob]]:
-        """One ``{token_id: Logprob}`` per token: the top-k in rank order, then the token itself if not among them."""
+        """One ``{token_id: Logprob}`` per token: the top-k in rank order (or the ``logprob_token_ids`` in the order
+        asked, with their ranks), then the token itself if not among them."""
         text = self._token_text
         entries = []
         for i, token in enumerate(token_ids):
+            ranks = new.top_ranks[i] if new.top_ranks is not None else range(1, len(new.top_ids[i]) + 1)
             entry = {tid: Logprob(value, rank, text(tid))
-                     for rank, (tid, value) in enumerate(zip(new.top_ids[i], new.top_logprobs[i]), start=1)}
+                     for rank, tid, value in zip(ranks, new.top_ids[i], new.top_logprobs[i])}
             if token not in entry:
                 entry[token] = Logprob(new.sampled_logprobs[i], new.sampled_ranks[i], text(token))
             entries.append(entry)

@@ -8,6 +8,8 @@ Contract:
 - One call handles every (logit row, sampled token) pair of the step: one ``topk`` for the largest k asked, one
   gather, one comparison count for the ranks, and one move to Python lists per result.
 - ``rank`` = 1 + the number of vocabulary entries with a strictly greater logprob (1 = the most likely token).
+- A request with ``logprob_token_ids`` (vLLM's) gets those tokens' values and ranks in place of its top-k
+  (``gather_listed``: one sort per row finds every listed token's rank).
 """
 
 from __future__ import annotations
@@ -43,6 +45,24 @@ def gather_logprobs(logprobs: torch.Tensor, rows: Sequence[int], token_ids: Sequ
     else:
         top_lists, top_id_lists = [[] for _ in rows], [[] for _ in rows]
     return sampled.squeeze(1).tolist(), ranks.tolist(), top_id_lists, top_lists
+
+
+def gather_listed(logprobs: torch.Tensor, rows: Sequence[int], token_ids: Sequence[int],
+                  listed: Sequence[Sequence[int]]) -> TokenLogprobs:
+    """For each pair ``(logprobs[rows[i]], token_ids[i])``: the token's logprob and rank, and those of the tokens
+    ``listed[i]``, in their order (one request's rows: its sampled tokens, all with the same list)."""
+    selected = logprobs.index_select(0, torch.tensor(rows, dtype=torch.int64, device=logprobs.device))
+    width = max(len(ids) for ids in listed)
+    asked = torch.tensor([[tok, *ids, *[0] * (width - len(ids))] for tok, ids in zip(token_ids, listed)],
+                         dtype=torch.int64, device=logprobs.device)
+    values = selected.gather(1, asked)
+    ascending = selected.sort(dim=1).values
+    ranks = selected.shape[1] - torch.searchsorted(ascending, values, right=True) + 1
+    value_lists, rank_lists = values.tolist(), ranks.tolist()
+    sizes = [len(ids) for ids in listed]
+    return TokenLogprobs([v[0] for v in value_lists], [r[0] for r in rank_lists],
+                         [list(ids) for ids in listed], [v[1:1 + n] for v, n in zip(value_lists, sizes)],
+                         top_ranks=[r[1:1 + n] for r, n in zip(rank_lists, sizes)])
 
 
 def split_logprobs(values: tuple[list[float], list[int], list[list[int]], list[list[float]]],

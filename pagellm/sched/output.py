@@ -69,6 +69,8 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     Values are ``log_softmax`` of the raw logits (before temperature, top-k/top-p/min-p and min_tokens bans).
     ``top_ids[i]`` / ``top_logprobs[i]`` are the request's top-``logprobs`` tokens at position i, most likely
     first (so their ranks are 1..k); ``sampled_ranks[i]`` is 1 + the number of tokens strictly more likely.
+    With ``logprob_token_ids`` the ``top_*`` lists hold those tokens instead, in the order asked, and ``top_ranks``
+    their ranks (None: the top-k's 1..k).
     """
 
     sampled_logprobs: list[float]
@@ -78,6 +80,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     # Prompt logprobs only: the prompt index of the first entry's token (a request recomputed after preemption
     # sends its prompt again from the start, and the frontend overwrites from here).
     start: int = 0
+    top_ranks: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.sampled_logprobs)
@@ -87,7 +90,8 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
         if n >= len(self):
             return self
         return TokenLogprobs(self.sampled_logprobs[:n], self.sampled_ranks[:n], self.top_ids[:n],
-                             self.top_logprobs[:n])
+                             self.top_logprobs[:n], self.start,
+                             self.top_ranks[:n] if self.top_ranks is not None else None)
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):

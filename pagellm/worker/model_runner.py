@@ -33,7 +33,8 @@ from pagellm.metrics.profiler import span
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.prompt_embeds import to_tensor
 from pagellm.sample.logits_processors import LogitsProcessing, RowContext
-from pagellm.sample.logprobs import apply_logprobs_modes, copy_raw_logits, gather_logprobs, raw_logprobs, split_logprobs
+from pagellm.sample.logprobs import (apply_logprobs_modes, copy_raw_logits, gather_listed, gather_logprobs,
+                                     raw_logprobs, split_logprobs)
 from pagellm.sample.sampler import Sampler, SamplingTensors
 from pagellm.sampling_params import SamplingParams
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -197,16 +198,25 @@ class ModelRunner:
         ids: list[int] = []
         counts: list[int] = []
         ks: list[int] = []
+        top_k: list[int] = []
+        out: dict[str, TokenLogprobs] = {}
         base = 0
         for j in wanted:
-            tokens = sampled[j]
-            rows.extend(range(base, base + len(tokens)))
+            tokens, params = sampled[j], self.states[inputs.req_ids[j]].sampling_params
+            run = range(base, base + len(tokens))
+            base += len(inputs.drafts[j]) + 1
+            if params.logprob_token_ids and tokens:  # the tokens asked for, in place of the top-k
+                out[inputs.req_ids[j]] = gather_listed(raw, run, tokens, [params.logprob_token_ids] * len(tokens))
+                continue
+            rows.extend(run)
             ids.extend(tokens)
             counts.append(len(tokens))
-            ks.append(self.states[inputs.req_ids[j]].sampling_params.logprobs or 0)
-            base += len(inputs.drafts[j]) + 1
-        values = gather_logprobs(raw, rows, ids, max(ks))
-        return {inputs.req_ids[j]: lp for j, lp in zip(wanted, split_logprobs(values, counts, ks))}
+            ks.append(params.logprobs or 0)
+            top_k.append(j)
+        if top_k:
+            values = gather_logprobs(raw, rows, ids, max(ks))
+            out.update({inputs.req_ids[j]: lp for j, lp in zip(top_k, split_logprobs(values, counts, ks))})
+        return out
 
     def _apply_deltas(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:

@@ -242,3 +242,34 @@ def test_async_deltas_concatenate_to_the_full_lists(llm: LLM, tiny_llama: Path) 
         assert got.token_ids == want.token_ids
         assert_same_logprobs(got, want)
         assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-5)
+
+
+def test_logprob_token_ids_give_those_tokens_values_and_ranks(llm: LLM, tiny_llama: Path) -> None:
+    """vLLM's ``logprob_token_ids``: at each position exactly the tokens asked (in that order, each once) and the
+    sampled one, their values and ranks transformers', beside top-k requests in the same batch and under
+    speculation; it implies logprobs, and more than 128 ids or one outside the vocabulary is refused."""
+    prompts = _spec_prompts()
+    asked = [7, 200, 3, 7, 151]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprob_token_ids=asked),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3,
+                             logprob_token_ids=asked),  # the ids win over the top-k
+              SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    spec_llm = LLM(str(tiny_llama), dtype="float32",
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    speculative = spec_llm.generate(prompts[:1], params[:1], use_tqdm=False)[0].outputs[0]
+    assert sum(s.spec_decoding.num_accepted_tokens for s in spec_llm.last_stats if s.spec_decoding) > 0
+    check_against_hf(tiny_llama, prompts[2], outputs[2].outputs[0], k=2, greedy=True)
+    for prompt, output in zip(prompts, outputs[:2]):
+        out = output.outputs[0]
+        ref = hf_logprobs(tiny_llama, prompt, out.token_ids)
+        for row, token, entry in zip(ref, out.token_ids, out.logprobs):
+            assert list(entry)[:4] == [7, 200, 3, 151] and len(entry) == 4 + (token not in asked)
+            for tid, lp in entry.items():
+                assert abs(lp.logprob - row[tid].item()) < TOL
+                assert lp.rank == 1 + int((row > row[tid]).sum())
+    assert_same_logprobs(outputs[0].outputs[0], speculative)
+    with pytest.raises(ValueError, match="logprob_token_ids names 129 tokens; at most 128"):
+        SamplingParams(logprob_token_ids=list(range(129)))
+    with pytest.raises(ValueError, match=r"logprob_token_ids: token ids must be in \[0, 320\)"):
+        llm.generate([[1, 2]], SamplingParams(logprob_token_ids=[5, 320]), use_tqdm=False)

@@ -3,6 +3,7 @@ streamed and whole."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
@@ -77,6 +78,36 @@ def test_chat_logprobs_match_offline(server: ServerProcess, client: openai.OpenA
     assert all(item.top_logprobs == [] for item in only_sampled.choices[0].logprobs.content)
     plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, extra_body=NO_EOS)
     assert plain.choices[0].logprobs is None
+
+
+def test_logprob_token_ids_stand_in_for_the_top_alternatives(server: ServerProcess, client: openai.OpenAI,
+                                                             offline: LLM) -> None:
+    """vLLM's ``logprob_token_ids``: chat's ``top_logprobs`` are exactly those tokens, in order, and completions'
+    hold them and the sampled token, with the offline engine's values; chat needs ``logprobs: true``, and beam search
+    and ids outside the vocabulary are 400s that say so."""
+    asked = [104, 101, 33]  # "h", "e", "!" in the tiny byte vocabulary (as_ids keeps their names apart)
+    prompt_ids = httpx.post(f"{server.base_url}/tokenize", json={"messages": CHAT}).json()["tokens"]
+    ref = offline.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                        logprob_token_ids=asked), use_tqdm=False)[0].outputs[0]
+    body = {**NO_EOS, "logprob_token_ids": asked, "return_tokens_as_token_ids": True}
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
+                                          logprobs=True, extra_body=body)
+    for item, entry in zip(chat.choices[0].logprobs.content, ref.logprobs):
+        assert [t.token for t in item.top_logprobs] == [f"token_id:{t}" for t in asked]
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx([entry[t].logprob for t in asked], abs=1e-4)
+    completion = client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=MAX_TOKENS, temperature=0,
+                                           extra_body=body)
+    for top, token, entry in zip(completion.choices[0].logprobs.top_logprobs, ref.token_ids, ref.logprobs):
+        assert top == pytest.approx({f"token_id:{t}": entry[t].logprob for t in [*asked, token]}, abs=1e-4)
+    for route, extra, message in (
+            ("chat/completions", {"logprob_token_ids": asked}, "logprob_token_ids needs logprobs: true"),
+            ("chat/completions", {"logprob_token_ids": [5, 320], "logprobs": True}, r"must be in \[0, 320\)"),
+            ("completions", {"logprob_token_ids": asked, "use_beam_search": True, "n": 2},
+             "logprob_token_ids does not apply to use_beam_search")):
+        prompt = {"messages": CHAT} if route.startswith("chat") else {"prompt": "Hi"}
+        reply = httpx.post(f"{server.base_url}/v1/{route}", timeout=30, json={
+            "model": "tiny", "max_tokens": 2, **prompt, **extra})
+        assert reply.status_code == 400 and re.search(message, reply.json()["error"]["message"])
 
 
 def test_return_tokens_as_token_ids_names_every_token_by_its_id(server: ServerProcess, client: openai.OpenAI,

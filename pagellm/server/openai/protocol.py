@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagellm.generation_config import unset_default
-from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagellm.sampling_params import MAX_LOGPROB_TOKEN_IDS, SamplingParams, StructuredOutputsParams
 from pagellm.server.openai import tools as tooling
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -104,6 +104,8 @@ class SamplingRequest(OpenAIModel):
     truncation_side: Optional[TruncationSide] = None  # vLLM's: "right" keeps the first k instead
     stream_interval: Optional[int] = Field(None, ge=1)  # vLLM's: new tokens per streamed chunk (at least the server's)
     prompt_logprobs: Optional[NumLogprobs] = None
+    # vLLM's: at each generated position the logprobs of these tokens (and the sampled one's), in place of the top-k
+    logprob_token_ids: Optional[list[TokenId]] = Field(None, max_length=MAX_LOGPROB_TOKEN_IDS)
     structured_outputs: Optional[dict[str, Any]] = None
     guided_json: Optional[Union[str, dict[str, Any]]] = None
     guided_regex: Optional[str] = None
@@ -228,6 +230,7 @@ class SamplingRequest(OpenAIModel):
             stream_interval=self.stream_interval,
             repetition_detection=self.repetition_detection,
             thinking_token_budget=self.thinking_token_budget,
+            logprob_token_ids=self.logprob_token_ids or None,
         )
 
 
@@ -335,6 +338,9 @@ class ChatCompletionRequest(SamplingRequest):
                                    "(/v1/responses) stores responses"))
         if self.top_logprobs is not None and not self.logprobs:
             found.append(("top_logprobs", "top_logprobs needs logprobs: true"))
+        if self.logprob_token_ids and not self.logprobs:
+            found.append(("logprob_token_ids", "logprob_token_ids needs logprobs: true (its tokens then stand in "
+                                               "top_logprobs)"))
         if self.chat_template is not None and not self.chat_template.strip():
             found.append(("chat_template", "chat_template must be a Jinja template (omit it for the server's)"))
         if self.continue_final_message and self.add_generation_prompt:

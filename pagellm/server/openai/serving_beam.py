@@ -33,7 +33,7 @@ _UNSET: dict[str, tuple] = {
     "stream": _OFF, "logprobs": _OFF, "top_logprobs": _NONE, "echo": _OFF, "best_of": _NONE,
     "prompt_logprobs": _NONE, "presence_penalty": _NONE, "frequency_penalty": _NONE, "repetition_penalty": _NONE,
     "logit_bias": _NONE, "bad_words": _NONE, "allowed_token_ids": _NONE, "min_tokens": (0,), "stop": _NONE,
-    "prediction": _NONE,
+    "prediction": _NONE, "logprob_token_ids": _NONE, "thinking_token_budget": _NONE,
 }
 
 
