@@ -96,7 +96,7 @@ class Intake:
         at = slice(0, len(rows)) if whole else rows
         counts = _counts(sampled)
         if num_spec is not None:
-            self._roll_back_drafts(rows, num_spec, counts)
+            self._roll_back_drafts(rows, num_spec, counts, out)
         if self._drafts_seen or runner_out.draft_token_ids:
             self._take_drafts(rows, runner_out)
         before = batch.num_tokens[at].copy()  # ``at`` may be a slice (a view)
@@ -133,8 +133,10 @@ class Intake:
                                     {r: v for r, v in runner_out.pooled.items() if r in index})
         return np.array(rows, dtype=np.int64), (np.array(num_spec) if any(num_spec) else None), present
 
-    def _roll_back_drafts(self, rows: np.ndarray, num_spec: np.ndarray, counts: np.ndarray) -> None:
-        """A row sampled its accepted drafts + 1: the rejected drafts were computed for nothing."""
+    def _roll_back_drafts(self, rows: np.ndarray, num_spec: np.ndarray, counts: np.ndarray, out: StepOutput) -> None:
+        """A row sampled its accepted drafts + 1: the rejected drafts were computed for nothing. Each drafted request's
+        counts so far go out with the step, so the frontend holds them whoever ends the request (a stop string, a
+        repeat and an abort end it there)."""
         drafted = num_spec.nonzero()[0]
         sent, accepted = num_spec[drafted], counts[drafted] - 1
         self.running.computed[rows[drafted]] -= sent - accepted
@@ -144,6 +146,7 @@ class Intake:
             request = requests[row]
             request.num_draft_tokens += num_sent
             request.num_accepted_draft_tokens += num_accepted
+            out.spec_counts[request.request_id] = (request.num_draft_tokens, request.num_accepted_draft_tokens)
 
     def _take_drafts(self, rows: np.ndarray, runner_out: ModelRunnerOutput) -> None:
         """Each reported request now holds the drafts proposed for it (none when the proposer gave none)."""
@@ -243,8 +246,6 @@ class Intake:
             out.finish_reasons[request.request_id] = request.status.finish_reason
             if request.stop_reason is not None:
                 out.stop_reasons[request.request_id] = request.stop_reason
-            if request.num_draft_tokens:
-                out.spec_counts[request.request_id] = (request.num_draft_tokens, request.num_accepted_draft_tokens)
 
     def _check_tokens(self, request: Request, tokens: list[int], num_before: int) -> int:
         """Apply the stop rules token by token; at the first that ends the request, drop the tokens after it and

@@ -30,3 +30,5 @@ def test_a_repeating_output_ends_where_it_repeats(tiny_llama: Path, spec: dict |
     assert kv.num_free_blocks == kv.pool.num_blocks
     if spec is not None:  # the same tokens get drafts from the third on: the cuts fall inside multi-token steps
         assert results[2].metrics.num_accepted_draft_tokens > 0
+        # the frontend ended the second (its repeat): its drafts are counted all the same
+        assert results[1].metrics.num_draft_tokens >= results[1].metrics.num_accepted_draft_tokens > 0
