@@ -159,14 +159,17 @@ class OutputProcessor:
         state.prompt_logprobs.extend(self._entries(targets, new))
 
     def _entries(self, token_ids: list[int], new: TokenLogprobs) -> list[dict[int, Logprob]]:
-        """One ``{token_id: Logprob}`` per token: the top-k in rank order (or the ``logprob_token_ids`` in the order
-        asked, with their ranks), then the token itself if not among them."""
+        """One ``{token_id: Logprob}`` per token: the top-k in rank order, then the token itself if not among them;
+        with ``logprob_token_ids`` (``top_ranks`` set) the token itself first, then those asked in their order, as
+        vLLM's entries are."""
         text = self._token_text
         entries = []
         for i, token in enumerate(token_ids):
-            ranks = new.top_ranks[i] if new.top_ranks is not None else range(1, len(new.top_ids[i]) + 1)
-            entry = {tid: Logprob(value, rank, text(tid))
-                     for rank, tid, value in zip(ranks, new.top_ids[i], new.top_logprobs[i])}
+            listed = new.top_ranks is not None
+            ranks = new.top_ranks[i] if listed else range(1, len(new.top_ids[i]) + 1)  # type: ignore[index]
+            entry = {token: Logprob(new.sampled_logprobs[i], new.sampled_ranks[i], text(token))} if listed else {}
+            entry.update({tid: Logprob(value, rank, text(tid)) for rank, tid, value
+                          in zip(ranks, new.top_ids[i], new.top_logprobs[i]) if tid not in entry})
             if token not in entry:
                 entry[token] = Logprob(new.sampled_logprobs[i], new.sampled_ranks[i], text(token))
             entries.append(entry)

@@ -82,8 +82,8 @@ def test_chat_logprobs_match_offline(server: ServerProcess, client: openai.OpenA
 
 def test_logprob_token_ids_stand_in_for_the_top_alternatives(server: ServerProcess, client: openai.OpenAI,
                                                              offline: LLM) -> None:
-    """vLLM's ``logprob_token_ids``: chat's ``top_logprobs`` are exactly those tokens, in order, and completions'
-    hold them and the sampled token, with the offline engine's values; chat needs ``logprobs: true``, and beam search
+    """vLLM's ``logprob_token_ids``: chat's ``top_logprobs`` are the sampled token, then those tokens in order, and
+    completions' hold the same, with the offline engine's values; chat needs ``logprobs: true``, and beam search
     and ids outside the vocabulary are 400s that say so."""
     asked = [104, 101, 33]  # "h", "e", "!" in the tiny byte vocabulary (as_ids keeps their names apart)
     prompt_ids = httpx.post(f"{server.base_url}/tokenize", json={"messages": CHAT}).json()["tokens"]
@@ -92,9 +92,10 @@ def test_logprob_token_ids_stand_in_for_the_top_alternatives(server: ServerProce
     body = {**NO_EOS, "logprob_token_ids": asked, "return_tokens_as_token_ids": True}
     chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
                                           logprobs=True, extra_body=body)
-    for item, entry in zip(chat.choices[0].logprobs.content, ref.logprobs):
-        assert [t.token for t in item.top_logprobs] == [f"token_id:{t}" for t in asked]
-        assert [t.logprob for t in item.top_logprobs] == pytest.approx([entry[t].logprob for t in asked], abs=1e-4)
+    for item, token, entry in zip(chat.choices[0].logprobs.content, ref.token_ids, ref.logprobs):
+        shown = [token] + [t for t in asked if t != token]
+        assert [t.token for t in item.top_logprobs] == [f"token_id:{t}" for t in shown]
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx([entry[t].logprob for t in shown], abs=1e-4)
     completion = client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=MAX_TOKENS, temperature=0,
                                            extra_body=body)
     for top, token, entry in zip(completion.choices[0].logprobs.top_logprobs, ref.token_ids, ref.logprobs):

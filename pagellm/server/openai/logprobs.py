@@ -1,15 +1,15 @@
 """The engine's per-token logprobs (``CompletionOutput.logprobs``) in OpenAI's two response shapes.
 
 Contract:
-- Each engine entry is one generated token's ``{token_id: Logprob}``: the top-k alternatives in rank order (a
-  request's ``logprob_token_ids`` in the order asked, instead), then the sampled token when it is not among them.
+- Each engine entry is one generated token's ``{token_id: Logprob}``: the top-k alternatives in rank order, then
+  the sampled token when it is not among them (with ``logprob_token_ids``: the sampled token, then those asked).
 - Completions (``completion_logprobs``): ``tokens`` / ``token_logprobs`` are the sampled tokens' texts and
   logprobs, ``top_logprobs`` maps every entry's text to its logprob (so up to k + 1 items, the sampled token always
   there, as OpenAI documents), ``text_offset`` is each token's start in the choice's text, counted from ``offset``
   (a stream passes the length sent so far) by adding up the token texts. With ``echo`` the prompt's tokens come
   first (``prompt_completion_logprobs``), the first one with null logprob and alternatives.
 - Chat (``chat_logprobs``): one item per token with its text, logprob and UTF-8 ``bytes``, and exactly the top-k
-  alternatives (or the ``logprob_token_ids``) in ``top_logprobs``.
+  alternatives in ``top_logprobs`` (with ``logprob_token_ids``: the sampled token, then those, as vLLM's).
 - ``as_ids`` (a request's ``return_tokens_as_token_ids``, vLLM's): every token is named ``token_id:<id>`` instead of
   its text (a token that is part of a UTF-8 character decodes to U+FFFD alone), ``bytes`` those of that name;
   ``text_offset`` still counts the choice's text.

@@ -262,7 +262,8 @@ def _logprobs(job: _Job, choice: _Choice) -> ChatLogprobs | None:
     """The logprobs of the choice's tokens not sent yet (None when the request did not ask for them)."""
     if job.params.logprobs is None:
         return None
-    num_top = len(job.params.logprob_token_ids) if job.params.logprob_token_ids else job.params.logprobs
+    # with logprob_token_ids, every entry: the sampled token, then those asked (vLLM's top_logprobs)
+    num_top = len(job.params.logprob_token_ids) + 1 if job.params.logprob_token_ids else job.params.logprobs
     return chat_logprobs(*choice.take_logprobs(), num_top=num_top,
                          as_ids=job.request.return_tokens_as_token_ids)
 
