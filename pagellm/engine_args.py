@@ -61,7 +61,8 @@ def _flag_type(field: dataclasses.Field) -> Any:
     hint = str(field.type)
     if field.metadata.get("size"):
         return _size
-    if field.name in ("max_model_len", "max_num_batched_tokens"):  # vLLM's human-readable counts: 32k, 32K
+    if field.name in ("max_model_len", "max_num_batched_tokens", "max_num_scheduled_tokens", "max_num_queued_tokens"):
+        # vLLM's human-readable counts: 32k, 32K
         return token_count
     if "bool" in hint:
         return None

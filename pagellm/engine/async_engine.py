@@ -53,7 +53,7 @@ from pagellm import generation_config, prompt_embeds
 from pagellm.config import EngineConfig
 from pagellm.engine.client import MPClient
 from pagellm.engine.dp_client import DPClient
-from pagellm.engine.exceptions import ASLEEP, EngineDeadError, EngineSleepingError
+from pagellm.engine.exceptions import ASLEEP, EngineDeadError, EngineOverloadedError, EngineSleepingError
 from pagellm.engine.input_processor import InputProcessor, PromptType, as_prompt, load_tokenizer
 from pagellm.engine.operations import EngineOperations
 from pagellm.engine.output_processor import OutputProcessor
@@ -101,7 +101,8 @@ class AsyncLLM(EngineOperations):
         self._shut_down = False
         self._request_log: RequestLog | None = None  # requests are logged only when asked (``log_requests``)
         self._asleep = False  # sleep mode: new requests are refused
-        self._pause = PauseGate(config.scheduler_config.max_num_queued_reqs)  # pausing, and the in-flight limit
+        sched = config.scheduler_config  # pausing, and the limits of requests in flight and of the prefill backlog
+        self._pause = PauseGate(sched.max_num_queued_reqs, sched.max_num_queued_tokens)
 
         def load_text_side() -> None:  # no output can arrive before the handshake, so none meets a half-made engine
             self.tokenizer, self.sampling_defaults = load_text()
@@ -160,7 +161,12 @@ class AsyncLLM(EngineOperations):
         requests = self._make_requests(prompt, params, request_id, priority, cache_salt)
         if self._request_log is not None:
             self._request_log.request(request_id, prompt, requests[0], self.tokenizer)
-        await self._pause.enter(len(requests))
+        core_ids = [r.request_id for r in requests]
+        try:
+            await self._pause.enter(core_ids, len(requests[0].prompt_token_ids))
+        except EngineOverloadedError as exc:
+            self.stats_sink.record(None, IterationStats(time.time(), admission_rejections={exc.reason: 1}))
+            raise
         stream = RequestStream(asyncio.get_running_loop())
         try:
             self._raise_if_dead()  # it may have died while this call waited at a pause
@@ -191,8 +197,9 @@ class AsyncLLM(EngineOperations):
                     if kind == RequestOutputKind.CUMULATIVE or item.finished:
                         yield whole.snapshot(item.finished)
         finally:
-            self._drop([r.request_id for r in requests], notify=False)
+            self._drop(core_ids, notify=False)
             self._pause.leave(len(requests))
+            self._pause.prefilled(core_ids)
 
     def log_requests(self, max_len: int | None = None, outputs: bool = False) -> None:
         """Log each request as it arrives (vLLM's ``--enable-log-requests``): its prompt, sampling parameters and
@@ -284,6 +291,9 @@ class AsyncLLM(EngineOperations):
         if core_id not in self._tracked:  # its caller left (``_drop``) since the outputs were processed
             return
         tracked = self._untrack(core_id) if out.finished else self._tracked[core_id]
+        if not tracked.prefilled:  # its first output: its prompt leaves the prefill backlog
+            tracked.prefilled = True
+            self._pause.prefilled([core_id])
         completion = out.outputs[0]
         completion.index = tracked.index
         out.request_id = tracked.request_id

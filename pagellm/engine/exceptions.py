@@ -17,7 +17,12 @@ class EngineSleepingError(ValueError):
 
 
 class EngineOverloadedError(ValueError):
-    """The engine holds its limit of requests in flight (``max_num_queued_reqs``); the server maps it to HTTP 503."""
+    """The engine holds its limit of requests in flight (``max_num_queued_reqs``) or of prompt tokens waiting for
+    their first output (``max_num_queued_tokens``, ``reason``); the server maps it to HTTP 503."""
+
+    def __init__(self, message: str, reason: str = "max_num_queued_reqs") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 ASLEEP = "the engine is asleep (sleep mode): wake it up first (POST /wake_up, LLM.wake_up())"

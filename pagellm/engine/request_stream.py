@@ -53,6 +53,7 @@ class Tracked:
     prompt: str | None
     prompt_token_ids: list[int]
     output: tuple[list[str], list[int]] | None = None  # its text and ids so far, when outputs are logged
+    prefilled: bool = False  # it had its first output (``PauseGate``'s prefill backlog counts it no more)
 
 
 def with_completion(output: RequestOutput, completion: CompletionOutput) -> RequestOutput:

@@ -30,6 +30,7 @@ prometheus_client.disable_created_metrics()
 PREFIX = "pagellm:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "repetition")
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")  # the limits a new request may be refused by
 
 # Buckets span a fast GPU (milliseconds) and a small CPU box (seconds to minutes).
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -109,6 +110,8 @@ class PrometheusSink:
         self.prefix_hits = c("prefix_cache_hits", "Prompt tokens found in the prefix cache").labels(**labels)
         self.evictions = c("kv_cache_evictions", "KV blocks whose cached contents were evicted").labels(**labels)
         self.aborted = c("num_aborted_requests", "Requests aborted before finishing").labels(**labels)
+        rejected = c("admission_rejections", "Requests refused (HTTP 503) by a queue limit, by the limit", ["reason"])
+        self.rejected = {reason: rejected.labels(reason=reason, **labels) for reason in ADMISSION_REASONS}
         self.spec_drafts = c("spec_decode_num_drafts", "Draft proposals verified").labels(**labels)
         self.spec_draft_tokens = c("spec_decode_num_draft_tokens", "Draft tokens verified").labels(**labels)
         self.spec_accepted = c("spec_decode_num_accepted_tokens", "Draft tokens accepted").labels(**labels)
@@ -178,6 +181,8 @@ class PrometheusSink:
         self.prompt_tokens.inc(it.num_prompt_tokens)
         self.generation_tokens.inc(it.num_generation_tokens)
         self.aborted.inc(it.num_aborted)
+        for reason, count in it.admission_rejections.items():
+            self.rejected[reason].inc(count)
         for value in it.time_to_first_tokens:
             self.ttft.observe(value)
         for value in it.inter_token_latencies:

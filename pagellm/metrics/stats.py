@@ -171,6 +171,7 @@ class IterationStats:
     inter_token_latencies: list[float] = field(default_factory=list)  # one per request that got tokens again
     finished: list[FinishedRequestStats] = field(default_factory=list)
     num_aborted: int = 0                       # requests aborted (client gone, explicit abort)
+    admission_rejections: dict[str, int] = field(default_factory=dict)  # requests refused, by the limit they hit
 
     def observe_tokens(self, stats: RequestStats, num_new_tokens: int, core_times: RequestTimes | None,
                        now: float) -> None:

@@ -35,6 +35,16 @@ class SchedulerConfig:
     max_num_queued_reqs: int | None = _help(
         "Most requests in flight (waiting or running) in a server (vLLM's flag); past it a new request is refused "
         "with HTTP 503, for a load balancer to retry elsewhere. Default: no limit.", default=None)
+    max_num_queued_tokens: int | None = _help(
+        "Most prompt tokens of requests still waiting for their first token, in a server (vLLM's flag, a TTFT "
+        "guard: about the TTFT target times the prefill rate); while the backlog is at it, a new request is refused "
+        "with HTTP 503. Default: no limit.", default=None)
+    max_num_active_seqs: int | None = _help(
+        "Most requests running at once, at most max_num_seqs (vLLM's flag): smaller decode batches. Default: "
+        "max_num_seqs.", default=None)
+    max_num_scheduled_tokens: int | None = _help(
+        "Most tokens the scheduler hands out in one step, at most max_num_batched_tokens (vLLM's flag; drafts "
+        "count in it). Default: max_num_batched_tokens.", default=None)
     stream_interval: int = _help(
         "New tokens per streamed output (vLLM's flag): each stream sends its first token at once, then every N "
         "tokens and its last; larger values send fewer, larger chunks. A request's own stream_interval may raise "
@@ -50,16 +60,27 @@ class SchedulerConfig:
                              f"{self.long_prefill_token_threshold}")
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
             raise ValueError("long_prefill_token_threshold splits prompts into chunks: it needs enable_chunked_prefill")
-        if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 1:
-            raise ValueError(f"max_num_queued_reqs must be >= 1 (or unset: no limit), got {self.max_num_queued_reqs}")
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens", "max_num_active_seqs",
+                     "max_num_scheduled_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (or unset: no limit), got {getattr(self, name)}")
+        if self.max_num_active_seqs is not None and self.max_num_active_seqs > self.max_num_seqs:
+            raise ValueError(f"max_num_active_seqs ({self.max_num_active_seqs}) must be at most max_num_seqs "
+                             f"({self.max_num_seqs})")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1 (new tokens per streamed output), got "
                              f"{self.stream_interval}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r}; use 'fcfs' or 'priority'")
 
+    @property
+    def active_limit(self) -> int:
+        """The most requests running at once (``max_num_active_seqs``, else ``max_num_seqs``)."""
+        return self.max_num_active_seqs or self.max_num_seqs
+
     def token_budget(self, max_model_len: int) -> int:
-        """The per-step token budget once the model's context length is known."""
+        """The per-step token budget once the model's context length is known (``max_num_scheduled_tokens`` where
+        set)."""
         if self.max_num_batched_tokens is not None:
             budget = self.max_num_batched_tokens
         else:
@@ -69,7 +90,14 @@ class SchedulerConfig:
                 f"with chunked prefill off, max_num_batched_tokens ({budget}) must be >= max_model_len "
                 f"({max_model_len}): raise it, lower max_model_len, or enable chunked prefill"
             )
-        return budget
+        scheduled = self.max_num_scheduled_tokens
+        if scheduled is not None and scheduled > budget:
+            raise ValueError(f"max_num_scheduled_tokens ({scheduled}) must be at most max_num_batched_tokens "
+                             f"({budget})")
+        if scheduled is not None and not self.enable_chunked_prefill and scheduled < max_model_len:
+            raise ValueError(f"with chunked prefill off, max_num_scheduled_tokens ({scheduled}) must be >= "
+                             f"max_model_len ({max_model_len})")
+        return scheduled or budget
 
     def for_serving(self) -> SchedulerConfig:
         """This config with the servers' default budget where none was given (chunked prefill on)."""

@@ -78,7 +78,7 @@ class Scheduler(Intake, Admission):
         released as requests move on (``KVCacheManager``; the scheduler then takes its numpy and Python paths, where
         the releases are made). ``kv_events``: record the prefix cache's changes there (``kv/events.py``; the numpy
         and Python paths again, where they are made)."""
-        self.max_num_seqs = config.max_num_seqs
+        self.max_num_seqs = config.active_limit  # max_num_active_seqs, where it is lower
         self.budget = config.token_budget(max_model_len)
         self.chunked_prefill = config.enable_chunked_prefill
         self.chunk_cap = config.long_prefill_token_threshold  # the most tokens a request computes in a step (0: all)

@@ -137,6 +137,44 @@ def test_past_max_num_queued_reqs_a_request_is_refused(tiny_llama: Path, offline
         engine.shutdown()
 
 
+def test_past_max_num_queued_tokens_a_request_is_refused(tiny_llama: Path, run: Any) -> None:
+    """vLLM's ``max_num_queued_tokens``: prompts without a first output (here held at a pause) count against it; at
+    the limit a new request fails at once; a request that leaves, or that has its first output, counts no more."""
+    from pagellm.engine.exceptions import EngineOverloadedError
+
+    from pagellm.metrics.prometheus import PrometheusSink
+
+    sink = PrometheusSink("tiny")
+    engine = AsyncLLM.from_config(engine_config(tiny_llama, max_num_queued_tokens=30), stats_sink=sink)
+    gate = engine._pause
+
+    async def main() -> None:
+        stream, _ = await _started(engine, "a prompt of forty characters, or so: ok", LONG, "decoding")
+        assert gate.queued_tokens == 0  # its first output is out: its prompt left the backlog
+        await engine.pause_generation(mode="keep")
+        held = await _waiting(engine, "twenty characters...", "held")
+        assert gate.queued_tokens == 20
+        second = await _waiting(engine, "another twenty chars", "second")  # under the limit when it came
+        await wait_until(lambda: _async(gate.queued_tokens == 40))
+        with pytest.raises(EngineOverloadedError, match="prefill backlog is at its limit of 30 prompt tokens"):
+            await collect(engine.generate("x", SHORT, "refused"))
+        held.cancel()
+        await wait_until(lambda: _async(gate.queued_tokens == 20 and len(gate._waiters) == 1))
+        later = asyncio.ensure_future(collect(engine.generate("zz", SHORT, "later")))
+        await wait_until(lambda: _async(gate.queued_tokens == 22))
+        await engine.resume_generation()
+        await stream.aclose()
+        assert [len(_ids(await task)) for task in (second, later)] == [6, 6]
+
+    try:
+        run(main())
+        assert gate.queued_tokens == 0 and not gate._prefilling and run(all_blocks_free(engine))
+        assert 'pagellm:admission_rejections_total{model_name="tiny",reason="max_num_queued_tokens"} 1.0' in \
+            sink.render().decode()
+    finally:
+        engine.shutdown()
+
+
 def test_a_request_waiting_at_a_pause_fails_when_the_engine_stops(tiny_llama: Path, run: Any) -> None:
     from pagellm.engine.exceptions import EngineDeadError
 

@@ -141,6 +141,27 @@ def test_max_num_seqs_caps_running_requests():
     assert [out.finished_req_ids for out, _ in trace] == [[], [], ["A", "B"], []]
 
 
+def test_max_num_active_seqs_and_max_num_scheduled_tokens_narrow_the_step():
+    """vLLM's ``max_num_active_seqs`` caps the running requests below ``max_num_seqs``, and
+    ``max_num_scheduled_tokens`` the tokens a step hands out below ``max_num_batched_tokens``; either past its
+    ceiling is refused by name."""
+    config = SchedulerConfig(max_num_seqs=8, max_num_active_seqs=2, max_num_batched_tokens=64,
+                             max_num_scheduled_tokens=8)
+    for fast_path in (True, False):
+        sched = Scheduler(config, CacheConfig(block_size=16), 64, 1024, fast_path=fast_path)
+        for rid in "ABC":
+            sched.add_request(make_request(rid, range(6), max_tokens=2))
+        trace = run_to_completion(sched)
+        # 8 tokens a step at most; C waits in step 2 though 3 tokens are left: two requests run already
+        assert scheduled_trace(trace) == [{"A": 6, "B": 2}, {"A": 1, "B": 4}, {"B": 1, "C": 6}, {"C": 1}]
+    for fields, message in (({"max_num_active_seqs": 9}, r"max_num_active_seqs \(9\) must be at most max_num_seqs"),
+                            ({"max_num_scheduled_tokens": 0}, "max_num_scheduled_tokens must be >= 1")):
+        with pytest.raises(ValueError, match=message):
+            SchedulerConfig(max_num_seqs=8, **fields)
+    with pytest.raises(ValueError, match=r"max_num_scheduled_tokens \(128\) must be at most max_num_batched_tokens"):
+        SchedulerConfig(max_num_batched_tokens=64, max_num_scheduled_tokens=128).token_budget(1024)
+
+
 # ------------------------------------------------------------------------------------------ prefix cache
 def test_prefix_hit_skips_compute():
     sched = make_scheduler()
