@@ -37,14 +37,29 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times (``time.time()``) of the request's life."""
+    """Wall-clock times (``time.time()``) of the request's life, and its speculative decoding so far."""
 
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
-    # Speculative decoding, once the request finished: draft tokens verified for it, and how many were accepted.
+    # Speculative decoding: draft tokens verified for it, and how many were accepted.
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    queued_time: float | None = None      # the engine core's: into its waiting queue (known with the first token)
+    scheduled_time: float | None = None   # the engine core's: first admitted into the running batch
+    last_token_time: float | None = None
+    # Per verify step: ``spec_histogram[j]`` steps accepted j drafts; ``spec_steps`` each step's (drafted, accepted)
+    spec_histogram: list[int] = field(default_factory=list)
+    spec_steps: list[tuple[int, int]] = field(default_factory=list)
+
+    def observe_spec(self, drafted: int, accepted: int) -> None:
+        """One verify step of this request: ``drafted`` draft tokens, ``accepted`` of them accepted."""
+        self.num_draft_tokens += drafted
+        self.num_accepted_draft_tokens += accepted
+        if len(self.spec_histogram) <= accepted:
+            self.spec_histogram.extend([0] * (accepted + 1 - len(self.spec_histogram)))
+        self.spec_histogram[accepted] += 1
+        self.spec_steps.append((drafted, accepted))
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -19,7 +19,7 @@ from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.wire import EngineCoreRequest, StepOutput
 from pagellm.metrics.stats import IterationStats, RequestStats
 from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagellm.sched.output import TokenLogprobs
+from pagellm.sched.output import FirstOutput, TokenLogprobs
 from pagellm.repetition import STOP_REASON as REPEATED
 from pagellm.repetition import RepetitionDetectionParams, repeats_at
 from pagellm.request import FinishReason
@@ -119,10 +119,7 @@ class OutputProcessor:
             if repeated:  # the output ends with the token that made it repeat
                 new_token_ids = new_token_ids[:repeated]
             first = step.first.get(request_id)
-            if first is not None:
-                state.num_cached_tokens = first.num_cached_tokens
-            if state.metrics.first_token_time is None and new_token_ids:
-                state.metrics.first_token_time = now
+            _note_times(state, first, bool(new_token_ids), now)
             if state.logprobs is not None:
                 self._add_logprobs(state, new_token_ids, step.logprobs.get(request_id))
             assert state.stats is not None
@@ -133,7 +130,7 @@ class OutputProcessor:
             if state.prompt_logprobs is not None and prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, prompt_logprobs)
             if request_id in step.spec_counts:
-                state.metrics.num_draft_tokens, state.metrics.num_accepted_draft_tokens = step.spec_counts[request_id]
+                state.metrics.observe_spec(*step.spec_counts[request_id])
             if self._apply(state, new_token_ids, finish_reason, step.stop_reasons.get(request_id), bool(repeated)):
                 to_abort.append(request_id)
             if state.finish_reason is not None:
@@ -199,6 +196,19 @@ class OutputProcessor:
         if finish_reason is not None:
             state.finish_reason, state.stop_reason = str(finish_reason), stop_reason
         return False
+
+
+def _note_times(state: RequestState, first: FirstOutput | None, got_tokens: bool, now: float) -> None:
+    """The request's times in its metrics: the core's queue and schedule times with its first output, and the
+    frontend's first and last token times."""
+    metrics = state.metrics
+    if first is not None:
+        state.num_cached_tokens = first.num_cached_tokens
+        metrics.queued_time, metrics.scheduled_time = first.times.queued, first.times.scheduled
+    if got_tokens:
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
 
 
 def _repeated(state: RequestState, new_token_ids: list[int], core_finished: bool) -> int:

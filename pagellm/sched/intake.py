@@ -135,8 +135,8 @@ class Intake:
 
     def _roll_back_drafts(self, rows: np.ndarray, num_spec: np.ndarray, counts: np.ndarray, out: StepOutput) -> None:
         """A row sampled its accepted drafts + 1: the rejected drafts were computed for nothing. Each drafted request's
-        counts so far go out with the step, so the frontend holds them whoever ends the request (a stop string, a
-        repeat and an abort end it there)."""
+        verify step goes out with the step's news (drafted, accepted), which the frontend adds up, so it holds them
+        whoever ends the request (a stop string, a repeat and an abort end it there)."""
         drafted = num_spec.nonzero()[0]
         sent, accepted = num_spec[drafted], counts[drafted] - 1
         self.running.computed[rows[drafted]] -= sent - accepted
@@ -146,7 +146,7 @@ class Intake:
             request = requests[row]
             request.num_draft_tokens += num_sent
             request.num_accepted_draft_tokens += num_accepted
-            out.spec_counts[request.request_id] = (request.num_draft_tokens, request.num_accepted_draft_tokens)
+            out.spec_counts[request.request_id] = (num_sent, num_accepted)
 
     def _take_drafts(self, rows: np.ndarray, runner_out: ModelRunnerOutput) -> None:
         """Each reported request now holds the drafts proposed for it (none when the proposer gave none)."""

@@ -148,7 +148,7 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: dict[str, TokenLogprobs] = {}
     first: dict[str, FirstOutput] = {}             # requests whose first output tokens are in this step
     pooled: dict[str, bytes] = {}                  # pooling requests: float32 bytes of the last prompt hidden state
-    spec_counts: dict[str, tuple[int, int]] = {}   # requests verified drafts this step: (verified, accepted) so far
+    spec_counts: dict[str, tuple[int, int]] = {}   # requests that verified drafts this step: (drafted, accepted)
 
     def __len__(self) -> int:
         return len(self.req_ids)

@@ -22,6 +22,7 @@ from pagellm import envs
 from pagellm.chat_content import CONTENT_FORMATS
 from pagellm.server.openai import reasoning
 from pagellm.server.openai.protocol import RequestDefaults
+from pagellm.server.openai.request_metrics import SPEC_LEVELS
 from pagellm.server.openai.tool_parsers import PARSERS, get_parser, load_plugin
 
 
@@ -216,6 +217,13 @@ def _add_request_args(cmd: argparse.ArgumentParser) -> None:
                           help="send an SSE comment line every SECONDS a streamed completion or chat has nothing "
                                "to send (queued, in prefill, between tokens), so proxies with read timeouts keep the "
                                "connection (default 0: never)")
+    requests.add_argument("--enable-per-request-metrics", action="store_true",
+                          help="completion and chat responses (a stream's usage chunk) carry the request's own "
+                               "timing under metrics: queue, time to first token, generation time, mean ITL, tokens/s")
+    requests.add_argument("--per-request-spec-decode-metrics", choices=SPEC_LEVELS, default="none",
+                          help="with speculative decoding, responses carry metrics.speculative_decoding: summary (the "
+                               "acceptance histogram, mean acceptance length, rate) or detailed (and every verify "
+                               "step's counts)")
     requests.add_argument("--trust-request-chat-template", action="store_true",
                           help="let chat requests bring their own chat_template (Jinja run on the server, sandboxed)")
     requests.add_argument("--enable-request-id-headers", action="store_true",
@@ -258,7 +266,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                             args.return_tokens_as_token_ids or bool(getattr(args, "skip_tokenizer_init", False)),
                             args.default_chat_template_kwargs, args.response_role,
                             args.exclude_tools_when_tool_choice_none, args.trust_request_chat_template,
-                            _seconds(args.sse_keep_alive_interval, "--sse-keep-alive-interval", "off")),
+                            _seconds(args.sse_keep_alive_interval, "--sse-keep-alive-interval", "off"),
+                            args.enable_per_request_metrics, args.per_request_spec_decode_metrics),
                         args.enable_request_id_headers, args.enable_log_requests, _max_log_len(args),
                         args.uds, args.enable_server_load_tracking, args.chat_template_content_format,
                         not args.disable_fastapi_docs, tuple(args.middleware), _log_outputs(args),

@@ -20,3 +20,4 @@ class RuntimeInfo:
     # Every layer slides over this many positions: the scheduler releases the blocks behind it (0: keeps them all)
     kv_window: int = 0
     labels: tuple[str, ...] = ()  # a sequence classifier's class names: its pooled outputs are their logits
+    num_spec_tokens: int = 0  # with speculation: the drafts a step verifies at most (num_speculative_tokens)

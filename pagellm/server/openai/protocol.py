@@ -55,6 +55,8 @@ class RequestDefaults:
     exclude_tools_when_tool_choice_none: bool = False  # --exclude-tools-when-tool-choice-none: no tools to templates
     trust_request_chat_template: bool = False  # --trust-request-chat-template: a request may bring its own template
     sse_keep_alive_interval: float = 0.0  # --sse-keep-alive-interval: SSE comments on an idle stream (0: none)
+    per_request_metrics: bool = False  # --enable-per-request-metrics: responses carry their timing (request_metrics)
+    spec_decode_metrics: str = "none"  # --per-request-spec-decode-metrics: ... and their drafts' acceptance
 
     def apply(self, request: SamplingRequest) -> None:
         """Fill ``request`` (a completion or chat request) in place."""

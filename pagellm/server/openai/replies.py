@@ -12,9 +12,11 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, Field
 
 from pagellm.server.openai import tools as tooling
+from pagellm.server.openai.request_metrics import PerRequestMetrics
 
 def _token_ids() -> Any:
-    """A ``return_token_ids`` field: left out of the JSON unless set."""
+    """A ``return_token_ids`` field (or another that only some requests ask for): left out of the JSON unless
+    set."""
     return Field(default=None, exclude_if=lambda value: value is None)
 
 
@@ -85,6 +87,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Optional[UsageInfo] = None
     system_fingerprint: Optional[str] = None
+    metrics: Optional[PerRequestMetrics] = _token_ids()  # --enable-per-request-metrics (request_metrics.py)
 
 
 # ---- chat completions -------------------------------------------------------------------------------------------
@@ -129,6 +132,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: Optional[str] = None
     prompt_logprobs: Optional[PromptLogprobs] = None
     prompt_token_ids: Optional[list[int]] = _token_ids()
+    metrics: Optional[PerRequestMetrics] = _token_ids()
 
 
 class ChatDelta(BaseModel):
@@ -156,6 +160,7 @@ class ChatCompletionChunk(BaseModel):
     usage: Optional[UsageInfo] = None
     system_fingerprint: Optional[str] = None
     prompt_token_ids: Optional[list[int]] = _token_ids()  # the first chunk's, with return_token_ids
+    metrics: Optional[PerRequestMetrics] = _token_ids()  # the usage chunk's, with per-request metrics
 
 
 # ---- models ------------------------------------------------------------------------------------------------

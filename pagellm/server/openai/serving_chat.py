@@ -35,6 +35,7 @@ from pagellm.server.openai.protocol import ChatCompletionRequest, RequestDefault
 from pagellm.server.openai.replies import (ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk,
                                            ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage,
                                            CompletionTokensDetails, UsageInfo)
+from pagellm.server.openai.request_metrics import PerRequestMetrics
 from pagellm.server.openai.serving_engine import ChoiceState as _Choice
 from pagellm.server.openai.reasoning import ReasoningStream, closed_in_prompt, get_reasoning_parser
 from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing, random_id
@@ -159,7 +160,11 @@ class OpenAIServingChat(OpenAIServing):
         result = [_choice(job, i, c) for i, c in sorted(choices.items())]
         return ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=result,
                                       usage=job.usage(choices), prompt_logprobs=prompt_logprobs_body(prompt_logprobs),
-                                      prompt_token_ids=job.prompt if job.request.return_token_ids else None)
+                                      prompt_token_ids=job.prompt if job.request.return_token_ids else None,
+                                      metrics=self._metrics(job, choices))
+
+    def _metrics(self, job: _Job, choices: dict[int, _Choice]) -> Optional[PerRequestMetrics]:
+        return self.response_metrics(choices, job.params.num_candidates == 1 and job.beam is None)
 
     async def stream(self, job: _Job) -> AsyncIterator[str]:
         writer = ChunkWriter("chat", job.request_id, job.created, job.model)
@@ -181,7 +186,7 @@ class OpenAIServingChat(OpenAIServing):
                 elif (piece := _piece(job, index, choice, text)) is not None:
                     yield _chunk(job, [piece], usage)
             if job.request.include_usage:
-                yield _chunk(job, [], job.usage(job.choices))
+                yield _chunk(job, [], job.usage(job.choices), metrics=self._metrics(job, job.choices))
         except Exception as exc:
             yield sse_error(exc)
         yield "data: [DONE]\n\n"
@@ -269,9 +274,9 @@ def _logprobs(job: _Job, choice: _Choice) -> ChatLogprobs | None:
 
 
 def _chunk(job: _Job, choices: list[ChatChunkChoice], usage: UsageInfo | None = None,
-           prompt_token_ids: Optional[list[int]] = None) -> str:
+           prompt_token_ids: Optional[list[int]] = None, metrics: Optional[PerRequestMetrics] = None) -> str:
     body = ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model, choices=choices,
-                               usage=usage, prompt_token_ids=prompt_token_ids)
+                               usage=usage, prompt_token_ids=prompt_token_ids, metrics=metrics)
     return f"data: {body.model_dump_json()}\n\n"
 
 

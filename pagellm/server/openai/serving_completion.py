@@ -34,6 +34,7 @@ from pagellm.server.openai.logprobs import (completion_logprobs, prompt_completi
                                             prompt_logprobs_body)
 from pagellm.server.openai.protocol import CompletionRequest
 from pagellm.server.openai.replies import CompletionChoice, CompletionLogprobs, CompletionResponse, UsageInfo
+from pagellm.server.openai.request_metrics import PerRequestMetrics
 from pagellm.server.openai.serving_engine import ChoiceState as _Choice
 from pagellm.server.openai.serving_engine import OpenAIServing, random_id
 
@@ -113,7 +114,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                            prompt_token_ids=job.prompt_ids(index // job.request.n) if ids else None,
                                            token_ids=choice.output_ids if ids else None))
         return CompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=result,
-                                  usage=job.usage(choices))
+                                  usage=job.usage(choices), metrics=self._metrics(job, choices))
 
     async def stream(self, job: _Job) -> AsyncIterator[str]:
         choices: dict[int, _Choice] = {}
@@ -144,7 +145,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         stop_reason=choice.stop_reason, prompt_token_ids=job.prompt_ids(prompt_index) if ids and first
                         else None, token_ids=choice.take_ids() if ids else None)], usage)
             if job.request.include_usage:
-                yield self._chunk(job, [], job.usage(choices))
+                yield self._chunk(job, [], job.usage(choices), self._metrics(job, choices))
         except Exception as exc:
             yield sse_error(exc)
         yield "data: [DONE]\n\n"
@@ -184,8 +185,13 @@ class OpenAIServingCompletion(OpenAIServing):
                                                          result=prompt, as_ids=as_ids)
         return result
 
+    def _metrics(self, job: _Job, choices: dict[int, _Choice]) -> PerRequestMetrics | None:
+        return self.response_metrics(choices, len(job.prompts) == 1 and job.params.num_candidates == 1
+                                     and job.beam is None)
+
     @staticmethod
-    def _chunk(job: _Job, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+    def _chunk(job: _Job, choices: list[CompletionChoice], usage: UsageInfo | None = None,
+               metrics: PerRequestMetrics | None = None) -> str:
         body = CompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=choices,
-                                  usage=usage)
+                                  usage=usage, metrics=metrics)
         return f"data: {body.model_dump_json()}\n\n"

@@ -34,12 +34,13 @@ from pagellm import prompt_embeds
 from pagellm.engine.input_processor import CLASSIFY_ONLY, EMBEDS_OFF, POOLING_ONLY, check_prompt, cut
 from pagellm.lora import LoRARequest
 from pagellm.metrics.stats import SchedulerStats
-from pagellm.outputs import Logprob, RequestOutput
+from pagellm.outputs import Logprob, RequestMetrics, RequestOutput
 from pagellm.prompt_embeds import PromptEmbeds
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.server.openai import serving_beam
 from pagellm.server.openai.errors import APIError
 from pagellm.server.openai.protocol import RequestDefaults, SamplingRequest
+from pagellm.server.openai.request_metrics import PerRequestMetrics, response_metrics
 from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class ChoiceState:
     num_cached_tokens: int = 0  # the prompt tokens its request found in the prefix cache
     num_draft_tokens: int = 0   # speculative drafts verified for it (known once it finished), and those accepted
     num_accepted_draft_tokens: int = 0
+    metrics: Optional[RequestMetrics] = None  # its request's, once it finished
     text_offset: int = 0   # completions logprobs: where the next unsent token starts in the text
     token_ids: list[int] = field(default_factory=list)        # the tokens whose logprobs are not sent yet
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
@@ -153,6 +155,7 @@ class ChoiceState:
             self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
             self.num_draft_tokens = output.metrics.num_draft_tokens
             self.num_accepted_draft_tokens = output.metrics.num_accepted_draft_tokens
+            self.metrics = output.metrics
         return completion.text
 
     def take_ids(self) -> list[int]:
@@ -181,6 +184,7 @@ class OpenAIServing:
         self.model_names = list(model_names)
         self.max_model_len: int = engine.runtime.max_model_len
         self.vocab_size: int = engine.runtime.vocab_size
+        self.num_spec_tokens: int = getattr(engine.runtime, "num_spec_tokens", 0)  # the most drafts a step verifies
 
     def check_model(self, name: Optional[str]) -> str:
         """The model name to answer with; 404 (as OpenAI does) for a model this server does not serve."""
@@ -201,6 +205,15 @@ class OpenAIServing:
             raise APIError(why, 400, param=name, code="unsupported_parameter")
         params: SamplingParams = request.to_sampling_params(self.sampling_defaults)  # type: ignore[attr-defined]
         return model, self.check_params(model, params)
+
+    def response_metrics(self, choices: dict[int, ChoiceState], single: bool) -> Optional[PerRequestMetrics]:
+        """A response's ``metrics`` (``request_metrics.py``), for one generation only: ``single`` when the request
+        was one prompt and one sample, not a beam search."""
+        if not single or len(choices) != 1:
+            return None
+        (choice,) = choices.values()
+        return response_metrics(choice.metrics, choice.num_tokens, True, self.defaults.per_request_metrics,
+                                self.defaults.spec_decode_metrics, self.num_spec_tokens)
 
     def check_embeds(self) -> None:
         """Embeddings (and the scores made of them) need a model whose pooled output is its hidden state: a
