@@ -13,7 +13,9 @@ as ``<think>`` and ``</think>`` are in Qwen3's and DeepSeek-R1's), sends each th
 - ``logprob_token_ids``: completions and chat at each generated position, the tokens listed (in chat's
   ``top_logprobs``, in order) and their logprobs (within 1e-3);
 - ``truncation_side``: ``truncate_prompt_tokens`` with "right" and "left", the prompt token ids kept and the tokens
-  generated.
+  generated;
+- ``--enable-per-request-metrics``: the names of the figures a response's ``metrics`` carries, whole and in a
+  stream's usage chunk (their values are each server's own).
 
 Prints each check and what differs; exits 1 if anything does.
 
@@ -65,6 +67,10 @@ def requests(label_ids: list[int], start: str, end: str) -> dict[str, tuple[str,
                                                   "truncate_prompt_tokens": 9, "truncation_side": "right"}),
         "truncation_side left": ("completions", {**GREEDY, "prompt": long, "max_tokens": 6, "return_token_ids": True,
                                                  "truncate_prompt_tokens": 9, "truncation_side": "left"}),
+        "metrics, completions": ("completions", {**GREEDY, "prompt": long, "max_tokens": 6}),
+        "metrics, chat stream": ("chat/completions", {**GREEDY, "messages": [{"role": "user", "content": "Hi"}],
+                                                      "max_tokens": 6, "stream": True,
+                                                      "stream_options": {"include_usage": True}}),
     }
 
 
@@ -81,8 +87,12 @@ def replies(system: systems.System, asks: dict[str, tuple[str, dict[str, Any]]])
         out = {}
         for name, (route, body) in asks.items():
             reply = httpx.post(f"{base_url}/v1/{route}", json=body, timeout=120)
-            out[name] = reply.json() if reply.status_code == 200 else {"status": reply.status_code,
-                                                                        "error": reply.text[:300]}
+            if reply.status_code != 200:
+                out[name] = {"status": reply.status_code, "error": reply.text[:300]}
+            elif body.get("stream"):  # the last chunk before [DONE]: the usage chunk
+                out[name] = json.loads([line for line in reply.text.splitlines() if line.startswith("data: {")][-1][6:])
+            else:
+                out[name] = reply.json()
         return out
     finally:
         stop(proc)
@@ -100,6 +110,12 @@ def _completion_lists(reply: dict[str, Any]) -> list[dict[str, float]]:
 def _chat_lists(reply: dict[str, Any]) -> list[list[tuple[str, float]]]:
     return [[(t["token"], t["logprob"]) for t in item["top_logprobs"]]
             for item in reply["choices"][0]["logprobs"]["content"]]
+
+
+def _metric_names(reply: dict[str, Any]) -> list[str]:
+    """The figures ``metrics`` holds (vLLM writes an absent ``speculative_decoding`` as null in a whole response and
+    leaves it out of a stream's chunk; pagellm leaves it out of both)."""
+    return sorted(name for name, value in (reply.get("metrics") or {}).items() if value is not None)
 
 
 def _close(a: Any, b: Any) -> bool:
@@ -120,6 +136,8 @@ def compare(theirs: dict[str, dict[str, Any]], ours: dict[str, dict[str, Any]]) 
         view: Callable[[dict[str, Any]], Any] = _tokens
         if "logprob_token_ids" in name:
             view = _chat_lists if "chat" in name else _completion_lists
+        elif name.startswith("metrics"):
+            view = _metric_names
         if "status" in a or "status" in b:
             same, shown = a == b, (a, b)
         else:
@@ -146,7 +164,8 @@ def main() -> None:
     tokenizer = Tokenizer.from_dir(model_dir)
     label_ids = [tokenizer.encode(word, add_special_tokens=False)[0] for word in (" Paris", " London", " Berlin")]
     asks = requests(label_ids, start, end)
-    flags = ("--reasoning-config", json.dumps({"reasoning_start_str": start, "reasoning_end_str": end}))
+    flags = ("--reasoning-config", json.dumps({"reasoning_start_str": start, "reasoning_end_str": end}),
+             "--enable-per-request-metrics")
     got = {}
     for name in ("vllm", "pagellm"):
         ctx = systems.Context(model_dir, gguf, dtype="float32", **{f"{name}_flags": flags})

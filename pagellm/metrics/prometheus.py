@@ -15,6 +15,7 @@ Contract:
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 from typing import Any, Sequence
@@ -40,6 +41,26 @@ TOKEN_LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0
 REQUEST_LATENCY_BUCKETS = [0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+# vLLM's histogram bucket families (``--custom-histogram-buckets``); the last three name vLLM series pagellm has not
+BUCKET_FAMILIES = ("request_latency", "time_to_first_token", "inter_token_latency", "iteration_tokens",
+                   "request_tokens", "request_params_n", "request_num_preemptions", "kv_cache_residency")
+
+
+def check_buckets(value: Any) -> dict[str, list[float]]:
+    """``--custom-histogram-buckets``' mapping, checked: known families, each a non-empty list of strictly
+    increasing, positive, finite bounds (ValueError naming what to fix)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"custom histogram buckets must be a JSON object of family: [bounds], got {value!r}")
+    for family, bounds in value.items():
+        if family not in BUCKET_FAMILIES:
+            raise ValueError(f"custom histogram buckets: unknown family {family!r}; known: "
+                             f"{', '.join(BUCKET_FAMILIES)}")
+        numbers = isinstance(bounds, list) and bounds and all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) and b > 0 for b in bounds)
+        if not numbers or any(a >= b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"custom histogram buckets[{family!r}]: give a non-empty list of positive, finite, "
+                             f"strictly increasing bounds, got {bounds!r}")
+    return {family: [float(b) for b in bounds] for family, bounds in value.items()}
 
 
 def token_count_buckets(max_value: int) -> list[float]:
@@ -59,13 +80,15 @@ class PrometheusSink:
     """Stats sink feeding Prometheus series (see the module docstring)."""
 
     def __init__(self, model_name: str, cache_config: Any = None, max_model_len: int = 4096,
-                 num_blocks: int = 0, registry: CollectorRegistry | None = None, engine_series: bool = True) -> None:
+                 num_blocks: int = 0, registry: CollectorRegistry | None = None, engine_series: bool = True,
+                 buckets: dict[str, list[float]] | None = None) -> None:
         import pagellm
 
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         labels = {"model_name": model_name}
         self._labels = labels
+        self._buckets = buckets or {}  # bucket family → bounds that replace its defaults (--custom-histogram-buckets)
         if engine_series:  # False (stats off): only the info series, rather than engine series stuck at zero
             self._make_gauges(labels)
             self._make_counters(labels)
@@ -82,8 +105,9 @@ class PrometheusSink:
     def _counter(self, name: str, doc: str, extra: Sequence[str] = ()) -> Counter:
         return Counter(PREFIX + name, doc, ["model_name", *extra], registry=self.registry)
 
-    def _histogram(self, name: str, doc: str, buckets: list[float]) -> Histogram:
-        return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+    def _histogram(self, name: str, doc: str, buckets: list[float], family: str) -> Histogram:
+        return Histogram(PREFIX + name, doc, ["model_name"], buckets=self._buckets.get(family, buckets),
+                         registry=self.registry)
 
     def _make_gauges(self, labels: dict[str, str]) -> None:
         self.running = self._gauge("num_requests_running", "Requests in the running batch").labels(**labels)
@@ -121,23 +145,22 @@ class PrometheusSink:
     def _make_histograms(self, labels: dict[str, str], max_model_len: int) -> None:
         h = self._histogram
         counts = token_count_buckets(max_model_len)
-        self.ttft = h("time_to_first_token_seconds", "Arrival to first token", TTFT_BUCKETS).labels(**labels)
-        self.itl = h("inter_token_latency_seconds", "Gap between a request's successive outputs",
-                     TOKEN_LATENCY_BUCKETS).labels(**labels)
+        ttft, itl, latency = (TTFT_BUCKETS, "time_to_first_token"), (TOKEN_LATENCY_BUCKETS, "inter_token_latency"), \
+            (REQUEST_LATENCY_BUCKETS, "request_latency")
+        self.ttft = h("time_to_first_token_seconds", "Arrival to first token", *ttft).labels(**labels)
+        self.itl = h("inter_token_latency_seconds", "Gap between a request's successive outputs", *itl).labels(**labels)
         self.tpot = h("request_time_per_output_token_seconds", "Per request: decode time / (output tokens - 1)",
-                      TOKEN_LATENCY_BUCKETS).labels(**labels)
-        self.e2e = h("e2e_request_latency_seconds", "Arrival to last token", REQUEST_LATENCY_BUCKETS).labels(**labels)
-        self.queue = h("request_queue_time_seconds", "Time waiting before first scheduled",
-                       REQUEST_LATENCY_BUCKETS).labels(**labels)
-        self.prefill = h("request_prefill_time_seconds", "First scheduled to first token",
-                         REQUEST_LATENCY_BUCKETS).labels(**labels)
-        self.decode = h("request_decode_time_seconds", "First token to last token",
-                        REQUEST_LATENCY_BUCKETS).labels(**labels)
-        self.req_prompt = h("request_prompt_tokens", "Prompt length of finished requests", counts).labels(**labels)
-        self.req_generation = h("request_generation_tokens", "Output length of finished requests",
-                                counts).labels(**labels)
+                      *itl).labels(**labels)
+        self.e2e = h("e2e_request_latency_seconds", "Arrival to last token", *latency).labels(**labels)
+        self.queue = h("request_queue_time_seconds", "Time waiting before first scheduled", *latency).labels(**labels)
+        self.prefill = h("request_prefill_time_seconds", "First scheduled to first token", *latency).labels(**labels)
+        self.decode = h("request_decode_time_seconds", "First token to last token", *latency).labels(**labels)
+        self.req_prompt = h("request_prompt_tokens", "Prompt length of finished requests", counts,
+                            "request_tokens").labels(**labels)
+        self.req_generation = h("request_generation_tokens", "Output length of finished requests", counts,
+                                "request_tokens").labels(**labels)
         self.iteration_tokens = h("iteration_tokens_total", "Tokens computed per engine step",
-                                  ITERATION_TOKEN_BUCKETS).labels(**labels)
+                                  ITERATION_TOKEN_BUCKETS, "iteration_tokens").labels(**labels)
 
     def _cache_info(self, cache_config: Any, num_blocks: int) -> None:
         info = self._gauge("cache_config_info", "KV-cache configuration",

@@ -69,7 +69,8 @@ def build_frontend(engine: EngineClient, config: EngineConfig, names: list[str],
         load_plugin(options.tool_parser_plugin)
     if options.reasoning_parser_plugin is not None:
         reasoning.load_plugin(options.reasoning_parser_plugin)
-    obs = build_observability(names[0], config, engine.runtime, options.log_stats, options.otlp_traces_endpoint)
+    obs = build_observability(names[0], config, engine.runtime, options.log_stats, options.otlp_traces_endpoint,
+                              buckets=options.histogram_buckets)
     engine.stats_sink = obs.sink
     loras = lora_requests(engine, names, options)
     app = build_app(engine, names, options.api_key, model_root=config.model_config.model, observability=obs,

@@ -36,9 +36,10 @@ class Observability:
 
 
 def build_observability(model_name: str, config: EngineConfig, runtime: Any, log_stats: bool = True,
-                        otlp_traces_endpoint: Optional[str] = None, log_interval_s: float = 5.0) -> Observability:
+                        otlp_traces_endpoint: Optional[str] = None, log_interval_s: float = 5.0,
+                        buckets: Optional[dict[str, list[float]]] = None) -> Observability:
     prom = prometheus.PrometheusSink(model_name, config.cache_config, runtime.max_model_len, runtime.num_blocks,
-                                     engine_series=log_stats)
+                                     engine_series=log_stats, buckets=buckets)
     history = StatsHistory()
     sinks: list[StatsSink] = [prom, LogStatsSink(log_interval_s), history] if log_stats else []
     tracing = None

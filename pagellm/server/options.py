@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import ssl
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -25,6 +26,7 @@ from pagellm.server.openai.protocol import RequestDefaults
 from pagellm.server.openai.request_metrics import SPEC_LEVELS
 from pagellm.server.openai.tool_parsers import PARSERS, get_parser, load_plugin
 
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class ServeOptions:
     reasoning_parser_plugin: Optional[str] = None  # a file registering reasoning parsers, run where the app is built
     shutdown_timeout: float = 5.0  # on SIGTERM/SIGINT, the seconds requests in flight get to finish (0: none)
     access_log_skip: tuple[str, ...] = ()  # paths the access log leaves out (--disable-access-log-for-endpoints)
+    histogram_buckets: Optional[dict[str, list[float]]] = None  # --custom-histogram-buckets: family → bounds
 
 
 def _json_list(value: str) -> list[str]:
@@ -172,6 +175,10 @@ def _add_app_args(cmd: argparse.ArgumentParser) -> None:
                           "flag), for a load balancer that picks the least loaded replica")
     app.add_argument("--disable-log-stats", action="store_true",
                      help="turn engine stats off: no Prometheus engine series, no stats log line, no dashboard data")
+    app.add_argument("--custom-histogram-buckets", type=_json_object, default=None, metavar="JSON",
+                     help="Prometheus histogram bounds by family (vLLM's flag), replacing its defaults, e.g. "
+                          "'{\"time_to_first_token\": [0.1, 0.5, 1, 2, 5]}'; families: request_latency, "
+                          "time_to_first_token, inter_token_latency, iteration_tokens, request_tokens")
     app.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                      help="export one OpenTelemetry span per request to this OTLP endpoint (gRPC by default, e.g. "
                           "http://127.0.0.1:4317; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for HTTP)")
@@ -273,7 +280,21 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                         not args.disable_fastapi_docs, tuple(args.middleware), _log_outputs(args),
                         args.tool_parser_plugin, args.enable_tokenizer_info_endpoint, args.reasoning_parser_plugin,
                         _seconds(args.shutdown_timeout, "--shutdown-timeout", "at once"),
-                        tuple(p.strip() for p in (args.disable_access_log_for_endpoints or "").split(",") if p.strip()))
+                        tuple(p.strip() for p in (args.disable_access_log_for_endpoints or "").split(",") if p.strip()),
+                        _buckets(args))
+
+
+def _buckets(args: argparse.Namespace) -> Optional[dict[str, list[float]]]:
+    if args.custom_histogram_buckets is None:
+        return None
+    from pagellm.metrics.prometheus import BUCKET_FAMILIES, check_buckets
+
+    buckets = check_buckets(args.custom_histogram_buckets)
+    unused = [family for family in buckets if family in BUCKET_FAMILIES[5:]]
+    if unused:
+        logger.warning("--custom-histogram-buckets: pagellm has no series of the families %s; their bounds change "
+                       "nothing", ", ".join(unused))
+    return buckets
 
 
 def _seconds(value: float, flag: str, zero: str) -> float:

@@ -2,7 +2,7 @@
 ``--per-request-spec-decode-metrics``) through the ``openai`` SDK and raw HTTP: a server with both and n-gram
 speculation answers each one-sample request with its timing and its drafts' acceptance, consistent with each other
 and with the usage, whole and in a stream's usage chunk; requests of several samples, and a server without the
-flags, carry none."""
+flags, carry none. And vLLM's ``--custom-histogram-buckets`` sets the bounds of the Prometheus histograms."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ REPEATING = "one two three four one two three four one two three four one two"
 def measured(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> ServerProcess:
     return start_server(tiny_llama, "--served-model-name", "tiny", "--enable-per-request-metrics",
                         "--per-request-spec-decode-metrics", "detailed", "--speculative-config",
-                        f'{{"method": "ngram", "num_speculative_tokens": {K}, "prompt_lookup_min": 1}}')
+                        f'{{"method": "ngram", "num_speculative_tokens": {K}, "prompt_lookup_min": 1}}',
+                        "--custom-histogram-buckets", '{"time_to_first_token": [0.25, 30], "request_tokens": [8, 64]}')
 
 
 def _check(metrics: dict[str, Any], num_tokens: int) -> None:
@@ -70,3 +71,52 @@ def test_several_samples_or_prompts_carry_none(measured: ServerProcess, server: 
     plain = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
                        json={"model": "tiny", "prompt": REPEATING, "max_tokens": 4}).json()
     assert "metrics" not in plain
+
+
+def test_what_is_not_asked_for_is_left_out_of_the_json() -> None:
+    """As vLLM's: no ``speculative_decoding`` without the spec flag (or without drafts), no per-step lists at
+    ``summary``; timing figures whose times are unknown are null."""
+    from pagellm.outputs import RequestMetrics
+    from pagellm.server.openai.request_metrics import response_metrics
+
+    done = RequestMetrics(arrival_time=1.0, first_token_time=2.0, last_token_time=2.5, queued_time=1.0,
+                          scheduled_time=1.5)
+    done.observe_spec(3, 2)
+    timing_only = response_metrics(done, 6, True, True, "none", 3).model_dump(mode="json")
+    assert "speculative_decoding" not in timing_only and timing_only["mean_itl_ms"] == pytest.approx(100.0)
+    summary = response_metrics(done, 6, True, False, "summary", 3).model_dump(mode="json")
+    assert summary["speculative_decoding"]["acceptance_histogram"] == [0, 0, 1, 0]
+    assert "per_step_accepted" not in summary["speculative_decoding"] and summary["tokens_per_second"] is None
+    assert response_metrics(RequestMetrics(arrival_time=1.0), 0, True, False, "detailed", 3) is None  # no drafts
+    assert response_metrics(done, 6, False, True, "detailed", 3) is None  # not one generation
+
+
+def test_custom_histogram_buckets_replace_a_familys_bounds(measured: ServerProcess) -> None:
+    httpx.post(f"{measured.base_url}/v1/completions", timeout=60,
+               json={"model": "tiny", "prompt": REPEATING, "max_tokens": 4})
+    text = httpx.get(f"{measured.base_url}/metrics").text
+
+    def bounds(series: str) -> list[str]:
+        return [line.split('le="')[1].split('"')[0] for line in text.splitlines()
+                if line.startswith(f"pagellm:{series}_bucket")]
+
+    assert bounds("time_to_first_token_seconds") == ["0.25", "30.0", "+Inf"]
+    assert bounds("request_prompt_tokens") == bounds("request_generation_tokens") == ["8.0", "64.0", "+Inf"]
+    assert len(bounds("e2e_request_latency_seconds")) > 3  # families not given keep their defaults
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ('{"ttft": [1]}', "unknown family 'ttft'"),
+    ('{"request_latency": [1, 1]}', "strictly increasing"),
+    ('{"request_latency": []}', "non-empty list"),
+    ('{"request_latency": [-1, 2]}', "positive"),
+])
+def test_bad_histogram_buckets_are_refused_by_name(value: str, message: str) -> None:
+    import argparse
+
+    from pagellm.server.options import add_serve_args, serve_options
+
+    cmd = argparse.ArgumentParser()
+    add_serve_args(cmd)
+    with pytest.raises(ValueError, match=message):
+        serve_options(cmd.parse_args(["--custom-histogram-buckets", value]))
