@@ -10,12 +10,10 @@ being listed twice.
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 from typing import Sequence
 
-from pagellm import envs
+from pagellm import logging_config
 from pagellm.engine_args import add_engine_args, engine_kwargs
 from pagellm.server import vllm_cli
 from pagellm.server.options import add_serve_args, serve_options
@@ -132,7 +130,7 @@ def _ray_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
+    logging_config.configure()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("serve", "run-batch"):
@@ -141,9 +139,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             print(f"pagellm: {exc}", file=sys.stderr)
             return 2
-        if getattr(args, "log_level", None):  # this process's loggers, and (through the env) its engine cores'
-            os.environ["PAGELLM_LOG_LEVEL"] = args.log_level
-            logging.getLogger().setLevel(args.log_level)
+        try:  # this process's logging, and (through the env) its engine cores'
+            logging_config.LoggingConfig.parse(args.logging_config, args.log_level, args.log_config_file).export()
+        except ValueError as exc:
+            print(f"pagellm: {exc}", file=sys.stderr)
+            return 2
+        logging_config.configure()
         return _serve(args)
     if args.command == "ray-serve":
         return _ray_serve(args)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
 import msgspec
 import zmq
 
-from pagellm import envs, native_build
+from pagellm import logging_config, native_build
 from pagellm.config import EngineConfig
 from pagellm.engine.wire import (AbortRequests, AddRequests, EngineCoreHandshake, EngineCoreInput,
                                  EngineCoreOutputs, RequestError, UtilityCall, UtilityResult)
@@ -256,7 +256,7 @@ def _setup_process(parent_pid: int, ipc_dir: str) -> int:
     also write to a pipe the input thread polls, and it wakes the main thread with a None input.
     """
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=envs.log_level(), format="%(levelname)s EngineCore %(name)s: %(message)s")
+        logging_config.configure("EngineCore")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_system_exit)
     read_fd, write_fd = os.pipe()

@@ -166,6 +166,13 @@ def _add_app_args(cmd: argparse.ArgumentParser) -> None:
                      choices=["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"],
                      help="the level of the server's and its engine cores' logs (vLLM's flag; default: "
                           "PAGELLM_LOG_LEVEL, else INFO)")
+    app.add_argument("--logging-config", default=None, metavar="JSON",
+                     help="vLLM's logging config: {\"log_level\": \"DEBUG\", \"formatter\": \"json\" (one JSON object "
+                          "per line), \"configure_logging\": false (leave logging alone), \"pylogging_config_file\": "
+                          "FILE (a logging.config.dictConfig JSON file)}, for the server and its engine cores")
+    app.add_argument("--log-config-file", default=None, metavar="FILE",
+                     help="a logging.config.dictConfig JSON file (vLLM's older flag: --logging-config's "
+                          "pylogging_config_file)")
     app.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
                      help="on SIGTERM or Ctrl+C, the seconds the requests in flight get to finish while no new "
                           "connection is taken; then they are cut and the engine stops (vLLM's flag; 0: at once; "
