@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
+from typing import Any
 
 from pagellm import envs, native_build
 from pagellm.config import EngineConfig
@@ -41,6 +43,8 @@ class EngineCore:
                                    kv_window=self.runtime.kv_window, kv_events=self.kv_events)
         self.asleep = False  # sleep mode: the KV cache's memory is the OS's, requests are refused
         self.paused = False  # AsyncLLM.pause_generation(mode="keep"): no step runs; requests wait where they are
+        # vLLM's --enable-logging-iteration-details: a log line per step (its requests and tokens by phase, its time)
+        self._log_iterations, self._iteration = config.scheduler_config.enable_logging_iteration_details, 0
         self.kv_publisher = None
         if events.publishes:
             from pagellm.engine.kv_events import KVEventPublisher
@@ -76,14 +80,36 @@ class EngineCore:
     def step(self) -> tuple[StepOutput, SchedulerStats]:
         if not self.scheduler.has_unfinished_requests():
             return StepOutput(), self.scheduler.make_stats()
+        start = time.perf_counter()
         with span("schedule"):
             sched_out = self.scheduler.schedule()
+        details = self._iteration_details(sched_out) if self._log_iterations else None
         runner_out = self.executor.execute_model(sched_out)
         with span("update_from_output"):
             outputs = self.scheduler.update_from_output(sched_out, runner_out)
         if self.kv_events is not None:
             self._publish_kv_events()
-        return outputs, self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        if details is not None:
+            self._log_iteration(details, time.perf_counter() - start, stats.kv_cache_usage)
+        return outputs, stats
+
+    def _iteration_details(self, sched_out: Any) -> tuple[int, int, int, int]:
+        """vLLM's iteration details of a scheduled step: (context requests, their tokens, generation requests,
+        their tokens); a request with no output token yet is in its context phase (a prompt chunk)."""
+        requests, counts = self.scheduler.requests, [0, 0, 0, 0]
+        for req_id, num_tokens in zip(sched_out.req_ids, sched_out.num_scheduled_tokens):
+            request = requests.get(req_id)
+            generating = request is not None and request.num_output_tokens > 0
+            counts[2 * generating] += 1
+            counts[2 * generating + 1] += num_tokens
+        return counts[0], counts[1], counts[2], counts[3]
+
+    def _log_iteration(self, details: tuple[int, int, int, int], elapsed_s: float, kv_usage: float) -> None:
+        logger.info("Iteration(%d): %d context requests, %d context tokens, %d generation requests, %d generation "
+                    "tokens, iteration elapsed time: %.2f ms, KV cache usage: %.1f%%", self._iteration, *details,
+                    elapsed_s * 1000, kv_usage * 100)
+        self._iteration += 1
 
     def _publish_kv_events(self) -> None:
         batch = self.kv_events.take(self.config.kv_events_config.data_parallel_rank)

@@ -45,6 +45,9 @@ class SchedulerConfig:
     max_num_scheduled_tokens: int | None = _help(
         "Most tokens the scheduler hands out in one step, at most max_num_batched_tokens (vLLM's flag; drafts "
         "count in it). Default: max_num_batched_tokens.", default=None)
+    enable_logging_iteration_details: bool = _help(
+        "Log a line per engine step (vLLM's flag): its requests and tokens in the context (prompt) and generation "
+        "phases, its elapsed time and the KV cache's usage.", default=False)
     stream_interval: int = _help(
         "New tokens per streamed output (vLLM's flag): each stream sends its first token at once, then every N "
         "tokens and its last; larger values send fewer, larger chunks. A request's own stream_interval may raise "

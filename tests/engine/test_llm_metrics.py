@@ -4,6 +4,8 @@ draft tokens) that add up to what ran."""
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,24 @@ def test_without_stats_get_metrics_says_how_to_turn_them_on(tiny_llama: Path) ->
     llm = LLM(str(tiny_llama), dtype="float32", max_model_len=64)
     with pytest.raises(ValueError, match="disable_log_stats=False"):
         llm.get_metrics()
+
+
+def test_iteration_details_log_a_line_per_step(tiny_llama: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's ``enable_logging_iteration_details``: each step's requests and tokens by phase (a prompt chunk is the
+    context phase, a request with output tokens the generation phase), its time and the KV cache's usage."""
+    llm = LLM(str(tiny_llama), dtype="float32", enable_logging_iteration_details=True, max_num_batched_tokens=16)
+    with caplog.at_level(logging.INFO, logger="pagellm.engine.core"):
+        llm.generate([[5] * 20, [6] * 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                     use_tqdm=False)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Iteration(")]
+    pattern = re.compile(r"Iteration\((\d+)\): (\d+) context requests, (\d+) context tokens, (\d+) generation "
+                         r"requests, (\d+) generation tokens, iteration elapsed time: [\d.]+ ms, KV cache usage: "
+                         r"[\d.]+%")
+    steps = [tuple(int(g) for g in pattern.fullmatch(line).groups()) for line in lines]
+    # 16 tokens a step: the long prompt's first chunk; its rest beside the short prompt; then both generate
+    assert steps == [(0, 1, 16, 0, 0), (1, 2, 7, 0, 0), (2, 0, 0, 2, 2), (3, 0, 0, 2, 2)]
+    quiet = LLM(str(tiny_llama), dtype="float32")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pagellm.engine.core"):
+        quiet.generate([[5] * 4], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not [r for r in caplog.records if r.getMessage().startswith("Iteration(")]
