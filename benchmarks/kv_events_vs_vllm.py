@@ -5,7 +5,8 @@ new prompts itself to look them up, so an engine that stands in for vLLM must pu
 This starts vLLM (``make peers``) and then pagellm on the built-in model, each with ``--kv-events-config`` on a free
 port, ``--block-size 32`` (vLLM's CPU attention takes multiples of 32) and ``--prefix-caching-hash-algo ALGO``
 (``PYTHONHASHSEED`` the same for both), sends each the same completions (token-id prompts: plain, with a
-``cache_salt``, one that extends the first), receives their events on a ZMQ SUB socket, and compares every
+``cache_salt``, one that extends the first, one with a ``session_id`` and one extending it that asks for its reused
+blocks to be reported), receives their events on a ZMQ SUB socket, and compares every
 ``BlockStored`` field by field (the medium aside: vLLM names its cache "GPU" whatever the device). Then vLLM's own
 decoder (``vllm.distributed.kv_events.KVEventBatch``, in vLLM's venv) reads pagellm's payloads. Prints what differs;
 exits 1 if anything does.
@@ -37,9 +38,13 @@ PROMPTS: list[dict[str, Any]] = [
     {"prompt": list(range(1000, 1070))},
     {"prompt": list(range(1000, 1070)), "cache_salt": "tenant-a"},
     {"prompt": list(range(1000, 1070)) + list(range(2000, 2060))},  # two cached blocks, then new ones
+    # vLLM 0.32's sessions: named in what a request stores, and with "full" reporting its reused blocks too
+    {"prompt": list(range(3000, 3070)), "session_id": "chat-7"},
+    {"prompt": list(range(3000, 3070)) + list(range(4000, 4040)), "session_id": "chat-8",
+     "vllm_xargs": {"kv_cache_report_mode": "full"}},
 ]
 COMPARED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "lora_name", "extra_keys",
-            "group_idx")
+            "group_idx", "session_id")
 VLLM_DECODE = """
 import sys, msgspec
 from vllm.distributed.kv_events import KVEventBatch

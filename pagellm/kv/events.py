@@ -8,8 +8,11 @@ Contract:
 - The events and their batch are vLLM 0.32's msgpack layout: ``KVEventBatch(ts, events, data_parallel_rank)`` an
   array; each event a map tagged with its class name (``"type"``), fields at their defaults left out:
   ``BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys,
-  group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window)``, ``BlockRemoved(block_hashes, medium, group_idx)``,
-  ``AllBlocksCleared()``.
+  group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window, locality, ownership, session_id)``,
+  ``BlockRemoved(block_hashes, medium, group_idx, locality, ownership)``, ``AllBlocksCleared()``.
+- A request's ``session_id`` (its ``extra_args``', where the server puts the API's field or header) is in each
+  ``BlockStored`` it causes; with ``extra_args["kv_cache_report_mode"] == "full"`` the prefix-cache hits of its
+  admission are reported too, as one ``BlockStored`` from its first block (``reused``), as vLLM 0.32 reports them.
 - They describe the table a lookup reads (``BlockPool.cached``): a block is *stored* when its hash becomes findable
   (a duplicate of a hash already there is not: lookups never find it) and *removed* when that entry goes (its block
   handed out again); a prefix-cache reset clears it. A stored run carries its tokens and its parent's hash, so a
@@ -55,12 +58,17 @@ class BlockStored(KVCacheEvent):
     group_idx: Optional[int] = None
     kv_cache_spec_kind: Optional[str] = None  # "full_attention", or "sliding_window" (of that many positions)
     kv_cache_spec_sliding_window: Optional[int] = None
+    locality: Optional[str] = None   # vLLM's LOCAL / REMOTE and offloading tier: never set here
+    ownership: Optional[str] = None
+    session_id: Optional[str] = None  # the session of the request that stored (or reused) the blocks
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
     medium: Optional[str]
     group_idx: Optional[int] = None
+    locality: Optional[str] = None
+    ownership: Optional[str] = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -71,6 +79,17 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     ts: float
     events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
     data_parallel_rank: Optional[int] = None
+
+
+def session_of(request: Request) -> Optional[str]:
+    """The request's session (vLLM's ``session_id``, which the server puts in its ``extra_args``)."""
+    session = (request.sampling_params.extra_args or {}).get("session_id")
+    return session if isinstance(session, str) and session else None
+
+
+def report_mode(request: Request) -> str:
+    """vLLM's ``kv_cache_report_mode`` (``extra_args``): "full" reports the cached blocks a request reuses too."""
+    return (request.sampling_params.extra_args or {}).get("kv_cache_report_mode", "incremental")
 
 
 def external_hash(block_hash: bytes) -> int:
@@ -95,7 +114,14 @@ class KVEventRecorder:
             [external_hash(h) for h in hashes[first:end]], external_hash(hashes[first - 1]) if first else None,
             request.all_token_ids[first * bs:end * bs], bs, lora.lora_int_id if lora is not None else None, MEDIUM,
             lora.lora_name if lora is not None else None,
-            [tuple(key[1] for key in k) if k else None for k in keys], GROUP, *self._kind))
+            [tuple(key[1] for key in k) if k else None for k in keys], GROUP, *self._kind,
+            session_id=session_of(request)))
+
+    def reused(self, request: Request, num_blocks: int) -> None:
+        """A request found its first ``num_blocks`` blocks in the prefix cache and asked for them to be reported
+        (``kv_cache_report_mode`` "full"): one ``BlockStored`` of them, its parent None, as vLLM 0.32 sends."""
+        if num_blocks and report_mode(request) == "full":
+            self.stored(request, 0, num_blocks)
 
     def removed(self, block_hash: bytes) -> None:
         last = self._events[-1] if self._events else None

@@ -82,15 +82,18 @@ class KVCacheManager:
         # The last token is always computed so its logits exist; so at most (num_tokens - 1) tokens can hit.
         max_blocks = (request.num_tokens - 1) // self.block_size
         if self.sliding_window:
-            return self._window_hits(request.block_hashes[:max_blocks])
-        hits: list[KVBlock] = []
-        cached = self.pool.cached
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = cached.get(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+            hits, num_hit = self._window_hits(request.block_hashes[:max_blocks])
+        else:
+            hits, cached = [], self.pool.cached
+            for block_hash in request.block_hashes[:max_blocks]:
+                block = cached.get(block_hash)
+                if block is None:
+                    break
+                hits.append(block)
+            num_hit = len(hits) * self.block_size
+        if self.pool.events is not None:
+            self.pool.events.reused(request, num_hit // self.block_size)
+        return hits, num_hit
 
     def _window_hits(self, hashes: list) -> tuple[list[KVBlock], int]:
         """Under a sliding window a prefix hit needs only the blocks its next token can see: the longest prefix of

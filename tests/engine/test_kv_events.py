@@ -150,6 +150,34 @@ def test_a_run_after_cached_blocks_names_the_last_of_them_as_parent(tiny_llama: 
     llm.engine.core.shutdown()
 
 
+def test_sessions_and_reused_blocks_are_reported_as_vllm_does(tiny_llama: Path, sockets: zmq.Context) -> None:
+    """vLLM 0.32's ``session_id`` (in ``extra_args``, where the server puts it) names the session in each
+    ``BlockStored`` a request causes, and ``kv_cache_report_mode`` "full" reports the cached blocks a request reuses
+    as one ``BlockStored`` from the first block (parent None); plain requests report only what they store."""
+    llm, sub, _ = _engine(tiny_llama, sockets, 400_000)
+    base, more = list(range(40, 56)), list(range(60, 68))
+    ext = []
+    for i in range(0, len(base + more), BLOCK):
+        ext.append(hash_block_tokens(ext[-1] if ext else None, (base + more)[i:i + BLOCK]))
+    ext = [external_hash(h) for h in ext]
+
+    def events_of(prompt: list[int], **extra: object) -> list[BlockStored]:
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, extra_args=extra or None), use_tqdm=False)
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        return [e for _, p in _receive(sub) for e in decoder.decode(p).events]
+
+    def stored(first: int, end: int, parent: int | None, session: str | None) -> BlockStored:
+        return BlockStored(ext[first:end], parent, (base + more)[first * BLOCK:end * BLOCK], BLOCK, None, "CPU", None,
+                           [None] * (end - first), 0, "full_attention", session_id=session)
+
+    assert events_of(base, session_id="chat-1") == [stored(0, 4, None, "chat-1")]
+    assert events_of(base + more, session_id="chat-2", kv_cache_report_mode="full") == [
+        stored(0, 4, None, "chat-2"), stored(4, 6, ext[3], "chat-2")]  # the reused four, then the two it stored
+    assert events_of(base + more) == []  # all cached (but the last token): nothing stored, nothing reported
+    assert b"session_id" not in msgspec.msgpack.encode(stored(0, 4, None, None))  # absent when unset, as vLLM's
+    llm.engine.core.shutdown()
+
+
 def test_vllm_hashes_go_out_in_vllms_layout_and_still_hit(tiny_llama: Path, sockets: zmq.Context,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``prefix_caching_hash_algo`` the events carry vLLM's hashes of the blocks (outputs included: pickle

@@ -65,6 +65,24 @@ def test_a_served_prompt_is_published_as_stored_blocks(start_server: Callable[..
     full = len(ids) // 16
     assert [t for event in stored for t in event.token_ids][:full * 16] == ids[:full * 16]
     assert stored[0].parent_block_hash is None and stored[0].block_size == 16
+    assert {event.session_id for event in stored} == {None}
+    # vLLM's sessions: the body's session_id, else the X-Session-ID header, else vllm_xargs' (the body's wins)
+    for extra, headers, session in (({"session_id": "s-body", "vllm_xargs": {"session_id": "s-xargs"}},
+                                     {"X-Session-ID": "s-header"}, "s-body"),
+                                    ({"vllm_xargs": {"session_id": "s-xargs"}}, {"X-Session-ID": "s-header"},
+                                     "s-header"),
+                                    ({"vllm_xargs": {"session_id": "s-xargs"}}, {}, "s-xargs")):
+        reply = httpx.post(f"{server.base_url}/v1/completions", headers=headers, timeout=60, json={
+            "model": "tiny", "prompt": f"{session}: {prompt}", "max_tokens": 1, **extra})
+        assert reply.status_code == 200, reply.text
+        assert {event.session_id for event in _stored(replay)[len(stored):]} == {session}
+        stored = _stored(replay)
+    chat = [{"role": "user", "content": prompt}]
+    reply = httpx.post(f"{server.base_url}/v1/chat/completions", headers={"X-Session-ID": "s-chat"}, timeout=60,
+                       json={"model": "tiny", "messages": chat, "max_tokens": 1,
+                             "vllm_xargs": {"kv_cache_report_mode": "full"}})
+    assert reply.status_code == 200, reply.text
+    assert {event.session_id for event in _stored(replay)[len(stored):]} == {"s-chat"}
 
 
 def test_an_adapters_salted_prompt_is_published_with_vllms_hashes(start_server: Callable[..., ServerProcess],

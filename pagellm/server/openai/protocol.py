@@ -123,6 +123,9 @@ class SamplingRequest(OpenAIModel):
     length_penalty: float = Field(1.0, allow_inf_nan=False)
     # vLLM's: arguments for custom logits processors (--logits-processors), as SamplingParams.extra_args
     vllm_xargs: Optional[dict[str, Union[str, int, float, bool, list[Union[str, int, float]]]]] = None
+    # vLLM's: the conversation or agent session the request belongs to (else the X-Session-ID header, else
+    # vllm_xargs' session_id); KV cache events name it (kv/events.py)
+    session_id: Optional[str] = Field(None, min_length=1, max_length=256)
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for every parameter set to a value the engine cannot honour."""
@@ -174,6 +177,13 @@ class SamplingRequest(OpenAIModel):
             return {"response_format": {"structural_tag": tag}}
         raise ValueError(f"response_format type must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
                          f"got {fmt.get('type')!r}")
+
+    def _extra_args(self) -> Optional[dict[str, Any]]:
+        """``vllm_xargs``, with the request's ``session_id`` over any of theirs."""
+        extra = dict(self.vllm_xargs or {})
+        if self.session_id is not None:
+            extra["session_id"] = self.session_id
+        return extra or None
 
     def _logit_bias(self) -> Optional[dict[int, float]]:
         if not self.logit_bias:
@@ -228,7 +238,7 @@ class SamplingRequest(OpenAIModel):
             allowed_token_ids=self.allowed_token_ids,
             best_of=best_of,
             structured_outputs=self.structured(),
-            extra_args=self.vllm_xargs or None,
+            extra_args=self._extra_args(),
             stream_interval=self.stream_interval,
             repetition_detection=self.repetition_detection,
             thinking_token_budget=self.thinking_token_budget,

@@ -30,7 +30,7 @@ from pagellm.server.openai.protocol import ChatCompletionRequest, Count, NumLogp
 # vLLM's sampling extensions a Responses request may carry; they mean what they mean on chat.
 PASSED_ON = ("seed", "stop", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
              "logit_bias", "priority", "min_tokens", "ignore_eos", "bad_words", "structured_outputs",
-             "chat_template_kwargs", "include_reasoning", "thinking_token_budget")
+             "chat_template_kwargs", "include_reasoning", "thinking_token_budget", "session_id", "vllm_xargs")
 LOGPROBS = "message.output_text.logprobs"
 
 
@@ -78,6 +78,8 @@ class ResponsesRequest(OpenAIModel):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     include_reasoning: bool = True
     thinking_token_budget: Optional[int] = Field(None, ge=-1)
+    session_id: Optional[str] = Field(None, min_length=1, max_length=256)
+    vllm_xargs: Optional[dict[str, Union[str, int, float, bool, list[Union[str, int, float]]]]] = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for every setting this server cannot honour."""

@@ -68,6 +68,7 @@ from pagellm.server.openai.sse import EventStream, sse_response
 from pagellm.server.openai import tokenization
 
 logger = logging.getLogger(__name__)
+SESSION_HEADER = "X-Session-ID"  # vLLM's: the session of a request whose body names none
 
 class _ModelId(Convertor):
     """A model name in a path: anything but empty (served names may hold slashes; ``/v1/models/`` stays the
@@ -156,6 +157,7 @@ def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], ch
 
     @router.post("/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        _session(body, raw)
         job = await prepared(completion.prepare, body, _size(raw))
         if body.stream:
             return sse_response(completion.stream(job), defaults)
@@ -168,12 +170,20 @@ def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], ch
 
     @router.post("/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        _session(body, raw)
         job = await prepared(chat.prepare, body, _size(raw))
         if body.stream:
             return sse_response(chat.stream(job), defaults)
         return await _json_unless_disconnected(raw, chat.create(job))
 
     return router
+
+
+def _session(body: Any, raw: Request) -> None:
+    """vLLM's ``X-Session-ID`` header names the request's session where its body does not."""
+    header = raw.headers.get(SESSION_HEADER)
+    if header and body.session_id is None:
+        body.session_id = header[:256]
 
 
 def _score_router(engine: EngineClient, served: _Served, api_key: Optional[str]) -> APIRouter:
@@ -220,6 +230,7 @@ def _responses_router(responses: OpenAIServingResponses, api_key: Optional[str])
 
     @router.post("")
     async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+        _session(body, raw)
         job = await prepared(responses.prepare, body, _size(raw))
         if body.background:
             return JSONResponse(responses.start_background(job).model_dump(mode="json"))
