@@ -118,9 +118,12 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVBlock] | None = None,
         num_lookahead_tokens: int = 0,
+        must_fit_tokens: int = 0,
+        reserve: int = 0,
     ) -> list[KVBlock] | None:
         """Make room for ``num_new_tokens`` after the ``num_computed`` ones (and the prefix hits); None if out of
-        blocks."""
+        blocks. An admission may ask that room for ``must_fit_tokens`` in all would be there too (a whole prompt, not
+        its first chunk), with ``reserve`` blocks left free besides (the scheduler's watermark)."""
         rid, bs, pool = request.request_id, self.block_size, self.pool
         held = self.req_blocks.get(rid)
         if held is None:
@@ -136,7 +139,8 @@ class KVCacheManager:
             released = new_computed_blocks.count(RELEASED) if self.sliding_window and new_computed_blocks else 0
             real_hits = new_computed_blocks[released:] if new_computed_blocks else []
             num_free_hits = [b.ref_cnt for b in real_hits].count(0)
-            if num_new_blocks > pool.free_queue.num_free_blocks - num_free_hits:
+            needed = max(num_new_blocks, cdiv(must_fit_tokens, bs) - len(held) - num_hits)
+            if needed + reserve > pool.free_queue.num_free_blocks - num_free_hits:
                 if not held:
                     del self.req_blocks[rid]
                 return None

@@ -2,7 +2,9 @@
 
 Waiting requests are admitted in queue order while the step's token budget and ``max_num_seqs`` allow: each gets its
 prefix-cache hits and first KV slots (``_allocate_new``), joins the running batch as its last row, and its
-``NewRequestData`` joins the step. With the native fast path the whole loop is one call (``admit_waiting`` in
+``NewRequestData`` joins the step. As vLLM's, a request is admitted only when the pool has room for its whole sequence
+(``scheduler_reserve_full_isl``, on by default: a long prompt does not start, chunk by chunk, into a pool that cannot
+hold it, to be preempted half way), and, while others run, ``watermark`` of the pool besides. With the native fast path the whole loop is one call (``admit_waiting`` in
 ``csrc/fastpath.cpp``) on the same objects; the Python loop here is its twin. ``Admission`` is a part of
 ``Scheduler`` (which inherits it and owns the state it reads), a module of its own only to keep the scheduler's
 parts apart, like ``sched/intake.Intake``.
@@ -29,6 +31,8 @@ class Admission:
     max_num_seqs: int
     max_model_len: int
     chunked_prefill: bool
+    reserve_full: bool  # an admission needs room for its whole sequence (scheduler_reserve_full_isl)
+    watermark_blocks: int  # ... and leaves these blocks free while other requests run (watermark)
     _step_lookahead: int
     _needs_sort: bool
     _dropped_req_ids: set[str]
@@ -49,7 +53,7 @@ class Admission:
                 waiting, budget, limit, self.chunked_prefill, self._step_lookahead, self.max_model_len,
                 batch._columns, rows, batch.req_ids, batch.token_lists, new_reqs, req_ids, num_scheduled,
                 self._dropped_req_ids, RequestStatus.RUNNING, NewRequestData, suppressed_tokens, *self._kv_args,
-                self.chunk_cap)
+                self.chunk_cap, self.watermark_blocks, self.reserve_full)
             if admitted:
                 batch.version += 1
                 self._needs_sort = True
@@ -89,7 +93,10 @@ class Admission:
             return None
         num_new = min(num_new, budget, self.chunk_cap or num_new)
         reach = num_hit + num_stored + num_new
-        if kv.allocate_slots(request, 0, num_stored + num_new, hit_blocks, self._lookahead(reach)) is None:
+        must_fit = min(request.num_tokens, self.max_model_len) if self.reserve_full and not kv.sliding_window else 0
+        reserve = self.watermark_blocks if len(self.running) else 0
+        if kv.allocate_slots(request, 0, num_stored + num_new, hit_blocks, self._lookahead(reach), must_fit,
+                             reserve) is None:
             return None
         block_ids = kv.block_ids(request.request_id)
         first, end = len(hit_blocks), len(hit_blocks) + num_stored // kv.block_size

@@ -45,6 +45,12 @@ class SchedulerConfig:
     max_num_scheduled_tokens: int | None = _help(
         "Most tokens the scheduler hands out in one step, at most max_num_batched_tokens (vLLM's flag; drafts "
         "count in it). Default: max_num_batched_tokens.", default=None)
+    scheduler_reserve_full_isl: bool = _help(
+        "Admit a request only when the KV cache has room for its whole prompt (vLLM's flag), not its first chunk "
+        "alone: no long prompt starts into a cache that cannot hold it, to be preempted half way.", default=True)
+    watermark: float = _help(
+        "The fraction of KV cache blocks an admission leaves free while other requests run (vLLM's flag), headroom "
+        "against preempting them as they grow. 0: none.", default=0.0)
     enable_logging_iteration_details: bool = _help(
         "Log a line per engine step (vLLM's flag): its requests and tokens in the context (prompt) and generation "
         "phases, its elapsed time and the KV cache's usage.", default=False)
@@ -67,6 +73,8 @@ class SchedulerConfig:
                      "max_num_scheduled_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (or unset: no limit), got {getattr(self, name)}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1) (a fraction of the KV cache's blocks), got {self.watermark}")
         if self.max_num_active_seqs is not None and self.max_num_active_seqs > self.max_num_seqs:
             raise ValueError(f"max_num_active_seqs ({self.max_num_active_seqs}) must be at most max_num_seqs "
                              f"({self.max_num_seqs})")

@@ -82,6 +82,8 @@ class Scheduler(Intake, Admission):
         self.budget = config.token_budget(max_model_len)
         self.chunked_prefill = config.enable_chunked_prefill
         self.chunk_cap = config.long_prefill_token_threshold  # the most tokens a request computes in a step (0: all)
+        self.reserve_full = config.scheduler_reserve_full_isl
+        self.watermark_blocks = int(config.watermark * num_blocks)
         self.by_priority = config.scheduling_policy == "priority"
         self.max_model_len = max_model_len
         self.num_lookahead_tokens = num_lookahead_tokens

@@ -162,6 +162,33 @@ def test_max_num_active_seqs_and_max_num_scheduled_tokens_narrow_the_step():
         SchedulerConfig(max_num_batched_tokens=64, max_num_scheduled_tokens=128).token_budget(1024)
 
 
+def _admission_trace(fast_path: bool, **fields) -> list[dict[str, int]]:
+    """A running request R (3 blocks of 4 tokens) and, from the second step, A (a 24-token prompt: 6 blocks) and B
+    (4 tokens) in a pool of 9 blocks with no prefix caching: what each step schedules."""
+    config = SchedulerConfig(max_num_batched_tokens=8, **fields)
+    sched = Scheduler(config, CacheConfig(block_size=4, enable_prefix_caching=False), 8, 64, fast_path=fast_path)
+    sched.add_request(make_request("R", range(8), max_tokens=3))
+    trace = [step(sched)]
+    sched.add_request(make_request("A", range(100, 124), max_tokens=1))
+    sched.add_request(make_request("B", range(200, 204), max_tokens=1))
+    return scheduled_trace(trace + run_to_completion(sched))
+
+
+def test_an_admission_needs_room_for_the_whole_prompt_and_the_watermark():
+    """vLLM's ``scheduler_reserve_full_isl`` (on by default): A, whose whole prompt (6 blocks) the 6 free blocks beside
+    R cannot hold with R's next one, waits for R to end rather than start chunk by chunk; off, it starts at once.
+    ``watermark`` keeps a fraction of the pool free while others run: B too waits for R then. The native fast path
+    and the Python path schedule alike."""
+    waits = [{"R": 8}, {"R": 1}, {"R": 1}, {"A": 8}, {"A": 8}, {"A": 8}, {"B": 4}]
+    for fast_path in (True, False):
+        assert _admission_trace(fast_path) == waits
+        assert _admission_trace(fast_path, scheduler_reserve_full_isl=False) == [
+            {"R": 8}, {"R": 1, "A": 7}, {"R": 1, "A": 7}, {"A": 8}, {"A": 2, "B": 4}]
+        assert _admission_trace(fast_path, scheduler_reserve_full_isl=False, watermark=0.5) == waits
+    with pytest.raises(ValueError, match=r"watermark must be in \[0, 1\)"):
+        SchedulerConfig(watermark=1.0)
+
+
 # ------------------------------------------------------------------------------------------ prefix cache
 def test_prefix_hit_skips_compute():
     sched = make_scheduler()

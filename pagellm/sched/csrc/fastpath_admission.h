@@ -44,7 +44,9 @@ struct Admission {
     PyObject *pool, *queue;
     int64_t step_lookahead, max_model_len;
     int64_t chunk_cap;  // the most tokens a request computes in one step (0: no cap)
+    int64_t watermark_blocks;  // blocks an admission leaves free while other requests run (``watermark``)
     bool chunked, caching;
+    bool reserve_full;  // an admission needs room for its whole sequence, not its first chunk alone
     Row batch;
 };
 
@@ -160,7 +162,14 @@ int admit_with_hits(const Admission &a, FreeQueue &fq, PyObject *request, PyObje
     const Py_ssize_t num_new_blocks = static_cast<Py_ssize_t>(ceil_div(num_hit + num_new + lookahead, bs)) - num_hits;
     const Py_ssize_t num_free_hits = free_hits(hits);
     if (num_free_hits < 0) return -1;
-    if ((num_new_blocks > 0 || num_hits) && num_new_blocks > fq.num_free - num_free_hits) return 0;
+    Py_ssize_t needed = num_new_blocks;  // KVCacheManager.allocate_slots' must_fit_tokens and reserve
+    if (a.reserve_full) {
+        const int64_t whole = num_tokens < a.max_model_len ? num_tokens : a.max_model_len;
+        const Py_ssize_t whole_blocks = static_cast<Py_ssize_t>(ceil_div(whole, bs)) - num_hits;
+        needed = whole_blocks > needed ? whole_blocks : needed;
+    }
+    const Py_ssize_t reserve = PyList_GET_SIZE(a.batch.requests) > 0 ? a.watermark_blocks : 0;
+    if ((num_new_blocks > 0 || num_hits) && needed + reserve > fq.num_free - num_free_hits) return 0;
     PyObject *held = take_admitted_blocks(a, fq, rid, hits, num_new_blocks);
     if (held == nullptr) return -1;
     const int64_t final = num_hit + num_new < num_tokens ? num_hit + num_new : num_tokens;
@@ -268,24 +277,25 @@ bool record_admission(PyObject *waiting, PyObject *request, const Admitted &got,
 // admit_waiting(waiting, budget, max_num_seqs, chunked_prefill, step_lookahead, max_model_len, columns, requests,
 //               req_ids, token_lists, new_reqs, step_req_ids, num_scheduled, dropped, running_status,
 //               new_request_type, suppressed_tokens, req_blocks, num_cached_blocks, pool, free_queue, block_size,
-//               caching, root_hash, hash_fallback[, chunk_cap])
+//               caching, root_hash, hash_fallback[, chunk_cap, watermark_blocks, reserve_full])
 //   -> (budget left, requests admitted, prompt tokens of the admitted, their prefix-cache hit tokens)
 //   ``Scheduler._schedule_waiting``: admit waiting requests in queue order (``peek``/``pop``, either policy) while
 //   the budget and ``max_num_seqs`` allow, each through ``admit_request`` and ``record_admission``. The caller made
 //   room in the columns for every row it may add, and bumps the batch's version and the stats after.
 PyObject *admit_waiting(PyObject *, PyObject *args) {
     PyObject *waiting, *new_reqs, *step_req_ids, *num_scheduled, *dropped, *running, *new_request_type, *suppressed_fn;
-    long long budget, max_rows, step_lookahead, max_model_len, chunk_cap = 0;
-    int chunked, caching;
+    long long budget, max_rows, step_lookahead, max_model_len, chunk_cap = 0, watermark_blocks = 0;
+    int chunked, caching, reserve_full = 0;
     Admission a{};
     PyObject *array;
-    if (!PyArg_ParseTuple(args, "OLLpLLOO!O!O!O!O!O!O!OOOO!O!OOnpO!O|L", &waiting, &budget, &max_rows, &chunked,
+    if (!PyArg_ParseTuple(args, "OLLpLLOO!O!O!O!O!O!O!OOOO!O!OOnpO!O|LLp", &waiting, &budget, &max_rows, &chunked,
                           &step_lookahead, &max_model_len, &array, &PyList_Type, &a.batch.requests,
                           &PyList_Type, &a.batch.req_ids, &PyList_Type, &a.batch.token_lists, &PyList_Type,
                           &new_reqs, &PyList_Type, &step_req_ids, &PyList_Type, &num_scheduled, &PySet_Type,
                           &dropped, &running, &new_request_type, &suppressed_fn, &PyDict_Type, &a.m.req_blocks,
                           &PyDict_Type, &a.m.num_cached_blocks, &a.pool, &a.queue, &a.m.block_size, &caching,
-                          &PyBytes_Type, &a.m.root, &a.m.hash_fallback, &chunk_cap))
+                          &PyBytes_Type, &a.m.root, &a.m.hash_fallback, &chunk_cap, &watermark_blocks,
+                          &reserve_full))
         return nullptr;
     if (off_block_id < 0) return PyErr_Format(PyExc_RuntimeError, "bind(KVBlock) first");
     Columns cols;
@@ -296,6 +306,8 @@ PyObject *admit_waiting(PyObject *, PyObject *args) {
     a.step_lookahead = step_lookahead;
     a.max_model_len = max_model_len;
     a.chunk_cap = chunk_cap;
+    a.watermark_blocks = watermark_blocks;
+    a.reserve_full = reserve_full;
     a.m.cached = PyObject_GetAttr(a.pool, s_cached);  // the pool keeps it alive
     if (a.m.cached == nullptr) return nullptr;
     Py_DECREF(a.m.cached);
