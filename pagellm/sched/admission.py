@@ -4,10 +4,10 @@ Waiting requests are admitted in queue order while the step's token budget and `
 prefix-cache hits and first KV slots (``_allocate_new``), joins the running batch as its last row, and its
 ``NewRequestData`` joins the step. As vLLM's, a request is admitted only when the pool has room for its whole sequence
 (``scheduler_reserve_full_isl``, on by default: a long prompt does not start, chunk by chunk, into a pool that cannot
-hold it, to be preempted half way), and, while others run, ``watermark`` of the pool besides. With the native fast path the whole loop is one call (``admit_waiting`` in
-``csrc/fastpath.cpp``) on the same objects; the Python loop here is its twin. ``Admission`` is a part of
-``Scheduler`` (which inherits it and owns the state it reads), a module of its own only to keep the scheduler's
-parts apart, like ``sched/intake.Intake``.
+hold it, to be preempted half way), and, while others run, ``watermark`` of the pool besides. With the native fast
+path the whole loop is one call (``admit_waiting`` in ``csrc/fastpath.cpp``) on the same objects; the Python loop
+here is its twin. ``Admission`` is a part of ``Scheduler`` (which inherits it and owns the state it reads), a module
+of its own only to keep the scheduler's parts apart, like ``sched/intake.Intake``.
 """
 
 from __future__ import annotations
