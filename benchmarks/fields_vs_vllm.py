@@ -15,7 +15,9 @@ as ``<think>`` and ``</think>`` are in Qwen3's and DeepSeek-R1's), sends each th
 - ``truncation_side``: ``truncate_prompt_tokens`` with "right" and "left", the prompt token ids kept and the tokens
   generated;
 - ``--enable-per-request-metrics``: the names of the figures a response's ``metrics`` carries, whole and in a
-  stream's usage chunk (their values are each server's own).
+  stream's usage chunk (their values are each server's own);
+- the tokens-in, tokens-out API (``/inference/v1/generate``): the token ids, text, finish reasons and logprobs of the
+  same request, in the tokens and the text output modes.
 
 Prints each check and what differs; exits 1 if anything does.
 
@@ -68,6 +70,12 @@ def requests(label_ids: list[int], start: str, end: str) -> dict[str, tuple[str,
         "truncation_side left": ("completions", {**GREEDY, "prompt": long, "max_tokens": 6, "return_token_ids": True,
                                                  "truncate_prompt_tokens": 9, "truncation_side": "left"}),
         "metrics, completions": ("completions", {**GREEDY, "prompt": long, "max_tokens": 6}),
+        "tokens in, tokens out": ("/inference/v1/generate", {
+            "token_ids": label_ids * 3, "return_token_ids": True,
+            "sampling_params": {"temperature": 0, "max_tokens": 6, "logprobs": 2, "ignore_eos": True}}),
+        "tokens in, text out": ("/inference/v1/generate", {
+            "token_ids": label_ids * 3, "output_mode": "text",
+            "sampling_params": {"temperature": 0, "max_tokens": 6, "ignore_eos": True}}),
         "metrics, chat stream": ("chat/completions", {**GREEDY, "messages": [{"role": "user", "content": "Hi"}],
                                                       "max_tokens": 6, "stream": True,
                                                       "stream_options": {"include_usage": True}}),
@@ -86,7 +94,8 @@ def replies(system: systems.System, asks: dict[str, tuple[str, dict[str, Any]]])
             sys.exit(f"{system.name} {exc}; its log ({log.name}) ends:\n" + "".join(open(log.name).readlines()[-15:]))
         out = {}
         for name, (route, body) in asks.items():
-            reply = httpx.post(f"{base_url}/v1/{route}", json=body, timeout=120)
+            url = f"{base_url}{route}" if route.startswith("/") else f"{base_url}/v1/{route}"
+            reply = httpx.post(url, json=body, timeout=120)
             if reply.status_code != 200:
                 out[name] = {"status": reply.status_code, "error": reply.text[:300]}
             elif body.get("stream"):  # the last chunk before [DONE]: the usage chunk
@@ -110,6 +119,12 @@ def _completion_lists(reply: dict[str, Any]) -> list[dict[str, float]]:
 def _chat_lists(reply: dict[str, Any]) -> list[list[tuple[str, float]]]:
     return [[(t["token"], t["logprob"]) for t in item["top_logprobs"]]
             for item in reply["choices"][0]["logprobs"]["content"]]
+
+
+def _generated(reply: dict[str, Any]) -> Any:
+    """A tokens-API reply's choices (ids, text, finish reason, logprobs) and prompt ids."""
+    choices = [(c["token_ids"], c.get("text"), c["finish_reason"], c.get("logprobs")) for c in reply["choices"]]
+    return choices, reply.get("prompt_token_ids"), reply["request_id"].startswith("generate-tokens-")
 
 
 def _metric_names(reply: dict[str, Any]) -> list[str]:
@@ -138,6 +153,8 @@ def compare(theirs: dict[str, dict[str, Any]], ours: dict[str, dict[str, Any]]) 
             view = _chat_lists if "chat" in name else _completion_lists
         elif name.startswith("metrics"):
             view = _metric_names
+        elif name.startswith("tokens in"):
+            view = _generated
         if "status" in a or "status" in b:
             same, shown = a == b, (a, b)
         else:
@@ -165,7 +182,7 @@ def main() -> None:
     label_ids = [tokenizer.encode(word, add_special_tokens=False)[0] for word in (" Paris", " London", " Berlin")]
     asks = requests(label_ids, start, end)
     flags = ("--reasoning-config", json.dumps({"reasoning_start_str": start, "reasoning_end_str": end}),
-             "--enable-per-request-metrics")
+             "--enable-per-request-metrics", "--enable-scale-out")
     got = {}
     for name in ("vllm", "pagellm"):
         ctx = systems.Context(model_dir, gguf, dtype="float32", **{f"{name}_flags": flags})

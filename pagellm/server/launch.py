@@ -79,7 +79,8 @@ def build_frontend(engine: EngineClient, config: EngineConfig, names: list[str],
                     runtime_lora_updating=options.runtime_lora_updating, defaults=options.request_defaults,
                     request_id_headers=options.request_id_headers, server_load_tracking=options.server_load_tracking,
                     fastapi_docs=options.fastapi_docs, middleware=options.middleware,
-                    tokenizer_info=options.tokenizer_info)
+                    tokenizer_info=options.tokenizer_info, tokens_only=options.tokens_only,
+                    scale_out=options.scale_out)
     if options.log_requests:
         engine.log_requests(options.max_log_len, options.log_outputs)
     return app, loras

@@ -85,6 +85,8 @@ class ServeOptions:
     shutdown_timeout: float = 5.0  # on SIGTERM/SIGINT, the seconds requests in flight get to finish (0: none)
     access_log_skip: tuple[str, ...] = ()  # paths the access log leaves out (--disable-access-log-for-endpoints)
     histogram_buckets: Optional[dict[str, list[float]]] = None  # --custom-histogram-buckets: family → bounds
+    tokens_only: bool = False  # --tokens-only: only the tokens-in, tokens-out API (/inference/v1/generate)
+    scale_out: bool = False  # --enable-scale-out: that API beside the OpenAI ones (else its routes answer 403)
 
 
 def _json_list(value: str) -> list[str]:
@@ -182,6 +184,13 @@ def _add_app_args(cmd: argparse.ArgumentParser) -> None:
                           "flag), for a load balancer that picks the least loaded replica")
     app.add_argument("--disable-log-stats", action="store_true",
                      help="turn engine stats off: no Prometheus engine series, no stats log line, no dashboard data")
+    app.add_argument("--tokens-only", action="store_true",
+                     help="serve only the tokens-in, tokens-out API (vLLM's flag: POST /inference/v1/generate and "
+                          "/inference/v1/abort_requests, also /abort_requests), with no text decoded: for a gateway "
+                          "that renders prompts and reads tokens itself")
+    app.add_argument("--enable-scale-out", action="store_true",
+                     help="serve vLLM's scale-out API beside the OpenAI ones: POST /inference/v1/generate (tokens in, "
+                          "tokens out) and /inference/v1/abort_requests (vLLM's flag; without it they answer 403)")
     app.add_argument("--custom-histogram-buckets", type=_json_object, default=None, metavar="JSON",
                      help="Prometheus histogram bounds by family (vLLM's flag), replacing its defaults, e.g. "
                           "'{\"time_to_first_token\": [0.1, 0.5, 1, 2, 5]}'; families: request_latency, "
@@ -288,7 +297,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                         args.tool_parser_plugin, args.enable_tokenizer_info_endpoint, args.reasoning_parser_plugin,
                         _seconds(args.shutdown_timeout, "--shutdown-timeout", "at once"),
                         tuple(p.strip() for p in (args.disable_access_log_for_endpoints or "").split(",") if p.strip()),
-                        _buckets(args))
+                        _buckets(args), args.tokens_only, args.enable_scale_out)
 
 
 def _buckets(args: argparse.Namespace) -> Optional[dict[str, list[float]]]:

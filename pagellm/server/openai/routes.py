@@ -63,6 +63,7 @@ from pagellm.server.openai.serving_classification import (ClassificationRequest,
 from pagellm.server.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from pagellm.server.openai.serving_score import OpenAIServingScore, RerankRequest, ScoreRequest
 from pagellm.server.openai.serving_responses import OpenAIServingResponses
+from pagellm.server.openai.serving_tokens import AbortRequests, GenerateRequest, OpenAIServingTokens
 from pagellm.server.openai.serving_engine import INLINE_BYTES, EngineClient, OpenAIServing, prepared
 from pagellm.server.openai.sse import EventStream, sse_response
 from pagellm.server.openai import tokenization
@@ -92,7 +93,8 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
               reasoning_parser: Optional[str] = None, loras: Optional[dict[str, LoRARequest]] = None,
               runtime_lora_updating: bool = False, defaults: Optional[RequestDefaults] = None,
               request_id_headers: bool = False, server_load_tracking: bool = False, fastapi_docs: bool = True,
-              middleware: Sequence[str] = (), tokenizer_info: bool = False) -> FastAPI:
+              middleware: Sequence[str] = (), tokenizer_info: bool = False, tokens_only: bool = False,
+              scale_out: bool = False) -> FastAPI:
     if not model_names:
         raise ValueError("give at least one served model name")
     docs = {} if fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -102,10 +104,15 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
         app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
                            allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
     served = _Served(model_names, model_root, loras if loras is not None else {})  # shared with the caller
-    chat = OpenAIServingChat(engine, served.names, tool_parser, reasoning_parser, served.loras, defaults)
-    app.include_router(_v1_router(engine, served, api_key, chat, defaults))
-    app.include_router(_responses_router(OpenAIServingResponses(chat), api_key))
-    app.include_router(_score_router(engine, served, api_key))
+    if tokens_only or scale_out:
+        app.include_router(_tokens_router(engine, served, api_key, defaults, tokens_only))
+    else:
+        app.include_router(_scale_out_off_router())
+    if not tokens_only:  # vLLM's --tokens-only: the tokens-in, tokens-out API alone
+        chat = OpenAIServingChat(engine, served.names, tool_parser, reasoning_parser, served.loras, defaults)
+        app.include_router(_v1_router(engine, served, api_key, chat, defaults))
+        app.include_router(_responses_router(OpenAIServingResponses(chat), api_key))
+        app.include_router(_score_router(engine, served, api_key))
     if runtime_lora_updating:
         app.include_router(lora_router(engine, served.names, served.loras, _auth(api_key)))
     app.include_router(_admin_router(engine, served, tokenizer_info, defaults))
@@ -118,7 +125,8 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
     if request_id_headers:
         add_request_id_headers(app)
     add_user_middleware(app, middleware)
-    sagemaker.install(app, engine)
+    if not tokens_only:
+        sagemaker.install(app, engine)
     if server_load_tracking:
         server_load.install(app)
     return app
@@ -278,6 +286,46 @@ def _admin_router(engine: EngineClient, served: _Served, tokenizer_info: bool = 
         return {name: msgspec.to_builtins(getattr(current, name)) for name in current.__struct_fields__}
 
     router.include_router(tokenization.tokenizer_router(serving, tokenizer_info))
+    return router
+
+
+SCALE_OUT_OFF = "Scale-out endpoints are disabled. Restart pagellm serve with --enable-scale-out to enable them."
+
+
+def _scale_out_off_router() -> APIRouter:
+    """Without --enable-scale-out (or --tokens-only), vLLM's scale-out routes answer 403 and say how to turn them on,
+    as vLLM's do."""
+    router = APIRouter()
+
+    async def disabled() -> Response:
+        raise APIError(SCALE_OUT_OFF, 403, code="scale_out_disabled")
+
+    for path in ("/inference/v1/generate", "/inference/v1/abort_requests"):
+        router.add_api_route(path, disabled, methods=["POST"], include_in_schema=False)
+    return router
+
+
+def _tokens_router(engine: EngineClient, served: _Served, api_key: Optional[str],
+                   defaults: Optional[RequestDefaults], tokens_only: bool = False) -> APIRouter:
+    """vLLM 0.32's tokens-in, tokens-out API (``serving_tokens.py``), behind the API key; with ``tokens_only``
+    (--tokens-only) also at vLLM's older ``/abort_requests`` path."""
+    router = APIRouter(dependencies=_auth(api_key))
+    tokens = OpenAIServingTokens(engine, served.names, served.loras, defaults, no_detokenize=tokens_only)
+
+    @router.post("/inference/v1/generate")
+    async def generate(body: GenerateRequest, raw: Request) -> Response:
+        job = await prepared(tokens.prepare, body, _size(raw))
+        if body.stream:
+            return sse_response(tokens.stream(job), defaults)
+        return await _json_unless_disconnected(raw, tokens.create(job))
+
+    async def abort_requests(body: AbortRequests) -> Response:
+        await engine.abort(body.request_ids)
+        return Response(status_code=200)
+
+    for path in ("/inference/v1/abort_requests", *(("/abort_requests",) if tokens_only else ())):
+        router.add_api_route(path, abort_requests, methods=["POST"])
+
     return router
 
 

@@ -1,0 +1,130 @@
+"""vLLM 0.32's tokens-in, tokens-out API (``POST /inference/v1/generate``): the offline engine's exact tokens and
+logprobs for the same token ids and sampling parameters, whole and streamed, in the tokens and the text output modes;
+a stream ends at ``/inference/v1/abort_requests``; what the API cannot take is a 400 that names it."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import pytest
+from server_utils import ServerProcess
+
+from pagellm import LLM, SamplingParams
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]  # "Hello, world" in the byte vocabulary
+GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def scale_out(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> ServerProcess:
+    return start_server(tiny_llama, "--served-model-name", "tiny", "--enable-scale-out")
+
+
+def _generate(server: ServerProcess, **body: object) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/inference/v1/generate", json={"token_ids": PROMPT, **body}, timeout=60)
+
+
+def _events(reply: httpx.Response) -> list[dict]:
+    lines = [line[6:] for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_tokens_in_tokens_out_match_the_offline_engine(scale_out: ServerProcess, offline: LLM) -> None:
+    ref = offline.generate([PROMPT], SamplingParams(**GREEDY, logprobs=2), use_tqdm=False)[0].outputs[0]
+    whole = _generate(scale_out, sampling_params={**GREEDY, "logprobs": 2}, request_id="abc", return_token_ids=True)
+    assert whole.status_code == 200, whole.text
+    body = whole.json()
+    (choice,) = body["choices"]
+    assert body["request_id"] == "generate-tokens-abc" and body["output_mode"] == "tokens" and "text" not in choice
+    assert choice["token_ids"] == list(ref.token_ids) and choice["finish_reason"] == "length"
+    assert body["prompt_token_ids"] == PROMPT and body["usage"]["prompt_tokens"] == len(PROMPT)
+    assert body["usage"]["completion_tokens"] == 8
+    for item, token, entry in zip(choice["logprobs"]["content"], ref.token_ids, ref.logprobs):
+        assert item["token_id"] == token and item["logprob"] == pytest.approx(entry[token].logprob, abs=1e-4)
+        assert [t["token_id"] for t in item["top_logprobs"]] == list(entry)[:2] and item["rank"] == 1
+    events = _events(httpx.post(f"{scale_out.base_url}/inference/v1/generate", timeout=60, json={
+        "token_ids": PROMPT, "sampling_params": GREEDY, "stream": True, "return_token_ids": True,
+        "stream_options": {"include_usage": True}}))
+    assert [t for e in events for c in e["choices"] for t in c["token_ids"]] == list(ref.token_ids)
+    assert events[0]["prompt_token_ids"] == PROMPT and all("prompt_token_ids" not in e for e in events[1:])
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 8
+    assert [c["finish_reason"] for e in events for c in e["choices"]][-1] == "length"
+
+
+def test_text_mode_samples_and_defaults(scale_out: ServerProcess, offline: LLM) -> None:
+    """``output_mode: "text"`` adds the text; ``n`` samples come as choices; left out, ``max_tokens`` runs to the
+    context's end (here a stop token ends it) rather than vLLM's SamplingParams default of 16."""
+    ref = offline.generate([PROMPT], SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0]
+    text = _generate(scale_out, sampling_params={**GREEDY, "logprobs": 0}, output_mode="text").json()
+    assert text["choices"][0]["text"] == ref.text and text["output_mode"] == "text"
+    assert text["choices"][0]["logprobs"]["content"][0]["token"] == offline.get_tokenizer().decode([ref.token_ids[0]])
+    two = _generate(scale_out, sampling_params={"n": 2, "temperature": 1.0, "seed": 3, "max_tokens": 4}).json()
+    assert sorted(c["index"] for c in two["choices"]) == [0, 1] and two["usage"]["completion_tokens"] == 8
+    longer = list(offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                                   use_tqdm=False)[0].outputs[0].token_ids)
+    end = next(i for i in range(17, 60) if longer[i] not in longer[:i])  # a token first seen past the 16th
+    long = _generate(scale_out, sampling_params={"temperature": 0, "ignore_eos": True,
+                                              "stop_token_ids": [longer[end]]}).json()
+    assert long["choices"][0]["token_ids"] == longer[:end + 1] and long["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_stream_ends_at_abort_requests(scale_out: ServerProcess) -> None:
+    got: list[dict] = []
+
+    def read() -> None:
+        with httpx.stream("POST", f"{scale_out.base_url}/inference/v1/generate", timeout=60, json={
+                "token_ids": PROMPT, "request_id": "long-one", "stream": True,
+                "sampling_params": {"temperature": 0, "max_tokens": 400, "ignore_eos": True}}) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: {"):
+                    got.append(json.loads(line[6:]))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    while not got:
+        reader.join(0.05)
+    reply = httpx.post(f"{scale_out.base_url}/inference/v1/abort_requests", timeout=30,
+                       json={"request_ids": ["generate-tokens-long-one"]})
+    assert reply.status_code == 200
+    reader.join(60)
+    assert not reader.is_alive()
+    assert [c["finish_reason"] for e in got for c in e["choices"]][-1] == "abort"
+    assert sum(len(c["token_ids"]) for e in got for c in e["choices"]) < 400
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"sampling_params": {"temprature": 0}}, "sampling_params", "unknown fields ['temprature']"),
+    ({"sampling_params": {"top_p": 3}}, "sampling_params", "top_p must be in (0, 1]"),
+    ({"sampling_params": {}, "token_ids": [400]}, "prompt", "token ids must be in [0, 320)"),
+    ({"sampling_params": {}, "kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params", "not supported"),
+    ({"sampling_params": {}, "features": {"mm_hashes": {}}}, "features", "not supported"),
+    ({"sampling_params": {}, "model": "other"}, "model", "does not exist"),
+])
+def test_what_the_api_cannot_take_is_a_400_naming_it(scale_out: ServerProcess, body: dict, param: str,
+                                                     message: str) -> None:
+    reply = httpx.post(f"{scale_out.base_url}/inference/v1/generate", timeout=30, json={"token_ids": PROMPT, **body})
+    assert reply.status_code in (400, 404), reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and message in error["message"]
+
+
+def test_a_tokens_only_server_serves_that_api_alone(start_server: Callable[..., ServerProcess], tiny_llama: Path,
+                                                     server: ServerProcess) -> None:
+    """vLLM's ``--tokens-only``: the OpenAI routes are gone, no text is decoded (text mode and stop strings are
+    400s that say what to send instead), and vLLM's older ``/abort_requests`` path answers too."""
+    only = start_server(tiny_llama, "--served-model-name", "tiny", "--tokens-only")
+    assert httpx.post(f"{only.base_url}/v1/completions", json={"prompt": "hi"}, timeout=30).status_code == 404
+    reply = _generate(only, sampling_params=GREEDY)
+    assert reply.status_code == 200 and len(reply.json()["choices"][0]["token_ids"]) == 8
+    for body in ({"output_mode": "text", "sampling_params": GREEDY}, {"sampling_params": {**GREEDY, "stop": ["."]}}):
+        refused = _generate(only, **body)
+        assert refused.status_code == 400 and "decodes no text" in refused.json()["error"]["message"]
+    assert httpx.post(f"{only.base_url}/abort_requests", json={"request_ids": ["gone"]}, timeout=30).status_code == 200
+    assert httpx.get(f"{only.base_url}/health", timeout=30).status_code == 200
+    off = _generate(server, sampling_params=GREEDY)  # neither flag: vLLM's 403, which says how to turn it on
+    assert off.status_code == 403 and "--enable-scale-out" in off.json()["error"]["message"]
