@@ -17,7 +17,8 @@ as ``<think>`` and ``</think>`` are in Qwen3's and DeepSeek-R1's), sends each th
 - ``--enable-per-request-metrics``: the names of the figures a response's ``metrics`` carries, whole and in a
   stream's usage chunk (their values are each server's own);
 - the tokens-in, tokens-out API (``/inference/v1/generate``): the token ids, text, finish reasons and logprobs of the
-  same request, in the tokens and the text output modes.
+  same request, in the tokens and the text output modes; and the render endpoints: the prompt ids and the sampling
+  parameters a chat and a completion request render to.
 
 Prints each check and what differs; exits 1 if anything does.
 
@@ -73,6 +74,10 @@ def requests(label_ids: list[int], start: str, end: str) -> dict[str, tuple[str,
         "tokens in, tokens out": ("/inference/v1/generate", {
             "token_ids": label_ids * 3, "return_token_ids": True,
             "sampling_params": {"temperature": 0, "max_tokens": 6, "logprobs": 2, "ignore_eos": True}}),
+        "render, chat": ("chat/completions/render", {
+            **GREEDY, "messages": [{"role": "user", "content": "Name a city."}], "max_tokens": 5, "seed": 7,
+            "logit_bias": {str(label_ids[0]): 3}}),
+        "render, completions": ("completions/render", {**GREEDY, "prompt": ["a b", "c"], "max_tokens": 5}),
         "tokens in, text out": ("/inference/v1/generate", {
             "token_ids": label_ids * 3, "output_mode": "text",
             "sampling_params": {"temperature": 0, "max_tokens": 6, "ignore_eos": True}}),
@@ -127,6 +132,14 @@ def _generated(reply: dict[str, Any]) -> Any:
     return choices, reply.get("prompt_token_ids"), reply["request_id"].startswith("generate-tokens-")
 
 
+def _rendered(reply: Any) -> Any:
+    """A render reply's prompt ids and the sampling parameters both servers set (vLLM also writes every default)."""
+    bodies = reply if isinstance(reply, list) else [reply]
+    keys = ("temperature", "max_tokens", "seed", "logit_bias", "ignore_eos")
+    return [(b["token_ids"], {k: b["sampling_params"].get(k) for k in keys}, b["request_id"].split("-")[0],
+             b.get("reasoning_ended")) for b in bodies]
+
+
 def _metric_names(reply: dict[str, Any]) -> list[str]:
     """The figures ``metrics`` holds (vLLM writes an absent ``speculative_decoding`` as null in a whole response and
     leaves it out of a stream's chunk; pagellm leaves it out of both)."""
@@ -155,6 +168,8 @@ def compare(theirs: dict[str, dict[str, Any]], ours: dict[str, dict[str, Any]]) 
             view = _metric_names
         elif name.startswith("tokens in"):
             view = _generated
+        elif name.startswith("render"):
+            view = _rendered
         if "status" in a or "status" in b:
             same, shown = a == b, (a, b)
         else:

@@ -128,3 +128,47 @@ def test_a_tokens_only_server_serves_that_api_alone(start_server: Callable[..., 
     assert httpx.get(f"{only.base_url}/health", timeout=30).status_code == 200
     off = _generate(server, sampling_params=GREEDY)  # neither flag: vLLM's 403, which says how to turn it on
     assert off.status_code == 403 and "--enable-scale-out" in off.json()["error"]["message"]
+
+
+def test_a_rendered_request_generates_what_the_route_would(scale_out: ServerProcess) -> None:
+    """vLLM's render endpoints: a chat or completion request comes back as the tokens API's body (the rendered
+    prompt's ids and the sampling parameters the route would run, the server's defaults in), which generates the
+    route's exact reply."""
+    chat_body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 6,
+                 "temperature": 0, "ignore_eos": True, "logit_bias": {"120": 5}}
+    rendered = httpx.post(f"{scale_out.base_url}/v1/chat/completions/render", json=chat_body, timeout=30).json()
+    assert rendered["request_id"].startswith("chatcmpl-") and rendered["reasoning_ended"] is None
+    assert rendered["sampling_params"]["logit_bias"] == {"120": 5.0} and rendered["sampling_params"]["max_tokens"] == 6
+    reply = httpx.post(f"{scale_out.base_url}/v1/chat/completions", json={**chat_body, "return_token_ids": True},
+                       timeout=60).json()
+    generated = httpx.post(f"{scale_out.base_url}/inference/v1/generate", json=rendered, timeout=60).json()
+    assert generated["choices"][0]["token_ids"] == reply["choices"][0]["token_ids"]
+    assert rendered["token_ids"] == reply["prompt_token_ids"]
+    two = httpx.post(f"{scale_out.base_url}/v1/completions/render", timeout=30, json={
+        "model": "tiny", "prompt": ["one", "two"], "request_id": "r", "max_tokens": 3}).json()
+    ids = httpx.post(f"{scale_out.base_url}/tokenize", json={"model": "tiny", "prompt": "two"}).json()["tokens"]
+    assert [b["request_id"] for b in two] == ["cmpl-r-0", "cmpl-r-1"] and two[1]["token_ids"] == ids
+    beams = httpx.post(f"{scale_out.base_url}/v1/completions/render", timeout=30, json={
+        "model": "tiny", "prompt": "one", "use_beam_search": True, "n": 2})
+    assert beams.status_code == 400 and beams.json()["error"]["param"] == "use_beam_search"
+
+
+def test_a_constraint_waits_for_the_reasoning_through_render(start_server: Callable[..., ServerProcess],
+                                                             thinker: Path) -> None:
+    """Rendered on a reasoning server, a constraint that waits for ``</think>`` comes out as vLLM says it,
+    ``reasoning_ended: false``, and the tokens API holds it back again: the same reply as the chat route's."""
+    from server_utils import think_first
+
+    server = start_server(thinker, "--served-model-name", "tiny", "--reasoning-parser", "qwen3",
+                          "--enable-scale-out")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 30,
+            **think_first(structured_outputs={"regex": "Sunny[.]"})}
+    rendered = httpx.post(f"{server.base_url}/v1/chat/completions/render", json=body, timeout=30).json()
+    assert rendered["reasoning_ended"] is False and "begin_after" not in rendered["sampling_params"]["structured_outputs"]
+    chat = httpx.post(f"{server.base_url}/v1/chat/completions", json={**body, "return_token_ids": True},
+                      timeout=60).json()
+    generated = httpx.post(f"{server.base_url}/inference/v1/generate", json={**rendered, "output_mode": "text"},
+                           timeout=60).json()
+    assert generated["choices"][0]["text"] == "<think>a</think>Sunny." and chat["choices"][0]["message"]["content"] \
+        == "Sunny."
+    assert generated["choices"][0]["token_ids"] == chat["choices"][0]["token_ids"]

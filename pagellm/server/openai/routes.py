@@ -63,7 +63,6 @@ from pagellm.server.openai.serving_classification import (ClassificationRequest,
 from pagellm.server.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from pagellm.server.openai.serving_score import OpenAIServingScore, RerankRequest, ScoreRequest
 from pagellm.server.openai.serving_responses import OpenAIServingResponses
-from pagellm.server.openai.serving_tokens import AbortRequests, GenerateRequest, OpenAIServingTokens
 from pagellm.server.openai.serving_engine import INLINE_BYTES, EngineClient, OpenAIServing, prepared
 from pagellm.server.openai.sse import EventStream, sse_response
 from pagellm.server.openai import tokenization
@@ -104,12 +103,13 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
         app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
                            allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
     served = _Served(model_names, model_root, loras if loras is not None else {})  # shared with the caller
-    if tokens_only or scale_out:
-        app.include_router(_tokens_router(engine, served, api_key, defaults, tokens_only))
-    else:
-        app.include_router(_scale_out_off_router())
-    if not tokens_only:  # vLLM's --tokens-only: the tokens-in, tokens-out API alone
-        chat = OpenAIServingChat(engine, served.names, tool_parser, reasoning_parser, served.loras, defaults)
+    from pagellm.server.openai.scale_out_routes import install_scale_out
+
+    chat = None if tokens_only else \
+        OpenAIServingChat(engine, served.names, tool_parser, reasoning_parser, served.loras, defaults)
+    install_scale_out(app, engine, served, api_key, defaults, chat, reasoning_parser,
+                      "tokens_only" if tokens_only else "on" if scale_out else "off")
+    if chat is not None:  # vLLM's --tokens-only: the tokens-in, tokens-out API alone
         app.include_router(_v1_router(engine, served, api_key, chat, defaults))
         app.include_router(_responses_router(OpenAIServingResponses(chat), api_key))
         app.include_router(_score_router(engine, served, api_key))
@@ -286,46 +286,6 @@ def _admin_router(engine: EngineClient, served: _Served, tokenizer_info: bool = 
         return {name: msgspec.to_builtins(getattr(current, name)) for name in current.__struct_fields__}
 
     router.include_router(tokenization.tokenizer_router(serving, tokenizer_info))
-    return router
-
-
-SCALE_OUT_OFF = "Scale-out endpoints are disabled. Restart pagellm serve with --enable-scale-out to enable them."
-
-
-def _scale_out_off_router() -> APIRouter:
-    """Without --enable-scale-out (or --tokens-only), vLLM's scale-out routes answer 403 and say how to turn them on,
-    as vLLM's do."""
-    router = APIRouter()
-
-    async def disabled() -> Response:
-        raise APIError(SCALE_OUT_OFF, 403, code="scale_out_disabled")
-
-    for path in ("/inference/v1/generate", "/inference/v1/abort_requests"):
-        router.add_api_route(path, disabled, methods=["POST"], include_in_schema=False)
-    return router
-
-
-def _tokens_router(engine: EngineClient, served: _Served, api_key: Optional[str],
-                   defaults: Optional[RequestDefaults], tokens_only: bool = False) -> APIRouter:
-    """vLLM 0.32's tokens-in, tokens-out API (``serving_tokens.py``), behind the API key; with ``tokens_only``
-    (--tokens-only) also at vLLM's older ``/abort_requests`` path."""
-    router = APIRouter(dependencies=_auth(api_key))
-    tokens = OpenAIServingTokens(engine, served.names, served.loras, defaults, no_detokenize=tokens_only)
-
-    @router.post("/inference/v1/generate")
-    async def generate(body: GenerateRequest, raw: Request) -> Response:
-        job = await prepared(tokens.prepare, body, _size(raw))
-        if body.stream:
-            return sse_response(tokens.stream(job), defaults)
-        return await _json_unless_disconnected(raw, tokens.create(job))
-
-    async def abort_requests(body: AbortRequests) -> Response:
-        await engine.abort(body.request_ids)
-        return Response(status_code=200)
-
-    for path in ("/inference/v1/abort_requests", *(("/abort_requests",) if tokens_only else ())):
-        router.add_api_route(path, abort_requests, methods=["POST"])
-
     return router
 
 

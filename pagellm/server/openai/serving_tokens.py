@@ -7,9 +7,14 @@ Contract (vLLM's shapes):
   fields by name; an unknown one is a 400 naming it; ``max_tokens`` left out means up to the context length),
   ``request_id`` (the response's is ``generate-tokens-<it>``), ``model``, ``return_token_ids`` (the prompt's ids in
   the response, a stream's first chunk), ``output_mode`` (``tokens``; ``text`` adds each choice's text and logprobs
-  in chat's shape), ``stream`` and ``stream_options``, ``cache_salt``, ``priority``. vLLM's multimodal and transfer
-  fields (``features``, ``content_parts``, ``token_offsets``, ``kv_transfer_params``, ``ec_transfer_params``) and
-  the render hints (``reasoning_ended``, ``reasoning_parser_kwargs``) are a 400 that names them.
+  in chat's shape), ``stream`` and ``stream_options``, ``cache_salt``, ``priority``, and render's hints:
+  ``reasoning_ended`` false holds a structured-output constraint back until the reasoning parser's end tag (a 400
+  without ``--reasoning-parser``), ``reasoning_parser_kwargs`` changes nothing (no engine-side parser here). vLLM's
+  multimodal and transfer fields (``features``, ``content_parts``, ``token_offsets``, ``kv_transfer_params``,
+  ``ec_transfer_params``) are a 400 that names them.
+- Render (``rendered``): a chat or completion request, prepared as its route would, as that body: the prompt's ids,
+  the sampling parameters set (``wire_params``: the engine's own fields left out, a constraint's ``begin_after``
+  said as ``reasoning_ended`` false), the model, stream settings, salt and priority.
 - The response: ``choices`` (``index``, ``token_ids``, ``finish_reason``, ``stop_reason``, ``logprobs`` as
   ``{"content": [{"token_id", "logprob", "rank", "top_logprobs": [{"token_id", "logprob", "rank"}]}]}``), ``usage``,
   ``prompt_token_ids``, ``metrics`` (with ``--enable-per-request-metrics`` / ``--per-request-spec-decode-metrics``,
@@ -32,6 +37,7 @@ from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.errors import APIError, sse_error
 from pagellm.server.openai.logprobs import chat_logprobs
 from pagellm.server.openai.protocol import Int64, OpenAIModel, StreamOptions, TokenId
+from pagellm.server.openai.reasoning import get_reasoning_parser
 from pagellm.server.openai.replies import ChatLogprobs, UsageInfo
 from pagellm.server.openai.request_metrics import PerRequestMetrics
 from pagellm.server.openai.serving_engine import ChoiceState, OpenAIServing, random_id
@@ -39,8 +45,7 @@ from pagellm.server.openai.serving_engine import ChoiceState, OpenAIServing, ran
 # SamplingParams' fields a request may set (the rest the engine fills in itself)
 INTERNAL = {"bad_words_token_ids", "thinking_markers", "pooling", "output_kind", "lora_request",
             "prediction_token_ids", "processed_logprobs"}
-REFUSED = ("token_offsets", "features", "content_parts", "kv_transfer_params", "ec_transfer_params",
-           "reasoning_ended", "reasoning_parser_kwargs")
+REFUSED = ("token_offsets", "features", "content_parts", "kv_transfer_params", "ec_transfer_params")
 
 
 class GenerateRequest(OpenAIModel):
@@ -59,8 +64,10 @@ class GenerateRequest(OpenAIModel):
     content_parts: Optional[Any] = None
     kv_transfer_params: Optional[Any] = None
     ec_transfer_params: Optional[Any] = None
-    reasoning_ended: Optional[Any] = None
-    reasoning_parser_kwargs: Optional[Any] = None
+    # render's hints: False holds a structured-output constraint back until the reasoning parser's end tag (True or
+    # None: from the first token); the parser's own flags change nothing here (no engine-side parser)
+    reasoning_ended: Optional[bool] = None
+    reasoning_parser_kwargs: Optional[dict[str, Any]] = None
 
 
 class AbortRequests(OpenAIModel):
@@ -130,9 +137,14 @@ class _Job:
 
 class OpenAIServingTokens(OpenAIServing):
 
-    def __init__(self, *args: Any, no_detokenize: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, no_detokenize: bool = False, reasoning_parser: Optional[str] = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.no_detokenize = no_detokenize  # --tokens-only: the engine decodes no text
+        # the reasoning parser's end tag as token ids (--reasoning-parser), which render's reasoning_ended false
+        # holds a constraint back for
+        self.think_end = self.tokenizer.encode(get_reasoning_parser(reasoning_parser).end, add_special_tokens=False) \
+            if reasoning_parser is not None else None
 
     def prepare(self, request: GenerateRequest) -> _Job:
         """Validate (APIError / ValueError → 4xx before anything is queued)."""
@@ -150,6 +162,11 @@ class OpenAIServingTokens(OpenAIServing):
             params = msgspec.structs.replace(params, detokenize=False)
         if request.output_mode == "text" and not params.detokenize:
             raise APIError("output_mode 'text' needs sampling_params.detokenize true", 400, param="output_mode")
+        if request.reasoning_ended is False and params.structured_outputs is not None:
+            if self.think_end is None:
+                raise APIError("reasoning_ended false holds the constraint back until the reasoning ends: it needs a "
+                               "server with --reasoning-parser", 400, param="reasoning_ended")
+            params.structured_outputs = msgspec.structs.replace(params.structured_outputs, begin_after=self.think_end)
         self.check_prompt(list(request.token_ids))
         return _Job(request, random_id("generate-tokens", request.request_id), model, params)
 
@@ -160,7 +177,7 @@ class OpenAIServingTokens(OpenAIServing):
             raise APIError(f"sampling_params: unknown fields {unknown}", 400, param="sampling_params")
         spec.setdefault("max_tokens", None)  # left out: up to the context length, as vLLM defaults it
         try:
-            return msgspec.convert(spec, SamplingParams)
+            return msgspec.convert(spec, SamplingParams, str_keys=True)  # JSON object keys: logit_bias ids
         except (msgspec.ValidationError, ValueError, TypeError) as exc:
             raise APIError(f"sampling_params: {exc}", 400, param="sampling_params") from None
 
@@ -226,3 +243,23 @@ class OpenAIServingTokens(OpenAIServing):
     def _usage(self, job: _Job) -> UsageInfo:
         cached = next(iter(job.choices.values())).num_cached_tokens if job.choices else 0
         return UsageInfo.of(len(job.request.token_ids), sum(c.num_tokens for c in job.choices.values()), cached)
+
+
+# ---- render: an OpenAI request as the tokens API's request, for a gateway to send on ---------------------------
+
+def wire_params(params: SamplingParams) -> tuple[dict[str, Any], Optional[bool]]:
+    """``params`` as ``sampling_params`` JSON (the fields set, none of the engine's own) and render's
+    ``reasoning_ended`` (False when a constraint waits for the reasoning's end: vLLM's way to say it)."""
+    spec = {k: v for k, v in msgspec.to_builtins(params).items() if k not in INTERNAL}
+    structured = spec.get("structured_outputs")
+    waits = isinstance(structured, dict) and structured.pop("begin_after", None) is not None
+    return spec, False if waits else None
+
+
+def rendered(request_id: str, token_ids: list[int], params: SamplingParams, request: Any) -> dict[str, Any]:
+    """One ``GenerateRequest`` body, as vLLM's render endpoints answer."""
+    spec, reasoning_ended = wire_params(params)
+    return {"request_id": request_id, "token_ids": list(token_ids), "sampling_params": spec, "model": request.model,
+            "stream": bool(request.stream), "stream_options": request.stream_options.model_dump()
+            if request.stream and request.stream_options is not None else None, "cache_salt": request.cache_salt,
+            "priority": request.priority, "reasoning_ended": reasoning_ended}
