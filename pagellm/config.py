@@ -237,6 +237,11 @@ class CacheConfig:
         "flag), so that a KV-aware router computing vLLM's hashes finds them in the KV events (set PYTHONHASHSEED "
         "as for vLLM). Default: pagellm's own hashes (SHA-256), computed natively, which no router reproduces.",
         default=None)
+    kv_cache_metrics: bool = _help(
+        "Histograms of how long KV blocks stay (lifetime, idle before eviction, gaps between prefix-cache hits) for "
+        "a sample of them (vLLM's flag; the scheduler then takes its Python paths).", default=False)
+    kv_cache_metrics_sample: float = _help("The share of KV blocks --kv-cache-metrics follows, in (0, 1].",
+                                           default=0.01)
     kv_cache_prefault: bool = _help("Populate the KV cache's memory in the background, on CPU time nothing else "
                                     "wants, so that a block's first use does not pay for it.", default=True)
     enable_sleep_mode: bool = _help(
@@ -258,6 +263,8 @@ class CacheConfig:
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         check_algo(self.prefix_caching_hash_algo)
+        if not 0.0 < self.kv_cache_metrics_sample <= 1.0:
+            raise ValueError(f"kv_cache_metrics_sample must be in (0, 1], got {self.kv_cache_metrics_sample}")
 
 
 # The default step budget, as vLLM picks its own on CPUs: offline (``LLM``, ``pagellm bench throughput``) larger steps

@@ -10,6 +10,7 @@ from typing import Iterable, Sequence
 
 from pagellm.kv.block import FreeBlockQueue, KVBlock
 from pagellm.kv.events import KVEventRecorder
+from pagellm.kv.residency import BlockResidency
 from pagellm.request import BlockHash
 
 
@@ -24,6 +25,7 @@ class BlockPool:
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0  # cached blocks whose contents were dropped to make room
         self.events = events  # KV cache events: the table's entries as they come and go (kv/events.py)
+        self.residency: BlockResidency | None = None  # sampled blocks' lifetimes (--kv-cache-metrics, residency.py)
 
     @property
     def num_free_blocks(self) -> int:
@@ -46,6 +48,8 @@ class BlockPool:
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
+            if self.residency is not None:
+                self.residency.allocated(block.block_id)
         return taken
 
     def get_new_block(self) -> KVBlock:
@@ -58,8 +62,12 @@ class BlockPool:
                 self.num_evictions += 1
                 if self.events is not None:
                     self.events.removed(block_hash)
+                if self.residency is not None:
+                    self.residency.evicted(block.block_id)
             block.block_hash = None
         block.ref_cnt = 1
+        if self.residency is not None:
+            self.residency.allocated(block.block_id)
         return block
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -68,6 +76,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
+            if self.residency is not None:
+                self.residency.accessed(block.block_id)
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; those that reach zero join the free queue's tail in order."""
@@ -96,6 +106,8 @@ class BlockPool:
             self.num_evictions += 1
             if self.events is not None:
                 self.events.removed(block.block_hash)
+            if self.residency is not None:
+                self.residency.evicted(block.block_id)
         block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -107,6 +119,8 @@ class BlockPool:
         self.cached.clear()
         if self.events is not None:
             self.events.cleared()
+        if self.residency is not None:
+            self.residency.reset()
         return True
 
     def blocks_by_id(self, ids: Sequence[int]) -> list[KVBlock]:

@@ -41,9 +41,11 @@ TOKEN_LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0
 REQUEST_LATENCY_BUCKETS = [0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-# vLLM's histogram bucket families (``--custom-histogram-buckets``); the last three name vLLM series pagellm has not
+RESIDENCY_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600,
+                     1200, 1800]  # a KV block's reuse gaps (ms) to its lifetime (half an hour), as vLLM's
+# vLLM's histogram bucket families (``--custom-histogram-buckets``); the last two name vLLM series pagellm has not
 BUCKET_FAMILIES = ("request_latency", "time_to_first_token", "inter_token_latency", "iteration_tokens",
-                   "request_tokens", "request_params_n", "request_num_preemptions", "kv_cache_residency")
+                   "request_tokens", "kv_cache_residency", "request_params_n", "request_num_preemptions")
 
 
 def check_buckets(value: Any) -> dict[str, list[float]]:
@@ -161,6 +163,13 @@ class PrometheusSink:
                                 "request_tokens").labels(**labels)
         self.iteration_tokens = h("iteration_tokens_total", "Tokens computed per engine step",
                                   ITERATION_TOKEN_BUCKETS, "iteration_tokens").labels(**labels)
+        residency = (RESIDENCY_BUCKETS, "kv_cache_residency")  # --kv-cache-metrics' (kv/residency.py)
+        self.kv_lifetime = h("kv_block_lifetime_seconds", "A sampled KV block's allocation to its eviction",
+                             *residency).labels(**labels)
+        self.kv_idle = h("kv_block_idle_before_evict_seconds", "A sampled KV block's last use to its eviction",
+                         *residency).labels(**labels)
+        self.kv_reuse_gap = h("kv_block_reuse_gap_seconds", "Gaps between a sampled KV block's prefix-cache hits",
+                              *residency).labels(**labels)
 
     def _cache_info(self, cache_config: Any, num_blocks: int) -> None:
         info = self._gauge("cache_config_info", "KV-cache configuration",
@@ -192,6 +201,10 @@ class PrometheusSink:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
         if stats.spec_decoding is not None:
             self._record_spec(stats.spec_decoding)
+        for histogram, values in ((self.kv_lifetime, stats.kv_block_lifetimes), (self.kv_idle, stats.kv_block_idle),
+                                  (self.kv_reuse_gap, stats.kv_block_reuse_gaps)):
+            for value in values:
+                histogram.observe(value)
 
     def _record_spec(self, spec: SpecDecodingStats) -> None:
         self.spec_drafts.inc(spec.num_drafts)

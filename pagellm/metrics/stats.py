@@ -75,6 +75,10 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_scheduled_tokens: int = 0
     kv_cache_evictions: int = 0            # cached blocks whose contents were dropped to make room
     spec_decoding: SpecDecodingStats | None = None
+    # --kv-cache-metrics: the step's evicted sampled blocks' lifetimes and idle times, and their reuse gaps (seconds)
+    kv_block_lifetimes: list[float] = []
+    kv_block_idle: list[float] = []
+    kv_block_reuse_gaps: list[float] = []
     # With data parallelism: each core's own gauges, in core order (the gauges above are their sum and mean)
     engine_cores: list[CoreGauges] = []
 

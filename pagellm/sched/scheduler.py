@@ -33,6 +33,7 @@ from pagellm.kv.events import KVEventRecorder
 from pagellm.kv.hash_algos import make_hasher
 from pagellm.kv.hashing import ROOT_HASH, extend_block_hashes
 from pagellm.kv.manager import KVCacheManager
+from pagellm.kv.residency import BlockResidency
 from pagellm.metrics.stats import SchedulerStats, SpecDecodingStats
 from pagellm.request import Request, RequestStatus
 from pagellm.sched.admission import Admission
@@ -97,7 +98,10 @@ class Scheduler(Intake, Admission):
         self.waiting = make_queue(config.scheduling_policy)
         # The step loops in C (sched/native.py), where no window releases blocks, no event is recorded and blocks
         # hash in pagellm's own way.
-        native = fast_path and not kv_window and kv_events is None and algo is None
+        if cache_config.kv_cache_metrics:  # --kv-cache-metrics: sampled blocks followed where the pool hands them out
+            self.kv.pool.residency = BlockResidency(cache_config.kv_cache_metrics_sample)
+        native = fast_path and not kv_window and kv_events is None and algo is None \
+            and not cache_config.kv_cache_metrics
         self._native = fastpath() if native else None
         self.running = RunningBatch(compact=self._native.compact_rows if self._native is not None else None)
         if self._native is not None:
@@ -388,4 +392,6 @@ class Scheduler(Intake, Admission):
         stats.kv_cache_evictions, self._evictions_seen = evictions - self._evictions_seen, evictions
         if self._spec_stats.num_drafts:
             stats.spec_decoding, self._spec_stats = self._spec_stats, SpecDecodingStats()
+        if self.kv.pool.residency is not None:
+            stats.kv_block_lifetimes, stats.kv_block_idle, stats.kv_block_reuse_gaps = self.kv.pool.residency.drain()
         return stats

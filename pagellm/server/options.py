@@ -194,7 +194,8 @@ def _add_app_args(cmd: argparse.ArgumentParser) -> None:
     app.add_argument("--custom-histogram-buckets", type=_json_object, default=None, metavar="JSON",
                      help="Prometheus histogram bounds by family (vLLM's flag), replacing its defaults, e.g. "
                           "'{\"time_to_first_token\": [0.1, 0.5, 1, 2, 5]}'; families: request_latency, "
-                          "time_to_first_token, inter_token_latency, iteration_tokens, request_tokens")
+                          "time_to_first_token, inter_token_latency, iteration_tokens, request_tokens, "
+                          "kv_cache_residency")
     app.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                      help="export one OpenTelemetry span per request to this OTLP endpoint (gRPC by default, e.g. "
                           "http://127.0.0.1:4317; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for HTTP)")
@@ -306,7 +307,7 @@ def _buckets(args: argparse.Namespace) -> Optional[dict[str, list[float]]]:
     from pagellm.metrics.prometheus import BUCKET_FAMILIES, check_buckets
 
     buckets = check_buckets(args.custom_histogram_buckets)
-    unused = [family for family in buckets if family in BUCKET_FAMILIES[5:]]
+    unused = [family for family in buckets if family in BUCKET_FAMILIES[6:]]
     if unused:
         logger.warning("--custom-histogram-buckets: pagellm has no series of the families %s; their bounds change "
                        "nothing", ", ".join(unused))

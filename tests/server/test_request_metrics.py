@@ -2,7 +2,8 @@
 ``--per-request-spec-decode-metrics``) through the ``openai`` SDK and raw HTTP: a server with both and n-gram
 speculation answers each one-sample request with its timing and its drafts' acceptance, consistent with each other
 and with the usage, whole and in a stream's usage chunk; requests of several samples, and a server without the
-flags, carry none. And vLLM's ``--custom-histogram-buckets`` sets the bounds of the Prometheus histograms."""
+flags, carry none. And vLLM's ``--custom-histogram-buckets`` sets the bounds of the Prometheus histograms, and
+``--kv-cache-metrics`` fills the KV blocks' residency histograms."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def measured(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> Se
     return start_server(tiny_llama, "--served-model-name", "tiny", "--enable-per-request-metrics",
                         "--per-request-spec-decode-metrics", "detailed", "--speculative-config",
                         f'{{"method": "ngram", "num_speculative_tokens": {K}, "prompt_lookup_min": 1}}',
-                        "--custom-histogram-buckets", '{"time_to_first_token": [0.25, 30], "request_tokens": [8, 64]}')
+                        "--custom-histogram-buckets", '{"time_to_first_token": [0.25, 30], "request_tokens": [8, 64]}',
+                        "--kv-cache-metrics", "--kv-cache-metrics-sample", "1", "--num-gpu-blocks-override", "40")
 
 
 def _check(metrics: dict[str, Any], num_tokens: int) -> None:
@@ -120,3 +122,22 @@ def test_bad_histogram_buckets_are_refused_by_name(value: str, message: str) -> 
     add_serve_args(cmd)
     with pytest.raises(ValueError, match=message):
         serve_options(cmd.parse_args(["--custom-histogram-buckets", value]))
+
+
+def test_kv_cache_metrics_follow_blocks_to_their_eviction(measured: ServerProcess) -> None:
+    """With every block followed (``--kv-cache-metrics-sample 1``) and a 40-block cache, distinct prompts evict
+    each other's cached blocks: each eviction is one lifetime and one idle time; hits on a prompt sent again are
+    reuse gaps."""
+    def count(series: str) -> float:
+        text = httpx.get(f"{measured.base_url}/metrics").text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"pagellm:{series}_count"))
+
+    before = count("kv_block_lifetime_seconds")
+    for i in range(12):  # about 40 distinct 16-token blocks each time round: the pool turns over
+        prompt = f"{i:02d} " + "".join(chr(97 + (i * 7 + j) % 26) for j in range(60))
+        for _ in range(3 if i == 0 else 1):  # the first prompt thrice: hits, and gaps between them
+            httpx.post(f"{measured.base_url}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
+    assert count("kv_block_lifetime_seconds") > before
+    assert count("kv_block_idle_before_evict_seconds") == count("kv_block_lifetime_seconds")
+    assert count("kv_block_reuse_gap_seconds") > 0
