@@ -148,6 +148,10 @@ def test_a_rendered_request_generates_what_the_route_would(scale_out: ServerProc
         "model": "tiny", "prompt": ["one", "two"], "request_id": "r", "max_tokens": 3}).json()
     ids = httpx.post(f"{scale_out.base_url}/tokenize", json={"model": "tiny", "prompt": "two"}).json()["tokens"]
     assert [b["request_id"] for b in two] == ["cmpl-r-0", "cmpl-r-1"] and two[1]["token_ids"] == ids
+    response = httpx.post(f"{scale_out.base_url}/v1/responses/render", timeout=30, json={
+        "model": "tiny", "input": "Hi there", "max_output_tokens": 6, "temperature": 0}).json()
+    assert response["request_id"].startswith("resp_") and response["token_ids"] == rendered["token_ids"]
+    assert response["sampling_params"]["max_tokens"] == 6
     beams = httpx.post(f"{scale_out.base_url}/v1/completions/render", timeout=30, json={
         "model": "tiny", "prompt": "one", "use_beam_search": True, "n": 2})
     assert beams.status_code == 400 and beams.json()["error"]["param"] == "use_beam_search"

@@ -107,11 +107,12 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
 
     chat = None if tokens_only else \
         OpenAIServingChat(engine, served.names, tool_parser, reasoning_parser, served.loras, defaults)
-    install_scale_out(app, engine, served, api_key, defaults, chat, reasoning_parser,
+    responses = OpenAIServingResponses(chat) if chat is not None else None
+    install_scale_out(app, engine, served, api_key, defaults, chat, responses, reasoning_parser,
                       "tokens_only" if tokens_only else "on" if scale_out else "off")
-    if chat is not None:  # vLLM's --tokens-only: the tokens-in, tokens-out API alone
+    if chat is not None and responses is not None:  # vLLM's --tokens-only: the tokens-in, tokens-out API alone
         app.include_router(_v1_router(engine, served, api_key, chat, defaults))
-        app.include_router(_responses_router(OpenAIServingResponses(chat), api_key))
+        app.include_router(_responses_router(responses, api_key))
         app.include_router(_score_router(engine, served, api_key))
     if runtime_lora_updating:
         app.include_router(lora_router(engine, served.names, served.loras, _auth(api_key)))

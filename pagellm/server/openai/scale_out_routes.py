@@ -14,7 +14,9 @@ from pagellm.server.openai.errors import APIError
 from pagellm.server.openai.protocol import ChatCompletionRequest, CompletionRequest, RequestDefaults
 from pagellm.server.openai.routes import _auth, _json_unless_disconnected, _Served, _session, _size
 from pagellm.server.openai.serving_chat import OpenAIServingChat
+from pagellm.server.openai.responses_protocol import ResponsesRequest
 from pagellm.server.openai.serving_completion import OpenAIServingCompletion
+from pagellm.server.openai.serving_responses import OpenAIServingResponses
 from pagellm.server.openai.serving_engine import EngineClient, prepared
 from pagellm.server.openai.serving_tokens import AbortRequests, GenerateRequest, OpenAIServingTokens, rendered
 from pagellm.server.openai.sse import sse_response
@@ -22,14 +24,15 @@ from pagellm.server.openai.sse import sse_response
 
 def install_scale_out(app: FastAPI, engine: EngineClient, served: _Served, api_key: Optional[str],
                       defaults: Optional[RequestDefaults], chat: Optional[OpenAIServingChat],
-                      reasoning_parser: Optional[str], mode: str) -> None:
+                      responses: Optional[OpenAIServingResponses], reasoning_parser: Optional[str],
+                      mode: str) -> None:
     """``mode``: "on" (--enable-scale-out), "tokens_only" (--tokens-only: no render, no text) or "off"."""
     if mode == "off":
         app.include_router(_scale_out_off_router())
         return
     app.include_router(_tokens_router(engine, served, api_key, defaults, mode == "tokens_only", reasoning_parser))
-    if chat is not None:
-        app.include_router(_render_router(engine, served, api_key, chat, defaults))
+    if chat is not None and responses is not None:
+        app.include_router(_render_router(engine, served, api_key, chat, responses, defaults))
 
 
 SCALE_OUT_OFF = "Scale-out endpoints are disabled. Restart pagellm serve with --enable-scale-out to enable them."
@@ -48,11 +51,11 @@ def _scale_out_off_router() -> APIRouter:
     return router
 
 
-RENDER_PATHS = ("/v1/chat/completions/render", "/v1/completions/render")
+RENDER_PATHS = ("/v1/chat/completions/render", "/v1/completions/render", "/v1/responses/render")
 
 
 def _render_router(engine: EngineClient, served: _Served, api_key: Optional[str], chat: OpenAIServingChat,
-                   defaults: Optional[RequestDefaults]) -> APIRouter:
+                   responses: OpenAIServingResponses, defaults: Optional[RequestDefaults]) -> APIRouter:
     """vLLM's render endpoints (with --enable-scale-out): a chat or completion request as the body of the
     tokens-in, tokens-out API (``serving_tokens.rendered``), rendered and checked as the routes would run it."""
     router = APIRouter(dependencies=_auth(api_key))
@@ -74,6 +77,12 @@ def _render_router(engine: EngineClient, served: _Served, api_key: Optional[str]
             raise APIError("prompt_embeds cannot be rendered as token ids", 400, param="prompt_embeds")
         ids = [job.request_id] if len(job.prompts) == 1 else [f"{job.request_id}-{i}" for i in range(len(job.prompts))]
         return JSONResponse([rendered(i, p, job.params, body) for i, p in zip(ids, job.prompts)])
+
+    @router.post(RENDER_PATHS[2])
+    async def render_response(body: ResponsesRequest, raw: Request) -> JSONResponse:
+        _session(body, raw)
+        job = (await prepared(responses.prepare, body, _size(raw))).chat  # its conversation, as the chat request
+        return JSONResponse(rendered(job.request_id, job.prompt, job.params, body))
 
     return router
 

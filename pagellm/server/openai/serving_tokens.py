@@ -259,7 +259,8 @@ def wire_params(params: SamplingParams) -> tuple[dict[str, Any], Optional[bool]]
 def rendered(request_id: str, token_ids: list[int], params: SamplingParams, request: Any) -> dict[str, Any]:
     """One ``GenerateRequest`` body, as vLLM's render endpoints answer."""
     spec, reasoning_ended = wire_params(params)
+    options = getattr(request, "stream_options", None)  # a Responses request has neither options nor a salt
     return {"request_id": request_id, "token_ids": list(token_ids), "sampling_params": spec, "model": request.model,
-            "stream": bool(request.stream), "stream_options": request.stream_options.model_dump()
-            if request.stream and request.stream_options is not None else None, "cache_salt": request.cache_salt,
+            "stream": bool(request.stream), "stream_options": options.model_dump()
+            if request.stream and options is not None else None, "cache_salt": getattr(request, "cache_salt", None),
             "priority": request.priority, "reasoning_ended": reasoning_ended}
