@@ -21,6 +21,7 @@ from pagellm.disagg.config import KVTransferConfig
 from pagellm.distributed.config import ParallelConfig
 from pagellm.kv.events import KVEventsConfig
 from pagellm.kv.hash_algos import check_algo
+from pagellm.lora import target_projections
 from pagellm.sampling_params import LOGPROBS_MODES, MAX_LOGPROBS
 from pagellm.sched.config import SchedulerConfig
 from pagellm.spec.config import DISABLE_BY_BATCH_SIZE, SPEC_METHODS, SpeculativeConfig  # noqa: F401
@@ -149,6 +150,10 @@ class ModelConfig:
         "With enable_lora: how many adapters each worker keeps loaded; past it, the least recently used ones that no "
         "running request uses are dropped (loaded again from their folders when named again). Default: all.",
         default=None)
+    lora_target_modules: tuple[str, ...] | None = _help(
+        "With enable_lora: the only modules adapters apply to (vLLM's flag): qkv_proj, o_proj, gate_up_proj, "
+        "down_proj (or q_proj, k_proj, ...); an adapter's matrices for others are not applied. Default: all.",
+        default=None, nargs="+")
     worker_extension_cls: str | None = _help(
         "A class (package.module:Name, vLLM's flag) whose methods every worker gains, importable by the workers: "
         "LLM.collective_rpc(\"method\") runs one on every rank (an RL loop's weight sync). Default: none.",
@@ -191,6 +196,10 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and (value < 1 or not self.enable_lora):
                 raise ValueError(f"{name} must be >= 1 and goes with enable_lora (--enable-lora); got {value}")
+        if self.lora_target_modules is not None:
+            if not self.enable_lora:
+                raise ValueError("lora_target_modules goes with enable_lora (--enable-lora)")
+            target_projections(self.lora_target_modules)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

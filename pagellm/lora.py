@@ -33,6 +33,21 @@ if TYPE_CHECKING:
     import torch
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # vLLM's layer names
+
+
+def target_projections(modules: Any) -> frozenset[str] | None:
+    """vLLM's ``lora_target_modules`` (module suffixes: its packed ``qkv_proj`` and ``gate_up_proj``, or a
+    projection's own name) as the projections adapters may touch; None: all (ValueError naming an unknown one)."""
+    if modules is None:
+        return None
+    names: set[str] = set()
+    for module in modules:
+        if module not in PACKED and module not in PROJECTIONS:
+            raise ValueError(f"lora_target_modules: {module!r} is not a decoder layer's module; use "
+                             f"{', '.join([*PACKED, 'o_proj', 'down_proj'])} or one of {', '.join(PROJECTIONS)}")
+        names.update(PACKED.get(module, (module,)))
+    return frozenset(names)
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
 
 
@@ -138,9 +153,11 @@ class Adapter:
     groups: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, list[tuple[int, slice, torch.Tensor]]]]
 
     @classmethod
-    def load(cls, request: LoRARequest, arch: Any, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> Adapter:
+    def load(cls, request: LoRARequest, arch: Any, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
+             targets: frozenset[str] | None = None) -> Adapter:
         """The adapter for one tensor-parallel rank: B's rows of a column-parallel group (q/k/v, gate/up) and A's
-        columns of a row-parallel one (o, down) cut as the layer is."""
+        columns of a row-parallel one (o, down) cut as the layer is; only the ``targets`` projections (the
+        engine's ``lora_target_modules``; None: all the adapter has)."""
         import torch
 
         path = Path(request.lora_path).expanduser()
@@ -154,7 +171,8 @@ class Adapter:
         groups = {}
         for layer in range(arch.num_layers):
             for names in GROUPS:
-                adapted = [(i, name) for i, name in enumerate(names) if (layer, name, "A") in found]
+                adapted = [(i, name) for i, name in enumerate(names)
+                           if (layer, name, "A") in found and (targets is None or name in targets)]
                 if not adapted:
                     continue
                 row = names in ROW_PARALLEL
@@ -203,8 +221,10 @@ class WorkerAdapters:
     least recently used adapters that no live request runs with are dropped once more are loaded than it allows
     (those in use stay, even past it)."""
 
-    def __init__(self, arch: Any, dtype: torch.dtype, parallel: Any = None, capacity: int | None = None) -> None:
+    def __init__(self, arch: Any, dtype: torch.dtype, parallel: Any = None, capacity: int | None = None,
+                 targets: frozenset[str] | None = None) -> None:
         self.arch, self.dtype = arch, dtype
+        self.targets = targets  # the projections adapters may touch (lora_target_modules; None: all)
         self.parallel = parallel if parallel is not None and parallel.tp_size > 1 else None  # tensor-parallel ranks
         self.capacity = capacity
         self.loaded: OrderedDict[int, Adapter] = OrderedDict()  # least recently used first
@@ -236,7 +256,8 @@ class WorkerAdapters:
             self.loaded.move_to_end(request.lora_int_id)
             return adapter
         rank, size = (self.parallel.tp_rank, self.parallel.tp_size) if self.parallel is not None else (0, 1)
-        adapter = self.loaded[request.lora_int_id] = Adapter.load(request, self.arch, self.dtype, rank, size)
+        adapter = self.loaded[request.lora_int_id] = Adapter.load(request, self.arch, self.dtype, rank, size,
+                                                                  self.targets)
         self._evict()
         return adapter
 

@@ -28,7 +28,7 @@ import torch
 
 from pagellm.attention.base import AttentionBackend, CommonAttentionInputs, forward_context, new_kv_cache
 from pagellm.disagg.connector import KVStore
-from pagellm.lora import WorkerAdapters
+from pagellm.lora import WorkerAdapters, target_projections
 from pagellm.metrics.profiler import span
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.prompt_embeds import to_tensor
@@ -51,7 +51,8 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, block_size: int,
                  proposer: Proposer, seed: int, vocab_size: int = 0, model_dir: Path | None = None,
                  disable_by_batch_size: int | None = None, tokenizer_dir: Path | None = None,
-                 logits_processors: Sequence[str] = (), max_cpu_loras: int | None = None) -> None:
+                 logits_processors: Sequence[str] = (), max_cpu_loras: int | None = None,
+                 lora_target_modules: Sequence[str] | None = None) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -63,7 +64,8 @@ class ModelRunner:
         self.drafts: dict[str, Draft] = {}  # proposals awaiting verification, by request
         self._last_sampling: tuple[list, SamplingTensors] | None = None  # the last step's rows and their tensors
         self.disable_by_batch_size = disable_by_batch_size  # no drafting for steps of more requests than this
-        self.adapters = WorkerAdapters(model.cfg, model.model.norm.weight.dtype, model.model.parallel, max_cpu_loras)
+        self.adapters = WorkerAdapters(model.cfg, model.model.norm.weight.dtype, model.model.parallel, max_cpu_loras,
+                                       target_projections(lora_target_modules))
         self._pooling: set[str] = set()  # live pooling requests: steps without any skip looking for them
         self._embeds: set[str] = set()  # live requests with embeddings prompts: likewise
         self.kv_store: KVStore | None = None  # a KV connector's store (disaggregated prefill/decode)

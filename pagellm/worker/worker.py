@@ -81,7 +81,7 @@ class Worker:
         self.runner = ModelRunner(model, backend, cache_config.block_size, proposer, model_config.seed,
                                   arch.vocab_size, model_dir, spec_config.disable_by_batch_size,
                                   model_config.tokenizer_dir(model_dir), model_config.logits_processors,
-                                  model_config.max_cpu_loras)
+                                  model_config.max_cpu_loras, model_config.lora_target_modules)
         self.runner.bind_kv_cache(num_blocks, self.kv_dtype)
         store_dir = self._bind_kv_store(kv_transfer, model_dir, arch, cache_config)
         self.prefaulter = KVPrefaulter(self.runner.kv_caches) if cache_config.kv_cache_prefault else None

@@ -194,3 +194,30 @@ def test_max_lora_rank_refuses_higher_ranks(tiny_llama: Path, adapters: list[LoR
         llm.generate([[1, 2, 3]], params, use_tqdm=False, lora_request=adapters[0])
     with pytest.raises(ValueError, match="max_cpu_loras must be >= 1 and goes with enable_lora"):
         LLM(str(tiny_llama), max_cpu_loras=2)
+
+
+def test_lora_target_modules_apply_only_those_modules(tiny_llama: Path, adapters: list[LoRARequest],
+                                                      tmp_path: Path) -> None:
+    """vLLM's ``lora_target_modules``: with ``qkv_proj`` only, an adapter of every module gives PEFT's tokens for
+    the same adapter cut down to q/k/v; one of modules all outside the targets gives the base model's; an unknown
+    module is refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    source = Path(adapters[0].lora_path)
+    cut = tmp_path / "qkv"
+    cut.mkdir()
+    tensors = load_file(source / "adapter_model.safetensors")
+    save_file({k: v for k, v in tensors.items() if any(f".{p}." in k for p in ("q_proj", "k_proj", "v_proj"))},
+              cut / "adapter_model.safetensors")
+    config = json.loads((source / "adapter_config.json").read_text())
+    (cut / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "k_proj", "v_proj"]}))
+    prompts = _prompts()
+    llm = LLM(str(tiny_llama), dtype="float32", enable_lora=True, lora_target_modules=["qkv_proj"])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=adapters[0])]
+    assert got == _peft_greedy(tiny_llama, cut, prompts)
+    outside = LLM(str(tiny_llama), dtype="float32", enable_lora=True, lora_target_modules=["down_proj"])
+    untouched = outside.generate(prompts, params, use_tqdm=False, lora_request=adapters[1])  # a q/v adapter
+    assert [o.outputs[0].token_ids for o in untouched] == _peft_greedy(tiny_llama, None, prompts)
+    with pytest.raises(ValueError, match="lora_target_modules: 'qkv' is not a decoder layer's module"):
+        LLM(str(tiny_llama), enable_lora=True, lora_target_modules=["qkv"])
