@@ -168,7 +168,8 @@ def test_a_constraint_waits_for_the_reasoning_through_render(start_server: Calla
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 30,
             **think_first(structured_outputs={"regex": "Sunny[.]"})}
     rendered = httpx.post(f"{server.base_url}/v1/chat/completions/render", json=body, timeout=30).json()
-    assert rendered["reasoning_ended"] is False and "begin_after" not in rendered["sampling_params"]["structured_outputs"]
+    assert rendered["reasoning_ended"] is False
+    assert "begin_after" not in rendered["sampling_params"]["structured_outputs"]
     chat = httpx.post(f"{server.base_url}/v1/chat/completions", json={**body, "return_token_ids": True},
                       timeout=60).json()
     generated = httpx.post(f"{server.base_url}/inference/v1/generate", json={**rendered, "output_mode": "text"},
