@@ -83,8 +83,9 @@ class PauseGate:
                     "(max_num_queued_tokens, --max-num-queued-tokens); retry later or on another instance",
                     "max_num_queued_tokens")
             self.in_flight += count
-            self.queued_tokens += count * prompt_tokens
-            self._prefilling.update(dict.fromkeys(request_ids, prompt_tokens))
+            if self.max_queued_tokens is not None:  # the backlog is followed only where it is limited
+                self.queued_tokens += count * prompt_tokens
+                self._prefilling.update(dict.fromkeys(request_ids, prompt_tokens))
             if self.mode is None:
                 return
             waiter = asyncio.get_running_loop().create_future()
@@ -105,6 +106,8 @@ class PauseGate:
 
     def prefilled(self, request_ids: list[str]) -> None:
         """These requests have their first output, or ended: their prompts leave the backlog (once)."""
+        if self.max_queued_tokens is None:
+            return
         with self._lock:
             for request_id in request_ids:
                 self.queued_tokens -= self._prefilling.pop(request_id, 0)

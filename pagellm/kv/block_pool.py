@@ -15,7 +15,8 @@ from pagellm.request import BlockHash
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool, events: KVEventRecorder | None = None) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, events: KVEventRecorder | None = None,
+                 residency: BlockResidency | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -25,7 +26,7 @@ class BlockPool:
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0  # cached blocks whose contents were dropped to make room
         self.events = events  # KV cache events: the table's entries as they come and go (kv/events.py)
-        self.residency: BlockResidency | None = None  # sampled blocks' lifetimes (--kv-cache-metrics, residency.py)
+        self.residency = residency  # sampled blocks' lifetimes (--kv-cache-metrics, kv/residency.py)
 
     @property
     def num_free_blocks(self) -> int:

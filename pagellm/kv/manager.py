@@ -34,6 +34,7 @@ from pagellm.kv.block_pool import BlockPool
 from pagellm.kv.events import KVEventRecorder
 from pagellm.kv.hash_algos import VllmBlockHasher
 from pagellm.kv.hashing import ROOT_HASH, embeds_block_hashes, extend_block_hashes
+from pagellm.kv.residency import BlockResidency
 from pagellm.request import BlockHash, Request, RequestId
 
 NEVER = 1 << 62  # the next-full count when prefix caching is off: no block is ever registered
@@ -47,13 +48,13 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  sliding_window: int = 0, events: KVEventRecorder | None = None,
-                 hasher: VllmBlockHasher | None = None) -> None:
+                 hasher: VllmBlockHasher | None = None, residency: BlockResidency | None = None) -> None:
         self.block_size = block_size
         self.hasher = hasher  # vLLM's block hashes (kv/hash_algos.py); None: pagellm's own (kv/hashing.py)
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window  # 0: every block is kept until the request ends
         self.num_released: dict[RequestId, int] = {}  # leading blocks released behind the window
-        self.pool = BlockPool(num_blocks, enable_caching, events)
+        self.pool = BlockPool(num_blocks, enable_caching, events, residency)
         self.req_blocks: dict[RequestId, list[KVBlock]] = {}
         self.num_cached_blocks: dict[RequestId, int] = {}  # leading blocks of a request registered in the cache
         # Returns a freed request's blocks to the pool as ``pool.free_blocks(reversed(blocks))`` does; the scheduler

@@ -15,6 +15,7 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import platform
@@ -24,6 +25,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 from pagellm.metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
+
+logger = logging.getLogger(__name__)
 
 # ``*_created`` timestamps double every counter's series and no dashboard reads them.
 prometheus_client.disable_created_metrics()
@@ -50,7 +53,8 @@ BUCKET_FAMILIES = ("request_latency", "time_to_first_token", "inter_token_latenc
 
 def check_buckets(value: Any) -> dict[str, list[float]]:
     """``--custom-histogram-buckets``' mapping, checked: known families, each a non-empty list of strictly
-    increasing, positive, finite bounds (ValueError naming what to fix)."""
+    increasing, positive, finite bounds (ValueError naming what to fix); families of vLLM series pagellm has not are
+    taken with a warning."""
     if not isinstance(value, dict):
         raise ValueError(f"custom histogram buckets must be a JSON object of family: [bounds], got {value!r}")
     for family, bounds in value.items():
@@ -62,6 +66,10 @@ def check_buckets(value: Any) -> dict[str, list[float]]:
         if not numbers or any(a >= b for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"custom histogram buckets[{family!r}]: give a non-empty list of positive, finite, "
                              f"strictly increasing bounds, got {bounds!r}")
+    unused = [family for family in value if family in BUCKET_FAMILIES[6:]]
+    if unused:
+        logger.warning("custom histogram buckets: pagellm has no series of the families %s; their bounds change "
+                       "nothing", ", ".join(unused))
     return {family: [float(b) for b in bounds] for family, bounds in value.items()}
 
 

@@ -93,15 +93,13 @@ class Scheduler(Intake, Admission):
         self.disable_by_batch_size = disable_by_batch_size
         self._step_lookahead = num_lookahead_tokens
         algo = cache_config.prefix_caching_hash_algo
+        residency = BlockResidency(cache_config.kv_cache_metrics_sample) if cache_config.kv_cache_metrics else None
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                 kv_window, kv_events, make_hasher(algo))
+                                 kv_window, kv_events, make_hasher(algo), residency)
         self.waiting = make_queue(config.scheduling_policy)
-        # The step loops in C (sched/native.py), where no window releases blocks, no event is recorded and blocks
-        # hash in pagellm's own way.
-        if cache_config.kv_cache_metrics:  # --kv-cache-metrics: sampled blocks followed where the pool hands them out
-            self.kv.pool.residency = BlockResidency(cache_config.kv_cache_metrics_sample)
-        native = fast_path and not kv_window and kv_events is None and algo is None \
-            and not cache_config.kv_cache_metrics
+        # The step loops in C (sched/native.py), where no window releases blocks, no event is recorded, no block is
+        # followed (--kv-cache-metrics) and blocks hash in pagellm's own way.
+        native = fast_path and not kv_window and kv_events is None and algo is None and residency is None
         self._native = fastpath() if native else None
         self.running = RunningBatch(compact=self._native.compact_rows if self._native is not None else None)
         if self._native is not None:

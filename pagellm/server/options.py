@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import ssl
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -25,8 +24,6 @@ from pagellm.server.openai import reasoning
 from pagellm.server.openai.protocol import RequestDefaults
 from pagellm.server.openai.request_metrics import SPEC_LEVELS
 from pagellm.server.openai.tool_parsers import PARSERS, get_parser, load_plugin
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -302,16 +299,9 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
 
 
 def _buckets(args: argparse.Namespace) -> Optional[dict[str, list[float]]]:
-    if args.custom_histogram_buckets is None:
-        return None
-    from pagellm.metrics.prometheus import BUCKET_FAMILIES, check_buckets
+    from pagellm.metrics.prometheus import check_buckets
 
-    buckets = check_buckets(args.custom_histogram_buckets)
-    unused = [family for family in buckets if family in BUCKET_FAMILIES[6:]]
-    if unused:
-        logger.warning("--custom-histogram-buckets: pagellm has no series of the families %s; their bounds change "
-                       "nothing", ", ".join(unused))
-    return buckets
+    return check_buckets(args.custom_histogram_buckets) if args.custom_histogram_buckets is not None else None
 
 
 def _seconds(value: float, flag: str, zero: str) -> float:

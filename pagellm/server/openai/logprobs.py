@@ -18,6 +18,7 @@ Contract:
 from __future__ import annotations
 
 from pagellm.outputs import Logprob
+from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.replies import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob,
                                            PromptLogprobs, TopLogprob)
 
@@ -59,6 +60,12 @@ def chat_logprobs(token_ids: list[int], entries: Entries, num_top: int, as_ids: 
         content.append(ChatTokenLogprob(token=token, logprob=sampled.logprob, bytes=list(token.encode()),
                                         top_logprobs=top))
     return ChatLogprobs(content=content)
+
+
+def num_alternatives(params: SamplingParams) -> int:
+    """How many of a token's entries a reply lists as its alternatives: the top-k asked for, or, with
+    ``logprob_token_ids``, every entry (the sampled token, then those named)."""
+    return len(params.logprob_token_ids) + 1 if params.logprob_token_ids else params.logprobs or 0
 
 
 def _name(token_id: int, text: str, as_ids: bool) -> str:

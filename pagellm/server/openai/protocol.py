@@ -34,6 +34,12 @@ TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 TruncationSide = Literal["left", "right"]  # where truncate_prompt_tokens cuts: "left" keeps the last tokens
 
 
+def omitted_when_none() -> Any:
+    """A reply field only some requests ask for (``return_token_ids``, per-request metrics, ...): left out of the
+    JSON unless set."""
+    return Field(default=None, exclude_if=lambda value: value is None)
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 

@@ -7,18 +7,13 @@ vLLM's extras (``prompt_logprobs``, ``stop_reason``, ``reasoning_content``, and 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
 from pagellm.server.openai import tools as tooling
+from pagellm.server.openai.protocol import omitted_when_none
 from pagellm.server.openai.request_metrics import PerRequestMetrics
-
-def _token_ids() -> Any:
-    """A ``return_token_ids`` field (or another that only some requests ask for): left out of the JSON unless
-    set."""
-    return Field(default=None, exclude_if=lambda value: value is None)
-
 
 # ---- completions -------------------------------------------------------------------------------------------
 
@@ -51,8 +46,8 @@ class CompletionChoice(BaseModel):
     finish_reason: Optional[Literal["stop", "length", "abort", "repetition"]] = None
     stop_reason: Optional[Union[int, str]] = None
     prompt_logprobs: Optional[PromptLogprobs] = None
-    prompt_token_ids: Optional[list[int]] = _token_ids()  # the choice's prompt (a stream: its first chunk)
-    token_ids: Optional[list[int]] = _token_ids()  # the choice's tokens (a stream: those of the chunk)
+    prompt_token_ids: Optional[list[int]] = omitted_when_none()  # the choice's prompt (a stream: its first chunk)
+    token_ids: Optional[list[int]] = omitted_when_none()  # the choice's tokens (a stream: those of the chunk)
 
 
 class PromptTokensDetails(BaseModel):
@@ -87,7 +82,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Optional[UsageInfo] = None
     system_fingerprint: Optional[str] = None
-    metrics: Optional[PerRequestMetrics] = _token_ids()  # --enable-per-request-metrics (request_metrics.py)
+    metrics: Optional[PerRequestMetrics] = omitted_when_none()  # --enable-per-request-metrics (request_metrics.py)
 
 
 # ---- chat completions -------------------------------------------------------------------------------------------
@@ -119,7 +114,7 @@ class ChatCompletionChoice(BaseModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[Literal["stop", "length", "abort", "tool_calls", "repetition"]] = None
     stop_reason: Optional[Union[int, str]] = None
-    token_ids: Optional[list[int]] = _token_ids()
+    token_ids: Optional[list[int]] = omitted_when_none()
 
 
 class ChatCompletionResponse(BaseModel):
@@ -131,8 +126,8 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     system_fingerprint: Optional[str] = None
     prompt_logprobs: Optional[PromptLogprobs] = None
-    prompt_token_ids: Optional[list[int]] = _token_ids()
-    metrics: Optional[PerRequestMetrics] = _token_ids()
+    prompt_token_ids: Optional[list[int]] = omitted_when_none()
+    metrics: Optional[PerRequestMetrics] = omitted_when_none()
 
 
 class ChatDelta(BaseModel):
@@ -148,7 +143,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[Literal["stop", "length", "abort", "tool_calls", "repetition"]] = None
     stop_reason: Optional[Union[int, str]] = None
-    token_ids: Optional[list[int]] = _token_ids()  # the tokens since the choice's last chunk
+    token_ids: Optional[list[int]] = omitted_when_none()  # the tokens since the choice's last chunk
 
 
 class ChatCompletionChunk(BaseModel):
@@ -159,8 +154,8 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Optional[UsageInfo] = None
     system_fingerprint: Optional[str] = None
-    prompt_token_ids: Optional[list[int]] = _token_ids()  # the first chunk's, with return_token_ids
-    metrics: Optional[PerRequestMetrics] = _token_ids()  # the usage chunk's, with per-request metrics
+    prompt_token_ids: Optional[list[int]] = omitted_when_none()  # the first chunk's, with return_token_ids
+    metrics: Optional[PerRequestMetrics] = omitted_when_none()  # the usage chunk's, with per-request metrics
 
 
 # ---- models ------------------------------------------------------------------------------------------------

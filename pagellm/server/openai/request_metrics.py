@@ -19,18 +19,14 @@ Contract:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from pagellm.outputs import RequestMetrics
+from pagellm.server.openai.protocol import omitted_when_none
 
 SPEC_LEVELS = ("none", "summary", "detailed")
-
-
-def _omitted_when_none() -> Any:
-    """A field left out of the JSON unless set (as vLLM leaves it out)."""
-    return Field(default=None, exclude_if=lambda value: value is None)
 
 
 class SpeculativeDecodingMetrics(BaseModel):
@@ -41,8 +37,8 @@ class SpeculativeDecodingMetrics(BaseModel):
     num_accepted_draft_tokens: int
     num_draft_tokens: int
     num_spec_tokens: int
-    per_step_accepted: Optional[list[int]] = _omitted_when_none()  # ``detailed`` only
-    per_step_drafted: Optional[list[int]] = _omitted_when_none()
+    per_step_accepted: Optional[list[int]] = omitted_when_none()  # ``detailed`` only
+    per_step_drafted: Optional[list[int]] = omitted_when_none()
 
 
 class PerRequestMetrics(BaseModel):
@@ -51,7 +47,7 @@ class PerRequestMetrics(BaseModel):
     queue_time_ms: Optional[float] = None
     mean_itl_ms: Optional[float] = None
     tokens_per_second: Optional[float] = None
-    speculative_decoding: Optional[SpeculativeDecodingMetrics] = _omitted_when_none()
+    speculative_decoding: Optional[SpeculativeDecodingMetrics] = omitted_when_none()
 
 
 def _ms(start: Optional[float], end: Optional[float]) -> Optional[float]:

@@ -30,7 +30,7 @@ from pagellm.server.openai.chunks import ChunkWriter
 from pagellm.server.openai import serving_beam
 from pagellm.server.openai import tools as tooling
 from pagellm.server.openai.errors import APIError, sse_error
-from pagellm.server.openai.logprobs import chat_logprobs, prompt_logprobs_body
+from pagellm.server.openai.logprobs import chat_logprobs, num_alternatives, prompt_logprobs_body
 from pagellm.server.openai.protocol import ChatCompletionRequest, RequestDefaults
 from pagellm.server.openai.replies import (ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk,
                                            ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage,
@@ -267,9 +267,7 @@ def _logprobs(job: _Job, choice: _Choice) -> ChatLogprobs | None:
     """The logprobs of the choice's tokens not sent yet (None when the request did not ask for them)."""
     if job.params.logprobs is None:
         return None
-    # with logprob_token_ids, every entry: the sampled token, then those asked (vLLM's top_logprobs)
-    num_top = len(job.params.logprob_token_ids) + 1 if job.params.logprob_token_ids else job.params.logprobs
-    return chat_logprobs(*choice.take_logprobs(), num_top=num_top,
+    return chat_logprobs(*choice.take_logprobs(), num_top=num_alternatives(job.params),
                          as_ids=job.request.return_tokens_as_token_ids)
 
 

@@ -35,8 +35,8 @@ from pydantic import BaseModel, Field
 from pagellm.outputs import Logprob
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.openai.errors import APIError, sse_error
-from pagellm.server.openai.logprobs import chat_logprobs
-from pagellm.server.openai.protocol import Int64, OpenAIModel, StreamOptions, TokenId
+from pagellm.server.openai.logprobs import chat_logprobs, num_alternatives
+from pagellm.server.openai.protocol import Int64, OpenAIModel, StreamOptions, TokenId, omitted_when_none
 from pagellm.server.openai.reasoning import get_reasoning_parser
 from pagellm.server.openai.replies import ChatLogprobs, UsageInfo
 from pagellm.server.openai.request_metrics import PerRequestMetrics
@@ -94,18 +94,18 @@ class GenerateChoice(BaseModel):
     stop_reason: Optional[int | str] = None
     token_ids: Optional[list[int]] = None
     logprobs: Optional[GenerateLogProbs | ChatLogprobs] = None
-    text: Optional[str] = Field(None, exclude_if=lambda value: value is None)  # output_mode "text"
+    text: Optional[str] = omitted_when_none()  # output_mode "text"
 
 
 class GenerateResponse(BaseModel):
     request_id: str
     output_mode: Literal["tokens", "text"] = "tokens"
     choices: list[GenerateChoice]
-    model: Optional[str] = Field(None, exclude_if=lambda value: value is None)  # the whole response's
-    created: Optional[int] = Field(None, exclude_if=lambda value: value is None)
+    model: Optional[str] = omitted_when_none()  # the whole response's
+    created: Optional[int] = omitted_when_none()
     usage: Optional[UsageInfo] = None
-    prompt_token_ids: Optional[list[int]] = Field(None, exclude_if=lambda value: value is None)
-    metrics: Optional[PerRequestMetrics] = Field(None, exclude_if=lambda value: value is None)
+    prompt_token_ids: Optional[list[int]] = omitted_when_none()
+    metrics: Optional[PerRequestMetrics] = omitted_when_none()
 
 
 def _clamp(logprob: float) -> float:
@@ -235,7 +235,7 @@ class OpenAIServingTokens(OpenAIServing):
         if job.params.logprobs is None:
             return None
         token_ids, entries = choice.take_logprobs()
-        num_top = len(job.params.logprob_token_ids) + 1 if job.params.logprob_token_ids else job.params.logprobs
+        num_top = num_alternatives(job.params)
         if job.request.output_mode == "text":
             return chat_logprobs(token_ids, entries, num_top)
         return token_logprobs(token_ids, entries, num_top)
