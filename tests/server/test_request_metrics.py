@@ -8,7 +8,7 @@ flags, carry none. And vLLM's ``--custom-histogram-buckets`` sets the bounds of 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import httpx
 import openai
@@ -20,12 +20,14 @@ REPEATING = "one two three four one two three four one two three four one two"
 
 
 @pytest.fixture(scope="module")
-def measured(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> ServerProcess:
-    return start_server(tiny_llama, "--served-model-name", "tiny", "--enable-per-request-metrics",
+def measured(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> Iterator[ServerProcess]:
+    server = start_server(tiny_llama, "--served-model-name", "tiny", "--enable-per-request-metrics",
                         "--per-request-spec-decode-metrics", "detailed", "--speculative-config",
                         f'{{"method": "ngram", "num_speculative_tokens": {K}, "prompt_lookup_min": 1}}',
                         "--custom-histogram-buckets", '{"time_to_first_token": [0.25, 30], "request_tokens": [8, 64]}',
                         "--kv-cache-metrics", "--kv-cache-metrics-sample", "1", "--num-gpu-blocks-override", "40")
+    yield server
+    server.stop()  # not left running (idle) for the rest of the session
 
 
 def _check(metrics: dict[str, Any], num_tokens: int) -> None:

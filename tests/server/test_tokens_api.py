@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import httpx
 import pytest
@@ -20,8 +20,10 @@ GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def scale_out(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> ServerProcess:
-    return start_server(tiny_llama, "--served-model-name", "tiny", "--enable-scale-out")
+def scale_out(start_server: Callable[..., ServerProcess], tiny_llama: Path) -> Iterator[ServerProcess]:
+    server = start_server(tiny_llama, "--served-model-name", "tiny", "--enable-scale-out")
+    yield server
+    server.stop()  # not left running (idle) for the rest of the session
 
 
 def _generate(server: ServerProcess, **body: object) -> httpx.Response:
@@ -126,6 +128,7 @@ def test_a_tokens_only_server_serves_that_api_alone(start_server: Callable[..., 
         assert refused.status_code == 400 and "decodes no text" in refused.json()["error"]["message"]
     assert httpx.post(f"{only.base_url}/abort_requests", json={"request_ids": ["gone"]}, timeout=30).status_code == 200
     assert httpx.get(f"{only.base_url}/health", timeout=30).status_code == 200
+    only.stop()
     off = _generate(server, sampling_params=GREEDY)  # neither flag: vLLM's 403, which says how to turn it on
     assert off.status_code == 403 and "--enable-scale-out" in off.json()["error"]["message"]
 
@@ -177,3 +180,4 @@ def test_a_constraint_waits_for_the_reasoning_through_render(start_server: Calla
     assert generated["choices"][0]["text"] == "<think>a</think>Sunny." and chat["choices"][0]["message"]["content"] \
         == "Sunny."
     assert generated["choices"][0]["token_ids"] == chat["choices"][0]["token_ids"]
+    server.stop()
