@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -41,6 +42,20 @@ def test_sdk_sees_authentication_error(auth_server: ServerProcess) -> None:
     client = openai.OpenAI(base_url=f"{auth_server.base_url}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+
+
+def test_anthropics_messages_take_the_key_as_its_clients_send_it(auth_server: ServerProcess) -> None:
+    model, ask = str(auth_server.model), [{"role": "user", "content": "x"}]
+    for client in (anthropic.Anthropic(base_url=auth_server.base_url, api_key=KEY, max_retries=0),  # x-api-key
+                   anthropic.Anthropic(base_url=auth_server.base_url, auth_token=KEY, max_retries=0)):  # Bearer
+        assert client.messages.create(model=model, messages=ask, max_tokens=2).usage.output_tokens >= 1
+        assert client.messages.count_tokens(model=model, messages=ask).input_tokens > 0
+    with pytest.raises(anthropic.AuthenticationError) as raised:
+        anthropic.Anthropic(base_url=auth_server.base_url, api_key="nope", max_retries=0).messages.create(
+            model=model, messages=ask, max_tokens=2)
+    assert raised.value.body["error"] == {"type": "authentication_error", "message": "Incorrect API key provided."}
+    missing = httpx.post(f"{auth_server.base_url}/v1/messages", json={"model": model, "messages": ask})
+    assert missing.status_code == 401 and "x-api-key" in missing.json()["error"]["message"]
 
 
 def test_ops_routes_stay_open(auth_server: ServerProcess) -> None:

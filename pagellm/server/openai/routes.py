@@ -29,15 +29,12 @@ Contract:
 
 from __future__ import annotations
 
-import asyncio
-import hmac
-import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import msgspec
-from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
+from fastapi import APIRouter, FastAPI, Query, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.convertors import Convertor, register_url_convertor
@@ -63,12 +60,11 @@ from pagellm.server.openai.serving_classification import (ClassificationRequest,
 from pagellm.server.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from pagellm.server.openai.serving_score import OpenAIServingScore, RerankRequest, ScoreRequest
 from pagellm.server.openai.serving_responses import OpenAIServingResponses
-from pagellm.server.openai.serving_engine import INLINE_BYTES, EngineClient, OpenAIServing, prepared
+from pagellm.server.openai.route_utils import auth, body_size, json_unless_disconnected, session_from_header
+from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing, prepared
 from pagellm.server.openai.sse import EventStream, sse_response
 from pagellm.server.openai import tokenization
 
-logger = logging.getLogger(__name__)
-SESSION_HEADER = "X-Session-ID"  # vLLM's: the session of a request whose body names none
 
 class _ModelId(Convertor):
     """A model name in a path: anything but empty (served names may hold slashes; ``/v1/models/`` stays the
@@ -103,6 +99,7 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
         app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
                            allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
     served = _Served(model_names, model_root, loras if loras is not None else {})  # shared with the caller
+    from pagellm.server.anthropic.routes import messages_router
     from pagellm.server.openai.scale_out_routes import install_scale_out
 
     chat = None if tokens_only else \
@@ -113,14 +110,15 @@ def build_app(engine: EngineClient, model_names: Sequence[str], api_key: Optiona
     if chat is not None and responses is not None:  # vLLM's --tokens-only: the tokens-in, tokens-out API alone
         app.include_router(_v1_router(engine, served, api_key, chat, defaults))
         app.include_router(_responses_router(responses, api_key))
+        app.include_router(messages_router(chat, api_key, defaults))  # Anthropic's Messages API
         app.include_router(_score_router(engine, served, api_key))
     if runtime_lora_updating:
-        app.include_router(lora_router(engine, served.names, served.loras, _auth(api_key)))
+        app.include_router(lora_router(engine, served.names, served.loras, auth(api_key)))
     app.include_router(_admin_router(engine, served, tokenizer_info, defaults))
     app.include_router(_operations_router(engine, api_key))
     app.include_router(_pause_router(engine, api_key))
     if envs.server_dev_mode():
-        app.include_router(dev_router(engine, _auth(api_key)))
+        app.include_router(dev_router(engine, auth(api_key)))
     if observability is not None:
         install_observability(app, observability)
     if request_id_headers:
@@ -144,7 +142,7 @@ class _Served:
 
 def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], chat: OpenAIServingChat,
                defaults: Optional[RequestDefaults]) -> APIRouter:
-    router = APIRouter(prefix="/v1", dependencies=_auth(api_key))
+    router = APIRouter(prefix="/v1", dependencies=auth(api_key))
     completion = OpenAIServingCompletion(engine, served.names, served.loras, defaults)
     embedding = OpenAIServingEmbedding(engine, served.names, served.loras)
     max_model_len = completion.max_model_len
@@ -166,65 +164,58 @@ def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], ch
 
     @router.post("/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
-        _session(body, raw)
-        job = await prepared(completion.prepare, body, _size(raw))
+        session_from_header(body, raw)
+        job = await prepared(completion.prepare, body, body_size(raw))
         if body.stream:
             return sse_response(completion.stream(job), defaults)
-        return await _json_unless_disconnected(raw, completion.create(job))
+        return await json_unless_disconnected(raw, completion.create(job))
 
     @router.post("/embeddings")
     async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
-        job = await prepared(embedding.prepare, body, _size(raw))
-        return await _json_unless_disconnected(raw, embedding.create(job))
+        job = await prepared(embedding.prepare, body, body_size(raw))
+        return await json_unless_disconnected(raw, embedding.create(job))
 
     @router.post("/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
-        _session(body, raw)
-        job = await prepared(chat.prepare, body, _size(raw))
+        session_from_header(body, raw)
+        job = await prepared(chat.prepare, body, body_size(raw))
         if body.stream:
             return sse_response(chat.stream(job), defaults)
-        return await _json_unless_disconnected(raw, chat.create(job))
+        return await json_unless_disconnected(raw, chat.create(job))
 
     return router
-
-
-def _session(body: Any, raw: Request) -> None:
-    """vLLM's ``X-Session-ID`` header names the request's session where its body does not."""
-    header = raw.headers.get(SESSION_HEADER)
-    if header and body.session_id is None:
-        body.session_id = header[:256]
 
 
 def _score_router(engine: EngineClient, served: _Served, api_key: Optional[str]) -> APIRouter:
     """vLLM's scoring APIs (``serving_score.py``): ``/score`` and ``/rerank``, also under ``/v1``, and
     ``/v2/rerank`` (Cohere's path); and ``/classify`` and ``/pooling`` (``serving_classification.py``), also under
     ``/v1``."""
-    router = APIRouter(dependencies=_auth(api_key))
+    router = APIRouter(dependencies=auth(api_key))
     scoring = OpenAIServingScore(engine, served.names, served.loras)
     classification = OpenAIServingClassification(engine, served.names, served.loras)
 
     async def classify(body: ClassificationRequest, raw: Request) -> Response:
-        job = await prepared(classification.prepare, body, _size(raw))
-        return await _json_unless_disconnected(raw, classification.create(job))
+        job = await prepared(classification.prepare, body, body_size(raw))
+        return await json_unless_disconnected(raw, classification.create(job))
 
     for path in ("/classify", "/v1/classify"):
         router.add_api_route(path, classify, methods=["POST"])
     pooling = OpenAIServingPooling(engine, served.names, served.loras)
 
     async def pool(body: PoolingRequest, raw: Request) -> Response:
-        job = await prepared(pooling.prepare, body, _size(raw))
-        return await _json_unless_disconnected(raw, pooling.create(job))
+        job = await prepared(pooling.prepare, body, body_size(raw))
+        return await json_unless_disconnected(raw, pooling.create(job))
 
     for path in ("/pooling", "/v1/pooling"):
         router.add_api_route(path, pool, methods=["POST"])
 
     async def score(body: ScoreRequest, raw: Request) -> Response:
-        job = await prepared(scoring.prepare, body, _size(raw))
-        return await _json_unless_disconnected(raw, scoring.score(job))
+        job = await prepared(scoring.prepare, body, body_size(raw))
+        return await json_unless_disconnected(raw, scoring.score(job))
 
     async def rerank(body: RerankRequest, raw: Request) -> Response:
-        job = await prepared(scoring.prepare, body, _size(raw))
-        return await _json_unless_disconnected(raw, scoring.rerank(job))
+        job = await prepared(scoring.prepare, body, body_size(raw))
+        return await json_unless_disconnected(raw, scoring.rerank(job))
 
     for path in ("/score", "/v1/score"):
         router.add_api_route(path, score, methods=["POST"])
@@ -235,17 +226,17 @@ def _score_router(engine: EngineClient, served: _Served, api_key: Optional[str])
 
 def _responses_router(responses: OpenAIServingResponses, api_key: Optional[str]) -> APIRouter:
     """OpenAI's Responses API (``serving_responses.py``)."""
-    router = APIRouter(prefix="/v1/responses", dependencies=_auth(api_key))
+    router = APIRouter(prefix="/v1/responses", dependencies=auth(api_key))
 
     @router.post("")
     async def create_response(body: ResponsesRequest, raw: Request) -> Response:
-        _session(body, raw)
-        job = await prepared(responses.prepare, body, _size(raw))
+        session_from_header(body, raw)
+        job = await prepared(responses.prepare, body, body_size(raw))
         if body.background:
             return JSONResponse(responses.start_background(job).model_dump(mode="json"))
         if body.stream:
             return EventStream(responses.stream(job))
-        return await _json_unless_disconnected(raw, responses.create(job))
+        return await json_unless_disconnected(raw, responses.create(job))
 
     @router.get("/{response_id}")
     async def get_response(response_id: str) -> ResponseObject:
@@ -293,7 +284,7 @@ def _admin_router(engine: EngineClient, served: _Served, tokenizer_info: bool = 
 def _operations_router(engine: EngineClient, api_key: Optional[str]) -> APIRouter:
     """Routes that act on the engine (profiling, the prefix cache, sleep mode, weights): behind the API key when
     there is one."""
-    router = APIRouter(dependencies=_auth(api_key))
+    router = APIRouter(dependencies=auth(api_key))
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, bool]:
@@ -342,7 +333,7 @@ def _operations_router(engine: EngineClient, api_key: Optional[str]) -> APIRoute
 
 def _pause_router(engine: EngineClient, api_key: Optional[str]) -> APIRouter:
     """vLLM's pausing routes (an RL loop's weight sync), behind the API key when there is one."""
-    router = APIRouter(dependencies=_auth(api_key))
+    router = APIRouter(dependencies=auth(api_key))
 
     @router.post("/pause")  # vLLM's: new requests wait; those in flight end (abort), finish (wait) or freeze (keep)
     async def pause(mode: str = Query("abort"), clear_cache: bool = Query(True)) -> dict[str, bool]:
@@ -359,50 +350,3 @@ def _pause_router(engine: EngineClient, api_key: Optional[str]) -> APIRouter:
         return {"is_paused": await engine.is_paused()}
 
     return router
-
-
-def _auth(api_key: Optional[str]) -> list[Any]:
-    """The dependencies that guard a router: the Bearer check when there is an API key."""
-    return [Depends(_bearer_auth(api_key))] if api_key else []
-
-
-def _bearer_auth(api_key: str) -> Any:
-    expected = api_key.encode()
-
-    async def check(request: Request) -> None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise APIError("You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.", 401,
-                           code="invalid_api_key")
-        if not hmac.compare_digest(token.strip().encode(), expected):
-            raise APIError("Incorrect API key provided.", 401, code="invalid_api_key")
-
-    return check
-
-
-def _size(raw: Request) -> int:
-    """The request body's bytes (by its Content-Length; a body without one counts as large)."""
-    length = raw.headers.get("content-length", "")
-    return int(length) if length.isdigit() else INLINE_BYTES + 1
-
-
-async def _json_unless_disconnected(request: Request, work: Awaitable[Any]) -> Response:
-    """Await ``work`` (a response model) unless the client disconnects first; then cancel it (aborting)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        logger.info("client disconnected; its request was aborted")
-        return Response(status_code=499)
-    return JSONResponse(task.result().model_dump(mode="json"))
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse
 
 from pagellm.server.openai.errors import APIError
 from pagellm.server.openai.protocol import ChatCompletionRequest, CompletionRequest, RequestDefaults
-from pagellm.server.openai.routes import _auth, _json_unless_disconnected, _Served, _session, _size
+from pagellm.server.openai.route_utils import auth, body_size, json_unless_disconnected, session_from_header
+from pagellm.server.openai.routes import _Served
 from pagellm.server.openai.serving_chat import OpenAIServingChat
 from pagellm.server.openai.responses_protocol import ResponsesRequest
 from pagellm.server.openai.serving_completion import OpenAIServingCompletion
@@ -58,21 +59,21 @@ def _render_router(engine: EngineClient, served: _Served, api_key: Optional[str]
                    responses: OpenAIServingResponses, defaults: Optional[RequestDefaults]) -> APIRouter:
     """vLLM's render endpoints (with --enable-scale-out): a chat or completion request as the body of the
     tokens-in, tokens-out API (``serving_tokens.rendered``), rendered and checked as the routes would run it."""
-    router = APIRouter(dependencies=_auth(api_key))
+    router = APIRouter(dependencies=auth(api_key))
     completion = OpenAIServingCompletion(engine, served.names, served.loras, defaults)
 
     @router.post(RENDER_PATHS[0])
     async def render_chat(body: ChatCompletionRequest, raw: Request) -> JSONResponse:
-        _session(body, raw)
+        session_from_header(body, raw)
         _no_beams(body)
-        job = await prepared(chat.prepare, body, _size(raw))
+        job = await prepared(chat.prepare, body, body_size(raw))
         return JSONResponse(rendered(job.request_id, job.prompt, job.params, body))
 
     @router.post(RENDER_PATHS[1])
     async def render_completion(body: CompletionRequest, raw: Request) -> JSONResponse:
-        _session(body, raw)
+        session_from_header(body, raw)
         _no_beams(body)
-        job = await prepared(completion.prepare, body, _size(raw))
+        job = await prepared(completion.prepare, body, body_size(raw))
         if any(not isinstance(prompt, list) for prompt in job.prompts):
             raise APIError("prompt_embeds cannot be rendered as token ids", 400, param="prompt_embeds")
         ids = [job.request_id] if len(job.prompts) == 1 else [f"{job.request_id}-{i}" for i in range(len(job.prompts))]
@@ -80,8 +81,8 @@ def _render_router(engine: EngineClient, served: _Served, api_key: Optional[str]
 
     @router.post(RENDER_PATHS[2])
     async def render_response(body: ResponsesRequest, raw: Request) -> JSONResponse:
-        _session(body, raw)
-        job = (await prepared(responses.prepare, body, _size(raw))).chat  # its conversation, as the chat request
+        session_from_header(body, raw)
+        job = (await prepared(responses.prepare, body, body_size(raw))).chat  # its conversation, as the chat request
         return JSONResponse(rendered(job.request_id, job.prompt, job.params, body))
 
     return router
@@ -97,16 +98,16 @@ def _tokens_router(engine: EngineClient, served: _Served, api_key: Optional[str]
                    reasoning_parser: Optional[str] = None) -> APIRouter:
     """vLLM 0.32's tokens-in, tokens-out API (``serving_tokens.py``), behind the API key; with ``tokens_only``
     (--tokens-only) also at vLLM's older ``/abort_requests`` path."""
-    router = APIRouter(dependencies=_auth(api_key))
+    router = APIRouter(dependencies=auth(api_key))
     tokens = OpenAIServingTokens(engine, served.names, served.loras, defaults, no_detokenize=tokens_only,
                                  reasoning_parser=reasoning_parser)
 
     @router.post("/inference/v1/generate")
     async def generate(body: GenerateRequest, raw: Request) -> Response:
-        job = await prepared(tokens.prepare, body, _size(raw))
+        job = await prepared(tokens.prepare, body, body_size(raw))
         if body.stream:
             return sse_response(tokens.stream(job), defaults)
-        return await _json_unless_disconnected(raw, tokens.create(job))
+        return await json_unless_disconnected(raw, tokens.create(job))
 
     async def abort_requests(body: AbortRequests) -> Response:
         await engine.abort(body.request_ids)
