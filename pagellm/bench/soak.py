@@ -3,7 +3,8 @@
 ``pagellm bench soak --base-url URL --num-requests 300 --seed 1`` sends, ``--max-concurrency`` at a time, requests
 drawn (reproducibly, per ``--seed``) from a mix of what clients send: completions (text, token ids, several
 prompts, echo, logprobs, n, beam search), chat (a system turn, tools and every ``tool_choice``, logprobs, n, JSON
-schemas), embeddings, the Responses API and ``/tokenize``; streamed or not; with random sampling options (top-k/p,
+schemas), embeddings, the Responses API, Anthropic's Messages API (tools, a tool result) and ``/tokenize``; streamed
+or not; with random sampling options (top-k/p,
 min-p, the penalties, min_tokens, stop strings and ids, bad words, logit bias, allowed ids, seeds, prompt logprobs,
 truncation, structured outputs). ``--drop-fraction`` of the clients hang up early (a stream after a few events, a
 plain request at a random moment). Some requests are invalid on purpose (a negative temperature, an unknown field).
@@ -81,7 +82,7 @@ class Mix:
     def request(self) -> tuple[str, dict[str, Any]]:
         """One request: its path and JSON body."""
         kind = self.rng.choice(("chat", "chat", "completion", "completion", "beam", "embedding", "responses",
-                                "tokenize"))
+                                "anthropic", "tokenize"))
         path, body = getattr(self, kind)()
         if kind in ("chat", "completion") and self.rng.random() < 0.04:
             body.update(self.rng.choice(({"temperature": -1}, {"max_tokens": "many"}, {"not_a_field": 1})))
@@ -145,6 +146,31 @@ class Mix:
         if self.rng.random() < 0.3:
             body["instructions"] = self.text(2, 6)
         return "/v1/responses", self.maybe_streamed(body)
+
+    def anthropic(self) -> tuple[str, dict[str, Any]]:
+        """Anthropic's Messages API: a system prompt and a user turn, sometimes after a tool call and its result,
+        sometimes with tools, sampling options and stop sequences."""
+        messages: list[dict[str, Any]] = [{"role": "user", "content": self.text(1, 200)}]
+        if self.rng.random() < 0.2:
+            messages = [{"role": "user", "content": self.text(2, 10)}, {"role": "assistant", "content": [
+                {"type": "text", "text": self.text(1, 5)},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "paris"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                                             {"type": "text", "text": self.text(1, 20)}]}]
+        body: dict[str, Any] = {"model": self.model, "max_tokens": self.rng.choice((1, 8, 40, 150)),
+                                "system": self.text(1, 8), "messages": messages}
+        if self.rng.random() < 0.3:
+            function = TOOLS[0]["function"]
+            body["tools"] = [{"name": function["name"], "input_schema": function["parameters"]}]
+            body["tool_choice"] = self.rng.choice(({"type": "auto"}, {"type": "any"}, {"type": "none"},
+                                                   {"type": "tool", "name": "get_weather"}))
+        options = {"temperature": self.rng.choice((0.0, 0.7)), "top_k": self.rng.choice((1, 50)),
+                   "top_p": 0.9, "stop_sequences": [self.rng.choice(WORDS)], "metadata": {"user_id": "soak"}}
+        for name in self.rng.sample(sorted(options), self.rng.randint(0, 3)):
+            body[name] = options[name]
+        if self.rng.random() < 0.5:
+            body["stream"] = True
+        return "/v1/messages", body
 
     def tokenize(self) -> tuple[str, dict[str, Any]]:
         return "/tokenize", {"model": self.model, "prompt": self.text(1, 40)}

@@ -64,7 +64,8 @@ def test_the_mix_is_reproducible_and_varied() -> None:
     plans = [[mix.request() for _ in range(200)] for mix in mixes]
     assert plans[0] == plans[1]
     paths = {path for path, _ in plans[0]}
-    assert paths == {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/tokenize"}
+    assert paths == {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages",
+                     "/tokenize"}
     assert any(body.get("stream") for _, body in plans[0]) and any(body.get("tools") for _, body in plans[0])
 
 
@@ -77,6 +78,8 @@ def test_the_checks_flag_server_faults() -> None:
     assert len(tally.problems) == 2 and "HTTP 500" in tally.problems[0] and "HTTP 422" in tally.problems[1]
     assert soak._stream_error(b'data: {"error": {"message": "engine died"}}')
     assert soak._stream_error(b'data: {"type": "error", "message": "x"}')
+    assert soak._stream_error(b'data: {"type": "error", "error": {"type": "api_error", "message": "x"}}')
+    assert not soak._stream_error(b'data: {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}')
     assert not soak._stream_error(b'data: {"type": "response.created", "response": {"error": null}}')
     assert not soak._stream_error(b"data: [DONE]")
 
