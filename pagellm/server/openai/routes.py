@@ -1,5 +1,6 @@
-"""The FastAPI app: OpenAI routes under ``/v1`` (completions, chat, embeddings, models, responses), vLLM's
-``/score`` and ``/rerank`` (also under ``/v1``; ``/v2/rerank``), plus ``/health``, ``/version``, ``/stats``,
+"""The FastAPI app: OpenAI routes under ``/v1`` (completions, chat, embeddings, models, responses), Anthropic's
+``/v1/messages`` (``server/anthropic/``), vLLM's ``/score`` and ``/rerank`` (also under ``/v1``; ``/v2/rerank``) and
+``/generative_scoring``, plus ``/health``, ``/version``, ``/stats``,
 ``/tokenize``, ``/detokenize``, ``/start_profile``, ``/stop_profile`` and ``/reset_prefix_cache``, SageMaker's
 ``/ping`` and ``/invocations`` (``sagemaker.py``), ``/load`` with ``server_load_tracking`` (``server_load.py``), and
 (given an ``Observability``) ``/metrics``, ``/dashboard`` and trace-context propagation; with
@@ -58,6 +59,8 @@ from pagellm.server.openai.responses_protocol import ResponseObject, ResponsesRe
 from pagellm.server.openai.serving_classification import (ClassificationRequest, OpenAIServingClassification,
                                                           OpenAIServingPooling, PoolingRequest)
 from pagellm.server.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
+from pagellm.server.openai.serving_generative_scoring import (GenerativeScoringRequest,
+                                                              OpenAIServingGenerativeScoring)
 from pagellm.server.openai.serving_score import OpenAIServingScore, RerankRequest, ScoreRequest
 from pagellm.server.openai.serving_responses import OpenAIServingResponses
 from pagellm.server.openai.route_utils import auth, body_size, json_unless_disconnected, session_from_header
@@ -188,8 +191,8 @@ def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], ch
 
 def _score_router(engine: EngineClient, served: _Served, api_key: Optional[str]) -> APIRouter:
     """vLLM's scoring APIs (``serving_score.py``): ``/score`` and ``/rerank``, also under ``/v1``, and
-    ``/v2/rerank`` (Cohere's path); and ``/classify`` and ``/pooling`` (``serving_classification.py``), also under
-    ``/v1``."""
+    ``/v2/rerank`` (Cohere's path); ``/classify`` and ``/pooling`` (``serving_classification.py``), also under
+    ``/v1``; and ``/generative_scoring`` (``serving_generative_scoring.py``: label tokens' next-token odds)."""
     router = APIRouter(dependencies=auth(api_key))
     scoring = OpenAIServingScore(engine, served.names, served.loras)
     classification = OpenAIServingClassification(engine, served.names, served.loras)
@@ -221,6 +224,13 @@ def _score_router(engine: EngineClient, served: _Served, api_key: Optional[str])
         router.add_api_route(path, score, methods=["POST"])
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         router.add_api_route(path, rerank, methods=["POST"])
+    generative = OpenAIServingGenerativeScoring(engine, served.names, served.loras)
+
+    @router.post("/generative_scoring")
+    async def generative_scoring(body: GenerativeScoringRequest, raw: Request) -> Response:
+        job = await prepared(generative.prepare, body, body_size(raw))
+        return await json_unless_disconnected(raw, generative.create(job))
+
     return router
 
 
