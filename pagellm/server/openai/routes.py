@@ -1,6 +1,6 @@
-"""The FastAPI app: OpenAI routes under ``/v1`` (completions, chat, embeddings, models, responses), Anthropic's
-``/v1/messages`` (``server/anthropic/``), vLLM's ``/score`` and ``/rerank`` (also under ``/v1``; ``/v2/rerank``) and
-``/generative_scoring``, plus ``/health``, ``/version``, ``/stats``,
+"""The FastAPI app: OpenAI routes under ``/v1`` (completions, chat and vLLM's batch chat, embeddings, models,
+responses), Anthropic's ``/v1/messages`` (``server/anthropic/``), vLLM's ``/score`` and ``/rerank`` (also under
+``/v1``; ``/v2/rerank``) and ``/generative_scoring``, plus ``/health``, ``/version``, ``/stats``,
 ``/tokenize``, ``/detokenize``, ``/start_profile``, ``/stop_profile`` and ``/reset_prefix_cache``, SageMaker's
 ``/ping`` and ``/invocations`` (``sagemaker.py``), ``/load`` with ``server_load_tracking`` (``server_load.py``), and
 (given an ``Observability``) ``/metrics``, ``/dashboard`` and trace-context propagation; with
@@ -54,6 +54,7 @@ from pagellm.server.openai.middleware import add_request_id_headers, add_user_mi
 from pagellm.server.openai.protocol import ChatCompletionRequest, CompletionRequest, RequestDefaults
 from pagellm.server.openai.replies import ModelCard, ModelList
 from pagellm.server.openai.serving_chat import OpenAIServingChat
+from pagellm.server.openai.serving_chat_batch import BatchChatCompletionRequest, OpenAIServingChatBatch
 from pagellm.server.openai.serving_completion import OpenAIServingCompletion
 from pagellm.server.openai.responses_protocol import ResponseObject, ResponsesRequest
 from pagellm.server.openai.serving_classification import (ClassificationRequest, OpenAIServingClassification,
@@ -185,6 +186,14 @@ def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], ch
         if body.stream:
             return sse_response(chat.stream(job), defaults)
         return await json_unless_disconnected(raw, chat.create(job))
+
+    batch = OpenAIServingChatBatch(chat)
+
+    @router.post("/chat/completions/batch")
+    async def create_batch_chat_completion(body: BatchChatCompletionRequest, raw: Request) -> Response:
+        session_from_header(body, raw)
+        job = await prepared(batch.prepare, body, body_size(raw))
+        return await json_unless_disconnected(raw, batch.create(job))
 
     return router
 
