@@ -339,6 +339,12 @@ class AsyncLLM(EngineOperations):
         """vLLM's: the engine's model settings (``config.model_config``)."""
         return self.config.model_config
 
+    def kv_event_sources(self) -> dict[int, Any]:
+        """vLLM's: where each engine core (by data-parallel rank) publishes its KV cache events; empty when none
+        does."""
+        events, size = self.config.kv_events_config, self.config.parallel_config.data_parallel_size
+        return {rank: events.for_rank(rank) for rank in range(size)} if events.publishes else {}
+
     async def get_tokenizer(self) -> Any:
         """vLLM's: the model's Hugging Face tokenizer, the one the engine encodes with."""
         return self.tokenizer.hf

@@ -8,6 +8,7 @@ import dataclasses
 import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 import msgspec
@@ -17,6 +18,7 @@ import zmq
 
 from pagellm import LLM, SamplingParams
 from pagellm.config import EngineConfig
+from pagellm.engine.async_engine import AsyncLLM
 from pagellm.engine.dp_client import core_config
 from pagellm.engine.kv_events import END_OF_REPLAY
 from pagellm.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, external_hash
@@ -221,6 +223,11 @@ def test_config_is_checked_by_name() -> None:
     assert (second.endpoint, second.replay_endpoint, second.data_parallel_rank) == ("tcp://*:5558", "tcp://*:6001", 1)
     off = EngineConfig.from_kwargs(data_parallel_size=2)
     assert core_config(off, 1) is off and dataclasses.asdict(off.kv_events_config)["publisher"] == "null"
+    # /kv_event_sources lists what each core binds
+    sources = AsyncLLM.kv_event_sources(SimpleNamespace(config=config))  # type: ignore[arg-type]
+    assert sources == {rank: core_config(config, rank).kv_events_config for rank in (0, 1)}
+    assert [s.endpoint for s in sources.values()] == ["tcp://*:5557", "tcp://*:5558"]
+    assert AsyncLLM.kv_event_sources(SimpleNamespace(config=off)) == {}  # type: ignore[arg-type]
 
 
 def test_a_sliding_window_models_blocks_say_so() -> None:

@@ -62,6 +62,7 @@ def test_ops_routes_stay_open(auth_server: ServerProcess) -> None:
     assert httpx.get(f"{auth_server.base_url}/health").status_code == 200
     assert httpx.get(f"{auth_server.base_url}/stats").status_code == 200
     assert httpx.get(f"{auth_server.base_url}/ping").status_code == 200  # SageMaker's health check
+    assert httpx.get(f"{auth_server.base_url}/kv_event_sources").json() == {}  # no KV events published
 
 
 def test_no_key_configured_means_open(server: ServerProcess) -> None:

@@ -57,6 +57,9 @@ def test_a_served_prompt_is_published_as_stored_blocks(start_server: Callable[..
     config, replay = _events_config()
     server = start_server(tiny_llama, "--served-model-name", "tiny", "--block-size", "16",
                           "--kv-events-config", json.dumps(config))
+    sources = httpx.get(f"{server.base_url}/kv_event_sources").json()  # vLLM's: where a router subscribes
+    assert sources == {"0": {**config, "publisher": "zmq", "buffer_steps": 10_000, "hwm": 100_000,
+                             "max_queue_size": 100_000}}
     prompt = "The prefix cache keeps every full block of this prompt for the next request. " * 3
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
     client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)

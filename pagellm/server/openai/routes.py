@@ -1,10 +1,10 @@
 """The FastAPI app: OpenAI routes under ``/v1`` (completions, chat and vLLM's batch chat, embeddings, models,
 responses), Anthropic's ``/v1/messages`` (``server/anthropic/``), vLLM's ``/score`` and ``/rerank`` (also under
 ``/v1``; ``/v2/rerank``) and ``/generative_scoring``, plus ``/health``, ``/version``, ``/stats``,
-``/tokenize``, ``/detokenize``, ``/start_profile``, ``/stop_profile`` and ``/reset_prefix_cache``, SageMaker's
-``/ping`` and ``/invocations`` (``sagemaker.py``), ``/load`` with ``server_load_tracking`` (``server_load.py``), and
-(given an ``Observability``) ``/metrics``, ``/dashboard`` and trace-context propagation; with
-``PAGELLM_SERVER_DEV_MODE=1``, ``/collective_rpc`` (``dev_routes.py``).
+``/kv_event_sources``, ``/tokenize``, ``/detokenize``, ``/start_profile``, ``/stop_profile`` and
+``/reset_prefix_cache``, SageMaker's ``/ping`` and ``/invocations`` (``sagemaker.py``), ``/load`` with
+``server_load_tracking`` (``server_load.py``), and (given an ``Observability``) ``/metrics``, ``/dashboard`` and
+trace-context propagation; with ``PAGELLM_SERVER_DEV_MODE=1``, ``/collective_rpc`` (``dev_routes.py``).
 
 Contract:
 - ``build_app(engine, model_names, api_key)`` builds the app over an ``EngineClient``; it starts nothing. With
@@ -31,7 +31,7 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal, Optional
 
 import msgspec
@@ -290,6 +290,12 @@ def _admin_router(engine: EngineClient, served: _Served, tokenizer_info: bool = 
     @router.get("/version")
     async def version() -> dict[str, str]:
         return {"version": pagellm.__version__}
+
+    @router.get("/kv_event_sources")
+    async def kv_event_sources() -> dict[str, Any]:  # vLLM's: each data-parallel rank's KV-event publisher
+        hidden = {"data_parallel_rank"}  # in the key already (vLLM's config has no such field)
+        return {str(rank): {k: v for k, v in asdict(config).items() if k not in hidden}
+                for rank, config in engine.kv_event_sources().items()}
 
     @router.get("/stats")
     async def stats() -> dict[str, Any]:
