@@ -1,9 +1,10 @@
 """vLLM 0.32's request fields beside vLLM itself: the same requests to both servers, the replies compared.
 
 pagellm takes these fields as vLLM 0.32 does; this starts vLLM (``make peers``) and then pagellm on the built-in
-model in float32 (so that greedy tokens are the model's, not a kernel's rounding), both with the same
-``--reasoning-config`` (a block opened by "Thinking" and ended by "Answer", one token each in SmolLM2's vocabulary,
-as ``<think>`` and ``</think>`` are in Qwen3's and DeepSeek-R1's), sends each the same requests and compares:
+model in float32 (so that greedy tokens are the model's, not a kernel's rounding), both with the same flags (hermes
+tool calls; a ``--reasoning-config`` whose block is opened by "Thinking" and ended by "Answer", one token each in
+SmolLM2's vocabulary, as ``<think>`` and ``</think>`` are in Qwen3's and DeepSeek-R1's), sends each the same requests
+and compares:
 
 - ``thinking_token_budget``: prompts that open a block, budgets 0, 5 and 12 (one prompt with thinking tokens of its
   own), and one whose block is closed; the generated token ids must be identical (where the forced end lands, and
@@ -18,7 +19,17 @@ as ``<think>`` and ``</think>`` are in Qwen3's and DeepSeek-R1's), sends each th
   stream's usage chunk (their values are each server's own);
 - the tokens-in, tokens-out API (``/inference/v1/generate``): the token ids, text, finish reasons and logprobs of the
   same request, in the tokens and the text output modes; and the render endpoints: the prompt ids and the sampling
-  parameters a chat and a completion request render to.
+  parameters a chat and a completion request render to;
+- Anthropic's Messages API (``/v1/messages``): the content blocks (text, a named tool's call and its input), stop
+  reason, stop sequence and token counts of the same requests (system blocks, a stop sequence, a tool result, a
+  stream's events in order with their text), and ``/v1/messages/count_tokens``. Two differences are by design and
+  shown apart (``BY_DESIGN``): a named ``tool_choice``, which vLLM 0.32's Messages API leaves unconstrained (its reply
+  is free text, here a malformed call cut by ``max_tokens``) and pagellm constrains to a call of that tool as its
+  chat does; and (not sent) a reply prefilled by a last assistant turn, which pagellm continues, as Anthropic does,
+  where vLLM 0.32 answers after it;
+- ``/v1/chat/completions/batch``: each conversation's reply, its finish reason and the summed token counts;
+- ``/generative_scoring``: the label tokens' scores (within 1e-3) and token counts, text items after the query, and
+  token-id items before it over the whole vocabulary.
 
 Prints each check and what differs; exits 1 if anything does.
 
@@ -44,6 +55,9 @@ from peers import systems  # noqa: E402
 TAGS = {"word": ("Thinking", "Answer"), "think": ("<think>", "</think>")}
 ASK = "<|im_start|>user\nWhat is 17 times 23?<|im_end|>\n<|im_start|>assistant\n"
 GREEDY = {"model": "smollm2", "temperature": 0, "ignore_eos": True}
+BY_DESIGN = {"messages, named tool": "vLLM 0.32 leaves a named tool choice unconstrained on /v1/messages"}
+WEATHER = {"name": "get_weather", "description": "Weather in a city", "input_schema": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}
 
 
 def _budget(budget: int | None, prompt: str) -> tuple[str, dict[str, Any]]:
@@ -84,6 +98,39 @@ def requests(label_ids: list[int], start: str, end: str) -> dict[str, tuple[str,
         "metrics, chat stream": ("chat/completions", {**GREEDY, "messages": [{"role": "user", "content": "Hi"}],
                                                       "max_tokens": 6, "stream": True,
                                                       "stream_options": {"include_usage": True}}),
+        **messages_requests(),
+        "chat batch": ("chat/completions/batch", {  # (vLLM's batch request has no ignore_eos)
+            "model": "smollm2", "temperature": 0, "max_tokens": 8, "messages": [
+                [{"role": "user", "content": "Name a city."}],
+                [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]]}),
+        "generative scoring": ("/generative_scoring", {
+            "model": "smollm2", "query": "Question: what is the capital of ", "label_token_ids": label_ids,
+            "items": ["France? Answer:", "England? Answer:", "Germany? Answer:"]}),
+        "generative scoring, whole vocabulary, item first": ("/generative_scoring", {
+            "model": "smollm2", "query": " is the capital of France.", "label_token_ids": label_ids[::-1],
+            "items": [[label_ids[0]], [label_ids[2]]], "item_first": True, "apply_softmax": False}),
+    }
+
+
+def messages_requests() -> dict[str, tuple[str, dict[str, Any]]]:
+    """Anthropic's Messages API (no ``ignore_eos``: vLLM 0.32's Messages request drops fields it does not know)."""
+    base = {"model": "smollm2", "temperature": 0, "max_tokens": 24}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = [*ask, {"role": "assistant", "content": [
+        {"type": "text", "text": "Let me look."},
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "21C, sunny"},
+                                     {"type": "text", "text": "Thanks! Anything else?"}]}]
+    system = [{"type": "text", "text": "You answer briefly."}, {"type": "text", "text": " In English."}]
+    return {
+        "messages": ("/v1/messages", {**base, "system": system, "messages": ask}),
+        "messages, stop sequence": ("/v1/messages", {**base, "messages": ask, "stop_sequences": [".", "!"]}),
+        "messages, tool result": ("/v1/messages", {**base, "messages": called, "tools": [WEATHER]}),
+        "messages, named tool": ("/v1/messages", {**base, "max_tokens": 40, "messages": ask, "tools": [WEATHER],
+                                                  "tool_choice": {"type": "tool", "name": "get_weather"}}),
+        "messages, stream": ("/v1/messages", {**base, "system": system, "messages": ask, "stream": True}),
+        "messages, count_tokens": ("/v1/messages/count_tokens", {"model": "smollm2", "system": system,
+                                                                 "messages": called, "tools": [WEATHER]}),
     }
 
 
@@ -103,6 +150,9 @@ def replies(system: systems.System, asks: dict[str, tuple[str, dict[str, Any]]])
             reply = httpx.post(url, json=body, timeout=120)
             if reply.status_code != 200:
                 out[name] = {"status": reply.status_code, "error": reply.text[:300]}
+            elif body.get("stream") and route == "/v1/messages":  # Anthropic's events, every one
+                out[name] = {"events": [json.loads(line[6:]) for line in reply.text.splitlines()
+                                        if line.startswith("data: ")]}
             elif body.get("stream"):  # the last chunk before [DONE]: the usage chunk
                 out[name] = json.loads([line for line in reply.text.splitlines() if line.startswith("data: {")][-1][6:])
             else:
@@ -146,6 +196,41 @@ def _metric_names(reply: dict[str, Any]) -> list[str]:
     return sorted(name for name, value in (reply.get("metrics") or {}).items() if value is not None)
 
 
+def _message(reply: dict[str, Any]) -> Any:
+    """A Messages reply's blocks (text; a call's name and input: its id is each server's own), stop reason and
+    sequence, and token counts (the prompt's, cached or not, and the output's); or a count_tokens reply."""
+    if "content" not in reply:
+        return reply
+    blocks = [(b["type"], b.get("text"), b.get("name"), b.get("input")) for b in reply["content"]]
+    usage = reply["usage"]
+    prompt = usage["input_tokens"] + (usage.get("cache_read_input_tokens") or 0)
+    return blocks, reply["stop_reason"], reply.get("stop_sequence"), prompt, usage["output_tokens"]
+
+
+def _message_events(reply: dict[str, Any]) -> Any:
+    """A Messages stream's events in order (each run of deltas as one), the text they carry, and the last delta."""
+    kinds: list[str] = []
+    for event in reply["events"]:
+        kind = event["type"] + (f":{event['delta'].get('type')}" if event["type"] == "content_block_delta" else "")
+        if not kinds or kinds[-1] != kind:
+            kinds.append(kind)
+    text = "".join(e["delta"].get("text", "") for e in reply["events"] if e["type"] == "content_block_delta")
+    last = next(e for e in reply["events"] if e["type"] == "message_delta")
+    return kinds, text, last["delta"], last["usage"]["output_tokens"]
+
+
+def _batch(reply: dict[str, Any]) -> Any:
+    """A batch chat reply's choices (index, text, finish reason) and token counts."""
+    choices = [(c["index"], c["message"]["content"], c["finish_reason"]) for c in reply["choices"]]
+    return choices, reply["usage"]["prompt_tokens"], reply["usage"]["completion_tokens"]
+
+
+def _scores(reply: dict[str, Any]) -> Any:
+    """A generative-scoring reply's scores by item, and its token counts."""
+    return [(d["index"], d["score"]) for d in reply["data"]], reply["usage"]["prompt_tokens"], \
+        reply["usage"]["completion_tokens"]
+
+
 def _close(a: Any, b: Any) -> bool:
     """Equal, floats within 1e-3, through lists, tuples and dicts (dict keys in any order, list order kept)."""
     if isinstance(a, float) or isinstance(b, float):
@@ -170,14 +255,20 @@ def compare(theirs: dict[str, dict[str, Any]], ours: dict[str, dict[str, Any]]) 
             view = _generated
         elif name.startswith("render"):
             view = _rendered
+        elif name == "chat batch":
+            view = _batch
+        elif name.startswith("generative scoring"):
+            view = _scores
+        elif name.startswith("messages"):
+            view = _message_events if name.endswith("stream") else _message
         if "status" in a or "status" in b:
             same, shown = a == b, (a, b)
         else:
             shown = (view(a), view(b))
             same = _close(*shown)
-        print(f"{'same' if same else 'DIFFERS'}: {name}" + ("" if same else f"\n  vLLM    {shown[0]}\n"
-                                                                       f"  pagellm {shown[1]}"), flush=True)
-        if not same:
+        verdict = "same" if same else f"differs by design ({BY_DESIGN[name]})" if name in BY_DESIGN else "DIFFERS"
+        print(f"{verdict}: {name}" + ("" if same else f"\n  vLLM    {shown[0]}\n  pagellm {shown[1]}"), flush=True)
+        if not same and name not in BY_DESIGN:
             found.append(name)
     return found
 
@@ -197,7 +288,8 @@ def main() -> None:
     label_ids = [tokenizer.encode(word, add_special_tokens=False)[0] for word in (" Paris", " London", " Berlin")]
     asks = requests(label_ids, start, end)
     flags = ("--reasoning-config", json.dumps({"reasoning_start_str": start, "reasoning_end_str": end}),
-             "--enable-per-request-metrics", "--enable-scale-out")
+             "--enable-per-request-metrics", "--enable-scale-out", "--enable-auto-tool-choice",
+             "--tool-call-parser", "hermes")
     got = {}
     for name in ("vllm", "pagellm"):
         ctx = systems.Context(model_dir, gguf, dtype="float32", **{f"{name}_flags": flags})

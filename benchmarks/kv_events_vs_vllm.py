@@ -7,7 +7,8 @@ port, ``--block-size 32`` (vLLM's CPU attention takes multiples of 32) and ``--p
 (``PYTHONHASHSEED`` the same for both), sends each the same completions (token-id prompts: plain, with a
 ``cache_salt``, one that extends the first, one with a ``session_id`` and one extending it that asks for its reused
 blocks to be reported), receives their events on a ZMQ SUB socket, and compares every
-``BlockStored`` field by field (the medium aside: vLLM names its cache "GPU" whatever the device). Then vLLM's own
+``BlockStored`` field by field (the medium aside: vLLM names its cache "GPU" whatever the device), and what
+``GET /kv_event_sources`` says of the publisher. Then vLLM's own
 decoder (``vllm.distributed.kv_events.KVEventBatch``, in vLLM's venv) reads pagellm's payloads. Prints what differs;
 exits 1 if anything does.
 
@@ -54,8 +55,9 @@ for payload in msgspec.msgpack.decode(open(sys.argv[1], "rb").read()):
 """
 
 
-def collect(system: systems.System, pub: int, seed: str) -> list[bytes]:
-    """Start ``system``, send ``PROMPTS`` one after another, return every event payload it published."""
+def collect(system: systems.System, pub: int, seed: str) -> tuple[list[bytes], Any]:
+    """Start ``system``, send ``PROMPTS`` one after another, return every event payload it published and what its
+    ``GET /kv_event_sources`` says (its publisher's port written as PORT: each side has its own)."""
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.connect(f"tcp://127.0.0.1:{pub}")
@@ -70,6 +72,7 @@ def collect(system: systems.System, pub: int, seed: str) -> list[bytes]:
             print(f"{system.name}: ready in {wait_ready(base_url, proc, 600):.1f} s", flush=True)
         except (RuntimeError, TimeoutError) as exc:
             sys.exit(f"{system.name} {exc}; its log ({log.name}) ends:\n" + "".join(open(log.name).readlines()[-15:]))
+        sources = json.loads(httpx.get(f"{base_url}/kv_event_sources", timeout=30).text.replace(str(pub), "PORT"))
         for body in PROMPTS:
             reply = httpx.post(f"{base_url}/v1/completions", timeout=120,
                                json={"model": "smollm2", "max_tokens": 1, "temperature": 0, **body})
@@ -81,7 +84,7 @@ def collect(system: systems.System, pub: int, seed: str) -> list[bytes]:
     finally:
         stop(proc)
         ctx.destroy(linger=0)
-    return payloads
+    return payloads, sources
 
 
 def stored(payloads: list[bytes]) -> list[dict[str, Any]]:
@@ -109,6 +112,7 @@ def main() -> None:
     gguf = Path(default_model_path())
     ctx = systems.Context(hf_model_dir(gguf), gguf)
     events: dict[str, list[bytes]] = {}
+    sources: dict[str, Any] = {}
     for name in ("vllm", "pagellm"):
         pub = free_port()
         flags = ("--block-size", "32", "--prefix-caching-hash-algo", args.algo, "--kv-events-config",
@@ -116,13 +120,17 @@ def main() -> None:
         system = systems.BUILDERS[name](systems.Context(**{**vars(ctx), f"{name}_flags": flags}), free_port())
         if system.missing_reason:
             sys.exit(f"{system.name}: {system.missing_reason}")
-        events[name] = collect(system, pub, args.seed)
+        events[name], sources[name] = collect(system, pub, args.seed)
     theirs, ours = stored(events["vllm"]), stored(events["pagellm"])
     print(f"BlockStored events: vLLM {len(theirs)} ({sum(len(e['block_hashes']) for e in theirs)} blocks), "
           f"pagellm {len(ours)} ({sum(len(e['block_hashes']) for e in ours)} blocks)")
     media = [sorted({str(e.get("medium")) for e in side}) for side in (theirs, ours)]
     print(f"medium: vLLM {media[0]}, pagellm {media[1]}")
     found = differences(theirs, ours)
+    if sources["vllm"] != sources["pagellm"]:
+        found.append(f"/kv_event_sources: vLLM {sources['vllm']}, pagellm {sources['pagellm']}")
+    else:
+        print(f"/kv_event_sources: the same, {sources['pagellm']}")
     with tempfile.NamedTemporaryFile(suffix=".msgpack") as dump:
         dump.write(msgspec.msgpack.encode(events["pagellm"]))
         dump.flush()

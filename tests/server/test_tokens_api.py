@@ -131,6 +131,8 @@ def test_a_tokens_only_server_serves_that_api_alone(start_server: Callable[..., 
     only.stop()
     off = _generate(server, sampling_params=GREEDY)  # neither flag: vLLM's 403, which says how to turn it on
     assert off.status_code == 403 and "--enable-scale-out" in off.json()["error"]["message"]
+    off = httpx.post(f"{server.base_url}/v1/messages/render", json={}, timeout=30)
+    assert off.status_code == 403 and "--enable-scale-out" in off.json()["error"]["message"]
 
 
 def test_a_rendered_request_generates_what_the_route_would(scale_out: ServerProcess) -> None:
@@ -155,6 +157,11 @@ def test_a_rendered_request_generates_what_the_route_would(scale_out: ServerProc
         "model": "tiny", "input": "Hi there", "max_output_tokens": 6, "temperature": 0}).json()
     assert response["request_id"].startswith("resp_") and response["token_ids"] == rendered["token_ids"]
     assert response["sampling_params"]["max_tokens"] == 6
+    message = httpx.post(f"{scale_out.base_url}/v1/messages/render", timeout=30, json={  # Anthropic's Messages API
+        "model": "tiny", "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True, "logit_bias": {"120": 5}}).json()
+    assert message["request_id"].startswith("msg_") and message["token_ids"] == rendered["token_ids"]
+    assert message["sampling_params"] == rendered["sampling_params"]
     beams = httpx.post(f"{scale_out.base_url}/v1/completions/render", timeout=30, json={
         "model": "tiny", "prompt": "one", "use_beam_search": True, "n": 2})
     assert beams.status_code == 400 and beams.json()["error"]["param"] == "use_beam_search"

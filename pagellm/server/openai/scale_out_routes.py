@@ -10,6 +10,8 @@ from typing import Any, Optional
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from pagellm.server.anthropic.protocol import MessagesRequest
+from pagellm.server.anthropic.serving_messages import AnthropicServingMessages
 from pagellm.server.openai.errors import APIError
 from pagellm.server.openai.protocol import ChatCompletionRequest, CompletionRequest, RequestDefaults
 from pagellm.server.openai.route_utils import auth, body_size, json_unless_disconnected, session_from_header
@@ -52,13 +54,15 @@ def _scale_out_off_router() -> APIRouter:
     return router
 
 
-RENDER_PATHS = ("/v1/chat/completions/render", "/v1/completions/render", "/v1/responses/render")
+RENDER_PATHS = ("/v1/chat/completions/render", "/v1/completions/render", "/v1/responses/render",
+                "/v1/messages/render")
 
 
 def _render_router(engine: EngineClient, served: _Served, api_key: Optional[str], chat: OpenAIServingChat,
                    responses: OpenAIServingResponses, defaults: Optional[RequestDefaults]) -> APIRouter:
-    """vLLM's render endpoints (with --enable-scale-out): a chat or completion request as the body of the
-    tokens-in, tokens-out API (``serving_tokens.rendered``), rendered and checked as the routes would run it."""
+    """vLLM's render endpoints (with --enable-scale-out): a chat, completion, Responses or Anthropic Messages request
+    as the body of the tokens-in, tokens-out API (``serving_tokens.rendered``), rendered and checked as the routes
+    would run it."""
     router = APIRouter(dependencies=auth(api_key))
     completion = OpenAIServingCompletion(engine, served.names, served.loras, defaults)
 
@@ -84,6 +88,14 @@ def _render_router(engine: EngineClient, served: _Served, api_key: Optional[str]
         session_from_header(body, raw)
         job = (await prepared(responses.prepare, body, body_size(raw))).chat  # its conversation, as the chat request
         return JSONResponse(rendered(job.request_id, job.prompt, job.params, body))
+
+    messages = AnthropicServingMessages(chat)
+
+    @router.post(RENDER_PATHS[3])
+    async def render_messages(body: MessagesRequest, raw: Request) -> JSONResponse:
+        session_from_header(body, raw)
+        job = (await prepared(messages.prepare, body, body_size(raw))).chat  # Anthropic's conversation, as chat's
+        return JSONResponse(rendered(job.request_id, job.prompt, job.params, job.request))
 
     return router
 
