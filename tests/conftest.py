@@ -62,8 +62,8 @@ MOE_DEFAULTS = {
 
 
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a tiny random float32 model (``arch`` in llama, qwen2, qwen3, mistral, phi3 and the mixtures of experts
-    mixtral, qwen2_moe, qwen3_moe) with a tokenizer under ``path``."""
+    """Save a tiny random float32 model (``arch`` in llama, qwen2, qwen3, mistral, phi3, gemma, gemma3 and the
+    mixtures of experts mixtral, qwen2_moe, qwen3_moe) with a tokenizer under ``path``."""
     import transformers
 
     torch.manual_seed(seed)
@@ -80,11 +80,22 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     if arch == "phi3":  # its default pad id (32000) lies outside the tiny vocabulary
         common.setdefault("pad_token_id", None)
-    if arch in ("qwen3", "qwen3_moe"):  # its config's default head_dim is 128, not hidden / heads
+    if arch in ("qwen3", "qwen3_moe", "gemma", "gemma3"):  # their configs' default head_dim is not hidden / heads
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
+    if arch == "gemma3":  # a sliding layer (a short window, its own rope base) and a global one; a scale not 1/sqrt(d)
+        common.setdefault("sliding_window", 16)
+        common.setdefault("layer_types", ["sliding_attention", "full_attention"])
+        common.setdefault("query_pre_attn_scalar", 24)
+        common.setdefault("rope_parameters", {"sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                                              "full_attention": {"rope_type": "default", "rope_theta": 100000.0}})
+    if arch.startswith("gemma"):  # its default pad id (0) is a byte the prompts use; weights large enough that
+        common.setdefault("pad_token_id", None)  # GeGLU's gates reach where gelu's tanh form parts from the exact one
+        common.setdefault("initializer_range", 0.1)
     for key, value in MOE_DEFAULTS.get(arch, {}).items():
         common.setdefault(key, value)
     model = model_cls(config_cls(**common)).to(torch.float32).eval()
@@ -94,6 +105,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
                 param.normal_(0, 0.5)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):  # ones would hide a misplaced q/k norm
                 param.uniform_(0.5, 1.5)
+            elif arch.startswith("gemma") and name.endswith("norm.weight"):  # zeros (1 + w = 1) would hide the 1 + w
+                param.uniform_(-0.5, 0.5)
             elif name.endswith("gate.weight") and "proj" not in name:  # routers, the shared expert's gate
                 param.normal_(0, 0.5)  # a decisive router: near-uniform ones would make top-k a coin toss
     model.save_pretrained(path)

@@ -14,6 +14,8 @@ BASE_MODELS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model
 CLASSIFIERS = frozenset({"LlamaForSequenceClassification", "MistralForSequenceClassification",
                          "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"})
 _QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # their sliding_window applies only with use_sliding_window
+GEMMA = ("gemma", "gemma3_text")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP gate's (SwiGLU; Gemma's GeGLU, tanh-approximated)
 
 
 LONGROPE = ("longrope", "su")  # "su": LongRoPE's name in the first Phi-3 configs
@@ -67,8 +69,11 @@ def _full_attention_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, .
     Qwen's ``layer_types`` where the config lists them, else its rule for the family; the windows of the other
     families (Mistral, Mixtral, Phi-3) and of Qwen3-MoE hold in every layer."""
     model_type = cfg.get("model_type")
-    if model_type not in _QWEN:
+    if model_type not in (*_QWEN, "gemma3_text"):
         return ()
+    if model_type == "gemma3_text" and not cfg.get("layer_types"):  # Gemma 3's first configs: every Nth is global
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        return tuple(i for i in range(num_layers) if (i + 1) % pattern == 0)
     if cfg.get("layer_types"):
         return tuple(i for i, kind in enumerate(cfg["layer_types"]) if kind != "sliding_attention")
     limit = int(cfg.get("max_window_layers", 28))
@@ -107,6 +112,14 @@ class ArchConfig:
     full_attention_layers: tuple[int, ...] = ()
     # A sequence classifier's class names (its ``score`` head's rows; none: no head): it serves classify requests only.
     labels: tuple[str, ...] = ()
+    # Gemma's: token embeddings scaled by sqrt(hidden_size); GeGLU (``hidden_act``); Gemma 3's attention scale
+    # (query_pre_attn_scalar ** -0.5), norms around attention and the MLP (``sandwich_norms``) and its sliding
+    # layers' own rope base (``local_rope_theta``, unscaled). Gemma's RMSNorm weights w act as 1 + w (loaded so).
+    embed_scale: float | None = None
+    hidden_act: str = "silu"
+    attn_scale: float | None = None
+    sandwich_norms: bool = False
+    local_rope_theta: float | None = None
 
     @property
     def num_labels(self) -> int:
@@ -139,7 +152,8 @@ class ArchConfig:
                             int(cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])}
         base_model = archs[0] in BASE_MODELS
         labels = _labels(cfg) if archs[0] in CLASSIFIERS else ()
-        return cls(
+        gemma = _gemma(cfg, hidden, head_dim) if model_type in GEMMA else {}  # (its fields win)
+        return cls(**{**dict(
             architecture=archs[0],
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -163,7 +177,7 @@ class ArchConfig:
             moe=MoEConfig.from_hf(cfg),
             full_attention_layers=_full_attention_layers(cfg, int(cfg["num_hidden_layers"])) if window else (),
             labels=labels,
-        )
+        ), **gemma})
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer ``layer`` (its index in the whole model), or None: every key."""
@@ -171,6 +185,31 @@ class ArchConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _gemma(cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str, Any]:
+    """ArchConfig's fields for Gemma (1) and Gemma 3's text model, from either config layout (Gemma 3's first
+    configs: rope_theta, rope_local_base_freq, rope_scaling; transformers 5's: rope_parameters by layer type)."""
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(name) is not None:
+            raise ValueError(f"{name} (Gemma 2's) is not supported")
+    act = cfg.get("hidden_activation") or ("gelu_pytorch_tanh" if cfg.get("hidden_act") in (None, "gelu")
+                                           else cfg["hidden_act"])
+    if act not in ACTIVATIONS:
+        raise ValueError(f"hidden activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    fields: dict[str, Any] = {"embed_scale": hidden ** 0.5, "hidden_act": act}
+    if cfg.get("model_type") != "gemma3_text":
+        return fields
+    by_type = cfg.get("rope_parameters") or {}
+    full, local = by_type.get("full_attention"), by_type.get("sliding_attention")
+    if full is not None and local is not None:
+        theta, scaling, local_theta = full["rope_theta"], full, local["rope_theta"]
+    else:
+        theta, scaling, local_theta = cfg.get("rope_theta", 1e6), cfg.get("rope_scaling"), \
+            cfg.get("rope_local_base_freq", 10000.0)
+    return {**fields, "attn_scale": float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+            "sandwich_norms": True, "qk_norm": True, "rope_theta": float(theta), "local_rope_theta": float(local_theta),
+            "rope_scaling": scaling if rope_kind(scaling) != "default" else None}
 
 
 def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:

@@ -1,7 +1,9 @@
 """The Llama family in one file: Llama 2/3 (with Llama-3 rope scaling), Mistral, Qwen2 (q/k/v bias), Qwen3 (an
 RMSNorm over each head's q and k before the rotary embedding), Phi-3 (q/k/v and gate/up fused in its checkpoint) and
 SmolLM2, and their mixture-of-experts kin, Mixtral,
-Qwen2-MoE and Qwen3-MoE, whose sparse layers replace the dense MLP with experts (``layers/moe.py``).
+Qwen2-MoE and Qwen3-MoE, whose sparse layers replace the dense MLP with experts (``layers/moe.py``); and Gemma and
+Gemma 3's text model (``GemmaForCausalLM``: scaled embeddings, GeGLU, RMSNorm weights as 1 + w; Gemma 3 adds norms
+after attention and the MLP, q/k norms, its own attention scale, and sliding layers with a rope base of their own).
 
 The forward pass takes one flat batch of tokens (prompt chunks and decode tokens of many requests mixed) with
 their positions; attention reads everything else from the forward context. ``compute_logits`` runs the LM head
@@ -20,7 +22,7 @@ from pagellm.attention.base import current_lora
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model import weight_only
 from pagellm.model.arch import ArchConfig
-from pagellm.model.layers.activation import SiluAndMul
+from pagellm.model.layers.activation import GeluAndMul, SiluAndMul
 from pagellm.model.layers.attention import Attention
 from pagellm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagellm.model.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, loaded_whole,
@@ -46,7 +48,7 @@ class LlamaAttention(nn.Module):
                                           cfg.attention_bias, dtype, parallel)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype, parallel)
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5,
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.attn_scale or cfg.head_dim ** -0.5,
                               cfg.layer_window(layer))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
@@ -80,7 +82,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype,
                                                  parallel)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype, parallel)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul() if cfg.hidden_act == "silu" else \
+            GeluAndMul("tanh" if cfg.hidden_act == "gelu_pytorch_tanh" else "none")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lora = current_lora()
@@ -104,6 +107,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp: nn.Module = SparseMoeBlock(cfg.moe, cfg.hidden_size, dtype, parallel) \
             if cfg.moe is not None and cfg.moe.is_sparse(layer) else LlamaMLP(cfg, dtype, parallel, layer)
+        # what the native decoder stack computes (model/native_stack.py): Llama's layer, SwiGLU, 1/sqrt(head_dim)
+        self.native = cfg.hidden_act == "silu" and cfg.attn_scale is None and not cfg.sandwich_norms
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,6 +118,24 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    """Gemma 3's layer: each sublayer's output normed before it joins the residual stream (``post_attention_`` and
+    ``post_feedforward_layernorm``), and the MLP's input by a norm of its own (``pre_feedforward_layernorm``)."""
+
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, parallel: ParallelState,
+                 layer: int = 0) -> None:
+        super().__init__(cfg, rotary, dtype, parallel, layer)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h))[0]
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h))[0], residual
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState) -> None:
         super().__init__()
@@ -120,9 +143,14 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype,
                                  cfg.rotary_dim)
+        local = rotary if cfg.local_rope_theta is None else RotaryEmbedding(  # Gemma 3's sliding layers'
+            cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta, None, dtype, cfg.rotary_dim)
         self.layer_range = parallel.layer_range(cfg.num_layers)  # all of them, or this pipeline stage's
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype, parallel, i) for i in self.layer_range)
+        kind = GemmaDecoderLayer if cfg.sandwich_norms else LlamaDecoderLayer
+        self.layers = nn.ModuleList(kind(cfg, local if cfg.layer_window(i) else rotary, dtype, parallel, i)
+                                    for i in self.layer_range)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.embed_scale = cfg.embed_scale  # Gemma's sqrt(hidden_size), in the embeddings' dtype as transformers has it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None,
                 embeds: Embeds | None = None) -> torch.Tensor:
@@ -141,6 +169,8 @@ class LlamaModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor, embeds: Embeds | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         if embeds is not None:
             x.index_copy_(0, embeds[0], embeds[1])
         return x
@@ -281,6 +311,15 @@ class LlamaForCausalLM(nn.Module):
             if fragment in name:
                 return name.replace(fragment, ours), shard
         return name, None
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma and Gemma 3's text model: their RMSNorms scale by 1 + w, so each norm weight is loaded as 1 + w (in
+    float32, as transformers adds it) and the norms run as every other model's."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None) -> None:
+        super().load_weights(((name, tensor.float() + 1.0 if name.endswith("norm.weight") else tensor)
+                              for name, tensor in weights), quantization)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

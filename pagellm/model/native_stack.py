@@ -36,6 +36,8 @@ from pagellm.ops.decoder_stack import DecoderStack, LayerWeights, StackShape
 
 
 def _layer_weights(layer: nn.Module) -> LayerWeights | None:
+    if not layer.native:  # a layer the native call does not compute (Gemma's)
+        return None
     attn, mlp = layer.self_attn, layer.mlp
     experts = None
     if not hasattr(mlp, "gate_up_proj"):  # a mixture of experts: its native call, routing included

@@ -7,7 +7,7 @@ from torch import nn
 
 from pagellm.distributed.groups import ParallelState
 from pagellm.model.arch import BASE_MODELS, CLASSIFIERS, ArchConfig
-from pagellm.model.llama import LlamaForCausalLM, MixtralForCausalLM, Phi3ForCausalLM
+from pagellm.model.llama import GemmaForCausalLM, LlamaForCausalLM, MixtralForCausalLM, Phi3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -18,6 +18,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "GemmaForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,  # Gemma 3's text model (gemma-3-270m, -1b); its multimodal ones are not
     # base models (embedding checkpoints: no LM head; ArchConfig.base_model), for pooling requests
     **{name: LlamaForCausalLM for name in BASE_MODELS},
     # sequence classifiers: the same decoder and a score head (ArchConfig.num_labels), for classify requests

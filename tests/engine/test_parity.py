@@ -76,7 +76,7 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-ARCHS = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "phi3", "gemma", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 def assert_seeded_grammar(llm: LLM, seed: int) -> None:
     """Regex-constrained samples have the regex's shape, and the same seed gives the same texts again (what
@@ -132,6 +132,41 @@ def test_greedy_parity_modes(tiny_model_factory, arch: str, mode: str) -> None:
     llm = LLM(str(model_dir), dtype="float32", **MODES[mode])
     prompts = _prompts(seed=1)
     assert_greedy_parity(model_dir, prompts, run(llm, prompts))
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma3"])
+def test_gemma_prompt_logprobs_are_transformers(tiny_model_factory, arch: str) -> None:
+    """Gemma's parts (GeGLU's tanh, norms scaling by 1 + w, the scaled embeddings; Gemma 3's norms around each
+    sublayer, its attention scale and two rope bases) to within 1e-5 of transformers' log-probabilities, where a
+    greedy token could hide a small slip."""
+    model_dir = tiny_model_factory(arch)
+    prompt = _prompts(seed=7)[-1]  # 121 tokens: past Gemma 3's 16-token window
+    llm = LLM(str(model_dir), dtype="float32")
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    ours = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
+    with torch.no_grad():
+        logits = _hf_model(model_dir)(torch.tensor([prompt])).logits[0].float()
+    theirs = logits.log_softmax(-1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert (ours - theirs).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma3"])
+def test_gemma_in_bfloat16_runs_its_own_layers(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
+                                               arch: str) -> None:
+    """The native decoder stack computes Llama's layer, so Gemma's bfloat16 steps take the Python layers (which
+    keep to transformers' float32 log-probabilities within bfloat16's rounding)."""
+    calls: list[int] = []
+    real = DecoderStack.run
+    monkeypatch.setattr(DecoderStack, "run", lambda self, *a: calls.append(1) or real(self, *a))
+    model_dir = tiny_model_factory(arch)
+    prompt = _prompts(seed=7)[-1]
+    llm = LLM(str(model_dir), dtype="bfloat16")
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    ours = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
+    with torch.no_grad():
+        logits = _hf_model(model_dir)(torch.tensor([prompt])).logits[0].float()
+    theirs = logits.log_softmax(-1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert not calls and (ours - theirs).abs().mean().item() < 0.03
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,7 +1,7 @@
 """Sliding-window models (Mistral v0.1's config, Phi-3's, Qwen's ``use_sliding_window`` with its full-attention
-layers, Mixtral and the Qwen mixtures of experts) served past their window: greedy output equals transformers' in every
-scheduling mode, with prefix-cache hits, under preemption and with speculative decoding; and the context length is
-the model's, not the window's."""
+layers, Mixtral, the Qwen mixtures of experts, and Gemma 3's every-Nth global layer) served past their window:
+greedy output equals transformers' in every scheduling mode, with prefix-cache hits, under preemption and with
+speculative decoding; and the context length is the model's, not the window's."""
 
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ WINDOWED = {
     "mixtral": dict(sliding_window=WINDOW),
     "qwen2_moe": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
     "qwen3_moe": dict(use_sliding_window=True, sliding_window=WINDOW),
+    "gemma3": dict(sliding_window=WINDOW, sliding_window_pattern=2, layer_types=None),  # every 2nd layer is global
 }
 # The layers that slide, as transformers builds them (2 layers each)
 SLIDING_LAYERS = {"mistral": [0, 1], "qwen2": [1], "qwen3": [1], "phi3": [0, 1], "mixtral": [0, 1], "qwen2_moe": [0],
-                  "qwen3_moe": [0, 1]}
+                  "qwen3_moe": [0, 1], "gemma3": [0]}
 
 
 def _windowed(tiny_model_factory, arch: str):  # noqa: ANN001, ANN202
@@ -47,6 +48,24 @@ def test_the_layers_that_slide_are_transformers(tiny_model_factory, arch: str) -
     for cfg in (hf.to_dict(), {k: v for k, v in hf.to_dict().items() if k != "layer_types"}):
         ours = ArchConfig.from_hf(cfg)
         assert [i for i in range(ours.num_layers) if ours.layer_window(i) == WINDOW] == SLIDING_LAYERS[arch]
+
+
+def test_gemma3s_first_config_layout_reads_as_transformers_5s(tiny_model_factory) -> None:
+    """Gemma 3's checkpoints as first published (rope_theta, rope_local_base_freq, rope_scaling, and a global layer
+    every sliding_window_pattern-th) and as transformers 5 saves them (rope_parameters by layer type, layer_types)
+    make the same model."""
+    saved = transformers.AutoConfig.from_pretrained(_windowed(tiny_model_factory, "gemma3")).to_dict()
+    rope = saved["rope_parameters"]
+    first = {k: v for k, v in saved.items() if k not in ("rope_parameters", "layer_types")}
+    first.update(rope_theta=rope["full_attention"]["rope_theta"], sliding_window_pattern=2, rope_scaling=None,
+                 rope_local_base_freq=rope["sliding_attention"]["rope_theta"])
+    ours = ArchConfig.from_hf(first)
+    assert ours == ArchConfig.from_hf(saved)
+    assert (ours.rope_theta, ours.local_rope_theta, ours.attn_scale) == (100000.0, 1000.0, 24 ** -0.5)
+    scaled = ArchConfig.from_hf({**first, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert scaled.rope_scaling == {"rope_type": "linear", "factor": 8.0} and scaled.local_rope_theta == 1000.0
+    with pytest.raises(ValueError, match="attn_logit_softcapping \\(Gemma 2's\\) is not supported"):
+        ArchConfig.from_hf({**first, "attn_logit_softcapping": 50.0})
 
 
 @pytest.mark.parametrize("arch", list(WINDOWED))
@@ -68,7 +87,7 @@ def test_the_window_changes_transformers_output(tiny_model_factory) -> None:
     assert differ >= len(prompts) // 2
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma3"])
 def test_greedy_parity_past_the_window_with_prefix_hits_and_preemption(tiny_model_factory, arch: str) -> None:
     model_dir = _windowed(tiny_model_factory, arch)
     prompts = _prompts(seed=13, shared_prefix=37)

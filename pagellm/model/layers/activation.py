@@ -1,4 +1,4 @@
-"""SwiGLU's gating, ``silu(gate) * up`` over the fused gate/up projection ``[gate | up]``.
+"""SwiGLU's gating, ``silu(gate) * up`` over the fused gate/up projection ``[gate | up]`` (and Gemma's GeGLU).
 
 bfloat16 rows take one fused native pass (``pagellm/ops/fused.py``); ``forward_torch`` is the plain-PyTorch twin
 (and the path for every other dtype)."""
@@ -21,3 +21,16 @@ class SiluAndMul(nn.Module):
     def forward_torch(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """GeGLU, Gemma's gating: ``gelu(gate) * up`` (``approximate``: "tanh" for ``gelu_pytorch_tanh``, "none" for
+    the exact ``gelu``), in plain PyTorch."""
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up
