@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 
 from pagellm.model import gguf_tokenizer
-from pagellm.model.gguf_tensors import (MIXTRAL, PERMUTED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, hf_arrays,
-                                        hf_tensor_name)
+from pagellm.model.gguf_tensors import (MIXTRAL, NORM_OFFSET_ARCHITECTURES, PERMUTED_ARCHITECTURES,
+                                        SUPPORTED_ARCHITECTURES, hf_arrays, hf_tensor_name)
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +190,8 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict
         config["qkv_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "phi3":
         config.update(_phi3_config(meta))
+    if arch in NORM_OFFSET_ARCHITECTURES:
+        config.update(_gemma_config(meta, arch, hidden // n_head, head_dim, int(get("block_count"))))
     rope_dim = int(get("rope.dimension_count", head_dim))
     if rope_dim != head_dim:  # Phi-4-mini turns 96 of each head's 128 dimensions
         config["partial_rotary_factor"] = rope_dim / head_dim
@@ -209,6 +211,25 @@ def _phi3_config(meta: dict[str, Any]) -> dict[str, Any]:
     window = int(_arch_value(meta, "phi3", "attention.sliding_window", 0))
     # pad_token_id: the file's, where it names one (set after this); transformers' class default (32000) else
     return {"sliding_window": window or None, "pad_token_id": None}
+
+
+def _gemma_config(meta: dict[str, Any], arch: str, hidden_per_head: int, head_dim: int,
+                  layers: int) -> dict[str, Any]:
+    """Gemma's GeGLU; Gemma 3's sliding window, and what llama.cpp fixes for it rather than storing: a global layer
+    every sixth (unless the file says otherwise), the sliding layers' rope base of 10,000, and the attention scale
+    (its rule: 1/sqrt(hidden / heads) for the 27B's 62 layers, else 1/sqrt(head size))."""
+    config: dict[str, Any] = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
+    if arch != "gemma3":
+        return config
+    pattern = _arch_value(meta, arch, "attention.sliding_window_pattern", 6)
+    config.update(sliding_window=int(_arch_value(meta, arch, "attention.sliding_window")),
+                  rope_local_base_freq=10000.0, final_logit_softcapping=None, attn_logit_softcapping=None,
+                  query_pre_attn_scalar=hidden_per_head if layers == 62 else head_dim)
+    if isinstance(pattern, (list, tuple)):  # one flag per layer: True where it slides
+        config["layer_types"] = ["sliding_attention" if slides else "full_attention" for slides in pattern]
+    else:
+        config["sliding_window_pattern"] = int(pattern)
+    return config
 
 
 def _experts_config(meta: dict[str, Any], arch: str, experts: int) -> dict[str, Any]:
@@ -312,6 +333,8 @@ def _write_weights(tensors: dict[str, Any], config: dict[str, Any], arch: str, o
         filename = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
         arrays = {name: values for hf_name, tensor in shard
                   for name, values in hf_arrays(tensor, hf_name, heads if permuted else {}, mixtral)}
+        if arch in NORM_OFFSET_ARCHITECTURES:  # the file's 1 + w back to w
+            arrays = {name: values - 1.0 if name.endswith("norm.weight") else values for name, values in arrays.items()}
         _save_safetensors(arrays, out_dir / filename)
         weight_map.update(dict.fromkeys(arrays, filename))
         del arrays  # one shard of float32 in memory at a time

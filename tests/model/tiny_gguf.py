@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
                           Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
@@ -73,6 +74,13 @@ def tiny_config(arch: str, vocab_size: int, tied: bool, rope_scaling: dict[str, 
         return Qwen3Config(**common)
     if arch == "phi3":  # with the sliding window its 4k models have
         return Phi3Config(**common, pad_token_id=None, sliding_window=40)
+    if arch == "gemma":
+        return GemmaConfig(**common, pad_token_id=None)
+    if arch == "gemma3":  # what llama.cpp fixes for it: a global layer every sixth, a local rope base of 10,000
+        rope = {"full_attention": {"rope_type": "default", "rope_theta": common.pop("rope_theta")},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+        return Gemma3TextConfig(**common, pad_token_id=None, sliding_window=6, sliding_window_pattern=6,
+                                query_pre_attn_scalar=common["head_dim"], rope_parameters=rope)
     experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=sizes.get("moe_intermediate_size", 48))
     if arch == "mixtral":
         return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
@@ -88,7 +96,8 @@ def random_model(config: Any) -> torch.nn.Module:
     torch.manual_seed(0)
     model_cls = {"qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM,
-                 "phi3": Phi3ForCausalLM}.get(config.model_type, LlamaForCausalLM)
+                 "phi3": Phi3ForCausalLM, "gemma": GemmaForCausalLM,
+                 "gemma3_text": Gemma3ForCausalLM}.get(config.model_type, LlamaForCausalLM)
     model = model_cls(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -146,12 +155,16 @@ def write_tiny_gguf(
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    writer.add_rope_freq_base((rope["full_attention"] if arch == "gemma3" else rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if arch in ("mixtral", "qwen2moe", "qwen3moe"):
         _add_experts_metadata(writer, config, arch)
-    if arch == "phi3":
+    if arch in ("phi3", "gemma3"):
         writer.add_sliding_window(config.sliding_window)
+    if arch in ("gemma", "gemma3"):  # as llama.cpp's converter writes Gemma's head size
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
     if original_context is not None:
         writer.add_rope_scaling_orig_ctx_len(original_context)
     if rope_dim is not None:
@@ -213,7 +226,8 @@ def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16
     config = model.config
     model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
                   "mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
-                  "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "phi3": gguf.MODEL_ARCH.PHI3}[arch]
+                  "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "phi3": gguf.MODEL_ARCH.PHI3,
+                  "gemma": gguf.MODEL_ARCH.GEMMA, "gemma3": gguf.MODEL_ARCH.GEMMA3}[arch]
     name_map = gguf.get_tensor_name_map(model_arch, 2)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     tensors = checkpoint if per_expert else _stack_experts(checkpoint) if checkpoint is not None else \
@@ -225,6 +239,8 @@ def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16
         values = tensor.numpy().astype(np.float32)
         if arch in ("llama", "mixtral") and module.split(".")[-1] in heads:
             values = llama_cpp_permute(values, heads[module.split(".")[-1]])
+        if arch in ("gemma", "gemma3") and module.endswith("norm"):  # llama.cpp stores the 1 + w its norms scale by
+            values = values + np.float32(1.0)
         if f16 and values.ndim == 2:  # as llama.cpp's f16 files do: matrices in F16, norms and biases in F32
             values = values.astype(np.float16)
         expert = re.fullmatch(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])", module)
