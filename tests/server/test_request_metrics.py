@@ -1,9 +1,9 @@
 """Per-request metrics in the responses (vLLM's ``--enable-per-request-metrics`` and
 ``--per-request-spec-decode-metrics``) through the ``openai`` SDK and raw HTTP: a server with both and n-gram
 speculation answers each one-sample request with its timing and its drafts' acceptance, consistent with each other
-and with the usage, whole and in a stream's usage chunk; requests of several samples, and a server without the
-flags, carry none. And vLLM's ``--custom-histogram-buckets`` sets the bounds of the Prometheus histograms, and
-``--kv-cache-metrics`` fills the KV blocks' residency histograms."""
+and with the usage, whole and in a stream's usage chunk (completions, chat and the Responses API); requests of
+several samples, and a server without the flags, carry none. And vLLM's ``--custom-histogram-buckets`` sets the
+bounds of the Prometheus histograms, and ``--kv-cache-metrics`` fills the KV blocks' residency histograms."""
 
 from __future__ import annotations
 
@@ -65,6 +65,12 @@ def test_one_generation_carries_its_timing_and_acceptance(measured: ServerProces
     stream = list(client.completions.create(model="tiny", prompt=REPEATING, max_tokens=24, temperature=0, stream=True,
                                             extra_body={"ignore_eos": True}))  # no usage chunk: nowhere to carry them
     assert all(c.model_extra.get("metrics") is None for c in stream)
+    response = client.responses.create(model="tiny", input=REPEATING, max_output_tokens=24, temperature=0,
+                                       extra_body={"ignore_eos": True})  # the Responses API, as vLLM's
+    _check(response.model_extra["metrics"], response.usage.output_tokens)
+    events = list(client.responses.create(model="tiny", input=REPEATING, max_output_tokens=24, temperature=0,
+                                          stream=True, extra_body={"ignore_eos": True}))
+    _check(events[-1].response.model_extra["metrics"], events[-1].response.usage.output_tokens)
 
 
 def test_several_samples_or_prompts_carry_none(measured: ServerProcess, server: ServerProcess) -> None:
@@ -75,6 +81,9 @@ def test_several_samples_or_prompts_carry_none(measured: ServerProcess, server: 
     plain = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
                        json={"model": "tiny", "prompt": REPEATING, "max_tokens": 4}).json()
     assert "metrics" not in plain
+    response = httpx.post(f"{server.base_url}/v1/responses", timeout=60,
+                          json={"model": "tiny", "input": REPEATING, "max_output_tokens": 4}).json()
+    assert "metrics" not in response and response["status"] == "incomplete"
 
 
 def test_what_is_not_asked_for_is_left_out_of_the_json() -> None:

@@ -25,7 +25,9 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
-from pagellm.server.openai.protocol import ChatCompletionRequest, Count, NumLogprobs, OpenAIModel, Seed
+from pagellm.server.openai.protocol import (ChatCompletionRequest, Count, NumLogprobs, OpenAIModel, Seed,
+                                           omitted_when_none)
+from pagellm.server.openai.request_metrics import PerRequestMetrics
 
 # vLLM's sampling extensions a Responses request may carry; they mean what they mean on chat.
 PASSED_ON = ("seed", "stop", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -299,6 +301,7 @@ class ResponseObject(BaseModel):
     background: bool = False
     metadata: dict[str, str] = Field(default_factory=dict)
     user: Optional[str] = None
+    metrics: Optional[PerRequestMetrics] = omitted_when_none()  # --enable-per-request-metrics (request_metrics.py)
 
     @classmethod
     def start(cls, request: ResponsesRequest, response_id: str, model: str, created: int,

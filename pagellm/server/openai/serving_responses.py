@@ -12,6 +12,8 @@ Contract:
   deltas (``reasoning_text.delta``, ``output_text.delta``, ``function_call_arguments.delta``), their ``.done``
   events and ``output_item.done``, and last ``response.completed`` (or ``response.incomplete``) with the whole
   response; an engine error ends the stream with an ``error`` event and ``response.failed``.
+- With ``--enable-per-request-metrics`` the response carries chat's per-request ``metrics`` (``request_metrics.py``),
+  whole, and in a stream's last event's response, as vLLM's does.
 - ``store`` (default true) keeps the response in memory, the newest ``capacity`` of them: ``GET
   /v1/responses/{id}`` returns it, ``GET .../input_items`` pages through its input items, ``DELETE`` forgets it,
   and a later request's ``previous_response_id`` continues its conversation (its input and output; its
@@ -81,7 +83,7 @@ class OpenAIServingResponses:
     async def create(self, rj: _ResponseJob) -> ResponseObject:
         reply = await self.chat.create(rj.chat)
         (choice,) = reply.choices
-        rj.response.output = _items(choice, rj.request.wants_logprobs)
+        rj.response.output, rj.response.metrics = _items(choice, rj.request.wants_logprobs), reply.metrics
         self._finish(rj, choice.finish_reason, reply.usage.prompt_tokens, reply.usage.completion_tokens,
                      reply.usage.prompt_tokens_details.cached_tokens)  # type: ignore[union-attr]  # always set
         self._keep(rj)
@@ -158,6 +160,7 @@ class OpenAIServingResponses:
             yield event
         choice = rj.chat.choices.get(0)
         prompt, output = len(rj.chat.prompt), choice.num_tokens if choice else 0
+        rj.response.metrics = self.chat.response_metrics(rj.chat.choices, True)
         self._finish(rj, finish, prompt, output, choice.num_cached_tokens if choice else 0)
         self._keep(rj)
         kind = "response.completed" if rj.response.status == "completed" else "response.incomplete"
