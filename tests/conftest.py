@@ -62,8 +62,8 @@ MOE_DEFAULTS = {
 
 
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a tiny random float32 model (``arch`` in llama, qwen2, qwen3, mistral, phi3, gemma, gemma3 and the
-    mixtures of experts mixtral, qwen2_moe, qwen3_moe) with a tokenizer under ``path``."""
+    """Save a tiny random float32 model (``arch`` in llama, qwen2, qwen3, mistral, phi3, gemma, gemma2, gemma3 and
+    the mixtures of experts mixtral, qwen2_moe, qwen3_moe) with a tokenizer under ``path``."""
     import transformers
 
     torch.manual_seed(seed)
@@ -81,11 +81,12 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     if arch == "phi3":  # its default pad id (32000) lies outside the tiny vocabulary
         common.setdefault("pad_token_id", None)
-    if arch in ("qwen3", "qwen3_moe", "gemma", "gemma3"):  # their configs' default head_dim is not hidden / heads
+    if arch in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3"):  # their default head_dim is not hidden / heads
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
     if arch == "gemma3":  # a sliding layer (a short window, its own rope base) and a global one; a scale not 1/sqrt(d)
         common.setdefault("sliding_window", 16)
@@ -93,6 +94,11 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
         common.setdefault("query_pre_attn_scalar", 24)
         common.setdefault("rope_parameters", {"sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
                                               "full_attention": {"rope_type": "default", "rope_theta": 100000.0}})
+    if arch == "gemma2":  # caps low enough to bite at this size; a sliding layer, a global one; a scale not 1/sqrt(d)
+        common.setdefault("attn_logit_softcapping", 1.0)
+        common.setdefault("final_logit_softcapping", 3.0)
+        common.setdefault("sliding_window", 16)
+        common.setdefault("query_pre_attn_scalar", 24)
     if arch.startswith("gemma"):  # its default pad id (0) is a byte the prompts use; weights large enough that
         common.setdefault("pad_token_id", None)  # GeGLU's gates reach where gelu's tanh form parts from the exact one
         common.setdefault("initializer_range", 0.1)

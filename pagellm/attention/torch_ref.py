@@ -86,15 +86,18 @@ class TorchRefBackend:
         return build_metadata(common)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: TorchRefMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                metadata: TorchRefMetadata, scale: float, sliding_window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """``softcap`` (Gemma 2's): each score becomes softcap * tanh(score / softcap) before the softmax."""
         write_kv(kv_cache, k, v, metadata.slot_mapping)
         metadata = metadata.for_window(sliding_window)
         num_heads, head_dim = q.shape[1], q.shape[2]
         out = torch.empty(metadata.num_tokens, num_heads * head_dim, dtype=q.dtype)
         if metadata.decode_tokens is not None:
-            out[metadata.decode_tokens] = _decode_attention(q[metadata.decode_tokens], kv_cache, metadata, scale)
+            out[metadata.decode_tokens] = _decode_attention(q[metadata.decode_tokens], kv_cache, metadata, scale,
+                                                            softcap)
         for chunk in metadata.chunks:
-            out[chunk.start:chunk.end] = chunk_attention(q[chunk.start:chunk.end], kv_cache, chunk, scale)
+            out[chunk.start:chunk.end] = chunk_attention(q[chunk.start:chunk.end], kv_cache, chunk, scale, softcap)
         return out
 
 
@@ -135,27 +138,46 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype) 
     return blocks.view(batch, -1, kv_heads, head_dim).transpose(1, 2)
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: TorchRefMetadata, scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: TorchRefMetadata, scale: float,
+                      softcap: float | None = None) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     keys = _gather(kv_cache[0], md.decode_block_table, q.dtype)
     values = _gather(kv_cache[1], md.decode_block_table, q.dtype)
     kv_heads = keys.shape[1]
     # Query heads h = kv_head * group + g share kv_head: fold the group into the query axis.
     grouped = q.view(batch, kv_heads, num_heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=md.decode_mask, scale=scale)
+    out = _attend(grouped, keys, values, md.decode_mask, scale, softcap)
     return out.reshape(batch, num_heads * head_dim)
 
 
-def chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, chunk: ChunkRow, scale: float) -> torch.Tensor:
+def chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, chunk: ChunkRow, scale: float,
+                    softcap: float | None = None) -> torch.Tensor:
     n, num_heads, head_dim = q.shape
     keys = _gather(kv_cache[0], chunk.block_ids[None], q.dtype)[0, :, :chunk.seq_len]
     values = _gather(kv_cache[1], chunk.block_ids[None], q.dtype)[0, :, :chunk.seq_len]
     group = num_heads // keys.shape[0]
     keys = keys.repeat_interleave(group, dim=0)
     values = values.repeat_interleave(group, dim=0)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=chunk.mask,
-                                         is_causal=chunk.mask is None, scale=scale)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=chunk.mask,
+                                             is_causal=chunk.mask is None, scale=scale)
+    else:
+        mask = chunk.mask if chunk.mask is not None else \
+            torch.ones(n, chunk.seq_len, dtype=torch.bool).tril(chunk.seq_len - n)  # the whole sequence: causal
+        out = _attend(q.transpose(0, 1), keys, values, mask, scale, softcap)
     return out.transpose(0, 1).reshape(n, num_heads * head_dim)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """softmax(q k^T * scale) v over the keys ``mask`` (boolean) allows; with ``softcap``, each score capped as
+    softcap * tanh(score / softcap) first (in float32, as transformers' eager Gemma 2 does)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), values.float()).to(q.dtype)
 
 
 register_backend("torch_ref")(TorchRefBackend)

@@ -14,7 +14,7 @@ BASE_MODELS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model
 CLASSIFIERS = frozenset({"LlamaForSequenceClassification", "MistralForSequenceClassification",
                          "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"})
 _QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # their sliding_window applies only with use_sliding_window
-GEMMA = ("gemma", "gemma3_text")
+GEMMA = ("gemma", "gemma2", "gemma3_text")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP gate's (SwiGLU; Gemma's GeGLU, tanh-approximated)
 
 
@@ -69,8 +69,10 @@ def _full_attention_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, .
     Qwen's ``layer_types`` where the config lists them, else its rule for the family; the windows of the other
     families (Mistral, Mixtral, Phi-3) and of Qwen3-MoE hold in every layer."""
     model_type = cfg.get("model_type")
-    if model_type not in (*_QWEN, "gemma3_text"):
+    if model_type not in (*_QWEN, "gemma2", "gemma3_text"):
         return ()
+    if model_type == "gemma2" and not cfg.get("layer_types"):  # Gemma 2's first configs: every other layer is global
+        return tuple(range(1, num_layers, 2))
     if model_type == "gemma3_text" and not cfg.get("layer_types"):  # Gemma 3's first configs: every Nth is global
         pattern = int(cfg.get("sliding_window_pattern") or 6)
         return tuple(i for i in range(num_layers) if (i + 1) % pattern == 0)
@@ -112,14 +114,17 @@ class ArchConfig:
     full_attention_layers: tuple[int, ...] = ()
     # A sequence classifier's class names (its ``score`` head's rows; none: no head): it serves classify requests only.
     labels: tuple[str, ...] = ()
-    # Gemma's: token embeddings scaled by sqrt(hidden_size); GeGLU (``hidden_act``); Gemma 3's attention scale
-    # (query_pre_attn_scalar ** -0.5), norms around attention and the MLP (``sandwich_norms``) and its sliding
-    # layers' own rope base (``local_rope_theta``, unscaled). Gemma's RMSNorm weights w act as 1 + w (loaded so).
+    # Gemma's: token embeddings scaled by sqrt(hidden_size); GeGLU (``hidden_act``); Gemma 2 and 3's attention
+    # scale (query_pre_attn_scalar ** -0.5) and norms around attention and the MLP (``sandwich_norms``); Gemma 3's
+    # sliding layers' own rope base (``local_rope_theta``, unscaled). Gemma's RMSNorm weights w act as 1 + w.
     embed_scale: float | None = None
     hidden_act: str = "silu"
     attn_scale: float | None = None
     sandwich_norms: bool = False
     local_rope_theta: float | None = None
+    # Gemma 2's soft caps: attention scores and final logits pass through cap * tanh(x / cap)
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
     @property
     def num_labels(self) -> int:
@@ -190,16 +195,20 @@ class ArchConfig:
 def _gemma(cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str, Any]:
     """ArchConfig's fields for Gemma (1) and Gemma 3's text model, from either config layout (Gemma 3's first
     configs: rope_theta, rope_local_base_freq, rope_scaling; transformers 5's: rope_parameters by layer type)."""
-    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if cfg.get(name) is not None:
-            raise ValueError(f"{name} (Gemma 2's) is not supported")
     act = cfg.get("hidden_activation") or ("gelu_pytorch_tanh" if cfg.get("hidden_act") in (None, "gelu")
                                            else cfg["hidden_act"])
     if act not in ACTIVATIONS:
         raise ValueError(f"hidden activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
     fields: dict[str, Any] = {"embed_scale": hidden ** 0.5, "hidden_act": act}
+    if cfg.get("model_type") == "gemma2":
+        return {**fields, "attn_scale": float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+                "sandwich_norms": True, "attn_softcap": _cap(cfg, "attn_logit_softcapping"),
+                "final_softcap": _cap(cfg, "final_logit_softcapping")}
     if cfg.get("model_type") != "gemma3_text":
         return fields
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(name) is not None:
+            raise ValueError(f"{name} is Gemma 2's; a Gemma 3 config with it is not supported")
     by_type = cfg.get("rope_parameters") or {}
     full, local = by_type.get("full_attention"), by_type.get("sliding_attention")
     if full is not None and local is not None:
@@ -210,6 +219,11 @@ def _gemma(cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str, Any]:
     return {**fields, "attn_scale": float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
             "sandwich_norms": True, "qk_norm": True, "rope_theta": float(theta), "local_rope_theta": float(local_theta),
             "rope_scaling": scaling if rope_kind(scaling) != "default" else None}
+
+
+def _cap(cfg: dict[str, Any], name: str) -> float | None:
+    value = cfg.get(name)
+    return float(value) if value else None
 
 
 def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:

@@ -215,10 +215,16 @@ def _phi3_config(meta: dict[str, Any]) -> dict[str, Any]:
 
 def _gemma_config(meta: dict[str, Any], arch: str, hidden_per_head: int, head_dim: int,
                   layers: int) -> dict[str, Any]:
-    """Gemma's GeGLU; Gemma 3's sliding window, and what llama.cpp fixes for it rather than storing: a global layer
-    every sixth (unless the file says otherwise), the sliding layers' rope base of 10,000, and the attention scale
-    (its rule: 1/sqrt(hidden / heads) for the 27B's 62 layers, else 1/sqrt(head size))."""
+    """Gemma's GeGLU; Gemma 2's soft caps and sliding window (every other layer global, as llama.cpp fixes it); Gemma
+    3's sliding window, and what llama.cpp fixes for it rather than storing: a global layer every sixth (unless the
+    file says otherwise), the sliding layers' rope base of 10,000; and both's attention scale (llama.cpp's rule:
+    1/sqrt(hidden / heads) for the 27B models, 46 layers in Gemma 2, 62 in Gemma 3; else 1/sqrt(head size))."""
     config: dict[str, Any] = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
+    if arch == "gemma2":
+        return {**config, "sliding_window": int(_arch_value(meta, arch, "attention.sliding_window")),
+                "attn_logit_softcapping": _arch_value(meta, arch, "attn_logit_softcapping", None),
+                "final_logit_softcapping": _arch_value(meta, arch, "final_logit_softcapping", None),
+                "query_pre_attn_scalar": hidden_per_head if layers == 46 else head_dim}
     if arch != "gemma3":
         return config
     pattern = _arch_value(meta, arch, "attention.sliding_window_pattern", 6)

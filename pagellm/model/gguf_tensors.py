@@ -18,13 +18,14 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "gemma": ("GemmaForCausalLM", "gemma"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),  # Gemma 3's text models (270m, 1b)
 }
 MIXTRAL = ("MixtralForCausalLM", "mixtral")  # a ``llama`` file whose layers have experts
 # llama.cpp's converter reorders q/k rows only for these (its LlamaModel); Qwen2 and Qwen3 are written unpermuted.
 PERMUTED_ARCHITECTURES = frozenset({"llama"})
 # llama.cpp's converter stores Gemma's RMSNorm weights as the 1 + w they scale by; Hugging Face's hold w.
-NORM_OFFSET_ARCHITECTURES = frozenset({"gemma", "gemma3"})
+NORM_OFFSET_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_TENSORS = {
@@ -54,12 +55,11 @@ _BLOCK_TENSORS = {
 # Mixtral files written before llama.cpp stacked the experts (April 2024) hold one tensor per expert:
 # blk.N.ffn_gate.E, blk.N.ffn_up.E, blk.N.ffn_down.E.
 _EXPERT_TENSORS = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
-# Where an architecture's tensor means something else: Phi-3's ffn_up is its fused gate/up, Gemma 3's ffn_norm the
-# norm before its MLP (its post-attention norm has a name of its own).
-_ARCH_BLOCK_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"},
-                       "gemma3": {"ffn_norm": "pre_feedforward_layernorm",  # its norms around each sublayer
-                                  "post_attention_norm": "post_attention_layernorm",
-                                  "post_ffw_norm": "post_feedforward_layernorm"}}
+# Where an architecture's tensor means something else: Phi-3's ffn_up is its fused gate/up, Gemma 2 and 3's ffn_norm
+# the norm before the MLP (their post-attention norm has a name of its own).
+_SANDWICH = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+             "post_ffw_norm": "post_feedforward_layernorm"}  # Gemma 2 and 3's norms around each sublayer
+_ARCH_BLOCK_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "gemma2": _SANDWICH, "gemma3": _SANDWICH}
 # Mixtral's own names for the same tensors.
 MIXTRAL_NAMES = ((".mlp.gate.", ".block_sparse_moe.gate."), (".mlp.experts.", ".block_sparse_moe.experts."),
                  (".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2."))

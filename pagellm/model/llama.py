@@ -1,9 +1,10 @@
 """The Llama family in one file: Llama 2/3 (with Llama-3 rope scaling), Mistral, Qwen2 (q/k/v bias), Qwen3 (an
 RMSNorm over each head's q and k before the rotary embedding), Phi-3 (q/k/v and gate/up fused in its checkpoint) and
 SmolLM2, and their mixture-of-experts kin, Mixtral,
-Qwen2-MoE and Qwen3-MoE, whose sparse layers replace the dense MLP with experts (``layers/moe.py``); and Gemma and
-Gemma 3's text model (``GemmaForCausalLM``: scaled embeddings, GeGLU, RMSNorm weights as 1 + w; Gemma 3 adds norms
-after attention and the MLP, q/k norms, its own attention scale, and sliding layers with a rope base of their own).
+Qwen2-MoE and Qwen3-MoE, whose sparse layers replace the dense MLP with experts (``layers/moe.py``); and Gemma,
+Gemma 2 and Gemma 3's text model (``GemmaForCausalLM``: scaled embeddings, GeGLU, RMSNorm weights as 1 + w; Gemma 2
+and 3 add norms after attention and the MLP and their own attention scale; Gemma 2 soft-caps attention scores and
+logits; Gemma 3 has q/k norms and sliding layers with a rope base of their own).
 
 The forward pass takes one flat batch of tokens (prompt chunks and decode tokens of many requests mixed) with
 their positions; attention reads everything else from the forward context. ``compute_logits`` runs the LM head
@@ -49,7 +50,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype, parallel)
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.attn_scale or cfg.head_dim ** -0.5,
-                              cfg.layer_window(layer))
+                              cfg.layer_window(layer), cfg.attn_softcap)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
@@ -119,7 +120,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):
-    """Gemma 3's layer: each sublayer's output normed before it joins the residual stream (``post_attention_`` and
+    """Gemma 2 and 3's layer: each sublayer's output normed before it joins the residual stream (``post_attention_`` and
     ``post_feedforward_layernorm``), and the MLP's input by a norm of its own (``pre_feedforward_layernorm``)."""
 
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, parallel: ParallelState,
@@ -230,7 +231,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, num_layers, embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.logits(hidden)
+        logits = self.lm_head.logits(hidden)
+        cap = self.cfg.final_softcap  # Gemma 2's
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
         """What a pooling request gets of its last token's final hidden state: the state itself (float32), or a
@@ -314,8 +317,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
-    """Gemma and Gemma 3's text model: their RMSNorms scale by 1 + w, so each norm weight is loaded as 1 + w (in
-    float32, as transformers adds it) and the norms run as every other model's."""
+    """Gemma, Gemma 2 and Gemma 3's text model: their RMSNorms scale by 1 + w, so each norm weight is loaded as
+    1 + w (in float32, as transformers adds it) and the norms run as every other model's."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None) -> None:
         super().load_weights(((name, tensor.float() + 1.0 if name.endswith("norm.weight") else tensor)

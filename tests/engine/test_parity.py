@@ -76,7 +76,7 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-ARCHS = ["llama", "qwen2", "qwen3", "phi3", "gemma", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 def assert_seeded_grammar(llm: LLM, seed: int) -> None:
     """Regex-constrained samples have the regex's shape, and the same seed gives the same texts again (what
@@ -134,7 +134,7 @@ def test_greedy_parity_modes(tiny_model_factory, arch: str, mode: str) -> None:
     assert_greedy_parity(model_dir, prompts, run(llm, prompts))
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma3"])
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3"])
 def test_gemma_prompt_logprobs_are_transformers(tiny_model_factory, arch: str) -> None:
     """Gemma's parts (GeGLU's tanh, norms scaling by 1 + w, the scaled embeddings; Gemma 3's norms around each
     sublayer, its attention scale and two rope bases) to within 1e-5 of transformers' log-probabilities, where a
@@ -150,7 +150,12 @@ def test_gemma_prompt_logprobs_are_transformers(tiny_model_factory, arch: str) -
     assert (ours - theirs).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma3"])
+def test_gemma2s_capped_scores_are_refused_by_the_kernels_that_do_not_cap(tiny_model_factory) -> None:
+    with pytest.raises(ValueError, match="soft-capping \\(Gemma 2's\\) runs on the torch_ref attention backend"):
+        LLM(str(tiny_model_factory("gemma2")), dtype="float32", attention_backend="cpu_paged")
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3"])
 def test_gemma_in_bfloat16_runs_its_own_layers(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
                                                arch: str) -> None:
     """The native decoder stack computes Llama's layer, so Gemma's bfloat16 steps take the Python layers (which

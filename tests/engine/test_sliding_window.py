@@ -1,5 +1,5 @@
 """Sliding-window models (Mistral v0.1's config, Phi-3's, Qwen's ``use_sliding_window`` with its full-attention
-layers, Mixtral, the Qwen mixtures of experts, and Gemma 3's every-Nth global layer) served past their window:
+layers, Mixtral, the Qwen mixtures of experts, Gemma 2's and Gemma 3's global layers) served past their window:
 greedy output equals transformers' in every scheduling mode, with prefix-cache hits, under preemption and with
 speculative decoding; and the context length is the model's, not the window's."""
 
@@ -26,11 +26,12 @@ WINDOWED = {
     "mixtral": dict(sliding_window=WINDOW),
     "qwen2_moe": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
     "qwen3_moe": dict(use_sliding_window=True, sliding_window=WINDOW),
+    "gemma2": dict(sliding_window=WINDOW),  # every other layer slides
     "gemma3": dict(sliding_window=WINDOW, sliding_window_pattern=2, layer_types=None),  # every 2nd layer is global
 }
 # The layers that slide, as transformers builds them (2 layers each)
 SLIDING_LAYERS = {"mistral": [0, 1], "qwen2": [1], "qwen3": [1], "phi3": [0, 1], "mixtral": [0, 1], "qwen2_moe": [0],
-                  "qwen3_moe": [0, 1], "gemma3": [0]}
+                  "qwen3_moe": [0, 1], "gemma2": [0], "gemma3": [0]}
 
 
 def _windowed(tiny_model_factory, arch: str):  # noqa: ANN001, ANN202
@@ -64,7 +65,7 @@ def test_gemma3s_first_config_layout_reads_as_transformers_5s(tiny_model_factory
     assert (ours.rope_theta, ours.local_rope_theta, ours.attn_scale) == (100000.0, 1000.0, 24 ** -0.5)
     scaled = ArchConfig.from_hf({**first, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
     assert scaled.rope_scaling == {"rope_type": "linear", "factor": 8.0} and scaled.local_rope_theta == 1000.0
-    with pytest.raises(ValueError, match="attn_logit_softcapping \\(Gemma 2's\\) is not supported"):
+    with pytest.raises(ValueError, match="attn_logit_softcapping is Gemma 2's; a Gemma 3 config with it"):
         ArchConfig.from_hf({**first, "attn_logit_softcapping": 50.0})
 
 

@@ -88,11 +88,12 @@ def test_tiny_gguf_round_trip(
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma3"])
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3"])
 def test_a_gemma_gguf_round_trips(tmp_path: Path, tiny_tokenizer: BackendTokenizer, arch: str) -> None:
-    """Gemma and Gemma 3 as llama.cpp writes them (their norms as 1 + w; Gemma 3's ffn_norm the norm before the MLP,
-    its sliding window in the metadata, the global-layer pattern, local rope base and attention scale left to the
-    reader) come back as transformers' models; the engine serves the file as transformers does."""
+    """Gemma, Gemma 2 and Gemma 3 as llama.cpp writes them (their norms as 1 + w; Gemma 2 and 3's ffn_norm the norm
+    before the MLP, their sliding window and Gemma 2's soft caps in the metadata; the global-layer pattern, Gemma 3's
+    local rope base and the attention scale left to the reader) come back as transformers' models; the engine
+    serves the file as transformers does."""
     # 2 heads of 16 in a hidden 64: the attention scale is the head size's, not hidden / heads' (the 27B's rule)
     config = tiny_config(arch, tiny_tokenizer.get_vocab_size(), True, num_attention_heads=2, num_key_value_heads=1)
     model = random_model(config)
@@ -107,10 +108,12 @@ def test_a_gemma_gguf_round_trips(tmp_path: Path, tiny_tokenizer: BackendTokeniz
     hf_config = load_hf_config(out)
     reloaded = AutoModelForCausalLM.from_pretrained(hf_model_dir(out), dtype=torch.float32).eval()
     assert (hf_config["model_type"], reloaded.config.head_dim) == (config.model_type, 16)
-    if arch == "gemma3":
+    if arch != "gemma":
         assert (hf_config["sliding_window"], hf_config["query_pre_attn_scalar"]) == (6, 16)
         assert reloaded.config.layer_types == config.layer_types
         assert reloaded.config.rope_parameters == config.rope_parameters
+    if arch == "gemma2":
+        assert (reloaded.config.attn_logit_softcapping, reloaded.config.final_logit_softcapping) == (1.0, 3.0)
     ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 1, 9, 11, 60]])  # past the 6-token window
     with torch.no_grad():
         assert torch.allclose(reloaded(ids).logits, model(ids).logits, atol=1e-5)

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, LlamaConfig,
-                          LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
+                          GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Phi3Config,
                           Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
@@ -76,6 +77,9 @@ def tiny_config(arch: str, vocab_size: int, tied: bool, rope_scaling: dict[str, 
         return Phi3Config(**common, pad_token_id=None, sliding_window=40)
     if arch == "gemma":
         return GemmaConfig(**common, pad_token_id=None)
+    if arch == "gemma2":  # caps low enough to matter at this size
+        return Gemma2Config(**common, pad_token_id=None, sliding_window=6, query_pre_attn_scalar=common["head_dim"],
+                            attn_logit_softcapping=1.0, final_logit_softcapping=3.0)
     if arch == "gemma3":  # what llama.cpp fixes for it: a global layer every sixth, a local rope base of 10,000
         rope = {"full_attention": {"rope_type": "default", "rope_theta": common.pop("rope_theta")},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
@@ -97,7 +101,7 @@ def random_model(config: Any) -> torch.nn.Module:
     model_cls = {"qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM,
                  "phi3": Phi3ForCausalLM, "gemma": GemmaForCausalLM,
-                 "gemma3_text": Gemma3ForCausalLM}.get(config.model_type, LlamaForCausalLM)
+                 "gemma2": Gemma2ForCausalLM, "gemma3_text": Gemma3ForCausalLM}.get(config.model_type, LlamaForCausalLM)
     model = model_cls(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -160,9 +164,12 @@ def write_tiny_gguf(
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if arch in ("mixtral", "qwen2moe", "qwen3moe"):
         _add_experts_metadata(writer, config, arch)
-    if arch in ("phi3", "gemma3"):
+    if arch in ("phi3", "gemma2", "gemma3"):
         writer.add_sliding_window(config.sliding_window)
-    if arch in ("gemma", "gemma3"):  # as llama.cpp's converter writes Gemma's head size
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if arch in ("gemma", "gemma2", "gemma3"):  # as llama.cpp's converter writes Gemma's head size
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
     if original_context is not None:
@@ -227,7 +234,8 @@ def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16
     model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
                   "mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
                   "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "phi3": gguf.MODEL_ARCH.PHI3,
-                  "gemma": gguf.MODEL_ARCH.GEMMA, "gemma3": gguf.MODEL_ARCH.GEMMA3}[arch]
+                  "gemma": gguf.MODEL_ARCH.GEMMA, "gemma2": gguf.MODEL_ARCH.GEMMA2,
+                  "gemma3": gguf.MODEL_ARCH.GEMMA3}[arch]
     name_map = gguf.get_tensor_name_map(model_arch, 2)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     tensors = checkpoint if per_expert else _stack_experts(checkpoint) if checkpoint is not None else \
@@ -239,7 +247,7 @@ def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16
         values = tensor.numpy().astype(np.float32)
         if arch in ("llama", "mixtral") and module.split(".")[-1] in heads:
             values = llama_cpp_permute(values, heads[module.split(".")[-1]])
-        if arch in ("gemma", "gemma3") and module.endswith("norm"):  # llama.cpp stores the 1 + w its norms scale by
+        if arch.startswith("gemma") and module.endswith("norm"):  # llama.cpp stores the 1 + w its norms scale by
             values = values + np.float32(1.0)
         if f16 and values.ndim == 2:  # as llama.cpp's f16 files do: matrices in F16, norms and biases in F32
             values = values.astype(np.float16)

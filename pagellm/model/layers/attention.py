@@ -14,7 +14,7 @@ from pagellm.attention.base import current_forward_context
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads "
@@ -24,6 +24,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window  # each token sees only the keys of its last this many positions
+        self.softcap = softcap  # Gemma 2's: scores become softcap * tanh(score / softcap) (the torch_ref backend's)
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, kv_heads, head_dim]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -31,4 +32,7 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the model runner binds it at start-up")
         ctx = current_forward_context()
+        if self.softcap is not None:
+            return ctx.backend.forward(q, k, v, self.kv_cache, ctx.metadata, self.scale, self.sliding_window,
+                                       softcap=self.softcap)
         return ctx.backend.forward(q, k, v, self.kv_cache, ctx.metadata, self.scale, self.sliding_window)
