@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 
 from pagellm.model import gguf_tokenizer
+from pagellm.model.gguf_families import (REQUIRED, arch_value, experts_config, gemma_config, phi3_config,
+                                         shortest_float)
 from pagellm.model.gguf_tensors import (MIXTRAL, NORM_OFFSET_ARCHITECTURES, PERMUTED_ARCHITECTURES,
                                         SUPPORTED_ARCHITECTURES, hf_arrays, hf_tensor_name)
 
@@ -54,13 +56,8 @@ MAX_SHARD_BYTES = 4 * 1024**3
 WEIGHT_TYPES_FILE = "gguf_weight_types.json"
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")
 
-# Whether the chosen experts' weights are renormalised, where a file does not say (``{arch}.expert_weights_norm``):
-# what llama.cpp itself assumes for each architecture.
-_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 # Instruct GGUFs sometimes name the base model's eos; the chat template's turn terminator is what ends a reply.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
-
-_REQUIRED = object()
 
 
 def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
@@ -140,29 +137,14 @@ def _architecture(meta: dict[str, Any], gguf_path: Path) -> str:
     return arch
 
 
-def _arch_value(meta: dict[str, Any], arch: str, key: str, default: Any = _REQUIRED) -> Any:
-    full_key = f"{arch}.{key}"
-    if full_key in meta:
-        return meta[full_key]
-    if default is _REQUIRED:
-        raise ValueError(f"GGUF metadata {full_key!r} is missing; the file is truncated or not from llama.cpp")
-    return default
-
-
-def _shortest_float(value: float) -> float:
-    # GGUF stores float32: 1e-5 comes back as 9.999999747e-06. The shortest decimal that round-trips through
-    # float32 is what the original config said, and is the same number once a float32 model uses it.
-    return float(str(np.float32(value)))
-
-
 def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict[str, Any]:
-    def get(key: str, default: Any = _REQUIRED) -> Any:
-        return _arch_value(meta, arch, key, default)
+    def get(key: str, default: Any = REQUIRED) -> Any:
+        return arch_value(meta, arch, key, default)
 
     hidden = int(get("embedding_length"))
     n_head = int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // n_head))
-    rope_theta = _shortest_float(get("rope.freq_base", 10000.0))
+    rope_theta = shortest_float(get("rope.freq_base", 10000.0))
     experts = int(get("expert_count", 0))
     hf_class, model_type = MIXTRAL if arch == "llama" and experts else SUPPORTED_ARCHITECTURES[arch]
     config: dict[str, Any] = {
@@ -175,7 +157,7 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict
         "num_key_value_heads": int(get("attention.head_count_kv", n_head)),
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": _shortest_float(get("attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": shortest_float(get("attention.layer_norm_rms_epsilon")),
         "rope_theta": rope_theta,
         "max_position_embeddings": int(get("context_length")),
         # The embedding's row count is the model's vocabulary, whatever the tokenizer lists.
@@ -189,73 +171,20 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict
     if arch == "qwen2moe":
         config["qkv_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "phi3":
-        config.update(_phi3_config(meta))
+        config.update(phi3_config(meta))
     if arch in NORM_OFFSET_ARCHITECTURES:
-        config.update(_gemma_config(meta, arch, hidden // n_head, head_dim, int(get("block_count"))))
+        config.update(gemma_config(meta, arch, hidden // n_head, head_dim, int(get("block_count"))))
     rope_dim = int(get("rope.dimension_count", head_dim))
     if rope_dim != head_dim:  # Phi-4-mini turns 96 of each head's 128 dimensions
         config["partial_rotary_factor"] = rope_dim / head_dim
     if experts:
-        config.update(_experts_config(meta, arch, experts))
+        config.update(experts_config(meta, arch, experts))
     config.update(_special_ids(meta))
     rope_scaling = _rope_scaling(meta, arch, tensors, head_dim, rope_theta)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
         if rope_scaling["rope_type"] == "longrope":  # Phi-3 reads it beside rope_scaling (its default: 4096)
             config["original_max_position_embeddings"] = rope_scaling["original_max_position_embeddings"]
-    return config
-
-
-def _phi3_config(meta: dict[str, Any]) -> dict[str, Any]:
-    """Phi-3's sliding window (llama.cpp writes it for the 4k models); its LongRoPE is ``_rope_scaling``'s."""
-    window = int(_arch_value(meta, "phi3", "attention.sliding_window", 0))
-    # pad_token_id: the file's, where it names one (set after this); transformers' class default (32000) else
-    return {"sliding_window": window or None, "pad_token_id": None}
-
-
-def _gemma_config(meta: dict[str, Any], arch: str, hidden_per_head: int, head_dim: int,
-                  layers: int) -> dict[str, Any]:
-    """Gemma's GeGLU; Gemma 2's soft caps and sliding window (every other layer global, as llama.cpp fixes it); Gemma
-    3's sliding window, and what llama.cpp fixes for it rather than storing: a global layer every sixth (unless the
-    file says otherwise), the sliding layers' rope base of 10,000; and both's attention scale (llama.cpp's rule:
-    1/sqrt(hidden / heads) for the 27B models, 46 layers in Gemma 2, 62 in Gemma 3; else 1/sqrt(head size))."""
-    config: dict[str, Any] = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
-    if arch == "gemma2":
-        return {**config, "sliding_window": int(_arch_value(meta, arch, "attention.sliding_window")),
-                "attn_logit_softcapping": _arch_value(meta, arch, "attn_logit_softcapping", None),
-                "final_logit_softcapping": _arch_value(meta, arch, "final_logit_softcapping", None),
-                "query_pre_attn_scalar": hidden_per_head if layers == 46 else head_dim}
-    if arch != "gemma3":
-        return config
-    pattern = _arch_value(meta, arch, "attention.sliding_window_pattern", 6)
-    config.update(sliding_window=int(_arch_value(meta, arch, "attention.sliding_window")),
-                  rope_local_base_freq=10000.0, final_logit_softcapping=None, attn_logit_softcapping=None,
-                  query_pre_attn_scalar=hidden_per_head if layers == 62 else head_dim)
-    if isinstance(pattern, (list, tuple)):  # one flag per layer: True where it slides
-        config["layer_types"] = ["sliding_attention" if slides else "full_attention" for slides in pattern]
-    else:
-        config["sliding_window_pattern"] = int(pattern)
-    return config
-
-
-def _experts_config(meta: dict[str, Any], arch: str, experts: int) -> dict[str, Any]:
-    """The mixture-of-experts keys of the Hugging Face config: Mixtral's, or Qwen's (every layer sparse: llama.cpp's
-    Qwen MoE architectures have no dense layers)."""
-    def get(key: str, default: Any = _REQUIRED) -> Any:
-        return _arch_value(meta, arch, key, default)
-
-    renormalize = bool(get("expert_weights_norm", _EXPERT_WEIGHTS_NORM[arch]))
-    used = int(get("expert_used_count"))
-    if arch == "llama":
-        if not renormalize:
-            raise ValueError("GGUF llama file with experts that are not renormalised: Mixtral renormalises them; "
-                             "convert the original checkpoint instead")
-        return {"num_local_experts": experts, "num_experts_per_tok": used}
-    config = {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": renormalize,
-              "moe_intermediate_size": int(get("expert_feed_forward_length")), "decoder_sparse_step": 1,
-              "mlp_only_layers": []}
-    if arch == "qwen2moe":
-        config["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length"))
     return config
 
 
@@ -272,14 +201,14 @@ def _rope_scaling(
     meta: dict[str, Any], arch: str, tensors: dict[str, Any], head_dim: int, rope_theta: float
 ) -> dict[str, Any] | None:
     if "rope_factors_long.weight" in tensors:  # LongRoPE (Phi-3 128k, Phi-3.5): its two sets of factors as tensors
-        original = int(_arch_value(meta, arch, "rope.scaling.original_context_length"))
+        original = int(arch_value(meta, arch, "rope.scaling.original_context_length"))
         return {"rope_type": "longrope", "original_max_position_embeddings": original,
-                "long_factor": [_shortest_float(f) for f in np.asarray(tensors["rope_factors_long.weight"].data)],
-                "short_factor": [_shortest_float(f) for f in np.asarray(tensors["rope_factors_short.weight"].data)]}
-    kind = _arch_value(meta, arch, "rope.scaling.type", "none")
+                "long_factor": [shortest_float(f) for f in np.asarray(tensors["rope_factors_long.weight"].data)],
+                "short_factor": [shortest_float(f) for f in np.asarray(tensors["rope_factors_short.weight"].data)]}
+    kind = arch_value(meta, arch, "rope.scaling.type", "none")
     if kind != "none":
-        scaling: dict[str, Any] = {"rope_type": kind, "factor": float(_arch_value(meta, arch, "rope.scaling.factor"))}
-        original = _arch_value(meta, arch, "rope.scaling.original_context_length", None)
+        scaling: dict[str, Any] = {"rope_type": kind, "factor": float(arch_value(meta, arch, "rope.scaling.factor"))}
+        original = arch_value(meta, arch, "rope.scaling.original_context_length", None)
         if original is not None:
             scaling["original_max_position_embeddings"] = int(original)
         return scaling
@@ -298,7 +227,7 @@ def _llama3_rope_scaling(divisors: np.ndarray, head_dim: int, rope_theta: float)
     """
     scaling = {
         "rope_type": "llama3",
-        "factor": _shortest_float(divisors.max()),
+        "factor": shortest_float(divisors.max()),
         "low_freq_factor": 1.0,
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
@@ -399,7 +328,7 @@ def _end_of_turn_ids(meta: dict[str, Any]) -> list[int]:
 
 
 def _write_tokenizer(gguf_path: Path, meta: dict[str, Any], arch: str, out_dir: Path) -> None:
-    context = int(_arch_value(meta, arch, "context_length", 2048))
+    context = int(arch_value(meta, arch, "context_length", 2048))
     backend, tokenizer_config = gguf_tokenizer.build_tokenizer(gguf_path, meta, context)
     backend.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)

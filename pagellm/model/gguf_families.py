@@ -1,0 +1,82 @@
+"""The architecture-specific keys of a GGUF file's Hugging Face config, for ``model/gguf_convert.py``: Phi-3's
+sliding window, the Gemma family's (GeGLU, soft caps, sliding layers, and what llama.cpp fixes for them rather than
+storing), and the experts of a mixture; and how a ``{arch}.key`` metadata value is read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+# Whether the chosen experts' weights are renormalised, where a file does not say (``{arch}.expert_weights_norm``):
+# what llama.cpp itself assumes for each architecture.
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+REQUIRED = object()
+
+
+def arch_value(meta: dict[str, Any], arch: str, key: str, default: Any = REQUIRED) -> Any:
+    full_key = f"{arch}.{key}"
+    if full_key in meta:
+        return meta[full_key]
+    if default is REQUIRED:
+        raise ValueError(f"GGUF metadata {full_key!r} is missing; the file is truncated or not from llama.cpp")
+    return default
+
+
+def shortest_float(value: float) -> float:
+    # GGUF stores float32: 1e-5 comes back as 9.999999747e-06. The shortest decimal that round-trips through
+    # float32 is what the original config said, and is the same number once a float32 model uses it.
+    return float(str(np.float32(value)))
+
+
+def phi3_config(meta: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's sliding window (llama.cpp writes it for the 4k models); its LongRoPE is ``_rope_scaling``'s."""
+    window = int(arch_value(meta, "phi3", "attention.sliding_window", 0))
+    # pad_token_id: the file's, where it names one (set after this); transformers' class default (32000) else
+    return {"sliding_window": window or None, "pad_token_id": None}
+
+
+def gemma_config(meta: dict[str, Any], arch: str, hidden_per_head: int, head_dim: int,
+                  layers: int) -> dict[str, Any]:
+    """Gemma's GeGLU; Gemma 2's soft caps and sliding window (every other layer global, as llama.cpp fixes it); Gemma
+    3's sliding window, and what llama.cpp fixes for it rather than storing: a global layer every sixth (unless the
+    file says otherwise), the sliding layers' rope base of 10,000; and both's attention scale (llama.cpp's rule:
+    1/sqrt(hidden / heads) for the 27B models, 46 layers in Gemma 2, 62 in Gemma 3; else 1/sqrt(head size))."""
+    config: dict[str, Any] = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
+    if arch == "gemma2":
+        return {**config, "sliding_window": int(arch_value(meta, arch, "attention.sliding_window")),
+                "attn_logit_softcapping": arch_value(meta, arch, "attn_logit_softcapping", None),
+                "final_logit_softcapping": arch_value(meta, arch, "final_logit_softcapping", None),
+                "query_pre_attn_scalar": hidden_per_head if layers == 46 else head_dim}
+    if arch != "gemma3":
+        return config
+    pattern = arch_value(meta, arch, "attention.sliding_window_pattern", 6)
+    config.update(sliding_window=int(arch_value(meta, arch, "attention.sliding_window")),
+                  rope_local_base_freq=10000.0, final_logit_softcapping=None, attn_logit_softcapping=None,
+                  query_pre_attn_scalar=hidden_per_head if layers == 62 else head_dim)
+    if isinstance(pattern, (list, tuple)):  # one flag per layer: True where it slides
+        config["layer_types"] = ["sliding_attention" if slides else "full_attention" for slides in pattern]
+    else:
+        config["sliding_window_pattern"] = int(pattern)
+    return config
+
+
+def experts_config(meta: dict[str, Any], arch: str, experts: int) -> dict[str, Any]:
+    """The mixture-of-experts keys of the Hugging Face config: Mixtral's, or Qwen's (every layer sparse: llama.cpp's
+    Qwen MoE architectures have no dense layers)."""
+    def get(key: str, default: Any = REQUIRED) -> Any:
+        return arch_value(meta, arch, key, default)
+
+    renormalize = bool(get("expert_weights_norm", _EXPERT_WEIGHTS_NORM[arch]))
+    used = int(get("expert_used_count"))
+    if arch == "llama":
+        if not renormalize:
+            raise ValueError("GGUF llama file with experts that are not renormalised: Mixtral renormalises them; "
+                             "convert the original checkpoint instead")
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    config = {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": renormalize,
+              "moe_intermediate_size": int(get("expert_feed_forward_length")), "decoder_sparse_step": 1,
+              "mlp_only_layers": []}
+    if arch == "qwen2moe":
+        config["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length"))
+    return config
