@@ -15,7 +15,7 @@ CLASSIFIERS = frozenset({"LlamaForSequenceClassification", "MistralForSequenceCl
                          "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"})
 _QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # their sliding_window applies only with use_sliding_window
 GEMMA = ("gemma", "gemma2", "gemma3_text")
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP gate's (SwiGLU; Gemma's GeGLU, tanh-approximated)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP gate's: SwiGLU, or Gemma's GeGLU (tanh or exact)
 
 
 LONGROPE = ("longrope", "su")  # "su": LongRoPE's name in the first Phi-3 configs
@@ -193,8 +193,9 @@ class ArchConfig:
 
 
 def _gemma(cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str, Any]:
-    """ArchConfig's fields for Gemma (1) and Gemma 3's text model, from either config layout (Gemma 3's first
-    configs: rope_theta, rope_local_base_freq, rope_scaling; transformers 5's: rope_parameters by layer type)."""
+    """ArchConfig's fields for Gemma (1), Gemma 2 (its soft caps) and Gemma 3's text model, from either of Gemma 3's
+    config layouts (its first configs: rope_theta, rope_local_base_freq, rope_scaling; transformers 5's:
+    rope_parameters by layer type)."""
     act = cfg.get("hidden_activation") or ("gelu_pytorch_tanh" if cfg.get("hidden_act") in (None, "gelu")
                                            else cfg["hidden_act"])
     if act not in ACTIVATIONS:
