@@ -26,23 +26,35 @@ class ServerProcess:
         """``ca``: the server speaks HTTPS with a certificate from this CA (PEM), which ``verify`` then trusts;
         ``env``: variables over the defaults (one thread, INFO logs)."""
         self.model = model
-        self.port = _free_port()
         # --uds PATH: the server listens on that Unix socket only (``client()`` talks over it)
         self.uds = extra_args[extra_args.index("--uds") + 1] if "--uds" in extra_args else None
-        self.base_url = "http://localhost" if self.uds else f"{'https' if ca else 'http'}://127.0.0.1:{self.port}"
+        self.scheme = "https" if ca else "http"
         self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca)) if ca else True
         self.api_key = extra_args[extra_args.index("--api-key") + 1] if "--api-key" in extra_args else None
-        cmd = [sys.executable, "-m", "pagellm.cli", "serve", str(model), "--port", str(self.port), *ENGINE_FLAGS,
-               *extra_args]
-        env = {**os.environ, "PAGELLM_NUM_THREADS": "1", "PAGELLM_LOG_LEVEL": "INFO", **(env or {})}
+        self.extra_args = extra_args
+        self.env = {**os.environ, "PAGELLM_NUM_THREADS": "1", "PAGELLM_LOG_LEVEL": "INFO", **(env or {})}
         self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self._launch()
+
+    def _launch(self) -> None:
+        """Start the server on a port free a moment ago (``wait_healthy`` starts it again on another when some other
+        process took that one in between: the port is chosen seconds before the server binds it)."""
+        self.port = _free_port()
+        self.base_url = "http://localhost" if self.uds else f"{self.scheme}://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pagellm.cli", "serve", str(self.model), "--port", str(self.port), *ENGINE_FLAGS,
+               *self.extra_args]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
 
     def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
+        deadline, relaunches = time.monotonic() + timeout, 3
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if "(Address already in use)" in self.log() and relaunches and not self.uds:
+                    relaunches -= 1
+                    self._log.close()
+                    self._launch()
+                    continue
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-5000:]}")
             try:
                 with self.client(timeout=1.0) as client:
