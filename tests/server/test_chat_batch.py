@@ -1,12 +1,12 @@
 """vLLM's ``POST /v1/chat/completions/batch`` on a live server: each conversation's reply equals the chat endpoint's
-reply to it alone, in order; usage adds up; what a batch cannot do is a 400 that says so, and a conversation that
-fails its checks is named."""
+reply to it alone, in order; usage adds up; a client that goes away aborts every conversation; what a batch cannot
+do is a 400 that says so, and a conversation that fails its checks is named."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
-from server_utils import ServerProcess, engine_idle
+from server_utils import ServerProcess, engine_idle, wait_until
 
 CONVERSATIONS = [[{"role": "user", "content": "Hello there"}],
                  [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is two plus two?"}],
@@ -38,6 +38,16 @@ def test_each_conversations_reply_is_the_chat_reply_to_it(server: ServerProcess)
     assert usage["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
     assert usage["completion_tokens"] == 21 and usage["total_tokens"] == usage["prompt_tokens"] + 21
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0  # the singles had left them in the prefix cache
+
+
+def test_a_client_that_goes_away_aborts_every_conversation(server: ServerProcess) -> None:
+    before = httpx.get(f"{server.base_url}/stats").json()["num_generation_tokens"]
+    body = {**GREEDY, "max_tokens": 480, "messages": [[{"role": "user", "content": f"Story {i}"}] for i in range(16)]}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.base_url}/v1/chat/completions/batch", json=body, timeout=0.3)
+    wait_until(lambda: engine_idle(server.base_url), 20, "the abandoned conversations' blocks to be freed")
+    generated = httpx.get(f"{server.base_url}/stats").json()["num_generation_tokens"] - before
+    assert generated < 16 * 480  # aborted, not run to the end
 
 
 @pytest.mark.parametrize("extra,says", [

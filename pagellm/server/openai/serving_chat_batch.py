@@ -6,8 +6,8 @@ Contract:
   every other field applies to each conversation. Streaming, tools, beam search, ``n`` other than 1 and
   ``prompt_logprobs`` are a 400 that says so (vLLM's batch takes none of them either).
 - Every conversation is checked and rendered as chat's (a 400 names the conversation) before any runs; then all
-  run at once through the scheduler (a prefix they share is prefix-cached), as requests ``{id}_{i}``. If one fails,
-  the others are aborted.
+  run at once through the scheduler (a prefix they share is prefix-cached), as requests ``{id}_{i}``. If the client
+  goes away, or one conversation fails, every one still running is aborted (one task group).
 - The response is chat's: one ``chatcmpl-`` id, choice ``i`` the reply to conversation ``i``, ``usage`` summed over
   the conversations (their prefix-cache hits too).
 """
