@@ -158,22 +158,20 @@ def chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, chunk: ChunkRow, sc
     group = num_heads // keys.shape[0]
     keys = keys.repeat_interleave(group, dim=0)
     values = values.repeat_interleave(group, dim=0)
-    if softcap is None:
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=chunk.mask,
-                                             is_causal=chunk.mask is None, scale=scale)
-    else:
-        mask = chunk.mask if chunk.mask is not None else \
-            torch.ones(n, chunk.seq_len, dtype=torch.bool).tril(chunk.seq_len - n)  # the whole sequence: causal
-        out = _attend(q.transpose(0, 1), keys, values, mask, scale, softcap)
+    out = _attend(q.transpose(0, 1), keys, values, chunk.mask, scale, softcap)
     return out.transpose(0, 1).reshape(n, num_heads * head_dim)
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
             softcap: float | None) -> torch.Tensor:
-    """softmax(q k^T * scale) v over the keys ``mask`` (boolean) allows; with ``softcap``, each score capped as
-    softcap * tanh(score / softcap) first (in float32, as transformers' eager Gemma 2 does)."""
+    """softmax(q k^T * scale) v over the keys ``mask`` (boolean; None: causal, the queries the keys' last) allows;
+    with ``softcap``, each score capped as softcap * tanh(score / softcap) first (in float32, as transformers' eager
+    Gemma 2 does)."""
     if softcap is None:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale)
+    if mask is None:
+        n, seq_len = q.shape[-2], keys.shape[-2]
+        mask = torch.ones(n, seq_len, dtype=torch.bool).tril(seq_len - n)
     scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))

@@ -151,7 +151,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(kind(cfg, local if cfg.layer_window(i) else rotary, dtype, parallel, i)
                                     for i in self.layer_range)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.embed_scale = cfg.embed_scale  # Gemma's sqrt(hidden_size), in the embeddings' dtype as transformers has it
+        # Gemma's sqrt(hidden_size), rounded to the embeddings' dtype as transformers has it (made once, not per step)
+        self.embed_scale = None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None,
                 embeds: Embeds | None = None) -> torch.Tensor:
@@ -171,7 +172,7 @@ class LlamaModel(nn.Module):
     def embed(self, input_ids: torch.Tensor, embeds: Embeds | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+            x = x * self.embed_scale
         if embeds is not None:
             x.index_copy_(0, embeds[0], embeds[1])
         return x
