@@ -61,9 +61,21 @@ MOE_DEFAULTS = {
 }
 
 
+# What makes each family's own parts show in a tiny model: SmolLM3's second layer without a rotary embedding;
+# Granite's multipliers (Granite 3's embedding and logit ones; an attention scale not 1/sqrt(head_dim)); OLMo 3's
+# sliding layer (a window the prompts pass) beside its full one.
+FAMILY_DEFAULTS: dict[str, dict] = {
+    "smollm3": dict(no_rope_layer_interval=2),
+    "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.5,
+                    logits_scaling=8.0, initializer_range=0.1),
+    "olmo3": dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+}
+
+
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a tiny random float32 model (``arch`` in llama, qwen2, qwen3, mistral, phi3, gemma, gemma2, gemma3 and
-    the mixtures of experts mixtral, qwen2_moe, qwen3_moe) with a tokenizer under ``path``."""
+    """Save a tiny random float32 model (``arch`` in llama, qwen2, qwen3, mistral, phi3, smollm3, granite, olmo2,
+    olmo3, gemma, gemma2, gemma3 and the mixtures of experts mixtral, qwen2_moe, qwen3_moe) with a tokenizer under
+    ``path``."""
     import transformers
 
     torch.manual_seed(seed)
@@ -83,8 +95,12 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
         "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+        "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+        "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+        "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
     }[arch]
-    if arch == "phi3":  # its default pad id (32000) lies outside the tiny vocabulary
+    if arch in ("phi3", "smollm3"):  # their default pad ids (32000, 128004) lie outside the tiny vocabulary
         common.setdefault("pad_token_id", None)
     if arch in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3"):  # their default head_dim is not hidden / heads
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
@@ -102,6 +118,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
     if arch.startswith("gemma"):  # its default pad id (0) is a byte the prompts use; weights large enough that
         common.setdefault("pad_token_id", None)  # GeGLU's gates reach where gelu's tanh form parts from the exact one
         common.setdefault("initializer_range", 0.1)
+    for key, value in FAMILY_DEFAULTS.get(arch, {}).items():
+        common.setdefault(key, value)
     for key, value in MOE_DEFAULTS.get(arch, {}).items():
         common.setdefault(key, value)
     model = model_cls(config_cls(**common)).to(torch.float32).eval()

@@ -13,11 +13,14 @@ BASE_MODELS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model
 # Sequence classifiers (reward models, classifiers): the model and a ``score`` head over its last token's state.
 CLASSIFIERS = frozenset({"LlamaForSequenceClassification", "MistralForSequenceClassification",
                          "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"})
-_QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # their sliding_window applies only with use_sliding_window
+_QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+_OPT_IN_WINDOW = (*_QWEN, "smollm3")  # their sliding_window applies only with use_sliding_window
 GEMMA = ("gemma", "gemma2", "gemma3_text")
+OLMO = ("olmo2", "olmo3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP gate's: SwiGLU, or Gemma's GeGLU (tanh or exact)
 
 
+NORMS_PRE, NORMS_SANDWICH, NORMS_POST = "pre", "sandwich", "post"
 LONGROPE = ("longrope", "su")  # "su": LongRoPE's name in the first Phi-3 configs
 
 
@@ -69,13 +72,15 @@ def _full_attention_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, .
     Qwen's ``layer_types`` where the config lists them, else its rule for the family; the windows of the other
     families (Mistral, Mixtral, Phi-3) and of Qwen3-MoE hold in every layer."""
     model_type = cfg.get("model_type")
-    if model_type not in (*_QWEN, "gemma2", "gemma3_text"):
+    if model_type not in (*_QWEN, "gemma2", "gemma3_text", "smollm3", "olmo3"):
         return ()
     if model_type == "gemma2" and not cfg.get("layer_types"):  # Gemma 2's first configs: every other layer is global
         return tuple(range(1, num_layers, 2))
     if model_type == "gemma3_text" and not cfg.get("layer_types"):  # Gemma 3's first configs: every Nth is global
         pattern = int(cfg.get("sliding_window_pattern") or 6)
         return tuple(i for i in range(num_layers) if (i + 1) % pattern == 0)
+    if model_type == "olmo3" and not cfg.get("layer_types"):  # transformers' default: every fourth is full
+        return tuple(i for i in range(num_layers) if (i + 1) % 4 == 0)
     if cfg.get("layer_types"):
         return tuple(i for i, kind in enumerate(cfg["layer_types"]) if kind != "sliding_attention")
     limit = int(cfg.get("max_window_layers", 28))
@@ -115,16 +120,27 @@ class ArchConfig:
     # A sequence classifier's class names (its ``score`` head's rows; none: no head): it serves classify requests only.
     labels: tuple[str, ...] = ()
     # Gemma's: token embeddings scaled by sqrt(hidden_size); GeGLU (``hidden_act``); Gemma 2 and 3's attention
-    # scale (query_pre_attn_scalar ** -0.5) and norms around attention and the MLP (``sandwich_norms``); Gemma 3's
+    # scale (query_pre_attn_scalar ** -0.5) and norms around attention and the MLP (``norms``); Gemma 3's
     # sliding layers' own rope base (``local_rope_theta``, unscaled). Gemma's RMSNorm weights w act as 1 + w.
     embed_scale: float | None = None
     hidden_act: str = "silu"
     attn_scale: float | None = None
-    sandwich_norms: bool = False
     local_rope_theta: float | None = None
     # Gemma 2's soft caps: attention scores and final logits pass through cap * tanh(x / cap)
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    # Where each decoder layer's RMSNorms sit (``model/decoder.py``): NORMS_PRE (Llama's: before attention and the MLP),
+    # NORMS_SANDWICH (Gemma 2 and 3: before and after each) or NORMS_POST (OLMo 2: after each sublayer's output only,
+    # its q and k norms spanning all heads rather than each head)
+    norms: str = NORMS_PRE
+    # SmolLM3's NoPE layers: their q and k attend without a rotary embedding
+    nope_layers: tuple[int, ...] = ()
+    # Granite's: token embeddings times embedding_multiplier (a float, where Gemma's embed_scale is rounded to the
+    # model's dtype), each sublayer's output times residual_multiplier before it joins the residual stream, logits
+    # divided by logits_scaling (its attention_multiplier is attn_scale)
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    logits_scaling: float | None = None
 
     @property
     def num_labels(self) -> int:
@@ -141,7 +157,8 @@ class ArchConfig:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         model_type = cfg.get("model_type")
-        window = cfg.get("sliding_window") if (model_type not in _QWEN or cfg.get("use_sliding_window")) else None
+        window = cfg.get("sliding_window") if (model_type not in _OPT_IN_WINDOW or cfg.get("use_sliding_window")) \
+            else None
         rope_params = cfg.get("rope_parameters") or {}
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         partial = cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor")) or 1.0
@@ -157,7 +174,7 @@ class ArchConfig:
                             int(cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])}
         base_model = archs[0] in BASE_MODELS
         labels = _labels(cfg) if archs[0] in CLASSIFIERS else ()
-        gemma = _gemma(cfg, hidden, head_dim) if model_type in GEMMA else {}  # (its fields win)
+        family = _family_fields(cfg, hidden, head_dim)  # (its fields win)
         return cls(**{**dict(
             architecture=archs[0],
             vocab_size=int(cfg["vocab_size"]),
@@ -182,7 +199,7 @@ class ArchConfig:
             moe=MoEConfig.from_hf(cfg),
             full_attention_layers=_full_attention_layers(cfg, int(cfg["num_hidden_layers"])) if window else (),
             labels=labels,
-        ), **gemma})
+        ), **family})
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer ``layer`` (its index in the whole model), or None: every key."""
@@ -190,6 +207,43 @@ class ArchConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _family_fields(cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str, Any]:
+    """The fields a family sets beyond the Llama family's common ones (which they override)."""
+    model_type = cfg.get("model_type")
+    if model_type in GEMMA:
+        return _gemma(cfg, hidden, head_dim)
+    if model_type == "smollm3":  # no_rope_layers: 1 where a layer rotates, 0 where it is NoPE (every 4th by default)
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(cfg["num_hidden_layers"])]
+        return {"nope_layers": tuple(i for i, rotates in enumerate(flags) if not rotates)}
+    if model_type == "granite":
+        return {"embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+                "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+                "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
+                "attn_scale": float(cfg.get("attention_multiplier", 1.0))}
+    if model_type in OLMO:
+        fields: dict[str, Any] = {"norms": NORMS_POST, "qk_norm": True}
+        theta = cfg.get("rope_theta", 500000.0)  # OLMo 3's first configs: one base, scaled in the full layers only
+        return {**fields, **_rope_by_layer_type(cfg, theta, theta)} if model_type == "olmo3" else fields
+    return {}
+
+
+def _rope_by_layer_type(cfg: dict[str, Any], theta: float, local_theta: float) -> dict[str, Any]:
+    """The full-attention layers' rope base and scaling and the sliding layers' (unscaled) base, from transformers
+    5's ``rope_parameters`` by layer type, else the first configs' keys (``theta``, ``rope_scaling``, and
+    ``local_theta``: the family's key for the sliding layers' base)."""
+    by_type = cfg.get("rope_parameters") or {}
+    full, local = by_type.get("full_attention"), by_type.get("sliding_attention")
+    if full is not None and local is not None:
+        theta, scaling, local_theta = full["rope_theta"], full, local["rope_theta"]
+    else:
+        scaling = cfg.get("rope_scaling")
+    scaling = scaling if rope_kind(scaling) != "default" else None
+    same = scaling is None and float(local_theta) == float(theta)  # one rotary embedding serves every layer
+    return {"rope_theta": float(theta), "rope_scaling": scaling,
+            "local_rope_theta": None if same else float(local_theta)}
 
 
 def _gemma(cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str, Any]:
@@ -203,23 +257,16 @@ def _gemma(cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str, Any]:
     fields: dict[str, Any] = {"embed_scale": hidden ** 0.5, "hidden_act": act}
     if cfg.get("model_type") == "gemma2":
         return {**fields, "attn_scale": float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
-                "sandwich_norms": True, "attn_softcap": _cap(cfg, "attn_logit_softcapping"),
+                "norms": NORMS_SANDWICH, "attn_softcap": _cap(cfg, "attn_logit_softcapping"),
                 "final_softcap": _cap(cfg, "final_logit_softcapping")}
     if cfg.get("model_type") != "gemma3_text":
         return fields
     for name in ("final_logit_softcapping", "attn_logit_softcapping"):
         if cfg.get(name) is not None:
             raise ValueError(f"{name} is Gemma 2's; a Gemma 3 config with it is not supported")
-    by_type = cfg.get("rope_parameters") or {}
-    full, local = by_type.get("full_attention"), by_type.get("sliding_attention")
-    if full is not None and local is not None:
-        theta, scaling, local_theta = full["rope_theta"], full, local["rope_theta"]
-    else:
-        theta, scaling, local_theta = cfg.get("rope_theta", 1e6), cfg.get("rope_scaling"), \
-            cfg.get("rope_local_base_freq", 10000.0)
     return {**fields, "attn_scale": float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
-            "sandwich_norms": True, "qk_norm": True, "rope_theta": float(theta), "local_rope_theta": float(local_theta),
-            "rope_scaling": scaling if rope_kind(scaling) != "default" else None}
+            "norms": NORMS_SANDWICH, "qk_norm": True,
+            **_rope_by_layer_type(cfg, cfg.get("rope_theta", 1e6), cfg.get("rope_local_base_freq", 10000.0))}
 
 
 def _cap(cfg: dict[str, Any], name: str) -> float | None:

@@ -1,10 +1,13 @@
-"""The Llama family in one file: Llama 2/3 (with Llama-3 rope scaling), Mistral, Qwen2 (q/k/v bias), Qwen3 (an
-RMSNorm over each head's q and k before the rotary embedding), Phi-3 (q/k/v and gate/up fused in its checkpoint) and
-SmolLM2, and their mixture-of-experts kin, Mixtral,
+"""The Llama family's models: Llama 2/3 (with Llama-3 rope scaling), Mistral, Qwen2 (q/k/v bias), Qwen3 (an
+RMSNorm over each head's q and k before the rotary embedding), Phi-3 (q/k/v and gate/up fused in its checkpoint),
+SmolLM2 and SmolLM3 (every fourth layer without a rotary embedding), Granite (embeddings, sublayer outputs,
+attention scores and logits scaled by its multipliers), OLMo 2 and 3 (norms after each sublayer, q and k normed
+across all heads; OLMo 3 slides a window in three layers of four), and their mixture-of-experts kin, Mixtral,
 Qwen2-MoE and Qwen3-MoE, whose sparse layers replace the dense MLP with experts (``layers/moe.py``); and Gemma,
 Gemma 2 and Gemma 3's text model (``GemmaForCausalLM``: scaled embeddings, GeGLU, RMSNorm weights as 1 + w; Gemma 2
 and 3 add norms after attention and the MLP and their own attention scale; Gemma 2 soft-caps attention scores and
-logits; Gemma 3 has q/k norms and sliding layers with a rope base of their own).
+logits; Gemma 3 has q/k norms and sliding layers with a rope base of their own). Their decoder layers are
+``model/decoder.py``'s.
 
 The forward pass takes one flat batch of tokens (prompt chunks and decode tokens of many requests mixed) with
 their positions; attention reads everything else from the forward context. ``compute_logits`` runs the LM head
@@ -19,16 +22,13 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from pagellm.attention.base import current_lora
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model import weight_only
 from pagellm.model.arch import ArchConfig
-from pagellm.model.layers.activation import GeluAndMul, SiluAndMul
+from pagellm.model.decoder import decoder_layer
 from pagellm.model.layers.attention import Attention
 from pagellm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagellm.model.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, loaded_whole,
-                                         pack_weights)
-from pagellm.model.layers.moe import SparseMoeBlock
+from pagellm.model.layers.linear import loaded_whole, pack_weights
 from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding
 from pagellm.model.native_stack import run_native, run_native_stage
@@ -37,122 +37,29 @@ from pagellm.ops import gemm, gemm_w8a8
 Embeds = tuple[torch.Tensor, torch.Tensor]  # flat token positions, and the embedding rows that go there
 
 
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, parallel: ParallelState,
-                 layer: int = 0) -> None:
-        super().__init__()
-        self.layer = layer  # its index, for LoRA adapters
-        self.num_heads = parallel.shard(cfg.num_heads, "attention heads")
-        self.num_kv_heads = parallel.shard(cfg.num_kv_heads, "key/value heads")
-        self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          cfg.attention_bias, dtype, parallel)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype, parallel)
-        self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.attn_scale or cfg.head_dim ** -0.5,
-                              cfg.layer_window(layer), cfg.attn_softcap)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv, lora = self.qkv_proj(x), current_lora()
-        if lora is not None:
-            lora.add(qkv, x, self.layer, (("q_proj", 0, q_size), ("k_proj", q_size, kv_size),
-                                          ("v_proj", q_size + kv_size, kv_size)))
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        if self.q_norm is not None and self.k_norm is not None:  # per head: rows of head_dim
-            q = self.q_norm(q.reshape(-1, self.head_dim))[0]
-            k = self.k_norm(k.reshape(-1, self.head_dim))[0]
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        attended = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))
-        out = self.o_proj(attended)
-        if lora is not None:
-            lora.add(out, attended, self.layer, (("o_proj", 0, out.shape[-1]),))
-        return out
-
-
-class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one GEMM."""
-
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState, layer: int = 0) -> None:
-        super().__init__()
-        self.layer = layer
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype,
-                                                 parallel)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype, parallel)
-        self.act_fn = SiluAndMul() if cfg.hidden_act == "silu" else \
-            GeluAndMul("tanh" if cfg.hidden_act == "gelu_pytorch_tanh" else "none")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lora = current_lora()
-        if lora is None:
-            return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-        gate_up = self.gate_up_proj(x)
-        width = gate_up.shape[-1] // 2
-        lora.add(gate_up, x, self.layer, (("gate_proj", 0, width), ("up_proj", width, width)))
-        h = self.act_fn(gate_up)
-        out = self.down_proj(h)
-        lora.add(out, h, self.layer, (("down_proj", 0, out.shape[-1]),))
-        return out
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, parallel: ParallelState,
-                 layer: int = 0) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, rotary, dtype, parallel, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp: nn.Module = SparseMoeBlock(cfg.moe, cfg.hidden_size, dtype, parallel) \
-            if cfg.moe is not None and cfg.moe.is_sparse(layer) else LlamaMLP(cfg, dtype, parallel, layer)
-        # what the native decoder stack computes (model/native_stack.py): Llama's layer, SwiGLU, 1/sqrt(head_dim)
-        self.native = cfg.hidden_act == "silu" and cfg.attn_scale is None and not cfg.sandwich_norms
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
-
-
-class GemmaDecoderLayer(LlamaDecoderLayer):
-    """Gemma 2 and 3's layer: each sublayer's output normed before it joins the residual stream (``post_attention_`` and
-    ``post_feedforward_layernorm``), and the MLP's input by a norm of its own (``pre_feedforward_layernorm``)."""
-
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, parallel: ParallelState,
-                 layer: int = 0) -> None:
-        super().__init__(cfg, rotary, dtype, parallel, layer)
-        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
-        h = self.post_attention_layernorm(self.self_attn(positions, h))[0]
-        h, residual = self.pre_feedforward_layernorm(h, residual)
-        return self.post_feedforward_layernorm(self.mlp(h))[0], residual
-
-
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState) -> None:
         super().__init__()
         self.parallel = parallel
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype,
-                                 cfg.rotary_dim)
-        local = rotary if cfg.local_rope_theta is None else RotaryEmbedding(  # Gemma 3's sliding layers'
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                      dtype, cfg.rotary_dim)
+        local = self.rotary if cfg.local_rope_theta is None else RotaryEmbedding(  # Gemma 3's, OLMo 3's sliding layers'
             cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta, None, dtype, cfg.rotary_dim)
         self.layer_range = parallel.layer_range(cfg.num_layers)  # all of them, or this pipeline stage's
-        kind = GemmaDecoderLayer if cfg.sandwich_norms else LlamaDecoderLayer
-        self.layers = nn.ModuleList(kind(cfg, local if cfg.layer_window(i) else rotary, dtype, parallel, i)
+        self.layers = nn.ModuleList(decoder_layer(cfg, self._layer_rotary(cfg, i, local), dtype, parallel, i)
                                     for i in self.layer_range)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        # Gemma's sqrt(hidden_size), rounded to the embeddings' dtype as transformers has it (made once, not per step)
-        self.embed_scale = None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale, dtype=dtype)
+        # Gemma's sqrt(hidden_size), rounded to the embeddings' dtype as transformers has it (made once, not per step);
+        # Granite's embedding_multiplier, a float
+        self.embed_scale: torch.Tensor | float | None = torch.tensor(cfg.embed_scale, dtype=dtype) \
+            if cfg.embed_scale is not None else None if cfg.embedding_multiplier in (None, 1.0) \
+            else cfg.embedding_multiplier
+
+    def _layer_rotary(self, cfg: ArchConfig, layer: int, local: RotaryEmbedding) -> RotaryEmbedding | None:
+        if layer in cfg.nope_layers:
+            return None
+        return local if cfg.layer_window(layer) else self.rotary
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None,
                 embeds: Embeds | None = None) -> torch.Tensor:
@@ -233,6 +140,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.logits(hidden)
+        if self.cfg.logits_scaling not in (None, 1.0):  # Granite's
+            logits = logits / self.cfg.logits_scaling
         cap = self.cfg.final_softcap  # Gemma 2's
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

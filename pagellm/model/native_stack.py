@@ -53,7 +53,7 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
     gate_up, down = (None, None) if experts is not None else (mlp.gate_up_proj.weight, mlp.down_proj.weight)
     return LayerWeights(layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
                         layer.post_attention_layernorm.weight, gate_up, down, *norms, moe=experts,
-                        sliding_window=attn.attn.sliding_window)
+                        sliding_window=attn.attn.sliding_window, rotated=attn.rotary is not None)
 
 
 def build_stack(model: nn.Module) -> DecoderStack | None:
@@ -73,10 +73,13 @@ def build_stack(model: nn.Module) -> DecoderStack | None:
     eps = {layer.input_layernorm.eps for layer in model.layers} | {model.norm.eps} | \
         {n.eps for layer in model.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm) if n is not None}
     dense = [w.down.packed_shape[1] for w in weights if w.down is not None]  # type: ignore
+    residual_scales = {layer.residual_multiplier or 1.0 for layer in model.layers}
     shape = StackShape(model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                       max(dense, default=0), eps.pop(), attn.scale)
-    rotary = first.self_attn.rotary
-    if eps or rotary.cos.dtype != torch.bfloat16 or rotary.cos.shape[1] % 2:
+                       max(dense, default=0), eps.pop(), attn.scale, residual_scales.pop())
+    rotary = model.rotary  # every rotating layer's (the sliding layers' own rope base is Gemma 3's, not served here)
+    rotaries = {id(layer.self_attn.rotary) for layer in model.layers} - {id(None)}
+    if eps or residual_scales or rotaries - {id(rotary)} or rotary.cos.dtype != torch.bfloat16 or \
+            rotary.cos.shape[1] % 2:
         return None
     return DecoderStack(weights, shape, model.norm.weight, rotary.cos, rotary.sin,  # type: ignore[arg-type]
                         formats.pop(), parallel.all_reduce if parallel.tp_size > 1 else None)

@@ -63,14 +63,15 @@ _GEMMS = ("qkv", "o", "gate_up", "down")  # a layer's GEMM weights
 class _Layer(ctypes.Structure):  # csrc StackLayer
     _fields_ = [(name, _P) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down",
                                         "k_cache", "v_cache", "q_norm", "k_norm", "moe")]
-    _fields_ += [("windowed", _I)]
+    _fields_ += [("windowed", _I), ("rotated", _I)]
     _fields_ += [(f"{name}_order", _P) for name in _GEMMS]
 
 
 class _Shape(ctypes.Structure):  # csrc StackShape
     _fields_ = [(name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size",
                                         "cache_slots", "max_positions", "rot_dim")]
-    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_format", _I)]
+    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_format", _I),
+                 ("residual_scale", ctypes.c_float)]
 
 
 # csrc KvFormat of each cache dtype the stack serves.
@@ -154,6 +155,7 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     moe: moe.Experts | None = None
     sliding_window: int | None = None  # the layer attends to the keys of its last this many positions only
+    rotated: bool = True  # False: a NoPE layer (SmolLM3's), its q and k not rotated
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,7 @@ class StackShape:
     intermediate: int
     eps: float
     scale: float
+    residual_scale: float = 1.0  # each sublayer's output times this before it joins the residual (Granite's)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -226,12 +229,12 @@ class DecoderStack:
             for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "q_norm", "k_norm"):
                 setattr(slot, name, _ptr(getattr(w, name)))
             slot.moe = None if w.moe is None else w.moe.address
-            slot.windowed = int(w.sliding_window is not None)
+            slot.windowed, slot.rotated = int(w.sliding_window is not None), int(w.rotated)
             for name in _GEMMS:
                 weight = getattr(w, name)
                 setattr(slot, f"{name}_order", None if weight is None else _ptr(gemm.input_order(weight)))
         self._shape = _Shape(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate, 1, 0,
-                             cos.shape[0], cos.shape[1], shape.eps, shape.scale, 0)
+                             cos.shape[0], cos.shape[1], shape.eps, shape.scale, 0, shape.residual_scale)
 
     def _kernel_table(self, cache_dtype: torch.dtype) -> object:
         """The kernels' entry points for ``cache_dtype`` caches, with this stack's all-reduce (kept alive here)."""

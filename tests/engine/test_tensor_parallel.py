@@ -26,7 +26,7 @@ TP = dict(dtype="float32", tensor_parallel_size=2)
 @pytest.mark.parametrize(("arch", "overrides"), [("llama", {}), ("qwen2", {}), ("qwen3", {}),
                                                  ("mistral", {"seed": 6, "tie_word_embeddings": True}),
                                                  ("mistral", {"seed": 11, "sliding_window": 20}), ("phi3", {}),
-                                                 ("mixtral", {}), ("qwen2_moe", {})])
+                                                 ("olmo2", {}), ("mixtral", {}), ("qwen2_moe", {})])
 def test_greedy_parity_chunked_and_with_prefix_hits(tiny_model_factory, arch: str, overrides: dict) -> None:
     model_dir = tiny_model_factory(arch, **overrides)
     llm = LLM(str(model_dir), max_num_batched_tokens=40, **TP)

@@ -9,9 +9,9 @@
 //   qkv    = packed_gemm(h, W_qkv) + b_qkv       (each GEMM's input rows first reordered where its weight is a
 //                                                  4-bit act-order one: the Python layers' index_select)
 //   q, k   = rms_norm(q / k of each head)             (Qwen3 only: contiguous copies, per-head rows)
-//   q, k   = rotary(qkv[:, :q], qkv[:, q:q+kv])      (into contiguous rows)
+//   q, k   = rotary(qkv[:, :q], qkv[:, q:q+kv])      (into contiguous rows; copied unrotated in a NoPE layer)
 //   cache[slot[t]] = k[t], v[t]                      (write_kv)
-//   x      = packed_gemm(paged_attention(q), W_o)
+//   x      = packed_gemm(paged_attention(q), W_o)   (times the residual scale, Granite's, as each sublayer's x)
 //   h, res = add_rms_norm(x, res)
 //   x      = packed_gemm(silu_and_mul(packed_gemm(h, W_gate_up)), W_down)   (the inner two in one pass where
 //            the GEMM offers it: pagellm_packed_linear_silu_mul_bf16 (AMX, AVX-512), _w8a8 (int8); the same bits)
@@ -31,6 +31,7 @@
 #include <memory>
 #include <new>
 
+#include "bf16.h"
 #include "fp8.h"
 
 namespace {
@@ -76,6 +77,7 @@ struct StackLayer {
   const uint16_t* k_norm;      // [head_dim]
   const void* moe;             // a sparse layer's MoeLayer (gate_up and down unused), or null: a dense MLP
   int64_t windowed;            // 1: attends inside the model's sliding window (StackStep::ctx_start); 0: every key
+  int64_t rotated;             // 1: q and k take the rotary embedding; 0: a NoPE layer (SmolLM3's), they pass as they are
   // The order [K] in which a 4-bit act-order GEMM weight takes its inputs (gemm.input_order), or null: in order.
   const int64_t *qkv_order, *o_order, *gate_up_order, *down_order;
 };
@@ -88,6 +90,7 @@ struct StackShape {
   int64_t rot_dim;                     // rotated dimensions of each head, the width of cos/sin (<= head_dim)
   float eps, scale;
   int64_t kv_format;  // KvFormat of every layer's cache; `attention` is the entry for it
+  float residual_scale;  // each sublayer's output times this before it joins the residual (Granite's); 1: none
 };
 
 // The step's tokens and the attention metadata of attention/cpu_paged.py CpuPagedMetadata.
@@ -218,6 +221,13 @@ void prefetch_slots(const StackShape& s, const StackStep& st, const void* k_cach
   }
 }
 
+// x *= scale, each product rounded to bfloat16 as torch rounds a bfloat16 tensor times a float (in float32).
+void scale_rows(uint16_t* x, int64_t n, float scale) {
+  if (scale == 1.0f) return;
+#pragma omp parallel for simd schedule(static) if (n >= (int64_t{1} << 16))
+  for (int64_t i = 0; i < n; ++i) x[i] = bf16(f32(x[i]) * scale);
+}
+
 void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& st, const StackLayer& l,
                    const uint16_t* cos, const uint16_t* sin, bool first, const Scratch& sc) {
   const int64_t t = st.tokens, qd = s.heads * s.head_dim, kvd = s.kv_heads * s.head_dim, qkv_n = qd + 2 * kvd;
@@ -237,18 +247,20 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
     f.add_rms_norm(sc.kn, nullptr, l.k_norm, t * s.kv_heads, s.head_dim, s.eps, sc.kn, sc.kn);
     q = sc.attn, k = sc.kn, q_stride = qd, k_stride = kvd;
   }
-  f.rotary(q, q_stride, k, k_stride, cos, sin, st.positions, t, s.heads, s.kv_heads, s.head_dim, s.rot_dim, sc.q,
-           sc.k);
+  f.rotary(q, q_stride, k, k_stride, cos, sin, st.positions, t, s.heads, s.kv_heads, s.head_dim,
+           l.rotated ? s.rot_dim : 0, sc.q, sc.k);  // 0 rotated dimensions: a copy
   write_kv(s, st, sc.k, sc.wide, qkv_n, l.k_cache, l.v_cache);
   f.attention(sc.q, l.k_cache, l.v_cache, st.block_table, st.query_start, st.seq_lens, st.ctx_end,
               l.windowed ? st.ctx_start : nullptr, st.tree_bits, st.tree_words, st.rows, s.heads, s.head_dim,
               s.block_size, s.kv_heads, st.max_blocks, st.flash_min_tokens, s.scale, sc.attn);
   f.linear(in_order(sc.attn, t, qd, l.o_order, sc.ordered), t, qd, qd, l.o, s.hidden, nullptr, sc.x, s.hidden);
   if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
+  scale_rows(sc.x, t * s.hidden, s.residual_scale);
   f.add_rms_norm(sc.x, sc.res, l.post_norm, t, s.hidden, s.eps, sc.h, sc.res);
   if (l.moe) {
     f.moe(l.moe, sc.h, t, s.hidden, sc.x);  // this rank's slice of every expert (and of a shared expert)
     if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
+    scale_rows(sc.x, t * s.hidden, s.residual_scale);
     return;
   }
   const int64_t gate_up = 2 * s.intermediate;
@@ -261,6 +273,7 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
   f.linear(in_order(sc.act, t, s.intermediate, l.down_order, sc.ordered), t, s.intermediate, s.intermediate, l.down,
            s.hidden, nullptr, sc.x, s.hidden);
   if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
+  scale_rows(sc.x, t * s.hidden, s.residual_scale);
 }
 
 }  // namespace

@@ -1,0 +1,68 @@
+"""The decoder layers of the families beyond Llama's own (``model/decoder.py``): what their configs say, and the
+native decoder stack serving SmolLM3's NoPE layers and Granite's residual multiplier as the Python layers compute
+them, bit for bit. (Their parity with transformers is ``engine/test_parity.py``'s.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_parity import _prompts, scored_with_and_without_the_stack
+
+from pagellm.model.arch import NORMS_POST, NORMS_PRE, ArchConfig
+from pagellm.ops import decoder_stack
+
+BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096)
+
+
+def test_smollm3s_nope_layers_are_every_fourth_unless_the_config_lists_them() -> None:
+    default = ArchConfig.from_hf({**BASE, "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3"})
+    assert default.nope_layers == (3, 7) and default.sliding_window is None
+    listed = ArchConfig.from_hf({**BASE, "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3",
+                                 "no_rope_layers": [1, 0, 0, 1, 1, 1, 1, 0]})
+    assert listed.nope_layers == (1, 2, 7)
+
+
+def test_smollm3s_window_slides_only_where_the_config_turns_it_on() -> None:
+    cfg = {**BASE, "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "sliding_window": 32,
+           "layer_types": ["full_attention"] * 3 + ["sliding_attention"] + ["full_attention"] * 4}
+    assert ArchConfig.from_hf(cfg).sliding_window is None  # use_sliding_window is false by default
+    on = ArchConfig.from_hf({**cfg, "use_sliding_window": True})
+    assert [on.layer_window(i) for i in range(8)] == [None] * 3 + [32] + [None] * 4
+
+
+def test_granites_multipliers() -> None:
+    cfg = ArchConfig.from_hf({**BASE, "architectures": ["GraniteForCausalLM"], "model_type": "granite",
+                              "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                              "attention_multiplier": 0.0078125, "logits_scaling": 8.0})
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attn_scale, cfg.logits_scaling) == \
+        (12.0, 0.22, 0.0078125, 8.0)
+    assert cfg.norms == NORMS_PRE
+
+
+@pytest.mark.parametrize("layout", ["rope_parameters", "rope_scaling"])
+def test_olmo3s_full_layers_take_the_rope_scaling_and_its_sliding_layers_do_not(layout: str) -> None:
+    """OLMo 3's configs in transformers 5's layout (rope parameters by layer type) and the first one (a rope_theta
+    and a rope_scaling, which transformers applies to the full-attention layers only)."""
+    scaling = {"rope_type": "linear", "factor": 4.0}
+    rope = {"rope_parameters": {"full_attention": {**scaling, "rope_theta": 500000.0},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}} \
+        if layout == "rope_parameters" else {"rope_theta": 500000.0, "rope_scaling": scaling}
+    cfg = ArchConfig.from_hf({**BASE, "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3",
+                              "sliding_window": 16, **rope})
+    assert cfg.norms == NORMS_POST and cfg.qk_norm
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling["factor"]) == (500000.0, 500000.0, 4.0)
+    assert [cfg.layer_window(i) for i in range(8)] == [16, 16, 16, None] * 2  # transformers' default: 3 of 4 slide
+
+
+@pytest.mark.skipif(not decoder_stack.available(), reason="the native decoder stack needs AVX-512 BF16")
+@pytest.mark.parametrize("arch", ["smollm3", "granite"])
+def test_the_native_stack_computes_nope_layers_and_residual_multipliers_as_the_python_layers(
+        tiny_model_factory, monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
+    """SmolLM3 (a layer without a rotary embedding) and Granite (each sublayer's output scaled before the residual
+    add, its own attention scale) in bfloat16: the native stack's greedy tokens and summed logprobs are the Python
+    layers', bit for bit."""
+    results = scored_with_and_without_the_stack(monkeypatch, tiny_model_factory(arch), _prompts(seed=23)[:6],
+                                                max_num_batched_tokens=40)
+    assert results["1"] == results["0"]
+    assert all(torch.isfinite(torch.tensor(lp)) for _, lp in results["1"])
