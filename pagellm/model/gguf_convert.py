@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 
 from pagellm.model import gguf_tokenizer
-from pagellm.model.gguf_families import (REQUIRED, arch_value, experts_config, gemma_config, phi3_config,
-                                         shortest_float)
+from pagellm.model.gguf_families import (REQUIRED, arch_value, experts_config, gemma_config, granite_config,
+                                         olmo_config, phi3_config, shortest_float, smollm3_config)
 from pagellm.model.gguf_tensors import (MIXTRAL, NORM_OFFSET_ARCHITECTURES, PERMUTED_ARCHITECTURES,
                                         SUPPORTED_ARCHITECTURES, hf_arrays, hf_tensor_name)
 
@@ -165,9 +165,15 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": "float32",
     }
-    if arch in ("llama", "qwen3", "qwen3moe"):
+    if arch in ("llama", "qwen3", "qwen3moe", "smollm3", "granite", "olmo2"):
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
         config["mlp_bias"] = False
+    if arch == "smollm3":
+        config.update(smollm3_config())
+    if arch == "granite":
+        config.update(granite_config(meta, head_dim))
+    if arch == "olmo2":
+        config.update(olmo_config(meta, int(get("block_count"))))
     if arch == "qwen2moe":
         config["qkv_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "phi3":

@@ -1,6 +1,7 @@
 """The architecture-specific keys of a GGUF file's Hugging Face config, for ``model/gguf_convert.py``: Phi-3's
 sliding window, the Gemma family's (GeGLU, soft caps, sliding layers, and what llama.cpp fixes for them rather than
-storing), and the experts of a mixture; and how a ``{arch}.key`` metadata value is read."""
+storing), SmolLM3's NoPE layers, Granite's multipliers, OLMo 3's sliding layers, and the experts of a mixture; and
+how a ``{arch}.key`` metadata value is read."""
 
 from __future__ import annotations
 
@@ -59,6 +60,35 @@ def gemma_config(meta: dict[str, Any], arch: str, hidden_per_head: int, head_dim
     else:
         config["sliding_window_pattern"] = int(pattern)
     return config
+
+
+def smollm3_config() -> dict[str, Any]:
+    """SmolLM3's NoPE layers: every fourth, as llama.cpp fixes them (its files store no key for them)."""
+    return {"no_rope_layer_interval": 4, "no_rope_layers": None, "pad_token_id": None}
+
+
+def granite_config(meta: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Granite's multipliers under llama.cpp's names (each written only where the model sets it): embeddings, sublayer
+    outputs and logits unscaled where the file has none; attention scores scaled by 1/sqrt(head size) where it has
+    none (llama.cpp's rule, not transformers' default of 1)."""
+    def scale(key: str, default: float) -> float:
+        return shortest_float(arch_value(meta, "granite", key, 0.0)) or default
+
+    return {"embedding_multiplier": scale("embedding_scale", 1.0), "residual_multiplier": scale("residual_scale", 1.0),
+            "logits_scaling": scale("logit_scale", 1.0), "attention_multiplier": scale("attention.scale",
+                                                                                        head_dim ** -0.5)}
+
+
+def olmo_config(meta: dict[str, Any], layers: int) -> dict[str, Any]:
+    """OLMo 2, or OLMo 3 where the file has a sliding window (llama.cpp writes both as ``olmo2``): the window and the
+    layers it slides in (``attention.sliding_window_pattern``, one flag per layer)."""
+    window = int(arch_value(meta, "olmo2", "attention.sliding_window", 0))
+    if not window:
+        return {"pad_token_id": None}
+    pattern = arch_value(meta, "olmo2", "attention.sliding_window_pattern", None)
+    slides = list(pattern) if pattern is not None else [(i + 1) % 4 != 0 for i in range(layers)]
+    return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "sliding_window": window,
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in slides], "pad_token_id": None}
 
 
 def experts_config(meta: dict[str, Any], arch: str, experts: int) -> dict[str, Any]:

@@ -76,8 +76,8 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "olmo3", "gemma", "gemma2", "gemma3", "mixtral",
-         "qwen2_moe", "qwen3_moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "olmo3", "gemma", "gemma2", "gemma3",
+         "mixtral", "qwen2_moe", "qwen3_moe"]
 
 def assert_seeded_grammar(llm: LLM, seed: int) -> None:
     """Regex-constrained samples have the regex's shape, and the same seed gives the same texts again (what

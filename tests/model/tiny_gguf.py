@@ -16,10 +16,11 @@ import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
-                          GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
-                          Phi3Config,
-                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          GemmaForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Olmo3Config,
+                          Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
+                          Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                          SmolLM3Config, SmolLM3ForCausalLM)
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
@@ -85,6 +86,16 @@ def tiny_config(arch: str, vocab_size: int, tied: bool, rope_scaling: dict[str, 
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
         return Gemma3TextConfig(**common, pad_token_id=None, sliding_window=6, sliding_window_pattern=6,
                                 query_pre_attn_scalar=common["head_dim"], rope_parameters=rope)
+    if arch == "smollm3":  # four layers: the fourth without a rotary embedding, as llama.cpp fixes it
+        return SmolLM3Config(**{**common, "num_hidden_layers": 4}, pad_token_id=None)
+    if arch == "granite":  # Granite 3's multipliers, an attention scale not 1/sqrt(head size)
+        return GraniteConfig(**common, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.5,
+                             logits_scaling=8.0)
+    if arch == "olmo2":
+        return Olmo2Config(**common, pad_token_id=None)
+    if arch == "olmo3":  # a sliding layer (a window the test's prompt passes) and a full one
+        return Olmo3Config(**common, pad_token_id=None, sliding_window=6,
+                           layer_types=["sliding_attention", "full_attention"])
     experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=sizes.get("moe_intermediate_size", 48))
     if arch == "mixtral":
         return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
@@ -101,7 +112,9 @@ def random_model(config: Any) -> torch.nn.Module:
     model_cls = {"qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM, "mixtral": MixtralForCausalLM,
                  "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM,
                  "phi3": Phi3ForCausalLM, "gemma": GemmaForCausalLM,
-                 "gemma2": Gemma2ForCausalLM, "gemma3_text": Gemma3ForCausalLM}.get(config.model_type, LlamaForCausalLM)
+                 "gemma2": Gemma2ForCausalLM, "gemma3_text": Gemma3ForCausalLM, "smollm3": SmolLM3ForCausalLM,
+                 "granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM,
+                 "olmo3": Olmo3ForCausalLM}.get(config.model_type, LlamaForCausalLM)
     model = model_cls(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -152,7 +165,7 @@ def write_tiny_gguf(
     own quantizer); ``per_expert``: a Mixtral's experts one tensor each (``blk.N.ffn_gate.E``), as llama.cpp wrote
     them before it stacked them (April 2024)."""
     config = model.config
-    writer = gguf.GGUFWriter(str(path), arch="llama" if arch == "mixtral" else arch)
+    writer = gguf.GGUFWriter(str(path), arch={"mixtral": "llama", "olmo3": "olmo2"}.get(arch, arch))
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -160,12 +173,19 @@ def write_tiny_gguf(
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     rope = config.rope_parameters
-    writer.add_rope_freq_base((rope["full_attention"] if arch == "gemma3" else rope)["rope_theta"])
+    writer.add_rope_freq_base((rope["full_attention"] if arch in ("gemma3", "olmo3") else rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if arch in ("mixtral", "qwen2moe", "qwen3moe"):
         _add_experts_metadata(writer, config, arch)
-    if arch in ("phi3", "gemma2", "gemma3"):
+    if arch in ("phi3", "gemma2", "gemma3", "olmo3"):
         writer.add_sliding_window(config.sliding_window)
+    if arch == "olmo3":  # as llama.cpp's converter writes OLMo 3's layer types
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
+    if arch == "granite":  # its multipliers under llama.cpp's names
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
@@ -235,8 +255,10 @@ def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16
                   "mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
                   "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "phi3": gguf.MODEL_ARCH.PHI3,
                   "gemma": gguf.MODEL_ARCH.GEMMA, "gemma2": gguf.MODEL_ARCH.GEMMA2,
-                  "gemma3": gguf.MODEL_ARCH.GEMMA3}[arch]
-    name_map = gguf.get_tensor_name_map(model_arch, 2)
+                  "gemma3": gguf.MODEL_ARCH.GEMMA3, "smollm3": gguf.MODEL_ARCH.SMOLLM3,
+                  "granite": gguf.MODEL_ARCH.GRANITE, "olmo2": gguf.MODEL_ARCH.OLMO2,
+                  "olmo3": gguf.MODEL_ARCH.OLMO2}[arch]
+    name_map = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     tensors = checkpoint if per_expert else _stack_experts(checkpoint) if checkpoint is not None else \
         model.state_dict()
@@ -245,7 +267,7 @@ def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16
             continue
         module, _, suffix = hf_name.rpartition(".")
         values = tensor.numpy().astype(np.float32)
-        if arch in ("llama", "mixtral") and module.split(".")[-1] in heads:
+        if arch in ("llama", "mixtral", "smollm3", "granite") and module.split(".")[-1] in heads:
             values = llama_cpp_permute(values, heads[module.split(".")[-1]])
         if arch.startswith("gemma") and module.endswith("norm"):  # llama.cpp stores the 1 + w its norms scale by
             values = values + np.float32(1.0)
