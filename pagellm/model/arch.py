@@ -168,10 +168,7 @@ class ArchConfig:
                              f"{head_dim}; it must give an even number from 2 to {head_dim}")
         rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default")
                                                    != "default" else None)
-        if rope_kind(rope_scaling) in LONGROPE and "original_max_position_embeddings" not in rope_scaling:
-            # Phi-3 keeps it beside rope_scaling, not inside
-            rope_scaling = {**rope_scaling, "original_max_position_embeddings":
-                            int(cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])}
+        rope_scaling = _with_original_context(rope_scaling, cfg)
         base_model = archs[0] in BASE_MODELS
         labels = _labels(cfg) if archs[0] in CLASSIFIERS else ()
         family = _family_fields(cfg, hidden, head_dim)  # (its fields win)
@@ -209,6 +206,15 @@ class ArchConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
+def _with_original_context(scaling: dict | None, cfg: dict[str, Any]) -> dict | None:
+    """LongRoPE and YaRN scalings with their original context: their own, else the config's beside them (Phi-3 keeps
+    it there), else its max_position_embeddings (as transformers standardizes them)."""
+    if rope_kind(scaling) not in (*LONGROPE, "yarn") or "original_max_position_embeddings" in scaling:  # type: ignore
+        return scaling
+    return {**scaling, "original_max_position_embeddings":  # type: ignore[dict-item]
+            int(cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])}
+
+
 def _family_fields(cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str, Any]:
     """The fields a family sets beyond the Llama family's common ones (which they override)."""
     model_type = cfg.get("model_type")
@@ -240,7 +246,7 @@ def _rope_by_layer_type(cfg: dict[str, Any], theta: float, local_theta: float) -
         theta, scaling, local_theta = full["rope_theta"], full, local["rope_theta"]
     else:
         scaling = cfg.get("rope_scaling")
-    scaling = scaling if rope_kind(scaling) != "default" else None
+    scaling = _with_original_context(scaling, cfg) if rope_kind(scaling) != "default" else None
     same = scaling is None and float(local_theta) == float(theta)  # one rotary embedding serves every layer
     return {"rope_theta": float(theta), "rope_scaling": scaling,
             "local_rope_theta": None if same else float(local_theta)}

@@ -217,6 +217,11 @@ def _rope_scaling(
         original = arch_value(meta, arch, "rope.scaling.original_context_length", None)
         if original is not None:
             scaling["original_max_position_embeddings"] = int(original)
+        if kind == "yarn":  # the keys llama.cpp's converters copy from the model's config (attn_factor: its own)
+            for key, hf_key in (("attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
+                                ("yarn_beta_slow", "beta_slow")):
+                if (value := arch_value(meta, arch, f"rope.scaling.{key}", None)) is not None:
+                    scaling[hf_key] = shortest_float(value)
         return scaling
     if "rope_freqs.weight" in tensors:
         divisors = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float64)

@@ -1,5 +1,5 @@
-"""SmolLM3, Granite and OLMo 2 / OLMo 3 GGUF files as llama.cpp writes them, converted and served
-(``model/gguf_convert.py``, ``model/gguf_families.py``)."""
+"""SmolLM3, Granite and OLMo 2 / OLMo 3 GGUF files, and YaRN-scaled ones, as llama.cpp writes them, converted and
+served (``model/gguf_convert.py``, ``model/gguf_families.py``)."""
 
 from __future__ import annotations
 
@@ -67,3 +67,27 @@ def test_a_granite_file_without_its_multipliers_scales_as_llama_cpp_does() -> No
     transformers' default attention_multiplier of 1)."""
     assert granite_config({}, 16) == {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0,
                                       "attention_multiplier": 0.25}
+
+
+@pytest.mark.parametrize("attention_factor", [None, 0.9], ids=["default-scale", "attention-factor"])
+def test_a_yarn_gguf_keeps_its_scaling(tmp_path: Path, tiny_tokenizer: BackendTokenizer,
+                                       attention_factor: float | None) -> None:
+    """YaRN's type, factor, original context and (where the model set one) attention factor come back as the
+    model's rope scaling, and the engine serves the file as transformers runs the original (past its original
+    context of 8)."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+            **({} if attention_factor is None else {"attention_factor": attention_factor})}
+    model = random_model(tiny_config("llama", tiny_tokenizer.get_vocab_size(), False, rope_scaling=yarn))
+    write_tiny_gguf(tmp_path / "tiny.gguf", model, tiny_tokenizer, "llama")
+    convert_gguf_to_hf(tmp_path / "tiny.gguf", tmp_path / "hf")
+    scaling = load_hf_config(tmp_path / "hf")["rope_scaling"]
+    assert {k: scaling[k] for k in yarn} == pytest.approx(yarn)
+    ids = [5, 17, 42, 99, 3, 250, 7, 1, 9, 11, 60, 8, 30]
+    llm = LLM(str(tmp_path / "tiny.gguf"), dtype="float32", max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ours = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        theirs = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert ours == theirs

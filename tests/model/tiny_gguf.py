@@ -194,6 +194,12 @@ def write_tiny_gguf(
         writer.add_value_length(config.head_dim)
     if original_context is not None:
         writer.add_rope_scaling_orig_ctx_len(original_context)
+    if rope.get("rope_type") == "yarn":  # as llama.cpp's converters write YaRN
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("attention_factor") is not None:
+            writer.add_rope_scaling_attn_factors(rope["attention_factor"])
     if rope_dim is not None:
         writer.add_rope_dimension_count(rope_dim)
     _add_tokenizer(writer, tokenizer)

@@ -1,5 +1,6 @@
 """Rotary position embeddings (the "rotate half" layout of Hugging Face checkpoints), with the default,
-``linear``, Llama-3 and LongRoPE (Phi-3 128k, Phi-3.5) frequency scalings. cos/sin are computed once for every
+``linear``, Llama-3, LongRoPE (Phi-3 128k, Phi-3.5) and YaRN (Qwen2.5 and Qwen3's long contexts, OLMo 3) frequency
+scalings. cos/sin are computed once for every
 position in float32, exactly as transformers computes them, and looked up by each token's position.
 
 LongRoPE has two sets of per-frequency factors: transformers takes the long ones for a forward pass whose
@@ -36,12 +37,45 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Ten
     if kind in LONGROPE:
         factors = scaling["long_factor" if scaling.get("use_long_factors") else "short_factor"]  # type: ignore
         return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** exponents)
-    raise ValueError(f"rope scaling {kind!r} is not supported; supported: default, linear, llama3, longrope")
+    if kind == "yarn":
+        return _yarn_inv_freq(base ** exponents, head_dim, base, scaling)  # type: ignore[arg-type]
+    raise ValueError(f"rope scaling {kind!r} is not supported; supported: default, linear, llama3, longrope, yarn")
+
+
+def _yarn_inv_freq(wavelengths: torch.Tensor, dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """YaRN: each frequency interpolated (divided by ``factor``) or kept, by how many turns it makes over the original
+    context: kept above ``beta_fast`` turns, interpolated below ``beta_slow``, blended linearly between (the bounds
+    rounded outwards unless ``truncate`` is false), as transformers computes it."""
+    factor, original = float(scaling["factor"]), int(scaling["original_max_position_embeddings"])
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dim_of(turns: float) -> float:  # the dimension whose frequency makes `turns` turns over the original context
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1 where the frequency is kept (extrapolated), 0 where it is interpolated
+    return (1.0 / (factor * wavelengths)) * (1 - keep) + (1.0 / wavelengths) * keep
 
 
 def rope_attention_factor(scaling: dict | None, max_positions: int) -> float:
     """The scale of cos/sin: LongRoPE's ``attention_factor`` (by default sqrt(1 + ln(s) / ln(original)), s the
-    context's extension over the original), 1.0 for the other scalings."""
+    context's extension over the original), YaRN's (by default its mscale, 0.1 ln(factor) + 1, or DeepSeek's ratio of
+    two: ``mscale`` over ``mscale_all_dim``), 1.0 for the other scalings."""
+    if rope_kind(scaling) == "yarn":
+        assert scaling is not None
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        factor = float(scaling["factor"])
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+        return _yarn_mscale(factor)
     if rope_kind(scaling) not in LONGROPE:
         return 1.0
     assert scaling is not None
@@ -50,6 +84,10 @@ def rope_attention_factor(scaling: dict | None, max_positions: int) -> float:
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def use_long_factors(scaling: dict | None, max_model_len: int) -> dict | None:
