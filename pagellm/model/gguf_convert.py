@@ -165,21 +165,7 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": "float32",
     }
-    if arch in ("llama", "qwen3", "qwen3moe", "smollm3", "granite", "olmo2"):
-        config["attention_bias"] = "blk.0.attn_q.bias" in tensors
-        config["mlp_bias"] = False
-    if arch == "smollm3":
-        config.update(smollm3_config())
-    if arch == "granite":
-        config.update(granite_config(meta, head_dim))
-    if arch == "olmo2":
-        config.update(olmo_config(meta, int(get("block_count"))))
-    if arch == "qwen2moe":
-        config["qkv_bias"] = "blk.0.attn_q.bias" in tensors
-    if arch == "phi3":
-        config.update(phi3_config(meta))
-    if arch in NORM_OFFSET_ARCHITECTURES:
-        config.update(gemma_config(meta, arch, hidden // n_head, head_dim, int(get("block_count"))))
+    config.update(_family_config(meta, arch, tensors, hidden // n_head, head_dim))
     rope_dim = int(get("rope.dimension_count", head_dim))
     if rope_dim != head_dim:  # Phi-4-mini turns 96 of each head's 128 dimensions
         config["partial_rotary_factor"] = rope_dim / head_dim
@@ -191,6 +177,24 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict
         config["rope_scaling"] = rope_scaling
         if rope_scaling["rope_type"] == "longrope":  # Phi-3 reads it beside rope_scaling (its default: 4096)
             config["original_max_position_embeddings"] = rope_scaling["original_max_position_embeddings"]
+    return config
+
+
+def _family_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any], hidden_per_head: int,
+                   head_dim: int) -> dict[str, Any]:
+    """The config keys of the file's architecture beyond the common ones (``model/gguf_families.py``)."""
+    layers = int(arch_value(meta, arch, "block_count"))
+    config: dict[str, Any] = {}
+    if arch in ("llama", "qwen3", "qwen3moe", "smollm3", "granite", "olmo2"):
+        config.update(attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias=False)
+    if arch == "qwen2moe":
+        config["qkv_bias"] = "blk.0.attn_q.bias" in tensors
+    family = {"smollm3": smollm3_config, "granite": lambda: granite_config(meta, head_dim),
+              "olmo2": lambda: olmo_config(meta, layers), "phi3": lambda: phi3_config(meta)}.get(arch)
+    if family is not None:
+        config.update(family())
+    if arch in NORM_OFFSET_ARCHITECTURES:
+        config.update(gemma_config(meta, arch, hidden_per_head, head_dim, layers))
     return config
 
 
