@@ -63,19 +63,23 @@ MOE_DEFAULTS = {
 
 # What makes each family's own parts show in a tiny model: SmolLM3's second layer without a rotary embedding;
 # Granite's multipliers (Granite 3's embedding and logit ones; an attention scale not 1/sqrt(head_dim)); OLMo 3's
-# sliding layer (a window the prompts pass) beside its full one.
+# sliding layer (a window the prompts pass) beside its full one; EXAONE 4's sliding layer and NoPE full one.
 FAMILY_DEFAULTS: dict[str, dict] = {
     "smollm3": dict(no_rope_layer_interval=2),
     "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.5,
                     logits_scaling=8.0, initializer_range=0.1),
+    "granitemoe": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.5,
+                       logits_scaling=8.0, initializer_range=0.1, num_local_experts=4, num_experts_per_tok=2),
     "olmo3": dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+    # EXAONE 4's hybrid (its 32B's): a sliding layer, then a full-attention one without a rotary embedding
+    "exaone4": dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
 }
 
 
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a tiny random float32 model (``arch`` in llama, qwen2, qwen3, mistral, phi3, smollm3, granite, olmo2,
-    olmo3, gemma, gemma2, gemma3 and the mixtures of experts mixtral, qwen2_moe, qwen3_moe) with a tokenizer under
-    ``path``."""
+    olmo3, exaone4, gemma, gemma2, gemma3 and the mixtures of experts mixtral, qwen2_moe, qwen3_moe, granitemoe) with a
+    tokenizer under ``path``."""
     import transformers
 
     torch.manual_seed(seed)
@@ -97,8 +101,10 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+        "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM),
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
         "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
+        "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM),
     }[arch]
     if arch in ("phi3", "smollm3"):  # their default pad ids (32000, 128004) lie outside the tiny vocabulary
         common.setdefault("pad_token_id", None)
@@ -131,7 +137,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
                 param.uniform_(0.5, 1.5)
             elif arch.startswith("gemma") and name.endswith("norm.weight"):  # zeros (1 + w = 1) would hide the 1 + w
                 param.uniform_(-0.5, 0.5)
-            elif name.endswith("gate.weight") and "proj" not in name:  # routers, the shared expert's gate
+            elif (name.endswith("gate.weight") and "proj" not in name) or name.endswith("router.weight"):
+                # routers (Granite MoE's by that name), the shared expert's gate
                 param.normal_(0, 0.5)  # a decisive router: near-uniform ones would make top-k a coin toss
     model.save_pretrained(path)
     _byte_tokenizer().save_pretrained(path)

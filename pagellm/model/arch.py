@@ -31,8 +31,9 @@ def rope_kind(scaling: dict | None) -> str:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks ``top_k`` of ``num_experts`` SwiGLU
-    experts per token, and the token's output is their outputs weighted by the router's softmax probabilities."""
+    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE): a router picks ``top_k`` of
+    ``num_experts`` SwiGLU experts per token, and the token's output is their outputs weighted by the router's softmax
+    probabilities (Granite's softmax over the chosen logits alone: the renormalised probabilities)."""
 
     num_experts: int
     top_k: int
@@ -50,12 +51,13 @@ class MoEConfig:
         experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
         if not experts:
             return None
-        mixtral = cfg.get("model_type") == "mixtral"
+        model_type = cfg.get("model_type")
+        mixtral, granite = model_type == "mixtral", model_type == "granitemoe"  # granite: softmax over the top k
         return cls(
             num_experts=experts,
             top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]),
-            renormalize=mixtral or bool(cfg.get("norm_topk_prob", False)),
+            intermediate_size=int(cfg["intermediate_size"] if mixtral or granite else cfg["moe_intermediate_size"]),
+            renormalize=mixtral or granite or bool(cfg.get("norm_topk_prob", False)),
             weights_in_model_dtype=not mixtral,
             shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
             sparse_step=int(cfg.get("decoder_sparse_step") or 1),
@@ -72,8 +74,13 @@ def _full_attention_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, .
     Qwen's ``layer_types`` where the config lists them, else its rule for the family; the windows of the other
     families (Mistral, Mixtral, Phi-3) and of Qwen3-MoE hold in every layer."""
     model_type = cfg.get("model_type")
-    if model_type not in (*_QWEN, "gemma2", "gemma3_text", "smollm3", "olmo3"):
+    if model_type not in (*_QWEN, "gemma2", "gemma3_text", "smollm3", "olmo3", "exaone4"):
         return ()
+    if model_type == "exaone4" and not cfg.get("layer_types"):  # its pattern: a period, or a string of L and G
+        pattern = cfg.get("sliding_window_pattern") or 4
+        if isinstance(pattern, str):
+            return tuple(i for i in range(num_layers) if pattern[i % len(pattern)] == "G")
+        return tuple(i for i in range(num_layers) if (i + 1) % int(pattern) == 0)
     if model_type == "gemma2" and not cfg.get("layer_types"):  # Gemma 2's first configs: every other layer is global
         return tuple(range(1, num_layers, 2))
     if model_type == "gemma3_text" and not cfg.get("layer_types"):  # Gemma 3's first configs: every Nth is global
@@ -111,6 +118,7 @@ class ArchConfig:
     sliding_window: int | None
     quantization: str | None = None  # a quantized checkpoint's scheme (``compressed_tensors.scheme_of``)
     qk_norm: bool = False  # RMSNorm over each head's q and k before the rotary embedding (Qwen3)
+    qk_norm_all_heads: bool = False  # ... over all heads' q and k at once instead (OLMo 2 and 3)
     # A base-model checkpoint (``LlamaModel``, ``Qwen3Model``, ...: embedding models such as e5-mistral): weights
     # without the ``model.`` prefix and no LM head; it serves pooling (embedding) requests only.
     base_model: bool = False
@@ -198,6 +206,17 @@ class ArchConfig:
             labels=labels,
         ), **family})
 
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the model takes: max_position_embeddings, or under YaRN its original context times
+        its factor where that is longer (as vLLM derives it: the long-context configs of Qwen2.5 and Qwen3 keep their
+        original max_position_embeddings)."""
+        if rope_kind(self.rope_scaling) == "yarn":
+            assert self.rope_scaling is not None
+            scaled = int(int(self.rope_scaling["original_max_position_embeddings"]) * float(self.rope_scaling["factor"]))
+            return max(scaled, self.max_position_embeddings)
+        return self.max_position_embeddings
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer ``layer`` (its index in the whole model), or None: every key."""
         return None if not self.sliding_window or layer in self.full_attention_layers else self.sliding_window
@@ -224,13 +243,16 @@ def _family_fields(cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str,
         interval = int(cfg.get("no_rope_layer_interval") or 4)
         flags = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(cfg["num_hidden_layers"])]
         return {"nope_layers": tuple(i for i, rotates in enumerate(flags) if not rotates)}
-    if model_type == "granite":
+    if model_type in ("granite", "granitemoe"):
         return {"embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
                 "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
                 "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
                 "attn_scale": float(cfg.get("attention_multiplier", 1.0))}
+    if model_type == "exaone4":  # its full-attention layers are NoPE where some layers slide (the 32B's hybrid)
+        full = _full_attention_layers(cfg, int(cfg["num_hidden_layers"])) if cfg.get("sliding_window") else ()
+        return {"norms": NORMS_POST, "qk_norm": True, "nope_layers": full}
     if model_type in OLMO:
-        fields: dict[str, Any] = {"norms": NORMS_POST, "qk_norm": True}
+        fields: dict[str, Any] = {"norms": NORMS_POST, "qk_norm": True, "qk_norm_all_heads": True}
         theta = cfg.get("rope_theta", 500000.0)  # OLMo 3's first configs: one base, scaled in the full layers only
         return {**fields, **_rope_by_layer_type(cfg, theta, theta)} if model_type == "olmo3" else fields
     return {}

@@ -1,8 +1,9 @@
 """The decoder layers of the Llama family and its kin (``model/llama.py`` stacks them): attention with its q/k/v
 fused into one GEMM, the gated MLP, and the layer around them, whose norms sit where the family puts them
 (``ArchConfig.norms``): before each sublayer (Llama, Mistral, Qwen, Phi-3, SmolLM, Granite), before and after each
-(Gemma 2 and 3) or after each sublayer's output only (OLMo 2). Granite scales each sublayer's output before it joins
-the residual stream; SmolLM3's NoPE layers attend without a rotary embedding; OLMo 2's q and k norms span all heads.
+(Gemma 2 and 3) or after each sublayer's output only (OLMo 2 and 3, EXAONE 4). Granite scales each sublayer's output
+before it joins the residual stream; SmolLM3's NoPE layers (and EXAONE 4's full-attention ones beside sliding ones)
+attend without a rotary embedding; OLMo's q and k norms span all heads.
 
 A layer's ``forward(positions, x, residual)`` takes the last sublayer's output and the residual stream before it
 (None for the first layer: ``x`` is the embeddings) and returns the same pair, so the stream is ``x + residual``
@@ -40,7 +41,7 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.attn_scale or cfg.head_dim ** -0.5,
                               cfg.layer_window(layer), cfg.attn_softcap)
         # q and k normed per head (Qwen3, Gemma 3), or each across all heads (OLMo 2: over every rank's heads)
-        self.qk_norm_all_heads = cfg.norms == NORMS_POST
+        self.qk_norm_all_heads = cfg.qk_norm_all_heads
         q_width, k_width = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim) \
             if self.qk_norm_all_heads else (cfg.head_dim, cfg.head_dim)
         self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
@@ -154,7 +155,7 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
 
 
 class Olmo2DecoderLayer(LlamaDecoderLayer):
-    """OLMo 2 and 3's layer (``NORMS_POST``): no norm before either sublayer; each one's output normed
+    """OLMo 2 and 3's and EXAONE 4's layer (``NORMS_POST``): no norm before either sublayer; each one's output normed
     (``post_attention_`` and ``post_feedforward_layernorm``) before it joins the residual stream."""
 
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding | None, dtype: torch.dtype, parallel: ParallelState,

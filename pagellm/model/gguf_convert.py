@@ -41,7 +41,7 @@ import numpy as np
 
 from pagellm.model import gguf_tokenizer
 from pagellm.model.gguf_families import (REQUIRED, arch_value, experts_config, gemma_config, granite_config,
-                                         olmo_config, phi3_config, shortest_float, smollm3_config)
+                                         phi3_config, post_norm_config, shortest_float, smollm3_config)
 from pagellm.model.gguf_tensors import (MIXTRAL, NORM_OFFSET_ARCHITECTURES, PERMUTED_ARCHITECTURES,
                                         SUPPORTED_ARCHITECTURES, hf_arrays, hf_tensor_name)
 
@@ -185,15 +185,19 @@ def _family_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any], hid
     """The config keys of the file's architecture beyond the common ones (``model/gguf_families.py``)."""
     layers = int(arch_value(meta, arch, "block_count"))
     config: dict[str, Any] = {}
-    if arch in ("llama", "qwen3", "qwen3moe", "smollm3", "granite", "olmo2"):
+    if arch in ("llama", "qwen3", "qwen3moe", "smollm3", "granite", "olmo2", "exaone4"):
         config.update(attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias=False)
     if arch == "qwen2moe":
         config["qkv_bias"] = "blk.0.attn_q.bias" in tensors
-    family = {"smollm3": smollm3_config, "granite": lambda: granite_config(meta, head_dim),
-              "olmo2": lambda: olmo_config(meta, layers), "phi3": lambda: phi3_config(meta)}.get(arch)
-    if family is not None:
-        config.update(family())
-    if arch in NORM_OFFSET_ARCHITECTURES:
+    if arch == "smollm3":
+        config.update(smollm3_config())
+    elif arch == "granite":
+        config.update(granite_config(meta, head_dim))
+    elif arch in ("olmo2", "exaone4"):
+        config.update(post_norm_config(meta, arch, layers))
+    elif arch == "phi3":
+        config.update(phi3_config(meta))
+    elif arch in NORM_OFFSET_ARCHITECTURES:
         config.update(gemma_config(meta, arch, hidden_per_head, head_dim, layers))
     return config
 

@@ -1,6 +1,7 @@
 """The architecture-specific keys of a GGUF file's Hugging Face config, for ``model/gguf_convert.py``: Phi-3's
 sliding window, the Gemma family's (GeGLU, soft caps, sliding layers, and what llama.cpp fixes for them rather than
-storing), SmolLM3's NoPE layers, Granite's multipliers, OLMo 3's sliding layers, and the experts of a mixture; and
+storing), SmolLM3's NoPE layers, Granite's multipliers, OLMo 3's and EXAONE 4's sliding layers, and the experts of a
+mixture; and
 how a ``{arch}.key`` metadata value is read."""
 
 from __future__ import annotations
@@ -79,16 +80,18 @@ def granite_config(meta: dict[str, Any], head_dim: int) -> dict[str, Any]:
                                                                                         head_dim ** -0.5)}
 
 
-def olmo_config(meta: dict[str, Any], layers: int) -> dict[str, Any]:
-    """OLMo 2, or OLMo 3 where the file has a sliding window (llama.cpp writes both as ``olmo2``): the window and the
-    layers it slides in (``attention.sliding_window_pattern``, one flag per layer)."""
-    window = int(arch_value(meta, "olmo2", "attention.sliding_window", 0))
-    if not window:
-        return {"pad_token_id": None}
-    pattern = arch_value(meta, "olmo2", "attention.sliding_window_pattern", None)
+def post_norm_config(meta: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:
+    """OLMo 2, or OLMo 3 where the file has a sliding window (llama.cpp writes both as ``olmo2``), and EXAONE 4 (its
+    1.2B without a window, its 32B with one): the window and the layers it slides in (``attention.
+    sliding_window_pattern``, one flag per layer; else OLMo 3's and EXAONE 4's default, three of four)."""
+    window = int(arch_value(meta, arch, "attention.sliding_window", 0))
+    if not window:  # (EXAONE 4's config would default to a 4,096-token window)
+        return {"pad_token_id": None, "sliding_window": None}
+    pattern = arch_value(meta, arch, "attention.sliding_window_pattern", None)
     slides = list(pattern) if pattern is not None else [(i + 1) % 4 != 0 for i in range(layers)]
-    return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "sliding_window": window,
-            "layer_types": ["sliding_attention" if s else "full_attention" for s in slides], "pad_token_id": None}
+    config = {"sliding_window": window, "pad_token_id": None,
+              "layer_types": ["sliding_attention" if s else "full_attention" for s in slides]}
+    return {**config, "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3"} if arch == "olmo2" else config
 
 
 def experts_config(meta: dict[str, Any], arch: str, experts: int) -> dict[str, Any]:

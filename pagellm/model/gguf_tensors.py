@@ -19,14 +19,15 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
     "granite": ("GraniteForCausalLM", "granite"),
-    "olmo2": ("Olmo2ForCausalLM", "olmo2"),  # OLMo 3 too: a file with a sliding window (gguf_families.olmo_config)
+    "olmo2": ("Olmo2ForCausalLM", "olmo2"),  # OLMo 3 too: a file with a sliding window (gguf_families)
+    "exaone4": ("Exaone4ForCausalLM", "exaone4"),
     "gemma": ("GemmaForCausalLM", "gemma"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),  # Gemma 3's text models (270m, 1b)
 }
 MIXTRAL = ("MixtralForCausalLM", "mixtral")  # a ``llama`` file whose layers have experts
-# llama.cpp's converter reorders q/k rows only for these (its LlamaModel and the models built on it); Qwen2, Qwen3
-# and OLMo 2 are written unpermuted.
+# llama.cpp's converter reorders q/k rows only for these (its LlamaModel and the models built on it); Qwen2, Qwen3,
+# OLMo 2 and EXAONE 4 are written unpermuted.
 PERMUTED_ARCHITECTURES = frozenset({"llama", "smollm3", "granite"})
 # llama.cpp's converter stores Gemma's RMSNorm weights as the 1 + w they scale by; Hugging Face's hold w.
 NORM_OFFSET_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
@@ -60,11 +61,12 @@ _BLOCK_TENSORS = {
 # blk.N.ffn_gate.E, blk.N.ffn_up.E, blk.N.ffn_down.E.
 _EXPERT_TENSORS = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 # Where an architecture's tensor means something else: Phi-3's ffn_up is its fused gate/up, Gemma 2 and 3's ffn_norm
-# the norm before the MLP (their post-attention norm has a name of its own, as OLMo 2's, which has no norms before).
+# the norm before the MLP (their post-attention norm has a name of its own, as OLMo 2's and EXAONE 4's, which have no
+# norms before).
 _SANDWICH = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
              "post_ffw_norm": "post_feedforward_layernorm"}  # Gemma 2 and 3's norms around each sublayer
 _ARCH_BLOCK_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "gemma2": _SANDWICH, "gemma3": _SANDWICH,
-                       "olmo2": _SANDWICH}
+                       "olmo2": _SANDWICH, "exaone4": _SANDWICH}
 # Mixtral's own names for the same tensors.
 MIXTRAL_NAMES = ((".mlp.gate.", ".block_sparse_moe.gate."), (".mlp.experts.", ".block_sparse_moe.experts."),
                  (".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2."))

@@ -1,7 +1,7 @@
 """The Llama family's models: Llama 2/3 (with Llama-3 rope scaling), Mistral, Qwen2 (q/k/v bias), Qwen3 (an
 RMSNorm over each head's q and k before the rotary embedding), Phi-3 (q/k/v and gate/up fused in its checkpoint),
-SmolLM2 and SmolLM3 (every fourth layer without a rotary embedding), Granite (embeddings, sublayer outputs,
-attention scores and logits scaled by its multipliers), OLMo 2 and 3 (norms after each sublayer, q and k normed
+SmolLM2 and SmolLM3 (every fourth layer without a rotary embedding), Granite and Granite MoE (embeddings, sublayer
+outputs, attention scores and logits scaled by its multipliers), OLMo 2 and 3 (norms after each sublayer, q and k normed
 across all heads; OLMo 3 slides a window in three layers of four), and their mixture-of-experts kin, Mixtral,
 Qwen2-MoE and Qwen3-MoE, whose sparse layers replace the dense MLP with experts (``layers/moe.py``); and Gemma,
 Gemma 2 and Gemma 3's text model (``GemmaForCausalLM``: scaled embeddings, GeGLU, RMSNorm weights as 1 + w; Gemma 2
@@ -42,10 +42,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.parallel = parallel
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling,
                                       dtype, cfg.rotary_dim)
         local = self.rotary if cfg.local_rope_theta is None else RotaryEmbedding(  # Gemma 3's, OLMo 3's sliding layers'
-            cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta, None, dtype, cfg.rotary_dim)
+            cfg.head_dim, cfg.context_length, cfg.local_rope_theta, None, dtype, cfg.rotary_dim)
         self.layer_range = parallel.layer_range(cfg.num_layers)  # all of them, or this pipeline stage's
         self.layers = nn.ModuleList(decoder_layer(cfg, self._layer_rotary(cfg, i, local), dtype, parallel, i)
                                     for i in self.layer_range)
@@ -265,3 +265,28 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             else:
                 yield name, tensor
 
+
+class GraniteMoeForCausalLM(LlamaForCausalLM):
+    """Granite MoE (granite-3.x-1b-a400m, -3b-a800m): Granite's multipliers, and its experts stacked in one tensor per
+    layer (``block_sparse_moe.input_linear``: each expert's gate and up rows; ``output_linear``: its down rows), which
+    are split back into one tensor per expert as every mixture's experts load, its router renamed to the gate."""
+
+    RENAMES = ((".block_sparse_moe.router.layer.", ".mlp.gate."),)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None) -> None:
+        super().load_weights(self._per_expert(weights), quantization)
+
+    @staticmethod
+    def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            stacked = name.partition(".block_sparse_moe.")
+            if stacked[2] == "input_linear.weight":
+                for e, expert in enumerate(tensor):
+                    gate, up = expert.chunk(2)
+                    yield f"{stacked[0]}.mlp.experts.{e}.gate_proj.weight", gate
+                    yield f"{stacked[0]}.mlp.experts.{e}.up_proj.weight", up
+            elif stacked[2] == "output_linear.weight":
+                for e, expert in enumerate(tensor):
+                    yield f"{stacked[0]}.mlp.experts.{e}.down_proj.weight", expert
+            else:
+                yield name, tensor

@@ -67,8 +67,7 @@ class EagleHead(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype)
         self.gate_up_proj = ColumnParallelLinear(hidden, [cfg.intermediate_size] * 2, False, dtype)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, hidden, False, dtype)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-                                      dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling, dtype)
         # token ids the draft LM head scores (None: all); not a parameter, saved beside the weights
         self.draft_vocab = None if draft_vocab is None else draft_vocab.to(torch.int64)
         self._init_weights()

@@ -333,7 +333,7 @@ def kv_window(arch: ArchConfig, store_dir: str) -> int:
 
 
 def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
-    limit = arch.max_position_embeddings
+    limit = arch.context_length
     if requested is None:
         return limit
     if requested > limit:

@@ -56,13 +56,30 @@ def test_olmo3s_full_layers_take_the_rope_scaling_and_its_sliding_layers_do_not(
 
 
 @pytest.mark.skipif(not decoder_stack.available(), reason="the native decoder stack needs AVX-512 BF16")
-@pytest.mark.parametrize("arch", ["smollm3", "granite"])
+@pytest.mark.parametrize("arch", ["smollm3", "granite", "granitemoe"])
 def test_the_native_stack_computes_nope_layers_and_residual_multipliers_as_the_python_layers(
         tiny_model_factory, monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
     """SmolLM3 (a layer without a rotary embedding) and Granite (each sublayer's output scaled before the residual
-    add, its own attention scale) in bfloat16: the native stack's greedy tokens and summed logprobs are the Python
-    layers', bit for bit."""
+    add, its own attention scale; Granite MoE's experts' output too) in bfloat16: the native stack's greedy tokens
+    and summed logprobs are the Python layers', bit for bit."""
     results = scored_with_and_without_the_stack(monkeypatch, tiny_model_factory(arch), _prompts(seed=23)[:6],
                                                 max_num_batched_tokens=40)
     assert results["1"] == results["0"]
     assert all(torch.isfinite(torch.tensor(lp)) for _, lp in results["1"])
+
+
+@pytest.mark.parametrize(("pattern", "full"), [({"layer_types": ["sliding_attention"] * 7 + ["full_attention"]}, (7,)),
+                                               ({"sliding_window_pattern": "LLLG"}, (3, 7)),
+                                               ({"sliding_window_pattern": 2}, (1, 3, 5, 7)),
+                                               ({}, (3, 7))], ids=["layer-types", "string", "period", "default"])
+def test_exaone4s_full_layers_are_nope_where_others_slide(pattern: dict, full: tuple[int, ...]) -> None:
+    """EXAONE 4's hybrid attention (its 32B's): the full-attention layers, from its layer types or its pattern (a
+    string of L and G or a period), attend without a rotary embedding; without a window (its 1.2B) every layer
+    rotates and sees every key. Norms after each sublayer, q and k normed per head."""
+    base = {**BASE, "architectures": ["Exaone4ForCausalLM"], "model_type": "exaone4"}
+    hybrid = ArchConfig.from_hf({**base, "sliding_window": 32, **pattern})
+    assert hybrid.nope_layers == full and hybrid.full_attention_layers == full
+    assert [hybrid.layer_window(i) for i in range(8)] == [None if i in full else 32 for i in range(8)]
+    dense = ArchConfig.from_hf({**base, "sliding_window": None})
+    assert dense.nope_layers == () and dense.sliding_window is None
+    assert (dense.norms, dense.qk_norm, dense.qk_norm_all_heads) == (NORMS_POST, True, False)

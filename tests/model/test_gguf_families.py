@@ -1,5 +1,5 @@
-"""SmolLM3, Granite and OLMo 2 / OLMo 3 GGUF files, and YaRN-scaled ones, as llama.cpp writes them, converted and
-served (``model/gguf_convert.py``, ``model/gguf_families.py``)."""
+"""SmolLM3, Granite, OLMo 2 / OLMo 3 and EXAONE 4 GGUF files, and YaRN-scaled ones, as llama.cpp writes them,
+converted and served (``model/gguf_convert.py``, ``model/gguf_families.py``)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ from pagellm.model.gguf_families import granite_config
 from pagellm.model.loader import hf_model_dir, iter_weights, load_hf_config
 
 # What llama.cpp's file says of each (or fixes without saying): SmolLM3's NoPE layer every fourth; Granite's four
-# multipliers; OLMo 3's sliding window and the layers it slides in (OLMo 2 has none).
+# multipliers; OLMo 3's and EXAONE 4's sliding window and the layers it slides in (OLMo 2 has none).
 EXPECTED = {
     "smollm3": {"no_rope_layers": [1, 1, 1, 0]},
     "granite": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.5,
                 "logits_scaling": 8.0},
     "olmo2": {"model_type": "olmo2"},
     "olmo3": {"model_type": "olmo3", "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
+    "exaone4": {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
 }
 
 
@@ -48,7 +49,7 @@ def test_a_familys_gguf_round_trips_and_serves_as_transformers_does(tmp_path: Pa
             getattr(reloaded.config, key) == value, key
     hf_config = load_hf_config(out)
     assert hf_config["architectures"] == [type(model).__name__]
-    assert (hf_config.get("sliding_window") is None) == (arch != "olmo3")
+    assert (hf_config.get("sliding_window") is None) == (arch not in ("olmo3", "exaone4"))
     ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 1, 9, 11, 60]])  # past OLMo 3's 6-token window
     with torch.no_grad():
         assert torch.allclose(reloaded(ids).logits, model(ids).logits, atol=1e-5)

@@ -49,11 +49,14 @@ def test_yarns_original_context_defaults_to_the_configs_max_positions() -> None:
 
 
 def test_a_yarn_model_serves_transformers_prompt_logprobs(tiny_model_factory) -> None:
-    """A Qwen3 with YaRN (factor 4 over an original context of 64): its prompt log-probabilities to within 1e-5 of
-    transformers', on a prompt past the original context."""
-    model_dir = tiny_model_factory("qwen3", seed=4, rope_parameters={**YARN, "rope_theta": 10000.0})
+    """A Qwen3 with YaRN (factor 4 over an original context of 64, which its max_position_embeddings keeps, as
+    Qwen's long-context configs do): its context is 256 tokens, as vLLM derives it, and its prompt log-probabilities
+    to within 1e-5 of transformers', on a prompt past the original context."""
+    model_dir = tiny_model_factory("qwen3", seed=4, rope_parameters={**YARN, "rope_theta": 10000.0},
+                                   max_position_embeddings=64)
     prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(3)).tolist()
     llm = LLM(str(model_dir), dtype="float32")
+    assert llm.input_processor.max_model_len == 256
     out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     ours = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

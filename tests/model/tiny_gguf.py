@@ -15,12 +15,12 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
-                          GemmaForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM,
-                          MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Olmo3Config,
-                          Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
-                          Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
-                          SmolLM3Config, SmolLM3ForCausalLM)
+from transformers import (Exaone4Config, Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
+                          Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, GraniteConfig, GraniteForCausalLM,
+                          LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config,
+                          Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
@@ -96,6 +96,9 @@ def tiny_config(arch: str, vocab_size: int, tied: bool, rope_scaling: dict[str, 
     if arch == "olmo3":  # a sliding layer (a window the test's prompt passes) and a full one
         return Olmo3Config(**common, pad_token_id=None, sliding_window=6,
                            layer_types=["sliding_attention", "full_attention"])
+    if arch == "exaone4":  # its 32B's hybrid: a sliding layer, then a full one without a rotary embedding
+        return Exaone4Config(**common, pad_token_id=None, sliding_window=6,
+                             layer_types=["sliding_attention", "full_attention"])
     experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=sizes.get("moe_intermediate_size", 48))
     if arch == "mixtral":
         return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
@@ -114,7 +117,7 @@ def random_model(config: Any) -> torch.nn.Module:
                  "phi3": Phi3ForCausalLM, "gemma": GemmaForCausalLM,
                  "gemma2": Gemma2ForCausalLM, "gemma3_text": Gemma3ForCausalLM, "smollm3": SmolLM3ForCausalLM,
                  "granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM,
-                 "olmo3": Olmo3ForCausalLM}.get(config.model_type, LlamaForCausalLM)
+                 "olmo3": Olmo3ForCausalLM, "exaone4": Exaone4ForCausalLM}.get(config.model_type, LlamaForCausalLM)
     model = model_cls(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -177,9 +180,9 @@ def write_tiny_gguf(
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if arch in ("mixtral", "qwen2moe", "qwen3moe"):
         _add_experts_metadata(writer, config, arch)
-    if arch in ("phi3", "gemma2", "gemma3", "olmo3"):
+    if arch in ("phi3", "gemma2", "gemma3", "olmo3", "exaone4"):
         writer.add_sliding_window(config.sliding_window)
-    if arch == "olmo3":  # as llama.cpp's converter writes OLMo 3's layer types
+    if arch in ("olmo3", "exaone4"):  # as llama.cpp's converters write their layer types
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
     if arch == "granite":  # its multipliers under llama.cpp's names
         writer.add_attention_scale(config.attention_multiplier)
@@ -263,7 +266,7 @@ def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16
                   "gemma": gguf.MODEL_ARCH.GEMMA, "gemma2": gguf.MODEL_ARCH.GEMMA2,
                   "gemma3": gguf.MODEL_ARCH.GEMMA3, "smollm3": gguf.MODEL_ARCH.SMOLLM3,
                   "granite": gguf.MODEL_ARCH.GRANITE, "olmo2": gguf.MODEL_ARCH.OLMO2,
-                  "olmo3": gguf.MODEL_ARCH.OLMO2}[arch]
+                  "olmo3": gguf.MODEL_ARCH.OLMO2, "exaone4": gguf.MODEL_ARCH.EXAONE4}[arch]
     name_map = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     tensors = checkpoint if per_expert else _stack_experts(checkpoint) if checkpoint is not None else \
