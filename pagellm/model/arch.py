@@ -212,8 +212,9 @@ class ArchConfig:
         its factor where that is longer (as vLLM derives it: the long-context configs of Qwen2.5 and Qwen3 keep their
         original max_position_embeddings)."""
         if rope_kind(self.rope_scaling) == "yarn":
-            assert self.rope_scaling is not None
-            scaled = int(int(self.rope_scaling["original_max_position_embeddings"]) * float(self.rope_scaling["factor"]))
+            scaling = self.rope_scaling
+            assert scaling is not None
+            scaled = int(int(scaling["original_max_position_embeddings"]) * float(scaling["factor"]))
             return max(scaled, self.max_position_embeddings)
         return self.max_position_embeddings
 
