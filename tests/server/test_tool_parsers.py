@@ -59,6 +59,13 @@ CASES = [  # (parser, text, content, [(name, arguments)])
                        '"parameters": {}}]', None, [("get_weather", {"city": "Paris"}), ("g", {})]),
     ("phi4_mini_json", "functools are handy.", "functools are handy.", []),
     ("phi4_mini_json", 'functools[{"name": "f"}, 3]', 'functools[{"name": "f"}, 3]', []),
+    ("granite", 'Let me check.<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "g", '
+                '"arguments": {}}]', "Let me check.", [("get_weather", {"city": "Paris"}), ("g", {})]),  # 3.1
+    ("granite", '<|tool_call|> [{"name": "f", "arguments": {"a": [1]}}] Done.', "Done.", [("f", {"a": [1]})]),  # 3.0
+    ("granite", '[{"name": "f", "arguments": {"a": 1}}]', None, [("f", {"a": 1})]),  # 3.0's marker skipped
+    ("granite", "[1] is the first citation.", "[1] is the first citation.", []),
+    ("granite", '<tool_call>[{"name": "f"}, {"oops": 1}]', '<tool_call>[{"name": "f"}, {"oops": 1}]', []),
+    ("granite", "Use <tool_call> with a list.", "Use <tool_call> with a list.", []),
     ("qwen3_coder", QWEN3_TWO, "Checking.", [("get_weather", {"city": "Paris", "days": "2"}),
                                              ("get_time", {"zone": "a <b> c\nd"})]),  # no tools sent: text
     ("qwen3_coder", "<tool_call><function=f></function></tool_call>", None, [("f", {})]),
@@ -127,6 +134,16 @@ def test_a_hermes_call_cut_short_after_it_was_announced_goes_out_as_far_as_it_ca
         assert content == "" and _calls(calls) == [("f", {"a": 1})]
 
 
+def test_granite_streams_its_prose_at_once_and_its_calls_when_the_list_closes() -> None:
+    stream = ToolCallStream(get_parser("granite"))
+    assert stream.feed("Checking") == ("Checking", [])
+    assert stream.feed(". <tool") == (". ", [])  # '<tool' may become '<tool_call>'
+    assert stream.feed('_call>[{"name": "f", "arguments": {"a": 1}}') == ("", [])
+    content, deltas = stream.feed("]")
+    assert content == "" and _calls(_joined(deltas)) == [("f", {"a": 1})] and stream.called
+    assert stream.finish() == ("", [])
+
+
 def test_hermes_streams_content_at_once_and_holds_only_what_may_open_a_call() -> None:
     stream = ToolCallStream(get_parser("hermes"))
     assert stream.feed("Let me look") == ("Let me look", [])
@@ -185,9 +202,10 @@ def test_the_parser_flags_as_vllm_spells_them() -> None:
     assert serve_options(args).tool_call_parser == "llama3_json"
     with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         serve_options(cmd.parse_args(["--enable-auto-tool-choice"]))
-    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic", "qwen3_coder"}
-    with pytest.raises(ValueError, match="unknown tool-call parser 'granite'; choose one of hermes"):
-        get_parser("granite")
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic", "qwen3_coder",
+                            "granite"}
+    with pytest.raises(ValueError, match="unknown tool-call parser 'granite4'; choose one of granite, hermes"):
+        get_parser("granite4")
 
 
 @pytest.mark.parametrize("parser", sorted(PARSERS))

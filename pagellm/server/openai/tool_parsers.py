@@ -14,6 +14,9 @@ Each parser knows one family's call syntax, as its chat template teaches it to t
   keyword arguments of literal values, ``[get_weather(city="Paris"), get_time()]``.
 - ``phi4_mini_json`` (Phi-4-mini): the whole reply is ``functools`` and a JSON list of ``{"name": ...,
   "arguments": {...}}``.
+- ``granite`` (Granite 3.x): prose, then ``<|tool_call|>`` (Granite 3.0, a special token: without it in the text,
+  a list that opens the reply) or ``<tool_call>`` (3.1) and a JSON list of ``{"name": ..., "arguments": {...}}``,
+  with no closing tag; text around it is content.
 - ``qwen3_coder`` (Qwen3-Coder): each call is ``<function=NAME>`` with one ``<parameter=KEY>`` block of raw text per
   argument, between ``<tool_call>`` and ``</tool_call>``; a value becomes the type its tool's JSON schema gives that
   parameter (``for_tools``: a string stays text, integers, numbers and booleans are read as such, objects and arrays
@@ -35,76 +38,13 @@ from __future__ import annotations
 import ast
 import json
 import re
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from pagellm.plugins import run_file
-from pagellm.server.openai.tools import FunctionCall, ToolCall, call_id
+from pagellm.server.openai.tool_parser_base import Parsed, ToolParser, as_content, json_call, make_call
+from pagellm.server.openai.tools import ToolCall
 
-
-@dataclass
-class Parsed:
-    content: Optional[str]
-    calls: list[ToolCall] = field(default_factory=list)
-
-
-def _call(name: Any, arguments: Any) -> Optional[ToolCall]:
-    """A call, when the name is a string and the arguments an object (or JSON text of one)."""
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except (ValueError, RecursionError):
-            return None
-    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
-        return None
-    return ToolCall(id=call_id(), function=FunctionCall(name=name, arguments=json.dumps(arguments,
-                                                                                         ensure_ascii=False)))
-
-
-def _json_call(value: Any) -> Optional[ToolCall]:
-    if not isinstance(value, dict) or "name" not in value:
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    return _call(value["name"], {} if arguments is None else arguments)
-
-
-def as_content(text: str) -> Optional[str]:
-    """Text outside the calls as a reply's content: None when it is only white space."""
-    return text.strip() or None
-
-
-class ToolParser:
-    """One call syntax. ``content_end(text)``: how much of a reply's start is surely content (nothing after it may be
-    sent as content while streaming); ``closed_calls(rest)``: the calls already complete in the held rest."""
-
-    name = ""
-    # Whether calls are blocks whose arguments can stream as they come (``blocks``, ``text_outside`` then serve).
-    streams_arguments = False
-
-    def parse(self, text: str) -> Parsed:
-        raise NotImplementedError
-
-    def blocks(self, rest: str) -> list[tuple[str, Optional[ToolCall], bool]]:
-        """The call blocks in held text, in order: (body, its call or None, closed)."""
-        raise NotImplementedError
-
-    def text_outside(self, rest: str, announced: set[int]) -> str:
-        """The held text that is no call: outside the blocks, and the blocks (by number) never ``announced``."""
-        raise NotImplementedError
-
-    def content_end(self, text: str) -> int:
-        raise NotImplementedError
-
-    def closed_calls(self, rest: str) -> list[ToolCall]:
-        return []
-
-    def may_close(self, piece: str) -> bool:
-        """Whether a streamed piece can complete a call (else ``closed_calls`` is not asked again)."""
-        return False
-
-    def for_tools(self, tools: Optional[list[Any]]) -> ToolParser:
-        """This parser for one request's ``tools`` (a syntax whose arguments are untyped text reads their schemas)."""
-        return self
+__all__ = ["PARSERS", "Parsed", "ToolParser", "as_content", "get_parser", "load_plugin", "register_tool_parser"]
 
 
 class HermesParser(ToolParser):
@@ -127,7 +67,7 @@ class HermesParser(ToolParser):
     @staticmethod
     def _block(body: str) -> Optional[ToolCall]:
         try:
-            return _json_call(json.loads(body))
+            return json_call(json.loads(body))
         except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
             return None
 
@@ -202,7 +142,7 @@ class Llama3JsonParser(WholeReplyParser):
                 value, at = decoder.raw_decode(body, at)
             except (ValueError, RecursionError):
                 return None
-            if (call := _json_call(value)) is None:
+            if (call := json_call(value)) is None:
                 return None
             calls.append(call)
             at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
@@ -228,7 +168,7 @@ class PythonicParser(WholeReplyParser):
                 return None
             try:
                 arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-                call = _call(ast.unparse(node.func), arguments)  # literals JSON cannot carry raise TypeError
+                call = make_call(ast.unparse(node.func), arguments)  # literals JSON cannot carry raise TypeError
             except (ValueError, TypeError, SyntaxError, RecursionError):
                 return None
             if call is None:
@@ -247,7 +187,7 @@ class MistralParser(WholeReplyParser):
             value = json.loads(body)
         except (ValueError, RecursionError):
             return None
-        calls = [_json_call(item) for item in value] if isinstance(value, list) else []
+        calls = [json_call(item) for item in value] if isinstance(value, list) else []
         return calls if calls and all(call is not None for call in calls) else None  # type: ignore[return-value]
 
 
@@ -260,8 +200,61 @@ class Phi4MiniJsonParser(WholeReplyParser):
             value = json.loads(body.removeprefix("functools"))
         except (ValueError, RecursionError):
             return None
-        calls = [_json_call(item) for item in value] if isinstance(value, list) else []
+        calls = [json_call(item) for item in value] if isinstance(value, list) else []
         return calls if calls and all(call is not None for call in calls) else None  # type: ignore[return-value]
+
+
+class GraniteParser(ToolParser):
+    """Granite 3.x: prose, then ``<|tool_call|>`` (3.0's special token) or ``<tool_call>`` (3.1's text) and a JSON
+    list of ``{"name": ..., "arguments": {...}}`` with no closing tag; text before the marker and after the list is
+    content. A list that opens the reply is calls too (3.0's marker, a special token, is not in the text)."""
+
+    name = "granite"
+    MARKERS = ("<|tool_call|>", "<tool_call>")
+
+    def _marker(self, text: str) -> tuple[int, int]:
+        """Where the first marker starts and ends, or (-1, -1). A reply that opens with ``[`` counts as one whose
+        marker was Granite 3.0's special token, which detokenizing drops."""
+        found = [(at, at + len(m)) for m in self.MARKERS if (at := text.find(m)) >= 0]
+        if found:
+            return min(found)
+        head = len(text) - len(text.lstrip())
+        return (head, head) if text[head:head + 1] == "[" else (-1, -1)
+
+    def _calls(self, text: str) -> Optional[tuple[str, list[ToolCall]]]:
+        """(the text that is no call, the calls) where a marker is followed by a whole list of calls, else None."""
+        start, end = self._marker(text)
+        if start < 0:
+            return None
+        body = text[end:].lstrip()
+        try:
+            value, used = json.JSONDecoder().raw_decode(body)
+        except (ValueError, RecursionError):
+            return None
+        calls = [json_call(item) for item in value] if isinstance(value, list) else []
+        if not calls or any(call is None for call in calls):
+            return None
+        return text[:start] + body[used:], calls  # type: ignore[return-value]
+
+    def parse(self, text: str) -> Parsed:
+        found = self._calls(text)
+        return Parsed(as_content(text)) if found is None else Parsed(as_content(found[0]), found[1])
+
+    def content_end(self, text: str) -> int:
+        start, _ = self._marker(text)
+        if start >= 0:
+            return start
+        for keep in range(min(max(map(len, self.MARKERS)) - 1, len(text)), 0, -1):  # a marker may be arriving
+            if any(m.startswith(text[-keep:]) for m in self.MARKERS):
+                return len(text) - keep
+        return len(text)
+
+    def closed_calls(self, rest: str) -> list[ToolCall]:
+        found = self._calls(rest)
+        return [] if found is None else found[1]
+
+    def may_close(self, piece: str) -> bool:
+        return "]" in piece  # the list's end
 
 
 class Qwen3CoderParser(HermesParser):
@@ -292,7 +285,7 @@ class Qwen3CoderParser(HermesParser):
             arguments[key] = _typed(value.removeprefix("\n").removesuffix("\n"), schema.get(key))
         if _QWEN3_PARAMETER.sub("", inner).strip():  # text between the parameters: not this syntax
             return None
-        return _call(name, arguments)
+        return make_call(name, arguments)
 
     def may_close(self, piece: str) -> bool:
         return ">" in piece
@@ -338,7 +331,8 @@ def _literal(text: str) -> Any:
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
-                                                            PythonicParser, Qwen3CoderParser, Phi4MiniJsonParser)}
+                                                            PythonicParser, Qwen3CoderParser, Phi4MiniJsonParser,
+                                                            GraniteParser)}
 
 
 def get_parser(name: str) -> ToolParser:
