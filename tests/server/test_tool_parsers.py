@@ -66,6 +66,15 @@ CASES = [  # (parser, text, content, [(name, arguments)])
     ("granite", "[1] is the first citation.", "[1] is the first citation.", []),
     ("granite", '<tool_call>[{"name": "f"}, {"oops": 1}]', '<tool_call>[{"name": "f"}, {"oops": 1}]', []),
     ("granite", "Use <tool_call> with a list.", "Use <tool_call> with a list.", []),
+    ("olmo3", '<function_calls>\nget_weather(city="Paris", days=2)\nnotify(urgent=true, note=null, tags=[false])\n'
+              '</function_calls>', None, [("get_weather", {"city": "Paris", "days": 2}),
+                                         ("notify", {"urgent": True, "note": None, "tags": [False]})]),
+    ("olmo3", "<function_calls>\nf()\n", None, [("f", {})]),  # stopped before the closing tag
+    ("olmo3", "<function_calls>\nnot a call\n</function_calls>", "<function_calls>\nnot a call\n</function_calls>",
+     []),
+    ("olmo3", "<function_calls>\nf(a=len(x))\n</function_calls>", "<function_calls>\nf(a=len(x))\n</function_calls>",
+     []),  # not a literal
+    ("olmo3", 'get_weather(city="Paris")', 'get_weather(city="Paris")', []),  # no tags: text
     ("qwen3_coder", QWEN3_TWO, "Checking.", [("get_weather", {"city": "Paris", "days": "2"}),
                                              ("get_time", {"zone": "a <b> c\nd"})]),  # no tools sent: text
     ("qwen3_coder", "<tool_call><function=f></function></tool_call>", None, [("f", {})]),
@@ -203,7 +212,7 @@ def test_the_parser_flags_as_vllm_spells_them() -> None:
     with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         serve_options(cmd.parse_args(["--enable-auto-tool-choice"]))
     assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic", "qwen3_coder",
-                            "granite"}
+                            "granite", "olmo3"}
     with pytest.raises(ValueError, match="unknown tool-call parser 'granite4'; choose one of granite, hermes"):
         get_parser("granite4")
 

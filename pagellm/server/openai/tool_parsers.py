@@ -14,6 +14,8 @@ Each parser knows one family's call syntax, as its chat template teaches it to t
   keyword arguments of literal values, ``[get_weather(city="Paris"), get_time()]``.
 - ``phi4_mini_json`` (Phi-4-mini): the whole reply is ``functools`` and a JSON list of ``{"name": ...,
   "arguments": {...}}``.
+- ``olmo3`` (OLMo 3): ``<function_calls>``, one Python call per line (values Python literals or JSON's ``null``,
+  ``true``, ``false``), ``</function_calls>``; the whole reply.
 - ``granite`` (Granite 3.x): prose, then ``<|tool_call|>`` (Granite 3.0, a special token: without it in the text,
   a list that opens the reply) or ``<tool_call>`` (3.1) and a JSON list of ``{"name": ..., "arguments": {...}}``,
   with no closing tag; text around it is content.
@@ -167,7 +169,7 @@ class PythonicParser(WholeReplyParser):
                     or any(k.arg is None for k in node.keywords):
                 return None
             try:
-                arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+                arguments = {k.arg: self.value(k.value) for k in node.keywords}
                 call = make_call(ast.unparse(node.func), arguments)  # literals JSON cannot carry raise TypeError
             except (ValueError, TypeError, SyntaxError, RecursionError):
                 return None
@@ -175,6 +177,45 @@ class PythonicParser(WholeReplyParser):
                 return None
             calls.append(call)
         return calls
+
+
+    @staticmethod
+    def value(node: ast.expr) -> Any:
+        """A keyword argument's value: a Python literal."""
+        return ast.literal_eval(node)
+
+
+class Olmo3Parser(PythonicParser):
+    """OLMo 3: ``<function_calls>``, one Python call per line, ``</function_calls>``; values are Python literals or
+    JSON's ``null``, ``true`` and ``false``."""
+
+    name = "olmo3"
+    opens = ("<function_calls>",)
+    wrappers = (("<function_calls>", "</function_calls>"),)
+
+    def calls(self, body: str) -> Optional[list[ToolCall]]:
+        lines = [line.strip() for line in body.splitlines() if line.strip()]
+        return super().calls(f"[{', '.join(lines)}]") if lines else None
+
+    def parse(self, text: str) -> Parsed:
+        head = text.strip()
+        if not head.startswith(self.opens[0]):
+            return Parsed(as_content(text))
+        calls = self.calls(head.removeprefix(self.opens[0]).removesuffix(self.wrappers[0][1]))
+        return Parsed(None, calls) if calls else Parsed(as_content(text))
+
+    @staticmethod
+    def value(node: ast.expr) -> Any:
+        return ast.literal_eval(_JsonNames().visit(node))
+
+
+class _JsonNames(ast.NodeTransformer):
+    """JSON's literal names as Python's constants, anywhere in a value."""
+
+    NAMES = {"null": None, "true": True, "false": False}
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return ast.Constant(self.NAMES[node.id]) if node.id in self.NAMES else node
 
 
 class MistralParser(WholeReplyParser):
@@ -332,7 +373,7 @@ def _literal(text: str) -> Any:
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
                                                             PythonicParser, Qwen3CoderParser, Phi4MiniJsonParser,
-                                                            GraniteParser)}
+                                                            GraniteParser, Olmo3Parser)}
 
 
 def get_parser(name: str) -> ToolParser:
