@@ -78,8 +78,8 @@ FAMILY_DEFAULTS: dict[str, dict] = {
 
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a tiny random float32 model (``arch`` in llama, qwen2, qwen3, mistral, phi3, smollm3, granite, olmo2,
-    olmo3, exaone4, gemma, gemma2, gemma3 and the mixtures of experts mixtral, qwen2_moe, qwen3_moe, granitemoe) with a
-    tokenizer under ``path``."""
+    olmo3, exaone4, ernie4_5, gemma, gemma2, gemma3 and the mixtures of experts mixtral, qwen2_moe, qwen3_moe,
+    granitemoe) with a tokenizer under ``path``."""
     import transformers
 
     torch.manual_seed(seed)
@@ -105,10 +105,11 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
         "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
         "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM),
+        "ernie4_5": (transformers.Ernie4_5Config, transformers.Ernie4_5ForCausalLM),
     }[arch]
-    if arch in ("phi3", "smollm3"):  # their default pad ids (32000, 128004) lie outside the tiny vocabulary
-        common.setdefault("pad_token_id", None)
-    if arch in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3"):  # their default head_dim is not hidden / heads
+    if arch in ("phi3", "smollm3", "ernie4_5"):  # their default pad ids (32000, 128004, 0) lie outside the tiny
+        common.setdefault("pad_token_id", None)  # vocabulary or among the prompts' bytes
+    if arch in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3", "ernie4_5"):  # default head_dim not hidden / heads
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
     if arch == "gemma3":  # a sliding layer (a short window, its own rope base) and a global one; a scale not 1/sqrt(d)
         common.setdefault("sliding_window", 16)

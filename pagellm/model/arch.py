@@ -249,6 +249,11 @@ def _family_fields(cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str,
                 "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
                 "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
                 "attn_scale": float(cfg.get("attention_multiplier", 1.0))}
+    if model_type == "ernie4_5":
+        if cfg.get("use_bias"):
+            raise ValueError("ERNIE 4.5 with use_bias (biases on every projection) is not supported; its released "
+                             "dense models have none")
+        return {}
     if model_type == "exaone4":  # its full-attention layers are NoPE where some layers slide (the 32B's hybrid)
         full = _full_attention_layers(cfg, int(cfg["num_hidden_layers"])) if cfg.get("sliding_window") else ()
         return {"norms": NORMS_POST, "qk_norm": True, "nope_layers": full}

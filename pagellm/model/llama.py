@@ -2,7 +2,8 @@
 RMSNorm over each head's q and k before the rotary embedding), Phi-3 (q/k/v and gate/up fused in its checkpoint),
 SmolLM2 and SmolLM3 (every fourth layer without a rotary embedding), Granite and Granite MoE (embeddings, sublayer
 outputs, attention scores and logits scaled by its multipliers), OLMo 2 and 3 (norms after each sublayer, q and k normed
-across all heads; OLMo 3 slides a window in three layers of four), and their mixture-of-experts kin, Mixtral,
+across all heads; OLMo 3 slides a window in three layers of four), EXAONE 4, ERNIE 4.5 (its interleaved rotary
+pairs made Llama's by reordering q and k's rows as they load), and their mixture-of-experts kin, Mixtral,
 Qwen2-MoE and Qwen3-MoE, whose sparse layers replace the dense MLP with experts (``layers/moe.py``); and Gemma,
 Gemma 2 and Gemma 3's text model (``GemmaForCausalLM``: scaled embeddings, GeGLU, RMSNorm weights as 1 + w; Gemma 2
 and 3 add norms after attention and the MLP and their own attention scale; Gemma 2 soft-caps attention scores and
@@ -290,3 +291,22 @@ class GraniteMoeForCausalLM(LlamaForCausalLM):
                     yield f"{stacked[0]}.mlp.experts.{e}.down_proj.weight", expert
             else:
                 yield name, tensor
+
+
+class Ernie4_5ForCausalLM(LlamaForCausalLM):
+    """ERNIE 4.5's dense models (ERNIE-4.5-0.3B): Llama's layers with the rotary embedding turning interleaved pairs of
+    each head's dimensions (2i, 2i + 1) where Llama turns (i, i + d/2). q and k's rows are reordered as they load,
+    each head's even rows first, then its odd ones, which makes its rotation Llama's (the attention scores, q and k
+    reordered alike, are unchanged)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None) -> None:
+        super().load_weights(self._rotate_half_order(weights), quantization)
+
+    def _rotate_half_order(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        head_dim = self.cfg.head_dim
+        order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+        for name, tensor in weights:
+            if name.endswith((".q_proj.weight", ".k_proj.weight", ".q_proj.bias", ".k_proj.bias")):
+                heads = tensor.shape[0] // head_dim
+                tensor = tensor.reshape(heads, head_dim, *tensor.shape[1:])[:, order].reshape(tensor.shape)
+            yield name, tensor

@@ -76,8 +76,8 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "gemma", "gemma2",
-         "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"]
+ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "ernie4_5", "gemma",
+         "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"]
 
 def assert_seeded_grammar(llm: LLM, seed: int) -> None:
     """Regex-constrained samples have the regex's shape, and the same seed gives the same texts again (what
@@ -136,12 +136,13 @@ def test_greedy_parity_modes(tiny_model_factory, arch: str, mode: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "smollm3", "granite", "granitemoe", "olmo2", "olmo3",
-                                  "exaone4"])
+                                  "exaone4", "ernie4_5"])
 def test_prompt_logprobs_of_each_familys_own_parts_are_transformers(tiny_model_factory, arch: str) -> None:
     """Each family's own parts to within 1e-5 of transformers' log-probabilities, where a greedy token could hide a
     small slip: Gemma's (GeGLU's tanh, norms scaling by 1 + w, the scaled embeddings; Gemma 3's norms around each
     sublayer, its attention scale and two rope bases), SmolLM3's NoPE layer, Granite's multipliers, OLMo's norms
-    after each sublayer and across all heads, OLMo 3's sliding layer, EXAONE 4's per-head norms and NoPE full layer."""
+    after each sublayer and across all heads, OLMo 3's sliding layer, EXAONE 4's per-head norms and NoPE full layer,
+    ERNIE 4.5's interleaved rotary pairs."""
     model_dir = tiny_model_factory(arch)
     prompt = _prompts(seed=7)[-1]  # 121 tokens: past Gemma 3's 16-token window
     llm = LLM(str(model_dir), dtype="float32")

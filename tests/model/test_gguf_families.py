@@ -1,5 +1,5 @@
-"""SmolLM3, Granite, OLMo 2 / OLMo 3 and EXAONE 4 GGUF files, and YaRN-scaled ones, as llama.cpp writes them,
-converted and served (``model/gguf_convert.py``, ``model/gguf_families.py``)."""
+"""SmolLM3, Granite, OLMo 2 / OLMo 3, EXAONE 4 and ERNIE 4.5 GGUF files, and YaRN-scaled ones, as llama.cpp writes
+them, converted and served (``model/gguf_convert.py``, ``model/gguf_families.py``)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ EXPECTED = {
     "olmo2": {"model_type": "olmo2"},
     "olmo3": {"model_type": "olmo3", "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
     "exaone4": {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
+    "ernie4_5": {"model_type": "ernie4_5"},
 }
 
 

@@ -15,12 +15,13 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-from transformers import (Exaone4Config, Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
-                          Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, GraniteConfig, GraniteForCausalLM,
-                          LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config,
-                          Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
+from transformers import (Ernie4_5Config, Ernie4_5ForCausalLM, Exaone4Config, Exaone4ForCausalLM, Gemma2Config,
+                          Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM,
+                          GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM,
+                          Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
+                          Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                          SmolLM3Config, SmolLM3ForCausalLM)
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
@@ -96,6 +97,8 @@ def tiny_config(arch: str, vocab_size: int, tied: bool, rope_scaling: dict[str, 
     if arch == "olmo3":  # a sliding layer (a window the test's prompt passes) and a full one
         return Olmo3Config(**common, pad_token_id=None, sliding_window=6,
                            layer_types=["sliding_attention", "full_attention"])
+    if arch == "ernie4_5":
+        return Ernie4_5Config(**common, pad_token_id=None)
     if arch == "exaone4":  # its 32B's hybrid: a sliding layer, then a full one without a rotary embedding
         return Exaone4Config(**common, pad_token_id=None, sliding_window=6,
                              layer_types=["sliding_attention", "full_attention"])
@@ -117,7 +120,8 @@ def random_model(config: Any) -> torch.nn.Module:
                  "phi3": Phi3ForCausalLM, "gemma": GemmaForCausalLM,
                  "gemma2": Gemma2ForCausalLM, "gemma3_text": Gemma3ForCausalLM, "smollm3": SmolLM3ForCausalLM,
                  "granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM,
-                 "olmo3": Olmo3ForCausalLM, "exaone4": Exaone4ForCausalLM}.get(config.model_type, LlamaForCausalLM)
+                 "olmo3": Olmo3ForCausalLM, "exaone4": Exaone4ForCausalLM,
+                 "ernie4_5": Ernie4_5ForCausalLM}.get(config.model_type, LlamaForCausalLM)
     model = model_cls(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -266,7 +270,8 @@ def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16
                   "gemma": gguf.MODEL_ARCH.GEMMA, "gemma2": gguf.MODEL_ARCH.GEMMA2,
                   "gemma3": gguf.MODEL_ARCH.GEMMA3, "smollm3": gguf.MODEL_ARCH.SMOLLM3,
                   "granite": gguf.MODEL_ARCH.GRANITE, "olmo2": gguf.MODEL_ARCH.OLMO2,
-                  "olmo3": gguf.MODEL_ARCH.OLMO2, "exaone4": gguf.MODEL_ARCH.EXAONE4}[arch]
+                  "olmo3": gguf.MODEL_ARCH.OLMO2, "exaone4": gguf.MODEL_ARCH.EXAONE4,
+                  "ernie4_5": gguf.MODEL_ARCH.ERNIE4_5}[arch]
     name_map = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     tensors = checkpoint if per_expert else _stack_experts(checkpoint) if checkpoint is not None else \
