@@ -73,13 +73,17 @@ FAMILY_DEFAULTS: dict[str, dict] = {
     "olmo3": dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
     # EXAONE 4's hybrid (its 32B's): a sliding layer, then a full-attention one without a rotary embedding
     "exaone4": dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+    # Cohere's logit scale (Command R's); Command R7B's sliding layer, then a full-attention one without rotary
+    "cohere": dict(logit_scale=0.0625, initializer_range=0.1),
+    "cohere2": dict(logit_scale=0.25, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                    initializer_range=0.1),
 }
 
 
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a tiny random float32 model (``arch`` in llama, qwen2, qwen3, mistral, phi3, smollm3, granite, olmo2,
-    olmo3, exaone4, ernie4_5, gemma, gemma2, gemma3 and the mixtures of experts mixtral, qwen2_moe, qwen3_moe,
-    granitemoe) with a tokenizer under ``path``."""
+    olmo3, exaone4, ernie4_5, cohere, cohere2, gemma, gemma2, gemma3 and the mixtures of experts mixtral, qwen2_moe,
+    qwen3_moe, granitemoe) with a tokenizer under ``path``."""
     import transformers
 
     torch.manual_seed(seed)
@@ -106,9 +110,11 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
         "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
         "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM),
         "ernie4_5": (transformers.Ernie4_5Config, transformers.Ernie4_5ForCausalLM),
+        "cohere": (transformers.CohereConfig, transformers.CohereForCausalLM),
+        "cohere2": (transformers.Cohere2Config, transformers.Cohere2ForCausalLM),
     }[arch]
-    if arch in ("phi3", "smollm3", "ernie4_5"):  # their default pad ids (32000, 128004, 0) lie outside the tiny
-        common.setdefault("pad_token_id", None)  # vocabulary or among the prompts' bytes
+    if arch in ("phi3", "smollm3", "ernie4_5", "cohere", "cohere2"):  # default pad ids (32000, 128004, 0) outside the
+        common.setdefault("pad_token_id", None)  # tiny vocabulary or among the prompts' bytes
     if arch in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3", "ernie4_5"):  # default head_dim not hidden / heads
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
     if arch == "gemma3":  # a sliding layer (a short window, its own rope base) and a global one; a scale not 1/sqrt(d)

@@ -20,7 +20,7 @@ OLMO = ("olmo2", "olmo3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP gate's: SwiGLU, or Gemma's GeGLU (tanh or exact)
 
 
-NORMS_PRE, NORMS_SANDWICH, NORMS_POST = "pre", "sandwich", "post"
+NORMS_PRE, NORMS_SANDWICH, NORMS_POST, NORMS_PARALLEL = "pre", "sandwich", "post", "parallel"
 LONGROPE = ("longrope", "su")  # "su": LongRoPE's name in the first Phi-3 configs
 
 
@@ -74,8 +74,11 @@ def _full_attention_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, .
     Qwen's ``layer_types`` where the config lists them, else its rule for the family; the windows of the other
     families (Mistral, Mixtral, Phi-3) and of Qwen3-MoE hold in every layer."""
     model_type = cfg.get("model_type")
-    if model_type not in (*_QWEN, "gemma2", "gemma3_text", "smollm3", "olmo3", "exaone4"):
+    if model_type not in (*_QWEN, "gemma2", "gemma3_text", "smollm3", "olmo3", "exaone4", "cohere2"):
         return ()
+    if model_type == "cohere2" and not cfg.get("layer_types"):  # its first configs: every fourth is full
+        pattern = int(cfg.get("sliding_window_pattern") or 4)
+        return tuple(i for i in range(num_layers) if (i + 1) % pattern == 0)
     if model_type == "exaone4" and not cfg.get("layer_types"):  # its pattern: a period, or a string of L and G
         pattern = cfg.get("sliding_window_pattern") or 4
         if isinstance(pattern, str):
@@ -138,8 +141,8 @@ class ArchConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     # Where each decoder layer's RMSNorms sit (``model/decoder.py``): NORMS_PRE (Llama's: before attention and the MLP),
-    # NORMS_SANDWICH (Gemma 2 and 3: before and after each) or NORMS_POST (OLMo 2: after each sublayer's output only,
-    # its q and k norms spanning all heads rather than each head)
+    # NORMS_SANDWICH (Gemma 2 and 3: before and after each), NORMS_POST (OLMo 2: after each sublayer's output only) or
+    # NORMS_PARALLEL (Cohere: one norm before attention and the MLP side by side, both added to the residual)
     norms: str = NORMS_PRE
     # SmolLM3's NoPE layers: their q and k attend without a rotary embedding
     nope_layers: tuple[int, ...] = ()
@@ -149,6 +152,9 @@ class ArchConfig:
     embedding_multiplier: float | None = None
     residual_multiplier: float | None = None
     logits_scaling: float | None = None
+    # Cohere's: LayerNorms (mean subtracted, no bias) where the others have RMSNorms, and logits times logit_scale
+    layer_norm: bool = False
+    logit_scale: float | None = None
 
     @property
     def num_labels(self) -> int:
@@ -249,6 +255,8 @@ def _family_fields(cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str,
                 "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
                 "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
                 "attn_scale": float(cfg.get("attention_multiplier", 1.0))}
+    if model_type in ("cohere", "cohere2"):
+        return _cohere(cfg)
     if model_type == "ernie4_5":
         if cfg.get("use_bias"):
             raise ValueError("ERNIE 4.5 with use_bias (biases on every projection) is not supported; its released "
@@ -262,6 +270,23 @@ def _family_fields(cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str,
         theta = cfg.get("rope_theta", 500000.0)  # OLMo 3's first configs: one base, scaled in the full layers only
         return {**fields, **_rope_by_layer_type(cfg, theta, theta)} if model_type == "olmo3" else fields
     return {}
+
+
+def _cohere(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Cohere's (Command R, Aya) and Cohere 2's (Command R7B, Command A): LayerNorms, attention and the MLP side by
+    side, scaled logits; Cohere 2 attends without a rotary embedding in its full-attention layers (its sliding ones
+    rotate)."""
+    if cfg.get("use_qk_norm"):
+        raise ValueError("Cohere's q/k norms (use_qk_norm: Command R+) are not supported; Command R, R7B, A and Aya "
+                         "have none")
+    fields = {"norms": NORMS_PARALLEL, "layer_norm": True, "rms_norm_eps": float(cfg.get("layer_norm_eps", 1e-5)),
+              "logit_scale": float(cfg.get("logit_scale", 1.0)),
+              "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True))}
+    if cfg.get("model_type") == "cohere2":
+        layers = int(cfg["num_hidden_layers"])
+        full = _full_attention_layers(cfg, layers) if cfg.get("sliding_window") else tuple(range(layers))
+        fields["nope_layers"] = full
+    return fields
 
 
 def _rope_by_layer_type(cfg: dict[str, Any], theta: float, local_theta: float) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The decoder layers of the Llama family and its kin (``model/llama.py`` stacks them): attention with its q/k/v
 fused into one GEMM, the gated MLP, and the layer around them, whose norms sit where the family puts them
 (``ArchConfig.norms``): before each sublayer (Llama, Mistral, Qwen, Phi-3, SmolLM, Granite), before and after each
-(Gemma 2 and 3) or after each sublayer's output only (OLMo 2 and 3, EXAONE 4). Granite scales each sublayer's output
+(Gemma 2 and 3), after each sublayer's output only (OLMo 2 and 3, EXAONE 4), or one before attention and the MLP
+side by side (Cohere, with LayerNorms). Granite scales each sublayer's output
 before it joins the residual stream; SmolLM3's NoPE layers (and EXAONE 4's full-attention ones beside sliding ones)
 attend without a rotary embedding; OLMo's q and k norms span all heads.
 
@@ -16,12 +17,12 @@ from torch import nn
 
 from pagellm.attention.base import current_lora
 from pagellm.distributed.groups import ParallelState
-from pagellm.model.arch import NORMS_POST, NORMS_PRE, NORMS_SANDWICH, ArchConfig
+from pagellm.model.arch import NORMS_PARALLEL, NORMS_POST, NORMS_PRE, NORMS_SANDWICH, ArchConfig
 from pagellm.model.layers.activation import GeluAndMul, SiluAndMul
 from pagellm.model.layers.attention import Attention
 from pagellm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagellm.model.layers.moe import SparseMoeBlock
-from pagellm.model.layers.norm import RMSNorm
+from pagellm.model.layers.norm import LayerNorm, RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding
 
 
@@ -114,9 +115,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding | None, dtype: torch.dtype, parallel: ParallelState,
                  layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = make_norm(cfg, dtype)
         self.self_attn = LlamaAttention(cfg, rotary, dtype, parallel, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = make_norm(cfg, dtype)
         self.mlp: nn.Module = SparseMoeBlock(cfg.moe, cfg.hidden_size, dtype, parallel) \
             if cfg.moe is not None and cfg.moe.is_sparse(layer) else LlamaMLP(cfg, dtype, parallel, layer)
         scale = cfg.residual_multiplier
@@ -172,7 +173,28 @@ class Olmo2DecoderLayer(LlamaDecoderLayer):
         return self.post_feedforward_layernorm(self.mlp(stream))[0], stream
 
 
-_LAYERS = {NORMS_PRE: LlamaDecoderLayer, NORMS_SANDWICH: GemmaDecoderLayer, NORMS_POST: Olmo2DecoderLayer}
+class CohereDecoderLayer(LlamaDecoderLayer):
+    """Cohere's layer (``NORMS_PARALLEL``): one norm, then attention and the MLP side by side on its output, both
+    added to the residual stream (the attention's first, as transformers adds them)."""
+
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding | None, dtype: torch.dtype, parallel: ParallelState,
+                 layer: int = 0) -> None:
+        super().__init__(cfg, rotary, dtype, parallel, layer)
+        del self.post_attention_layernorm
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        return self.mlp(h), residual + self.self_attn(positions, h)
+
+
+def make_norm(cfg: ArchConfig, dtype: torch.dtype) -> RMSNorm:
+    """A norm over the hidden states: Cohere's LayerNorm, else RMSNorm."""
+    return (LayerNorm if cfg.layer_norm else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+_LAYERS = {NORMS_PRE: LlamaDecoderLayer, NORMS_SANDWICH: GemmaDecoderLayer, NORMS_POST: Olmo2DecoderLayer,
+           NORMS_PARALLEL: CohereDecoderLayer}
 
 
 def decoder_layer(cfg: ArchConfig, rotary: RotaryEmbedding | None, dtype: torch.dtype, parallel: ParallelState,

@@ -1,6 +1,8 @@
 """The Llama family's models: Llama 2/3 (with Llama-3 rope scaling), Mistral, Qwen2 (q/k/v bias), Qwen3 (an
 RMSNorm over each head's q and k before the rotary embedding), Phi-3 (q/k/v and gate/up fused in its checkpoint),
-SmolLM2 and SmolLM3 (every fourth layer without a rotary embedding), Granite and Granite MoE (embeddings, sublayer
+SmolLM2 and SmolLM3 (every fourth layer without a rotary embedding), Cohere's Command R, R7B and Aya (LayerNorms,
+attention and the MLP side by side, interleaved rotary pairs; Command R7B's full-attention layers without a rotary
+embedding), Granite and Granite MoE (embeddings, sublayer
 outputs, attention scores and logits scaled by its multipliers), OLMo 2 and 3 (norms after each sublayer, q and k normed
 across all heads; OLMo 3 slides a window in three layers of four), EXAONE 4, ERNIE 4.5 (its interleaved rotary
 pairs made Llama's by reordering q and k's rows as they load), and their mixture-of-experts kin, Mixtral,
@@ -26,11 +28,10 @@ from torch import nn
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model import weight_only
 from pagellm.model.arch import ArchConfig
-from pagellm.model.decoder import decoder_layer
+from pagellm.model.decoder import decoder_layer, make_norm
 from pagellm.model.layers.attention import Attention
 from pagellm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagellm.model.layers.linear import loaded_whole, pack_weights
-from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding
 from pagellm.model.native_stack import run_native, run_native_stage
 from pagellm.ops import gemm, gemm_w8a8
@@ -50,7 +51,7 @@ class LlamaModel(nn.Module):
         self.layer_range = parallel.layer_range(cfg.num_layers)  # all of them, or this pipeline stage's
         self.layers = nn.ModuleList(decoder_layer(cfg, self._layer_rotary(cfg, i, local), dtype, parallel, i)
                                     for i in self.layer_range)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = make_norm(cfg, dtype)
         # Gemma's sqrt(hidden_size), rounded to the embeddings' dtype as transformers has it (made once, not per step);
         # Granite's embedding_multiplier, a float
         self.embed_scale: torch.Tensor | float | None = torch.tensor(cfg.embed_scale, dtype=dtype) \
@@ -143,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head.logits(hidden)
         if self.cfg.logits_scaling not in (None, 1.0):  # Granite's
             logits = logits / self.cfg.logits_scaling
+        if self.cfg.logit_scale not in (None, 1.0):  # Cohere's
+            logits = logits * self.cfg.logit_scale
         cap = self.cfg.final_softcap  # Gemma 2's
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -293,10 +296,10 @@ class GraniteMoeForCausalLM(LlamaForCausalLM):
                 yield name, tensor
 
 
-class Ernie4_5ForCausalLM(LlamaForCausalLM):
-    """ERNIE 4.5's dense models (ERNIE-4.5-0.3B): Llama's layers with the rotary embedding turning interleaved pairs of
-    each head's dimensions (2i, 2i + 1) where Llama turns (i, i + d/2). q and k's rows are reordered as they load,
-    each head's even rows first, then its odd ones, which makes its rotation Llama's (the attention scores, q and k
+class InterleavedRopeForCausalLM(LlamaForCausalLM):
+    """Models whose rotary embedding turns interleaved pairs of each head's dimensions (2i, 2i + 1) where Llama's turns
+    (i, i + d/2): ERNIE 4.5's dense models (ERNIE-4.5-0.3B), Cohere's. q and k's rows are reordered as they load, each
+    head's even rows first, then its odd ones, which makes the rotation Llama's (the attention scores, q and k
     reordered alike, are unchanged)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None) -> None:

@@ -7,8 +7,8 @@ from torch import nn
 
 from pagellm.distributed.groups import ParallelState
 from pagellm.model.arch import BASE_MODELS, CLASSIFIERS, ArchConfig
-from pagellm.model.llama import (Ernie4_5ForCausalLM, GemmaForCausalLM, GraniteMoeForCausalLM, LlamaForCausalLM,
-                                 MixtralForCausalLM, Phi3ForCausalLM)
+from pagellm.model.llama import (GemmaForCausalLM, GraniteMoeForCausalLM, InterleavedRopeForCausalLM,
+                                 LlamaForCausalLM, MixtralForCausalLM, Phi3ForCausalLM)
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -25,7 +25,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Olmo2ForCausalLM": LlamaForCausalLM,
     "Olmo3ForCausalLM": LlamaForCausalLM,
     "Exaone4ForCausalLM": LlamaForCausalLM,
-    "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
+    "Ernie4_5ForCausalLM": InterleavedRopeForCausalLM,
+    "CohereForCausalLM": InterleavedRopeForCausalLM,
+    "Cohere2ForCausalLM": InterleavedRopeForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,  # its soft-capped attention on the torch_ref backend
     "Gemma3ForCausalLM": GemmaForCausalLM,  # Gemma 3's text model (gemma-3-270m, -1b); its multimodal ones are not

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_parity import _prompts, scored_with_and_without_the_stack
 
-from pagellm.model.arch import NORMS_POST, NORMS_PRE, ArchConfig
+from pagellm.model.arch import NORMS_PARALLEL, NORMS_POST, NORMS_PRE, ArchConfig
 from pagellm.ops import decoder_stack
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -83,3 +83,21 @@ def test_exaone4s_full_layers_are_nope_where_others_slide(pattern: dict, full: t
     dense = ArchConfig.from_hf({**base, "sliding_window": None})
     assert dense.nope_layers == () and dense.sliding_window is None
     assert (dense.norms, dense.qk_norm, dense.qk_norm_all_heads) == (NORMS_POST, True, False)
+
+
+def test_cohere_configs() -> None:
+    """Cohere's LayerNorms (their epsilon its layer_norm_eps), side-by-side sublayers, logit scale and tied embeddings
+    by default; Command R7B's full-attention layers (every fourth by its first configs' pattern) without a rotary
+    embedding; Command R+'s q/k norms refused with what is supported."""
+    base = {**BASE, "architectures": ["CohereForCausalLM"], "model_type": "cohere", "layer_norm_eps": 1e-5,
+            "logit_scale": 0.0625}
+    cohere = ArchConfig.from_hf(base)
+    assert (cohere.norms, cohere.layer_norm, cohere.rms_norm_eps, cohere.logit_scale, cohere.tie_word_embeddings) == \
+        (NORMS_PARALLEL, True, 1e-5, 0.0625, True)
+    assert cohere.nope_layers == () and cohere.sliding_window is None
+    r7b = ArchConfig.from_hf({**base, "architectures": ["Cohere2ForCausalLM"], "model_type": "cohere2",
+                              "sliding_window": 32, "sliding_window_pattern": 4})
+    assert r7b.nope_layers == r7b.full_attention_layers == (3, 7)
+    assert [r7b.layer_window(i) for i in range(8)] == [32, 32, 32, None] * 2
+    with pytest.raises(ValueError, match="q/k norms \\(use_qk_norm: Command R\\+\\) are not supported"):
+        ArchConfig.from_hf({**base, "use_qk_norm": True})

@@ -1,5 +1,6 @@
 """RMSNorm, computed in float32 like Hugging Face's Llama (so float32 runs match it bit for bit), with the
-residual add fused in: ``forward(x, residual)`` returns ``(norm(x + residual), x + residual)``.
+residual add fused in: ``forward(x, residual)`` returns ``(norm(x + residual), x + residual)``; and Cohere's
+LayerNorm (its mean subtracted, a weight and no bias) with the same interface, in PyTorch.
 
 bfloat16 rows take one fused native pass (``pagellm/ops/fused.py``); ``forward_torch`` is the plain-PyTorch twin
 (and the path for every other dtype)."""
@@ -33,3 +34,16 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
         return self._norm(x), x
+
+
+class LayerNorm(RMSNorm):
+    """Cohere's LayerNorm: (x - mean) / sqrt(var + eps) times the weight, in float32 as transformers computes it."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.forward_torch(x, residual)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        centred = x32 - x32.mean(-1, keepdim=True)
+        normed = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.to(torch.float32) * normed).to(x.dtype)
