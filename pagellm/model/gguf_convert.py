@@ -40,7 +40,8 @@ from typing import Any
 import numpy as np
 
 from pagellm.model import gguf_tokenizer
-from pagellm.model.gguf_families import (REQUIRED, arch_value, experts_config, gemma_config, granite_config,
+from pagellm.model.gguf_families import (REQUIRED, arch_value, cohere_config, experts_config, gemma_config,
+                                         granite_config,
                                          phi3_config, post_norm_config, shortest_float, smollm3_config)
 from pagellm.model.gguf_tensors import (MIXTRAL, NORM_OFFSET_ARCHITECTURES, PERMUTED_ARCHITECTURES,
                                         SUPPORTED_ARCHITECTURES, hf_arrays, hf_tensor_name)
@@ -157,7 +158,9 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict
         "num_key_value_heads": int(get("attention.head_count_kv", n_head)),
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": shortest_float(get("attention.layer_norm_rms_epsilon")),
+        # Cohere's LayerNorms have their own key (gguf_families.cohere_config)
+        "rms_norm_eps": shortest_float(get("attention.layer_norm_rms_epsilon", None) or
+                                       get("attention.layer_norm_epsilon")),
         "rope_theta": rope_theta,
         "max_position_embeddings": int(get("context_length")),
         # The embedding's row count is the model's vocabulary, whatever the tokenizer lists.
@@ -197,6 +200,8 @@ def _family_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any], hid
         config.update(post_norm_config(meta, arch, layers))
     elif arch == "phi3":
         config.update(phi3_config(meta))
+    elif arch in ("command-r", "cohere2"):
+        config.update(cohere_config(meta, arch))
     elif arch in NORM_OFFSET_ARCHITECTURES:
         config.update(gemma_config(meta, arch, hidden_per_head, head_dim, layers))
     return config

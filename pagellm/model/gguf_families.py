@@ -1,7 +1,7 @@
 """The architecture-specific keys of a GGUF file's Hugging Face config, for ``model/gguf_convert.py``: Phi-3's
 sliding window, the Gemma family's (GeGLU, soft caps, sliding layers, and what llama.cpp fixes for them rather than
-storing), SmolLM3's NoPE layers, Granite's multipliers, OLMo 3's and EXAONE 4's sliding layers, and the experts of a
-mixture; and
+storing), SmolLM3's NoPE layers, Granite's multipliers, OLMo 3's, EXAONE 4's and Command R7B's sliding layers,
+Cohere's LayerNorms and logit scale, and the experts of a mixture; and
 how a ``{arch}.key`` metadata value is read."""
 
 from __future__ import annotations
@@ -92,6 +92,16 @@ def post_norm_config(meta: dict[str, Any], arch: str, layers: int) -> dict[str, 
     config = {"sliding_window": window, "pad_token_id": None,
               "layer_types": ["sliding_attention" if s else "full_attention" for s in slides]}
     return {**config, "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3"} if arch == "olmo2" else config
+
+
+def cohere_config(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Command R's (``command-r``) and Command R7B's (``cohere2``): the LayerNorms' epsilon, the logit scale, and R7B's
+    sliding window, in three layers of four as llama.cpp fixes it (its files store no pattern)."""
+    config = {"layer_norm_eps": shortest_float(arch_value(meta, arch, "attention.layer_norm_epsilon")),
+              "logit_scale": shortest_float(arch_value(meta, arch, "logit_scale", 1.0)), "pad_token_id": None}
+    if arch == "cohere2":
+        config.update(sliding_window=int(arch_value(meta, arch, "attention.sliding_window")), sliding_window_pattern=4)
+    return config
 
 
 def experts_config(meta: dict[str, Any], arch: str, experts: int) -> dict[str, Any]:

@@ -22,13 +22,15 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),  # OLMo 3 too: a file with a sliding window (gguf_families)
     "exaone4": ("Exaone4ForCausalLM", "exaone4"),
     "ernie4_5": ("Ernie4_5ForCausalLM", "ernie4_5"),  # its q/k rows as the checkpoint's (its loader reorders them)
+    "command-r": ("CohereForCausalLM", "cohere"),  # Command R, Aya (q/k rows likewise)
+    "cohere2": ("Cohere2ForCausalLM", "cohere2"),  # Command R7B
     "gemma": ("GemmaForCausalLM", "gemma"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),  # Gemma 3's text models (270m, 1b)
 }
 MIXTRAL = ("MixtralForCausalLM", "mixtral")  # a ``llama`` file whose layers have experts
 # llama.cpp's converter reorders q/k rows only for these (its LlamaModel and the models built on it); Qwen2, Qwen3,
-# OLMo 2, EXAONE 4 and ERNIE 4.5 are written unpermuted.
+# OLMo 2, EXAONE 4, ERNIE 4.5 and Cohere's are written unpermuted.
 PERMUTED_ARCHITECTURES = frozenset({"llama", "smollm3", "granite"})
 # llama.cpp's converter stores Gemma's RMSNorm weights as the 1 + w they scale by; Hugging Face's hold w.
 NORM_OFFSET_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})

@@ -1,5 +1,5 @@
-"""SmolLM3, Granite, OLMo 2 / OLMo 3, EXAONE 4 and ERNIE 4.5 GGUF files, and YaRN-scaled ones, as llama.cpp writes
-them, converted and served (``model/gguf_convert.py``, ``model/gguf_families.py``)."""
+"""SmolLM3, Granite, OLMo 2 / OLMo 3, EXAONE 4, ERNIE 4.5 and Cohere (Command R, R7B) GGUF files, and YaRN-scaled
+ones, as llama.cpp writes them, converted and served (``model/gguf_convert.py``, ``model/gguf_families.py``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from pagellm.model.gguf_families import granite_config
 from pagellm.model.loader import hf_model_dir, iter_weights, load_hf_config
 
 # What llama.cpp's file says of each (or fixes without saying): SmolLM3's NoPE layer every fourth; Granite's four
-# multipliers; OLMo 3's and EXAONE 4's sliding window and the layers it slides in (OLMo 2 has none).
+# multipliers; OLMo 3's and EXAONE 4's sliding window and the layers it slides in (OLMo 2 has none); Cohere's logit
+# scale and LayerNorm epsilon, Command R7B's window in three layers of four.
 EXPECTED = {
     "smollm3": {"no_rope_layers": [1, 1, 1, 0]},
     "granite": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.5,
@@ -26,6 +27,9 @@ EXPECTED = {
     "olmo3": {"model_type": "olmo3", "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
     "exaone4": {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
     "ernie4_5": {"model_type": "ernie4_5"},
+    "command-r": {"logit_scale": 0.25, "layer_norm_eps": 1e-5},
+    "cohere2": {"logit_scale": 0.25, "sliding_window": 6,
+                "layer_types": ["sliding_attention"] * 3 + ["full_attention"]},
 }
 
 
@@ -35,11 +39,12 @@ def test_a_familys_gguf_round_trips_and_serves_as_transformers_does(tmp_path: Pa
     """The file's tensors come back as the model's (q/k rows un-permuted for SmolLM3 and Granite, whose files
     llama.cpp's LlamaModel writes; OLMo's as written), its config as transformers' (above), its logits as the
     original's; the engine serves the file's greedy tokens as transformers generates them."""
-    model = random_model(tiny_config(arch, tiny_tokenizer.get_vocab_size(), False))
+    tied = arch in ("command-r", "cohere2")  # Cohere's files have no LM head of their own
+    model = random_model(tiny_config(arch, tiny_tokenizer.get_vocab_size(), tied))
     write_tiny_gguf(tmp_path / "tiny.gguf", model, tiny_tokenizer, arch)
     out = tmp_path / "hf"
     convert_gguf_to_hf(tmp_path / "tiny.gguf", out)
-    original = model.state_dict()
+    original = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     converted = dict(iter_weights(out))
     assert sorted(converted) == sorted(original)
     for name, tensor in original.items():
@@ -50,7 +55,7 @@ def test_a_familys_gguf_round_trips_and_serves_as_transformers_does(tmp_path: Pa
             getattr(reloaded.config, key) == value, key
     hf_config = load_hf_config(out)
     assert hf_config["architectures"] == [type(model).__name__]
-    assert (hf_config.get("sliding_window") is None) == (arch not in ("olmo3", "exaone4"))
+    assert (hf_config.get("sliding_window") is None) == (arch not in ("olmo3", "exaone4", "cohere2"))
     ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 1, 9, 11, 60]])  # past OLMo 3's 6-token window
     with torch.no_grad():
         assert torch.allclose(reloaded(ids).logits, model(ids).logits, atol=1e-5)

@@ -15,13 +15,13 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-from transformers import (Ernie4_5Config, Ernie4_5ForCausalLM, Exaone4Config, Exaone4ForCausalLM, Gemma2Config,
-                          Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM,
-                          GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM,
-                          Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
-                          Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
-                          SmolLM3Config, SmolLM3ForCausalLM)
+from transformers import (Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM, Ernie4_5Config,
+                          Ernie4_5ForCausalLM, Exaone4Config, Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM,
+                          Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, GraniteConfig,
+                          GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
@@ -99,6 +99,12 @@ def tiny_config(arch: str, vocab_size: int, tied: bool, rope_scaling: dict[str, 
                            layer_types=["sliding_attention", "full_attention"])
     if arch == "ernie4_5":
         return Ernie4_5Config(**common, pad_token_id=None)
+    if arch == "command-r":
+        return CohereConfig(**common, pad_token_id=None, logit_scale=0.25, layer_norm_eps=1e-5)
+    if arch == "cohere2":  # four layers: the fourth full-attention and without rotary, as llama.cpp fixes the pattern
+        return Cohere2Config(**{**common, "num_hidden_layers": 4}, pad_token_id=None, logit_scale=0.25,
+                             layer_norm_eps=1e-5, sliding_window=6, layer_types=["sliding_attention"] * 3 +
+                             ["full_attention"])
     if arch == "exaone4":  # its 32B's hybrid: a sliding layer, then a full one without a rotary embedding
         return Exaone4Config(**common, pad_token_id=None, sliding_window=6,
                              layer_types=["sliding_attention", "full_attention"])
@@ -121,7 +127,8 @@ def random_model(config: Any) -> torch.nn.Module:
                  "gemma2": Gemma2ForCausalLM, "gemma3_text": Gemma3ForCausalLM, "smollm3": SmolLM3ForCausalLM,
                  "granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM,
                  "olmo3": Olmo3ForCausalLM, "exaone4": Exaone4ForCausalLM,
-                 "ernie4_5": Ernie4_5ForCausalLM}.get(config.model_type, LlamaForCausalLM)
+                 "ernie4_5": Ernie4_5ForCausalLM, "cohere": CohereForCausalLM,
+                 "cohere2": Cohere2ForCausalLM}.get(config.model_type, LlamaForCausalLM)
     model = model_cls(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -181,10 +188,14 @@ def write_tiny_gguf(
     writer.add_head_count_kv(config.num_key_value_heads)
     rope = config.rope_parameters
     writer.add_rope_freq_base((rope["full_attention"] if arch in ("gemma3", "olmo3") else rope)["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch in ("command-r", "cohere2"):  # LayerNorms, and their logit scale
+        writer.add_layer_norm_eps(config.layer_norm_eps)
+        writer.add_logit_scale(config.logit_scale)
+    else:
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if arch in ("mixtral", "qwen2moe", "qwen3moe"):
         _add_experts_metadata(writer, config, arch)
-    if arch in ("phi3", "gemma2", "gemma3", "olmo3", "exaone4"):
+    if arch in ("phi3", "gemma2", "gemma3", "olmo3", "exaone4", "cohere2"):
         writer.add_sliding_window(config.sliding_window)
     if arch in ("olmo3", "exaone4"):  # as llama.cpp's converters write their layer types
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
@@ -271,7 +282,8 @@ def _add_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, arch: str, f16
                   "gemma3": gguf.MODEL_ARCH.GEMMA3, "smollm3": gguf.MODEL_ARCH.SMOLLM3,
                   "granite": gguf.MODEL_ARCH.GRANITE, "olmo2": gguf.MODEL_ARCH.OLMO2,
                   "olmo3": gguf.MODEL_ARCH.OLMO2, "exaone4": gguf.MODEL_ARCH.EXAONE4,
-                  "ernie4_5": gguf.MODEL_ARCH.ERNIE4_5}[arch]
+                  "ernie4_5": gguf.MODEL_ARCH.ERNIE4_5, "command-r": gguf.MODEL_ARCH.COMMAND_R,
+                  "cohere2": gguf.MODEL_ARCH.COHERE2}[arch]
     name_map = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     tensors = checkpoint if per_expert else _stack_experts(checkpoint) if checkpoint is not None else \
