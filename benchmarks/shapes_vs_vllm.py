@@ -1,0 +1,115 @@
+"""pagellm beside vLLM on the published shapes of models this machine has no weights for.
+
+No model hub here: each shape is its published config.json (the numbers below), its weights random
+(``--load-format dummy`` on both sides) and its tokenizer the built-in model's, so the prompts are random tokens and
+the text means nothing, but every GEMM, attention and norm is the model's own size. For each shape and round, pagellm's
+``bench throughput`` and vLLM's (``.peers/vllm``, ``make peers``) run back to back, the same prompts' shape, dtype
+and thread count, and the script prints each pair's output tok/s and their ratio.
+
+    .venv/bin/python benchmarks/shapes_vs_vllm.py --shapes smollm3-3b olmo2-1b --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM = REPO / ".peers" / "vllm" / "bin" / "vllm"
+
+SHAPES = {  # published configs (their hub config.json), the keys a shape needs
+    "smollm3-3b": {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "hidden_size": 2048,
+                   "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
+                   "num_key_value_heads": 4, "max_position_embeddings": 65536, "rope_theta": 5000000.0,
+                   "rms_norm_eps": 1e-06, "vocab_size": 128256, "tie_word_embeddings": True,
+                   "no_rope_layer_interval": 4, "use_sliding_window": False, "hidden_act": "silu",
+                   "pad_token_id": 128004, "eos_token_id": 128012},
+    "olmo2-1b": {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "hidden_size": 2048,
+                 "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 16,
+                 "num_key_value_heads": 16, "max_position_embeddings": 4096, "rope_theta": 500000,
+                 "rms_norm_eps": 1e-06, "vocab_size": 100352, "tie_word_embeddings": False, "hidden_act": "silu",
+                 "pad_token_id": 100277, "eos_token_id": 100257},
+    "granite-3.3-2b": {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "hidden_size": 2048,
+                       "intermediate_size": 8192, "num_hidden_layers": 40, "num_attention_heads": 32,
+                       "num_key_value_heads": 8, "max_position_embeddings": 131072, "rope_theta": 10000000.0,
+                       "rms_norm_eps": 1e-05, "vocab_size": 49159, "tie_word_embeddings": True,
+                       "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.015625,
+                       "logits_scaling": 8.0, "hidden_act": "silu", "pad_token_id": 0, "eos_token_id": 0},
+}
+
+
+def shape_dir(name: str, root: Path) -> Path:
+    """The shape's folder: its config and the built-in model's tokenizer."""
+    sys.path.insert(0, str(REPO))
+    from pagellm.model.loader import hf_model_dir
+
+    builtin = hf_model_dir(None)
+    out = root / name
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({**SHAPES[name], "torch_dtype": "bfloat16"}, indent=1))
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(builtin / file, out / file)
+    return out
+
+
+def run(argv: list[str], env: dict[str, str], result: Path, timeout: float) -> None:
+    proc = subprocess.run(argv, env={**os.environ, **env}, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not result.exists():
+        raise RuntimeError(f"{argv[0]} exited {proc.returncode}: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+
+
+def pagellm(model: Path, args: argparse.Namespace, out: Path) -> float:
+    result = out / "pagellm.json"
+    result.unlink(missing_ok=True)
+    run([str(REPO / ".venv" / "bin" / "pagellm"), "bench", "throughput", "--model", str(model), "--load-format",
+         "dummy", "--dtype", "bfloat16", "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
+         "--output-len", str(args.output_len), "--kv-cache-memory", str(args.kv_gib << 30), "--max-model-len",
+         str(args.max_model_len), "--result-json", str(result)],
+        {"PAGELLM_NUM_THREADS": str(args.threads)}, result, args.timeout)
+    return json.loads(result.read_text())["results"][0]["output_throughput"]
+
+
+def vllm(model: Path, args: argparse.Namespace, out: Path) -> float:
+    result = out / "vllm.json"
+    result.unlink(missing_ok=True)
+    run([str(VLLM), "bench", "throughput", "--model", str(model), "--load-format", "dummy", "--dtype", "bfloat16",
+         "--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
+         str(args.output_len), "--num-prompts", str(args.num_prompts), "--max-model-len", str(args.max_model_len),
+         "--output-json", str(result)],
+        {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib), "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, result, args.timeout)
+    return json.loads(result.read_text())["requests_per_second"] * args.output_len  # each request: output_len tokens
+
+
+def main() -> None:
+    cmd = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cmd.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["smollm3-3b", "olmo2-1b"])
+    cmd.add_argument("--rounds", type=int, default=2)
+    cmd.add_argument("--num-prompts", type=int, default=16)
+    cmd.add_argument("--input-len", type=int, default=128)
+    cmd.add_argument("--output-len", type=int, default=64)
+    cmd.add_argument("--max-model-len", type=int, default=2048)
+    cmd.add_argument("--kv-gib", type=int, default=2)
+    cmd.add_argument("--threads", type=int, default=2)
+    cmd.add_argument("--timeout", type=float, default=1800)
+    args = cmd.parse_args()
+    if not VLLM.exists():
+        sys.exit(f"vLLM is not installed at {VLLM}: run `make peers`")
+    with tempfile.TemporaryDirectory(prefix="shapes-") as tmp:
+        root = Path(tmp)
+        for name in args.shapes:
+            model = shape_dir(name, root)
+            for round_ in range(1, args.rounds + 1):
+                ours, theirs = pagellm(model, args, root), vllm(model, args, root)
+                print(f"{name} round {round_}: pagellm {ours:.1f} output tok/s, vLLM {theirs:.1f}: "
+                      f"{ours / theirs:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
