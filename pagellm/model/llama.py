@@ -111,6 +111,7 @@ class LlamaModel(nn.Module):
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_QK_ROWS = re.compile(r"\.[qk]_proj\.(weight|bias|weight_groups|weight_scale)$")
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
@@ -309,7 +310,7 @@ class InterleavedRopeForCausalLM(LlamaForCausalLM):
         head_dim = self.cfg.head_dim
         order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
         for name, tensor in weights:
-            if name.endswith((".q_proj.weight", ".k_proj.weight", ".q_proj.bias", ".k_proj.bias")):
+            if _QK_ROWS.search(name):  # the rows of q and k: weights, biases, 4-bit groups, int8 scales
                 heads = tensor.shape[0] // head_dim
                 tensor = tensor.reshape(heads, head_dim, *tensor.shape[1:])[:, order].reshape(tensor.shape)
             yield name, tensor

@@ -318,3 +318,26 @@ def test_each_layer_is_packed_as_soon_as_all_of_it_has_loaded(mixed: dict, tmp_p
     assert seen == [dict.fromkeys(("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"),
                                   quantization)]
     assert gemm.weight_format(model.model.layers[1].self_attn.qkv_proj.weight) == quantization
+
+
+@pytest.mark.parametrize("quantization", _four_bit_kernels())
+def test_an_interleaved_rope_models_4bit_rows_move_with_their_groups(tiny_tokenizer: BackendTokenizer,
+                                                                   tmp_path: Path, quantization: str) -> None:
+    """ERNIE 4.5 (and Cohere) reorder q and k's rows as they load (``InterleavedRopeForCausalLM``): a file's 4-bit
+    blocks move row by row with their groups, so each packed q/k row holds the file's values of the row it became."""
+    model = random_model(tiny_config("ernie4_5", tiny_tokenizer.get_vocab_size(), False, **SIZES))
+    write_tiny_gguf(tmp_path / "ernie.gguf", model, tiny_tokenizer, "ernie4_5", types={"*": "Q4_0"})
+    convert_gguf_to_hf(tmp_path / "ernie.gguf", tmp_path / "hf")
+    values = dict(iter_weights(tmp_path / "hf"))  # the blocks' values, in the file's (the checkpoint's) row order
+    llm = LLM(str(tmp_path / "hf"), dtype="bfloat16", kv_cache_memory=1 << 24, quantization=quantization)
+    layer = llm.engine.core.executor.worker.runner.model.model.layers[0]
+    head_dim = SIZES["head_dim"]
+    order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+
+    def reordered(name: str) -> torch.Tensor:
+        rows = values[f"model.layers.0.self_attn.{name}.weight"]
+        return rows.reshape(-1, head_dim, rows.shape[-1])[:, order].reshape(rows.shape)
+
+    parts = [("Q4_0", reordered("q_proj")), ("Q4_0", reordered("k_proj")),
+             ("Q4_0", values["model.layers.0.self_attn.v_proj.weight"])]
+    _assert_holds(layer.self_attn.qkv_proj.weight, parts, quantization)

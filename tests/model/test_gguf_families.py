@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_gguf import random_model, tiny_config, write_tiny_gguf
+from tiny_gguf import assert_serves_as_transformers, random_model, tiny_config, write_tiny_gguf
 from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoModelForCausalLM
 
-from pagellm import LLM, SamplingParams
 from pagellm.model.gguf_convert import convert_gguf_to_hf
 from pagellm.model.gguf_families import granite_config
 from pagellm.model.loader import hf_model_dir, iter_weights, load_hf_config
@@ -59,13 +58,7 @@ def test_a_familys_gguf_round_trips_and_serves_as_transformers_does(tmp_path: Pa
     ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 1, 9, 11, 60]])  # past OLMo 3's 6-token window
     with torch.no_grad():
         assert torch.allclose(reloaded(ids).logits, model(ids).logits, atol=1e-5)
-    llm = LLM(str(tmp_path / "tiny.gguf"), dtype="float32", max_model_len=64)
-    ours = llm.generate([ids[0].tolist()], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].token_ids
-    with torch.no_grad():
-        theirs = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
-    assert ours == theirs
+    assert_serves_as_transformers(tmp_path / "tiny.gguf", model, ids[0].tolist())
 
 
 def test_a_granite_file_without_its_multipliers_scales_as_llama_cpp_does() -> None:
@@ -89,12 +82,4 @@ def test_a_yarn_gguf_keeps_its_scaling(tmp_path: Path, tiny_tokenizer: BackendTo
     convert_gguf_to_hf(tmp_path / "tiny.gguf", tmp_path / "hf")
     scaling = load_hf_config(tmp_path / "hf")["rope_scaling"]
     assert {k: scaling[k] for k in yarn} == pytest.approx(yarn)
-    ids = [5, 17, 42, 99, 3, 250, 7, 1, 9, 11, 60, 8, 30]
-    llm = LLM(str(tmp_path / "tiny.gguf"), dtype="float32", max_model_len=64)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    ours = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
-    prompt = torch.tensor([ids])
-    with torch.no_grad():
-        theirs = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-    assert ours == theirs
+    assert_serves_as_transformers(tmp_path / "tiny.gguf", model, [5, 17, 42, 99, 3, 250, 7, 1, 9, 11, 60, 8, 30])

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_gguf import random_model, tiny_config, write_tiny_gguf
+from tiny_gguf import assert_serves_as_transformers, random_model, tiny_config, write_tiny_gguf
 from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoModelForCausalLM
 
-from pagellm import LLM, SamplingParams
 from pagellm.model.gguf_convert import convert_gguf_to_hf
 from pagellm.model.loader import hf_model_dir, iter_weights, load_hf_config
 
@@ -45,10 +44,4 @@ def test_a_gemma_gguf_round_trips(tmp_path: Path, tiny_tokenizer: BackendTokeniz
     ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 1, 9, 11, 60]])  # past the 6-token window
     with torch.no_grad():
         assert torch.allclose(reloaded(ids).logits, model(ids).logits, atol=1e-5)
-    llm = LLM(str(tmp_path / "tiny.gguf"), dtype="float32", max_model_len=64)
-    ours = llm.generate([ids[0].tolist()], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].token_ids
-    with torch.no_grad():
-        theirs = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
-    assert ours == theirs
+    assert_serves_as_transformers(tmp_path / "tiny.gguf", model, ids[0].tolist())

@@ -369,3 +369,18 @@ def quantize_q6_k(values: np.ndarray) -> np.ndarray:
     qh = (top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)).reshape(-1, 64)
     blocks = np.concatenate([ql, qh, sc.view(np.uint8), d.reshape(-1, 1).view(np.uint8)], axis=1)
     return blocks.reshape(*shape[:-1], shape[-1] // 256 * 210)
+
+
+def assert_serves_as_transformers(gguf_path: Path, model: torch.nn.Module, ids: list[int]) -> None:
+    """The engine's greedy tokens from the GGUF file are transformers' from the model it was written from (8 of them,
+    after the prompt ``ids``, in float32)."""
+    from pagellm import LLM, SamplingParams
+
+    llm = LLM(str(gguf_path), dtype="float32", max_model_len=64)
+    ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        theirs = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert ours == theirs
