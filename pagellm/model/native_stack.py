@@ -11,8 +11,10 @@ attention backend):
   not route, so the Python layers run), and every GEMM weight of every layer is packed
   (``gemm.pack_parameter``), or every one quantized (``--quantization w8a8_int8``, ``w4a8_int4`` or
   ``w4a16_int4``; an act-order checkpoint's 4-bit weights with their rows' inputs gathered in order), with no
-  o_proj bias (q/k/v bias, as in Qwen2, Qwen3's per-head q/k norm and Phi-4-mini's partial rotary embedding are
-  served) and one RMSNorm epsilon throughout; a mixture of
+  o_proj bias (q/k/v bias, as in Qwen2, Qwen3's per-head q/k norm, Phi-4-mini's partial rotary embedding,
+  SmolLM3's layers without a rotary embedding and Granite's residual multiplier and attention scale are served), one
+  RMSNorm epsilon throughout, Llama's norms before each sublayer and SwiGLU (Gemma's, OLMo's, EXAONE's and Cohere's
+  layers run in Python), one rotary embedding for every layer that rotates; a mixture of
   experts' sparse layers run their native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE
   with its shared expert, Qwen3-MoE);
 - no request of the step runs with a LoRA adapter (those steps take the Python layers, ``pagellm/lora.py``);
