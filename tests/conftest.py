@@ -70,6 +70,10 @@ FAMILY_DEFAULTS: dict[str, dict] = {
                     logits_scaling=8.0, initializer_range=0.1),
     "granitemoe": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.5,
                        logits_scaling=8.0, initializer_range=0.1, num_local_experts=4, num_experts_per_tok=2),
+    # Granite 4.0's attention-only models (granite-4.0-micro): every layer attention, the shared MLP alone
+    "granite4": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.5,
+                     logits_scaling=8.0, initializer_range=0.1, num_local_experts=0, shared_intermediate_size=96,
+                     layer_types=["attention", "attention"], position_embedding_type="rope"),
     "olmo3": dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
     # EXAONE 4's hybrid (its 32B's): a sliding layer, then a full-attention one without a rotary embedding
     "exaone4": dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
@@ -83,7 +87,7 @@ FAMILY_DEFAULTS: dict[str, dict] = {
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a tiny random float32 model (``arch`` in llama, qwen2, qwen3, mistral, phi3, smollm3, granite, olmo2,
     olmo3, exaone4, ernie4_5, cohere, cohere2, gemma, gemma2, gemma3 and the mixtures of experts mixtral, qwen2_moe,
-    qwen3_moe, granitemoe) with a tokenizer under ``path``."""
+    qwen3_moe, granitemoe, and granite4: Granite 4.0's attention-only kind) with a tokenizer under ``path``."""
     import transformers
 
     torch.manual_seed(seed)
@@ -106,6 +110,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
         "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM),
+        "granite4": (transformers.GraniteMoeHybridConfig, transformers.GraniteMoeHybridForCausalLM),
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
         "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
         "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM),

@@ -250,11 +250,12 @@ def _family_fields(cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str,
         interval = int(cfg.get("no_rope_layer_interval") or 4)
         flags = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(cfg["num_hidden_layers"])]
         return {"nope_layers": tuple(i for i, rotates in enumerate(flags) if not rotates)}
-    if model_type in ("granite", "granitemoe"):
+    if model_type in ("granite", "granitemoe", "granitemoehybrid"):
         return {"embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
                 "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
                 "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
-                "attn_scale": float(cfg.get("attention_multiplier", 1.0))}
+                "attn_scale": float(cfg.get("attention_multiplier", 1.0)),
+                **(_granite4(cfg) if model_type == "granitemoehybrid" else {})}
     if model_type in ("cohere", "cohere2"):
         return _cohere(cfg)
     if model_type == "ernie4_5":
@@ -270,6 +271,18 @@ def _family_fields(cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str,
         theta = cfg.get("rope_theta", 500000.0)  # OLMo 3's first configs: one base, scaled in the full layers only
         return {**fields, **_rope_by_layer_type(cfg, theta, theta)} if model_type == "olmo3" else fields
     return {}
+
+
+def _granite4(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite 4.0's attention-only models (granite-4.0-micro, -1b, -350m; ``GraniteMoeHybridForCausalLM`` with every
+    layer attention and no routed experts): Granite's layer, its MLP the shared one; every layer NoPE unless
+    ``position_embedding_type`` is "rope"."""
+    kinds = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * int(cfg["num_hidden_layers"])
+    if any(kind not in ("attention", "full_attention") for kind in kinds) or int(cfg.get("num_local_experts") or 0):
+        raise ValueError("Granite 4.0's Mamba layers and routed experts (its -h- models) are not supported; its "
+                         "attention-only models (granite-4.0-micro, -1b, -350m) are")
+    nope = () if cfg.get("position_embedding_type") == "rope" else tuple(range(int(cfg["num_hidden_layers"])))
+    return {"intermediate_size": int(cfg["shared_intermediate_size"]), "nope_layers": nope}
 
 
 def _cohere(cfg: dict[str, Any]) -> dict[str, Any]:

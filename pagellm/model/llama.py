@@ -274,7 +274,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 class GraniteMoeForCausalLM(LlamaForCausalLM):
     """Granite MoE (granite-3.x-1b-a400m, -3b-a800m): Granite's multipliers, and its experts stacked in one tensor per
     layer (``block_sparse_moe.input_linear``: each expert's gate and up rows; ``output_linear``: its down rows), which
-    are split back into one tensor per expert as every mixture's experts load, its router renamed to the gate."""
+    are split back into one tensor per expert as every mixture's experts load, its router renamed to the gate; and
+    Granite 4.0's attention-only models, whose one MLP is the shared one (``shared_mlp``: gate and up rows in
+    ``input_linear``, down in ``output_linear``)."""
 
     RENAMES = ((".block_sparse_moe.router.layer.", ".mlp.gate."),)
 
@@ -293,8 +295,12 @@ class GraniteMoeForCausalLM(LlamaForCausalLM):
             elif stacked[2] == "output_linear.weight":
                 for e, expert in enumerate(tensor):
                     yield f"{stacked[0]}.mlp.experts.{e}.down_proj.weight", expert
+            elif ".shared_mlp.input_linear." in name:
+                gate, up = tensor.chunk(2)
+                yield name.replace(".shared_mlp.input_linear.", ".mlp.gate_proj."), gate
+                yield name.replace(".shared_mlp.input_linear.", ".mlp.up_proj."), up
             else:
-                yield name, tensor
+                yield name.replace(".shared_mlp.output_linear.", ".mlp.down_proj."), tensor
 
 
 class InterleavedRopeForCausalLM(LlamaForCausalLM):

@@ -22,6 +22,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteMoeForCausalLM,  # Granite 4.0's attention-only models
     "Olmo2ForCausalLM": LlamaForCausalLM,
     "Olmo3ForCausalLM": LlamaForCausalLM,
     "Exaone4ForCausalLM": LlamaForCausalLM,

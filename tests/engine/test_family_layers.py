@@ -56,7 +56,7 @@ def test_olmo3s_full_layers_take_the_rope_scaling_and_its_sliding_layers_do_not(
 
 
 @pytest.mark.skipif(not decoder_stack.available(), reason="the native decoder stack needs AVX-512 BF16")
-@pytest.mark.parametrize("arch", ["smollm3", "granite", "granitemoe"])
+@pytest.mark.parametrize("arch", ["smollm3", "granite", "granitemoe", "granite4"])
 def test_the_native_stack_computes_nope_layers_and_residual_multipliers_as_the_python_layers(
         tiny_model_factory, monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
     """SmolLM3 (a layer without a rotary embedding) and Granite (each sublayer's output scaled before the residual
@@ -101,3 +101,17 @@ def test_cohere_configs() -> None:
     assert [r7b.layer_window(i) for i in range(8)] == [32, 32, 32, None] * 2
     with pytest.raises(ValueError, match="q/k norms \\(use_qk_norm: Command R\\+\\) are not supported"):
         ArchConfig.from_hf({**base, "use_qk_norm": True})
+
+
+def test_granite4s_attention_only_models_and_what_is_refused() -> None:
+    """Granite 4.0's attention-only models: Granite's multipliers, the shared MLP's width, a rotary embedding only
+    where position_embedding_type says "rope" (else every layer NoPE); its Mamba layers and routed experts refused."""
+    base = {**BASE, "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+            "shared_intermediate_size": 96, "num_local_experts": 0, "layer_types": ["attention"] * 8,
+            "residual_multiplier": 0.22}
+    micro = ArchConfig.from_hf({**base, "position_embedding_type": "rope"})
+    assert (micro.intermediate_size, micro.residual_multiplier, micro.nope_layers, micro.moe) == (96, 0.22, (), None)
+    assert ArchConfig.from_hf(base).nope_layers == tuple(range(8))
+    for hybrid in ({"layer_types": ["mamba"] * 7 + ["attention"]}, {"num_local_experts": 4}):
+        with pytest.raises(ValueError, match="Mamba layers and routed experts .* are not supported"):
+            ArchConfig.from_hf({**base, **hybrid})

@@ -77,7 +77,7 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "ernie4_5", "cohere",
-         "cohere2", "gemma", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"]
+         "cohere2", "granite4", "gemma", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"]
 
 def assert_seeded_grammar(llm: LLM, seed: int) -> None:
     """Regex-constrained samples have the regex's shape, and the same seed gives the same texts again (what
@@ -136,7 +136,7 @@ def test_greedy_parity_modes(tiny_model_factory, arch: str, mode: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "smollm3", "granite", "granitemoe", "olmo2", "olmo3",
-                                  "exaone4", "ernie4_5", "cohere", "cohere2"])
+                                  "exaone4", "ernie4_5", "cohere", "cohere2", "granite4"])
 def test_prompt_logprobs_of_each_familys_own_parts_are_transformers(tiny_model_factory, arch: str) -> None:
     """Each family's own parts to within 1e-5 of transformers' log-probabilities, where a greedy token could hide a
     small slip: Gemma's (GeGLU's tanh, norms scaling by 1 + w, the scaled embeddings; Gemma 3's norms around each
