@@ -13,8 +13,9 @@ attention backend):
   ``w4a16_int4``; an act-order checkpoint's 4-bit weights with their rows' inputs gathered in order), with no
   o_proj bias (q/k/v bias, as in Qwen2, Qwen3's per-head q/k norm, Phi-4-mini's partial rotary embedding,
   SmolLM3's layers without a rotary embedding and Granite's residual multiplier and attention scale are served), one
-  RMSNorm epsilon throughout, Llama's norms before each sublayer and SwiGLU (Gemma's, OLMo's, EXAONE's and Cohere's
-  layers run in Python), one rotary embedding for every layer that rotates; a mixture of
+  RMSNorm epsilon throughout, Llama's norms before each sublayer or OLMo's and EXAONE 4's after each (OLMo's q/k
+  norms over all heads on one rank only), SwiGLU (Gemma's and Cohere's layers run in Python), one rotary embedding
+  for every layer that rotates; a mixture of
   experts' sparse layers run their native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE
   with its shared expert, Qwen3-MoE);
 - no request of the step runs with a LoRA adapter (those steps take the Python layers, ``pagellm/lora.py``);
@@ -53,9 +54,12 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
         return None
     norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
     gate_up, down = (None, None) if experts is not None else (mlp.gate_up_proj.weight, mlp.down_proj.weight)
-    return LayerWeights(layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
-                        layer.post_attention_layernorm.weight, gate_up, down, *norms, moe=experts,
-                        sliding_window=attn.attn.sliding_window, rotated=attn.rotary is not None)
+    post_ffn = getattr(layer, "post_feedforward_layernorm", None)  # OLMo's layer: no input norm, this one instead
+    input_norm = getattr(layer, "input_layernorm", None)
+    return LayerWeights(None if input_norm is None else input_norm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                        attn.o_proj.weight, layer.post_attention_layernorm.weight, gate_up, down, *norms, moe=experts,
+                        sliding_window=attn.attn.sliding_window, rotated=attn.rotary is not None,
+                        post_ffn_norm=None if post_ffn is None else post_ffn.weight)
 
 
 def build_stack(model: nn.Module) -> DecoderStack | None:
@@ -72,15 +76,20 @@ def build_stack(model: nn.Module) -> DecoderStack | None:
     if len(formats) != 1:
         return None
     attn = first.self_attn.attn
-    eps = {layer.input_layernorm.eps for layer in model.layers} | {model.norm.eps} | \
-        {n.eps for layer in model.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm) if n is not None}
+    eps = {n.eps for layer in model.layers for n in (getattr(layer, "input_layernorm", None),
+                                                     layer.post_attention_layernorm, layer.self_attn.q_norm,
+                                                     layer.self_attn.k_norm,
+                                                     getattr(layer, "post_feedforward_layernorm", None))
+           if n is not None} | {model.norm.eps}
     dense = [w.down.packed_shape[1] for w in weights if w.down is not None]  # type: ignore
     residual_scales = {layer.residual_multiplier or 1.0 for layer in model.layers}
+    post = {w.input_norm is None for w in weights}  # OLMo's layers (one kind throughout)
     shape = StackShape(model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                       max(dense, default=0), eps.pop(), attn.scale, residual_scales.pop())
+                       max(dense, default=0), eps.pop(), attn.scale, residual_scales.pop(), post.pop(),
+                       first.self_attn.qk_norm_all_heads)
     rotary = model.rotary  # every rotating layer's (the sliding layers' own rope base is Gemma 3's, not served here)
     rotaries = {id(layer.self_attn.rotary) for layer in model.layers} - {id(None)}
-    if eps or residual_scales or rotaries - {id(rotary)} or rotary.cos.dtype != torch.bfloat16 or \
+    if eps or residual_scales or post or rotaries - {id(rotary)} or rotary.cos.dtype != torch.bfloat16 or \
             rotary.cos.shape[1] % 2:
         return None
     return DecoderStack(weights, shape, model.norm.weight, rotary.cos, rotary.sin,  # type: ignore[arg-type]

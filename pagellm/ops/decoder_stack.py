@@ -65,13 +65,14 @@ class _Layer(ctypes.Structure):  # csrc StackLayer
                                         "k_cache", "v_cache", "q_norm", "k_norm", "moe")]
     _fields_ += [("windowed", _I), ("rotated", _I)]
     _fields_ += [(f"{name}_order", _P) for name in _GEMMS]
+    _fields_ += [("post_ffn_norm", _P)]
 
 
 class _Shape(ctypes.Structure):  # csrc StackShape
     _fields_ = [(name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size",
                                         "cache_slots", "max_positions", "rot_dim")]
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_format", _I),
-                 ("residual_scale", ctypes.c_float)]
+                 ("residual_scale", ctypes.c_float), ("post_norms", _I), ("qk_all_heads", _I)]
 
 
 # csrc KvFormat of each cache dtype the stack serves.
@@ -144,7 +145,7 @@ class LayerWeights:
     which the stack gathers each input row in); a sparse layer of a mixture of experts has its routed experts
     (``moe``, a ``moe.Experts`` that routes, of the same format) in place of gate_up and down."""
 
-    input_norm: torch.Tensor
+    input_norm: torch.Tensor | None  # None: OLMo's layer (StackShape.post_norms)
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
@@ -156,6 +157,7 @@ class LayerWeights:
     moe: moe.Experts | None = None
     sliding_window: int | None = None  # the layer attends to the keys of its last this many positions only
     rotated: bool = True  # False: a NoPE layer (SmolLM3's), its q and k not rotated
+    post_ffn_norm: torch.Tensor | None = None  # OLMo's norm on the MLP's output (post_norm: on attention's)
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,10 @@ class StackShape:
     eps: float
     scale: float
     residual_scale: float = 1.0  # each sublayer's output times this before it joins the residual (Granite's)
+    # OLMo's layer (and EXAONE 4's): no norm before attention or the MLP, each one's output normed before it joins the
+    # residual stream, their input; its q and k norms over all of a token's heads (qk_all_heads: OLMo's)
+    post_norms: bool = False
+    qk_all_heads: bool = False
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -184,7 +190,8 @@ def _checked_tensors(layers: list[LayerWeights], final_norm: torch.Tensor, cos: 
     if any((w.q_norm is None) != (w.k_norm is None) for w in layers):
         raise ValueError("the native decoder stack takes q and k norm weights together, or neither")
     vectors = [final_norm, cos, sin, *(t for w in layers for t in (w.input_norm, w.qkv_bias, w.post_norm,
-                                                                    w.q_norm, w.k_norm) if t is not None)]
+                                                                    w.q_norm, w.k_norm, w.post_ffn_norm)
+                                       if t is not None)]
     gemms = [t for w in layers for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]
     gemm_dtype = torch.int8 if weight_format in gemm.QUANTIZED else torch.bfloat16
     if any(t.dtype != torch.bfloat16 for t in vectors) or any(t.dtype != gemm_dtype for t in gemms) or \
@@ -213,6 +220,10 @@ class DecoderStack:
         loaded = _lib()
         assert loaded is not None, "native decoder stack is not available on this machine"
         self._keep = _checked_tensors(layers, final_norm, cos, sin, weight_format)
+        if any((w.input_norm is None) != shape.post_norms or (w.post_ffn_norm is None) == shape.post_norms
+               for w in layers):
+            raise ValueError("the native decoder stack takes an input norm per layer, or with post_norms a norm on "
+                             "the MLP's output instead")
         windows = {w.sliding_window for w in layers} - {None}
         if len(windows) > 1:
             raise ValueError(f"the native decoder stack takes one sliding window, not {sorted(windows)}")
@@ -226,7 +237,8 @@ class DecoderStack:
         self._final_norm, self._cos, self._sin = final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr()
         self._layers = (_Layer * len(layers))()
         for slot, w in zip(self._layers, layers):
-            for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "q_norm", "k_norm"):
+            for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "q_norm", "k_norm",
+                         "post_ffn_norm"):
                 setattr(slot, name, _ptr(getattr(w, name)))
             slot.moe = None if w.moe is None else w.moe.address
             slot.windowed, slot.rotated = int(w.sliding_window is not None), int(w.rotated)
@@ -234,7 +246,8 @@ class DecoderStack:
                 weight = getattr(w, name)
                 setattr(slot, f"{name}_order", None if weight is None else _ptr(gemm.input_order(weight)))
         self._shape = _Shape(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate, 1, 0,
-                             cos.shape[0], cos.shape[1], shape.eps, shape.scale, 0, shape.residual_scale)
+                             cos.shape[0], cos.shape[1], shape.eps, shape.scale, 0, shape.residual_scale,
+                             int(shape.post_norms), int(shape.qk_all_heads))
 
     def _kernel_table(self, cache_dtype: torch.dtype) -> object:
         """The kernels' entry points for ``cache_dtype`` caches, with this stack's all-reduce (kept alive here)."""

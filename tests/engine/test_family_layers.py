@@ -1,13 +1,15 @@
 """The decoder layers of the families beyond Llama's own (``model/decoder.py``): what their configs say, and the
-native decoder stack serving SmolLM3's NoPE layers and Granite's residual multiplier as the Python layers compute
-them, bit for bit. (Their parity with transformers is ``engine/test_parity.py``'s.)"""
+native decoder stack serving SmolLM3's NoPE layers, Granite's residual multiplier and OLMo's and EXAONE 4's norms
+after each sublayer as the Python layers compute them, bit for bit. (Their parity with transformers is
+``engine/test_parity.py``'s.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_parity import _prompts, scored_with_and_without_the_stack
+from test_parity import _prompts, scored, scored_with_and_without_the_stack
 
+from pagellm import LLM
 from pagellm.model.arch import NORMS_PARALLEL, NORMS_POST, NORMS_PRE, ArchConfig
 from pagellm.ops import decoder_stack
 
@@ -56,12 +58,14 @@ def test_olmo3s_full_layers_take_the_rope_scaling_and_its_sliding_layers_do_not(
 
 
 @pytest.mark.skipif(not decoder_stack.available(), reason="the native decoder stack needs AVX-512 BF16")
-@pytest.mark.parametrize("arch", ["smollm3", "granite", "granitemoe", "granite4"])
-def test_the_native_stack_computes_nope_layers_and_residual_multipliers_as_the_python_layers(
+@pytest.mark.parametrize("arch", ["smollm3", "granite", "granitemoe", "granite4", "olmo2", "olmo3", "exaone4"])
+def test_the_native_stack_computes_each_familys_layer_as_the_python_layers(
         tiny_model_factory, monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
-    """SmolLM3 (a layer without a rotary embedding) and Granite (each sublayer's output scaled before the residual
-    add, its own attention scale; Granite MoE's experts' output too) in bfloat16: the native stack's greedy tokens
-    and summed logprobs are the Python layers', bit for bit."""
+    """SmolLM3 (a layer without a rotary embedding), Granite (each sublayer's output scaled before the residual add,
+    its own attention scale; Granite MoE's experts' output too) and OLMo's layer (norms after each sublayer, the
+    stream their input; OLMo's q/k norms over all heads, EXAONE 4's per head and its NoPE full layer, OLMo 3's
+    sliding layer) in bfloat16: the native stack's greedy tokens and summed logprobs are the Python layers', bit for
+    bit."""
     results = scored_with_and_without_the_stack(monkeypatch, tiny_model_factory(arch), _prompts(seed=23)[:6],
                                                 max_num_batched_tokens=40)
     assert results["1"] == results["0"]
@@ -115,3 +119,18 @@ def test_granite4s_attention_only_models_and_what_is_refused() -> None:
     for hybrid in ({"layer_types": ["mamba"] * 7 + ["attention"]}, {"num_local_experts": 4}):
         with pytest.raises(ValueError, match="Mamba layers and routed experts .* are not supported"):
             ArchConfig.from_hf({**base, **hybrid})
+
+
+@pytest.mark.skipif(not decoder_stack.available(), reason="the native decoder stack needs AVX-512 BF16")
+def test_olmos_pipeline_stages_run_the_native_stack_as_one_process(tiny_model_factory,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """OLMo's layer across two pipeline stages: the second stage's first layer takes the first's output and stream
+    (their sum its input), the last ends with the final norm; bit for bit one process's, and the stages' Python
+    layers'."""
+    model_dir = tiny_model_factory("olmo2", num_hidden_layers=3, seed=5)
+    prompts = _prompts(seed=16)[:4]
+    stages = scored_with_and_without_the_stack(monkeypatch, model_dir, prompts, "run_stage", pipeline_parallel_size=2,
+                                               max_num_batched_tokens=40)
+    monkeypatch.setenv("PAGELLM_NATIVE_DECODER", "1")
+    one_process = scored(LLM(str(model_dir), dtype="bfloat16", max_num_batched_tokens=40), prompts)
+    assert stages["1"] == one_process == stages["0"]

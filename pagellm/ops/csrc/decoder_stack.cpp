@@ -64,22 +64,23 @@ struct StackKernels {
 // One decoder layer's weights (packed GEMM weights as made by pagellm/ops/gemm.py `pack`, or all four the int8
 // operands of pagellm/ops/gemm_w8a8.py `pack`: StackKernels::linear is then the int8 GEMM's entry) and its caches.
 struct StackLayer {
-  const uint16_t* input_norm;  // [hidden]
+  const uint16_t* input_norm;  // [hidden], or null with StackShape::post_norms
   const uint16_t* qkv;         // packed [(heads + 2 kv_heads) * head_dim, hidden]
   const uint16_t* qkv_bias;    // [(heads + 2 kv_heads) * head_dim] or null
   const uint16_t* o;           // packed [hidden, heads * head_dim]
-  const uint16_t* post_norm;   // [hidden]
+  const uint16_t* post_norm;   // [hidden]: before the MLP; with StackShape::post_norms, on attention's output
   const uint16_t* gate_up;     // packed [2 * intermediate, hidden]
   const uint16_t* down;        // packed [hidden, intermediate]
   void* k_cache;               // [num_blocks, block_size, kv_heads, head_dim] of StackShape::kv_format elements
   void* v_cache;
-  const uint16_t* q_norm;      // [head_dim] RMSNorm weight over each head's q (Qwen3), or null (then k_norm too)
-  const uint16_t* k_norm;      // [head_dim]
+  const uint16_t* q_norm;      // [head_dim] RMSNorm weight over each head's q (Qwen3), or null (then k_norm too);
+  const uint16_t* k_norm;      // [head_dim]  ([heads * head_dim], [kv_heads * head_dim] with qk_all_heads)
   const void* moe;             // a sparse layer's MoeLayer (gate_up and down unused), or null: a dense MLP
   int64_t windowed;            // 1: attends inside the model's sliding window (StackStep::ctx_start); 0: every key
-  int64_t rotated;             // 1: q and k take the rotary embedding; 0: a NoPE layer (SmolLM3's), they pass as they are
+  int64_t rotated;             // 1: q and k take the rotary embedding; 0: a NoPE layer (SmolLM3's): not rotated
   // The order [K] in which a 4-bit act-order GEMM weight takes its inputs (gemm.input_order), or null: in order.
   const int64_t *qkv_order, *o_order, *gate_up_order, *down_order;
+  const uint16_t* post_ffn_norm;  // [hidden] on the MLP's output, with StackShape::post_norms; else null
 };
 
 enum KvFormat : int64_t { kKvBf16 = 0, kKvFp8E4M3 = 1, kKvFp8E5M2 = 2 };
@@ -91,6 +92,10 @@ struct StackShape {
   float eps, scale;
   int64_t kv_format;  // KvFormat of every layer's cache; `attention` is the entry for it
   float residual_scale;  // each sublayer's output times this before it joins the residual (Granite's); 1: none
+  // 1: OLMo's layer: no norm before attention or the MLP, each one's output normed (post_norm, post_ffn_norm)
+  // before it joins the residual stream, which is their input
+  int64_t post_norms;
+  int64_t qk_all_heads;  // 1: q_norm and k_norm span all of a token's heads (OLMo's), not each head
 };
 
 // The step's tokens and the attention metadata of attention/cpu_paged.py CpuPagedMetadata.
@@ -228,13 +233,32 @@ void scale_rows(uint16_t* x, int64_t n, float scale) {
   for (int64_t i = 0; i < n; ++i) x[i] = bf16(f32(x[i]) * scale);
 }
 
+// x += y, each sum rounded to bfloat16 as torch rounds a sum of two bfloat16 tensors.
+void add_rows(uint16_t* x, const uint16_t* y, int64_t n) {
+#pragma omp parallel for simd schedule(static) if (n >= (int64_t{1} << 16))
+  for (int64_t i = 0; i < n; ++i) x[i] = bf16(f32(x[i]) + f32(y[i]));
+}
+
+// The MLP's output as it joins the residual: scaled (Granite's), or normed (post_norms; in place).
+void finish_mlp(const StackKernels& f, const StackShape& s, const StackLayer& l, int64_t t, const Scratch& sc) {
+  scale_rows(sc.x, t * s.hidden, s.residual_scale);
+  if (s.post_norms) f.add_rms_norm(sc.x, nullptr, l.post_ffn_norm, t, s.hidden, s.eps, sc.x, sc.x);
+}
+
 void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& st, const StackLayer& l,
                    const uint16_t* cos, const uint16_t* sin, bool first, const Scratch& sc) {
   const int64_t t = st.tokens, qd = s.heads * s.head_dim, kvd = s.kv_heads * s.head_dim, qkv_n = qd + 2 * kvd;
   prefetch_slots(s, st, l.k_cache, l.v_cache);
-  f.add_rms_norm(sc.x, first ? nullptr : sc.res, l.input_norm, t, s.hidden, s.eps, sc.h, sc.res);
-  f.linear(in_order(sc.h, t, s.hidden, l.qkv_order, sc.ordered), t, s.hidden, s.hidden, l.qkv, qkv_n, l.qkv_bias,
-           sc.wide, qkv_n);
+  if (!s.post_norms) {
+    f.add_rms_norm(sc.x, first ? nullptr : sc.res, l.input_norm, t, s.hidden, s.eps, sc.h, sc.res);
+  } else if (first) {  // the residual stream is attention's input, unnormed
+    std::memcpy(sc.res, sc.x, t * s.hidden * sizeof(uint16_t));
+  } else {
+    add_rows(sc.res, sc.x, t * s.hidden);
+  }
+  const uint16_t* attn_in = s.post_norms ? sc.res : sc.h;
+  f.linear(in_order(attn_in, t, s.hidden, l.qkv_order, sc.ordered), t, s.hidden, s.hidden, l.qkv, qkv_n,
+           l.qkv_bias, sc.wide, qkv_n);
   const uint16_t *q = sc.wide, *k = sc.wide + qd;
   int64_t q_stride = qkv_n, k_stride = qkv_n;
   if (l.q_norm) {  // each head's q and k normalised, as rows of head_dim (attn is free until attention)
@@ -242,9 +266,11 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
       std::memcpy(sc.attn + i * qd, sc.wide + i * qkv_n, qd * sizeof(uint16_t));
       std::memcpy(sc.kn + i * kvd, sc.wide + i * qkv_n + qd, kvd * sizeof(uint16_t));
     }
-    // In place: the kernel reads each element of a row before it writes that element.
-    f.add_rms_norm(sc.attn, nullptr, l.q_norm, t * s.heads, s.head_dim, s.eps, sc.attn, sc.attn);
-    f.add_rms_norm(sc.kn, nullptr, l.k_norm, t * s.kv_heads, s.head_dim, s.eps, sc.kn, sc.kn);
+    // In place: the kernel reads each element of a row before it writes that element. Rows of one head, or of
+    // all a token's heads (qk_all_heads).
+    const int64_t q_width = s.qk_all_heads ? qd : s.head_dim, k_width = s.qk_all_heads ? kvd : s.head_dim;
+    f.add_rms_norm(sc.attn, nullptr, l.q_norm, t * qd / q_width, q_width, s.eps, sc.attn, sc.attn);
+    f.add_rms_norm(sc.kn, nullptr, l.k_norm, t * kvd / k_width, k_width, s.eps, sc.kn, sc.kn);
     q = sc.attn, k = sc.kn, q_stride = qd, k_stride = kvd;
   }
   f.rotary(q, q_stride, k, k_stride, cos, sin, st.positions, t, s.heads, s.kv_heads, s.head_dim,
@@ -256,15 +282,21 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
   f.linear(in_order(sc.attn, t, qd, l.o_order, sc.ordered), t, qd, qd, l.o, s.hidden, nullptr, sc.x, s.hidden);
   if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
   scale_rows(sc.x, t * s.hidden, s.residual_scale);
-  f.add_rms_norm(sc.x, sc.res, l.post_norm, t, s.hidden, s.eps, sc.h, sc.res);
+  if (s.post_norms) {  // the stream takes attention's normed output and is the MLP's input
+    f.add_rms_norm(sc.x, nullptr, l.post_norm, t, s.hidden, s.eps, sc.h, sc.x);
+    add_rows(sc.res, sc.h, t * s.hidden);
+  } else {
+    f.add_rms_norm(sc.x, sc.res, l.post_norm, t, s.hidden, s.eps, sc.h, sc.res);
+  }
+  const uint16_t* mlp_in = s.post_norms ? sc.res : sc.h;
   if (l.moe) {
-    f.moe(l.moe, sc.h, t, s.hidden, sc.x);  // this rank's slice of every expert (and of a shared expert)
+    f.moe(l.moe, mlp_in, t, s.hidden, sc.x);  // this rank's slice of every expert (and of a shared expert)
     if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
-    scale_rows(sc.x, t * s.hidden, s.residual_scale);
+    finish_mlp(f, s, l, t, sc);
     return;
   }
   const int64_t gate_up = 2 * s.intermediate;
-  const uint16_t* h = in_order(sc.h, t, s.hidden, l.gate_up_order, sc.ordered);
+  const uint16_t* h = in_order(mlp_in, t, s.hidden, l.gate_up_order, sc.ordered);
   if (!f.linear_silu_mul || f.linear_silu_mul(h, t, s.hidden, s.hidden, l.gate_up, gate_up, sc.act,
                                               s.intermediate) != 0) {
     f.linear(h, t, s.hidden, s.hidden, l.gate_up, gate_up, nullptr, sc.wide, gate_up);
@@ -273,7 +305,7 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
   f.linear(in_order(sc.act, t, s.intermediate, l.down_order, sc.ordered), t, s.intermediate, s.intermediate, l.down,
            s.hidden, nullptr, sc.x, s.hidden);
   if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
-  scale_rows(sc.x, t * s.hidden, s.residual_scale);
+  finish_mlp(f, s, l, t, sc);
 }
 
 }  // namespace
