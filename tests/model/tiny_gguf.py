@@ -87,6 +87,24 @@ def tiny_config(arch: str, vocab_size: int, tied: bool, rope_scaling: dict[str, 
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
         return Gemma3TextConfig(**common, pad_token_id=None, sliding_window=6, sliding_window_pattern=6,
                                 query_pre_attn_scalar=common["head_dim"], rope_parameters=rope)
+    if arch in _FAMILIES:
+        return _family_config(arch, common)
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=sizes.get("moe_intermediate_size", 48))
+    if arch == "mixtral":
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen2moe":  # with its gated shared expert
+        return Qwen2MoeConfig(**common, **experts, shared_expert_intermediate_size=80)
+    if arch == "qwen3moe":
+        return Qwen3MoeConfig(**common, **experts, norm_topk_prob=True)
+    # transformers writes rope_theta into the dict it is given: hand it a copy.
+    return LlamaConfig(**common, rope_scaling=dict(rope_scaling) if rope_scaling else None)
+
+
+# The families beyond Llama's own and Gemma's, as the tests write them: what makes each one's own parts show.
+_FAMILIES = ("smollm3", "granite", "olmo2", "olmo3", "ernie4_5", "command-r", "cohere2", "exaone4")
+
+
+def _family_config(arch: str, common: dict[str, Any]) -> Any:
     if arch == "smollm3":  # four layers: the fourth without a rotary embedding, as llama.cpp fixes it
         return SmolLM3Config(**{**common, "num_hidden_layers": 4}, pad_token_id=None)
     if arch == "granite":  # Granite 3's multipliers, an attention scale not 1/sqrt(head size)
@@ -105,18 +123,9 @@ def tiny_config(arch: str, vocab_size: int, tied: bool, rope_scaling: dict[str, 
         return Cohere2Config(**{**common, "num_hidden_layers": 4}, pad_token_id=None, logit_scale=0.25,
                              layer_norm_eps=1e-5, sliding_window=6, layer_types=["sliding_attention"] * 3 +
                              ["full_attention"])
-    if arch == "exaone4":  # its 32B's hybrid: a sliding layer, then a full one without a rotary embedding
-        return Exaone4Config(**common, pad_token_id=None, sliding_window=6,
-                             layer_types=["sliding_attention", "full_attention"])
-    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=sizes.get("moe_intermediate_size", 48))
-    if arch == "mixtral":
-        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
-    if arch == "qwen2moe":  # with its gated shared expert
-        return Qwen2MoeConfig(**common, **experts, shared_expert_intermediate_size=80)
-    if arch == "qwen3moe":
-        return Qwen3MoeConfig(**common, **experts, norm_topk_prob=True)
-    # transformers writes rope_theta into the dict it is given: hand it a copy.
-    return LlamaConfig(**common, rope_scaling=dict(rope_scaling) if rope_scaling else None)
+    # exaone4: its 32B's hybrid, a sliding layer, then a full one without a rotary embedding
+    return Exaone4Config(**common, pad_token_id=None, sliding_window=6,
+                         layer_types=["sliding_attention", "full_attention"])
 
 
 def random_model(config: Any) -> torch.nn.Module:
@@ -188,6 +197,29 @@ def write_tiny_gguf(
     writer.add_head_count_kv(config.num_key_value_heads)
     rope = config.rope_parameters
     writer.add_rope_freq_base((rope["full_attention"] if arch in ("gemma3", "olmo3") else rope)["rope_theta"])
+    _add_family_metadata(writer, config, arch)
+    if original_context is not None:
+        writer.add_rope_scaling_orig_ctx_len(original_context)
+    if rope.get("rope_type") == "yarn":  # as llama.cpp's converters write YaRN
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("attention_factor") is not None:
+            writer.add_rope_scaling_attn_factors(rope["attention_factor"])
+    if rope_dim is not None:
+        writer.add_rope_dimension_count(rope_dim)
+    _add_tokenizer(writer, tokenizer)
+    _add_tensors(writer, model, arch, f16, checkpoint, types, per_expert)
+    for name, values in (extra or {}).items():
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _add_family_metadata(writer: gguf.GGUFWriter, config: Any, arch: str) -> None:
+    """The keys llama.cpp's converters write for a family: norms' epsilon, experts, windows, multipliers, caps."""
     if arch in ("command-r", "cohere2"):  # LayerNorms, and their logit scale
         writer.add_layer_norm_eps(config.layer_norm_eps)
         writer.add_logit_scale(config.logit_scale)
@@ -210,24 +242,6 @@ def write_tiny_gguf(
     if arch in ("gemma", "gemma2", "gemma3"):  # as llama.cpp's converter writes Gemma's head size
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
-    if original_context is not None:
-        writer.add_rope_scaling_orig_ctx_len(original_context)
-    if rope.get("rope_type") == "yarn":  # as llama.cpp's converters write YaRN
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(rope["factor"])
-        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        if rope.get("attention_factor") is not None:
-            writer.add_rope_scaling_attn_factors(rope["attention_factor"])
-    if rope_dim is not None:
-        writer.add_rope_dimension_count(rope_dim)
-    _add_tokenizer(writer, tokenizer)
-    _add_tensors(writer, model, arch, f16, checkpoint, types, per_expert)
-    for name, values in (extra or {}).items():
-        writer.add_tensor(name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: BackendTokenizer) -> None:
