@@ -69,28 +69,25 @@ class MoEConfig:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
 
 
+# Where a config lists no layer types: every Nth layer attends to every key (N its sliding_window_pattern, else this;
+# OLMo 3's configs have no pattern key).
+_GLOBAL_EVERY = {"gemma3_text": 6, "cohere2": 4, "olmo3": 4, "exaone4": 4}
+
+
 def _full_attention_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     """The layers of a model with a sliding window that attend to every key, as transformers builds the model:
     Qwen's ``layer_types`` where the config lists them, else its rule for the family; the windows of the other
     families (Mistral, Mixtral, Phi-3) and of Qwen3-MoE hold in every layer."""
     model_type = cfg.get("model_type")
-    if model_type not in (*_QWEN, "gemma2", "gemma3_text", "smollm3", "olmo3", "exaone4", "cohere2"):
+    if model_type not in (*_QWEN, "gemma2", "smollm3", *_GLOBAL_EVERY):
         return ()
-    if model_type == "cohere2" and not cfg.get("layer_types"):  # its first configs: every fourth is full
-        pattern = int(cfg.get("sliding_window_pattern") or 4)
-        return tuple(i for i in range(num_layers) if (i + 1) % pattern == 0)
-    if model_type == "exaone4" and not cfg.get("layer_types"):  # its pattern: a period, or a string of L and G
-        pattern = cfg.get("sliding_window_pattern") or 4
+    if model_type == "gemma2" and not cfg.get("layer_types"):  # Gemma 2's first configs: every other layer is global
+        return tuple(range(1, num_layers, 2))
+    if model_type in _GLOBAL_EVERY and not cfg.get("layer_types"):  # their first configs: a period, or EXAONE 4's
+        pattern = cfg.get("sliding_window_pattern") or _GLOBAL_EVERY[model_type]  # string of L and G
         if isinstance(pattern, str):
             return tuple(i for i in range(num_layers) if pattern[i % len(pattern)] == "G")
         return tuple(i for i in range(num_layers) if (i + 1) % int(pattern) == 0)
-    if model_type == "gemma2" and not cfg.get("layer_types"):  # Gemma 2's first configs: every other layer is global
-        return tuple(range(1, num_layers, 2))
-    if model_type == "gemma3_text" and not cfg.get("layer_types"):  # Gemma 3's first configs: every Nth is global
-        pattern = int(cfg.get("sliding_window_pattern") or 6)
-        return tuple(i for i in range(num_layers) if (i + 1) % pattern == 0)
-    if model_type == "olmo3" and not cfg.get("layer_types"):  # transformers' default: every fourth is full
-        return tuple(i for i in range(num_layers) if (i + 1) % 4 == 0)
     if cfg.get("layer_types"):
         return tuple(i for i, kind in enumerate(cfg["layer_types"]) if kind != "sliding_attention")
     limit = int(cfg.get("max_window_layers", 28))

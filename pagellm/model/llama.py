@@ -278,7 +278,7 @@ class GraniteMoeForCausalLM(LlamaForCausalLM):
     Granite 4.0's attention-only models, whose one MLP is the shared one (``shared_mlp``: gate and up rows in
     ``input_linear``, down in ``output_linear``)."""
 
-    RENAMES = ((".block_sparse_moe.router.layer.", ".mlp.gate."),)
+    RENAMES = ((".block_sparse_moe.router.layer.", ".mlp.gate."), (".shared_mlp.output_linear.", ".mlp.down_proj."))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None) -> None:
         super().load_weights(self._per_expert(weights), quantization)
@@ -300,7 +300,7 @@ class GraniteMoeForCausalLM(LlamaForCausalLM):
                 yield name.replace(".shared_mlp.input_linear.", ".mlp.gate_proj."), gate
                 yield name.replace(".shared_mlp.input_linear.", ".mlp.up_proj."), up
             else:
-                yield name.replace(".shared_mlp.output_linear.", ".mlp.down_proj."), tensor
+                yield name, tensor
 
 
 class InterleavedRopeForCausalLM(LlamaForCausalLM):

@@ -217,8 +217,7 @@ def _add_cors_and_tool_args(cmd: argparse.ArgumentParser) -> None:
                             "llama3_json (a JSON object per call: Llama 3.1/3.2), mistral ([TOOL_CALLS] and a JSON "
                             "list: Mistral 7B v0.3), pythonic ([f(a=1), g()]), qwen3_coder (<function=f> with "
                             "<parameter=a> blocks: Qwen3-Coder), phi4_mini_json (functools[...]: Phi-4-mini), "
-                            "granite (<tool_call> or <|tool_call|> and a JSON list: Granite 3.x), olmo3 "
-                            "(<function_calls> with a Python call per line: OLMo 3)")
+                            "granite (<tool_call> and a JSON list: Granite 3.x), olmo3 (<function_calls>: OLMo 3)")
 
 
 def _add_request_args(cmd: argparse.ArgumentParser) -> None:

@@ -26,7 +26,8 @@ from pagellm.ops.fused import rotary
 
 def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (base ** exponents)
+    wavelengths = base ** exponents
+    inv_freq = 1.0 / wavelengths
     kind = rope_kind(scaling)
     if kind == "default":
         return inv_freq
@@ -36,9 +37,9 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Ten
         return _llama3_inv_freq(inv_freq, scaling)  # type: ignore[arg-type]
     if kind in LONGROPE:
         factors = scaling["long_factor" if scaling.get("use_long_factors") else "short_factor"]  # type: ignore
-        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** exponents)
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * wavelengths)
     if kind == "yarn":
-        return _yarn_inv_freq(base ** exponents, head_dim, base, scaling)  # type: ignore[arg-type]
+        return _yarn_inv_freq(wavelengths, head_dim, base, scaling)  # type: ignore[arg-type]
     raise ValueError(f"rope scaling {kind!r} is not supported; supported: default, linear, llama3, longrope, yarn")
 
 

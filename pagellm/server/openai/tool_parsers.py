@@ -49,6 +49,14 @@ from pagellm.server.openai.tools import ToolCall
 __all__ = ["PARSERS", "Parsed", "ToolParser", "as_content", "get_parser", "load_plugin", "register_tool_parser"]
 
 
+def _before_partial(text: str, markers: tuple[str, ...]) -> int:
+    """Where a marker may be arriving at the end of ``text`` (its first characters there), else the end."""
+    for keep in range(min(max(map(len, markers)) - 1, len(text)), 0, -1):
+        if any(m.startswith(text[-keep:]) for m in markers):
+            return len(text) - keep
+    return len(text)
+
+
 class HermesParser(ToolParser):
     name = "hermes"
     streams_arguments = True
@@ -80,12 +88,7 @@ class HermesParser(ToolParser):
 
     def content_end(self, text: str) -> int:
         start = text.find(self.OPEN)
-        if start >= 0:
-            return start
-        for keep in range(min(len(self.OPEN) - 1, len(text)), 0, -1):  # a tag may be arriving
-            if self.OPEN.startswith(text[-keep:]):
-                return len(text) - keep
-        return len(text)
+        return start if start >= 0 else _before_partial(text, (self.OPEN,))
 
     def closed_calls(self, rest: str) -> list[ToolCall]:
         return [call for _, call, closed in self.pieces(rest) if call is not None and closed]
@@ -283,12 +286,7 @@ class GraniteParser(ToolParser):
 
     def content_end(self, text: str) -> int:
         start, _ = self._marker(text)
-        if start >= 0:
-            return start
-        for keep in range(min(max(map(len, self.MARKERS)) - 1, len(text)), 0, -1):  # a marker may be arriving
-            if any(m.startswith(text[-keep:]) for m in self.MARKERS):
-                return len(text) - keep
-        return len(text)
+        return start if start >= 0 else _before_partial(text, self.MARKERS)
 
     def closed_calls(self, rest: str) -> list[ToolCall]:
         found = self._calls(rest)
