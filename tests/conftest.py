@@ -81,13 +81,19 @@ FAMILY_DEFAULTS: dict[str, dict] = {
     "cohere": dict(logit_scale=0.0625, initializer_range=0.1),
     "cohere2": dict(logit_scale=0.25, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
                     initializer_range=0.1),
+    # gpt-oss's sliding layer and full one, YaRN past its original context, a clamp low enough to bite at this size
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"], swiglu_limit=0.3, initializer_range=0.1,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128}),
 }
 
 
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a tiny random float32 model (``arch`` in llama, qwen2, qwen3, mistral, phi3, smollm3, granite, olmo2,
     olmo3, exaone4, ernie4_5, cohere, cohere2, gemma, gemma2, gemma3 and the mixtures of experts mixtral, qwen2_moe,
-    qwen3_moe, granitemoe, and granite4: Granite 4.0's attention-only kind) with a tokenizer under ``path``."""
+    qwen3_moe, granitemoe, gpt_oss, and granite4: Granite 4.0's attention-only kind) with a tokenizer under
+    ``path``."""
     import transformers
 
     torch.manual_seed(seed)
@@ -117,6 +123,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
         "ernie4_5": (transformers.Ernie4_5Config, transformers.Ernie4_5ForCausalLM),
         "cohere": (transformers.CohereConfig, transformers.CohereForCausalLM),
         "cohere2": (transformers.Cohere2Config, transformers.Cohere2ForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[arch]
     if arch in ("phi3", "smollm3", "ernie4_5", "cohere", "cohere2"):  # default pad ids (32000, 128004, 0) outside the
         common.setdefault("pad_token_id", None)  # tiny vocabulary or among the prompts' bytes
@@ -143,8 +150,10 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
     model = model_cls(config_cls(**common)).to(torch.float32).eval()
     with torch.no_grad():  # random init leaves biases at zero; make them matter
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith((".bias", "_bias")):  # gpt-oss's experts' too
                 param.normal_(0, 0.5)
+            elif name.endswith(".sinks"):  # gpt-oss's: logits on the scores' scale
+                param.normal_(0, 1.0)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):  # ones would hide a misplaced q/k norm
                 param.uniform_(0.5, 1.5)
             elif arch.startswith("gemma") and name.endswith("norm.weight"):  # zeros (1 + w = 1) would hide the 1 + w

@@ -87,17 +87,19 @@ class TorchRefBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TorchRefMetadata, scale: float, sliding_window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
-        """``softcap`` (Gemma 2's): each score becomes softcap * tanh(score / softcap) before the softmax."""
+                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """``softcap`` (Gemma 2's): each score becomes softcap * tanh(score / softcap) before the softmax; ``sinks``
+        (gpt-oss's, [H]): one more logit per head in each softmax's denominator."""
         write_kv(kv_cache, k, v, metadata.slot_mapping)
         metadata = metadata.for_window(sliding_window)
         num_heads, head_dim = q.shape[1], q.shape[2]
         out = torch.empty(metadata.num_tokens, num_heads * head_dim, dtype=q.dtype)
         if metadata.decode_tokens is not None:
             out[metadata.decode_tokens] = _decode_attention(q[metadata.decode_tokens], kv_cache, metadata, scale,
-                                                            softcap)
+                                                            softcap, sinks)
         for chunk in metadata.chunks:
-            out[chunk.start:chunk.end] = chunk_attention(q[chunk.start:chunk.end], kv_cache, chunk, scale, softcap)
+            out[chunk.start:chunk.end] = chunk_attention(q[chunk.start:chunk.end], kv_cache, chunk, scale, softcap,
+                                                         sinks)
         return out
 
 
@@ -139,43 +141,52 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype) 
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: TorchRefMetadata, scale: float,
-                      softcap: float | None = None) -> torch.Tensor:
+                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     keys = _gather(kv_cache[0], md.decode_block_table, q.dtype)
     values = _gather(kv_cache[1], md.decode_block_table, q.dtype)
     kv_heads = keys.shape[1]
     # Query heads h = kv_head * group + g share kv_head: fold the group into the query axis.
     grouped = q.view(batch, kv_heads, num_heads // kv_heads, head_dim)
-    out = _attend(grouped, keys, values, md.decode_mask, scale, softcap)
+    sinks = None if sinks is None else sinks.view(kv_heads, num_heads // kv_heads, 1)
+    out = _attend(grouped, keys, values, md.decode_mask, scale, softcap, sinks)
     return out.reshape(batch, num_heads * head_dim)
 
 
 def chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, chunk: ChunkRow, scale: float,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     n, num_heads, head_dim = q.shape
     keys = _gather(kv_cache[0], chunk.block_ids[None], q.dtype)[0, :, :chunk.seq_len]
     values = _gather(kv_cache[1], chunk.block_ids[None], q.dtype)[0, :, :chunk.seq_len]
     group = num_heads // keys.shape[0]
     keys = keys.repeat_interleave(group, dim=0)
     values = values.repeat_interleave(group, dim=0)
-    out = _attend(q.transpose(0, 1), keys, values, chunk.mask, scale, softcap)
+    out = _attend(q.transpose(0, 1), keys, values, chunk.mask, scale, softcap,
+                  None if sinks is None else sinks.view(num_heads, 1, 1))
     return out.transpose(0, 1).reshape(n, num_heads * head_dim)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            softcap: float | None) -> torch.Tensor:
+            softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v over the keys ``mask`` (boolean; None: causal, the queries the keys' last) allows;
     with ``softcap``, each score capped as softcap * tanh(score / softcap) first (in float32, as transformers' eager
-    Gemma 2 does)."""
-    if softcap is None:
+    Gemma 2 does); with ``sinks`` (broadcast to the scores' shape but their last axis), each softmax taken over the
+    scores and its query head's sink, whose probability is then dropped (gpt-oss's, as transformers' eager
+    attention computes it)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale)
     if mask is None:
         n, seq_len = q.shape[-2], keys.shape[-2]
         mask = torch.ones(n, seq_len, dtype=torch.bool).tril(seq_len - n)
     scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1), values.float()).to(q.dtype)
+    if sinks is None:
+        return torch.matmul(scores.softmax(-1), values.float()).to(q.dtype)
+    combined = torch.cat([scores, sinks.float().expand(*scores.shape[:-1], 1)], dim=-1)
+    probs = combined.softmax(-1)[..., :-1]
+    return torch.matmul(probs, values.float()).to(q.dtype)
 
 
 register_backend("torch_ref")(TorchRefBackend)

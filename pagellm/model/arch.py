@@ -31,9 +31,10 @@ def rope_kind(scaling: dict | None) -> str:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE): a router picks ``top_k`` of
+    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, gpt-oss): a router picks ``top_k`` of
     ``num_experts`` SwiGLU experts per token, and the token's output is their outputs weighted by the router's softmax
-    probabilities (Granite's softmax over the chosen logits alone: the renormalised probabilities)."""
+    probabilities (Granite's softmax over the chosen logits alone: the renormalised probabilities; gpt-oss's too,
+    taken over the chosen logits as it computes them)."""
 
     num_experts: int
     top_k: int
@@ -45,6 +46,12 @@ class MoEConfig:
     shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert, gated by a sigmoid, beside the routed ones
     sparse_step: int = 1  # every sparse_step-th layer is sparse (Qwen's decoder_sparse_step) ...
     dense_layers: tuple[int, ...] = ()  # ... except these, which keep a dense MLP (Qwen's mlp_only_layers)
+    # gpt-oss's: biases on the router and on each expert's projections, the softmax over the top-k logits, and its
+    # clamped gate, (clamp(up) + 1) * g * sigmoid(alpha g) with g = min(gate, limit) (``swiglu_limit``: None is SwiGLU)
+    bias: bool = False
+    softmax_top_k: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> MoEConfig | None:
@@ -53,15 +60,19 @@ class MoEConfig:
             return None
         model_type = cfg.get("model_type")
         mixtral, granite = model_type == "mixtral", model_type == "granitemoe"  # granite: softmax over the top k
+        oss = model_type == "gpt_oss"
         return cls(
             num_experts=experts,
-            top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["intermediate_size"] if mixtral or granite else cfg["moe_intermediate_size"]),
-            renormalize=mixtral or granite or bool(cfg.get("norm_topk_prob", False)),
+            top_k=int(cfg.get("num_experts_per_tok") or cfg["experts_per_token"]),  # gpt-oss's first configs' name
+            intermediate_size=int(cfg["intermediate_size"] if mixtral or granite or oss
+                                  else cfg["moe_intermediate_size"]),
+            renormalize=mixtral or granite or oss or bool(cfg.get("norm_topk_prob", False)),
             weights_in_model_dtype=not mixtral,
             shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
             sparse_step=int(cfg.get("decoder_sparse_step") or 1),
             dense_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+            **({"bias": True, "softmax_top_k": True, "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)),
+                "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702))} if oss else {}),
         )
 
     def is_sparse(self, layer: int) -> bool:
@@ -71,7 +82,11 @@ class MoEConfig:
 
 # Where a config lists no layer types: every Nth layer attends to every key (N its sliding_window_pattern, else this;
 # OLMo 3's configs have no pattern key).
-_GLOBAL_EVERY = {"gemma3_text": 6, "cohere2": 4, "olmo3": 4, "exaone4": 4}
+_GLOBAL_EVERY = {"gemma3_text": 6, "cohere2": 4, "olmo3": 4, "exaone4": 4, "gpt_oss": 2}
+# The families whose o_proj has a bias where the config's attention_bias says so (as transformers builds them; Qwen2's
+# attention bias, always on, is q/k/v's alone)
+_O_PROJ_BIAS = ("llama", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "smollm3", "granite", "granitemoe",
+                "olmo2", "olmo3", "cohere", "cohere2", "gpt_oss")
 
 
 def _full_attention_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
@@ -152,6 +167,9 @@ class ArchConfig:
     # Cohere's: LayerNorms (mean subtracted, no bias) where the others have RMSNorms, and logits times logit_scale
     layer_norm: bool = False
     logit_scale: float | None = None
+    o_proj_bias: bool = False  # attention's output projection has a bias (``_O_PROJ_BIAS``)
+    # gpt-oss's attention sinks: a learned logit per head that joins each softmax's denominator (no value of its own)
+    attention_sinks: bool = False
 
     @property
     def num_labels(self) -> int:
@@ -207,6 +225,7 @@ class ArchConfig:
             moe=MoEConfig.from_hf(cfg),
             full_attention_layers=_full_attention_layers(cfg, int(cfg["num_hidden_layers"])) if window else (),
             labels=labels,
+            o_proj_bias=bool(cfg.get("attention_bias", False)) and model_type in _O_PROJ_BIAS,
         ), **family})
 
     @property
@@ -255,6 +274,8 @@ def _family_fields(cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str,
                 **(_granite4(cfg) if model_type == "granitemoehybrid" else {})}
     if model_type in ("cohere", "cohere2"):
         return _cohere(cfg)
+    if model_type == "gpt_oss":
+        return {"attention_sinks": True}
     if model_type == "ernie4_5":
         if cfg.get("use_bias"):
             raise ValueError("ERNIE 4.5 with use_bias (biases on every projection) is not supported; its released "

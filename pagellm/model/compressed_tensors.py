@@ -36,7 +36,8 @@ _ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "to
 
 def scheme_of(hf_config: dict[str, Any]) -> str | None:
     """``"w8a8_int8"`` for a compressed-tensors W8A8 int8 checkpoint, ``"wna16"`` for a weight-only one (GPTQ, AWQ,
-    compressed-tensors pack-quantized: ``model/weight_only.py``), ``None`` for an unquantized one; raises
+    compressed-tensors pack-quantized: ``model/weight_only.py``), ``"mxfp4"`` for gpt-oss's (``model/mxfp4.py``),
+    ``None`` for an unquantized one; raises
     ``ValueError`` naming what it found for any other quantization."""
     quant = hf_config.get("quantization_config")
     if not quant:
@@ -44,6 +45,8 @@ def scheme_of(hf_config: dict[str, Any]) -> str | None:
     if weight_only.scheme(quant) is not None:
         return weight_only.SCHEME
     method = quant.get("quant_method")
+    if method == "mxfp4":  # gpt-oss's experts: dequantized as they load (``model/mxfp4.py``)
+        return "mxfp4"
     if method != "compressed-tensors":
         raise ValueError(f"this checkpoint is quantized with {method!r}; pagellm reads GPTQ, AWQ and compressed-"
                          "tensors (W8A8 int8, pack-quantized) checkpoints, or quantizes float ones itself "

@@ -37,7 +37,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           cfg.attention_bias, dtype, parallel)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype, parallel)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, dtype, parallel)
         self.rotary = rotary  # None: a NoPE layer (SmolLM3's)
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.attn_scale or cfg.head_dim ** -0.5,
                               cfg.layer_window(layer), cfg.attn_softcap)
@@ -47,6 +47,13 @@ class LlamaAttention(nn.Module):
             if self.qk_norm_all_heads else (cfg.head_dim, cfg.head_dim)
         self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        # gpt-oss's sinks, one logit per head (this rank's heads), kept in float32 as the kernels read them
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if cfg.attention_sinks else None
+        if self.sinks is not None:
+            self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded.narrow(0, self.parallel.tp_rank * self.num_heads, self.num_heads))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -61,7 +68,7 @@ class LlamaAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
-        attended = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))
+        attended = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), self.sinks)
         out = self.o_proj(attended)
         if lora is not None:
             lora.add(out, attended, self.layer, (("o_proj", 0, out.shape[-1]),))
@@ -125,6 +132,7 @@ class LlamaDecoderLayer(nn.Module):
         # what the native decoder stack computes (model/native_stack.py): this layer and OLMo's, with SwiGLU (OLMo's
         # q/k norms across all heads on one rank: the stack has no all-gather)
         self.native = cfg.hidden_act == "silu" and cfg.attn_softcap is None and not cfg.layer_norm and \
+            not cfg.attention_sinks and not (cfg.moe is not None and cfg.moe.bias) and \
             (cfg.norms == NORMS_PRE or (cfg.norms == NORMS_POST and not (cfg.qk_norm_all_heads and
                                                                          parallel.tp_size > 1)))
 

@@ -320,3 +320,39 @@ class InterleavedRopeForCausalLM(LlamaForCausalLM):
                 heads = tensor.shape[0] // head_dim
                 tensor = tensor.reshape(heads, head_dim, *tensor.shape[1:])[:, order].reshape(tensor.shape)
             yield name, tensor
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    """gpt-oss (gpt-oss-20b, -120b): Llama's layer with biases on every attention projection and attention sinks, a
+    sliding window in every other layer, YaRN, and experts stacked in one tensor per layer (transformers' float
+    layout: ``gate_up_proj`` ``[experts, hidden, 2 * intermediate]`` with gate and up columns interleaved,
+    ``down_proj`` ``[experts, intermediate, hidden]``, and their biases; an MXFP4 checkpoint's come through
+    ``mxfp4.weights`` in that layout). Each expert's matrices are split out and transposed as they load, its gate
+    rows the even ones, its up rows the odd ones; the router is the gate."""
+
+    RENAMES = ((".mlp.router.", ".mlp.gate."),)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None) -> None:
+        super().load_weights(self._per_expert(weights), quantization)
+
+    @staticmethod
+    def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            layer, found, part = name.partition(".mlp.experts.")
+            if not found:
+                yield name, tensor
+                continue
+            experts = f"{layer}.mlp.experts"
+            for e, expert in enumerate(tensor):
+                if part == "gate_up_proj":  # [hidden, 2I] → gate and up rows [I, hidden]
+                    yield f"{experts}.{e}.gate_proj.weight", expert[:, 0::2].t()
+                    yield f"{experts}.{e}.up_proj.weight", expert[:, 1::2].t()
+                elif part == "gate_up_proj_bias":
+                    yield f"{experts}.{e}.gate_proj.bias", expert[0::2]
+                    yield f"{experts}.{e}.up_proj.bias", expert[1::2]
+                elif part == "down_proj":  # [I, hidden] → [hidden, I]
+                    yield f"{experts}.{e}.down_proj.weight", expert.t()
+                elif part == "down_proj_bias":
+                    yield f"{experts}.{e}.down_bias", expert
+                else:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in GptOssForCausalLM")

@@ -113,7 +113,8 @@ def load_hf_config(model_dir: Path) -> dict[str, Any]:
 def iter_weights(model_dir: Path, groups: bool = False, dtype: torch.dtype | None = None,
                  transient: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the model's safetensors files, as ``(name, tensor)``, each exactly once; a weight-only
-    checkpoint's (GPTQ, AWQ, compressed-tensors pack-quantized) layers dequantized, or with ``groups`` as 4-bit
+    checkpoint's (GPTQ, AWQ, compressed-tensors pack-quantized) layers and an MXFP4 one's experts (gpt-oss's,
+    ``mxfp4.weights``) dequantized, or with ``groups`` as 4-bit
     integers and groups (``weight_only.weights``), as are a converted GGUF's 4-bit blocks (``gguf_blocks.weights``,
     layer by layer). Those blocks' dequantized values come in ``dtype`` (the model's, which saves a float32 pass),
     float32 by default, and their float16 and bfloat16 matrices as stored where a ``dtype`` is asked (the model's
@@ -122,7 +123,7 @@ def iter_weights(model_dir: Path, groups: bool = False, dtype: torch.dtype | Non
     reused buffer, each valid until the next tensor is drawn."""
     from safetensors import safe_open
 
-    from pagellm.model import gguf_blocks, weight_only
+    from pagellm.model import gguf_blocks, mxfp4, weight_only
 
     files = _safetensors_files(Path(model_dir))
     blocks = Path(model_dir) / gguf_blocks.BLOCKS_FILE
@@ -132,7 +133,9 @@ def iter_weights(model_dir: Path, groups: bool = False, dtype: torch.dtype | Non
     quant = load_hf_config(model_dir).get("quantization_config") if (Path(model_dir) / "config.json").is_file() \
         else None
     scheme = weight_only.scheme(quant) if quant else None
-    if scheme is not None:
+    if quant and quant.get("quant_method") == mxfp4.SCHEME:  # gpt-oss's experts, dequantized as they stream
+        yield from mxfp4.weights(_tensors(files), dtype)
+    elif scheme is not None:
         names: set[str] = set()
         for path in files:
             with safe_open(str(path), framework="pt") as handle:

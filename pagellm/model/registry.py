@@ -7,8 +7,8 @@ from torch import nn
 
 from pagellm.distributed.groups import ParallelState
 from pagellm.model.arch import BASE_MODELS, CLASSIFIERS, ArchConfig
-from pagellm.model.llama import (GemmaForCausalLM, GraniteMoeForCausalLM, InterleavedRopeForCausalLM,
-                                 LlamaForCausalLM, MixtralForCausalLM, Phi3ForCausalLM)
+from pagellm.model.llama import (GemmaForCausalLM, GptOssForCausalLM, GraniteMoeForCausalLM,
+                                 InterleavedRopeForCausalLM, LlamaForCausalLM, MixtralForCausalLM, Phi3ForCausalLM)
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -29,6 +29,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Ernie4_5ForCausalLM": InterleavedRopeForCausalLM,
     "CohereForCausalLM": InterleavedRopeForCausalLM,
     "Cohere2ForCausalLM": InterleavedRopeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,  # its attention sinks on the torch_ref backend
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,  # its soft-capped attention on the torch_ref backend
     "Gemma3ForCausalLM": GemmaForCausalLM,  # Gemma 3's text model (gemma-3-270m, -1b); its multimodal ones are not

@@ -22,7 +22,7 @@ from pagellm.disagg.connector import KVStore, layout_dir
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.kv.hash_algos import make_hasher
 from pagellm.metrics.profiler import Profiler
-from pagellm.model import gguf_convert, weight_only
+from pagellm.model import gguf_convert, mxfp4, weight_only
 from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.rotary import use_long_factors
 from pagellm.model.loader import iter_weights, load_hf_config, resolve_dtype, resolve_model_dir
@@ -246,11 +246,11 @@ def _load_model(arch: ArchConfig, model_dir: Path, dtype: torch.dtype, parallel:
 def _checkpoint_format(arch: ArchConfig, model_dir: Path, dtype: torch.dtype) -> str | None:
     """The kernel a quantized checkpoint runs on without --quantization: a W8A8 one's int8 weights; a weight-only
     one's 4-bit weights with bfloat16 activations (w4a16_int4, its own scheme) where that kernel runs and its groups
-    fit it, else ``None`` (its weights dequantized)."""
+    fit it, else ``None`` (its weights dequantized, as an MXFP4 one's always are)."""
     if arch.quantization == weight_only.SCHEME:
         fits = weight_only.four_bit_fits(load_hf_config(model_dir))
         return gemm_w4a16.FORMAT if fits and dtype == torch.bfloat16 and gemm_w4a16.runs_here() else None
-    return arch.quantization
+    return None if arch.quantization == mxfp4.SCHEME else arch.quantization  # MXFP4: dequantized as it loads
 
 
 def _suggest_four_bits(model_dir: Path, quantization: str | None, dtype: torch.dtype) -> None:
@@ -262,13 +262,14 @@ def _suggest_four_bits(model_dir: Path, quantization: str | None, dtype: torch.d
 
 
 def attention_backend(name: str, arch: ArchConfig) -> str:
-    """The backend that serves ``arch``: the one asked for, except that soft-capped attention scores (Gemma 2's)
-    take the reference backend, whose scores are capped (the C++ kernels' are not)."""
-    if arch.attn_softcap is None:
+    """The backend that serves ``arch``: the one asked for, except that soft-capped attention scores (Gemma 2's) and
+    attention sinks (gpt-oss's) take the reference backend, which computes them (the C++ kernels do not)."""
+    what = "attention logit soft-capping (Gemma 2's)" if arch.attn_softcap is not None else \
+        "attention sinks (gpt-oss's)" if arch.attention_sinks else None
+    if what is None:
         return name
     if name == "cpu_paged":
-        raise ValueError("attention logit soft-capping (Gemma 2's) runs on the torch_ref attention backend; use "
-                         "--attention-backend auto or torch_ref")
+        raise ValueError(f"{what} runs on the torch_ref attention backend; use --attention-backend auto or torch_ref")
     return "torch_ref"
 
 

@@ -77,7 +77,8 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "ernie4_5", "cohere",
-         "cohere2", "granite4", "gemma", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"]
+         "cohere2", "granite4", "gemma", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe",
+         "gpt_oss"]
 
 def assert_seeded_grammar(llm: LLM, seed: int) -> None:
     """Regex-constrained samples have the regex's shape, and the same seed gives the same texts again (what
@@ -136,14 +137,14 @@ def test_greedy_parity_modes(tiny_model_factory, arch: str, mode: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "smollm3", "granite", "granitemoe", "olmo2", "olmo3",
-                                  "exaone4", "ernie4_5", "cohere", "cohere2", "granite4"])
+                                  "exaone4", "ernie4_5", "cohere", "cohere2", "granite4", "gpt_oss"])
 def test_prompt_logprobs_of_each_familys_own_parts_are_transformers(tiny_model_factory, arch: str) -> None:
     """Each family's own parts to within 1e-5 of transformers' log-probabilities, where a greedy token could hide a
     small slip: Gemma's (GeGLU's tanh, norms scaling by 1 + w, the scaled embeddings; Gemma 3's norms around each
     sublayer, its attention scale and two rope bases), SmolLM3's NoPE layer, Granite's multipliers, OLMo's norms
     after each sublayer and across all heads, OLMo 3's sliding layer, EXAONE 4's per-head norms and NoPE full layer,
     ERNIE 4.5's and Cohere's interleaved rotary pairs, Cohere's LayerNorms, side-by-side sublayers and logit scale,
-    Command R7B's NoPE full layer."""
+    Command R7B's NoPE full layer, gpt-oss's sinks, biases, clamped experts and YaRN past its original context."""
     model_dir = tiny_model_factory(arch)
     prompt = _prompts(seed=7)[-1]  # 121 tokens: past Gemma 3's 16-token window
     llm = LLM(str(model_dir), dtype="float32")
@@ -160,11 +161,11 @@ def test_gemma2s_capped_scores_are_refused_by_the_kernels_that_do_not_cap(tiny_m
         LLM(str(tiny_model_factory("gemma2")), dtype="float32", attention_backend="cpu_paged")
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "cohere2"])
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "cohere2", "gpt_oss"])
 def test_gemma_and_cohere_in_bfloat16_run_their_own_layers(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
                                                            arch: str) -> None:
-    """The native decoder stack computes Llama's layer (and OLMo's), so Gemma's and Cohere's bfloat16 steps take the
-    Python layers (which keep to transformers' float32 log-probabilities within bfloat16's rounding)."""
+    """The native decoder stack computes Llama's layer (and OLMo's), so Gemma's, Cohere's and gpt-oss's bfloat16 steps
+    take the Python layers (which keep to transformers' float32 log-probabilities within bfloat16's rounding)."""
     calls: list[int] = []
     real = DecoderStack.run
     monkeypatch.setattr(DecoderStack, "run", lambda self, *a: calls.append(1) or real(self, *a))

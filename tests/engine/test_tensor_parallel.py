@@ -26,7 +26,8 @@ TP = dict(dtype="float32", tensor_parallel_size=2)
 @pytest.mark.parametrize(("arch", "overrides"), [("llama", {}), ("qwen2", {}), ("qwen3", {}),
                                                  ("mistral", {"seed": 6, "tie_word_embeddings": True}),
                                                  ("mistral", {"seed": 11, "sliding_window": 20}), ("phi3", {}),
-                                                 ("olmo2", {}), ("mixtral", {}), ("qwen2_moe", {})])
+                                                 ("olmo2", {}), ("mixtral", {}), ("qwen2_moe", {}),
+                                                 ("gpt_oss", {})])
 def test_greedy_parity_chunked_and_with_prefix_hits(tiny_model_factory, arch: str, overrides: dict) -> None:
     model_dir = tiny_model_factory(arch, **overrides)
     llm = LLM(str(model_dir), max_num_batched_tokens=40, **TP)
@@ -39,7 +40,8 @@ def test_greedy_parity_chunked_and_with_prefix_hits(tiny_model_factory, arch: st
         llm.shutdown()
 
 
-@pytest.mark.parametrize(("arch", "overrides"), [("qwen2_moe", {}), ("mixtral", {"num_local_experts": 3})])
+@pytest.mark.parametrize(("arch", "overrides"), [("qwen2_moe", {}), ("mixtral", {"num_local_experts": 3}),
+                                                 ("gpt_oss", {})])
 def test_expert_parallel_ranks_hold_whole_experts(tiny_model_factory, arch: str, overrides: dict) -> None:
     """enable_expert_parallel: each rank holds a run of whole experts (3 over 2 ranks: 2 and 1) and computes the
     pairs routed to them; Qwen2-MoE's shared expert stays split. Greedy tokens still equal transformers'."""

@@ -1,4 +1,5 @@
-"""SwiGLU's gating, ``silu(gate) * up`` over the fused gate/up projection ``[gate | up]`` (and Gemma's GeGLU).
+"""SwiGLU's gating, ``silu(gate) * up`` over the fused gate/up projection ``[gate | up]`` (and Gemma's GeGLU, and
+gpt-oss's clamped SwiGLU).
 
 bfloat16 rows take one fused native pass (``pagellm/ops/fused.py``); ``forward_torch`` is the plain-PyTorch twin
 (and the path for every other dtype)."""
@@ -34,3 +35,18 @@ class GeluAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate) * up
+
+
+class ClampedSwiGLU(nn.Module):
+    """gpt-oss's experts' gating over ``[gate | up]``: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``
+    with ``g = min(gate, limit)``, in plain PyTorch and in the order transformers computes it."""
+
+    def __init__(self, limit: float, alpha: float) -> None:
+        super().__init__()
+        self.limit, self.alpha = limit, alpha
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))

@@ -27,12 +27,14 @@ class Attention(nn.Module):
         self.softcap = softcap  # Gemma 2's: scores become softcap * tanh(score / softcap) (the torch_ref backend's)
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, kv_heads, head_dim]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, KVH, D] → [T, H * D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KVH, D] → [T, H * D]. ``sinks`` (gpt-oss's): [H] float32 logits, one per head, each
+        joining its head's softmax denominator."""
         if self.kv_cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the model runner binds it at start-up")
         ctx = current_forward_context()
-        if self.softcap is not None:
-            return ctx.backend.forward(q, k, v, self.kv_cache, ctx.metadata, self.scale, self.sliding_window,
-                                       softcap=self.softcap)
-        return ctx.backend.forward(q, k, v, self.kv_cache, ctx.metadata, self.scale, self.sliding_window)
+        extra = {} if self.softcap is None else {"softcap": self.softcap}
+        if sinks is not None:
+            extra["sinks"] = sinks
+        return ctx.backend.forward(q, k, v, self.kv_cache, ctx.metadata, self.scale, self.sliding_window, **extra)

@@ -173,9 +173,10 @@ class ReplicatedLinear(nn.Module):
     """y = x Wᵀ with the whole of W on every rank: small matrices whose output every rank needs whole, such as a
     mixture-of-experts router. Packed for the native GEMM in bfloat16, never quantized."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, bias: bool = False) -> None:
         super().__init__()
         self.weight = _param((out_features, in_features), dtype, self._load)
+        self.bias = _param((out_features,), dtype, self._load) if bias else None  # gpt-oss's router's
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         _copy(_loadable(param), loaded, "replicated weight")
@@ -184,7 +185,7 @@ class ReplicatedLinear(nn.Module):
         return gemm.pack_parameter(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return linear(x, self.weight, self.bias)
 
 
 def _scale_param(rows: int, load) -> nn.Parameter:  # noqa: ANN001

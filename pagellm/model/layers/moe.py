@@ -1,9 +1,10 @@
-"""The mixture-of-experts MLP of Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""The mixture-of-experts MLP of Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE and gpt-oss.
 
 A router (a replicated ``[experts, hidden]`` matrix) scores every expert for each token; the token goes through its
 ``top_k`` experts, SwiGLU MLPs each, and its output is their outputs weighted by the router's softmax probabilities
 (renormalised over the chosen ones where the model says so). Qwen2-MoE adds a shared expert that every token takes,
-scaled by a sigmoid gate of its own.
+scaled by a sigmoid gate of its own. gpt-oss's router and experts have biases, its softmax is over the chosen
+logits, and its experts gate with a clamped SwiGLU (``activation.ClampedSwiGLU``); those run the Python loop.
 
 Tokens are grouped by expert (one stable sort of the flat choices), so each expert runs one GEMM pair over the
 tokens that chose it, and experts no token chose cost nothing. Contributions are summed into the output in
@@ -26,28 +27,40 @@ from torch import nn
 from pagellm import envs
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import MoEConfig
-from pagellm.model.layers.activation import SiluAndMul
+from pagellm.model.layers.activation import ClampedSwiGLU, SiluAndMul
 from pagellm.model.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagellm.ops import gemm
 from pagellm.ops import moe as moe_kernel
 
 
 class Expert(nn.Module):
-    """One SwiGLU expert, down(silu(gate(x)) * up(x)); its output is this rank's partial sum (not all-reduced)."""
+    """One expert, down(act(gate(x), up(x))): SwiGLU, or gpt-oss's clamped SwiGLU with biases (``moe``); its output
+    is this rank's partial sum (not all-reduced), so the down projection's bias joins it on rank 0 alone."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, parallel: ParallelState) -> None:
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, parallel: ParallelState,
+                 moe: MoEConfig | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate] * 2, False, dtype, parallel)
+        bias = moe is not None and moe.bias
+        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate] * 2, bias, dtype, parallel)
         self.down_proj = RowParallelLinear(intermediate, hidden, False, dtype, parallel, reduce=False)
-        self.act_fn = SiluAndMul()
+        self.act_fn: nn.Module = SiluAndMul() if moe is None or moe.swiglu_limit is None else \
+            ClampedSwiGLU(moe.swiglu_limit, moe.swiglu_alpha)
+        self.down_bias = nn.Parameter(torch.zeros(hidden, dtype=dtype), requires_grad=False) if bias else None
+        self.bias_here = parallel.tp_rank == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        out = self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return out + self.down_bias if self.down_bias is not None and self.bias_here else out
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          softmax_top_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's ``top_k`` experts (int64 [tokens, top_k]) and their weights (float32): the softmax
-    probabilities of the router's logits, divided by their sum over the chosen experts when ``renormalize``."""
+    probabilities of the router's logits, divided by their sum over the chosen experts when ``renormalize``; with
+    ``softmax_top_k`` (gpt-oss's), the softmax of the chosen logits alone (the same weights, as gpt-oss rounds them)."""
+    if softmax_top_k:
+        values, experts = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(values, dim=-1, dtype=torch.float32), experts
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -62,10 +75,10 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.moe = moe
         self.parallel = parallel
-        self.gate = ReplicatedLinear(hidden, moe.num_experts, dtype)
+        self.gate = ReplicatedLinear(hidden, moe.num_experts, dtype, moe.bias)
         self.expert_range = parallel.expert_range(moe.num_experts)  # this rank's experts (numbered globally)
         whole = parallel.expert_parallel  # whole experts on this rank, or every expert's slice
-        self.experts = nn.ModuleList(Expert(hidden, moe.intermediate_size, dtype, SINGLE if whole else parallel)
+        self.experts = nn.ModuleList(Expert(hidden, moe.intermediate_size, dtype, SINGLE if whole else parallel, moe)
                                      for _ in self.expert_range)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_intermediate_size:
@@ -76,7 +89,7 @@ class SparseMoeBlock(nn.Module):
         native = self._native_for(x)
         if native is not None and native.routes:  # router, routing, experts and shared expert in one native call
             return self.parallel.all_reduce(native.forward(x))
-        weights, experts = route(self.gate(x), self.moe.top_k, self.moe.renormalize)
+        weights, experts = route(self.gate(x), self.moe.top_k, self.moe.renormalize, self.moe.softmax_top_k)
         if self.moe.weights_in_model_dtype:
             weights = weights.to(x.dtype)
         out = self.routed(x, weights, experts)
@@ -115,6 +128,8 @@ class SparseMoeBlock(nn.Module):
 
     def _native_for(self, x: torch.Tensor) -> moe_kernel.Experts | None:
         """The native call for hidden states ``x``: bfloat16 ones, unless ``PAGELLM_NATIVE_DECODER=0``."""
+        if self.moe.bias or self.moe.swiglu_limit is not None:  # gpt-oss's experts: the Python loop
+            return None
         return self.native_experts() if x.dtype == torch.bfloat16 and envs.native_decoder() else None
 
     def native_experts(self) -> moe_kernel.Experts | None:

@@ -1,0 +1,110 @@
+"""gpt-oss: its config, its MXFP4 experts read as transformers dequantizes them, and its attention sinks (on the
+reference backend, which computes them). Greedy parity in every scheduling mode is test_parity's (ARCHS)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from pagellm import LLM, SamplingParams
+from pagellm.model import mxfp4
+from pagellm.model.arch import ArchConfig
+
+from test_parity import _hf_model, _prompts, assert_greedy_parity, run
+
+# openai/gpt-oss-20b's config.json, as published (its keys that matter here)
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+    "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "head_dim": 64, "num_local_experts": 32, "experts_per_token": 4, "num_experts_per_tok": 4,
+    "sliding_window": 128, "attention_bias": True, "rope_theta": 150000, "swiglu_limit": 7.0,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+}
+
+
+def test_gpt_oss_20bs_published_config() -> None:
+    cfg = ArchConfig.from_hf(GPT_OSS_20B)
+    assert cfg.attention_sinks and cfg.attention_bias and cfg.o_proj_bias and cfg.quantization == mxfp4.SCHEME
+    assert [cfg.layer_window(i) for i in range(4)] == [128, None, 128, None]
+    assert cfg.rope_theta == 150000 and cfg.rope_scaling["rope_type"] == "yarn" and cfg.context_length == 131072
+    moe = cfg.moe
+    assert moe is not None and (moe.num_experts, moe.top_k, moe.intermediate_size) == (32, 4, 2880)
+    assert moe.bias and moe.softmax_top_k and moe.swiglu_limit == 7.0 and moe.swiglu_alpha == 1.702
+    assert ArchConfig.from_hf({**GPT_OSS_20B, "layer_types": None}).full_attention_layers == tuple(range(1, 24, 2))
+
+
+def test_mxfp4_dequantizes_as_transformers() -> None:
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 4, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (3, 8, 4), generator=gen, dtype=torch.uint8)
+    for dtype in (torch.bfloat16, torch.float32):
+        theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [experts, in, out]
+        assert torch.equal(mxfp4.dequantize(blocks, scales, dtype).transpose(1, 2), theirs)
+    named = dict(mxfp4.weights([("e.down_proj_scales", scales), ("e.bias", scales), ("e.down_proj_blocks", blocks)],
+                               torch.float32))
+    assert named.keys() == {"e.bias", "e.down_proj"}
+    assert torch.equal(named["e.down_proj"], convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    with pytest.raises(ValueError, match="without their other half: e.down_proj_blocks"):
+        list(mxfp4.weights([("e.down_proj_blocks", blocks)]))
+
+
+def _mxfp4_twins(model_dir: Path, out: Path) -> tuple[Path, Path]:
+    """An MXFP4 checkpoint of ``model_dir``'s shape with random expert codes and exponents, and its float twin (the
+    experts as transformers dequantizes them, every other tensor the same)."""
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    gen = torch.Generator().manual_seed(3)
+    packed, dense = {}, {}
+    for name, tensor in tensors.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            packed[name] = dense[name] = tensor
+            continue
+        experts, inputs, outputs = tensor.shape  # the float layout: [experts, in, out]
+        blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(121, 125, (experts, outputs, inputs // 32), generator=gen, dtype=torch.uint8)
+        packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+        dense[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    dirs = []
+    for kind, weights in (("mxfp4", packed), ("float", dense)):
+        target = out / kind
+        shutil.copytree(model_dir, target)
+        save_file(weights, str(target / "model.safetensors"))
+        if kind == "mxfp4":
+            config = json.loads((target / "config.json").read_text())
+            config["quantization_config"] = GPT_OSS_20B["quantization_config"]
+            (target / "config.json").write_text(json.dumps(config))
+        dirs.append(target)
+    return dirs[0], dirs[1]
+
+
+def test_an_mxfp4_checkpoint_serves_what_transformers_computes_from_its_experts(tiny_model_factory,
+                                                                               tmp_path: Path) -> None:
+    packed, dense = _mxfp4_twins(tiny_model_factory("gpt_oss"), tmp_path)
+    llm = LLM(str(packed), dtype="float32", max_num_batched_tokens=40)
+    try:
+        prompts = _prompts(seed=5)
+        assert_greedy_parity(dense, prompts, run(llm, prompts))
+        prompt = prompts[-1]
+        out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    ours = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
+    with torch.no_grad():
+        logits = _hf_model(dense)(torch.tensor([prompt])).logits[0].float()
+    theirs = logits.log_softmax(-1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert (ours - theirs).abs().max().item() < 1e-5
+
+
+def test_attention_sinks_are_refused_by_the_kernels_that_do_not_compute_them(tiny_model_factory) -> None:
+    with pytest.raises(ValueError, match="attention sinks \\(gpt-oss's\\) runs on the torch_ref attention backend"):
+        LLM(str(tiny_model_factory("gpt_oss")), dtype="float32", attention_backend="cpu_paged")
