@@ -2,8 +2,9 @@
 
 Contract:
 - ``ReasoningParser`` names a thinking block's tags (``<think>`` ... ``</think>``); ``PARSERS`` holds them by
-  ``--reasoning-parser`` name (``deepseek_r1``, ``qwen3``, and what a ``--reasoning-parser-plugin`` file registers
-  with ``register_reasoning_parser``). The server's reply splitting (``server/openai/reasoning.py``) reads them.
+  ``--reasoning-parser`` name (``deepseek_r1``, ``qwen3``, ``openai_gptoss``: gpt-oss's analysis message, and what a
+  ``--reasoning-parser-plugin`` file registers with ``register_reasoning_parser``). The server's reply splitting
+  (``server/openai/reasoning.py``; gpt-oss's, ``harmony.py``) reads them.
 - ``ReasoningConfig`` is vLLM's ``--reasoning-config`` (``reasoning_parser``, ``reasoning_start_str``,
   ``reasoning_end_str``; ``--reasoning-parser`` fills ``reasoning_parser``): the strings that open a thinking block,
   the one written when a budget runs out (it may hold a transition phrase before the parser's end tag), and the
@@ -31,15 +32,24 @@ START, END = "<think>", "</think>"
 
 @dataclasses.dataclass(frozen=True)
 class ReasoningParser:
-    """A thinking block's tags, and whether a reply thinks without opening one (its template opened it)."""
+    """A thinking block's tags, and whether a reply thinks without opening one (its template opened it); what a
+    spent budget forces (``forced_end``: the end tag by default) and where a constrained answer begins
+    (``answer_start``: after the end tag by default); ``harmony``: gpt-oss's messages (``server/openai/harmony.py``)."""
 
     start: str = START
     end: str = END
     thinks_by_default: bool = False
+    forced_end: str = ""
+    answer_start: str = ""
+    harmony: bool = False
 
 
+# gpt-oss's thinking is its analysis channel's message; its answer the final channel's (``openai_gptoss``)
+HARMONY = ReasoningParser("<|channel|>analysis<|message|>", "<|end|>",
+                          forced_end="<|end|><|start|>assistant<|channel|>final<|message|>",
+                          answer_start="<|channel|>final<|message|>", harmony=True)
 PARSERS: dict[str, ReasoningParser] = {"deepseek_r1": ReasoningParser(thinks_by_default=True),
-                                       "qwen3": ReasoningParser()}
+                                       "qwen3": ReasoningParser(), "openai_gptoss": HARMONY}
 
 
 def register_reasoning_parser(name: str, start: str = START, end: str = END,
@@ -124,7 +134,7 @@ class ReasoningConfig:
             return None
         tags = get_reasoning_parser(self.reasoning_parser) if self.reasoning_parser else None
         start = self.reasoning_start_str or tags.start  # type: ignore[union-attr]
-        forced = self.reasoning_end_str or tags.end  # type: ignore[union-attr]
+        forced = self.reasoning_end_str or tags.forced_end or tags.end  # type: ignore[union-attr]
         end = tags.end if tags is not None else forced
         ids = {name: encode(text) for name, text in (("start", start), ("forced_end", forced), ("end", end))}
         empty = [name for name, value in ids.items() if not value]

@@ -63,11 +63,16 @@ class IncrementalDetokenizer:
         """All text decoded so far (cut at a matched stop), including any held-back partial stop."""
         return self._text
 
-    def update(self, new_token_ids: Sequence[int]) -> str | None:
-        """Append generated ids; return the stop string that matched (and cut the text there), else None."""
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> str | None:
+        """Append generated ids; return the stop string that matched (and cut the text there), else None.
+        ``stop_terminated``: the last id is the stop token (EOS, or one of ``stop_token_ids``) that ended the request,
+        whose text the output leaves out unless ``include_stop_str_in_output`` (as vLLM does; with
+        ``skip_special_tokens`` off it would otherwise show)."""
         if self.stop_reason is not None:
             return None
         self.output_token_ids.extend(new_token_ids)
+        if stop_terminated and not self._include_stop:
+            new_token_ids = new_token_ids[:-1]
         if self._stream is None or not new_token_ids:
             return None
         old_len = len(self._text)

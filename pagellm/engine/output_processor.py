@@ -186,7 +186,7 @@ class OutputProcessor:
         """Add the new tokens; True when a stop string or a repeat ended a request the core still runs (with
         ``repeated`` the tokens end with the one that made the output repeat)."""
         state.token_ids.extend(new_token_ids)
-        stop = state.detokenizer.update(new_token_ids)
+        stop = state.detokenizer.update(new_token_ids, finish_reason == FinishReason.STOP)
         if stop is not None:
             state.finish_reason, state.stop_reason = str(FinishReason.STOP), stop
             return finish_reason is None

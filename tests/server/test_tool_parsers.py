@@ -212,7 +212,7 @@ def test_the_parser_flags_as_vllm_spells_them() -> None:
     with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         serve_options(cmd.parse_args(["--enable-auto-tool-choice"]))
     assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic", "qwen3_coder",
-                            "granite", "olmo3"}
+                            "granite", "olmo3", "openai"}
     with pytest.raises(ValueError, match="unknown tool-call parser 'granite4'; choose one of granite, hermes"):
         get_parser("granite4")
 

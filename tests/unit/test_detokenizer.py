@@ -282,3 +282,18 @@ def test_delta_mode_never_repeats_text(tokenizer: Tokenizer, chunk: int) -> None
 ])
 def test_longest_partial_stop(text: str, stops: list[str], expected: int) -> None:
     assert longest_partial_stop(text, stops) == expected
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_token_that_ended_a_request_shows_only_when_asked(tokenizer: Tokenizer, include: bool) -> None:
+    """As vLLM: the EOS (or stop_token_ids) token that ended the request is no part of its text, special tokens
+    kept or not (gpt-oss's <|return|> and <|call|>), unless include_stop_str_in_output."""
+    eos = tokenizer.token_to_id("</s>")
+    prompt_ids = tokenizer.encode("Hello").ids
+    params = SamplingParams(skip_special_tokens=False, include_stop_str_in_output=include)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, params)
+    body = tokenizer.encode(" the end").ids
+    assert detok.update(body[:1]) is None and detok.update(body[1:] + [eos], stop_terminated=True) is None
+    assert detok.output_token_ids == body + [eos]
+    assert detok.output_text == _expected(tokenizer, prompt_ids, body + [eos] if include else body, False)
+    assert detok.output_text.endswith("</s>") == include

@@ -37,6 +37,8 @@ from pagellm.server.openai.replies import (ChatChunkChoice, ChatCompletionChoice
                                            CompletionTokensDetails, UsageInfo)
 from pagellm.server.openai.request_metrics import PerRequestMetrics
 from pagellm.server.openai.serving_engine import ChoiceState as _Choice
+from pagellm.server.openai import harmony
+from pagellm.server.openai.harmony import HarmonyStream
 from pagellm.server.openai.reasoning import ReasoningStream, closed_in_prompt, get_reasoning_parser
 from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing, random_id
 from pagellm.server.openai.tool_call_stream import ToolCallStream
@@ -60,9 +62,17 @@ class _Job:
     beam: Optional[BeamSearchParams] = None  # use_beam_search: the n best beams instead of n samples
     role: str = "assistant"  # the reply's role (--response-role; the last message's when continuing it)
     echoed: str = ""  # ``echo``: the last message's text, which the reply's content begins with
+    harmony: bool = False  # gpt-oss's harmony messages (``harmony.py``): thinking, content and calls split here
+    opened: Optional[str] = None  # ... and the header of a message the prompt left open
+    messages: dict[int, HarmonyStream] = field(default_factory=dict)  # a harmony stream's per-choice parse
 
     def thoughts(self) -> ReasoningStream:
         return ReasoningStream(self.reasoning, self.closed)  # type: ignore[arg-type]
+
+    def harmony_stream(self) -> HarmonyStream:
+        """A harmony reply's parse: calls surfaced for 'auto' on a server that parses them, thinking with the
+        reasoning parser."""
+        return HarmonyStream(self.parser is not None, self.reasoning is not None, self.limit, self.opened)
 
     @property
     def name(self) -> Optional[str]:
@@ -100,16 +110,26 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(engine, model_names, loras, defaults)
         self.tool_parser: Optional[ToolParser] = get_parser(tool_parser) if tool_parser is not None else None
         self.reasoning_parser = reasoning_parser
+        self.harmony = (self.tool_parser is not None and self.tool_parser.harmony) or \
+            (reasoning_parser is not None and get_reasoning_parser(reasoning_parser).harmony)
         if reasoning_parser is not None:
-            self.think_tag = get_reasoning_parser(reasoning_parser).end  # an unknown name fails here, at start
-            # A constraint (a tool call, JSON, a regex) shapes the answer: it waits for the reply's </think>.
-            self.think_end = self.tokenizer.encode(self.think_tag, add_special_tokens=False)
+            tags = get_reasoning_parser(reasoning_parser)  # an unknown name fails here, at start
+            self.think_tag = tags.end
+            # A constraint (a tool call, JSON, a regex) shapes the answer: it waits for the reply's </think> (gpt-oss:
+            # its final message's start).
+            self.think_end = self.tokenizer.encode(tags.answer_start or tags.end, add_special_tokens=False)
 
     def prepare(self, request: ChatCompletionRequest) -> _Job:
         """Validate and render the conversation (raises APIError / ValueError → 4xx before anything is queued)."""
         for name, why in tooling.problems(request.tools, request.tool_choice, auto=self.tool_parser is not None):
             raise APIError(why, 400, param=name, code="unsupported_parameter")
+        if self.harmony and request.tools and not tooling.is_auto(request.tools, request.tool_choice) and \
+                request.tool_choice != "none":
+            raise APIError("gpt-oss's harmony replies take tool_choice 'auto' or 'none' here (a required or named "
+                           "call is not enforced)", 400, param="tool_choice", code="unsupported_parameter")
         model, params = self.check_request(request)
+        if self.harmony:  # the messages' markers are special tokens: the reply's text keeps them
+            params.skip_special_tokens = False
         self.check_request_template(request.chat_template)
         if request.truncate_prompt_tokens is None:
             self.check_text_length(sum(len(m.text()) for m in request.messages))
@@ -133,7 +153,9 @@ class OpenAIServingChat(OpenAIServing):
         beam = serving_beam.beam_params(request, params.max_tokens, self.max_model_len)
         return _Job(request, random_id("chatcmpl", request.request_id), model, self.check_prompt(prompt), params,
                     parser, reasoning, closed, beam=beam, role=role,
-                    echoed=last.text() if request.echo and last.role == role else "")
+                    echoed=last.text() if request.echo and last.role == role else "", harmony=self.harmony,
+                    opened=harmony.open_header(self.tokenizer.decode(prompt[-32:], skip_special_tokens=False))
+                    if self.harmony else None)
 
     def _prediction(self, prediction: dict[str, Any]) -> list[int]:
         """OpenAI's ``prediction`` (``{"type": "content", "content": text or text parts}``) as token ids to draft."""
@@ -169,7 +191,7 @@ class OpenAIServingChat(OpenAIServing):
     async def stream(self, job: _Job) -> AsyncIterator[str]:
         writer = ChunkWriter("chat", job.request_id, job.created, job.model)
         plain = job.params.logprobs is None and job.name is None and job.parser is None and not job.required \
-            and job.reasoning is None and not job.request.return_token_ids
+            and job.reasoning is None and not job.request.return_token_ids and not job.harmony
         try:
             # The role goes first, before any token exists, as OpenAI does: clients see the reply has begun.
             content = None if job.name or job.required else job.echoed
@@ -212,10 +234,12 @@ def _piece(job: _Job, index: int, choice: _Choice, text: str) -> Optional[ChatCh
     'auto' reply, or plain text."""
     finish = choice.finish_reason
     thinking = ""
-    if job.reasoning is not None:
+    if job.reasoning is not None and not job.harmony:
         thinking, text = _think(job, index, text, finish)
     delta: Optional[ChatDelta] = None
-    if job.required:
+    if job.harmony:
+        thinking, delta, finish = _harmony_delta(job, index, choice, text)
+    elif job.required:
         if finish:
             delta, finish = _required_delta(job, choice)
     elif job.parser is not None:
@@ -243,6 +267,23 @@ def _think(job: _Job, index: int, text: str, finish: Optional[str]) -> tuple[str
         more_thinking, more_answer = stream.finish()
         thinking, answer = thinking + more_thinking, answer + more_answer
     return thinking, answer
+
+
+def _harmony_delta(job: _Job, index: int, choice: _Choice,
+                   text: str) -> tuple[str, Optional[ChatDelta], Optional[str]]:
+    """A harmony reply's streamed piece: its thinking, and its content and call pieces (None: nothing to send)."""
+    stream = job.messages.setdefault(index, job.harmony_stream())
+    piece, finish = stream.feed(text), choice.finish_reason
+    if finish:
+        rest = stream.finish()
+        piece = harmony.Split(piece.thinking + rest.thinking, piece.content + rest.content, piece.calls + rest.calls)
+        finish = "tool_calls" if finish == "stop" and stream.called else finish
+    if not (piece.content or piece.calls or finish):
+        return piece.thinking, None, None
+    deltas = [tooling.DeltaToolCall(index=c.index, id=c.id, type="function" if c.id is not None else None,
+                                    function=tooling.DeltaFunctionCall(name=c.name, arguments=c.arguments))
+              for c in piece.calls]
+    return piece.thinking, ChatDelta(content=piece.content or None, tool_calls=deltas or None), finish
 
 
 def _auto_delta(job: _Job, index: int, choice: _Choice, text: str) -> tuple[Optional[ChatDelta], Optional[str]]:
@@ -299,10 +340,15 @@ def _choice(job: _Job, index: int, choice: _Choice) -> ChatCompletionChoice:
     parser finds in the answer and the text that is none ("tool_calls" when it ended on its own with calls, OpenAI's
     reason for them)."""
     finish, text, thinking = choice.finish_reason, choice.text, None
-    if job.reasoning is not None:
+    if job.reasoning is not None and not job.harmony:
         thinking, text = job.thoughts().split(text)
     message, calls = ChatResponseMessage(content=text), None
-    if job.name is not None:
+    if job.harmony:
+        stream = job.harmony_stream()
+        thinking, content, calls = harmony.split(text, stream.surface_calls, stream.surface_thinking, job.limit,
+                                                 job.opened)
+        message = ChatResponseMessage(content=content, tool_calls=calls or None)
+    elif job.name is not None:
         call = tooling.ToolCall(id=tooling.call_id(), function=tooling.FunctionCall(name=job.name, arguments=text))
         message = ChatResponseMessage(content=None, tool_calls=[call])
     elif job.required:

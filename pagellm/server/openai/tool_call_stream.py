@@ -16,21 +16,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from typing import Optional
 
+from pagellm.server.openai.tool_parser_base import CallDelta
 from pagellm.server.openai.tool_parsers import ToolParser, as_content
 from pagellm.server.openai.tools import ToolCall, call_id
-
-
-@dataclass
-class CallDelta:
-    """A piece of the ``index``-th call: its first carries ``id`` and ``name``, each carries more argument text."""
-
-    index: int
-    arguments: str = ""
-    id: Optional[str] = None
-    name: Optional[str] = None
 
 
 class ToolCallStream:

@@ -1,5 +1,6 @@
 """What every tool-call parser of ``tool_parsers.py`` shares: the ``Parsed`` result, a call made of a name and its
-arguments (``make_call``, ``json_call``), and the ``ToolParser`` interface ``tool_call_stream.py`` drives."""
+arguments (``make_call``, ``json_call``), a streamed call's piece (``CallDelta``), and the ``ToolParser`` interface
+``tool_call_stream.py`` drives."""
 
 from __future__ import annotations
 
@@ -14,6 +15,16 @@ from pagellm.server.openai.tools import FunctionCall, ToolCall, call_id
 class Parsed:
     content: Optional[str]
     calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass
+class CallDelta:
+    """A piece of the ``index``-th call: its first carries ``id`` and ``name``, each carries more argument text."""
+
+    index: int
+    arguments: str = ""
+    id: Optional[str] = None
+    name: Optional[str] = None
 
 
 def make_call(name: Any, arguments: Any) -> Optional[ToolCall]:
@@ -46,6 +57,7 @@ class ToolParser:
     sent as content while streaming); ``closed_calls(rest)``: the calls already complete in the held rest."""
 
     name = ""
+    harmony = False  # gpt-oss's harmony replies: the chat server splits them itself (``harmony.py``)
     # Whether calls are blocks whose arguments can stream as they come (``blocks``, ``text_outside`` then serve).
     streams_arguments = False
 

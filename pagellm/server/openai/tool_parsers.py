@@ -20,10 +20,10 @@ Each parser knows one family's call syntax, as its chat template teaches it to t
   a list that opens the reply) or ``<tool_call>`` (3.1) and a JSON list of ``{"name": ..., "arguments": {...}}``,
   with no closing tag; text around it is content.
 - ``qwen3_coder`` (Qwen3-Coder): each call is ``<function=NAME>`` with one ``<parameter=KEY>`` block of raw text per
-  argument, between ``<tool_call>`` and ``</tool_call>``; a value becomes the type its tool's JSON schema gives that
-  parameter (``for_tools``: a string stays text, integers, numbers and booleans are read as such, objects and arrays
-  as JSON or Python literals; a parameter the schema does not know stays text). Its calls go out whole as each
-  block closes.
+  argument, between ``<tool_call>`` and ``</tool_call>``; a value takes the type its tool's schema gives (``for_tools``:
+  strings stay text, numbers and booleans read as such, objects and arrays as JSON or Python literals, unknown
+  parameters text). Its calls go out whole as each block closes.
+- ``openai`` (gpt-oss): its harmony messages to ``functions.NAME``, which the chat server splits (``harmony.py``).
 
 A ``--tool-parser-plugin`` file registers parsers of its own with ``@register_tool_parser("name")`` (``load_plugin``
 runs it, once per process: in the server's, and in each Ray Serve replica that builds the app).
@@ -43,6 +43,7 @@ import re
 from typing import Any, Callable, Optional
 
 from pagellm.plugins import run_file
+from pagellm.server.openai.harmony import HarmonyToolParser
 from pagellm.server.openai.tool_parser_base import Parsed, ToolParser, as_content, json_call, make_call
 from pagellm.server.openai.tools import ToolCall
 
@@ -371,7 +372,7 @@ def _literal(text: str) -> Any:
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
                                                             PythonicParser, Qwen3CoderParser, Phi4MiniJsonParser,
-                                                            GraniteParser, Olmo3Parser)}
+                                                            GraniteParser, Olmo3Parser, HarmonyToolParser)}
 
 
 def get_parser(name: str) -> ToolParser:
@@ -396,6 +397,5 @@ def register_tool_parser(name: str) -> Callable[[type[ToolParser]], type[ToolPar
 
 
 def load_plugin(path: str) -> None:
-    """Run a ``--tool-parser-plugin`` file (once per process), which registers its parsers with
-    ``register_tool_parser``; ValueError when it cannot be read or fails."""
+    """Run a ``--tool-parser-plugin`` file once per process (it registers parsers); ValueError when it fails."""
     run_file(path, "--tool-parser-plugin")
