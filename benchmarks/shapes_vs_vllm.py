@@ -41,6 +41,18 @@ SHAPES = {  # published configs (their hub config.json), the keys a shape needs
                        "rms_norm_eps": 1e-05, "vocab_size": 49159, "tie_word_embeddings": True,
                        "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.015625,
                        "logits_scaling": 8.0, "hidden_act": "silu", "pad_token_id": 0, "eos_token_id": 0},
+    # gpt-oss-20b's layers, 4 of its 24 (its whole would not fit this machine's memory in bfloat16), its experts in
+    # bfloat16 on both sides (no MXFP4 quantization_config)
+    "gpt-oss-20b-4layers": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+                            "intermediate_size": 2880, "num_hidden_layers": 4, "num_attention_heads": 64,
+                            "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32,
+                            "num_experts_per_tok": 4, "experts_per_token": 4, "sliding_window": 128,
+                            "layer_types": ["sliding_attention", "full_attention"] * 2, "attention_bias": True,
+                            "rope_theta": 150000, "swiglu_limit": 7.0, "max_position_embeddings": 131072,
+                            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                             "truncate": False, "original_max_position_embeddings": 4096},
+                            "rms_norm_eps": 1e-05, "vocab_size": 201088, "tie_word_embeddings": False,
+                            "hidden_act": "silu", "pad_token_id": 199999, "eos_token_id": 200002},
 }
 
 

@@ -71,7 +71,7 @@ ENTRIES = {(torch.bfloat16, torch.bfloat16): "pagellm_paged_attention_bf16",
 
 def bind_entry(lib: ctypes.CDLL, name: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     fn = getattr(lib, name)
-    fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = None
     return fn
 
@@ -103,10 +103,10 @@ class PagedKernel:
         return fn
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: CpuPagedMetadata,
-                  scale: float, flash_min_tokens: int = FLASH_MIN_TOKENS,
-                  sliding_window: int | None = None) -> torch.Tensor:
-        """q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D] of q's dtype or a float8 one.
-        Returns [T, H * D] of q's dtype."""
+                  scale: float, flash_min_tokens: int = FLASH_MIN_TOKENS, sliding_window: int | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D] of q's dtype or a float8 one; ``sinks``:
+        [H] logits joining each head's softmax denominator (gpt-oss's). Returns [T, H * D] of q's dtype."""
         if q.dim() != 3 or k_cache.dim() != 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("paged attention needs q [T, H, D] and contiguous 4-D caches")
         fn = self.entry(q.dtype, k_cache.dtype)
@@ -115,13 +115,18 @@ class PagedKernel:
                              "(e4m3fn, e5m2), and heads a multiple of kv heads")
         q = q.contiguous()
         tokens, heads, head_dim = q.shape
+        if sinks is not None:
+            sinks = sinks.detach().to(torch.float32).contiguous()
+            if sinks.shape != (heads,):
+                raise ValueError(f"attention sinks must be one per query head ({heads}), got {tuple(sinks.shape)}")
         out = torch.empty(tokens, heads * head_dim, dtype=q.dtype)
         bits, starts = md.tree_bits, md.ctx_start(sliding_window)
         fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), md.block_table.data_ptr(),
            md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(), md.ctx_end.data_ptr(),
            None if starts is None else starts.data_ptr(), None if bits is None else bits.data_ptr(),
            0 if bits is None else bits.shape[1], md.seq_lens.shape[0], heads, head_dim, k_cache.shape[1],
-           k_cache.shape[2], md.block_table.shape[1], flash_min_tokens, scale, out.data_ptr())
+           k_cache.shape[2], md.block_table.shape[1], flash_min_tokens, scale, out.data_ptr(),
+           None if sinks is None else sinks.data_ptr())
         return out
 
 
@@ -164,9 +169,11 @@ class CpuPagedBackend:
         return build_metadata(common)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: CpuPagedMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                metadata: CpuPagedMetadata, scale: float, sliding_window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.slot_mapping)
-        return self.kernel.attention(q, kv_cache[0], kv_cache[1], metadata, scale, sliding_window=sliding_window)
+        return self.kernel.attention(q, kv_cache[0], kv_cache[1], metadata, scale, sliding_window=sliding_window,
+                                     sinks=sinks)
 
 
 register_backend("cpu_paged")(CpuPagedBackend)

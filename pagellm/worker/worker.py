@@ -262,14 +262,13 @@ def _suggest_four_bits(model_dir: Path, quantization: str | None, dtype: torch.d
 
 
 def attention_backend(name: str, arch: ArchConfig) -> str:
-    """The backend that serves ``arch``: the one asked for, except that soft-capped attention scores (Gemma 2's) and
-    attention sinks (gpt-oss's) take the reference backend, which computes them (the C++ kernels do not)."""
-    what = "attention logit soft-capping (Gemma 2's)" if arch.attn_softcap is not None else \
-        "attention sinks (gpt-oss's)" if arch.attention_sinks else None
-    if what is None:
+    """The backend that serves ``arch``: the one asked for, except that soft-capped attention scores (Gemma 2's)
+    take the reference backend, whose scores are capped (the C++ kernels' are not)."""
+    if arch.attn_softcap is None:
         return name
     if name == "cpu_paged":
-        raise ValueError(f"{what} runs on the torch_ref attention backend; use --attention-backend auto or torch_ref")
+        raise ValueError("attention logit soft-capping (Gemma 2's) runs on the torch_ref attention backend; use "
+                         "--attention-backend auto or torch_ref")
     return "torch_ref"
 
 

@@ -105,6 +105,22 @@ def test_an_mxfp4_checkpoint_serves_what_transformers_computes_from_its_experts(
     assert (ours - theirs).abs().max().item() < 1e-5
 
 
-def test_attention_sinks_are_refused_by_the_kernels_that_do_not_compute_them(tiny_model_factory) -> None:
-    with pytest.raises(ValueError, match="attention sinks \\(gpt-oss's\\) runs on the torch_ref attention backend"):
-        LLM(str(tiny_model_factory("gpt_oss")), dtype="float32", attention_backend="cpu_paged")
+def test_the_sinks_run_on_the_cpu_kernel_as_on_its_twin(tiny_model_factory) -> None:
+    """gpt-oss's steps take the C++ paged kernel (``auto``), whose sinks are its twin's: the same prompt
+    log-probabilities in float32, and in bfloat16 within its rounding (test_parity runs both backends in float32)."""
+    model_dir, prompt = tiny_model_factory("gpt_oss"), _prompts(seed=9)[-1]
+    results = {}
+    for backend in ("cpu_paged", "torch_ref"):
+        for dtype in ("float32", "bfloat16"):
+            llm = LLM(str(model_dir), dtype=dtype, attention_backend=backend)
+            try:
+                assert llm.engine.core.executor.worker.runner.backend.name == backend
+                out = llm.generate([prompt], SamplingParams(max_tokens=8, prompt_logprobs=0, temperature=0,
+                                                            ignore_eos=True), use_tqdm=False)[0]
+            finally:
+                llm.shutdown()
+            logprobs = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
+            results[backend, dtype] = logprobs, out.outputs[0].token_ids
+    assert (results["cpu_paged", "float32"][0] - results["torch_ref", "float32"][0]).abs().max() < 1e-5
+    bf16 = (results["cpu_paged", "bfloat16"][0] - results["torch_ref", "bfloat16"][0]).abs()
+    assert bf16.mean().item() < 0.02

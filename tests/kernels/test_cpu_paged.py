@@ -48,9 +48,10 @@ def _random_step(q_lens: list[int], ctx_lens: list[int], heads: int, kv_heads: i
 
 
 def _dense(q: torch.Tensor, cache: torch.Tensor, common: CommonAttentionInputs, scale: float,
-           window: int | None = None) -> torch.Tensor:
+           window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Every row in float64 from the (already written) cache: causal, or the row's tree mask after its context;
-    under a sliding ``window`` the keys before each token's window (counted from its position) dropped."""
+    under a sliding ``window`` the keys before each token's window (counted from its position) dropped; with
+    ``sinks`` ([heads]) each head's softmax taken over its scores and its sink, whose share is then dropped."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, bs = cache.shape[3], common.block_size
     trees = common.tree_masks or {}
@@ -68,7 +69,11 @@ def _dense(q: torch.Tensor, cache: torch.Tensor, common: CommonAttentionInputs, 
             allowed &= torch.arange(ctx)[None, :] >= first_key[start:end, None]
         scores = torch.einsum("qhd,thd->hqt", q[start:end].double(), keys) * scale
         scores = scores.masked_fill(~allowed, float("-inf"))
-        out.append(torch.einsum("hqt,thd->qhd", scores.softmax(-1), vals).reshape(n, -1))
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            probs = torch.cat([scores, sinks.double()[:, None, None].expand(-1, n, 1)], -1).softmax(-1)[..., :-1]
+        out.append(torch.einsum("hqt,thd->qhd", probs, vals).reshape(n, -1))
     return torch.cat(out)
 
 

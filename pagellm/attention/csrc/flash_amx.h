@@ -226,8 +226,11 @@ void flash_tile_amx(const BFloat16* q, const BFloat16* k_cache, const BFloat16* 
     values_amx<D>(tile, nq);
   }
   _tile_release();
-  for (int qv = 0; qv < nq; ++qv)
-    write_row<D>(tile.o[qv], tile.l[qv], out + (qv / group) * heads * D + (kv_head * group + qv % group) * D);
+  for (int qv = 0; qv < nq; ++qv) {  // m in unscaled scores: its natural value is m scale
+    const int64_t head = kv_head * group + qv % group;
+    const float l = tile.l[qv] + vis[0].sink_term(head, tile.m[qv] * scale);
+    write_row<D>(tile.o[qv], l, out + (qv / group) * heads * D + head * D);
+  }
 }
 
 }  // namespace pagellm

@@ -269,8 +269,11 @@ void flash_tile(const BFloat16* q, const KV* k_cache, const KV* v_cache, const i
     }
     pv_all<D>(tile, nq, (nk + 1) / 2);
   }
-  for (int qv = 0; qv < nq; ++qv)
-    write_row<D>(tile.o[qv], tile.l[qv], out + (qv / group) * heads * D + (kv_head * group + qv % group) * D);
+  for (int qv = 0; qv < nq; ++qv) {  // m in log2 units: its natural value is m ln 2
+    const int64_t head = kv_head * group + qv % group;
+    const float l = tile.l[qv] + vis[0].sink_term(head, tile.m[qv] * 0.693147180559945309f);
+    write_row<D>(tile.o[qv], l, out + (qv / group) * heads * D + head * D);
+  }
 }
 
 }  // namespace pagellm

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -62,6 +63,11 @@ struct Visibility {
   const uint64_t* bits = nullptr;
   int64_t win = 0;
   int64_t words = 0;
+  const float* sinks = nullptr;  // [heads] gpt-oss's attention sinks (one logit per query head), or null
+
+  // The sink's share of query head ``head``'s softmax denominator, e^(sink - max) with ``max`` the running maximum
+  // of its scores in natural units (a logit with no value: it only scales the output down); 0 without sinks.
+  float sink_term(int64_t head, float max) const { return sinks == nullptr ? 0.f : std::exp(sinks[head] - max); }
 
   // Bits [offset, offset + 32) of the tree mask (0 outside it); offset may be negative.
   uint32_t tree_bits(int64_t offset) const {

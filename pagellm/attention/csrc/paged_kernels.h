@@ -87,6 +87,7 @@ struct Step {
   const int64_t* ctx_start;     // [T] first key inside a sliding window, or null (no window)
   const uint64_t* tree_bits;    // [T, tree_words] or null
   float scale;
+  const float* sinks = nullptr;  // [heads] gpt-oss's attention sinks, or null
 };
 
 struct Item {
@@ -181,8 +182,10 @@ void run_item(const Step& st, const Item& item, const T* q, const KV* k, const K
   const int64_t win = st.seq_lens[item.row] - (st.query_start[item.row + 1] - st.query_start[item.row]);
   const int64_t* blocks = st.block_table + item.row * st.max_blocks;
   Visibility vis[kTileQueries];
-  for (int64_t i = 0; i < item.count; ++i)
+  for (int64_t i = 0; i < item.count; ++i) {
     vis[i] = token_visibility(st.ctx_end, st.ctx_start, st.tree_bits, st.tree_words, item.first + i, win);
+    vis[i].sinks = st.sinks;
+  }
   const int64_t offset = item.first * st.heads * st.head_dim;
   if (item.flash) {
     flash_item(st, item, q + offset, k, v, blocks, vis, out + offset);
@@ -218,16 +221,17 @@ void run_step(const Step& st, const T* q, const KV* k, const KV* v, T* out, bool
 // query_start: [rows + 1]; seq_lens: [rows] (context length including the row's query tokens); ctx_end: [T] (each
 // token sees the keys before it); ctx_start: [T] (under a sliding window, each token's first key) or null (no
 // window); tree_bits: [T, tree_words] bits over its row's own query tokens, or null. All int64 and contiguous; H a
-// multiple of KVH. Rows of at least flash_min_tokens tokens take flash tiles (bf16).
+// multiple of KVH. Rows of at least flash_min_tokens tokens take flash tiles (bf16). sinks: [H] float32 logits that
+// join each query head's softmax denominator (gpt-oss's attention sinks), or null.
 // TYPE: q and out; KV: the caches' elements (TYPE, or an 8-bit float of ops/csrc/fp8.h under either query type).
 #define PAGELLM_ENTRY(NAME, TYPE, KV, BF16)                                                                       \
   void NAME(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_table,                \
             const int64_t* query_start, const int64_t* seq_lens, const int64_t* ctx_end, const int64_t* ctx_start, \
             const uint64_t* tree_bits, int64_t tree_words, int64_t rows, int64_t heads, int64_t head_dim,       \
             int64_t block_size, int64_t kv_heads, int64_t max_blocks, int64_t flash_min_tokens, float scale,    \
-            void* out) {                                                                                         \
+            void* out, const float* sinks) {                                                                     \
     const pagellm::Step st{rows, heads, head_dim, block_size, kv_heads, max_blocks, tree_words, flash_min_tokens, \
-                           block_table, query_start, seq_lens, ctx_end, ctx_start, tree_bits, scale};            \
+                           block_table, query_start, seq_lens, ctx_end, ctx_start, tree_bits, scale, sinks};     \
     pagellm::run_step<TYPE, KV>(st, static_cast<const TYPE*>(q), static_cast<const KV*>(k_cache),               \
                                 static_cast<const KV*>(v_cache), static_cast<TYPE*>(out), BF16);                 \
   }

@@ -116,7 +116,7 @@ void walk_avx2(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* 
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.f / running_sum[g];
+    const float inv = 1.f / (running_sum[g] + vis.sink_term(kv_head * group + g, running_max[g]));
     for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = from_float<T>(acc[g * head_dim + d] * inv);
   }
 }

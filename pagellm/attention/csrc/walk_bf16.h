@@ -126,7 +126,7 @@ void walk_bf16(const BFloat16* q, const KV* k_cache, const KV* v_cache, const in
   for (int g = 0; g < G; ++g) {
     alignas(64) float o[D];
     for (int v = 0; v < D / 16; ++v) _mm512_store_ps(o + 16 * v, acc[g][v]);
-    write_row<D>(o, _mm512_reduce_add_ps(sum[g]), out + g * D);
+    write_row<D>(o, _mm512_reduce_add_ps(sum[g]) + vis.sink_term(kv_head * G + g, running_max[g]), out + g * D);
   }
 }
 

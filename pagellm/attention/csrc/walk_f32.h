@@ -81,7 +81,7 @@ void walk_scalar(const T* q, const KV* k_cache, const KV* v_cache, const int64_t
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.f / running_sum[g];
+    const float inv = 1.f / (running_sum[g] + vis.sink_term(kv_head * group + g, running_max[g]));
     for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = from_float<T>(acc[g * head_dim + d] * inv);
   }
 }
@@ -141,7 +141,7 @@ void walk_vec(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* b
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.f / running_sum[g];
+    const float inv = 1.f / (running_sum[g] + vis.sink_term(kv_head * group + g, running_max[g]));
     for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = from_float<T>(acc[g * head_dim + d] * inv);
   }
 }
@@ -204,7 +204,7 @@ void walk_fixed(const T* q, const KV* k_cache, const KV* v_cache, const int64_t*
   }
   for (int g = 0; g < G; ++g) {
     alignas(64) float row[head_dim];
-    const __m512 inv = _mm512_set1_ps(1.f / running_sum[g]);
+    const __m512 inv = _mm512_set1_ps(1.f / (running_sum[g] + vis.sink_term(kv_head * G + g, running_max[g])));
     for (int v = 0; v < NV; ++v) _mm512_store_ps(row + v * 16, _mm512_mul_ps(acc[g][v], inv));
     for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = from_float<T>(row[d]);
   }
