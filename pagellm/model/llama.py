@@ -34,7 +34,7 @@ from pagellm.model.layers.embedding import ParallelLMHead, VocabParallelEmbeddin
 from pagellm.model.layers.linear import loaded_whole, pack_weights
 from pagellm.model.layers.rotary import RotaryEmbedding
 from pagellm.model.native_stack import run_native, run_native_stage
-from pagellm.ops import gemm, gemm_w8a8
+from pagellm.ops import gemm, gemm_mxfp4, gemm_w8a8
 
 Embeds = tuple[torch.Tensor, torch.Tensor]  # flat token positions, and the embedding rows that go there
 
@@ -333,6 +333,13 @@ class GptOssForCausalLM(LlamaForCausalLM):
     RENAMES = ((".mlp.router.", ".mlp.gate."),)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None) -> None:
+        """With ``quantization`` ``w4a16_mxfp4`` (an MXFP4 checkpoint in bfloat16), the experts take their codes and
+        groups (``mxfp4.weights(keep=True)``) and stay in 4 bits; every other layer stays bfloat16."""
+        if quantization == gemm_mxfp4.FORMAT:
+            for layer in self.model.layers:
+                for expert in getattr(layer.mlp, "experts", ()):
+                    expert.gate_up_proj.expect_groups()
+                    expert.down_proj.expect_groups()
         super().load_weights(self._per_expert(weights), quantization)
 
     @staticmethod
@@ -347,9 +354,12 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 if part == "gate_up_proj":  # [hidden, 2I] → gate and up rows [I, hidden]
                     yield f"{experts}.{e}.gate_proj.weight", expert[:, 0::2].t()
                     yield f"{experts}.{e}.up_proj.weight", expert[:, 1::2].t()
-                elif part == "gate_up_proj_bias":
-                    yield f"{experts}.{e}.gate_proj.bias", expert[0::2]
-                    yield f"{experts}.{e}.up_proj.bias", expert[1::2]
+                elif part in ("gate_up_proj_bias", "gate_up_proj_groups"):  # by output rows, interleaved
+                    suffix = "bias" if part.endswith("bias") else "weight_groups"
+                    yield f"{experts}.{e}.gate_proj.{suffix}", expert[0::2]
+                    yield f"{experts}.{e}.up_proj.{suffix}", expert[1::2]
+                elif part == "down_proj_groups":
+                    yield f"{experts}.{e}.down_proj.weight_groups", expert
                 elif part == "down_proj":  # [I, hidden] → [hidden, I]
                     yield f"{experts}.{e}.down_proj.weight", expert.t()
                 elif part == "down_proj_bias":

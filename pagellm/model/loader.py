@@ -134,7 +134,7 @@ def iter_weights(model_dir: Path, groups: bool = False, dtype: torch.dtype | Non
         else None
     scheme = weight_only.scheme(quant) if quant else None
     if quant and quant.get("quant_method") == mxfp4.SCHEME:  # gpt-oss's experts, dequantized as they stream
-        yield from mxfp4.weights(_tensors(files), dtype)
+        yield from mxfp4.weights(_tensors(files), dtype, keep=groups)
     elif scheme is not None:
         names: set[str] = set()
         for path in files:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm import envs
-from pagellm.ops import gemm_w4a8, gemm_w4a16, gemm_w8a8
+from pagellm.ops import gemm_mxfp4, gemm_w4a8, gemm_w4a16, gemm_w8a8
 from pagellm.ops.build import cpu_flags, load_library
 
 logger = logging.getLogger(__name__)
@@ -186,8 +186,11 @@ def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 # The quantized weight formats and their kernels' modules (each with ``packed_linear``, ``packed_linear_silu_mul``,
 # ``dequantize``, ``rows``, ``entry_addresses``, ``quantize_parameter`` and ``available``).
-QUANTIZED = {gemm_w8a8.FORMAT: gemm_w8a8, gemm_w4a8.FORMAT: gemm_w4a8, gemm_w4a16.FORMAT: gemm_w4a16}
-FOUR_BIT = (gemm_w4a8.FORMAT, gemm_w4a16.FORMAT)  # the formats of the 4-bit packed weights (gemm_w4a8's layout)
+# (``gemm_mxfp4``'s is an MXFP4 checkpoint's own, never computed from float weights.)
+QUANTIZED = {gemm_w8a8.FORMAT: gemm_w8a8, gemm_w4a8.FORMAT: gemm_w4a8, gemm_w4a16.FORMAT: gemm_w4a16,
+             gemm_mxfp4.FORMAT: gemm_mxfp4}
+# the formats of the 4-bit packed weights (gemm_w4a8's layout)
+FOUR_BIT = (gemm_w4a8.FORMAT, gemm_w4a16.FORMAT, gemm_mxfp4.FORMAT)
 
 
 def packed_shape(weight: torch.Tensor) -> tuple[int, int] | None:

@@ -27,7 +27,7 @@ from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.rotary import use_long_factors
 from pagellm.model.loader import iter_weights, load_hf_config, resolve_dtype, resolve_model_dir
 from pagellm.model.registry import build_model
-from pagellm.ops import decoder_stack, fused, gemm, gemm_w4a16, gemm_w8a8
+from pagellm.ops import decoder_stack, fused, gemm, gemm_mxfp4, gemm_w4a16, gemm_w8a8
 from pagellm.ops.build import build_library
 from pagellm.sample import native as sample_native
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -246,11 +246,13 @@ def _load_model(arch: ArchConfig, model_dir: Path, dtype: torch.dtype, parallel:
 def _checkpoint_format(arch: ArchConfig, model_dir: Path, dtype: torch.dtype) -> str | None:
     """The kernel a quantized checkpoint runs on without --quantization: a W8A8 one's int8 weights; a weight-only
     one's 4-bit weights with bfloat16 activations (w4a16_int4, its own scheme) where that kernel runs and its groups
-    fit it, else ``None`` (its weights dequantized, as an MXFP4 one's always are)."""
+    fit it, an MXFP4 one's (gpt-oss's experts) likewise on its MXFP4 GEMM, else ``None`` (dequantized)."""
     if arch.quantization == weight_only.SCHEME:
         fits = weight_only.four_bit_fits(load_hf_config(model_dir))
         return gemm_w4a16.FORMAT if fits and dtype == torch.bfloat16 and gemm_w4a16.runs_here() else None
-    return None if arch.quantization == mxfp4.SCHEME else arch.quantization  # MXFP4: dequantized as it loads
+    if arch.quantization == mxfp4.SCHEME:  # kept in 4 bits where the MXFP4 GEMM runs, else dequantized as it loads
+        return gemm_mxfp4.FORMAT if dtype == torch.bfloat16 and gemm_mxfp4.runs_here() else None
+    return arch.quantization
 
 
 def _suggest_four_bits(model_dir: Path, quantization: str | None, dtype: torch.dtype) -> None:

@@ -15,6 +15,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from pagellm import LLM, SamplingParams
 from pagellm.model import mxfp4
 from pagellm.model.arch import ArchConfig
+from pagellm.ops import gemm, gemm_mxfp4
 
 from test_parity import _hf_model, _prompts, assert_greedy_parity, run
 
@@ -103,6 +104,33 @@ def test_an_mxfp4_checkpoint_serves_what_transformers_computes_from_its_experts(
         logits = _hf_model(dense)(torch.tensor([prompt])).logits[0].float()
     theirs = logits.log_softmax(-1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     assert (ours - theirs).abs().max().item() < 1e-5
+
+
+@pytest.mark.skipif(not gemm_mxfp4.runs_here(), reason="the MXFP4 GEMM needs AVX-512 BF16 and VNNI")
+def test_in_bfloat16_an_mxfp4_checkpoints_experts_stay_in_4_bits(tiny_model_factory, tmp_path: Path) -> None:
+    """Served in bfloat16, the experts keep the checkpoint's codes and scales on the MXFP4 GEMM (their values
+    exactly, 5 bits a weight); attention and the router stay bfloat16; the log-probabilities are the float twin's
+    served in bfloat16 (the same values in the bfloat16 GEMM) within bfloat16's rounding."""
+    packed, dense = _mxfp4_twins(tiny_model_factory("gpt_oss"), tmp_path)
+    prompt = _prompts(seed=6)[-1]
+    results = {}
+    for kind, model_dir in (("mxfp4", packed), ("float", dense)):
+        llm = LLM(str(model_dir), dtype="bfloat16")
+        try:
+            if kind == "mxfp4":
+                layer = llm.engine.core.executor.worker.runner.model.model.layers[1]
+                expert = layer.mlp.experts[2]
+                assert {gemm.weight_format(expert.gate_up_proj.weight), gemm.weight_format(expert.down_proj.weight)} \
+                    == {gemm_mxfp4.FORMAT}
+                assert gemm.weight_format(layer.self_attn.qkv_proj.weight) == "bf16"
+                assert gemm.weight_format(layer.mlp.gate.weight) == "bf16"
+                theirs = load_file(str(dense / "model.safetensors"))["model.layers.1.mlp.experts.down_proj"][2]
+                assert torch.equal(gemm.plain(expert.down_proj.weight).float(), theirs.t())
+            out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        finally:
+            llm.shutdown()
+        results[kind] = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
+    assert (results["mxfp4"] - results["float"]).abs().mean().item() < 0.02
 
 
 def test_the_sinks_run_on_the_cpu_kernel_as_on_its_twin(tiny_model_factory) -> None:

@@ -168,6 +168,18 @@ def test_a_served_reply_carries_its_thinking_apart_from_its_answer(harmony_clien
     assert hidden.choices[0].message.reasoning_content is None and hidden.choices[0].message.content == "It is sunny."
 
 
+def test_the_responses_api_gives_the_thinking_and_the_answer_as_items(harmony_client: openai.OpenAI,
+                                                                      harmony_model: Path) -> None:
+    """/v1/responses runs the chat handler: gpt-oss's analysis message becomes a reasoning item, its final one the
+    message (vLLM serves gpt-oss's Responses API alike)."""
+    body = _think_then(harmony_model, "It is sunny.")
+    del body["return_token_ids"]
+    response = harmony_client.responses.create(model="tiny", input="What is the weather in Paris?",
+                                               max_output_tokens=60, extra_body=body)
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].text == "aaa" and response.output_text == "It is sunny."
+
+
 def test_a_served_call_comes_whole_and_streamed(harmony_client: openai.OpenAI, harmony_model: Path) -> None:
     preamble = "<|start|>assistant<|channel|>commentary<|message|>Let me look.<|end|>"
     body = {"chat_template_kwargs": {"skip_analysis": True},

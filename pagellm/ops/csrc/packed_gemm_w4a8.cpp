@@ -28,8 +28,8 @@
 // rows, not quantized. A nibble line shifted by 0, 8, 4 or 12 bits has in each 32-bit lane two 16-bit words whose
 // low nibbles are two inputs of a column, which vpermw looks up as their exact bfloat16 values; vdpbf16ps multiplies
 // them by a broadcast pair of x, so P = Σ q · x in float32, and f += P · d, f += m · S with S the group's float32
-// sum of x.
-// Its twin is F.linear in float32 over d · q + m: the same sums up to float32 rounding.
+// sum of x. MXFP4 (gemm_mxfp4.py) is W4A16 with another table: each nibble an E2M1 code, d a power of two, m 0.
+// Its twin is F.linear in float32 over d · q + m (d · e2m1(q)): the same sums up to float32 rounding.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -66,7 +66,9 @@ struct Tile {
   const uint16_t* bias;  // at the tile's first column, or null
   int cols;              // valid output columns of the tile (paired: gate columns)
   int64_t up;            // paired tiles: bytes from a gate panel to its up panel
+  const uint16_t* table;  // W4A16: each nibble's bfloat16 value, 32 entries (i and i + 16 alike; kIntegers, kE2M1)
 };
+
 
 // acc += Σ of 4 products u8(a) · s8(b) per int32 lane (the accumulator tied in asm, as in packed_gemm_w8a8.cpp).
 inline __m512i dot_quads(__m512i acc, __m512i a, __m512i b) {
@@ -84,15 +86,12 @@ inline __m512i broadcast_quad(const int8_t* p) {
 // W4A16: one group of the tile, P = Σ q · x in float32 (vdpbf16ps, each nibble an exact bfloat16 times x), then
 // f += P · d and f += m · S (each op rounded). Lane c of a nibble line is byte b_i = q(8l + i) | q(8l + 4 + i) << 4
 // at bits 8i: shifted right by 0, 8, 4 or 12 bits, its two 16-bit words start with the nibbles of inputs (0, 2),
-// (1, 3), (4, 6) or (5, 7), and vpermw looks each word's low 5 bits up in a table of bfloat16(i mod 16): one shift
-// and one lookup per operand. x's rows come in that pair order (copy_rows), so each operand takes one broadcast.
+// (1, 3), (4, 6) or (5, 7), and vpermw looks each word's low 5 bits up in the tile's table (bfloat16(i mod 16), or
+// MXFP4's values): one shift and one lookup per operand. x's rows come in that pair order (copy_rows), so each operand takes one broadcast.
 template <int MR, int NR>
 inline void group_step_bf16(const Tile& t, const uint8_t* w, const int64_t (&at)[NR], int64_t g,
                             __m512 (&f)[MR][NR]) {
-  const __m512i values = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0,
-                                          0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0x4170, 0x4160, 0x4150,
-                                          0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080,
-                                          0x4040, 0x4000, 0x3f80, 0);
+  const __m512i values = _mm512_load_si512(t.table);
   constexpr int kShift[4] = {0, 8, 4, 12};
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
@@ -268,6 +267,7 @@ struct Problem {
   int64_t ldy;
   int width;          // output panels per run of tiles
   int64_t up_panels;  // the gate/up entry: panels from a gate panel to its up panel (n: the gate columns); else 0
+  const uint16_t* table;  // W4A16: the nibbles' values (kIntegers or kE2M1); W4A8: null
 };
 
 // Rows [m0, m0 + mb) over output panels [g, g + np).
@@ -295,6 +295,7 @@ void run_block(const Problem& pb, int64_t g, int np, int64_t m0, int64_t mb) {
       const int64_t cols = pb.n - gg * kPanel;
       t.cols = static_cast<int>(cols < nrr * kPanel ? cols : nrr * kPanel);
       t.up = pb.up_panels * pb.panel_stride;
+      t.table = pb.table;
       (pb.xb ? tile_fn<true>(mr, nrr * per, paired) : tile_fn<false>(mr, nrr * per, paired))(t);
     }
     i += mr;
@@ -318,7 +319,8 @@ void run_tiles(const Problem& pb, const Chunks& chunks, std::atomic<int64_t>& ne
 // y[m, n] for `panels` packed panels (n outputs; with up_panels > 0, n gate outputs whose up panels lie up_panels
 // on, and y = silu(gate) · up): x quantized (W4A8) or copied (a16: W4A16) by rows over the threads, then the tiles.
 void run(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w, int64_t panels, int64_t n,
-         int64_t up_panels, const uint16_t* bias, uint16_t* y, int64_t ldy, bool a16) {
+         int64_t up_panels, const uint16_t* bias, uint16_t* y, int64_t ldy, const uint16_t* table) {
+  const bool a16 = table != nullptr;
   const int64_t groups = (k + kGroup - 1) / kGroup;
   thread_local std::vector<int8_t> xq;  // the calling thread's, grown to the largest call
   thread_local std::vector<uint16_t> xb;
@@ -334,7 +336,7 @@ void run(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w,
   float* const sump = sums.data();
   float* const sxp = sx.data();
   const Problem pb{xqp, xbp, sump, sxp, m, n, groups, out_panels, groups * kGroupBytes, w, bias, y,
-                   ldy, width < 1 ? 1 : width, up_panels};
+                   ldy, width < 1 ? 1 : width, up_panels, table};
   const int threads = threads_for(m * (up_panels ? 2 * n : n) * k);
   const Chunks chunks = make_chunks(out_panels, threads, pb.width);
   std::atomic<int64_t> next{0};
@@ -351,17 +353,17 @@ void run(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w,
   }
 }
 
-// The entries' bodies, W4A8 or W4A16 (a16): y = x · Wᵀ (+ bias), and the gate/up one (-1 where n2 / 2 is not
-// whole panels).
+// The entries' bodies, W4A8 (table null) or W4A16 (the nibbles' values): y = x · Wᵀ (+ bias), and the gate/up one
+// (-1 where n2 / 2 is not whole panels).
 void linear(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w, int64_t n, const uint16_t* bias,
-            uint16_t* y, int64_t ldy, bool a16) {
-  if (m > 0) run(x, m, k, ldx, w, (n + kPanel - 1) / kPanel, n, 0, bias, y, ldy, a16);
+            uint16_t* y, int64_t ldy, const uint16_t* table) {
+  if (m > 0) run(x, m, k, ldx, w, (n + kPanel - 1) / kPanel, n, 0, bias, y, ldy, table);
 }
 
 int linear_silu_mul(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w, int64_t n2, uint16_t* y,
-                    int64_t ldy, bool a16) {
+                    int64_t ldy, const uint16_t* table) {
   if (n2 % (2 * kPanel) != 0) return -1;
-  if (m > 0) run(x, m, k, ldx, w, n2 / kPanel, n2 / 2, n2 / (2 * kPanel), nullptr, y, ldy, a16);
+  if (m > 0) run(x, m, k, ldx, w, n2 / kPanel, n2 / 2, n2 / (2 * kPanel), nullptr, y, ldy, table);
   return 0;
 }
 
@@ -398,7 +400,7 @@ int pagellm_pack_groups_w4a8(const uint16_t* w, int64_t n, int64_t k, const uint
 // stack calls either. Uses torch's OpenMP threads.
 void pagellm_packed_linear_w4a8(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w, int64_t n,
                                 const uint16_t* bias, uint16_t* y, int64_t ldy) {
-  linear(x, m, k, ldx, w, n, bias, y, ldy, false);
+  linear(x, m, k, ldx, w, n, bias, y, ldy, nullptr);
 }
 
 // y[m, n2 / 2] = silu(gate) · up of x · Wᵀ for the packed gate/up weight W [n2, k] (gate rows first, then up rows),
@@ -406,7 +408,7 @@ void pagellm_packed_linear_w4a8(const uint16_t* x, int64_t m, int64_t k, int64_t
 // and nothing written (the caller makes the two calls). The signature of pagellm_packed_linear_silu_mul_bf16.
 int pagellm_packed_linear_silu_mul_w4a8(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w,
                                         int64_t n2, uint16_t* y, int64_t ldy) {
-  return linear_silu_mul(x, m, k, ldx, w, n2, y, ldy, false);
+  return linear_silu_mul(x, m, k, ldx, w, n2, y, ldy, nullptr);
 }
 
 #ifdef __AVX512BF16__
@@ -415,16 +417,28 @@ int pagellm_packed_linear_silu_mul_w4a8(const uint16_t* x, int64_t m, int64_t k,
 // The entries' signatures are the W4A8 ones'; quantize_pack is the same packing.
 void pagellm_packed_linear_w4a16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w, int64_t n,
                                  const uint16_t* bias, uint16_t* y, int64_t ldy) {
-  linear(x, m, k, ldx, w, n, bias, y, ldy, true);
+  linear(x, m, k, ldx, w, n, bias, y, ldy, kIntegers);
 }
 
 int pagellm_packed_linear_silu_mul_w4a16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w,
                                          int64_t n2, uint16_t* y, int64_t ldy) {
-  return linear_silu_mul(x, m, k, ldx, w, n2, y, ldy, true);
+  return linear_silu_mul(x, m, k, ldx, w, n2, y, ldy, kIntegers);
 }
 
 int pagellm_quantize_pack_w4a16(const uint16_t* w, int64_t n, int64_t k, uint8_t* out) {
   return pagellm_quantize_pack_w4a8(w, n, k, out);
+}
+
+// MXFP4 (gemm_mxfp4.py: gpt-oss's experts kept as its checkpoint stores them): the W4A16 entries with each nibble
+// an E2M1 code, d the block's power of two and m 0, so the packed weight is the checkpoint's values exactly.
+void pagellm_packed_linear_mxfp4(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w, int64_t n,
+                                 const uint16_t* bias, uint16_t* y, int64_t ldy) {
+  linear(x, m, k, ldx, w, n, bias, y, ldy, kE2M1);
+}
+
+int pagellm_packed_linear_silu_mul_mxfp4(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* w,
+                                         int64_t n2, uint16_t* y, int64_t ldy) {
+  return linear_silu_mul(x, m, k, ldx, w, n2, y, ldy, kE2M1);
 }
 #endif
 
