@@ -45,7 +45,7 @@ def scheme_of(hf_config: dict[str, Any]) -> str | None:
     if weight_only.scheme(quant) is not None:
         return weight_only.SCHEME
     method = quant.get("quant_method")
-    if method == "mxfp4":  # gpt-oss's experts: dequantized as they load (``model/mxfp4.py``)
+    if method == "mxfp4":  # gpt-oss's experts: kept in 4 bits, or dequantized as they load (``model/mxfp4.py``)
         return "mxfp4"
     if method != "compressed-tensors":
         raise ValueError(f"this checkpoint is quantized with {method!r}; pagellm reads GPTQ, AWQ and compressed-"

@@ -133,7 +133,7 @@ def iter_weights(model_dir: Path, groups: bool = False, dtype: torch.dtype | Non
     quant = load_hf_config(model_dir).get("quantization_config") if (Path(model_dir) / "config.json").is_file() \
         else None
     scheme = weight_only.scheme(quant) if quant else None
-    if quant and quant.get("quant_method") == mxfp4.SCHEME:  # gpt-oss's experts, dequantized as they stream
+    if quant and quant.get("quant_method") == mxfp4.SCHEME:  # gpt-oss's experts: codes and groups, or values
         yield from mxfp4.weights(_tensors(files), dtype, keep=groups)
     elif scheme is not None:
         names: set[str] = set()

@@ -21,6 +21,7 @@ from typing import Iterable, Iterator
 import torch
 
 from pagellm.model.weight_only import GroupsDoNotFit
+from pagellm.ops import gemm_mxfp4
 from pagellm.ops.gemm_mxfp4 import E2M1
 
 SCHEME = "mxfp4"
@@ -46,10 +47,10 @@ def codes(blocks: torch.Tensor) -> torch.Tensor:
 def kept(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A pair as ``X`` (its codes ``[..., out, in]``) and ``X_groups`` (``[..., out, in / 32, 2]`` float32: each 32
     inputs' scale and a zero minimum); GroupsDoNotFit where a scale is no float16 (the kernel keeps ``d`` so)."""
-    shift = scales.to(torch.int32) - 127
-    if shift.numel() and (int(shift.min()) < -24 or int(shift.max()) > 15):
-        raise GroupsDoNotFit(f"an MXFP4 scale (2^{int(shift.min())}..2^{int(shift.max())}) is not exact in float16")
-    d = torch.ldexp(torch.ones(shift.shape), shift)
+    try:
+        d = gemm_mxfp4.scales(scales).float()
+    except ValueError as exc:
+        raise GroupsDoNotFit(str(exc)) from None
     return codes(blocks).flatten(-2), torch.stack([d, torch.zeros_like(d)], dim=-1)
 
 
