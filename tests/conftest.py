@@ -17,8 +17,8 @@ os.environ.setdefault("PAGELLM_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["PAGELLM_NUM_THREADS"]))
 
 # Ray's head waits 30 s for its GCS server to bind a port; on a 2-core box whose other test worker is compiling a
-# kernel that start once took longer (a fresh-clone CI run, 2026-12-07: a module's tests all errored in setup). Ray's own
-# override for slow starts gives it 120 s; nothing waits longer where it starts at once.
+# kernel, that start once took longer (a fresh-clone CI run, 2026-12-07: a module's tests all errored in setup).
+# Ray's own override for slow starts gives it 120 s; nothing waits longer where it starts at once.
 os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 TINY_VOCAB = 320  # 256 byte tokens + specials + spare ids
