@@ -14,11 +14,12 @@ import pytest
 import torch
 from test_parity import (_prompts, assert_greedy_parity, assert_seeded_grammar, run,
                          scored_with_and_without_the_stack)
+from test_gpt_oss import _mxfp4_twins
 from test_weight_only import _checkpoint
 
 from pagellm import LLM, SamplingParams
 from pagellm.model.compressed_tensors import write_w8a8
-from pagellm.ops import decoder_stack, gemm, gemm_w4a8, gemm_w4a16, gemm_w8a8
+from pagellm.ops import decoder_stack, gemm, gemm_mxfp4, gemm_w4a8, gemm_w4a16, gemm_w8a8
 
 TP = dict(dtype="float32", tensor_parallel_size=2)
 
@@ -59,6 +60,27 @@ def test_expert_parallel_ranks_hold_whole_experts(tiny_model_factory, arch: str,
         assert_greedy_parity(model_dir, prompts, run(llm, prompts))
     finally:
         llm.shutdown()
+
+
+@pytest.mark.skipif(not gemm_mxfp4.runs_here(), reason="the MXFP4 GEMM needs AVX-512 BF16 and VNNI")
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_mxfp4_experts_stay_4_bit_across_ranks(tiny_model_factory, tmp_path: Path, expert_parallel: bool) -> None:
+    """gpt-oss's MXFP4 experts in bfloat16 across two ranks: each rank packs its slice of every expert's codes and
+    groups (gate/up rows, down's inputs in whole groups of 32), or whole experts with expert parallelism, and the
+    prompt log-probabilities are one rank's within bfloat16's rounding."""
+    packed, _ = _mxfp4_twins(tiny_model_factory("gpt_oss"), tmp_path)
+    prompt = _prompts(seed=3)[-1]
+    logprobs = []
+    for tp in (1, 2):
+        llm = LLM(str(packed), dtype="bfloat16", tensor_parallel_size=tp, enable_expert_parallel=expert_parallel)
+        try:
+            expert = llm.engine.core.executor.worker.runner.model.model.layers[0].mlp.experts[0]
+            assert gemm.weight_format(expert.down_proj.weight) == gemm_mxfp4.FORMAT
+            out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        finally:
+            llm.shutdown()
+        logprobs.append(torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))]))
+    assert (logprobs[0] - logprobs[1]).abs().mean().item() < 0.02
 
 
 def _int8_greedy(model_dir: Path, prompts: list[list[int]], tp: int, quantization: str | None) -> tuple[LLM, list]:
