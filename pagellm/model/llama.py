@@ -231,6 +231,13 @@ class LlamaForCausalLM(nn.Module):
         return name, None
 
 
+def _gate_up(fused: torch.Tensor, gate_name: str, up_name: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A fused gate/up tensor (gate rows first, then up rows) as the two tensors every gated MLP loads."""
+    gate, up = fused.chunk(2)
+    yield gate_name, gate
+    yield up_name, up
+
+
 class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma, Gemma 2 and Gemma 3's text model: their RMSNorms scale by 1 + w, so each norm weight is loaded as
     1 + w (in float32, as transformers adds it) and the norms run as every other model's."""
@@ -264,9 +271,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv])):
                     yield name.replace(".qkv_proj.", f".{part}."), piece
             elif ".mlp.gate_up_proj." in name:
-                gate, up = tensor.chunk(2)
-                yield name.replace(".gate_up_proj.", ".gate_proj."), gate
-                yield name.replace(".gate_up_proj.", ".up_proj."), up
+                yield from _gate_up(tensor, name.replace(".gate_up_proj.", ".gate_proj."),
+                                    name.replace(".gate_up_proj.", ".up_proj."))
             else:
                 yield name, tensor
 
@@ -289,16 +295,14 @@ class GraniteMoeForCausalLM(LlamaForCausalLM):
             stacked = name.partition(".block_sparse_moe.")
             if stacked[2] == "input_linear.weight":
                 for e, expert in enumerate(tensor):
-                    gate, up = expert.chunk(2)
-                    yield f"{stacked[0]}.mlp.experts.{e}.gate_proj.weight", gate
-                    yield f"{stacked[0]}.mlp.experts.{e}.up_proj.weight", up
+                    yield from _gate_up(expert, f"{stacked[0]}.mlp.experts.{e}.gate_proj.weight",
+                                        f"{stacked[0]}.mlp.experts.{e}.up_proj.weight")
             elif stacked[2] == "output_linear.weight":
                 for e, expert in enumerate(tensor):
                     yield f"{stacked[0]}.mlp.experts.{e}.down_proj.weight", expert
             elif ".shared_mlp.input_linear." in name:
-                gate, up = tensor.chunk(2)
-                yield name.replace(".shared_mlp.input_linear.", ".mlp.gate_proj."), gate
-                yield name.replace(".shared_mlp.input_linear.", ".mlp.up_proj."), up
+                yield from _gate_up(tensor, name.replace(".shared_mlp.input_linear.", ".mlp.gate_proj."),
+                                    name.replace(".shared_mlp.input_linear.", ".mlp.up_proj."))
             else:
                 yield name, tensor
 

@@ -3,18 +3,17 @@
 It keeps per-request state across steps (applying the scheduler's deltas), builds the flat step inputs, opens
 the forward context for attention, computes logits only for the rows that sample, samples, verifies draft tokens
 (``spec/verify.py``: greedy requests keep the target's argmax path, sampled ones go through lossless rejection
-sampling; either way one corrected or bonus token follows the accepted drafts), and asks the proposer for the
-next drafts (kept per request until verified, since verification needs their distributions); draft trees get
-depth positions and an ancestor mask, and their accepted path's KV is moved into place (``spec/tree.py``). For
-requests that ask for logprobs, it takes ``log_softmax`` of their raw logit rows (before min_tokens bans), or what
-their ``logprobs_mode`` asks for, and reports, per sampled token, its value, rank and the top alternatives
-(``sample/logprobs.py``); a step where no request asks does no logprob work at all.
+sampling; either way one corrected or bonus token follows the accepted drafts), and asks the proposer for the next
+drafts (kept per request until verified, since verification needs their distributions); draft trees get depth
+positions and an ancestor mask, and their accepted path's KV is moved into place (``spec/tree.py``). For requests
+that ask for logprobs, it takes ``log_softmax`` of their raw logit rows (before min_tokens bans), or what their
+``logprobs_mode`` asks for, and reports each sampled token's value, rank and top alternatives
+(``sample/logprobs.py``); a step where no request asks does no logprob work.
 
 Per-request logits processing (penalties, logit_bias, bans, min_tokens, grammars) lives in
-``sample/logits_processors.py``; the runner only lays out one ``RowContext`` per logit row, starts the grammar
-bitmask fill before the forward pass (it runs on a helper thread meanwhile) and feeds accepted tokens back.
-Requests whose processing depends on their history (``SamplingParams.depends_on_history``: penalties,
-multi-token bad words, grammars) get no draft tokens, so every draft row can be processed statelessly.
+``sample/logits_processors.py``; the runner lays out one ``RowContext`` per logit row, starts the grammar bitmask
+fill before the forward pass (on a helper thread) and feeds accepted tokens back. Requests whose processing depends
+on their history (``depends_on_history``: penalties, multi-token bad words, grammars) get no drafts.
 """
 
 from __future__ import annotations
@@ -121,8 +120,7 @@ class ModelRunner:
                                            self._prompt_logprobs(inputs, hidden), pooled)
 
     def _pooled(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, bytes]:
-        """Pooling requests that sample this step (their prompt's last token ran): its final hidden state (a
-        classifier's: its class logits, ``model.pool``)."""
+        """Pooling requests whose prompt's last token ran: its final hidden state (a classifier's logits, ``pool``)."""
         pooled: dict[str, bytes] = {}
         if not self._pooling:
             return pooled

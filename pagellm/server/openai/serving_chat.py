@@ -69,10 +69,11 @@ class _Job:
     def thoughts(self) -> ReasoningStream:
         return ReasoningStream(self.reasoning, self.closed)  # type: ignore[arg-type]
 
-    def harmony_stream(self) -> HarmonyStream:
-        """A harmony reply's parse: calls surfaced for 'auto' on a server that parses them, thinking with the
-        reasoning parser."""
-        return HarmonyStream(self.parser is not None, self.reasoning is not None, self.limit, self.opened)
+    @property
+    def harmony_args(self) -> tuple[bool, bool, Optional[int], Optional[str]]:
+        """How a harmony reply is read (``HarmonyStream``'s and ``harmony.split``'s arguments): calls surfaced for
+        'auto' on a server that parses them, thinking with the reasoning parser."""
+        return self.parser is not None, self.reasoning is not None, self.limit, self.opened
 
     @property
     def name(self) -> Optional[str]:
@@ -110,10 +111,9 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(engine, model_names, loras, defaults)
         self.tool_parser: Optional[ToolParser] = get_parser(tool_parser) if tool_parser is not None else None
         self.reasoning_parser = reasoning_parser
-        self.harmony = (self.tool_parser is not None and self.tool_parser.harmony) or \
-            (reasoning_parser is not None and get_reasoning_parser(reasoning_parser).harmony)
-        if reasoning_parser is not None:
-            tags = get_reasoning_parser(reasoning_parser)  # an unknown name fails here, at start
+        tags = get_reasoning_parser(reasoning_parser) if reasoning_parser is not None else None  # unknown: fails now
+        self.harmony = bool(self.tool_parser is not None and self.tool_parser.harmony or tags and tags.harmony)
+        if tags is not None:
             self.think_tag = tags.end
             # A constraint (a tool call, JSON, a regex) shapes the answer: it waits for the reply's </think> (gpt-oss:
             # its final message's start).
@@ -272,7 +272,7 @@ def _think(job: _Job, index: int, text: str, finish: Optional[str]) -> tuple[str
 def _harmony_delta(job: _Job, index: int, choice: _Choice,
                    text: str) -> tuple[str, Optional[ChatDelta], Optional[str]]:
     """A harmony reply's streamed piece: its thinking, and its content and call pieces (None: nothing to send)."""
-    stream = job.messages.setdefault(index, job.harmony_stream())
+    stream = job.messages.setdefault(index, HarmonyStream(*job.harmony_args))
     piece, finish = stream.feed(text), choice.finish_reason
     if finish:
         rest = stream.finish()
@@ -344,9 +344,7 @@ def _choice(job: _Job, index: int, choice: _Choice) -> ChatCompletionChoice:
         thinking, text = job.thoughts().split(text)
     message, calls = ChatResponseMessage(content=text), None
     if job.harmony:
-        stream = job.harmony_stream()
-        thinking, content, calls = harmony.split(text, stream.surface_calls, stream.surface_thinking, job.limit,
-                                                 job.opened)
+        thinking, content, calls = harmony.split(text, *job.harmony_args)
         message = ChatResponseMessage(content=content, tool_calls=calls or None)
     elif job.name is not None:
         call = tooling.ToolCall(id=tooling.call_id(), function=tooling.FunctionCall(name=job.name, arguments=text))

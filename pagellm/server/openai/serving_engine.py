@@ -1,5 +1,4 @@
-"""What completions and chat share: the engine interface, model-name and prompt checks, fan-out over prompts,
-the state of one choice.
+"""What completions and chat share: the engine interface, model and prompt checks, fan-out, a choice's state.
 
 Contract:
 - ``EngineClient`` is the slice of ``AsyncLLM`` the server uses; the server never imports the engine class itself

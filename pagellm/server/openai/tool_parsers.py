@@ -14,8 +14,7 @@ Each parser knows one family's call syntax, as its chat template teaches it to t
   keyword arguments of literal values, ``[get_weather(city="Paris"), get_time()]``.
 - ``phi4_mini_json`` (Phi-4-mini): the whole reply is ``functools`` and a JSON list of ``{"name": ...,
   "arguments": {...}}``.
-- ``olmo3`` (OLMo 3): ``<function_calls>``, one Python call per line (values Python literals or JSON's ``null``,
-  ``true``, ``false``), ``</function_calls>``; the whole reply.
+- ``olmo3`` (OLMo 3): the whole reply ``<function_calls>``, a Python call per line, ``</function_calls>``.
 - ``granite`` (Granite 3.x): prose, then ``<|tool_call|>`` (Granite 3.0, a special token: without it in the text,
   a list that opens the reply) or ``<tool_call>`` (3.1) and a JSON list of ``{"name": ..., "arguments": {...}}``,
   with no closing tag; text around it is content.
