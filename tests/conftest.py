@@ -20,6 +20,10 @@ torch.set_num_threads(int(os.environ["PAGELLM_NUM_THREADS"]))
 # kernel, that start once took longer (a fresh-clone CI run, 2026-12-07: a module's tests all errored in setup).
 # Ray's own override for slow starts gives it 120 s; nothing waits longer where it starts at once.
 os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+# Ray's memory monitor kills workers once the node reads 95 % used, and in this VM's cgroup that count includes the
+# page cache of the run's own file I/O (a fresh-clone CI run, 2026-12-07: a tiny model's replicas killed at "22.2 of
+# 23.5 GB"). Its documented off switch leaves real exhaustion to the OS; these tests' models are tiny.
+os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 
 TINY_VOCAB = 320  # 256 byte tokens + specials + spare ids
 
