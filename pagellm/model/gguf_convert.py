@@ -39,10 +39,10 @@ from typing import Any
 
 import numpy as np
 
-from pagellm.model import gguf_tokenizer
+from pagellm.model import gguf_gpt_oss, gguf_tokenizer
 from pagellm.model.gguf_families import (REQUIRED, arch_value, cohere_config, experts_config, gemma_config,
-                                         granite_config,
-                                         phi3_config, post_norm_config, shortest_float, smollm3_config)
+                                         gpt_oss_config, granite_config, phi3_config, post_norm_config,
+                                         shortest_float, smollm3_config)
 from pagellm.model.gguf_tensors import (MIXTRAL, NORM_OFFSET_ARCHITECTURES, PERMUTED_ARCHITECTURES,
                                         SUPPORTED_ARCHITECTURES, hf_arrays, hf_tensor_name)
 
@@ -51,14 +51,16 @@ logger = logging.getLogger(__name__)
 # 2: partial_rotary_factor from rope.dimension_count; gguf_weight_types.json; 3: the 4-bit blocks (gguf_blocks);
 # 4: no float32 copy of the 4-bit blocks' matrices (loader.hf_model_dir writes one for other readers); 5: Q8_0 kept
 # as blocks too, in gguf_blocks.safetensors; 6: the embeddings and the LM head kept as blocks too; 7: Q5, Q6_K,
-# Q2_K, Q3_K, IQ4 and float16/bfloat16 matrices kept as blocks too
-CONVERTER_VERSION = 7
+# Q2_K, Q3_K, IQ4 and float16/bfloat16 matrices kept as blocks too; 8: gpt-oss
+CONVERTER_VERSION = 8
 MAX_SHARD_BYTES = 4 * 1024**3
 WEIGHT_TYPES_FILE = "gguf_weight_types.json"
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")
 
 # Instruct GGUFs sometimes name the base model's eos; the chat template's turn terminator is what ends a reply.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+# gpt-oss's generation_config.json: the final answer's end, a tool call's, the document's
+_HARMONY_ENDS = ("<|return|>", "<|call|>", "<|endoftext|>")
 
 
 def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
@@ -188,7 +190,7 @@ def _family_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any], hid
     """The config keys of the file's architecture beyond the common ones (``model/gguf_families.py``)."""
     layers = int(arch_value(meta, arch, "block_count"))
     config: dict[str, Any] = {}
-    if arch in ("llama", "qwen3", "qwen3moe", "smollm3", "granite", "olmo2", "exaone4"):
+    if arch in ("llama", "qwen3", "qwen3moe", "smollm3", "granite", "olmo2", "exaone4", "gpt-oss"):
         config.update(attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias=False)
     if arch == "qwen2moe":
         config["qkv_bias"] = "blk.0.attn_q.bias" in tensors
@@ -202,6 +204,8 @@ def _family_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any], hid
         config.update(phi3_config(meta))
     elif arch in ("command-r", "cohere2"):
         config.update(cohere_config(meta, arch))
+    elif arch == gguf_gpt_oss.ARCH:
+        config.update(gpt_oss_config(meta, layers, gguf_gpt_oss.all_mxfp4(tensors)))
     elif arch in NORM_OFFSET_ARCHITECTURES:
         config.update(gemma_config(meta, arch, hidden_per_head, head_dim, layers))
     return config
@@ -235,6 +239,8 @@ def _rope_scaling(
                                 ("yarn_beta_slow", "beta_slow")):
                 if (value := arch_value(meta, arch, f"rope.scaling.{key}", None)) is not None:
                     scaling[hf_key] = shortest_float(value)
+        if kind == "yarn" and arch == gguf_gpt_oss.ARCH:  # its config's (llama.cpp rounds the range; it stores no key)
+            scaling["truncate"] = False
         return scaling
     if "rope_freqs.weight" in tensors:
         divisors = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float64)
@@ -279,48 +285,52 @@ def llama3_rope_divisors(scaling: dict[str, Any], head_dim: int, rope_theta: flo
 def _write_weights(tensors: dict[str, Any], config: dict[str, Any], arch: str, out_dir: Path) -> None:
     from pagellm.model import gguf_blocks  # torch: the frontend resolves a converted model without it
 
-    named = [(hf_tensor_name(name, arch), tensor) for name, tensor in tensors.items()]
-    blocks, planned = [], []  # the tensors kept as the file's blocks, and the ones written in float32
-    for hf_name, tensor in named:
-        if hf_name is not None:
-            (blocks if gguf_blocks.kept(hf_name, tensor.tensor_type.name) else planned).append((hf_name, tensor))
-    shards = _plan_shards(planned)
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    permuted, mixtral = arch in PERMUTED_ARCHITECTURES, config["model_type"] == "mixtral"
+    heads = heads if arch in PERMUTED_ARCHITECTURES else {}
+    mixtral = config["model_type"] == "mixtral"
+    blocks, planned = [], []  # the tensors kept as the file's blocks; (bytes, producer) of the ones written here
+    for name, tensor in tensors.items():
+        if arch == gguf_gpt_oss.ARCH and gguf_gpt_oss.expert_tensor(name):
+            continue  # a layer's experts go together (below)
+        if (hf_name := hf_tensor_name(name, arch)) is None:
+            continue
+        if gguf_blocks.kept(hf_name, tensor.tensor_type.name):
+            blocks.append((hf_name, tensor))
+        else:
+            size = 4 * int(np.prod([int(d) for d in tensor.shape]))
+            planned.append((size, functools.partial(hf_arrays, tensor, hf_name, heads, mixtral)))
+    if arch == gguf_gpt_oss.ARCH:
+        planned.extend(gguf_gpt_oss.planned(tensors))
+    shards = _plan_shards(planned)
     weight_map: dict[str, str] = {}
     for index, shard in enumerate(shards, start=1):
         filename = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        arrays = {name: values for hf_name, tensor in shard
-                  for name, values in hf_arrays(tensor, hf_name, heads if permuted else {}, mixtral)}
+        arrays = {name: values for _, produce in shard for name, values in produce()}
         if arch in NORM_OFFSET_ARCHITECTURES:  # the file's 1 + w back to w
             arrays = {name: values - 1.0 if name.endswith("norm.weight") else values for name, values in arrays.items()}
         _save_safetensors(arrays, out_dir / filename)
         weight_map.update(dict.fromkeys(arrays, filename))
         del arrays  # one shard of float32 in memory at a time
     if len(shards) > 1:
-        index_doc = {"metadata": {"total_size": _float32_bytes(planned)}, "weight_map": weight_map}
+        index_doc = {"metadata": {"total_size": sum(size for size, _ in planned)}, "weight_map": weight_map}
         _write_json(out_dir / "model.safetensors.index.json", index_doc)
     kept = {name: (raw, tensor.tensor_type.name) for hf_name, tensor in blocks
-            for name, raw in hf_arrays(tensor, hf_name, heads if permuted else {}, mixtral, blocks=True)}
+            for name, raw in hf_arrays(tensor, hf_name, heads, mixtral, blocks=True)}
     if kept:  # the matrices as the file holds them
         gguf_blocks.save(kept, out_dir / gguf_blocks.BLOCKS_FILE)
 
 
-def _plan_shards(planned: list[tuple[str, Any]]) -> list[list[tuple[str, Any]]]:
-    shards: list[list[tuple[str, Any]]] = [[]]
+def _plan_shards(planned: list[tuple[int, Any]]) -> list[list[tuple[int, Any]]]:
+    """The planned ``(bytes, producer)`` items in shards of at most ``MAX_SHARD_BYTES`` (or one item larger)."""
+    shards: list[list[tuple[int, Any]]] = [[]]
     size = 0
     for item in planned:
-        item_bytes = _float32_bytes([item])
-        if shards[-1] and size + item_bytes > MAX_SHARD_BYTES:
+        if shards[-1] and size + item[0] > MAX_SHARD_BYTES:
             shards.append([])
             size = 0
         shards[-1].append(item)
-        size += item_bytes
+        size += item[0]
     return shards
-
-
-def _float32_bytes(planned: list[tuple[str, Any]]) -> int:
-    return sum(4 * int(np.prod([int(d) for d in tensor.shape])) for _, tensor in planned)
 
 
 def _save_safetensors(arrays: dict[str, np.ndarray], path: Path) -> None:
@@ -336,6 +346,9 @@ def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
         if key in meta:
             eos.append(int(meta[key]))
     eos.extend(_end_of_turn_ids(meta))
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    if "<|return|>" in tokens and "<|end|>" in tokens:  # harmony's <|end|> ends a message, not the reply (as llama.cpp)
+        eos = [i for i in eos if i != tokens.index("<|end|>")]
     eos = list(dict.fromkeys(eos))
     generation: dict[str, Any] = {k: v for k, v in ids.items() if k != "eos_token_id"}
     if eos:
@@ -348,6 +361,8 @@ def _end_of_turn_ids(meta: dict[str, Any]) -> list[int]:
     tokens = meta.get("tokenizer.ggml.tokens") or []
     types = meta.get("tokenizer.ggml.token_type") or []
     control = {token: index for index, (token, kind) in enumerate(zip(tokens, types)) if kind == 3}
+    if "<|return|>" in control:  # harmony's (gpt-oss): a reply ends in these; its <|end|> only ends one message
+        return [control[token] for token in _HARMONY_ENDS if token in control]
     return [control[token] for token in _END_OF_TURN_TOKENS if token in control and token in template]
 
 

@@ -1,7 +1,7 @@
 """The architecture-specific keys of a GGUF file's Hugging Face config, for ``model/gguf_convert.py``: Phi-3's
 sliding window, the Gemma family's (GeGLU, soft caps, sliding layers, and what llama.cpp fixes for them rather than
 storing), SmolLM3's NoPE layers, Granite's multipliers, OLMo 3's, EXAONE 4's and Command R7B's sliding layers,
-Cohere's LayerNorms and logit scale, and the experts of a mixture; and
+Cohere's LayerNorms and logit scale, gpt-oss's windows and clamp, and the experts of a mixture; and
 how a ``{arch}.key`` metadata value is read."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import numpy as np
 
 # Whether the chosen experts' weights are renormalised, where a file does not say (``{arch}.expert_weights_norm``):
 # what llama.cpp itself assumes for each architecture.
-_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True, "gpt-oss": True}
+# gpt-oss's MXFP4 checkpoints leave these in bfloat16 (its published config's list)
+_GPT_OSS_NOT_MXFP4 = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 REQUIRED = object()
 
 
@@ -104,6 +106,20 @@ def cohere_config(meta: dict[str, Any], arch: str) -> dict[str, Any]:
     return config
 
 
+def gpt_oss_config(meta: dict[str, Any], layers: int, mxfp4: bool) -> dict[str, Any]:
+    """gpt-oss's sliding window in every other layer, the first sliding (llama.cpp's rule where the file stores no
+    pattern), its experts' clamp at 7 (llama.cpp fixes it rather than storing it), and where the file keeps every
+    expert matrix in MXFP4, the checkpoint's ``quantization_config`` (the experts are written as its blocks)."""
+    pattern = arch_value(meta, "gpt-oss", "attention.sliding_window_pattern", 2)
+    slides = list(pattern) if isinstance(pattern, (list, tuple)) else \
+        [i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    config = {"sliding_window": int(arch_value(meta, "gpt-oss", "attention.sliding_window")), "swiglu_limit": 7.0,
+              "layer_types": ["sliding_attention" if s else "full_attention" for s in slides], "pad_token_id": None}
+    if mxfp4:
+        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": _GPT_OSS_NOT_MXFP4}
+    return config
+
+
 def experts_config(meta: dict[str, Any], arch: str, experts: int) -> dict[str, Any]:
     """The mixture-of-experts keys of the Hugging Face config: Mixtral's, or Qwen's (every layer sparse: llama.cpp's
     Qwen MoE architectures have no dense layers)."""
@@ -112,6 +128,8 @@ def experts_config(meta: dict[str, Any], arch: str, experts: int) -> dict[str, A
 
     renormalize = bool(get("expert_weights_norm", _EXPERT_WEIGHTS_NORM[arch]))
     used = int(get("expert_used_count"))
+    if arch == "gpt-oss":  # the softmax over the chosen logits (its own rule: the renormalised probabilities)
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
     if arch == "llama":
         if not renormalize:
             raise ValueError("GGUF llama file with experts that are not renormalised: Mixtral renormalises them; "

@@ -27,6 +27,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "gemma": ("GemmaForCausalLM", "gemma"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),  # Gemma 3's text models (270m, 1b)
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),  # its experts: model/gguf_gpt_oss.py
 }
 MIXTRAL = ("MixtralForCausalLM", "mixtral")  # a ``llama`` file whose layers have experts
 # llama.cpp's converter reorders q/k rows only for these (its LlamaModel and the models built on it); Qwen2, Qwen3,
@@ -69,7 +70,11 @@ _EXPERT_TENSORS = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "do
 _SANDWICH = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
              "post_ffw_norm": "post_feedforward_layernorm"}  # Gemma 2 and 3's norms around each sublayer
 _ARCH_BLOCK_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "gemma2": _SANDWICH, "gemma3": _SANDWICH,
-                       "olmo2": _SANDWICH, "exaone4": _SANDWICH}
+                       "olmo2": _SANDWICH, "exaone4": _SANDWICH,
+                       "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router",
+                                   "attn_sinks": "self_attn.sinks"}}
+# Parameters that transformers names without a suffix (llama.cpp writes ``.weight``)
+_BARE = frozenset({"self_attn.sinks"})
 # Mixtral's own names for the same tensors.
 MIXTRAL_NAMES = ((".mlp.gate.", ".block_sparse_moe.gate."), (".mlp.experts.", ".block_sparse_moe.experts."),
                  (".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2."))
@@ -91,13 +96,22 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
         return None
     block = {**_BLOCK_TENSORS, **_ARCH_BLOCK_TENSORS.get(arch, {})}
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and kind in block:
-        return f"model.layers.{parts[1]}.{block[kind]}.{suffix}"
+        return f"model.layers.{parts[1]}.{block[kind]}" + ("" if block[kind] in _BARE else f".{suffix}")
     if len(parts) == 1 and kind in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[kind]}.{suffix}"
     raise ValueError(
         f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in pagellm's converter; only plain "
         f"{sorted(SUPPORTED_ARCHITECTURES)} models are supported (convert the original checkpoint instead)"
     )
+
+
+def float_values(tensor: Any) -> np.ndarray:
+    """A GGUF tensor's values, dequantized to float32, in numpy's (and Hugging Face's) order of dimensions."""
+    from gguf.quants import dequantize
+
+    values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    # GGUF lists dimensions fastest-varying first; numpy (and HF) list them slowest first.
+    return values.reshape([int(d) for d in reversed(tensor.shape)])
 
 
 def unpermute_rotary_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -123,14 +137,10 @@ def hf_arrays(tensor: Any, hf_name: str, heads: dict[str, int], mixtral: bool = 
     stacked ``[experts, out, in]`` tensor (``hf_name`` holding ``{}`` for the expert's index); under Mixtral's own
     names with ``mixtral``. With ``blocks``, the same rows as the file's quantized blocks (uint8 [out, bytes per
     row]; ``model/gguf_blocks.py``) instead of their values."""
-    from gguf.quants import dequantize
-
     if blocks:  # the reader shapes a quantized tensor [..., out, bytes per row]: its rows, as the values' rows
         values = np.asarray(tensor.data).view(np.uint8)  # a float16 tensor's [..., out, in] as its bytes
     else:
-        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        # GGUF lists dimensions fastest-varying first; numpy (and HF) list them slowest first.
-        values = values.reshape([int(d) for d in reversed(tensor.shape)])
+        values = float_values(tensor)
     for ours, theirs in MIXTRAL_NAMES if mixtral else ():
         hf_name = hf_name.replace(ours, theirs)
     if "{}" in hf_name:

@@ -127,13 +127,15 @@ def iter_weights(model_dir: Path, groups: bool = False, dtype: torch.dtype | Non
 
     files = _safetensors_files(Path(model_dir))
     blocks = Path(model_dir) / gguf_blocks.BLOCKS_FILE
-    if blocks.is_file():
-        yield from gguf_blocks.weights(blocks, files, groups, dtype, transient)
-        return
     quant = load_hf_config(model_dir).get("quantization_config") if (Path(model_dir) / "config.json").is_file() \
         else None
+    is_mxfp4 = bool(quant) and quant.get("quant_method") == mxfp4.SCHEME
+    if blocks.is_file():  # (a gpt-oss GGUF's MXFP4 experts: every other matrix as values)
+        stream = gguf_blocks.weights(blocks, files, groups and not is_mxfp4, dtype, transient)
+        yield from mxfp4.weights(stream, dtype, keep=groups) if is_mxfp4 else stream
+        return
     scheme = weight_only.scheme(quant) if quant else None
-    if quant and quant.get("quant_method") == mxfp4.SCHEME:  # gpt-oss's experts: codes and groups, or values
+    if is_mxfp4:  # gpt-oss's experts: codes and groups, or values
         yield from mxfp4.weights(_tensors(files), dtype, keep=groups)
     elif scheme is not None:
         names: set[str] = set()
