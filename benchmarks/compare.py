@@ -170,7 +170,7 @@ def pagellm_offline(args: argparse.Namespace, ctx: systems.Context, result: Path
             str(args.offline_num_prompts), "--kv-cache-memory", str(systems.KV_GIB << 30), "--result-json",
             str(result), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
             *systems.kv_flags(ctx), *(["--model", str(ctx.model_dir)] if ctx.quantization == "w8a8_int8" else []),
-            *(["--model", str(ctx.gguf_original)] if ctx.quantization in systems.FOUR_BIT else []),
+            *(["--model", str(ctx.gguf_original)] if ctx.quantization in systems.FOUR_BIT or ctx.gguf_only else []),
             *systems.quantize_flags(ctx),
             *ctx.pagellm_flags, *flags]
     return argv, {"PAGELLM_NUM_THREADS": str(ctx.threads)}
@@ -190,13 +190,13 @@ def offline_commands(args: argparse.Namespace, ctx: systems.Context, out: Path,
                          {"PAGELLM_NUM_THREADS": str(ctx.threads)}),
     }
     vllm = systems.PEERS / "vllm" / "bin" / "vllm"
-    if vllm.exists() and ctx.quantization not in systems.FOUR_BIT:
+    if vllm.exists() and ctx.quantization not in systems.FOUR_BIT and not ctx.gguf_only:
         cmds["vLLM"] = ([str(vllm), "bench", "throughput", "--model", str(ctx.model_dir), "--dtype", ctx.dtype,
                          "--dataset-name", "random", "--random-input-len", str(args.input_len),
                          "--random-output-len", str(args.output_len), "--num-prompts", str(args.offline_num_prompts),
                          "--output-json", str(out / f"offline-vLLM{suffix}.json"), *kv, *ctx.vllm_flags],
                         systems.vllm_env(ctx))
-    if kv or ctx.quantization:  # the transformers baseline has no float8 cache and no quantized weights
+    if kv or ctx.quantization or ctx.gguf_only:  # the transformers baseline: no float8 cache, quantized weights, GGUF
         del cmds["transformers"]
     return cmds
 
@@ -268,7 +268,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gguf", default=None, metavar="FILE",
                         help="with --quantization w4a8_int4 or w4a16_int4: the 4-bit GGUF that pagellm (its Q4_0, "
                              "Q4_1 and Q4_K blocks as they are) and llama.cpp both serve (default: the built-in "
-                             "model's Q4_1 file)")
+                             "model's Q4_1 file); alone: a GGUF that pagellm and llama.cpp both serve as it is "
+                             "(vLLM and transformers sit out; e.g. a gpt-oss file, benchmarks/gpt_oss_mxfp4.py --gguf)")
     parser.add_argument("--pagellm-flags", default="", metavar="FLAGS",
                         help="pagellm's own engine flags on top of the shared ones, served and offline (e.g. "
                              "'--max-num-batched-tokens 768'); the report lists them with the others")
@@ -308,8 +309,8 @@ def parse_args() -> argparse.Namespace:
         args.offline_num_prompts = 0
     if args.dataset == "random" and args.dataset_path:
         parser.error("--dataset-path goes with --dataset sharegpt or custom")
-    if args.gguf and args.quantization not in systems.FOUR_BIT:
-        parser.error(f"--gguf goes with --quantization {' or '.join(systems.FOUR_BIT)}")
+    if args.gguf and args.quantization == "w8a8_int8":
+        parser.error(f"--gguf goes with --quantization {' or '.join(systems.FOUR_BIT)}, or alone")
     if not args.machine or any(sep in args.machine for sep in "/\\") or args.machine.startswith("."):
         parser.error(f"--machine {args.machine!r} names the results file benchmarks/results/DATE-MACHINE.md: give a "
                      "name, not a path")
@@ -333,31 +334,41 @@ def quantized_dir(model_dir: Path, quantization: str | None) -> Path:
 
 def redraw(results_json: Path) -> None:
     """Rewrite the markdown and charts of an earlier run (its arguments, results and machine name)."""
-    from pagellm.model.loader import default_model_path, hf_model_dir
+    from pagellm.model.loader import default_model_path
 
     data = json.loads(results_json.read_text())
     args = argparse.Namespace(**{"rounds": 1, "offline_rounds": 1, **data["args"]})
     quantization = getattr(args, "quantization", None)
     gguf = Path(getattr(args, "gguf", None) or default_model_path())
-    ctx = systems.Context(quantized_dir(hf_model_dir(gguf), quantization), gguf, args.dtype,
+    gguf_only = bool(getattr(args, "gguf", None)) and not quantization
+    ctx = systems.Context(quantized_dir(model_dir_of(gguf, gguf_only), quantization), gguf, args.dtype,
                           args.threads, max(args.concurrency), kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                           quantization=quantization,
                           pagellm_flags=tuple(shlex.split(getattr(args, "pagellm_flags", ""))),
-                          vllm_flags=tuple(shlex.split(getattr(args, "vllm_flags", ""))))
+                          vllm_flags=tuple(shlex.split(getattr(args, "vllm_flags", ""))), gguf_only=gguf_only)
     out = results_json.parent
     md = write_report(out.parent / f"{out.name}.md", out, args, ctx, data["served"], data["offline"],
                       data["skipped"], command=data.get("command"))
     print(f"wrote {md}")
 
 
+def model_dir_of(gguf: Path, gguf_only: bool) -> Path:
+    """The model's directory: with float copies of its matrices for vLLM and transformers, or for a comparison on the
+    GGUF file alone (which they sit out) without them."""
+    from pagellm.model.loader import hf_model_dir, resolve_model_dir
+
+    return resolve_model_dir(gguf) if gguf_only else hf_model_dir(gguf)
+
+
 def main() -> None:
-    from pagellm.model.loader import default_model_path, hf_model_dir
+    from pagellm.model.loader import default_model_path
 
     args = parse_args()
     if args.from_json:
         return redraw(Path(args.from_json))
     gguf = Path(args.gguf or default_model_path())
-    model_dir = hf_model_dir(gguf)
+    gguf_only = bool(args.gguf) and not args.quantization
+    model_dir = model_dir_of(gguf, gguf_only)
     try:
         per_stream = context_per_stream(args, model_dir)  # also checks the dataset before any server starts
     except ValueError as exc:
@@ -366,7 +377,7 @@ def main() -> None:
                           args.threads, max(args.concurrency), context_per_stream=per_stream,
                           kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                           pagellm_flags=tuple(shlex.split(args.pagellm_flags)),
-                          vllm_flags=tuple(shlex.split(args.vllm_flags)))
+                          vllm_flags=tuple(shlex.split(args.vllm_flags)), gguf_only=gguf_only)
     stem = f"{datetime.date.today().isoformat()}-{args.machine}"
     out = RESULTS / stem
     (out / "logs").mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,13 @@ in 4 bits, on the twin they are bfloat16. It prints output tok/s and the peak pr
 (resident less shared, file-backed pages: the checkpoint's mapped pages are the page cache's; sampled every 0.1 s).
 
     .venv/bin/python benchmarks/gpt_oss_mxfp4.py --layers 4 --rounds 2
+
+With ``--gguf FILE`` it writes the MXFP4 checkpoint as a GGUF instead, with llama.cpp's own converter
+(``.peers/llama.cpp/convert_hf_to_gguf.py`` from ``make peers``, ``--outtype bf16``: the experts' MXFP4 blocks as
+they are, every other matrix bfloat16, as ``gpt-oss-20b-mxfp4.gguf`` is written), and stops; ``benchmarks/compare.py
+--gguf FILE --systems pagellm llama.cpp`` then serves that file on both:
+
+    .venv/bin/python benchmarks/gpt_oss_mxfp4.py --layers 4 --gguf /tmp/gpt-oss-20b-4layers-mxfp4.gguf
 """
 
 from __future__ import annotations
@@ -109,6 +116,17 @@ def run(model: Path, args: argparse.Namespace, result: Path) -> tuple[float, flo
     return json.loads(result.read_text())["results"][0]["output_throughput"], peak / 2**30
 
 
+def write_gguf(packed: Path, out: Path) -> None:
+    """``packed`` converted by llama.cpp's own ``convert_hf_to_gguf.py`` (bfloat16 around its MXFP4 experts)."""
+    converter = REPO / ".peers" / "llama.cpp" / "convert_hf_to_gguf.py"
+    if not converter.exists():
+        sys.exit(f"{converter} not found (run `make peers`)")
+    env = {**os.environ, "PYTHONPATH": str(converter.parent / "gguf-py")}
+    subprocess.run([sys.executable, str(converter), str(packed), "--outtype", "bf16", "--outfile", str(out)], env=env,
+                   check=True)
+    print(f"wrote {out} ({out.stat().st_size / 2**30:.2f} GiB)")
+
+
 def main() -> None:
     cmd = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cmd.add_argument("--layers", type=int, default=4)
@@ -117,12 +135,16 @@ def main() -> None:
     cmd.add_argument("--input-len", type=int, default=128)
     cmd.add_argument("--output-len", type=int, default=64)
     cmd.add_argument("--threads", type=int, default=2)
+    cmd.add_argument("--gguf", type=Path, default=None, metavar="FILE",
+                     help="write the MXFP4 checkpoint as a GGUF with llama.cpp's converter to FILE and stop")
     args = cmd.parse_args()
     with tempfile.TemporaryDirectory(prefix="gpt-oss-mxfp4-") as tmp:
         root = Path(tmp)
         SHAPES["gpt-oss"] = {**SHAPES["gpt-oss-20b-4layers"], "num_hidden_layers": args.layers,
                              "layer_types": ["sliding_attention", "full_attention"] * (args.layers // 2)}
         packed = mxfp4_checkpoint(shape_dir("gpt-oss", root), root / "mxfp4")
+        if args.gguf is not None:
+            return write_gguf(packed, args.gguf)
         twin = float_twin(packed, root / "float")
         for round_ in range(1, args.rounds + 1):
             kept, kept_gib = run(packed, args, root / "kept.json")

@@ -27,7 +27,9 @@ dot products quantize the activations to 8 bits too); vLLM (no Q4_1 path on CPU)
 skipped. ``--quantization w4a16_int4`` likewise, with pagellm's activations left in bfloat16 (llama.cpp's still
 quantized to 8 bits). With compare.py ``--gguf FILE`` both serve that 4-bit GGUF instead (pagellm takes its Q4_0,
 Q4_1 and Q4_K blocks as they are and quantizes its other matrices to Q4_1 at load; llama.cpp serves every matrix in
-the file's own type).
+the file's own type). With ``--gguf FILE`` alone (``gguf_only``), pagellm and llama.cpp both serve that file as it is
+(pagellm as it serves any GGUF: a gpt-oss file's MXFP4 experts in 4 bits, its other matrices in ``--dtype``); vLLM
+and the transformers baseline sit out.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ PEERS = REPO / ".peers"
 KV_GIB = 4
 Q8_GGUF = PEERS / "gguf" / "SmolLM2-135M-Instruct-Q8_0.gguf"  # llama.cpp's side of a W8A8 comparison
 FOUR_BIT = ("w4a8_int4", "w4a16_int4")  # pagellm keeps the GGUF in 4 bits; llama.cpp serves the same file
+GGUF_ONLY = "serves Hugging Face checkpoints: a GGUF file's comparison (--gguf) is pagellm's and llama.cpp's"
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Context:
     quantization: str | None = None  # w8a8_int8: model_dir is that scheme's checkpoint; FOUR_BIT: pagellm's flag
     pagellm_flags: tuple[str, ...] = ()  # pagellm's own engine flags on top (compare.py --pagellm-flags)
     vllm_flags: tuple[str, ...] = ()  # vLLM's own engine flags on top (compare.py --vllm-flags)
+    gguf_only: bool = False  # compare.py --gguf without --quantization: pagellm and llama.cpp serve that file
 
 
 def kv_flags(ctx: Context) -> list[str]:
@@ -75,14 +79,16 @@ def quantize_flags(ctx: Context) -> list[str]:
 def model_flags(ctx: Context) -> list[str]:
     """pagellm's model argument: the quantized checkpoint where there is one (else its built-in model), or the 4-bit
     GGUF with the flag that keeps it in 4 bits."""
-    if ctx.quantization in FOUR_BIT:
+    if ctx.quantization in FOUR_BIT or ctx.gguf_only:
         return [str(ctx.gguf_original), *quantize_flags(ctx)]
     return [str(ctx.model_dir)] if ctx.quantization else []
 
 
 def _unserved(ctx: Context, llama: bool = False) -> str | None:
     """Why llama.cpp or the transformers baseline sits out a float8-cache or W8A8 comparison, if it does (llama.cpp
-    takes a W8A8 one on its Q8_0 GGUF)."""
+    takes a W8A8 one on its Q8_0 GGUF), or a comparison on a GGUF file."""
+    if ctx.gguf_only:
+        return None if llama else GGUF_ONLY
     if ctx.quantization in FOUR_BIT:
         return None if llama else f"no Q4_1 weights (--quantization {ctx.quantization})"
     if ctx.quantization and not llama:
@@ -143,12 +149,12 @@ def vllm(ctx: Context, port: int) -> System:
     note = " ".join([*(f"{k}={v}" for k, v in env.items() if k != "VLLM_LOGGING_LEVEL"),
                      f"vllm serve --dtype {ctx.dtype}", *kv_flags(ctx), *ctx.vllm_flags])
     missing = f"no Q4_1 path on CPU (--quantization {ctx.quantization})" if ctx.quantization in FOUR_BIT else \
-        None if exe.exists() else f"{exe} not found (run `make peers`)"
+        GGUF_ONLY if ctx.gguf_only else None if exe.exists() else f"{exe} not found (run `make peers`)"
     return System("vLLM", argv, env, note=note, missing_reason=missing)
 
 
 def gguf_for_llama(ctx: Context) -> tuple[Path, str]:
-    if ctx.quantization in FOUR_BIT:
+    if ctx.quantization in FOUR_BIT or ctx.gguf_only:
         return ctx.gguf_original, four_bit_kind(ctx.model_dir)
     if ctx.quantization:
         return Q8_GGUF, "Q8_0"

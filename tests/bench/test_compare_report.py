@@ -329,7 +329,24 @@ def test_compare_sets_4bit_pagellm_beside_llama_cpp_on_the_same_gguf(tmp_path, m
     assert "groups of 32" in report._weights_note(fmt)
 
 
-def test_compare_takes_a_gguf_only_for_4bit_weights(monkeypatch, capsys) -> None:
+def test_compare_on_a_gguf_alone_serves_that_file_on_pagellm_and_llama_cpp(tmp_path, monkeypatch) -> None:
+    """``compare.py --gguf FILE`` without --quantization (a gpt-oss file, say): pagellm and llama.cpp serve the file
+    as it is, served and offline; vLLM and the transformers baseline sit out, saying why; not with W8A8."""
+    compare, args = _compare_args(monkeypatch, "--gguf", str(tmp_path / "m.gguf"))
+    assert args.gguf == str(tmp_path / "m.gguf") and args.quantization is None
+    monkeypatch.setattr(compare.systems, "PEERS", tmp_path)
+    (tmp_path / "llama.cpp" / "build" / "bin").mkdir(parents=True)
+    (tmp_path / "llama.cpp" / "build" / "bin" / "llama-server").write_bytes(b"")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "gguf_weight_types.json").write_text(json.dumps({"BF16": 16, "MXFP4": 12}))
+    gguf = str(tmp_path / "m.gguf")
+    ctx = compare.systems.Context(tmp_path / "model", tmp_path / "m.gguf", gguf_only=True)
+    built = {name: build(ctx, 8000) for name, build in compare.systems.BUILDERS.items()}
+    assert built["pagellm"].argv[4] == gguf and built["pagellm"].argv[5] == "--port"
+    assert built["llama.cpp"].name == "llama.cpp (BF16/MXFP4)" and gguf in built["llama.cpp"].argv
+    assert built["llama.cpp"].missing_reason is None and built["pagellm"].missing_reason is None
+    assert built["vllm"].missing_reason == built["transformers"].missing_reason == compare.systems.GGUF_ONLY
+    offline = compare.offline_commands(args, ctx, tmp_path)
+    assert list(offline) == ["pagellm"] and offline["pagellm"][0][-2:] == ["--model", gguf]
     with pytest.raises(SystemExit):
-        _compare_args(monkeypatch, "--gguf", "m.gguf")
-    assert "--gguf goes with --quantization w4a8_int4 or w4a16_int4" in capsys.readouterr().err
+        _compare_args(monkeypatch, "--gguf", "m.gguf", "--quantization", "w8a8_int8")
