@@ -226,3 +226,84 @@ def test_the_native_decoder_stack_runs_a_mixture_of_experts_as_its_python_layers
     monkeypatch.setattr(llama, "run_native", lambda *a: None)  # the Python layers, the native call inside
     taken = len(calls)
     assert _engine_run(path, monkeypatch, "1") == stacked and len(calls) == taken
+
+
+def _gpt_oss_block(quantization: str | None) -> SparseMoeBlock:
+    """gpt-oss's sparse layer (biases on the router and the experts, the softmax of the chosen logits, a clamp low
+    enough to bite) with random weights, packed."""
+    config = transformers.GptOssConfig(hidden_size=HIDDEN, intermediate_size=48, num_local_experts=8,
+                                       num_experts_per_tok=3, swiglu_limit=0.3, num_attention_heads=4, head_dim=16,
+                                       num_hidden_layers=1, vocab_size=32)
+    cfg = ArchConfig.from_hf(config.to_dict() | {"architectures": ["GptOssForCausalLM"]})
+    assert cfg.moe is not None and cfg.moe.bias and cfg.moe.softmax_top_k
+    ours = SparseMoeBlock(cfg.moe, HIDDEN, torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in ours.named_parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * (0.5 if name.startswith("gate.") else 0.2))
+    pack_weights(ours, quantization)
+    return ours
+
+
+@native
+@pytest.mark.parametrize("quantization", [None, "w8a8_int8", "w4a16_int4"])
+def test_native_gpt_oss_experts_equal_the_python_loop_bit_for_bit(quantization: str | None) -> None:
+    """gpt-oss's layer in the native call: given a routing, the Python loop's bits (gate/up bias in the GEMM, the
+    clamped SwiGLU, the down bias after it); the whole layer is its router (with its bias), the softmax of the chosen
+    logits and those experts."""
+    if quantization and not (gemm_w8a8.available() and (quantization != "w4a16_int4" or gemm_w4a16.available())):
+        pytest.skip("the quantized GEMMs need AVX-512 VNNI (and BF16)")
+    ours = _gpt_oss_block(quantization)
+    native, moe = ours.native_experts(), ours.moe
+    assert native is not None and native.routes and native.weight_format == (quantization or "bf16")
+    for tokens in (1, 6, 45):
+        x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+        with torch.no_grad():
+            assert (ours.experts[0].gate_up_proj(x).float().abs() > moe.swiglu_limit).any()  # the clamp bites
+            weights, experts = route(ours.gate(x), moe.top_k, moe.renormalize, softmax_top_k=True)
+            weights = weights.to(x.dtype)
+            order = torch.argsort(experts.reshape(-1), stable=True)
+            rows, scales = order // moe.top_k, weights.reshape(-1)[order]
+            counts = torch.bincount(experts.reshape(-1), minlength=moe.num_experts)
+            loop = ours.routed_torch(x, rows, scales.unsqueeze(-1), counts.tolist())
+        assert torch.equal(native(x, rows, scales.float(), counts), loop)
+        routing = moe_kernel.route(gemm.linear(x, ours.gate.weight, ours.gate.bias), moe.top_k, moe.renormalize,
+                                   moe.weights_in_model_dtype, softmax_top_k=True)
+        assert torch.equal(native.forward(x), native(x, *routing))
+
+
+@native
+def test_native_gpt_oss_routing_is_the_softmax_of_the_chosen_logits() -> None:
+    ours = _gpt_oss_block(None)
+    moe = ours.moe
+    x = torch.randn(64, HIDDEN, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    logits = gemm.linear(x, ours.gate.weight, ours.gate.bias)
+    weights, experts = route(logits, moe.top_k, moe.renormalize, softmax_top_k=True)
+    rows, scales, counts = moe_kernel.route(logits, moe.top_k, moe.renormalize, False, softmax_top_k=True)
+    untied = _untied(logits, moe.top_k)
+    assert untied.sum() >= 56
+    native_experts = torch.repeat_interleave(torch.arange(moe.num_experts), counts)
+    for token in untied.nonzero().flatten().tolist():
+        mine = sorted(zip(native_experts[rows == token].tolist(), scales[rows == token].tolist()))
+        theirs = sorted(zip(experts[token].tolist(), weights[token].tolist()))
+        assert [e for e, _ in mine] == [e for e, _ in theirs]
+        torch.testing.assert_close(torch.tensor([w for _, w in mine]), torch.tensor([w for _, w in theirs]),
+                                   rtol=1e-6, atol=0)
+
+
+@native
+def test_gpt_oss_serves_with_its_experts_in_the_native_call_as_in_the_python_loop(
+        tiny_model_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In bfloat16 gpt-oss's sparse layers make the native call; greedy tokens equal the Python loop's (its
+    twin: torch's routing, the loop) and log-probabilities agree within the routing's last bits."""
+    path = tiny_model_factory("gpt_oss")
+    calls: list[int] = []
+    real = moe_kernel.Experts.forward
+    monkeypatch.setattr(moe_kernel.Experts, "forward", lambda self, x: calls.append(1) or real(self, x))
+    native_run = _engine_run(path, monkeypatch, "1")
+    assert calls
+    taken = len(calls)
+    twin = _engine_run(path, monkeypatch, "0")
+    assert len(calls) == taken  # the twin made no native call
+    assert [tokens for tokens, _ in twin] == [tokens for tokens, _ in native_run]
+    assert [lp for _, lp in twin] == pytest.approx([lp for _, lp in native_run], abs=1e-3)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.ops.fused import silu_and_mul
+from pagellm.ops.fused import clamped_swiglu, silu_and_mul
 
 
 class SiluAndMul(nn.Module):
@@ -39,13 +39,18 @@ class GeluAndMul(nn.Module):
 
 class ClampedSwiGLU(nn.Module):
     """gpt-oss's experts' gating over ``[gate | up]``: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``
-    with ``g = min(gate, limit)``, in plain PyTorch and in the order transformers computes it."""
+    with ``g = min(gate, limit)``: bfloat16 rows in one native pass (rounded where transformers' bfloat16 ops round),
+    ``forward_torch`` its plain-PyTorch twin, in the order transformers computes it (and every other dtype's path)."""
 
     def __init__(self, limit: float, alpha: float) -> None:
         super().__init__()
         self.limit, self.alpha = limit, alpha
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        fused = clamped_swiglu(gate_up, self.limit, self.alpha)
+        return fused if fused is not None else self.forward_torch(gate_up)
+
+    def forward_torch(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)

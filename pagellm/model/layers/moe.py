@@ -4,7 +4,7 @@ A router (a replicated ``[experts, hidden]`` matrix) scores every expert for eac
 ``top_k`` experts, SwiGLU MLPs each, and its output is their outputs weighted by the router's softmax probabilities
 (renormalised over the chosen ones where the model says so). Qwen2-MoE adds a shared expert that every token takes,
 scaled by a sigmoid gate of its own. gpt-oss's router and experts have biases, its softmax is over the chosen
-logits, and its experts gate with a clamped SwiGLU (``activation.ClampedSwiGLU``); those run the Python loop.
+logits, and its experts gate with a clamped SwiGLU (``activation.ClampedSwiGLU``; the native call takes all three).
 
 Tokens are grouped by expert (one stable sort of the flat choices), so each expert runs one GEMM pair over the
 tokens that chose it, and experts no token chose cost nothing. Contributions are summed into the output in
@@ -128,8 +128,6 @@ class SparseMoeBlock(nn.Module):
 
     def _native_for(self, x: torch.Tensor) -> moe_kernel.Experts | None:
         """The native call for hidden states ``x``: bfloat16 ones, unless ``PAGELLM_NATIVE_DECODER=0``."""
-        if self.moe.bias or self.moe.swiglu_limit is not None:  # gpt-oss's experts: the Python loop
-            return None
         return self.native_experts() if x.dtype == torch.bfloat16 and envs.native_decoder() else None
 
     def native_experts(self) -> moe_kernel.Experts | None:
@@ -152,9 +150,18 @@ class SparseMoeBlock(nn.Module):
                     and (shared is None or gemm.weight_format(shared[2]) == "bf16")
                 native = moe_kernel.Experts(weights[0::2], weights[1::2], self.gate.weight if whole else None,
                                             self.moe.top_k, self.moe.renormalize, self.moe.weights_in_model_dtype,
-                                            shared if whole else None)
+                                            shared if whole else None, self._biases())
             self.__dict__["_native_experts"] = native
         return native  # type: ignore[return-value]
+
+    def _biases(self) -> moe_kernel.Biases | None:
+        """gpt-oss's biases, clamp and routing for the native call (``None`` for the other mixtures)."""
+        if not self.moe.bias and self.moe.swiglu_limit is None:
+            return None
+        return moe_kernel.Biases(
+            self.gate.bias, [e.gate_up_proj.bias for e in self.experts],
+            [e.down_bias if e.bias_here else None for e in self.experts], self.moe.swiglu_limit or 0.0,
+            self.moe.swiglu_alpha, self.moe.softmax_top_k)
 
 
 _UNBUILT = object()

@@ -1,6 +1,7 @@
 // Fused element-wise bfloat16 ops of the Llama block, one pass over memory each instead of several torch ops:
 //   add_rms_norm:  residual' = x + residual; out = weight * bf16(residual' * rsqrt(mean(residual'^2) + eps))
 //   silu_and_mul:  out = silu(gate) * up, with gate_up = [gate | up] along the last dimension
+//   clamped_swiglu: gpt-oss's gating of the same [gate | up]
 //   rotary:        q', k' = x * cos + rotate_half(x) * sin for each head ("rotate half" layout), from q/k rows
 //                  that may be strided views into the fused qkv output, into contiguous outputs; over the first
 //                  rot_dim dimensions of each head (the rest copied: Phi-4-mini's partial rotary embedding)
@@ -116,6 +117,31 @@ void pagellm_silu_and_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t n,
       _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), round_bf16x8(silu_mul8(widen_bf16x8(g + i), widen_bf16x8(u + i))));
 #endif
     for (; i < n; ++i) o[i] = bf16(f32(g[i]) / (1.f + std::exp(-f32(g[i]))) * f32(u[i]));
+#endif
+  }
+}
+
+// gpt-oss's experts' gating: gate_up [rows, 2 * n] (gate then up); out [rows, n] = (clamp(up, -limit, limit) + 1) *
+// (g * sigmoid(alpha * g)) with g = min(gate, limit), rounded as torch's bfloat16 ops round it.
+void pagellm_clamped_swiglu_bf16(const uint16_t* gate_up, int64_t rows, int64_t n, float limit, float alpha,
+                                 uint16_t* out) {
+#pragma omp parallel for schedule(static) if (rows * n >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* g = gate_up + r * 2 * n;
+    const uint16_t* u = g + n;
+    uint16_t* o = out + r * n;
+#if defined(__AVX512F__)
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1);
+      store_bf16x16(o + i, clamped_swiglu16(load_bf16x16(g + i, m), load_bf16x16(u + i, m), limit, alpha), m);
+    }
+#else
+    for (int64_t i = 0; i < n; ++i) {
+      const float gate = f32(bf16(std::fmin(f32(g[i]), limit)));
+      const float up = f32(bf16(std::fmax(std::fmin(f32(u[i]), limit), -limit)));
+      const float sig = f32(bf16(1.f / (1.f + std::exp(-f32(bf16(gate * alpha))))));
+      o[i] = bf16(f32(bf16(up + 1.f)) * f32(bf16(gate * sig)));
+    }
 #endif
   }
 }

@@ -1,7 +1,8 @@
 // A mixture-of-experts layer in one call: the router's GEMM, the routing (softmax over the experts in float32, the
-// top_k most probable, renormalised where the model says so), and for each expert that tokens chose: gather those
-// tokens' rows, run the expert's SwiGLU MLP on them through the packed GEMM, and add each row's result, scaled by
-// its routing weight, into the output row of its token. The Python layer (pagellm/model/layers/moe.py) and the
+// top_k most probable, renormalised where the model says so; gpt-oss's: the softmax of its top_k logits), and for
+// each expert that tokens chose: gather those tokens' rows, run the expert's SwiGLU MLP on them through the packed
+// GEMM (gpt-oss's: with biases and its clamped SwiGLU), and add each row's result, scaled by its routing weight,
+// into the output row of its token. The Python layer (pagellm/model/layers/moe.py) and the
 // native decoder stack (decoder_stack.cpp, through MoeLayer) both call pagellm_moe_forward_bf16, so they agree bit
 // for bit.
 //
@@ -37,6 +38,8 @@ struct MoeKernels {
   // the bfloat16 GEMM, for the router (which stays bfloat16 when the experts are int8)
   void (*router_linear)(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
                         const uint16_t* bias, uint16_t* y, int64_t ldy);
+  // gpt-oss's clamped SwiGLU over [gate | up] (fused.cpp pagellm_clamped_swiglu_bf16)
+  void (*clamped_swiglu)(const uint16_t* gate_up, int64_t rows, int64_t n, float limit, float alpha, uint16_t* out);
 };
 
 // One layer's router and experts, as pagellm/ops/moe.py binds them.
@@ -54,6 +57,15 @@ struct MoeLayer {
   const uint16_t* shared_down;
   const uint16_t* shared_gate;
   int64_t shared_inter;
+  // gpt-oss's (null or 0 where a model has none): the router's bias [experts]; each expert's gate/up bias
+  // [2 * inter] and its down projection's [hidden] (null on tensor-parallel ranks but the first: its partial sums
+  // take it once), added after that GEMM as the Python layer adds it; routing weights as the softmax of the top_k
+  // logits; the clamped SwiGLU's limit (0: SiLU) and alpha
+  const uint16_t* router_bias;
+  const uint16_t* const* gate_up_bias;
+  const uint16_t* const* down_bias;
+  int64_t softmax_top_k;
+  float swiglu_limit, swiglu_alpha;
 };
 
 // The calling thread's scratch rows, grown to the largest call (the GEMMs' own threads only read and write the
@@ -72,7 +84,8 @@ struct Workspace {
 
 // The (token, choice) pairs of `tokens` rows of router logits, grouped by expert (see the top of this file).
 void route(const uint16_t* logits, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize,
-           bool weights_in_model_dtype, int64_t* rows, float* scales, int64_t* counts, Workspace& ws) {
+           bool weights_in_model_dtype, int64_t* rows, float* scales, int64_t* counts, Workspace& ws,
+           bool softmax_top_k = false) {
   ws.probs.resize(static_cast<size_t>(experts));
   ws.chosen.resize(static_cast<size_t>(tokens * top_k));
   ws.weights.resize(static_cast<size_t>(tokens * top_k));
@@ -82,20 +95,30 @@ void route(const uint16_t* logits, int64_t tokens, int64_t experts, int64_t top_
     const uint16_t* l = logits + t * experts;
     float top = -INFINITY, sum = 0.f;
     for (int64_t e = 0; e < experts; ++e) top = std::max(top, f32(l[e]));
-    for (int64_t e = 0; e < experts; ++e) sum += p[e] = std::exp(f32(l[e]) - top);
-    for (int64_t e = 0; e < experts; ++e) p[e] /= sum;
+    if (softmax_top_k) {  // gpt-oss: rank by the logits, the softmax of the chosen ones below
+      for (int64_t e = 0; e < experts; ++e) p[e] = f32(l[e]) - top;  // ordered as the logits
+    } else {
+      for (int64_t e = 0; e < experts; ++e) sum += p[e] = std::exp(f32(l[e]) - top);
+      for (int64_t e = 0; e < experts; ++e) p[e] /= sum;
+    }
     int64_t* chosen = ws.chosen.data() + t * top_k;
     float* w = ws.weights.data() + t * top_k;
     float picked = 0.f;
     for (int64_t j = 0; j < top_k; ++j) {  // the most probable left; exact ties: the lower index (torch: unspecified)
       int64_t best = -1;
       for (int64_t e = 0; e < experts; ++e)
-        if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
-      chosen[j] = best, w[j] = p[best], p[best] = -1.f;
+        if (p[e] > -INFINITY && (best < 0 || p[e] > p[best])) best = e;
+      chosen[j] = best, w[j] = p[best], p[best] = -INFINITY;
       picked += w[j];
     }
+    if (softmax_top_k) {  // torch.softmax of the chosen logits in float32 (w[0] is the largest)
+      const float first = w[0];
+      float total = 0.f;
+      for (int64_t j = 0; j < top_k; ++j) total += w[j] = std::exp(w[j] - first);
+      for (int64_t j = 0; j < top_k; ++j) w[j] /= total;
+    }
     for (int64_t j = 0; j < top_k; ++j) {
-      if (renormalize) w[j] /= picked;
+      if (renormalize && !softmax_top_k) w[j] /= picked;
       if (weights_in_model_dtype) w[j] = f32(bf16(w[j]));
       ++counts[chosen[j]];
     }
@@ -130,9 +153,24 @@ void add_shared_expert(const MoeLayer* l, const uint16_t* x, int64_t tokens, int
   }
 }
 
-void run_experts(const MoeKernels* k, const uint16_t* const* gate_up, const uint16_t* const* down,
-                 int64_t experts, int64_t hidden, int64_t inter, const uint16_t* x, int64_t tokens, int64_t ldx,
-                 const int64_t* rows, const float* scales, const int64_t* counts, uint16_t* out, Workspace& ws) {
+// h = act(x[rows] · W_gate_up + b) for expert e into ws.h (SiLU·mul in the GEMM's pass where it offers one).
+void expert_hidden(const MoeLayer* l, int64_t e, int64_t m, Workspace& ws) {
+  const MoeKernels* k = l->kernels;
+  const int64_t hidden = l->hidden, inter = l->inter;
+  const uint16_t* bias = l->gate_up_bias ? l->gate_up_bias[e] : nullptr;
+  if (l->swiglu_limit == 0.f && bias == nullptr && k->linear_silu_mul != nullptr &&
+      k->linear_silu_mul(ws.x.data(), m, hidden, hidden, l->gate_up[e], 2 * inter, ws.h.data(), inter) == 0)
+    return;
+  k->linear(ws.x.data(), m, hidden, hidden, l->gate_up[e], 2 * inter, bias, ws.gate_up.data(), 2 * inter);
+  if (l->swiglu_limit != 0.f)
+    k->clamped_swiglu(ws.gate_up.data(), m, inter, l->swiglu_limit, l->swiglu_alpha, ws.h.data());
+  else
+    k->silu_and_mul(ws.gate_up.data(), m, inter, ws.h.data());
+}
+
+void run_experts(const MoeLayer* l, const uint16_t* x, int64_t tokens, int64_t ldx, const int64_t* rows,
+                 const float* scales, const int64_t* counts, uint16_t* out, Workspace& ws) {
+  const int64_t experts = l->experts, hidden = l->hidden, inter = l->inter;
   int64_t largest = 0;
   for (int64_t e = 0; e < experts; ++e) largest = counts[e] > largest ? counts[e] : largest;
   std::memset(out, 0, static_cast<size_t>(tokens * hidden) * sizeof(uint16_t));
@@ -144,16 +182,15 @@ void run_experts(const MoeKernels* k, const uint16_t* const* gate_up, const uint
     const int64_t* chosen = rows + start;
     for (int64_t r = 0; r < m; ++r)
       std::memcpy(ws.x.data() + r * hidden, x + chosen[r] * ldx, static_cast<size_t>(hidden) * sizeof(uint16_t));
-    if (k->linear_silu_mul == nullptr ||
-        k->linear_silu_mul(ws.x.data(), m, hidden, hidden, gate_up[e], 2 * inter, ws.h.data(), inter) != 0) {
-      k->linear(ws.x.data(), m, hidden, hidden, gate_up[e], 2 * inter, nullptr, ws.gate_up.data(), 2 * inter);
-      k->silu_and_mul(ws.gate_up.data(), m, inter, ws.h.data());
-    }
-    k->linear(ws.h.data(), m, inter, inter, down[e], hidden, nullptr, ws.y.data(), hidden);
+    expert_hidden(l, e, m, ws);
+    l->kernels->linear(ws.h.data(), m, inter, inter, l->down[e], hidden, nullptr, ws.y.data(), hidden);
+    const uint16_t* bias = l->down_bias ? l->down_bias[e] : nullptr;
     for (int64_t r = 0; r < m; ++r) {
       const float scale = scales[start + r];
-      const uint16_t* y = ws.y.data() + r * hidden;
+      uint16_t* y = ws.y.data() + r * hidden;
       uint16_t* o = out + chosen[r] * hidden;
+      if (bias)  // the Python layer adds it to the GEMM's bfloat16 output
+        for (int64_t i = 0; i < hidden; ++i) y[i] = bf16(f32(y[i]) + f32(bias[i]));
       for (int64_t i = 0; i < hidden; ++i) o[i] = bf16(f32(o[i]) + f32(bf16(f32(y[i]) * scale)));
     }
     start += m;
@@ -164,31 +201,27 @@ void run_experts(const MoeKernels* k, const uint16_t* const* gate_up, const uint
 
 extern "C" {
 
-// x: [tokens, hidden] bf16 rows (row stride ldx); gate_up[e], down[e]: expert e's packed [2 * inter, hidden] and
-// [hidden, inter] weights; rows, scales: the (token, weight) pairs grouped by expert, counts[e] of them for expert
-// e; out: [tokens, hidden] bf16, overwritten. Returns 0, or -1 (out untouched) where a row names no token.
-// x: [tokens, hidden] bf16 rows (row stride ldx); gate_up[e], down[e]: expert e's packed [2 * inter, hidden] and
-// [hidden, inter] weights; rows, scales: the (token, weight) pairs grouped by expert, counts[e] of them for expert
-// e; out: [tokens, hidden] bf16, overwritten. Returns 0, or -1 (out untouched) where a row names no token.
-int pagellm_moe_experts_bf16(const MoeKernels* k, const uint16_t* const* gate_up, const uint16_t* const* down,
-                             int64_t experts, int64_t hidden, int64_t inter, const uint16_t* x, int64_t tokens,
-                             int64_t ldx, const int64_t* rows, const float* scales, const int64_t* counts,
-                             uint16_t* out) {
+// x: [tokens, hidden] bf16 rows (row stride ldx); the layer's experts (its router unused); rows, scales: the
+// (token, weight) pairs grouped by expert, counts[e] of them for expert e; out: [tokens, hidden] bf16, overwritten.
+// Returns 0, or -1 (out untouched) where a row names no token.
+int pagellm_moe_experts_bf16(const MoeLayer* l, const uint16_t* x, int64_t tokens, int64_t ldx, const int64_t* rows,
+                             const float* scales, const int64_t* counts, uint16_t* out) {
   int64_t pairs = 0;
-  for (int64_t e = 0; e < experts; ++e) pairs += counts[e];
+  for (int64_t e = 0; e < l->experts; ++e) pairs += counts[e];
   for (int64_t p = 0; p < pairs; ++p)
     if (rows[p] < 0 || rows[p] >= tokens) return -1;
   thread_local Workspace ws;
-  run_experts(k, gate_up, down, experts, hidden, inter, x, tokens, ldx, rows, scales, counts, out, ws);
+  run_experts(l, x, tokens, ldx, rows, scales, counts, out, ws);
   return 0;
 }
 
 // The routing alone (for tests): logits [tokens, experts] bf16 → rows, scales [tokens * top_k], counts [experts].
 void pagellm_moe_route_bf16(const uint16_t* logits, int64_t tokens, int64_t experts, int64_t top_k,
                             int64_t renormalize, int64_t weights_in_model_dtype, int64_t* rows, float* scales,
-                            int64_t* counts) {
+                            int64_t* counts, int64_t softmax_top_k) {
   thread_local Workspace ws;
-  route(logits, tokens, experts, top_k, renormalize != 0, weights_in_model_dtype != 0, rows, scales, counts, ws);
+  route(logits, tokens, experts, top_k, renormalize != 0, weights_in_model_dtype != 0, rows, scales, counts, ws,
+        softmax_top_k != 0);
 }
 
 // The whole layer: out [tokens, hidden] (overwritten) = Σ over each token's top_k experts of weight · expert(x).
@@ -200,12 +233,11 @@ void pagellm_moe_forward_bf16(const MoeLayer* l, const uint16_t* x, int64_t toke
   ws.scales.resize(static_cast<size_t>(pairs));
   ws.counts.resize(static_cast<size_t>(l->experts));
   ws.sorted.resize(static_cast<size_t>(pairs));
-  l->kernels->router_linear(x, tokens, l->hidden, ldx, l->router, l->experts, nullptr, ws.logits.data(),
+  l->kernels->router_linear(x, tokens, l->hidden, ldx, l->router, l->experts, l->router_bias, ws.logits.data(),
                             l->experts);
   route(ws.logits.data(), tokens, l->experts, l->top_k, l->renormalize != 0, l->weights_in_model_dtype != 0,
-        ws.sorted.data(), ws.scales.data(), ws.counts.data(), ws);
-  run_experts(l->kernels, l->gate_up, l->down, l->experts, l->hidden, l->inter, x, tokens, ldx, ws.sorted.data(),
-              ws.scales.data(), ws.counts.data(), out, ws);
+        ws.sorted.data(), ws.scales.data(), ws.counts.data(), ws, l->softmax_top_k != 0);
+  run_experts(l, x, tokens, ldx, ws.sorted.data(), ws.scales.data(), ws.counts.data(), out, ws);
   if (l->shared_gate_up) add_shared_expert(l, x, tokens, ldx, out, ws);
 }
 

@@ -1,4 +1,5 @@
-// SiLU(gate) * up for 16 floats (AVX-512) or 8 (AVX2 + FMA) and torch's bfloat16 rounding, shared by the SiLU·mul
+// SiLU(gate) * up for 16 floats (AVX-512) or 8 (AVX2 + FMA) and torch's bfloat16 rounding (and gpt-oss's clamped
+// SwiGLU for 16, the fused kernel's), shared by the SiLU·mul
 // kernel (ops/csrc/fused.cpp) and the packed GEMMs (their gate/up epilogues: packed_gemm_amx.h,
 // packed_gemm_avx512.h, packed_gemm_w8a8.cpp; the AVX2 stores, packed_gemm_avx2.h), so the fused and the two-call
 // paths give the same bits. ops/build.py
@@ -31,6 +32,19 @@ static inline void store_bf16x16(uint16_t* p, __m512 v, __mmask16 m) {
 static inline __m512 silu_mul16(__m512 g, __m512 u) {
   const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
   return _mm512_mul_ps(silu, u);
+}
+
+// gpt-oss's clamped SwiGLU, (clamp(u, -limit, limit) + 1) * (g' * sigmoid(alpha * g')) with g' = min(g, limit),
+// each operation rounded to bfloat16 where torch's sequence of bfloat16 ops rounds it but the last (the caller's
+// store rounds it); g and u already bfloat16 values.
+static inline __m512 clamped_swiglu16(__m512 g, __m512 u, float limit, float alpha) {
+  const __m512 one = _mm512_set1_ps(1.f), cap = _mm512_set1_ps(limit);
+  g = round_bf16x16(_mm512_min_ps(g, cap));
+  u = round_bf16x16(_mm512_max_ps(_mm512_min_ps(u, cap), _mm512_sub_ps(_mm512_setzero_ps(), cap)));
+  const __m512 up1 = round_bf16x16(_mm512_add_ps(u, one));
+  const __m512 ga = round_bf16x16(_mm512_mul_ps(g, _mm512_set1_ps(alpha)));
+  const __m512 sig = round_bf16x16(_mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), ga)))));
+  return _mm512_mul_ps(up1, round_bf16x16(_mm512_mul_ps(g, sig)));
 }
 #endif
 
