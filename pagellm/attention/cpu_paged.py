@@ -71,7 +71,8 @@ ENTRIES = {(torch.bfloat16, torch.bfloat16): "pagellm_paged_attention_bf16",
 
 def bind_entry(lib: ctypes.CDLL, name: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     fn = getattr(lib, name)
-    fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
+                                                                   ctypes.c_float]
     fn.restype = None
     return fn
 
@@ -104,9 +105,12 @@ class PagedKernel:
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: CpuPagedMetadata,
                   scale: float, flash_min_tokens: int = FLASH_MIN_TOKENS, sliding_window: int | None = None,
-                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         """q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D] of q's dtype or a float8 one; ``sinks``:
-        [H] logits joining each head's softmax denominator (gpt-oss's). Returns [T, H * D] of q's dtype."""
+        [H] logits joining each head's softmax denominator (gpt-oss's); ``softcap``: each scaled score becomes
+        softcap * tanh(score / softcap) (Gemma 2's). Returns [T, H * D] of q's dtype."""
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"an attention soft cap must be positive, got {softcap}")
         if q.dim() != 3 or k_cache.dim() != 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("paged attention needs q [T, H, D] and contiguous 4-D caches")
         fn = self.entry(q.dtype, k_cache.dtype)
@@ -126,7 +130,7 @@ class PagedKernel:
            None if starts is None else starts.data_ptr(), None if bits is None else bits.data_ptr(),
            0 if bits is None else bits.shape[1], md.seq_lens.shape[0], heads, head_dim, k_cache.shape[1],
            k_cache.shape[2], md.block_table.shape[1], flash_min_tokens, scale, out.data_ptr(),
-           None if sinks is None else sinks.data_ptr())
+           None if sinks is None else sinks.data_ptr(), softcap or 0.0)
         return out
 
 
@@ -170,10 +174,10 @@ class CpuPagedBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: CpuPagedMetadata, scale: float, sliding_window: int | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.slot_mapping)
         return self.kernel.attention(q, kv_cache[0], kv_cache[1], metadata, scale, sliding_window=sliding_window,
-                                     sinks=sinks)
+                                     sinks=sinks, softcap=softcap)
 
 
 register_backend("cpu_paged")(CpuPagedBackend)

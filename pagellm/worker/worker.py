@@ -74,7 +74,7 @@ class Worker:
         model.eval()
         _suggest_four_bits(model_dir, quantization, self.dtype)
         num_blocks = kv_cache_blocks(cache_config, arch, self.kv_dtype, max_model_len)
-        backend = get_backend(attention_backend(model_config.attention_backend, arch))
+        backend = get_backend(model_config.attention_backend)
         # Model-based proposers keep their own cache with as many blocks as the target's (their layers only).
         proposer = make_proposer(spec_config, model, backend=backend, block_size=cache_config.block_size,
                                  num_blocks=num_blocks, dtype=self.dtype, seed=model_config.seed)
@@ -261,17 +261,6 @@ def _suggest_four_bits(model_dir: Path, quantization: str | None, dtype: torch.d
     hint = gguf_convert.four_bit_hint(model_dir) or weight_only.four_bit_hint(load_hf_config(model_dir))
     if hint and not quantization and dtype == torch.bfloat16 and gemm_w8a8.runs_here():
         logger.info(hint)
-
-
-def attention_backend(name: str, arch: ArchConfig) -> str:
-    """The backend that serves ``arch``: the one asked for, except that soft-capped attention scores (Gemma 2's)
-    take the reference backend, whose scores are capped (the C++ kernels' are not)."""
-    if arch.attn_softcap is None:
-        return name
-    if name == "cpu_paged":
-        raise ValueError("attention logit soft-capping (Gemma 2's) runs on the torch_ref attention backend; use "
-                         "--attention-backend auto or torch_ref")
-    return "torch_ref"
 
 
 def _start_kernel_builds(dtype: torch.dtype, kv_dtype: torch.dtype, attention_backend: str,

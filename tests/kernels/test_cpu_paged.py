@@ -48,10 +48,12 @@ def _random_step(q_lens: list[int], ctx_lens: list[int], heads: int, kv_heads: i
 
 
 def _dense(q: torch.Tensor, cache: torch.Tensor, common: CommonAttentionInputs, scale: float,
-           window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+           window: int | None = None, sinks: torch.Tensor | None = None,
+           softcap: float | None = None) -> torch.Tensor:
     """Every row in float64 from the (already written) cache: causal, or the row's tree mask after its context;
     under a sliding ``window`` the keys before each token's window (counted from its position) dropped; with
-    ``sinks`` ([heads]) each head's softmax taken over its scores and its sink, whose share is then dropped."""
+    ``sinks`` ([heads]) each head's softmax taken over its scores and its sink, whose share is then dropped; with
+    ``softcap`` each scaled score made softcap * tanh(score / softcap) first."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, bs = cache.shape[3], common.block_size
     trees = common.tree_masks or {}
@@ -68,6 +70,8 @@ def _dense(q: torch.Tensor, cache: torch.Tensor, common: CommonAttentionInputs, 
         if first_key is not None:
             allowed &= torch.arange(ctx)[None, :] >= first_key[start:end, None]
         scores = torch.einsum("qhd,thd->hqt", q[start:end].double(), keys) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~allowed, float("-inf"))
         if sinks is None:
             probs = scores.softmax(-1)

@@ -106,8 +106,10 @@ void scores_amx(FlashAmxTile<D>& tile, const KeyRows& keys, int g) {
 // order), so a score is scaled inside its exponent, e^(s scale - m scale), and a tile that every lane sees whole
 // (most of a long prompt's) takes no masks.
 template <int D>
-void softmax_group(FlashAmxTile<D>& tile, int g, int nk, float scale) {
+void softmax_group(FlashAmxTile<D>& tile, int g, int nk, float scale, float cap) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  if (cap != 0.f)  // Gemma 2's soft cap, in raw units (cap / scale); invisible keys are masked below
+    for (int k = 0; k < nk; ++k) _mm512_store_ps(tile.st[g][k], soft_cap16(_mm512_load_ps(tile.st[g][k]), cap));
   const __m512i vis = _mm512_load_si512(tile.vis + 16 * g);
   const uint32_t all = nk >= 32 ? ~0u : (1u << nk) - 1;
   const bool whole = _mm512_cmpneq_epi32_mask(_mm512_and_si512(vis, _mm512_set1_epi32(int32_t(all))),
@@ -221,7 +223,7 @@ void flash_tile_amx(const BFloat16* q, const BFloat16* k_cache, const BFloat16* 
     scores_amx<D>(tile, keys, 0);
     for (int g = 0; 16 * g < nq; ++g) {
       if (16 * (g + 1) < nq) scores_amx<D>(tile, keys, g + 1);
-      softmax_group<D>(tile, g, nk, scale);
+      softmax_group<D>(tile, g, nk, scale, vis[0].softcap / scale);
     }
     values_amx<D>(tile, nq);
   }

@@ -142,7 +142,7 @@ void qk_all(FlashTile<D>& tile, const BFloat16* const* qrows, int nq, float scal
 // Online-softmax update of one query vector for this key tile (scores and maxima in log2 units: 2^(s - m) is
 // e^((q·k - max) scale)); leaves its probabilities in p2 as bf16.
 template <int D>
-inline void softmax_row(FlashTile<D>& tile, int qv, uint32_t visible) {
+inline void softmax_row(FlashTile<D>& tile, int qv, uint32_t visible, float cap2) {
   if (visible == 0) {  // nothing to see in this tile: the update is the identity
     tile.corr[qv] = 1.f;
     tile.p2[qv] = _mm512_setzero_si512();
@@ -150,8 +150,12 @@ inline void softmax_row(FlashTile<D>& tile, int qv, uint32_t visible) {
   }
   const __mmask16 lo = static_cast<__mmask16>(visible), hi = static_cast<__mmask16>(visible >> 16);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512 s0 = _mm512_mask_load_ps(ninf, lo, tile.s[qv]);
-  const __m512 s1 = _mm512_mask_load_ps(ninf, hi, tile.s[qv] + 16);
+  __m512 s0 = _mm512_mask_load_ps(ninf, lo, tile.s[qv]);
+  __m512 s1 = _mm512_mask_load_ps(ninf, hi, tile.s[qv] + 16);
+  if (cap2 != 0.f) {  // Gemma 2's soft cap, in the scores' log2 units
+    s0 = _mm512_mask_mov_ps(s0, lo, soft_cap16(s0, cap2));
+    s1 = _mm512_mask_mov_ps(s1, hi, soft_cap16(s1, cap2));
+  }
   const float new_max = std::max(tile.m[qv], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
   const __m512 mx = _mm512_set1_ps(new_max);
   const __m512 p0 = _mm512_maskz_mov_ps(lo, exp2_16(_mm512_sub_ps(s0, mx)));
@@ -257,6 +261,7 @@ void flash_tile(const BFloat16* q, const KV* k_cache, const KV* v_cache, const i
   const KV* krow[kFlashKeys];
   const KV* vrow[kFlashKeys];
   const float scale2 = scale * 1.44269504088896341f;  // scores in log2 units: the softmax takes 2^x (exp2_16)
+  const float cap2 = vis[0].softcap * 1.44269504088896341f;  // Gemma 2's soft cap in those units (0: none)
   for (int64_t k0 = kbegin; k0 < kend; k0 += kFlashKeys) {
     const int nk = static_cast<int>(std::min<int64_t>(kFlashKeys, kend - k0));
     key_rows<D>(k_cache, v_cache, blocks, k0, nk, block_size, token_stride, kv_head, krow, vrow);
@@ -265,7 +270,7 @@ void flash_tile(const BFloat16* q, const KV* k_cache, const KV* v_cache, const i
     else qk_all<D, 1>(tile, qrows, nq, scale2);
     for (int i = 0; i < m; ++i) {
       const uint32_t visible = vis[i].mask(k0, nk);
-      for (int g = 0; g < group; ++g) softmax_row<D>(tile, static_cast<int>(i * group + g), visible);
+      for (int g = 0; g < group; ++g) softmax_row<D>(tile, static_cast<int>(i * group + g), visible, cap2);
     }
     pv_all<D>(tile, nq, (nk + 1) / 2);
   }

@@ -7,8 +7,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
-#include "fp8.h"  // ops/csrc: the 8-bit cache elements
+#include "fp8.h"       // ops/csrc: the 8-bit cache elements
+#include "simd_exp.h"  // ops/csrc: exp16
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -64,6 +66,7 @@ struct Visibility {
   int64_t win = 0;
   int64_t words = 0;
   const float* sinks = nullptr;  // [heads] gpt-oss's attention sinks (one logit per query head), or null
+  float softcap = 0.f;           // Gemma 2's attention logit soft cap, in natural units (scores scaled), or 0
 
   // The sink's share of query head ``head``'s softmax denominator, e^(sink - max) with ``max`` the running maximum
   // of its scores in natural units (a logit with no value: it only scales the output down); 0 without sinks.
@@ -98,6 +101,19 @@ struct Visibility {
     return bits != nullptr && offset >= 0 && offset < words * 64 && ((bits[offset / 64] >> (offset % 64)) & 1u);
   }
 };
+
+// Gemma 2's soft cap of one score, c * tanh(s / c), in any units (c in the same ones: the cap is scale-equivariant);
+// -inf (an invisible key) stays -inf.
+inline float soft_cap(float s, float c) { return s == -std::numeric_limits<float>::infinity() ? s : c * std::tanh(s / c); }
+
+#if defined(__AVX512F__)
+// soft_cap of 16 scores (c > 0), tanh as 1 - 2 / (e^(2x) + 1) with simd_exp.h's exp16 (which clamps its argument, so
+// large scores give c exactly); callers keep an invisible lane's -inf by masking.
+inline __m512 soft_cap16(__m512 s, float c) {
+  const __m512 e = exp16(_mm512_mul_ps(s, _mm512_set1_ps(2.f / c)));
+  return _mm512_sub_ps(_mm512_set1_ps(c), _mm512_div_ps(_mm512_set1_ps(2.f * c), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+}
+#endif
 
 // Where key ``pos``'s row for ``kv_head`` starts in a [num_blocks, block_size, kv_heads, head_dim] cache.
 inline int64_t key_offset(const int64_t* blocks, int64_t pos, int64_t block_size, int64_t token_stride,

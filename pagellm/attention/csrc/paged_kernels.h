@@ -88,6 +88,7 @@ struct Step {
   const uint64_t* tree_bits;    // [T, tree_words] or null
   float scale;
   const float* sinks = nullptr;  // [heads] gpt-oss's attention sinks, or null
+  float softcap = 0.f;           // Gemma 2's attention logit soft cap, or 0
 };
 
 struct Item {
@@ -185,6 +186,7 @@ void run_item(const Step& st, const Item& item, const T* q, const KV* k, const K
   for (int64_t i = 0; i < item.count; ++i) {
     vis[i] = token_visibility(st.ctx_end, st.ctx_start, st.tree_bits, st.tree_words, item.first + i, win);
     vis[i].sinks = st.sinks;
+    vis[i].softcap = st.softcap;
   }
   const int64_t offset = item.first * st.heads * st.head_dim;
   if (item.flash) {
@@ -222,16 +224,18 @@ void run_step(const Step& st, const T* q, const KV* k, const KV* v, T* out, bool
 // token sees the keys before it); ctx_start: [T] (under a sliding window, each token's first key) or null (no
 // window); tree_bits: [T, tree_words] bits over its row's own query tokens, or null. All int64 and contiguous; H a
 // multiple of KVH. Rows of at least flash_min_tokens tokens take flash tiles (bf16). sinks: [H] float32 logits that
-// join each query head's softmax denominator (gpt-oss's attention sinks), or null.
+// join each query head's softmax denominator (gpt-oss's attention sinks), or null; softcap: each scaled score
+// becomes softcap * tanh(score / softcap) before the softmax (Gemma 2's), or 0.
 // TYPE: q and out; KV: the caches' elements (TYPE, or an 8-bit float of ops/csrc/fp8.h under either query type).
 #define PAGELLM_ENTRY(NAME, TYPE, KV, BF16)                                                                       \
   void NAME(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_table,                \
             const int64_t* query_start, const int64_t* seq_lens, const int64_t* ctx_end, const int64_t* ctx_start, \
             const uint64_t* tree_bits, int64_t tree_words, int64_t rows, int64_t heads, int64_t head_dim,       \
             int64_t block_size, int64_t kv_heads, int64_t max_blocks, int64_t flash_min_tokens, float scale,    \
-            void* out, const float* sinks) {                                                                     \
+            void* out, const float* sinks, float softcap) {                                                      \
     const pagellm::Step st{rows, heads, head_dim, block_size, kv_heads, max_blocks, tree_words, flash_min_tokens, \
-                           block_table, query_start, seq_lens, ctx_end, ctx_start, tree_bits, scale, sinks};     \
+                           block_table, query_start, seq_lens, ctx_end, ctx_start, tree_bits, scale, sinks,      \
+                           softcap};                                                                             \
     pagellm::run_step<TYPE, KV>(st, static_cast<const TYPE*>(q), static_cast<const KV*>(k_cache),               \
                                 static_cast<const KV*>(v_cache), static_cast<TYPE*>(out), BF16);                 \
   }

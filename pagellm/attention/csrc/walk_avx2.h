@@ -102,6 +102,9 @@ void walk_avx2(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* 
         scores[g][t] = hsum8(sum);
       }
     }
+    if (vis.softcap != 0.f)  // (an invisible lane's score is dropped in tile_softmax8, whatever it holds)
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t t = 0; t < n; ++t) scores[g][t] = soft_cap(scores[g][t], vis.softcap);
     for (int64_t g = 0; g < group; ++g)
       tile_softmax8(scores[g], valid, running_max[g], running_sum[g], acc + g * head_dim, head_dim);
     for (int64_t t = 0; t < n; ++t) {

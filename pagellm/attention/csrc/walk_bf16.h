@@ -43,8 +43,9 @@ __attribute__((always_inline)) inline void tile_scores(const KV* const* krow, in
 // output when the maximum grows, and leaves the tile's probabilities in p2 as bf16 key pairs.
 template <int NV>
 __attribute__((always_inline)) inline void tile_softmax(__m512 s, __mmask16 valid, __m512 scale, float& running_max,
-                                                        __m512& sum, __m512 (&acc)[NV], int32_t* p2) {
-  const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, s, scale);
+                                                        __m512& sum, __m512 (&acc)[NV], int32_t* p2, float cap) {
+  __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, s, scale);
+  if (cap != 0.f) x = _mm512_mask_mov_ps(x, valid, soft_cap16(x, cap));  // Gemma 2's, on the scaled scores
   const float tile_max = _mm512_reduce_max_ps(x);
   if (tile_max > running_max) {  // exp16 inline, not std::exp: a call would spill every accumulator around it
     const __m512 corr = exp16(_mm512_set1_ps(running_max - tile_max));
@@ -118,7 +119,8 @@ void walk_bf16(const BFloat16* q, const KV* k_cache, const KV* v_cache, const in
     __m512 s[G];
     for (int g = 0; g < G; ++g) s[g] = _mm512_setzero_ps();
     for (int c = 0; c < D / 32; ++c) tile_scores<G>(krow, n, c, qp, s);
-    for (int g = 0; g < G; ++g) tile_softmax<D / 16>(s[g], valid, sc, running_max[g], sum[g], acc[g], p2[g]);
+    for (int g = 0; g < G; ++g)
+      tile_softmax<D / 16>(s[g], valid, sc, running_max[g], sum[g], acc[g], p2[g], vis.softcap);
     const int64_t ahead = start + kPrefetchBlocks * block_size, ahead_n = std::min(n, vis.kend - ahead);
     const int64_t ahead_base = ahead_n > 0 ? offset(ahead) + kv_head * D : 0;
     tile_values<D, G>(v_cache + base, n, stride, p2, acc, k_cache + ahead_base, v_cache + ahead_base, ahead_n);

@@ -53,6 +53,9 @@ void walk_scalar(const T* q, const KV* k_cache, const KV* v_cache, const int64_t
         scores[g * block_size + t] = seen[t] ? dot(qf.data() + g * head_dim, row.data(), head_dim) * scale
                                              : -std::numeric_limits<float>::infinity();
     }
+    if (vis.softcap != 0.f)
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t t = 0; t < n; ++t) scores[g * block_size + t] = soft_cap(scores[g * block_size + t], vis.softcap);
     for (int64_t g = 0; g < group; ++g) {
       float* s = scores.data() + g * block_size;
       float block_max = s[0];
@@ -118,7 +121,8 @@ void walk_vec(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* b
       }
     }
     for (int64_t g = 0; g < group; ++g) {
-      const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, scores + g * 16);
+      __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, scores + g * 16);
+      if (vis.softcap != 0.f) s = _mm512_mask_mov_ps(s, valid, soft_cap16(s, vis.softcap));
       const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(s));
       const float correction = std::exp(running_max[g] - new_max);
       const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
@@ -183,7 +187,8 @@ void walk_fixed(const T* q, const KV* k_cache, const KV* v_cache, const int64_t*
       }
     }
     for (int g = 0; g < G; ++g) {
-      const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, scores[g]);
+      __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, scores[g]);
+      if (vis.softcap != 0.f) s = _mm512_mask_mov_ps(s, valid, soft_cap16(s, vis.softcap));
       const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(s));
       const __m512 correction = _mm512_set1_ps(std::exp(running_max[g] - new_max));
       const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));

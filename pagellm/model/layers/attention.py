@@ -24,7 +24,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window  # each token sees only the keys of its last this many positions
-        self.softcap = softcap  # Gemma 2's: scores become softcap * tanh(score / softcap) (the torch_ref backend's)
+        self.softcap = softcap  # Gemma 2's: scores become softcap * tanh(score / softcap) (every backend caps)
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, kv_heads, head_dim]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -50,7 +50,7 @@ struct StackKernels {
                     const int64_t* query_start, const int64_t* seq_lens, const int64_t* ctx_end,
                     const int64_t* ctx_start, const uint64_t* tree_bits, int64_t tree_words, int64_t rows,
                     int64_t heads, int64_t head_dim, int64_t block_size, int64_t kv_heads, int64_t max_blocks,
-                    int64_t flash_min_tokens, float scale, void* out, const float* sinks);
+                    int64_t flash_min_tokens, float scale, void* out, const float* sinks, float softcap);
   // gate/up GEMM and SiLU·mul in one pass where the GEMM can (0), else -1 and nothing written; may be null.
   int (*linear_silu_mul)(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n2,
                          uint16_t* y, int64_t ldy);
@@ -278,7 +278,7 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
   write_kv(s, st, sc.k, sc.wide, qkv_n, l.k_cache, l.v_cache);
   f.attention(sc.q, l.k_cache, l.v_cache, st.block_table, st.query_start, st.seq_lens, st.ctx_end,
               l.windowed ? st.ctx_start : nullptr, st.tree_bits, st.tree_words, st.rows, s.heads, s.head_dim,
-              s.block_size, s.kv_heads, st.max_blocks, st.flash_min_tokens, s.scale, sc.attn, nullptr);
+              s.block_size, s.kv_heads, st.max_blocks, st.flash_min_tokens, s.scale, sc.attn, nullptr, 0.f);
   f.linear(in_order(sc.attn, t, qd, l.o_order, sc.ordered), t, qd, qd, l.o, s.hidden, nullptr, sc.x, s.hidden);
   if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
   scale_rows(sc.x, t * s.hidden, s.residual_scale);
