@@ -53,6 +53,16 @@ SHAPES = {  # published configs (their hub config.json), the keys a shape needs
                                              "truncate": False, "original_max_position_embeddings": 4096},
                             "rms_norm_eps": 1e-05, "vocab_size": 201088, "tie_word_embeddings": False,
                             "hidden_act": "silu", "pad_token_id": 199999, "eos_token_id": 200002},
+    # Gemma 2 2B: its soft-capped attention (50) and logits (30), a 4,096-token window in every other layer, 256-wide
+    # heads
+    "gemma-2-2b": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304,
+                   "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+                   "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192, "rope_theta": 10000.0,
+                   "rms_norm_eps": 1e-06, "vocab_size": 256000, "tie_word_embeddings": True,
+                   "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 256,
+                   "sliding_window": 4096, "hidden_act": "gelu_pytorch_tanh",
+                   "hidden_activation": "gelu_pytorch_tanh", "pad_token_id": 0, "eos_token_id": 1,
+                   "bos_token_id": 2},
 }
 
 

@@ -80,7 +80,7 @@ def write_gguf(path: Path, packed: Path, dense: Path, experts: str = "MXFP4", ma
             writer.add_tensor(names.get_name(name) + ".weight", tensor.numpy())
         else:
             values = tensor.numpy()
-            if values.ndim == 2 and matrices != "F32":
+            if values.ndim == 2 and matrices != "F32" and ".router." not in name:  # (llama.cpp's router: F32)
                 kind = gguf.GGMLQuantizationType[matrices]
                 writer.add_tensor(f"{names.get_name(module)}.{suffix}", gguf.quants.quantize(values, kind),
                                   raw_dtype=kind)
@@ -226,11 +226,13 @@ def test_an_mxfp4_gguf_serves_what_transformers_computes(twins: tuple[Path, Path
 
 
 @pytest.mark.skipif(not gemm_mxfp4.runs_here(), reason="the MXFP4 GEMM needs AVX-512 BF16 and VNNI")
-def test_in_bfloat16_a_ggufs_experts_stay_in_4_bits(twins: tuple[Path, Path], tmp_path: Path) -> None:
-    """A file as llama.cpp's converter writes it in bfloat16 (its matrices BF16, kept as the file's blocks), served in
-    bfloat16: the experts on the MXFP4 GEMM with the checkpoint's values exactly, attention bfloat16."""
+@pytest.mark.parametrize("matrices", ["BF16", "Q4_0"])
+def test_in_bfloat16_a_ggufs_experts_stay_in_4_bits(twins: tuple[Path, Path], tmp_path: Path, matrices: str) -> None:
+    """A file as llama.cpp's converter writes it in bfloat16 (its matrices BF16, kept as the file's blocks), or one
+    whose other matrices llama-quantize made Q4_0, served in bfloat16: the experts on the MXFP4 GEMM with the
+    checkpoint's values exactly, attention bfloat16 (a Q4_0 one dequantized: only the experts come as groups)."""
     packed, dense = twins
-    llm = LLM(str(write_gguf(tmp_path / "oss.gguf", packed, dense, matrices="BF16")), dtype="bfloat16")
+    llm = LLM(str(write_gguf(tmp_path / "oss.gguf", packed, dense, matrices=matrices)), dtype="bfloat16")
     try:
         layer = llm.engine.core.executor.worker.runner.model.model.layers[0]
         expert = layer.mlp.experts[3]
@@ -262,3 +264,18 @@ def test_a_gguf_with_float_experts_serves_the_same(twins: tuple[Path, Path], tmp
         assert_greedy_parity(dense, prompts, run(llm, prompts))
     finally:
         llm.shutdown()
+
+
+def test_gpt_oss_layer_patterns_as_llama_cpp_reads_them() -> None:
+    """Where a file stores no pattern, llama.cpp's rule for gpt-oss: every other layer slides, the first one; a stored
+    period or per-layer flags win; the quantization config only where every expert is MXFP4."""
+    from pagellm.model.gguf_families import gpt_oss_config
+
+    meta = {"gpt-oss.attention.sliding_window": 128}
+    assert gpt_oss_config(meta, 4, False)["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    assert "quantization_config" not in gpt_oss_config(meta, 4, False)
+    assert gpt_oss_config(meta, 4, True)["quantization_config"]["quant_method"] == "mxfp4"
+    period = gpt_oss_config({**meta, "gpt-oss.attention.sliding_window_pattern": 3}, 3, False)["layer_types"]
+    assert period == ["sliding_attention", "sliding_attention", "full_attention"]
+    flags = gpt_oss_config({**meta, "gpt-oss.attention.sliding_window_pattern": [False, True]}, 2, False)
+    assert flags["layer_types"] == ["full_attention", "sliding_attention"] and flags["sliding_window"] == 128
