@@ -279,3 +279,14 @@ def test_gpt_oss_layer_patterns_as_llama_cpp_reads_them() -> None:
     assert period == ["sliding_attention", "sliding_attention", "full_attention"]
     flags = gpt_oss_config({**meta, "gpt-oss.attention.sliding_window_pattern": [False, True]}, 2, False)
     assert flags["layer_types"] == ["full_attention", "sliding_attention"] and flags["sliding_window"] == 128
+
+
+def test_harmonys_end_of_a_message_never_ends_a_reply() -> None:
+    """A harmony vocabulary's stop tokens are <|return|>, <|call|> and <|endoftext|>, even where a file names
+    <|end|> as its end of turn (llama.cpp drops it from its end-of-generation tokens too)."""
+    from pagellm.model.gguf_convert import _generation_config
+
+    tokens = ["a", "<|end|>", "<|return|>", "<|call|>", "<|endoftext|>", "<|start|>"]
+    meta = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": [1, 3, 3, 3, 3, 3],
+            "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eot_token_id": 1, "tokenizer.chat_template": "<|end|>"}
+    assert _generation_config(meta)["eos_token_id"] == [2, 3, 4]

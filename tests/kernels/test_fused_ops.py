@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.model.layers.activation import SiluAndMul
+from pagellm.model.layers.activation import ClampedSwiGLU, SiluAndMul
 from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding, rotate_half
 from pagellm.model import gguf_blocks
@@ -62,6 +62,23 @@ def test_silu_and_mul(rows: int, hidden: int, kernel_build: str) -> None:
     _close_bf16(out, act.forward_torch(gate_up))
     gate, up = gate_up.float().chunk(2, dim=-1)
     _close_bf16(out, F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 2880), (4, 40), (33, 2880), (2, 7)])
+def test_clamped_swiglu(rows: int, hidden: int, kernel_build: str) -> None:
+    """gpt-oss's gating in one pass: its twin's bfloat16 sequence of torch ops bit for bit (up to the exponential's
+    last bits, none in these), and within that sequence's bfloat16 roundings of the float32 formula; the clamp
+    bites."""
+    gen = torch.Generator().manual_seed(rows * hidden)
+    gate_up = torch.randn(rows, 2 * hidden, generator=gen).mul(6).to(BF16)
+    act = ClampedSwiGLU(7.0, 1.702)
+    out = act(gate_up)
+    assert out is not None and torch.equal(out, act.forward_torch(gate_up))
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    assert (gate > 7).any() and (up.abs() > 7).any()
+    gate = gate.clamp(max=7.0)
+    want = (up.clamp(-7.0, 7.0) + 1) * gate * torch.sigmoid(1.702 * gate)  # five bfloat16 roundings apart at most
+    torch.testing.assert_close(out.float(), want, rtol=5 * 2 ** -8, atol=1e-2)
 
 
 @pytest.mark.parametrize("rows,heads,kv_heads,head_dim,rotary_dim", [(1, 9, 3, 64, 64), (17, 4, 2, 32, 32),
