@@ -88,12 +88,12 @@ def _mxfp4_twins(model_dir: Path, out: Path) -> tuple[Path, Path]:
     return dirs[0], dirs[1]
 
 
-def test_an_mxfp4_checkpoint_serves_what_transformers_computes_from_its_experts(tiny_model_factory,
-                                                                               tmp_path: Path) -> None:
-    packed, dense = _mxfp4_twins(tiny_model_factory("gpt_oss"), tmp_path)
-    llm = LLM(str(packed), dtype="float32", max_num_batched_tokens=40)
+def assert_serves_its_float_twin(model: Path, dense: Path, seed: int) -> None:
+    """``model`` served in float32 gives transformers' greedy tokens on its float twin ``dense``, and its prompt
+    log-probabilities within 1e-5."""
+    llm = LLM(str(model), dtype="float32", max_num_batched_tokens=40)
     try:
-        prompts = _prompts(seed=5)
+        prompts = _prompts(seed=seed)
         assert_greedy_parity(dense, prompts, run(llm, prompts))
         prompt = prompts[-1]
         out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
@@ -104,6 +104,12 @@ def test_an_mxfp4_checkpoint_serves_what_transformers_computes_from_its_experts(
         logits = _hf_model(dense)(torch.tensor([prompt])).logits[0].float()
     theirs = logits.log_softmax(-1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     assert (ours - theirs).abs().max().item() < 1e-5
+
+
+def test_an_mxfp4_checkpoint_serves_what_transformers_computes_from_its_experts(tiny_model_factory,
+                                                                               tmp_path: Path) -> None:
+    packed, dense = _mxfp4_twins(tiny_model_factory("gpt_oss"), tmp_path)
+    assert_serves_its_float_twin(packed, dense, seed=5)
 
 
 @pytest.mark.skipif(not gemm_mxfp4.runs_here(), reason="the MXFP4 GEMM needs AVX-512 BF16 and VNNI")

@@ -22,8 +22,8 @@ from pagellm.model.arch import ArchConfig
 from pagellm.model.gguf_convert import convert_gguf_to_hf
 from pagellm.ops import gemm, gemm_mxfp4
 
-from test_gpt_oss import GPT_OSS_20B, _mxfp4_twins
-from test_parity import _hf_model, _prompts, assert_greedy_parity, run
+from test_gpt_oss import GPT_OSS_20B, _mxfp4_twins, assert_serves_its_float_twin
+from test_parity import _prompts, assert_greedy_parity, run
 
 # gpt-oss's special tokens (its tokenizer's, a few of them) and its pre-tokenizer's split (o200k's, as gpt-oss's
 # tokenizer.json and tiktoken write it; llama.cpp's "gpt-4o")
@@ -210,19 +210,7 @@ def test_an_mxfp4_gguf_converts_back_to_its_checkpoint(twins: tuple[Path, Path],
 
 def test_an_mxfp4_gguf_serves_what_transformers_computes(twins: tuple[Path, Path], tmp_path: Path) -> None:
     packed, dense = twins
-    llm = LLM(str(write_gguf(tmp_path / "oss.gguf", packed, dense)), dtype="float32", max_num_batched_tokens=40)
-    try:
-        prompts = _prompts(seed=7)
-        assert_greedy_parity(dense, prompts, run(llm, prompts))
-        prompt = prompts[-1]
-        out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-    finally:
-        llm.shutdown()
-    ours = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
-    with torch.no_grad():
-        logits = _hf_model(dense)(torch.tensor([prompt])).logits[0].float()
-    theirs = logits.log_softmax(-1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    assert (ours - theirs).abs().max().item() < 1e-5
+    assert_serves_its_float_twin(write_gguf(tmp_path / "oss.gguf", packed, dense), dense, seed=7)
 
 
 @pytest.mark.skipif(not gemm_mxfp4.runs_here(), reason="the MXFP4 GEMM needs AVX-512 BF16 and VNNI")

@@ -171,14 +171,20 @@ def test_native_routing_is_torchs(arch: str, config: dict) -> None:
     if untied.all():  # the whole grouping is torch's
         assert torch.equal(counts, torch.bincount(experts.reshape(-1), minlength=moe.num_experts))
         assert torch.equal(rows, order // moe.top_k)
-    # each untied token's experts and weights, as torch chose and weighed them
-    native_experts = torch.repeat_interleave(torch.arange(moe.num_experts), counts)
+    _assert_tokens_routed_alike(rows, scales, counts, experts, weights, untied, rtol=2 ** -8)
+
+
+def _assert_tokens_routed_alike(rows: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor,
+                                weights: torch.Tensor, untied: torch.Tensor, rtol: float) -> None:
+    """Each untied token's experts and weights in the native grouping (``rows``, ``scales``, ``counts``) as torch
+    chose and weighed them (``experts``, ``weights``: [tokens, top_k])."""
+    native_experts = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)
     for token in untied.nonzero().flatten().tolist():
         mine = sorted(zip(native_experts[rows == token].tolist(), scales[rows == token].tolist()))
         theirs = sorted(zip(experts[token].tolist(), weights[token].tolist()))
         assert [e for e, _ in mine] == [e for e, _ in theirs]
         torch.testing.assert_close(torch.tensor([w for _, w in mine]), torch.tensor([w for _, w in theirs]),
-                                   rtol=2 ** -8, atol=0)
+                                   rtol=rtol, atol=0)
 
 
 @native
@@ -282,13 +288,7 @@ def test_native_gpt_oss_routing_is_the_softmax_of_the_chosen_logits() -> None:
     rows, scales, counts = moe_kernel.route(logits, moe.top_k, moe.renormalize, False, softmax_top_k=True)
     untied = _untied(logits, moe.top_k)
     assert untied.sum() >= 56
-    native_experts = torch.repeat_interleave(torch.arange(moe.num_experts), counts)
-    for token in untied.nonzero().flatten().tolist():
-        mine = sorted(zip(native_experts[rows == token].tolist(), scales[rows == token].tolist()))
-        theirs = sorted(zip(experts[token].tolist(), weights[token].tolist()))
-        assert [e for e, _ in mine] == [e for e, _ in theirs]
-        torch.testing.assert_close(torch.tensor([w for _, w in mine]), torch.tensor([w for _, w in theirs]),
-                                   rtol=1e-6, atol=0)
+    _assert_tokens_routed_alike(rows, scales, counts, experts, weights, untied, rtol=1e-6)
 
 
 @native

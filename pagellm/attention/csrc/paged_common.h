@@ -104,14 +104,17 @@ struct Visibility {
 
 // Gemma 2's soft cap of one score, c * tanh(s / c), in any units (c in the same ones: the cap is scale-equivariant);
 // -inf (an invisible key) stays -inf.
-inline float soft_cap(float s, float c) { return s == -std::numeric_limits<float>::infinity() ? s : c * std::tanh(s / c); }
+inline float soft_cap(float s, float c) {
+  return s == -std::numeric_limits<float>::infinity() ? s : c * std::tanh(s / c);
+}
 
 #if defined(__AVX512F__)
 // soft_cap of 16 scores (c > 0), tanh as 1 - 2 / (e^(2x) + 1) with simd_exp.h's exp16 (which clamps its argument, so
 // large scores give c exactly); callers keep an invisible lane's -inf by masking.
 inline __m512 soft_cap16(__m512 s, float c) {
   const __m512 e = exp16(_mm512_mul_ps(s, _mm512_set1_ps(2.f / c)));
-  return _mm512_sub_ps(_mm512_set1_ps(c), _mm512_div_ps(_mm512_set1_ps(2.f * c), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+  const __m512 twice = _mm512_set1_ps(2.f * c);
+  return _mm512_sub_ps(_mm512_set1_ps(c), _mm512_div_ps(twice, _mm512_add_ps(e, _mm512_set1_ps(1.f))));
 }
 #endif
 

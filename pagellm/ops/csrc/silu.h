@@ -43,7 +43,8 @@ static inline __m512 clamped_swiglu16(__m512 g, __m512 u, float limit, float alp
   u = round_bf16x16(_mm512_max_ps(_mm512_min_ps(u, cap), _mm512_sub_ps(_mm512_setzero_ps(), cap)));
   const __m512 up1 = round_bf16x16(_mm512_add_ps(u, one));
   const __m512 ga = round_bf16x16(_mm512_mul_ps(g, _mm512_set1_ps(alpha)));
-  const __m512 sig = round_bf16x16(_mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), ga)))));
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), ga));
+  const __m512 sig = round_bf16x16(_mm512_div_ps(one, _mm512_add_ps(one, e)));
   return _mm512_mul_ps(up1, round_bf16x16(_mm512_mul_ps(g, sig)));
 }
 #endif
