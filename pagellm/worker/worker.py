@@ -233,7 +233,7 @@ def _load_model(arch: ArchConfig, model_dir: Path, dtype: torch.dtype, parallel:
             model.load_dummy_weights(model_config.quantization, model_config.seed)
             return model, model_config.quantization
         try:
-            model.load_weights(iter_weights(model_dir, groups=quantization in gemm.FOUR_BIT, dtype=dtype,
+            model.load_weights(iter_weights(model_dir, groups=_takes_groups(arch, quantization), dtype=dtype,
                                             transient=True), quantization)
             return model, quantization
         except weight_only.GroupsDoNotFit as exc:
@@ -241,6 +241,12 @@ def _load_model(arch: ArchConfig, model_dir: Path, dtype: torch.dtype, parallel:
                 raise
             logger.info("%s: this checkpoint's weights are dequantized instead of kept in %s", exc, quantization)
             quantization = None
+
+
+def _takes_groups(arch: ArchConfig, quantization: str | None) -> bool:
+    """Whether the weights load as 4-bit integers and groups: under a 4-bit format, but an MXFP4 checkpoint's only
+    under its own (under another, its exact values load and are quantized as a float checkpoint's are)."""
+    return quantization in gemm.FOUR_BIT and (arch.quantization != mxfp4.SCHEME or quantization == gemm_mxfp4.FORMAT)
 
 
 def _checkpoint_format(arch: ArchConfig, model_dir: Path, dtype: torch.dtype) -> str | None:

@@ -15,7 +15,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from pagellm import LLM, SamplingParams
 from pagellm.model import mxfp4
 from pagellm.model.arch import ArchConfig
-from pagellm.ops import gemm, gemm_mxfp4
+from pagellm.ops import gemm, gemm_mxfp4, gemm_w4a16
 
 from test_parity import _hf_model, _prompts, assert_greedy_parity, run
 
@@ -137,6 +137,25 @@ def test_in_bfloat16_an_mxfp4_checkpoints_experts_stay_in_4_bits(tiny_model_fact
             llm.shutdown()
         results[kind] = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
     assert (results["mxfp4"] - results["float"]).abs().mean().item() < 0.02
+
+
+@pytest.mark.skipif(not gemm_w4a16.runs_here(), reason="the W4A16 kernel needs AVX-512 BF16 and VNNI")
+def test_an_mxfp4_checkpoint_takes_another_4_bit_format_from_its_values(tiny_model_factory, tmp_path: Path) -> None:
+    """``--quantization w4a16_int4`` on an MXFP4 checkpoint: its experts' exact values load and are quantized to
+    integer groups as a float checkpoint's are (not its E2M1 codes read as integers)."""
+    packed, dense = _mxfp4_twins(tiny_model_factory("gpt_oss"), tmp_path)
+    prompt = _prompts(seed=6)[-1]
+    results = {}
+    for kind, model_dir in (("mxfp4", packed), ("float", dense)):
+        llm = LLM(str(model_dir), dtype="bfloat16", quantization="w4a16_int4")
+        try:
+            expert = llm.engine.core.executor.worker.runner.model.model.layers[0].mlp.experts[1]
+            assert gemm.weight_format(expert.down_proj.weight) == gemm_w4a16.FORMAT
+            out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        finally:
+            llm.shutdown()
+        results[kind] = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
+    assert torch.equal(results["mxfp4"], results["float"])  # the same values, quantized alike
 
 
 def test_the_sinks_run_on_the_cpu_kernel_as_on_its_twin(tiny_model_factory) -> None:
