@@ -300,7 +300,7 @@ def _write_weights(tensors: dict[str, Any], config: dict[str, Any], arch: str, o
             size = 4 * int(np.prod([int(d) for d in tensor.shape]))
             planned.append((size, functools.partial(hf_arrays, tensor, hf_name, heads, mixtral)))
     if arch == gguf_gpt_oss.ARCH:
-        planned.extend(gguf_gpt_oss.planned(tensors))
+        planned.extend(gguf_gpt_oss.planned(tensors, packed="quantization_config" in config))
     shards = _plan_shards(planned)
     weight_map: dict[str, str] = {}
     for index, shard in enumerate(shards, start=1):
@@ -345,25 +345,23 @@ def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
     for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         if key in meta:
             eos.append(int(meta[key]))
-    eos.extend(_end_of_turn_ids(meta))
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    if "<|return|>" in tokens and "<|end|>" in tokens:  # harmony's <|end|> ends a message, not the reply (as llama.cpp)
-        eos = [i for i in eos if i != tokens.index("<|end|>")]
-    eos = list(dict.fromkeys(eos))
+    eos = list(dict.fromkeys(_reply_ends(meta, eos)))
     generation: dict[str, Any] = {k: v for k, v in ids.items() if k != "eos_token_id"}
     if eos:
         generation["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     return generation
 
 
-def _end_of_turn_ids(meta: dict[str, Any]) -> list[int]:
+def _reply_ends(meta: dict[str, Any], eos: list[int]) -> list[int]:
+    """The file's own end ids ``eos`` and the chat template's end-of-turn tokens; in a harmony vocabulary (gpt-oss's)
+    harmony's ends instead, and never its <|end|>, which ends one message, not a reply (llama.cpp drops it too)."""
     template = meta.get("tokenizer.chat_template") or ""
     tokens = meta.get("tokenizer.ggml.tokens") or []
     types = meta.get("tokenizer.ggml.token_type") or []
     control = {token: index for index, (token, kind) in enumerate(zip(tokens, types)) if kind == 3}
-    if "<|return|>" in control:  # harmony's (gpt-oss): a reply ends in these; its <|end|> only ends one message
-        return [control[token] for token in _HARMONY_ENDS if token in control]
-    return [control[token] for token in _END_OF_TURN_TOKENS if token in control and token in template]
+    if "<|return|>" in control:
+        return [i for i in eos if i != control.get("<|end|>")] + [control[t] for t in _HARMONY_ENDS if t in control]
+    return eos + [control[token] for token in _END_OF_TURN_TOKENS if token in control and token in template]
 
 
 def _write_tokenizer(gguf_path: Path, meta: dict[str, Any], arch: str, out_dir: Path) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 
 # Whether the chosen experts' weights are renormalised, where a file does not say (``{arch}.expert_weights_norm``):
 # what llama.cpp itself assumes for each architecture.
-_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True, "gpt-oss": True}
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 # gpt-oss's MXFP4 checkpoints leave these in bfloat16 (its published config's list)
 _GPT_OSS_NOT_MXFP4 = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 REQUIRED = object()
@@ -126,10 +126,10 @@ def experts_config(meta: dict[str, Any], arch: str, experts: int) -> dict[str, A
     def get(key: str, default: Any = REQUIRED) -> Any:
         return arch_value(meta, arch, key, default)
 
-    renormalize = bool(get("expert_weights_norm", _EXPERT_WEIGHTS_NORM[arch]))
     used = int(get("expert_used_count"))
     if arch == "gpt-oss":  # the softmax over the chosen logits (its own rule: the renormalised probabilities)
         return {"num_local_experts": experts, "num_experts_per_tok": used}
+    renormalize = bool(get("expert_weights_norm", _EXPERT_WEIGHTS_NORM[arch]))
     if arch == "llama":
         if not renormalize:
             raise ValueError("GGUF llama file with experts that are not renormalised: Mixtral renormalises them; "

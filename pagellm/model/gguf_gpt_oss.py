@@ -45,13 +45,13 @@ def all_mxfp4(tensors: dict[str, Any]) -> bool:
     return kinds == {MXFP4}
 
 
-def planned(tensors: dict[str, Any]) -> list[tuple[int, Callable[[], list[tuple[str, np.ndarray]]]]]:
-    """Each layer's experts as ``(bytes written, producer of its named arrays)``, for the converter's shards."""
+def planned(tensors: dict[str, Any], packed: bool) -> list[tuple[int, Callable[[], list[tuple[str, np.ndarray]]]]]:
+    """Each layer's experts as ``(bytes written, producer of its named arrays)``, for the converter's shards: as the
+    checkpoint's MXFP4 blocks where ``packed`` (the config says so: ``all_mxfp4``), else as float32 values."""
     layers: dict[int, dict[tuple[str, str], Any]] = {}
     for name, tensor in tensors.items():
         if (found := expert_tensor(name)) is not None:
             layers.setdefault(found[0], {})[found[1:]] = tensor
-    packed = all_mxfp4(tensors)
     items = []
     for layer, parts in sorted(layers.items()):
         missing = {(p, s) for p in ("gate", "up", "down") for s in ("weight", "bias")} - parts.keys()

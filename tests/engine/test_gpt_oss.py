@@ -17,7 +17,7 @@ from pagellm.model import mxfp4
 from pagellm.model.arch import ArchConfig
 from pagellm.ops import gemm, gemm_mxfp4, gemm_w4a16
 
-from test_parity import _hf_model, _prompts, assert_greedy_parity, run
+from test_parity import _prompts, assert_greedy_parity, hf_prompt_logprobs, prompt_logprobs, run
 
 # openai/gpt-oss-20b's config.json, as published (its keys that matter here)
 GPT_OSS_20B = {
@@ -95,15 +95,10 @@ def assert_serves_its_float_twin(model: Path, dense: Path, seed: int) -> None:
     try:
         prompts = _prompts(seed=seed)
         assert_greedy_parity(dense, prompts, run(llm, prompts))
-        prompt = prompts[-1]
-        out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        ours = prompt_logprobs(llm, prompts[-1])
     finally:
         llm.shutdown()
-    ours = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
-    with torch.no_grad():
-        logits = _hf_model(dense)(torch.tensor([prompt])).logits[0].float()
-    theirs = logits.log_softmax(-1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    assert (ours - theirs).abs().max().item() < 1e-5
+    assert (ours - hf_prompt_logprobs(dense, prompts[-1])).abs().max().item() < 1e-5
 
 
 def test_an_mxfp4_checkpoint_serves_what_transformers_computes_from_its_experts(tiny_model_factory,
@@ -132,10 +127,9 @@ def test_in_bfloat16_an_mxfp4_checkpoints_experts_stay_in_4_bits(tiny_model_fact
                 assert gemm.weight_format(layer.mlp.gate.weight) == "bf16"
                 theirs = load_file(str(dense / "model.safetensors"))["model.layers.1.mlp.experts.down_proj"][2]
                 assert torch.equal(gemm.plain(expert.down_proj.weight).float(), theirs.t())
-            out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+            results[kind] = prompt_logprobs(llm, prompt)
         finally:
             llm.shutdown()
-        results[kind] = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
     assert (results["mxfp4"] - results["float"]).abs().mean().item() < 0.02
 
 
@@ -151,10 +145,9 @@ def test_an_mxfp4_checkpoint_takes_another_4_bit_format_from_its_values(tiny_mod
         try:
             expert = llm.engine.core.executor.worker.runner.model.model.layers[0].mlp.experts[1]
             assert gemm.weight_format(expert.down_proj.weight) == gemm_w4a16.FORMAT
-            out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+            results[kind] = prompt_logprobs(llm, prompt)
         finally:
             llm.shutdown()
-        results[kind] = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
     assert torch.equal(results["mxfp4"], results["float"])  # the same values, quantized alike
 
 

@@ -54,6 +54,19 @@ def _hf_model(model_dir: Path) -> transformers.PreTrainedModel:
     return _HF_MODELS[str(model_dir)]
 
 
+def prompt_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    """Each prompt token's log-probability as the engine scores the prompt (the first token has none)."""
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    return torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
+
+
+def hf_prompt_logprobs(model_dir: Path, prompt: list[int]) -> torch.Tensor:
+    """The same as transformers computes them in float32."""
+    with torch.no_grad():
+        logits = _hf_model(model_dir)(torch.tensor([prompt])).logits[0].float()
+    return logits.log_softmax(-1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+
+
 def assert_greedy_parity(model_dir: Path, prompts: list[list[int]], ours: list[list[int]]) -> None:
     flips = 0
     for prompt, got in zip(prompts, ours):
@@ -148,11 +161,7 @@ def test_prompt_logprobs_of_each_familys_own_parts_are_transformers(tiny_model_f
     model_dir = tiny_model_factory(arch)
     prompt = _prompts(seed=7)[-1]  # 121 tokens: past Gemma 3's 16-token window
     llm = LLM(str(model_dir), dtype="float32")
-    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-    ours = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
-    with torch.no_grad():
-        logits = _hf_model(model_dir)(torch.tensor([prompt])).logits[0].float()
-    theirs = logits.log_softmax(-1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    ours, theirs = prompt_logprobs(llm, prompt), hf_prompt_logprobs(model_dir, prompt)
     assert (ours - theirs).abs().max().item() < 1e-5
 
 
@@ -166,10 +175,9 @@ def test_gemma2s_capped_scores_run_on_the_cpu_kernel_as_on_its_twin(tiny_model_f
         try:
             assert llm.engine.core.executor.worker.runner.backend.name == ("torch_ref" if backend == "torch_ref"
                                                                               else "cpu_paged")
-            out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+            results[backend] = prompt_logprobs(llm, prompt)
         finally:
             llm.shutdown()
-        results[backend] = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
     assert (results["auto"] - results["torch_ref"]).abs().max().item() < 1e-5
 
 
@@ -184,11 +192,7 @@ def test_gemma_and_cohere_in_bfloat16_run_their_own_layers(tiny_model_factory, m
     model_dir = tiny_model_factory(arch)
     prompt = _prompts(seed=7)[-1]
     llm = LLM(str(model_dir), dtype="bfloat16")
-    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-    ours = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
-    with torch.no_grad():
-        logits = _hf_model(model_dir)(torch.tensor([prompt])).logits[0].float()
-    theirs = logits.log_softmax(-1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    ours, theirs = prompt_logprobs(llm, prompt), hf_prompt_logprobs(model_dir, prompt)
     assert not calls and (ours - theirs).abs().mean().item() < 0.03
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_parity import (_prompts, assert_greedy_parity, assert_seeded_grammar, run,
+from test_parity import (_prompts, assert_greedy_parity, assert_seeded_grammar, prompt_logprobs, run,
                          scored_with_and_without_the_stack)
 from test_gpt_oss import _mxfp4_twins
 from test_weight_only import _checkpoint
@@ -76,10 +76,9 @@ def test_mxfp4_experts_stay_4_bit_across_ranks(tiny_model_factory, tmp_path: Pat
         try:
             expert = llm.engine.core.executor.worker.runner.model.model.layers[0].mlp.experts[0]
             assert gemm.weight_format(expert.down_proj.weight) == gemm_mxfp4.FORMAT
-            out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+            logprobs.append(prompt_logprobs(llm, prompt))
         finally:
             llm.shutdown()
-        logprobs.append(torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))]))
     assert (logprobs[0] - logprobs[1]).abs().mean().item() < 0.02
 
 
