@@ -34,8 +34,8 @@ from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.distributed.shm_ring import RingReader, ShmRing
 from pagellm.executor.ranks import (COLLECTIVE_TIMEOUT_S, Command, RankZeroExecutor, build_worker, close_comm,
-                                    free_port, join_group, join_watching, leave_group, rpc_payload, rpc_results,
-                                    run_rpc, threads_per_rank)
+                                    join_group, join_watching, leave_group, open_store, rpc_payload, rpc_results,
+                                    run_rpc, store_address, threads_per_rank)
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.runtime import RuntimeInfo
 
@@ -46,18 +46,14 @@ _PARENT_POLL_S = 1.0  # how often an idle worker checks that the engine core sti
 _ENCODER = msgspec.msgpack.Encoder()
 
 
-def _init_method(port: int) -> str:
-    return f"tcp://127.0.0.1:{port}"
-
-
 def _build_worker(config: EngineConfig, rank: int, size: int) -> Any:
     return build_worker(config, rank, size, envs.tp_shm_comm(), threads_per_rank(size))
 
 
-def _worker_main(config: EngineConfig, rank: int, size: int, port: int, reader: RingReader, pipe: Any) -> None:
+def _worker_main(config: EngineConfig, rank: int, size: int, address: str, reader: RingReader, pipe: Any) -> None:
     """A worker process: join the group, load this rank's shard, then follow the ring until told to stop."""
     try:
-        join_group(rank, size, _init_method(port))
+        join_group(rank, size, address)
         worker = _build_worker(config, rank, size)
         pipe.send(("ready", worker.runtime))
     except BaseException as exc:  # the engine core reports it and stops the others
@@ -104,7 +100,7 @@ class MultiprocExecutor(RankZeroExecutor):
     def __init__(self, config: EngineConfig) -> None:
         size = config.parallel_config.world_size
         ctx = mp.get_context("spawn")
-        port = free_port()
+        store = open_store(size)
         self.ring = ShmRing(size - 1, ctx)
         self.pipes, self.procs = [], []
         self._started: dict[int, RuntimeInfo] = {}  # ranks whose runtime came while rank 0 was still joining
@@ -112,13 +108,13 @@ class MultiprocExecutor(RankZeroExecutor):
         for rank in range(1, size):
             parent, child = ctx.Pipe()
             process = ctx.Process(target=_worker_main, name=f"pagellm-tp{rank}", daemon=True,
-                                  args=(config, rank, size, port, self.ring.reader(rank - 1), child))
+                                  args=(config, rank, size, store_address(store), self.ring.reader(rank - 1), child))
             process.start()
             child.close()
             self.pipes.append(parent)
             self.procs.append(process)
         try:
-            self._join(size, port)
+            self._join(size, store)
             self.worker = _build_worker(config, 0, size)
             self._wait_ready()
         except BaseException:
@@ -129,7 +125,7 @@ class MultiprocExecutor(RankZeroExecutor):
         self._register_exit()  # an LLM dropped without shutdown() still stops its workers and frees the ring
         logger.info("%d ranks (%s), %d threads each", size, config.parallel_config.describe(), threads_per_rank(size))
 
-    def _join(self, size: int, port: int) -> None:
+    def _join(self, size: int, store: Any) -> None:
         def check() -> None:
             for rank, (pipe, process) in enumerate(zip(self.pipes, self.procs), start=1):
                 if rank not in self._started and pipe.poll():  # a failure (or, once joined, already its runtime)
@@ -138,7 +134,7 @@ class MultiprocExecutor(RankZeroExecutor):
                     raise RuntimeError(f"tensor-parallel rank {rank} died while starting (exit code "
                                        f"{process.exitcode})")
 
-        join_watching(size, _init_method(port), check)
+        join_watching(size, store, check)
 
     @staticmethod
     def _receive_start(rank: int, pipe: Any, process: Any) -> RuntimeInfo:

@@ -4,8 +4,11 @@ leaving the ``torch.distributed`` group, and building the rank's ``Worker`` with
 
 Contract:
 - ``Command``: what ranks 1..N-1 are told each time rank 0 acts (msgpack; ``SchedulerOutput`` deltas as they are).
-- ``join_group(rank, size, init_method)`` joins the gloo group (CPU collectives) that every rank's layers meet in;
-  a collective waiting on a rank that never comes gives up after ``COLLECTIVE_TIMEOUT_S``.
+- ``open_store(size, host)``: rank 0's rendezvous store, already listening on a port the system chose when its
+  address (``store_address``) goes to the other ranks, so no other process can take that port in between.
+- ``join_group(rank, size, address)`` joins the gloo group (CPU collectives) that every rank's layers meet in (rank 0
+  through ``join_watching`` with its store); a collective waiting on a rank that never comes gives up after
+  ``COLLECTIVE_TIMEOUT_S``.
 - ``build_worker(config, rank, size, shm, threads)`` builds rank's ``Worker``: its shard of every layer and a KV
   cache for its heads (tensor parallel; with the shared-memory collectives when ``shm``, every rank on this machine,
   else gloo alone), or its stage's layers and their KV cache (pipeline parallel; stages send over gloo).
@@ -21,7 +24,6 @@ import atexit
 import datetime
 import os
 import pickle
-import socket
 import threading
 from typing import Any, Callable, Optional
 
@@ -47,10 +49,20 @@ class Command(msgspec.Struct, array_like=True, omit_defaults=True):
     call: int = 0                           # ... and the call's number, which its answers carry
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+
+
+def open_store(size: int, host: str = "127.0.0.1") -> Any:
+    """Rank 0's rendezvous store, bound to a port of the system's choosing and listening from now on (a port found
+    free, closed and handed out could be bound by another process before the group's store binds it)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, 0, world_size=size, is_master=True, wait_for_workers=False, timeout=_timeout())
+
+
+def store_address(store: Any) -> str:
+    return f"{store.host}:{store.port}"
 
 
 def threads_per_rank(size: int) -> int:
@@ -59,21 +71,24 @@ def threads_per_rank(size: int) -> int:
     return max(1, total // size)
 
 
-def join_group(rank: int, size: int, init_method: str) -> None:
+def join_group(rank: int, size: int, address: str, store: Any = None) -> None:
+    """Join the group whose rendezvous store listens at ``address`` ("host:port"; rank 0 passes the store itself)."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    if store is None:
+        host, port = address.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), world_size=size, is_master=False, timeout=_timeout())
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=_timeout())
 
 
-def join_watching(size: int, init_method: str, check: Callable[[], None]) -> None:
-    """Join as rank 0, calling ``check`` every 0.1 s meanwhile: it raises when a rank has failed before joining, so
-    the start fails at once rather than after the rendezvous timeout."""
+def join_watching(size: int, store: Any, check: Callable[[], None]) -> None:
+    """Join as rank 0 (``store`` from ``open_store``), calling ``check`` every 0.1 s meanwhile: it raises when a rank
+    has failed before joining, so the start fails at once rather than after the rendezvous timeout."""
     joined: list[Optional[BaseException]] = []
 
     def join() -> None:
         try:
-            join_group(0, size, init_method)
+            join_group(0, size, store_address(store), store)
             joined.append(None)
         except BaseException as exc:  # handed to the waiting thread
             joined.append(exc)

@@ -31,8 +31,8 @@ import msgspec
 from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.executor.ranks import (COLLECTIVE_TIMEOUT_S, Command, RankZeroExecutor, build_worker, close_comm,
-                                    free_port, join_group, join_watching, leave_group, rpc_payload, rpc_results,
-                                    run_rpc, threads_per_rank)
+                                    join_group, join_watching, leave_group, open_store, rpc_payload, rpc_results,
+                                    run_rpc, store_address, threads_per_rank)
 from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.runtime import RuntimeInfo
 
@@ -75,10 +75,10 @@ class RankActor:
 
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
-    def start(self, config: EngineConfig, rank: int, size: int, init_method: str, shm: bool,
+    def start(self, config: EngineConfig, rank: int, size: int, address: str, shm: bool,
               threads: int) -> RuntimeInfo:
         try:
-            join_group(rank, size, init_method)
+            join_group(rank, size, address)
             self.worker = build_worker(config, rank, size, shm, threads)
         except BaseException as exc:  # reaches rank 0 as the start-up error (the traceback goes to the log)
             logger.debug("rank %d failed to start:\n%s", rank, traceback.format_exc())
@@ -137,11 +137,11 @@ class RayExecutor(RankZeroExecutor):
         node = ray.get_runtime_context().get_node_id()
         local = all(where[0] == node for where in self.where)
         host = "127.0.0.1" if local else ray.util.get_node_ip_address()
-        init_method = f"tcp://{host}:{free_port(host)}"
+        store = open_store(size, host)
         shm = local and envs.tp_shm_comm()
-        refs = [actor.start.remote(config, rank, size, init_method, shm, self.threads)
+        refs = [actor.start.remote(config, rank, size, store_address(store), shm, self.threads)
                 for rank, actor in enumerate(self.actors, start=1)]
-        self._join(refs, size, init_method)
+        self._join(refs, size, store)
         self.worker = build_worker(config, 0, size, shm, self.threads)
         self._check_runtimes(refs)
         return shm
@@ -179,13 +179,13 @@ class RayExecutor(RankZeroExecutor):
                 runtime_env={"env_vars": env}).remote())
         self.where = self.ray.get([actor.where.remote() for actor in self.actors], timeout=_START_TIMEOUT_S)
 
-    def _join(self, refs: list[Any], size: int, init_method: str) -> None:
+    def _join(self, refs: list[Any], size: int, store: Any) -> None:
         def check() -> None:
             done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
             for ref in done:  # a failure (or, once joined, already a runtime: kept for _check_runtimes)
                 self._result(refs.index(ref) + 1, ref, _START_TIMEOUT_S)
 
-        join_watching(size, init_method, check)
+        join_watching(size, store, check)
 
     def _check_runtimes(self, refs: list[Any]) -> None:
         for rank, ref in enumerate(refs, start=1):

@@ -5,21 +5,21 @@ collective raise instead of spinning forever."""
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing as mp
-import socket
 
 import torch
 
+from pagellm.executor.ranks import open_store, store_address
 
-def _rank(rank: int, port: int, out: mp.Queue) -> None:
+
+def _rank(rank: int, address: str, out: mp.Queue) -> None:
     import torch.distributed as dist
 
     from pagellm.distributed import shm_comm
     from pagellm.distributed.groups import ParallelState
+    from pagellm.executor.ranks import join_group
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    join_group(rank, 2, address)  # both through the store the test holds
     comm = shm_comm.ShmComm.create(rank, 2)
     fast, plain = ParallelState(rank, 2, comm), ParallelState(rank, 2)
     gen = torch.Generator().manual_seed(rank)
@@ -39,17 +39,11 @@ def _rank(rank: int, port: int, out: mp.Queue) -> None:
     out.put((rank, mismatches, fell_back))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_shared_memory_collectives_equal_gloos() -> None:
-    port = _free_port()
+    store = open_store(2)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    ranks = [ctx.Process(target=_rank, args=(rank, port, out)) for rank in range(2)]
+    ranks = [ctx.Process(target=_rank, args=(rank, store_address(store), out)) for rank in range(2)]
     for process in ranks:
         process.start()
     results = sorted(out.get(timeout=120) for _ in ranks)
@@ -58,15 +52,13 @@ def test_shared_memory_collectives_equal_gloos() -> None:
     assert results == [(0, [], True), (1, [], True)]
 
 
-def _rank_that_dies(rank: int, port: int, out: mp.Queue) -> None:
+def _rank_that_dies(rank: int, address: str, out: mp.Queue) -> None:
     import os
 
-    import torch.distributed as dist
-
     from pagellm.distributed import shm_comm
+    from pagellm.executor.ranks import join_group
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    join_group(rank, 2, address)  # both through the store the test holds
     comm = shm_comm.ShmComm.create(rank, 2)
     comm.all_reduce(torch.ones(8))  # one collective that completes
     if rank == 1:
@@ -81,8 +73,8 @@ def _rank_that_dies(rank: int, port: int, out: mp.Queue) -> None:
 def test_a_dead_peer_makes_the_collective_raise() -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
-    ranks = [ctx.Process(target=_rank_that_dies, args=(rank, port, out)) for rank in range(2)]
+    store = open_store(2)
+    ranks = [ctx.Process(target=_rank_that_dies, args=(rank, store_address(store), out)) for rank in range(2)]
     for process in ranks:
         process.start()
     message = out.get(timeout=120)  # rank 1 is not reaped meanwhile: the check must see a zombie's death too
