@@ -63,6 +63,16 @@ SHAPES = {  # published configs (their hub config.json), the keys a shape needs
                    "sliding_window": 4096, "hidden_act": "gelu_pytorch_tanh",
                    "hidden_activation": "gelu_pytorch_tanh", "pad_token_id": 0, "eos_token_id": 1,
                    "bos_token_id": 2},
+    # Gemma 3 1B: 4 query heads over one KV head of 256, a global layer every sixth among 512-token sliding ones with
+    # their own rope base (10,000 against 1,000,000), q/k norms, a 262,144-token vocabulary
+    "gemma-3-1b": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1152,
+                   "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+                   "num_key_value_heads": 1, "head_dim": 256, "max_position_embeddings": 32768,
+                   "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": None,
+                   "query_pre_attn_scalar": 256, "sliding_window": 512, "sliding_window_pattern": 6,
+                   "rms_norm_eps": 1e-06, "vocab_size": 262144, "hidden_activation": "gelu_pytorch_tanh",
+                   "attn_logit_softcapping": None, "final_logit_softcapping": None, "pad_token_id": 0,
+                   "eos_token_id": [1, 106], "bos_token_id": 2},
 }
 
 

@@ -13,9 +13,11 @@ attention backend):
   ``w4a16_int4``; an act-order checkpoint's 4-bit weights with their rows' inputs gathered in order), with no
   o_proj bias (q/k/v bias, as in Qwen2, Qwen3's per-head q/k norm, Phi-4-mini's partial rotary embedding,
   SmolLM3's layers without a rotary embedding and Granite's residual multiplier and attention scale are served), one
-  RMSNorm epsilon throughout, Llama's norms before each sublayer or OLMo's and EXAONE 4's after each (OLMo's q/k
-  norms over all heads on one rank only), SwiGLU (Gemma's and Cohere's layers run in Python), one rotary embedding
-  for every layer that rotates; a mixture of
+  RMSNorm epsilon throughout, Llama's norms before each sublayer, OLMo's and EXAONE 4's after each (OLMo's q/k
+  norms over all heads on one rank only) or Gemma 2 and 3's before and after each, SwiGLU or GeGLU's tanh form
+  (Gemma's; Cohere's and gpt-oss's layers run in Python), Gemma 2's soft-capped attention scores, the model's rotary
+  embedding for every layer that rotates or, where a layer has its own (Gemma 3's sliding layers), its tables of the
+  same shape; a mixture of
   experts' sparse layers run their native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE
   with its shared expert, Qwen3-MoE);
 - no request of the step runs with a LoRA adapter (those steps take the Python layers, ``pagellm/lora.py``);
@@ -34,12 +36,15 @@ from torch import nn
 from pagellm import envs
 from pagellm.attention.base import current_forward_context
 from pagellm.attention.cpu_paged import FLASH_MIN_TOKENS, CpuPagedMetadata
+from pagellm.model.layers.activation import GeluAndMul
 from pagellm.ops import decoder_stack, gemm
 from pagellm.ops.decoder_stack import DecoderStack, LayerWeights, StackShape
 
 
-def _layer_weights(layer: nn.Module) -> LayerWeights | None:
-    if not layer.native:  # a layer the native call does not compute (Gemma's)
+def _layer_weights(layer: nn.Module, rotary: nn.Module) -> LayerWeights | None:
+    """The weights of one decoder layer (``rotary``: the model's own rotary embedding, whose tables the stack
+    takes; a layer with another, Gemma 3's sliding ones, brings its tables), or None where it does not fit."""
+    if not layer.native:  # a layer the native call does not compute (Cohere's, gpt-oss's)
         return None
     attn, mlp = layer.self_attn, layer.mlp
     experts = None
@@ -54,43 +59,62 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
         return None
     norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
     gate_up, down = (None, None) if experts is not None else (mlp.gate_up_proj.weight, mlp.down_proj.weight)
-    post_ffn = getattr(layer, "post_feedforward_layernorm", None)  # OLMo's layer: no input norm, this one instead
-    input_norm = getattr(layer, "input_layernorm", None)
-    return LayerWeights(None if input_norm is None else input_norm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
+    own = attn.rotary if attn.rotary is not None and attn.rotary is not rotary else None
+    return LayerWeights(_weight(layer, "input_layernorm"), attn.qkv_proj.weight, attn.qkv_proj.bias,
                         attn.o_proj.weight, layer.post_attention_layernorm.weight, gate_up, down, *norms, moe=experts,
                         sliding_window=attn.attn.sliding_window, rotated=attn.rotary is not None,
-                        post_ffn_norm=None if post_ffn is None else post_ffn.weight)
+                        post_ffn_norm=_weight(layer, "post_feedforward_layernorm"),  # OLMo's and Gemma's
+                        pre_ffn_norm=_weight(layer, "pre_feedforward_layernorm"),  # Gemma's
+                        cos=None if own is None else own.cos, sin=None if own is None else own.sin)
+
+
+def _weight(layer: nn.Module, norm: str) -> torch.Tensor | None:
+    module = getattr(layer, norm, None)
+    return None if module is None else module.weight
+
+
+def _shape(model: nn.Module, weights: list[LayerWeights]) -> StackShape | None:
+    """The stack's shape, or None where its layers differ in what it holds once for all (the norms' epsilon, the
+    residual scale, the kind of norms)."""
+    first = model.layers[0]
+    attn = first.self_attn.attn
+    eps = {n.eps for layer in model.layers for n in (getattr(layer, "input_layernorm", None),
+                                                     layer.post_attention_layernorm, layer.self_attn.q_norm,
+                                                     layer.self_attn.k_norm,
+                                                     getattr(layer, "pre_feedforward_layernorm", None),
+                                                     getattr(layer, "post_feedforward_layernorm", None))
+           if n is not None} | {model.norm.eps}
+    dense = [w.down.packed_shape[1] for w in weights if w.down is not None]  # type: ignore
+    residual_scales = {layer.residual_multiplier or 1.0 for layer in model.layers}
+    post = {w.input_norm is None for w in weights}  # OLMo's layers (one kind throughout)
+    sandwich = {w.pre_ffn_norm is not None for w in weights}  # Gemma's
+    acts = [layer.mlp.act_fn for layer in model.layers if hasattr(layer.mlp, "act_fn")]  # dense layers'
+    gelu = {isinstance(act, GeluAndMul) for act in acts}
+    exact_gelu = any(isinstance(act, GeluAndMul) and act.approximate != "tanh" for act in acts)
+    if exact_gelu or any(len(kinds) > 1 for kinds in (eps, residual_scales, post, sandwich, gelu)):
+        return None
+    return StackShape(model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                      max(dense, default=0), eps.pop(), attn.scale, residual_scales.pop(), post.pop(),
+                      first.self_attn.qk_norm_all_heads, sandwich.pop(), bool(gelu and gelu.pop()),
+                      attn.softcap or 0.0)
 
 
 def build_stack(model: nn.Module) -> DecoderStack | None:
     """The native stack of a ``LlamaModel``, or ``None`` where its weights do not fit the native call."""
     if not decoder_stack.available() or model.norm.weight.dtype != torch.bfloat16 or not model.layers:
         return None
-    first = model.layers[0]
-    parallel = first.self_attn.qkv_proj.parallel
-    weights = [_layer_weights(layer) for layer in model.layers]
+    rotary = model.rotary
+    parallel = model.layers[0].self_attn.qkv_proj.parallel
+    weights = [_layer_weights(layer, rotary) for layer in model.layers]
     if any(w is None for w in weights):
         return None
     formats = {gemm.weight_format(t) for w in weights for t in (w.qkv, w.o, w.gate_up, w.down)  # type: ignore
                if t is not None} | {w.moe.weight_format for w in weights if w.moe is not None}  # type: ignore
     if len(formats) != 1:
         return None
-    attn = first.self_attn.attn
-    eps = {n.eps for layer in model.layers for n in (getattr(layer, "input_layernorm", None),
-                                                     layer.post_attention_layernorm, layer.self_attn.q_norm,
-                                                     layer.self_attn.k_norm,
-                                                     getattr(layer, "post_feedforward_layernorm", None))
-           if n is not None} | {model.norm.eps}
-    dense = [w.down.packed_shape[1] for w in weights if w.down is not None]  # type: ignore
-    residual_scales = {layer.residual_multiplier or 1.0 for layer in model.layers}
-    post = {w.input_norm is None for w in weights}  # OLMo's layers (one kind throughout)
-    shape = StackShape(model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                       max(dense, default=0), eps.pop(), attn.scale, residual_scales.pop(), post.pop(),
-                       first.self_attn.qk_norm_all_heads)
-    rotary = model.rotary  # every rotating layer's (the sliding layers' own rope base is Gemma 3's, not served here)
-    rotaries = {id(layer.self_attn.rotary) for layer in model.layers} - {id(None)}
-    if eps or residual_scales or post or rotaries - {id(rotary)} or rotary.cos.dtype != torch.bfloat16 or \
-            rotary.cos.shape[1] % 2:
+    shape = _shape(model, weights)
+    if shape is None or rotary.cos.dtype != torch.bfloat16 or rotary.cos.shape[1] % 2 or \
+            any(w.cos is not None and w.cos.shape != rotary.cos.shape for w in weights):  # type: ignore[union-attr]
         return None
     return DecoderStack(weights, shape, model.norm.weight, rotary.cos, rotary.sin,  # type: ignore[arg-type]
                         formats.pop(), parallel.all_reduce if parallel.tp_size > 1 else None)

@@ -37,7 +37,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 class _Kernels(ctypes.Structure):  # csrc StackKernels: the kernels' entry points
     _fields_ = [(name, _P) for name in ("linear", "add_rms_norm", "silu_and_mul", "rotary", "attention",
-                                        "linear_silu_mul", "moe", "all_reduce")]
+                                        "linear_silu_mul", "moe", "all_reduce", "gelu_and_mul")]
 
 
 _Reduce = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)  # csrc StackKernels::all_reduce
@@ -65,14 +65,15 @@ class _Layer(ctypes.Structure):  # csrc StackLayer
                                         "k_cache", "v_cache", "q_norm", "k_norm", "moe")]
     _fields_ += [("windowed", _I), ("rotated", _I)]
     _fields_ += [(f"{name}_order", _P) for name in _GEMMS]
-    _fields_ += [("post_ffn_norm", _P)]
+    _fields_ += [(name, _P) for name in ("post_ffn_norm", "pre_ffn_norm", "cos", "sin")]
 
 
 class _Shape(ctypes.Structure):  # csrc StackShape
     _fields_ = [(name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size",
                                         "cache_slots", "max_positions", "rot_dim")]
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_format", _I),
-                 ("residual_scale", ctypes.c_float), ("post_norms", _I), ("qk_all_heads", _I)]
+                 ("residual_scale", ctypes.c_float), ("post_norms", _I), ("qk_all_heads", _I), ("sandwich", _I),
+                 ("gelu", _I), ("softcap", ctypes.c_float)]
 
 
 # csrc KvFormat of each cache dtype the stack serves.
@@ -101,7 +102,8 @@ def _kernels(cache_dtype: torch.dtype, weight_format: str = "bf16") -> _Kernels:
     return _Kernels(linear, _address(fused_lib.pagellm_add_rms_norm_bf16),
                     _address(fused_lib.pagellm_silu_and_mul_bf16), _address(fused_lib.pagellm_rotary_bf16),
                     _address(cpu_paged.load_kernel().entry(torch.bfloat16, cache_dtype)), linear_silu_mul,
-                    moe.forward_entry() if moe.available() else None)
+                    moe.forward_entry() if moe.available() else None, None,
+                    _address(fused_lib.pagellm_gelu_tanh_and_mul_bf16))
 
 
 @functools.lru_cache(maxsize=1)
@@ -157,7 +159,10 @@ class LayerWeights:
     moe: moe.Experts | None = None
     sliding_window: int | None = None  # the layer attends to the keys of its last this many positions only
     rotated: bool = True  # False: a NoPE layer (SmolLM3's), its q and k not rotated
-    post_ffn_norm: torch.Tensor | None = None  # OLMo's norm on the MLP's output (post_norm: on attention's)
+    post_ffn_norm: torch.Tensor | None = None  # OLMo's and Gemma's norm on the MLP's output (post_norm: on
+    pre_ffn_norm: torch.Tensor | None = None   # attention's); Gemma's before the MLP (StackShape.sandwich)
+    cos: torch.Tensor | None = None  # the layer's own rotary tables (Gemma 3's sliding layers' base), as the stack's
+    sin: torch.Tensor | None = None  # [max_positions, rot_dim]; None: the stack's
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,11 @@ class StackShape:
     # residual stream, their input; its q and k norms over all of a token's heads (qk_all_heads: OLMo's)
     post_norms: bool = False
     qk_all_heads: bool = False
+    # Gemma 2 and 3's layer: Llama's norms before attention and the MLP (pre_ffn_norm), and OLMo's on each one's
+    # output (post_norm, post_ffn_norm)
+    sandwich: bool = False
+    gelu: bool = False  # the MLP's gate is GeGLU (Gemma's, gelu's tanh form), not SiLU
+    softcap: float = 0.0  # attention scores capped at softcap * tanh(score / softcap) (Gemma 2's); 0: not capped
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -190,8 +200,12 @@ def _checked_tensors(layers: list[LayerWeights], final_norm: torch.Tensor, cos: 
     if any((w.q_norm is None) != (w.k_norm is None) for w in layers):
         raise ValueError("the native decoder stack takes q and k norm weights together, or neither")
     vectors = [final_norm, cos, sin, *(t for w in layers for t in (w.input_norm, w.qkv_bias, w.post_norm,
-                                                                    w.q_norm, w.k_norm, w.post_ffn_norm)
+                                                                    w.q_norm, w.k_norm, w.post_ffn_norm,
+                                                                    w.pre_ffn_norm, w.cos, w.sin)
                                        if t is not None)]
+    if any((w.cos is None) != (w.sin is None) or (w.cos is not None and (w.cos.shape != cos.shape or
+                                                                        w.sin.shape != sin.shape)) for w in layers):
+        raise ValueError(f"a layer's own rotary tables come together, each of the stack's shape {tuple(cos.shape)}")
     gemms = [t for w in layers for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]
     gemm_dtype = torch.int8 if weight_format in gemm.QUANTIZED else torch.bfloat16
     if any(t.dtype != torch.bfloat16 for t in vectors) or any(t.dtype != gemm_dtype for t in gemms) or \
@@ -209,6 +223,18 @@ def _checked_tensors(layers: list[LayerWeights], final_norm: torch.Tensor, cos: 
     return [*vectors, *gemms, *(order for _, order in orders), *(w.moe for w in layers if w.moe is not None)]
 
 
+def _check_norms(layers: list[LayerWeights], shape: StackShape) -> None:
+    """Each layer's norms as its kind has them: Llama's before each sublayer (input_norm, post_norm), OLMo's after
+    each (post_norms: post_norm, post_ffn_norm) or Gemma's before and after each (sandwich: all four)."""
+    if shape.post_norms and shape.sandwich:
+        raise ValueError("a native decoder stack's layers have OLMo's norms (post_norms) or Gemma's (sandwich)")
+    want = (not shape.post_norms, shape.post_norms or shape.sandwich, shape.sandwich)
+    if any((w.input_norm is not None, w.post_ffn_norm is not None, w.pre_ffn_norm is not None) != want
+           for w in layers):
+        raise ValueError("the native decoder stack takes an input norm per layer (and with sandwich a norm before "
+                         "and after the MLP), or with post_norms a norm on the MLP's output instead")
+
+
 class DecoderStack:
     """A model's decoder stack bound to the native call (weights' addresses made once; the tensors kept alive).
     On tensor-parallel ranks (``all_reduce``: the ranks' in-place sum) the layers' row-parallel outputs are summed
@@ -220,10 +246,7 @@ class DecoderStack:
         loaded = _lib()
         assert loaded is not None, "native decoder stack is not available on this machine"
         self._keep = _checked_tensors(layers, final_norm, cos, sin, weight_format)
-        if any((w.input_norm is None) != shape.post_norms or (w.post_ffn_norm is None) == shape.post_norms
-               for w in layers):
-            raise ValueError("the native decoder stack takes an input norm per layer, or with post_norms a norm on "
-                             "the MLP's output instead")
+        _check_norms(layers, shape)
         windows = {w.sliding_window for w in layers} - {None}
         if len(windows) > 1:
             raise ValueError(f"the native decoder stack takes one sliding window, not {sorted(windows)}")
@@ -238,7 +261,7 @@ class DecoderStack:
         self._layers = (_Layer * len(layers))()
         for slot, w in zip(self._layers, layers):
             for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "q_norm", "k_norm",
-                         "post_ffn_norm"):
+                         "post_ffn_norm", "pre_ffn_norm", "cos", "sin"):
                 setattr(slot, name, _ptr(getattr(w, name)))
             slot.moe = None if w.moe is None else w.moe.address
             slot.windowed, slot.rotated = int(w.sliding_window is not None), int(w.rotated)
@@ -247,7 +270,8 @@ class DecoderStack:
                 setattr(slot, f"{name}_order", None if weight is None else _ptr(gemm.input_order(weight)))
         self._shape = _Shape(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate, 1, 0,
                              cos.shape[0], cos.shape[1], shape.eps, shape.scale, 0, shape.residual_scale,
-                             int(shape.post_norms), int(shape.qk_all_heads))
+                             int(shape.post_norms), int(shape.qk_all_heads), int(shape.sandwich), int(shape.gelu),
+                             shape.softcap)
 
     def _kernel_table(self, cache_dtype: torch.dtype) -> object:
         """The kernels' entry points for ``cache_dtype`` caches, with this stack's all-reduce (kept alive here)."""

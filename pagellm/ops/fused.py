@@ -42,12 +42,13 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pagellm_add_rms_norm_bf16.argtypes = [_P, _P, _P, _I, _I, _F, _P, _P]
     lib.pagellm_silu_and_mul_bf16.argtypes = [_P, _I, _I, _P]
     lib.pagellm_clamped_swiglu_bf16.argtypes = [_P, _I, _I, _F, _F, _P]
+    lib.pagellm_gelu_tanh_and_mul_bf16.argtypes = [_P, _I, _I, _P]
     lib.pagellm_rotary_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P]
     lib.pagellm_dequantize_gguf.argtypes = [_P, _I, _I, _I, _P, _I]
     lib.pagellm_simd_exp_f32.argtypes = [_P, _I, _I, _P]
     lib.pagellm_simd_exp_f32.restype = _I
     for fn in (lib.pagellm_add_rms_norm_bf16, lib.pagellm_silu_and_mul_bf16, lib.pagellm_rotary_bf16,
-               lib.pagellm_dequantize_gguf):
+               lib.pagellm_dequantize_gguf, lib.pagellm_gelu_tanh_and_mul_bf16):
         fn.restype = None
     return lib
 
@@ -82,6 +83,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     half = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], half, dtype=torch.bfloat16)
     lib.pagellm_silu_and_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], half, out.data_ptr())
+    return out
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """Gemma's GeGLU, ``gelu(gate, approximate="tanh") * up`` where ``gate_up = [gate | up]`` is a contiguous bf16
+    [T, 2n], else ``None``."""
+    lib = _lib() if _bf16_rows(gate_up) else None
+    if lib is None:
+        return None
+    half = gate_up.shape[1] // 2
+    out = torch.empty(gate_up.shape[0], half, dtype=torch.bfloat16)
+    lib.pagellm_gelu_tanh_and_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], half, out.data_ptr())
     return out
 
 

@@ -58,7 +58,8 @@ def test_olmo3s_full_layers_take_the_rope_scaling_and_its_sliding_layers_do_not(
 
 
 @pytest.mark.skipif(not decoder_stack.available(), reason="the native decoder stack needs AVX-512 BF16")
-@pytest.mark.parametrize("arch", ["smollm3", "granite", "granitemoe", "granite4", "olmo2", "olmo3", "exaone4"])
+@pytest.mark.parametrize("arch", ["smollm3", "granite", "granitemoe", "granite4", "olmo2", "olmo3", "exaone4", "gemma",
+                                  "gemma2", "gemma3"])
 def test_the_native_stack_computes_each_familys_layer_as_the_python_layers(
         tiny_model_factory, monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
     """SmolLM3 (a layer without a rotary embedding), Granite (each sublayer's output scaled before the residual add,
@@ -122,12 +123,14 @@ def test_granite4s_attention_only_models_and_what_is_refused() -> None:
 
 
 @pytest.mark.skipif(not decoder_stack.available(), reason="the native decoder stack needs AVX-512 BF16")
-def test_olmos_pipeline_stages_run_the_native_stack_as_one_process(tiny_model_factory,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """OLMo's layer across two pipeline stages: the second stage's first layer takes the first's output and stream
-    (their sum its input), the last ends with the final norm; bit for bit one process's, and the stages' Python
-    layers'."""
-    model_dir = tiny_model_factory("olmo2", num_hidden_layers=3, seed=5)
+@pytest.mark.parametrize("arch", ["olmo2", "gemma2"])
+def test_post_normed_pipeline_stages_run_the_native_stack_as_one_process(tiny_model_factory,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         arch: str) -> None:
+    """OLMo's and Gemma 2's layers across two pipeline stages: the second stage's first layer takes the first's
+    normed output and stream (OLMo's: their sum its input; Gemma's: their sum normed), the last ends with the final
+    norm; bit for bit one process's, and the stages' Python layers'."""
+    model_dir = tiny_model_factory(arch, num_hidden_layers=3, seed=5)
     prompts = _prompts(seed=16)[:4]
     stages = scored_with_and_without_the_stack(monkeypatch, model_dir, prompts, "run_stage", pipeline_parallel_size=2,
                                                max_num_batched_tokens=40)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.model.layers.activation import ClampedSwiGLU, SiluAndMul
+from pagellm.model.layers.activation import ClampedSwiGLU, GeluAndMul, SiluAndMul
 from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding, rotate_half
 from pagellm.model import gguf_blocks
@@ -62,6 +62,26 @@ def test_silu_and_mul(rows: int, hidden: int, kernel_build: str) -> None:
     _close_bf16(out, act.forward_torch(gate_up))
     gate, up = gate_up.float().chunk(2, dim=-1)
     _close_bf16(out, F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 1152), (4, 40), (33, 6912), (2, 7)])
+def test_gelu_tanh_and_mul(rows: int, hidden: int, kernel_build: str) -> None:
+    """Gemma's GeGLU in one pass against its twin's bfloat16 gelu and product (torch's tanh form): each element
+    over 0.01 equal or one bfloat16 step apart (the exponential's last float32 bits rounding gelu the other way),
+    the tails' tiny values (which torch's 1 + tanh cancels to 0, the kernel's g / (1 + e^-2y) keeps) within 1e-3;
+    within two roundings of the float32 formula; the exact-erf form is the twin's alone."""
+    gen = torch.Generator().manual_seed(rows * hidden)
+    gate_up = torch.randn(rows, 2 * hidden, generator=gen).mul(4).to(BF16)
+    gate_up[0, :3] = torch.tensor([-30.0, 30.0, 0.0])  # the tails (e^x clamped) and zero
+    act = GeluAndMul("tanh")
+    out, twin = act(gate_up), act.forward_torch(gate_up)
+    steps = (out.view(torch.int16).int() - twin.view(torch.int16).int()).abs()[twin.float().abs() > 0.01]
+    assert steps.max() <= 1 and (steps == 0).float().mean() > 0.99
+    assert (out.float() - twin.float()).abs().max() < 1e-3
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    _close_bf16(out, F.gelu(gate, approximate="tanh") * up)
+    exact = GeluAndMul("none")
+    assert torch.equal(exact(gate_up), exact.forward_torch(gate_up))
 
 
 @pytest.mark.parametrize("rows,hidden", [(1, 2880), (4, 40), (33, 2880), (2, 7)])

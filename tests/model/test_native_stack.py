@@ -315,13 +315,37 @@ def test_native_stack_rejects_misfit_inputs() -> None:
     assert all(torch.equal(a, b) for a, b in zip(caches, snapshot))  # nothing written
 
 
+def test_native_stack_refuses_layers_unlike_their_shape() -> None:
+    """A layer's norms must be its kind's (Gemma's four with ``sandwich``), and its own rotary tables the stack's
+    shape: each misfit is refused by name when the stack is built, never read out of bounds."""
+    model = _model(16, False)
+    rotary = model.model.layers[0].self_attn.rotary
+    weights = [native_stack._layer_weights(layer, rotary) for layer in model.model.layers]
+    shape = native_stack.stack_for(model.model).shape
+    norm = model.model.norm.weight
+
+    def build(layers: list, stack_shape: object = shape) -> DecoderStack:
+        return DecoderStack(layers, stack_shape, norm, rotary.cos, rotary.sin)  # type: ignore[arg-type]
+
+    with pytest.raises(ValueError, match="a norm before and after the MLP"):
+        build(weights, dataclasses.replace(shape, sandwich=True))
+    sandwich = [dataclasses.replace(w, pre_ffn_norm=norm, post_ffn_norm=norm) for w in weights]
+    with pytest.raises(ValueError, match="OLMo's norms .* or Gemma's"):
+        build(sandwich, dataclasses.replace(shape, sandwich=True, post_norms=True))
+    assert build(sandwich, dataclasses.replace(shape, sandwich=True)).shape.sandwich
+    short = [dataclasses.replace(weights[0], cos=rotary.cos[:8].contiguous(), sin=rotary.sin[:8].contiguous()),
+             *weights[1:]]
+    with pytest.raises(ValueError, match="rotary tables come together, each of the stack's shape"):
+        build(short)
+
+
 def test_the_all_reduce_sums_each_row_parallel_output_and_its_failure_surfaces() -> None:
     """A tensor-parallel rank's stack calls the ranks' all-reduce on o_proj's and down_proj's output rows of every
     layer, in place; a collective that raises (a dead rank) fails the call with its error, and the next call runs."""
     model = _model(64, False)
     single = native_stack.stack_for(model.model)
     rotary = model.model.layers[0].self_attn.rotary
-    weights = [native_stack._layer_weights(layer) for layer in model.model.layers]
+    weights = [native_stack._layer_weights(layer, rotary) for layer in model.model.layers]
     ids, positions, common = _mixed_step(model.cfg.vocab_size)
     md = CpuPagedBackend().build(common)
     x = model.model.embed_tokens(ids)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.ops.fused import clamped_swiglu, silu_and_mul
+from pagellm.ops.fused import clamped_swiglu, gelu_tanh_and_mul, silu_and_mul
 
 
 class SiluAndMul(nn.Module):
@@ -26,13 +26,18 @@ class SiluAndMul(nn.Module):
 
 class GeluAndMul(nn.Module):
     """GeGLU, Gemma's gating: ``gelu(gate) * up`` (``approximate``: "tanh" for ``gelu_pytorch_tanh``, "none" for
-    the exact ``gelu``), in plain PyTorch."""
+    the exact ``gelu``); the tanh form's bfloat16 rows in one native pass (the one the native decoder stack makes),
+    ``forward_torch`` its plain-PyTorch twin (and the path of the exact form and every other dtype)."""
 
     def __init__(self, approximate: str = "tanh") -> None:
         super().__init__()
         self.approximate = approximate
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        fused = gelu_tanh_and_mul(gate_up) if self.approximate == "tanh" else None
+        return fused if fused is not None else self.forward_torch(gate_up)
+
+    def forward_torch(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate) * up
 

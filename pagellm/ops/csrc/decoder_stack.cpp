@@ -11,10 +11,12 @@
 //   q, k   = rms_norm(q / k of each head)             (Qwen3 only: contiguous copies, per-head rows)
 //   q, k   = rotary(qkv[:, :q], qkv[:, q:q+kv])      (into contiguous rows; copied unrotated in a NoPE layer)
 //   cache[slot[t]] = k[t], v[t]                      (write_kv)
-//   x      = packed_gemm(paged_attention(q), W_o)   (times the residual scale, Granite's, as each sublayer's x)
-//   h, res = add_rms_norm(x, res)
+//   x      = packed_gemm(paged_attention(q), W_o)   (times the residual scale, Granite's, as each sublayer's x;
+//                                                     Gemma 2's scores soft-capped inside the attention kernel)
+//   h, res = add_rms_norm(x, res)             (Gemma's: x = rms_norm(x) first, and its pre-MLP norm's weight)
 //   x      = packed_gemm(silu_and_mul(packed_gemm(h, W_gate_up)), W_down)   (the inner two in one pass where
-//            the GEMM offers it: pagellm_packed_linear_silu_mul_bf16 (AMX, AVX-512), _w8a8 (int8); the same bits)
+//            the GEMM offers it: pagellm_packed_linear_silu_mul_bf16 (AMX, AVX-512), _w8a8 (int8); the same bits;
+//            Gemma's GeGLU, gelu_tanh_and_mul, in place of silu_and_mul; then, Gemma's, x = rms_norm(x))
 //            or, in a mixture of experts' sparse layer, x = moe(h): the layer's router, routing and experts in the
 //            call the Python layer makes too (ops/csrc/moe.cpp pagellm_moe_forward_bf16)
 // then out = add_rms_norm(x, res).out. A pipeline stage's call takes the previous stage's x and res (res given: the
@@ -59,6 +61,8 @@ struct StackKernels {
   // tensor parallelism: sum n bfloat16 values in place across the ranks (the caller's collective, as the Python
   // layers' row-parallel o_proj and down_proj, and a mixture's experts, call it); null on one rank
   void (*all_reduce)(uint16_t* data, int64_t n);
+  // Gemma's GeGLU (StackShape::gelu), as silu_and_mul; null where no model needs it
+  void (*gelu_and_mul)(const uint16_t* gate_up, int64_t rows, int64_t n, uint16_t* out);
 };
 
 // One decoder layer's weights (packed GEMM weights as made by pagellm/ops/gemm.py `pack`, or all four the int8
@@ -80,7 +84,9 @@ struct StackLayer {
   int64_t rotated;             // 1: q and k take the rotary embedding; 0: a NoPE layer (SmolLM3's): not rotated
   // The order [K] in which a 4-bit act-order GEMM weight takes its inputs (gemm.input_order), or null: in order.
   const int64_t *qkv_order, *o_order, *gate_up_order, *down_order;
-  const uint16_t* post_ffn_norm;  // [hidden] on the MLP's output, with StackShape::post_norms; else null
+  const uint16_t* post_ffn_norm;  // [hidden] on the MLP's output, with StackShape::post_norms or sandwich; else null
+  const uint16_t* pre_ffn_norm;   // [hidden] before the MLP, with StackShape::sandwich; else null
+  const uint16_t *cos, *sin;      // this layer's own rotary tables (Gemma 3's sliding layers), or null: the stack's
 };
 
 enum KvFormat : int64_t { kKvBf16 = 0, kKvFp8E4M3 = 1, kKvFp8E5M2 = 2 };
@@ -96,6 +102,11 @@ struct StackShape {
   // before it joins the residual stream, which is their input
   int64_t post_norms;
   int64_t qk_all_heads;  // 1: q_norm and k_norm span all of a token's heads (OLMo's), not each head
+  // 1: Gemma 2 and 3's layer: Llama's norms before attention (input_norm) and the MLP (pre_ffn_norm), and each
+  // one's output normed (post_norm, post_ffn_norm) before it joins the residual stream
+  int64_t sandwich;
+  int64_t gelu;   // 1: the MLP's gate is GeGLU (Gemma's, StackKernels::gelu_and_mul), not SiLU
+  float softcap;  // attention scores capped at softcap * tanh(score / softcap) (Gemma 2's); 0: not capped
 };
 
 // The step's tokens and the attention metadata of attention/cpu_paged.py CpuPagedMetadata.
@@ -239,10 +250,43 @@ void add_rows(uint16_t* x, const uint16_t* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = bf16(f32(x[i]) + f32(y[i]));
 }
 
-// The MLP's output as it joins the residual: scaled (Granite's), or normed (post_norms; in place).
+// The MLP's output as it joins the residual: scaled (Granite's), or normed (post_norms, sandwich; in place).
 void finish_mlp(const StackKernels& f, const StackShape& s, const StackLayer& l, int64_t t, const Scratch& sc) {
   scale_rows(sc.x, t * s.hidden, s.residual_scale);
-  if (s.post_norms) f.add_rms_norm(sc.x, nullptr, l.post_ffn_norm, t, s.hidden, s.eps, sc.x, sc.x);
+  if (s.post_norms || s.sandwich) f.add_rms_norm(sc.x, nullptr, l.post_ffn_norm, t, s.hidden, s.eps, sc.x, sc.x);
+}
+
+// Attention's output x joining the residual stream, and the MLP's input: h, res = add_rms_norm(x, res) (Llama's);
+// OLMo's: the stream takes x normed and is the MLP's input (h unused); Gemma's: x normed, then Llama's with the
+// pre-MLP norm. Returns the MLP's input.
+const uint16_t* join_attention(const StackKernels& f, const StackShape& s, const StackLayer& l, int64_t t,
+                               const Scratch& sc) {
+  if (s.post_norms) {
+    f.add_rms_norm(sc.x, nullptr, l.post_norm, t, s.hidden, s.eps, sc.h, sc.x);
+    add_rows(sc.res, sc.h, t * s.hidden);
+    return sc.res;
+  }
+  if (s.sandwich) f.add_rms_norm(sc.x, nullptr, l.post_norm, t, s.hidden, s.eps, sc.x, sc.x);
+  f.add_rms_norm(sc.x, sc.res, s.sandwich ? l.pre_ffn_norm : l.post_norm, t, s.hidden, s.eps, sc.h, sc.res);
+  return sc.h;
+}
+
+// The dense MLP of input h into sc.x: down(act(gate_up(h))), act SiLU·mul (the gate/up GEMM and SiLU in one pass
+// where the GEMM offers it) or GeGLU.
+void dense_mlp(const StackKernels& f, const StackShape& s, const StackLayer& l, int64_t t, const uint16_t* mlp_in,
+               const Scratch& sc) {
+  const int64_t gate_up = 2 * s.intermediate;
+  const uint16_t* h = in_order(mlp_in, t, s.hidden, l.gate_up_order, sc.ordered);
+  if (s.gelu) {
+    f.linear(h, t, s.hidden, s.hidden, l.gate_up, gate_up, nullptr, sc.wide, gate_up);
+    f.gelu_and_mul(sc.wide, t, s.intermediate, sc.act);
+  } else if (!f.linear_silu_mul || f.linear_silu_mul(h, t, s.hidden, s.hidden, l.gate_up, gate_up, sc.act,
+                                                     s.intermediate) != 0) {
+    f.linear(h, t, s.hidden, s.hidden, l.gate_up, gate_up, nullptr, sc.wide, gate_up);
+    f.silu_and_mul(sc.wide, t, s.intermediate, sc.act);
+  }
+  f.linear(in_order(sc.act, t, s.intermediate, l.down_order, sc.ordered), t, s.intermediate, s.intermediate, l.down,
+           s.hidden, nullptr, sc.x, s.hidden);
 }
 
 void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& st, const StackLayer& l,
@@ -273,37 +317,23 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
     f.add_rms_norm(sc.kn, nullptr, l.k_norm, t * kvd / k_width, k_width, s.eps, sc.kn, sc.kn);
     q = sc.attn, k = sc.kn, q_stride = qd, k_stride = kvd;
   }
-  f.rotary(q, q_stride, k, k_stride, cos, sin, st.positions, t, s.heads, s.kv_heads, s.head_dim,
-           l.rotated ? s.rot_dim : 0, sc.q, sc.k);  // 0 rotated dimensions: a copy
+  f.rotary(q, q_stride, k, k_stride, l.cos ? l.cos : cos, l.sin ? l.sin : sin, st.positions, t, s.heads, s.kv_heads,
+           s.head_dim, l.rotated ? s.rot_dim : 0, sc.q, sc.k);  // 0 rotated dimensions: a copy
   write_kv(s, st, sc.k, sc.wide, qkv_n, l.k_cache, l.v_cache);
   f.attention(sc.q, l.k_cache, l.v_cache, st.block_table, st.query_start, st.seq_lens, st.ctx_end,
               l.windowed ? st.ctx_start : nullptr, st.tree_bits, st.tree_words, st.rows, s.heads, s.head_dim,
-              s.block_size, s.kv_heads, st.max_blocks, st.flash_min_tokens, s.scale, sc.attn, nullptr, 0.f);
+              s.block_size, s.kv_heads, st.max_blocks, st.flash_min_tokens, s.scale, sc.attn, nullptr, s.softcap);
   f.linear(in_order(sc.attn, t, qd, l.o_order, sc.ordered), t, qd, qd, l.o, s.hidden, nullptr, sc.x, s.hidden);
   if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
   scale_rows(sc.x, t * s.hidden, s.residual_scale);
-  if (s.post_norms) {  // the stream takes attention's normed output and is the MLP's input
-    f.add_rms_norm(sc.x, nullptr, l.post_norm, t, s.hidden, s.eps, sc.h, sc.x);
-    add_rows(sc.res, sc.h, t * s.hidden);
-  } else {
-    f.add_rms_norm(sc.x, sc.res, l.post_norm, t, s.hidden, s.eps, sc.h, sc.res);
-  }
-  const uint16_t* mlp_in = s.post_norms ? sc.res : sc.h;
+  const uint16_t* mlp_in = join_attention(f, s, l, t, sc);
   if (l.moe) {
     f.moe(l.moe, mlp_in, t, s.hidden, sc.x);  // this rank's slice of every expert (and of a shared expert)
     if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
     finish_mlp(f, s, l, t, sc);
     return;
   }
-  const int64_t gate_up = 2 * s.intermediate;
-  const uint16_t* h = in_order(mlp_in, t, s.hidden, l.gate_up_order, sc.ordered);
-  if (!f.linear_silu_mul || f.linear_silu_mul(h, t, s.hidden, s.hidden, l.gate_up, gate_up, sc.act,
-                                              s.intermediate) != 0) {
-    f.linear(h, t, s.hidden, s.hidden, l.gate_up, gate_up, nullptr, sc.wide, gate_up);
-    f.silu_and_mul(sc.wide, t, s.intermediate, sc.act);
-  }
-  f.linear(in_order(sc.act, t, s.intermediate, l.down_order, sc.ordered), t, s.intermediate, s.intermediate, l.down,
-           s.hidden, nullptr, sc.x, s.hidden);
+  dense_mlp(f, s, l, t, mlp_in, sc);
   if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
   finish_mlp(f, s, l, t, sc);
 }

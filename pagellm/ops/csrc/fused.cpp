@@ -2,6 +2,7 @@
 //   add_rms_norm:  residual' = x + residual; out = weight * bf16(residual' * rsqrt(mean(residual'^2) + eps))
 //   silu_and_mul:  out = silu(gate) * up, with gate_up = [gate | up] along the last dimension
 //   clamped_swiglu: gpt-oss's gating of the same [gate | up]
+//   gelu_tanh_and_mul: Gemma's GeGLU, gelu(gate, approximate="tanh") * up, of the same [gate | up]
 //   rotary:        q', k' = x * cos + rotate_half(x) * sin for each head ("rotate half" layout), from q/k rows
 //                  that may be strided views into the fused qkv output, into contiguous outputs; over the first
 //                  rot_dim dimensions of each head (the rest copied: Phi-4-mini's partial rotary embedding)
@@ -117,6 +118,36 @@ void pagellm_silu_and_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t n,
       _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), round_bf16x8(silu_mul8(widen_bf16x8(g + i), widen_bf16x8(u + i))));
 #endif
     for (; i < n; ++i) o[i] = bf16(f32(g[i]) / (1.f + std::exp(-f32(g[i]))) * f32(u[i]));
+#endif
+  }
+}
+
+// Gemma's GeGLU: gate_up [rows, 2 * n] (gate then up); out [rows, n] = bf16(gelu_tanh(gate)) * up.
+void pagellm_gelu_tanh_and_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t n, uint16_t* out) {
+#pragma omp parallel for schedule(static) if (rows * n >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* g = gate_up + r * 2 * n;
+    const uint16_t* u = g + n;
+    uint16_t* o = out + r * n;
+#if defined(__AVX512F__)
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1);
+      store_bf16x16(o + i, gelu_tanh_mul16(load_bf16x16(g + i, m), load_bf16x16(u + i, m)), m);
+    }
+#else
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= n; i += 8) {
+      const __m128i gelu = round_bf16x8(gelu_tanh8(widen_bf16x8(g + i)));
+      const __m256 wide = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(gelu), 16));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), round_bf16x8(_mm256_mul_ps(wide, widen_bf16x8(u + i))));
+    }
+#endif
+    for (; i < n; ++i) {
+      const float x = f32(g[i]);
+      const float gelu = x / (1.f + std::exp(-1.5957691216057308f * x * (1.f + 0.044715f * x * x)));
+      o[i] = bf16(f32(bf16(gelu)) * f32(u[i]));
+    }
 #endif
   }
 }

@@ -1,5 +1,5 @@
 // SiLU(gate) * up for 16 floats (AVX-512) or 8 (AVX2 + FMA) and torch's bfloat16 rounding (and gpt-oss's clamped
-// SwiGLU for 16, the fused kernel's), shared by the SiLU·mul
+// SwiGLU and Gemma's GeGLU, the fused kernels'), shared by the SiLU·mul
 // kernel (ops/csrc/fused.cpp) and the packed GEMMs (their gate/up epilogues: packed_gemm_amx.h,
 // packed_gemm_avx512.h, packed_gemm_w8a8.cpp; the AVX2 stores, packed_gemm_avx2.h), so the fused and the two-call
 // paths give the same bits. ops/build.py
@@ -47,6 +47,16 @@ static inline __m512 clamped_swiglu16(__m512 g, __m512 u, float limit, float alp
   const __m512 sig = round_bf16x16(_mm512_div_ps(one, _mm512_add_ps(one, e)));
   return _mm512_mul_ps(up1, round_bf16x16(_mm512_mul_ps(g, sig)));
 }
+
+// Gemma's GeGLU, gelu_tanh(g) * u, with gelu_tanh(g) = 0.5 g (1 + tanh(c (g + 0.044715 g^3))), c = sqrt(2 / pi),
+// computed as g / (1 + e^(-2 c (g + 0.044715 g^3))) (the same function; no cancellation near 0) and rounded to
+// bfloat16 before the product, as torch's bfloat16 gelu and mul round; g and u already bfloat16 values.
+static inline __m512 gelu_tanh_mul16(__m512 g, __m512 u) {
+  const __m512 inner = _mm512_mul_ps(g, _mm512_fmadd_ps(_mm512_mul_ps(g, g), _mm512_set1_ps(0.044715f),
+                                                       _mm512_set1_ps(1.f)));
+  const __m512 e = exp16(_mm512_mul_ps(inner, _mm512_set1_ps(-1.5957691216057308f)));
+  return _mm512_mul_ps(round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e))), u);
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -77,5 +87,13 @@ static inline __m128i round_bf16x8(__m256 v) {
 static inline __m256 silu_mul8(__m256 g, __m256 u) {
   const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
   return _mm256_mul_ps(silu, u);
+}
+
+// gelu_tanh_mul16's steps on 8 lanes, but for the rounding before the product (the caller rounds gelu's 8 lanes).
+static inline __m256 gelu_tanh8(__m256 g) {
+  const __m256 inner = _mm256_mul_ps(g, _mm256_fmadd_ps(_mm256_mul_ps(g, g), _mm256_set1_ps(0.044715f),
+                                                        _mm256_set1_ps(1.f)));
+  const __m256 e = exp8(_mm256_mul_ps(inner, _mm256_set1_ps(-1.5957691216057308f)));
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
 }
 #endif
