@@ -129,10 +129,9 @@ class LlamaDecoderLayer(nn.Module):
             if cfg.moe is not None and cfg.moe.is_sparse(layer) else LlamaMLP(cfg, dtype, parallel, layer)
         scale = cfg.residual_multiplier
         self.residual_multiplier = None if scale in (None, 1.0) else scale
-        # what the native decoder stack computes (model/native_stack.py): this layer, OLMo's and Gemma's, with SwiGLU
-        # or GeGLU's tanh form (OLMo's q/k norms across all heads on one rank: the stack has no all-gather)
+        # what the native decoder stack computes (model/native_stack.py): this layer (gpt-oss's too), OLMo's and
+        # Gemma's, with SwiGLU or GeGLU's tanh form (OLMo's q/k norms across all heads on one rank: the stack has no all-gather)
         self.native = cfg.hidden_act in ("silu", "gelu_pytorch_tanh") and not cfg.layer_norm and \
-            not cfg.attention_sinks and not (cfg.moe is not None and cfg.moe.bias) and \
             (cfg.norms in (NORMS_PRE, NORMS_SANDWICH) or (cfg.norms == NORMS_POST and not (cfg.qk_norm_all_heads and
                                                                                            parallel.tp_size > 1)))
 

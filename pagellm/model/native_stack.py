@@ -11,11 +11,12 @@ attention backend):
   not route, so the Python layers run), and every GEMM weight of every layer is packed
   (``gemm.pack_parameter``), or every one quantized (``--quantization w8a8_int8``, ``w4a8_int4`` or
   ``w4a16_int4``; an act-order checkpoint's 4-bit weights with their rows' inputs gathered in order), with no
-  o_proj bias (q/k/v bias, as in Qwen2, Qwen3's per-head q/k norm, Phi-4-mini's partial rotary embedding,
+  bias on a dense MLP (q/k/v and o_proj biases, as in Qwen2 and gpt-oss, Qwen3's per-head q/k norm, Phi-4-mini's partial rotary embedding,
   SmolLM3's layers without a rotary embedding and Granite's residual multiplier and attention scale are served), one
   RMSNorm epsilon throughout, Llama's norms before each sublayer, OLMo's and EXAONE 4's after each (OLMo's q/k
   norms over all heads on one rank only) or Gemma 2 and 3's before and after each, SwiGLU or GeGLU's tanh form
-  (Gemma's; Cohere's and gpt-oss's layers run in Python), Gemma 2's soft-capped attention scores, the model's rotary
+  (Gemma's; Cohere's layers run in Python), Gemma 2's soft-capped attention scores, gpt-oss's attention sinks, o_proj
+  bias and biased experts, the model's rotary
   embedding for every layer that rotates or, where a layer has its own (Gemma 3's sliding layers), its tables of the
   same shape; a mixture of
   experts' sparse layers run their native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE
@@ -44,7 +45,7 @@ from pagellm.ops.decoder_stack import DecoderStack, LayerWeights, StackShape
 def _layer_weights(layer: nn.Module, rotary: nn.Module) -> LayerWeights | None:
     """The weights of one decoder layer (``rotary``: the model's own rotary embedding, whose tables the stack
     takes; a layer with another, Gemma 3's sliding ones, brings its tables), or None where it does not fit."""
-    if not layer.native:  # a layer the native call does not compute (Cohere's, gpt-oss's)
+    if not layer.native:  # a layer the native call does not compute (Cohere's)
         return None
     attn, mlp = layer.self_attn, layer.mlp
     experts = None
@@ -55,7 +56,7 @@ def _layer_weights(layer: nn.Module, rotary: nn.Module) -> LayerWeights | None:
     linears = (attn.qkv_proj, attn.o_proj) + ((mlp.gate_up_proj, mlp.down_proj) if experts is None else ())
     if any(gemm.packed_shape(m.weight) is None for m in linears):
         return None
-    if attn.o_proj.bias is not None or any(m.bias is not None for m in linears[2:]):
+    if any(m.bias is not None for m in linears[2:]):  # a dense MLP's biases
         return None
     norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
     gate_up, down = (None, None) if experts is not None else (mlp.gate_up_proj.weight, mlp.down_proj.weight)
@@ -65,7 +66,8 @@ def _layer_weights(layer: nn.Module, rotary: nn.Module) -> LayerWeights | None:
                         sliding_window=attn.attn.sliding_window, rotated=attn.rotary is not None,
                         post_ffn_norm=_weight(layer, "post_feedforward_layernorm"),  # OLMo's and Gemma's
                         pre_ffn_norm=_weight(layer, "pre_feedforward_layernorm"),  # Gemma's
-                        cos=None if own is None else own.cos, sin=None if own is None else own.sin)
+                        cos=None if own is None else own.cos, sin=None if own is None else own.sin,
+                        sinks=None if attn.sinks is None else attn.sinks.data, o_bias=attn.o_proj.bias)
 
 
 def _weight(layer: nn.Module, norm: str) -> torch.Tensor | None:
@@ -108,8 +110,10 @@ def build_stack(model: nn.Module) -> DecoderStack | None:
     weights = [_layer_weights(layer, rotary) for layer in model.layers]
     if any(w is None for w in weights):
         return None
+    # the dense GEMMs' one format (a mixture's experts call their own kernels: gpt-oss's MXFP4 experts beside its
+    # bfloat16 attention)
     formats = {gemm.weight_format(t) for w in weights for t in (w.qkv, w.o, w.gate_up, w.down)  # type: ignore
-               if t is not None} | {w.moe.weight_format for w in weights if w.moe is not None}  # type: ignore
+               if t is not None}
     if len(formats) != 1:
         return None
     shape = _shape(model, weights)

@@ -65,7 +65,7 @@ class _Layer(ctypes.Structure):  # csrc StackLayer
                                         "k_cache", "v_cache", "q_norm", "k_norm", "moe")]
     _fields_ += [("windowed", _I), ("rotated", _I)]
     _fields_ += [(f"{name}_order", _P) for name in _GEMMS]
-    _fields_ += [(name, _P) for name in ("post_ffn_norm", "pre_ffn_norm", "cos", "sin")]
+    _fields_ += [(name, _P) for name in ("post_ffn_norm", "pre_ffn_norm", "cos", "sin", "sinks", "o_bias")]
 
 
 class _Shape(ctypes.Structure):  # csrc StackShape
@@ -145,7 +145,8 @@ class LayerWeights:
     """One decoder layer's bfloat16 weights; the four GEMM weights packed (``gemm.pack``), or all four quantized
     (``gemm_w8a8`` or ``gemm_w4a8``'s ``quantize_parameter``; a 4-bit act-order one with its ``gemm.input_order``,
     which the stack gathers each input row in); a sparse layer of a mixture of experts has its routed experts
-    (``moe``, a ``moe.Experts`` that routes, of the same format) in place of gate_up and down."""
+    (``moe``, a ``moe.Experts`` that routes, in a format of its own: it calls its own kernels) in place of gate_up
+    and down."""
 
     input_norm: torch.Tensor | None  # None: OLMo's layer (StackShape.post_norms)
     qkv: torch.Tensor
@@ -163,6 +164,8 @@ class LayerWeights:
     pre_ffn_norm: torch.Tensor | None = None   # attention's); Gemma's before the MLP (StackShape.sandwich)
     cos: torch.Tensor | None = None  # the layer's own rotary tables (Gemma 3's sliding layers' base), as the stack's
     sin: torch.Tensor | None = None  # [max_positions, rot_dim]; None: the stack's
+    sinks: torch.Tensor | None = None  # gpt-oss's attention sinks: float32 [heads], one logit per head
+    o_bias: torch.Tensor | None = None  # o_proj's bias (gpt-oss's), added after the ranks' sum
 
 
 @dataclass(frozen=True)
@@ -195,14 +198,17 @@ def _index(t: torch.Tensor) -> torch.Tensor:
 
 
 def _checked_tensors(layers: list[LayerWeights], final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     weight_format: str) -> list:
+                     weight_format: str, heads: int) -> list:
     """Every tensor the stack points at (to keep alive), once the layers are checked to fit the native call."""
     if any((w.q_norm is None) != (w.k_norm is None) for w in layers):
         raise ValueError("the native decoder stack takes q and k norm weights together, or neither")
     vectors = [final_norm, cos, sin, *(t for w in layers for t in (w.input_norm, w.qkv_bias, w.post_norm,
                                                                     w.q_norm, w.k_norm, w.post_ffn_norm,
-                                                                    w.pre_ffn_norm, w.cos, w.sin)
+                                                                    w.pre_ffn_norm, w.cos, w.sin, w.o_bias)
                                        if t is not None)]
+    sinks = [w.sinks for w in layers if w.sinks is not None]
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.shape != (heads,) for t in sinks):
+        raise ValueError(f"attention sinks are contiguous float32 [{heads}], one per query head")
     if any((w.cos is None) != (w.sin is None) or (w.cos is not None and (w.cos.shape != cos.shape or
                                                                         w.sin.shape != sin.shape)) for w in layers):
         raise ValueError(f"a layer's own rotary tables come together, each of the stack's shape {tuple(cos.shape)}")
@@ -216,11 +222,10 @@ def _checked_tensors(layers: list[LayerWeights], final_norm: torch.Tensor, cos: 
     if any(order.dtype != torch.int64 or not order.is_contiguous() or order.shape != (gemm.packed_shape(t)[1],)
            or int(order.min()) < 0 or int(order.max()) >= order.numel() for t, order in orders):
         raise ValueError("an act-order GEMM weight's input order must be contiguous int64 [K] in [0, K)")
-    if any((w.moe is None) == (w.gate_up is None or w.down is None) or
-           (w.moe is not None and (not w.moe.routes or w.moe.weight_format != weight_format)) for w in layers):
-        raise ValueError("each layer of the native decoder stack takes gate_up and down, or routed experts "
-                         f"(moe) of the stack's format ({weight_format})")
-    return [*vectors, *gemms, *(order for _, order in orders), *(w.moe for w in layers if w.moe is not None)]
+    if any((w.moe is None) == (w.gate_up is None or w.down is None) or (w.moe is not None and not w.moe.routes)
+           for w in layers):
+        raise ValueError("each layer of the native decoder stack takes gate_up and down, or routed experts (moe)")
+    return [*vectors, *sinks, *gemms, *(order for _, order in orders), *(w.moe for w in layers if w.moe is not None)]
 
 
 def _check_norms(layers: list[LayerWeights], shape: StackShape) -> None:
@@ -245,7 +250,7 @@ class DecoderStack:
                  all_reduce: Callable[[torch.Tensor], object] | None = None) -> None:
         loaded = _lib()
         assert loaded is not None, "native decoder stack is not available on this machine"
-        self._keep = _checked_tensors(layers, final_norm, cos, sin, weight_format)
+        self._keep = _checked_tensors(layers, final_norm, cos, sin, weight_format, shape.heads)
         _check_norms(layers, shape)
         windows = {w.sliding_window for w in layers} - {None}
         if len(windows) > 1:
@@ -261,7 +266,7 @@ class DecoderStack:
         self._layers = (_Layer * len(layers))()
         for slot, w in zip(self._layers, layers):
             for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "q_norm", "k_norm",
-                         "post_ffn_norm", "pre_ffn_norm", "cos", "sin"):
+                         "post_ffn_norm", "pre_ffn_norm", "cos", "sin", "sinks", "o_bias"):
                 setattr(slot, name, _ptr(getattr(w, name)))
             slot.moe = None if w.moe is None else w.moe.address
             slot.windowed, slot.rotated = int(w.sliding_window is not None), int(w.rotated)

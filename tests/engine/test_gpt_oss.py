@@ -15,9 +15,10 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from pagellm import LLM, SamplingParams
 from pagellm.model import mxfp4
 from pagellm.model.arch import ArchConfig
-from pagellm.ops import gemm, gemm_mxfp4, gemm_w4a16
+from pagellm.ops import decoder_stack, gemm, gemm_mxfp4, gemm_w4a16
 
-from test_parity import _prompts, assert_greedy_parity, hf_prompt_logprobs, prompt_logprobs, run
+from test_parity import (_prompts, assert_greedy_parity, hf_prompt_logprobs, prompt_logprobs, run,
+                         scored_with_and_without_the_stack)
 
 # openai/gpt-oss-20b's config.json, as published (its keys that matter here)
 GPT_OSS_20B = {
@@ -131,6 +132,18 @@ def test_in_bfloat16_an_mxfp4_checkpoints_experts_stay_in_4_bits(tiny_model_fact
         finally:
             llm.shutdown()
     assert (results["mxfp4"] - results["float"]).abs().mean().item() < 0.02
+
+
+@pytest.mark.skipif(not (gemm_mxfp4.runs_here() and decoder_stack.available()),
+                    reason="the MXFP4 GEMM and the native decoder stack need AVX-512 BF16 and VNNI")
+def test_the_native_stack_runs_mxfp4_experts_beside_bfloat16_attention(tiny_model_factory, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """An MXFP4 checkpoint in bfloat16 (its experts on the MXFP4 GEMM, every other matrix bfloat16) runs its layers in
+    the one-call native stack, the experts through their own kernels: bit for bit the Python layers' tokens and
+    log-probabilities."""
+    packed, _ = _mxfp4_twins(tiny_model_factory("gpt_oss"), tmp_path)
+    results = scored_with_and_without_the_stack(monkeypatch, packed, _prompts(seed=24)[:4], max_num_batched_tokens=40)
+    assert results["1"] == results["0"]
 
 
 @pytest.mark.skipif(not gemm_w4a16.runs_here(), reason="the W4A16 kernel needs AVX-512 BF16 and VNNI")

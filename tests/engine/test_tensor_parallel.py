@@ -131,13 +131,15 @@ def test_quantized_weights_split_across_ranks(tiny_model_factory, tmp_path: Path
 @pytest.mark.skipif(not decoder_stack.available(), reason="the native decoder stack does not run here")
 @pytest.mark.parametrize(("arch", "quantization"), [("llama", None), ("qwen2", None), ("qwen3", "w8a8_int8"),
                                                     ("llama", "w4a8_int4"), ("llama", "w4a16_int4"),
-                                                    ("qwen2_moe", None), ("mixtral", None), ("gemma3", None)])
+                                                    ("qwen2_moe", None), ("mixtral", None), ("gemma3", None),
+                                                    ("gpt_oss", None)])
 def test_ranks_run_the_native_stack_as_their_python_layers_do(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
                                                               arch: str, quantization: str | None) -> None:
     """In bfloat16 each rank runs its slice of every layer in the one-call native stack, which sums the
     row-parallel outputs (o_proj, down_proj, a mixture's experts) through the ranks' all-reduce: the same tokens and
     logprobs, bit for bit, as the ranks on the Python layers (with q/k/v bias, Qwen3's q/k norms, int8 and 4-bit
-    weights too; Gemma 3's layer, its sliding layers' own rope base). A mixture's Python layers with the stack off
+    weights too; Gemma 3's layer, its sliding layers' own rope base; gpt-oss's sinks and o_proj bias, the bias
+    added after the ranks' sum). A mixture's Python layers with the stack off
     take torch's routing and expert loop, its twin (the same tokens, logprobs to rounding, as on one rank:
     ``test_moe.py``)."""
     if quantization == "w4a16_int4" and not gemm_w4a16.available():
@@ -147,7 +149,7 @@ def test_ranks_run_the_native_stack_as_their_python_layers_do(tiny_model_factory
     results = scored_with_and_without_the_stack(monkeypatch, tiny_model_factory(arch), _prompts(seed=19)[:6],
                                                 tensor_parallel_size=2, quantization=quantization,
                                                 max_num_batched_tokens=40)
-    if arch in ("qwen2_moe", "mixtral"):
+    if arch in ("qwen2_moe", "mixtral", "gpt_oss"):
         assert [tokens for tokens, _ in results["1"]] == [tokens for tokens, _ in results["0"]]
         assert [lp for _, lp in results["1"]] == pytest.approx([lp for _, lp in results["0"]], abs=1e-3)
     else:

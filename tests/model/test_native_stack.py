@@ -316,8 +316,9 @@ def test_native_stack_rejects_misfit_inputs() -> None:
 
 
 def test_native_stack_refuses_layers_unlike_their_shape() -> None:
-    """A layer's norms must be its kind's (Gemma's four with ``sandwich``), and its own rotary tables the stack's
-    shape: each misfit is refused by name when the stack is built, never read out of bounds."""
+    """A layer's norms must be its kind's (Gemma's four with ``sandwich``), its own rotary tables the stack's shape
+    and its sinks one float32 per head: each misfit is refused by name when the stack is built, never read out of
+    bounds."""
     model = _model(16, False)
     rotary = model.model.layers[0].self_attn.rotary
     weights = [native_stack._layer_weights(layer, rotary) for layer in model.model.layers]
@@ -337,6 +338,10 @@ def test_native_stack_refuses_layers_unlike_their_shape() -> None:
              *weights[1:]]
     with pytest.raises(ValueError, match="rotary tables come together, each of the stack's shape"):
         build(short)
+    heads = shape.heads
+    for sinks in (torch.zeros(heads, dtype=torch.bfloat16), torch.zeros(heads + 1)):  # float32, one per head
+        with pytest.raises(ValueError, match=f"attention sinks are contiguous float32 \\[{heads}\\]"):
+            build([dataclasses.replace(weights[0], sinks=sinks), *weights[1:]])
 
 
 def test_the_all_reduce_sums_each_row_parallel_output_and_its_failure_surfaces() -> None:

@@ -12,7 +12,9 @@
 //   q, k   = rotary(qkv[:, :q], qkv[:, q:q+kv])      (into contiguous rows; copied unrotated in a NoPE layer)
 //   cache[slot[t]] = k[t], v[t]                      (write_kv)
 //   x      = packed_gemm(paged_attention(q), W_o)   (times the residual scale, Granite's, as each sublayer's x;
-//                                                     Gemma 2's scores soft-capped inside the attention kernel)
+//                                                     Gemma 2's scores soft-capped inside the attention kernel,
+//                                                     gpt-oss's sinks in its softmax; gpt-oss's o_proj bias added
+//                                                     after the ranks' sum, as the Python layer adds it)
 //   h, res = add_rms_norm(x, res)             (Gemma's: x = rms_norm(x) first, and its pre-MLP norm's weight)
 //   x      = packed_gemm(silu_and_mul(packed_gemm(h, W_gate_up)), W_down)   (the inner two in one pass where
 //            the GEMM offers it: pagellm_packed_linear_silu_mul_bf16 (AMX, AVX-512), _w8a8 (int8); the same bits;
@@ -87,6 +89,8 @@ struct StackLayer {
   const uint16_t* post_ffn_norm;  // [hidden] on the MLP's output, with StackShape::post_norms or sandwich; else null
   const uint16_t* pre_ffn_norm;   // [hidden] before the MLP, with StackShape::sandwich; else null
   const uint16_t *cos, *sin;      // this layer's own rotary tables (Gemma 3's sliding layers), or null: the stack's
+  const float* sinks;             // [heads] gpt-oss's attention sinks, one logit per head, or null
+  const uint16_t* o_bias;         // [hidden] o_proj's bias (gpt-oss's), added after the ranks' sum, or null
 };
 
 enum KvFormat : int64_t { kKvBf16 = 0, kKvFp8E4M3 = 1, kKvFp8E5M2 = 2 };
@@ -244,6 +248,16 @@ void scale_rows(uint16_t* x, int64_t n, float scale) {
   for (int64_t i = 0; i < n; ++i) x[i] = bf16(f32(x[i]) * scale);
 }
 
+// Each of the t rows of x plus bias [n], rounded to bfloat16 as torch rounds a bfloat16 tensor plus a row.
+void add_bias(uint16_t* x, const uint16_t* bias, int64_t t, int64_t n) {
+#pragma omp parallel for schedule(static) if (t * n >= (int64_t{1} << 16))
+  for (int64_t i = 0; i < t; ++i) {
+    uint16_t* row = x + i * n;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) row[j] = bf16(f32(row[j]) + f32(bias[j]));
+  }
+}
+
 // x += y, each sum rounded to bfloat16 as torch rounds a sum of two bfloat16 tensors.
 void add_rows(uint16_t* x, const uint16_t* y, int64_t n) {
 #pragma omp parallel for simd schedule(static) if (n >= (int64_t{1} << 16))
@@ -322,9 +336,10 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
   write_kv(s, st, sc.k, sc.wide, qkv_n, l.k_cache, l.v_cache);
   f.attention(sc.q, l.k_cache, l.v_cache, st.block_table, st.query_start, st.seq_lens, st.ctx_end,
               l.windowed ? st.ctx_start : nullptr, st.tree_bits, st.tree_words, st.rows, s.heads, s.head_dim,
-              s.block_size, s.kv_heads, st.max_blocks, st.flash_min_tokens, s.scale, sc.attn, nullptr, s.softcap);
+              s.block_size, s.kv_heads, st.max_blocks, st.flash_min_tokens, s.scale, sc.attn, l.sinks, s.softcap);
   f.linear(in_order(sc.attn, t, qd, l.o_order, sc.ordered), t, qd, qd, l.o, s.hidden, nullptr, sc.x, s.hidden);
   if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
+  if (l.o_bias) add_bias(sc.x, l.o_bias, t, s.hidden);
   scale_rows(sc.x, t * s.hidden, s.residual_scale);
   const uint16_t* mlp_in = join_attention(f, s, l, t, sc);
   if (l.moe) {
