@@ -130,10 +130,11 @@ class LlamaDecoderLayer(nn.Module):
         scale = cfg.residual_multiplier
         self.residual_multiplier = None if scale in (None, 1.0) else scale
         # what the native decoder stack computes (model/native_stack.py): this layer (gpt-oss's too), OLMo's and
-        # Gemma's, with SwiGLU or GeGLU's tanh form (OLMo's q/k norms across all heads on one rank: the stack has no all-gather)
+        # Gemma's, with SwiGLU or GeGLU's tanh form (OLMo's q/k norms across all heads on one rank: the stack has no
+        # all-gather)
         self.native = cfg.hidden_act in ("silu", "gelu_pytorch_tanh") and not cfg.layer_norm and \
-            (cfg.norms in (NORMS_PRE, NORMS_SANDWICH) or (cfg.norms == NORMS_POST and not (cfg.qk_norm_all_heads and
-                                                                                           parallel.tp_size > 1)))
+            (cfg.norms in (NORMS_PRE, NORMS_SANDWICH) or
+             (cfg.norms == NORMS_POST and not (cfg.qk_norm_all_heads and parallel.tp_size > 1)))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 """When and how ``LlamaModel.forward`` runs its decoder layers as one native call (``pagellm/ops/decoder_stack.py``).
 
 The native path serves a forward pass when all of these hold, and returns ``None`` otherwise (the Python layers
-then run, unchanged: they are its twin and oracle, and the path of float32, tensor parallelism and every other
+then run, unchanged: they are its twin and oracle, and the path of float32 and every other
 attention backend):
 
 - ``PAGELLM_NATIVE_DECODER`` is not ``0`` and the library builds and runs here (AVX-512 BF16);
@@ -11,16 +11,15 @@ attention backend):
   not route, so the Python layers run), and every GEMM weight of every layer is packed
   (``gemm.pack_parameter``), or every one quantized (``--quantization w8a8_int8``, ``w4a8_int4`` or
   ``w4a16_int4``; an act-order checkpoint's 4-bit weights with their rows' inputs gathered in order), with no
-  bias on a dense MLP (q/k/v and o_proj biases, as in Qwen2 and gpt-oss, Qwen3's per-head q/k norm, Phi-4-mini's partial rotary embedding,
-  SmolLM3's layers without a rotary embedding and Granite's residual multiplier and attention scale are served), one
-  RMSNorm epsilon throughout, Llama's norms before each sublayer, OLMo's and EXAONE 4's after each (OLMo's q/k
-  norms over all heads on one rank only) or Gemma 2 and 3's before and after each, SwiGLU or GeGLU's tanh form
-  (Gemma's; Cohere's layers run in Python), Gemma 2's soft-capped attention scores, gpt-oss's attention sinks, o_proj
-  bias and biased experts, the model's rotary
-  embedding for every layer that rotates or, where a layer has its own (Gemma 3's sliding layers), its tables of the
-  same shape; a mixture of
-  experts' sparse layers run their native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE
-  with its shared expert, Qwen3-MoE);
+  bias on a dense MLP (q/k/v and o_proj biases, as in Qwen2 and gpt-oss, Qwen3's per-head q/k norm, Phi-4-mini's
+  partial rotary embedding, SmolLM3's layers without a rotary embedding and Granite's residual multiplier and
+  attention scale are served), one RMSNorm epsilon throughout, Llama's norms before each sublayer, OLMo's and
+  EXAONE 4's after each (OLMo's q/k norms over all heads on one rank only) or Gemma 2 and 3's before and after
+  each, SwiGLU or GeGLU's tanh form (Gemma's; Cohere's layers run in Python), Gemma 2's soft-capped attention
+  scores, gpt-oss's attention sinks, the model's rotary embedding for every layer that rotates or, where a layer
+  has its own (Gemma 3's sliding layers), its tables of the same shape; a mixture of experts' sparse layers run
+  their native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE with its shared expert,
+  Qwen3-MoE, gpt-oss's biased experts, in their own format: its MXFP4 ones beside bfloat16 attention);
 - no request of the step runs with a LoRA adapter (those steps take the Python layers, ``pagellm/lora.py``);
 - the forward context is the ``cpu_paged`` backend's (its metadata a ``CpuPagedMetadata``) and every layer to run
   has a cache bound, bfloat16 or float8 (``--kv-cache-dtype``), all of one dtype.
