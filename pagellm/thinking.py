@@ -2,8 +2,8 @@
 
 Contract:
 - ``ReasoningParser`` names a thinking block's tags (``<think>`` ... ``</think>``); ``PARSERS`` holds them by
-  ``--reasoning-parser`` name (``deepseek_r1``, ``qwen3``, ``openai_gptoss``: gpt-oss's analysis message, and what a
-  ``--reasoning-parser-plugin`` file registers with ``register_reasoning_parser``). The server's reply splitting
+  ``--reasoning-parser`` name (``deepseek_r1``, ``qwen3``, ``olmo3``, ``openai_gptoss``: gpt-oss's analysis message,
+  and what a ``--reasoning-parser-plugin`` file registers with ``register_reasoning_parser``). The server's reply splitting
   (``server/openai/reasoning.py``; gpt-oss's, ``harmony.py``) reads them.
 - ``ReasoningConfig`` is vLLM's ``--reasoning-config`` (``reasoning_parser``, ``reasoning_start_str``,
   ``reasoning_end_str``; ``--reasoning-parser`` fills ``reasoning_parser``): the strings that open a thinking block,
@@ -48,8 +48,10 @@ class ReasoningParser:
 HARMONY = ReasoningParser("<|channel|>analysis<|message|>", "<|end|>",
                           forced_end="<|end|><|start|>assistant<|channel|>final<|message|>",
                           answer_start="<|channel|>final<|message|>", harmony=True)
+# olmo3: OLMo 3 Think, whose template opens <think> in the prompt (vLLM's parser starts in its reasoning state)
 PARSERS: dict[str, ReasoningParser] = {"deepseek_r1": ReasoningParser(thinks_by_default=True),
-                                       "qwen3": ReasoningParser(), "openai_gptoss": HARMONY}
+                                       "qwen3": ReasoningParser(), "openai_gptoss": HARMONY,
+                                       "olmo3": ReasoningParser(thinks_by_default=True)}
 
 
 def register_reasoning_parser(name: str, start: str = START, end: str = END,

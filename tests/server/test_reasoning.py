@@ -27,6 +27,9 @@ CASES = [  # (parser, reply, thinking, answer)
     ("deepseek_r1", "Still thinking when max_tokens ran o", "Still thinking when max_tokens ran o", ""),
     ("deepseek_r1", "</think>\n\nNo thoughts.", None, "No thoughts."),
     ("deepseek_r1", "a < b, so </thin", "a < b, so </thin", ""),
+    ("olmo3", "Two and two.</think>\n\nIt is 4.", "Two and two.", "It is 4."),
+    ("olmo3", "<think>Two and two.</think>It is 4.", "Two and two.", "It is 4."),
+    ("olmo3", "Cut sh", "Cut sh", ""),
     ("qwen3", "<think>\nTwo and two.\n</think>\n\nIt is 4.", "\nTwo and two.\n", "It is 4."),
     ("qwen3", "\n<think>cut sh", "cut sh", ""),
     ("qwen3", "It is 4.", None, "It is 4."),
@@ -38,7 +41,7 @@ CASES = [  # (parser, reply, thinking, answer)
 CLOSED = ["It is 4.", "It is 4. </think>", "<think>x</think>y"]  # after a prompt that closed the block
 
 
-@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3", "olmo3"])
 @pytest.mark.parametrize("reply", CLOSED)
 def test_after_a_prompt_that_closed_the_block_the_reply_is_all_answer(parser: str, reply: str) -> None:
     assert ReasoningStream(parser, closed=True).split(reply) == (None, reply)

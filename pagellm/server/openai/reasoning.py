@@ -5,6 +5,8 @@ responses carry it as ``message.reasoning_content`` (streamed: ``delta.reasoning
 - ``deepseek_r1`` (DeepSeek-R1 and its Qwen/Llama distills): the chat template opens ``<think>`` in the prompt, so
   the reply is thinking up to ``</think>`` (a ``<think>`` the model writes again at the start is dropped), then the
   answer; a reply with no ``</think>`` is all thinking (it was cut short).
+- ``olmo3`` (OLMo 3 Think): as ``deepseek_r1``, its template opening ``<think>`` in the prompt (vLLM's parser
+  splits a whole reply with no ``</think>`` as all answer but streams it as thinking; here both say thinking).
 - ``qwen3`` (Qwen3, QwQ): the reply thinks only when it opens with ``<think>``; then it is thinking up to
   ``</think>`` (or to its end when cut short), then the answer. A reply that does not open with ``<think>`` (thinking
   turned off with ``chat_template_kwargs: {"enable_thinking": false}``, whose template closes the block in the
