@@ -129,11 +129,11 @@ class LlamaDecoderLayer(nn.Module):
             if cfg.moe is not None and cfg.moe.is_sparse(layer) else LlamaMLP(cfg, dtype, parallel, layer)
         scale = cfg.residual_multiplier
         self.residual_multiplier = None if scale in (None, 1.0) else scale
-        # what the native decoder stack computes (model/native_stack.py): this layer (gpt-oss's too), OLMo's and
-        # Gemma's, with SwiGLU or GeGLU's tanh form (OLMo's q/k norms across all heads on one rank: the stack has no
-        # all-gather)
-        self.native = cfg.hidden_act in ("silu", "gelu_pytorch_tanh") and not cfg.layer_norm and \
-            (cfg.norms in (NORMS_PRE, NORMS_SANDWICH) or
+        # what the native decoder stack computes (model/native_stack.py): this layer (gpt-oss's too), OLMo's,
+        # Gemma's and Cohere's, with SwiGLU or GeGLU's tanh form (OLMo's q/k norms across all heads on one rank: the
+        # stack has no all-gather)
+        self.native = cfg.hidden_act in ("silu", "gelu_pytorch_tanh") and \
+            (cfg.norms in (NORMS_PRE, NORMS_SANDWICH, NORMS_PARALLEL) or
              (cfg.norms == NORMS_POST and not (cfg.qk_norm_all_heads and parallel.tp_size > 1)))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,

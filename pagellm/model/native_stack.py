@@ -15,9 +15,10 @@ attention backend):
   partial rotary embedding, SmolLM3's layers without a rotary embedding and Granite's residual multiplier and
   attention scale are served), one RMSNorm epsilon throughout, Llama's norms before each sublayer, OLMo's and
   EXAONE 4's after each (OLMo's q/k norms over all heads on one rank only) or Gemma 2 and 3's before and after
-  each, SwiGLU or GeGLU's tanh form (Gemma's; Cohere's layers run in Python), Gemma 2's soft-capped attention
-  scores, gpt-oss's attention sinks, the model's rotary embedding for every layer that rotates or, where a layer
-  has its own (Gemma 3's sliding layers), its tables of the same shape; a mixture of experts' sparse layers run
+  each or Cohere's one LayerNorm before attention and the MLP side by side, SwiGLU or GeGLU's tanh form (Gemma's),
+  Gemma 2's soft-capped attention scores, gpt-oss's attention sinks, the model's rotary embedding for every layer
+  that rotates or, where a layer has its own (Gemma 3's sliding layers), its tables of the same shape; a mixture of
+  experts' sparse layers run
   their native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE with its shared expert,
   Qwen3-MoE, gpt-oss's biased experts, in their own format: its MXFP4 ones beside bfloat16 attention);
 - no request of the step runs with a LoRA adapter (those steps take the Python layers, ``pagellm/lora.py``);
@@ -37,6 +38,7 @@ from pagellm import envs
 from pagellm.attention.base import current_forward_context
 from pagellm.attention.cpu_paged import FLASH_MIN_TOKENS, CpuPagedMetadata
 from pagellm.model.layers.activation import GeluAndMul
+from pagellm.model.layers.norm import LayerNorm
 from pagellm.ops import decoder_stack, gemm
 from pagellm.ops.decoder_stack import DecoderStack, LayerWeights, StackShape
 
@@ -44,7 +46,7 @@ from pagellm.ops.decoder_stack import DecoderStack, LayerWeights, StackShape
 def _layer_weights(layer: nn.Module, rotary: nn.Module) -> LayerWeights | None:
     """The weights of one decoder layer (``rotary``: the model's own rotary embedding, whose tables the stack
     takes; a layer with another, Gemma 3's sliding ones, brings its tables), or None where it does not fit."""
-    if not layer.native:  # a layer the native call does not compute (Cohere's)
+    if not layer.native:  # a layer the native call does not compute
         return None
     attn, mlp = layer.self_attn, layer.mlp
     experts = None
@@ -61,7 +63,8 @@ def _layer_weights(layer: nn.Module, rotary: nn.Module) -> LayerWeights | None:
     gate_up, down = (None, None) if experts is not None else (mlp.gate_up_proj.weight, mlp.down_proj.weight)
     own = attn.rotary if attn.rotary is not None and attn.rotary is not rotary else None
     return LayerWeights(_weight(layer, "input_layernorm"), attn.qkv_proj.weight, attn.qkv_proj.bias,
-                        attn.o_proj.weight, layer.post_attention_layernorm.weight, gate_up, down, *norms, moe=experts,
+                        attn.o_proj.weight, _weight(layer, "post_attention_layernorm"), gate_up, down, *norms,
+                        moe=experts,
                         sliding_window=attn.attn.sliding_window, rotated=attn.rotary is not None,
                         post_ffn_norm=_weight(layer, "post_feedforward_layernorm"),  # OLMo's and Gemma's
                         pre_ffn_norm=_weight(layer, "pre_feedforward_layernorm"),  # Gemma's
@@ -80,7 +83,8 @@ def _shape(model: nn.Module, weights: list[LayerWeights]) -> StackShape | None:
     first = model.layers[0]
     attn = first.self_attn.attn
     eps = {n.eps for layer in model.layers for n in (getattr(layer, "input_layernorm", None),
-                                                     layer.post_attention_layernorm, layer.self_attn.q_norm,
+                                                     getattr(layer, "post_attention_layernorm", None),
+                                                     layer.self_attn.q_norm,
                                                      layer.self_attn.k_norm,
                                                      getattr(layer, "pre_feedforward_layernorm", None),
                                                      getattr(layer, "post_feedforward_layernorm", None))
@@ -89,15 +93,16 @@ def _shape(model: nn.Module, weights: list[LayerWeights]) -> StackShape | None:
     residual_scales = {layer.residual_multiplier or 1.0 for layer in model.layers}
     post = {w.input_norm is None for w in weights}  # OLMo's layers (one kind throughout)
     sandwich = {w.pre_ffn_norm is not None for w in weights}  # Gemma's
+    parallel = {w.post_norm is None for w in weights}  # Cohere's
     acts = [layer.mlp.act_fn for layer in model.layers if hasattr(layer.mlp, "act_fn")]  # dense layers'
     gelu = {isinstance(act, GeluAndMul) for act in acts}
     exact_gelu = any(isinstance(act, GeluAndMul) and act.approximate != "tanh" for act in acts)
-    if exact_gelu or any(len(kinds) > 1 for kinds in (eps, residual_scales, post, sandwich, gelu)):
+    if exact_gelu or any(len(kinds) > 1 for kinds in (eps, residual_scales, post, sandwich, gelu, parallel)):
         return None
     return StackShape(model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
                       max(dense, default=0), eps.pop(), attn.scale, residual_scales.pop(), post.pop(),
                       first.self_attn.qk_norm_all_heads, sandwich.pop(), bool(gelu and gelu.pop()),
-                      attn.softcap or 0.0)
+                      attn.softcap or 0.0, isinstance(model.norm, LayerNorm), parallel.pop())
 
 
 def build_stack(model: nn.Module) -> DecoderStack | None:

@@ -37,7 +37,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 class _Kernels(ctypes.Structure):  # csrc StackKernels: the kernels' entry points
     _fields_ = [(name, _P) for name in ("linear", "add_rms_norm", "silu_and_mul", "rotary", "attention",
-                                        "linear_silu_mul", "moe", "all_reduce", "gelu_and_mul")]
+                                        "linear_silu_mul", "moe", "all_reduce", "gelu_and_mul", "add_layer_norm")]
 
 
 _Reduce = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)  # csrc StackKernels::all_reduce
@@ -73,7 +73,7 @@ class _Shape(ctypes.Structure):  # csrc StackShape
                                         "cache_slots", "max_positions", "rot_dim")]
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_format", _I),
                  ("residual_scale", ctypes.c_float), ("post_norms", _I), ("qk_all_heads", _I), ("sandwich", _I),
-                 ("gelu", _I), ("softcap", ctypes.c_float)]
+                 ("gelu", _I), ("softcap", ctypes.c_float), ("layer_norm", _I), ("parallel", _I)]
 
 
 # csrc KvFormat of each cache dtype the stack serves.
@@ -103,7 +103,7 @@ def _kernels(cache_dtype: torch.dtype, weight_format: str = "bf16") -> _Kernels:
                     _address(fused_lib.pagellm_silu_and_mul_bf16), _address(fused_lib.pagellm_rotary_bf16),
                     _address(cpu_paged.load_kernel().entry(torch.bfloat16, cache_dtype)), linear_silu_mul,
                     moe.forward_entry() if moe.available() else None, None,
-                    _address(fused_lib.pagellm_gelu_tanh_and_mul_bf16))
+                    _address(fused_lib.pagellm_gelu_tanh_and_mul_bf16), _address(fused_lib.pagellm_add_layer_norm_bf16))
 
 
 @functools.lru_cache(maxsize=1)
@@ -152,7 +152,7 @@ class LayerWeights:
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor | None  # None: Cohere's layer (StackShape.parallel)
     gate_up: torch.Tensor | None
     down: torch.Tensor | None
     q_norm: torch.Tensor | None = None  # [head_dim] RMSNorm weights over each head's q and k (Qwen3), both or none
@@ -187,6 +187,8 @@ class StackShape:
     sandwich: bool = False
     gelu: bool = False  # the MLP's gate is GeGLU (Gemma's, gelu's tanh form), not SiLU
     softcap: float = 0.0  # attention scores capped at softcap * tanh(score / softcap) (Gemma 2's); 0: not capped
+    layer_norm: bool = False  # the hidden states' norms are Cohere's LayerNorm, not RMSNorm
+    parallel: bool = False  # Cohere's layer: one norm, attention and the MLP side by side on its output
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -230,14 +232,17 @@ def _checked_tensors(layers: list[LayerWeights], final_norm: torch.Tensor, cos: 
 
 def _check_norms(layers: list[LayerWeights], shape: StackShape) -> None:
     """Each layer's norms as its kind has them: Llama's before each sublayer (input_norm, post_norm), OLMo's after
-    each (post_norms: post_norm, post_ffn_norm) or Gemma's before and after each (sandwich: all four)."""
-    if shape.post_norms and shape.sandwich:
-        raise ValueError("a native decoder stack's layers have OLMo's norms (post_norms) or Gemma's (sandwich)")
-    want = (not shape.post_norms, shape.post_norms or shape.sandwich, shape.sandwich)
-    if any((w.input_norm is not None, w.post_ffn_norm is not None, w.pre_ffn_norm is not None) != want
-           for w in layers):
-        raise ValueError("the native decoder stack takes an input norm per layer (and with sandwich a norm before "
-                         "and after the MLP), or with post_norms a norm on the MLP's output instead")
+    each (post_norms: post_norm, post_ffn_norm), Gemma's before and after each (sandwich: all four) or Cohere's one
+    (parallel: input_norm)."""
+    if shape.post_norms + shape.sandwich + shape.parallel > 1:
+        raise ValueError("a native decoder stack's layers have OLMo's norms (post_norms), Gemma's (sandwich) or "
+                         "Cohere's (parallel)")
+    want = (not shape.post_norms, not shape.parallel, shape.post_norms or shape.sandwich, shape.sandwich)
+    if any((w.input_norm is not None, w.post_norm is not None, w.post_ffn_norm is not None,
+            w.pre_ffn_norm is not None) != want for w in layers):
+        raise ValueError("the native decoder stack takes an input norm per layer and a norm before the MLP (with "
+                         "sandwich one after it too; with parallel none but the input norm), or with post_norms a "
+                         "norm on each sublayer's output instead")
 
 
 class DecoderStack:
@@ -276,7 +281,7 @@ class DecoderStack:
         self._shape = _Shape(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate, 1, 0,
                              cos.shape[0], cos.shape[1], shape.eps, shape.scale, 0, shape.residual_scale,
                              int(shape.post_norms), int(shape.qk_all_heads), int(shape.sandwich), int(shape.gelu),
-                             shape.softcap)
+                             shape.softcap, int(shape.layer_norm), int(shape.parallel))
 
     def _kernel_table(self, cache_dtype: torch.dtype) -> object:
         """The kernels' entry points for ``cache_dtype`` caches, with this stack's all-reduce (kept alive here)."""

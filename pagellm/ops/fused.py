@@ -40,6 +40,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Declare the C signatures of a build of ``csrc/fused.cpp``; returns ``lib`` (the tests also bind an AVX2-only
     build)."""
     lib.pagellm_add_rms_norm_bf16.argtypes = [_P, _P, _P, _I, _I, _F, _P, _P]
+    lib.pagellm_add_layer_norm_bf16.argtypes = [_P, _P, _P, _I, _I, _F, _P, _P]
     lib.pagellm_silu_and_mul_bf16.argtypes = [_P, _I, _I, _P]
     lib.pagellm_clamped_swiglu_bf16.argtypes = [_P, _I, _I, _F, _F, _P]
     lib.pagellm_gelu_tanh_and_mul_bf16.argtypes = [_P, _I, _I, _P]
@@ -48,7 +49,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pagellm_simd_exp_f32.argtypes = [_P, _I, _I, _P]
     lib.pagellm_simd_exp_f32.restype = _I
     for fn in (lib.pagellm_add_rms_norm_bf16, lib.pagellm_silu_and_mul_bf16, lib.pagellm_rotary_bf16,
-               lib.pagellm_dequantize_gguf, lib.pagellm_gelu_tanh_and_mul_bf16):
+               lib.pagellm_dequantize_gguf, lib.pagellm_gelu_tanh_and_mul_bf16, lib.pagellm_add_layer_norm_bf16):
         fn.restype = None
     return lib
 
@@ -72,6 +73,21 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     out, res = torch.empty_like(x), torch.empty_like(x)
     lib.pagellm_add_rms_norm_bf16(x.data_ptr(), residual.data_ptr() if residual is not None else None,
                                   weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr(), res.data_ptr())
+    return out, res
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Cohere's LayerNorm as ``add_rms_norm`` takes it: ``(weight * layer_norm(x + residual), x + residual)`` for
+    contiguous bf16 [T, n] rows, else ``None``."""
+    if not _bf16_rows(x) or (residual is not None and not _bf16_rows(residual)) or weight.dtype != torch.bfloat16:
+        return None
+    lib = _lib()
+    if lib is None:
+        return None
+    out, res = torch.empty_like(x), torch.empty_like(x)
+    lib.pagellm_add_layer_norm_bf16(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                                    weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr(), res.data_ptr())
     return out, res
 
 

@@ -59,15 +59,16 @@ def test_olmo3s_full_layers_take_the_rope_scaling_and_its_sliding_layers_do_not(
 
 @pytest.mark.skipif(not decoder_stack.available(), reason="the native decoder stack needs AVX-512 BF16")
 @pytest.mark.parametrize("arch", ["smollm3", "granite", "granitemoe", "granite4", "olmo2", "olmo3", "exaone4", "gemma",
-                                  "gemma2", "gemma3", "gpt_oss"])
+                                  "gemma2", "gemma3", "gpt_oss", "cohere", "cohere2"])
 def test_the_native_stack_computes_each_familys_layer_as_the_python_layers(
         tiny_model_factory, monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
     """SmolLM3 (a layer without a rotary embedding), Granite (each sublayer's output scaled before the residual add,
     its own attention scale; Granite MoE's experts' output too) and OLMo's layer (norms after each sublayer, the
     stream their input; OLMo's q/k norms over all heads, EXAONE 4's per head and its NoPE full layer, OLMo 3's
     sliding layer), Gemma's (norms before and after each sublayer, GeGLU; Gemma 2's soft-capped scores, Gemma 3's
-    sliding layers' own rope base) and gpt-oss's (sinks, o_proj bias, biased experts) in bfloat16: the native stack's
-    greedy tokens and summed logprobs are the Python layers', bit for bit."""
+    sliding layers' own rope base), gpt-oss's (sinks, o_proj bias, biased experts) and Cohere's (one LayerNorm,
+    attention and the MLP side by side; Command R7B's windowed layers and NoPE full ones) in bfloat16: the native
+    stack's greedy tokens and summed logprobs are the Python layers', bit for bit."""
     results = scored_with_and_without_the_stack(monkeypatch, tiny_model_factory(arch), _prompts(seed=23)[:6],
                                                 max_num_batched_tokens=40)
     assert results["1"] == results["0"]

@@ -132,16 +132,16 @@ def test_quantized_weights_split_across_ranks(tiny_model_factory, tmp_path: Path
 @pytest.mark.parametrize(("arch", "quantization"), [("llama", None), ("qwen2", None), ("qwen3", "w8a8_int8"),
                                                     ("llama", "w4a8_int4"), ("llama", "w4a16_int4"),
                                                     ("qwen2_moe", None), ("mixtral", None), ("gemma3", None),
-                                                    ("gpt_oss", None)])
+                                                    ("gpt_oss", None), ("cohere2", None)])
 def test_ranks_run_the_native_stack_as_their_python_layers_do(tiny_model_factory, monkeypatch: pytest.MonkeyPatch,
                                                               arch: str, quantization: str | None) -> None:
     """In bfloat16 each rank runs its slice of every layer in the one-call native stack, which sums the
     row-parallel outputs (o_proj, down_proj, a mixture's experts) through the ranks' all-reduce: the same tokens and
     logprobs, bit for bit, as the ranks on the Python layers (with q/k/v bias, Qwen3's q/k norms, int8 and 4-bit
     weights too; Gemma 3's layer, its sliding layers' own rope base; gpt-oss's sinks and o_proj bias, the bias
-    added after the ranks' sum). A mixture's Python layers with the stack off
-    take torch's routing and expert loop, its twin (the same tokens, logprobs to rounding, as on one rank:
-    ``test_moe.py``)."""
+    added after the ranks' sum; Cohere's parallel sublayers, each summed through the ranks). A mixture's Python
+    layers with the stack off take torch's routing and expert loop, its twin (the same tokens, logprobs to
+    rounding, as on one rank: ``test_moe.py``)."""
     if quantization == "w4a16_int4" and not gemm_w4a16.available():
         pytest.skip("the W4A16 kernel needs AVX-512 BF16 and VNNI")
     if quantization and not gemm_w8a8.available():

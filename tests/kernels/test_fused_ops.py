@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.model.layers.activation import ClampedSwiGLU, GeluAndMul, SiluAndMul
-from pagellm.model.layers.norm import RMSNorm
+from pagellm.model.layers.norm import LayerNorm, RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding, rotate_half
 from pagellm.model import gguf_blocks
 from pagellm.ops import build, fused
@@ -51,6 +51,27 @@ def test_add_rms_norm(rows: int, hidden: int, with_residual: bool, kernel_build:
     _close_bf16(out, twin_out)
     s = res.float()
     _close_bf16(out, norm.weight.float() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 4096), (3, 64), (70, 576), (5, 37)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_layer_norm(rows: int, hidden: int, with_residual: bool, kernel_build: str) -> None:
+    """Cohere's LayerNorm in one pass against its twin (the residual sum exactly; the output equal, or one bfloat16
+    step apart where float32 sums taken in another order round it the other way), on rows whose mean is far from 0;
+    within two roundings of the float32 formula."""
+    gen = torch.Generator().manual_seed(rows + hidden)
+    norm = LayerNorm(hidden, 1e-5, BF16)
+    norm.weight.data = torch.randn(hidden, generator=gen).to(BF16)
+    x = (torch.randn(rows, hidden, generator=gen) * 3 + 5).to(BF16)
+    residual = torch.randn(rows, hidden, generator=gen).to(BF16) if with_residual else None
+    out, res = norm(x, residual)
+    twin_out, twin_res = norm.forward_torch(x, residual)
+    assert torch.equal(res, twin_res)
+    steps = (out.view(torch.int16).int() - twin_out.view(torch.int16).int()).abs()
+    assert steps.max() <= 1 and (steps == 0).float().mean() > 0.99
+    s = res.float()
+    centred = s - s.mean(-1, keepdim=True)
+    _close_bf16(out, norm.weight.float() * centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + 1e-5))
 
 
 @pytest.mark.parametrize("rows,hidden", [(1, 1536), (4, 40), (33, 1536), (2, 7)])

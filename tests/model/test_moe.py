@@ -294,9 +294,11 @@ def test_native_gpt_oss_routing_is_the_softmax_of_the_chosen_logits() -> None:
 @native
 def test_gpt_oss_serves_with_its_experts_in_the_native_call_as_in_the_python_loop(
         tiny_model_factory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """In bfloat16 gpt-oss's sparse layers make the native call; greedy tokens equal the Python loop's (its
-    twin: torch's routing, the loop) and log-probabilities agree within the routing's last bits."""
+    """In bfloat16 gpt-oss's sparse layers make the native call (here inside the Python layers, the one-call stack
+    set aside: it makes the same call, ``test_family_layers.py``); greedy tokens equal the Python loop's (its twin:
+    torch's routing, the loop) and log-probabilities agree within the routing's last bits."""
     path = tiny_model_factory("gpt_oss")
+    monkeypatch.setattr(llama, "run_native", lambda *a: None)
     calls: list[int] = []
     real = moe_kernel.Experts.forward
     monkeypatch.setattr(moe_kernel.Experts, "forward", lambda self, x: calls.append(1) or real(self, x))

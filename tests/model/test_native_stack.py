@@ -316,9 +316,9 @@ def test_native_stack_rejects_misfit_inputs() -> None:
 
 
 def test_native_stack_refuses_layers_unlike_their_shape() -> None:
-    """A layer's norms must be its kind's (Gemma's four with ``sandwich``), its own rotary tables the stack's shape
-    and its sinks one float32 per head: each misfit is refused by name when the stack is built, never read out of
-    bounds."""
+    """A layer's norms must be its kind's (Gemma's four with ``sandwich``, Cohere's one with ``parallel``), its own
+    rotary tables the stack's shape and its sinks one float32 per head: each misfit is refused by name when the
+    stack is built, never read out of bounds."""
     model = _model(16, False)
     rotary = model.model.layers[0].self_attn.rotary
     weights = [native_stack._layer_weights(layer, rotary) for layer in model.model.layers]
@@ -328,12 +328,16 @@ def test_native_stack_refuses_layers_unlike_their_shape() -> None:
     def build(layers: list, stack_shape: object = shape) -> DecoderStack:
         return DecoderStack(layers, stack_shape, norm, rotary.cos, rotary.sin)  # type: ignore[arg-type]
 
-    with pytest.raises(ValueError, match="a norm before and after the MLP"):
+    with pytest.raises(ValueError, match="with sandwich one after it too"):
         build(weights, dataclasses.replace(shape, sandwich=True))
+    with pytest.raises(ValueError, match="with parallel none but the input norm"):
+        build(weights, dataclasses.replace(shape, parallel=True))
     sandwich = [dataclasses.replace(w, pre_ffn_norm=norm, post_ffn_norm=norm) for w in weights]
-    with pytest.raises(ValueError, match="OLMo's norms .* or Gemma's"):
+    with pytest.raises(ValueError, match="OLMo's norms .*, Gemma's .* or Cohere's"):
         build(sandwich, dataclasses.replace(shape, sandwich=True, post_norms=True))
     assert build(sandwich, dataclasses.replace(shape, sandwich=True)).shape.sandwich
+    parallel = [dataclasses.replace(w, post_norm=None) for w in weights]
+    assert build(parallel, dataclasses.replace(shape, parallel=True, layer_norm=True)).shape.parallel
     short = [dataclasses.replace(weights[0], cos=rotary.cos[:8].contiguous(), sin=rotary.sin[:8].contiguous()),
              *weights[1:]]
     with pytest.raises(ValueError, match="rotary tables come together, each of the stack's shape"):

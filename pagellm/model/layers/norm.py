@@ -1,6 +1,6 @@
 """RMSNorm, computed in float32 like Hugging Face's Llama (so float32 runs match it bit for bit), with the
 residual add fused in: ``forward(x, residual)`` returns ``(norm(x + residual), x + residual)``; and Cohere's
-LayerNorm (its mean subtracted, a weight and no bias) with the same interface, in PyTorch.
+LayerNorm (its mean subtracted, a weight and no bias) with the same interface.
 
 bfloat16 rows take one fused native pass (``pagellm/ops/fused.py``); ``forward_torch`` is the plain-PyTorch twin
 (and the path for every other dtype)."""
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagellm.ops.fused import add_rms_norm
+from pagellm.ops.fused import add_layer_norm, add_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -40,7 +40,8 @@ class LayerNorm(RMSNorm):
     """Cohere's LayerNorm: (x - mean) / sqrt(var + eps) times the weight, in float32 as transformers computes it."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.forward_torch(x, residual)
+        fused = add_layer_norm(x, residual, self.weight, self.eps)
+        return fused if fused is not None else self.forward_torch(x, residual)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.to(torch.float32)

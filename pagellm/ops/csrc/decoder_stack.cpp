@@ -5,7 +5,7 @@
 // Per layer, exactly the sequence of native calls the Python layers make (pagellm/model/llama.py), to the same
 // kernels, in the same order (on tensor-parallel ranks with the same all-reduce after o_proj and after down_proj or
 // the experts, a callback into the caller's collective), so the result is bit for bit the result of the Python path:
-//   h, res = add_rms_norm(x, res)            (first layer: res = x)
+//   h, res = add_rms_norm(x, res)            (first layer: res = x; Cohere's: add_layer_norm, here and at the end)
 //   qkv    = packed_gemm(h, W_qkv) + b_qkv       (each GEMM's input rows first reordered where its weight is a
 //                                                  4-bit act-order one: the Python layers' index_select)
 //   q, k   = rms_norm(q / k of each head)             (Qwen3 only: contiguous copies, per-head rows)
@@ -15,7 +15,8 @@
 //                                                     Gemma 2's scores soft-capped inside the attention kernel,
 //                                                     gpt-oss's sinks in its softmax; gpt-oss's o_proj bias added
 //                                                     after the ranks' sum, as the Python layer adds it)
-//   h, res = add_rms_norm(x, res)             (Gemma's: x = rms_norm(x) first, and its pre-MLP norm's weight)
+//   h, res = add_rms_norm(x, res)             (Gemma's: x = rms_norm(x) first, and its pre-MLP norm's weight;
+//                                              Cohere's: res = res + x, and the MLP takes the first norm's h)
 //   x      = packed_gemm(silu_and_mul(packed_gemm(h, W_gate_up)), W_down)   (the inner two in one pass where
 //            the GEMM offers it: pagellm_packed_linear_silu_mul_bf16 (AMX, AVX-512), _w8a8 (int8); the same bits;
 //            Gemma's GeGLU, gelu_tanh_and_mul, in place of silu_and_mul; then, Gemma's, x = rms_norm(x))
@@ -65,6 +66,9 @@ struct StackKernels {
   void (*all_reduce)(uint16_t* data, int64_t n);
   // Gemma's GeGLU (StackShape::gelu), as silu_and_mul; null where no model needs it
   void (*gelu_and_mul)(const uint16_t* gate_up, int64_t rows, int64_t n, uint16_t* out);
+  // Cohere's LayerNorm (StackShape::layer_norm), as add_rms_norm takes its arguments
+  void (*add_layer_norm)(const uint16_t* x, const uint16_t* residual, const uint16_t* weight, int64_t rows,
+                         int64_t n, float eps, uint16_t* out, uint16_t* residual_out);
 };
 
 // One decoder layer's weights (packed GEMM weights as made by pagellm/ops/gemm.py `pack`, or all four the int8
@@ -74,7 +78,8 @@ struct StackLayer {
   const uint16_t* qkv;         // packed [(heads + 2 kv_heads) * head_dim, hidden]
   const uint16_t* qkv_bias;    // [(heads + 2 kv_heads) * head_dim] or null
   const uint16_t* o;           // packed [hidden, heads * head_dim]
-  const uint16_t* post_norm;   // [hidden]: before the MLP; with StackShape::post_norms, on attention's output
+  const uint16_t* post_norm;   // [hidden]: before the MLP; with StackShape::post_norms, on attention's output;
+                               // null with StackShape::parallel
   const uint16_t* gate_up;     // packed [2 * intermediate, hidden]
   const uint16_t* down;        // packed [hidden, intermediate]
   void* k_cache;               // [num_blocks, block_size, kv_heads, head_dim] of StackShape::kv_format elements
@@ -111,7 +116,19 @@ struct StackShape {
   int64_t sandwich;
   int64_t gelu;   // 1: the MLP's gate is GeGLU (Gemma's, StackKernels::gelu_and_mul), not SiLU
   float softcap;  // attention scores capped at softcap * tanh(score / softcap) (Gemma 2's); 0: not capped
+  int64_t layer_norm;  // 1: the hidden states' norms (each layer's input norm, the final norm) are Cohere's LayerNorm
+  // 1: Cohere's layer: attention and the MLP both take the input norm's output; attention's output joins the
+  // residual stream, the MLP's is the layer's x
+  int64_t parallel;
 };
+
+using NormFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, float, uint16_t*,
+                        uint16_t*);
+
+// The hidden states' norm: Cohere's LayerNorm, else RMSNorm.
+NormFn hidden_norm(const StackKernels& f, const StackShape& s) {
+  return s.layer_norm ? f.add_layer_norm : f.add_rms_norm;
+}
 
 // The step's tokens and the attention metadata of attention/cpu_paged.py CpuPagedMetadata.
 struct StackStep {
@@ -308,7 +325,7 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
   const int64_t t = st.tokens, qd = s.heads * s.head_dim, kvd = s.kv_heads * s.head_dim, qkv_n = qd + 2 * kvd;
   prefetch_slots(s, st, l.k_cache, l.v_cache);
   if (!s.post_norms) {
-    f.add_rms_norm(sc.x, first ? nullptr : sc.res, l.input_norm, t, s.hidden, s.eps, sc.h, sc.res);
+    hidden_norm(f, s)(sc.x, first ? nullptr : sc.res, l.input_norm, t, s.hidden, s.eps, sc.h, sc.res);
   } else if (first) {  // the residual stream is attention's input, unnormed
     std::memcpy(sc.res, sc.x, t * s.hidden * sizeof(uint16_t));
   } else {
@@ -341,7 +358,8 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
   if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
   if (l.o_bias) add_bias(sc.x, l.o_bias, t, s.hidden);
   scale_rows(sc.x, t * s.hidden, s.residual_scale);
-  const uint16_t* mlp_in = join_attention(f, s, l, t, sc);
+  if (s.parallel) add_rows(sc.res, sc.x, t * s.hidden);  // Cohere's: the MLP takes h, the input norm's output
+  const uint16_t* mlp_in = s.parallel ? sc.h : join_attention(f, s, l, t, sc);
   if (l.moe) {
     f.moe(l.moe, mlp_in, t, s.hidden, sc.x);  // this rank's slice of every expert (and of a shared expert)
     if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
@@ -393,8 +411,8 @@ int pagellm_decoder_stack_bf16(const StackKernels* kernels, const StackLayer* la
     std::memcpy(residual_out, sc.res, bytes);
     return 0;
   }
-  kernels->add_rms_norm(sc.x, num_layers || residual_in ? sc.res : nullptr, final_norm, st.tokens, s.hidden, s.eps,
-                        out, sc.res);
+  const uint16_t* residual = num_layers || residual_in ? sc.res : nullptr;
+  hidden_norm(*kernels, s)(sc.x, residual, final_norm, st.tokens, s.hidden, s.eps, out, sc.res);
   return 0;
 }
 

@@ -1,5 +1,7 @@
 // Fused element-wise bfloat16 ops of the Llama block, one pass over memory each instead of several torch ops:
 //   add_rms_norm:  residual' = x + residual; out = weight * bf16(residual' * rsqrt(mean(residual'^2) + eps))
+//   add_layer_norm: Cohere's LayerNorm: residual' = x + residual; out = weight * (r - mean(r)) / sqrt(var(r) + eps)
+//                  (in float32, rounded once, as transformers computes it; no bias)
 //   silu_and_mul:  out = silu(gate) * up, with gate_up = [gate | up] along the last dimension
 //   clamped_swiglu: gpt-oss's gating of the same [gate | up]
 //   gelu_tanh_and_mul: Gemma's GeGLU, gelu(gate, approximate="tanh") * up, of the same [gate | up]
@@ -96,6 +98,35 @@ void pagellm_add_rms_norm_bf16(const uint16_t* x, const uint16_t* residual, cons
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) o[i] = bf16(f32(weight[i]) * f32(bf16(f32(res[i]) * inv)));
 #endif
+  }
+}
+
+// Cohere's LayerNorm with the residual add, as pagellm_add_rms_norm_bf16 takes its arguments: residual' = bf16(x +
+// residual) (residual null: x), out = bf16(weight * (r - mean) * rsqrt(mean((r - mean)^2) + eps)).
+void pagellm_add_layer_norm_bf16(const uint16_t* x, const uint16_t* residual, const uint16_t* weight, int64_t rows,
+                                 int64_t n, float eps, uint16_t* out, uint16_t* residual_out) {
+#pragma omp parallel for schedule(static) if (rows * n >= kParallelRowElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* xr = x + r * n;
+    uint16_t* res = residual_out + r * n;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t h = residual ? bf16(f32(xr[i]) + f32(residual[r * n + i])) : xr[i];  // torch rounds the sum
+      res[i] = h;
+      sum += f32(h);
+    }
+    const float mean = sum / static_cast<float>(n);
+    float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < n; ++i) {
+      const float c = f32(res[i]) - mean;
+      squares += c * c;
+    }
+    const float inv = 1.f / std::sqrt(squares / static_cast<float>(n) + eps);
+    uint16_t* o = out + r * n;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) o[i] = bf16(f32(weight[i]) * ((f32(res[i]) - mean) * inv));
   }
 }
 
