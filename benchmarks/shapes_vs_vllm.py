@@ -73,6 +73,15 @@ SHAPES = {  # published configs (their hub config.json), the keys a shape needs
                    "rms_norm_eps": 1e-06, "vocab_size": 262144, "hidden_activation": "gelu_pytorch_tanh",
                    "attn_logit_softcapping": None, "final_logit_softcapping": None, "pad_token_id": 0,
                    "eos_token_id": [1, 106], "bos_token_id": 2},
+    # Command R7B's layers, 4 of its 32 (three sliding, then a full-attention one without a rotary embedding):
+    # LayerNorms, attention and the MLP side by side on one norm's output, a logit scale
+    "command-r7b-4layers": {"architectures": ["Cohere2ForCausalLM"], "model_type": "cohere2", "hidden_size": 4096,
+                            "intermediate_size": 14336, "num_hidden_layers": 4, "num_attention_heads": 32,
+                            "num_key_value_heads": 8, "max_position_embeddings": 8192, "rope_theta": 50000.0,
+                            "layer_norm_eps": 1e-05, "logit_scale": 0.25, "sliding_window": 4096,
+                            "sliding_window_pattern": 4, "use_qk_norm": False, "attention_bias": False,
+                            "vocab_size": 256000, "tie_word_embeddings": True, "hidden_act": "silu",
+                            "pad_token_id": 0, "bos_token_id": 5, "eos_token_id": 255001},
 }
 
 
