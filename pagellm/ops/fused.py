@@ -62,68 +62,60 @@ def _bf16_rows(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.bfloat16 and t.dim() == 2 and t.is_contiguous() for t in tensors)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(weight * norm(x + residual), x + residual)`` for contiguous bf16 [T, n] rows, else ``None``."""
+def _residual_norm(kernel: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A norm with the residual add fused in (``kernel``: its entry), over contiguous bf16 [T, n] rows, else None."""
     if not _bf16_rows(x) or (residual is not None and not _bf16_rows(residual)) or weight.dtype != torch.bfloat16:
         return None
     lib = _lib()
     if lib is None:
         return None
     out, res = torch.empty_like(x), torch.empty_like(x)
-    lib.pagellm_add_rms_norm_bf16(x.data_ptr(), residual.data_ptr() if residual is not None else None,
-                                  weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr(), res.data_ptr())
+    getattr(lib, kernel)(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+                         x.shape[0], x.shape[1], eps, out.data_ptr(), res.data_ptr())
     return out, res
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(weight * norm(x + residual), x + residual)`` for contiguous bf16 [T, n] rows, else ``None``."""
+    return _residual_norm("pagellm_add_rms_norm_bf16", x, residual, weight, eps)
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Cohere's LayerNorm as ``add_rms_norm`` takes it: ``(weight * layer_norm(x + residual), x + residual)`` for
     contiguous bf16 [T, n] rows, else ``None``."""
-    if not _bf16_rows(x) or (residual is not None and not _bf16_rows(residual)) or weight.dtype != torch.bfloat16:
-        return None
-    lib = _lib()
-    if lib is None:
-        return None
-    out, res = torch.empty_like(x), torch.empty_like(x)
-    lib.pagellm_add_layer_norm_bf16(x.data_ptr(), residual.data_ptr() if residual is not None else None,
-                                    weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr(), res.data_ptr())
-    return out, res
+    return _residual_norm("pagellm_add_layer_norm_bf16", x, residual, weight, eps)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """``silu(gate) * up`` where ``gate_up = [gate | up]`` is a contiguous bf16 [T, 2n], else ``None``."""
+def _gated(kernel: str, gate_up: torch.Tensor, *extra: float) -> torch.Tensor | None:
+    """A gating kernel (``kernel``: its entry) over ``gate_up = [gate | up]``, a contiguous bf16 [T, 2n], into
+    [T, n]; else None."""
     lib = _lib() if _bf16_rows(gate_up) else None
     if lib is None:
         return None
     half = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], half, dtype=torch.bfloat16)
-    lib.pagellm_silu_and_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], half, out.data_ptr())
+    getattr(lib, kernel)(gate_up.data_ptr(), gate_up.shape[0], half, *extra, out.data_ptr())
     return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` where ``gate_up = [gate | up]`` is a contiguous bf16 [T, 2n], else ``None``."""
+    return _gated("pagellm_silu_and_mul_bf16", gate_up)
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """Gemma's GeGLU, ``gelu(gate, approximate="tanh") * up`` where ``gate_up = [gate | up]`` is a contiguous bf16
     [T, 2n], else ``None``."""
-    lib = _lib() if _bf16_rows(gate_up) else None
-    if lib is None:
-        return None
-    half = gate_up.shape[1] // 2
-    out = torch.empty(gate_up.shape[0], half, dtype=torch.bfloat16)
-    lib.pagellm_gelu_tanh_and_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], half, out.data_ptr())
-    return out
+    return _gated("pagellm_gelu_tanh_and_mul_bf16", gate_up)
 
 
 def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor | None:
     """gpt-oss's ``(clamp(up, -limit, limit) + 1) * (g * sigmoid(alpha * g))`` with ``g = min(gate, limit)`` where
     ``gate_up = [gate | up]`` is a contiguous bf16 [T, 2n], else ``None``."""
-    lib = _lib() if _bf16_rows(gate_up) else None
-    if lib is None:
-        return None
-    half = gate_up.shape[1] // 2
-    out = torch.empty(gate_up.shape[0], half, dtype=torch.bfloat16)
-    lib.pagellm_clamped_swiglu_bf16(gate_up.data_ptr(), gate_up.shape[0], half, limit, alpha, out.data_ptr())
-    return out
+    return _gated("pagellm_clamped_swiglu_bf16", gate_up, limit, alpha)
 
 
 def _head_rows(t: torch.Tensor) -> bool:

@@ -37,6 +37,25 @@ inline __m512 load_bf16x16(const uint16_t* p, __mmask16 m) {
 #endif
 
 constexpr int64_t kParallelElements = 1 << 15;  // below this a call runs on the calling thread
+
+// The row loop of every gating kernel over gate_up [rows, 2 * n] (gate then up) into out [rows, n]: row(g, u, o, n)
+// computes one row, rows split across the threads when the call is big enough.
+template <typename Row>
+void gated_rows(const uint16_t* gate_up, int64_t rows, int64_t n, uint16_t* out, Row row) {
+#pragma omp parallel for schedule(static) if (rows * n >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) row(gate_up + r * 2 * n, gate_up + (r * 2 + 1) * n, out + r * n, n);
+}
+
+#if defined(__AVX512F__)
+// o[i] = op(g[i], u[i]) over n bfloat16 values, 16 float32 lanes at a time (the last masked), rounded as stored.
+template <typename Op16>
+inline void lanes16(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n, Op16 op) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    store_bf16x16(o + i, op(load_bf16x16(g + i, m), load_bf16x16(u + i, m)), m);
+  }
+}
+#endif
 // add_rms_norm and rotary split from 8,192 elements on (a batch of 16 rows of 576): a fork costs ~0.6 us and at a
 // batch of 32 either kernel takes 5-10 us on one thread (add_rms_norm 8.8 -> 5.0 us on two).
 constexpr int64_t kParallelRowElements = 1 << 13;
@@ -132,16 +151,9 @@ void pagellm_add_layer_norm_bf16(const uint16_t* x, const uint16_t* residual, co
 
 // gate_up: [rows, 2 * n] (gate then up); out: [rows, n].
 void pagellm_silu_and_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t n, uint16_t* out) {
-#pragma omp parallel for schedule(static) if (rows * n >= kParallelElements)
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* g = gate_up + r * 2 * n;
-    const uint16_t* u = g + n;
-    uint16_t* o = out + r * n;
+  gated_rows(gate_up, rows, n, out, [](const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n) {
 #if defined(__AVX512F__)
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1);
-      store_bf16x16(o + i, silu_mul16(load_bf16x16(g + i, m), load_bf16x16(u + i, m)), m);
-    }
+    lanes16(g, u, o, n, [](__m512 gate, __m512 up) { return silu_mul16(gate, up); });
 #else
     int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -150,21 +162,14 @@ void pagellm_silu_and_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t n,
 #endif
     for (; i < n; ++i) o[i] = bf16(f32(g[i]) / (1.f + std::exp(-f32(g[i]))) * f32(u[i]));
 #endif
-  }
+  });
 }
 
 // Gemma's GeGLU: gate_up [rows, 2 * n] (gate then up); out [rows, n] = bf16(gelu_tanh(gate)) * up.
 void pagellm_gelu_tanh_and_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t n, uint16_t* out) {
-#pragma omp parallel for schedule(static) if (rows * n >= kParallelElements)
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* g = gate_up + r * 2 * n;
-    const uint16_t* u = g + n;
-    uint16_t* o = out + r * n;
+  gated_rows(gate_up, rows, n, out, [](const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n) {
 #if defined(__AVX512F__)
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1);
-      store_bf16x16(o + i, gelu_tanh_mul16(load_bf16x16(g + i, m), load_bf16x16(u + i, m)), m);
-    }
+    lanes16(g, u, o, n, [](__m512 gate, __m512 up) { return gelu_tanh_mul16(gate, up); });
 #else
     int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -180,23 +185,16 @@ void pagellm_gelu_tanh_and_mul_bf16(const uint16_t* gate_up, int64_t rows, int64
       o[i] = bf16(f32(bf16(gelu)) * f32(u[i]));
     }
 #endif
-  }
+  });
 }
 
 // gpt-oss's experts' gating: gate_up [rows, 2 * n] (gate then up); out [rows, n] = (clamp(up, -limit, limit) + 1) *
 // (g * sigmoid(alpha * g)) with g = min(gate, limit), rounded as torch's bfloat16 ops round it.
 void pagellm_clamped_swiglu_bf16(const uint16_t* gate_up, int64_t rows, int64_t n, float limit, float alpha,
                                  uint16_t* out) {
-#pragma omp parallel for schedule(static) if (rows * n >= kParallelElements)
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* g = gate_up + r * 2 * n;
-    const uint16_t* u = g + n;
-    uint16_t* o = out + r * n;
+  gated_rows(gate_up, rows, n, out, [limit, alpha](const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n) {
 #if defined(__AVX512F__)
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1);
-      store_bf16x16(o + i, clamped_swiglu16(load_bf16x16(g + i, m), load_bf16x16(u + i, m), limit, alpha), m);
-    }
+    lanes16(g, u, o, n, [limit, alpha](__m512 gate, __m512 up) { return clamped_swiglu16(gate, up, limit, alpha); });
 #else
     for (int64_t i = 0; i < n; ++i) {
       const float gate = f32(bf16(std::fmin(f32(g[i]), limit)));
@@ -205,7 +203,7 @@ void pagellm_clamped_swiglu_bf16(const uint16_t* gate_up, int64_t rows, int64_t 
       o[i] = bf16(f32(bf16(up + 1.f)) * f32(bf16(gate * sig)));
     }
 #endif
-  }
+  });
 }
 
 // q: rows of heads * head_dim starting every q_stride elements (likewise k); cos, sin: [max_pos, head_dim];
