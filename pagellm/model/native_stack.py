@@ -1,8 +1,7 @@
 """When and how ``LlamaModel.forward`` runs its decoder layers as one native call (``pagellm/ops/decoder_stack.py``).
 
 The native path serves a forward pass when all of these hold, and returns ``None`` otherwise (the Python layers
-then run, unchanged: they are its twin and oracle, and the path of float32 and every other
-attention backend):
+then run, unchanged: they are its twin and oracle, and the path of float32 and every other attention backend):
 
 - ``PAGELLM_NATIVE_DECODER`` is not ``0`` and the library builds and runs here (AVX-512 BF16);
 - the model is bfloat16 (a pipeline stage runs its own layers in one call, taking the previous stage's hidden rows
@@ -18,9 +17,9 @@ attention backend):
   each or Cohere's one LayerNorm before attention and the MLP side by side, SwiGLU or GeGLU's tanh form (Gemma's),
   Gemma 2's soft-capped attention scores, gpt-oss's attention sinks, the model's rotary embedding for every layer
   that rotates or, where a layer has its own (Gemma 3's sliding layers), its tables of the same shape; a mixture of
-  experts' sparse layers run
-  their native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE with its shared expert,
-  Qwen3-MoE, gpt-oss's biased experts, in their own format: its MXFP4 ones beside bfloat16 attention);
+  experts' sparse layers run their native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE
+  with its shared expert, Qwen3-MoE, gpt-oss's biased experts, in their own format: its MXFP4 ones beside bfloat16
+  attention);
 - no request of the step runs with a LoRA adapter (those steps take the Python layers, ``pagellm/lora.py``);
 - the forward context is the ``cpu_paged`` backend's (its metadata a ``CpuPagedMetadata``) and every layer to run
   has a cache bound, bfloat16 or float8 (``--kv-cache-dtype``), all of one dtype.
@@ -64,8 +63,7 @@ def _layer_weights(layer: nn.Module, rotary: nn.Module) -> LayerWeights | None:
     own = attn.rotary if attn.rotary is not None and attn.rotary is not rotary else None
     return LayerWeights(_weight(layer, "input_layernorm"), attn.qkv_proj.weight, attn.qkv_proj.bias,
                         attn.o_proj.weight, _weight(layer, "post_attention_layernorm"), gate_up, down, *norms,
-                        moe=experts,
-                        sliding_window=attn.attn.sliding_window, rotated=attn.rotary is not None,
+                        moe=experts, sliding_window=attn.attn.sliding_window, rotated=attn.rotary is not None,
                         post_ffn_norm=_weight(layer, "post_feedforward_layernorm"),  # OLMo's and Gemma's
                         pre_ffn_norm=_weight(layer, "pre_feedforward_layernorm"),  # Gemma's
                         cos=None if own is None else own.cos, sin=None if own is None else own.sin,
@@ -82,12 +80,9 @@ def _shape(model: nn.Module, weights: list[LayerWeights]) -> StackShape | None:
     residual scale, the kind of norms)."""
     first = model.layers[0]
     attn = first.self_attn.attn
-    eps = {n.eps for layer in model.layers for n in (getattr(layer, "input_layernorm", None),
-                                                     getattr(layer, "post_attention_layernorm", None),
-                                                     layer.self_attn.q_norm,
-                                                     layer.self_attn.k_norm,
-                                                     getattr(layer, "pre_feedforward_layernorm", None),
-                                                     getattr(layer, "post_feedforward_layernorm", None))
+    norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+    eps = {n.eps for layer in model.layers
+           for n in (*(getattr(layer, name, None) for name in norms), layer.self_attn.q_norm, layer.self_attn.k_norm)
            if n is not None} | {model.norm.eps}
     dense = [w.down.packed_shape[1] for w in weights if w.down is not None]  # type: ignore
     residual_scales = {layer.residual_multiplier or 1.0 for layer in model.layers}

@@ -102,8 +102,9 @@ def _kernels(cache_dtype: torch.dtype, weight_format: str = "bf16") -> _Kernels:
     return _Kernels(linear, _address(fused_lib.pagellm_add_rms_norm_bf16),
                     _address(fused_lib.pagellm_silu_and_mul_bf16), _address(fused_lib.pagellm_rotary_bf16),
                     _address(cpu_paged.load_kernel().entry(torch.bfloat16, cache_dtype)), linear_silu_mul,
-                    moe.forward_entry() if moe.available() else None, None,
-                    _address(fused_lib.pagellm_gelu_tanh_and_mul_bf16), _address(fused_lib.pagellm_add_layer_norm_bf16))
+                    moe.forward_entry() if moe.available() else None, None,  # all_reduce: set per stack
+                    _address(fused_lib.pagellm_gelu_tanh_and_mul_bf16),
+                    _address(fused_lib.pagellm_add_layer_norm_bf16))
 
 
 @functools.lru_cache(maxsize=1)
