@@ -71,13 +71,17 @@ def threads_per_rank(size: int) -> int:
     return max(1, total // size)
 
 
-def join_group(rank: int, size: int, address: str, store: Any = None) -> None:
-    """Join the group whose rendezvous store listens at ``address`` ("host:port"; rank 0 passes the store itself)."""
+def join_group(rank: int, size: int, address: str) -> None:
+    """Join the group whose rendezvous store listens at ``address`` ("host:port", ``store_address``)."""
     import torch.distributed as dist
 
-    if store is None:
-        host, port = address.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), world_size=size, is_master=False, timeout=_timeout())
+    host, port = address.rsplit(":", 1)
+    _join_store(dist.TCPStore(host, int(port), world_size=size, is_master=False, timeout=_timeout()), rank, size)
+
+
+def _join_store(store: Any, rank: int, size: int) -> None:
+    import torch.distributed as dist
+
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=_timeout())
 
 
@@ -88,7 +92,7 @@ def join_watching(size: int, store: Any, check: Callable[[], None]) -> None:
 
     def join() -> None:
         try:
-            join_group(0, size, store_address(store), store)
+            _join_store(store, 0, size)
             joined.append(None)
         except BaseException as exc:  # handed to the waiting thread
             joined.append(exc)

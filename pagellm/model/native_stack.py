@@ -89,10 +89,9 @@ def _shape(model: nn.Module, weights: list[LayerWeights]) -> StackShape | None:
     post = {w.input_norm is None for w in weights}  # OLMo's layers (one kind throughout)
     sandwich = {w.pre_ffn_norm is not None for w in weights}  # Gemma's
     parallel = {w.post_norm is None for w in weights}  # Cohere's
-    acts = [layer.mlp.act_fn for layer in model.layers if hasattr(layer.mlp, "act_fn")]  # dense layers'
-    gelu = {isinstance(act, GeluAndMul) for act in acts}
-    exact_gelu = any(isinstance(act, GeluAndMul) and act.approximate != "tanh" for act in acts)
-    if exact_gelu or any(len(kinds) > 1 for kinds in (eps, residual_scales, post, sandwich, gelu, parallel)):
+    # the dense layers' gate: SiLU or GeGLU (its tanh form: the layers' ``native`` leaves the exact one out)
+    gelu = {isinstance(layer.mlp.act_fn, GeluAndMul) for layer in model.layers if hasattr(layer.mlp, "act_fn")}
+    if any(len(kinds) > 1 for kinds in (eps, residual_scales, post, sandwich, gelu, parallel)):
         return None
     return StackShape(model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
                       max(dense, default=0), eps.pop(), attn.scale, residual_scales.pop(), post.pop(),

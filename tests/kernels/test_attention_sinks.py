@@ -10,7 +10,8 @@ import torch
 from pagellm.attention.base import quantize_kv
 from pagellm.attention.cpu_paged import CpuPagedBackend, build_metadata, load_kernel
 from pagellm.attention.torch_ref import TorchRefBackend
-from tests.kernels.test_cpu_paged import AVX2_BUILD, TOLERANCE, _dense  # noqa: F401 (kernel_build's swap)
+from tests.kernels.test_cpu_paged import (AVX2_BUILD, TOLERANCE, _dense,  # noqa: F401 (kernel_build's swap)
+                                          assert_matches_reference_and_dense)
 from tests.kernels.test_sliding_window_attention import SHAPES, _windowed_step
 
 
@@ -24,15 +25,7 @@ def _run(backend, q, k, v, cache, common, window, scale, sinks):
 def test_sinks_match_reference_and_dense(window, dtype, heads, kv_heads, head_dim, block_size, kernel_build) -> None:
     q, k, v, cache, common = _windowed_step(heads, kv_heads, head_dim, block_size, dtype, seed=heads + head_dim)
     sinks = torch.randn(heads, generator=torch.Generator().manual_seed(heads)) * 2  # some above the scores, some below
-    scale = head_dim ** -0.5
-    ref_cache, fast_cache = cache.clone(), cache.clone()
-    expected = _run(TorchRefBackend(), q, k, v, ref_cache, common, window, scale, sinks)
-    got = _run(CpuPagedBackend(), q, k, v, fast_cache, common, window, scale, sinks)
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
-    dense = _dense(q, fast_cache, common, scale, window, sinks)
-    torch.testing.assert_close(got.double(), dense, atol=tol, rtol=tol)
-    assert (dense - _dense(q, fast_cache, common, scale, window)).abs().max() > 20 * tol  # the sinks matter here
+    assert_matches_reference_and_dense(q, k, v, cache, common, window, head_dim ** -0.5, TOLERANCE[dtype], sinks=sinks)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])

@@ -10,7 +10,8 @@ import torch
 from pagellm.attention.base import quantize_kv
 from pagellm.attention.cpu_paged import CpuPagedBackend, build_metadata, load_kernel
 from pagellm.attention.torch_ref import TorchRefBackend
-from tests.kernels.test_cpu_paged import AVX2_BUILD, TOLERANCE, _dense  # noqa: F401 (kernel_build's swap)
+from tests.kernels.test_cpu_paged import (AVX2_BUILD, TOLERANCE, _dense,  # noqa: F401 (kernel_build's swap)
+                                          assert_matches_reference_and_dense)
 from tests.kernels.test_sliding_window_attention import SHAPES, _windowed_step
 
 CAP = 1.5  # low enough that most scores bend
@@ -27,15 +28,7 @@ def test_soft_cap_matches_reference_and_dense(window, dtype, heads, kv_heads, he
                                               kernel_build) -> None:
     q, k, v, cache, common = _windowed_step(heads, kv_heads, head_dim, block_size, dtype, seed=heads + head_dim)
     q = q * 3  # scores well past the cap
-    scale = head_dim ** -0.5
-    ref_cache, fast_cache = cache.clone(), cache.clone()
-    expected = _run(TorchRefBackend(), q, k, v, ref_cache, common, window, scale, CAP)
-    got = _run(CpuPagedBackend(), q, k, v, fast_cache, common, window, scale, CAP)
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
-    dense = _dense(q, fast_cache, common, scale, window, softcap=CAP)
-    torch.testing.assert_close(got.double(), dense, atol=tol, rtol=tol)
-    assert (dense - _dense(q, fast_cache, common, scale, window)).abs().max() > 20 * tol  # the cap matters here
+    assert_matches_reference_and_dense(q, k, v, cache, common, window, head_dim ** -0.5, TOLERANCE[dtype], softcap=CAP)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])

@@ -81,6 +81,22 @@ def _dense(q: torch.Tensor, cache: torch.Tensor, common: CommonAttentionInputs, 
     return torch.cat(out)
 
 
+def assert_matches_reference_and_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                                       common: CommonAttentionInputs, window: int | None, scale: float, tol: float,
+                                       **extra: object) -> None:
+    """One step on the C++ backend and on the reference backend (each on its own copy of ``cache``), with ``extra``
+    (``sinks=``, ``softcap=``) given to both: they agree within ``tol``, the C++ output agrees with dense float64
+    attention with ``extra``, and ``extra`` matters (the dense output without it differs by more than 20 ``tol``)."""
+    ref_cache, fast_cache = cache.clone(), cache.clone()
+    kwargs = dict(sliding_window=window, **extra)
+    expected = TorchRefBackend().forward(q, k, v, ref_cache, TorchRefBackend().build(common), scale, **kwargs)
+    got = CpuPagedBackend().forward(q, k, v, fast_cache, CpuPagedBackend().build(common), scale, **kwargs)
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    dense = _dense(q, fast_cache, common, scale, window, **extra)  # type: ignore[arg-type]
+    torch.testing.assert_close(got.double(), dense, atol=tol, rtol=tol)
+    assert (dense - _dense(q, fast_cache, common, scale, window)).abs().max() > 20 * tol
+
+
 def _both(q, k, v, cache, common, scale):
     """(torch_ref output, cpu_paged output, the cache after the step's K/V were written)."""
     ref, fast = TorchRefBackend(), CpuPagedBackend()

@@ -289,9 +289,13 @@ void finish_mlp(const StackKernels& f, const StackShape& s, const StackLayer& l,
 
 // Attention's output x joining the residual stream, and the MLP's input: h, res = add_rms_norm(x, res) (Llama's);
 // OLMo's: the stream takes x normed and is the MLP's input (h unused); Gemma's: x normed, then Llama's with the
-// pre-MLP norm. Returns the MLP's input.
+// pre-MLP norm; Cohere's: the stream takes x, and the MLP the input norm's h. Returns the MLP's input.
 const uint16_t* join_attention(const StackKernels& f, const StackShape& s, const StackLayer& l, int64_t t,
                                const Scratch& sc) {
+  if (s.parallel) {
+    add_rows(sc.res, sc.x, t * s.hidden);
+    return sc.h;
+  }
   if (s.post_norms) {
     f.add_rms_norm(sc.x, nullptr, l.post_norm, t, s.hidden, s.eps, sc.h, sc.x);
     add_rows(sc.res, sc.h, t * s.hidden);
@@ -358,8 +362,7 @@ void decoder_layer(const StackKernels& f, const StackShape& s, const StackStep& 
   if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
   if (l.o_bias) add_bias(sc.x, l.o_bias, t, s.hidden);
   scale_rows(sc.x, t * s.hidden, s.residual_scale);
-  if (s.parallel) add_rows(sc.res, sc.x, t * s.hidden);  // Cohere's: the MLP takes h, the input norm's output
-  const uint16_t* mlp_in = s.parallel ? sc.h : join_attention(f, s, l, t, sc);
+  const uint16_t* mlp_in = join_attention(f, s, l, t, sc);
   if (l.moe) {
     f.moe(l.moe, mlp_in, t, s.hidden, sc.x);  // this rank's slice of every expert (and of a shared expert)
     if (f.all_reduce) f.all_reduce(sc.x, t * s.hidden);
