@@ -15,6 +15,7 @@ import pytest
 from server_utils import ServerProcess
 
 from pagellm.server.openai import harmony
+from pagellm.server.openai import tools as tooling
 from pagellm.server.openai.harmony import HarmonyStream
 from pagellm.server.openai.protocol import ChatCompletionRequest
 from pagellm.server.openai.serving_chat import OpenAIServingChat
@@ -112,10 +113,14 @@ def test_a_prompt_that_opened_a_message_is_read_on_from_its_text() -> None:
 
 @pytest.fixture(scope="module")
 def harmony_model(tiny_model_factory, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_harmony_model(tiny_model_factory("gpt_oss"), tmp_path_factory.mktemp("harmony"))
+
+
+def build_harmony_model(tiny_gpt_oss: Path, path: Path) -> Path:
+    """A copy of a tiny gpt-oss whose tokenizer has harmony's markers, its stop tokens and ``TEMPLATE``."""
     from transformers import AutoTokenizer
 
-    path = tmp_path_factory.mktemp("harmony")
-    shutil.copytree(tiny_model_factory("gpt_oss"), path, dirs_exist_ok=True)
+    shutil.copytree(tiny_gpt_oss, path, dirs_exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
     tokenizer.chat_template = TEMPLATE
@@ -206,10 +211,39 @@ def test_a_served_call_comes_whole_and_streamed(harmony_client: openai.OpenAI, h
     assert json.loads("".join(c.function.arguments or "" for c in calls)) == {"city": "Paris"}
 
 
-def test_a_required_or_named_call_is_refused_with_what_to_send(harmony_client: openai.OpenAI) -> None:
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(openai.BadRequestError, match="harmony replies take tool_choice 'auto' or 'none'"):
-            harmony_client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, tool_choice=choice)
+def _forced_call(client: openai.OpenAI, model: Path, tool_choice: object, stream: bool) -> tuple[list, str, str]:
+    """A forced call's (calls, content, finish_reason), whole or streamed; the bias ends the model's free messages
+    at once and its strings at their first character (a random model's otherwise run to max_tokens)."""
+    tokenizer = Tokenizer.from_dir(model)
+    (end,), (quote,) = (tokenizer.encode(t, add_special_tokens=False) for t in ("<|end|>", '"'))
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, tool_choice=tool_choice,
+                                           max_tokens=120, stream=stream,
+                                           extra_body={"logit_bias": {str(end): 100, str(quote): 100}})
+    if not stream:
+        return reply.choices[0].message.tool_calls or [], reply.choices[0].message.content, \
+            reply.choices[0].finish_reason
+    deltas = [c.choices[0] for c in reply if c.choices]
+    calls = [call for d in deltas for call in d.delta.tool_calls or []]
+    whole = [tooling.ToolCall(id=c.id, function=tooling.FunctionCall(name=c.function.name, arguments="".join(
+        more.function.arguments or "" for more in calls if more.index == c.index))) for c in calls if c.id]
+    return whole, "".join(d.delta.content or "" for d in deltas) or None, deltas[-1].finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_or_named_call_is_made(harmony_client: openai.OpenAI, harmony_model: Path, stream: bool) -> None:
+    """gpt-oss's required and named calls are constrained (``harmony_calls.py``): the reply is one call of the tool,
+    its arguments following the schema ("tool_calls" for required, "stop" for a named call, as OpenAI's)."""
+    for tool_choice, finish in (("required", "tool_calls"),
+                                ({"type": "function", "function": {"name": "get_weather"}}, "stop")):
+        calls, content, reason = _forced_call(harmony_client, harmony_model, tool_choice, stream)
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": ""})]
+        assert reason == finish and content is None and calls[0].id.startswith("chatcmpl-tool-")
+
+
+def test_a_forced_call_with_a_thinking_budget_is_refused(harmony_client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget ends gpt-oss's thinking with its final"):
+        harmony_client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, tool_choice="required",
+                                               extra_body={"thinking_token_budget": 8})
 
 
 def test_the_server_keeps_the_markers_and_constrains_the_final_message(harmony_model: Path) -> None:

@@ -26,6 +26,7 @@ import msgspec
 from pagellm.beam_search import BeamSearchParams
 from pagellm.lora import LoRARequest
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_outputs import StructuredOutputsParams
 from pagellm.server.openai.chunks import ChunkWriter
 from pagellm.server.openai import serving_beam
 from pagellm.server.openai import tools as tooling
@@ -38,6 +39,7 @@ from pagellm.server.openai.replies import (ChatChunkChoice, ChatCompletionChoice
 from pagellm.server.openai.request_metrics import PerRequestMetrics
 from pagellm.server.openai.serving_engine import ChoiceState as _Choice
 from pagellm.server.openai import harmony
+from pagellm.server.openai import harmony_calls
 from pagellm.server.openai.harmony import HarmonyStream
 from pagellm.server.openai.reasoning import ReasoningStream, closed_in_prompt, get_reasoning_parser
 from pagellm.server.openai.serving_engine import EngineClient, OpenAIServing, random_id
@@ -73,7 +75,8 @@ class _Job:
     def harmony_args(self) -> tuple[bool, bool, Optional[int], Optional[str]]:
         """How a harmony reply is read (``HarmonyStream``'s and ``harmony.split``'s arguments): calls surfaced for
         'auto' on a server that parses them, thinking with the reasoning parser."""
-        return self.parser is not None, self.reasoning is not None, self.limit, self.opened
+        calls = self.parser is not None or tooling.forces_call(self.request.tool_choice)
+        return calls, self.reasoning is not None, self.limit, self.opened
 
     @property
     def name(self) -> Optional[str]:
@@ -123,10 +126,6 @@ class OpenAIServingChat(OpenAIServing):
         """Validate and render the conversation (raises APIError / ValueError → 4xx before anything is queued)."""
         for name, why in tooling.problems(request.tools, request.tool_choice, auto=self.tool_parser is not None):
             raise APIError(why, 400, param=name, code="unsupported_parameter")
-        if self.harmony and request.tools and not tooling.is_auto(request.tools, request.tool_choice) and \
-                request.tool_choice != "none":
-            raise APIError("gpt-oss's harmony replies take tool_choice 'auto' or 'none' here (a required or named "
-                           "call is not enforced)", 400, param="tool_choice", code="unsupported_parameter")
         model, params = self.check_request(request)
         if self.harmony:  # the messages' markers are special tokens: the reply's text keeps them
             params.skip_special_tokens = False
@@ -143,7 +142,10 @@ class OpenAIServingChat(OpenAIServing):
         if request.prediction is not None:
             params.prediction_token_ids = self._prediction(request.prediction)
         reasoning, closed = self.reasoning_parser, False
-        if reasoning is not None:
+        forced = self.harmony and request.tools and tooling.forces_call(request.tool_choice)
+        if forced:
+            self._force_harmony_call(request, model, params, prompt)
+        elif reasoning is not None:
             closed = closed_in_prompt(self.tokenizer.decode(prompt[-16:], skip_special_tokens=False), self.think_tag)
             if params.structured_outputs is not None and not closed:
                 params.structured_outputs = msgspec.structs.replace(params.structured_outputs,
@@ -156,6 +158,22 @@ class OpenAIServingChat(OpenAIServing):
                     echoed=last.text() if request.echo and last.role == role else "", harmony=self.harmony,
                     opened=harmony.open_header(self.tokenizer.decode(prompt[-32:], skip_special_tokens=False))
                     if self.harmony else None)
+
+    def _force_harmony_call(self, request: ChatCompletionRequest, model: str, params: SamplingParams,
+                            prompt: list[int]) -> None:
+        """gpt-oss's required or named call: the reply's messages constrained to end in one (``harmony_calls``)."""
+        if params.thinking_token_budget not in (None, -1):
+            raise APIError("thinking_token_budget ends gpt-oss's thinking with its final message, which a required or "
+                           "named tool call does not have; send one or the other", 400, param="thinking_token_budget")
+        tail = self.tokenizer.decode(prompt[-32:], skip_special_tokens=False)
+        try:
+            ids = harmony_calls.markers(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+            tag = harmony_calls.call_tag(request.tools, request.tool_choice, ids, harmony.open_header(tail),
+                                         tail.rstrip().endswith("<|end|>"))
+        except ValueError as exc:
+            raise APIError(str(exc), 400, param="tool_choice", code="unsupported_parameter") from None
+        params.structured_outputs = StructuredOutputsParams(structural_tag=tag)
+        self.check_params(model, params)
 
     def _prediction(self, prediction: dict[str, Any]) -> list[int]:
         """OpenAI's ``prediction`` (``{"type": "content", "content": text or text parts}``) as token ids to draft."""
@@ -277,7 +295,7 @@ def _harmony_delta(job: _Job, index: int, choice: _Choice,
     if finish:
         rest = stream.finish()
         piece = harmony.Split(piece.thinking + rest.thinking, piece.content + rest.content, piece.calls + rest.calls)
-        finish = "tool_calls" if finish == "stop" and stream.called else finish
+        finish = "tool_calls" if finish == "stop" and stream.called and job.name is None else finish
     if not (piece.content or piece.calls or finish):
         return piece.thinking, None, None
     deltas = [tooling.DeltaToolCall(index=c.index, id=c.id, type="function" if c.id is not None else None,
@@ -355,7 +373,7 @@ def _choice(job: _Job, index: int, choice: _Choice) -> ChatCompletionChoice:
     elif job.parser is not None and (parsed := job.parser.parse(text)).calls:
         calls = parsed.calls[:job.limit]
         message = ChatResponseMessage(content=parsed.content, tool_calls=calls)
-    finish = "tool_calls" if calls and finish == "stop" else finish
+    finish = "tool_calls" if calls and finish == "stop" and job.name is None else finish
     message.reasoning_content = thinking if job.request.include_reasoning else None
     message.role = job.role
     if job.echoed and message.content is not None:

@@ -82,6 +82,11 @@ def is_auto(tools: Optional[list[Any]], tool_choice: Any) -> bool:
     return bool(tools) and tool_choice in (None, "auto")
 
 
+def forces_call(tool_choice: Any) -> bool:
+    """Whether ``tool_choice`` makes the reply a call: "required", or a named function."""
+    return tool_choice == "required" or isinstance(tool_choice, dict)
+
+
 def named(tools: Optional[list[Any]], tool_choice: Any) -> Optional[str]:
     """The function a valid request's ``tool_choice`` names, or None."""
     return tool_choice["function"]["name"] if isinstance(tool_choice, dict) and tools else None
