@@ -1,10 +1,11 @@
 """A reasoning model's thinking tags, and a budget on its thinking (vLLM's ``thinking_token_budget``).
 
 Contract:
-- ``ReasoningParser`` names a thinking block's tags (``<think>`` ... ``</think>``); ``PARSERS`` holds them by
-  ``--reasoning-parser`` name (``deepseek_r1``, ``qwen3``, ``olmo3``, ``openai_gptoss``: gpt-oss's analysis message,
-  and what a ``--reasoning-parser-plugin`` file registers with ``register_reasoning_parser``). The server's reply splitting
-  (``server/openai/reasoning.py``; gpt-oss's, ``harmony.py``) reads them.
+- ``ReasoningParser`` names a thinking block's tags (``<think>`` ... ``</think>``; Granite's are phrases, in two
+  spellings each); ``PARSERS`` holds them by ``--reasoning-parser`` name (``deepseek_r1``, ``qwen3``, ``olmo3``,
+  ``granite``, ``openai_gptoss``: gpt-oss's analysis message, and what a ``--reasoning-parser-plugin`` file registers
+  with ``register_reasoning_parser``). The server's reply splitting (``server/openai/reasoning.py``; gpt-oss's,
+  ``harmony.py``) reads them.
 - ``ReasoningConfig`` is vLLM's ``--reasoning-config`` (``reasoning_parser``, ``reasoning_start_str``,
   ``reasoning_end_str``; ``--reasoning-parser`` fills ``reasoning_parser``): the strings that open a thinking block,
   the one written when a budget runs out (it may hold a transition phrase before the parser's end tag), and the
@@ -42,16 +43,30 @@ class ReasoningParser:
     forced_end: str = ""
     answer_start: str = ""
     harmony: bool = False
+    other_starts: tuple[str, ...] = ()  # other spellings a reply may open or close its block with (the budget and
+    other_ends: tuple[str, ...] = ()  # constraints see ``start`` and ``end`` alone, as token ids)
+
+    @property
+    def starts(self) -> tuple[str, ...]:
+        return (self.start, *self.other_starts)
+
+    @property
+    def ends(self) -> tuple[str, ...]:
+        return (self.end, *self.other_ends)
 
 
 # gpt-oss's thinking is its analysis channel's message; its answer the final channel's (``openai_gptoss``)
 HARMONY = ReasoningParser("<|channel|>analysis<|message|>", "<|end|>",
                           forced_end="<|end|><|start|>assistant<|channel|>final<|message|>",
                           answer_start="<|channel|>final<|message|>", harmony=True)
+# granite: Granite 3.2 / 3.3 with thinking on (chat_template_kwargs {"thinking": true}) write these phrases, some
+# quantized ones "Here's" (vLLM's parser takes both)
+GRANITE = ReasoningParser("Here is my thought process:", "Here is my response:",
+                          other_starts=("Here's my thought process:",), other_ends=("Here's my response:",))
 # olmo3: OLMo 3 Think, whose template opens <think> in the prompt (vLLM's parser starts in its reasoning state)
 PARSERS: dict[str, ReasoningParser] = {"deepseek_r1": ReasoningParser(thinks_by_default=True),
                                        "qwen3": ReasoningParser(), "openai_gptoss": HARMONY,
-                                       "olmo3": ReasoningParser(thinks_by_default=True)}
+                                       "olmo3": ReasoningParser(thinks_by_default=True), "granite": GRANITE}
 
 
 def register_reasoning_parser(name: str, start: str = START, end: str = END,

@@ -132,7 +132,9 @@ def add_serve_args(cmd: argparse.ArgumentParser) -> None:
                           "set --api-key)")
     cmd.add_argument("--reasoning-parser", default=None, metavar="NAME",
                      help="take a reasoning model's <think> block out of chat replies into reasoning_content: "
-                          "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ), or a plugin's")
+                          "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ), olmo3 (OLMo 3 Think), "
+                          "granite (Granite 3.2/3.3's 'Here is my thought process:'), openai_gptoss (gpt-oss's "
+                          "harmony messages), or a plugin's")
     cmd.add_argument("--reasoning-parser-plugin", default=None, metavar="FILE",
                      help="a Python file that registers reasoning parsers of its own (vLLM's flag: "
                           "register_reasoning_parser(\"name\", start=\"[THINK]\", end=\"[/THINK]\") from "

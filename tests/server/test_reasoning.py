@@ -12,14 +12,18 @@ import random
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import openai
 import pytest
 from server_utils import ServerProcess, think_first
 
+from pagellm.server.openai.protocol import ChatCompletionRequest
 from pagellm.server.openai.reasoning import ReasoningStream
+from pagellm.server.openai.serving_chat import OpenAIServingChat
 from pagellm.server.options import add_serve_args, serve_options
+from pagellm.tokenizer import Tokenizer
 
 CASES = [  # (parser, reply, thinking, answer)
     ("deepseek_r1", "Two and two.\n</think>\n\nIt is 4.", "Two and two.\n", "It is 4."),
@@ -37,11 +41,21 @@ CASES = [  # (parser, reply, thinking, answer)
     ("qwen3", "It is 4. </think> stays", None, "It is 4. </think> stays"),
     ("qwen3", "<think></think>\n\n", None, ""),
     ("qwen3", "  <thi", None, "  <thi"),
+    ("granite", "Here is my thought process:\nTwo and two.\n\nHere is my response:\nIt is 4.", "\nTwo and two.\n\n",
+     "It is 4."),
+    ("granite", "Here's my thought process: Two. Here's my response: It is 4.", " Two. ", "It is 4."),
+    ("granite", " Here is my thought process: Mixed. Here's my response: 4.", " Mixed. ", "4."),
+    ("granite", "It is 4. Here is my response: 4.", None, "It is 4. Here is my response: 4."),
+    ("granite", "Here is my thought process: a Here's my response: b Here is my response: c", " a ",
+     "b Here is my response: c"),
+    ("granite", "Here is what I think: 4.", None, "Here is what I think: 4."),
+    ("granite", "Here is my thought process: cut short at Here is my resp", " cut short at Here is my resp", ""),
 ]
-CLOSED = ["It is 4.", "It is 4. </think>", "<think>x</think>y"]  # after a prompt that closed the block
+# after a prompt that closed the block
+CLOSED = ["It is 4.", "It is 4. </think>", "<think>x</think>y", "Here is my thought process: x"]
 
 
-@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3", "olmo3"])
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3", "olmo3", "granite"])
 @pytest.mark.parametrize("reply", CLOSED)
 def test_after_a_prompt_that_closed_the_block_the_reply_is_all_answer(parser: str, reply: str) -> None:
     assert ReasoningStream(parser, closed=True).split(reply) == (None, reply)
@@ -76,10 +90,10 @@ def test_the_flag_takes_vllm_names_and_refuses_others() -> None:
     add_serve_args(cmd)
     assert serve_options(cmd.parse_args([])).reasoning_parser is None
     assert serve_options(cmd.parse_args(["--reasoning-parser", "deepseek_r1"])).reasoning_parser == "deepseek_r1"
-    with pytest.raises(ValueError, match="unknown reasoning parser 'granite'; choose one of deepseek_r1, qwen3"):
-        serve_options(cmd.parse_args(["--reasoning-parser", "granite"]))
-    with pytest.raises(ValueError, match="unknown reasoning parser 'granite'; choose one of deepseek_r1, qwen3"):
-        ReasoningStream("granite")
+    with pytest.raises(ValueError, match="unknown reasoning parser 'kimi_k2'; choose one of deepseek_r1, qwen3"):
+        serve_options(cmd.parse_args(["--reasoning-parser", "kimi_k2"]))
+    with pytest.raises(ValueError, match="unknown reasoning parser 'kimi_k2'; choose one of deepseek_r1, qwen3"):
+        ReasoningStream("kimi_k2")
 
 
 # A plugin for Magistral-style tags; each test that uses it runs it (once per process).
@@ -236,3 +250,22 @@ def test_a_thinking_budget_ends_the_thinking_and_the_answer_follows(client: open
                                            extra_body={"logit_bias": {"64": 50}, "thinking_token_budget": 2,
                                                        "return_token_ids": True})
     assert completion.choices[0].token_ids == [64, 64, 261, 64, 64]
+
+
+def test_granites_constraint_waits_for_its_response_phrase(tiny_llama: Path) -> None:
+    """Granite's block ends in a phrase, not a tag: a constraint waits for the phrase's token ids, and a prompt
+    that already ends in it is constrained from the first token."""
+    tokenizer = Tokenizer.from_dir(tiny_llama)
+    engine = SimpleNamespace(tokenizer=tokenizer, sampling_defaults={}, max_logprobs=20, enable_prompt_embeds=False,
+                             check_custom=lambda params: None,
+                             runtime=SimpleNamespace(max_model_len=512, vocab_size=320, hidden_size=64,
+                                                     pooling_only=False, labels=()))
+    chat = OpenAIServingChat(engine, ["tiny"], reasoning_parser="granite")
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}
+    job = chat.prepare(ChatCompletionRequest(messages=CHAT, response_format=fmt))
+    phrase = tokenizer.encode("Here is my response:", add_special_tokens=False)
+    assert job.params.structured_outputs.begin_after == phrase and not job.closed
+    continued = [*CHAT, {"role": "assistant", "content": "Here is my thought process: 4. Here is my response:"}]
+    job = chat.prepare(ChatCompletionRequest(messages=continued, response_format=fmt, add_generation_prompt=False,
+                                             continue_final_message=True))
+    assert job.params.structured_outputs.begin_after is None and job.closed

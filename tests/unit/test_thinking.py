@@ -112,8 +112,8 @@ def test_a_bad_reasoning_config_says_what_to_fix(value: str, message: str) -> No
 
 
 def test_an_unknown_parser_is_named_when_its_tags_are_needed() -> None:
-    with pytest.raises(ValueError, match="unknown reasoning parser 'granite'"):
-        ReasoningConfig(reasoning_parser="granite").markers(_encode)
+    with pytest.raises(ValueError, match="unknown reasoning parser 'kimi_k2'"):
+        ReasoningConfig(reasoning_parser="kimi_k2").markers(_encode)
 
 
 def test_the_flags_and_engine_args_reach_the_engine_config() -> None:

@@ -7,6 +7,12 @@ responses carry it as ``message.reasoning_content`` (streamed: ``delta.reasoning
   answer; a reply with no ``</think>`` is all thinking (it was cut short).
 - ``olmo3`` (OLMo 3 Think): as ``deepseek_r1``, its template opening ``<think>`` in the prompt (vLLM's parser
   splits a whole reply with no ``</think>`` as all answer but streams it as thinking; here both say thinking).
+- ``granite`` (Granite 3.2 and 3.3 with ``chat_template_kwargs: {"thinking": true}``): a reply that opens with "Here
+  is my thought process:" (or "Here's ...") thinks up to "Here is my response:" (or "Here's ..."), then answers; one
+  that opens otherwise is all answer, as ``qwen3``. vLLM's ``granite`` parser splits alike, but a whole reply with no
+  response phrase is all answer there (streamed, thinking) and it finds the phrases anywhere in a whole reply; here
+  a reply cut short is thinking either way, and its block opens only at its start. A constraint and
+  ``thinking_token_budget`` see the "Here is" phrases alone (token ids).
 - ``qwen3`` (Qwen3, QwQ): the reply thinks only when it opens with ``<think>``; then it is thinking up to
   ``</think>`` (or to its end when cut short), then the answer. A reply that does not open with ``<think>`` (thinking
   turned off with ``chat_template_kwargs: {"enable_thinking": false}``, whose template closes the block in the
@@ -62,7 +68,7 @@ class ReasoningStream:
 
     def __init__(self, parser: str, closed: bool = False) -> None:
         tags = get_reasoning_parser(parser)
-        self.start, self.end, self.thinks_by_default = tags.start, tags.end, tags.thinks_by_default
+        self.starts, self.ends, self.thinks_by_default = tags.starts, tags.ends, tags.thinks_by_default
         # start → thinking → gap (whitespace after </think>) → answer; a prompt that closed the block: answer
         self.state = "answer" if closed else "start"
         self.held = ""
@@ -73,18 +79,19 @@ class ReasoningStream:
         while self.held:
             if self.state == "start":
                 head = self.held.lstrip()
-                if not head or (self.start.startswith(head) and head != self.start):
+                if not head or any(start.startswith(head) and head != start for start in self.starts):
                     break  # may still become <think>
-                opened = head.startswith(self.start)
-                self.held = head[len(self.start):] if opened else self.held
+                opened = next((start for start in self.starts if head.startswith(start)), "")
+                self.held = head[len(opened):] if opened else self.held
                 self.state = "thinking" if opened or self.thinks_by_default else "answer"
             elif self.state == "thinking":
-                end = self.held.find(self.end)
-                if end < 0:
-                    cut = len(self.held) - _partial_tail(self.held, self.end)
+                ends = [(at, end) for end in self.ends if (at := self.held.find(end)) >= 0]
+                if not ends:
+                    cut = len(self.held) - max(_partial_tail(self.held, end) for end in self.ends)
                     thinking, self.held = thinking + self.held[:cut], self.held[cut:]
                     break
-                thinking, self.held, self.state = thinking + self.held[:end], self.held[end + len(self.end):], "gap"
+                at, end = min(ends)
+                thinking, self.held, self.state = thinking + self.held[:at], self.held[at + len(end):], "gap"
             elif self.state == "gap":
                 self.held = self.held.lstrip()
                 self.state = "answer" if self.held else "gap"

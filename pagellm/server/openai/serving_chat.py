@@ -146,7 +146,8 @@ class OpenAIServingChat(OpenAIServing):
         if forced:
             self._force_harmony_call(request, model, params, prompt)
         elif reasoning is not None:
-            closed = closed_in_prompt(self.tokenizer.decode(prompt[-16:], skip_special_tokens=False), self.think_tag)
+            tail = prompt[-16 - len(self.think_end):]  # the end tag and what a template puts after it
+            closed = closed_in_prompt(self.tokenizer.decode(tail, skip_special_tokens=False), self.think_tag)
             if params.structured_outputs is not None and not closed:
                 params.structured_outputs = msgspec.structs.replace(params.structured_outputs,
                                                                     begin_after=self.think_end)
