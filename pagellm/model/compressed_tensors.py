@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from pagellm.model import weight_only
+from pagellm.model import fp8_checkpoint, weight_only
 from pagellm.ops import gemm_w8a8
 
 SCHEME = gemm_w8a8.FORMAT
@@ -37,7 +37,7 @@ _ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "to
 def scheme_of(hf_config: dict[str, Any]) -> str | None:
     """``"w8a8_int8"`` for a compressed-tensors W8A8 int8 checkpoint, ``"wna16"`` for a weight-only one (GPTQ, AWQ,
     compressed-tensors pack-quantized: ``model/weight_only.py``), ``"mxfp4"`` for gpt-oss's (``model/mxfp4.py``),
-    ``None`` for an unquantized one; raises
+    ``"fp8"`` for an FP8 one (``model/fp8_checkpoint.py``), ``None`` for an unquantized one; raises
     ``ValueError`` naming what it found for any other quantization."""
     quant = hf_config.get("quantization_config")
     if not quant:
@@ -47,10 +47,12 @@ def scheme_of(hf_config: dict[str, Any]) -> str | None:
     method = quant.get("quant_method")
     if method == "mxfp4":  # gpt-oss's experts: kept in 4 bits, or dequantized as they load (``model/mxfp4.py``)
         return "mxfp4"
+    if fp8_checkpoint.scheme(quant) is not None:  # dequantized as they load (``model/fp8_checkpoint.py``)
+        return fp8_checkpoint.SCHEME
     if method != "compressed-tensors":
-        raise ValueError(f"this checkpoint is quantized with {method!r}; pagellm reads GPTQ, AWQ and compressed-"
-                         "tensors (W8A8 int8, pack-quantized) checkpoints, or quantizes float ones itself "
-                         "(--quantization w8a8_int8 or w4a8_int4)")
+        raise ValueError(f"this checkpoint is quantized with {method!r}; pagellm reads GPTQ, AWQ, FP8 and compressed-"
+                         "tensors (W8A8 int8, pack-quantized, float-quantized) checkpoints, or quantizes float ones "
+                         "itself (--quantization w8a8_int8 or w4a8_int4)")
     groups = list((quant.get("config_groups") or {}).values())
     found = [(g.get("weights") or {}, g.get("input_activations") or {}) for g in groups]
     if quant.get("format", "int-quantized") != "int-quantized" or len(found) != 1 or \

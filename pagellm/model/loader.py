@@ -113,8 +113,8 @@ def load_hf_config(model_dir: Path) -> dict[str, Any]:
 def iter_weights(model_dir: Path, groups: bool = False, dtype: torch.dtype | None = None,
                  transient: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the model's safetensors files, as ``(name, tensor)``, each exactly once; a weight-only
-    checkpoint's (GPTQ, AWQ, compressed-tensors pack-quantized) layers and an MXFP4 one's experts (gpt-oss's,
-    ``mxfp4.weights``) dequantized, or with ``groups`` as 4-bit
+    checkpoint's (GPTQ, AWQ, compressed-tensors pack-quantized) layers, an FP8 one's (``fp8_checkpoint.weights``)
+    and an MXFP4 one's experts (gpt-oss's, ``mxfp4.weights``) dequantized, or with ``groups`` as 4-bit
     integers and groups (``weight_only.weights``), as are a converted GGUF's 4-bit blocks (``gguf_blocks.weights``,
     layer by layer). Those blocks' dequantized values come in ``dtype`` (the model's, which saves a float32 pass),
     float32 by default, and their float16 and bfloat16 matrices as stored where a ``dtype`` is asked (the model's
@@ -123,7 +123,7 @@ def iter_weights(model_dir: Path, groups: bool = False, dtype: torch.dtype | Non
     reused buffer, each valid until the next tensor is drawn."""
     from safetensors import safe_open
 
-    from pagellm.model import gguf_blocks, mxfp4, weight_only
+    from pagellm.model import fp8_checkpoint, gguf_blocks, mxfp4, weight_only
 
     files = _safetensors_files(Path(model_dir))
     blocks = Path(model_dir) / gguf_blocks.BLOCKS_FILE
@@ -135,8 +135,11 @@ def iter_weights(model_dir: Path, groups: bool = False, dtype: torch.dtype | Non
         yield from mxfp4.weights(stream, dtype, keep=groups) if is_mxfp4 else stream
         return
     scheme = weight_only.scheme(quant) if quant else None
+    fp8 = fp8_checkpoint.scheme(quant) if quant else None
     if is_mxfp4:  # gpt-oss's experts: codes and groups, or values
         yield from mxfp4.weights(_tensors(files), dtype, keep=groups)
+    elif fp8 is not None:
+        yield from fp8_checkpoint.weights(_tensors(files), fp8, dtype)
     elif scheme is not None:
         names: set[str] = set()
         for path in files:

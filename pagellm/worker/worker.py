@@ -22,7 +22,7 @@ from pagellm.disagg.connector import KVStore, layout_dir
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.kv.hash_algos import make_hasher
 from pagellm.metrics.profiler import Profiler
-from pagellm.model import gguf_convert, mxfp4, weight_only
+from pagellm.model import fp8_checkpoint, gguf_convert, mxfp4, weight_only
 from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.rotary import use_long_factors
 from pagellm.model.loader import iter_weights, load_hf_config, resolve_dtype, resolve_model_dir
@@ -258,6 +258,8 @@ def _checkpoint_format(arch: ArchConfig, model_dir: Path, dtype: torch.dtype) ->
         return gemm_w4a16.FORMAT if fits and dtype == torch.bfloat16 and gemm_w4a16.runs_here() else None
     if arch.quantization == mxfp4.SCHEME:  # kept in 4 bits where the MXFP4 GEMM runs, else dequantized as it loads
         return gemm_mxfp4.FORMAT if dtype == torch.bfloat16 and gemm_mxfp4.runs_here() else None
+    if arch.quantization == fp8_checkpoint.SCHEME:  # dequantized as it loads: the model's dtype's GEMMs
+        return None
     return arch.quantization
 
 
