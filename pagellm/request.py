@@ -12,6 +12,7 @@ import enum
 from typing import TYPE_CHECKING, NewType
 
 if TYPE_CHECKING:
+    from pagellm.multimodal import MultiModalInputs
     from pagellm.prompt_embeds import PromptEmbeds
     from pagellm.sampling_params import SamplingParams
 
@@ -86,6 +87,7 @@ class Request:
         cache_salt: str | None = None,
         max_tokens: int | None = None,
         prompt_embeds: PromptEmbeds | None = None,
+        mm_inputs: MultiModalInputs | None = None,
     ) -> None:
         self.request_id = RequestId(request_id)
         self.sampling_params = sampling_params
@@ -94,6 +96,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.prompt_embeds = prompt_embeds  # an embeddings prompt's rows (then the prompt's ids are placeholders)
+        self.mm_inputs = mm_inputs  # its images (``multimodal.py``), encoded where its image tokens are computed
         # The engine resolves max_tokens=None to what max_model_len leaves.
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.status = RequestStatus.WAITING

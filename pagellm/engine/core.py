@@ -21,6 +21,7 @@ from pagellm.executor.base import Executor, make_executor
 from pagellm.kv.events import KVEventRecorder
 from pagellm.metrics.profiler import span
 from pagellm.metrics.stats import SchedulerStats
+from pagellm.multimodal import MultiModalInputs
 from pagellm.request import Request
 from pagellm.sched.native import build_extension
 from pagellm.sched.scheduler import Scheduler
@@ -69,7 +70,22 @@ class EngineCore:
                              "cache salt (the frontend's InputProcessor makes both)")
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, params, frozenset(req.eos_token_ids), req.arrival_time,
-            req.priority, req.cache_salt, max_tokens, embeds))
+            req.priority, req.cache_salt, max_tokens, embeds, self._check_images(req)))
+
+    def _check_images(self, req: EngineCoreRequest) -> MultiModalInputs | None:
+        """A request's images, where this model takes them and its prompt has image tokens for them; image tokens
+        without images are refused too (their rows would be the tokens' own embeddings)."""
+        image_token = self.runtime.image_token_id
+        has_tokens = image_token is not None and image_token in req.prompt_token_ids
+        if req.mm_inputs is None and not has_tokens:
+            return None
+        if image_token is None:
+            raise ValueError("this model takes no images; serve a vision-language model (SmolVLM) for them")
+        if req.mm_inputs is None or not has_tokens or not req.cache_salt:
+            raise ValueError("a prompt's image tokens and its images come together, with a cache salt: give the "
+                             "prompt as text with one image placeholder per image and the images as "
+                             "multi_modal_data (the frontend's InputProcessor expands and salts them)")
+        return req.mm_inputs
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

@@ -74,8 +74,12 @@ class InputProcessor:
                  lora_arch: Any = None, max_logprobs: int = MAX_LOGPROBS, classifier: bool = False,
                  hidden_size: int = 0, enable_prompt_embeds: bool = False,
                  logits_processors: Sequence[str] = (), logprobs_mode: str = "raw_logprobs",
-                 max_lora_rank: int | None = None, reasoning: ReasoningConfig | None = None) -> None:
+                 max_lora_rank: int | None = None, reasoning: ReasoningConfig | None = None,
+                 model_dir: Path | None = None, image_token_id: int | None = None) -> None:
         self.tokenizer = tokenizer
+        self.model_dir = model_dir
+        self.image_token_id = image_token_id  # a vision-language model's: it takes images (``multimodal.py``)
+        self._images: Any = None  # its ImageProcessor, made at the first prompt with images
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs  # the most logprobs per token a request may ask for
@@ -104,7 +108,8 @@ class InputProcessor:
                    classifier=bool(runtime.labels), hidden_size=runtime.hidden_size,
                    enable_prompt_embeds=model_config.enable_prompt_embeds,
                    logits_processors=model_config.logits_processors, logprobs_mode=model_config.logprobs_mode,
-                   max_lora_rank=model_config.max_lora_rank, reasoning=config.reasoning_config)
+                   max_lora_rank=model_config.max_lora_rank, reasoning=config.reasoning_config,
+                   model_dir=model_dir, image_token_id=runtime.image_token_id)
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         prompt = as_prompt(prompt)
@@ -119,11 +124,21 @@ class InputProcessor:
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
                 cache_salt: str | None = None) -> EngineCoreRequest:
         prompt = as_prompt(prompt)
+        images = prompt.images if isinstance(prompt, ImagePrompt) else None
+        if images is not None and self.image_token_id is None:
+            raise ValueError("this model takes no images; serve a vision-language model (SmolVLM) for them")
         keep, side = self.kept_tokens(params.truncate_prompt_tokens), params.truncation_side
         embeds = prompt if isinstance(prompt, PromptEmbeds) else None
         if embeds is not None and keep is not None:
             embeds = embeds.first(keep) if side == "right" else embeds.last(keep)
-        token_ids = cut(self.tokenize(prompt), keep, side) if embeds is None else self.check_embeds(embeds, params)
+        if images is not None:
+            if keep is not None:
+                raise ValueError("truncate_prompt_tokens cannot cut a prompt with images (an image's tokens go "
+                                 "whole); shorten its text instead")
+            token_ids, images = self.image_processor().process(prompt, images)  # type: ignore[arg-type]
+        else:
+            token_ids = cut(self.tokenize(prompt), keep, side) if embeds is None else self.check_embeds(embeds,
+                                                                                                      params)
         check_prompt(token_ids, self.max_model_len, self.vocab_size)
         params = self.prepare_params(params)
         # The caller's salt (length-prefixed, so that no other part can pass for it or for another caller's) ...
@@ -135,8 +150,17 @@ class InputProcessor:
             salts.append(params.lora_request.cache_salt)
         if embeds is not None:  # ... and so is KV computed from embeddings (its token ids are placeholders)
             salts.append(f"embeds-{embeds.digest()}")
+        if images is not None:  # ... or from images (their tokens are placeholders too)
+            salts.append(f"images-{images.digest}")
         return EngineCoreRequest(request_id, token_ids, params, sorted(self.tokenizer.eos_token_ids), time.time(),
-                                 priority, "/".join(salts) or None, embeds)
+                                 priority, "/".join(salts) or None, embeds, images)
+
+    def image_processor(self) -> Any:
+        if self._images is None:
+            from pagellm.multimodal import ImageProcessor  # transformers' processors, only for images
+
+            self._images = ImageProcessor(self.model_dir, self.image_token_id)  # type: ignore[arg-type]
+        return self._images
 
     def kept_tokens(self, truncate: int | None) -> int | None:
         """How many of a prompt's last tokens ``truncate_prompt_tokens`` keeps (None: all of them)."""
@@ -230,10 +254,31 @@ def cut(token_ids: list[int], keep: int | None, side: str | None = None) -> list
     return token_ids[:keep] if side == "right" else token_ids[len(token_ids) - keep:]
 
 
+class ImagePrompt(str):
+    """A text prompt with images (vLLM's ``{"prompt": text, "multi_modal_data": {"image": ...}}``): the text, one
+    image placeholder per image, with its images beside it (PIL images, as the model's processor takes them)."""
+
+    images: list[Any]
+
+    def __new__(cls, text: str, images: Any) -> ImagePrompt:
+        prompt = super().__new__(cls, text)
+        prompt.images = list(images) if isinstance(images, (list, tuple)) else [images]
+        return prompt
+
+
 def as_prompt(prompt: PromptType) -> Union[str, Sequence[int], PromptEmbeds]:
-    """A prompt in one of vLLM's dict forms as its plain value (a tensor of embeddings as ``PromptEmbeds``)."""
+    """A prompt in one of vLLM's dict forms as its plain value (a tensor of embeddings as ``PromptEmbeds``, text
+    with images as ``ImagePrompt``)."""
     if not isinstance(prompt, dict):
         return prompt
+    if "multi_modal_data" in prompt:
+        data, text = prompt["multi_modal_data"], prompt.get("prompt")
+        if not isinstance(data, dict) or set(data) != {"image"}:
+            raise ValueError("multi_modal_data takes {'image': an image or a list of images} (PIL images)")
+        if set(prompt) != {"prompt", "multi_modal_data"} or not isinstance(text, str):
+            raise ValueError("a prompt with multi_modal_data is {'prompt': text with one image placeholder per "
+                             "image, 'multi_modal_data': {'image': ...}}")
+        return ImagePrompt(text, data["image"])
     keys = [key for key in _PROMPT_KEYS if key in prompt]
     if len(keys) != 1 or len(prompt) != 1:
         raise ValueError(f"a dict prompt takes exactly one of the keys {', '.join(_PROMPT_KEYS)}; got "

@@ -18,6 +18,7 @@ from typing import Any, Literal, Union
 import msgspec
 
 from pagellm.metrics.stats import SchedulerStats
+from pagellm.multimodal import MultiModalInputs
 from pagellm.prompt_embeds import PromptEmbeds
 from pagellm.sampling_params import SamplingParams
 from pagellm.sched.output import StepOutput
@@ -37,6 +38,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     cache_salt: str | None = None
     prompt_embeds: PromptEmbeds | None = None  # an embeddings prompt: its rows (prompt_token_ids: placeholders)
+    mm_inputs: MultiModalInputs | None = None  # a vision-language model's images (``multimodal.py``)
 
 
 class RequestError(msgspec.Struct, array_like=True):

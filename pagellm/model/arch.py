@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagellm.model.compressed_tensors import scheme_of
@@ -113,6 +113,10 @@ def _full_attention_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, .
     return ()
 
 
+# Vision-language models: a decoder (``text_config``) that takes image rows in place of image tokens' embeddings
+VISION_MODELS = ("Idefics3ForConditionalGeneration",)
+
+
 @dataclass(frozen=True)
 class ArchConfig:
     architecture: str
@@ -170,6 +174,13 @@ class ArchConfig:
     o_proj_bias: bool = False  # attention's output projection has a bias (``_O_PROJ_BIAS``)
     # gpt-oss's attention sinks: a learned logit per head that joins each softmax's denominator (no value of its own)
     attention_sinks: bool = False
+    # A vision-language model's vision side (``VISION_MODELS``: its ``vision_config``, ``scale_factor``,
+    # ``image_token_id``); the rest of this config is its decoder's (``text_config``)
+    vision: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+
+    @property
+    def image_token_id(self) -> int | None:
+        return None if self.vision is None else int(self.vision["image_token_id"])
 
     @property
     def num_labels(self) -> int:
@@ -183,6 +194,13 @@ class ArchConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
         archs = cfg.get("architectures") or [""]
+        if archs[0] in VISION_MODELS and "text_config" in cfg:  # its decoder's config, its vision side kept beside it
+            vision = {key: cfg[key] for key in ("vision_config", "scale_factor", "image_token_id") if key in cfg}
+            text = {**cfg["text_config"], "architectures": archs}
+            for key in ("quantization_config", "tie_word_embeddings"):  # the whole model's, where it says
+                if key in cfg:
+                    text[key] = cfg[key]
+            return replace(cls.from_hf(text), vision=vision)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         model_type = cfg.get("model_type")

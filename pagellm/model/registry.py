@@ -7,6 +7,7 @@ from torch import nn
 
 from pagellm.distributed.groups import ParallelState
 from pagellm.model.arch import BASE_MODELS, CLASSIFIERS, ArchConfig
+from pagellm.model.idefics3 import Idefics3ForConditionalGeneration
 from pagellm.model.llama import (GemmaForCausalLM, GptOssForCausalLM, GraniteMoeForCausalLM,
                                  InterleavedRopeForCausalLM, LlamaForCausalLM, MixtralForCausalLM, Phi3ForCausalLM)
 
@@ -33,6 +34,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,  # its soft-capped attention on the torch_ref backend
     "Gemma3ForCausalLM": GemmaForCausalLM,  # Gemma 3's text model (gemma-3-270m, -1b); its multimodal ones are not
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,  # SmolVLM: images in its prompts
     # base models (embedding checkpoints: no LM head; ArchConfig.base_model), for pooling requests
     **{name: LlamaForCausalLM for name in BASE_MODELS},
     # sequence classifiers: the same decoder and a score head (ArchConfig.num_labels), for classify requests

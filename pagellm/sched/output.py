@@ -15,6 +15,7 @@ from __future__ import annotations
 import msgspec
 
 from pagellm.metrics.stats import RequestTimes
+from pagellm.multimodal import MultiModalInputs
 from pagellm.prompt_embeds import PromptEmbeds
 from pagellm.request import FinishReason
 from pagellm.sampling_params import SamplingParams
@@ -31,6 +32,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_load_block_ids: list[int] = []  # blocks to fill from the KV connector's store before this step runs
     kv_load_hashes: list[bytes] = []    # their prefix-cache hashes (the stored blocks' names)
     prompt_embeds: PromptEmbeds | None = None  # an embeddings prompt's rows (its token ids are placeholders)
+    mm_inputs: MultiModalInputs | None = None  # its images, for the vision encoder
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):

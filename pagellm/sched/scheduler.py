@@ -111,7 +111,7 @@ class Scheduler(Intake, Admission):
                              kv.enable_caching, ROOT_HASH, extend_block_hashes)
         self.stored = None  # a KV connector's stored blocks (EngineCore sets it): admission loads them as hits
         self.requests: dict[str, Request] = {}
-        self._embeds_ids: set[str] = set()  # requests with embeddings prompts (some may have finished since)
+        self._embeds_ids: set[str] = set()  # requests with embeddings prompts or images (some may have finished)
         self.stop_rules = StopRules(max_model_len)
         self._dropped_req_ids: set[str] = set()  # workers must forget these at the next step
         self._needs_sort = False      # priority policy: requests were admitted since the running list was sorted
@@ -126,7 +126,7 @@ class Scheduler(Intake, Admission):
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        if request.prompt_embeds is not None:
+        if request.prompt_embeds is not None or request.mm_inputs is not None:
             self._embeds_ids.add(request.request_id)
         request.queued_time = time.time()
         self.stop_rules.add(request)
@@ -185,12 +185,14 @@ class Scheduler(Intake, Admission):
         return out
 
     def _attach_embeds(self, new_reqs: list[NewRequestData]) -> None:
-        """An embeddings prompt's rows go to the workers with its request (again when it resumes)."""
+        """An embeddings prompt's rows, and a prompt's images, go to the workers with its request (again when it
+        resumes)."""
         live = self.requests
         self._embeds_ids.intersection_update(live.keys())  # finished ones leave (the native path drops them there)
         for new in new_reqs:
             if new.req_id in self._embeds_ids:
                 new.prompt_embeds = live[new.req_id].prompt_embeds
+                new.mm_inputs = live[new.req_id].mm_inputs
 
     def _schedule_running(self, budget: int) -> _RunningPart:
         """Hand ``budget`` to the running requests in order: vectorised over the batch's columns, with the KV

@@ -3,16 +3,19 @@
 The scheduler sends each request in full once; afterwards only new block ids and counts arrive, and the runner
 appends the tokens it samples itself. ``build_step_inputs`` lays the step's requests out as one flat token batch
 (prompt chunks, decode tokens and draft tokens of many requests side by side) with positions, KV slots and a block
-table, and marks which rows produce logits.
+table, and marks which rows produce logits. Rows that replace token embeddings (an embeddings prompt's, a prompt's
+images' from the vision encoder: ``encode_images``) are placed by the positions each chunk computes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
+from pagellm.multimodal import MultiModalInputs
 from pagellm.sample.logits_processors import RequestProcessing
 from pagellm.sampling_params import SamplingParams
 from pagellm.sched.output import SchedulerOutput
@@ -29,6 +32,9 @@ class CachedRequestState:
     suppressed_token_ids: list[int] = field(default_factory=list)  # banned until min_tokens outputs exist
     processing: RequestProcessing | None = None  # penalties / bias / bans / grammar state; None = none asked
     prompt_embeds: torch.Tensor | None = None  # an embeddings prompt's rows, in the model's dtype
+    # its images' rows (the vision encoder's, in the model's dtype) and the prompt positions they go to, in order
+    image_rows: torch.Tensor | None = None
+    image_positions: np.ndarray | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -92,19 +98,35 @@ def build_step_inputs(states: dict[str, CachedRequestState], sched: SchedulerOut
 
 def _embeds_rows(states: dict[str, CachedRequestState], req_ids: list[str], starts: np.ndarray, counts: np.ndarray,
                  query_start_loc: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The flat indices of the step's embeddings-prompt positions and the rows that go there."""
+    """The flat indices of the step's embeddings-prompt positions and image positions, and the rows that go there."""
     indices: list[torch.Tensor] = []
     rows: list[torch.Tensor] = []
     for row, req_id in enumerate(req_ids):
         state = states[req_id]
-        start = int(starts[row])
-        if state.prompt_embeds is None or start >= state.num_prompt_tokens:
+        start, first = int(starts[row]), int(query_start_loc[row])
+        if start >= state.num_prompt_tokens:
             continue
         count = min(int(counts[row]), state.num_prompt_tokens - start)
-        first = int(query_start_loc[row])
-        indices.append(torch.arange(first, first + count))
-        rows.append(state.prompt_embeds[start:start + count])
+        if state.prompt_embeds is not None:
+            indices.append(torch.arange(first, first + count))
+            rows.append(state.prompt_embeds[start:start + count])
+        elif state.image_positions is not None:  # the images' rows whose positions this chunk computes
+            lo, hi = np.searchsorted(state.image_positions, (start, start + count))
+            if hi > lo:
+                indices.append(torch.from_numpy(state.image_positions[lo:hi] - start + first))
+                rows.append(state.image_rows[lo:hi])  # type: ignore[index]
     return (torch.cat(indices), torch.cat(rows)) if rows else None
+
+
+def encode_images(state: CachedRequestState, model: Any, images: MultiModalInputs, prompt_ids: list[int]) -> None:
+    """A request's image rows from the model's vision encoder, and its prompt's image-token positions they go to
+    (the frontend's processor wrote one token per row)."""
+    state.image_rows = model.encode_images(images.tensor("pixel_values"), images.tensor("pixel_attention_mask"))
+    positions = np.flatnonzero(np.asarray(prompt_ids) == model.cfg.image_token_id).astype(np.int64)
+    if len(positions) != len(state.image_rows):
+        raise ValueError(f"request {state.req_id}: {len(positions)} image tokens in its prompt but "
+                         f"{len(state.image_rows)} image rows")
+    state.image_positions = positions
 
 
 def _positions(starts: np.ndarray, counts: np.ndarray, total: int) -> np.ndarray:

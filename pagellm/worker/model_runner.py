@@ -40,7 +40,7 @@ from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogpro
 from pagellm.spec.base import Draft, ProposalRequest, Proposer
 from pagellm.spec.tree import compact_kv, place_trees
 from pagellm.spec.verify import DraftedRow, Verified, verify
-from pagellm.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
+from pagellm.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs, encode_images
 from pagellm.worker.kv_transfer import load_stored, save_prompts
 
 logger = logging.getLogger(__name__)
@@ -238,6 +238,9 @@ class ModelRunner:
             if new.prompt_embeds is not None:  # its prompt ids are placeholders: penalties see no prompt tokens
                 state.prompt_embeds = to_tensor(new.prompt_embeds, self.model.model.norm.weight.dtype)
                 prompt_ids = []
+                self._embeds.add(new.req_id)
+            if new.mm_inputs is not None:  # its images, encoded once (again after a preemption)
+                encode_images(state, self.model, new.mm_inputs, prompt_ids)
                 self._embeds.add(new.req_id)
             # Rebuilt from the tokens when a preempted request resumes, so its state never depends on history.
             state.processing = self.processing.create(new.sampling_params, prompt_ids,

@@ -204,7 +204,7 @@ def test_requests_the_engine_cannot_run_are_refused(tiny_llama: Path) -> None:
         ({"prompt_embeds": torch.zeros(64, 64)}, GREEDY, "max_model_len is 64"),
         ({"prompt_embeds": rows}, SamplingParams(prompt_logprobs=1), "prompt_logprobs needs the prompt's tokens"),
         ({"prompt_embeds": rows, "prompt": "hi"}, GREEDY, "exactly one of the keys"),
-        ({"prompt_token_ids": [1, 2], "multi_modal_data": {}}, GREEDY, "exactly one of the keys"),
+        ({"prompt_token_ids": [1, 2], "multi_modal_data": {}}, GREEDY, "multi_modal_data takes {.image."),
     ]:
         with pytest.raises(ValueError, match=message):
             llm.generate(prompt, params, use_tqdm=False)

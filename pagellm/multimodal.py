@@ -1,0 +1,101 @@
+"""Images in prompts (vLLM's ``multi_modal_data``): what crosses from the frontend to the workers.
+
+A vision-language model's prompt is text with image placeholders, and images. The frontend runs the model's own
+Hugging Face processor (``ImageProcessor``: the checkpoint's ``preprocessor_config.json`` and ``processor_config.json``,
+through ``transformers.AutoProcessor``), which expands each placeholder into the model's image tokens (SmolVLM's:
+tiles' rows and columns, each ``image_seq_len`` ``<image>`` tokens) and turns the images into pixel tensors. The
+prompt's token ids are then ordinary ids; its images travel as ``MultiModalInputs``: the processor's tensors as raw
+bytes (``PackedTensor``, so the engine core and its messages need no torch), and a digest of them.
+
+The engine keeps a request's KV blocks apart from other images' under a cache salt carrying that digest (the same
+images in the same prompt share their blocks; other images never do). Each worker runs the model's vision encoder
+on a request's tensors when it first schedules it (again after a preemption), and the model places the rows it
+makes at the prompt's image-token positions in place of their token embeddings, chunk by chunk
+(``worker/input_batch.py``), as transformers' ``inputs_merger`` does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    import torch
+
+
+class PackedTensor(msgspec.Struct, array_like=True, frozen=True):
+    dtype: str          # torch's name without "torch.": float32, bool, int64
+    shape: list[int]
+    data: bytes
+
+
+class MultiModalInputs(msgspec.Struct, array_like=True, frozen=True):
+    tensors: dict[str, PackedTensor]  # the processor's outputs the vision encoder takes (pixel_values, masks)
+    digest: str                       # of the tensors: equal only for equal images, as processed
+
+    def tensor(self, name: str) -> torch.Tensor | None:
+        packed = self.tensors.get(name)
+        return None if packed is None else unpack(packed)
+
+
+def pack(tensor: torch.Tensor) -> PackedTensor:
+    import torch
+
+    tensor = tensor.detach().cpu().contiguous()
+    return PackedTensor(str(tensor.dtype).removeprefix("torch."), list(tensor.shape),
+                        tensor.view(-1).view(torch.uint8).numpy().tobytes())
+
+
+def unpack(packed: PackedTensor) -> torch.Tensor:
+    import torch
+
+    dtype = getattr(torch, packed.dtype)
+    return torch.frombuffer(bytearray(packed.data), dtype=torch.uint8).view(dtype).reshape(packed.shape)
+
+
+def inputs_of(tensors: dict[str, torch.Tensor]) -> MultiModalInputs:
+    packed = {name: pack(t) for name, t in sorted(tensors.items())}
+    digest = hashlib.sha256()
+    for name, p in packed.items():
+        digest.update(f"{name}:{p.dtype}:{p.shape}:".encode())
+        digest.update(p.data)
+    return MultiModalInputs(packed, digest.hexdigest())
+
+
+class ImageProcessor:
+    """A vision-language model's Hugging Face processor: text with image placeholders and images in, token ids and
+    the encoder's tensors out."""
+
+    TENSORS = ("pixel_values", "pixel_attention_mask")
+
+    def __init__(self, model_dir: Path, image_token_id: int) -> None:
+        from transformers import AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(str(model_dir))
+        self.image_token = str(getattr(self.processor, "image_token", "<image>"))  # the placeholder a prompt writes
+        self.image_token_id = image_token_id
+
+    def process(self, text: str, images: Any) -> tuple[list[int], MultiModalInputs]:
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if not images:
+            raise ValueError("multi_modal_data's image list is empty; send at least one image, or no "
+                             "multi_modal_data")
+        count = text.count(self.image_token)
+        if count != len(images):
+            raise ValueError(f"the prompt has {count} {self.image_token} placeholders for {len(images)} images; put "
+                             f"one {self.image_token} where each image goes")
+        try:
+            out = self.processor(text=[text], images=[images], return_tensors="pt")
+        except (ValueError, TypeError, OSError) as exc:
+            raise ValueError(f"the images could not be processed: {exc}") from None
+        tensors = {name: out[name][0] for name in self.TENSORS if name in out}
+        ids = out["input_ids"][0].tolist()
+        tiles = int((tensors["pixel_values"] != 0).flatten(1).any(1).sum())  # the encoder drops all-zero tiles
+        rows = tiles * int(getattr(self.processor, "image_seq_len", 0))
+        if ids.count(self.image_token_id) != rows:
+            raise ValueError(f"the processor wrote {ids.count(self.image_token_id)} image tokens for {rows} image "
+                             "rows; send images the model's processor can take")
+        return ids, inputs_of(tensors)
