@@ -10,7 +10,10 @@ would loop over its characters. vLLM's ``--chat-template-content-format`` names 
   filter, or through a variable set from it), else ``string``; found once per template by walking its Jinja syntax
   tree, never by rendering it.
 
-Only text parts are served; another part's type is a ValueError that names the message. An assistant message
+Text parts are served, and for a vision-language model image parts (``{"type": "image_url", "image_url": {"url":
+...}}``, ``image_placeholder`` given): the template gets ``{"type": "image"}`` in the ``openai`` form, as such
+models' templates take it, and the placeholder text (``<image>``) in the ``string`` form; ``image_urls`` lists the
+images in the order they appear. Another part's type is a ValueError that names the message. An assistant message
 without content (one that only calls tools) gets empty text, as vLLM gives it.
 """
 
@@ -22,35 +25,60 @@ from typing import Any
 CONTENT_FORMATS = ("auto", "string", "openai")
 
 
-def format_messages(messages: list[dict[str, Any]], template: str, content_format: str) -> list[dict[str, Any]]:
-    """``messages`` with each content in the form ``template`` takes (``content_format``, ``auto`` detecting it)."""
+def format_messages(messages: list[dict[str, Any]], template: str, content_format: str,
+                    image_placeholder: str | None = None) -> list[dict[str, Any]]:
+    """``messages`` with each content in the form ``template`` takes (``content_format``, ``auto`` detecting it);
+    image parts only where ``image_placeholder`` is given (a vision-language model's)."""
     if content_format not in CONTENT_FORMATS:
         raise ValueError(f"chat template content format {content_format!r}: use one of {', '.join(CONTENT_FORMATS)}")
     form = detect(template) if content_format == "auto" else content_format
-    return [_formatted(message, position, form) for position, message in enumerate(messages)]
+    return [_formatted(message, position, form, image_placeholder) for position, message in enumerate(messages)]
 
 
-def _formatted(message: dict[str, Any], position: int, form: str) -> dict[str, Any]:
+def image_urls(messages: list[dict[str, Any]]) -> list[str]:
+    """The URLs of the messages' image parts, in order (each part's ``image_url.url``; a part without one is named)."""
+    urls = []
+    for position, message in enumerate(messages):
+        content = message.get("content")
+        for part in content if isinstance(content, list) else []:
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
+                if not isinstance(url, str):
+                    raise ValueError(f"messages[{position}].content: an image part is {{'type': 'image_url', "
+                                     "'image_url': {'url': 'data:image/png;base64,...' or 'https://...'}}")
+                urls.append(url)
+    return urls
+
+
+def _formatted(message: dict[str, Any], position: int, form: str, image_placeholder: str | None) -> dict[str, Any]:
     content = message.get("content")
     if content is None and message.get("role") == "assistant":
         # a reply that only calls tools: empty text, as vLLM gives it (templates read message.content)
         message, content = {**message, "content": ""}, ""
     if isinstance(content, list):
-        texts = []
-        for index, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"messages[{position}].content: only text parts are supported, got a {kind!r} part")
-            if not isinstance(part.get("text"), str):
-                raise ValueError(f"messages[{position}].content[{index}]: a text part needs its text, a string "
-                                 "({\"type\": \"text\", \"text\": ...})")
-            texts.append(part["text"])
+        parts = [_part(part, position, index, image_placeholder) for index, part in enumerate(content)]
         if form == "string":
-            return {**message, "content": "\n".join(texts)}
-        return {**message, "content": [{"type": "text", "text": text} for text in texts]}
+            return {**message, "content": "\n".join(image_placeholder if p["type"] == "image" else p["text"]
+                                                     for p in parts)}
+        return {**message, "content": parts}
     if isinstance(content, str) and form == "openai":
         return {**message, "content": [{"type": "text", "text": content}]}
     return message
+
+
+def _part(part: Any, position: int, index: int, image_placeholder: str | None) -> dict[str, Any]:
+    """A content part as the template takes it: a text part, or an image part's ``{"type": "image"}``."""
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    if kind == "image_url" and image_placeholder is not None:
+        return {"type": "image"}
+    if kind != "text":
+        served = "text and image_url parts are supported" if image_placeholder is not None else \
+            "only text parts are supported" + (" (this model takes no images)" if kind == "image_url" else "")
+        raise ValueError(f"messages[{position}].content: {served}, got a {kind!r} part")
+    if not isinstance(part.get("text"), str):
+        raise ValueError(f"messages[{position}].content[{index}]: a text part needs its text, a string "
+                         "({\"type\": \"text\", \"text\": ...})")
+    return {"type": "text", "text": part["text"]}
 
 
 @lru_cache(maxsize=32)

@@ -14,7 +14,9 @@ from typing import Any, Callable, Iterator, Sequence
 import msgspec
 from tqdm.auto import tqdm
 
+from pagellm import images
 from pagellm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from pagellm.chat_content import image_urls
 from pagellm.config import EngineConfig
 from pagellm.engine.exceptions import check_sleep_level
 from pagellm.engine.input_processor import CLASSIFY_ONLY, PromptType
@@ -118,12 +120,26 @@ class LLM:
         template = load_chat_template(chat_template) if chat_template is not None else None
         if tools:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, template,
-                                                      continue_final_message,
-                                                      content_format=chat_template_content_format)
-                   for c in conversations]
+        prompts = [self._chat_prompt(c, add_generation_prompt, chat_template_kwargs, template, continue_final_message,
+                                     chat_template_content_format) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request,
                              tokenization_kwargs=tokenization_kwargs)
+
+    def _chat_prompt(self, conversation: Messages, add_generation_prompt: bool, kwargs: dict[str, Any] | None,
+                     template: str | None, continue_final_message: bool, content_format: str) -> PromptType:
+        """One conversation's prompt: its token ids, or for a vision-language model with image parts its text and
+        images (``images.py``: data URLs, http(s) URLs fetched)."""
+        urls = image_urls(conversation)  # type: ignore[arg-type]
+        if not urls:
+            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt, kwargs, template,
+                                                      continue_final_message, content_format=content_format)
+        placeholder = self.input_processor.image_placeholder
+        text = self.tokenizer.render_chat(conversation, add_generation_prompt, kwargs, template,  # type: ignore
+                                          continue_final_message, content_format, placeholder)
+        fetched = images.fetch_sync(urls)
+        # the template wrote the prompt's special tokens: none added, as for a text chat's
+        return self.input_processor.process_images(text, [images.load(url, fetched) for url in urls],
+                                                   add_special_tokens=False)
 
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],
                       priorities: list[int]) -> list[str]:

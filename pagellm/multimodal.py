@@ -78,7 +78,7 @@ class ImageProcessor:
         self.image_token = str(getattr(self.processor, "image_token", "<image>"))  # the placeholder a prompt writes
         self.image_token_id = image_token_id
 
-    def process(self, text: str, images: Any) -> tuple[list[int], MultiModalInputs]:
+    def process(self, text: str, images: Any, add_special_tokens: bool = True) -> tuple[list[int], MultiModalInputs]:
         images = list(images) if isinstance(images, (list, tuple)) else [images]
         if not images:
             raise ValueError("multi_modal_data's image list is empty; send at least one image, or no "
@@ -88,7 +88,8 @@ class ImageProcessor:
             raise ValueError(f"the prompt has {count} {self.image_token} placeholders for {len(images)} images; put "
                              f"one {self.image_token} where each image goes")
         try:
-            out = self.processor(text=[text], images=[images], return_tensors="pt")
+            out = self.processor(text=[text], images=[images], return_tensors="pt",
+                                 add_special_tokens=add_special_tokens)
         except (ValueError, TypeError, OSError) as exc:
             raise ValueError(f"the images could not be processed: {exc}") from None
         tensors = {name: out[name][0] for name in self.TENSORS if name in out}

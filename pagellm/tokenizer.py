@@ -131,10 +131,12 @@ class Tokenizer:
         chat_template: str | None = None,
         continue_final_message: bool = False,
         content_format: str | None = None,
+        image_placeholder: str | None = None,
     ) -> str:
         """The prompt text the chat template (``chat_template``, else the tokenizer's) makes of ``messages``
         (OpenAI-style ``{"role", "content"}`` dicts, content a string or a list of text parts, given to the template
-        in the form ``content_format`` names, else ``self.content_format``: ``chat_content.py``);
+        in the form ``content_format`` names, else ``self.content_format``: ``chat_content.py``; image parts as
+        ``image_placeholder`` says, a vision-language model's);
         ``continue_final_message`` leaves the last message open (its end-of-turn markup cut), so that the model
         continues it."""
         template = chat_template or self.chat_template
@@ -144,7 +146,7 @@ class Tokenizer:
                 "or give one (pagellm serve --chat-template FILE, LLM.chat(chat_template=...))"
             )
         _check_messages(messages)
-        messages = format_messages(messages, template, content_format or self.content_format)
+        messages = format_messages(messages, template, content_format or self.content_format, image_placeholder)
         from jinja2 import TemplateError
 
         try:

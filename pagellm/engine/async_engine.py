@@ -144,6 +144,16 @@ class AsyncLLM(EngineOperations):
         return self.input_processor.enable_prompt_embeds
 
     @property
+    def image_placeholder(self) -> str | None:
+        """What a prompt writes where an image goes (a vision-language model's; None: this model takes no images)."""
+        return self.input_processor.image_placeholder
+
+    def process_images(self, text: str, images: list[Any]) -> list[int]:
+        """A chat prompt's text and images through the model's processor (``InputProcessor.process_images``): its
+        token ids, carrying the images (a prompt ``generate`` takes as it is)."""
+        return self.input_processor.process_images(text, images, add_special_tokens=False)
+
+    @property
     def max_logprobs(self) -> int:
         """The most logprobs per token a request may ask for (``max_logprobs``; -1 resolved to the vocabulary)."""
         return self.input_processor.max_logprobs

@@ -19,6 +19,7 @@ from typing import Any, Sequence, Union
 import msgspec
 
 from pagellm.engine.wire import EngineCoreRequest
+from pagellm.multimodal import MultiModalInputs
 from pagellm.lora import LoRARequest, check_adapter
 from pagellm.prompt_embeds import PromptEmbeds, from_tensor
 from pagellm.request import caller_salt_part
@@ -124,18 +125,17 @@ class InputProcessor:
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
                 cache_salt: str | None = None) -> EngineCoreRequest:
         prompt = as_prompt(prompt)
-        images = prompt.images if isinstance(prompt, ImagePrompt) else None
-        if images is not None and self.image_token_id is None:
-            raise ValueError("this model takes no images; serve a vision-language model (SmolVLM) for them")
         keep, side = self.kept_tokens(params.truncate_prompt_tokens), params.truncation_side
         embeds = prompt if isinstance(prompt, PromptEmbeds) else None
         if embeds is not None and keep is not None:
             embeds = embeds.first(keep) if side == "right" else embeds.last(keep)
-        if images is not None:
+        images = None
+        if isinstance(prompt, (ImagePrompt, ImageTokens)):
             if keep is not None:
                 raise ValueError("truncate_prompt_tokens cannot cut a prompt with images (an image's tokens go "
                                  "whole); shorten its text instead")
-            token_ids, images = self.image_processor().process(prompt, images)  # type: ignore[arg-type]
+            prompt = prompt if isinstance(prompt, ImageTokens) else self.process_images(prompt, prompt.images)
+            token_ids, images = list(prompt), prompt.inputs
         else:
             token_ids = cut(self.tokenize(prompt), keep, side) if embeds is None else self.check_embeds(embeds,
                                                                                                       params)
@@ -155,7 +155,21 @@ class InputProcessor:
         return EngineCoreRequest(request_id, token_ids, params, sorted(self.tokenizer.eos_token_ids), time.time(),
                                  priority, "/".join(salts) or None, embeds, images)
 
-    def image_processor(self) -> Any:
+    def process_images(self, text: str, images: list[Any], add_special_tokens: bool = True) -> ImageTokens:
+        """Text with one image placeholder per image, and the images, through the model's processor: the prompt's
+        token ids (each placeholder expanded into the model's image tokens; special tokens added as a text prompt
+        gets them, not for a rendered chat, whose template writes its own) and the encoder's inputs."""
+        return ImageTokens(*self._processor().process(text, images, add_special_tokens))
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """What a prompt writes where an image goes (the processor's, e.g. ``<image>``); None: this model takes no
+        images."""
+        return None if self.image_token_id is None else self._processor().image_token
+
+    def _processor(self) -> Any:
+        if self.image_token_id is None:
+            raise ValueError("this model takes no images; serve a vision-language model (SmolVLM) for them")
         if self._images is None:
             from pagellm.multimodal import ImageProcessor  # transformers' processors, only for images
 
@@ -264,6 +278,17 @@ class ImagePrompt(str):
         prompt = super().__new__(cls, text)
         prompt.images = list(images) if isinstance(images, (list, tuple)) else [images]
         return prompt
+
+
+class ImageTokens(list):
+    """A prompt's token ids with its images processed already (``InputProcessor.process_images``: the chat server
+    counts and checks them before queuing): the engine takes both as they are."""
+
+    inputs: MultiModalInputs
+
+    def __init__(self, token_ids: list[int], inputs: MultiModalInputs) -> None:
+        super().__init__(token_ids)
+        self.inputs = inputs
 
 
 def as_prompt(prompt: PromptType) -> Union[str, Sequence[int], PromptEmbeds]:

@@ -11,43 +11,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import transformers
 from PIL import Image
-from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+from vlm_utils import build_vlm, data_url, image
 
 from pagellm import LLM, SamplingParams
 from pagellm.engine.wire import EngineCoreRequest
+from pagellm.tokenizer import Tokenizer
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + \
-    [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
-
-
-def _image(seed: int, height: int, width: int) -> Image.Image:
-    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8"))
+_image = image
 
 
 @pytest.fixture(scope="module")
 def vlm(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("idefics3")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama)
-    tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
-    images = Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
-    processor = transformers.Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4)
-    text = {k: v for k, v in json.loads((tiny_llama / "config.json").read_text()).items()
-            if k not in ("architectures", "dtype", "torch_dtype")}
-    config = transformers.Idefics3Config(
-        text_config=text, scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                       "image_size": 32, "patch_size": 8}, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    transformers.Idefics3ForConditionalGeneration(config).eval().save_pretrained(out)
-    processor.save_pretrained(out)
-    return out
+    return build_vlm(tiny_llama, tmp_path_factory.mktemp("idefics3"))
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +113,28 @@ def test_what_cannot_be_served_is_refused_by_name(llm: LLM, vlm: Path, tiny_llam
     text_only = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=1 << 22)
     with pytest.raises(ValueError, match="this model takes no images; serve a vision-language model"):
         text_only.generate({"prompt": "<image>", "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)
+
+
+def test_chat_with_image_parts_equals_transformers_on_the_rendered_prompt(vlm: Path, reference, llm: LLM) -> None:
+    """``LLM.chat``'s image parts (a data URL here) become the template's placeholders and the processor's images;
+    the rendered prompt's own special tokens are all it gets (none added), as a text chat's."""
+    picture = _image(5, 44, 60)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                             {"type": "image_url", "image_url": {"url": data_url(picture)}}]}]
+    output = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    text = Tokenizer.from_dir(vlm).render_chat(messages, image_placeholder="<image>")
+    assert text.count("<image>") == 1 and "What is this?" in text
+    inputs = transformers.AutoProcessor.from_pretrained(vlm)(text=[text], images=[[picture]], return_tensors="pt",
+                                                             add_special_tokens=False)
+    assert output.prompt_token_ids == inputs["input_ids"][0].tolist()
+    with torch.no_grad():
+        expected = reference.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    assert output.outputs[0].token_ids == expected[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_two_tensor_parallel_ranks_give_one_ranks_tokens(vlm: Path, llm: LLM) -> None:
+    """Each rank runs the whole encoder (it is replicated) and places its rows in its shard of the decoder."""
+    prompts = [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in _prompts()]
+    ranks = LLM(str(vlm), dtype="float32", kv_cache_memory=1 << 24, tensor_parallel_size=2)
+    assert [o.outputs[0].token_ids for o in ranks.generate(prompts, GREEDY, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]

@@ -12,7 +12,7 @@ import pytest
 from server_utils import ServerProcess
 
 from pagellm import LLM, SamplingParams
-from pagellm.chat_content import detect, format_messages
+from pagellm.chat_content import detect, format_messages, image_urls
 from pagellm.tokenizer import Tokenizer
 
 # Llama 4's way: loop over the parts, print the text ones
@@ -43,8 +43,8 @@ def test_each_form_gets_its_content(tiny_llama: Path) -> None:
     assert tokenizer.render_chat(MIXED, False, chat_template=STRING) == "[system:Be brief.][user:Hi\nthere]"
     # forced the wrong way, the template loops over a string's characters: what the flag is there to prevent
     assert tokenizer.render_chat(MIXED[:1], False, chat_template=PARTS, content_format="string") == "[system:]"
-    with pytest.raises(ValueError, match=r"messages\[1\].content: only text parts are supported, got a "
-                                         "'image_url' part"):
+    with pytest.raises(ValueError, match=r"messages\[1\].content: only text parts are supported \(this model "
+                                         r"takes no images\), got a 'image_url' part"):
         format_messages([MIXED[0], {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], STRING,
                         "auto")
     with pytest.raises(ValueError, match="use one of auto, string, openai"):
@@ -90,3 +90,19 @@ def test_the_server_renders_chat_in_the_templates_form(start_server: Callable[..
     reply = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
                        json={"model": "tiny", "messages": MIXED, "max_tokens": 1}).json()
     assert reply["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_image_parts_reach_the_template_in_its_form_and_in_order() -> None:
+    """A vision-language model's image parts: ``{"type": "image"}`` for a template that loops over the parts, the
+    placeholder text for one that prints a string; their URLs listed in the order the messages give them."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Compare"}, image,
+                                             {**image, "image_url": {"url": "https://example.com/b.png"}}]}]
+    parts = format_messages(messages, PARTS, "auto", "<image>")
+    assert parts[0]["content"] == [{"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "image"}]
+    assert format_messages(messages, STRING, "auto", "<image>")[0]["content"] == "Compare\n<image>\n<image>"
+    assert image_urls(messages) == ["data:image/png;base64,AAAA", "https://example.com/b.png"]
+    with pytest.raises(ValueError, match=r"messages\[0\].content: an image part is {'type': 'image_url'"):
+        image_urls([{"role": "user", "content": [{"type": "image_url", "image_url": "https://x"}]}])
+    with pytest.raises(ValueError, match="text and image_url parts are supported, got a 'input_audio' part"):
+        format_messages([{"role": "user", "content": [{"type": "input_audio"}]}], PARTS, "auto", "<image>")

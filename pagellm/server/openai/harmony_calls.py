@@ -26,6 +26,9 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from pagellm.server.openai import tools as tooling
+from pagellm.server.openai.errors import APIError
+from pagellm.server.openai.harmony import open_header
+from pagellm.structured_outputs import StructuredOutputsParams
 
 MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 
@@ -40,6 +43,21 @@ def markers(encode: Callable[[str], list[int]]) -> dict[str, int]:
                              "gpt-oss's harmony tokenizer")
         found[marker] = ids[0]
     return found
+
+
+def forced_call(tokenizer: Any, request: Any, params: Any, prompt: list[int]) -> StructuredOutputsParams:
+    """The constraint of a chat request's required or named call on gpt-oss (its ``tools`` and ``tool_choice``),
+    given its rendered ``prompt``; an ``APIError`` (400) names what cannot be forced."""
+    if params.thinking_token_budget not in (None, -1):
+        raise APIError("thinking_token_budget ends gpt-oss's thinking with its final message, which a required or "
+                       "named tool call does not have; send one or the other", 400, param="thinking_token_budget")
+    tail = tokenizer.decode(prompt[-32:], skip_special_tokens=False)
+    try:
+        ids = markers(lambda text: tokenizer.encode(text, add_special_tokens=False))
+        tag = call_tag(request.tools, request.tool_choice, ids, open_header(tail), tail.rstrip().endswith("<|end|>"))
+    except ValueError as exc:
+        raise APIError(str(exc), 400, param="tool_choice", code="unsupported_parameter") from None
+    return StructuredOutputsParams(structural_tag=tag)
 
 
 def call_tag(tools: list[Any], tool_choice: Any, ids: dict[str, int], opened: Optional[str],

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from pagellm.generation_config import unset_default
 from pagellm.sampling_params import MAX_LOGPROB_TOKEN_IDS, SamplingParams, StructuredOutputsParams
@@ -323,6 +323,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    # http(s) images by URL, fetched by the route before preparation (``images.fetch``); no field of the body
+    _fetched_images: dict[str, bytes] = PrivateAttr(default_factory=dict)
     max_tokens: Optional[Count] = None
     max_completion_tokens: Optional[Count] = None
     logprobs: Optional[bool] = False

@@ -53,6 +53,7 @@ from pagellm.server.openai.lora_routes import lora_router
 from pagellm.server.openai.middleware import add_request_id_headers, add_user_middleware
 from pagellm.server.openai.protocol import ChatCompletionRequest, CompletionRequest, RequestDefaults
 from pagellm.server.openai.replies import ModelCard, ModelList
+from pagellm.server.openai.chat_images import fetch_images
 from pagellm.server.openai.serving_chat import OpenAIServingChat
 from pagellm.server.openai.serving_chat_batch import BatchChatCompletionRequest, OpenAIServingChatBatch
 from pagellm.server.openai.serving_completion import OpenAIServingCompletion
@@ -182,6 +183,7 @@ def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], ch
     @router.post("/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         session_from_header(body, raw)
+        await fetch_images(body)
         job = await prepared(chat.prepare, body, body_size(raw))
         if body.stream:
             return sse_response(chat.stream(job), defaults)

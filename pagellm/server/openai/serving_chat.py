@@ -26,9 +26,9 @@ import msgspec
 from pagellm.beam_search import BeamSearchParams
 from pagellm.lora import LoRARequest
 from pagellm.sampling_params import SamplingParams
-from pagellm.structured_outputs import StructuredOutputsParams
 from pagellm.server.openai.chunks import ChunkWriter
-from pagellm.server.openai import serving_beam
+from pagellm.chat_content import image_urls
+from pagellm.server.openai import chat_images, serving_beam
 from pagellm.server.openai import tools as tooling
 from pagellm.server.openai.errors import APIError, sse_error
 from pagellm.server.openai.logprobs import chat_logprobs, num_alternatives, prompt_logprobs_body
@@ -133,9 +133,13 @@ class OpenAIServingChat(OpenAIServing):
         if request.truncate_prompt_tokens is None:
             self.check_text_length(sum(len(m.text()) for m in request.messages))
         messages = [m.to_template_dict() for m in request.messages]
-        prompt = self.truncate(self.tokenizer.apply_chat_template(
-            messages, request.add_generation_prompt, _template_kwargs(request, self.defaults), request.chat_template,
-            continue_final_message=request.continue_final_message, add_special_tokens=request.add_special_tokens),
+        urls = image_urls(messages)
+        prompt = chat_images.prompt(self.engine, request, messages, urls, _template_kwargs(request, self.defaults)) \
+            if urls else self.truncate(
+            self.tokenizer.apply_chat_template(
+                messages, request.add_generation_prompt, _template_kwargs(request, self.defaults),
+                request.chat_template, continue_final_message=request.continue_final_message,
+                add_special_tokens=request.add_special_tokens),
             request.truncate_prompt_tokens, request.truncation_side)
         parser = self.tool_parser.for_tools(request.tools) \
             if self.tool_parser is not None and tooling.is_auto(request.tools, request.tool_choice) else None
@@ -144,7 +148,8 @@ class OpenAIServingChat(OpenAIServing):
         reasoning, closed = self.reasoning_parser, False
         forced = self.harmony and request.tools and tooling.forces_call(request.tool_choice)
         if forced:
-            self._force_harmony_call(request, model, params, prompt)
+            params.structured_outputs = harmony_calls.forced_call(self.tokenizer, request, params, prompt)
+            self.check_params(model, params)
         elif reasoning is not None:
             tail = prompt[-16 - len(self.think_end):]  # the end tag and what a template puts after it
             closed = closed_in_prompt(self.tokenizer.decode(tail, skip_special_tokens=False), self.think_tag)
@@ -159,22 +164,6 @@ class OpenAIServingChat(OpenAIServing):
                     echoed=last.text() if request.echo and last.role == role else "", harmony=self.harmony,
                     opened=harmony.open_header(self.tokenizer.decode(prompt[-32:], skip_special_tokens=False))
                     if self.harmony else None)
-
-    def _force_harmony_call(self, request: ChatCompletionRequest, model: str, params: SamplingParams,
-                            prompt: list[int]) -> None:
-        """gpt-oss's required or named call: the reply's messages constrained to end in one (``harmony_calls``)."""
-        if params.thinking_token_budget not in (None, -1):
-            raise APIError("thinking_token_budget ends gpt-oss's thinking with its final message, which a required or "
-                           "named tool call does not have; send one or the other", 400, param="thinking_token_budget")
-        tail = self.tokenizer.decode(prompt[-32:], skip_special_tokens=False)
-        try:
-            ids = harmony_calls.markers(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
-            tag = harmony_calls.call_tag(request.tools, request.tool_choice, ids, harmony.open_header(tail),
-                                         tail.rstrip().endswith("<|end|>"))
-        except ValueError as exc:
-            raise APIError(str(exc), 400, param="tool_choice", code="unsupported_parameter") from None
-        params.structured_outputs = StructuredOutputsParams(structural_tag=tag)
-        self.check_params(model, params)
 
     def _prediction(self, prediction: dict[str, Any]) -> list[int]:
         """OpenAI's ``prediction`` (``{"type": "content", "content": text or text parts}``) as token ids to draft."""

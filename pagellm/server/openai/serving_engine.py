@@ -73,6 +73,9 @@ class EngineClient(Protocol):
     sampling_defaults: dict[str, Any]  # for requests that leave them unset (generation_config.py)
     max_logprobs: int  # the most logprobs per token a request may ask for (--max-logprobs)
     enable_prompt_embeds: bool  # requests may give prompts as input embeddings (--enable-prompt-embeds)
+    image_placeholder: Optional[str]  # a vision-language model's image placeholder (None: it takes no images)
+
+    def process_images(self, text: str, images: list[Any]) -> list[int]: ...
 
     def generate(self, prompt: Union[str, list[int]], sampling_params: SamplingParams, request_id: str,
                  priority: int = 0, cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]: ...

@@ -1,0 +1,50 @@
+"""Images in chat requests (OpenAI's ``image_url`` parts) for a vision-language model: fetched before a request is
+prepared, then its conversation rendered with the model's image placeholders and run through its processor.
+
+- ``fetch_images(request)`` (the route, on the event loop): the http(s) image URLs fetched at once, into the
+  request, so that preparation (maybe on the preparing thread) never waits on the network;
+- ``prompt(...)`` (preparation): the template's text, one placeholder per image part (``chat_content.py``), and the
+  images (``images.load``: data URLs, and the fetched ones) through the engine's processor: token ids that carry
+  the images (``InputProcessor.process_images``), which the engine takes as they are.
+
+Every failure is a 400 naming what to send.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pagellm import images
+from pagellm.chat_content import image_urls
+from pagellm.server.openai.errors import APIError
+from pagellm.server.openai.protocol import ChatCompletionRequest
+
+
+async def fetch_images(request: ChatCompletionRequest) -> None:
+    """The request's http(s) image URLs, fetched into it (all at once); a URL that fails is a 400."""
+    if not any(isinstance(m.content, list) for m in request.messages):
+        return
+    urls = [url for url in image_urls([m.to_template_dict() for m in request.messages]) if images.is_remote(url)]
+    if urls:
+        try:
+            request._fetched_images = await images.fetch(urls)
+        except ValueError as exc:
+            raise APIError(str(exc), 400, param="messages") from None
+
+
+def prompt(engine: Any, request: ChatCompletionRequest, messages: list[dict[str, Any]], urls: list[str],
+           template_kwargs: Optional[dict[str, Any]]) -> list[int]:
+    """A conversation with images as token ids that carry them (see the module doc)."""
+    placeholder = engine.image_placeholder
+    if placeholder is None:
+        raise APIError("this model takes no images; send text parts only, or serve a vision-language model "
+                       "(SmolVLM)", 400, param="messages")
+    if request.truncate_prompt_tokens is not None:
+        raise APIError("truncate_prompt_tokens cannot cut a prompt with images; shorten its text instead", 400,
+                       param="truncate_prompt_tokens")
+    text = engine.tokenizer.render_chat(messages, request.add_generation_prompt, template_kwargs,
+                                        request.chat_template, request.continue_final_message, None, placeholder)
+    try:
+        return engine.process_images(text, [images.load(url, request._fetched_images) for url in urls])
+    except ValueError as exc:
+        raise APIError(str(exc), 400, param="messages") from None

@@ -1,0 +1,108 @@
+"""Images in chat requests (OpenAI's ``image_url`` parts) on a live server through the ``openai`` SDK: a tiny
+random Idefics3 (``vlm_utils``), one image as a data URL and one fetched from a real HTTP server on this machine.
+
+The reply's tokens must be the offline ``LLM.chat``'s on the same conversation (whose tokens are transformers',
+``tests/engine/test_idefics3.py``), whole and streamed, with the images' tokens counted in the usage; images that
+cannot be read are a 400 that says what to send, and the server serves on."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Iterator
+
+import openai
+import pytest
+from server_utils import ServerProcess
+from vlm_utils import build_vlm, data_url, image, png
+
+from pagellm import LLM, SamplingParams
+from pagellm.server.openai.errors import APIError
+from pagellm.server.openai.protocol import ChatCompletionRequest
+from pagellm.server.openai.serving_chat import OpenAIServingChat
+from pagellm.tokenizer import Tokenizer
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def vlm(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_vlm(tiny_llama, tmp_path_factory.mktemp("vlm-serving"))
+
+
+@pytest.fixture(scope="module")
+def picture_url() -> Iterator[str]:
+    """An HTTP server on this machine with one PNG at /cat.png (anything else: 404)."""
+    body = png(image(7, 50, 38))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the handler's name)
+            found = self.path == "/cat.png"
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(body if found else b"")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/cat.png"
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(vlm: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    server = ServerProcess(vlm, ["--served-model-name", "tiny"], tmp_path_factory.mktemp("vlm-server") / "log")
+    try:
+        server.wait_healthy()
+        yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+    finally:
+        server.stop()
+
+
+def _messages(*urls: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": "Compare these."},
+                                         *({"type": "image_url", "image_url": {"url": url}} for url in urls)]}]
+
+
+def test_a_served_reply_to_images_is_the_offline_chats(client: openai.OpenAI, vlm: Path, picture_url: str) -> None:
+    messages = _messages(data_url(image(1, 40, 56)), picture_url)
+    offline = LLM(str(vlm), dtype="float32", kv_cache_memory=1 << 24).chat(
+        messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)[0]
+    body = {"return_token_ids": True, "ignore_eos": True}
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                           extra_body=body)
+    assert reply.choices[0].token_ids == offline.outputs[0].token_ids
+    assert reply.usage.prompt_tokens == len(offline.prompt_token_ids) > 2 * 20  # two images of 20 tokens each
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True, extra_body=body))
+    assert [t for c in chunks if c.choices for t in (getattr(c.choices[0], "token_ids", None) or [])] == \
+        offline.outputs[0].token_ids
+
+
+def test_images_that_cannot_be_read_are_refused_and_the_server_serves_on(client: openai.OpenAI,
+                                                                         picture_url: str) -> None:
+    for url, message in [("data:image/png;base64,!!!", "base64 does not decode"),
+                         ("data:image/png;base64,aGVsbG8=", "is no image PIL can open"),
+                         (picture_url.replace("cat", "dog"), "answered HTTP 404"),
+                         ("file:///etc/passwd", "cannot be read here; send a data:image")]:
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.chat.completions.create(model="tiny", messages=_messages(url), max_tokens=2)
+    reply = client.chat.completions.create(model="tiny", messages=_messages(picture_url), max_tokens=2)
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_a_model_without_images_says_so(tiny_llama: Path) -> None:
+    engine = SimpleNamespace(tokenizer=Tokenizer.from_dir(tiny_llama), sampling_defaults={}, max_logprobs=20,
+                             enable_prompt_embeds=False, check_custom=lambda params: None, image_placeholder=None,
+                             runtime=SimpleNamespace(max_model_len=512, vocab_size=320, hidden_size=64,
+                                                     pooling_only=False, labels=()))
+    request = ChatCompletionRequest(messages=_messages("data:image/png;base64,AAAA"))
+    with pytest.raises(APIError, match="this model takes no images; send text parts only"):
+        OpenAIServingChat(engine, ["tiny"]).prepare(request)

@@ -1,0 +1,49 @@
+"""A tiny random Idefics3 (SmolVLM's architecture) with its processor, for the image tests: 32-pixel tiles of 4
+image tokens each (a 16-pixel patch grid shuffled by 2), the tiny Llama's tokenizer with Idefics3's image tokens."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from PIL import Image
+from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + \
+    [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+
+
+def build_vlm(tiny_llama: Path, out: Path) -> Path:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama)
+    tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    processor = transformers.Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4)
+    text = {k: v for k, v in json.loads((tiny_llama / "config.json").read_text()).items()
+            if k not in ("architectures", "dtype", "torch_dtype")}
+    config = transformers.Idefics3Config(
+        text_config=text, scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": 32, "patch_size": 8}, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.Idefics3ForConditionalGeneration(config).eval().save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+def image(seed: int, height: int, width: int) -> Image.Image:
+    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8"))
+
+
+def png(picture: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_url(picture: Image.Image) -> str:
+    return "data:image/png;base64," + base64.b64encode(png(picture)).decode()
