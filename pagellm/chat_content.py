@@ -39,7 +39,7 @@ def image_urls(messages: list[dict[str, Any]]) -> list[str]:
     """The URLs of the messages' image parts, in order (each part's ``image_url.url``; a part without one is named)."""
     urls = []
     for position, message in enumerate(messages):
-        content = message.get("content")
+        content = message.get("content") if isinstance(message, dict) else None  # the template's checks name these
         for part in content if isinstance(content, list) else []:
             if isinstance(part, dict) and part.get("type") == "image_url":
                 url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None

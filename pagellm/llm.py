@@ -129,7 +129,7 @@ class LLM:
                      template: str | None, continue_final_message: bool, content_format: str) -> PromptType:
         """One conversation's prompt: its token ids, or for a vision-language model with image parts its text and
         images (``images.py``: data URLs, http(s) URLs fetched)."""
-        urls = image_urls(conversation)  # type: ignore[arg-type]
+        urls = image_urls(conversation) if self.input_processor.image_token_id is not None else []  # type: ignore
         if not urls:
             return self.tokenizer.apply_chat_template(conversation, add_generation_prompt, kwargs, template,
                                                       continue_final_message, content_format=content_format)

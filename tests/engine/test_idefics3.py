@@ -136,5 +136,8 @@ def test_two_tensor_parallel_ranks_give_one_ranks_tokens(vlm: Path, llm: LLM) ->
     """Each rank runs the whole encoder (it is replicated) and places its rows in its shard of the decoder."""
     prompts = [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in _prompts()]
     ranks = LLM(str(vlm), dtype="float32", kv_cache_memory=1 << 24, tensor_parallel_size=2)
-    assert [o.outputs[0].token_ids for o in ranks.generate(prompts, GREEDY, use_tqdm=False)] == \
-        [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    try:
+        assert [o.outputs[0].token_ids for o in ranks.generate(prompts, GREEDY, use_tqdm=False)] == \
+            [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        ranks.shutdown()  # rank 0's process group lives in this process: it goes with the engine

@@ -19,7 +19,6 @@ from server_utils import ServerProcess
 from vlm_utils import build_vlm, data_url, image, png
 
 from pagellm import LLM, SamplingParams
-from pagellm.server.openai.errors import APIError
 from pagellm.server.openai.protocol import ChatCompletionRequest
 from pagellm.server.openai.serving_chat import OpenAIServingChat
 from pagellm.tokenizer import Tokenizer
@@ -104,5 +103,6 @@ def test_a_model_without_images_says_so(tiny_llama: Path) -> None:
                              runtime=SimpleNamespace(max_model_len=512, vocab_size=320, hidden_size=64,
                                                      pooling_only=False, labels=()))
     request = ChatCompletionRequest(messages=_messages("data:image/png;base64,AAAA"))
-    with pytest.raises(APIError, match="this model takes no images; send text parts only"):
+    with pytest.raises(ValueError, match=r"only text parts are supported \(this model takes no images\), got a "
+                                         "'image_url' part"):
         OpenAIServingChat(engine, ["tiny"]).prepare(request)

@@ -20,9 +20,10 @@ from pagellm.server.openai.errors import APIError
 from pagellm.server.openai.protocol import ChatCompletionRequest
 
 
-async def fetch_images(request: ChatCompletionRequest) -> None:
-    """The request's http(s) image URLs, fetched into it (all at once); a URL that fails is a 400."""
-    if not any(isinstance(m.content, list) for m in request.messages):
+async def fetch_images(request: ChatCompletionRequest, engine: Any) -> None:
+    """The request's http(s) image URLs, fetched into it (all at once) where ``engine``'s model takes images; a URL
+    that fails is a 400."""
+    if not any(isinstance(m.content, list) for m in request.messages) or engine.image_placeholder is None:
         return
     urls = [url for url in image_urls([m.to_template_dict() for m in request.messages]) if images.is_remote(url)]
     if urls:
@@ -34,16 +35,14 @@ async def fetch_images(request: ChatCompletionRequest) -> None:
 
 def prompt(engine: Any, request: ChatCompletionRequest, messages: list[dict[str, Any]], urls: list[str],
            template_kwargs: Optional[dict[str, Any]]) -> list[int]:
-    """A conversation with images as token ids that carry them (see the module doc)."""
-    placeholder = engine.image_placeholder
-    if placeholder is None:
-        raise APIError("this model takes no images; send text parts only, or serve a vision-language model "
-                       "(SmolVLM)", 400, param="messages")
+    """A conversation with images as token ids that carry them (see the module doc), for a model that takes them
+    (for one that does not, the messages' image parts are refused as content it cannot read: ``chat_content.py``)."""
     if request.truncate_prompt_tokens is not None:
         raise APIError("truncate_prompt_tokens cannot cut a prompt with images; shorten its text instead", 400,
                        param="truncate_prompt_tokens")
     text = engine.tokenizer.render_chat(messages, request.add_generation_prompt, template_kwargs,
-                                        request.chat_template, request.continue_final_message, None, placeholder)
+                                        request.chat_template, request.continue_final_message, None,
+                                        engine.image_placeholder)
     try:
         return engine.process_images(text, [images.load(url, request._fetched_images) for url in urls])
     except ValueError as exc:

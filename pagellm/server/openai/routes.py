@@ -183,7 +183,7 @@ def _v1_router(engine: EngineClient, served: _Served, api_key: Optional[str], ch
     @router.post("/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         session_from_header(body, raw)
-        await fetch_images(body)
+        await fetch_images(body, chat.engine)
         job = await prepared(chat.prepare, body, body_size(raw))
         if body.stream:
             return sse_response(chat.stream(job), defaults)

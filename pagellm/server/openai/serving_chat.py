@@ -133,7 +133,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.truncate_prompt_tokens is None:
             self.check_text_length(sum(len(m.text()) for m in request.messages))
         messages = [m.to_template_dict() for m in request.messages]
-        urls = image_urls(messages)
+        urls = image_urls(messages) if self.engine.image_placeholder is not None else []  # else: text parts only
         prompt = chat_images.prompt(self.engine, request, messages, urls, _template_kwargs(request, self.defaults)) \
             if urls else self.truncate(
             self.tokenizer.apply_chat_template(
