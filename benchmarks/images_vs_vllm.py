@@ -26,6 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".peers" / "vllm" / "bin" / "python"
+RESULT = "RESULT "  # the worker's line of figures (vLLM logs to stdout too)
 PROMPT = "<|im_start|>User:<image>Describe this image.<end_of_utterance>\nAssistant:"
 SIGLIP_B16_512 = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
                   "image_size": 512, "patch_size": 16, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6}
@@ -60,7 +61,7 @@ def model_dir(root: Path) -> Path:
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One system's run (in its own Python): the prompts through its ``LLM.generate``, timed; JSON on stdout."""
+    """One system's run (in its own Python): the prompts through its ``LLM.generate``, timed; JSON on stdout after ``RESULT``."""
     import numpy as np
     from PIL import Image
 
@@ -83,7 +84,7 @@ def worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    print(json.dumps({"elapsed": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+    print(RESULT + json.dumps({"elapsed": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
                       "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs)}))
 
 
@@ -97,7 +98,7 @@ def run(system: str, model: Path, args: argparse.Namespace) -> dict:
     proc = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{system} exited {proc.returncode}: {proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith(RESULT))[len(RESULT):])
 
 
 def main() -> None:

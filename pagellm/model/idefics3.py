@@ -32,11 +32,13 @@ class _Attention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(width, width, dtype=dtype)
                                                                 for _ in range(4))
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """``key_mask`` [n, length]: the keys each query sees (None: all of them, the faster kernel)."""
         n, length, width = x.shape
         q, k, v = (proj(x).view(n, length, self.heads, -1).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :])
+        mask = None if key_mask is None else key_mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out_proj(out.transpose(1, 2).reshape(n, length, width))
 
 
@@ -59,7 +61,7 @@ class _EncoderLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(width, eps=eps, dtype=dtype)
         self.mlp = _MLP(width, int(cfg["intermediate_size"]), cfg.get("hidden_act", "gelu_pytorch_tanh"), dtype)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x), key_mask)
         return x + self.mlp(self.layer_norm2(x))
 
@@ -115,6 +117,7 @@ class Idefics3Vision(nn.Module):
         patch_mask = mask.unfold(1, p, p).unfold(2, p, p).sum((-1, -2)) > 0
         x = self.embeddings(pixels, patch_mask)
         keys = patch_mask.reshape(pixels.shape[0], -1)
+        keys = None if bool(keys.all()) else keys  # whole tiles (the processor's): no mask to apply
         for layer in self.encoder.layers:
             x = layer(x, keys)
         return self.connector.modality_projection.proj(self._shuffle(self.post_layernorm(x))).flatten(0, 1)
