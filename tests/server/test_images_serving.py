@@ -93,6 +93,9 @@ def test_images_that_cannot_be_read_are_refused_and_the_server_serves_on(client:
                          ("file:///etc/passwd", "cannot be read here; send a data:image")]:
         with pytest.raises(openai.BadRequestError, match=message):
             client.chat.completions.create(model="tiny", messages=_messages(url), max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="use_beam_search cannot carry a prompt's images"):
+        client.chat.completions.create(model="tiny", messages=_messages(picture_url), max_tokens=2,
+                                       extra_body={"use_beam_search": True})
     reply = client.chat.completions.create(model="tiny", messages=_messages(picture_url), max_tokens=2)
     assert reply.choices[0].finish_reason == "length"
 

@@ -37,6 +37,9 @@ def prompt(engine: Any, request: ChatCompletionRequest, messages: list[dict[str,
            template_kwargs: Optional[dict[str, Any]]) -> list[int]:
     """A conversation with images as token ids that carry them (see the module doc), for a model that takes them
     (for one that does not, the messages' image parts are refused as content it cannot read: ``chat_content.py``)."""
+    if request.use_beam_search:
+        raise APIError("use_beam_search cannot carry a prompt's images into its beams' prompts; sample instead (n, "
+                       "best_of)", 400, param="use_beam_search")
     if request.truncate_prompt_tokens is not None:
         raise APIError("truncate_prompt_tokens cannot cut a prompt with images; shorten its text instead", 400,
                        param="truncate_prompt_tokens")
