@@ -114,6 +114,10 @@ class ModelConfig:
         "Keys of the model's config.json set over its own, as a JSON object (vLLM's flag), e.g. "
         "'{\"max_position_embeddings\": 8192, \"rope_scaling\": {\"rope_type\": \"linear\", \"factor\": 2.0}}'.",
         default=None)
+    limit_mm_per_prompt: dict[str, Any] | str | None = _help(
+        "The most images one prompt may carry, as a JSON object (vLLM's flag), e.g. '{\"image\": 2}'; a prompt "
+        "with more is refused (keys image, video, audio: this engine reads images only). Default: any number.",
+        default=None)
     tokenizer: str | None = _help(
         "Tokenizer directory (tokenizer.json or tokenizer_config.json) to use instead of the model's own, e.g. the "
         "original model's beside a .gguf file (vLLM's flag). Default: the model's.", default=None)
@@ -167,6 +171,12 @@ class ModelConfig:
         object.__setattr__(self, "override_generation_config", _json_object(self.override_generation_config,
                                                                             "override_generation_config"))
         object.__setattr__(self, "hf_overrides", _json_object(self.hf_overrides, "hf_overrides"))
+        limits = _json_object(self.limit_mm_per_prompt, "limit_mm_per_prompt")
+        if limits is not None and (not set(limits) <= {"image", "video", "audio"} or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limits.values())):
+            raise ValueError(f"limit_mm_per_prompt takes counts >= 0 of image, video or audio, e.g. "
+                             f"'{{\"image\": 2}}'; got {limits!r}")
+        object.__setattr__(self, "limit_mm_per_prompt", limits)
         object.__setattr__(self, "logits_processors", _processor_names(self.logits_processors))
         if isinstance(self.worker_extension_cls, type):  # a class given in code: its import name
             cls = self.worker_extension_cls

@@ -76,8 +76,10 @@ class InputProcessor:
                  hidden_size: int = 0, enable_prompt_embeds: bool = False,
                  logits_processors: Sequence[str] = (), logprobs_mode: str = "raw_logprobs",
                  max_lora_rank: int | None = None, reasoning: ReasoningConfig | None = None,
-                 model_dir: Path | None = None, image_token_id: int | None = None) -> None:
+                 model_dir: Path | None = None, image_token_id: int | None = None,
+                 max_images: int | None = None) -> None:
         self.tokenizer = tokenizer
+        self.max_images = max_images  # per prompt (--limit-mm-per-prompt; None: any number)
         self.model_dir = model_dir
         self.image_token_id = image_token_id  # a vision-language model's: it takes images (``multimodal.py``)
         self._images: Any = None  # its ImageProcessor, made at the first prompt with images
@@ -110,7 +112,8 @@ class InputProcessor:
                    enable_prompt_embeds=model_config.enable_prompt_embeds,
                    logits_processors=model_config.logits_processors, logprobs_mode=model_config.logprobs_mode,
                    max_lora_rank=model_config.max_lora_rank, reasoning=config.reasoning_config,
-                   model_dir=model_dir, image_token_id=runtime.image_token_id)
+                   model_dir=model_dir, image_token_id=runtime.image_token_id,
+                   max_images=(model_config.limit_mm_per_prompt or {}).get("image"))
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         prompt = as_prompt(prompt)
@@ -159,6 +162,9 @@ class InputProcessor:
         """Text with one image placeholder per image, and the images, through the model's processor: the prompt's
         token ids (each placeholder expanded into the model's image tokens; special tokens added as a text prompt
         gets them, not for a rendered chat, whose template writes its own) and the encoder's inputs."""
+        if self.max_images is not None and len(images) > self.max_images:
+            raise ValueError(f"the prompt has {len(images)} images; this engine takes at most {self.max_images} per "
+                             "prompt (--limit-mm-per-prompt)")
         return ImageTokens(*self._processor().process(text, images, add_special_tokens))
 
     @property

@@ -141,3 +141,14 @@ def test_two_tensor_parallel_ranks_give_one_ranks_tokens(vlm: Path, llm: LLM) ->
             [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     finally:
         ranks.shutdown()  # rank 0's process group lives in this process: it goes with the engine
+
+
+def test_limit_mm_per_prompt_caps_a_prompts_images(vlm: Path) -> None:
+    """vLLM's --limit-mm-per-prompt: a prompt with more images than the limit is refused, one within it runs."""
+    capped = LLM(str(vlm), dtype="float32", kv_cache_memory=1 << 22, limit_mm_per_prompt='{"image": 1}')
+    (text, two), (one_text, one) = _prompts()[1], _prompts()[0]
+    with pytest.raises(ValueError, match=r"the prompt has 2 images; this engine takes at most 1 per prompt"):
+        capped.generate({"prompt": text, "multi_modal_data": {"image": two}}, GREEDY, use_tqdm=False)
+    assert capped.generate({"prompt": one_text, "multi_modal_data": {"image": one}}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="limit_mm_per_prompt takes counts >= 0 of image, video or audio"):
+        LLM(str(vlm), limit_mm_per_prompt={"images": 1})
