@@ -85,6 +85,21 @@ def test_a_served_reply_to_images_is_the_offline_chats(client: openai.OpenAI, vl
         offline.outputs[0].token_ids
 
 
+def test_the_responses_api_reads_input_images_as_chat_reads_image_parts(client: openai.OpenAI,
+                                                                        picture_url: str) -> None:
+    """``input_image`` parts (a data URL, and an http(s) one the route fetches) become the chat's image parts: the
+    reply is the chat reply's."""
+    first = data_url(image(1, 40, 56))
+    chat = client.chat.completions.create(model="tiny", messages=_messages(first, picture_url), max_tokens=MAX_TOKENS,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    content = [{"type": "input_text", "text": "Compare these."}, {"type": "input_image", "image_url": first},
+               {"type": "input_image", "image_url": picture_url}]
+    response = client.responses.create(model="tiny", input=[{"role": "user", "content": content}],
+                                       max_output_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
 def test_images_that_cannot_be_read_are_refused_and_the_server_serves_on(client: openai.OpenAI,
                                                                          picture_url: str) -> None:
     for url, message in [("data:image/png;base64,!!!", "base64 does not decode"),

@@ -168,7 +168,7 @@ def test_background_responses_are_polled_and_cancelled(client: openai.OpenAI, th
 
 @pytest.mark.parametrize(("fields", "message"), [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
-     "only text parts are supported, got a 'input_image' part"),
+     "only text parts are supported (this model takes no images), got a 'image_url' part"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "only function tools are supported, got 'web_search'"),
     ({"input": "Hi", "truncation": "auto"}, "truncation 'auto'"),
     ({"input": "Hi", "background": True, "stream": True}, "background responses need store: true and stream: false"),

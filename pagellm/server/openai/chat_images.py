@@ -18,14 +18,21 @@ from pagellm import images
 from pagellm.chat_content import image_urls
 from pagellm.server.openai.errors import APIError
 from pagellm.server.openai.protocol import ChatCompletionRequest
+from pagellm.server.openai.responses_protocol import ResponsesRequest
 
 
-async def fetch_images(request: ChatCompletionRequest, engine: Any) -> None:
-    """The request's http(s) image URLs, fetched into it (all at once) where ``engine``'s model takes images; a URL
-    that fails is a 400."""
-    if not any(isinstance(m.content, list) for m in request.messages) or engine.image_placeholder is None:
+async def fetch_images(request: ChatCompletionRequest | ResponsesRequest, engine: Any) -> None:
+    """The request's http(s) image URLs (a chat's ``image_url`` parts, a response's ``input_image`` ones), fetched
+    into it (all at once) where ``engine``'s model takes images; a URL that fails is a 400. Messages that do not read
+    are left to preparation, which names what is wrong with them."""
+    if engine.image_placeholder is None:
         return
-    urls = [url for url in image_urls([m.to_template_dict() for m in request.messages]) if images.is_remote(url)]
+    try:
+        messages = [m.to_template_dict() for m in request.messages] if isinstance(request, ChatCompletionRequest) \
+            else request.input_messages()
+        urls = [url for url in image_urls(messages) if images.is_remote(url)]
+    except ValueError:
+        return
     if urls:
         try:
             request._fetched_images = await images.fetch(urls)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 from pagellm.server.openai.protocol import (ChatCompletionRequest, Count, NumLogprobs, OpenAIModel, Seed,
                                            omitted_when_none)
@@ -43,6 +43,7 @@ def item_id(prefix: str) -> str:
 class ResponsesRequest(OpenAIModel):
     model: Optional[str] = None
     input: Union[str, list[dict[str, Any]]]
+    _fetched_images: dict[str, bytes] = PrivateAttr(default_factory=dict)  # http(s) input_image URLs' bytes
     instructions: Optional[str] = None
     previous_response_id: Optional[str] = None
     max_output_tokens: Optional[Count] = None
@@ -118,7 +119,9 @@ class ResponsesRequest(OpenAIModel):
         for name in PASSED_ON:
             if name in self.model_fields_set and name not in body:
                 body[name] = getattr(self, name)
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+        chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+        chat._fetched_images = self._fetched_images
+        return chat
 
     def input_items(self) -> list[dict[str, Any]]:
         """``input`` as the items ``GET /v1/responses/{id}/input_items`` lists: each with an id, messages with their
@@ -143,7 +146,7 @@ class ResponsesRequest(OpenAIModel):
         for position, item in enumerate(self.input):
             kind = item.get("type", "message")
             if kind == "message":
-                messages.append({"role": _role(item, position), "content": _text(item.get("content"), position)})
+                messages.append({"role": _role(item, position), "content": _content(item.get("content"), position)})
             elif kind == "function_call":
                 call = {"id": _field(item, "call_id", position), "type": "function", "function": {
                     "name": _field(item, "name", position), "arguments": _field(item, "arguments", position)}}
@@ -175,6 +178,24 @@ def _role(item: dict[str, Any], position: int) -> str:
     if role not in ("user", "system", "developer", "assistant"):
         raise ValueError(f"input[{position}].role must be user, system, developer or assistant, got {role!r}")
     return "system" if role == "developer" else role
+
+
+def _content(content: Any, position: int) -> str | list[dict[str, Any]]:
+    """A message's content for the chat request: its text (``_text``), or where it has ``input_image`` parts, chat
+    parts (text, and ``image_url`` parts of the images' URLs) for a vision-language model."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text(content, position)
+    parts = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise ValueError(f"input[{position}].content: an input_image needs its image_url (a data: or http(s) "
+                                 "URL; file_id is not supported)")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            parts.append({"type": "text", "text": _text([part], position)})
+    return parts
 
 
 def _text(content: Any, position: int) -> str:

@@ -252,6 +252,7 @@ def _responses_router(responses: OpenAIServingResponses, api_key: Optional[str])
     @router.post("")
     async def create_response(body: ResponsesRequest, raw: Request) -> Response:
         session_from_header(body, raw)
+        await fetch_images(body, responses.chat.engine)
         job = await prepared(responses.prepare, body, body_size(raw))
         if body.background:
             return JSONResponse(responses.start_background(job).model_dump(mode="json"))
