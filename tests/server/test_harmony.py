@@ -250,7 +250,7 @@ def test_the_server_keeps_the_markers_and_constrains_the_final_message(harmony_m
     """What preparation sets (no request runs): special tokens kept in the text, and a response_format that waits
     for the final message's header."""
     engine = SimpleNamespace(tokenizer=Tokenizer.from_dir(harmony_model), sampling_defaults={}, max_logprobs=20,
-                             enable_prompt_embeds=False, check_custom=lambda params: None,
+                             enable_prompt_embeds=False, check_custom=lambda params: None, image_placeholder=None,
                              runtime=SimpleNamespace(max_model_len=512, vocab_size=320, hidden_size=64,
                                                      pooling_only=False, labels=()))
     chat = OpenAIServingChat(engine, ["tiny"], "openai", "openai_gptoss")

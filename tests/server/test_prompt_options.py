@@ -117,7 +117,7 @@ def bos_model(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 def _engine(model: Path) -> SimpleNamespace:
     """What request preparation reads of the engine (no request is run): its tokenizer and limits."""
     return SimpleNamespace(tokenizer=Tokenizer.from_dir(model), sampling_defaults={}, max_logprobs=20,
-                           enable_prompt_embeds=False, check_custom=lambda params: None,
+                           enable_prompt_embeds=False, check_custom=lambda params: None, image_placeholder=None,
                            runtime=SimpleNamespace(max_model_len=512, vocab_size=320, hidden_size=64,
                                                    pooling_only=False, labels=()))
 

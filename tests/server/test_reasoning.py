@@ -257,7 +257,7 @@ def test_granites_constraint_waits_for_its_response_phrase(tiny_llama: Path) -> 
     that already ends in it is constrained from the first token."""
     tokenizer = Tokenizer.from_dir(tiny_llama)
     engine = SimpleNamespace(tokenizer=tokenizer, sampling_defaults={}, max_logprobs=20, enable_prompt_embeds=False,
-                             check_custom=lambda params: None,
+                             check_custom=lambda params: None, image_placeholder=None,
                              runtime=SimpleNamespace(max_model_len=512, vocab_size=320, hidden_size=64,
                                                      pooling_only=False, labels=()))
     chat = OpenAIServingChat(engine, ["tiny"], reasoning_parser="granite")
