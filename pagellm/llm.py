@@ -136,10 +136,7 @@ class LLM:
         placeholder = self.input_processor.image_placeholder
         text = self.tokenizer.render_chat(conversation, add_generation_prompt, kwargs, template,  # type: ignore
                                           continue_final_message, content_format, placeholder)
-        fetched = images.fetch_sync(urls)
-        # the template wrote the prompt's special tokens: none added, as for a text chat's
-        return self.input_processor.process_images(text, [images.load(url, fetched) for url in urls],
-                                                   add_special_tokens=False)
+        return self.input_processor.process_chat_images(text, urls, images.fetch_sync(urls))
 
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],
                       priorities: list[int]) -> list[str]:

@@ -148,10 +148,10 @@ class AsyncLLM(EngineOperations):
         """What a prompt writes where an image goes (a vision-language model's; None: this model takes no images)."""
         return self.input_processor.image_placeholder
 
-    def process_images(self, text: str, images: list[Any]) -> list[int]:
-        """A chat prompt's text and images through the model's processor (``InputProcessor.process_images``): its
-        token ids, carrying the images (a prompt ``generate`` takes as it is)."""
-        return self.input_processor.process_images(text, images, add_special_tokens=False)
+    def process_chat_images(self, text: str, urls: list[str], fetched: dict[str, bytes]) -> list[int]:
+        """A rendered chat's text and images (``InputProcessor.process_chat_images``): its token ids, carrying the
+        images (a prompt ``generate`` takes as it is)."""
+        return self.input_processor.process_chat_images(text, urls, fetched)
 
     @property
     def max_logprobs(self) -> int:

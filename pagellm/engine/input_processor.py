@@ -18,6 +18,7 @@ from typing import Any, Sequence, Union
 
 import msgspec
 
+from pagellm import images
 from pagellm.engine.wire import EngineCoreRequest
 from pagellm.multimodal import MultiModalInputs
 from pagellm.lora import LoRARequest, check_adapter
@@ -166,6 +167,11 @@ class InputProcessor:
             raise ValueError(f"the prompt has {len(images)} images; this engine takes at most {self.max_images} per "
                              "prompt (--limit-mm-per-prompt)")
         return ImageTokens(*self._processor().process(text, images, add_special_tokens))
+
+    def process_chat_images(self, text: str, urls: list[str], fetched: dict[str, bytes]) -> ImageTokens:
+        """A rendered chat's text and its image parts' URLs (``images.load``: data URLs, and the http(s) ones
+        ``fetched`` holds): ``process_images`` with no special tokens added (the template wrote its own)."""
+        return self.process_images(text, [images.load(url, fetched) for url in urls], add_special_tokens=False)
 
     @property
     def image_placeholder(self) -> str | None:

@@ -54,6 +54,6 @@ def prompt(engine: Any, request: ChatCompletionRequest, messages: list[dict[str,
                                         request.chat_template, request.continue_final_message, None,
                                         engine.image_placeholder)
     try:
-        return engine.process_images(text, [images.load(url, request._fetched_images) for url in urls])
+        return engine.process_chat_images(text, urls, request._fetched_images)
     except ValueError as exc:
         raise APIError(str(exc), 400, param="messages") from None

@@ -134,13 +134,14 @@ class OpenAIServingChat(OpenAIServing):
             self.check_text_length(sum(len(m.text()) for m in request.messages))
         messages = [m.to_template_dict() for m in request.messages]
         urls = image_urls(messages) if self.engine.image_placeholder is not None else []  # else: text parts only
-        prompt = chat_images.prompt(self.engine, request, messages, urls, _template_kwargs(request, self.defaults)) \
-            if urls else self.truncate(
-            self.tokenizer.apply_chat_template(
-                messages, request.add_generation_prompt, _template_kwargs(request, self.defaults),
-                request.chat_template, continue_final_message=request.continue_final_message,
-                add_special_tokens=request.add_special_tokens),
-            request.truncate_prompt_tokens, request.truncation_side)
+        kwargs = _template_kwargs(request, self.defaults)
+        if urls:
+            prompt = chat_images.prompt(self.engine, request, messages, urls, kwargs)
+        else:
+            prompt = self.truncate(self.tokenizer.apply_chat_template(
+                messages, request.add_generation_prompt, kwargs, request.chat_template,
+                continue_final_message=request.continue_final_message, add_special_tokens=request.add_special_tokens),
+                request.truncate_prompt_tokens, request.truncation_side)
         parser = self.tool_parser.for_tools(request.tools) \
             if self.tool_parser is not None and tooling.is_auto(request.tools, request.tool_choice) else None
         if request.prediction is not None:
