@@ -108,5 +108,8 @@ def test_stop_compiles_ends_the_compiler_and_its_children(monkeypatch: pytest.Mo
     native_build.stop_compiles()
     builder.join(10)
     assert not builder.is_alive() and len(failures) == 1  # the build that was cut short reports it
+    deadline = time.monotonic() + 10  # SIGKILL is sent to the whole group; an orphan dies when next scheduled
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert not any(running(pid) for pid in pids)
     assert not list((tmp_path / "cache").rglob("*.so.tmp")) and not list((tmp_path / "cache").rglob("*.so"))
