@@ -3,9 +3,10 @@
 A vision-language model's prompt is text with image placeholders, and images. The frontend runs the model's own
 Hugging Face processor (``ImageProcessor``: the checkpoint's ``preprocessor_config.json`` and ``processor_config.json``,
 through ``transformers.AutoProcessor``), which expands each placeholder into the model's image tokens (SmolVLM's:
-tiles' rows and columns, each ``image_seq_len`` ``<image>`` tokens) and turns the images into pixel tensors. The
-prompt's token ids are then ordinary ids; its images travel as ``MultiModalInputs``: the processor's tensors as raw
-bytes (``PackedTensor``, so the engine core and its messages need no torch), and a digest of them.
+tiles' rows and columns, each ``image_seq_len`` ``<image>`` tokens; LLaVA's: one ``<image>`` a patch) and turns the
+images into pixel tensors. The prompt's token ids are then ordinary ids; its images travel as ``MultiModalInputs``:
+the processor's tensors as raw bytes (``PackedTensor``, so the engine core and its messages need no torch), and a
+digest of them.
 
 The engine keeps a request's KV blocks apart from other images' under a cache salt carrying that digest (the same
 images in the same prompt share their blocks; other images never do). Each worker runs the model's vision encoder
@@ -17,6 +18,7 @@ makes at the prompt's image-token positions in place of their token embeddings, 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,9 +69,11 @@ def inputs_of(tensors: dict[str, torch.Tensor]) -> MultiModalInputs:
 
 class ImageProcessor:
     """A vision-language model's Hugging Face processor: text with image placeholders and images in, token ids and
-    the encoder's tensors out."""
+    the encoder's tensors out, checked against the rows the model's encoder makes of them."""
 
-    TENSORS = ("pixel_values", "pixel_attention_mask")
+    # The processor's outputs each family's encoder takes, and whether they carry the prompt's batch dimension first
+    FAMILIES = {"Idefics3ForConditionalGeneration": (("pixel_values", "pixel_attention_mask"), True),
+                "LlavaForConditionalGeneration": (("pixel_values",), False)}
 
     def __init__(self, model_dir: Path, image_token_id: int) -> None:
         from transformers import AutoProcessor
@@ -77,6 +81,8 @@ class ImageProcessor:
         self.processor = AutoProcessor.from_pretrained(str(model_dir))
         self.image_token = str(getattr(self.processor, "image_token", "<image>"))  # the placeholder a prompt writes
         self.image_token_id = image_token_id
+        self.config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.tensors, self.batched = self.FAMILIES[self.config["architectures"][0]]
 
     def process(self, text: str, images: Any, add_special_tokens: bool = True) -> tuple[list[int], MultiModalInputs]:
         images = list(images) if isinstance(images, (list, tuple)) else [images]
@@ -92,11 +98,26 @@ class ImageProcessor:
                                  add_special_tokens=add_special_tokens)
         except (ValueError, TypeError, OSError) as exc:
             raise ValueError(f"the images could not be processed: {exc}") from None
-        tensors = {name: out[name][0] for name in self.TENSORS if name in out}
+        tensors = {name: out[name][0] if self.batched else out[name] for name in self.tensors if name in out}
         ids = out["input_ids"][0].tolist()
-        tiles = int((tensors["pixel_values"] != 0).flatten(1).any(1).sum())  # the encoder drops all-zero tiles
-        rows = tiles * int(getattr(self.processor, "image_seq_len", 0))
+        rows = self._rows(tensors["pixel_values"])
         if ids.count(self.image_token_id) != rows:
             raise ValueError(f"the processor wrote {ids.count(self.image_token_id)} image tokens for {rows} image "
                              "rows; send images the model's processor can take")
         return ids, inputs_of(tensors)
+
+    def _rows(self, pixels: torch.Tensor) -> int:
+        """The rows the model's encoder makes of ``pixels``: SmolVLM's ``image_seq_len`` a tile (all-zero padding
+        tiles dropped); LLaVA's one a patch, its CLIP tower's class token too under the "full" strategy."""
+        if self.batched:
+            tiles = int((pixels != 0).flatten(1).any(1).sum())
+            return tiles * int(getattr(self.processor, "image_seq_len", 0))
+        from pagellm.model.arch import with_defaults
+
+        vision = with_defaults(self.config.get("vision_config") or {})
+        patch = int(vision["patch_size"])
+        per_image = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
+        if vision.get("model_type") == "clip_vision_model" and \
+                self.config.get("vision_feature_select_strategy", "default") == "full":
+            per_image += 1
+        return pixels.shape[0] * per_image

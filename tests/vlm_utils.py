@@ -47,3 +47,35 @@ def png(picture: Image.Image) -> bytes:
 
 def data_url(picture: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(png(picture)).decode()
+
+
+# A tiny LLaVA's towers: CLIP (a class token, quick GELU; the "default" strategy drops the class token) or SigLIP
+# (neither), 32-pixel crops of 8-pixel patches: 16 image tokens an image
+TOWERS = {
+    "clip": ({"model_type": "clip_vision_model", "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5}, "default", 1),
+    "siglip": ({"model_type": "siglip_vision_model"}, "full", 0),
+}
+
+
+def build_llava(decoder: Path, out: Path, tower: str = "clip", feature_layer: int | list[int] = -2) -> Path:
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(decoder)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    vision, strategy, extra = TOWERS[tower]
+    images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}) \
+        if tower == "clip" else SiglipImageProcessorPil(size={"height": 32, "width": 32})
+    processor = transformers.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8,
+                                            vision_feature_select_strategy=strategy, num_additional_image_tokens=extra)
+    text = {k: v for k, v in json.loads((decoder / "config.json").read_text()).items()
+            if k not in ("architectures", "dtype", "torch_dtype")}
+    config = transformers.LlavaConfig(
+        text_config=text, image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_config={**vision, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+                       "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
+        vision_feature_select_strategy=strategy, vision_feature_layer=feature_layer, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlavaForConditionalGeneration(config).eval().save_pretrained(out)
+    processor.save_pretrained(out)
+    return out

@@ -114,7 +114,10 @@ def _full_attention_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, .
 
 
 # Vision-language models: a decoder (``text_config``) that takes image rows in place of image tokens' embeddings
-VISION_MODELS = ("Idefics3ForConditionalGeneration",)
+VISION_MODELS = ("Idefics3ForConditionalGeneration", "LlavaForConditionalGeneration")
+# what a vision-language model's config says of its vision side, beside its text_config
+_VISION_KEYS = ("vision_config", "scale_factor", "image_token_id", "image_token_index", "vision_feature_layer",
+                "vision_feature_select_strategy", "projector_hidden_act", "multimodal_projector_bias")
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,10 @@ class ArchConfig:
 
     @property
     def image_token_id(self) -> int | None:
-        return None if self.vision is None else int(self.vision["image_token_id"])
+        if self.vision is None:
+            return None
+        vision = self.vision
+        return int(vision["image_token_id"] if "image_token_id" in vision else vision["image_token_index"])
 
     @property
     def num_labels(self) -> int:
@@ -195,8 +201,10 @@ class ArchConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
         archs = cfg.get("architectures") or [""]
         if archs[0] in VISION_MODELS and "text_config" in cfg:  # its decoder's config, its vision side kept beside it
-            vision = {key: cfg[key] for key in ("vision_config", "scale_factor", "image_token_id") if key in cfg}
-            text = {**cfg["text_config"], "architectures": archs}
+            vision = {key: cfg[key] for key in _VISION_KEYS if key in cfg}
+            if "image_token_id" not in vision and "image_token_index" not in vision:
+                raise ValueError(f"{archs[0]}'s config names no image token (image_token_id or image_token_index)")
+            text = {**with_defaults(cfg["text_config"]), "architectures": archs}
             for key in ("quantization_config", "tie_word_embeddings"):  # the whole model's, where it says
                 if key in cfg:
                     text[key] = cfg[key]
@@ -264,6 +272,16 @@ class ArchConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def with_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A nested config (a vision-language model's ``text_config`` or ``vision_config``) with transformers' defaults
+    for its model type under what it says: the released LLaVA configs give their decoder's vocabulary and context
+    only, and their CLIP tower's activation and norm epsilon not at all."""
+    from transformers import AutoConfig
+
+    model_type = cfg.get("model_type")
+    return {**AutoConfig.for_model(model_type).to_dict(), **cfg} if model_type else cfg
 
 
 def _with_original_context(scaling: dict | None, cfg: dict[str, Any]) -> dict | None:

@@ -6,7 +6,7 @@ get_image_features`` computes them: each image tile's patches (a ``patch_size`` 
 embeddings bucketed over the tile's real patches (``pixel_attention_mask``: a padded tile's patches beyond its
 image take position 0 and are masked as keys), ``num_hidden_layers`` pre-LayerNorm encoder layers (bidirectional
 attention with biases, a GELU MLP), a final LayerNorm, then the connector: ``scale_factor``² neighbouring patches
-shuffled into one row, projected to the decoder's width (no bias). ``encode_images(inputs)`` gives one row per image
+shuffled into one row, projected to the decoder's width (no bias). ``image_rows(inputs)`` gives one row per image
 token, in the prompt's order (tiles as the processor lays them out), in the decoder's dtype; all-zero padding tiles
 are dropped, as transformers drops them. The checkpoint's ``model.text_model.*`` tensors are the decoder's,
 ``model.vision_model.*`` and ``model.connector.*`` the encoder's; the encoder is replicated on every rank.
@@ -14,56 +14,18 @@ are dropped, as transformers drops them. The checkpoint's ``model.text_model.*``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import ArchConfig
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.model.vit import EncoderLayer
 
-
-class _Attention(nn.Module):
-    def __init__(self, width: int, heads: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.heads = heads
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(width, width, dtype=dtype)
-                                                                for _ in range(4))
-
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        """``key_mask`` [n, length]: the keys each query sees (None: all of them, the faster kernel)."""
-        n, length, width = x.shape
-        q, k, v = (proj(x).view(n, length, self.heads, -1).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
-        mask = None if key_mask is None else key_mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.out_proj(out.transpose(1, 2).reshape(n, length, width))
-
-
-class _MLP(nn.Module):
-    def __init__(self, width: int, inner: int, act: str, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(width, inner, dtype=dtype), nn.Linear(inner, width, dtype=dtype)
-        self.approximate = "tanh" if act in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast") else "none"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
-
-
-class _EncoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], dtype: torch.dtype) -> None:
-        super().__init__()
-        width, eps = int(cfg["hidden_size"]), float(cfg.get("layer_norm_eps", 1e-6))
-        self.layer_norm1 = nn.LayerNorm(width, eps=eps, dtype=dtype)
-        self.self_attn = _Attention(width, int(cfg["num_attention_heads"]), dtype)
-        self.layer_norm2 = nn.LayerNorm(width, eps=eps, dtype=dtype)
-        self.mlp = _MLP(width, int(cfg["intermediate_size"]), cfg.get("hidden_act", "gelu_pytorch_tanh"), dtype)
-
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), key_mask)
-        return x + self.mlp(self.layer_norm2(x))
+if TYPE_CHECKING:
+    from pagellm.multimodal import MultiModalInputs
 
 
 class _Embeddings(nn.Module):
@@ -97,7 +59,7 @@ class Idefics3Vision(nn.Module):
         self.scale = scale_factor
         self.embeddings = _Embeddings(cfg, dtype)
         self.encoder = nn.Module()
-        self.encoder.layers = nn.ModuleList(_EncoderLayer(cfg, dtype) for _ in range(int(cfg["num_hidden_layers"])))
+        self.encoder.layers = nn.ModuleList(EncoderLayer(cfg, dtype) for _ in range(int(cfg["num_hidden_layers"])))
         width = int(cfg["hidden_size"])
         self.post_layernorm = nn.LayerNorm(width, eps=float(cfg.get("layer_norm_eps", 1e-6)), dtype=dtype)
         self.connector = nn.Module()
@@ -143,6 +105,11 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     def encode_images(self, pixel_values: torch.Tensor, pixel_attention_mask: torch.Tensor | None) -> torch.Tensor:
         rows = self.vision(pixel_values, pixel_attention_mask)
         return rows.to(self.model.norm.weight.dtype)
+
+    def image_rows(self, images: MultiModalInputs) -> torch.Tensor:
+        pixels = images.tensor("pixel_values")
+        assert pixels is not None
+        return self.encode_images(pixels, images.tensor("pixel_attention_mask"))
 
     def _target(self, name: str) -> tuple[str | None, str | int | None]:
         """The encoder's tensors by their own names (none of the decoder's fused matrices); the decoder's as a Llama

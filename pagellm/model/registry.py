@@ -10,6 +10,7 @@ from pagellm.model.arch import BASE_MODELS, CLASSIFIERS, ArchConfig
 from pagellm.model.idefics3 import Idefics3ForConditionalGeneration
 from pagellm.model.llama import (GemmaForCausalLM, GptOssForCausalLM, GraniteMoeForCausalLM,
                                  InterleavedRopeForCausalLM, LlamaForCausalLM, MixtralForCausalLM, Phi3ForCausalLM)
+from pagellm.model.llava import LlavaForConditionalGeneration
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -35,6 +36,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,  # its soft-capped attention on the torch_ref backend
     "Gemma3ForCausalLM": GemmaForCausalLM,  # Gemma 3's text model (gemma-3-270m, -1b); its multimodal ones are not
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,  # SmolVLM: images in its prompts
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # LLaVA-1.5: a CLIP or SigLIP tower
     # base models (embedding checkpoints: no LM head; ArchConfig.base_model), for pooling requests
     **{name: LlamaForCausalLM for name in BASE_MODELS},
     # sequence classifiers: the same decoder and a score head (ArchConfig.num_labels), for classify requests

@@ -121,7 +121,7 @@ def _embeds_rows(states: dict[str, CachedRequestState], req_ids: list[str], star
 def encode_images(state: CachedRequestState, model: Any, images: MultiModalInputs, prompt_ids: list[int]) -> None:
     """A request's image rows from the model's vision encoder, and its prompt's image-token positions they go to
     (the frontend's processor wrote one token per row)."""
-    state.image_rows = model.encode_images(images.tensor("pixel_values"), images.tensor("pixel_attention_mask"))
+    state.image_rows = model.image_rows(images)
     positions = np.flatnonzero(np.asarray(prompt_ids) == model.cfg.image_token_id).astype(np.int64)
     if len(positions) != len(state.image_rows):
         raise ValueError(f"request {state.req_id}: {len(positions)} image tokens in its prompt but "

@@ -1,0 +1,168 @@
+"""LLaVA (``model/llava.py``): tiny random LLaVAs built here with transformers, a CLIP tower over the tiny Llama and a
+SigLIP tower over the tiny Qwen2, each image a 32-pixel crop of 16 image tokens.
+
+The towers' rows must be transformers' ``get_image_features`` (one feature layer or several); greedy tokens must be
+transformers' ``generate`` on the same processor's inputs in float32, whole or in prefill chunks that cut images
+apart; the released checkpoints' names and sparse configs load the same model; what cannot be served is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from PIL import Image
+from safetensors.torch import load_file, save_file
+from vlm_utils import build_llava, data_url, image
+
+from pagellm import LLM, SamplingParams
+from pagellm.model.arch import ArchConfig
+from pagellm.model.llava import LlavaVision
+from pagellm.tokenizer import Tokenizer
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)  # stopping at EOS, as generate does
+PROMPTS = [("Look: <image> what?", [(0, 40, 56)]), ("Two <image> and <image> here", [(1, 47, 51), (2, 54, 46)])]
+
+
+@pytest.fixture(scope="module")
+def clip(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_llava(tiny_llama, tmp_path_factory.mktemp("llava-clip"))
+
+
+@pytest.fixture(scope="module")
+def siglip(tiny_qwen2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_llava(tiny_qwen2, tmp_path_factory.mktemp("llava-siglip"), "siglip", [-1, -3])
+
+
+def _reference(model_dir: Path) -> transformers.PreTrainedModel:
+    return transformers.LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _prompts() -> list[tuple[str, list[Image.Image]]]:
+    return [(text, [image(*spec) for spec in specs]) for text, specs in PROMPTS]
+
+
+def _transformers_tokens(model_dir: Path, reference, text: str, images: list[Image.Image]) -> list[int]:
+    inputs = transformers.AutoProcessor.from_pretrained(model_dir)(text=[text], images=[images], return_tensors="pt")
+    with torch.no_grad():
+        out = reference.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("tower", ["clip", "siglip"])
+def test_image_rows_are_transformers_image_features(tower: str, request: pytest.FixtureRequest) -> None:
+    """CLIP's tower read two layers from the end, its class token dropped; SigLIP's read at two layers (the last and
+    the third from the end) and concatenated, every patch kept."""
+    model_dir = request.getfixturevalue(tower)
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22)
+    inputs = transformers.AutoProcessor.from_pretrained(model_dir)(
+        text=["<image> <image>"], images=[[image(3, 30, 62), image(4, 61, 23)]], return_tensors="pt")
+    with torch.no_grad():
+        theirs = torch.cat(list(_reference(model_dir).model.get_image_features(inputs["pixel_values"]).pooler_output))
+    model = llm.engine.core.executor.worker.runner.model
+    ours = model.vision(inputs["pixel_values"])
+    assert ours.shape == (2 * 16, 64)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tower,chunk", [("clip", 4096), ("clip", 8), ("siglip", 4096)])
+def test_greedy_tokens_equal_transformers_whole_and_chunked(tower: str, chunk: int,
+                                                            request: pytest.FixtureRequest) -> None:
+    """At 8 tokens a step each image's 16 rows are prefilled in pieces."""
+    model_dir = request.getfixturevalue(tower)
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 24, max_num_batched_tokens=chunk)
+    prompts, reference = _prompts(), _reference(model_dir)
+    outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts],
+                           GREEDY, use_tqdm=False)
+    for (text, images), output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == _transformers_tokens(model_dir, reference, text, images)
+        assert output.prompt_token_ids.count(json.loads((model_dir / "config.json").read_text())
+                                             ["image_token_index"]) == 16 * len(images)
+
+
+LAYOUTS = {  # transformers 5 saves language_model.model., language_model.lm_head., vision_tower. (no vision_model.)
+    "released": (("vision_tower.", "vision_tower.vision_model."),),  # llava-hf's, from transformers 4
+    "modules": (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector.")),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_checkpoint_layouts_and_sparse_configs_load_the_same_model(layout: str, clip: Path, tmp_path: Path) -> None:
+    """The released llava-hf checkpoints' names and transformers 5's module names, and a vision config silent on its
+    activation and norm epsilon (CLIP's defaults, quick GELU and 1e-5, are transformers')."""
+    for path in clip.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and not path.name.endswith(".index.json"):
+            (tmp_path / path.name).write_bytes(path.read_bytes())
+    tensors = {}
+    for name, tensor in load_file(clip / "model.safetensors").items():
+        for old, new in LAYOUTS[layout]:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        tensors[name] = tensor
+    save_file(tensors, tmp_path / "model.safetensors")
+    config = json.loads((clip / "config.json").read_text())
+    config["vision_config"] = {k: v for k, v in config["vision_config"].items() if k not in ("hidden_act",
+                                                                                            "layer_norm_eps")}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    prompts = [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in _prompts()]
+    ours, other = (LLM(str(d), dtype="float32", kv_cache_memory=1 << 22) for d in (clip, tmp_path))
+    assert [o.outputs[0].token_ids for o in other.generate(prompts, GREEDY, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in ours.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_the_released_llava_1_5_config_reads_as_its_model() -> None:
+    """llava-hf/llava-1.5-7b-hf's config.json, whose text_config gives only its vocabulary and context: the decoder is
+    Llama-2-7B's shape (transformers' Llama defaults), the tower CLIP ViT-L/14 at 336 with quick GELU, read at its
+    23rd of 24 layers (the 24th is not built)."""
+    released = {
+        "architectures": ["LlavaForConditionalGeneration"], "image_token_index": 32000, "model_type": "llava",
+        "pad_token_id": 32001, "projector_hidden_act": "gelu", "tie_word_embeddings": False,
+        "text_config": {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096,
+                        "model_type": "llama", "rms_norm_eps": 1e-05, "torch_dtype": "float16", "vocab_size": 32064},
+        "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                          "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                          "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
+        "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064}
+    cfg = ArchConfig.from_hf(released)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size,
+            cfg.rms_norm_eps, cfg.image_token_id) == (4096, 11008, 32, 32, 32, 32064, 1e-5, 32000)
+    with torch.device("meta"):
+        vision = LlavaVision(cfg.vision, cfg.hidden_size, torch.bfloat16)
+    layers = vision.tower.vision_model.encoder.layers
+    assert len(layers) == 23 and layers[0].mlp.kind == "quick" and layers[0].layer_norm1.eps == 1e-5
+    assert vision.tower.vision_model.embeddings.position_embedding.num_embeddings == 577  # 24² patches and the class
+
+
+def test_chat_with_image_parts_equals_transformers_on_the_rendered_prompt(clip: Path) -> None:
+    llm = LLM(str(clip), dtype="float32", kv_cache_memory=1 << 22)
+    picture = image(5, 44, 60)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                             {"type": "image_url", "image_url": {"url": data_url(picture)}}]}]
+    output = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    text = Tokenizer.from_dir(clip).render_chat(messages, image_placeholder="<image>")
+    inputs = transformers.AutoProcessor.from_pretrained(clip)(text=[text], images=[[picture]], return_tensors="pt",
+                                                              add_special_tokens=False)
+    assert output.prompt_token_ids == inputs["input_ids"][0].tolist()
+    with torch.no_grad():
+        expected = _reference(clip).generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    assert output.outputs[0].token_ids == expected[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_what_cannot_be_served_is_refused_by_name(clip: Path, tmp_path: Path) -> None:
+    llm = LLM(str(clip), dtype="float32", kv_cache_memory=1 << 22)
+    with pytest.raises(ValueError, match="the prompt has 2 <image> placeholders for 1 images"):
+        llm.generate({"prompt": "<image> <image>", "multi_modal_data": {"image": image(0, 40, 56)}}, GREEDY,
+                     use_tqdm=False)
+    config = json.loads((clip / "config.json").read_text())
+    for key, value, message in (("vision_config", {**config["vision_config"], "model_type": "pixtral"},
+                                 "LLaVA's vision tower 'pixtral' is not supported"),
+                                ("vision_feature_select_strategy", "pooled",
+                                 "vision_feature_select_strategy 'pooled' is not supported"),
+                                ("vision_feature_layer", -9, r"vision_feature_layer \[-9\] is outside")):
+        with pytest.raises(ValueError, match=message):
+            LlavaVision({**config, key: value}, 64, torch.float32)
