@@ -79,6 +79,8 @@ class Tokenizer:
             hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         if not hf_tokenizer.is_fast:
             raise ValueError(f"{model_dir}: only fast (tokenizer.json) tokenizers are supported; add tokenizer.json")
+        if not hf_tokenizer.chat_template:  # a vision-language model's processor may hold it (llava-hf's do)
+            hf_tokenizer.chat_template = _processor_template(model_dir)
         eos_ids = _config_eos_ids(model_dir) | (_config_eos_ids(Path(config_dir)) if config_dir is not None else set())
         if hf_tokenizer.eos_token_id is not None:
             eos_ids.add(int(hf_tokenizer.eos_token_id))
@@ -291,6 +293,19 @@ def _is_file(value: str) -> bool:
         return Path(value).is_file()
     except OSError:  # a template's text longer than a file name can be (ENAMETOOLONG) is no file
         return False
+
+
+def _processor_template(model_dir: Path) -> str | None:
+    """The chat template a processor saved beside the tokenizer (``chat_template.json``), which the tokenizer does not
+    read (vLLM falls back to it too)."""
+    path = model_dir / "chat_template.json"
+    if not path.is_file():
+        return None
+    try:
+        template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{path} is not a processor's chat template ({{\"chat_template\": ...}}): {exc}") from None
+    return template if isinstance(template, str) else None
 
 
 def _default_template(template: str | dict[str, str] | None) -> str | None:

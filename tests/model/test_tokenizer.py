@@ -150,6 +150,14 @@ def test_no_chat_template(tmp_path: Path) -> None:
         tokenizer.apply_chat_template([{"role": "user", "content": "hello"}])
 
 
+def test_a_processors_chat_template_serves_where_the_tokenizer_has_none(tmp_path: Path) -> None:
+    """llava-hf's checkpoints keep their template in the processor's chat_template.json; the tokenizer's own wins."""
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "USER: {{ messages[0]['content'] }}"}))
+    assert Tokenizer.from_dir(write_tiny_dir(tmp_path)).render_chat([{"role": "user", "content": "hi"}]) == "USER: hi"
+    assert Tokenizer.from_dir(write_tiny_dir(tmp_path, "own")).render_chat([{"role": "user", "content": "hi"}]) == \
+        "own"
+
+
 def test_template_rejection_is_a_value_error(tmp_path: Path) -> None:
     template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('start with a user turn') }}{% endif %}x"
     tokenizer = Tokenizer.from_dir(write_tiny_dir(tmp_path, template))
