@@ -7,12 +7,14 @@ cannot be read are a 400 that says what to send, and the server serves on."""
 
 from __future__ import annotations
 
+import base64
 import http.server
 import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator
 
+import anthropic
 import openai
 import pytest
 from server_utils import ServerProcess
@@ -56,13 +58,18 @@ def picture_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def client(vlm: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    server = ServerProcess(vlm, ["--served-model-name", "tiny"], tmp_path_factory.mktemp("vlm-server") / "log")
+def server(vlm: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    process = ServerProcess(vlm, ["--served-model-name", "tiny"], tmp_path_factory.mktemp("vlm-server") / "log")
     try:
-        server.wait_healthy()
-        yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+        process.wait_healthy()
+        yield process
     finally:
-        server.stop()
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
 def _messages(*urls: str) -> list[dict]:
@@ -98,6 +105,29 @@ def test_the_responses_api_reads_input_images_as_chat_reads_image_parts(client: 
                                        max_output_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
     assert response.output_text == chat.choices[0].message.content
     assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_anthropic_image_blocks_are_read_as_chat_reads_image_parts(server: ServerProcess, client: openai.OpenAI,
+                                                                   picture_url: str) -> None:
+    """Through the ``anthropic`` SDK: a base64 source and a url source (fetched by the route) become the chat's image
+    parts: the reply, its usage and count_tokens are the chat's."""
+    picture = image(1, 40, 56)
+    chat = client.chat.completions.create(model="tiny", messages=_messages(data_url(picture), picture_url),
+                                          max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    claude = anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0, timeout=120)
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png(picture)).decode()}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Compare these."},
+                                             {"type": "image", "source": source},
+                                             {"type": "image", "source": {"type": "url", "url": picture_url}}]}]
+    message = claude.messages.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS,
+                                     extra_body={"temperature": 0, "ignore_eos": True})
+    assert message.content[0].text == chat.choices[0].message.content
+    usage = message.usage  # Anthropic counts the prefix cache's reads apart (the same images: the chat's blocks)
+    assert usage.input_tokens + usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert claude.messages.count_tokens(model="tiny", messages=messages).input_tokens == chat.usage.prompt_tokens
+    messages[0]["content"][2]["source"]["url"] = picture_url.replace("cat", "dog")
+    with pytest.raises(anthropic.BadRequestError, match="answered HTTP 404"):
+        claude.messages.create(model="tiny", messages=messages, max_tokens=2)
 
 
 def test_images_that_cannot_be_read_are_refused_and_the_server_serves_on(client: openai.OpenAI,

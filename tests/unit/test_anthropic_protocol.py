@@ -88,13 +88,45 @@ def test_bad_bodies_are_refused_by_name(body: dict, says: str) -> None:
 @pytest.mark.parametrize("content,says", [
     ([{"type": "image", "source": {}}], r"messages\[0\].content\[0\]: image blocks are not supported"),
     ([{"type": "tool_use", "id": "t", "name": "f", "input": {}}], "'tool_use' blocks are not supported in user"),
-    ([{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}], "image blocks"),
+    ([{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}],
+     "'image' blocks are not supported in tool_result content"),
     ([{"text": "no type"}], "must be a content block"),
     ([{"type": "text", "text": 3}], r"content\[0\].text must be a string"),
 ])
 def test_blocks_that_cannot_be_rendered_are_refused_by_position(content: list, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         _chat(messages=[{"role": "user", "content": content}])
+
+
+def test_image_blocks_become_image_parts_for_a_model_that_takes_images() -> None:
+    """In order with the turn's text; base64 sources as data URLs, url sources as they are."""
+    content = [{"type": "text", "text": "Compare"}, {"type": "image", "source": {"type": "base64",
+                                                                              "media_type": "image/png", "data": "AAA"}},
+               {"type": "text", "text": "with"}, {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]
+    request = MessagesRequest.model_validate({"model": "m", "max_tokens": 10,
+                                              "messages": [{"role": "user", "content": content}]})
+    (message,) = request.to_chat(images=True).model_dump(exclude_none=True)["messages"]
+    assert message["content"] == [{"type": "text", "text": "Compare"},
+                                  {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAA"}},
+                                  {"type": "text", "text": "with"},
+                                  {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    assert [p["image_url"]["url"] for p in request.input_messages()[0]["content"] if p["type"] == "image_url"] == \
+        ["data:image/png;base64,AAA", "http://x/y.png"]
+    with pytest.raises(ValueError, match="image blocks are not supported .this model takes no images"):
+        request.to_chat()
+
+
+@pytest.mark.parametrize("source,says", [
+    ({"type": "file", "file_id": "f"}, r"content\[0\].source must be .* got type 'file'"),
+    ({"type": "base64", "media_type": "image/tiff", "data": "AAA"}, "media_type must be one of image/jpeg"),
+    ({"type": "base64", "media_type": "image/png"}, r"source.data must be a string"),
+    ("http://x/y.png", "got type None"),
+])
+def test_image_sources_that_cannot_be_read_are_refused_by_position(source: object, says: str) -> None:
+    request = MessagesRequest.model_validate({"model": "m", "max_tokens": 10, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": source}]}]})
+    with pytest.raises(ValueError, match=says):
+        request.to_chat(images=True)
 
 
 def test_stop_reasons() -> None:

@@ -6,11 +6,14 @@ Contract:
   ``stop_sequences``, ``stream``, ``tools``, ``tool_choice``, ``thinking``, ``output_config``), the sampling fields
   Anthropic's older API and vLLM take (``temperature``, ``top_p``, ``top_k``), and vLLM's extensions (``PASSED_ON``).
   Anthropic's platform settings (``metadata``, ``service_tier``, ``cache_control``, ``speed``, ...) are taken and
-  change nothing (the prefix cache needs no breakpoints). Validation is as strict as chat's: unknown fields, images,
-  documents, server tools (web search, code execution, ...) and ``container`` are a 400 that names them.
+  change nothing (the prefix cache needs no breakpoints). Validation is as strict as chat's: unknown fields,
+  documents, server tools (web search, code execution, ...), ``container``, and images for a model that takes none,
+  are a 400 that names them.
 - ``to_chat()`` is the same conversation as a ``ChatCompletionRequest``, as vLLM renders it: ``system`` (a string,
   or text blocks joined as they are; Claude Code's per-request billing header dropped, so prefixes stay cacheable) as
-  the system message; a turn's text blocks joined by newlines; user ``tool_result`` blocks as ``tool`` messages
+  the system message; a turn's text blocks joined by newlines (for a vision-language model, ``to_chat(images=True)``,
+  a user turn with ``image`` blocks is text and ``image_url`` parts in order: base64 sources as data URLs, url
+  sources as they are, which the route fetches: ``input_messages``); user ``tool_result`` blocks as ``tool`` messages
   (before the turn's text); assistant ``tool_use`` blocks as ``tool_calls``, ``thinking`` as ``reasoning_content``
   (``redacted_thinking`` dropped). A conversation
   that ends with an assistant turn is continued, not answered (``continue_final_message``), as Anthropic continues a
@@ -26,7 +29,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from pagellm.server.openai.protocol import ChatCompletionRequest, Count, OpenAIModel, Seed
 
@@ -37,6 +40,7 @@ PASSED_ON = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penal
 BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's system block, with a hash that differs per request
 EFFORT = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
+IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # an image block's base64 media types
 
 
 class Tool(OpenAIModel):
@@ -122,13 +126,21 @@ class CountTokensRequest(OpenAIModel):
     speed: Optional[str] = None
     user_profile_id: Optional[str] = None
     workspace_id: Optional[str] = None
+    _fetched_images: dict[str, bytes] = PrivateAttr(default_factory=dict)  # http(s) image sources' bytes
 
-    def to_chat(self) -> ChatCompletionRequest:
-        """This request as a chat request (ValueError names a bad message or block)."""
-        return ChatCompletionRequest.model_validate(_without_none(self._chat_body()))
+    def to_chat(self, images: bool = False) -> ChatCompletionRequest:
+        """This request as a chat request (ValueError names a bad message or block); ``images``: the model takes
+        images, so user turns' image blocks become image parts (else they are refused)."""
+        chat = ChatCompletionRequest.model_validate(_without_none(self._chat_body(images)))
+        chat._fetched_images = self._fetched_images
+        return chat
 
-    def _chat_body(self) -> dict[str, Any]:
-        messages = _system(self.system) + _conversation(self.messages)
+    def input_messages(self) -> list[dict[str, Any]]:
+        """The conversation as chat messages, its images as image parts (for the route to fetch their URLs)."""
+        return [message.to_template_dict() for message in self.to_chat(images=True).messages]
+
+    def _chat_body(self, images: bool) -> dict[str, Any]:
+        messages = _system(self.system) + _conversation(self.messages, images)
         last = messages[-1]
         if last["role"] == "assistant" and not last["content"] and "tool_calls" not in last and len(messages) > 1:
             messages.pop()  # an empty last assistant turn prefills nothing
@@ -196,8 +208,8 @@ class MessagesRequest(CountTokensRequest):
             found.append(("thinking.budget_tokens", "thinking.budget_tokens must be less than max_tokens"))
         return found
 
-    def _chat_body(self) -> dict[str, Any]:
-        body = super()._chat_body()
+    def _chat_body(self, images: bool) -> dict[str, Any]:
+        body = super()._chat_body(images)
         body.update(max_tokens=self.max_tokens, stop=self.stop_sequences, stream=self.stream)
         if self.stream:
             body["stream_options"] = {"include_usage": True}
@@ -221,7 +233,7 @@ def _system(system: Optional[Union[str, list[dict[str, Any]]]]) -> list[dict[str
     return [{"role": "system", "content": text}] if text else []
 
 
-def _conversation(messages: list[Message]) -> list[dict[str, Any]]:
+def _conversation(messages: list[Message], images: bool) -> list[dict[str, Any]]:
     chat: list[dict[str, Any]] = []
     for position, message in enumerate(messages):
         where = f"messages[{position}]"
@@ -231,7 +243,7 @@ def _conversation(messages: list[Message]) -> list[dict[str, Any]]:
             if text := "".join(_texts(message.content, where)):
                 chat.append({"role": "system", "content": text})
         elif message.role == "user":
-            chat.extend(_user_turn(message.content, where))
+            chat.extend(_user_turn(message.content, where, images))
         else:
             chat.append(_assistant_turn(message.content, where))
     if not chat:
@@ -239,21 +251,42 @@ def _conversation(messages: list[Message]) -> list[dict[str, Any]]:
     return chat
 
 
-def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
-    """A user turn: its tool results as ``tool`` messages, then its text (if any) as one user message."""
-    turn, texts = [], []
+def _user_turn(blocks: list[dict[str, Any]], where: str, images: bool) -> list[dict[str, Any]]:
+    """A user turn: its tool results as ``tool`` messages, then its text (if any) as one user message; with images,
+    its text and image blocks as text and ``image_url`` parts, in order."""
+    turn, parts = [], []
     for index, block in enumerate(blocks):
-        kind = _kind(block, f"{where}.content[{index}]")
+        at = f"{where}.content[{index}]"
+        kind = _kind(block, at)
         if kind == "tool_result":
-            turn.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", f"{where}.content[{index}]"),
-                         "content": _tool_output(block.get("content"), f"{where}.content[{index}].content")})
+            turn.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", at),
+                         "content": _tool_output(block.get("content"), f"{at}.content")})
         elif kind == "text":
-            texts.append(_string(block, "text", f"{where}.content[{index}]"))
+            parts.append({"type": "text", "text": _string(block, "text", at)})
+        elif kind == "image" and images:
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block, at)}})
         else:
-            raise _refused(kind, f"{where}.content[{index}]", "user")
-    if texts:
-        turn.append({"role": "user", "content": "\n".join(texts)})
+            raise _refused(kind, at, "user")
+    if any(part["type"] == "image_url" for part in parts):
+        turn.append({"role": "user", "content": parts})
+    elif parts:
+        turn.append({"role": "user", "content": "\n".join(part["text"] for part in parts)})
     return turn
+
+
+def _image_url(block: dict[str, Any], at: str) -> str:
+    """An image block's source as a URL: base64 data as a data URL, a url source as it is."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media = _string(source, "media_type", f"{at}.source")  # type: ignore[arg-type]
+        if media not in IMAGE_TYPES:
+            raise ValueError(f"{at}.source.media_type must be one of {', '.join(IMAGE_TYPES)}, got {media!r}")
+        return f"data:{media};base64,{_string(source, 'data', f'{at}.source')}"  # type: ignore[arg-type]
+    if kind == "url":
+        return _string(source, "url", f"{at}.source")  # type: ignore[arg-type]
+    raise ValueError(f"{at}.source must be {{'type': 'base64', 'media_type': ..., 'data': ...}} or {{'type': 'url', "
+                     f"'url': ...}} (the Files API's file sources are not served), got type {kind!r}")
 
 
 def _assistant_turn(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
@@ -324,8 +357,11 @@ def _string(block: dict[str, Any], name: str, where: str) -> str:
 
 
 def _refused(kind: str, where: str, owner: str) -> ValueError:
-    if kind in ("image", "document", "search_result", "container_upload"):
-        return ValueError(f"{where}: {kind} blocks are not supported (pagellm serves text models); send text")
-    allowed = {"user": "text and tool_result", "assistant": "text, thinking, redacted_thinking and tool_use",
+    if kind == "image" and owner == "user":
+        return ValueError(f"{where}: image blocks are not supported (this model takes no images; serve a "
+                          "vision-language model for them); send text")
+    if kind in ("document", "search_result", "container_upload"):
+        return ValueError(f"{where}: {kind} blocks are not supported (pagellm serves text and images); send text")
+    allowed = {"user": "text, image and tool_result", "assistant": "text, thinking, redacted_thinking and tool_use",
                "system": "text", "tool_result": "text"}[owner]
     return ValueError(f"{where}: {kind!r} blocks are not supported in {owner} content (only {allowed})")

@@ -15,6 +15,7 @@ from fastapi.routing import APIRoute
 from pagellm.server.anthropic.errors import error_response
 from pagellm.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagellm.server.anthropic.serving_messages import AnthropicServingMessages
+from pagellm.server.openai.chat_images import fetch_images
 from pagellm.server.openai.errors import describe_validation_error
 from pagellm.server.openai.protocol import RequestDefaults
 from pagellm.server.openai.route_utils import auth, body_size, json_unless_disconnected, session_from_header
@@ -48,6 +49,7 @@ def messages_router(chat: OpenAIServingChat, api_key: Optional[str],
     @router.post("")
     async def create_message(body: MessagesRequest, raw: Request) -> Response:
         session_from_header(body, raw)
+        await fetch_images(body, chat.engine)
         job = await prepared(messages.prepare, body, body_size(raw))
         if body.stream:
             return sse_response(messages.stream(job), defaults)
@@ -55,6 +57,7 @@ def messages_router(chat: OpenAIServingChat, api_key: Optional[str],
 
     @router.post("/count_tokens")
     async def count_tokens(body: CountTokensRequest, raw: Request) -> dict[str, Any]:
+        await fetch_images(body, chat.engine)
         return await prepared(messages.count_tokens, body, body_size(raw))
 
     return router

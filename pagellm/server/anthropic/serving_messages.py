@@ -61,17 +61,22 @@ class AnthropicServingMessages:
     def __init__(self, chat: OpenAIServingChat) -> None:
         self.chat = chat
 
+    @property
+    def _images(self) -> bool:
+        """Whether the model takes images (user turns' image blocks become image parts)."""
+        return self.chat.engine.image_placeholder is not None
+
     def prepare(self, request: MessagesRequest) -> _MessagesJob:
         """Check and render the request (APIError / ValueError → 4xx before anything is queued)."""
         for name, why in request.unsupported():
             raise APIError(why, 400, param=name, code="unsupported_parameter")
-        job = self.chat.prepare(request.to_chat())
+        job = self.chat.prepare(request.to_chat(self._images))
         job.request_id = f"msg_{uuid.uuid4().hex}"
         return _MessagesJob(request, job)
 
     def count_tokens(self, request: CountTokensRequest) -> dict[str, Any]:
         """The tokens of the prompt the request renders, as ``/v1/messages`` would render it."""
-        tokens = len(self.chat.prepare(request.to_chat()).prompt)
+        tokens = len(self.chat.prepare(request.to_chat(self._images)).prompt)
         return {"input_tokens": tokens, "context_management": {"original_input_tokens": tokens}}
 
     async def create(self, mj: _MessagesJob) -> MessageReply:

@@ -18,13 +18,13 @@ from pagellm import images
 from pagellm.chat_content import image_urls
 from pagellm.server.openai.errors import APIError
 from pagellm.server.openai.protocol import ChatCompletionRequest
-from pagellm.server.openai.responses_protocol import ResponsesRequest
 
 
-async def fetch_images(request: ChatCompletionRequest | ResponsesRequest, engine: Any) -> None:
-    """The request's http(s) image URLs (a chat's ``image_url`` parts, a response's ``input_image`` ones), fetched
-    into it (all at once) where ``engine``'s model takes images; a URL that fails is a 400. Messages that do not read
-    are left to preparation, which names what is wrong with them."""
+async def fetch_images(request: Any, engine: Any) -> None:
+    """The request's http(s) image URLs (a chat's ``image_url`` parts; a response's ``input_image`` ones and an
+    Anthropic request's image blocks, as their ``input_messages()`` give them), fetched into it (all at once) where
+    ``engine``'s model takes images; a URL that fails is a 400. Messages that do not read are left to preparation,
+    which names what is wrong with them."""
     if engine.image_placeholder is None:
         return
     try:
