@@ -8,10 +8,11 @@ images into pixel tensors. The prompt's token ids are then ordinary ids; its ima
 the processor's tensors as raw bytes (``PackedTensor``, so the engine core and its messages need no torch), and a
 digest of them.
 
-The engine keeps a request's KV blocks apart from other images' under a cache salt carrying that digest (the same
-images in the same prompt share their blocks; other images never do). Each worker runs the model's vision encoder
-on a request's tensors when it first schedules it (again after a preemption), and the model places the rows it
-makes at the prompt's image-token positions in place of their token embeddings, chunk by chunk
+The engine keys a request's KV blocks from its first image token on by a cache salt carrying that digest (the same
+images in the same prompt share their blocks; other images never do); the blocks wholly before it are its text's
+alone, shared with any prompt of that text (``kv/manager.py``, ``Request.image_span``). Each worker runs the
+model's vision encoder on a request's tensors when it first schedules it (again after a preemption), and the model
+places the rows it makes at the prompt's image-token positions in place of their token embeddings, chunk by chunk
 (``worker/input_batch.py``), as transformers' ``inputs_merger`` does.
 """
 

@@ -88,6 +88,7 @@ class Request:
         max_tokens: int | None = None,
         prompt_embeds: PromptEmbeds | None = None,
         mm_inputs: MultiModalInputs | None = None,
+        image_span: tuple[int, int] | None = None,
     ) -> None:
         self.request_id = RequestId(request_id)
         self.sampling_params = sampling_params
@@ -97,6 +98,8 @@ class Request:
         self.cache_salt = cache_salt
         self.prompt_embeds = prompt_embeds  # an embeddings prompt's rows (then the prompt's ids are placeholders)
         self.mm_inputs = mm_inputs  # its images (``multimodal.py``), encoded where its image tokens are computed
+        # [first, last + 1) of its image tokens' positions: its blocks wholly before them hash as its text's alone
+        self.image_span = image_span
         # The engine resolves max_tokens=None to what max_model_len leaves.
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.status = RequestStatus.WAITING

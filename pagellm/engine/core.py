@@ -70,22 +70,24 @@ class EngineCore:
                              "cache salt (the frontend's InputProcessor makes both)")
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, params, frozenset(req.eos_token_ids), req.arrival_time,
-            req.priority, req.cache_salt, max_tokens, embeds, self._check_images(req)))
+            req.priority, req.cache_salt, max_tokens, embeds, *self._check_images(req)))
 
-    def _check_images(self, req: EngineCoreRequest) -> MultiModalInputs | None:
-        """A request's images, where this model takes them and its prompt has image tokens for them; image tokens
-        without images are refused too (their rows would be the tokens' own embeddings)."""
+    def _check_images(self, req: EngineCoreRequest) -> tuple[MultiModalInputs | None, tuple[int, int] | None]:
+        """A request's images, where this model takes them and its prompt has image tokens for them, and the span of
+        its image tokens' positions; image tokens without images are refused too (their rows would be the tokens'
+        own embeddings)."""
         image_token = self.runtime.image_token_id
-        has_tokens = image_token is not None and image_token in req.prompt_token_ids
+        ids = req.prompt_token_ids
+        has_tokens = image_token is not None and image_token in ids
         if req.mm_inputs is None and not has_tokens:
-            return None
+            return None, None
         if image_token is None:
             raise ValueError("this model takes no images; serve a vision-language model (SmolVLM, LLaVA) for them")
         if req.mm_inputs is None or not has_tokens or not req.cache_salt:
             raise ValueError("a prompt's image tokens and its images come together, with a cache salt: give the "
                              "prompt as text with one image placeholder per image and the images as "
                              "multi_modal_data (the frontend's InputProcessor expands and salts them)")
-        return req.mm_inputs
+        return req.mm_inputs, (ids.index(image_token), len(ids) - ids[::-1].index(image_token))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

@@ -166,3 +166,24 @@ def test_what_cannot_be_served_is_refused_by_name(clip: Path, tmp_path: Path) ->
                                 ("vision_feature_layer", -9, r"vision_feature_layer \[-9\] is outside")):
         with pytest.raises(ValueError, match=message):
             LlavaVision({**config, key: value}, 64, torch.float32)
+
+
+@pytest.mark.parametrize("algo", [None, "sha256"])
+def test_prompts_share_the_text_before_their_images_and_nothing_from_them_on(clip: Path, algo: str | None) -> None:
+    """pagellm's own hashes and vLLM's (``--prefix-caching-hash-algo``, whose blocks carry vLLM's ("mm", ...) key):
+    another image reuses the blocks wholly before the first image token and computes the rest (its tokens are the
+    fresh engine's); the same image reuses its image's blocks too."""
+    llm = LLM(str(clip), dtype="float32", kv_cache_memory=1 << 22, prefix_caching_hash_algo=algo)
+    text = "A long instruction that every request shares, before its picture: <image> what is it?"
+    first, other, again = (llm.generate({"prompt": text, "multi_modal_data": {"image": image(*spec)}}, GREEDY,
+                                        use_tqdm=False)[0] for spec in [(0, 40, 56), (9, 40, 56), (9, 40, 56)])
+    before = first.prompt_token_ids.index(json.loads((clip / "config.json").read_text())["image_token_index"])
+    assert first.num_cached_tokens == 0 and before >= 32
+    assert other.num_cached_tokens == before // 16 * 16
+    assert again.num_cached_tokens > other.num_cached_tokens  # the image's blocks too
+    fresh = LLM(str(clip), dtype="float32", kv_cache_memory=1 << 22, enable_prefix_caching=False)
+    for output in (other, again):
+        assert output.outputs[0].token_ids == fresh.generate(
+            {"prompt": text, "multi_modal_data": {"image": image(9, 40, 56)}}, GREEDY, use_tqdm=False)[0] \
+            .outputs[0].token_ids
+    assert first.outputs[0].token_ids != other.outputs[0].token_ids
