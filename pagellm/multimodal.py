@@ -74,7 +74,8 @@ class ImageProcessor:
 
     # The processor's outputs each family's encoder takes, and whether they carry the prompt's batch dimension first
     FAMILIES = {"Idefics3ForConditionalGeneration": (("pixel_values", "pixel_attention_mask"), True),
-                "LlavaForConditionalGeneration": (("pixel_values",), False)}
+                "LlavaForConditionalGeneration": (("pixel_values",), False),
+                "LlavaNextForConditionalGeneration": (("pixel_values", "image_sizes"), False)}
 
     def __init__(self, model_dir: Path, image_token_id: int) -> None:
         from transformers import AutoProcessor
@@ -101,24 +102,22 @@ class ImageProcessor:
             raise ValueError(f"the images could not be processed: {exc}") from None
         tensors = {name: out[name][0] if self.batched else out[name] for name in self.tensors if name in out}
         ids = out["input_ids"][0].tolist()
-        rows = self._rows(tensors["pixel_values"])
+        rows = self._rows(tensors)
         if ids.count(self.image_token_id) != rows:
             raise ValueError(f"the processor wrote {ids.count(self.image_token_id)} image tokens for {rows} image "
                              "rows; send images the model's processor can take")
         return ids, inputs_of(tensors)
 
-    def _rows(self, pixels: torch.Tensor) -> int:
-        """The rows the model's encoder makes of ``pixels``: SmolVLM's ``image_seq_len`` a tile (all-zero padding
-        tiles dropped); LLaVA's one a patch, its CLIP tower's class token too under the "full" strategy."""
+    def _rows(self, tensors: dict[str, torch.Tensor]) -> int:
+        """The rows the model's encoder makes of ``tensors``: SmolVLM's ``image_seq_len`` a tile (all-zero padding
+        tiles dropped); LLaVA's a tile's patches (``model/llava.py``: ``image_tokens``), LLaVA-NeXT's by each
+        image's size."""
+        pixels = tensors["pixel_values"]
         if self.batched:
             tiles = int((pixels != 0).flatten(1).any(1).sum())
             return tiles * int(getattr(self.processor, "image_seq_len", 0))
-        from pagellm.model.arch import with_defaults
+        from pagellm.model.llava import image_tokens
 
-        vision = with_defaults(self.config.get("vision_config") or {})
-        patch = int(vision["patch_size"])
-        per_image = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
-        if vision.get("model_type") == "clip_vision_model" and \
-                self.config.get("vision_feature_select_strategy", "default") == "full":
-            per_image += 1
-        return pixels.shape[0] * per_image
+        architecture = self.config["architectures"][0]
+        sizes = tensors["image_sizes"].tolist() if "image_sizes" in tensors else [(0, 0)] * pixels.shape[0]
+        return sum(image_tokens(self.config, architecture, int(h), int(w)) for h, w in sizes)

@@ -50,32 +50,44 @@ def data_url(picture: Image.Image) -> str:
 
 
 # A tiny LLaVA's towers: CLIP (a class token, quick GELU; the "default" strategy drops the class token) or SigLIP
-# (neither), 32-pixel crops of 8-pixel patches: 16 image tokens an image
+# (neither), 32-pixel crops of 8-pixel patches: 16 image tokens an image (15 for SigLIP under "default")
 TOWERS = {
     "clip": ({"model_type": "clip_vision_model", "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5}, "default", 1),
     "siglip": ({"model_type": "siglip_vision_model"}, "full", 0),
+    "siglip-default": ({"model_type": "siglip_vision_model"}, "default", 0),  # drops its first patch (transformers)
 }
 
 
-def build_llava(decoder: Path, out: Path, tower: str = "clip", feature_layer: int | list[int] = -2) -> Path:
+PINPOINTS = [[32, 64], [64, 32], [64, 64], [96, 32]]  # a tiny LLaVA-NeXT's grids of 32-pixel tiles
+
+
+def build_llava(decoder: Path, out: Path, tower: str = "clip", feature_layer: int | list[int] = -2,
+                anyres: bool = False) -> Path:
+    """A tiny LLaVA (``anyres``: LLaVA-NeXT, its images split over ``PINPOINTS``) over ``decoder``."""
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(decoder)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     vision, strategy, extra = TOWERS[tower]
-    images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}) \
-        if tower == "clip" else SiglipImageProcessorPil(size={"height": 32, "width": 32})
-    processor = transformers.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8,
-                                            vision_feature_select_strategy=strategy, num_additional_image_tokens=extra)
+    crop = {"size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32}}
+    images = LlavaNextImageProcessorPil(**crop, image_grid_pinpoints=PINPOINTS) if anyres else \
+        CLIPImageProcessorPil(**crop) if tower == "clip" else SiglipImageProcessorPil(size={"height": 32, "width": 32})
+    kind = (transformers.LlavaNextProcessor, transformers.LlavaNextConfig,
+            transformers.LlavaNextForConditionalGeneration) if anyres else \
+        (transformers.LlavaProcessor, transformers.LlavaConfig, transformers.LlavaForConditionalGeneration)
+    processor = kind[0](image_processor=images, tokenizer=tokenizer, patch_size=8,
+                        vision_feature_select_strategy=strategy, num_additional_image_tokens=extra)
     text = {k: v for k, v in json.loads((decoder / "config.json").read_text()).items()
             if k not in ("architectures", "dtype", "torch_dtype")}
-    config = transformers.LlavaConfig(
+    config = kind[1](
         text_config=text, image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
         vision_config={**vision, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
                        "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
-        vision_feature_select_strategy=strategy, vision_feature_layer=feature_layer, tie_word_embeddings=False)
+        vision_feature_select_strategy=strategy, vision_feature_layer=feature_layer, tie_word_embeddings=False,
+        **({"image_grid_pinpoints": PINPOINTS} if anyres else {}))
     torch.manual_seed(0)
-    transformers.LlavaForConditionalGeneration(config).eval().save_pretrained(out)
+    kind[2](config).eval().save_pretrained(out)
     processor.save_pretrained(out)
     return out

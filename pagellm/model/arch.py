@@ -114,10 +114,12 @@ def _full_attention_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, .
 
 
 # Vision-language models: a decoder (``text_config``) that takes image rows in place of image tokens' embeddings
-VISION_MODELS = ("Idefics3ForConditionalGeneration", "LlavaForConditionalGeneration")
+VISION_MODELS = ("Idefics3ForConditionalGeneration", "LlavaForConditionalGeneration",
+                 "LlavaNextForConditionalGeneration")
 # what a vision-language model's config says of its vision side, beside its text_config
 _VISION_KEYS = ("vision_config", "scale_factor", "image_token_id", "image_token_index", "vision_feature_layer",
-                "vision_feature_select_strategy", "projector_hidden_act", "multimodal_projector_bias")
+                "vision_feature_select_strategy", "projector_hidden_act", "multimodal_projector_bias",
+                "image_grid_pinpoints")
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,16 @@
-"""LLaVA (LLaVA-1.5, its SigLIP-towered kin): a CLIP or SigLIP vision tower, a two-layer projector, a Llama-family
-decoder (Llama, Vicuna, Mistral, Qwen2).
+"""LLaVA (LLaVA-1.5, its SigLIP-towered kin) and LLaVA-NeXT (LLaVA-1.6): a CLIP or SigLIP vision tower, a two-layer
+projector, a Llama-family decoder (Llama, Vicuna, Mistral, Qwen2).
 
 Contract: ``LlavaForConditionalGeneration`` is the decoder (``LlamaForCausalLM``, every fast path of it) with
 ``vision``, the tower and projector in plain PyTorch, computed as transformers' ``LlavaModel.get_image_features``
 computes them: each image (``pixel_values`` [images, 3, H, W], the processor's fixed crop) as patches (a ``patch_size``
 convolution; CLIP's with a class token first and a LayerNorm before the layers), learned positions, the encoder's
 layers up to ``vision_feature_layer`` (the hidden state after that many layers, counted from the end when negative;
-a list of them concatenated), the class token dropped under the "default" strategy, then ``linear_1``, the
-projector's activation, ``linear_2``. ``image_rows(inputs)`` gives one row per image token in the prompt's order, in
+a list of them concatenated), the first token (CLIP's class token) dropped under the "default" strategy, then
+``linear_1``, the projector's activation, ``linear_2``. ``LlavaNextForConditionalGeneration`` takes each image as
+the processor tiles it (``pixel_values`` [images, tiles, 3, H, W] and ``image_sizes``): the whole image's tile, then
+the grid of its best resolution among ``image_grid_pinpoints``, its patch rows laid out across the grid, cut to the
+image's aspect ratio and each followed by ``image_newline`` (transformers' ``pack_image_features``). ``image_rows(inputs)`` gives one row per image token in the prompt's order, in
 the decoder's dtype. Only the layers the feature layer reads are built; the checkpoint's later layers, the tower's
 final LayerNorm and SigLIP's pooling head are not loaded. Checkpoints name the parts ``vision_tower.vision_model.``,
 ``multi_modal_projector.``, ``language_model.model.`` and ``language_model.lm_head.`` (the released llava-hf ones;
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
     from pagellm.multimodal import MultiModalInputs
 
 TOWERS = ("clip_vision_model", "siglip_vision_model")
+DEFAULT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]  # LLaVA-NeXT's (transformers')
 
 
 class _Embeddings(nn.Module):
@@ -87,8 +91,8 @@ class VisionTower(nn.Module):
         return [states[i] for i in self.feature_layers]
 
     def loads(self, name: str) -> bool:
-        """Whether a tower tensor (its name below ``vision_tower.vision_model.``) has a place here: not the final LayerNorm, the
-        pooling head, nor a layer past the feature layers."""
+        """Whether a tower tensor (its name below ``vision_tower.vision_model.``) has a place here: not the final
+        LayerNorm, the pooling head, nor a layer past the feature layers."""
         if name.startswith(("post_layernorm.", "head.")):
             return False
         if name.startswith("encoder.layers."):
@@ -115,26 +119,101 @@ class LlavaVision(nn.Module):
     @torch.inference_mode()
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """[images · tokens per image, text width] of ``pixels`` [images, 3, H, W]."""
-        dtype = self.projector.linear_1.weight.dtype
-        states = self.tower(pixels.to(dtype))
-        if self.strategy == "default" and self.tower.clip:  # the class token (SigLIP's towers have none)
+        return self.project(pixels).flatten(0, 1)
+
+    def project(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[tiles, tokens per tile, text width] of ``pixels`` [tiles, 3, H, W]."""
+        states = self.tower(pixels.to(self.projector.linear_1.weight.dtype))
+        if self.strategy == "default":  # the first token (CLIP's class token; as transformers, whatever the tower)
             states = [s[:, 1:] for s in states]
-        features = torch.cat(states, -1)
-        rows = self.projector.linear_2(act(self.projector.linear_1(features), self.kind))
-        return rows.flatten(0, 1)
+        return self.projector.linear_2(act(self.projector.linear_1(torch.cat(states, -1)), self.kind))
+
+
+class LlavaNextVision(LlavaVision):
+    """LLaVA-NeXT's any-resolution images: each image a base tile (the whole image) and a grid of tiles (its best
+    resolution among ``image_grid_pinpoints``), the grid's rows unpadded to the image's aspect ratio, each row of
+    patches followed by ``image_newline``."""
+
+    def __init__(self, vision: dict[str, Any], text_width: int, dtype: torch.dtype) -> None:
+        super().__init__(vision, text_width, dtype)
+        self.config = vision
+        self.image_newline = nn.Parameter(torch.zeros(text_width, dtype=dtype))
+
+    @torch.inference_mode()
+    def forward(self, pixels: torch.Tensor, image_sizes: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """[all the images' rows, text width] of ``pixels`` [images, tiles (padded), 3, H, W] and the images'
+        original ``image_sizes`` [images, 2] (height, width)."""
+        out = []
+        for tiles, (height, width) in zip(pixels, image_sizes.tolist()):
+            rows, cols = anyres_grid(self.config, height, width)
+            features = self.project(tiles[:rows * cols + 1])
+            side = side_of(self.config)
+            grid = features[1:].reshape(rows, cols, side, side, -1).permute(4, 0, 2, 1, 3)
+            grid = grid.reshape(-1, rows * side, cols * side)
+            kept_rows, kept_cols = unpadded(self.config, height, width)
+            top, left = (rows * side - kept_rows) // 2, (cols * side - kept_cols) // 2
+            grid = grid[:, top:top + kept_rows, left:left + kept_cols]
+            newline = self.image_newline[:, None, None].expand(-1, kept_rows, 1).to(grid.dtype)
+            out += [features[0], torch.cat([grid, newline], -1).flatten(1).T]
+        return torch.cat(out)
+
+
+def side_of(vision: dict[str, Any]) -> int:
+    """Patches along a tile's side."""
+    tower = with_defaults(vision.get("vision_config") or {})
+    return int(tower["image_size"]) // int(tower["patch_size"])
+
+
+def tile_tokens(vision: dict[str, Any]) -> int:
+    """The rows one tile makes (a LLaVA-1.5 image, a LLaVA-NeXT base tile): its patches, a CLIP tower's class token,
+    less the first token under the "default" strategy."""
+    tower = with_defaults(vision.get("vision_config") or {})
+    return side_of(vision) ** 2 + (tower.get("model_type") == "clip_vision_model") - \
+        (vision.get("vision_feature_select_strategy", "default") == "default")
+
+
+def anyres_grid(vision: dict[str, Any], height: int, width: int) -> tuple[int, int]:
+    """The grid of tiles (rows, columns) of an image of ``height`` × ``width``: its best resolution among
+    ``image_grid_pinpoints`` (transformers' choice), in tiles."""
+    from transformers.image_processing_utils import select_best_resolution
+
+    tile = int(with_defaults(vision.get("vision_config") or {})["image_size"])
+    best_height, best_width = select_best_resolution((height, width), vision.get("image_grid_pinpoints")
+                                                     or DEFAULT_PINPOINTS)
+    return best_height // tile, best_width // tile
+
+
+def unpadded(vision: dict[str, Any], height: int, width: int) -> tuple[int, int]:
+    """The grid's patch rows and columns that show the image (the padding its aspect ratio left cut off, as
+    transformers' ``unpad_image``)."""
+    rows, cols = (n * side_of(vision) for n in anyres_grid(vision, height, width))
+    if width / height > cols / rows:
+        padding = (rows - int(round(height * (cols / width), 7))) // 2
+        return rows - 2 * padding, cols
+    padding = (cols - int(round(width * (rows / height), 7))) // 2
+    return rows, cols - 2 * padding
+
+
+def image_tokens(vision: dict[str, Any], architecture: str, height: int, width: int) -> int:
+    """The rows an image of ``height`` × ``width`` makes (one image token each)."""
+    if architecture == "LlavaForConditionalGeneration":
+        return tile_tokens(vision)
+    kept_rows, kept_cols = unpadded(vision, height, width)
+    return tile_tokens(vision) + kept_rows * (kept_cols + 1)
 
 
 class LlavaForConditionalGeneration(LlamaForCausalLM):
     TOWER = re.compile(r"^(model\.)?vision_tower\.(vision_model\.)?")
     PROJECTOR = re.compile(r"^(model\.)?multi_modal_projector\.")
     DECODER = re.compile(r"^(model\.)?language_model\.(model\.)?")
+    VISION_CLASS = LlavaVision
 
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState = SINGLE) -> None:
         if cfg.embed_scale is not None or cfg.norms != NORMS_PRE:
             raise ValueError("LLaVA's decoder must be of the Llama family (Llama, Vicuna, Mistral, Qwen2); this "
                              "one's text_config is not")
         super().__init__(cfg, dtype, parallel)
-        self.vision = LlavaVision(cfg.vision or {}, cfg.hidden_size, dtype)
+        self.vision = self.VISION_CLASS(cfg.vision or {}, cfg.hidden_size, dtype)
 
     def image_rows(self, images: MultiModalInputs) -> torch.Tensor:
         pixels = images.tensor("pixel_values")
@@ -153,4 +232,21 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             return super()._target(name.removeprefix("language_model."))
         if match := self.DECODER.match(name):
             return super()._target(f"model.{name[match.end():]}")
+        return super()._target(name)
+
+
+class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
+    """LLaVA-NeXT (LLaVA-1.6): LLaVA with any-resolution images (``LlavaNextVision``); ``image_newline`` is the
+    checkpoint's ``image_newline`` or ``model.image_newline``."""
+
+    VISION_CLASS = LlavaNextVision
+
+    def image_rows(self, images: MultiModalInputs) -> torch.Tensor:
+        pixels, sizes = images.tensor("pixel_values"), images.tensor("image_sizes")
+        assert pixels is not None and sizes is not None
+        return self.vision(pixels, sizes).to(self.model.norm.weight.dtype)
+
+    def _target(self, name: str) -> tuple[str | None, str | int | None]:
+        if name in ("image_newline", "model.image_newline"):
+            return "vision.image_newline", None
         return super()._target(name)

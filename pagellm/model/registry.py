@@ -10,7 +10,7 @@ from pagellm.model.arch import BASE_MODELS, CLASSIFIERS, ArchConfig
 from pagellm.model.idefics3 import Idefics3ForConditionalGeneration
 from pagellm.model.llama import (GemmaForCausalLM, GptOssForCausalLM, GraniteMoeForCausalLM,
                                  InterleavedRopeForCausalLM, LlamaForCausalLM, MixtralForCausalLM, Phi3ForCausalLM)
-from pagellm.model.llava import LlavaForConditionalGeneration
+from pagellm.model.llava import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -37,6 +37,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": GemmaForCausalLM,  # Gemma 3's text model (gemma-3-270m, -1b); its multimodal ones are not
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,  # SmolVLM: images in its prompts
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # LLaVA-1.5: a CLIP or SigLIP tower
+    "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,  # LLaVA-NeXT: any-resolution images
     # base models (embedding checkpoints: no LM head; ArchConfig.base_model), for pooling requests
     **{name: LlamaForCausalLM for name in BASE_MODELS},
     # sequence classifiers: the same decoder and a score head (ArchConfig.num_labels), for classify requests

@@ -1,5 +1,6 @@
 """LLaVA (``model/llava.py``): tiny random LLaVAs built here with transformers, a CLIP tower over the tiny Llama and a
-SigLIP tower over the tiny Qwen2, each image a 32-pixel crop of 16 image tokens.
+SigLIP tower over the tiny Qwen2, each image a 32-pixel crop of 16 image tokens, and a LLaVA-NeXT (CLIP, the tiny
+Llama) splitting each image over a grid of 32-pixel tiles plus the whole image.
 
 The towers' rows must be transformers' ``get_image_features`` (one feature layer or several); greedy tokens must be
 transformers' ``generate`` on the same processor's inputs in float32, whole or in prefill chunks that cut images
@@ -33,12 +34,22 @@ def clip(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def siglip_default(tiny_qwen2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_llava(tiny_qwen2, tmp_path_factory.mktemp("llava-siglip-default"), "siglip-default")
+
+
+@pytest.fixture(scope="module")
+def anyres(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_llava(tiny_llama, tmp_path_factory.mktemp("llava-next"), anyres=True)
+
+
+@pytest.fixture(scope="module")
 def siglip(tiny_qwen2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_llava(tiny_qwen2, tmp_path_factory.mktemp("llava-siglip"), "siglip", [-1, -3])
 
 
 def _reference(model_dir: Path) -> transformers.PreTrainedModel:
-    return transformers.LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def _prompts() -> list[tuple[str, list[Image.Image]]]:
@@ -52,23 +63,30 @@ def _transformers_tokens(model_dir: Path, reference, text: str, images: list[Ima
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-@pytest.mark.parametrize("tower", ["clip", "siglip"])
+@pytest.mark.parametrize("tower", ["clip", "siglip", "siglip_default", "anyres"])
 def test_image_rows_are_transformers_image_features(tower: str, request: pytest.FixtureRequest) -> None:
     """CLIP's tower read two layers from the end, its class token dropped; SigLIP's read at two layers (the last and
-    the third from the end) and concatenated, every patch kept."""
+    the third from the end) and concatenated, every patch kept (or, under the "default" strategy, all but the first,
+    as transformers drops it); LLaVA-NeXT's wide, tall and square images over grids
+    of tiles, unpadded to their aspect ratios, a newline row after each row of patches."""
     model_dir = request.getfixturevalue(tower)
     llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22)
+    pictures = [image(3, 30, 62), image(4, 61, 23)]
+    pictures += [image(5, 40, 40), image(6, 90, 31)] if tower == "anyres" else []
     inputs = transformers.AutoProcessor.from_pretrained(model_dir)(
-        text=["<image> <image>"], images=[[image(3, 30, 62), image(4, 61, 23)]], return_tensors="pt")
+        text=[" ".join(["<image>"] * len(pictures))], images=[pictures], return_tensors="pt")
+    sizes = (inputs["image_sizes"],) if tower == "anyres" else ()
     with torch.no_grad():
-        theirs = torch.cat(list(_reference(model_dir).model.get_image_features(inputs["pixel_values"]).pooler_output))
+        theirs = _reference(model_dir).model.get_image_features(inputs["pixel_values"], *sizes).pooler_output
     model = llm.engine.core.executor.worker.runner.model
-    ours = model.vision(inputs["pixel_values"])
-    assert ours.shape == (2 * 16, 64)
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    ours = model.vision(inputs["pixel_values"], *sizes)
+    assert ours.shape == (int((inputs["input_ids"] == model.cfg.image_token_id).sum()), 64)
+    assert ours.shape[0] == {"siglip_default": 2 * 15, "anyres": sum(len(rows) for rows in theirs)}.get(tower, 2 * 16)
+    torch.testing.assert_close(ours, torch.cat(list(theirs)), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("tower,chunk", [("clip", 4096), ("clip", 8), ("siglip", 4096)])
+@pytest.mark.parametrize("tower,chunk", [("clip", 4096), ("clip", 8), ("siglip", 4096), ("anyres", 4096),
+                                         ("anyres", 8)])
 def test_greedy_tokens_equal_transformers_whole_and_chunked(tower: str, chunk: int,
                                                             request: pytest.FixtureRequest) -> None:
     """At 8 tokens a step each image's 16 rows are prefilled in pieces."""
@@ -79,21 +97,25 @@ def test_greedy_tokens_equal_transformers_whole_and_chunked(tower: str, chunk: i
                            GREEDY, use_tqdm=False)
     for (text, images), output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == _transformers_tokens(model_dir, reference, text, images)
-        assert output.prompt_token_ids.count(json.loads((model_dir / "config.json").read_text())
-                                             ["image_token_index"]) == 16 * len(images)
+        image_token = json.loads((model_dir / "config.json").read_text())["image_token_index"]
+        assert output.prompt_token_ids.count(image_token) >= 16 * len(images)
 
 
 LAYOUTS = {  # transformers 5 saves language_model.model., language_model.lm_head., vision_tower. (no vision_model.)
     "released": (("vision_tower.", "vision_tower.vision_model."),),  # llava-hf's, from transformers 4
     "modules": (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
-                ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector.")),
+                ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."),
+                ("image_newline", "model.image_newline")),
 }
 
 
+@pytest.mark.parametrize("tower", ["clip", "anyres"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_checkpoint_layouts_and_sparse_configs_load_the_same_model(layout: str, clip: Path, tmp_path: Path) -> None:
+def test_checkpoint_layouts_and_sparse_configs_load_the_same_model(layout: str, tower: str, tmp_path: Path,
+                                                                   request: pytest.FixtureRequest) -> None:
     """The released llava-hf checkpoints' names and transformers 5's module names, and a vision config silent on its
     activation and norm epsilon (CLIP's defaults, quick GELU and 1e-5, are transformers')."""
+    clip = request.getfixturevalue(tower)
     for path in clip.iterdir():
         if path.is_file() and path.suffix != ".safetensors" and not path.name.endswith(".index.json"):
             (tmp_path / path.name).write_bytes(path.read_bytes())
