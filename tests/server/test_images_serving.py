@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import http.server
+import json
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ from server_utils import ServerProcess
 from vlm_utils import build_vlm, data_url, image, png
 
 from pagellm import LLM, SamplingParams
+from pagellm.cli import main
 from pagellm.server.openai.protocol import ChatCompletionRequest
 from pagellm.server.openai.serving_chat import OpenAIServingChat
 from pagellm.tokenizer import Tokenizer
@@ -128,6 +130,19 @@ def test_anthropic_image_blocks_are_read_as_chat_reads_image_parts(server: Serve
     messages[0]["content"][2]["source"]["url"] = picture_url.replace("cat", "dog")
     with pytest.raises(anthropic.BadRequestError, match="answered HTTP 404"):
         claude.messages.create(model="tiny", messages=messages, max_tokens=2)
+
+
+def test_bench_serve_random_mm_drives_the_server_with_images(server: ServerProcess, tmp_path: Path) -> None:
+    """``pagellm bench serve --dataset-name random-mm`` (vLLM's workload and flags): every request served, its
+    prompt counted by the server with its image's tokens (20 each here)."""
+    out = tmp_path / "result.json"
+    rc = main(["bench", "serve", "--base-url", server.base_url, "--no-progress", "--dataset-name", "random-mm",
+               "--num-prompts", "3", "--random-input-len", "4", "--random-output-len", "3", "--num-warmups", "0",
+               "--random-mm-bucket-config", "{(40, 56, 1): 1.0}", "--result-json", str(out)])
+    assert rc == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert (run["metrics"]["completed"], run["metrics"]["failed"], run["metrics"]["total_output_tokens"]) == (3, 0, 9)
+    assert all(r["prompt_len"] > 20 + 4 for r in run["requests"])
 
 
 def test_images_that_cannot_be_read_are_refused_and_the_server_serves_on(client: openai.OpenAI,
