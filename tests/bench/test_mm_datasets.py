@@ -30,11 +30,11 @@ def _images(request: datasets.BenchRequest) -> list[Image.Image]:
 
 def test_counts_and_sizes_follow_vllms_flags_and_the_seed() -> None:
     flags = ["--num-prompts", "40", "--random-input-len", "12", "--random-output-len", "5",
-             "--random-mm-base-items-per-request", "2", "--random-mm-num-mm-items-range-ratio", "0.5",
+             "--random-mm-base-items-per-request", "3", "--random-mm-num-mm-items-range-ratio", "0.5",
              "--random-mm-bucket-config", "{(24, 40, 1): 0.5, (30, 20, 1): 0.5, (720, 1280, 16): 0.0}"]
     requests = _requests(*flags)
     counts = [len(_images(r)) for r in requests]
-    assert set(counts) == {1, 2, 3}  # floor(2 · 0.5) to ceil(2 · 1.5)
+    assert set(counts) == {1, 2, 3, 4, 5}  # floor(3 · 0.5) to ceil(3 · 1.5)
     sizes = {picture.size for r in requests for picture in _images(r)}
     assert sizes == {(40, 24), (20, 30)}  # PIL's (width, height)
     first = requests[0].messages[0]["content"]
