@@ -38,6 +38,9 @@ class PackedTensor(msgspec.Struct, array_like=True, frozen=True):
 class MultiModalInputs(msgspec.Struct, array_like=True, frozen=True):
     tensors: dict[str, PackedTensor]  # the processor's outputs the vision encoder takes (pixel_values, masks)
     digest: str                       # of the tensors: equal only for equal images, as processed
+    # Each image's digest (of its pixels) and its image tokens, in the prompt's order (empty: not known, and the
+    # request's blocks from its first image token on are keyed by ``digest`` alone)
+    items: list[tuple[str, int]] = msgspec.field(default_factory=list)
 
     def tensor(self, name: str) -> torch.Tensor | None:
         packed = self.tensors.get(name)
@@ -59,13 +62,25 @@ def unpack(packed: PackedTensor) -> torch.Tensor:
     return torch.frombuffer(bytearray(packed.data), dtype=torch.uint8).view(dtype).reshape(packed.shape)
 
 
-def inputs_of(tensors: dict[str, torch.Tensor]) -> MultiModalInputs:
+def inputs_of(tensors: dict[str, torch.Tensor], items: list[tuple[str, int]] | None = None) -> MultiModalInputs:
     packed = {name: pack(t) for name, t in sorted(tensors.items())}
     digest = hashlib.sha256()
     for name, p in packed.items():
         digest.update(f"{name}:{p.dtype}:{p.shape}:".encode())
         digest.update(p.data)
-    return MultiModalInputs(packed, digest.hexdigest())
+    return MultiModalInputs(packed, digest.hexdigest(), items or [])
+
+
+def image_digest(image: Any) -> str:
+    """A digest of one image's pixels (a PIL image's mode, size and bytes; an array's dtype, shape and bytes)."""
+    import numpy as np
+
+    if hasattr(image, "mode") and hasattr(image, "tobytes"):
+        head, data = f"pil:{image.mode}:{image.size}", image.tobytes()
+    else:
+        array = np.ascontiguousarray(np.asarray(image))
+        head, data = f"array:{array.dtype}:{array.shape}", array.tobytes()
+    return hashlib.sha256(head.encode() + b":" + data).hexdigest()
 
 
 class ImageProcessor:
@@ -106,7 +121,17 @@ class ImageProcessor:
         if ids.count(self.image_token_id) != rows:
             raise ValueError(f"the processor wrote {ids.count(self.image_token_id)} image tokens for {rows} image "
                              "rows; send images the model's processor can take")
-        return ids, inputs_of(tensors)
+        return ids, inputs_of(tensors, self._items(images, rows))
+
+    def _items(self, images: list[Any], rows: int) -> list[tuple[str, int]]:
+        """Each image's digest and image tokens (the processor's own count, ``_get_num_multimodal_tokens``, as vLLM
+        reads it); none where the processor cannot say or its counts do not add up to ``rows``."""
+        try:
+            sizes = [(image.height, image.width) for image in images]
+            counts = [int(n) for n in self.processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens]
+        except (AttributeError, TypeError, ValueError, KeyError):
+            return []
+        return list(zip(map(image_digest, images), counts)) if sum(counts) == rows else []
 
     def _rows(self, tensors: dict[str, torch.Tensor]) -> int:
         """The rows the model's encoder makes of ``tensors``: SmolVLM's ``image_seq_len`` a tile (all-zero padding

@@ -9,7 +9,7 @@ running has computed nothing. No torch here.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, NewType
+from typing import TYPE_CHECKING, NamedTuple, NewType
 
 if TYPE_CHECKING:
     from pagellm.multimodal import MultiModalInputs
@@ -60,6 +60,28 @@ _FINISH_REASONS = {
 _CALLER = "caller-"
 
 
+class ImageSpan(NamedTuple):
+    """One image's (or, where the frontend could not count each image's tokens, all images') tokens in a prompt:
+    the first one's position, one past the last one's, and the image's digest."""
+
+    start: int
+    end: int
+    digest: str
+
+
+def image_spans(prompt: list[int], image_token: int, images: MultiModalInputs) -> list[ImageSpan]:
+    """The spans of a prompt's images: each image's own where ``images.items`` counts each one's tokens (the
+    prompt's image tokens in order), else one span over all of them, keyed by the whole digest."""
+    positions = [i for i, token in enumerate(prompt) if token == image_token]
+    if not images.items or sum(count for _, count in images.items) != len(positions):
+        return [ImageSpan(positions[0], positions[-1] + 1, images.digest)]
+    spans, first = [], 0
+    for digest, count in images.items:
+        spans.append(ImageSpan(positions[first], positions[first + count - 1] + 1, digest))
+        first += count
+    return spans
+
+
 def caller_salt_part(salt: str) -> str:
     return f"{_CALLER}{len(salt)}:{salt}"
 
@@ -88,7 +110,7 @@ class Request:
         max_tokens: int | None = None,
         prompt_embeds: PromptEmbeds | None = None,
         mm_inputs: MultiModalInputs | None = None,
-        image_span: tuple[int, int] | None = None,
+        image_spans: list[ImageSpan] | None = None,
     ) -> None:
         self.request_id = RequestId(request_id)
         self.sampling_params = sampling_params
@@ -98,8 +120,9 @@ class Request:
         self.cache_salt = cache_salt
         self.prompt_embeds = prompt_embeds  # an embeddings prompt's rows (then the prompt's ids are placeholders)
         self.mm_inputs = mm_inputs  # its images (``multimodal.py``), encoded where its image tokens are computed
-        # [first, last + 1) of its image tokens' positions: its blocks wholly before them hash as its text's alone
-        self.image_span = image_span
+        # its images' token spans (``image_spans``): its blocks hash as its text's and the images begun before
+        # each block's end (``kv/manager.py``)
+        self.image_spans = image_spans
         # The engine resolves max_tokens=None to what max_model_len leaves.
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.status = RequestStatus.WAITING

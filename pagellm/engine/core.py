@@ -22,7 +22,7 @@ from pagellm.kv.events import KVEventRecorder
 from pagellm.metrics.profiler import span
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.multimodal import MultiModalInputs
-from pagellm.request import Request
+from pagellm.request import ImageSpan, Request, image_spans
 from pagellm.sched.native import build_extension
 from pagellm.sched.scheduler import Scheduler
 
@@ -72,10 +72,10 @@ class EngineCore:
             req.request_id, req.prompt_token_ids, params, frozenset(req.eos_token_ids), req.arrival_time,
             req.priority, req.cache_salt, max_tokens, embeds, *self._check_images(req)))
 
-    def _check_images(self, req: EngineCoreRequest) -> tuple[MultiModalInputs | None, tuple[int, int] | None]:
-        """A request's images, where this model takes them and its prompt has image tokens for them, and the span of
-        its image tokens' positions; image tokens without images are refused too (their rows would be the tokens'
-        own embeddings)."""
+    def _check_images(self, req: EngineCoreRequest) -> tuple[MultiModalInputs | None, list[ImageSpan] | None]:
+        """A request's images, where this model takes them and its prompt has image tokens for them, and the spans
+        of their tokens' positions (``image_spans``); image tokens without images are refused too (their rows would
+        be the tokens' own embeddings)."""
         image_token = self.runtime.image_token_id
         ids = req.prompt_token_ids
         has_tokens = image_token is not None and image_token in ids
@@ -87,7 +87,7 @@ class EngineCore:
             raise ValueError("a prompt's image tokens and its images come together, with a cache salt: give the "
                              "prompt as text with one image placeholder per image and the images as "
                              "multi_modal_data (the frontend's InputProcessor expands and salts them)")
-        return req.mm_inputs, (ids.index(image_token), len(ids) - ids[::-1].index(image_token))
+        return req.mm_inputs, image_spans(ids, image_token, req.mm_inputs)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

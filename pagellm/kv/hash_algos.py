@@ -11,8 +11,8 @@ computes, which are vLLM's. ``VllmBlockHasher(algo)`` computes them as vLLM 0.32
 - ``hash`` serialises with pickle (``sha256``, ``xxhash``) or canonical CBOR (``sha256_cbor``, ``xxhash_cbor``, the
   one other languages reproduce) and digests with SHA-256 (32 bytes) or XXH3-128 (16 bytes);
 - ``extra_keys`` is None or a tuple of tagged keys: ``("lora", name, path)`` on every block of an adapter's request,
-  ``("mm", digest, offset)`` on each block that holds some of a prompt's image tokens (its images' digest and where
-  their first token sits, from the block's start: vLLM's key, the images taken as one item spanning their tokens),
+  ``("mm", digest, offset)`` on each block that holds some of an image's tokens (the image's digest and where its
+  first token sits, from the block's start: vLLM's key; ``Request.image_spans``),
   ``("cache_salt", salt)`` on its first block when the caller gave a salt, ``("prompt_embeds", sha256(rows))`` on
   every block of an embeddings prompt. Where pagellm keeps a request's blocks to itself and vLLM does not (a request
   asking for prompt logprobs computes every position), its first block adds ``("pagellm", salt)``, so those blocks
@@ -125,9 +125,9 @@ def block_keys(request: Request, index: int, block_size: int) -> tuple:
     params = request.sampling_params
     lora = params.lora_request
     keys: tuple = (("lora", lora.lora_name, lora.lora_path),) if lora is not None else ()
-    span = request.image_span
-    if span is not None and index * block_size < span[1] and span[0] < (index + 1) * block_size:
-        keys += (("mm", request.mm_inputs.digest, span[0] - index * block_size),)  # type: ignore[union-attr]
+    start = index * block_size
+    keys += tuple(("mm", span.digest, span.start - start) for span in request.image_spans or ()
+                  if start < span.end and span.start < start + block_size)
     if index == 0:
         salt = caller_salt(request.cache_salt)
         if salt is not None:

@@ -14,9 +14,9 @@ Contract with the scheduler:
   ``allocate_slots`` would allocate nothing: the scheduler skips it, calling only ``cache_full_blocks`` when the
   step's final tokens reach the second number (most steps of a decoding request need no manager call at all).
 - ``hash_blocks(request)`` hashes the request's full blocks ahead of time (the scheduler calls it on arrival);
-  look-ups and registration hash whatever is still missing themselves. A prompt with images hashes its blocks
-  wholly before its first image token under its salt without the images' part (its text's, shared with any prompt
-  of that text), the rest under its whole salt.
+  look-ups and registration hash whatever is still missing themselves. A prompt with images keys each block by
+  its salt without the images' part and the images begun before the block's end (``Request.image_spans``), so
+  prompts share the blocks of their common text and common first images.
 Only tokens that are final (never draft tokens) are hashed into the cache.
 
 With ``sliding_window`` set (a model whose every layer attends to its last W positions only), a request's blocks
@@ -28,6 +28,8 @@ blocks the next token's window sees (``get_computed_blocks``), the ones before t
 """
 
 from __future__ import annotations
+
+import hashlib
 
 from typing import Callable
 
@@ -244,22 +246,28 @@ class KVCacheManager:
             return
         if self.enable_caching and request.prompt_embeds is not None and not hashes:
             hashes.extend(self._embeds_hashes(request))
-        if self.enable_caching and request.image_span is not None and not hashes:
-            self._text_hashes(request)
+        if self.enable_caching and request.image_spans and not hashes:
+            self._image_hashes(request)
         if self.enable_caching and len(tokens) >= (len(hashes) + 1) * self.block_size:
             if request.cache_salt:
                 extend_block_hashes(hashes, tokens, self.block_size, (request.cache_salt,))
             elif self.native_hashes is None or not self.native_hashes(hashes, tokens, self.block_size, ROOT_HASH):
                 extend_block_hashes(hashes, tokens, self.block_size)
 
-    def _text_hashes(self, request: Request) -> None:
-        """The hashes of a prompt's full blocks before its first image token: its text's alone, under the salt before
-        its images' part (so a prompt shares them with any prompt of that text, whatever its images); the blocks
-        from the first image token on take the whole salt, images' digest included."""
-        salt = request.cache_salt or ""
+    def _image_hashes(self, request: Request) -> None:
+        """The hashes of a prompt's full blocks with images: a block is keyed by the salt before its images' part and
+        the digests of the images begun before its end (so prompts share the blocks of their common text and their
+        common first images, whatever images come later; none before an image differs)."""
+        salt, bs, tokens = request.cache_salt or "", self.block_size, request.all_token_ids
         base = salt[:salt.rfind("images-")].rstrip("/")
-        text = request.all_token_ids[:request.image_span[0] // self.block_size * self.block_size]  # type: ignore
-        extend_block_hashes(request.block_hashes, text, self.block_size, (base,) if base else None)
+        spans = request.image_spans or []
+        digest = hashlib.sha256()
+        for seen in range(len(spans) + 1):
+            end = spans[seen].start // bs * bs if seen < len(spans) else len(tokens)
+            key = f"{base}/images-{digest.hexdigest()}" if seen else base
+            extend_block_hashes(request.block_hashes, tokens[:end], bs, (key,) if key else None)
+            if seen < len(spans):
+                digest.update(spans[seen].digest.encode())
 
     def _embeds_hashes(self, request: Request) -> list[BlockHash]:
         """The hashes of an embeddings prompt's full blocks. Its cache salt ends with the digest of all its rows

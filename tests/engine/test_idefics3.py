@@ -152,3 +152,15 @@ def test_limit_mm_per_prompt_caps_a_prompts_images(vlm: Path) -> None:
     assert capped.generate({"prompt": one_text, "multi_modal_data": {"image": one}}, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="limit_mm_per_prompt takes counts >= 0 of image, video or audio"):
         LLM(str(vlm), limit_mm_per_prompt={"images": 1})
+
+
+def test_each_image_is_counted_and_keyed_by_its_own_pixels(llm: LLM) -> None:
+    """The processor's per-image token counts (its tiles' tokens each) and a digest of each image's pixels, which
+    key each image's blocks in the prefix cache (``tests/engine/test_llava.py`` shows the sharing)."""
+    (text, (first, second)), again = _prompts()[1], _image(1, 47, 51)
+    tokens = llm.input_processor.process_images(text, [first, second])
+    image_token = llm.engine.core.runtime.image_token_id
+    assert [count for _, count in tokens.inputs.items] == [20, 20] == [list(tokens).count(image_token) // 2] * 2
+    digests = [digest for digest, _ in tokens.inputs.items]
+    assert digests[0] != digests[1]
+    assert llm.input_processor.process_images(text, [again, second]).inputs.items[0][0] == digests[0]

@@ -209,3 +209,29 @@ def test_prompts_share_the_text_before_their_images_and_nothing_from_them_on(cli
             {"prompt": text, "multi_modal_data": {"image": image(9, 40, 56)}}, GREEDY, use_tqdm=False)[0] \
             .outputs[0].token_ids
     assert first.outputs[0].token_ids != other.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("algo", [None, "sha256"])
+def test_a_conversation_shares_its_earlier_images_blocks_and_not_a_later_differing_one(clip: Path,
+                                                                                     algo: str | None) -> None:
+    """A later turn with one more image reuses the blocks up to where its new image begins (its first image's
+    included); the same turn with another first image reuses only the text before it; each image is keyed by its own
+    pixels (the processor's per-image token counts place them), and every reply is the fresh engine's."""
+    llm = LLM(str(clip), dtype="float32", kv_cache_memory=1 << 22, prefix_caching_hash_algo=algo)
+    fresh = LLM(str(clip), dtype="float32", kv_cache_memory=1 << 22, enable_prefix_caching=False)
+    first = "USER: a shared instruction to every turn, then <image> what is it? ASSISTANT: a cat. USER: and"
+    later = first + " this one: <image> now?"
+    a, b, c = image(0, 40, 56), image(9, 40, 56), image(4, 47, 51)
+    turns = [(first, [a]), (later, [a, b]), (later, [c, b])]
+    outputs = [llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)[0]
+               for text, images in turns]
+    image_token = json.loads((clip / "config.json").read_text())["image_token_index"]
+    ids = outputs[1].prompt_token_ids
+    starts = [i for i, t in enumerate(ids) if t == image_token and ids[i - 1] != image_token]
+    assert len(starts) == 2 and starts[1] - starts[0] > 16 + 32
+    assert outputs[1].num_cached_tokens == min(starts[1] // 16 * 16, (len(outputs[0].prompt_token_ids) - 1) // 16 * 16)
+    assert outputs[1].num_cached_tokens > starts[0] + 16  # the first image's blocks too
+    assert outputs[2].num_cached_tokens == starts[0] // 16 * 16
+    for (text, images), output in zip(turns, outputs):
+        assert output.outputs[0].token_ids == fresh.generate(
+            {"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
