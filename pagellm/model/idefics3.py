@@ -58,6 +58,7 @@ class Idefics3Vision(nn.Module):
         super().__init__()
         self.scale = scale_factor
         self.embeddings = _Embeddings(cfg, dtype)
+        self.tile_rows = (self.embeddings.side // scale_factor) ** 2  # the connector's rows of one tile
         self.encoder = nn.Module()
         self.encoder.layers = nn.ModuleList(EncoderLayer(cfg, dtype) for _ in range(int(cfg["num_hidden_layers"])))
         width = int(cfg["hidden_size"])
@@ -106,10 +107,13 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         rows = self.vision(pixel_values, pixel_attention_mask)
         return rows.to(self.model.norm.weight.dtype)
 
-    def image_rows(self, images: MultiModalInputs) -> torch.Tensor:
-        pixels = images.tensor("pixel_values")
+    def image_rows(self, images: MultiModalInputs, skip: int = 0) -> torch.Tensor:
+        """The rows of the images after the first ``skip`` (their tiles lead the processor's, each image's
+        ``items`` count of rows a tile's worth at a time; the batch's all-zero padding tiles trail)."""
+        pixels, mask = images.tensor("pixel_values"), images.tensor("pixel_attention_mask")
         assert pixels is not None
-        return self.encode_images(pixels, images.tensor("pixel_attention_mask"))
+        tiles = sum(count for _, count in images.items[:skip]) // self.vision.tile_rows
+        return self.encode_images(pixels[tiles:], None if mask is None else mask[tiles:])
 
     def _target(self, name: str) -> tuple[str | None, str | int | None]:
         """The encoder's tensors by their own names (none of the decoder's fused matrices); the decoder's as a Llama

@@ -3,19 +3,21 @@ projector, a Llama-family decoder (Llama, Vicuna, Mistral, Qwen2).
 
 Contract: ``LlavaForConditionalGeneration`` is the decoder (``LlamaForCausalLM``, every fast path of it) with
 ``vision``, the tower and projector in plain PyTorch, computed as transformers' ``LlavaModel.get_image_features``
-computes them: each image (``pixel_values`` [images, 3, H, W], the processor's fixed crop) as patches (a ``patch_size``
-convolution; CLIP's with a class token first and a LayerNorm before the layers), learned positions, the encoder's
-layers up to ``vision_feature_layer`` (the hidden state after that many layers, counted from the end when negative;
-a list of them concatenated), the first token (CLIP's class token) dropped under the "default" strategy, then
-``linear_1``, the projector's activation, ``linear_2``. ``LlavaNextForConditionalGeneration`` takes each image as
+computes them: each image (``pixel_values`` [images, 3, H, W], the processor's fixed crop) as patches (a
+``patch_size`` convolution; CLIP's with a class token first and a LayerNorm before the layers), learned positions, the
+encoder's layers up to ``vision_feature_layer`` (the hidden state after that many layers, counted from the end when
+negative; a list of them concatenated), the first token (CLIP's class token) dropped under the "default" strategy,
+then ``linear_1``, the projector's activation, ``linear_2``. ``LlavaNextForConditionalGeneration`` takes each image as
 the processor tiles it (``pixel_values`` [images, tiles, 3, H, W] and ``image_sizes``): the whole image's tile, then
 the grid of its best resolution among ``image_grid_pinpoints``, its patch rows laid out across the grid, cut to the
-image's aspect ratio and each followed by ``image_newline`` (transformers' ``pack_image_features``). ``image_rows(inputs)`` gives one row per image token in the prompt's order, in
-the decoder's dtype. Only the layers the feature layer reads are built; the checkpoint's later layers, the tower's
-final LayerNorm and SigLIP's pooling head are not loaded. Checkpoints name the parts ``vision_tower.vision_model.``,
-``multi_modal_projector.``, ``language_model.model.`` and ``language_model.lm_head.`` (the released llava-hf ones;
-transformers 5 saves the tower without ``vision_model.``), or with transformers 5's module names
-(``model.vision_tower.``, ``model.multi_modal_projector.``, ``model.language_model.``, ``lm_head.``).
+image's aspect ratio and each followed by ``image_newline`` (transformers' ``pack_image_features``).
+``image_rows(inputs, skip)`` gives one row per image token of the images after the first ``skip`` (those the prefix
+cache holds), in the prompt's order, in the decoder's dtype. Only the layers the feature layer reads are built; the
+checkpoint's later layers, the tower's final LayerNorm and SigLIP's pooling head are not loaded. Checkpoints name the
+parts ``vision_tower.vision_model.``, ``multi_modal_projector.``, ``language_model.model.`` and
+``language_model.lm_head.`` (the released llava-hf ones; transformers 5 saves the tower without ``vision_model.``), or
+with transformers 5's module names (``model.vision_tower.``, ``model.multi_modal_projector.``,
+``model.language_model.``, ``lm_head.``).
 """
 
 from __future__ import annotations
@@ -215,10 +217,11 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         super().__init__(cfg, dtype, parallel)
         self.vision = self.VISION_CLASS(cfg.vision or {}, cfg.hidden_size, dtype)
 
-    def image_rows(self, images: MultiModalInputs) -> torch.Tensor:
+    def image_rows(self, images: MultiModalInputs, skip: int = 0) -> torch.Tensor:
+        """The rows of the images after the first ``skip``."""
         pixels = images.tensor("pixel_values")
         assert pixels is not None
-        return self.vision(pixels).to(self.model.norm.weight.dtype)
+        return self.vision(pixels[skip:]).to(self.model.norm.weight.dtype)
 
     def _target(self, name: str) -> tuple[str | None, str | int | None]:
         """The tower's (those ``VisionTower.loads`` keeps) and projector's tensors by their own names; the decoder's
@@ -241,10 +244,10 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
 
     VISION_CLASS = LlavaNextVision
 
-    def image_rows(self, images: MultiModalInputs) -> torch.Tensor:
+    def image_rows(self, images: MultiModalInputs, skip: int = 0) -> torch.Tensor:
         pixels, sizes = images.tensor("pixel_values"), images.tensor("image_sizes")
         assert pixels is not None and sizes is not None
-        return self.vision(pixels, sizes).to(self.model.norm.weight.dtype)
+        return self.vision(pixels[skip:], sizes[skip:]).to(self.model.norm.weight.dtype)
 
     def _target(self, name: str) -> tuple[str | None, str | int | None]:
         if name in ("image_newline", "model.image_newline"):

@@ -120,13 +120,30 @@ def _embeds_rows(states: dict[str, CachedRequestState], req_ids: list[str], star
 
 def encode_images(state: CachedRequestState, model: Any, images: MultiModalInputs, prompt_ids: list[int]) -> None:
     """A request's image rows from the model's vision encoder, and its prompt's image-token positions they go to
-    (the frontend's processor wrote one token per row)."""
-    state.image_rows = model.image_rows(images)
+    (the frontend's processor wrote one token per row). The leading images whose tokens the prefix cache already
+    holds (all before ``state.num_computed_tokens``) are not encoded: no step computes their positions."""
     positions = np.flatnonzero(np.asarray(prompt_ids) == model.cfg.image_token_id).astype(np.int64)
+    skip, skipped = _cached_images(images, positions, state.num_computed_tokens)
+    if skip == len(images.items) and skip:
+        state.image_rows = torch.empty(0, model.cfg.hidden_size, dtype=model.model.norm.weight.dtype)
+    else:
+        state.image_rows = model.image_rows(images, skip)
+    positions = positions[skipped:]
     if len(positions) != len(state.image_rows):
         raise ValueError(f"request {state.req_id}: {len(positions)} image tokens in its prompt but "
                          f"{len(state.image_rows)} image rows")
     state.image_positions = positions
+
+
+def _cached_images(images: MultiModalInputs, positions: np.ndarray, computed: int) -> tuple[int, int]:
+    """How many leading images have all their tokens before position ``computed``, and how many tokens they have
+    (none where the frontend did not count each image's tokens)."""
+    skip = tokens = 0
+    for _, count in images.items:
+        if positions[tokens + count - 1] >= computed:
+            break
+        skip, tokens = skip + 1, tokens + count
+    return skip, tokens
 
 
 def _positions(starts: np.ndarray, counts: np.ndarray, total: int) -> np.ndarray:

@@ -164,3 +164,19 @@ def test_each_image_is_counted_and_keyed_by_its_own_pixels(llm: LLM) -> None:
     digests = [digest for digest, _ in tokens.inputs.items]
     assert digests[0] != digests[1]
     assert llm.input_processor.process_images(text, [again, second]).inputs.items[0][0] == digests[0]
+
+
+def test_a_later_turn_encodes_only_its_new_images_tiles(vlm: Path, reference) -> None:
+    """The first image's tiles are in the prefix cache's blocks: only the new image's five tiles are encoded, and
+    the reply is still transformers'."""
+    llm = LLM(str(vlm), dtype="float32", kv_cache_memory=1 << 24)
+    vision, encoded = llm.engine.core.executor.worker.runner.model.vision, []
+    forward = vision.forward
+    vision.forward = lambda pixels, mask: encoded.append(int((pixels != 0).flatten(1).any(1).sum())) or \
+        forward(pixels, mask)
+    first = "Look: <image> what is it? It is a picture of something, seen from afar. And"
+    later, a, b = first + " this one: <image> now?", _image(0, 40, 56), _image(2, 54, 46)
+    llm.generate({"prompt": first, "multi_modal_data": {"image": a}}, GREEDY, use_tqdm=False)
+    output = llm.generate({"prompt": later, "multi_modal_data": {"image": [a, b]}}, GREEDY, use_tqdm=False)[0]
+    assert encoded == [5, 5] and output.num_cached_tokens > 30
+    assert output.outputs[0].token_ids == _transformers_tokens(vlm, reference, later, [a, b])

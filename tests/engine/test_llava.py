@@ -215,10 +215,14 @@ def test_prompts_share_the_text_before_their_images_and_nothing_from_them_on(cli
 def test_a_conversation_shares_its_earlier_images_blocks_and_not_a_later_differing_one(clip: Path,
                                                                                      algo: str | None) -> None:
     """A later turn with one more image reuses the blocks up to where its new image begins (its first image's
-    included); the same turn with another first image reuses only the text before it; each image is keyed by its own
-    pixels (the processor's per-image token counts place them), and every reply is the fresh engine's."""
+    included, which is not encoded again); the same turn with another first image reuses only the text before it;
+    each image is keyed by its own pixels (the processor's per-image token counts place them), and every reply is
+    the fresh engine's."""
     llm = LLM(str(clip), dtype="float32", kv_cache_memory=1 << 22, prefix_caching_hash_algo=algo)
     fresh = LLM(str(clip), dtype="float32", kv_cache_memory=1 << 22, enable_prefix_caching=False)
+    vision, encoded = llm.engine.core.executor.worker.runner.model.vision, []
+    forward = vision.forward
+    vision.forward = lambda pixels: encoded.append(len(pixels)) or forward(pixels)
     first = "USER: a shared instruction to every turn, then <image> what is it? ASSISTANT: a cat. USER: and"
     later = first + " this one: <image> now?"
     a, b, c = image(0, 40, 56), image(9, 40, 56), image(4, 47, 51)
@@ -232,6 +236,25 @@ def test_a_conversation_shares_its_earlier_images_blocks_and_not_a_later_differi
     assert outputs[1].num_cached_tokens == min(starts[1] // 16 * 16, (len(outputs[0].prompt_token_ids) - 1) // 16 * 16)
     assert outputs[1].num_cached_tokens > starts[0] + 16  # the first image's blocks too
     assert outputs[2].num_cached_tokens == starts[0] // 16 * 16
+    assert encoded == [1, 1, 2]  # the later turn's first image was in the prefix cache: not encoded again
     for (text, images), output in zip(turns, outputs):
         assert output.outputs[0].token_ids == fresh.generate(
             {"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_an_image_the_prefix_cache_holds_in_part_is_encoded_again(clip: Path) -> None:
+    """The cached blocks end inside the image: its rows are needed for the rest of its tokens, so it is encoded."""
+    llm = LLM(str(clip), dtype="float32", kv_cache_memory=1 << 22)
+    fresh = LLM(str(clip), dtype="float32", kv_cache_memory=1 << 22, enable_prefix_caching=False)
+    vision, encoded = llm.engine.core.executor.worker.runner.model.vision, []
+    forward = vision.forward
+    vision.forward = lambda pixels: encoded.append(len(pixels)) or forward(pixels)
+    head = next(text for text in (f"USER: look{'!' * n} <image>" for n in range(16))
+                if len(llm.get_tokenizer().encode(text)) % 16 > 1)  # the image's last block is not full
+    picture = image(0, 40, 56)
+    first = llm.generate({"prompt": head, "multi_modal_data": {"image": picture}}, GREEDY, use_tqdm=False)[0]
+    then = {"prompt": head + " and what else is there?", "multi_modal_data": {"image": picture}}
+    second = llm.generate(then, GREEDY, use_tqdm=False)[0]
+    start = first.prompt_token_ids.index(json.loads((clip / "config.json").read_text())["image_token_index"])
+    assert start < second.num_cached_tokens < start + 16 and encoded == [1, 1]
+    assert second.outputs[0].token_ids == fresh.generate(then, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
