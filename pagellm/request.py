@@ -71,10 +71,15 @@ class ImageSpan(NamedTuple):
 
 def image_spans(prompt: list[int], image_token: int, images: MultiModalInputs) -> list[ImageSpan]:
     """The spans of a prompt's images: each image's own where ``images.items`` counts each one's tokens (the
-    prompt's image tokens in order), else one span over all of them, keyed by the whole digest."""
+    prompt's image tokens in order; ValueError where they are not the prompt's), else one span over all of them,
+    keyed by the whole digest."""
     positions = [i for i, token in enumerate(prompt) if token == image_token]
-    if not images.items or sum(count for _, count in images.items) != len(positions):
+    counts = [count for _, count in images.items]
+    if not counts:
         return [ImageSpan(positions[0], positions[-1] + 1, images.digest)]
+    if min(counts) < 1 or sum(counts) != len(positions):
+        raise ValueError(f"the images' token counts {counts} are not the prompt's {len(positions)} image tokens; "
+                         "let the frontend's InputProcessor expand the prompt's placeholders")
     spans, first = [], 0
     for digest, count in images.items:
         spans.append(ImageSpan(positions[first], positions[first + count - 1] + 1, digest))

@@ -30,7 +30,6 @@ blocks the next token's window sees (``get_computed_blocks``), the ones before t
 from __future__ import annotations
 
 import hashlib
-
 from typing import Callable
 
 from pagellm.kv.block import BlockId, KVBlock

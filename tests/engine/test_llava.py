@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import transformers
@@ -19,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from vlm_utils import build_llava, data_url, image
 
 from pagellm import LLM, SamplingParams
+from pagellm.engine.wire import EngineCoreRequest
 from pagellm.model.arch import ArchConfig
 from pagellm.model.llava import LlavaVision
 from pagellm.tokenizer import Tokenizer
@@ -180,6 +182,11 @@ def test_what_cannot_be_served_is_refused_by_name(clip: Path, tmp_path: Path) ->
     with pytest.raises(ValueError, match="the prompt has 2 <image> placeholders for 1 images"):
         llm.generate({"prompt": "<image> <image>", "multi_modal_data": {"image": image(0, 40, 56)}}, GREEDY,
                      use_tqdm=False)
+    tokens = llm.input_processor.process_images("<image>", [image(0, 40, 56)])
+    forged = msgspec.structs.replace(tokens.inputs, items=[(digest, n + 1) for digest, n in tokens.inputs.items])
+    with pytest.raises(ValueError, match=r"the images' token counts \[17\] are not the prompt's 16 image tokens"):
+        llm.engine.core.add_request(EngineCoreRequest("forged", list(tokens), GREEDY, [], 0.0, cache_salt="salt",
+                                                      mm_inputs=forged))
     config = json.loads((clip / "config.json").read_text())
     for key, value, message in (("vision_config", {**config["vision_config"], "model_type": "pixtral"},
                                  "LLaVA's vision tower 'pixtral' is not supported"),
