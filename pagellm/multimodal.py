@@ -102,7 +102,9 @@ class ImageProcessor:
         self.tensors, self.batched = self.FAMILIES[self.config["architectures"][0]]
 
     def process(self, text: str, images: Any, add_special_tokens: bool = True) -> tuple[list[int], MultiModalInputs]:
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        images = list(images) if isinstance(images, (list, tuple)) or _is_tensor(images, 3) else [images]
+        if images and all(_is_tensor(image, 2) for image in images):
+            return self._embeds(text, images, add_special_tokens)
         if not images:
             raise ValueError("multi_modal_data's image list is empty; send at least one image, or no "
                              "multi_modal_data")
@@ -122,6 +124,32 @@ class ImageProcessor:
             raise ValueError(f"the processor wrote {ids.count(self.image_token_id)} image tokens for {rows} image "
                              "rows; send images the model's processor can take")
         return ids, inputs_of(tensors, self._items(images, rows))
+
+    def _embeds(self, text: str, rows: list[torch.Tensor], add_special_tokens: bool) -> tuple[list[int],
+                                                                                            MultiModalInputs]:
+        """Precomputed image embeddings in place of images (vLLM's: one [rows, hidden] tensor an image, or all of
+        them as [images, rows, hidden]): each placeholder expanded into one image token a row; the rows go to the
+        decoder as they are (a LLaVA model's only: SmolVLM's placeholders expand into tiles' markers)."""
+        import torch
+
+        if self.batched:
+            raise ValueError("image embeddings are taken by LLaVA models; send SmolVLM the images themselves")
+        from pagellm.model.arch import with_defaults
+
+        width = int(with_defaults(self.config.get("text_config") or {})["hidden_size"])
+        if any(r.shape[-1] != width or not r.shape[0] or not r.is_floating_point() for r in rows):
+            raise ValueError(f"image embeddings must be float tensors of [rows, {width}] (the model's hidden size) "
+                             f"an image; got {[tuple(r.shape) for r in rows]}")
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(rows):
+            raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} placeholders for {len(rows)} "
+                             f"images' embeddings; put one {self.image_token} where each image goes")
+        text = pieces[0] + "".join(self.image_token * len(r) + piece for r, piece in zip(rows, pieces[1:]))
+        ids = self.processor.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        if ids.count(self.image_token_id) != sum(len(r) for r in rows):
+            raise ValueError("the prompt's text holds image tokens of its own; write only one placeholder an image")
+        items = [(hashlib.sha256(pack(r).data).hexdigest(), len(r)) for r in rows]
+        return ids, inputs_of({"image_embeds": torch.cat([r.float() for r in rows])}, items)
 
     def _items(self, images: list[Any], rows: int) -> list[tuple[str, int]]:
         """Each image's digest and image tokens (the processor's own count, ``_get_num_multimodal_tokens``, as vLLM
@@ -146,3 +174,7 @@ class ImageProcessor:
         architecture = self.config["architectures"][0]
         sizes = tensors["image_sizes"].tolist() if "image_sizes" in tensors else [(0, 0)] * pixels.shape[0]
         return sum(image_tokens(self.config, architecture, int(h), int(w)) for h, w in sizes)
+
+
+def _is_tensor(value: Any, dims: int) -> bool:
+    return type(value).__module__.startswith("torch") and getattr(value, "dim", lambda: -1)() == dims

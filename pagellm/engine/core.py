@@ -87,6 +87,10 @@ class EngineCore:
             raise ValueError("a prompt's image tokens and its images come together, with a cache salt: give the "
                              "prompt as text with one image placeholder per image and the images as "
                              "multi_modal_data (the frontend's InputProcessor expands and salts them)")
+        embeds = req.mm_inputs.tensors.get("image_embeds")
+        if embeds is not None and (len(embeds.shape) != 2 or embeds.shape[1] != self.runtime.hidden_size):
+            raise ValueError(f"image embeddings must be [rows, {self.runtime.hidden_size}] (the model's hidden size); "
+                             f"got {embeds.shape}")
         return req.mm_inputs, image_spans(ids, image_token, req.mm_inputs)
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -282,13 +282,15 @@ def cut(token_ids: list[int], keep: int | None, side: str | None = None) -> list
 
 class ImagePrompt(str):
     """A text prompt with images (vLLM's ``{"prompt": text, "multi_modal_data": {"image": ...}}``): the text, one
-    image placeholder per image, with its images beside it (PIL images, as the model's processor takes them)."""
+    image placeholder per image, with its images beside it (PIL images, as the model's processor takes them, or a
+    LLaVA model's image embeddings: a [rows, hidden] tensor an image, or [images, rows, hidden])."""
 
     images: list[Any]
 
     def __new__(cls, text: str, images: Any) -> ImagePrompt:
         prompt = super().__new__(cls, text)
-        prompt.images = list(images) if isinstance(images, (list, tuple)) else [images]
+        stacked = type(images).__module__.startswith("torch") and images.dim() == 3  # embeddings, an image a row
+        prompt.images = list(images) if isinstance(images, (list, tuple)) or stacked else [images]
         return prompt
 
 
@@ -311,7 +313,8 @@ def as_prompt(prompt: PromptType) -> Union[str, Sequence[int], PromptEmbeds]:
     if "multi_modal_data" in prompt:
         data, text = prompt["multi_modal_data"], prompt.get("prompt")
         if not isinstance(data, dict) or set(data) != {"image"}:
-            raise ValueError("multi_modal_data takes {'image': an image or a list of images} (PIL images)")
+            raise ValueError("multi_modal_data takes {'image': an image or a list of images} (PIL images, or a "
+                             "LLaVA model's image embeddings: tensors of [rows, hidden size])")
         if set(prompt) != {"prompt", "multi_modal_data"} or not isinstance(text, str):
             raise ValueError("a prompt with multi_modal_data is {'prompt': text with one image placeholder per "
                              "image, 'multi_modal_data': {'image': ...}}")

@@ -218,7 +218,10 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         self.vision = self.VISION_CLASS(cfg.vision or {}, cfg.hidden_size, dtype)
 
     def image_rows(self, images: MultiModalInputs, skip: int = 0) -> torch.Tensor:
-        """The rows of the images after the first ``skip``."""
+        """The rows of the images after the first ``skip``: precomputed embeddings' own, or the encoder's."""
+        embeds = images.tensor("image_embeds")
+        if embeds is not None:
+            return embeds[sum(count for _, count in images.items[:skip]):].to(self.model.norm.weight.dtype)
         pixels = images.tensor("pixel_values")
         assert pixels is not None
         return self.vision(pixels[skip:]).to(self.model.norm.weight.dtype)
@@ -245,6 +248,8 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
     VISION_CLASS = LlavaNextVision
 
     def image_rows(self, images: MultiModalInputs, skip: int = 0) -> torch.Tensor:
+        if "image_embeds" in images.tensors:
+            return super().image_rows(images, skip)
         pixels, sizes = images.tensor("pixel_values"), images.tensor("image_sizes")
         assert pixels is not None and sizes is not None
         return self.vision(pixels[skip:], sizes[skip:]).to(self.model.norm.weight.dtype)

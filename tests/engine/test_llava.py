@@ -23,6 +23,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.engine.wire import EngineCoreRequest
 from pagellm.model.arch import ArchConfig
 from pagellm.model.llava import LlavaVision
+from pagellm.multimodal import pack
 from pagellm.tokenizer import Tokenizer
 
 MAX_TOKENS = 12
@@ -265,3 +266,41 @@ def test_an_image_the_prefix_cache_holds_in_part_is_encoded_again(clip: Path) ->
     start = first.prompt_token_ids.index(json.loads((clip / "config.json").read_text())["image_token_index"])
     assert start < second.num_cached_tokens < start + 16 and encoded == [1, 1]
     assert second.outputs[0].token_ids == fresh.generate(then, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("tower", ["clip", "anyres"])
+def test_image_embeddings_stand_for_their_images(tower: str, request: pytest.FixtureRequest) -> None:
+    """vLLM's precomputed image embeddings (a [rows, hidden] tensor an image, or [images, rows, hidden]): the
+    tokens are the images' own, the encoder does not run, and what does not fit is refused by name."""
+    model_dir = request.getfixturevalue(tower)
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22)
+    text, pictures = _prompts()[1]
+    processor = transformers.AutoProcessor.from_pretrained(model_dir)
+    runner = llm.engine.core.executor.worker.runner
+    rows = [runner.model.image_rows(llm.input_processor.process_images("<image>", [p]).inputs) for p in pictures]
+    expected = llm.generate({"prompt": text, "multi_modal_data": {"image": pictures}}, GREEDY, use_tqdm=False)[0]
+    vision, encoded = runner.model.vision, []
+    forward = vision.forward
+    vision.forward = lambda *args: encoded.append(1) or forward(*args)
+    forms = [rows] + ([torch.stack(rows)] if tower == "clip" else [])  # one size for all: a 3-D tensor
+    for embeds in forms:
+        output = llm.generate({"prompt": text, "multi_modal_data": {"image": embeds}}, GREEDY, use_tqdm=False)[0]
+        assert output.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert output.prompt_token_ids == expected.prompt_token_ids
+    assert not encoded and len(processor.tokenizer(text)["input_ids"]) < len(expected.prompt_token_ids)
+    later = "Two <image> and then, after a long pause and some words, <image> here"  # the first image cached whole
+    again = [llm.generate({"prompt": later, "multi_modal_data": {"image": rows}}, GREEDY, use_tqdm=False)[0]
+             for _ in range(2)]
+    ids, image_token = again[1].prompt_token_ids, runner.model.cfg.image_token_id
+    first_image_end = max(i for i in range(40) if ids[i] == image_token)
+    assert again[1].num_cached_tokens > first_image_end
+    assert again[1].outputs[0].token_ids == again[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"float tensors of \[rows, 64\]"):
+        llm.generate({"prompt": "<image>", "multi_modal_data": {"image": torch.zeros(4, 63)}}, GREEDY)
+    with pytest.raises(ValueError, match="the prompt has 1 <image> placeholders for 2 images' embeddings"):
+        llm.generate({"prompt": "<image>", "multi_modal_data": {"image": rows}}, GREEDY)
+    forged = llm.input_processor.process_images("<image>", [torch.zeros(4, 64)])
+    forged = msgspec.structs.replace(forged.inputs, tensors={"image_embeds": pack(torch.zeros(4, 32))})
+    with pytest.raises(ValueError, match=r"image embeddings must be \[rows, 64\]"):
+        llm.engine.core.add_request(EngineCoreRequest("forged", list(llm.input_processor.process_images(
+            "<image>", [torch.zeros(4, 64)])), GREEDY, [], 0.0, cache_salt="salt", mm_inputs=forged))
