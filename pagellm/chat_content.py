@@ -36,11 +36,17 @@ def format_messages(messages: list[dict[str, Any]], template: str, content_forma
 
 
 def image_urls(messages: list[dict[str, Any]]) -> list[str]:
-    """The URLs of the messages' image parts, in order (each part's ``image_url.url``; a part without one is named)."""
-    urls = []
+    """The URLs of the messages' image parts, in order (each part's ``image_url.url``; a part without one is named),
+    an ``image_embeds`` part's payload as an ``EmbedsSource``."""
+    urls: list[str] = []
     for position, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None  # the template's checks name these
         for part in content if isinstance(content, list) else []:
+            if isinstance(part, dict) and part.get("type") == "image_embeds":
+                if not isinstance(part.get("image_embeds"), str):
+                    raise ValueError(f"messages[{position}].content: an image embeddings part is {{'type': "
+                                     "'image_embeds', 'image_embeds': a base64 torch.save or .npy of a tensor}")
+                urls.append(EmbedsSource(part["image_embeds"]))
             if isinstance(part, dict) and part.get("type") == "image_url":
                 url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
                 if not isinstance(url, str):
@@ -48,6 +54,14 @@ def image_urls(messages: list[dict[str, Any]]) -> list[str]:
                                      "'image_url': {'url': 'data:image/png;base64,...' or 'https://...'}}")
                 urls.append(url)
     return urls
+
+
+IMAGE_PARTS = ("image_url", "image_embeds")
+
+
+class EmbedsSource(str):
+    """An ``image_embeds`` part's payload among the image URLs (``images.load`` reads it as a tensor); a client's URL
+    is never one."""
 
 
 def _formatted(message: dict[str, Any], position: int, form: str, image_placeholder: str | None) -> dict[str, Any]:
@@ -69,11 +83,11 @@ def _formatted(message: dict[str, Any], position: int, form: str, image_placehol
 def _part(part: Any, position: int, index: int, image_placeholder: str | None) -> dict[str, Any]:
     """A content part as the template takes it: a text part, or an image part's ``{"type": "image"}``."""
     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-    if kind == "image_url" and image_placeholder is not None:
+    if kind in IMAGE_PARTS and image_placeholder is not None:
         return {"type": "image"}
     if kind != "text":
-        served = "text and image_url parts are supported" if image_placeholder is not None else \
-            "only text parts are supported" + (" (this model takes no images)" if kind == "image_url" else "")
+        served = "text, image_url and image_embeds parts are supported" if image_placeholder is not None else \
+            "only text parts are supported" + (" (this model takes no images)" if kind in IMAGE_PARTS else "")
         raise ValueError(f"messages[{position}].content: {served}, got a {kind!r} part")
     if not isinstance(part.get("text"), str):
         raise ValueError(f"messages[{position}].content[{index}]: a text part needs its text, a string "

@@ -140,6 +140,10 @@ class ModelConfig:
         "Take prompts as input embeddings (vLLM's flag): LLM.generate({\"prompt_embeds\": tensor}), or the "
         "completions API's prompt_embeds (a base64 torch.save of a [num_tokens, hidden_size] tensor). The API "
         "server then loads torch to read them. Default: off.", default=False)
+    enable_mm_embeds: bool = _help(
+        "Take precomputed image embeddings in place of images (vLLM's flag), for a LLaVA model: tensors under "
+        "multi_modal_data, or chat's image_embeds parts (a base64 torch.save or .npy of [rows, hidden_size]). "
+        "Default: off.", default=False)
     logits_processors: tuple[str, ...] = _help(
         "Custom logits processors (vLLM's flag): package.module:Class names of AdapterLogitsProcessor subclasses "
         "(pagellm.sample.custom), importable by the server and its workers; requests opt in through their "

@@ -27,8 +27,14 @@ def is_remote(url: str) -> bool:
 
 
 def load(url: str, fetched: dict[str, bytes] | None = None) -> Any:
-    """The RGB PIL image of ``url``: a data URL's, or the bytes ``fetched`` holds for an http(s) URL."""
+    """The RGB PIL image of ``url``: a data URL's, or the bytes ``fetched`` holds for an http(s) URL; an
+    ``image_embeds`` part's tensor (``chat_content.EmbedsSource``)."""
     from PIL import Image, UnidentifiedImageError
+
+    from pagellm.chat_content import EmbedsSource
+
+    if isinstance(url, EmbedsSource):
+        return load_embeds(url)
 
     if url.startswith("data:"):
         head, _, payload = url.partition(",")
@@ -47,6 +53,25 @@ def load(url: str, fetched: dict[str, bytes] | None = None) -> Any:
             return image.convert("RGB")
     except (UnidentifiedImageError, OSError) as exc:
         raise ValueError(f"image {url[:60]!r} is no image PIL can open ({exc}); {_SEND}") from None
+
+
+def load_embeds(payload: str) -> Any:
+    """An ``image_embeds`` part's tensor: base64 of a ``torch.save``d tensor (read with ``weights_only``: anything but
+    tensors is refused, never run) or of a ``.npy`` array (no pickles); [rows, hidden], dense, floating, finite."""
+    import numpy as np
+    import torch
+
+    why = "image_embeds must be base64 of a torch.save()d tensor or a .npy array of [rows, hidden] floats"
+    try:
+        data = base64.b64decode(payload, validate=True)
+        tensor = torch.from_numpy(np.load(io.BytesIO(data), allow_pickle=False)) if data[:6] == b"\x93NUMPY" \
+            else torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001  (base64, numpy and torch raise many kinds for damaged input)
+        raise ValueError(why) from None
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided or tensor.dim() != 2 \
+            or not tensor.is_floating_point() or not tensor.numel() or not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"{why} (finite, at least one row)")
+    return tensor.contiguous()
 
 
 async def fetch(urls: list[str]) -> dict[str, bytes]:

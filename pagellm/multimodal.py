@@ -105,6 +105,8 @@ class ImageProcessor:
         images = list(images) if isinstance(images, (list, tuple)) or _is_tensor(images, 3) else [images]
         if images and all(_is_tensor(image, 2) for image in images):
             return self._embeds(text, images, add_special_tokens)
+        if any(type(image).__module__.startswith("torch") for image in images):
+            raise ValueError("a prompt takes images or image embeddings ([rows, hidden] tensors), not both")
         if not images:
             raise ValueError("multi_modal_data's image list is empty; send at least one image, or no "
                              "multi_modal_data")

@@ -19,6 +19,7 @@ from typing import Any, Sequence, Union
 import msgspec
 
 from pagellm import images
+from pagellm.chat_content import EmbedsSource
 from pagellm.engine.wire import EngineCoreRequest
 from pagellm.multimodal import MultiModalInputs
 from pagellm.lora import LoRARequest, check_adapter
@@ -32,6 +33,7 @@ from pagellm.tokenizer import NO_TOKENIZER, NoTokenizer, Tokenizer
 # {"prompt_embeds": tensor}).
 PromptType = Union[str, Sequence[int], PromptEmbeds, dict]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds")
+MM_EMBEDS_OFF = "image embeddings need --enable-mm-embeds (LLM(enable_mm_embeds=True)), as vLLM's do"
 EMBEDS_OFF = ("this engine takes no prompt embeddings; start it with enable_prompt_embeds=True "
               "(--enable-prompt-embeds)")
 
@@ -78,9 +80,10 @@ class InputProcessor:
                  logits_processors: Sequence[str] = (), logprobs_mode: str = "raw_logprobs",
                  max_lora_rank: int | None = None, reasoning: ReasoningConfig | None = None,
                  model_dir: Path | None = None, image_token_id: int | None = None,
-                 max_images: int | None = None) -> None:
+                 max_images: int | None = None, enable_mm_embeds: bool = False) -> None:
         self.tokenizer = tokenizer
         self.max_images = max_images  # per prompt (--limit-mm-per-prompt; None: any number)
+        self.enable_mm_embeds = enable_mm_embeds  # image embeddings may stand for images (--enable-mm-embeds)
         self.model_dir = model_dir
         self.image_token_id = image_token_id  # a vision-language model's: it takes images (``multimodal.py``)
         self._images: Any = None  # its ImageProcessor, made at the first prompt with images
@@ -114,7 +117,8 @@ class InputProcessor:
                    logits_processors=model_config.logits_processors, logprobs_mode=model_config.logprobs_mode,
                    max_lora_rank=model_config.max_lora_rank, reasoning=config.reasoning_config,
                    model_dir=model_dir, image_token_id=runtime.image_token_id,
-                   max_images=(model_config.limit_mm_per_prompt or {}).get("image"))
+                   max_images=(model_config.limit_mm_per_prompt or {}).get("image"),
+                   enable_mm_embeds=model_config.enable_mm_embeds)
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         prompt = as_prompt(prompt)
@@ -166,11 +170,15 @@ class InputProcessor:
         if self.max_images is not None and len(images) > self.max_images:
             raise ValueError(f"the prompt has {len(images)} images; this engine takes at most {self.max_images} per "
                              "prompt (--limit-mm-per-prompt)")
+        if not self.enable_mm_embeds and any(type(image).__module__.startswith("torch") for image in images):
+            raise ValueError(MM_EMBEDS_OFF)
         return ImageTokens(*self._processor().process(text, images, add_special_tokens))
 
     def process_chat_images(self, text: str, urls: list[str], fetched: dict[str, bytes]) -> ImageTokens:
         """A rendered chat's text and its image parts' URLs (``images.load``: data URLs, and the http(s) ones
         ``fetched`` holds): ``process_images`` with no special tokens added (the template wrote its own)."""
+        if not self.enable_mm_embeds and any(isinstance(url, EmbedsSource) for url in urls):  # not even read
+            raise ValueError(MM_EMBEDS_OFF)
         return self.process_images(text, [images.load(url, fetched) for url in urls], add_special_tokens=False)
 
     @property

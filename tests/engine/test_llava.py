@@ -8,10 +8,13 @@ apart; the released checkpoints' names and sparse configs load the same model; w
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -24,6 +27,7 @@ from pagellm.engine.wire import EngineCoreRequest
 from pagellm.model.arch import ArchConfig
 from pagellm.model.llava import LlavaVision
 from pagellm.multimodal import pack
+from pagellm.prompt_embeds import save
 from pagellm.tokenizer import Tokenizer
 
 MAX_TOKENS = 12
@@ -273,11 +277,14 @@ def test_image_embeddings_stand_for_their_images(tower: str, request: pytest.Fix
     """vLLM's precomputed image embeddings (a [rows, hidden] tensor an image, or [images, rows, hidden]): the
     tokens are the images' own, the encoder does not run, and what does not fit is refused by name."""
     model_dir = request.getfixturevalue(tower)
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22)
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22, enable_mm_embeds=True)
     text, pictures = _prompts()[1]
     processor = transformers.AutoProcessor.from_pretrained(model_dir)
     runner = llm.engine.core.executor.worker.runner
     rows = [runner.model.image_rows(llm.input_processor.process_images("<image>", [p]).inputs) for p in pictures]
+    with pytest.raises(ValueError, match=r"image embeddings need --enable-mm-embeds \(LLM\(enable_mm_embeds=True\)"):
+        LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22).generate(
+            {"prompt": text, "multi_modal_data": {"image": rows}}, GREEDY, use_tqdm=False)
     expected = llm.generate({"prompt": text, "multi_modal_data": {"image": pictures}}, GREEDY, use_tqdm=False)[0]
     vision, encoded = runner.model.vision, []
     forward = vision.forward
@@ -295,6 +302,8 @@ def test_image_embeddings_stand_for_their_images(tower: str, request: pytest.Fix
     first_image_end = max(i for i in range(40) if ids[i] == image_token)
     assert again[1].num_cached_tokens > first_image_end
     assert again[1].outputs[0].token_ids == again[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="a prompt takes images or image embeddings"):
+        llm.generate({"prompt": text, "multi_modal_data": {"image": [rows[0], pictures[1]]}}, GREEDY)
     with pytest.raises(ValueError, match=r"float tensors of \[rows, 64\]"):
         llm.generate({"prompt": "<image>", "multi_modal_data": {"image": torch.zeros(4, 63)}}, GREEDY)
     with pytest.raises(ValueError, match="the prompt has 1 <image> placeholders for 2 images' embeddings"):
@@ -304,3 +313,24 @@ def test_image_embeddings_stand_for_their_images(tower: str, request: pytest.Fix
     with pytest.raises(ValueError, match=r"image embeddings must be \[rows, 64\]"):
         llm.engine.core.add_request(EngineCoreRequest("forged", list(llm.input_processor.process_images(
             "<image>", [torch.zeros(4, 64)])), GREEDY, [], 0.0, cache_salt="salt", mm_inputs=forged))
+
+
+def test_chat_image_embeds_parts_stand_for_their_images(clip: Path) -> None:
+    """vLLM's ``image_embeds`` content parts (base64 of a torch.save or a .npy), with --enable-mm-embeds: the reply
+    is the one to the images themselves; a payload that is no tensor is refused by name."""
+    llm = LLM(str(clip), dtype="float32", kv_cache_memory=1 << 22, enable_mm_embeds=True)
+    picture = image(5, 44, 60)
+    rows = llm.engine.core.executor.worker.runner.model.image_rows(
+        llm.input_processor.process_images("<image>", [picture]).inputs)
+
+    def ask(part: dict) -> list[int]:
+        messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]
+        return llm.chat(messages, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+    expected = ask({"type": "image_url", "image_url": {"url": data_url(picture)}})
+    npy = io.BytesIO()
+    np.save(npy, rows.numpy())
+    for payload in (save(rows), npy.getvalue()):
+        assert ask({"type": "image_embeds", "image_embeds": base64.b64encode(payload).decode()}) == expected
+    with pytest.raises(ValueError, match="image_embeds must be base64 of a torch.save"):
+        ask({"type": "image_embeds", "image_embeds": base64.b64encode(b"not a tensor").decode()})

@@ -19,10 +19,11 @@ import anthropic
 import openai
 import pytest
 from server_utils import ServerProcess
-from vlm_utils import build_vlm, data_url, image, png
+from vlm_utils import build_llava, build_vlm, data_url, image, png
 
 from pagellm import LLM, SamplingParams
 from pagellm.cli import main
+from pagellm.prompt_embeds import save
 from pagellm.server.openai.protocol import ChatCompletionRequest
 from pagellm.server.openai.serving_chat import OpenAIServingChat
 from pagellm.tokenizer import Tokenizer
@@ -153,6 +154,9 @@ def test_images_that_cannot_be_read_are_refused_and_the_server_serves_on(client:
                          ("file:///etc/passwd", "cannot be read here; send a data:image")]:
         with pytest.raises(openai.BadRequestError, match=message):
             client.chat.completions.create(model="tiny", messages=_messages(url), max_tokens=2)
+    embeds = [{"role": "user", "content": [{"type": "image_embeds", "image_embeds": "AAAA"}]}]
+    with pytest.raises(openai.BadRequestError, match=r"image embeddings need --enable-mm-embeds"):
+        client.chat.completions.create(model="tiny", messages=embeds, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="use_beam_search cannot carry a prompt's images"):
         client.chat.completions.create(model="tiny", messages=_messages(picture_url), max_tokens=2,
                                        extra_body={"use_beam_search": True})
@@ -169,3 +173,26 @@ def test_a_model_without_images_says_so(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match=r"only text parts are supported \(this model takes no images\), got a "
                                          "'image_url' part"):
         OpenAIServingChat(engine, ["tiny"]).prepare(request)
+
+
+def test_image_embeds_parts_are_served_with_enable_mm_embeds(tiny_llama: Path, tmp_path: Path) -> None:
+    """A LLaVA server started with --enable-mm-embeds (vLLM's flag) reads chat's ``image_embeds`` parts (base64 of a
+    torch.save): the reply is the one to the image itself."""
+    model = build_llava(tiny_llama, tmp_path / "llava")
+    picture = image(5, 44, 60)
+    offline = LLM(str(model), dtype="float32", kv_cache_memory=1 << 22)
+    rows = offline.engine.core.executor.worker.runner.model.image_rows(
+        offline.input_processor.process_images("<image>", [picture]).inputs)
+    server = ServerProcess(model, ["--served-model-name", "tiny", "--enable-mm-embeds"], tmp_path / "log")
+    try:
+        server.wait_healthy()
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+        replies = [client.chat.completions.create(
+            model="tiny", max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}])
+            for part in ({"type": "image_url", "image_url": {"url": data_url(picture)}},
+                         {"type": "image_embeds", "image_embeds": base64.b64encode(save(rows)).decode()})]
+    finally:
+        server.stop()
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+    assert replies[0].usage.prompt_tokens == replies[1].usage.prompt_tokens > 16
