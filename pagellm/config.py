@@ -118,6 +118,10 @@ class ModelConfig:
         "The most images one prompt may carry, as a JSON object (vLLM's flag), e.g. '{\"image\": 2}'; a prompt "
         "with more is refused (keys image, video, audio: this engine reads images only). Default: any number.",
         default=None)
+    mm_processor_kwargs: dict[str, Any] | str | None = _help(
+        "Keyword arguments for the model's Hugging Face processor, as a JSON object (vLLM's flag), e.g. "
+        "'{\"do_image_splitting\": false}' (SmolVLM: one tile an image); a request's own override them.",
+        default=None)
     tokenizer: str | None = _help(
         "Tokenizer directory (tokenizer.json or tokenizer_config.json) to use instead of the model's own, e.g. the "
         "original model's beside a .gguf file (vLLM's flag). Default: the model's.", default=None)
@@ -175,6 +179,8 @@ class ModelConfig:
         object.__setattr__(self, "override_generation_config", _json_object(self.override_generation_config,
                                                                             "override_generation_config"))
         object.__setattr__(self, "hf_overrides", _json_object(self.hf_overrides, "hf_overrides"))
+        object.__setattr__(self, "mm_processor_kwargs", _json_object(self.mm_processor_kwargs,
+                                                                     "mm_processor_kwargs"))
         limits = _json_object(self.limit_mm_per_prompt, "limit_mm_per_prompt")
         if limits is not None and (not set(limits) <= {"image", "video", "audio"} or not all(
                 isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limits.values())):

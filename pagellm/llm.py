@@ -106,6 +106,7 @@ class LLM:
         chat_template_content_format: str = "auto",
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}`` dicts) or a list of them, via the chat template:
         the model's, or ``chat_template`` (Jinja text or a file holding it), with ``chat_template_kwargs`` and
@@ -121,14 +122,15 @@ class LLM:
         if tools:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         prompts = [self._chat_prompt(c, add_generation_prompt, chat_template_kwargs, template, continue_final_message,
-                                     chat_template_content_format) for c in conversations]
+                                     chat_template_content_format, mm_processor_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request,
                              tokenization_kwargs=tokenization_kwargs)
 
     def _chat_prompt(self, conversation: Messages, add_generation_prompt: bool, kwargs: dict[str, Any] | None,
-                     template: str | None, continue_final_message: bool, content_format: str) -> PromptType:
+                     template: str | None, continue_final_message: bool, content_format: str,
+                     mm_kwargs: dict[str, Any] | None = None) -> PromptType:
         """One conversation's prompt: its token ids, or for a vision-language model with image parts its text and
-        images (``images.py``: data URLs, http(s) URLs fetched)."""
+        images (``images.py``: data URLs, http(s) URLs fetched; ``mm_kwargs`` for the processor)."""
         urls = image_urls(conversation) if self.input_processor.image_token_id is not None else []  # type: ignore
         if not urls:
             return self.tokenizer.apply_chat_template(conversation, add_generation_prompt, kwargs, template,
@@ -136,7 +138,7 @@ class LLM:
         placeholder = self.input_processor.image_placeholder
         text = self.tokenizer.render_chat(conversation, add_generation_prompt, kwargs, template,  # type: ignore
                                           continue_final_message, content_format, placeholder)
-        return self.input_processor.process_chat_images(text, urls, images.fetch_sync(urls))
+        return self.input_processor.process_chat_images(text, urls, images.fetch_sync(urls), mm_kwargs)
 
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],
                       priorities: list[int]) -> list[str]:

@@ -101,7 +101,10 @@ class ImageProcessor:
         self.config = json.loads((Path(model_dir) / "config.json").read_text())
         self.tensors, self.batched = self.FAMILIES[self.config["architectures"][0]]
 
-    def process(self, text: str, images: Any, add_special_tokens: bool = True) -> tuple[list[int], MultiModalInputs]:
+    def process(self, text: str, images: Any, add_special_tokens: bool = True,
+                kwargs: dict[str, Any] | None = None) -> tuple[list[int], MultiModalInputs]:
+        """``text`` and ``images`` through the processor (``kwargs`` its keyword arguments: ``mm_processor_kwargs``)."""
+        kwargs = kwargs or {}
         images = list(images) if isinstance(images, (list, tuple)) or _is_tensor(images, 3) else [images]
         if images and all(_is_tensor(image, 2) for image in images):
             return self._embeds(text, images, add_special_tokens)
@@ -116,7 +119,7 @@ class ImageProcessor:
                              f"one {self.image_token} where each image goes")
         try:
             out = self.processor(text=[text], images=[images], return_tensors="pt",
-                                 add_special_tokens=add_special_tokens)
+                                 add_special_tokens=add_special_tokens, **kwargs)
         except (ValueError, TypeError, OSError) as exc:
             raise ValueError(f"the images could not be processed: {exc}") from None
         tensors = {name: out[name][0] if self.batched else out[name] for name in self.tensors if name in out}
@@ -125,7 +128,7 @@ class ImageProcessor:
         if ids.count(self.image_token_id) != rows:
             raise ValueError(f"the processor wrote {ids.count(self.image_token_id)} image tokens for {rows} image "
                              "rows; send images the model's processor can take")
-        return ids, inputs_of(tensors, self._items(images, rows))
+        return ids, inputs_of(tensors, self._items(images, rows, kwargs))
 
     def _embeds(self, text: str, rows: list[torch.Tensor], add_special_tokens: bool) -> tuple[list[int],
                                                                                             MultiModalInputs]:
@@ -153,15 +156,19 @@ class ImageProcessor:
         items = [(hashlib.sha256(pack(r).data).hexdigest(), len(r)) for r in rows]
         return ids, inputs_of({"image_embeds": torch.cat([r.float() for r in rows])}, items)
 
-    def _items(self, images: list[Any], rows: int) -> list[tuple[str, int]]:
+    def _items(self, images: list[Any], rows: int, kwargs: dict[str, Any]) -> list[tuple[str, int]]:
         """Each image's digest and image tokens (the processor's own count, ``_get_num_multimodal_tokens``, as vLLM
-        reads it); none where the processor cannot say or its counts do not add up to ``rows``."""
+        reads it); none where the processor cannot say or its counts do not add up to ``rows``. An image processed
+        under other ``kwargs`` makes other rows: its digest covers them."""
         try:
             sizes = [(image.height, image.width) for image in images]
-            counts = [int(n) for n in self.processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens]
+            counts = [int(n) for n in self.processor._get_num_multimodal_tokens(image_sizes=sizes, **kwargs)
+                      .num_image_tokens]
         except (AttributeError, TypeError, ValueError, KeyError):
             return []
-        return list(zip(map(image_digest, images), counts)) if sum(counts) == rows else []
+        settings = json.dumps(kwargs, sort_keys=True, default=str)
+        digests = [hashlib.sha256(f"{settings}:{image_digest(image)}".encode()).hexdigest() for image in images]
+        return list(zip(digests, counts)) if sum(counts) == rows else []
 
     def _rows(self, tensors: dict[str, torch.Tensor]) -> int:
         """The rows the model's encoder makes of ``tensors``: SmolVLM's ``image_seq_len`` a tile (all-zero padding

@@ -148,10 +148,11 @@ class AsyncLLM(EngineOperations):
         """What a prompt writes where an image goes (a vision-language model's; None: this model takes no images)."""
         return self.input_processor.image_placeholder
 
-    def process_chat_images(self, text: str, urls: list[str], fetched: dict[str, bytes]) -> list[int]:
-        """A rendered chat's text and images (``InputProcessor.process_chat_images``): its token ids, carrying the
-        images (a prompt ``generate`` takes as it is)."""
-        return self.input_processor.process_chat_images(text, urls, fetched)
+    def process_chat_images(self, text: str, urls: list[str], fetched: dict[str, bytes],
+                            kwargs: dict[str, Any] | None = None) -> list[int]:
+        """A rendered chat's text and images (``InputProcessor.process_chat_images``, ``kwargs`` the processor's):
+        its token ids, carrying the images (a prompt ``generate`` takes as it is)."""
+        return self.input_processor.process_chat_images(text, urls, fetched, kwargs)
 
     @property
     def max_logprobs(self) -> int:

@@ -80,10 +80,12 @@ class InputProcessor:
                  logits_processors: Sequence[str] = (), logprobs_mode: str = "raw_logprobs",
                  max_lora_rank: int | None = None, reasoning: ReasoningConfig | None = None,
                  model_dir: Path | None = None, image_token_id: int | None = None,
-                 max_images: int | None = None, enable_mm_embeds: bool = False) -> None:
+                 max_images: int | None = None, enable_mm_embeds: bool = False,
+                 mm_processor_kwargs: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_images = max_images  # per prompt (--limit-mm-per-prompt; None: any number)
         self.enable_mm_embeds = enable_mm_embeds  # image embeddings may stand for images (--enable-mm-embeds)
+        self.mm_processor_kwargs = mm_processor_kwargs or {}  # the processor's defaults (--mm-processor-kwargs)
         self.model_dir = model_dir
         self.image_token_id = image_token_id  # a vision-language model's: it takes images (``multimodal.py``)
         self._images: Any = None  # its ImageProcessor, made at the first prompt with images
@@ -118,7 +120,8 @@ class InputProcessor:
                    max_lora_rank=model_config.max_lora_rank, reasoning=config.reasoning_config,
                    model_dir=model_dir, image_token_id=runtime.image_token_id,
                    max_images=(model_config.limit_mm_per_prompt or {}).get("image"),
-                   enable_mm_embeds=model_config.enable_mm_embeds)
+                   enable_mm_embeds=model_config.enable_mm_embeds,
+                   mm_processor_kwargs=model_config.mm_processor_kwargs)
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         prompt = as_prompt(prompt)
@@ -142,7 +145,8 @@ class InputProcessor:
             if keep is not None:
                 raise ValueError("truncate_prompt_tokens cannot cut a prompt with images (an image's tokens go "
                                  "whole); shorten its text instead")
-            prompt = prompt if isinstance(prompt, ImageTokens) else self.process_images(prompt, prompt.images)
+            prompt = prompt if isinstance(prompt, ImageTokens) else self.process_images(prompt, prompt.images,
+                                                                                        kwargs=prompt.kwargs)
             token_ids, images = list(prompt), prompt.inputs
         else:
             token_ids = cut(self.tokenize(prompt), keep, side) if embeds is None else self.check_embeds(embeds,
@@ -163,23 +167,30 @@ class InputProcessor:
         return EngineCoreRequest(request_id, token_ids, params, sorted(self.tokenizer.eos_token_ids), time.time(),
                                  priority, "/".join(salts) or None, embeds, images)
 
-    def process_images(self, text: str, images: list[Any], add_special_tokens: bool = True) -> ImageTokens:
+    def process_images(self, text: str, images: list[Any], add_special_tokens: bool = True,
+                       kwargs: dict[str, Any] | None = None) -> ImageTokens:
         """Text with one image placeholder per image, and the images, through the model's processor: the prompt's
         token ids (each placeholder expanded into the model's image tokens; special tokens added as a text prompt
-        gets them, not for a rendered chat, whose template writes its own) and the encoder's inputs."""
+        gets them, not for a rendered chat, whose template writes its own) and the encoder's inputs; ``kwargs`` go to
+        the processor over ``mm_processor_kwargs`` (vLLM's per-request ``mm_processor_kwargs``)."""
         if self.max_images is not None and len(images) > self.max_images:
             raise ValueError(f"the prompt has {len(images)} images; this engine takes at most {self.max_images} per "
                              "prompt (--limit-mm-per-prompt)")
         if not self.enable_mm_embeds and any(type(image).__module__.startswith("torch") for image in images):
             raise ValueError(MM_EMBEDS_OFF)
-        return ImageTokens(*self._processor().process(text, images, add_special_tokens))
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError(f"mm_processor_kwargs must be an object of the processor's keyword arguments, e.g. "
+                             f"{{\"do_image_splitting\": false}}; got {kwargs!r}")
+        return ImageTokens(*self._processor().process(text, images, add_special_tokens,
+                                                       {**self.mm_processor_kwargs, **(kwargs or {})}))
 
-    def process_chat_images(self, text: str, urls: list[str], fetched: dict[str, bytes]) -> ImageTokens:
+    def process_chat_images(self, text: str, urls: list[str], fetched: dict[str, bytes],
+                            kwargs: dict[str, Any] | None = None) -> ImageTokens:
         """A rendered chat's text and its image parts' URLs (``images.load``: data URLs, and the http(s) ones
         ``fetched`` holds): ``process_images`` with no special tokens added (the template wrote its own)."""
         if not self.enable_mm_embeds and any(isinstance(url, EmbedsSource) for url in urls):  # not even read
             raise ValueError(MM_EMBEDS_OFF)
-        return self.process_images(text, [images.load(url, fetched) for url in urls], add_special_tokens=False)
+        return self.process_images(text, [images.load(url, fetched) for url in urls], False, kwargs)
 
     @property
     def image_placeholder(self) -> str | None:
@@ -294,11 +305,13 @@ class ImagePrompt(str):
     LLaVA model's image embeddings: a [rows, hidden] tensor an image, or [images, rows, hidden])."""
 
     images: list[Any]
+    kwargs: dict[str, Any] | None  # its ``mm_processor_kwargs``
 
-    def __new__(cls, text: str, images: Any) -> ImagePrompt:
+    def __new__(cls, text: str, images: Any, kwargs: dict[str, Any] | None = None) -> ImagePrompt:
         prompt = super().__new__(cls, text)
         stacked = type(images).__module__.startswith("torch") and images.dim() == 3  # embeddings, an image a row
         prompt.images = list(images) if isinstance(images, (list, tuple)) or stacked else [images]
+        prompt.kwargs = kwargs
         return prompt
 
 
@@ -323,10 +336,11 @@ def as_prompt(prompt: PromptType) -> Union[str, Sequence[int], PromptEmbeds]:
         if not isinstance(data, dict) or set(data) != {"image"}:
             raise ValueError("multi_modal_data takes {'image': an image or a list of images} (PIL images, or a "
                              "LLaVA model's image embeddings: tensors of [rows, hidden size])")
-        if set(prompt) != {"prompt", "multi_modal_data"} or not isinstance(text, str):
+        if not {"prompt", "multi_modal_data"} <= set(prompt) <= {"prompt", "multi_modal_data", "mm_processor_kwargs"} \
+                or not isinstance(text, str):
             raise ValueError("a prompt with multi_modal_data is {'prompt': text with one image placeholder per "
-                             "image, 'multi_modal_data': {'image': ...}}")
-        return ImagePrompt(text, data["image"])
+                             "image, 'multi_modal_data': {'image': ...}} (and optionally 'mm_processor_kwargs')")
+        return ImagePrompt(text, data["image"], prompt.get("mm_processor_kwargs"))
     keys = [key for key in _PROMPT_KEYS if key in prompt]
     if len(keys) != 1 or len(prompt) != 1:
         raise ValueError(f"a dict prompt takes exactly one of the keys {', '.join(_PROMPT_KEYS)}; got "

@@ -182,3 +182,28 @@ def test_a_later_turn_encodes_only_its_new_images_tiles(vlm: Path, reference) ->
     output = llm.generate({"prompt": later, "multi_modal_data": {"image": [a, b]}}, GREEDY, use_tqdm=False)[0]
     assert encoded == [5, 5] and output.num_cached_tokens > 30
     assert output.outputs[0].token_ids == _transformers_tokens(vlm, reference, later, [a, b])
+
+
+def test_mm_processor_kwargs_reach_the_processor_and_key_the_images(vlm: Path, reference) -> None:
+    """vLLM's ``mm_processor_kwargs``, the engine's default (``--mm-processor-kwargs``) and a prompt's own over it:
+    ``do_image_splitting: false`` makes each image one tile; the tokens are transformers' on the same processor
+    call, and an image processed otherwise is keyed apart in the prefix cache."""
+    whole = {"do_image_splitting": False}
+    llm = LLM(str(vlm), dtype="float32", kv_cache_memory=1 << 24, mm_processor_kwargs=whole)
+    text, (picture,) = _prompts()[0]
+    one_tile = llm.generate({"prompt": text, "multi_modal_data": {"image": picture}}, GREEDY, use_tqdm=False)[0]
+    split = llm.generate({"prompt": text, "multi_modal_data": {"image": picture},
+                          "mm_processor_kwargs": {"do_image_splitting": True}}, GREEDY, use_tqdm=False)[0]
+    image_token = llm.engine.core.runtime.image_token_id
+    assert one_tile.prompt_token_ids.count(image_token) == 4 < split.prompt_token_ids.count(image_token) == 20
+    processor = transformers.AutoProcessor.from_pretrained(vlm)
+    inputs = processor(text=[text], images=[[picture]], return_tensors="pt", **whole)
+    with torch.no_grad():
+        expected = reference.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    assert one_tile.outputs[0].token_ids == expected[0, inputs["input_ids"].shape[1]:].tolist()
+    assert split.outputs[0].token_ids == _transformers_tokens(vlm, reference, text, [picture])
+    keyed = [llm.input_processor.process_images(text, [picture], kwargs=kwargs).inputs.items[0][0]
+             for kwargs in (None, {"do_image_splitting": True})]
+    assert keyed[0] != keyed[1]
+    with pytest.raises(ValueError, match="mm_processor_kwargs must be an object"):
+        llm.generate({"prompt": text, "multi_modal_data": {"image": picture}, "mm_processor_kwargs": [1]}, GREEDY)

@@ -146,6 +146,14 @@ def test_bench_serve_random_mm_drives_the_server_with_images(server: ServerProce
     assert all(r["prompt_len"] > 20 + 4 for r in run["requests"])
 
 
+def test_a_requests_mm_processor_kwargs_reach_the_processor(client: openai.OpenAI) -> None:
+    """vLLM's ``mm_processor_kwargs`` request field: SmolVLM's image as one tile (4 image tokens) instead of five."""
+    messages = _messages(data_url(image(1, 40, 56)))
+    whole, split = (client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_body=body)
+                    for body in ({"mm_processor_kwargs": {"do_image_splitting": False}}, {}))
+    assert split.usage.prompt_tokens - whole.usage.prompt_tokens >= 16
+
+
 def test_images_that_cannot_be_read_are_refused_and_the_server_serves_on(client: openai.OpenAI,
                                                                          picture_url: str) -> None:
     for url, message in [("data:image/png;base64,!!!", "base64 does not decode"),

@@ -54,6 +54,6 @@ def prompt(engine: Any, request: ChatCompletionRequest, messages: list[dict[str,
                                         request.chat_template, request.continue_final_message, None,
                                         engine.image_placeholder)
     try:
-        return engine.process_chat_images(text, urls, request._fetched_images)
+        return engine.process_chat_images(text, urls, request._fetched_images, request.mm_processor_kwargs)
     except ValueError as exc:
         raise APIError(str(exc), 400, param="messages") from None

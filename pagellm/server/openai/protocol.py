@@ -336,6 +336,7 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False  # the last (assistant) message left open, for the model to continue
     add_special_tokens: bool = False  # special tokens added around the rendered template (it writes its own)
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None  # vLLM's: the processor's keyword arguments for the images
     # vLLM's: documents for retrieval-augmented templates (passed as ``documents``), and a template of the request's
     # own (Jinja text), taken only from a server started with --trust-request-chat-template
     documents: Optional[list[dict[str, str]]] = None

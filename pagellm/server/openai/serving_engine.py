@@ -75,7 +75,8 @@ class EngineClient(Protocol):
     enable_prompt_embeds: bool  # requests may give prompts as input embeddings (--enable-prompt-embeds)
     image_placeholder: Optional[str]  # a vision-language model's image placeholder (None: it takes no images)
 
-    def process_chat_images(self, text: str, urls: list[str], fetched: dict[str, bytes]) -> list[int]: ...
+    def process_chat_images(self, text: str, urls: list[str], fetched: dict[str, bytes],
+                            kwargs: Optional[dict[str, Any]] = None) -> list[int]: ...
 
     def generate(self, prompt: Union[str, list[int]], sampling_params: SamplingParams, request_id: str,
                  priority: int = 0, cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]: ...
