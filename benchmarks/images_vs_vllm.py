@@ -11,6 +11,7 @@ back in their own processes on the same prompts, dtype and thread count, through
 process the images and prompts (from start to the last output, ``--output-len`` tokens each), and their ratio.
 
     .venv/bin/python benchmarks/images_vs_vllm.py --rounds 2 --num-prompts 16 --image-size 512
+    .venv/bin/python benchmarks/images_vs_vllm.py --mm-processor-kwargs '{"do_image_splitting": false}'
 """
 
 from __future__ import annotations
@@ -72,13 +73,13 @@ def worker(args: argparse.Namespace) -> None:
         from vllm import LLM, SamplingParams
 
         llm = LLM(str(args.model), dtype="bfloat16", load_format="dummy", max_model_len=args.max_model_len,
-                  limit_mm_per_prompt={"image": 1})
+                  limit_mm_per_prompt={"image": 1}, mm_processor_kwargs=json.loads(args.mm_processor_kwargs))
     else:
         sys.path.insert(0, str(REPO))
         from pagellm import LLM, SamplingParams
 
         llm = LLM(str(args.model), dtype="bfloat16", load_format="dummy", max_model_len=args.max_model_len,
-                  kv_cache_memory=args.kv_gib << 30)
+                  kv_cache_memory=args.kv_gib << 30, mm_processor_kwargs=json.loads(args.mm_processor_kwargs))
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up: the first call's one-time costs
     start = time.perf_counter()
@@ -94,7 +95,8 @@ def run(system: str, model: Path, args: argparse.Namespace) -> dict:
            "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     argv = [str(python), __file__, "--worker", system, "--model", str(model), "--num-prompts", str(args.num_prompts),
             "--output-len", str(args.output_len), "--image-size", str(args.image_size), "--max-model-len",
-            str(args.max_model_len), "--kv-gib", str(args.kv_gib)]
+            str(args.max_model_len), "--kv-gib", str(args.kv_gib),
+            "--mm-processor-kwargs", args.mm_processor_kwargs]
     proc = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{system} exited {proc.returncode}: {proc.stdout[-2000:]}{proc.stderr[-3000:]}")
@@ -111,6 +113,8 @@ def main() -> None:
     cmd.add_argument("--kv-gib", type=int, default=2)
     cmd.add_argument("--threads", type=int, default=2)
     cmd.add_argument("--timeout", type=float, default=1800)
+    cmd.add_argument("--mm-processor-kwargs", default="{}",
+                     help="the processor's keyword arguments on both sides, as JSON: '{\"do_image_splitting\": false}'")
     cmd.add_argument("--worker", choices=["pagellm", "vllm"], help=argparse.SUPPRESS)
     cmd.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = cmd.parse_args()
