@@ -120,7 +120,7 @@ class ImageProcessor:
         try:
             out = self.processor(text=[text], images=[images], return_tensors="pt",
                                  add_special_tokens=add_special_tokens, **kwargs)
-        except (ValueError, TypeError, OSError) as exc:
+        except (ValueError, TypeError, OSError, KeyError, AttributeError, RuntimeError) as exc:  # kwargs: a client's
             raise ValueError(f"the images could not be processed: {exc}") from None
         tensors = {name: out[name][0] if self.batched else out[name] for name in self.tensors if name in out}
         ids = out["input_ids"][0].tolist()
@@ -142,9 +142,10 @@ class ImageProcessor:
         from pagellm.model.arch import with_defaults
 
         width = int(with_defaults(self.config.get("text_config") or {})["hidden_size"])
-        if any(r.shape[-1] != width or not r.shape[0] or not r.is_floating_point() for r in rows):
-            raise ValueError(f"image embeddings must be float tensors of [rows, {width}] (the model's hidden size) "
-                             f"an image; got {[tuple(r.shape) for r in rows]}")
+        if any(r.shape[-1] != width or not r.shape[0] or not r.is_floating_point() or not bool(r.isfinite().all())
+               for r in rows):
+            raise ValueError(f"image embeddings must be finite float tensors of [rows, {width}] (the model's hidden "
+                             f"size) an image; got {[tuple(r.shape) for r in rows]}")
         pieces = text.split(self.image_token)
         if len(pieces) - 1 != len(rows):
             raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} placeholders for {len(rows)} "

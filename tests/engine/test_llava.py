@@ -304,8 +304,9 @@ def test_image_embeddings_stand_for_their_images(tower: str, request: pytest.Fix
     assert again[1].outputs[0].token_ids == again[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="a prompt takes images or image embeddings"):
         llm.generate({"prompt": text, "multi_modal_data": {"image": [rows[0], pictures[1]]}}, GREEDY)
-    with pytest.raises(ValueError, match=r"float tensors of \[rows, 64\]"):
-        llm.generate({"prompt": "<image>", "multi_modal_data": {"image": torch.zeros(4, 63)}}, GREEDY)
+    for bad in (torch.zeros(4, 63), torch.full((4, 64), float("nan"))):
+        with pytest.raises(ValueError, match=r"finite float tensors of \[rows, 64\]"):
+            llm.generate({"prompt": "<image>", "multi_modal_data": {"image": bad}}, GREEDY)
     with pytest.raises(ValueError, match="the prompt has 1 <image> placeholders for 2 images' embeddings"):
         llm.generate({"prompt": "<image>", "multi_modal_data": {"image": rows}}, GREEDY)
     forged = llm.input_processor.process_images("<image>", [torch.zeros(4, 64)])
