@@ -104,5 +104,5 @@ def test_image_parts_reach_the_template_in_its_form_and_in_order() -> None:
     assert image_urls(messages) == ["data:image/png;base64,AAAA", "https://example.com/b.png"]
     with pytest.raises(ValueError, match=r"messages\[0\].content: an image part is {'type': 'image_url'"):
         image_urls([{"role": "user", "content": [{"type": "image_url", "image_url": "https://x"}]}])
-    with pytest.raises(ValueError, match="text and image_url parts are supported, got a 'input_audio' part"):
+    with pytest.raises(ValueError, match="text, image_url and image_embeds parts are supported, got a 'input_audio'"):
         format_messages([{"role": "user", "content": [{"type": "input_audio"}]}], PARTS, "auto", "<image>")
