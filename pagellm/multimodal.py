@@ -8,9 +8,11 @@ images into pixel tensors. The prompt's token ids are then ordinary ids; its ima
 the processor's tensors as raw bytes (``PackedTensor``, so the engine core and its messages need no torch), and a
 digest of them.
 
-The engine keys a request's KV blocks from its first image token on by a cache salt carrying that digest (the same
-images in the same prompt share their blocks; other images never do); the blocks wholly before it are its text's
-alone, shared with any prompt of that text (``kv/manager.py``, ``Request.image_span``). Each worker runs the
+The engine keys each of a request's KV blocks by the images begun before its end, each image by a digest of its
+pixels and the processor's arguments (``MultiModalInputs.items``, placed by the processor's per-image token counts;
+where those are unknown, by the whole digest from the first image token on): prompts share the blocks of their
+common text and common first images, never a block past an image that differs (``kv/manager.py``,
+``request.image_spans``). Each worker runs the
 model's vision encoder on a request's tensors when it first schedules it (again after a preemption), and the model
 places the rows it makes at the prompt's image-token positions in place of their token embeddings, chunk by chunk
 (``worker/input_batch.py``), as transformers' ``inputs_merger`` does.
@@ -72,15 +74,13 @@ def inputs_of(tensors: dict[str, torch.Tensor], items: list[tuple[str, int]] | N
 
 
 def image_digest(image: Any) -> str:
-    """A digest of one image's pixels (a PIL image's mode, size and bytes; an array's dtype, shape and bytes)."""
-    import numpy as np
+    """A digest of one PIL image's pixels (its mode, size and bytes)."""
+    return hashlib.sha256(f"{image.mode}:{image.size}:".encode() + image.tobytes()).hexdigest()
 
-    if hasattr(image, "mode") and hasattr(image, "tobytes"):
-        head, data = f"pil:{image.mode}:{image.size}", image.tobytes()
-    else:
-        array = np.ascontiguousarray(np.asarray(image))
-        head, data = f"array:{array.dtype}:{array.shape}", array.tobytes()
-    return hashlib.sha256(head.encode() + b":" + data).hexdigest()
+
+def is_tensor(value: Any, dims: int | None = None) -> bool:
+    """Whether ``value`` is a torch tensor (of ``dims`` dimensions), without importing torch: image embeddings."""
+    return type(value).__module__.startswith("torch") and (dims is None or value.dim() == dims)
 
 
 class ImageProcessor:
@@ -100,15 +100,19 @@ class ImageProcessor:
         self.image_token_id = image_token_id
         self.config = json.loads((Path(model_dir) / "config.json").read_text())
         self.tensors, self.batched = self.FAMILIES[self.config["architectures"][0]]
+        if not self.batched:  # a LLaVA's: its tower's config completed once (``_rows``)
+            from pagellm.model.llava import completed
+
+            self.config = completed(self.config)
 
     def process(self, text: str, images: Any, add_special_tokens: bool = True,
                 kwargs: dict[str, Any] | None = None) -> tuple[list[int], MultiModalInputs]:
         """``text`` and ``images`` through the processor (``kwargs`` its keyword arguments: ``mm_processor_kwargs``)."""
         kwargs = kwargs or {}
-        images = list(images) if isinstance(images, (list, tuple)) or _is_tensor(images, 3) else [images]
-        if images and all(_is_tensor(image, 2) for image in images):
+        images = list(images) if isinstance(images, (list, tuple)) or is_tensor(images, 3) else [images]
+        if images and all(is_tensor(image, 2) for image in images):
             return self._embeds(text, images, add_special_tokens)
-        if any(type(image).__module__.startswith("torch") for image in images):
+        if any(map(is_tensor, images)):
             raise ValueError("a prompt takes images or image embeddings ([rows, hidden] tensors), not both")
         if not images:
             raise ValueError("multi_modal_data's image list is empty; send at least one image, or no "
@@ -185,6 +189,3 @@ class ImageProcessor:
         sizes = tensors["image_sizes"].tolist() if "image_sizes" in tensors else [(0, 0)] * pixels.shape[0]
         return sum(image_tokens(self.config, architecture, int(h), int(w)) for h, w in sizes)
 
-
-def _is_tensor(value: Any, dims: int) -> bool:
-    return type(value).__module__.startswith("torch") and getattr(value, "dim", lambda: -1)() == dims

@@ -21,7 +21,7 @@ import msgspec
 from pagellm import images
 from pagellm.chat_content import EmbedsSource
 from pagellm.engine.wire import EngineCoreRequest
-from pagellm.multimodal import MultiModalInputs
+from pagellm.multimodal import MultiModalInputs, is_tensor
 from pagellm.lora import LoRARequest, check_adapter
 from pagellm.prompt_embeds import PromptEmbeds, from_tensor
 from pagellm.request import caller_salt_part
@@ -176,7 +176,7 @@ class InputProcessor:
         if self.max_images is not None and len(images) > self.max_images:
             raise ValueError(f"the prompt has {len(images)} images; this engine takes at most {self.max_images} per "
                              "prompt (--limit-mm-per-prompt)")
-        if not self.enable_mm_embeds and any(type(image).__module__.startswith("torch") for image in images):
+        if not self.enable_mm_embeds and any(map(is_tensor, images)):
             raise ValueError(MM_EMBEDS_OFF)
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"mm_processor_kwargs must be an object of the processor's keyword arguments, e.g. "
@@ -309,7 +309,7 @@ class ImagePrompt(str):
 
     def __new__(cls, text: str, images: Any, kwargs: dict[str, Any] | None = None) -> ImagePrompt:
         prompt = super().__new__(cls, text)
-        stacked = type(images).__module__.startswith("torch") and images.dim() == 3  # embeddings, an image a row
+        stacked = is_tensor(images, 3)  # embeddings, [images, rows, hidden]
         prompt.images = list(images) if isinstance(images, (list, tuple)) or stacked else [images]
         prompt.kwargs = kwargs
         return prompt

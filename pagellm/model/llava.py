@@ -87,9 +87,11 @@ class VisionTower(nn.Module):
         x = vm.embeddings(pixels)
         if self.clip:
             x = vm.pre_layrnorm(x)
-        states = [x]
-        for layer in vm.encoder.layers:
-            states.append(layer(states[-1], None))
+        states = {0: x}
+        for depth, layer in enumerate(vm.encoder.layers, 1):
+            x = layer(x, None)
+            if depth in self.feature_layers:  # only the layers read are kept
+                states[depth] = x
         return [states[i] for i in self.feature_layers]
 
     def loads(self, name: str) -> bool:
@@ -105,9 +107,10 @@ class VisionTower(nn.Module):
 class LlavaVision(nn.Module):
     def __init__(self, vision: dict[str, Any], text_width: int, dtype: torch.dtype) -> None:
         super().__init__()
+        self.config = vision = completed(vision)
         layer = vision.get("vision_feature_layer", -2)
         layers = [int(i) for i in layer] if isinstance(layer, (list, tuple)) else [int(layer)]
-        self.tower = VisionTower(with_defaults(vision.get("vision_config") or {}), layers, dtype)
+        self.tower = VisionTower(vision["vision_config"], layers, dtype)
         self.strategy = vision.get("vision_feature_select_strategy", "default")
         if self.strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy {self.strategy!r} is not supported: default or full")
@@ -138,21 +141,19 @@ class LlavaNextVision(LlavaVision):
 
     def __init__(self, vision: dict[str, Any], text_width: int, dtype: torch.dtype) -> None:
         super().__init__(vision, text_width, dtype)
-        self.config = vision
         self.image_newline = nn.Parameter(torch.zeros(text_width, dtype=dtype))
 
     @torch.inference_mode()
     def forward(self, pixels: torch.Tensor, image_sizes: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """[all the images' rows, text width] of ``pixels`` [images, tiles (padded), 3, H, W] and the images'
         original ``image_sizes`` [images, 2] (height, width)."""
-        out = []
+        out, side = [], side_of(self.config)
         for tiles, (height, width) in zip(pixels, image_sizes.tolist()):
             rows, cols = anyres_grid(self.config, height, width)
             features = self.project(tiles[:rows * cols + 1])
-            side = side_of(self.config)
             grid = features[1:].reshape(rows, cols, side, side, -1).permute(4, 0, 2, 1, 3)
             grid = grid.reshape(-1, rows * side, cols * side)
-            kept_rows, kept_cols = unpadded(self.config, height, width)
+            kept_rows, kept_cols = unpadded(self.config, (rows, cols), height, width)
             top, left = (rows * side - kept_rows) // 2, (cols * side - kept_cols) // 2
             grid = grid[:, top:top + kept_rows, left:left + kept_cols]
             newline = self.image_newline[:, None, None].expand(-1, kept_rows, 1).to(grid.dtype)
@@ -160,17 +161,21 @@ class LlavaNextVision(LlavaVision):
         return torch.cat(out)
 
 
+def completed(vision: dict[str, Any]) -> dict[str, Any]:
+    """A LLaVA config's vision side with its tower's config completed by transformers' defaults
+    (``arch.with_defaults``), as the functions below read it."""
+    return {**vision, "vision_config": with_defaults(vision.get("vision_config") or {})}
+
+
 def side_of(vision: dict[str, Any]) -> int:
-    """Patches along a tile's side."""
-    tower = with_defaults(vision.get("vision_config") or {})
-    return int(tower["image_size"]) // int(tower["patch_size"])
+    """Patches along a tile's side (``vision``: ``completed``)."""
+    return int(vision["vision_config"]["image_size"]) // int(vision["vision_config"]["patch_size"])
 
 
 def tile_tokens(vision: dict[str, Any]) -> int:
     """The rows one tile makes (a LLaVA-1.5 image, a LLaVA-NeXT base tile): its patches, a CLIP tower's class token,
     less the first token under the "default" strategy."""
-    tower = with_defaults(vision.get("vision_config") or {})
-    return side_of(vision) ** 2 + (tower.get("model_type") == "clip_vision_model") - \
+    return side_of(vision) ** 2 + (vision["vision_config"].get("model_type") == "clip_vision_model") - \
         (vision.get("vision_feature_select_strategy", "default") == "default")
 
 
@@ -179,16 +184,16 @@ def anyres_grid(vision: dict[str, Any], height: int, width: int) -> tuple[int, i
     ``image_grid_pinpoints`` (transformers' choice), in tiles."""
     from transformers.image_processing_utils import select_best_resolution
 
-    tile = int(with_defaults(vision.get("vision_config") or {})["image_size"])
+    tile = int(vision["vision_config"]["image_size"])
     best_height, best_width = select_best_resolution((height, width), vision.get("image_grid_pinpoints")
                                                      or DEFAULT_PINPOINTS)
     return best_height // tile, best_width // tile
 
 
-def unpadded(vision: dict[str, Any], height: int, width: int) -> tuple[int, int]:
-    """The grid's patch rows and columns that show the image (the padding its aspect ratio left cut off, as
-    transformers' ``unpad_image``)."""
-    rows, cols = (n * side_of(vision) for n in anyres_grid(vision, height, width))
+def unpadded(vision: dict[str, Any], grid: tuple[int, int], height: int, width: int) -> tuple[int, int]:
+    """The patch rows and columns of an image's ``grid`` of tiles (``anyres_grid``) that show the image (the padding
+    its aspect ratio left cut off, as transformers' ``unpad_image``)."""
+    rows, cols = (n * side_of(vision) for n in grid)
     if width / height > cols / rows:
         padding = (rows - int(round(height * (cols / width), 7))) // 2
         return rows - 2 * padding, cols
@@ -197,10 +202,10 @@ def unpadded(vision: dict[str, Any], height: int, width: int) -> tuple[int, int]
 
 
 def image_tokens(vision: dict[str, Any], architecture: str, height: int, width: int) -> int:
-    """The rows an image of ``height`` × ``width`` makes (one image token each)."""
+    """The rows an image of ``height`` × ``width`` makes (one image token each; ``vision``: ``completed``)."""
     if architecture == "LlavaForConditionalGeneration":
         return tile_tokens(vision)
-    kept_rows, kept_cols = unpadded(vision, height, width)
+    kept_rows, kept_cols = unpadded(vision, anyres_grid(vision, height, width), height, width)
     return tile_tokens(vision) + kept_rows * (kept_cols + 1)
 
 
