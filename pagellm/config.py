@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from pagellm.distributed.config import ParallelConfig
 from pagellm.kv.events import KVEventsConfig
 from pagellm.kv.hash_algos import check_algo
 from pagellm.lora import target_projections
+from pagellm.mm_config import MultiModalConfig, json_object
 from pagellm.sampling_params import LOGPROBS_MODES, MAX_LOGPROBS
 from pagellm.sched.config import SchedulerConfig
 from pagellm.spec.config import DISABLE_BY_BATCH_SIZE, SPEC_METHODS, SpeculativeConfig  # noqa: F401
@@ -57,18 +57,6 @@ def _processor_names(value: Any) -> tuple[str, ...]:
 
     items = [value] if isinstance(value, (str, type)) else list(value or ())
     return tuple(qualified_name(item) for item in items)
-
-
-def _json_object(value: dict[str, Any] | str | None, name: str) -> dict[str, Any] | None:
-    """A dict from a dict or its JSON text (None stays None)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{name} is not valid JSON ({exc}); e.g. '{{\"temperature\": 0.5}}'") from None
-    if value is not None and not isinstance(value, dict):
-        raise ValueError(f"{name} must be a JSON object, e.g. '{{\"temperature\": 0.5}}', got {value!r}")
-    return value
 
 
 def _help(text: str, nargs: str | None = None, **kwargs: Any) -> Any:
@@ -114,14 +102,6 @@ class ModelConfig:
         "Keys of the model's config.json set over its own, as a JSON object (vLLM's flag), e.g. "
         "'{\"max_position_embeddings\": 8192, \"rope_scaling\": {\"rope_type\": \"linear\", \"factor\": 2.0}}'.",
         default=None)
-    limit_mm_per_prompt: dict[str, Any] | str | None = _help(
-        "The most images one prompt may carry, as a JSON object (vLLM's flag), e.g. '{\"image\": 2}'; a prompt "
-        "with more is refused (keys image, video, audio: this engine reads images only). Default: any number.",
-        default=None)
-    mm_processor_kwargs: dict[str, Any] | str | None = _help(
-        "Keyword arguments for the model's Hugging Face processor, as a JSON object (vLLM's flag), e.g. "
-        "'{\"do_image_splitting\": false}' (SmolVLM: one tile an image); a request's own override them.",
-        default=None)
     tokenizer: str | None = _help(
         "Tokenizer directory (tokenizer.json or tokenizer_config.json) to use instead of the model's own, e.g. the "
         "original model's beside a .gguf file (vLLM's flag). Default: the model's.", default=None)
@@ -144,10 +124,6 @@ class ModelConfig:
         "Take prompts as input embeddings (vLLM's flag): LLM.generate({\"prompt_embeds\": tensor}), or the "
         "completions API's prompt_embeds (a base64 torch.save of a [num_tokens, hidden_size] tensor). The API "
         "server then loads torch to read them. Default: off.", default=False)
-    enable_mm_embeds: bool = _help(
-        "Take precomputed image embeddings in place of images (vLLM's flag), for a LLaVA model: tensors under "
-        "multi_modal_data, or chat's image_embeds parts (a base64 torch.save or .npy of [rows, hidden_size]). "
-        "Default: off.", default=False)
     logits_processors: tuple[str, ...] = _help(
         "Custom logits processors (vLLM's flag): package.module:Class names of AdapterLogitsProcessor subclasses "
         "(pagellm.sample.custom), importable by the server and its workers; requests opt in through their "
@@ -176,17 +152,9 @@ class ModelConfig:
         if source not in ("auto", "vllm") and not (Path(source) / "generation_config.json").is_file():
             raise ValueError(f"generation_config={source!r}: use auto (the model's generation_config.json), vllm "
                              "(the neutral defaults) or a folder holding a generation_config.json")
-        object.__setattr__(self, "override_generation_config", _json_object(self.override_generation_config,
+        object.__setattr__(self, "override_generation_config", json_object(self.override_generation_config,
                                                                             "override_generation_config"))
-        object.__setattr__(self, "hf_overrides", _json_object(self.hf_overrides, "hf_overrides"))
-        object.__setattr__(self, "mm_processor_kwargs", _json_object(self.mm_processor_kwargs,
-                                                                     "mm_processor_kwargs"))
-        limits = _json_object(self.limit_mm_per_prompt, "limit_mm_per_prompt")
-        if limits is not None and (not set(limits) <= {"image", "video", "audio"} or not all(
-                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limits.values())):
-            raise ValueError(f"limit_mm_per_prompt takes counts >= 0 of image, video or audio, e.g. "
-                             f"'{{\"image\": 2}}'; got {limits!r}")
-        object.__setattr__(self, "limit_mm_per_prompt", limits)
+        object.__setattr__(self, "hf_overrides", json_object(self.hf_overrides, "hf_overrides"))
         object.__setattr__(self, "logits_processors", _processor_names(self.logits_processors))
         if isinstance(self.worker_extension_cls, type):  # a class given in code: its import name
             cls = self.worker_extension_cls
@@ -324,6 +292,7 @@ _SECTIONS: dict[str, type] = {
     "scheduler_config": SchedulerConfig,
     "parallel_config": ParallelConfig,
     "profiler_config": ProfilerConfig,
+    "multimodal_config": MultiModalConfig,
 }
 
 
@@ -337,6 +306,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
+    multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
     kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
     reasoning_config: ReasoningConfig = field(default_factory=ReasoningConfig)  # a reasoning model's thinking tags

@@ -138,7 +138,8 @@ class LLM:
         placeholder = self.input_processor.image_placeholder
         text = self.tokenizer.render_chat(conversation, add_generation_prompt, kwargs, template,  # type: ignore
                                           continue_final_message, content_format, placeholder)
-        return self.input_processor.process_chat_images(text, urls, images.fetch_sync(urls), mm_kwargs)
+        fetched = images.fetch_sync(urls, self.input_processor.mm)
+        return self.input_processor.process_chat_images(text, urls, fetched, mm_kwargs)
 
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],
                       priorities: list[int]) -> list[str]:

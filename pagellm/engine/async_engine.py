@@ -68,6 +68,7 @@ from pagellm.metrics import tracing
 from pagellm.metrics.log import LogStatsSink
 from pagellm.metrics.sink import NullStatsSink, StatsSink
 from pagellm.metrics.stats import IterationStats, SchedulerStats
+from pagellm.mm_config import MultiModalConfig
 from pagellm.model.loader import resolve_model_dir
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -147,6 +148,11 @@ class AsyncLLM(EngineOperations):
     def image_placeholder(self) -> str | None:
         """What a prompt writes where an image goes (a vision-language model's; None: this model takes no images)."""
         return self.input_processor.image_placeholder
+
+    @property
+    def media(self) -> MultiModalConfig:
+        """Where image URLs may point (``images.fetch``), among the multimodal settings."""
+        return self.input_processor.mm
 
     def process_chat_images(self, text: str, urls: list[str], fetched: dict[str, bytes],
                             kwargs: dict[str, Any] | None = None) -> list[int]:

@@ -23,6 +23,7 @@ from pagellm.chat_content import EmbedsSource
 from pagellm.engine.wire import EngineCoreRequest
 from pagellm.multimodal import MultiModalInputs, is_tensor
 from pagellm.lora import LoRARequest, check_adapter
+from pagellm.mm_config import MultiModalConfig
 from pagellm.prompt_embeds import PromptEmbeds, from_tensor
 from pagellm.request import caller_salt_part
 from pagellm.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -80,12 +81,9 @@ class InputProcessor:
                  logits_processors: Sequence[str] = (), logprobs_mode: str = "raw_logprobs",
                  max_lora_rank: int | None = None, reasoning: ReasoningConfig | None = None,
                  model_dir: Path | None = None, image_token_id: int | None = None,
-                 max_images: int | None = None, enable_mm_embeds: bool = False,
-                 mm_processor_kwargs: dict[str, Any] | None = None) -> None:
+                 multimodal: MultiModalConfig | None = None) -> None:
         self.tokenizer = tokenizer
-        self.max_images = max_images  # per prompt (--limit-mm-per-prompt; None: any number)
-        self.enable_mm_embeds = enable_mm_embeds  # image embeddings may stand for images (--enable-mm-embeds)
-        self.mm_processor_kwargs = mm_processor_kwargs or {}  # the processor's defaults (--mm-processor-kwargs)
+        self.mm = multimodal or MultiModalConfig()  # images per prompt, the processor's defaults, image embeddings
         self.model_dir = model_dir
         self.image_token_id = image_token_id  # a vision-language model's: it takes images (``multimodal.py``)
         self._images: Any = None  # its ImageProcessor, made at the first prompt with images
@@ -119,9 +117,7 @@ class InputProcessor:
                    logits_processors=model_config.logits_processors, logprobs_mode=model_config.logprobs_mode,
                    max_lora_rank=model_config.max_lora_rank, reasoning=config.reasoning_config,
                    model_dir=model_dir, image_token_id=runtime.image_token_id,
-                   max_images=(model_config.limit_mm_per_prompt or {}).get("image"),
-                   enable_mm_embeds=model_config.enable_mm_embeds,
-                   mm_processor_kwargs=model_config.mm_processor_kwargs)
+                   multimodal=config.multimodal_config)
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         prompt = as_prompt(prompt)
@@ -173,22 +169,23 @@ class InputProcessor:
         token ids (each placeholder expanded into the model's image tokens; special tokens added as a text prompt
         gets them, not for a rendered chat, whose template writes its own) and the encoder's inputs; ``kwargs`` go to
         the processor over ``mm_processor_kwargs`` (vLLM's per-request ``mm_processor_kwargs``)."""
-        if self.max_images is not None and len(images) > self.max_images:
-            raise ValueError(f"the prompt has {len(images)} images; this engine takes at most {self.max_images} per "
-                             "prompt (--limit-mm-per-prompt)")
-        if not self.enable_mm_embeds and any(map(is_tensor, images)):
+        cap = self.mm.max_images
+        if cap is not None and len(images) > cap:
+            raise ValueError(f"the prompt has {len(images)} images; this engine takes at most {cap} per prompt "
+                             "(--limit-mm-per-prompt)")
+        if not self.mm.enable_mm_embeds and any(map(is_tensor, images)):
             raise ValueError(MM_EMBEDS_OFF)
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"mm_processor_kwargs must be an object of the processor's keyword arguments, e.g. "
                              f"{{\"do_image_splitting\": false}}; got {kwargs!r}")
         return ImageTokens(*self._processor().process(text, images, add_special_tokens,
-                                                       {**self.mm_processor_kwargs, **(kwargs or {})}))
+                                                       {**(self.mm.mm_processor_kwargs or {}), **(kwargs or {})}))
 
     def process_chat_images(self, text: str, urls: list[str], fetched: dict[str, bytes],
                             kwargs: dict[str, Any] | None = None) -> ImageTokens:
         """A rendered chat's text and its image parts' URLs (``images.load``: data URLs, and the http(s) ones
         ``fetched`` holds): ``process_images`` with no special tokens added (the template wrote its own)."""
-        if not self.enable_mm_embeds and any(isinstance(url, EmbedsSource) for url in urls):  # not even read
+        if not self.mm.enable_mm_embeds and any(isinstance(url, EmbedsSource) for url in urls):  # not even read
             raise ValueError(MM_EMBEDS_OFF)
         return self.process_images(text, [images.load(url, fetched) for url in urls], False, kwargs)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 from PIL import Image
-from vlm_utils import build_vlm, data_url, image
+from vlm_utils import build_vlm, data_url, image, png
 
 from pagellm import LLM, SamplingParams
 from pagellm.engine.wire import EngineCoreRequest
@@ -146,9 +146,16 @@ def test_two_tensor_parallel_ranks_give_one_ranks_tokens(vlm: Path, llm: LLM) ->
         ranks.shutdown()  # rank 0's process group lives in this process: it goes with the engine
 
 
-def test_limit_mm_per_prompt_caps_a_prompts_images(vlm: Path) -> None:
-    """vLLM's --limit-mm-per-prompt: a prompt with more images than the limit is refused, one within it runs."""
-    capped = LLM(str(vlm), dtype="float32", kv_cache_memory=1 << 22, limit_mm_per_prompt='{"image": 1}')
+def test_limit_mm_per_prompt_caps_a_prompts_images(vlm: Path, llm: LLM, tmp_path: Path) -> None:
+    """vLLM's --limit-mm-per-prompt: a prompt with more images than the limit is refused, one within it runs.
+    Offline chat reads file:// images under allowed_local_media_path: the reply is the data URL's."""
+    (tmp_path / "cat.png").write_bytes(png(_image(1, 47, 51)))
+    capped = LLM(str(vlm), dtype="float32", kv_cache_memory=1 << 22, limit_mm_per_prompt='{"image": 1}',
+                 allowed_local_media_path=str(tmp_path))
+    chats = [[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+             for url in (f"file://{tmp_path}/cat.png", data_url(_image(1, 47, 51)))]
+    assert capped.chat(chats[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == \
+        llm.chat(chats[1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     (text, two), (one_text, one) = _prompts()[1], _prompts()[0]
     with pytest.raises(ValueError, match=r"the prompt has 2 images; this engine takes at most 1 per prompt"):
         capped.generate({"prompt": text, "multi_modal_data": {"image": two}}, GREEDY, use_tqdm=False)

@@ -61,8 +61,20 @@ def picture_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def server(vlm: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    process = ServerProcess(vlm, ["--served-model-name", "tiny"], tmp_path_factory.mktemp("vlm-server") / "log")
+def media(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder the server reads file:// images from: one PNG, and a link to one outside it."""
+    folder = tmp_path_factory.mktemp("media")
+    (folder / "cat.png").write_bytes(png(image(1, 40, 56)))
+    (folder.parent / "outside.png").write_bytes(png(image(2, 40, 56)))
+    (folder / "link.png").symlink_to(folder.parent / "outside.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(vlm: Path, media: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    flags = ["--served-model-name", "tiny", "--allowed-local-media-path", str(media),
+             "--allowed-media-domains", "127.0.0.1"]
+    process = ServerProcess(vlm, flags, tmp_path_factory.mktemp("vlm-server") / "log")
     try:
         process.wait_healthy()
         yield process
@@ -159,7 +171,7 @@ def test_images_that_cannot_be_read_are_refused_and_the_server_serves_on(client:
     for url, message in [("data:image/png;base64,!!!", "base64 does not decode"),
                          ("data:image/png;base64,aGVsbG8=", "is no image PIL can open"),
                          (picture_url.replace("cat", "dog"), "answered HTTP 404"),
-                         ("file:///etc/passwd", "cannot be read here; send a data:image")]:
+                         ("file:///etc/passwd", "is outside --allowed-local-media-path")]:
         with pytest.raises(openai.BadRequestError, match=message):
             client.chat.completions.create(model="tiny", messages=_messages(url), max_tokens=2)
     embeds = [{"role": "user", "content": [{"type": "image_embeds", "image_embeds": "AAAA"}]}]
@@ -170,6 +182,22 @@ def test_images_that_cannot_be_read_are_refused_and_the_server_serves_on(client:
                                        extra_body={"use_beam_search": True})
     reply = client.chat.completions.create(model="tiny", messages=_messages(picture_url), max_tokens=2)
     assert reply.choices[0].finish_reason == "length"
+
+
+def test_file_urls_inside_the_media_folder_and_only_the_allowed_hosts_are_read(client: openai.OpenAI, media: Path,
+                                                                              picture_url: str) -> None:
+    """--allowed-local-media-path: a file:// image there is the data URL of its bytes to the model (the same reply);
+    a link out of it is refused. --allowed-media-domains 127.0.0.1: the same server by another name is refused."""
+    replies = [client.chat.completions.create(model="tiny", messages=_messages(url), max_tokens=MAX_TOKENS,
+                                              temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+               for url in (f"file://{media}/cat.png", data_url(image(1, 40, 56)))]
+    assert replies[0].choices[0].token_ids == replies[1].choices[0].token_ids
+    assert replies[0].usage.prompt_tokens == replies[1].usage.prompt_tokens
+    for url, message in [(f"file://{media}/link.png", "is outside --allowed-local-media-path"),
+                         (picture_url.replace("127.0.0.1", "localhost"), "names host 'localhost', not one of "
+                                                                         r"--allowed-media-domains \(127.0.0.1\)")]:
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.chat.completions.create(model="tiny", messages=_messages(url), max_tokens=2)
 
 
 def test_a_model_without_images_says_so(tiny_llama: Path) -> None:

@@ -1,8 +1,9 @@
 """Images in chat requests (OpenAI's ``image_url`` parts) for a vision-language model: fetched before a request is
 prepared, then its conversation rendered with the model's image placeholders and run through its processor.
 
-- ``fetch_images(request)`` (the route, on the event loop): the http(s) image URLs fetched at once, into the
-  request, so that preparation (maybe on the preparing thread) never waits on the network;
+- ``fetch_images(request)`` (the route, on the event loop): the http(s) image URLs fetched at once and the file
+  ones read (where the server's media settings allow them: ``images.fetch``), into the request, so that
+  preparation (maybe on the preparing thread) never waits on the network;
 - ``prompt(...)`` (preparation): the template's text, one placeholder per image part (``chat_content.py``), and the
   images (``images.load``: data URLs, and the fetched ones) through the engine's processor: token ids that carry
   the images (``InputProcessor.process_images``), which the engine takes as they are.
@@ -21,7 +22,7 @@ from pagellm.server.openai.protocol import ChatCompletionRequest
 
 
 async def fetch_images(request: Any, engine: Any) -> None:
-    """The request's http(s) image URLs (a chat's ``image_url`` parts; a response's ``input_image`` ones and an
+    """The request's http(s) and file image URLs (a chat's ``image_url`` parts; a response's ``input_image`` ones and an
     Anthropic request's image blocks, as their ``input_messages()`` give them), fetched into it (all at once) where
     ``engine``'s model takes images; a URL that fails is a 400. Messages that do not read are left to preparation,
     which names what is wrong with them."""
@@ -30,12 +31,12 @@ async def fetch_images(request: Any, engine: Any) -> None:
     try:
         messages = [m.to_template_dict() for m in request.messages] if isinstance(request, ChatCompletionRequest) \
             else request.input_messages()
-        urls = [url for url in image_urls(messages) if images.is_remote(url)]
+        urls = [url for url in image_urls(messages) if images.is_fetched(url)]
     except ValueError:
         return
     if urls:
         try:
-            request._fetched_images = await images.fetch(urls)
+            request._fetched_images = await images.fetch(urls, engine.media)
         except ValueError as exc:
             raise APIError(str(exc), 400, param="messages") from None
 
