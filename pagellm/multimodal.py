@@ -3,7 +3,8 @@
 A vision-language model's prompt is text with image placeholders, and images. The frontend runs the model's own
 Hugging Face processor (``ImageProcessor``: the checkpoint's ``preprocessor_config.json`` and ``processor_config.json``,
 through ``transformers.AutoProcessor``), which expands each placeholder into the model's image tokens (SmolVLM's:
-tiles' rows and columns, each ``image_seq_len`` ``<image>`` tokens; LLaVA's: one ``<image>`` a patch) and turns the
+tiles' rows and columns, each ``image_seq_len`` ``<image>`` tokens; LLaVA's: one ``<image>`` a patch; Gemma 3's: its
+``<start_of_image>`` into ``mm_tokens_per_image`` soft tokens between its image markers) and turns the
 images into pixel tensors. The prompt's token ids are then ordinary ids; its images travel as ``MultiModalInputs``:
 the processor's tensors as raw bytes (``PackedTensor``, so the engine core and its messages need no torch), and a
 digest of them.
@@ -83,6 +84,9 @@ def is_tensor(value: Any, dims: int | None = None) -> bool:
     return type(value).__module__.startswith("torch") and (dims is None or value.dim() == dims)
 
 
+LLAVA = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
+
+
 class ImageProcessor:
     """A vision-language model's Hugging Face processor: text with image placeholders and images in, token ids and
     the encoder's tensors out, checked against the rows the model's encoder makes of them."""
@@ -90,7 +94,8 @@ class ImageProcessor:
     # The processor's outputs each family's encoder takes, and whether they carry the prompt's batch dimension first
     FAMILIES = {"Idefics3ForConditionalGeneration": (("pixel_values", "pixel_attention_mask"), True),
                 "LlavaForConditionalGeneration": (("pixel_values",), False),
-                "LlavaNextForConditionalGeneration": (("pixel_values", "image_sizes"), False)}
+                "LlavaNextForConditionalGeneration": (("pixel_values", "image_sizes"), False),
+                "Gemma3ForConditionalGeneration": (("pixel_values",), False)}
 
     def __init__(self, model_dir: Path, image_token_id: int) -> None:
         from transformers import AutoProcessor
@@ -141,8 +146,8 @@ class ImageProcessor:
         decoder as they are (a LLaVA model's only: SmolVLM's placeholders expand into tiles' markers)."""
         import torch
 
-        if self.batched:
-            raise ValueError("image embeddings are taken by LLaVA models; send SmolVLM the images themselves")
+        if self.batched or self.config["architectures"][0] not in LLAVA:
+            raise ValueError("image embeddings are taken by LLaVA models; send this model the images themselves")
         from pagellm.model.arch import with_defaults
 
         width = int(with_defaults(self.config.get("text_config") or {})["hidden_size"])
@@ -178,14 +183,18 @@ class ImageProcessor:
     def _rows(self, tensors: dict[str, torch.Tensor]) -> int:
         """The rows the model's encoder makes of ``tensors``: SmolVLM's ``image_seq_len`` a tile (all-zero padding
         tiles dropped); LLaVA's a tile's patches (``model/llava.py``: ``image_tokens``), LLaVA-NeXT's by each
-        image's size."""
+        image's size; Gemma 3's ``mm_tokens_per_image`` a crop."""
         pixels = tensors["pixel_values"]
         if self.batched:
             tiles = int((pixels != 0).flatten(1).any(1).sum())
             return tiles * int(getattr(self.processor, "image_seq_len", 0))
+        architecture = self.config["architectures"][0]
+        if architecture not in LLAVA:  # Gemma 3's: a fixed count a crop
+            from pagellm.model.gemma3_mm import tokens_per_image
+
+            return pixels.shape[0] * tokens_per_image(self.config)
         from pagellm.model.llava import image_tokens
 
-        architecture = self.config["architectures"][0]
         sizes = tensors["image_sizes"].tolist() if "image_sizes" in tensors else [(0, 0)] * pixels.shape[0]
         return sum(image_tokens(self.config, architecture, int(h), int(w)) for h, w in sizes)
 

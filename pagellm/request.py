@@ -9,7 +9,7 @@ running has computed nothing. No torch here.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, NamedTuple, NewType
+from typing import TYPE_CHECKING, Any, NamedTuple, NewType
 
 if TYPE_CHECKING:
     from pagellm.multimodal import MultiModalInputs
@@ -116,6 +116,7 @@ class Request:
         prompt_embeds: PromptEmbeds | None = None,
         mm_inputs: MultiModalInputs | None = None,
         image_spans: list[ImageSpan] | None = None,
+        image_runs: Any = None,
     ) -> None:
         self.request_id = RequestId(request_id)
         self.sampling_params = sampling_params
@@ -128,6 +129,8 @@ class Request:
         # its images' token spans (``image_spans``): its blocks hash as its text's and the images begun before
         # each block's end (``kv/manager.py``)
         self.image_spans = image_spans
+        # [runs, 2] its runs of image tokens, where no step may end inside one (``sched/whole_images.py``), else None
+        self.image_runs = image_runs
         # The engine resolves max_tokens=None to what max_model_len leaves.
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.status = RequestStatus.WAITING

@@ -91,3 +91,31 @@ def build_llava(decoder: Path, out: Path, tower: str = "clip", feature_layer: in
     kind[2](config).eval().save_pretrained(out)
     processor.save_pretrained(out)
     return out
+
+
+def build_gemma3(decoder: Path, out: Path, tokens_per_image: int = 16) -> Path:
+    """A tiny Gemma 3 vision-language model over a tiny Gemma 3 ``decoder``: a SigLIP tower on 64-pixel images of
+    8-pixel patches, pooled to ``tokens_per_image`` rows; its processor writes ``<start_of_image>``'s image in
+    place of the placeholder. The projector's weights are drawn large enough to matter."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(decoder, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    processor = transformers.Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 64, "width": 64}),
+                                             tokenizer=tokenizer, image_seq_length=tokens_per_image)
+    text = {k: v for k, v in json.loads((decoder / "config.json").read_text()).items()
+            if k not in ("architectures", "dtype", "torch_dtype")}
+    config = transformers.Gemma3Config(
+        text_config=text, mm_tokens_per_image=tokens_per_image, boi_token_index=tokenizer.boi_token_id,
+        eoi_token_index=tokenizer.eoi_token_id, image_token_index=tokenizer.image_token_id, tie_word_embeddings=False,
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 64, "patch_size": 8})
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "multi_modal_projector" in name or "post_layernorm" in name:
+                param.normal_(0, 0.5)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out

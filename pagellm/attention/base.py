@@ -3,7 +3,8 @@ forward context through which attention layers read that metadata.
 
 A step's batch is one flat run of tokens from many requests: request ``r`` owns tokens
 ``query_start_loc[r]:query_start_loc[r+1]``, which sit at the end of its ``seq_lens[r]``-token context and
-attend causally (or, for a draft-tree row, as its ``tree_masks`` entry says); a layer with a sliding window of W
+attend causally (or, for a draft-tree row, as its ``tree_masks`` entry says; an image token of a model whose images
+attend both ways, up to its ``visible_ends`` entry as well); a layer with a sliding window of W
 sees, of those keys, only the ones less than W positions before its token (``window_starts``).
 Backends turn this common description into whatever their kernels need, once per step (``build``), and every
 layer then calls ``forward`` with that same metadata.
@@ -81,6 +82,9 @@ class CommonAttentionInputs:
     # [T] int64 position of each token (a draft-tree token's is its depth's); None: each row's tokens sit at the
     # end of its context, in order.
     positions: np.ndarray | None = None
+    # [T] int64: each token also sees every key before this one (Gemma 3's image tokens: their image's end, inside
+    # the step; others 0); None: the causal rule alone. A sliding window still bounds the keys from below.
+    visible_ends: np.ndarray | None = None
 
     def token_positions(self) -> np.ndarray:
         if self.positions is not None:

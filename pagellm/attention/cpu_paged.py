@@ -142,12 +142,15 @@ def load_kernel() -> PagedKernel:
 
 
 def build_metadata(common: CommonAttentionInputs) -> CpuPagedMetadata:
-    """Per-token visibility for the step: causal ``ctx_end``; tree rows see their cached context plus their mask."""
+    """Per-token visibility for the step: causal ``ctx_end`` (or an image's end, ``visible_ends``); tree rows see
+    their cached context plus their mask."""
     qsl, seq_lens = common.query_start_loc, common.seq_lens
     q_lens = np.diff(qsl)
     total = int(qsl[-1])
     row_start = seq_lens - q_lens                       # position of each row's first query token
     ctx_end = np.repeat(row_start - qsl[:-1], q_lens) + np.arange(total, dtype=np.int64) + 1
+    if common.visible_ends is not None:  # image tokens that see their whole image (never in a draft tree)
+        np.maximum(ctx_end, common.visible_ends, out=ctx_end)
     bits = None
     if common.tree_masks:
         words = max(-(-int(m.shape[0]) // 64) for m in common.tree_masks.values())

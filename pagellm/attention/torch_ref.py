@@ -5,7 +5,8 @@ cache through the block table, so prefix hits, chunked prefill and decode are on
 Rows with one query token (decodes) are batched: their blocks are gathered into a padded [B, KVH, L, D] tensor,
 and grouped-query heads are folded into the query axis so one SDPA call serves them all. Rows with several query
 tokens (prompt chunks, draft verification) run one SDPA call each with a causal mask offset by their cached
-context, or with the row's draft-tree mask (speculative decoding). The split is an implementation detail of
+context (extended to the end of its image for an image token that sees its image both ways), or with the row's
+draft-tree mask (speculative decoding). The split is an implementation detail of
 this kernel; the scheduler and runner know nothing of it. A layer with a sliding window takes the step's masks
 with the window's lower bound added (built on its first call in the step, then shared by every such layer).
 """
@@ -71,9 +72,11 @@ def _chunk(common: CommonAttentionInputs, row: int, window_start: torch.Tensor |
     tree = common.tree_masks.get(row) if common.tree_masks else None
     if tree is not None:  # the whole cached context, then the row's own ancestor-only mask
         mask = torch.cat([torch.ones(n, seq_len - n, dtype=torch.bool), tree], dim=1)
-    elif seq_len != n or window_start is not None:
-        positions = torch.arange(seq_len - n, seq_len)
-        mask = torch.arange(seq_len)[None, :] <= positions[:, None]
+    elif seq_len != n or window_start is not None or common.visible_ends is not None:
+        ends = torch.arange(seq_len - n, seq_len) + 1
+        if common.visible_ends is not None:  # image tokens that see their whole image
+            ends = torch.maximum(ends, torch.from_numpy(common.visible_ends[start:end]))
+        mask = torch.arange(seq_len)[None, :] < ends[:, None]
     if window_start is not None:
         mask &= torch.arange(seq_len)[None, :] >= window_start[start:end, None]
     return ChunkRow(start, end, block_ids, seq_len, mask)

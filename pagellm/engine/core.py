@@ -7,10 +7,13 @@ validated against the limits only the core knows (context length, vocabulary).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 import time
 from typing import Any
+
+import numpy as np
 
 from pagellm import envs, native_build
 from pagellm.config import EngineConfig
@@ -25,6 +28,7 @@ from pagellm.multimodal import MultiModalInputs
 from pagellm.request import ImageSpan, Request, image_spans
 from pagellm.sched.native import build_extension
 from pagellm.sched.scheduler import Scheduler
+from pagellm.sched.whole_images import check_runs, image_runs
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +43,10 @@ class EngineCore:
         spec, events = config.speculative_config, config.kv_events_config
         self.kv_events = KVEventRecorder(config.cache_config.block_size, self.runtime.kv_window) \
             if events.enable_kv_cache_events else None
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.runtime.num_blocks,
+        sched_config = config.scheduler_config
+        if self.runtime.bidirectional_images:  # an image computed in two steps would miss its later tokens
+            sched_config = dataclasses.replace(sched_config, disable_chunked_mm_input=True)
+        self.scheduler = Scheduler(sched_config, config.cache_config, self.runtime.num_blocks,
                                    self.runtime.max_model_len, spec.num_lookahead_tokens, spec.disable_by_batch_size,
                                    kv_window=self.runtime.kv_window, kv_events=self.kv_events)
         self.asleep = False  # sleep mode: the KV cache's memory is the OS's, requests are refused
@@ -70,7 +77,7 @@ class EngineCore:
                              "cache salt (the frontend's InputProcessor makes both)")
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, params, frozenset(req.eos_token_ids), req.arrival_time,
-            req.priority, req.cache_salt, max_tokens, embeds, *self._check_images(req)))
+            req.priority, req.cache_salt, max_tokens, embeds, *self._check_images(req), self._image_runs(req)))
 
     def _check_images(self, req: EngineCoreRequest) -> tuple[MultiModalInputs | None, list[ImageSpan] | None]:
         """A request's images, where this model takes them and its prompt has image tokens for them, and the spans
@@ -92,6 +99,17 @@ class EngineCore:
             raise ValueError(f"image embeddings must be [rows, {self.runtime.hidden_size}] (the model's hidden size); "
                              f"got {embeds.shape}")
         return req.mm_inputs, image_spans(ids, image_token, req.mm_inputs)
+
+    def _image_runs(self, req: EngineCoreRequest) -> np.ndarray | None:
+        """The prompt's runs of image tokens, where no step may end inside one (``disable_chunked_mm_input``);
+        refused where one is longer than a step."""
+        scheduler = self.scheduler
+        if not scheduler.whole_images or req.mm_inputs is None or self.runtime.image_token_id is None:
+            return None
+        runs = image_runs(req.prompt_token_ids, self.runtime.image_token_id)
+        if runs is not None:
+            check_runs(runs, min(scheduler.budget, scheduler.chunk_cap or scheduler.budget))
+        return runs
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

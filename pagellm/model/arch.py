@@ -115,11 +115,13 @@ def _full_attention_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, .
 
 # Vision-language models: a decoder (``text_config``) that takes image rows in place of image tokens' embeddings
 VISION_MODELS = ("Idefics3ForConditionalGeneration", "LlavaForConditionalGeneration",
-                 "LlavaNextForConditionalGeneration")
+                 "LlavaNextForConditionalGeneration", "Gemma3ForConditionalGeneration")
+# ... whose image tokens attend to their image's other tokens both ways (each run of them: model/gemma3_mm.py)
+BIDIRECTIONAL_IMAGES = ("Gemma3ForConditionalGeneration",)
 # what a vision-language model's config says of its vision side, beside its text_config
 _VISION_KEYS = ("vision_config", "scale_factor", "image_token_id", "image_token_index", "vision_feature_layer",
                 "vision_feature_select_strategy", "projector_hidden_act", "multimodal_projector_bias",
-                "image_grid_pinpoints")
+                "image_grid_pinpoints", "mm_tokens_per_image")
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,10 @@ class ArchConfig:
             return None
         vision = self.vision
         return int(vision["image_token_id"] if "image_token_id" in vision else vision["image_token_index"])
+
+    @property
+    def bidirectional_images(self) -> bool:
+        return self.vision is not None and self.architecture in BIDIRECTIONAL_IMAGES
 
     @property
     def num_labels(self) -> int:

@@ -64,7 +64,9 @@ class _Embeddings(nn.Module):
 class VisionTower(nn.Module):
     """CLIP's or SigLIP's vision model, its layers up to the deepest feature layer read (see the module doc)."""
 
-    def __init__(self, cfg: dict[str, Any], feature_layers: list[int], dtype: torch.dtype) -> None:
+    def __init__(self, cfg: dict[str, Any], feature_layers: list[int], dtype: torch.dtype,
+                 post_norm: bool = False) -> None:
+        """``post_norm``: the last layer's state through the tower's final LayerNorm (Gemma 3 reads it so)."""
         super().__init__()
         if cfg.get("model_type") not in TOWERS:
             raise ValueError(f"LLaVA's vision tower {cfg.get('model_type')!r} is not supported; supported: "
@@ -80,6 +82,8 @@ class VisionTower(nn.Module):
             vm.pre_layrnorm = nn.LayerNorm(int(cfg["hidden_size"]), eps=float(cfg["layer_norm_eps"]), dtype=dtype)
         vm.encoder = nn.Module()
         vm.encoder.layers = nn.ModuleList(EncoderLayer(cfg, dtype) for _ in range(max(self.feature_layers)))
+        if post_norm:
+            vm.post_layernorm = nn.LayerNorm(int(cfg["hidden_size"]), eps=float(cfg["layer_norm_eps"]), dtype=dtype)
 
     def forward(self, pixels: torch.Tensor) -> list[torch.Tensor]:
         """The hidden states after each of ``feature_layers`` layers (0: the embeddings)."""
@@ -92,12 +96,15 @@ class VisionTower(nn.Module):
             x = layer(x, None)
             if depth in self.feature_layers:  # only the layers read are kept
                 states[depth] = x
+        if hasattr(vm, "post_layernorm"):
+            states[len(vm.encoder.layers)] = vm.post_layernorm(x)
         return [states[i] for i in self.feature_layers]
 
     def loads(self, name: str) -> bool:
         """Whether a tower tensor (its name below ``vision_tower.vision_model.``) has a place here: not the final
-        LayerNorm, the pooling head, nor a layer past the feature layers."""
-        if name.startswith(("post_layernorm.", "head.")):
+        LayerNorm (unless it is read), the pooling head, nor a layer past the feature layers."""
+        if name.startswith("head.") or (name.startswith("post_layernorm.")
+                                        and not hasattr(self.vision_model, "post_layernorm")):
             return False
         if name.startswith("encoder.layers."):
             return int(name.split(".")[2]) < len(self.vision_model.encoder.layers)
@@ -209,10 +216,31 @@ def image_tokens(vision: dict[str, Any], architecture: str, height: int, width: 
     return tile_tokens(vision) + kept_rows * (kept_cols + 1)
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM):
+class VisionNames:
+    """A vision-language checkpoint's names (LLaVA's, Gemma 3's): its tower's tensors (those ``VisionTower.loads``
+    keeps) and projector's under ``vision.``, its decoder's as a text checkpoint's (``_target``, before the
+    decoder class's own)."""
+
     TOWER = re.compile(r"^(model\.)?vision_tower\.(vision_model\.)?")
     PROJECTOR = re.compile(r"^(model\.)?multi_modal_projector\.")
     DECODER = re.compile(r"^(model\.)?language_model\.(model\.)?")
+    vision: Any
+
+    def _target(self, name: str) -> tuple[str | None, str | int | None]:
+        text = super()._target  # type: ignore[misc]
+        if match := self.TOWER.match(name):
+            rest = name[match.end():]
+            return (f"vision.tower.vision_model.{rest}" if self.vision.tower.loads(rest) else None), None
+        if match := self.PROJECTOR.match(name):
+            return f"vision.projector.{name[match.end():]}", None
+        if name.startswith("language_model.lm_head."):
+            return text(name.removeprefix("language_model."))
+        if match := self.DECODER.match(name):
+            return text(f"model.{name[match.end():]}")
+        return text(name)
+
+
+class LlavaForConditionalGeneration(VisionNames, LlamaForCausalLM):
     VISION_CLASS = LlavaVision
 
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState = SINGLE) -> None:
@@ -230,20 +258,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         pixels = images.tensor("pixel_values")
         assert pixels is not None
         return self.vision(pixels[skip:]).to(self.model.norm.weight.dtype)
-
-    def _target(self, name: str) -> tuple[str | None, str | int | None]:
-        """The tower's (those ``VisionTower.loads`` keeps) and projector's tensors by their own names; the decoder's
-        as a Llama checkpoint's."""
-        if match := self.TOWER.match(name):
-            rest = name[match.end():]
-            return (f"vision.tower.vision_model.{rest}" if self.vision.tower.loads(rest) else None), None
-        if match := self.PROJECTOR.match(name):
-            return f"vision.projector.{name[match.end():]}", None
-        if name.startswith("language_model.lm_head."):
-            return super()._target(name.removeprefix("language_model."))
-        if match := self.DECODER.match(name):
-            return super()._target(f"model.{name[match.end():]}")
-        return super()._target(name)
 
 
 class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):

@@ -7,6 +7,7 @@ from torch import nn
 
 from pagellm.distributed.groups import ParallelState
 from pagellm.model.arch import BASE_MODELS, CLASSIFIERS, ArchConfig
+from pagellm.model.gemma3_mm import Gemma3ForConditionalGeneration
 from pagellm.model.idefics3 import Idefics3ForConditionalGeneration
 from pagellm.model.llama import (GemmaForCausalLM, GptOssForCausalLM, GraniteMoeForCausalLM,
                                  InterleavedRopeForCausalLM, LlamaForCausalLM, MixtralForCausalLM, Phi3ForCausalLM)
@@ -34,7 +35,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "GptOssForCausalLM": GptOssForCausalLM,  # its attention sinks on the torch_ref backend
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,  # its soft-capped attention on the torch_ref backend
-    "Gemma3ForCausalLM": GemmaForCausalLM,  # Gemma 3's text model (gemma-3-270m, -1b); its multimodal ones are not
+    "Gemma3ForCausalLM": GemmaForCausalLM,  # Gemma 3's text model (gemma-3-270m, -1b)
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # gemma-3-4b-it and up: images too
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,  # SmolVLM: images in its prompts
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # LLaVA-1.5: a CLIP or SigLIP tower
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,  # LLaVA-NeXT: any-resolution images

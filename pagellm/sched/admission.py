@@ -22,6 +22,7 @@ from pagellm.sched.output import NewRequestData
 from pagellm.sched.queue import RequestQueue
 from pagellm.sched.running import RunningBatch
 from pagellm.sched.stop import suppressed_tokens
+from pagellm.sched.whole_images import whole_images
 
 
 class Admission:
@@ -31,6 +32,7 @@ class Admission:
     max_num_seqs: int
     max_model_len: int
     chunked_prefill: bool
+    chunk_cap: int
     reserve_full: bool  # an admission needs room for its whole sequence (scheduler_reserve_full_isl)
     watermark_blocks: int  # ... and leaves these blocks free while other requests run (watermark)
     _step_lookahead: int
@@ -92,6 +94,10 @@ class Admission:
         if not self.chunked_prefill and num_new > budget:
             return None
         num_new = min(num_new, budget, self.chunk_cap or num_new)
+        if request.image_runs is not None:  # disable_chunked_mm_input (the scheduler takes no native path then)
+            num_new = whole_images(request.image_runs, num_hit + num_stored, num_new)
+            if not num_new:
+                return None
         reach = num_hit + num_stored + num_new
         must_fit = min(request.num_tokens, self.max_model_len) if self.reserve_full and not kv.sliding_window else 0
         reserve = self.watermark_blocks if len(self.running) else 0

@@ -51,6 +51,10 @@ class SchedulerConfig:
     watermark: float = _help(
         "The fraction of KV cache blocks an admission leaves free while other requests run (vLLM's flag), headroom "
         "against preempting them as they grow. 0: none.", default=0.0)
+    disable_chunked_mm_input: bool = _help(
+        "Never end a step inside a prompt's image (vLLM's flag): each run of image tokens (an image, or a tile of "
+        "one) is computed in one step, a chunk cut back to before it where the step has no room for all of it. "
+        "Always on for a model whose image tokens attend both ways (Gemma 3).", default=False)
     enable_logging_iteration_details: bool = _help(
         "Log a line per engine step (vLLM's flag): its requests and tokens in the context (prompt) and generation "
         "phases, its elapsed time and the KV cache's usage.", default=False)

@@ -43,6 +43,7 @@ from pagellm.sched.output import CachedRequestData, NewRequestData, SchedulerOut
 from pagellm.sched.queue import make_queue
 from pagellm.sched.running import RunningBatch
 from pagellm.sched.stop import StopRules
+from pagellm.sched.whole_images import cut_grants
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +79,13 @@ class Scheduler(Intake, Admission):
         oracle). ``kv_window``: every layer of the model slides over this many positions, so blocks behind it are
         released as requests move on (``KVCacheManager``; the scheduler then takes its numpy and Python paths, where
         the releases are made). ``kv_events``: record the prefix cache's changes there (``kv/events.py``; the numpy
-        and Python paths again, where they are made)."""
+        and Python paths again, where they are made). ``disable_chunked_mm_input`` takes those paths too
+        (``sched/whole_images.py``)."""
         self.max_num_seqs = config.active_limit  # max_num_active_seqs, where it is lower
         self.budget = config.token_budget(max_model_len)
         self.chunked_prefill = config.enable_chunked_prefill
         self.chunk_cap = config.long_prefill_token_threshold  # the most tokens a request computes in a step (0: all)
+        self.whole_images = config.disable_chunked_mm_input  # no step ends inside a run of image tokens
         self.reserve_full = config.scheduler_reserve_full_isl
         self.watermark_blocks = int(config.watermark * num_blocks)
         self.by_priority = config.scheduling_policy == "priority"
@@ -98,8 +101,9 @@ class Scheduler(Intake, Admission):
                                  kv_window, kv_events, make_hasher(algo), residency)
         self.waiting = make_queue(config.scheduling_policy)
         # The step loops in C (sched/native.py), where no window releases blocks, no event is recorded, no block is
-        # followed (--kv-cache-metrics) and blocks hash in pagellm's own way.
-        native = fast_path and not kv_window and kv_events is None and algo is None and residency is None
+        # followed (--kv-cache-metrics), blocks hash in pagellm's own way and chunks may end inside images.
+        native = fast_path and not kv_window and kv_events is None and algo is None and residency is None \
+            and not self.whole_images
         self._native = fastpath() if native else None
         self.running = RunningBatch(compact=self._native.compact_rows if self._native is not None else None)
         if self._native is not None:
@@ -206,6 +210,8 @@ class Scheduler(Intake, Admission):
                 return part
         computed, tokens = batch.computed[:n], batch.num_tokens[:n]  # views: computed is overwritten last
         grant = self._grant(computed, tokens, batch.num_spec[:n] if drafts else None, budget)
+        if self.whole_images:
+            cut_grants(batch.requests, computed, grant)
         end = computed + grant
         final = np.minimum(end, tokens) if drafts else end  # draft tokens are never final
         lookahead = self._step_lookahead

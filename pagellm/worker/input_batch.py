@@ -35,6 +35,8 @@ class CachedRequestState:
     # its images' rows (the vision encoder's, in the model's dtype) and the prompt positions they go to, in order
     image_rows: torch.Tensor | None = None
     image_positions: np.ndarray | None = None
+    # a model whose images attend both ways (Gemma 3): one past the last position of each image position's run
+    image_run_ends: np.ndarray | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -55,11 +57,14 @@ class StepInputs:
     drafts: list[list[int]]       # per request: draft tokens verified this step
     # Embeddings prompts' rows this step: (flat token indices, their rows), put in place of the token embeddings
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # [T] the end of each image token's image where images attend both ways (``CommonAttentionInputs``), else None
+    visible_ends: np.ndarray | None = None
 
 
 def build_step_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput,
                       block_size: int, any_embeds: bool = False) -> StepInputs:
-    """The step's flat inputs; ``any_embeds``: some live request has an embeddings prompt (its rows are placed)."""
+    """The step's flat inputs; ``any_embeds``: some live request has an embeddings prompt or images (their rows are
+    placed; where images attend both ways, their tokens' ``visible_ends`` are given)."""
     req_ids = sched.req_ids
     counts = np.array(sched.num_scheduled_tokens, dtype=np.int64)
     query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
@@ -93,14 +98,16 @@ def build_step_inputs(states: dict[str, CachedRequestState], sched: SchedulerOut
     return StepInputs(req_ids, torch.tensor(tokens, dtype=torch.int64), torch.from_numpy(positions),
                       torch.from_numpy(slots), query_start_loc, seq_lens, block_table,
                       torch.tensor(logits_indices, dtype=torch.int64), logits_start, all_drafts,
-                      _embeds_rows(states, req_ids, starts, counts, query_start_loc) if any_embeds else None)
+                      *(_embeds_rows(states, req_ids, starts, counts, query_start_loc) if any_embeds else (None,)))
 
 
 def _embeds_rows(states: dict[str, CachedRequestState], req_ids: list[str], starts: np.ndarray, counts: np.ndarray,
-                 query_start_loc: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The flat indices of the step's embeddings-prompt positions and image positions, and the rows that go there."""
+                 query_start_loc: np.ndarray) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, np.ndarray | None]:
+    """The flat indices of the step's embeddings-prompt positions and image positions, and the rows that go there;
+    the image tokens' ``visible_ends`` where images attend both ways (None where no such token is computed)."""
     indices: list[torch.Tensor] = []
     rows: list[torch.Tensor] = []
+    visible_ends: np.ndarray | None = None
     for row, req_id in enumerate(req_ids):
         state = states[req_id]
         start, first = int(starts[row]), int(query_start_loc[row])
@@ -113,9 +120,14 @@ def _embeds_rows(states: dict[str, CachedRequestState], req_ids: list[str], star
         elif state.image_positions is not None:  # the images' rows whose positions this chunk computes
             lo, hi = np.searchsorted(state.image_positions, (start, start + count))
             if hi > lo:
-                indices.append(torch.from_numpy(state.image_positions[lo:hi] - start + first))
+                flat = state.image_positions[lo:hi] - start + first
+                indices.append(torch.from_numpy(flat))
                 rows.append(state.image_rows[lo:hi])  # type: ignore[index]
-    return (torch.cat(indices), torch.cat(rows)) if rows else None
+                if state.image_run_ends is not None:
+                    if visible_ends is None:
+                        visible_ends = np.zeros(int(query_start_loc[-1]), dtype=np.int64)
+                    visible_ends[flat] = state.image_run_ends[lo:hi]
+    return ((torch.cat(indices), torch.cat(rows)) if rows else None), visible_ends
 
 
 def encode_images(state: CachedRequestState, model: Any, images: MultiModalInputs, prompt_ids: list[int]) -> None:
@@ -128,11 +140,21 @@ def encode_images(state: CachedRequestState, model: Any, images: MultiModalInput
         state.image_rows = torch.empty(0, model.cfg.hidden_size, dtype=model.model.norm.weight.dtype)
     else:
         state.image_rows = model.image_rows(images, skip)
+    if model.cfg.bidirectional_images:
+        state.image_run_ends = _run_ends(positions)[skipped:]
     positions = positions[skipped:]
     if len(positions) != len(state.image_rows):
         raise ValueError(f"request {state.req_id}: {len(positions)} image tokens in its prompt but "
                          f"{len(state.image_rows)} image rows")
     state.image_positions = positions
+
+
+def _run_ends(positions: np.ndarray) -> np.ndarray:
+    """For each of the sorted ``positions``, one past the last position of its run of consecutive ones."""
+    if not len(positions):
+        return positions
+    last = np.append(np.flatnonzero(np.diff(positions) != 1), len(positions) - 1)  # each run's last index
+    return np.repeat(positions[last] + 1, np.diff(last, prepend=-1))
 
 
 def _cached_images(images: MultiModalInputs, positions: np.ndarray, computed: int) -> tuple[int, int]:

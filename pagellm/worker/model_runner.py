@@ -92,7 +92,7 @@ class ModelRunner:
             common = CommonAttentionInputs(inputs.query_start_loc, inputs.seq_lens, inputs.block_table,
                                            inputs.slot_mapping, self.block_size,
                                            place_trees(inputs.positions, inputs.query_start_loc, trees) or None,
-                                           inputs.positions.numpy())
+                                           inputs.positions.numpy(), inputs.visible_ends)
             lora = self.adapters.batch(inputs.req_ids, inputs.query_start_loc)
         with span("forward"), forward_context(self.backend, self.backend.build(common), lora):
             hidden = self.model(inputs.input_ids, inputs.positions, embeds=inputs.embeds)

@@ -102,7 +102,8 @@ class Worker:
         self.runtime = RuntimeInfo(max_model_len, num_blocks, cache_config.block_size, arch.vocab_size,
                                    arch.hidden_size, arch.pooling_only, store_dir, spec_config.method or "",
                                    kv_window(arch, store_dir), arch.labels,
-                                   spec_config.num_speculative_tokens if spec_config.method else 0, arch.image_token_id)
+                                   spec_config.num_speculative_tokens if spec_config.method else 0, arch.image_token_id,
+                                   arch.bidirectional_images)
         logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens (%s)", model_dir,
                     arch.architecture, self.dtype, time.perf_counter() - start, num_blocks, cache_config.block_size,
                     str(self.kv_dtype).removeprefix("torch."))

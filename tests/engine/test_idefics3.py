@@ -102,7 +102,7 @@ def test_what_cannot_be_served_is_refused_by_name(llm: LLM, vlm: Path, tiny_llam
     image = _image(0, 40, 56)
     with pytest.raises(ValueError, match="the prompt has 2 <image> placeholders for 1 images"):
         llm.generate({"prompt": "<image> <image>", "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)
-    with pytest.raises(ValueError, match="image embeddings are taken by LLaVA models; send SmolVLM the images"):
+    with pytest.raises(ValueError, match="image embeddings are taken by LLaVA models; send this model the images"):
         LLM(str(vlm), dtype="float32", kv_cache_memory=1 << 22, enable_mm_embeds=True).generate(
             {"prompt": "<image>", "multi_modal_data": {"image": torch.zeros(4, 64)}}, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="multi_modal_data takes {'image'"):

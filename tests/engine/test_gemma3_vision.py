@@ -1,0 +1,113 @@
+"""Gemma 3's images (``model/gemma3_mm.py``): a tiny random Gemma 3 vision-language model built here with
+transformers (``vlm_utils.build_gemma3``: a SigLIP tower, Gemma 3's pooling projector, a tiny Gemma 3 decoder with a
+sliding layer), its processor expanding ``<start_of_image>`` into 16 image tokens between its markers.
+
+The encoder's rows must be transformers' ``get_image_features``; each image's tokens attend to one another both
+ways, as transformers' mask has them: the first sampled token's logprobs are transformers' (and not what a causal
+mask gives), greedy tokens are transformers' ``generate`` in float32, whole or in prefill chunks too small for the
+prompt (no chunk ends inside an image), and after a prefix-cache hit that ends inside an image; an image longer than
+a step is refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import transformers
+from vlm_utils import build_gemma3, data_url, image
+
+from pagellm import LLM, SamplingParams
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPT = "Look <start_of_image> and <start_of_image> now"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_gemma3(tiny_model_factory("gemma3"), tmp_path_factory.mktemp("gemma3-vision"))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> transformers.PreTrainedModel:
+    return transformers.Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> LLM:
+    return LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 24)
+
+
+def _inputs(model_dir: Path, text: str, pictures: list) -> dict:
+    return transformers.AutoProcessor.from_pretrained(model_dir)(text=[text], images=[pictures], return_tensors="pt")
+
+
+def _pictures() -> list:
+    return [image(0, 40, 56), image(1, 70, 50)]
+
+
+def test_image_rows_are_transformers_image_features(model_dir: Path, reference, llm: LLM) -> None:
+    inputs = llm.input_processor.process_images(PROMPT, _pictures()).inputs
+    rows = llm.engine.core.executor.worker.runner.model.image_rows(inputs)
+    with torch.no_grad():
+        expected = reference.get_image_features(_inputs(model_dir, PROMPT, _pictures())["pixel_values"])
+    torch.testing.assert_close(rows, expected.pooler_output.flatten(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_images_attend_both_ways_as_transformers_masks_them(model_dir: Path, reference, llm: LLM) -> None:
+    inputs = _inputs(model_dir, PROMPT, _pictures())
+    with torch.no_grad():
+        both = reference(**inputs).logits[0, -1].log_softmax(-1)
+        causal = reference(**{k: v for k, v in inputs.items() if k != "token_type_ids"}).logits[0, -1].log_softmax(-1)
+    out = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": _pictures()}},
+                       SamplingParams(temperature=0.0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    got = {token: lp.logprob for token, lp in out.outputs[0].logprobs[0].items()}
+    assert max(abs(value - both[token].item()) for token, value in got.items()) < 1e-4
+    assert max(abs(value - causal[token].item()) for token, value in got.items()) > 1e-3
+
+
+@pytest.mark.parametrize("budget", [None, 20, 40])
+def test_greedy_tokens_equal_transformers_whole_and_chunked(model_dir: Path, reference, budget: int | None) -> None:
+    """Budgets of 20 and 40 tokens cut the 59-token prompt's chunks back to before an image (16 tokens)."""
+    inputs = _inputs(model_dir, PROMPT, _pictures())
+    prompt_len = inputs["input_ids"].shape[1]
+    expected = reference.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)[0, prompt_len:]
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 24,
+              **({"max_num_batched_tokens": budget} if budget else {}))
+    out = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": _pictures()}}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected.tolist()
+
+
+def test_a_prefix_hit_that_ends_inside_an_image(model_dir: Path, reference, llm: LLM) -> None:
+    """The image sits at positions 8..23: a second prompt whose text differs right after it hits the first block
+    only (16 tokens, half the image), and computes the rest of the image with all of it in view."""
+    picture = [image(3, 50, 50)]
+    llm.generate({"prompt": "Look <start_of_image> first", "multi_modal_data": {"image": picture}}, GREEDY,
+                 use_tqdm=False)
+    text = "Look <start_of_image> other words"
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": picture}}, GREEDY, use_tqdm=False)[0]
+    inputs = _inputs(model_dir, text, picture)
+    ids = inputs["input_ids"][0].tolist()
+    assert ids.index(llm.input_processor.image_token_id) == 8 and out.num_cached_tokens == 16
+    expected = reference.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(ids):]
+    assert out.outputs[0].token_ids == expected.tolist()
+
+
+def test_chat_image_parts_and_an_image_longer_than_a_step(model_dir: Path, llm: LLM) -> None:
+    """A chat's image part becomes ``<start_of_image>``, as a prompt writes it; a step of 12 tokens cannot hold a
+    16-token image that must be computed whole: refused by name."""
+    picture = image(4, 40, 40)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                             {"type": "image_url", "image_url": {"url": data_url(picture)}}]}]
+    chat = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    text = llm.tokenizer.render_chat(messages, image_placeholder="<start_of_image>")
+    direct = llm.generate({"prompt": text, "multi_modal_data": {"image": picture}}, GREEDY, use_tqdm=False)[0]
+    assert chat.outputs[0].token_ids == direct.outputs[0].token_ids and chat.prompt_token_ids == direct.prompt_token_ids
+    small = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=12)
+    with pytest.raises(ValueError, match=r"an image of 16 tokens must be computed in one step here .* more than a "
+                                         r"step's 12; raise --max-num-batched-tokens"):
+        small.generate({"prompt": "Look <start_of_image>", "multi_modal_data": {"image": picture}}, GREEDY,
+                       use_tqdm=False)
