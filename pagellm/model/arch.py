@@ -283,13 +283,18 @@ class ArchConfig:
 
 
 def with_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A nested config (a vision-language model's ``text_config`` or ``vision_config``) with transformers' defaults
-    for its model type under what it says: the released LLaVA configs give their decoder's vocabulary and context
-    only, and their CLIP tower's activation and norm epsilon not at all."""
+    """A nested config (a vision-language model's ``text_config`` or ``vision_config``) completed as transformers
+    completes it, its model type's config class made from what it says (so derived defaults follow it: Gemma 3's
+    layer types from its layer count, its first configs' rope keys as ``rope_parameters``): the released LLaVA
+    configs give their decoder's vocabulary and context only, their CLIP tower's activation and norm epsilon not at
+    all, gemma-3-4b-it's decoder its widths, depth, window and rope scaling."""
     from transformers import AutoConfig
 
     model_type = cfg.get("model_type")
-    return {**AutoConfig.for_model(model_type).to_dict(), **cfg} if model_type else cfg
+    if not model_type:
+        return cfg
+    return {**AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"}).to_dict(),
+            **cfg}
 
 
 def _with_original_context(scaling: dict | None, cfg: dict[str, Any]) -> dict | None:

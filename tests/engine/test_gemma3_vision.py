@@ -6,19 +6,23 @@ The encoder's rows must be transformers' ``get_image_features``; each image's to
 ways, as transformers' mask has them: the first sampled token's logprobs are transformers' (and not what a causal
 mask gives), greedy tokens are transformers' ``generate`` in float32, whole or in prefill chunks too small for the
 prompt (no chunk ends inside an image), and after a prefix-cache hit that ends inside an image; an image longer than
-a step is refused by name."""
+a step is refused by name; the released checkpoints' names and sparse configs load the same model."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from vlm_utils import build_gemma3, data_url, image
 
 from pagellm import LLM, SamplingParams
+from pagellm.model.arch import ArchConfig
+from pagellm.model.gemma3_mm import Gemma3Vision
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -111,3 +115,62 @@ def test_chat_image_parts_and_an_image_longer_than_a_step(model_dir: Path, llm: 
                                          r"step's 12; raise --max-num-batched-tokens"):
         small.generate({"prompt": "Look <start_of_image>", "multi_modal_data": {"image": picture}}, GREEDY,
                        use_tqdm=False)
+
+
+# transformers 5 saves these names (a tower without ``vision_model.``): as released, and as its modules are named
+LAYOUTS = {"released": (("vision_tower.", "vision_tower.vision_model."),),
+           "modules": (("language_model.model.", "model.language_model."), ("vision_tower.", "model.vision_tower."),
+                       ("multi_modal_projector.", "model.multi_modal_projector."),
+                       ("language_model.lm_head.", "lm_head."))}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_checkpoint_layouts_and_the_released_config_load_the_same_model(layout: str, model_dir: Path, llm: LLM,
+                                                                         tmp_path: Path) -> None:
+    """google/gemma-3-*-it's names (``language_model.model.``, ``vision_tower.vision_model.``,
+    ``multi_modal_projector.``) or transformers 5's module names, and a text config in transformers 4's keys (no
+    layer types: a sliding-window pattern; rope_theta and rope_local_base_freq), completed as transformers does."""
+    tensors = {}
+    for name, tensor in load_file(model_dir / "model.safetensors").items():
+        old, new = next(((old, new) for old, new in LAYOUTS[layout] if name.startswith(old)), ("", ""))
+        tensors[new + name[len(old):]] = tensor
+    save_file(tensors, tmp_path / "model.safetensors")
+    for path in model_dir.iterdir():
+        if path.suffix in (".json", ".jinja") and path.name != "config.json":
+            (tmp_path / path.name).write_bytes(path.read_bytes())
+    config = json.loads((model_dir / "config.json").read_text())
+    text = {k: v for k, v in config["text_config"].items()
+            if k not in ("layer_types", "_sliding_window_pattern", "rope_parameters")}
+    config["text_config"] = {**text, "sliding_window_pattern": 2, "rope_theta": 100000.0,
+                             "rope_local_base_freq": 1000.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    prompt = {"prompt": PROMPT, "multi_modal_data": {"image": _pictures()}}
+    released = LLM(str(tmp_path), dtype="float32", kv_cache_memory=1 << 22)
+    assert released.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == \
+        llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_the_released_gemma_3_4b_config_reads_as_its_model() -> None:
+    """gemma-3-4b-it's config.json, whose text_config gives only its widths, depth, window and rope scaling: the
+    decoder is what transformers completes (8 heads of 256, 4 KV heads, a global layer every sixth with linear rope
+    scaling 8 over base 1e6, local layers on base 1e4), the tower SigLIP So400m at 896 (27 layers and its final norm),
+    pooled from 64 x 64 patches to 16 x 16 tokens."""
+    released = {
+        "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+        "image_token_index": 262144, "mm_tokens_per_image": 256, "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                          "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                          "patch_size": 14, "vision_use_head": False}}
+    cfg = ArchConfig.from_hf(released)
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, cfg.image_token_id,
+            cfg.sliding_window, cfg.full_attention_layers) == \
+        (34, 8, 4, 256, 262208, 262144, 1024, (5, 11, 17, 23, 29))
+    assert (cfg.rope_theta, cfg.rope_scaling["rope_type"], cfg.rope_scaling["factor"], cfg.local_rope_theta,
+            cfg.attn_scale, cfg.bidirectional_images) == (1e6, "linear", 8.0, 1e4, 256 ** -0.5, True)
+    with torch.device("meta"):
+        vision = Gemma3Vision(cfg.vision, cfg.hidden_size, torch.bfloat16)
+    assert len(vision.tower.vision_model.encoder.layers) == 27 and vision.projector.kernel == 4
+    assert vision.tower.loads("post_layernorm.weight") and not vision.tower.loads("head.probe")
