@@ -174,3 +174,15 @@ def test_the_released_gemma_3_4b_config_reads_as_its_model() -> None:
         vision = Gemma3Vision(cfg.vision, cfg.hidden_size, torch.bfloat16)
     assert len(vision.tower.vision_model.encoder.layers) == 27 and vision.projector.kernel == 4
     assert vision.tower.loads("post_layernorm.weight") and not vision.tower.loads("head.probe")
+
+
+def test_two_tensor_parallel_ranks_give_one_ranks_tokens(model_dir: Path, llm: LLM) -> None:
+    """Each rank runs the replicated encoder and gives its attention heads the same images' ends."""
+    prompt = {"prompt": PROMPT, "multi_modal_data": {"image": _pictures()}}
+    ranks = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 24, tensor_parallel_size=2,
+                max_num_batched_tokens=40)
+    try:
+        assert ranks.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == \
+            llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        ranks.shutdown()  # rank 0's process group lives in this process: it goes with the engine
