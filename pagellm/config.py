@@ -102,6 +102,9 @@ class ModelConfig:
         "Keys of the model's config.json set over its own, as a JSON object (vLLM's flag), e.g. "
         "'{\"max_position_embeddings\": 8192, \"rope_scaling\": {\"rope_type\": \"linear\", \"factor\": 2.0}}'.",
         default=None)
+    language_model_only: bool = _help(
+        "Serve a vision-language model's decoder alone (vLLM's flag): its vision encoder is neither built nor "
+        "loaded (less memory, a faster start), and prompts with images are refused. Default: off.", default=False)
     tokenizer: str | None = _help(
         "Tokenizer directory (tokenizer.json or tokenizer_config.json) to use instead of the model's own, e.g. the "
         "original model's beside a .gguf file (vLLM's flag). Default: the model's.", default=None)

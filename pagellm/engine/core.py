@@ -89,7 +89,8 @@ class EngineCore:
         if req.mm_inputs is None and not has_tokens:
             return None, None
         if image_token is None:
-            raise ValueError("this model takes no images; serve a vision-language model (SmolVLM, LLaVA) for them")
+            raise ValueError("this model takes no images; serve a vision-language model (SmolVLM, LLaVA, Gemma 3), "
+                             "without --language-model-only, for them")
         if req.mm_inputs is None or not has_tokens or not req.cache_salt:
             raise ValueError("a prompt's image tokens and its images come together, with a cache salt: give the "
                              "prompt as text with one image placeholder per image and the images as "

@@ -197,7 +197,8 @@ class InputProcessor:
 
     def _processor(self) -> Any:
         if self.image_token_id is None:
-            raise ValueError("this model takes no images; serve a vision-language model (SmolVLM, LLaVA) for them")
+            raise ValueError("this model takes no images; serve a vision-language model (SmolVLM, LLaVA, Gemma 3), "
+                             "without --language-model-only, for them")
         if self._images is None:
             from pagellm.multimodal import ImageProcessor  # transformers' processors, only for images
 

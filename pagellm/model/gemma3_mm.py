@@ -84,7 +84,7 @@ class Gemma3Vision(nn.Module):
 class Gemma3ForConditionalGeneration(VisionNames, GemmaForCausalLM):
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState = SINGLE) -> None:
         super().__init__(cfg, dtype, parallel)
-        self.vision = Gemma3Vision(cfg.vision or {}, cfg.hidden_size, dtype)
+        self.vision = None if cfg.vision is None else Gemma3Vision(cfg.vision, cfg.hidden_size, dtype)
 
     def image_rows(self, images: MultiModalInputs, skip: int = 0) -> torch.Tensor:
         """The encoder's rows of the images after the first ``skip`` (one crop each where the frontend counted each

@@ -99,9 +99,10 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
 
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState = SINGLE) -> None:
         super().__init__(cfg, dtype, parallel)
-        vision = cfg.vision or {}
-        self.vision = Idefics3Vision(vision.get("vision_config") or {}, int(vision.get("scale_factor", 2)),
-                                     cfg.hidden_size, dtype)
+        vision = cfg.vision
+        self.vision = None if vision is None else Idefics3Vision(vision.get("vision_config") or {},
+                                                                 int(vision.get("scale_factor", 2)), cfg.hidden_size,
+                                                                 dtype)
 
     def encode_images(self, pixel_values: torch.Tensor, pixel_attention_mask: torch.Tensor | None) -> torch.Tensor:
         rows = self.vision(pixel_values, pixel_attention_mask)
@@ -119,6 +120,6 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         """The encoder's tensors by their own names (none of the decoder's fused matrices); the decoder's as a Llama
         checkpoint's (``model.text_model.layers.N`` is ``model.layers.N``)."""
         for prefix, ours in self.VISION:
-            if name.startswith(prefix):
-                return ours + name[len(prefix):], None
+            if name.startswith(prefix):  # skipped without ``vision`` (language_model_only)
+                return (ours + name[len(prefix):] if self.vision is not None else None), None
         return super()._target(name.replace("model.text_model.", "model.", 1))

@@ -219,7 +219,7 @@ def image_tokens(vision: dict[str, Any], architecture: str, height: int, width: 
 class VisionNames:
     """A vision-language checkpoint's names (LLaVA's, Gemma 3's): its tower's tensors (those ``VisionTower.loads``
     keeps) and projector's under ``vision.``, its decoder's as a text checkpoint's (``_target``, before the
-    decoder class's own)."""
+    decoder class's own). Without ``vision`` (``language_model_only``) the tower's and projector's are skipped."""
 
     TOWER = re.compile(r"^(model\.)?vision_tower\.(vision_model\.)?")
     PROJECTOR = re.compile(r"^(model\.)?multi_modal_projector\.")
@@ -230,9 +230,10 @@ class VisionNames:
         text = super()._target  # type: ignore[misc]
         if match := self.TOWER.match(name):
             rest = name[match.end():]
-            return (f"vision.tower.vision_model.{rest}" if self.vision.tower.loads(rest) else None), None
+            keep = self.vision is not None and self.vision.tower.loads(rest)
+            return (f"vision.tower.vision_model.{rest}" if keep else None), None
         if match := self.PROJECTOR.match(name):
-            return f"vision.projector.{name[match.end():]}", None
+            return (f"vision.projector.{name[match.end():]}" if self.vision is not None else None), None
         if name.startswith("language_model.lm_head."):
             return text(name.removeprefix("language_model."))
         if match := self.DECODER.match(name):
@@ -248,7 +249,7 @@ class LlavaForConditionalGeneration(VisionNames, LlamaForCausalLM):
             raise ValueError("LLaVA's decoder must be of the Llama family (Llama, Vicuna, Mistral, Qwen2); this "
                              "one's text_config is not")
         super().__init__(cfg, dtype, parallel)
-        self.vision = self.VISION_CLASS(cfg.vision or {}, cfg.hidden_size, dtype)
+        self.vision = None if cfg.vision is None else self.VISION_CLASS(cfg.vision, cfg.hidden_size, dtype)
 
     def image_rows(self, images: MultiModalInputs, skip: int = 0) -> torch.Tensor:
         """The rows of the images after the first ``skip``: precomputed embeddings' own, or the encoder's."""
@@ -275,5 +276,5 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
 
     def _target(self, name: str) -> tuple[str | None, str | int | None]:
         if name in ("image_newline", "model.image_newline"):
-            return "vision.image_newline", None
+            return ("vision.image_newline" if self.vision is not None else None), None
         return super()._target(name)

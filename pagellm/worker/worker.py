@@ -295,13 +295,16 @@ def _start_kernel_builds(dtype: torch.dtype, kv_dtype: torch.dtype, attention_ba
 
 def resolve_arch(model_dir: Path, model_config: ModelConfig,
                  spec_config: SpeculativeConfig) -> tuple[ArchConfig, int]:
-    """The model's architecture as this engine runs it (its config.json with ``hf_overrides`` over it; LongRoPE's
+    """The model's architecture as this engine runs it (its config.json with ``hf_overrides`` over it, a
+    vision-language model's without its vision side under ``language_model_only``; LongRoPE's
     set of factors chosen for its context length; full attention under ``disable_sliding_window``) and that context
     length; drafts as deep as a sliding window are refused."""
     hf_overrides = model_config.hf_overrides
     if hf_overrides:
         logger.info("config.json of %s with hf_overrides: %s", model_dir, hf_overrides)
     arch = ArchConfig.from_hf({**load_hf_config(model_dir), **(hf_overrides or {})})
+    if model_config.language_model_only:  # its decoder alone: no vision side, no image token
+        arch = dataclasses.replace(arch, vision=None)
     max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
     if model_config.disable_sliding_window and arch.sliding_window:
         arch, max_model_len = without_window(arch, model_config.max_model_len, max_model_len)
