@@ -14,7 +14,8 @@ pixels and the processor's arguments (``MultiModalInputs.items``, placed by the 
 where those are unknown, by the whole digest from the first image token on): prompts share the blocks of their
 common text and common first images, never a block past an image that differs (``kv/manager.py``,
 ``request.image_spans``). Each worker runs the
-model's vision encoder on a request's tensors when it first schedules it (again after a preemption), and the model
+model's vision encoder on each image when a prompt chunk first reaches its tokens (again after a preemption), and the
+model
 places the rows it makes at the prompt's image-token positions in place of their token embeddings, chunk by chunk
 (``worker/input_batch.py``), as transformers' ``inputs_merger`` does.
 """

@@ -86,12 +86,12 @@ class Gemma3ForConditionalGeneration(VisionNames, GemmaForCausalLM):
         super().__init__(cfg, dtype, parallel)
         self.vision = None if cfg.vision is None else Gemma3Vision(cfg.vision, cfg.hidden_size, dtype)
 
-    def image_rows(self, images: MultiModalInputs, skip: int = 0) -> torch.Tensor:
-        """The encoder's rows of the images after the first ``skip`` (one crop each where the frontend counted each
-        image's tokens; else ``skip`` is 0)."""
+    def image_rows(self, images: MultiModalInputs, skip: int = 0, last: int | None = None) -> torch.Tensor:
+        """The encoder's rows of images ``skip`` to ``last`` (one crop each where the frontend counted each image's
+        tokens; else every crop, 0 to None)."""
         pixels = images.tensor("pixel_values")
         assert pixels is not None
-        return self.vision(pixels[skip:]).to(self.model.norm.weight.dtype)
+        return self.vision(pixels[skip:last]).to(self.model.norm.weight.dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None) -> None:
         """The decoder's norm weights as Gemma's 1 + w (``GemmaForCausalLM``); the tower's and projector's as they

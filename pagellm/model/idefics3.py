@@ -108,13 +108,15 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         rows = self.vision(pixel_values, pixel_attention_mask)
         return rows.to(self.model.norm.weight.dtype)
 
-    def image_rows(self, images: MultiModalInputs, skip: int = 0) -> torch.Tensor:
-        """The rows of the images after the first ``skip`` (their tiles lead the processor's, each image's
-        ``items`` count of rows a tile's worth at a time; the batch's all-zero padding tiles trail)."""
+    def image_rows(self, images: MultiModalInputs, skip: int = 0, last: int | None = None) -> torch.Tensor:
+        """The rows of images ``skip`` to ``last`` (None: the last one; each image's tiles follow the ones before,
+        its ``items`` count of rows a tile's worth at a time; the batch's all-zero padding tiles trail)."""
         pixels, mask = images.tensor("pixel_values"), images.tensor("pixel_attention_mask")
         assert pixels is not None
-        tiles = sum(count for _, count in images.items[:skip]) // self.vision.tile_rows
-        return self.encode_images(pixels[tiles:], None if mask is None else mask[tiles:])
+        counts = [count for _, count in images.items]
+        lo = sum(counts[:skip]) // self.vision.tile_rows
+        hi = None if last is None else sum(counts[:last]) // self.vision.tile_rows
+        return self.encode_images(pixels[lo:hi], None if mask is None else mask[lo:hi])
 
     def _target(self, name: str) -> tuple[str | None, str | int | None]:
         """The encoder's tensors by their own names (none of the decoder's fused matrices); the decoder's as a Llama

@@ -11,9 +11,10 @@ then ``linear_1``, the projector's activation, ``linear_2``. ``LlavaNextForCondi
 the processor tiles it (``pixel_values`` [images, tiles, 3, H, W] and ``image_sizes``): the whole image's tile, then
 the grid of its best resolution among ``image_grid_pinpoints``, its patch rows laid out across the grid, cut to the
 image's aspect ratio and each followed by ``image_newline`` (transformers' ``pack_image_features``).
-``image_rows(inputs, skip)`` gives one row per image token of the images after the first ``skip`` (those the prefix
-cache holds), in the prompt's order, in the decoder's dtype. Only the layers the feature layer reads are built; the
-checkpoint's later layers, the tower's final LayerNorm and SigLIP's pooling head are not loaded. Checkpoints name the
+``image_rows(inputs, skip, last)`` gives one row per image token of images ``skip`` to ``last`` (after those the
+prefix cache holds, up to those no chunk reached yet), in the prompt's order, in the decoder's dtype. Only the
+layers the feature layer reads are built; the checkpoint's later layers, the tower's final LayerNorm and SigLIP's
+pooling head are not loaded. Checkpoints name the
 parts ``vision_tower.vision_model.``, ``multi_modal_projector.``, ``language_model.model.`` and
 ``language_model.lm_head.`` (the released llava-hf ones; transformers 5 saves the tower without ``vision_model.``), or
 with transformers 5's module names (``model.vision_tower.``, ``model.multi_modal_projector.``,
@@ -251,14 +252,17 @@ class LlavaForConditionalGeneration(VisionNames, LlamaForCausalLM):
         super().__init__(cfg, dtype, parallel)
         self.vision = None if cfg.vision is None else self.VISION_CLASS(cfg.vision, cfg.hidden_size, dtype)
 
-    def image_rows(self, images: MultiModalInputs, skip: int = 0) -> torch.Tensor:
-        """The rows of the images after the first ``skip``: precomputed embeddings' own, or the encoder's."""
+    def image_rows(self, images: MultiModalInputs, skip: int = 0, last: int | None = None) -> torch.Tensor:
+        """The rows of images ``skip`` to ``last`` (None: the last one): precomputed embeddings' own, or the
+        encoder's."""
         embeds = images.tensor("image_embeds")
         if embeds is not None:
-            return embeds[sum(count for _, count in images.items[:skip]):].to(self.model.norm.weight.dtype)
+            counts = [count for _, count in images.items]
+            end = None if last is None else sum(counts[:last])
+            return embeds[sum(counts[:skip]):end].to(self.model.norm.weight.dtype)
         pixels = images.tensor("pixel_values")
         assert pixels is not None
-        return self.vision(pixels[skip:]).to(self.model.norm.weight.dtype)
+        return self.vision(pixels[skip:last]).to(self.model.norm.weight.dtype)
 
 
 class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
@@ -267,12 +271,12 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
 
     VISION_CLASS = LlavaNextVision
 
-    def image_rows(self, images: MultiModalInputs, skip: int = 0) -> torch.Tensor:
+    def image_rows(self, images: MultiModalInputs, skip: int = 0, last: int | None = None) -> torch.Tensor:
         if "image_embeds" in images.tensors:
-            return super().image_rows(images, skip)
+            return super().image_rows(images, skip, last)
         pixels, sizes = images.tensor("pixel_values"), images.tensor("image_sizes")
         assert pixels is not None and sizes is not None
-        return self.vision(pixels[skip:], sizes[skip:]).to(self.model.norm.weight.dtype)
+        return self.vision(pixels[skip:last], sizes[skip:last]).to(self.model.norm.weight.dtype)
 
     def _target(self, name: str) -> tuple[str | None, str | int | None]:
         if name in ("image_newline", "model.image_newline"):

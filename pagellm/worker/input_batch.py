@@ -4,7 +4,8 @@ The scheduler sends each request in full once; afterwards only new block ids and
 appends the tokens it samples itself. ``build_step_inputs`` lays the step's requests out as one flat token batch
 (prompt chunks, decode tokens and draft tokens of many requests side by side) with positions, KV slots and a block
 table, and marks which rows produce logits. Rows that replace token embeddings (an embeddings prompt's, a prompt's
-images' from the vision encoder: ``encode_images``) are placed by the positions each chunk computes.
+images' from the vision encoder, encoded as the chunks reach them: ``plan_images``, ``encode_due``) are placed by
+the positions each chunk computes.
 """
 
 from __future__ import annotations
@@ -32,9 +33,14 @@ class CachedRequestState:
     suppressed_token_ids: list[int] = field(default_factory=list)  # banned until min_tokens outputs exist
     processing: RequestProcessing | None = None  # penalties / bias / bans / grammar state; None = none asked
     prompt_embeds: torch.Tensor | None = None  # an embeddings prompt's rows, in the model's dtype
-    # its images' rows (the vision encoder's, in the model's dtype) and the prompt positions they go to, in order
+    # its images' rows (the vision encoder's, in the model's dtype, filled image by image as chunks reach them:
+    # ``encode_due``) and the prompt positions they go to, in order
     image_rows: torch.Tensor | None = None
     image_positions: np.ndarray | None = None
+    image_inputs: MultiModalInputs | None = None  # while some of its images are not encoded yet
+    image_ends: np.ndarray | None = None  # each image's (after the cached ones) last row + 1; one entry: all of them
+    image_first: int = 0  # the images the prefix cache holds (never encoded)
+    images_done: int = 0  # images encoded so far (after the cached ones)
     # a model whose images attend both ways (Gemma 3): one past the last position of each image position's run
     image_run_ends: np.ndarray | None = None
 
@@ -130,23 +136,51 @@ def _embeds_rows(states: dict[str, CachedRequestState], req_ids: list[str], star
     return ((torch.cat(indices), torch.cat(rows)) if rows else None), visible_ends
 
 
-def encode_images(state: CachedRequestState, model: Any, images: MultiModalInputs, prompt_ids: list[int]) -> None:
-    """A request's image rows from the model's vision encoder, and its prompt's image-token positions they go to
-    (the frontend's processor wrote one token per row). The leading images whose tokens the prefix cache already
-    holds (all before ``state.num_computed_tokens``) are not encoded: no step computes their positions."""
+def plan_images(state: CachedRequestState, model: Any, images: MultiModalInputs, prompt_ids: list[int]) -> None:
+    """A request's image-token positions (the frontend's processor wrote one token per row), and room for their
+    rows, which ``encode_due`` fills as chunks reach them. The leading images whose tokens the prefix cache already
+    holds (all before ``state.num_computed_tokens``) are never encoded: no step computes their positions."""
     positions = np.flatnonzero(np.asarray(prompt_ids) == model.cfg.image_token_id).astype(np.int64)
     skip, skipped = _cached_images(images, positions, state.num_computed_tokens)
-    if skip == len(images.items) and skip:
-        state.image_rows = torch.empty(0, model.cfg.hidden_size, dtype=model.model.norm.weight.dtype)
-    else:
-        state.image_rows = model.image_rows(images, skip)
     if model.cfg.bidirectional_images:
         state.image_run_ends = _run_ends(positions)[skipped:]
-    positions = positions[skipped:]
-    if len(positions) != len(state.image_rows):
-        raise ValueError(f"request {state.req_id}: {len(positions)} image tokens in its prompt but "
-                         f"{len(state.image_rows)} image rows")
-    state.image_positions = positions
+    state.image_positions = positions = positions[skipped:]
+    state.image_rows = torch.empty(len(positions), model.cfg.hidden_size, dtype=model.model.norm.weight.dtype)
+    counts = [count for _, count in images.items[skip:]] if images.items else [len(positions)]
+    state.image_ends = np.cumsum(counts, dtype=np.int64)
+    state.image_first, state.images_done = skip, 0
+    state.image_inputs = images if len(positions) else None
+
+
+def encode_scheduled(states: dict[str, CachedRequestState], model: Any, sched: SchedulerOutput) -> None:
+    """The images the step's prompt chunks reach that are not encoded yet (``encode_due``, each request's in one
+    encoder call)."""
+    for req_id, count in zip(sched.req_ids, sched.num_scheduled_tokens):
+        state = states[req_id]
+        if state.image_inputs is not None:
+            encode_due(state, model, state.num_computed_tokens + count)
+
+
+def encode_due(state: CachedRequestState, model: Any, end: int) -> None:
+    """Encode the request's images whose tokens lie before position ``end`` and are not encoded yet (all of them in
+    one call; every image at once where the frontend did not count each image's tokens)."""
+    assert state.image_positions is not None and state.image_ends is not None and state.image_inputs is not None
+    needed = int(np.searchsorted(state.image_positions, end))
+    done, ends = state.images_done, state.image_ends
+    start = int(ends[done - 1]) if done else 0
+    if needed <= start:
+        return
+    last = int(np.searchsorted(ends, needed)) + 1  # the images to encode: [done, last)
+    counted = len(ends) > 1 or len(state.image_inputs.items) > 0
+    first = state.image_first + done
+    rows = model.image_rows(state.image_inputs, first, first + last - done if counted else None)
+    if len(rows) != int(ends[last - 1]) - start:
+        raise ValueError(f"request {state.req_id}: {int(ends[last - 1]) - start} image tokens in its prompt for "
+                         f"images {first}..{first + last - done - 1} but {len(rows)} image rows")
+    state.image_rows[start:int(ends[last - 1])] = rows  # type: ignore[index]
+    state.images_done = last
+    if last == len(ends):
+        state.image_inputs = None  # every image encoded: the pixels go
 
 
 def _run_ends(positions: np.ndarray) -> np.ndarray:

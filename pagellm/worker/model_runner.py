@@ -40,7 +40,8 @@ from pagellm.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogpro
 from pagellm.spec.base import Draft, ProposalRequest, Proposer
 from pagellm.spec.tree import compact_kv, place_trees
 from pagellm.spec.verify import DraftedRow, Verified, verify
-from pagellm.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs, encode_images
+from pagellm.worker.input_batch import (CachedRequestState, StepInputs, build_step_inputs, encode_scheduled,
+                                        plan_images)
 from pagellm.worker.kv_transfer import load_stored, save_prompts
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ class ModelRunner:
                 sched = load_stored(self.kv_store, sched, self.states, self.block_size)
             if sched.is_empty:
                 return ModelRunnerOutput([], [], [])
+            if self._embeds:  # the images this step's chunks reach
+                encode_scheduled(self.states, self.model, sched)
             inputs = build_step_inputs(self.states, sched, self.block_size, bool(self._embeds))
             masks = self.processing.start_masks(len(inputs.logits_indices), self._grammar_rows(inputs))
             trees = self._trees(inputs)
@@ -239,8 +242,8 @@ class ModelRunner:
                 state.prompt_embeds = to_tensor(new.prompt_embeds, self.model.model.norm.weight.dtype)
                 prompt_ids = []
                 self._embeds.add(new.req_id)
-            if new.mm_inputs is not None:  # its images, encoded once (again after a preemption)
-                encode_images(state, self.model, new.mm_inputs, prompt_ids)
+            if new.mm_inputs is not None:  # its images, encoded as its chunks reach them (again after a preemption)
+                plan_images(state, self.model, new.mm_inputs, prompt_ids)
                 self._embeds.add(new.req_id)
             # Rebuilt from the tokens when a preempted request resumes, so its state never depends on history.
             state.processing = self.processing.create(new.sampling_params, prompt_ids,

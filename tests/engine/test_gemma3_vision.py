@@ -186,3 +186,21 @@ def test_two_tensor_parallel_ranks_give_one_ranks_tokens(model_dir: Path, llm: L
             llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     finally:
         ranks.shutdown()  # rank 0's process group lives in this process: it goes with the engine
+
+
+def test_pan_and_scan_crops_in_chunks(model_dir: Path, reference) -> None:
+    """``do_pan_and_scan`` (a request's ``mm_processor_kwargs``): a wide image becomes the whole image and its crops,
+    16 tokens each between their own markers (the processor does not count them per image: all are encoded at the
+    first chunk that reaches one); in chunks of at most 40 tokens the tokens are transformers'."""
+    picture, kwargs = [image(5, 100, 300)], {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 32}
+    text = "Look <start_of_image> now"
+    inputs = transformers.AutoProcessor.from_pretrained(model_dir)(text=[text], images=[picture], return_tensors="pt",
+                                                                   **kwargs)
+    assert inputs["pixel_values"].shape[0] > 1
+    prompt_len = inputs["input_ids"].shape[1]
+    expected = reference.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)[0, prompt_len:]
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 24, max_num_batched_tokens=40)
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": picture}, "mm_processor_kwargs": kwargs},
+                       GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert out.outputs[0].token_ids == expected.tolist()

@@ -108,6 +108,31 @@ def test_greedy_tokens_equal_transformers_whole_and_chunked(tower: str, chunk: i
         assert output.prompt_token_ids.count(image_token) >= 16 * len(images)
 
 
+def test_each_image_is_encoded_when_a_chunk_first_reaches_it(clip: Path) -> None:
+    """At 8 tokens a step, the two images of a prompt are encoded one at a time, each in the step whose chunk first
+    reaches its tokens; a step that holds the whole prompt encodes both in one call."""
+    text, images = _prompts()[1]
+    calls: dict[int, list] = {}
+    for budget in (8, 4096):
+        llm = LLM(str(clip), dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=budget)
+        runner = llm.engine.core.executor.worker.runner
+        encode, calls[budget] = runner.model.image_rows, []
+
+        def spy(inputs, skip=0, last=None, encode=encode, seen=calls[budget], runner=runner):
+            (state,) = runner.states.values()
+            seen.append((skip, last, state.num_computed_tokens))  # the chunk's first position
+            assert state.image_inputs is not None
+            return encode(inputs, skip, last)
+
+        runner.model.image_rows = spy
+        output = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)[0]
+        image_token = runner.model.cfg.image_token_id
+        firsts = [i for i, t in enumerate(output.prompt_token_ids) if t == image_token][::16]  # 16 tokens an image
+    assert [(skip, last) for skip, last, _ in calls[8]] == [(0, 1), (1, 2)]
+    assert all(start <= first < start + 8 for (_, _, start), first in zip(calls[8], firsts))
+    assert calls[4096] == [(0, 2, 0)]
+
+
 LAYOUTS = {  # transformers 5 saves language_model.model., language_model.lm_head., vision_tower. (no vision_model.)
     "released": (("vision_tower.", "vision_tower.vision_model."),),  # llava-hf's, from transformers 4
     "modules": (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
