@@ -102,6 +102,10 @@ class ModelConfig:
         "Keys of the model's config.json set over its own, as a JSON object (vLLM's flag), e.g. "
         "'{\"max_position_embeddings\": 8192, \"rope_scaling\": {\"rope_type\": \"linear\", \"factor\": 2.0}}'.",
         default=None)
+    pooler_config: dict[str, Any] | str | None = _help(
+        "How an encoder-only embedding model (BERT, XLM-RoBERTa) pools its token states, as JSON (vLLM's flag): "
+        "'{\"pooling_type\": \"MEAN\"}' (CLS, MEAN or LAST). Default: its sentence-transformers Pooling config's, "
+        "else CLS.", default=None)
     language_model_only: bool = _help(
         "Serve a vision-language model's decoder alone (vLLM's flag): its vision encoder is neither built nor "
         "loaded (less memory, a faster start), and prompts with images are refused. Default: off.", default=False)
@@ -158,6 +162,7 @@ class ModelConfig:
         object.__setattr__(self, "override_generation_config", json_object(self.override_generation_config,
                                                                             "override_generation_config"))
         object.__setattr__(self, "hf_overrides", json_object(self.hf_overrides, "hf_overrides"))
+        object.__setattr__(self, "pooler_config", json_object(self.pooler_config, "pooler_config"))
         object.__setattr__(self, "logits_processors", _processor_names(self.logits_processors))
         if isinstance(self.worker_extension_cls, type):  # a class given in code: its import name
             cls = self.worker_extension_cls

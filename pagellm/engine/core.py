@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from pagellm import envs, native_build
-from pagellm.config import EngineConfig
+from pagellm.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagellm.engine.exceptions import ASLEEP, SLEEP_MODE_OFF, EngineSleepingError, check_sleep_level, wake_tags
 from pagellm.engine.input_processor import check_prompt
 from pagellm.engine.wire import EngineCoreRequest, StepOutput
@@ -33,6 +33,18 @@ from pagellm.sched.whole_images import check_runs, image_runs
 logger = logging.getLogger(__name__)
 
 
+def _whole_prompts(sched_config: SchedulerConfig, cache_config: CacheConfig,
+                   max_model_len: int) -> tuple[SchedulerConfig, CacheConfig]:
+    """An encoder-only model's settings: chunked prefill and prefix caching off (a token's state depends on its
+    whole prompt), and a step budget that holds the longest prompt."""
+    budget = sched_config.max_num_batched_tokens
+    if budget is not None and budget < max_model_len:
+        raise ValueError(f"an encoder-only model computes each prompt in one step: max_num_batched_tokens ({budget}) "
+                         f"must be >= max_model_len ({max_model_len}); raise it, or lower max_model_len")
+    return (dataclasses.replace(sched_config, enable_chunked_prefill=False, long_prefill_token_threshold=0),
+            dataclasses.replace(cache_config, enable_prefix_caching=False))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
@@ -43,10 +55,12 @@ class EngineCore:
         spec, events = config.speculative_config, config.kv_events_config
         self.kv_events = KVEventRecorder(config.cache_config.block_size, self.runtime.kv_window) \
             if events.enable_kv_cache_events else None
-        sched_config = config.scheduler_config
+        sched_config, cache_config = config.scheduler_config, config.cache_config
         if self.runtime.bidirectional_images:  # an image computed in two steps would miss its later tokens
             sched_config = dataclasses.replace(sched_config, disable_chunked_mm_input=True)
-        self.scheduler = Scheduler(sched_config, config.cache_config, self.runtime.num_blocks,
+        if self.runtime.encoder_only:  # each token's state depends on its whole prompt: one step, nothing shared
+            sched_config, cache_config = _whole_prompts(sched_config, cache_config, self.runtime.max_model_len)
+        self.scheduler = Scheduler(sched_config, cache_config, self.runtime.num_blocks,
                                    self.runtime.max_model_len, spec.num_lookahead_tokens, spec.disable_by_batch_size,
                                    kv_window=self.runtime.kv_window, kv_events=self.kv_events)
         self.asleep = False  # sleep mode: the KV cache's memory is the OS's, requests are refused

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagellm.model.compressed_tensors import scheme_of
+from pagellm.model.encoder_config import ENCODERS, encoder_arch
 
 
 # The base-model classes of the served families (their checkpoints have no LM head and no ``model.`` prefix).
@@ -184,6 +185,8 @@ class ArchConfig:
     # A vision-language model's vision side (``VISION_MODELS``: its ``vision_config``, ``scale_factor``,
     # ``image_token_id``); the rest of this config is its decoder's (``text_config``)
     vision: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    # An encoder-only embedding model's (``model/encoder_config.py``: BERT, RoBERTa, XLM-RoBERTa) config keys
+    encoder: dict[str, Any] | None = field(default=None, hash=False, compare=False)
 
     @property
     def image_token_id(self) -> int | None:
@@ -208,6 +211,8 @@ class ArchConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
         archs = cfg.get("architectures") or [""]
+        if archs[0] in ENCODERS:
+            return cls(**encoder_arch(cfg))
         if archs[0] in VISION_MODELS and "text_config" in cfg:  # its decoder's config, its vision side kept beside it
             vision = {key: cfg[key] for key in _VISION_KEYS if key in cfg}
             if "image_token_id" not in vision and "image_token_index" not in vision:

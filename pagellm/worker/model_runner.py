@@ -127,10 +127,11 @@ class ModelRunner:
         pooled: dict[str, bytes] = {}
         if not self._pooling:
             return pooled
-        for req_id, first in zip(inputs.req_ids, inputs.logits_start):
-            if first >= 0 and self.states[req_id].sampling_params.pooling:
-                row = hidden[inputs.logits_indices[first]]
-                pooled[req_id] = self.model.pool(row).numpy().tobytes()
+        whole, qsl = getattr(self.model, "pools_whole_prompt", False), inputs.query_start_loc
+        for i, (req_id, first) in enumerate(zip(inputs.req_ids, inputs.logits_start)):
+            if first >= 0 and self.states[req_id].sampling_params.pooling:  # an encoder's: its whole prompt's rows
+                rows = hidden[int(qsl[i]):int(qsl[i + 1])] if whole else hidden[inputs.logits_indices[first]]
+                pooled[req_id] = self.model.pool(rows).numpy().tobytes()
         return pooled
 
     def _trees(self, inputs: StepInputs) -> dict[int, list[int]]:

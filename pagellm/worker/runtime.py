@@ -23,3 +23,4 @@ class RuntimeInfo:
     num_spec_tokens: int = 0  # with speculation: the drafts a step verifies at most (num_speculative_tokens)
     image_token_id: int | None = None  # a vision-language model's image token (its images' rows go there)
     bidirectional_images: bool = False  # ... whose image tokens attend both ways (Gemma 3's)
+    encoder_only: bool = False  # an encoder-only embedding model (BERT): each prompt in one step, no prefix cache

@@ -24,6 +24,7 @@ from pagellm.kv.hash_algos import make_hasher
 from pagellm.metrics.profiler import Profiler
 from pagellm.model import fp8_checkpoint, gguf_convert, mxfp4, weight_only
 from pagellm.model.arch import ArchConfig
+from pagellm.model.encoder_config import pooling_type
 from pagellm.model.layers.rotary import use_long_factors
 from pagellm.model.loader import iter_weights, load_hf_config, resolve_dtype, resolve_model_dir
 from pagellm.model.registry import build_model
@@ -84,7 +85,8 @@ class Worker:
                                   model_config.max_cpu_loras, model_config.lora_target_modules)
         self.runner.bind_kv_cache(num_blocks, self.kv_dtype)
         store_dir = self._bind_kv_store(kv_transfer, model_dir, arch, cache_config)
-        self.prefaulter = KVPrefaulter(self.runner.kv_caches) if cache_config.kv_cache_prefault else None
+        self.prefaulter = KVPrefaulter(self.runner.kv_caches) \
+            if cache_config.kv_cache_prefault and self.runner.kv_caches else None  # none: an encoder-only model
         self.asleep = False  # sleep mode (``set_asleep``)
         self.weights_from: str | None = None  # the checkpoint last loaded (None: the served model's); sleep level 2
         self.model_config, self.spec_config, self.arch = model_config, spec_config, arch  # update_weights
@@ -103,7 +105,7 @@ class Worker:
                                    arch.hidden_size, arch.pooling_only, store_dir, spec_config.method or "",
                                    kv_window(arch, store_dir), arch.labels,
                                    spec_config.num_speculative_tokens if spec_config.method else 0, arch.image_token_id,
-                                   arch.bidirectional_images)
+                                   arch.bidirectional_images, arch.encoder is not None)
         logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens (%s)", model_dir,
                     arch.architecture, self.dtype, time.perf_counter() - start, num_blocks, cache_config.block_size,
                     str(self.kv_dtype).removeprefix("torch."))
@@ -305,6 +307,9 @@ def resolve_arch(model_dir: Path, model_config: ModelConfig,
     arch = ArchConfig.from_hf({**load_hf_config(model_dir), **(hf_overrides or {})})
     if model_config.language_model_only:  # its decoder alone: no vision side, no image token
         arch = dataclasses.replace(arch, vision=None)
+    if arch.encoder is not None:  # an encoder-only embedding model: how it pools
+        arch = dataclasses.replace(arch, encoder={**arch.encoder,
+                                                  "pooling": pooling_type(model_dir, model_config.pooler_config)})
     max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
     if model_config.disable_sliding_window and arch.sliding_window:
         arch, max_model_len = without_window(arch, model_config.max_model_len, max_model_len)

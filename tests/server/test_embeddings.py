@@ -14,8 +14,10 @@ import openai
 import pytest
 import torch
 import transformers
+from encoder_utils import build_encoder
 from server_utils import ServerProcess
 
+from pagellm import LLM
 from pagellm.tokenizer import Tokenizer
 
 
@@ -78,3 +80,22 @@ def test_a_base_model_server_embeds_and_refuses_generation(start_server: Callabl
         with pytest.raises(openai.BadRequestError, match="no language-model head: it serves embeddings only"):
             call()
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_an_encoder_model_server_embeds_scores_and_refuses_generation(start_server: Callable[..., ServerProcess],
+                                                                      tmp_path_factory) -> None:
+    """A BERT embedding model (sentence-transformers' mean pooling) through the ``openai`` SDK: the embeddings are the
+    offline ``LLM.embed``'s, ``/score`` is their cosine, and generation is a 400."""
+    path = build_encoder(tmp_path_factory.mktemp("encoder") / "bert", "bert", "MEAN")
+    texts = ["the cat sat on the mat", "a big red house", "dog"]
+    offline = np.array([o.outputs.embedding for o in LLM(str(path), dtype="float32", kv_cache_memory=1 << 22)
+                        .embed(texts, use_tqdm=False)])
+    server = start_server(path, "--served-model-name", "bert", "--max-model-len", "64")
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    served = np.array([d.embedding for d in client.embeddings.create(model="bert", input=texts).data])
+    np.testing.assert_allclose(served, offline, atol=1e-5)
+    score = httpx.post(f"{server.base_url}/score", json={"model": "bert", "text_1": texts[0], "text_2": texts[1:]},
+                       timeout=60).json()
+    np.testing.assert_allclose([d["score"] for d in score["data"]], offline[1:] @ offline[0], atol=1e-5)
+    with pytest.raises(openai.BadRequestError, match="no language-model head: it serves embeddings only"):
+        client.completions.create(model="bert", prompt="the cat", max_tokens=2)

@@ -1,0 +1,176 @@
+"""Encoder-only embedding models in plain PyTorch: BERT (bge, e5, gte, all-MiniLM), RoBERTa and XLM-RoBERTa (bge-m3,
+multilingual-e5), computed as transformers' ``BertModel`` / ``XLMRobertaModel`` compute their token states, then
+pooled as their sentence-transformers configs say (``model/encoder_config.py``: CLS, mean or last token).
+
+Contract: ``EncoderEmbeddingModel`` takes the runner's flat step like a decoder (``forward(input_ids, positions)``,
+each request's tokens ``query_start_loc[r]:query_start_loc[r + 1]`` of the step's attention inputs), but every
+request's whole prompt is in its one step (the engine core turns chunked prefill and prefix caching off for these
+models: a token's state depends on every token of its prompt) and its tokens attend to one another both ways, so it
+keeps no KV cache (``attention_layers()`` is empty): the requests' rows are padded into one batch and each layer runs
+one SDPA call with a key mask. Embeddings are word + absolute position (RoBERTa's from its padding id + 1, its pad
+tokens at the padding id, as transformers numbers them) + token type 0, then LayerNorm; each layer is post-LayerNorm
+attention with biases and a GELU MLP. ``pool(rows)`` takes a request's final states and gives its embedding;
+``pools_whole_prompt`` tells the runner to hand it all of them. ``compute_logits`` (the engine samples one throwaway
+token for a pooling request) reads the word embeddings. Checkpoints name the tensors as ``BertModel`` does, or with a
+``bert.`` / ``roberta.`` / ``model.`` prefix; the pooler and masked-LM heads are not loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.attention.base import current_forward_context
+from pagellm.distributed.groups import SINGLE, ParallelState
+from pagellm.model.arch import ArchConfig
+
+_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+_SKIPPED = re.compile(r"^(pooler\.|cls\.|lm_head\.|embeddings\.position_ids$)")
+_PREFIX = re.compile(r"^(bert\.|roberta\.|model\.)")
+
+
+class _Embeddings(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        enc = cfg.encoder or {}
+        self.offset = int(enc.get("pad_token_id") or 0) + 1 if enc.get("model_type") in ("roberta", "xlm-roberta") \
+            else 0
+        positions = cfg.max_position_embeddings + self.offset
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.position_embeddings = nn.Embedding(positions, cfg.hidden_size, dtype=dtype)
+        self.token_type_embeddings = nn.Embedding(int(enc.get("type_vocab_size") or 2), cfg.hidden_size, dtype=dtype)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.pad = int(enc.get("pad_token_id") or 0)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        if self.offset:  # RoBERTa: non-pad tokens counted from the padding id + 1; pad tokens at the padding id
+            real = (ids != self.pad).long()
+            counts = real.cumsum(0)
+            before = torch.cat([counts.new_zeros(1), counts])[starts]  # each row's count before it
+            lens = torch.diff(torch.cat([starts, starts.new_tensor([len(ids)])]))
+            positions = (counts - before.repeat_interleave(lens)) * real + self.pad
+        x = self.word_embeddings(ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
+        return self.LayerNorm(x)
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        width, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.heads = cfg.num_heads
+        self.attention = nn.Module()
+        self.attention.self = nn.Module()
+        for name in ("query", "key", "value"):
+            setattr(self.attention.self, name, nn.Linear(width, width, dtype=dtype))
+        self.attention.output = nn.Module()
+        self.attention.output.dense = nn.Linear(width, width, dtype=dtype)
+        self.attention.output.LayerNorm = nn.LayerNorm(width, eps=eps, dtype=dtype)
+        self.intermediate = nn.Module()
+        self.intermediate.dense = nn.Linear(width, cfg.intermediate_size, dtype=dtype)
+        self.output = nn.Module()
+        self.output.dense = nn.Linear(cfg.intermediate_size, width, dtype=dtype)
+        self.output.LayerNorm = nn.LayerNorm(width, eps=eps, dtype=dtype)
+        act = (cfg.encoder or {}).get("hidden_act") or "gelu"
+        if act not in _GELU:
+            raise ValueError(f"encoder activation {act!r} is not supported; supported: {', '.join(_GELU)}")
+        self.approximate = _GELU[act]
+
+    def forward(self, x: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``batch``: (the padded [rows, longest] flat token indices, the [rows, 1, 1, longest] key mask)."""
+        index, mask = batch
+        rows, longest = index.shape
+        qkv = [proj(x)[index].view(rows, longest, self.heads, -1).transpose(1, 2)
+               for proj in (self.attention.self.query, self.attention.self.key, self.attention.self.value)]
+        out = F.scaled_dot_product_attention(*qkv, attn_mask=mask).transpose(1, 2).reshape(rows * longest, -1)
+        attended = out[mask.view(-1)]  # the real tokens, in the flat order (rows are contiguous runs of it)
+        x = self.attention.output.LayerNorm(x + self.attention.output.dense(attended))
+        inner = F.gelu(self.intermediate.dense(x), approximate=self.approximate)
+        return self.output.LayerNorm(x + self.output.dense(inner))
+
+
+class _Encoder(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.embeddings = _Embeddings(cfg, dtype)
+        self.encoder = nn.Module()
+        self.encoder.layer = nn.ModuleList(_Layer(cfg, dtype) for _ in range(cfg.num_layers))
+
+    @property
+    def norm(self) -> nn.LayerNorm:  # the runner reads the model's dtype here
+        return self.embeddings.LayerNorm
+
+
+class EncoderEmbeddingModel(nn.Module):
+    pools_whole_prompt = True
+
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState = SINGLE) -> None:
+        super().__init__()
+        if parallel.tp_size > 1 or parallel.pp_size > 1:
+            raise ValueError(f"{cfg.architecture} runs on one worker; drop tensor_parallel_size and "
+                             "pipeline_parallel_size")
+        self.cfg, self.pooling = cfg, (cfg.encoder or {}).get("pooling", "CLS")  # the worker's resolve_arch sets it
+        self.model = _Encoder(cfg, dtype, parallel)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None,
+                embeds: object = None) -> torch.Tensor:
+        if embeds is not None:
+            raise ValueError(f"{self.cfg.architecture} takes token ids, not embeddings")
+        common = current_forward_context().metadata.common
+        qsl = torch.from_numpy(common.query_start_loc)
+        if not torch.equal(torch.from_numpy(common.seq_lens), qsl.diff()):
+            raise ValueError("an encoder-only model computes each prompt in one step (chunked prefill off)")
+        batch = _padded(qsl)
+        x = self.model.embeddings(input_ids, positions, qsl[:-1])
+        for layer in self.model.encoder.layer:
+            x = layer(x, batch)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.model.embeddings.word_embeddings.weight.T
+
+    def pool(self, rows: torch.Tensor) -> torch.Tensor:
+        """One request's embedding (float32) from its prompt's final states."""
+        rows = rows.float()
+        if self.pooling == "MEAN":
+            return rows.mean(0)
+        return rows[0] if self.pooling == "CLS" else rows[-1]
+
+    def attention_layers(self) -> list:
+        return []
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None) -> None:
+        if quantization:
+            raise ValueError(f"{self.cfg.architecture} runs unquantized; drop --quantization")
+        params = dict(self.model.named_parameters())
+        missing = set(params)
+        for name, tensor in weights:
+            name = _PREFIX.sub("", name)
+            if _SKIPPED.match(name):
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.cfg.architecture}")
+            params[name].data.copy_(tensor.to(params[name].dtype))
+            missing.discard(name)
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors for: {', '.join(sorted(missing)[:8])}")
+
+    def load_dummy_weights(self, quantization: str | None = None, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for param in self.parameters():
+            param.data.copy_(torch.rand(param.shape, generator=gen).mul_(2e-3).sub_(1e-3))
+
+
+def _padded(qsl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's requests as a padded batch: [rows, longest] flat token indices (padding repeats a row's last
+    token) and the [rows, 1, 1, longest] mask of real keys."""
+    lens = qsl.diff()
+    longest = int(lens.max())
+    offsets = torch.arange(longest)
+    mask = offsets[None, :] < lens[:, None]
+    index = qsl[:-1, None] + torch.minimum(offsets[None, :], lens[:, None] - 1)
+    return index, mask[:, None, None, :]

@@ -1,0 +1,71 @@
+"""Encoder-only embedding models' configs (BERT, RoBERTa, XLM-RoBERTa: bge, e5, gte, all-MiniLM, bge-m3,
+multilingual-e5): their ``ArchConfig`` (``ArchConfig.encoder`` carries what the encoder reads of config.json) and how
+they pool, from the sentence-transformers files beside the weights (``modules.json``, the Pooling module's
+``config.json``) or ``--pooler-config``. No torch here: the engine reads it before its workers start.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel")
+POOLING_TYPES = ("CLS", "MEAN", "LAST")
+_ROBERTA = ("roberta", "xlm-roberta")  # their positions start past the padding id
+# what the encoder reads of config.json (``model/bert.py``)
+_KEYS = ("model_type", "hidden_act", "layer_norm_eps", "type_vocab_size", "pad_token_id", "position_embedding_type")
+
+
+def encoder_arch(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``ArchConfig``'s fields for an encoder-only model's config.json (completed with transformers' defaults for
+    its model type): no rotary embedding, one K/V head per head, the usable context (RoBERTa's positions start at its
+    padding id + 1, so two of its position embeddings are never a token's)."""
+    from pagellm.model.arch import with_defaults
+
+    cfg = {**with_defaults({k: v for k, v in cfg.items() if k != "architectures"}),
+           "architectures": cfg["architectures"]}
+    if cfg.get("position_embedding_type") not in (None, "absolute"):
+        raise ValueError(f"position_embedding_type={cfg['position_embedding_type']!r} is not supported; absolute "
+                         "positions only")
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    context = int(cfg["max_position_embeddings"])
+    if cfg.get("model_type") in _ROBERTA:
+        context -= int(cfg.get("pad_token_id") or 0) + 1
+    encoder = {key: cfg.get(key) for key in _KEYS}
+    return dict(architecture=cfg["architectures"][0], vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, rotary_dim=hidden // heads,
+                rms_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)), rope_theta=10000.0, rope_scaling=None,
+                max_position_embeddings=context, tie_word_embeddings=True, attention_bias=True, sliding_window=None,
+                base_model=True, encoder=encoder)
+
+
+def pooling_type(model_dir: Path, pooler_config: dict[str, Any] | None) -> str:
+    """How an encoder's token states become one embedding: ``--pooler-config``'s ``pooling_type``, else the
+    sentence-transformers Pooling module's (its ``pooling_mode_*`` switches), else CLS (vLLM's default for these
+    models)."""
+    if pooler_config and pooler_config.get("pooling_type"):
+        kind = str(pooler_config["pooling_type"]).upper()
+        if kind not in POOLING_TYPES:
+            raise ValueError(f"pooler_config's pooling_type {kind!r}: use one of {', '.join(POOLING_TYPES)}")
+        return kind
+    modules = model_dir / "modules.json"
+    if modules.is_file():
+        for module in json.loads(modules.read_text()):
+            if str(module.get("type", "")).endswith(".Pooling"):
+                return _sentence_transformers_pooling(model_dir / module.get("path", ""), model_dir)
+    return "CLS"
+
+
+def _sentence_transformers_pooling(folder: Path, model_dir: Path) -> str:
+    settings = json.loads((folder / "config.json").read_text())
+    modes = [name for name, key in (("CLS", "pooling_mode_cls_token"), ("MEAN", "pooling_mode_mean_tokens"),
+                                    ("LAST", "pooling_mode_lasttoken")) if settings.get(key)]
+    others = [key for key, on in settings.items() if key.startswith("pooling_mode_") and on and key not in
+              ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_lasttoken")]
+    if len(modes) != 1 or others:
+        raise ValueError(f"{model_dir}: its sentence-transformers Pooling ({folder.name}) asks for "
+                         f"{modes + others}; one of CLS, mean or last-token pooling is supported (or set "
+                         "--pooler-config '{\"pooling_type\": \"CLS\"}')")
+    return modes[0]

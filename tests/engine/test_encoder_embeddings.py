@@ -1,0 +1,65 @@
+"""Encoder-only embedding models (``model/bert.py``): tiny random BERT and XLM-RoBERTa models built here with
+transformers (a WordPiece tokenizer; XLM-RoBERTa's padding id 1, its positions from 2), each prompt's embedding
+pooled as its sentence-transformers config says (CLS, mean or last token; ``--pooler-config`` over it) must equal
+transformers' token states pooled so, in float32, for prompts of different lengths in one step; generation is
+refused, and the engine runs them with chunked prefill and prefix caching off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from encoder_utils import build_encoder
+
+from pagellm import LLM, SamplingParams
+
+TEXTS = ["the cat sat on the mat", "a big red house", "dog", "the dog is here on a big mat the cat sat"]
+
+
+def _expected(model_dir: Path, kind: str, pooling: str) -> list[torch.Tensor]:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = (transformers.BertModel if kind == "bert" else transformers.XLMRobertaModel).from_pretrained(model_dir)
+    out = []
+    for text in TEXTS:
+        ids = tokenizer(text, return_tensors="pt")
+        with torch.no_grad():
+            states = model.eval()(**ids).last_hidden_state[0]
+        out.append(states[0] if pooling == "CLS" else states.mean(0) if pooling == "MEAN" else states[-1])
+    return out
+
+
+@pytest.mark.parametrize("kind,pooling,flag", [("bert", "CLS", None), ("bert", "MEAN", None),
+                                               ("xlm-roberta", "CLS", None), ("xlm-roberta", None, "MEAN"),
+                                               ("bert", "MEAN", "LAST")])
+def test_embeddings_are_transformers_token_states_pooled(kind: str, pooling: str | None, flag: str | None,
+                                                          tmp_path: Path) -> None:
+    """The sentence-transformers Pooling config picks the pooling; ``pooler_config`` overrides it; without either,
+    CLS."""
+    model_dir = build_encoder(tmp_path / kind, kind, pooling)
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22,
+              **({"pooler_config": {"pooling_type": flag}} if flag else {}))
+    got = [torch.tensor(o.outputs.embedding) for o in llm.embed(TEXTS, normalize=False, use_tqdm=False)]
+    for ours, theirs in zip(got, _expected(model_dir, kind, flag or pooling or "CLS")):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    normalized = llm.embed(TEXTS[:1], use_tqdm=False)[0].outputs.embedding
+    torch.testing.assert_close(torch.tensor(normalized), got[0] / got[0].norm(), atol=1e-6, rtol=1e-5)
+
+
+def test_the_engine_runs_each_prompt_whole_and_refuses_generation(tmp_path: Path) -> None:
+    model_dir = build_encoder(tmp_path / "bert", "bert", "MEAN")
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=64,
+              enable_chunked_prefill=True, enable_prefix_caching=True, long_prefill_token_threshold=4)
+    scheduler = llm.engine.core.scheduler
+    assert not scheduler.chunked_prefill and not scheduler.kv.enable_caching
+    assert llm.engine.core.executor.worker.runner.kv_caches == []
+    first, again = (llm.embed([TEXTS[3]] * 2, normalize=False, use_tqdm=False) for _ in range(2))
+    assert first[0].outputs.embedding == first[1].outputs.embedding == again[0].outputs.embedding
+    with pytest.raises(ValueError, match="embedding"):
+        llm.generate(TEXTS[0], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"an encoder-only model computes each prompt in one step: "
+                                         r"max_num_batched_tokens \(16\) must be >= max_model_len \(64\)"):
+        LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="pooling_type 'SUM'"):
+        LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22, pooler_config='{"pooling_type": "sum"}')
