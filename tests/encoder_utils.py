@@ -12,25 +12,31 @@ import transformers
 WORDS = ["the", "cat", "dog", "sat", "on", "mat", "a", "big", "red", "house", "is", "here"]
 
 
-def build_encoder(out: Path, kind: str, pooling: str | None = None) -> Path:
+def build_encoder(out: Path, kind: str, pooling: str | None = None, labels: int = 0) -> Path:
     """A tiny BERT (``kind`` "bert") or XLM-RoBERTa ("xlm-roberta": its specials ordered as XLM-R's, so the padding
-    id is 1) with a WordPiece tokenizer, and a sentence-transformers Pooling module where ``pooling`` says."""
+    id is 1) with a WordPiece tokenizer, and a sentence-transformers Pooling module where ``pooling`` says; with
+    ``labels``, its ``*ForSequenceClassification`` of that many classes (a cross-encoder)."""
     out.mkdir(parents=True)
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] if kind == "bert" else \
         ["[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]"]
-    tokenizer = _word_pieces(specials)
+    tokenizer = _word_pieces(specials, typed=kind == "bert")
     shape = dict(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=128)
     torch.manual_seed(0)
+    if labels:
+        shape["num_labels"] = labels
     if kind == "bert":
-        model = transformers.BertModel(transformers.BertConfig(**shape, max_position_embeddings=64))
+        config = transformers.BertConfig(**shape, max_position_embeddings=64)
+        model = (transformers.BertForSequenceClassification if labels else transformers.BertModel)(config)
     else:
-        model = transformers.XLMRobertaModel(transformers.XLMRobertaConfig(**shape, max_position_embeddings=66,
-                                                                           pad_token_id=1, type_vocab_size=1))
+        config = transformers.XLMRobertaConfig(**shape, max_position_embeddings=66, pad_token_id=1, type_vocab_size=1)
+        model = (transformers.XLMRobertaForSequenceClassification if labels else transformers.XLMRobertaModel)(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "LayerNorm" in name:
                 param.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
+            elif "token_type" in name or "classifier" in name or "pooler" in name:  # large enough to matter
+                param.normal_(0.0, 0.5)
     model.eval().save_pretrained(out)
     tokenizer.save_pretrained(out)
     if pooling is not None:
@@ -45,8 +51,10 @@ def build_encoder(out: Path, kind: str, pooling: str | None = None) -> Path:
     return out
 
 
-def _word_pieces(specials: list[str]) -> transformers.PreTrainedTokenizerFast:
-    """A WordPiece tokenizer over ``specials`` (in that id order), ``WORDS`` and letters, adding [CLS] ... [SEP]."""
+def _word_pieces(specials: list[str], typed: bool) -> transformers.PreTrainedTokenizerFast:
+    """A WordPiece tokenizer over ``specials`` (in that id order), ``WORDS`` and letters, adding [CLS] ... [SEP];
+    a pair as BERT's joins it (``typed``: the second text and its [SEP] of type 1) or as XLM-R's (two separators
+    between the texts, no types)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     letters = list("abcdefghijklmnopqrstuvwxyz")
@@ -55,8 +63,10 @@ def _word_pieces(specials: list[str]) -> transformers.PreTrainedTokenizerFast:
     backend.normalizer = normalizers.BertNormalizer(lowercase=True)
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     backend.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1" if typed else "[CLS] $A [SEP] [SEP] $B [SEP]",
         special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
     backend.decoder = decoders.WordPiece()
     return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]",
-                                                cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+                                                cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                                model_input_names=["input_ids", "token_type_ids", "attention_mask"]
+                                                if typed else ["input_ids", "attention_mask"])

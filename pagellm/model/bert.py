@@ -45,15 +45,20 @@ class _Embeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(int(enc.get("type_vocab_size") or 2), cfg.hidden_size, dtype=dtype)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.pad = int(enc.get("pad_token_id") or 0)
+        # with two token types: the separator after which a pair's second text (type 1) begins
+        self.sep = enc.get("sep_token_id") if self.token_type_embeddings.num_embeddings > 1 else None
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        lens = torch.diff(torch.cat([starts, starts.new_tensor([len(ids)])]))
         if self.offset:  # RoBERTa: non-pad tokens counted from the padding id + 1; pad tokens at the padding id
             real = (ids != self.pad).long()
-            counts = real.cumsum(0)
-            before = torch.cat([counts.new_zeros(1), counts])[starts]  # each row's count before it
-            lens = torch.diff(torch.cat([starts, starts.new_tensor([len(ids)])]))
-            positions = (counts - before.repeat_interleave(lens)) * real + self.pad
-        x = self.word_embeddings(ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
+            positions = _row_cumsum(real, starts, lens) * real + self.pad
+        x = self.word_embeddings(ids) + self.position_embeddings(positions)
+        if self.sep is None:
+            x = x + self.token_type_embeddings.weight[0]
+        else:  # type 1 after a row's first separator, as the tokenizer's pair template types a pair's tokens
+            is_sep = (ids == self.sep).long()
+            x = x + self.token_type_embeddings(((_row_cumsum(is_sep, starts, lens) - is_sep) > 0).long())
         return self.LayerNorm(x)
 
 
@@ -146,23 +151,65 @@ class EncoderEmbeddingModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None) -> None:
         if quantization:
             raise ValueError(f"{self.cfg.architecture} runs unquantized; drop --quantization")
-        params = dict(self.model.named_parameters())
+        params = dict(self.named_parameters())
         missing = set(params)
         for name, tensor in weights:
-            name = _PREFIX.sub("", name)
-            if _SKIPPED.match(name):
+            own = self._own(_PREFIX.sub("", name))
+            if own is None:
                 continue
-            if name not in params:
+            if own not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.cfg.architecture}")
-            params[name].data.copy_(tensor.to(params[name].dtype))
-            missing.discard(name)
+            params[own].data.copy_(tensor.to(params[own].dtype))
+            missing.discard(own)
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {', '.join(sorted(missing)[:8])}")
+
+    def _own(self, name: str) -> str | None:
+        """Our parameter's name for a checkpoint tensor (its ``bert.``-like prefix gone), None for one not loaded."""
+        return None if _SKIPPED.match(name) else f"model.{name}"
 
     def load_dummy_weights(self, quantization: str | None = None, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
         for param in self.parameters():
             param.data.copy_(torch.rand(param.shape, generator=gen).mul_(2e-3).sub_(1e-3))
+
+
+class EncoderClassifier(EncoderEmbeddingModel):
+    """A cross-encoder (``*ForSequenceClassification``): the first token's final state through BERT's pooler
+    (``bert.pooler.dense``, tanh) and ``classifier``, or RoBERTa's ``classifier.dense`` (tanh) and
+    ``classifier.out_proj``; ``pool`` gives its class logits (float32), as transformers' ``logits``."""
+
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState = SINGLE) -> None:
+        super().__init__(cfg, dtype, parallel)
+        width, labels = cfg.hidden_size, cfg.num_labels
+        self.roberta = (cfg.encoder or {}).get("model_type") in ("roberta", "xlm-roberta")
+        if self.roberta:
+            self.head = nn.Module()
+            self.head.dense = nn.Linear(width, width, dtype=dtype)
+            self.head.out_proj = nn.Linear(width, labels, dtype=dtype)
+        else:
+            self.model.pooler = nn.Module()
+            self.model.pooler.dense = nn.Linear(width, width, dtype=dtype)
+            self.head = nn.Linear(width, labels, dtype=dtype)
+
+    def pool(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.roberta:
+            return self.head.out_proj(torch.tanh(self.head.dense(rows[0]))).float()
+        return self.head(torch.tanh(self.model.pooler.dense(rows[0]))).float()
+
+    def _own(self, name: str) -> str | None:
+        if name.startswith("classifier."):  # RoBERTa's head.dense / head.out_proj, BERT's head itself
+            return "head." + name.removeprefix("classifier.")
+        if name.startswith("pooler.") and not self.roberta:
+            return f"model.{name}"
+        return super()._own(name)
+
+
+def _row_cumsum(values: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The running sum of ``values`` within each row of the flat step (rows start at ``starts``, ``lens`` long)."""
+    total = values.cumsum(0)
+    before = torch.cat([total.new_zeros(1), total])[starts]
+    return total - before.repeat_interleave(lens)
 
 
 def _padded(qsl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

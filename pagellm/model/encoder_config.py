@@ -1,7 +1,8 @@
 """Encoder-only embedding models' configs (BERT, RoBERTa, XLM-RoBERTa: bge, e5, gte, all-MiniLM, bge-m3,
-multilingual-e5): their ``ArchConfig`` (``ArchConfig.encoder`` carries what the encoder reads of config.json) and how
-they pool, from the sentence-transformers files beside the weights (``modules.json``, the Pooling module's
-``config.json``) or ``--pooler-config``. No torch here: the engine reads it before its workers start.
+multilingual-e5; their cross-encoders, bge-reranker, ms-marco MiniLM): their ``ArchConfig`` (``ArchConfig.encoder``
+carries what the encoder reads of config.json) and how they pool, from the sentence-transformers files beside the
+weights (``modules.json``, the Pooling module's ``config.json``) or ``--pooler-config``. No torch here: the engine
+reads it before its workers start.
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel")
+# cross-encoders (rerankers such as bge-reranker, ms-marco MiniLM): a classification head over the first token
+ENCODER_CLASSIFIERS = ("BertForSequenceClassification", "RobertaForSequenceClassification",
+                       "XLMRobertaForSequenceClassification")
+ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel", *ENCODER_CLASSIFIERS)
 POOLING_TYPES = ("CLS", "MEAN", "LAST")
 _ROBERTA = ("roberta", "xlm-roberta")  # their positions start past the padding id
 # what the encoder reads of config.json (``model/bert.py``)
@@ -21,7 +25,7 @@ def encoder_arch(cfg: dict[str, Any]) -> dict[str, Any]:
     """``ArchConfig``'s fields for an encoder-only model's config.json (completed with transformers' defaults for
     its model type): no rotary embedding, one K/V head per head, the usable context (RoBERTa's positions start at its
     padding id + 1, so two of its position embeddings are never a token's)."""
-    from pagellm.model.arch import with_defaults
+    from pagellm.model.arch import _labels, with_defaults
 
     cfg = {**with_defaults({k: v for k, v in cfg.items() if k != "architectures"}),
            "architectures": cfg["architectures"]}
@@ -33,12 +37,26 @@ def encoder_arch(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("model_type") in _ROBERTA:
         context -= int(cfg.get("pad_token_id") or 0) + 1
     encoder = {key: cfg.get(key) for key in _KEYS}
-    return dict(architecture=cfg["architectures"][0], vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+    classifier = cfg["architectures"][0] in ENCODER_CLASSIFIERS
+    return dict(labels=_labels(cfg) if classifier else (), base_model=not classifier,
+                architecture=cfg["architectures"][0], vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
                 num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, rotary_dim=hidden // heads,
                 rms_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)), rope_theta=10000.0, rope_scaling=None,
                 max_position_embeddings=context, tie_word_embeddings=True, attention_bias=True, sliding_window=None,
-                base_model=True, encoder=encoder)
+                encoder=encoder)
+
+
+def encoder_settings(model_dir: Path, tokenizer_dir: Path, encoder: dict[str, Any],
+                     pooler_config: dict[str, Any] | None) -> dict[str, Any]:
+    """What the encoder reads beside its config.json: how it pools, and with two token types its tokenizer's
+    separator id (a pair's second text, after it, is type 1)."""
+    settings = {"pooling": pooling_type(model_dir, pooler_config)}
+    if int(encoder.get("type_vocab_size") or 1) > 1:
+        from transformers import AutoTokenizer
+
+        settings["sep_token_id"] = AutoTokenizer.from_pretrained(str(tokenizer_dir)).sep_token_id
+    return settings
 
 
 def pooling_type(model_dir: Path, pooler_config: dict[str, Any] | None) -> str:

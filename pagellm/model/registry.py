@@ -7,8 +7,8 @@ from torch import nn
 
 from pagellm.distributed.groups import ParallelState
 from pagellm.model.arch import BASE_MODELS, CLASSIFIERS, ArchConfig
-from pagellm.model.bert import EncoderEmbeddingModel
-from pagellm.model.encoder_config import ENCODERS
+from pagellm.model.bert import EncoderClassifier, EncoderEmbeddingModel
+from pagellm.model.encoder_config import ENCODER_CLASSIFIERS, ENCODERS
 from pagellm.model.gemma3_mm import Gemma3ForConditionalGeneration
 from pagellm.model.idefics3 import Idefics3ForConditionalGeneration
 from pagellm.model.llama import (GemmaForCausalLM, GptOssForCausalLM, GraniteMoeForCausalLM,
@@ -43,7 +43,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # LLaVA-1.5: a CLIP or SigLIP tower
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,  # LLaVA-NeXT: any-resolution images
     # encoder-only embedding models (BERT, RoBERTa, XLM-RoBERTa), for pooling requests
-    **{name: EncoderEmbeddingModel for name in ENCODERS},
+    **{name: EncoderClassifier if name in ENCODER_CLASSIFIERS else EncoderEmbeddingModel for name in ENCODERS},
     # base models (embedding checkpoints: no LM head; ArchConfig.base_model), for pooling requests
     **{name: LlamaForCausalLM for name in BASE_MODELS},
     # sequence classifiers: the same decoder and a score head (ArchConfig.num_labels), for classify requests

@@ -45,6 +45,14 @@ def test_embeddings_are_transformers_token_states_pooled(kind: str, pooling: str
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
     normalized = llm.embed(TEXTS[:1], use_tqdm=False)[0].outputs.embedding
     torch.testing.assert_close(torch.tensor(normalized), got[0] / got[0].norm(), atol=1e-6, rtol=1e-5)
+    if kind == "xlm-roberta":  # a pad token inside a prompt keeps the padding position, as transformers numbers it
+        ids = [0, 5, 1, 6, 2]
+        model = transformers.XLMRobertaModel.from_pretrained(model_dir).eval()
+        with torch.no_grad():
+            states = model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+        ours = llm.embed({"prompt_token_ids": ids}, normalize=False, use_tqdm=False)[0].outputs.embedding
+        torch.testing.assert_close(torch.tensor(ours), states[0] if (flag or pooling) == "CLS" else states.mean(0),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_the_engine_runs_each_prompt_whole_and_refuses_generation(tmp_path: Path) -> None:
@@ -63,3 +71,31 @@ def test_the_engine_runs_each_prompt_whole_and_refuses_generation(tmp_path: Path
         LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=16)
     with pytest.raises(ValueError, match="pooling_type 'SUM'"):
         LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22, pooler_config='{"pooling_type": "sum"}')
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+def test_cross_encoders_score_pairs_and_classify_as_transformers(kind: str, tmp_path: Path) -> None:
+    """A reranker (one class): ``LLM.score`` is the sigmoid of transformers' logit over each pair as the tokenizer
+    joins it (BERT's second text typed 1); a classifier of three classes: ``LLM.classify`` is transformers'
+    softmax."""
+    query, docs = "where is the cat", ["the cat sat on the mat", "a big red house", "dog"]
+    reranker = build_encoder(tmp_path / "reranker", kind, labels=1)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(reranker)
+    reference = transformers.AutoModelForSequenceClassification.from_pretrained(reranker).eval()
+    with torch.no_grad():
+        logits = torch.cat([reference(**tokenizer(query, doc, return_tensors="pt")).logits[0] for doc in docs])
+    llm = LLM(str(reranker), dtype="float32", kv_cache_memory=1 << 22)
+    scores = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+    torch.testing.assert_close(torch.tensor(scores), logits.sigmoid(), atol=1e-5, rtol=1e-5)
+    if kind == "bert":  # the second text's type matters: typed 0 throughout, the logits differ
+        types = tokenizer(query, docs[0], return_tensors="pt")
+        with torch.no_grad():
+            untyped = reference(input_ids=types["input_ids"], token_type_ids=torch.zeros_like(types["input_ids"]))
+        assert abs(untyped.logits[0, 0].item() - logits[0].item()) > 1e-3
+    classifier = build_encoder(tmp_path / "classifier", kind, labels=3)
+    reference = transformers.AutoModelForSequenceClassification.from_pretrained(classifier).eval()
+    with torch.no_grad():
+        probs = [reference(**tokenizer(text, return_tensors="pt")).logits[0].softmax(-1) for text in docs]
+    llm = LLM(str(classifier), dtype="float32", kv_cache_memory=1 << 22)
+    got = [torch.tensor(o.outputs.probs) for o in llm.classify(docs, use_tqdm=False)]
+    torch.testing.assert_close(torch.stack(got), torch.stack(probs), atol=1e-5, rtol=1e-5)
