@@ -12,7 +12,7 @@ import transformers
 WORDS = ["the", "cat", "dog", "sat", "on", "mat", "a", "big", "red", "house", "is", "here"]
 
 
-def build_encoder(out: Path, kind: str, pooling: str | None = None, labels: int = 0) -> Path:
+def build_encoder(out: Path, kind: str, pooling: str | None = None, labels: int = 0, head_size: int = 16) -> Path:
     """A tiny BERT (``kind`` "bert") or XLM-RoBERTa ("xlm-roberta": its specials ordered as XLM-R's, so the padding
     id is 1) with a WordPiece tokenizer, and a sentence-transformers Pooling module where ``pooling`` says; with
     ``labels``, its ``*ForSequenceClassification`` of that many classes (a cross-encoder)."""
@@ -20,7 +20,7 @@ def build_encoder(out: Path, kind: str, pooling: str | None = None, labels: int 
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] if kind == "bert" else \
         ["[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]"]
     tokenizer = _word_pieces(specials, typed=kind == "bert")
-    shape = dict(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    shape = dict(vocab_size=len(tokenizer), hidden_size=4 * head_size, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=128)
     torch.manual_seed(0)
     if labels:
@@ -45,7 +45,7 @@ def build_encoder(out: Path, kind: str, pooling: str | None = None, labels: int 
             {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
         (out / "1_Pooling").mkdir()
         (out / "1_Pooling" / "config.json").write_text(json.dumps({
-            "word_embedding_dimension": 64, "pooling_mode_cls_token": pooling == "CLS",
+            "word_embedding_dimension": 4 * head_size, "pooling_mode_cls_token": pooling == "CLS",
             "pooling_mode_mean_tokens": pooling == "MEAN", "pooling_mode_max_tokens": False,
             "pooling_mode_lasttoken": pooling == "LAST"}))
     return out

@@ -6,20 +6,24 @@ Contract: ``EncoderEmbeddingModel`` takes the runner's flat step like a decoder 
 each request's tokens ``query_start_loc[r]:query_start_loc[r + 1]`` of the step's attention inputs), but every
 request's whole prompt is in its one step (the engine core turns chunked prefill and prefix caching off for these
 models: a token's state depends on every token of its prompt) and its tokens attend to one another both ways, so it
-keeps no KV cache (``attention_layers()`` is empty): the requests' rows are padded into one batch and each layer runs
-one SDPA call with a key mask. Embeddings are word + absolute position (RoBERTa's from its padding id + 1, its pad
-tokens at the padding id, as transformers numbers them) + token type 0, then LayerNorm; each layer is post-LayerNorm
-attention with biases and a GELU MLP. ``pool(rows)`` takes a request's final states and gives its embedding;
-``pools_whole_prompt`` tells the runner to hand it all of them. ``compute_logits`` (the engine samples one throwaway
-token for a pooling request) reads the word embeddings. Checkpoints name the tensors as ``BertModel`` does, or with a
-``bert.`` / ``roberta.`` / ``model.`` prefix; the pooler and masked-LM heads are not loaded.
+keeps no KV cache (``attention_layers()`` is empty): on the ``cpu_paged`` backend each layer's attention is one call
+of the C++ kernel over the step's own K/V, in place, every token seeing its prompt's end; on ``torch_ref`` (its twin)
+one SDPA call a prompt, over its own rows. Embeddings are word + absolute position (RoBERTa's from its padding id +
+1, its pad tokens at the padding id, as transformers numbers them) + token type (0; with two types, 1 after a row's
+first separator, as a pair's tokenizer types it), then LayerNorm; each layer is post-LayerNorm attention with biases
+and a GELU MLP, its matrices through the packed bfloat16 GEMM in bfloat16. ``pool(rows)`` takes a request's final
+states and gives its embedding; ``pools_whole_prompt`` tells the runner to hand it all of them. ``compute_logits``
+(the engine samples one throwaway token for a pooling request) reads the word embeddings. Checkpoints name the
+tensors as ``BertModel`` does, or with a ``bert.`` / ``roberta.`` / ``model.`` prefix; the masked-LM heads are not
+loaded, nor the pooler but by a BERT cross-encoder (``EncoderClassifier``).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from typing import Any, Iterable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,10 +31,18 @@ from torch import nn
 from pagellm.attention.base import current_forward_context
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import ArchConfig
+from pagellm.ops import gemm
 
 _GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
 _SKIPPED = re.compile(r"^(pooler\.|cls\.|lm_head\.|embeddings\.position_ids$)")
 _PREFIX = re.compile(r"^(bert\.|roberta\.|model\.)")
+
+
+class _Linear(nn.Linear):
+    """``nn.Linear`` through the packed bfloat16 GEMM once ``pack`` packed its weight (``ops/gemm.py``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemm.linear(x, self.weight, self.bias)
 
 
 class _Embeddings(nn.Module):
@@ -70,31 +82,60 @@ class _Layer(nn.Module):
         self.attention = nn.Module()
         self.attention.self = nn.Module()
         for name in ("query", "key", "value"):
-            setattr(self.attention.self, name, nn.Linear(width, width, dtype=dtype))
+            setattr(self.attention.self, name, _Linear(width, width, dtype=dtype))
         self.attention.output = nn.Module()
-        self.attention.output.dense = nn.Linear(width, width, dtype=dtype)
+        self.attention.output.dense = _Linear(width, width, dtype=dtype)
         self.attention.output.LayerNorm = nn.LayerNorm(width, eps=eps, dtype=dtype)
         self.intermediate = nn.Module()
-        self.intermediate.dense = nn.Linear(width, cfg.intermediate_size, dtype=dtype)
+        self.intermediate.dense = _Linear(width, cfg.intermediate_size, dtype=dtype)
         self.output = nn.Module()
-        self.output.dense = nn.Linear(cfg.intermediate_size, width, dtype=dtype)
+        self.output.dense = _Linear(cfg.intermediate_size, width, dtype=dtype)
         self.output.LayerNorm = nn.LayerNorm(width, eps=eps, dtype=dtype)
         act = (cfg.encoder or {}).get("hidden_act") or "gelu"
         if act not in _GELU:
             raise ValueError(f"encoder activation {act!r} is not supported; supported: {', '.join(_GELU)}")
         self.approximate = _GELU[act]
 
-    def forward(self, x: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """``batch``: (the padded [rows, longest] flat token indices, the [rows, 1, 1, longest] key mask)."""
-        index, mask = batch
-        rows, longest = index.shape
-        qkv = [proj(x)[index].view(rows, longest, self.heads, -1).transpose(1, 2)
-               for proj in (self.attention.self.query, self.attention.self.key, self.attention.self.value)]
-        out = F.scaled_dot_product_attention(*qkv, attn_mask=mask).transpose(1, 2).reshape(rows * longest, -1)
-        attended = out[mask.view(-1)]  # the real tokens, in the flat order (rows are contiguous runs of it)
-        x = self.attention.output.LayerNorm(x + self.attention.output.dense(attended))
+    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        q, k, v = (proj(x).view(len(x), self.heads, -1)
+                   for proj in (self.attention.self.query, self.attention.self.key, self.attention.self.value))
+        x = self.attention.output.LayerNorm(x + self.attention.output.dense(step.attend(q, k, v)))
         inner = F.gelu(self.intermediate.dense(x), approximate=self.approximate)
         return self.output.LayerNorm(x + self.output.dense(inner))
+
+
+class _Step:
+    """One step's prompts attending both ways, each to its own tokens: through the C++ paged kernel (``cpu_paged``,
+    the step's K/V read in place as one-token blocks, every token seeing its prompt's end), or one SDPA call a prompt
+    (``torch_ref``: the plain twin, no padding, no mask)."""
+
+    def __init__(self, common: Any, native: bool) -> None:
+        qsl = common.query_start_loc
+        self.bounds = list(zip(qsl[:-1].tolist(), qsl[1:].tolist()))
+        self.metadata = None
+        if native:
+            from pagellm.attention.cpu_paged import CpuPagedMetadata, load_kernel
+
+            lens = np.diff(qsl)
+            table = np.zeros((len(lens), int(lens.max())), dtype=np.int64)
+            for row, (start, end) in enumerate(self.bounds):
+                table[row, :end - start] = np.arange(start, end)
+            self.kernel = load_kernel()
+            self.metadata = CpuPagedMetadata(common.slot_mapping, int(qsl[-1]), torch.from_numpy(qsl),
+                                             torch.from_numpy(lens), torch.from_numpy(table),
+                                             torch.from_numpy(np.repeat(lens, lens)), None)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """[T, heads · head size] of the step's q, k, v [T, heads, head size]."""
+        tokens, heads, size = q.shape
+        if self.metadata is not None:
+            return self.kernel.attention(q, k.view(tokens, 1, heads, size), v.view(tokens, 1, heads, size),
+                                         self.metadata, size ** -0.5)
+        out = torch.empty(tokens, heads * size, dtype=q.dtype)
+        for start, end in self.bounds:
+            one = F.scaled_dot_product_attention(*(t[None, start:end].transpose(1, 2) for t in (q, k, v)))
+            out[start:end] = one[0].transpose(0, 1).reshape(end - start, -1)
+        return out
 
 
 class _Encoder(nn.Module):
@@ -125,14 +166,14 @@ class EncoderEmbeddingModel(nn.Module):
                 embeds: object = None) -> torch.Tensor:
         if embeds is not None:
             raise ValueError(f"{self.cfg.architecture} takes token ids, not embeddings")
-        common = current_forward_context().metadata.common
-        qsl = torch.from_numpy(common.query_start_loc)
-        if not torch.equal(torch.from_numpy(common.seq_lens), qsl.diff()):
+        context = current_forward_context()
+        common = context.metadata.common
+        if not np.array_equal(common.seq_lens, np.diff(common.query_start_loc)):
             raise ValueError("an encoder-only model computes each prompt in one step (chunked prefill off)")
-        batch = _padded(qsl)
-        x = self.model.embeddings(input_ids, positions, qsl[:-1])
+        step = _Step(common, context.backend.name == "cpu_paged")
+        x = self.model.embeddings(input_ids, positions, torch.from_numpy(common.query_start_loc[:-1]))
         for layer in self.model.encoder.layer:
-            x = layer(x, batch)
+            x = layer(x, step)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -163,6 +204,13 @@ class EncoderEmbeddingModel(nn.Module):
             missing.discard(own)
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {', '.join(sorted(missing)[:8])}")
+        self._pack()
+
+    def _pack(self) -> None:
+        """bfloat16 weights packed for the native GEMM, where it runs (float32 ones stay ``F.linear``'s)."""
+        for module in self.modules():
+            if isinstance(module, _Linear):
+                gemm.pack_parameter(module.weight)
 
     def _own(self, name: str) -> str | None:
         """Our parameter's name for a checkpoint tensor (its ``bert.``-like prefix gone), None for one not loaded."""
@@ -172,6 +220,7 @@ class EncoderEmbeddingModel(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         for param in self.parameters():
             param.data.copy_(torch.rand(param.shape, generator=gen).mul_(2e-3).sub_(1e-3))
+        self._pack()
 
 
 class EncoderClassifier(EncoderEmbeddingModel):
@@ -185,12 +234,12 @@ class EncoderClassifier(EncoderEmbeddingModel):
         self.roberta = (cfg.encoder or {}).get("model_type") in ("roberta", "xlm-roberta")
         if self.roberta:
             self.head = nn.Module()
-            self.head.dense = nn.Linear(width, width, dtype=dtype)
-            self.head.out_proj = nn.Linear(width, labels, dtype=dtype)
+            self.head.dense = _Linear(width, width, dtype=dtype)
+            self.head.out_proj = _Linear(width, labels, dtype=dtype)
         else:
             self.model.pooler = nn.Module()
-            self.model.pooler.dense = nn.Linear(width, width, dtype=dtype)
-            self.head = nn.Linear(width, labels, dtype=dtype)
+            self.model.pooler.dense = _Linear(width, width, dtype=dtype)
+            self.head = _Linear(width, labels, dtype=dtype)
 
     def pool(self, rows: torch.Tensor) -> torch.Tensor:
         if self.roberta:
@@ -210,14 +259,3 @@ def _row_cumsum(values: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor) 
     total = values.cumsum(0)
     before = torch.cat([total.new_zeros(1), total])[starts]
     return total - before.repeat_interleave(lens)
-
-
-def _padded(qsl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's requests as a padded batch: [rows, longest] flat token indices (padding repeats a row's last
-    token) and the [rows, 1, 1, longest] mask of real keys."""
-    lens = qsl.diff()
-    longest = int(lens.max())
-    offsets = torch.arange(longest)
-    mask = offsets[None, :] < lens[:, None]
-    index = qsl[:-1, None] + torch.minimum(offsets[None, :], lens[:, None] - 1)
-    return index, mask[:, None, None, :]

@@ -30,15 +30,16 @@ def _expected(model_dir: Path, kind: str, pooling: str) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("backend", ["cpu_paged", "torch_ref"])
 @pytest.mark.parametrize("kind,pooling,flag", [("bert", "CLS", None), ("bert", "MEAN", None),
                                                ("xlm-roberta", "CLS", None), ("xlm-roberta", None, "MEAN"),
                                                ("bert", "MEAN", "LAST")])
 def test_embeddings_are_transformers_token_states_pooled(kind: str, pooling: str | None, flag: str | None,
-                                                          tmp_path: Path) -> None:
+                                                          backend: str, tmp_path: Path) -> None:
     """The sentence-transformers Pooling config picks the pooling; ``pooler_config`` overrides it; without either,
-    CLS."""
+    CLS. Attention through the C++ kernel or its plain twin."""
     model_dir = build_encoder(tmp_path / kind, kind, pooling)
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22,
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22, attention_backend=backend,
               **({"pooler_config": {"pooling_type": flag}} if flag else {}))
     got = [torch.tensor(o.outputs.embedding) for o in llm.embed(TEXTS, normalize=False, use_tqdm=False)]
     for ours, theirs in zip(got, _expected(model_dir, kind, flag or pooling or "CLS")):
@@ -99,3 +100,15 @@ def test_cross_encoders_score_pairs_and_classify_as_transformers(kind: str, tmp_
     llm = LLM(str(classifier), dtype="float32", kv_cache_memory=1 << 22)
     got = [torch.tensor(o.outputs.probs) for o in llm.classify(docs, use_tqdm=False)]
     torch.testing.assert_close(torch.stack(got), torch.stack(probs), atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_embeddings_on_both_attention_paths_agree(tmp_path: Path) -> None:
+    """In bfloat16 (the packed GEMM, the kernel's flash tiles at head size 64) the embeddings stay within bfloat16's
+    rounding of the float32 ones, on the C++ kernel and on its SDPA twin."""
+    model_dir = build_encoder(tmp_path / "bert", "bert", "MEAN", head_size=64)
+    exact = torch.tensor([o.outputs.embedding for o in LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22)
+                          .embed(TEXTS, use_tqdm=False)])
+    for backend in ("cpu_paged", "torch_ref"):
+        llm = LLM(str(model_dir), dtype="bfloat16", kv_cache_memory=1 << 22, attention_backend=backend)
+        got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
+        assert (got * exact).sum(-1).min() > 0.999  # cosine of unit vectors
