@@ -59,10 +59,10 @@ def encoder_settings(model_dir: Path, tokenizer_dir: Path, encoder: dict[str, An
     return settings
 
 
-def pooling_type(model_dir: Path, pooler_config: dict[str, Any] | None) -> str:
-    """How an encoder's token states become one embedding: ``--pooler-config``'s ``pooling_type``, else the
-    sentence-transformers Pooling module's (its ``pooling_mode_*`` switches), else CLS (vLLM's default for these
-    models)."""
+def pooling_type(model_dir: Path, pooler_config: dict[str, Any] | None, default: str = "CLS") -> str:
+    """How a model's token states become one embedding: ``--pooler-config``'s ``pooling_type``, else the
+    sentence-transformers Pooling module's (its ``pooling_mode_*`` switches), else ``default`` (CLS: vLLM's for
+    encoders)."""
     if pooler_config and pooler_config.get("pooling_type"):
         kind = str(pooler_config["pooling_type"]).upper()
         if kind not in POOLING_TYPES:
@@ -73,7 +73,7 @@ def pooling_type(model_dir: Path, pooler_config: dict[str, Any] | None) -> str:
         for module in json.loads(modules.read_text()):
             if str(module.get("type", "")).endswith(".Pooling"):
                 return _sentence_transformers_pooling(model_dir / module.get("path", ""), model_dir)
-    return "CLS"
+    return default
 
 
 def _sentence_transformers_pooling(folder: Path, model_dir: Path) -> str:

@@ -24,7 +24,7 @@ from pagellm.kv.hash_algos import make_hasher
 from pagellm.metrics.profiler import Profiler
 from pagellm.model import fp8_checkpoint, gguf_convert, mxfp4, weight_only
 from pagellm.model.arch import ArchConfig
-from pagellm.model.encoder_config import encoder_settings
+from pagellm.model.encoder_config import encoder_settings, pooling_type
 from pagellm.model.layers.rotary import use_long_factors
 from pagellm.model.loader import iter_weights, load_hf_config, resolve_dtype, resolve_model_dir
 from pagellm.model.registry import build_model
@@ -310,6 +310,9 @@ def resolve_arch(model_dir: Path, model_config: ModelConfig,
     if arch.encoder is not None:  # an encoder-only model: how it pools, where a pair's second text begins
         arch = dataclasses.replace(arch, encoder={**arch.encoder, **encoder_settings(
             model_dir, model_config.tokenizer_dir(model_dir), arch.encoder, model_config.pooler_config)})
+    elif model_config.pooler_config and pooling_type(model_dir, model_config.pooler_config, "LAST") != "LAST":
+        raise ValueError("a decoder pools its prompt's last token (its prompt may span steps); pooler_config's other "
+                         "pooling types are for encoder-only models (BERT, RoBERTa, XLM-RoBERTa)")
     max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
     if model_config.disable_sliding_window and arch.sliding_window:
         arch, max_model_len = without_window(arch, model_config.max_model_len, max_model_len)

@@ -112,3 +112,11 @@ def test_bfloat16_embeddings_on_both_attention_paths_agree(tmp_path: Path) -> No
         llm = LLM(str(model_dir), dtype="bfloat16", kv_cache_memory=1 << 22, attention_backend=backend)
         got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
         assert (got * exact).sum(-1).min() > 0.999  # cosine of unit vectors
+
+
+def test_a_decoder_takes_last_token_pooling_only(tiny_llama: Path) -> None:
+    """``pooler_config`` asks a decoder embedding model for LAST (what it does) or is refused by name."""
+    last = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=1 << 22, pooler_config={"pooling_type": "LAST"})
+    assert len(last.embed(["hello"], use_tqdm=False)[0].outputs.embedding) == 64
+    with pytest.raises(ValueError, match="a decoder pools its prompt's last token"):
+        LLM(str(tiny_llama), dtype="float32", kv_cache_memory=1 << 22, pooler_config={"pooling_type": "MEAN"})
