@@ -21,7 +21,7 @@ loaded, nor the pooler but by a BERT cross-encoder (``EncoderClassifier``).
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -29,20 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.base import current_forward_context
+from pagellm.attention.runs import Runs
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import ArchConfig
-from pagellm.ops import gemm
+from pagellm.model.layers.linear import ReplicatedLinear, pack_weights
 
 _GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
 _SKIPPED = re.compile(r"^(pooler\.|cls\.|lm_head\.|embeddings\.position_ids$)")
 _PREFIX = re.compile(r"^(bert\.|roberta\.|model\.)")
-
-
-class _Linear(nn.Linear):
-    """``nn.Linear`` through the packed bfloat16 GEMM once ``pack`` packed its weight (``ops/gemm.py``)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemm.linear(x, self.weight, self.bias)
 
 
 class _Embeddings(nn.Module):
@@ -82,60 +76,26 @@ class _Layer(nn.Module):
         self.attention = nn.Module()
         self.attention.self = nn.Module()
         for name in ("query", "key", "value"):
-            setattr(self.attention.self, name, _Linear(width, width, dtype=dtype))
+            setattr(self.attention.self, name, ReplicatedLinear(width, width, dtype, bias=True))
         self.attention.output = nn.Module()
-        self.attention.output.dense = _Linear(width, width, dtype=dtype)
+        self.attention.output.dense = ReplicatedLinear(width, width, dtype, bias=True)
         self.attention.output.LayerNorm = nn.LayerNorm(width, eps=eps, dtype=dtype)
         self.intermediate = nn.Module()
-        self.intermediate.dense = _Linear(width, cfg.intermediate_size, dtype=dtype)
+        self.intermediate.dense = ReplicatedLinear(width, cfg.intermediate_size, dtype, bias=True)
         self.output = nn.Module()
-        self.output.dense = _Linear(cfg.intermediate_size, width, dtype=dtype)
+        self.output.dense = ReplicatedLinear(cfg.intermediate_size, width, dtype, bias=True)
         self.output.LayerNorm = nn.LayerNorm(width, eps=eps, dtype=dtype)
         act = (cfg.encoder or {}).get("hidden_act") or "gelu"
         if act not in _GELU:
             raise ValueError(f"encoder activation {act!r} is not supported; supported: {', '.join(_GELU)}")
         self.approximate = _GELU[act]
 
-    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Runs) -> torch.Tensor:
         q, k, v = (proj(x).view(len(x), self.heads, -1)
                    for proj in (self.attention.self.query, self.attention.self.key, self.attention.self.value))
         x = self.attention.output.LayerNorm(x + self.attention.output.dense(step.attend(q, k, v)))
         inner = F.gelu(self.intermediate.dense(x), approximate=self.approximate)
         return self.output.LayerNorm(x + self.output.dense(inner))
-
-
-class _Step:
-    """One step's prompts attending both ways, each to its own tokens: through the C++ paged kernel (``cpu_paged``,
-    the step's K/V read in place as one-token blocks, every token seeing its prompt's end), or one SDPA call a prompt
-    (``torch_ref``: the plain twin, no padding, no mask)."""
-
-    def __init__(self, common: Any, native: bool) -> None:
-        qsl = common.query_start_loc
-        self.bounds = list(zip(qsl[:-1].tolist(), qsl[1:].tolist()))
-        self.metadata = None
-        if native:
-            from pagellm.attention.cpu_paged import CpuPagedMetadata, load_kernel
-
-            lens = np.diff(qsl)
-            table = np.zeros((len(lens), int(lens.max())), dtype=np.int64)
-            for row, (start, end) in enumerate(self.bounds):
-                table[row, :end - start] = np.arange(start, end)
-            self.kernel = load_kernel()
-            self.metadata = CpuPagedMetadata(common.slot_mapping, int(qsl[-1]), torch.from_numpy(qsl),
-                                             torch.from_numpy(lens), torch.from_numpy(table),
-                                             torch.from_numpy(np.repeat(lens, lens)), None)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """[T, heads · head size] of the step's q, k, v [T, heads, head size]."""
-        tokens, heads, size = q.shape
-        if self.metadata is not None:
-            return self.kernel.attention(q, k.view(tokens, 1, heads, size), v.view(tokens, 1, heads, size),
-                                         self.metadata, size ** -0.5)
-        out = torch.empty(tokens, heads * size, dtype=q.dtype)
-        for start, end in self.bounds:
-            one = F.scaled_dot_product_attention(*(t[None, start:end].transpose(1, 2) for t in (q, k, v)))
-            out[start:end] = one[0].transpose(0, 1).reshape(end - start, -1)
-        return out
 
 
 class _Encoder(nn.Module):
@@ -170,7 +130,7 @@ class EncoderEmbeddingModel(nn.Module):
         common = context.metadata.common
         if not np.array_equal(common.seq_lens, np.diff(common.query_start_loc)):
             raise ValueError("an encoder-only model computes each prompt in one step (chunked prefill off)")
-        step = _Step(common, context.backend.name == "cpu_paged")
+        step = Runs(common.query_start_loc, context.backend.name == "cpu_paged")
         x = self.model.embeddings(input_ids, positions, torch.from_numpy(common.query_start_loc[:-1]))
         for layer in self.model.encoder.layer:
             x = layer(x, step)
@@ -204,13 +164,7 @@ class EncoderEmbeddingModel(nn.Module):
             missing.discard(own)
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {', '.join(sorted(missing)[:8])}")
-        self._pack()
-
-    def _pack(self) -> None:
-        """bfloat16 weights packed for the native GEMM, where it runs (float32 ones stay ``F.linear``'s)."""
-        for module in self.modules():
-            if isinstance(module, _Linear):
-                gemm.pack_parameter(module.weight)
+        pack_weights(self)  # bfloat16 matrices for the native GEMM (float32 ones stay plain)
 
     def _own(self, name: str) -> str | None:
         """Our parameter's name for a checkpoint tensor (its ``bert.``-like prefix gone), None for one not loaded."""
@@ -220,7 +174,7 @@ class EncoderEmbeddingModel(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         for param in self.parameters():
             param.data.copy_(torch.rand(param.shape, generator=gen).mul_(2e-3).sub_(1e-3))
-        self._pack()
+        pack_weights(self)  # bfloat16 matrices for the native GEMM (float32 ones stay plain)
 
 
 class EncoderClassifier(EncoderEmbeddingModel):
@@ -234,12 +188,12 @@ class EncoderClassifier(EncoderEmbeddingModel):
         self.roberta = (cfg.encoder or {}).get("model_type") in ("roberta", "xlm-roberta")
         if self.roberta:
             self.head = nn.Module()
-            self.head.dense = _Linear(width, width, dtype=dtype)
-            self.head.out_proj = _Linear(width, labels, dtype=dtype)
+            self.head.dense = ReplicatedLinear(width, width, dtype, bias=True)
+            self.head.out_proj = ReplicatedLinear(width, labels, dtype, bias=True)
         else:
             self.model.pooler = nn.Module()
-            self.model.pooler.dense = _Linear(width, width, dtype=dtype)
-            self.head = _Linear(width, labels, dtype=dtype)
+            self.model.pooler.dense = ReplicatedLinear(width, width, dtype, bias=True)
+            self.head = ReplicatedLinear(width, labels, dtype, bias=True)
 
     def pool(self, rows: torch.Tensor) -> torch.Tensor:
         if self.roberta:

@@ -21,6 +21,7 @@ from torch import nn
 
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import ArchConfig
+from pagellm.model.layers.linear import ReplicatedLinear
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.vit import EncoderLayer
 
@@ -65,8 +66,7 @@ class Idefics3Vision(nn.Module):
         self.post_layernorm = nn.LayerNorm(width, eps=float(cfg.get("layer_norm_eps", 1e-6)), dtype=dtype)
         self.connector = nn.Module()
         self.connector.modality_projection = nn.Module()
-        self.connector.modality_projection.proj = nn.Linear(width * scale_factor ** 2, text_width, bias=False,
-                                                            dtype=dtype)
+        self.connector.modality_projection.proj = ReplicatedLinear(width * scale_factor ** 2, text_width, dtype)
 
     @torch.inference_mode()
     def forward(self, pixels: torch.Tensor, pixel_mask: torch.Tensor | None) -> torch.Tensor:

@@ -31,6 +31,7 @@ from torch import nn
 
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import NORMS_PRE, ArchConfig, with_defaults
+from pagellm.model.layers.linear import ReplicatedLinear
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.vit import EncoderLayer, act, activation
 
@@ -125,8 +126,8 @@ class LlavaVision(nn.Module):
         width, bias = int(self.tower.vision_model.embeddings.patch_embedding.out_channels), \
             bool(vision.get("multimodal_projector_bias", True))
         self.projector = nn.Module()
-        self.projector.linear_1 = nn.Linear(width * len(layers), text_width, bias=bias, dtype=dtype)
-        self.projector.linear_2 = nn.Linear(text_width, text_width, bias=bias, dtype=dtype)
+        self.projector.linear_1 = ReplicatedLinear(width * len(layers), text_width, dtype, bias=bias)
+        self.projector.linear_2 = ReplicatedLinear(text_width, text_width, dtype, bias=bias)
         self.kind = activation(vision.get("projector_hidden_act", "gelu"))
 
     @torch.inference_mode()

@@ -2,7 +2,9 @@
 
 Contract: ``EncoderLayer`` is one pre-LayerNorm encoder layer under transformers' names (``layer_norm1``,
 ``self_attn.{q,k,v,out}_proj`` with biases, ``layer_norm2``, ``mlp.fc1`` / ``mlp.fc2``): bidirectional attention over a
-tile's patches (keys maskable), then an MLP with the config's activation (``hidden_act``: GELU exact or tanh, or CLIP's
+tile's patches (keys maskable; whole tiles through ``attention/runs.Runs``: the C++ kernel on the ``cpu_paged``
+backend, SDPA its twin), then an MLP (its matrices, as the attention's, through the packed GEMM in bfloat16:
+``ReplicatedLinear``) with the config's activation (``hidden_act``: GELU exact or tanh, or CLIP's
 quick GELU). ``vision_config(cfg)`` is a vision config with transformers' defaults for what its ``config.json`` left
 out (a released CLIP tower's says nothing of its activation or norm epsilon).
 """
@@ -14,6 +16,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagellm.attention.runs import Runs
+from pagellm.model.layers.linear import ReplicatedLinear
 
 _ACTIVATIONS = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh",
                 "quick_gelu": "quick"}
@@ -34,15 +39,20 @@ class Attention(nn.Module):
     def __init__(self, width: int, heads: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.heads = heads
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(width, width, dtype=dtype)
+        self.native_attention = False  # whole tiles through the C++ kernel (``attention/runs.native_attention``)
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (ReplicatedLinear(width, width, dtype, bias=True)
                                                                 for _ in range(4))
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         """``key_mask`` [n, length]: the keys each query sees (None: all of them, the faster kernel)."""
         n, length, width = x.shape
+        if key_mask is None:  # whole tiles: each one a run of tokens that see all of it
+            q, k, v = (proj(x).view(n * length, self.heads, -1) for proj in (self.q_proj, self.k_proj, self.v_proj))
+            out = Runs.equal(n, length, self.native_attention).attend(q, k, v)
+            return self.out_proj(out.view(n, length, width))
         q, k, v = (proj(x).view(n, length, self.heads, -1).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        mask = None if key_mask is None else key_mask[:, None, None, :]
+        mask = key_mask[:, None, None, :]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out_proj(out.transpose(1, 2).reshape(n, length, width))
 
@@ -50,7 +60,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, width: int, inner: int, hidden_act: str, dtype: torch.dtype) -> None:
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(width, inner, dtype=dtype), nn.Linear(inner, width, dtype=dtype)
+        self.fc1, self.fc2 = ReplicatedLinear(width, inner, dtype, bias=True), ReplicatedLinear(inner, width, dtype,
+                                                                                               bias=True)
         self.kind = activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from pagellm.attention.base import AttentionBackend, CommonAttentionInputs, forward_context, new_kv_cache
+from pagellm.attention.runs import native_attention
 from pagellm.disagg.connector import KVStore
 from pagellm.lora import WorkerAdapters, target_projections
 from pagellm.metrics.profiler import span
@@ -55,6 +56,7 @@ class ModelRunner:
                  lora_target_modules: Sequence[str] | None = None) -> None:
         self.model = model
         self.backend = backend
+        native_attention(model, backend.name)  # a vision tower's tiles through the backend's kernel, or its twin
         self.block_size = block_size
         self.proposer = proposer
         self.sampler = Sampler(torch.Generator().manual_seed(seed))

@@ -17,6 +17,7 @@ from pagellm import envs, native_build
 from pagellm.plugins import import_object
 from pagellm.attention import cpu_paged
 from pagellm.attention.base import get_backend, resolve_kv_dtype
+from pagellm.attention.runs import native_attention
 from pagellm.config import CacheConfig, KVTransferConfig, ModelConfig, ProfilerConfig, SpeculativeConfig
 from pagellm.disagg.connector import KVStore, layout_dir
 from pagellm.distributed.groups import SINGLE, ParallelState
@@ -184,6 +185,7 @@ class Worker:
         new.eval()
         for attn, cache in zip(new.attention_layers(), self.runner.kv_caches):
             attn.kv_cache = cache
+        native_attention(new, self.runner.backend.name)
         self.runner.model, self.weights_from = new, model
         logger.info("weights updated from %s", model_dir)
 
