@@ -106,6 +106,12 @@ class ModelConfig:
         "How an encoder-only embedding model (BERT, XLM-RoBERTa) pools its token states, as JSON (vLLM's flag): "
         "'{\"pooling_type\": \"MEAN\"}' (CLS, MEAN or LAST). Default: its sentence-transformers Pooling config's, "
         "else CLS.", default=None)
+    runner: str = _help(
+        "What the model serves (vLLM's flag): auto (generation, or pooling for an embedding or classifier "
+        "checkpoint), generate, or pooling (embeddings and scores only: generation is refused).", default="auto")
+    convert: str = _help(
+        "Serve a generative checkpoint as another kind (vLLM's flag): auto or none (as it is), or embed (as an "
+        "embedding model: last-token pooling, generation refused).", default="auto")
     language_model_only: bool = _help(
         "Serve a vision-language model's decoder alone (vLLM's flag): its vision encoder is neither built nor "
         "loaded (less memory, a faster start), and prompts with images are refused. Default: off.", default=False)
@@ -163,6 +169,11 @@ class ModelConfig:
                                                                             "override_generation_config"))
         object.__setattr__(self, "hf_overrides", json_object(self.hf_overrides, "hf_overrides"))
         object.__setattr__(self, "pooler_config", json_object(self.pooler_config, "pooler_config"))
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner={self.runner!r}; use auto, generate or pooling")
+        if self.convert not in ("auto", "none", "embed"):
+            raise ValueError(f"convert={self.convert!r}; use auto, none or embed (a classifier needs its "
+                             "*ForSequenceClassification checkpoint)")
         object.__setattr__(self, "logits_processors", _processor_names(self.logits_processors))
         if isinstance(self.worker_extension_cls, type):  # a class given in code: its import name
             cls = self.worker_extension_cls

@@ -41,8 +41,8 @@ EMBEDS_OFF = ("this engine takes no prompt embeddings; start it with enable_prom
 
 CLASSIFY_ONLY = ("this model is a sequence classifier (a score head, no language-model head): it serves classify "
                  "requests only (LLM.classify, POST /classify), not generation or embeddings")
-POOLING_ONLY = ("this model is a base-model checkpoint with no language-model head: it serves embeddings only "
-                "(LLM.embed, POST /v1/embeddings), not generation")
+POOLING_ONLY = ("this model runs with no language-model head: it serves embeddings only (an embedding checkpoint, "
+                "or --runner pooling / --convert embed: LLM.embed, POST /v1/embeddings), not generation")
 
 
 def load_tokenizer(model_config: Any, model_dir: Path) -> Tokenizer:

@@ -103,7 +103,8 @@ class Worker:
                         "on" if decoder_stack.available() and envs.native_decoder() else "off",
                         "on AMX" if flash_amx else "without AMX")
         self.runtime = RuntimeInfo(max_model_len, num_blocks, cache_config.block_size, arch.vocab_size,
-                                   arch.hidden_size, arch.pooling_only, store_dir, spec_config.method or "",
+                                   arch.hidden_size, _pooling_only(arch, model_config), store_dir,
+                                   spec_config.method or "",
                                    kv_window(arch, store_dir), arch.labels,
                                    spec_config.num_speculative_tokens if spec_config.method else 0, arch.image_token_id,
                                    arch.bidirectional_images, arch.encoder is not None)
@@ -295,6 +296,15 @@ def _start_kernel_builds(dtype: torch.dtype, kv_dtype: torch.dtype, attention_ba
         for fmt in dict.fromkeys(f for f in formats if f in gemm.QUANTIZED):
             builds.insert(1, gemm.QUANTIZED[fmt].build_job())  # its own flags (no fused multiply-adds)
     native_build.start_in_background(builds)
+
+
+def _pooling_only(arch: ArchConfig, model_config: ModelConfig) -> bool:
+    """Whether the engine serves pooling requests only: the checkpoint's kind (an embedding model, a classifier), or
+    ``runner="pooling"`` / ``convert="embed"`` asking so of a generative one."""
+    if arch.pooling_only and model_config.runner == "generate":
+        raise ValueError(f"{arch.architecture} has no language-model head: it serves pooling requests only; drop "
+                         "runner=generate")
+    return arch.pooling_only or model_config.runner == "pooling" or model_config.convert == "embed"
 
 
 def resolve_arch(model_dir: Path, model_config: ModelConfig,

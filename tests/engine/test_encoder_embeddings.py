@@ -120,3 +120,22 @@ def test_a_decoder_takes_last_token_pooling_only(tiny_llama: Path) -> None:
     assert len(last.embed(["hello"], use_tqdm=False)[0].outputs.embedding) == 64
     with pytest.raises(ValueError, match="a decoder pools its prompt's last token"):
         LLM(str(tiny_llama), dtype="float32", kv_cache_memory=1 << 22, pooler_config={"pooling_type": "MEAN"})
+
+
+def test_runner_pooling_serves_a_generative_checkpoint_as_an_embedding_model(tiny_llama: Path, tmp_path: Path) -> None:
+    """vLLM's ``--runner pooling`` and ``--convert embed``: a causal LM's embeddings (its last token's final state),
+    generation refused; ``--runner generate`` on an embedding checkpoint is refused by name."""
+    plain = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=1 << 22)
+    expected = plain.embed(["hello there"], use_tqdm=False)[0].outputs.embedding
+    for flags in ({"runner": "pooling"}, {"convert": "embed"}):
+        llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=1 << 22, **flags)
+        assert llm.embed(["hello there"], use_tqdm=False)[0].outputs.embedding == expected
+        with pytest.raises(ValueError, match="it serves embeddings only .*--runner pooling / --convert embed"):
+            llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="runner='other'; use auto, generate or pooling"):
+        LLM(str(tiny_llama), runner="other")
+    with pytest.raises(ValueError, match="convert='classify'; use auto, none or embed"):
+        LLM(str(tiny_llama), convert="classify")
+    with pytest.raises(ValueError, match="BertModel has no language-model head: it serves pooling requests only; "
+                                         "drop runner=generate"):
+        LLM(str(build_encoder(tmp_path / "bert", "bert")), dtype="float32", kv_cache_memory=1 << 22, runner="generate")
