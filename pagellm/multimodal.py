@@ -149,7 +149,7 @@ class ImageProcessor:
 
         if self.batched or self.config["architectures"][0] not in LLAVA:
             raise ValueError("image embeddings are taken by LLaVA models; send this model the images themselves")
-        from pagellm.model.arch import with_defaults
+        from pagellm.model.hf_config import with_defaults
 
         width = int(with_defaults(self.config.get("text_config") or {})["hidden_size"])
         if any(r.shape[-1] != width or not r.shape[0] or not r.is_floating_point() or not bool(r.isfinite().all())

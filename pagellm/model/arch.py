@@ -7,6 +7,7 @@ from typing import Any
 
 from pagellm.model.compressed_tensors import scheme_of
 from pagellm.model.encoder_config import ENCODERS, encoder_arch
+from pagellm.model.hf_config import class_labels, with_defaults
 
 
 # The base-model classes of the served families (their checkpoints have no LM head and no ``model.`` prefix).
@@ -238,7 +239,7 @@ class ArchConfig:
                                                    != "default" else None)
         rope_scaling = _with_original_context(rope_scaling, cfg)
         base_model = archs[0] in BASE_MODELS
-        labels = _labels(cfg) if archs[0] in CLASSIFIERS else ()
+        labels = class_labels(cfg) if archs[0] in CLASSIFIERS else ()
         family = _family_fields(cfg, hidden, head_dim)  # (its fields win)
         return cls(**{**dict(
             architecture=archs[0],
@@ -285,21 +286,6 @@ class ArchConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
-
-def with_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A nested config (a vision-language model's ``text_config`` or ``vision_config``) completed as transformers
-    completes it, its model type's config class made from what it says (so derived defaults follow it: Gemma 3's
-    layer types from its layer count, its first configs' rope keys as ``rope_parameters``): the released LLaVA
-    configs give their decoder's vocabulary and context only, their CLIP tower's activation and norm epsilon not at
-    all, gemma-3-4b-it's decoder its widths, depth, window and rope scaling."""
-    from transformers import AutoConfig
-
-    model_type = cfg.get("model_type")
-    if not model_type:
-        return cfg
-    return {**AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"}).to_dict(),
-            **cfg}
 
 
 def _with_original_context(scaling: dict | None, cfg: dict[str, Any]) -> dict | None:
@@ -416,11 +402,3 @@ def _gemma(cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str, Any]:
 def _cap(cfg: dict[str, Any], name: str) -> float | None:
     value = cfg.get(name)
     return float(value) if value else None
-
-
-def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
-    """A classifier's class names in class order: ``id2label``'s, else ``LABEL_i`` for ``num_labels`` classes (2 by
-    default, as transformers counts them)."""
-    names = cfg.get("id2label") or {}
-    count = len(names) or int(cfg.get("num_labels") or 2)
-    return tuple(str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(count))

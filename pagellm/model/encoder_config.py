@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pagellm.model.hf_config import class_labels, with_defaults
+
 # cross-encoders (rerankers such as bge-reranker, ms-marco MiniLM): a classification head over the first token
 ENCODER_CLASSIFIERS = ("BertForSequenceClassification", "RobertaForSequenceClassification",
                        "XLMRobertaForSequenceClassification")
@@ -25,8 +27,6 @@ def encoder_arch(cfg: dict[str, Any]) -> dict[str, Any]:
     """``ArchConfig``'s fields for an encoder-only model's config.json (completed with transformers' defaults for
     its model type): no rotary embedding, one K/V head per head, the usable context (RoBERTa's positions start at its
     padding id + 1, so two of its position embeddings are never a token's)."""
-    from pagellm.model.arch import _labels, with_defaults
-
     cfg = {**with_defaults({k: v for k, v in cfg.items() if k != "architectures"}),
            "architectures": cfg["architectures"]}
     if cfg.get("position_embedding_type") not in (None, "absolute"):
@@ -38,7 +38,7 @@ def encoder_arch(cfg: dict[str, Any]) -> dict[str, Any]:
         context -= int(cfg.get("pad_token_id") or 0) + 1
     encoder = {key: cfg.get(key) for key in _KEYS}
     classifier = cfg["architectures"][0] in ENCODER_CLASSIFIERS
-    return dict(labels=_labels(cfg) if classifier else (), base_model=not classifier,
+    return dict(labels=class_labels(cfg) if classifier else (), base_model=not classifier,
                 architecture=cfg["architectures"][0], vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
                 num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, rotary_dim=hidden // heads,

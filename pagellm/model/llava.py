@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from pagellm.distributed.groups import SINGLE, ParallelState
-from pagellm.model.arch import NORMS_PRE, ArchConfig, with_defaults
+from pagellm.model.arch import NORMS_PRE, ArchConfig
+from pagellm.model.hf_config import with_defaults
 from pagellm.model.layers.linear import ReplicatedLinear
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.vit import EncoderLayer, act, activation
@@ -172,7 +173,7 @@ class LlavaNextVision(LlavaVision):
 
 def completed(vision: dict[str, Any]) -> dict[str, Any]:
     """A LLaVA config's vision side with its tower's config completed by transformers' defaults
-    (``arch.with_defaults``), as the functions below read it."""
+    (``hf_config.with_defaults``), as the functions below read it."""
     return {**vision, "vision_config": with_defaults(vision.get("vision_config") or {})}
 
 

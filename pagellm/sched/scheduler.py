@@ -79,8 +79,7 @@ class Scheduler(Intake, Admission):
         oracle). ``kv_window``: every layer of the model slides over this many positions, so blocks behind it are
         released as requests move on (``KVCacheManager``; the scheduler then takes its numpy and Python paths, where
         the releases are made). ``kv_events``: record the prefix cache's changes there (``kv/events.py``; the numpy
-        and Python paths again, where they are made). ``disable_chunked_mm_input`` takes those paths too
-        (``sched/whole_images.py``)."""
+        and Python paths again, where they are made), as ``disable_chunked_mm_input`` does (``whole_images.py``)."""
         self.max_num_seqs = config.active_limit  # max_num_active_seqs, where it is lower
         self.budget = config.token_budget(max_model_len)
         self.chunked_prefill = config.enable_chunked_prefill
@@ -102,8 +101,7 @@ class Scheduler(Intake, Admission):
         self.waiting = make_queue(config.scheduling_policy)
         # The step loops in C (sched/native.py), where no window releases blocks, no event is recorded, no block is
         # followed (--kv-cache-metrics), blocks hash in pagellm's own way and chunks may end inside images.
-        native = fast_path and not kv_window and kv_events is None and algo is None and residency is None \
-            and not self.whole_images
+        native = fast_path and not (kv_window or self.whole_images) and (kv_events, algo, residency) == (None,) * 3
         self._native = fastpath() if native else None
         self.running = RunningBatch(compact=self._native.compact_rows if self._native is not None else None)
         if self._native is not None:
