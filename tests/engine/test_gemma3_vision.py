@@ -204,3 +204,29 @@ def test_pan_and_scan_crops_in_chunks(model_dir: Path, reference) -> None:
                        GREEDY, use_tqdm=False)[0]
     assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
     assert out.outputs[0].token_ids == expected.tolist()
+
+
+# Gemma 3's template's shape: each message's content parts in a loop, an image part written as <start_of_image>
+PARTS_TEMPLATE = ("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{% if m['content'] is string %}"
+                  "{{ m['content'] }}{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}"
+                  "<start_of_image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+                  "{% endif %}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n"
+                  "{% endif %}")
+
+
+def test_a_template_that_writes_its_own_image_markers(model_dir: Path, tmp_path: Path) -> None:
+    """A chat template that loops over content parts and writes ``<start_of_image>`` for an image part (as Gemma
+    3's does) gets OpenAI's image parts as its image parts: one image each, the reply the prompt's."""
+    for path in model_dir.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(PARTS_TEMPLATE)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory=1 << 22)
+    pictures = _pictures()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Compare "},
+                                             *({"type": "image_url", "image_url": {"url": data_url(p)}}
+                                               for p in pictures), {"type": "text", "text": " now"}]}]
+    chat = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    text = "<start_of_turn>user\nCompare <start_of_image><start_of_image> now<end_of_turn>\n<start_of_turn>model\n"
+    direct = llm.generate({"prompt": text, "multi_modal_data": {"image": pictures}}, GREEDY, use_tqdm=False)[0]
+    assert chat.prompt_token_ids == direct.prompt_token_ids
+    assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
