@@ -17,6 +17,8 @@ NO_GPU_COMMS = "dual-batch overlap and all-to-all backends hide GPU communicatio
     "reduce over shared memory"
 NO_EPLB = "expert-parallel load balancing moves experts between GPUs; pagellm's experts stay on their rank"
 NO_GPU_TRACE = "Nsight and NVTX trace GPUs; --profiler-dir records the workers' ops with the torch profiler"
+NO_MM_CACHE = "pagellm keeps no cache of processed images: each request's images go through the processor, and the " \
+    "images the prefix cache already holds are not encoded again"
 
 # engine argument → why it does nothing here
 ENGINE: dict[str, str] = {
@@ -67,6 +69,14 @@ ENGINE: dict[str, str] = {
     "use_tqdm_on_load": "weights load layer by layer, with one log line",
     "safetensors_load_strategy": "safetensors files are memory-mapped and read layer by layer",
     "pt_load_map_location": "weights load onto the CPU",
+    # vLLM 0.32's multimodal knobs with nothing to tune here
+    "mm_processor_cache_gb": NO_MM_CACHE,
+    "mm_processor_cache_type": NO_MM_CACHE,
+    "mm_shm_cache_max_object_size_mb": "images travel to the engine core inside their requests (no shared-memory "
+                                       "cache)",
+    "skip_mm_profiling": "pagellm profiles no encoder memory at start: --kv-cache-memory sizes the KV cache",
+    "mm_encoder_tp_mode": "each tensor-parallel rank runs the whole vision encoder on the step's images",
+    "mm_encoder_attn_backend": "the vision encoder attends through the backend --attention-backend picks",
 }
 
 _SWITCH: dict[str, Any] = {"action": "store_true"}
@@ -88,6 +98,9 @@ FLAGS: dict[str, dict[str, Any]] = {
     "disable_hybrid_kv_cache_manager": _TOGGLE, "ray_workers_use_nsight": _TOGGLE,
     "enable_layerwise_nvtx_tracing": _TOGGLE, "enable_mfu_metrics": _TOGGLE, "use_tqdm_on_load": _TOGGLE,
     "safetensors_load_strategy": {}, "pt_load_map_location": {},
+    "mm_processor_cache_gb": {"type": float}, "mm_processor_cache_type": {},
+    "mm_shm_cache_max_object_size_mb": {"type": int}, "skip_mm_profiling": _TOGGLE, "mm_encoder_tp_mode": {},
+    "mm_encoder_attn_backend": {},
 }
 
 

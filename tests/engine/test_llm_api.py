@@ -194,8 +194,11 @@ def test_vllms_gpu_arguments_are_taken_and_named_in_the_log(tiny_llama: Path,
     # a ported script's LLM(...) runs: vLLM's arguments that do nothing on the CPU are logged, not refused
     with caplog.at_level(logging.WARNING, logger="pagellm.no_effect"):
         llm = LLM(str(tiny_llama), dtype="float32", max_model_len=64, gpu_memory_utilization=0.9, enforce_eager=True,
-                  trust_remote_code=True, swap_space=4, disable_custom_all_reduce=False, revision=None)
+                  trust_remote_code=True, swap_space=4, disable_custom_all_reduce=False, revision=None,
+                  mm_processor_cache_gb=4, skip_mm_profiling=True)
     logged = caplog.text
+    assert "mm_processor_cache_gb has no effect in pagellm: pagellm keeps no cache of processed images" in logged
+    assert "skip_mm_profiling has no effect" in logged
     assert "gpu_memory_utilization has no effect in pagellm: pagellm serves from CPU memory: kv_cache_memory" in logged
     assert "enforce_eager has no effect" in logged and "swap_space has no effect" in logged
     assert "disable_custom_all_reduce" not in logged and "revision" not in logged  # left off: nothing to say
