@@ -12,10 +12,12 @@ import transformers
 WORDS = ["the", "cat", "dog", "sat", "on", "mat", "a", "big", "red", "house", "is", "here"]
 
 
-def build_encoder(out: Path, kind: str, pooling: str | None = None, labels: int = 0, head_size: int = 16) -> Path:
+def build_encoder(out: Path, kind: str, pooling: str | None = None, labels: int = 0, head_size: int = 16,
+                  after: list[dict] | None = None) -> Path:
     """A tiny BERT (``kind`` "bert") or XLM-RoBERTa ("xlm-roberta": its specials ordered as XLM-R's, so the padding
     id is 1) with a WordPiece tokenizer, and a sentence-transformers Pooling module where ``pooling`` says; with
-    ``labels``, its ``*ForSequenceClassification`` of that many classes (a cross-encoder)."""
+    ``labels``, its ``*ForSequenceClassification`` of that many classes (a cross-encoder); ``after``: more
+    sentence-transformers modules after the Pooling one (``modules.json`` entries)."""
     out.mkdir(parents=True)
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] if kind == "bert" else \
         ["[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]"]
@@ -42,7 +44,8 @@ def build_encoder(out: Path, kind: str, pooling: str | None = None, labels: int 
     if pooling is not None:
         (out / "modules.json").write_text(json.dumps([
             {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            *(after or [])]))
         (out / "1_Pooling").mkdir()
         (out / "1_Pooling" / "config.json").write_text(json.dumps({
             "word_embedding_dimension": 4 * head_size, "pooling_mode_cls_token": pooling == "CLS",

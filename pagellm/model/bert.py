@@ -21,6 +21,7 @@ loaded, nor the pooler but by a BERT cross-encoder (``EncoderClassifier``).
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Iterable
 
 import numpy as np
@@ -121,6 +122,10 @@ class EncoderEmbeddingModel(nn.Module):
                              "pipeline_parallel_size")
         self.cfg, self.pooling = cfg, (cfg.encoder or {}).get("pooling", "CLS")  # the worker's resolve_arch sets it
         self.model = _Encoder(cfg, dtype, parallel)
+        # sentence-transformers Dense layers after the pooling, in float32 (their weights in their own folders)
+        self.dense_specs = (cfg.encoder or {}).get("dense") or []
+        self.dense = nn.ModuleList(nn.Linear(d["in"], d["out"], bias=d["bias"], dtype=torch.float32)
+                                   for d in self.dense_specs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None,
                 embeds: object = None) -> torch.Tensor:
@@ -142,9 +147,11 @@ class EncoderEmbeddingModel(nn.Module):
     def pool(self, rows: torch.Tensor) -> torch.Tensor:
         """One request's embedding (float32) from its prompt's final states."""
         rows = rows.float()
-        if self.pooling == "MEAN":
-            return rows.mean(0)
-        return rows[0] if self.pooling == "CLS" else rows[-1]
+        pooled = rows.mean(0) if self.pooling == "MEAN" else rows[0] if self.pooling == "CLS" else rows[-1]
+        for spec, layer in zip(self.dense_specs, self.dense):
+            pooled = layer(pooled)
+            pooled = torch.tanh(pooled) if spec["activation"] == "Tanh" else pooled
+        return pooled
 
     def attention_layers(self) -> list:
         return []
@@ -153,7 +160,8 @@ class EncoderEmbeddingModel(nn.Module):
         if quantization:
             raise ValueError(f"{self.cfg.architecture} runs unquantized; drop --quantization")
         params = dict(self.named_parameters())
-        missing = set(params)
+        missing = {name for name in params if not name.startswith("dense.")}
+        self._load_dense()
         for name, tensor in weights:
             own = self._own(_PREFIX.sub("", name))
             if own is None:
@@ -165,6 +173,16 @@ class EncoderEmbeddingModel(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {', '.join(sorted(missing)[:8])}")
         pack_weights(self)  # bfloat16 matrices for the native GEMM (float32 ones stay plain)
+
+    def _load_dense(self) -> None:
+        """The Dense layers' weights from their folders (``linear.weight``, ``linear.bias``)."""
+        from safetensors.torch import load_file
+
+        for spec, layer in zip(self.dense_specs, self.dense):
+            folder = Path(spec["path"])
+            state = load_file(folder / "model.safetensors") if (folder / "model.safetensors").is_file() else \
+                torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+            layer.load_state_dict({key.removeprefix("linear."): value.float() for key, value in state.items()})
 
     def _own(self, name: str) -> str | None:
         """Our parameter's name for a checkpoint tensor (its ``bert.``-like prefix gone), None for one not loaded."""

@@ -18,6 +18,7 @@ ENCODER_CLASSIFIERS = ("BertForSequenceClassification", "RobertaForSequenceClass
                        "XLMRobertaForSequenceClassification")
 ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel", *ENCODER_CLASSIFIERS)
 POOLING_TYPES = ("CLS", "MEAN", "LAST")
+_ACTIVATIONS = ("Tanh", "Identity")  # a sentence-transformers Dense layer's
 _ROBERTA = ("roberta", "xlm-roberta")  # their positions start past the padding id
 # what the encoder reads of config.json (``model/bert.py``)
 _KEYS = ("model_type", "hidden_act", "layer_norm_eps", "type_vocab_size", "pad_token_id", "position_embedding_type")
@@ -49,14 +50,41 @@ def encoder_arch(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def encoder_settings(model_dir: Path, tokenizer_dir: Path, encoder: dict[str, Any],
                      pooler_config: dict[str, Any] | None) -> dict[str, Any]:
-    """What the encoder reads beside its config.json: how it pools, and with two token types its tokenizer's
-    separator id (a pair's second text, after it, is type 1)."""
-    settings = {"pooling": pooling_type(model_dir, pooler_config)}
+    """What the encoder reads beside its config.json: how it pools, the sentence-transformers Dense layers after the
+    pooling, and with two token types its tokenizer's separator id (a pair's second text, after it, is type 1)."""
+    settings: dict[str, Any] = {"pooling": pooling_type(model_dir, pooler_config), "dense": dense_layers(model_dir)}
     if int(encoder.get("type_vocab_size") or 1) > 1:
         from transformers import AutoTokenizer
 
         settings["sep_token_id"] = AutoTokenizer.from_pretrained(str(tokenizer_dir)).sep_token_id
     return settings
+
+
+def dense_layers(model_dir: Path) -> list[dict[str, Any]]:
+    """The sentence-transformers Dense modules after the pooling, in order (their folder, shape, bias and activation:
+    Tanh or Identity); a module of another kind than Transformer, Pooling, Dense and Normalize is refused by name
+    (its embeddings would not be the model's)."""
+    dense = []
+    for module in _modules(model_dir):
+        kind = str(module.get("type", "")).rpartition(".")[2]
+        if kind not in ("Transformer", "Pooling", "Dense", "Normalize"):
+            raise ValueError(f"{model_dir}: its sentence-transformers module {module.get('type')!r} is not supported "
+                             "(Transformer, Pooling, Dense and Normalize are)")
+        if kind == "Dense":
+            folder = model_dir / module.get("path", "")
+            settings = json.loads((folder / "config.json").read_text())
+            activation = str(settings.get("activation_function", "")).rpartition(".")[2]
+            if activation not in _ACTIVATIONS:
+                raise ValueError(f"{folder}: a Dense layer's activation {activation!r} is not supported "
+                                 f"({', '.join(_ACTIVATIONS)} are)")
+            dense.append({"path": str(folder), "in": int(settings["in_features"]), "out": int(settings["out_features"]),
+                          "bias": bool(settings.get("bias", True)), "activation": activation})
+    return dense
+
+
+def _modules(model_dir: Path) -> list[dict[str, Any]]:
+    path = model_dir / "modules.json"
+    return json.loads(path.read_text()) if path.is_file() else []
 
 
 def pooling_type(model_dir: Path, pooler_config: dict[str, Any] | None, default: str = "CLS") -> str:
@@ -68,11 +96,9 @@ def pooling_type(model_dir: Path, pooler_config: dict[str, Any] | None, default:
         if kind not in POOLING_TYPES:
             raise ValueError(f"pooler_config's pooling_type {kind!r}: use one of {', '.join(POOLING_TYPES)}")
         return kind
-    modules = model_dir / "modules.json"
-    if modules.is_file():
-        for module in json.loads(modules.read_text()):
-            if str(module.get("type", "")).endswith(".Pooling"):
-                return _sentence_transformers_pooling(model_dir / module.get("path", ""), model_dir)
+    for module in _modules(model_dir):
+        if str(module.get("type", "")).endswith(".Pooling"):
+            return _sentence_transformers_pooling(model_dir / module.get("path", ""), model_dir)
     return default
 
 

@@ -6,6 +6,7 @@ refused, and the engine runs them with chunked prefill and prefix caching off.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,30 @@ def test_runner_pooling_serves_a_generative_checkpoint_as_an_embedding_model(tin
     with pytest.raises(ValueError, match="BertModel has no language-model head: it serves pooling requests only; "
                                          "drop runner=generate"):
         LLM(str(build_encoder(tmp_path / "bert", "bert")), dtype="float32", kv_cache_memory=1 << 22, runner="generate")
+
+
+def test_sentence_transformers_dense_layers_follow_the_pooling(tmp_path: Path) -> None:
+    """A Dense module (Tanh) after the pooling projects the pooled state, as sentence-transformers computes it; a
+    module of a kind the engine does not run is refused by name."""
+    from safetensors.torch import save_file
+
+    dense = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+    normalize = {"idx": 3, "name": "3", "path": "3_Normalize", "type": "sentence_transformers.models.Normalize"}
+    model_dir = build_encoder(tmp_path / "bert", "bert", "MEAN", after=[dense, normalize])
+    (model_dir / "2_Dense").mkdir()
+    (model_dir / "2_Dense" / "config.json").write_text(json.dumps({
+        "in_features": 64, "out_features": 24, "bias": True,
+        "activation_function": "torch.nn.modules.activation.Tanh"}))
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(24, 64, generator=gen) * 0.3, torch.randn(24, generator=gen)
+    save_file({"linear.weight": weight, "linear.bias": bias}, model_dir / "2_Dense" / "model.safetensors")
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22)
+    got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS, normalize=False, use_tqdm=False)])
+    expected = torch.stack([torch.tanh(weight @ pooled + bias) for pooled in _expected(model_dir, "bert", "MEAN")])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    modules = json.loads((model_dir / "modules.json").read_text())
+    (model_dir / "modules.json").write_text(json.dumps(modules + [
+        {"idx": 4, "name": "4", "path": "4_LayerNorm", "type": "sentence_transformers.models.LayerNorm"}]))
+    with pytest.raises(ValueError, match="its sentence-transformers module 'sentence_transformers.models.LayerNorm' "
+                                         "is not supported"):
+        LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22)
