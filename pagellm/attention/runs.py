@@ -12,6 +12,9 @@ same length (a tower's tiles). ``native_attention(model, backend)`` tells a mode
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -21,9 +24,10 @@ class Runs:
     def __init__(self, query_start_loc: np.ndarray, native: bool) -> None:
         qsl = np.asarray(query_start_loc, dtype=np.int64)
         self.bounds = list(zip(qsl[:-1].tolist(), qsl[1:].tolist()))
-        lens = np.diff(qsl)
+        self.lens = lens = np.diff(qsl)
         self.same = int(lens[0]) if len(lens) and bool((lens == lens[0]).all()) else 0  # every run this long
-        self.metadata = None
+        self.positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1], lens)  # within its run
+        self.metadata, self._windowed = None, {}
         if native:
             from pagellm.attention.cpu_paged import CpuPagedMetadata, load_kernel
 
@@ -36,24 +40,43 @@ class Runs:
                                              torch.from_numpy(lens), torch.from_numpy(table),
                                              torch.from_numpy(np.repeat(lens, lens)), None)
 
+    def _window_metadata(self, window: int) -> Any:
+        """The native metadata of a symmetric ``window``: each token's keys from ``window`` before it to ``window``
+        after it, inside its run (its first key as the kernel's sliding-window start, cached under ``window``)."""
+        if window not in self._windowed:
+            md = self.metadata
+            ends = np.minimum(self.positions + window + 1, np.repeat(self.lens, self.lens))
+            windowed = dataclasses.replace(md, ctx_end=torch.from_numpy(ends), windows={})
+            windowed.windows[window] = torch.from_numpy(np.maximum(self.positions - window, 0))
+            self._windowed[window] = windowed
+        return self._windowed[window]
+
     @classmethod
     def equal(cls, count: int, length: int, native: bool) -> Runs:
         """``count`` runs of ``length`` tokens each."""
         return cls(np.arange(count + 1, dtype=np.int64) * length, native)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        """[T, heads · head size] of the runs' q, k, v [T, heads, head size] (``scale``: 1 / sqrt(head size))."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+               window: int | None = None) -> torch.Tensor:
+        """[T, heads · head size] of the runs' q, k, v [T, heads, head size] (``scale``: 1 / sqrt(head size));
+        ``window``: each token sees only the keys at most this far from it, either way (ModernBERT's local layers)."""
         tokens, heads, size = q.shape
         scale = size ** -0.5 if scale is None else scale
         if self.metadata is not None:
+            md = self.metadata if window is None else self._window_metadata(window)
             return self.kernel.attention(q, k.reshape(tokens, 1, heads, size), v.reshape(tokens, 1, heads, size),
-                                         self.metadata, scale)
-        if self.same:
+                                         md, scale, sliding_window=window)
+        if self.same and window is None:
             runs = [t.reshape(-1, self.same, heads, size).transpose(1, 2) for t in (q, k, v)]
             return F.scaled_dot_product_attention(*runs, scale=scale).transpose(1, 2).reshape(tokens, -1)
         out = torch.empty(tokens, heads * size, dtype=q.dtype)
         for start, end in self.bounds:
-            one = F.scaled_dot_product_attention(*(t[None, start:end].transpose(1, 2) for t in (q, k, v)), scale=scale)
+            mask = None
+            if window is not None:
+                offsets = torch.arange(end - start)
+                mask = (offsets[:, None] - offsets[None, :]).abs() <= window
+            one = F.scaled_dot_product_attention(*(t[None, start:end].transpose(1, 2) for t in (q, k, v)),
+                                                 attn_mask=mask, scale=scale)
             out[start:end] = one[0].transpose(0, 1).reshape(end - start, -1)
         return out
 

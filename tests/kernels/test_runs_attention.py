@@ -15,23 +15,30 @@ from pagellm.model.vit import EncoderLayer
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
-def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qsl: np.ndarray) -> torch.Tensor:
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qsl: np.ndarray,
+           window: int | None = None) -> torch.Tensor:
     out = []
     for start, end in zip(qsl[:-1].tolist(), qsl[1:].tolist()):
         scores = torch.einsum("qhd,khd->hqk", q[start:end].double(), k[start:end].double()) * q.shape[-1] ** -0.5
+        if window is not None:
+            offsets = torch.arange(end - start)
+            scores = scores.masked_fill((offsets[:, None] - offsets[None, :]).abs() > window, float("-inf"))
         out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v[start:end].double()).reshape(end - start, -1))
     return torch.cat(out)
 
 
+@pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,size", [(12, 64), (4, 16)])
 @pytest.mark.parametrize("lens", [[37, 5, 64, 1, 20], [16, 16, 16]])
-def test_the_kernel_and_its_twin_attend_within_runs(dtype: torch.dtype, heads: int, size: int, lens: list[int]) -> None:
+def test_the_kernel_and_its_twin_attend_within_runs(dtype: torch.dtype, heads: int, size: int, lens: list[int],
+                                                    window: int | None) -> None:
+    """Each token sees its whole run, or with a ``window`` the keys at most that far from it either way."""
     gen = torch.Generator().manual_seed(len(lens) + heads)
     qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     q, k, v = (torch.randn(int(qsl[-1]), heads, size, generator=gen).to(dtype) for _ in range(3))
-    expected = _dense(q, k, v, qsl)
-    native, twin = (Runs(qsl, flag).attend(q, k, v) for flag in (True, False))
+    expected = _dense(q, k, v, qsl, window)
+    native, twin = (Runs(qsl, flag).attend(q, k, v, window=window) for flag in (True, False))
     assert twin.shape == native.shape == (int(qsl[-1]), heads * size)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(native.double(), expected, atol=tol, rtol=tol)
