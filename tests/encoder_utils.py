@@ -14,8 +14,9 @@ WORDS = ["the", "cat", "dog", "sat", "on", "mat", "a", "big", "red", "house", "i
 
 def build_encoder(out: Path, kind: str, pooling: str | None = None, labels: int = 0, head_size: int = 16,
                   after: list[dict] | None = None) -> Path:
-    """A tiny BERT (``kind`` "bert") or XLM-RoBERTa ("xlm-roberta": its specials ordered as XLM-R's, so the padding
-    id is 1) with a WordPiece tokenizer, and a sentence-transformers Pooling module where ``pooling`` says; with
+    """A tiny BERT (``kind`` "bert"), ModernBERT ("modernbert") or XLM-RoBERTa ("xlm-roberta": its specials ordered
+    as XLM-R's, so the padding id is 1) with a WordPiece tokenizer, and a sentence-transformers Pooling module where
+    ``pooling`` says; with
     ``labels``, its ``*ForSequenceClassification`` of that many classes (a cross-encoder); ``after``: more
     sentence-transformers modules after the Pooling one (``modules.json`` entries)."""
     out.mkdir(parents=True)
@@ -27,7 +28,13 @@ def build_encoder(out: Path, kind: str, pooling: str | None = None, labels: int 
     torch.manual_seed(0)
     if labels:
         shape["num_labels"] = labels
-    if kind == "bert":
+    if kind == "modernbert":  # a global layer, then local ones of a 3-token reach each way; biases and norms
+        config = transformers.ModernBertConfig(**{**shape, "num_hidden_layers": 3}, max_position_embeddings=128,
+                                               local_attention=6, global_attn_every_n_layers=2, norm_bias=True,
+                                               attention_bias=True, mlp_bias=True, pad_token_id=0, bos_token_id=2,
+                                               eos_token_id=3, cls_token_id=2, sep_token_id=3, global_rope_theta=500.0)
+        model = transformers.ModernBertModel(config)
+    elif kind == "bert":
         config = transformers.BertConfig(**shape, max_position_embeddings=64)
         model = (transformers.BertForSequenceClassification if labels else transformers.BertModel)(config)
     else:
@@ -35,8 +42,10 @@ def build_encoder(out: Path, kind: str, pooling: str | None = None, labels: int 
         model = (transformers.XLMRobertaForSequenceClassification if labels else transformers.XLMRobertaModel)(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "LayerNorm" in name:
+            if "LayerNorm" in name or "norm." in name:
                 param.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
+            elif name.endswith(".bias") and kind == "modernbert":
+                param.normal_(0.0, 0.3)
             elif "token_type" in name or "classifier" in name or "pooler" in name:  # large enough to matter
                 param.normal_(0.0, 0.5)
     model.eval().save_pretrained(out)

@@ -24,7 +24,8 @@ class Runs:
     def __init__(self, query_start_loc: np.ndarray, native: bool) -> None:
         qsl = np.asarray(query_start_loc, dtype=np.int64)
         self.bounds = list(zip(qsl[:-1].tolist(), qsl[1:].tolist()))
-        self.lens = lens = np.diff(qsl)
+        self.starts, self.lens = qsl[:-1], np.diff(qsl)
+        lens = self.lens
         self.same = int(lens[0]) if len(lens) and bool((lens == lens[0]).all()) else 0  # every run this long
         self.positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1], lens)  # within its run
         self.metadata, self._windowed = None, {}

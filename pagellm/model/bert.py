@@ -114,6 +114,7 @@ class _Encoder(nn.Module):
 
 class EncoderEmbeddingModel(nn.Module):
     pools_whole_prompt = True
+    ENCODER: type[nn.Module] = _Encoder  # the token encoder (ModernBERT's its own)
 
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState = SINGLE) -> None:
         super().__init__()
@@ -121,7 +122,7 @@ class EncoderEmbeddingModel(nn.Module):
             raise ValueError(f"{cfg.architecture} runs on one worker; drop tensor_parallel_size and "
                              "pipeline_parallel_size")
         self.cfg, self.pooling = cfg, (cfg.encoder or {}).get("pooling", "CLS")  # the worker's resolve_arch sets it
-        self.model = _Encoder(cfg, dtype, parallel)
+        self.model = self.ENCODER(cfg, dtype, parallel)
         # sentence-transformers Dense layers after the pooling, in float32 (their weights in their own folders)
         self.dense_specs = (cfg.encoder or {}).get("dense") or []
         self.dense = nn.ModuleList(nn.Linear(d["in"], d["out"], bias=d["bias"], dtype=torch.float32)
@@ -135,10 +136,13 @@ class EncoderEmbeddingModel(nn.Module):
         common = context.metadata.common
         if not np.array_equal(common.seq_lens, np.diff(common.query_start_loc)):
             raise ValueError("an encoder-only model computes each prompt in one step (chunked prefill off)")
-        step = Runs(common.query_start_loc, context.backend.name == "cpu_paged")
-        x = self.model.embeddings(input_ids, positions, torch.from_numpy(common.query_start_loc[:-1]))
+        return self.encode(input_ids, Runs(common.query_start_loc, context.backend.name == "cpu_paged"))
+
+    def encode(self, input_ids: torch.Tensor, runs: Runs) -> torch.Tensor:
+        """The final token states of the step's prompts (``runs``: each one's tokens)."""
+        x = self.model.embeddings(input_ids, torch.from_numpy(runs.positions), torch.from_numpy(runs.starts))
         for layer in self.model.encoder.layer:
-            x = layer(x, step)
+            x = layer(x, runs)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Encoder-only embedding models' configs (BERT, RoBERTa, XLM-RoBERTa: bge, e5, gte, all-MiniLM, bge-m3,
-multilingual-e5; their cross-encoders, bge-reranker, ms-marco MiniLM): their ``ArchConfig`` (``ArchConfig.encoder``
+multilingual-e5; their cross-encoders, bge-reranker, ms-marco MiniLM; ModernBERT: modernbert-embed, gte-modernbert): their ``ArchConfig`` (``ArchConfig.encoder``
 carries what the encoder reads of config.json) and how they pool, from the sentence-transformers files beside the
 weights (``modules.json``, the Pooling module's ``config.json``) or ``--pooler-config``. No torch here: the engine
 reads it before its workers start.
@@ -16,12 +16,15 @@ from pagellm.model.hf_config import class_labels, with_defaults
 # cross-encoders (rerankers such as bge-reranker, ms-marco MiniLM): a classification head over the first token
 ENCODER_CLASSIFIERS = ("BertForSequenceClassification", "RobertaForSequenceClassification",
                        "XLMRobertaForSequenceClassification")
-ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel", *ENCODER_CLASSIFIERS)
+ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel", *ENCODER_CLASSIFIERS)
 POOLING_TYPES = ("CLS", "MEAN", "LAST")
 _ACTIVATIONS = ("Tanh", "Identity")  # a sentence-transformers Dense layer's
 _ROBERTA = ("roberta", "xlm-roberta")  # their positions start past the padding id
 # what the encoder reads of config.json (``model/bert.py``)
-_KEYS = ("model_type", "hidden_act", "layer_norm_eps", "type_vocab_size", "pad_token_id", "position_embedding_type")
+_KEYS = ("model_type", "hidden_act", "layer_norm_eps", "type_vocab_size", "pad_token_id", "position_embedding_type",
+         # ModernBERT's
+         "hidden_activation", "norm_bias", "attention_bias", "mlp_bias", "local_attention", "layer_types",
+         "rope_parameters")
 
 
 def encoder_arch(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -43,7 +46,8 @@ def encoder_arch(cfg: dict[str, Any]) -> dict[str, Any]:
                 architecture=cfg["architectures"][0], vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
                 num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, rotary_dim=hidden // heads,
-                rms_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)), rope_theta=10000.0, rope_scaling=None,
+                rms_norm_eps=float(cfg["norm_eps"] if "norm_eps" in cfg else cfg.get("layer_norm_eps", 1e-12)),
+                rope_theta=10000.0, rope_scaling=None,
                 max_position_embeddings=context, tie_word_embeddings=True, attention_bias=True, sliding_window=None,
                 encoder=encoder)
 
