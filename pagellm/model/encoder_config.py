@@ -1,8 +1,8 @@
 """Encoder-only embedding models' configs (BERT, RoBERTa, XLM-RoBERTa: bge, e5, gte, all-MiniLM, bge-m3,
-multilingual-e5; their cross-encoders, bge-reranker, ms-marco MiniLM; ModernBERT: modernbert-embed, gte-modernbert): their ``ArchConfig`` (``ArchConfig.encoder``
-carries what the encoder reads of config.json) and how they pool, from the sentence-transformers files beside the
-weights (``modules.json``, the Pooling module's ``config.json``) or ``--pooler-config``. No torch here: the engine
-reads it before its workers start.
+multilingual-e5; their cross-encoders, bge-reranker, ms-marco MiniLM; ModernBERT: modernbert-embed, gte-modernbert):
+their ``ArchConfig`` (``ArchConfig.encoder`` carries what the encoder reads of config.json) and how they pool, from
+the sentence-transformers files beside the weights (``modules.json``, the Pooling module's ``config.json``, Dense
+modules) or ``--pooler-config``. No torch here: the engine reads it before its workers start.
 """
 
 from __future__ import annotations
