@@ -210,7 +210,7 @@ class LLM:
         with one class), in input order; the class names are ``self.labels``."""
         if not self.engine.runtime.labels:
             raise ValueError("this model has no classification head: LLM.classify needs a *ForSequenceClassification "
-                             "checkpoint (Llama, Mistral, Qwen2, Qwen3, BERT, RoBERTa, XLM-RoBERTa)")
+                             "checkpoint (Llama, Mistral, Qwen2, Qwen3, BERT, RoBERTa, XLM-RoBERTa, ModernBERT)")
         outputs = self.generate(prompts, SamplingParams.for_pooling(), use_tqdm,  # type: ignore[arg-type]
                                 lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
         return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,

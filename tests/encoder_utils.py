@@ -32,8 +32,9 @@ def build_encoder(out: Path, kind: str, pooling: str | None = None, labels: int 
         config = transformers.ModernBertConfig(**{**shape, "num_hidden_layers": 3}, max_position_embeddings=128,
                                                local_attention=6, global_attn_every_n_layers=2, norm_bias=True,
                                                attention_bias=True, mlp_bias=True, pad_token_id=0, bos_token_id=2,
-                                               eos_token_id=3, cls_token_id=2, sep_token_id=3, global_rope_theta=500.0)
-        model = transformers.ModernBertModel(config)
+                                               eos_token_id=3, cls_token_id=2, sep_token_id=3, global_rope_theta=500.0,
+                                               classifier_pooling="mean" if labels > 1 else "cls")
+        model = (transformers.ModernBertForSequenceClassification if labels else transformers.ModernBertModel)(config)
     elif kind == "bert":
         config = transformers.BertConfig(**shape, max_position_embeddings=64)
         model = (transformers.BertForSequenceClassification if labels else transformers.BertModel)(config)
@@ -46,7 +47,7 @@ def build_encoder(out: Path, kind: str, pooling: str | None = None, labels: int 
                 param.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
             elif name.endswith(".bias") and kind == "modernbert":
                 param.normal_(0.0, 0.3)
-            elif "token_type" in name or "classifier" in name or "pooler" in name:  # large enough to matter
+            elif "token_type" in name or "classifier" in name or "pooler" in name or "head" in name:  # to matter
                 param.normal_(0.0, 0.5)
     model.eval().save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -15,7 +15,7 @@ from pagellm.model.hf_config import class_labels, with_defaults
 
 # cross-encoders (rerankers such as bge-reranker, ms-marco MiniLM): a classification head over the first token
 ENCODER_CLASSIFIERS = ("BertForSequenceClassification", "RobertaForSequenceClassification",
-                       "XLMRobertaForSequenceClassification")
+                       "XLMRobertaForSequenceClassification", "ModernBertForSequenceClassification")
 ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel", *ENCODER_CLASSIFIERS)
 POOLING_TYPES = ("CLS", "MEAN", "LAST")
 _ACTIVATIONS = ("Tanh", "Identity")  # a sentence-transformers Dense layer's
@@ -24,7 +24,7 @@ _ROBERTA = ("roberta", "xlm-roberta")  # their positions start past the padding 
 _KEYS = ("model_type", "hidden_act", "layer_norm_eps", "type_vocab_size", "pad_token_id", "position_embedding_type",
          # ModernBERT's
          "hidden_activation", "norm_bias", "attention_bias", "mlp_bias", "local_attention", "layer_types",
-         "rope_parameters")
+         "rope_parameters", "classifier_pooling", "classifier_activation", "classifier_bias")
 
 
 def encoder_arch(cfg: dict[str, Any]) -> dict[str, Any]:

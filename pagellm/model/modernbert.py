@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.runs import Runs
-from pagellm.distributed.groups import ParallelState
+from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import ArchConfig
 from pagellm.model.bert import EncoderEmbeddingModel
 from pagellm.model.layers.linear import ReplicatedLinear
@@ -101,3 +101,30 @@ class ModernBertEmbeddingModel(EncoderEmbeddingModel):
 
     def _own(self, name: str) -> str | None:
         return None if name.startswith(("head.", "decoder.")) else super()._own(name)  # the masked-LM head
+
+
+class ModernBertClassifier(ModernBertEmbeddingModel):
+    """A ModernBERT cross-encoder (``ModernBertForSequenceClassification``: gte-reranker-modernbert): the first
+    token's final state, or the prompt's mean (``classifier_pooling``), through ``head`` (``dense``, the classifier
+    activation, ``norm``) and ``classifier``; ``pool`` gives its class logits (float32), as transformers' ``logits``."""
+
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState = SINGLE) -> None:
+        super().__init__(cfg, dtype, parallel)
+        enc = cfg.encoder or {}
+        act = enc.get("classifier_activation") or "gelu"
+        if act not in _GELU:
+            raise ValueError(f"ModernBERT classifier activation {act!r} is not supported; supported: "
+                             f"{', '.join(_GELU)}")
+        self.approximate, self.mean = _GELU[act], enc.get("classifier_pooling") == "mean"
+        self.head = nn.Module()
+        self.head.dense = ReplicatedLinear(cfg.hidden_size, cfg.hidden_size, dtype,
+                                           bias=bool(enc.get("classifier_bias")))
+        self.head.norm = _norm(cfg, enc, dtype)
+        self.classifier = ReplicatedLinear(cfg.hidden_size, cfg.num_labels, dtype, bias=True)
+
+    def pool(self, rows: torch.Tensor) -> torch.Tensor:
+        pooled = rows.mean(0) if self.mean else rows[0]
+        return self.classifier(self.head.norm(F.gelu(self.head.dense(pooled), approximate=self.approximate))).float()
+
+    def _own(self, name: str) -> str | None:
+        return name if name.startswith(("head.", "classifier.")) else super()._own(name)

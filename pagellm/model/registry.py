@@ -10,7 +10,7 @@ from pagellm.model.arch import BASE_MODELS, CLASSIFIERS, ArchConfig
 from pagellm.model.bert import EncoderClassifier, EncoderEmbeddingModel
 from pagellm.model.encoder_config import ENCODER_CLASSIFIERS, ENCODERS
 from pagellm.model.gemma3_mm import Gemma3ForConditionalGeneration
-from pagellm.model.modernbert import ModernBertEmbeddingModel
+from pagellm.model.modernbert import ModernBertClassifier, ModernBertEmbeddingModel
 from pagellm.model.idefics3 import Idefics3ForConditionalGeneration
 from pagellm.model.llama import (GemmaForCausalLM, GptOssForCausalLM, GraniteMoeForCausalLM,
                                  InterleavedRopeForCausalLM, LlamaForCausalLM, MixtralForCausalLM, Phi3ForCausalLM)
@@ -46,6 +46,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     # encoder-only embedding models (BERT, RoBERTa, XLM-RoBERTa), for pooling requests
     **{name: EncoderClassifier if name in ENCODER_CLASSIFIERS else EncoderEmbeddingModel for name in ENCODERS},
     "ModernBertModel": ModernBertEmbeddingModel,
+    "ModernBertForSequenceClassification": ModernBertClassifier,
     # base models (embedding checkpoints: no LM head; ArchConfig.base_model), for pooling requests
     **{name: LlamaForCausalLM for name in BASE_MODELS},
     # sequence classifiers: the same decoder and a score head (ArchConfig.num_labels), for classify requests

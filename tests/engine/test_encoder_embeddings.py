@@ -75,7 +75,7 @@ def test_the_engine_runs_each_prompt_whole_and_refuses_generation(tmp_path: Path
         LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22, pooler_config='{"pooling_type": "sum"}')
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "modernbert"])
 def test_cross_encoders_score_pairs_and_classify_as_transformers(kind: str, tmp_path: Path) -> None:
     """A reranker (one class): ``LLM.score`` is the sigmoid of transformers' logit over each pair as the tokenizer
     joins it (BERT's second text typed 1); a classifier of three classes: ``LLM.classify`` is transformers'
