@@ -74,8 +74,8 @@ class OpenAIServingClassification(OpenAIServing):
         model = self.check_model(request.model)
         if not self.engine.runtime.labels:
             raise APIError("this model has no classification head: /classify needs a *ForSequenceClassification "
-                           "checkpoint (Llama, Mistral, Qwen2, Qwen3, BERT, RoBERTa, XLM-RoBERTa, ModernBERT)", 400, param="model",
-                           code="model_not_supported")
+                           "checkpoint (Llama, Mistral, Qwen2, Qwen3, BERT, RoBERTa, XLM-RoBERTa, ModernBERT)", 400,
+                           param="model", code="model_not_supported")
         items = self.tokenize_prompts(request.input, request.add_special_tokens, request.truncate_prompt_tokens,
                                       "input", request.truncation_side)
         return _Job(request, random_id("classify"), model, [ids for _, ids, _ in items])
