@@ -1,10 +1,12 @@
-"""Encoder embedding throughput (BERT-base's shape: bge-base-en-v1.5, e5-base): pagellm's ``LLM.embed`` against
-transformers' ``BertModel`` in static batches and, where ``make peers`` installed it, vLLM's ``LLM.embed``, on the
+"""Encoder embedding throughput (BERT-base's shape: bge-base-en-v1.5, e5-base; or ``--shape modernbert``,
+ModernBERT-base's: modernbert-embed-base, gte-modernbert-base): pagellm's ``LLM.embed`` against transformers' model
+in static batches and, where ``make peers`` installed it, vLLM's ``LLM.embed``, on the
 same random-weight checkpoint and the same prompts (token ids of random lengths), each in its own Python, in one
 run. Prints prompts/s and prompt tokens/s of each, the ratios to pagellm, and the largest difference between
 pagellm's normalised embeddings and each other system's.
 
-    .venv/bin/python benchmarks/encoder_embed.py [--num-prompts 256] [--min-len 32] [--max-len 256] [--threads 2]
+    .venv/bin/python benchmarks/encoder_embed.py [--shape bert|modernbert] [--num-prompts 256] [--min-len 32]
+        [--max-len 256] [--threads 2]
 """
 
 from __future__ import annotations
@@ -23,17 +25,22 @@ VLLM_PYTHON = REPO / ".peers" / "vllm" / "bin" / "python"
 RESULT = "RESULT "
 BERT_BASE = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                  intermediate_size=3072, max_position_embeddings=512)
+MODERNBERT_BASE = dict(vocab_size=50368, hidden_size=768, num_hidden_layers=22, num_attention_heads=12,
+                       intermediate_size=1152, max_position_embeddings=8192, pad_token_id=0, bos_token_id=101,
+                       eos_token_id=102, cls_token_id=101, sep_token_id=102)
 
 
-def make_model(root: Path) -> Path:
-    """BERT-base with random weights (bfloat16) and a WordPiece tokenizer of its vocabulary's size, CLS pooling."""
+def make_model(root: Path, shape: str = "bert") -> Path:
+    """BERT-base (or ModernBERT-base) with random weights (bfloat16) and a WordPiece tokenizer of its vocabulary's
+    size, CLS pooling."""
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-    out = root / "bert-base-shape"
+    out = root / f"{shape}-base-shape"
+    sizes = BERT_BASE if shape == "bert" else MODERNBERT_BASE
     vocab = ["[PAD]"] + [f"[unused{i}]" for i in range(99)] + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    vocab += [f"w{i}" for i in range(BERT_BASE["vocab_size"] - len(vocab))]
+    vocab += [f"w{i}" for i in range(sizes["vocab_size"] - len(vocab))]
     backend = Tokenizer(models.WordPiece(vocab={t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     backend.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[
@@ -41,7 +48,11 @@ def make_model(root: Path) -> Path:
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]",
                                                      cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
     torch.manual_seed(0)
-    transformers.BertModel(transformers.BertConfig(**BERT_BASE)).to(torch.bfloat16).save_pretrained(out)
+    if shape == "bert":
+        transformers.BertModel(transformers.BertConfig(**BERT_BASE)).to(torch.bfloat16).save_pretrained(out)
+    else:
+        transformers.ModernBertModel(transformers.ModernBertConfig(**MODERNBERT_BASE)).to(torch.bfloat16) \
+            .save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 
@@ -60,9 +71,9 @@ def worker(args: argparse.Namespace) -> None:
 
     batch = prompts(args)
     if args.worker == "transformers":
-        from transformers import BertModel
+        from transformers import AutoModel
 
-        model = BertModel.from_pretrained(args.model, dtype=torch.bfloat16, add_pooling_layer=False).eval()
+        model = AutoModel.from_pretrained(args.model, dtype=torch.bfloat16).eval()
 
         def embed(items: list[list[int]]) -> list[list[float]]:
             out = []
@@ -116,6 +127,7 @@ def main() -> None:
     import numpy as np
 
     cmd = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cmd.add_argument("--shape", choices=["bert", "modernbert"], default="bert")
     cmd.add_argument("--num-prompts", type=int, default=256)
     cmd.add_argument("--min-len", type=int, default=32)
     cmd.add_argument("--max-len", type=int, default=256)
@@ -129,12 +141,12 @@ def main() -> None:
         worker(args)
         return
     with tempfile.TemporaryDirectory(prefix="encoder-embed-") as tmp:
-        model = make_model(Path(tmp))
+        model = make_model(Path(tmp), args.shape)
         results = {system: run(system, model, args) for system in ("pagellm", "transformers", "vllm")}
     tokens = sum(map(len, prompts(args)))
     ours = results["pagellm"]
-    print(f"{args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens ({tokens} in all), BERT-base's shape, "
-          f"bfloat16, {args.threads} threads")
+    print(f"{args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens ({tokens} in all), {args.shape}-base's "
+          f"shape, bfloat16, {args.threads} threads")
     for system, result in results.items():
         if result is None:
             continue

@@ -5,7 +5,8 @@ are (their sentence-transformers Pooling and Dense modules).
 Contract: the flat step of ``EncoderEmbeddingModel`` (each prompt whole in one step, no KV cache), with ModernBERT's
 layers: token embeddings and a LayerNorm; each layer a pre-LayerNorm (none before the first layer's attention)
 attention over one fused ``Wqkv``, rotary positions (each prompt from 0; the global layers' base and the local
-layers' own, ``rope_parameters``), bidirectional within the prompt, or, in the local layers (``layer_types``), within
+layers' own, ``rope_parameters``; ``layers/rotary.RotaryEmbedding``, its tables in the model's dtype as transformers
+casts them), bidirectional within the prompt, or, in the local layers (``layer_types``), within
 ``local_attention // 2`` tokens either way; then a gated MLP (``Wi`` split in two, the activation of the first half
 times the second, ``Wo``); a final LayerNorm. Norms, attention and MLP biases as the config says (none by default).
 Checkpoints name the tensors as ``ModernBertModel`` does, or with a ``model.`` prefix.
@@ -22,6 +23,7 @@ from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import ArchConfig
 from pagellm.model.bert import EncoderEmbeddingModel
 from pagellm.model.layers.linear import ReplicatedLinear
+from pagellm.model.layers.rotary import RotaryEmbedding
 
 _GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 
@@ -36,8 +38,8 @@ class _Layer(nn.Module):
         width, heads = cfg.hidden_size, cfg.num_heads
         self.heads, self.local = heads, enc["layer_types"][index] == "sliding_attention"
         self.window = int(enc.get("local_attention") or 128) // 2
-        theta = enc["rope_parameters"]["sliding_attention" if self.local else "full_attention"]["rope_theta"]
-        self.inv_freq = 1.0 / (float(theta) ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        kind = "sliding_attention" if self.local else "full_attention"
+        self.theta = float(enc["rope_parameters"][kind]["rope_theta"])
         self.attn_norm = nn.Identity() if index == 0 else _norm(cfg, enc, dtype)
         self.attn = nn.Module()
         self.attn.Wqkv = ReplicatedLinear(width, 3 * width, dtype, bias=bool(enc.get("attention_bias")))
@@ -51,23 +53,15 @@ class _Layer(nn.Module):
             raise ValueError(f"ModernBERT activation {act!r} is not supported; supported: {', '.join(_GELU)}")
         self.approximate = _GELU[act]
 
-    def forward(self, x: torch.Tensor, runs: Runs, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, runs: Runs, positions: torch.Tensor,
+                rotary: dict[float, RotaryEmbedding]) -> torch.Tensor:
+        """``rotary``: the encoder's rotary embeddings by rope base (the fused native pass in bfloat16)."""
         qkv = self.attn.Wqkv(self.attn_norm(x)).view(len(x), 3, self.heads, -1)
-        q, k = (_rotate(qkv[:, i], positions, self.inv_freq) for i in (0, 1))
+        q, k = rotary[self.theta](positions, qkv[:, 0], qkv[:, 1])
         attended = runs.attend(q, k, qkv[:, 2].contiguous(), window=self.window if self.local else None)
         x = x + self.attn.Wo(attended)
         gate_in, gate = self.mlp.Wi(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.mlp.Wo(F.gelu(gate_in, approximate=self.approximate) * gate)
-
-
-def _rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotary positions in float32 over a head's two halves (transformers' ``rotate_half`` form), back in x's dtype."""
-    freqs = positions[:, None].float() * inv_freq
-    cos, sin = (f(torch.cat([freqs, freqs], -1))[:, None, :] for f in (torch.cos, torch.sin))
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], -1)
-    return (xf * cos + rotated * sin).to(x.dtype).contiguous()
 
 
 class _Encoder(nn.Module):
@@ -80,6 +74,9 @@ class _Encoder(nn.Module):
         self.embeddings.norm = _norm(cfg, enc, dtype)
         self.layers = nn.ModuleList(_Layer(cfg, enc, i, dtype) for i in range(cfg.num_layers))
         self.final_norm = _norm(cfg, enc, dtype)
+        # one rotary embedding a rope base (cos and sin tables in the model's dtype, as transformers casts them)
+        self.rotary = {theta: RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, theta, None, dtype)
+                       for theta in {layer.theta for layer in self.layers}}
 
     @property
     def norm(self) -> nn.LayerNorm:  # the runner reads the model's dtype here
@@ -93,7 +90,7 @@ class ModernBertEmbeddingModel(EncoderEmbeddingModel):
         x = self.model.embeddings.norm(self.model.embeddings.tok_embeddings(input_ids))
         positions = torch.from_numpy(runs.positions)
         for layer in self.model.layers:
-            x = layer(x, runs, positions)
+            x = layer(x, runs, positions, self.model.rotary)
         return self.model.final_norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
