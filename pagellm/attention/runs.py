@@ -13,6 +13,7 @@ same length (a tower's tiles). ``native_attention(model, backend)`` tells a mode
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -32,9 +33,8 @@ class Runs:
         if native:
             from pagellm.attention.cpu_paged import CpuPagedMetadata, load_kernel
 
-            table = np.zeros((len(lens), int(lens.max())), dtype=np.int64)
-            for row, (start, end) in enumerate(self.bounds):
-                table[row, :end - start] = np.arange(start, end)
+            offsets = np.arange(int(lens.max()), dtype=np.int64)
+            table = np.where(offsets < lens[:, None], qsl[:-1, None] + offsets, 0)  # each token its own block
             self.kernel = load_kernel()
             total = int(qsl[-1])
             self.metadata = CpuPagedMetadata(torch.zeros(total, dtype=torch.int64), total, torch.from_numpy(qsl),
@@ -53,8 +53,9 @@ class Runs:
         return self._windowed[window]
 
     @classmethod
+    @functools.lru_cache(maxsize=8)
     def equal(cls, count: int, length: int, native: bool) -> Runs:
-        """``count`` runs of ``length`` tokens each."""
+        """``count`` runs of ``length`` tokens each (made once for a tower's every layer and tile batch)."""
         return cls(np.arange(count + 1, dtype=np.int64) * length, native)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,

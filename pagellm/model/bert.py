@@ -26,7 +26,6 @@ from typing import Iterable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.base import current_forward_context
@@ -34,8 +33,8 @@ from pagellm.attention.runs import Runs
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.linear import ReplicatedLinear, pack_weights
+from pagellm.model.vit import act, activation
 
-_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
 _SKIPPED = re.compile(r"^(pooler\.|cls\.|lm_head\.|embeddings\.position_ids$)")
 _PREFIX = re.compile(r"^(bert\.|roberta\.|model\.)")
 
@@ -55,17 +54,18 @@ class _Embeddings(nn.Module):
         # with two token types: the separator after which a pair's second text (type 1) begins
         self.sep = enc.get("sep_token_id") if self.token_type_embeddings.num_embeddings > 1 else None
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        lens = torch.diff(torch.cat([starts, starts.new_tensor([len(ids)])]))
+    def forward(self, ids: torch.Tensor, runs: Runs) -> torch.Tensor:
+        """The embeddings of the step's prompts (``runs``: each one's tokens, positions from 0)."""
+        positions = torch.from_numpy(runs.positions)
         if self.offset:  # RoBERTa: non-pad tokens counted from the padding id + 1; pad tokens at the padding id
             real = (ids != self.pad).long()
-            positions = _row_cumsum(real, starts, lens) * real + self.pad
+            positions = _row_cumsum(real, runs) * real + self.pad
         x = self.word_embeddings(ids) + self.position_embeddings(positions)
         if self.sep is None:
             x = x + self.token_type_embeddings.weight[0]
         else:  # type 1 after a row's first separator, as the tokenizer's pair template types a pair's tokens
             is_sep = (ids == self.sep).long()
-            x = x + self.token_type_embeddings(((_row_cumsum(is_sep, starts, lens) - is_sep) > 0).long())
+            x = x + self.token_type_embeddings(((_row_cumsum(is_sep, runs) - is_sep) > 0).long())
         return self.LayerNorm(x)
 
 
@@ -86,16 +86,13 @@ class _Layer(nn.Module):
         self.output = nn.Module()
         self.output.dense = ReplicatedLinear(cfg.intermediate_size, width, dtype, bias=True)
         self.output.LayerNorm = nn.LayerNorm(width, eps=eps, dtype=dtype)
-        act = (cfg.encoder or {}).get("hidden_act") or "gelu"
-        if act not in _GELU:
-            raise ValueError(f"encoder activation {act!r} is not supported; supported: {', '.join(_GELU)}")
-        self.approximate = _GELU[act]
+        self.kind = activation((cfg.encoder or {}).get("hidden_act") or "gelu")
 
     def forward(self, x: torch.Tensor, step: Runs) -> torch.Tensor:
         q, k, v = (proj(x).view(len(x), self.heads, -1)
                    for proj in (self.attention.self.query, self.attention.self.key, self.attention.self.value))
         x = self.attention.output.LayerNorm(x + self.attention.output.dense(step.attend(q, k, v)))
-        inner = F.gelu(self.intermediate.dense(x), approximate=self.approximate)
+        inner = act(self.intermediate.dense(x), self.kind)
         return self.output.LayerNorm(x + self.output.dense(inner))
 
 
@@ -140,7 +137,7 @@ class EncoderEmbeddingModel(nn.Module):
 
     def encode(self, input_ids: torch.Tensor, runs: Runs) -> torch.Tensor:
         """The final token states of the step's prompts (``runs``: each one's tokens)."""
-        x = self.model.embeddings(input_ids, torch.from_numpy(runs.positions), torch.from_numpy(runs.starts))
+        x = self.model.embeddings(input_ids, runs)
         for layer in self.model.encoder.layer:
             x = layer(x, runs)
         return x
@@ -230,8 +227,8 @@ class EncoderClassifier(EncoderEmbeddingModel):
         return super()._own(name)
 
 
-def _row_cumsum(values: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """The running sum of ``values`` within each row of the flat step (rows start at ``starts``, ``lens`` long)."""
+def _row_cumsum(values: torch.Tensor, runs: Runs) -> torch.Tensor:
+    """The running sum of ``values`` within each of the step's prompts (``runs``)."""
     total = values.cumsum(0)
-    before = torch.cat([total.new_zeros(1), total])[starts]
-    return total - before.repeat_interleave(lens)
+    before = torch.cat([total.new_zeros(1), total])[torch.from_numpy(runs.starts)]
+    return total - before.repeat_interleave(torch.from_numpy(runs.lens))

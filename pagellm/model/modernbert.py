@@ -15,7 +15,6 @@ Checkpoints name the tensors as ``ModernBertModel`` does, or with a ``model.`` p
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.runs import Runs
@@ -24,9 +23,7 @@ from pagellm.model.arch import ArchConfig
 from pagellm.model.bert import EncoderEmbeddingModel
 from pagellm.model.layers.linear import ReplicatedLinear
 from pagellm.model.layers.rotary import RotaryEmbedding
-
-_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
-
+from pagellm.model.vit import act, activation
 
 def _norm(cfg: ArchConfig, enc: dict, dtype: torch.dtype) -> nn.LayerNorm:
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, bias=bool(enc.get("norm_bias")), dtype=dtype)
@@ -48,10 +45,7 @@ class _Layer(nn.Module):
         self.mlp = nn.Module()
         self.mlp.Wi = ReplicatedLinear(width, 2 * cfg.intermediate_size, dtype, bias=bool(enc.get("mlp_bias")))
         self.mlp.Wo = ReplicatedLinear(cfg.intermediate_size, width, dtype, bias=bool(enc.get("mlp_bias")))
-        act = enc.get("hidden_activation") or "gelu"
-        if act not in _GELU:
-            raise ValueError(f"ModernBERT activation {act!r} is not supported; supported: {', '.join(_GELU)}")
-        self.approximate = _GELU[act]
+        self.kind = activation(enc.get("hidden_activation") or "gelu")
 
     def forward(self, x: torch.Tensor, runs: Runs, positions: torch.Tensor,
                 rotary: dict[float, RotaryEmbedding]) -> torch.Tensor:
@@ -61,7 +55,7 @@ class _Layer(nn.Module):
         attended = runs.attend(q, k, qkv[:, 2].contiguous(), window=self.window if self.local else None)
         x = x + self.attn.Wo(attended)
         gate_in, gate = self.mlp.Wi(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.mlp.Wo(F.gelu(gate_in, approximate=self.approximate) * gate)
+        return x + self.mlp.Wo(act(gate_in, self.kind) * gate)
 
 
 class _Encoder(nn.Module):
@@ -108,11 +102,8 @@ class ModernBertClassifier(ModernBertEmbeddingModel):
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState = SINGLE) -> None:
         super().__init__(cfg, dtype, parallel)
         enc = cfg.encoder or {}
-        act = enc.get("classifier_activation") or "gelu"
-        if act not in _GELU:
-            raise ValueError(f"ModernBERT classifier activation {act!r} is not supported; supported: "
-                             f"{', '.join(_GELU)}")
-        self.approximate, self.mean = _GELU[act], enc.get("classifier_pooling") == "mean"
+        self.kind, self.mean = activation(enc.get("classifier_activation") or "gelu"), \
+            enc.get("classifier_pooling") == "mean"
         self.head = nn.Module()
         self.head.dense = ReplicatedLinear(cfg.hidden_size, cfg.hidden_size, dtype,
                                            bias=bool(enc.get("classifier_bias")))
@@ -121,7 +112,7 @@ class ModernBertClassifier(ModernBertEmbeddingModel):
 
     def pool(self, rows: torch.Tensor) -> torch.Tensor:
         pooled = rows.mean(0) if self.mean else rows[0]
-        return self.classifier(self.head.norm(F.gelu(self.head.dense(pooled), approximate=self.approximate))).float()
+        return self.classifier(self.head.norm(act(self.head.dense(pooled), self.kind))).float()
 
     def _own(self, name: str) -> str | None:
         return name if name.startswith(("head.", "classifier.")) else super()._own(name)

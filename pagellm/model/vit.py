@@ -26,7 +26,7 @@ _ACTIVATIONS = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh",
 
 def activation(name: str) -> str:
     if name not in _ACTIVATIONS:
-        raise ValueError(f"vision activation {name!r} is not supported; supported: {', '.join(sorted(_ACTIVATIONS))}")
+        raise ValueError(f"activation {name!r} is not supported; supported: {', '.join(sorted(_ACTIVATIONS))}")
     return _ACTIVATIONS[name]
 
 

@@ -20,6 +20,7 @@ from pagellm.multimodal import MultiModalInputs
 from pagellm.sample.logits_processors import RequestProcessing
 from pagellm.sampling_params import SamplingParams
 from pagellm.sched.output import SchedulerOutput
+from pagellm.sched.whole_images import image_runs
 
 
 @dataclass
@@ -142,8 +143,10 @@ def plan_images(state: CachedRequestState, model: Any, images: MultiModalInputs,
     holds (all before ``state.num_computed_tokens``) are never encoded: no step computes their positions."""
     positions = np.flatnonzero(np.asarray(prompt_ids) == model.cfg.image_token_id).astype(np.int64)
     skip, skipped = _cached_images(images, positions, state.num_computed_tokens)
-    if model.cfg.bidirectional_images:
-        state.image_run_ends = _run_ends(positions)[skipped:]
+    if model.cfg.bidirectional_images:  # each image position's run end (the runs the scheduler keeps whole)
+        runs = image_runs(prompt_ids, model.cfg.image_token_id)
+        runs = np.zeros((0, 2), dtype=np.int64) if runs is None else runs
+        state.image_run_ends = np.repeat(runs[:, 1], runs[:, 1] - runs[:, 0])[skipped:]
     state.image_positions = positions = positions[skipped:]
     state.image_rows = torch.empty(len(positions), model.cfg.hidden_size, dtype=model.model.norm.weight.dtype)
     counts = [count for _, count in images.items[skip:]] if images.items else [len(positions)]
@@ -171,24 +174,15 @@ def encode_due(state: CachedRequestState, model: Any, end: int) -> None:
     if needed <= start:
         return
     last = int(np.searchsorted(ends, needed)) + 1  # the images to encode: [done, last)
-    counted = len(ends) > 1 or len(state.image_inputs.items) > 0
-    first = state.image_first + done
-    rows = model.image_rows(state.image_inputs, first, first + last - done if counted else None)
+    first, stop = state.image_first + done, state.image_first + last
+    rows = model.image_rows(state.image_inputs, first, stop if state.image_inputs.items else None)
     if len(rows) != int(ends[last - 1]) - start:
         raise ValueError(f"request {state.req_id}: {int(ends[last - 1]) - start} image tokens in its prompt for "
-                         f"images {first}..{first + last - done - 1} but {len(rows)} image rows")
+                         f"images {first}..{stop - 1} but {len(rows)} image rows")
     state.image_rows[start:int(ends[last - 1])] = rows  # type: ignore[index]
     state.images_done = last
     if last == len(ends):
         state.image_inputs = None  # every image encoded: the pixels go
-
-
-def _run_ends(positions: np.ndarray) -> np.ndarray:
-    """For each of the sorted ``positions``, one past the last position of its run of consecutive ones."""
-    if not len(positions):
-        return positions
-    last = np.append(np.flatnonzero(np.diff(positions) != 1), len(positions) - 1)  # each run's last index
-    return np.repeat(positions[last] + 1, np.diff(last, prepend=-1))
 
 
 def _cached_images(images: MultiModalInputs, positions: np.ndarray, computed: int) -> tuple[int, int]:
