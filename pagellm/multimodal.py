@@ -4,7 +4,8 @@ A vision-language model's prompt is text with image placeholders, and images. Th
 Hugging Face processor (``ImageProcessor``: the checkpoint's ``preprocessor_config.json`` and ``processor_config.json``,
 through ``transformers.AutoProcessor``), which expands each placeholder into the model's image tokens (SmolVLM's:
 tiles' rows and columns, each ``image_seq_len`` ``<image>`` tokens; LLaVA's: one ``<image>`` a patch; Gemma 3's: its
-``<start_of_image>`` into ``mm_tokens_per_image`` soft tokens between its image markers) and turns the
+``<start_of_image>`` into ``mm_tokens_per_image`` soft tokens between its image markers; Qwen2-VL's
+``<|image_pad|>`` into one token a merged 2 x 2 block of patches, by pagellm's ``qwen_vl_processor``) and turns the
 images into pixel tensors. The prompt's token ids are then ordinary ids; its images travel as ``MultiModalInputs``:
 the processor's tensors as raw bytes (``PackedTensor``, so the engine core and its messages need no torch), and a
 digest of them.
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+
+from pagellm.model.hf_config import QWEN_VL
 
 if TYPE_CHECKING:
     import torch
@@ -96,15 +99,21 @@ class ImageProcessor:
     FAMILIES = {"Idefics3ForConditionalGeneration": (("pixel_values", "pixel_attention_mask"), True),
                 "LlavaForConditionalGeneration": (("pixel_values",), False),
                 "LlavaNextForConditionalGeneration": (("pixel_values", "image_sizes"), False),
-                "Gemma3ForConditionalGeneration": (("pixel_values",), False)}
+                "Gemma3ForConditionalGeneration": (("pixel_values",), False),
+                **{name: (("pixel_values", "image_grid_thw"), False) for name in QWEN_VL}}
 
     def __init__(self, model_dir: Path, image_token_id: int) -> None:
         from transformers import AutoProcessor
 
-        self.processor = AutoProcessor.from_pretrained(str(model_dir))
+        self.config = json.loads((Path(model_dir) / "config.json").read_text())
+        if self.config["architectures"][0] in QWEN_VL:  # (transformers' own needs torchvision)
+            from pagellm.qwen_vl_processor import QwenVLProcessor
+
+            self.processor = QwenVLProcessor(model_dir)
+        else:
+            self.processor = AutoProcessor.from_pretrained(str(model_dir))
         self.image_token = str(getattr(self.processor, "image_token", "<image>"))  # the placeholder a prompt writes
         self.image_token_id = image_token_id
-        self.config = json.loads((Path(model_dir) / "config.json").read_text())
         self.tensors, self.batched = self.FAMILIES[self.config["architectures"][0]]
         if not self.batched:  # a LLaVA's: its tower's config completed once (``_rows``)
             from pagellm.model.llava import completed
@@ -184,12 +193,15 @@ class ImageProcessor:
     def _rows(self, tensors: dict[str, torch.Tensor]) -> int:
         """The rows the model's encoder makes of ``tensors``: SmolVLM's ``image_seq_len`` a tile (all-zero padding
         tiles dropped); LLaVA's a tile's patches (``model/llava.py``: ``image_tokens``), LLaVA-NeXT's by each
-        image's size; Gemma 3's ``mm_tokens_per_image`` a crop."""
+        image's size; Gemma 3's ``mm_tokens_per_image`` a crop; Qwen2-VL's one a merged block of patches."""
         pixels = tensors["pixel_values"]
         if self.batched:
             tiles = int((pixels != 0).flatten(1).any(1).sum())
             return tiles * int(getattr(self.processor, "image_seq_len", 0))
         architecture = self.config["architectures"][0]
+        if architecture in QWEN_VL:  # Qwen2-VL's: one a merged block of 2 x 2 patches
+            merge = int(self.config["vision_config"].get("spatial_merge_size", 2))
+            return int(tensors["image_grid_thw"].prod(-1).sum()) // merge ** 2
         if architecture not in LLAVA:  # Gemma 3's: a fixed count a crop
             from pagellm.model.gemma3_mm import tokens_per_image
 

@@ -119,3 +119,44 @@ def build_gemma3(decoder: Path, out: Path, tokens_per_image: int = 16) -> Path:
     model.save_pretrained(out)
     processor.save_pretrained(out)
     return out
+
+
+QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_VL_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+                    "{{ m['content'] }}{% else %}{% for part in m['content'] %}{% if part['type'] == 'text' %}"
+                    "{{ part['text'] }}{% else %}<|vision_start|><|image_pad|><|vision_end|>{% endif %}{% endfor %}"
+                    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                    "{% endif %}")
+
+
+def build_qwen2_vl(decoder: Path, out: Path, qwen25: bool = False) -> Path:
+    """A tiny Qwen2-VL (``qwen25``: Qwen2.5-VL, its tower's windows two merge blocks a side, its second and fourth
+    blocks attending to whole images) over a tiny Qwen2 ``decoder`` (M-RoPE sections 2, 3, 3 of its 8
+    frequencies): 14-pixel patches merged 2 x 2, images resized to 4-16 merged blocks (16 image tokens at most), the
+    decoder's tokenizer with Qwen2-VL's vision tokens and a chat template that writes them."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(decoder)
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VL_TOKENS})
+    tokenizer.chat_template = QWEN_VL_TEMPLATE
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
+           zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), QWEN_VL_TOKENS)}
+    text = {k: v for k, v in json.loads((decoder / "config.json").read_text()).items()
+            if k not in ("architectures", "dtype", "torch_dtype", "model_type")}
+    text["rope_parameters"] = {**text.get("rope_parameters", {}), "rope_type": "default", "mrope_section": [2, 3, 3]}
+    tower = {"depth": 4, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
+             "window_size": 56, "fullatt_block_indexes": [1, 3]} if qwen25 else \
+        {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2}
+    config_cls, model_cls = (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration) if qwen25 \
+        else (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration)
+    config = config_cls(text_config=text, vision_config=tower, tie_word_embeddings=False, **ids)
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):  # random init leaves them at zero; make them matter
+                param.normal_(0, 0.5)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(out)
+    return out

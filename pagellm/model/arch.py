@@ -7,7 +7,7 @@ from typing import Any
 
 from pagellm.model.compressed_tensors import scheme_of
 from pagellm.model.encoder_config import ENCODERS, encoder_arch
-from pagellm.model.hf_config import class_labels, with_defaults
+from pagellm.model.hf_config import QWEN_VL, class_labels, mrope_section, qwen_vl_text, with_defaults
 
 
 # The base-model classes of the served families (their checkpoints have no LM head and no ``model.`` prefix).
@@ -117,7 +117,7 @@ def _full_attention_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, .
 
 # Vision-language models: a decoder (``text_config``) that takes image rows in place of image tokens' embeddings
 VISION_MODELS = ("Idefics3ForConditionalGeneration", "LlavaForConditionalGeneration",
-                 "LlavaNextForConditionalGeneration", "Gemma3ForConditionalGeneration")
+                 "LlavaNextForConditionalGeneration", "Gemma3ForConditionalGeneration", *QWEN_VL)
 # ... whose image tokens attend to their image's other tokens both ways (each run of them: model/gemma3_mm.py)
 BIDIRECTIONAL_IMAGES = ("Gemma3ForConditionalGeneration",)
 # what a vision-language model's config says of its vision side, beside its text_config
@@ -171,6 +171,9 @@ class ArchConfig:
     norms: str = NORMS_PRE
     # SmolLM3's NoPE layers: their q and k attend without a rotary embedding
     nope_layers: tuple[int, ...] = ()
+    # Qwen2-VL's multimodal rotary embedding: how many of each head's frequencies turn by the temporal, height and
+    # width position (``layers/rotary.MRotaryEmbedding``); empty: one position
+    mrope_section: tuple[int, ...] = ()
     # Granite's: token embeddings times embedding_multiplier (a float, where Gemma's embed_scale is rounded to the
     # model's dtype), each sublayer's output times residual_multiplier before it joins the residual stream, logits
     # divided by logits_scaling (its attention_multiplier is attn_scale)
@@ -214,11 +217,11 @@ class ArchConfig:
         archs = cfg.get("architectures") or [""]
         if archs[0] in ENCODERS:
             return cls(**encoder_arch(cfg))
-        if archs[0] in VISION_MODELS and "text_config" in cfg:  # its decoder's config, its vision side kept beside it
-            vision = {key: cfg[key] for key in _VISION_KEYS if key in cfg}
+        if archs[0] in VISION_MODELS and ("text_config" in cfg or "vision_config" in cfg):  # its decoder's config, its
+            vision = {key: cfg[key] for key in _VISION_KEYS if key in cfg}  # vision side kept beside it
             if "image_token_id" not in vision and "image_token_index" not in vision:
                 raise ValueError(f"{archs[0]}'s config names no image token (image_token_id or image_token_index)")
-            text = {**with_defaults(cfg["text_config"]), "architectures": archs}
+            text = {**with_defaults(cfg.get("text_config") or qwen_vl_text(cfg)), "architectures": archs}
             for key in ("quantization_config", "tie_word_embeddings"):  # the whole model's, where it says
                 if key in cfg:
                     text[key] = cfg[key]
@@ -226,6 +229,8 @@ class ArchConfig:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         model_type = cfg.get("model_type")
+        mrope = {"mrope_section": mrope_section(cfg)} if archs[0] in QWEN_VL else {}  # Qwen2's decoder, M-RoPE's
+        model_type = "qwen2" if mrope else model_type  # positions
         window = cfg.get("sliding_window") if (model_type not in _OPT_IN_WINDOW or cfg.get("use_sliding_window")) \
             else None
         rope_params = cfg.get("rope_parameters") or {}
@@ -237,10 +242,10 @@ class ArchConfig:
                              f"{head_dim}; it must give an even number from 2 to {head_dim}")
         rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default")
                                                    != "default" else None)
-        rope_scaling = _with_original_context(rope_scaling, cfg)
+        rope_scaling = _with_original_context(None if rope_kind(rope_scaling) == "mrope" else rope_scaling, cfg)
         base_model = archs[0] in BASE_MODELS
         labels = class_labels(cfg) if archs[0] in CLASSIFIERS else ()
-        family = _family_fields(cfg, hidden, head_dim)  # (its fields win)
+        family = {**_family_fields(cfg, hidden, head_dim), **mrope}  # (its fields win)
         return cls(**{**dict(
             architecture=archs[0],
             vocab_size=int(cfg["vocab_size"]),

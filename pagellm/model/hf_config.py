@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# Qwen2-VL and Qwen2.5-VL: images at their own resolution, M-RoPE positions (``model/qwen2_vl.py``)
+QWEN_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+
 
 def with_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
     """A nested config (a vision-language model's ``text_config`` or ``vision_config``) completed as transformers
@@ -19,6 +22,20 @@ def with_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
         return cfg
     return {**AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"}).to_dict(),
             **cfg}
+
+
+def qwen_vl_text(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A released Qwen2-VL or Qwen2.5-VL config's decoder: its top level (one flat config), as its text model's."""
+    kind = "qwen2_5_vl_text" if cfg["architectures"][0].startswith("Qwen2_5") else "qwen2_vl_text"
+    return {**{k: v for k, v in cfg.items() if k != "vision_config"}, "model_type": kind}
+
+
+def mrope_section(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """M-RoPE's sections (transformers' default where the config names none)."""
+    for scaling in (cfg.get("rope_parameters"), cfg.get("rope_scaling")):
+        if scaling and scaling.get("mrope_section"):
+            return tuple(int(n) for n in scaling["mrope_section"])
+    return (16, 24, 24)
 
 
 def class_labels(cfg: dict[str, Any]) -> tuple[str, ...]:

@@ -32,7 +32,7 @@ from pagellm.model.decoder import decoder_layer, make_norm
 from pagellm.model.layers.attention import Attention
 from pagellm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagellm.model.layers.linear import loaded_whole, pack_weights
-from pagellm.model.layers.rotary import RotaryEmbedding
+from pagellm.model.layers.rotary import MRotaryEmbedding, RotaryEmbedding
 from pagellm.model.native_stack import run_native, run_native_stage
 from pagellm.ops import gemm, gemm_mxfp4, gemm_w8a8
 
@@ -44,8 +44,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.parallel = parallel
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling,
-                                      dtype, cfg.rotary_dim)
+        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.mrope_section, dtype) \
+            if cfg.mrope_section else RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta,
+                                                      cfg.rope_scaling, dtype, cfg.rotary_dim)
         local = self.rotary if cfg.local_rope_theta is None else RotaryEmbedding(  # Gemma 3's, OLMo 3's sliding layers'
             cfg.head_dim, cfg.context_length, cfg.local_rope_theta, None, dtype, cfg.rotary_dim)
         self.layer_range = parallel.layer_range(cfg.num_layers)  # all of them, or this pipeline stage's

@@ -20,6 +20,8 @@ then run, unchanged: they are its twin and oracle, and the path of float32 and e
   experts' sparse layers run their native call (``ops/moe.py``, the one the Python layer makes: Mixtral, Qwen2-MoE
   with its shared expert, Qwen3-MoE, gpt-oss's biased experts, in their own format: its MXFP4 ones beside bfloat16
   attention);
+- the step's positions are one per token (a Qwen2-VL step whose tokens carry M-RoPE's three, [3, T], takes the
+  Python layers; its steps of text alone, whose three agree, come here);
 - no request of the step runs with a LoRA adapter (those steps take the Python layers, ``pagellm/lora.py``);
 - the forward context is the ``cpu_paged`` backend's (its metadata a ``CpuPagedMetadata``) and every layer to run
   has a cache bound, bfloat16 or float8 (``--kv-cache-dtype``), all of one dtype.
@@ -162,7 +164,7 @@ def run_native(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
                num_layers: int | None) -> torch.Tensor | None:
     """Final-norm hidden states of embedding rows ``x`` through the native stack, or ``None`` where it does not
     serve this call (see the module docstring)."""
-    call = _native_call(model, x, num_layers)
+    call = _native_call(model, x, num_layers) if positions.dim() == 1 else None
     if call is None:
         return None
     stack, caches, md = call
@@ -173,7 +175,7 @@ def run_native_stage(model: nn.Module, x: torch.Tensor, residual: torch.Tensor |
                      last: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A pipeline stage's layers in one native call: (final-norm hidden states, None) on the last stage, else the
     (hidden rows, residual) for the next; ``None`` where the native stack does not serve this call."""
-    call = _native_call(model, x, None)
+    call = _native_call(model, x, None) if positions.dim() == 1 else None
     if call is None:
         return None
     stack, caches, md = call

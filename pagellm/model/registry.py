@@ -15,6 +15,7 @@ from pagellm.model.idefics3 import Idefics3ForConditionalGeneration
 from pagellm.model.llama import (GemmaForCausalLM, GptOssForCausalLM, GraniteMoeForCausalLM,
                                  InterleavedRopeForCausalLM, LlamaForCausalLM, MixtralForCausalLM, Phi3ForCausalLM)
 from pagellm.model.llava import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
+from pagellm.model.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -43,6 +44,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,  # SmolVLM: images in its prompts
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # LLaVA-1.5: a CLIP or SigLIP tower
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,  # LLaVA-NeXT: any-resolution images
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,  # images at their own resolution, M-RoPE
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # ... windowed attention in its tower
     # encoder-only embedding models (BERT, RoBERTa, XLM-RoBERTa), for pooling requests
     **{name: EncoderClassifier if name in ENCODER_CLASSIFIERS else EncoderEmbeddingModel for name in ENCODERS},
     "ModernBertModel": ModernBertEmbeddingModel,

@@ -44,6 +44,9 @@ class CachedRequestState:
     images_done: int = 0  # images encoded so far (after the cached ones)
     # a model whose images attend both ways (Gemma 3): one past the last position of each image position's run
     image_run_ends: np.ndarray | None = None
+    # M-RoPE's (Qwen2-VL): the prompt's [3, prompt length] positions, and the delta of every later token's
+    mrope: np.ndarray | None = None
+    mrope_delta: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -147,6 +150,8 @@ def plan_images(state: CachedRequestState, model: Any, images: MultiModalInputs,
         runs = image_runs(prompt_ids, model.cfg.image_token_id)
         runs = np.zeros((0, 2), dtype=np.int64) if runs is None else runs
         state.image_run_ends = np.repeat(runs[:, 1], runs[:, 1] - runs[:, 0])[skipped:]
+    if hasattr(model, "mrope_positions"):  # every image's grid places the text after it
+        state.mrope, state.mrope_delta = model.mrope_positions(prompt_ids, images)
     state.image_positions = positions = positions[skipped:]
     state.image_rows = torch.empty(len(positions), model.cfg.hidden_size, dtype=model.model.norm.weight.dtype)
     counts = [count for _, count in images.items[skip:]] if images.items else [len(positions)]
@@ -194,6 +199,28 @@ def _cached_images(images: MultiModalInputs, positions: np.ndarray, computed: in
             break
         skip, tokens = skip + 1, tokens + count
     return skip, tokens
+
+
+def mrope_step_positions(states: dict[str, CachedRequestState], inputs: StepInputs) -> torch.Tensor | None:
+    """[3, T] M-RoPE positions of the step's tokens where some request has a table (``CachedRequestState.mrope``):
+    its prompt's from the table, its later tokens' (drafts too, wherever a tree placed them) shifted by its delta,
+    every other request's three alike; [T] where each token's three agree (a step of decodes: the native stack
+    takes it); None where no request has one."""
+    rows = [row for row, req_id in enumerate(inputs.req_ids) if states[req_id].mrope is not None]
+    if not rows:
+        return None
+    flat = inputs.positions.numpy()
+    out = np.repeat(flat[None], 3, axis=0)
+    for row in rows:
+        state, (lo, hi) = states[inputs.req_ids[row]], inputs.query_start_loc[row:row + 2]
+        table, positions = state.mrope, flat[lo:hi]
+        assert table is not None
+        inside = positions < table.shape[1]
+        out[:, lo:hi] = np.where(inside, table[:, np.minimum(positions, table.shape[1] - 1)],
+                                 positions + state.mrope_delta)
+    if (out[0] == out[1]).all() and (out[0] == out[2]).all():
+        return torch.from_numpy(np.ascontiguousarray(out[0]))
+    return torch.from_numpy(out)
 
 
 def _positions(starts: np.ndarray, counts: np.ndarray, total: int) -> np.ndarray:

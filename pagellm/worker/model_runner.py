@@ -42,7 +42,7 @@ from pagellm.spec.base import Draft, ProposalRequest, Proposer
 from pagellm.spec.tree import compact_kv, place_trees
 from pagellm.spec.verify import DraftedRow, Verified, verify
 from pagellm.worker.input_batch import (CachedRequestState, StepInputs, build_step_inputs, encode_scheduled,
-                                        plan_images)
+                                        mrope_step_positions, plan_images)
 from pagellm.worker.kv_transfer import load_stored, save_prompts
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,8 @@ class ModelRunner:
                                            inputs.positions.numpy(), inputs.visible_ends)
             lora = self.adapters.batch(inputs.req_ids, inputs.query_start_loc)
         with span("forward"), forward_context(self.backend, self.backend.build(common), lora):
-            hidden = self.model(inputs.input_ids, inputs.positions, embeds=inputs.embeds)
+            mrope = mrope_step_positions(self.states, inputs) if self._embeds else None  # Qwen2-VL's images
+            hidden = self.model(inputs.input_ids, inputs.positions if mrope is None else mrope, embeds=inputs.embeds)
         with span("compute_logits"):
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # model dtype; samplers upcast
         with span("sample"):

@@ -19,7 +19,7 @@ import anthropic
 import openai
 import pytest
 from server_utils import ServerProcess
-from vlm_utils import build_llava, build_vlm, data_url, image, png
+from vlm_utils import build_llava, build_qwen2_vl, build_vlm, data_url, image, png
 
 from pagellm import LLM, SamplingParams
 from pagellm.cli import main
@@ -232,3 +232,28 @@ def test_image_embeds_parts_are_served_with_enable_mm_embeds(tiny_llama: Path, t
         server.stop()
     assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
     assert replies[0].usage.prompt_tokens == replies[1].usage.prompt_tokens > 16
+
+
+def test_a_qwen2_vl_server_replies_to_images_as_offline_chat(tiny_qwen2: Path, tmp_path: Path) -> None:
+    """A tiny Qwen2.5-VL (``vlm_utils.build_qwen2_vl``) served: a chat with two images of different sizes gets the
+    offline ``LLM.chat``'s tokens (transformers' own, ``tests/engine/test_qwen2_vl.py``), whole and streamed, and
+    each image's tokens (one a merged 2 x 2 block of its patches) counted in the usage."""
+    model = build_qwen2_vl(tiny_qwen2, tmp_path / "qwen2_5_vl", qwen25=True)
+    messages = _messages(data_url(image(1, 40, 56)), data_url(image(2, 110, 80)))
+    offline = LLM(str(model), dtype="float32", kv_cache_memory=1 << 22).chat(
+        messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)[0]
+    server = ServerProcess(model, ["--served-model-name", "tiny"], tmp_path / "log")
+    body = {"return_token_ids": True, "ignore_eos": True}
+    try:
+        server.wait_healthy()
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                               extra_body=body)
+        chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS,
+                                                     temperature=0, stream=True, extra_body=body))
+    finally:
+        server.stop()
+    assert reply.choices[0].token_ids == offline.outputs[0].token_ids
+    assert [t for c in chunks if c.choices for t in (getattr(c.choices[0], "token_ids", None) or [])] == \
+        offline.outputs[0].token_ids
+    assert reply.usage.prompt_tokens == len(offline.prompt_token_ids) > 6 + 12  # 2 x 3 and 4 x 3 merged blocks

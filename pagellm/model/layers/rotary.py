@@ -148,3 +148,35 @@ class RotaryEmbedding(nn.Module):
             return tuple(torch.cat([x[..., :rot] * cos + rotate_half(x[..., :rot]) * sin, x[..., rot:]], dim=-1)
                          for x in (q, k))  # type: ignore[return-value]
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen2-VL's multimodal rotary embedding (M-RoPE): each token has three positions (temporal, height, width: an
+    image token's place in its image's grid, offset past the text before it), and each of the ``sections`` (their sum
+    half the head) of a head's frequencies turns by one of them, as transformers' ``Qwen2VLRotaryEmbedding``
+    recomposes them. [3, T] positions take the per-token tables; [T] positions (a step of text alone, whose three
+    positions agree) the plain embedding, fused kernel and all."""
+
+    def __init__(self, head_dim: int, max_positions: int, base: float, sections: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
+        super().__init__(head_dim, max_positions, base, None, dtype)
+        if len(sections) != 3 or sum(sections) != head_dim // 2:
+            raise ValueError(f"mrope_section {list(sections)} must be three counts adding up to half the head "
+                             f"({head_dim // 2})")
+        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
+        self.register_buffer("axis", torch.cat([axis, axis]), persistent=False)  # [head_dim]: each column's position
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        cos, sin = self.tables(positions)
+        fused = rotary(torch.arange(len(cos)), q, k, cos, sin)
+        if fused is not None:
+            return fused
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, head_dim] cos and sin of [3, T] positions: each column from its section's position's row."""
+        index = self.axis.expand(1, positions.shape[1], -1)
+        return tuple(table[positions].gather(0, index)[0] for table in (self.cos, self.sin))  # type: ignore
