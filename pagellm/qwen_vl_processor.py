@@ -22,16 +22,20 @@ class QwenVLProcessor:
 
     def __call__(self, text: list[str], images: list[list[Any]], return_tensors: str = "pt",
                  add_special_tokens: bool = True, **kwargs: Any) -> dict[str, Any]:
-        """One prompt's token ids (``input_ids`` [1, length]), ``pixel_values`` [patches, 3 · 2 · 14 · 14] and
-        ``image_grid_thw`` [images, 3]; ``kwargs``: the image processor's (``min_pixels``, ``max_pixels``, ...)."""
-        out = self.image_processor(images=images[0], return_tensors=return_tensors, **kwargs)
-        counts = [int(n) // self._merge(kwargs) ** 2 for n in out["image_grid_thw"].prod(-1).tolist()]
-        pieces = text[0].split(self.image_token)
-        if len(pieces) - 1 != len(counts):
-            raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} placeholders for {len(counts)} "
-                             "images")
-        expanded = pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(counts, pieces[1:]))
-        ids = self.tokenizer([expanded], add_special_tokens=add_special_tokens, return_tensors=return_tensors)
+        """The prompts' token ids (``input_ids`` [prompts, length]: prompts of one length, or a single prompt),
+        ``pixel_values`` [patches, 3 · 2 · 14 · 14] and ``image_grid_thw`` [images, 3] of ``images`` (each prompt's
+        list); ``kwargs``: the image processor's (``min_pixels``, ``max_pixels``, ...)."""
+        flat = [picture for pictures in images for picture in pictures]
+        out = self.image_processor(images=flat, return_tensors=return_tensors, **kwargs)
+        counts = iter([int(n) // self._merge(kwargs) ** 2 for n in out["image_grid_thw"].prod(-1).tolist()])
+        expanded = []
+        for prompt, pictures in zip(text, images):
+            pieces = prompt.split(self.image_token)
+            if len(pieces) - 1 != len(pictures):
+                raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} placeholders for "
+                                 f"{len(pictures)} images")
+            expanded.append(pieces[0] + "".join(self.image_token * next(counts) + piece for piece in pieces[1:]))
+        ids = self.tokenizer(expanded, add_special_tokens=add_special_tokens, return_tensors=return_tensors)
         return {"input_ids": ids["input_ids"], "pixel_values": out["pixel_values"],
                 "image_grid_thw": out["image_grid_thw"]}
 

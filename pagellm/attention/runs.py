@@ -7,7 +7,10 @@ the tokens' own K/V are read in place as one-token blocks, each token's keys end
 padding, the kernel's flash tiles (1.8x SDPA's flash path for a step of 28 prompts of 32-256 tokens, 12 heads of
 64, bfloat16). Otherwise, its plain twin: one SDPA call a run, or one call for all of them where every run has the
 same length (a tower's tiles). ``native_attention(model, backend)`` tells a model's vision tower which one to take
-(it runs outside the step's forward context, where an encoder reads the backend).
+(it runs outside the step's forward context, where an encoder reads the backend), and ``kernel_pays(dtype, head
+size)`` whether the kernel is the faster one: only its flash tiles are (bfloat16, heads of 64 or 128); elsewhere it
+walks the keys one by one, 10-25x SDPA's time on a tower's runs of 256-1024 patches (Qwen2-VL's heads of 80,
+SigLIP-So400m's of 72, any float32 run), so SDPA runs them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+
+FLASH_HEAD_SIZES = (64, 128)  # the kernel's flash tiles' (csrc/paged_kernels.h, ``flash_item``)
+
+
+def kernel_pays(dtype: torch.dtype, head_size: int) -> bool:
+    """Whether runs of ``dtype`` q/k/v with heads of ``head_size`` are faster through the kernel than SDPA."""
+    return dtype == torch.bfloat16 and head_size in FLASH_HEAD_SIZES
 
 
 class Runs:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from pagellm.attention.base import current_forward_context
-from pagellm.attention.runs import Runs
+from pagellm.attention.runs import Runs, kernel_pays
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import ArchConfig
 from pagellm.model.layers.linear import ReplicatedLinear, pack_weights
@@ -133,7 +133,8 @@ class EncoderEmbeddingModel(nn.Module):
         common = context.metadata.common
         if not np.array_equal(common.seq_lens, np.diff(common.query_start_loc)):
             raise ValueError("an encoder-only model computes each prompt in one step (chunked prefill off)")
-        return self.encode(input_ids, Runs(common.query_start_loc, context.backend.name == "cpu_paged"))
+        native = context.backend.name == "cpu_paged" and kernel_pays(self.model.norm.weight.dtype, self.cfg.head_dim)
+        return self.encode(input_ids, Runs(common.query_start_loc, native))
 
     def encode(self, input_ids: torch.Tensor, runs: Runs) -> torch.Tensor:
         """The final token states of the step's prompts (``runs``: each one's tokens)."""

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.attention.runs import Runs
+from pagellm.attention.runs import Runs, kernel_pays
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import ArchConfig
 from pagellm.model.hf_config import with_defaults
@@ -70,7 +70,8 @@ class VisionAttention(nn.Module):
         """``bounds``: the cumulative lengths of the runs of patches that attend to one another."""
         q, k, v = self.qkv(x).view(len(x), 3, self.heads, -1).unbind(1)
         q, k = (((t.float() * cos) + rotate_half(t.float()) * sin).to(x.dtype) for t in (q, k))  # in float32
-        return self.proj(Runs(bounds, self.native_attention).attend(q.contiguous(), k.contiguous(), v.contiguous()))
+        native = self.native_attention and kernel_pays(q.dtype, q.shape[-1])
+        return self.proj(Runs(bounds, native).attend(q.contiguous(), k.contiguous(), v.contiguous()))
 
 
 class VisionBlock(nn.Module):
@@ -121,7 +122,8 @@ class VisionTower(nn.Module):
 
     def __init__(self, vision: dict[str, Any], qwen25: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        cfg = self.config = with_defaults(vision.get("vision_config") or {})
+        kind = "qwen2_5_vl_vision" if qwen25 else "qwen2_vl_vision"  # (the released configs name none)
+        cfg = self.config = with_defaults({"model_type": kind, **(vision.get("vision_config") or {})})
         width = int(cfg["hidden_size" if qwen25 else "embed_dim"])
         self.qwen25, self.merge = qwen25, int(cfg["spatial_merge_size"])
         self.patch_embed = nn.Module()

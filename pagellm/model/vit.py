@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.attention.runs import Runs
+from pagellm.attention.runs import Runs, kernel_pays
 from pagellm.model.layers.linear import ReplicatedLinear
 
 _ACTIVATIONS = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh",
@@ -48,7 +48,8 @@ class Attention(nn.Module):
         n, length, width = x.shape
         if key_mask is None:  # whole tiles: each one a run of tokens that see all of it
             q, k, v = (proj(x).view(n * length, self.heads, -1) for proj in (self.q_proj, self.k_proj, self.v_proj))
-            out = Runs.equal(n, length, self.native_attention).attend(q, k, v)
+            native = self.native_attention and kernel_pays(q.dtype, q.shape[-1])
+            out = Runs.equal(n, length, native).attend(q, k, v)
             return self.out_proj(out.view(n, length, width))
         q, k, v = (proj(x).view(n, length, self.heads, -1).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
