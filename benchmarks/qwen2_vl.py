@@ -3,14 +3,15 @@
 No model hub here, and vLLM cannot take these models on this machine (its Qwen2-VL processor is transformers', which
 needs torchvision: none for this torch on PyPI), so the baseline is transformers itself. The model is
 Qwen2-VL-2B-Instruct's published shape (``--shape qwen2-vl-2b``: a 32-layer tower of 1280, 28 decoder layers of 1536)
-or Qwen2.5-VL-3B-Instruct's (``qwen2.5-vl-3b``: its windowed tower, 36 decoder layers of 2048) with random weights
+or Qwen2.5-VL-3B-Instruct's (``qwen2.5-vl-3b``: its windowed tower, 36 decoder layers of 2048) or Qwen3-VL-2B's
+(``qwen3-vl-2b``: 24 tower layers of 1024 on 16-pixel patches, DeepStack, 28 Qwen3 layers of 2048) with random weights
 (``load_format="dummy"`` for pagellm, transformers' initialisation for transformers), the built-in model's tokenizer
 (so its 49k vocabulary, not Qwen's 152k) with Qwen2-VL's vision tokens, and the checkpoints' image processor. Each
 prompt has one image of random pixels (its own), ``--image-size`` square: 448 pixels make 32 x 32 patches, 256
-image tokens. Every prompt has as many tokens, so transformers takes them as one batch without padding
-(``generate``, ``--output-len`` new tokens each); pagellm takes them through ``LLM.generate``. Each system runs in its
-own Python with ``--threads`` threads, bfloat16; the script prints each one's output tok/s and time, their ratio,
-and the time of one image through each tower alone.
+image tokens (Qwen3-VL's 28 x 28, 196). Every prompt has as many tokens, so transformers takes them as one batch
+without padding (``generate``, ``--output-len`` new tokens each); pagellm takes them through ``LLM.generate``.
+Each system runs in its own Python with ``--threads`` threads, bfloat16; the script prints each one's output tok/s
+and time, their ratio, and the time of one image through each tower alone.
 
     .venv/bin/python benchmarks/qwen2_vl.py --num-prompts 8 --image-size 448 --output-len 32
     .venv/bin/python benchmarks/qwen2_vl.py --shape qwen2.5-vl-3b --tower-depth 8 --decoder-layers 8
@@ -42,6 +43,12 @@ SHAPES = {
                       {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
                        "out_hidden_size": 2048, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
                        "hidden_act": "silu"}),
+    "qwen3-vl-2b": ("Qwen3VLForConditionalGeneration", "qwen3_vl",
+                    {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
+                     "num_key_value_heads": 8, "head_dim": 128},
+                    {"depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16,
+                     "out_hidden_size": 2048, "patch_size": 16, "num_position_embeddings": 2304,
+                     "deepstack_visual_indexes": [5, 11, 17], "hidden_act": "gelu_pytorch_tanh"}),
 }
 
 
@@ -57,17 +64,26 @@ def model_dir(root: Path, args: argparse.Namespace) -> Path:
     tokens = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
     tokenizer.add_special_tokens({"additional_special_tokens": tokens})
     ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+    sections = [24, 20, 20] if model_type == "qwen3_vl" else [16, 24, 24]
     text = {**text, "vocab_size": len(tokenizer), "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-            "rope_theta": 1e6, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}
+            "rope_theta": 1e6, "rope_scaling": {"type": "mrope", "mrope_section": sections}}
     if args.decoder_layers:
         text["num_hidden_layers"] = args.decoder_layers
     tower = {**tower, "depth": args.tower_depth or tower["depth"]}
+    if "deepstack_visual_indexes" in tower:  # those a shortened tower has
+        tower["deepstack_visual_indexes"] = [i for i in tower["deepstack_visual_indexes"] if i < tower["depth"]]
+    if model_type == "qwen3_vl":  # its released config nests its decoder's
+        text = {k: v for k, v in text.items() if k not in ("rope_scaling", "rope_theta")}
+        text = {"text_config": {**text, "model_type": "qwen3_vl_text", "rope_parameters": {
+            "rope_type": "default", "rope_theta": 5e6, "mrope_section": sections, "mrope_interleaved": True}}}
     config = {"architectures": [architecture], "model_type": model_type, **text, "vision_config": tower,
               "vision_start_token_id": ids[0], "vision_end_token_id": ids[1], "image_token_id": ids[2],
               "video_token_id": ids[3], "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
     out = root / args.shape
     tokenizer.save_pretrained(out)
-    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 1280).save_pretrained(out)
+    patch = int(tower.get("patch_size", 14))  # Qwen3-VL's: 16
+    Qwen2VLImageProcessorPil(patch_size=patch, min_pixels=(4 * patch) ** 2,
+                             max_pixels=(2 * patch) ** 2 * 1280).save_pretrained(out)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
 
@@ -155,7 +171,8 @@ def run(system: str, model: Path, args: argparse.Namespace) -> dict:
     proc = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{system} exited {proc.returncode}: {proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-    return json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith(RESULT))[len(RESULT):])
+    line = next(line for line in reversed(proc.stdout.splitlines()) if line.startswith(RESULT))
+    return json.loads(line[len(RESULT):])
 
 
 def main() -> None:

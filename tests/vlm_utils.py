@@ -129,11 +129,22 @@ QWEN_VL_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m
                     "{% endif %}")
 
 
-def build_qwen2_vl(decoder: Path, out: Path, qwen25: bool = False) -> Path:
-    """A tiny Qwen2-VL (``qwen25``: Qwen2.5-VL, its tower's windows two merge blocks a side, its second and fourth
-    blocks attending to whole images) over a tiny Qwen2 ``decoder`` (M-RoPE sections 2, 3, 3 of its 8
-    frequencies): 14-pixel patches merged 2 x 2, images resized to 4-16 merged blocks (16 image tokens at most), the
-    decoder's tokenizer with Qwen2-VL's vision tokens and a chat template that writes them."""
+QWEN_VL_TOWERS = {
+    "qwen2_vl": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2},
+    "qwen2_5_vl": {"depth": 4, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
+                   "window_size": 56, "fullatt_block_indexes": [1, 3]},
+    "qwen3_vl": {"depth": 4, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
+                 "patch_size": 14, "num_position_embeddings": 64, "deepstack_visual_indexes": [1, 2]},
+}
+
+
+def build_qwen2_vl(decoder: Path, out: Path, kind: str = "qwen2_vl") -> Path:
+    """A tiny Qwen2-VL (``kind``: or Qwen2.5-VL, its tower's windows two merge blocks a side, its second and fourth
+    blocks attending to whole images; or Qwen3-VL, its learned positions an 8 x 8 grid resampled to each image's,
+    DeepStack rows from its second and third blocks, over a tiny Qwen3 ``decoder``) over a tiny Qwen2 ``decoder``
+    (M-RoPE sections 2, 3, 3 of its 8 frequencies): 14-pixel patches merged 2 x 2, images resized to 4-16 merged
+    blocks (16 image tokens at most), the decoder's tokenizer with Qwen2-VL's vision tokens and a chat template
+    that writes them."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(decoder)
@@ -144,19 +155,18 @@ def build_qwen2_vl(decoder: Path, out: Path, qwen25: bool = False) -> Path:
     text = {k: v for k, v in json.loads((decoder / "config.json").read_text()).items()
             if k not in ("architectures", "dtype", "torch_dtype", "model_type")}
     text["rope_parameters"] = {**text.get("rope_parameters", {}), "rope_type": "default", "mrope_section": [2, 3, 3]}
-    tower = {"depth": 4, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
-             "window_size": 56, "fullatt_block_indexes": [1, 3]} if qwen25 else \
-        {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2}
-    config_cls, model_cls = (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration) if qwen25 \
-        else (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration)
-    config = config_cls(text_config=text, vision_config=tower, tie_word_embeddings=False, **ids)
+    name = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[kind]
+    config = getattr(transformers, f"{name}Config")(text_config=text, vision_config=QWEN_VL_TOWERS[kind],
+                                                   tie_word_embeddings=False, **ids)
     torch.manual_seed(0)
-    model = model_cls(config).eval()
+    model = getattr(transformers, f"{name}ForConditionalGeneration")(config).eval()
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):  # random init leaves them at zero; make them matter
+        for param_name, param in model.named_parameters():
+            if param_name.endswith(".bias"):  # random init leaves them at zero; make them matter
+                param.normal_(0, 0.5)
+            elif "pos_embed" in param_name or "deepstack" in param_name:  # large enough to matter
                 param.normal_(0, 0.5)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(out)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16, patch_size=14).save_pretrained(out)
     return out

@@ -174,6 +174,7 @@ class ArchConfig:
     # Qwen2-VL's multimodal rotary embedding: how many of each head's frequencies turn by the temporal, height and
     # width position (``layers/rotary.MRotaryEmbedding``); empty: one position
     mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False  # Qwen3-VL's: the sections' frequencies interleaved (t, h, w, t, h, w, ...)
     # Granite's: token embeddings times embedding_multiplier (a float, where Gemma's embed_scale is rounded to the
     # model's dtype), each sublayer's output times residual_multiplier before it joins the residual stream, logits
     # divided by logits_scaling (its attention_multiplier is attn_scale)
@@ -229,8 +230,9 @@ class ArchConfig:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         model_type = cfg.get("model_type")
-        mrope = {"mrope_section": mrope_section(cfg)} if archs[0] in QWEN_VL else {}  # Qwen2's decoder, M-RoPE's
-        model_type = "qwen2" if mrope else model_type  # positions
+        mrope = {"mrope_section": mrope_section(cfg), "mrope_interleaved": archs[0] == QWEN_VL[2]} \
+            if archs[0] in QWEN_VL else {}  # Qwen2's decoder (Qwen3-VL's: Qwen3's), M-RoPE's positions
+        model_type = ("qwen3" if mrope["mrope_interleaved"] else "qwen2") if mrope else model_type
         window = cfg.get("sliding_window") if (model_type not in _OPT_IN_WINDOW or cfg.get("use_sliding_window")) \
             else None
         rope_params = cfg.get("rope_parameters") or {}

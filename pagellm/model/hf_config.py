@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-# Qwen2-VL and Qwen2.5-VL: images at their own resolution, M-RoPE positions (``model/qwen2_vl.py``)
-QWEN_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+# Qwen2-VL, Qwen2.5-VL and Qwen3-VL: images at their own resolution, M-RoPE positions (``model/qwen2_vl.py``,
+# ``model/qwen3_vl.py``)
+QWEN_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+_QWEN_VL_TEXT = dict(zip(QWEN_VL, ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")))
 
 
 def with_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -26,16 +28,16 @@ def with_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def qwen_vl_text(cfg: dict[str, Any]) -> dict[str, Any]:
     """A released Qwen2-VL or Qwen2.5-VL config's decoder: its top level (one flat config), as its text model's."""
-    kind = "qwen2_5_vl_text" if cfg["architectures"][0].startswith("Qwen2_5") else "qwen2_vl_text"
-    return {**{k: v for k, v in cfg.items() if k != "vision_config"}, "model_type": kind}
+    return {**{k: v for k, v in cfg.items() if k != "vision_config"},
+            "model_type": _QWEN_VL_TEXT[cfg["architectures"][0]]}
 
 
 def mrope_section(cfg: dict[str, Any]) -> tuple[int, ...]:
-    """M-RoPE's sections (transformers' default where the config names none)."""
+    """M-RoPE's sections (transformers' defaults where the config names none: Qwen3-VL's differ)."""
     for scaling in (cfg.get("rope_parameters"), cfg.get("rope_scaling")):
         if scaling and scaling.get("mrope_section"):
             return tuple(int(n) for n in scaling["mrope_section"])
-    return (16, 24, 24)
+    return (24, 20, 20) if (cfg.get("architectures") or [""])[0] == QWEN_VL[2] else (16, 24, 24)
 
 
 def class_labels(cfg: dict[str, Any]) -> tuple[str, ...]:

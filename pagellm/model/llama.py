@@ -44,9 +44,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.parallel = parallel
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
-        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.mrope_section, dtype) \
-            if cfg.mrope_section else RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta,
-                                                      cfg.rope_scaling, dtype, cfg.rotary_dim)
+        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.mrope_section, dtype,
+                                       cfg.mrope_interleaved) if cfg.mrope_section else \
+            RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling, dtype, cfg.rotary_dim)
         local = self.rotary if cfg.local_rope_theta is None else RotaryEmbedding(  # Gemma 3's, OLMo 3's sliding layers'
             cfg.head_dim, cfg.context_length, cfg.local_rope_theta, None, dtype, cfg.rotary_dim)
         self.layer_range = parallel.layer_range(cfg.num_layers)  # all of them, or this pipeline stage's

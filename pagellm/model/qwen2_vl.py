@@ -196,7 +196,10 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
 
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, parallel: ParallelState = SINGLE) -> None:
         super().__init__(cfg, dtype, parallel)
-        self.vision = None if cfg.vision is None else VisionTower(cfg.vision, self.QWEN25, dtype)
+        self.vision = None if cfg.vision is None else self.tower(cfg.vision, dtype)
+
+    def tower(self, vision: dict[str, Any], dtype: torch.dtype) -> nn.Module:
+        return VisionTower(vision, self.QWEN25, dtype)
 
     def image_rows(self, images: MultiModalInputs, skip: int = 0, last: int | None = None) -> torch.Tensor:
         """The tower's rows of images ``skip`` to ``last`` (None: the last one)."""

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from pagellm.multimodal import MultiModalInputs
 from pagellm.sample.logits_processors import RequestProcessing
@@ -137,6 +138,8 @@ def _embeds_rows(states: dict[str, CachedRequestState], req_ids: list[str], star
                     if visible_ends is None:
                         visible_ends = np.zeros(int(query_start_loc[-1]), dtype=np.int64)
                     visible_ends[flat] = state.image_run_ends[lo:hi]
+    width = max((r.shape[1] for r in rows), default=0)  # an embeddings prompt's rows beside Qwen3-VL's image rows:
+    rows = [F.pad(r, (0, width - r.shape[1])) if r.shape[1] < width else r for r in rows]  # no DeepStack rows
     return ((torch.cat(indices), torch.cat(rows)) if rows else None), visible_ends
 
 
@@ -153,7 +156,8 @@ def plan_images(state: CachedRequestState, model: Any, images: MultiModalInputs,
     if hasattr(model, "mrope_positions"):  # every image's grid places the text after it
         state.mrope, state.mrope_delta = model.mrope_positions(prompt_ids, images)
     state.image_positions = positions = positions[skipped:]
-    state.image_rows = torch.empty(len(positions), model.cfg.hidden_size, dtype=model.model.norm.weight.dtype)
+    width = getattr(model, "image_row_width", model.cfg.hidden_size)  # Qwen3-VL's: DeepStack rows beside each
+    state.image_rows = torch.empty(len(positions), width, dtype=model.model.norm.weight.dtype)
     counts = [count for _, count in images.items[skip:]] if images.items else [len(positions)]
     state.image_ends = np.cumsum(counts, dtype=np.int64)
     state.image_first, state.images_done = skip, 0

@@ -1,13 +1,15 @@
-"""Qwen2-VL and Qwen2.5-VL (``model/qwen2_vl.py``): tiny random models built here with transformers
-(``vlm_utils.build_qwen2_vl``: a Qwen2-VL tower of LayerNorms and a fc1/fc2 MLP, or Qwen2.5-VL's of RMSNorms, a gated
-MLP and windows of 2 x 2 merge blocks; a tiny Qwen2 decoder with M-RoPE sections 2, 3, 3), images resized by the
-checkpoint's image processor to 4-16 merged blocks, one image token each.
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``model/qwen2_vl.py``, ``model/qwen3_vl.py``): tiny random models built here
+with transformers (``vlm_utils.build_qwen2_vl``: a Qwen2-VL tower of LayerNorms and a fc1/fc2 MLP, Qwen2.5-VL's of
+RMSNorms, a gated MLP and windows of 2 x 2 merge blocks, over a tiny Qwen2 decoder; Qwen3-VL's with learned
+positions resampled to each image and DeepStack rows from two blocks, over a tiny Qwen3 decoder; M-RoPE sections 2,
+3, 3, interleaved in Qwen3-VL), images resized by the checkpoint's image processor to 4-16 merged blocks, one image
+token each.
 
-The tower's rows must be transformers' ``get_image_features``; the prompt's three positions a token transformers'
-``get_rope_index``; greedy tokens, and the logprobs of every one of them (each step's positions past the prompt
-shifted by its delta), transformers' ``generate`` in float32, whole or in chunks that end inside images, after a
-prefix-cache hit on the first image, and on two tensor-parallel ranks; the released checkpoints' flat config and
-``model.``-prefixed names load the same model."""
+The tower's rows (and Qwen3-VL's DeepStack rows) must be transformers' ``get_image_features``; the prompt's three
+positions a token transformers' ``get_rope_index``; greedy tokens, and the logprobs of every one of them (each step's
+positions past the prompt shifted by its delta), transformers' ``generate`` in float32, whole or in chunks that end
+inside images, after a prefix-cache hit on the first image, and on two tensor-parallel ranks; the released
+checkpoints' configs and both name layouts load the same model."""
 
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPT = f"Look {IMAGE} and {IMAGE} now"
 CLASSES = {"qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
-           "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration}
+           "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+           "qwen3_vl": transformers.Qwen3VLForConditionalGeneration}
 
 
 @pytest.fixture(scope="module", params=sorted(CLASSES))
@@ -41,7 +44,8 @@ def kind(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def model_dir(kind: str, tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_qwen2_vl(tiny_model_factory("qwen2"), tmp_path_factory.mktemp(kind), qwen25=kind == "qwen2_5_vl")
+    decoder = tiny_model_factory("qwen3" if kind == "qwen3_vl" else "qwen2")
+    return build_qwen2_vl(decoder, tmp_path_factory.mktemp(kind), kind)
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +90,12 @@ def test_image_rows_are_transformers_image_features(model_dir: Path, reference, 
     rows = llm.engine.core.executor.worker.runner.model.image_rows(inputs)
     with torch.no_grad():
         expected = reference.get_image_features(pixel_values=inputs.tensor("pixel_values"), image_grid_thw=grids)
-    torch.testing.assert_close(rows, torch.cat(expected.pooler_output), atol=1e-5, rtol=1e-5)
+    deepstack = getattr(expected, "deepstack_features", None) or []  # Qwen3-VL's, beside each token's row
+    torch.testing.assert_close(rows, torch.cat([torch.cat(expected.pooler_output), *map(torch.cat, deepstack)], -1),
+                               atol=1e-4, rtol=1e-4)
+    assert rows.shape[1] == 64 * (1 + len(deepstack))
     second = llm.engine.core.executor.worker.runner.model.image_rows(inputs, 1, 2)  # one image alone
-    torch.testing.assert_close(second, rows[6:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(second, rows[6:], atol=1e-4, rtol=1e-4)
 
 
 def test_positions_are_transformers_rope_index(model_dir: Path, reference, llm: LLM) -> None:
@@ -149,27 +156,40 @@ def test_chat_image_parts_and_placeholder_errors(llm: LLM) -> None:
         llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": picture}}, GREEDY, use_tqdm=False)
 
 
+def _other_layout(name: str) -> str:
+    """transformers 5 saves Qwen2-VL's names as released (``visual.``, ``model.``) and Qwen3-VL's as released
+    (``model.visual.``, ``model.language_model.``): each the other's."""
+    for old, new in (("model.visual.", "visual."), ("model.language_model.", "model."), ("visual.", "model.visual."),
+                     ("model.", "model.language_model.")):
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def test_released_layout_and_flat_config_load_the_same_model(kind: str, model_dir: Path, llm: LLM,
                                                             tmp_path: Path) -> None:
     """Qwen/Qwen2-VL-2B-Instruct's and Qwen2.5-VL's config: one flat dict (the decoder's keys at the top,
-    ``rope_scaling`` {type: mrope}, a vision config without a model type); and transformers 4.5x's module names
-    (``model.visual.``, ``model.language_model.``)."""
-    tensors = {("model." + name if name.startswith("visual.") else name.replace("model.", "model.language_model.", 1)):
-               tensor for name, tensor in load_file(model_dir / "model.safetensors").items()}
+    ``rope_scaling`` {type: mrope}, a vision config without a model type), and transformers 4's module names
+    (``model.visual.``, ``model.language_model.``); Qwen3-VL's nested config (its vision config without a model
+    type), its tensors under Qwen2-VL's names."""
+    tensors = {_other_layout(name): tensor for name, tensor in load_file(model_dir / "model.safetensors").items()}
     save_file(tensors, tmp_path / "model.safetensors")
     for path in model_dir.iterdir():
         if path.suffix in (".json", ".jinja") and path.name != "config.json":
             (tmp_path / path.name).write_bytes(path.read_bytes())
     config = json.loads((model_dir / "config.json").read_text())
-    text = {k: v for k, v in config.pop("text_config").items() if k not in ("rope_parameters", "model_type")}
     vision = {k: v for k, v in config.pop("vision_config").items() if k != "model_type"}
-    flat = {**config, **text, "model_type": kind, "vision_config": vision, "rope_theta": 1e6,
-            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
-    (tmp_path / "config.json").write_text(json.dumps(flat))
-    assert ArchConfig.from_hf(flat).mrope_section == (2, 3, 3)
+    if kind == "qwen3_vl":
+        released = {**config, "vision_config": vision}
+    else:
+        text = {k: v for k, v in config.pop("text_config").items() if k not in ("rope_parameters", "model_type")}
+        released = {**config, **text, "model_type": kind, "vision_config": vision, "rope_theta": 1e6,
+                    "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+    (tmp_path / "config.json").write_text(json.dumps(released))
+    assert ArchConfig.from_hf(released).mrope_section == (2, 3, 3)
     prompt = {"prompt": PROMPT, "multi_modal_data": {"image": _pictures()}}
-    released = LLM(str(tmp_path), dtype="float32", kv_cache_memory=1 << 22)
-    assert released.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == \
+    other = LLM(str(tmp_path), dtype="float32", kv_cache_memory=1 << 22)
+    assert other.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == \
         llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 

@@ -1,7 +1,7 @@
-"""M-RoPE (``layers/rotary.MRotaryEmbedding``, Qwen2-VL's): [3, T] positions rotate each section of a head's
-frequencies by its own position, as transformers' ``Qwen2VLRotaryEmbedding`` and ``apply_rotary_pos_emb`` do, in
-float32 and (the fused kernel's per-token tables) bfloat16; [T] positions, or three that agree, are the plain
-embedding's."""
+"""M-RoPE (``layers/rotary.MRotaryEmbedding``, Qwen2-VL's and Qwen3-VL's): [3, T] positions rotate each section of a
+head's frequencies by its own position, as transformers' ``Qwen2VLRotaryEmbedding`` (consecutive sections) and
+``Qwen3VLTextRotaryEmbedding`` (interleaved) and ``apply_rotary_pos_emb`` do, in float32 and (the fused kernel's
+per-token tables) bfloat16; [T] positions, or three that agree, are the plain embedding's."""
 
 from __future__ import annotations
 
@@ -9,28 +9,36 @@ import pytest
 import torch
 import transformers
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
 from pagellm.model.layers.rotary import MRotaryEmbedding, RotaryEmbedding
 
 HEAD, SECTIONS, BASE = 16, (2, 3, 3), 10000.0
 
 
-def _expected(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    config = transformers.Qwen2VLTextConfig(hidden_size=64, num_attention_heads=4, rope_parameters={
-        "rope_type": "default", "rope_theta": BASE, "mrope_section": list(SECTIONS)})
-    cos, sin = Qwen2VLRotaryEmbedding(config)(q.float(), positions[:, None])
+def _expected(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+              interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    rope = {"rope_type": "default", "rope_theta": BASE, "mrope_section": list(SECTIONS)}
+    if interleaved:
+        embedding = Qwen3VLTextRotaryEmbedding(transformers.Qwen3VLTextConfig(
+            hidden_size=64, num_attention_heads=4, head_dim=HEAD, rope_parameters=rope))
+    else:
+        embedding = Qwen2VLRotaryEmbedding(transformers.Qwen2VLTextConfig(hidden_size=64, num_attention_heads=4,
+                                                                          rope_parameters=rope))
+    cos, sin = embedding(q.float(), positions[:, None])
     q_out, k_out = apply_rotary_pos_emb(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None], cos, sin)
     return q_out[0].transpose(0, 1), k_out[0].transpose(0, 1)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_three_positions_are_transformers(dtype: torch.dtype) -> None:
+def test_three_positions_are_transformers(dtype: torch.dtype, interleaved: bool) -> None:
     torch.manual_seed(0)
     positions = torch.randint(0, 60, (3, 7))
     q, k = torch.randn(7, 4, HEAD), torch.randn(7, 2, HEAD)
-    rotary = MRotaryEmbedding(HEAD, 64, BASE, SECTIONS, dtype)
+    rotary = MRotaryEmbedding(HEAD, 64, BASE, SECTIONS, dtype, interleaved)
     got = rotary(positions, q.to(dtype), k.to(dtype))
-    expected = _expected(positions, q, k)
+    expected = _expected(positions, q, k, interleaved)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for out, ref in zip(got, expected):
         torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)

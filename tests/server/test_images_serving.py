@@ -238,7 +238,7 @@ def test_a_qwen2_vl_server_replies_to_images_as_offline_chat(tiny_qwen2: Path, t
     """A tiny Qwen2.5-VL (``vlm_utils.build_qwen2_vl``) served: a chat with two images of different sizes gets the
     offline ``LLM.chat``'s tokens (transformers' own, ``tests/engine/test_qwen2_vl.py``), whole and streamed, and
     each image's tokens (one a merged 2 x 2 block of its patches) counted in the usage."""
-    model = build_qwen2_vl(tiny_qwen2, tmp_path / "qwen2_5_vl", qwen25=True)
+    model = build_qwen2_vl(tiny_qwen2, tmp_path / "qwen2_5_vl", "qwen2_5_vl")
     messages = _messages(data_url(image(1, 40, 56)), data_url(image(2, 110, 80)))
     offline = LLM(str(model), dtype="float32", kv_cache_memory=1 << 22).chat(
         messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)[0]

@@ -155,15 +155,21 @@ class MRotaryEmbedding(RotaryEmbedding):
     image token's place in its image's grid, offset past the text before it), and each of the ``sections`` (their sum
     half the head) of a head's frequencies turns by one of them, as transformers' ``Qwen2VLRotaryEmbedding``
     recomposes them. [3, T] positions take the per-token tables; [T] positions (a step of text alone, whose three
-    positions agree) the plain embedding, fused kernel and all."""
+    positions agree) the plain embedding, fused kernel and all. ``interleaved`` (Qwen3-VL's): the sections'
+    frequencies alternate (t, h, w, t, h, w, ..., then t alone past the shorter sections), as Qwen3-VL recomposes
+    them; else each section's frequencies are consecutive."""
 
     def __init__(self, head_dim: int, max_positions: int, base: float, sections: tuple[int, ...],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, interleaved: bool = False) -> None:
         super().__init__(head_dim, max_positions, base, None, dtype)
         if len(sections) != 3 or sum(sections) != head_dim // 2:
             raise ValueError(f"mrope_section {list(sections)} must be three counts adding up to half the head "
                              f"({head_dim // 2})")
         axis = torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
+        if interleaved:
+            axis = torch.zeros(head_dim // 2, dtype=torch.int64)
+            for dim in (1, 2):
+                axis[dim:3 * sections[dim]:3] = dim
         self.register_buffer("axis", torch.cat([axis, axis]), persistent=False)  # [head_dim]: each column's position
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
