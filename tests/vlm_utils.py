@@ -136,12 +136,14 @@ QWEN_VL_TOWERS = {
     "qwen3_vl": {"depth": 4, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
                  "patch_size": 14, "num_position_embeddings": 64, "deepstack_visual_indexes": [1, 2]},
 }
+QWEN_VL_TOWERS["qwen3_vl_moe"] = QWEN_VL_TOWERS["qwen3_vl"]
 
 
 def build_qwen2_vl(decoder: Path, out: Path, kind: str = "qwen2_vl") -> Path:
     """A tiny Qwen2-VL (``kind``: or Qwen2.5-VL, its tower's windows two merge blocks a side, its second and fourth
     blocks attending to whole images; or Qwen3-VL, its learned positions an 8 x 8 grid resampled to each image's,
-    DeepStack rows from its second and third blocks, over a tiny Qwen3 ``decoder``) over a tiny Qwen2 ``decoder``
+    DeepStack rows from its second and third blocks, over a tiny Qwen3 ``decoder``, or Qwen3-MoE's for
+    Qwen3-VL-MoE) over a tiny Qwen2 ``decoder``
     (M-RoPE sections 2, 3, 3 of its 8 frequencies): 14-pixel patches merged 2 x 2, images resized to 4-16 merged
     blocks (16 image tokens at most), the decoder's tokenizer with Qwen2-VL's vision tokens and a chat template
     that writes them."""
@@ -153,9 +155,11 @@ def build_qwen2_vl(decoder: Path, out: Path, kind: str = "qwen2_vl") -> Path:
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
            zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), QWEN_VL_TOKENS)}
     text = {k: v for k, v in json.loads((decoder / "config.json").read_text()).items()
-            if k not in ("architectures", "dtype", "torch_dtype", "model_type")}
-    text["rope_parameters"] = {**text.get("rope_parameters", {}), "rope_type": "default", "mrope_section": [2, 3, 3]}
-    name = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[kind]
+            if k not in ("architectures", "dtype", "torch_dtype", "model_type", "norm_topk_prob")}  # (Qwen3-VL-MoE's
+    text["rope_parameters"] = {**text.get("rope_parameters", {}), "rope_type": "default",  # experts renormalize)
+                               "mrope_section": [2, 3, 3]}
+    name = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL",
+            "qwen3_vl_moe": "Qwen3VLMoe"}[kind]
     config = getattr(transformers, f"{name}Config")(text_config=text, vision_config=QWEN_VL_TOWERS[kind],
                                                    tie_word_embeddings=False, **ids)
     torch.manual_seed(0)
@@ -164,8 +168,8 @@ def build_qwen2_vl(decoder: Path, out: Path, kind: str = "qwen2_vl") -> Path:
         for param_name, param in model.named_parameters():
             if param_name.endswith(".bias"):  # random init leaves them at zero; make them matter
                 param.normal_(0, 0.5)
-            elif "pos_embed" in param_name or "deepstack" in param_name:  # large enough to matter
-                param.normal_(0, 0.5)
+            elif "pos_embed" in param_name or "deepstack" in param_name or param_name.endswith("mlp.gate.weight"):
+                param.normal_(0, 0.5)  # large enough to matter; a decisive router
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16, patch_size=14).save_pretrained(out)

@@ -7,7 +7,7 @@ from typing import Any
 
 from pagellm.model.compressed_tensors import scheme_of
 from pagellm.model.encoder_config import ENCODERS, encoder_arch
-from pagellm.model.hf_config import QWEN_VL, class_labels, mrope_section, qwen_vl_text, with_defaults
+from pagellm.model.hf_config import QWEN_VL, class_labels, qwen_vl_decoder, qwen_vl_text, with_defaults
 
 
 # The base-model classes of the served families (their checkpoints have no LM head and no ``model.`` prefix).
@@ -229,10 +229,8 @@ class ArchConfig:
             return replace(cls.from_hf(text), vision=vision)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        cfg, mrope = qwen_vl_decoder(cfg) if archs[0] in QWEN_VL else (cfg, {})  # Qwen2's or Qwen3's, M-RoPE's
         model_type = cfg.get("model_type")
-        mrope = {"mrope_section": mrope_section(cfg), "mrope_interleaved": archs[0] == QWEN_VL[2]} \
-            if archs[0] in QWEN_VL else {}  # Qwen2's decoder (Qwen3-VL's: Qwen3's), M-RoPE's positions
-        model_type = ("qwen3" if mrope["mrope_interleaved"] else "qwen2") if mrope else model_type
         window = cfg.get("sliding_window") if (model_type not in _OPT_IN_WINDOW or cfg.get("use_sliding_window")) \
             else None
         rope_params = cfg.get("rope_parameters") or {}

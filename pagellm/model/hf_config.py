@@ -7,8 +7,10 @@ from typing import Any
 
 # Qwen2-VL, Qwen2.5-VL and Qwen3-VL: images at their own resolution, M-RoPE positions (``model/qwen2_vl.py``,
 # ``model/qwen3_vl.py``)
-QWEN_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
-_QWEN_VL_TEXT = dict(zip(QWEN_VL, ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")))
+QWEN_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+           "Qwen3VLMoeForConditionalGeneration")
+QWEN3_VL = QWEN_VL[2:]  # Qwen3's decoder (dense or a mixture of experts), DeepStack, interleaved M-RoPE
+_QWEN_VL_TEXT = dict(zip(QWEN_VL, ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")))
 
 
 def with_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -37,7 +39,16 @@ def mrope_section(cfg: dict[str, Any]) -> tuple[int, ...]:
     for scaling in (cfg.get("rope_parameters"), cfg.get("rope_scaling")):
         if scaling and scaling.get("mrope_section"):
             return tuple(int(n) for n in scaling["mrope_section"])
-    return (24, 20, 20) if (cfg.get("architectures") or [""])[0] == QWEN_VL[2] else (16, 24, 24)
+    return (24, 20, 20) if (cfg.get("architectures") or [""])[0] in QWEN3_VL else (16, 24, 24)
+
+
+def qwen_vl_decoder(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Qwen-VL model's decoder config read as its text family's (Qwen2's; Qwen3-VL's Qwen3's, or Qwen3-MoE's, whose
+    experts always renormalize their top k), and its M-RoPE fields."""
+    architecture = cfg["architectures"][0]
+    family = "qwen3_moe" if architecture == QWEN3_VL[1] else "qwen3" if architecture in QWEN3_VL else "qwen2"
+    return ({**cfg, "model_type": family, **({"norm_topk_prob": True} if family == "qwen3_moe" else {})},
+            {"mrope_section": mrope_section(cfg), "mrope_interleaved": architecture in QWEN3_VL})
 
 
 def class_labels(cfg: dict[str, Any]) -> tuple[str, ...]:

@@ -132,20 +132,14 @@ class VisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg, qwen25, dtype) for _ in range(int(cfg["depth"])))
         self.merger = Merger(width, int(cfg["out_hidden_size" if qwen25 else "hidden_size"]), self.merge, qwen25,
                              dtype)
-        head = width // int(cfg["num_heads"])
-        base = float((cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-        self.inv_freq = 1.0 / (base ** (torch.arange(0, head // 2, 2, dtype=torch.float) / (head // 2)))
+        self.inv_freq = vision_inv_freq(cfg, width)
 
     @torch.inference_mode()
     def forward(self, pixels: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
         """[image tokens, text width] of ``pixels`` [patches, 3 · 2 · 14 · 14] and ``grids`` [images, 3]."""
         weight = self.patch_embed.proj.weight
         x = F.linear(pixels.to(weight.dtype), weight.flatten(1))
-        freqs = grid_positions(grids, self.merge)[..., None].float() * self.inv_freq  # [patches, 2, head / 4]
-        angles = torch.cat([freqs.flatten(1)] * 2, -1)[:, None]  # [patches, 1, head]: h's, w's, h's, w's
-        cos, sin = angles.cos(), angles.sin()
-        frames = (grids[:, 1] * grids[:, 2]).repeat_interleave(grids[:, 0]).numpy()
-        whole = np.concatenate([[0], np.cumsum(frames)])  # each frame's patches attend to one another
+        cos, sin, whole = rotary_and_frames(grids, self.merge, self.inv_freq)
         order, windows = (None, whole) if not self.qwen25 else window_order(grids, self.merge, self.config)
         if order is not None:  # Qwen2.5-VL's windows: the patches window by window, merge blocks kept whole
             x, cos, sin = (t.view(len(order), -1, *t.shape[1:])[order].flatten(0, 1) for t in (x, cos, sin))
@@ -154,6 +148,23 @@ class VisionTower(nn.Module):
             x = block(x, whole if full is None or i in full else windows, cos, sin)
         rows = self.merger(x)
         return rows if order is None else rows[torch.argsort(order)]
+
+
+def vision_inv_freq(cfg: dict[str, Any], width: int) -> torch.Tensor:
+    """The 2-D rotary embedding's frequencies: a quarter head's (each of a patch's row and column turns half)."""
+    half = width // int(cfg["num_heads"]) // 2
+    base = float((cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    return 1.0 / (base ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+
+
+def rotary_and_frames(grids: torch.Tensor, merge: int,
+                      inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """A tower's 2-D rotary tables ([patches, 1, head] cos and sin, float32: each patch's row angles, then its
+    column's, twice) and the cumulative patch counts of its frames (each frame's patches attend to one another)."""
+    freqs = grid_positions(grids, merge)[..., None].float() * inv_freq  # [patches, 2, head / 4]
+    angles = torch.cat([freqs.flatten(1)] * 2, -1)[:, None]
+    frames = (grids[:, 1] * grids[:, 2]).repeat_interleave(grids[:, 0]).numpy()
+    return angles.cos(), angles.sin(), np.concatenate([[0], np.cumsum(frames)])
 
 
 def grid_positions(grids: torch.Tensor, merge: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Qwen3-VL (``Qwen3VLForConditionalGeneration``: Qwen3-VL-2B, -4B, -8B, -32B): Qwen2-VL's way with images
+"""Qwen3-VL (``Qwen3VLForConditionalGeneration``: Qwen3-VL-2B, -4B, -8B, -32B; ``Qwen3VLMoeForConditionalGeneration``:
+-30B-A3B, -235B-A22B, Qwen3-MoE's decoder): Qwen2-VL's way with images
 (``model/qwen2_vl.py``: each image at its own resolution, merged 2 x 2 patch blocks, M-RoPE positions), a SigLIP-2
 style tower and DeepStack.
 
@@ -17,7 +18,8 @@ interleaved (``MRotaryEmbedding(interleaved=True)``). Checkpoints name the tower
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -28,7 +30,9 @@ from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import ArchConfig
 from pagellm.model.hf_config import with_defaults
 from pagellm.model.layers.linear import ReplicatedLinear
-from pagellm.model.qwen2_vl import Qwen2VLForConditionalGeneration, VisionAttention, grid_positions
+from pagellm.model.llama import _gate_up
+from pagellm.model.qwen2_vl import (Qwen2VLForConditionalGeneration, VisionAttention, rotary_and_frames,
+                                    vision_inv_freq)
 from pagellm.model.vit import act, activation
 
 
@@ -82,9 +86,7 @@ class VisionTower(nn.Module):
             raise ValueError(f"deepstack_visual_indexes {self.deepstack} name blocks outside the tower's "
                              f"{len(self.blocks)}")
         self.deepstack_merger_list = nn.ModuleList(Merger(width, out, self.merge, True, dtype) for _ in self.deepstack)
-        head = width // int(cfg["num_heads"])
-        base = float((cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-        self.inv_freq = 1.0 / (base ** (torch.arange(0, head // 2, 2, dtype=torch.float) / (head // 2)))
+        self.inv_freq = vision_inv_freq(cfg, width)
 
     @torch.inference_mode()
     def forward(self, pixels: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
@@ -96,10 +98,7 @@ class VisionTower(nn.Module):
         index, weights = get_vision_interpolation_indices_and_weights(
             grids, num_grid_per_side=self.side, mode="bilinear", align_corners=True, spatial_merge_size=self.merge)
         x = x + (self.pos_embed(index) * weights[:, :, None]).sum(1).to(x.dtype)
-        angles = torch.cat([(grid_positions(grids, self.merge)[..., None].float() * self.inv_freq).flatten(1)] * 2, -1)
-        cos, sin = angles[:, None].cos(), angles[:, None].sin()
-        frames = (grids[:, 1] * grids[:, 2]).repeat_interleave(grids[:, 0]).numpy()
-        bounds = np.concatenate([[0], np.cumsum(frames)])
+        cos, sin, bounds = rotary_and_frames(grids, self.merge, self.inv_freq)
         deep = []
         for i, block in enumerate(self.blocks):
             x = block(x, bounds, cos, sin)
@@ -135,3 +134,34 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
             if i < self.deepstack:
                 x = x.index_add(0, flat, rows[:, width * (i + 1):width * (i + 2)])
         return model.norm(x, residual)[0]
+
+
+_FUSED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    """Qwen3-VL-30B-A3B and -235B-A22B: Qwen3-VL with Qwen3-MoE's decoder. Their checkpoints keep each layer's
+    experts as two stacked tensors (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), as the released files
+    store them ([experts, hidden, 2 · inner] and [experts, inner, hidden]) or as transformers 5 saves them (each
+    expert's matrix as a linear layer's, [2 · inner, hidden] and [hidden, inner]; a square one is read so); each is
+    split into the experts' own gate, up and down matrices."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: str | None = None) -> None:
+        super().load_weights(self._split_experts(weights), quantization)
+
+    def _split_experts(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        hidden = self.cfg.hidden_size
+        for name, tensor in weights:
+            match = _FUSED_EXPERTS.search(name)
+            if match is None:
+                yield name, tensor
+                continue
+            stem = name[:match.start()] + ".mlp.experts"
+            for expert, matrix in enumerate(tensor):
+                if match.group(1) == "gate_up_proj":
+                    released = matrix.shape[0] == hidden != matrix.shape[1]
+                    yield from _gate_up(matrix.T if released else matrix, f"{stem}.{expert}.gate_proj.weight",
+                                        f"{stem}.{expert}.up_proj.weight")
+                else:
+                    released = matrix.shape[1] == hidden != matrix.shape[0]
+                    yield f"{stem}.{expert}.down_proj.weight", matrix.T if released else matrix

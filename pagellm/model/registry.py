@@ -16,7 +16,7 @@ from pagellm.model.llama import (GemmaForCausalLM, GptOssForCausalLM, GraniteMoe
                                  InterleavedRopeForCausalLM, LlamaForCausalLM, MixtralForCausalLM, Phi3ForCausalLM)
 from pagellm.model.llava import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
 from pagellm.model.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
-from pagellm.model.qwen3_vl import Qwen3VLForConditionalGeneration
+from pagellm.model.qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -48,6 +48,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,  # images at their own resolution, M-RoPE
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # ... windowed attention in its tower
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,  # ... DeepStack rows in its first layers
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeForConditionalGeneration,  # ... Qwen3-MoE's decoder
     # encoder-only embedding models (BERT, RoBERTa, XLM-RoBERTa), for pooling requests
     **{name: EncoderClassifier if name in ENCODER_CLASSIFIERS else EncoderEmbeddingModel for name in ENCODERS},
     "ModernBertModel": ModernBertEmbeddingModel,

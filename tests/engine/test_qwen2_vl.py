@@ -34,7 +34,9 @@ IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPT = f"Look {IMAGE} and {IMAGE} now"
 CLASSES = {"qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
            "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
-           "qwen3_vl": transformers.Qwen3VLForConditionalGeneration}
+           "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+           "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration}
+DECODERS = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
 
 
 @pytest.fixture(scope="module", params=sorted(CLASSES))
@@ -44,7 +46,7 @@ def kind(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def model_dir(kind: str, tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    decoder = tiny_model_factory("qwen3" if kind == "qwen3_vl" else "qwen2")
+    decoder = tiny_model_factory(DECODERS[kind])
     return build_qwen2_vl(decoder, tmp_path_factory.mktemp(kind), kind)
 
 
@@ -171,15 +173,16 @@ def test_released_layout_and_flat_config_load_the_same_model(kind: str, model_di
     """Qwen/Qwen2-VL-2B-Instruct's and Qwen2.5-VL's config: one flat dict (the decoder's keys at the top,
     ``rope_scaling`` {type: mrope}, a vision config without a model type), and transformers 4's module names
     (``model.visual.``, ``model.language_model.``); Qwen3-VL's nested config (its vision config without a model
-    type), its tensors under Qwen2-VL's names."""
-    tensors = {_other_layout(name): tensor for name, tensor in load_file(model_dir / "model.safetensors").items()}
+    type), its tensors under Qwen2-VL's names, Qwen3-VL-MoE's stacked experts as the released files lay them out."""
+    tensors = {_other_layout(name): tensor.transpose(1, 2).contiguous() if ".experts." in name else tensor
+               for name, tensor in load_file(model_dir / "model.safetensors").items()}  # released experts: [E, in, out]
     save_file(tensors, tmp_path / "model.safetensors")
     for path in model_dir.iterdir():
         if path.suffix in (".json", ".jinja") and path.name != "config.json":
             (tmp_path / path.name).write_bytes(path.read_bytes())
     config = json.loads((model_dir / "config.json").read_text())
     vision = {k: v for k, v in config.pop("vision_config").items() if k != "model_type"}
-    if kind == "qwen3_vl":
+    if kind.startswith("qwen3"):
         released = {**config, "vision_config": vision}
     else:
         text = {k: v for k, v in config.pop("text_config").items() if k not in ("rope_parameters", "model_type")}
