@@ -127,6 +127,8 @@ class ImageProcessor:
         images = list(images) if isinstance(images, (list, tuple)) or is_tensor(images, 3) else [images]
         if images and all(is_tensor(image, 2) for image in images):
             return self._embeds(text, images, add_special_tokens)
+        if len(images) == 1 and isinstance(images[0], dict):  # Qwen-VL's: rows and their images' grids
+            return self._grid_embeds(text, images[0], add_special_tokens)
         if any(map(is_tensor, images)):
             raise ValueError("a prompt takes images or image embeddings ([rows, hidden] tensors), not both")
         if not images:
@@ -175,6 +177,45 @@ class ImageProcessor:
             raise ValueError("the prompt's text holds image tokens of its own; write only one placeholder an image")
         items = [(hashlib.sha256(pack(r).data).hexdigest(), len(r)) for r in rows]
         return ids, inputs_of({"image_embeds": torch.cat([r.float() for r in rows])}, items)
+
+    def _grid_embeds(self, text: str, given: dict[str, Any], add_special_tokens: bool) -> tuple[list[int],
+                                                                                              MultiModalInputs]:
+        """Qwen-VL's precomputed image embeddings (vLLM's ``{"image_embeds": [tokens, width], "image_grid_thw":
+        [images, 3]}``: the tower's rows, Qwen3-VL's DeepStack rows beside each, and each image's patch grid, which
+        places its tokens and their M-RoPE positions)."""
+        if self.config["architectures"][0] not in QWEN_VL:
+            raise ValueError("image embeddings with grids ({image_embeds, image_grid_thw}) are Qwen-VL models'; send "
+                             "this model the images, or its embeddings as tensors")
+        rows, grids = given.get("image_embeds"), given.get("image_grid_thw")
+        width = self._row_width()
+        if not (is_tensor(rows, 2) and is_tensor(grids, 2) and rows.shape[1] == width and grids.shape[1] == 3
+                and rows.is_floating_point() and not grids.is_floating_point() and bool(rows.isfinite().all())
+                and bool((grids > 0).all())):
+            raise ValueError(f"Qwen-VL image embeddings are {{\"image_embeds\": a finite float tensor of [tokens, "
+                             f"{width}], \"image_grid_thw\": an integer tensor of [images, 3]}}")
+        merge = int(self.config["vision_config"].get("spatial_merge_size", 2))
+        counts = [int(n) // merge ** 2 for n in grids.prod(-1).tolist()]
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(counts) or sum(counts) != rows.shape[0]:
+            raise ValueError(f"{len(counts)} image grids making {sum(counts)} image tokens for {rows.shape[0]} rows "
+                             f"and {len(pieces) - 1} {self.image_token} placeholders; send one grid an image, one "
+                             "placeholder an image, one row an image token")
+        text = pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(counts, pieces[1:]))
+        ids = self.processor.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        if ids.count(self.image_token_id) != sum(counts):
+            raise ValueError("the prompt's text holds image tokens of its own; write only one placeholder an image")
+        ends = [0, *[sum(counts[:i + 1]) for i in range(len(counts))]]
+        items = [(hashlib.sha256(pack(rows[a:b]).data + pack(grid).data).hexdigest(), n)
+                 for a, b, grid, n in zip(ends, ends[1:], grids, counts)]
+        return ids, inputs_of({"image_embeds": rows.float(), "image_grid_thw": grids.long()}, items)
+
+    def _row_width(self) -> int:
+        """A Qwen-VL model's image row: its decoder's width, times 1 + Qwen3-VL's DeepStack layers."""
+        from pagellm.model.hf_config import with_defaults
+
+        text = with_defaults(self.config.get("text_config") or {}) or self.config
+        deepstack = self.config["vision_config"].get("deepstack_visual_indexes") or ()
+        return int(text["hidden_size"]) * (1 + len(deepstack))
 
     def _items(self, images: list[Any], rows: int, kwargs: dict[str, Any]) -> list[tuple[str, int]]:
         """Each image's digest and image tokens (the processor's own count, ``_get_num_multimodal_tokens``, as vLLM

@@ -110,8 +110,9 @@ class EngineCore:
                              "prompt as text with one image placeholder per image and the images as "
                              "multi_modal_data (the frontend's InputProcessor expands and salts them)")
         embeds = req.mm_inputs.tensors.get("image_embeds")
-        if embeds is not None and (len(embeds.shape) != 2 or embeds.shape[1] != self.runtime.hidden_size):
-            raise ValueError(f"image embeddings must be [rows, {self.runtime.hidden_size}] (the model's hidden size); "
+        width = self.runtime.image_row_width or self.runtime.hidden_size
+        if embeds is not None and (len(embeds.shape) != 2 or embeds.shape[1] != width):
+            raise ValueError(f"image embeddings must be [rows, {width}] (the model's image rows); "
                              f"got {embeds.shape}")
         return req.mm_inputs, image_spans(ids, image_token, req.mm_inputs)
 

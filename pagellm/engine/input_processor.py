@@ -173,7 +173,7 @@ class InputProcessor:
         if cap is not None and len(images) > cap:
             raise ValueError(f"the prompt has {len(images)} images; this engine takes at most {cap} per prompt "
                              "(--limit-mm-per-prompt)")
-        if not self.mm.enable_mm_embeds and any(map(is_tensor, images)):
+        if not self.mm.enable_mm_embeds and any(is_tensor(image) or isinstance(image, dict) for image in images):
             raise ValueError(MM_EMBEDS_OFF)
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"mm_processor_kwargs must be an object of the processor's keyword arguments, e.g. "

@@ -212,19 +212,29 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     def tower(self, vision: dict[str, Any], dtype: torch.dtype) -> nn.Module:
         return VisionTower(vision, self.QWEN25, dtype)
 
+    @property
+    def merge_size(self) -> int:
+        """Patches merged along each side into one image token."""
+        return int(((self.cfg.vision or {}).get("vision_config") or {}).get("spatial_merge_size", 2))
+
     def image_rows(self, images: MultiModalInputs, skip: int = 0, last: int | None = None) -> torch.Tensor:
-        """The tower's rows of images ``skip`` to ``last`` (None: the last one)."""
-        pixels, grids = images.tensor("pixel_values"), images.tensor("image_grid_thw")
-        assert pixels is not None and grids is not None and self.vision is not None
-        ends = [0, *grids.prod(-1).cumsum(0).tolist()]  # each image's first patch
+        """The tower's rows of images ``skip`` to ``last`` (None: the last one), or precomputed embeddings' own."""
+        grids, embeds = images.tensor("image_grid_thw"), images.tensor("image_embeds")
+        assert grids is not None
         last = len(grids) if last is None else last
+        if embeds is not None:  # one row an image token: each image's merged blocks
+            ends = [0, *(grids.prod(-1) // self.merge_size ** 2).cumsum(0).tolist()]
+            return embeds[ends[skip]:ends[last]].to(self.model.norm.weight.dtype)
+        pixels = images.tensor("pixel_values")
+        assert pixels is not None and self.vision is not None
+        ends = [0, *grids.prod(-1).cumsum(0).tolist()]  # each image's first patch
         return self.vision(pixels[ends[skip]:ends[last]], grids[skip:last]).to(self.model.norm.weight.dtype)
 
     def mrope_positions(self, prompt_ids: list[int], images: MultiModalInputs) -> tuple[np.ndarray, int]:
         """The prompt's [3, length] positions and its delta (see the module doc)."""
         grids = images.tensor("image_grid_thw")
-        assert grids is not None and self.vision is not None
-        return mrope_positions(np.asarray(prompt_ids), self.cfg.image_token_id, grids.tolist(), self.vision.merge)
+        assert grids is not None
+        return mrope_positions(np.asarray(prompt_ids), self.cfg.image_token_id, grids.tolist(), self.merge_size)
 
     def _target(self, name: str) -> tuple[str | None, str | int | None]:
         if match := self.TOWER.match(name):

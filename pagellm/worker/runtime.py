@@ -24,3 +24,4 @@ class RuntimeInfo:
     image_token_id: int | None = None  # a vision-language model's image token (its images' rows go there)
     bidirectional_images: bool = False  # ... whose image tokens attend both ways (Gemma 3's)
     encoder_only: bool = False  # an encoder-only embedding model (BERT): each prompt in one step, no prefix cache
+    image_row_width: int = 0  # an image token's precomputed row (Qwen3-VL's: with its DeepStack rows); 0: hidden_size

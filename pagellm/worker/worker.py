@@ -107,7 +107,8 @@ class Worker:
                                    spec_config.method or "",
                                    kv_window(arch, store_dir), arch.labels,
                                    spec_config.num_speculative_tokens if spec_config.method else 0, arch.image_token_id,
-                                   arch.bidirectional_images, arch.encoder is not None)
+                                   arch.bidirectional_images, arch.encoder is not None,
+                                   getattr(self.runner.model, "image_row_width", arch.hidden_size))
         logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens (%s)", model_dir,
                     arch.architecture, self.dtype, time.perf_counter() - start, num_blocks, cache_config.block_size,
                     str(self.kv_dtype).removeprefix("torch."))

@@ -205,3 +205,25 @@ def test_two_tensor_parallel_ranks_give_one_ranks_tokens(model_dir: Path, llm: L
             llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     finally:
         ranks.shutdown()
+
+
+def test_precomputed_image_embeddings_with_their_grids(model_dir: Path, llm: LLM) -> None:
+    """vLLM's ``{"image_embeds": rows, "image_grid_thw": grids}`` under ``enable_mm_embeds``: the tower's own rows
+    (and Qwen3-VL's DeepStack rows) give the images' tokens; rows of another width, or grids that make other counts,
+    are refused by name, and without the flag the embeddings are refused."""
+    processed = llm.input_processor.process_images(PROMPT, _pictures()).inputs
+    rows = llm.engine.core.executor.worker.runner.model.image_rows(processed).float()
+    grids = processed.tensor("image_grid_thw")
+    embeds = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22, enable_mm_embeds=True)
+    given = {"prompt": PROMPT, "multi_modal_data": {"image": {"image_embeds": rows, "image_grid_thw": grids}}}
+    out = embeds.generate(given, GREEDY, use_tqdm=False)[0]
+    direct = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": _pictures()}}, GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == direct.prompt_token_ids and out.outputs[0].token_ids == direct.outputs[0].token_ids
+    with pytest.raises(ValueError, match=rf"a finite float tensor of \[tokens, {rows.shape[1]}\]"):
+        narrow = {"image_embeds": rows[:, :8], "image_grid_thw": grids}
+        embeds.generate({**given, "multi_modal_data": {"image": narrow}}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="2 image grids making 12 image tokens for 18 rows"):
+        other = {"image_embeds": rows, "image_grid_thw": grids[[0, 0]]}  # 6 tokens each
+        embeds.generate({**given, "multi_modal_data": {"image": other}}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="need --enable-mm-embeds"):
+        llm.generate(given, GREEDY, use_tqdm=False)
