@@ -43,10 +43,7 @@ def image_urls(messages: list[dict[str, Any]]) -> list[str]:
         content = message.get("content") if isinstance(message, dict) else None  # the template's checks name these
         for part in content if isinstance(content, list) else []:
             if isinstance(part, dict) and part.get("type") == "image_embeds":
-                if not isinstance(part.get("image_embeds"), str):
-                    raise ValueError(f"messages[{position}].content: an image embeddings part is {{'type': "
-                                     "'image_embeds', 'image_embeds': a base64 torch.save or .npy of a tensor}")
-                urls.append(EmbedsSource(part["image_embeds"]))
+                urls.append(_embeds_source(part.get("image_embeds"), position))
             if isinstance(part, dict) and part.get("type") == "image_url":
                 url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
                 if not isinstance(url, str):
@@ -60,8 +57,24 @@ IMAGE_PARTS = ("image_url", "image_embeds")
 
 
 class EmbedsSource(str):
-    """An ``image_embeds`` part's payload among the image URLs (``images.load`` reads it as a tensor); a client's URL
-    is never one."""
+    """An ``image_embeds`` part's payload among the image URLs (``images.load`` reads it as a tensor, and with a
+    ``grid``, a Qwen-VL image's, as vLLM's ``{"image_embeds", "image_grid_thw"}``); a client's URL is never one."""
+
+    grid: str | None = None
+
+
+def _embeds_source(payload: Any, position: int) -> EmbedsSource:
+    """An ``image_embeds`` part's payload: base64 of one tensor, or a Qwen-VL image's rows and grid."""
+    if isinstance(payload, dict) and set(payload) == {"image_embeds", "image_grid_thw"} and \
+            all(isinstance(value, str) for value in payload.values()):
+        source = EmbedsSource(payload["image_embeds"])
+        source.grid = payload["image_grid_thw"]
+        return source
+    if not isinstance(payload, str):
+        raise ValueError(f"messages[{position}].content: an image embeddings part is {{'type': 'image_embeds', "
+                         "'image_embeds': a base64 torch.save or .npy of a tensor}, or for a Qwen-VL model "
+                         "{'image_embeds': {'image_embeds': base64 rows, 'image_grid_thw': base64 [1, 3] grid}}")
+    return EmbedsSource(payload)
 
 
 def _formatted(message: dict[str, Any], position: int, form: str, image_placeholder: str | None) -> dict[str, Any]:

@@ -45,7 +45,8 @@ def load(url: str, fetched: dict[str, bytes] | None = None) -> Any:
     from pagellm.chat_content import EmbedsSource
 
     if isinstance(url, EmbedsSource):
-        return load_embeds(url)
+        rows = load_embeds(url)
+        return rows if url.grid is None else {"image_embeds": rows, "image_grid_thw": load_embeds(url.grid, grid=True)}
 
     if url.startswith("data:"):
         head, _, payload = url.partition(",")
@@ -66,13 +67,15 @@ def load(url: str, fetched: dict[str, bytes] | None = None) -> Any:
         raise ValueError(f"image {url[:60]!r} is no image PIL can open ({exc}); {_SEND}") from None
 
 
-def load_embeds(payload: str) -> Any:
+def load_embeds(payload: str, grid: bool = False) -> Any:
     """An ``image_embeds`` part's tensor: base64 of a ``torch.save``d tensor (read with ``weights_only``: anything but
-    tensors is refused, never run) or of a ``.npy`` array (no pickles); [rows, hidden], dense, floating, finite."""
+    tensors is refused, never run) or of a ``.npy`` array (no pickles); [rows, hidden], dense, floating, finite; or
+    (``grid``) a Qwen-VL image's ``image_grid_thw``, [images, 3] integers."""
     import numpy as np
     import torch
 
-    why = "image_embeds must be base64 of a torch.save()d tensor or a .npy array of [rows, hidden] floats"
+    why = "image_grid_thw must be base64 of a torch.save()d tensor or a .npy array of [images, 3] integers" if grid \
+        else "image_embeds must be base64 of a torch.save()d tensor or a .npy array of [rows, hidden] floats"
     try:
         data = base64.b64decode(payload, validate=True)
         tensor = torch.from_numpy(np.load(io.BytesIO(data), allow_pickle=False)) if data[:6] == b"\x93NUMPY" \
@@ -80,7 +83,7 @@ def load_embeds(payload: str) -> Any:
     except Exception:  # noqa: BLE001  (base64, numpy and torch raise many kinds for damaged input)
         raise ValueError(why) from None
     if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided or tensor.dim() != 2 \
-            or not tensor.is_floating_point() or not tensor.numel() or not bool(torch.isfinite(tensor).all()):
+            or tensor.is_floating_point() != (not grid) or not tensor.numel() or not bool(torch.isfinite(tensor).all()):
         raise ValueError(f"{why} (finite, at least one row)")
     return tensor.contiguous()
 

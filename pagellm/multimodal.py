@@ -83,6 +83,19 @@ def image_digest(image: Any) -> str:
     return hashlib.sha256(f"{image.mode}:{image.size}:".encode() + image.tobytes()).hexdigest()
 
 
+def _joined(given: list[dict[str, Any]]) -> dict[str, Any]:
+    """Qwen-VL image embeddings given image by image (chat's parts) as one ``{image_embeds, image_grid_thw}``."""
+    if len(given) == 1:
+        return given[0]
+    import torch
+
+    try:
+        return {key: torch.cat([part[key] for part in given]) for key in ("image_embeds", "image_grid_thw")}
+    except (KeyError, TypeError, RuntimeError):
+        raise ValueError("Qwen-VL image embeddings are {image_embeds: [tokens, width], image_grid_thw: [images, 3]} "
+                         "tensors, each image's of one width") from None
+
+
 def is_tensor(value: Any, dims: int | None = None) -> bool:
     """Whether ``value`` is a torch tensor (of ``dims`` dimensions), without importing torch: image embeddings."""
     return type(value).__module__.startswith("torch") and (dims is None or value.dim() == dims)
@@ -127,8 +140,8 @@ class ImageProcessor:
         images = list(images) if isinstance(images, (list, tuple)) or is_tensor(images, 3) else [images]
         if images and all(is_tensor(image, 2) for image in images):
             return self._embeds(text, images, add_special_tokens)
-        if len(images) == 1 and isinstance(images[0], dict):  # Qwen-VL's: rows and their images' grids
-            return self._grid_embeds(text, images[0], add_special_tokens)
+        if images and all(isinstance(image, dict) for image in images):  # Qwen-VL's: rows and their images' grids
+            return self._grid_embeds(text, _joined(images), add_special_tokens)
         if any(map(is_tensor, images)):
             raise ValueError("a prompt takes images or image embeddings ([rows, hidden] tensors), not both")
         if not images:

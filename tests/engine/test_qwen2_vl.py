@@ -13,6 +13,7 @@ checkpoints' configs and both name layouts load the same model."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Callable
@@ -227,3 +228,26 @@ def test_precomputed_image_embeddings_with_their_grids(model_dir: Path, llm: LLM
         embeds.generate({**given, "multi_modal_data": {"image": other}}, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="need --enable-mm-embeds"):
         llm.generate(given, GREEDY, use_tqdm=False)
+
+
+def test_chat_image_embeds_parts_with_their_grids(model_dir: Path, llm: LLM) -> None:
+    """Chat's ``image_embeds`` parts as vLLM takes them for Qwen-VL (``{"image_embeds": base64 rows,
+    "image_grid_thw": base64 grid}``, one part an image) give the reply the images give."""
+    from pagellm.prompt_embeds import save
+
+    processed = llm.input_processor.process_images(PROMPT, _pictures()).inputs
+    rows = llm.engine.core.executor.worker.runner.model.image_rows(processed).float()
+    grids = processed.tensor("image_grid_thw")
+    b64 = lambda tensor: base64.b64encode(save(tensor)).decode()  # noqa: E731
+    parts = [{"type": "image_embeds", "image_embeds": {"image_embeds": b64(rows[a:b]), "image_grid_thw": b64(grid)}}
+             for a, b, grid in ((0, 6, grids[:1]), (6, 18, grids[1:]))]
+    text = {"type": "text", "text": "Compare these."}
+    embeds = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 22, enable_mm_embeds=True)
+    got = embeds.chat([{"role": "user", "content": [text, *parts]}], GREEDY, use_tqdm=False)[0]
+    urls = [{"type": "image_url", "image_url": {"url": data_url(picture)}} for picture in _pictures()]
+    expected = llm.chat([{"role": "user", "content": [text, *urls]}], GREEDY, use_tqdm=False)[0]
+    assert got.prompt_token_ids == expected.prompt_token_ids
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    with pytest.raises(ValueError, match="image_grid_thw must be base64 of a torch.save"):
+        bad = {"type": "image_embeds", "image_embeds": {"image_embeds": b64(rows[:6]), "image_grid_thw": b64(rows)}}
+        embeds.chat([{"role": "user", "content": [text, bad]}], GREEDY, use_tqdm=False)
