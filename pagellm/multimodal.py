@@ -206,8 +206,7 @@ class ImageProcessor:
                 and bool((grids > 0).all())):
             raise ValueError(f"Qwen-VL image embeddings are {{\"image_embeds\": a finite float tensor of [tokens, "
                              f"{width}], \"image_grid_thw\": an integer tensor of [images, 3]}}")
-        merge = int(self.config["vision_config"].get("spatial_merge_size", 2))
-        counts = [int(n) // merge ** 2 for n in grids.prod(-1).tolist()]
+        counts = [int(n) // self._merge ** 2 for n in grids.prod(-1).tolist()]
         pieces = text.split(self.image_token)
         if len(pieces) - 1 != len(counts) or sum(counts) != rows.shape[0]:
             raise ValueError(f"{len(counts)} image grids making {sum(counts)} image tokens for {rows.shape[0]} rows "
@@ -221,6 +220,11 @@ class ImageProcessor:
         items = [(hashlib.sha256(pack(rows[a:b]).data + pack(grid).data).hexdigest(), n)
                  for a, b, grid, n in zip(ends, ends[1:], grids, counts)]
         return ids, inputs_of({"image_embeds": rows.float(), "image_grid_thw": grids.long()}, items)
+
+    @property
+    def _merge(self) -> int:
+        """A Qwen-VL model's patches merged along each side into one image token."""
+        return int(self.config["vision_config"].get("spatial_merge_size", 2))
 
     def _row_width(self) -> int:
         """A Qwen-VL model's image row: its decoder's width, times 1 + Qwen3-VL's DeepStack layers."""
@@ -254,8 +258,7 @@ class ImageProcessor:
             return tiles * int(getattr(self.processor, "image_seq_len", 0))
         architecture = self.config["architectures"][0]
         if architecture in QWEN_VL:  # Qwen2-VL's: one a merged block of 2 x 2 patches
-            merge = int(self.config["vision_config"].get("spatial_merge_size", 2))
-            return int(tensors["image_grid_thw"].prod(-1).sum()) // merge ** 2
+            return int(tensors["image_grid_thw"].prod(-1).sum()) // self._merge ** 2
         if architecture not in LLAVA:  # Gemma 3's: a fixed count a crop
             from pagellm.model.gemma3_mm import tokens_per_image
 

@@ -34,6 +34,7 @@ from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import ArchConfig
 from pagellm.model.hf_config import with_defaults
 from pagellm.model.layers.linear import ReplicatedLinear
+from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import rotate_half
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.vit import act, activation
@@ -42,36 +43,29 @@ if TYPE_CHECKING:
     from pagellm.multimodal import MultiModalInputs
 
 
-class RMSNorm(nn.Module):
-    """Qwen2.5-VL's tower norm: float32 statistics, the weight applied in the input's dtype."""
+class _RMSNorm(RMSNorm):
+    """Qwen2.5-VL's tower norm: the decoder's RMSNorm (its fused pass in bfloat16), without a residual."""
 
-    def __init__(self, width: int, dtype: torch.dtype, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(width, dtype=dtype)), eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        return self.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x)[0]
 
 
 def _norm(width: int, qwen25: bool, dtype: torch.dtype) -> nn.Module:
-    return RMSNorm(width, dtype) if qwen25 else nn.LayerNorm(width, eps=1e-6, dtype=dtype)
+    return _RMSNorm(width, 1e-6, dtype) if qwen25 else nn.LayerNorm(width, eps=1e-6, dtype=dtype)
 
 
 class VisionAttention(nn.Module):
     def __init__(self, width: int, heads: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.heads = heads
-        self.native_attention = False  # through the C++ kernel (``attention/runs.native_attention``)
         self.qkv = ReplicatedLinear(width, 3 * width, dtype, bias=True)
         self.proj = ReplicatedLinear(width, width, dtype, bias=True)
 
-    def forward(self, x: torch.Tensor, bounds: np.ndarray, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``bounds``: the cumulative lengths of the runs of patches that attend to one another."""
+    def forward(self, x: torch.Tensor, runs: Runs, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``runs``: the runs of patches that attend to one another (made once for all the tower's blocks)."""
         q, k, v = self.qkv(x).view(len(x), 3, self.heads, -1).unbind(1)
         q, k = (((t.float() * cos) + rotate_half(t.float()) * sin).to(x.dtype) for t in (q, k))  # in float32
-        native = self.native_attention and kernel_pays(q.dtype, q.shape[-1])
-        return self.proj(Runs(bounds, native).attend(q.contiguous(), k.contiguous(), v.contiguous()))
+        return self.proj(runs.attend(q.contiguous(), k.contiguous(), v.contiguous()))
 
 
 class VisionBlock(nn.Module):
@@ -95,8 +89,8 @@ class VisionBlock(nn.Module):
             self.mlp.fc2 = ReplicatedLinear(inner, width, dtype, bias=True)
             self.kind = activation(cfg.get("hidden_act", "quick_gelu"))
 
-    def forward(self, x: torch.Tensor, bounds: np.ndarray, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), bounds, cos, sin)
+    def forward(self, x: torch.Tensor, runs: Runs, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), runs, cos, sin)
         h, mlp = self.norm2(x), self.mlp
         if self.gated:
             return x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
@@ -117,7 +111,18 @@ class Merger(nn.Module):
         return self.mlp["2"](F.gelu(self.mlp["0"](self.ln_q(x).view(-1, self.inner))))
 
 
-class VisionTower(nn.Module):
+class RunsOnKernel(nn.Module):
+    """A tower whose attention runs through ``attention/runs.Runs``: the C++ kernel where the runner points it
+    there (``native_attention``) and the kernel pays for its heads."""
+
+    native_attention = False
+    head_size = 0
+
+    def runs(self, bounds: np.ndarray, dtype: torch.dtype) -> Runs:
+        return Runs(bounds, self.native_attention and kernel_pays(dtype, self.head_size))
+
+
+class VisionTower(RunsOnKernel):
     """The patch embedding, the blocks and the merger (see the module doc)."""
 
     def __init__(self, vision: dict[str, Any], qwen25: bool, dtype: torch.dtype) -> None:
@@ -132,7 +137,7 @@ class VisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg, qwen25, dtype) for _ in range(int(cfg["depth"])))
         self.merger = Merger(width, int(cfg["out_hidden_size" if qwen25 else "hidden_size"]), self.merge, qwen25,
                              dtype)
-        self.inv_freq = vision_inv_freq(cfg, width)
+        self.inv_freq, self.head_size = vision_inv_freq(cfg, width), width // int(cfg["num_heads"])
 
     @torch.inference_mode()
     def forward(self, pixels: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
@@ -144,8 +149,9 @@ class VisionTower(nn.Module):
         if order is not None:  # Qwen2.5-VL's windows: the patches window by window, merge blocks kept whole
             x, cos, sin = (t.view(len(order), -1, *t.shape[1:])[order].flatten(0, 1) for t in (x, cos, sin))
         full = set(self.config.get("fullatt_block_indexes", ())) if self.qwen25 else None
+        whole_runs, window_runs = self.runs(whole, x.dtype), self.runs(windows, x.dtype)
         for i, block in enumerate(self.blocks):
-            x = block(x, whole if full is None or i in full else windows, cos, sin)
+            x = block(x, whole_runs if full is None or i in full else window_runs, cos, sin)
         rows = self.merger(x)
         return rows if order is None else rows[torch.argsort(order)]
 

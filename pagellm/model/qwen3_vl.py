@@ -21,17 +21,17 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Iterator
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.attention.runs import Runs
 from pagellm.distributed.groups import SINGLE, ParallelState
 from pagellm.model.arch import ArchConfig
 from pagellm.model.hf_config import with_defaults
 from pagellm.model.layers.linear import ReplicatedLinear
 from pagellm.model.llama import _gate_up
-from pagellm.model.qwen2_vl import (Qwen2VLForConditionalGeneration, VisionAttention, rotary_and_frames,
+from pagellm.model.qwen2_vl import (Qwen2VLForConditionalGeneration, RunsOnKernel, VisionAttention, rotary_and_frames,
                                     vision_inv_freq)
 from pagellm.model.vit import act, activation
 
@@ -48,8 +48,8 @@ class Block(nn.Module):
         self.mlp.linear_fc2 = ReplicatedLinear(inner, width, dtype, bias=True)
         self.kind = activation(cfg.get("hidden_act", "gelu_pytorch_tanh"))
 
-    def forward(self, x: torch.Tensor, bounds: np.ndarray, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), bounds, cos, sin)
+    def forward(self, x: torch.Tensor, runs: Runs, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), runs, cos, sin)
         return x + self.mlp.linear_fc2(act(self.mlp.linear_fc1(self.norm2(x)), self.kind))
 
 
@@ -69,7 +69,7 @@ class Merger(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
-class VisionTower(nn.Module):
+class VisionTower(RunsOnKernel):
     def __init__(self, vision: dict[str, Any], dtype: torch.dtype) -> None:
         super().__init__()
         cfg = self.config = with_defaults({"model_type": "qwen3_vl_vision", **(vision.get("vision_config") or {})})
@@ -86,7 +86,7 @@ class VisionTower(nn.Module):
             raise ValueError(f"deepstack_visual_indexes {self.deepstack} name blocks outside the tower's "
                              f"{len(self.blocks)}")
         self.deepstack_merger_list = nn.ModuleList(Merger(width, out, self.merge, True, dtype) for _ in self.deepstack)
-        self.inv_freq = vision_inv_freq(cfg, width)
+        self.inv_freq, self.head_size = vision_inv_freq(cfg, width), width // int(cfg["num_heads"])
 
     @torch.inference_mode()
     def forward(self, pixels: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
@@ -99,9 +99,9 @@ class VisionTower(nn.Module):
             grids, num_grid_per_side=self.side, mode="bilinear", align_corners=True, spatial_merge_size=self.merge)
         x = x + (self.pos_embed(index) * weights[:, :, None]).sum(1).to(x.dtype)
         cos, sin, bounds = rotary_and_frames(grids, self.merge, self.inv_freq)
-        deep = []
+        runs, deep = self.runs(bounds, x.dtype), []
         for i, block in enumerate(self.blocks):
-            x = block(x, bounds, cos, sin)
+            x = block(x, runs, cos, sin)
             if i in self.deepstack:
                 deep.append(self.deepstack_merger_list[self.deepstack.index(i)](x))
         return torch.cat([self.merger(x), *deep], -1)
